@@ -1,0 +1,262 @@
+"""Configuration: ``ModelConfig``, ``PipelineConfig``, ``RunConfig``.
+
+kw_only dataclasses with a docstring per field and checks in ``__post_init__``.
+Model presets (``ModelConfig.preset(name)``): ``tiny`` for tests, ``small`` the
+CPU default (a 2-stage step on a few thousand tokens takes about a second on one
+core per stage), and GPT-2 / LLaMA-like sizes for simulation and GPUs.
+
+The analytic helpers here (layer split, parameter counts, bytes of the
+activation sent between stages) are pure arithmetic so that the memory model,
+cost model and packers can use them without importing torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+__all__ = ["ModelConfig", "PipelineConfig", "RunConfig", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(x: str | int | float) -> int:
+    """``'2GiB'`` -> 2147483648; ``'500MB'``, ``'1.5GiB'`` and plain integers also work."""
+    if isinstance(x, (int, float)):
+        if x <= 0:
+            raise ValueError(f"a memory size must be positive, got {x}")
+        return int(x)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(x))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {x!r}; use e.g. 2GiB, 512MiB, 3e9 or 1500000000")
+    v = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if v <= 0:
+        raise ValueError(f"a memory size must be positive, got {x!r}")
+    return v
+
+
+def format_bytes(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f}{unit}"
+    return f"{int(n)}B"
+
+
+def split_layers(n_layers: int, num_stages: int) -> list[range]:
+    """Contiguous, balanced layer ranges per stage (earlier stages take the remainder)."""
+    if num_stages < 1 or n_layers < num_stages:
+        raise ValueError(f"cannot split {n_layers} layers over {num_stages} stages (need 1 <= stages <= layers)")
+    base, extra = divmod(n_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """A GPT-style pre-LN decoder (see ``dynmb.model``)."""
+
+    name: str = "custom"
+    """Preset name, recorded in results and cost-model files."""
+    vocab_size: int = 8192
+    """Vocabulary size (token ids are synthetic: only lengths matter for systems work)."""
+    d_model: int = 256
+    """Hidden size."""
+    n_layers: int = 4
+    """Number of transformer blocks, split contiguously over the pipeline stages."""
+    n_heads: int = 4
+    """Attention heads; ``d_model`` must divide by it."""
+    d_ff: int = 1024
+    """MLP inner size."""
+    max_seq_len: int = 8192
+    """Largest row length (positions are learned up to this)."""
+    dtype: str = "float32"
+    """Parameter and activation dtype: float32, bfloat16 or float16."""
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ModelConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)}")
+        return replace(MODEL_PRESETS[name], **overrides)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    # --- analytic sizes -----------------------------------------------------
+    def block_params(self) -> int:
+        """Parameters of one block: QKV + out proj (with biases), MLP, two LayerNorms."""
+        d, f = self.d_model, self.d_ff
+        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+
+    def stage_layers(self, num_stages: int) -> list[range]:
+        return split_layers(self.n_layers, num_stages)
+
+    def stage_params(self, stage: int, num_stages: int) -> int:
+        """Parameters held by ``stage``: its blocks, plus embeddings on the first and
+        final norm + LM head on the last (untied)."""
+        n = len(self.stage_layers(num_stages)[stage]) * self.block_params()
+        if stage == 0:
+            n += self.vocab_size * self.d_model + self.max_seq_len * self.d_model
+        if stage == num_stages - 1:
+            n += 2 * self.d_model + self.d_model * self.vocab_size
+        return n
+
+    def param_count(self) -> int:
+        return sum(self.stage_params(s, 1) for s in range(1))
+
+    def message_bytes(self, rows: int, padded_len: int) -> int:
+        """Bytes of the hidden state sent between neighbouring stages for one microbatch."""
+        return rows * padded_len * self.d_model * self.dtype_bytes
+
+    def stage_flops(self, stage: int, num_stages: int, rows: Any, padded_len: Any) -> Any:
+        """Forward FLOPs of ``stage`` on a (rows, padded_len) microbatch (vectorised).
+
+        2 FLOPs per multiply-add in every matmul, plus the s^2 attention terms
+        (QK^T and AV over the full row: masks do not skip work in dense SDPA).
+        """
+        d, f = self.d_model, self.d_ff
+        tokens = rows * padded_len
+        nl = len(self.stage_layers(num_stages)[stage])
+        per_tok_block = 2 * (4 * d * d + 2 * d * f)
+        attn = 2 * 2 * rows * padded_len * padded_len * d
+        fl = nl * (tokens * per_tok_block + attn)
+        if stage == num_stages - 1:
+            fl = fl + tokens * 2 * d * self.vocab_size
+        return fl
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(name="tiny", vocab_size=512, d_model=64, n_layers=4, n_heads=4, d_ff=256, max_seq_len=4096),
+    "small": ModelConfig(name="small", vocab_size=8192, d_model=256, n_layers=4, n_heads=4, d_ff=1024, max_seq_len=8192),
+    "gpt2": ModelConfig(name="gpt2", vocab_size=50304, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_seq_len=8192, dtype="bfloat16"),
+    "gpt2-medium": ModelConfig(name="gpt2-medium", vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, d_ff=4096, max_seq_len=8192, dtype="bfloat16"),
+    "llama-1b": ModelConfig(name="llama-1b", vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, d_ff=5632, max_seq_len=8192, dtype="bfloat16"),
+    "llama-7b": ModelConfig(name="llama-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008, max_seq_len=8192, dtype="bfloat16"),
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class PipelineConfig:
+    """How the model is pipelined."""
+
+    num_stages: int = 2
+    """Pipeline stages (model chunks); with ``virtual`` > 1, ranks = num_stages / virtual."""
+    virtual: int = 1
+    """Model chunks per rank (interleaved 1F1B); 1 otherwise."""
+    schedule: str = "1f1b"
+    """Schedule kind: gpipe, 1f1b, interleaved, memory-aware."""
+    reorder: str = "none"
+    """Microbatch reordering pass applied before building the schedule."""
+    memory_limit_bytes: int = 2 * 2**30
+    """The per-GPU (per-rank) memory limit every stage must stay under."""
+    optimizer: str = "adam"
+    """Optimizer whose states count in memory: adam (2 fp32 states) or sgd (none)."""
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1 or self.virtual < 1 or self.num_stages % self.virtual:
+            raise ValueError(f"num_stages ({self.num_stages}) must be a positive multiple of virtual ({self.virtual})")
+        if self.memory_limit_bytes <= 0:
+            raise ValueError(f"memory_limit_bytes must be positive, got {self.memory_limit_bytes}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; expected adam or sgd")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages // self.virtual
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    """One experiment: data, packing, model, pipeline and how many steps to run."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("small"))
+    """The model."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """The pipeline."""
+    dataset: str = "sharegpt"
+    """Shipped trace name or a path to a length-trace CSV."""
+    global_batch: int = 64
+    """Sequences per global batch (per optimizer step, over all data-parallel replicas)."""
+    method: str = "dynamic"
+    """Packing method: fixed, sorted, packed, token-budget, dynapipe, dynamic."""
+    mbs: int | None = None
+    """Microbatch size for fixed-size methods; None picks the largest that fits."""
+    dp: int = 1
+    """Data-parallel pipelines."""
+    seed: int = 0
+    """Seed for sampling global batches and model init."""
+    steps: int = 3
+    """Measured optimizer steps."""
+    warmup: int = 1
+    """Unmeasured warm-up steps before them."""
+    lr: float = 1e-3
+    """Learning rate."""
+    backend: str = "gloo"
+    """torch.distributed backend: gloo or nccl."""
+    device: str = "cpu"
+    """cpu or cuda."""
+    cost_model: str | None = None
+    """Path to a fitted cost model JSON; None uses the analytic stand-in."""
+    timeout_s: float = 120.0
+    """Process-group and P2P timeout: a stuck run fails instead of hanging."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1, got {self.dp}")
+        if self.mbs is not None and self.mbs < 1:
+            raise ValueError(f"mbs must be >= 1, got {self.mbs}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown backend {self.backend!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        d = dict(d)
+        d["model"] = ModelConfig.from_dict(d.get("model", {}))
+        d["pipeline"] = PipelineConfig(**d.get("pipeline", {}))
+        return cls(**d)
+
+    def flat(self) -> dict[str, Any]:
+        """Flattened ``{'model.d_model': 256, ...}`` for the ``runs`` table."""
+        out: dict[str, Any] = {}
+        for k, v in self.to_dict().items():
+            if isinstance(v, dict):
+                out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+            else:
+                out[k] = v
+        return out

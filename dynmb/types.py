@@ -1,0 +1,381 @@
+"""Core frozen types shared by every part of dynmb: Microbatch, Plan, Action, Schedule.
+
+numpy only. A *global batch* is an ``np.ndarray[int64]`` of sequence lengths; a
+sequence is identified by its index in that array.
+
+- ``Microbatch``: the sequences it holds, the row each sits in, and the shape it
+  runs at (``batch`` rows x ``padded_len`` columns). One sequence per row is the
+  usual case; the ``packed`` method puts several documents in one row.
+- ``Plan``: microbatches in execution order plus the method, memory limit and the
+  planner's predictions. Invariant (``Plan.validate``): every sequence of the
+  global batch appears exactly once (or is listed in ``meta['dropped']`` /
+  ``meta['truncated']`` by an explicit policy).
+- ``Action``: ``(stage, op, mb)`` printed ``2F7`` like torch.distributed.pipelining's
+  ``_Action`` (``F`` forward, ``B`` full backward, ``W`` split weight-gradient).
+- ``Schedule``: one tuple of Actions per rank; the single schedule IR.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["Microbatch", "Plan", "Action", "Schedule", "OPS", "PlanError"]
+
+OPS = ("F", "B", "W")
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant (a sequence missing or repeated, bad shapes)."""
+
+
+def _as_i64(x: Iterable[int]) -> np.ndarray:
+    a = np.asarray(x, dtype=np.int64).reshape(-1)
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class Microbatch:
+    """One microbatch: ``batch`` rows of ``padded_len`` tokens.
+
+    ``seq_ids[k]`` (index into the global batch) has length ``lengths[k]`` and sits
+    in row ``row_ids[k]``; sequences sharing a row are concatenated in the order
+    given (document-causal masking keeps them apart). ``row_ids`` defaults to one
+    sequence per row, in order.
+    """
+
+    seq_ids: np.ndarray
+    lengths: np.ndarray
+    padded_len: int
+    batch: int
+    row_ids: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seq_ids", _as_i64(self.seq_ids))
+        object.__setattr__(self, "lengths", _as_i64(self.lengths))
+        object.__setattr__(self, "padded_len", int(self.padded_len))
+        object.__setattr__(self, "batch", int(self.batch))
+        n = len(self.seq_ids)
+        rows = np.arange(n, dtype=np.int64) if self.row_ids is None else self.row_ids
+        object.__setattr__(self, "row_ids", _as_i64(rows))
+        if len(self.lengths) != n or len(self.row_ids) != n:
+            raise PlanError(f"microbatch: seq_ids ({n}), lengths ({len(self.lengths)}) and row_ids ({len(self.row_ids)}) differ in size")
+        if n == 0:
+            raise PlanError("microbatch holds no sequence")
+        if self.batch < 1 or self.padded_len < 1:
+            raise PlanError(f"microbatch shape must be positive, got batch={self.batch} padded_len={self.padded_len}")
+        if np.any(self.lengths < 1):
+            raise PlanError(f"microbatch has non-positive lengths: {self.lengths[self.lengths < 1].tolist()}")
+        if self.row_ids.min() < 0 or self.row_ids.max() >= self.batch:
+            raise PlanError(f"row_ids out of range [0, {self.batch}): {self.row_ids.tolist()}")
+        per_row = np.bincount(self.row_ids, weights=self.lengths, minlength=self.batch)
+        if per_row.max() > self.padded_len:
+            r = int(per_row.argmax())
+            raise PlanError(f"row {r} holds {int(per_row[r])} tokens > padded_len {self.padded_len}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.batch * self.padded_len
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.computed_tokens
+
+    @property
+    def is_packed(self) -> bool:
+        """True when some row holds more than one sequence."""
+        return len(np.unique(self.row_ids)) < self.num_seqs
+
+    def rows(self) -> list[np.ndarray]:
+        """Positions (into ``seq_ids``) of the sequences in each row, in order."""
+        return [np.flatnonzero(self.row_ids == r) for r in range(self.batch)]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "seq_ids": self.seq_ids.tolist(),
+            "lengths": self.lengths.tolist(),
+            "padded_len": self.padded_len,
+            "batch": self.batch,
+        }
+        if not np.array_equal(self.row_ids, np.arange(self.num_seqs)):
+            d["row_ids"] = self.row_ids.tolist()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Microbatch":
+        return cls(
+            seq_ids=d["seq_ids"],
+            lengths=d["lengths"],
+            padded_len=d["padded_len"],
+            batch=d["batch"],
+            row_ids=d.get("row_ids"),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Microbatches of one global batch, in execution order.
+
+    ``replica_ids[i]`` is the data-parallel pipeline that runs microbatch ``i``
+    (all zero without data parallelism). ``predictions`` holds what the planner
+    predicted (``pred_step_s``, ``pred_peak_bytes`` per stage, ``plan_s``);
+    ``meta`` holds settings (``mbs``, ``dataset``, ``seed``, ``dropped``,
+    ``truncated``, ...).
+    """
+
+    microbatches: tuple[Microbatch, ...]
+    method: str
+    num_stages: int
+    memory_limit_bytes: int
+    num_sequences: int
+    schedule_kind: str = "1f1b"
+    dp: int = 1
+    replica_ids: tuple[int, ...] | None = None
+    predictions: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "microbatches", tuple(self.microbatches))
+        if self.replica_ids is None:
+            object.__setattr__(self, "replica_ids", (0,) * len(self.microbatches))
+        object.__setattr__(self, "replica_ids", tuple(int(r) for r in self.replica_ids))
+        if len(self.replica_ids) != len(self.microbatches):
+            raise PlanError("replica_ids and microbatches differ in length")
+        if self.num_stages < 1 or self.dp < 1:
+            raise PlanError(f"num_stages and dp must be >= 1, got {self.num_stages}, {self.dp}")
+
+    # --- derived quantities -------------------------------------------------
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(mb.real_tokens for mb in self.microbatches)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(mb.computed_tokens for mb in self.microbatches)
+
+    @property
+    def padding_fraction(self) -> float:
+        c = self.computed_tokens
+        return 1.0 - self.real_tokens / c if c else 0.0
+
+    def shapes(self) -> np.ndarray:
+        """``(num_microbatches, 2)`` int64 array of (batch, padded_len)."""
+        return np.array([[mb.batch, mb.padded_len] for mb in self.microbatches], dtype=np.int64).reshape(-1, 2)
+
+    def replica(self, r: int) -> "Plan":
+        """The sub-plan data-parallel pipeline ``r`` runs (microbatches renumbered from 0)."""
+        mbs = tuple(mb for mb, rid in zip(self.microbatches, self.replica_ids) if rid == r)
+        return Plan(
+            microbatches=mbs, method=self.method, num_stages=self.num_stages,
+            memory_limit_bytes=self.memory_limit_bytes, num_sequences=self.num_sequences,
+            schedule_kind=self.schedule_kind, dp=1, predictions=dict(self.predictions),
+            meta={**self.meta, "replica": r, "dp": self.dp},
+        )
+
+    def with_order(self, order: Sequence[int], **meta: Any) -> "Plan":
+        """The same plan with microbatches permuted: new position i runs old ``order[i]``."""
+        order = [int(i) for i in order]
+        if sorted(order) != list(range(self.num_microbatches)):
+            raise PlanError(f"order is not a permutation of 0..{self.num_microbatches - 1}: {order}")
+        return Plan(
+            microbatches=tuple(self.microbatches[i] for i in order), method=self.method,
+            num_stages=self.num_stages, memory_limit_bytes=self.memory_limit_bytes,
+            num_sequences=self.num_sequences, schedule_kind=self.schedule_kind, dp=self.dp,
+            replica_ids=tuple(self.replica_ids[i] for i in order),
+            predictions=dict(self.predictions), meta={**self.meta, **meta},
+        )
+
+    # --- invariants ---------------------------------------------------------
+    def validate(self, lengths: np.ndarray | None = None) -> None:
+        """Raise ``PlanError`` unless every sequence appears exactly once.
+
+        Sequences listed in ``meta['dropped']`` must be absent; those in
+        ``meta['truncated']`` may appear with a shorter length. With ``lengths``
+        (the global batch) each sequence's length is checked too.
+        """
+        if not self.microbatches:
+            raise PlanError("plan has no microbatch")
+        ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
+        dropped = np.asarray(self.meta.get("dropped", []), dtype=np.int64)
+        counts = np.bincount(np.concatenate([ids, dropped]), minlength=self.num_sequences)
+        if len(counts) > self.num_sequences:
+            bad = np.flatnonzero(np.arange(len(counts)) >= self.num_sequences)
+            raise PlanError(f"sequence ids beyond the global batch of {self.num_sequences}: {bad[:10].tolist()}")
+        if np.any(counts != 1):
+            missing = np.flatnonzero(counts == 0)
+            repeated = np.flatnonzero(counts > 1)
+            raise PlanError(
+                f"every sequence must appear exactly once: missing {missing[:10].tolist()}"
+                f"{'...' if len(missing) > 10 else ''} ({len(missing)}), repeated {repeated[:10].tolist()} ({len(repeated)})"
+            )
+        if lengths is not None:
+            lengths = np.asarray(lengths, dtype=np.int64)
+            got = np.concatenate([mb.lengths for mb in self.microbatches])
+            want = lengths[ids]
+            truncated = set(int(i) for i in self.meta.get("truncated", []))
+            bad = [int(i) for i, g, w in zip(ids, got, want) if g != w and not (int(i) in truncated and g < w)]
+            if bad:
+                raise PlanError(f"sequences {bad[:10]} have lengths that differ from the global batch")
+        if self.dp > 1:
+            per = np.bincount(np.asarray(self.replica_ids), minlength=self.dp)
+            if len(per) != self.dp or np.any(per != per[0]):
+                raise PlanError(f"data-parallel replicas must run the same number of microbatches, got {per.tolist()}")
+
+    # --- I/O ----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "num_stages": self.num_stages,
+            "memory_limit_bytes": int(self.memory_limit_bytes),
+            "num_sequences": int(self.num_sequences),
+            "schedule_kind": self.schedule_kind,
+            "dp": self.dp,
+            "replica_ids": list(self.replica_ids),
+            "predictions": _jsonable(self.predictions),
+            "meta": _jsonable(self.meta),
+            "microbatches": [mb.to_dict() for mb in self.microbatches],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        for k in ("method", "num_stages", "memory_limit_bytes", "microbatches"):
+            if k not in d:
+                raise PlanError(f"plan JSON lacks the field {k!r}")
+        mbs = tuple(Microbatch.from_dict(m) for m in d["microbatches"])
+        n = d.get("num_sequences")
+        if n is None:
+            n = int(max(int(m.seq_ids.max()) for m in mbs) + 1)
+        return cls(
+            microbatches=mbs, method=d["method"], num_stages=int(d["num_stages"]),
+            memory_limit_bytes=int(d["memory_limit_bytes"]), num_sequences=int(n),
+            schedule_kind=d.get("schedule_kind", "1f1b"), dp=int(d.get("dp", 1)),
+            replica_ids=d.get("replica_ids"), predictions=d.get("predictions", {}), meta=d.get("meta", {}),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, s: str) -> "Plan":
+        return cls.from_dict(json.loads(s))
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(p)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())
+
+    def digest(self) -> str:
+        """sha256 of what the runtime executes (shapes, sequences, order, replicas)."""
+        h = hashlib.sha256()
+        for mb, r in zip(self.microbatches, self.replica_ids):
+            h.update(np.array([r, mb.batch, mb.padded_len], dtype=np.int64).tobytes())
+            h.update(mb.seq_ids.tobytes())
+            h.update(mb.lengths.tobytes())
+            h.update(mb.row_ids.tobytes())
+        return h.hexdigest()
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+_ACTION_RE = re.compile(r"^\s*(\d+)([FBW])(\d+)\s*$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """``(stage, op, mb)``; ``str(Action(2, 'F', 7)) == '2F7'`` as torch prints ``_Action``."""
+
+    stage: int
+    op: str
+    mb: int
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}; expected one of {OPS}")
+        if self.stage < 0 or self.mb < 0:
+            raise ValueError(f"stage and mb must be >= 0, got {self.stage}, {self.mb}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op}{self.mb}"
+
+    __repr__ = __str__
+
+    @classmethod
+    def parse(cls, s: str) -> "Action":
+        m = _ACTION_RE.match(s)
+        if not m:
+            raise ValueError(f"malformed action {s!r}; expected e.g. '2F7' (stage, F/B/W, microbatch)")
+        return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """One ordered tuple of Actions per rank.
+
+    Stage ``s`` lives on the rank whose list holds its actions; the builders use
+    torch's loop placement (stage ``s`` on rank ``s % num_ranks``) for
+    interleaved schedules. ``kind`` names the builder (``gpipe``, ``1f1b``, ...).
+    """
+
+    ranks: tuple[tuple[Action, ...], ...]
+    num_stages: int
+    num_microbatches: int
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(tuple(r) for r in self.ranks))
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def stage_to_rank(self) -> dict[int, int]:
+        """Map stage -> rank, read off the actions."""
+        out: dict[int, int] = {}
+        for r, acts in enumerate(self.ranks):
+            for a in acts:
+                out.setdefault(a.stage, r)
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schedule) and self.ranks == other.ranks and self.num_stages == other.num_stages
+
+    def __hash__(self) -> int:
+        return hash(self.ranks)
+
+    def __str__(self) -> str:
+        return "\n".join(f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.ranks))
