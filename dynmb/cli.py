@@ -52,15 +52,132 @@ def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
 # --------------------------------------------------------------------------
 # verbs — each _cmd_X(args) -> exit code
 # --------------------------------------------------------------------------
-_cmd_datasets = _not_yet("datasets")
-_cmd_lengths = _not_yet("lengths")
-_cmd_plan = _not_yet("plan")
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from dynmb.data import data_dir, datasets_table
+    df = datasets_table()
+    if df.empty:
+        raise ValueError(f"no shipped length traces in {data_dir()} (set DYNMB_DATA_DIR?)")
+    if args.json:
+        print(json.dumps(df.to_dict(orient="records")))
+    else:
+        print(df.to_string(index=False, formatters={c: "{:.1f}".format for c in ("mean", "median", "p90", "p99")}))
+    return 0
+
+
+def _cmd_lengths(args: argparse.Namespace) -> int:
+    from dynmb.data import build_trace, save_trace, trace_stats
+    lengths = build_trace(args.corpus, args.field, args.tokenizer, join=args.join, txt_split=args.txt_split,
+                          normalize=args.normalize, skip_empty=args.skip_empty, progress=not args.no_progress)
+    path = save_trace(lengths, args.output)
+    st = trace_stats(lengths)
+    print(f"wrote {path}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()))
+    return 0
+
+
+def _load_batch(args: argparse.Namespace, step: int = 0):
+    """The global batch selected by --dataset/--lengths, --global-batch, --seed."""
+    from .data import load_trace, sample_batch
+
+    if args.dataset is None and args.lengths is None:
+        args.dataset = "sharegpt"
+    trace = load_trace(args.lengths if args.lengths is not None else args.dataset)
+    return sample_batch(trace, args.global_batch, args.seed, step=step)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .config import ModelConfig, parse_bytes
+    from .costmodel import get_cost_model
+    from .memory import get_memory_model
+    from .planner import plan_step
+
+    cfg = ModelConfig.preset(args.model)
+    batch = _load_batch(args, args.step)
+    plan, _, sim = plan_step(
+        batch, method=args.method, model_cfg=cfg, num_stages=args.stages,
+        memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule_kind,
+        mbs=args.mbs, dp=args.dp, oversize=args.oversize,
+        cost_model=get_cost_model(args.cost_model, cfg, args.stages),
+        memory_model=get_memory_model(args.memory_model, cfg, args.stages),
+        meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step, "model": args.model},
+    )
+    if args.output:
+        plan.save(args.output)
+    summary = {
+        "method": plan.method, "num_sequences": plan.num_sequences, "num_microbatches": plan.num_microbatches,
+        "real_tokens": plan.real_tokens, "computed_tokens": plan.computed_tokens,
+        "padding_fraction": round(plan.padding_fraction, 6),
+        "memory_limit_bytes": plan.memory_limit_bytes,
+        "pred_peak_bytes": plan.predictions["pred_peak_bytes"],
+        "pred_step_s": plan.predictions["pred_step_s"], "mean_bubble": plan.predictions["mean_bubble"],
+        "plan_s": plan.predictions["plan_s"], "mbs": plan.meta.get("mbs"),
+        "dropped": len(plan.meta.get("dropped", [])), "truncated": len(plan.meta.get("truncated", [])),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for k, v in summary.items():
+            print(f"{k:>20}: {v}")
+        if args.output:
+            print(f"{'plan':>20}: {args.output}")
+    return 0
 _cmd_schedule = _not_yet("schedule")
 _cmd_simulate = _not_yet("simulate")
 _cmd_memory = _not_yet("memory")
-_cmd_profile = _not_yet("profile")
-_cmd_fit = _not_yet("fit")
-_cmd_run = _not_yet("run")
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from dynmb.config import ModelConfig
+    from dynmb.profile import profile
+    cfg = ModelConfig.preset(args.model)
+    df = profile(cfg, args.stages, quick=args.quick, max_len=args.max_len, repeats=args.repeats, warmup=args.warmup,
+                 device=args.device, threads=args.threads, output=args.output, comm=args.comm)
+    fb = df[df["op"].isin(["F", "B"])]
+    med = fb.groupby(["stage", "op"])["time_s"].agg(["size", "median", "max"])
+    print(f"wrote {args.output}: {len(df)} samples ({len(fb.groupby(['stage', 'rows', 'padded_len', 'packed']))} stage x points)")
+    print(med.to_string())
+    return 0
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from dynmb.config import ModelConfig
+    from dynmb.costmodel import fit_cost_model, kfold_error, noise_floor
+    from dynmb.profile import load_samples
+    cfg = ModelConfig.preset(args.model)
+    df = load_samples(args.samples)
+    for col, want in (("model", cfg.name), ("num_stages", args.stages)):
+        got = set(df[col].dropna().unique()) if col in df else set()
+        if got - {want}:
+            raise ValueError(f"samples were measured for {col}={sorted(got)}, not {want}; pass --model/--stages to match")
+    model = fit_cost_model(df, cfg, args.stages, kind=args.kind, folds=args.folds)
+    err = kfold_error(df, args.kind, args.folds, model_cfg=cfg, num_stages=args.stages)
+    tab = err.merge(noise_floor(df), on=["stage", "op"], how="left")
+    tab["mape/noise"] = tab["mape"] / tab["noise"]
+    print(f"{args.kind} cost model, {args.folds}-fold held-out error over points (vs point medians); "
+          f"noise = median |t_r - median| / median over repeats")
+    print(tab.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+    if hasattr(model, "coefficients"):
+        print("coefficients: t = c0 + c1_tok*b*s + c2_tok_len*b*s^2 + c3_row*b  (seconds; b rows, s padded_len)")
+        print(model.coefficients().to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print(f"comm: {model.comm}")
+    model.save(args.output)
+    print(f"wrote {args.output}")
+    if args.plot:
+        from dynmb.plots import cost_fit
+        cost_fit(df, model, args.plot, errors=tab)
+        print(f"wrote {args.plot}")
+    return 0
+def _cmd_run(args: argparse.Namespace) -> int:
+    from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+    from dynmb.runtime.launch import default_backend_device, launch
+
+    backend, device = default_backend_device()
+    kind = args.schedule if args.schedule != "1f1b" else args.schedule_kind
+    cfg = RunConfig(
+        model=ModelConfig.preset(args.model),
+        pipeline=PipelineConfig(num_stages=args.stages, virtual=args.virtual, schedule=kind, reorder=args.reorder,
+                                memory_limit_bytes=parse_bytes(args.memory_limit)),
+        dataset=args.lengths or args.dataset or "sharegpt", global_batch=args.global_batch, method=args.method,
+        mbs=args.mbs, dp=args.dp, seed=args.seed, steps=args.steps, warmup=args.warmup,
+        backend=args.backend or backend, device=args.device or device, cost_model=args.cost_model,
+        timeout_s=args.timeout)
+    return launch(cfg, args.out, args.nproc, verify=args.verify, memory_model=args.memory_model,
+                  oversize=args.oversize, allow_over_limit=getattr(args, "allow_over_limit", False))
 _cmd_compare = _not_yet("compare")
 
 
@@ -73,12 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=lambda a: _cmd_datasets(a))
 
     p = sub.add_parser("lengths", help="build a length trace (token counts) from a jsonl/json/txt corpus")
-    p.add_argument("corpus", help="path to a .jsonl, .json, .txt (or .gz of them) corpus")
+    p.add_argument("corpus", nargs="+", help="path(s) to .jsonl, .json (a list of records), .txt (or .gz of them) corpora; several are read in order into one trace")
     p.add_argument("--field", action="append", default=None,
                    help="record field(s) to tokenize and concatenate; dotted paths like conversations.0.value; repeat for several (txt: ignored)")
     p.add_argument("--tokenizer", default="gpt2", help="gpt2 (offline BPE), a Hugging Face tokenizer name or tokenizer.json path (default gpt2)")
     p.add_argument("--txt-split", default="line", choices=["line", "article", "blank"],
                    help="txt corpora: one record per line, per top-level `= Title =` article, or per blank-line paragraph")
+    p.add_argument("--join", default="\n", help="separator between the --field values of a record (default newline; '' concatenates)")
+    p.add_argument("--normalize", default="none", choices=["none", "space", "wikitext"],
+                   help="text clean-up before tokenizing: none (default), space (collapse whitespace), wikitext (also undo ' @-@ ', ' @,@ ', ' @.@ ')")
+    p.add_argument("--skip-empty", action="store_true", help="skip (and report) records of 0 tokens instead of failing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("-o", "--output", required=True, help="output CSV path")
     p.set_defaults(func=lambda a: _cmd_lengths(a))
 

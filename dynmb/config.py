@@ -154,7 +154,7 @@ class ModelConfig:
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(name="tiny", vocab_size=512, d_model=64, n_layers=4, n_heads=4, d_ff=256, max_seq_len=4096),
-    "small": ModelConfig(name="small", vocab_size=8192, d_model=256, n_layers=4, n_heads=4, d_ff=1024, max_seq_len=8192),
+    "small": ModelConfig(name="small", vocab_size=2048, d_model=256, n_layers=4, n_heads=4, d_ff=1024, max_seq_len=8192),
     "gpt2": ModelConfig(name="gpt2", vocab_size=50304, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_seq_len=8192, dtype="bfloat16"),
     "gpt2-medium": ModelConfig(name="gpt2-medium", vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, d_ff=4096, max_seq_len=8192, dtype="bfloat16"),
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, d_ff=5632, max_seq_len=8192, dtype="bfloat16"),

@@ -1,0 +1,116 @@
+"""One planning step: pack a global batch, order it, build and validate the schedule, simulate.
+
+``plan_step`` is what ``dynmb plan``, ``dynmb run`` (on every rank, deterministically)
+and ``dynmb compare`` call, so the plan that is simulated is the plan that runs:
+
+    lengths --pack--> Plan --reorder--> Plan --build_schedule--> Schedule --simulate--> SimResult
+
+The plan's ``predictions`` are filled from the simulator (``pred_step_s``,
+``pred_peak_bytes`` per stage, ``mean_bubble``) and the wall time of packing +
+reordering + scheduling (``plan_s``). With data parallelism each replica's
+schedule is the same shape (same microbatch count); the step's predicted time is
+the slowest replica's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig
+from .types import Plan, Schedule
+
+__all__ = ["plan_step", "make_schedule"]
+
+
+def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any = None) -> Schedule:
+    """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``)."""
+    from .schedule import build_schedule, validate
+
+    m = plan.num_microbatches
+    kw: dict[str, Any] = {}
+    if kind == "memory-aware":
+        if memory_model is None:
+            raise ValueError("the memory-aware schedule needs a memory model")
+        shapes = plan.shapes()
+        kw["act_bytes"] = np.stack([memory_model.activation_bytes(s, shapes[:, 0], shapes[:, 1])
+                                    for s in range(plan.num_stages)])
+        kw["state_bytes"] = memory_model.state_bytes
+        kw["limit_bytes"] = plan.memory_limit_bytes
+    sched = build_schedule(kind, plan.num_stages, m, virtual=virtual, **kw)
+    validate(sched)
+    return sched
+
+
+def plan_step(
+    lengths: np.ndarray,
+    *,
+    method: str,
+    model_cfg: ModelConfig,
+    num_stages: int,
+    memory_limit_bytes: int,
+    schedule_kind: str = "1f1b",
+    reorder: str = "none",
+    mbs: int | None = None,
+    dp: int = 1,
+    virtual: int = 1,
+    cost_model: Any = None,
+    memory_model: Any = None,
+    oversize: str = "error",
+    meta: dict[str, Any] | None = None,
+) -> tuple[Plan, Schedule, Any]:
+    """Pack, reorder, schedule and simulate one global batch.
+
+    Returns ``(plan, schedule, sim)``; for ``dp > 1`` the schedule and simulation
+    are replica 0's and the plan's predictions hold the slowest replica's time.
+    ``cost_model``/``memory_model`` default to the analytic stand-ins.
+    """
+    from .costmodel import get_cost_model
+    from .memory import get_memory_model
+    from .packing import pack
+    from .simulate import simulate
+
+    cost_model = cost_model or get_cost_model(None, model_cfg, num_stages)
+    memory_model = memory_model or get_memory_model(None, model_cfg, num_stages)
+    t0 = time.perf_counter()
+    plan = pack(np.asarray(lengths, dtype=np.int64), method, num_stages=num_stages,
+                memory_limit_bytes=memory_limit_bytes, memory_model=memory_model, cost_model=cost_model,
+                mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize=oversize)
+    replicas = [plan] if dp == 1 else [plan.replica(r) for r in range(dp)]
+    if reorder != "none":
+        from .schedule.reorder import reorder as _reorder
+
+        replicas = [_reorder(p, reorder, cost_model=cost_model, memory_model=memory_model,
+                             schedule_kind=schedule_kind, virtual=virtual) for p in replicas]
+    scheds = [make_schedule(p, schedule_kind, virtual=virtual, memory_model=memory_model) for p in replicas]
+    plan_s = time.perf_counter() - t0
+    sims = [simulate(s, p, cost_model, memory_model) for s, p in zip(scheds, replicas)]
+    if dp > 1:
+        # stitch the (possibly reordered) replicas back into one plan, replica-major
+        mbs_all, rids = [], []
+        for r, p in enumerate(replicas):
+            mbs_all.extend(p.microbatches)
+            rids.extend([r] * p.num_microbatches)
+        plan = Plan(microbatches=tuple(mbs_all), method=plan.method, num_stages=plan.num_stages,
+                    memory_limit_bytes=plan.memory_limit_bytes, num_sequences=plan.num_sequences,
+                    schedule_kind=schedule_kind, dp=dp, replica_ids=tuple(rids),
+                    predictions=dict(plan.predictions), meta=dict(plan.meta))
+    else:
+        plan = replicas[0]
+    worst = max(range(len(sims)), key=lambda i: sims[i].makespan_s)
+    peaks = np.max([np.asarray(s.peak_bytes) for s in sims if s.peak_bytes is not None], axis=0) \
+        if sims[0].peak_bytes is not None else np.asarray(plan.predictions.get("pred_peak_bytes", []))
+    preds = {
+        **plan.predictions,
+        "pred_step_s": float(sims[worst].makespan_s),
+        "pred_peak_bytes": [int(x) for x in peaks],
+        "mean_bubble": float(sims[worst].mean_bubble),
+        "plan_s": plan_s,
+    }
+    plan = Plan(microbatches=plan.microbatches, method=plan.method, num_stages=plan.num_stages,
+                memory_limit_bytes=plan.memory_limit_bytes, num_sequences=plan.num_sequences,
+                schedule_kind=schedule_kind, dp=plan.dp, replica_ids=plan.replica_ids,
+                predictions=preds, meta={**plan.meta, "reorder": reorder, "virtual": virtual, **(meta or {})})
+    return plan, scheds[0], sims[0]

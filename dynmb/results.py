@@ -1,0 +1,161 @@
+"""Tidy results tables: schemas, atomic writers (CSV always, Parquet when pyarrow is there), loaders.
+
+One row per observation, the columns of DESIGN.md ("Results tables"):
+
+- ``steps``:   run_id, method, dataset, step, step_s, pred_step_s, real_tokens, computed_tokens, tokens_per_s, num_microbatches, ...
+- ``actions``: run_id, step, rank, stage, op, mb, batch, padded_len, start_s, end_s, pred_s, ...
+- ``memory``:  run_id, step, stage, peak_bytes, limit_bytes, ...
+- ``runs``:    run_id, flattened config, git sha, torch version, backend, device, world size, date.
+
+``TableWriter.append`` rewrites the whole CSV through a temporary file and
+``os.replace`` after every call, so a crash keeps every finished step and a
+reader never sees half a file. Settings live in columns, never in folder names.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+__all__ = ["TABLES", "REQUIRED_COLUMNS", "TableWriter", "load_results", "run_info", "git_sha", "write_table"]
+
+TABLES = ("steps", "actions", "memory", "runs")
+
+REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "steps": ("run_id", "method", "dataset", "step", "step_s", "pred_step_s", "real_tokens",
+              "computed_tokens", "tokens_per_s", "num_microbatches"),
+    "actions": ("run_id", "step", "rank", "stage", "op", "mb", "batch", "padded_len", "start_s", "end_s", "pred_s"),
+    "memory": ("run_id", "step", "stage", "peak_bytes", "limit_bytes"),
+    "runs": ("run_id", "git_sha", "torch_version", "backend", "device", "world_size", "date"),
+}
+
+
+def _atomic_write_csv(df: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def write_table(df: pd.DataFrame, path: str | Path, *, parquet: bool = True) -> None:
+    """Write ``df`` atomically to ``path`` (CSV) and, with pyarrow, next to it as ``.parquet``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_csv(df, path)
+    if parquet:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            return
+        pq = path.with_suffix(".parquet")
+        tmp = pq.with_name(f".{pq.name}.{os.getpid()}.tmp")
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, pq)
+
+
+class TableWriter:
+    """Accumulates rows per table and rewrites ``out_dir/<table>.csv`` atomically on each append.
+
+    Appends to tables already in ``out_dir`` (a resumed run keeps earlier rows).
+    ``close()`` also writes Parquet copies when pyarrow is installed.
+    """
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._frames: dict[str, pd.DataFrame] = {}
+
+    def _current(self, table: str) -> pd.DataFrame:
+        if table not in self._frames:
+            p = self.out_dir / f"{table}.csv"
+            self._frames[table] = pd.read_csv(p) if p.exists() and p.stat().st_size > 0 else pd.DataFrame()
+        return self._frames[table]
+
+    def append(self, table: str, rows: Iterable[dict[str, Any]] | pd.DataFrame) -> None:
+        new = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+        if new.empty:
+            return
+        missing = [c for c in REQUIRED_COLUMNS.get(table, ()) if c not in new.columns]
+        if missing:
+            raise ValueError(f"rows for table {table!r} lack the columns {missing}")
+        cur = self._current(table)
+        df = new if cur.empty else pd.concat([cur, new], ignore_index=True)
+        self._frames[table] = df
+        _atomic_write_csv(df, self.out_dir / f"{table}.csv")
+
+    def close(self) -> None:
+        for table, df in self._frames.items():
+            if not df.empty:
+                write_table(df, self.out_dir / f"{table}.csv")
+
+    def __enter__(self) -> "TableWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_results(out_dir: str | Path, tables: Iterable[str] = TABLES) -> dict[str, pd.DataFrame]:
+    """Load the tables of one results folder (or of every run folder below it, concatenated).
+
+    Parquet is preferred when present and not older than the CSV.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.exists():
+        raise FileNotFoundError(f"no results folder {out_dir}")
+    out: dict[str, pd.DataFrame] = {}
+    for t in tables:
+        frames = []
+        for csv in sorted(out_dir.rglob(f"{t}.csv")):
+            pq = csv.with_suffix(".parquet")
+            if pq.exists() and pq.stat().st_mtime >= csv.stat().st_mtime:
+                try:
+                    frames.append(pd.read_parquet(pq))
+                    continue
+                except ImportError:
+                    pass
+            if csv.stat().st_size > 0:
+                frames.append(pd.read_csv(csv))
+        out[t] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return out
+
+
+def git_sha(cwd: str | Path | None = None) -> str:
+    """The checkout's commit (with ``-dirty`` when modified), or ``unknown`` outside git."""
+    cwd = cwd or Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: str, world_size: int) -> dict[str, Any]:
+    """One ``runs`` row: the flattened config plus provenance."""
+    import platform
+
+    try:
+        import torch
+
+        tv = torch.__version__
+    except ImportError:  # pragma: no cover - torch is a dependency
+        tv = "none"
+    return {
+        "run_id": run_id,
+        **{f"cfg.{k}" if k in ("backend", "device") else k: v for k, v in config_flat.items()},
+        "git_sha": git_sha(),
+        "torch_version": tv,
+        "backend": backend,
+        "device": device,
+        "world_size": int(world_size),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
