@@ -1,0 +1,348 @@
+"""The torch workload: a GPT-style decoder split into pipeline stage modules.
+
+Model: token embedding + learned position embedding (first stage), then pre-LN
+blocks ``x + attn(LN(x))``, ``x + mlp(LN(x))`` with causal self-attention through
+``torch.nn.functional.scaled_dot_product_attention`` and a GELU MLP, then a final
+LayerNorm, an untied LM head and the loss (last stage). ``GPT`` is the whole model
+as one stage; ``GPTStage(cfg, s, P)`` holds the blocks ``cfg.stage_layers(P)[s]``.
+Parameter names are global ("blocks.3.attn.qkv.weight") and every parameter is
+initialised from a seed derived from ``(seed, name)``, so stages built separately
+on different ranks have exactly the weights of the full model.
+
+Masking: every token carries a document id (pad = -1). One boolean mask
+``(batch, 1, s, s)`` lets query i see key j iff both sit in the same document and
+j <= i; each position also sees itself, so a pad query row is never fully masked
+(no NaN; its output is ignored). This single rule covers unpadded rows (one
+document), padded rows (key-padding) and packed rows (document-causal, positions
+restart at 0 per document) with one code path.
+
+Loss: the last stage returns the SUM of per-token cross-entropy over real tokens;
+the caller divides by the real tokens of the whole global batch, so the gradient
+does not depend on how sequences are grouped into microbatches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynmb.config import ModelConfig
+from dynmb.types import Microbatch, Plan
+
+__all__ = [
+    "GPT", "GPTStage", "Block", "MicrobatchInputs", "InputError", "build_stage", "build_stages",
+    "synthetic_tokens", "full_microbatch", "make_inputs", "attention_mask", "hidden_shape", "torch_dtype",
+    "global_named_parameters", "count_params", "reference_grads", "IGNORE_INDEX",
+]
+
+IGNORE_INDEX = -100
+"""Label of pad positions (``F.cross_entropy``'s ignore_index)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InputError(ValueError):
+    """A microbatch cannot be turned into model inputs (row overflow, too long, bad tokens)."""
+
+
+def torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The torch dtype of ``cfg.dtype`` (parameters and the hidden states sent between stages)."""
+    return _DTYPES[cfg.dtype]
+
+
+def hidden_shape(mb: Microbatch, cfg: ModelConfig) -> tuple[int, int, int]:
+    """Shape of the hidden state a stage sends for ``mb``: ``(batch, padded_len, d_model)``."""
+    return (mb.batch, mb.padded_len, cfg.d_model)
+
+
+# --- data --------------------------------------------------------------------
+def synthetic_tokens(lengths: Sequence[int] | np.ndarray, vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random token ids: sequence i gets ``lengths[i] + 1`` int64 ids (inputs ``t[:-1]``,
+    labels ``t[1:]``), drawn from a generator seeded by ``(seed, i)`` so it depends only
+    on the seed, its index and its length."""
+    out = []
+    for i, n in enumerate(np.asarray(lengths, dtype=np.int64).reshape(-1)):
+        if n < 1:
+            raise InputError(f"sequence {i} has non-positive length {int(n)}")
+        rng = np.random.default_rng([int(seed), i])
+        out.append(torch.from_numpy(rng.integers(0, vocab_size, size=int(n) + 1, dtype=np.int64)))
+    return out
+
+
+def full_microbatch(rows: int, padded_len: int, docs_per_row: int = 1) -> Microbatch:
+    """A microbatch with no padding: ``rows`` rows, each ``docs_per_row`` documents that
+    split ``padded_len`` as evenly as possible (for profiling a (rows, padded_len) shape)."""
+    if not 1 <= docs_per_row <= padded_len:
+        raise InputError(f"docs_per_row must lie in [1, padded_len={padded_len}], got {docs_per_row}")
+    base, extra = divmod(padded_len, docs_per_row)
+    per_row = np.array([base + 1] * extra + [base] * (docs_per_row - extra), dtype=np.int64)
+    return Microbatch(seq_ids=np.arange(rows * docs_per_row), lengths=np.tile(per_row, rows), padded_len=padded_len,
+                      batch=rows, row_ids=np.repeat(np.arange(rows), docs_per_row))
+
+
+@dataclass(frozen=True, eq=False)
+class MicrobatchInputs:
+    """Model inputs of one microbatch; every tensor is ``(batch, padded_len)`` except the mask.
+
+    ``labels`` hold ``IGNORE_INDEX`` and ``doc_ids`` hold -1 at pad positions;
+    ``attn_mask`` is ``(batch, 1, padded_len, padded_len)`` bool (True = may attend).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor
+    attn_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    num_real_tokens: int
+    max_doc_len: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+    def to(self, device: torch.device | str) -> "MicrobatchInputs":
+        """A copy on ``device`` (the mask is rebuilt there from ``doc_ids``, not copied)."""
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True)
+                 for f in fields(self) if f.name != "attn_mask" and isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved, attn_mask=attention_mask(moved["doc_ids"]))
+
+
+def attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """``(batch, 1, s, s)`` bool: query i sees key j iff same document (>= 0) and j <= i;
+    the diagonal is always True so pad rows stay finite."""
+    b, s = doc_ids.shape
+    m = doc_ids[:, :, None] == doc_ids[:, None, :]
+    m &= torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril_()
+    m &= (doc_ids >= 0)[:, None, :]
+    m.diagonal(dim1=1, dim2=2).fill_(True)
+    return m[:, None]
+
+
+def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, cfg: ModelConfig | None = None,
+                device: torch.device | str | None = None) -> MicrobatchInputs:
+    """Lay out ``mb``'s sequences in ``mb.batch`` rows of ``mb.padded_len`` tokens.
+
+    ``tokens[seq_id]`` holds at least ``length + 1`` ids (see ``synthetic_tokens``; a
+    truncated sequence uses its first ``length + 1``). Sequences sharing a row are
+    concatenated in order and the row is padded on the right. With ``cfg`` the
+    lengths are checked against ``cfg.max_seq_len`` and the ids against the vocabulary.
+    Vectorised: one Python step per sequence, none per token.
+    """
+    b, s = mb.batch, mb.padded_len
+    lens_all = mb.lengths
+    if cfg is not None and lens_all.max() > cfg.max_seq_len:
+        bad = mb.seq_ids[lens_all > cfg.max_seq_len]
+        raise InputError(f"sequences {bad[:10].tolist()} are longer than max_seq_len {cfg.max_seq_len} "
+                         f"(lengths {lens_all[lens_all > cfg.max_seq_len][:10].tolist()})")
+    row_len = np.bincount(mb.row_ids, weights=lens_all, minlength=b).astype(np.int64)
+    if row_len.max() > s:
+        r = int(row_len.argmax())
+        raise InputError(f"row {r} holds {int(row_len[r])} tokens (sequences "
+                         f"{mb.seq_ids[mb.row_ids == r].tolist()}) > padded_len {s}")
+    order = np.argsort(mb.row_ids, kind="stable")        # sequences grouped by row, in order
+    rows, lens = mb.row_ids[order], lens_all[order]
+    chunks = []
+    for k in order:
+        sid, n = int(mb.seq_ids[k]), int(lens_all[k])
+        if sid >= len(tokens):
+            raise InputError(f"sequence {sid} has no tokens ({len(tokens)} given)")
+        t = torch.as_tensor(tokens[sid], dtype=torch.int64).reshape(-1)
+        if t.numel() < n + 1:
+            raise InputError(f"sequence {sid} has {t.numel()} tokens, needs length + 1 = {n + 1}")
+        chunks.append(t[: n + 1])
+    stream = torch.cat(chunks)                            # each sequence's n + 1 ids back to back
+    if cfg is not None and (stream.min() < 0 or stream.max() >= cfg.vocab_size):
+        raise InputError(f"token ids must lie in [0, {cfg.vocab_size}), got [{int(stream.min())}, {int(stream.max())}]")
+
+    start = np.cumsum(lens) - lens                        # start of each sequence among real tokens
+    first_in_row = np.searchsorted(rows, rows, side="left")
+    col0 = start - start[first_in_row]                    # column where each sequence begins
+    seg = np.repeat(np.arange(len(order)), lens)          # sequence (in `order`) of each real token
+    pos = np.arange(int(lens.sum())) - start[seg]         # position inside its document
+    flat = torch.from_numpy(rows[seg] * s + col0[seg] + pos)
+    src = torch.from_numpy((start + np.arange(len(order)))[seg] + pos)  # index into `stream`
+    pos_t = torch.from_numpy(pos)
+
+    def fill(value: int, data: torch.Tensor) -> torch.Tensor:
+        out = torch.full((b * s,), value, dtype=torch.int64)
+        out[flat] = data
+        return out.view(b, s)
+
+    t = dict(input_ids=fill(0, stream[src]), labels=fill(IGNORE_INDEX, stream[src + 1]),
+             position_ids=fill(0, pos_t), doc_ids=fill(-1, torch.from_numpy(order[seg])))
+    if device is not None:
+        t = {k: v.to(device) for k, v in t.items()}
+    return MicrobatchInputs(**t, attn_mask=attention_mask(t["doc_ids"]), loss_mask=t["doc_ids"] >= 0,
+                            num_real_tokens=int(lens.sum()), max_doc_len=int(lens.max()))
+
+
+# --- model -------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
+        return x + self.mlp(self.ln2(x))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+class GPTStage(nn.Module):
+    """Stage ``stage`` of ``num_stages``: the blocks ``cfg.stage_layers(num_stages)[stage]``,
+    plus ``embed``/``pos`` on the first stage and ``norm_f``/``lm_head`` on the last.
+
+    Weights depend only on ``(cfg, seed)`` and the global parameter name, never on
+    the split. ``dtype`` overrides ``cfg.dtype`` (e.g. ``torch.float64`` in tests).
+    ``forward(x, inputs)``: ``x`` is ignored on the first stage (``inputs.input_ids``
+    are embedded), otherwise the hidden state ``(batch, padded_len, d_model)``.
+    Non-last stages return the hidden state; the last returns the summed CE over real
+    tokens (0-dim, float32 or wider), or per-token CE ``(batch, padded_len)`` with
+    zeros at pads when ``reduction="none"``.
+    """
+
+    def __init__(self, cfg: ModelConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage {stage} out of range for {num_stages} stages")
+        self.cfg, self.stage, self.num_stages = cfg, stage, num_stages
+        self.layers = cfg.stage_layers(num_stages)[stage]
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        if self.is_first:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in self.layers})
+        if self.is_last:
+            self.norm_f = nn.LayerNorm(cfg.d_model)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters(seed)
+        self.to(device=device, dtype=dtype or torch_dtype(cfg))
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """GPT-2 init, each parameter from its own generator seeded by ``(seed, global name)``:
+        N(0, 0.02) weights, residual output projections scaled by 1/sqrt(2 n_layers),
+        zero biases, unit LayerNorm gains."""
+        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if ".ln" in name or name.startswith("norm_f"):
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                std = resid_std if name.endswith("proj.weight") else 0.02
+                g = torch.Generator().manual_seed(_param_seed(seed, name))
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+    def forward(self, x: torch.Tensor | None, inputs: MicrobatchInputs, *, reduction: str = "sum") -> torch.Tensor:
+        if self.is_first:
+            if inputs.max_doc_len > self.cfg.max_seq_len:
+                raise InputError(f"a document of {inputs.max_doc_len} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+            x = self.embed(inputs.input_ids) + self.pos(inputs.position_ids)
+        elif x is None:
+            raise ValueError(f"stage {self.stage} needs the hidden state from stage {self.stage - 1}")
+        mask = inputs.attn_mask
+        for blk in self.blocks.values():
+            x = blk(x, mask)
+        if not self.is_last:
+            return x
+        logits = self.lm_head(self.norm_f(x))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if reduction == "sum":
+            return F.cross_entropy(logits.flatten(0, 1), inputs.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        if reduction == "none":
+            ce = F.cross_entropy(logits.flatten(0, 1), inputs.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+            return ce.view(inputs.labels.shape)
+        raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
+
+
+class GPT(GPTStage):
+    """The whole model as a single stage; ``GPT(cfg, seed)(inputs)`` returns the summed CE."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(cfg, 0, 1, seed=seed, dtype=dtype, device=device)
+
+    def forward(self, inputs: MicrobatchInputs, *, reduction: str = "sum") -> torch.Tensor:  # type: ignore[override]
+        return super().forward(None, inputs, reduction=reduction)
+
+
+def build_stage(cfg: ModelConfig, stage: int, num_stages: int, seed: int = 0, *, dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> GPTStage:
+    """One stage (what a pipeline rank builds); its weights equal ``GPT(cfg, seed)``'s."""
+    return GPTStage(cfg, stage, num_stages, seed=seed, dtype=dtype, device=device)
+
+
+def build_stages(cfg: ModelConfig, num_stages: int, seed: int = 0, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> list[GPTStage]:
+    """All ``num_stages`` stages; composed they are ``GPT(cfg, seed)`` (same names, same weights)."""
+    return [build_stage(cfg, s, num_stages, seed, dtype=dtype, device=device) for s in range(num_stages)]
+
+
+def global_named_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """``{global name: parameter}``; names are already global, e.g. ``blocks.3.attn.qkv.weight``."""
+    return dict(module.named_parameters())
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def reference_grads(cfg: ModelConfig, num_stages: int, plan: Plan, tokens: Sequence[torch.Tensor], seed: int = 0, *,
+                    dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                    ) -> tuple[float, dict[str, torch.Tensor]]:
+    """Single-process reference for one step: every microbatch of ``plan`` (all replicas)
+    runs through the composed stages; returns the token-weighted loss
+    (sum CE / real tokens of the global batch) and ``{global name: grad}``."""
+    stages = build_stages(cfg, num_stages, seed, dtype=dtype, device=device)
+    total = plan.real_tokens
+    loss_sum = 0.0
+    for mb in plan.microbatches:
+        inputs = make_inputs(mb, tokens, cfg=cfg, device=device)
+        x = None
+        for st in stages:
+            x = st(x, inputs)
+        (x / total).backward()
+        loss_sum += float(x.detach())
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for st in stages for n, p in st.named_parameters()}
+    return loss_sum / total, grads

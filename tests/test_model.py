@@ -1,0 +1,325 @@
+"""dynmb.model: stage split == full model, masking forms agree, grouping-invariant gradients."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynmb.config import ModelConfig
+from dynmb.model import (
+    GPT, IGNORE_INDEX, Block, InputError, attention_mask, build_stages, count_params, global_named_parameters,
+    hidden_shape, make_inputs, reference_grads, synthetic_tokens, torch_dtype,
+)
+from dynmb.types import Microbatch, Plan, PlanError
+
+CFG = ModelConfig.preset("tiny", max_seq_len=128)
+
+
+def _plan(mbs: list[Microbatch], n: int) -> Plan:
+    plan = Plan(microbatches=tuple(mbs), method="test", num_stages=1, memory_limit_bytes=1, num_sequences=n)
+    plan.validate()
+    return plan
+
+
+def _padded(ids, lengths, extra: int = 0) -> Microbatch:
+    ids = np.asarray(ids)
+    return Microbatch(seq_ids=ids, lengths=lengths[ids], padded_len=int(lengths[ids].max()) + extra, batch=len(ids))
+
+
+def _packed(ids, lengths, rows: int, extra: int = 0) -> Microbatch:
+    """Greedy: each sequence into the currently shortest row."""
+    ids = np.asarray(ids)
+    fill, row_ids = np.zeros(rows, dtype=np.int64), []
+    for i in ids:
+        r = int(fill.argmin())
+        row_ids.append(r)
+        fill[r] += lengths[i]
+    return Microbatch(seq_ids=ids, lengths=lengths[ids], padded_len=int(fill.max()) + extra, batch=rows, row_ids=row_ids)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _run(stages, inputs, **kw):
+    x = None
+    for s in stages:
+        x = s(x, inputs, **kw) if s.is_last else s(x, inputs)
+    return x
+
+
+def _per_seq_loss(stages, mb: Microbatch, tokens) -> dict[int, float]:
+    inp = make_inputs(mb, tokens, cfg=CFG)
+    ce = _run(stages, inp, reduction="none")
+    m = inp.loss_mask
+    sums = torch.zeros(mb.num_seqs, dtype=ce.dtype).index_add_(0, inp.doc_ids[m], ce[m])
+    return {int(sid): float(v) for sid, v in zip(mb.seq_ids, sums.detach())}
+
+
+# --- structure -----------------------------------------------------------------------
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_stage_names_global_weights_equal_and_counts_match_config(P):
+    full = global_named_parameters(GPT(CFG, seed=3))
+    stages = build_stages(CFG, P, seed=3)
+    seen: dict[str, torch.Tensor] = {}
+    for s, stage in enumerate(stages):
+        names = global_named_parameters(stage)
+        assert not set(names) & set(seen), "a parameter lives on two stages"
+        seen.update(names)
+        assert count_params(stage) == CFG.stage_params(s, P)
+        assert {int(k.split(".")[1]) for k in names if k.startswith("blocks.")} == set(CFG.stage_layers(P)[s])
+    assert set(seen) == set(full)
+    assert all(torch.equal(seen[n], full[n]) for n in full)
+    assert count_params(GPT(CFG)) == CFG.param_count()
+    assert {"embed.weight", "pos.weight", "blocks.3.attn.qkv.weight", "norm_f.weight", "lm_head.weight"} <= set(full)
+    assert "lm_head.bias" not in full  # untied, bias-free head as in config arithmetic
+
+
+@pytest.mark.parametrize("name", ["small", "gpt2", "llama-1b"])
+def test_block_arithmetic_matches_modules(name):
+    cfg = ModelConfig.preset(name)
+    with torch.device("meta"):  # no memory for the big presets
+        blk = Block(cfg)
+    assert count_params(blk) == cfg.block_params()
+    if name == "small":
+        assert count_params(GPT(cfg)) == cfg.param_count()
+
+
+def test_seed_changes_weights_and_is_deterministic():
+    a, b, c = GPT(CFG, seed=0), GPT(CFG, seed=0), GPT(CFG, seed=1)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.embed.weight, c.embed.weight)
+
+
+# --- composition -------------------------------------------------------------------
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_composed_stages_equal_full_model_fp32(P):
+    lengths = np.array([7, 19, 3, 12, 25, 9])
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=1)
+    for mb in (_padded([0, 1, 2], lengths, extra=2), _packed(np.arange(6), lengths, rows=2, extra=1)):
+        inp = make_inputs(mb, tokens, cfg=CFG)
+        full, stages = GPT(CFG, seed=5), build_stages(CFG, P, seed=5)
+        lf, ls = full(inp), _run(stages, inp)
+        lf.backward()
+        ls.backward()
+        assert abs(float(lf.detach() - ls.detach())) <= 1e-5 * abs(float(lf.detach()))
+        gs = {n: p.grad for s in stages for n, p in s.named_parameters()}
+        for n, p in full.named_parameters():
+            assert _rel(gs[n], p.grad) <= 1e-5, n
+        assert ls.dim() == 0 and ls.dtype == torch.float32
+
+
+# --- masking forms -------------------------------------------------------------------
+def test_padded_packed_unpadded_give_same_per_sequence_loss():
+    lengths = np.array([5, 17, 9, 30, 1, 12])
+    n = len(lengths)
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=2)
+    stages = build_stages(CFG, 2, seed=0, dtype=torch.float64)
+    alone = {}
+    for i in range(n):
+        alone.update(_per_seq_loss(stages, _padded([i], lengths), tokens))
+    forms = [_padded(np.arange(n), lengths, extra=4)]                 # padded batch
+    forms += [_padded([i], lengths, extra=11) for i in range(n)]       # one row, right padding
+    forms += [_packed(np.arange(n), lengths, rows=1),                  # all documents in one row
+              _packed(np.arange(n)[::-1], lengths, rows=2, extra=3),   # packed + padded rows
+              _packed(np.arange(n), lengths, rows=4, extra=0)]
+    for mb in forms:
+        for sid, v in _per_seq_loss(stages, mb, tokens).items():
+            assert abs(v - alone[sid]) <= 1e-9 * abs(alone[sid]), (mb, sid)
+    # fp32 agrees too at the contract's tolerance
+    s32 = build_stages(CFG, 2, seed=0)
+    ref = {}
+    for i in range(n):
+        ref.update(_per_seq_loss(s32, _padded([i], lengths), tokens))
+    for sid, v in _per_seq_loss(s32, _packed(np.arange(n), lengths, rows=2, extra=3), tokens).items():
+        assert abs(v - ref[sid]) <= 1e-5 * abs(ref[sid])
+
+
+def test_padding_never_produces_nan_and_pads_get_no_gradient():
+    lengths = np.array([4, 1, 6])
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=0)
+    # row 1 is completely empty; all rows have padding
+    mb = Microbatch(seq_ids=[0, 1, 2], lengths=lengths, padded_len=9, batch=3, row_ids=[0, 0, 2])
+    inp = make_inputs(mb, tokens, cfg=CFG)
+    stages = build_stages(CFG, 2)
+    h = stages[0](None, inp)
+    assert torch.isfinite(h).all()
+    loss = stages[1](h, inp)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for s in stages:
+        for n, p in s.named_parameters():
+            assert torch.isfinite(p.grad).all(), n
+    # changing pad token ids does not change anything real
+    inp2 = make_inputs(mb, tokens, cfg=CFG)
+    ids = inp2.input_ids.clone()
+    ids[~inp2.loss_mask] = 7
+    assert torch.allclose(_run(stages, replace(inp2, input_ids=ids)), loss.detach(), rtol=1e-6)
+
+
+def test_mask_rules():
+    doc = torch.tensor([[0, 0, 1, 1, 1, -1, -1]])
+    m = attention_mask(doc)[0, 0]
+    assert m.shape == (7, 7)
+    assert m[1, 0] and not m[0, 1]                 # causal
+    assert not m[2, 1] and m[4, 2]                 # document boundary
+    assert not m[:5, 5:].any() and not m[5:, :5].any()  # pads neither attend nor are attended to
+    assert m[5, 5] and m[6, 6] and not m[6, 5]     # a pad query sees only itself
+    assert m.any(dim=-1).all()
+
+
+# --- grouping invariance ---------------------------------------------------------------
+def _random_grouping(lengths: np.ndarray, rng: np.random.Generator) -> list[Microbatch]:
+    perm = rng.permutation(len(lengths))
+    cuts = np.sort(rng.choice(np.arange(1, len(lengths)), size=rng.integers(1, 5), replace=False))
+    mbs = []
+    for part in np.split(perm, cuts):
+        if rng.random() < 0.5:
+            mbs.append(_padded(part, lengths, extra=int(rng.integers(0, 4))))
+        else:
+            mbs.append(_packed(part, lengths, rows=int(rng.integers(1, len(part) + 1)), extra=int(rng.integers(0, 3))))
+    return mbs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_any_grouping_gives_the_same_gradient(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, size=10)
+    n = len(lengths)
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=seed)
+    one_loss, one = reference_grads(CFG, 1, _plan([_padded(np.arange(n), lengths)], n), tokens, dtype=torch.float64)
+    for trial in range(2):
+        plan = _plan(_random_grouping(lengths, rng), n)
+        loss, grads = reference_grads(CFG, 2, plan, tokens, dtype=torch.float64)
+        assert abs(loss - one_loss) <= 1e-10 * one_loss
+        assert set(grads) == set(one)
+        for k in one:
+            if one[k].norm() > 0:
+                assert _rel(grads[k], one[k]) <= 1e-5, (trial, k)
+            else:
+                assert grads[k].norm() == 0
+
+
+# --- inputs ------------------------------------------------------------------
+def test_make_inputs_layout():
+    lengths = np.array([3, 2, 4])
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=9)
+    mb = Microbatch(seq_ids=[2, 0, 1], lengths=lengths[[2, 0, 1]], padded_len=8, batch=2, row_ids=[1, 0, 0])
+    inp = make_inputs(mb, tokens, cfg=CFG)
+    assert inp.input_ids.shape == inp.labels.shape == inp.position_ids.shape == (2, 8)
+    assert inp.attn_mask.shape == (2, 1, 8, 8) and inp.attn_mask.dtype == torch.bool
+    assert inp.num_real_tokens == 9 and int(inp.loss_mask.sum()) == 9
+    t0, t1, t2 = tokens
+    assert inp.input_ids[0, :5].tolist() == t0[:-1].tolist() + t1[:-1].tolist()
+    assert inp.labels[0, :5].tolist() == t0[1:].tolist() + t1[1:].tolist()
+    assert inp.input_ids[1, :4].tolist() == t2[:-1].tolist()
+    assert inp.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 0, 0], [0, 1, 2, 3, 0, 0, 0, 0]]
+    assert inp.doc_ids.tolist() == [[1, 1, 1, 2, 2, -1, -1, -1], [0, 0, 0, 0, -1, -1, -1, -1]]
+    assert (inp.labels[~inp.loss_mask] == IGNORE_INDEX).all()
+    assert hidden_shape(mb, CFG) == (2, 8, CFG.d_model)
+    assert torch.equal(inp.to("cpu").attn_mask, inp.attn_mask)
+
+
+def test_synthetic_tokens_deterministic_and_per_sequence():
+    a = synthetic_tokens([3, 5, 2], 100, seed=4)
+    b = synthetic_tokens([3, 9, 2, 7], 100, seed=4)
+    assert [len(t) for t in a] == [4, 6, 3] and a[0].dtype == torch.int64
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+    assert not torch.equal(a[0], synthetic_tokens([3], 100, seed=5)[0])
+    assert all(int(t.max()) < 100 and int(t.min()) >= 0 for t in b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(1, 4), st.integers(0, 3), st.randoms())
+def test_make_inputs_places_every_token_once(lens, rows, extra, rnd):
+    lengths = np.array(lens)
+    row_ids = [rnd.randrange(rows) for _ in lens]
+    fill = np.bincount(row_ids, weights=lengths, minlength=rows)
+    mb = Microbatch(seq_ids=np.arange(len(lens)), lengths=lengths, padded_len=int(fill.max()) + extra,
+                    batch=rows, row_ids=row_ids)
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=0)
+    inp = make_inputs(mb, tokens)
+    for k, L in enumerate(lens):
+        r, c = np.nonzero((inp.doc_ids == k).numpy())
+        assert len(r) == L and (r == row_ids[k]).all() and (np.diff(c) == 1).all()
+        assert inp.input_ids[r, c].tolist() == tokens[k][:-1].tolist()
+        assert inp.labels[r, c].tolist() == tokens[k][1:].tolist()
+        assert inp.position_ids[r, c].tolist() == list(range(L))
+    assert inp.num_real_tokens == int(inp.loss_mask.sum()) == sum(lens)
+
+
+def test_make_inputs_errors_are_clear():
+    lengths = np.array([5, 6])
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=0)
+    with pytest.raises(PlanError, match="padded_len"):
+        Microbatch(seq_ids=[0, 1], lengths=lengths, padded_len=8, batch=1, row_ids=[0, 0])
+    mb = Microbatch(seq_ids=[0, 1], lengths=lengths, padded_len=11, batch=1, row_ids=[0, 0])
+    object.__setattr__(mb, "padded_len", 8)  # bypass Microbatch's own check
+    with pytest.raises(InputError, match=r"row 0 holds 11 tokens .* padded_len 8"):
+        make_inputs(mb, tokens)
+    short = ModelConfig.preset("tiny", max_seq_len=5)
+    with pytest.raises(InputError, match=r"sequences \[1\] are longer than max_seq_len 5"):
+        make_inputs(_padded([0, 1], lengths), tokens, cfg=short)
+    with pytest.raises(InputError, match="needs length"):
+        make_inputs(_padded([0, 1], lengths), [t[:3] for t in tokens])
+    with pytest.raises(InputError, match="token ids must lie"):
+        make_inputs(_padded([0], lengths), [t + 10**6 for t in tokens], cfg=CFG)
+    with pytest.raises(InputError, match="max_seq_len"):
+        GPT(short)(make_inputs(_padded([0, 1], lengths), tokens))
+
+
+def test_dtypes_follow_config():
+    cfg = ModelConfig.preset("tiny", dtype="bfloat16", max_seq_len=64)
+    assert torch_dtype(cfg) == torch.bfloat16
+    lengths = np.array([6, 3])
+    mb = _packed(np.arange(2), lengths, rows=1, extra=1)
+    inp = make_inputs(mb, synthetic_tokens(lengths, cfg.vocab_size, 0), cfg=cfg)
+    s0, s1 = build_stages(cfg, 2)
+    h = s0(None, inp)
+    assert h.dtype == torch.bfloat16 and tuple(h.shape) == hidden_shape(mb, cfg)
+    loss = s1(h, inp)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+
+
+def test_full_microbatch_has_no_padding():
+    from dynmb.model import full_microbatch
+    mb = full_microbatch(3, 10, docs_per_row=4)
+    assert mb.batch == 3 and mb.padded_len == 10 and mb.real_tokens == 30 and mb.is_packed
+    inp = make_inputs(mb, synthetic_tokens(mb.lengths, CFG.vocab_size, 0), cfg=CFG)
+    assert bool(inp.loss_mask.all()) and inp.position_ids[0].tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 0, 1]
+    with pytest.raises(InputError, match="docs_per_row"):
+        full_microbatch(1, 4, docs_per_row=5)
+
+
+def test_stage_boundary_detach_like_the_runtime_matches_reference():
+    """What a pipeline rank does: detach at the boundary, send the input grad back."""
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(1, 30, size=8)
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=7)
+    plan = _plan(_random_grouping(lengths, rng), len(lengths))
+    ref_loss, ref = reference_grads(CFG, 1, plan, tokens, seed=2)
+    stages = build_stages(CFG, 3, seed=2)
+    total, loss_sum = plan.real_tokens, 0.0
+    for mb in plan.microbatches:
+        inp = make_inputs(mb, tokens, cfg=CFG)
+        outs, ins, x = [], [], None
+        for s in stages:  # forward, one "rank" at a time
+            x_in = None if x is None else x.detach().requires_grad_()
+            x = s(x_in, inp)
+            ins.append(x_in)
+            outs.append(x)
+        loss_sum += float(outs[-1].detach())
+        grad = None
+        for s, out, x_in in zip(reversed(stages), reversed(outs), reversed(ins)):
+            (out / total).backward() if grad is None else out.backward(grad)
+            grad = None if x_in is None else x_in.grad
+    assert abs(loss_sum / total - ref_loss) <= 1e-5 * ref_loss
+    for s in stages:
+        for n, p in s.named_parameters():
+            if ref[n].norm() > 0:
+                assert _rel(p.grad, ref[n]) <= 1e-5, n
