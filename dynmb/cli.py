@@ -120,9 +120,119 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.output:
             print(f"{'plan':>20}: {args.output}")
     return 0
-_cmd_schedule = _not_yet("schedule")
-_cmd_simulate = _not_yet("simulate")
-_cmd_memory = _not_yet("memory")
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dynmb.config import ModelConfig, format_bytes
+    from dynmb.costmodel import get_cost_model
+    from dynmb.memory import get_memory_model
+    from dynmb.schedule import build_schedule, to_csv, validate
+    from dynmb.schedule.reorder import reorder
+    from dynmb.simulate import memory_inputs, simulate
+    from dynmb.types import Plan
+
+    plan = Plan.load(args.plan)
+    if plan.dp > 1:
+        raise ValueError(f"{args.plan} holds {plan.dp} data-parallel pipelines; `dynmb schedule` takes a "
+                         f"one-pipeline plan (plan with --dp 1, or use `dynmb run`, which schedules each replica)")
+    if plan.schedule_kind != args.kind:
+        print(f"dynmb schedule: note: the plan was packed for {plan.schedule_kind!r}, scheduling it as "
+              f"{args.kind!r}; its memory guarantee is for the former", file=sys.stderr)
+    cfg = ModelConfig.preset(args.model)
+    cm = get_cost_model(args.cost_model, cfg, plan.num_stages)
+    mm = get_memory_model(args.memory_model, cfg, plan.num_stages)
+    plan = reorder(plan, args.reorder, cost_model=cm, memory_model=mm, schedule_kind=args.kind, virtual=args.virtual)
+    kw = {}
+    if args.kind == "memory-aware":
+        act, tr, state = memory_inputs(mm, plan)
+        kw = dict(act_bytes=act, state_bytes=state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr)
+    sched = build_schedule(args.kind, plan.num_stages, plan.num_microbatches, virtual=args.virtual, **kw)
+    validate(sched)
+    to_csv(sched, args.output)
+    out = Path(args.output)
+    plan_out = Path(args.plan_output) if args.plan_output else out.with_name(out.stem + ".plan.json")
+    plan.save(plan_out)
+    sim = simulate(sched, plan, cm, mm)
+    peak = max(sim.peak_bytes_rank) if sim.peak_bytes_rank is not None else float("nan")
+    print(f"{args.kind} schedule: {sched.num_ranks} ranks, {sched.num_stages} stages, {sched.num_microbatches} "
+          f"microbatches, reorder {args.reorder}; predicted makespan {sim.makespan_s:.4g} s, mean bubble "
+          f"{sim.mean_bubble:.3f}, peak {format_bytes(peak)} / limit {format_bytes(plan.memory_limit_bytes)}"
+          f"{'' if sim.fits else ' (OVER THE LIMIT)'}")
+    print(f"wrote {out} and {plan_out}")
+    return 0
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from dynmb.config import ModelConfig, format_bytes
+    from dynmb.costmodel import get_cost_model
+    from dynmb.memory import get_memory_model
+    from dynmb.schedule import from_csv
+    from dynmb.simulate import simulate
+    from dynmb.types import Plan
+
+    plan = Plan.load(args.plan)
+    sched = from_csv(args.schedule, num_microbatches=plan.num_microbatches)
+    cfg = ModelConfig.preset(args.model)
+    cm = get_cost_model(args.cost_model, cfg, plan.num_stages)
+    mm = get_memory_model(args.memory_model, cfg, plan.num_stages)
+    sim = simulate(sched, plan, cm, mm)
+    if args.timeline:
+        sim.timeline.to_csv(args.timeline, index=False)
+    if args.gantt:
+        from dynmb.plots import gantt
+
+        gantt(sim.timeline, args.gantt, title=f"{plan.method} plan, {sched.num_ranks} ranks, "
+              f"{sched.num_microbatches} microbatches: predicted {sim.makespan_s:.4g} s, mean bubble {sim.mean_bubble:.2f}")
+    summary = {
+        "makespan_s": sim.makespan_s, "mean_bubble": sim.mean_bubble,
+        "bubble_fraction": [float(x) for x in sim.bubble_fraction],
+        "peak_bytes": [int(round(x)) for x in sim.peak_bytes],
+        "peak_bytes_rank": [int(round(x)) for x in sim.peak_bytes_rank],
+        "limit_bytes": int(plan.memory_limit_bytes), "fits": sim.fits,
+        "num_ranks": sched.num_ranks, "num_stages": sched.num_stages, "num_microbatches": sched.num_microbatches,
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"predicted makespan {sim.makespan_s:.4g} s, mean bubble {sim.mean_bubble:.3f} "
+          f"({sched.num_ranks} ranks, {sched.num_microbatches} microbatches)")
+    for r, (b, busy) in enumerate(zip(sim.bubble_fraction, sim.busy_s)):
+        print(f"  rank {r}: busy {busy:.4g} s, bubble {b:.3f}, peak {format_bytes(sim.peak_bytes_rank[r])}")
+    print(f"limit {format_bytes(plan.memory_limit_bytes)}: {'fits' if sim.fits else 'OVER THE LIMIT'}")
+    return 0
+def _cmd_memory(args: argparse.Namespace) -> int:
+    import numpy as np
+    import pandas as pd
+
+    from dynmb.config import ModelConfig, format_bytes
+    from dynmb.memory import MemoryModel
+    from dynmb.runtime.meter import measure_grid
+
+    cfg = ModelConfig.preset(args.model)
+    rows, lens = ([1, 2, 4], [32, 64, 128, 256]) if args.quick else ([1, 2, 4, 8], [64, 128, 256, 512, 1024])
+    df = pd.DataFrame(measure_grid(cfg, args.stages, rows, lens, device=args.device))
+    pts = sorted({(b, s) for b, s in zip(df.rows, df.padded_len)})
+    pick = np.random.default_rng(0).choice(len(pts), size=max(1, len(pts) // 4), replace=False)
+    held = {pts[i] for i in pick}                       # a random quarter of the (rows, padded_len) points
+    mask = np.array([(b, s) in held for b, s in zip(df.rows, df.padded_len)])
+    mm = MemoryModel.analytic(cfg, args.stages).fit(df, holdout=mask)
+    df["pred_act_bytes"] = [float(mm.activation_bytes(st, b, s)[0]) for st, b, s in zip(df.stage, df.rows, df.padded_len)]
+    df["pred_peak_bytes"] = [float(mm.state_bytes[st] + mm.activation_bytes(st, b, s)[0] + mm.transient_bytes(st, b, s)[0])
+                             for st, b, s in zip(df.stage, df.rows, df.padded_len)]
+    df["heldout"] = mask
+    print(f"dynmb memory: {cfg.name} at {args.stages} stages on {args.device}: {len(df)} samples, "
+          f"{int(mask.sum())} held out; states per stage {[format_bytes(x) for x in mm.state_bytes]}")
+    print(f"{'stage':>5} {'rows':>4} {'len':>5} {'act meas':>12} {'act pred':>12} {'err':>7} {'peak meas':>12} {'peak pred':>12} {'err':>7}")
+    for r in df[df.heldout].itertuples():
+        print(f"{r.stage:>5} {r.rows:>4} {r.padded_len:>5} {r.act_bytes:>12} {r.pred_act_bytes:>12.0f} "
+              f"{(r.pred_act_bytes - r.act_bytes) / r.act_bytes:>+7.2%} {r.peak_bytes:>12} {r.pred_peak_bytes:>12.0f} "
+              f"{(r.pred_peak_bytes - r.peak_bytes) / r.peak_bytes:>+7.2%}")
+    rep = mm.report
+    print(f"held-out max relative error: act {rep.get('act_heldout_max_rel_err', float('nan')):.3%}, "
+          f"peak {rep.get('peak_heldout_max_rel_err', float('nan')):.3%}")
+    mm.save(args.output)
+    if args.samples:
+        df.to_csv(args.samples, index=False)
+    print(f"wrote {args.output}" + (f" and {args.samples}" if args.samples else ""))
+    return 0
 def _cmd_profile(args: argparse.Namespace) -> int:
     from dynmb.config import ModelConfig
     from dynmb.profile import profile

@@ -159,6 +159,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "gpt2-medium": ModelConfig(name="gpt2-medium", vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, d_ff=4096, max_seq_len=8192, dtype="bfloat16"),
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, d_ff=5632, max_seq_len=8192, dtype="bfloat16"),
     "llama-7b": ModelConfig(name="llama-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008, max_seq_len=8192, dtype="bfloat16"),
+    "deep-13b": ModelConfig(name="deep-13b", vocab_size=32000, d_model=4096, n_layers=64, n_heads=32, d_ff=11008, max_seq_len=8192, dtype="bfloat16"),
 }
 
 

@@ -1,0 +1,398 @@
+"""Per-stage, per-op time model: the one cost lookup shared by packer, scheduler and simulator.
+
+A cost model answers ``predict(stage, op, rows, padded_len)`` -> seconds (vectorised) for a
+microbatch of ``rows`` x ``padded_len`` tokens, op ``F`` (forward) or ``B`` (full backward;
+``W`` is 0: no split weight-gradient step). ``stage_costs(rows[m], padded_len[m])`` returns
+``{"F": ndarray[P, m], "B": ndarray[P, m]}`` and is what every consumer calls.
+``comm`` (a ``CommModel``) gives the P2P time ``alpha_s + nbytes / bytes_per_s`` of the
+activation sent between neighbouring stages.
+
+Three models, one interface:
+
+- ``AnalyticCostModel``: FLOP count (``ModelConfig.stage_flops``) / ``flops_per_s`` +
+  a fixed per-op overhead; backward = ``bwd_ratio`` x forward. A stand-in before profiling,
+  calibrated roughly to one core of the development CPU.
+- ``FittedCostModel`` ("poly"): per (stage, op) ``t = c0 + c1*b*s + c2*b*s^2 (+ c3*b)``
+  (b rows, s padded_len): a fixed cost, a per-token cost (matmuls, norms), a per-token-per-
+  position cost (attention over the row), optionally a per-row cost. Coefficients are
+  non-negative and minimise the *relative* squared error sum(((pred - t) / t)^2), solved as
+  ``scipy.optimize.nnls`` on the system scaled row-wise by 1/t. The form is chosen per
+  (stage, op) by k-fold held-out MAPE over points; a larger form must beat a smaller one by
+  more than 2% (relative) to be chosen, so the model stays explainable.
+- ``GridCostModel`` ("grid", DynaPipe-style, in ``dynmb._costgrid``): bilinear
+  ``scipy.interpolate.RegularGridInterpolator`` over (rows, padded_len) of the measured
+  medians; outside the grid, linear extrapolation from the edge interval (exact in rows,
+  an underestimate in padded_len, where attention grows like s^2).
+
+Samples are a tidy table (``dynmb profile``): stage, op, rows, padded_len, time_s, repeat,
+(packed, device, threads, torch_version, model). Fitting uses per-point medians over repeats;
+held-out error (``kfold_error``) holds out whole points. A run's ``actions`` table converts
+to samples with ``samples_from_actions`` so models refit from real runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import nnls
+
+from dynmb.config import ModelConfig
+
+__all__ = [
+    "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",
+    "FORMS", "get_cost_model", "load_cost_model", "fit_cost_model", "kfold_error",
+    "noise_floor", "point_medians", "samples_from_actions",
+]
+
+FORMS: dict[str, tuple[str, ...]] = {
+    "lin": ("c0", "c1_tok"),
+    "lin_b": ("c0", "c1_tok", "c3_row"),
+    "quad": ("c0", "c1_tok", "c2_tok_len"),
+    "quad_b": ("c0", "c1_tok", "c2_tok_len", "c3_row"),
+}
+"""Poly forms: c0 [s], c1_tok [s/token], c2_tok_len [s/(token*position)], c3_row [s/row]."""
+
+_KEY = ["stage", "op", "rows", "padded_len", "packed"]
+
+
+class CommModel:
+    """Point-to-point time ``alpha_s + nbytes / bytes_per_s`` (one-way, one message)."""
+
+    def __init__(self, alpha_s: float = 5e-5, bytes_per_s: float = 2e9) -> None:
+        if alpha_s < 0 or bytes_per_s <= 0:
+            raise ValueError(f"CommModel needs alpha_s >= 0 and bytes_per_s > 0, got {alpha_s}, {bytes_per_s}")
+        self.alpha_s, self.bytes_per_s = float(alpha_s), float(bytes_per_s)
+
+    def time(self, nbytes: Any) -> np.ndarray:
+        return self.alpha_s + np.asarray(nbytes, dtype=np.float64) / self.bytes_per_s
+
+    @classmethod
+    def fit(cls, nbytes: Any, time_s: Any) -> "CommModel":
+        """Non-negative relative-error least squares of t = alpha + nbytes * (1/beta)."""
+        x = np.asarray(nbytes, dtype=np.float64)
+        t = np.asarray(time_s, dtype=np.float64)
+        coef = _nnls_rel(np.stack([np.ones_like(x), x], axis=1), t)
+        return cls(coef[0], 1.0 / max(coef[1], 1e-15))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"alpha_s": self.alpha_s, "bytes_per_s": self.bytes_per_s}
+
+    def __repr__(self) -> str:
+        return f"CommModel(alpha_s={self.alpha_s:.3g}, bytes_per_s={self.bytes_per_s:.3g})"
+
+
+def _arch(cfg: ModelConfig) -> dict[str, Any]:
+    d = cfg.to_dict()
+    d.pop("name", None)
+    return d
+
+
+class CostModel:
+    """Base: the interface every consumer uses. Subclasses implement ``_predict``."""
+
+    kind = "base"
+
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, comm: CommModel | None = None,
+                 meta: dict[str, Any] | None = None) -> None:
+        model_cfg.stage_layers(num_stages)  # validates the split
+        self.model_cfg, self.num_stages = model_cfg, int(num_stages)
+        self.comm = comm if comm is not None else CommModel()
+        self.meta = dict(meta or {})
+
+    # --- the lookup ---------------------------------------------------------
+    def predict(self, stage: int, op: str, rows: Any, padded_len: Any) -> np.ndarray:
+        """Seconds for ``op`` on ``stage`` of microbatches (rows, padded_len), broadcast."""
+        if not 0 <= int(stage) < self.num_stages:
+            raise ValueError(f"stage {stage} out of range for {self.num_stages} stages")
+        b, s = np.broadcast_arrays(np.asarray(rows, dtype=np.float64), np.asarray(padded_len, dtype=np.float64))
+        if op == "W":
+            return np.zeros(b.shape)
+        if op not in ("F", "B"):
+            raise ValueError(f"unknown op {op!r}; expected F, B or W")
+        return np.maximum(self._predict(int(stage), op, b, s), 0.0)
+
+    def _predict(self, stage: int, op: str, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def stage_costs(self, rows: Any, padded_len: Any) -> dict[str, np.ndarray]:
+        """``{"F": ndarray[P, m], "B": ndarray[P, m]}`` seconds per stage and microbatch."""
+        b = np.atleast_1d(np.asarray(rows, dtype=np.float64))
+        s = np.atleast_1d(np.asarray(padded_len, dtype=np.float64))
+        b, s = np.broadcast_arrays(b, s)
+        return {op: np.stack([self.predict(p, op, b, s) for p in range(self.num_stages)]).reshape(self.num_stages, -1)
+                for op in ("F", "B")}
+
+    def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
+        """P2P seconds of the hidden state of microbatches (rows, padded_len) between stages."""
+        nbytes = np.asarray(rows, dtype=np.float64) * np.asarray(padded_len, dtype=np.float64) \
+            * self.model_cfg.d_model * self.model_cfg.dtype_bytes
+        return self.comm.time(nbytes)
+
+    def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        """Raise ValueError unless this model was made for ``model_cfg`` split over ``num_stages``."""
+        if _arch(model_cfg) != _arch(self.model_cfg) or int(num_stages) != self.num_stages:
+            raise ValueError(
+                f"{self.kind} cost model was fitted for model {self.model_cfg.name!r} {_arch(self.model_cfg)} "
+                f"at {self.num_stages} stages, not for model {model_cfg.name!r} {_arch(model_cfg)} at {num_stages} "
+                f"stages; profile and fit one for this config (`dynmb profile` + `dynmb fit`)")
+
+    # --- I/O ----------------------------------------------------------------
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model_cfg.to_dict(), "num_stages": self.num_stages,
+                "comm": self.comm.to_dict(), "meta": self.meta, "params": self._params()}
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+        tmp.replace(p)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "CostModel":
+        kinds = {"analytic": AnalyticCostModel, "poly": FittedCostModel, "grid": _grid_cls()}
+        if d.get("kind") not in kinds:
+            raise ValueError(f"unknown cost model kind {d.get('kind')!r}; expected one of {list(kinds)}")
+        return kinds[d["kind"]]._from_parts(ModelConfig.from_dict(d["model"]), int(d["num_stages"]),
+                                            CommModel(**d.get("comm", {})), d.get("meta", {}), d.get("params", {}))
+
+    @staticmethod
+    def load(path: str | Path) -> "CostModel":
+        return CostModel.from_dict(json.loads(Path(path).read_text()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={self.model_cfg.name!r}, num_stages={self.num_stages}, comm={self.comm})"
+
+
+load_cost_model = CostModel.load
+
+
+class AnalyticCostModel(CostModel):
+    """FLOPs / flops_per_s + overhead_s; backward = bwd_ratio x forward.
+
+    Defaults fitted (relative least squares) to the small preset's forward times at 2 stages
+    on one core of the development CPU (AMD EPYC, torch 2.13, fp32): 58 GFLOP/s, 1.3 ms per op;
+    measured backward/forward ~ 2.0. Held-out-free error there: ~5% (F), ~6% (B)."""
+
+    kind = "analytic"
+
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, *, flops_per_s: float = 5.8e10,
+                 overhead_s: float = 1.3e-3, bwd_ratio: float = 2.0, comm: CommModel | None = None,
+                 meta: dict[str, Any] | None = None) -> None:
+        super().__init__(model_cfg, num_stages, comm, meta)
+        if flops_per_s <= 0 or overhead_s < 0 or bwd_ratio <= 0:
+            raise ValueError(f"bad analytic constants flops_per_s={flops_per_s} overhead_s={overhead_s} bwd_ratio={bwd_ratio}")
+        self.flops_per_s, self.overhead_s, self.bwd_ratio = float(flops_per_s), float(overhead_s), float(bwd_ratio)
+
+    def _predict(self, stage, op, b, s):
+        f = self.overhead_s + self.model_cfg.stage_flops(stage, self.num_stages, b, s) / self.flops_per_s
+        return f if op == "F" else self.bwd_ratio * f
+
+    def _params(self):
+        return {"flops_per_s": self.flops_per_s, "overhead_s": self.overhead_s, "bwd_ratio": self.bwd_ratio}
+
+    @classmethod
+    def _from_parts(cls, cfg, p, comm, meta, params):
+        return cls(cfg, p, comm=comm, meta=meta, **params)
+
+
+def _features(form: str, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    cols = {"c0": np.ones_like(b), "c1_tok": b * s, "c2_tok_len": b * s * s, "c3_row": b}
+    return np.stack([cols[c] for c in FORMS[form]], axis=-1)
+
+
+def _nnls_rel(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """argmin_{c >= 0} sum(((x @ c - t) / t)^2), columns rescaled for conditioning."""
+    a = x / t[:, None]
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    c, _ = nnls(a / scale, np.ones(len(t)), maxiter=50 * a.shape[1] + 100)
+    return c / scale
+
+
+class FittedCostModel(CostModel):
+    """Per (stage, op) non-negative poly in (rows, padded_len); ``params[(stage, op)] = (form, coef)``."""
+
+    kind = "poly"
+
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, params: dict[tuple[int, str], tuple[str, np.ndarray]],
+                 comm: CommModel | None = None, meta: dict[str, Any] | None = None) -> None:
+        super().__init__(model_cfg, num_stages, comm, meta)
+        self.params = {(int(k[0]), k[1]): (f, np.asarray(c, dtype=np.float64)) for k, (f, c) in params.items()}
+        missing = [(p, op) for p in range(num_stages) for op in ("F", "B") if (p, op) not in self.params]
+        if missing:
+            raise ValueError(f"poly cost model lacks fits for (stage, op) {missing}: profile every stage")
+
+    def _predict(self, stage, op, b, s):
+        form, coef = self.params[(stage, op)]
+        return _features(form, b, s) @ coef
+
+    def coefficients(self) -> pd.DataFrame:
+        """One row per (stage, op): form and every coefficient (NaN where the form lacks it)."""
+        names = FORMS["quad_b"]
+        rows = []
+        for (p, op), (form, coef) in sorted(self.params.items()):
+            d = dict(zip(FORMS[form], coef))
+            rows.append({"stage": p, "op": op, "form": form, **{n: d.get(n, np.nan) for n in names}})
+        return pd.DataFrame(rows)
+
+    @classmethod
+    def fit(cls, samples: pd.DataFrame, model_cfg: ModelConfig, num_stages: int, *, forms: tuple[str, ...] | None = None,
+            folds: int = 5, seed: int = 0, comm: CommModel | None = None, meta: dict[str, Any] | None = None) -> "FittedCostModel":
+        """Fit every (stage, op) of ``samples``; choose the form by ``folds``-fold held-out MAPE."""
+        med = point_medians(samples)
+        params, sel = {}, {}
+        for (p, op), g in med.groupby(["stage", "op"]):
+            b, s, t = (g[c].to_numpy(np.float64) for c in ("rows", "padded_len", "time_s"))
+            form, cv = _choose_form(b, s, t, forms or tuple(FORMS), folds, seed)
+            params[(int(p), op)] = (form, _nnls_rel(_features(form, b, s), t))
+            sel[f"{p}{op}"] = cv
+        return cls(model_cfg, num_stages, params, comm, {**_meta_from(samples), **(meta or {}), "form_cv_mape": sel})
+
+    def _params(self):
+        return {"fits": [{"stage": p, "op": op, "form": f, "coef": dict(zip(FORMS[f], c.tolist()))}
+                         for (p, op), (f, c) in sorted(self.params.items())]}
+
+    @classmethod
+    def _from_parts(cls, cfg, p, comm, meta, params):
+        fits = {(d["stage"], d["op"]): (d["form"], [d["coef"][n] for n in FORMS[d["form"]]]) for d in params["fits"]}
+        return cls(cfg, p, fits, comm, meta)
+
+
+def _folds(n: int, k: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(n) % max(1, min(k, n))
+
+
+def _choose_form(b, s, t, forms, folds, seed) -> tuple[str, dict[str, float]]:
+    fold = _folds(len(t), folds, seed)
+    cv = {}
+    for form in forms:
+        if len(t) < 2 * len(FORMS[form]):
+            continue
+        err = np.empty(len(t))
+        for k in np.unique(fold):
+            tr, te = fold != k, fold == k
+            c = _nnls_rel(_features(form, b[tr], s[tr]), t[tr])
+            err[te] = np.abs(_features(form, b[te], s[te]) @ c - t[te]) / t[te]
+        cv[form] = float(err.mean())
+    if not cv:
+        return "lin", {}
+    best = min(cv.values())
+    ok = [f for f in forms if f in cv and cv[f] <= best * 1.02 + 1e-12]
+    return min(ok, key=lambda f: len(FORMS[f])), cv
+
+
+# --- samples ------------------------------------------------------------------
+def point_medians(samples: pd.DataFrame) -> pd.DataFrame:
+    """Median time over repeats per (stage, op, rows, padded_len, packed); F/B rows only."""
+    df = samples[samples["op"].isin(["F", "B"])].copy()
+    if "packed" not in df:
+        df["packed"] = False
+    df["packed"] = df["packed"].astype(bool)
+    out = df.groupby(_KEY, as_index=False).agg(time_s=("time_s", "median"), n=("time_s", "size"))
+    return out[out["time_s"] > 0].reset_index(drop=True)
+
+
+def noise_floor(samples: pd.DataFrame) -> pd.DataFrame:
+    """Per (stage, op): median over samples of |t_r - median_point| / median_point (repeat spread)."""
+    df = samples[samples["op"].isin(["F", "B"])].copy()
+    if "packed" not in df:
+        df["packed"] = False
+    med = df.groupby(_KEY)["time_s"].transform("median")
+    df["dev"] = (df["time_s"] - med).abs() / med
+    return df.groupby(["stage", "op"], as_index=False).agg(noise=("dev", "median"))
+
+
+def samples_from_actions(actions: pd.DataFrame) -> pd.DataFrame:
+    """A runtime ``actions`` table as cost samples: time_s = end_s - start_s, rows = batch."""
+    need = {"stage", "op", "batch", "padded_len", "start_s", "end_s"}
+    if need - set(actions.columns):
+        raise ValueError(f"actions table lacks columns {sorted(need - set(actions.columns))}")
+    a = actions[actions["op"].isin(["F", "B"])]
+    out = pd.DataFrame({
+        "stage": a["stage"].astype(int), "op": a["op"], "rows": a["batch"].astype(int),
+        "padded_len": a["padded_len"].astype(int), "tokens": (a["batch"] * a["padded_len"]).astype(int),
+        "packed": False, "time_s": (a["end_s"] - a["start_s"]).astype(float),
+        "repeat": a["step"] if "step" in a else 0, "source": "actions",
+    })
+    if "run_id" in a:
+        out["run_id"] = a["run_id"]
+    return out.reset_index(drop=True)
+
+
+def _meta_from(samples: pd.DataFrame) -> dict[str, Any]:
+    meta = {}
+    for c in ("device", "threads", "torch_version", "model"):
+        if c in samples and len(samples[c].dropna()):
+            meta[c] = samples[c].dropna().iloc[0]
+    meta["n_samples"] = int(len(samples))
+    return meta
+
+
+def _comm_from(samples: pd.DataFrame) -> CommModel | None:
+    if "op" not in samples or not (samples["op"] == "comm").any():
+        return None
+    c = samples[samples["op"] == "comm"].groupby("nbytes", as_index=False)["time_s"].median()
+    return CommModel.fit(c["nbytes"], c["time_s"])
+
+
+def fit_cost_model(samples: pd.DataFrame, model_cfg: ModelConfig, num_stages: int, kind: str = "poly",
+                   **kw: Any) -> CostModel:
+    """Fit a ``poly`` (FittedCostModel) or ``grid`` (GridCostModel) model; comm from op=="comm" rows."""
+    if kind not in ("poly", "grid"):
+        raise ValueError(f"unknown cost model kind {kind!r}; expected poly or grid")
+    stages = set(int(s) for s in samples.loc[samples["op"].isin(["F", "B"]), "stage"].unique())
+    if stages != set(range(num_stages)):
+        raise ValueError(f"samples cover stages {sorted(stages)}, expected 0..{num_stages - 1} for {num_stages} stages")
+    kw.setdefault("comm", _comm_from(samples))
+    return (FittedCostModel if kind == "poly" else _grid_cls()).fit(samples, model_cfg, num_stages, **kw)
+
+
+def kfold_error(samples: pd.DataFrame, kind: str = "poly", k: int = 5, *, model_cfg: ModelConfig | None = None,
+                num_stages: int | None = None, seed: int = 0) -> pd.DataFrame:
+    """Held-out MAPE per (stage, op): points (all repeats) split in k folds; each fold predicted by a
+    model fitted on the others and compared with the point's median time. Columns stage, op, mape,
+    max_ape, n (points)."""
+    med = point_medians(samples)
+    if kind == "grid":
+        med = med[~med["packed"]]
+    num_stages = num_stages or int(med["stage"].max()) + 1
+    cfg = model_cfg or ModelConfig()
+    pts = med[["rows", "padded_len", "packed"]].drop_duplicates().reset_index(drop=True)
+    pts["fold"] = _folds(len(pts), k, seed)
+    med = med.merge(pts, on=["rows", "padded_len", "packed"]).reset_index(drop=True)
+    pred = np.empty(len(med))
+    for f in np.unique(pts["fold"]):
+        tr = med[med["fold"] != f]
+        m = (FittedCostModel if kind == "poly" else _grid_cls()).fit(tr, cfg, num_stages, seed=seed)
+        for (p, op), g in med[med["fold"] == f].groupby(["stage", "op"]):
+            pred[g.index] = m.predict(int(p), op, g["rows"].to_numpy(), g["padded_len"].to_numpy())
+    med["ape"] = np.abs(pred - med["time_s"]) / med["time_s"]
+    return med.groupby(["stage", "op"], as_index=False).agg(mape=("ape", "mean"), max_ape=("ape", "max"), n=("ape", "size"))
+
+
+def get_cost_model(path_or_none: str | Path | None, model_cfg: ModelConfig, num_stages: int) -> CostModel:
+    """The fitted model at ``path`` (checked against the config) or the analytic stand-in."""
+    if path_or_none is None:
+        return AnalyticCostModel(model_cfg, num_stages)
+    m = CostModel.load(path_or_none)
+    m.check(model_cfg, num_stages)
+    return m
+
+
+def _grid_cls() -> type:
+    from dynmb._costgrid import GridCostModel  # lives in its own module (size); imports this one
+    return GridCostModel
+
+
+def __getattr__(name: str) -> Any:  # ``from dynmb.costmodel import GridCostModel`` (PEP 562)
+    if name == "GridCostModel":
+        return _grid_cls()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,330 @@
+"""Per-stage memory model: model states + activation bytes of (rows, padded_len) microbatches.
+
+numpy only. One definition (DESIGN.md "Memory"): the peak on a stage is
+
+    state_bytes[i] + sum(act_i(mb) for mb in flight on stage i) + transient_i(current op's mb)
+
+- ``state_bytes[i]``: parameters + gradients (both at the model dtype, ``e`` bytes) +
+  optimizer states (Adam: two fp32 states per parameter, 8 bytes; SGD: none), so
+  ``n_params * (2e + 8)`` with Adam.
+- ``act_i(b, s) = a0 + a1*b*s + a2*b*s^2`` (bytes held for backward by one microbatch).
+- ``transient_i(b, s) = t0 + t1*b*s + t2*b*s^2`` (buffers of the op being run that are
+  not held: at a backward's start the incoming gradient and the input gradient, and on
+  the last stage the fp32 logits gradient).
+
+Analytic default (``MemoryModel.analytic``) counts the storages ``dynmb.model`` saves
+for backward (checked against ``saved_tensors_hooks``, each storage once, parameters
+excluded). Per block and token: the LN inputs and the qkv/fc inputs (4d), the
+shared q/k/v storage (3d), the SDPA output (d), the GELU input and MLP-proj input (2f)
+at ``e`` bytes, plus 4 fp32 LayerNorm statistics and the per-head fp32 logsumexp; per
+block and row the additive (s, s) mask at ``e`` bytes. The first stage adds the token
+and position ids (int64), the last the final norm (2d + 2 stats), the fp32 log-softmax
+output (V) and the labels (int64); every stage but the last holds its output (d) until
+its backward (the runtime keeps it to call backward on). This is what
+``dynmb.runtime.meter`` accounts on CPU; on CUDA a fit to measurements replaces it.
+
+``fit(samples)`` fits the coefficients per stage from measurements (``dynmb memory``,
+``dynmb.runtime.meter.measure_stage_memory``) by non-negative least squares on the
+relative error (an exhaustive active-set over the three terms), reporting the error on
+held-out (b, s) points.
+
+``peak_bytes(rows, padded_len, kind, order)`` is the exact peak of that definition over
+the op sequence of each stage: GPipe holds every microbatch (F_j sees 0..j live, B_j sees
+j..m-1); 1F1B (and memory-aware) stage i holds a window of at most ``k = P - i``
+consecutive microbatches (F_j sees j-k+1..j, B_j sees j..j+k-1). Interleaved (virtual > 1)
+uses a conservative bound per rank: its warm-up count of the largest chunk activations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig
+
+__all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "inflight_limit"]
+
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
+
+
+def _arch(cfg: ModelConfig) -> dict[str, Any]:
+    d = cfg.to_dict()
+    d.pop("name", None)
+    return d
+
+
+def inflight_limit(stage: int, num_stages: int, schedule_kind: str, m: int) -> int:
+    """Most microbatches a stage holds at once: m (gpipe) or min(m, P - stage) (1f1b)."""
+    if schedule_kind == "gpipe":
+        return m
+    return max(1, min(m, num_stages - stage))
+
+
+class MemoryModel:
+    """Per-stage ``state_bytes`` and activation/transient coefficients ``[P, 3]`` (a0, a1, a2)."""
+
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, state_bytes: Any, act_coef: Any,
+                 transient_coef: Any, *, optimizer: str = "adam", source: str = "analytic",
+                 report: dict[str, Any] | None = None) -> None:
+        model_cfg.stage_layers(num_stages)
+        self.model_cfg, self.num_stages, self.optimizer = model_cfg, int(num_stages), optimizer
+        self.state_bytes = np.asarray(state_bytes, dtype=np.float64).reshape(self.num_stages)
+        self.act_coef = np.asarray(act_coef, dtype=np.float64).reshape(self.num_stages, 3)
+        self.transient_coef = np.asarray(transient_coef, dtype=np.float64).reshape(self.num_stages, 3)
+        self.source, self.report = source, dict(report or {})
+
+    # --- construction -------------------------------------------------------
+    @staticmethod
+    def analytic_state_bytes(model_cfg: ModelConfig, num_stages: int, optimizer: str = "adam") -> np.ndarray:
+        e = model_cfg.dtype_bytes
+        per = 2 * e + (8 if optimizer == "adam" else 0)
+        return np.array([model_cfg.stage_params(s, num_stages) * per for s in range(num_stages)], dtype=np.float64)
+
+    @classmethod
+    def analytic(cls, model_cfg: ModelConfig, num_stages: int, optimizer: str = "adam") -> "MemoryModel":
+        """Coefficients counted from the tensors ``dynmb.model`` saves for backward."""
+        if optimizer not in ("adam", "sgd"):
+            raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
+        c = model_cfg
+        e, d, f, h, v = c.dtype_bytes, c.d_model, c.d_ff, c.n_heads, c.vocab_size
+        layers = c.stage_layers(num_stages)
+        act = np.zeros((num_stages, 3))
+        tr = np.zeros((num_stages, 3))
+        for i, lr in enumerate(layers):
+            n = len(lr)
+            first, last = i == 0, i == num_stages - 1
+            act[i, 1] = n * (e * (8 * d + 2 * f) + 4 * (4 + h))
+            act[i, 2] = n * e                               # the additive (s, s) mask per block
+            if first:
+                act[i, 1] += 16                             # input_ids + position_ids (int64)
+            if last:
+                act[i, 1] += 2 * d * e + 8 + 4 * v + 8     # norm_f in/out, stats, log-softmax out, labels
+                act[i, 0] += 4                              # the loss
+                tr[i, 1] = 4 * v                            # logits gradient (fp32)
+            else:
+                act[i, 1] += d * e                          # the stage output, kept for its backward
+                tr[i, 1] = d * e                            # incoming gradient
+            if not first:
+                tr[i, 1] += d * e                           # input gradient produced
+        return cls(model_cfg, num_stages, cls.analytic_state_bytes(model_cfg, num_stages, optimizer), act, tr,
+                   optimizer=optimizer, source="analytic")
+
+    def fit(self, samples: Any, *, holdout: Any = None, holdout_frac: float = 0.25, seed: int = 0) -> "MemoryModel":
+        """A new model fitted to ``samples`` (DataFrame or dict of arrays with columns
+        stage, rows, padded_len, act_bytes and optionally peak_bytes, state_bytes).
+
+        Held-out points: ``holdout`` (boolean mask) or a random ``holdout_frac`` of the
+        distinct (rows, padded_len) points; the fit uses the rest. ``report`` holds the
+        held-out relative errors of act_bytes and peak_bytes (single microbatch).
+        """
+        cols = {k: np.asarray(samples[k]) for k in ("stage", "rows", "padded_len", "act_bytes")}
+        stage = cols["stage"].astype(np.int64)
+        b = cols["rows"].astype(np.float64)
+        s = cols["padded_len"].astype(np.float64)
+        act = cols["act_bytes"].astype(np.float64)
+        has = lambda k: k in getattr(samples, "columns", samples)  # noqa: E731
+        peak = np.asarray(samples["peak_bytes"], dtype=np.float64) if has("peak_bytes") else None
+        state = self.state_bytes.copy()
+        if has("state_bytes"):
+            sb = np.asarray(samples["state_bytes"], dtype=np.float64)
+            state = np.array([np.median(sb[stage == i]) if np.any(stage == i) else state[i] for i in range(self.num_stages)])
+        if holdout is None:
+            pts = np.unique(np.stack([b, s], 1), axis=0)
+            rng = np.random.default_rng(seed)
+            k = int(round(holdout_frac * len(pts))) if len(pts) >= 4 else 0
+            held = pts[rng.choice(len(pts), size=k, replace=False)] if k else np.zeros((0, 2))
+            holdout = np.array([any((bb == hb) and (ss == hs) for hb, hs in held) for bb, ss in zip(b, s)], dtype=bool)
+        holdout = np.asarray(holdout, dtype=bool)
+        train = ~holdout
+        act_c, tr_c = self.act_coef.copy(), self.transient_coef.copy()
+        for i in range(self.num_stages):
+            sel = train & (stage == i)
+            if not np.any(sel):
+                continue
+            act_c[i] = _nnls_rel(b[sel], s[sel], act[sel])
+            if peak is not None:
+                trv = peak[sel] - state[i] - act[sel]
+                if np.all(trv > 0):
+                    tr_c[i] = _nnls_rel(b[sel], s[sel], trv)
+        out = MemoryModel(self.model_cfg, self.num_stages, state, act_c, tr_c, optimizer=self.optimizer,
+                          source="fitted")
+        rep: dict[str, Any] = {"n_train": int(train.sum()), "n_heldout": int(holdout.sum())}
+        for name, meas, pred in (("act", act, out._act_all(stage, b, s)),
+                                 ("peak", peak, None if peak is None else out._act_all(stage, b, s)
+                                  + out._tr_all(stage, b, s) + out.state_bytes[stage])):
+            if meas is None:
+                continue
+            for part, sel in (("train", train), ("heldout", holdout)):
+                if np.any(sel):
+                    err = np.abs(pred[sel] - meas[sel]) / meas[sel]
+                    rep[f"{name}_{part}_max_rel_err"] = float(err.max())
+                    rep[f"{name}_{part}_mean_rel_err"] = float(err.mean())
+        out.report = rep
+        return out
+
+    # --- queries ------------------------------------------------------------
+    def activation_bytes(self, stage: int, rows: Any, padded_len: Any) -> np.ndarray:
+        """Bytes held for backward on ``stage`` by microbatches (rows, padded_len), vectorised."""
+        b, s = _bs(rows, padded_len)
+        a = self.act_coef[int(stage)]
+        return a[0] + a[1] * b * s + a[2] * b * s * s
+
+    def transient_bytes(self, stage: int, rows: Any, padded_len: Any) -> np.ndarray:
+        b, s = _bs(rows, padded_len)
+        t = self.transient_coef[int(stage)]
+        return t[0] + t[1] * b * s + t[2] * b * s * s
+
+    def _act_all(self, stage: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        a = self.act_coef[stage]
+        return a[:, 0] + a[:, 1] * b * s + a[:, 2] * b * s * s
+
+    def _tr_all(self, stage: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        t = self.transient_coef[stage]
+        return t[:, 0] + t[:, 1] * b * s + t[:, 2] * b * s * s
+
+    def act_matrix(self, rows: Any, padded_len: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(act[P, m], transient[P, m])`` for microbatches (rows[m], padded_len[m])."""
+        b, s = _bs(rows, padded_len)
+        bs, bss = b * s, b * s * s
+        act = self.act_coef[:, :1] + self.act_coef[:, 1:2] * bs + self.act_coef[:, 2:3] * bss
+        tr = self.transient_coef[:, :1] + self.transient_coef[:, 1:2] * bs + self.transient_coef[:, 2:3] * bss
+        return act, tr
+
+    def peak_bytes(self, rows: Any, padded_len: Any, schedule_kind: str = "1f1b", order: Any = None,
+                   virtual: int = 1) -> np.ndarray:
+        """Predicted peak bytes per stage of running these microbatches (in ``order``)."""
+        b, s = _bs(rows, padded_len)
+        if order is not None:
+            order = np.asarray(order, dtype=np.int64)
+            b, s = b[order], s[order]
+        if b.size == 0:
+            return self.state_bytes.copy()
+        act, tr = self.act_matrix(b, s)
+        return self.state_bytes + peak_from_matrix(act, tr, schedule_kind, virtual)
+
+    def max_rows(self, stage_caps: Any, padded_len: Any, inflight: Any, tight: bool = False) -> np.ndarray:
+        """Largest b per padded_len with ``inflight[i] * (act_i(b, s) + tr_i(b, s)) <= stage_caps[i]``
+        on every stage (0 where not even one row fits); vectorised over padded_len.
+
+        This per-microbatch budget makes any order of such microbatches fit under a
+        schedule holding at most ``inflight[i]`` on stage i: a window of k sums to at
+        most k * max(act + tr). ``tight``: ``k * act + tr <= cap`` instead (exact for equal
+        microbatches; a mix must then be checked with ``peak_bytes``).
+        """
+        s = np.asarray(padded_len, dtype=np.float64).reshape(1, -1)
+        k = np.asarray(inflight, dtype=np.float64).reshape(-1, 1)
+        w = k * self.act_coef + (1.0 if tight else k) * self.transient_coef
+        room = np.asarray(stage_caps, dtype=np.float64).reshape(-1, 1) - w[:, :1]
+        per_row = w[:, 1:2] * s + w[:, 2:3] * s * s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            bmax = np.where(per_row > 0, np.floor(room / np.where(per_row > 0, per_row, 1.0)),
+                            np.where(room >= 0, np.inf, -1.0))
+        return np.clip(bmax.min(axis=0), 0, 2**40).astype(np.int64)
+
+    # --- identity and I/O ---------------------------------------------------
+    def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        if _arch(model_cfg) != _arch(self.model_cfg) or int(num_stages) != self.num_stages:
+            raise ValueError(
+                f"memory model was made for model {self.model_cfg.name!r} {_arch(self.model_cfg)} at "
+                f"{self.num_stages} stages, not for {model_cfg.name!r} {_arch(model_cfg)} at {num_stages} stages; "
+                f"measure one with `dynmb memory --model ... --stages {num_stages} -o mem.json`")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "memory", "source": self.source, "model": self.model_cfg.to_dict(),
+                "num_stages": self.num_stages, "optimizer": self.optimizer,
+                "state_bytes": self.state_bytes.tolist(), "act_coef": self.act_coef.tolist(),
+                "transient_coef": self.transient_coef.tolist(), "report": self.report}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MemoryModel":
+        if d.get("kind") != "memory":
+            raise ValueError("not a memory-model JSON (field kind != 'memory')")
+        return cls(ModelConfig.from_dict(d["model"]), d["num_stages"], d["state_bytes"], d["act_coef"],
+                   d["transient_coef"], optimizer=d.get("optimizer", "adam"), source=d.get("source", "fitted"),
+                   report=d.get("report"))
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(p)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MemoryModel":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def __repr__(self) -> str:
+        return f"MemoryModel({self.model_cfg.name!r}, P={self.num_stages}, {self.source})"
+
+
+def peak_from_matrix(act: np.ndarray, tr: np.ndarray, schedule_kind: str = "1f1b", virtual: int = 1) -> np.ndarray:
+    """Peak activation + transient bytes per stage (no states) for ``act[P, m]``, ``tr[P, m]``
+    of microbatches in execution order (see the module docstring)."""
+    if schedule_kind not in SCHEDULE_KINDS:
+        raise ValueError(f"unknown schedule kind {schedule_kind!r}; expected one of {SCHEDULE_KINDS}")
+    p, m = act.shape
+    if schedule_kind == "interleaved" and virtual > 1:
+        return _interleaved_bound(act, tr, virtual)
+    cs = np.concatenate([np.zeros((p, 1)), np.cumsum(act, axis=1)], axis=1)
+    j = np.arange(m)
+    out = np.empty(p)
+    for i in range(p):
+        k = inflight_limit(i, p, schedule_kind, m)
+        lo = np.maximum(j - k + 1, 0)
+        hi = np.minimum(j + k, m)
+        fwd = cs[i, j + 1] - cs[i, lo]
+        bwd = cs[i, hi] - cs[i, j]
+        out[i] = np.max(np.maximum(fwd, bwd) + tr[i])
+    return out
+
+
+def _interleaved_bound(act: np.ndarray, tr: np.ndarray, virtual: int) -> np.ndarray:
+    p, m = act.shape
+    ranks = p // virtual
+    out = np.empty(p)
+    for r in range(ranks):
+        stages = np.arange(r, p, ranks)
+        warm = min(m * virtual, 2 * (ranks - r - 1) + (virtual - 1) * ranks + 1)
+        top = np.sort(act[stages].ravel())[::-1][:warm].sum()
+        out[stages] = top + tr[stages].max()
+    return out
+
+
+def _bs(rows: Any, padded_len: Any) -> tuple[np.ndarray, np.ndarray]:
+    b, s = np.broadcast_arrays(np.atleast_1d(np.asarray(rows, dtype=np.float64)),
+                               np.atleast_1d(np.asarray(padded_len, dtype=np.float64)))
+    return b, s
+
+
+def _nnls_rel(b: np.ndarray, s: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin_{c >= 0} sum(((c0 + c1 b s + c2 b s^2 - y) / y)^2) over every active set."""
+    x = np.stack([np.ones_like(b), b * s, b * s * s], 1) / y[:, None]
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs, one = x / scale, np.ones(len(y))
+    best, best_err = np.zeros(3), np.inf
+    for k in (1, 2, 3):
+        for cols in itertools.combinations(range(3), k):
+            c, *_ = np.linalg.lstsq(xs[:, cols], one, rcond=None)
+            if np.any(c < 0):
+                continue
+            err = float(np.sum((xs[:, cols] @ c - one) ** 2))
+            if err < best_err - 1e-12:
+                best_err, best = err, np.zeros(3)
+                best[list(cols)] = c
+    return best / scale
+
+
+def get_memory_model(path_or_none: str | Path | None, model_cfg: ModelConfig, num_stages: int,
+                     optimizer: str = "adam") -> MemoryModel:
+    """The fitted model at ``path`` (checked against the config) or the analytic one."""
+    if path_or_none is None:
+        return MemoryModel.analytic(model_cfg, num_stages, optimizer)
+    mm = MemoryModel.load(path_or_none)
+    mm.check(model_cfg, num_stages)
+    return mm

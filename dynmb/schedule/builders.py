@@ -1,0 +1,216 @@
+"""Schedule builders: GPipe, 1F1B, interleaved 1F1B and memory-aware 1F1B.
+
+Every builder is a pure function ``(num_stages, num_microbatches, ...) ->
+Schedule`` (one ordered list of ``Action`` per rank); nothing here knows about
+times or tensors. Microbatch ``j`` is the ``j``-th microbatch of the plan in
+execution order, so reordering a plan never changes the schedule's shape.
+
+Algorithms (``P`` stages, ``m`` microbatches, ``R`` ranks, ``v`` chunks per rank):
+
+- ``gpipe``: rank ``s`` runs ``F0..F(m-1)`` then ``B0..B(m-1)`` (fill, drain).
+- ``1f1b``: rank ``s`` first runs ``w_s = min(m, P - s)`` forwards, then
+  alternates one backward and one forward until the forwards are used up, then
+  drains the remaining backwards. At most ``P - s`` microbatches are in flight.
+- ``interleaved`` (Megatron / torch ``ScheduleInterleaved1F1B`` ordering):
+  stage ``s`` lives on rank ``s % R``. Microbatches go in rounds of
+  ``k = m // max(1, m // R)`` (torch's rule; when that does not split ``m``,
+  which torch refuses, rounds of ``R`` with a shorter last one): a rank's
+  forwards run a round through chunk 0, then chunk 1, ..., its backwards the
+  round through chunk ``v - 1`` down to 0. Rank ``r`` warms up with
+  ``min((v - 1) k + 2 (R - 1 - r), v m)`` forwards, then alternates F, B, then
+  drains the backwards. With an uneven last round the warm-up of a rank that
+  would deadlock waiting on a backward grows by one until the validator's
+  queue play-out passes (``warm = v m`` always does: all forwards first).
+- ``memory-aware``: 1F1B with a per-(stage, microbatch) window. Before the
+  forward of microbatch ``j`` stage ``s`` may hold at most ``k_s(j)`` microbatches
+  (``j`` included), where ``k_s(j)`` is the largest window whose activation
+  bytes ``act[s, j-k+1..j]`` plus the stage's state bytes fit ``limit_bytes``,
+  capped by ``P - s`` and by ``k_{s-1}(j)``. The per-stage order is the greedy
+  "forward if the window allows, else backward". Windows that never grow along
+  the pipeline keep it deadlock-free: a stage that stops forwarding to wait for
+  a backward has at least as many microbatches in flight as its successor may
+  hold, so the successor is never waiting for that stage's next forward.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dynmb.schedule.validate import ScheduleError, execution_order
+from dynmb.types import Action, Schedule
+
+__all__ = ["SCHEDULE_KINDS", "build_schedule", "gpipe", "one_f_one_b", "interleaved",
+           "memory_aware", "memory_windows", "interleaved_rounds"]
+
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
+
+
+def _check(num_stages: int, m: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if m < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {m}")
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """Fill-drain: all forwards, then all backwards in microbatch order (torch ``ScheduleGPipe``)."""
+    _check(num_stages, num_microbatches)
+    m = num_microbatches
+    ranks = [[Action(s, "F", j) for j in range(m)] + [Action(s, "B", j) for j in range(m)]
+             for s in range(num_stages)]
+    return Schedule(ranks, num_stages, m, kind="gpipe")
+
+
+def _f_then_b(stage: int, m: int, warmup: Sequence[int] | int) -> list[Action]:
+    """Greedy 1F1B order of one stage: forward while the in-flight window allows, else backward.
+
+    ``warmup`` is either one window for all microbatches or one per microbatch
+    (the number that may be in flight right after forwarding it).
+    """
+    win = [warmup] * m if isinstance(warmup, (int, np.integer)) else list(warmup)
+    out: list[Action] = []
+    f = b = 0
+    while b < m:
+        if f < m and f - b + 1 <= win[f]:
+            out.append(Action(stage, "F", f))
+            f += 1
+        else:
+            out.append(Action(stage, "B", b))
+            b += 1
+    return out
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush): at most ``P - s`` microbatches in flight on stage ``s`` (torch ``Schedule1F1B``)."""
+    _check(num_stages, num_microbatches)
+    P, m = num_stages, num_microbatches
+    ranks = [_f_then_b(s, m, P - s) for s in range(P)]
+    return Schedule(ranks, P, m, kind="1f1b")
+
+
+def interleaved_rounds(num_ranks: int, num_microbatches: int) -> int:
+    """Microbatches per round of the interleaved schedule.
+
+    torch's rule: ``m // max(1, m // R)`` when that splits ``m`` evenly; otherwise
+    (torch refuses such ``m``) rounds of ``R`` microbatches with a shorter last one.
+    """
+    rounds = max(1, num_microbatches // num_ranks)
+    if num_microbatches % rounds == 0:
+        return num_microbatches // rounds
+    return num_ranks
+
+
+def _merge(fwd: list[Action], bwd: list[Action], warm: int) -> list[Action]:
+    """``warm`` forwards, then one forward and one backward alternately, then the remaining backwards."""
+    total = len(fwd)
+    acts = fwd[:warm]
+    for i in range(total - warm):
+        acts.append(fwd[warm + i])
+        acts.append(bwd[i])
+    acts.extend(bwd[total - warm:])
+    return acts
+
+
+def interleaved(num_stages: int, num_microbatches: int, virtual: int = 2) -> Schedule:
+    """Interleaved 1F1B with ``virtual`` chunks per rank; ``num_stages`` must be a multiple of it."""
+    _check(num_stages, num_microbatches)
+    if virtual < 1 or num_stages % virtual:
+        raise ValueError(f"num_stages ({num_stages}) must be a positive multiple of virtual ({virtual})")
+    R, v, m = num_stages // virtual, virtual, num_microbatches
+    k = interleaved_rounds(R, m)
+    groups = [list(range(g, min(g + k, m))) for g in range(0, m, k)]
+    fwd = [[Action(c * R + r, "F", j) for grp in groups for c in range(v) for j in grp] for r in range(R)]
+    bwd = [[Action(c * R + r, "B", j) for grp in groups for c in reversed(range(v)) for j in grp] for r in range(R)]
+    total = v * m
+    warm = [min((v - 1) * k + 2 * (R - 1 - r), total) for r in range(R)]
+    while True:
+        ranks = [_merge(fwd[r], bwd[r], warm[r]) for r in range(R)]
+        if m % k == 0:
+            break  # torch's case: its warm-up counts are deadlock-free
+        try:
+            execution_order(Schedule(ranks, num_stages, m))
+            break
+        except ScheduleError as e:
+            # uneven last round: a rank stuck on a backward forwards one more microbatch first
+            grow = [r for r, i in e.blocked if ranks[r][i].op == "B" and warm[r] < total]
+            if not grow:
+                raise
+            for r in grow:
+                warm[r] += 1
+    return Schedule(ranks, num_stages, m, kind="interleaved")
+
+
+def memory_windows(act_bytes: np.ndarray, state_bytes: np.ndarray | Sequence[float] | None,
+                   limit_bytes: float, transient_bytes: np.ndarray | None = None) -> np.ndarray:
+    """``k[s, j]``: microbatches stage ``s`` may hold right after forwarding ``j`` (see module doc).
+
+    ``transient_bytes[stage, mb]`` (buffers of the running op, not held) are
+    reserved at their per-stage maximum. Raises ``ValueError`` naming the
+    (stage, microbatch) that cannot fit even alone.
+    """
+    act = np.asarray(act_bytes, dtype=np.float64)
+    if act.ndim != 2:
+        raise ValueError(f"act_bytes must be [num_stages, m], got shape {act.shape}")
+    P, m = act.shape
+    state = np.zeros(P) if state_bytes is None else np.asarray(state_bytes, dtype=np.float64).reshape(-1)
+    if state.shape != (P,):
+        raise ValueError(f"state_bytes must have one entry per stage ({P}), got {state.shape}")
+    budget = float(limit_bytes) - state
+    if transient_bytes is not None:
+        tr = np.asarray(transient_bytes, dtype=np.float64)
+        if tr.shape != act.shape:
+            raise ValueError(f"transient_bytes must be {act.shape}, got {tr.shape}")
+        budget = budget - tr.max(axis=1)
+    k = np.zeros((P, m), dtype=np.int64)
+    too_big = act > budget[:, None]
+    if too_big.any():
+        s, j = (int(x) for x in np.argwhere(too_big)[0])
+        raise ValueError(f"microbatch {j} needs {act[s, j]:.0f} activation bytes on stage {s}, over the "
+                         f"{budget[s]:.0f} left by the limit {float(limit_bytes):.0f} after state bytes {state[s]:.0f}"
+                         f"{'' if transient_bytes is None else ' and transient buffers'}")
+    idx = np.arange(1, m + 1)
+    for s in range(P):
+        csum = np.concatenate([[0.0], np.cumsum(act[s])])
+        # largest window w with act[s, j-w+1..j].sum() <= budget: first lo with csum[lo] >= csum[j+1] - budget
+        lo = np.searchsorted(csum, csum[1:] - budget[s] - 1e-9 * max(1.0, budget[s]), side="left")
+        cap = np.full(m, P - s) if s == 0 else np.minimum(P - s, k[s - 1])
+        k[s] = np.maximum(1, np.minimum(idx - lo, cap))
+    return k
+
+
+def memory_aware(num_stages: int, num_microbatches: int, act_bytes: np.ndarray,
+                 state_bytes: np.ndarray | Sequence[float] | None, limit_bytes: float,
+                 transient_bytes: np.ndarray | None = None) -> Schedule:
+    """1F1B whose in-flight window per stage shrinks so held activations + states stay under ``limit_bytes``."""
+    _check(num_stages, num_microbatches)
+    act = np.asarray(act_bytes, dtype=np.float64)
+    if act.shape != (num_stages, num_microbatches):
+        raise ValueError(f"act_bytes must be [{num_stages}, {num_microbatches}], got {act.shape}")
+    k = memory_windows(act, state_bytes, limit_bytes, transient_bytes)
+    ranks = [_f_then_b(s, num_microbatches, k[s].tolist()) for s in range(num_stages)]
+    return Schedule(ranks, num_stages, num_microbatches, kind="memory-aware")
+
+
+def build_schedule(kind: str, num_stages: int, num_microbatches: int, *, virtual: int = 1,
+                   act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
+                   limit_bytes: float | None = None, transient_bytes: np.ndarray | None = None) -> Schedule:
+    """Build a schedule of ``kind`` (one of ``SCHEDULE_KINDS``).
+
+    ``interleaved`` uses ``virtual`` chunks per rank (``virtual=1`` gives 1F1B's
+    order on ``num_stages`` ranks); ``memory-aware`` needs ``act_bytes[stage, mb]``
+    and ``limit_bytes`` (``state_bytes[stage]`` defaults to 0; ``transient_bytes[stage, mb]``,
+    optional, reserves the running op's buffers).
+    """
+    if kind == "gpipe":
+        return gpipe(num_stages, num_microbatches)
+    if kind == "1f1b":
+        return one_f_one_b(num_stages, num_microbatches)
+    if kind == "interleaved":
+        return interleaved(num_stages, num_microbatches, virtual=virtual)
+    if kind == "memory-aware":
+        if act_bytes is None or limit_bytes is None:
+            raise ValueError("the memory-aware schedule needs act_bytes [stages, m] and limit_bytes")
+        return memory_aware(num_stages, num_microbatches, act_bytes, state_bytes, limit_bytes, transient_bytes)
+    raise ValueError(f"unknown schedule kind {kind!r}; known: {', '.join(SCHEDULE_KINDS)}")

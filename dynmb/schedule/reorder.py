@@ -1,0 +1,334 @@
+"""Microbatch reordering for pipeline schedules (a pure ``Plan -> Plan`` pass).
+
+The schedule's shape does not depend on the order (except memory-aware, whose
+windows follow the activation sizes), but with variable-size microbatches the
+makespan does: under 1F1B the first microbatches fill the pipeline and the last
+ones drain it, so what sits at the ends shows up as bubbles. Methods
+(``REORDER_METHODS``), all keyed on a microbatch's predicted work
+``sum_stages F + B`` from the one cost lookup ``cost_model.stage_costs``:
+
+- ``none``: keep the packer's order.
+- ``descending`` / ``ascending``: by work (stable).
+- ``ends``: small microbatches at both ends, large in the middle (verl's
+  ordering for dynamic batch sizes): sort ascending and deal alternately to the
+  front and the back.
+- ``dynapipe``: DynaPipe's search: cluster microbatches by work into
+  ``k <= 4`` clusters (1-D k-means from quantile seeds), simulate every
+  permutation of the clusters (original order inside a cluster), keep the best.
+- ``search`` (this project): start from the best memory-feasible order among
+  all the methods above, then first-improvement local search in the simulator,
+  keeping only orders whose simulated per-GPU peak stays under the plan's
+  limit. Neighbourhood, most promising first: swaps and moves of the
+  microbatches around the longest stalls of the busiest rank (read off the
+  simulated timeline: that is where the critical path waits), adjacent swaps,
+  swaps of a fill/drain position with any other, moves of one microbatch.
+  If no order found so far fits (a plan packed for another schedule), the
+  descent first lowers the simulated peak until one fits. It is
+  never worse than any of them by construction, and deterministic (a budget of
+  simulator evaluations, ``max_evals``, not of wall time, so every rank plans
+  the same order).
+
+Each candidate is scored by the discrete-event simulator on a schedule
+flattened once (``dynmb.simulate``), so one evaluation is a single
+O(actions) pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import numpy as np
+
+from dynmb.schedule.builders import _f_then_b, build_schedule, memory_windows
+from dynmb.schedule.validate import execution_order
+from dynmb.simulate import _cross_mask, _times, comm_times, memory_inputs, peaks
+from dynmb.types import Plan, Schedule
+
+__all__ = ["REORDER_METHODS", "reorder", "reorder_order", "OrderEvaluator", "ends_order", "default_max_evals"]
+
+REORDER_METHODS = ("none", "descending", "ascending", "ends", "dynapipe", "search")
+
+
+class OrderEvaluator:
+    """Predicted ``(makespan_s, peak per GPU, fits)`` of running a plan's microbatches in a given order.
+
+    The peak is only computed when some order could exceed the limit (else it is reported as 0;
+    ``peak(order)`` always computes it)."""
+
+    def __init__(self, plan: Plan, cost_model: Any, memory_model: Any = None, schedule_kind: str = "1f1b",
+                 virtual: int = 1) -> None:
+        shapes = plan.shapes()
+        self.P, self.m, self.kind, self.virtual = plan.num_stages, plan.num_microbatches, schedule_kind, virtual
+        costs = cost_model.stage_costs(shapes[:, 0], shapes[:, 1])
+        self.cube = np.zeros((3, self.P, self.m))
+        for k, op in enumerate("FBW"):
+            if op in costs:
+                self.cube[k] = np.asarray(costs[op], dtype=np.float64).reshape(self.P, self.m)
+        self.work = self.cube.sum(axis=(0, 1))
+        self.comm = np.broadcast_to(np.asarray(comm_times(cost_model, plan), dtype=np.float64), (self.m,))
+        self.act, self.tr, self.state = memory_inputs(memory_model, plan)
+        if schedule_kind == "memory-aware" and self.act is None:
+            raise ValueError("reordering for the memory-aware schedule needs a memory model")
+        self.limit = float(plan.memory_limit_bytes)
+        self.evals = 0
+        self._cache: dict[tuple[int, ...], tuple[float, float, bool]] = {}
+        self._by_windows: dict[bytes, Any] = {}
+        self._flat = None if schedule_kind == "memory-aware" else self._flatten(None)
+        self._always_fits = self._order_free_fit()
+
+    def _order_free_fit(self) -> bool:
+        """True when every order fits (a window of the largest activations + the largest buffer fits;
+        memory-aware schedules fit by construction whenever they can be built)."""
+        if self.kind == "memory-aware":
+            return True
+        if self.act is None or self.kind not in ("gpipe", "1f1b"):
+            return False
+        win = np.full(self.P, self.m) if self.kind == "gpipe" else np.minimum(self.m, self.P - np.arange(self.P))
+        top = -np.sort(-self.act, axis=1)
+        held = np.array([top[s, :win[s]].sum() for s in range(self.P)])
+        tr = 0.0 if self.tr is None else self.tr.max(axis=1)
+        return bool(np.all(self.state + held + tr <= self.limit))
+
+    def _flatten(self, perm: np.ndarray | None) -> Any:
+        if self.kind == "memory-aware":
+            # the schedule depends on the order only through its windows: cache by them
+            tr = None if self.tr is None else self.tr[:, perm]
+            k = memory_windows(self.act[:, perm], self.state, self.limit, tr)
+            key = k.tobytes()
+            flat = self._by_windows.get(key)
+            if flat is None:
+                ranks = [_f_then_b(s, self.m, k[s].tolist()) for s in range(self.P)]
+                flat = self._prepare(Schedule(ranks, self.P, self.m, kind="memory-aware"))
+                self._by_windows[key] = flat
+            return flat
+        return self._prepare(build_schedule(self.kind, self.P, self.m, virtual=self.virtual))
+
+    @staticmethod
+    def _prepare(sched: Schedule) -> Any:
+        flat = execution_order(sched)
+        flat.num_ranks = sched.num_ranks
+        flat.xi = _cross_mask(flat)
+        return flat
+
+    def __call__(self, order: Sequence[int]) -> tuple[float, float, bool]:
+        key = tuple(int(i) for i in order)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        self.evals += 1
+        perm = np.asarray(key, dtype=np.int64)
+        try:
+            flat = self._flat if self._flat is not None else self._flatten(perm)
+        except ValueError:  # memory-aware: some microbatch cannot fit even alone
+            out = (float("inf"), float("inf"), False)
+            self._cache[key] = out
+            return out
+        j = perm[flat.mb]
+        dur = self.cube[flat.op, flat.stage, j]
+        cross = np.zeros(len(dur))
+        cross[flat.xi] = self.comm[j[flat.xi]]
+        _, end = _times(flat, dur, cross, flat.num_ranks)
+        makespan = max(end) if end else 0.0
+        peak, fits = 0.0, True
+        if self.act is not None and not self._always_fits:
+            tr = None if self.tr is None else self.tr[:, perm]
+            _, peak_rank, _ = peaks(flat, self.P, flat.num_ranks, self.act[:, perm], tr, self.state)
+            peak = float(peak_rank.max())
+            fits = peak <= self.limit
+        out = (float(makespan), peak, bool(fits))
+        self._cache[key] = out
+        return out
+
+    def lower_bound(self) -> float:
+        """A makespan no order can beat (one stage per rank): for each stage, its total work plus the
+        cheapest fill (forwards of one microbatch through the stages before it) and the cheapest
+        drain (backwards back through them), each with its P2P hops. NaN for interleaved."""
+        if self.kind == "interleaved" and self.virtual > 1:
+            return float("nan")
+        f, b = self.cube[0], self.cube[1] + self.cube[2]
+        busy = self.cube.sum(axis=2).sum(axis=0)
+        lb = busy.copy()
+        for s in range(1, self.P):
+            hops = s * self.comm
+            lb[s] += (f[:s].sum(axis=0) + hops).min() + (b[:s].sum(axis=0) + hops).min()
+        return float(lb.max())
+
+    def peak(self, order: Sequence[int]) -> np.ndarray:
+        """Simulated peak bytes per GPU (rank) of this order (zeros without a memory model)."""
+        perm = np.asarray(order, dtype=np.int64)
+        flat = self._flat if self._flat is not None else self._flatten(perm)
+        if self.act is None:
+            return np.zeros(flat.num_ranks)
+        tr = None if self.tr is None else self.tr[:, perm]
+        return peaks(flat, self.P, flat.num_ranks, self.act[:, perm], tr, self.state)[1]
+
+    def hot_positions(self, order: Sequence[int], k: int = 6) -> list[int]:
+        """Positions whose microbatches wait longest on the busiest rank (where the critical path stalls)."""
+        perm = np.asarray(order, dtype=np.int64)
+        try:
+            flat = self._flat if self._flat is not None else self._flatten(perm)
+        except ValueError:  # memory-aware order that cannot be built
+            return []
+        j = perm[flat.mb]
+        dur = self.cube[flat.op, flat.stage, j]
+        cross = np.zeros(len(dur))
+        cross[flat.xi] = self.comm[j[flat.xi]]
+        start, end = (np.asarray(x) for x in _times(flat, dur, cross, flat.num_ranks))
+        busy = np.bincount(flat.rank, weights=dur, minlength=flat.num_ranks)
+        r = int(busy.argmax())
+        a, b = int(flat.start[r]), int(flat.start[r + 1])
+        gaps = start[a:b] - np.r_[0.0, end[a:b - 1]]
+        top = np.argsort(-gaps, kind="stable")[:k]
+        return [int(flat.mb[a + i]) for i in top if gaps[i] > 0]
+
+    def score(self, order: Sequence[int]) -> tuple[int, float, float]:
+        """Sort key: memory-feasible first, by makespan; infeasible ones by peak (closest to fitting)."""
+        mk, pk, ok = self(order)
+        return (0, mk, pk) if ok else (1, pk, mk)
+
+
+def ends_order(work: np.ndarray) -> list[int]:
+    """Small at both ends, large in the middle: ascending, dealt alternately to front and back."""
+    asc = np.argsort(work, kind="stable").tolist()
+    return asc[0::2] + asc[1::2][::-1]
+
+
+def _kmeans_1d(x: np.ndarray, k: int, iters: int = 50) -> np.ndarray:
+    """Cluster labels (0 = smallest centre) of 1-D values, Lloyd's iterations from quantile seeds."""
+    centres = np.quantile(x, (np.arange(k) + 0.5) / k)
+    labels = np.zeros(len(x), dtype=np.int64)
+    for _ in range(iters):
+        new = np.abs(x[:, None] - centres[None, :]).argmin(axis=1)
+        if np.array_equal(new, labels) and _:
+            break
+        labels = new
+        for c in range(k):
+            if np.any(labels == c):
+                centres[c] = x[labels == c].mean()
+    rank = np.argsort(np.argsort(centres, kind="stable"), kind="stable")
+    return rank[labels]
+
+
+def _dynapipe(ev: OrderEvaluator, k: int = 4) -> list[int]:
+    m = ev.m
+    k = min(k, m, len(np.unique(ev.work)))
+    if k <= 1:
+        return list(range(m))
+    labels = _kmeans_1d(ev.work, k)
+    groups = [np.flatnonzero(labels == c).tolist() for c in range(k)]
+    groups = [g for g in groups if g]
+    best = None
+    for perm in itertools.permutations(range(len(groups))):
+        order = [i for c in perm for i in groups[c]]
+        if best is None or ev.score(order) < ev.score(best):
+            best = order
+    return best
+
+
+def _neighbours(cur: list[int], P: int, hot: Sequence[int] = ()):
+    """Candidate orders around ``cur``, most promising first: moves around the positions where
+    the busiest rank stalls (``hot``), adjacent swaps (steady-state pairing), swaps of a
+    fill/drain position with any other, then single moves of one microbatch."""
+    m = len(cur)
+
+    def swap(i: int, j: int) -> list[int]:
+        cand = list(cur)
+        cand[i], cand[j] = cand[j], cand[i]
+        return cand
+
+    def move(i: int, t: int) -> list[int]:
+        rest = cur[:i] + cur[i + 1:]
+        return rest[:t] + [cur[i]] + rest[t:]
+
+    # a stall of the busiest rank at position p is caused upstream by microbatches up to ~P earlier
+    near = sorted({q for p in hot for q in range(p - P - 2, p + 2) if 0 <= q < m - 1})
+    for i in near:
+        yield swap(i, i + 1)
+    for i in range(m - 1):
+        yield swap(i, i + 1)
+    for i in near:
+        for j in range(m):
+            if abs(j - i) > 1:
+                yield swap(i, j)
+                yield move(i, j)
+    half = min(m, 2 * P) // 2
+    for i in list(range(half)) + list(range(m - half, m)):
+        for j in range(m):
+            if abs(j - i) > 1:
+                yield swap(i, j)
+    for i in range(m):
+        targets = range(m) if m <= 32 else sorted({0, m - 1, i - 2, i + 2, *range(i % 8, m, max(1, m // 16))}
+                                                 & set(range(m)))
+        for t in targets:
+            if abs(t - i) > 1:
+                yield move(i, t)
+
+
+def _better(a: tuple[int, float, float], b: tuple[int, float, float]) -> bool:
+    """``a`` beats ``b`` by more than float noise (lexicographic on ``OrderEvaluator.score``)."""
+    if a[0] != b[0]:
+        return a[0] < b[0]
+    return a[1] < b[1] * (1 - 1e-12)
+
+
+def _local_search(ev: OrderEvaluator, start: list[int], max_evals: int) -> list[int]:
+    """First-improvement descent over ``_neighbours`` within ``max_evals`` evaluations: on makespan
+    among memory-feasible orders (from an infeasible start, first on peak until it fits)."""
+    cur = list(start)
+    best = ev.score(cur)
+    budget_end = ev.evals + max_evals
+    improved = True
+    while improved and ev.evals < budget_end:
+        improved = False
+        for cand in _neighbours(cur, ev.P, ev.hot_positions(cur)):
+            if ev.evals >= budget_end:
+                break
+            sc = ev.score(cand)
+            if _better(sc, best):
+                cur, best, improved = cand, sc, True
+                break
+    return cur
+
+
+def default_max_evals(num_actions: int) -> int:
+    """Simulator evaluations the search may spend: about half a second of CPU on one core."""
+    return int(np.clip(600_000 // max(1, num_actions), 64, 4000))
+
+
+def reorder_order(plan: Plan, method: str, *, cost_model: Any, memory_model: Any = None,
+                  schedule_kind: str = "1f1b", virtual: int = 1, max_evals: int | None = None,
+                  evaluator: OrderEvaluator | None = None) -> list[int]:
+    """The order (``order[i]`` = old index run at position ``i``) that ``method`` chooses."""
+    if method not in REORDER_METHODS:
+        raise ValueError(f"unknown reorder method {method!r}; known: {', '.join(REORDER_METHODS)}")
+    m = plan.num_microbatches
+    if method == "none" or m <= 1:
+        return list(range(m))
+    ev = evaluator or OrderEvaluator(plan, cost_model, memory_model, schedule_kind, virtual)
+    if method == "descending":
+        return np.argsort(-ev.work, kind="stable").tolist()
+    if method == "ascending":
+        return np.argsort(ev.work, kind="stable").tolist()
+    if method == "ends":
+        return ends_order(ev.work)
+    if method == "dynapipe":
+        return _dynapipe(ev)
+    cands = [reorder_order(plan, k, cost_model=cost_model, schedule_kind=schedule_kind, virtual=virtual,
+                           evaluator=ev) for k in REORDER_METHODS if k != "search"]
+    start = min(cands, key=ev.score)
+    if max_evals is None:
+        max_evals = default_max_evals(2 * ev.P * m)
+    return _local_search(ev, start, max_evals)
+
+
+def reorder(plan: Plan, method: str, *, cost_model: Any, memory_model: Any = None, schedule_kind: str = "1f1b",
+            virtual: int = 1, max_evals: int | None = None) -> Plan:
+    """``plan`` with its microbatches in the order ``method`` picks (``plan.meta['reorder'] = method``).
+
+    ``max_evals`` bounds the simulator evaluations of ``search`` (default ``default_max_evals``:
+    about half a second on one core whatever the size).
+    """
+    order = reorder_order(plan, method, cost_model=cost_model, memory_model=memory_model,
+                          schedule_kind=schedule_kind, virtual=virtual, max_evals=max_evals)
+    return plan.with_order(order, reorder=method)

@@ -1,0 +1,234 @@
+"""Schedule validation: completeness, per-stage order, and deadlock freedom.
+
+``validate(schedule)`` checks, in this order, and raises ``ScheduleError`` (a
+``ValueError``) at the first failure, with a message that prints the rank x
+step grid of actions (columns = position in the rank's list) and marks the
+faulty action as ``[2F7]`` on a row flagged ``>>``:
+
+1. every action names a stage in ``[0, num_stages)`` and a microbatch in
+   ``[0, num_microbatches)``; each stage's actions all sit on one rank;
+2. every ``(stage, F, mb)`` and ``(stage, B, mb)`` appears exactly once;
+   ``W`` (split weight gradient) is optional and at most once;
+3. on a stage, ``F`` of a microbatch comes before its ``B`` and ``B`` before its ``W``;
+4. the cross-stage dependencies (``F`` of stage ``s`` after ``F`` of ``s - 1``;
+   ``B`` of ``s`` after ``B`` of ``s + 1``) can be met: the ranks' queues are
+   played out, each rank running its head action once its dependency has run
+   (a worklist: a rank blocked on an action is woken when that action runs). If
+   every rank is blocked before all actions ran, the schedule deadlocks; the
+   error marks each blocked head and names what it waits for.
+
+``execution_order(schedule)`` returns the flattened action arrays and one
+topological order of them (used by the simulator). Pure Python + numpy, O(actions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynmb.types import Action, Schedule
+
+__all__ = ["ScheduleError", "validate", "execution_order", "format_grid", "FlatSchedule"]
+
+_OPI = {"F": 0, "B": 1, "W": 2}
+_OPS = "FBW"
+
+
+class ScheduleError(ValueError):
+    """A schedule is incomplete, out of order, or deadlocks; the message shows the rank x step grid.
+
+    On a deadlock, ``blocked`` lists the (rank, step) of every blocked head action.
+    """
+
+    blocked: list[tuple[int, int]] = []
+
+
+@dataclass
+class FlatSchedule:
+    """The actions of a schedule as flat arrays, rank by rank (``start[r]:start[r+1]`` is rank ``r``)."""
+
+    rank: np.ndarray
+    stage: np.ndarray
+    op: np.ndarray      # 0 = F, 1 = B, 2 = W
+    mb: np.ndarray
+    step: np.ndarray    # position in its rank's list
+    start: np.ndarray   # [num_ranks + 1] offsets
+    dep: np.ndarray     # index of the cross-stage action this one waits for, -1 if none
+    order: np.ndarray   # a topological order (indices) respecting rank order and deps
+
+
+def format_grid(schedule: Schedule, marks: dict[tuple[int, int], str] | None = None,
+                focus: tuple[int, int] | None = None, width: int = 24, max_ranks: int = 16) -> str:
+    """The rank x step grid of ``schedule`` as text; ``marks[(rank, step)]`` replaces that cell.
+
+    Long schedules show a window of ``width`` steps (and ``max_ranks`` ranks) around ``focus``.
+    """
+    marks = marks or {}
+    R = schedule.num_ranks
+    n = max((len(a) for a in schedule.ranks), default=0)
+    fr, fs = focus if focus is not None else (0, 0)
+    s0 = max(0, min(fs - width // 2, n - width)) if n > width else 0
+    s1 = min(n, s0 + width)
+    r0 = max(0, min(fr - max_ranks // 2, R - max_ranks)) if R > max_ranks else 0
+    r1 = min(R, r0 + max_ranks)
+    cells = {}
+    for r in range(r0, r1):
+        for i in range(s0, s1):
+            acts = schedule.ranks[r]
+            c = str(acts[i]) if i < len(acts) else ""
+            cells[r, i] = marks.get((r, i), c)
+    w = max([len(c) for c in cells.values()] + [len(str(s1 - 1))]) + 1
+    lines = ["       step " + "".join(f"{i:>{w}}" for i in range(s0, s1)) + (" ..." if s1 < n else "")]
+    if s0 > 0:
+        lines[0] = lines[0].replace("step", "step ...", 1)
+    for r in range(r0, r1):
+        flag = ">>" if any(k[0] == r for k in marks) else "  "
+        lines.append(f"{flag} rank {r:>4} " + "".join(f"{cells[r, i]:>{w}}" for i in range(s0, s1)))
+    if r0 > 0 or r1 < R:
+        lines.append(f"   (ranks {r0}..{r1 - 1} of {R} shown)")
+    return "\n".join(lines)
+
+
+def _fail(schedule: Schedule, msg: str, where: list[tuple[int, int]]) -> ScheduleError:
+    marks = {(r, i): f"[{schedule.ranks[r][i]}]" for r, i in where if i < len(schedule.ranks[r])}
+    focus = where[0] if where else None
+    return ScheduleError(f"{msg}\n{format_grid(schedule, marks, focus)}")
+
+
+def _flatten(schedule: Schedule) -> FlatSchedule:
+    sizes = [len(a) for a in schedule.ranks]
+    n = sum(sizes)
+    start = np.zeros(len(sizes) + 1, dtype=np.int64)
+    start[1:] = np.cumsum(sizes)
+    stage = np.empty(n, dtype=np.int64)
+    op = np.empty(n, dtype=np.int64)
+    mb = np.empty(n, dtype=np.int64)
+    k = 0
+    for acts in schedule.ranks:
+        for a in acts:
+            stage[k] = a.stage
+            op[k] = _OPI[a.op]
+            mb[k] = a.mb
+            k += 1
+    rank = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    step = np.arange(n, dtype=np.int64) - start[rank]
+    empty = np.zeros(0, dtype=np.int64)
+    return FlatSchedule(rank, stage, op, mb, step, start, empty, empty)
+
+
+def _loc(flat: FlatSchedule, i: int) -> tuple[int, int]:
+    return int(flat.rank[i]), int(flat.step[i])
+
+
+def _check_static(schedule: Schedule, flat: FlatSchedule) -> np.ndarray:
+    """Checks 1-3; returns ``pos[key]`` (flat index of each (op, stage, mb) key, -1 if absent)."""
+    S, m = schedule.num_stages, schedule.num_microbatches
+    if S < 1 or m < 1 or schedule.num_ranks < 1:
+        raise ScheduleError(f"schedule needs >= 1 stage, microbatch and rank; got {S}, {m}, {schedule.num_ranks}")
+    bad = np.flatnonzero((flat.stage >= S) | (flat.mb >= m))
+    if len(bad):
+        i = int(bad[0])
+        raise _fail(schedule, f"action {schedule.ranks[flat.rank[i]][flat.step[i]]} is out of range: "
+                    f"{S} stages, {m} microbatches", [_loc(flat, i)])
+    # one rank per stage
+    order = np.lexsort((flat.rank, flat.stage))
+    st, rk = flat.stage[order], flat.rank[order]
+    clash = np.flatnonzero((st[1:] == st[:-1]) & (rk[1:] != rk[:-1]))
+    if len(clash):
+        i, j = int(order[clash[0]]), int(order[clash[0] + 1])
+        raise _fail(schedule, f"stage {int(flat.stage[i])} has actions on rank {int(flat.rank[i])} and rank "
+                    f"{int(flat.rank[j])}; a stage lives on one rank", [_loc(flat, j), _loc(flat, i)])
+    key = (flat.op * S + flat.stage) * m + flat.mb
+    counts = np.bincount(key, minlength=3 * S * m)
+    dup = np.flatnonzero(counts > 1)
+    if len(dup):
+        idx = np.flatnonzero(key == dup[0])
+        a = schedule.ranks[flat.rank[idx[0]]][flat.step[idx[0]]]
+        raise _fail(schedule, f"action {a} appears {len(idx)} times", [_loc(flat, int(i)) for i in idx])
+    missing = np.flatnonzero(counts[: 2 * S * m] == 0)
+    if len(missing):
+        k = int(missing[0])
+        a = Action(k // m % S, _OPS[k // (S * m)], k % m)
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        stage_rank = {s: r for s, r in zip(st.tolist(), rk.tolist())}
+        r = stage_rank.get(a.stage)
+        where = [(r, len(schedule.ranks[r]) - 1)] if r is not None and schedule.ranks[r] else []
+        raise ScheduleError(f"action {a} is missing{more}; every (stage, F/B, microbatch) must appear once"
+                            f"{f' (stage {a.stage} is on rank {r})' if r is not None else ''}\n"
+                            + format_grid(schedule, {}, where[0] if where else None))
+    pos = np.full(3 * S * m, -1, dtype=np.int64)
+    pos[key] = np.arange(len(key))
+    f_pos, b_pos, w_pos = pos[: S * m], pos[S * m: 2 * S * m], pos[2 * S * m:]
+    late = np.flatnonzero(b_pos < f_pos)
+    if len(late):
+        k = int(late[0])
+        a = Action(k // m, "B", k % m)
+        raise _fail(schedule, f"{a} runs before its forward {Action(k // m, 'F', k % m)} on the same stage",
+                    [_loc(flat, int(b_pos[k])), _loc(flat, int(f_pos[k]))])
+    late = np.flatnonzero((w_pos >= 0) & (w_pos < b_pos))
+    if len(late):
+        k = int(late[0])
+        a = Action(k // m, "W", k % m)
+        raise _fail(schedule, f"{a} runs before its backward {Action(k // m, 'B', k % m)} on the same stage",
+                    [_loc(flat, int(w_pos[k])), _loc(flat, int(b_pos[k]))])
+    return pos
+
+
+def execution_order(schedule: Schedule) -> FlatSchedule:
+    """Validate ``schedule`` and return its flat arrays with a topological order; ``ScheduleError`` if invalid."""
+    flat = _flatten(schedule)
+    pos = _check_static(schedule, flat)
+    S, m = schedule.num_stages, schedule.num_microbatches
+    n = len(flat.stage)
+    # cross-stage dependency: F(s) <- F(s-1); B(s) <- B(s+1)
+    dep = np.full(n, -1, dtype=np.int64)
+    isf, isb = flat.op == 0, flat.op == 1
+    fi = np.flatnonzero(isf & (flat.stage > 0))
+    dep[fi] = pos[(flat.stage[fi] - 1) * m + flat.mb[fi]]
+    bi = np.flatnonzero(isb & (flat.stage < S - 1))
+    dep[bi] = pos[(S + flat.stage[bi] + 1) * m + flat.mb[bi]]
+    depl = dep.tolist()
+    starts = flat.start.tolist()
+    R = schedule.num_ranks
+    ptr = starts[:-1]
+    done = bytearray(n)
+    waiting: dict[int, int] = {}
+    stack = list(range(R - 1, -1, -1))
+    order: list[int] = []
+    push = order.append
+    while stack:
+        r = stack.pop()
+        i, e = ptr[r], starts[r + 1]
+        while i < e:
+            d = depl[i]
+            if d >= 0 and not done[d]:
+                waiting[d] = r
+                break
+            done[i] = 1
+            push(i)
+            w = waiting.pop(i, None)
+            if w is not None:
+                stack.append(w)
+            i += 1
+        ptr[r] = i
+    if len(order) < n:
+        blocked = [r for r in range(R) if ptr[r] < starts[r + 1]]
+        why = []
+        for r in blocked:
+            i = ptr[r]
+            d = depl[i]
+            a, b = schedule.ranks[r][i - starts[r]], schedule.ranks[flat.rank[d]][flat.step[d]]
+            why.append(f"rank {r} step {i - starts[r]}: {a} waits for {b} (rank {int(flat.rank[d])}, step {int(flat.step[d])})")
+        err = _fail(schedule, f"schedule deadlocks after {len(order)} of {n} actions; every rank is blocked:\n  "
+                    + "\n  ".join(why), [(r, ptr[r] - starts[r]) for r in blocked])
+        err.blocked = [(r, ptr[r] - starts[r]) for r in blocked]
+        raise err
+    flat.dep = dep
+    flat.order = np.asarray(order, dtype=np.int64)
+    return flat
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ``ScheduleError`` unless ``schedule`` is complete, ordered and deadlock-free (see module doc)."""
+    execution_order(schedule)

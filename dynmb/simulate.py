@@ -1,0 +1,265 @@
+"""Discrete-event simulation of a pipeline schedule.
+
+Model: each rank runs its actions in list order, one at a time. An action
+starts when (a) its rank is free and (b) the action it depends on has ended
+plus, when that action ran on another rank, the P2P time of the message:
+``F`` of stage ``s`` waits for ``F`` of ``s - 1`` (the activation), ``B`` of
+``s`` for ``B`` of ``s + 1`` (the gradient). Sends do not block the sender
+(P2P overlaps compute). So ``start[a] = max(end[prev on rank], end[dep] +
+comm[mb])`` and ``end[a] = start[a] + cost[op][stage, mb]``.
+
+The recurrence is evaluated once, in a topological order of the (rank order
++ dependency) graph that ``dynmb.schedule.validate.execution_order`` produces
+with a worklist over the ranks' queues; a deadlock there raises
+``ScheduleError``. Arrays, one pass: O(actions) (P = 64, m = 1,024: well under
+a second, see ``benchmarks/bench_simulate.py``).
+
+Memory (DESIGN.md's one definition): a stage holds the activation bytes of a
+microbatch from its ``F`` until the end of its ``B``; while an op runs, the
+transient bytes of that op's microbatch (buffers not kept for backward) come
+on top. Peak per stage = state bytes + max over the stage's action sequence of
+(held + transient of the running op); per rank likewise, summing the stages
+on it. ``bubble_fraction`` per rank = 1 - busy / makespan.
+
+``simulate(schedule, plan, cost_model, memory_model)`` gets the costs from the
+one cost lookup ``cost_model.stage_costs(rows, padded_len)`` and the message
+time from ``cost_model.comm.time(model_cfg.message_bytes(rows, padded_len))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dynmb.schedule.validate import ScheduleError, execution_order
+from dynmb.types import Plan, Schedule
+
+__all__ = ["SimResult", "simulate", "simulate_costs", "memory_inputs", "comm_times", "peaks", "ScheduleError"]
+
+_OPS = np.array(["F", "B", "W"])
+
+
+@dataclass
+class SimResult:
+    """The predicted step: timeline, makespan, bubbles and memory."""
+
+    timeline: pd.DataFrame
+    """One row per action: rank, stage, op, mb, start_s, end_s."""
+    makespan_s: float
+    busy_s: np.ndarray
+    """Compute seconds per rank."""
+    bubble_fraction: np.ndarray
+    """1 - busy / makespan per rank."""
+    peak_bytes: np.ndarray | None = None
+    """Predicted peak bytes per stage (state + held activations), None without memory inputs."""
+    peak_bytes_rank: np.ndarray | None = None
+    """Predicted peak bytes per rank (stages on one rank summed over time)."""
+    memory_timeline: pd.DataFrame | None = None
+    """stage, t_s, bytes after each change of held activation bytes."""
+    limit_bytes: int | None = None
+    """The memory limit the plan was made for, when known."""
+    kind: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mean_bubble(self) -> float:
+        return float(np.mean(self.bubble_fraction)) if len(self.bubble_fraction) else 0.0
+
+    @property
+    def fits(self) -> bool:
+        """True when no stage's predicted peak exceeds the limit (or either is unknown)."""
+        if self.peak_bytes is None or self.limit_bytes is None:
+            return True
+        peak = self.peak_bytes_rank if self.peak_bytes_rank is not None else self.peak_bytes
+        return bool(np.all(peak <= self.limit_bytes))
+
+    def to_summary(self) -> dict[str, Any]:
+        """JSON-able one-line summary."""
+        d: dict[str, Any] = {
+            "kind": self.kind,
+            "makespan_s": float(self.makespan_s),
+            "mean_bubble": self.mean_bubble,
+            "bubble_fraction": [float(x) for x in self.bubble_fraction],
+            "busy_s": [float(x) for x in self.busy_s],
+            "peak_bytes": None if self.peak_bytes is None else [int(round(x)) for x in self.peak_bytes],
+            "limit_bytes": None if self.limit_bytes is None else int(self.limit_bytes),
+        }
+        if self.peak_bytes is not None:
+            d["fits"] = self.fits
+        d.update(self.extra)
+        return d
+
+
+def _cost_cube(costs: dict[str, np.ndarray], S: int, m: int) -> np.ndarray:
+    cube = np.zeros((3, S, m), dtype=np.float64)
+    for k, op in enumerate("FBW"):
+        if op not in costs:
+            if op == "W":
+                continue
+            raise ValueError(f"costs lack op {op!r}; got {sorted(costs)}")
+        c = np.asarray(costs[op], dtype=np.float64)
+        if c.shape != (S, m):
+            raise ValueError(f"costs[{op!r}] must be [num_stages={S}, m={m}], got {c.shape}")
+        if np.any(c < 0) or not np.all(np.isfinite(c)):
+            raise ValueError(f"costs[{op!r}] has negative or non-finite entries")
+        cube[k] = c
+    return cube
+
+
+def _times(flat: Any, dur: np.ndarray, cross: np.ndarray, num_ranks: int) -> tuple[list[float], list[float]]:
+    """The recurrence start = max(rank free, dep end + comm), in topological order, on Python lists."""
+    n = len(dur)
+    durl, depl, crossl, rankl = dur.tolist(), flat.dep.tolist(), cross.tolist(), flat.rank.tolist()
+    end = [0.0] * n
+    start = [0.0] * n
+    free = [0.0] * num_ranks
+    for i in flat.order.tolist():
+        r = rankl[i]
+        t = free[r]
+        d = depl[i]
+        if d >= 0:
+            td = end[d] + crossl[i]
+            if td > t:
+                t = td
+        start[i] = t
+        e = t + durl[i]
+        end[i] = e
+        free[r] = e
+    return start, end
+
+
+def _cross_mask(flat: Any) -> np.ndarray:
+    """Indices of actions whose dependency ran on another rank (they pay the P2P time)."""
+    xi = np.flatnonzero(flat.dep >= 0)
+    return xi[flat.rank[flat.dep[xi]] != flat.rank[xi]]
+
+
+def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0,
+                   act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
+                   limit_bytes: int | None = None, transient_bytes: np.ndarray | None = None) -> SimResult:
+    """Simulate ``schedule`` with ``costs[op][stage, mb]`` seconds and ``comm_s`` (scalar or per mb) per P2P message.
+
+    ``act_bytes[stage, mb]``, ``state_bytes[stage]`` and ``transient_bytes[stage, mb]``
+    (all optional) give the memory prediction. Raises ``ScheduleError`` if the schedule is invalid or deadlocks.
+    """
+    S, m = schedule.num_stages, schedule.num_microbatches
+    cube = _cost_cube(costs, S, m)
+    flat = execution_order(schedule)
+    stage, op, mb, rank = flat.stage, flat.op, flat.mb, flat.rank
+    n = len(stage)
+    dur = cube[op, stage, mb]
+    comm = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (m,)) if np.ndim(comm_s) else np.full(m, float(comm_s))
+    if comm.shape != (m,):
+        raise ValueError(f"comm_s must be a scalar or have one entry per microbatch ({m}), got {np.shape(comm_s)}")
+    cross = np.zeros(n, dtype=np.float64)
+    xi = _cross_mask(flat)
+    cross[xi] = comm[mb[xi]]
+    start, end = _times(flat, dur, cross, schedule.num_ranks)
+    start_a, end_a = np.asarray(start), np.asarray(end)
+    makespan = float(end_a.max()) if n else 0.0
+    busy = np.bincount(rank, weights=dur, minlength=schedule.num_ranks)
+    bubble = 1.0 - busy / makespan if makespan > 0 else np.zeros(schedule.num_ranks)
+    timeline = pd.DataFrame({"rank": rank, "stage": stage, "op": _OPS[op], "mb": mb,
+                             "start_s": start_a, "end_s": end_a})
+    res = SimResult(timeline=timeline, makespan_s=makespan, busy_s=busy, bubble_fraction=bubble,
+                    limit_bytes=None if limit_bytes is None else int(limit_bytes), kind=schedule.kind)
+    if act_bytes is not None:
+        _memory(res, flat, schedule, np.asarray(act_bytes, dtype=np.float64), state_bytes, transient_bytes, end_a)
+    return res
+
+
+def _memory(res: SimResult, flat: Any, schedule: Schedule, act: np.ndarray, state_bytes: Any,
+            transient: Any, end: np.ndarray) -> None:
+    S, m = schedule.num_stages, schedule.num_microbatches
+    if act.shape != (S, m):
+        raise ValueError(f"act_bytes must be [num_stages={S}, m={m}], got {act.shape}")
+    state = np.zeros(S) if state_bytes is None else np.asarray(state_bytes, dtype=np.float64).reshape(-1)
+    if state.shape != (S,):
+        raise ValueError(f"state_bytes must have one entry per stage ({S}), got {state.shape}")
+    tr = None if transient is None else np.asarray(transient, dtype=np.float64)
+    if tr is not None and tr.shape != (S, m):
+        raise ValueError(f"transient_bytes must be [num_stages={S}, m={m}], got {tr.shape}")
+    res.peak_bytes, res.peak_bytes_rank, (o, st, held) = peaks(flat, S, schedule.num_ranks, act, tr, state)
+    res.memory_timeline = pd.DataFrame({"stage": st, "t_s": end[o], "bytes": held + state[st]})
+
+
+def peaks(flat: Any, S: int, R: int, act: np.ndarray, tr: np.ndarray | None,
+          state: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Peak bytes per stage and per rank of a flattened schedule (see module doc), plus the
+    per-stage sequence ``(order, stage, held bytes after each op)`` for the memory timeline."""
+    a = act[flat.stage, flat.mb]
+    delta = np.array([1.0, -1.0, 0.0])[flat.op] * a
+    # on top of the held-after-op level while the op runs: B still holds its microbatch's activation
+    during = np.where(flat.op == 1, a, 0.0)
+    if tr is not None:
+        during = during + tr[flat.stage, flat.mb]
+    # per stage: its actions in rank order (a stage lives on one rank)
+    o = np.lexsort((flat.step, flat.stage))
+    st = flat.stage[o]
+    cs = np.cumsum(delta[o])
+    first = np.r_[0, np.flatnonzero(st[1:] != st[:-1]) + 1]
+    held = cs - np.repeat(cs[first] - delta[o][first], np.diff(np.r_[first, len(st)]))
+    peak_held = np.zeros(S)
+    if len(st):
+        peak_held[st[first]] = np.maximum(np.maximum.reduceat(held + during[o], first), 0.0)
+    # per rank: its whole sequence (flat is rank-major, in step order)
+    rank_of = np.zeros(S, dtype=np.int64)
+    rank_of[flat.stage] = flat.rank
+    peak_r = np.zeros(R)
+    nonempty = np.flatnonzero(np.diff(flat.start) > 0)
+    if len(nonempty):
+        starts = flat.start[nonempty]
+        csr = np.cumsum(delta)
+        held_r = csr - np.repeat(csr[starts] - delta[starts], np.diff(np.r_[starts, len(delta)]))
+        peak_r[nonempty] = np.maximum(np.maximum.reduceat(held_r + during, starts), 0.0)
+    return state + peak_held, np.bincount(rank_of, weights=state, minlength=R) + peak_r, (o, st, held)
+
+
+def memory_inputs(memory_model: Any, plan: Plan) -> tuple[Any, Any, Any]:
+    """``(act[P, m], transient[P, m] or None, state[P])`` of ``plan`` from ``memory_model`` (Nones without one)."""
+    if memory_model is None:
+        return None, None, None
+    shapes = plan.shapes()
+    rows, plen = shapes[:, 0], shapes[:, 1]
+    if hasattr(memory_model, "act_matrix"):
+        act, tr = memory_model.act_matrix(rows, plen)
+    else:
+        act = np.stack([np.asarray(memory_model.activation_bytes(s, rows, plen), dtype=np.float64).reshape(-1)
+                        for s in range(plan.num_stages)])
+        tr = None
+    return np.asarray(act, dtype=np.float64), tr, np.asarray(memory_model.state_bytes, dtype=np.float64)
+
+
+def comm_times(cost_model: Any, plan: Plan) -> np.ndarray | float:
+    """P2P seconds per microbatch of ``plan`` from ``cost_model.comm`` (0 without one)."""
+    comm_model = getattr(cost_model, "comm", None)
+    if comm_model is None:
+        return 0.0
+    shapes = plan.shapes()
+    nbytes = np.asarray(cost_model.model_cfg.message_bytes(shapes[:, 0], shapes[:, 1]), dtype=np.float64)
+    return np.asarray(comm_model.time(nbytes), dtype=np.float64).reshape(-1)
+
+
+def simulate(schedule: Schedule, plan: Plan, cost_model: Any, memory_model: Any = None) -> SimResult:
+    """Simulate ``plan`` (microbatch ``j`` = ``plan.microbatches[j]``) under ``schedule``.
+
+    Costs from ``cost_model.stage_costs(rows, padded_len)``; P2P time from
+    ``cost_model.comm.time(message bytes)``; memory from ``memory_model`` when given.
+    """
+    if schedule.num_stages != plan.num_stages:
+        raise ValueError(f"schedule has {schedule.num_stages} stages but the plan was made for {plan.num_stages}")
+    if schedule.num_microbatches != plan.num_microbatches:
+        raise ValueError(f"schedule has {schedule.num_microbatches} microbatches but the plan {plan.num_microbatches}")
+    shapes = plan.shapes()
+    rows, plen = shapes[:, 0], shapes[:, 1]
+    costs = cost_model.stage_costs(rows, plen)
+    comm = comm_times(cost_model, plan)
+    act, tr, state = memory_inputs(memory_model, plan)
+    res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr)
+    tl = res.timeline
+    tl["batch"] = rows[tl["mb"].to_numpy()]
+    tl["padded_len"] = plen[tl["mb"].to_numpy()]
+    return res

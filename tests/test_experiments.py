@@ -1,0 +1,107 @@
+"""Smoke tests of the experiment scripts: tidy rows, one per configuration, resuming adds nothing.
+
+Runs ``experiments/sweep_traces.py --simulate-only`` and ``experiments/scaling.py --quick`` with
+tiny settings into ``tmp_path``, ``analyze.py`` on a small synthetic results folder, and every
+script's ``--help``. In-process (the scripts' ``main(argv)``), no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+EXP = Path(__file__).resolve().parents[1] / "experiments"
+SCRIPTS = ("sweep_traces", "fixed_mbs_sweep", "reorder_ablation", "costmodel_ablation", "scaling", "analyze")
+
+
+def _script(name: str):
+    if str(EXP) not in sys.path:
+        sys.path.insert(0, str(EXP))
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        _script(name).main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out and "--out" in out or name == "analyze"
+
+
+def test_sweep_simulate_only_rows_and_resume(tmp_path):
+    sweep = _script("sweep_traces")
+    argv = ["--simulate-only", "--traces", "gsm8k,humaneval", "--memory-limits", "512MiB,1GiB", "--methods",
+            "fixed,dynamic", "--global-batch", "16", "--steps", "1", "--out", str(tmp_path), "--no-progress"]
+    assert sweep.main(argv) == 0
+    df = pd.read_csv(tmp_path / "sim.csv")
+    assert len(df) == 2 * 2 * 2                                    # traces x limits x methods, one step each
+    for col in ("dataset", "memory_limit_bytes", "method", "mbs", "global_batch", "num_stages", "step", "status",
+                "pred_step_s", "pred_tokens_per_s", "padding_fraction", "pred_mean_bubble", "pred_peak_over_limit",
+                "plan_s", "num_microbatches", "real_tokens"):
+        assert col in df.columns, col
+    keys = ["dataset", "memory_limit_bytes", "method"]
+    assert not df.duplicated(keys).any()
+    assert set(df["status"]) == {"ok"} and (df["pred_peak_over_limit"] <= 1).all()
+    assert (df["pred_tokens_per_s"] > 0).all()
+    # resuming adds nothing; a new method adds only its configurations
+    assert sweep.main(argv) == 0
+    assert len(pd.read_csv(tmp_path / "sim.csv")) == 8
+    argv[argv.index("fixed,dynamic")] = "fixed,sorted,dynamic"
+    assert sweep.main(argv) == 0
+    df2 = pd.read_csv(tmp_path / "sim.csv")
+    assert len(df2) == 12 and (df2["method"] == "sorted").sum() == 4
+
+
+def test_scaling_quick_rows_and_resume(tmp_path):
+    scaling = _script("scaling")
+    argv = ["--quick", "--stages", "4,64", "--dp", "1,8", "--traces", "sharegpt", "--per-replica", "16",
+            "--methods", "fixed,dynamic", "--out", str(tmp_path), "--no-progress"]
+    assert scaling.main(argv) == 0
+    df = pd.read_csv(tmp_path / "scaling.csv")
+    assert len(df) == 2 * 2 * 2
+    assert set(df["status"]) == {"ok"}
+    assert not df.duplicated(["num_stages", "dp", "method"]).any()
+    assert ((df["efficiency"] > 0) & (df["efficiency"] <= df["mfu"])).all()
+    assert ((df["mean_bubble"] >= 0) & (df["mean_bubble"] < 1)).all()
+    assert (df["global_batch"] == 16 * df["dp"]).all() and (df["plan_s"] >= df["pack_s"]).all()
+    assert scaling.main(argv) == 0
+    assert len(pd.read_csv(tmp_path / "scaling.csv")) == 8
+
+
+def _synthetic_results(d: Path) -> None:
+    """Real-run tables of 4 runs: fixed mbs 1 and 2, token-budget, dynamic (100/150/120/200 tokens/s)."""
+    runs = {"r1": ("fixed", 1, 150.0), "r2": ("fixed", 2, 100.0), "r3": ("token-budget", None, 120.0),
+            "r4": ("dynamic", None, 200.0)}
+    steps, mem, cfg = [], [], []
+    for rid, (m, mbs, tps) in runs.items():
+        for k in range(3):
+            step_s = 1000.0 / tps
+            steps.append(dict(run_id=rid, method=m, dataset="toy", step=k, warmup=k == 0,
+                              step_s=step_s * (3 if k == 0 else 1), pred_step_s=step_s * 1.05, real_tokens=1000,
+                              computed_tokens=1200, tokens_per_s=tps / (3 if k == 0 else 1), num_microbatches=4,
+                              padding_fraction=1 / 6, mean_bubble=0.2, plan_s=0.01))
+            mem += [dict(run_id=rid, step=k, stage=s, peak_bytes=500 + 100 * s, limit_bytes=1000) for s in (0, 1)]
+        cfg.append(dict(dataset="toy", model="tiny", num_stages=2, dp=1, global_batch=8, memory_limit_bytes=1000,
+                        method=m, mbs=mbs, schedule="1f1b", reorder="none", cost_model="analytic", seed=0,
+                        oversize="error", steps=2, warmup=1, run_id=rid, status="ok", error=""))
+    d.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("steps", steps), ("memory", mem), ("configs", cfg)):
+        pd.DataFrame(rows).to_csv(d / f"{name}.csv", index=False)
+
+
+def test_analyze_synthetic(tmp_path, capsys):
+    _synthetic_results(tmp_path / "res")
+    assert _script("analyze").main([str(tmp_path / "res"), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| dataset | memory_limit | method |" in out
+    lines = {ln.split("|")[3].strip(): ln for ln in out.splitlines() if ln.startswith("| toy")}
+    assert {"fixed mbs=1", "fixed mbs=2", "token-budget", "dynamic"} <= set(lines)
+    assert "| 200 |" in lines["dynamic"]                          # warm-up steps are excluded
+    assert "| 0.6 |" in lines["dynamic"]                          # peak / limit = 600 / 1000
+    best = [ln for ln in out.splitlines() if ln.startswith("| toy") and ln.count("|") == 8]
+    assert len(best) == 1 and "| 1 |" in best[0] and "| 1.33 |" in best[0]   # best fixed mbs 1, 200/150
