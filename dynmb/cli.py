@@ -21,11 +21,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small", help="model preset: tiny, small (CPU default), gpt2, gpt2-medium, llama-1b, llama-7b")
 
 
-def _add_data_flags(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+def _add_data_flags(p: argparse.ArgumentParser, *, global_batch: int = 64) -> None:
     src = p.add_mutually_exclusive_group(required=False)
     src.add_argument("--dataset", default=None, help="shipped length trace name (see `dynmb datasets`)")
     src.add_argument("--lengths", default=None, help="a length-trace CSV (header + one column `length`)")
-    p.add_argument("--global-batch", type=int, default=64, help="sequences per global batch (default 64)")
+    p.add_argument("--global-batch", type=int, default=global_batch,
+                   help=f"sequences per global batch (default {global_batch})")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling the global batch (default 0)")
 
 
@@ -288,7 +289,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout)
     return launch(cfg, args.out, args.nproc, verify=args.verify, memory_model=args.memory_model,
                   oversize=args.oversize, allow_over_limit=getattr(args, "allow_over_limit", False))
-_cmd_compare = _not_yet("compare")
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import run_compare
+
+    return run_compare(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -392,21 +396,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group / P2P timeout in seconds (default 120)")
     p.add_argument("--verify", action="store_true", help="check each step's gradients against a single-process reference")
+    p.add_argument("--allow-over-limit", action="store_true", help="report a measured peak over the limit instead of failing")
     p.add_argument("--out", required=True, help="results folder (tables steps/actions/memory/runs)")
     p.set_defaults(func=lambda a: _cmd_run(a))
 
     p = sub.add_parser("compare", help="the main job: fixed vs dynamic microbatching on real runs, with a table and plots")
-    _add_data_flags(p)
+    _add_data_flags(p, global_batch=32)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    p.add_argument("--memory-limit", default=None, help="per-GPU memory limit (default: one that binds for the model)")
+    p.add_argument("--memory-limit", default=None, help="per-GPU memory limit (default 1GiB, which binds for the small model)")
     p.add_argument("--methods", default="fixed,sorted,packed,token-budget,dynapipe,dynamic", help="comma-separated methods")
     p.add_argument("--mbs", type=int, default=None, help="microbatch size for fixed-size methods (default: largest that fits)")
     p.add_argument("--schedule", default="1f1b", help="schedule kind (default 1f1b)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per method (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per method (default 1)")
-    p.add_argument("--cost-model", default=None, help="fitted cost-model JSON (default: profile a quick one, cached in --out)")
+    p.add_argument("--cost-model", default=None, help="fitted cost-model JSON (default: the one shipped for this model/stages on CPU, else analytic)")
     _add_model_flags(p)
     p.add_argument("--out", default="results/compare", help="results folder (default results/compare)")
+    p.add_argument("--verbose", action="store_true", help="stream the workers' output")
     p.set_defaults(func=lambda a: _cmd_compare(a))
     return ap
 

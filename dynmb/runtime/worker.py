@@ -305,7 +305,9 @@ def _record(st: _Setup, k: int, rep: dict[str, Any], reports: list[dict[str, Any
                pred_mean_bubble=plan.predictions.get("mean_bubble"), plan_s=plan.predictions.get("plan_s"),
                loss=sum(r["loss"] for r in reports), schedule=cfg.pipeline.schedule, reorder=cfg.pipeline.reorder,
                num_stages=st.S, virtual=cfg.pipeline.virtual, dp=st.dp, world_size=st.world,
-               verified=bool(st.spec.get("verify")))
+               verified=bool(st.spec.get("verify")), memory_limit_bytes=int(plan.memory_limit_bytes),
+               mbs=plan.meta.get("mbs"), model=cfg.model.name, global_batch=cfg.global_batch,
+               truncated=len(plan.meta.get("truncated", [])), dropped=len(plan.meta.get("dropped", [])))
     writer.append("steps", [row])
     writer.append("actions", [a for r in reports for a in r["actions"]])
     writer.append("memory", [m for r in reports for m in r["memory"]])

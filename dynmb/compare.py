@@ -1,0 +1,130 @@
+"""The main job: fixed against dynamic microbatching on real pipelines, in one run.
+
+``run_compare`` plans every method on the same global batches, runs them all as the
+cases of ONE torchrun job (one process per stage; gloo on CPU, NCCL on CUDA), so the
+throughputs are measured side by side on the same machine state, then:
+
+1. prints a pandas table per method: tokens/s, speedup vs ``fixed``, padding fraction,
+   mean bubble, peak / limit, predicted vs measured step time, plan time;
+2. writes ``summary.csv`` next to the tidy ``steps``/``actions``/``memory``/``runs`` tables;
+3. plots ``throughput.png`` and measured-vs-predicted Gantt charts for ``fixed`` and
+   ``dynamic`` (``gantt_<method>_measured.png`` / ``gantt_<method>_predicted.png``).
+
+Defaults (``dynmb compare``): the sharegpt trace, the ``small`` model, 2 stages, a 1 GiB
+limit (binding: ``fixed`` can only afford a few rows of the longest sequences), global
+batches of 32 sequences, 1 warm-up + 3 measured steps per method. The cost model is the
+one fitted on this kind of CPU and shipped in ``data/costmodels/`` when the model and
+stage count match, else the analytic stand-in (``--cost-model`` for your own fit).
+
+Equivalent torchrun line of one case: see ``dynmb.runtime.worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["run_compare", "default_cost_model_path", "COLUMNS"]
+
+COLUMNS = ["tokens_per_s", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
+           "pred_step_s", "step_s", "pred_err", "plan_s", "num_microbatches", "mbs"]
+
+
+def default_cost_model_path(model: str, stages: int) -> str | None:
+    """The shipped fitted cost model for (model, stages) on CPU, if there is one."""
+    p = Path(__file__).resolve().parent.parent / "data" / "costmodels" / f"{model}-p{stages}-cpu.json"
+    return str(p) if p.exists() else None
+
+
+def _gantts(out: Path, steps: pd.DataFrame, actions: pd.DataFrame, method: str, args: argparse.Namespace) -> list[str]:
+    """Measured and predicted timelines of the first measured step of ``method``."""
+    from .config import ModelConfig, parse_bytes
+    from .costmodel import get_cost_model
+    from .data import load_trace, sample_batch
+    from .plots import gantt
+    from .planner import plan_step
+
+    ms = steps[(steps["method"] == method) & (~steps["warmup"].astype(bool))]
+    if ms.empty:
+        return []
+    run_id, k = ms.iloc[0]["run_id"], int(ms.iloc[0]["step"])
+    tl = actions[(actions["run_id"] == run_id) & (actions["step"] == k)]
+    paths = [gantt(tl, str(out / f"gantt_{method}_measured.png"),
+                   title=f"{method}: measured step {k} ({ms.iloc[0]['step_s']:.2f} s)")]
+    cfg = ModelConfig.preset(args.model)
+    batch = sample_batch(load_trace(args.lengths or args.dataset), args.global_batch, args.seed, step=k)
+    _, _, sim = plan_step(batch, method=method, model_cfg=cfg, num_stages=args.stages,
+                          memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule,
+                          mbs=args.mbs, cost_model=get_cost_model(args.cost_model, cfg, args.stages))
+    paths.append(gantt(sim.timeline, str(out / f"gantt_{method}_predicted.png"),
+                       title=f"{method}: predicted step {k} ({sim.makespan_s:.2f} s)"))
+    return paths
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """``dynmb compare``: see the module docstring. Returns the exit code."""
+    from .analysis import summarise
+    from .config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+    from .plots import compare_throughput
+    from .results import load_results, write_table
+    from .runtime.launch import default_backend_device, failure_lines, launch_spec, write_spec
+
+    if args.dataset is None and args.lengths is None:
+        args.dataset = "sharegpt"
+    if args.memory_limit is None:
+        args.memory_limit = "1GiB"
+    if args.cost_model is None:
+        args.cost_model = default_cost_model_path(args.model, args.stages)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    backend, device = default_backend_device()
+    limit = parse_bytes(args.memory_limit)
+    tag = uuid.uuid4().hex[:6]
+    cases = []
+    for m in methods:
+        cfg = RunConfig(model=ModelConfig.preset(args.model),
+                        pipeline=PipelineConfig(num_stages=args.stages, schedule=args.schedule, memory_limit_bytes=limit),
+                        dataset=args.lengths or args.dataset, global_batch=args.global_batch, method=m,
+                        mbs=args.mbs if m in ("fixed", "sorted", "packed") else None, seed=args.seed,
+                        steps=args.steps, warmup=args.warmup, backend=backend, device=device,
+                        cost_model=args.cost_model)
+        cases.append(write_spec(cfg, out, run_id=f"{m}-{tag}"))
+    print(f"dynmb compare: {len(methods)} methods x ({args.warmup} warm-up + {args.steps} steps) on "
+          f"{args.stages} {backend} ranks, {args.dataset or args.lengths}, global batch {args.global_batch}, "
+          f"limit {args.memory_limit}, cost model {args.cost_model or 'analytic'} -> {out}", file=sys.stderr)
+    t0 = time.perf_counter()
+    rc = launch_spec({"out_dir": str(out.resolve()), "cases": cases}, args.stages, quiet=not args.verbose)
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        for line in failure_lines(out, "") or [f"torchrun exited with code {rc}"]:
+            print(f"dynmb compare: {line}", file=sys.stderr)
+        return rc
+    tables = load_results(out)
+    ids = {c["run_id"] for c in cases}
+    tables = {k: (v[v["run_id"].isin(ids)] if "run_id" in v.columns else v) for k, v in tables.items()}
+    summary = summarise(tables).reset_index().set_index("method")
+    summary = summary.reindex([m for m in methods if m in summary.index])
+    write_table(summary.reset_index(), out / "summary.csv")
+    compare_throughput(summary, str(out / "throughput.png"),
+                       title=f"{args.dataset or args.lengths}, {args.model}, {args.stages} stages, limit {args.memory_limit}")
+    pngs = ["throughput.png"]
+    for m in ("fixed", "dynamic"):
+        if m in summary.index:
+            pngs += [Path(p).name for p in _gantts(out, tables["steps"], tables["actions"], m, args)]
+    cols = [c for c in COLUMNS if c in summary.columns]
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.3g}".format):
+        print(summary[cols].to_string())
+    print(f"\n{len(methods)} methods in {wall:.0f} s; tables steps/actions/memory/runs/summary (.csv"
+          f"{', .parquet' if (out / 'summary.parquet').exists() else ''}) and {', '.join(pngs)} in {out}")
+    over = summary["peak_over_limit"] > 1 if "peak_over_limit" in summary else pd.Series(dtype=bool)
+    if over.any():
+        print(f"dynmb compare: measured peak over the limit for {list(summary.index[over])}", file=sys.stderr)
+        return 1
+    return 0
