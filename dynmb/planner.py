@@ -35,8 +35,7 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any 
         if memory_model is None:
             raise ValueError("the memory-aware schedule needs a memory model")
         shapes = plan.shapes()
-        kw["act_bytes"] = np.stack([memory_model.activation_bytes(s, shapes[:, 0], shapes[:, 1])
-                                    for s in range(plan.num_stages)])
+        kw["act_bytes"], kw["transient_bytes"] = memory_model.act_matrix(shapes[:, 0], shapes[:, 1])
         kw["state_bytes"] = memory_model.state_bytes
         kw["limit_bytes"] = plan.memory_limit_bytes
     sched = build_schedule(kind, plan.num_stages, m, virtual=virtual, **kw)
