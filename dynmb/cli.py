@@ -407,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="fixed,sorted,packed,token-budget,dynapipe,dynamic", help="comma-separated methods")
     p.add_argument("--mbs", type=int, default=None, help="microbatch size for fixed-size methods (default: largest that fits)")
     p.add_argument("--schedule", default="1f1b", help="schedule kind (default 1f1b)")
+    p.add_argument("--reorder", default="auto",
+                   help="microbatch order: auto (dynamic: search, dynapipe: its cluster permutation, others: none) "
+                        "or one of none, descending, ascending, ends, dynapipe, search for every method")
     p.add_argument("--steps", type=int, default=3, help="measured steps per method (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per method (default 1)")
     p.add_argument("--cost-model", default=None, help="fitted cost-model JSON (default: the one shipped for this model/stages on CPU, else analytic)")

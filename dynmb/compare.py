@@ -12,7 +12,8 @@ throughputs are measured side by side on the same machine state, then:
 
 Defaults (``dynmb compare``): the sharegpt trace, the ``small`` model, 2 stages, a 1 GiB
 limit (binding: ``fixed`` can only afford a few rows of the longest sequences), global
-batches of 32 sequences, 1 warm-up + 3 measured steps per method. The cost model is the
+batches of 32 sequences, each method's own microbatch order (``--reorder auto``),
+1 warm-up + 3 measured steps per method. The cost model is the
 one fitted on this kind of CPU and shipped in ``data/costmodels/`` when the model and
 stage count match, else the analytic stand-in (``--cost-model`` for your own fit).
 
@@ -30,7 +31,12 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["run_compare", "default_cost_model_path", "COLUMNS"]
+__all__ = ["run_compare", "default_cost_model_path", "reorder_for", "COLUMNS", "AUTO_REORDER"]
+
+# The order each method runs its microbatches in under ``--reorder auto``: the systems the
+# baselines stand for do not reorder (Megatron, DeepSpeed, fairseq) except DynaPipe, which
+# searches permutations of cost clusters; dynmb's own method uses its simulator-guided search.
+AUTO_REORDER = {"dynamic": "search", "dynapipe": "dynapipe"}
 
 COLUMNS = ["tokens_per_s", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
            "pred_step_s", "step_s", "pred_err", "plan_s", "num_microbatches", "mbs"]
@@ -40,6 +46,11 @@ def default_cost_model_path(model: str, stages: int) -> str | None:
     """The shipped fitted cost model for (model, stages) on CPU, if there is one."""
     p = Path(__file__).resolve().parent.parent / "data" / "costmodels" / f"{model}-p{stages}-cpu.json"
     return str(p) if p.exists() else None
+
+
+def reorder_for(method: str, reorder: str) -> str:
+    """The reorder pass of ``method`` under ``--reorder`` (``auto``: see ``AUTO_REORDER``)."""
+    return AUTO_REORDER.get(method, "none") if reorder == "auto" else reorder
 
 
 def _gantts(out: Path, steps: pd.DataFrame, actions: pd.DataFrame, method: str, args: argparse.Namespace) -> list[str]:
@@ -61,7 +72,9 @@ def _gantts(out: Path, steps: pd.DataFrame, actions: pd.DataFrame, method: str, 
     batch = sample_batch(load_trace(args.lengths or args.dataset), args.global_batch, args.seed, step=k)
     _, _, sim = plan_step(batch, method=method, model_cfg=cfg, num_stages=args.stages,
                           memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule,
-                          mbs=args.mbs, cost_model=get_cost_model(args.cost_model, cfg, args.stages))
+                          mbs=args.mbs if method in ("fixed", "sorted", "packed") else None,
+                          reorder=reorder_for(method, args.reorder),
+                          cost_model=get_cost_model(args.cost_model, cfg, args.stages))
     paths.append(gantt(sim.timeline, str(out / f"gantt_{method}_predicted.png"),
                        title=f"{method}: predicted step {k} ({sim.makespan_s:.2f} s)"))
     return paths
@@ -90,7 +103,8 @@ def run_compare(args: argparse.Namespace) -> int:
     cases = []
     for m in methods:
         cfg = RunConfig(model=ModelConfig.preset(args.model),
-                        pipeline=PipelineConfig(num_stages=args.stages, schedule=args.schedule, memory_limit_bytes=limit),
+                        pipeline=PipelineConfig(num_stages=args.stages, schedule=args.schedule, memory_limit_bytes=limit,
+                                                reorder=reorder_for(m, args.reorder)),
                         dataset=args.lengths or args.dataset, global_batch=args.global_batch, method=m,
                         mbs=args.mbs if m in ("fixed", "sorted", "packed") else None, seed=args.seed,
                         steps=args.steps, warmup=args.warmup, backend=backend, device=device,
@@ -98,7 +112,7 @@ def run_compare(args: argparse.Namespace) -> int:
         cases.append(write_spec(cfg, out, run_id=f"{m}-{tag}"))
     print(f"dynmb compare: {len(methods)} methods x ({args.warmup} warm-up + {args.steps} steps) on "
           f"{args.stages} {backend} ranks, {args.dataset or args.lengths}, global batch {args.global_batch}, "
-          f"limit {args.memory_limit}, cost model {args.cost_model or 'analytic'} -> {out}", file=sys.stderr)
+          f"limit {args.memory_limit}, reorder {args.reorder}, cost model {args.cost_model or 'analytic'} -> {out}", file=sys.stderr)
     t0 = time.perf_counter()
     rc = launch_spec({"out_dir": str(out.resolve()), "cases": cases}, args.stages, quiet=not args.verbose)
     wall = time.perf_counter() - t0
