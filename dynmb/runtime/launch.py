@@ -135,20 +135,32 @@ def _summary(out: Path) -> str:
 
 
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_FAILED = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n(?:[^\n]*\n)??\s*exitcode\s*:\s*(-?\d+)")
 
 
 def failure_lines(out_dir: Path, log: str) -> list[str]:
-    """One line per failed rank: its Python error, or how it died when it left none."""
+    """One line per failed rank: its Python error, or how it died when it left none.
+
+    The root cause is a rank that died without a Python error (killed, ``os._exit``), when
+    torchrun's failure summary lists one: the others' errors (connection reset, timeout) are
+    what its death did to them, whichever torchrun happened to observe first.
+    """
     files = {}
     for f in sorted((out_dir / "errors").glob("rank*.txt")) if (out_dir / "errors").exists() else []:
         text = f.read_text()
         m = re.search(r"^error: (.*)$", text, re.M)
         files[int(f.stem[4:])] = m.group(1) if m else text.strip().splitlines()[-1]
+    died = {int(r): int(c) for r, c in _FAILED.findall(log) if int(r) not in files and int(c) != 0}
     m = _ROOT.search(log)        # torchrun's summary; the other listed failures are ranks it stopped
-    root = int(m.group(1)) if m else (min(files) if files else None)
+    # ranks torchrun itself stopped (SIGTERM) after the first failure are not causes
+    caused = {r: c for r, c in died.items() if c != -signal.SIGTERM}
+    if caused:
+        root, code = min(caused.items())
+    else:
+        root = int(m.group(1)) if m else (min(files) if files else None)
+        code = int(m.group(2)) if m else 0
     out = []
-    if m and root not in files:
-        code = int(m.group(2))
+    if root is not None and root not in files and (died or m):
         how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
         out.append(f"dynmb run: rank {root} died ({how}) without a Python error")
     if root in files:
