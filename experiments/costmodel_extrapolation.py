@@ -7,7 +7,8 @@ compare with its median over repeats. Prints one row per (stage, op, padded_len)
 mean and max absolute percentage error of each model and the points' noise floor
 (median |t_r - median| / median), then the per-point table with ``--points``.
 
-    python experiments/costmodel_extrapolation.py /work/notes/costmodel/samples-small-p2-cpu.csv \
+    dynmb profile --model small --stages 2 -o samples.csv     # the full grid (about 20 min)
+    python experiments/costmodel_extrapolation.py samples.csv \
         --model small --stages 2 --fit-max-len 512 --eval-lens 1024 2048
 """
 
