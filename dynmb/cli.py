@@ -209,6 +209,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 
     cfg = ModelConfig.preset(args.model)
     rows, lens = ([1, 2, 4], [32, 64, 128, 256]) if args.quick else ([1, 2, 4, 8], [64, 128, 256, 512, 1024])
+    if args.device == "cuda" and not args.quick:
+        lens += [2048, 4096]    # a GPU has the room: cover the long sequences the traces hold
     df = pd.DataFrame(measure_grid(cfg, args.stages, rows, lens, device=args.device))
     pts = sorted({(b, s) for b, s in zip(df.rows, df.padded_len)})
     pick = np.random.default_rng(0).choice(len(pts), size=max(1, len(pts) // 4), replace=False)
@@ -407,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="fixed,sorted,packed,token-budget,dynapipe,dynamic", help="comma-separated methods")
     p.add_argument("--mbs", type=int, default=None, help="microbatch size for fixed-size methods (default: largest that fits)")
     p.add_argument("--schedule", default="1f1b", help="schedule kind (default 1f1b)")
+    p.add_argument("--virtual", type=int, default=1,
+                   help="model chunks per rank (default 1: one rank per stage; >1 runs the interleaved schedule on stages/virtual ranks)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="cpu (gloo) or cuda (NCCL, one GPU per rank); default cuda when available")
+    p.add_argument("--memory-model", default=None, help="fitted memory-model JSON (`dynmb memory`); default analytic")
+    p.add_argument("--allow-over-limit", action="store_true",
+                   help="finish and report a measured peak over the limit (exit 1) instead of stopping the run")
     p.add_argument("--reorder", default="auto",
                    help="microbatch order: auto (dynamic: search, dynapipe: its cluster permutation, others: none) "
                         "or one of none, descending, ascending, ends, dynapipe, search for every method")

@@ -42,9 +42,9 @@ COLUMNS = ["tokens_per_s", "speedup_vs_fixed", "padding_fraction", "mean_bubble"
            "pred_step_s", "step_s", "pred_err", "plan_s", "num_microbatches", "mbs"]
 
 
-def default_cost_model_path(model: str, stages: int) -> str | None:
-    """The shipped fitted cost model for (model, stages) on CPU, if there is one."""
-    p = Path(__file__).resolve().parent.parent / "data" / "costmodels" / f"{model}-p{stages}-cpu.json"
+def default_cost_model_path(model: str, stages: int, device: str = "cpu") -> str | None:
+    """The shipped fitted cost model for (model, stages) on ``device`` ("cpu"/"cuda"), if there is one."""
+    p = Path(__file__).resolve().parent.parent / "data" / "costmodels" / f"{model}-p{stages}-{device}.json"
     return str(p) if p.exists() else None
 
 
@@ -58,6 +58,7 @@ def _gantts(out: Path, steps: pd.DataFrame, actions: pd.DataFrame, method: str, 
     from .config import ModelConfig, parse_bytes
     from .costmodel import get_cost_model
     from .data import load_trace, sample_batch
+    from .memory import get_memory_model
     from .plots import gantt
     from .planner import plan_step
 
@@ -73,8 +74,9 @@ def _gantts(out: Path, steps: pd.DataFrame, actions: pd.DataFrame, method: str, 
     _, _, sim = plan_step(batch, method=method, model_cfg=cfg, num_stages=args.stages,
                           memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule,
                           mbs=args.mbs if method in ("fixed", "sorted", "packed") else None,
-                          reorder=reorder_for(method, args.reorder),
-                          cost_model=get_cost_model(args.cost_model, cfg, args.stages))
+                          reorder=reorder_for(method, args.reorder), virtual=int(getattr(args, "virtual", 1) or 1),
+                          cost_model=get_cost_model(args.cost_model, cfg, args.stages),
+                          memory_model=get_memory_model(getattr(args, "memory_model", None), cfg, args.stages))
     paths.append(gantt(sim.timeline, str(out / f"gantt_{method}_predicted.png"),
                        title=f"{method}: predicted step {k} ({sim.makespan_s:.2f} s)"))
     return paths
@@ -92,29 +94,38 @@ def run_compare(args: argparse.Namespace) -> int:
         args.dataset = "sharegpt"
     if args.memory_limit is None:
         args.memory_limit = "1GiB"
+    backend, device = default_backend_device()
+    device = getattr(args, "device", None) or device
+    backend = "nccl" if device == "cuda" else "gloo"
+    virtual = int(getattr(args, "virtual", 1) or 1)
+    if virtual > 1 and args.schedule == "1f1b":
+        args.schedule = "interleaved"
+    if args.stages % virtual:
+        raise ValueError(f"--stages {args.stages} is not a multiple of --virtual {virtual}")
+    nproc = args.stages // virtual
     if args.cost_model is None:
-        args.cost_model = default_cost_model_path(args.model, args.stages)
+        args.cost_model = default_cost_model_path(args.model, args.stages, device)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    backend, device = default_backend_device()
     limit = parse_bytes(args.memory_limit)
     tag = uuid.uuid4().hex[:6]
     cases = []
     for m in methods:
         cfg = RunConfig(model=ModelConfig.preset(args.model),
-                        pipeline=PipelineConfig(num_stages=args.stages, schedule=args.schedule, memory_limit_bytes=limit,
-                                                reorder=reorder_for(m, args.reorder)),
+                        pipeline=PipelineConfig(num_stages=args.stages, virtual=virtual, schedule=args.schedule,
+                                                memory_limit_bytes=limit, reorder=reorder_for(m, args.reorder)),
                         dataset=args.lengths or args.dataset, global_batch=args.global_batch, method=m,
                         mbs=args.mbs if m in ("fixed", "sorted", "packed") else None, seed=args.seed,
                         steps=args.steps, warmup=args.warmup, backend=backend, device=device,
                         cost_model=args.cost_model)
-        cases.append(write_spec(cfg, out, run_id=f"{m}-{tag}"))
+        cases.append(write_spec(cfg, out, run_id=f"{m}-{tag}", memory_model=getattr(args, "memory_model", None),
+                                allow_over_limit=bool(getattr(args, "allow_over_limit", False))))
     print(f"dynmb compare: {len(methods)} methods x ({args.warmup} warm-up + {args.steps} steps) on "
-          f"{args.stages} {backend} ranks, {args.dataset or args.lengths}, global batch {args.global_batch}, "
+          f"{nproc} {backend} rank(s) ({args.stages} stages, {args.schedule}, {device}), {args.dataset or args.lengths}, global batch {args.global_batch}, "
           f"limit {args.memory_limit}, reorder {args.reorder}, cost model {args.cost_model or 'analytic'} -> {out}", file=sys.stderr)
     t0 = time.perf_counter()
-    rc = launch_spec({"out_dir": str(out.resolve()), "cases": cases}, args.stages, quiet=not args.verbose)
+    rc = launch_spec({"out_dir": str(out.resolve()), "cases": cases}, nproc, quiet=not args.verbose)
     wall = time.perf_counter() - t0
     if rc != 0:
         for line in failure_lines(out, "") or [f"torchrun exited with code {rc}"]:

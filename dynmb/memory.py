@@ -202,9 +202,18 @@ class MemoryModel:
             order = np.asarray(order, dtype=np.int64)
             b, s = b[order], s[order]
         if b.size == 0:
-            return self.state_bytes.copy()
+            return self.rank_state_bytes(schedule_kind, virtual)
         act, tr = self.act_matrix(b, s)
-        return self.state_bytes + peak_from_matrix(act, tr, schedule_kind, virtual)
+        return self.rank_state_bytes(schedule_kind, virtual) + peak_from_matrix(act, tr, schedule_kind, virtual)
+
+    def rank_state_bytes(self, schedule_kind: str = "1f1b", virtual: int = 1) -> np.ndarray:
+        """State bytes per stage of the GPU that holds it: under ``interleaved`` with
+        ``virtual`` > 1, stage i sits on rank i % (P / virtual) with the rank's other chunks."""
+        state = np.asarray(self.state_bytes, dtype=np.float64)
+        if schedule_kind != "interleaved" or virtual <= 1:
+            return state.copy()
+        rank = np.arange(self.num_stages) % (self.num_stages // virtual)
+        return np.bincount(rank, weights=state)[rank]
 
     def max_rows(self, stage_caps: Any, padded_len: Any, inflight: Any, tight: bool = False) -> np.ndarray:
         """Largest b per padded_len with ``inflight[i] * (act_i(b, s) + tr_i(b, s)) <= stage_caps[i]``

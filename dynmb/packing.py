@@ -61,15 +61,27 @@ class PackingError(ValueError):
 class _Ctx:
     """Per-call constants: caps, in-flight counts and the admissible-rows function."""
 
-    def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True) -> None:
+    def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True, virtual: int = 1) -> None:
         self.mm, self.limit, self.p, self.kind, self.tight = mm, int(limit), p, kind, tight
-        self.caps = float(limit) - mm.state_bytes
-        self.k = np.array([1 if kind == "gpipe" else inflight_limit(i, p, kind, 2**30) for i in range(p)])
+        state = np.asarray(mm.state_bytes, dtype=np.float64)
+        if kind == "interleaved" and virtual > 1:
+            # one GPU holds stages r, r + R, ...: their states add up, and at most `warm` chunk-
+            # microbatches are in flight on it (the bound of memory.peak_from_matrix)
+            if p % virtual:
+                raise PackingError(f"{p} stages are not a multiple of virtual {virtual}")
+            R = p // virtual
+            rank = np.arange(p) % R
+            state = np.bincount(rank, weights=state, minlength=R)[rank]
+            self.k = 2 * (R - rank - 1) + (virtual - 1) * R + 1
+        else:
+            self.k = np.array([1 if kind == "gpipe" else inflight_limit(i, p, kind, 2**30) for i in range(p)])
+        self.caps = float(limit) - state
         if np.any(self.caps <= 0):
             i = int(np.argmin(self.caps))
+            where = f"stage {i}" if virtual == 1 or kind != "interleaved" else f"the GPU holding stage {i}"
             raise PackingError(
-                f"memory limit {int(limit)} B is below the model states of stage {i}: "
-                f"{int(mm.state_bytes[i])} B (params + grads + optimizer); states per stage: "
+                f"memory limit {int(limit)} B is below the model states of {where}: "
+                f"{int(state[i])} B (params + grads + optimizer); states per stage: "
                 f"{[int(x) for x in mm.state_bytes]}")
 
     def bmax(self, s: Any) -> np.ndarray:
@@ -214,7 +226,7 @@ def _assign_replicas(groups: list[tuple], t: np.ndarray, dp: int) -> tuple[list[
 
 def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: Any,
          cost_model: Any, mbs: int | None = None, schedule_kind: str = "1f1b", dp: int = 1,
-         oversize: str = "error", row_len: int | None = None) -> Plan:
+         oversize: str = "error", row_len: int | None = None, virtual: int = 1) -> Plan:
     """Pack the global batch ``lengths`` with ``method``; see the module docstring.
 
     The cyclic garbage collector is paused during the call (packing allocates many small
@@ -225,7 +237,7 @@ def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int,
     try:
         return _pack(lengths, method, num_stages=num_stages, memory_limit_bytes=memory_limit_bytes,
                      memory_model=memory_model, cost_model=cost_model, mbs=mbs, schedule_kind=schedule_kind,
-                     dp=dp, oversize=oversize, row_len=row_len)
+                     dp=dp, oversize=oversize, row_len=row_len, virtual=virtual)
     finally:
         if gc_was:
             gc.enable()
@@ -233,7 +245,7 @@ def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int,
 
 def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: Any,
           cost_model: Any, mbs: int | None, schedule_kind: str, dp: int, oversize: str,
-          row_len: int | None) -> Plan:
+          row_len: int | None, virtual: int = 1) -> Plan:
     t0 = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"unknown packing method {method!r}; expected one of {METHODS}")
@@ -246,7 +258,7 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
     if memory_model.num_stages != num_stages:
         raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {num_stages}")
     orig = _check_lengths(lengths)
-    ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind)
+    ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
     cfg = memory_model.model_cfg
     limit_len = min(cfg.max_seq_len, row_len or cfg.max_seq_len)
     lfit = ctx.max_len(min(int(orig.max()), limit_len))
@@ -272,7 +284,7 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
     lmax = int(L.max())
     for tight in (True, False):
         # tight budget (k * act + tr) first; if the exact peak of a mix exceeds the limit, the safe one
-        ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind, tight=tight)
+        ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind, tight=tight, virtual=virtual)
         if method in ("fixed", "sorted"):
             b = mbs or int(ctx.bmax([lmax])[0])
             meta["mbs"] = b
@@ -339,7 +351,8 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
         peak = np.zeros(num_stages)
         ests = []
         for sel in reps:
-            peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], schedule_kind))
+            peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], schedule_kind,
+                                                            virtual=virtual))
             c = np.asarray(comm_s)[sel] if np.ndim(comm_s) else comm_s
             ests.append(makespan(cost["F"][:, sel], cost["B"][:, sel], c, schedule_kind))
         if not np.any(peak > memory_limit_bytes):

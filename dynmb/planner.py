@@ -76,7 +76,7 @@ def plan_step(
     t0 = time.perf_counter()
     plan = pack(np.asarray(lengths, dtype=np.int64), method, num_stages=num_stages,
                 memory_limit_bytes=memory_limit_bytes, memory_model=memory_model, cost_model=cost_model,
-                mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize=oversize)
+                mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize=oversize, virtual=virtual)
     replicas = [plan] if dp == 1 else [plan.replica(r) for r in range(dp)]
     if reorder != "none":
         from .schedule.reorder import reorder as _reorder

@@ -35,3 +35,20 @@ def test_compare_runs_methods_side_by_side(tmp_path, capsys):
     assert set(steps.loc[steps["method"] == "dynamic", "reorder"]) == {"search"}
     for png in ("throughput.png", "gantt_fixed_measured.png", "gantt_dynamic_predicted.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_compare_on_one_rank_with_virtual_stages(tmp_path, capsys):
+    """``--virtual 2``: both stages on one rank (one GPU), interleaved; the rank's peak, states
+    of both stages included, stays under the limit."""
+    out = tmp_path / "cmp1"
+    rc = main(["compare", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "8", "--steps", "1",
+               "--warmup", "0", "--methods", "fixed,dynamic", "--memory-limit", "64MiB", "--virtual", "2",
+               "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    steps = pd.read_csv(out / "steps.csv")
+    assert set(steps["schedule"]) == {"interleaved"} and set(steps["virtual"]) == {2}
+    assert set(steps["world_size"]) == {1}
+    mem = pd.read_csv(out / "memory.csv")
+    assert (mem["peak_bytes"] <= mem["limit_bytes"]).all()
+    with pytest.raises(SystemExit):
+        main(["compare", "--virtual", "2", "--device", "tpu"])

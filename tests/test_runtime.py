@@ -192,3 +192,37 @@ def test_peak_over_the_limit_fails_the_run(tmp_path, capsys):
     assert rc != 0
     assert "rank 1 stage 1: measured peak" in err and "exceeds the memory limit" in err, err
     assert len(_tables(tmp_path)["memory"]) == 2                # the step's rows were still written
+
+
+def test_run_spec_frees_its_model_before_the_next_case(tmp_path):
+    """Cases of one job run back to back in one process: each must release its model,
+    gradients and optimizer states (reference cycles included) before the next starts, or a
+    CUDA peak of the next case counts them. In-process, one gloo rank."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from dynmb.runtime import worker
+
+    refs = []
+    orig = worker._Setup.__init__
+
+    def spy(self, *a, **k):
+        orig(self, *a, **k)
+        refs.append(weakref.ref(next(iter(self.stages.values()))))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    was = gc.isenabled()
+    gc.disable()                       # the run must not rely on the collector happening to run
+    try:
+        worker._Setup.__init__ = spy
+        spec = _case(tmp_path, "one", _cfg("dynamic", "interleaved", virtual=2))
+        worker.run_spec(spec, torch.device("cpu"))
+        assert refs and refs[0]() is None
+    finally:
+        worker._Setup.__init__ = orig
+        if was:
+            gc.enable()
+        dist.destroy_process_group()

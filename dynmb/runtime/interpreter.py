@@ -99,6 +99,9 @@ def run_actions(
             on_action(i, a)
         s, m = a.stage, a.mb
         mod = stages[s]
+        # a forward's inputs (token ids, the attention mask) are built before the receive: the
+        # work is neither wait nor the stage's compute, and it runs while the peer may still be busy
+        inp = inputs(m) if a.op == "F" else None
         t_recv = clock.mark()
         if a.op == "F":
             x = None
@@ -108,10 +111,11 @@ def run_actions(
             t_start = clock.mark()
             ctx = meter.saving(s) if meter is not None else nullcontext()
             with ctx:
-                out = mod(x, inputs(m))
+                out = mod(x, inp)
                 if s == last:
                     out = out * loss_scale
             saved[(s, m)] = (x, out)
+            del inp
             if s == last:
                 losses.append(out.detach())
             else:

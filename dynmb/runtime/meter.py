@@ -245,13 +245,15 @@ def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int,
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        # the received hidden state and the microbatch's inputs (its b x s x s attention mask
+        # above all) are held by the runtime from the forward to the backward: activation bytes
         state = base - (_nbytes(x) if x is not None else 0) - sum(_nbytes(t) for t in inputs.__dict__.values())
         out = mod(x, inputs)
         torch.cuda.synchronize(dev)
-        act = torch.cuda.memory_allocated(dev) - base
+        act = torch.cuda.memory_allocated(dev) - state
         out.backward(torch.ones_like(out) if out.dim() else None)
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base + state
+        peak = torch.cuda.max_memory_allocated(dev)
         del opt_states
         return {"state_bytes": int(state), "act_bytes": int(act), "peak_bytes": int(peak)}
     meter = MemoryMeter(dev, [mod], optimizer=None, optimizer_kind="adam")

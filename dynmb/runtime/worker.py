@@ -49,13 +49,16 @@ traceback) and exits with status 1, so torchrun tears the other ranks down.
 
 from __future__ import annotations
 
+
 import argparse
+import gc
 import json
 import os
 import socket
 import sys
 import time
 import traceback
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -215,12 +218,20 @@ def _step(st: _Setup, k: int) -> dict[str, Any]:
         parts: list[Any] = [None] * st.R
         dist.all_gather_object(parts, {n: p.detach().cpu().clone() for n, p in st.params.items()}, group=st.pp_group)
         state = {n: t for part in parts for n, t in part.items()}
+    # Inputs are built at a microbatch's first forward on this rank and dropped from the cache
+    # at its last one: what autograd saved (the attention mask) then lives only until the
+    # backward, as the memory model assumes, instead of every microbatch's mask for the whole step.
     cache: dict[int, Any] = {}
+    uses = Counter(a.mb for a in sched.ranks[st.pp_idx] if a.op == "F")
 
     def inputs(m: int):
-        if m not in cache:
-            cache[m] = make_inputs(sub.microbatches[m], tokens, cfg=cfg.model, device=dev)
-        return cache[m]
+        x = cache.pop(m, None)
+        if x is None:
+            x = make_inputs(sub.microbatches[m], tokens, cfg=cfg.model, device=dev)
+        uses[m] -= 1
+        if uses[m] > 0:
+            cache[m] = x
+        return x
 
     def on_action(i: int, a) -> None:
         if i == len(actions) // 2:
@@ -319,22 +330,32 @@ def run_spec(spec: dict[str, Any], device: torch.device) -> None:
 
     st = _Setup(spec, device)
     writer = None
-    if st.rank == 0:
-        writer = TableWriter(spec["out_dir"])
-        info = run_info(st.run_id, st.cfg.flat(), backend=dist.get_backend(), device=str(device), world_size=st.world)
-        writer.append("runs", [{**info, "verify": bool(spec.get("verify")), "nproc": st.world}])
-    for k in range(st.cfg.warmup + st.cfg.steps):
-        rep = _step(st, k)
-        reports: list[Any] = [None] * st.world
-        light = {key: v for key, v in rep.items() if key not in ("plan", "sim")}
-        dist.all_gather_object(reports, light)
+    try:
+        if st.rank == 0:
+            writer = TableWriter(spec["out_dir"])
+            info = run_info(st.run_id, st.cfg.flat(), backend=dist.get_backend(), device=str(device), world_size=st.world)
+            writer.append("runs", [{**info, "verify": bool(spec.get("verify")), "nproc": st.world}])
+        for k in range(st.cfg.warmup + st.cfg.steps):
+            rep = _step(st, k)
+            reports: list[Any] = [None] * st.world
+            light = {key: v for key, v in rep.items() if key not in ("plan", "sim")}
+            dist.all_gather_object(reports, light)
+            if writer is not None:
+                _record(st, k, rep, reports, writer)
+            problems = [p for r in reports for p in r["problems"]]
+            if problems:
+                raise StepCheckError("; ".join(problems))
         if writer is not None:
-            _record(st, k, rep, reports, writer)
-        problems = [p for r in reports for p in r["problems"]]
-        if problems:
-            raise StepCheckError("; ".join(problems))
-    if writer is not None:
-        writer.close()
+            writer.close()
+    finally:
+        # Free this run's model, gradients and optimizer states before the next case of the
+        # job starts: modules, hooks and the optimizer form reference cycles that only the
+        # cyclic collector frees, and on CUDA the next case's measured peak would include them.
+        st.meter.close()
+        del st
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------
@@ -361,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         cases = spec.get("cases") or [spec]
         cfg = RunConfig.from_dict(cases[0]["run"])
         if cfg.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device cuda asked for, but torch sees no CUDA GPU on this host")
+            if local >= torch.cuda.device_count():
+                raise RuntimeError(f"local rank {local} needs GPU {local}, but only {torch.cuda.device_count()} "
+                                   "visible on this host: use fewer ranks per node (e.g. --virtual to put several "
+                                   "stages on one rank) or set CUDA_VISIBLE_DEVICES")
             torch.cuda.set_device(local)
             device = torch.device("cuda", local)
         else:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One-GPU check of the CUDA paths, as one short script (device machine: one H200, no internet).
+#   1. tests/test_runtime_cuda.py  (NCCL/CUDA runtime: gradients = reference, CUDA peak <= limit)
+#   2. dynmb memory --device "$DEV"  (memory model fitted on max_memory_allocated, held-out error)
+#   3. dynmb profile/fit --device "$DEV" (cost model on CUDA events, held-out error)
+#   4. dynmb compare on one GPU: 2 stages interleaved on one rank (--virtual 2), with the fitted models
+# Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
+set -uo pipefail
+R=${1:-results/gpu_check}
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+D="python3 -m dynmb.cli"
+MODEL=${MODEL:-gpt2}
+LIMIT=${LIMIT:-6GiB}
+DEV=${DEV:-cuda}
+step() { echo; echo "=== $* ($(date +%T))"; }
+step env
+nvidia-smi -L || true
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
+# SKIP_TESTS=1 skips step 1; COST=<json> uses that cost model and skips steps 3-4
+step pytest cuda
+[ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py
+step memory model on CUDA
+timeout 240 $D memory --model "$MODEL" --stages 2 ${QUICK:-} --device "$DEV" -o "$R/mem-$MODEL-p2-cuda.json" --samples "$R/mem-samples.csv"
+if [ -z "${COST:-}" ]; then
+step profile on CUDA
+timeout 300 $D profile --model "$MODEL" --stages 2 --device "$DEV" ${QUICK:-} --repeats 3 --warmup 2 -o "$R/prof-$MODEL-p2-cuda.csv" 2>&1 | tail -5
+step fit
+timeout 120 $D fit "$R/prof-$MODEL-p2-cuda.csv" --model "$MODEL" --stages 2 -o "$R/cost-$MODEL-p2-cuda.json" --plot "$R/fit.png"
+else cp "$COST" "$R/cost-$MODEL-p2-cuda.json"; fi
+step compare on one GPU
+MM=(); [ -f "$R/mem-$MODEL-p2-cuda.json" ] && MM=(--memory-model "$R/mem-$MODEL-p2-cuda.json")
+CM=(); [ -f "$R/cost-$MODEL-p2-cuda.json" ] && CM=(--cost-model "$R/cost-$MODEL-p2-cuda.json")
+timeout 300 $D compare --model "$MODEL" --stages 2 --virtual 2 --device "$DEV" --memory-limit "$LIMIT" \
+    --global-batch "${GB:-128}" --steps "${STEPS:-3}" --allow-over-limit "${MM[@]}" "${CM[@]}" --out "$R/compare"
+step done
