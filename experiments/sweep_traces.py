@@ -25,6 +25,7 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, parse_batches, progr
                      simulate_rows, split_list, strip_private)
 
 from dynmb import data
+from dynmb.compare import default_cost_model_path, reorder_for
 from dynmb.config import ModelConfig, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
@@ -42,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated packing methods (default: all)")
     ap.add_argument("--global-batch", default="64,wikitext2=16",
                     help="sequences per global batch, with per-trace overrides (default '64,wikitext2=16')")
-    ap.add_argument("--cost-model", default=None, help="fitted cost-model JSON (default analytic)")
+    ap.add_argument("--cost-model", default=None,
+                    help="fitted cost-model JSON (default: the one shipped for this model/stages on CPU, as "
+                         "`dynmb compare` uses; 'analytic' for the stand-in)")
+    ap.add_argument("--reorder", default="auto",
+                    help="microbatch order: auto (each method its own, as `dynmb compare`) or one pass for all")
     ap.add_argument("--simulate-only", action="store_true", help="predict with the planner only (no torch.distributed)")
     ap.add_argument("--retry-failed", action="store_true", help="rerun real configurations recorded as failed")
     ap.add_argument("--out", default="results/sweep_traces", help="results folder (default results/sweep_traces)")
@@ -51,11 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _cost_model(args: argparse.Namespace) -> str | None:
+    """The cost-model path of the sweep (None: the analytic stand-in)."""
+    if args.cost_model == "analytic":
+        return None
+    return args.cost_model or default_cost_model_path(args.model, args.stages)
+
+
 def configurations(args: argparse.Namespace) -> list[dict]:
     batch_of = parse_batches(args.global_batch)
+    cm = _cost_model(args) or "analytic"
     return [dict(dataset=t, model=args.model, num_stages=args.stages, dp=1, global_batch=batch_of(t),
-                 memory_limit_bytes=parse_bytes(lim), method=m, mbs=None, schedule=args.schedule, reorder="none",
-                 cost_model=args.cost_model or "analytic", seed=args.seed, oversize=args.oversize)
+                 memory_limit_bytes=parse_bytes(lim), method=m, mbs=None, schedule=args.schedule,
+                 reorder=reorder_for(m, args.reorder), cost_model=cm, seed=args.seed, oversize=args.oversize)
             for t in split_list(args.traces) for lim in split_list(args.memory_limits) for m in split_list(args.methods)]
 
 
@@ -64,7 +77,7 @@ def run_simulated(args: argparse.Namespace, configs: list[dict]) -> int:
     todo = [c for c in configs if not resume.done(c)]
     print(f"sweep_traces: {len(configs)} configurations, {len(configs) - len(todo)} already done", file=sys.stderr)
     cfg = ModelConfig.preset(args.model)
-    cm = get_cost_model(args.cost_model, cfg, args.stages)
+    cm = get_cost_model(_cost_model(args), cfg, args.stages)
     mm = get_memory_model(args.memory_model, cfg, args.stages)
     traces = {}
     with TableWriter(args.out) as w:
@@ -88,7 +101,7 @@ def run_measured(args: argparse.Namespace, configs: list[dict]) -> int:
     failed = 0
     for key, cases in progress(list(groups.items()), total=len(groups), desc="real runs", disable=args.no_progress):
         rows = run_real(cases, args.out, steps=args.steps, warmup=args.warmup, timeout=args.timeout,
-                        cost_model_path=lambda s: args.cost_model, memory_model=args.memory_model, quiet=args.quiet)
+                        cost_model_path=lambda s: _cost_model(args), memory_model=args.memory_model, quiet=args.quiet)
         failed += sum(r["status"] != "ok" for r in rows)
     if failed:
         print(f"sweep_traces: {failed} configuration(s) failed; see {args.out}/configs.csv", file=sys.stderr)
