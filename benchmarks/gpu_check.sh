@@ -24,7 +24,7 @@ step memory model on CUDA
 timeout 240 $D memory --model "$MODEL" --stages 2 ${QUICK:-} --device "$DEV" -o "$R/mem-$MODEL-p2-cuda.json" --samples "$R/mem-samples.csv"
 if [ -z "${COST:-}" ]; then
 step profile on CUDA
-timeout 300 $D profile --model "$MODEL" --stages 2 --device "$DEV" ${QUICK:-} --repeats 3 --warmup 2 -o "$R/prof-$MODEL-p2-cuda.csv" 2>&1 | tail -5
+timeout 300 $D profile --model "$MODEL" --stages 2 --device "$DEV" ${QUICK:-} --repeats 3 --warmup 2 --no-memory -o "$R/prof-$MODEL-p2-cuda.csv" 2>&1 | tail -5
 step fit
 timeout 120 $D fit "$R/prof-$MODEL-p2-cuda.csv" --model "$MODEL" --stages 2 -o "$R/cost-$MODEL-p2-cuda.json" --plot "$R/fit.png"
 else cp "$COST" "$R/cost-$MODEL-p2-cuda.json"; fi
