@@ -329,7 +329,7 @@ def samples_from_actions(actions: pd.DataFrame) -> pd.DataFrame:
 
 def _meta_from(samples: pd.DataFrame) -> dict[str, Any]:
     meta = {}
-    for c in ("device", "threads", "torch_version", "model"):
+    for c in ("device", "threads", "torch_version", "model", "concurrent"):
         if c in samples and len(samples[c].dropna()):
             meta[c] = samples[c].dropna().iloc[0]
     meta["n_samples"] = int(len(samples))

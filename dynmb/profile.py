@@ -27,12 +27,26 @@ rows already in the output CSV are skipped; the CSV is rewritten atomically (tmp
 os.replace) every few seconds and at the end. ``comm=True`` adds the gloo ping-pong rows
 (op="comm", nbytes) of ``dynmb.runtime.pingpong``.
 
+Concurrent mode (``concurrent=True``, CPU): the stages are measured as a pipeline runs them,
+one process per stage (1 torch thread each, gloo): every process holds its stage and all of
+them visit the same points in the same order, meeting at a barrier before each run, so stage
+p's op is timed while the other stages run theirs on the same shape -- the steady state of a
+pipeline whose neighbouring microbatches are alike. On a machine whose cores share a last-level
+cache and memory bandwidth (the development box: 2 vCPUs, 32 MiB L3), large microbatches
+(>~5k tokens; stage 1's logits alone are rows x len x vocab x 4 bytes) are 5-20% slower under
+this concurrency than alone, small ones are not; a profile measured alone under-predicts the
+large ones (see ``experiments/pred_error.py``). Rows get ``concurrent = num_stages`` (1 otherwise).
+
 Command line: ``dynmb profile --model small --stages 2 [--quick] -o samples.csv``.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import os
+import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -160,21 +174,30 @@ def load_samples(paths: Iterable[str | Path]) -> pd.DataFrame:
 def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, bool]] | None = None,
             quick: bool = False, max_len: int | None = None, repeats: int = 5, warmup: int = 2,
             device: str = "cpu", threads: int = 1, clock: str | None = None, output: str | Path | None = None,
-            comm: bool = False, memory: bool = True, seed: int = 0, progress: bool = True) -> pd.DataFrame:
-    """Measure every stage over ``grid`` (default ``default_grid``); return (and write) the samples."""
+            comm: bool = False, memory: bool = True, seed: int = 0, progress: bool = True,
+            concurrent: bool = False, token_cap: int | None = None) -> pd.DataFrame:
+    """Measure every stage over ``grid`` (default ``default_grid``); return (and write) the samples.
+
+    ``concurrent``: one process per stage, all running the same point at once (see the module
+    doc); CPU only. ``token_cap``: the default grid's rows x padded_len cap (default 8192 on CPU)."""
     torch.set_num_threads(int(threads))
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but torch.cuda.is_available() is False")
     clock = clock or ("event" if dev.type == "cuda" else "thread" if threads == 1 else "wall")
+    if concurrent and dev.type != "cpu":
+        raise ValueError("concurrent profiling is for CPU stages (one process per stage on one host)")
     grid = grid if grid is not None else default_grid(quick=quick, max_len=max_len,
-                                                      token_cap=None if dev.type == "cpu" else 65536)
+                                                      token_cap=token_cap or (None if dev.type == "cpu" else 65536))
     base = {"device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev), "threads": int(threads),
-            "clock": clock, "torch_version": torch.__version__, "model": cfg.name, "num_stages": int(num_stages)}
+            "clock": clock, "torch_version": torch.__version__, "model": cfg.name, "num_stages": int(num_stages),
+            "concurrent": int(num_stages) if concurrent else 1}
     old = pd.DataFrame()
     if output is not None and Path(output).exists():
         old = pd.read_csv(output)
-        for k in ("model", "num_stages", "clock"):
+        if "concurrent" not in old:
+            old["concurrent"] = 1
+        for k in ("model", "num_stages", "clock", "concurrent"):
             if k in old and len(old) and set(old.loc[old["op"] != "comm", k].dropna().unique()) - {base[k]}:
                 raise ValueError(f"{output} holds samples for {k}={sorted(old[k].unique())}, not {base[k]}; use another -o")
     if comm and not (len(old) and (old["op"] == "comm").any()):  # first: before the grid heats the machine
@@ -192,6 +215,13 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, boo
     todo = [(r, p, b, s, pk) for r in range(repeats) for b, s, pk in grid for p in range(num_stages)
             if (r, p, b, s, pk) not in done]
     todo.sort(key=lambda x: (x[0], x[2] * x[3], x[1]))
+    if concurrent:
+        rows_out = _profile_concurrent(cfg, num_stages, todo, warmup=warmup, clock=clock, threads=threads,
+                                       seed=seed, memory=memory, progress=progress, base=base)
+        df = pd.concat([old, pd.DataFrame(rows_out)], ignore_index=True)
+        if output is not None:
+            write_table(df, output, parquet=False)
+        return df
     stages = build_stages(cfg, num_stages, seed, device=dev) if todo else []
     meter = _meter() if memory else None
     seen: set = set()
@@ -231,3 +261,83 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, boo
     if output is not None:
         write_table(df, output, parquet=False)
     return df
+
+
+# --- concurrent (one process per stage) ----------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, points: list, warmup: int,
+                       clock: str, threads: int, seed: int, memory: bool, progress: bool, base: dict,
+                       out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from dynmb.model import build_stage
+    torch.set_num_threads(int(threads))
+    cfg = ModelConfig.from_dict(cfg_dict)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_stages)
+    try:
+        stage = build_stage(cfg, rank, num_stages, seed)
+        meter = _meter() if memory else None
+        seen: set = set()
+        rows: list[dict] = []
+        it = points
+        if progress and rank == 0:
+            try:
+                from tqdm.auto import tqdm
+                it = tqdm(points, desc=f"profile x{num_stages}", unit="pt")
+            except ImportError:  # pragma: no cover
+                pass
+        for r, b, s, pk, stages_todo in it:
+            mb = synthetic_microbatch(b, s, pk, seed)
+            inputs = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size, seed), cfg=cfg)
+            first = (b, s, pk) not in seen
+            seen.add((b, s, pk))
+            if first:
+                stage.zero_grad(set_to_none=False)
+            dist.barrier()          # every stage starts this point's runs together
+            ((tf, tb, wf, wb),) = time_stage(stage, inputs, repeats=1, warmup=warmup if first else 0, clock=clock)
+            if rank not in stages_todo:
+                continue
+            extra = {}
+            if meter is not None and r == 0:
+                try:
+                    extra = {f"mem_{k}": v for k, v in meter(cfg, num_stages, rank, b, s, packed=pk).items()
+                             if isinstance(v, (int, float, np.integer, np.floating))}
+                except Exception:  # the memory columns are optional
+                    meter = None
+            rows += [{"stage": rank, "op": op, "rows": b, "padded_len": s, "tokens": b * s, "packed": pk,
+                      "time_s": t, "wall_s": w, "repeat": r, **base, **extra}
+                     for op, t, w in (("F", tf, wf), ("B", tb, wb))]
+        with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
+            json.dump(rows, f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
+        os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _profile_concurrent(cfg: ModelConfig, num_stages: int, todo: list, *, warmup: int, clock: str, threads: int,
+                        seed: int, memory: bool, progress: bool, base: dict) -> list[dict]:
+    """Rows of ``todo`` ((repeat, stage, rows, padded_len, packed), sorted) measured by one process per
+    stage, all stages of a point at once (a stage already measured there runs untimed, as load)."""
+    import torch.multiprocessing as mp
+    points: dict = {}
+    for r, p, b, s, pk in todo:
+        points.setdefault((r, b, s, pk), set()).add(p)
+    plist = [(r, b, s, pk, sorted(ps)) for (r, b, s, pk), ps in points.items()]
+    plist.sort(key=lambda x: (x[0], x[1] * x[2]))
+    if not plist:
+        return []
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_concurrent_worker, args=(_free_port(), cfg.to_dict(), num_stages, plist, warmup, clock,
+                                                     threads, seed, memory, progress, base, d),
+                           nprocs=num_stages, start_method="spawn")
+        rows: list[dict] = []
+        for rank in range(num_stages):
+            with open(os.path.join(d, f"rank{rank}.json")) as f:
+                rows += json.load(f)
+    return rows

@@ -204,3 +204,26 @@ def test_tiny_real_profile(tmp_path):
     mb = synthetic_microbatch(3, 64, packed=True)
     assert mb.is_packed and mb.batch == 3 and mb.padded_len == 64
     assert all(b * s <= 2048 for b, s, _ in default_grid(quick=True))
+
+
+def test_tiny_concurrent_profile(tmp_path):
+    """Concurrent mode: one process per stage, all stages of a point timed at once; resumable;
+    refuses to mix with samples measured alone; the fitted model records the mode."""
+    pytest.importorskip("dynmb.model")
+    from dynmb.costmodel import fit_cost_model
+    from dynmb.profile import profile
+    tiny = ModelConfig.preset("tiny")
+    out = tmp_path / "samples.csv"
+    grid = [(1, 32, False), (2, 64, False), (2, 64, True)]
+    df = profile(tiny, 2, grid=grid, repeats=2, warmup=1, output=out, progress=False, memory=False, concurrent=True)
+    assert len(df) == 3 * 2 * 2 * 2 and out.exists()
+    assert (df["concurrent"] == 2).all() and (df["time_s"] > 0).all()
+    assert set(map(tuple, df[["stage", "op"]].drop_duplicates().to_numpy())) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")}
+    again = profile(tiny, 2, grid=grid, repeats=3, warmup=1, output=out, progress=False, memory=False, concurrent=True)
+    assert len(again) == len(df) + 3 * 2 * 2 and (again.groupby(["stage", "op", "rows", "padded_len", "packed"]).size() == 3).all()
+    with pytest.raises(ValueError, match="concurrent"):
+        profile(tiny, 2, grid=grid, repeats=1, output=out, progress=False, memory=False)
+    m = fit_cost_model(again, tiny, 2)
+    assert m.meta["concurrent"] == 2
+    with pytest.raises(ValueError, match="cuda|CPU"):
+        profile(tiny, 2, grid=grid, device="cuda", concurrent=True, progress=False)
