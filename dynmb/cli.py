@@ -242,7 +242,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     cfg = ModelConfig.preset(args.model)
     df = profile(cfg, args.stages, quick=args.quick, max_len=args.max_len, repeats=args.repeats, warmup=args.warmup,
                  device=args.device, threads=args.threads, output=args.output, comm=args.comm,
-                 memory=not args.no_memory)
+                 memory=not args.no_memory, concurrent=args.concurrent, token_cap=args.token_cap)
     fb = df[df["op"].isin(["F", "B"])]
     med = fb.groupby(["stage", "op"])["time_s"].agg(["size", "median", "max"])
     print(f"wrote {args.output}: {len(df)} samples ({len(fb.groupby(['stage', 'rows', 'padded_len', 'packed']))} stage x points)")
@@ -372,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as one rank per core)")
     p.add_argument("--comm", action="store_true", help="also measure P2P ping-pong (alpha, beta) on gloo")
+    p.add_argument("--concurrent", action="store_true",
+                   help="CPU: one process per stage, every stage of a point timed at once, as a pipeline runs them")
+    p.add_argument("--token-cap", type=int, default=None,
+                   help="largest rows x padded_len in the default grid (default 8192 on CPU, 65536 on CUDA)")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the memory columns (each point's first repeat builds a fresh stage for them: "
                         "about 1 s per point for gpt2; `dynmb memory` measures memory on its own)")
