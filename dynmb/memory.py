@@ -46,7 +46,7 @@ import numpy as np
 
 from .config import ModelConfig
 
-__all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "inflight_limit"]
+__all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "inflight_limit", "interleaved_inflight"]
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
 
@@ -292,13 +292,18 @@ def peak_from_matrix(act: np.ndarray, tr: np.ndarray, schedule_kind: str = "1f1b
     return out
 
 
+def interleaved_inflight(rank: Any, ranks: int, virtual: int) -> Any:
+    """Chunk-microbatches in flight at most on pipeline ``rank`` of an interleaved schedule."""
+    return 2 * (ranks - np.asarray(rank) - 1) + (virtual - 1) * ranks + 1
+
+
 def _interleaved_bound(act: np.ndarray, tr: np.ndarray, virtual: int) -> np.ndarray:
     p, m = act.shape
     ranks = p // virtual
     out = np.empty(p)
     for r in range(ranks):
         stages = np.arange(r, p, ranks)
-        warm = min(m * virtual, 2 * (ranks - r - 1) + (virtual - 1) * ranks + 1)
+        warm = min(m * virtual, int(interleaved_inflight(r, ranks, virtual)))
         top = np.sort(act[stages].ravel())[::-1][:warm].sum()
         out[stages] = top + tr[stages].max()
     return out

@@ -45,7 +45,7 @@ import numpy as np
 from ._dynamic import dynamic_groups
 from ._dynapipe import dynapipe_split
 from ._packutil import ffd_rows, makespan
-from .memory import inflight_limit
+from .memory import inflight_limit, interleaved_inflight
 from .types import Microbatch, Plan
 
 __all__ = ["METHODS", "PackingError", "pack", "max_fitting_length", "auto_mbs"]
@@ -72,7 +72,7 @@ class _Ctx:
             R = p // virtual
             rank = np.arange(p) % R
             state = np.bincount(rank, weights=state, minlength=R)[rank]
-            self.k = 2 * (R - rank - 1) + (virtual - 1) * R + 1
+            self.k = interleaved_inflight(rank, R, virtual)
         else:
             self.k = np.array([1 if kind == "gpipe" else inflight_limit(i, p, kind, 2**30) for i in range(p)])
         self.caps = float(limit) - state
