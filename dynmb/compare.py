@@ -94,8 +94,7 @@ def run_compare(args: argparse.Namespace) -> int:
         args.dataset = "sharegpt"
     if args.memory_limit is None:
         args.memory_limit = "1GiB"
-    backend, device = default_backend_device()
-    device = getattr(args, "device", None) or device
+    device = getattr(args, "device", None) or default_backend_device()[1]
     backend = "nccl" if device == "cuda" else "gloo"
     virtual = int(getattr(args, "virtual", 1) or 1)
     if virtual > 1 and args.schedule == "1f1b":
@@ -122,7 +121,8 @@ def run_compare(args: argparse.Namespace) -> int:
         cases.append(write_spec(cfg, out, run_id=f"{m}-{tag}", memory_model=getattr(args, "memory_model", None),
                                 allow_over_limit=bool(getattr(args, "allow_over_limit", False))))
     print(f"dynmb compare: {len(methods)} methods x ({args.warmup} warm-up + {args.steps} steps) on "
-          f"{nproc} {backend} rank(s) ({args.stages} stages, {args.schedule}, {device}), {args.dataset or args.lengths}, global batch {args.global_batch}, "
+          f"{nproc} {backend} rank(s) ({args.stages} stages, {args.schedule}, {device}), "
+          f"{args.dataset or args.lengths}, global batch {args.global_batch}, "
           f"limit {args.memory_limit}, reorder {args.reorder}, cost model {args.cost_model or 'analytic'} -> {out}", file=sys.stderr)
     t0 = time.perf_counter()
     rc = launch_spec({"out_dir": str(out.resolve()), "cases": cases}, nproc, quiet=not args.verbose)

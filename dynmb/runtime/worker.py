@@ -49,7 +49,6 @@ traceback) and exits with status 1, so torchrun tears the other ranks down.
 
 from __future__ import annotations
 
-
 import argparse
 import gc
 import json
