@@ -56,6 +56,7 @@ import pandas as pd
 import torch
 
 from dynmb.config import ModelConfig
+from dynmb.runtime.hostmem import retain_freed_memory
 from dynmb.model import build_stages, make_inputs, synthetic_tokens
 from dynmb.results import write_table
 from dynmb.types import Microbatch
@@ -182,6 +183,8 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, boo
     doc); CPU only. ``token_cap``: the default grid's rows x padded_len cap (default 8192 on CPU)."""
     torch.set_num_threads(int(threads))
     dev = torch.device(device)
+    if dev.type == "cpu":
+        retain_freed_memory()   # measure under the allocator policy the runtime uses
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda requested but torch.cuda.is_available() is False")
     clock = clock or ("event" if dev.type == "cuda" else "thread" if threads == 1 else "wall")
@@ -277,6 +280,7 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
 
     from dynmb.model import build_stage
     torch.set_num_threads(int(threads))
+    retain_freed_memory()
     cfg = ModelConfig.from_dict(cfg_dict)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_stages)
     try:

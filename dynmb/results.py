@@ -141,6 +141,8 @@ def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: 
     """One ``runs`` row: the flattened config plus provenance."""
     import platform
 
+    from dynmb.runtime.hostmem import host_malloc_mode
+
     try:
         import torch
 
@@ -157,5 +159,6 @@ def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: 
         "world_size": int(world_size),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
+        "host_malloc": host_malloc_mode(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }

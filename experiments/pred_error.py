@@ -11,8 +11,9 @@ descheduled (wall > thread), the op faults pages (minflt).
     python experiments/pred_error.py --method fixed --steps 0,1,2,3 --repeats 2 -o /tmp/pe.csv
     python experiments/pred_error.py --summarize /tmp/pe.csv
 
-Options: ``--cost-model`` (default the shipped one), ``--no-meter``, ``--env K=V`` (set in
-the workers before torch is imported, e.g. ``MALLOC_MMAP_THRESHOLD_=...``).
+Options: ``--cost-model`` (default the shipped one), ``--no-meter``, ``--no-prefault``, ``--env K=V``
+(set in the workers before torch is imported, e.g. ``DYNMB_HOST_MALLOC=system`` for glibc's
+default malloc policy; see ``dynmb.runtime.hostmem``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def _worker(rank: int, args, port: int, out: list) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from dynmb.runtime.hostmem import prefault, retain_freed_memory
+    retain_freed_memory()     # as the runtime worker does; --env DYNMB_HOST_MALLOC=system turns it off
     from dynmb.config import ModelConfig, parse_bytes
     from dynmb.costmodel import get_cost_model
     from dynmb.data import load_trace, sample_batch
@@ -67,6 +70,8 @@ def _worker(rank: int, args, port: int, out: list) -> None:
     cm = get_cost_model(args.cost_model, cfg, 2)
     stage = build_stage(cfg, rank, 2)
     opt = torch.optim.Adam(stage.parameters(), lr=1e-3)
+    if not args.no_prefault:
+        prefault(parse_bytes(args.memory_limit), local_ranks=2)
     meter = None if args.no_meter else MemoryMeter("cpu", [stage], opt)
     trace = load_trace(args.dataset)
     clock = RusageClock()
@@ -139,6 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--model", default="small")
     ap.add_argument("--cost-model", default=str(ROOT / "data" / "costmodels" / "small-p2-cpu.json"))
+    ap.add_argument("--no-prefault", action="store_true", help="do not touch 2x the memory limit at start (hostmem.prefault)")
     ap.add_argument("--no-meter", action="store_true")
     ap.add_argument("--env", action="append", default=[])
     ap.add_argument("-o", "--out", default="/tmp/pred_error.csv")

@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from dynmb.config import RunConfig
 from dynmb.runtime.comm import P2P, make_pair_groups
+from dynmb.runtime.hostmem import prefault, retain_freed_memory
 from dynmb.runtime.interpreter import Clock, run_actions
 from dynmb.types import Microbatch, Plan
 
@@ -243,6 +244,7 @@ def _step(st: _Setup, k: int) -> dict[str, Any]:
     p2p = P2P(sched, st.pp_idx, st.pp_ranks, st.pair_groups, lambda m: hidden_shape(sub.microbatches[m], cfg.model),
               dtype=torch_dtype(cfg.model), device=dev)
     st.meter.reset_step()
+    gc.disable()   # no collector pauses inside the measured step; run_spec collects between steps
     dist.barrier()
     t0, m0 = time.perf_counter(), st.clock.mark()
     timings, loss = run_actions(actions, stages=st.stages, plan=sub, inputs=inputs, p2p=p2p,
@@ -328,14 +330,27 @@ def run_spec(spec: dict[str, Any], device: torch.device) -> None:
     from dynmb.results import TableWriter, run_info
 
     st = _Setup(spec, device)
+    if device.type == "cpu":   # fault the heap in now, not inside the first steps' actions
+        prefault(st.cfg.pipeline.memory_limit_bytes, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     writer = None
     try:
         if st.rank == 0:
             writer = TableWriter(spec["out_dir"])
             info = run_info(st.run_id, st.cfg.flat(), backend=dist.get_backend(), device=str(device), world_size=st.world)
             writer.append("runs", [{**info, "verify": bool(spec.get("verify")), "nproc": st.world}])
+        # Python's cyclic collector, left on, runs a full collection now and then inside a step:
+        # ~0.1 s of one core over the ~220k objects torch, pandas and scipy leave, and the
+        # rank's peers wait for it (stalls of 0.2 s were measured mid-step). As Megatron-LM's
+        # --manual-gc does: freeze what set-up allocated, keep the collector off while a step
+        # runs, collect between steps.
+        gc.collect()
+        gc.freeze()
         for k in range(st.cfg.warmup + st.cfg.steps):
-            rep = _step(st, k)
+            try:
+                rep = _step(st, k)
+            finally:
+                gc.enable()
+            gc.collect()
             reports: list[Any] = [None] * st.world
             light = {key: v for key, v in rep.items() if key not in ("plan", "sim")}
             dist.all_gather_object(reports, light)
@@ -352,6 +367,7 @@ def run_spec(spec: dict[str, Any], device: torch.device) -> None:
         # cyclic collector frees, and on CUDA the next case's measured peak would include them.
         st.meter.close()
         del st
+        gc.unfreeze()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -391,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cuda", local)
         else:
             torch.set_num_threads(1)
+            retain_freed_memory()
             device = torch.device("cpu")
         dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
