@@ -429,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or one of none, descending, ascending, ends, dynapipe, search for every method")
     p.add_argument("--steps", type=int, default=3, help="measured steps per method (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per method (default 1)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the methods one after another; default on CPU: round by round (step k of every "
+                        "method, then step k+1), so outside load hits every method alike")
     p.add_argument("--cost-model", default=None, help="fitted cost-model JSON (default: the one shipped for this model/stages on CPU, else analytic)")
     _add_model_flags(p)
     p.add_argument("--out", default="results/compare", help="results folder (default results/compare)")

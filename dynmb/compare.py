@@ -2,7 +2,10 @@
 
 ``run_compare`` plans every method on the same global batches, runs them all as the
 cases of ONE torchrun job (one process per stage; gloo on CPU, NCCL on CUDA), so the
-throughputs are measured side by side on the same machine state, then:
+throughputs are measured side by side on the same machine state. On CPU the cases run
+round by round (step k of every method, the order rotated each round, then step k + 1;
+``--sequential`` for one method after another, as on CUDA), so a burst of outside load on a
+shared machine slows every method alike instead of whichever ran during it. Then:
 
 1. prints a pandas table per method: tokens/s, speedup vs ``fixed``, padding fraction,
    mean bubble, peak / limit, predicted vs measured step time, plan time;
@@ -125,7 +128,9 @@ def run_compare(args: argparse.Namespace) -> int:
           f"{args.dataset or args.lengths}, global batch {args.global_batch}, "
           f"limit {args.memory_limit}, reorder {args.reorder}, cost model {args.cost_model or 'analytic'} -> {out}", file=sys.stderr)
     t0 = time.perf_counter()
-    rc = launch_spec({"out_dir": str(out.resolve()), "cases": cases}, nproc, quiet=not args.verbose)
+    interleave = device == "cpu" and not getattr(args, "sequential", False)
+    rc = launch_spec({"out_dir": str(out.resolve()), "cases": cases, "interleave": interleave}, nproc,
+                     quiet=not args.verbose, progress=True)
     wall = time.perf_counter() - t0
     if rc != 0:
         for line in failure_lines(out, "") or [f"torchrun exited with code {rc}"]:

@@ -36,7 +36,9 @@ from typing import Any
 
 from dynmb.config import RunConfig
 
-__all__ = ["launch", "launch_spec", "write_spec", "default_backend_device", "failure_lines"]
+__all__ = ["launch", "launch_spec", "write_spec", "default_backend_device", "failure_lines", "PROGRESS"]
+
+PROGRESS = "[dynmb step] "   # rank 0 prints one such line per finished step (run id, step, seconds)
 
 
 def default_backend_device() -> tuple[str, str]:
@@ -69,7 +71,8 @@ def launch(run_cfg: RunConfig, out_dir: str | Path, nproc: int, verify: bool = F
     return launch_spec(spec, nproc, guard_s=guard_s)
 
 
-def launch_spec(spec: dict[str, Any], nproc: int, *, guard_s: float | None = None, quiet: bool = False) -> int:
+def launch_spec(spec: dict[str, Any], nproc: int, *, guard_s: float | None = None, quiet: bool = False,
+                progress: bool = False) -> int:
     """Write ``spec`` to ``<out_dir>/spec.json``, run it under torchrun on ``nproc`` ranks, report failures."""
     out = Path(spec["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
@@ -87,12 +90,22 @@ def launch_spec(spec: dict[str, Any], nproc: int, *, guard_s: float | None = Non
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []
+    bar = None
+    if progress:   # one tick per step of every case, from the PROGRESS lines rank 0 prints
+        from tqdm.auto import tqdm
+
+        cases = spec.get("cases") or [spec]
+        bar = tqdm(total=sum(c["run"]["warmup"] + c["run"]["steps"] for c in cases), unit="step",
+                   desc="steps", file=sys.stderr, mininterval=0.5)
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if not quiet:
+            if bar is not None and line.startswith(PROGRESS):
+                bar.set_postfix_str(line[len(PROGRESS):].strip(), refresh=False)
+                bar.update(1)
+            elif not quiet:
                 sys.stdout.write(line)
                 sys.stdout.flush()
 
@@ -112,6 +125,8 @@ def launch_spec(spec: dict[str, Any], nproc: int, *, guard_s: float | None = Non
             break
         time.sleep(0.2)
     reader.join(5)
+    if bar is not None:
+        bar.close()
     rc = proc.returncode if not timed_out else 124
     if rc == 0 and not quiet and "cases" not in spec:
         print(_summary(out), flush=True)

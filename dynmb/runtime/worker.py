@@ -17,8 +17,10 @@ The spec is ``{"run": RunConfig.to_dict(), "out_dir": ..., "run_id": ...,
 kinds (tests): ``exit`` (``os._exit(13)`` half-way through the rank's actions),
 ``raise``, ``diverge`` (the rank perturbs its plan), ``corrupt`` (scales one
 gradient before the verify), ``overlimit`` (checks the peak against peak - 1). A
-test-only form ``{"out_dir": ..., "cases": [spec, ...]}`` runs several specs one
-after another in the same process group (start-up paid once).
+form ``{"out_dir": ..., "cases": [spec, ...], "interleave": bool}`` runs several specs
+in the same process group (start-up paid once): one after another, or with
+``interleave`` (CPU) round by round, step k of every spec before step k + 1
+(``run_interleaved``; what ``dynmb compare`` does on CPU).
 
 Algorithm per run
 -----------------
@@ -69,6 +71,7 @@ from dynmb.config import RunConfig
 from dynmb.runtime.comm import P2P, make_pair_groups
 from dynmb.runtime.hostmem import prefault, retain_freed_memory
 from dynmb.runtime.interpreter import Clock, run_actions
+from dynmb.runtime.launch import PROGRESS
 from dynmb.types import Microbatch, Plan
 
 __all__ = ["main", "run_spec", "PlanDivergenceError", "StepCheckError"]
@@ -244,7 +247,7 @@ def _step(st: _Setup, k: int) -> dict[str, Any]:
     p2p = P2P(sched, st.pp_idx, st.pp_ranks, st.pair_groups, lambda m: hidden_shape(sub.microbatches[m], cfg.model),
               dtype=torch_dtype(cfg.model), device=dev)
     st.meter.reset_step()
-    gc.disable()   # no collector pauses inside the measured step; run_spec collects between steps
+    gc.disable()   # no collector pauses inside the measured step; _run_step collects after it
     dist.barrier()
     t0, m0 = time.perf_counter(), st.clock.mark()
     timings, loss = run_actions(actions, stages=st.stages, plan=sub, inputs=inputs, p2p=p2p,
@@ -321,56 +324,102 @@ def _record(st: _Setup, k: int, rep: dict[str, Any], reports: list[dict[str, Any
                mbs=plan.meta.get("mbs"), model=cfg.model.name, global_batch=cfg.global_batch,
                truncated=len(plan.meta.get("truncated", [])), dropped=len(plan.meta.get("dropped", [])))
     writer.append("steps", [row])
+    print(f"{PROGRESS}{st.run_id} {'warm-up ' if k < cfg.warmup else ''}step {k}: {step_s:.2f} s", flush=True)
     writer.append("actions", [a for r in reports for a in r["actions"]])
     writer.append("memory", [m for r in reports for m in r["memory"]])
 
 
-def run_spec(spec: dict[str, Any], device: torch.device) -> None:
-    """Run one spec (all its steps) in the current process group."""
+def _open(spec: dict[str, Any], device: torch.device, writers: dict[str, Any]) -> _Setup:
+    """Set up one spec on this rank; rank 0 opens (or reuses) the writer of its out_dir."""
     from dynmb.results import TableWriter, run_info
 
     st = _Setup(spec, device)
     if device.type == "cpu":   # fault the heap in now, not inside the first steps' actions
         prefault(st.cfg.pipeline.memory_limit_bytes, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    writer = None
+    if st.rank == 0:
+        w = writers.setdefault(spec["out_dir"], TableWriter(spec["out_dir"]))
+        info = run_info(st.run_id, st.cfg.flat(), backend=dist.get_backend(), device=str(device), world_size=st.world)
+        w.append("runs", [{**info, "verify": bool(spec.get("verify")), "nproc": st.world}])
+    return st
+
+
+def _run_step(st: _Setup, k: int, writers: dict[str, Any]) -> None:
+    """Step ``k`` of one spec: run it, gather the reports, record them, raise any failure."""
     try:
-        if st.rank == 0:
-            writer = TableWriter(spec["out_dir"])
-            info = run_info(st.run_id, st.cfg.flat(), backend=dist.get_backend(), device=str(device), world_size=st.world)
-            writer.append("runs", [{**info, "verify": bool(spec.get("verify")), "nproc": st.world}])
-        # Python's cyclic collector, left on, runs a full collection now and then inside a step:
-        # ~0.1 s of one core over the ~220k objects torch, pandas and scipy leave, and the
-        # rank's peers wait for it (stalls of 0.2 s were measured mid-step). As Megatron-LM's
-        # --manual-gc does: freeze what set-up allocated, keep the collector off while a step
-        # runs, collect between steps.
+        rep = _step(st, k)
+    finally:
+        gc.enable()
+    reports: list[Any] = [None] * st.world
+    light = {key: v for key, v in rep.items() if key not in ("plan", "sim")}
+    dist.all_gather_object(reports, light)
+    if st.rank == 0:
+        _record(st, k, rep, reports, writers[st.spec["out_dir"]])
+    problems = [p for r in reports for p in r["problems"]]
+    if problems:
+        raise StepCheckError("; ".join(problems))
+    gc.collect()
+
+
+def _close(setups: list[_Setup], writers: dict[str, Any], device: torch.device) -> None:
+    # Free the runs' models, gradients and optimizer states before the next case of the job
+    # starts: modules, hooks and the optimizer form reference cycles that only the cyclic
+    # collector frees, and on CUDA the next case's measured peak would include them.
+    for w in writers.values():
+        w.close()
+    writers.clear()
+    for st in setups:
+        st.meter.close()
+    setups.clear()
+    gc.unfreeze()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# Python's cyclic collector, left on, runs a full collection now and then inside a step:
+# ~0.1 s of one core over the ~220k objects torch, pandas and scipy leave, and the rank's
+# peers wait for it (stalls of 0.2 s were measured mid-step). As Megatron-LM's --manual-gc
+# does: freeze what set-up allocated (gc.freeze), keep the collector off while a step runs
+# (_step), collect between steps (_run_step).
+def run_spec(spec: dict[str, Any], device: torch.device) -> None:
+    """Run one spec (all its steps) in the current process group."""
+    writers: dict[str, Any] = {}
+    setups: list[_Setup] = []
+    try:
+        setups.append(_open(spec, device, writers))
         gc.collect()
         gc.freeze()
-        for k in range(st.cfg.warmup + st.cfg.steps):
-            try:
-                rep = _step(st, k)
-            finally:
-                gc.enable()
-            gc.collect()
-            reports: list[Any] = [None] * st.world
-            light = {key: v for key, v in rep.items() if key not in ("plan", "sim")}
-            dist.all_gather_object(reports, light)
-            if writer is not None:
-                _record(st, k, rep, reports, writer)
-            problems = [p for r in reports for p in r["problems"]]
-            if problems:
-                raise StepCheckError("; ".join(problems))
-        if writer is not None:
-            writer.close()
+        for k in range(setups[0].cfg.warmup + setups[0].cfg.steps):
+            _run_step(setups[0], k, writers)
     finally:
-        # Free this run's model, gradients and optimizer states before the next case of the
-        # job starts: modules, hooks and the optimizer form reference cycles that only the
-        # cyclic collector frees, and on CUDA the next case's measured peak would include them.
-        st.meter.close()
-        del st
-        gc.unfreeze()
+        _close(setups, writers, device)
+
+
+def run_interleaved(specs: list[dict[str, Any]], device: torch.device) -> None:
+    """Run several specs round by round: step k of every spec, then step k + 1 of every spec.
+
+    All specs are set up first (their models and optimizers live side by side), then each
+    round runs step k of each spec that has one, in an order rotated by one every round. A
+    burst of outside load on a shared machine then slows every method's step alike, instead
+    of whichever method ran during it, so the throughput ratios stay side by side. CPU only:
+    on CUDA the other specs' states would be in every measured peak."""
+    if device.type != "cpu":
+        raise ValueError("interleaved cases are for CPU runs (the CUDA peak would count every case's states)")
+    writers: dict[str, Any] = {}
+    setups: list[_Setup] = []
+    try:
+        for spec in specs:
+            setups.append(_open(spec, device, writers))
         gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        gc.freeze()
+        n = max(st.cfg.warmup + st.cfg.steps for st in setups)
+        for k in range(n):
+            for i in range(len(setups)):
+                st = setups[(i + k) % len(setups)]
+                if k < st.cfg.warmup + st.cfg.steps:
+                    _run_step(st, k, writers)
+    finally:
+        _close(setups, writers, device)
 
 
 # --------------------------------------------------------------------------
@@ -411,8 +460,11 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cpu")
         dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-        for case in cases:
-            run_spec(case, device)
+        if spec.get("interleave") and len(cases) > 1:
+            run_interleaved(cases, device)
+        else:
+            for case in cases:
+                run_spec(case, device)
         dist.barrier()
         dist.destroy_process_group()
         return 0
