@@ -24,6 +24,7 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, parse_batches, progr
 
 from dynmb import data
 from dynmb.config import ModelConfig, parse_bytes
+from dynmb.compare import AUTO_REORDER
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.results import TableWriter
@@ -68,7 +69,7 @@ def candidates(base: dict, args: argparse.Namespace, ctx: dict, nsteps: int) -> 
         out.append((s, rows))
         mbs *= 2
     if not args.no_dynamic:
-        s = {**base, "method": "dynamic", "mbs": None}
+        s = {**base, "method": "dynamic", "mbs": None, "reorder": AUTO_REORDER["dynamic"]}   # as dynmb compare runs it
         out.append((s, simulate_rows(s, steps=nsteps, **ctx)))
     return out
 
