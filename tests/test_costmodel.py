@@ -227,3 +227,37 @@ def test_tiny_concurrent_profile(tmp_path):
     assert m.meta["concurrent"] == 2
     with pytest.raises(ValueError, match="cuda|CPU"):
         profile(tiny, 2, grid=grid, device="cuda", concurrent=True, progress=False)
+
+
+def test_runtime_overhead_from_small_actions_only():
+    import pandas as pd
+
+    from dynmb.costmodel import OVERHEAD_MIN_ACTIONS, runtime_overhead
+
+    rng = np.random.default_rng(0)
+    n = 20
+    pred = rng.uniform(0.002, 0.03, n)
+    small = pd.DataFrame({"op": "F", "pred_s": pred, "start_s": 0.0, "end_s": pred + 0.0015})
+    big = pd.DataFrame({"op": "F", "pred_s": [1.0, 2.0], "start_s": 0.0, "end_s": [1.5, 2.9]})   # noisy, ignored
+    back = pd.DataFrame({"op": "B", "pred_s": pred[:OVERHEAD_MIN_ACTIONS - 1], "start_s": 0.0,
+                         "end_s": pred[:OVERHEAD_MIN_ACTIONS - 1] + 0.01})                       # too few: 0
+    oh = runtime_overhead(pd.concat([small, big, back], ignore_index=True))
+    assert oh["F"] == pytest.approx(0.0015)
+    assert oh["B"] == 0.0
+    faster = small.assign(end_s=small["pred_s"] - 0.001)                                     # never negative
+    assert runtime_overhead(faster)["F"] == 0.0
+
+
+def test_with_overhead_adds_per_action_and_round_trips(tmp_path):
+    from dynmb.costmodel import CostModel
+
+    cfg = ModelConfig.preset("tiny")
+    base = get_cost_model(None, cfg, 2)
+    cm = base.with_overhead(F=0.001, B=0.002)
+    c0, c1 = base.stage_costs([1, 4], [64, 128]), cm.stage_costs([1, 4], [64, 128])
+    assert np.allclose(c1["F"] - c0["F"], 0.001) and np.allclose(c1["B"] - c0["B"], 0.002)
+    assert base.runtime_overhead_s == {"F": 0.0, "B": 0.0}          # a copy: the base is unchanged
+    cm.save(tmp_path / "c.json")
+    again = CostModel.load(tmp_path / "c.json")
+    assert again.runtime_overhead_s == {"F": 0.001, "B": 0.002}
+    assert np.allclose(again.stage_costs([1, 4], [64, 128])["B"], c1["B"])

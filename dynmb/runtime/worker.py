@@ -184,6 +184,7 @@ class _Setup:
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.opt)
         self.clock = Clock(device)
         self.run_id = spec.get("run_id") or "run"
+        self.warm_actions: list[dict[str, Any]] = []   # every rank's warm-up actions, for _calibrate
 
 
 # --------------------------------------------------------------------------
@@ -322,7 +323,8 @@ def _record(st: _Setup, k: int, rep: dict[str, Any], reports: list[dict[str, Any
                num_stages=st.S, virtual=cfg.pipeline.virtual, dp=st.dp, world_size=st.world,
                verified=bool(st.spec.get("verify")), memory_limit_bytes=int(plan.memory_limit_bytes),
                mbs=plan.meta.get("mbs"), model=cfg.model.name, global_batch=cfg.global_batch,
-               truncated=len(plan.meta.get("truncated", [])), dropped=len(plan.meta.get("dropped", [])))
+               truncated=len(plan.meta.get("truncated", [])), dropped=len(plan.meta.get("dropped", [])),
+               overhead_F_s=st.cost_model.runtime_overhead_s["F"], overhead_B_s=st.cost_model.runtime_overhead_s["B"])
     writer.append("steps", [row])
     print(f"{PROGRESS}{st.run_id} {'warm-up ' if k < cfg.warmup else ''}step {k}: {step_s:.2f} s", flush=True)
     writer.append("actions", [a for r in reports for a in r["actions"]])
@@ -357,7 +359,23 @@ def _run_step(st: _Setup, k: int, writers: dict[str, Any]) -> None:
     problems = [p for r in reports for p in r["problems"]]
     if problems:
         raise StepCheckError("; ".join(problems))
+    st.warm_actions += [a for r in reports for a in r["actions"]] if k < st.cfg.warmup else []
+    if k == st.cfg.warmup - 1 and st.spec.get("calibrate", st.device.type == "cpu"):
+        _calibrate(st)
     gc.collect()
+
+
+def _calibrate(st: _Setup) -> None:
+    """After the warm-up steps: add the per-action runtime overhead they measured to the cost
+    model the next steps are planned and predicted with (``costmodel.runtime_overhead``).
+    Every rank has every rank's warm-up actions (all-gathered), so all compute the same."""
+    import pandas as pd
+
+    from dynmb.costmodel import runtime_overhead
+
+    oh = runtime_overhead(pd.DataFrame(st.warm_actions))
+    st.cost_model = st.cost_model.with_overhead(**oh)
+    st.warm_actions = []
 
 
 def _close(setups: list[_Setup], writers: dict[str, Any], device: torch.device) -> None:
