@@ -56,9 +56,9 @@ import pandas as pd
 import torch
 
 from dynmb.config import ModelConfig
-from dynmb.runtime.hostmem import retain_freed_memory
 from dynmb.model import build_stages, make_inputs, synthetic_tokens
 from dynmb.results import write_table
+from dynmb.runtime.hostmem import retain_freed_memory
 from dynmb.types import Microbatch
 
 __all__ = ["GRID_ROWS", "GRID_LENS", "default_grid", "synthetic_microbatch", "time_stage", "profile", "load_samples"]

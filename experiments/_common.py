@@ -202,7 +202,7 @@ def run_real(cases: list[dict[str, Any]], out_dir: str | Path, *, steps: int, wa
     out = Path(out_dir)
     pending = list(cases)
     result: list[dict[str, Any]] = []
-    # CPU: round by round (worker.run_interleaved), so outside load hits every case alike. A
+    # CPU: round by round (worker.run_cases), so outside load hits every case alike. A
     # failed interleaved job cannot say which case failed: its unfinished cases are then run
     # again one after another, which can.
     interleave = len(pending) > 1 and all(_run_config(s, steps, warmup, timeout, None).device == "cpu"

@@ -20,7 +20,7 @@ gradient before the verify), ``overlimit`` (checks the peak against peak - 1). A
 form ``{"out_dir": ..., "cases": [spec, ...], "interleave": bool}`` runs several specs
 in the same process group (start-up paid once): one after another, or with
 ``interleave`` (CPU) round by round, step k of every spec before step k + 1
-(``run_interleaved``; what ``dynmb compare`` does on CPU).
+(``run_cases``; what ``dynmb compare`` does on CPU).
 
 Algorithm per run
 -----------------
@@ -74,7 +74,7 @@ from dynmb.runtime.interpreter import Clock, run_actions
 from dynmb.runtime.launch import PROGRESS
 from dynmb.types import Microbatch, Plan
 
-__all__ = ["main", "run_spec", "PlanDivergenceError", "StepCheckError"]
+__all__ = ["main", "run_spec", "run_cases", "PlanDivergenceError", "StepCheckError"]
 
 VERIFY_RTOL = 1e-5
 
@@ -359,9 +359,10 @@ def _run_step(st: _Setup, k: int, writers: dict[str, Any]) -> None:
     problems = [p for r in reports for p in r["problems"]]
     if problems:
         raise StepCheckError("; ".join(problems))
-    st.warm_actions += [a for r in reports for a in r["actions"]] if k < st.cfg.warmup else []
-    if k == st.cfg.warmup - 1 and st.spec.get("calibrate", st.device.type == "cpu"):
-        _calibrate(st)
+    if k < st.cfg.warmup and st.spec.get("calibrate", st.device.type == "cpu"):
+        st.warm_actions += [a for r in reports for a in r["actions"]]
+        if k == st.cfg.warmup - 1:
+            _calibrate(st)
     gc.collect()
 
 
@@ -394,50 +395,42 @@ def _close(setups: list[_Setup], writers: dict[str, Any], device: torch.device) 
         torch.cuda.empty_cache()
 
 
-# Python's cyclic collector, left on, runs a full collection now and then inside a step:
-# ~0.1 s of one core over the ~220k objects torch, pandas and scipy leave, and the rank's
-# peers wait for it (stalls of 0.2 s were measured mid-step). As Megatron-LM's --manual-gc
-# does: freeze what set-up allocated (gc.freeze), keep the collector off while a step runs
-# (_step), collect between steps (_run_step).
+def run_cases(specs: list[dict[str, Any]], device: torch.device, *, interleave: bool = False) -> None:
+    """Run specs in the current process group: one after another, or round by round.
+
+    ``interleave`` (CPU only): all specs are set up first (their models and optimizers live
+    side by side), then each round runs step k of every spec that has one, in an order
+    rotated by one every round, so a burst of outside load on a shared machine slows every
+    method's step alike instead of whichever method ran during it. Not on CUDA: the other
+    specs' states would be in every measured peak.
+
+    Python's cyclic collector, left on, runs a full collection now and then inside a step:
+    ~0.1 s of one core over the ~220k objects torch, pandas and scipy leave, and the rank's
+    peers wait for it (stalls of 0.2 s were measured mid-step). As Megatron-LM's --manual-gc
+    does: freeze what set-up allocated, keep the collector off while a step runs (``_step``),
+    collect between steps (``_run_step``)."""
+    if interleave and device.type != "cpu":
+        raise ValueError("interleaved cases are for CPU runs (the CUDA peak would count every case's states)")
+    for group in ([specs] if interleave else [[s] for s in specs]):
+        writers: dict[str, Any] = {}
+        setups: list[_Setup] = []
+        try:
+            for spec in group:
+                setups.append(_open(spec, device, writers))
+            gc.collect()
+            gc.freeze()
+            for k in range(max(st.cfg.warmup + st.cfg.steps for st in setups)):
+                for i in range(len(setups)):
+                    st = setups[(i + k) % len(setups)]
+                    if k < st.cfg.warmup + st.cfg.steps:
+                        _run_step(st, k, writers)
+        finally:
+            _close(setups, writers, device)
+
+
 def run_spec(spec: dict[str, Any], device: torch.device) -> None:
     """Run one spec (all its steps) in the current process group."""
-    writers: dict[str, Any] = {}
-    setups: list[_Setup] = []
-    try:
-        setups.append(_open(spec, device, writers))
-        gc.collect()
-        gc.freeze()
-        for k in range(setups[0].cfg.warmup + setups[0].cfg.steps):
-            _run_step(setups[0], k, writers)
-    finally:
-        _close(setups, writers, device)
-
-
-def run_interleaved(specs: list[dict[str, Any]], device: torch.device) -> None:
-    """Run several specs round by round: step k of every spec, then step k + 1 of every spec.
-
-    All specs are set up first (their models and optimizers live side by side), then each
-    round runs step k of each spec that has one, in an order rotated by one every round. A
-    burst of outside load on a shared machine then slows every method's step alike, instead
-    of whichever method ran during it, so the throughput ratios stay side by side. CPU only:
-    on CUDA the other specs' states would be in every measured peak."""
-    if device.type != "cpu":
-        raise ValueError("interleaved cases are for CPU runs (the CUDA peak would count every case's states)")
-    writers: dict[str, Any] = {}
-    setups: list[_Setup] = []
-    try:
-        for spec in specs:
-            setups.append(_open(spec, device, writers))
-        gc.collect()
-        gc.freeze()
-        n = max(st.cfg.warmup + st.cfg.steps for st in setups)
-        for k in range(n):
-            for i in range(len(setups)):
-                st = setups[(i + k) % len(setups)]
-                if k < st.cfg.warmup + st.cfg.steps:
-                    _run_step(st, k, writers)
-    finally:
-        _close(setups, writers, device)
+    run_cases([spec], device)
 
 
 # --------------------------------------------------------------------------
@@ -478,11 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cpu")
         dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-        if spec.get("interleave") and len(cases) > 1:
-            run_interleaved(cases, device)
-        else:
-            for case in cases:
-                run_spec(case, device)
+        run_cases(cases, device, interleave=bool(spec.get("interleave")) and len(cases) > 1)
         dist.barrier()
         dist.destroy_process_group()
         return 0
