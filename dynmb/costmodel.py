@@ -119,8 +119,8 @@ class CostModel:
 
     def with_overhead(self, F: float = 0.0, B: float = 0.0) -> "CostModel":
         """A copy whose every F / B prediction adds ``F`` / ``B`` seconds: what the runtime
-        spends per action beyond the op itself (memory-meter hooks, building inputs, posting
-        sends), measured on a run's warm-up steps (``runtime_overhead``)."""
+        spends per action beyond the op itself (memory-meter hooks, posting sends, the other
+        ranks' comm threads), measured on a run's warm-up steps (``runtime_overhead``)."""
         c = copy.copy(self)
         c.runtime_overhead_s = {"F": float(F), "B": float(B)}
         return c

@@ -197,7 +197,7 @@ def run_real(cases: list[dict[str, Any]], out_dir: str | Path, *, steps: int, wa
     Writes the ``configs`` rows to ``out_dir`` as each launch ends. A failed case is recorded
     with ``status='failed'`` and its error; the cases after it are launched again.
     """
-    from dynmb.runtime.launch import failure_lines, launch_spec, write_spec
+    from dynmb.runtime.launch import default_backend_device, failure_lines, launch_spec, write_spec
 
     out = Path(out_dir)
     pending = list(cases)
@@ -205,8 +205,7 @@ def run_real(cases: list[dict[str, Any]], out_dir: str | Path, *, steps: int, wa
     # CPU: round by round (worker.run_cases), so outside load hits every case alike. A
     # failed interleaved job cannot say which case failed: its unfinished cases are then run
     # again one after another, which can.
-    interleave = len(pending) > 1 and all(_run_config(s, steps, warmup, timeout, None).device == "cpu"
-                                          for s in pending)
+    interleave = len(pending) > 1 and default_backend_device()[1] == "cpu"
     while pending:
         specs = []
         for s in pending:
