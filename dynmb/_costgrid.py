@@ -41,7 +41,7 @@ class GridCostModel(CostModel):
         self._interp = {k: RegularGridInterpolator((r, s), t, method="linear", bounds_error=False, fill_value=None)
                         if len(r) > 1 and len(s) > 1 else None for k, (r, s, t) in self.grids.items()}
 
-    def _predict(self, stage, op, b, s):
+    def _predict(self, stage, op, b, s, a):
         r_ax, s_ax, t = self.grids[(stage, op)]
         f = self._interp[(stage, op)]
         if f is not None:

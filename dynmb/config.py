@@ -77,6 +77,10 @@ class ModelConfig:
     """Largest row length (positions are learned up to this)."""
     dtype: str = "float32"
     """Parameter and activation dtype: float32, bfloat16 or float16."""
+    attention: str = "auto"
+    """``auto``: causal attention with no mask tensor for one document per row and
+    document-causal attention costing sum(s_i^2) for packed rows (as trainers run it);
+    ``dense``: the (batch, 1, s, s) mask on every row, kept only as an ablation."""
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -86,6 +90,8 @@ class ModelConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.attention not in ("auto", "dense"):
+            raise ValueError(f"unknown attention {self.attention!r}; expected auto or dense")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "ModelConfig":

@@ -106,16 +106,20 @@ class CostModel:
         self.runtime_overhead_s: dict[str, float] = {"F": 0.0, "B": 0.0}
 
     # --- the lookup ---------------------------------------------------------
-    def predict(self, stage: int, op: str, rows: Any, padded_len: Any) -> np.ndarray:
-        """Seconds for ``op`` on ``stage`` of microbatches (rows, padded_len), broadcast."""
+    def predict(self, stage: int, op: str, rows: Any, padded_len: Any, attn: Any = None) -> np.ndarray:
+        """Seconds for ``op`` on ``stage`` of microbatches (rows, padded_len), broadcast.
+
+        ``attn`` is each microbatch's attention work ``Microbatch.attention_work`` (sum of
+        segment_length^2); None means one document per row: ``rows * padded_len**2``."""
         if not 0 <= int(stage) < self.num_stages:
             raise ValueError(f"stage {stage} out of range for {self.num_stages} stages")
         b, s = np.broadcast_arrays(np.asarray(rows, dtype=np.float64), np.asarray(padded_len, dtype=np.float64))
+        a = b * s * s if attn is None else np.broadcast_to(np.asarray(attn, dtype=np.float64), b.shape)
         if op == "W":
             return np.zeros(b.shape)
         if op not in ("F", "B"):
             raise ValueError(f"unknown op {op!r}; expected F, B or W")
-        return np.maximum(self._predict(int(stage), op, b, s), 0.0) + self.runtime_overhead_s.get(op, 0.0)
+        return np.maximum(self._predict(int(stage), op, b, s, a), 0.0) + self.runtime_overhead_s.get(op, 0.0)
 
     def with_overhead(self, F: float = 0.0, B: float = 0.0) -> "CostModel":
         """A copy whose every F / B prediction adds ``F`` / ``B`` seconds: what the runtime
@@ -125,16 +129,25 @@ class CostModel:
         c.runtime_overhead_s = {"F": float(F), "B": float(B)}
         return c
 
-    def _predict(self, stage: int, op: str, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    def _predict(self, stage: int, op: str, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def stage_costs(self, rows: Any, padded_len: Any) -> dict[str, np.ndarray]:
-        """``{"F": ndarray[P, m], "B": ndarray[P, m]}`` seconds per stage and microbatch."""
+    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None) -> dict[str, np.ndarray]:
+        """``{"F": ndarray[P, m], "B": ndarray[P, m]}`` seconds per stage and microbatch
+        (``attn`` as in ``predict``)."""
         b = np.atleast_1d(np.asarray(rows, dtype=np.float64))
         s = np.atleast_1d(np.asarray(padded_len, dtype=np.float64))
         b, s = np.broadcast_arrays(b, s)
-        return {op: np.stack([self.predict(p, op, b, s) for p in range(self.num_stages)]).reshape(self.num_stages, -1)
+        a = b * s * s if attn is None else np.broadcast_to(np.atleast_1d(np.asarray(attn, dtype=np.float64)), b.shape)
+        return {op: np.stack([self.predict(p, op, b, s, a) for p in range(self.num_stages)]).reshape(self.num_stages, -1)
                 for op in ("F", "B")}
+
+    def plan_costs(self, plan: Any) -> dict[str, np.ndarray]:
+        """``stage_costs`` of every microbatch of ``plan`` with its attention work under
+        this model's ``attention`` setting: the lookup the simulator, reorderer and
+        runtime use for a whole plan."""
+        shapes = plan.shapes()
+        return self.stage_costs(shapes[:, 0], shapes[:, 1], plan.attention_work(self.model_cfg.attention))
 
     def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
         """P2P seconds of the hidden state of microbatches (rows, padded_len) between stages."""
@@ -228,7 +241,7 @@ class AnalyticCostModel(CostModel):
             raise ValueError(f"bad analytic constants flops_per_s={flops_per_s} overhead_s={overhead_s} bwd_ratio={bwd_ratio}")
         self.flops_per_s, self.overhead_s, self.bwd_ratio = float(flops_per_s), float(overhead_s), float(bwd_ratio)
 
-    def _predict(self, stage, op, b, s):
+    def _predict(self, stage, op, b, s, a):
         f = self.overhead_s + self.model_cfg.stage_flops(stage, self.num_stages, b, s) / self.flops_per_s
         return f if op == "F" else self.bwd_ratio * f
 
@@ -240,8 +253,9 @@ class AnalyticCostModel(CostModel):
         return cls(cfg, p, comm=comm, meta=meta, **params)
 
 
-def _features(form: str, b: np.ndarray, s: np.ndarray) -> np.ndarray:
-    cols = {"c0": np.ones_like(b), "c1_tok": b * s, "c2_tok_len": b * s * s, "c3_row": b}
+def _features(form: str, b: np.ndarray, s: np.ndarray, a: np.ndarray | None = None) -> np.ndarray:
+    """Feature columns of ``form``; ``a`` is the attention work (default ``b * s**2``)."""
+    cols = {"c0": np.ones_like(b), "c1_tok": b * s, "c2_tok_len": b * s * s if a is None else a, "c3_row": b}
     return np.stack([cols[c] for c in FORMS[form]], axis=-1)
 
 
@@ -267,9 +281,9 @@ class FittedCostModel(CostModel):
         if missing:
             raise ValueError(f"poly cost model lacks fits for (stage, op) {missing}: profile every stage")
 
-    def _predict(self, stage, op, b, s):
+    def _predict(self, stage, op, b, s, a):
         form, coef = self.params[(stage, op)]
-        return _features(form, b, s) @ coef
+        return _features(form, b, s, a) @ coef
 
     def coefficients(self) -> pd.DataFrame:
         """One row per (stage, op): form and every coefficient (NaN where the form lacks it)."""

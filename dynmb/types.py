@@ -26,9 +26,13 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["Microbatch", "Plan", "Action", "Schedule", "OPS", "PlanError"]
+__all__ = ["Microbatch", "Plan", "Action", "Schedule", "OPS", "ATTENTION_KINDS", "PlanError"]
 
 OPS = ("F", "B", "W")
+
+ATTENTION_KINDS = ("auto", "dense")
+"""``auto``: causal attention without a mask for one document per row, document-causal
+(sum of s_i^2) for packed rows; ``dense``: the (s, s) mask tensor on every row (ablation)."""
 
 
 class PlanError(ValueError):
@@ -100,6 +104,20 @@ class Microbatch:
     def is_packed(self) -> bool:
         """True when some row holds more than one sequence."""
         return len(np.unique(self.row_ids)) < self.num_seqs
+
+    def attention_work(self, attention: str = "auto") -> int:
+        """Sum over attention segments of segment_length**2: the attention term of the cost.
+
+        ``auto`` (attention as trainers run it): a row holding one document runs causal
+        attention over its whole padded row (pads included), ``batch * padded_len**2``;
+        a microbatch with packed rows runs document-causal attention, ``sum(s_i**2)`` over
+        its documents. ``dense`` (the (s, s) mask ablation): ``batch * padded_len**2``.
+        """
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention {attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
+        if attention == "auto" and self.is_packed:
+            return int(np.sum(self.lengths.astype(np.int64) ** 2))
+        return self.batch * self.padded_len ** 2
 
     def rows(self) -> list[np.ndarray]:
         """Positions (into ``seq_ids``) of the sequences in each row, in order."""
@@ -180,6 +198,10 @@ class Plan:
     def shapes(self) -> np.ndarray:
         """``(num_microbatches, 2)`` int64 array of (batch, padded_len)."""
         return np.array([[mb.batch, mb.padded_len] for mb in self.microbatches], dtype=np.int64).reshape(-1, 2)
+
+    def attention_work(self, attention: str = "auto") -> np.ndarray:
+        """``(num_microbatches,)`` float64: each microbatch's ``Microbatch.attention_work``."""
+        return np.array([mb.attention_work(attention) for mb in self.microbatches], dtype=np.float64)
 
     def replica(self, r: int) -> "Plan":
         """The sub-plan data-parallel pipeline ``r`` runs (microbatches renumbered from 0)."""
