@@ -6,22 +6,30 @@ Algorithm:
    ones, in ascending length order, are packed next-fit into rows of at most R tokens (one
    ``bisect`` per row), so neighbouring rows have similar lengths and a row wastes less
    than one of its short documents. R runs over "no packing" and up to three powers of two
-   from 2x the median length up to the longest.
-2. Microbatches. Rows sorted longest first; a microbatch is a contiguous run of rows padded
-   to its longest. Its size is capped by memory (``bmax``, the per-microbatch budget of
-   ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B, taken
-   affine in rows from ONE cost lookup (``stage_costs`` at b = 1, 2 for every distinct row
-   length). Greedy: each microbatch takes the most rows both caps allow, found for all
-   rows at once by pointer doubling. tau sweeps a geometric grid per R, then a finer grid
-   around the best; the best few are also filled from the short end.
-3. Score: ``approx_makespan`` (busiest stage's work + warm-up of the cheapest microbatch
-   + cool-down of the next cheapest), from per-length sums (O(P * lengths) per split).
-4. Polish: the two best splits (m <= 256) get a boundary-shift DP (each cut moves by up
+   from 2x the median length up to the longest, each rounded down to a multiple of
+   ``round_to`` and capped at ``max_len`` (the longest admissible row).
+2. Shapes and costs. A microbatch is a contiguous run of rows (sorted longest first); its
+   ``padded_len`` is its first row's length rounded up to a multiple of ``round_to``, and
+   memory and costs are evaluated at that rounded length. Its attention work is
+   ``Microbatch.attention_work``: sum of s_i^2 over its documents when some row is packed
+   (``attention="auto"``), else rows x padded_len^2. Its time per stage is taken from ONE
+   cost lookup (``stage_costs`` at (1, s), (2, s) and (1, s, attention work 0) for every
+   distinct padded length s): ``alpha_s + beta_s * rows - gamma_s * (rows * s^2 - work)``,
+   affine in rows and attention work (exact for the analytic and polynomial cost models).
+3. Microbatches. The size is capped by memory (``bmax``, the per-microbatch budget of
+   ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B. Greedy:
+   each microbatch takes the most rows both caps allow, found for all rows at once by
+   pointer doubling. tau sweeps a geometric grid per R, then a finer grid around the
+   best; the best few are also filled from the short end.
+4. Score: ``dynmb._packutil.pipeline_bound`` (busiest stage's work + warm-up of the cheapest
+   microbatch + cool-down of the next cheapest), from per-length sums (O(P * lengths) per split).
+5. Polish: the two best splits (m <= 256) get a boundary-shift DP (each cut moves by up
    to 4 rows to minimise the summed bottleneck time). The fixed-size split of the sorted
    rows is a candidate, and batches of <= ``SEED_DP_MAX`` sequences also add the DP split
    of ``dynmb._dynapipe``.
-5. Choose: the best candidates are simulated exactly (``est_makespan``, the simulator's
-   recurrence) when small, else by the estimate, in three orders (longest first,
+6. Choose: the best candidates are re-costed exactly (``stage_costs`` with each
+   microbatch's attention work) and estimated with ``dynmb._packutil.makespan`` (the
+   simulator's recurrence when small, the bound otherwise) in three orders (longest first,
    shortest first, the two cheapest at the two ends); the fastest is returned.
 Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau) and O(rows) Python
 steps for the row packing; no per-sequence Python loop.
@@ -29,13 +37,13 @@ steps for the row packing; no per-sequence Python loop.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from ._packutil import approx_makespan, est_makespan, next_fit_rows
-
 from ._dynapipe import dynapipe_split
+from ._packutil import Flat, makespan, next_fit_rows, pipeline_bound, round_down, round_up
 
 SEED_DP_MAX = 512
 """Batches up to this many sequences also try the DP split of ``dynmb._dynapipe`` as a candidate."""
@@ -46,30 +54,80 @@ RANK_EXACT = 400
 
 __all__ = ["dynamic_groups"]
 
-Flat = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-"""Microbatches in execution order: (item positions grouped by microbatch, local row id per
-item, items per microbatch, padded_len per microbatch, rows per microbatch)."""
+
+@dataclass
+class _RowSet:
+    """The rows of one row capacity ``cap`` (None: one sequence per row), numbered longest first."""
+
+    cap: int | None
+    row: np.ndarray           # row of each item
+    tokens: np.ndarray        # tokens per row (non-increasing)
+    padded: np.ndarray        # tokens rounded up to round_to: padded_len of a microbatch starting there
+    work_cum: np.ndarray      # prefix sums of each row's attention work (sum of its documents' s^2)
+    packed_cum: np.ndarray    # prefix counts of rows holding more than one document
+
+    def attention(self, start: np.ndarray, end: np.ndarray, doc_causal: bool) -> np.ndarray:
+        """``Microbatch.attention_work`` of the microbatches of rows [start, end) (broadcast)."""
+        rows = end - start
+        full = rows * self.padded[np.minimum(start, len(self.padded) - 1)].astype(np.float64) ** 2
+        if not doc_causal:
+            return full
+        packed = self.packed_cum[end] - self.packed_cum[start] > 0
+        return np.where(packed, self.work_cum[end] - self.work_cum[start], full)
 
 
-def _rows(lengths: np.ndarray, asc: np.ndarray, cap: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """(row of each item, row lengths): rows numbered longest first, for capacity ``cap``
-    (None: one sequence per row). ``asc`` sorts ``lengths`` ascending."""
+def _rows(lengths: np.ndarray, asc: np.ndarray, cap: int | None, round_to: int) -> _RowSet:
+    """Rows for capacity ``cap``; ``asc`` sorts ``lengths`` ascending."""
     n = len(lengths)
     if cap is None:
         row = np.empty(n, dtype=np.int64)
         row[asc[::-1]] = np.arange(n)
-        return row, lengths[asc[::-1]]
-    k = int(np.searchsorted(lengths[asc], cap // 2, side="right"))
-    short, long_ = asc[:k], asc[k:][::-1]
-    row = np.empty(n, dtype=np.int64)
-    row[long_] = np.arange(len(long_))
-    if k:
-        row[short] = len(long_) + next_fit_rows(lengths[short], cap)
-    row_len = np.bincount(row, weights=lengths).astype(np.int64)
-    ro = np.argsort(-row_len, kind="stable")
-    rank = np.empty(len(ro), dtype=np.int64)
-    rank[ro] = np.arange(len(ro))
-    return rank[row], row_len[ro]
+    else:
+        k = int(np.searchsorted(lengths[asc], cap // 2, side="right"))
+        short, long_ = asc[:k], asc[k:][::-1]
+        row = np.empty(n, dtype=np.int64)
+        row[long_] = np.arange(len(long_))
+        if k:
+            row[short] = len(long_) + next_fit_rows(lengths[short], cap)
+        tokens = np.bincount(row, weights=lengths).astype(np.int64)
+        rank = np.empty(len(tokens), dtype=np.int64)
+        rank[np.argsort(-tokens, kind="stable")] = np.arange(len(tokens))
+        row = rank[row]
+    tokens = np.bincount(row, weights=lengths).astype(np.int64)
+    work = np.bincount(row, weights=lengths.astype(np.float64) ** 2)
+    docs = np.bincount(row)
+    return _RowSet(cap, row, tokens, round_up(tokens, round_to), np.concatenate([[0.0], np.cumsum(work)]),
+                   np.concatenate([[0], np.cumsum(docs > 1)]))
+
+
+def _caps(lengths: np.ndarray, max_len: int, round_to: int) -> list[int | None]:
+    """No packing, then powers of two from 2x the median up to the longest (at most 3), each
+    rounded down to a multiple of ``round_to`` and capped at ``max_len``."""
+    lmax = int(lengths.max())
+    floor_len = 2 * max(float(np.median(lengths)), float(np.percentile(lengths, 25)))
+    caps: list[int | None] = [None]
+    r = 64
+    while r < 2 * lmax and len(caps) < 4:
+        cap = min(round_down(r, round_to), max_len)
+        if cap >= floor_len and cap >= 1 and cap not in caps:
+            caps.append(cap)
+        r *= 2
+    return caps
+
+
+def _affine_costs(cost_model: Any, padded: np.ndarray) -> dict[str, np.ndarray]:
+    """Per op ``F`` / ``B``: (alpha, beta, gamma)[P, u] with time(b, s, work) = alpha + beta * b
+    - gamma * (b * s^2 - work), from one ``stage_costs`` lookup at (1, s), (2, s), (1, s, 0)."""
+    u = len(padded)
+    s = padded.astype(np.float64)
+    rows = np.concatenate([np.ones(u), np.full(u, 2.0), np.ones(u)])
+    cc = cost_model.stage_costs(rows, np.tile(s, 3), np.concatenate([s * s, 2 * s * s, np.zeros(u)]))
+    out = {}
+    for op in ("F", "B"):
+        one, two, no_attn = cc[op][:, :u], cc[op][:, u:2 * u], cc[op][:, 2 * u:]
+        beta = np.maximum(two - one, 0.0)
+        out[op] = (one - beta, beta, np.maximum(one - no_attn, 0.0) / np.maximum(s * s, 1.0))
+    return out
 
 
 def _greedy(b_cap: np.ndarray) -> np.ndarray:
@@ -99,10 +157,12 @@ def _greedy_asc(b_cap: np.ndarray) -> np.ndarray:
     return np.append(path[path > 0], 0)[::-1].copy()
 
 
-def _polish(cuts: np.ndarray, alpha: np.ndarray, beta: np.ndarray, bmax: np.ndarray, w: int = 4) -> np.ndarray:
+def _polish(cuts: np.ndarray, bottleneck: Callable[[np.ndarray, np.ndarray], np.ndarray], bmax: np.ndarray,
+            w: int = 4) -> np.ndarray:
     """Move each inner cut by up to ``w`` rows to minimise the summed bottleneck time
-    ``sum_k max_i (alpha[i, a_k] + beta[i, a_k] * rows_k)`` (alpha/beta per stage and start
-    row): a DP over the m cuts with 2w + 1 positions each, O(P m w^2) vectorised work."""
+    ``sum_k bottleneck(a_k, a_{k+1})`` (the time of the microbatch of rows [a_k, a_{k+1}),
+    broadcast over arrays): a DP over the m cuts with 2w + 1 positions each, O(P m w^2)
+    vectorised work."""
     n, m = int(cuts[-1]), len(cuts) - 1
     if m < 2:
         return cuts
@@ -111,7 +171,7 @@ def _polish(cuts: np.ndarray, alpha: np.ndarray, beta: np.ndarray, bmax: np.ndar
     pos[0], pos[-1] = 0, n
     start = np.minimum(pos[:-1], n - 1)                         # [m, W]
     rows = pos[1:, None, :] - pos[:-1, :, None]                 # [m, W(start), W(end)]
-    t = (alpha[:, start][..., None] + beta[:, start][..., None] * rows[None]).max(axis=0)
+    t = bottleneck(start[..., None], pos[1:, None, :])
     cost = np.where((rows >= 1) & (rows <= bmax[start][..., None]), t, np.inf)
     W = pos.shape[1]
     best = np.full(W, np.inf)
@@ -153,163 +213,199 @@ def _ends(t: np.ndarray) -> np.ndarray:
     return np.concatenate([[cheap[0]], np.flatnonzero(keep), [cheap[1]]])
 
 
-def _caps(lengths: np.ndarray) -> list[int | None]:
-    """No packing, then powers of two from 2x the median up to the longest (at most 3)."""
-    lmax = int(lengths.max())
-    med = float(np.median(lengths))
-    caps: list[int | None] = [None]
-    r = 64
-    while r < 2 * lmax and len(caps) < 4:
-        if r >= 2 * med and r >= 2 * int(np.percentile(lengths, 25)):
-            caps.append(r)
-        r *= 2
-    return caps
+class _Setup:
+    """One row set with its affine costs per row: scores splits (cut points over its rows)."""
+
+    def __init__(self, rows: _RowSet, length_ix: np.ndarray, costs: dict[str, tuple], bmax_by_length: np.ndarray,
+                 doc_causal: bool) -> None:
+        self.rows, self.doc_causal = rows, doc_causal
+        self.used, self.pos = np.unique(length_ix, return_inverse=True)     # distinct padded lengths, row -> index
+        self.fwd = tuple(c[:, self.used] for c in costs["F"])              # (alpha, beta, gamma) of F
+        self.bwd = tuple(c[:, self.used] for c in costs["B"])
+        self.alpha, self.beta, self.gamma = (f + b for f, b in zip(self.fwd, self.bwd))
+        self.bmax = bmax_by_length[length_ix]
+        # per start row, the bottleneck time affine in rows, taking every row as packed as the first
+        row_work = np.diff(rows.work_cum)
+        row_saving = np.where((np.diff(rows.packed_cum) > 0) & doc_causal,
+                              rows.padded.astype(np.float64) ** 2 - row_work, 0.0)
+        self.alpha_row = self.alpha[:, self.pos]
+        self.beta_row = np.maximum(self.beta[:, self.pos] - self.gamma[:, self.pos] * row_saving, 1e-15)
+
+    def saving(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """rows x padded_len^2 minus the attention work of the microbatches [start, end)."""
+        full = (end - start) * self.rows.padded[np.minimum(start, len(self.pos) - 1)].astype(np.float64) ** 2
+        return full - self.rows.attention(start, end, self.doc_causal)
+
+    def bottleneck(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Bottleneck-stage F + B of the microbatches of rows [start, end) (broadcast)."""
+        p = self.pos[start]
+        return (self.alpha[:, p] + self.beta[:, p] * (end - start) - self.gamma[:, p] * self.saving(start, end)).max(axis=0)
+
+    def tau_grid(self, num_tau: int) -> np.ndarray:
+        """Geometric time targets from one row's to the largest microbatch's bottleneck time, then inf."""
+        most = np.minimum(self.bmax, len(self.pos))
+        lo = float((self.alpha_row + self.beta_row).max(axis=0).min())
+        hi = float((self.alpha_row + self.beta_row * most).max(axis=0).max())
+        return np.append(np.geomspace(lo, hi, num_tau) if hi > lo * 1.0001 else [hi], np.inf)
+
+    def greedy_cuts(self, tau: float, from_short_end: bool = False) -> np.ndarray:
+        """The greedy split under the memory cap and the time target ``tau``."""
+        bcap = self.bmax
+        if np.isfinite(tau):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                by_time = np.floor(((tau - self.alpha_row) / self.beta_row).min(axis=0))
+            bcap = np.minimum(bcap, np.clip(by_time, 1, len(self.pos)).astype(np.int64))
+        return _greedy_asc(bcap) if from_short_end else _greedy(bcap)
+
+    def score(self, cuts: np.ndarray, comm: Any) -> float:
+        """``pipeline_bound`` of the split from per-length sums: busiest stage's work, the
+        cheapest microbatch's forwards first and the next cheapest's backwards last."""
+        start, end = cuts[:-1], cuts[1:]
+        rows, first = np.diff(cuts), self.pos[start]
+        saving = self.saving(start, end)
+        u = len(self.used)
+        work = (self.alpha @ np.bincount(first, minlength=u) + self.beta @ np.bincount(first, rows, minlength=u)
+                - self.gamma @ np.bincount(first, saving, minlength=u))
+        padded = self.rows.padded[start]
+        cheap = np.argpartition(rows * padded, 1)[:2] if len(rows) > 1 else np.array([0, 0])
+
+        def op_time(coef: tuple, j: int) -> np.ndarray:
+            return coef[0][:, first[j]] + coef[1][:, first[j]] * rows[j] - coef[2][:, first[j]] * saving[j]
+
+        send = float(np.mean(comm(rows, padded))) if comm is not None else 0.0
+        return pipeline_bound(work, op_time(self.fwd, cheap[0]), op_time(self.bwd, cheap[1]), send)
+
+    def exact_costs(self, cuts: np.ndarray, cost_model: Any, comm: Any) -> tuple[np.ndarray, np.ndarray, Any]:
+        """(F[P, m], B[P, m], send times) of the split from the one cost lookup, in split order."""
+        start, end = cuts[:-1], cuts[1:]
+        rows, padded = np.diff(cuts), self.rows.padded[start]
+        cc = cost_model.stage_costs(rows, padded, self.rows.attention(start, end, self.doc_causal))
+        return cc["F"], cc["B"], (comm(rows, padded) if comm is not None else 0.0)
 
 
 def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: Any,
-                   num_stages: int, schedule_kind: str = "1f1b", comm: Any = None,
-                   num_tau: int = 4, keep: int = 3, tol: float = 0.0) -> tuple[Flat, float]:
+                   num_stages: int, schedule_kind: str = "1f1b", comm: Any = None, *, round_to: int = 1,
+                   max_len: int | None = None, attention: str = "auto", num_tau: int = 4, keep: int = 3,
+                   tol: float = 0.0) -> tuple[Flat, float]:
     """Microbatches (in execution order) of the global batch ``lengths`` and their estimated makespan.
 
-    Among splits whose estimate is within ``tol`` (relative) of the best, the one with the
-    fewest microbatches is kept (less per-microbatch runtime overhead the cost model may miss).
+    ``bmax_fn(padded_lens)``: the most rows admissible per padded length. Every padded_len is
+    a multiple of ``round_to``; packed rows hold at most ``max_len`` tokens (a multiple of
+    ``round_to``; default: no cap beyond the longest length). ``attention``: the model's
+    attention setting (``auto``: packed microbatches cost sum(s_i^2)). Among splits whose
+    estimate is within ``tol`` (relative) of the best, the one with the fewest microbatches
+    is kept (less per-microbatch runtime overhead the cost model may miss).
     """
-    cands = []
+    doc_causal = attention == "auto"
+    top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)
     asc = np.argsort(lengths, kind="stable")
-    for cap in _caps(lengths):
-        row, rl = _rows(lengths, asc, cap)
-        if cap is not None and len(rl) == len(lengths):
-            continue                                              # packing changed nothing
-        cands.append((cap, row, None, rl))
-    # one cost lookup for every distinct row length at b = 1 and b = 2 (affine in b)
-    uniq, inv = np.unique(np.concatenate([c[3] for c in cands]), return_inverse=True)
-    cc = cost_model.stage_costs(np.concatenate([np.ones(len(uniq)), np.full(len(uniq), 2.0)]),
-                                np.concatenate([uniq, uniq]).astype(np.float64))
-    u = len(uniq)
-    bF, bB = np.maximum(cc["F"][:, u:] - cc["F"][:, :u], 0), np.maximum(cc["B"][:, u:] - cc["B"][:, :u], 0)
-    aF, aB = cc["F"][:, :u] - bF, cc["B"][:, :u] - bB
+    row_sets = [_rows(lengths, asc, None, round_to)]
+    for cap in _caps(lengths, top, round_to)[1:]:
+        rows = _rows(lengths, asc, cap, round_to)
+        if len(rows.tokens) < len(lengths):                              # packing changed something
+            row_sets.append(rows)
+    uniq, inv = np.unique(np.concatenate([r.padded for r in row_sets]), return_inverse=True)
+    costs = _affine_costs(cost_model, uniq)
     bmax_u = np.maximum(bmax_fn(uniq), 1)
-    scored = []
-    off, offs, setups = 0, {}, {}
-    for cap, row, ro, rl in cands:
-        ix = inv[off:off + len(rl)]
-        offs[cap] = off
-        off += len(rl)
-        used = np.unique(ix)                                      # distinct lengths of these rows
-        alpha, beta = (aF + aB)[:, used], np.maximum((bF + bB)[:, used], 1e-15)
-        setups[cap] = (row, ro, rl, ix, alpha, beta, bmax_u[ix], np.searchsorted(used, ix), set(), used,
-                       aF[:, used], bF[:, used], aB[:, used], bB[:, used])
+    setups: dict[int | None, _Setup] = {}
+    offset = 0
+    for rows in row_sets:
+        setups[rows.cap] = _Setup(rows, inv[offset:offset + len(rows.tokens)], costs, bmax_u, doc_causal)
+        offset += len(rows.tokens)
+    scored = _search(setups, lengths, cost_model, num_stages, comm, num_tau)
+    cap, cuts, order, est = _choose(scored, setups, len(lengths), cost_model, num_stages, schedule_kind, comm,
+                                    keep, tol)
+    return _to_flat(setups[cap].rows, cuts, order), est
 
-    def run(cap: Any, tau: float, asc: bool = False) -> None:
-        row, ro, rl, ix, alpha, beta, bmax, pos, seen, used, aFu, bFu, aBu, bBu = setups[cap]
-        if np.isfinite(tau):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                bt = np.floor(((tau - alpha) / beta).min(axis=0))
-            bcap = np.minimum(bmax, np.clip(bt, 1, len(rl)).astype(np.int64)[pos])
-        else:
-            bcap = bmax
-        score_cuts(cap, _greedy_asc(bcap) if asc else _greedy(bcap), tau)
 
-    def score_cuts(cap: Any, cuts: np.ndarray, tau: float) -> None:
-        row, ro, rl, ix, alpha, beta, bmax, pos, seen, used, aFu, bFu, aBu, bBu = setups[cap]
-        key = cuts.tobytes()
-        if key in seen:
+def _search(setups: dict[int | None, _Setup], lengths: np.ndarray, cost_model: Any, num_stages: int, comm: Any,
+            num_tau: int) -> list[tuple]:
+    """Candidate splits ``(score, num_microbatches, cap, cuts, tau, polished)`` of every row set."""
+    scored: list[tuple] = []
+    where: dict[tuple, int] = {}
+
+    def add(cap: int | None, cuts: np.ndarray, tau: float, polished: bool = False) -> None:
+        key = (cap, cuts.tobytes())
+        if key in where:                                        # seen: only mark it polished
+            if polished:
+                scored[where[key]] = scored[where[key]][:5] + (True,)
             return
-        seen.add(key)
-        b = np.diff(cuts)
-        su = pos[cuts[:-1]]                                       # start row's length, as index into `used`
-        w1 = np.bincount(su, minlength=len(used))
-        wb = np.bincount(su, weights=b, minlength=len(used))
-        work = alpha @ w1 + beta @ wb                             # busy time per stage
-        tok = b * rl[cuts[:-1]]
-        e = np.argpartition(tok, 1)[:2] if len(b) > 1 else np.array([0, 0])
-        fF = aFu[:, su[e[0]]] + bFu[:, su[e[0]]] * b[e[0]]      # cheapest microbatch first ...
-        lB = aBu[:, su[e[1]]] + bBu[:, su[e[1]]] * b[e[1]]      # ... and the next cheapest last
-        c = float(np.mean(comm(b, rl[cuts[:-1]]))) if comm is not None else 0.0
-        fill = np.concatenate([[0.0], np.cumsum(fF[:-1] + c)])
-        drain = np.concatenate([[0.0], np.cumsum(lB[:-1] + c)])
-        scored.append((float(np.max(work + fill + drain)), len(b), cap, ro, rl, row, cuts, tau))
+        where[key] = len(scored)
+        scored.append((setups[cap].score(cuts, comm), len(cuts) - 1, cap, cuts, tau, polished))
 
     grids = {}
-    for cap, (_, _, rl, _, alpha, beta, _b, _p, _s, used, *_rest) in setups.items():
-        big = (alpha + beta * np.minimum(bmax_u[used], len(rl))).max(axis=0)
-        lo, hi = float((alpha + beta).max(axis=0).min()), float(big.max())
-        nt = num_tau if len(lengths) > 1024 else num_tau + 3
-        grids[cap] = np.append(np.geomspace(lo, hi, nt) if hi > lo * 1.0001 else [hi], np.inf)
+    for cap, st in setups.items():
+        grids[cap] = st.tau_grid(num_tau if len(lengths) > 1024 else num_tau + 3)
         for tau in grids[cap]:
-            run(cap, tau)
+            add(cap, st.greedy_cuts(tau), tau)
     # refine tau around the best coarse point of the best row capacity
     best = min(scored, key=lambda x: x[0])
-    g = grids[best[2]]
-    k = int(np.searchsorted(g, best[7]))
-    lo_t, hi_t = g[max(k - 1, 0)], g[min(k + 1, len(g) - 2)]
-    if np.isfinite(best[7]) and hi_t > lo_t:
+    grid = grids[best[2]]
+    k = int(np.searchsorted(grid, best[4]))
+    lo_t, hi_t = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 2)]
+    if np.isfinite(best[4]) and hi_t > lo_t:
         for tau in np.geomspace(lo_t, hi_t, num_tau + 2)[1:-1]:
-            run(best[2], tau)
+            add(best[2], setups[best[2]].greedy_cuts(tau), tau)
     # the same caps filled from the short end (the remainder then falls on the long rows)
     for x in sorted(scored, key=lambda x: x[0])[:3]:
-        run(x[2], x[7], asc=True)
+        add(x[2], setups[x[2]].greedy_cuts(x[4], from_short_end=True), x[4])
     # polish the best few splits (boundary-shift DP on the summed bottleneck time)
-    polished: list[tuple] = []
     for x in sorted(scored, key=lambda x: x[0])[:2]:
         if x[1] <= 256:
-            _, _, cap, _, rl, _, cuts, tau = x
-            ix, bm = setups[cap][3], setups[cap][6]
-            new = _polish(cuts, (aF + aB)[:, ix], (bF + bB)[:, ix], bm)
-            if not np.array_equal(new, cuts):
-                score_cuts(cap, new, tau)
-                polished.append(scored[-1])
+            st = setups[x[2]]
+            add(x[2], _polish(x[3], st.bottleneck, st.bmax), x[4], polished=True)
+    unpacked = setups[None]
+    n = len(unpacked.pos)
     # the fixed-size split of the unpacked sorted rows (what ``sorted`` would do) is a candidate too
-    if None in setups:
-        rl, bm = setups[None][2], setups[None][6]
-        cuts = np.append(np.arange(0, len(rl), max(1, int(bm[0]))), len(rl))
-        score_cuts(None, cuts, np.nan)
-        polished += [x for x in scored if x[2] is None and np.array_equal(x[6], cuts)][:1]
+    add(None, np.append(np.arange(0, n, max(1, int(unpacked.bmax[0]))), n), np.nan, polished=True)
     # small batches: also seed with the DP split over unpacked rows (cheap at this size)
-    if len(lengths) <= SEED_DP_MAX and None in setups:
-        rl, bm = setups[None][2], setups[None][6]
-        cuts = len(rl) - dynapipe_split(rl[::-1], bm[::-1], cost_model, num_stages)[::-1]
-        score_cuts(None, cuts, np.nan)
-        polished += [x for x in scored if x[2] is None and np.array_equal(x[6], cuts)][:1]
-    best_obj = min(x[0] for x in scored)
-    near = sorted((x for x in scored if x[0] <= best_obj * (1 + tol)), key=lambda x: x[1])[:keep]
-    near += sorted(scored, key=lambda x: x[0])[:keep] + polished
-    if len(lengths) <= SEED_DP_MAX:                                     # small batch: rank more exactly
-        small = [x for x in scored if x[1] * num_stages <= RANK_EXACT]
-        near += sorted(small, key=lambda x: x[0])[:4 * keep]
+    if len(lengths) <= SEED_DP_MAX:
+        dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
+        add(None, n - dp_cuts[::-1], np.nan, polished=True)
+    return scored
+
+
+def _choose(scored: list[tuple], setups: dict[int | None, _Setup], num_seqs: int, cost_model: Any, num_stages: int,
+            schedule_kind: str, comm: Any, keep: int, tol: float) -> tuple[int | None, np.ndarray, np.ndarray, float]:
+    """(cap, cuts, execution order, estimated makespan) of the fastest of the best candidates,
+    re-costed exactly and estimated with ``makespan`` in each of ``_orders``."""
+    best_score = min(x[0] for x in scored)
+    by_score = sorted(scored, key=lambda x: x[0])
+    near = sorted((x for x in scored if x[0] <= best_score * (1 + tol)), key=lambda x: x[1])[:keep]
+    near += by_score[:keep] + [x for x in scored if x[5]]
+    if num_seqs <= SEED_DP_MAX:                                         # small batch: rank more exactly
+        near += [x for x in by_score if x[1] * num_stages <= RANK_EXACT][:4 * keep]
     results = []
-    seen_near = set()
-    for obj, m, cap, ro, rl, row, cuts, _tau in near:
-        if (cap, cuts.tobytes()) in seen_near:
+    done: set[tuple] = set()
+    for _score, m, cap, cuts, _tau, _pol in near:
+        if (cap, cuts.tobytes()) in done:
             continue
-        seen_near.add((cap, cuts.tobytes()))
-        ix = inv[offs[cap]:offs[cap] + len(rl)]
-        st, rows_per, plen = ix[cuts[:-1]], np.diff(cuts), rl[cuts[:-1]]
-        F, B = aF[:, st] + bF[:, st] * rows_per, aB[:, st] + bB[:, st] * rows_per
-        cs = comm(rows_per, plen) if comm is not None else 0.0
+        done.add((cap, cuts.tobytes()))
+        F, B, sends = setups[cap].exact_costs(cuts, cost_model, comm)
         for order in _orders((F + B).max(axis=0)):
-            c = np.asarray(cs)[order] if np.ndim(cs) else cs
+            c = np.asarray(sends)[order] if np.ndim(sends) else sends
             Fo, Bo = F[:, order], B[:, order]
-            exact = est_makespan(Fo, Bo, c, schedule_kind) if Fo.size <= RANK_EXACT else None
-            results.append((exact, approx_makespan(Fo, Bo, c), m, rl, row, cuts, order, Fo, Bo, c))
+            exact = makespan(Fo, Bo, c, schedule_kind, exact=True) if Fo.size <= RANK_EXACT else None
+            results.append((exact, makespan(Fo, Bo, c, schedule_kind, exact=False), m, cap, cuts, order, Fo, Bo, c))
     # small ones were simulated exactly; of the rest, the best few by the estimate are simulated too
     rest = sorted((r for r in results if r[0] is None), key=lambda r: r[1])
     for k, r in enumerate(rest[:EXACT_TOP]):
-        if r[7].size <= EXACT_MAX:
-            rest[k] = (est_makespan(r[7], r[8], r[9], schedule_kind),) + r[1:]
+        if r[6].size <= EXACT_MAX:
+            rest[k] = (makespan(r[6], r[7], r[8], schedule_kind, exact=True),) + r[1:]
     results = [r for r in results if r[0] is not None] + rest
     pool = [r for r in results if r[0] is not None] or results
     key = (lambda r: r[0]) if pool[0][0] is not None else (lambda r: r[1])
     best_t = min(key(r) for r in pool)
-    t_sel = min((r for r in pool if key(r) <= best_t * (1 + tol)), key=lambda r: (r[2], key(r)))
-    t, rl, row, cuts, order = key(t_sel), t_sel[3], t_sel[4], t_sel[5], t_sel[6]
-    # row (numbered longest first) of each item -> microbatch (execution position) and local row
-    item_rank = row
-    mb_of_item = np.searchsorted(cuts, item_rank, side="right") - 1
+    sel = min((r for r in pool if key(r) <= best_t * (1 + tol)), key=lambda r: (r[2], key(r)))
+    return sel[3], sel[4], sel[5], float(key(sel))
+
+
+def _to_flat(rows: _RowSet, cuts: np.ndarray, order: np.ndarray) -> Flat:
+    """The flat form of the split ``cuts`` of ``rows`` run in ``order``."""
+    mb_of_item = np.searchsorted(cuts, rows.row, side="right") - 1
     pos_of_mb = np.empty(len(order), dtype=np.int64)
     pos_of_mb[order] = np.arange(len(order))
     items = np.argsort(pos_of_mb[mb_of_item], kind="stable")
-    mbi = mb_of_item[items]
-    local = item_rank[items] - cuts[mbi]
+    local = rows.row[items] - cuts[mb_of_item[items]]
     nseq = np.bincount(pos_of_mb[mb_of_item], minlength=len(order))
-    return (items, local, nseq, rl[cuts[:-1]][order], np.diff(cuts)[order]), float(t)
+    return items, local, nseq, rows.padded[cuts[:-1]][order], np.diff(cuts)[order]

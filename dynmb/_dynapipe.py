@@ -7,8 +7,10 @@ split minimising ``sum_i t_i`` subject to ``t_i <= t_max`` and the memory cap of
 microbatch; ``t_max`` is swept over candidate values and the split minimising the
 pipeline-time estimate ``(P - 1) * max_i t_i + sum_i t_i`` is kept.
 
-Here ``t_i`` is the bottleneck stage's F + B time of the microbatch from the one cost
-lookup (``cost_model.stage_costs``), the memory cap is the per-microbatch budget
+Samples are one document per row at their padded length (rounded up to a multiple of
+``round_to``; the DP evaluates the rounded lengths). ``t_i`` is the bottleneck stage's
+F + B time of the microbatch from the one cost lookup (``cost_model.stage_costs``, one
+document per row), the memory cap is the per-microbatch budget
 ``k_i * (act_i + transient_i) <= limit - states_i`` (k_i the microbatches stage i holds
 in flight), and every ``t_max`` candidate is solved in the same pass over prefixes (the
 DP state is a ``[K, n+1]`` array). Inside the DP the time of ``b`` rows at length ``s``
@@ -19,11 +21,13 @@ O(n * w * K) work for n samples, w the largest feasible microbatch, K candidates
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["dynapipe_split"]
+from ._packutil import Group, round_up
+
+__all__ = ["dynapipe_split", "dynapipe_groups"]
 
 
 def _affine_costs(cost_model: Any, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -37,9 +41,8 @@ def _affine_costs(cost_model: Any, s: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def dynapipe_split(lengths_sorted: np.ndarray, bmax: np.ndarray, cost_model: Any, num_stages: int,
                    num_candidates: int = 24) -> np.ndarray:
-    """Start index of each microbatch (plus n at the end) over ``lengths_sorted`` (ascending).
-
-    ``bmax[j]`` is the most rows a microbatch padded to ``lengths_sorted[j]`` may hold.
+    """Start index of each microbatch (plus n at the end) over ``lengths_sorted`` (ascending
+    padded lengths). ``bmax[j]`` is the most rows a microbatch padded to ``lengths_sorted[j]`` may hold.
     """
     s = np.asarray(lengths_sorted, dtype=np.float64)
     n = len(s)
@@ -76,3 +79,12 @@ def dynapipe_split(lengths_sorted: np.ndarray, bmax: np.ndarray, cost_model: Any
         j -= int(choice[best, j])
         cuts.append(j)
     return np.array(cuts[::-1], dtype=np.int64)
+
+
+def dynapipe_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: Any,
+                    num_stages: int, round_to: int = 1) -> list[Group]:
+    """The DP split of the length-sorted sequences at their lengths rounded up to ``round_to``."""
+    pos = np.argsort(lengths, kind="stable")
+    padded = round_up(lengths[pos], round_to)
+    cuts = dynapipe_split(padded, np.maximum(bmax_fn(padded), 1), cost_model, num_stages)
+    return [(pos[a:e], np.arange(e - a), int(padded[e - 1]), e - a) for a, e in zip(cuts[:-1], cuts[1:])]

@@ -1,16 +1,32 @@
-"""Helpers shared by the packers (numpy): row packing, memory budgets, makespan estimate.
+"""Helpers shared by the packers (numpy): row packing, microbatch groups, shape rounding,
+the makespan estimate.
 
-- ``next_fit_rows(lengths_sorted, cap)``: next-fit over lengths in the given (sorted)
-  order into rows of at most ``cap`` tokens; one ``bisect`` per row over the prefix sums,
-  so it costs O(rows log n) Python steps, not O(n).
-- ``ffd_rows(lengths, cap)``: first-fit-decreasing into rows of ``cap`` (Megatron-style
-  packing baseline; O(n log rows) with a sorted list of open rows, best fit).
-- ``est_makespan(F, B, comm_s, kind)``: the exact makespan of a GPipe or 1F1B schedule
-  with per-stage, per-microbatch costs ``F[P, m]``, ``B[P, m]`` and a per-microbatch
-  send time between neighbouring stages (every op starts when its stage is free and its
-  input has arrived). 1F1B order on stage i: ``w = min(P-1-i, m)`` warm-up forwards,
-  then F/B pairs, then the remaining backwards (torch's ``Schedule1F1B``). Computed by a
-  sweep over stages that advances each one as far as its dependencies allow.
+- ``next_fit_rows(lengths, cap)``: next-fit over lengths in the given (sorted) order into
+  rows of at most ``cap`` tokens; one ``bisect`` per row over the prefix sums, so it costs
+  O(rows log n) Python steps, not O(n).
+- ``bfd_rows(lengths, cap)``: best-fit-decreasing (the Megatron-style packing baseline):
+  each item, longest first, goes into the open row with the least room that still holds
+  it (ties: the lowest row id), else opens a new row. O(n log rows) with a sorted list of
+  (room, row) pairs.
+- ``round_up(x, multiple)`` / ``round_down(x, multiple)``: shapes as multiples of ``round_to``.
+- Microbatch groups: a ``Group`` is one microbatch (items, local rows, padded_len, rows);
+  ``Flat`` is a whole plan as five arrays (``groups_to_flat`` / ``flat_to_groups``).
+  ``fixed_groups`` (fixed rows per microbatch), ``packed_flat`` (``bfd_rows`` rows of
+  ``pack_len``, a fixed number of rows per microbatch), ``token_budget_groups`` (fairseq's
+  ``batch_by_size``), ``split_group`` and ``assign_replicas`` (data parallelism).
+- ``makespan(F, B, comm_s, kind)``: THE makespan estimate of every packer, for per-stage,
+  per-microbatch costs ``F[P, m]``, ``B[P, m]`` and a per-microbatch send time between
+  neighbouring stages. Two regimes:
+
+  * exact (``_exact_makespan``, equal to ``dynmb.simulate``'s): the makespan of a GPipe
+    or 1F1B schedule where every op starts when its stage is free and its input has arrived. 1F1B order on stage i:
+    ``w = min(P-1-i, m)`` warm-up forwards, then F/B pairs, then the remaining backwards
+    (torch's ``Schedule1F1B``). A sweep over stages advances each one as far as its
+    dependencies allow.
+  * bound (``pipeline_bound``): the busiest stage's work plus the fill of the first
+    microbatch's forward up to that stage and the drain of the last one's backward
+    (relative error O(P / m)); used above ``EXACT_OPS`` ops, and by ``dynmb._dynamic``
+    to score many splits from per-length sums.
 """
 
 from __future__ import annotations
@@ -20,10 +36,28 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["next_fit_rows", "ffd_rows", "est_makespan", "approx_makespan", "makespan", "stage_order", "EXACT_OPS"]
+__all__ = ["next_fit_rows", "bfd_rows", "round_up", "round_down", "pipeline_bound", "makespan", "stage_order",
+           "EXACT_OPS", "Flat", "Group", "groups_to_flat", "flat_to_groups", "fixed_groups", "packed_flat",
+           "token_budget_groups", "split_group", "assign_replicas"]
 
 EXACT_OPS = 6000
-"""Above this many ops (2 * P * m) ``makespan`` uses ``approx_makespan`` (relative error O(P / m))."""
+"""Above this many ops (2 * P * m) ``makespan`` uses ``pipeline_bound`` (relative error O(P / m))."""
+
+Flat = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Microbatches in execution order: (item positions grouped by microbatch, local row id per
+item, items per microbatch, padded_len per microbatch, rows per microbatch)."""
+Group = tuple[np.ndarray, np.ndarray, int, int]
+"""One microbatch: (item positions, local row id per item, padded_len, rows)."""
+
+
+def round_up(x: Any, multiple: int) -> Any:
+    """``x`` rounded up to a multiple of ``multiple`` (ints or int arrays)."""
+    return -(-x // multiple) * multiple
+
+
+def round_down(x: Any, multiple: int) -> Any:
+    """``x`` rounded down to a multiple of ``multiple`` (ints or int arrays)."""
+    return x // multiple * multiple
 
 
 def next_fit_rows(lengths: np.ndarray, cap: int) -> np.ndarray:
@@ -40,25 +74,106 @@ def next_fit_rows(lengths: np.ndarray, cap: int) -> np.ndarray:
     return row
 
 
-def ffd_rows(lengths: np.ndarray, cap: int) -> np.ndarray:
-    """Row id per item: first-fit-decreasing (best fit among open rows) into rows of ``cap``."""
-    order = np.argsort(-lengths, kind="stable")
+def bfd_rows(lengths: np.ndarray, cap: int) -> np.ndarray:
+    """Row id per item (each <= cap): best-fit-decreasing into rows of ``cap`` tokens.
+
+    Items longest first (ties: lower index first); each goes into the open row with the
+    least room that still holds it (ties: the lowest row id), else into a new row. Rows
+    are numbered in the order they are opened."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
     row = np.empty(len(lengths), dtype=np.int64)
-    free: list[tuple[int, int]] = []     # sorted (remaining, row)
-    nrows = 0
+    open_rows: list[tuple[int, int]] = []     # sorted (room left, row id)
+    num_rows = 0
     for i in order.tolist():
-        x = int(lengths[i])
-        k = bisect.bisect_left(free, (x, -1))
-        if k < len(free):
-            rem, r = free.pop(k)
-            rem -= x
+        size = int(lengths[i])
+        k = bisect.bisect_left(open_rows, (size, -1))
+        if k < len(open_rows):
+            room, r = open_rows.pop(k)
+            room -= size
         else:
-            r, rem = nrows, cap - x
-            nrows += 1
+            r, room = num_rows, cap - size
+            num_rows += 1
         row[i] = r
-        if rem > 0:
-            bisect.insort(free, (rem, r))
+        if room > 0:
+            bisect.insort(open_rows, (room, r))
     return row
+
+
+def fixed_groups(positions: np.ndarray, lens: np.ndarray, rows_per_mb: int, round_to: int) -> list[Group]:
+    """``rows_per_mb`` consecutive ``positions`` per microbatch, padded to the longest (rounded up)."""
+    out = []
+    for a in range(0, len(positions), rows_per_mb):
+        sel = positions[a:a + rows_per_mb]
+        out.append((sel, np.arange(len(sel)), round_up(int(lens[sel].max()), round_to), len(sel)))
+    return out
+
+
+def packed_flat(lens: np.ndarray, pack_len: int, rows_per_mb: int) -> Flat:
+    """Rows of ``pack_len`` filled best-fit-decreasing, ``rows_per_mb`` consecutive rows per microbatch."""
+    row = bfd_rows(lens, pack_len)
+    num_rows = int(row.max()) + 1
+    mb_of_item = row // rows_per_mb
+    items = np.argsort(mb_of_item, kind="stable")
+    num_mb = int(mb_of_item.max()) + 1
+    rows = np.minimum(rows_per_mb, num_rows - np.arange(num_mb) * rows_per_mb)
+    local_row = row[items] - mb_of_item[items] * rows_per_mb
+    return (items, local_row, np.bincount(mb_of_item, minlength=num_mb), np.full(num_mb, pack_len, np.int64), rows)
+
+
+def token_budget_groups(lens: np.ndarray, max_tokens: int, round_to: int) -> list[Group]:
+    """fairseq ``batch_by_size``: length-ascending, grow while rows x padded_len <= max_tokens."""
+    pos = np.argsort(lens, kind="stable")
+    padded = round_up(lens[pos], round_to).tolist()
+    groups, a = [], 0
+    for e in range(1, len(padded) + 1):
+        if e == len(padded) or (e + 1 - a) * padded[e] > max_tokens:
+            groups.append((pos[a:e], np.arange(e - a), padded[e - 1], e - a))
+            a = e
+    return groups
+
+
+def split_group(g: Group) -> list[Group]:
+    """Halve a microbatch by rows, or a one-row packed microbatch by documents."""
+    items, rows, plen, b = g
+    if b >= 2:
+        h = b // 2
+        lo = rows < h
+        return [(items[lo], rows[lo], plen, h), (items[~lo], rows[~lo] - h, plen, b - h)]
+    if len(items) >= 2:                      # a packed row: split its documents
+        h = len(items) // 2
+        return [(items[:h], np.zeros(h, np.int64), plen, 1), (items[h:], np.zeros(len(items) - h, np.int64), plen, 1)]
+    return [g]
+
+
+def groups_to_flat(groups: list[Group]) -> Flat:
+    """Groups -> the flat form."""
+    return (np.concatenate([g[0] for g in groups]).astype(np.int64),
+            np.concatenate([g[1] for g in groups]).astype(np.int64),
+            np.array([len(g[0]) for g in groups], dtype=np.int64),
+            np.array([g[2] for g in groups], dtype=np.int64), np.array([g[3] for g in groups], dtype=np.int64))
+
+
+def flat_to_groups(flat: tuple) -> list[Group]:
+    items, rows, nseq, plen, batch = flat
+    cut = np.cumsum(nseq)[:-1]
+    return list(zip(np.split(items, cut), np.split(rows, cut), plen.tolist(), batch.tolist()))
+
+
+def assign_replicas(busy: np.ndarray, dp: int) -> tuple[list[int], list[int]]:
+    """(microbatch order, replica of each in that order): largest ``busy`` first, each to the
+    least-loaded replica with room, every replica getting m / dp; replica by replica, each
+    keeping the original order."""
+    m = len(busy)
+    per = m // dp
+    load = np.zeros(dp)
+    count = np.zeros(dp, dtype=np.int64)
+    replica = np.zeros(m, dtype=np.int64)
+    for j in np.argsort(-busy, kind="stable").tolist():
+        has_room = np.flatnonzero(count < per)
+        r = int(has_room[np.argmin(load[has_room])])
+        replica[j], load[r], count[r] = r, load[r] + busy[j], count[r] + 1
+    order = np.argsort(replica, kind="stable")
+    return order.tolist(), replica[order].tolist()
 
 
 def stage_order(stage: int, num_stages: int, m: int, kind: str) -> list[tuple[str, int]]:
@@ -73,7 +188,7 @@ def stage_order(stage: int, num_stages: int, m: int, kind: str) -> list[tuple[st
     return seq
 
 
-def est_makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b") -> float:
+def _exact_makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b") -> float:
     """Makespan of the schedule ``kind`` (gpipe or 1f1b; others use 1f1b) for costs ``F``, ``B``."""
     p, m = F.shape
     if m == 0:
@@ -127,19 +242,23 @@ def est_makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1
     return float(max(free))
 
 
-def approx_makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0) -> float:
-    """1F1B/GPipe makespan estimate for m >> P: the busiest stage's work plus the fill of the
-    first microbatch's forward up to that stage and the drain of the last one's backward."""
-    p, m = F.shape
-    c = float(np.mean(comm_s)) if np.ndim(comm_s) else float(comm_s)
-    work = (F + B).sum(axis=1)
-    fill = np.concatenate([[0.0], np.cumsum(F[:-1, 0] + c)])
-    drain = np.concatenate([[0.0], np.cumsum(B[:-1, -1] + c)])
+def pipeline_bound(work: np.ndarray, first_F: np.ndarray, last_B: np.ndarray, comm_s: float = 0.0) -> float:
+    """Makespan estimate for m >> P: ``max_i work[i] + fill_i + drain_i``, with ``work[i]``
+    stage i's total busy time, fill_i the forwards of the first microbatch (``first_F[P]``)
+    on stages 0..i-1 plus their sends, drain_i the backwards of the last one (``last_B[P]``)."""
+    fill = np.concatenate([[0.0], np.cumsum(first_F[:-1] + comm_s)])
+    drain = np.concatenate([[0.0], np.cumsum(last_B[:-1] + comm_s)])
     return float(np.max(work + fill + drain))
 
 
-def makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b") -> float:
-    """``est_makespan`` when small enough (2 * P * m <= EXACT_OPS), else ``approx_makespan``."""
-    if 2 * F.size <= EXACT_OPS:
-        return est_makespan(F, B, comm_s, kind)
-    return approx_makespan(F, B, comm_s)
+def makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b",
+             exact: bool | None = None) -> float:
+    """The packers' makespan estimate: the exact recurrence when ``exact`` or, with
+    ``exact=None``, when 2 * P * m <= EXACT_OPS; else ``pipeline_bound`` over the columns
+    in their order (mean send time)."""
+    if exact is None:
+        exact = 2 * F.size <= EXACT_OPS
+    if exact:
+        return _exact_makespan(F, B, comm_s, kind)
+    c = float(np.mean(comm_s)) if np.ndim(comm_s) else float(comm_s)
+    return pipeline_bound((F + B).sum(axis=1), F[:, 0], B[:, -1], c)

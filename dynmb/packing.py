@@ -1,6 +1,12 @@
 """Packers: group a global batch of variable-length sequences into microbatches under a
 per-GPU memory limit. Pure numpy; every method returns a validated ``Plan``.
 
+Shapes: a microbatch runs at ``batch`` rows x ``padded_len``, its longest row rounded up to
+a multiple of ``round_to`` (default 1), for every method; memory admissibility, costs and
+the makespan estimate all see the rounded shape. The longest admissible length
+(``meta["longest_fitting_length"]``) is the largest multiple of ``round_to`` up to the
+model's ``max_seq_len`` whose one-row microbatch is admissible (rounded down).
+
 Memory rule (shared by all methods): stage i may spend ``cap_i = limit - state_bytes_i``
 on activations, with ``k_i`` the microbatches it holds in flight (``P - i`` under 1F1B /
 memory-aware / interleaved, ``1`` under GPipe, where the whole batch is then checked). A
@@ -11,27 +17,40 @@ sizes exceeds the limit, the method is re-run under the safe budget ``k_i * (act
 transient_i) <= cap_i`` (a window of k such microbatches plus one op's buffers never
 exceeds the cap, in any order); ``meta["budget"]`` says which was used.
 
+Cost: every time estimate goes through the one lookup ``cost_model.stage_costs(rows,
+padded_len, attn)`` with each microbatch's attention work
+``Microbatch.attention_work(model_cfg.attention)`` (sum of s_i^2 over the documents of a
+packed microbatch under ``auto``, rows x padded_len^2 for one document per row), and the
+one makespan estimate ``dynmb._packutil.makespan`` (``predictions["est_makespan_s"]``).
+
 Methods (``METHODS``):
 
 - ``fixed``: ``mbs`` sequences per microbatch in batch order, padded to the longest.
-  Without ``mbs``: the largest whose worst case (every row at the batch's longest length)
-  is admissible.
+  Without ``mbs``: the largest whose worst case (every row at the batch's longest length,
+  rounded) is admissible.
 - ``sorted``: as ``fixed`` over sequences sorted by length (longest first).
-- ``packed``: Megatron-style rows of ``row_len`` tokens (default: next power of two >= the
-  longest sequence, or the longest if that does not fit) filled first-fit-decreasing with
-  whole documents (document-causal mask); ``mbs`` rows per microbatch.
+- ``packed``: Megatron-style sequence packing as its users configure it: rows of a fixed
+  ``pack_len`` tokens filled best-fit-decreasing with whole documents (each document,
+  longest first, into the open row with the least room that still holds it),
+  document-causal attention, ``mbs`` rows per microbatch, default 1 (Megatron's
+  micro-batch-size 1 with packing: the pipeline gets one microbatch per row). Default
+  ``pack_len``: the longest row admissible as a one-row microbatch, capped at the model's
+  ``max_seq_len`` (a multiple of ``round_to``). An explicit ``pack_len`` is rounded up to a
+  multiple of ``round_to`` and must lie in [1, that default]. Documents longer than
+  ``pack_len`` follow ``oversize``.
 - ``token-budget``: fairseq ``batch_by_size``: length-ascending, a microbatch grows while
-  rows x longest <= T; T is the largest token count admissible at the longest length.
-- ``dynapipe``: DynaPipe's DP (see ``dynmb._dynapipe``).
+  rows x padded_len <= T; T is the largest token count admissible at the longest length.
+- ``dynapipe``: DynaPipe's DP (see ``dynmb._dynapipe``) over the rounded lengths.
 - ``dynamic``: this project's method (see ``dynmb._dynamic``).
 
 Data parallelism ``dp = D``: microbatches are split (largest first) until their number
 divides by D, then dealt largest-first to the least-loaded replica among those with room,
 so every replica runs m / D microbatches with balanced predicted time.
 
-Oversize sequences (longer than the longest admissible alone, or than ``max_seq_len``):
-``oversize="error"`` raises ``PackingError`` naming them and the longest length that
-fits; ``"truncate"`` / ``"drop"`` list them in ``plan.meta["truncated"|"dropped"]``.
+Oversize sequences (longer than the longest admissible length; for ``packed``, than
+``pack_len``): ``oversize="error"`` raises ``PackingError`` naming them and the length
+that fits; ``"truncate"`` / ``"drop"`` list them in ``plan.meta["truncated"|"dropped"]``.
+``plan.meta`` also records ``round_to`` and ``pack_len`` (None for the other methods).
 """
 
 from __future__ import annotations
@@ -43,8 +62,9 @@ from typing import Any
 import numpy as np
 
 from ._dynamic import dynamic_groups
-from ._dynapipe import dynapipe_split
-from ._packutil import ffd_rows, makespan
+from ._dynapipe import dynapipe_groups
+from ._packutil import (Flat, Group, assign_replicas, fixed_groups, flat_to_groups, groups_to_flat, makespan,
+                        packed_flat, round_down, round_up, split_group, token_budget_groups)
 from .memory import inflight_limit, interleaved_inflight
 from .types import Microbatch, Plan
 
@@ -52,6 +72,7 @@ __all__ = ["METHODS", "PackingError", "pack", "max_fitting_length", "auto_mbs"]
 
 METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
 _KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
+_OVERSIZE = ("error", "truncate", "drop")
 
 
 class PackingError(ValueError):
@@ -97,6 +118,11 @@ class _Ctx:
             lo, hi = (mid, hi) if self.bmax([mid])[0] >= 1 else (lo, mid)
         return lo
 
+    def length_cap(self, upto: int, round_to: int = 1) -> int:
+        """Largest multiple of ``round_to`` <= ``upto`` with one admissible row (0 if none)."""
+        top = round_down(int(upto), round_to)
+        return round_down(self.max_len(top), round_to) if top >= 1 else 0
+
     def token_budget(self, s: int) -> int:
         """Largest T with b = T / s (fractional) admissible at length s."""
         w = self.k[:, None] * self.mm.act_coef + (1 if self.tight else self.k[:, None]) * self.mm.transient_coef
@@ -105,15 +131,33 @@ class _Ctx:
 
 
 def max_fitting_length(memory_model: Any, memory_limit_bytes: int, num_stages: int,
-                       schedule_kind: str = "1f1b", upto: int = 1 << 16) -> int:
-    """The longest sequence that is admissible alone (one row) under the limit."""
-    return _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind).max_len(upto)
+                       schedule_kind: str = "1f1b", upto: int = 1 << 16, round_to: int = 1) -> int:
+    """The longest sequence (a multiple of ``round_to``, <= ``upto``) admissible alone (one row)."""
+    return _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind).length_cap(upto, round_to)
 
 
 def auto_mbs(memory_model: Any, memory_limit_bytes: int, num_stages: int, max_len: int,
-             schedule_kind: str = "1f1b") -> int:
-    """The largest mbs whose worst case (every row ``max_len`` long) is admissible (0 if none)."""
-    return int(_Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind).bmax([max_len])[0])
+             schedule_kind: str = "1f1b", round_to: int = 1) -> int:
+    """The largest mbs whose worst case (every row ``max_len`` long, rounded up to a multiple
+    of ``round_to``) is admissible (0 if none)."""
+    ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind)
+    return int(ctx.bmax([round_up(int(max_len), round_to)])[0])
+
+
+def _check_args(method: str, schedule_kind: str, oversize: str, dp: int, mbs: int | None, round_to: int,
+                memory_model: Any, num_stages: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown packing method {method!r}; expected one of {METHODS}")
+    if schedule_kind not in _KINDS:
+        raise ValueError(f"unknown schedule kind {schedule_kind!r}; expected one of {_KINDS}")
+    if oversize not in _OVERSIZE:
+        raise ValueError(f"oversize must be error, truncate or drop, got {oversize!r}")
+    if dp < 1 or (mbs is not None and mbs < 1):
+        raise ValueError(f"dp and mbs must be >= 1, got dp={dp}, mbs={mbs}")
+    if int(round_to) != round_to or round_to < 1:
+        raise ValueError(f"round_to must be a whole number >= 1, got {round_to!r}")
+    if memory_model.num_stages != num_stages:
+        raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {num_stages}")
 
 
 def _check_lengths(lengths: Any) -> np.ndarray:
@@ -133,41 +177,77 @@ def _check_lengths(lengths: Any) -> np.ndarray:
     return a
 
 
-def _fixed_groups(idx: np.ndarray, lens: np.ndarray, mbs: int) -> list[tuple]:
-    out = []
-    for a in range(0, len(idx), mbs):
-        sel = idx[a:a + mbs]
-        out.append((sel, np.arange(len(sel)), int(lens[sel].max()), len(sel)))
-    return out
 
 
-def _split_group(g: tuple) -> list[tuple]:
-    items, rows, plen, b = g
-    if b >= 2:
-        h = b // 2
-        lo = rows < h
-        return [(items[lo], rows[lo], plen, h), (items[~lo], rows[~lo] - h, plen, b - h)]
-    if len(items) >= 2:                      # a packed row: split its documents
-        h = len(items) // 2
-        return [(items[:h], np.zeros(h, np.int64), plen, 1), (items[h:], np.zeros(len(items) - h, np.int64), plen, 1)]
-    return [g]
+def _packed_row_len(ctx: _Ctx, max_seq_len: int, pack_len: int | None, round_to: int) -> tuple[int, int]:
+    """(row length of ``packed``, the longest row that fits): ``pack_len`` rounded up to a
+    multiple of ``round_to``, by default the longest admissible one-row microbatch."""
+    longest_row = ctx.length_cap(max_seq_len, round_to)
+    if longest_row < 1:
+        raise PackingError(f"no row fits under {ctx.limit} B at {ctx.p} stages ({ctx.kind})"
+                           f"{f' at a multiple of round_to {round_to}' if round_to > 1 else ''}")
+    if pack_len is None:
+        return longest_row, longest_row
+    if int(pack_len) != pack_len or pack_len < 1 or round_up(int(pack_len), round_to) > longest_row:
+        raise PackingError(f"pack_len {pack_len!r} is out of range: rows must hold 1 to {longest_row} tokens "
+                           f"(the longest one-row microbatch under {ctx.limit} B at {ctx.p} stages ({ctx.kind}), "
+                           f"model max_seq_len {max_seq_len}{f', round_to {round_to}' if round_to > 1 else ''})")
+    return round_up(int(pack_len), round_to), longest_row
 
 
-def _flat(groups: list[tuple]) -> tuple:
-    """List of (items, rows, padded_len, batch) -> the flat form of ``dynmb._dynamic``."""
-    return (np.concatenate([g[0] for g in groups]).astype(np.int64),
-            np.concatenate([g[1] for g in groups]).astype(np.int64),
-            np.array([len(g[0]) for g in groups], dtype=np.int64),
-            np.array([g[2] for g in groups], dtype=np.int64), np.array([g[3] for g in groups], dtype=np.int64))
+def _oversize_message(over: np.ndarray, lengths: np.ndarray, len_cap: int, ctx: _Ctx, *, packed: bool,
+                      max_seq_len: int, round_to: int, longest_row: int) -> str:
+    named = f"ids {over[:10].tolist()} with lengths {lengths[over[:10]].tolist()}{' ...' if len(over) > 10 else ''}"
+    notes = [f"model max_seq_len {max_seq_len}"] if longest_row == round_down(max_seq_len, round_to) else []
+    notes += [f"a multiple of round_to {round_to}"] if round_to > 1 else []
+    bound = (f"the longest {'row' if packed else 'length'} that fits is {longest_row}"
+             f"{' (' + ', '.join(notes) + ')' if notes else ''} under {ctx.limit} B at {ctx.p} stages ({ctx.kind})")
+    if packed:
+        return (f"{len(over)} document(s) longer than pack_len {len_cap}: {named}; {bound}; "
+                f"oversize='truncate' or 'drop' keeps going")
+    return f"{len(over)} sequence(s) cannot fit even alone: {named}; {bound}"
 
 
-def _unflat(flat: tuple) -> list[tuple]:
-    items, rows, nseq, plen, batch = flat
-    cut = np.cumsum(nseq)[:-1]
-    return list(zip(np.split(items, cut), np.split(rows, cut), plen.tolist(), batch.tolist()))
+def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str, message: Any) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(lengths after truncation, ids kept, meta) under the ``oversize`` policy."""
+    meta: dict[str, Any] = {"truncated": [], "dropped": []}
+    kept_lengths = lengths.copy()
+    over = np.flatnonzero(lengths > len_cap)
+    if len(over):
+        if oversize == "error" or len_cap < 1:
+            raise PackingError(message(over))
+        if oversize == "truncate":
+            kept_lengths[over] = len_cap
+            meta["truncated"] = over.tolist()
+        else:
+            meta["dropped"] = over.tolist()
+            if len(over) == len(lengths):
+                raise PackingError(f"every sequence is longer than the longest that fits ({len_cap}); nothing left")
+    ids = np.setdiff1d(np.arange(len(lengths)), np.asarray(meta["dropped"], dtype=np.int64))
+    return kept_lengths, ids, meta
 
 
-def _microbatches(flat: tuple, ids: np.ndarray, L: np.ndarray) -> list[Microbatch]:
+def _method_flat(method: str, lens: np.ndarray, ctx: _Ctx, cost_model: Any, *, mbs: int | None, round_to: int,
+                 len_cap: int, attention: str) -> tuple[Flat, dict[str, Any]]:
+    """The microbatches of ``method`` in flat form and the settings it chose (for ``plan.meta``)."""
+    longest_padded = round_up(int(lens.max()), round_to)
+    if method in ("fixed", "sorted"):
+        rows_per_mb = max(1, mbs or int(ctx.bmax([longest_padded])[0]))
+        pos = np.arange(len(lens)) if method == "fixed" else np.argsort(-lens, kind="stable")
+        return groups_to_flat(fixed_groups(pos, lens, rows_per_mb, round_to)), {"mbs": rows_per_mb}
+    if method == "packed":
+        return packed_flat(lens, len_cap, mbs or 1), {"mbs": mbs or 1}
+    if method == "token-budget":
+        max_tokens = ctx.token_budget(longest_padded)
+        return groups_to_flat(token_budget_groups(lens, max_tokens, round_to)), {"max_tokens": max_tokens}
+    if method == "dynapipe":
+        return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}
+    flat, _ = dynamic_groups(lens, ctx.bmax, cost_model, ctx.p, ctx.kind, getattr(cost_model, "comm_s", None),
+                             round_to=round_to, max_len=len_cap, attention=attention)
+    return flat, {}
+
+
+def _microbatches(flat: Flat, ids: np.ndarray, L: np.ndarray) -> list[Microbatch]:
     """Microbatches of the flat groups; their invariants (non-empty, rows in range, no row
     empty or over padded_len) are checked for all at once, then built without per-object checks."""
     items, rows, nseq, plen, batch = flat
@@ -192,7 +272,7 @@ def _microbatches(flat: tuple, ids: np.ndarray, L: np.ndarray) -> list[Microbatc
     return out
 
 
-def _merge_cheapest(groups: list[tuple], ctx: "_Ctx", dp: int) -> list[tuple]:
+def _merge_cheapest(groups: list[Group], ctx: _Ctx, dp: int) -> list[Group]:
     """Merge the admissible pair of microbatches with the fewest padded tokens (used when no
     microbatch can be split further and their number does not divide by ``dp``)."""
     plen = np.array([g[2] for g in groups])
@@ -210,34 +290,66 @@ def _merge_cheapest(groups: list[tuple], ctx: "_Ctx", dp: int) -> list[tuple]:
     return [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
 
 
-def _assign_replicas(groups: list[tuple], t: np.ndarray, dp: int) -> tuple[list[tuple], list[int]]:
-    m = len(groups)
-    per = m // dp
-    load = np.zeros(dp)
-    count = np.zeros(dp, dtype=np.int64)
-    rep = np.zeros(m, dtype=np.int64)
-    for j in np.argsort(-t, kind="stable").tolist():
-        open_ = np.flatnonzero(count < per)
-        r = int(open_[np.argmin(load[open_])])
-        rep[j], load[r], count[r] = r, load[r] + t[j], count[r] + 1
-    order = np.argsort(rep, kind="stable")          # replica by replica, keeping each one's order
-    return [groups[j] for j in order.tolist()], rep[order].tolist()
+def _balance_replicas(flat: Flat, ctx: _Ctx, dp: int) -> Flat:
+    """Split the largest splittable microbatches (else merge the cheapest pairs) until their
+    number is a positive multiple of ``dp``."""
+    groups = flat_to_groups(flat)
+    while len(groups) % dp or len(groups) < dp:
+        splittable = [j for j, g in enumerate(groups) if g[3] >= 2 or len(g[0]) >= 2]
+        if not splittable:
+            break
+        big = max(splittable, key=lambda j: (groups[j][3], len(groups[j][0])))
+        groups[big:big + 1] = split_group(groups[big])
+    while len(groups) % dp:
+        groups = _merge_cheapest(groups, ctx, dp)
+    return groups_to_flat(groups)
+
+
+def _estimate(microbatches: list[Microbatch], cost_model: Any, memory_model: Any, attention: str, kind: str,
+              virtual: int, dp: int) -> tuple[list[Microbatch], list[int] | None, np.ndarray, float]:
+    """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
+    makespan of the slowest replica), from the one cost lookup with each microbatch's attention work."""
+    shapes = np.array([[mb.batch, mb.padded_len] for mb in microbatches], dtype=np.float64)
+    attn = shapes[:, 0] * shapes[:, 1] ** 2                  # one document per row (every row holds one)
+    for j, mb in enumerate(microbatches):
+        if mb.num_seqs > mb.batch:                            # some row holds several documents
+            attn[j] = mb.attention_work(attention)
+    cost = cost_model.stage_costs(shapes[:, 0], shapes[:, 1], attn)
+    comm_s = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]) if hasattr(cost_model, "comm_s")
+                                        else 0.0, dtype=np.float64), (len(microbatches),))
+    replica_ids = None
+    replicas = [np.arange(len(microbatches))]
+    if dp > 1:
+        busy = (cost["F"] + cost["B"]).max(axis=0)
+        perm, replica_ids = assign_replicas(busy, dp)
+        microbatches = [microbatches[j] for j in perm]
+        shapes, comm_s = shapes[perm], comm_s[perm]
+        cost = {op: v[:, perm] for op, v in cost.items()}
+        replicas = [np.flatnonzero(np.asarray(replica_ids) == r) for r in range(dp)]
+    peak = np.zeros(memory_model.num_stages)
+    estimates = []
+    for sel in replicas:
+        peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
+        estimates.append(makespan(cost["F"][:, sel], cost["B"][:, sel], comm_s[sel], kind))
+    return microbatches, replica_ids, peak, max(estimates)
 
 
 def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: Any,
          cost_model: Any, mbs: int | None = None, schedule_kind: str = "1f1b", dp: int = 1,
-         oversize: str = "error", row_len: int | None = None, virtual: int = 1) -> Plan:
+         oversize: str = "error", pack_len: int | None = None, round_to: int = 1, virtual: int = 1) -> Plan:
     """Pack the global batch ``lengths`` with ``method``; see the module docstring.
 
-    The cyclic garbage collector is paused during the call (packing allocates many small
-    objects and creates no cycles); its previous state is restored on return.
+    ``mbs``: rows per microbatch of ``fixed`` / ``sorted`` / ``packed`` (``packed`` default 1).
+    ``pack_len``: the row length of ``packed``. ``round_to``: every ``padded_len`` is a
+    multiple of it. The cyclic garbage collector is paused during the call (packing
+    allocates many small objects and creates no cycles); its previous state is restored.
     """
     gc_was = gc.isenabled()
     gc.disable()
     try:
         return _pack(lengths, method, num_stages=num_stages, memory_limit_bytes=memory_limit_bytes,
                      memory_model=memory_model, cost_model=cost_model, mbs=mbs, schedule_kind=schedule_kind,
-                     dp=dp, oversize=oversize, row_len=row_len, virtual=virtual)
+                     dp=dp, oversize=oversize, pack_len=pack_len, round_to=round_to, virtual=virtual)
     finally:
         if gc_was:
             gc.enable()
@@ -245,132 +357,58 @@ def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int,
 
 def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: Any,
           cost_model: Any, mbs: int | None, schedule_kind: str, dp: int, oversize: str,
-          row_len: int | None, virtual: int = 1) -> Plan:
+          pack_len: int | None, round_to: int, virtual: int) -> Plan:
     t0 = time.perf_counter()
-    if method not in METHODS:
-        raise ValueError(f"unknown packing method {method!r}; expected one of {METHODS}")
-    if schedule_kind not in _KINDS:
-        raise ValueError(f"unknown schedule kind {schedule_kind!r}; expected one of {_KINDS}")
-    if oversize not in ("error", "truncate", "drop"):
-        raise ValueError(f"oversize must be error, truncate or drop, got {oversize!r}")
-    if dp < 1 or (mbs is not None and mbs < 1):
-        raise ValueError(f"dp and mbs must be >= 1, got dp={dp}, mbs={mbs}")
-    if memory_model.num_stages != num_stages:
-        raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {num_stages}")
+    _check_args(method, schedule_kind, oversize, dp, mbs, round_to, memory_model, num_stages)
+    round_to = int(round_to)
     orig = _check_lengths(lengths)
-    ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
     cfg = memory_model.model_cfg
-    limit_len = min(cfg.max_seq_len, row_len or cfg.max_seq_len)
-    lfit = ctx.max_len(min(int(orig.max()), limit_len))
-    meta: dict[str, Any] = {"truncated": [], "dropped": []}
-    lens = orig.copy()
-    over = np.flatnonzero(orig > lfit)
-    if len(over):
-        if oversize == "error" or lfit == 0:
-            raise PackingError(
-                f"{len(over)} sequence(s) cannot fit even alone under {int(memory_limit_bytes)} B at "
-                f"{num_stages} stages ({schedule_kind}): ids {over[:10].tolist()} with lengths "
-                f"{orig[over[:10]].tolist()}; the longest length that fits is {lfit}"
-                f"{' (model max_seq_len / row_len ' + str(limit_len) + ')' if lfit == limit_len else ''}")
-        if oversize == "truncate":
-            lens[over] = lfit
-            meta["truncated"] = over.tolist()
-        else:
-            meta["dropped"] = over.tolist()
-            if len(over) == len(orig):
-                raise PackingError(f"every sequence is longer than the longest that fits ({lfit}); nothing left")
-    ids = np.setdiff1d(np.arange(len(orig)), np.asarray(meta["dropped"], dtype=np.int64))
+    ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
+    packed = method == "packed"
+    if packed:
+        len_cap, longest_row = _packed_row_len(ctx, cfg.max_seq_len, pack_len, round_to)
+    else:
+        len_cap = ctx.length_cap(min(cfg.max_seq_len, round_up(int(orig.max()), round_to)), round_to)
+        longest_row = len_cap
+
+    def message(over: np.ndarray) -> str:
+        return _oversize_message(over, orig, len_cap, ctx, packed=packed, max_seq_len=cfg.max_seq_len,
+                                 round_to=round_to, longest_row=longest_row)
+
+    lens, ids, meta = _apply_oversize(orig, len_cap, oversize, message)
     L = lens[ids]
-    lmax = int(L.max())
     for tight in (True, False):
         # tight budget (k * act + tr) first; if the exact peak of a mix exceeds the limit, the safe one
         ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind, tight=tight, virtual=virtual)
-        if method in ("fixed", "sorted"):
-            b = mbs or int(ctx.bmax([lmax])[0])
-            meta["mbs"] = b
-            pos = np.arange(len(ids)) if method == "fixed" else np.argsort(-L, kind="stable")
-            groups = _fixed_groups(pos, L, b)
-        elif method == "packed":
-            r = row_len or min(1 << (lmax - 1).bit_length(), cfg.max_seq_len)
-            if ctx.bmax([r])[0] < 1:
-                r = lmax
-            row = ffd_rows(L, r)
-            nrows = int(row.max()) + 1
-            b = mbs or int(ctx.bmax([r])[0])
-            meta.update(mbs=b, row_len=r)
-            groups = []
-            for a in range(0, nrows, b):
-                sel = np.flatnonzero((row >= a) & (row < a + b))
-                groups.append((sel, row[sel] - a, r, min(b, nrows - a)))
-        elif method == "token-budget":
-            tb = ctx.token_budget(lmax)
-            meta["max_tokens"] = tb
-            pos = np.argsort(L, kind="stable")
-            ls = L[pos].tolist()
-            groups, a = [], 0
-            for e in range(1, len(ls) + 1):
-                if e == len(ls) or (e + 1 - a) * ls[e] > tb:
-                    sel = pos[a:e]
-                    groups.append((sel, np.arange(len(sel)), ls[e - 1], e - a))
-                    a = e
-        elif method == "dynapipe":
-            pos = np.argsort(L, kind="stable")
-            cuts = dynapipe_split(L[pos], np.maximum(ctx.bmax(L[pos]), 1), cost_model, num_stages)
-            groups = [(pos[a:e], np.arange(e - a), int(L[pos[e - 1]]), e - a) for a, e in zip(cuts[:-1], cuts[1:])]
-        else:
-            comm = getattr(cost_model, "comm_s", None)
-            flat, _ = dynamic_groups(L, lambda s: ctx.bmax(s), cost_model, num_stages, schedule_kind, comm)
-        if method != "dynamic":
-            flat = _flat(groups)
+        flat, chosen = _method_flat(method, L, ctx, cost_model, mbs=mbs, round_to=round_to, len_cap=len_cap,
+                                    attention=cfg.attention)
         if dp > 1:
-            groups = _unflat(flat)
-            while len(groups) % dp or len(groups) < dp:      # split the largest splittable ...
-                cand = [j for j, g in enumerate(groups) if g[3] >= 2 or len(g[0]) >= 2]
-                if not cand:
-                    break
-                big = max(cand, key=lambda j: (groups[j][3], len(groups[j][0])))
-                groups[big:big + 1] = _split_group(groups[big])
-            while len(groups) % dp:                          # ... else merge the cheapest pairs
-                groups = _merge_cheapest(groups, ctx, dp)
-            flat = _flat(groups)
-        mbs_list = _microbatches(flat, ids, L)
-        shapes = np.stack([flat[4], flat[3]], axis=1).astype(np.float64)
-        cost = cost_model.stage_costs(shapes[:, 0], shapes[:, 1])
-        comm_s = cost_model.comm_s(shapes[:, 0], shapes[:, 1]) if hasattr(cost_model, "comm_s") else 0.0
-        replica_ids = None
-        reps = [np.arange(len(mbs_list))]
-        if dp > 1:
-            t = (cost["F"] + cost["B"]).max(axis=0)
-            grouped, replica_ids = _assign_replicas(list(range(len(mbs_list))), t, dp)
-            perm = list(grouped)
-            mbs_list = [mbs_list[j] for j in perm]
-            shapes, comm_s = shapes[perm], (np.asarray(comm_s)[perm] if np.ndim(comm_s) else comm_s)
-            cost = {k: v[:, perm] for k, v in cost.items()}
-            ra = np.asarray(replica_ids)
-            reps = [np.flatnonzero(ra == r) for r in range(dp)]
-        peak = np.zeros(num_stages)
-        ests = []
-        for sel in reps:
-            peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], schedule_kind,
-                                                            virtual=virtual))
-            c = np.asarray(comm_s)[sel] if np.ndim(comm_s) else comm_s
-            ests.append(makespan(cost["F"][:, sel], cost["B"][:, sel], c, schedule_kind))
+            flat = _balance_replicas(flat, ctx, dp)
+        microbatches, replica_ids, peak, est = _estimate(_microbatches(flat, ids, L), cost_model, memory_model,
+                                                         cfg.attention, schedule_kind, virtual, dp)
         if not np.any(peak > memory_limit_bytes):
-            meta["budget"] = "tight" if tight else "safe"
+            meta.update(chosen, budget="tight" if tight else "safe")
             break
         if tight and not (mbs is not None and method in ("fixed", "sorted", "packed")):
             continue
-        i = int(np.argmax(peak - memory_limit_bytes))
-        hint = (f"; the largest mbs whose worst case fits is {int(ctx.bmax([lmax])[0])}"
-                if method in ("fixed", "sorted", "packed") else "")
-        raise PackingError(f"{method}: predicted peak {int(peak[i])} B on stage {i} exceeds the limit "
-                           f"{int(memory_limit_bytes)} B under {schedule_kind}{hint}")
-    plan_s = time.perf_counter() - t0
-    plan = Plan(microbatches=tuple(mbs_list), method=method, num_stages=num_stages,
+        raise PackingError(_over_limit_message(method, peak, ctx, round_up(int(L.max()), round_to), len_cap))
+    plan = Plan(microbatches=tuple(microbatches), method=method, num_stages=num_stages,
                 memory_limit_bytes=int(memory_limit_bytes), num_sequences=len(orig), schedule_kind=schedule_kind,
                 dp=dp, replica_ids=replica_ids,
-                predictions={"pred_peak_bytes": [int(x) for x in np.ceil(peak)], "est_makespan_s": float(max(ests)),
-                             "plan_s": plan_s},
-                meta={**meta, "longest_fitting_length": lfit, "oversize": oversize})
+                predictions={"pred_peak_bytes": [int(x) for x in np.ceil(peak)], "est_makespan_s": float(est),
+                             "plan_s": time.perf_counter() - t0},
+                meta={**meta, "longest_fitting_length": longest_row, "oversize": oversize, "round_to": round_to,
+                      "pack_len": len_cap if packed else None})
     plan.validate(orig)
     return plan
+
+
+def _over_limit_message(method: str, peak: np.ndarray, ctx: _Ctx, longest_padded: int, pack_len: int) -> str:
+    i = int(np.argmax(peak - ctx.limit))
+    hint = ""
+    if method in ("fixed", "sorted"):
+        hint = f"; the largest mbs whose worst case fits is {int(ctx.bmax([longest_padded])[0])}"
+    elif method == "packed":
+        hint = f"; the largest mbs (rows of pack_len {pack_len}) that fits is {int(ctx.bmax([pack_len])[0])}"
+    return (f"{method}: predicted peak {int(peak[i])} B on stage {i} exceeds the limit {ctx.limit} B "
+            f"under {ctx.kind}{hint}")

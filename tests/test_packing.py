@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dynmb._packutil import est_makespan, ffd_rows, next_fit_rows
+from dynmb._packutil import bfd_rows, makespan, next_fit_rows
 from dynmb.config import ModelConfig
 from dynmb.memory import MemoryModel
 from dynmb.packing import METHODS, PackingError, auto_mbs, max_fitting_length, pack
@@ -22,10 +22,12 @@ class AffineCost:
     def __init__(self, cfg, p, overhead=1e-3):
         self.cfg, self.num_stages, self.overhead = cfg, p, overhead
 
-    def stage_costs(self, rows, padded_len):
-        b = np.atleast_1d(np.asarray(rows, float))
-        s = np.atleast_1d(np.asarray(padded_len, float))
-        f = np.stack([self.overhead + self.cfg.stage_flops(i, self.num_stages, b, s) / 1e10
+    def stage_costs(self, rows, padded_len, attn=None):
+        b, s = np.broadcast_arrays(np.atleast_1d(np.asarray(rows, float)), np.atleast_1d(np.asarray(padded_len, float)))
+        a = b * s * s if attn is None else np.broadcast_to(np.asarray(attn, float), b.shape)
+        attn_flops = 4 * self.cfg.d_model * (a - b * s * s)        # stage_flops counts b * s^2 per layer
+        f = np.stack([self.overhead + (self.cfg.stage_flops(i, self.num_stages, b, s)
+                                       + len(self.cfg.stage_layers(self.num_stages)[i]) * attn_flops) / 1e10
                       for i in range(self.num_stages)])
         return {"F": f, "B": 2 * f}
 
@@ -39,8 +41,10 @@ def _setup(cfg, p, limit_scale):
     return mm, AffineCost(cfg, p), limit
 
 
-def _check_plan(plan, lengths, mm, limit):
+def _check_plan(plan, lengths, mm, limit, round_to=1):
     plan.validate(lengths)
+    assert plan.meta["round_to"] == round_to
+    assert all(mb.padded_len % round_to == 0 for mb in plan.microbatches)
     peak = np.max([mm.peak_bytes(plan.replica(r).shapes()[:, 0], plan.replica(r).shapes()[:, 1], plan.schedule_kind)
                    for r in range(plan.dp)], axis=0)
     assert np.all(peak <= limit), (peak, limit)
@@ -52,33 +56,37 @@ def _check_plan(plan, lengths, mm, limit):
         assert rows.max() <= mb.padded_len and rows.min() > 0
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 1500), min_size=1, max_size=120), p=st.integers(1, 4),
-       scale=st.floats(1.05, 30.0), method=st.sampled_from(METHODS), kind=st.sampled_from(["1f1b", "gpipe"]))
-def test_every_method_keeps_the_invariants(lengths, p, scale, method, kind):
+       scale=st.floats(1.05, 30.0), method=st.sampled_from(METHODS), kind=st.sampled_from(["1f1b", "gpipe"]),
+       round_to=st.sampled_from([1, 1, 8, 64, 100]))
+def test_every_method_keeps_the_invariants(lengths, p, scale, method, kind, round_to):
+    """Every sequence exactly once, predicted peak <= limit, padded_len a multiple of round_to."""
     lengths = np.array(lengths)
     mm, cm, limit = _setup(TINY, p, scale)
     try:
         plan = pack(lengths, method, num_stages=p, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    schedule_kind=kind)
+                    schedule_kind=kind, round_to=round_to)
     except PackingError as e:
         # only for a reason it names: a sequence too long, or (gpipe) the whole batch
-        assert "cannot fit even alone" in str(e) or (kind == "gpipe" and "exceeds the limit" in str(e)), str(e)
-        if "cannot fit even alone" in str(e):
-            assert lengths.max() > max_fitting_length(mm, limit, p, kind)
+        too_long = "cannot fit even alone" in str(e) or "longer than pack_len" in str(e)
+        assert too_long or (kind == "gpipe" and "exceeds the limit" in str(e)), str(e)
+        if too_long:
+            assert lengths.max() > max_fitting_length(mm, limit, p, kind, upto=TINY.max_seq_len, round_to=round_to)
         return
     assert plan.method == method and plan.num_sequences == len(lengths)
-    _check_plan(plan, lengths, mm, limit)
+    _check_plan(plan, lengths, mm, limit, round_to)
 
 
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.integers(1, 600), min_size=8, max_size=150), dp=st.integers(2, 4),
-       method=st.sampled_from(["fixed", "token-budget", "dynapipe", "dynamic"]))
-def test_data_parallel_replicas_are_equal_and_balanced(lengths, dp, method):
+       method=st.sampled_from(METHODS), round_to=st.sampled_from([1, 16]))
+def test_data_parallel_replicas_are_equal_and_balanced(lengths, dp, method, round_to):
     lengths = np.array(lengths)
     mm, cm, limit = _setup(TINY, 2, 6.0)
-    plan = pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm, dp=dp)
-    _check_plan(plan, lengths, mm, limit)
+    plan = pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm, dp=dp,
+                round_to=round_to)
+    _check_plan(plan, lengths, mm, limit, round_to)
     per = np.bincount(plan.replica_ids, minlength=dp)
     assert len(per) == dp and np.all(per == per[0])
     for r in range(dp):
@@ -132,21 +140,167 @@ def test_fixed_auto_mbs_is_the_largest_worst_case_fit():
     assert [mb.batch for mb in plan.microbatches[:-1]] == [b] * (plan.num_microbatches - 1)
 
 
-def test_packed_rows_hold_several_documents():
+def test_packed_defaults_megatron_rows_one_per_microbatch():
+    """Default pack_len: the longest one-row microbatch (capped at max_seq_len); default mbs 1."""
     mm, cm, limit = _setup(TINY, 2, 8.0)
-    lengths = np.array([300, 20, 30, 500, 12, 100, 60, 250])
+    lengths = np.array([300, 20, 30, 500, 12, 100, 60, 250] * 30)
     plan = pack(lengths, "packed", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
-    assert plan.meta["row_len"] == 512
-    assert all(mb.padded_len == 512 for mb in plan.microbatches)
+    fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
+    assert plan.meta["pack_len"] == fit and plan.meta["mbs"] == 1
+    assert all(mb.padded_len == fit and mb.batch == 1 for mb in plan.microbatches)
+    assert plan.num_microbatches == int(bfd_rows(lengths, fit).max()) + 1         # one microbatch per row
     assert any(mb.is_packed for mb in plan.microbatches)
     _check_plan(plan, lengths, mm, limit)
+    roomy = _setup(TINY, 2, 1e4)[2]              # the cap is the model's max_seq_len
+    assert pack(lengths, "packed", num_stages=2, memory_limit_bytes=roomy, memory_model=mm,
+                cost_model=cm).meta["pack_len"] == TINY.max_seq_len
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 700), min_size=1, max_size=150), pack_len=st.integers(700, 2000),
+       mbs=st.one_of(st.none(), st.integers(1, 3)), round_to=st.sampled_from([1, 7, 64]), dp=st.sampled_from([1, 2]))
+def test_packed_rows_hold_at_most_pack_len(lengths, pack_len, mbs, round_to, dp):
+    assume(len(lengths) >= dp)
+    lengths = np.array(lengths)
+    mm, cm, limit = _setup(TINY, 2, 40.0)
+    plan = pack(lengths, "packed", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
+                pack_len=pack_len, mbs=mbs, round_to=round_to, dp=dp)
+    _check_plan(plan, lengths, mm, limit, round_to)
+    row_len = -(-pack_len // round_to) * round_to
+    assert plan.meta["pack_len"] == row_len and plan.meta["mbs"] == (mbs or 1)
+    assert all(mb.padded_len == row_len for mb in plan.microbatches)
+    rows = [np.bincount(mb.row_ids, weights=mb.lengths, minlength=mb.batch) for mb in plan.microbatches]
+    assert max(r.max() for r in rows) <= row_len
+    if dp == 1:                                   # mbs rows per microbatch, the last may hold fewer
+        num_rows = int(bfd_rows(lengths, row_len).max()) + 1
+        assert sum(len(r) for r in rows) == num_rows
+        assert [mb.batch for mb in plan.microbatches[:-1]] == [mbs or 1] * (plan.num_microbatches - 1)
+
+
+def _reference_bfd(lengths, cap):
+    """Best-fit-decreasing, the slow obvious way: scan every open row."""
+    fill, row = [], np.empty(len(lengths), dtype=np.int64)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [r for r in range(len(fill)) if fill[r] + lengths[i] <= cap]
+        r = min(fits, key=lambda r: (cap - fill[r], r)) if fits else len(fill)
+        if r == len(fill):
+            fill.append(0)
+        fill[r] += lengths[i]
+        row[i] = r
+    return row
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=80), cap=st.integers(100, 250))
+def test_bfd_rows_is_best_fit_decreasing(lengths, cap):
+    """Same rows as the obvious BFD; rows hold <= cap; no two rows could be merged (any-fit:
+    a row was opened only when its first, longest document fitted in no earlier row), so
+    BFD never uses more than twice the rows of an optimal packing (ceil(total / cap) bound)."""
+    x = np.array(lengths)
+    row = bfd_rows(x, cap)
+    np.testing.assert_array_equal(row, _reference_bfd(lengths, cap))
+    fill = np.bincount(row, weights=x)
+    longest = np.array([x[row == r].max() for r in range(len(fill))])
+    assert fill.max() <= cap
+    earlier, later = np.triu_indices(len(fill), 1)
+    assert np.all(fill[earlier] + longest[later] > cap)
+    assert len(fill) <= max(1, 2 * -(-int(x.sum()) // cap))
 
 
 def test_row_packers():
     x = np.array([5, 3, 8, 2, 2, 9, 1])
-    for items, rows in ((x, ffd_rows(x, 10)), (np.sort(x), next_fit_rows(np.sort(x), 10))):
+    for items, rows in ((x, bfd_rows(x, 10)), (np.sort(x), next_fit_rows(np.sort(x), 10))):
         assert np.bincount(rows, weights=items).max() <= 10
-    assert ffd_rows(x, 10).max() + 1 == 3                   # 30 tokens in 3 rows of 10
+    assert bfd_rows(x, 10).max() + 1 == 3                   # 30 tokens in 3 rows of 10
+
+
+def test_pack_len_and_round_to_errors_name_the_value_and_what_fits():
+    mm, cm, limit = _setup(TINY, 2, 4.0)
+    kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
+    for bad in (0, -3, fit + 1):
+        with pytest.raises(PackingError, match=rf"^pack_len {bad} is out of range: rows must hold 1 to {fit} tokens"):
+            pack(np.array([10, 20]), "packed", pack_len=bad, **kw)
+    with pytest.raises(PackingError, match=rf"pack_len {fit} .*1 to {fit // 64 * 64} tokens.*round_to 64"):
+        pack(np.array([10, 20]), "packed", pack_len=fit, round_to=64, **kw)   # rounds up past what fits
+    for method in METHODS:
+        for bad in (0, -1, 2.5):
+            with pytest.raises(ValueError, match=rf"^round_to must be a whole number >= 1, got {bad}$"):
+                pack(np.array([10, 20]), method, round_to=bad, **kw)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_round_to_rounds_the_longest_fitting_length_down(method):
+    mm, cm, limit = _setup(TINY, 2, 4.0)
+    kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
+    assert fit % 100 and max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len, round_to=100) == fit // 100 * 100
+    lengths = np.array([30, fit // 100 * 100, fit // 100 * 100 + 1, 5])      # id 2 fits alone only unrounded
+    plan = pack(lengths, method, **kw)
+    assert plan.meta["round_to"] == 1 and plan.meta["truncated"] == []
+    with pytest.raises(PackingError, match=rf"ids \[2\].*fits is {fit // 100 * 100} \(a multiple of round_to 100\) under"):
+        pack(lengths, method, round_to=100, **kw)
+    plan = pack(lengths, method, round_to=100, oversize="truncate", **kw)
+    assert plan.meta["truncated"] == [2] and plan.meta["longest_fitting_length"] == fit // 100 * 100
+    _check_plan(plan, lengths, mm, limit, 100)
+
+
+@pytest.mark.parametrize("oversize", ["error", "truncate", "drop"])
+def test_packed_documents_longer_than_pack_len_follow_the_policy(oversize):
+    mm, cm, limit = _setup(TINY, 2, 8.0)
+    lengths = np.array([90, 150, 30, 101, 100, 7])
+    kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm, oversize=oversize)
+    if oversize == "error":
+        with pytest.raises(PackingError, match=r"^2 document\(s\) longer than pack_len 100: ids \[1, 3\] with "
+                                               r"lengths \[150, 101\]; the longest row that fits is \d+ under "
+                                               r"\d+ B at 2 stages \(1f1b\); oversize='truncate' or 'drop' keeps going$"):
+            pack(lengths, "packed", pack_len=100, **kw)
+        return
+    plan = pack(lengths, "packed", pack_len=100, **kw)
+    _check_plan(plan, lengths, mm, limit)
+    got = {int(i): int(n) for mb in plan.microbatches for i, n in zip(mb.seq_ids, mb.lengths)}
+    if oversize == "truncate":
+        assert plan.meta["truncated"] == [1, 3] and got[1] == got[3] == 100
+    else:
+        assert plan.meta["dropped"] == [1, 3] and sorted(got) == [0, 2, 4, 5]
+
+
+def test_packed_mbs_above_what_fits_names_the_largest():
+    mm, cm, limit = _setup(TINY, 2, 4.0)
+    fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
+    with pytest.raises(PackingError, match=rf"exceeds the limit.*rows of pack_len {fit}\) that fits is 1"):
+        pack(np.full(40, fit), "packed", mbs=8, num_stages=2, memory_limit_bytes=limit, memory_model=mm,
+             cost_model=cm)
+
+
+@pytest.mark.parametrize("shipped", [False, True], ids=["affine", "AnalyticCostModel"])
+def test_packed_microbatch_costs_use_the_sum_of_squared_document_lengths(shipped):
+    """64 documents of 64 tokens in one 4096-token row run document-causal attention:
+    sum(s_i^2) = 4096^2 / 64, so its attention costs 1/64 of one 4096-token document's
+    (``auto``); under ``dense`` both pay 4096^2. The plan's estimate uses that cost."""
+    from dataclasses import replace
+
+    from dynmb.costmodel import AnalyticCostModel
+
+    plans, attention_s = {}, {}
+    for attention in ("auto", "dense"):
+        cfg = replace(TINY, attention=attention)
+        mm = MemoryModel.analytic(cfg, 1)
+        cm = AnalyticCostModel(cfg, 1, overhead_s=0.0) if shipped else AffineCost(cfg, 1, overhead=0.0)
+        for name, lengths in (("packed", np.full(64, 64)), ("one", np.array([4096]))):
+            plan = pack(lengths, "packed", num_stages=1, memory_limit_bytes=1 << 40, memory_model=mm,
+                        cost_model=cm, pack_len=4096)
+            (mb,) = plan.microbatches
+            assert (mb.batch, mb.padded_len, mb.is_packed) == (1, 4096, name == "packed")
+            work = mb.attention_work(attention)
+            costs = cm.stage_costs(1, 4096, work)
+            attention_s[attention, name] = costs["F"][0, 0] - cm.stage_costs(1, 4096, 0)["F"][0, 0]
+            assert plan.predictions["est_makespan_s"] == pytest.approx(makespan(costs["F"], costs["B"]), rel=1e-12)
+            plans[attention, name] = plan
+    assert attention_s["auto", "one"] > 0
+    assert attention_s["auto", "packed"] == pytest.approx(attention_s["auto", "one"] / 64)
+    assert attention_s["dense", "packed"] == pytest.approx(attention_s["dense", "one"])
+    assert plans["auto", "packed"].predictions["est_makespan_s"] < plans["auto", "one"].predictions["est_makespan_s"]
 
 
 def test_est_makespan_matches_the_simulator():
@@ -158,7 +312,7 @@ def test_est_makespan_matches_the_simulator():
         costs = {"F": rng.uniform(1, 3, (p, m)), "B": rng.uniform(2, 6, (p, m))}
         comm = rng.uniform(0, 0.5, m)
         res = sim.simulate_costs(build_schedule(kind, p, m), costs, comm)
-        assert est_makespan(costs["F"], costs["B"], comm, kind) == pytest.approx(res.makespan_s)
+        assert makespan(costs["F"], costs["B"], comm, kind) == pytest.approx(res.makespan_s)
 
 
 @pytest.mark.parametrize("trace", ["gsm8k", "alpaca_eval", "sharegpt", "wikitext2", "humaneval"])
@@ -176,6 +330,9 @@ def test_dynamic_beats_every_method_on_the_shipped_traces(trace):
         plan = pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
         _check_plan(plan, lengths, mm, limit)
         est[method] = plan.predictions["est_makespan_s"]
+        sh = plan.shapes()                   # the one lookup, with each microbatch's attention work
+        costs = cm.plan_costs(plan)
+        assert est[method] == pytest.approx(makespan(costs["F"], costs["B"], cm.comm_s(sh[:, 0], sh[:, 1])), rel=1e-9)
         if method == "dynamic":
             assert plan.padding_fraction <= 0.05
     assert est["dynamic"] <= min(est.values()) * (1 + 1e-9), est
