@@ -9,6 +9,18 @@ cells). Extrapolation rule outside the grid: linear in each variable from the ed
 (time is affine in rows at fixed length), an underestimate in padded_len beyond the grid
 (attention grows like s^2); clipped at >= 0. Reached through ``dynmb.costmodel``
 (``GridCostModel``, ``fit_cost_model(kind="grid")``, ``CostModel.load``).
+
+Documents. The table is indexed by shape only, as DynaPipe's is, so it cannot see how many
+documents a row holds; its cells are one-document rows (attention work ``b * s^2``). A packed
+microbatch of attention work ``a < b * s^2`` gets a linear correction per (stage, op):
+
+    t(b, s, a) = table(b, s) - k * (b * s^2 - a)
+
+``k`` (seconds per unit of attention work, >= 0) is the relative-error least-squares slope of
+``table(b, s) - t`` against ``b * s^2 - a`` over the packed points of the samples, or, when
+there are none, the ``c2_attn`` coefficient of the poly ``quad`` form fitted to the table's
+own one-document points. Files written before the correction have ``k = 0``: they ignore
+documents and over-predict packed microbatches.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import pandas as pd
 from scipy.interpolate import RegularGridInterpolator
 
 from dynmb.config import ModelConfig
-from dynmb.costmodel import CommModel, CostModel, _meta_from, point_medians
+from dynmb.costmodel import CommModel, CostModel, _features, _meta_from, _nnls_rel, point_medians
 
 __all__ = ["GridCostModel"]
 
@@ -32,9 +44,11 @@ class GridCostModel(CostModel):
 
     def __init__(self, model_cfg: ModelConfig, num_stages: int,
                  grids: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, np.ndarray]],
-                 comm: CommModel | None = None, meta: dict[str, Any] | None = None) -> None:
+                 comm: CommModel | None = None, meta: dict[str, Any] | None = None,
+                 attn_slope: dict[tuple[int, str], float] | None = None) -> None:
         super().__init__(model_cfg, num_stages, comm, meta)
         self.grids = {(int(k[0]), k[1]): tuple(np.asarray(a, dtype=np.float64) for a in v) for k, v in grids.items()}
+        self.attn_slope = {k: max(0.0, float((attn_slope or {}).get(k, 0.0))) for k in self.grids}
         missing = [(p, op) for p in range(num_stages) for op in ("F", "B") if (p, op) not in self.grids]
         if missing:
             raise ValueError(f"grid cost model lacks tables for (stage, op) {missing}: profile every stage")
@@ -42,6 +56,10 @@ class GridCostModel(CostModel):
                         if len(r) > 1 and len(s) > 1 else None for k, (r, s, t) in self.grids.items()}
 
     def _predict(self, stage, op, b, s, a):
+        return self._table(stage, op, b, s) - self.attn_slope[(stage, op)] * (b * s * s - a)
+
+    def _table(self, stage: int, op: str, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """The interpolated one-document time at (rows, padded_len)."""
         r_ax, s_ax, t = self.grids[(stage, op)]
         f = self._interp[(stage, op)]
         if f is not None:
@@ -54,24 +72,46 @@ class GridCostModel(CostModel):
     def fit(cls, samples: pd.DataFrame, model_cfg: ModelConfig, num_stages: int, *, comm: CommModel | None = None,
             meta: dict[str, Any] | None = None, **_: Any) -> "GridCostModel":
         med = point_medians(samples)
-        med = med[~med["packed"]]  # packed rows run at the same shapes; the grid keeps plain rows
+        one_doc = med["attn_work"] == med["rows"] * med["padded_len"] ** 2
         grids = {}
-        for (p, op), g in med.groupby(["stage", "op"]):
+        for (p, op), g in med[one_doc].groupby(["stage", "op"]):
             r_ax = np.unique(g["rows"].to_numpy(np.float64))
             s_ax = np.unique(g["padded_len"].to_numpy(np.float64))
             t = np.full((len(r_ax), len(s_ax)), np.nan)
             t[np.searchsorted(r_ax, g["rows"]), np.searchsorted(s_ax, g["padded_len"])] = g["time_s"]
             grids[(int(p), op)] = (r_ax, s_ax, _fill(r_ax, s_ax, t))
-        return cls(model_cfg, num_stages, grids, comm, {**_meta_from(samples), **(meta or {})})
+        model = cls(model_cfg, num_stages, grids, comm, {**_meta_from(samples), **(meta or {})})
+        model.attn_slope = {k: _attn_slope(model, k, med[one_doc], med[~one_doc]) for k in grids}
+        return model
 
     def _params(self):
-        return {"tables": [{"stage": p, "op": op, "rows": r.tolist(), "padded_len": s.tolist(), "time_s": t.tolist()}
+        return {"tables": [{"stage": p, "op": op, "rows": r.tolist(), "padded_len": s.tolist(), "time_s": t.tolist(),
+                            "attn_slope": self.attn_slope[(p, op)]}
                            for (p, op), (r, s, t) in sorted(self.grids.items())]}
 
     @classmethod
     def _from_parts(cls, cfg, p, comm, meta, params):
         grids = {(d["stage"], d["op"]): (d["rows"], d["padded_len"], d["time_s"]) for d in params["tables"]}
-        return cls(cfg, p, grids, comm, meta)
+        slopes = {(d["stage"], d["op"]): d.get("attn_slope", 0.0) for d in params["tables"]}
+        return cls(cfg, p, grids, comm, meta, slopes)
+
+
+def _attn_slope(model: GridCostModel, key: tuple[int, str], one_doc: pd.DataFrame, packed: pd.DataFrame) -> float:
+    """Seconds per unit of attention work saved by packing, for ``key`` = (stage, op): fitted on
+    the packed points (relative least squares of table - t against b*s^2 - a, >= 0), else the
+    quad poly's c2_attn on the one-document points."""
+    stage, op = key
+    pk = packed[(packed["stage"] == stage) & (packed["op"] == op)]
+    if len(pk):
+        b, s, a, t = (pk[c].to_numpy(np.float64) for c in ("rows", "padded_len", "attn_work", "time_s"))
+        saved_rel = (b * s * s - a) / t                                   # x / t
+        excess_rel = (model._table(stage, op, b, s) - t) / t               # (table - t) / t
+        return max(0.0, float(saved_rel @ excess_rel / (saved_rel @ saved_rel)))
+    g = one_doc[(one_doc["stage"] == stage) & (one_doc["op"] == op)]
+    if len(g) < 3:
+        return 0.0
+    b, s, t = (g[c].to_numpy(np.float64) for c in ("rows", "padded_len", "time_s"))
+    return float(_nnls_rel(_features("quad", b, s), t)[2])
 
 
 def _lin(xq: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:

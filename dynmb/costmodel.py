@@ -1,39 +1,52 @@
 """Per-stage, per-op time model: the one cost lookup shared by packer, scheduler and simulator.
 
-A cost model answers ``predict(stage, op, rows, padded_len)`` -> seconds (vectorised) for a
-microbatch of ``rows`` x ``padded_len`` tokens, op ``F`` (forward) or ``B`` (full backward;
-``W`` is 0: no split weight-gradient step). ``stage_costs(rows[m], padded_len[m])`` returns
-``{"F": ndarray[P, m], "B": ndarray[P, m]}`` and is what every consumer calls.
+A cost model answers ``predict(stage, op, rows, padded_len, attn)`` -> seconds (vectorised) for
+a microbatch of ``rows`` x ``padded_len`` tokens whose attention work is ``attn`` (the sum of
+segment_length^2 over its attention segments, ``Microbatch.attention_work``: ``rows *
+padded_len^2`` for one document per row, ``sum(s_i^2)`` over the documents of packed rows under
+``attention="auto"``; None means one document per row), op ``F`` (forward) or ``B`` (full
+backward; ``W`` is 0: no split weight-gradient step). ``stage_costs(rows[m], padded_len[m],
+attn[m])`` returns ``{"F": ndarray[P, m], "B": ndarray[P, m]}``; ``plan_costs(plan)`` is the
+same for a whole plan with each microbatch's attention work, and is what consumers call.
 ``comm`` (a ``CommModel``) gives the P2P time ``alpha_s + nbytes / bytes_per_s`` of the
 activation sent between neighbouring stages.
 
 Three models, one interface:
 
-- ``AnalyticCostModel``: FLOP count (``ModelConfig.stage_flops``) / ``flops_per_s`` +
-  a fixed per-op overhead; backward = ``bwd_ratio`` x forward. A stand-in before profiling,
+- ``AnalyticCostModel``: FLOP count (``ModelConfig.stage_flops``, its s^2 attention FLOPs
+  rescaled from ``rows * padded_len^2`` to the attention work) / ``flops_per_s`` + a fixed
+  per-op overhead; backward = ``bwd_ratio`` x forward. A stand-in before profiling,
   calibrated roughly to one core of the development CPU.
-- ``FittedCostModel`` ("poly"): per (stage, op) ``t = c0 + c1*b*s + c2*b*s^2 (+ c3*b)``
-  (b rows, s padded_len): a fixed cost, a per-token cost (matmuls, norms), a per-token-per-
-  position cost (attention over the row), optionally a per-row cost. Coefficients are
-  non-negative and minimise the *relative* squared error sum(((pred - t) / t)^2), solved as
+- ``FittedCostModel`` ("poly", the default): per (stage, op) ``t = c0 + c1*b*s + c2*a (+ c3*b)``
+  (b rows, s padded_len, b*s the tokens computed, a the attention work): a fixed cost, a
+  per-computed-token cost (matmuls, norms, the LM head), a cost per unit of attention work
+  (QK^T and AV over each segment), optionally a per-row cost. Coefficients are non-negative
+  and minimise the *relative* squared error sum(((pred - t) / t)^2), solved as
   ``scipy.optimize.nnls`` on the system scaled row-wise by 1/t. The form is chosen per
   (stage, op) by k-fold held-out MAPE over points; a larger form must beat a smaller one by
-  more than 2% (relative) to be chosen, so the model stays explainable.
+  more than 2% (relative) to be chosen, so the model stays explainable. Files written before
+  the attention work was a feature name the quadratic coefficient ``c2_tok_len``; they load
+  as ``c2_attn`` (for them a = b*s^2 was the only case).
 - ``GridCostModel`` ("grid", DynaPipe-style, in ``dynmb._costgrid``): bilinear
   ``scipy.interpolate.RegularGridInterpolator`` over (rows, padded_len) of the measured
-  medians; outside the grid, linear extrapolation from the edge interval (exact in rows,
-  an underestimate in padded_len, where attention grows like s^2).
+  medians of one-document rows; outside the grid, linear extrapolation from the edge interval
+  (exact in rows, an underestimate in padded_len, where attention grows like s^2). It cannot
+  see documents; a packed microbatch gets a linear correction ``- k * (b*s^2 - a)`` (see there).
 
-Samples are a tidy table (``dynmb profile``): stage, op, rows, padded_len, time_s, repeat,
-(packed, device, threads, torch_version, model). Fitting uses per-point medians over repeats;
-held-out error (``kfold_error``) holds out whole points. A run's ``actions`` table converts
-to samples with ``samples_from_actions`` so models refit from real runs.
+Samples are a tidy table (``dynmb profile``): stage, op, rows, padded_len, docs_per_row,
+attn_work, time_s, repeat, (packed, device, threads, torch_version, model). A point is
+(stage, op, rows, padded_len, attn_work); fitting uses per-point medians over repeats;
+held-out error (``kfold_error``) holds out whole points. Samples without ``attn_work``
+(profiled before it was recorded) get ``rows * padded_len^2`` on unpacked rows; their packed
+rows are skipped with a warning (their attention work is unknown). A run's ``actions`` table
+converts to samples with ``samples_from_actions`` so models refit from real runs.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +59,24 @@ from dynmb.config import ModelConfig
 __all__ = [
     "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",
     "FORMS", "get_cost_model", "load_cost_model", "fit_cost_model", "kfold_error",
-    "noise_floor", "point_medians", "samples_from_actions",
+    "noise_floor", "point_medians", "samples_from_actions", "with_attention_work", "LEGACY_COEF_NAMES",
 ]
+
+logger = logging.getLogger(__name__)
 
 FORMS: dict[str, tuple[str, ...]] = {
     "lin": ("c0", "c1_tok"),
     "lin_b": ("c0", "c1_tok", "c3_row"),
-    "quad": ("c0", "c1_tok", "c2_tok_len"),
-    "quad_b": ("c0", "c1_tok", "c2_tok_len", "c3_row"),
+    "quad": ("c0", "c1_tok", "c2_attn"),
+    "quad_b": ("c0", "c1_tok", "c2_attn", "c3_row"),
 }
-"""Poly forms: c0 [s], c1_tok [s/token], c2_tok_len [s/(token*position)], c3_row [s/row]."""
+"""Poly forms: c0 [s], c1_tok [s per computed token], c2_attn [s per unit of attention work,
+i.e. per (query, key) position pair of a segment], c3_row [s/row]."""
 
-_KEY = ["stage", "op", "rows", "padded_len", "packed"]
+LEGACY_COEF_NAMES = {"c2_tok_len": "c2_attn"}
+"""Coefficient names of older cost-model files -> their current name."""
+
+_KEY = ["stage", "op", "rows", "padded_len", "attn_work"]
 
 
 class CommModel:
@@ -242,8 +261,16 @@ class AnalyticCostModel(CostModel):
         self.flops_per_s, self.overhead_s, self.bwd_ratio = float(flops_per_s), float(overhead_s), float(bwd_ratio)
 
     def _predict(self, stage, op, b, s, a):
-        f = self.overhead_s + self.model_cfg.stage_flops(stage, self.num_stages, b, s) / self.flops_per_s
+        flops = self.model_cfg.stage_flops(stage, self.num_stages, b, s) \
+            + self._attn_flops_per_unit(stage) * (a - b * s * s)
+        f = self.overhead_s + flops / self.flops_per_s
         return f if op == "F" else self.bwd_ratio * f
+
+    def _attn_flops_per_unit(self, stage: int) -> float:
+        """FLOPs per unit of attention work in ``stage_flops`` (its s^2 coefficient at one row):
+        stage_flops(1, s) = A*s + C*s^2, so C = (stage_flops(1, 2) - 2*stage_flops(1, 1)) / 2."""
+        f1, f2 = (float(self.model_cfg.stage_flops(stage, self.num_stages, 1, s)) for s in (1, 2))
+        return (f2 - 2.0 * f1) / 2.0
 
     def _params(self):
         return {"flops_per_s": self.flops_per_s, "overhead_s": self.overhead_s, "bwd_ratio": self.bwd_ratio}
@@ -254,8 +281,9 @@ class AnalyticCostModel(CostModel):
 
 
 def _features(form: str, b: np.ndarray, s: np.ndarray, a: np.ndarray | None = None) -> np.ndarray:
-    """Feature columns of ``form``; ``a`` is the attention work (default ``b * s**2``)."""
-    cols = {"c0": np.ones_like(b), "c1_tok": b * s, "c2_tok_len": b * s * s if a is None else a, "c3_row": b}
+    """Feature columns of ``form``: 1, computed tokens b*s, attention work ``a`` (default
+    ``b * s**2``, one document per row), rows b."""
+    cols = {"c0": np.ones_like(b), "c1_tok": b * s, "c2_attn": b * s * s if a is None else a, "c3_row": b}
     return np.stack([cols[c] for c in FORMS[form]], axis=-1)
 
 
@@ -269,7 +297,8 @@ def _nnls_rel(x: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 class FittedCostModel(CostModel):
-    """Per (stage, op) non-negative poly in (rows, padded_len); ``params[(stage, op)] = (form, coef)``."""
+    """Per (stage, op) non-negative poly in (rows, padded_len, attention work);
+    ``params[(stage, op)] = (form, coef)``."""
 
     kind = "poly"
 
@@ -301,9 +330,9 @@ class FittedCostModel(CostModel):
         med = point_medians(samples)
         params, sel = {}, {}
         for (p, op), g in med.groupby(["stage", "op"]):
-            b, s, t = (g[c].to_numpy(np.float64) for c in ("rows", "padded_len", "time_s"))
-            form, cv = _choose_form(b, s, t, forms or tuple(FORMS), folds, seed)
-            params[(int(p), op)] = (form, _nnls_rel(_features(form, b, s), t))
+            b, s, a, t = (g[c].to_numpy(np.float64) for c in ("rows", "padded_len", "attn_work", "time_s"))
+            form, cv = _choose_form(b, s, a, t, forms or tuple(FORMS), folds, seed)
+            params[(int(p), op)] = (form, _nnls_rel(_features(form, b, s, a), t))
             sel[f"{p}{op}"] = cv
         return cls(model_cfg, num_stages, params, comm, {**_meta_from(samples), **(meta or {}), "form_cv_mape": sel})
 
@@ -313,7 +342,10 @@ class FittedCostModel(CostModel):
 
     @classmethod
     def _from_parts(cls, cfg, p, comm, meta, params):
-        fits = {(d["stage"], d["op"]): (d["form"], [d["coef"][n] for n in FORMS[d["form"]]]) for d in params["fits"]}
+        fits = {}
+        for d in params["fits"]:
+            coef = {LEGACY_COEF_NAMES.get(n, n): v for n, v in d["coef"].items()}
+            fits[(d["stage"], d["op"])] = (d["form"], [coef[n] for n in FORMS[d["form"]]])
         return cls(cfg, p, fits, comm, meta)
 
 
@@ -321,7 +353,9 @@ def _folds(n: int, k: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n) % max(1, min(k, n))
 
 
-def _choose_form(b, s, t, forms, folds, seed) -> tuple[str, dict[str, float]]:
+def _choose_form(b: np.ndarray, s: np.ndarray, a: np.ndarray, t: np.ndarray, forms: tuple[str, ...], folds: int,
+                 seed: int) -> tuple[str, dict[str, float]]:
+    """The smallest form within 2% of the best k-fold held-out MAPE, and every form's MAPE."""
     fold = _folds(len(t), folds, seed)
     cv = {}
     for form in forms:
@@ -330,8 +364,8 @@ def _choose_form(b, s, t, forms, folds, seed) -> tuple[str, dict[str, float]]:
         err = np.empty(len(t))
         for k in np.unique(fold):
             tr, te = fold != k, fold == k
-            c = _nnls_rel(_features(form, b[tr], s[tr]), t[tr])
-            err[te] = np.abs(_features(form, b[te], s[te]) @ c - t[te]) / t[te]
+            c = _nnls_rel(_features(form, b[tr], s[tr], a[tr]), t[tr])
+            err[te] = np.abs(_features(form, b[te], s[te], a[te]) @ c - t[te]) / t[te]
         cv[form] = float(err.mean())
     if not cv:
         return "lin", {}
@@ -341,38 +375,83 @@ def _choose_form(b, s, t, forms, folds, seed) -> tuple[str, dict[str, float]]:
 
 
 # --- samples ------------------------------------------------------------------
-def point_medians(samples: pd.DataFrame) -> pd.DataFrame:
-    """Median time over repeats per (stage, op, rows, padded_len, packed); F/B rows only."""
+def with_attention_work(samples: pd.DataFrame) -> pd.DataFrame:
+    """The F/B rows of ``samples`` with ``packed``, ``docs_per_row`` and ``attn_work`` filled in.
+
+    Rows without ``attn_work`` (samples or actions recorded before it was): one document per
+    row gets ``rows * padded_len**2``; a packed row's attention work is unknown, so it is
+    dropped with a warning (its time cannot be told apart from the documents' layout)."""
     df = samples[samples["op"].isin(["F", "B"])].copy()
-    if "packed" not in df:
-        df["packed"] = False
-    df["packed"] = df["packed"].astype(bool)
-    out = df.groupby(_KEY, as_index=False).agg(time_s=("time_s", "median"), n=("time_s", "size"))
+    df["packed"] = df["packed"].fillna(False).astype(bool) if "packed" in df else False
+    one_doc_work = df["rows"].astype(np.int64) * df["padded_len"].astype(np.int64) ** 2
+    work = df["attn_work"] if "attn_work" in df else pd.Series(np.nan, index=df.index)
+    unknown = work.isna()
+    if "docs_per_row" not in df:
+        df["docs_per_row"] = np.nan
+    df.loc[unknown & ~df["packed"], "docs_per_row"] = 1
+    df["attn_work"] = work.where(~unknown, one_doc_work)
+    bad = unknown & df["packed"]
+    if bad.any():
+        logger.warning("skipping %d packed sample rows without attn_work (recorded before the attention work was; "
+                       "their sum of document_length^2 is unknown): re-profile with `dynmb profile` to fit packed rows",
+                       int(bad.sum()))
+        df = df[~bad]
+    df["attn_work"] = df["attn_work"].astype(np.int64)
+    return df
+
+
+def point_medians(samples: pd.DataFrame) -> pd.DataFrame:
+    """Median time over repeats per point (stage, op, rows, padded_len, attn_work); F/B rows only.
+    Columns: the key, packed, docs_per_row, time_s, n (repeats)."""
+    df = with_attention_work(samples)
+    out = df.groupby(_KEY, as_index=False).agg(packed=("packed", "first"), docs_per_row=("docs_per_row", "first"),
+                                               time_s=("time_s", "median"), n=("time_s", "size"))
     return out[out["time_s"] > 0].reset_index(drop=True)
 
 
-def noise_floor(samples: pd.DataFrame) -> pd.DataFrame:
-    """Per (stage, op): median over samples of |t_r - median_point| / median_point (repeat spread)."""
-    df = samples[samples["op"].isin(["F", "B"])].copy()
-    if "packed" not in df:
-        df["packed"] = False
+def noise_floor(samples: pd.DataFrame, by: tuple[str, ...] = ("stage", "op")) -> pd.DataFrame:
+    """Per ``by`` group: median over samples of |t_r - median_point| / median_point (the spread
+    of repeats of one point; a model cannot be expected to beat it)."""
+    df = with_attention_work(samples)
     med = df.groupby(_KEY)["time_s"].transform("median")
     df["dev"] = (df["time_s"] - med).abs() / med
-    return df.groupby(["stage", "op"], as_index=False).agg(noise=("dev", "median"))
+    return df.groupby(list(by), as_index=False).agg(noise=("dev", "median"))
+
+
+def _packed_actions(actions: pd.DataFrame) -> pd.Series | bool:
+    """Which actions ran a packed microbatch: more sequences than rows (``docs``), else less
+    attention work than one document per row (``attn_work``), else unknown: False."""
+    if "docs" in actions:
+        return actions["docs"] > actions["batch"]
+    if "attn_work" in actions:
+        return actions["attn_work"] < actions["batch"] * actions["padded_len"].astype(np.int64) ** 2
+    return False
 
 
 def samples_from_actions(actions: pd.DataFrame) -> pd.DataFrame:
-    """A runtime ``actions`` table as cost samples: time_s = end_s - start_s, rows = batch."""
+    """A runtime ``actions`` table as cost samples: time_s = end_s - start_s, rows = batch.
+
+    ``attn_work`` is carried over when the table has it; ``docs`` (sequences in the
+    microbatch), when present, gives ``docs_per_row`` and tells packed microbatches
+    (docs > batch) apart. A table with neither is taken as one document per row (logged)."""
     need = {"stage", "op", "batch", "padded_len", "start_s", "end_s"}
     if need - set(actions.columns):
         raise ValueError(f"actions table lacks columns {sorted(need - set(actions.columns))}")
     a = actions[actions["op"].isin(["F", "B"])]
+    rows = a["batch"].astype(int)
     out = pd.DataFrame({
-        "stage": a["stage"].astype(int), "op": a["op"], "rows": a["batch"].astype(int),
+        "stage": a["stage"].astype(int), "op": a["op"], "rows": rows,
         "padded_len": a["padded_len"].astype(int), "tokens": (a["batch"] * a["padded_len"]).astype(int),
-        "packed": False, "time_s": (a["end_s"] - a["start_s"]).astype(float),
+        "packed": _packed_actions(a),
+        "docs_per_row": a["docs"] / rows if "docs" in a else np.nan,
+        "time_s": (a["end_s"] - a["start_s"]).astype(float),
         "repeat": a["step"] if "step" in a else 0, "source": "actions",
     })
+    if "attn_work" in a:
+        out["attn_work"] = a["attn_work"]
+    elif "docs" not in a:
+        logger.warning("actions table has neither attn_work nor docs: every microbatch is taken as one document "
+                       "per row (attention work rows * padded_len**2)")
     if "run_id" in a:
         out["run_id"] = a["run_id"]
     return out.reset_index(drop=True)
@@ -380,7 +459,7 @@ def samples_from_actions(actions: pd.DataFrame) -> pd.DataFrame:
 
 def _meta_from(samples: pd.DataFrame) -> dict[str, Any]:
     meta = {}
-    for c in ("device", "threads", "torch_version", "model", "concurrent"):
+    for c in ("device", "threads", "torch_version", "model", "concurrent", "attention"):
         if c in samples and len(samples[c].dropna()):
             meta[c] = samples[c].dropna().iloc[0]
     meta["n_samples"] = int(len(samples))
@@ -407,26 +486,26 @@ def fit_cost_model(samples: pd.DataFrame, model_cfg: ModelConfig, num_stages: in
 
 
 def kfold_error(samples: pd.DataFrame, kind: str = "poly", k: int = 5, *, model_cfg: ModelConfig | None = None,
-                num_stages: int | None = None, seed: int = 0) -> pd.DataFrame:
-    """Held-out MAPE per (stage, op): points (all repeats) split in k folds; each fold predicted by a
-    model fitted on the others and compared with the point's median time. Columns stage, op, mape,
-    max_ape, n (points)."""
+                num_stages: int | None = None, seed: int = 0, by: tuple[str, ...] = ("stage", "op")) -> pd.DataFrame:
+    """Held-out MAPE per ``by`` group (default (stage, op); add ``"packed"`` to split one-document
+    from packed points): points (rows, padded_len, attn_work; all stages and repeats) split in k
+    folds; each fold predicted by a model fitted on the others and compared with the point's
+    median time. Columns: the ``by`` keys, mape, max_ape, n (points)."""
     med = point_medians(samples)
-    if kind == "grid":
-        med = med[~med["packed"]]
     num_stages = num_stages or int(med["stage"].max()) + 1
     cfg = model_cfg or ModelConfig()
-    pts = med[["rows", "padded_len", "packed"]].drop_duplicates().reset_index(drop=True)
+    shape = ["rows", "padded_len", "attn_work"]
+    pts = med[shape].drop_duplicates().reset_index(drop=True)
     pts["fold"] = _folds(len(pts), k, seed)
-    med = med.merge(pts, on=["rows", "padded_len", "packed"]).reset_index(drop=True)
+    med = med.merge(pts, on=shape).reset_index(drop=True)
     pred = np.empty(len(med))
     for f in np.unique(pts["fold"]):
-        tr = med[med["fold"] != f]
-        m = (FittedCostModel if kind == "poly" else _grid_cls()).fit(tr, cfg, num_stages, seed=seed)
+        m = (FittedCostModel if kind == "poly" else _grid_cls()).fit(med[med["fold"] != f], cfg, num_stages, seed=seed)
         for (p, op), g in med[med["fold"] == f].groupby(["stage", "op"]):
-            pred[g.index] = m.predict(int(p), op, g["rows"].to_numpy(), g["padded_len"].to_numpy())
+            pred[g.index] = m.predict(int(p), op, g["rows"].to_numpy(), g["padded_len"].to_numpy(),
+                                      g["attn_work"].to_numpy())
     med["ape"] = np.abs(pred - med["time_s"]) / med["time_s"]
-    return med.groupby(["stage", "op"], as_index=False).agg(mape=("ape", "mean"), max_ape=("ape", "max"), n=("ape", "size"))
+    return med.groupby(list(by), as_index=False).agg(mape=("ape", "mean"), max_ape=("ape", "max"), n=("ape", "size"))
 
 
 def get_cost_model(path_or_none: str | Path | None, model_cfg: ModelConfig, num_stages: int) -> CostModel:

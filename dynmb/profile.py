@@ -1,11 +1,14 @@
-"""Profile stage times over a (rows, padded_len) grid -> a tidy samples table for ``dynmb fit``.
+"""Profile stage times over a (rows, padded_len, documents per row) grid -> a samples table for ``dynmb fit``.
 
 Algorithm. For every stage module of ``build_stages(cfg, P)`` and every grid point
-(rows b, padded_len s, packed?), build a synthetic microbatch with ``make_inputs``: plain
-points hold one sequence per row (the first row full, the others of random length, so
-there is padding), packed points hold several documents per row (document-causal mask,
-positions restarting per document). Input preparation is not timed. Then ``warmup``
-untimed and ``repeats`` timed runs; each run builds a fresh graph:
+(rows b, padded_len s, docs_per_row k), build a synthetic microbatch with ``make_inputs``:
+k = 1 holds one sequence per row (the first row full, the others of random length, so
+there is padding); k > 1 fills every row with k documents of random lengths (at least
+``MIN_DOC_TOKENS`` each; document-causal attention, positions restarting per document).
+The row's attention work ``Microbatch.attention_work(cfg.attention)`` of that exact
+microbatch is recorded as ``attn_work`` (b*s^2 for k = 1, sum of s_i^2 for packed rows under
+``attention="auto"``). Input preparation is not timed. Then ``warmup`` untimed and
+``repeats`` timed runs; each run builds a fresh graph:
 
     x  = fresh leaf hidden state (requires_grad, as a pipeline receiver holds it)
     F  = time(y = stage(x, inputs))
@@ -21,11 +24,18 @@ Repeats are interleaved: pass r times repeat r of every (stage, point) (warm-up 
 on a point's first visit), so a burst of machine load hits one repeat of many points, not
 every repeat of one point, and the per-point median rejects it.
 Every repeat is one row of the samples table (stage, op, rows, padded_len, tokens, packed,
-time_s, wall_s, clock, repeat, device, threads, torch_version, model, num_stages), plus
+docs_per_row, attn_work, time_s, wall_s, clock, repeat, device, threads, torch_version, model,
+attention, num_stages), plus
 ``mem_*`` columns when ``dynmb.runtime.meter`` is present. Resumable: (stage, point, repeat)
 rows already in the output CSV are skipped; the CSV is rewritten atomically (tmp +
-os.replace) every few seconds and at the end. ``comm=True`` adds the gloo ping-pong rows
-(op="comm", nbytes) of ``dynmb.runtime.pingpong``.
+os.replace) every few seconds and at the end; a CSV without ``attn_work`` (profiled before
+it was recorded) is refused. ``comm=True`` adds the gloo ping-pong rows (op="comm", nbytes)
+of ``dynmb.runtime.pingpong``.
+
+Time estimate. Before measuring, every run is priced with the analytic cost model (FLOPs of
+the development CPU's core, attention work included) plus ``RUN_OVERHEAD_S`` per run, and the
+progress bar counts those estimated seconds, not points: its remaining time is the estimate
+rescaled by the rate measured so far, so large points late in a pass do not make it lie.
 
 Concurrent mode (``concurrent=True``, CPU): the stages are measured as a pipeline runs them,
 one process per stage (1 torch thread each, gloo): every process holds its stage and all of
@@ -37,13 +47,13 @@ cache and memory bandwidth (the development box: 2 vCPUs, 32 MiB L3), large micr
 this concurrency than alone, small ones are not; a profile measured alone under-predicts the
 large ones (see ``experiments/pred_error.py``). Rows get ``concurrent = num_stages`` (1 otherwise).
 
-Command line: ``dynmb profile --model small --stages 2 [--quick] -o samples.csv``.
+Command line: ``dynmb profile --model small --stages 2 [--quick] [--concurrent] -o samples.csv``.
 """
 
 from __future__ import annotations
 
-import gc
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -61,50 +71,101 @@ from dynmb.results import write_table
 from dynmb.runtime.hostmem import retain_freed_memory
 from dynmb.types import Microbatch
 
-__all__ = ["GRID_ROWS", "GRID_LENS", "default_grid", "synthetic_microbatch", "time_stage", "profile", "load_samples"]
+__all__ = ["GRID_ROWS", "GRID_LENS", "GRID_DOCS", "PACKED_ROWS", "PACKED_LENS", "MIN_DOC_TOKENS", "default_grid",
+           "synthetic_microbatch", "estimate_run_seconds", "time_stage", "profile", "load_samples"]
+
+logger = logging.getLogger(__name__)
+
+Point = tuple[int, int, int]
+"""A grid point: (rows, padded_len, docs_per_row)."""
 
 GRID_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 GRID_LENS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-_POINT = ["stage", "rows", "padded_len", "packed"]
+GRID_DOCS = (1, 4, 16, 64)
+"""Documents per row; k > 1 only where padded_len >= k * MIN_DOC_TOKENS."""
+PACKED_ROWS = (1, 2, 4)
+PACKED_LENS = (128, 512, 1024, 2048)
+MIN_DOC_TOKENS = 8
+"""Shortest synthetic document (and the least padded_len per document of a packed grid point)."""
+RUN_OVERHEAD_S = 0.03
+"""Estimated wall seconds per (stage, point) run beyond the op itself (inputs, graph, barrier)."""
+_POINT = ["stage", "rows", "padded_len", "docs_per_row"]
 
 
 def default_grid(*, quick: bool = False, max_len: int | None = None, token_cap: int | None = None,
-                 packed_points: bool = True) -> list[tuple[int, int, bool]]:
-    """Grid points ``(rows, padded_len, packed)`` with rows * padded_len <= token_cap.
+                 packed_points: bool = True) -> list[Point]:
+    """Grid points ``(rows, padded_len, docs_per_row)`` with rows * padded_len <= token_cap.
 
-    Full: rows 1..64 x padded_len 32..2048 (powers of two and 1.5x), token_cap 8192 (one CPU
-    core runs an F+B of 8k tokens on the small preset in a few seconds), plus packed rows at
-    a few lengths >= 128. Quick: rows {1, 2, 4, 8} x {32, 128, 512}, cap 2048.
+    Full: one document per row at rows 1..64 x padded_len 32..2048 (powers of two and 1.5x),
+    token_cap 8192 (one CPU core runs an F+B of 8k tokens on the small preset in a few
+    seconds), plus packed rows: rows ``PACKED_ROWS`` x padded_len ``PACKED_LENS`` x documents
+    per row ``GRID_DOCS`` (> 1, at least ``MIN_DOC_TOKENS`` tokens per document).
+    Quick: rows {1, 2, 4, 8} x {32, 128, 512}, cap 2048, plus rows {1, 2} x 512 x {4, 16, 64}.
     """
     rows, lens = ((1, 2, 4, 8), (32, 128, 512)) if quick else (GRID_ROWS, GRID_LENS)
+    packed_rows, packed_lens = ((1, 2), (512,)) if quick else (PACKED_ROWS, PACKED_LENS)
     cap = token_cap or (2048 if quick else 8192)
     if max_len is not None:
         lens = tuple(s for s in lens if s <= max_len) or (int(max_len),)
-    pts = [(b, s, False) for s in lens for b in rows if b * s <= cap]
+        packed_lens = tuple(s for s in packed_lens if s <= max_len)
+    pts = [(b, s, 1) for s in lens for b in rows if b * s <= cap]
     if packed_points:
-        longs = [s for s in lens if s >= 128]
-        for s in (longs[::3] if not quick else longs[-1:]):
-            b = max(r for r in rows if r * s <= cap) if any(r * s <= cap for r in rows) else None
-            if b is not None:
-                pts.append((min(b, 2), s, True))
+        pts += [(b, s, k) for s in packed_lens for k in GRID_DOCS[1:] for b in packed_rows
+                if b * s <= cap and s >= k * MIN_DOC_TOKENS]
     return pts
 
 
-def synthetic_microbatch(rows: int, padded_len: int, packed: bool = False, seed: int = 0) -> Microbatch:
-    """A (rows x padded_len) microbatch: one sequence per row (row 0 full, others random
-    lengths >= padded_len/2), or with ``packed`` 2-4 documents filling each row."""
-    rng = np.random.default_rng([seed, rows, padded_len, int(packed)])
-    if not packed:
+def _as_point(point: tuple[int, int, int | bool]) -> Point:
+    """``(rows, padded_len, docs_per_row)``; a bool third element is the older ``packed`` flag
+    (True: 4 documents per row, fewer where the row is short)."""
+    b, s, d = point
+    if isinstance(d, (bool, np.bool_)):
+        d = max(2, min(4, int(s) // MIN_DOC_TOKENS)) if d else 1
+    return int(b), int(s), int(d)
+
+
+def synthetic_microbatch(rows: int, padded_len: int, docs_per_row: int | bool = 1, seed: int = 0) -> Microbatch:
+    """A (rows x padded_len) microbatch. One document per row: row 0 full, the others of random
+    length >= padded_len/2 (padding). ``docs_per_row`` k > 1: every row filled exactly with k
+    documents of random lengths, each >= min(MIN_DOC_TOKENS, padded_len // k) (uniform random
+    split points). A bool is the older ``packed`` flag (see ``_as_point``)."""
+    rows, padded_len, docs = _as_point((rows, padded_len, docs_per_row))
+    if not 1 <= docs <= padded_len:
+        raise ValueError(f"docs_per_row must lie in [1, padded_len={padded_len}], got {docs}")
+    rng = np.random.default_rng([seed, rows, padded_len, docs])
+    if docs == 1:
         lens = np.concatenate([[padded_len], rng.integers(max(1, padded_len // 2), padded_len + 1, size=rows - 1)])
         return Microbatch(np.arange(rows), lens, padded_len, rows)
-    lens, row_ids = [], []
-    for r in range(rows):
-        k = int(rng.integers(2, 5)) if padded_len >= 8 else 1
-        cuts = np.sort(rng.choice(np.arange(1, padded_len), size=k - 1, replace=False)) if k > 1 else np.array([], int)
-        parts = np.diff(np.concatenate([[0], cuts, [padded_len]]))
-        lens += parts.tolist()
-        row_ids += [r] * len(parts)
-    return Microbatch(np.arange(len(lens)), lens, padded_len, rows, row_ids=row_ids)
+    shortest = min(MIN_DOC_TOKENS, padded_len // docs)
+    spare = padded_len - docs * shortest
+    cuts = np.sort(rng.integers(0, spare + 1, size=(rows, docs - 1)), axis=1)
+    edges = np.concatenate([np.zeros((rows, 1), np.int64), cuts, np.full((rows, 1), spare)], axis=1)
+    lens = (np.diff(edges, axis=1) + shortest).reshape(-1)
+    return Microbatch(np.arange(rows * docs), lens, padded_len, rows, row_ids=np.repeat(np.arange(rows), docs))
+
+
+def estimate_run_seconds(cfg: ModelConfig, num_stages: int, stage: int, point: Point, runs: int = 1,
+                         seed: int = 0) -> float:
+    """Estimated wall seconds of ``runs`` forward+backward runs of ``stage`` at ``point`` (analytic
+    cost model of the development CPU's core, with the point's attention work) + overheads."""
+    from dynmb.costmodel import AnalyticCostModel
+    b, s, d = point
+    work = synthetic_microbatch(b, s, d, seed).attention_work(cfg.attention)
+    cm = AnalyticCostModel(cfg, num_stages)
+    op_s = sum(float(cm.predict(stage, op, b, s, work)) for op in ("F", "B"))
+    return runs * (op_s + RUN_OVERHEAD_S)
+
+
+def _progress(total_s: float, desc: str, enabled: bool):
+    """A tqdm bar counting estimated seconds (None when disabled or tqdm is missing)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=round(total_s, 1), desc=f"{desc} (est. {total_s / 60:.1f} min)", unit="est-s",
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
 
 
 def _sync_timer(device: torch.device, clock: str):
@@ -172,15 +233,17 @@ def load_samples(paths: Iterable[str | Path]) -> pd.DataFrame:
     return pd.concat(dfs, ignore_index=True)
 
 
-def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, bool]] | None = None,
+def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int | bool]] | None = None,
             quick: bool = False, max_len: int | None = None, repeats: int = 5, warmup: int = 2,
             device: str = "cpu", threads: int = 1, clock: str | None = None, output: str | Path | None = None,
             comm: bool = False, memory: bool = True, seed: int = 0, progress: bool = True,
             concurrent: bool = False, token_cap: int | None = None) -> pd.DataFrame:
     """Measure every stage over ``grid`` (default ``default_grid``); return (and write) the samples.
 
-    ``concurrent``: one process per stage, all running the same point at once (see the module
-    doc); CPU only. ``token_cap``: the default grid's rows x padded_len cap (default 8192 on CPU)."""
+    ``grid``: points ``(rows, padded_len, docs_per_row)`` (a bool third element is the older
+    ``packed`` flag). ``concurrent``: one process per stage, all running the same point at once
+    (see the module doc); CPU only. ``token_cap``: the default grid's rows x padded_len cap
+    (default 8192 on CPU)."""
     torch.set_num_threads(int(threads))
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -190,19 +253,12 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, boo
     clock = clock or ("event" if dev.type == "cuda" else "thread" if threads == 1 else "wall")
     if concurrent and dev.type != "cpu":
         raise ValueError("concurrent profiling is for CPU stages (one process per stage on one host)")
-    grid = grid if grid is not None else default_grid(quick=quick, max_len=max_len,
-                                                      token_cap=token_cap or (None if dev.type == "cpu" else 65536))
+    grid = [_as_point(g) for g in grid] if grid is not None else default_grid(
+        quick=quick, max_len=max_len, token_cap=token_cap or (None if dev.type == "cpu" else 65536))
     base = {"device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev), "threads": int(threads),
-            "clock": clock, "torch_version": torch.__version__, "model": cfg.name, "num_stages": int(num_stages),
-            "concurrent": int(num_stages) if concurrent else 1}
-    old = pd.DataFrame()
-    if output is not None and Path(output).exists():
-        old = pd.read_csv(output)
-        if "concurrent" not in old:
-            old["concurrent"] = 1
-        for k in ("model", "num_stages", "clock", "concurrent"):
-            if k in old and len(old) and set(old.loc[old["op"] != "comm", k].dropna().unique()) - {base[k]}:
-                raise ValueError(f"{output} holds samples for {k}={sorted(old[k].unique())}, not {base[k]}; use another -o")
+            "clock": clock, "torch_version": torch.__version__, "model": cfg.name, "attention": cfg.attention,
+            "num_stages": int(num_stages), "concurrent": int(num_stages) if concurrent else 1}
+    old = _read_resumable(output, base)
     if comm and not (len(old) and (old["op"] == "comm").any()):  # first: before the grid heats the machine
         from dynmb.runtime.pingpong import ping_pong
         c = ping_pong(threads=threads)
@@ -210,14 +266,9 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, boo
                                        wall_s=c["time_s"], **{**base, "clock": "wall"})], ignore_index=True)
         if output is not None:
             write_table(old, output, parquet=False)
-    done = set()
-    if len(old):
-        ff = old[old["op"] == "B"]
-        done = {(int(r), int(p), int(b), int(s), bool(pk)) for r, p, b, s, pk in
-                ff[["repeat", "stage", "rows", "padded_len", "packed"]].itertuples(index=False)}
-    todo = [(r, p, b, s, pk) for r in range(repeats) for b, s, pk in grid for p in range(num_stages)
-            if (r, p, b, s, pk) not in done]
-    todo.sort(key=lambda x: (x[0], x[2] * x[3], x[1]))
+    done = _done_runs(old)
+    todo = [(r, p, *pt) for r in range(repeats) for pt in grid for p in range(num_stages) if (r, p, *pt) not in done]
+    todo.sort(key=lambda x: (x[0], x[2] * x[3], x[4], x[1]))
     if concurrent:
         rows_out = _profile_concurrent(cfg, num_stages, todo, warmup=warmup, clock=clock, threads=threads,
                                        seed=seed, memory=memory, progress=progress, base=base)
@@ -225,41 +276,106 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, boo
         if output is not None:
             write_table(df, output, parquet=False)
         return df
+    return _profile_alone(cfg, num_stages, todo, old, dev=dev, warmup=warmup, clock=clock, seed=seed, memory=memory,
+                          progress=progress, base=base, output=output)
+
+
+def _read_resumable(output: str | Path | None, base: dict) -> pd.DataFrame:
+    """The samples already in ``output`` (empty when none); refuses a file of other settings."""
+    if output is None or not Path(output).exists():
+        return pd.DataFrame()
+    old = pd.read_csv(output)
+    if "concurrent" not in old:
+        old["concurrent"] = 1
+    timed = old[old["op"] != "comm"]
+    if len(timed) and "attn_work" not in old:
+        raise ValueError(f"{output} holds samples without attn_work (profiled before the attention work was "
+                         f"recorded, under another attention implementation); use another -o")
+    for k in ("model", "num_stages", "clock", "concurrent", "attention"):
+        if k in old and len(timed) and set(timed[k].dropna().unique()) - {base[k]}:
+            raise ValueError(f"{output} holds samples for {k}={sorted(old[k].dropna().unique())}, not {base[k]}; "
+                             f"use another -o")
+    return old
+
+
+def _done_runs(old: pd.DataFrame) -> set[tuple[int, int, int, int, int]]:
+    """(repeat, stage, rows, padded_len, docs_per_row) already measured (their B row written)."""
+    if not len(old):
+        return set()
+    ff = old[old["op"] == "B"]
+    return {(int(r), int(p), int(b), int(s), int(d)) for r, p, b, s, d in
+            ff[["repeat", "stage", "rows", "padded_len", "docs_per_row"]].itertuples(index=False)}
+
+
+def _sample_rows(stage: int, mb: Microbatch, cfg: ModelConfig, docs: int, times: tuple[float, float, float, float],
+                 repeat: int, base: dict, extra: dict) -> list[dict]:
+    """The F and B rows of one timed run."""
+    tf, tb, wf, wb = times
+    point = {"stage": stage, "rows": mb.batch, "padded_len": mb.padded_len, "tokens": mb.computed_tokens,
+             "packed": docs > 1, "docs_per_row": docs, "attn_work": mb.attention_work(cfg.attention)}
+    return [{**point, "op": op, "time_s": t, "wall_s": w, "repeat": repeat, **base, **extra}
+            for op, t, w in (("F", tf, wf), ("B", tb, wb))]
+
+
+def _memory_columns(meter, cfg: ModelConfig, num_stages: int, stage: int, point: Point, dev=None) -> dict:
+    """``mem_*`` columns of the meter at ``point`` (one-document rows unless packed)."""
+    b, s, d = point
+    kw = {} if dev is None else {"device": dev}
+    return {f"mem_{k}": v for k, v in meter(cfg, num_stages, stage, b, s, packed=d > 1, **kw).items()
+            if isinstance(v, (int, float, np.integer, np.floating))}
+
+
+def _run_estimates(cfg: ModelConfig, num_stages: int, items: list[tuple[Point, list[int], bool]], warmup: int,
+                   seed: int) -> list[float]:
+    """Estimated wall seconds per item (point, stages run, first visit?): the slowest stage
+    when stages run at once (one per item), the sum otherwise."""
+    cache: dict = {}
+
+    def one(p: int, pt: Point) -> float:
+        if (p, pt) not in cache:
+            cache[(p, pt)] = estimate_run_seconds(cfg, num_stages, p, pt, seed=seed)
+        return cache[(p, pt)]
+    return [(1 + (warmup if first else 0)) * max(one(p, pt) for p in stages) for pt, stages, first in items]
+
+
+def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list, old: pd.DataFrame, *, dev: torch.device,
+                   warmup: int, clock: str, seed: int, memory: bool, progress: bool, base: dict,
+                   output: str | Path | None) -> pd.DataFrame:
+    """Measure ``todo`` ((repeat, stage, rows, padded_len, docs), sorted) one stage at a time in this process."""
     stages = build_stages(cfg, num_stages, seed, device=dev) if todo else []
     meter = _meter() if memory else None
     seen: set = set()
+    items = []
+    for r, p, b, s, d in todo:
+        items.append(((b, s, d), [p], (p, b, s, d) not in seen))
+        seen.add((p, b, s, d))
+    est = _run_estimates(cfg, num_stages, items, warmup, seed)
+    logger.info("profile: %d runs, estimated %.1f min", len(todo), sum(est) / 60)
+    bar = _progress(sum(est), "profile", progress)
     rows_out: list[dict] = []
-    try:
-        from tqdm.auto import tqdm
-        it = tqdm(todo, desc="profile", unit="pt", disable=not progress)
-    except ImportError:  # pragma: no cover
-        it = todo
     last_write = time.monotonic()
-    for r, p, b, s, pk in it:
-        mb = synthetic_microbatch(b, s, pk, seed)
+    for (r, p, b, s, d), (_, _, first), est_s in zip(todo, items, est):
+        mb = synthetic_microbatch(b, s, d, seed)
         inputs = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size, seed), cfg=cfg, device=dev)
-        first = (p, b, s, pk) not in seen
-        seen.add((p, b, s, pk))
         if first:
             stages[p].zero_grad(set_to_none=False)
-        ((tf, tb, wf, wb),) = time_stage(stages[p], inputs, repeats=1, warmup=warmup if first else 0,
-                                         device=dev, clock=clock)
+        (times,) = time_stage(stages[p], inputs, repeats=1, warmup=warmup if first else 0, device=dev, clock=clock)
         extra = {}
         if meter is not None and r == 0:
             try:
-                extra = {f"mem_{k}": v for k, v in meter(cfg, num_stages, p, b, s, packed=pk, device=dev).items()
-                         if isinstance(v, (int, float, np.integer, np.floating))}
+                extra = _memory_columns(meter, cfg, num_stages, p, (b, s, d), dev)
             except Exception as e:  # report once, keep profiling times
-                print(f"profile: memory meter failed ({e}); continuing without memory columns")
+                logger.warning("profile: memory meter failed (%s); continuing without memory columns", e)
                 meter = None
-        rows_out += [{"stage": p, "op": op, "rows": b, "padded_len": s, "tokens": b * s, "packed": pk,
-                      "time_s": t, "wall_s": w, "repeat": r, **base, **extra}
-                     for op, t, w in (("F", tf, wf), ("B", tb, wb))]
+        rows_out += _sample_rows(p, mb, cfg, d, times, r, base, extra)
         if output is not None and time.monotonic() - last_write > 5:
             write_table(pd.concat([old, pd.DataFrame(rows_out)], ignore_index=True), output, parquet=False)
             last_write = time.monotonic()
-        if hasattr(it, "set_postfix"):
-            it.set_postfix(rep=r, stage=p, rows=b, len=s, F=f"{tf:.3g}s")
+        if bar is not None:
+            bar.update(est_s)
+            bar.set_postfix_str(f"rep {r} stage {p} {b}x{s}/{d}doc F={times[0]:.3g}s")
+    if bar is not None:
+        bar.close()
     df = pd.concat([old, pd.DataFrame(rows_out)], ignore_index=True)
     if output is not None:
         write_table(df, output, parquet=False)
@@ -288,34 +404,31 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
         meter = _meter() if memory else None
         seen: set = set()
         rows: list[dict] = []
-        it = points
-        if progress and rank == 0:
-            try:
-                from tqdm.auto import tqdm
-                it = tqdm(points, desc=f"profile x{num_stages}", unit="pt")
-            except ImportError:  # pragma: no cover
-                pass
-        for r, b, s, pk, stages_todo in it:
-            mb = synthetic_microbatch(b, s, pk, seed)
+        est = _run_estimates(cfg, num_stages, _concurrent_items(points, num_stages), warmup, seed)
+        bar = _progress(sum(est), f"profile x{num_stages}", progress and rank == 0)
+        for (r, b, s, d, stages_todo), est_s in zip(points, est):
+            mb = synthetic_microbatch(b, s, d, seed)
             inputs = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size, seed), cfg=cfg)
-            first = (b, s, pk) not in seen
-            seen.add((b, s, pk))
+            first = (b, s, d) not in seen
+            seen.add((b, s, d))
             if first:
                 stage.zero_grad(set_to_none=False)
             dist.barrier()          # every stage starts this point's runs together
-            ((tf, tb, wf, wb),) = time_stage(stage, inputs, repeats=1, warmup=warmup if first else 0, clock=clock)
+            (times,) = time_stage(stage, inputs, repeats=1, warmup=warmup if first else 0, clock=clock)
+            if bar is not None:
+                bar.update(est_s)
+                bar.set_postfix_str(f"rep {r} {b}x{s}/{d}doc F={times[0]:.3g}s")
             if rank not in stages_todo:
                 continue
             extra = {}
             if meter is not None and r == 0:
                 try:
-                    extra = {f"mem_{k}": v for k, v in meter(cfg, num_stages, rank, b, s, packed=pk).items()
-                             if isinstance(v, (int, float, np.integer, np.floating))}
+                    extra = _memory_columns(meter, cfg, num_stages, rank, (b, s, d))
                 except Exception:  # the memory columns are optional
                     meter = None
-            rows += [{"stage": rank, "op": op, "rows": b, "padded_len": s, "tokens": b * s, "packed": pk,
-                      "time_s": t, "wall_s": w, "repeat": r, **base, **extra}
-                     for op, t, w in (("F", tf, wf), ("B", tb, wb))]
+            rows += _sample_rows(rank, mb, cfg, d, times, r, base, extra)
+        if bar is not None:
+            bar.close()
         with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
             json.dump(rows, f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
         os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
@@ -324,18 +437,30 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
         dist.destroy_process_group()
 
 
+def _concurrent_items(points: list, num_stages: int) -> list[tuple[Point, list[int], bool]]:
+    """(point, stages run, first visit?) of the concurrent plan: every stage runs every point."""
+    seen: set = set()
+    items = []
+    for _, b, s, d, _ in points:
+        items.append(((b, s, d), list(range(num_stages)), (b, s, d) not in seen))
+        seen.add((b, s, d))
+    return items
+
+
 def _profile_concurrent(cfg: ModelConfig, num_stages: int, todo: list, *, warmup: int, clock: str, threads: int,
                         seed: int, memory: bool, progress: bool, base: dict) -> list[dict]:
-    """Rows of ``todo`` ((repeat, stage, rows, padded_len, packed), sorted) measured by one process per
+    """Rows of ``todo`` ((repeat, stage, rows, padded_len, docs), sorted) measured by one process per
     stage, all stages of a point at once (a stage already measured there runs untimed, as load)."""
     import torch.multiprocessing as mp
     points: dict = {}
-    for r, p, b, s, pk in todo:
-        points.setdefault((r, b, s, pk), set()).add(p)
-    plist = [(r, b, s, pk, sorted(ps)) for (r, b, s, pk), ps in points.items()]
-    plist.sort(key=lambda x: (x[0], x[1] * x[2]))
+    for r, p, b, s, d in todo:
+        points.setdefault((r, b, s, d), set()).add(p)
+    plist = [(r, b, s, d, sorted(ps)) for (r, b, s, d), ps in points.items()]
+    plist.sort(key=lambda x: (x[0], x[1] * x[2], x[3]))
     if not plist:
         return []
+    est = sum(_run_estimates(cfg, num_stages, _concurrent_items(plist, num_stages), warmup, seed))
+    logger.info("profile: %d points x %d stages at once, estimated %.1f min", len(plist), num_stages, est / 60)
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_concurrent_worker, args=(_free_port(), cfg.to_dict(), num_stages, plist, warmup, clock,
                                                      threads, seed, memory, progress, base, d),

@@ -12,7 +12,9 @@ holds the kind: poly, grid, analytic).
 
 The poly and grid models are fitted (``dynmb.costmodel.fit_cost_model``) on ``--samples``
 (CSV from ``dynmb profile``), or on a quick profile written to ``OUT/samples.csv`` when
-none is given; they are saved as ``OUT/cost-poly.json`` and ``OUT/cost-grid.json``.
+none is given; they are saved as ``OUT/cost-poly.json`` and ``OUT/cost-grid.json``. Both
+price a packed microbatch by its attention work (sum of document_length^2): the poly model
+as a feature, the grid model (which interpolates over shapes only) by its linear correction.
 
     python experiments/costmodel_ablation.py --samples samples-small-p2-cpu.csv --out results/costmodel_ablation
     python experiments/costmodel_ablation.py --samples samples.csv --real --traces sharegpt --out results/cm_real

@@ -2,12 +2,14 @@
 
 Algorithm: read a samples CSV (``dynmb profile``), fit the poly (``FittedCostModel``) and
 grid (``GridCostModel``) models on the samples with ``padded_len <= --fit-max-len`` only,
-then predict every measured plain (unpacked) point with padded_len in ``--eval-lens`` and
-compare with its median over repeats. Prints one row per (stage, op, padded_len) with the
-mean and max absolute percentage error of each model and the points' noise floor
-(median |t_r - median| / median), then the per-point table with ``--points``.
+then predict every measured point with padded_len in ``--eval-lens`` (one document per row
+and packed rows, each with its attention work ``attn_work``) and compare with its median
+over repeats. Prints one row per (stage, op, padded_len, packed) with the mean and max
+absolute percentage error of each model and the points' noise floor (median |t_r - median|
+/ median), then the per-point table with ``--points``. The grid model sees shapes only; its
+packed predictions carry its linear attention-work correction (``dynmb._costgrid``).
 
-    dynmb profile --model small --stages 2 -o samples.csv     # the full grid (about 20 min)
+    dynmb profile --model small --stages 2 --concurrent -o samples.csv   # the full grid (~15 min)
     python experiments/costmodel_extrapolation.py samples.csv \
         --model small --stages 2 --fit-max-len 512 --eval-lens 1024 2048
 """
@@ -21,28 +23,30 @@ import numpy as np
 import pandas as pd
 
 from dynmb.config import ModelConfig
-from dynmb.costmodel import fit_cost_model, point_medians
+from dynmb.costmodel import fit_cost_model, point_medians, with_attention_work
 from dynmb.profile import load_samples
 
 
 def extrapolation_table(samples: pd.DataFrame, cfg: ModelConfig, num_stages: int, fit_max_len: int,
                         eval_lens: list[int]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(summary per stage/op/padded_len, per-point table) of poly and grid errors."""
-    fb = samples[samples["op"].isin(["F", "B"])]
+    """(summary per stage/op/padded_len/packed, per-point table) of poly and grid errors."""
+    fb = with_attention_work(samples)
     train = pd.concat([fb[fb["padded_len"] <= fit_max_len], samples[samples["op"] == "comm"]])
     models = {k: fit_cost_model(train, cfg, num_stages, kind=k) for k in ("poly", "grid")}
-    test = fb[fb["padded_len"].isin(eval_lens) & ~fb["packed"].astype(bool)]
+    test = fb[fb["padded_len"].isin(eval_lens)]
     if test.empty:
-        raise SystemExit(f"no measured plain points at padded_len {eval_lens}; profile them first")
+        raise SystemExit(f"no measured points at padded_len {eval_lens}; profile them first")
     med = point_medians(test)
-    dev = test.merge(med[["stage", "op", "rows", "padded_len", "time_s"]].rename(columns={"time_s": "med"}),
-                     on=["stage", "op", "rows", "padded_len"])
+    key = ["stage", "op", "rows", "padded_len", "attn_work"]
+    dev = test.merge(med[key + ["time_s"]].rename(columns={"time_s": "med"}), on=key)
     dev["dev"] = (dev["time_s"] - dev["med"]).abs() / dev["med"]
-    noise = dev.groupby(["stage", "op", "padded_len"])["dev"].median().rename("noise")
+    group = ["stage", "op", "padded_len", "packed"]
+    noise = dev.groupby(group)["dev"].median().rename("noise")
     for k, m in models.items():
-        med[f"{k}_pred_s"] = [float(m.predict(int(r.stage), r.op, r.rows, r.padded_len)) for r in med.itertuples()]
+        med[f"{k}_pred_s"] = [float(m.predict(int(r.stage), r.op, r.rows, r.padded_len, r.attn_work))
+                              for r in med.itertuples()]
         med[f"{k}_ape"] = np.abs(med[f"{k}_pred_s"] - med["time_s"]) / med["time_s"]
-    summ = med.groupby(["stage", "op", "padded_len"]).agg(
+    summ = med.groupby(group).agg(
         n=("time_s", "size"), poly_mape=("poly_ape", "mean"), poly_max=("poly_ape", "max"),
         grid_mape=("grid_ape", "mean"), grid_max=("grid_ape", "max")).join(noise).reset_index()
     return summ, med

@@ -1,8 +1,10 @@
-"""Cost model: scipy fits, grid interpolation, I/O, refusal, the shared lookup, refit from actions."""
+"""Cost model: scipy fits (attention work as the quadratic feature, packed rows), grid interpolation
+and its packing correction, I/O (old files too), refusal, the shared lookup, refit from actions."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pandas as pd
@@ -13,33 +15,45 @@ from dynmb.costmodel import (
     FORMS, AnalyticCostModel, CommModel, CostModel, FittedCostModel, GridCostModel, _nnls_rel,
     fit_cost_model, get_cost_model, kfold_error, noise_floor, point_medians, samples_from_actions,
 )
+from dynmb.types import Microbatch, Plan
 
 CFG = ModelConfig.preset("small")
-TRUE = {  # (stage, op) -> (c0, c1_tok, c2_tok_len)
+TRUE = {  # (stage, op) -> (c0, c1_tok, c2_attn)
     (0, "F"): (1e-3, 2e-7, 1e-10), (0, "B"): (2e-3, 4e-7, 2e-10),
     (1, "F"): (5e-4, 3e-7, 1e-10), (1, "B"): (1e-3, 6e-7, 2e-10),
 }
 ROWS = [1, 2, 4, 8, 16, 32, 64]
 LENS = [32, 64, 128, 256, 512, 1024, 2048]
+PACKED = [(b, s, k) for b in (1, 2, 4) for s in (512, 1024, 2048) for k in (4, 16, 64)]  # rows, padded_len, docs/row
 
 
-def _truth(stage, op, b, s):
+def _truth(stage, op, b, s, a=None):
     c0, c1, c2 = TRUE[(stage, op)]
-    return c0 + c1 * b * s + c2 * b * s * s
+    return c0 + c1 * b * s + c2 * (b * s * s if a is None else a)
 
 
-def synthetic_samples(noise=0.02, repeats=5, seed=0, cap=16384, lens=LENS) -> pd.DataFrame:
+def packed_microbatch(rows: int, padded_len: int, docs_per_row: int, seed: int = 0) -> Microbatch:
+    """Rows filled exactly with ``docs_per_row`` documents of random lengths (>= 1)."""
+    rng = np.random.default_rng([seed, rows, padded_len, docs_per_row])
+    cuts = [np.sort(rng.choice(np.arange(1, padded_len), size=docs_per_row - 1, replace=False)) for _ in range(rows)]
+    lens = np.concatenate([np.diff(np.concatenate([[0], c, [padded_len]])) for c in cuts])
+    return Microbatch(np.arange(lens.size), lens, padded_len, rows, np.repeat(np.arange(rows), docs_per_row))
+
+
+def synthetic_samples(noise=0.02, repeats=5, seed=0, cap=16384, lens=LENS, packed=True) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
+    points = [(b, s, 1, b * s * s) for b in ROWS for s in lens if b * s <= cap]
+    if packed:
+        points += [(b, s, k, packed_microbatch(b, s, k).attention_work("auto")) for b, s, k in PACKED
+                   if s in lens and b * s <= cap]
     rows = []
-    for b in ROWS:
-        for s in lens:
-            if b * s > cap:
-                continue
-            for (p, op) in TRUE:
-                for r in range(repeats):
-                    t = _truth(p, op, b, s) * (1 + noise * rng.standard_normal())
-                    rows.append({"stage": p, "op": op, "rows": b, "padded_len": s, "tokens": b * s, "packed": False,
-                                 "time_s": t, "repeat": r, "model": "small", "device": "cpu", "threads": 1})
+    for b, s, k, a in points:
+        for (p, op) in TRUE:
+            for r in range(repeats):
+                t = _truth(p, op, b, s, a) * (1 + noise * rng.standard_normal())
+                rows.append({"stage": p, "op": op, "rows": b, "padded_len": s, "tokens": b * s, "packed": k > 1,
+                             "docs_per_row": k, "attn_work": a, "time_s": t, "repeat": r, "model": "small",
+                             "device": "cpu", "threads": 1})
     return pd.DataFrame(rows)
 
 
@@ -49,16 +63,64 @@ def samples():
 
 
 def test_fit_recovers_known_coefficients(samples):
+    assert (samples["attn_work"] < samples["rows"] * samples["padded_len"] ** 2).sum() > 0   # packed points differ
     m = fit_cost_model(samples, CFG, 2, kind="poly")
     coefs = m.coefficients()
+    mb = packed_microbatch(3, 1500, 10, seed=7)
     for (p, op), want in TRUE.items():
         row = coefs[(coefs.stage == p) & (coefs.op == op)].iloc[0]
         assert row["form"] in ("quad", "quad_b")
-        got = [row["c0"], row["c1_tok"], row["c2_tok_len"]]
+        got = [row["c0"], row["c1_tok"], row["c2_attn"]]
         np.testing.assert_allclose(got, want, rtol=0.15)
         b, s = np.array([3, 24, 5]), np.array([700, 96, 1800])
         np.testing.assert_allclose(m.predict(p, op, b, s), _truth(p, op, b, s), rtol=0.03)
+        a = mb.attention_work("auto")                                 # a packed microbatch off the grid
+        np.testing.assert_allclose(m.predict(p, op, 3, 1500, a), _truth(p, op, 3, 1500, a), rtol=0.03)
+        assert m.predict(p, op, 3, 1500, a) < 0.8 * m.predict(p, op, 3, 1500)
     assert all(np.all(c >= 0) for _, c in m.params.values())
+
+
+def test_fit_on_packed_points_needs_the_attention_work(samples):
+    """Fitted as if every row held one document (a = b*s^2), the packed points pull the attention
+    coefficient away from the truth; with the attention work it is recovered."""
+    wrong = samples.assign(attn_work=samples["rows"] * samples["padded_len"] ** 2)
+    right_err = kfold_error(samples, "poly", 5, model_cfg=CFG, num_stages=2, by=("stage", "op", "packed"))
+    wrong_err = kfold_error(wrong.assign(time_s=samples["time_s"]), "poly", 5, model_cfg=CFG, num_stages=2)
+    assert (right_err["mape"] < 0.03).all() and set(right_err["packed"]) == {False, True}
+    assert wrong_err["mape"].min() > right_err["mape"].max()
+
+
+def test_packed_documents_predicted_cheaper_than_one_long_row(samples, tmp_path):
+    """64 documents of 64 tokens in one 4096-token row attend over 64 * 64^2 positions, not 4096^2."""
+    packed = Microbatch(np.arange(64), np.full(64, 64), 4096, 1, row_ids=np.zeros(64, int))
+    one_row = Microbatch([0], [4096], 4096, 1)
+    assert packed.attention_work("auto") == 64 * 64 ** 2 and one_row.attention_work("auto") == 4096 ** 2
+    models = [fit_cost_model(samples, CFG, 2), fit_cost_model(samples, CFG, 2, kind="grid"), AnalyticCostModel(CFG, 2),
+              CostModel.load("data/costmodels/small-p2-cpu.json")]
+    for m in models:
+        plan = Plan((packed, one_row), "packed", 2, 2**30, 65)
+        c = m.plan_costs(plan)
+        for op in ("F", "B"):
+            assert (c[op][:, 0] < c[op][:, 1]).all(), (m.kind, op, c[op])
+    dense = fit_cost_model(samples, ModelConfig.preset("small", attention="dense"), 2)
+    c = dense.plan_costs(Plan((packed, one_row), "packed", 2, 2**30, 65))
+    np.testing.assert_allclose(c["F"][:, 0], c["F"][:, 1])            # the (s, s) mask ablation: no saving
+
+
+def test_plan_costs_is_stage_costs_with_the_attention_work(samples):
+    mbs = (Microbatch([0, 1], [300, 200], 300, 2), packed_microbatch(2, 1024, 8, seed=1),
+           Microbatch([100, 101, 102], [40, 60, 20], 128, 1, row_ids=[0, 0, 0]))
+    mbs = (mbs[0], Microbatch(np.arange(2, 18), mbs[1].lengths, 1024, 2, mbs[1].row_ids), mbs[2])
+    plan = Plan(mbs, "packed", 2, 2**30, 103)
+    for m in (fit_cost_model(samples, CFG, 2), fit_cost_model(samples, CFG, 2, kind="grid"), AnalyticCostModel(CFG, 2)):
+        shapes = plan.shapes()
+        work = [mb.attention_work(CFG.attention) for mb in mbs]
+        want = m.stage_costs(shapes[:, 0], shapes[:, 1], work)
+        got = m.plan_costs(plan)
+        for op in ("F", "B"):
+            np.testing.assert_allclose(got[op], want[op], rtol=1e-12)
+            np.testing.assert_allclose(got[op][:, 0], m.stage_costs(2, 300)[op][:, 0], rtol=1e-12)   # one doc/row
+            assert (got[op][:, 1:] < m.stage_costs(shapes[1:, 0], shapes[1:, 1])[op]).all()          # packed: less
 
 
 def test_relative_error_weighting_protects_small_times():
@@ -89,13 +151,31 @@ def test_form_choice_prefers_simple_when_enough():
 def test_grid_interpolates_exactly_at_grid_points(samples):
     m = fit_cost_model(samples, CFG, 2, kind="grid")
     med = point_medians(samples)
-    for (p, op), g in med.groupby(["stage", "op"]):
+    for (p, op), g in med[~med["packed"]].groupby(["stage", "op"]):
         pred = m.predict(int(p), op, g["rows"].to_numpy(), g["padded_len"].to_numpy())
         np.testing.assert_allclose(pred, g["time_s"].to_numpy(), rtol=1e-9)
     # between grid points it lies between the neighbours; rows beyond the grid scale linearly
     mid = m.predict(0, "F", 4, 96)
     assert m.predict(0, "F", 4, 64) < mid < m.predict(0, "F", 4, 128)
     assert m.predict(0, "F", 1, 5000) > m.predict(0, "F", 1, 2048) > 0
+
+
+def test_grid_corrects_packed_microbatches(samples):
+    """The grid sees shapes only; its correction -k (b s^2 - a) brings packed points to the truth,
+    fitted from packed samples or, without any, from the one-document table's quad fit."""
+    with_packed = fit_cost_model(samples, CFG, 2, kind="grid")
+    plain_only = fit_cost_model(samples[~samples["packed"]], CFG, 2, kind="grid")
+    ignoring = GridCostModel(CFG, 2, with_packed.grids)                    # an old file: no correction
+    mb = packed_microbatch(2, 1024, 16, seed=3)
+    a = mb.attention_work("auto")
+    for (p, op) in TRUE:
+        truth = _truth(p, op, 2, 1024, a)
+        for m in (with_packed, plain_only):
+            assert abs(m.predict(p, op, 2, 1024, a) / truth - 1) < 0.08, (p, op)
+            assert m.attn_slope[(p, op)] == pytest.approx(TRUE[(p, op)][2], rel=0.25)
+        assert ignoring.predict(p, op, 2, 1024, a) > 1.1 * truth
+    gerr = kfold_error(samples, "grid", 5, model_cfg=CFG, num_stages=2, by=("stage", "op", "packed"))
+    assert len(gerr) == 8 and np.isfinite(gerr["mape"]).all()
 
 
 def test_kfold_error_and_noise_floor(samples):
@@ -106,6 +186,20 @@ def test_kfold_error_and_noise_floor(samples):
     assert len(gerr) == 4 and np.isfinite(gerr["mape"]).all()
     nf = noise_floor(samples)
     assert ((nf["noise"] > 0.005) & (nf["noise"] < 0.03)).all()  # 2% Gaussian -> median |dev| ~ 1.35%
+    assert len(noise_floor(samples, by=("stage", "op", "packed"))) == 8
+
+
+def test_old_samples_without_attention_work(samples, caplog):
+    """Samples profiled before attn_work was recorded: one-document rows get b*s^2, packed rows
+    (attention work unknown) are skipped with a warning."""
+    old = samples.drop(columns=["attn_work", "docs_per_row"])
+    with caplog.at_level(logging.WARNING, logger="dynmb.costmodel"):
+        med = point_medians(old)
+    assert not med["packed"].any() and (med["attn_work"] == med["rows"] * med["padded_len"] ** 2).all()
+    assert "packed sample rows without attn_work" in caplog.text
+    assert len(med) == len(point_medians(samples[~samples["packed"]]))
+    m = fit_cost_model(old, CFG, 2)
+    np.testing.assert_allclose(m.predict(0, "F", 4, 1000), _truth(0, "F", 4, 1000), rtol=0.03)
 
 
 @pytest.mark.parametrize("kind", ["poly", "grid", "analytic"])
@@ -118,10 +212,45 @@ def test_save_load_roundtrip(samples, tmp_path, kind):
     assert d["kind"] == kind and d["num_stages"] == 2 and d["model"]["d_model"] == CFG.d_model
     m2 = get_cost_model(path, CFG, 2)
     assert type(m2) is type(m) and m2.comm.alpha_s == 1e-4
-    rows, lens = np.array([1, 3, 17, 64]), np.array([2048, 333, 100, 32])
+    rows, lens, work = np.array([1, 3, 17, 64]), np.array([2048, 333, 100, 32]), np.array([2e5, 3e5, 1.7e5, 65536])
     for op in ("F", "B"):
         for p in range(2):
             np.testing.assert_allclose(m2.predict(p, op, rows, lens), m.predict(p, op, rows, lens), rtol=1e-12)
+            np.testing.assert_allclose(m2.predict(p, op, rows, lens, work), m.predict(p, op, rows, lens, work),
+                                       rtol=1e-12)
+
+
+OLD_POLY = {  # a cost-model file as written before the attention work was a feature
+    "kind": "poly", "num_stages": 2, "comm": {"alpha_s": 1e-4, "bytes_per_s": 1.7e9},
+    "model": {"name": "small", "vocab_size": 2048, "d_model": 256, "n_layers": 4, "n_heads": 4, "d_ff": 1024,
+              "max_seq_len": 8192, "dtype": "float32"},
+    "meta": {"device": "cpu", "threads": 1, "model": "small", "n_samples": 2270},
+    "params": {"fits": [
+        {"stage": 0, "op": "B", "form": "quad_b", "coef": {"c0": 3e-3, "c1_tok": 1e-4, "c2_tok_len": 1e-7, "c3_row": 1e-4}},
+        {"stage": 0, "op": "F", "form": "quad", "coef": {"c0": 1.5e-3, "c1_tok": 5e-5, "c2_tok_len": 4e-8}},
+        {"stage": 1, "op": "B", "form": "quad", "coef": {"c0": 2.6e-3, "c1_tok": 1.3e-4, "c2_tok_len": 1e-7}},
+        {"stage": 1, "op": "F", "form": "lin", "coef": {"c0": 1.5e-3, "c1_tok": 7e-5}}]},
+}
+
+
+def test_old_cost_model_files_still_load(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(OLD_POLY))
+    m = get_cost_model(path, CFG, 2)
+    assert isinstance(m, FittedCostModel) and m.params[(0, "F")][0] == "quad"
+    assert m.predict(0, "F", 2, 100) == pytest.approx(1.5e-3 + 5e-5 * 200 + 4e-8 * 2 * 100**2)
+    assert m.predict(0, "B", 2, 100) == pytest.approx(3e-3 + 1e-4 * 200 + 1e-7 * 2 * 100**2 + 1e-4 * 2)
+    assert m.predict(0, "F", 1, 100, 2500) == pytest.approx(1.5e-3 + 5e-5 * 100 + 4e-8 * 2500)
+    assert "c2_attn" in m.coefficients().columns
+    old_grid = {**OLD_POLY, "kind": "grid", "params": {"tables": [
+        {"stage": p, "op": op, "rows": [1, 4], "padded_len": [64, 256], "time_s": [[0.01, 0.04], [0.04, 0.16]]}
+        for p in range(2) for op in ("F", "B")]}}
+    path.write_text(json.dumps(old_grid))
+    g = get_cost_model(path, CFG, 2)
+    assert g.attn_slope == {(p, op): 0.0 for p in range(2) for op in ("F", "B")}      # ignores documents
+    assert g.predict(1, "B", 4, 256, 1000) == pytest.approx(0.16)
+    shipped = CostModel.load("data/costmodels/small-p2-cpu.json")
+    assert shipped.predict(0, "F", 4, 512) > shipped.predict(0, "F", 4, 512, 4 * 64**2) > 0
 
 
 def test_refuses_other_config(samples, tmp_path):
@@ -177,13 +306,40 @@ def test_samples_from_actions_refit(samples):
         samples_from_actions(acts.drop(columns=["end_s"]))
 
 
+def test_samples_from_actions_with_attention_work():
+    """Actions carrying attn_work (and docs) refit a model that knows packed microbatches; without
+    attn_work, packed actions (docs > batch) are skipped."""
+    rng = np.random.default_rng(1)
+    shapes = [(1, 2048, 1), (4, 512, 1), (16, 128, 1), (2, 1024, 1), (8, 256, 1), (32, 64, 1), (3, 700, 1),
+              (1, 2048, 16), (2, 1024, 4), (4, 512, 32), (1, 1536, 8), (2, 2048, 64), (8, 256, 4)]
+    rows = []
+    for step in range(3):
+        for i, (b, s, k) in enumerate(shapes):
+            mb = packed_microbatch(b, s, k, seed=step) if k > 1 else Microbatch(np.arange(b), np.full(b, s), s, b)
+            for p, op in TRUE:
+                a = mb.attention_work("auto")
+                rows.append({"step": step, "stage": p, "op": op, "mb": i, "batch": b, "padded_len": s,
+                             "docs": mb.num_seqs, "attn_work": a, "start_s": 1.0,
+                             "end_s": 1.0 + _truth(p, op, b, s, a), "pred_s": 0.0})
+    acts = pd.DataFrame(rows)
+    sm = samples_from_actions(acts)
+    assert (sm["packed"] == (acts["docs"] > acts["batch"])).all() and (sm["attn_work"] == acts["attn_work"]).all()
+    m = fit_cost_model(sm, CFG, 2)
+    a = packed_microbatch(2, 1800, 12).attention_work("auto")
+    np.testing.assert_allclose(m.predict(0, "B", 2, 1800, a), _truth(0, "B", 2, 1800, a), rtol=0.03)
+    assert rng is not None
+    no_work = samples_from_actions(acts.drop(columns=["attn_work"]))
+    assert no_work["packed"].sum() == (acts["docs"] > acts["batch"]).sum()
+    assert not point_medians(no_work)["packed"].any()
+
+
 def test_cli_fit(samples, tmp_path, capsys):
     from dynmb.cli import main
     samples.to_csv(tmp_path / "s.csv", index=False)
     assert main(["fit", str(tmp_path / "s.csv"), "--model", "small", "--stages", "2", "-o", str(tmp_path / "c.json"),
                  "--plot", str(tmp_path / "fit.png")]) == 0
     out = capsys.readouterr().out
-    assert "mape" in out and "c2_tok_len" in out and (tmp_path / "fit.png").exists()
+    assert "mape" in out and "c2_attn" in out and (tmp_path / "fit.png").exists()
     assert isinstance(CostModel.load(tmp_path / "c.json"), FittedCostModel)
     assert isinstance(get_cost_model(tmp_path / "c.json", CFG, 2), FittedCostModel)
     assert main(["fit", str(tmp_path / "s.csv"), "--model", "tiny", "-o", str(tmp_path / "x.json")]) == 2
@@ -194,16 +350,42 @@ def test_tiny_real_profile(tmp_path):
     from dynmb.profile import default_grid, profile, synthetic_microbatch
     tiny = ModelConfig.preset("tiny")
     out = tmp_path / "samples.csv"
-    df = profile(tiny, 2, grid=[(1, 32, False), (2, 64, True)], repeats=2, warmup=1, output=out, progress=False, memory=False)
-    assert len(df) == 2 * 2 * 2 * 2 and out.exists()
-    assert {"stage", "op", "rows", "padded_len", "tokens", "packed", "time_s", "repeat", "device", "threads",
-            "torch_version", "model"} <= set(df.columns)
+    grid = [(1, 32, 1), (2, 64, 4), (1, 128, 16)]
+    df = profile(tiny, 2, grid=grid, repeats=2, warmup=1, output=out, progress=False, memory=False)
+    assert len(df) == 3 * 2 * 2 * 2 and out.exists()
+    assert {"stage", "op", "rows", "padded_len", "tokens", "packed", "docs_per_row", "attn_work", "time_s", "repeat",
+            "device", "threads", "torch_version", "model", "attention"} <= set(df.columns)
     assert (df["time_s"] > 0).all() and set(df["op"]) == {"F", "B"}
-    again = profile(tiny, 2, grid=[(1, 32, False), (2, 64, True)], repeats=2, warmup=1, output=out, progress=False)
+    for (b, s, k), g in df.groupby(["rows", "padded_len", "docs_per_row"]):
+        assert (g["attn_work"] == synthetic_microbatch(b, s, k).attention_work(tiny.attention)).all()
+        assert (g["packed"] == (k > 1)).all()
+    again = profile(tiny, 2, grid=grid, repeats=2, warmup=1, output=out, progress=False)
     assert len(again) == len(df)  # resumed: nothing re-measured
-    mb = synthetic_microbatch(3, 64, packed=True)
-    assert mb.is_packed and mb.batch == 3 and mb.padded_len == 64
+    legacy = tmp_path / "legacy.csv"
+    df.drop(columns=["attn_work"]).to_csv(legacy, index=False)
+    with pytest.raises(ValueError, match="attn_work"):
+        profile(tiny, 2, grid=grid, repeats=1, output=legacy, progress=False, memory=False)
     assert all(b * s <= 2048 for b, s, _ in default_grid(quick=True))
+
+
+def test_grid_varies_documents_per_row():
+    from dynmb.profile import GRID_DOCS, MIN_DOC_TOKENS, default_grid, estimate_run_seconds, synthetic_microbatch
+    grid = default_grid()
+    docs = {k for _, _, k in grid}
+    assert docs == set(GRID_DOCS) and all(s >= k * MIN_DOC_TOKENS and b * s <= 8192 for b, s, k in grid)
+    assert len(grid) == len(set(grid)) < 160
+    for b, s, k in [(3, 512, 16), (2, 64, 4), (1, 2048, 64), (4, 128, 1)]:
+        mb = synthetic_microbatch(b, s, k, seed=2)
+        assert mb.batch == b and mb.padded_len == s and mb.num_seqs == b * (k if k > 1 else 1)
+        assert mb.lengths.min() >= (MIN_DOC_TOKENS if k > 1 else s // 2)
+        if k > 1:
+            assert (np.bincount(mb.row_ids, weights=mb.lengths) == s).all() and mb.is_packed
+            assert mb.attention_work("auto") < b * s * s == mb.attention_work("dense")
+    assert synthetic_microbatch(3, 64, True).is_packed and not synthetic_microbatch(3, 64, False).is_packed
+    with pytest.raises(ValueError, match="docs_per_row"):
+        synthetic_microbatch(1, 8, 16)
+    cheap, dear = (estimate_run_seconds(CFG, 2, 0, pt) for pt in [(1, 2048, 64), (1, 2048, 1)])
+    assert 0 < cheap < dear
 
 
 def test_tiny_concurrent_profile(tmp_path):
@@ -214,13 +396,15 @@ def test_tiny_concurrent_profile(tmp_path):
     from dynmb.profile import profile
     tiny = ModelConfig.preset("tiny")
     out = tmp_path / "samples.csv"
-    grid = [(1, 32, False), (2, 64, False), (2, 64, True)]
+    grid = [(1, 32, 1), (2, 64, 1), (2, 64, 4)]
     df = profile(tiny, 2, grid=grid, repeats=2, warmup=1, output=out, progress=False, memory=False, concurrent=True)
     assert len(df) == 3 * 2 * 2 * 2 and out.exists()
     assert (df["concurrent"] == 2).all() and (df["time_s"] > 0).all()
     assert set(map(tuple, df[["stage", "op"]].drop_duplicates().to_numpy())) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")}
     again = profile(tiny, 2, grid=grid, repeats=3, warmup=1, output=out, progress=False, memory=False, concurrent=True)
-    assert len(again) == len(df) + 3 * 2 * 2 and (again.groupby(["stage", "op", "rows", "padded_len", "packed"]).size() == 3).all()
+    assert len(again) == len(df) + 3 * 2 * 2
+    assert (again.groupby(["stage", "op", "rows", "padded_len", "docs_per_row"]).size() == 3).all()
+    assert (again.loc[again["docs_per_row"] == 4, "attn_work"] < 2 * 64**2).all()
     with pytest.raises(ValueError, match="concurrent"):
         profile(tiny, 2, grid=grid, repeats=1, output=out, progress=False, memory=False)
     m = fit_cost_model(again, tiny, 2)
