@@ -14,14 +14,22 @@ numpy only. One definition (DESIGN.md "Memory"): the peak on a stage is
 
 Analytic default (``MemoryModel.analytic``) counts the storages ``dynmb.model`` saves
 for backward (checked against ``saved_tensors_hooks``, each storage once, parameters
-excluded). Per block and token: the LN inputs and the qkv/fc inputs (4d), the
-shared q/k/v storage (3d), the SDPA output (d), the GELU input and MLP-proj input (2f)
-at ``e`` bytes, plus 4 fp32 LayerNorm statistics and the per-head fp32 logsumexp; per
-block and row the additive (s, s) mask at ``e`` bytes. The first stage adds the token
-and position ids (int64), the last the final norm (2d + 2 stats), the fp32 log-softmax
-output (V) and the labels (int64); every stage but the last holds its output (d) until
-its backward (the runtime keeps it to call backward on). This is what
-``dynmb.runtime.meter`` accounts on CPU; on CUDA a fit to measurements replaces it.
+excluded), keyed on ``cfg.attention``. Per block and token: the LN inputs and the
+qkv/fc inputs (4d), the shared q/k/v storage (3d), the SDPA output (d, also the output
+projection's input), the GELU input and MLP-proj input (2f) at ``e`` bytes, plus 4 fp32
+LayerNorm statistics and the per-head fp32 logsumexp. ``dense`` adds, per block and row,
+the additive (s, s) mask at ``e`` bytes (``a2``). ``auto`` saves no mask (``a2 = 0``); its
+packed path runs the attention sublayer (qkv input, q/k/v, output, logsumexp) on the
+documents gathered into length buckets, at most ``1 + BUCKET_PADDING`` times the real
+tokens, and the model charges that factor on those terms for every microbatch (an
+upper bound for packed rows; padded rows are over-counted by at most BUCKET_PADDING
+times the attention share, about 2%), plus the two int64 bucket index tensors per
+stage. The first stage adds the token and position ids (int64), the last the final
+norm (2d + 2 stats), the fp32 log-softmax output (V) and the labels (int64); every stage
+but the last holds its output (d) until its backward (the runtime keeps it to call
+backward on). This is what ``dynmb.runtime.meter`` accounts on CPU (``tests/test_memory.py``:
+within 5% over (rows, padded_len, documents per row) for both attention kinds); on
+CUDA a fit to measurements replaces it.
 
 ``fit(samples)`` fits the coefficients per stage from measurements (``dynmb memory``,
 ``dynmb.runtime.meter.measure_stage_memory``) by non-negative least squares on the
@@ -46,9 +54,14 @@ import numpy as np
 
 from .config import ModelConfig
 
-__all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "inflight_limit", "interleaved_inflight"]
+__all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
+           "interleaved_inflight"]
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
+
+BUCKET_PADDING = 1 / 16
+"""Bound on the pad tokens of bucketed document attention (``dynmb.model.bucket_documents``),
+as a fraction of the microbatch's real tokens; the ``auto`` memory model charges it."""
 
 
 def _arch(cfg: ModelConfig) -> dict[str, Any]:
@@ -90,17 +103,17 @@ class MemoryModel:
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
         c = model_cfg
-        e, d, f, h, v = c.dtype_bytes, c.d_model, c.d_ff, c.n_heads, c.vocab_size
+        e, d, f, v = c.dtype_bytes, c.d_model, c.d_ff, c.vocab_size
         layers = c.stage_layers(num_stages)
         act = np.zeros((num_stages, 3))
         tr = np.zeros((num_stages, 3))
         for i, lr in enumerate(layers):
-            n = len(lr)
             first, last = i == 0, i == num_stages - 1
-            act[i, 1] = n * (e * (8 * d + 2 * f) + 4 * (4 + h))
-            act[i, 2] = n * e                               # the additive (s, s) mask per block
+            act[i, 1:] = len(lr) * _block_act_coef(c)
             if first:
                 act[i, 1] += 16                             # input_ids + position_ids (int64)
+            if c.attention == "auto":
+                act[i, 1] += 8 * (2 + BUCKET_PADDING)       # bucket gather + scatter indices (int64)
             if last:
                 act[i, 1] += 2 * d * e + 8 + 4 * v + 8     # norm_f in/out, stats, log-softmax out, labels
                 act[i, 0] += 4                              # the loss
@@ -307,6 +320,24 @@ def _interleaved_bound(act: np.ndarray, tr: np.ndarray, virtual: int) -> np.ndar
         top = np.sort(act[stages].ravel())[::-1][:warm].sum()
         out[stages] = top + tr[stages].max()
     return out
+
+
+def _block_act_coef(c: ModelConfig) -> np.ndarray:
+    """``(a1, a2)`` of one block: bytes saved for backward per token and per row * s^2.
+
+    Outside attention: both LayerNorm inputs and the MLP's fc input (3d), the GELU input and
+    the MLP-proj input (2f) at ``e`` bytes, and 2 x 2 fp32 LayerNorm statistics. The attention
+    sublayer saves its input (d: qkv's input), the shared q/k/v storage (3d), the SDPA
+    output (d: also proj's input) and the per-head fp32 logsumexp. ``dense`` adds the
+    additive (s, s) mask; ``auto`` saves no mask, and its packed path runs the sublayer on
+    the documents gathered into buckets, at most ``1 + BUCKET_PADDING`` times the real tokens,
+    which is charged to every microbatch (an upper bound, exact for padded ones up to it).
+    """
+    e, d, f, h = c.dtype_bytes, c.d_model, c.d_ff, c.n_heads
+    attention = 5 * d * e + 4 * h
+    if c.attention == "dense":
+        return np.array([e * (3 * d + 2 * f) + 16 + attention, e])
+    return np.array([e * (3 * d + 2 * f) + 16 + (1 + BUCKET_PADDING) * attention, 0.0])
 
 
 def _bs(rows: Any, padded_len: Any) -> tuple[np.ndarray, np.ndarray]:

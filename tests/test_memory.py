@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -112,20 +114,77 @@ def test_state_bytes_rules():
 torch = pytest.importorskip("torch")
 
 
+GRID = ((1, 96, 1), (3, 40, 1), (2, 128, 4), (1, 256, 16), (1, 512, 64), (2, 90, 7))
+"""(rows, padded_len, documents per row): padded rows and packed rows (full rows)."""
+
+
+@pytest.mark.parametrize("attention", ["auto", "dense"])
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
-def test_meter_accounting_matches_analytic_within_5pct(num_stages):
+def test_meter_accounting_matches_analytic_within_5pct(num_stages, attention):
     from dynmb.runtime.meter import measure_stage_memory
 
     torch.set_num_threads(1)
-    mm = MemoryModel.analytic(TINY, num_stages)
+    cfg = replace(TINY, attention=attention)
+    mm = MemoryModel.analytic(cfg, num_stages)
     for stage in range(num_stages):
-        for b, s in ((1, 96), (3, 40)):
-            r = measure_stage_memory(TINY, num_stages, stage, b, s)
+        for b, s, docs in GRID:
+            r = measure_stage_memory(cfg, num_stages, stage, b, s, docs_per_row=docs)
             act = mm.activation_bytes(stage, b, s)[0]
             peak = mm.state_bytes[stage] + act + mm.transient_bytes(stage, b, s)[0]
             assert r["state_bytes"] == mm.state_bytes[stage]
-            assert abs(act - r["act_bytes"]) <= 0.05 * r["act_bytes"], (stage, b, s, act, r)
-            assert abs(peak - r["peak_bytes"]) <= 0.05 * r["peak_bytes"], (stage, b, s, peak, r)
+            assert abs(act - r["act_bytes"]) <= 0.05 * r["act_bytes"], (stage, b, s, docs, act, r)
+            assert abs(peak - r["peak_bytes"]) <= 0.05 * r["peak_bytes"], (stage, b, s, docs, peak, r)
+            if attention == "auto":                       # the bucket padding is charged as an upper bound
+                assert act >= r["act_bytes"], (stage, b, s, docs, act, r)
+
+
+def _full_rows_of_uneven_documents(rows: int, padded_len: int, rng: np.random.Generator):
+    """Rows filled exactly with documents of random lengths (the last one cut to fit)."""
+    from dynmb.types import Microbatch
+
+    lengths, row_ids = [], []
+    for r in range(rows):
+        left = padded_len
+        while left:
+            n = min(left, int(rng.integers(1, 80)))
+            lengths.append(n), row_ids.append(r)
+            left -= n
+    return Microbatch(seq_ids=np.arange(len(lengths)), lengths=lengths, padded_len=padded_len, batch=rows,
+                      row_ids=row_ids)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bucket_padding_is_charged_as_an_upper_bound(seed):
+    """Uneven documents use most of the bucket padding budget; the auto model still bounds them."""
+    from dynmb.model import build_stage, make_inputs, synthetic_tokens
+    from dynmb.runtime.meter import MemoryMeter
+
+    torch.set_num_threads(1)
+    mb = _full_rows_of_uneven_documents(2, 300, np.random.default_rng(seed))
+    mm = MemoryModel.analytic(TINY, 2)
+    inp = make_inputs(mb, synthetic_tokens(mb.lengths, TINY.vocab_size), cfg=TINY)
+    assert inp.buckets.bucket_tokens > mb.real_tokens                 # some bucket padding
+    for stage in range(2):
+        mod = build_stage(TINY, stage, 2)
+        meter = MemoryMeter("cpu", [mod], optimizer=None)
+        meter.reset_peak()
+        x = None if stage == 0 else torch.randn(mb.batch, mb.padded_len, TINY.d_model, requires_grad=True)
+        with meter.saving(stage):
+            out = mod(x, inp)
+        got = meter.current_bytes - meter.state_bytes
+        meter.close()
+        pred = mm.activation_bytes(stage, mb.batch, mb.padded_len)[0]
+        assert got <= pred <= 1.05 * got, (stage, pred, got)
+        del out
+
+
+def test_memory_model_is_keyed_on_attention():
+    auto, dense = MemoryModel.analytic(TINY, 2), MemoryModel.analytic(replace(TINY, attention="dense"), 2)
+    assert np.all(auto.act_coef[:, 2] == 0)                           # no (s, s) mask saved
+    np.testing.assert_array_equal(dense.act_coef[:, 2], 2 * TINY.dtype_bytes)   # one per block, 2 blocks a stage
+    assert np.all(auto.activation_bytes(0, 1, 4096) < dense.activation_bytes(0, 1, 4096))
+    with pytest.raises(ValueError, match="attention"):
+        auto.check(replace(TINY, attention="dense"), 2)
 
 
 def test_meter_over_a_1f1b_sequence_matches_peak_bytes():

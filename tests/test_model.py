@@ -11,13 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmb.config import ModelConfig
+from dynmb.memory import BUCKET_PADDING
 from dynmb.model import (
-    GPT, IGNORE_INDEX, Block, InputError, attention_mask, build_stages, count_params, global_named_parameters,
-    hidden_shape, make_inputs, reference_grads, synthetic_tokens, torch_dtype,
+    GPT, IGNORE_INDEX, Block, InputError, attention_mask, bucket_documents, build_stages, count_params,
+    global_named_parameters, hidden_shape, make_inputs, reference_grads, synthetic_tokens, torch_dtype,
 )
 from dynmb.types import Microbatch, Plan, PlanError
 
 CFG = ModelConfig.preset("tiny", max_seq_len=128)
+DENSE = replace(CFG, attention="dense")
 
 
 def _plan(mbs: list[Microbatch], n: int) -> Plan:
@@ -173,6 +175,140 @@ def test_mask_rules():
     assert m.any(dim=-1).all()
 
 
+# --- attention paths == the dense-mask reference ----------------------------------------
+def _loss_and_grads(cfg: ModelConfig, mb: Microbatch, tokens, dtype=torch.float32):
+    inp = make_inputs(mb, tokens, cfg=cfg)
+    model = GPT(cfg, seed=4, dtype=dtype)
+    loss = model(inp)
+    loss.backward()
+    return inp, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_matches_dense(mb: Microbatch, tokens, path: str, dtype=torch.float32, tol: float = 1e-5) -> None:
+    inp, loss, grads = _loss_and_grads(CFG, mb, tokens, dtype)
+    ref_inp, ref_loss, ref_grads = _loss_and_grads(DENSE, mb, tokens, dtype)
+    assert inp.attention == path and inp.attn_mask is None and ref_inp.attention == "dense"
+    assert abs(float(loss - ref_loss)) <= tol * abs(float(ref_loss))
+    for n, g in ref_grads.items():
+        assert _rel(grads[n], g) <= tol, n
+
+
+def _rows_of(docs_per_row: int, rows: int, rng: np.random.Generator, extra: int = 3) -> Microbatch:
+    """``rows`` rows of ``docs_per_row`` documents of uneven lengths, rows padded unevenly."""
+    lengths = rng.integers(1, 24, size=rows * docs_per_row)
+    row_ids = np.repeat(np.arange(rows), docs_per_row)
+    fill = np.bincount(row_ids, weights=lengths, minlength=rows)
+    return Microbatch(seq_ids=np.arange(len(lengths)), lengths=lengths, padded_len=int(fill.max()) + extra,
+                      batch=rows, row_ids=row_ids)
+
+
+def test_padded_rows_causal_without_mask_equal_dense():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 60, size=5)
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=0)
+    _assert_matches_dense(_padded(np.arange(5), lengths, extra=5), tokens, "causal")
+    _assert_matches_dense(_padded([2], lengths), tokens, "causal")               # one row, no padding
+
+
+@pytest.mark.parametrize("docs_per_row", [1, 4, 16, 64])
+def test_packed_rows_equal_dense(docs_per_row):
+    mb = _rows_of(docs_per_row, rows=2, rng=np.random.default_rng(docs_per_row))
+    tokens = synthetic_tokens(mb.lengths, CFG.vocab_size, seed=1)
+    _assert_matches_dense(mb, tokens, "document" if docs_per_row > 1 else "causal")
+    if docs_per_row > 1:
+        _assert_matches_dense(mb, tokens, "document", dtype=torch.float64, tol=1e-10)
+
+
+def test_mixed_microbatch_equal_dense():
+    """Rows with one document, rows with several, an empty row, uneven lengths, equal lengths."""
+    lengths = np.array([40, 3, 17, 1, 9, 9, 9, 22, 5, 31, 2])
+    row_ids = np.array([0, 1, 1, 1, 2, 2, 2, 4, 4, 5, 5])
+    mb = Microbatch(seq_ids=np.arange(len(lengths)), lengths=lengths, padded_len=44, batch=6, row_ids=row_ids)
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=3)
+    _assert_matches_dense(mb, tokens, "document")
+    _assert_matches_dense(mb, tokens, "document", dtype=torch.float64, tol=1e-10)
+
+
+def test_bucketed_path_in_pipeline_stages_equals_full_model():
+    mb = _rows_of(16, rows=3, rng=np.random.default_rng(5), extra=0)
+    tokens = synthetic_tokens(mb.lengths, CFG.vocab_size, seed=5)
+    inp = make_inputs(mb, tokens, cfg=CFG)
+    assert inp.attention == "document" and len(inp.buckets.shapes) >= 1
+    full, stages = GPT(CFG, seed=2), build_stages(CFG, 3, seed=2)
+    lf, ls = full(inp), _run(stages, inp)
+    lf.backward()
+    ls.backward()
+    assert abs(float(lf.detach() - ls.detach())) <= 1e-5 * abs(float(lf.detach()))
+    gs = {n: p.grad for s in stages for n, p in s.named_parameters()}
+    for n, p in full.named_parameters():
+        assert _rel(gs[n], p.grad) <= 1e-5, n
+
+
+PROP = ModelConfig(name="prop", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=14), st.integers(1, 4), st.integers(0, 3), st.randoms())
+def test_any_document_layout_matches_dense_per_token(lens, rows, extra, rnd):
+    """Per-token loss at real tokens and gradients of the auto paths equal the dense mask's (float64)."""
+    lengths = np.array(lens)
+    row_ids = [rnd.randrange(rows) for _ in lens]
+    fill = np.bincount(row_ids, weights=lengths, minlength=rows)
+    mb = Microbatch(seq_ids=np.arange(len(lens)), lengths=lengths, padded_len=int(fill.max()) + extra,
+                    batch=rows, row_ids=row_ids)
+    tokens = synthetic_tokens(lengths, PROP.vocab_size, seed=0)
+    out = {}
+    for attention in ("auto", "dense"):
+        cfg = replace(PROP, attention=attention)
+        inp = make_inputs(mb, tokens, cfg=cfg)
+        model = GPT(cfg, seed=1, dtype=torch.float64)
+        ce = model(inp, reduction="none")
+        ce.sum().backward()
+        out[attention] = (ce.detach()[inp.loss_mask], [p.grad for p in model.parameters()])
+    torch.testing.assert_close(out["auto"][0], out["dense"][0], rtol=1e-10, atol=1e-12)
+    for g, ref in zip(out["auto"][1], out["dense"][1]):
+        torch.testing.assert_close(g, ref, rtol=1e-9, atol=1e-12)
+
+
+# --- document buckets ------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=200), st.sampled_from([0.0, 1 / 16, 0.25]))
+def test_bucket_padding_stays_within_budget(lens, max_padding):
+    lengths = np.array(lens)
+    bucket, top = bucket_documents(lengths, max_padding)
+    assert np.all(np.diff(top) > 0)                                   # shortest first, distinct
+    assert np.all(lengths <= top[bucket])
+    assert np.all(top == [lengths[bucket == j].max() for j in range(len(top))])
+    assert (top[bucket] - lengths).sum() <= max_padding * lengths.sum() + 1e-9
+    if max_padding == 0:
+        assert len(top) == len(np.unique(lengths))
+
+
+def test_bucket_counts_examples():
+    assert len(bucket_documents(np.full(64, 64))[1]) == 1                          # equal documents: one bucket
+    assert len(bucket_documents(np.array([100] * 30 + [101] * 30))[1]) == 1        # nearly equal: merged
+    assert len(bucket_documents(np.array([1, 1000]))[1]) == 2                       # too much padding: kept apart
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5, 1, size=64).astype(int), 1, 4096)
+    bucket, top = bucket_documents(lengths)
+    assert len(top) <= 16 and (top[bucket] - lengths).sum() <= BUCKET_PADDING * lengths.sum()
+
+
+def test_bucket_indices_round_trip():
+    lengths = np.array([5, 3, 3, 7, 1, 2, 6])
+    mb = Microbatch(seq_ids=np.arange(7), lengths=lengths, padded_len=12, batch=3, row_ids=[0, 0, 1, 1, 2, 2, 2])
+    inp = make_inputs(mb, synthetic_tokens(lengths, CFG.vocab_size), cfg=CFG)
+    bk = inp.buckets
+    assert sum(bk.split_sizes()) == bk.bucket_tokens and bk.scatter_index.shape == (3 * 12,)
+    flat = torch.arange(3 * 12)
+    slots = bk.scatter_index
+    real = inp.loss_mask.flatten()
+    assert torch.equal(bk.gather_index[slots[real]], flat[real])      # every real token comes back to itself
+    assert bool((slots[~real] == bk.bucket_tokens).all())             # pads read the zero row
+    doc = inp.doc_ids.flatten()
+    assert bool((doc[bk.gather_index] >= 0).all())                    # bucket pad slots copy a real token
+
+
 # --- grouping invariance ---------------------------------------------------------------
 def _random_grouping(lengths: np.ndarray, rng: np.random.Generator) -> list[Microbatch]:
     perm = rng.permutation(len(lengths))
@@ -212,7 +348,7 @@ def test_make_inputs_layout():
     mb = Microbatch(seq_ids=[2, 0, 1], lengths=lengths[[2, 0, 1]], padded_len=8, batch=2, row_ids=[1, 0, 0])
     inp = make_inputs(mb, tokens, cfg=CFG)
     assert inp.input_ids.shape == inp.labels.shape == inp.position_ids.shape == (2, 8)
-    assert inp.attn_mask.shape == (2, 1, 8, 8) and inp.attn_mask.dtype == torch.bool
+    assert inp.attention == "document" and inp.attn_mask is None      # packed under auto: no (s, s) mask
     assert inp.num_real_tokens == 9 and int(inp.loss_mask.sum()) == 9
     t0, t1, t2 = tokens
     assert inp.input_ids[0, :5].tolist() == t0[:-1].tolist() + t1[:-1].tolist()
@@ -222,7 +358,12 @@ def test_make_inputs_layout():
     assert inp.doc_ids.tolist() == [[1, 1, 1, 2, 2, -1, -1, -1], [0, 0, 0, 0, -1, -1, -1, -1]]
     assert (inp.labels[~inp.loss_mask] == IGNORE_INDEX).all()
     assert hidden_shape(mb, CFG) == (2, 8, CFG.d_model)
-    assert torch.equal(inp.to("cpu").attn_mask, inp.attn_mask)
+    dense = make_inputs(mb, tokens, cfg=DENSE)
+    assert dense.attn_mask.shape == (2, 1, 8, 8) and dense.attn_mask.dtype == torch.bool
+    assert torch.equal(dense.to("cpu").attn_mask, dense.attn_mask)
+    moved = inp.to("cpu")
+    assert moved.buckets.shapes == inp.buckets.shapes
+    assert torch.equal(moved.buckets.gather_index, inp.buckets.gather_index)
 
 
 def test_synthetic_tokens_deterministic_and_per_sequence():

@@ -218,21 +218,20 @@ class MemoryMeter:
 
 
 def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int, padded_len: int,
-                         packed: bool = False, device: Any = "cpu", seed: int = 0) -> dict[str, int]:
-    """One microbatch (rows x padded_len; ``packed``: two documents per row) through one
-    stage, forward then backward, with Adam states. Returns ``state_bytes`` (params +
-    grads + optimizer), ``act_bytes`` (held after the forward) and ``peak_bytes``."""
-    from dynmb.model import build_stage, make_inputs, synthetic_tokens, torch_dtype
-    from dynmb.types import Microbatch
+                         packed: bool = False, device: Any = "cpu", seed: int = 0,
+                         docs_per_row: int | None = None) -> dict[str, int]:
+    """One microbatch (rows x padded_len) through one stage, forward then backward, with
+    Adam states; attention as ``model_cfg.attention`` says. Rows are full: one document
+    each, ``docs_per_row`` documents splitting the row as evenly as possible
+    (``full_microbatch``), or two with ``packed``. Returns ``state_bytes`` (params + grads
+    + optimizer), ``act_bytes`` (held after the forward) and ``peak_bytes``."""
+    from dynmb.model import build_stage, full_microbatch, make_inputs, synthetic_tokens, torch_dtype
 
     dev = torch.device(device)
     b, s = int(rows), int(padded_len)
-    if packed and s >= 2:
-        lens = [s // 2, s - s // 2] * b
-        rid = [r for r in range(b) for _ in range(2)]
-    else:
-        lens, rid = [s] * b, list(range(b))
-    mb = Microbatch(seq_ids=range(len(lens)), lengths=lens, padded_len=s, batch=b, row_ids=rid)
+    docs = docs_per_row if docs_per_row is not None else 2 if packed and s >= 2 else 1
+    mb = full_microbatch(b, s, docs)
+    lens = mb.lengths
     mod = build_stage(model_cfg, stage, num_stages, seed, device=dev)
     inputs = make_inputs(mb, synthetic_tokens(lens, model_cfg.vocab_size, seed), cfg=model_cfg, device=dev)
     x = None
@@ -245,9 +244,9 @@ def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int,
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        # the received hidden state and the microbatch's inputs (its b x s x s attention mask
-        # above all) are held by the runtime from the forward to the backward: activation bytes
-        state = base - (_nbytes(x) if x is not None else 0) - sum(_nbytes(t) for t in inputs.__dict__.values())
+        # the received hidden state and the microbatch's inputs (a dense b x s x s attention
+        # mask above all) are held by the runtime from the forward to the backward: activation bytes
+        state = base - (_nbytes(x) if x is not None else 0) - sum(_nbytes(t) for t in inputs.tensors())
         out = mod(x, inputs)
         torch.cuda.synchronize(dev)
         act = torch.cuda.memory_allocated(dev) - state
