@@ -43,14 +43,18 @@ from typing import Any, Callable
 import numpy as np
 
 from ._dynapipe import dynapipe_split
-from ._packutil import Flat, makespan, next_fit_rows, pipeline_bound, round_down, round_up
+from ._packutil import EXACT_OPS, Flat, bfd_rows, makespan, next_fit_rows, pipeline_bound, round_down, round_up
 
 SEED_DP_MAX = 512
 """Batches up to this many sequences also try the DP split of ``dynmb._dynapipe`` as a candidate."""
-EXACT_TOP, EXACT_MAX = 3, 3000
-"""The EXACT_TOP best larger candidates (by the estimate) are simulated exactly up to EXACT_MAX cells."""
+EXACT_TOP = 2
+"""Of the candidates ``makespan`` simulates exactly (2 * P * m <= EXACT_OPS) but larger than
+RANK_EXACT cells, the EXACT_TOP best by the bound are simulated; the others drop out."""
 RANK_EXACT = 400
 """Candidates with at most this many (stage, microbatch) cells are ranked by the exact simulation."""
+BFD_MAX = 16384
+"""Batches up to this many sequences also try rows of the longest admissible length filled
+best-fit-decreasing (the rows of ``packed``; a Python loop per sequence)."""
 
 __all__ = ["dynamic_groups"]
 
@@ -59,12 +63,13 @@ __all__ = ["dynamic_groups"]
 class _RowSet:
     """The rows of one row capacity ``cap`` (None: one sequence per row), numbered longest first."""
 
-    cap: int | None
+    key: str                  # how the rows were formed: "none", "next-fit R" or "bfd R"
     row: np.ndarray           # row of each item
     tokens: np.ndarray        # tokens per row (non-increasing)
     padded: np.ndarray        # tokens rounded up to round_to: padded_len of a microbatch starting there
     work_cum: np.ndarray      # prefix sums of each row's attention work (sum of its documents' s^2)
     packed_cum: np.ndarray    # prefix counts of rows holding more than one document
+    opened: np.ndarray | None = None   # best-fit rows: the order they were opened in (``packed``'s order)
 
     def attention(self, start: np.ndarray, end: np.ndarray, doc_causal: bool) -> np.ndarray:
         """``Microbatch.attention_work`` of the microbatches of rows [start, end) (broadcast)."""
@@ -76,12 +81,15 @@ class _RowSet:
         return np.where(packed, self.work_cum[end] - self.work_cum[start], full)
 
 
-def _rows(lengths: np.ndarray, asc: np.ndarray, cap: int | None, round_to: int) -> _RowSet:
-    """Rows for capacity ``cap``; ``asc`` sorts ``lengths`` ascending."""
+def _rows(lengths: np.ndarray, asc: np.ndarray, cap: int | None, round_to: int, best_fit: bool = False) -> _RowSet:
+    """Rows for capacity ``cap`` (``best_fit``: filled best-fit-decreasing, as ``packed`` does);
+    ``asc`` sorts ``lengths`` ascending."""
     n = len(lengths)
     if cap is None:
         row = np.empty(n, dtype=np.int64)
         row[asc[::-1]] = np.arange(n)
+    elif best_fit:
+        row = bfd_rows(lengths, cap)
     else:
         k = int(np.searchsorted(lengths[asc], cap // 2, side="right"))
         short, long_ = asc[:k], asc[k:][::-1]
@@ -89,20 +97,26 @@ def _rows(lengths: np.ndarray, asc: np.ndarray, cap: int | None, round_to: int) 
         row[long_] = np.arange(len(long_))
         if k:
             row[short] = len(long_) + next_fit_rows(lengths[short], cap)
+    opened = None
+    if cap is not None:
         tokens = np.bincount(row, weights=lengths).astype(np.int64)
+        by_tokens = np.argsort(-tokens, kind="stable")
         rank = np.empty(len(tokens), dtype=np.int64)
-        rank[np.argsort(-tokens, kind="stable")] = np.arange(len(tokens))
+        rank[by_tokens] = np.arange(len(tokens))
         row = rank[row]
+        opened = by_tokens if best_fit else None
     tokens = np.bincount(row, weights=lengths).astype(np.int64)
     work = np.bincount(row, weights=lengths.astype(np.float64) ** 2)
     docs = np.bincount(row)
-    return _RowSet(cap, row, tokens, round_up(tokens, round_to), np.concatenate([[0.0], np.cumsum(work)]),
-                   np.concatenate([[0], np.cumsum(docs > 1)]))
+    key = "none" if cap is None else f"{'bfd' if best_fit else 'next-fit'} {cap}"
+    return _RowSet(key, row, tokens, round_up(tokens, round_to), np.concatenate([[0.0], np.cumsum(work)]),
+                   np.concatenate([[0], np.cumsum(docs > 1)]), opened)
 
 
 def _caps(lengths: np.ndarray, max_len: int, round_to: int) -> list[int | None]:
     """No packing, then powers of two from 2x the median up to the longest (at most 3), each
-    rounded down to a multiple of ``round_to`` and capped at ``max_len``."""
+    rounded down to a multiple of ``round_to`` and capped at ``max_len``, then ``max_len``
+    itself (the longest admissible row: the fewest, largest microbatches of packed rows)."""
     lmax = int(lengths.max())
     floor_len = 2 * max(float(np.median(lengths)), float(np.percentile(lengths, 25)))
     caps: list[int | None] = [None]
@@ -112,6 +126,8 @@ def _caps(lengths: np.ndarray, max_len: int, round_to: int) -> list[int | None]:
         if cap >= floor_len and cap >= 1 and cap not in caps:
             caps.append(cap)
         r *= 2
+    if max_len >= floor_len and max_len not in caps:
+        caps.append(max_len)
     return caps
 
 
@@ -224,12 +240,21 @@ class _Setup:
         self.bwd = tuple(c[:, self.used] for c in costs["B"])
         self.alpha, self.beta, self.gamma = (f + b for f, b in zip(self.fwd, self.bwd))
         self.bmax = bmax_by_length[length_ix]
-        # per start row, the bottleneck time affine in rows, taking every row as packed as the first
-        row_work = np.diff(rows.work_cum)
-        row_saving = np.where((np.diff(rows.packed_cum) > 0) & doc_causal,
-                              rows.padded.astype(np.float64) ** 2 - row_work, 0.0)
-        self.alpha_row = self.alpha[:, self.pos]
-        self.beta_row = np.maximum(self.beta[:, self.pos] - self.gamma[:, self.pos] * row_saving, 1e-15)
+        # per start row, the bottleneck time affine in rows, taking every row as packed as the first:
+        # rows of one document share their length's line; each packed row has its own (classes)
+        saving = np.where((np.diff(rows.packed_cum) > 0) & doc_causal,
+                          rows.padded.astype(np.float64) ** 2 - np.diff(rows.work_cum), 0.0)
+        packed = np.flatnonzero(saving > 0)
+        self.row_class = self.pos.copy()
+        self.row_class[packed] = len(self.used) + np.arange(len(packed))
+        p_ix = self.pos[packed]
+        self.alpha_cls = np.concatenate([self.alpha, self.alpha[:, p_ix]], axis=1)
+        self.beta_cls = np.maximum(np.concatenate([self.beta, self.beta[:, p_ix] - self.gamma[:, p_ix] * saving[packed]],
+                                                  axis=1), 1e-15)
+        self.bmax_cls = np.concatenate([bmax_by_length[self.used], bmax_by_length[self.used][p_ix]])
+        present = np.zeros(self.alpha_cls.shape[1], dtype=bool)
+        present[self.row_class] = True                          # classes some row belongs to
+        self.present = np.flatnonzero(present)
 
     def saving(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
         """rows x padded_len^2 minus the attention work of the microbatches [start, end)."""
@@ -243,9 +268,10 @@ class _Setup:
 
     def tau_grid(self, num_tau: int) -> np.ndarray:
         """Geometric time targets from one row's to the largest microbatch's bottleneck time, then inf."""
-        most = np.minimum(self.bmax, len(self.pos))
-        lo = float((self.alpha_row + self.beta_row).max(axis=0).min())
-        hi = float((self.alpha_row + self.beta_row * most).max(axis=0).max())
+        a, b = self.alpha_cls[:, self.present], self.beta_cls[:, self.present]
+        most = np.minimum(self.bmax_cls[self.present], len(self.pos))
+        lo = float((a + b).max(axis=0).min())
+        hi = float((a + b * most).max(axis=0).max())
         return np.append(np.geomspace(lo, hi, num_tau) if hi > lo * 1.0001 else [hi], np.inf)
 
     def greedy_cuts(self, tau: float, from_short_end: bool = False) -> np.ndarray:
@@ -253,8 +279,8 @@ class _Setup:
         bcap = self.bmax
         if np.isfinite(tau):
             with np.errstate(divide="ignore", invalid="ignore"):
-                by_time = np.floor(((tau - self.alpha_row) / self.beta_row).min(axis=0))
-            bcap = np.minimum(bcap, np.clip(by_time, 1, len(self.pos)).astype(np.int64))
+                by_time = np.floor(((tau - self.alpha_cls) / self.beta_cls).min(axis=0))
+            bcap = np.minimum(bcap, np.clip(by_time, 1, len(self.pos)).astype(np.int64)[self.row_class])
         return _greedy_asc(bcap) if from_short_end else _greedy(bcap)
 
     def score(self, cuts: np.ndarray, comm: Any) -> float:
@@ -275,12 +301,10 @@ class _Setup:
         send = float(np.mean(comm(rows, padded))) if comm is not None else 0.0
         return pipeline_bound(work, op_time(self.fwd, cheap[0]), op_time(self.bwd, cheap[1]), send)
 
-    def exact_costs(self, cuts: np.ndarray, cost_model: Any, comm: Any) -> tuple[np.ndarray, np.ndarray, Any]:
-        """(F[P, m], B[P, m], send times) of the split from the one cost lookup, in split order."""
+    def shapes(self, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, padded_len, attention work) of each microbatch of the split, in split order."""
         start, end = cuts[:-1], cuts[1:]
-        rows, padded = np.diff(cuts), self.rows.padded[start]
-        cc = cost_model.stage_costs(rows, padded, self.rows.attention(start, end, self.doc_causal))
-        return cc["F"], cc["B"], (comm(rows, padded) if comm is not None else 0.0)
+        return np.diff(cuts), self.rows.padded[start], self.rows.attention(start, end, self.doc_causal)
 
 
 def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: Any,
@@ -300,17 +324,19 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
     top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)
     asc = np.argsort(lengths, kind="stable")
     row_sets = [_rows(lengths, asc, None, round_to)]
-    for cap in _caps(lengths, top, round_to)[1:]:
-        rows = _rows(lengths, asc, cap, round_to)
-        if len(rows.tokens) < len(lengths):                              # packing changed something
-            row_sets.append(rows)
+    caps = _caps(lengths, top, round_to)[1:]
+    for cap in caps:
+        row_sets.append(_rows(lengths, asc, cap, round_to))
+    if caps and caps[-1] == top and len(lengths) <= BFD_MAX:
+        row_sets.append(_rows(lengths, asc, top, round_to, best_fit=True))
+    row_sets = [r for r in row_sets if r.key == "none" or len(r.tokens) < len(lengths)]   # packing changed something
     uniq, inv = np.unique(np.concatenate([r.padded for r in row_sets]), return_inverse=True)
     costs = _affine_costs(cost_model, uniq)
     bmax_u = np.maximum(bmax_fn(uniq), 1)
-    setups: dict[int | None, _Setup] = {}
+    setups: dict[str, _Setup] = {}
     offset = 0
     for rows in row_sets:
-        setups[rows.cap] = _Setup(rows, inv[offset:offset + len(rows.tokens)], costs, bmax_u, doc_causal)
+        setups[rows.key] = _Setup(rows, inv[offset:offset + len(rows.tokens)], costs, bmax_u, doc_causal)
         offset += len(rows.tokens)
     scored = _search(setups, lengths, cost_model, num_stages, comm, num_tau)
     cap, cuts, order, est = _choose(scored, setups, len(lengths), cost_model, num_stages, schedule_kind, comm,
@@ -318,13 +344,13 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
     return _to_flat(setups[cap].rows, cuts, order), est
 
 
-def _search(setups: dict[int | None, _Setup], lengths: np.ndarray, cost_model: Any, num_stages: int, comm: Any,
+def _search(setups: dict[str, _Setup], lengths: np.ndarray, cost_model: Any, num_stages: int, comm: Any,
             num_tau: int) -> list[tuple]:
     """Candidate splits ``(score, num_microbatches, cap, cuts, tau, polished)`` of every row set."""
     scored: list[tuple] = []
     where: dict[tuple, int] = {}
 
-    def add(cap: int | None, cuts: np.ndarray, tau: float, polished: bool = False) -> None:
+    def add(cap: str, cuts: np.ndarray, tau: float, polished: bool = False) -> None:
         key = (cap, cuts.tobytes())
         if key in where:                                        # seen: only mark it polished
             if polished:
@@ -354,19 +380,23 @@ def _search(setups: dict[int | None, _Setup], lengths: np.ndarray, cost_model: A
         if x[1] <= 256:
             st = setups[x[2]]
             add(x[2], _polish(x[3], st.bottleneck, st.bmax), x[4], polished=True)
-    unpacked = setups[None]
+    unpacked = setups["none"]
     n = len(unpacked.pos)
     # the fixed-size split of the unpacked sorted rows (what ``sorted`` would do) is a candidate too
-    add(None, np.append(np.arange(0, n, max(1, int(unpacked.bmax[0]))), n), np.nan, polished=True)
+    add("none", np.append(np.arange(0, n, max(1, int(unpacked.bmax[0]))), n), np.nan, polished=True)
+    # one best-fit row of the longest admissible length per microbatch (what ``packed`` does)
+    for key, st in setups.items():
+        if st.rows.opened is not None:
+            add(key, np.arange(len(st.pos) + 1), np.nan, polished=True)
     # small batches: also seed with the DP split over unpacked rows (cheap at this size)
     if len(lengths) <= SEED_DP_MAX:
         dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
-        add(None, n - dp_cuts[::-1], np.nan, polished=True)
+        add("none", n - dp_cuts[::-1], np.nan, polished=True)
     return scored
 
 
-def _choose(scored: list[tuple], setups: dict[int | None, _Setup], num_seqs: int, cost_model: Any, num_stages: int,
-            schedule_kind: str, comm: Any, keep: int, tol: float) -> tuple[int | None, np.ndarray, np.ndarray, float]:
+def _choose(scored: list[tuple], setups: dict[str, _Setup], num_seqs: int, cost_model: Any, num_stages: int,
+            schedule_kind: str, comm: Any, keep: int, tol: float) -> tuple[str, np.ndarray, np.ndarray, float]:
     """(cap, cuts, execution order, estimated makespan) of the fastest of the best candidates,
     re-costed exactly and estimated with ``makespan`` in each of ``_orders``."""
     best_score = min(x[0] for x in scored)
@@ -375,29 +405,37 @@ def _choose(scored: list[tuple], setups: dict[int | None, _Setup], num_seqs: int
     near += by_score[:keep] + [x for x in scored if x[5]]
     if num_seqs <= SEED_DP_MAX:                                         # small batch: rank more exactly
         near += [x for x in by_score if x[1] * num_stages <= RANK_EXACT][:4 * keep]
+    unique: dict[tuple, tuple] = {}
+    for x in near:
+        unique.setdefault((x[2], x[3].tobytes()), x)
+    near = list(unique.values())
+    # every candidate re-costed in one lookup with each microbatch's attention work
+    rows, padded, attn = (np.concatenate(a) for a in zip(*(setups[x[2]].shapes(x[3]) for x in near)))
+    costs = cost_model.stage_costs(rows, padded, attn)
+    sends_all = np.broadcast_to(np.asarray(comm(rows, padded) if comm is not None else 0.0, dtype=np.float64),
+                                rows.shape)
+    bounds = np.cumsum([0] + [x[1] for x in near])
     results = []
-    done: set[tuple] = set()
-    for _score, m, cap, cuts, _tau, _pol in near:
-        if (cap, cuts.tobytes()) in done:
-            continue
-        done.add((cap, cuts.tobytes()))
-        F, B, sends = setups[cap].exact_costs(cuts, cost_model, comm)
-        for order in _orders((F + B).max(axis=0)):
-            c = np.asarray(sends)[order] if np.ndim(sends) else sends
-            Fo, Bo = F[:, order], B[:, order]
-            exact = makespan(Fo, Bo, c, schedule_kind, exact=True) if Fo.size <= RANK_EXACT else None
-            results.append((exact, makespan(Fo, Bo, c, schedule_kind, exact=False), m, cap, cuts, order, Fo, Bo, c))
-    # small ones were simulated exactly; of the rest, the best few by the estimate are simulated too
-    rest = sorted((r for r in results if r[0] is None), key=lambda r: r[1])
-    for k, r in enumerate(rest[:EXACT_TOP]):
-        if r[6].size <= EXACT_MAX:
-            rest[k] = (makespan(r[6], r[7], r[8], schedule_kind, exact=True),) + r[1:]
-    results = [r for r in results if r[0] is not None] + rest
-    pool = [r for r in results if r[0] is not None] or results
-    key = (lambda r: r[0]) if pool[0][0] is not None else (lambda r: r[1])
-    best_t = min(key(r) for r in pool)
-    sel = min((r for r in pool if key(r) <= best_t * (1 + tol)), key=lambda r: (r[2], key(r)))
-    return sel[3], sel[4], sel[5], float(key(sel))
+    for (_score, m, cap, cuts, _tau, _pol), a, e in zip(near, bounds[:-1], bounds[1:]):
+        F, B, sends = costs["F"][:, a:e], costs["B"][:, a:e], sends_all[a:e]
+        orders = _orders((F + B).max(axis=0))
+        if setups[cap].rows.opened is not None and m == len(setups[cap].pos):   # one row each: as opened too
+            orders.append(np.argsort(setups[cap].rows.opened, kind="stable"))
+        for order in orders:
+            c, Fo, Bo = sends[order], F[:, order], B[:, order]
+            bound = makespan(Fo, Bo, c, schedule_kind, exact=False)
+            # the value ``makespan`` will report: exact when small (computed now if cheap, else later)
+            value = bound if 2 * Fo.size > EXACT_OPS else (
+                makespan(Fo, Bo, c, schedule_kind, exact=True) if Fo.size <= RANK_EXACT else None)
+            results.append([value, bound, m, cap, cuts, order, Fo, Bo, c])
+    # of those still to simulate exactly, the best few by the bound are; the rest drop out
+    pending = sorted((r for r in results if r[0] is None), key=lambda r: r[1])
+    for r in pending[:EXACT_TOP]:
+        r[0] = makespan(r[6], r[7], r[8], schedule_kind, exact=True)
+    pool = [r for r in results if r[0] is not None]
+    best_t = min(r[0] for r in pool)
+    sel = min((r for r in pool if r[0] <= best_t * (1 + tol)), key=lambda r: (r[2], r[0]))
+    return sel[3], sel[4], sel[5], float(sel[0])
 
 
 def _to_flat(rows: _RowSet, cuts: np.ndarray, order: np.ndarray) -> Flat:

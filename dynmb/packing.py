@@ -368,8 +368,7 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
     if packed:
         len_cap, longest_row = _packed_row_len(ctx, cfg.max_seq_len, pack_len, round_to)
     else:
-        len_cap = ctx.length_cap(min(cfg.max_seq_len, round_up(int(orig.max()), round_to)), round_to)
-        longest_row = len_cap
+        len_cap = longest_row = ctx.length_cap(cfg.max_seq_len, round_to)
 
     def message(over: np.ndarray) -> str:
         return _oversize_message(over, orig, len_cap, ctx, packed=packed, max_seq_len=cfg.max_seq_len,
