@@ -1,27 +1,47 @@
-"""Summaries of results tables: one row per method, the numbers the README quotes.
+"""Summaries of results tables: one row per configuration, the numbers the README quotes.
 
-``summarise(tables)`` takes the dict from ``dynmb.results.load_results`` and returns
-a DataFrame indexed by method (and dataset / limit when several are present):
+``summarise(tables, by=None)`` takes the dict from ``dynmb.results.load_results`` and
+returns a DataFrame with one row per configuration. A configuration is every setting
+that changes what a step computes: ``CONFIG_KEYS`` (dataset, limit, model, stages,
+schedule, attention, rounding, global batch, seed, method, the *requested* mbs and pack
+length, the case label) -- rows of different configurations are never merged.
+``by`` replaces the keys (it must keep them apart: a ``ValueError`` names a key that
+would merge runs of different configurations).
 
-- ``tokens_per_s``: median over measured steps of real tokens / step_s;
-- ``speedup_vs_fixed``: that over the ``fixed`` method's, same dataset and limit;
-- ``padding_fraction``, ``num_microbatches``: mean over steps;
-- ``mean_bubble``: median of the measured per-step mean bubble fraction;
+Per configuration (warm-up steps excluded):
+
+- ``tokens_per_s``: sum of real tokens / sum of ``step_s`` over its measured steps (every
+  method of one run sees the same global batches, so totals compare like with like);
+- ``x_<reference>``: the reference method's (``dynamic``) advantage, the median over
+  steps of the paired ratio ``reference tokens/s at step k / this tokens/s at step k``
+  (steps paired by index within the same context: same dataset, limit, model, stages,
+  schedule, attention, rounding, global batch, seed), with ``x_<reference>_lo`` /
+  ``_hi``: the smallest and largest paired ratio;
+- ``speedup_vs_fixed``: the paired median ratio this / ``fixed`` (the largest-mbs
+  ``fixed`` case of the context when there are several);
+- ``padding_fraction``: 1 - real / computed tokens over the steps; ``num_microbatches``,
+  ``distinct_shapes``: means; ``new_shapes``: sum;
+- ``mean_bubble``: median of the per-step mean bubble fraction;
 - ``peak_over_limit``: max over steps and stages of measured peak / limit;
-- ``step_s``, ``pred_step_s``, ``pred_err``: medians, and the median of |pred − measured| / measured;
-- ``plan_s``: median planning time per step.
-
-Warm-up steps (``warmup`` column true) are excluded.
+- ``step_s``, ``pred_step_s``: medians; ``pred_err``: median of |pred - measured| / measured;
+- ``plan_s``: median planning time per step; ``mbs``: the microbatch sizes the steps
+  used (``"3"``, or ``"2-3"`` when an automatic mbs varied).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import pandas as pd
 
-__all__ = ["summarise", "GROUP_KEYS"]
+__all__ = ["summarise", "CONFIG_KEYS", "CONTEXT_KEYS"]
 
-GROUP_KEYS = ("dataset", "memory_limit_bytes", "method")
+CONTEXT_KEYS = ("dataset", "memory_limit_bytes", "model", "num_stages", "virtual", "dp", "schedule", "attention",
+                "round_to", "global_batch", "seed")
+"""What makes two runs see the same global batches on the same pipeline."""
+CONFIG_KEYS = CONTEXT_KEYS + ("method", "mbs_setting", "pack_len_setting", "reorder", "label")
+"""Everything that makes two runs different configurations."""
 
 
 def _measured(steps: pd.DataFrame) -> pd.DataFrame:
@@ -30,45 +50,96 @@ def _measured(steps: pd.DataFrame) -> pd.DataFrame:
     return steps
 
 
-def summarise(tables: dict[str, pd.DataFrame], baseline: str = "fixed") -> pd.DataFrame:
-    steps = _measured(tables["steps"]).copy()
+def _with_settings(steps: pd.DataFrame, runs: pd.DataFrame | None) -> pd.DataFrame:
+    """Add ``mbs_setting`` / ``pack_len_setting``: what the run asked for (its config), not
+    what each step used (an automatic mbs may differ from step to step)."""
+    steps = steps.copy()
+    for col in ("mbs", "pack_len"):
+        setting = f"{col}_setting"
+        if runs is not None and not runs.empty and col in runs.columns:
+            asked = runs.drop_duplicates("run_id").set_index("run_id")[col]
+            steps[setting] = steps["run_id"].map(asked)
+        else:
+            steps[setting] = np.nan
+        steps[setting] = steps[setting].map(lambda v: "auto" if pd.isna(v) else str(int(v)))
+    return steps
+
+
+def _span(values: pd.Series) -> str:
+    v = values.dropna()
+    if v.empty:
+        return ""
+    lo, hi = int(v.min()), int(v.max())
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def _paired(steps: pd.DataFrame, keys: list[str], ctx: list[str], ref: pd.Series) -> pd.DataFrame:
+    """Per configuration: median, min and max over steps of ``ref_tps[step] / tps[step]``."""
+    own = steps.set_index(ctx + ["step"])["tokens_per_s"] if ctx else steps.set_index("step")["tokens_per_s"]
+    ratio = ref.reindex(own.index).to_numpy() / own.to_numpy()
+    frame = steps[keys].copy()
+    frame["ratio"] = ratio
+    g = frame.groupby(keys, dropna=False)["ratio"]
+    return pd.DataFrame({"median": g.median(), "lo": g.min(), "hi": g.max()})
+
+
+def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, *,
+              reference: str = "dynamic", baseline: str = "fixed") -> pd.DataFrame:
+    """One row per configuration; see the module docstring."""
+    steps = _measured(tables["steps"])
     if steps.empty:
         raise ValueError("no measured steps in the results tables")
-    if "memory_limit_bytes" not in steps.columns:
-        steps["memory_limit_bytes"] = np.nan
-    keys = [k for k in GROUP_KEYS if k in steps.columns]
+    steps = _with_settings(steps, tables.get("runs"))
+    if "label" not in steps.columns:
+        steps["label"] = steps["method"]
+    steps["label"] = steps["label"].fillna(steps["method"])
+    present = [k for k in CONFIG_KEYS if k in steps.columns]
+    keys = list(by) if by is not None else present
+    missing = [k for k in keys if k not in steps.columns]
+    if missing:
+        raise ValueError(f"summarise: no column(s) {missing} in the steps table")
+    for k in present:
+        if k not in keys and steps.groupby(keys, dropna=False)[k].nunique(dropna=False).max() > 1:
+            raise ValueError(f"summarise(by={list(keys)}) would merge runs of different {k!r}; add it to `by`")
+    ctx = [k for k in CONTEXT_KEYS if k in keys]
+    steps = steps.copy()
     steps["pred_err"] = (steps["pred_step_s"] - steps["step_s"]).abs() / steps["step_s"]
-    agg: dict[str, tuple[str, str]] = {
-        "steps": ("step_s", "size"),
-        "tokens_per_s": ("tokens_per_s", "median"),
-        "step_s": ("step_s", "median"),
-        "pred_step_s": ("pred_step_s", "median"),
-        "pred_err": ("pred_err", "median"),
-        "num_microbatches": ("num_microbatches", "mean"),
-    }
-    for col, how in (("padding_fraction", "mean"), ("mean_bubble", "median"), ("plan_s", "median"), ("mbs", "first")):
+    g = steps.groupby(keys, dropna=False)
+    out = pd.DataFrame({
+        "steps": g.size(),
+        "tokens_per_s": g["real_tokens"].sum() / g["step_s"].sum(),
+        "step_s": g["step_s"].median(),
+        "pred_step_s": g["pred_step_s"].median(),
+        "pred_err": g["pred_err"].median(),
+        "padding_fraction": 1.0 - g["real_tokens"].sum() / g["computed_tokens"].sum(),
+        "num_microbatches": g["num_microbatches"].mean(),
+    })
+    for col, how in (("mean_bubble", "median"), ("plan_s", "median"), ("distinct_shapes", "mean"),
+                     ("new_shapes", "sum")):
         if col in steps.columns:
-            agg[col] = (col, how)
-    out = steps.groupby(keys, dropna=False).agg(**agg)
+            out[col] = g[col].agg(how)
+    if "mbs" in steps.columns:
+        out["mbs"] = g["mbs"].agg(_span)
     mem = tables.get("memory")
     if mem is not None and not mem.empty:
         mem = mem.copy()
-        if "warmup" in mem.columns:
-            mem = mem[~mem["warmup"].astype(bool)]
         mem["ratio"] = mem["peak_bytes"] / mem["limit_bytes"]
-        run_keys = steps.drop_duplicates("run_id").set_index("run_id")[keys]
-        mem = mem.join(run_keys, on="run_id")
+        step_keys = steps.drop_duplicates(["run_id", "step"]).set_index(["run_id", "step"])[keys]
+        mem = mem.join(step_keys, on=["run_id", "step"], how="inner")   # measured steps only
         out = out.join(mem.groupby(keys, dropna=False)["ratio"].max().rename("peak_over_limit"))
-    # speedup against the baseline method of the same dataset and limit
-    flat = out.reset_index()
-    ctx = [k for k in keys if k != "method"]
-    if baseline in set(flat["method"]):
-        base = flat[flat["method"] == baseline].set_index(ctx)["tokens_per_s"].rename("base") if ctx else \
-            flat.loc[flat["method"] == baseline, "tokens_per_s"].iloc[0]
-        if ctx:
-            flat = flat.join(base, on=ctx)
-            flat["speedup_vs_fixed"] = flat["tokens_per_s"] / flat["base"]
-            flat = flat.drop(columns="base")
+    for name, col, pick_largest_mbs in ((reference, f"x_{reference}", False), (baseline, "speedup_vs_fixed", True)):
+        rows = steps[steps["method"] == name]
+        if rows.empty:
+            continue
+        if pick_largest_mbs and rows["mbs_setting"].nunique() > 1:
+            # several fixed cases: the baseline is the largest microbatch that fits (the common default)
+            rows = rows[rows["label"] == rows.sort_values("mbs").iloc[-1]["label"]]
+        if rows.groupby(ctx + ["step"], dropna=False).size().max() > 1:
+            rows = rows[rows["label"] == rows["label"].iloc[0]]
+        ref_tps = rows.set_index(ctx + ["step"])["tokens_per_s"] if ctx else rows.set_index("step")["tokens_per_s"]
+        pr = _paired(steps, keys, ctx, ref_tps)
+        if name == reference:
+            out[col], out[f"{col}_lo"], out[f"{col}_hi"] = pr["median"], pr["lo"], pr["hi"]
         else:
-            flat["speedup_vs_fixed"] = flat["tokens_per_s"] / base
-    return flat.set_index(keys)
+            out[col] = 1.0 / pr["median"]
+    return out

@@ -18,7 +18,29 @@ __all__ = ["main", "build_parser"]
 # shared flag groups
 # --------------------------------------------------------------------------
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="small", help="model preset: tiny, small (CPU default), gpt2, gpt2-medium, llama-1b, llama-7b")
+    p.add_argument("--model", default="small",
+                   help="model: a preset (tiny, small (CPU default), gpt2, gpt2-medium, llama-1b, llama-7b, deep-13b), "
+                        "a preset with overrides (small:d_model=512,n_layers=8) or a JSON file of ModelConfig fields")
+    p.add_argument("--attention", default=None, choices=["auto", "dense"],
+                   help="auto (default): causal attention without a mask for one document per row, document-causal "
+                        "(sum of s_i^2) for packed rows; dense: the (s, s) mask on every row (ablation)")
+
+
+def _model_cfg(args: argparse.Namespace):
+    """The ModelConfig of --model and --attention."""
+    from dynmb.config import model_config
+
+    return model_config(args.model, attention=getattr(args, "attention", None))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _add_data_flags(p: argparse.ArgumentParser, *, global_batch: int = 64) -> None:
@@ -41,6 +63,21 @@ def _add_packing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-model", default=None, help="fitted memory-model JSON (`dynmb memory`); default: analytic")
     p.add_argument("--oversize", default="error", choices=["error", "truncate", "drop"],
                    help="a sequence that cannot fit alone: error (default), truncate it to fit, or drop it (both reported)")
+    _add_shape_flags(p)
+
+
+def _add_shape_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pack-len", type=_positive_int, default=None,
+                   help="row length of the packed method (default: the longest row that fits under the limit)")
+    p.add_argument("--round-to", type=_positive_int, default=1,
+                   help="every microbatch's padded_len is a multiple of N (default 1; 64 suits GPUs)")
+
+
+def _add_run_shape_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prewarm", action="store_true",
+                   help="run one forward+backward of every distinct microbatch shape of the planned steps first")
+    p.add_argument("--no-expandable-segments", action="store_true",
+                   help="CUDA: do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default)")
 
 
 def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
@@ -91,12 +128,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .memory import get_memory_model
     from .planner import plan_step
 
-    cfg = ModelConfig.preset(args.model)
+    cfg = _model_cfg(args)
     batch = _load_batch(args, args.step)
     plan, _, sim = plan_step(
         batch, method=args.method, model_cfg=cfg, num_stages=args.stages,
         memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule_kind,
-        mbs=args.mbs, dp=args.dp, oversize=args.oversize,
+        mbs=args.mbs, dp=args.dp, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
         cost_model=get_cost_model(args.cost_model, cfg, args.stages),
         memory_model=get_memory_model(args.memory_model, cfg, args.stages),
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step, "model": args.model},
@@ -112,6 +149,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "pred_step_s": plan.predictions["pred_step_s"], "mean_bubble": plan.predictions["mean_bubble"],
         "plan_s": plan.predictions["plan_s"], "mbs": plan.meta.get("mbs"),
         "dropped": len(plan.meta.get("dropped", [])), "truncated": len(plan.meta.get("truncated", [])),
+        "pack_len": plan.meta.get("pack_len"), "round_to": args.round_to, "attention": cfg.attention,
+        "distinct_shapes": len({(mb.batch, mb.padded_len) for mb in plan.microbatches}),
     }
     if args.json:
         print(json.dumps(summary))
@@ -139,7 +178,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     if plan.schedule_kind != args.kind:
         print(f"dynmb schedule: note: the plan was packed for {plan.schedule_kind!r}, scheduling it as "
               f"{args.kind!r}; its memory guarantee is for the former", file=sys.stderr)
-    cfg = ModelConfig.preset(args.model)
+    cfg = _model_cfg(args)
     cm = get_cost_model(args.cost_model, cfg, plan.num_stages)
     mm = get_memory_model(args.memory_model, cfg, plan.num_stages)
     plan = reorder(plan, args.reorder, cost_model=cm, memory_model=mm, schedule_kind=args.kind, virtual=args.virtual)
@@ -171,7 +210,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     sched = from_csv(args.schedule, num_microbatches=plan.num_microbatches)
-    cfg = ModelConfig.preset(args.model)
+    cfg = _model_cfg(args)
     cm = get_cost_model(args.cost_model, cfg, plan.num_stages)
     mm = get_memory_model(args.memory_model, cfg, plan.num_stages)
     sim = simulate(sched, plan, cm, mm)
@@ -207,7 +246,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     from dynmb.memory import MemoryModel
     from dynmb.runtime.meter import measure_grid
 
-    cfg = ModelConfig.preset(args.model)
+    cfg = _model_cfg(args)
     rows, lens = ([1, 2, 4], [32, 64, 128, 256]) if args.quick else ([1, 2, 4, 8], [64, 128, 256, 512, 1024])
     if args.device == "cuda" and not args.quick:
         lens += [2048, 4096]    # a GPU has the room: cover the long sequences the traces hold
@@ -239,7 +278,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from dynmb.config import ModelConfig
     from dynmb.profile import profile
-    cfg = ModelConfig.preset(args.model)
+    cfg = _model_cfg(args)
     df = profile(cfg, args.stages, quick=args.quick, max_len=args.max_len, repeats=args.repeats, warmup=args.warmup,
                  device=args.device, threads=args.threads, output=args.output, comm=args.comm,
                  memory=not args.no_memory, concurrent=args.concurrent, token_cap=args.token_cap)
@@ -252,7 +291,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     from dynmb.config import ModelConfig
     from dynmb.costmodel import fit_cost_model, kfold_error, noise_floor
     from dynmb.profile import load_samples
-    cfg = ModelConfig.preset(args.model)
+    cfg = _model_cfg(args)
     df = load_samples(args.samples)
     for col, want in (("model", cfg.name), ("num_stages", args.stages)):
         got = set(df[col].dropna().unique()) if col in df else set()
@@ -283,15 +322,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     backend, device = default_backend_device()
     kind = args.schedule if args.schedule != "1f1b" else args.schedule_kind
     cfg = RunConfig(
-        model=ModelConfig.preset(args.model),
+        model=_model_cfg(args),
         pipeline=PipelineConfig(num_stages=args.stages, virtual=args.virtual, schedule=kind, reorder=args.reorder,
                                 memory_limit_bytes=parse_bytes(args.memory_limit)),
         dataset=args.lengths or args.dataset or "sharegpt", global_batch=args.global_batch, method=args.method,
         mbs=args.mbs, dp=args.dp, seed=args.seed, steps=args.steps, warmup=args.warmup,
         backend=args.backend or backend, device=args.device or device, cost_model=args.cost_model,
-        timeout_s=args.timeout)
+        timeout_s=args.timeout, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
+        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments)
     return launch(cfg, args.out, args.nproc, verify=args.verify, memory_model=args.memory_model,
-                  oversize=args.oversize, allow_over_limit=getattr(args, "allow_over_limit", False))
+                  allow_over_limit=getattr(args, "allow_over_limit", False))
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import run_compare
 
@@ -407,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="process-group / P2P timeout in seconds (default 120)")
     p.add_argument("--verify", action="store_true", help="check each step's gradients against a single-process reference")
     p.add_argument("--allow-over-limit", action="store_true", help="report a measured peak over the limit instead of failing")
+    _add_run_shape_flags(p)
     p.add_argument("--out", required=True, help="results folder (tables steps/actions/memory/runs)")
     p.set_defaults(func=lambda a: _cmd_run(a))
 
@@ -416,6 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", default=None, help="per-GPU memory limit (default 1GiB, which binds for the small model)")
     p.add_argument("--methods", default="fixed,sorted,packed,token-budget,dynapipe,dynamic", help="comma-separated methods")
     p.add_argument("--mbs", type=int, default=None, help="microbatch size for fixed-size methods (default: largest that fits)")
+    p.add_argument("--oversize", default="error", choices=["error", "truncate", "drop"],
+                   help="a sequence that cannot fit alone: error (default), truncate or drop (both reported)")
+    _add_shape_flags(p)
+    _add_run_shape_flags(p)
     p.add_argument("--schedule", default="1f1b", help="schedule kind (default 1f1b)")
     p.add_argument("--virtual", type=int, default=1,
                    help="model chunks per rank (default 1: one rank per stage; >1 runs the interleaved schedule on stages/virtual ranks)")
@@ -429,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or one of none, descending, ascending, ends, dynapipe, search for every method")
     p.add_argument("--steps", type=int, default=3, help="measured steps per method (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps per method (default 1)")
+    p.add_argument("--no-fixed-best", action="store_true",
+                   help="skip the extra fixed cases (mbs 1, 2, 4, ... below the largest that fits) that find "
+                        "the best fixed mbs in hindsight")
     p.add_argument("--sequential", action="store_true",
                    help="run the methods one after another; default on CPU: round by round (step k of every "
                         "method, then step k+1), so outside load hits every method alike")

@@ -16,7 +16,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["ModelConfig", "PipelineConfig", "RunConfig", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers"]
+__all__ = ["ModelConfig", "PipelineConfig", "RunConfig", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
+           "model_config"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -233,6 +234,18 @@ class RunConfig:
     """Path to a fitted cost model JSON; None uses the analytic stand-in."""
     timeout_s: float = 120.0
     """Process-group and P2P timeout: a stuck run fails instead of hanging."""
+    pack_len: int | None = None
+    """Row length of the ``packed`` method (None: the longest row that fits under the limit)."""
+    round_to: int = 1
+    """Every microbatch's padded_len (and packed row length) is a multiple of this."""
+    oversize: str = "error"
+    """A sequence that cannot fit alone: error, truncate or drop (truncated/dropped are counted)."""
+    expandable_segments: bool = True
+    """CUDA: run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (less fragmentation
+    when microbatch shapes vary), unless the variable is already set."""
+    prewarm: bool = False
+    """Run one forward+backward of every distinct microbatch shape of the planned steps before
+    the first step (CUDA kernels and allocator pools are set up per shape)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -247,6 +260,14 @@ class RunConfig:
             raise ValueError(f"unknown backend {self.backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}")
+        if self.round_to < 1:
+            raise ValueError(f"round_to must be >= 1, got {self.round_to}")
+        if self.pack_len is not None and self.pack_len < 1:
+            raise ValueError(f"pack_len must be >= 1, got {self.pack_len}")
+        if self.oversize not in ("error", "truncate", "drop"):
+            raise ValueError(f"oversize must be error, truncate or drop, got {self.oversize!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -267,3 +288,55 @@ class RunConfig:
             else:
                 out[k] = v
         return out
+
+
+def _field_value(name: str, text: str) -> Any:
+    kind = {f.name: f.type for f in fields(ModelConfig)}[name]
+    if kind in ("int", int):
+        return int(text)
+    return text
+
+
+def model_config(spec: str, *, attention: str | None = None) -> ModelConfig:
+    """The model named by ``spec``: a preset (``small``), a preset with overrides
+    (``small:d_model=512,n_layers=8``) or a JSON file of ``ModelConfig`` fields
+    (``path/to/model.json``; missing fields keep their defaults). ``attention``, when
+    given, overrides the attention field. Errors name the spec and the bad field."""
+    import json
+    from pathlib import Path
+
+    if spec.endswith(".json"):
+        try:
+            data = json.loads(Path(spec).read_text())
+        except OSError as e:
+            raise ValueError(f"cannot read model file {spec}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model file {spec} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"model file {spec} must hold a JSON object of ModelConfig fields")
+        data = data.get("model", data)
+        unknown = sorted(set(data) - {f.name for f in fields(ModelConfig)})
+        if unknown:
+            raise ValueError(f"model file {spec}: unknown ModelConfig field(s) {unknown}")
+        try:
+            cfg = ModelConfig(**{"name": Path(spec).stem, **data})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"model file {spec}: {e}") from None
+    else:
+        name, _, rest = spec.partition(":")
+        overrides: dict[str, Any] = {}
+        known = {f.name for f in fields(ModelConfig)}
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in known or key == "name":
+                raise ValueError(f"--model {spec}: {item!r} is not field=value of a ModelConfig field "
+                                 f"({', '.join(sorted(known - {'name'}))})")
+            try:
+                overrides[key] = _field_value(key, value.strip())
+            except ValueError:
+                raise ValueError(f"--model {spec}: {key} must be an integer, got {value!r}") from None
+        cfg = ModelConfig.preset(name, **overrides)
+        if overrides:
+            cfg = replace(cfg, name=spec)
+    return cfg if attention is None else replace(cfg, attention=attention)

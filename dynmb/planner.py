@@ -58,6 +58,8 @@ def plan_step(
     cost_model: Any = None,
     memory_model: Any = None,
     oversize: str = "error",
+    pack_len: int | None = None,
+    round_to: int = 1,
     meta: dict[str, Any] | None = None,
 ) -> tuple[Plan, Schedule, Any]:
     """Pack, reorder, schedule and simulate one global batch.
@@ -76,7 +78,8 @@ def plan_step(
     t0 = time.perf_counter()
     plan = pack(np.asarray(lengths, dtype=np.int64), method, num_stages=num_stages,
                 memory_limit_bytes=memory_limit_bytes, memory_model=memory_model, cost_model=cost_model,
-                mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize=oversize, virtual=virtual)
+                mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize=oversize, virtual=virtual,
+                pack_len=pack_len, round_to=round_to)
     replicas = [plan] if dp == 1 else [plan.replica(r) for r in range(dp)]
     if reorder != "none":
         from .schedule.reorder import reorder as _reorder

@@ -120,19 +120,22 @@ def cost_fit(samples: pd.DataFrame, cost_model, path: str, title: str | None = N
 
 # --- compare (lead) ---
 def compare_throughput(summary: pd.DataFrame, path: str, title: str | None = None) -> str:
-    """Bar chart of measured tokens/s per method (one panel), speedup over ``fixed`` on the bars.
+    """Bar chart of measured tokens/s per case (one panel), dynamic's paired ratio to each on the bars.
 
-    ``summary`` is ``dynmb.analysis.summarise``'s output (``method`` in the index or columns).
+    ``summary`` is ``dynmb.compare.display_summary``'s output (case names in the index, a
+    ``method`` column, ``x_dynamic``) or ``summarise``'s (``method`` in the index or columns).
     """
     df = summary.reset_index()
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(df)), 3.6))
+    names = df["case"] if "case" in df.columns else df["method"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(df)), 3.8))
     colors = ["#d62728" if m == "dynamic" else "#7f7f7f" if m == "fixed" else "#1f77b4" for m in df["method"]]
-    bars = ax.bar(df["method"], df["tokens_per_s"], color=colors)
-    if "speedup_vs_fixed" in df.columns:
-        for b, s in zip(bars, df["speedup_vs_fixed"]):
-            ax.annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
-                        ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("real tokens / s (median step)")
+    bars = ax.bar(names.astype(str), df["tokens_per_s"].astype(float), color=colors)
+    if "x_dynamic" in df.columns:
+        for b, s in zip(bars, df["x_dynamic"].astype(float)):
+            ax.annotate(f"dyn {s:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    ax.set_ylabel("real tokens / s (total over steps)")
     ax.set_title(title or "throughput per packing method")
     ax.margins(y=0.15)
     fig.tight_layout()

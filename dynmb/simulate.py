@@ -246,7 +246,7 @@ def comm_times(cost_model: Any, plan: Plan) -> np.ndarray | float:
 def simulate(schedule: Schedule, plan: Plan, cost_model: Any, memory_model: Any = None) -> SimResult:
     """Simulate ``plan`` (microbatch ``j`` = ``plan.microbatches[j]``) under ``schedule``.
 
-    Costs from ``cost_model.stage_costs(rows, padded_len)``; P2P time from
+    Costs from ``cost_model.plan_costs(plan)`` (rows, padded_len and attention work); P2P time from
     ``cost_model.comm.time(message bytes)``; memory from ``memory_model`` when given.
     """
     if schedule.num_stages != plan.num_stages:
@@ -255,7 +255,7 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: Any, memory_model: Any 
         raise ValueError(f"schedule has {schedule.num_microbatches} microbatches but the plan {plan.num_microbatches}")
     shapes = plan.shapes()
     rows, plen = shapes[:, 0], shapes[:, 1]
-    costs = cost_model.stage_costs(rows, plen)
+    costs = cost_model.plan_costs(plan)
     comm = comm_times(cost_model, plan)
     act, tr, state = memory_inputs(memory_model, plan)
     res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr)

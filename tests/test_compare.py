@@ -21,22 +21,39 @@ def test_reorder_auto_gives_each_method_its_own_order():
 def test_compare_runs_methods_side_by_side(tmp_path, capsys):
     out = tmp_path / "cmp"
     rc = main(["compare", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "8", "--steps", "2",
-               "--warmup", "0", "--methods", "fixed,dynamic", "--memory-limit", "64MiB", "--out", str(out)])
+               "--warmup", "0", "--methods", "fixed,dynamic", "--memory-limit", "24MiB", "--out", str(out)])
     assert rc == 0
     captured = capsys.readouterr()
     printed = captured.out
-    assert "steps: 100%" in captured.err and "4/4" in captured.err          # the progress bar
-    # on CPU the methods run round by round, the order rotated: step 0 of fixed, of dynamic,
-    # then step 1 of dynamic, of fixed (rank 0 appends the rows as the steps finish)
-    order = pd.read_csv(out / "steps.csv")[["method", "step"]].apply(tuple, axis=1).tolist()
-    assert order == [("fixed", 0), ("dynamic", 0), ("dynamic", 1), ("fixed", 1)]
-    assert "dynamic" in printed and "speedup_vs_fixed" in printed
-    summary = pd.read_csv(out / "summary.csv").set_index("method")
-    assert list(summary.index) == ["fixed", "dynamic"]
-    assert summary.loc["fixed", "speedup_vs_fixed"] == pytest.approx(1.0)
+    steps = pd.read_csv(out / "steps.csv")
+    cases = list(dict.fromkeys(steps["label"]))
+    assert cases[:2] == ["fixed", "dynamic"] and all(c.startswith("fixed mbs=") for c in cases[2:])
+    n = len(cases)
+    assert n >= 3, "the hindsight search must try at least mbs 1 below the largest that fits"
+    assert "steps: 100%" in captured.err and f"{2 * n}/{2 * n}" in captured.err     # the progress bar
+    # on CPU the cases run round by round, the order rotated by one each round
+    order = steps[["label", "step"]].apply(tuple, axis=1).tolist()
+    assert order == [(c, 0) for c in cases] + [(cases[(i + 1) % n], 1) for i in range(n)]
+    assert "dynamic x" in printed and "fixed-best (mbs" in printed and "the best other case" in printed
+    summary = pd.read_csv(out / "summary.csv").set_index("case")
+    used = steps.loc[steps["label"] == "fixed", "mbs"]
+    auto = f"fixed (mbs {int(used.min())}{'' if used.nunique() == 1 else '-' + str(int(used.max()))})"
+    assert summary.index[0] == auto                   # the largest mbs that fits, as each step chose it
+    assert summary.loc[auto, "speedup_vs_fixed"] == pytest.approx(1.0)
+    assert summary.loc["dynamic", "x_dynamic"] == pytest.approx(1.0)
+    # the paired ratio: median over steps of dynamic's tokens/s over this case's, step by step
+    dyn = steps[steps["label"] == "dynamic"].set_index("step")["tokens_per_s"]
+    fix = steps[steps["label"] == "fixed"].set_index("step")["tokens_per_s"]
+    assert summary.loc[auto, "x_dynamic"] == pytest.approx((dyn / fix).median())
+    # throughput is total real tokens over total step time
+    rows = steps[steps["label"] == "dynamic"]
+    assert summary.loc["dynamic", "tokens_per_s"] == pytest.approx(rows["real_tokens"].sum() / rows["step_s"].sum())
+    best = summary[summary.index.str.startswith("fixed-best")]
+    assert len(best) == 1 and best["tokens_per_s"].iloc[0] == summary[summary["method"] == "fixed"]["tokens_per_s"].max()
+    assert {"distinct_shapes", "new_shapes"} <= set(steps.columns)
+    assert (steps["new_shapes"] <= steps["distinct_shapes"]).all()
     assert (summary["peak_over_limit"] <= 1.0).all()
     assert (summary["padding_fraction"] >= 0).all()
-    steps = pd.read_csv(out / "steps.csv")
     assert set(steps["method"]) == {"fixed", "dynamic"}
     assert set(steps.loc[steps["method"] == "dynamic", "reorder"]) == {"search"}
     for png in ("throughput.png", "gantt_fixed_measured.png", "gantt_dynamic_predicted.png"):
@@ -49,7 +66,7 @@ def test_compare_on_one_rank_with_virtual_stages(tmp_path, capsys):
     out = tmp_path / "cmp1"
     rc = main(["compare", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "8", "--steps", "1",
                "--warmup", "0", "--methods", "fixed,dynamic", "--memory-limit", "64MiB", "--virtual", "2",
-               "--device", "cpu", "--sequential", "--out", str(out)])
+               "--device", "cpu", "--sequential", "--no-fixed-best", "--out", str(out)])
     assert rc == 0
     steps = pd.read_csv(out / "steps.csv")
     assert steps["method"].tolist() == ["fixed", "dynamic"]          # --sequential: one method after another

@@ -334,6 +334,10 @@ class _ArrCost:
         f = self.factors[:, None] * t[None, :] * 1e-3
         return {"F": f, "B": 2 * f}
 
+    def plan_costs(self, plan):
+        shapes = plan.shapes()
+        return self.stage_costs(shapes[:, 0], shapes[:, 1])
+
 
 class _ArrMem:
     def __init__(self, P, state=0.0):

@@ -126,6 +126,10 @@ class _Cost:
         f = np.stack([tok * (1 + s) * 1e-3 for s in range(self.num_stages)])
         return {"F": f, "B": 2 * f}
 
+    def plan_costs(self, plan):
+        shapes = plan.shapes()
+        return self.stage_costs(shapes[:, 0], shapes[:, 1])
+
 
 class _Mem:
     def __init__(self, P):

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,16 @@ def default_backend_device() -> tuple[str, str]:
 
 def write_spec(run_cfg: RunConfig, out_dir: str | Path, *, verify: bool = False, allow_over_limit: bool = False,
                memory_model: str | None = None, fault: dict[str, Any] | None = None, run_id: str | None = None,
-               oversize: str = "error") -> dict[str, Any]:
-    """The worker's spec for one run (also written to ``out_dir/spec.json`` by ``launch``)."""
+               oversize: str | None = None) -> dict[str, Any]:
+    """The worker's spec for one run (also written to ``out_dir/spec.json`` by ``launch``);
+    ``oversize`` overrides ``run_cfg.oversize``."""
+    if oversize is not None:
+        run_cfg = replace(run_cfg, oversize=oversize)
     return {
         "run": run_cfg.to_dict(), "out_dir": str(Path(out_dir).resolve()),
         "run_id": run_id or f"{run_cfg.method}-{run_cfg.pipeline.schedule}-{uuid.uuid4().hex[:8]}",
         "verify": verify, "allow_over_limit": allow_over_limit, "memory_model": memory_model,
-        "fault": fault, "oversize": oversize,
+        "fault": fault,
     }
 
 
@@ -87,6 +91,10 @@ def launch_spec(spec: dict[str, Any], nproc: int, *, guard_s: float | None = Non
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "dynmb.runtime.worker", "--spec", str(path)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    runs = [c["run"] for c in spec.get("cases") or [spec]]
+    if any(r["device"] == "cuda" and r.get("expandable_segments", True) for r in runs):
+        # fewer fragmented blocks when every microbatch has its own shape (opt out: --no-expandable-segments)
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []

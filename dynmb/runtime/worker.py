@@ -185,23 +185,62 @@ class _Setup:
         self.clock = Clock(device)
         self.run_id = spec.get("run_id") or "run"
         self.warm_actions: list[dict[str, Any]] = []   # every rank's warm-up actions, for _calibrate
+        self.seen_shapes: set[tuple[int, int]] = set()  # (rows, padded_len) run so far (prewarm included)
+
+    def plan(self, k: int) -> tuple[Any, Any, Any, Plan]:
+        """Global batch ``k`` and its ``(plan, schedule, sim)``: deterministic, the same on every rank."""
+        from dynmb.data import sample_batch
+        from dynmb.planner import plan_step
+
+        cfg, pc = self.cfg, self.cfg.pipeline
+        lengths = sample_batch(self.trace, cfg.global_batch, cfg.seed, step=k)
+        plan, sched, sim = plan_step(lengths, method=cfg.method, model_cfg=cfg.model, num_stages=self.S,
+                                     memory_limit_bytes=pc.memory_limit_bytes, schedule_kind=pc.schedule,
+                                     reorder=pc.reorder, mbs=cfg.mbs, dp=self.dp, virtual=pc.virtual,
+                                     cost_model=self.cost_model, memory_model=self.memory_model,
+                                     oversize=cfg.oversize, pack_len=cfg.pack_len, round_to=cfg.round_to)
+        return lengths, plan, sched, sim
+
+
+def _prewarm(st: _Setup) -> int:
+    """Run one forward + backward of every distinct microbatch shape of this run's planned steps
+    on this rank's stages, outside any measured step (``RunConfig.prewarm``), then drop the
+    gradients. Shapes are planned with the cost model of set-up time (the warm-up calibration
+    may change later plans; the ``new_shapes`` column says what was still new). Returns the
+    number of shapes run."""
+    from dynmb.model import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
+
+    cfg = st.cfg
+    todo: dict[tuple[int, int, bool], tuple[Microbatch, Any]] = {}
+    for k in range(cfg.warmup + cfg.steps):
+        lengths, plan, _, _ = st.plan(k)
+        for mb in plan.microbatches:
+            todo.setdefault((mb.batch, mb.padded_len, mb.is_packed), (mb, lengths))
+    for mb, lengths in todo.values():
+        tokens = synthetic_tokens(lengths, cfg.model.vocab_size, 0)
+        inputs = make_inputs(mb, tokens, cfg=cfg.model, device=st.device)
+        for stage in st.stages.values():
+            x = None if stage.is_first else torch.randn(hidden_shape(mb, cfg.model), dtype=torch_dtype(cfg.model),
+                                                        device=st.device, requires_grad=True)
+            y = stage(x, inputs)
+            if stage.is_last:
+                y.backward()
+            else:
+                y.backward(torch.ones_like(y))
+        st.seen_shapes.add((mb.batch, mb.padded_len))
+    st.opt.zero_grad(set_to_none=True)
+    return len(todo)
 
 
 # --------------------------------------------------------------------------
 # one step
 # --------------------------------------------------------------------------
 def _step(st: _Setup, k: int) -> dict[str, Any]:
-    from dynmb.data import sample_batch
     from dynmb.model import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
-    from dynmb.planner import make_schedule, plan_step
+    from dynmb.planner import make_schedule
 
     cfg, pc, dev = st.cfg, st.cfg.pipeline, st.device
-    lengths = sample_batch(st.trace, cfg.global_batch, cfg.seed, step=k)
-    plan, sched, sim = plan_step(lengths, method=cfg.method, model_cfg=cfg.model, num_stages=st.S,
-                                 memory_limit_bytes=pc.memory_limit_bytes, schedule_kind=pc.schedule,
-                                 reorder=pc.reorder, mbs=cfg.mbs, dp=st.dp, virtual=pc.virtual,
-                                 cost_model=st.cost_model, memory_model=st.memory_model,
-                                 oversize=st.spec.get("oversize", "error"))
+    lengths, plan, sched, sim = st.plan(k)
     fault = st.spec.get("fault") or {}
 
     def injected(kind: str) -> bool:
@@ -248,6 +287,8 @@ def _step(st: _Setup, k: int) -> dict[str, Any]:
     p2p = P2P(sched, st.pp_idx, st.pp_ranks, st.pair_groups, lambda m: hidden_shape(sub.microbatches[m], cfg.model),
               dtype=torch_dtype(cfg.model), device=dev)
     st.meter.reset_step()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     gc.disable()   # no collector pauses inside the measured step; _run_step collects after it
     dist.barrier()
     t0, m0 = time.perf_counter(), st.clock.mark()
@@ -278,8 +319,7 @@ def _step(st: _Setup, k: int) -> dict[str, Any]:
     problems: list[str] = []
 
     # --- measurements ---------------------------------------------------------
-    rows, padded = sub.shapes()[:, 0], sub.shapes()[:, 1]
-    costs = st.cost_model.stage_costs(rows, padded)
+    costs = st.cost_model.plan_costs(sub)
     acts, busy = [], 0.0
     for t in timings:
         a, mb = t.action, sub.microbatches[t.action.mb]
@@ -287,18 +327,22 @@ def _step(st: _Setup, k: int) -> dict[str, Any]:
         busy += end - start
         pred = costs[a.op][a.stage, a.mb] if a.op in costs else 0.0
         acts.append(dict(run_id=st.run_id, step=k, rank=st.rank, dp_rank=st.dp_idx, stage=a.stage, op=a.op, mb=a.mb,
-                         batch=mb.batch, padded_len=mb.padded_len, start_s=start, end_s=end, pred_s=float(pred),
+                         batch=mb.batch, padded_len=mb.padded_len, docs=mb.num_seqs,
+                         attn_work=mb.attention_work(cfg.model.attention), start_s=start, end_s=end, pred_s=float(pred),
                          wait_s=st.clock.seconds(t.t_recv, t.t_start)))
     limit = plan.memory_limit_bytes
     pred_peak = list(plan.predictions.get("pred_peak_bytes", []))
     peaks = st.meter.peaks()                           # {stage: bytes} of this rank's stages
+    cuda_pool = dict(allocated_bytes=int(torch.cuda.max_memory_allocated(dev)),
+                     reserved_bytes=int(torch.cuda.max_memory_reserved(dev))) if dev.type == "cuda" else {}
     mem = []
     for s in sorted(st.stages):
         peak = int(peaks[s])
         if injected("overlimit"):
             limit = peak - 1                           # fault injection: the check must fail
         mem.append(dict(run_id=st.run_id, step=k, stage=s, rank=st.rank, dp_rank=st.dp_idx, peak_bytes=peak,
-                        limit_bytes=int(limit), pred_peak_bytes=int(pred_peak[s]) if s < len(pred_peak) else None))
+                        limit_bytes=int(limit), pred_peak_bytes=int(pred_peak[s]) if s < len(pred_peak) else None,
+                        **cuda_pool))
         if peak > limit and not st.spec.get("allow_over_limit"):
             problems.append(f"rank {st.rank} stage {s}: measured peak {peak} bytes exceeds the memory limit "
                             f"{limit} bytes at step {k}")
@@ -313,6 +357,9 @@ def _record(st: _Setup, k: int, rep: dict[str, Any], reports: list[dict[str, Any
     """Rank 0: append this step's rows to the tables."""
     plan, cfg = rep["plan"], st.cfg
     step_s = max(r["step_s"] for r in reports)
+    shapes = {(mb.batch, mb.padded_len) for mb in plan.microbatches}
+    new_shapes = len(shapes - st.seen_shapes)
+    st.seen_shapes |= shapes
     row = dict(run_id=st.run_id, method=cfg.method, dataset=cfg.dataset, step=k, warmup=k < cfg.warmup,
                step_s=step_s, pred_step_s=plan.predictions.get("pred_step_s"), real_tokens=plan.real_tokens,
                computed_tokens=plan.computed_tokens, tokens_per_s=plan.real_tokens / step_s,
@@ -324,7 +371,10 @@ def _record(st: _Setup, k: int, rep: dict[str, Any], reports: list[dict[str, Any
                verified=bool(st.spec.get("verify")), memory_limit_bytes=int(plan.memory_limit_bytes),
                mbs=plan.meta.get("mbs"), model=cfg.model.name, global_batch=cfg.global_batch,
                truncated=len(plan.meta.get("truncated", [])), dropped=len(plan.meta.get("dropped", [])),
-               overhead_F_s=st.cost_model.runtime_overhead_s["F"], overhead_B_s=st.cost_model.runtime_overhead_s["B"])
+               overhead_F_s=st.cost_model.runtime_overhead_s["F"], overhead_B_s=st.cost_model.runtime_overhead_s["B"],
+               attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
+               distinct_shapes=len(shapes), new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
+               label=st.spec.get("label") or cfg.method)
     writer.append("steps", [row])
     print(f"{PROGRESS}{st.run_id} {'warm-up ' if k < cfg.warmup else ''}step {k}: {step_s:.2f} s", flush=True)
     writer.append("actions", [a for r in reports for a in r["actions"]])
@@ -417,6 +467,8 @@ def run_cases(specs: list[dict[str, Any]], device: torch.device, *, interleave: 
         try:
             for spec in group:
                 setups.append(_open(spec, device, writers))
+                if setups[-1].cfg.prewarm:
+                    _prewarm(setups[-1])
             gc.collect()
             gc.freeze()
             for k in range(max(st.cfg.warmup + st.cfg.steps for st in setups)):

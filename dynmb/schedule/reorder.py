@@ -60,7 +60,7 @@ class OrderEvaluator:
                  virtual: int = 1) -> None:
         shapes = plan.shapes()
         self.P, self.m, self.kind, self.virtual = plan.num_stages, plan.num_microbatches, schedule_kind, virtual
-        costs = cost_model.stage_costs(shapes[:, 0], shapes[:, 1])
+        costs = cost_model.plan_costs(plan)
         self.cube = np.zeros((3, self.P, self.m))
         for k, op in enumerate("FBW"):
             if op in costs:
