@@ -5,9 +5,10 @@ Algorithm:
 1. Rows. For a row capacity R, a sequence longer than R/2 gets its own row; the shorter
    ones, in ascending length order, are packed next-fit into rows of at most R tokens (one
    ``bisect`` per row), so neighbouring rows have similar lengths and a row wastes less
-   than one of its short documents. R runs over "no packing" and up to three powers of two
-   from 2x the median length up to the longest, each rounded down to a multiple of
-   ``round_to`` and capped at ``max_len`` (the longest admissible row).
+   than one of its short documents. R runs over "no packing", up to three powers of two
+   from 2x the median length up to the longest (rounded down to a multiple of
+   ``round_to``) and ``max_len``, the longest admissible row. Batches of <= ``BFD_MAX``
+   sequences also get rows of ``max_len`` filled best-fit-decreasing (``packed``'s rows).
 2. Shapes and costs. A microbatch is a contiguous run of rows (sorted longest first); its
    ``padded_len`` is its first row's length rounded up to a multiple of ``round_to``, and
    memory and costs are evaluated at that rounded length. Its attention work is
@@ -17,22 +18,25 @@ Algorithm:
    distinct padded length s): ``alpha_s + beta_s * rows - gamma_s * (rows * s^2 - work)``,
    affine in rows and attention work (exact for the analytic and polynomial cost models).
 3. Microbatches. The size is capped by memory (``bmax``, the per-microbatch budget of
-   ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B. Greedy:
-   each microbatch takes the most rows both caps allow, found for all rows at once by
-   pointer doubling. tau sweeps a geometric grid per R, then a finer grid around the
-   best; the best few are also filled from the short end.
+   ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B (each
+   start row's line, its own attention saving taken for every row). Greedy: each
+   microbatch takes the most rows both caps allow, found for all rows at once by pointer
+   doubling. tau sweeps a geometric grid per R, then a finer grid around the best; the
+   best few are also filled from the short end.
 4. Score: ``dynmb._packutil.pipeline_bound`` (busiest stage's work + warm-up of the cheapest
    microbatch + cool-down of the next cheapest), from per-length sums (O(P * lengths) per split).
 5. Polish: the two best splits (m <= 256) get a boundary-shift DP (each cut moves by up
-   to 4 rows to minimise the summed bottleneck time). The fixed-size split of the sorted
-   rows is a candidate, and batches of <= ``SEED_DP_MAX`` sequences also add the DP split
-   of ``dynmb._dynapipe``.
-6. Choose: the best candidates are re-costed exactly (``stage_costs`` with each
-   microbatch's attention work) and estimated with ``dynmb._packutil.makespan`` (the
-   simulator's recurrence when small, the bound otherwise) in three orders (longest first,
-   shortest first, the two cheapest at the two ends); the fastest is returned.
+   to 4 rows to minimise the summed bottleneck time). Also candidates: the fixed-size
+   split of the sorted rows (``sorted``'s), one best-fit row per microbatch (``packed``'s),
+   and for batches of <= ``SEED_DP_MAX`` sequences the DP split of ``dynmb._dynapipe``.
+6. Choose: the best candidates are re-costed in one ``stage_costs`` lookup with each
+   microbatch's attention work and estimated in three orders (longest first, shortest
+   first, the two cheapest at the two ends; best-fit rows also as opened, ``packed``'s
+   order) on the value ``dynmb._packutil.makespan`` reports: the bound for large plans,
+   else the simulator's recurrence (run for the small ones and the ``EXACT_TOP`` best by
+   the bound of the rest, the others drop out); the fastest is returned.
 Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau) and O(rows) Python
-steps for the row packing; no per-sequence Python loop.
+steps for the next-fit rows; a per-sequence Python loop only for the best-fit rows.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ._dynapipe import dynapipe_split
-from ._packutil import EXACT_OPS, Flat, bfd_rows, makespan, next_fit_rows, pipeline_bound, round_down, round_up
+from ._packutil import (EXACT_OPS, Flat, bfd_rows, greedy_cuts, greedy_cuts_from_short_end, makespan, next_fit_rows,
+                        pipeline_bound, polish_cuts, round_down, round_up)
 
 SEED_DP_MAX = 512
 """Batches up to this many sequences also try the DP split of ``dynmb._dynapipe`` as a candidate."""
@@ -146,69 +151,6 @@ def _affine_costs(cost_model: Any, padded: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def _greedy(b_cap: np.ndarray) -> np.ndarray:
-    """Cut points of the greedy split (from row a take ``b_cap[a] >= 1`` rows), found by
-    pointer doubling: the path prefix doubles each round, O(n log m) vectorised work."""
-    n = len(b_cap)
-    jump = np.append(np.minimum(np.arange(n) + np.maximum(b_cap, 1), n), n)
-    path = np.zeros(1, dtype=np.int64)
-    while path[-1] < n:
-        path = np.concatenate([path, jump[path]])
-        jump = jump[jump]
-    return np.append(path[path < n], n)
-
-
-def _greedy_asc(b_cap: np.ndarray) -> np.ndarray:
-    """Cut points of the greedy split from the short end: a microbatch ending at row e
-    starts at the smallest a with a + b_cap[a] >= e (b_cap of its longest row a); the
-    chain of starts from n is followed by pointer doubling like ``_greedy``."""
-    n = len(b_cap)
-    h = np.minimum.accumulate((np.arange(n) + np.maximum(b_cap, 1))[::-1])[::-1]
-    e = np.arange(n + 1)
-    back = np.minimum(np.searchsorted(h, e, side="left"), np.maximum(e - 1, 0))   # start of the mb ending at e
-    path = np.array([n], dtype=np.int64)
-    while path[-1] > 0:
-        path = np.concatenate([path, back[path]])
-        back = back[back]
-    return np.append(path[path > 0], 0)[::-1].copy()
-
-
-def _polish(cuts: np.ndarray, bottleneck: Callable[[np.ndarray, np.ndarray], np.ndarray], bmax: np.ndarray,
-            w: int = 4) -> np.ndarray:
-    """Move each inner cut by up to ``w`` rows to minimise the summed bottleneck time
-    ``sum_k bottleneck(a_k, a_{k+1})`` (the time of the microbatch of rows [a_k, a_{k+1}),
-    broadcast over arrays): a DP over the m cuts with 2w + 1 positions each, O(P m w^2)
-    vectorised work."""
-    n, m = int(cuts[-1]), len(cuts) - 1
-    if m < 2:
-        return cuts
-    d = np.arange(-w, w + 1)
-    pos = np.clip(cuts[:, None] + d[None, :], 0, n)            # [m+1, W] candidate positions
-    pos[0], pos[-1] = 0, n
-    start = np.minimum(pos[:-1], n - 1)                         # [m, W]
-    rows = pos[1:, None, :] - pos[:-1, :, None]                 # [m, W(start), W(end)]
-    t = bottleneck(start[..., None], pos[1:, None, :])
-    cost = np.where((rows >= 1) & (rows <= bmax[start][..., None]), t, np.inf)
-    W = pos.shape[1]
-    best = np.full(W, np.inf)
-    best[0] = 0.0                                               # cut 0 sits at 0 (first column)
-    arg = np.zeros((m, W), dtype=np.int64)
-    cols = np.arange(W)
-    for k in range(m):
-        tot = best[:, None] + cost[k]
-        arg[k] = tot.argmin(axis=0)
-        best = tot[arg[k], cols]
-    j = int(np.argmin(best))
-    if not np.isfinite(best[j]):
-        return cuts
-    out = [n]
-    for k in range(m - 1, -1, -1):
-        j = int(arg[k, j])
-        out.append(int(pos[k, j]))
-    out = np.array(out[::-1], dtype=np.int64)
-    return out if np.all(np.diff(out) >= 1) else cuts
-
-
 def _orders(t: np.ndarray) -> list[np.ndarray]:
     """Longest first (as formed), shortest first, and the two cheapest at the two ends."""
     m = len(t)
@@ -249,8 +191,8 @@ class _Setup:
         self.row_class[packed] = len(self.used) + np.arange(len(packed))
         p_ix = self.pos[packed]
         self.alpha_cls = np.concatenate([self.alpha, self.alpha[:, p_ix]], axis=1)
-        self.beta_cls = np.maximum(np.concatenate([self.beta, self.beta[:, p_ix] - self.gamma[:, p_ix] * saving[packed]],
-                                                  axis=1), 1e-15)
+        beta_packed = self.beta[:, p_ix] - self.gamma[:, p_ix] * saving[packed]
+        self.beta_cls = np.maximum(np.concatenate([self.beta, beta_packed], axis=1), 1e-15)
         self.bmax_cls = np.concatenate([bmax_by_length[self.used], bmax_by_length[self.used][p_ix]])
         present = np.zeros(self.alpha_cls.shape[1], dtype=bool)
         present[self.row_class] = True                          # classes some row belongs to
@@ -264,7 +206,8 @@ class _Setup:
     def bottleneck(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
         """Bottleneck-stage F + B of the microbatches of rows [start, end) (broadcast)."""
         p = self.pos[start]
-        return (self.alpha[:, p] + self.beta[:, p] * (end - start) - self.gamma[:, p] * self.saving(start, end)).max(axis=0)
+        saving = self.saving(start, end)
+        return (self.alpha[:, p] + self.beta[:, p] * (end - start) - self.gamma[:, p] * saving).max(axis=0)
 
     def tau_grid(self, num_tau: int) -> np.ndarray:
         """Geometric time targets from one row's to the largest microbatch's bottleneck time, then inf."""
@@ -281,7 +224,7 @@ class _Setup:
             with np.errstate(divide="ignore", invalid="ignore"):
                 by_time = np.floor(((tau - self.alpha_cls) / self.beta_cls).min(axis=0))
             bcap = np.minimum(bcap, np.clip(by_time, 1, len(self.pos)).astype(np.int64)[self.row_class])
-        return _greedy_asc(bcap) if from_short_end else _greedy(bcap)
+        return greedy_cuts_from_short_end(bcap) if from_short_end else greedy_cuts(bcap)
 
     def score(self, cuts: np.ndarray, comm: Any) -> float:
         """``pipeline_bound`` of the split from per-length sums: busiest stage's work, the
@@ -339,32 +282,33 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
         setups[rows.key] = _Setup(rows, inv[offset:offset + len(rows.tokens)], costs, bmax_u, doc_causal)
         offset += len(rows.tokens)
     scored = _search(setups, lengths, cost_model, num_stages, comm, num_tau)
-    cap, cuts, order, est = _choose(scored, setups, len(lengths), cost_model, num_stages, schedule_kind, comm,
-                                    keep, tol)
-    return _to_flat(setups[cap].rows, cuts, order), est
+    row_set, cuts, order, est = _choose(scored, setups, len(lengths), cost_model, num_stages, schedule_kind, comm,
+                                        keep, tol)
+    return _to_flat(setups[row_set].rows, cuts, order), est
 
 
 def _search(setups: dict[str, _Setup], lengths: np.ndarray, cost_model: Any, num_stages: int, comm: Any,
             num_tau: int) -> list[tuple]:
-    """Candidate splits ``(score, num_microbatches, cap, cuts, tau, polished)`` of every row set."""
+    """Candidate splits ``(score, num_microbatches, row set, cuts, tau, forced)`` of every row
+    set; ``forced`` ones always reach the final ranking (polished splits, the baselines' splits)."""
     scored: list[tuple] = []
     where: dict[tuple, int] = {}
 
-    def add(cap: str, cuts: np.ndarray, tau: float, polished: bool = False) -> None:
-        key = (cap, cuts.tobytes())
-        if key in where:                                        # seen: only mark it polished
-            if polished:
+    def add(row_set: str, cuts: np.ndarray, tau: float, forced: bool = False) -> None:
+        key = (row_set, cuts.tobytes())
+        if key in where:                                        # seen: only mark it forced
+            if forced:
                 scored[where[key]] = scored[where[key]][:5] + (True,)
             return
         where[key] = len(scored)
-        scored.append((setups[cap].score(cuts, comm), len(cuts) - 1, cap, cuts, tau, polished))
+        scored.append((setups[row_set].score(cuts, comm), len(cuts) - 1, row_set, cuts, tau, forced))
 
     grids = {}
-    for cap, st in setups.items():
-        grids[cap] = st.tau_grid(num_tau if len(lengths) > 1024 else num_tau + 3)
-        for tau in grids[cap]:
-            add(cap, st.greedy_cuts(tau), tau)
-    # refine tau around the best coarse point of the best row capacity
+    for row_set, st in setups.items():
+        grids[row_set] = st.tau_grid(num_tau if len(lengths) > 1024 else num_tau + 3)
+        for tau in grids[row_set]:
+            add(row_set, st.greedy_cuts(tau), tau)
+    # refine tau around the best coarse point of the best row set
     best = min(scored, key=lambda x: x[0])
     grid = grids[best[2]]
     k = int(np.searchsorted(grid, best[4]))
@@ -372,33 +316,33 @@ def _search(setups: dict[str, _Setup], lengths: np.ndarray, cost_model: Any, num
     if np.isfinite(best[4]) and hi_t > lo_t:
         for tau in np.geomspace(lo_t, hi_t, num_tau + 2)[1:-1]:
             add(best[2], setups[best[2]].greedy_cuts(tau), tau)
-    # the same caps filled from the short end (the remainder then falls on the long rows)
+    # the same targets filled from the short end (the remainder then falls on the long rows)
     for x in sorted(scored, key=lambda x: x[0])[:3]:
         add(x[2], setups[x[2]].greedy_cuts(x[4], from_short_end=True), x[4])
     # polish the best few splits (boundary-shift DP on the summed bottleneck time)
     for x in sorted(scored, key=lambda x: x[0])[:2]:
         if x[1] <= 256:
             st = setups[x[2]]
-            add(x[2], _polish(x[3], st.bottleneck, st.bmax), x[4], polished=True)
+            add(x[2], polish_cuts(x[3], st.bottleneck, st.bmax), x[4], forced=True)
     unpacked = setups["none"]
     n = len(unpacked.pos)
     # the fixed-size split of the unpacked sorted rows (what ``sorted`` would do) is a candidate too
-    add("none", np.append(np.arange(0, n, max(1, int(unpacked.bmax[0]))), n), np.nan, polished=True)
+    add("none", np.append(np.arange(0, n, max(1, int(unpacked.bmax[0]))), n), np.nan, forced=True)
     # one best-fit row of the longest admissible length per microbatch (what ``packed`` does)
     for key, st in setups.items():
         if st.rows.opened is not None:
-            add(key, np.arange(len(st.pos) + 1), np.nan, polished=True)
+            add(key, np.arange(len(st.pos) + 1), np.nan, forced=True)
     # small batches: also seed with the DP split over unpacked rows (cheap at this size)
     if len(lengths) <= SEED_DP_MAX:
         dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
-        add("none", n - dp_cuts[::-1], np.nan, polished=True)
+        add("none", n - dp_cuts[::-1], np.nan, forced=True)
     return scored
 
 
 def _choose(scored: list[tuple], setups: dict[str, _Setup], num_seqs: int, cost_model: Any, num_stages: int,
             schedule_kind: str, comm: Any, keep: int, tol: float) -> tuple[str, np.ndarray, np.ndarray, float]:
-    """(cap, cuts, execution order, estimated makespan) of the fastest of the best candidates,
-    re-costed exactly and estimated with ``makespan`` in each of ``_orders``."""
+    """(row set, cuts, execution order, estimated makespan) of the fastest of the best
+    candidates, re-costed in one lookup and estimated with ``makespan`` in each order."""
     best_score = min(x[0] for x in scored)
     by_score = sorted(scored, key=lambda x: x[0])
     near = sorted((x for x in scored if x[0] <= best_score * (1 + tol)), key=lambda x: x[1])[:keep]
@@ -416,18 +360,19 @@ def _choose(scored: list[tuple], setups: dict[str, _Setup], num_seqs: int, cost_
                                 rows.shape)
     bounds = np.cumsum([0] + [x[1] for x in near])
     results = []
-    for (_score, m, cap, cuts, _tau, _pol), a, e in zip(near, bounds[:-1], bounds[1:]):
+    for (_score, m, row_set, cuts, _tau, _forced), a, e in zip(near, bounds[:-1], bounds[1:]):
         F, B, sends = costs["F"][:, a:e], costs["B"][:, a:e], sends_all[a:e]
         orders = _orders((F + B).max(axis=0))
-        if setups[cap].rows.opened is not None and m == len(setups[cap].pos):   # one row each: as opened too
-            orders.append(np.argsort(setups[cap].rows.opened, kind="stable"))
+        opened = setups[row_set].rows.opened
+        if opened is not None and m == len(opened):                   # one row each: as opened too
+            orders.append(np.argsort(opened, kind="stable"))
         for order in orders:
             c, Fo, Bo = sends[order], F[:, order], B[:, order]
             bound = makespan(Fo, Bo, c, schedule_kind, exact=False)
             # the value ``makespan`` will report: exact when small (computed now if cheap, else later)
             value = bound if 2 * Fo.size > EXACT_OPS else (
                 makespan(Fo, Bo, c, schedule_kind, exact=True) if Fo.size <= RANK_EXACT else None)
-            results.append([value, bound, m, cap, cuts, order, Fo, Bo, c])
+            results.append([value, bound, m, row_set, cuts, order, Fo, Bo, c])
     # of those still to simulate exactly, the best few by the bound are; the rest drop out
     pending = sorted((r for r in results if r[0] is None), key=lambda r: r[1])
     for r in pending[:EXACT_TOP]:

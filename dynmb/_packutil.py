@@ -14,6 +14,9 @@ the makespan estimate.
   ``fixed_groups`` (fixed rows per microbatch), ``packed_flat`` (``bfd_rows`` rows of
   ``pack_len``, a fixed number of rows per microbatch), ``token_budget_groups`` (fairseq's
   ``batch_by_size``), ``split_group`` and ``assign_replicas`` (data parallelism).
+- Splits of rows sorted longest first into contiguous microbatches (cut points):
+  ``greedy_cuts`` / ``greedy_cuts_from_short_end`` (each microbatch takes the most rows its
+  start allows, by pointer doubling) and ``polish_cuts`` (a boundary-shift DP).
 - ``makespan(F, B, comm_s, kind)``: THE makespan estimate of every packer, for per-stage,
   per-microbatch costs ``F[P, m]``, ``B[P, m]`` and a per-microbatch send time between
   neighbouring stages. Two regimes:
@@ -32,13 +35,14 @@ the makespan estimate.
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 __all__ = ["next_fit_rows", "bfd_rows", "round_up", "round_down", "pipeline_bound", "makespan", "stage_order",
            "EXACT_OPS", "Flat", "Group", "groups_to_flat", "flat_to_groups", "fixed_groups", "packed_flat",
-           "token_budget_groups", "split_group", "assign_replicas"]
+           "token_budget_groups", "split_group", "assign_replicas", "greedy_cuts", "greedy_cuts_from_short_end",
+           "polish_cuts"]
 
 EXACT_OPS = 6000
 """Above this many ops (2 * P * m) ``makespan`` uses ``pipeline_bound`` (relative error O(P / m))."""
@@ -174,6 +178,69 @@ def assign_replicas(busy: np.ndarray, dp: int) -> tuple[list[int], list[int]]:
         replica[j], load[r], count[r] = r, load[r] + busy[j], count[r] + 1
     order = np.argsort(replica, kind="stable")
     return order.tolist(), replica[order].tolist()
+
+
+def greedy_cuts(b_cap: np.ndarray) -> np.ndarray:
+    """Cut points of the greedy split (from row a take ``b_cap[a] >= 1`` rows), found by
+    pointer doubling: the path prefix doubles each round, O(n log m) vectorised work."""
+    n = len(b_cap)
+    jump = np.append(np.minimum(np.arange(n) + np.maximum(b_cap, 1), n), n)
+    path = np.zeros(1, dtype=np.int64)
+    while path[-1] < n:
+        path = np.concatenate([path, jump[path]])
+        jump = jump[jump]
+    return np.append(path[path < n], n)
+
+
+def greedy_cuts_from_short_end(b_cap: np.ndarray) -> np.ndarray:
+    """Cut points of the greedy split from the short end: a microbatch ending at row e
+    starts at the smallest a with a + b_cap[a] >= e (b_cap of its longest row a); the
+    chain of starts from n is followed by pointer doubling like ``greedy_cuts``."""
+    n = len(b_cap)
+    h = np.minimum.accumulate((np.arange(n) + np.maximum(b_cap, 1))[::-1])[::-1]
+    e = np.arange(n + 1)
+    back = np.minimum(np.searchsorted(h, e, side="left"), np.maximum(e - 1, 0))   # start of the mb ending at e
+    path = np.array([n], dtype=np.int64)
+    while path[-1] > 0:
+        path = np.concatenate([path, back[path]])
+        back = back[back]
+    return np.append(path[path > 0], 0)[::-1].copy()
+
+
+def polish_cuts(cuts: np.ndarray, bottleneck: Callable[[np.ndarray, np.ndarray], np.ndarray], bmax: np.ndarray,
+            w: int = 4) -> np.ndarray:
+    """Move each inner cut by up to ``w`` rows to minimise the summed bottleneck time
+    ``sum_k bottleneck(a_k, a_{k+1})`` (the time of the microbatch of rows [a_k, a_{k+1}),
+    broadcast over arrays): a DP over the m cuts with 2w + 1 positions each, O(P m w^2)
+    vectorised work."""
+    n, m = int(cuts[-1]), len(cuts) - 1
+    if m < 2:
+        return cuts
+    d = np.arange(-w, w + 1)
+    pos = np.clip(cuts[:, None] + d[None, :], 0, n)            # [m+1, W] candidate positions
+    pos[0], pos[-1] = 0, n
+    start = np.minimum(pos[:-1], n - 1)                         # [m, W]
+    rows = pos[1:, None, :] - pos[:-1, :, None]                 # [m, W(start), W(end)]
+    t = bottleneck(start[..., None], pos[1:, None, :])
+    cost = np.where((rows >= 1) & (rows <= bmax[start][..., None]), t, np.inf)
+    W = pos.shape[1]
+    best = np.full(W, np.inf)
+    best[0] = 0.0                                               # cut 0 sits at 0 (first column)
+    arg = np.zeros((m, W), dtype=np.int64)
+    cols = np.arange(W)
+    for k in range(m):
+        tot = best[:, None] + cost[k]
+        arg[k] = tot.argmin(axis=0)
+        best = tot[arg[k], cols]
+    j = int(np.argmin(best))
+    if not np.isfinite(best[j]):
+        return cuts
+    out = [n]
+    for k in range(m - 1, -1, -1):
+        j = int(arg[k, j])
+        out.append(int(pos[k, j]))
+    out = np.array(out[::-1], dtype=np.int64)
+    return out if np.all(np.diff(out) >= 1) else cuts
 
 
 def stage_order(stage: int, num_stages: int, m: int, kind: str) -> list[tuple[str, int]]:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -177,8 +177,6 @@ def _check_lengths(lengths: Any) -> np.ndarray:
     return a
 
 
-
-
 def _packed_row_len(ctx: _Ctx, max_seq_len: int, pack_len: int | None, round_to: int) -> tuple[int, int]:
     """(row length of ``packed``, the longest row that fits): ``pack_len`` rounded up to a
     multiple of ``round_to``, by default the longest admissible one-row microbatch."""
@@ -208,7 +206,8 @@ def _oversize_message(over: np.ndarray, lengths: np.ndarray, len_cap: int, ctx: 
     return f"{len(over)} sequence(s) cannot fit even alone: {named}; {bound}"
 
 
-def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str, message: Any) -> tuple[np.ndarray, np.ndarray, dict]:
+def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str,
+                    message: Callable[[np.ndarray], str]) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """(lengths after truncation, ids kept, meta) under the ``oversize`` policy."""
     meta: dict[str, Any] = {"truncated": [], "dropped": []}
     kept_lengths = lengths.copy()
@@ -340,8 +339,8 @@ def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int,
     """Pack the global batch ``lengths`` with ``method``; see the module docstring.
 
     ``mbs``: rows per microbatch of ``fixed`` / ``sorted`` / ``packed`` (``packed`` default 1).
-    ``pack_len``: the row length of ``packed``. ``round_to``: every ``padded_len`` is a
-    multiple of it. The cyclic garbage collector is paused during the call (packing
+    ``pack_len``: the row length of ``packed`` (the other methods ignore it). ``round_to``:
+    every ``padded_len`` is a multiple of it. The cyclic garbage collector is paused during the call (packing
     allocates many small objects and creates no cycles); its previous state is restored.
     """
     gc_was = gc.isenabled()

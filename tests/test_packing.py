@@ -249,14 +249,15 @@ def test_round_to_rounds_the_longest_fitting_length_down(method):
     mm, cm, limit = _setup(TINY, 2, 4.0)
     kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
-    assert fit % 100 and max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len, round_to=100) == fit // 100 * 100
-    lengths = np.array([30, fit // 100 * 100, fit // 100 * 100 + 1, 5])      # id 2 fits alone only unrounded
+    rounded = fit // 100 * 100
+    assert fit % 100 and max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len, round_to=100) == rounded
+    lengths = np.array([30, rounded, rounded + 1, 5])          # id 2 fits alone only unrounded
     plan = pack(lengths, method, **kw)
     assert plan.meta["round_to"] == 1 and plan.meta["truncated"] == []
-    with pytest.raises(PackingError, match=rf"ids \[2\].*fits is {fit // 100 * 100} \(a multiple of round_to 100\) under"):
+    with pytest.raises(PackingError, match=rf"ids \[2\].*fits is {rounded} \(a multiple of round_to 100\) under"):
         pack(lengths, method, round_to=100, **kw)
     plan = pack(lengths, method, round_to=100, oversize="truncate", **kw)
-    assert plan.meta["truncated"] == [2] and plan.meta["longest_fitting_length"] == fit // 100 * 100
+    assert plan.meta["truncated"] == [2] and plan.meta["longest_fitting_length"] == rounded
     _check_plan(plan, lengths, mm, limit, 100)
 
 
@@ -266,9 +267,10 @@ def test_packed_documents_longer_than_pack_len_follow_the_policy(oversize):
     lengths = np.array([90, 150, 30, 101, 100, 7])
     kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm, oversize=oversize)
     if oversize == "error":
-        with pytest.raises(PackingError, match=r"^2 document\(s\) longer than pack_len 100: ids \[1, 3\] with "
-                                               r"lengths \[150, 101\]; the longest row that fits is \d+ under "
-                                               r"\d+ B at 2 stages \(1f1b\); oversize='truncate' or 'drop' keeps going$"):
+        one_line = (r"^2 document\(s\) longer than pack_len 100: ids \[1, 3\] with lengths \[150, 101\]; the "
+                    r"longest row that fits is \d+ under \d+ B at 2 stages \(1f1b\); oversize='truncate' or 'drop' "
+                    r"keeps going$")
+        with pytest.raises(PackingError, match=one_line):
             pack(lengths, "packed", pack_len=100, **kw)
         return
     plan = pack(lengths, "packed", pack_len=100, **kw)
