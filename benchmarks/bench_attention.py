@@ -5,9 +5,9 @@ Run::
     python benchmarks/bench_attention.py [--model small] [--repeats 7] [--threads 1] [--stages 2] [--alternatives]
 
 Method. Forward + backward of one microbatch through stage 0 of a ``--stages`` split
-and through the whole model (``GPT``), same weights, ``torch.set_num_threads(threads)``;
-each case is timed ``repeats`` times after one warm-up and the median is kept.
-tokens/s = real tokens / median seconds. Cases (``dynmb.model``, ``cfg.attention``):
+and through the whole model (``GPT``), same weights, ``torch.set_num_threads(threads)``.
+After one warm-up round the cases take turns ``repeats`` times (so that a change in the
+machine's load hits them alike) and the median is kept; tokens/s = real tokens / median s. Cases (``dynmb.model``, ``cfg.attention``):
 
 - ``packed``: one row of 4096 tokens holding 64 documents of 64 (``auto``: bucketed
   document-causal attention, work 64 * 64**2);

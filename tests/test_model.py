@@ -1,4 +1,4 @@
-"""dynmb.model: stage split == full model, masking forms agree, grouping-invariant gradients."""
+"""dynmb.model: stage split == full model, attention paths == the dense-mask reference, grouping-invariant gradients."""
 
 from __future__ import annotations
 
