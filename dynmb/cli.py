@@ -330,8 +330,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
         backend=args.backend or backend, device=args.device or device, cost_model=args.cost_model,
         timeout_s=args.timeout, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
         prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments)
-    return launch(cfg, args.out, args.nproc, verify=args.verify, memory_model=args.memory_model,
-                  allow_over_limit=getattr(args, "allow_over_limit", False))
+    rc = launch(cfg, args.out, args.nproc, verify=args.verify, memory_model=args.memory_model,
+                allow_over_limit=getattr(args, "allow_over_limit", False))
+    if rc == 0:
+        import pandas as pd
+        from pathlib import Path
+
+        out = Path(args.out)
+        st = pd.read_csv(out / "steps.csv")
+        st = st[~st["warmup"]] if "warmup" in st else st
+        print(f"dynmb run: ok, {len(st)} measured steps, median step {st['step_s'].median():.3f} s "
+              f"(predicted {st['pred_step_s'].median():.3f} s), {st['tokens_per_s'].median():.0f} tokens/s, "
+              f"mean bubble {st['mean_bubble'].median():.2f}; tables in {out}", flush=True)
+    return rc
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import run_compare
 

@@ -3,21 +3,33 @@ every method x schedule, multi-step runs with changing shapes, 4 ranks, PP x DP,
 memory checks, trace export.
 
 Start-up is amortised: one torchrun launch runs many cases one after another in the
-same process group (the worker's test-only ``{"cases": [...]}`` spec).
+same process group (a ``JobSpec`` of several cases). Faults are injected through step
+hooks the spec names (``tests.runtime_faults``), never by the worker itself.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import time
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig
-from dynmb.schedule import build_schedule
+from dynmb.results import load_results
+from dynmb.runtime import worker
+from dynmb.runtime.checks import StepCheckError
 from dynmb.runtime.comm import sender_order
-from dynmb.runtime.launch import failure_lines, launch_spec, write_spec
+from dynmb.runtime.launch import LaunchResult, failure_lines, launch_job
+from dynmb.runtime.spec import JobSpec, RunSpec
+from dynmb.runtime.trace import export_trace
+from dynmb.schedule import build_schedule
+from tests.runtime_faults import REPO, Fault, fault_hooks
 
 LIMIT = 24 * 2**20
 METHODS = ("fixed", "packed", "dynamic")
@@ -33,13 +45,31 @@ def _cfg(method="dynamic", kind="1f1b", virtual=1, reorder="none", stages=2, dp=
                      dp=dp, seed=seed, steps=steps, warmup=warmup, backend="gloo", device="cpu", timeout_s=timeout)
 
 
-def _case(out: Path, name: str, cfg: RunConfig, **kw) -> dict:
-    return write_spec(cfg, out / name, verify=True, run_id=name, **kw)
+def _case(out: Path, name: str, cfg: RunConfig) -> RunSpec:
+    return RunSpec.create(cfg, out / name, verify=True, run_id=name)
+
+
+def _job(out: Path, cases: list[RunSpec]) -> JobSpec:
+    return JobSpec(out_dir=str(out.resolve()), cases=tuple(cases))
+
+
+def _faulty(out: Path, cfg: RunConfig, rank: int, step: int, kind: str, *, verify: bool = False) -> JobSpec:
+    """One run in ``out`` whose rank ``rank`` breaks step ``step`` as ``kind`` says."""
+    return JobSpec.single(RunSpec.create(cfg, out, verify=verify, hooks=fault_hooks(rank, step, kind)))
+
+
+@pytest.fixture
+def fault_path(monkeypatch):
+    """Workers import ``tests.runtime_faults``: put the repository on their ``PYTHONPATH``."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+def _failed(result: LaunchResult) -> str:
+    assert not result.ok
+    return "\n".join(result.failures)
 
 
 def _tables(d: Path) -> dict:
-    from dynmb.results import load_results
-
     return load_results(d)
 
 
@@ -87,8 +117,8 @@ def two_rank_run(tmp_path_factory):
             cases.append(_case(out, name, _cfg(method, kind, virtual, reorder, stages=2 * virtual)))
     cases.append(_case(out, "dynamic-memory-aware-none", _cfg("dynamic", "memory-aware")))
     cases.append(_case(out, "multistep", _cfg("dynamic", steps=3, warmup=0, global_batch=8, seed=3)))
-    rc = launch_spec({"out_dir": str(out), "cases": cases}, 2, quiet=True)
-    return rc, out, [c["run_id"] for c in cases]
+    rc = launch_job(_job(out, cases), 2, quiet=True).returncode
+    return rc, out, [c.run_id for c in cases]
 
 
 @pytest.mark.dist
@@ -126,8 +156,6 @@ def test_memory_measured_below_limit(two_rank_run):
 
 @pytest.mark.dist
 def test_trace_export(two_rank_run, tmp_path):
-    from dynmb.runtime.trace import export_trace
-
     _, out, _ = two_rank_run
     p = export_trace(_tables(out / "dynamic-1f1b-none")["actions"], tmp_path / "t.json")
     ev = json.loads(p.read_text())["traceEvents"]
@@ -142,7 +170,7 @@ def test_four_ranks_pp4_and_pp2_dp2(tmp_path):
     cases = [_case(tmp_path, "pp4", _cfg("dynamic", stages=4, global_batch=8, limit=32 * 2**20)),
              _case(tmp_path, "pp2dp2", _cfg("fixed", stages=2, dp=2, global_batch=8)),
              _case(tmp_path, "pp2dp2dyn", _cfg("dynamic", stages=2, dp=2, global_batch=8, seed=1))]
-    rc = launch_spec({"out_dir": str(tmp_path), "cases": cases}, 4, quiet=True)
+    rc = launch_job(_job(tmp_path, cases), 4, quiet=True).returncode
     errs = list((tmp_path / "errors").glob("*.txt")) if (tmp_path / "errors").exists() else []
     assert rc == 0, "\n".join(e.read_text() for e in errs)
     acts = _tables(tmp_path / "pp2dp2")["actions"]
@@ -153,61 +181,46 @@ def test_four_ranks_pp4_and_pp2_dp2(tmp_path):
 # faults
 # --------------------------------------------------------------------------
 @pytest.mark.dist
-def test_killed_rank_fails_fast_and_is_named(tmp_path, capsys):
-    spec = write_spec(_cfg("dynamic", steps=3, timeout=30), tmp_path, fault={"rank": 1, "step": 1, "kind": "exit"})
+def test_killed_rank_fails_fast_and_is_named(tmp_path, fault_path):
     t0 = time.monotonic()
-    rc = launch_spec(spec, 2, quiet=True)
+    result = launch_job(_faulty(tmp_path, _cfg("dynamic", steps=3, timeout=30), 1, 1, "exit"), 2, quiet=True)
     took = time.monotonic() - t0
-    err = capsys.readouterr().err
-    assert rc != 0 and took < 60, (rc, took)
+    err = _failed(result)
+    assert took < 60, (result, took)
     assert "rank 1 died" in err, err
     assert len(_tables(tmp_path)["steps"]) == 1                  # the finished step was kept
 
 
 @pytest.mark.dist
-def test_divergent_plan_is_refused(tmp_path, capsys):
-    spec = write_spec(_cfg("dynamic", steps=2, timeout=30), tmp_path, fault={"rank": 1, "step": 1, "kind": "diverge"})
-    rc = launch_spec(spec, 2, quiet=True)
-    err = capsys.readouterr().err
-    assert rc != 0
+def test_divergent_plan_is_refused(tmp_path, fault_path):
+    err = _failed(launch_job(_faulty(tmp_path, _cfg("dynamic", steps=2, timeout=30), 1, 1, "diverge"), 2,
+                             quiet=True))
     assert "PlanDivergenceError" in err or "differs from rank 0" in err, err
     assert "rank(s) [1]" in err, err
 
 
 @pytest.mark.dist
-def test_verify_catches_a_wrong_gradient(tmp_path, capsys):
-    spec = write_spec(_cfg("fixed", timeout=30), tmp_path, verify=True, fault={"rank": 0, "step": 0, "kind": "corrupt"})
-    rc = launch_spec(spec, 2, quiet=True)
-    err = capsys.readouterr().err
-    assert rc != 0
+def test_verify_catches_a_wrong_gradient(tmp_path, fault_path):
+    err = _failed(launch_job(_faulty(tmp_path, _cfg("fixed", timeout=30), 0, 0, "corrupt", verify=True), 2,
+                             quiet=True))
     assert "rank 0 step 0 param" in err and "max abs error" in err, err
 
 
 @pytest.mark.dist
-def test_peak_over_the_limit_fails_the_run(tmp_path, capsys):
-    """Fault injection checks this rank's peak against a limit 1 byte below it."""
-    spec = write_spec(_cfg("fixed", timeout=30), tmp_path, fault={"rank": 1, "step": 0, "kind": "overlimit"})
-    rc = launch_spec(spec, 2, quiet=True)
-    err = capsys.readouterr().err
-    assert rc != 0
+def test_peak_over_the_limit_fails_the_run(tmp_path, fault_path):
+    """The fault checks this rank's peak against a limit 1 byte below it."""
+    err = _failed(launch_job(_faulty(tmp_path, _cfg("fixed", timeout=30), 1, 0, "overlimit"), 2, quiet=True))
     assert "rank 1 stage 1: measured peak" in err and "exceeds the memory limit" in err, err
     assert len(_tables(tmp_path)["memory"]) == 2                # the step's rows were still written
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_run_spec_frees_its_model_before_the_next_case(tmp_path):
     """Cases of one job run back to back in one process: each must release its model,
     gradients and optimizer states (reference cycles included) before the next starts, or a
     CUDA peak of the next case counts them. In-process, one gloo rank."""
-    import gc
-    import weakref
-
-    import torch
-    import torch.distributed as dist
-
-    from dynmb.runtime import worker
-
     refs = []
-    orig = worker._Setup.__init__
+    orig = worker.RunState.__init__
 
     def spy(self, *a, **k):
         orig(self, *a, **k)
@@ -217,12 +230,28 @@ def test_run_spec_frees_its_model_before_the_next_case(tmp_path):
     was = gc.isenabled()
     gc.disable()                       # the run must not rely on the collector happening to run
     try:
-        worker._Setup.__init__ = spy
+        worker.RunState.__init__ = spy
         spec = _case(tmp_path, "one", _cfg("dynamic", "interleaved", virtual=2))
         worker.run_spec(spec, torch.device("cpu"))
         assert refs and refs[0]() is None
     finally:
-        worker._Setup.__init__ = orig
+        worker.RunState.__init__ = orig
         if was:
             gc.enable()
         dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_hooks_passed_in_process_reach_the_step(tmp_path):
+    """``run_spec(..., hooks=...)``: a raise before an action and a limit below the peak, in
+    process on one gloo rank (no torchrun); the second still writes the step's rows."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = _cfg("fixed", "interleaved", virtual=2)
+        with pytest.raises(RuntimeError, match="injected fault before action"):
+            worker.run_spec(_case(tmp_path, "raise", cfg), torch.device("cpu"), hooks=Fault(0, 0, "raise"))
+        with pytest.raises(StepCheckError, match="rank 0 stage 1: measured peak .* exceeds the memory limit"):
+            worker.run_spec(_case(tmp_path, "over", cfg), torch.device("cpu"), hooks=Fault(0, 0, "overlimit"))
+    finally:
+        dist.destroy_process_group()
+    assert len(_tables(tmp_path / "over")["memory"]) == 2

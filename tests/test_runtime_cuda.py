@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig
-from dynmb.runtime.launch import launch_spec, write_spec
+from dynmb.results import load_results
+from dynmb.runtime.launch import launch_job
+from dynmb.runtime.spec import JobSpec, RunSpec
 
 pytestmark = [pytest.mark.cuda, pytest.mark.dist,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,11 +28,10 @@ def _cfg(stages: int, virtual: int, kind: str) -> RunConfig:
 
 
 def test_nccl_pipeline_matches_reference(tmp_path):
-    from dynmb.results import load_results
-
     two = torch.cuda.device_count() >= 2
     cfg = _cfg(2, 1, "1f1b") if two else _cfg(2, 2, "interleaved")
-    rc = launch_spec(write_spec(cfg, tmp_path, verify=True, run_id="cuda"), 2 if two else 1, quiet=True)
+    job = JobSpec.single(RunSpec.create(cfg, tmp_path, verify=True, run_id="cuda"))
+    rc = launch_job(job, 2 if two else 1, quiet=True).returncode
     errs = list((tmp_path / "errors").glob("*.txt")) if (tmp_path / "errors").exists() else []
     assert rc == 0, "\n".join(e.read_text() for e in errs)
     t = load_results(tmp_path)

@@ -1,13 +1,25 @@
-"""The torch.distributed runtime: P2P with shapes from the plan, the action interpreter,
-the torchrun worker, the launcher, memory metering and trace export.
+"""The torch.distributed runtime: the only part of dynmb that uses ``torch.distributed``.
 
 Import-light on purpose: ``import dynmb.runtime`` loads nothing heavy; import the
-submodules (``dynmb.runtime.launch``, ``.worker``, ``.interpreter``, ``.comm``,
-``.trace``, ``.meter``) where they are needed.
+submodules where they are needed. From the job down to one message:
 
-- ``launch.launch(run_cfg, out_dir, nproc, verify=False) -> int``: run through torchrun.
-- ``python -m torch.distributed.run --standalone --nproc-per-node P -m dynmb.runtime.worker --spec SPEC``.
-- ``trace.export_trace(actions_df, path, step=None)``: Chrome/Perfetto JSON of a step.
+- ``spec``: ``RunSpec`` (one run: config, output, run id, checks) and ``JobSpec`` (the cases
+  of one torchrun job), with their JSON form (``spec.json``).
+- ``launch``: ``launch_job(job, nproc) -> LaunchResult`` / ``launch(run_cfg, out_dir, nproc)``
+  run through torchrun and name the failed ranks.
+- ``worker``: the torchrun entry point (``python -m torch.distributed.run --standalone
+  --nproc-per-node P -m dynmb.runtime.worker --spec SPEC``) and its loop over cases and steps.
+- ``topology``: ranks, pair / data-parallel / pipeline process groups.
+- ``state``: what a run keeps on a rank across steps (stages, optimizer, models, planning).
+- ``step``: one optimizer step (plan, actions, gradient all-reduce, Adam, measurements).
+- ``checks``: plan digest agreement, the memory limit, ``--verify`` reference gradients.
+- ``records``: the rows of the steps/actions/memory/runs tables rank 0 writes.
+- ``hooks``: the points of a step tests act on (fault injection), ``NoHooks`` otherwise.
+- ``interpreter``: one rank's actions of a schedule; ``comm``: P2P with shapes from the plan.
+- ``meter``: per-stage peak memory; ``hostmem``: the CPU allocator policy.
+- ``trace``: ``export_trace(actions_df, path, step=None)``: Chrome/Perfetto JSON of a step.
+- ``pingpong``: P2P latency and bandwidth.
 """
 
-__all__ = ["comm", "interpreter", "worker", "launch", "trace", "meter"]
+__all__ = ["spec", "launch", "worker", "topology", "state", "step", "checks", "records", "hooks", "interpreter", "comm",
+           "meter", "hostmem", "trace", "pingpong"]

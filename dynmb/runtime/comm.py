@@ -28,9 +28,9 @@ interleaved schedules activations and gradients of different chunks share a pair
 and the orders can differ, which rule 2 absorbs.
 
 Sends are ``isend``: the handle and the tensor are kept until the send completed
-(checked at every later send) or until ``finish()`` at the end of the step. Messages between stages on the same rank (interleaved schedule
-on one rank) are local handoffs. This module takes the device and the groups as
-arguments and makes no ``torch.cuda`` call.
+(checked at every later send) or until ``finish()`` at the end of the step. Messages
+between stages on the same rank (interleaved schedule on one rank) are local handoffs.
+This module takes the device and the groups as arguments and makes no ``torch.cuda`` call.
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ class P2P:
         t = t.contiguous()
         src_g, dst_g = self.pp_ranks[self.me], self.pp_ranks[dst]
         work = dist.isend(t, dst=dst_g, group=self.groups[(src_g, dst_g)])
+        assert work is not None   # this rank is in the pair's group
         # keep a send's tensor alive until it completed; drop finished ones so that sent
         # input gradients do not pile up until the end of the step
         self._sends = [(b, w) for b, w in self._sends if not w.is_completed()]
@@ -163,7 +164,9 @@ class P2P:
     def _post(self, src: int, msg: Msg) -> None:
         buf = torch.empty(self.shape_of(msg[2]), dtype=self.dtype, device=self.device)
         src_g, dst_g = self.pp_ranks[src], self.pp_ranks[self.me]
-        self._posted[msg] = (buf, dist.irecv(buf, src=src_g, group=self.groups[(src_g, dst_g)]))
+        work = dist.irecv(buf, src=src_g, group=self.groups[(src_g, dst_g)])
+        assert work is not None   # this rank is in the pair's group
+        self._posted[msg] = (buf, work)
 
     # --- end of step -----------------------------------------------------------
     def finish(self) -> None:

@@ -27,6 +27,8 @@ import ctypes.util
 import os
 import sys
 
+import torch
+
 __all__ = ["ENV", "retain_freed_memory", "host_malloc_mode", "prefault"]
 
 ENV = "DYNMB_HOST_MALLOC"
@@ -53,7 +55,7 @@ def retain_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: musl's mallopt accepts and ignores everything
+        _ = libc.gnu_get_libc_version  # glibc only: musl's mallopt accepts and ignores everything
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
@@ -80,8 +82,6 @@ def prefault(limit_bytes: int | None, *, local_ranks: int = 1, headroom: float =
     except (ValueError, OSError):
         return 0
     n = int(min(headroom * limit_bytes, phys // (2 * max(1, local_ranks))))
-    import torch
-
     buf = torch.empty(n, dtype=torch.uint8)
     buf.fill_(0)          # fault every page in
     del buf

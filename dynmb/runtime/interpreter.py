@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -71,7 +71,7 @@ class ActionTiming:
 def run_actions(
     actions: Sequence[Action],
     *,
-    stages: dict[int, torch.nn.Module],
+    stages: Mapping[int, torch.nn.Module],
     plan: Plan,
     inputs: Callable[[int], Any],
     p2p: P2P,
@@ -128,6 +128,7 @@ def run_actions(
             t_start = clock.mark()
             torch.autograd.backward(out, grad_tensors=grad)
             if s > 0:
+                assert x is not None and x.grad is not None
                 p2p.send("grad", s - 1, m, x.grad)
             del x, out, grad
         else:  # "W": weight grads were computed by the full backward

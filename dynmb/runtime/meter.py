@@ -39,6 +39,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from dynmb.model import build_stage, full_microbatch, make_inputs, synthetic_tokens, torch_dtype
+
 __all__ = ["MemoryMeter", "measure_stage_memory", "measure_grid"]
 
 # the first stage's inputs need no gradient; its backward pre-hook still fires (on outputs)
@@ -225,8 +227,6 @@ def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int,
     each, ``docs_per_row`` documents splitting the row as evenly as possible
     (``full_microbatch``), or two with ``packed``. Returns ``state_bytes`` (params + grads
     + optimizer), ``act_bytes`` (held after the forward) and ``peak_bytes``."""
-    from dynmb.model import build_stage, full_microbatch, make_inputs, synthetic_tokens, torch_dtype
-
     dev = torch.device(device)
     b, s = int(rows), int(padded_len)
     docs = docs_per_row if docs_per_row is not None else 2 if packed and s >= 2 else 1

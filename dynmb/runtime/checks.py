@@ -1,0 +1,105 @@
+"""The checks of a step: ranks agree on the plan, peaks stay under the limit, gradients are right.
+
+1. Plan agreement (before any action): every rank plans the step itself (deterministic);
+   the plans' digests are all-gathered and a rank whose plan differs from rank 0's stops
+   the run (``PlanDivergenceError`` naming it): a divergent plan would deadlock in P2P or
+   corrupt gradients.
+2. Memory limit (after the step): a stage's measured peak over the limit it is checked
+   against is a failure unless the run allows it (``memory_problems``).
+3. Gradients (``--verify``): before the step, the ranks of a replica all-gather their
+   weights (``gather_weights``); after it, every rank recomputes the global batch's
+   gradients in one process from those pre-step weights (``reference_gradients``) and
+   compares its own parameters: max abs error <= ``VERIFY_RTOL`` x max |reference|
+   (+1e-9), fp32 (``gradient_problems``).
+
+Failures of 2 and 3 are messages naming rank, stage or parameter and step; the worker
+raises them on every rank as ``StepCheckError`` once the step's rows are written.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dynmb.config import RunConfig
+from dynmb.model import build_stages, make_inputs
+from dynmb.runtime.records import MemoryRow
+from dynmb.types import Plan
+
+__all__ = ["VERIFY_RTOL", "PlanDivergenceError", "StepCheckError", "check_plan_digest", "gather_weights",
+           "reference_gradients", "gradient_problems", "memory_problems"]
+
+VERIFY_RTOL = 1e-5
+_MAX_GRADIENT_PROBLEMS = 5
+
+
+class PlanDivergenceError(RuntimeError):
+    """Ranks planned different steps; running them would deadlock or corrupt gradients."""
+
+
+class StepCheckError(RuntimeError):
+    """A step broke the memory limit or its gradients differ from the reference."""
+
+
+def check_plan_digest(plan: Plan, step: int, device: torch.device) -> None:
+    """All-gather the plan digest; raise ``PlanDivergenceError`` naming the ranks that differ from rank 0."""
+    mine = torch.tensor(list(bytes.fromhex(plan.digest())), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    differ = [r for r, digest in enumerate(gathered) if not torch.equal(digest, gathered[0])]
+    if differ:
+        theirs = bytes(gathered[differ[0]].cpu().tolist()).hex()[:12]
+        reference = bytes(gathered[0].cpu().tolist()).hex()[:12]
+        raise PlanDivergenceError(
+            f"step {step}: the plan of rank(s) {differ} differs from rank 0's "
+            f"(digest {theirs} vs {reference}); refusing to run a divergent plan")
+
+
+def gather_weights(params: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None,
+                   pipeline_size: int) -> dict[str, torch.Tensor]:
+    """Every stage's weights of this replica on every rank of it (CPU copies; collective)."""
+    parts: list[dict[str, torch.Tensor] | None] = [None] * pipeline_size
+    dist.all_gather_object(parts, {n: p.detach().cpu().clone() for n, p in params.items()}, group=group)
+    return {name: tensor for part in parts if part is not None for name, tensor in part.items()}
+
+
+def reference_gradients(run: RunConfig, plan: Plan, tokens: Sequence[torch.Tensor],
+                        weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Single-process gradients of the whole global batch (every replica's microbatches)
+    from the pre-step ``weights``, with the pipeline's loss scale (1 / real tokens)."""
+    stages = build_stages(run.model, run.pipeline.num_stages, run.seed)
+    for stage in stages:
+        stage.load_state_dict({n: weights[n] for n, _ in stage.named_parameters()})
+    total = plan.real_tokens
+    for microbatch in plan.microbatches:
+        inputs = make_inputs(microbatch, tokens, cfg=run.model)
+        x: torch.Tensor | None = None
+        for stage in stages:
+            x = stage(x, inputs)
+        assert x is not None
+        (x / total).backward()
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+            for stage in stages for n, p in stage.named_parameters()}
+
+
+def gradient_problems(rank: int, step: int, grads: Mapping[str, torch.Tensor],
+                      reference: Mapping[str, torch.Tensor]) -> list[str]:
+    """One message per parameter of ``grads`` off the reference (the first five)."""
+    problems = []
+    for name, mine in grads.items():
+        ref = reference[name].to(mine.device, mine.dtype)
+        err, scale = float((mine - ref).abs().max()), float(ref.abs().max())
+        if err > VERIFY_RTOL * scale + 1e-9:
+            problems.append(f"rank {rank} step {step} param {name}: max abs error {err:.3g} > "
+                            f"{VERIFY_RTOL:g} x max|ref| {scale:.3g}")
+    return problems[:_MAX_GRADIENT_PROBLEMS]
+
+
+def memory_problems(rows: Sequence[MemoryRow], *, allow_over_limit: bool) -> list[str]:
+    """One message per stage whose measured peak exceeds the limit it was checked against."""
+    if allow_over_limit:
+        return []
+    return [f"rank {r.rank} stage {r.stage}: measured peak {r.peak_bytes} bytes exceeds the memory limit "
+            f"{r.limit_bytes} bytes at step {r.step}" for r in rows if r.peak_bytes > r.limit_bytes]

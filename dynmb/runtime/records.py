@@ -1,0 +1,159 @@
+"""Rows of the results tables a run writes, and the writer rank 0 appends them with.
+
+Every rank measures its own actions and stages (``ActionRow``, ``MemoryRow``) and sends
+them, with its step time, busy time, loss and failed checks (``StepReport``), to every rank
+(``all_gather_object``). Rank 0 then appends, step by step (``Recorder``; atomic rewrites
+through ``results.TableWriter``, so a crash keeps every finished step):
+
+- ``steps``: one row per step (``step_row``): the plan's tokens and predictions, the
+  step time (the slowest rank's, barrier to barrier), mean bubble over ranks
+  (1 - busy / step time), the run's settings;
+- ``actions``: one row per action of every rank; ``start_s``/``end_s`` bound the compute
+  from the step start on the rank's clock, ``wait_s`` is the receive wait before it;
+- ``memory``: one row per stage: measured peak, the limit it was checked against, the
+  planned peak, and on CUDA the allocator's ``allocated_bytes``/``reserved_bytes``;
+- ``runs``: one row per run when it starts (``run_row``: flattened config and provenance).
+
+The column dictionary of every table is in the repository's ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+import pandas as pd
+
+from dynmb.results import TableWriter, run_info
+from dynmb.runtime.spec import RunSpec
+from dynmb.types import Plan
+
+__all__ = ["ActionRow", "MemoryRow", "StepReport", "step_row", "run_row", "actions_frame", "Recorder"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionRow:
+    """One action of one rank in one step (a row of ``actions``)."""
+
+    run_id: str
+    step: int
+    rank: int
+    dp_rank: int
+    stage: int
+    op: str
+    mb: int
+    batch: int
+    padded_len: int
+    docs: int
+    attn_work: int
+    start_s: float
+    end_s: float
+    pred_s: float
+    wait_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryRow:
+    """The measured peak of one stage in one step (a row of ``memory``)."""
+
+    run_id: str
+    step: int
+    stage: int
+    rank: int
+    dp_rank: int
+    peak_bytes: int
+    limit_bytes: int
+    pred_peak_bytes: int | None
+    allocated_bytes: int | None = None
+    """CUDA: ``max_memory_allocated`` of the rank in the step (no column on CPU)."""
+    reserved_bytes: int | None = None
+    """CUDA: ``max_memory_reserved`` of the rank in the step (no column on CPU)."""
+
+    def as_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        for cuda_only in ("allocated_bytes", "reserved_bytes"):
+            if row[cuda_only] is None:
+                del row[cuda_only]
+        return row
+
+
+@dataclass(kw_only=True)
+class StepReport:
+    """What one rank measured in one step; all-gathered to every rank."""
+
+    rank: int
+    step_s: float
+    """Barrier to barrier, on this rank."""
+    busy_s: float
+    """Sum of this rank's compute intervals."""
+    loss: float
+    """This rank's share of the scaled loss (non-zero on last stages only)."""
+    actions: list[ActionRow] = field(default_factory=list)
+    memory: list[MemoryRow] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    """Failed checks (memory limit, gradients), one message each."""
+
+
+def actions_frame(rows: Sequence[ActionRow]) -> pd.DataFrame:
+    """``rows`` as an ``actions`` table."""
+    return pd.DataFrame([asdict(r) for r in rows])
+
+
+def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport], *, world_size: int,
+             distinct_shapes: int, new_shapes: int, overhead_s: Mapping[str, float]) -> dict[str, Any]:
+    """The ``steps`` row of ``step``: ``plan`` is the global batch's plan, ``reports`` every rank's,
+    ``overhead_s`` the per-action runtime overhead the cost model held (``F``, ``B``)."""
+    cfg, pipeline = spec.run, spec.run.pipeline
+    step_s = max(r.step_s for r in reports)
+    return dict(
+        run_id=spec.run_id, method=cfg.method, dataset=cfg.dataset, step=step, warmup=step < cfg.warmup,
+        step_s=step_s, pred_step_s=plan.predictions.get("pred_step_s"), real_tokens=plan.real_tokens,
+        computed_tokens=plan.computed_tokens, tokens_per_s=plan.real_tokens / step_s,
+        num_microbatches=plan.num_microbatches, padding_fraction=plan.padding_fraction,
+        mean_bubble=sum(1 - r.busy_s / step_s for r in reports) / len(reports),
+        pred_mean_bubble=plan.predictions.get("mean_bubble"), plan_s=plan.predictions.get("plan_s"),
+        loss=sum(r.loss for r in reports), schedule=pipeline.schedule, reorder=pipeline.reorder,
+        num_stages=pipeline.num_stages, virtual=pipeline.virtual, dp=cfg.dp, world_size=world_size,
+        verified=spec.verify, memory_limit_bytes=int(plan.memory_limit_bytes), mbs=plan.meta.get("mbs"),
+        model=cfg.model.name, global_batch=cfg.global_batch, truncated=len(plan.meta.get("truncated", [])),
+        dropped=len(plan.meta.get("dropped", [])), overhead_F_s=overhead_s["F"], overhead_B_s=overhead_s["B"],
+        attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
+        distinct_shapes=distinct_shapes, new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
+        label=spec.display_label)
+
+
+def run_row(spec: RunSpec, *, backend: str, device: str, world_size: int) -> dict[str, Any]:
+    """The ``runs`` row of ``spec``: flattened config, provenance, verify and process count."""
+    info = run_info(spec.run_id, spec.run.flat(), backend=backend, device=device, world_size=world_size)
+    return {**info, "verify": spec.verify, "nproc": world_size}
+
+
+class Recorder:
+    """Rank 0's table writers, one per results folder, shared by the cases of a job."""
+
+    def __init__(self) -> None:
+        self._writers: dict[str, TableWriter] = {}
+
+    def writer(self, out_dir: str) -> TableWriter:
+        if out_dir not in self._writers:
+            self._writers[out_dir] = TableWriter(out_dir)
+        return self._writers[out_dir]
+
+    def run_started(self, spec: RunSpec, *, backend: str, device: str, world_size: int) -> None:
+        self.writer(spec.out_dir).append("runs", [run_row(spec, backend=backend, device=device,
+                                                           world_size=world_size)])
+
+    def steps(self, spec: RunSpec, row: dict[str, Any]) -> None:
+        self.writer(spec.out_dir).append("steps", [row])
+
+    def measurements(self, spec: RunSpec, reports: Sequence[StepReport]) -> None:
+        """Every rank's ``actions`` and ``memory`` rows of one step."""
+        writer = self.writer(spec.out_dir)
+        writer.append("actions", [asdict(a) for r in reports for a in r.actions])
+        writer.append("memory", [m.as_row() for r in reports for m in r.memory])
+
+    def close(self) -> None:
+        """Write the Parquet copies and forget the writers."""
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()

@@ -1,0 +1,143 @@
+"""What one run keeps on this rank across its steps, set up once, collectively.
+
+``RunState(spec, device, hooks)`` creates, in the same order on every rank: the topology
+and process groups (``dynmb.runtime.topology``), this rank's stages (``model.build_stage``,
+weights equal to the single-process model's) and Adam over their parameters, the cost and
+memory models, the length trace, the memory meter and the clock. ``plan_batch(k)`` samples
+global batch ``k`` (``data.sample_batch(trace, B, seed, k)``) and plans it with
+``planner.plan_step``: deterministic, so every rank computes the same plan.
+
+``prewarm(state)`` runs one forward + backward of every distinct microbatch shape of the
+run before its first step (``RunConfig.prewarm``). ``RunState.calibrate`` adds the
+per-action runtime overhead measured on the warm-up steps to the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dynmb.costmodel import get_cost_model, runtime_overhead
+from dynmb.data import load_trace, sample_batch
+from dynmb.memory import get_memory_model
+from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.planner import plan_step
+from dynmb.runtime.hooks import NoHooks, StepHooks
+from dynmb.runtime.interpreter import Clock
+from dynmb.runtime.meter import MemoryMeter
+from dynmb.runtime.records import ActionRow, actions_frame
+from dynmb.runtime.spec import RunSpec
+from dynmb.runtime.topology import Topology, make_process_groups
+from dynmb.simulate import SimResult
+from dynmb.types import Microbatch, Plan, Schedule
+
+__all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed"]
+
+
+def token_seed(seed: int, step: int) -> int:
+    """Seed of the synthetic token ids of step ``step``."""
+    return seed * 1_000_003 + step
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """One global batch and its plan, replica 0's schedule and the simulation of it."""
+
+    lengths: np.ndarray
+    plan: Plan
+    schedule: Schedule
+    sim: SimResult
+
+
+class RunState:
+    """Everything one run keeps across steps on this rank (set up collectively)."""
+
+    def __init__(self, spec: RunSpec, device: torch.device, hooks: StepHooks | None = None) -> None:
+        self.spec, self.device, self.hooks = spec, device, hooks or NoHooks()
+        self.run = run = spec.run
+        self.topology = Topology.for_run(run, dist.get_rank(), dist.get_world_size())
+        self.groups = make_process_groups(self.topology, timedelta(seconds=run.timeout_s), device)
+        num_stages = run.pipeline.num_stages
+        self.stages = {s: build_stage(run.model, s, num_stages, run.seed, device=device)
+                       for s in self.topology.local_stages}
+        self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
+        self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)
+        self.cost_model = get_cost_model(run.cost_model, run.model, num_stages)
+        self.memory_model = get_memory_model(spec.memory_model, run.model, num_stages)
+        self.trace = load_trace(run.dataset)
+        self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)
+        self.clock = Clock(device)
+        self.warmup_actions: list[ActionRow] = []       # every rank's warm-up actions, for calibrate
+        self.seen_shapes: set[tuple[int, int]] = set()  # (rows, padded_len) run so far (prewarm included)
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the warm-up steps calibrate the cost model (default: on CPU)."""
+        return self.spec.calibrate if self.spec.calibrate is not None else self.device.type == "cpu"
+
+    def plan_batch(self, step: int) -> PlannedBatch:
+        """Global batch ``step`` and its plan: deterministic, the same on every rank."""
+        run, pipeline = self.run, self.run.pipeline
+        lengths = sample_batch(self.trace, run.global_batch, run.seed, step=step)
+        plan, schedule, sim = plan_step(
+            lengths, method=run.method, model_cfg=run.model, num_stages=pipeline.num_stages,
+            memory_limit_bytes=pipeline.memory_limit_bytes, schedule_kind=pipeline.schedule,
+            reorder=pipeline.reorder, mbs=run.mbs, dp=run.dp, virtual=pipeline.virtual,
+            cost_model=self.cost_model, memory_model=self.memory_model, oversize=run.oversize,
+            pack_len=run.pack_len, round_to=run.round_to)
+        return PlannedBatch(lengths, plan, schedule, sim)
+
+    def note_shapes(self, plan: Plan) -> tuple[int, int]:
+        """``(distinct, new)`` microbatch shapes of ``plan``; remembers them as seen."""
+        shapes = {(mb.batch, mb.padded_len) for mb in plan.microbatches}
+        new = len(shapes - self.seen_shapes)
+        self.seen_shapes |= shapes
+        return len(shapes), new
+
+    def calibrate(self) -> None:
+        """Add the per-action runtime overhead the warm-up steps measured to the cost model the
+        next steps are planned and predicted with (``costmodel.runtime_overhead``). Every rank
+        holds every rank's warm-up actions, so all compute the same model."""
+        overhead = runtime_overhead(actions_frame(self.warmup_actions))
+        self.cost_model = self.cost_model.with_overhead(**overhead)
+        self.warmup_actions = []
+
+    def close(self) -> None:
+        self.meter.close()
+
+
+def prewarm(state: RunState) -> int:
+    """Run one forward + backward of every distinct microbatch shape of this run's planned steps
+    on this rank's stages, outside any measured step (``RunConfig.prewarm``), then drop the
+    gradients. Shapes are planned with the cost model of set-up time (the warm-up calibration
+    may change later plans; the ``new_shapes`` column says what was still new). Returns the
+    number of shapes run."""
+    run = state.run
+    todo: dict[tuple[int, int, bool], tuple[Microbatch, np.ndarray]] = {}
+    for step in range(run.warmup + run.steps):
+        batch = state.plan_batch(step)
+        for mb in batch.plan.microbatches:
+            todo.setdefault((mb.batch, mb.padded_len, mb.is_packed), (mb, batch.lengths))
+    for microbatch, lengths in todo.values():
+        tokens = synthetic_tokens(lengths, run.model.vocab_size, 0)
+        inputs = make_inputs(microbatch, tokens, cfg=run.model, device=state.device)
+        for stage in state.stages.values():
+            x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model),
+                                                        dtype=torch_dtype(run.model), device=state.device,
+                                                        requires_grad=True)
+            y = stage(x, inputs)
+            if stage.is_last:
+                y.backward()
+            else:
+                y.backward(torch.ones_like(y))
+        state.seen_shapes.add((microbatch.batch, microbatch.padded_len))
+    state.optimizer.zero_grad(set_to_none=True)
+    return len(todo)

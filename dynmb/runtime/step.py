@@ -1,0 +1,192 @@
+"""One optimizer step of one run on this rank: plan, run the actions, sum gradients, Adam, measure.
+
+``run_step(state, k)`` (``state``: the run's ``dynmb.runtime.state.RunState``):
+
+1. plan: global batch ``k`` and its plan (``RunState.plan_batch``, deterministic on every
+   rank); the ranks compare plan digests (``checks.check_plan_digest``). A replica other
+   than 0 builds its own schedule for its share of the plan. With ``verify`` the replica
+   gathers its pre-step weights.
+2. run: barrier; the interpreter runs this rank's actions of its replica's schedule
+   (``interpreter.run_actions``; a microbatch's inputs are built at its first forward on
+   this rank and dropped after its last); sends are drained; missing gradients are zeros;
+   gradients are summed over the data-parallel group in one flat all-reduce; Adam steps;
+   barrier. ``step_s`` is barrier to barrier. Python's cyclic collector is off from before
+   the first barrier to the end of the step (Megatron-LM's --manual-gc: a collection inside
+   a step stalls every peer waiting on this rank).
+3. measure: one ``ActionRow`` per action (compute interval from the step start, receive
+   wait, the cost model's prediction), one ``MemoryRow`` per stage (the meter's peak; the
+   CUDA allocator's peaks); then the memory-limit and ``--verify`` checks
+   (``dynmb.runtime.checks``). The ``StepReport`` carries rows and failed checks to the
+   worker.
+
+Tests act on the step through ``hooks.StepHooks`` (``state.hooks``).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import Counter
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from dynmb.model import MicrobatchInputs, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.planner import make_schedule
+from dynmb.runtime.checks import (
+    check_plan_digest,
+    gather_weights,
+    gradient_problems,
+    memory_problems,
+    reference_gradients,
+)
+from dynmb.runtime.comm import P2P
+from dynmb.runtime.interpreter import ActionTiming, run_actions
+from dynmb.runtime.records import ActionRow, MemoryRow, StepReport
+from dynmb.runtime.state import RunState, token_seed
+from dynmb.types import Action, Plan
+
+__all__ = ["run_step"]
+
+
+class _InputCache:
+    """A microbatch's inputs, built at its first forward on this rank and dropped at its last:
+    what autograd saved from them then lives only until the backward, as the memory model
+    assumes, instead of every microbatch's inputs for the whole step."""
+
+    def __init__(self, plan: Plan, actions: Sequence[Action], tokens: list[torch.Tensor], state: RunState) -> None:
+        self.plan, self.tokens, self.state = plan, tokens, state
+        self.uses = Counter(a.mb for a in actions if a.op == "F")
+        self.cache: dict[int, MicrobatchInputs] = {}
+
+    def __call__(self, mb: int) -> MicrobatchInputs:
+        inputs = self.cache.pop(mb, None)
+        if inputs is None:
+            inputs = make_inputs(self.plan.microbatches[mb], self.tokens, cfg=self.state.run.model,
+                                 device=self.state.device)
+        self.uses[mb] -= 1
+        if self.uses[mb] > 0:
+            self.cache[mb] = inputs
+        return inputs
+
+
+def _sum_gradients(state: RunState) -> dict[str, torch.Tensor]:
+    """Zeros for parameters without a gradient; the data-parallel sum in one flat all-reduce.
+    Returns the gradients by parameter name."""
+    grads = {}
+    for name, p in state.params.items():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads[name] = p.grad
+    if state.topology.dp_size > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        dist.all_reduce(flat, group=state.groups.data_parallel)
+        offset = 0
+        for g in grads.values():
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    return grads
+
+
+def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTiming],
+                 start_mark: object) -> tuple[list[ActionRow], float]:
+    """One row per timed action and this rank's busy seconds."""
+    costs = state.cost_model.plan_costs(plan)
+    rows, busy_s = [], 0.0
+    for timing in timings:
+        action, mb = timing.action, plan.microbatches[timing.action.mb]
+        start = state.clock.seconds(start_mark, timing.t_start)
+        end = state.clock.seconds(start_mark, timing.t_end)
+        busy_s += end - start
+        pred = costs[action.op][action.stage, action.mb] if action.op in costs else 0.0
+        rows.append(ActionRow(
+            run_id=state.spec.run_id, step=step, rank=state.rank, dp_rank=state.topology.dp_index,
+            stage=action.stage, op=action.op, mb=action.mb, batch=mb.batch, padded_len=mb.padded_len,
+            docs=mb.num_seqs, attn_work=mb.attention_work(state.run.model.attention), start_s=start, end_s=end,
+            pred_s=float(pred), wait_s=state.clock.seconds(timing.t_recv, timing.t_start)))
+    return rows, busy_s
+
+
+def _memory_rows(state: RunState, step: int, plan: Plan) -> list[MemoryRow]:
+    """One row per stage of this rank: measured peak and the limit it is checked against."""
+    device = state.device
+    planned = list(plan.predictions.get("pred_peak_bytes", []))
+    peaks = state.meter.peaks()
+    allocated = reserved = None
+    if device.type == "cuda":
+        allocated = int(torch.cuda.max_memory_allocated(device))
+        reserved = int(torch.cuda.max_memory_reserved(device))
+    rows = []
+    for stage in sorted(state.stages):
+        peak = int(peaks[stage])
+        limit = state.hooks.memory_limit(state.rank, step, stage, int(plan.memory_limit_bytes), peak)
+        rows.append(MemoryRow(
+            run_id=state.spec.run_id, step=step, stage=stage, rank=state.rank, dp_rank=state.topology.dp_index,
+            peak_bytes=peak, limit_bytes=int(limit),
+            pred_peak_bytes=int(planned[stage]) if stage < len(planned) else None,
+            allocated_bytes=allocated, reserved_bytes=reserved))
+    return rows
+
+
+def run_step(state: RunState, step: int) -> tuple[StepReport, Plan]:
+    """Run step ``step`` on this rank (see the module docstring); returns this rank's report
+    and the step's plan (the global batch's, every replica)."""
+    try:
+        return _run_step(state, step)
+    finally:
+        gc.enable()
+
+
+def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan]:
+    run, pipeline, device, topology = state.run, state.run.pipeline, state.device, state.topology
+    batch = state.plan_batch(step)
+    plan = state.hooks.plan(state.rank, step, batch.plan)
+    check_plan_digest(plan, step, device)
+    replica = plan.replica(topology.dp_index) if topology.dp_size > 1 else plan
+    schedule = batch.schedule
+    if topology.dp_index > 0:
+        schedule = make_schedule(replica, pipeline.schedule, virtual=pipeline.virtual,
+                                 memory_model=state.memory_model)
+    if schedule.num_microbatches != replica.num_microbatches or schedule.num_ranks != topology.pipeline_size:
+        raise RuntimeError(f"schedule for {schedule.num_microbatches} microbatches on {schedule.num_ranks} ranks "
+                           f"does not fit replica {topology.dp_index}'s {replica.num_microbatches} microbatches "
+                           f"on {topology.pipeline_size} ranks")
+    tokens = synthetic_tokens(batch.lengths, run.model.vocab_size, token_seed(run.seed, step))
+    weights = gather_weights(state.params, state.groups.pipeline, topology.pipeline_size) if state.spec.verify \
+        else None
+    actions = schedule.ranks[topology.pp_index]
+    p2p = P2P(schedule, topology.pp_index, topology.pipeline_ranks(), state.groups.pairs,
+              lambda mb: hidden_shape(replica.microbatches[mb], run.model), dtype=torch_dtype(run.model),
+              device=device)
+    state.meter.reset_step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    gc.disable()   # no collector pauses inside the measured step; run_step turns it back on
+    dist.barrier()
+    t0, start_mark = time.perf_counter(), state.clock.mark()
+    timings, loss = run_actions(
+        actions, stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state), p2p=p2p,
+        loss_scale=1.0 / plan.real_tokens, clock=state.clock, meter=state.meter,
+        on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions))
+    p2p.finish()
+    grads = _sum_gradients(state)
+    state.hooks.gradients(state.rank, step, state.params)
+    verified_grads = {n: g.detach().clone() for n, g in grads.items()} if weights is not None else None
+    state.optimizer.step()
+    state.meter.sample_states()
+    state.optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    step_s = time.perf_counter() - t0
+
+    action_rows, busy_s = _action_rows(state, step, replica, timings, start_mark)
+    memory_rows = _memory_rows(state, step, plan)
+    problems = memory_problems(memory_rows, allow_over_limit=state.spec.allow_over_limit)
+    if weights is not None and verified_grads is not None:
+        reference = reference_gradients(run, plan, tokens, weights)
+        problems += gradient_problems(state.rank, step, verified_grads, reference)
+    report = StepReport(rank=state.rank, step_s=step_s, busy_s=busy_s, loss=loss, actions=action_rows,
+                        memory=memory_rows, problems=problems)
+    return report, plan

@@ -1,0 +1,111 @@
+"""Where every rank sits: pipeline and data-parallel coordinates, and the process groups.
+
+Global rank = ``dp_index * R + pp_index`` with ``R = num_stages / virtual`` pipeline ranks
+per replica; stage ``s`` lives on pipeline rank ``s % R`` (``virtual`` > 1: the interleaved
+placement, several stages per rank). Process groups, created collectively by every rank in
+the same order and passed to whoever needs them (no global singletons):
+
+- pair groups: one two-rank group per ordered pair of neighbouring pipeline ranks, for the
+  P2P messages (``comm.make_pair_groups``);
+- data-parallel groups: the ranks holding the same stages in every replica (gradient
+  all-reduce);
+- pipeline groups: the ranks of one replica (the weight gather of ``--verify``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dynmb.config import RunConfig
+from dynmb.runtime.comm import make_pair_groups
+
+__all__ = ["Topology", "ProcessGroups", "make_process_groups"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """One rank's place in a ``pipeline_size`` x ``dp_size`` grid of ranks."""
+
+    num_stages: int
+    """Pipeline stages (model chunks)."""
+    pipeline_size: int
+    """Pipeline ranks per replica (``num_stages / virtual``)."""
+    dp_size: int
+    """Data-parallel replicas."""
+    rank: int
+    """This process's global rank."""
+
+    def __post_init__(self) -> None:
+        if self.num_stages % self.pipeline_size:
+            raise ValueError(f"{self.num_stages} stages do not spread over {self.pipeline_size} pipeline ranks")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
+
+    @classmethod
+    def for_run(cls, run: RunConfig, rank: int, world_size: int) -> Topology:
+        """This rank's topology for ``run``; the world must be pipeline ranks x dp."""
+        pipeline = run.pipeline
+        if world_size != pipeline.num_ranks * run.dp:
+            raise ValueError(f"world size {world_size} != pipeline ranks {pipeline.num_ranks} (stages "
+                             f"{pipeline.num_stages} / virtual {pipeline.virtual}) x dp {run.dp}")
+        return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.dp, rank=rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_size * self.dp_size
+
+    @property
+    def dp_index(self) -> int:
+        """Which replica this rank belongs to."""
+        return self.rank // self.pipeline_size
+
+    @property
+    def pp_index(self) -> int:
+        """This rank's position in its replica's pipeline."""
+        return self.rank % self.pipeline_size
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        """The stages this rank holds."""
+        return tuple(s for s in range(self.num_stages) if s % self.pipeline_size == self.pp_index)
+
+    def pipeline_ranks(self, dp_index: int | None = None) -> list[int]:
+        """Global ranks of replica ``dp_index`` (default: this rank's), by pipeline index."""
+        d = self.dp_index if dp_index is None else dp_index
+        return [d * self.pipeline_size + i for i in range(self.pipeline_size)]
+
+    def data_parallel_ranks(self, pp_index: int | None = None) -> list[int]:
+        """Global ranks at pipeline index ``pp_index`` (default: this rank's) in every replica."""
+        i = self.pp_index if pp_index is None else pp_index
+        return [d * self.pipeline_size + i for d in range(self.dp_size)]
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's process groups."""
+
+    pairs: dict[tuple[int, int], dist.ProcessGroup]
+    """``{(src, dst): group}`` of every ordered pair of neighbouring pipeline ranks."""
+    data_parallel: dist.ProcessGroup | None
+    """The gradient all-reduce group of this rank's stages."""
+    pipeline: dist.ProcessGroup | None
+    """This rank's replica."""
+
+
+def make_process_groups(topology: Topology, timeout: timedelta, device: torch.device) -> ProcessGroups:
+    """Create every group on every rank (``new_group`` is collective) and keep this rank's."""
+    pairs = make_pair_groups(topology.world_size, topology.pipeline_size, timeout, device)
+    data_parallel = pipeline = None
+    for i in range(topology.pipeline_size):
+        group = dist.new_group(topology.data_parallel_ranks(i), timeout=timeout)
+        if i == topology.pp_index:
+            data_parallel = group
+    for d in range(topology.dp_size):
+        group = dist.new_group(topology.pipeline_ranks(d), timeout=timeout)
+        if d == topology.dp_index:
+            pipeline = group
+    return ProcessGroups(pairs=pairs, data_parallel=data_parallel, pipeline=pipeline)
