@@ -1,40 +1,59 @@
 """The main job: fixed against dynamic microbatching on real pipelines, in one run.
 
-``run_compare`` plans every method on the same global batches, runs them all as the
-cases of ONE torchrun job (one process per stage; gloo on CPU, NCCL on CUDA), so the
-throughputs are measured side by side on the same machine state. On CPU the cases run
-round by round (step k of every method, the order rotated each round, then step k + 1;
-``--sequential`` for one method after another, as on CUDA), so a burst of outside load on a
-shared machine slows every method alike instead of whichever ran during it. Then:
+``prepare_compare(settings)`` plans the cases: every method of ``settings.methods`` at its
+own microbatch order (``--reorder auto``: ``AUTO_REORDER``), and, for ``fixed`` without a
+given microbatch size, extra ``fixed`` cases at 1, 2, 4, ... rows below the largest size
+that fits every step, to find the best fixed size in hindsight (``fixed_candidates``).
+``run_compare_job(job)`` runs them all as the cases of ONE torchrun job (one process per
+pipeline rank; gloo on CPU, NCCL on CUDA), so the throughputs are measured side by side on
+the same machine state. On CPU the cases run round by round (step k of every method, the
+order rotated each round, then step k + 1; ``sequential`` for one method after another, as
+on CUDA), so a burst of outside load on a shared machine slows every method alike instead
+of whichever ran during it. Then it:
 
-1. prints a pandas table per method: tokens/s, speedup vs ``fixed``, padding fraction,
-   mean bubble, peak / limit, predicted vs measured step time, plan time;
+1. summarises the measured steps per case (``analysis.summarise``; ``display_summary``
+   names the rows: ``fixed (mbs 3)``, ``fixed-best (mbs B)``, ...);
 2. writes ``summary.csv`` next to the tidy ``steps``/``actions``/``memory``/``runs`` tables;
 3. plots ``throughput.png`` and measured-vs-predicted Gantt charts for ``fixed`` and
    ``dynamic`` (``gantt_<method>_measured.png`` / ``gantt_<method>_predicted.png``).
 
+``format_summary`` is the printed table: tokens/s, dynamic's paired per-step ratio to
+every case with its range, padding, bubble, peak / limit, predicted vs measured step time.
+
 Defaults (``dynmb compare``): the sharegpt trace, the ``small`` model, 2 stages, a 1 GiB
 limit (binding: ``fixed`` can only afford a few rows of the longest sequences), global
-batches of 32 sequences, each method's own microbatch order (``--reorder auto``),
-1 warm-up + 3 measured steps per method. The cost model is the
-one fitted on this kind of CPU and shipped in ``data/costmodels/`` when the model and
-stage count match, else the analytic stand-in (``--cost-model`` for your own fit).
+batches of 32 sequences, each method's own microbatch order, 1 warm-up + 3 measured steps
+per method. The cost model is the one fitted on this kind of CPU and shipped in
+``data/costmodels/`` when the model and stage count match, else the analytic stand-in
+(``cost_model`` for your own fit).
 
 Equivalent torchrun line of one case: see ``dynmb.runtime.worker``.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["run_compare", "default_cost_model_path", "reorder_for", "COLUMNS", "AUTO_REORDER"]
+from dynmb.analysis import summarise
+from dynmb.config import PipelineConfig, RunConfig, model_config, parse_bytes
+from dynmb.costmodel import get_cost_model
+from dynmb.data import load_trace, sample_batch
+from dynmb.memory import get_memory_model
+from dynmb.planner import plan_step
+from dynmb.plots import compare_throughput, gantt
+from dynmb.results import load_results, write_table
+from dynmb.runtime.launch import default_backend_device, launch_job
+from dynmb.runtime.spec import JobSpec, RunSpec
+
+__all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "prepare_compare", "run_compare_job",
+           "fixed_candidates", "display_summary", "format_summary", "default_cost_model_path", "reorder_for",
+           "COLUMNS", "AUTO_REORDER", "FIXED_SIZE_METHODS"]
 
 # The order each method runs its microbatches in under ``--reorder auto``: the systems the
 # baselines stand for do not reorder (Megatron, DeepSpeed, fairseq) except DynaPipe, which
@@ -44,6 +63,7 @@ AUTO_REORDER = {"dynamic": "search", "dynapipe": "dynapipe"}
 COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
            "pred_step_s", "step_s", "pred_err", "plan_s", "num_microbatches", "mbs", "distinct_shapes", "new_shapes"]
 FIXED_SIZE_METHODS = ("fixed", "sorted", "packed")
+ALL_METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
 
 
 def default_cost_model_path(model: str, stages: int, device: str = "cpu") -> str | None:
@@ -57,54 +77,214 @@ def reorder_for(method: str, reorder: str) -> str:
     return AUTO_REORDER.get(method, "none") if reorder == "auto" else reorder
 
 
-def _plan_kwargs(args: argparse.Namespace, method: str, mbs: int | None = None) -> dict[str, Any]:
-    """``plan_step`` keyword arguments of one compare case (the worker plans with the same)."""
-    from .config import model_config, parse_bytes
-    from .costmodel import get_cost_model
-    from .memory import get_memory_model
+@dataclass(frozen=True, kw_only=True)
+class CompareSettings:
+    """What a comparison runs (the flags of ``dynmb compare``); ``resolved()`` fills the defaults."""
 
-    cfg = model_config(args.model, attention=args.attention)
-    return dict(method=method, model_cfg=cfg, num_stages=args.stages, memory_limit_bytes=parse_bytes(args.memory_limit),
-                schedule_kind=args.schedule, mbs=mbs if mbs is not None else (args.mbs if method in FIXED_SIZE_METHODS else None),
-                reorder=reorder_for(method, args.reorder), virtual=int(getattr(args, "virtual", 1) or 1),
-                cost_model=get_cost_model(args.cost_model, cfg, args.stages),
-                memory_model=get_memory_model(getattr(args, "memory_model", None), cfg, args.stages),
-                oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to)
+    dataset: str | None = None
+    """Shipped trace name (default sharegpt when ``lengths`` is not given either)."""
+    lengths: str | None = None
+    """A length-trace CSV instead of a shipped trace."""
+    global_batch: int = 32
+    seed: int = 0
+    stages: int = 2
+    memory_limit: str | None = None
+    """Per-GPU memory limit, e.g. ``1GiB`` (the default)."""
+    methods: tuple[str, ...] = ALL_METHODS
+    microbatch_size: int | None = None
+    """Rows per microbatch of the fixed-size methods; None: the largest that fits."""
+    oversize: str = "error"
+    pack_len: int | None = None
+    round_to: int = 1
+    prewarm: bool = False
+    expandable_segments: bool = True
+    schedule: str = "1f1b"
+    virtual: int = 1
+    """Model chunks per rank; > 1 runs the interleaved schedule on stages / virtual ranks."""
+    device: str | None = None
+    """cpu or cuda; None: cuda when available."""
+    memory_model: str | None = None
+    allow_over_limit: bool = False
+    reorder: str = "auto"
+    steps: int = 3
+    warmup: int = 1
+    fixed_best: bool = True
+    """Add the fixed cases that find the best fixed microbatch size in hindsight."""
+    sequential: bool = False
+    """Run the cases one after another even on CPU."""
+    cost_model: str | None = None
+    """Fitted cost-model JSON; None: the shipped one for this model, stages and device, if any."""
+    model: str = "small"
+    attention: str | None = None
+    out: str = "results/compare"
+
+    @property
+    def trace(self) -> str:
+        """The trace the global batches are sampled from."""
+        return self.lengths or self.dataset or "sharegpt"
+
+    def resolved(self) -> CompareSettings:
+        """Defaults filled: trace, limit, device, the interleaved schedule for ``virtual`` > 1,
+        the shipped cost model. Raises ``ValueError`` when stages do not spread over ranks."""
+        device = self.device or default_backend_device()[1]
+        schedule = "interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule
+        if self.stages % self.virtual:
+            raise ValueError(f"--stages {self.stages} is not a multiple of --virtual {self.virtual}")
+        dataset = "sharegpt" if self.dataset is None and self.lengths is None else self.dataset
+        cost_model = self.cost_model or default_cost_model_path(self.model, self.stages, device)
+        return replace(self, dataset=dataset, memory_limit=self.memory_limit or "1GiB", device=device,
+                       schedule=schedule, cost_model=cost_model)
 
 
-def fixed_candidates(args: argparse.Namespace) -> tuple[list[int], list[int]]:
-    """``(automatic mbs of each step, candidates)`` for the best fixed mbs in hindsight: 1, 2, 4, ...
-    below the smallest automatic mbs (the largest that fits) of the run's steps, so that every
-    candidate fits every step."""
-    from .data import load_trace, sample_batch
-    from .planner import plan_step
+@dataclass(frozen=True)
+class CompareCase:
+    """One case of the job: a method at a microbatch size, under a display label."""
 
-    trace = load_trace(args.lengths or args.dataset)
-    kw = _plan_kwargs(args, "fixed", mbs=0)
-    kw["mbs"], kw["reorder"] = None, "none"
-    auto = [int(plan_step(sample_batch(trace, args.global_batch, args.seed, step=k), **kw)[0].meta["mbs"])
-            for k in range(args.warmup + args.steps)]
+    label: str
+    method: str
+    microbatch_size: int | None
+    spec: RunSpec
+
+
+@dataclass(frozen=True)
+class CompareJob:
+    """The planned comparison: resolved settings and the cases of its torchrun job."""
+
+    settings: CompareSettings
+    cases: tuple[CompareCase, ...]
+    nproc: int
+    backend: str
+
+    @property
+    def interleave(self) -> bool:
+        return self.settings.device == "cpu" and not self.settings.sequential
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.settings.out)
+
+    def job_spec(self) -> JobSpec:
+        return JobSpec(out_dir=str(self.out_dir.resolve()), cases=tuple(c.spec for c in self.cases),
+                       interleave=self.interleave)
+
+
+@dataclass
+class CompareResult:
+    """What a comparison produced."""
+
+    returncode: int
+    """0: every case ran (a peak over the limit is in ``over_limit``, not here)."""
+    failures: tuple[str, ...] = ()
+    """The launcher's lines on the failed ranks."""
+    wall_s: float = 0.0
+    summary: pd.DataFrame | None = None
+    """``display_summary``'s table (case names in the index)."""
+    files: list[str] = field(default_factory=list)
+    """The PNG files written next to the tables."""
+
+    @property
+    def over_limit(self) -> list[str]:
+        """Cases whose measured peak exceeded the limit."""
+        if self.summary is None or "peak_over_limit" not in self.summary:
+            return []
+        return list(self.summary.index[self.summary["peak_over_limit"] > 1])
+
+
+def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> dict[str, Any]:
+    """``plan_step`` keyword arguments of one case (the worker plans with the same)."""
+    cfg = model_config(settings.model, attention=settings.attention)
+    if microbatch_size is None and method in FIXED_SIZE_METHODS:
+        microbatch_size = settings.microbatch_size
+    return dict(method=method, model_cfg=cfg, num_stages=settings.stages,
+                memory_limit_bytes=parse_bytes(settings.memory_limit or "1GiB"), schedule_kind=settings.schedule,
+                mbs=microbatch_size, reorder=reorder_for(method, settings.reorder), virtual=settings.virtual,
+                cost_model=get_cost_model(settings.cost_model, cfg, settings.stages),
+                memory_model=get_memory_model(settings.memory_model, cfg, settings.stages),
+                oversize=settings.oversize, pack_len=settings.pack_len, round_to=settings.round_to)
+
+
+def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
+    """``(automatic microbatch size of each step, candidates)`` for the best fixed size in
+    hindsight: 1, 2, 4, ... below the smallest automatic size (the largest that fits) of the
+    run's steps, so that every candidate fits every step."""
+    trace = load_trace(settings.trace)
+    kwargs = _plan_kwargs(settings, "fixed", microbatch_size=0)
+    kwargs["mbs"], kwargs["reorder"] = None, "none"
+    auto = [int(plan_step(sample_batch(trace, settings.global_batch, settings.seed, step=k), **kwargs)[0].meta["mbs"])
+            for k in range(settings.warmup + settings.steps)]
     return auto, [1 << i for i in range(12) if (1 << i) < min(auto)]
 
 
-def _gantts(out: Path, steps: pd.DataFrame, actions: pd.DataFrame, method: str, args: argparse.Namespace) -> list[str]:
-    """Measured and predicted timelines of the first measured step of ``method`` (its main case)."""
-    from .data import load_trace, sample_batch
-    from .plots import gantt
-    from .planner import plan_step
+def prepare_compare(settings: CompareSettings) -> CompareJob:
+    """Resolve ``settings``, create the output folder and plan the cases (see the module docstring)."""
+    settings = settings.resolved()
+    device = settings.device or "cpu"
+    backend = "nccl" if device == "cuda" else "gloo"
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    limit = parse_bytes(settings.memory_limit or "1GiB")
+    tag = uuid.uuid4().hex[:6]
+    model = model_config(settings.model, attention=settings.attention)
+    runs: list[tuple[str, str, int | None]] = [
+        (m, m, settings.microbatch_size if m in FIXED_SIZE_METHODS else None) for m in settings.methods]
+    if "fixed" in settings.methods and settings.microbatch_size is None and settings.fixed_best:
+        _, candidates = fixed_candidates(settings)
+        runs += [(f"fixed mbs={size}", "fixed", size) for size in candidates]
+    cases = []
+    for label, method, size in runs:
+        cfg = RunConfig(model=model,
+                        pipeline=PipelineConfig(num_stages=settings.stages, virtual=settings.virtual,
+                                                schedule=settings.schedule, memory_limit_bytes=limit,
+                                                reorder=reorder_for(method, settings.reorder)),
+                        dataset=settings.trace, global_batch=settings.global_batch, method=method, mbs=size,
+                        seed=settings.seed, steps=settings.steps, warmup=settings.warmup, backend=backend,
+                        device=device, cost_model=settings.cost_model, oversize=settings.oversize,
+                        pack_len=settings.pack_len, round_to=settings.round_to, prewarm=settings.prewarm,
+                        expandable_segments=settings.expandable_segments)
+        spec = RunSpec.create(cfg, out, run_id=f"{label.replace(' ', '-').replace('=', '')}-{tag}", label=label,
+                              memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit)
+        cases.append(CompareCase(label, method, size, spec))
+    return CompareJob(settings, tuple(cases), nproc=settings.stages // settings.virtual, backend=backend)
 
-    ms = steps[(steps["label"] == method) & (~steps["warmup"].astype(bool))]
-    if ms.empty:
+
+def _gantts(job: CompareJob, steps: pd.DataFrame, actions: pd.DataFrame, method: str) -> list[str]:
+    """Measured and predicted timelines of the first measured step of ``method`` (its main case)."""
+    settings, out = job.settings, job.out_dir
+    measured = steps[(steps["label"] == method) & (~steps["warmup"].astype(bool))]
+    if measured.empty:
         return []
-    run_id, k = ms.iloc[0]["run_id"], int(ms.iloc[0]["step"])
-    tl = actions[(actions["run_id"] == run_id) & (actions["step"] == k)]
-    paths = [gantt(tl, str(out / f"gantt_{method}_measured.png"),
-                   title=f"{method}: measured step {k} ({ms.iloc[0]['step_s']:.2f} s)")]
-    batch = sample_batch(load_trace(args.lengths or args.dataset), args.global_batch, args.seed, step=k)
-    _, _, sim = plan_step(batch, **_plan_kwargs(args, method))
+    run_id, k = measured.iloc[0]["run_id"], int(measured.iloc[0]["step"])
+    timeline = actions[(actions["run_id"] == run_id) & (actions["step"] == k)]
+    paths = [gantt(timeline, str(out / f"gantt_{method}_measured.png"),
+                   title=f"{method}: measured step {k} ({measured.iloc[0]['step_s']:.2f} s)")]
+    batch = sample_batch(load_trace(settings.trace), settings.global_batch, settings.seed, step=k)
+    _, _, sim = plan_step(batch, **_plan_kwargs(settings, method))
     paths.append(gantt(sim.timeline, str(out / f"gantt_{method}_predicted.png"),
                        title=f"{method}: predicted step {k} ({sim.makespan_s:.2f} s)"))
     return paths
+
+
+def run_compare_job(job: CompareJob, *, quiet: bool = True, progress: bool = True) -> CompareResult:
+    """Run the job's cases in one torchrun job, then summarise, write ``summary.csv`` and plot."""
+    settings, out = job.settings, job.out_dir
+    t0 = time.perf_counter()
+    launched = launch_job(job.job_spec(), job.nproc, quiet=quiet, progress=progress)
+    wall_s = time.perf_counter() - t0
+    if not launched.ok:
+        return CompareResult(launched.returncode, launched.failures, wall_s)
+    tables = load_results(out)
+    ids = {c.spec.run_id for c in job.cases}
+    tables = {k: (v[v["run_id"].isin(ids)] if "run_id" in v.columns else v) for k, v in tables.items()}
+    summary = display_summary(summarise(tables), [c.label for c in job.cases])
+    write_table(summary.reset_index(), out / "summary.csv")
+    compare_throughput(summary, str(out / "throughput.png"),
+                       title=f"{settings.trace}, {settings.model}, {settings.stages} stages, "
+                             f"limit {settings.memory_limit}")
+    files = ["throughput.png"]
+    for method in ("fixed", "dynamic"):
+        if method in settings.methods:
+            files += [Path(p).name for p in _gantts(job, tables["steps"], tables["actions"], method)]
+    return CompareResult(0, (), wall_s, summary, files)
 
 
 def display_summary(summary: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
@@ -140,7 +320,8 @@ def format_summary(summary: pd.DataFrame, reference: str = "dynamic") -> str:
                                   zip(summary[col], summary[f"{col}_lo"], summary[f"{col}_hi"])]
     fmt = {"padding_fraction": ("padding", "{:.3f}"), "mean_bubble": ("bubble", "{:.3f}"),
            "peak_over_limit": ("peak/limit", "{:.3f}"), "pred_step_s": ("pred step s", "{:.2f}"),
-           "step_s": ("step s", "{:.2f}"), "pred_err": ("pred err", "{:.1%}"), "num_microbatches": ("mbs/step", "{:.1f}"),
+           "step_s": ("step s", "{:.2f}"), "pred_err": ("pred err", "{:.1%}"),
+           "num_microbatches": ("mbs/step", "{:.1f}"),
            "distinct_shapes": ("shapes", "{:.1f}"), "new_shapes": ("new shapes", "{:.0f}")}
     for key, (title, f) in fmt.items():
         if key in summary:
@@ -154,85 +335,3 @@ def format_summary(summary: pd.DataFrame, reference: str = "dynamic") -> str:
         text += (f"\n{reference} is {others.loc[best, col]:.2f}x the best other case ({best}; median of per-step "
                  f"paired ratios, range {others.loc[best, col + '_lo']:.2f}-{others.loc[best, col + '_hi']:.2f})")
     return text
-
-
-def run_compare(args: argparse.Namespace) -> int:
-    """``dynmb compare``: see the module docstring. Returns the exit code."""
-    from .analysis import summarise
-    from .config import PipelineConfig, RunConfig, model_config, parse_bytes
-    from .plots import compare_throughput
-    from .results import load_results, write_table
-    from .runtime.launch import default_backend_device, failure_lines, launch_spec, write_spec
-
-    if args.dataset is None and args.lengths is None:
-        args.dataset = "sharegpt"
-    if args.memory_limit is None:
-        args.memory_limit = "1GiB"
-    device = getattr(args, "device", None) or default_backend_device()[1]
-    backend = "nccl" if device == "cuda" else "gloo"
-    virtual = int(getattr(args, "virtual", 1) or 1)
-    if virtual > 1 and args.schedule == "1f1b":
-        args.schedule = "interleaved"
-    if args.stages % virtual:
-        raise ValueError(f"--stages {args.stages} is not a multiple of --virtual {virtual}")
-    nproc = args.stages // virtual
-    if args.cost_model is None:
-        args.cost_model = default_cost_model_path(args.model, args.stages, device)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    limit = parse_bytes(args.memory_limit)
-    tag = uuid.uuid4().hex[:6]
-    model_cfg = model_config(args.model, attention=args.attention)
-    # (label, method, mbs): each method's own case, plus fixed at mbs 1, 2, 4, ... for the best in hindsight
-    runs: list[tuple[str, str, int | None]] = [(m, m, args.mbs if m in FIXED_SIZE_METHODS else None) for m in methods]
-    auto_mbs: list[int] = []
-    if "fixed" in methods and args.mbs is None and not args.no_fixed_best:
-        auto_mbs, candidates = fixed_candidates(args)
-        runs += [(f"fixed mbs={b}", "fixed", b) for b in candidates]
-    cases = []
-    for label, m, mbs in runs:
-        cfg = RunConfig(model=model_cfg,
-                        pipeline=PipelineConfig(num_stages=args.stages, virtual=virtual, schedule=args.schedule,
-                                                memory_limit_bytes=limit, reorder=reorder_for(m, args.reorder)),
-                        dataset=args.lengths or args.dataset, global_batch=args.global_batch, method=m,
-                        mbs=mbs, seed=args.seed, steps=args.steps, warmup=args.warmup, backend=backend, device=device,
-                        cost_model=args.cost_model, oversize=args.oversize, pack_len=args.pack_len,
-                        round_to=args.round_to, prewarm=args.prewarm,
-                        expandable_segments=not args.no_expandable_segments)
-        spec = write_spec(cfg, out, run_id=f"{label.replace(' ', '-').replace('=', '')}-{tag}",
-                          memory_model=getattr(args, "memory_model", None),
-                          allow_over_limit=bool(getattr(args, "allow_over_limit", False)))
-        cases.append({**spec, "label": label})
-    print(f"dynmb compare: {len(cases)} cases ({', '.join(r[0] for r in runs)}) x ({args.warmup} warm-up + {args.steps} steps) on "
-          f"{nproc} {backend} rank(s) ({args.stages} stages, {args.schedule}, {device}), "
-          f"{args.dataset or args.lengths}, global batch {args.global_batch}, "
-          f"limit {args.memory_limit}, reorder {args.reorder}, cost model {args.cost_model or 'analytic'} -> {out}", file=sys.stderr)
-    t0 = time.perf_counter()
-    interleave = device == "cpu" and not getattr(args, "sequential", False)
-    rc = launch_spec({"out_dir": str(out.resolve()), "cases": cases, "interleave": interleave}, nproc,
-                     quiet=not args.verbose, progress=True)
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        for line in failure_lines(out, "") or [f"torchrun exited with code {rc}"]:
-            print(f"dynmb compare: {line}", file=sys.stderr)
-        return rc
-    tables = load_results(out)
-    ids = {c["run_id"] for c in cases}
-    tables = {k: (v[v["run_id"].isin(ids)] if "run_id" in v.columns else v) for k, v in tables.items()}
-    summary = display_summary(summarise(tables), [r[0] for r in runs])
-    write_table(summary.reset_index(), out / "summary.csv")
-    compare_throughput(summary, str(out / "throughput.png"),
-                       title=f"{args.dataset or args.lengths}, {args.model}, {args.stages} stages, limit {args.memory_limit}")
-    pngs = ["throughput.png"]
-    for m in ("fixed", "dynamic"):
-        if m in methods:
-            pngs += [Path(p).name for p in _gantts(out, tables["steps"], tables["actions"], m, args)]
-    print(format_summary(summary))
-    print(f"\n{len(cases)} cases in {wall:.0f} s; tables steps/actions/memory/runs/summary (.csv"
-          f"{', .parquet' if (out / 'summary.parquet').exists() else ''}) and {', '.join(pngs)} in {out}")
-    over = summary["peak_over_limit"] > 1 if "peak_over_limit" in summary else pd.Series(dtype=bool)
-    if over.any():
-        print(f"dynmb compare: measured peak over the limit for {list(summary.index[over])}", file=sys.stderr)
-        return 1
-    return 0

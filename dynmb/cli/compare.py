@@ -1,0 +1,97 @@
+"""``dynmb compare``: the main job, fixed against dynamic microbatching on real runs, with a table
+and plots. The job itself is ``dynmb.compare``; this module parses, prints and sets the exit
+code (1 when a measured peak is over the limit)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dynmb.cli.flags import OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_run_shape_flags, add_shape_flags
+from dynmb.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
+
+__all__ = ["add_parser", "run", "settings_from_args"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
+    parser = subparsers.add_parser("compare", help=help_text)
+    add_data_flags(parser, global_batch=32)
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--memory-limit", default=None,
+                        help="per-GPU memory limit (default 1GiB, which binds for the small model)")
+    parser.add_argument("--methods", default="fixed,sorted,packed,token-budget,dynapipe,dynamic",
+                        help="comma-separated methods")
+    parser.add_argument("--mbs", type=int, default=None,
+                        help="microbatch size for fixed-size methods (default: largest that fits)")
+    parser.add_argument("--oversize", default="error", choices=OVERSIZE_CHOICES,
+                        help="a sequence that cannot fit alone: error (default), truncate or drop (both reported)")
+    add_shape_flags(parser)
+    add_run_shape_flags(parser)
+    parser.add_argument("--schedule", default="1f1b", help="schedule kind (default 1f1b)")
+    parser.add_argument("--virtual", type=int, default=1,
+                        help="model chunks per rank (default 1: one rank per stage; >1 runs the interleaved "
+                             "schedule on stages/virtual ranks)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="cpu (gloo) or cuda (NCCL, one GPU per rank); default cuda when available")
+    parser.add_argument("--memory-model", default=None,
+                        help="fitted memory-model JSON (`dynmb memory`); default analytic")
+    parser.add_argument("--allow-over-limit", action="store_true",
+                        help="finish and report a measured peak over the limit (exit 1) instead of stopping the run")
+    parser.add_argument("--reorder", default="auto",
+                        help="microbatch order: auto (dynamic: search, dynapipe: its cluster permutation, others: "
+                             "none) or one of none, descending, ascending, ends, dynapipe, search for every method")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per method (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per method (default 1)")
+    parser.add_argument("--no-fixed-best", action="store_true",
+                        help="skip the extra fixed cases (mbs 1, 2, 4, ... below the largest that fits) that find "
+                             "the best fixed mbs in hindsight")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the methods one after another; default on CPU: round by round (step k of every "
+                             "method, then step k+1), so outside load hits every method alike")
+    parser.add_argument("--cost-model", default=None,
+                        help="fitted cost-model JSON (default: the one shipped for this model/stages on CPU, "
+                             "else analytic)")
+    add_model_flags(parser)
+    parser.add_argument("--out", default="results/compare", help="results folder (default results/compare)")
+    parser.add_argument("--verbose", action="store_true", help="stream the workers' output")
+    parser.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> CompareSettings:
+    return CompareSettings(
+        dataset=args.dataset, lengths=args.lengths, global_batch=args.global_batch, seed=args.seed,
+        stages=args.stages, memory_limit=args.memory_limit,
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), microbatch_size=args.mbs,
+        oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to, prewarm=args.prewarm,
+        expandable_segments=not args.no_expandable_segments, schedule=args.schedule,
+        virtual=int(args.virtual or 1), device=args.device, memory_model=args.memory_model,
+        allow_over_limit=args.allow_over_limit, reorder=args.reorder, steps=args.steps, warmup=args.warmup,
+        fixed_best=not args.no_fixed_best, sequential=args.sequential, cost_model=args.cost_model,
+        model=args.model, attention=args.attention, out=args.out)
+
+
+def _header(job: CompareJob) -> str:
+    s = job.settings
+    return (f"dynmb compare: {len(job.cases)} cases ({', '.join(c.label for c in job.cases)}) x ({s.warmup} warm-up "
+            f"+ {s.steps} steps) on {job.nproc} {job.backend} rank(s) ({s.stages} stages, {s.schedule}, {s.device}), "
+            f"{s.dataset or s.lengths}, global batch {s.global_batch}, limit {s.memory_limit}, reorder {s.reorder}, "
+            f"cost model {s.cost_model or 'analytic'} -> {job.out_dir}")
+
+
+def run(args: argparse.Namespace) -> int:
+    job = prepare_compare(settings_from_args(args))
+    print(_header(job), file=sys.stderr)
+    result = run_compare_job(job, quiet=not args.verbose, progress=True)
+    if result.returncode != 0:
+        for line in result.failures:
+            print(f"dynmb compare: {line}", file=sys.stderr)
+        return result.returncode
+    assert result.summary is not None
+    out = job.out_dir
+    print(format_summary(result.summary))
+    print(f"\n{len(job.cases)} cases in {result.wall_s:.0f} s; tables steps/actions/memory/runs/summary (.csv"
+          f"{', .parquet' if (out / 'summary.parquet').exists() else ''}) and {', '.join(result.files)} in {out}")
+    if result.over_limit:
+        print(f"dynmb compare: measured peak over the limit for {result.over_limit}", file=sys.stderr)
+        return 1
+    return 0

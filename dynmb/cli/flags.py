@@ -1,0 +1,112 @@
+"""Flag groups several verbs share, and what they select (the model, the global batch).
+
+- ``add_data_flags``: ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``;
+- ``add_packing_flags``: ``--stages``, ``--memory-limit``, ``--method``, ``--mbs``, ``--dp``,
+  ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize`` and the shape flags;
+- ``add_shape_flags``: ``--pack-len``, ``--round-to``;
+- ``add_run_shape_flags``: ``--prewarm``, ``--no-expandable-segments``;
+- ``add_model_flags``: ``--model``, ``--attention``.
+
+Every flag has its help; defaults are the ones ``dynmb VERB --help`` shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from dynmb.config import ModelConfig, model_config
+from dynmb.data import load_trace, sample_batch
+
+__all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
+           "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "OVERSIZE_CHOICES"]
+
+OVERSIZE_CHOICES = ("error", "truncate", "drop")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="small",
+                        help="model: a preset (tiny, small (CPU default), gpt2, gpt2-medium, llama-1b, llama-7b, "
+                             "deep-13b), a preset with overrides (small:d_model=512,n_layers=8) or a JSON file of "
+                             "ModelConfig fields")
+    parser.add_argument("--attention", default=None, choices=["auto", "dense"],
+                        help="auto (default): causal attention without a mask for one document per row, "
+                             "document-causal (sum of s_i^2) for packed rows; dense: the (s, s) mask on every row "
+                             "(ablation)")
+
+
+def add_model_file_flags(parser: argparse.ArgumentParser) -> None:
+    """``--cost-model`` and ``--memory-model`` of the verbs that take a plan file."""
+    parser.add_argument("--cost-model", default=None, help="fitted cost-model JSON; default analytic")
+    parser.add_argument("--memory-model", default=None, help="fitted memory-model JSON; default analytic")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig of ``--model`` and ``--attention``."""
+    return model_config(args.model, attention=getattr(args, "attention", None))
+
+
+def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64) -> None:
+    source = parser.add_mutually_exclusive_group(required=False)
+    source.add_argument("--dataset", default=None, help="shipped length trace name (see `dynmb datasets`)")
+    source.add_argument("--lengths", default=None, help="a length-trace CSV (header + one column `length`)")
+    parser.add_argument("--global-batch", type=int, default=global_batch,
+                        help=f"sequences per global batch (default {global_batch})")
+    parser.add_argument("--seed", type=int, default=0, help="seed for sampling the global batch (default 0)")
+
+
+def add_packing_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--memory-limit", default="1GiB",
+                        help="per-GPU memory limit, e.g. 2GiB, 512MiB (default 1GiB)")
+    parser.add_argument("--method", default="dynamic",
+                        help="fixed, sorted, packed, token-budget, dynapipe, dynamic (default dynamic)")
+    parser.add_argument("--mbs", type=int, default=None,
+                        help="microbatch size for fixed-size methods (default: the largest that fits)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel pipelines the global batch is split over (default 1)")
+    parser.add_argument("--schedule-kind", default="1f1b",
+                        help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware (default 1f1b)")
+    parser.add_argument("--cost-model", default=None,
+                        help="fitted cost-model JSON (`dynmb fit`); default: analytic stand-in")
+    parser.add_argument("--memory-model", default=None,
+                        help="fitted memory-model JSON (`dynmb memory`); default: analytic")
+    parser.add_argument("--oversize", default="error", choices=OVERSIZE_CHOICES,
+                        help="a sequence that cannot fit alone: error (default), truncate it to fit, or drop it "
+                             "(both reported)")
+    add_shape_flags(parser)
+
+
+def add_shape_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pack-len", type=positive_int, default=None,
+                        help="row length of the packed method (default: the longest row that fits under the limit)")
+    parser.add_argument("--round-to", type=positive_int, default=1,
+                        help="every microbatch's padded_len is a multiple of N (default 1; 64 suits GPUs)")
+
+
+def add_run_shape_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prewarm", action="store_true",
+                        help="run one forward+backward of every distinct microbatch shape of the planned steps first")
+    parser.add_argument("--no-expandable-segments", action="store_true",
+                        help="CUDA: do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default)")
+
+
+def load_batch(args: argparse.Namespace, step: int = 0) -> np.ndarray:
+    """The global batch selected by ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``
+    (sharegpt when neither is given; ``args.dataset`` is set to it)."""
+    if args.dataset is None and args.lengths is None:
+        args.dataset = "sharegpt"
+    trace = load_trace(args.lengths if args.lengths is not None else args.dataset)
+    return sample_batch(trace, args.global_batch, args.seed, step=step)

@@ -1,0 +1,66 @@
+"""``dynmb plan``: pack one global batch into microbatches under a memory limit; print a summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, load_batch, model_from_args
+from dynmb.config import parse_bytes
+from dynmb.costmodel import get_cost_model
+from dynmb.memory import get_memory_model
+from dynmb.planner import plan_step
+from dynmb.types import Plan
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
+    parser = subparsers.add_parser("plan", help=help_text)
+    add_data_flags(parser)
+    add_packing_flags(parser)
+    add_model_flags(parser)
+    parser.add_argument("--step", type=int, default=0, help="which global batch of the seed's stream (default 0)")
+    parser.add_argument("-o", "--output", default=None, help="plan JSON path")
+    parser.add_argument("--json", action="store_true", help="print a one-line JSON summary")
+    parser.set_defaults(func=run)
+
+
+def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, Any]:
+    return {
+        "method": plan.method, "num_sequences": plan.num_sequences, "num_microbatches": plan.num_microbatches,
+        "real_tokens": plan.real_tokens, "computed_tokens": plan.computed_tokens,
+        "padding_fraction": round(plan.padding_fraction, 6),
+        "memory_limit_bytes": plan.memory_limit_bytes,
+        "pred_peak_bytes": plan.predictions["pred_peak_bytes"],
+        "pred_step_s": plan.predictions["pred_step_s"], "mean_bubble": plan.predictions["mean_bubble"],
+        "plan_s": plan.predictions["plan_s"], "mbs": plan.meta.get("mbs"),
+        "dropped": len(plan.meta.get("dropped", [])), "truncated": len(plan.meta.get("truncated", [])),
+        "pack_len": plan.meta.get("pack_len"), "round_to": args.round_to, "attention": attention,
+        "distinct_shapes": len({(mb.batch, mb.padded_len) for mb in plan.microbatches}),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    model = model_from_args(args)
+    batch = load_batch(args, args.step)
+    plan, _, _ = plan_step(
+        batch, method=args.method, model_cfg=model, num_stages=args.stages,
+        memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule_kind,
+        mbs=args.mbs, dp=args.dp, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
+        cost_model=get_cost_model(args.cost_model, model, args.stages),
+        memory_model=get_memory_model(args.memory_model, model, args.stages),
+        meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step, "model": args.model},
+    )
+    if args.output:
+        plan.save(args.output)
+    summary = _summary(plan, args, model.attention)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key:>20}: {value}")
+        if args.output:
+            print(f"{'plan':>20}: {args.output}")
+    return 0

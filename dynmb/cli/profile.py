@@ -1,0 +1,47 @@
+"""``dynmb profile``: time forward and backward per stage over a (rows, padded_len) grid into a
+samples CSV (resumable) for ``dynmb fit``."""
+
+from __future__ import annotations
+
+import argparse
+
+from dynmb.cli.flags import add_model_flags, model_from_args
+from dynmb.profile import profile
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
+    parser = subparsers.add_parser("profile", help=help_text)
+    add_model_flags(parser)
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--quick", action="store_true", help="a grid that finishes in about a minute")
+    parser.add_argument("--max-len", type=int, default=None, help="largest padded_len in the grid")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per point (default 2)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as one rank per core)")
+    parser.add_argument("--comm", action="store_true", help="also measure P2P ping-pong (alpha, beta) on gloo")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="CPU: one process per stage, every stage of a point timed at once, as a pipeline "
+                             "runs them")
+    parser.add_argument("--token-cap", type=int, default=None,
+                        help="largest rows x padded_len in the default grid (default 8192 on CPU, 65536 on CUDA)")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the memory columns (each point's first repeat builds a fresh stage for them: "
+                             "about 1 s per point for gpt2; `dynmb memory` measures memory on its own)")
+    parser.add_argument("-o", "--output", required=True, help="samples CSV (appended to / resumed if it exists)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    samples = profile(model_from_args(args), args.stages, quick=args.quick, max_len=args.max_len,
+                      repeats=args.repeats, warmup=args.warmup, device=args.device, threads=args.threads,
+                      output=args.output, comm=args.comm, memory=not args.no_memory, concurrent=args.concurrent,
+                      token_cap=args.token_cap)
+    compute = samples[samples["op"].isin(["F", "B"])]
+    medians = compute.groupby(["stage", "op"])["time_s"].agg(["size", "median", "max"])
+    points = len(compute.groupby(["stage", "rows", "padded_len", "packed"]))
+    print(f"wrote {args.output}: {len(samples)} samples ({points} stage x points)")
+    print(medians.to_string())
+    return 0

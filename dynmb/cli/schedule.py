@@ -1,0 +1,72 @@
+"""``dynmb schedule``: build and validate a pipeline schedule for a plan (torch's compute-only CSV),
+after the plan's microbatch order pass; the reordered plan is written beside it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
+from dynmb.config import format_bytes
+from dynmb.costmodel import get_cost_model
+from dynmb.memory import get_memory_model
+from dynmb.schedule import build_schedule, to_csv, validate
+from dynmb.schedule.reorder import reorder
+from dynmb.simulate import memory_inputs, simulate
+from dynmb.types import Plan
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
+    parser = subparsers.add_parser("schedule", help=help_text)
+    parser.add_argument("--plan", required=True, help="plan JSON from `dynmb plan`")
+    parser.add_argument("--kind", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware (default 1f1b)")
+    parser.add_argument("--virtual", type=int, default=1,
+                        help="model chunks per rank for interleaved (default 1: ranks = stages)")
+    parser.add_argument("--reorder", default="none",
+                        help="none, descending, ascending, ends, dynapipe, search (default none)")
+    add_model_file_flags(parser)
+    add_model_flags(parser)
+    parser.add_argument("-o", "--output", required=True,
+                        help="schedule CSV path (torch.distributed.pipelining compute-only format)")
+    parser.add_argument("--plan-output", default=None,
+                        help="write the reordered plan here (default: next to the schedule)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    if plan.dp > 1:
+        raise ValueError(f"{args.plan} holds {plan.dp} data-parallel pipelines; `dynmb schedule` takes a "
+                         f"one-pipeline plan (plan with --dp 1, or use `dynmb run`, which schedules each replica)")
+    if plan.schedule_kind != args.kind:
+        print(f"dynmb schedule: note: the plan was packed for {plan.schedule_kind!r}, scheduling it as "
+              f"{args.kind!r}; its memory guarantee is for the former", file=sys.stderr)
+    model = model_from_args(args)
+    cost_model = get_cost_model(args.cost_model, model, plan.num_stages)
+    memory_model = get_memory_model(args.memory_model, model, plan.num_stages)
+    plan = reorder(plan, args.reorder, cost_model=cost_model, memory_model=memory_model, schedule_kind=args.kind,
+                   virtual=args.virtual)
+    memory_kwargs: dict[str, Any] = {}
+    if args.kind == "memory-aware":
+        activation, transient, state = memory_inputs(memory_model, plan)
+        memory_kwargs = dict(act_bytes=activation, state_bytes=state, limit_bytes=plan.memory_limit_bytes,
+                             transient_bytes=transient)
+    schedule = build_schedule(args.kind, plan.num_stages, plan.num_microbatches, virtual=args.virtual,
+                              **memory_kwargs)
+    validate(schedule)
+    to_csv(schedule, args.output)
+    out = Path(args.output)
+    plan_out = Path(args.plan_output) if args.plan_output else out.with_name(out.stem + ".plan.json")
+    plan.save(plan_out)
+    sim = simulate(schedule, plan, cost_model, memory_model)
+    peak = max(sim.peak_bytes_rank) if sim.peak_bytes_rank is not None else float("nan")
+    print(f"{args.kind} schedule: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+          f"{schedule.num_microbatches} microbatches, reorder {args.reorder}; predicted makespan "
+          f"{sim.makespan_s:.4g} s, mean bubble {sim.mean_bubble:.3f}, peak {format_bytes(peak)} / limit "
+          f"{format_bytes(plan.memory_limit_bytes)}{'' if sim.fits else ' (OVER THE LIMIT)'}")
+    print(f"wrote {out} and {plan_out}")
+    return 0

@@ -1,0 +1,61 @@
+"""``dynmb simulate``: predicted makespan, bubble and peak memory of a plan under a schedule."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
+from dynmb.config import format_bytes
+from dynmb.costmodel import get_cost_model
+from dynmb.memory import get_memory_model
+from dynmb.plots import gantt
+from dynmb.schedule import from_csv
+from dynmb.simulate import simulate
+from dynmb.types import Plan
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
+    parser = subparsers.add_parser("simulate", help=help_text)
+    parser.add_argument("--plan", required=True, help="plan JSON")
+    parser.add_argument("--schedule", required=True, help="schedule CSV")
+    add_model_file_flags(parser)
+    add_model_flags(parser)
+    parser.add_argument("--gantt", default=None, help="write a Gantt PNG of the predicted timeline here")
+    parser.add_argument("--timeline", default=None, help="write the timeline CSV here")
+    parser.add_argument("--json", action="store_true", help="print a one-line JSON summary")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    schedule = from_csv(args.schedule, num_microbatches=plan.num_microbatches)
+    model = model_from_args(args)
+    cost_model = get_cost_model(args.cost_model, model, plan.num_stages)
+    memory_model = get_memory_model(args.memory_model, model, plan.num_stages)
+    sim = simulate(schedule, plan, cost_model, memory_model)
+    if args.timeline:
+        sim.timeline.to_csv(args.timeline, index=False)
+    if args.gantt:
+        gantt(sim.timeline, args.gantt, title=f"{plan.method} plan, {schedule.num_ranks} ranks, "
+              f"{schedule.num_microbatches} microbatches: predicted {sim.makespan_s:.4g} s, mean bubble "
+              f"{sim.mean_bubble:.2f}")
+    if args.json:
+        print(json.dumps({
+            "makespan_s": sim.makespan_s, "mean_bubble": sim.mean_bubble,
+            "bubble_fraction": [float(x) for x in sim.bubble_fraction],
+            "peak_bytes": [int(round(x)) for x in sim.peak_bytes],
+            "peak_bytes_rank": [int(round(x)) for x in sim.peak_bytes_rank],
+            "limit_bytes": int(plan.memory_limit_bytes), "fits": sim.fits,
+            "num_ranks": schedule.num_ranks, "num_stages": schedule.num_stages,
+            "num_microbatches": schedule.num_microbatches,
+        }))
+        return 0
+    print(f"predicted makespan {sim.makespan_s:.4g} s, mean bubble {sim.mean_bubble:.3f} "
+          f"({schedule.num_ranks} ranks, {schedule.num_microbatches} microbatches)")
+    for rank, (bubble, busy) in enumerate(zip(sim.bubble_fraction, sim.busy_s)):
+        print(f"  rank {rank}: busy {busy:.4g} s, bubble {bubble:.3f}, peak {format_bytes(sim.peak_bytes_rank[rank])}")
+    print(f"limit {format_bytes(plan.memory_limit_bytes)}: {'fits' if sim.fits else 'OVER THE LIMIT'}")
+    return 0
