@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dynmb._packutil import bfd_rows, makespan, next_fit_rows
+from dynmb.packing.rows import bfd_rows, makespan, next_fit_rows
 from dynmb.config import ModelConfig
 from dynmb.memory import MemoryModel
 from dynmb.packing import METHODS, PackingError, auto_mbs, max_fitting_length, pack
@@ -328,8 +328,8 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
     estimate from ``Microbatch.attention_work`` (small plans: both exact)."""
     from dataclasses import replace
 
-    from dynmb import packing
-    from dynmb._dynamic import RANK_EXACT, dynamic_groups
+    from dynmb.packing.context import PackContext
+    from dynmb.packing.dynamic import RANK_EXACT, dynamic_groups
 
     cfg = replace(TINY, attention=attention)
     lengths = np.array(short + long_)
@@ -339,7 +339,7 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
                 round_to=round_to)
     _check_plan(plan, lengths, mm, limit, round_to, cm)
     assume(plan.meta["budget"] == "tight" and plan.num_microbatches * 2 <= RANK_EXACT)
-    ctx = packing._Ctx(mm, limit, 2, "1f1b")
+    ctx = PackContext(mm, limit, 2, "1f1b")
     _, est = dynamic_groups(lengths, ctx.bmax, cm, 2, "1f1b", cm.comm_s, round_to=round_to,
                             max_len=plan.meta["longest_fitting_length"], attention=attention)
     assert est == pytest.approx(plan.predictions["est_makespan_s"], rel=1e-9)

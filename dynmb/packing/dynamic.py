@@ -46,8 +46,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._dynapipe import dynapipe_split
-from ._packutil import (EXACT_OPS, Flat, bfd_rows, greedy_cuts, greedy_cuts_from_short_end, makespan, next_fit_rows,
+from .dynapipe import dynapipe_split
+from .rows import (EXACT_OPS, Flat, bfd_rows, greedy_cuts, greedy_cuts_from_short_end, makespan, next_fit_rows,
                         pipeline_bound, polish_cuts, round_down, round_up)
 
 SEED_DP_MAX = 512

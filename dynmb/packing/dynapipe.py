@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._packutil import Group, round_up
+from .rows import Group, round_up
 
 __all__ = ["dynapipe_split", "dynapipe_groups"]
 

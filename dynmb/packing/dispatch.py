@@ -1,56 +1,31 @@
-"""Packers: group a global batch of variable-length sequences into microbatches under a
-per-GPU memory limit. Pure numpy; every method returns a validated ``Plan``.
+"""``pack``: the dispatcher every packing method runs through.
 
-Shapes: a microbatch runs at ``batch`` rows x ``padded_len``, its longest row rounded up to
-a multiple of ``round_to`` (default 1), for every method; memory admissibility, costs and
-the makespan estimate all see the rounded shape. The longest admissible length
-(``meta["longest_fitting_length"]``) is the largest multiple of ``round_to`` up to the
-model's ``max_seq_len`` whose one-row microbatch is admissible (rounded down).
+``pack(lengths, method, ...)`` for one global batch:
 
-Memory rule (shared by all methods): stage i may spend ``cap_i = limit - state_bytes_i``
-on activations, with ``k_i`` the microbatches it holds in flight (``P - i`` under 1F1B /
-memory-aware / interleaved, ``1`` under GPipe, where the whole batch is then checked). A
-microbatch (b rows x s) is admissible under the tight budget ``k_i * act_i(b, s) +
-transient_i(b, s) <= cap_i`` (exact for equal microbatches). The plan's
-``pred_peak_bytes`` is the exact ``MemoryModel.peak_bytes`` of the result; if a mix of
-sizes exceeds the limit, the method is re-run under the safe budget ``k_i * (act_i +
-transient_i) <= cap_i`` (a window of k such microbatches plus one op's buffers never
-exceeds the cap, in any order); ``meta["budget"]`` says which was used.
+1. Check the arguments and the lengths (1-D, whole, >= 1); build the ``PackContext`` (caps,
+   in-flight counts) of the memory limit, schedule kind and ``virtual`` chunks.
+2. Length cap: the longest admissible one-row length, a multiple of ``round_to`` up to the
+   model's ``max_seq_len`` (for ``packed``: its row length, ``packed.packed_row_len``).
+   Longer sequences follow ``oversize``: ``error`` raises ``PackingError`` naming them and
+   the length that fits, ``truncate`` / ``drop`` list them in ``plan.meta``.
+3. The method's microbatches in flat form (``rows.Flat``): ``fixed.fixed_flat``,
+   ``packed.packed_rows_flat``, ``token_budget.token_budget_flat``,
+   ``dynapipe.dynapipe_groups``, ``dynamic.dynamic_groups``; under the tight budget first.
+4. Data parallelism ``dp = D``: microbatches are split (largest first; else the cheapest
+   admissible pair merged) until their number is a positive multiple of D, then dealt
+   largest-first to the least-loaded replica among those with room (``rows.assign_replicas``).
+5. Estimate: every microbatch's F/B time per stage from the one cost lookup
+   ``cost_model.stage_costs(rows, padded_len, attention work)``, the exact peak
+   ``MemoryModel.peak_bytes`` per replica and the slowest replica's makespan from the one
+   fast estimate ``rows.makespan``. If the peak of a mix exceeds the limit, step 3 is rerun
+   under the safe budget (``meta["budget"]`` says which was used); with an explicit ``mbs``
+   of a fixed-size method, or under the safe budget, it raises ``PackingError``.
+6. A ``Plan`` with ``predictions`` (``pred_peak_bytes``, ``est_makespan_s``, ``plan_s``) and
+   ``meta`` (the method's settings, ``longest_fitting_length``, ``oversize``, ``round_to``,
+   ``pack_len``, ``truncated``, ``dropped``), validated against the batch.
 
-Cost: every time estimate goes through the one lookup ``cost_model.stage_costs(rows,
-padded_len, attn)`` with each microbatch's attention work
-``Microbatch.attention_work(model_cfg.attention)`` (sum of s_i^2 over the documents of a
-packed microbatch under ``auto``, rows x padded_len^2 for one document per row), and the
-one makespan estimate ``dynmb._packutil.makespan`` (``predictions["est_makespan_s"]``).
-
-Methods (``METHODS``):
-
-- ``fixed``: ``mbs`` sequences per microbatch in batch order, padded to the longest.
-  Without ``mbs``: the largest whose worst case (every row at the batch's longest length,
-  rounded) is admissible.
-- ``sorted``: as ``fixed`` over sequences sorted by length (longest first).
-- ``packed``: Megatron-style sequence packing as its users configure it: rows of a fixed
-  ``pack_len`` tokens filled best-fit-decreasing with whole documents (each document,
-  longest first, into the open row with the least room that still holds it),
-  document-causal attention, ``mbs`` rows per microbatch, default 1 (Megatron's
-  micro-batch-size 1 with packing: the pipeline gets one microbatch per row). Default
-  ``pack_len``: the longest row admissible as a one-row microbatch, capped at the model's
-  ``max_seq_len`` (a multiple of ``round_to``). An explicit ``pack_len`` is rounded up to a
-  multiple of ``round_to`` and must lie in [1, that default]. Documents longer than
-  ``pack_len`` follow ``oversize``.
-- ``token-budget``: fairseq ``batch_by_size``: length-ascending, a microbatch grows while
-  rows x padded_len <= T; T is the largest token count admissible at the longest length.
-- ``dynapipe``: DynaPipe's DP (see ``dynmb._dynapipe``) over the rounded lengths.
-- ``dynamic``: this project's method (see ``dynmb._dynamic``).
-
-Data parallelism ``dp = D``: microbatches are split (largest first) until their number
-divides by D, then dealt largest-first to the least-loaded replica among those with room,
-so every replica runs m / D microbatches with balanced predicted time.
-
-Oversize sequences (longer than the longest admissible length; for ``packed``, than
-``pack_len``): ``oversize="error"`` raises ``PackingError`` naming them and the length
-that fits; ``"truncate"`` / ``"drop"`` list them in ``plan.meta["truncated"|"dropped"]``.
-``plan.meta`` also records ``round_to`` and ``pack_len`` (None for the other methods).
+The cyclic garbage collector is paused during the call (packing allocates many small
+objects and creates no cycles); its previous state is restored.
 """
 
 from __future__ import annotations
@@ -61,87 +36,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._dynamic import dynamic_groups
-from ._dynapipe import dynapipe_groups
-from ._packutil import (Flat, Group, assign_replicas, fixed_groups, flat_to_groups, groups_to_flat, makespan,
-                        packed_flat, round_down, round_up, split_group, token_budget_groups)
-from .memory import inflight_limit, interleaved_inflight
-from .types import Microbatch, Plan
+from ..types import Microbatch, Plan
+from .context import PackContext, PackingError
+from .dynamic import dynamic_groups
+from .dynapipe import dynapipe_groups
+from .fixed import fixed_flat
+from .packed import packed_row_len, packed_rows_flat
+from .rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, makespan, round_down, round_up,
+                   split_group)
+from .token_budget import token_budget_flat
 
-__all__ = ["METHODS", "PackingError", "pack", "max_fitting_length", "auto_mbs"]
+__all__ = ["METHODS", "pack"]
 
 METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
 _KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
 _OVERSIZE = ("error", "truncate", "drop")
-
-
-class PackingError(ValueError):
-    """The global batch cannot be packed under the memory limit (names the sequences / numbers)."""
-
-
-class _Ctx:
-    """Per-call constants: caps, in-flight counts and the admissible-rows function."""
-
-    def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True, virtual: int = 1) -> None:
-        self.mm, self.limit, self.p, self.kind, self.tight = mm, int(limit), p, kind, tight
-        state = np.asarray(mm.state_bytes, dtype=np.float64)
-        if kind == "interleaved" and virtual > 1:
-            # one GPU holds stages r, r + R, ...: their states add up, and at most `warm` chunk-
-            # microbatches are in flight on it (the bound of memory.peak_from_matrix)
-            if p % virtual:
-                raise PackingError(f"{p} stages are not a multiple of virtual {virtual}")
-            R = p // virtual
-            rank = np.arange(p) % R
-            state = np.bincount(rank, weights=state, minlength=R)[rank]
-            self.k = interleaved_inflight(rank, R, virtual)
-        else:
-            self.k = np.array([1 if kind == "gpipe" else inflight_limit(i, p, kind, 2**30) for i in range(p)])
-        self.caps = float(limit) - state
-        if np.any(self.caps <= 0):
-            i = int(np.argmin(self.caps))
-            where = f"stage {i}" if virtual == 1 or kind != "interleaved" else f"the GPU holding stage {i}"
-            raise PackingError(
-                f"memory limit {int(limit)} B is below the model states of {where}: "
-                f"{int(state[i])} B (params + grads + optimizer); states per stage: "
-                f"{[int(x) for x in mm.state_bytes]}")
-
-    def bmax(self, s: Any) -> np.ndarray:
-        return self.mm.max_rows(self.caps, s, self.k, tight=self.tight)
-
-    def max_len(self, cap_len: int) -> int:
-        """Largest s <= cap_len with one admissible row (bmax is non-increasing in s)."""
-        if self.bmax([cap_len])[0] >= 1:
-            return int(cap_len)
-        lo, hi = 0, int(cap_len)                   # bmax(lo) >= 1 (or lo == 0), bmax(hi) == 0
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.bmax([mid])[0] >= 1 else (lo, mid)
-        return lo
-
-    def length_cap(self, upto: int, round_to: int = 1) -> int:
-        """Largest multiple of ``round_to`` <= ``upto`` with one admissible row (0 if none)."""
-        top = round_down(int(upto), round_to)
-        return round_down(self.max_len(top), round_to) if top >= 1 else 0
-
-    def token_budget(self, s: int) -> int:
-        """Largest T with b = T / s (fractional) admissible at length s."""
-        w = self.k[:, None] * self.mm.act_coef + (1 if self.tight else self.k[:, None]) * self.mm.transient_coef
-        per_tok = w[:, 1] + w[:, 2] * s
-        return int(max(0.0, np.min((self.caps - w[:, 0]) / np.maximum(per_tok, 1e-300))))
-
-
-def max_fitting_length(memory_model: Any, memory_limit_bytes: int, num_stages: int,
-                       schedule_kind: str = "1f1b", upto: int = 1 << 16, round_to: int = 1) -> int:
-    """The longest sequence (a multiple of ``round_to``, <= ``upto``) admissible alone (one row)."""
-    return _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind).length_cap(upto, round_to)
-
-
-def auto_mbs(memory_model: Any, memory_limit_bytes: int, num_stages: int, max_len: int,
-             schedule_kind: str = "1f1b", round_to: int = 1) -> int:
-    """The largest mbs whose worst case (every row ``max_len`` long, rounded up to a multiple
-    of ``round_to``) is admissible (0 if none)."""
-    ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind)
-    return int(ctx.bmax([round_up(int(max_len), round_to)])[0])
 
 
 def _check_args(method: str, schedule_kind: str, oversize: str, dp: int, mbs: int | None, round_to: int,
@@ -177,23 +86,7 @@ def _check_lengths(lengths: Any) -> np.ndarray:
     return a
 
 
-def _packed_row_len(ctx: _Ctx, max_seq_len: int, pack_len: int | None, round_to: int) -> tuple[int, int]:
-    """(row length of ``packed``, the longest row that fits): ``pack_len`` rounded up to a
-    multiple of ``round_to``, by default the longest admissible one-row microbatch."""
-    longest_row = ctx.length_cap(max_seq_len, round_to)
-    if longest_row < 1:
-        raise PackingError(f"no row fits under {ctx.limit} B at {ctx.p} stages ({ctx.kind})"
-                           f"{f' at a multiple of round_to {round_to}' if round_to > 1 else ''}")
-    if pack_len is None:
-        return longest_row, longest_row
-    if int(pack_len) != pack_len or pack_len < 1 or round_up(int(pack_len), round_to) > longest_row:
-        raise PackingError(f"pack_len {pack_len!r} is out of range: rows must hold 1 to {longest_row} tokens "
-                           f"(the longest one-row microbatch under {ctx.limit} B at {ctx.p} stages ({ctx.kind}), "
-                           f"model max_seq_len {max_seq_len}{f', round_to {round_to}' if round_to > 1 else ''})")
-    return round_up(int(pack_len), round_to), longest_row
-
-
-def _oversize_message(over: np.ndarray, lengths: np.ndarray, len_cap: int, ctx: _Ctx, *, packed: bool,
+def _oversize_message(over: np.ndarray, lengths: np.ndarray, len_cap: int, ctx: PackContext, *, packed: bool,
                       max_seq_len: int, round_to: int, longest_row: int) -> str:
     named = f"ids {over[:10].tolist()} with lengths {lengths[over[:10]].tolist()}{' ...' if len(over) > 10 else ''}"
     notes = [f"model max_seq_len {max_seq_len}"] if longest_row == round_down(max_seq_len, round_to) else []
@@ -226,19 +119,18 @@ def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str,
     return kept_lengths, ids, meta
 
 
-def _method_flat(method: str, lens: np.ndarray, ctx: _Ctx, cost_model: Any, *, mbs: int | None, round_to: int,
-                 len_cap: int, attention: str) -> tuple[Flat, dict[str, Any]]:
+def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Any, *, mbs: int | None,
+                 round_to: int, len_cap: int, attention: str) -> tuple[Flat, dict[str, Any]]:
     """The microbatches of ``method`` in flat form and the settings it chose (for ``plan.meta``)."""
-    longest_padded = round_up(int(lens.max()), round_to)
     if method in ("fixed", "sorted"):
-        rows_per_mb = max(1, mbs or int(ctx.bmax([longest_padded])[0]))
-        pos = np.arange(len(lens)) if method == "fixed" else np.argsort(-lens, kind="stable")
-        return groups_to_flat(fixed_groups(pos, lens, rows_per_mb, round_to)), {"mbs": rows_per_mb}
+        flat, rows_per_mb = fixed_flat(method, lens, ctx, mbs, round_to)
+        return flat, {"mbs": rows_per_mb}
     if method == "packed":
-        return packed_flat(lens, len_cap, mbs or 1), {"mbs": mbs or 1}
+        flat, rows_per_mb = packed_rows_flat(lens, len_cap, mbs)
+        return flat, {"mbs": rows_per_mb}
     if method == "token-budget":
-        max_tokens = ctx.token_budget(longest_padded)
-        return groups_to_flat(token_budget_groups(lens, max_tokens, round_to)), {"max_tokens": max_tokens}
+        flat, budget = token_budget_flat(lens, ctx, round_to)
+        return flat, {"max_tokens": budget}
     if method == "dynapipe":
         return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}
     flat, _ = dynamic_groups(lens, ctx.bmax, cost_model, ctx.p, ctx.kind, getattr(cost_model, "comm_s", None),
@@ -271,7 +163,7 @@ def _microbatches(flat: Flat, ids: np.ndarray, L: np.ndarray) -> list[Microbatch
     return out
 
 
-def _merge_cheapest(groups: list[Group], ctx: _Ctx, dp: int) -> list[Group]:
+def _merge_cheapest(groups: list[Group], ctx: PackContext, dp: int) -> list[Group]:
     """Merge the admissible pair of microbatches with the fewest padded tokens (used when no
     microbatch can be split further and their number does not divide by ``dp``)."""
     plen = np.array([g[2] for g in groups])
@@ -289,7 +181,7 @@ def _merge_cheapest(groups: list[Group], ctx: _Ctx, dp: int) -> list[Group]:
     return [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
 
 
-def _balance_replicas(flat: Flat, ctx: _Ctx, dp: int) -> Flat:
+def _balance_replicas(flat: Flat, ctx: PackContext, dp: int) -> Flat:
     """Split the largest splittable microbatches (else merge the cheapest pairs) until their
     number is a positive multiple of ``dp``."""
     groups = flat_to_groups(flat)
@@ -362,10 +254,10 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
     round_to = int(round_to)
     orig = _check_lengths(lengths)
     cfg = memory_model.model_cfg
-    ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
+    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
     packed = method == "packed"
     if packed:
-        len_cap, longest_row = _packed_row_len(ctx, cfg.max_seq_len, pack_len, round_to)
+        len_cap, longest_row = packed_row_len(ctx, cfg.max_seq_len, pack_len, round_to)
     else:
         len_cap = longest_row = ctx.length_cap(cfg.max_seq_len, round_to)
 
@@ -377,7 +269,7 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
     L = lens[ids]
     for tight in (True, False):
         # tight budget (k * act + tr) first; if the exact peak of a mix exceeds the limit, the safe one
-        ctx = _Ctx(memory_model, memory_limit_bytes, num_stages, schedule_kind, tight=tight, virtual=virtual)
+        ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, tight=tight, virtual=virtual)
         flat, chosen = _method_flat(method, L, ctx, cost_model, mbs=mbs, round_to=round_to, len_cap=len_cap,
                                     attention=cfg.attention)
         if dp > 1:
@@ -401,7 +293,7 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
     return plan
 
 
-def _over_limit_message(method: str, peak: np.ndarray, ctx: _Ctx, longest_padded: int, pack_len: int) -> str:
+def _over_limit_message(method: str, peak: np.ndarray, ctx: PackContext, longest_padded: int, pack_len: int) -> str:
     i = int(np.argmax(peak - ctx.limit))
     hint = ""
     if method in ("fixed", "sorted"):

@@ -1,0 +1,88 @@
+"""The memory budget of one packing call: per-stage caps, in-flight counts, admissible rows.
+
+Stage i may spend ``cap_i = limit - state_bytes_i`` on activations and holds ``k_i``
+microbatches in flight: ``P - i`` under 1F1B / memory-aware (``dynmb.memory.inflight_limit``),
+1 under GPipe (whose whole batch is checked afterwards), and under interleaved with
+``virtual`` > 1 chunks per GPU the warm-up bound ``dynmb.memory.interleaved_inflight`` of the
+GPU, whose stages' states add up. A microbatch of b rows x s tokens is admissible under the
+tight budget ``k_i * act_i(b, s) + transient_i(b, s) <= cap_i`` (exact for equal
+microbatches) or the safe one ``k_i * (act_i + transient_i) <= cap_i`` (any mix, any order);
+``PackContext.bmax(s)`` is the most rows admissible at each length s
+(``MemoryModel.max_rows``, non-increasing in s), and ``max_len`` finds the longest
+admissible one-row length by bisection on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..memory import inflight_limit, interleaved_inflight
+from .rows import round_down, round_up
+
+__all__ = ["PackingError", "PackContext", "max_fitting_length", "auto_mbs"]
+
+
+class PackingError(ValueError):
+    """The global batch cannot be packed under the memory limit (names the sequences / numbers)."""
+
+
+class PackContext:
+    """Per-call constants: caps, in-flight counts and the admissible-rows function."""
+
+    def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True, virtual: int = 1) -> None:
+        self.mm, self.limit, self.p, self.kind, self.tight = mm, int(limit), p, kind, tight
+        state = np.asarray(mm.state_bytes, dtype=np.float64)
+        if kind == "interleaved" and virtual > 1:
+            # one GPU holds stages r, r + R, ...: their states add up, and at most `warm` chunk-
+            # microbatches are in flight on it (the bound of memory.peak_from_matrix)
+            if p % virtual:
+                raise PackingError(f"{p} stages are not a multiple of virtual {virtual}")
+            R = p // virtual
+            rank = np.arange(p) % R
+            state = np.bincount(rank, weights=state, minlength=R)[rank]
+            self.k = interleaved_inflight(rank, R, virtual)
+        else:
+            self.k = np.array([1 if kind == "gpipe" else inflight_limit(i, p, kind, 2**30) for i in range(p)])
+        self.caps = float(limit) - state
+        if np.any(self.caps <= 0):
+            i = int(np.argmin(self.caps))
+            where = f"stage {i}" if virtual == 1 or kind != "interleaved" else f"the GPU holding stage {i}"
+            raise PackingError(
+                f"memory limit {int(limit)} B is below the model states of {where}: "
+                f"{int(state[i])} B (params + grads + optimizer); states per stage: "
+                f"{[int(x) for x in mm.state_bytes]}")
+
+    def bmax(self, s: Any) -> np.ndarray:
+        """The most rows admissible at each padded length in ``s`` (0 where none)."""
+        return self.mm.max_rows(self.caps, s, self.k, tight=self.tight)
+
+    def max_len(self, cap_len: int) -> int:
+        """Largest s <= cap_len with one admissible row (bmax is non-increasing in s)."""
+        if self.bmax([cap_len])[0] >= 1:
+            return int(cap_len)
+        lo, hi = 0, int(cap_len)                   # bmax(lo) >= 1 (or lo == 0), bmax(hi) == 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.bmax([mid])[0] >= 1 else (lo, mid)
+        return lo
+
+    def length_cap(self, upto: int, round_to: int = 1) -> int:
+        """Largest multiple of ``round_to`` <= ``upto`` with one admissible row (0 if none)."""
+        top = round_down(int(upto), round_to)
+        return round_down(self.max_len(top), round_to) if top >= 1 else 0
+
+
+def max_fitting_length(memory_model: Any, memory_limit_bytes: int, num_stages: int,
+                       schedule_kind: str = "1f1b", upto: int = 1 << 16, round_to: int = 1) -> int:
+    """The longest sequence (a multiple of ``round_to``, <= ``upto``) admissible alone (one row)."""
+    return PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind).length_cap(upto, round_to)
+
+
+def auto_mbs(memory_model: Any, memory_limit_bytes: int, num_stages: int, max_len: int,
+             schedule_kind: str = "1f1b", round_to: int = 1) -> int:
+    """The largest mbs whose worst case (every row ``max_len`` long, rounded up to a multiple
+    of ``round_to``) is admissible (0 if none)."""
+    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind)
+    return int(ctx.bmax([round_up(int(max_len), round_to)])[0])
