@@ -3,7 +3,7 @@
 For each trace: a global batch (default 256 sequences, seed 0; lengths clipped to the
 model's max_seq_len), the small model at P = 2 under 1F1B, and a limit at which
 ``fixed`` gets mbs 4 at the batch's longest sequence (so it binds). Each method is
-packed and scheduled by ``dynmb.planner.plan_step`` (no reordering) and simulated by
+packed and scheduled by ``dynmb.planning.plan_step`` (no reordering) and simulated by
 ``dynmb.simulate``; the table shows microbatches, padding fraction, predicted peak /
 limit (max over stages), simulated step time and plan_s (pack wall time).
 
@@ -21,7 +21,7 @@ from dynmb.costmodel import get_cost_model
 from dynmb.data import list_traces, load_trace, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.packing import METHODS
-from dynmb.planner import plan_step
+from dynmb.planning import plan_step
 
 
 def binding_limit(mm, lengths, mbs: int, p: int) -> int:

@@ -5,7 +5,7 @@
   already in ``out_dir/<table>.csv`` and answers ``done(settings)`` by comparing the
   settings columns (canonicalised: ``None``/NaN -> "", 2.0 -> "2"), never folder names.
 - Simulated steps: ``simulate_rows`` plans ``steps`` global batches of one configuration
-  with ``dynmb.planner.plan_step`` and returns one tidy row per step (settings + predicted
+  with ``dynmb.planning.plan_step`` and returns one tidy row per step (settings + predicted
   metrics); a configuration the packer refuses gives one row with ``status='infeasible'``.
 - Real runs: ``run_real`` launches pending configurations as the cases of one torchrun job
   (``dynmb.runtime.launch.launch_spec``); the worker writes the ``steps``/``actions``/
@@ -127,7 +127,7 @@ def simulate_rows(settings: dict[str, Any], trace: np.ndarray, *, model_cfg: Any
     """One row per simulated global batch of ``settings`` (see ``SIM_SETTINGS``)."""
     from dynmb.data import sample_batch
     from dynmb.packing import PackingError
-    from dynmb.planner import plan_step
+    from dynmb.planning import plan_step
 
     rows = []
     limit = int(settings["memory_limit_bytes"])

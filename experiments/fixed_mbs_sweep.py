@@ -5,7 +5,7 @@ mbs = 1, 2, 4, 8, ... up to the largest that fits (the packer refuses a larger o
 worst case exceeds the limit), plus ``dynamic`` (mbs chosen per microbatch) as the
 reference. Real runs by default (tables ``steps``/``actions``/``memory``/``runs`` and
 ``configs`` = settings + run_id); ``--simulate-only`` predicts with
-``dynmb.planner.plan_step`` (table ``sim``, one row per simulated global batch). Feasibility
+``dynmb.planning.plan_step`` (table ``sim``, one row per simulated global batch). Feasibility
 is decided by planning the same global batches first, so real runs are only launched for
 sizes that fit. Resumable by settings columns. ``python experiments/analyze.py OUT``
 prints "dynamic vs best fixed mbs" per trace.
@@ -24,9 +24,9 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, parse_batches, progr
 
 from dynmb import data
 from dynmb.config import ModelConfig, parse_bytes
-from dynmb.compare import AUTO_REORDER
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
+from dynmb.planning import AUTO_REORDER
 from dynmb.results import TableWriter
 
 REAL_KEYS = SIM_SETTINGS + ("steps", "warmup")

@@ -2,7 +2,7 @@
 
 What it measures: for each (trace, packing method, reorder method) the predicted makespan of
 the plan ordered by ``none``, ``descending``, ``ascending``, ``ends``, ``dynapipe`` or
-``search`` (``dynmb.schedule.reorder``), built and simulated by ``dynmb.planner.plan_step``
+``search`` (``dynmb.planning.reorder``), built and simulated by ``dynmb.planning.plan_step``
 (table ``sim``: one row per simulated global batch, with ``speedup_vs_none``), and with
 ``--real`` the measured step time of real runs of the same configurations (tables
 ``steps``/``actions``/``memory``/``runs``, ``configs`` = settings + run_id, and ``real`` =
@@ -26,8 +26,8 @@ from dynmb import data
 from dynmb.config import ModelConfig, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
+from dynmb.planning.reorder import REORDER_METHODS
 from dynmb.results import TableWriter
-from dynmb.schedule.reorder import REORDER_METHODS
 
 REAL_KEYS = SIM_SETTINGS + ("steps", "warmup")
 

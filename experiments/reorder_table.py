@@ -30,7 +30,7 @@ from dynmb.config import ModelConfig, format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.packing import pack
-from dynmb.schedule.reorder import REORDER_METHODS, OrderEvaluator, reorder_order
+from dynmb.planning.reorder import REORDER_METHODS, OrderEvaluator, reorder_order
 
 
 def main(argv: list[str] | None = None) -> int:

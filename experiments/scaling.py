@@ -38,7 +38,7 @@ from dynmb.config import ModelConfig, parse_bytes
 from dynmb.costmodel import AnalyticCostModel, CommModel
 from dynmb.memory import get_memory_model
 from dynmb.packing import PackingError, pack
-from dynmb.planner import make_schedule
+from dynmb.planning import make_schedule
 from dynmb.results import TableWriter
 from dynmb.simulate import simulate
 

@@ -3,7 +3,7 @@
 What it measures: for each (trace, memory limit, method) the tokens/s of real pipeline runs
 (``dynmb.runtime``: torchrun, gloo on CPU / NCCL on CUDA; tables ``steps``, ``actions``,
 ``memory``, ``runs`` plus ``configs`` = settings + run_id), or with ``--simulate-only`` the
-planner's prediction (``dynmb.planner.plan_step``: pack, schedule, simulate; table ``sim``,
+planner's prediction (``dynmb.planning.plan_step``: pack, schedule, simulate; table ``sim``,
 one row per simulated global batch). Both are resumable: a configuration whose settings
 columns already have rows in the output tables is skipped (``--retry-failed`` reruns real
 runs that failed). Summarise with ``python experiments/analyze.py OUT``.
@@ -25,11 +25,11 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, parse_batches, progr
                      simulate_rows, split_list, strip_private)
 
 from dynmb import data
-from dynmb.compare import default_cost_model_path, reorder_for
 from dynmb.config import ModelConfig, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.packing import METHODS
+from dynmb.planning import default_cost_model_path, reorder_for
 from dynmb.results import TableWriter
 
 REAL_KEYS = SIM_SETTINGS + ("steps", "warmup")

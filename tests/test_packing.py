@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dynmb.packing.rows import bfd_rows, makespan, next_fit_rows
 from dynmb.config import ModelConfig
 from dynmb.memory import MemoryModel
 from dynmb.packing import METHODS, PackingError, auto_mbs, max_fitting_length, pack
+from dynmb.packing.rows import bfd_rows, makespan, next_fit_rows
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("small")
@@ -390,7 +390,7 @@ def test_interleaved_on_fewer_gpus_fits_the_gpu_not_the_stage(method):
     from dynmb.costmodel import get_cost_model
     from dynmb.data import load_trace, sample_batch
     from dynmb.memory import get_memory_model
-    from dynmb.planner import plan_step
+    from dynmb.planning import plan_step
 
     lengths = sample_batch(load_trace("sharegpt"), 32, 0)
     limit = 1 << 30

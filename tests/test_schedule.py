@@ -359,7 +359,7 @@ def _plan_of(lengths, P, limit=10**12):
 
 
 def test_reorder_heuristics_and_search_beats_them():
-    from dynmb.schedule.reorder import REORDER_METHODS, OrderEvaluator, reorder, reorder_order
+    from dynmb.planning.reorder import REORDER_METHODS, OrderEvaluator, reorder, reorder_order
     lengths = [30, 5, 80, 12, 50, 7, 64, 20, 9, 41]
     P = 4
     plan = _plan_of(lengths, P)
@@ -384,7 +384,7 @@ def test_reorder_heuristics_and_search_beats_them():
 
 
 def test_search_keeps_memory_feasibility():
-    from dynmb.schedule.reorder import OrderEvaluator, reorder_order
+    from dynmb.planning.reorder import OrderEvaluator, reorder_order
     # GPipe holds everything: fine. 1F1B stage 0 holds 2 consecutive microbatches (P = 2): the two big
     # ones (90, 80) side by side need 170 > limit 150, which 'descending' does and search must avoid.
     lengths = [90, 10, 80, 20, 15, 12]
@@ -404,7 +404,7 @@ def test_search_keeps_memory_feasibility():
 
 @pytest.mark.parametrize("kind,virtual", [("gpipe", 1), ("interleaved", 2), ("memory-aware", 1)])
 def test_search_other_schedules(kind, virtual):
-    from dynmb.schedule.reorder import REORDER_METHODS, OrderEvaluator, reorder_order
+    from dynmb.planning.reorder import REORDER_METHODS, OrderEvaluator, reorder_order
     lengths = [30, 5, 80, 12, 50, 7, 64, 20]
     P = 4
     plan = _plan_of(lengths, P, limit=400)

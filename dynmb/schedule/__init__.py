@@ -1,10 +1,10 @@
-"""Pipeline schedules: builders, validation, CSV/str I/O (pure Python), and reordering.
+"""Pipeline schedules: builders, validation, CSV/str I/O (pure Python).
 
 ``build_schedule(kind, num_stages, num_microbatches, ...)`` emits a
 ``dynmb.types.Schedule``; ``validate`` checks it; ``to_csv``/``from_csv`` speak
-torch.distributed.pipelining's compute-only CSV. Reordering lives in
-``dynmb.schedule.reorder`` (``reorder``, ``REORDER_METHODS``) and is *not*
-imported here: it uses ``dynmb.simulate``, which imports this package.
+torch.distributed.pipelining's compute-only CSV. This package never imports the
+simulator; reordering microbatches (scored by the simulator) is a planning pass,
+``dynmb.planning.reorder``.
 """
 
 from __future__ import annotations

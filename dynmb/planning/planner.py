@@ -15,20 +15,25 @@ the slowest replica's.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig
-from .types import Plan, Schedule
+from ..config import ModelConfig
+from ..costmodel import get_cost_model
+from ..memory import get_memory_model
+from ..packing import pack
+from ..schedule import build_schedule, validate
+from ..simulate import SimResult, simulate
+from ..types import Plan, Schedule
+from .reorder import reorder as reorder_plan
 
 __all__ = ["plan_step", "make_schedule"]
 
 
 def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any = None) -> Schedule:
     """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``)."""
-    from .schedule import build_schedule, validate
-
     m = plan.num_microbatches
     kw: dict[str, Any] = {}
     if kind == "memory-aware":
@@ -61,18 +66,13 @@ def plan_step(
     pack_len: int | None = None,
     round_to: int = 1,
     meta: dict[str, Any] | None = None,
-) -> tuple[Plan, Schedule, Any]:
+) -> tuple[Plan, Schedule, SimResult]:
     """Pack, reorder, schedule and simulate one global batch.
 
     Returns ``(plan, schedule, sim)``; for ``dp > 1`` the schedule and simulation
     are replica 0's and the plan's predictions hold the slowest replica's time.
     ``cost_model``/``memory_model`` default to the analytic stand-ins.
     """
-    from .costmodel import get_cost_model
-    from .memory import get_memory_model
-    from .packing import pack
-    from .simulate import simulate
-
     cost_model = cost_model or get_cost_model(None, model_cfg, num_stages)
     memory_model = memory_model or get_memory_model(None, model_cfg, num_stages)
     t0 = time.perf_counter()
@@ -82,9 +82,7 @@ def plan_step(
                 pack_len=pack_len, round_to=round_to)
     replicas = [plan] if dp == 1 else [plan.replica(r) for r in range(dp)]
     if reorder != "none":
-        from .schedule.reorder import reorder as _reorder
-
-        replicas = [_reorder(p, reorder, cost_model=cost_model, memory_model=memory_model,
+        replicas = [reorder_plan(p, reorder, cost_model=cost_model, memory_model=memory_model,
                              schedule_kind=schedule_kind, virtual=virtual) for p in replicas]
     scheds = [make_schedule(p, schedule_kind, virtual=virtual, memory_model=memory_model) for p in replicas]
     plan_s = time.perf_counter() - t0
@@ -95,10 +93,8 @@ def plan_step(
         for r, p in enumerate(replicas):
             mbs_all.extend(p.microbatches)
             rids.extend([r] * p.num_microbatches)
-        plan = Plan(microbatches=tuple(mbs_all), method=plan.method, num_stages=plan.num_stages,
-                    memory_limit_bytes=plan.memory_limit_bytes, num_sequences=plan.num_sequences,
-                    schedule_kind=schedule_kind, dp=dp, replica_ids=tuple(rids),
-                    predictions=dict(plan.predictions), meta=dict(plan.meta))
+        plan = replace(plan, microbatches=tuple(mbs_all), schedule_kind=schedule_kind, dp=dp,
+                       replica_ids=tuple(rids), predictions=dict(plan.predictions), meta=dict(plan.meta))
     else:
         plan = replicas[0]
     worst = max(range(len(sims)), key=lambda i: sims[i].makespan_s)
@@ -111,8 +107,6 @@ def plan_step(
         "mean_bubble": float(sims[worst].mean_bubble),
         "plan_s": plan_s,
     }
-    plan = Plan(microbatches=plan.microbatches, method=plan.method, num_stages=plan.num_stages,
-                memory_limit_bytes=plan.memory_limit_bytes, num_sequences=plan.num_sequences,
-                schedule_kind=schedule_kind, dp=plan.dp, replica_ids=plan.replica_ids,
-                predictions=preds, meta={**plan.meta, "reorder": reorder, "virtual": virtual, **(meta or {})})
+    plan = replace(plan, schedule_kind=schedule_kind, predictions=preds,
+                   meta={**plan.meta, "reorder": reorder, "virtual": virtual, **(meta or {})})
     return plan, scheds[0], sims[0]

@@ -40,10 +40,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dynmb.schedule.builders import _f_then_b, build_schedule, memory_windows
-from dynmb.schedule.validate import execution_order
-from dynmb.simulate import _cross_mask, _times, comm_times, memory_inputs, peaks
-from dynmb.types import Plan, Schedule
+from ..schedule import build_schedule, execution_order, memory_aware, memory_windows
+from ..simulate import _cross_mask, _times, comm_times, memory_inputs, peaks
+from ..types import Plan, Schedule
 
 __all__ = ["REORDER_METHODS", "reorder", "reorder_order", "OrderEvaluator", "ends_order", "default_max_evals"]
 
@@ -98,8 +97,7 @@ class OrderEvaluator:
             key = k.tobytes()
             flat = self._by_windows.get(key)
             if flat is None:
-                ranks = [_f_then_b(s, self.m, k[s].tolist()) for s in range(self.P)]
-                flat = self._prepare(Schedule(ranks, self.P, self.m, kind="memory-aware"))
+                flat = self._prepare(memory_aware(self.P, self.m, self.act[:, perm], self.state, self.limit, tr))
                 self._by_windows[key] = flat
             return flat
         return self._prepare(build_schedule(self.kind, self.P, self.m, virtual=self.virtual))
