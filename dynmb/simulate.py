@@ -24,6 +24,13 @@ on it. ``bubble_fraction`` per rank = 1 - busy / makespan.
 ``simulate(schedule, plan, cost_model, memory_model)`` gets the costs from the
 one cost lookup ``cost_model.stage_costs(rows, padded_len)`` and the message
 time from ``cost_model.comm.time(model_cfg.message_bytes(rows, padded_len))``.
+
+Fast path (``estimate_makespan``): the makespan alone of a GPipe or 1F1B schedule with one
+stage per rank, without building a timeline. It is the packers' estimate
+``dynmb.packing.rows.makespan`` (the same recurrence swept stage by stage over
+``rows.stage_order``, the op order the schedule builders emit; the pipeline bound above
+``rows.EXACT_OPS`` ops): one implementation, kept in the packing layer because packing sits
+above the simulator in the layering and may not import it.
 """
 
 from __future__ import annotations
@@ -34,10 +41,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dynmb.packing.rows import makespan
 from dynmb.schedule.validate import ScheduleError, execution_order
 from dynmb.types import Plan, Schedule
 
-__all__ = ["SimResult", "simulate", "simulate_costs", "memory_inputs", "comm_times", "peaks", "ScheduleError"]
+__all__ = ["SimResult", "simulate", "simulate_costs", "estimate_makespan", "memory_inputs", "comm_times", "peaks",
+           "ScheduleError"]
 
 _OPS = np.array(["F", "B", "W"])
 
@@ -263,3 +272,10 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: Any, memory_model: Any 
     tl["batch"] = rows[tl["mb"].to_numpy()]
     tl["padded_len"] = plen[tl["mb"].to_numpy()]
     return res
+
+
+def estimate_makespan(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0, kind: str = "1f1b") -> float:
+    """The fast path: predicted makespan of the ``kind`` schedule (``gpipe``; any other kind is
+    estimated as ``1f1b``) of ``costs["F"]``, ``costs["B"]`` (``[num_stages, m]`` seconds) with
+    ``comm_s`` per message, without a timeline: ``dynmb.packing.rows.makespan`` (module doc)."""
+    return makespan(np.asarray(costs["F"], dtype=np.float64), np.asarray(costs["B"], dtype=np.float64), comm_s, kind)

@@ -345,18 +345,6 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
     assert est == pytest.approx(plan.predictions["est_makespan_s"], rel=1e-9)
 
 
-def test_est_makespan_matches_the_simulator():
-    sim = pytest.importorskip("dynmb.simulate")
-    from dynmb.schedule import build_schedule
-
-    rng = np.random.default_rng(0)
-    for p, m, kind in ((2, 5, "1f1b"), (4, 9, "1f1b"), (3, 2, "1f1b"), (3, 6, "gpipe")):
-        costs = {"F": rng.uniform(1, 3, (p, m)), "B": rng.uniform(2, 6, (p, m))}
-        comm = rng.uniform(0, 0.5, m)
-        res = sim.simulate_costs(build_schedule(kind, p, m), costs, comm)
-        assert makespan(costs["F"], costs["B"], comm, kind) == pytest.approx(res.makespan_s)
-
-
 @pytest.mark.parametrize("round_to", [1, 128])
 @pytest.mark.parametrize("trace", ["gsm8k", "alpaca_eval", "sharegpt", "wikitext2", "humaneval"])
 def test_dynamic_beats_every_method_on_the_shipped_traces(trace, round_to):

@@ -260,3 +260,22 @@ def test_cli_schedule_and_simulate(tmp_path, capsys):
     assert main(["simulate", "--plan", str(tmp_path / "s.plan.json"), "--schedule", str(tmp_path / "bad.csv"),
                  "--model", "tiny"]) == 2
     assert "deadlocks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_fast_path_is_the_simulation(kind):
+    """``estimate_makespan`` (the packers' estimate) equals the discrete-event simulation of the
+    builders' schedule, bit for bit, in its exact regime; above it, a lower bound close to it."""
+    from dynmb.simulate import estimate_makespan
+
+    rng = np.random.default_rng(0)
+    for P in range(1, 6):
+        for m in (1, 2, 3, P, P + 1, 2 * P + 3, 17):
+            costs = {"F": rng.uniform(1, 3, (P, m)), "B": rng.uniform(2, 6, (P, m))}
+            comm = rng.uniform(0, 0.5, m)
+            res = simulate_costs(build_schedule(kind, P, m), costs, comm)
+            assert estimate_makespan(costs, comm, kind) == res.makespan_s, (P, m)
+    P, m = 4, 1000                                   # 8000 ops: the pipeline bound
+    costs = {"F": rng.uniform(1, 1.1, (P, m)), "B": rng.uniform(2, 2.2, (P, m))}
+    res = simulate_costs(build_schedule(kind, P, m), costs, 0.01)
+    assert 0.95 * res.makespan_s <= estimate_makespan(costs, 0.01, kind) <= res.makespan_s

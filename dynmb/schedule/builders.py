@@ -11,6 +11,9 @@ Algorithms (``P`` stages, ``m`` microbatches, ``R`` ranks, ``v`` chunks per rank
 - ``1f1b``: rank ``s`` first runs ``w_s = min(m, P - s)`` forwards, then
   alternates one backward and one forward until the forwards are used up, then
   drains the remaining backwards. At most ``P - s`` microbatches are in flight.
+  Both orders are ``dynmb.packing.rows.stage_order``: the one GPipe / 1F1B op order,
+  which the packers' fast makespan estimate sweeps too (it sits in the packing layer,
+  above this one, so both see the same order).
 - ``interleaved`` (Megatron / torch ``ScheduleInterleaved1F1B`` ordering):
   stage ``s`` lives on rank ``s % R``. Microbatches go in rounds of
   ``k = m // max(1, m // R)`` (torch's rule; when that does not split ``m``,
@@ -38,6 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dynmb.packing.rows import stage_order
 from dynmb.schedule.validate import ScheduleError, execution_order
 from dynmb.types import Action, Schedule
 
@@ -57,17 +61,21 @@ def _check(num_stages: int, m: int) -> None:
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """Fill-drain: all forwards, then all backwards in microbatch order (torch ``ScheduleGPipe``)."""
     _check(num_stages, num_microbatches)
-    m = num_microbatches
-    ranks = [[Action(s, "F", j) for j in range(m)] + [Action(s, "B", j) for j in range(m)]
-             for s in range(num_stages)]
-    return Schedule(ranks, num_stages, m, kind="gpipe")
+    return Schedule(_stage_orders(num_stages, num_microbatches, "gpipe"), num_stages, num_microbatches, kind="gpipe")
+
+
+def _stage_orders(num_stages: int, m: int, kind: str) -> list[list[Action]]:
+    """Every stage's actions in ``stage_order`` (GPipe or 1F1B), one stage per rank."""
+    return [[Action(s, op, j) for op, j in stage_order(s, num_stages, m, kind)] for s in range(num_stages)]
 
 
 def _f_then_b(stage: int, m: int, warmup: Sequence[int] | int) -> list[Action]:
-    """Greedy 1F1B order of one stage: forward while the in-flight window allows, else backward.
+    """Greedy windowed order of one stage (memory-aware): forward while the in-flight window
+    allows, else backward.
 
     ``warmup`` is either one window for all microbatches or one per microbatch
-    (the number that may be in flight right after forwarding it).
+    (the number that may be in flight right after forwarding it). With the window ``P - s``
+    for every microbatch it is 1F1B's order (``stage_order``; memory-aware with room is 1F1B).
     """
     win = [warmup] * m if isinstance(warmup, (int, np.integer)) else list(warmup)
     out: list[Action] = []
@@ -85,9 +93,7 @@ def _f_then_b(stage: int, m: int, warmup: Sequence[int] | int) -> list[Action]:
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-flush): at most ``P - s`` microbatches in flight on stage ``s`` (torch ``Schedule1F1B``)."""
     _check(num_stages, num_microbatches)
-    P, m = num_stages, num_microbatches
-    ranks = [_f_then_b(s, m, P - s) for s in range(P)]
-    return Schedule(ranks, P, m, kind="1f1b")
+    return Schedule(_stage_orders(num_stages, num_microbatches, "1f1b"), num_stages, num_microbatches, kind="1f1b")
 
 
 def interleaved_rounds(num_ranks: int, num_microbatches: int) -> int:
