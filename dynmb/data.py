@@ -27,6 +27,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .atomic import write_text_atomic
+
 __all__ = [
     "CorpusError", "TokenizerError", "data_dir", "list_traces", "load_trace", "save_trace",
     "check_lengths", "trace_stats", "datasets_table", "sample_batch", "lognormal",
@@ -123,12 +125,7 @@ def _read_trace_csv(p: Path) -> np.ndarray:
 def save_trace(lengths: Iterable[int], path: str | os.PathLike) -> Path:
     """Write a trace CSV (header ``length``) atomically; returns the path."""
     a = check_lengths(lengths)
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text("length\n" + "".join(f"{int(x)}\n" for x in a), encoding="utf-8")
-    os.replace(tmp, p)
-    return p
+    return write_text_atomic(path, "length\n" + "".join(f"{int(x)}\n" for x in a))
 
 
 def trace_stats(lengths: Iterable[int]) -> dict[str, float]:

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import write_text_atomic
 from .config import ModelConfig
 
 __all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
@@ -270,11 +271,7 @@ class MemoryModel:
                    report=d.get("report"))
 
     def save(self, path: str | Path) -> None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(p)
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "MemoryModel":

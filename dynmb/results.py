@@ -7,8 +7,8 @@ One row per observation, the columns of DESIGN.md ("Results tables"):
 - ``memory``:  run_id, step, stage, peak_bytes, limit_bytes, ...
 - ``runs``:    run_id, flattened config, git sha, torch version, backend, device, world size, date.
 
-``TableWriter.append`` rewrites the whole CSV through a temporary file and
-``os.replace`` after every call, so a crash keeps every finished step and a
+``TableWriter.append`` rewrites the whole CSV atomically (``dynmb.atomic``: a temporary
+file and ``os.replace``) after every call, so a crash keeps every finished step and a
 reader never sees half a file. Settings live in columns, never in folder names.
 """
 
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
+
+from dynmb.atomic import atomic_path
 
 __all__ = ["TABLES", "REQUIRED_COLUMNS", "TableWriter", "load_results", "run_info", "git_sha", "write_table"]
 
@@ -36,9 +38,8 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
 
 
 def _atomic_write_csv(df: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False)
 
 
 def write_table(df: pd.DataFrame, path: str | Path, *, parquet: bool = True) -> None:
@@ -51,10 +52,8 @@ def write_table(df: pd.DataFrame, path: str | Path, *, parquet: bool = True) -> 
             import pyarrow  # noqa: F401
         except ImportError:
             return
-        pq = path.with_suffix(".parquet")
-        tmp = pq.with_name(f".{pq.name}.{os.getpid()}.tmp")
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, pq)
+        with atomic_path(path.with_suffix(".parquet")) as tmp:
+            df.to_parquet(tmp, index=False)
 
 
 class TableWriter:

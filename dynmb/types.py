@@ -20,11 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from dynmb.atomic import write_text_atomic
 
 __all__ = ["Microbatch", "Plan", "Action", "Schedule", "OPS", "ATTENTION_KINDS", "PlanError"]
 
@@ -206,25 +208,17 @@ class Plan:
     def replica(self, r: int) -> "Plan":
         """The sub-plan data-parallel pipeline ``r`` runs (microbatches renumbered from 0)."""
         mbs = tuple(mb for mb, rid in zip(self.microbatches, self.replica_ids) if rid == r)
-        return Plan(
-            microbatches=mbs, method=self.method, num_stages=self.num_stages,
-            memory_limit_bytes=self.memory_limit_bytes, num_sequences=self.num_sequences,
-            schedule_kind=self.schedule_kind, dp=1, predictions=dict(self.predictions),
-            meta={**self.meta, "replica": r, "dp": self.dp},
-        )
+        return replace(self, microbatches=mbs, dp=1, replica_ids=None, predictions=dict(self.predictions),
+                       meta={**self.meta, "replica": r, "dp": self.dp})
 
     def with_order(self, order: Sequence[int], **meta: Any) -> "Plan":
         """The same plan with microbatches permuted: new position i runs old ``order[i]``."""
         order = [int(i) for i in order]
         if sorted(order) != list(range(self.num_microbatches)):
             raise PlanError(f"order is not a permutation of 0..{self.num_microbatches - 1}: {order}")
-        return Plan(
-            microbatches=tuple(self.microbatches[i] for i in order), method=self.method,
-            num_stages=self.num_stages, memory_limit_bytes=self.memory_limit_bytes,
-            num_sequences=self.num_sequences, schedule_kind=self.schedule_kind, dp=self.dp,
-            replica_ids=tuple(self.replica_ids[i] for i in order),
-            predictions=dict(self.predictions), meta={**self.meta, **meta},
-        )
+        return replace(self, microbatches=tuple(self.microbatches[i] for i in order),
+                       replica_ids=tuple(self.replica_ids[i] for i in order), predictions=dict(self.predictions),
+                       meta={**self.meta, **meta})
 
     # --- invariants ---------------------------------------------------------
     def validate(self, lengths: np.ndarray | None = None) -> None:
@@ -301,11 +295,7 @@ class Plan:
         return cls.from_dict(json.loads(s))
 
     def save(self, path: str | Path) -> None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(p)
+        write_text_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

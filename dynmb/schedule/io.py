@@ -15,6 +15,7 @@ import io
 import re
 from pathlib import Path
 
+from dynmb.atomic import write_text_atomic
 from dynmb.types import Action, Schedule
 
 __all__ = ["to_str", "from_str", "to_csv", "from_csv"]
@@ -56,12 +57,8 @@ def from_str(text: str, num_microbatches: int | None = None, kind: str = "") -> 
 
 
 def to_csv(schedule: Schedule, path: str | Path) -> None:
-    """Write the compute-only CSV (atomically: tmp file + rename)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(to_str(schedule))
-    tmp.replace(p)
+    """Write the compute-only CSV (atomically: ``dynmb.atomic``)."""
+    write_text_atomic(path, to_str(schedule))
 
 
 def from_csv(path: str | Path, num_microbatches: int | None = None, kind: str = "") -> Schedule:
