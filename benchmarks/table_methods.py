@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, p = ModelConfig.preset(args.model), args.stages
     mm = get_memory_model(args.memory_model, cfg, p)
     cm = get_cost_model(args.cost_model, cfg, p)
-    print(f"| trace | limit | method | microbatches | padding | peak/limit | step_s (sim) | vs dynamic | plan_s ms |")
+    print("| trace | limit | method | microbatches | padding | peak/limit | step_s (sim) | vs dynamic | plan_s ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in list_traces():
         lengths = np.minimum(sample_batch(load_trace(name), args.global_batch, args.seed), cfg.max_seq_len)

@@ -104,7 +104,7 @@ class MemoryModel:
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
         c = model_cfg
-        e, d, f, v = c.dtype_bytes, c.d_model, c.d_ff, c.vocab_size
+        e, d, v = c.dtype_bytes, c.d_model, c.vocab_size
         layers = c.stage_layers(num_stages)
         act = np.zeros((num_stages, 3))
         tr = np.zeros((num_stages, 3))

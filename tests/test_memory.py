@@ -72,7 +72,7 @@ def test_max_rows_is_the_largest_admissible():
 def test_fit_recovers_heldout_within_5pct():
     rng = np.random.default_rng(0)
     true = np.array([[2e5, 9e3, 8.0], [1e5, 1.2e4, 8.0]])
-    rows, stages, bs, ss = [], [], [], []
+    stages, bs, ss = [], [], []
     for stage in range(2):
         for b in (1, 2, 4, 8):
             for s in (64, 128, 256, 512, 1024):
