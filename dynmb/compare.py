@@ -1,7 +1,7 @@
 """The main job: fixed against dynamic microbatching on real pipelines, in one run.
 
 ``prepare_compare(settings)`` plans the cases: every method of ``settings.methods`` at its
-own microbatch order (``--reorder auto``: ``AUTO_REORDER``), and, for ``fixed`` without a
+own microbatch order (``--reorder auto``: ``planning.AUTO_REORDER``), and, for ``fixed`` without a
 given microbatch size, extra ``fixed`` cases at 1, 2, 4, ... rows below the largest size
 that fits every step, to find the best fixed size in hindsight (``fixed_candidates``).
 ``run_compare_job(job)`` runs them all as the cases of ONE torchrun job (one process per
@@ -24,8 +24,9 @@ Defaults (``dynmb compare``): the sharegpt trace, the ``small`` model, 2 stages,
 limit (binding: ``fixed`` can only afford a few rows of the longest sequences), global
 batches of 32 sequences, each method's own microbatch order, 1 warm-up + 3 measured steps
 per method. The cost model is the one fitted on this kind of CPU and shipped in
-``data/costmodels/`` when the model and stage count match, else the analytic stand-in
-(``cost_model`` for your own fit).
+``data/costmodels/`` when the model and stage count match
+(``planning.default_cost_model_path``), else the analytic stand-in (``cost_model`` for
+your own fit).
 
 Equivalent torchrun line of one case: see ``dynmb.runtime.worker``.
 """
@@ -45,36 +46,19 @@ from dynmb.config import PipelineConfig, RunConfig, model_config, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.data import load_trace, sample_batch
 from dynmb.memory import get_memory_model
-from dynmb.planner import plan_step
+from dynmb.planning import default_cost_model_path, plan_step, reorder_for
 from dynmb.plots import compare_throughput, gantt
 from dynmb.results import load_results, write_table
 from dynmb.runtime.launch import default_backend_device, launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec
 
 __all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "prepare_compare", "run_compare_job",
-           "fixed_candidates", "display_summary", "format_summary", "default_cost_model_path", "reorder_for",
-           "COLUMNS", "AUTO_REORDER", "FIXED_SIZE_METHODS"]
-
-# The order each method runs its microbatches in under ``--reorder auto``: the systems the
-# baselines stand for do not reorder (Megatron, DeepSpeed, fairseq) except DynaPipe, which
-# searches permutations of cost clusters; dynmb's own method uses its simulator-guided search.
-AUTO_REORDER = {"dynamic": "search", "dynapipe": "dynapipe"}
+           "fixed_candidates", "display_summary", "format_summary", "COLUMNS", "FIXED_SIZE_METHODS"]
 
 COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
            "pred_step_s", "step_s", "pred_err", "plan_s", "num_microbatches", "mbs", "distinct_shapes", "new_shapes"]
 FIXED_SIZE_METHODS = ("fixed", "sorted", "packed")
 ALL_METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
-
-
-def default_cost_model_path(model: str, stages: int, device: str = "cpu") -> str | None:
-    """The shipped fitted cost model for (model, stages) on ``device`` ("cpu"/"cuda"), if there is one."""
-    p = Path(__file__).resolve().parent.parent / "data" / "costmodels" / f"{model}-p{stages}-{device}.json"
-    return str(p) if p.exists() else None
-
-
-def reorder_for(method: str, reorder: str) -> str:
-    """The reorder pass of ``method`` under ``--reorder`` (``auto``: see ``AUTO_REORDER``)."""
-    return AUTO_REORDER.get(method, "none") if reorder == "auto" else reorder
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from dynmb.cli import main
-from dynmb.compare import reorder_for
+from dynmb.planning import reorder_for
 
 pytestmark = pytest.mark.dist
 

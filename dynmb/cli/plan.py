@@ -10,7 +10,7 @@ from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, 
 from dynmb.config import parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
-from dynmb.planner import plan_step
+from dynmb.planning import plan_step
 from dynmb.types import Plan
 
 __all__ = ["add_parser", "run"]

@@ -12,8 +12,8 @@ from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_ar
 from dynmb.config import format_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
+from dynmb.planning.reorder import reorder
 from dynmb.schedule import build_schedule, to_csv, validate
-from dynmb.schedule.reorder import reorder
 from dynmb.simulate import memory_inputs, simulate
 from dynmb.types import Plan
 

@@ -5,7 +5,7 @@ and process groups (``dynmb.runtime.topology``), this rank's stages (``model.bui
 weights equal to the single-process model's) and Adam over their parameters, the cost and
 memory models, the length trace, the memory meter and the clock. ``plan_batch(k)`` samples
 global batch ``k`` (``data.sample_batch(trace, B, seed, k)``) and plans it with
-``planner.plan_step``: deterministic, so every rank computes the same plan.
+``planning.plan_step``: deterministic, so every rank computes the same plan.
 
 ``prewarm(state)`` runs one forward + backward of every distinct microbatch shape of the
 run before its first step (``RunConfig.prewarm``). ``RunState.calibrate`` adds the
@@ -25,7 +25,7 @@ from dynmb.costmodel import get_cost_model, runtime_overhead
 from dynmb.data import load_trace, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
-from dynmb.planner import plan_step
+from dynmb.planning import plan_step
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.interpreter import Clock
 from dynmb.runtime.meter import MemoryMeter

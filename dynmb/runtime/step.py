@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dynmb.model import MicrobatchInputs, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
-from dynmb.planner import make_schedule
+from dynmb.planning import make_schedule
 from dynmb.runtime.checks import (
     check_plan_digest,
     gather_weights,
