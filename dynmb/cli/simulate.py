@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     cost_model = get_cost_model(args.cost_model, model, plan.num_stages)
     memory_model = get_memory_model(args.memory_model, model, plan.num_stages)
     sim = simulate(schedule, plan, cost_model, memory_model)
+    peak_bytes, peak_bytes_rank = sim.peak_bytes, sim.peak_bytes_rank
+    assert peak_bytes is not None and peak_bytes_rank is not None   # a memory model is always given
     if args.timeline:
         sim.timeline.to_csv(args.timeline, index=False)
     if args.gantt:
@@ -46,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "makespan_s": sim.makespan_s, "mean_bubble": sim.mean_bubble,
             "bubble_fraction": [float(x) for x in sim.bubble_fraction],
-            "peak_bytes": [int(round(x)) for x in sim.peak_bytes],
-            "peak_bytes_rank": [int(round(x)) for x in sim.peak_bytes_rank],
+            "peak_bytes": [int(round(x)) for x in peak_bytes],
+            "peak_bytes_rank": [int(round(x)) for x in peak_bytes_rank],
             "limit_bytes": int(plan.memory_limit_bytes), "fits": sim.fits,
             "num_ranks": schedule.num_ranks, "num_stages": schedule.num_stages,
             "num_microbatches": schedule.num_microbatches,
@@ -56,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"predicted makespan {sim.makespan_s:.4g} s, mean bubble {sim.mean_bubble:.3f} "
           f"({schedule.num_ranks} ranks, {schedule.num_microbatches} microbatches)")
     for rank, (bubble, busy) in enumerate(zip(sim.bubble_fraction, sim.busy_s)):
-        print(f"  rank {rank}: busy {busy:.4g} s, bubble {bubble:.3f}, peak {format_bytes(sim.peak_bytes_rank[rank])}")
+        print(f"  rank {rank}: busy {busy:.4g} s, bubble {bubble:.3f}, peak {format_bytes(peak_bytes_rank[rank])}")
     print(f"limit {format_bytes(plan.memory_limit_bytes)}: {'fits' if sim.fits else 'OVER THE LIMIT'}")
     return 0
