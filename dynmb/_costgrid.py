@@ -1,10 +1,11 @@
 """``GridCostModel``: the DynaPipe-style interpolation cost model (see ``dynmb.costmodel``).
 
 Per (stage, op), ``scipy.interpolate.RegularGridInterpolator`` (bilinear) over (rows,
-padded_len) of the measured time (medians over repeats; plain, unpacked rows). Cells missing
-from the rectangle (token cap, held-out folds) are filled along rows at the same padded_len,
-then along padded_len, linearly (inter- and extrapolating from the two nearest measured
-cells). Extrapolation rule outside the grid: linear in each variable from the edge cell
+padded_len) of the measured time (medians over repeats; one-document rows). Cells missing
+from the rectangle (token cap, held-out folds) are filled along rows at the same padded_len:
+linearly between the two nearest measured rows, and beyond the measured rows in proportion to
+rows from the nearest measured cell (linear extrapolation from two noisy neighbours can go to
+~0 or double); columns with no measured cell are then filled along padded_len, linearly. Extrapolation rule outside the grid: linear in each variable from the edge cell
 (``fill_value=None``), i.e. time keeps the slope of the last grid interval -- exact in rows
 (time is affine in rows at fixed length), an underestimate in padded_len beyond the grid
 (attention grows like s^2); clipped at >= 0. Reached through ``dynmb.costmodel``
@@ -127,14 +128,25 @@ def _lin(xq: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _fill(r_ax: np.ndarray, s_ax: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Fill NaN cells linearly along rows per padded_len, then along padded_len per row; >= 0."""
+    """Fill NaN cells along rows per padded_len (linear inside the measured rows, proportional
+    to rows outside), then along padded_len per row (linear); >= 0."""
     t = t.copy()
     for j in range(t.shape[1]):
         ok = ~np.isnan(t[:, j])
         if ok.any() and not ok.all():
-            t[~ok, j] = _lin(r_ax[~ok], r_ax[ok], t[ok, j])
+            t[~ok, j] = _along_rows(r_ax[~ok], r_ax[ok], t[ok, j])
     for i in range(t.shape[0]):
         ok = ~np.isnan(t[i])
         if ok.any() and not ok.all():
             t[i, ~ok] = _lin(s_ax[~ok], s_ax[ok], t[i, ok])
     return np.maximum(t, 0.0)
+
+
+def _along_rows(rq: np.ndarray, r: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Time at rows ``rq`` from measured (r, y): linear between measured rows, y * rq / r of
+    the nearest measured row outside them."""
+    out = np.interp(rq, r, y)
+    lo, hi = rq < r[0], rq > r[-1]
+    out[lo] = y[0] * rq[lo] / r[0]
+    out[hi] = y[-1] * rq[hi] / r[-1]
+    return out

@@ -17,10 +17,13 @@ Three models, one interface:
   rescaled from ``rows * padded_len^2`` to the attention work) / ``flops_per_s`` + a fixed
   per-op overhead; backward = ``bwd_ratio`` x forward. A stand-in before profiling,
   calibrated roughly to one core of the development CPU.
-- ``FittedCostModel`` ("poly", the default): per (stage, op) ``t = c0 + c1*b*s + c2*a (+ c3*b)``
-  (b rows, s padded_len, b*s the tokens computed, a the attention work): a fixed cost, a
-  per-computed-token cost (matmuls, norms, the LM head), a cost per unit of attention work
-  (QK^T and AV over each segment), optionally a per-row cost. Coefficients are non-negative
+- ``FittedCostModel`` ("poly", the default): per (stage, op)
+  ``t = c0 + c1*b*s + c2*a (+ c3*b) (+ c4*b*s*[a < b*s^2])`` (b rows, s padded_len, b*s the
+  tokens computed, a the attention work): a fixed cost, a per-computed-token cost (matmuls,
+  norms, the LM head), a cost per unit of attention work (QK^T and AV over each segment),
+  optionally a per-row cost and a per-token cost that only packed microbatches pay (their
+  document-causal path gathers the rows into length buckets and scatters them back; a
+  microbatch is packed exactly when a < b*s^2). Coefficients are non-negative
   and minimise the *relative* squared error sum(((pred - t) / t)^2), solved as
   ``scipy.optimize.nnls`` on the system scaled row-wise by 1/t. The form is chosen per
   (stage, op) by k-fold held-out MAPE over points; a larger form must beat a smaller one by
@@ -69,9 +72,16 @@ FORMS: dict[str, tuple[str, ...]] = {
     "lin_b": ("c0", "c1_tok", "c3_row"),
     "quad": ("c0", "c1_tok", "c2_attn"),
     "quad_b": ("c0", "c1_tok", "c2_attn", "c3_row"),
+    "quad_p": ("c0", "c1_tok", "c2_attn", "c4_packed_tok"),
+    "quad_bp": ("c0", "c1_tok", "c2_attn", "c3_row", "c4_packed_tok"),
 }
 """Poly forms: c0 [s], c1_tok [s per computed token], c2_attn [s per unit of attention work,
-i.e. per (query, key) position pair of a segment], c3_row [s/row]."""
+i.e. per (query, key) position pair of a segment], c3_row [s/row], c4_packed_tok [s per
+computed token of a packed microbatch: the document-causal path's gather of the rows into
+length buckets and scatter back, which one-document rows do not run]."""
+
+COEFS = ("c0", "c1_tok", "c2_attn", "c3_row", "c4_packed_tok")
+"""Every poly coefficient, in the order tables list them."""
 
 LEGACY_COEF_NAMES = {"c2_tok_len": "c2_attn"}
 """Coefficient names of older cost-model files -> their current name."""
@@ -282,8 +292,11 @@ class AnalyticCostModel(CostModel):
 
 def _features(form: str, b: np.ndarray, s: np.ndarray, a: np.ndarray | None = None) -> np.ndarray:
     """Feature columns of ``form``: 1, computed tokens b*s, attention work ``a`` (default
-    ``b * s**2``, one document per row), rows b."""
-    cols = {"c0": np.ones_like(b), "c1_tok": b * s, "c2_attn": b * s * s if a is None else a, "c3_row": b}
+    ``b * s**2``, one document per row), rows b, computed tokens of packed microbatches (a
+    microbatch is packed exactly when its attention work is below ``b * s**2``)."""
+    one_doc = b * s * s
+    a = one_doc if a is None else a
+    cols = {"c0": np.ones_like(b), "c1_tok": b * s, "c2_attn": a, "c3_row": b, "c4_packed_tok": b * s * (a < one_doc)}
     return np.stack([cols[c] for c in FORMS[form]], axis=-1)
 
 
@@ -316,7 +329,7 @@ class FittedCostModel(CostModel):
 
     def coefficients(self) -> pd.DataFrame:
         """One row per (stage, op): form and every coefficient (NaN where the form lacks it)."""
-        names = FORMS["quad_b"]
+        names = COEFS
         rows = []
         for (p, op), (form, coef) in sorted(self.params.items()):
             d = dict(zip(FORMS[form], coef))

@@ -80,6 +80,23 @@ def test_fit_recovers_known_coefficients(samples):
     assert all(np.all(c >= 0) for _, c in m.params.values())
 
 
+def test_fit_finds_a_per_token_cost_of_packed_microbatches(samples):
+    """The document-causal path's gather/scatter costs per computed token, on packed
+    microbatches only (a < b*s^2): a form with c4_packed_tok is chosen and recovers it."""
+    surcharge = 0.3 * np.array([TRUE[(p, op)][1] for p, op in zip(samples["stage"], samples["op"])])
+    packed = samples["attn_work"] < samples["rows"] * samples["padded_len"] ** 2
+    df = samples.assign(time_s=samples["time_s"] + packed * surcharge * samples["rows"] * samples["padded_len"])
+    m = fit_cost_model(df, CFG, 2)
+    coefs = m.coefficients()
+    assert set(coefs["form"]) <= {"quad_p", "quad_bp"}
+    np.testing.assert_allclose(coefs["c4_packed_tok"] / coefs["c1_tok"], 0.3, rtol=0.2)
+    mb = packed_microbatch(2, 1800, 12)
+    a = mb.attention_work("auto")
+    truth = _truth(0, "F", 2, 1800, a) + 0.3 * TRUE[(0, "F")][1] * 2 * 1800
+    assert m.predict(0, "F", 2, 1800, a) == pytest.approx(truth, rel=0.03)
+    assert m.predict(0, "F", 2, 1800) == pytest.approx(_truth(0, "F", 2, 1800), rel=0.03)   # one document per row
+
+
 def test_fit_on_packed_points_needs_the_attention_work(samples):
     """Fitted as if every row held one document (a = b*s^2), the packed points pull the attention
     coefficient away from the truth; with the attention work it is recovered."""
@@ -361,6 +378,11 @@ def test_tiny_real_profile(tmp_path):
         assert (g["packed"] == (k > 1)).all()
     again = profile(tiny, 2, grid=grid, repeats=2, warmup=1, output=out, progress=False)
     assert len(again) == len(df)  # resumed: nothing re-measured
+    comm_only = tmp_path / "comm.csv"   # `--comm` writes its ping-pong rows before the grid starts
+    pd.DataFrame({"nbytes": [4096], "repeat": [0], "time_s": [1e-4], "stage": [-1], "op": ["comm"], "rows": [0],
+                  "padded_len": [0], "model": ["tiny"], "num_stages": [2]}).to_csv(comm_only, index=False)
+    resumed = profile(tiny, 2, grid=grid[:1], repeats=1, warmup=0, output=comm_only, progress=False, memory=False)
+    assert (resumed["op"] == "comm").sum() == 1 and len(resumed) == 1 + 2 * 2
     legacy = tmp_path / "legacy.csv"
     df.drop(columns=["attn_work"]).to_csv(legacy, index=False)
     with pytest.raises(ValueError, match="attn_work"):
