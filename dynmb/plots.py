@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from dynmb.costmodel import point_medians  # noqa: E402
+
 __all__: list[str] = ["compare_throughput", "cost_fit", "gantt"]
 
 # --- gantt (schedule helper) ---
@@ -83,7 +85,6 @@ def cost_fit(samples: pd.DataFrame, cost_model, path: str, title: str | None = N
     measured points and the model's curves at a few row counts. ``errors`` (stage, op, mape)
     is written into the legend when given."""
     import numpy as np
-    from dynmb.costmodel import point_medians
     med = point_medians(samples)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
     markers = {"F": "o", "B": "s"}

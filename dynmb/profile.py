@@ -64,11 +64,15 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 import torch
+import torch.distributed as dist
 
+from dynmb.atomic import atomic_path
 from dynmb.config import ModelConfig
-from dynmb.model import build_stages, make_inputs, synthetic_tokens
+from dynmb.costmodel import AnalyticCostModel, samples_from_actions
+from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.results import write_table
 from dynmb.runtime.hostmem import retain_freed_memory
+from dynmb.runtime.pingpong import ping_pong
 from dynmb.types import Microbatch
 
 __all__ = ["GRID_ROWS", "GRID_LENS", "GRID_DOCS", "PACKED_ROWS", "PACKED_LENS", "MIN_DOC_TOKENS", "default_grid",
@@ -150,7 +154,6 @@ def estimate_run_seconds(cfg: ModelConfig, num_stages: int, stage: int, point: P
                          seed: int = 0) -> float:
     """Estimated wall seconds of ``runs`` forward+backward runs of ``stage`` at ``point`` (analytic
     cost model of the development CPU's core, with the point's attention work) + overheads."""
-    from dynmb.costmodel import AnalyticCostModel
     b, s, d = point
     work = synthetic_microbatch(b, s, d, seed).attention_work(cfg.attention)
     cm = AnalyticCostModel(cfg, num_stages)
@@ -207,8 +210,8 @@ def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, repeats: int = 5, war
     out = []
     for i in range(warmup + repeats):
         x = None if x0 is None else x0.detach().requires_grad_(True)
-        y, tf, wf = timed(lambda: stage_mod(x, inputs))
-        _, tb, wb = timed(lambda: y.backward() if g is None else y.backward(g))
+        y, tf, wf = timed(lambda x=x: stage_mod(x, inputs))          # bound now: x and y are deleted below
+        _, tb, wb = timed(lambda y=y: y.backward() if g is None else y.backward(g))
         del y, x
         if i >= warmup:
             out.append((tf, tb, wf, wb))
@@ -225,7 +228,6 @@ def _meter():
 
 def load_samples(paths: Iterable[str | Path]) -> pd.DataFrame:
     """Read and concatenate samples CSVs (or a run's actions CSVs, converted)."""
-    from dynmb.costmodel import samples_from_actions
     dfs = []
     for p in paths:
         df = pd.read_csv(p)
@@ -262,7 +264,6 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
             "num_stages": int(num_stages), "concurrent": int(num_stages) if concurrent else 1}
     old = _read_resumable(output, base)
     if comm and not (len(old) and (old["op"] == "comm").any()):  # first: before the grid heats the machine
-        from dynmb.runtime.pingpong import ping_pong
         c = ping_pong(threads=threads)
         old = pd.concat([old, c.assign(stage=-1, op="comm", rows=0, padded_len=0, tokens=0, packed=False,
                                        wall_s=c["time_s"], **{**base, "clock": "wall"})], ignore_index=True)
@@ -394,9 +395,6 @@ def _free_port() -> int:
 def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, points: list, warmup: int,
                        clock: str, threads: int, seed: int, memory: bool, progress: bool, base: dict,
                        out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from dynmb.model import build_stage
     torch.set_num_threads(int(threads))
     retain_freed_memory()
     cfg = ModelConfig.from_dict(cfg_dict)
@@ -431,9 +429,8 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
             rows += _sample_rows(rank, mb, cfg, d, times, r, base, extra)
         if bar is not None:
             bar.close()
-        with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
+        with atomic_path(os.path.join(out_dir, f"rank{rank}.json")) as tmp, open(tmp, "w") as f:
             json.dump(rows, f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
-        os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -7,7 +7,7 @@ and packed rows, each with its attention work ``attn_work``) and compare with it
 over repeats. Prints one row per (stage, op, padded_len, packed) with the mean and max
 absolute percentage error of each model and the points' noise floor (median |t_r - median|
 / median), then the per-point table with ``--points``. The grid model sees shapes only; its
-packed predictions carry its linear attention-work correction (``dynmb._costgrid``).
+packed predictions carry its linear attention-work correction (``dynmb.costmodel.grid``).
 
     dynmb profile --model small --stages 2 --concurrent -o samples.csv   # the full grid (~15 min)
     python experiments/costmodel_extrapolation.py samples.csv \

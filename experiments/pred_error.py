@@ -23,11 +23,8 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 
 import pandas as pd
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class RusageClock:
@@ -133,6 +130,8 @@ def summarize(df: pd.DataFrame) -> None:
 
 
 def main(argv=None) -> int:
+    from dynmb.planning import default_cost_model_path   # dynmb is imported after the workers' --env
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="fixed")
     ap.add_argument("--reorder", default="none")
@@ -142,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--memory-limit", default="1GiB")
     ap.add_argument("--model", default="small")
-    ap.add_argument("--cost-model", default=str(ROOT / "data" / "costmodels" / "small-p2-cpu.json"))
+    ap.add_argument("--cost-model", default=default_cost_model_path("small", 2))
     ap.add_argument("--no-prefault", action="store_true", help="do not touch 2x the memory limit at start (hostmem.prefault)")
     ap.add_argument("--no-meter", action="store_true")
     ap.add_argument("--env", action="append", default=[])

@@ -12,12 +12,14 @@ import pytest
 
 from dynmb.config import ModelConfig
 from dynmb.costmodel import (
-    FORMS, AnalyticCostModel, CommModel, CostModel, FittedCostModel, GridCostModel, _nnls_rel,
+    FORMS, AnalyticCostModel, CommModel, CostModel, FittedCostModel, GridCostModel, nnls_rel,
     fit_cost_model, get_cost_model, kfold_error, noise_floor, point_medians, samples_from_actions,
 )
+from dynmb.planning import default_cost_model_path
 from dynmb.types import Microbatch, Plan
 
 CFG = ModelConfig.preset("small")
+SHIPPED = default_cost_model_path("small", 2)
 TRUE = {  # (stage, op) -> (c0, c1_tok, c2_attn)
     (0, "F"): (1e-3, 2e-7, 1e-10), (0, "B"): (2e-3, 4e-7, 2e-10),
     (1, "F"): (5e-4, 3e-7, 1e-10), (1, "B"): (1e-3, 6e-7, 2e-10),
@@ -113,7 +115,7 @@ def test_packed_documents_predicted_cheaper_than_one_long_row(samples, tmp_path)
     one_row = Microbatch([0], [4096], 4096, 1)
     assert packed.attention_work("auto") == 64 * 64 ** 2 and one_row.attention_work("auto") == 4096 ** 2
     models = [fit_cost_model(samples, CFG, 2), fit_cost_model(samples, CFG, 2, kind="grid"), AnalyticCostModel(CFG, 2),
-              CostModel.load("data/costmodels/small-p2-cpu.json")]
+              CostModel.load(SHIPPED)]
     for m in models:
         plan = Plan((packed, one_row), "packed", 2, 2**30, 65)
         c = m.plan_costs(plan)
@@ -147,7 +149,7 @@ def test_relative_error_weighting_protects_small_times():
     t = 1e-3 + 1e-7 * b * s + 1e-10 * b * s * s
     t = t * np.array([1.0, 1.0, 1.0, 1.1, 0.9, 1.05])  # noise on the large ones only
     x = np.stack([np.ones_like(b), b * s, b * s * s], axis=1)
-    rel = _nnls_rel(x, t)
+    rel = nnls_rel(x, t)
     from scipy.optimize import nnls
     absc, _ = nnls(x, t)
     rel_err = lambda c: np.abs(x @ c - t) / t  # noqa: E731
@@ -266,7 +268,7 @@ def test_old_cost_model_files_still_load(tmp_path):
     g = get_cost_model(path, CFG, 2)
     assert g.attn_slope == {(p, op): 0.0 for p in range(2) for op in ("F", "B")}      # ignores documents
     assert g.predict(1, "B", 4, 256, 1000) == pytest.approx(0.16)
-    shipped = CostModel.load("data/costmodels/small-p2-cpu.json")
+    shipped = CostModel.load(SHIPPED)
     assert shipped.predict(0, "F", 4, 512) > shipped.predict(0, "F", 4, 512, 4 * 64**2) > 0
 
 

@@ -6,20 +6,20 @@
   (``dynapipe``); dynmb's own method uses its simulator-guided search (``search``). See
   ``dynmb.planning.reorder`` for the passes.
 - ``default_cost_model_path(model, stages, device)``: the fitted cost model shipped for that
-  model preset, stage count and device kind (``<model>-p<stages>-<device>.json`` among the
-  shipped cost models), or None when there is none (the analytic stand-in is used then).
+  model preset, stage count and device kind (``<model>-p<stages>-<device>.json``, package data
+  of ``dynmb.data`` in ``dynmb/data/costmodels/``, read with ``importlib.resources``), or None
+  when there is none (the analytic stand-in is used then).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from importlib import resources
 
 __all__ = ["AUTO_REORDER", "reorder_for", "default_cost_model_path"]
 
 AUTO_REORDER = {"dynamic": "search", "dynapipe": "dynapipe"}
 """The reorder pass of each method under ``--reorder auto`` (``none`` for the others)."""
 
-_SHIPPED_COST_MODELS = Path(__file__).resolve().parent.parent.parent / "data" / "costmodels"
 
 
 def reorder_for(method: str, reorder: str) -> str:
@@ -29,5 +29,5 @@ def reorder_for(method: str, reorder: str) -> str:
 
 def default_cost_model_path(model: str, stages: int, device: str = "cpu") -> str | None:
     """The shipped fitted cost model for (model, stages) on ``device`` ("cpu"/"cuda"), if there is one."""
-    p = _SHIPPED_COST_MODELS / f"{model}-p{stages}-{device}.json"
-    return str(p) if p.exists() else None
+    p = resources.files("dynmb.data").joinpath("costmodels", f"{model}-p{stages}-{device}.json")
+    return str(p) if p.is_file() else None

@@ -1,12 +1,12 @@
-"""``GridCostModel``: the DynaPipe-style interpolation cost model (see ``dynmb.costmodel``).
+"""``GridCostModel`` ("grid"): the DynaPipe-style interpolation cost model.
 
 Per (stage, op), ``scipy.interpolate.RegularGridInterpolator`` (bilinear) over (rows,
 padded_len) of the measured time (medians over repeats; one-document rows). Cells missing
 from the rectangle (token cap, held-out folds) are filled along rows at the same padded_len:
 linearly between the two nearest measured rows, and beyond the measured rows in proportion to
 rows from the nearest measured cell (linear extrapolation from two noisy neighbours can go to
-~0 or double); columns with no measured cell are then filled along padded_len, linearly. Extrapolation rule outside the grid: linear in each variable from the edge cell
-(``fill_value=None``), i.e. time keeps the slope of the last grid interval -- exact in rows
+~0 or double); columns with no measured cell are then filled along padded_len, linearly.
+Extrapolation rule outside the grid: linear in each variable from the edge cell (``fill_value=None``), i.e. time keeps the slope of the last grid interval -- exact in rows
 (time is affine in rows at fixed length), an underestimate in padded_len beyond the grid
 (attention grows like s^2); clipped at >= 0. Reached through ``dynmb.costmodel``
 (``GridCostModel``, ``fit_cost_model(kind="grid")``, ``CostModel.load``).
@@ -33,7 +33,11 @@ import pandas as pd
 from scipy.interpolate import RegularGridInterpolator
 
 from dynmb.config import ModelConfig
-from dynmb.costmodel import CommModel, CostModel, _features, _meta_from, _nnls_rel, point_medians
+
+from .base import CommModel, CostModel
+from .nnls import nnls_rel
+from .poly import features
+from .samples import point_medians, sample_meta
 
 __all__ = ["GridCostModel"]
 
@@ -81,7 +85,7 @@ class GridCostModel(CostModel):
             t = np.full((len(r_ax), len(s_ax)), np.nan)
             t[np.searchsorted(r_ax, g["rows"]), np.searchsorted(s_ax, g["padded_len"])] = g["time_s"]
             grids[(int(p), op)] = (r_ax, s_ax, _fill(r_ax, s_ax, t))
-        model = cls(model_cfg, num_stages, grids, comm, {**_meta_from(samples), **(meta or {})})
+        model = cls(model_cfg, num_stages, grids, comm, {**sample_meta(samples), **(meta or {})})
         model.attn_slope = {k: _attn_slope(model, k, med[one_doc], med[~one_doc]) for k in grids}
         return model
 
@@ -112,7 +116,7 @@ def _attn_slope(model: GridCostModel, key: tuple[int, str], one_doc: pd.DataFram
     if len(g) < 3:
         return 0.0
     b, s, t = (g[c].to_numpy(np.float64) for c in ("rows", "padded_len", "time_s"))
-    return float(_nnls_rel(_features("quad", b, s), t)[2])
+    return float(nnls_rel(features("quad", b, s), t)[2])
 
 
 def _lin(xq: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:

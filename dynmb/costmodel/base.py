@@ -1,0 +1,203 @@
+"""The cost-model interface: one lookup of per-stage, per-op time shared by every consumer.
+
+A cost model answers ``predict(stage, op, rows, padded_len, attn)`` -> seconds (vectorised) for
+a microbatch of ``rows`` x ``padded_len`` tokens whose attention work is ``attn`` (the sum of
+segment_length^2 over its attention segments, ``Microbatch.attention_work``: ``rows *
+padded_len^2`` for one document per row, ``sum(s_i^2)`` over the documents of packed rows under
+``attention="auto"``; None means one document per row), op ``F`` (forward) or ``B`` (full
+backward; ``W`` is 0: no split weight-gradient step). ``stage_costs(rows[m], padded_len[m],
+attn[m])`` returns ``{"F": ndarray[P, m], "B": ndarray[P, m]}``; ``plan_costs(plan)`` is the
+same for a whole plan with each microbatch's attention work, and is what consumers call.
+``comm`` (a ``CommModel``) gives the P2P time ``alpha_s + nbytes / bytes_per_s`` of the
+activation sent between neighbouring stages; ``comm_s(rows, padded_len)`` that of a microbatch.
+
+``CostModelLike`` is that interface as a ``typing.Protocol`` (what the packers, the reorderer, the
+simulator and the runtime rely on). ``CostModel`` is the base class: the lookup (clipped at 0,
+plus the per-action runtime overhead of ``with_overhead``), the check that a model was made
+for a config and stage split, and the JSON form ``{"kind", "model", "num_stages", "comm",
+"meta", "params"}``. Every subclass with its own ``kind`` registers itself, so
+``CostModel.from_dict`` / ``load`` build any kind without this module importing them (the
+kinds: ``analytic``, ``poly``, ``grid``; ``dynmb.costmodel.registry``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from dynmb.atomic import write_text_atomic
+from dynmb.config import ModelConfig
+
+from .nnls import nnls_rel
+
+__all__ = ["CostModelLike", "CommModel", "CostModel"]
+
+
+class CostModelLike(Protocol):
+    """What consumers use of a cost model: the one lookup, per op, stage and microbatch."""
+
+    model_cfg: ModelConfig
+    num_stages: int
+
+    def predict(self, stage: int, op: str, rows: Any, padded_len: Any, attn: Any = None) -> np.ndarray:
+        """Seconds of ``op`` on ``stage`` for microbatches (rows, padded_len, attention work)."""
+        ...
+
+    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None) -> dict[str, np.ndarray]:
+        """``{"F": [P, m], "B": [P, m]}`` seconds."""
+        ...
+
+    def plan_costs(self, plan: Any) -> dict[str, np.ndarray]:
+        """``stage_costs`` of a plan's microbatches with their attention work."""
+        ...
+
+    def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
+        """P2P seconds of a microbatch's hidden state between neighbouring stages."""
+        ...
+
+
+class CommModel:
+    """Point-to-point time ``alpha_s + nbytes / bytes_per_s`` (one-way, one message)."""
+
+    def __init__(self, alpha_s: float = 5e-5, bytes_per_s: float = 2e9) -> None:
+        if alpha_s < 0 or bytes_per_s <= 0:
+            raise ValueError(f"CommModel needs alpha_s >= 0 and bytes_per_s > 0, got {alpha_s}, {bytes_per_s}")
+        self.alpha_s, self.bytes_per_s = float(alpha_s), float(bytes_per_s)
+
+    def time(self, nbytes: Any) -> np.ndarray:
+        return self.alpha_s + np.asarray(nbytes, dtype=np.float64) / self.bytes_per_s
+
+    @classmethod
+    def fit(cls, nbytes: Any, time_s: Any) -> "CommModel":
+        """Non-negative relative-error least squares of t = alpha + nbytes * (1/beta)."""
+        x = np.asarray(nbytes, dtype=np.float64)
+        t = np.asarray(time_s, dtype=np.float64)
+        coef = nnls_rel(np.stack([np.ones_like(x), x], axis=1), t)
+        return cls(coef[0], 1.0 / max(coef[1], 1e-15))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"alpha_s": self.alpha_s, "bytes_per_s": self.bytes_per_s}
+
+    def __repr__(self) -> str:
+        return f"CommModel(alpha_s={self.alpha_s:.3g}, bytes_per_s={self.bytes_per_s:.3g})"
+
+
+def _arch(cfg: ModelConfig) -> dict[str, Any]:
+    d = cfg.to_dict()
+    d.pop("name", None)
+    return d
+
+
+class CostModel:
+    """Base: the interface every consumer uses. Subclasses implement ``_predict``."""
+
+    kind = "base"
+    _kinds: ClassVar[dict[str, type["CostModel"]]] = {}
+    """Every subclass that sets its own ``kind``, by kind (``from_dict`` builds from it)."""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if "kind" in cls.__dict__:
+            CostModel._kinds[cls.kind] = cls
+
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, comm: CommModel | None = None,
+                 meta: dict[str, Any] | None = None) -> None:
+        model_cfg.stage_layers(num_stages)  # validates the split
+        self.model_cfg, self.num_stages = model_cfg, int(num_stages)
+        self.comm = comm if comm is not None else CommModel()
+        self.meta = dict(meta or {})
+        self.runtime_overhead_s: dict[str, float] = {"F": 0.0, "B": 0.0}
+
+    # --- the lookup ---------------------------------------------------------
+    def predict(self, stage: int, op: str, rows: Any, padded_len: Any, attn: Any = None) -> np.ndarray:
+        """Seconds for ``op`` on ``stage`` of microbatches (rows, padded_len), broadcast.
+
+        ``attn`` is each microbatch's attention work ``Microbatch.attention_work`` (sum of
+        segment_length^2); None means one document per row: ``rows * padded_len**2``."""
+        if not 0 <= int(stage) < self.num_stages:
+            raise ValueError(f"stage {stage} out of range for {self.num_stages} stages")
+        b, s = np.broadcast_arrays(np.asarray(rows, dtype=np.float64), np.asarray(padded_len, dtype=np.float64))
+        a = b * s * s if attn is None else np.broadcast_to(np.asarray(attn, dtype=np.float64), b.shape)
+        if op == "W":
+            return np.zeros(b.shape)
+        if op not in ("F", "B"):
+            raise ValueError(f"unknown op {op!r}; expected F, B or W")
+        return np.maximum(self._predict(int(stage), op, b, s, a), 0.0) + self.runtime_overhead_s.get(op, 0.0)
+
+    def with_overhead(self, F: float = 0.0, B: float = 0.0) -> "CostModel":
+        """A copy whose every F / B prediction adds ``F`` / ``B`` seconds: what the runtime
+        spends per action beyond the op itself (memory-meter hooks, posting sends, the other
+        ranks' comm threads), measured on a run's warm-up steps (``runtime_overhead``)."""
+        c = copy.copy(self)
+        c.runtime_overhead_s = {"F": float(F), "B": float(B)}
+        return c
+
+    def _predict(self, stage: int, op: str, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None) -> dict[str, np.ndarray]:
+        """``{"F": ndarray[P, m], "B": ndarray[P, m]}`` seconds per stage and microbatch
+        (``attn`` as in ``predict``)."""
+        b = np.atleast_1d(np.asarray(rows, dtype=np.float64))
+        s = np.atleast_1d(np.asarray(padded_len, dtype=np.float64))
+        b, s = np.broadcast_arrays(b, s)
+        a = b * s * s if attn is None else np.broadcast_to(np.atleast_1d(np.asarray(attn, dtype=np.float64)), b.shape)
+        return {op: np.stack([self.predict(p, op, b, s, a) for p in range(self.num_stages)]).reshape(self.num_stages, -1)
+                for op in ("F", "B")}
+
+    def plan_costs(self, plan: Any) -> dict[str, np.ndarray]:
+        """``stage_costs`` of every microbatch of ``plan`` with its attention work under
+        this model's ``attention`` setting: the lookup the simulator, reorderer and
+        runtime use for a whole plan."""
+        shapes = plan.shapes()
+        return self.stage_costs(shapes[:, 0], shapes[:, 1], plan.attention_work(self.model_cfg.attention))
+
+    def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
+        """P2P seconds of the hidden state of microbatches (rows, padded_len) between stages."""
+        nbytes = np.asarray(rows, dtype=np.float64) * np.asarray(padded_len, dtype=np.float64) \
+            * self.model_cfg.d_model * self.model_cfg.dtype_bytes
+        return self.comm.time(nbytes)
+
+    def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        """Raise ValueError unless this model was made for ``model_cfg`` split over ``num_stages``."""
+        if _arch(model_cfg) != _arch(self.model_cfg) or int(num_stages) != self.num_stages:
+            raise ValueError(
+                f"{self.kind} cost model was fitted for model {self.model_cfg.name!r} {_arch(self.model_cfg)} "
+                f"at {self.num_stages} stages, not for model {model_cfg.name!r} {_arch(model_cfg)} at {num_stages} "
+                f"stages; profile and fit one for this config (`dynmb profile` + `dynmb fit`)")
+
+    # --- I/O ----------------------------------------------------------------
+    def _params(self) -> dict[str, Any]:
+        return {}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"kind": self.kind, "model": self.model_cfg.to_dict(), "num_stages": self.num_stages,
+             "comm": self.comm.to_dict(), "meta": self.meta, "params": self._params()}
+        if any(self.runtime_overhead_s.values()):
+            d["runtime_overhead_s"] = dict(self.runtime_overhead_s)
+        return d
+
+    def save(self, path: str | Path) -> None:
+        """Write the JSON form atomically (``dynmb.atomic``)."""
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1,
+                                           default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "CostModel":
+        kinds = CostModel._kinds
+        if d.get("kind") not in kinds:
+            raise ValueError(f"unknown cost model kind {d.get('kind')!r}; expected one of {list(kinds)}")
+        cm = kinds[d["kind"]]._from_parts(ModelConfig.from_dict(d["model"]), int(d["num_stages"]),
+                                          CommModel(**d.get("comm", {})), d.get("meta", {}), d.get("params", {}))
+        return cm.with_overhead(**d["runtime_overhead_s"]) if d.get("runtime_overhead_s") else cm
+
+    @staticmethod
+    def load(path: str | Path) -> "CostModel":
+        return CostModel.from_dict(json.loads(Path(path).read_text()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={self.model_cfg.name!r}, num_stages={self.num_stages}, comm={self.comm})"
