@@ -5,6 +5,29 @@ per-GPU memory limit (``dynmb.memory``) and a fitted cost model
 (``dynmb.costmodel``) -> schedules (``dynmb.schedule``) checked by a simulator
 (``dynmb.simulate``) -> real torch.distributed runs (``dynmb.runtime``) -> tidy
 pandas tables (``dynmb.results``) and plots (``dynmb.plots``).
+
+The public API (what scripts and notebooks use; see the README and docs/design.md):
+
+- ``Planner(model=, num_stages=, memory_limit=, ...).plan(lengths, method=, reorder=)``
+  -> ``PlannedStep(plan, schedule, sim)``; ``simulate(schedule, plan, cost_model, memory_model)``;
+- ``DynamicBatchSampler``: the planner inside your own DataLoader;
+- ``load_results(dir)``, ``summarise(tables, by=)``: the tidy tables of runs;
+- the core types ``Microbatch``, ``Plan``, ``Action``, ``Schedule`` and configs
+  ``ModelConfig``, ``PipelineConfig``, ``RunConfig``; the model Protocols ``CostModelLike``,
+  ``MemoryModelLike``.
 """
 
+from .analysis import summarise
+from .config import ModelConfig, PipelineConfig, RunConfig, model_config
+from .planning.api import PlannedStep, Planner
+from .planning.sampler import DynamicBatchSampler
+from .results import load_results
+from .simulate import SimResult, simulate
+from .types import Action, Microbatch, Plan, Schedule
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Planner", "PlannedStep", "simulate", "SimResult", "DynamicBatchSampler", "load_results", "summarise",
+    "Microbatch", "Plan", "Action", "Schedule", "ModelConfig", "PipelineConfig", "RunConfig", "model_config",
+]

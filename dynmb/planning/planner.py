@@ -27,6 +27,7 @@ from ..packing import pack
 from ..schedule import build_schedule, validate
 from ..simulate import SimResult, simulate
 from ..types import Plan, Schedule
+from .defaults import reorder_for
 from .reorder import reorder as reorder_plan
 
 __all__ = ["plan_step", "make_schedule"]
@@ -81,6 +82,7 @@ def plan_step(
                 mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize=oversize, virtual=virtual,
                 pack_len=pack_len, round_to=round_to)
     replicas = [plan] if dp == 1 else [plan.replica(r) for r in range(dp)]
+    reorder = reorder_for(method, reorder)          # "auto": the method's own order
     if reorder != "none":
         replicas = [reorder_plan(p, reorder, cost_model=cost_model, memory_model=memory_model,
                              schedule_kind=schedule_kind, virtual=virtual) for p in replicas]

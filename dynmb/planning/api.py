@@ -1,0 +1,101 @@
+"""The planning entry points of the public API: ``Planner`` and ``PlannedStep``.
+
+A ``Planner`` holds what stays fixed over a training run (model, pipeline depth, memory
+limit, cost and memory models, schedule kind, shape rounding); ``Planner.plan(lengths)``
+runs one planning step (``dynmb.planning.planner.plan_step``: pack -> reorder -> build
+and validate the schedule -> simulate) and returns a ``PlannedStep``. Cost and memory
+models default to the fitted ones shipped for the model (``default_cost_model_path``) and
+the analytic memory model; pass your own (``dynmb fit`` / ``dynmb memory``) as objects or
+file paths. Every model is checked against the architecture and stage count it was made for.
+
+Example::
+
+    import dynmb
+    planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
+    step = planner.plan(lengths, method="dynamic")            # reorder="auto"
+    step.plan.num_microbatches, step.sim.makespan_s, step.schedule
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ModelConfig, model_config, parse_bytes
+from ..costmodel import get_cost_model
+from ..memory import get_memory_model
+from ..simulate import SimResult
+from ..types import Plan, Schedule
+from .defaults import default_cost_model_path
+from .planner import plan_step
+
+__all__ = ["Planner", "PlannedStep"]
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One planned global batch: the plan (microbatches in execution order), the validated
+    schedule of (replica 0 of) the pipeline, and its simulation."""
+
+    plan: Plan
+    schedule: Schedule
+    sim: SimResult
+
+
+def _model(model: ModelConfig | str) -> ModelConfig:
+    return model if isinstance(model, ModelConfig) else model_config(str(model))
+
+
+class Planner:
+    """Plans global batches for one pipeline configuration; see the module docstring.
+
+    ``model``: a ``ModelConfig`` or a ``--model`` spec (``"small"``, ``"small:d_model=512"``,
+    ``"model.json"``); ``memory_limit``: bytes or a size string (``"1GiB"``);
+    ``cost_model`` / ``memory_model``: objects or JSON paths (None: the shipped/analytic ones);
+    ``schedule``: gpipe, 1f1b, interleaved, memory-aware (and any kind the builders know);
+    ``round_to``: every padded_len a multiple of it; ``dp``: data-parallel replicas;
+    ``virtual``: model chunks per rank (interleaved); ``device``: which shipped cost model
+    ("cpu"/"cuda") to default to.
+    """
+
+    def __init__(self, *, model: ModelConfig | str = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
+                 cost_model: Any = None, memory_model: Any = None, schedule: str = "1f1b", round_to: int = 1,
+                 dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
+                 device: str = "cpu") -> None:
+        self.model_cfg = _model(model)
+        self.num_stages = int(num_stages)
+        self.memory_limit_bytes = parse_bytes(memory_limit)
+        if round_to < 1:
+            raise ValueError(f"round_to must be >= 1, got {round_to}")
+        if cost_model is None or isinstance(cost_model, (str, Path)):
+            path = cost_model if cost_model is not None else default_cost_model_path(
+                self.model_cfg.name, self.num_stages, device)
+            cost_model = get_cost_model(path, self.model_cfg, self.num_stages)
+        else:
+            cost_model.check(self.model_cfg, self.num_stages)
+        if memory_model is None or isinstance(memory_model, (str, Path)):
+            memory_model = get_memory_model(memory_model, self.model_cfg, self.num_stages)
+        else:
+            memory_model.check(self.model_cfg, self.num_stages)
+        self.cost_model, self.memory_model = cost_model, memory_model
+        self.schedule, self.round_to, self.dp, self.virtual = schedule, int(round_to), int(dp), int(virtual)
+        self.oversize, self.pack_len = oversize, pack_len
+
+    def plan(self, lengths: Any, method: str = "dynamic", reorder: str = "auto", *, mbs: int | None = None,
+             meta: dict[str, Any] | None = None) -> PlannedStep:
+        """Plan one global batch ``lengths`` (sequence i has ``lengths[i]`` tokens) with ``method``;
+        ``reorder="auto"`` runs each method in its own system's order."""
+        plan, schedule, sim = plan_step(
+            np.asarray(lengths, dtype=np.int64), method=method, model_cfg=self.model_cfg, num_stages=self.num_stages,
+            memory_limit_bytes=self.memory_limit_bytes, schedule_kind=self.schedule, reorder=reorder, mbs=mbs,
+            dp=self.dp, virtual=self.virtual, cost_model=self.cost_model, memory_model=self.memory_model,
+            oversize=self.oversize, pack_len=self.pack_len, round_to=self.round_to, meta=meta)
+        return PlannedStep(plan=plan, schedule=schedule, sim=sim)
+
+    def __repr__(self) -> str:
+        return (f"Planner(model={self.model_cfg.name!r}, num_stages={self.num_stages}, "
+                f"memory_limit_bytes={self.memory_limit_bytes}, schedule={self.schedule!r}, round_to={self.round_to}, "
+                f"dp={self.dp}, cost_model={type(self.cost_model).__name__})")
