@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import platform
 import subprocess
 from pathlib import Path
 from typing import Any, Iterable
@@ -136,12 +137,14 @@ def git_sha(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
-def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: str, world_size: int) -> dict[str, Any]:
-    """One ``runs`` row: the flattened config plus provenance."""
-    import platform
+def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: str, world_size: int,
+             host_malloc: str | None = None) -> dict[str, Any]:
+    """One ``runs`` row: the flattened config plus provenance. ``host_malloc``: the workers' host
+    allocator policy (``dynmb.runtime.hostmem.host_malloc_mode()``, which the runtime passes in)."""
+    if host_malloc is None:  # callers not yet passing it (RESHAPE_MOVES.md); goes once they all do
+        from dynmb.runtime.hostmem import host_malloc_mode
 
-    from dynmb.runtime.hostmem import host_malloc_mode
-
+        host_malloc = host_malloc_mode()
     try:
         import torch
 
@@ -158,6 +161,6 @@ def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: 
         "world_size": int(world_size),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
-        "host_malloc": host_malloc_mode(),
+        "host_malloc": host_malloc,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
