@@ -8,6 +8,7 @@ import argparse
 import numpy as np
 import pandas as pd
 
+from dynmb.atomic import atomic_path
 from dynmb.cli.flags import add_model_flags, model_from_args
 from dynmb.config import format_bytes
 from dynmb.memory import MemoryModel
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
           f"peak {report.get('peak_heldout_max_rel_err', float('nan')):.3%}")
     fitted.save(args.output)
     if args.samples:
-        samples.to_csv(args.samples, index=False)
+        with atomic_path(args.samples) as tmp:
+            samples.to_csv(tmp, index=False)
     print(f"wrote {args.output}" + (f" and {args.samples}" if args.samples else ""))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from dynmb.atomic import atomic_path
 from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
 from dynmb.config import format_bytes
 from dynmb.costmodel import get_cost_model
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     peak_bytes, peak_bytes_rank = sim.peak_bytes, sim.peak_bytes_rank
     assert peak_bytes is not None and peak_bytes_rank is not None   # a memory model is always given
     if args.timeline:
-        sim.timeline.to_csv(args.timeline, index=False)
+        with atomic_path(args.timeline) as tmp:
+            sim.timeline.to_csv(tmp, index=False)
     if args.gantt:
         gantt(sim.timeline, args.gantt, title=f"{plan.method} plan, {schedule.num_ranks} ranks, "
               f"{schedule.num_microbatches} microbatches: predicted {sim.makespan_s:.4g} s, mean bubble "

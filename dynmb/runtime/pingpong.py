@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dynmb.atomic import write_text_atomic
+
 __all__ = ["DEFAULT_SIZES", "ping_pong"]
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
@@ -60,9 +62,7 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: int, b
                     dist.recv(buf, 0)
                     dist.send(buf, 0)
         if rank == 0:
-            with open(out_path + ".tmp", "w") as f:
-                json.dump(rows, f)
-            os.replace(out_path + ".tmp", out_path)
+            write_text_atomic(out_path, json.dumps(rows))
     finally:
         dist.destroy_process_group()
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from dynmb.atomic import write_text_atomic
 from dynmb.config import RunConfig
 
 __all__ = ["HookRef", "RunSpec", "JobSpec"]
@@ -162,9 +163,8 @@ class JobSpec:
                    interleave=bool(data.get("interleave", False)))
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
+        """Write the JSON form to ``path`` (atomically)."""
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:

@@ -53,6 +53,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from dynmb.atomic import write_text_atomic
 from dynmb.runtime.checks import PlanDivergenceError, StepCheckError
 from dynmb.runtime.hooks import StepHooks, load_hooks
 from dynmb.runtime.hostmem import prefault, retain_freed_memory
@@ -158,13 +159,9 @@ def run_spec(spec: RunSpec, device: torch.device, *, hooks: StepHooks | None = N
 
 
 def _write_error(out_dir: Path, rank: int, err: BaseException) -> None:
-    folder = out_dir / "errors"
-    folder.mkdir(parents=True, exist_ok=True)
     text = (f"rank: {rank}\nhost: {socket.gethostname()}\nerror: {type(err).__name__}: {err}\n\n"
             + "".join(traceback.format_exception(err)))
-    tmp = folder / f".rank{rank}.txt.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, folder / f"rank{rank}.txt")
+    write_text_atomic(out_dir / "errors" / f"rank{rank}.txt", text)
 
 
 def _device(job: JobSpec, local_rank: int) -> torch.device:
