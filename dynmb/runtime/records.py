@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from dynmb.results import TableWriter, run_info
+from dynmb.runtime.hostmem import host_malloc_mode
 from dynmb.runtime.spec import RunSpec
 from dynmb.types import Plan
 
@@ -123,8 +124,10 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
 
 
 def run_row(spec: RunSpec, *, backend: str, device: str, world_size: int) -> dict[str, Any]:
-    """The ``runs`` row of ``spec``: flattened config, provenance, verify and process count."""
-    info = run_info(spec.run_id, spec.run.flat(), backend=backend, device=device, world_size=world_size)
+    """The ``runs`` row of ``spec``: flattened config, provenance (the host allocator policy of
+    this worker included), verify and process count."""
+    info = run_info(spec.run_id, spec.run.flat(), backend=backend, device=device, world_size=world_size,
+                    host_malloc=host_malloc_mode())
     return {**info, "verify": spec.verify, "nproc": world_size}
 
 
