@@ -28,7 +28,7 @@ Algorithm:
    (``BASELINES``; ``dynapipe`` only up to ``SEED_DP_MAX`` sequences, ``packed`` up to
    ``BFD_MAX``): they are candidates as they stand, always weighed in the final choice.
 5. Data parallelism (dp = D): a split's slowest microbatches are halved until their number is
-   a positive multiple of D (a baseline's as ``dynmb.packing`` balances it, else it drops out).
+   a positive multiple of D (else it drops out; a baseline's as ``dynmb.packing`` balances it).
 6. Rank. Each candidate in several orders (as formed; reversed; slowest / fastest first; the
    two cheapest at the two ends; best-fit rows also as opened), per replica when D > 1
    (replicas dealt boustrophedon by time, ``assign_replicas`` for baselines; estimated on the
@@ -56,6 +56,7 @@ within their op budget (O(m + P) numpy steps per batch of them).
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -63,7 +64,8 @@ import numpy as np
 
 from ._dynapipe import dynapipe_split
 from ._packutil import (Flat, assign_replicas, bfd_rows, exact_regime, flat_to_groups, greedy_cuts,
-                        greedy_cuts_from_short_end, groups_to_flat, makespans, next_fit_rows, polish_cuts, round_down, round_up, split_group)
+                        greedy_cuts_from_short_end, groups_to_flat, makespans, next_fit_rows, polish_cuts, round_down,
+                        round_up, split_group)
 
 SEED_DP_MAX = 2048
 """Batches up to this many sequences weigh ``dynapipe``'s plan (its DP costs O(n * w * K), about
@@ -289,7 +291,7 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
     for rows in row_sets:
         setups[rows.key] = _Setup(rows, inv[offset:offset + len(rows.tokens)], costs, bmax_u, doc_causal)
         offset += len(rows.tokens)
-    rk = _Ranker(cost_model, num_stages, schedule_kind, comm, dp, setups, lengths, doc_causal)
+    rk = _Ranker(cost_model, num_stages, schedule_kind, comm, dp, setups, lengths, doc_causal, bmax_fn)
     grids = {key: st.tau_grid(num_tau if n > 1024 else num_tau + 3) for key, st in setups.items()}
     first = [(key, st.greedy_cuts(tau), tau) for key, st in setups.items() for tau in grids[key]]
     for key, st in setups.items():
@@ -309,7 +311,7 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
         cuts = _sorted_cuts(flat, lengths)
         if cuts is not None:
             first.append(("none", cuts, np.nan))
-    own = rk.rank([rk.own(*x) for x in _unique(first)])
+    own = rk.rank([rk.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
     base = rk.rank(rk.cost([c for c in (rk.baseline(m, f) for m, f in given.items()) if c is not None]))
     own += rk.rank(_refined(own, setups, grids, num_tau, rk))
     best = sorted((c for c in own if np.isfinite(c.value)), key=lambda c: c.value)
@@ -319,17 +321,6 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
         c = rk.own(*first[0], balance=False)
         return c.emit(np.arange(len(c.rows))), np.inf
     return rk.choose(list({id(c): c for c in finals + base}.values()), tol)
-
-
-def _unique(splits: list[tuple]) -> list[tuple]:
-    """``(row set, cuts, tau)`` splits without repeats."""
-    seen, out = set(), []
-    for key, cuts, tau in splits:
-        sig = (key, cuts.tobytes())
-        if sig not in seen:
-            seen.add(sig)
-            out.append((key, cuts, tau))
-    return out
 
 
 def _sorted_cuts(flat: Flat, lengths: np.ndarray) -> np.ndarray | None:
@@ -346,8 +337,8 @@ def _sorted_cuts(flat: Flat, lengths: np.ndarray) -> np.ndarray | None:
     return np.concatenate([[0], np.cumsum(batch[order])])
 
 
-def _refined(own: list[_Cand], setups: dict[str, "_Setup"], grids: dict[str, np.ndarray], num_tau: int,
-             rk: "_Ranker") -> list[_Cand]:
+def _refined(own: list[_Cand], setups: dict[str, _Setup], grids: dict[str, np.ndarray], num_tau: int,
+             rk: _Ranker) -> list[_Cand]:
     """Second-pass splits around the best ranked: tau refined between the grid neighbours of the
     best's, the best three's targets filled from the short end, the best two polished."""
     ranked = sorted((c for c in own if np.isfinite(c.value) and c.source is not None), key=lambda c: c.value)
@@ -370,16 +361,16 @@ def _refined(own: list[_Cand], setups: dict[str, "_Setup"], grids: dict[str, np.
             st = setups[key]
             out.append((key, polish_cuts(cuts, st.bottleneck, st.bmax), tau))
     seen = {(c.source[0], c.source[1].tobytes()) for c in own if c.source is not None}
-    fresh = [x for x in out if (x[0], x[1].tobytes()) not in seen]
-    return [rk.own(*x) for x in _unique(fresh)]
+    fresh = {(x[0], x[1].tobytes()): x for x in out if (x[0], x[1].tobytes()) not in seen}
+    return [rk.own(*x) for x in fresh.values()]
 
 
 class _Ranker:
     """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
 
     def __init__(self, cost_model: Any, num_stages: int, kind: str, comm: Any, dp: int,
-                 setups: dict[str, "_Setup"], lengths: np.ndarray, doc_causal: bool) -> None:
-        self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
+                 setups: dict[str, _Setup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
+        self.cm, self.P, self.kind, self.comm_fn, self.dp, self.bmax_fn = cost_model, num_stages, kind, comm, dp, bmax_fn
         self.setups, self.lengths, self.doc_causal = setups, lengths, doc_causal
 
     def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
@@ -400,8 +391,8 @@ class _Ranker:
                      comm=self._send(rows, padded))
 
     def baseline(self, method: str, flat: Flat) -> _Cand | None:
-        """``method``'s plan (flat form) balanced over dp as ``dynmb.packing`` does; None if that needs a merge."""
-        flat = _split_like_packing(flat, self.dp)
+        """``method``'s plan (flat form) balanced over dp as ``dynmb.packing`` does (None if it cannot)."""
+        flat = _balance_like_packing(flat, self.dp, self.bmax_fn)
         if flat is None:
             return None
         items, _, nseq, plen, batch = flat
@@ -454,8 +445,7 @@ class _Ranker:
             sub = (c.F[:, used], c.B[:, used], c.comm[used])
             opened = c.opened[used] if c.opened is not None else None
             for name, cols in _orders(local.reshape(-1, members.shape[1]), busy[used], opened).items():
-                if name != "as given":
-                    jobs.append((c, name, sub, cols))
+                jobs.append((c, name, sub, cols))
             c.F = c.B = c.comm = None
         proxy = np.array([_proxy(*sub, cols).max() for _, _, sub, cols in jobs])
         chosen, spent = [], 0
@@ -483,7 +473,7 @@ class _Ranker:
         sizes = np.concatenate([np.full(len(cols), cols.shape[1]) for _, cols in jobs])
         per = makespans(F, B, sends, sizes, self.kind)
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
-        return [float(per[a:e].max()) for a, e in zip(bounds[:-1], bounds[1:])]
+        return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
     def _slowest(self, costs: tuple, cols: np.ndarray, limit: float, inclusive: bool) -> float:
         """The slowest replica's estimate (replicas: rows of ``cols``), the likeliest by proxy
@@ -501,8 +491,7 @@ class _Ranker:
         self.cost(finals)
         results = []                                   # (value, microbatches, candidate, order returned)
         if self.dp == 1:
-            jobs = [(c, cols) for c in finals for name, cols in _orders(*self._members(c, True), c.opened).items()
-                    if name != "as given"]
+            jobs = [(c, cols) for c in finals for cols in _orders(*self._members(c, True), c.opened).values()]
             for (c, cols), v in zip(jobs, self._estimate([((c.F, c.B, c.comm), cols) for c, cols in jobs])):
                 results.append((v, len(c.rows), c, cols[0]))
         else:
@@ -553,9 +542,7 @@ def _orders(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> di
     unique: dict[bytes, tuple[str, np.ndarray]] = {}
     for name, cols in out.items():
         unique.setdefault(cols.tobytes(), (name, cols))
-    named = dict(unique.values())
-    named["as given"] = members                     # a baseline run as it stands (same columns as formed)
-    return named
+    return dict(unique.values())
 
 
 def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.ndarray | None) -> np.ndarray:
@@ -607,25 +594,34 @@ def _balance_cuts(cuts: np.ndarray, bottleneck: Callable, dp: int) -> np.ndarray
         cuts = np.sort(np.concatenate([cuts, cuts[pick] + rows[pick] // 2]))
 
 
-def _split_like_packing(flat: Flat, dp: int) -> Flat | None:
+def _balance_like_packing(flat: Flat, dp: int, bmax_fn: Callable) -> Flat | None:
     """``dynmb.packing``'s balancing of a plan over ``dp`` replicas: while their number is not a
     positive multiple of dp, split (``split_group``) the first splittable microbatch with the
-    most (rows, documents); None where it would merge instead. A heap keyed by position paths."""
+    most (rows, documents) (a heap keyed by position paths); then, while it is not a multiple,
+    merge the admissible pair with the fewest padded tokens. None where packing would refuse."""
     count = len(flat[2])
     if not (count % dp or count < dp):
         return flat
-    groups = flat_to_groups(flat)
-    heap = [(-g[3], -len(g[0]), (j,), g) for j, g in enumerate(groups)]
+    heap = [(-g[3], -len(g[0]), (j,), g) for j, g in enumerate(flat_to_groups(flat))]
     heapq.heapify(heap)
-    while count % dp or count < dp:
-        rows, docs, key, g = heapq.heappop(heap)
-        if rows > -2 and docs > -2:                 # the largest cannot split: none can
-            return None
-        a, b = split_group(g)
-        heapq.heappush(heap, (-a[3], -len(a[0]), key + (0,), a))
-        heapq.heappush(heap, (-b[3], -len(b[0]), key + (1,), b))
+    while (count % dp or count < dp) and (heap[0][0] <= -2 or heap[0][1] <= -2):
+        _, _, key, g = heapq.heappop(heap)
+        for half, part in enumerate(split_group(g)):
+            heapq.heappush(heap, (-part[3], -len(part[0]), key + (half,), part))
         count += 1
-    return groups_to_flat([g for *_, g in sorted(heap, key=lambda x: x[2])])
+    groups = [g for *_, g in sorted(heap, key=lambda x: x[2])]
+    while len(groups) % dp:
+        plen, rows = np.array([g[2] for g in groups]), np.array([g[3] for g in groups])
+        bm = bmax_fn(plen)
+        i, j = np.triu_indices(len(groups), 1)
+        ok = rows[i] + rows[j] <= np.minimum(bm[i], bm[j])
+        if not np.any(ok) or len(groups) <= dp:
+            return None
+        k = int(np.argmin(np.where(ok, np.maximum(plen[i], plen[j]) * (rows[i] + rows[j]), np.inf)))
+        a, b = groups[i[k]], groups[j[k]]
+        merged = (np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1] + a[3]]), max(a[2], b[2]), a[3] + b[3])
+        groups = [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
+    return groups_to_flat(groups)
 
 
 def _reorder(flat: Flat, order: np.ndarray) -> Flat:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import itertools
 from typing import Any, Callable
 
 import numpy as np
@@ -389,7 +390,7 @@ def _exact_same(F: np.ndarray, B: np.ndarray, comm: np.ndarray, K: int, m: int, 
     dur = np.concatenate([F, B]).reshape(2 * P, K, m).transpose(0, 2, 1).reshape(2 * P * m, K)[row]
     cross = np.where((dep < n)[:, None], np.ascontiguousarray(comm.reshape(K, m).T)[mb], 0.0)
     end = np.zeros((n + 1, K))
-    for a, e in zip(bounds[:-1], bounds[1:]):
+    for a, e in itertools.pairwise(bounds):
         if e > a:
             t = np.take(end, dep[a:e], axis=0)
             t += cross[a:e]
@@ -422,7 +423,7 @@ def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarr
     offs = np.concatenate([[0], np.cumsum(sizes)])
     ops, num_levels = 2 * P * sizes, 2 * (int(sizes.max()) + P)
     if ops.sum() < 3 * num_levels:
-        out[rest] = [_exact_makespan(F[:, a:e], B[:, a:e], comm[a:e], kind) for a, e in zip(offs[:-1], offs[1:])]
+        out[rest] = [_exact_makespan(F[:, a:e], B[:, a:e], comm[a:e], kind) for a, e in itertools.pairwise(offs)]
         return out
     op_off = np.concatenate([[0], np.cumsum(ops)])
     N = int(op_off[-1])
@@ -445,7 +446,7 @@ def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarr
     order = np.argsort(level, kind="stable")
     bounds = np.searchsorted(level[order], np.arange(num_levels + 1)).tolist()
     end = np.zeros(N + 1)
-    for a, e in zip(bounds[:-1], bounds[1:]):
+    for a, e in itertools.pairwise(bounds):
         if e > a:
             ids = order[a:e]
             end[ids] = np.maximum(end[prev[ids]], end[dep[ids]] + cross[ids]) + dur[ids]
