@@ -20,37 +20,40 @@ Algorithm:
 3. Own splits. The size is capped by memory (``bmax``, the per-microbatch budget of
    ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B. Greedy: each
    microbatch takes the most rows both caps allow, found for all rows at once by pointer
-   doubling; tau sweeps a geometric grid per R (``score``: ``pipeline_bound`` per replica
-   from per-length sums). Also: one best-fit row per microbatch and, for batches of <=
-   ``SEED_DP_MAX`` sequences, the fixed-size and DP (``dynmb._dynapipe``) splits of the
-   unpacked rows.
+   doubling; tau sweeps a geometric grid per R. Also one best-fit row per microbatch.
 4. Baselines. ``baselines(method)`` gives the plan each other method makes of the same batch
-   (``BASELINES``; ``dynapipe`` only up to ``SEED_DP_MAX`` sequences, ``packed`` up to
-   ``BFD_MAX``): they are candidates as they stand, always weighed in the final choice.
-5. Data parallelism (dp = D): a split's slowest microbatches are halved until their number is
-   a positive multiple of D (else it drops out; a baseline's as ``dynmb.packing`` balances it).
+   (``BASELINES``; ``dynapipe`` up to ``SEED_DP_MAX`` sequences, ``packed`` up to ``BFD_MAX``):
+   candidates as they stand. The splits of ``sorted`` and ``dynapipe`` (runs of the sorted
+   rows) are own splits too; called without baselines, batches of <= ``SEED_DP_MAX`` sequences
+   seed with the same two (the fixed-size and DP (``dynmb._dynapipe``) splits).
+5. Data parallelism (dp = D): an own split's slowest microbatches are halved until their number
+   is a positive multiple of D (else it drops out); a baseline is balanced as ``dynmb.packing``
+   balances it (halving, then merging).
 6. Rank. Each candidate in several orders (as formed; reversed; slowest / fastest first; the
-   two cheapest at the two ends; best-fit rows also as opened), per replica when D > 1
+   two cheapest at the two ends, the rest as formed or reversed; best-fit rows also as opened), per replica when D > 1
    (replicas dealt boustrophedon by time, ``assign_replicas`` for baselines; estimated on the
    replica with the most work and the one with the longest round trip). A proxy orders them:
    the larger of ``pipeline_bound`` and the longest chain of round trips that 1F1B forces
-   (microbatch j + P starts on stage 0 only after j's backward is back there; with P >= m
+   (microbatch j + P starts on stage 0 only after j's backward is back there; with m <= P
    every microbatch is its own chain). The value ``makespan`` reports (exact with few
    microbatches per stage, else the bound) is computed for the best by proxy within
    ``RANK_OPS`` ops per pass (``makespans``: all at once). Then tau is refined around the
    best, the best three are also filled from the short end and the best two get a
    boundary-shift DP (each cut moves by up to 4 rows to minimise the summed bottleneck
    time), and those are ranked too.
-7. Choose. The ``keep`` best and every baseline are re-costed in one ``stage_costs`` lookup,
-   their replicas assigned exactly as ``dynmb.packing`` will (``assign_replicas`` on the
-   order returned, each replica keeping it) and every replica estimated with ``makespans``:
-   the value ``dynmb.packing`` reports. A baseline is also weighed as it stands. Candidates
-   whose two probe replicas already exceed the best drop out. The fastest is returned (among
-   those within ``tol``, the fewest microbatches), so by that estimate dynamic is never slower
+7. Choose. The ``keep`` best (and the fewest-microbatch ones within ``tol``) and every baseline
+   are re-costed in one ``stage_costs`` lookup and estimated as ``dynmb.packing`` will run them:
+   a baseline as it stands; D = 1, an own split in each order; D > 1, in its best order run
+   globally (so that every replica keeps it, whichever of identical microbatches
+   ``assign_replicas`` deals it), replicas assigned by ``assign_replicas`` on the order returned
+   and each estimated with ``makespans``, the likeliest slowest first (a candidate drops out as
+   soon as one is past the best). The fastest is returned (among those within ``tol``, the
+   fewest microbatches): by the estimate ``dynmb.packing`` reports, dynamic is never slower
    than the plan of any method it was given.
 Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau), O(rows) Python steps for
-the next-fit rows, a per-sequence Python loop for the best-fit rows, and the exact estimates
-within their op budget (O(m + P) numpy steps per batch of them).
+the next-fit rows, a per-sequence Python loop for the best-fit rows, the baselines' own costs
+(``dynapipe``'s DP, about 0.1 ms per sequence), and the exact estimates (O(m + P) numpy steps
+per batch of them).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ SEED_DP_MAX = 2048
 """Batches up to this many sequences weigh ``dynapipe``'s plan (its DP costs O(n * w * K), about
 0.1 ms per sequence), or seed with its DP split when ``dynamic_groups`` is called alone."""
 RANK_EXACT = 400
-"""Candidates with at most this many (stage, microbatch) cells are always ranked by the exact estimate."""
+"""Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
 RANK_OPS = 300_000
 """Per ranking pass, exact estimates (2 * P * m ops each) of the best by proxy stop at this many ops."""
 BFD_MAX = 16384
@@ -307,8 +310,8 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
         first.append(("none", np.append(np.arange(0, m0, max(1, int(unpacked.bmax[0]))), m0), np.nan))
         dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
         first.append(("none", m0 - dp_cuts[::-1], np.nan))
-    for flat in given.values():   # a baseline made of runs of the sorted sequences is a split to refine too
-        cuts = _sorted_cuts(flat, lengths)
+    for m in ("sorted", "dynapipe"):            # the seeds above, as those methods made them
+        cuts = _sorted_cuts(given[m], lengths, setups["none"].rows.padded) if m in given else None
         if cuts is not None:
             first.append(("none", cuts, np.nan))
     own = rk.rank([rk.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
@@ -323,18 +326,17 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
     return rk.choose(list({id(c): c for c in finals + base}.values()), tol)
 
 
-def _sorted_cuts(flat: Flat, lengths: np.ndarray) -> np.ndarray | None:
-    """Cut points over the unpacked rows (longest first) of a plan whose microbatches are runs of
-    the length-sorted sequences, one per row, each padded to its longest; else None."""
-    items, _, nseq, _, batch = flat
+def _sorted_cuts(flat: Flat, lengths: np.ndarray, padded: np.ndarray) -> np.ndarray | None:
+    """Cut points over the unpacked rows (longest first, padded to ``padded``) giving the same
+    microbatch shapes as a plan of one sequence per row, if there are such (runs of the sorted
+    sequences, say); else None."""
+    items, _, nseq, plen, batch = flat
     if np.any(nseq != batch):
         return None
     start = np.cumsum(nseq) - nseq
-    longest, shortest = np.maximum.reduceat(lengths[items], start), np.minimum.reduceat(lengths[items], start)
-    order = np.argsort(-longest, kind="stable")
-    if np.any(shortest[order][:-1] < longest[order][1:]):
-        return None
-    return np.concatenate([[0], np.cumsum(batch[order])])
+    order = np.lexsort((-np.minimum.reduceat(lengths[items], start), -np.maximum.reduceat(lengths[items], start)))
+    cuts = np.concatenate([[0], np.cumsum(batch[order])])
+    return cuts if np.array_equal(padded[cuts[:-1]], plen[order]) else None
 
 
 def _refined(own: list[_Cand], setups: dict[str, _Setup], grids: dict[str, np.ndarray], num_tau: int,
@@ -491,7 +493,8 @@ class _Ranker:
         self.cost(finals)
         results = []                                   # (value, microbatches, candidate, order returned)
         if self.dp == 1:
-            jobs = [(c, cols) for c in finals for cols in _orders(*self._members(c, True), c.opened).values()]
+            jobs = [(c, cols) for c in finals for cols in ([np.arange(len(c.rows))[None]] if c.baseline else
+                                                           _orders(*self._members(c, True), c.opened).values())]
             for (c, cols), v in zip(jobs, self._estimate([((c.F, c.B, c.comm), cols) for c, cols in jobs])):
                 results.append((v, len(c.rows), c, cols[0]))
         else:
@@ -526,8 +529,8 @@ def _deal(busy: np.ndarray, dp: int) -> np.ndarray:
 
 def _orders(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> dict[str, np.ndarray]:
     """Execution orders of each row of ``members`` (a replica's microbatches, as formed): as
-    formed, reversed, slowest / fastest first (by ``t``), the two cheapest at the two ends;
-    best-fit rows also as opened. Repeats dropped."""
+    formed, reversed, slowest / fastest first (by ``t``), the two cheapest at the two ends (the
+    rest as formed or reversed); best-fit rows also as opened. Repeats dropped."""
     k = members.shape[1]
     by_t = np.take_along_axis(members, np.argsort(-t[members], axis=1, kind="stable"), axis=1)
     out = {"as formed": members, "reversed": members[:, ::-1], "slowest first": by_t, "fastest first": by_t[:, ::-1]}
@@ -535,8 +538,9 @@ def _orders(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> di
         cheap = np.argpartition(t[members], 1, axis=1)[:, :2]
         mid = np.ones(members.shape, dtype=bool)
         np.put_along_axis(mid, cheap, False, axis=1)
-        ends = np.take_along_axis(members, cheap, axis=1)
-        out["ends"] = np.concatenate([ends[:, :1], members[mid].reshape(-1, k - 2), ends[:, 1:]], axis=1)
+        ends, rest = np.take_along_axis(members, cheap, axis=1), members[mid].reshape(-1, k - 2)
+        out["ends"] = np.concatenate([ends[:, :1], rest, ends[:, 1:]], axis=1)
+        out["ends, reversed"] = np.concatenate([ends[:, :1], rest[:, ::-1], ends[:, 1:]], axis=1)
     if opened is not None:
         out["as opened"] = np.take_along_axis(members, np.argsort(opened[members], axis=1, kind="stable"), axis=1)
     unique: dict[bytes, tuple[str, np.ndarray]] = {}
@@ -549,14 +553,15 @@ def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.n
     """The order ``name`` of ``_orders`` for all microbatches at once, so that every replica keeps
     it whichever identical microbatches ``assign_replicas`` deals it (it breaks ties by position):
     as formed, reversed, by time, as opened; the two cheapest of each replica of ``members`` first
-    and last ("ends")."""
+    and last, the rest as formed or reversed ("ends")."""
     m = len(busy)
     by_t = np.argsort(-busy, kind="stable")
-    if name == "ends" and members.shape[1] >= 3:
+    if name.startswith("ends") and members.shape[1] >= 3:
         ends = np.take_along_axis(members, np.argpartition(busy[members], 1, axis=1)[:, :2], axis=1)
         mid = np.ones(m, dtype=bool)
         mid[ends.ravel()] = False
-        return np.concatenate([ends[:, 0], np.flatnonzero(mid), ends[:, 1]])
+        rest = np.flatnonzero(mid)
+        return np.concatenate([ends[:, 0], rest[::-1] if name == "ends, reversed" else rest, ends[:, 1]])
     if name == "as opened" and opened is not None:
         return np.argsort(opened, kind="stable")
     return {"reversed": np.arange(m)[::-1], "slowest first": by_t, "fastest first": by_t[::-1]}.get(name, np.arange(m))
