@@ -61,7 +61,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -80,6 +80,8 @@ RANK_OPS = 300_000
 BFD_MAX = 16384
 """Batches up to this many sequences also try rows of the longest admissible length filled
 best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
+LOOKUP_CELLS = 1 << 22
+"""At most this many (stage, microbatch) cells are costed in one ``stage_costs`` lookup (memory)."""
 BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe")
 """Methods whose plans (``baselines``) are candidates too, always weighed in the final choice."""
 
@@ -252,7 +254,8 @@ class _Cand:
     source: tuple | None = None             # own splits: (row set, cuts before balancing, tau)
     baseline: str = ""                      # the method whose plan this is, as that method makes it
     opened: np.ndarray | None = None        # one best-fit row per microbatch: the order they were opened in
-    F: np.ndarray | None = None
+    split: tuple | None = None              # own splits: (row set, cuts after balancing)
+    F: np.ndarray | None = None             # costs, while it is being estimated
     B: np.ndarray | None = None
     comm: np.ndarray | None = None
     value: float = np.inf                   # best estimate found (ranking: on the probe replicas)
@@ -315,7 +318,7 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
         if cuts is not None:
             first.append(("none", cuts, np.nan))
     own = rk.rank([rk.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
-    base = rk.rank(rk.cost([c for c in (rk.baseline(m, f) for m, f in given.items()) if c is not None]))
+    base = rk.rank([c for c in (rk.baseline(m, f) for m, f in given.items()) if c is not None])
     own += rk.rank(_refined(own, setups, grids, num_tau, rk))
     best = sorted((c for c in own if np.isfinite(c.value)), key=lambda c: c.value)
     finals = best[:keep] + sorted((c for c in best if c.value <= best[0].value * (1 + tol)),
@@ -380,17 +383,14 @@ class _Ranker:
         return np.broadcast_to(np.asarray(sends, dtype=np.float64), rows.shape).copy()
 
     def own(self, key: str, cuts: np.ndarray, tau: float, balance: bool = True) -> _Cand:
-        """A split of row set ``key`` (its slowest microbatches halved until dp divides their number)
-        with its affine costs."""
+        """A split of row set ``key``, its slowest microbatches halved until dp divides their number."""
         st = self.setups[key]
         bal = _balance_cuts(cuts, st.bottleneck, self.dp) if balance else cuts
         if bal is None:
             return _Cand(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None, source=(key, cuts, tau))
         rows, padded, attn = st.shapes(bal)
-        F, B = st.costs(bal)
         return _Cand(rows, padded, attn, lambda o, r=st.rows, c=bal: _to_flat(r, c, o), source=(key, cuts, tau),
-                     opened=st.rows.opened if len(bal) - 1 == len(st.pos) else None, F=F, B=B,
-                     comm=self._send(rows, padded))
+                     opened=st.rows.opened if len(bal) - 1 == len(st.pos) else None, split=(key, bal))
 
     def baseline(self, method: str, flat: Flat) -> _Cand | None:
         """``method``'s plan (flat form) balanced over dp as ``dynmb.packing`` does (None if it cannot)."""
@@ -404,17 +404,30 @@ class _Ranker:
             attn = np.where(nseq > batch, docs2, attn)
         return _Cand(batch, plen, attn, lambda o, f=flat: _reorder(f, o), baseline=method)
 
-    def cost(self, cands: list[_Cand]) -> list[_Cand]:
-        """Re-cost ``cands`` in ONE ``stage_costs`` lookup (each microbatch's attention work)."""
-        cands = [c for c in cands if len(c.rows)]
-        if cands:
-            rows, padded, attn = (np.concatenate(a) for a in zip(*((c.rows, c.padded, c.attn) for c in cands)))
-            cc = self.cm.stage_costs(rows, padded, attn)
-            sends = self._send(rows, padded)
-            bounds = np.cumsum([0] + [len(c.rows) for c in cands])
-            for c, a, e in zip(cands, bounds[:-1], bounds[1:]):
-                c.F, c.B, c.comm = cc["F"][:, a:e], cc["B"][:, a:e], sends[a:e]
-        return cands
+    def costed(self, cands: list[_Cand], affine: bool) -> Iterator[_Cand]:
+        """``cands`` in turn with their costs set while they are used: an own split's affine costs
+        when ``affine``, else ``stage_costs`` with each microbatch's attention work, one lookup
+        for as many candidates in a row as fit ``LOOKUP_CELLS`` (stage, microbatch) cells."""
+        todo, i = [c for c in cands if len(c.rows)], 0
+        while i < len(todo):
+            chunk, cells = [todo[i]], len(todo[i].rows) * self.P
+            if affine and todo[i].split is not None:
+                c = todo[i]
+                (c.F, c.B), c.comm = self.setups[c.split[0]].costs(c.split[1]), self._send(c.rows, c.padded)
+            else:
+                while (i + len(chunk) < len(todo) and not (affine and todo[i + len(chunk)].split is not None)
+                       and cells + len(todo[i + len(chunk)].rows) * self.P <= LOOKUP_CELLS):
+                    chunk.append(todo[i + len(chunk)])
+                    cells += len(chunk[-1].rows) * self.P
+                rows, padded, attn = (np.concatenate(a) for a in zip(*((x.rows, x.padded, x.attn) for x in chunk)))
+                cc, sends = self.cm.stage_costs(rows, padded, attn), self._send(rows, padded)
+                bounds = np.cumsum([0] + [len(x.rows) for x in chunk])
+                for x, a, e in zip(chunk, bounds[:-1], bounds[1:]):
+                    x.F, x.B, x.comm = cc["F"][:, a:e], cc["B"][:, a:e], sends[a:e]
+            for x in chunk:
+                yield x
+                x.F = x.B = x.comm = None
+            i += len(chunk)
 
     def _members(self, c: _Cand, exact_assignment: bool) -> tuple[np.ndarray, np.ndarray]:
         """(replicas x microbatches in split order, busy time of each microbatch)."""
@@ -441,14 +454,13 @@ class _Ranker:
         probe replicas' costs are kept."""
         cands = [c for c in cands if len(c.rows)]
         jobs = []                        # (candidate, order, (F, B, sends) of its probe replicas, columns)
-        for c in cands:
+        for c in self.costed(cands, affine=True):
             members, busy = self._members(c, exact_assignment=bool(c.baseline))
             used, local = np.unique(self._probes(c, members), return_inverse=True)
             sub = (c.F[:, used], c.B[:, used], c.comm[used])
             opened = c.opened[used] if c.opened is not None else None
             for name, cols in _orders(local.reshape(-1, members.shape[1]), busy[used], opened).items():
                 jobs.append((c, name, sub, cols))
-            c.F = c.B = c.comm = None
         proxy = np.array([_proxy(*sub, cols).max() for _, _, sub, cols in jobs])
         chosen, spent = [], 0
         for j in np.argsort(proxy, kind="stable").tolist():
@@ -490,16 +502,16 @@ class _Ranker:
     def choose(self, finals: list[_Cand], tol: float) -> tuple[Flat, float]:
         """The plan and estimate of the fastest of ``finals``, re-costed in one lookup and
         estimated on every replica as ``dynmb.packing`` will run them."""
-        self.cost(finals)
         results = []                                   # (value, microbatches, candidate, order returned)
         if self.dp == 1:
-            jobs = [(c, cols) for c in finals for cols in ([np.arange(len(c.rows))[None]] if c.baseline else
-                                                           _orders(*self._members(c, True), c.opened).values())]
-            for (c, cols), v in zip(jobs, self._estimate([((c.F, c.B, c.comm), cols) for c, cols in jobs])):
+            jobs = [(c, (c.F, c.B, c.comm), cols) for c in self.costed(finals, affine=False)
+                    for cols in ([np.arange(len(c.rows))[None]] if c.baseline else
+                                 _orders(*self._members(c, True), c.opened).values())]
+            for (c, _, cols), v in zip(jobs, self._estimate([job[1:] for job in jobs])):
                 results.append((v, len(c.rows), c, cols[0]))
         else:
             best, best_m, seen = np.inf, np.inf, set()
-            for c in sorted(finals, key=lambda c: c.value):
+            for c in self.costed(sorted(finals, key=lambda c: c.value), affine=False):
                 sig = (c.baseline, c.order, c.rows.tobytes(), c.padded.tobytes(), c.attn.tobytes())
                 if sig in seen:
                     continue                            # the same plan run the same way
