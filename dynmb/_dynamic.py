@@ -314,7 +314,7 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
         dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
         first.append(("none", m0 - dp_cuts[::-1], np.nan))
     for m in ("sorted", "dynapipe"):            # the seeds above, as those methods made them
-        cuts = _sorted_cuts(given[m], lengths, setups["none"].rows.padded) if m in given else None
+        cuts = _sorted_cuts(given[m], setups["none"].rows.padded, m == "dynapipe") if m in given else None
         if cuts is not None:
             first.append(("none", cuts, np.nan))
     own = rk.rank([rk.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
@@ -329,17 +329,15 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
     return rk.choose(list({id(c): c for c in finals + base}.values()), tol)
 
 
-def _sorted_cuts(flat: Flat, lengths: np.ndarray, padded: np.ndarray) -> np.ndarray | None:
-    """Cut points over the unpacked rows (longest first, padded to ``padded``) giving the same
-    microbatch shapes as a plan of one sequence per row, if there are such (runs of the sorted
-    sequences, say); else None."""
-    items, _, nseq, plen, batch = flat
-    if np.any(nseq != batch):
-        return None
-    start = np.cumsum(nseq) - nseq
-    order = np.lexsort((-np.minimum.reduceat(lengths[items], start), -np.maximum.reduceat(lengths[items], start)))
+def _sorted_cuts(flat: Flat, padded: np.ndarray, reverse: bool) -> np.ndarray | None:
+    """Cut points over the unpacked rows (longest first, padded to ``padded``) of a plan of
+    one sequence per row, its microbatches (reversed if ``reverse``) taking the rows in turn, if
+    that gives each microbatch its own shape (runs of the sorted sequences, longest first);
+    else None."""
+    _, _, nseq, plen, batch = flat
+    order = np.arange(len(nseq))[::-1] if reverse else np.arange(len(nseq))
     cuts = np.concatenate([[0], np.cumsum(batch[order])])
-    return cuts if np.array_equal(padded[cuts[:-1]], plen[order]) else None
+    return cuts if np.all(nseq == batch) and np.array_equal(padded[cuts[:-1]], plen[order]) else None
 
 
 def _refined(own: list[_Cand], setups: dict[str, _Setup], grids: dict[str, np.ndarray], num_tau: int,
