@@ -119,8 +119,8 @@ def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str,
     return kept_lengths, ids, meta
 
 
-def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Any, *, mbs: int | None,
-                 round_to: int, len_cap: int, attention: str) -> tuple[Flat, dict[str, Any]]:
+def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Any, *, mbs: int | None, round_to: int,
+                 len_cap: int, attention: str, dp: int = 1) -> tuple[Flat, dict[str, Any]]:
     """The microbatches of ``method`` in flat form and the settings it chose (for ``plan.meta``)."""
     if method in ("fixed", "sorted"):
         flat, rows_per_mb = fixed_flat(method, lens, ctx, mbs, round_to)
@@ -133,8 +133,11 @@ def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: An
         return flat, {"max_tokens": budget}
     if method == "dynapipe":
         return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}
+    def baseline(m: str) -> Flat:     # the plan method m makes of this batch: one of dynamic's candidates
+        return _method_flat(m, lens, ctx, cost_model, mbs=None, round_to=round_to, len_cap=len_cap,
+                            attention=attention)[0]
     flat, _ = dynamic_groups(lens, ctx.bmax, cost_model, ctx.p, ctx.kind, getattr(cost_model, "comm_s", None),
-                             round_to=round_to, max_len=len_cap, attention=attention)
+                             round_to=round_to, max_len=len_cap, attention=attention, dp=dp, baselines=baseline)
     return flat, {}
 
 
@@ -197,9 +200,9 @@ def _balance_replicas(flat: Flat, ctx: PackContext, dp: int) -> Flat:
 
 
 def _estimate(microbatches: list[Microbatch], cost_model: Any, memory_model: Any, attention: str, kind: str,
-              virtual: int, dp: int) -> tuple[list[Microbatch], list[int] | None, np.ndarray, float]:
+              virtual: int, dp: int) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
     """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
-    makespan of the slowest replica), from the one cost lookup with each microbatch's attention work."""
+    makespan of each replica), from the one cost lookup with each microbatch's attention work."""
     shapes = np.array([[mb.batch, mb.padded_len] for mb in microbatches], dtype=np.float64)
     attn = shapes[:, 0] * shapes[:, 1] ** 2                  # one document per row (every row holds one)
     for j, mb in enumerate(microbatches):
@@ -222,7 +225,7 @@ def _estimate(microbatches: list[Microbatch], cost_model: Any, memory_model: Any
     for sel in replicas:
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
         estimates.append(makespan(cost["F"][:, sel], cost["B"][:, sel], comm_s[sel], kind))
-    return microbatches, replica_ids, peak, max(estimates)
+    return microbatches, replica_ids, peak, estimates
 
 
 def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: Any,
@@ -271,7 +274,7 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
         # tight budget (k * act + tr) first; if the exact peak of a mix exceeds the limit, the safe one
         ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, tight=tight, virtual=virtual)
         flat, chosen = _method_flat(method, L, ctx, cost_model, mbs=mbs, round_to=round_to, len_cap=len_cap,
-                                    attention=cfg.attention)
+                                    attention=cfg.attention, dp=dp)
         if dp > 1:
             flat = _balance_replicas(flat, ctx, dp)
         microbatches, replica_ids, peak, est = _estimate(_microbatches(flat, ids, L), cost_model, memory_model,
@@ -285,7 +288,8 @@ def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int
     plan = Plan(microbatches=tuple(microbatches), method=method, num_stages=num_stages,
                 memory_limit_bytes=int(memory_limit_bytes), num_sequences=len(orig), schedule_kind=schedule_kind,
                 dp=dp, replica_ids=replica_ids,
-                predictions={"pred_peak_bytes": [int(x) for x in np.ceil(peak)], "est_makespan_s": float(est),
+                predictions={"pred_peak_bytes": [int(x) for x in np.ceil(peak)], "est_makespan_s": float(max(est)),
+                             **({"est_replica_makespan_s": [float(x) for x in est]} if dp > 1 else {}),
                              "plan_s": time.perf_counter() - t0},
                 meta={**meta, "longest_fitting_length": longest_row, "oversize": oversize, "round_to": round_to,
                       "pack_len": len_cap if packed else None})

@@ -17,51 +17,75 @@ Algorithm:
    cost lookup (``stage_costs`` at (1, s), (2, s) and (1, s, attention work 0) for every
    distinct padded length s): ``alpha_s + beta_s * rows - gamma_s * (rows * s^2 - work)``,
    affine in rows and attention work (exact for the analytic and polynomial cost models).
-3. Microbatches. The size is capped by memory (``bmax``, the per-microbatch budget of
-   ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B (each
-   start row's line, its own attention saving taken for every row). Greedy: each
+3. Own splits. The size is capped by memory (``bmax``, the per-microbatch budget of
+   ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B. Greedy: each
    microbatch takes the most rows both caps allow, found for all rows at once by pointer
-   doubling. tau sweeps a geometric grid per R, then a finer grid around the best; the
-   best few are also filled from the short end.
-4. Score: ``dynmb._packutil.pipeline_bound`` (busiest stage's work + warm-up of the cheapest
-   microbatch + cool-down of the next cheapest), from per-length sums (O(P * lengths) per split).
-5. Polish: the two best splits (m <= 256) get a boundary-shift DP (each cut moves by up
-   to 4 rows to minimise the summed bottleneck time). Also candidates: the fixed-size
-   split of the sorted rows (``sorted``'s), one best-fit row per microbatch (``packed``'s),
-   and for batches of <= ``SEED_DP_MAX`` sequences the DP split of ``dynmb._dynapipe``.
-6. Choose: the best candidates are re-costed in one ``stage_costs`` lookup with each
-   microbatch's attention work and estimated in three orders (longest first, shortest
-   first, the two cheapest at the two ends; best-fit rows also as opened, ``packed``'s
-   order) on the value ``dynmb._packutil.makespan`` reports: the bound for large plans,
-   else the simulator's recurrence (run for the small ones and the ``EXACT_TOP`` best by
-   the bound of the rest, the others drop out); the fastest is returned.
-Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau) and O(rows) Python
-steps for the next-fit rows; a per-sequence Python loop only for the best-fit rows.
+   doubling; tau sweeps a geometric grid per R. Also one best-fit row per microbatch.
+4. Baselines. ``baselines(method)`` gives the plan each other method makes of the same batch
+   (``BASELINES``; ``dynapipe`` up to ``SEED_DP_MAX`` sequences, ``packed`` up to ``BFD_MAX``):
+   candidates as they stand. The splits of ``sorted`` and ``dynapipe`` (runs of the sorted
+   rows) are own splits too; called without baselines, batches of <= ``SEED_DP_MAX`` sequences
+   seed with the same two (the fixed-size and DP (``dynmb.packing.dynapipe``) splits).
+5. Data parallelism (dp = D): an own split's slowest microbatches are halved until their number
+   is a positive multiple of D (else it drops out); a baseline is balanced as ``dynmb.packing``
+   balances it (halving, then merging).
+6. Rank. Each candidate in several orders (as formed; reversed; slowest / fastest first; the
+   two cheapest at the two ends, the rest as formed or reversed; best-fit rows also as opened), per replica when D > 1
+   (replicas dealt boustrophedon by time, ``assign_replicas`` for baselines; estimated on the
+   replica with the most work and the one with the longest round trip). A proxy orders them:
+   the larger of ``pipeline_bound`` and the longest chain of round trips that 1F1B forces
+   (microbatch j + P starts on stage 0 only after j's backward is back there; with m <= P
+   every microbatch is its own chain). The value ``makespan`` reports (exact with few
+   microbatches per stage, else the bound) is computed for the best by proxy within
+   ``RANK_OPS`` ops per pass (``makespans``: all at once). Then tau is refined around the
+   best, the best three are also filled from the short end and the best two get a
+   boundary-shift DP (each cut moves by up to 4 rows to minimise the summed bottleneck
+   time), and those are ranked too.
+7. Choose. The ``keep`` best (and the fewest-microbatch ones within ``tol``) and every baseline
+   are re-costed in one ``stage_costs`` lookup and estimated as ``dynmb.packing`` will run them:
+   a baseline as it stands; D = 1, an own split in each order; D > 1, in its best order run
+   globally (so that every replica keeps it, whichever of identical microbatches
+   ``assign_replicas`` deals it), replicas assigned by ``assign_replicas`` on the order returned
+   and each estimated with ``makespans``, the likeliest slowest first (a candidate drops out as
+   soon as one is past the best). The fastest is returned (among those within ``tol``, the
+   fewest microbatches): by the estimate ``dynmb.packing`` reports, dynamic is never slower
+   than the plan of any method it was given.
+Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau), O(rows) Python steps for
+the next-fit rows, a per-sequence Python loop for the best-fit rows, the baselines' own costs
+(``dynapipe``'s DP, about 0.1 ms per sequence), and the exact estimates (O(m + P) numpy steps
+per batch of them).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from .dynapipe import dynapipe_split
-from .rows import (EXACT_OPS, Flat, bfd_rows, greedy_cuts, greedy_cuts_from_short_end, makespan, next_fit_rows,
-                        pipeline_bound, polish_cuts, round_down, round_up)
+from .rows import (Flat, assign_replicas, bfd_rows, exact_regime, flat_to_groups, greedy_cuts,
+                        greedy_cuts_from_short_end, groups_to_flat, makespans, next_fit_rows, polish_cuts, round_down,
+                        round_up, split_group)
 
-SEED_DP_MAX = 512
-"""Batches up to this many sequences also try the DP split of ``dynmb._dynapipe`` as a candidate."""
-EXACT_TOP = 2
-"""Of the candidates ``makespan`` simulates exactly (2 * P * m <= EXACT_OPS) but larger than
-RANK_EXACT cells, the EXACT_TOP best by the bound are simulated; the others drop out."""
+SEED_DP_MAX = 2048
+"""Batches up to this many sequences weigh ``dynapipe``'s plan (its DP costs O(n * w * K), about
+0.1 ms per sequence), or seed with its DP split when ``dynamic_groups`` is called alone."""
 RANK_EXACT = 400
-"""Candidates with at most this many (stage, microbatch) cells are ranked by the exact simulation."""
+"""Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
+RANK_OPS = 300_000
+"""Per ranking pass, exact estimates (2 * P * m ops each) of the best by proxy stop at this many ops."""
 BFD_MAX = 16384
 """Batches up to this many sequences also try rows of the longest admissible length filled
-best-fit-decreasing (the rows of ``packed``; a Python loop per sequence)."""
+best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
+LOOKUP_CELLS = 1 << 22
+"""At most this many (stage, microbatch) cells are costed in one ``stage_costs`` lookup (memory)."""
+BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe")
+"""Methods whose plans (``baselines``) are candidates too, always weighed in the final choice."""
 
-__all__ = ["dynamic_groups"]
+__all__ = ["dynamic_groups", "BASELINES"]
 
 
 @dataclass
@@ -151,26 +175,6 @@ def _affine_costs(cost_model: Any, padded: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def _orders(t: np.ndarray) -> list[np.ndarray]:
-    """Longest first (as formed), shortest first, and the two cheapest at the two ends."""
-    m = len(t)
-    desc = np.arange(m)
-    outs = [desc, desc[::-1].copy()]
-    if m >= 3:
-        outs.append(_ends(t))
-    return outs
-
-
-def _ends(t: np.ndarray) -> np.ndarray:
-    m = len(t)
-    if m < 3:
-        return np.arange(m)
-    cheap = np.argpartition(t, 1)[:2]
-    keep = np.ones(m, dtype=bool)
-    keep[cheap] = False
-    return np.concatenate([[cheap[0]], np.flatnonzero(keep), [cheap[1]]])
-
-
 class _Setup:
     """One row set with its affine costs per row: scores splits (cut points over its rows)."""
 
@@ -226,23 +230,11 @@ class _Setup:
             bcap = np.minimum(bcap, np.clip(by_time, 1, len(self.pos)).astype(np.int64)[self.row_class])
         return greedy_cuts_from_short_end(bcap) if from_short_end else greedy_cuts(bcap)
 
-    def score(self, cuts: np.ndarray, comm: Any) -> float:
-        """``pipeline_bound`` of the split from per-length sums: busiest stage's work, the
-        cheapest microbatch's forwards first and the next cheapest's backwards last."""
+    def costs(self, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(F, B)[P, m] of the microbatches of the split from the affine costs, in split order."""
         start, end = cuts[:-1], cuts[1:]
-        rows, first = np.diff(cuts), self.pos[start]
-        saving = self.saving(start, end)
-        u = len(self.used)
-        work = (self.alpha @ np.bincount(first, minlength=u) + self.beta @ np.bincount(first, rows, minlength=u)
-                - self.gamma @ np.bincount(first, saving, minlength=u))
-        padded = self.rows.padded[start]
-        cheap = np.argpartition(rows * padded, 1)[:2] if len(rows) > 1 else np.array([0, 0])
-
-        def op_time(coef: tuple, j: int) -> np.ndarray:
-            return coef[0][:, first[j]] + coef[1][:, first[j]] * rows[j] - coef[2][:, first[j]] * saving[j]
-
-        send = float(np.mean(comm(rows, padded))) if comm is not None else 0.0
-        return pipeline_bound(work, op_time(self.fwd, cheap[0]), op_time(self.bwd, cheap[1]), send)
+        first, rows, saving = self.pos[start], np.diff(cuts), self.saving(start, end)
+        return tuple(c[0][:, first] + c[1][:, first] * rows - c[2][:, first] * saving for c in (self.fwd, self.bwd))
 
     def shapes(self, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, padded_len, attention work) of each microbatch of the split, in split order."""
@@ -250,29 +242,53 @@ class _Setup:
         return np.diff(cuts), self.rows.padded[start], self.rows.attention(start, end, self.doc_causal)
 
 
+
+@dataclass(eq=False)
+class _Cand:
+    """One candidate plan: per-microbatch shapes in its own order, how to emit it, its ranking."""
+
+    rows: np.ndarray
+    padded: np.ndarray
+    attn: np.ndarray
+    emit: Callable[[np.ndarray], Flat]      # the flat form run in the given order
+    source: tuple | None = None             # own splits: (row set, cuts before balancing, tau)
+    baseline: str = ""                      # the method whose plan this is, as that method makes it
+    opened: np.ndarray | None = None        # one best-fit row per microbatch: the order they were opened in
+    split: tuple | None = None              # own splits: (row set, cuts after balancing)
+    F: np.ndarray | None = None             # costs, while it is being estimated
+    B: np.ndarray | None = None
+    comm: np.ndarray | None = None
+    value: float = np.inf                   # best estimate found (ranking: on the probe replicas)
+    order: str = ""                         # the order that gave it
+
+
 def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: Any,
                    num_stages: int, schedule_kind: str = "1f1b", comm: Any = None, *, round_to: int = 1,
-                   max_len: int | None = None, attention: str = "auto", num_tau: int = 4, keep: int = 3,
+                   max_len: int | None = None, attention: str = "auto", dp: int = 1,
+                   baselines: Callable[[str], Flat] | None = None, num_tau: int = 4, keep: int = 3,
                    tol: float = 0.0) -> tuple[Flat, float]:
-    """Microbatches (in execution order) of the global batch ``lengths`` and their estimated makespan.
+    """Microbatches (in execution order) of the global batch ``lengths`` and their estimated makespan
+    (the slowest of ``dp`` replicas, as ``dynmb.packing`` assigns them).
 
     ``bmax_fn(padded_lens)``: the most rows admissible per padded length. Every padded_len is
     a multiple of ``round_to``; packed rows hold at most ``max_len`` tokens (a multiple of
     ``round_to``; default: no cap beyond the longest length). ``attention``: the model's
-    attention setting (``auto``: packed microbatches cost sum(s_i^2)). Among splits whose
-    estimate is within ``tol`` (relative) of the best, the one with the fewest microbatches
-    is kept (less per-microbatch runtime overhead the cost model may miss).
+    attention setting (``auto``: packed microbatches cost sum(s_i^2)). ``baselines(method)``:
+    the plan (flat form, in its order) ``method`` makes of the same batch, for the methods of
+    ``BASELINES``. Among plans whose estimate is within ``tol`` (relative) of the best, the one
+    with the fewest microbatches is kept (less per-microbatch runtime overhead the cost model may miss).
     """
     doc_causal = attention == "auto"
+    n = len(lengths)
     top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)
     asc = np.argsort(lengths, kind="stable")
     row_sets = [_rows(lengths, asc, None, round_to)]
     caps = _caps(lengths, top, round_to)[1:]
     for cap in caps:
         row_sets.append(_rows(lengths, asc, cap, round_to))
-    if caps and caps[-1] == top and len(lengths) <= BFD_MAX:
+    if caps and caps[-1] == top and n <= BFD_MAX:
         row_sets.append(_rows(lengths, asc, top, round_to, best_fit=True))
-    row_sets = [r for r in row_sets if r.key == "none" or len(r.tokens) < len(lengths)]   # packing changed something
+    row_sets = [r for r in row_sets if r.key == "none" or len(r.tokens) < n]   # packing changed something
     uniq, inv = np.unique(np.concatenate([r.padded for r in row_sets]), return_inverse=True)
     costs = _affine_costs(cost_model, uniq)
     bmax_u = np.maximum(bmax_fn(uniq), 1)
@@ -281,106 +297,356 @@ def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarr
     for rows in row_sets:
         setups[rows.key] = _Setup(rows, inv[offset:offset + len(rows.tokens)], costs, bmax_u, doc_causal)
         offset += len(rows.tokens)
-    scored = _search(setups, lengths, cost_model, num_stages, comm, num_tau)
-    row_set, cuts, order, est = _choose(scored, setups, len(lengths), cost_model, num_stages, schedule_kind, comm,
-                                        keep, tol)
-    return _to_flat(setups[row_set].rows, cuts, order), est
-
-
-def _search(setups: dict[str, _Setup], lengths: np.ndarray, cost_model: Any, num_stages: int, comm: Any,
-            num_tau: int) -> list[tuple]:
-    """Candidate splits ``(score, num_microbatches, row set, cuts, tau, forced)`` of every row
-    set; ``forced`` ones always reach the final ranking (polished splits, the baselines' splits)."""
-    scored: list[tuple] = []
-    where: dict[tuple, int] = {}
-
-    def add(row_set: str, cuts: np.ndarray, tau: float, forced: bool = False) -> None:
-        key = (row_set, cuts.tobytes())
-        if key in where:                                        # seen: only mark it forced
-            if forced:
-                scored[where[key]] = scored[where[key]][:5] + (True,)
-            return
-        where[key] = len(scored)
-        scored.append((setups[row_set].score(cuts, comm), len(cuts) - 1, row_set, cuts, tau, forced))
-
-    grids = {}
-    for row_set, st in setups.items():
-        grids[row_set] = st.tau_grid(num_tau if len(lengths) > 1024 else num_tau + 3)
-        for tau in grids[row_set]:
-            add(row_set, st.greedy_cuts(tau), tau)
-    # refine tau around the best coarse point of the best row set
-    best = min(scored, key=lambda x: x[0])
-    grid = grids[best[2]]
-    k = int(np.searchsorted(grid, best[4]))
-    lo_t, hi_t = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 2)]
-    if np.isfinite(best[4]) and hi_t > lo_t:
-        for tau in np.geomspace(lo_t, hi_t, num_tau + 2)[1:-1]:
-            add(best[2], setups[best[2]].greedy_cuts(tau), tau)
-    # the same targets filled from the short end (the remainder then falls on the long rows)
-    for x in sorted(scored, key=lambda x: x[0])[:3]:
-        add(x[2], setups[x[2]].greedy_cuts(x[4], from_short_end=True), x[4])
-    # polish the best few splits (boundary-shift DP on the summed bottleneck time)
-    for x in sorted(scored, key=lambda x: x[0])[:2]:
-        if x[1] <= 256:
-            st = setups[x[2]]
-            add(x[2], polish_cuts(x[3], st.bottleneck, st.bmax), x[4], forced=True)
-    unpacked = setups["none"]
-    n = len(unpacked.pos)
-    # the fixed-size split of the unpacked sorted rows (what ``sorted`` would do) is a candidate too
-    add("none", np.append(np.arange(0, n, max(1, int(unpacked.bmax[0]))), n), np.nan, forced=True)
-    # one best-fit row of the longest admissible length per microbatch (what ``packed`` does)
+    rk = _Ranker(cost_model, num_stages, schedule_kind, comm, dp, setups, lengths, doc_causal, bmax_fn)
+    grids = {key: st.tau_grid(num_tau if n > 1024 else num_tau + 3) for key, st in setups.items()}
+    first = [(key, st.greedy_cuts(tau), tau) for key, st in setups.items() for tau in grids[key]]
     for key, st in setups.items():
-        if st.rows.opened is not None:
-            add(key, np.arange(len(st.pos) + 1), np.nan, forced=True)
-    # small batches: also seed with the DP split over unpacked rows (cheap at this size)
-    if len(lengths) <= SEED_DP_MAX:
+        if st.rows.opened is not None:                                  # one best-fit row per microbatch
+            first.append((key, np.arange(len(st.pos) + 1), np.nan))
+    given: dict[str, Flat] = {}
+    if baselines is not None:
+        given = {m: baselines(m) for m in BASELINES
+                 if not (m == "dynapipe" and n > SEED_DP_MAX) and not (m == "packed" and n > BFD_MAX)}
+    elif n <= SEED_DP_MAX:        # called alone: the fixed-size and DP splits of the sorted rows
+        unpacked = setups["none"]
+        m0 = len(unpacked.pos)
+        first.append(("none", np.append(np.arange(0, m0, max(1, int(unpacked.bmax[0]))), m0), np.nan))
         dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
-        add("none", n - dp_cuts[::-1], np.nan, forced=True)
-    return scored
+        first.append(("none", m0 - dp_cuts[::-1], np.nan))
+    for m in ("sorted", "dynapipe"):            # the seeds above, as those methods made them
+        cuts = _sorted_cuts(given[m], setups["none"].rows.padded, m == "dynapipe") if m in given else None
+        if cuts is not None:
+            first.append(("none", cuts, np.nan))
+    own = rk.rank([rk.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
+    base = rk.rank([c for c in (rk.baseline(m, f) for m, f in given.items()) if c is not None])
+    own += rk.rank(_refined(own, setups, grids, num_tau, rk))
+    best = sorted((c for c in own if np.isfinite(c.value)), key=lambda c: c.value)
+    finals = best[:keep] + sorted((c for c in best if c.value <= best[0].value * (1 + tol)),
+                                  key=lambda c: len(c.rows))[:keep] if best else []
+    if not finals and not base:                      # nothing balances over dp: leave it to dynmb.packing
+        c = rk.own(*first[0], balance=False)
+        return c.emit(np.arange(len(c.rows))), np.inf
+    return rk.choose(list({id(c): c for c in finals + base}.values()), tol)
 
 
-def _choose(scored: list[tuple], setups: dict[str, _Setup], num_seqs: int, cost_model: Any, num_stages: int,
-            schedule_kind: str, comm: Any, keep: int, tol: float) -> tuple[str, np.ndarray, np.ndarray, float]:
-    """(row set, cuts, execution order, estimated makespan) of the fastest of the best
-    candidates, re-costed in one lookup and estimated with ``makespan`` in each order."""
-    best_score = min(x[0] for x in scored)
-    by_score = sorted(scored, key=lambda x: x[0])
-    near = sorted((x for x in scored if x[0] <= best_score * (1 + tol)), key=lambda x: x[1])[:keep]
-    near += by_score[:keep] + [x for x in scored if x[5]]
-    if num_seqs <= SEED_DP_MAX:                                         # small batch: rank more exactly
-        near += [x for x in by_score if x[1] * num_stages <= RANK_EXACT][:4 * keep]
-    unique: dict[tuple, tuple] = {}
-    for x in near:
-        unique.setdefault((x[2], x[3].tobytes()), x)
-    near = list(unique.values())
-    # every candidate re-costed in one lookup with each microbatch's attention work
-    rows, padded, attn = (np.concatenate(a) for a in zip(*(setups[x[2]].shapes(x[3]) for x in near)))
-    costs = cost_model.stage_costs(rows, padded, attn)
-    sends_all = np.broadcast_to(np.asarray(comm(rows, padded) if comm is not None else 0.0, dtype=np.float64),
-                                rows.shape)
-    bounds = np.cumsum([0] + [x[1] for x in near])
-    results = []
-    for (_score, m, row_set, cuts, _tau, _forced), a, e in zip(near, bounds[:-1], bounds[1:]):
-        F, B, sends = costs["F"][:, a:e], costs["B"][:, a:e], sends_all[a:e]
-        orders = _orders((F + B).max(axis=0))
-        opened = setups[row_set].rows.opened
-        if opened is not None and m == len(opened):                   # one row each: as opened too
-            orders.append(np.argsort(opened, kind="stable"))
-        for order in orders:
-            c, Fo, Bo = sends[order], F[:, order], B[:, order]
-            bound = makespan(Fo, Bo, c, schedule_kind, exact=False)
-            # the value ``makespan`` will report: exact when small (computed now if cheap, else later)
-            value = bound if 2 * Fo.size > EXACT_OPS else (
-                makespan(Fo, Bo, c, schedule_kind, exact=True) if Fo.size <= RANK_EXACT else None)
-            results.append([value, bound, m, row_set, cuts, order, Fo, Bo, c])
-    # of those still to simulate exactly, the best few by the bound are; the rest drop out
-    pending = sorted((r for r in results if r[0] is None), key=lambda r: r[1])
-    for r in pending[:EXACT_TOP]:
-        r[0] = makespan(r[6], r[7], r[8], schedule_kind, exact=True)
-    pool = [r for r in results if r[0] is not None]
-    best_t = min(r[0] for r in pool)
-    sel = min((r for r in pool if r[0] <= best_t * (1 + tol)), key=lambda r: (r[2], r[0]))
-    return sel[3], sel[4], sel[5], float(sel[0])
+def _sorted_cuts(flat: Flat, padded: np.ndarray, reverse: bool) -> np.ndarray | None:
+    """Cut points over the unpacked rows (longest first, padded to ``padded``) of a plan of
+    one sequence per row, its microbatches (reversed if ``reverse``) taking the rows in turn, if
+    that gives each microbatch its own shape (runs of the sorted sequences, longest first);
+    else None."""
+    _, _, nseq, plen, batch = flat
+    order = np.arange(len(nseq))[::-1] if reverse else np.arange(len(nseq))
+    cuts = np.concatenate([[0], np.cumsum(batch[order])])
+    return cuts if np.all(nseq == batch) and np.array_equal(padded[cuts[:-1]], plen[order]) else None
+
+
+def _refined(own: list[_Cand], setups: dict[str, _Setup], grids: dict[str, np.ndarray], num_tau: int,
+             rk: _Ranker) -> list[_Cand]:
+    """Second-pass splits around the best ranked: tau refined between the grid neighbours of the
+    best's, the best three's targets filled from the short end, the best two polished."""
+    ranked = sorted((c for c in own if np.isfinite(c.value) and c.source is not None), key=lambda c: c.value)
+    out: list[tuple] = []
+    if ranked and np.isfinite(ranked[0].source[2]):
+        key, _, tau = ranked[0].source
+        grid = grids[key]
+        k = int(np.searchsorted(grid, tau))
+        lo_t, hi_t = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 2)]
+        if hi_t > lo_t:
+            for t in np.geomspace(lo_t, hi_t, num_tau + 2)[1:-1]:
+                out.append((key, setups[key].greedy_cuts(t), t))
+    for c in ranked[:3]:
+        key, _, tau = c.source
+        if not np.isnan(tau):
+            out.append((key, setups[key].greedy_cuts(tau, from_short_end=True), tau))
+    for c in ranked[:2]:
+        key, cuts, tau = c.source
+        if len(cuts) - 1 <= 256:
+            st = setups[key]
+            out.append((key, polish_cuts(cuts, st.bottleneck, st.bmax), tau))
+    seen = {(c.source[0], c.source[1].tobytes()) for c in own if c.source is not None}
+    fresh = {(x[0], x[1].tobytes()): x for x in out if (x[0], x[1].tobytes()) not in seen}
+    return [rk.own(*x) for x in fresh.values()]
+
+
+class _Ranker:
+    """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
+
+    def __init__(self, cost_model: Any, num_stages: int, kind: str, comm: Any, dp: int,
+                 setups: dict[str, _Setup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
+        self.cm, self.P, self.kind, self.comm_fn, self.dp, self.bmax_fn = cost_model, num_stages, kind, comm, dp, bmax_fn
+        self.setups, self.lengths, self.doc_causal = setups, lengths, doc_causal
+
+    def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
+        sends = self.comm_fn(rows, padded) if self.comm_fn is not None else 0.0
+        return np.broadcast_to(np.asarray(sends, dtype=np.float64), rows.shape).copy()
+
+    def own(self, key: str, cuts: np.ndarray, tau: float, balance: bool = True) -> _Cand:
+        """A split of row set ``key``, its slowest microbatches halved until dp divides their number."""
+        st = self.setups[key]
+        bal = _balance_cuts(cuts, st.bottleneck, self.dp) if balance else cuts
+        if bal is None:
+            return _Cand(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None, source=(key, cuts, tau))
+        rows, padded, attn = st.shapes(bal)
+        return _Cand(rows, padded, attn, lambda o, r=st.rows, c=bal: _to_flat(r, c, o), source=(key, cuts, tau),
+                     opened=st.rows.opened if len(bal) - 1 == len(st.pos) else None, split=(key, bal))
+
+    def baseline(self, method: str, flat: Flat) -> _Cand | None:
+        """``method``'s plan (flat form) balanced over dp as ``dynmb.packing`` does (None if it cannot)."""
+        flat = _balance_like_packing(flat, self.dp, self.bmax_fn)
+        if flat is None:
+            return None
+        items, _, nseq, plen, batch = flat
+        attn = batch * plen.astype(np.float64) ** 2
+        if self.doc_causal:
+            docs2 = np.add.reduceat(self.lengths[items].astype(np.float64) ** 2, np.cumsum(nseq) - nseq)
+            attn = np.where(nseq > batch, docs2, attn)
+        return _Cand(batch, plen, attn, lambda o, f=flat: _reorder(f, o), baseline=method)
+
+    def costed(self, cands: list[_Cand], affine: bool) -> Iterator[_Cand]:
+        """``cands`` in turn with their costs set while they are used: an own split's affine costs
+        when ``affine``, else ``stage_costs`` with each microbatch's attention work, one lookup
+        for as many candidates in a row as fit ``LOOKUP_CELLS`` (stage, microbatch) cells."""
+        todo, i = [c for c in cands if len(c.rows)], 0
+        while i < len(todo):
+            chunk, cells = [todo[i]], len(todo[i].rows) * self.P
+            if affine and todo[i].split is not None:
+                c = todo[i]
+                (c.F, c.B), c.comm = self.setups[c.split[0]].costs(c.split[1]), self._send(c.rows, c.padded)
+            else:
+                while (i + len(chunk) < len(todo) and not (affine and todo[i + len(chunk)].split is not None)
+                       and cells + len(todo[i + len(chunk)].rows) * self.P <= LOOKUP_CELLS):
+                    chunk.append(todo[i + len(chunk)])
+                    cells += len(chunk[-1].rows) * self.P
+                rows, padded, attn = (np.concatenate(a) for a in zip(*((x.rows, x.padded, x.attn) for x in chunk)))
+                cc, sends = self.cm.stage_costs(rows, padded, attn), self._send(rows, padded)
+                bounds = np.cumsum([0] + [len(x.rows) for x in chunk])
+                for x, a, e in zip(chunk, bounds[:-1], bounds[1:]):
+                    x.F, x.B, x.comm = cc["F"][:, a:e], cc["B"][:, a:e], sends[a:e]
+            for x in chunk:
+                yield x
+                x.F = x.B = x.comm = None
+            i += len(chunk)
+
+    def _members(self, c: _Cand, exact_assignment: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(replicas x microbatches in split order, busy time of each microbatch)."""
+        busy = (c.F + c.B).max(axis=0)
+        if self.dp == 1:
+            return np.arange(len(busy))[None, :], busy
+        if exact_assignment:
+            order, _ = assign_replicas(busy, self.dp)
+            return np.asarray(order).reshape(self.dp, -1), busy
+        return np.argsort(_deal(busy, self.dp), kind="stable").reshape(self.dp, -1), busy
+
+    def _probes(self, c: _Cand, members: np.ndarray) -> np.ndarray:
+        """The replica with the most work on its busiest stage and the one with the longest round trip."""
+        if len(members) == 1:
+            return members
+        T = c.F + c.B
+        work = T[:, members].sum(axis=2).max(axis=0)
+        trip = (T.sum(axis=0) + 2 * (self.P - 1) * c.comm)[members].max(axis=1)
+        return members[np.unique([int(np.argmax(work)), int(np.argmax(trip))])]
+
+    def rank(self, cands: list[_Cand]) -> list[_Cand]:
+        """Each candidate's best estimate over its orders on its probe replicas: exact (``makespans``)
+        for the best by proxy within ``RANK_OPS`` ops (baselines and small ones always). Only the
+        probe replicas' costs are kept."""
+        cands = [c for c in cands if len(c.rows)]
+        jobs = []                        # (candidate, order, (F, B, sends) of its probe replicas, columns)
+        for c in self.costed(cands, affine=True):
+            members, busy = self._members(c, exact_assignment=bool(c.baseline))
+            used, local = np.unique(self._probes(c, members), return_inverse=True)
+            sub = (c.F[:, used], c.B[:, used], c.comm[used])
+            opened = c.opened[used] if c.opened is not None else None
+            for name, cols in _orders(local.reshape(-1, members.shape[1]), busy[used], opened).items():
+                jobs.append((c, name, sub, cols))
+        proxy = np.array([_proxy(*sub, cols).max() for _, _, sub, cols in jobs])
+        chosen, spent = [], 0
+        for j in np.argsort(proxy, kind="stable").tolist():
+            c, _, _, cols = jobs[j]
+            cells = self.P * cols.shape[1]
+            ops = 2 * cells * len(cols) if exact_regime(self.P, cols.shape[1]) else 0
+            if c.baseline or cells <= RANK_EXACT or spent + ops <= RANK_OPS:
+                chosen.append(j)
+                spent += ops
+        for j, v in zip(chosen, self._estimate([jobs[j][2:] for j in chosen])):
+            c, name = jobs[j][:2]
+            if v < c.value:
+                c.value, c.order = v, name
+        return cands
+
+    def _estimate(self, jobs: list[tuple]) -> list[float]:
+        """Per job ``((F, B, sends), [pipelines, k] columns)``: the slowest of its pipelines by
+        ``makespans``, all in one call."""
+        if not jobs:
+            return []
+        F = np.concatenate([s[0][:, cols.ravel()] for s, cols in jobs], axis=1)
+        B = np.concatenate([s[1][:, cols.ravel()] for s, cols in jobs], axis=1)
+        sends = np.concatenate([s[2][cols.ravel()] for s, cols in jobs])
+        sizes = np.concatenate([np.full(len(cols), cols.shape[1]) for _, cols in jobs])
+        per = makespans(F, B, sends, sizes, self.kind)
+        bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
+        return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
+
+    def _slowest(self, costs: tuple, cols: np.ndarray, limit: float, inclusive: bool) -> float:
+        """The slowest replica's estimate (replicas: rows of ``cols``), the likeliest by proxy
+        first: past ``limit`` (or at it, unless ``inclusive``) already, the others are left out
+        (the value is then a lower bound)."""
+        likely = np.argsort(-_proxy(*costs, cols), kind="stable")
+        head = self._estimate([(costs, cols[likely[:max(2, len(cols) // 8)]])])[0]
+        if head > limit or (head == limit and not inclusive) or len(likely) <= 2:
+            return head
+        return max(head, self._estimate([(costs, cols[likely[max(2, len(cols) // 8):]])])[0])
+
+    def choose(self, finals: list[_Cand], tol: float) -> tuple[Flat, float]:
+        """The plan and estimate of the fastest of ``finals``, re-costed in one lookup and
+        estimated on every replica as ``dynmb.packing`` will run them."""
+        results = []                                   # (value, microbatches, candidate, order returned)
+        if self.dp == 1:
+            jobs = [(c, (c.F, c.B, c.comm), cols) for c in self.costed(finals, affine=False)
+                    for cols in ([np.arange(len(c.rows))[None]] if c.baseline else
+                                 _orders(*self._members(c, True), c.opened).values())]
+            for (c, _, cols), v in zip(jobs, self._estimate([job[1:] for job in jobs])):
+                results.append((v, len(c.rows), c, cols[0]))
+        else:
+            best, best_m, seen = np.inf, np.inf, set()
+            for c in self.costed(sorted(finals, key=lambda c: c.value), affine=False):
+                sig = (c.baseline, c.order, c.rows.tobytes(), c.padded.tobytes(), c.attn.tobytes())
+                if sig in seen:
+                    continue                            # the same plan run the same way
+                seen.add(sig)
+                busy, m = (c.F + c.B).max(axis=0), len(c.rows)
+                # what dynmb.packing will run: a baseline as given, else its order (each replica keeps it)
+                out = np.arange(m) if c.baseline else _global_order(c.order, busy, self._members(c, True)[0], c.opened)
+                order, _ = assign_replicas(busy[out], self.dp)
+                fewer = m < best_m                      # it may also win by tying (or within tol)
+                limit = best * (1 + tol) if fewer else best
+                v = self._slowest((c.F, c.B, c.comm), out[np.asarray(order)].reshape(self.dp, -1), limit, fewer)
+                if v < limit or (v == limit and fewer):
+                    results.append((v, m, c, out))
+                    best, best_m = (v, m) if v < best else (best, min(best_m, m))
+        best_t = min(r[0] for r in results)
+        v, _, c, out = min((r for r in results if r[0] <= best_t * (1 + tol)), key=lambda r: (r[1], r[0]))
+        return c.emit(out), float(v)
+
+
+def _deal(busy: np.ndarray, dp: int) -> np.ndarray:
+    """Replica of each microbatch while ranking: slowest first, dealt boustrophedon (m / dp each)."""
+    pos = np.empty(len(busy), dtype=np.int64)
+    pos[np.argsort(-busy, kind="stable")] = np.arange(len(busy))
+    r = pos % (2 * dp)
+    return np.where(r < dp, r, 2 * dp - 1 - r)
+
+
+def _orders(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Execution orders of each row of ``members`` (a replica's microbatches, as formed): as
+    formed, reversed, slowest / fastest first (by ``t``), the two cheapest at the two ends (the
+    rest as formed or reversed); best-fit rows also as opened. Repeats dropped."""
+    k = members.shape[1]
+    by_t = np.take_along_axis(members, np.argsort(-t[members], axis=1, kind="stable"), axis=1)
+    out = {"as formed": members, "reversed": members[:, ::-1], "slowest first": by_t, "fastest first": by_t[:, ::-1]}
+    if k >= 3:
+        cheap = np.argpartition(t[members], 1, axis=1)[:, :2]
+        mid = np.ones(members.shape, dtype=bool)
+        np.put_along_axis(mid, cheap, False, axis=1)
+        ends, rest = np.take_along_axis(members, cheap, axis=1), members[mid].reshape(-1, k - 2)
+        out["ends"] = np.concatenate([ends[:, :1], rest, ends[:, 1:]], axis=1)
+        out["ends, reversed"] = np.concatenate([ends[:, :1], rest[:, ::-1], ends[:, 1:]], axis=1)
+    if opened is not None:
+        out["as opened"] = np.take_along_axis(members, np.argsort(opened[members], axis=1, kind="stable"), axis=1)
+    unique: dict[bytes, tuple[str, np.ndarray]] = {}
+    for name, cols in out.items():
+        unique.setdefault(cols.tobytes(), (name, cols))
+    return dict(unique.values())
+
+
+def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.ndarray | None) -> np.ndarray:
+    """The order ``name`` of ``_orders`` for all microbatches at once, so that every replica keeps
+    it whichever identical microbatches ``assign_replicas`` deals it (it breaks ties by position):
+    as formed, reversed, by time, as opened; the two cheapest of each replica of ``members`` first
+    and last, the rest as formed or reversed ("ends")."""
+    m = len(busy)
+    by_t = np.argsort(-busy, kind="stable")
+    if name.startswith("ends") and members.shape[1] >= 3:
+        ends = np.take_along_axis(members, np.argpartition(busy[members], 1, axis=1)[:, :2], axis=1)
+        mid = np.ones(m, dtype=bool)
+        mid[ends.ravel()] = False
+        rest = np.flatnonzero(mid)
+        return np.concatenate([ends[:, 0], rest[::-1] if name == "ends, reversed" else rest, ends[:, 1]])
+    if name == "as opened" and opened is not None:
+        return np.argsort(opened, kind="stable")
+    return {"reversed": np.arange(m)[::-1], "slowest first": by_t, "fastest first": by_t[::-1]}.get(name, np.arange(m))
+
+
+def _proxy(F: np.ndarray, B: np.ndarray, comm: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Ranking proxy of each pipeline of ``cols`` ([pipelines, k] columns in order): the larger
+    of ``pipeline_bound`` and the longest chain of round trips of microbatches P apart."""
+    P, k = F.shape[0], cols.shape[1]
+    Fo, Bo, c = F[:, cols], B[:, cols], comm[cols]                   # [P, n, k], [n, k]
+    cm = c.mean(axis=1)
+    fill = np.concatenate([np.zeros((1, len(cols))), np.cumsum(Fo[:-1, :, 0] + cm, axis=0)])
+    drain = np.concatenate([np.zeros((1, len(cols))), np.cumsum(Bo[:-1, :, -1] + cm, axis=0)])
+    bound = ((Fo + Bo).sum(axis=2) + fill + drain).max(axis=0)
+    trip = (Fo + Bo).sum(axis=0) + 2 * (P - 1) * c                    # [n, k]
+    pad = -k % P
+    chains = np.concatenate([trip, np.zeros((len(cols), pad))], axis=1).reshape(len(cols), -1, P).sum(axis=1)
+    return np.maximum(bound, chains.max(axis=1))
+
+
+def _balance_cuts(cuts: np.ndarray, bottleneck: Callable, dp: int) -> np.ndarray | None:
+    """Halve the slowest microbatches of >= 2 rows until their number is a positive multiple
+    of ``dp`` (None if they run out)."""
+    while True:
+        m = len(cuts) - 1
+        need = dp - m if m < dp else -m % dp
+        if not need:
+            return cuts
+        rows = np.diff(cuts)
+        can = np.flatnonzero(rows >= 2)
+        if not len(can):
+            return None
+        t = bottleneck(cuts[:-1][can], cuts[1:][can])
+        pick = can[np.argsort(-t, kind="stable")[:need]]
+        cuts = np.sort(np.concatenate([cuts, cuts[pick] + rows[pick] // 2]))
+
+
+def _balance_like_packing(flat: Flat, dp: int, bmax_fn: Callable) -> Flat | None:
+    """``dynmb.packing``'s balancing of a plan over ``dp`` replicas: while their number is not a
+    positive multiple of dp, split (``split_group``) the first splittable microbatch with the
+    most (rows, documents) (a heap keyed by position paths); then, while it is not a multiple,
+    merge the admissible pair with the fewest padded tokens. None where packing would refuse."""
+    count = len(flat[2])
+    if not (count % dp or count < dp):
+        return flat
+    heap = [(-g[3], -len(g[0]), (j,), g) for j, g in enumerate(flat_to_groups(flat))]
+    heapq.heapify(heap)
+    while (count % dp or count < dp) and (heap[0][0] <= -2 or heap[0][1] <= -2):
+        _, _, key, g = heapq.heappop(heap)
+        for half, part in enumerate(split_group(g)):
+            heapq.heappush(heap, (-part[3], -len(part[0]), key + (half,), part))
+        count += 1
+    groups = [g for *_, g in sorted(heap, key=lambda x: x[2])]
+    while len(groups) % dp:
+        plen, rows = np.array([g[2] for g in groups]), np.array([g[3] for g in groups])
+        bm = bmax_fn(plen)
+        i, j = np.triu_indices(len(groups), 1)
+        ok = rows[i] + rows[j] <= np.minimum(bm[i], bm[j])
+        if not np.any(ok) or len(groups) <= dp:
+            return None
+        k = int(np.argmin(np.where(ok, np.maximum(plen[i], plen[j]) * (rows[i] + rows[j]), np.inf)))
+        a, b = groups[i[k]], groups[j[k]]
+        merged = (np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1] + a[3]]), max(a[2], b[2]), a[3] + b[3])
+        groups = [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
+    return groups_to_flat(groups)
+
+
+def _reorder(flat: Flat, order: np.ndarray) -> Flat:
+    """The flat form with its microbatches run in ``order``."""
+    items, local, nseq, plen, batch = flat
+    order = np.asarray(order, dtype=np.int64)
+    start = np.cumsum(nseq) - nseq
+    counts = nseq[order]
+    idx = np.repeat(start[order] - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+    return items[idx], local[idx], counts, plen[order], batch[order]
 
 
 def _to_flat(rows: _RowSet, cuts: np.ndarray, order: np.ndarray) -> Flat:
