@@ -58,12 +58,19 @@ def _add_packing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="dynamic", help="fixed, sorted, packed, token-budget, dynapipe, dynamic (default dynamic)")
     p.add_argument("--mbs", type=int, default=None, help="microbatch size for fixed-size methods (default: the largest that fits)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel pipelines the global batch is split over (default 1)")
-    p.add_argument("--schedule-kind", default="1f1b", help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware (default 1f1b)")
+    p.add_argument("--schedule-kind", default="1f1b", help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b)")
     p.add_argument("--cost-model", default=None, help="fitted cost-model JSON (`dynmb fit`); default: analytic stand-in")
     p.add_argument("--memory-model", default=None, help="fitted memory-model JSON (`dynmb memory`); default: analytic")
     p.add_argument("--oversize", default="error", choices=["error", "truncate", "drop"],
                    help="a sequence that cannot fit alone: error (default), truncate it to fit, or drop it (both reported)")
+    _add_recompute_flag(p)
     _add_shape_flags(p)
+
+
+def _add_recompute_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recompute", default="never", choices=["never", "always", "auto"],
+                   help="full activation recomputation per microbatch: never (default), always, or auto (the "
+                        "packer recomputes the microbatches for which it pays; dynmb.recompute)")
 
 
 def _add_shape_flags(p: argparse.ArgumentParser) -> None:
@@ -134,7 +141,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         batch, method=args.method, model_cfg=cfg, num_stages=args.stages,
         memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule_kind,
         mbs=args.mbs, dp=args.dp, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-        cost_model=get_cost_model(args.cost_model, cfg, args.stages),
+        recompute=args.recompute, cost_model=get_cost_model(args.cost_model, cfg, args.stages),
         memory_model=get_memory_model(args.memory_model, cfg, args.stages),
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step, "model": args.model},
     )
@@ -186,7 +193,11 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     if args.kind == "memory-aware":
         act, tr, state = memory_inputs(mm, plan)
         kw = dict(act_bytes=act, state_bytes=state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr)
-    sched = build_schedule(args.kind, plan.num_stages, plan.num_microbatches, virtual=args.virtual, **kw)
+    if args.kind in ("zb-h1", "zb"):
+        from dynmb.zbplan import build_zb
+        sched = build_zb(plan, args.kind, cost_model=cm, memory_model=mm)
+    else:
+        sched = build_schedule(args.kind, plan.num_stages, plan.num_microbatches, virtual=args.virtual, **kw)
     validate(sched)
     to_csv(sched, args.output)
     out = Path(args.output)
@@ -281,7 +292,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     cfg = _model_cfg(args)
     df = profile(cfg, args.stages, quick=args.quick, max_len=args.max_len, repeats=args.repeats, warmup=args.warmup,
                  device=args.device, threads=args.threads, output=args.output, comm=args.comm,
-                 memory=not args.no_memory, concurrent=args.concurrent, token_cap=args.token_cap)
+                 memory=not args.no_memory, concurrent=args.concurrent, token_cap=args.token_cap, split=args.split)
     fb = df[df["op"].isin(["F", "B"])]
     med = fb.groupby(["stage", "op"])["time_s"].agg(["size", "median", "max"])
     print(f"wrote {args.output}: {len(df)} samples ({len(fb.groupby(['stage', 'rows', 'padded_len', 'packed']))} stage x points)")
@@ -329,7 +340,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         mbs=args.mbs, dp=args.dp, seed=args.seed, steps=args.steps, warmup=args.warmup,
         backend=args.backend or backend, device=args.device or device, cost_model=args.cost_model,
         timeout_s=args.timeout, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments)
+        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments, recompute=args.recompute)
     return launch(cfg, args.out, args.nproc, verify=args.verify, memory_model=args.memory_model,
                   allow_over_limit=getattr(args, "allow_over_limit", False))
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -372,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schedule", help="build and validate a pipeline schedule for a plan")
     p.add_argument("--plan", required=True, help="plan JSON from `dynmb plan`")
-    p.add_argument("--kind", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware (default 1f1b)")
+    p.add_argument("--kind", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b)")
     p.add_argument("--virtual", type=int, default=1, help="model chunks per rank for interleaved (default 1: ranks = stages)")
     p.add_argument("--reorder", default="none", help="none, descending, ascending, ends, dynapipe, search (default none)")
     p.add_argument("--cost-model", default=None, help="fitted cost-model JSON; default analytic")
@@ -416,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU: one process per stage, every stage of a point timed at once, as a pipeline runs them")
     p.add_argument("--token-cap", type=int, default=None,
                    help="largest rows x padded_len in the default grid (default 8192 on CPU, 65536 on CUDA)")
+    p.add_argument("--split", action="store_true",
+                   help="also time the split backward zero-bubble schedules run (I and W rows next to F and B)")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the memory columns (each point's first repeat builds a fresh stage for them: "
                         "about 1 s per point for gpt2; `dynmb memory` measures memory on its own)")
@@ -437,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_packing_flags(p)
     _add_model_flags(p)
     p.add_argument("--nproc", type=int, default=2, help="processes (ranks) = stages x dp / virtual (default 2)")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware (default 1f1b)")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b)")
     p.add_argument("--virtual", type=int, default=1, help="model chunks per rank for interleaved (default 1)")
     p.add_argument("--reorder", default="none", help="microbatch reordering (default none)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
@@ -459,9 +472,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mbs", type=int, default=None, help="microbatch size for fixed-size methods (default: largest that fits)")
     p.add_argument("--oversize", default="error", choices=["error", "truncate", "drop"],
                    help="a sequence that cannot fit alone: error (default), truncate or drop (both reported)")
+    _add_recompute_flag(p)
     _add_shape_flags(p)
     _add_run_shape_flags(p)
-    p.add_argument("--schedule", default="1f1b", help="schedule kind (default 1f1b)")
+    p.add_argument("--schedule", default="1f1b", help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb (default 1f1b)")
     p.add_argument("--virtual", type=int, default=1,
                    help="model chunks per rank (default 1: one rank per stage; >1 runs the interleaved schedule on stages/virtual ranks)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],

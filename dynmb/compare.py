@@ -69,7 +69,8 @@ def _plan_kwargs(args: argparse.Namespace, method: str, mbs: int | None = None) 
                 reorder=reorder_for(method, args.reorder), virtual=int(getattr(args, "virtual", 1) or 1),
                 cost_model=get_cost_model(args.cost_model, cfg, args.stages),
                 memory_model=get_memory_model(getattr(args, "memory_model", None), cfg, args.stages),
-                oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to)
+                oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
+                recompute=getattr(args, "recompute", "never"))
 
 
 def fixed_candidates(args: argparse.Namespace) -> tuple[list[int], list[int]]:
@@ -198,7 +199,7 @@ def run_compare(args: argparse.Namespace) -> int:
                         dataset=args.lengths or args.dataset, global_batch=args.global_batch, method=m,
                         mbs=mbs, seed=args.seed, steps=args.steps, warmup=args.warmup, backend=backend, device=device,
                         cost_model=args.cost_model, oversize=args.oversize, pack_len=args.pack_len,
-                        round_to=args.round_to, prewarm=args.prewarm,
+                        round_to=args.round_to, prewarm=args.prewarm, recompute=getattr(args, "recompute", "never"),
                         expandable_segments=not args.no_expandable_segments)
         spec = write_spec(cfg, out, run_id=f"{label.replace(' ', '-').replace('=', '')}-{tag}",
                           memory_model=getattr(args, "memory_model", None),

@@ -198,7 +198,8 @@ class _Setup:
                                      memory_limit_bytes=pc.memory_limit_bytes, schedule_kind=pc.schedule,
                                      reorder=pc.reorder, mbs=cfg.mbs, dp=self.dp, virtual=pc.virtual,
                                      cost_model=self.cost_model, memory_model=self.memory_model,
-                                     oversize=cfg.oversize, pack_len=cfg.pack_len, round_to=cfg.round_to)
+                                     oversize=cfg.oversize, pack_len=cfg.pack_len, round_to=cfg.round_to,
+                                     recompute=cfg.recompute)
         return lengths, plan, sched, sim
 
 
@@ -251,7 +252,8 @@ def _step(st: _Setup, k: int) -> dict[str, Any]:
     check_plan_digest(plan, k, dev)
     sub = plan.replica(st.dp_idx) if st.dp > 1 else plan
     if st.dp_idx > 0:
-        sched = make_schedule(sub, pc.schedule, virtual=pc.virtual, memory_model=st.memory_model)
+        sched = make_schedule(sub, pc.schedule, virtual=pc.virtual, memory_model=st.memory_model,
+                              cost_model=st.cost_model)
     if sched.num_microbatches != sub.num_microbatches or sched.num_ranks != st.R:
         raise RuntimeError(f"schedule for {sched.num_microbatches} microbatches on {sched.num_ranks} ranks does not "
                            f"fit replica {st.dp_idx}'s {sub.num_microbatches} microbatches on {st.R} ranks")
@@ -319,7 +321,7 @@ def _step(st: _Setup, k: int) -> dict[str, Any]:
     problems: list[str] = []
 
     # --- measurements ---------------------------------------------------------
-    costs = st.cost_model.plan_costs(sub)
+    costs = st.cost_model.plan_costs(sub, ops=("F", "B", "I", "W"))
     acts, busy = [], 0.0
     for t in timings:
         a, mb = t.action, sub.microbatches[t.action.mb]

@@ -1,0 +1,71 @@
+"""Zero-bubble schedules for a plan: the list scheduler fed by the one cost lookup and memory model,
+checked by the simulator.
+
+``build_zb(plan, kind, cost_model=, memory_model=)`` gathers, for every (stage, microbatch) of
+the plan, the predicted seconds of F, B, I and W (``cost_model.plan_costs(plan, ops=...)``, each
+microbatch's attention work and recompute flag included), its P2P time and, with a memory model,
+its activation, I-to-W and transient bytes (``dynmb.simulate.memory_inputs`` / ``w_inputs``),
+and builds ``zb-h1`` or ``zb`` (``dynmb.schedule.zerobubble``) with the simulator as the
+judge (``evaluate``: predicted makespan and per-stage peak, states included). Recomputed
+microbatches run a full ``B`` (``split`` False): their backward holds no more than one block,
+so deferring their weight gradients would hold what recomputation saved.
+This is the planning layer: the schedule package does not import the simulator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .schedule.zerobubble import ZBInputs
+from .simulate import comm_times, memory_inputs, simulate_costs, w_inputs
+from .types import Plan, Schedule
+
+__all__ = ["ZB_KINDS", "zb_inputs", "zb_evaluator", "build_zb"]
+
+ZB_KINDS = ("zb-h1", "zb")
+
+
+def zb_inputs(plan: Plan, cost_model: Any, memory_model: Any = None) -> ZBInputs:
+    """Per (stage, microbatch) times, P2P times and (with ``memory_model``) bytes of ``plan``."""
+    costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
+    m = plan.num_microbatches
+    comm = np.broadcast_to(np.asarray(comm_times(cost_model, plan), dtype=np.float64), (m,)).copy()
+    split = np.broadcast_to(~plan.recompute_mask(), (plan.num_stages, m)).copy()
+    act, tr, _ = memory_inputs(memory_model, plan)
+    w = w_inputs(memory_model, plan) if act is not None else None
+    if act is not None and tr is None:
+        tr = np.zeros_like(act)
+    if act is not None and w is None:
+        w = act.copy()             # a memory model without I-to-W bytes: assume W holds what F did
+    return ZBInputs(costs["F"], costs["B"], costs["I"], costs["W"], comm, split, act, w, tr)
+
+
+def zb_evaluator(plan: Plan, cost_model: Any, memory_model: Any, inp: ZBInputs):
+    """``schedule -> (makespan, peak bytes per stage)``: the simulator on ``inp``'s numbers."""
+    state = None if memory_model is None else np.asarray(memory_model.state_bytes, dtype=np.float64)
+    costs = {"F": inp.F, "B": inp.B, "I": inp.I, "W": inp.W}
+
+    def evaluate(schedule: Schedule) -> tuple[float, np.ndarray]:
+        res = simulate_costs(schedule, costs, inp.comm, inp.act, state, limit_bytes=plan.memory_limit_bytes,
+                             transient_bytes=inp.tr, w_bytes=inp.w)
+        peak = res.peak_bytes if res.peak_bytes is not None else np.zeros(plan.num_stages)
+        return res.makespan_s, peak
+    return evaluate
+
+
+def build_zb(plan: Plan, kind: str, *, cost_model: Any, memory_model: Any = None) -> Schedule:
+    """The ``kind`` (``zb-h1`` or ``zb``) schedule of one pipeline replica's plan."""
+    from .schedule.builders import build_schedule
+
+    if kind not in ZB_KINDS:
+        raise ValueError(f"not a zero-bubble kind: {kind!r}; expected one of {ZB_KINDS}")
+    if cost_model is None:
+        raise ValueError(f"the {kind} schedule needs a cost model (it places W by predicted times)")
+    inp = zb_inputs(plan, cost_model, memory_model)
+    evaluate = zb_evaluator(plan, cost_model, memory_model, inp)
+    kw: dict[str, Any] = {}
+    if kind == "zb" and memory_model is not None:
+        kw = dict(limit_bytes=plan.memory_limit_bytes, state_bytes=memory_model.state_bytes)
+    return build_schedule(kind, plan.num_stages, plan.num_microbatches, zb_inputs=inp, evaluate=evaluate, **kw)
