@@ -25,9 +25,9 @@ stages, thread time, median of 5 over 1x512 ... 16x64 and packed 1x1024/16):
 =========  ========  ==============  =================
 role       W_SHARE   SPLIT_OVERHEAD  RECOMPUTE_F_SHARE
 =========  ========  ==============  =================
-first      0.42      0.05            0.96
-middle     0.46      0.04            0.99
-last       0.45      0.03            0.74
+first      0.485     0.039           1.004
+middle     0.447     0.027           0.992
+last       0.548     0.049           0.694
 =========  ========  ==============  =================
 """
 
@@ -39,11 +39,11 @@ import numpy as np
 
 __all__ = ["W_SHARE", "SPLIT_OVERHEAD", "RECOMPUTE_F_SHARE", "stage_role", "derived_split", "apply_recompute"]
 
-W_SHARE = {"first": 0.42, "middle": 0.46, "last": 0.45}
+W_SHARE = {"first": 0.485, "middle": 0.447, "last": 0.548}
 """W / B(b, s, attention work 0), per stage role."""
-SPLIT_OVERHEAD = {"first": 0.05, "middle": 0.04, "last": 0.03}
+SPLIT_OVERHEAD = {"first": 0.039, "middle": 0.027, "last": 0.049}
 """(I + W) / B - 1: two backward passes instead of one."""
-RECOMPUTE_F_SHARE = {"first": 0.96, "middle": 0.99, "last": 0.74}
+RECOMPUTE_F_SHARE = {"first": 1.004, "middle": 0.992, "last": 0.694}
 """(B with recomputation - B) / F: the share of the forward a recomputing backward reruns."""
 
 

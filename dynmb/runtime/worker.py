@@ -373,6 +373,7 @@ def _record(st: _Setup, k: int, rep: dict[str, Any], reports: list[dict[str, Any
                verified=bool(st.spec.get("verify")), memory_limit_bytes=int(plan.memory_limit_bytes),
                mbs=plan.meta.get("mbs"), model=cfg.model.name, global_batch=cfg.global_batch,
                truncated=len(plan.meta.get("truncated", [])), dropped=len(plan.meta.get("dropped", [])),
+               recomputed=int(plan.recompute_mask().sum()),
                overhead_F_s=st.cost_model.runtime_overhead_s["F"], overhead_B_s=st.cost_model.runtime_overhead_s["B"],
                attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
                distinct_shapes=len(shapes), new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
