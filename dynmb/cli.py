@@ -156,6 +156,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "pred_step_s": plan.predictions["pred_step_s"], "mean_bubble": plan.predictions["mean_bubble"],
         "plan_s": plan.predictions["plan_s"], "mbs": plan.meta.get("mbs"),
         "dropped": len(plan.meta.get("dropped", [])), "truncated": len(plan.meta.get("truncated", [])),
+        "recomputed": int(plan.recompute_mask().sum()),
         "pack_len": plan.meta.get("pack_len"), "round_to": args.round_to, "attention": cfg.attention,
         "distinct_shapes": len({(mb.batch, mb.padded_len) for mb in plan.microbatches}),
     }

@@ -114,6 +114,19 @@ def test_w_later_holds_what_the_memory_model_says():
         meter.close()
 
 
+def test_profile_times_i_and_w_and_the_fit_predicts_them():
+    from dynmb.costmodel import fit_cost_model
+    from dynmb.profile import profile
+
+    tiny = ModelConfig.preset("tiny")
+    grid = [(1, 32, 1), (2, 32, 1), (1, 64, 1), (2, 64, 1), (4, 32, 1), (1, 128, 1)]
+    df = profile(tiny, 2, grid=grid, repeats=1, warmup=0, split=True, memory=False, progress=False)
+    assert set(df["op"]) == {"F", "B", "I", "W"}
+    model = fit_cost_model(df, tiny, 2)
+    assert (0, "I") in model.params and (1, "W") in model.params        # fitted, not derived from B
+    assert float(model.predict(1, "W", 2, 64)) > 0
+
+
 # --------------------------------------------------------------------------- torch's IR
 def _torch_actions(sched):
     return {r: [torch_sched._Action.from_str(str(a)) for a in acts] for r, acts in enumerate(sched.ranks)}
