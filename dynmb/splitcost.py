@@ -19,15 +19,17 @@ backward in ``I`` (its ``W`` is empty, see ``dynmb.runtime.splitbackward``):
 
     B_rc = B + RECOMPUTE_F_SHARE[role] * F,    I_rc = B_rc,    W_rc = 0
 
-Measured (``benchmarks/bench_split.py``: torch 2.13 CPU, 1 thread, ``small`` preset, 2 and 4
-stages, thread time, median of 5 over 1x512 ... 16x64 and packed 1x1024/16):
+Measured (``benchmarks/bench_split.py``, two runs of ``--repeats 5`` and ``--repeats 7`` pooled:
+torch 2.13 CPU, 1 thread, ``small`` preset, 2 and 4 stages, thread time; medians over the 8
+shapes 1x512 ... 16x64 and packed 1x1024/16 of each run, 32 (shape, stage, run) per role; the
+shared 2-core box was loaded, single shapes scatter by +-10%):
 
 =========  ========  ==============  =================
 role       W_SHARE   SPLIT_OVERHEAD  RECOMPUTE_F_SHARE
 =========  ========  ==============  =================
-first      0.485     0.039           1.004
-middle     0.447     0.027           0.992
-last       0.548     0.049           0.694
+first      0.54      0.045           1.01
+middle     0.44      0.033           1.01
+last       0.53      0.051           0.70
 =========  ========  ==============  =================
 """
 
@@ -39,11 +41,11 @@ import numpy as np
 
 __all__ = ["W_SHARE", "SPLIT_OVERHEAD", "RECOMPUTE_F_SHARE", "stage_role", "derived_split", "apply_recompute"]
 
-W_SHARE = {"first": 0.485, "middle": 0.447, "last": 0.548}
+W_SHARE = {"first": 0.54, "middle": 0.44, "last": 0.53}
 """W / B(b, s, attention work 0), per stage role."""
-SPLIT_OVERHEAD = {"first": 0.039, "middle": 0.027, "last": 0.049}
+SPLIT_OVERHEAD = {"first": 0.045, "middle": 0.033, "last": 0.051}
 """(I + W) / B - 1: two backward passes instead of one."""
-RECOMPUTE_F_SHARE = {"first": 1.004, "middle": 0.992, "last": 0.694}
+RECOMPUTE_F_SHARE = {"first": 1.01, "middle": 1.01, "last": 0.70}
 """(B with recomputation - B) / F: the share of the forward a recomputing backward reruns."""
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from .schedule.zerobubble import ZBInputs
-from .simulate import comm_times, memory_inputs, simulate_costs, w_inputs
+from .schedule.validate import execution_order
+from .simulate import _cross_mask, _times, comm_times, memory_inputs, peaks, w_inputs
 from .types import Plan, Schedule
 
 __all__ = ["ZB_KINDS", "zb_inputs", "zb_evaluator", "build_zb"]
@@ -43,15 +44,23 @@ def zb_inputs(plan: Plan, cost_model: Any, memory_model: Any = None) -> ZBInputs
 
 
 def zb_evaluator(plan: Plan, cost_model: Any, memory_model: Any, inp: ZBInputs):
-    """``schedule -> (makespan, peak bytes per stage)``: the simulator on ``inp``'s numbers."""
-    state = None if memory_model is None else np.asarray(memory_model.state_bytes, dtype=np.float64)
-    costs = {"F": inp.F, "B": inp.B, "I": inp.I, "W": inp.W}
+    """``schedule -> (makespan, peak bytes per stage)``: the simulator's recurrence and memory rule
+    (``dynmb.simulate``, without building its timeline tables) on ``inp``'s numbers."""
+    S = plan.num_stages
+    state = np.zeros(S) if memory_model is None else np.asarray(memory_model.state_bytes, dtype=np.float64)
+    cube = np.stack([inp.F, inp.B, inp.I, inp.W])             # the simulator's op codes F, B, I, W
 
     def evaluate(schedule: Schedule) -> tuple[float, np.ndarray]:
-        res = simulate_costs(schedule, costs, inp.comm, inp.act, state, limit_bytes=plan.memory_limit_bytes,
-                             transient_bytes=inp.tr, w_bytes=inp.w)
-        peak = res.peak_bytes if res.peak_bytes is not None else np.zeros(plan.num_stages)
-        return res.makespan_s, peak
+        flat = execution_order(schedule)
+        dur = cube[flat.op, flat.stage, flat.mb]
+        cross = np.zeros(len(dur))
+        xi = _cross_mask(flat)
+        cross[xi] = inp.comm[flat.mb[xi]]
+        _, end = _times(flat, dur, cross, schedule.num_ranks)
+        if inp.act is None:
+            return float(max(end, default=0.0)), np.zeros(S)
+        peak, _, _ = peaks(flat, S, schedule.num_ranks, inp.act, inp.tr, state, inp.w)
+        return float(max(end, default=0.0)), peak
     return evaluate
 
 

@@ -47,8 +47,9 @@ Kinds:
   fastest is returned, so ZB-H1 is never predicted slower than 1F1B.
 - ``zb`` (``zb_limit_aware``): the caps are the memory limit (minus states) and the in-flight
   count grows toward ZB-H2's ``2 (P - s) - 1`` extra warm-up forwards: candidates
-  ``k_s = P - s + round(alpha (P - s - 1))`` for ``alpha`` in ``ZB_ALPHAS``, plus ZB-H1 and
-  1F1B; the fastest by ``evaluate`` whose simulated peak stays under the limit wins.
+  ``k_s = P - s + round(alpha (P - s - 1))`` for ``alpha`` = 0 then ``ZB_ALPHAS`` in increasing
+  order, stopping at the first that is no faster than the one before, plus ZB-H1 and 1F1B;
+  the fastest by ``evaluate`` whose simulated peak stays under the limit wins.
 
 Without costs (``build_schedule("zb-h1", P, m)``): unit times F = I = W = 1, B = 2, no P2P
 time, no memory caps -- the paper's setting; ``zb`` without costs is ZB-H1's order.
@@ -150,53 +151,56 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     P, m = inp.shape
     k = [max(1, min(m, int(x))) for x in inflight]
     mem = caps is not None and inp.act is not None
-    cap = [float(c) for c in caps] if mem else [np.inf] * P
-    act = inp.act if inp.act is not None else np.zeros((P, m))
-    wb = inp.w if inp.w is not None else np.zeros((P, m))
-    tr = inp.tr if inp.tr is not None else np.zeros((P, m))
-    F, comm, split = inp.F, inp.comm, inp.split
-    est_bwd = np.where(split, inp.I, inp.B)
-    fend = np.full((P, m), -1.0)
-    bend = np.full((P, m), -1.0)
+    cap = [float(c) + 1e-6 for c in caps] if mem else [np.inf] * P
+    zero = np.zeros((P, m))
+    # plain Python lists: the loop below reads one scalar at a time
+    act, wb, tr = ((zero if a is None else a).tolist() for a in (inp.act, inp.w, inp.tr))
+    F, B, I, W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()  # noqa: E741
+    comm, split = inp.comm.tolist(), inp.split.tolist()
+    est_bwd = np.where(inp.split, inp.I, inp.B).tolist()
+    fend = [[-1.0] * m for _ in range(P)]
+    bend = [[-1.0] * m for _ in range(P)]
     clock = [0.0] * P
     todo = [deque(_template(s, m, k[s])) for s in range(P)]
     pend: list[deque] = [deque() for _ in range(P)]
     held, live = [0.0] * P, [0] * P
-    ranks: list[list[Action]] = [[] for _ in range(P)]
+    ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
     makespan = 0.0
+    step = {"F": 1, "B": -1, "I": 0, "W": -1}
 
     def ready(s: int, op: str, j: int) -> tuple[float, bool]:
         """(time op j's input is there, known?) -- else a lower bound from the producer's clock."""
         if op == "F":
             if s == 0:
                 return 0.0, True
-            if fend[s - 1, j] >= 0:
-                return fend[s - 1, j] + comm[j], True
-            return clock[s - 1] + F[s - 1, j] + comm[j], False
+            if fend[s - 1][j] >= 0:
+                return fend[s - 1][j] + comm[j], True
+            return clock[s - 1] + F[s - 1][j] + comm[j], False
         if s == P - 1:
-            return fend[s, j], fend[s, j] >= 0
-        if bend[s + 1, j] >= 0:
-            return bend[s + 1, j] + comm[j], True
-        return clock[s + 1] + est_bwd[s + 1, j] + comm[j], False
+            return fend[s][j], fend[s][j] >= 0
+        if bend[s + 1][j] >= 0:
+            return bend[s + 1][j] + comm[j], True
+        return clock[s + 1] + est_bwd[s + 1][j] + comm[j], False
 
     def run(s: int, op: str, j: int, dur: float) -> None:
         nonlocal makespan
-        held[s] += op_bytes(op, act[s, j], wb[s, j], tr[s, j])[0]
-        live[s] += {"F": 1, "B": -1, "I": 0, "W": -1}[op]
-        ranks[s].append(Action(s, op, j))
+        held[s] += op_bytes(op, act[s][j], wb[s][j], tr[s][j])[0]
+        live[s] += step[op]
+        ranks[s].append((op, j))
         clock[s] += dur
-        makespan = max(makespan, clock[s])
+        if clock[s] > makespan:
+            makespan = clock[s]
         if op == "F":
-            fend[s, j] = clock[s]
-        elif op in ("B", "I"):
-            bend[s, j] = clock[s]
+            fend[s][j] = clock[s]
+        elif op != "W":
+            bend[s][j] = clock[s]
             if op == "I":
                 pend[s].append(j)
 
     def run_w(s: int) -> None:
         j = pend[s].popleft()
-        run(s, "W", j, inp.W[s, j])
+        run(s, "W", j, W[s][j])
 
     while heap:
         t, neg = heapq.heappop(heap)
@@ -207,28 +211,40 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
             continue
         kind_op, j = todo[s][0]
         if kind_op == "F":
-            blocked = live[s] >= k[s] or held[s] + act[s, j] + tr[s, j] > cap[s] + 1e-6
+            blocked = live[s] >= k[s] or held[s] + act[s][j] + tr[s][j] > cap[s]
             op = "F"
         else:
-            op = "I" if split[s, j] else "B"
-            extra = op_bytes(op, act[s, j], wb[s, j], tr[s, j])[1]
-            if op == "I" and held[s] + extra > cap[s] + 1e-6 and not pend[s]:
+            op = "I" if split[s][j] else "B"
+            extra = op_bytes(op, act[s][j], wb[s][j], tr[s][j])[1]
+            if op == "I" and held[s] + extra > cap[s] and not pend[s]:
                 op = "B"                                      # I would hold w > a past the cap: no split
-            blocked = held[s] + op_bytes(op, act[s, j], wb[s, j], tr[s, j])[1] > cap[s] + 1e-6
+                extra = op_bytes(op, act[s][j], wb[s][j], tr[s][j])[1]
+            blocked = held[s] + extra > cap[s]
         r, known = ready(s, op, j)
         if blocked and pend[s]:
             run_w(s)                                          # frees an in-flight slot and bytes
         elif known and r <= t + 1e-12:
             todo[s].popleft()
-            run(s, op, j, F[s, j] if op == "F" else inp.I[s, j] if op == "I" else inp.B[s, j])
-        elif pend[s] and t + inp.W[s, pend[s][0]] <= r + 1e-12:
+            run(s, op, j, F[s][j] if op == "F" else I[s][j] if op == "I" else B[s][j])
+        elif pend[s] and t + W[s][pend[s][0]] <= r + 1e-12:
             run_w(s)                                          # fills the gap before the input arrives
         elif r > t:
             clock[s] = r
         else:                                                 # known is False and r <= t: cannot happen
             raise RuntimeError(f"zero-bubble list scheduler stuck on stage {s} at t={t}")
         heapq.heappush(heap, (clock[s], -s))
-    return Schedule(ranks, P, m, kind=kind), makespan
+    return Schedule([[_action(s, op, j) for op, j in acts] for s, acts in enumerate(ranks)], P, m, kind=kind), makespan
+
+
+_ACTIONS: dict[tuple[int, str, int], Action] = {}
+
+
+def _action(stage: int, op: str, mb: int) -> Action:
+    """``Action(stage, op, mb)``, shared between calls (the list scheduler emits many)."""
+    a = _ACTIONS.get((stage, op, mb))
+    if a is None:
+        a = _ACTIONS[(stage, op, mb)] = Action(stage, op, mb)
+    return a
 
 
 def _inflight(P: int, m: int, alpha: float = 0.0) -> list[int]:
@@ -281,25 +297,37 @@ def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eva
 def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float], limit_bytes: float,
                    evaluate: Evaluate) -> Schedule:
     """``zb``: the fastest of ZB-H1, 1F1B and the list schedules with extra warm-up forwards
-    (``ZB_ALPHAS``) under the per-stage ``caps`` (limit minus states) whose simulated peak stays
-    within ``limit_bytes`` (module doc)."""
+    (``ZB_ALPHAS``, tried in increasing order until one is no faster than the one before) under
+    the per-stage ``caps`` (limit minus states) whose simulated peak stays within
+    ``limit_bytes`` (module doc)."""
     from dynmb.schedule.builders import one_f_one_b
 
-    cands = [zb_h1(num_stages, m, inp, evaluate=evaluate), one_f_one_b(num_stages, m)]
-    seen = set()
+    best, best_t = None, np.inf
+
+    def consider(cands: list[Schedule]) -> float:
+        nonlocal best, best_t
+        fastest = np.inf
+        for c in cands:
+            t, peak = evaluate(c)
+            if np.all(np.asarray(peak) <= limit_bytes + 1e-6):
+                fastest = min(fastest, t)
+                if t < best_t - 1e-12:
+                    best, best_t = c, t
+        return fastest
+
+    h1 = zb_h1(num_stages, m, inp, evaluate=evaluate)
+    consider([h1, one_f_one_b(num_stages, m)])
+    seen, previous = set(), np.inf
     for alpha in (0.0, *ZB_ALPHAS):
         k = tuple(_inflight(num_stages, m, alpha))
         if k in seen:
             continue
         seen.add(k)
         try:
-            cands += _variants(inp, k, caps, "zb")
-        except ValueError:          # a microbatch cannot fit under the cap alone: keep the others
-            continue
-    best, best_t = None, np.inf
-    for c in cands:
-        t, peak = evaluate(c)
-        if np.all(np.asarray(peak) <= limit_bytes + 1e-6) and t < best_t - 1e-12:
-            best, best_t = c, t
-    chosen = best if best is not None else cands[0]
-    return Schedule(chosen.ranks, num_stages, m, kind="zb")
+            t = consider(_variants(inp, k, caps, "zb"))
+        except ValueError:          # a microbatch cannot fit under the cap alone: no larger window will
+            break
+        if alpha > 0 and t >= previous - 1e-12:
+            break
+        previous = min(previous, t)
+    return Schedule((best or h1).ranks, num_stages, m, kind="zb")
