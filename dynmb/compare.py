@@ -80,6 +80,8 @@ class CompareSettings:
     oversize: str = "error"
     pack_len: int | None = None
     round_to: int = 1
+    recompute: str = "never"
+    """Per-microbatch activation recomputation: never, always or auto (``dynmb.packing.recompute``)."""
     prewarm: bool = False
     expandable_segments: bool = True
     schedule: str = "1f1b"
@@ -184,7 +186,8 @@ def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | 
                 mbs=microbatch_size, reorder=reorder_for(method, settings.reorder), virtual=settings.virtual,
                 cost_model=get_cost_model(settings.cost_model, cfg, settings.stages),
                 memory_model=get_memory_model(settings.memory_model, cfg, settings.stages),
-                oversize=settings.oversize, pack_len=settings.pack_len, round_to=settings.round_to)
+                oversize=settings.oversize, pack_len=settings.pack_len, round_to=settings.round_to,
+                recompute=settings.recompute)
 
 
 def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
@@ -224,7 +227,7 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
                         seed=settings.seed, steps=settings.steps, warmup=settings.warmup, backend=backend,
                         device=device, cost_model=settings.cost_model, oversize=settings.oversize,
                         pack_len=settings.pack_len, round_to=settings.round_to, prewarm=settings.prewarm,
-                        expandable_segments=settings.expandable_segments)
+                        recompute=settings.recompute, expandable_segments=settings.expandable_segments)
         spec = RunSpec.create(cfg, out, run_id=f"{label.replace(' ', '-').replace('=', '')}-{tag}", label=label,
                               memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit)
         cases.append(CompareCase(label, method, size, spec))

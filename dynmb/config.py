@@ -179,7 +179,7 @@ class PipelineConfig:
     virtual: int = 1
     """Model chunks per rank (interleaved 1F1B); 1 otherwise."""
     schedule: str = "1f1b"
-    """Schedule kind: gpipe, 1f1b, interleaved, memory-aware."""
+    """Schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (zero bubble)."""
     reorder: str = "none"
     """Microbatch reordering pass applied before building the schedule."""
     memory_limit_bytes: int = 2 * 2**30
@@ -240,6 +240,9 @@ class RunConfig:
     """Every microbatch's padded_len (and packed row length) is a multiple of this."""
     oversize: str = "error"
     """A sequence that cannot fit alone: error, truncate or drop (truncated/dropped are counted)."""
+    recompute: str = "never"
+    """Per-microbatch full activation recomputation: never, always, or auto (the packer recomputes
+    the microbatches for which it pays; ``dynmb.packing.recompute``)."""
     expandable_segments: bool = True
     """CUDA: run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (less fragmentation
     when microbatch shapes vary), unless the variable is already set."""
@@ -266,6 +269,8 @@ class RunConfig:
             raise ValueError(f"pack_len must be >= 1, got {self.pack_len}")
         if self.oversize not in ("error", "truncate", "drop"):
             raise ValueError(f"oversize must be error, truncate or drop, got {self.oversize!r}")
+        if self.recompute not in ("never", "always", "auto"):
+            raise ValueError(f"recompute must be never, always or auto, got {self.recompute!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 

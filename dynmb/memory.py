@@ -41,6 +41,16 @@ the op sequence of each stage: GPipe holds every microbatch (F_j sees 0..j live,
 j..m-1); 1F1B (and memory-aware) stage i holds a window of at most ``k = P - i``
 consecutive microbatches (F_j sees j-k+1..j, B_j sees j..j+k-1). Interleaved (virtual > 1)
 uses a conservative bound per rank: its warm-up count of the largest chunk activations.
+The zero-bubble kinds keep 1F1B's window: ``zb-h1`` never holds more than 1F1B does (its
+builder caps every stage at 1F1B's peak), ``zb`` adds warm-up forwards only while the simulated
+peak stays under the limit, so packing for either is packing for 1F1B.
+
+Split backward and recomputation (the ``[P, 3]`` coefficients at the end of this module): ``w_matrix`` gives the bytes a
+microbatch holds from its ``I`` to its ``W`` (the simulator charges them there); a microbatch
+with ``recompute`` holds only its blocks' inputs from F to B (``act_matrix(..., recompute=)``,
+``rc_act_coef``) and one block's activations on top of its backward's transient bytes
+(``rc_transient_coef``); it runs its whole backward in ``I`` (``w`` = 0). Fitted models derive
+these from the analytic count: ``rc_act_coef = act_coef - recompute_saved_coef`` (>= 0).
 """
 
 from __future__ import annotations
@@ -56,9 +66,9 @@ from .atomic import write_text_atomic
 from .config import ModelConfig
 
 __all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
-           "interleaved_inflight"]
+           "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef"]
 
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")
 
 BUCKET_PADDING = 1 / 16
 """Bound on the pad tokens of bucketed document attention (``dynmb.model.bucket_documents``),
@@ -90,6 +100,9 @@ class MemoryModel:
         self.act_coef = np.asarray(act_coef, dtype=np.float64).reshape(self.num_stages, 3)
         self.transient_coef = np.asarray(transient_coef, dtype=np.float64).reshape(self.num_stages, 3)
         self.source, self.report = source, dict(report or {})
+        self.w_coef = w_coef(model_cfg, self.num_stages)
+        self.rc_act_coef = np.maximum(self.act_coef - recompute_saved_coef(model_cfg, self.num_stages), 0.0)
+        self.rc_transient_coef = self.transient_coef + recompute_transient_coef(model_cfg, self.num_stages)
 
     # --- construction -------------------------------------------------------
     @staticmethod
@@ -180,16 +193,26 @@ class MemoryModel:
         out.report = rep
         return out
 
+    def recomputing(self) -> "MemoryModel":
+        """This model as seen by a microbatch that recomputes: its activation and transient
+        coefficients are ``rc_act_coef`` / ``rc_transient_coef`` (for packing every microbatch
+        under recomputation's admissibility)."""
+        view = MemoryModel(self.model_cfg, self.num_stages, self.state_bytes, self.rc_act_coef,
+                           self.rc_transient_coef, optimizer=self.optimizer, source=f"{self.source}+recompute",
+                           report=self.report)
+        view.rc_act_coef, view.rc_transient_coef, view.w_coef = self.rc_act_coef, self.rc_transient_coef, 0 * self.w_coef
+        return view
+
     # --- queries ------------------------------------------------------------
-    def activation_bytes(self, stage: int, rows: Any, padded_len: Any) -> np.ndarray:
+    def activation_bytes(self, stage: int, rows: Any, padded_len: Any, recompute: bool = False) -> np.ndarray:
         """Bytes held for backward on ``stage`` by microbatches (rows, padded_len), vectorised."""
         b, s = _bs(rows, padded_len)
-        a = self.act_coef[int(stage)]
+        a = (self.rc_act_coef if recompute else self.act_coef)[int(stage)]
         return a[0] + a[1] * b * s + a[2] * b * s * s
 
-    def transient_bytes(self, stage: int, rows: Any, padded_len: Any) -> np.ndarray:
+    def transient_bytes(self, stage: int, rows: Any, padded_len: Any, recompute: bool = False) -> np.ndarray:
         b, s = _bs(rows, padded_len)
-        t = self.transient_coef[int(stage)]
+        t = (self.rc_transient_coef if recompute else self.transient_coef)[int(stage)]
         return t[0] + t[1] * b * s + t[2] * b * s * s
 
     def _act_all(self, stage: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -200,24 +223,37 @@ class MemoryModel:
         t = self.transient_coef[stage]
         return t[:, 0] + t[:, 1] * b * s + t[:, 2] * b * s * s
 
-    def act_matrix(self, rows: Any, padded_len: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``(act[P, m], transient[P, m])`` for microbatches (rows[m], padded_len[m])."""
+    def act_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(act[P, m], transient[P, m])`` for microbatches (rows[m], padded_len[m]); the
+        microbatches flagged in ``recompute[m]`` (optional) run with full recomputation."""
         b, s = _bs(rows, padded_len)
-        bs, bss = b * s, b * s * s
-        act = self.act_coef[:, :1] + self.act_coef[:, 1:2] * bs + self.act_coef[:, 2:3] * bss
-        tr = self.transient_coef[:, :1] + self.transient_coef[:, 1:2] * bs + self.transient_coef[:, 2:3] * bss
+        act, tr = _eval(self.act_coef, b, s), _eval(self.transient_coef, b, s)
+        rc = _mask(recompute, act.shape[1])
+        if rc.any():
+            act[:, rc] = _eval(self.rc_act_coef, b[rc], s[rc])
+            tr[:, rc] = _eval(self.rc_transient_coef, b[rc], s[rc])
         return act, tr
 
-    def peak_bytes(self, rows: Any, padded_len: Any, schedule_kind: str = "1f1b", order: Any = None,
-                   virtual: int = 1) -> np.ndarray:
-        """Predicted peak bytes per stage of running these microbatches (in ``order``)."""
+    def w_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> np.ndarray:
+        """``w[P, m]``: bytes each microbatch holds from its ``I`` to its ``W`` (0 when recomputed:
+        its ``I`` runs the whole backward)."""
         b, s = _bs(rows, padded_len)
+        w = _eval(self.w_coef, b, s)
+        w[:, _mask(recompute, w.shape[1])] = 0.0
+        return w
+
+    def peak_bytes(self, rows: Any, padded_len: Any, schedule_kind: str = "1f1b", order: Any = None,
+                   virtual: int = 1, recompute: Any = None) -> np.ndarray:
+        """Predicted peak bytes per stage of running these microbatches (in ``order``;
+        ``recompute[m]``, optional, flags recomputed ones, in the same order as ``rows``)."""
+        b, s = _bs(rows, padded_len)
+        rc = _mask(recompute, b.size)
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
-            b, s = b[order], s[order]
+            b, s, rc = b[order], s[order], rc[order]
         if b.size == 0:
             return self.rank_state_bytes(schedule_kind, virtual)
-        act, tr = self.act_matrix(b, s)
+        act, tr = self.act_matrix(b, s, rc)
         return self.rank_state_bytes(schedule_kind, virtual) + peak_from_matrix(act, tr, schedule_kind, virtual)
 
     def rank_state_bytes(self, schedule_kind: str = "1f1b", virtual: int = 1) -> np.ndarray:
@@ -229,18 +265,21 @@ class MemoryModel:
         rank = np.arange(self.num_stages) % (self.num_stages // virtual)
         return np.bincount(rank, weights=state)[rank]
 
-    def max_rows(self, stage_caps: Any, padded_len: Any, inflight: Any, tight: bool = False) -> np.ndarray:
+    def max_rows(self, stage_caps: Any, padded_len: Any, inflight: Any, tight: bool = False,
+                 recompute: bool = False) -> np.ndarray:
         """Largest b per padded_len with ``inflight[i] * (act_i(b, s) + tr_i(b, s)) <= stage_caps[i]``
         on every stage (0 where not even one row fits); vectorised over padded_len.
 
         This per-microbatch budget makes any order of such microbatches fit under a
         schedule holding at most ``inflight[i]`` on stage i: a window of k sums to at
         most k * max(act + tr). ``tight``: ``k * act + tr <= cap`` instead (exact for equal
-        microbatches; a mix must then be checked with ``peak_bytes``).
+        microbatches; a mix must then be checked with ``peak_bytes``). ``recompute``: the
+        rows of microbatches that run with full recomputation.
         """
         s = np.asarray(padded_len, dtype=np.float64).reshape(1, -1)
         k = np.asarray(inflight, dtype=np.float64).reshape(-1, 1)
-        w = k * self.act_coef + (1.0 if tight else k) * self.transient_coef
+        act, tr = (self.rc_act_coef, self.rc_transient_coef) if recompute else (self.act_coef, self.transient_coef)
+        w = k * act + (1.0 if tight else k) * tr
         room = np.asarray(stage_caps, dtype=np.float64).reshape(-1, 1) - w[:, :1]
         per_row = w[:, 1:2] * s + w[:, 2:3] * s * s
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -337,6 +376,18 @@ def _block_act_coef(c: ModelConfig) -> np.ndarray:
     return np.array([e * (3 * d + 2 * f) + 16 + (1 + BUCKET_PADDING) * attention, 0.0])
 
 
+def _eval(coef: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """``coef[P, 3]`` at microbatches (b[m], s[m]) -> ``[P, m]``."""
+    return coef[:, :1] + coef[:, 1:2] * (b * s) + coef[:, 2:3] * (b * s * s)
+
+
+def _mask(flags: Any, m: int) -> np.ndarray:
+    """``flags`` (None, a bool, or one bool per microbatch) as a bool array of length m."""
+    if flags is None:
+        return np.zeros(m, dtype=bool)
+    return np.broadcast_to(np.asarray(flags, dtype=bool), (m,)).copy()
+
+
 def _bs(rows: Any, padded_len: Any) -> tuple[np.ndarray, np.ndarray]:
     b, s = np.broadcast_arrays(np.atleast_1d(np.asarray(rows, dtype=np.float64)),
                                np.atleast_1d(np.asarray(padded_len, dtype=np.float64)))
@@ -370,3 +421,63 @@ def get_memory_model(path_or_none: str | Path | None, model_cfg: ModelConfig, nu
     mm = MemoryModel.load(path_or_none)
     mm.check(model_cfg, num_stages)
     return mm
+
+
+# --- split backward and recomputation -------------------------------------------------------------
+# Memory of a split backward and of full recomputation, per stage, as ``[P, 3]`` coefficients.
+#
+# Same form as the activation model above: bytes of a (b rows x s) microbatch = ``c0 + c1*b*s + c2*b*s^2``.
+# Counted from what ``dynmb.model`` and ``dynmb.runtime.splitbackward`` keep (``e`` the model's
+# dtype bytes, ``d`` d_model, ``f`` d_ff, ``V`` the vocabulary, ``L`` the stage's blocks, ``g = 1 +
+# BUCKET_PADDING`` under ``attention="auto"`` (bucketed documents, an upper bound) else 1):
+#
+# - ``w_coef``: held from ``I`` to ``W`` (each Linear call's input and output gradient). Per block
+#   and token ``e * (2d + 2f + 6d g)``: qkv (input d, gradient 3d), attention projection (d, d),
+#   MLP fc (d, f), MLP projection (f, d); the last stage adds the LM head's (d, V). Measured with the
+#   CPU meter on the small preset (2 and 4 stages, padded and packed rows): exact for one document per
+#   row (16,384 B per block and token), within the bucket padding for packed rows.
+# - ``recompute_saved_coef``: what a recomputed microbatch does not hold from F to B: each
+#   block's saved activations except its input, which the recomputation keeps (``e d`` per token).
+# - ``recompute_transient_coef``: one block's activations, live while that block is recomputed
+#   and back-propagated (added to the op's transient bytes; an upper bound, since on the last
+#   stage the logits gradient is gone by then).
+#
+# Measured peak of one microbatch through a stage with recomputation (small preset, 1 x 512,
+# stage 0 of 2): 1.58 MB held after the forward (17.3 MB without), 9.46 MB during its backward.
+
+
+def block_act_coef(cfg: ModelConfig) -> np.ndarray:
+    """``(a1, a2)`` of one block's saved activations (``_block_act_coef``'s count, above)."""
+    return _block_act_coef(cfg)
+
+
+def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: bytes held from a microbatch's ``I`` to its ``W`` on each stage."""
+    e, d, f, v = cfg.dtype_bytes, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    g = 1.0 if cfg.attention == "dense" else 1.0 + BUCKET_PADDING
+    out = np.zeros((num_stages, 3))
+    for i, layers in enumerate(cfg.stage_layers(num_stages)):
+        out[i, 1] = len(layers) * e * (2 * d + 2 * f + 6 * d * g)
+        if i == num_stages - 1:
+            out[i, 1] += e * (d + v)
+    return out
+
+
+def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: activation bytes a recomputed microbatch does not hold (all blocks' but their inputs)."""
+    out = np.zeros((num_stages, 3))
+    blk = block_act_coef(cfg)
+    for i, layers in enumerate(cfg.stage_layers(num_stages)):
+        out[i, 1] = len(layers) * (blk[0] - cfg.dtype_bytes * cfg.d_model)
+        out[i, 2] = len(layers) * blk[1]
+    return out
+
+
+def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: one block's activation bytes, live during a recomputed backward (0 without blocks)."""
+    out = np.zeros((num_stages, 3))
+    blk = block_act_coef(cfg)
+    for i, layers in enumerate(cfg.stage_layers(num_stages)):
+        if len(layers):
+            out[i, 1:] = blk
+    return out

@@ -67,6 +67,7 @@ __all__ = [
     "GPT", "GPTStage", "Block", "MicrobatchInputs", "DocumentBuckets", "InputError", "build_stage", "build_stages",
     "synthetic_tokens", "full_microbatch", "make_inputs", "attention_mask", "bucket_documents", "hidden_shape",
     "torch_dtype", "global_named_parameters", "count_params", "reference_grads", "IGNORE_INDEX", "INPUT_ATTENTION",
+    "RecomputedBlock",
 ]
 
 IGNORE_INDEX = -100
@@ -375,6 +376,35 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class RecomputedBlock(torch.autograd.Function):
+    """A block run with full activation recomputation (Megatron's ``full`` granularity).
+
+    Forward: the block runs without building a graph; only its input is saved for backward
+    (``save_for_backward``, so saved-tensor hooks such as the CPU memory meter see it). Backward:
+    the block's forward is recomputed from that input with autograd on, then back-propagated
+    at once (a nested ``torch.autograd.backward``: the block's parameter gradients accumulate in
+    ``.grad``, the input's gradient is returned), so one block's activations are live at a time.
+    The recomputation runs under whatever saved-tensor hooks the caller's backward has, which is
+    why this is not ``torch.utils.checkpoint(use_reentrant=False)``: that one saves the
+    recomputed activations under its own hooks, where the CPU meter cannot account them.
+    Deterministic kernels recompute bit-identical activations, so gradients are exact."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, block: nn.Module, inputs: "MicrobatchInputs") -> torch.Tensor:  # type: ignore[override]
+        ctx.block, ctx.inputs = block, inputs
+        ctx.save_for_backward(x)
+        return block(x, inputs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        leaf = x.detach().requires_grad_(x.requires_grad)
+        with torch.enable_grad():
+            y = ctx.block(leaf, ctx.inputs)
+        torch.autograd.backward(y, grad)
+        return leaf.grad, None, None
+
+
 def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
@@ -426,7 +456,9 @@ class GPTStage(nn.Module):
                 g = torch.Generator().manual_seed(_param_seed(seed, name))
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
-    def forward(self, x: torch.Tensor | None, inputs: MicrobatchInputs, *, reduction: str = "sum") -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, inputs: MicrobatchInputs, *, reduction: str = "sum",
+                recompute: bool = False) -> torch.Tensor:
+        """``recompute``: full activation recomputation per block (see ``RecomputedBlock``)."""
         if self.is_first:
             if inputs.max_doc_len > self.cfg.max_seq_len:
                 raise InputError(f"a document of {inputs.max_doc_len} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
@@ -434,7 +466,7 @@ class GPTStage(nn.Module):
         elif x is None:
             raise ValueError(f"stage {self.stage} needs the hidden state from stage {self.stage - 1}")
         for blk in self.blocks.values():
-            x = blk(x, inputs)
+            x = RecomputedBlock.apply(x, blk, inputs) if recompute and torch.is_grad_enabled() else blk(x, inputs)
         if not self.is_last:
             return x
         logits = self.lm_head(self.norm_f(x))

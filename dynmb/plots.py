@@ -16,7 +16,7 @@ from dynmb.costmodel import point_medians  # noqa: E402
 __all__: list[str] = ["compare_throughput", "cost_fit", "gantt"]
 
 # --- gantt (schedule helper) ---
-_GANTT_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+_GANTT_COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 
 
 def gantt(timeline: pd.DataFrame, path: str, title: str | None = None, *, max_labels: int = 600) -> str:
@@ -64,8 +64,9 @@ def gantt(timeline: pd.DataFrame, path: str, title: str | None = None, *, max_la
     ax.set_ylim(nr - 0.5, -0.5)
     ax.set_xlim(0, makespan * 1.09)
     ax.set_xlabel("time (s)")
-    handles = [Patch(color=_GANTT_COLORS.get(op, "#8172B2"), label={"F": "forward", "B": "backward", "W": "weight grad"}.get(op, op))
-               for op in ("F", "B", "W") if op in set(tl["op"])]
+    handles = [Patch(color=_GANTT_COLORS.get(op, "#8172B2"),
+                     label={"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}.get(op, op))
+               for op in ("F", "B", "I", "W") if op in set(tl["op"])]
     if multi_stage:
         handles.append(Patch(color="#999999", alpha=0.65, label="later chunks: lighter"))
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles), fontsize=8,

@@ -15,7 +15,14 @@ microbatch is recorded as ``attn_work`` (b*s^2 for k = 1, sum of s_i^2 for packe
     B  = time(y.backward(g))      # g: a fixed random grad of y (non-last), or loss.backward()
 
 so backward is timed alone on its own graph; parameter gradients accumulate as over the
-microbatches of a step. Clocks: CPU with ``threads == 1`` uses the calling thread's CPU
+microbatches of a step. With ``split`` every run also times the split backward a zero-bubble
+schedule runs (``dynmb.runtime.splitbackward``) on a second fresh graph:
+
+    y  = stage(x, inputs)         # recording the Linear calls, untimed
+    I  = time(backward_input(y))  # the input's gradient (+ LayerNorm, embedding, bias grads)
+    W  = time(backward_weight())  # the deferred Linear weight gradients
+
+and writes ``I`` and ``W`` rows next to ``F`` and ``B``. Clocks: CPU with ``threads == 1`` uses the calling thread's CPU
 time (``time.thread_time``; torch then runs every op, forward and autograd backward, on the
 calling thread), which is what the op costs on a dedicated core and is immune to other
 processes time-sharing the machine; ``wall_s`` (``perf_counter``) is recorded next to it.
@@ -73,6 +80,7 @@ from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.results import write_table
 from dynmb.runtime.hostmem import retain_freed_memory
 from dynmb.runtime.pingpong import ping_pong
+from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.types import Microbatch
 
 __all__ = ["GRID_ROWS", "GRID_LENS", "GRID_DOCS", "PACKED_ROWS", "PACKED_LENS", "MIN_DOC_TOKENS", "default_grid",
@@ -196,8 +204,9 @@ def _sync_timer(device: torch.device, clock: str):
 
 
 def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, repeats: int = 5, warmup: int = 2,
-               device: str | torch.device = "cpu", clock: str = "thread") -> list[tuple[float, float, float, float]]:
-    """``repeats`` (forward_s, backward_s, forward_wall_s, backward_wall_s) of ``stage_mod`` on ``inputs``."""
+               device: str | torch.device = "cpu", clock: str = "thread", split: bool = False) -> list[tuple[float, ...]]:
+    """``repeats`` (forward_s, backward_s, forward_wall_s, backward_wall_s) of ``stage_mod`` on ``inputs``;
+    with ``split`` each tuple goes on with (input_grad_s, weight_grad_s, input_grad_wall_s, weight_grad_wall_s)."""
     device = torch.device(device)
     timed = _sync_timer(device, clock)
     b, s = inputs.shape
@@ -213,8 +222,17 @@ def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, repeats: int = 5, war
         y, tf, wf = timed(lambda x=x: stage_mod(x, inputs))          # bound now: x and y are deleted below
         _, tb, wb = timed(lambda y=y: y.backward() if g is None else y.backward(g))
         del y, x
+        times: tuple[float, ...] = (tf, tb, wf, wb)
+        if split:
+            x = None if x0 is None else x0.detach().requires_grad_(True)
+            with record_linears(stage_mod) as tape:
+                y = stage_mod(x, inputs)
+            _, ti, wi = timed(lambda: backward_input(stage_mod, y, g, x, tape))
+            _, tw, ww = timed(lambda: backward_weight(tape))
+            del y, x
+            times += (ti, tw, wi, ww)
         if i >= warmup:
-            out.append((tf, tb, wf, wb))
+            out.append(times)
     return out
 
 
@@ -241,8 +259,9 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
             quick: bool = False, max_len: int | None = None, repeats: int = 5, warmup: int = 2,
             device: str = "cpu", threads: int = 1, clock: str | None = None, output: str | Path | None = None,
             comm: bool = False, memory: bool = True, seed: int = 0, progress: bool = True,
-            concurrent: bool = False, token_cap: int | None = None) -> pd.DataFrame:
+            concurrent: bool = False, token_cap: int | None = None, split: bool = False) -> pd.DataFrame:
     """Measure every stage over ``grid`` (default ``default_grid``); return (and write) the samples.
+    ``split``: also time the split backward (``I`` and ``W`` rows, see the module doc).
 
     ``grid``: points ``(rows, padded_len, docs_per_row)`` (a bool third element is the older
     ``packed`` flag). ``concurrent``: one process per stage, all running the same point at once
@@ -274,13 +293,13 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
     todo.sort(key=lambda x: (x[0], x[2] * x[3], x[4], x[1]))
     if concurrent:
         rows_out = _profile_concurrent(cfg, num_stages, todo, warmup=warmup, clock=clock, threads=threads,
-                                       seed=seed, memory=memory, progress=progress, base=base)
+                                       seed=seed, memory=memory, progress=progress, base=base, split=split)
         df = pd.concat([old, pd.DataFrame(rows_out)], ignore_index=True)
         if output is not None:
             write_table(df, output, parquet=False)
         return df
     return _profile_alone(cfg, num_stages, todo, old, dev=dev, warmup=warmup, clock=clock, seed=seed, memory=memory,
-                          progress=progress, base=base, output=output)
+                          progress=progress, base=base, output=output, split=split)
 
 
 def _read_resumable(output: str | Path | None, base: dict) -> pd.DataFrame:
@@ -310,14 +329,16 @@ def _done_runs(old: pd.DataFrame) -> set[tuple[int, int, int, int, int]]:
             ff[["repeat", "stage", "rows", "padded_len", "docs_per_row"]].itertuples(index=False)}
 
 
-def _sample_rows(stage: int, mb: Microbatch, cfg: ModelConfig, docs: int, times: tuple[float, float, float, float],
+def _sample_rows(stage: int, mb: Microbatch, cfg: ModelConfig, docs: int, times: tuple[float, ...],
                  repeat: int, base: dict, extra: dict) -> list[dict]:
-    """The F and B rows of one timed run."""
-    tf, tb, wf, wb = times
+    """The F and B rows of one timed run (and I and W after them when it timed a split backward)."""
+    tf, tb, wf, wb = times[:4]
+    ops = [("F", tf, wf), ("I", times[4], times[6]), ("W", times[5], times[7])] if len(times) == 8 else [("F", tf, wf)]
+    ops.append(("B", tb, wb))       # last: a run counts as done once its B row is written (resume)
     point = {"stage": stage, "rows": mb.batch, "padded_len": mb.padded_len, "tokens": mb.computed_tokens,
              "packed": docs > 1, "docs_per_row": docs, "attn_work": mb.attention_work(cfg.attention)}
     return [{**point, "op": op, "time_s": t, "wall_s": w, "repeat": repeat, **base, **extra}
-            for op, t, w in (("F", tf, wf), ("B", tb, wb))]
+            for op, t, w in ops]
 
 
 def _memory_columns(meter, cfg: ModelConfig, num_stages: int, stage: int, point: Point, dev=None) -> dict:
@@ -343,7 +364,7 @@ def _run_estimates(cfg: ModelConfig, num_stages: int, items: list[tuple[Point, l
 
 def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list, old: pd.DataFrame, *, dev: torch.device,
                    warmup: int, clock: str, seed: int, memory: bool, progress: bool, base: dict,
-                   output: str | Path | None) -> pd.DataFrame:
+                   output: str | Path | None, split: bool = False) -> pd.DataFrame:
     """Measure ``todo`` ((repeat, stage, rows, padded_len, docs), sorted) one stage at a time in this process."""
     stages = build_stages(cfg, num_stages, seed, device=dev) if todo else []
     meter = _meter() if memory else None
@@ -362,7 +383,8 @@ def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list, old: pd.DataFr
         inputs = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size, seed), cfg=cfg, device=dev)
         if first:
             stages[p].zero_grad(set_to_none=False)
-        (times,) = time_stage(stages[p], inputs, repeats=1, warmup=warmup if first else 0, device=dev, clock=clock)
+        (times,) = time_stage(stages[p], inputs, repeats=1, warmup=warmup if first else 0, device=dev, clock=clock,
+                              split=split)
         extra = {}
         if meter is not None and r == 0:
             try:
@@ -394,7 +416,7 @@ def _free_port() -> int:
 
 def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, points: list, warmup: int,
                        clock: str, threads: int, seed: int, memory: bool, progress: bool, base: dict,
-                       out_dir: str) -> None:
+                       out_dir: str, split: bool = False) -> None:
     torch.set_num_threads(int(threads))
     retain_freed_memory()
     cfg = ModelConfig.from_dict(cfg_dict)
@@ -414,7 +436,7 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
             if first:
                 stage.zero_grad(set_to_none=False)
             dist.barrier()          # every stage starts this point's runs together
-            (times,) = time_stage(stage, inputs, repeats=1, warmup=warmup if first else 0, clock=clock)
+            (times,) = time_stage(stage, inputs, repeats=1, warmup=warmup if first else 0, clock=clock, split=split)
             if bar is not None:
                 bar.update(est_s)
                 bar.set_postfix_str(f"rep {r} {b}x{s}/{d}doc F={times[0]:.3g}s")
@@ -447,7 +469,7 @@ def _concurrent_items(points: list, num_stages: int) -> list[tuple[Point, list[i
 
 
 def _profile_concurrent(cfg: ModelConfig, num_stages: int, todo: list, *, warmup: int, clock: str, threads: int,
-                        seed: int, memory: bool, progress: bool, base: dict) -> list[dict]:
+                        seed: int, memory: bool, progress: bool, base: dict, split: bool = False) -> list[dict]:
     """Rows of ``todo`` ((repeat, stage, rows, padded_len, docs), sorted) measured by one process per
     stage, all stages of a point at once (a stage already measured there runs untimed, as load)."""
     import torch.multiprocessing as mp
@@ -462,7 +484,7 @@ def _profile_concurrent(cfg: ModelConfig, num_stages: int, todo: list, *, warmup
     logger.info("profile: %d points x %d stages at once, estimated %.1f min", len(plist), num_stages, est / 60)
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_concurrent_worker, args=(_free_port(), cfg.to_dict(), num_stages, plist, warmup, clock,
-                                                     threads, seed, memory, progress, base, d),
+                                                     threads, seed, memory, progress, base, d, split),
                            nprocs=num_stages, start_method="spawn")
         rows: list[dict] = []
         for rank in range(num_stages):

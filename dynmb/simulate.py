@@ -6,7 +6,9 @@ plus, when that action ran on another rank, the P2P time of the message:
 ``F`` of stage ``s`` waits for ``F`` of ``s - 1`` (the activation), ``B`` of
 ``s`` for ``B`` of ``s + 1`` (the gradient). Sends do not block the sender
 (P2P overlaps compute). So ``start[a] = max(end[prev on rank], end[dep] +
-comm[mb])`` and ``end[a] = start[a] + cost[op][stage, mb]``.
+comm[mb])`` and ``end[a] = start[a] + cost[op][stage, mb]``. A split backward's ``I`` waits
+like ``B`` (for the ``B``/``I`` of ``s + 1``) and sends the input gradient at its end; its
+``W`` depends on nothing across stages (its own ``I`` precedes it on the rank).
 
 The recurrence is evaluated once, in a topological order of the (rank order
 + dependency) graph that ``dynmb.schedule.validate.execution_order`` produces
@@ -14,10 +16,12 @@ with a worklist over the ranks' queues; a deadlock there raises
 ``ScheduleError``. Arrays, one pass: O(actions) (P = 64, m = 1,024: well under
 a second, see ``benchmarks/bench_simulate.py``).
 
-Memory (DESIGN.md's one definition): a stage holds the activation bytes of a
+Memory (DESIGN.md's one definition): a stage holds the activation bytes ``a`` of a
 microbatch from its ``F`` until the end of its ``B``; while an op runs, the
 transient bytes of that op's microbatch (buffers not kept for backward) come
-on top. Peak per stage = state bytes + max over the stage's action sequence of
+on top. A split backward frees ``a`` at the end of ``I`` but keeps ``w`` (the layer
+inputs and output gradients ``W`` needs) until the end of ``W``; while ``I`` runs it
+holds ``max(a, w)`` plus the transient bytes, while ``W`` runs ``w``. Peak per stage = state bytes + max over the stage's action sequence of
 (held + transient of the running op); per rank likewise, summing the stages
 on it. ``bubble_fraction`` per rank = 1 - busy / makespan.
 
@@ -45,10 +49,10 @@ from dynmb.packing.rows import makespan
 from dynmb.schedule.validate import ScheduleError, execution_order
 from dynmb.types import Plan, Schedule
 
-__all__ = ["SimResult", "simulate", "simulate_costs", "estimate_makespan", "memory_inputs", "comm_times", "peaks",
-           "ScheduleError"]
+__all__ = ["SimResult", "simulate", "simulate_costs", "estimate_makespan", "memory_inputs", "w_inputs", "plan_op_costs",
+           "comm_times", "peaks", "op_memory", "ScheduleError"]
 
-_OPS = np.array(["F", "B", "W"])
+_OPS = np.array(["F", "B", "I", "W"])
 
 
 @dataclass
@@ -102,11 +106,12 @@ class SimResult:
         return d
 
 
-def _cost_cube(costs: dict[str, np.ndarray], S: int, m: int) -> np.ndarray:
-    cube = np.zeros((3, S, m), dtype=np.float64)
-    for k, op in enumerate("FBW"):
+def _cost_cube(costs: dict[str, np.ndarray], S: int, m: int, used: Any = "FB") -> np.ndarray:
+    """``[4, S, m]`` seconds of F, B, I, W; the ops in ``used`` must be in ``costs``."""
+    cube = np.zeros((4, S, m), dtype=np.float64)
+    for k, op in enumerate("FBIW"):
         if op not in costs:
-            if op == "W":
+            if op not in used:
                 continue
             raise ValueError(f"costs lack op {op!r}; got {sorted(costs)}")
         c = np.asarray(costs[op], dtype=np.float64)
@@ -148,15 +153,17 @@ def _cross_mask(flat: Any) -> np.ndarray:
 
 def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0,
                    act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
-                   limit_bytes: int | None = None, transient_bytes: np.ndarray | None = None) -> SimResult:
+                   limit_bytes: int | None = None, transient_bytes: np.ndarray | None = None,
+                   w_bytes: np.ndarray | None = None) -> SimResult:
     """Simulate ``schedule`` with ``costs[op][stage, mb]`` seconds and ``comm_s`` (scalar or per mb) per P2P message.
 
-    ``act_bytes[stage, mb]``, ``state_bytes[stage]`` and ``transient_bytes[stage, mb]``
-    (all optional) give the memory prediction. Raises ``ScheduleError`` if the schedule is invalid or deadlocks.
+    ``act_bytes[stage, mb]``, ``state_bytes[stage]``, ``transient_bytes[stage, mb]`` and
+    ``w_bytes[stage, mb]`` (held from I to W) (all optional) give the memory prediction. Costs
+    must hold every op the schedule uses. Raises ``ScheduleError`` if the schedule is invalid or deadlocks.
     """
     S, m = schedule.num_stages, schedule.num_microbatches
-    cube = _cost_cube(costs, S, m)
     flat = execution_order(schedule)
+    cube = _cost_cube(costs, S, m, used="".join(_OPS[np.unique(flat.op)]))
     stage, op, mb, rank = flat.stage, flat.op, flat.mb, flat.rank
     n = len(stage)
     dur = cube[op, stage, mb]
@@ -176,12 +183,13 @@ def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: flo
     res = SimResult(timeline=timeline, makespan_s=makespan, busy_s=busy, bubble_fraction=bubble,
                     limit_bytes=None if limit_bytes is None else int(limit_bytes), kind=schedule.kind)
     if act_bytes is not None:
-        _memory(res, flat, schedule, np.asarray(act_bytes, dtype=np.float64), state_bytes, transient_bytes, end_a)
+        _memory(res, flat, schedule, np.asarray(act_bytes, dtype=np.float64), state_bytes, transient_bytes, end_a,
+                w_bytes)
     return res
 
 
 def _memory(res: SimResult, flat: Any, schedule: Schedule, act: np.ndarray, state_bytes: Any,
-            transient: Any, end: np.ndarray) -> None:
+            transient: Any, end: np.ndarray, w_bytes: Any = None) -> None:
     S, m = schedule.num_stages, schedule.num_microbatches
     if act.shape != (S, m):
         raise ValueError(f"act_bytes must be [num_stages={S}, m={m}], got {act.shape}")
@@ -191,20 +199,34 @@ def _memory(res: SimResult, flat: Any, schedule: Schedule, act: np.ndarray, stat
     tr = None if transient is None else np.asarray(transient, dtype=np.float64)
     if tr is not None and tr.shape != (S, m):
         raise ValueError(f"transient_bytes must be [num_stages={S}, m={m}], got {tr.shape}")
-    res.peak_bytes, res.peak_bytes_rank, (o, st, held) = peaks(flat, S, schedule.num_ranks, act, tr, state)
+    w = None if w_bytes is None else np.asarray(w_bytes, dtype=np.float64)
+    if w is not None and w.shape != (S, m):
+        raise ValueError(f"w_bytes must be [num_stages={S}, m={m}], got {w.shape}")
+    res.peak_bytes, res.peak_bytes_rank, (o, st, held) = peaks(flat, S, schedule.num_ranks, act, tr, state, w)
     res.memory_timeline = pd.DataFrame({"stage": st, "t_s": end[o], "bytes": held + state[st]})
 
 
+def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None,
+              w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(delta, during)`` per action: the change of held bytes when it ends, and what it holds
+    on top of the held-after level while it runs (module doc): F +a; B -a, during +a; I +(w - a),
+    during max(a - w, 0); W -w, during +w; every op but W also its transient bytes ``tr``."""
+    a = act[flat.stage, flat.mb]
+    wb = np.zeros_like(a) if w is None else w[flat.stage, flat.mb]
+    op = flat.op
+    delta = np.select([op == 0, op == 1, op == 2], [a, -a, wb - a], -wb)
+    during = np.select([op == 1, op == 2, op == 3], [a, np.maximum(a - wb, 0.0), wb], 0.0)
+    if tr is not None:
+        during = during + np.where(op == 3, 0.0, tr[flat.stage, flat.mb])
+    return delta, during
+
+
 def peaks(flat: Any, S: int, R: int, act: np.ndarray, tr: np.ndarray | None,
-          state: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+          state: np.ndarray, w: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Peak bytes per stage and per rank of a flattened schedule (see module doc), plus the
     per-stage sequence ``(order, stage, held bytes after each op)`` for the memory timeline."""
-    a = act[flat.stage, flat.mb]
-    delta = np.array([1.0, -1.0, 0.0])[flat.op] * a
-    # on top of the held-after-op level while the op runs: B still holds its microbatch's activation
-    during = np.where(flat.op == 1, a, 0.0)
-    if tr is not None:
-        during = during + tr[flat.stage, flat.mb]
+    delta, during = op_memory(flat, act, tr, w)
     # per stage: its actions in rank order (a stage lives on one rank)
     o = np.lexsort((flat.step, flat.stage))
     st = flat.stage[o]
@@ -228,18 +250,37 @@ def peaks(flat: Any, S: int, R: int, act: np.ndarray, tr: np.ndarray | None,
 
 
 def memory_inputs(memory_model: Any, plan: Plan) -> tuple[Any, Any, Any]:
-    """``(act[P, m], transient[P, m] or None, state[P])`` of ``plan`` from ``memory_model`` (Nones without one)."""
+    """``(act[P, m], transient[P, m] or None, state[P])`` of ``plan`` from ``memory_model`` (Nones
+    without one); recomputed microbatches (``Microbatch.recompute``) at their recomputed bytes."""
     if memory_model is None:
         return None, None, None
     shapes = plan.shapes()
     rows, plen = shapes[:, 0], shapes[:, 1]
+    rc = plan.recompute_mask()
     if hasattr(memory_model, "act_matrix"):
-        act, tr = memory_model.act_matrix(rows, plen)
+        act, tr = memory_model.act_matrix(rows, plen, rc) if rc.any() else memory_model.act_matrix(rows, plen)
     else:
         act = np.stack([np.asarray(memory_model.activation_bytes(s, rows, plen), dtype=np.float64).reshape(-1)
                         for s in range(plan.num_stages)])
         tr = None
     return np.asarray(act, dtype=np.float64), tr, np.asarray(memory_model.state_bytes, dtype=np.float64)
+
+
+def w_inputs(memory_model: Any, plan: Plan) -> np.ndarray | None:
+    """``w[P, m]``: bytes each microbatch of ``plan`` holds from its ``I`` to its ``W`` (None
+    without a memory model that knows them)."""
+    if memory_model is None or not hasattr(memory_model, "w_matrix"):
+        return None
+    shapes = plan.shapes()
+    return np.asarray(memory_model.w_matrix(shapes[:, 0], shapes[:, 1], plan.recompute_mask()), dtype=np.float64)
+
+
+def plan_op_costs(cost_model: Any, plan: Plan, schedule: Schedule) -> dict[str, np.ndarray]:
+    """``cost_model.plan_costs(plan)`` with ``I`` and ``W`` added when ``schedule`` splits backwards."""
+    used = {a.op for acts in schedule.ranks for a in acts}
+    if used <= {"F", "B"}:
+        return cost_model.plan_costs(plan)
+    return cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
 
 
 def comm_times(cost_model: Any, plan: Plan) -> np.ndarray | float:
@@ -264,10 +305,11 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: Any, memory_model: Any 
         raise ValueError(f"schedule has {schedule.num_microbatches} microbatches but the plan {plan.num_microbatches}")
     shapes = plan.shapes()
     rows, plen = shapes[:, 0], shapes[:, 1]
-    costs = cost_model.plan_costs(plan)
+    costs = plan_op_costs(cost_model, plan, schedule)
     comm = comm_times(cost_model, plan)
     act, tr, state = memory_inputs(memory_model, plan)
-    res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr)
+    res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr,
+                         w_bytes=w_inputs(memory_model, plan) if act is not None else None)
     tl = res.timeline
     tl["batch"] = rows[tl["mb"].to_numpy()]
     tl["padded_len"] = plen[tl["mb"].to_numpy()]

@@ -11,7 +11,8 @@ sequence is identified by its index in that array.
   global batch appears exactly once (or is listed in ``meta['dropped']`` /
   ``meta['truncated']`` by an explicit policy).
 - ``Action``: ``(stage, op, mb)`` printed ``2F7`` like torch.distributed.pipelining's
-  ``_Action`` (``F`` forward, ``B`` full backward, ``W`` split weight-gradient).
+  ``_Action`` (``F`` forward, ``B`` full backward; a split backward is ``I``, the input
+  gradient, then ``W``, the weight gradients: torch's BACKWARD_INPUT / BACKWARD_WEIGHT).
 - ``Schedule``: one tuple of Actions per rank; the single schedule IR.
 """
 
@@ -30,7 +31,8 @@ from dynmb.atomic import write_text_atomic
 
 __all__ = ["Microbatch", "Plan", "Action", "Schedule", "OPS", "ATTENTION_KINDS", "PlanError"]
 
-OPS = ("F", "B", "W")
+OPS = ("F", "B", "I", "W")
+"""Action ops, torch's ``_ComputationType`` letters: forward, full backward, backward input, backward weight."""
 
 ATTENTION_KINDS = ("auto", "dense")
 """``auto``: causal attention without a mask for one document per row, document-causal
@@ -54,7 +56,8 @@ class Microbatch:
     ``seq_ids[k]`` (index into the global batch) has length ``lengths[k]`` and sits
     in row ``row_ids[k]``; sequences sharing a row are concatenated in the order
     given (document-causal masking keeps them apart). ``row_ids`` defaults to one
-    sequence per row, in order.
+    sequence per row, in order. ``recompute``: the microbatch runs every stage with full
+    activation recomputation (only each block's input is kept from F to B).
     """
 
     seq_ids: np.ndarray
@@ -62,12 +65,14 @@ class Microbatch:
     padded_len: int
     batch: int
     row_ids: np.ndarray | None = None
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_ids", _as_i64(self.seq_ids))
         object.__setattr__(self, "lengths", _as_i64(self.lengths))
         object.__setattr__(self, "padded_len", int(self.padded_len))
         object.__setattr__(self, "batch", int(self.batch))
+        object.__setattr__(self, "recompute", bool(self.recompute))
         n = len(self.seq_ids)
         rows = np.arange(n, dtype=np.int64) if self.row_ids is None else self.row_ids
         object.__setattr__(self, "row_ids", _as_i64(rows))
@@ -134,6 +139,8 @@ class Microbatch:
         }
         if not np.array_equal(self.row_ids, np.arange(self.num_seqs)):
             d["row_ids"] = self.row_ids.tolist()
+        if self.recompute:
+            d["recompute"] = True
         return d
 
     @classmethod
@@ -144,6 +151,7 @@ class Microbatch:
             padded_len=d["padded_len"],
             batch=d["batch"],
             row_ids=d.get("row_ids"),
+            recompute=bool(d.get("recompute", False)),
         )
 
 
@@ -200,6 +208,10 @@ class Plan:
     def shapes(self) -> np.ndarray:
         """``(num_microbatches, 2)`` int64 array of (batch, padded_len)."""
         return np.array([[mb.batch, mb.padded_len] for mb in self.microbatches], dtype=np.int64).reshape(-1, 2)
+
+    def recompute_mask(self) -> np.ndarray:
+        """``(num_microbatches,)`` bool: which microbatches run with full recomputation."""
+        return np.array([bool(getattr(mb, "recompute", False)) for mb in self.microbatches], dtype=bool)
 
     def attention_work(self, attention: str = "auto") -> np.ndarray:
         """``(num_microbatches,)`` float64: each microbatch's ``Microbatch.attention_work``."""
@@ -309,6 +321,8 @@ class Plan:
             h.update(mb.seq_ids.tobytes())
             h.update(mb.lengths.tobytes())
             h.update(mb.row_ids.tobytes())
+            if mb.recompute:
+                h.update(b"recompute")
         return h.hexdigest()
 
 
@@ -324,7 +338,7 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-_ACTION_RE = re.compile(r"^\s*(\d+)([FBW])(\d+)\s*$")
+_ACTION_RE = re.compile(r"^\s*(\d+)([FBIW])(\d+)\s*$")
 
 
 @dataclass(frozen=True, order=True)
@@ -350,7 +364,7 @@ class Action:
     def parse(cls, s: str) -> "Action":
         m = _ACTION_RE.match(s)
         if not m:
-            raise ValueError(f"malformed action {s!r}; expected e.g. '2F7' (stage, F/B/W, microbatch)")
+            raise ValueError(f"malformed action {s!r}; expected e.g. '2F7' (stage, F/B/I/W, microbatch)")
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
 
 

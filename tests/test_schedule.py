@@ -203,13 +203,23 @@ def test_deadlock_is_rejected_by_validator_and_simulator():
         simulate_costs(s, {"F": np.ones((2, 2)), "B": np.ones((2, 2))})
 
 
-def test_w_is_optional_and_after_b():
-    s = Schedule([[Action(0, "F", 0), Action(0, "B", 0), Action(0, "W", 0)],
+def test_split_backward_is_i_then_w_and_excludes_b():
+    s = Schedule([[Action(0, "F", 0), Action(0, "I", 0), Action(0, "W", 0)],
                   [Action(1, "F", 0), Action(1, "B", 0)]], 2, 1)
     validate(s)
-    bad = Schedule([[Action(0, "F", 0), Action(0, "W", 0), Action(0, "B", 0)], [Action(1, "F", 0), Action(1, "B", 0)]], 2, 1)
-    with pytest.raises(ScheduleError, match="0W0 runs before its backward"):
+    bad = Schedule([[Action(0, "F", 0), Action(0, "W", 0), Action(0, "I", 0)], [Action(1, "F", 0), Action(1, "B", 0)]], 2, 1)
+    with pytest.raises(ScheduleError, match="0W0 runs before its input gradient"):
         validate(bad)
+    both = Schedule([[Action(0, "F", 0), Action(0, "B", 0), Action(0, "W", 0)], [Action(1, "F", 0), Action(1, "B", 0)]], 2, 1)
+    with pytest.raises(ScheduleError, match="full backward B and a split one"):
+        validate(both)
+    lone = Schedule([[Action(0, "F", 0), Action(0, "I", 0)], [Action(1, "F", 0), Action(1, "B", 0)]], 2, 1)
+    with pytest.raises(ScheduleError, match="0W0 is missing"):
+        validate(lone)
+    # I of stage 0 waits for the I (or B) of stage 1, in either form
+    wait = Schedule([[Action(0, "F", 0), Action(0, "I", 0), Action(0, "W", 0)],
+                     [Action(1, "F", 0), Action(1, "I", 0), Action(1, "W", 0)]], 2, 1)
+    validate(wait)
 
 
 def test_format_grid_windows_long_schedules():
@@ -227,11 +237,12 @@ def valid_schedules(draw):
     R = draw(st.sampled_from([d for d in range(1, P + 1) if P % d == 0]))
     use_w = draw(st.booleans())
     rng = random.Random(draw(st.integers(0, 2**31)))
+    split = {(s, j): use_w and rng.random() < 0.7 for s in range(P) for j in range(m)}   # I + W instead of B
     fset = [set() for _ in range(P)]
-    bset = [set() for _ in range(P)]
+    bset = [set() for _ in range(P)]     # B or I done
     wset = [set() for _ in range(P)]
     ranks: list[list[Action]] = [[] for _ in range(R)]
-    total = P * m * (3 if use_w else 2)
+    total = sum(3 if split[k] else 2 for k in split)
     for _ in range(total):
         ready = []
         for s in range(P):
@@ -239,11 +250,11 @@ def valid_schedules(draw):
                 if j not in fset[s] and (s == 0 or j in fset[s - 1]):
                     ready.append(Action(s, "F", j))
                 elif j in fset[s] and j not in bset[s] and (s == P - 1 or j in bset[s + 1]):
-                    ready.append(Action(s, "B", j))
-                elif use_w and j in bset[s] and j not in wset[s]:
+                    ready.append(Action(s, "I" if split[s, j] else "B", j))
+                elif split[s, j] and j in bset[s] and j not in wset[s]:
                     ready.append(Action(s, "W", j))
         a = rng.choice(ready)
-        {"F": fset, "B": bset, "W": wset}[a.op][a.stage].add(a.mb)
+        {"F": fset, "B": bset, "I": bset, "W": wset}[a.op][a.stage].add(a.mb)
         ranks[a.stage % R].append(a)
     return Schedule(ranks, P, m, kind="random")
 
@@ -253,7 +264,11 @@ def valid_schedules(draw):
 def test_random_valid_schedules_pass_and_mutations_fail(s, seed):
     validate(s)
     rng = random.Random(seed)
-    flat = [(r, i) for r, acts in enumerate(s.ranks) for i, a in enumerate(acts) if a.op != "W"]
+    flat = [(r, i) for r, acts in enumerate(s.ranks) for i, a in enumerate(acts)]
+
+    def bwd(stage: int, mb: int) -> Action:      # the backward that needs the forward: B or I
+        acts = s.ranks[stage % len(s.ranks)]
+        return Action(stage, "B", mb) if Action(stage, "B", mb) in acts else Action(stage, "I", mb)
     # missing action
     r, i = rng.choice(flat)
     ranks = _mutable(s)
@@ -270,7 +285,7 @@ def test_random_valid_schedules_pass_and_mutations_fail(s, seed):
     j, stg = rng.randrange(s.num_microbatches), rng.randrange(s.num_stages)
     ranks = _mutable(s)
     rr = stg % len(ranks)
-    fi, bi = ranks[rr].index(Action(stg, "F", j)), ranks[rr].index(Action(stg, "B", j))
+    fi, bi = ranks[rr].index(Action(stg, "F", j)), ranks[rr].index(bwd(stg, j))
     ranks[rr][fi], ranks[rr][bi] = ranks[rr][bi], ranks[rr][fi]
     with pytest.raises(ScheduleError):
         validate(Schedule(ranks, s.num_stages, s.num_microbatches))
@@ -279,12 +294,12 @@ def test_random_valid_schedules_pass_and_mutations_fail(s, seed):
         stg = rng.randrange(s.num_stages - 1)
         j = rng.randrange(s.num_microbatches)
         nxt = s.ranks[(stg + 1) % len(s.ranks)]
-        cut = nxt.index(Action(stg + 1, "B", j))
+        cut = nxt.index(bwd(stg + 1, j))
         ks = [a.mb for a in nxt[:cut] if a.stage == stg + 1 and a.op == "F"]
         k = rng.choice(ks)
         ranks = _mutable(s)
         here = ranks[stg % len(ranks)]
-        b = Action(stg, "B", j)
+        b = bwd(stg, j)
         here.remove(b)
         here.insert(here.index(Action(stg, "F", k)), b)
         with pytest.raises(ScheduleError):
@@ -317,7 +332,7 @@ def test_memory_aware_with_room_is_1f1b_and_rejects_oversize():
         a[1, 3] = 9
         build_schedule("memory-aware", 4, 8, act_bytes=a, state_bytes=[1, 1, 1, 1], limit_bytes=5)
     with pytest.raises(ValueError, match="unknown schedule kind"):
-        build_schedule("zb", 2, 2)
+        build_schedule("zbv", 2, 2)
 
 
 # --------------------------------------------------------------------------- reordering

@@ -105,12 +105,14 @@ def test_rejects_deadlock_and_bad_costs():
         simulate_costs(build_schedule("1f1b", 2, 2), {"F": np.ones((2, 2))})
 
 
-def test_w_ops_are_simulated():
-    s = Schedule([[Action(0, "F", 0), Action(0, "B", 0), Action(0, "W", 0)],
-                  [Action(1, "F", 0), Action(1, "B", 0), Action(1, "W", 0)]], 2, 1)
-    c = {"F": np.ones((2, 1)), "B": np.ones((2, 1)), "W": np.ones((2, 1))}
+def test_i_and_w_ops_are_simulated():
+    s = Schedule([[Action(0, "F", 0), Action(0, "I", 0), Action(0, "W", 0)],
+                  [Action(1, "F", 0), Action(1, "I", 0), Action(1, "W", 0)]], 2, 1)
+    c = {"F": np.ones((2, 1)), "B": 5 * np.ones((2, 1)), "I": np.ones((2, 1)), "W": np.ones((2, 1))}
     r = simulate_costs(s, c)
-    assert r.makespan_s == 5.0  # F F B(1) B(0) W(0)
+    assert r.makespan_s == 5.0  # F F I(1) I(0) W(0): 0I0 waits only for 1I0, not 1W0
+    with pytest.raises(ValueError, match="lack op 'I'"):
+        simulate_costs(s, {"F": np.ones((2, 1)), "B": np.ones((2, 1))})
 
 
 class _Cost:
@@ -192,7 +194,7 @@ def test_matches_fixpoint_relaxation_on_random_schedules():
     def check(s, seed):
         rng = np.random.default_rng(seed)
         P, m = s.num_stages, s.num_microbatches
-        costs = {op: rng.uniform(0.1, 2.0, (P, m)) for op in "FBW"}
+        costs = {op: rng.uniform(0.1, 2.0, (P, m)) for op in "FBIW"}
         comm = rng.uniform(0, 0.5, m)
         r = simulate_costs(s, costs, comm)
         rank_of = s.stage_to_rank()
@@ -206,8 +208,10 @@ def test_matches_fixpoint_relaxation_on_random_schedules():
                 dep = None
                 if a.op == "F" and a.stage > 0:
                     dep = Action(a.stage - 1, "F", a.mb)
-                elif a.op == "B" and a.stage < P - 1:
-                    dep = Action(a.stage + 1, "B", a.mb)
+                elif a.op in "BI" and a.stage < P - 1:
+                    nxt = s.ranks[rank_of[a.stage + 1]]
+                    dep = Action(a.stage + 1, "B", a.mb) if Action(a.stage + 1, "B", a.mb) in nxt else \
+                        Action(a.stage + 1, "I", a.mb)
                 if dep is not None:
                     drk = rank_of[dep.stage]
                     t = max(t, end.get((drk, s.ranks[drk].index(dep)), 0.0) + (comm[a.mb] if drk != rk else 0.0))

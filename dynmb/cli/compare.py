@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dynmb.cli.flags import OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_run_shape_flags, add_shape_flags
+from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
+                             add_shape_flags)
 from dynmb.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
 
 __all__ = ["add_parser", "run", "settings_from_args"]
@@ -25,9 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="microbatch size for fixed-size methods (default: largest that fits)")
     parser.add_argument("--oversize", default="error", choices=OVERSIZE_CHOICES,
                         help="a sequence that cannot fit alone: error (default), truncate or drop (both reported)")
+    add_recompute_flag(parser)
     add_shape_flags(parser)
     add_run_shape_flags(parser)
-    parser.add_argument("--schedule", default="1f1b", help="schedule kind (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b",
+                        help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb (default 1f1b)")
     parser.add_argument("--virtual", type=int, default=1,
                         help="model chunks per rank (default 1: one rank per stage; >1 runs the interleaved "
                              "schedule on stages/virtual ranks)")
@@ -62,7 +65,8 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         dataset=args.dataset, lengths=args.lengths, global_batch=args.global_batch, seed=args.seed,
         stages=args.stages, memory_limit=args.memory_limit,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), microbatch_size=args.mbs,
-        oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to, prewarm=args.prewarm,
+        oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to, recompute=args.recompute,
+        prewarm=args.prewarm,
         expandable_segments=not args.no_expandable_segments, schedule=args.schedule,
         virtual=int(args.virtual or 1), device=args.device, memory_model=args.memory_model,
         allow_over_limit=args.allow_over_limit, reorder=args.reorder, steps=args.steps, warmup=args.warmup,

@@ -2,7 +2,8 @@
 
 - ``add_data_flags``: ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``;
 - ``add_packing_flags``: ``--stages``, ``--memory-limit``, ``--method``, ``--mbs``, ``--dp``,
-  ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize`` and the shape flags;
+  ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize``, ``--recompute`` and the shape flags;
+- ``add_recompute_flag``: ``--recompute``;
 - ``add_shape_flags``: ``--pack-len``, ``--round-to``;
 - ``add_run_shape_flags``: ``--prewarm``, ``--no-expandable-segments``;
 - ``add_model_flags``: ``--model``, ``--attention``.
@@ -20,7 +21,7 @@ from dynmb.config import ModelConfig, model_config
 from dynmb.data import load_trace, sample_batch
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
-           "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "OVERSIZE_CHOICES"]
+           "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "OVERSIZE_CHOICES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop")
 
@@ -78,7 +79,8 @@ def add_packing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel pipelines the global batch is split over (default 1)")
     parser.add_argument("--schedule-kind", default="1f1b",
-                        help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware (default 1f1b)")
+                        help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb "
+                             "(default 1f1b)")
     parser.add_argument("--cost-model", default=None,
                         help="fitted cost-model JSON (`dynmb fit`); default: analytic stand-in")
     parser.add_argument("--memory-model", default=None,
@@ -86,7 +88,14 @@ def add_packing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oversize", default="error", choices=OVERSIZE_CHOICES,
                         help="a sequence that cannot fit alone: error (default), truncate it to fit, or drop it "
                              "(both reported)")
+    add_recompute_flag(parser)
     add_shape_flags(parser)
+
+
+def add_recompute_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recompute", default="never", choices=["never", "always", "auto"],
+                        help="full activation recomputation per microbatch: never (default), always, or auto (the "
+                             "packer recomputes the microbatches for which it pays; dynmb.packing.recompute)")
 
 
 def add_shape_flags(parser: argparse.ArgumentParser) -> None:

@@ -37,6 +37,7 @@ def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, 
         "pred_step_s": plan.predictions["pred_step_s"], "mean_bubble": plan.predictions["mean_bubble"],
         "plan_s": plan.predictions["plan_s"], "mbs": plan.meta.get("mbs"),
         "dropped": len(plan.meta.get("dropped", [])), "truncated": len(plan.meta.get("truncated", [])),
+        "recomputed": int(plan.recompute_mask().sum()),
         "pack_len": plan.meta.get("pack_len"), "round_to": args.round_to, "attention": attention,
         "distinct_shapes": len({(mb.batch, mb.padded_len) for mb in plan.microbatches}),
     }
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         batch, method=args.method, model_cfg=model, num_stages=args.stages,
         memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule_kind,
         mbs=args.mbs, dp=args.dp, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-        cost_model=get_cost_model(args.cost_model, model, args.stages),
+        recompute=args.recompute, cost_model=get_cost_model(args.cost_model, model, args.stages),
         memory_model=get_memory_model(args.memory_model, model, args.stages),
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step, "model": args.model},
     )

@@ -27,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                              "runs them")
     parser.add_argument("--token-cap", type=int, default=None,
                         help="largest rows x padded_len in the default grid (default 8192 on CPU, 65536 on CUDA)")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the split backward zero-bubble schedules run (I and W rows next to F and B)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the memory columns (each point's first repeat builds a fresh stage for them: "
                              "about 1 s per point for gpt2; `dynmb memory` measures memory on its own)")
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     samples = profile(model_from_args(args), args.stages, quick=args.quick, max_len=args.max_len,
                       repeats=args.repeats, warmup=args.warmup, device=args.device, threads=args.threads,
                       output=args.output, comm=args.comm, memory=not args.no_memory, concurrent=args.concurrent,
-                      token_cap=args.token_cap)
+                      token_cap=args.token_cap, split=args.split)
     compute = samples[samples["op"].isin(["F", "B"])]
     medians = compute.groupby(["stage", "op"])["time_s"].agg(["size", "median", "max"])
     points = len(compute.groupby(["stage", "rows", "padded_len", "packed"]))

@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_packing_flags(parser)
     add_model_flags(parser)
     parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) = stages x dp / virtual (default 2)")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b)")
     parser.add_argument("--virtual", type=int, default=1, help="model chunks per rank for interleaved (default 1)")
     parser.add_argument("--reorder", default="none", help="microbatch reordering (default none)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
@@ -51,7 +51,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         mbs=args.mbs, dp=args.dp, seed=args.seed, steps=args.steps, warmup=args.warmup,
         backend=args.backend or backend, device=args.device or device, cost_model=args.cost_model,
         timeout_s=args.timeout, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments)
+        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments, recompute=args.recompute)
 
 
 def run_summary(out: Path) -> str:

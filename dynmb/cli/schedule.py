@@ -13,6 +13,7 @@ from dynmb.config import format_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.planning.reorder import reorder
+from dynmb.planning.zerobubble import build_zb
 from dynmb.schedule import build_schedule, to_csv, validate
 from dynmb.simulate import memory_inputs, simulate
 from dynmb.types import Plan
@@ -23,7 +24,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("schedule", help=help_text)
     parser.add_argument("--plan", required=True, help="plan JSON from `dynmb plan`")
-    parser.add_argument("--kind", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware (default 1f1b)")
+    parser.add_argument("--kind", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b)")
     parser.add_argument("--virtual", type=int, default=1,
                         help="model chunks per rank for interleaved (default 1: ranks = stages)")
     parser.add_argument("--reorder", default="none",
@@ -55,8 +56,11 @@ def run(args: argparse.Namespace) -> int:
         activation, transient, state = memory_inputs(memory_model, plan)
         memory_kwargs = dict(act_bytes=activation, state_bytes=state, limit_bytes=plan.memory_limit_bytes,
                              transient_bytes=transient)
-    schedule = build_schedule(args.kind, plan.num_stages, plan.num_microbatches, virtual=args.virtual,
-                              **memory_kwargs)
+    if args.kind in ("zb-h1", "zb"):          # cost-driven list scheduler (dynmb.planning.zerobubble)
+        schedule = build_zb(plan, args.kind, cost_model=cost_model, memory_model=memory_model)
+    else:
+        schedule = build_schedule(args.kind, plan.num_stages, plan.num_microbatches, virtual=args.virtual,
+                                  **memory_kwargs)
     validate(schedule)
     to_csv(schedule, args.output)
     out = Path(args.output)

@@ -4,10 +4,12 @@ A cost model answers ``predict(stage, op, rows, padded_len, attn)`` -> seconds (
 a microbatch of ``rows`` x ``padded_len`` tokens whose attention work is ``attn`` (the sum of
 segment_length^2 over its attention segments, ``Microbatch.attention_work``: ``rows *
 padded_len^2`` for one document per row, ``sum(s_i^2)`` over the documents of packed rows under
-``attention="auto"``; None means one document per row), op ``F`` (forward) or ``B`` (full
-backward; ``W`` is 0: no split weight-gradient step). ``stage_costs(rows[m], padded_len[m],
-attn[m])`` returns ``{"F": ndarray[P, m], "B": ndarray[P, m]}``; ``plan_costs(plan)`` is the
-same for a whole plan with each microbatch's attention work, and is what consumers call.
+``attention="auto"``; None means one document per row), op ``F`` (forward), ``B`` (full
+backward), or the split backward's ``I`` (input gradient) and ``W`` (weight gradients): fitted
+when the samples have them, else derived from ``B`` (``dynmb.costmodel.split``). ``stage_costs(rows[m],
+padded_len[m], attn[m])`` returns ``{"F": ndarray[P, m], "B": ndarray[P, m]}`` (``ops=`` for
+others); ``plan_costs(plan)`` is the same for a whole plan with each microbatch's attention work
+and its ``recompute`` flag (``dynmb.costmodel.split.apply_recompute``), and is what consumers call.
 ``comm`` (a ``CommModel``) gives the P2P time ``alpha_s + nbytes / bytes_per_s`` of the
 activation sent between neighbouring stages; ``comm_s(rows, padded_len)`` that of a microbatch.
 
@@ -33,6 +35,7 @@ from dynmb.atomic import write_text_atomic
 from dynmb.config import ModelConfig
 
 from .nnls import nnls_rel
+from .split import apply_recompute, derived_split
 
 __all__ = ["CostModelLike", "CommModel", "CostModel"]
 
@@ -47,12 +50,13 @@ class CostModelLike(Protocol):
         """Seconds of ``op`` on ``stage`` for microbatches (rows, padded_len, attention work)."""
         ...
 
-    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None) -> dict[str, np.ndarray]:
-        """``{"F": [P, m], "B": [P, m]}`` seconds."""
+    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None, ops: tuple[str, ...] = ("F", "B"),
+                    recompute: Any = None) -> dict[str, np.ndarray]:
+        """``{"F": [P, m], "B": [P, m]}`` seconds (``ops``: which ops)."""
         ...
 
-    def plan_costs(self, plan: Any) -> dict[str, np.ndarray]:
-        """``stage_costs`` of a plan's microbatches with their attention work."""
+    def plan_costs(self, plan: Any, ops: tuple[str, ...] = ("F", "B")) -> dict[str, np.ndarray]:
+        """``stage_costs`` of a plan's microbatches with their attention work and recompute flags."""
         ...
 
     def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
@@ -122,39 +126,47 @@ class CostModel:
             raise ValueError(f"stage {stage} out of range for {self.num_stages} stages")
         b, s = np.broadcast_arrays(np.asarray(rows, dtype=np.float64), np.asarray(padded_len, dtype=np.float64))
         a = b * s * s if attn is None else np.broadcast_to(np.asarray(attn, dtype=np.float64), b.shape)
-        if op == "W":
-            return np.zeros(b.shape)
-        if op not in ("F", "B"):
-            raise ValueError(f"unknown op {op!r}; expected F, B or W")
+        if op not in ("F", "B", "I", "W"):
+            raise ValueError(f"unknown op {op!r}; expected F, B, I or W")
+        if op in ("I", "W") and (int(stage), op) not in getattr(self, "params", getattr(self, "grids", {})):
+            return derived_split(self, int(stage), op, b, s, a)
         return np.maximum(self._predict(int(stage), op, b, s, a), 0.0) + self.runtime_overhead_s.get(op, 0.0)
 
-    def with_overhead(self, F: float = 0.0, B: float = 0.0) -> "CostModel":
+    def with_overhead(self, F: float = 0.0, B: float = 0.0, I: float = 0.0, W: float = 0.0) -> "CostModel":  # noqa: E741
         """A copy whose every F / B prediction adds ``F`` / ``B`` seconds: what the runtime
         spends per action beyond the op itself (memory-meter hooks, posting sends, the other
         ranks' comm threads), measured on a run's warm-up steps (``runtime_overhead``)."""
         c = copy.copy(self)
-        c.runtime_overhead_s = {"F": float(F), "B": float(B)}
+        c.runtime_overhead_s = {"F": float(F), "B": float(B), **{k: float(v) for k, v in (("I", I), ("W", W)) if v}}
         return c
 
     def _predict(self, stage: int, op: str, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None) -> dict[str, np.ndarray]:
+    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None, ops: tuple[str, ...] = ("F", "B"),
+                    recompute: Any = None) -> dict[str, np.ndarray]:
         """``{"F": ndarray[P, m], "B": ndarray[P, m]}`` seconds per stage and microbatch
-        (``attn`` as in ``predict``)."""
+        (``attn`` as in ``predict``; ``ops``: which ops; ``recompute[m]``: microbatches run with
+        full recomputation, ``dynmb.costmodel.split.apply_recompute``)."""
         b = np.atleast_1d(np.asarray(rows, dtype=np.float64))
         s = np.atleast_1d(np.asarray(padded_len, dtype=np.float64))
         b, s = np.broadcast_arrays(b, s)
         a = b * s * s if attn is None else np.broadcast_to(np.atleast_1d(np.asarray(attn, dtype=np.float64)), b.shape)
-        return {op: np.stack([self.predict(p, op, b, s, a) for p in range(self.num_stages)]).reshape(self.num_stages, -1)
-                for op in ("F", "B")}
+        need = tuple(dict.fromkeys(("F", "B", *ops) if recompute is not None else ops))
+        out = {op: np.stack([self.predict(p, op, b, s, a) for p in range(self.num_stages)]).reshape(self.num_stages, -1)
+               for op in need}
+        if recompute is not None:
+            out = {op: v for op, v in apply_recompute(self, out, recompute).items() if op in ops}
+        return out
 
-    def plan_costs(self, plan: Any) -> dict[str, np.ndarray]:
+    def plan_costs(self, plan: Any, ops: tuple[str, ...] = ("F", "B")) -> dict[str, np.ndarray]:
         """``stage_costs`` of every microbatch of ``plan`` with its attention work under
-        this model's ``attention`` setting: the lookup the simulator, reorderer and
-        runtime use for a whole plan."""
+        this model's ``attention`` setting and its ``recompute`` flag: the lookup the
+        simulator, reorderer and runtime use for a whole plan."""
         shapes = plan.shapes()
-        return self.stage_costs(shapes[:, 0], shapes[:, 1], plan.attention_work(self.model_cfg.attention))
+        rc = plan.recompute_mask() if hasattr(plan, "recompute_mask") else None
+        return self.stage_costs(shapes[:, 0], shapes[:, 1], plan.attention_work(self.model_cfg.attention), ops=ops,
+                                recompute=rc if rc is not None and rc.any() else None)
 
     def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
         """P2P seconds of the hidden state of microbatches (rows, padded_len) between stages."""

@@ -33,12 +33,12 @@ OVERHEAD_SMALL_S, OVERHEAD_MIN_ACTIONS = 0.05, 8
 
 
 def with_attention_work(samples: pd.DataFrame) -> pd.DataFrame:
-    """The F/B rows of ``samples`` with ``packed``, ``docs_per_row`` and ``attn_work`` filled in.
+    """The F/B/I/W rows of ``samples`` with ``packed``, ``docs_per_row`` and ``attn_work`` filled in.
 
     Rows without ``attn_work`` (samples or actions recorded before it was): one document per
     row gets ``rows * padded_len**2``; a packed row's attention work is unknown, so it is
     dropped with a warning (its time cannot be told apart from the documents' layout)."""
-    df = samples[samples["op"].isin(["F", "B"])].copy()
+    df = samples[samples["op"].isin(["F", "B", "I", "W"])].copy()
     df["packed"] = df["packed"].fillna(False).astype(bool) if "packed" in df else False
     one_doc_work = df["rows"].astype(np.int64) * df["padded_len"].astype(np.int64) ** 2
     work = df["attn_work"] if "attn_work" in df else pd.Series(np.nan, index=df.index)
@@ -58,7 +58,7 @@ def with_attention_work(samples: pd.DataFrame) -> pd.DataFrame:
 
 
 def point_medians(samples: pd.DataFrame) -> pd.DataFrame:
-    """Median time over repeats per point (stage, op, rows, padded_len, attn_work); F/B rows only.
+    """Median time over repeats per point (stage, op, rows, padded_len, attn_work); F/B/I/W rows only.
     Columns: the key, packed, docs_per_row, time_s, n (repeats)."""
     df = with_attention_work(samples)
     out = df.groupby(POINT_KEY, as_index=False).agg(packed=("packed", "first"), docs_per_row=("docs_per_row", "first"),
@@ -94,7 +94,7 @@ def samples_from_actions(actions: pd.DataFrame) -> pd.DataFrame:
     need = {"stage", "op", "batch", "padded_len", "start_s", "end_s"}
     if need - set(actions.columns):
         raise ValueError(f"actions table lacks columns {sorted(need - set(actions.columns))}")
-    a = actions[actions["op"].isin(["F", "B"])]
+    a = actions[actions["op"].isin(["F", "B", "I", "W"])]
     rows = a["batch"].astype(int)
     out = pd.DataFrame({
         "stage": a["stage"].astype(int), "op": a["op"], "rows": rows,
@@ -135,7 +135,7 @@ def runtime_overhead(actions: pd.DataFrame) -> dict[str, float]:
     sends, the other rank's comm threads), 5-20% of a 1-row microbatch, which a profile of
     one op at a time does not see."""
     out = {}
-    for op in ("F", "B"):
+    for op in ("F", "B", "I", "W"):
         a = actions[(actions["op"] == op) & (actions["pred_s"] < OVERHEAD_SMALL_S)]
         if len(a) < OVERHEAD_MIN_ACTIONS:
             out[op] = 0.0

@@ -42,6 +42,7 @@ from .dynamic import dynamic_groups
 from .dynapipe import dynapipe_groups
 from .fixed import fixed_flat
 from .packed import packed_row_len, packed_rows_flat
+from .recompute import pack_with_recompute
 from .rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, makespan, round_down, round_up,
                    split_group)
 from .token_budget import token_budget_flat
@@ -49,7 +50,7 @@ from .token_budget import token_budget_flat
 __all__ = ["METHODS", "pack"]
 
 METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
-_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
+_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")   # zb kinds pack as 1F1B (dynmb.memory)
 _OVERSIZE = ("error", "truncate", "drop")
 
 
@@ -230,14 +231,21 @@ def _estimate(microbatches: list[Microbatch], cost_model: Any, memory_model: Any
 
 def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: Any,
          cost_model: Any, mbs: int | None = None, schedule_kind: str = "1f1b", dp: int = 1,
-         oversize: str = "error", pack_len: int | None = None, round_to: int = 1, virtual: int = 1) -> Plan:
+         oversize: str = "error", pack_len: int | None = None, round_to: int = 1, virtual: int = 1,
+         recompute: str = "never") -> Plan:
     """Pack the global batch ``lengths`` with ``method``; see the module docstring.
 
     ``mbs``: rows per microbatch of ``fixed`` / ``sorted`` / ``packed`` (``packed`` default 1).
     ``pack_len``: the row length of ``packed`` (the other methods ignore it). ``round_to``:
-    every ``padded_len`` is a multiple of it. The cyclic garbage collector is paused during the call (packing
+    every ``padded_len`` is a multiple of it. ``recompute``: never, always or auto (``dynmb.packing.recompute``).
+    The cyclic garbage collector is paused during the call (packing
     allocates many small objects and creates no cycles); its previous state is restored.
     """
+    if recompute != "never":
+        return pack_with_recompute(pack, lengths, method, recompute=recompute, num_stages=num_stages,
+                                   memory_limit_bytes=memory_limit_bytes, memory_model=memory_model,
+                                   cost_model=cost_model, mbs=mbs, schedule_kind=schedule_kind, dp=dp,
+                                   oversize=oversize, pack_len=pack_len, round_to=round_to, virtual=virtual)
     gc_was = gc.isenabled()
     gc.disable()
     try:

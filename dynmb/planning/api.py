@@ -55,16 +55,17 @@ class Planner:
     ``model``: a ``ModelConfig`` or a ``--model`` spec (``"small"``, ``"small:d_model=512"``,
     ``"model.json"``); ``memory_limit``: bytes or a size string (``"1GiB"``);
     ``cost_model`` / ``memory_model``: objects or JSON paths (None: the shipped/analytic ones);
-    ``schedule``: gpipe, 1f1b, interleaved, memory-aware (and any kind the builders know);
+    ``schedule``: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (and any kind the builders know);
     ``round_to``: every padded_len a multiple of it; ``dp``: data-parallel replicas;
-    ``virtual``: model chunks per rank (interleaved); ``device``: which shipped cost model
+    ``virtual``: model chunks per rank (interleaved); ``recompute``: never, always or auto
+    (per-microbatch activation recomputation, ``dynmb.packing.recompute``); ``device``: which shipped cost model
     ("cpu"/"cuda") to default to.
     """
 
     def __init__(self, *, model: ModelConfig | str = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
                  cost_model: Any = None, memory_model: Any = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
-                 device: str = "cpu") -> None:
+                 recompute: str = "never", device: str = "cpu") -> None:
         self.model_cfg = _model(model)
         self.num_stages = int(num_stages)
         self.memory_limit_bytes = parse_bytes(memory_limit)
@@ -82,7 +83,7 @@ class Planner:
             memory_model.check(self.model_cfg, self.num_stages)
         self.cost_model, self.memory_model = cost_model, memory_model
         self.schedule, self.round_to, self.dp, self.virtual = schedule, int(round_to), int(dp), int(virtual)
-        self.oversize, self.pack_len = oversize, pack_len
+        self.oversize, self.pack_len, self.recompute = oversize, pack_len, recompute
 
     def plan(self, lengths: Any, method: str = "dynamic", reorder: str = "auto", *, mbs: int | None = None,
              meta: dict[str, Any] | None = None) -> PlannedStep:
@@ -92,7 +93,8 @@ class Planner:
             np.asarray(lengths, dtype=np.int64), method=method, model_cfg=self.model_cfg, num_stages=self.num_stages,
             memory_limit_bytes=self.memory_limit_bytes, schedule_kind=self.schedule, reorder=reorder, mbs=mbs,
             dp=self.dp, virtual=self.virtual, cost_model=self.cost_model, memory_model=self.memory_model,
-            oversize=self.oversize, pack_len=self.pack_len, round_to=self.round_to, meta=meta)
+            oversize=self.oversize, pack_len=self.pack_len, round_to=self.round_to, meta=meta,
+            recompute=self.recompute)
         return PlannedStep(plan=plan, schedule=schedule, sim=sim)
 
     def __repr__(self) -> str:

@@ -29,12 +29,18 @@ from ..simulate import SimResult, simulate
 from ..types import Plan, Schedule
 from .defaults import reorder_for
 from .reorder import reorder as reorder_plan
+from .zerobubble import build_zb
 
 __all__ = ["plan_step", "make_schedule"]
 
 
-def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any = None) -> Schedule:
+def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any = None,
+                  cost_model: Any = None) -> Schedule:
     """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``)."""
+    if kind in ("zb-h1", "zb"):          # cost-driven list scheduler (dynmb.planning.zerobubble)
+        sched = build_zb(plan, kind, cost_model=cost_model, memory_model=memory_model)
+        validate(sched)
+        return sched
     m = plan.num_microbatches
     kw: dict[str, Any] = {}
     if kind == "memory-aware":
@@ -67,6 +73,7 @@ def plan_step(
     pack_len: int | None = None,
     round_to: int = 1,
     meta: dict[str, Any] | None = None,
+    recompute: str = "never",
 ) -> tuple[Plan, Schedule, SimResult]:
     """Pack, reorder, schedule and simulate one global batch.
 
@@ -80,13 +87,14 @@ def plan_step(
     plan = pack(np.asarray(lengths, dtype=np.int64), method, num_stages=num_stages,
                 memory_limit_bytes=memory_limit_bytes, memory_model=memory_model, cost_model=cost_model,
                 mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize=oversize, virtual=virtual,
-                pack_len=pack_len, round_to=round_to)
+                pack_len=pack_len, round_to=round_to, recompute=recompute)
     replicas = [plan] if dp == 1 else [plan.replica(r) for r in range(dp)]
     reorder = reorder_for(method, reorder)          # "auto": the method's own order
     if reorder != "none":
         replicas = [reorder_plan(p, reorder, cost_model=cost_model, memory_model=memory_model,
                              schedule_kind=schedule_kind, virtual=virtual) for p in replicas]
-    scheds = [make_schedule(p, schedule_kind, virtual=virtual, memory_model=memory_model) for p in replicas]
+    scheds = [make_schedule(p, schedule_kind, virtual=virtual, memory_model=memory_model, cost_model=cost_model)
+              for p in replicas]
     plan_s = time.perf_counter() - t0
     sims = [simulate(s, p, cost_model, memory_model) for s, p in zip(scheds, replicas)]
     if dp > 1:

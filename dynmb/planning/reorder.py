@@ -57,14 +57,14 @@ class OrderEvaluator:
 
     def __init__(self, plan: Plan, cost_model: Any, memory_model: Any = None, schedule_kind: str = "1f1b",
                  virtual: int = 1) -> None:
-        shapes = plan.shapes()
         self.P, self.m, self.kind, self.virtual = plan.num_stages, plan.num_microbatches, schedule_kind, virtual
-        costs = cost_model.plan_costs(plan)
-        self.cube = np.zeros((3, self.P, self.m))
-        for k, op in enumerate("FBW"):
+        costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W")) if schedule_kind in ("zb-h1", "zb") \
+            else cost_model.plan_costs(plan)
+        self.cube = np.zeros((4, self.P, self.m))          # F, B, I, W: the simulator's op codes
+        for k, op in enumerate("FBIW"):
             if op in costs:
                 self.cube[k] = np.asarray(costs[op], dtype=np.float64).reshape(self.P, self.m)
-        self.work = self.cube.sum(axis=(0, 1))
+        self.work = self.cube[:2].sum(axis=(0, 1))           # F + B
         self.comm = np.broadcast_to(np.asarray(comm_times(cost_model, plan), dtype=np.float64), (self.m,))
         self.act, self.tr, self.state = memory_inputs(memory_model, plan)
         if schedule_kind == "memory-aware" and self.act is None:

@@ -42,7 +42,7 @@ class DynamicBatchSampler(Sampler[list[int]]):
     """Yields this rank's microbatches (lists of dataset indices); see the module docstring.
 
     Extra keyword arguments (``cost_model``, ``memory_model``, ``schedule``, ``round_to``,
-    ``oversize``, ``pack_len``, ``virtual``, ``device``) go to the ``Planner``."""
+    ``oversize``, ``pack_len``, ``virtual``, ``recompute``, ``device``) go to the ``Planner``."""
 
     def __init__(self, lengths: Any, global_batch: int, *, model: ModelConfig | str, num_stages: int,
                  memory_limit: int | str, method: str = "dynamic", num_replicas: int = 1, rank: int = 0,

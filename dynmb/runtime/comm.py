@@ -17,8 +17,8 @@ correctness rests only on FIFO order per ordered pair (src, dst):
    pending send then never sits in front of a receive from the same peer on one
    stream, which is the classic 1F1B deadlock;
 2. the receiver derives the sender's send order from the sender's action list
-   (an ``F`` of stage s sends ``("act", s+1, m)``, a ``B`` of stage s sends
-   ``("grad", s-1, m)``) and posts its ``irecv`` s in exactly that order. When it
+   (an ``F`` of stage s sends ``("act", s+1, m)``, a ``B`` or ``I`` of stage s sends
+   ``("grad", s-1, m)``; a ``W`` sends nothing) and posts its ``irecv`` s in exactly that order. When it
    needs a message whose predecessors on that pair were not consumed yet, it posts
    those first and keeps them (``pending``) until their actions ask for them.
 
@@ -96,7 +96,7 @@ def sender_order(schedule: Schedule, src_rank: int, dst_rank: int, stage_rank: d
     for a in schedule.ranks[src_rank]:
         if a.op == "F" and a.stage < last and stage_rank[a.stage + 1] == dst_rank:
             out.append(("act", a.stage + 1, a.mb))
-        elif a.op == "B" and a.stage > 0 and stage_rank[a.stage - 1] == dst_rank:
+        elif a.op in ("B", "I") and a.stage > 0 and stage_rank[a.stage - 1] == dst_rank:
             out.append(("grad", a.stage - 1, a.mb))
     return out
 

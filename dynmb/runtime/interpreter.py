@@ -6,18 +6,28 @@ For each action in the rank's list, in order:
 
 - ``sFm`` (forward): stage 0 embeds microbatch m's tokens; any other stage
   receives the activation ``("act", s, m)`` (shape known from the plan), marks it
-  as requiring grad and runs the stage. It keeps ``(input, output)`` for the
-  backward and sends the output on to stage ``s + 1`` (a local handoff when that
-  stage is on this rank). The last stage's output is the summed cross-entropy of
+  as requiring grad and runs the stage (with full recomputation per block when the
+  microbatch has ``recompute``; ``dynmb.model.RecomputedBlock``). It keeps ``(input,
+  output)`` for the backward and sends the output on to stage ``s + 1`` (a local handoff
+  when that stage is on this rank). When the rank's actions split that microbatch's
+  backward (an ``sIm``), the forward records its Linear calls for ``W``
+  (``dynmb.runtime.splitbackward.record_linears``). The last stage's output is the summed cross-entropy of
   the microbatch, scaled by ``loss_scale`` = 1 / real tokens of the whole global
   batch over all DP replicas, so gradients equal the single-process mean loss.
 - ``sBm`` (backward): the last stage back-propagates its scaled loss; others
   receive ``("grad", s, m)`` and call ``torch.autograd.backward(output, grad)``.
   The input's gradient goes back to stage ``s - 1`` and both tensors are freed.
   Gradients accumulate in ``.grad`` across microbatches.
-- ``sWm``: the builders here emit full backwards; a split weight-gradient
-  action runs nothing (its B already computed the weight gradients) and is
-  recorded with zero length.
+- ``sIm`` (backward input): like ``B`` it receives the gradient and sends the input's
+  gradient back, but computes only it (and the cheap non-Linear parameter gradients),
+  keeping each Linear call's input and output gradient for ``W``; the memory meter holds
+  them (``MemoryMeter.hold``) until ``W`` frees them. A recomputed microbatch runs its
+  whole backward here (its ``W`` is then empty).
+- ``sWm`` (backward weight): the deferred Linear weight gradients of ``sIm``
+  (``splitbackward.backward_weight``); no communication.
+
+Backwards (``B``, ``I``) run inside the meter's saved-tensor context, so the activations a
+recomputing backward re-creates are accounted as they are.
 
 Timing: three clock marks per action: before the receive, after it (compute
 start), after the compute. On CPU the clock is ``perf_counter``; on CUDA it is
@@ -37,6 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from dynmb.runtime.comm import P2P
+from dynmb.runtime.splitbackward import WeightGradTape, backward_input, backward_weight, full_backward, record_linears
 from dynmb.types import Action, Plan
 
 __all__ = ["Clock", "ActionTiming", "run_actions"]
@@ -91,6 +102,9 @@ def run_actions(
     """
     last = plan.num_stages - 1
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    split = {(a.stage, a.mb) for a in actions if a.op == "I"}
+    tapes: dict[tuple[int, int], WeightGradTape | None] = {}
+    recompute = [bool(getattr(mb, "recompute", False)) for mb in plan.microbatches]
     timings: list[ActionTiming] = []
     loss = 0.0
     losses: list[torch.Tensor] = []
@@ -110,35 +124,53 @@ def run_actions(
                 x.requires_grad_(True)
             t_start = clock.mark()
             ctx = meter.saving(s) if meter is not None else nullcontext()
-            with ctx:
-                out = mod(x, inp)
+            record = record_linears(mod) if (s, m) in split and not recompute[m] else nullcontext()
+            with ctx, record as tape:
+                out = mod(x, inp, recompute=True) if recompute[m] else mod(x, inp)
                 if s == last:
                     out = out * loss_scale
             saved[(s, m)] = (x, out)
+            tapes[(s, m)] = tape
             del inp
             if s == last:
                 losses.append(out.detach())
             else:
                 p2p.send("act", s + 1, m, out)
-        elif a.op == "B":
+        elif a.op in ("B", "I"):
             x, out = saved.pop((s, m))
+            tape = tapes.pop((s, m), None)
             grad = None
             if s < last:
                 grad, _ = p2p.recv("grad", s, m)
             t_start = clock.mark()
-            torch.autograd.backward(out, grad_tensors=grad)
+            ctx = meter.saving(s) if meter is not None else nullcontext()
+            with ctx:
+                if a.op == "I" and tape is not None:
+                    dx = backward_input(mod, out, grad, x, tape)
+                else:
+                    dx = full_backward(out, grad, x)
             if s > 0:
-                assert x is not None and x.grad is not None
-                p2p.send("grad", s - 1, m, x.grad)
-            del x, out, grad
-        else:  # "W": weight grads were computed by the full backward
+                assert dx is not None
+                p2p.send("grad", s - 1, m, dx)
+            del x, out, grad, dx
+            if a.op == "I":
+                tapes[(s, m)] = tape
+                if tape is not None and meter is not None:
+                    meter.hold(tape.hold_tensors(), s)
+        else:  # "W": the deferred Linear weight gradients
+            tape = tapes.pop((s, m), None)
             t_start = clock.mark()
+            if tape is not None:
+                backward_weight(tape)
+            del tape
         t_end = clock.mark()
         if meter is not None:
             meter.sample(s)
         timings.append(ActionTiming(a, t_recv, t_start, t_end))
     if saved:
         raise RuntimeError(f"actions left activations without a backward: {sorted(saved)[:6]}")
+    if any(t is not None and t.calls for t in tapes.values()):
+        raise RuntimeError(f"actions left weight gradients without a W: {sorted(tapes)[:6]}")
     if losses:
         loss = float(torch.stack(losses).sum())
     return timings, loss

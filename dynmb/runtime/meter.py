@@ -73,6 +73,8 @@ class MemoryMeter:
             st = int(getattr(m, "stage", 0))
             self._hooks.append(m.register_forward_hook(self._fwd_hook(st)))
             self._hooks.append(m.register_full_backward_pre_hook(self._bwd_pre_hook(st)))
+            for blk in getattr(m, "blocks", {}).values():   # also inside a recomputing backward
+                self._hooks.append(blk.register_forward_hook(self._block_hook(st)))
             head = getattr(m, "lm_head", None)
             if isinstance(head, torch.nn.Module):
                 self._hooks.append(head.register_forward_hook(self._head_hook(st)))
@@ -134,6 +136,12 @@ class MemoryMeter:
                 self._note(stage)
         return hook
 
+    def _block_hook(self, stage: int):
+        def hook(mod, args, out):
+            if not self.cuda:
+                self._note(stage)
+        return hook
+
     def _head_hook(self, stage: int):
         def hook(mod, args, out):
             if not self.cuda and isinstance(out, torch.Tensor):
@@ -183,6 +191,14 @@ class MemoryMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield self
         self._note(stage)
+
+    def hold(self, tensors: Sequence[torch.Tensor], stage: int = 0) -> None:
+        """Account ``tensors`` as held until they are freed (each storage once), then sample:
+        what a split backward keeps from ``I`` to ``W`` (layer inputs and output gradients)."""
+        if not self.cuda:
+            for t in tensors:
+                self._track(t)
+        self.sample(stage)
 
     def start_forward(self, mb: int = 0, stage: int | None = None):
         return self.saving(self._stage if stage is None else stage)

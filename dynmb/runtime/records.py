@@ -117,7 +117,8 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         num_stages=pipeline.num_stages, virtual=pipeline.virtual, dp=cfg.dp, world_size=world_size,
         verified=spec.verify, memory_limit_bytes=int(plan.memory_limit_bytes), mbs=plan.meta.get("mbs"),
         model=cfg.model.name, global_batch=cfg.global_batch, truncated=len(plan.meta.get("truncated", [])),
-        dropped=len(plan.meta.get("dropped", [])), overhead_F_s=overhead_s["F"], overhead_B_s=overhead_s["B"],
+        dropped=len(plan.meta.get("dropped", [])), recomputed=int(plan.recompute_mask().sum()),
+        overhead_F_s=overhead_s["F"], overhead_B_s=overhead_s["B"],
         attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
         distinct_shapes=distinct_shapes, new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
         label=spec.display_label)

@@ -92,7 +92,7 @@ class RunState:
             memory_limit_bytes=pipeline.memory_limit_bytes, schedule_kind=pipeline.schedule,
             reorder=pipeline.reorder, mbs=run.mbs, dp=run.dp, virtual=pipeline.virtual,
             cost_model=self.cost_model, memory_model=self.memory_model, oversize=run.oversize,
-            pack_len=run.pack_len, round_to=run.round_to)
+            pack_len=run.pack_len, round_to=run.round_to, recompute=run.recompute)
         return PlannedBatch(lengths, plan, schedule, sim)
 
     def note_shapes(self, plan: Plan) -> tuple[int, int]:

@@ -92,7 +92,7 @@ def _sum_gradients(state: RunState) -> dict[str, torch.Tensor]:
 def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTiming],
                  start_mark: object) -> tuple[list[ActionRow], float]:
     """One row per timed action and this rank's busy seconds."""
-    costs = state.cost_model.plan_costs(plan)
+    costs = state.cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
     rows, busy_s = [], 0.0
     for timing in timings:
         action, mb = timing.action, plan.microbatches[timing.action.mb]
@@ -147,7 +147,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan]:
     schedule = batch.schedule
     if topology.dp_index > 0:
         schedule = make_schedule(replica, pipeline.schedule, virtual=pipeline.virtual,
-                                 memory_model=state.memory_model)
+                                 memory_model=state.memory_model, cost_model=state.cost_model)
     if schedule.num_microbatches != replica.num_microbatches or schedule.num_ranks != topology.pipeline_size:
         raise RuntimeError(f"schedule for {schedule.num_microbatches} microbatches on {schedule.num_ranks} ranks "
                            f"does not fit replica {topology.dp_index}'s {replica.num_microbatches} microbatches "

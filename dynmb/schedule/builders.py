@@ -33,6 +33,9 @@ Algorithms (``P`` stages, ``m`` microbatches, ``R`` ranks, ``v`` chunks per rank
   the pipeline keep it deadlock-free: a stage that stops forwarding to wait for
   a backward has at least as many microbatches in flight as its successor may
   hold, so the successor is never waiting for that stage's next forward.
+- ``zb-h1`` / ``zb``: zero-bubble schedules with split backwards (``I`` then ``W``), built by
+  the list scheduler of ``dynmb.schedule.zerobubble`` from per-(stage, microbatch) times and
+  bytes (``zb_inputs``); without them ZB-H1's order at unit times.
 """
 
 from __future__ import annotations
@@ -43,12 +46,13 @@ import numpy as np
 
 from dynmb.packing.rows import stage_order
 from dynmb.schedule.validate import ScheduleError, execution_order
+from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.types import Action, Schedule
 
 __all__ = ["SCHEDULE_KINDS", "build_schedule", "gpipe", "one_f_one_b", "interleaved",
-           "memory_aware", "memory_windows", "interleaved_rounds"]
+           "memory_aware", "memory_windows", "interleaved_rounds", "ZBInputs"]
 
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware")
+SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")
 
 
 def _check(num_stages: int, m: int) -> None:
@@ -201,13 +205,16 @@ def memory_aware(num_stages: int, num_microbatches: int, act_bytes: np.ndarray,
 
 def build_schedule(kind: str, num_stages: int, num_microbatches: int, *, virtual: int = 1,
                    act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
-                   limit_bytes: float | None = None, transient_bytes: np.ndarray | None = None) -> Schedule:
+                   limit_bytes: float | None = None, transient_bytes: np.ndarray | None = None,
+                   zb_inputs: ZBInputs | None = None, evaluate: Evaluate | None = None) -> Schedule:
     """Build a schedule of ``kind`` (one of ``SCHEDULE_KINDS``).
 
     ``interleaved`` uses ``virtual`` chunks per rank (``virtual=1`` gives 1F1B's
     order on ``num_stages`` ranks); ``memory-aware`` needs ``act_bytes[stage, mb]``
     and ``limit_bytes`` (``state_bytes[stage]`` defaults to 0; ``transient_bytes[stage, mb]``,
-    optional, reserves the running op's buffers).
+    optional, reserves the running op's buffers). ``zb-h1`` / ``zb`` take the times and bytes
+    in ``zb_inputs`` and the simulator as ``evaluate`` (``zb`` needs both and ``limit_bytes``;
+    without them it is ZB-H1's order); see ``dynmb.schedule.zerobubble``.
     """
     if kind == "gpipe":
         return gpipe(num_stages, num_microbatches)
@@ -219,4 +226,14 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int, *, virtual
         if act_bytes is None or limit_bytes is None:
             raise ValueError("the memory-aware schedule needs act_bytes [stages, m] and limit_bytes")
         return memory_aware(num_stages, num_microbatches, act_bytes, state_bytes, limit_bytes, transient_bytes)
+    if kind in ("zb-h1", "zb"):
+        _check(num_stages, num_microbatches)
+        if virtual != 1:
+            raise ValueError(f"{kind} runs one stage per rank; got virtual={virtual}")
+        if kind == "zb" and zb_inputs is not None and evaluate is not None and limit_bytes is not None:
+            state = np.zeros(num_stages) if state_bytes is None else np.asarray(state_bytes, dtype=np.float64)
+            return zb_limit_aware(num_stages, num_microbatches, zb_inputs, float(limit_bytes) - state,
+                                  float(limit_bytes), evaluate)
+        sched = zb_h1(num_stages, num_microbatches, zb_inputs, evaluate=evaluate)
+        return Schedule(sched.ranks, num_stages, num_microbatches, kind=kind)
     raise ValueError(f"unknown schedule kind {kind!r}; known: {', '.join(SCHEDULE_KINDS)}")

@@ -7,11 +7,13 @@ faulty action as ``[2F7]`` on a row flagged ``>>``:
 
 1. every action names a stage in ``[0, num_stages)`` and a microbatch in
    ``[0, num_microbatches)``; each stage's actions all sit on one rank;
-2. every ``(stage, F, mb)`` and ``(stage, B, mb)`` appears exactly once;
-   ``W`` (split weight gradient) is optional and at most once;
-3. on a stage, ``F`` of a microbatch comes before its ``B`` and ``B`` before its ``W``;
-4. the cross-stage dependencies (``F`` of stage ``s`` after ``F`` of ``s - 1``;
-   ``B`` of ``s`` after ``B`` of ``s + 1``) can be met: the ranks' queues are
+2. every ``(stage, F, mb)`` appears exactly once, and so does its backward: either one full
+   ``B`` or a split one, ``I`` (input gradient) and ``W`` (weight gradients), each once --
+   never ``B`` together with ``I``/``W`` (torch's ``_validate_schedule`` rule);
+3. on a stage, ``F`` of a microbatch comes before its ``B``/``I``, and ``I`` before its ``W``;
+4. the cross-stage dependencies (``F`` of stage ``s`` after ``F`` of ``s - 1``; the
+   backward ``B``/``I`` of ``s`` after the ``B``/``I`` of ``s + 1``, whose input gradient it
+   needs; ``W`` has none) can be met: the ranks' queues are
    played out, each rank running its head action once its dependency has run
    (a worklist: a rank blocked on an action is woken when that action runs). If
    every rank is blocked before all actions ran, the schedule deadlocks; the
@@ -31,8 +33,8 @@ from dynmb.types import Action, Schedule
 
 __all__ = ["ScheduleError", "validate", "execution_order", "format_grid", "FlatSchedule"]
 
-_OPI = {"F": 0, "B": 1, "W": 2}
-_OPS = "FBW"
+_OPI = {"F": 0, "B": 1, "I": 2, "W": 3}
+_OPS = "FBIW"
 
 
 class ScheduleError(ValueError):
@@ -50,7 +52,7 @@ class FlatSchedule:
 
     rank: np.ndarray
     stage: np.ndarray
-    op: np.ndarray      # 0 = F, 1 = B, 2 = W
+    op: np.ndarray      # 0 = F, 1 = B, 2 = I, 3 = W
     mb: np.ndarray
     step: np.ndarray    # position in its rank's list
     start: np.ndarray   # [num_ranks + 1] offsets
@@ -140,13 +142,22 @@ def _check_static(schedule: Schedule, flat: FlatSchedule) -> np.ndarray:
         raise _fail(schedule, f"stage {int(flat.stage[i])} has actions on rank {int(flat.rank[i])} and rank "
                     f"{int(flat.rank[j])}; a stage lives on one rank", [_loc(flat, j), _loc(flat, i)])
     key = (flat.op * S + flat.stage) * m + flat.mb
-    counts = np.bincount(key, minlength=3 * S * m)
+    counts = np.bincount(key, minlength=4 * S * m)
     dup = np.flatnonzero(counts > 1)
     if len(dup):
         idx = np.flatnonzero(key == dup[0])
         a = schedule.ranks[flat.rank[idx[0]]][flat.step[idx[0]]]
         raise _fail(schedule, f"action {a} appears {len(idx)} times", [_loc(flat, int(i)) for i in idx])
-    missing = np.flatnonzero(counts[: 2 * S * m] == 0)
+    c = counts.reshape(4, S * m)
+    if np.any((c[1] > 0) & (c[2] + c[3] > 0)):
+        k = int(np.flatnonzero((c[1] > 0) & (c[2] + c[3] > 0))[0])
+        where = [_loc(flat, int(i)) for i in np.flatnonzero((flat.stage * m + flat.mb == k) & (flat.op > 0))]
+        raise _fail(schedule, f"stage {k // m} microbatch {k % m} has a full backward B and a split one (I/W); "
+                    f"it needs one or the other", where)
+    missing = np.concatenate([np.flatnonzero(c[0] == 0),                              # F
+                              S * m + np.flatnonzero((c[1] == 0) & (c[2] == 0) & (c[3] == 0)),   # B (or I + W)
+                              2 * S * m + np.flatnonzero((c[2] == 0) & (c[3] > 0)),   # I of a W
+                              3 * S * m + np.flatnonzero((c[2] > 0) & (c[3] == 0))])  # W of an I
     if len(missing):
         k = int(missing[0])
         a = Action(k // m % S, _OPS[k // (S * m)], k % m)
@@ -154,24 +165,25 @@ def _check_static(schedule: Schedule, flat: FlatSchedule) -> np.ndarray:
         stage_rank = {s: r for s, r in zip(st.tolist(), rk.tolist())}
         r = stage_rank.get(a.stage)
         where = [(r, len(schedule.ranks[r]) - 1)] if r is not None and schedule.ranks[r] else []
-        raise ScheduleError(f"action {a} is missing{more}; every (stage, F/B, microbatch) must appear once"
-                            f"{f' (stage {a.stage} is on rank {r})' if r is not None else ''}\n"
+        raise ScheduleError(f"action {a} is missing{more}; every (stage, microbatch) needs one F and either one B "
+                            f"or one I and one W{f' (stage {a.stage} is on rank {r})' if r is not None else ''}\n"
                             + format_grid(schedule, {}, where[0] if where else None))
-    pos = np.full(3 * S * m, -1, dtype=np.int64)
+    pos = np.full(4 * S * m, -1, dtype=np.int64)
     pos[key] = np.arange(len(key))
-    f_pos, b_pos, w_pos = pos[: S * m], pos[S * m: 2 * S * m], pos[2 * S * m:]
-    late = np.flatnonzero(b_pos < f_pos)
+    f_pos, b_pos, i_pos, w_pos = (pos[k * S * m: (k + 1) * S * m] for k in range(4))
+    back = np.where(b_pos >= 0, b_pos, i_pos)          # the backward that needs the forward
+    late = np.flatnonzero(back < f_pos)
     if len(late):
         k = int(late[0])
-        a = Action(k // m, "B", k % m)
+        a = schedule.ranks[flat.rank[back[k]]][flat.step[back[k]]]
         raise _fail(schedule, f"{a} runs before its forward {Action(k // m, 'F', k % m)} on the same stage",
-                    [_loc(flat, int(b_pos[k])), _loc(flat, int(f_pos[k]))])
-    late = np.flatnonzero((w_pos >= 0) & (w_pos < b_pos))
+                    [_loc(flat, int(back[k])), _loc(flat, int(f_pos[k]))])
+    late = np.flatnonzero((w_pos >= 0) & (w_pos < i_pos))
     if len(late):
         k = int(late[0])
         a = Action(k // m, "W", k % m)
-        raise _fail(schedule, f"{a} runs before its backward {Action(k // m, 'B', k % m)} on the same stage",
-                    [_loc(flat, int(w_pos[k])), _loc(flat, int(b_pos[k]))])
+        raise _fail(schedule, f"{a} runs before its input gradient {Action(k // m, 'I', k % m)} on the same stage",
+                    [_loc(flat, int(w_pos[k])), _loc(flat, int(i_pos[k]))])
     return pos
 
 
@@ -181,13 +193,14 @@ def execution_order(schedule: Schedule) -> FlatSchedule:
     pos = _check_static(schedule, flat)
     S, m = schedule.num_stages, schedule.num_microbatches
     n = len(flat.stage)
-    # cross-stage dependency: F(s) <- F(s-1); B(s) <- B(s+1)
+    # cross-stage dependency: F(s) <- F(s-1); B/I(s) <- the B or I of (s+1); W none
     dep = np.full(n, -1, dtype=np.int64)
-    isf, isb = flat.op == 0, flat.op == 1
+    isf, isb = flat.op == 0, (flat.op == 1) | (flat.op == 2)
     fi = np.flatnonzero(isf & (flat.stage > 0))
     dep[fi] = pos[(flat.stage[fi] - 1) * m + flat.mb[fi]]
     bi = np.flatnonzero(isb & (flat.stage < S - 1))
-    dep[bi] = pos[(S + flat.stage[bi] + 1) * m + flat.mb[bi]]
+    nxt = (flat.stage[bi] + 1) * m + flat.mb[bi]
+    dep[bi] = np.where(pos[S * m + nxt] >= 0, pos[S * m + nxt], pos[2 * S * m + nxt])
     depl = dep.tolist()
     starts = flat.start.tolist()
     R = schedule.num_ranks

@@ -1,0 +1,91 @@
+"""Costs of a split backward (``I``, ``W``) and of full recomputation, from one cost model.
+
+``CostModel.predict(stage, "I" | "W", ...)`` answers from the model's own fits when it was
+fitted on samples with ``I``/``W`` rows (``dynmb profile --split``); otherwise it comes here and
+the two ops are derived from the full backward ``B`` of the same microbatch:
+
+    W = W_SHARE[role] * B(b, s, attention work 0)      # the Linear weight GEMMs: per token only
+    I = (1 + SPLIT_OVERHEAD[role]) * B(b, s, a) - W     # the rest, plus the cost of two passes
+
+The weight-gradient GEMMs do not depend on the attention work, so ``W`` is a share of ``B``
+without its attention term and ``I`` keeps all of the attention. ``role`` is ``first``,
+``middle`` or ``last`` (the last stage's LM head is a Linear, the first's embeddings are not);
+a single stage is ``last``.
+
+Recomputation (``recompute`` microbatches): the backward first reruns the blocks' forward,
+``RECOMPUTE_F_SHARE[role] * F`` (the stage's forward without what is not recomputed: the
+embeddings, the final norm, LM head and loss), and a recomputed microbatch runs its whole
+backward in ``I`` (its ``W`` is empty, see ``dynmb.runtime.splitbackward``):
+
+    B_rc = B + RECOMPUTE_F_SHARE[role] * F,    I_rc = B_rc,    W_rc = 0
+
+Measured (``benchmarks/bench_split.py``, two runs of ``--repeats 5`` and ``--repeats 7`` pooled:
+torch 2.13 CPU, 1 thread, ``small`` preset, 2 and 4 stages, thread time; medians over the 8
+shapes 1x512 ... 16x64 and packed 1x1024/16 of each run, 32 (shape, stage, run) per role; the
+shared 2-core box was loaded, single shapes scatter by +-10%):
+
+=========  ========  ==============  =================
+role       W_SHARE   SPLIT_OVERHEAD  RECOMPUTE_F_SHARE
+=========  ========  ==============  =================
+first      0.54      0.045           1.01
+middle     0.44      0.033           1.01
+last       0.53      0.051           0.70
+=========  ========  ==============  =================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["W_SHARE", "SPLIT_OVERHEAD", "RECOMPUTE_F_SHARE", "stage_role", "derived_split", "apply_recompute"]
+
+W_SHARE = {"first": 0.54, "middle": 0.44, "last": 0.53}
+"""W / B(b, s, attention work 0), per stage role."""
+SPLIT_OVERHEAD = {"first": 0.045, "middle": 0.033, "last": 0.051}
+"""(I + W) / B - 1: two backward passes instead of one."""
+RECOMPUTE_F_SHARE = {"first": 1.01, "middle": 1.01, "last": 0.70}
+"""(B with recomputation - B) / F: the share of the forward a recomputing backward reruns."""
+
+
+def stage_role(stage: int, num_stages: int) -> str:
+    """``first``, ``middle`` or ``last`` (one stage: ``last``, it holds the LM head)."""
+    if stage == num_stages - 1:
+        return "last"
+    return "first" if stage == 0 else "middle"
+
+
+def derived_split(model: Any, stage: int, op: str, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """``I`` or ``W`` seconds of ``model`` derived from its ``B`` (module doc); ``model.predict``'s
+    arguments, already broadcast. Each op gets its own runtime overhead, not B's."""
+    role = stage_role(stage, model.num_stages)
+    oh = model.runtime_overhead_s
+    full = model.predict(stage, "B", b, s, a) - oh.get("B", 0.0)
+    no_attn = model.predict(stage, "B", b, s, np.zeros_like(a)) - oh.get("B", 0.0)
+    w = np.minimum(W_SHARE[role] * np.maximum(no_attn, 0.0), full)
+    out = w if op == "W" else (1.0 + SPLIT_OVERHEAD[role]) * full - w
+    return np.maximum(out, 0.0) + oh.get(op, 0.0)
+
+
+def apply_recompute(model: Any, costs: dict[str, np.ndarray], recompute: Any) -> dict[str, np.ndarray]:
+    """``costs`` (``{op: [P, m]}``) with the microbatches flagged in ``recompute[m]`` costed as
+    recomputed (module doc); ``costs`` must hold ``F``. Unchanged when none is flagged."""
+    if recompute is None:
+        return costs
+    rc = np.asarray(recompute, dtype=bool).reshape(-1)
+    if not rc.any():
+        return costs
+    share = np.array([RECOMPUTE_F_SHARE[stage_role(p, model.num_stages)] for p in range(model.num_stages)])
+    extra = share[:, None] * costs["F"][:, rc]
+    out = {op: np.array(v, dtype=np.float64, copy=True) for op, v in costs.items()}
+    if "B" in out:
+        out["B"][:, rc] += extra
+    if "I" in out:
+        full = costs["B"][:, rc] if "B" in costs else None
+        if full is None:
+            raise ValueError("recomputed I costs need the full backward B in the costs")
+        out["I"][:, rc] = full + extra
+    if "W" in out:
+        out["W"][:, rc] = 0.0
+    return out

@@ -1,0 +1,173 @@
+"""Per-microbatch recomputation: which microbatches of a plan recompute, and packing with it.
+
+A microbatch with ``recompute`` runs every stage with full activation recomputation
+(``dynmb.model.RecomputedBlock``): it holds only its blocks' inputs from F to B
+(``MemoryModel.rc_act_coef``), one block's activations more during its backward
+(``rc_transient_coef``), and its backward reruns the blocks' forward
+(``dynmb.costmodel.split.RECOMPUTE_F_SHARE``). Modes (``RECOMPUTE_MODES``, ``--recompute``):
+
+- ``never``: no microbatch recomputes (the packers' own behaviour).
+- ``always``: every microbatch recomputes; the packer sizes them under recomputation's
+  admissibility (``MemoryModel.recomputing()``).
+- ``auto``: recompute exactly the microbatches for which it pays. Candidates, each a complete
+  plan whose predicted peak (``MemoryModel.peak_bytes`` with the flags) is under the limit:
+
+  (a) the plain plan, when every sequence fits without recomputation;
+  (b) the plan packed under recomputation's admissibility (bigger microbatches, longer
+      sequences), where only the microbatches that do not fit without it
+      (``needs_recompute``) are flagged; if the mix of flagged and plain microbatches
+      exceeds the limit, all of them are flagged (what the packer packed for);
+  (c) with sequences that fit only with recomputation (one pipeline, no data parallelism):
+      the plain plan of the others plus each such sequence as its own one-row recomputed
+      microbatch.
+
+  The one with the smallest estimated makespan (``dynmb.packing.rows.makespan`` on the one cost
+  lookup, each microbatch's recompute cost included) wins; ``meta["recompute"]`` records the
+  mode and ``meta["recomputed"]`` how many microbatches recompute.
+
+Admissibility of one microbatch (``fits``) is the packers' per-microbatch rule
+(``MemoryModel.max_rows`` with the stage caps and in-flight counts of ``dynmb.packing``).
+Numpy only, like the packers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Callable
+
+import numpy as np
+
+from ..memory import inflight_limit
+from ..types import Microbatch, Plan
+from .rows import makespan
+
+__all__ = ["RECOMPUTE_MODES", "fits", "needs_recompute", "mark_recompute", "pack_with_recompute"]
+
+logger = logging.getLogger(__name__)
+
+RECOMPUTE_MODES = ("never", "always", "auto")
+
+
+def _caps_inflight(memory_model: Any, limit: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    P = memory_model.num_stages
+    k = np.array([1 if kind == "gpipe" else inflight_limit(i, P, kind, 2**30) for i in range(P)])
+    return float(limit) - np.asarray(memory_model.state_bytes, dtype=np.float64), k
+
+
+def fits(memory_model: Any, limit: int, rows: Any, padded_len: Any, *, kind: str = "1f1b", tight: bool = True,
+         recompute: bool = False) -> np.ndarray:
+    """Whether microbatches (rows, padded_len) are admissible (``dynmb.packing``'s rule), with or
+    without recomputation; vectorised."""
+    caps, k = _caps_inflight(memory_model, limit, kind)
+    b = np.atleast_1d(np.asarray(rows, dtype=np.int64))
+    s = np.atleast_1d(np.asarray(padded_len, dtype=np.int64))
+    return b <= memory_model.max_rows(caps, s, k, tight=tight, recompute=recompute)
+
+
+def needs_recompute(memory_model: Any, plan: Plan, *, tight: bool = True) -> np.ndarray:
+    """``(m,)`` bool: the plan's microbatches that are not admissible without recomputation."""
+    shapes = plan.shapes()
+    return ~fits(memory_model, plan.memory_limit_bytes, shapes[:, 0], shapes[:, 1], kind=plan.schedule_kind,
+                 tight=tight)
+
+
+def mark_recompute(plan: Plan, flags: Any, **meta: Any) -> Plan:
+    """The same plan with ``Microbatch.recompute`` set to ``flags[m]``."""
+    flags = np.broadcast_to(np.asarray(flags, dtype=bool), (plan.num_microbatches,))
+    mbs = tuple(mb if bool(getattr(mb, "recompute", False)) == bool(f) else _with_flag(mb, bool(f))
+                for mb, f in zip(plan.microbatches, flags))
+    return replace(plan, microbatches=mbs, meta={**plan.meta, "recomputed": int(flags.sum()), **meta})
+
+
+def _with_flag(mb: Microbatch, flag: bool) -> Microbatch:
+    return Microbatch(mb.seq_ids, mb.lengths, mb.padded_len, mb.batch, mb.row_ids, recompute=flag)
+
+
+def _estimate(plan: Plan, cost_model: Any, memory_model: Any) -> tuple[float, np.ndarray]:
+    """(estimated makespan of the slowest replica, predicted peak per stage) with the plan's flags."""
+    replicas = range(plan.dp) if plan.dp > 1 else [None]
+    worst, peak = 0.0, np.zeros(plan.num_stages)
+    for r in replicas:
+        sub = plan if r is None else plan.replica(r)
+        shapes, flags = sub.shapes(), sub.recompute_mask()
+        cost = cost_model.stage_costs(shapes[:, 0], shapes[:, 1], sub.attention_work(memory_model.model_cfg.attention),
+                                      recompute=flags if flags.any() else None)
+        comm = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]), dtype=np.float64),
+                               (sub.num_microbatches,)) if hasattr(cost_model, "comm_s") else 0.0
+        worst = max(worst, makespan(cost["F"], cost["B"], comm, plan.schedule_kind))
+        peak = np.maximum(peak, memory_model.peak_bytes(shapes[:, 0], shapes[:, 1], plan.schedule_kind,
+                                                        recompute=flags))
+    return worst, peak
+
+
+def _with_predictions(plan: Plan, cost_model: Any, memory_model: Any) -> tuple[Plan, float, bool]:
+    est, peak = _estimate(plan, cost_model, memory_model)
+    preds = {**plan.predictions, "pred_peak_bytes": [int(x) for x in np.ceil(peak)], "est_makespan_s": est}
+    return replace(plan, predictions=preds), est, bool(np.all(peak <= plan.memory_limit_bytes))
+
+
+def _remap(plan: Plan, ids: np.ndarray) -> list[Microbatch]:
+    """The microbatches of a plan over ``lengths[ids]`` with sequence ids of the full batch."""
+    return [Microbatch(ids[mb.seq_ids], mb.lengths, mb.padded_len, mb.batch, mb.row_ids, recompute=mb.recompute)
+            for mb in plan.microbatches]
+
+
+def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, method: str, *, recompute: str,
+                        memory_model: Any, cost_model: Any, memory_limit_bytes: int, **kw: Any) -> Plan:
+    """``pack_fn`` (``dynmb.packing``'s packer, same keywords) under a recompute mode (module doc)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    args = dict(memory_limit_bytes=memory_limit_bytes, cost_model=cost_model, **kw)
+    if recompute == "never":
+        return pack_fn(lengths, method, memory_model=memory_model, **args)
+    rc_model = memory_model.recomputing()
+    if recompute == "always":
+        plan = pack_fn(lengths, method, memory_model=rc_model, **args)
+        return _with_predictions(mark_recompute(plan, True, recompute="always"), cost_model, memory_model)[0]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    kind = kw.get("schedule_kind", "1f1b")
+    cands: list[tuple[float, str, Plan]] = []
+
+    def add(name: str, plan: Plan) -> None:
+        plan, est, ok = _with_predictions(plan, cost_model, memory_model)
+        logger.debug("recompute auto: candidate %s: %d microbatches, %d recomputed, est %.4g s, fits %s", name,
+                     plan.num_microbatches, int(plan.recompute_mask().sum()), est, ok)
+        if ok:
+            cands.append((est, name, plan))
+
+    plain_ok = fits(memory_model, memory_limit_bytes, np.ones(len(lengths)), lengths, kind=kind)
+    if plain_ok.all():
+        add("plain", pack_fn(lengths, method, memory_model=memory_model, **args))
+    rc_plan = pack_fn(lengths, method, memory_model=rc_model, **args)
+    flags = needs_recompute(memory_model, rc_plan, tight=rc_plan.meta.get("budget", "tight") == "tight")
+    mixed = mark_recompute(rc_plan, flags, recompute="auto")
+    if _with_predictions(mixed, cost_model, memory_model)[2]:
+        add("mixed", mixed)
+    else:
+        add("all", mark_recompute(rc_plan, True, recompute="auto"))
+    rc_ok = fits(memory_model, memory_limit_bytes, np.ones(len(lengths)), lengths, kind=kind, recompute=True)
+    if not plain_ok.all() and plain_ok.any() and rc_ok.all() and kw.get("dp", 1) == 1:
+        add("split", _plain_plus_singletons(pack_fn, lengths, method, plain_ok, memory_model, rc_model, args))
+    if not cands:
+        raise ValueError(f"recompute auto: no plan of {method} fits under {memory_limit_bytes} B")
+    est, name, plan = min(cands, key=lambda c: c[0])
+    return replace(plan, meta={**plan.meta, "recompute": "auto", "recompute_choice": name})
+
+
+def _plain_plus_singletons(pack_fn: Callable[..., Plan], lengths: np.ndarray, method: str, plain_ok: np.ndarray,
+                           memory_model: Any, rc_model: Any, args: dict) -> Plan:
+    """Candidate (c): the plain plan of the sequences that fit without recomputation, then each
+    other sequence alone in a recomputed one-row microbatch (at the packer's rounding)."""
+    ids = np.flatnonzero(plain_ok)
+    base = pack_fn(lengths[ids], method, memory_model=memory_model, **args)
+    round_to = int(args.get("round_to", 1))
+    extra = [Microbatch([i], [int(lengths[i])], -(-int(lengths[i]) // round_to) * round_to, 1, recompute=True)
+             for i in np.flatnonzero(~plain_ok)]
+    mbs = tuple(_remap(base, ids) + extra)
+    plan = Plan(microbatches=mbs, method=base.method, num_stages=base.num_stages,
+                memory_limit_bytes=base.memory_limit_bytes, num_sequences=len(lengths),
+                schedule_kind=base.schedule_kind, predictions=dict(base.predictions),
+                meta={**base.meta, "recomputed": len(extra), "recompute": "auto"})
+    plan.validate(lengths)
+    return plan

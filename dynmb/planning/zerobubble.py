@@ -1,0 +1,79 @@
+"""Zero-bubble schedules for a plan: the list scheduler fed by the one cost lookup and memory model,
+checked by the simulator.
+
+``build_zb(plan, kind, cost_model=, memory_model=)`` gathers, for every (stage, microbatch) of
+the plan, the predicted seconds of F, B, I and W (``cost_model.plan_costs(plan, ops=...)``, each
+microbatch's attention work and recompute flag included), its P2P time and, with a memory model,
+its activation, I-to-W and transient bytes (``dynmb.simulate.memory_inputs`` / ``w_inputs``),
+and builds ``zb-h1`` or ``zb`` (``dynmb.schedule.zerobubble``) with the simulator as the
+judge (``evaluate``: predicted makespan and per-stage peak, states included). Recomputed
+microbatches run a full ``B`` (``split`` False): their backward holds no more than one block,
+so deferring their weight gradients would hold what recomputation saved.
+This is the planning layer: the schedule package does not import the simulator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..schedule.builders import build_schedule
+from ..schedule.validate import execution_order
+from ..schedule.zerobubble import ZBInputs
+from ..simulate import _cross_mask, _times, comm_times, memory_inputs, peaks, w_inputs
+from ..types import Plan, Schedule
+
+__all__ = ["ZB_KINDS", "zb_inputs", "zb_evaluator", "build_zb"]
+
+ZB_KINDS = ("zb-h1", "zb")
+
+
+def zb_inputs(plan: Plan, cost_model: Any, memory_model: Any = None) -> ZBInputs:
+    """Per (stage, microbatch) times, P2P times and (with ``memory_model``) bytes of ``plan``."""
+    costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
+    m = plan.num_microbatches
+    comm = np.broadcast_to(np.asarray(comm_times(cost_model, plan), dtype=np.float64), (m,)).copy()
+    split = np.broadcast_to(~plan.recompute_mask(), (plan.num_stages, m)).copy()
+    act, tr, _ = memory_inputs(memory_model, plan)
+    w = w_inputs(memory_model, plan) if act is not None else None
+    if act is not None and tr is None:
+        tr = np.zeros_like(act)
+    if act is not None and w is None:
+        w = act.copy()             # a memory model without I-to-W bytes: assume W holds what F did
+    return ZBInputs(costs["F"], costs["B"], costs["I"], costs["W"], comm, split, act, w, tr)
+
+
+def zb_evaluator(plan: Plan, cost_model: Any, memory_model: Any, inp: ZBInputs):
+    """``schedule -> (makespan, peak bytes per stage)``: the simulator's recurrence and memory rule
+    (``dynmb.simulate``, without building its timeline tables) on ``inp``'s numbers."""
+    S = plan.num_stages
+    state = np.zeros(S) if memory_model is None else np.asarray(memory_model.state_bytes, dtype=np.float64)
+    cube = np.stack([inp.F, inp.B, inp.I, inp.W])             # the simulator's op codes F, B, I, W
+
+    def evaluate(schedule: Schedule) -> tuple[float, np.ndarray]:
+        flat = execution_order(schedule)
+        dur = cube[flat.op, flat.stage, flat.mb]
+        cross = np.zeros(len(dur))
+        xi = _cross_mask(flat)
+        cross[xi] = inp.comm[flat.mb[xi]]
+        _, end = _times(flat, dur, cross, schedule.num_ranks)
+        if inp.act is None:
+            return float(max(end, default=0.0)), np.zeros(S)
+        peak, _, _ = peaks(flat, S, schedule.num_ranks, inp.act, inp.tr, state, inp.w)
+        return float(max(end, default=0.0)), peak
+    return evaluate
+
+
+def build_zb(plan: Plan, kind: str, *, cost_model: Any, memory_model: Any = None) -> Schedule:
+    """The ``kind`` (``zb-h1`` or ``zb``) schedule of one pipeline replica's plan."""
+    if kind not in ZB_KINDS:
+        raise ValueError(f"not a zero-bubble kind: {kind!r}; expected one of {ZB_KINDS}")
+    if cost_model is None:
+        raise ValueError(f"the {kind} schedule needs a cost model (it places W by predicted times)")
+    inp = zb_inputs(plan, cost_model, memory_model)
+    evaluate = zb_evaluator(plan, cost_model, memory_model, inp)
+    kw: dict[str, Any] = {}
+    if kind == "zb" and memory_model is not None:
+        kw = dict(limit_bytes=plan.memory_limit_bytes, state_bytes=memory_model.state_bytes)
+    return build_schedule(kind, plan.num_stages, plan.num_microbatches, zb_inputs=inp, evaluate=evaluate, **kw)

@@ -1,0 +1,335 @@
+"""Zero-bubble schedules for variable-size microbatches: a greedy list scheduler over F, I, W.
+
+A split backward (``I``: input gradient, ``W``: weight gradients; see
+``dynmb.runtime.splitbackward``) lets a stage send its input gradient upstream before it has
+computed its weight gradients, and run the ``W`` later, where it would otherwise wait. With
+variable microbatches the gaps differ everywhere, so the order is built from the predicted
+times of every (stage, microbatch) instead of a fixed pattern.
+
+List scheduler (``list_schedule``), one stage per rank. Each stage keeps 1F1B's order of
+forwards and backwards for an in-flight window ``inflight[s]`` (forward while fewer are in
+flight, else the oldest backward; ``P - s`` is 1F1B), with each backward an ``I`` (a full ``B``
+where ``split`` is False); a ``W`` joins a FIFO queue when its ``I`` ends and counts as in
+flight until it ran. Stages are advanced in time order (a heap on their clocks); at its
+clock ``t`` a stage looks at the next op of its order:
+
+1. if it is a forward that the in-flight window or the memory cap stops, or a backward whose
+   bytes would pass the cap, and a ``W`` is queued: the oldest ``W`` runs (it frees both);
+2. else if its input is there (the activation of the previous stage, the gradient of the
+   next stage's ``B``/``I``, each plus P2P time; the last stage's backward: its own
+   forward): it runs;
+3. else if a ``W`` is queued and ends before that input can arrive (known when its producer
+   ran, else a lower bound: the producer's clock + its op + P2P): the ``W`` fills the gap;
+4. else the clock moves to that arrival time (or bound).
+
+When the order is done, the queued ``W`` run. The times are the simulator's recurrence for the
+order emitted, and the forwards and backwards keep 1F1B's (window's) order, so a ``W`` only
+ever runs in a gap or where the window needs its slot -- where 1F1B's ``B`` had its weight part.
+
+Memory, per stage, the simulator's rule (``dynmb.simulate.op_memory``): held bytes grow by
+``a`` at F, shrink by ``a`` at B, change by ``w - a`` at I and shrink by ``w`` at W; while an op
+runs it also holds: F and B ``tr``, I ``max(w - a, 0) + tr``, W nothing. An op is started
+only if held + its extra stays within ``caps[s]``; a backward that would pass it runs queued
+``W`` first, and when none is queued runs as a full ``B`` (an ``I`` holds ``max(w - a, 0)`` more
+than ``B``), which starts anyway: waiting cannot lower the bytes. The times the scheduler computes are the simulator's
+recurrence for the order it emits.
+
+Kinds:
+
+- ``zb-h1`` (``zb_h1``): ZB-H1 for variable microbatches: 1F1B's in-flight count ``P - s``
+  and, with memory inputs, each stage capped at the peak 1F1B reaches on it with the same
+  microbatches, so its peak never exceeds 1F1B's; the ``W`` go into the gaps (the cool-down
+  above all). Given an ``evaluate`` (the planner passes the simulator), the list schedule
+  is also built with full backwards wherever its ``W`` ran right after its ``I`` (the split
+  filled no gap there; a split backward costs a few % more than a full one), once
+  everywhere and once keeping the splits of each stage's last ``P - s`` microbatches (their
+  early input gradients shorten the drain), and 1F1B's order is a candidate too: the
+  fastest is returned, so ZB-H1 is never predicted slower than 1F1B.
+- ``zb`` (``zb_limit_aware``): the caps are the memory limit (minus states) and the in-flight
+  count grows toward ZB-H2's ``2 (P - s) - 1`` extra warm-up forwards: candidates
+  ``k_s = P - s + round(alpha (P - s - 1))`` for ``alpha`` = 0 then ``ZB_ALPHAS`` in increasing
+  order, stopping at the first that is no faster than the one before, plus ZB-H1 and 1F1B;
+  the fastest by ``evaluate`` whose simulated peak stays under the limit wins.
+
+Without costs (``build_schedule("zb-h1", P, m)``): unit times F = I = W = 1, B = 2, no P2P
+time, no memory caps -- the paper's setting; ``zb`` without costs is ZB-H1's order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dynmb.packing.rows import stage_order
+from dynmb.types import Action, Schedule
+
+__all__ = ["ZBInputs", "list_schedule", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS"]
+
+ZB_ALPHAS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+"""Extra warm-up forwards tried by ``zb``, as multiples of ZB-H2's ``P - s - 1``."""
+
+Evaluate = Callable[[Schedule], tuple[float, np.ndarray]]
+"""schedule -> (predicted makespan, predicted peak bytes per stage, states included)."""
+
+
+@dataclass
+class ZBInputs:
+    """Per (stage, microbatch) seconds and bytes the scheduler plans with ([P, m] arrays).
+
+    ``W``/``I`` are used where ``split`` is True, ``B`` elsewhere; ``comm[m]`` is the P2P time of
+    microbatch m's messages. ``act``/``w``/``tr`` (activation, held from I to W, transient) are
+    optional: without them no memory cap applies."""
+
+    F: np.ndarray
+    B: np.ndarray
+    I: np.ndarray  # noqa: E741
+    W: np.ndarray
+    comm: np.ndarray
+    split: np.ndarray
+    act: np.ndarray | None = None
+    w: np.ndarray | None = None
+    tr: np.ndarray | None = None
+
+    @classmethod
+    def unit(cls, num_stages: int, m: int) -> "ZBInputs":
+        """F = I = W = 1, B = 2, no P2P time, no memory: the zero-bubble paper's setting."""
+        one = np.ones((num_stages, m))
+        return cls(one, 2 * one, one, one, np.zeros(m), np.ones((num_stages, m), dtype=bool))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.F.shape
+
+
+def op_bytes(op: str, a: float, w: float, tr: float) -> tuple[float, float]:
+    """``(change of held bytes at the end of op, extra bytes held while it runs on top of the
+    held-before level)`` (module doc; ``dynmb.simulate.op_memory`` is the same rule, vectorised)."""
+    if op == "F":
+        return a, a + tr
+    if op == "B":
+        return -a, tr
+    if op == "I":
+        return w - a, max(w - a, 0.0) + tr
+    return -w, 0.0
+
+
+def _one_f_one_b(num_stages: int, m: int) -> Schedule:
+    """1F1B's schedule (``dynmb.schedule.builders.one_f_one_b``: the same ``stage_order``), built here
+    so that the builders can import this module."""
+    return Schedule([[Action(s, op, j) for op, j in stage_order(s, num_stages, m, "1f1b")] for s in range(num_stages)],
+                    num_stages, m, kind="1f1b")
+
+
+def one_f_one_b_peaks(inp: ZBInputs) -> np.ndarray:
+    """Peak held + running bytes (no states) of every stage under 1F1B with full backwards."""
+    P, m = inp.shape
+    out = np.zeros(P)
+    for s, acts in enumerate(_one_f_one_b(P, m).ranks):
+        held = 0.0
+        for a in acts:
+            d, extra = op_bytes(a.op, inp.act[s, a.mb], 0.0, inp.tr[s, a.mb])
+            out[s] = max(out[s], held + extra)
+            held += d
+    return out
+
+
+def _template(stage: int, m: int, k: int) -> list[tuple[str, int]]:
+    """1F1B's greedy order of one stage for an in-flight window ``k``: ``("F", j)`` / ``("X", j)``
+    (X: the backward, I or B), forward while fewer than k are in flight."""
+    out, f, b = [], 0, 0
+    while b < m:
+        if f < m and f - b < k:
+            out.append(("F", f))
+            f += 1
+        else:
+            out.append(("X", b))
+            b += 1
+    return out
+
+
+def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | None = None,
+                  kind: str = "zb") -> tuple[Schedule, float]:
+    """The order the list scheduler (module doc) emits and its makespan under ``inp``'s times."""
+    P, m = inp.shape
+    k = [max(1, min(m, int(x))) for x in inflight]
+    mem = caps is not None and inp.act is not None
+    cap = [float(c) + 1e-6 for c in caps] if mem else [np.inf] * P
+    zero = np.zeros((P, m))
+    # plain Python lists: the loop below reads one scalar at a time
+    act, wb, tr = ((zero if a is None else a).tolist() for a in (inp.act, inp.w, inp.tr))
+    F, B, I, W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()  # noqa: E741
+    comm, split = inp.comm.tolist(), inp.split.tolist()
+    est_bwd = np.where(inp.split, inp.I, inp.B).tolist()
+    fend = [[-1.0] * m for _ in range(P)]
+    bend = [[-1.0] * m for _ in range(P)]
+    clock = [0.0] * P
+    todo = [deque(_template(s, m, k[s])) for s in range(P)]
+    pend: list[deque] = [deque() for _ in range(P)]
+    held, live = [0.0] * P, [0] * P
+    ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
+    heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
+    makespan = 0.0
+    step = {"F": 1, "B": -1, "I": 0, "W": -1}
+
+    def ready(s: int, op: str, j: int) -> tuple[float, bool]:
+        """(time op j's input is there, known?) -- else a lower bound from the producer's clock."""
+        if op == "F":
+            if s == 0:
+                return 0.0, True
+            if fend[s - 1][j] >= 0:
+                return fend[s - 1][j] + comm[j], True
+            return clock[s - 1] + F[s - 1][j] + comm[j], False
+        if s == P - 1:
+            return fend[s][j], fend[s][j] >= 0
+        if bend[s + 1][j] >= 0:
+            return bend[s + 1][j] + comm[j], True
+        return clock[s + 1] + est_bwd[s + 1][j] + comm[j], False
+
+    def run(s: int, op: str, j: int, dur: float) -> None:
+        nonlocal makespan
+        held[s] += op_bytes(op, act[s][j], wb[s][j], tr[s][j])[0]
+        live[s] += step[op]
+        ranks[s].append((op, j))
+        clock[s] += dur
+        if clock[s] > makespan:
+            makespan = clock[s]
+        if op == "F":
+            fend[s][j] = clock[s]
+        elif op != "W":
+            bend[s][j] = clock[s]
+            if op == "I":
+                pend[s].append(j)
+
+    def run_w(s: int) -> None:
+        j = pend[s].popleft()
+        run(s, "W", j, W[s][j])
+
+    while heap:
+        t, neg = heapq.heappop(heap)
+        s = -neg
+        if not todo[s]:
+            while pend[s]:                                    # the template is done: the last W
+                run_w(s)
+            continue
+        kind_op, j = todo[s][0]
+        if kind_op == "F":
+            blocked = live[s] >= k[s] or held[s] + act[s][j] + tr[s][j] > cap[s]
+            op = "F"
+        else:
+            op = "I" if split[s][j] else "B"
+            extra = op_bytes(op, act[s][j], wb[s][j], tr[s][j])[1]
+            if op == "I" and held[s] + extra > cap[s] and not pend[s]:
+                op = "B"                                      # I would hold w > a past the cap: no split
+                extra = op_bytes(op, act[s][j], wb[s][j], tr[s][j])[1]
+            blocked = held[s] + extra > cap[s]
+        r, known = ready(s, op, j)
+        if blocked and pend[s]:
+            run_w(s)                                          # frees an in-flight slot and bytes
+        elif known and r <= t + 1e-12:
+            todo[s].popleft()
+            run(s, op, j, F[s][j] if op == "F" else I[s][j] if op == "I" else B[s][j])
+        elif pend[s] and t + W[s][pend[s][0]] <= r + 1e-12:
+            run_w(s)                                          # fills the gap before the input arrives
+        elif r > t:
+            clock[s] = r
+        else:                                                 # known is False and r <= t: cannot happen
+            raise RuntimeError(f"zero-bubble list scheduler stuck on stage {s} at t={t}")
+        heapq.heappush(heap, (clock[s], -s))
+    return Schedule([[_action(s, op, j) for op, j in acts] for s, acts in enumerate(ranks)], P, m, kind=kind), makespan
+
+
+_ACTIONS: dict[tuple[int, str, int], Action] = {}
+
+
+def _action(stage: int, op: str, mb: int) -> Action:
+    """``Action(stage, op, mb)``, shared between calls (the list scheduler emits many)."""
+    a = _ACTIONS.get((stage, op, mb))
+    if a is None:
+        a = _ACTIONS[(stage, op, mb)] = Action(stage, op, mb)
+    return a
+
+
+def _inflight(P: int, m: int, alpha: float = 0.0) -> list[int]:
+    return [min(m, P - s + int(round(alpha * (P - s - 1)))) for s in range(P)]
+
+
+def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool) -> ZBInputs | None:
+    """``inp`` with ``split`` off where ``sched`` runs a ``W`` right after its ``I`` (the split
+    filled no gap there and only costs its overhead) -- with ``keep_cooldown``, except for each
+    stage's last ``P - s`` microbatches, whose early input gradients shorten the drain. None
+    when nothing changes."""
+    P, m = inp.shape
+    split = inp.split.copy()
+    for acts in sched.ranks:
+        for a, b in zip(acts, acts[1:]):
+            if a.op == "I" and b.op == "W" and a.mb == b.mb and not (keep_cooldown and a.mb >= m - (P - a.stage)):
+                split[a.stage, a.mb] = False
+    if np.array_equal(split, inp.split):
+        return None
+    return ZBInputs(inp.F, inp.B, inp.I, inp.W, inp.comm, split, inp.act, inp.w, inp.tr)
+
+
+def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | None, kind: str) -> list[Schedule]:
+    """The list schedule, and the list schedule again with full backwards where the first ran W
+    right after I (``_unsplit_adjacent``; everywhere, and everywhere but the cool-down)."""
+    first, _ = list_schedule(inp, inflight, caps, kind=kind)
+    out = [first]
+    for keep in (False, True):
+        fewer = _unsplit_adjacent(first, inp, keep)
+        if fewer is not None:
+            out.append(list_schedule(fewer, inflight, caps, kind=kind)[0])
+    return out
+
+
+def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Evaluate | None = None) -> Schedule:
+    """ZB-H1 for variable microbatches (module doc); unit costs without ``inp``. With ``evaluate``
+    the fastest of the list schedule, its variant without the splits that filled no gap
+    (``_unsplit_adjacent``) and 1F1B."""
+    inp = inp if inp is not None else ZBInputs.unit(num_stages, m)
+    caps = one_f_one_b_peaks(inp) if inp.act is not None else None
+    if evaluate is None:
+        return list_schedule(inp, _inflight(num_stages, m), caps, kind="zb-h1")[0]
+    cands = _variants(inp, _inflight(num_stages, m), caps, "zb-h1") + [_one_f_one_b(num_stages, m)]
+    best = min(cands, key=lambda c: evaluate(c)[0])          # first of equals: the split schedule
+    return Schedule(best.ranks, num_stages, m, kind="zb-h1")
+
+
+def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float], limit_bytes: float,
+                   evaluate: Evaluate) -> Schedule:
+    """``zb``: the fastest of ZB-H1, 1F1B and the list schedules with extra warm-up forwards
+    (``ZB_ALPHAS``, tried in increasing order until one is no faster than the one before) under
+    the per-stage ``caps`` (limit minus states) whose simulated peak stays within
+    ``limit_bytes`` (module doc)."""
+    best, best_t = None, np.inf
+
+    def consider(cands: list[Schedule]) -> float:
+        nonlocal best, best_t
+        fastest = np.inf
+        for c in cands:
+            t, peak = evaluate(c)
+            if np.all(np.asarray(peak) <= limit_bytes + 1e-6):
+                fastest = min(fastest, t)
+                if t < best_t - 1e-12:
+                    best, best_t = c, t
+        return fastest
+
+    h1 = zb_h1(num_stages, m, inp, evaluate=evaluate)
+    consider([h1, _one_f_one_b(num_stages, m)])
+    seen, previous = set(), np.inf
+    for alpha in (0.0, *ZB_ALPHAS):
+        k = tuple(_inflight(num_stages, m, alpha))
+        if k in seen:
+            continue
+        seen.add(k)
+        try:
+            t = consider(_variants(inp, k, caps, "zb"))
+        except ValueError:          # a microbatch cannot fit under the cap alone: no larger window will
+            break
+        if alpha > 0 and t >= previous - 1e-12:
+            break
+        previous = min(previous, t)
+    return Schedule((best or h1).ranks, num_stages, m, kind="zb")
