@@ -72,6 +72,7 @@ from dynmb.costmodel import AnalyticCostModel, samples_from_actions
 from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.results import write_table
 from dynmb.runtime.hostmem import retain_freed_memory
+from dynmb.runtime.meter import measure_stage_memory
 from dynmb.runtime.pingpong import ping_pong
 from dynmb.types import Microbatch
 
@@ -219,11 +220,8 @@ def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, repeats: int = 5, war
 
 
 def _meter():
-    try:
-        from dynmb.runtime.meter import measure_stage_memory
-        return measure_stage_memory
-    except Exception:  # the memory meter is optional
-        return None
+    """The memory measurement of the samples' memory columns (``dynmb.runtime.meter``)."""
+    return measure_stage_memory
 
 
 def load_samples(paths: Iterable[str | Path]) -> pd.DataFrame:
