@@ -1,0 +1,54 @@
+"""Results you can trust (issue 13): files are validated on load and user errors are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dynmb.types import Microbatch, Plan, PlanError
+
+
+def _plan(seq_groups, *, limit=1 << 30, peaks=(1000, 1000)) -> Plan:
+    mbs = [Microbatch(seq_ids=g, lengths=[10] * len(g), padded_len=10, batch=len(g)) for g in seq_groups]
+    return Plan(microbatches=tuple(mbs), method="dynamic", num_stages=2, memory_limit_bytes=limit,
+                num_sequences=4, predictions={"pred_peak_bytes": list(peaks)})
+
+
+@pytest.mark.parametrize("groups, word", [([[0, 1], [1, 2, 3]], "repeated"), ([[0, 1], [2]], "missing")])
+def test_plan_load_refuses_repeated_or_lost_sequences(tmp_path, groups, word):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_plan(groups).to_dict()))
+    with pytest.raises(PlanError) as e:
+        Plan.load(path)
+    msg = str(e.value)
+    assert str(path) in msg and word in msg and "\n" not in msg
+
+
+def test_plan_load_refuses_a_row_longer_than_its_padded_len(tmp_path):
+    d = _plan([[0, 1], [2, 3]]).to_dict()
+    d["microbatches"][0]["lengths"] = [10, 30]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="rows.json"):
+        Plan.load(path)
+
+
+def test_plan_load_refuses_a_plan_over_its_limit_unless_allowed(tmp_path):
+    path = tmp_path / "over.json"
+    _plan([[0, 1], [2, 3]], limit=1500, peaks=(1000, 2000)).save(path)
+    with pytest.raises(PlanError, match="over.json.*exceeds"):
+        Plan.load(path)
+    assert Plan.load(path, allow_over_limit=True).num_microbatches == 2
+    good = tmp_path / "good.json"
+    _plan([[0, 1], [2, 3]]).save(good)
+    assert Plan.load(good).num_sequences == 4
+
+
+def test_cli_simulate_of_a_plan_losing_sequences_is_exit_2(tmp_path, capsys):
+    from dynmb.cli import main
+    path = tmp_path / "lost.json"
+    _plan([[0, 1], [2]]).save(path)
+    assert main(["simulate", "--plan", str(path), "--schedule", str(tmp_path / "s.csv"), "--model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lost.json" in err[0]
