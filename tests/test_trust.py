@@ -52,3 +52,22 @@ def test_cli_simulate_of_a_plan_losing_sequences_is_exit_2(tmp_path, capsys):
     assert main(["simulate", "--plan", str(path), "--schedule", str(tmp_path / "s.csv"), "--model", "tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lost.json" in err[0]
+
+
+def test_simulate_refuses_the_unreordered_plan_of_a_reordered_schedule(tmp_path, capsys):
+    from dynmb.cli import main
+    from dynmb.schedule import from_csv
+    plan_path, sched = tmp_path / "plan.json", tmp_path / "schedule.csv"
+    _plan([[0], [1], [2, 3]]).save(plan_path)
+    assert main(["schedule", "--plan", str(plan_path), "--reorder", "descending", "--model", "tiny",
+                 "-o", str(sched)]) == 0
+    meta = json.loads((tmp_path / "schedule.meta.json").read_text())
+    reordered = Plan.load(meta["plan"])
+    assert meta["plan_digest"] == reordered.digest() != Plan.load(plan_path).digest()
+    assert from_csv(sched, num_microbatches=3).num_microbatches == 3      # the CSV stays torch's format
+    assert "digest" not in sched.read_text()
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(plan_path), "--schedule", str(sched), "--model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "plan.json" in err[0] and "schedule.csv" in err[0] and meta["plan"] in err[0]
+    assert main(["simulate", "--plan", meta["plan"], "--schedule", str(sched), "--model", "tiny"]) == 0

@@ -7,6 +7,7 @@ import json
 
 from dynmb.atomic import atomic_path
 from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
+from dynmb.cli.schedule import check_schedule_plan
 from dynmb.config import format_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
+    check_schedule_plan(plan, args.plan, args.schedule)
     schedule = from_csv(args.schedule, num_microbatches=plan.num_microbatches)
     model = model_from_args(args)
     cost_model = get_cost_model(args.cost_model, model, plan.num_stages)
