@@ -275,7 +275,13 @@ class MemoryModel:
 
     @classmethod
     def load(cls, path: str | Path) -> "MemoryModel":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        text = Path(path).read_text()
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON file ({e})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: invalid memory-model file: {e}") from None
 
     def __repr__(self) -> str:
         return f"MemoryModel({self.model_cfg.name!r}, P={self.num_stages}, {self.source})"

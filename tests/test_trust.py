@@ -71,3 +71,34 @@ def test_simulate_refuses_the_unreordered_plan_of_a_reordered_schedule(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "plan.json" in err[0] and "schedule.csv" in err[0] and meta["plan"] in err[0]
     assert main(["simulate", "--plan", meta["plan"], "--schedule", str(sched), "--model", "tiny"]) == 0
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_plan_into_an_unwritable_path_is_one_line_and_leaves_no_temp_file(tmp_path, capsys):
+    from dynmb.cli import main
+    target = tmp_path / "adir"
+    target.mkdir()
+    (target / "keep").write_text("x")                  # a non-empty folder cannot be replaced by a file
+    argv = ["plan", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "8", "--stages", "2"]
+    assert main([*argv, "-o", str(target)]) == 2
+    assert str(target) in _one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["adir", "keep"]
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    assert main([*argv, "-o", str(blocker / "p.json")]) == 2
+    assert "afile" in _one_error_line(capsys)
+
+
+def test_a_corrupt_cost_or_memory_model_file_is_one_line_naming_it(tmp_path, capsys):
+    from dynmb.cli import main
+    bad = tmp_path / "garbage.json"
+    bad.write_text("")
+    argv = ["plan", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "8", "--stages", "2"]
+    for flag in ("--cost-model", "--memory-model"):
+        assert main([*argv, flag, str(bad)]) == 2
+        assert "garbage.json" in _one_error_line(capsys)

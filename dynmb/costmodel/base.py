@@ -197,7 +197,13 @@ class CostModel:
 
     @staticmethod
     def load(path: str | Path) -> "CostModel":
-        return CostModel.from_dict(json.loads(Path(path).read_text()))
+        text = Path(path).read_text()
+        try:
+            return CostModel.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON file ({e})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: invalid cost-model file: {e}") from None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model={self.model_cfg.name!r}, num_stages={self.num_stages}, comm={self.comm})"
