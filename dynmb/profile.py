@@ -246,6 +246,8 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
     ``packed`` flag). ``concurrent``: one process per stage, all running the same point at once
     (see the module doc); CPU only. ``token_cap``: the default grid's rows x padded_len cap
     (default 8192 on CPU)."""
+    if int(repeats) < 1 or int(warmup) < 0:   # checked before anything is written
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     torch.set_num_threads(int(threads))
     dev = torch.device(device)
     if dev.type == "cpu":

@@ -102,3 +102,12 @@ def test_a_corrupt_cost_or_memory_model_file_is_one_line_naming_it(tmp_path, cap
     for flag in ("--cost-model", "--memory-model"):
         assert main([*argv, flag, str(bad)]) == 2
         assert "garbage.json" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("flags", [["--repeats", "0"], ["--warmup", "-1"]])
+def test_profile_refuses_zero_repeats_before_writing_anything(tmp_path, capsys, flags):
+    from dynmb.cli import main
+    out = tmp_path / "samples.csv"
+    assert main(["profile", "--model", "tiny", "--stages", "2", "--quick", "--no-memory", *flags, "-o", str(out)]) == 2
+    assert "repeats" in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
