@@ -58,6 +58,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -261,7 +262,8 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
         quick=quick, max_len=max_len, token_cap=token_cap or (None if dev.type == "cpu" else 65536))
     base = {"device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev), "threads": int(threads),
             "clock": clock, "torch_version": torch.__version__, "model": cfg.name, "attention": cfg.attention,
-            "num_stages": int(num_stages), "concurrent": int(num_stages) if concurrent else 1}
+            "num_stages": int(num_stages), "concurrent": int(num_stages) if concurrent else 1,
+            **{k: v for k, v in cfg.to_dict().items() if k not in ("name", "attention")}}   # every field
     old = _read_resumable(output, base)
     if comm and not (len(old) and (old["op"] == "comm").any()):  # first: before the grid heats the machine
         c = ping_pong(threads=threads)
@@ -283,6 +285,23 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
                           progress=progress, base=base, output=output)
 
 
+ARCH_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name != "name")
+"""ModelConfig fields recorded as sample columns of the same name (the name is the ``model`` column)."""
+
+
+def check_samples_model(samples: pd.DataFrame, cfg: ModelConfig, num_stages: int, source: str = "samples") -> None:
+    """Raise ``ValueError`` naming both unless every recorded ModelConfig field (and the stage
+    count) of ``samples`` equals ``cfg``'s: a cost model is fitted only for the architecture measured."""
+    want = {"model": cfg.name, "num_stages": int(num_stages), **{k: getattr(cfg, k) for k in ARCH_FIELDS}}
+    for column, value in want.items():
+        if column not in samples:
+            continue
+        got = set(samples[column].dropna().unique().tolist())
+        if got - {value}:
+            raise ValueError(f"{source} were measured for {column}={sorted(got, key=str)}, not {value} "
+                             f"(--model {cfg.name!r}, --stages {num_stages}); pass a matching --model/--stages")
+
+
 def _read_resumable(output: str | Path | None, base: dict) -> pd.DataFrame:
     """The samples already in ``output`` (empty when none); refuses a file of other settings."""
     if output is None or not Path(output).exists():
@@ -294,7 +313,7 @@ def _read_resumable(output: str | Path | None, base: dict) -> pd.DataFrame:
     if len(timed) and "attn_work" not in old:
         raise ValueError(f"{output} holds samples without attn_work (profiled before the attention work was "
                          f"recorded, under another attention implementation); use another -o")
-    for k in ("model", "num_stages", "clock", "concurrent", "attention"):
+    for k in ("model", "num_stages", "clock", "concurrent", *(k for k in base if k in ARCH_FIELDS)):
         if k in old and len(timed) and set(timed[k].dropna().unique()) - {base[k]}:
             raise ValueError(f"{output} holds samples for {k}={sorted(old[k].dropna().unique())}, not {base[k]}; "
                              f"use another -o")

@@ -111,3 +111,30 @@ def test_profile_refuses_zero_repeats_before_writing_anything(tmp_path, capsys, 
     assert main(["profile", "--model", "tiny", "--stages", "2", "--quick", "--no-memory", *flags, "-o", str(out)]) == 2
     assert "repeats" in _one_error_line(capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fit_refuses_samples_of_another_architecture_with_the_same_name(tmp_path, capsys):
+    from dynmb.cli import main
+    from dynmb.config import ModelConfig
+    from tests.test_costmodel import synthetic_samples
+    small = ModelConfig.preset("small")
+    samples = synthetic_samples(repeats=2).assign(num_stages=2, **{k: v for k, v in small.to_dict().items()
+                                                                  if k not in ("name", "attention")})
+    samples.assign(d_model=2 * small.d_model).to_csv(tmp_path / "wide.csv", index=False)
+    assert main(["fit", str(tmp_path / "wide.csv"), "--model", "small", "--stages", "2",
+                 "-o", str(tmp_path / "c.json")]) == 2
+    line = _one_error_line(capsys)
+    assert "wide.csv" in line and f"d_model=[{2 * small.d_model}]" in line and "small" in line
+    assert not (tmp_path / "c.json").exists()
+    samples.to_csv(tmp_path / "ok.csv", index=False)
+    assert main(["fit", str(tmp_path / "ok.csv"), "--model", "small", "--stages", "2",
+                 "-o", str(tmp_path / "c.json")]) == 0
+
+
+def test_profile_records_every_model_field():
+    from dynmb.config import ModelConfig
+    from dynmb.profile import profile
+    tiny = ModelConfig.preset("tiny")
+    samples = profile(tiny, 2, grid=[(1, 8, 1)], repeats=1, warmup=0, memory=False, progress=False)
+    for k, v in tiny.to_dict().items():
+        assert (samples["model" if k == "name" else k] == v).all(), k
