@@ -277,7 +277,12 @@ class MemoryModel:
     def load(cls, path: str | Path) -> "MemoryModel":
         text = Path(path).read_text()
         try:
-            return cls.from_dict(json.loads(text))
+            d = json.loads(text)
+            for key in ("state_bytes", "act_coef", "transient_coef"):
+                a = np.asarray(d.get(key, []), dtype=np.float64)
+                if not np.all(np.isfinite(a)) or np.any(a < 0):
+                    raise ValueError(f"{key} {a.tolist()} must be finite and non-negative")
+            return cls.from_dict(d)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not a JSON file ({e})") from None
         except (KeyError, TypeError, ValueError) as e:

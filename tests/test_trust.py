@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,26 @@ def test_profile_records_every_model_field():
     samples = profile(tiny, 2, grid=[(1, 8, 1)], repeats=1, warmup=0, memory=False, progress=False)
     for k, v in tiny.to_dict().items():
         assert (samples["model" if k == "name" else k] == v).all(), k
+
+
+@pytest.mark.parametrize("bad", [-1e-3, float("nan"), float("inf")])
+def test_cost_and_memory_model_files_with_bad_coefficients_are_refused(tmp_path, bad):
+    from dynmb.config import ModelConfig
+    from dynmb.costmodel import CostModel
+    from dynmb.planning import default_cost_model_path
+    from dynmb.memory import MemoryModel
+    d = json.loads(Path(default_cost_model_path("small", 2)).read_text())
+    d["params"]["fits"][0]["coef"]["c1_tok"] = bad
+    cm_path = tmp_path / "cm.json"
+    cm_path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="cm.json.*c1_tok"):
+        CostModel.load(cm_path)
+    mm = MemoryModel.analytic(ModelConfig.preset("tiny"), 2).to_dict()
+    mm["act_coef"][1][1] = bad
+    mm_path = tmp_path / "mm.json"
+    mm_path.write_text(json.dumps(mm))
+    with pytest.raises(ValueError, match="mm.json.*act_coef"):
+        MemoryModel.load(mm_path)
+    mm["act_coef"][1][1] = 1.0
+    mm_path.write_text(json.dumps(mm))
+    assert MemoryModel.load(mm_path).num_stages == 2
