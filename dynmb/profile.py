@@ -229,8 +229,14 @@ def load_samples(paths: Iterable[str | Path]) -> pd.DataFrame:
     """Read and concatenate samples CSVs (or a run's actions CSVs, converted)."""
     dfs = []
     for p in paths:
-        df = pd.read_csv(p)
-        dfs.append(samples_from_actions(df) if {"start_s", "end_s"} <= set(df.columns) else df)
+        try:
+            df = pd.read_csv(p)
+            dfs.append(samples_from_actions(df) if {"start_s", "end_s"} <= set(df.columns) else df)
+        except (ValueError, KeyError) as e:   # pandas' parse errors are ValueErrors
+            raise ValueError(f"{p}: not a samples or actions CSV: {e}") from None
+        missing = {"stage", "op", "rows", "padded_len", "time_s"} - set(dfs[-1].columns)
+        if missing:
+            raise ValueError(f"{p}: not a samples or actions CSV (no column {', '.join(sorted(missing))})")
     if not dfs:
         raise ValueError("no samples files given")
     return pd.concat(dfs, ignore_index=True)

@@ -162,3 +162,20 @@ def test_cost_and_memory_model_files_with_bad_coefficients_are_refused(tmp_path,
     mm["act_coef"][1][1] = 1.0
     mm_path.write_text(json.dumps(mm))
     assert MemoryModel.load(mm_path).num_stages == 2
+
+
+def test_unparsable_csv_inputs_are_one_line_naming_the_file(tmp_path, capsys):
+    from dynmb.cli import main
+    bad = tmp_path / "broken.csv"
+    bad.write_text("a,b\n1,2,3,4\n\"unclosed\n")
+    assert main(["fit", str(bad), "--model", "small", "-o", str(tmp_path / "c.json")]) == 2
+    assert "broken.csv" in _one_error_line(capsys)
+    (tmp_path / "other.csv").write_text("x,y\n1,2\n")
+    assert main(["fit", str(tmp_path / "other.csv"), "--model", "small", "-o", str(tmp_path / "c.json")]) == 2
+    assert "other.csv" in _one_error_line(capsys)
+    plan = tmp_path / "plan.json"
+    _plan([[0, 1], [2, 3]]).save(plan)
+    sched = tmp_path / "sched.csv"
+    sched.write_text("rank,0,1\n0,0X0,zz\n")
+    assert main(["simulate", "--plan", str(plan), "--schedule", str(sched), "--model", "tiny"]) == 2
+    assert "sched.csv" in _one_error_line(capsys)
