@@ -179,3 +179,15 @@ def test_unparsable_csv_inputs_are_one_line_naming_the_file(tmp_path, capsys):
     sched.write_text("rank,0,1\n0,0X0,zz\n")
     assert main(["simulate", "--plan", str(plan), "--schedule", str(sched), "--model", "tiny"]) == 2
     assert "sched.csv" in _one_error_line(capsys)
+
+
+def test_simulate_takes_a_plan_over_its_limit_only_when_allowed(tmp_path, capsys):
+    from dynmb.cli import main
+    plan, sched = tmp_path / "over.json", tmp_path / "s.csv"
+    _plan([[0, 1], [2, 3]], limit=1500, peaks=(1000, 2000)).save(plan)
+    from dynmb.schedule import build_schedule, to_csv
+    to_csv(build_schedule("1f1b", 2, 2), sched)
+    argv = ["simulate", "--plan", str(plan), "--schedule", str(sched), "--model", "tiny"]
+    assert main(argv) == 2
+    assert "over.json" in _one_error_line(capsys)
+    assert main([*argv, "--allow-over-limit"]) == 0

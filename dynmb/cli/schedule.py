@@ -57,13 +57,15 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_model_flags(parser)
     parser.add_argument("-o", "--output", required=True,
                         help="schedule CSV path (torch.distributed.pipelining compute-only format)")
+    parser.add_argument("--allow-over-limit", action="store_true",
+                        help="take a plan whose predicted peak exceeds its memory limit")
     parser.add_argument("--plan-output", default=None,
                         help="write the reordered plan here (default: next to the schedule)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = Plan.load(args.plan)
+    plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
     source_digest = plan.digest()
     if plan.dp > 1:
         raise ValueError(f"{args.plan} holds {plan.dp} data-parallel pipelines; `dynmb schedule` takes a "
