@@ -20,12 +20,22 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
 from .analysis import summarise
 from .config import ModelConfig, PipelineConfig, RunConfig, model_config
 from .planning.api import PlannedStep, Planner
-from .planning.sampler import DynamicBatchSampler
 from .results import load_results
 from .simulate import SimResult, simulate
 from .types import Action, Microbatch, Plan, Schedule
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # ``DynamicBatchSampler`` subclasses torch's Sampler: importing it on first use keeps
+    # ``import dynmb`` (and every command that needs no torch, e.g. ``dynmb datasets``) free of
+    # torch's ~4 s import. Not a cycle: dynmb.planning.sampler imports only layers above it.
+    if name == "DynamicBatchSampler":
+        from .planning.sampler import DynamicBatchSampler
+
+        return DynamicBatchSampler
+    raise AttributeError(f"module 'dynmb' has no attribute {name!r}")
 
 __all__ = [
     "Planner", "PlannedStep", "simulate", "SimResult", "DynamicBatchSampler", "load_results", "summarise",

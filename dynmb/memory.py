@@ -314,7 +314,18 @@ class MemoryModel:
 
     @classmethod
     def load(cls, path: str | Path) -> "MemoryModel":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        text = Path(path).read_text()
+        try:
+            d = json.loads(text)
+            for key in ("state_bytes", "act_coef", "transient_coef"):
+                a = np.asarray(d.get(key, []), dtype=np.float64)
+                if not np.all(np.isfinite(a)) or np.any(a < 0):
+                    raise ValueError(f"{key} {a.tolist()} must be finite and non-negative")
+            return cls.from_dict(d)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON file ({e})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: invalid memory-model file: {e}") from None
 
     def __repr__(self) -> str:
         return f"MemoryModel({self.model_cfg.name!r}, P={self.num_stages}, {self.source})"

@@ -65,6 +65,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -79,6 +80,7 @@ from dynmb.costmodel import AnalyticCostModel, samples_from_actions
 from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.results import write_table
 from dynmb.runtime.hostmem import retain_freed_memory
+from dynmb.runtime.meter import measure_stage_memory
 from dynmb.runtime.pingpong import ping_pong
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.types import Microbatch
@@ -237,19 +239,22 @@ def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, repeats: int = 5, war
 
 
 def _meter():
-    try:
-        from dynmb.runtime.meter import measure_stage_memory
-        return measure_stage_memory
-    except Exception:  # the memory meter is optional
-        return None
+    """The memory measurement of the samples' memory columns (``dynmb.runtime.meter``)."""
+    return measure_stage_memory
 
 
 def load_samples(paths: Iterable[str | Path]) -> pd.DataFrame:
     """Read and concatenate samples CSVs (or a run's actions CSVs, converted)."""
     dfs = []
     for p in paths:
-        df = pd.read_csv(p)
-        dfs.append(samples_from_actions(df) if {"start_s", "end_s"} <= set(df.columns) else df)
+        try:
+            df = pd.read_csv(p)
+            dfs.append(samples_from_actions(df) if {"start_s", "end_s"} <= set(df.columns) else df)
+        except (ValueError, KeyError) as e:   # pandas' parse errors are ValueErrors
+            raise ValueError(f"{p}: not a samples or actions CSV: {e}") from None
+        missing = {"stage", "op", "rows", "padded_len", "time_s"} - set(dfs[-1].columns)
+        if missing:
+            raise ValueError(f"{p}: not a samples or actions CSV (no column {', '.join(sorted(missing))})")
     if not dfs:
         raise ValueError("no samples files given")
     return pd.concat(dfs, ignore_index=True)
@@ -267,6 +272,8 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
     ``packed`` flag). ``concurrent``: one process per stage, all running the same point at once
     (see the module doc); CPU only. ``token_cap``: the default grid's rows x padded_len cap
     (default 8192 on CPU)."""
+    if int(repeats) < 1 or int(warmup) < 0:   # checked before anything is written
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     torch.set_num_threads(int(threads))
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -280,7 +287,8 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
         quick=quick, max_len=max_len, token_cap=token_cap or (None if dev.type == "cpu" else 65536))
     base = {"device": dev.type if dev.type == "cpu" else torch.cuda.get_device_name(dev), "threads": int(threads),
             "clock": clock, "torch_version": torch.__version__, "model": cfg.name, "attention": cfg.attention,
-            "num_stages": int(num_stages), "concurrent": int(num_stages) if concurrent else 1}
+            "num_stages": int(num_stages), "concurrent": int(num_stages) if concurrent else 1,
+            **{k: v for k, v in cfg.to_dict().items() if k not in ("name", "attention")}}   # every field
     old = _read_resumable(output, base)
     if comm and not (len(old) and (old["op"] == "comm").any()):  # first: before the grid heats the machine
         c = ping_pong(threads=threads)
@@ -302,6 +310,23 @@ def profile(cfg: ModelConfig, num_stages: int, *, grid: list[tuple[int, int, int
                           progress=progress, base=base, output=output, split=split)
 
 
+ARCH_FIELDS = tuple(f.name for f in fields(ModelConfig) if f.name != "name")
+"""ModelConfig fields recorded as sample columns of the same name (the name is the ``model`` column)."""
+
+
+def check_samples_model(samples: pd.DataFrame, cfg: ModelConfig, num_stages: int, source: str = "samples") -> None:
+    """Raise ``ValueError`` naming both unless every recorded ModelConfig field (and the stage
+    count) of ``samples`` equals ``cfg``'s: a cost model is fitted only for the architecture measured."""
+    want = {"model": cfg.name, "num_stages": int(num_stages), **{k: getattr(cfg, k) for k in ARCH_FIELDS}}
+    for column, value in want.items():
+        if column not in samples:
+            continue
+        got = set(samples[column].dropna().unique().tolist())
+        if got - {value}:
+            raise ValueError(f"{source} were measured for {column}={sorted(got, key=str)}, not {value} "
+                             f"(--model {cfg.name!r}, --stages {num_stages}); pass a matching --model/--stages")
+
+
 def _read_resumable(output: str | Path | None, base: dict) -> pd.DataFrame:
     """The samples already in ``output`` (empty when none); refuses a file of other settings."""
     if output is None or not Path(output).exists():
@@ -313,7 +338,7 @@ def _read_resumable(output: str | Path | None, base: dict) -> pd.DataFrame:
     if len(timed) and "attn_work" not in old:
         raise ValueError(f"{output} holds samples without attn_work (profiled before the attention work was "
                          f"recorded, under another attention implementation); use another -o")
-    for k in ("model", "num_stages", "clock", "concurrent", "attention"):
+    for k in ("model", "num_stages", "clock", "concurrent", *(k for k in base if k in ARCH_FIELDS)):
         if k in old and len(timed) and set(timed[k].dropna().unique()) - {base[k]}:
             raise ValueError(f"{output} holds samples for {k}={sorted(old[k].dropna().unique())}, not {base[k]}; "
                              f"use another -o")

@@ -138,13 +138,9 @@ def git_sha(cwd: str | Path | None = None) -> str:
 
 
 def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: str, world_size: int,
-             host_malloc: str | None = None) -> dict[str, Any]:
+             host_malloc: str) -> dict[str, Any]:
     """One ``runs`` row: the flattened config plus provenance. ``host_malloc``: the workers' host
     allocator policy (``dynmb.runtime.hostmem.host_malloc_mode()``, which the runtime passes in)."""
-    if host_malloc is None:  # callers not yet passing it (RESHAPE_MOVES.md); goes once they all do
-        from dynmb.runtime.hostmem import host_malloc_mode
-
-        host_malloc = host_malloc_mode()
     try:
         import torch
 

@@ -310,8 +310,26 @@ class Plan:
         write_text_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(Path(path).read_text())
+    def load(cls, path: str | Path, *, allow_over_limit: bool = False) -> "Plan":
+        """Read and validate a plan file: every sequence exactly once, each row holding its
+        sequences, and (unless ``allow_over_limit``) every stage's ``pred_peak_bytes`` within
+        ``memory_limit_bytes``. A bad file raises ``PlanError`` (one line) naming it."""
+        path = Path(path)
+        text = path.read_text()
+        try:
+            plan = cls.from_json(text)
+            plan.validate()
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not a plan JSON file ({e})") from None
+        except (PlanError, KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"{path}: invalid plan: {e}") from None
+        peaks = [float(x) for x in plan.predictions.get("pred_peak_bytes", []) or []]
+        if not allow_over_limit and peaks and max(peaks) > plan.memory_limit_bytes:
+            stage = int(np.argmax(peaks))
+            raise PlanError(f"{path}: stage {stage}'s predicted peak {int(peaks[stage])} bytes exceeds the plan's "
+                            f"memory limit {int(plan.memory_limit_bytes)} bytes (pass allow_over_limit / "
+                            f"--allow-over-limit to use it anyway)")
+        return plan
 
     def digest(self) -> str:
         """sha256 of what the runtime executes (shapes, sequences, order, replicas)."""

@@ -8,7 +8,7 @@ import argparse
 from dynmb.cli.flags import add_model_flags, model_from_args
 from dynmb.costmodel import fit_cost_model, kfold_error, noise_floor
 from dynmb.plots import cost_fit
-from dynmb.profile import load_samples
+from dynmb.profile import check_samples_model, load_samples
 
 __all__ = ["add_parser", "run"]
 
@@ -28,11 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     samples = load_samples(args.samples)
-    for column, want in (("model", model.name), ("num_stages", args.stages)):
-        got = set(samples[column].dropna().unique()) if column in samples else set()
-        if got - {want}:
-            raise ValueError(f"samples were measured for {column}={sorted(got)}, not {want}; "
-                             "pass --model/--stages to match")
+    check_samples_model(samples, model, args.stages, source=f"samples {', '.join(map(str, args.samples))}")
     fitted = fit_cost_model(samples, model, args.stages, kind=args.kind, folds=args.folds)
     errors = kfold_error(samples, args.kind, args.folds, model_cfg=model, num_stages=args.stages)
     table = errors.merge(noise_floor(samples), on=["stage", "op"], how="left")

@@ -7,13 +7,15 @@ prints). Only the chosen verb's module is imported, so a typo or ``--help`` cost
 or scipy import; ``build_parser()`` without a verb builds every verb's parser.
 
 ``-v`` shows the library's INFO log lines (``-vv`` DEBUG), ``-q`` only its errors; the
-default shows warnings and errors, on stderr. A user error (``ValueError``,
-``FileNotFoundError``, ``KeyError``) prints ``dynmb VERB: error: ...`` and exits 2.
+default shows warnings and errors, on stderr. A user error (``ValueError`` (JSON and pandas
+parse errors among them), ``OSError``, ``KeyError``, ``csv.Error``) prints one line
+``dynmb VERB: error: ...`` naming the file and exits 2, with no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
 import logging
 import sys
@@ -96,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(-1 if args.quiet else args.verbosity)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"dynmb {args.verb}: error: {e}", file=sys.stderr)
+    except OSError as e:
+        # os.replace(tmp, target) names the temporary file first: the target is the user's path
+        name = e.filename2 if e.filename2 is not None else e.filename
+        message = f"{name}: {e.strerror or e}" if name is not None else str(e)
+        print(f"dynmb {args.verb}: error: {_one_line(message)}", file=sys.stderr)
         return 2
+    except (ValueError, KeyError, csv.Error) as e:
+        print(f"dynmb {args.verb}: error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())

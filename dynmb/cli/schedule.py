@@ -4,10 +4,12 @@ after the plan's microbatch order pass; the reordered plan is written beside it.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from dynmb.atomic import write_text_atomic
 from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
 from dynmb.config import format_bytes
 from dynmb.costmodel import get_cost_model
@@ -18,7 +20,30 @@ from dynmb.schedule import build_schedule, to_csv, validate
 from dynmb.simulate import memory_inputs, simulate
 from dynmb.types import Plan
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "sidecar_path", "check_schedule_plan"]
+
+
+def sidecar_path(schedule_path: str | Path) -> Path:
+    """``<stem>.meta.json`` beside a schedule CSV: the digest and path of the plan it was built for."""
+    p = Path(schedule_path)
+    return p.with_name(p.stem + ".meta.json")
+
+
+def check_schedule_plan(plan: Plan, plan_path: str | Path, schedule_path: str | Path) -> None:
+    """Raise ``ValueError`` (one line) when the schedule's sidecar records another plan's digest.
+    A schedule without a sidecar (written by hand or by torch) is taken as it is."""
+    meta_path = sidecar_path(schedule_path)
+    if not meta_path.exists():
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+        want = str(meta["plan_digest"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: not a schedule sidecar ({e})") from None
+    if plan.digest() != want:
+        hint = f"; use the plan it was built for: --plan {meta['plan']}" if meta.get("plan") else ""
+        raise ValueError(f"{schedule_path} was built for another plan than {plan_path} (digest {want[:12]} in "
+                         f"{meta_path} vs {plan.digest()[:12]}){hint}")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
@@ -33,13 +58,16 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_model_flags(parser)
     parser.add_argument("-o", "--output", required=True,
                         help="schedule CSV path (torch.distributed.pipelining compute-only format)")
+    parser.add_argument("--allow-over-limit", action="store_true",
+                        help="take a plan whose predicted peak exceeds its memory limit")
     parser.add_argument("--plan-output", default=None,
                         help="write the reordered plan here (default: next to the schedule)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = Plan.load(args.plan)
+    plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
+    source_digest = plan.digest()
     if plan.dp > 1:
         raise ValueError(f"{args.plan} holds {plan.dp} data-parallel pipelines; `dynmb schedule` takes a "
                          f"one-pipeline plan (plan with --dp 1, or use `dynmb run`, which schedules each replica)")
@@ -66,11 +94,16 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     plan_out = Path(args.plan_output) if args.plan_output else out.with_name(out.stem + ".plan.json")
     plan.save(plan_out)
+    meta_out = sidecar_path(out)
+    write_text_atomic(meta_out, json.dumps({
+        "plan_digest": plan.digest(), "plan": str(plan_out), "source_plan": str(args.plan),
+        "source_plan_digest": source_digest, "kind": args.kind, "reorder": args.reorder,
+        "virtual": args.virtual}, indent=1))
     sim = simulate(schedule, plan, cost_model, memory_model)
     peak = max(sim.peak_bytes_rank) if sim.peak_bytes_rank is not None else float("nan")
     print(f"{args.kind} schedule: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
           f"{schedule.num_microbatches} microbatches, reorder {args.reorder}; predicted makespan "
           f"{sim.makespan_s:.4g} s, mean bubble {sim.mean_bubble:.3f}, peak {format_bytes(peak)} / limit "
           f"{format_bytes(plan.memory_limit_bytes)}{'' if sim.fits else ' (OVER THE LIMIT)'}")
-    print(f"wrote {out} and {plan_out}")
+    print(f"wrote {out} (plan digest in {meta_out}) and {plan_out}")
     return 0

@@ -7,6 +7,7 @@ import json
 
 from dynmb.atomic import atomic_path
 from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
+from dynmb.cli.schedule import check_schedule_plan
 from dynmb.config import format_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
@@ -24,6 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--schedule", required=True, help="schedule CSV")
     add_model_file_flags(parser)
     add_model_flags(parser)
+    parser.add_argument("--allow-over-limit", action="store_true",
+                        help="take a plan whose predicted peak exceeds its memory limit")
     parser.add_argument("--gantt", default=None, help="write a Gantt PNG of the predicted timeline here")
     parser.add_argument("--timeline", default=None, help="write the timeline CSV here")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary")
@@ -31,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = Plan.load(args.plan)
+    plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
+    check_schedule_plan(plan, args.plan, args.schedule)
     schedule = from_csv(args.schedule, num_microbatches=plan.num_microbatches)
     model = model_from_args(args)
     cost_model = get_cost_model(args.cost_model, model, plan.num_stages)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -88,6 +89,21 @@ class CommModel:
 
     def __repr__(self) -> str:
         return f"CommModel(alpha_s={self.alpha_s:.3g}, bytes_per_s={self.bytes_per_s:.3g})"
+
+
+def _check_numbers(x: Any, where: str, *, negative_ok: bool) -> None:
+    """Raise ``ValueError`` naming ``where`` at the first number in ``x`` (nested dicts and
+    lists) that is not finite, or negative unless ``negative_ok``: a model file's coefficients."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            _check_numbers(v, f"{where}.{k}", negative_ok=negative_ok)
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _check_numbers(v, f"{where}[{i}]", negative_ok=negative_ok)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        if not math.isfinite(x) or (x < 0 and not negative_ok):
+            raise ValueError(f"{where} is {x}: coefficients must be finite"
+                             f"{'' if negative_ok else ' and non-negative'}")
 
 
 def _arch(cfg: ModelConfig) -> dict[str, Any]:
@@ -209,7 +225,17 @@ class CostModel:
 
     @staticmethod
     def load(path: str | Path) -> "CostModel":
-        return CostModel.from_dict(json.loads(Path(path).read_text()))
+        text = Path(path).read_text()
+        try:
+            d = json.loads(text)
+            _check_numbers(d.get("params"), "params", negative_ok=False)
+            _check_numbers(d.get("comm"), "comm", negative_ok=False)
+            _check_numbers(d.get("runtime_overhead_s"), "runtime_overhead_s", negative_ok=True)
+            return CostModel.from_dict(d)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON file ({e})") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: invalid cost-model file: {e}") from None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model={self.model_cfg.name!r}, num_stages={self.num_stages}, comm={self.comm})"

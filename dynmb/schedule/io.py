@@ -63,4 +63,8 @@ def to_csv(schedule: Schedule, path: str | Path) -> None:
 
 def from_csv(path: str | Path, num_microbatches: int | None = None, kind: str = "") -> Schedule:
     """Read a compute-only CSV written by ``to_csv`` or by torch's ``_dump_csv(format="compute_only")``."""
-    return from_str(Path(path).read_text(), num_microbatches=num_microbatches, kind=kind)
+    text = Path(path).read_text()
+    try:
+        return from_str(text, num_microbatches=num_microbatches, kind=kind)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a compute-only schedule CSV: {e}") from None
