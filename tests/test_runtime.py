@@ -140,7 +140,8 @@ def test_three_steps_change_shapes(two_rank_run):
     assert list(t["steps"]["step"]) == [0, 1, 2]
     shapes = t["actions"].groupby("step").apply(lambda d: tuple(sorted(set(zip(d["batch"], d["padded_len"])))))
     assert len(set(shapes)) == 3                            # every step runs other shapes
-    assert t["steps"]["num_microbatches"].nunique() >= 2
+    # (how many microbatches a step gets is the planner's choice, tested in test_packing)
+    assert (t["steps"]["num_microbatches"] == t["actions"].groupby("step")["mb"].nunique().to_numpy()).all()
 
 
 @pytest.mark.dist
