@@ -373,8 +373,8 @@ class _Ranker:
 
     def __init__(self, cost_model: Any, num_stages: int, kind: str, comm: Any, dp: int,
                  setups: dict[str, _Setup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
-        self.cm, self.P, self.kind, self.comm_fn, self.dp, self.bmax_fn = cost_model, num_stages, kind, comm, dp, bmax_fn
-        self.setups, self.lengths, self.doc_causal = setups, lengths, doc_causal
+        self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
+        self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
 
     def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
         sends = self.comm_fn(rows, padded) if self.comm_fn is not None else 0.0

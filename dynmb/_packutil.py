@@ -47,8 +47,8 @@ import numpy as np
 
 __all__ = ["next_fit_rows", "bfd_rows", "round_up", "round_down", "pipeline_bound", "makespan", "makespans",
            "exact_regime", "stage_order", "EXACT_OPS", "EXACT_PER_STAGE", "Flat", "Group", "groups_to_flat",
-           "flat_to_groups", "fixed_groups", "packed_flat", "token_budget_groups", "split_group", "assign_replicas", "greedy_cuts", "greedy_cuts_from_short_end",
-           "polish_cuts"]
+           "flat_to_groups", "fixed_groups", "packed_flat", "token_budget_groups", "split_group", "assign_replicas",
+           "greedy_cuts", "greedy_cuts_from_short_end", "polish_cuts"]
 
 EXACT_OPS = 6000
 """Up to this many ops (2 * P * m) ``makespan`` is exact."""
