@@ -76,7 +76,8 @@ SEED_DP_MAX = 2048
 RANK_EXACT = 400
 """Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
 RANK_OPS = 300_000
-"""Per ranking pass, exact estimates (2 * P * m ops each) of the best by proxy stop at this many ops."""
+"""Per ranking pass, exact estimates (2 * P * m ops each) of the best by proxy stop at this many ops
+(scaled by P / 16 below 16 stages: with few stages an op of the level-by-level recurrence costs more)."""
 BFD_MAX = 16384
 """Batches up to this many sequences also try rows of the longest admissible length filled
 best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
@@ -468,12 +469,12 @@ class _Ranker:
                 if v < c.value:
                     c.value, c.order = v, name
         proxy = np.array([_proxy(*sub, cols).max() for _, _, sub, cols in jobs])
-        chosen, spent = [], 0
+        chosen, spent, budget = [], 0, RANK_OPS * min(1.0, self.P / 16)
         for j in np.argsort(proxy, kind="stable").tolist():
             c, _, _, cols = jobs[j]
             cells = self.P * cols.shape[1]
             ops = 2 * cells * len(cols)
-            if c.baseline or cells <= RANK_EXACT or spent + ops <= RANK_OPS:
+            if c.baseline or cells <= RANK_EXACT or spent + ops <= budget:
                 chosen.append(j)
                 spent += ops
         for j, v in zip(chosen, self._estimate([jobs[j][2:] for j in chosen])):
