@@ -76,7 +76,8 @@ SEED_DP_MAX = 2048
 RANK_EXACT = 400
 """Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
 RANK_OPS = 300_000
-"""Per ranking pass, exact estimates (2 * P * m ops each) of the best by proxy stop at this many ops."""
+"""Per ranking pass, exact estimates (2 * P * m ops each) of the best by proxy stop at this many ops
+(scaled by P / 16 below 16 stages: with few stages an op of the level-by-level recurrence costs more)."""
 BFD_MAX = 16384
 """Batches up to this many sequences also try rows of the longest admissible length filled
 best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
@@ -373,8 +374,8 @@ class _Ranker:
 
     def __init__(self, cost_model: Any, num_stages: int, kind: str, comm: Any, dp: int,
                  setups: dict[str, _Setup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
-        self.cm, self.P, self.kind, self.comm_fn, self.dp, self.bmax_fn = cost_model, num_stages, kind, comm, dp, bmax_fn
-        self.setups, self.lengths, self.doc_causal = setups, lengths, doc_causal
+        self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
+        self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
 
     def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
         sends = self.comm_fn(rows, padded) if self.comm_fn is not None else 0.0
@@ -454,18 +455,26 @@ class _Ranker:
         jobs = []                        # (candidate, order, (F, B, sends) of its probe replicas, columns)
         for c in self.costed(cands, affine=True):
             members, busy = self._members(c, exact_assignment=bool(c.baseline))
-            used, local = np.unique(self._probes(c, members), return_inverse=True)
-            sub = (c.F[:, used], c.B[:, used], c.comm[used])
+            used, local = (np.unique(self._probes(c, members), return_inverse=True) if self.dp > 1
+                           else (np.arange(members.shape[1]), members))
+            sub, local = (c.F[:, used], c.B[:, used], c.comm[used]), local.reshape(-1, members.shape[1])
             opened = c.opened[used] if c.opened is not None else None
-            for name, cols in _orders(local.reshape(-1, members.shape[1]), busy[used], opened).items():
-                jobs.append((c, name, sub, cols))
+            if exact_regime(self.P, members.shape[1]):
+                jobs += [(c, name, sub, cols) for name, cols in _orders(local, busy[used], opened).items()]
+                continue
+            # the bound: the same work in every order, only the first and last microbatches differ
+            work, sends = (sub[0] + sub[1])[:, local].sum(axis=2), sub[2][local].mean(axis=1)
+            for name, (first, last) in _order_ends(local, busy[used], opened).items():
+                v = float(_bound(work, sub[0][:, first], sub[1][:, last], sends).max())
+                if v < c.value:
+                    c.value, c.order = v, name
         proxy = np.array([_proxy(*sub, cols).max() for _, _, sub, cols in jobs])
-        chosen, spent = [], 0
+        chosen, spent, budget = [], 0, RANK_OPS * min(1.0, self.P / 16)
         for j in np.argsort(proxy, kind="stable").tolist():
             c, _, _, cols = jobs[j]
             cells = self.P * cols.shape[1]
-            ops = 2 * cells * len(cols) if exact_regime(self.P, cols.shape[1]) else 0
-            if c.baseline or cells <= RANK_EXACT or spent + ops <= RANK_OPS:
+            ops = 2 * cells * len(cols)
+            if c.baseline or cells <= RANK_EXACT or spent + ops <= budget:
                 chosen.append(j)
                 spent += ops
         for j, v in zip(chosen, self._estimate([jobs[j][2:] for j in chosen])):
@@ -559,6 +568,23 @@ def _orders(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> di
     return dict(unique.values())
 
 
+def _order_ends(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> dict[str, tuple]:
+    """(first, last) microbatch of each row of ``members`` in each order of ``_orders``."""
+    rows = np.arange(len(members))
+    tm = t[members]
+    slow, fast = np.argmax(tm, axis=1), members.shape[1] - 1 - np.argmin(tm[:, ::-1], axis=1)
+    out = {"as formed": (members[:, 0], members[:, -1]), "reversed": (members[:, -1], members[:, 0]),
+           "slowest first": (members[rows, slow], members[rows, fast]),
+           "fastest first": (members[rows, fast], members[rows, slow])}
+    if members.shape[1] >= 3:
+        cheap = np.take_along_axis(members, np.argpartition(tm, 1, axis=1)[:, :2], axis=1)
+        out["ends"] = (cheap[:, 0], cheap[:, 1])
+    if opened is not None:
+        om = opened[members]
+        out["as opened"] = (members[rows, np.argmin(om, axis=1)], members[rows, np.argmax(om, axis=1)])
+    return out
+
+
 def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.ndarray | None) -> np.ndarray:
     """The order ``name`` of ``_orders`` for all microbatches at once, so that every replica keeps
     it whichever identical microbatches ``assign_replicas`` deals it (it breaks ties by position):
@@ -577,15 +603,21 @@ def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.n
     return {"reversed": np.arange(m)[::-1], "slowest first": by_t, "fastest first": by_t[::-1]}.get(name, np.arange(m))
 
 
+def _bound(work: np.ndarray, first_F: np.ndarray, last_B: np.ndarray, sends: np.ndarray) -> np.ndarray:
+    """``pipeline_bound`` of pipelines side by side: ``work``, ``first_F``, ``last_B`` [P, n],
+    ``sends`` [n] (mean send time of each)."""
+    zero = np.zeros((1, work.shape[1]))
+    fill = np.concatenate([zero, np.cumsum(first_F[:-1] + sends, axis=0)])
+    drain = np.concatenate([zero, np.cumsum(last_B[:-1] + sends, axis=0)])
+    return (work + fill + drain).max(axis=0)
+
+
 def _proxy(F: np.ndarray, B: np.ndarray, comm: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """Ranking proxy of each pipeline of ``cols`` ([pipelines, k] columns in order): the larger
     of ``pipeline_bound`` and the longest chain of round trips of microbatches P apart."""
     P, k = F.shape[0], cols.shape[1]
     Fo, Bo, c = F[:, cols], B[:, cols], comm[cols]                   # [P, n, k], [n, k]
-    cm = c.mean(axis=1)
-    fill = np.concatenate([np.zeros((1, len(cols))), np.cumsum(Fo[:-1, :, 0] + cm, axis=0)])
-    drain = np.concatenate([np.zeros((1, len(cols))), np.cumsum(Bo[:-1, :, -1] + cm, axis=0)])
-    bound = ((Fo + Bo).sum(axis=2) + fill + drain).max(axis=0)
+    bound = _bound((Fo + Bo).sum(axis=2), Fo[:, :, 0], Bo[:, :, -1], c.mean(axis=1))
     trip = (Fo + Bo).sum(axis=0) + 2 * (P - 1) * c                    # [n, k]
     pad = -k % P
     chains = np.concatenate([trip, np.zeros((len(cols), pad))], axis=1).reshape(len(cols), -1, P).sum(axis=1)

@@ -47,8 +47,8 @@ import numpy as np
 
 __all__ = ["next_fit_rows", "bfd_rows", "round_up", "round_down", "pipeline_bound", "makespan", "makespans",
            "exact_regime", "stage_order", "EXACT_OPS", "EXACT_PER_STAGE", "Flat", "Group", "groups_to_flat",
-           "flat_to_groups", "fixed_groups", "packed_flat", "token_budget_groups", "split_group", "assign_replicas", "greedy_cuts", "greedy_cuts_from_short_end",
-           "polish_cuts"]
+           "flat_to_groups", "fixed_groups", "packed_flat", "token_budget_groups", "split_group", "assign_replicas",
+           "greedy_cuts", "greedy_cuts_from_short_end", "polish_cuts"]
 
 EXACT_OPS = 6000
 """Up to this many ops (2 * P * m) ``makespan`` is exact."""
@@ -115,11 +115,15 @@ def bfd_rows(lengths: np.ndarray, cap: int) -> np.ndarray:
 
 def fixed_groups(positions: np.ndarray, lens: np.ndarray, rows_per_mb: int, round_to: int) -> list[Group]:
     """``rows_per_mb`` consecutive ``positions`` per microbatch, padded to the longest (rounded up)."""
-    out = []
-    for a in range(0, len(positions), rows_per_mb):
-        sel = positions[a:a + rows_per_mb]
-        out.append((sel, np.arange(len(sel)), round_up(int(lens[sel].max()), round_to), len(sel)))
-    return out
+    starts = np.arange(0, len(positions), rows_per_mb)
+    if not len(starts):
+        return []
+    longest = round_up(np.maximum.reduceat(lens[positions], starts), round_to).tolist()
+    sizes = np.minimum(rows_per_mb, len(positions) - starts).tolist()
+    local = {z: np.arange(z) for z in set(sizes)}           # shared by the groups: read-only
+    for x in local.values():
+        x.setflags(write=False)
+    return [(positions[a:a + z], local[z], s, z) for a, s, z in zip(starts.tolist(), longest, sizes)]
 
 
 def packed_flat(lens: np.ndarray, pack_len: int, rows_per_mb: int) -> Flat:
@@ -404,17 +408,18 @@ def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarr
     """Exact makespans of pipelines k (the next ``sizes[k] >= 1`` columns each), all at once:
     ops are processed level by level (``_levels``), each level one vectorised step
     ``end = max(end of the previous op on the stage, end of the dependency + send) + duration``
-    over every pipeline (``_exact_same`` for each size shared by several pipelines, one merged
+    over every pipeline (``_exact_same`` for each size shared by enough pipelines, one merged
     pass for the rest); the scalar recurrence when levels would hold few ops."""
     P = F.shape[0]
     offs = np.concatenate([[0], np.cumsum(sizes)])
     out = np.empty(len(sizes))
     uniq, which, count = np.unique(sizes, return_inverse=True, return_counts=True)
-    for g in np.flatnonzero(count >= 4).tolist():
+    shared = (count >= 4) & (count * P >= 256)                  # enough ops per level to pay for a loop of its own
+    for g in np.flatnonzero(shared).tolist():
         ks = np.flatnonzero(which == g)
         cols = (offs[ks][:, None] + np.arange(uniq[g])).ravel()
         out[ks] = _exact_same(F[:, cols], B[:, cols], comm[cols], len(ks), int(uniq[g]), kind)
-    rest = np.flatnonzero(count[which] < 4)
+    rest = np.flatnonzero(~shared[which])
     if not len(rest):
         return out
     sizes, cols = sizes[rest], np.concatenate([np.arange(offs[k], offs[k + 1]) for k in rest])
