@@ -21,7 +21,7 @@ Model: the ``deep-13b`` preset (LLaMA-7B widths, 64 layers, so P = 64 has one bl
 stage), an 80GiB limit, and ``AnalyticCostModel`` scaled to the GPU: FLOPs / (peak x mfu) +
 a per-op overhead, P2P ``alpha + bytes / bandwidth``. Resumable by settings columns.
 
-    python experiments/scaling.py --quick --out results/scaling_quick      # ~20 s on this 2-core box
+    python experiments/scaling.py --quick --out results/scaling_quick      # ~30 s on this 2-core box
     python experiments/scaling.py --out results/scaling                    # full grid, ~7 min (DP 1,024)
 """
 
