@@ -206,6 +206,9 @@ def test_verify_catches_a_wrong_gradient(tmp_path, fault_path):
     err = _failed(launch_job(_faulty(tmp_path, _cfg("fixed", timeout=30), 0, 0, "corrupt", verify=True), 2,
                              quiet=True))
     assert "rank 0 step 0 param" in err and "max abs error" in err, err
+    tables = _tables(tmp_path)
+    assert tables["steps"]["verified"].tolist() == [False]      # recorded, but not as verified
+    assert len(tables["actions"]) > 0 and len(tables["memory"]) == 2   # written before the steps row
 
 
 @pytest.mark.dist

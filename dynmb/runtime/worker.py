@@ -83,15 +83,18 @@ def _step(state: RunState, step: int, recorder: Recorder) -> None:
     gathered = [r for r in reports if r is not None]
     distinct_shapes, new_shapes = state.note_shapes(plan)
     run = state.run
+    problems = [p for r in gathered for p in r.problems]
     if state.rank == 0:
+        # the step's actions and memory rows first, its steps row last (after its checks): a
+        # reader never sees a step without its measurements, and `verified` means the check passed
+        recorder.measurements(state.spec, gathered)
         row = step_row(state.spec, step, plan, gathered, world_size=state.topology.world_size,
                        distinct_shapes=distinct_shapes, new_shapes=new_shapes,
                        overhead_s=state.cost_model.runtime_overhead_s)
+        row["verified"] = bool(state.spec.verify) and not problems
         recorder.steps(state.spec, row)
         warm = "warm-up " if step < run.warmup else ""
         print(f"{PROGRESS}{state.spec.run_id} {warm}step {step}: {row['step_s']:.2f} s", flush=True)
-        recorder.measurements(state.spec, gathered)
-    problems = [p for r in gathered for p in r.problems]
     if problems:
         raise StepCheckError("; ".join(problems))
     if step < run.warmup and state.calibrates:
