@@ -153,6 +153,21 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def architecture(self) -> dict[str, Any]:
+        """Every field but the name: what a fitted cost or memory model is valid for."""
+        d = self.to_dict()
+        d.pop("name", None)
+        return d
+
+    def check_made_for(self, num_stages: int, other: "ModelConfig", other_stages: int, *, what: str,
+                       remedy: str) -> None:
+        """Raise ValueError unless ``other`` at ``other_stages`` is this architecture at ``num_stages``;
+        ``what`` names the fitted object (e.g. "poly cost model"), ``remedy`` how to make a matching one."""
+        if other.architecture() != self.architecture() or int(other_stages) != int(num_stages):
+            raise ValueError(f"{what} was made for model {self.name!r} {self.architecture()} at {num_stages} "
+                             f"stages, not for model {other.name!r} {other.architecture()} at {other_stages} "
+                             f"stages; {remedy}")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         known = {f.name for f in fields(cls)}

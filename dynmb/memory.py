@@ -75,12 +75,6 @@ BUCKET_PADDING = 1 / 16
 as a fraction of the microbatch's real tokens; the ``auto`` memory model charges it."""
 
 
-def _arch(cfg: ModelConfig) -> dict[str, Any]:
-    d = cfg.to_dict()
-    d.pop("name", None)
-    return d
-
-
 def inflight_limit(stage: int, num_stages: int, schedule_kind: str, m: int) -> int:
     """Most microbatches a stage holds at once: m (gpipe) or min(m, P - stage) (1f1b)."""
     if schedule_kind == "gpipe":
@@ -289,11 +283,9 @@ class MemoryModel:
 
     # --- identity and I/O ---------------------------------------------------
     def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
-        if _arch(model_cfg) != _arch(self.model_cfg) or int(num_stages) != self.num_stages:
-            raise ValueError(
-                f"memory model was made for model {self.model_cfg.name!r} {_arch(self.model_cfg)} at "
-                f"{self.num_stages} stages, not for {model_cfg.name!r} {_arch(model_cfg)} at {num_stages} stages; "
-                f"measure one with `dynmb memory --model ... --stages {num_stages} -o mem.json`")
+        self.model_cfg.check_made_for(self.num_stages, model_cfg, num_stages, what="memory model",
+                                      remedy=f"measure one with `dynmb memory --model ... --stages {num_stages} "
+                                             "-o mem.json`")
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "memory", "source": self.source, "model": self.model_cfg.to_dict(),

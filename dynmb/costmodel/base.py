@@ -106,12 +106,6 @@ def _check_numbers(x: Any, where: str, *, negative_ok: bool) -> None:
                              f"{'' if negative_ok else ' and non-negative'}")
 
 
-def _arch(cfg: ModelConfig) -> dict[str, Any]:
-    d = cfg.to_dict()
-    d.pop("name", None)
-    return d
-
-
 class CostModel:
     """Base: the interface every consumer uses. Subclasses implement ``_predict``."""
 
@@ -192,11 +186,8 @@ class CostModel:
 
     def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
         """Raise ValueError unless this model was made for ``model_cfg`` split over ``num_stages``."""
-        if _arch(model_cfg) != _arch(self.model_cfg) or int(num_stages) != self.num_stages:
-            raise ValueError(
-                f"{self.kind} cost model was fitted for model {self.model_cfg.name!r} {_arch(self.model_cfg)} "
-                f"at {self.num_stages} stages, not for model {model_cfg.name!r} {_arch(model_cfg)} at {num_stages} "
-                f"stages; profile and fit one for this config (`dynmb profile` + `dynmb fit`)")
+        self.model_cfg.check_made_for(self.num_stages, model_cfg, num_stages, what=f"{self.kind} cost model",
+                                      remedy="profile and fit one for this config (`dynmb profile` + `dynmb fit`)")
 
     # --- I/O ----------------------------------------------------------------
     def _params(self) -> dict[str, Any]:
