@@ -470,3 +470,79 @@ def test_with_overhead_adds_per_action_and_round_trips(tmp_path):
     again = CostModel.load(tmp_path / "c.json")
     assert again.runtime_overhead_s == {"F": 0.001, "B": 0.002}
     assert np.allclose(again.stage_costs([1, 4], [64, 128])["B"], c1["B"])
+
+
+# --- model files validated on load: finite, non-negative, non-decreasing in tokens -------------
+def _grid_file(time_s):
+    return {**OLD_POLY, "kind": "grid", "params": {"tables": [
+        {"stage": p, "op": op, "rows": [1, 4], "padded_len": [64, 256], "time_s": time_s}
+        for p in range(2) for op in ("F", "B")]}}
+
+
+def _poly_file(**coef):
+    d = json.loads(json.dumps(OLD_POLY))
+    d["params"]["fits"][1]["coef"].update(coef)      # stage 0, op F, form quad
+    return d
+
+
+BAD_COST_FILES = {
+    "nan": (lambda: _poly_file(c1_tok=float("nan")), "finite"),
+    "negative": (lambda: _poly_file(c0=-1e-3), "non-negative"),
+    "inf comm": (lambda: {**OLD_POLY, "comm": {"alpha_s": float("inf"), "bytes_per_s": 1e9}}, "finite"),
+    "decreasing grid": (lambda: _grid_file([[0.04, 0.01], [0.16, 0.04]]), "decreases with tokens"),
+    "nan grid": (lambda: _grid_file([[0.01, float("nan")], [0.04, 0.16]]), "finite"),
+    "unordered axis": (lambda: {**_grid_file([[0.01, 0.04], [0.04, 0.16]]), "params": {"tables": [
+        {"stage": p, "op": op, "rows": [4, 1], "padded_len": [64, 256], "time_s": [[0.01, 0.04], [0.04, 0.16]]}
+        for p in range(2) for op in ("F", "B")]}}, "strictly increasing"),
+    "wrong table shape": (lambda: _grid_file([[0.01, 0.04, 0.05], [0.04, 0.16, 0.2]]), "expected 2x2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_COST_FILES))
+def test_bad_cost_model_file_is_refused_naming_the_file(tmp_path, case):
+    make, match = BAD_COST_FILES[case]
+    path = tmp_path / "bad-cost.json"
+    path.write_text(json.dumps(make()))     # json writes NaN/Infinity, as a buggy fit would
+    with pytest.raises(ValueError, match=match) as e:
+        CostModel.load(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: invalid cost-model file") and "\n" not in msg
+
+
+def test_decreasing_cost_model_is_refused_on_the_command_line(tmp_path, capsys):
+    from dynmb.cli import main
+    path = tmp_path / "bad-cost.json"
+    path.write_text(json.dumps(_grid_file([[0.04, 0.01], [0.16, 0.04]])))
+    rc = main(["plan", "--dataset", "gsm8k", "--global-batch", "8", "--stages", "2", "--memory-limit", "1GiB",
+               "--method", "dynamic", "--cost-model", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and str(path) in err and "decreases with tokens" in err
+
+
+def test_shipped_and_fitted_models_pass_the_load_checks(samples, tmp_path):
+    from dynmb.costmodel.validate import check_cost_model, check_memory_model
+    from dynmb.memory import MemoryModel
+    check_cost_model(CostModel.load(SHIPPED))
+    check_cost_model(AnalyticCostModel(CFG, 2))
+    for kind in ("poly", "grid"):
+        m = fit_cost_model(samples, CFG, 2, kind=kind)
+        m.save(tmp_path / f"{kind}.json")
+        assert type(CostModel.load(tmp_path / f"{kind}.json")) is type(m)
+    for name in ("tiny", "small", "gpt2"):
+        check_memory_model(MemoryModel.analytic(ModelConfig.preset(name), 2))
+
+
+def test_memory_model_check_refuses_bad_coefficients():
+    from dynmb.costmodel.validate import check_memory_model
+    from dynmb.memory import MemoryModel
+    good = MemoryModel.analytic(CFG, 2)
+    act = good.act_coef.copy()
+    act[1, 0], act[1, 2] = 1e12, -act[1, 1] / 100     # stage 1's bytes fall beyond padded_len 50
+    bad = MemoryModel(CFG, 2, good.state_bytes, act, good.transient_coef)
+    with pytest.raises(ValueError, match="stage 1 activation bytes"):
+        check_memory_model(bad)
+    act[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        check_memory_model(MemoryModel(CFG, 2, good.state_bytes, act, good.transient_coef))
+    with pytest.raises(ValueError, match="state_bytes"):
+        check_memory_model(MemoryModel(CFG, 2, [1.0, float("inf")], good.act_coef, good.transient_coef))

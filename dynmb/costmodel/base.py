@@ -17,7 +17,8 @@ activation sent between neighbouring stages; ``comm_s(rows, padded_len)`` that o
 simulator and the runtime rely on). ``CostModel`` is the base class: the lookup (clipped at 0,
 plus the per-action runtime overhead of ``with_overhead``), the check that a model was made
 for a config and stage split, and the JSON form ``{"kind", "model", "num_stages", "comm",
-"meta", "params"}``. Every subclass with its own ``kind`` registers itself, so
+"meta", "params"}``; ``load`` refuses a file whose numbers are not finite and non-negative or
+whose predictions decrease as padded_len grows (``dynmb.costmodel.validate``). Every subclass with its own ``kind`` registers itself, so
 ``CostModel.from_dict`` / ``load`` build any kind without this module importing them (the
 kinds: ``analytic``, ``poly``, ``grid``; ``dynmb.costmodel.registry``).
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -37,6 +37,7 @@ from dynmb.config import ModelConfig
 
 from .nnls import nnls_rel
 from .split import apply_recompute, derived_split
+from .validate import check_cost_model, check_numbers
 
 __all__ = ["CostModelLike", "CommModel", "CostModel"]
 
@@ -89,21 +90,6 @@ class CommModel:
 
     def __repr__(self) -> str:
         return f"CommModel(alpha_s={self.alpha_s:.3g}, bytes_per_s={self.bytes_per_s:.3g})"
-
-
-def _check_numbers(x: Any, where: str, *, negative_ok: bool) -> None:
-    """Raise ``ValueError`` naming ``where`` at the first number in ``x`` (nested dicts and
-    lists) that is not finite, or negative unless ``negative_ok``: a model file's coefficients."""
-    if isinstance(x, dict):
-        for k, v in x.items():
-            _check_numbers(v, f"{where}.{k}", negative_ok=negative_ok)
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            _check_numbers(v, f"{where}[{i}]", negative_ok=negative_ok)
-    elif isinstance(x, (int, float)) and not isinstance(x, bool):
-        if not math.isfinite(x) or (x < 0 and not negative_ok):
-            raise ValueError(f"{where} is {x}: coefficients must be finite"
-                             f"{'' if negative_ok else ' and non-negative'}")
 
 
 class CostModel:
@@ -219,10 +205,10 @@ class CostModel:
         text = Path(path).read_text()
         try:
             d = json.loads(text)
-            _check_numbers(d.get("params"), "params", negative_ok=False)
-            _check_numbers(d.get("comm"), "comm", negative_ok=False)
-            _check_numbers(d.get("runtime_overhead_s"), "runtime_overhead_s", negative_ok=True)
-            return CostModel.from_dict(d)
+            check_numbers(d.get("params"), "params")
+            check_numbers(d.get("comm"), "comm")
+            check_numbers(d.get("runtime_overhead_s"), "runtime_overhead_s", negative_ok=True)
+            return check_cost_model(CostModel.from_dict(d))   # finite, >= 0, non-decreasing in tokens
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not a JSON file ({e})") from None
         except (KeyError, TypeError, ValueError) as e:

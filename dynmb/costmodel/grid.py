@@ -9,7 +9,8 @@ rows from the nearest measured cell (linear extrapolation from two noisy neighbo
 Extrapolation rule outside the grid: linear in each variable from the edge cell (``fill_value=None``), i.e. time keeps the slope of the last grid interval -- exact in rows
 (time is affine in rows at fixed length), an underestimate in padded_len beyond the grid
 (attention grows like s^2); clipped at >= 0. Reached through ``dynmb.costmodel``
-(``GridCostModel``, ``fit_cost_model(kind="grid")``, ``CostModel.load``).
+(``GridCostModel``, ``fit_cost_model(kind="grid")``, ``CostModel.load``, which refuses a table
+with unordered axes, a wrong shape, or times that fall as padded_len grows).
 
 Documents. The table is indexed by shape only, as DynaPipe's is, so it cannot see how many
 documents a row holds; its cells are one-document rows (attention work ``b * s^2``). A packed
@@ -96,9 +97,25 @@ class GridCostModel(CostModel):
 
     @classmethod
     def _from_parts(cls, cfg, p, comm, meta, params):
+        for d in params["tables"]:
+            _check_table(d)
         grids = {(d["stage"], d["op"]): (d["rows"], d["padded_len"], d["time_s"]) for d in params["tables"]}
         slopes = {(d["stage"], d["op"]): d.get("attn_slope", 0.0) for d in params["tables"]}
         return cls(cfg, p, grids, comm, meta, slopes)
+
+
+def _check_table(d: dict[str, Any]) -> None:
+    """Refuse a stored table whose axes are not positive and strictly increasing or whose
+    ``time_s`` is not ``len(rows) x len(padded_len)`` (a file edited or written by another tool)."""
+    where = f"table of stage {d['stage']} op {d['op']}"
+    axes = {k: np.asarray(d[k], dtype=np.float64).reshape(-1) for k in ("rows", "padded_len")}
+    for k, ax in axes.items():
+        if ax.size == 0 or not np.all(ax > 0) or not np.all(np.diff(ax) > 0):
+            raise ValueError(f"{where}: {k} {ax.tolist()} must be positive and strictly increasing")
+    t = np.asarray(d["time_s"], dtype=np.float64)
+    if t.shape != (axes["rows"].size, axes["padded_len"].size):
+        raise ValueError(f"{where}: time_s is {'x'.join(map(str, t.shape)) or 'a scalar'}, expected "
+                         f"{axes['rows'].size}x{axes['padded_len'].size} (rows x padded_len)")
 
 
 def _attn_slope(model: GridCostModel, key: tuple[int, str], one_doc: pd.DataFrame, packed: pd.DataFrame) -> float:
