@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, load_batch, model_from_args
-from dynmb.config import parse_bytes
+from dynmb.config import format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.planning import plan_step
@@ -43,6 +43,21 @@ def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, 
     }
 
 
+def _show(key: str, value: Any) -> str:
+    """One printed value: sizes in GiB/MiB, seconds and fractions fixed-point, lists item by item
+    (never ``1.33e+03`` or ``np.int64(...)``); ``--json`` keeps the raw numbers."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(key, v) for v in value) + "]"
+    if value is None or isinstance(value, (bool, str)):
+        return str(value)
+    if key.endswith("_bytes"):
+        return format_bytes(float(value))
+    if isinstance(value, float) or hasattr(value, "dtype") and getattr(value.dtype, "kind", "") == "f":
+        v = float(value)
+        return f"{v:.3f}" if key.endswith("_s") else f"{v:.4f}"
+    return str(int(value)) if hasattr(value, "dtype") else str(value)
+
+
 def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     batch = load_batch(args, args.step)
@@ -61,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         for key, value in summary.items():
-            print(f"{key:>20}: {value}")
+            print(f"{key:>20}: {_show(key, value)}")
         if args.output:
             print(f"{'plan':>20}: {args.output}")
     return 0
