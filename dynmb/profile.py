@@ -41,8 +41,11 @@ of ``dynmb.runtime.pingpong``.
 
 Time estimate. Before measuring, every run is priced with the analytic cost model (FLOPs of
 the development CPU's core, attention work included) plus ``RUN_OVERHEAD_S`` per run, and the
-progress bar counts those estimated seconds, not points: its remaining time is the estimate
-rescaled by the rate measured so far, so large points late in a pass do not make it lie.
+progress bar counts those estimated seconds, not points. The ETA (``Eta``: on the bar, and as
+INFO log lines that ``dynmb profile`` shows) appears once the first runs are measured: the
+estimate of what is left times measured / estimated seconds of what is done, recalibrated after
+every run (so large points late in a pass do not make it lie), logged every 30 s or when it
+moves by more than a quarter.
 
 Concurrent mode (``concurrent=True``, CPU): the stages are measured as a pipeline runs them,
 one process per stage (1 torch thread each, gloo): every process holds its stage and all of
@@ -63,6 +66,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import fields
@@ -86,7 +90,7 @@ from dynmb.runtime.splitbackward import backward_input, backward_weight, record_
 from dynmb.types import Microbatch
 
 __all__ = ["GRID_ROWS", "GRID_LENS", "GRID_DOCS", "PACKED_ROWS", "PACKED_LENS", "MIN_DOC_TOKENS", "default_grid",
-           "synthetic_microbatch", "estimate_run_seconds", "time_stage", "profile", "load_samples"]
+           "synthetic_microbatch", "estimate_run_seconds", "time_stage", "profile", "load_samples", "Eta"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,16 +175,95 @@ def estimate_run_seconds(cfg: ModelConfig, num_stages: int, stage: int, point: P
     return runs * (op_s + RUN_OVERHEAD_S)
 
 
-def _progress(total_s: float, desc: str, enabled: bool):
-    """A tqdm bar counting estimated seconds (None when disabled or tqdm is missing)."""
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    return tqdm(total=round(total_s, 1), desc=f"{desc} (est. {total_s / 60:.1f} min)", unit="est-s",
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
+def _minutes(seconds: float) -> str:
+    """``42 s`` under two minutes, else ``3.4 min`` (fixed-point)."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+class Eta:
+    """An honest remaining time of a profile, from the runs measured so far.
+
+    Every run has an analytic estimate (``estimate_run_seconds``); after the first
+    ``first_runs`` runs (and ``first_s`` seconds) the remaining time is the estimate of what is
+    left times measured / estimated seconds of what is done, so it is calibrated on this
+    machine and keeps being recalibrated as larger points come. ``update(est_s)`` after each
+    run returns a log line when one is due: the first estimate, then every ``every_s`` seconds
+    or when the remaining time moved by more than a quarter since the last line."""
+
+    def __init__(self, estimates: list[float], *, first_runs: int = 3, first_s: float = 2.0, every_s: float = 30.0,
+                 clock=time.monotonic) -> None:
+        self.total_est, self.runs = float(sum(estimates)), len(estimates)
+        self.first_runs, self.first_s, self.every_s, self.clock = first_runs, first_s, every_s, clock
+        self.t0 = clock()
+        self.done_runs, self.done_est = 0, 0.0
+        self.last_line_at: float | None = None
+        self.last_end: float | None = None      # elapsed + remaining at the last line
+        self.last_remaining = 0.0
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def remaining(self) -> float | None:
+        """Seconds left (None before the first run is measured)."""
+        if self.done_runs == 0 or self.done_est <= 0:
+            return None
+        return max(0.0, self.total_est - self.done_est) * self.elapsed() / self.done_est
+
+    def update(self, est_s: float) -> str | None:
+        self.done_runs += 1
+        self.done_est += float(est_s)
+        now, left = self.elapsed(), self.remaining()
+        if left is None or self.done_runs >= self.runs or self.done_runs < self.first_runs or now < self.first_s:
+            return None
+        # moved: the projected finish shifted by more than a quarter of what was left (and 10 s)
+        moved = self.last_end is not None and abs(now + left - self.last_end) > max(0.25 * self.last_remaining, 10.0)
+        if self.last_line_at is not None and now - self.last_line_at < self.every_s and not moved:
+            return None
+        self.last_line_at, self.last_end, self.last_remaining = now, now + left, left
+        return (f"profile: {self.done_runs}/{self.runs} runs in {_minutes(now)}; about {_minutes(left)} left "
+                f"(from the runs measured so far; first estimate {_minutes(self.total_est)})")
+
+    def postfix(self) -> str:
+        left = self.remaining()
+        return "ETA ?" if left is None or self.done_runs < self.first_runs else f"ETA {_minutes(left)}"
+
+    def final(self) -> str:
+        return (f"profile: {self.done_runs} runs in {_minutes(self.elapsed())} "
+                f"(first estimate {_minutes(self.total_est)})")
+
+
+class _Progress:
+    """Progress of a profile: on a terminal a tqdm bar over estimated seconds with the ``Eta`` in
+    it (when ``bar``), else the ``Eta`` lines (INFO); the first estimate and the total always."""
+
+    def __init__(self, estimates: list[float], desc: str, bar: bool) -> None:
+        self.eta = Eta(estimates)
+        self.bar = None
+        if bar and sys.stderr.isatty():
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:  # pragma: no cover
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=self.eta.total_est, desc=desc, unit="est-s",
+                                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} elapsed{postfix}")
+                self.bar.set_postfix_str("ETA ?")
+        logger.info("profile: %d runs; first estimate %s (analytic, before any is measured)", self.eta.runs,
+                    _minutes(self.eta.total_est))
+
+    def update(self, est_s: float, what: str) -> None:
+        line = self.eta.update(est_s)
+        if self.bar is not None:
+            self.bar.update(est_s)
+            self.bar.set_postfix_str(f"{self.eta.postfix()}; {what}")
+        if line is not None and self.bar is None:
+            logger.info("%s", line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.eta.runs:
+            logger.info("%s", self.eta.final())
 
 
 def _sync_timer(device: torch.device, clock: str):
@@ -340,7 +423,7 @@ def _read_resumable(output: str | Path | None, base: dict) -> pd.DataFrame:
                          f"recorded, under another attention implementation); use another -o")
     for k in ("model", "num_stages", "clock", "concurrent", *(k for k in base if k in ARCH_FIELDS)):
         if k in old and len(timed) and set(timed[k].dropna().unique()) - {base[k]}:
-            raise ValueError(f"{output} holds samples for {k}={sorted(old[k].dropna().unique())}, not {base[k]}; "
+            raise ValueError(f"{output} holds samples for {k}={sorted(old[k].dropna().unique().tolist(), key=str)}, not {base[k]}; "
                              f"use another -o")
     return old
 
@@ -399,8 +482,7 @@ def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list, old: pd.DataFr
         items.append(((b, s, d), [p], (p, b, s, d) not in seen))
         seen.add((p, b, s, d))
     est = _run_estimates(cfg, num_stages, items, warmup, seed)
-    logger.info("profile: %d runs, estimated %.1f min", len(todo), sum(est) / 60)
-    bar = _progress(sum(est), "profile", progress)
+    bar = _Progress(est, "profile", progress) if todo else None
     rows_out: list[dict] = []
     last_write = time.monotonic()
     for (r, p, b, s, d), (_, _, first), est_s in zip(todo, items, est):
@@ -422,8 +504,7 @@ def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list, old: pd.DataFr
             write_table(pd.concat([old, pd.DataFrame(rows_out)], ignore_index=True), output, parquet=False)
             last_write = time.monotonic()
         if bar is not None:
-            bar.update(est_s)
-            bar.set_postfix_str(f"rep {r} stage {p} {b}x{s}/{d}doc F={times[0]:.3g}s")
+            bar.update(est_s, f"rep {r} stage {p} {b}x{s}/{d}doc F={times[0]:.4f}s")
     if bar is not None:
         bar.close()
     df = pd.concat([old, pd.DataFrame(rows_out)], ignore_index=True)
@@ -441,7 +522,7 @@ def _free_port() -> int:
 
 def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, points: list, warmup: int,
                        clock: str, threads: int, seed: int, memory: bool, progress: bool, base: dict,
-                       out_dir: str, split: bool = False) -> None:
+                       out_dir: str, split: bool = False, log_level: int = logging.WARNING) -> None:
     torch.set_num_threads(int(threads))
     retain_freed_memory()
     cfg = ModelConfig.from_dict(cfg_dict)
@@ -452,7 +533,12 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
         seen: set = set()
         rows: list[dict] = []
         est = _run_estimates(cfg, num_stages, _concurrent_items(points, num_stages), warmup, seed)
-        bar = _progress(sum(est), f"profile x{num_stages}", progress and rank == 0)
+        if rank == 0 and log_level < logging.WARNING and not logging.getLogger("dynmb").handlers:
+            handler = logging.StreamHandler()       # a spawned process: show rank 0's ETA lines
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(log_level)
+        bar = _Progress(est, f"profile x{num_stages}", progress) if rank == 0 else None
         for (r, b, s, d, stages_todo), est_s in zip(points, est):
             mb = synthetic_microbatch(b, s, d, seed)
             inputs = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size, seed), cfg=cfg)
@@ -463,8 +549,7 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
             dist.barrier()          # every stage starts this point's runs together
             (times,) = time_stage(stage, inputs, repeats=1, warmup=warmup if first else 0, clock=clock, split=split)
             if bar is not None:
-                bar.update(est_s)
-                bar.set_postfix_str(f"rep {r} {b}x{s}/{d}doc F={times[0]:.3g}s")
+                bar.update(est_s, f"rep {r} {b}x{s}/{d}doc F={times[0]:.4f}s")
             if rank not in stages_todo:
                 continue
             extra = {}
@@ -506,10 +591,11 @@ def _profile_concurrent(cfg: ModelConfig, num_stages: int, todo: list, *, warmup
     if not plist:
         return []
     est = sum(_run_estimates(cfg, num_stages, _concurrent_items(plist, num_stages), warmup, seed))
-    logger.info("profile: %d points x %d stages at once, estimated %.1f min", len(plist), num_stages, est / 60)
+    logger.info("profile: %d points x %d stages at once, first estimate %s", len(plist), num_stages, _minutes(est))
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_concurrent_worker, args=(_free_port(), cfg.to_dict(), num_stages, plist, warmup, clock,
-                                                     threads, seed, memory, progress, base, d, split),
+                                                     threads, seed, memory, progress, base, d, split,
+                                                     logger.getEffectiveLevel()),
                            nprocs=num_stages, start_method="spawn")
         rows: list[dict] = []
         for rank in range(num_stages):

@@ -546,3 +546,19 @@ def test_memory_model_check_refuses_bad_coefficients():
         check_memory_model(MemoryModel(CFG, 2, good.state_bytes, act, good.transient_coef))
     with pytest.raises(ValueError, match="state_bytes"):
         check_memory_model(MemoryModel(CFG, 2, [1.0, float("inf")], good.act_coef, good.transient_coef))
+
+
+def test_profile_eta_is_calibrated_on_the_measured_runs():
+    from dynmb.profile import Eta
+    now = [0.0]
+    eta = Eta([1.0] * 10 + [4.0] * 10, clock=lambda: now[0], every_s=30.0)   # 50 estimated seconds
+    assert eta.remaining() is None and eta.postfix() == "ETA ?"
+    lines = []
+    for est in [1.0] * 10 + [4.0] * 10:
+        now[0] += 2.0 * est                 # this machine is twice as slow as the estimate
+        lines.append(eta.update(est))
+    assert lines[0] is None and lines[1] is None and lines[2] is not None      # after the first 3 runs
+    assert "3/20 runs in 6 s; about 94 s left" in lines[2]                      # (50 - 3) x 2, not 47
+    assert sum(line is not None for line in lines) <= 4 and "\n" not in lines[2]
+    assert "e+" not in "".join(line for line in lines if line) and "np." not in "".join(x for x in lines if x)
+    assert eta.final() == "profile: 20 runs in 100 s (first estimate 50 s)"

@@ -1,9 +1,11 @@
 """``dynmb profile``: time forward and backward per stage over a (rows, padded_len) grid into a
-samples CSV (resumable) for ``dynmb fit``."""
+samples CSV (resumable) for ``dynmb fit``. Shows the ETA lines of ``dynmb.profile.Eta`` (INFO)
+unless ``-q``, then a fixed-point table of median and max seconds per stage and op."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 from dynmb.cli.flags import add_model_flags, model_from_args
 from dynmb.profile import profile
@@ -37,13 +39,16 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "quiet", False) and getattr(args, "verbosity", 0) == 0:
+        logging.getLogger("dynmb.profile").setLevel(logging.INFO)   # the ETA lines, without -v
     samples = profile(model_from_args(args), args.stages, quick=args.quick, max_len=args.max_len,
                       repeats=args.repeats, warmup=args.warmup, device=args.device, threads=args.threads,
                       output=args.output, comm=args.comm, memory=not args.no_memory, concurrent=args.concurrent,
                       token_cap=args.token_cap, split=args.split)
     compute = samples[samples["op"].isin(["F", "B"])]
     medians = compute.groupby(["stage", "op"])["time_s"].agg(["size", "median", "max"])
+    medians.columns = ["samples", "median_s", "max_s"]
     points = len(compute.groupby(["stage", "rows", "padded_len", "packed"]))
     print(f"wrote {args.output}: {len(samples)} samples ({points} stage x points)")
-    print(medians.to_string())
+    print(medians.to_string(float_format=lambda x: f"{x:.6f}"))   # fixed-point, never 1.33e-03
     return 0
