@@ -88,3 +88,56 @@ def test_schedule_layer_does_not_import_the_simulator():
     graph = _graph()
     offenders = [m for m in graph if m.startswith("dynmb.schedule") and "dynmb.simulate" in graph[m]]
     assert offenders == []
+
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.hostinfo")),
+    ("types, config", ("dynmb.types", "dynmb.config")),
+    ("data", ("dynmb.data",)),
+    ("models of the hardware", ("dynmb.memory", "dynmb.costmodel")),
+    ("packing", ("dynmb.packing",)),
+    ("schedules", ("dynmb.schedule",)),
+    ("simulation", ("dynmb.simulate",)),
+    ("planning", ("dynmb.planning",)),
+    ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix")),
+    ("runtime", ("dynmb.runtime",)),
+    ("measurement", ("dynmb.profile", "dynmb.analysis", "dynmb.plots")),
+    ("job and CLI", ("dynmb.compare", "dynmb.cli")),
+    ("public API", ("dynmb",)),
+]
+"""docs/design.md's layer table, top (imported by all) to bottom: a module may import its own
+layer and the layers above it. A module goes under its longest matching prefix."""
+
+
+def _layer(module: str) -> int | None:
+    best: tuple[int, int] | None = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def test_every_module_has_a_documented_layer():
+    unlisted = [m for m in _graph() if _layer(m) is None]
+    assert unlisted == [], f"add {unlisted} to docs/design.md's layer table and LAYERS"
+
+
+def test_imports_go_only_to_the_same_or_a_higher_layer():
+    bad = []
+    for m, targets in _graph().items():
+        for t in targets:
+            if t != "dynmb" and _layer(t) > _layer(m):
+                bad.append(f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]})")
+    assert bad == [], "\n".join(sorted(bad))
+
+
+def test_layer_table_matches_docs():
+    doc = (ROOT.parent / "docs" / "design.md").read_text()
+    for name, prefixes in LAYERS[:-1]:
+        row = next((line for line in doc.splitlines() if line.startswith(f"| {name} |")), None)
+        assert row is not None, f"docs/design.md has no layer row {name!r}"
+        for p in prefixes:
+            if (ROOT.parent / (p.replace(".", "/") + ".py")).exists() or (ROOT.parent / p.replace(".", "/")).is_dir():
+                leaf = p.rpartition(".")[2]
+                assert f"`{leaf}.py`" in row or f"`{leaf}/" in row, f"{p} not in docs/design.md's {name!r} row"
