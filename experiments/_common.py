@@ -5,13 +5,17 @@
   already in ``out_dir/<table>.csv`` and answers ``done(settings)`` by comparing the
   settings columns (canonicalised: ``None``/NaN -> "", 2.0 -> "2"), never folder names.
 - Simulated steps: ``simulate_rows`` plans ``steps`` global batches of one configuration
-  with ``dynmb.planning.plan_step`` and returns one tidy row per step (settings + predicted
+  with the public ``dynmb.Planner`` and returns one tidy row per step (settings + predicted
   metrics); a configuration the packer refuses gives one row with ``status='infeasible'``.
-- Real runs: ``run_real`` launches pending configurations as the cases of one torchrun job
-  (``dynmb.runtime.launch.launch_spec``); the worker writes the ``steps``/``actions``/
+- Real runs: ``run_real`` launches pending configurations as the cases of one torchrun job:
+  typed ``RunSpec``/``JobSpec`` of ``dynmb.RunConfig``s through ``dynmb.runtime.launch.launch_job``
+  (to become the public ``dynmb.run`` once it lands); the worker writes the ``steps``/``actions``/
   ``memory``/``runs`` tables into ``out_dir`` and this adds one ``configs`` row per case
   (settings + run_id + status). A case that fails is recorded as ``failed`` with its error
   and the remaining cases are relaunched.
+
+Public names (``import dynmb``) wherever one exists; beyond them only ``dynmb.data`` (traces,
+``sample_batch``), ``dynmb.packing.PackingError``, ``dynmb.results.TableWriter`` and the launcher.
 - ``measured(out_dir, run_id)``: medians of one run's measured (non-warm-up) steps.
 """
 
@@ -28,6 +32,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pandas as pd
 
+import dynmb
 from dynmb.results import TableWriter
 
 __all__ = ["canon", "Resume", "progress", "split_list", "parse_batches", "simulate_rows", "run_real",
@@ -127,21 +132,21 @@ def simulate_rows(settings: dict[str, Any], trace: np.ndarray, *, model_cfg: Any
     """One row per simulated global batch of ``settings`` (see ``SIM_SETTINGS``)."""
     from dynmb.data import sample_batch
     from dynmb.packing import PackingError
-    from dynmb.planning import plan_step
 
     rows = []
     limit = int(settings["memory_limit_bytes"])
     mbs = settings.get("mbs")
     mbs = None if mbs is None or (isinstance(mbs, float) and math.isnan(mbs)) else int(mbs)
+    planner = dynmb.Planner(model=model_cfg, num_stages=int(settings["num_stages"]), memory_limit=limit,
+                            cost_model=cost_model, memory_model=memory_model,
+                            schedule=settings.get("schedule", "1f1b"), dp=int(settings.get("dp", 1)), virtual=virtual,
+                            oversize=settings.get("oversize", "error"))
     for k in range(steps):
         batch = sample_batch(trace, int(settings["global_batch"]), int(settings["seed"]), step=k)
         t0 = time.perf_counter()
         try:
-            plan, sched, sim = plan_step(
-                batch, method=settings["method"], model_cfg=model_cfg, num_stages=int(settings["num_stages"]),
-                memory_limit_bytes=limit, schedule_kind=settings.get("schedule", "1f1b"),
-                reorder=settings.get("reorder", "none"), mbs=mbs, dp=int(settings.get("dp", 1)), virtual=virtual,
-                cost_model=cost_model, memory_model=memory_model, oversize=settings.get("oversize", "error"))
+            step = planner.plan(batch, method=settings["method"], reorder=settings.get("reorder", "none"), mbs=mbs)
+            plan, sched, sim = step.plan, step.schedule, step.sim
         except PackingError as e:
             return [{**settings, "step": 0, "status": "infeasible", "error": str(e)[:300]}]
         wall = time.perf_counter() - t0
@@ -165,20 +170,21 @@ def strip_private(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- real runs
-def _run_config(s: dict[str, Any], steps: int, warmup: int, timeout: float, cost_model_path: str | None) -> Any:
-    from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+def _run_config(s: dict[str, Any], steps: int, warmup: int, timeout: float,
+                cost_model_path: str | None) -> dynmb.RunConfig:
     from dynmb.runtime.launch import default_backend_device
 
     backend, device = default_backend_device()
     mbs = s.get("mbs")
     mbs = None if mbs is None or (isinstance(mbs, float) and math.isnan(mbs)) else int(mbs)
-    return RunConfig(
-        model=ModelConfig.preset(s["model"]),
-        pipeline=PipelineConfig(num_stages=int(s["num_stages"]), schedule=s.get("schedule", "1f1b"),
-                                reorder=s.get("reorder", "none"), memory_limit_bytes=int(s["memory_limit_bytes"])),
+    return dynmb.RunConfig(
+        model=dynmb.model_config(str(s["model"])),
+        pipeline=dynmb.PipelineConfig(num_stages=int(s["num_stages"]), schedule=s.get("schedule", "1f1b"),
+                                      reorder=s.get("reorder", "none"),
+                                      memory_limit_bytes=int(s["memory_limit_bytes"])),
         dataset=s["dataset"], global_batch=int(s["global_batch"]), method=s["method"], mbs=mbs,
         dp=int(s.get("dp", 1)), seed=int(s["seed"]), steps=steps, warmup=warmup, backend=backend, device=device,
-        cost_model=cost_model_path, timeout_s=timeout)
+        cost_model=cost_model_path, timeout_s=timeout, oversize=s.get("oversize", "error"))
 
 
 def _complete_runs(out_dir: Path, need: int) -> dict[str, int]:
@@ -197,7 +203,8 @@ def run_real(cases: list[dict[str, Any]], out_dir: str | Path, *, steps: int, wa
     Writes the ``configs`` rows to ``out_dir`` as each launch ends. A failed case is recorded
     with ``status='failed'`` and its error; the cases after it are launched again.
     """
-    from dynmb.runtime.launch import default_backend_device, failure_lines, launch_spec, write_spec
+    from dynmb.runtime.launch import default_backend_device, launch_job   # dynmb.run once it lands
+    from dynmb.runtime.spec import JobSpec, RunSpec
 
     out = Path(out_dir)
     pending = list(cases)
@@ -211,33 +218,33 @@ def run_real(cases: list[dict[str, Any]], out_dir: str | Path, *, steps: int, wa
         for s in pending:
             cfg = _run_config(s, steps, warmup, timeout, cost_model_path(s) if cost_model_path else None)
             rid = f"{s['method']}-{uuid.uuid4().hex[:10]}"
-            specs.append((s, write_spec(cfg, out, run_id=rid, oversize=s.get("oversize", "error"),
-                                        memory_model=memory_model)))
+            specs.append((s, RunSpec.create(cfg, out, run_id=rid, memory_model=memory_model)))
         nproc = int(pending[0]["num_stages"]) * int(pending[0].get("dp", 1))
         t0 = time.perf_counter()
-        rc = launch_spec({"out_dir": str(out.resolve()), "cases": [sp for _, sp in specs], "interleave": interleave},
-                         nproc, quiet=quiet)
+        job = JobSpec(out_dir=str(out.resolve()), cases=tuple(sp for _, sp in specs), interleave=interleave)
+        launched = launch_job(job, nproc, quiet=quiet)
+        rc = launched.returncode
         wall = time.perf_counter() - t0
         done = _complete_runs(out, warmup + steps)
         if interleave and rc != 0:
-            ok = [(s, sp) for s, sp in specs if sp["run_id"] in done]
-            rows = [{**s, "run_id": sp["run_id"], "status": "ok", "error": "", "launch_s": wall} for s, sp in ok]
+            ok = [(s, sp) for s, sp in specs if sp.run_id in done]
+            rows = [{**s, "run_id": sp.run_id, "status": "ok", "error": "", "launch_s": wall} for s, sp in ok]
             if rows:
                 with TableWriter(out) as w:
                     w.append("configs", rows)
             result += rows
-            pending = [s for s, sp in specs if sp["run_id"] not in done]
+            pending = [s for s, sp in specs if sp.run_id not in done]
             interleave = False
             print("experiments: the interleaved job failed; running its unfinished cases one by one", file=sys.stderr)
             continue
         rows, failed_at = [], None
         for i, (s, sp) in enumerate(specs):
-            if sp["run_id"] in done:
-                rows.append({**s, "run_id": sp["run_id"], "status": "ok", "error": "", "launch_s": wall})
+            if sp.run_id in done:
+                rows.append({**s, "run_id": sp.run_id, "status": "ok", "error": "", "launch_s": wall})
             elif failed_at is None:
                 failed_at = i
-                err = "; ".join(failure_lines(out, "")) or f"torchrun exited with code {rc}"
-                rows.append({**s, "run_id": sp["run_id"], "status": "failed", "error": err[:500], "launch_s": wall})
+                err = "; ".join(launched.failures) or f"torchrun exited with code {rc}"
+                rows.append({**s, "run_id": sp.run_id, "status": "failed", "error": err[:500], "launch_s": wall})
                 print(f"experiments: case {s['method']} {s['dataset']} failed: {err[:300]}", file=sys.stderr)
         with TableWriter(out) as w:
             w.append("configs", rows)

@@ -1,32 +1,42 @@
 """The public API in one script: plan a global batch with every method, simulate, and sample
-microbatches for a training loop -- only names exported by ``import dynmb`` (and the shipped
-length traces of ``dynmb.data``).
+microbatches for a training loop -- only names exported by ``import dynmb``.
 
-    python experiments/api_example.py --dataset sharegpt --global-batch 32 --memory-limit 1GiB
+The lengths come from a length trace (CSV with a header ``length``, the format ``dynmb lengths``
+writes; default: the shipped ``sharegpt`` trace, package data of the installed ``dynmb``).
+
+    python experiments/api_example.py --global-batch 32 --memory-limit 1GiB [--lengths trace.csv]
 """
 
 from __future__ import annotations
 
 import argparse
+from importlib import resources
+
+import numpy as np
+import pandas as pd
 
 import dynmb
-from dynmb.data import load_trace, sample_batch
 
 METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
 
 
-def main() -> None:
+def shipped_trace(name: str) -> str:
+    """Path of a length trace shipped with dynmb (``dynmb datasets`` lists them)."""
+    return str(resources.files("dynmb.data").joinpath("traces", f"{name}.csv"))
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dataset", default="sharegpt", help="shipped trace (default sharegpt)")
+    ap.add_argument("--lengths", default=None, help="length trace CSV (column `length`; default: shipped sharegpt)")
     ap.add_argument("--global-batch", type=int, default=32, help="sequences per global batch (default 32)")
     ap.add_argument("--memory-limit", default="1GiB", help="per-GPU limit (default 1GiB)")
     ap.add_argument("--model", default="small", help="model preset or preset:field=value (default small)")
     ap.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     planner = dynmb.Planner(model=args.model, num_stages=args.stages, memory_limit=args.memory_limit)
-    trace = load_trace(args.dataset)
-    batch = sample_batch(trace, args.global_batch, 0)
+    trace = pd.read_csv(args.lengths or shipped_trace("sharegpt"))["length"].to_numpy(np.int64)
+    batch = np.random.default_rng(0).choice(trace, size=args.global_batch, replace=False)
     print(f"{planner}\n{'method':>13} {'microbatches':>12} {'padding':>8} {'pred step s':>11} {'bubble':>7}")
     for method in METHODS:
         step = planner.plan(batch, method=method)
@@ -37,7 +47,8 @@ def main() -> None:
     sizes = [len(mb) for mb in sampler]
     print(f"sampler, replica 0 of 2: {len(sizes)} microbatches over {len(sampler.plans())} global batches, "
           f"sequences per microbatch {min(sizes)}-{max(sizes)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

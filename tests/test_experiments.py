@@ -105,3 +105,56 @@ def test_analyze_synthetic(tmp_path, capsys):
     assert "| 0.6 |" in lines["dynamic"]                          # peak / limit = 600 / 1000
     best = [ln for ln in out.splitlines() if ln.startswith("| toy") and ln.count("|") == 8]
     assert len(best) == 1 and "| 1 |" in best[0] and "| 1.33 |" in best[0]   # best fixed mbs 1, 200/150
+
+
+def _dynmb_names(path: Path) -> tuple[set[str], list[str]]:
+    """(attributes read from ``dynmb``, imports of dynmb submodules) in a script."""
+    import ast
+    tree = ast.parse(path.read_text())
+    names, submodules = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "dynmb":
+            names.add(node.attr)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dynmb"):
+            submodules.append(node.module)
+        elif isinstance(node, ast.Import):
+            submodules += [a.name for a in node.names if a.name.startswith("dynmb.")]
+    return names, submodules
+
+
+def test_api_example_uses_only_public_names(capsys):
+    import dynmb
+    names, submodules = _dynmb_names(EXP / "api_example.py")
+    assert submodules == [] and names and names <= set(dynmb.__all__), names - set(dynmb.__all__)
+    assert _script("api_example").main(["--global-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "dynamic" in out and "sampler, replica 0 of 2" in out and "e+" not in out
+
+
+def test_common_plans_and_launches_through_the_typed_api(tmp_path, monkeypatch):
+    import dynmb
+    from dynmb.runtime import launch
+    from dynmb.runtime.spec import JobSpec
+    common = _script("_common")
+    names, _ = _dynmb_names(EXP / "_common.py")
+    assert names <= set(dynmb.__all__) and "write_spec" not in (EXP / "_common.py").read_text()
+    settings = {"dataset": "gsm8k", "model": "tiny", "num_stages": 2, "dp": 1, "global_batch": 8,
+                "memory_limit_bytes": 2**30, "method": "dynamic", "mbs": None, "schedule": "1f1b", "reorder": "none",
+                "cost_model": "analytic", "seed": 0, "oversize": "error"}
+    from dynmb.costmodel import get_cost_model
+    from dynmb.data import load_trace
+    cfg = dynmb.model_config("tiny")
+    rows = common.simulate_rows(settings, load_trace("gsm8k"), model_cfg=cfg, cost_model=get_cost_model(None, cfg, 2),
+                                memory_model=None, steps=2)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["pred_step_s"] > 0 for r in rows)
+    jobs = []
+
+    def fake_launch_job(job, nproc, **kw):
+        jobs.append((job, nproc))
+        return launch.LaunchResult(returncode=1, failures=("rank 1: RuntimeError: boom",))
+    monkeypatch.setattr(launch, "launch_job", fake_launch_job)
+    out = common.run_real([settings], tmp_path, steps=1, warmup=0, timeout=30.0, quiet=True)
+    (job, nproc), = jobs
+    assert isinstance(job, JobSpec) and nproc == 2 and job.cases[0].run.model.name == "tiny"
+    assert out[0]["status"] == "failed" and "boom" in out[0]["error"] and out[0]["run_id"] == job.cases[0].run_id
+    assert pd.read_csv(tmp_path / "configs.csv")["status"].tolist() == ["failed"]
