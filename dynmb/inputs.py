@@ -7,6 +7,12 @@ positions restarting at each document. Which attention the stage runs is decided
 ``cfg.attention`` and the microbatch: ``causal`` (one document per row, no mask tensor),
 ``document`` (packed rows: ``DocumentBuckets`` gather each document into length buckets whose
 padding stays within ``BUCKET_PADDING`` of the real tokens) or ``dense`` (the (s, s) mask).
+A microbatch holding slices of long sequences (``Microbatch.slice_mask``) runs the
+``document`` path: its other documents in buckets, each slice segment on its own
+(``SliceSegment``: ``dynmb.prefix.PrefixAttention`` against the keys and values its earlier
+slices left in the step's ``dynmb.prefix.PrefixStore``, ``MicrobatchInputs.prefix``).
+A slice at offset o of n tokens takes the sequence's ids ``o .. o + n`` (inputs and
+labels) and positions ``o .. o + n - 1``.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ import torch
 
 from dynmb.config import ModelConfig
 from dynmb.memory import BUCKET_PADDING
+from dynmb.prefix import PrefixStore
 from dynmb.types import Microbatch
 
 __all__ = [
-    "MicrobatchInputs", "DocumentBuckets", "InputError", "synthetic_tokens", "full_microbatch", "make_inputs",
+    "MicrobatchInputs", "DocumentBuckets", "SliceSegment", "InputError", "synthetic_tokens", "full_microbatch", "make_inputs",
     "attention_mask", "bucket_documents", "hidden_shape", "torch_dtype", "IGNORE_INDEX", "INPUT_ATTENTION",
 ]
 
@@ -72,19 +79,37 @@ def full_microbatch(rows: int, padded_len: int, docs_per_row: int = 1) -> Microb
 
 
 @dataclass(frozen=True, eq=False)
+class SliceSegment:
+    """One slice of a long sequence in a microbatch: ``length`` tokens from ``offset`` of
+    sequence ``seq_id``, at flat positions ``index`` (``row * padded_len + col``);
+    ``continued``: later slices attend to its keys and values."""
+
+    seq_id: int
+    offset: int
+    length: int
+    continued: bool
+    index: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "SliceSegment":
+        return replace(self, index=self.index.to(device, non_blocking=True))
+
+
+@dataclass(frozen=True, eq=False)
 class DocumentBuckets:
     """Where the documents of a packed microbatch go for bucketed attention.
 
     Bucket j holds ``shapes[j] = (n, L)``: n documents, each padded on the right to L
-    tokens; the buckets lie back to back in one ``(bucket_tokens, d)`` tensor.
+    tokens; the buckets lie back to back in one ``(bucket_tokens, d)`` tensor, followed by
+    the outputs of the ``slices`` (their tokens in order) and one zero row.
     ``gather_index[t]`` is the flat position (``row * padded_len + col``) that bucket
     slot t copies (a pad slot copies its document's last token); ``scatter_index[p]`` is
-    the bucket slot of flat position p, or ``bucket_tokens`` (a zero row) at pads.
+    the output slot of flat position p, or the zero row at pads.
     """
 
     gather_index: torch.Tensor
     scatter_index: torch.Tensor
     shapes: tuple[tuple[int, int], ...]
+    slices: tuple[SliceSegment, ...] = ()
 
     @property
     def bucket_tokens(self) -> int:
@@ -95,7 +120,8 @@ class DocumentBuckets:
 
     def to(self, device: torch.device | str) -> "DocumentBuckets":
         return replace(self, gather_index=self.gather_index.to(device, non_blocking=True),
-                       scatter_index=self.scatter_index.to(device, non_blocking=True))
+                       scatter_index=self.scatter_index.to(device, non_blocking=True),
+                       slices=tuple(sl.to(device) for sl in self.slices))
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,6 +144,11 @@ class MicrobatchInputs:
     attention: str = "causal"
     attn_mask: torch.Tensor | None = None
     buckets: DocumentBuckets | None = None
+    prefix: PrefixStore | None = None
+    """The step's store of earlier slices' keys and values (set by the runtime when the
+    microbatch holds slices; see ``dynmb.prefix``)."""
+    microbatch: int = 0
+    """The microbatch's index in its plan (the store records which microbatch kept or used what)."""
 
     def __post_init__(self) -> None:
         if self.attention not in INPUT_ATTENTION:
@@ -128,6 +159,10 @@ class MicrobatchInputs:
             raise ValueError("buckets must be given exactly for the document path")
 
     @property
+    def has_slices(self) -> bool:
+        return self.buckets is not None and bool(self.buckets.slices)
+
+    @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)
 
@@ -135,7 +170,8 @@ class MicrobatchInputs:
         """Every tensor the inputs hold (the mask and bucket indices included)."""
         out = [getattr(self, n) for n in _ROW_TENSORS]
         out += [] if self.attn_mask is None else [self.attn_mask]
-        out += [] if self.buckets is None else [self.buckets.gather_index, self.buckets.scatter_index]
+        if self.buckets is not None:
+            out += [self.buckets.gather_index, self.buckets.scatter_index] + [sl.index for sl in self.buckets.slices]
         return out
 
     def to(self, device: torch.device | str) -> "MicrobatchInputs":
@@ -190,22 +226,32 @@ def bucket_documents(lengths: Sequence[int] | np.ndarray, max_padding: float = B
 
 
 def _document_buckets(lens: np.ndarray, doc_start: np.ndarray, seg: np.ndarray, pos: np.ndarray,
-                      flat: np.ndarray, num_positions: int) -> DocumentBuckets:
-    """Index tensors of ``bucket_documents(lens)`` for documents beginning at flat
-    positions ``doc_start``; ``seg``/``pos``/``flat``: document, position inside it and
-    flat position of every real token."""
-    bucket, top = bucket_documents(lens)
-    by_bucket = np.argsort(bucket, kind="stable")              # documents in slot order
+                      flat: np.ndarray, num_positions: int, sliced: np.ndarray, slices: list[SliceSegment]
+                      ) -> DocumentBuckets:
+    """Index tensors of ``bucket_documents`` over the documents that are not slice segments
+    (``sliced`` False), beginning at flat positions ``doc_start``; ``seg``/``pos``/``flat``:
+    document, position inside it and flat position of every real token. The slice
+    segments' outputs follow the buckets, in the order of ``slices``."""
+    whole = np.flatnonzero(~sliced)
+    bucket_local, top = bucket_documents(lens[whole])
+    bucket = np.full(len(lens), -1, dtype=np.int64)
+    bucket[whole] = bucket_local
+    counts = np.bincount(bucket_local, minlength=len(top))
+    by_bucket = whole[np.argsort(bucket_local, kind="stable")]   # documents in slot order
     slot_len = top[bucket[by_bucket]]                          # padded length of each, in that order
-    doc_offset = np.empty(len(lens), dtype=np.int64)           # first bucket slot of each document
+    doc_offset = np.empty(len(lens), dtype=np.int64)           # first output slot of each document
     doc_offset[by_bucket] = np.cumsum(slot_len) - slot_len
     slot_doc = np.repeat(by_bucket, slot_len)
     slot_pos = np.arange(int(slot_len.sum())) - doc_offset[slot_doc]
     gather = doc_start[slot_doc] + np.minimum(slot_pos, lens[slot_doc] - 1)
-    scatter = np.full(num_positions, len(gather), dtype=np.int64)
+    end = len(gather)
+    for k in np.flatnonzero(sliced):                           # slice outputs follow the buckets
+        doc_offset[k] = end
+        end += int(lens[k])
+    scatter = np.full(num_positions, end, dtype=np.int64)
     scatter[flat] = doc_offset[seg] + pos
-    shapes = tuple((int(n), int(length)) for n, length in zip(np.bincount(bucket, minlength=len(top)), top))
-    return DocumentBuckets(torch.from_numpy(gather), torch.from_numpy(scatter), shapes)
+    shapes = tuple((int(n), int(length)) for n, length in zip(counts, top))
+    return DocumentBuckets(torch.from_numpy(gather), torch.from_numpy(scatter), shapes, tuple(slices))
 
 
 def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, cfg: ModelConfig | None = None,
@@ -222,10 +268,12 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
     """
     b, s = mb.batch, mb.padded_len
     lens_all = mb.lengths
-    if cfg is not None and lens_all.max() > cfg.max_seq_len:
-        bad = mb.seq_ids[lens_all > cfg.max_seq_len]
-        raise InputError(f"sequences {bad[:10].tolist()} are longer than max_seq_len {cfg.max_seq_len} "
-                         f"(lengths {lens_all[lens_all > cfg.max_seq_len][:10].tolist()})")
+    ends_all = mb.offsets + lens_all                      # last position + 1 of each entry in its sequence
+    if cfg is not None and ends_all.max() > cfg.max_seq_len:
+        bad = mb.seq_ids[ends_all > cfg.max_seq_len]
+        raise InputError(f"sequences {bad[:10].tolist()} are longer than max_seq_len {cfg.max_seq_len} (they reach "
+                         f"position {int(ends_all.max())}; learned positions: size them from the trace, e.g. "
+                         f"--model {cfg.name}:max_seq_len={int(ends_all.max())})")
     row_len = np.bincount(mb.row_ids, weights=lens_all, minlength=b).astype(np.int64)
     if row_len.max() > s:
         r = int(row_len.argmax())
@@ -235,13 +283,13 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
     rows, lens = mb.row_ids[order], lens_all[order]
     chunks = []
     for k in order:
-        sid, n = int(mb.seq_ids[k]), int(lens_all[k])
+        sid, n, off = int(mb.seq_ids[k]), int(lens_all[k]), int(mb.offsets[k])
         if sid >= len(tokens):
             raise InputError(f"sequence {sid} has no tokens ({len(tokens)} given)")
         t = torch.as_tensor(tokens[sid], dtype=torch.int64).reshape(-1)
-        if t.numel() < n + 1:
-            raise InputError(f"sequence {sid} has {t.numel()} tokens, needs length + 1 = {n + 1}")
-        chunks.append(t[: n + 1])
+        if t.numel() < off + n + 1:
+            raise InputError(f"sequence {sid} has {t.numel()} tokens, needs length + 1 = {off + n + 1} (offset {off})")
+        chunks.append(t[off: off + n + 1])
     stream = torch.cat(chunks)                            # each sequence's n + 1 ids back to back
     if cfg is not None and (stream.min() < 0 or stream.max() >= cfg.vocab_size):
         raise InputError(f"token ids must lie in [0, {cfg.vocab_size}), got [{int(stream.min())}, {int(stream.max())}]")
@@ -259,14 +307,23 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
         out[torch.from_numpy(flat)] = data
         return out.view(b, s)
 
+    offs = mb.offsets[order]
     t = dict(input_ids=fill(0, stream[src]), labels=fill(IGNORE_INDEX, stream[src + 1]),
-             position_ids=fill(0, torch.from_numpy(pos)), doc_ids=fill(-1, torch.from_numpy(order[seg])))
+             position_ids=fill(0, torch.from_numpy(offs[seg] + pos)), doc_ids=fill(-1, torch.from_numpy(order[seg])))
     mode = "auto" if cfg is None else cfg.attention
-    path = "dense" if mode == "dense" else "document" if mb.is_packed else "causal"
-    buckets = _document_buckets(lens, doc_start, seg, pos, flat, b * s) if path == "document" else None
+    if mb.has_slices and mode == "dense":
+        raise InputError("slices of long sequences need --attention auto (the dense mask ablation has no prefix)")
+    path = "dense" if mode == "dense" else "document" if (mb.is_packed or mb.has_slices) else "causal"
+    buckets = None
+    if path == "document":
+        sliced = mb.slice_mask[order]
+        slices = [SliceSegment(int(mb.seq_ids[order[k]]), int(offs[k]), int(lens[k]), bool(mb.continued[order[k]]),
+                               torch.from_numpy(doc_start[k] + np.arange(int(lens[k]))))
+                  for k in np.flatnonzero(sliced)]
+        buckets = _document_buckets(lens, doc_start, seg, pos, flat, b * s, sliced, slices)
     if device is not None:
         t = {k: v.to(device) for k, v in t.items()}
         buckets = None if buckets is None else buckets.to(device)
     return MicrobatchInputs(**t, loss_mask=t["doc_ids"] >= 0, num_real_tokens=int(lens.sum()),
-                            max_doc_len=int(lens.max()), attention=path, buckets=buckets,
+                            max_doc_len=int(ends_all.max()), attention=path, buckets=buckets,
                             attn_mask=attention_mask(t["doc_ids"]) if path == "dense" else None)

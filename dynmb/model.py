@@ -42,6 +42,13 @@ at 0 in each document; rows are padded on the right. Attention follows
 No FlexAttention: the bucketed path runs unchanged on CUDA (its index tensors move
 with ``MicrobatchInputs.to``).
 
+Slices of long sequences (``Microbatch.offsets``/``continued``) run on the ``document`` path:
+each slice segment's attention sublayer runs on its own tokens with
+``dynmb.prefix.PrefixAttention`` over the keys and values its earlier slices kept at that
+layer (``MicrobatchInputs.prefix``, a ``PrefixStore``); a continued slice keeps its own.
+Positions continue across slices (learned positions cover ``max_seq_len``: size it from
+the trace). ``reference_grads`` runs a sliced document whole, in one pass.
+
 Loss: the last stage returns the SUM of per-token cross-entropy over real tokens;
 the caller divides by the real tokens of the whole global batch, so the gradient
 does not depend on how sequences are grouped into microbatches.
@@ -53,36 +60,38 @@ import hashlib
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dynmb.config import ModelConfig
-from dynmb.inputs import (IGNORE_INDEX, INPUT_ATTENTION, DocumentBuckets, InputError, MicrobatchInputs,
+from dynmb.prefix import prefix_attention
+from dynmb.inputs import (IGNORE_INDEX, INPUT_ATTENTION, DocumentBuckets, InputError, MicrobatchInputs, SliceSegment,
                           attention_mask, bucket_documents, full_microbatch, hidden_shape, make_inputs,
                           synthetic_tokens, torch_dtype)
-from dynmb.types import Plan
+from dynmb.types import Microbatch, Plan
 
 __all__ = [
     "GPT", "GPTStage", "Block", "MicrobatchInputs", "DocumentBuckets", "InputError", "build_stage", "build_stages",
     "synthetic_tokens", "full_microbatch", "make_inputs", "attention_mask", "bucket_documents", "hidden_shape",
     "torch_dtype", "global_named_parameters", "count_params", "reference_grads", "IGNORE_INDEX", "INPUT_ATTENTION",
-    "RecomputedBlock",
+    "RecomputedBlock", "whole_documents",
 ]
 
 # --- model -------------------------------------------------------------------
 class Attention(nn.Module):
     """Multi-head self-attention on the path ``inputs.attention`` names (module docstring)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.layer = cfg.n_heads, cfg.head_dim, layer
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
         if inputs.buckets is not None:
-            return self._bucketed(x, inputs.buckets)
+            return self._bucketed(x, inputs)
         b, s, d = x.shape
         return self.proj(self._attend(x, inputs.attn_mask).reshape(b, s, d))
 
@@ -96,15 +105,37 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return y.transpose(1, 2)
 
-    def _bucketed(self, x: torch.Tensor, buckets: DocumentBuckets) -> torch.Tensor:
+    def _bucketed(self, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
         """Document-causal attention: gather the documents into length buckets, run the
-        sublayer per bucket, scatter back (zeros at pads)."""
+        sublayer per bucket and per slice segment, scatter back (zeros at pads)."""
+        buckets = inputs.buckets
+        assert buckets is not None
         b, s, d = x.shape
-        gathered = x.reshape(b * s, d).index_select(0, buckets.gather_index)
-        outs = [self.proj(self._attend(part.view(n, length, d), None).reshape(n * length, d))
-                for (n, length), part in zip(buckets.shapes, gathered.split(buckets.split_sizes()))]
+        flat = x.reshape(b * s, d)
+        outs = []
+        if buckets.shapes:
+            gathered = flat.index_select(0, buckets.gather_index)
+            outs = [self.proj(self._attend(part.view(n, length, d), None).reshape(n * length, d))
+                    for (n, length), part in zip(buckets.shapes, gathered.split(buckets.split_sizes()))]
+        for seg in buckets.slices:
+            outs.append(self._slice(flat.index_select(0, seg.index), seg, inputs))
         outs.append(x.new_zeros(1, d))
         return torch.cat(outs).index_select(0, buckets.scatter_index).view(b, s, d)
+
+    def _slice(self, x: torch.Tensor, seg: SliceSegment, inputs: MicrobatchInputs) -> torch.Tensor:
+        """``(n, d)`` tokens of one slice -> the attention sublayer's output, attending to the
+        keys and values earlier slices kept in ``inputs.prefix`` (``dynmb.prefix``)."""
+        store = inputs.prefix
+        if store is None:
+            raise InputError(f"microbatch {inputs.microbatch} holds a slice of sequence {seg.seq_id} but runs "
+                             f"without a PrefixStore (MicrobatchInputs.prefix)")
+        n, d = x.shape
+        q, k, v = self.qkv(x).view(n, 3, self.n_heads, self.head_dim).permute(1, 2, 0, 3)
+        pk, pv = store.prefix(self.layer, seg.seq_id, seg.offset, inputs.microbatch)
+        y = prefix_attention(q, k, v, pk, pv)
+        if seg.continued:
+            store.keep(self.layer, seg.seq_id, seg.offset, k, v, inputs.microbatch)
+        return self.proj(y.transpose(0, 1).reshape(n, d))
 
 
 class MLP(nn.Module):
@@ -120,9 +151,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
+        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg, layer)
         self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
 
     def forward(self, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
@@ -155,7 +186,8 @@ class RecomputedBlock(torch.autograd.Function):
         leaf = x.detach().requires_grad_(x.requires_grad)
         with torch.enable_grad():
             y = ctx.block(leaf, ctx.inputs)
-        torch.autograd.backward(y, grad)
+        roots = ctx.inputs.prefix.pop_pending() if ctx.inputs.prefix is not None else []
+        torch.autograd.backward([y, *(t for t, _ in roots)], [grad, *(g for _, g in roots)])
         return leaf.grad, None, None
 
 
@@ -187,7 +219,7 @@ class GPTStage(nn.Module):
         if self.is_first:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in self.layers})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in self.layers})
         if self.is_last:
             self.norm_f = nn.LayerNorm(cfg.d_model)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -265,6 +297,24 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def whole_documents(plan: Plan) -> list[Microbatch]:
+    """The plan's microbatches with every sliced sequence taken out of them and run whole,
+    one single-row microbatch per sliced sequence (the reference a sliced plan must match)."""
+    groups = plan.slice_groups()
+    if not groups:
+        return list(plan.microbatches)
+    out = []
+    for mb in plan.microbatches:
+        keep = ~mb.slice_mask
+        if keep.any():
+            rows = np.unique(mb.row_ids[keep], return_inverse=True)[1]
+            out.append(Microbatch(mb.seq_ids[keep], mb.lengths[keep], mb.padded_len, int(rows.max()) + 1, rows))
+    for sid, where in groups.items():
+        n = sum(int(plan.microbatches[i].lengths[plan.microbatches[i].seq_ids == sid][0]) for i in where)
+        out.append(Microbatch([sid], [n], n, 1))
+    return out
+
+
 def reference_grads(cfg: ModelConfig, num_stages: int, plan: Plan, tokens: Sequence[torch.Tensor], seed: int = 0, *,
                     dtype: torch.dtype | None = None, device: torch.device | str | None = None
                     ) -> tuple[float, dict[str, torch.Tensor]]:
@@ -274,7 +324,7 @@ def reference_grads(cfg: ModelConfig, num_stages: int, plan: Plan, tokens: Seque
     stages = build_stages(cfg, num_stages, seed, dtype=dtype, device=device)
     total = plan.real_tokens
     loss_sum = 0.0
-    for mb in plan.microbatches:
+    for mb in whole_documents(plan):
         inputs = make_inputs(mb, tokens, cfg=cfg, device=device)
         x = None
         for st in stages:

@@ -6,10 +6,16 @@ sequence is identified by its index in that array.
 - ``Microbatch``: the sequences it holds, the row each sits in, and the shape it
   runs at (``batch`` rows x ``padded_len`` columns). One sequence per row is the
   usual case; the ``packed`` method puts several documents in one row.
+- Slices: a sequence longer than any row that fits may be cut into consecutive
+  slices (``--oversize split``), each an entry of a different microbatch with its
+  token ``offset`` in the sequence and ``continued`` (a later slice follows). In
+  execution order the slices of one sequence cover ``[0, length)`` back to back;
+  slice j attends to the keys and values of slices 0..j-1 on every stage, so their
+  forwards run in slice order and their backwards in reverse (``Plan.slice_groups``).
 - ``Plan``: microbatches in execution order plus the method, memory limit and the
   planner's predictions. Invariant (``Plan.validate``): every sequence of the
-  global batch appears exactly once (or is listed in ``meta['dropped']`` /
-  ``meta['truncated']`` by an explicit policy).
+  global batch appears exactly once, or as one chain of slices (or is listed in
+  ``meta['dropped']`` / ``meta['truncated']`` by an explicit policy).
 - ``Action``: ``(stage, op, mb)`` printed ``2F7`` like torch.distributed.pipelining's
   ``_Action`` (``F`` forward, ``B`` full backward; a split backward is ``I``, the input
   gradient, then ``W``, the weight gradients: torch's BACKWARD_INPUT / BACKWARD_WEIGHT).
@@ -19,6 +25,7 @@ sequence is identified by its index in that array.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -58,6 +65,9 @@ class Microbatch:
     given (document-causal masking keeps them apart). ``row_ids`` defaults to one
     sequence per row, in order. ``recompute``: the microbatch runs every stage with full
     activation recomputation (only each block's input is kept from F to B).
+    ``offsets[k]``: where entry k starts in its sequence (0 unless it is a slice);
+    ``continued[k]``: a later slice of that sequence follows in another microbatch. An
+    entry with an offset or a continuation is a *slice segment* (``slice_mask``).
     """
 
     seq_ids: np.ndarray
@@ -66,6 +76,8 @@ class Microbatch:
     batch: int
     row_ids: np.ndarray | None = None
     recompute: bool = False
+    offsets: np.ndarray | None = None
+    continued: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_ids", _as_i64(self.seq_ids))
@@ -76,6 +88,17 @@ class Microbatch:
         n = len(self.seq_ids)
         rows = np.arange(n, dtype=np.int64) if self.row_ids is None else self.row_ids
         object.__setattr__(self, "row_ids", _as_i64(rows))
+        object.__setattr__(self, "offsets", _as_i64(np.zeros(n, np.int64) if self.offsets is None else self.offsets))
+        cont = np.zeros(n, bool) if self.continued is None else np.asarray(self.continued, dtype=bool).reshape(-1)
+        cont.setflags(write=False)
+        object.__setattr__(self, "continued", cont)
+        if len(self.offsets) != n or len(self.continued) != n:
+            raise PlanError(f"microbatch: offsets ({len(self.offsets)}) and continued ({len(self.continued)}) "
+                            f"must have one entry per sequence ({n})")
+        if np.any(self.offsets < 0):
+            raise PlanError(f"microbatch has negative slice offsets: {self.offsets[self.offsets < 0].tolist()}")
+        if len(np.unique(self.seq_ids)) < n:
+            raise PlanError(f"microbatch holds a sequence twice: {self.seq_ids.tolist()}")
         if len(self.lengths) != n or len(self.row_ids) != n:
             raise PlanError(f"microbatch: seq_ids ({n}), lengths ({len(self.lengths)}) and row_ids ({len(self.row_ids)}) differ in size")
         if n == 0:
@@ -112,19 +135,44 @@ class Microbatch:
         """True when some row holds more than one sequence."""
         return len(np.unique(self.row_ids)) < self.num_seqs
 
+    @property
+    def slice_mask(self) -> np.ndarray:
+        """``(num_seqs,)`` bool: which entries are slice segments (offset > 0 or continued)."""
+        return (self.offsets > 0) | self.continued
+
+    @property
+    def has_slices(self) -> bool:
+        return bool(self.slice_mask.any())
+
+    @property
+    def continued_tokens(self) -> int:
+        """Tokens of the slices whose keys and values later slices attend to (held until this
+        microbatch's backward, with their gradients)."""
+        return int(self.lengths[self.continued].sum())
+
     def attention_work(self, attention: str = "auto") -> int:
         """Sum over attention segments of segment_length**2: the attention term of the cost.
 
         ``auto`` (attention as trainers run it): a row holding one document runs causal
         attention over its whole padded row (pads included), ``batch * padded_len**2``;
-        a microbatch with packed rows runs document-causal attention, ``sum(s_i**2)`` over
-        its documents. ``dense`` (the (s, s) mask ablation): ``batch * padded_len**2``.
+        a microbatch with packed rows or slices runs document-causal attention,
+        ``sum(s_i**2)`` over its documents that are not slice segments (those are
+        ``prefix_work``). ``dense`` (the (s, s) mask ablation): ``batch * padded_len**2``.
         """
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
-        if attention == "auto" and self.is_packed:
-            return int(np.sum(self.lengths.astype(np.int64) ** 2))
+        if attention == "auto" and (self.is_packed or self.has_slices):
+            whole = self.lengths[~self.slice_mask].astype(np.int64)
+            return int(np.sum(whole ** 2))
         return self.batch * self.padded_len ** 2
+
+    def prefix_work(self) -> int:
+        """Attention work of the slice segments: a slice of n tokens at offset p attends to
+        its p prefix keys and causally to itself, ``sum(n * (p + n))`` (the same scale as
+        ``attention_work``'s ``s**2``: a causal segment of s tokens counts s**2)."""
+        m = self.slice_mask
+        n, p = self.lengths[m].astype(np.int64), self.offsets[m].astype(np.int64)
+        return int(np.sum(n * (2 * p + n)))
 
     def rows(self) -> list[np.ndarray]:
         """Positions (into ``seq_ids``) of the sequences in each row, in order."""
@@ -141,6 +189,9 @@ class Microbatch:
             d["row_ids"] = self.row_ids.tolist()
         if self.recompute:
             d["recompute"] = True
+        if self.has_slices:
+            d["offsets"] = self.offsets.tolist()
+            d["continued"] = self.continued.tolist()
         return d
 
     @classmethod
@@ -152,6 +203,8 @@ class Microbatch:
             batch=d["batch"],
             row_ids=d.get("row_ids"),
             recompute=bool(d.get("recompute", False)),
+            offsets=d.get("offsets"),
+            continued=d.get("continued"),
         )
 
 
@@ -232,19 +285,69 @@ class Plan:
                        replica_ids=tuple(self.replica_ids[i] for i in order), predictions=dict(self.predictions),
                        meta={**self.meta, **meta})
 
+    def slice_groups(self) -> dict[int, tuple[int, ...]]:
+        """Sliced sequences: ``{seq_id: (microbatch index of slice 0, of slice 1, ...)}``, the
+        microbatches in execution order (forwards must follow it on every stage, backwards
+        run in reverse). Empty when no sequence is sliced."""
+        where: dict[int, list[int]] = {}
+        for i, mb in enumerate(self.microbatches):
+            if mb.has_slices:
+                for sid in mb.seq_ids[mb.slice_mask].tolist():
+                    where.setdefault(int(sid), []).append(i)
+        return {sid: tuple(ix) for sid, ix in where.items()}
+
+    @property
+    def has_slices(self) -> bool:
+        return any(mb.has_slices for mb in self.microbatches)
+
+    def backward_order(self) -> list[int]:
+        """Microbatches in the order their backwards run on every stage: microbatch order,
+        except that a microbatch waits for the backwards of the later slices of every
+        sequence it holds a slice of (slices backward in reverse). Among the microbatches
+        ready, the lowest index goes first; without slices it is ``0..m-1``."""
+        m = self.num_microbatches
+        after: list[set[int]] = [set() for _ in range(m)]     # after[i]: later slices i waits for
+        for where in self.slice_groups().values():
+            for a, b in zip(where, where[1:]):
+                after[a].add(b)
+        waiting = [len(a) for a in after]
+        before: list[list[int]] = [[] for _ in range(m)]
+        for i, a in enumerate(after):
+            for j in a:
+                before[j].append(i)
+        ready = [i for i in range(m) if waiting[i] == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for j in before[i]:
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    heapq.heappush(ready, j)
+        if len(order) != m:
+            raise PlanError("slices of long sequences wait on each other in a cycle")
+        return order
+
     # --- invariants ---------------------------------------------------------
     def validate(self, lengths: np.ndarray | None = None) -> None:
-        """Raise ``PlanError`` unless every sequence appears exactly once.
+        """Raise ``PlanError`` unless every sequence appears exactly once, or as one chain of
+        slices: entries in distinct microbatches, in execution order, whose offsets run
+        0, l0, l0 + l1, ... back to back, every one but the last ``continued``, all in one
+        data-parallel replica.
 
         Sequences listed in ``meta['dropped']`` must be absent; those in
         ``meta['truncated']`` may appear with a shorter length. With ``lengths``
-        (the global batch) each sequence's length is checked too.
+        (the global batch) each sequence's length (its slices' sum) is checked too.
         """
         if not self.microbatches:
             raise PlanError("plan has no microbatch")
         ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
+        groups = self.slice_groups()
+        sliced = np.fromiter(groups, dtype=np.int64, count=len(groups))
+        whole = ids[~np.concatenate([mb.slice_mask for mb in self.microbatches])]
         dropped = np.asarray(self.meta.get("dropped", []), dtype=np.int64)
-        counts = np.bincount(np.concatenate([ids, dropped]), minlength=self.num_sequences)
+        counts = np.bincount(np.concatenate([whole, sliced, dropped]), minlength=self.num_sequences)
         if len(counts) > self.num_sequences:
             bad = np.flatnonzero(np.arange(len(counts)) >= self.num_sequences)
             raise PlanError(f"sequence ids beyond the global batch of {self.num_sequences}: {bad[:10].tolist()}")
@@ -255,12 +358,32 @@ class Plan:
                 f"every sequence must appear exactly once: missing {missing[:10].tolist()}"
                 f"{'...' if len(missing) > 10 else ''} ({len(missing)}), repeated {repeated[:10].tolist()} ({len(repeated)})"
             )
+        total: dict[int, int] = {}
+        for sid, where in groups.items():
+            expect = 0
+            for j, i in enumerate(where):
+                mb = self.microbatches[i]
+                k = int(np.flatnonzero(mb.seq_ids == sid)[0])
+                off, n, cont = int(mb.offsets[k]), int(mb.lengths[k]), bool(mb.continued[k])
+                if off != expect:
+                    raise PlanError(f"sequence {sid}: slice {j} (microbatch {i}) starts at token {off}, expected {expect} "
+                                    f"(slices must run in order, back to back)")
+                if cont != (j < len(where) - 1):
+                    raise PlanError(f"sequence {sid}: slice {j} (microbatch {i}) has continued={cont}, but it is "
+                                    f"slice {j} of {len(where)}")
+                expect += n
+            if len({self.replica_ids[i] for i in where}) > 1:
+                raise PlanError(f"sequence {sid}: its slices run on different data-parallel replicas")
+            total[sid] = expect
         if lengths is not None:
             lengths = np.asarray(lengths, dtype=np.int64)
             got = np.concatenate([mb.lengths for mb in self.microbatches])
-            want = lengths[ids]
+            keep = ~np.concatenate([mb.slice_mask for mb in self.microbatches])
+            wid, got = ids[keep], got[keep]
+            want = lengths[wid]
             truncated = set(int(i) for i in self.meta.get("truncated", []))
-            bad = [int(i) for i, g, w in zip(ids, got, want) if g != w and not (int(i) in truncated and g < w)]
+            bad = [int(i) for i, g, w in zip(wid, got, want) if g != w and not (int(i) in truncated and g < w)]
+            bad += [sid for sid, n in total.items() if n != lengths[sid]]
             if bad:
                 raise PlanError(f"sequences {bad[:10]} have lengths that differ from the global batch")
         if self.dp > 1:
@@ -339,6 +462,9 @@ class Plan:
             h.update(mb.seq_ids.tobytes())
             h.update(mb.lengths.tobytes())
             h.update(mb.row_ids.tobytes())
+            if mb.has_slices:
+                h.update(mb.offsets.tobytes())
+                h.update(mb.continued.tobytes())
             if mb.recompute:
                 h.update(b"recompute")
         return h.hexdigest()

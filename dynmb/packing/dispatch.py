@@ -156,13 +156,15 @@ def _microbatches(flat: Flat, ids: np.ndarray, L: np.ndarray) -> list[Microbatch
         raise PackingError("internal: a row overflows its padded_len or is empty")
     ends = np.cumsum(nseq).tolist()
     a_ids, a_len, a_row = ids[items], L[items], np.array(rows, dtype=np.int64)
-    for arr in (a_ids, a_len, a_row):
+    a_off, a_cont = np.zeros(len(items), dtype=np.int64), np.zeros(len(items), dtype=bool)
+    for arr in (a_ids, a_len, a_row, a_off, a_cont):
         arr.setflags(write=False)
     out = []
     new = object.__new__
     for a, e, pl, b in zip([0] + ends[:-1], ends, plen.tolist(), batch.tolist()):
         m = new(Microbatch)
-        m.__dict__.update(seq_ids=a_ids[a:e], lengths=a_len[a:e], row_ids=a_row[a:e], padded_len=pl, batch=b)
+        m.__dict__.update(seq_ids=a_ids[a:e], lengths=a_len[a:e], row_ids=a_row[a:e], padded_len=pl, batch=b,
+                          offsets=a_off[a:e], continued=a_cont[a:e])
         out.append(m)
     return out
 

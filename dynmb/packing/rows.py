@@ -41,7 +41,7 @@ import bisect
 import functools
 import heapq
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -263,15 +263,30 @@ def polish_cuts(cuts: np.ndarray, bottleneck: Callable[[np.ndarray, np.ndarray],
     return out if np.all(np.diff(out) >= 1) else cuts
 
 
-def stage_order(stage: int, num_stages: int, m: int, kind: str) -> list[tuple[str, int]]:
-    """The (op, mb) sequence of ``stage`` under GPipe or 1F1B."""
+def stage_order(stage: int, num_stages: int, m: int, kind: str,
+                backward_order: Sequence[int] | None = None) -> list[tuple[str, int]]:
+    """The (op, mb) sequence of ``stage`` under GPipe or 1F1B.
+
+    Forwards run in microbatch order; backwards in ``backward_order`` (default the same
+    order; ``Plan.backward_order`` reverses the slices of a long sequence). GPipe: every
+    forward, then every backward. 1F1B: before its b-th backward a stage has run
+    ``min(m, b + P - stage)`` forwards (warm-up ``P - 1 - stage``, then one forward per
+    backward), and at least up to that backward's own microbatch: a chain of slices extends
+    the warm-up until its last slice has gone forward.
+    """
+    order = list(range(m)) if backward_order is None else [int(j) for j in backward_order]
+    if sorted(order) != list(range(m)):
+        raise ValueError(f"backward_order must be a permutation of 0..{m - 1}, got {order}")
     if kind == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+        return [("F", j) for j in range(m)] + [("B", j) for j in order]
     w = min(num_stages - 1 - stage, m)
-    seq = [("F", j) for j in range(w)]
-    for j in range(m - w):
-        seq += [("F", w + j), ("B", j)]
-    seq += [("B", j) for j in range(m - w, m)]
+    seq: list[tuple[str, int]] = []
+    f = 0
+    for b, j in enumerate(order):
+        while f < min(m, max(b + w + 1, j + 1)):
+            seq.append(("F", f))
+            f += 1
+        seq.append(("B", j))
     return seq
 
 

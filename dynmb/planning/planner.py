@@ -37,12 +37,16 @@ __all__ = ["plan_step", "make_schedule"]
 def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any = None,
                   cost_model: Any = None) -> Schedule:
     """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``)."""
+    order = plan.backward_order() if plan.has_slices else None
+    if order is not None and kind not in ("gpipe", "1f1b"):
+        raise ValueError(f"slices of long sequences run on the gpipe or 1f1b schedule, not {kind!r} "
+                         f"(its builder does not run their backwards in reverse)")
     if kind in ("zb-h1", "zb"):          # cost-driven list scheduler (dynmb.planning.zerobubble)
         sched = build_zb(plan, kind, cost_model=cost_model, memory_model=memory_model)
         validate(sched)
         return sched
     m = plan.num_microbatches
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"backward_order": order}
     if kind == "memory-aware":
         if memory_model is None:
             raise ValueError("the memory-aware schedule needs a memory model")
@@ -51,7 +55,7 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any 
         kw["state_bytes"] = memory_model.state_bytes
         kw["limit_bytes"] = plan.memory_limit_bytes
     sched = build_schedule(kind, plan.num_stages, m, virtual=virtual, **kw)
-    validate(sched)
+    validate(sched, plan)
     return sched
 
 

@@ -25,6 +25,10 @@ For each action in the rank's list, in order:
   whole backward here (its ``W`` is then empty).
 - ``sWm`` (backward weight): the deferred Linear weight gradients of ``sIm``
   (``splitbackward.backward_weight``); no communication.
+- Slices of long sequences (``dynmb.prefix``): a microbatch's backward adds its continued
+  slices' keys and values, with the gradients later slices left on their leaves, as extra
+  roots (``PrefixStore.backward_roots``), then releases them (``PrefixStore.release``
+  refuses a backward that runs before a later slice's). Slices run full backwards only.
 
 Backwards (``B``, ``I``) run inside the meter's saved-tensor context, so the activations a
 recomputing backward re-creates are accounted as they are.
@@ -46,6 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from dynmb.prefix import PrefixStore
 from dynmb.runtime.comm import P2P
 from dynmb.runtime.splitbackward import WeightGradTape, backward_input, backward_weight, full_backward, record_linears
 from dynmb.types import Action, Plan
@@ -90,6 +95,7 @@ def run_actions(
     clock: Clock,
     meter: Any = None,
     on_action: Callable[[int, Action], None] | None = None,
+    prefix: PrefixStore | None = None,
 ) -> tuple[list[ActionTiming], float]:
     """Run ``actions`` (this rank's list) and return their timings and the summed scaled loss.
 
@@ -98,13 +104,18 @@ def run_actions(
     ``inputs(m)``: the ``MicrobatchInputs`` of microbatch m on this device;
     ``meter``: optional memory meter (``saving(stage)`` context for forwards,
     ``sample(stage)`` after each action); ``on_action(i, action)``: called
-    before each action (fault injection in tests).
+    before each action (fault injection in tests); ``prefix``: the step's store of slices'
+    keys and values (the one ``inputs`` hands the model), None when the plan has no slices.
     """
     last = plan.num_stages - 1
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     split = {(a.stage, a.mb) for a in actions if a.op == "I"}
     tapes: dict[tuple[int, int], WeightGradTape | None] = {}
     recompute = [bool(getattr(mb, "recompute", False)) for mb in plan.microbatches]
+    sliced = [mb.has_slices for mb in plan.microbatches]
+    if any(sliced[a.mb] for a in actions if a.op == "I"):
+        raise ValueError("a microbatch holding slices of a long sequence cannot split its backward (I/W); "
+                         "use a schedule with full backwards (1f1b, gpipe)")
     timings: list[ActionTiming] = []
     loss = 0.0
     losses: list[torch.Tensor] = []
@@ -131,6 +142,8 @@ def run_actions(
                     out = out * loss_scale
             saved[(s, m)] = (x, out)
             tapes[(s, m)] = tape
+            if sliced[m] and prefix is not None and meter is not None:
+                meter.hold(prefix.held_tensors(mod.layers), s)
             del inp
             if s == last:
                 losses.append(out.detach())
@@ -147,6 +160,11 @@ def run_actions(
             with ctx:
                 if a.op == "I" and tape is not None:
                     dx = backward_input(mod, out, grad, x, tape)
+                elif sliced[m] and prefix is not None:
+                    dx = full_backward(out, grad, x, prefix.backward_roots(mod.layers, m))
+                    prefix.release(mod.layers, m)
+                    if meter is not None:
+                        meter.hold(prefix.held_tensors(mod.layers), s)
                 else:
                     dx = full_backward(out, grad, x)
             if s > 0:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -125,9 +125,16 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
-def full_backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
-    """The full backward ``B``: every gradient at once; returns the input's gradient (None on stage 0)."""
-    torch.autograd.backward(out, grad_tensors=grad)
+def full_backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
+                  extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor | None:
+    """The full backward ``B``: every gradient at once; returns the input's gradient (None on stage 0).
+    ``extra``: more ``(tensor, gradient)`` roots of the same backward (a continued slice's keys and
+    values with the gradients later slices gave them, ``dynmb.prefix.PrefixStore.backward_roots``)."""
+    if extra:
+        torch.autograd.backward([out, *(t for t, _ in extra)],
+                                [torch.ones_like(out) if grad is None else grad, *(g for _, g in extra)])
+    else:
+        torch.autograd.backward(out, grad_tensors=grad)
     return None if x is None else x.grad
 
 

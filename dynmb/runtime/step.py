@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from dynmb.model import MicrobatchInputs, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import make_schedule
+from dynmb.prefix import PrefixStore
 from dynmb.runtime.checks import (
     check_plan_digest,
     gather_weights,
@@ -55,8 +57,9 @@ class _InputCache:
     what autograd saved from them then lives only until the backward, as the memory model
     assumes, instead of every microbatch's inputs for the whole step."""
 
-    def __init__(self, plan: Plan, actions: Sequence[Action], tokens: list[torch.Tensor], state: RunState) -> None:
-        self.plan, self.tokens, self.state = plan, tokens, state
+    def __init__(self, plan: Plan, actions: Sequence[Action], tokens: list[torch.Tensor], state: RunState,
+                 prefix: PrefixStore | None) -> None:
+        self.plan, self.tokens, self.state, self.prefix = plan, tokens, state, prefix
         self.uses = Counter(a.mb for a in actions if a.op == "F")
         self.cache: dict[int, MicrobatchInputs] = {}
 
@@ -65,6 +68,8 @@ class _InputCache:
         if inputs is None:
             inputs = make_inputs(self.plan.microbatches[mb], self.tokens, cfg=self.state.run.model,
                                  device=self.state.device)
+            if inputs.has_slices:
+                inputs = replace(inputs, prefix=self.prefix, microbatch=mb)
         self.uses[mb] -= 1
         if self.uses[mb] > 0:
             self.cache[mb] = inputs
@@ -165,8 +170,10 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan]:
     gc.disable()   # no collector pauses inside the measured step; run_step turns it back on
     dist.barrier()
     t0, start_mark = time.perf_counter(), state.clock.mark()
+    prefix = PrefixStore() if replica.has_slices else None
     timings, loss = run_actions(
-        actions, stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state), p2p=p2p,
+        actions, stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix),
+        p2p=p2p, prefix=prefix,
         loss_scale=1.0 / plan.real_tokens, clock=state.clock, meter=state.meter,
         on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions))
     p2p.finish()

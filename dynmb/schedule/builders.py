@@ -11,6 +11,8 @@ Algorithms (``P`` stages, ``m`` microbatches, ``R`` ranks, ``v`` chunks per rank
 - ``1f1b``: rank ``s`` first runs ``w_s = min(m, P - s)`` forwards, then
   alternates one backward and one forward until the forwards are used up, then
   drains the remaining backwards. At most ``P - s`` microbatches are in flight.
+  With slices of a long sequence (``backward_order``) backwards follow that order and
+  the warm-up extends until the backward's microbatch has gone forward.
   Both orders are ``dynmb.packing.rows.stage_order``: the one GPipe / 1F1B op order,
   which the packers' fast makespan estimate sweeps too (it sits in the packing layer,
   above this one, so both see the same order).
@@ -62,15 +64,19 @@ def _check(num_stages: int, m: int) -> None:
         raise ValueError(f"num_microbatches must be >= 1, got {m}")
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
-    """Fill-drain: all forwards, then all backwards in microbatch order (torch ``ScheduleGPipe``)."""
+def gpipe(num_stages: int, num_microbatches: int, backward_order: Sequence[int] | None = None) -> Schedule:
+    """Fill-drain: all forwards, then all backwards in microbatch order (torch ``ScheduleGPipe``),
+    or in ``backward_order`` (``Plan.backward_order``: slices of a sequence backward in reverse)."""
     _check(num_stages, num_microbatches)
-    return Schedule(_stage_orders(num_stages, num_microbatches, "gpipe"), num_stages, num_microbatches, kind="gpipe")
+    return Schedule(_stage_orders(num_stages, num_microbatches, "gpipe", backward_order), num_stages,
+                    num_microbatches, kind="gpipe")
 
 
-def _stage_orders(num_stages: int, m: int, kind: str) -> list[list[Action]]:
+def _stage_orders(num_stages: int, m: int, kind: str, backward_order: Sequence[int] | None = None
+                  ) -> list[list[Action]]:
     """Every stage's actions in ``stage_order`` (GPipe or 1F1B), one stage per rank."""
-    return [[Action(s, op, j) for op, j in stage_order(s, num_stages, m, kind)] for s in range(num_stages)]
+    return [[Action(s, op, j) for op, j in stage_order(s, num_stages, m, kind, backward_order)]
+            for s in range(num_stages)]
 
 
 def _f_then_b(stage: int, m: int, warmup: Sequence[int] | int) -> list[Action]:
@@ -94,10 +100,12 @@ def _f_then_b(stage: int, m: int, warmup: Sequence[int] | int) -> list[Action]:
     return out
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
-    """1F1B (PipeDream-flush): at most ``P - s`` microbatches in flight on stage ``s`` (torch ``Schedule1F1B``)."""
+def one_f_one_b(num_stages: int, num_microbatches: int, backward_order: Sequence[int] | None = None) -> Schedule:
+    """1F1B (PipeDream-flush): at most ``P - s`` microbatches in flight on stage ``s`` (torch ``Schedule1F1B``);
+    with ``backward_order`` a chain of slices stays in flight until its last slice's forward."""
     _check(num_stages, num_microbatches)
-    return Schedule(_stage_orders(num_stages, num_microbatches, "1f1b"), num_stages, num_microbatches, kind="1f1b")
+    return Schedule(_stage_orders(num_stages, num_microbatches, "1f1b", backward_order), num_stages,
+                    num_microbatches, kind="1f1b")
 
 
 def interleaved_rounds(num_ranks: int, num_microbatches: int) -> int:
@@ -206,7 +214,8 @@ def memory_aware(num_stages: int, num_microbatches: int, act_bytes: np.ndarray,
 def build_schedule(kind: str, num_stages: int, num_microbatches: int, *, virtual: int = 1,
                    act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
                    limit_bytes: float | None = None, transient_bytes: np.ndarray | None = None,
-                   zb_inputs: ZBInputs | None = None, evaluate: Evaluate | None = None) -> Schedule:
+                   zb_inputs: ZBInputs | None = None, evaluate: Evaluate | None = None,
+                   backward_order: Sequence[int] | None = None) -> Schedule:
     """Build a schedule of ``kind`` (one of ``SCHEDULE_KINDS``).
 
     ``interleaved`` uses ``virtual`` chunks per rank (``virtual=1`` gives 1F1B's
@@ -214,12 +223,18 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int, *, virtual
     and ``limit_bytes`` (``state_bytes[stage]`` defaults to 0; ``transient_bytes[stage, mb]``,
     optional, reserves the running op's buffers). ``zb-h1`` / ``zb`` take the times and bytes
     in ``zb_inputs`` and the simulator as ``evaluate`` (``zb`` needs both and ``limit_bytes``;
-    without them it is ZB-H1's order); see ``dynmb.schedule.zerobubble``.
+    without them it is ZB-H1's order); see ``dynmb.schedule.zerobubble``. ``backward_order``
+    (a plan with slices of long sequences, ``Plan.backward_order``) is taken by ``gpipe`` and
+    ``1f1b`` only; the other kinds refuse it.
     """
+    if backward_order is not None and list(backward_order) != list(range(num_microbatches)) \
+            and kind not in ("gpipe", "1f1b"):
+        raise ValueError(f"slices of long sequences run on the gpipe or 1f1b schedule; {kind!r} does not order "
+                         f"their backwards in reverse")
     if kind == "gpipe":
-        return gpipe(num_stages, num_microbatches)
+        return gpipe(num_stages, num_microbatches, backward_order)
     if kind == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches)
+        return one_f_one_b(num_stages, num_microbatches, backward_order)
     if kind == "interleaved":
         return interleaved(num_stages, num_microbatches, virtual=virtual)
     if kind == "memory-aware":

@@ -19,6 +19,10 @@ faulty action as ``[2F7]`` on a row flagged ``>>``:
    every rank is blocked before all actions ran, the schedule deadlocks; the
    error marks each blocked head and names what it waits for.
 
+5. with a plan holding slices of long sequences (``validate(schedule, plan)``): on every
+   stage the forwards of one sequence's slices run in slice order and their backwards
+   (``B`` or ``I``) in reverse (``check_slice_order``).
+
 ``execution_order(schedule)`` returns the flattened action arrays and one
 topological order of them (used by the simulator). Pure Python + numpy, O(actions).
 """
@@ -29,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynmb.types import Action, Schedule
+from dynmb.types import Action, Plan, Schedule
 
-__all__ = ["ScheduleError", "validate", "execution_order", "format_grid", "FlatSchedule"]
+__all__ = ["ScheduleError", "validate", "execution_order", "format_grid", "FlatSchedule", "check_slice_order"]
 
 _OPI = {"F": 0, "B": 1, "I": 2, "W": 3}
 _OPS = "FBIW"
@@ -242,6 +246,36 @@ def execution_order(schedule: Schedule) -> FlatSchedule:
     return flat
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise ``ScheduleError`` unless ``schedule`` is complete, ordered and deadlock-free (see module doc)."""
+def check_slice_order(schedule: Schedule, plan: Plan) -> None:
+    """Raise ``ScheduleError`` unless, on every stage, each sliced sequence's forwards run in
+    slice order and its backwards in reverse slice order (rule 5)."""
+    groups = plan.slice_groups()
+    if not groups:
+        return
+    for acts in schedule.ranks:
+        pos = {(a.stage, a.op if a.op != "I" else "B", a.mb): k for k, a in enumerate(acts)}
+        for stage in sorted({a.stage for a in acts}):
+            for sid, where in groups.items():
+                for early, late in zip(where, where[1:]):
+                    f0, f1 = pos.get((stage, "F", early)), pos.get((stage, "F", late))
+                    b0, b1 = pos.get((stage, "B", early)), pos.get((stage, "B", late))
+                    if f0 is not None and f1 is not None and f1 < f0:
+                        raise _fail(schedule, f"sequence {sid}: slice in microbatch {late} goes forward before the "
+                                    f"earlier slice in microbatch {early} on stage {stage}",
+                                    [_loc_of(schedule, acts, f1)])
+                    if b0 is not None and b1 is not None and b0 < b1:
+                        raise _fail(schedule, f"sequence {sid}: slice in microbatch {early} runs its backward before "
+                                    f"the later slice in microbatch {late} on stage {stage} (slices go backward in "
+                                    f"reverse order)", [_loc_of(schedule, acts, b0)])
+
+
+def _loc_of(schedule: Schedule, acts: tuple[Action, ...], k: int) -> tuple[int, int]:
+    return next(r for r, ra in enumerate(schedule.ranks) if ra is acts), k
+
+
+def validate(schedule: Schedule, plan: Plan | None = None) -> None:
+    """Raise ``ScheduleError`` unless ``schedule`` is complete, ordered and deadlock-free, and
+    (given the ``plan``) runs its slices in order (see module doc)."""
     execution_order(schedule)
+    if plan is not None:
+        check_slice_order(schedule, plan)
