@@ -27,9 +27,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dynmb import PipelineConfig, RunConfig, model_config
+from dynmb.config import parse_bytes
 from dynmb.planning import default_cost_model_path
-from dynmb.config import PipelineConfig, RunConfig, model_config, parse_bytes
-from dynmb.runtime.launch import launch_spec, write_spec
+from dynmb.runtime.launch import launch_job   # the public dynmb.run once it lands
+from dynmb.runtime.spec import JobSpec, RunSpec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,14 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     todo = cases(args)
     # no per-case calibration of the cost model from its own warm-up: every case plans with the
     # same costs, so the schedules run the same plans (schedules study)
-    specs = [{**write_spec(c, out, verify=args.verify, run_id=f"{args.study}-{i}"), "label": lab, "calibrate": False}
-             for i, (lab, c) in enumerate(todo.items())]
-    rc = launch_spec({"out_dir": str(out.resolve()), "cases": specs, "interleave": True}, args.stages, progress=True)
+    specs = tuple(RunSpec.create(c, out, run_id=f"{args.study}-{i}", label=lab, verify=args.verify, calibrate=False)
+                  for i, (lab, c) in enumerate(todo.items()))
+    rc = launch_job(JobSpec(out_dir=str(out.resolve()), cases=specs, interleave=True), args.stages,
+                    progress=True).returncode
     if rc != 0:
         print(f"zb_real: the job failed (exit {rc}); see {out}/errors", file=sys.stderr)
         return rc
     pd.set_option("display.width", 200)
-    print(summarise(out, list(todo)).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(summarise(out, list(todo)).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     return 0
 
 
