@@ -24,8 +24,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from dynmb.analysis import summarise
-from dynmb.results import load_results
+from dynmb import load_results, summarise
 
 TABLES = ("steps", "memory", "runs", "configs", "sim", "scaling")
 CONTEXT = ("dataset", "memory_limit_bytes")

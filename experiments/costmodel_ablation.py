@@ -31,11 +31,11 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, measured, parse_batc
                      simulate_rows, split_list)
 
 from dynmb import data
-from dynmb.config import ModelConfig, parse_bytes
+from dynmb import ModelConfig, simulate
+from dynmb.config import parse_bytes
 from dynmb.costmodel import CostModel, get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.results import TableWriter
-from dynmb.simulate import simulate
 
 KINDS = ("poly", "grid", "analytic")
 REAL_KEYS = SIM_SETTINGS + ("steps", "warmup")

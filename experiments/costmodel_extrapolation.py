@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from dynmb.config import ModelConfig
+from dynmb import ModelConfig
 from dynmb.costmodel import fit_cost_model, point_medians, with_attention_work
 from dynmb.profile import load_samples
 

@@ -26,7 +26,8 @@ import numpy as np
 import pandas as pd
 
 from dynmb import data
-from dynmb.config import ModelConfig, format_bytes, parse_bytes
+from dynmb import ModelConfig
+from dynmb.config import format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.packing import pack

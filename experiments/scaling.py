@@ -35,13 +35,13 @@ import numpy as np
 from _common import Resume, parse_batches, progress, split_list
 
 from dynmb import data
-from dynmb.config import ModelConfig, parse_bytes
+from dynmb import ModelConfig, simulate
+from dynmb.config import parse_bytes
 from dynmb.costmodel import AnalyticCostModel, CommModel
 from dynmb.memory import get_memory_model
 from dynmb.packing import PackingError, pack
 from dynmb.planning import make_schedule
 from dynmb.results import TableWriter
-from dynmb.simulate import simulate
 
 KEYS = ("dataset", "model", "num_stages", "dp", "per_replica", "global_batch", "memory_limit_bytes", "method",
         "peak_tflops", "mfu", "overhead_us", "link_GBps", "alpha_us", "sim_replicas", "replica_pick", "seed",

@@ -25,7 +25,8 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, parse_batches, progr
                      simulate_rows, split_list, strip_private)
 
 from dynmb import data
-from dynmb.config import ModelConfig, parse_bytes
+from dynmb import ModelConfig
+from dynmb.config import parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.packing import METHODS
