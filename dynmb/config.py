@@ -160,10 +160,14 @@ class ModelConfig:
         return d
 
     def check_made_for(self, num_stages: int, other: "ModelConfig", other_stages: int, *, what: str,
-                       remedy: str) -> None:
+                       remedy: str, ignore: tuple[str, ...] = ()) -> None:
         """Raise ValueError unless ``other`` at ``other_stages`` is this architecture at ``num_stages``;
-        ``what`` names the fitted object (e.g. "poly cost model"), ``remedy`` how to make a matching one."""
-        if other.architecture() != self.architecture() or int(other_stages) != int(num_stages):
+        ``what`` names the fitted object (e.g. "poly cost model"), ``remedy`` how to make a matching one;
+        ``ignore``: fields the object does not depend on (a cost model: ``max_seq_len``, the size
+        of the learned position table, changes no stage's time)."""
+        mine = {k: v for k, v in self.architecture().items() if k not in ignore}
+        theirs = {k: v for k, v in other.architecture().items() if k not in ignore}
+        if mine != theirs or int(other_stages) != int(num_stages):
             raise ValueError(f"{what} was made for model {self.name!r} {self.architecture()} at {num_stages} "
                              f"stages, not for model {other.name!r} {other.architecture()} at {other_stages} "
                              f"stages; {remedy}")

@@ -236,6 +236,21 @@ class MemoryModel:
         w[:, _mask(recompute, w.shape[1])] = 0.0
         return w
 
+    def slice_coef(self, recompute: bool = False) -> np.ndarray:
+        """``[P]`` bytes per token of a continued slice (``Microbatch.continued_tokens``) held on top
+        of its activations from its forward to its backward (``dynmb.prefix``): per layer of the
+        stage, the gradients later slices leave on its keys and values (2 d at the model dtype),
+        plus, when recomputed (nothing else keeps them), the keys and values themselves (2 d)."""
+        e = self.model_cfg.dtype_bytes
+        layers = np.array([len(x) for x in self.model_cfg.stage_layers(self.num_stages)], dtype=np.float64)
+        return layers * self.model_cfg.d_model * e * (4.0 if recompute else 2.0)
+
+    def slice_matrix(self, continued_tokens: Any, recompute: Any = None) -> np.ndarray:
+        """``[P, m]``: the bytes ``slice_coef`` adds to each microbatch (``continued_tokens[m]``)."""
+        n = np.asarray(continued_tokens, dtype=np.float64).reshape(-1)
+        rc = _mask(recompute, n.size)
+        return np.where(rc[None, :], self.slice_coef(True)[:, None], self.slice_coef(False)[:, None]) * n[None, :]
+
     def peak_bytes(self, rows: Any, padded_len: Any, schedule_kind: str = "1f1b", order: Any = None,
                    virtual: int = 1, recompute: Any = None) -> np.ndarray:
         """Predicted peak bytes per stage of running these microbatches (in ``order``;

@@ -41,7 +41,7 @@ import torch
 
 __all__ = ["PrefixAttention", "PrefixStore", "SliceOrderError", "prefix_attention", "KEY_BLOCK_ELEMENTS"]
 
-KEY_BLOCK_ELEMENTS = 1 << 22
+KEY_BLOCK_ELEMENTS = 1 << 20
 """Score elements per key block (heads x queries x keys), bounding the block temporaries."""
 
 

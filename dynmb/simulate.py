@@ -251,7 +251,9 @@ def peaks(flat: Any, S: int, R: int, act: np.ndarray, tr: np.ndarray | None,
 
 def memory_inputs(memory_model: Any, plan: Plan) -> tuple[Any, Any, Any]:
     """``(act[P, m], transient[P, m] or None, state[P])`` of ``plan`` from ``memory_model`` (Nones
-    without one); recomputed microbatches (``Microbatch.recompute``) at their recomputed bytes."""
+    without one); recomputed microbatches (``Microbatch.recompute``) at their recomputed bytes, continued
+    slices of long sequences with the bytes their keys and values hold for later slices
+    (``MemoryModel.slice_matrix``)."""
     if memory_model is None:
         return None, None, None
     shapes = plan.shapes()
@@ -263,7 +265,10 @@ def memory_inputs(memory_model: Any, plan: Plan) -> tuple[Any, Any, Any]:
         act = np.stack([np.asarray(memory_model.activation_bytes(s, rows, plen), dtype=np.float64).reshape(-1)
                         for s in range(plan.num_stages)])
         tr = None
-    return np.asarray(act, dtype=np.float64), tr, np.asarray(memory_model.state_bytes, dtype=np.float64)
+    act = np.asarray(act, dtype=np.float64)
+    if plan.has_slices and hasattr(memory_model, "slice_matrix"):
+        act = act + memory_model.slice_matrix([mb.continued_tokens for mb in plan.microbatches], rc)
+    return act, tr, np.asarray(memory_model.state_bytes, dtype=np.float64)
 
 
 def w_inputs(memory_model: Any, plan: Plan) -> np.ndarray | None:

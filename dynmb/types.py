@@ -156,14 +156,14 @@ class Microbatch:
         ``auto`` (attention as trainers run it): a row holding one document runs causal
         attention over its whole padded row (pads included), ``batch * padded_len**2``;
         a microbatch with packed rows or slices runs document-causal attention,
-        ``sum(s_i**2)`` over its documents that are not slice segments (those are
-        ``prefix_work``). ``dense`` (the (s, s) mask ablation): ``batch * padded_len**2``.
+        ``sum(s_i**2)`` over its documents that are not slice segments, plus the slices'
+        ``prefix_work``. ``dense`` (the (s, s) mask ablation): ``batch * padded_len**2``.
         """
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
         if attention == "auto" and (self.is_packed or self.has_slices):
             whole = self.lengths[~self.slice_mask].astype(np.int64)
-            return int(np.sum(whole ** 2))
+            return int(np.sum(whole ** 2)) + self.prefix_work()
         return self.batch * self.padded_len ** 2
 
     def prefix_work(self) -> int:

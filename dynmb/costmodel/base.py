@@ -173,7 +173,8 @@ class CostModel:
     def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
         """Raise ValueError unless this model was made for ``model_cfg`` split over ``num_stages``."""
         self.model_cfg.check_made_for(self.num_stages, model_cfg, num_stages, what=f"{self.kind} cost model",
-                                      remedy="profile and fit one for this config (`dynmb profile` + `dynmb fit`)")
+                                      remedy="profile and fit one for this config (`dynmb profile` + `dynmb fit`)",
+                                      ignore=("max_seq_len",))
 
     # --- I/O ----------------------------------------------------------------
     def _params(self) -> dict[str, Any]:
