@@ -9,7 +9,8 @@ or scipy import; ``build_parser()`` without a verb builds every verb's parser.
 ``-v`` shows the library's INFO log lines (``-vv`` DEBUG), ``-q`` only its errors; the
 default shows warnings and errors, on stderr. A user error (``ValueError`` (JSON and pandas
 parse errors among them), ``OSError``, ``KeyError``, ``csv.Error``) prints one line
-``dynmb VERB: error: ...`` naming the file and exits 2, with no traceback.
+``dynmb VERB: error: ...`` naming the file and exits 2, with no traceback (numpy scalars in it
+printed as plain numbers, never ``np.int64(...)``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import csv
 import importlib
 import logging
+import re
 import sys
 from types import ModuleType
 from typing import Sequence
@@ -109,5 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+_NUMPY_SCALAR = re.compile(r"\bnp\.(?:u?int|float|bool_?|str_)\d*\(([^()]*)\)")
+"""``np.int64(3)`` as numpy 2 prints a scalar in a list or tuple: shown as ``3``."""
+
+
 def _one_line(message: str) -> str:
-    return " ".join(message.split())
+    """The message on one line, numpy scalars shown as plain numbers."""
+    return " ".join(_NUMPY_SCALAR.sub(r"\1", message).split())
