@@ -286,8 +286,8 @@ class RunConfig:
             raise ValueError(f"round_to must be >= 1, got {self.round_to}")
         if self.pack_len is not None and self.pack_len < 1:
             raise ValueError(f"pack_len must be >= 1, got {self.pack_len}")
-        if self.oversize not in ("error", "truncate", "drop"):
-            raise ValueError(f"oversize must be error, truncate or drop, got {self.oversize!r}")
+        if self.oversize not in ("error", "truncate", "drop", "split"):
+            raise ValueError(f"oversize must be error, truncate, drop or split, got {self.oversize!r}")
         if self.recompute not in ("never", "always", "auto"):
             raise ValueError(f"recompute must be never, always or auto, got {self.recompute!r}")
         if self.timeout_s <= 0:

@@ -23,7 +23,7 @@ from dynmb.data import load_trace, sample_batch
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "OVERSIZE_CHOICES"]
 
-OVERSIZE_CHOICES = ("error", "truncate", "drop")
+OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
 
 
 def positive_int(text: str) -> int:

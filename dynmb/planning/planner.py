@@ -24,11 +24,14 @@ from ..config import ModelConfig
 from ..costmodel import get_cost_model
 from ..memory import get_memory_model
 from ..packing import pack
+from ..packing.context import PackContext
+from ..packing.packed import packed_row_len
 from ..schedule import build_schedule, validate
 from ..simulate import SimResult, simulate
 from ..types import Plan, Schedule
 from .defaults import reorder_for
 from .reorder import reorder as reorder_plan
+from .slicing import plan_split
 from .zerobubble import build_zb
 
 __all__ = ["plan_step", "make_schedule"]
@@ -57,6 +60,15 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any 
     sched = build_schedule(kind, plan.num_stages, m, virtual=virtual, **kw)
     validate(sched, plan)
     return sched
+
+
+def _row_cap(method: str, model_cfg: ModelConfig, memory_model: Any, memory_limit_bytes: int, num_stages: int,
+             schedule_kind: str, pack_len: int | None, round_to: int, virtual: int) -> int:
+    """The longest row ``method`` runs (beyond it, ``oversize='split'`` slices a sequence)."""
+    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
+    if method == "packed":
+        return packed_row_len(ctx, model_cfg.max_seq_len, pack_len, round_to)[0]
+    return ctx.length_cap(model_cfg.max_seq_len, round_to)
 
 
 def plan_step(
@@ -88,10 +100,22 @@ def plan_step(
     cost_model = cost_model or get_cost_model(None, model_cfg, num_stages)
     memory_model = memory_model or get_memory_model(None, model_cfg, num_stages)
     t0 = time.perf_counter()
-    plan = pack(np.asarray(lengths, dtype=np.int64), method, num_stages=num_stages,
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if oversize == "split" and lengths.size and lengths.max() > _row_cap(method, model_cfg, memory_model,
+                                                                        memory_limit_bytes, num_stages, schedule_kind,
+                                                                        pack_len, round_to, virtual):
+        plan, sched, sim = plan_split(lengths, method, model_cfg=model_cfg, num_stages=num_stages,
+                                      memory_limit_bytes=memory_limit_bytes, memory_model=memory_model,
+                                      cost_model=cost_model, schedule_kind=schedule_kind, mbs=mbs, dp=dp,
+                                      pack_len=pack_len, round_to=round_to, virtual=virtual, recompute=recompute,
+                                      make_schedule=make_schedule)
+        preds = {**plan.predictions, "pred_step_s": float(sim.makespan_s), "mean_bubble": float(sim.mean_bubble),
+                 "plan_s": time.perf_counter() - t0}
+        return replace(plan, predictions=preds, meta={**plan.meta, **(meta or {}), "reorder": "none"}), sched, sim
+    plan = pack(lengths, method, num_stages=num_stages,
                 memory_limit_bytes=memory_limit_bytes, memory_model=memory_model, cost_model=cost_model,
-                mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize=oversize, virtual=virtual,
-                pack_len=pack_len, round_to=round_to, recompute=recompute)
+                mbs=mbs, schedule_kind=schedule_kind, dp=dp, oversize="error" if oversize == "split" else oversize,
+                virtual=virtual, pack_len=pack_len, round_to=round_to, recompute=recompute)
     replicas = [plan] if dp == 1 else [plan.replica(r) for r in range(dp)]
     reorder = reorder_for(method, reorder)          # "auto": the method's own order
     if reorder != "none":

@@ -1,0 +1,144 @@
+"""``oversize="split"``: plan sequences longer than any row that fits as chains of slices.
+
+Algorithm (one global batch, one pipeline replica):
+
+1. The longest row the method runs (``row_cap``): the longest admissible one-row
+   microbatch (``PackContext.length_cap``), or ``packed``'s row length. Sequences up to it
+   are packed by the method as usual (``dynmb.packing.pack``, any ``recompute`` policy).
+2. Every longer sequence is cut into ``k = ceil(L / S)`` consecutive slices of near-equal
+   length (``packed``: rows of its pack length, the last one shorter, as a packed trainer
+   cuts a document at row boundaries), each slice one single-row microbatch
+   (``Microbatch.offsets`` / ``continued``). The slice length ``S`` is chosen jointly with
+   the rest of the plan: for ``S`` in ``row_cap / {1, 2, 4, 8}`` (multiples of ``round_to``,
+   at least 128 tokens), the chains placed before or after the short sequences'
+   microbatches, and the slices recomputed or not (``recompute``: ``never`` - not;
+   ``always`` - always; ``auto`` - only when the plan does not fit otherwise), the whole
+   plan is scheduled (``make_schedule``: 1F1B or GPipe with backwards in reverse slice
+   order, a chain in flight until its last slice went forward) and simulated with the
+   memory model's slice bytes; the fastest candidate whose every stage's predicted peak
+   is within the limit wins. None fitting raises ``PackingError`` naming the longest
+   sequence and the smallest predicted peak.
+3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
+   ``slice_placement``, ``longest_fitting_length``; every token of the batch is planned.
+
+Not supported (refused with one line): data parallelism (``dp > 1``) and schedules other
+than ``gpipe`` / ``1f1b``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+import numpy as np
+
+from dynmb.config import ModelConfig
+from dynmb.packing import PackingError, pack
+from dynmb.packing.context import PackContext
+from dynmb.packing.packed import packed_row_len
+from dynmb.packing.rows import round_down, round_up
+from dynmb.simulate import SimResult, simulate
+from dynmb.types import Microbatch, Plan, Schedule
+
+__all__ = ["plan_split", "slice_lengths", "MIN_SLICE"]
+
+MIN_SLICE = 128
+"""Shortest slice length the planner tries (tokens)."""
+
+
+def slice_lengths(length: int, slice_len: int) -> list[int]:
+    """``length`` cut into ``ceil(length / slice_len)`` near-equal slices (longest first)."""
+    k = max(1, math.ceil(length / slice_len))
+    base, extra = divmod(length, k)
+    return [base + 1] * extra + [base] * (k - extra)
+
+
+def _chain(seq_id: int, pieces: list[int], round_to: int, recompute: bool) -> list[Microbatch]:
+    out, offset = [], 0
+    for j, n in enumerate(pieces):
+        out.append(Microbatch([seq_id], [n], round_up(n, round_to), 1, recompute=recompute, offsets=[offset],
+                              continued=[j < len(pieces) - 1]))
+        offset += n
+    return out
+
+
+def plan_split(lengths: np.ndarray, method: str, *, model_cfg: ModelConfig, num_stages: int, memory_limit_bytes: int,
+               memory_model: Any, cost_model: Any, schedule_kind: str = "1f1b", mbs: int | None = None, dp: int = 1,
+               pack_len: int | None = None, round_to: int = 1, virtual: int = 1, recompute: str = "never",
+               make_schedule: Callable[..., Schedule]) -> tuple[Plan, Schedule, SimResult]:
+    """Plan ``lengths`` with every sequence longer than the longest row cut into slices (module doc)."""
+    t0 = time.perf_counter()
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if dp != 1:
+        raise ValueError("oversize='split' plans one pipeline replica (dp = 1)")
+    if schedule_kind not in ("gpipe", "1f1b") or virtual != 1:
+        raise ValueError(f"oversize='split' runs on the gpipe or 1f1b schedule, not {schedule_kind!r}"
+                         f"{f' with virtual={virtual}' if virtual != 1 else ''}")
+    if lengths.size and int(lengths.max()) > model_cfg.max_seq_len:
+        raise PackingError(f"a sequence of {int(lengths.max())} tokens is longer than the model's max_seq_len "
+                           f"{model_cfg.max_seq_len} (learned positions): size them from the trace, e.g. "
+                           f"--model {model_cfg.name}:max_seq_len={int(lengths.max())}")
+    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind)
+    if method == "packed":
+        row_cap, _ = packed_row_len(ctx, model_cfg.max_seq_len, pack_len, round_to)
+    else:
+        row_cap = ctx.length_cap(model_cfg.max_seq_len, round_to)
+    if row_cap < 1:
+        raise PackingError(f"no row fits under {memory_limit_bytes} B at {num_stages} stages ({schedule_kind})")
+    long_ids = np.flatnonzero(lengths > row_cap)
+    short_ids = np.flatnonzero(lengths <= row_cap)
+    common = dict(num_stages=num_stages, memory_limit_bytes=memory_limit_bytes, memory_model=memory_model,
+                  cost_model=cost_model, mbs=mbs, schedule_kind=schedule_kind, pack_len=pack_len, round_to=round_to)
+    short_mbs: list[Microbatch] = []
+    if short_ids.size:
+        sub = pack(lengths[short_ids], method, recompute=recompute, **common)
+        short_mbs = [replace(mb, seq_ids=short_ids[mb.seq_ids]) for mb in sub.microbatches]
+    if not long_ids.size:
+        raise ValueError("internal: plan_split called without a sequence longer than the longest row")
+    if method == "packed":
+        candidates = [row_cap]
+    else:
+        candidates = sorted({max(MIN_SLICE, round_down(row_cap // f, round_to) or round_to) for f in (1, 2, 4, 8)},
+                            reverse=True)
+    rc_options = {"never": [False], "always": [True], "auto": [False, True]}[recompute]
+    best: tuple[float, Plan, Schedule, SimResult] | None = None
+    lowest: tuple[float, int] | None = None
+    for use_rc in rc_options:
+        for slice_len in candidates:
+            chains: list[Microbatch] = []
+            for sid in long_ids:
+                n = int(lengths[sid])
+                pieces = ([slice_len] * (n // slice_len) + ([n % slice_len] if n % slice_len else [])
+                          if method == "packed" else slice_lengths(n, slice_len))
+                chains += _chain(int(sid), pieces, round_to, use_rc)
+            for placement in ("first", "last"):
+                order = chains + short_mbs if placement == "first" else short_mbs + chains
+                plan = Plan(tuple(order), method, num_stages, int(memory_limit_bytes), len(lengths),
+                            schedule_kind=schedule_kind,
+                            meta={"oversize": "split", "round_to": round_to, "longest_fitting_length": row_cap,
+                                  "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
+                                  "slice_len": int(slice_len), "slice_placement": placement,
+                                  "slice_recompute": use_rc, "truncated": [], "dropped": []})
+                sched = make_schedule(plan, schedule_kind, memory_model=memory_model, cost_model=cost_model)
+                sim = simulate(sched, plan, cost_model, memory_model)
+                peak = float(np.max(sim.peak_bytes)) if sim.peak_bytes is not None else 0.0
+                if lowest is None or peak < lowest[0]:
+                    lowest = (peak, int(slice_len))
+                if peak <= memory_limit_bytes and (best is None or sim.makespan_s < best[0]):
+                    best = (sim.makespan_s, plan, sched, sim)
+        if best is not None:
+            break
+    if best is None:
+        assert lowest is not None
+        raise PackingError(
+            f"oversize='split': sequence {int(long_ids[np.argmax(lengths[long_ids])])} of "
+            f"{int(lengths[long_ids].max())} tokens does not fit sliced: the lowest predicted peak "
+            f"{int(lowest[0])} B (slices of {lowest[1]}) exceeds the limit {int(memory_limit_bytes)} B"
+            f"{'; --recompute auto keeps only block inputs and keys/values' if recompute == 'never' else ''}")
+    _, plan, sched, sim = best
+    plan = replace(plan, predictions={"pred_peak_bytes": [int(x) for x in np.ceil(sim.peak_bytes)],
+                                      "est_makespan_s": float(sim.makespan_s), "plan_s": time.perf_counter() - t0})
+    plan.validate(lengths)
+    return plan, sched, sim
