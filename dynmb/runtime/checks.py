@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dynmb.config import RunConfig
-from dynmb.model import build_stages, make_inputs
+from dynmb.model import build_stages, make_inputs, whole_documents
 from dynmb.runtime.records import MemoryRow
 from dynmb.types import Plan
 
@@ -68,12 +68,13 @@ def gather_weights(params: Mapping[str, torch.Tensor], group: dist.ProcessGroup 
 def reference_gradients(run: RunConfig, plan: Plan, tokens: Sequence[torch.Tensor],
                         weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Single-process gradients of the whole global batch (every replica's microbatches)
-    from the pre-step ``weights``, with the pipeline's loss scale (1 / real tokens)."""
+    from the pre-step ``weights``, with the pipeline's loss scale (1 / real tokens); a sliced
+    sequence runs whole, in one pass (``dynmb.model.whole_documents``)."""
     stages = build_stages(run.model, run.pipeline.num_stages, run.seed)
     for stage in stages:
         stage.load_state_dict({n: weights[n] for n, _ in stage.named_parameters()})
     total = plan.real_tokens
-    for microbatch in plan.microbatches:
+    for microbatch in whole_documents(plan):
         inputs = make_inputs(microbatch, tokens, cfg=run.model)
         x: torch.Tensor | None = None
         for stage in stages:

@@ -1,0 +1,261 @@
+"""Slices of long sequences (issue 15): prefix attention, plan invariants, schedule order,
+exact gradients against the whole document, the split planner, and real gloo runs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dynmb.prefix as prefix_mod
+from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+from dynmb.memory import MemoryModel
+from dynmb.model import build_stages, make_inputs, reference_grads, synthetic_tokens, whole_documents
+from dynmb.packing import PackingError
+from dynmb.planning import make_schedule
+from dynmb.planning.planner import plan_step
+from dynmb.prefix import PrefixStore, SliceOrderError, prefix_attention
+from dynmb.results import load_results
+from dynmb.runtime.launch import launch_job
+from dynmb.runtime.spec import JobSpec, RunSpec
+from dynmb.schedule import ScheduleError, validate
+from dynmb.types import Action, Microbatch, Plan, PlanError, Schedule
+
+TINY = ModelConfig.preset("tiny")
+
+
+# --------------------------------------------------------------------------
+# prefix attention: exact against causal SDPA over the whole sequence
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("pieces,block", [((20, 30), 64), ((7,), 1 << 20), ((), 256), ((64, 1, 33), 96)])
+def test_prefix_attention_matches_causal_sdpa(monkeypatch, pieces, block):
+    monkeypatch.setattr(prefix_mod, "KEY_BLOCK_ELEMENTS", block)
+    g = torch.Generator().manual_seed(0)
+    h, n, dh = 3, 37, 8
+    p = sum(pieces)
+    q, k, v = (torch.randn(h, p + n, dh, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, p:]
+    cuts = np.cumsum((0,) + pieces)
+    out = prefix_attention(q[:, p:], k[:, p:], v[:, p:], [k[:, a:b] for a, b in zip(cuts, cuts[1:])],
+                           [v[:, a:b] for a, b in zip(cuts, cuts[1:])])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    d_out = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), d_out), torch.autograd.grad(ref, (q, k, v), d_out)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# plan invariants
+# --------------------------------------------------------------------------
+def _sliced_plan(splits=(100, 120, 80), neighbours="padded", recompute=False) -> tuple[Plan, np.ndarray]:
+    """Sequence 0 (sum(splits) tokens) in len(splits) slices, one per microbatch, each beside
+    short sequences: in rows of their own (``padded``) or packed into the slice's row."""
+    n = len(splits)
+    lengths = np.array([sum(splits)] + [17 + 5 * i for i in range(2 * n)], dtype=np.int64)
+    mbs, off = [], 0
+    for j, s in enumerate(splits):
+        a, b = 1 + 2 * j, 2 + 2 * j
+        cont = [j < n - 1, False, False]
+        if neighbours == "padded":
+            mb = Microbatch([0, a, b], [s, lengths[a], lengths[b]], max(s, lengths[b]), 3, offsets=[off, 0, 0],
+                            continued=cont, recompute=recompute)
+        else:   # the slice shares its row with one short sequence; another row holds the other
+            mb = Microbatch([a, 0, b], [lengths[a], s, lengths[b]], max(s + lengths[a], lengths[b]), 2, row_ids=[0, 0, 1],
+                            offsets=[0, off, 0], continued=[False, j < n - 1, False], recompute=recompute)
+        mbs.append(mb)
+        off += s
+    plan = Plan(tuple(mbs), "dynamic", 2, 1 << 30, len(lengths))
+    plan.validate(lengths)
+    return plan, lengths
+
+
+def test_plan_validates_slice_chains():
+    plan, lengths = _sliced_plan()
+    assert plan.slice_groups() == {0: (0, 1, 2)}
+    assert plan.real_tokens == lengths.sum()
+    assert Plan.from_json(plan.to_json()).digest() == plan.digest()
+    mbs = list(plan.microbatches)
+    bad_gap = replace(mbs[1], offsets=np.array([101, 0, 0]))
+    with pytest.raises(PlanError, match="starts at token 101, expected 100"):
+        replace(plan, microbatches=(mbs[0], bad_gap, mbs[2])).validate(lengths)
+    with pytest.raises(PlanError, match="starts at token"):             # slices out of order
+        replace(plan, microbatches=(mbs[1], mbs[0], mbs[2])).validate(lengths)
+    bad_cont = replace(mbs[2], continued=np.array([True, False, False]))
+    with pytest.raises(PlanError, match="continued=True"):
+        replace(plan, microbatches=(mbs[0], mbs[1], bad_cont)).validate(lengths)
+    last_dropped = (mbs[0], replace(mbs[1], continued=np.zeros(3, bool)), Microbatch([5, 6], lengths[[5, 6]], 80, 2))
+    with pytest.raises(PlanError, match="differ from the global batch"):     # the last slice missing
+        replace(plan, microbatches=last_dropped).validate(lengths)
+    with pytest.raises(PlanError, match="twice"):
+        Microbatch([0, 0], [5, 5], 5, 2, offsets=[0, 5], continued=[True, False])
+
+
+def test_backward_order_reverses_each_chain():
+    plan, _ = _sliced_plan()
+    short = Microbatch([7], [3], 3, 1)
+    p = Plan(plan.microbatches + (short,), "dynamic", 2, 1 << 30, 8, meta={})
+    assert p.backward_order() == [2, 1, 0, 3]
+    assert Plan((short,), "dynamic", 2, 1 << 30, 8).backward_order() == [0]
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_schedules_run_slices_in_order_and_violations_are_refused(kind, stages):
+    rng = np.random.default_rng(stages)
+    for trial in range(20):
+        m = int(rng.integers(3, 10))
+        chain = sorted(rng.choice(m, size=int(rng.integers(2, min(m, 5) + 1)), replace=False).tolist())
+        mbs, short = [], 1
+        for i in range(m):
+            if i in chain:
+                j = chain.index(i)
+                mbs.append(Microbatch([0], [10], 10, 1, offsets=[10 * j], continued=[j < len(chain) - 1]))
+            else:
+                mbs.append(Microbatch([short], [5], 5, 1))
+                short += 1
+        plan = Plan(tuple(mbs), "dynamic", stages, 1 << 30, short)
+        plan.validate()
+        sched = make_schedule(plan, kind)          # validates: complete, deadlock-free, slice order
+        validate(sched, plan)
+    # a plain 1F1B order runs slice 0's backward first: refused
+    with pytest.raises(ScheduleError, match="reverse order"):
+        validate(make_schedule(replace(plan, microbatches=tuple(Microbatch([i], [5], 5, 1) for i in range(m)),
+                                       num_sequences=m), kind), plan)
+    with pytest.raises(ValueError, match="gpipe or 1f1b"):
+        make_schedule(plan, "interleaved", virtual=2) if stages == 4 else make_schedule(plan, "zb-h1")
+
+
+def test_forward_out_of_slice_order_is_refused():
+    plan, _ = _sliced_plan((10, 10))
+    bad = Schedule(((Action(0, "F", 1), Action(0, "F", 0), Action(0, "B", 1), Action(0, "B", 0)),), 1, 2)
+    with pytest.raises(ScheduleError, match="goes forward before"):
+        validate(bad, replace(plan, num_stages=1))
+
+
+# --------------------------------------------------------------------------
+# exact gradients in one process: every stage, slices in 2..8 microbatches
+# --------------------------------------------------------------------------
+def _run_local(plan: Plan, tokens, cfg: ModelConfig, num_stages: int, dtype, order=None):
+    """Run ``plan`` through ``num_stages`` stages in one process the way the runtime does:
+    forwards in plan order, backwards in ``order`` (default ``plan.backward_order()``), extra
+    backward roots and releases from one PrefixStore. Returns the stages."""
+    stages = build_stages(cfg, num_stages, 0, dtype=dtype)
+    store, total, saved = PrefixStore(), plan.real_tokens, []
+    for i, mb in enumerate(plan.microbatches):
+        inp = replace(make_inputs(mb, tokens, cfg=cfg), prefix=store, microbatch=i)
+        xs, x = [], None
+        for st in stages:
+            if x is not None:
+                x = x.detach().requires_grad_(True)
+            xs.append(x)
+            x = st(x, inp, recompute=mb.recompute)
+            xs.append(x)
+        saved.append(xs)
+    for i in (plan.backward_order() if order is None else order):
+        xs = saved[i]
+        grad = None
+        for s in reversed(range(num_stages)):
+            x_in, out = xs[2 * s], xs[2 * s + 1]
+            if s == num_stages - 1:
+                out, grad = out / total, None
+            roots = store.backward_roots(list(stages[s].layers), i)
+            g0 = torch.ones_like(out) if grad is None else grad
+            torch.autograd.backward([out, *(t for t, _ in roots)], [g0, *(g for _, g in roots)])
+            store.release(list(stages[s].layers), i)
+            grad = None if x_in is None else x_in.grad
+    assert len(store) == 0
+    return stages
+
+
+@pytest.mark.parametrize("splits", [(150, 150), (40, 90, 60, 10), (25,) * 8])
+@pytest.mark.parametrize("neighbours", ["padded", "packed"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sliced_document_gradients_equal_whole_document(splits, neighbours, recompute):
+    plan, lengths = _sliced_plan(splits, neighbours, recompute)
+    tokens = synthetic_tokens(lengths, TINY.vocab_size, seed=3)
+    stages = _run_local(plan, tokens, TINY, 2, torch.float32)
+    assert len(whole_documents(plan)) == len(splits) + 1
+    _, ref = reference_grads(TINY, 2, plan, tokens, 0, dtype=torch.float32)
+    for st in stages:
+        for name, p in st.named_parameters():
+            err = float((p.grad - ref[name]).abs().max())
+            assert err <= 1e-5 * float(ref[name].abs().max()) + 1e-9, (name, err)
+
+
+def test_backward_before_a_later_slice_is_refused():
+    plan, lengths = _sliced_plan((30, 30, 30))
+    tokens = synthetic_tokens(lengths, TINY.vocab_size, seed=1)
+    with pytest.raises(SliceOrderError, match="reverse"):
+        _run_local(plan, tokens, TINY, 2, torch.float32, order=[0, 1, 2])
+
+
+def test_forward_before_an_earlier_slice_is_refused():
+    plan, lengths = _sliced_plan((30, 30))
+    tokens = synthetic_tokens(lengths, TINY.vocab_size, seed=1)
+    stage = build_stages(TINY, 1, 0)[0]
+    with pytest.raises(SliceOrderError, match="forward in order"):
+        stage(None, replace(make_inputs(plan.microbatches[1], tokens, cfg=TINY), prefix=PrefixStore(), microbatch=1))
+
+
+# --------------------------------------------------------------------------
+# planning: every token planned, within the limit
+# --------------------------------------------------------------------------
+LONG_BATCH = np.array([40, 100, 2400, 70, 300, 25, 90, 150], dtype=np.int64)
+
+
+@pytest.mark.parametrize("method,stages,limit", [("dynamic", 2, "16MiB"), ("fixed", 2, "16MiB"),
+                                                 ("dynamic", 4, "12MiB"), ("packed", 4, "16MiB")])
+def test_split_plans_every_token_under_the_limit(method, stages, limit):
+    limit_bytes = parse_bytes(limit)
+    plan, sched, sim = plan_step(LONG_BATCH, method=method, model_cfg=TINY, num_stages=stages,
+                                 memory_limit_bytes=limit_bytes, oversize="split", recompute="auto")
+    plan.validate(LONG_BATCH)
+    assert plan.real_tokens == LONG_BATCH.sum()                 # every token planned
+    assert 2 in plan.slice_groups() and len(plan.slice_groups()[2]) >= 2
+    assert max(plan.predictions["pred_peak_bytes"]) <= limit_bytes
+    assert LONG_BATCH.max() >= 3.5 * plan.meta["longest_fitting_length"]
+    validate(sched, plan)
+    # the memory model charges each continued slice's keys/values (and their gradients)
+    mm = MemoryModel.analytic(TINY, stages)
+    assert (mm.slice_coef(True) == 2 * mm.slice_coef(False)).all() and (mm.slice_coef(False) > 0).all()
+
+
+def test_split_that_cannot_fit_names_the_sequence():
+    with pytest.raises(PackingError, match=r"sequence 2 of 2400 tokens does not fit sliced.*--recompute auto"):
+        plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2, memory_limit_bytes=parse_bytes("16MiB"),
+                  oversize="split", recompute="never")
+    with pytest.raises(PackingError, match="max_seq_len"):
+        plan_step(np.array([5000, 10]), method="dynamic", model_cfg=TINY, num_stages=2,
+                  memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+
+
+# --------------------------------------------------------------------------
+# real gloo runs with --verify: 2 and 4 ranks
+# --------------------------------------------------------------------------
+def _split_case(out: Path, name: str, method: str, stages: int, limit: str, trace: Path) -> RunSpec:
+    cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=stages, memory_limit_bytes=parse_bytes(limit)),
+                    dataset=str(trace), global_batch=len(LONG_BATCH), method=method, seed=0, steps=1, warmup=0,
+                    backend="gloo", device="cpu", timeout_s=90.0, oversize="split", recompute="auto")
+    return RunSpec.create(cfg, out / name, verify=True, run_id=name)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_split_runs_verify_on_gloo(tmp_path, ranks):
+    trace = tmp_path / "long.csv"
+    trace.write_text("length\n" + "\n".join(str(x) for x in LONG_BATCH) + "\n")
+    limit = "16MiB" if ranks == 2 else "12MiB"
+    cases = [_split_case(tmp_path, f"{m}-{ranks}", m, ranks, limit, trace) for m in ("dynamic", "fixed")]
+    rc = launch_job(JobSpec(out_dir=str(tmp_path.resolve()), cases=tuple(cases)), ranks, quiet=True).returncode
+    errs = list((tmp_path / "errors").glob("*.txt")) if (tmp_path / "errors").exists() else []
+    assert rc == 0, "\n".join(e.read_text() for e in errs)
+    for case in cases:
+        t = load_results(tmp_path / case.run_id)
+        assert t["steps"]["verified"].all()                      # gradients = whole documents in one pass
+        assert (t["steps"]["real_tokens"] == LONG_BATCH.sum()).all()
+        mem = t["memory"]
+        assert (mem["peak_bytes"] <= mem["limit_bytes"]).all()
