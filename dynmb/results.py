@@ -10,6 +10,11 @@ One row per observation, the columns of DESIGN.md ("Results tables"):
 ``TableWriter.append`` rewrites the whole CSV atomically (``dynmb.atomic``: a temporary
 file and ``os.replace``) after every call, so a crash keeps every finished step and a
 reader never sees half a file. Settings live in columns, never in folder names.
+
+After a job, the launcher finishes its ``runs`` rows (``set_run_status``: ``status`` running ->
+ok / failed / interrupted, ``error``) and, when it did not end well, drops the ``actions`` and
+``memory`` rows of steps that have no ``steps`` row (``drop_incomplete_steps``), so the folder
+holds only complete steps. ``select_runs`` keeps the rows of given run ids.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ import pandas as pd
 
 from dynmb.atomic import atomic_path
 
-__all__ = ["TABLES", "REQUIRED_COLUMNS", "TableWriter", "load_results", "run_info", "git_sha", "write_table"]
+__all__ = ["TABLES", "REQUIRED_COLUMNS", "RUN_STATUSES", "TableWriter", "load_results", "run_info", "git_sha",
+           "write_table", "select_runs", "set_run_status", "drop_incomplete_steps", "run_ids_in"]
+
+RUN_STATUSES = ("running", "ok", "failed", "interrupted")
+"""The ``status`` column of ``runs``: written ``running``, finished by rank 0 or the launcher."""
 
 TABLES = ("steps", "actions", "memory", "runs")
 
@@ -84,6 +93,15 @@ class TableWriter:
             raise ValueError(f"rows for table {table!r} lack the columns {missing}")
         cur = self._current(table)
         df = new if cur.empty else pd.concat([cur, new], ignore_index=True)
+        self._frames[table] = df
+        _atomic_write_csv(df, self.out_dir / f"{table}.csv")
+
+    def update(self, table: str, run_id: str, values: dict[str, Any]) -> None:
+        """Set ``values`` in the rows of ``table`` whose ``run_id`` is ``run_id`` (rewritten atomically)."""
+        df = self._current(table)
+        if df.empty or "run_id" not in df.columns:
+            return
+        df = _with_values(df, df["run_id"].astype(str) == str(run_id), values)
         self._frames[table] = df
         _atomic_write_csv(df, self.out_dir / f"{table}.csv")
 
@@ -160,3 +178,77 @@ def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: 
         "host_malloc": host_malloc,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _with_values(df: pd.DataFrame, rows: pd.Series, values: dict[str, Any]) -> pd.DataFrame:
+    df = df.copy()
+    for column, value in values.items():
+        if column not in df.columns:
+            df[column] = ""
+        df[column] = df[column].astype(object)
+        df.loc[rows, column] = value
+    return df
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    return pd.read_csv(path) if path.exists() and path.stat().st_size > 0 else pd.DataFrame()
+
+
+def run_ids_in(out_dir: str | Path) -> set[str]:
+    """The run ids of ``out_dir/runs.csv`` (empty when there is none)."""
+    runs = _read_csv(Path(out_dir) / "runs.csv")
+    return set(runs["run_id"].astype(str)) if "run_id" in runs.columns else set()
+
+
+def select_runs(tables: dict[str, pd.DataFrame], run_ids: Iterable[str]) -> dict[str, pd.DataFrame]:
+    """The rows of ``run_ids`` in every table (tables without a ``run_id`` column are kept whole)."""
+    ids = {str(r) for r in run_ids}
+    return {name: (df[df["run_id"].astype(str).isin(ids)].reset_index(drop=True) if "run_id" in df.columns else df)
+            for name, df in tables.items()}
+
+
+def set_run_status(out_dir: str | Path, run_ids: Iterable[str], status: str, error: str = "", *,
+                   keep: Iterable[str] = ("ok", "failed", "interrupted")) -> list[str]:
+    """Set ``status`` (one of ``RUN_STATUSES``) and ``error`` (one line) in the ``runs`` rows of
+    ``run_ids`` in ``out_dir``, except rows whose status is in ``keep`` (by default: only rows
+    still ``running``, or without a status); rewrites ``runs.csv`` (and its Parquet copy)
+    atomically. Returns the run ids changed."""
+    if status not in RUN_STATUSES:
+        raise ValueError(f"unknown run status {status!r}; expected one of {RUN_STATUSES}")
+    path = Path(out_dir) / "runs.csv"
+    runs = _read_csv(path)
+    if runs.empty or "run_id" not in runs.columns:
+        return []
+    rows = runs["run_id"].astype(str).isin({str(r) for r in run_ids})
+    if "status" in runs.columns:
+        rows &= ~runs["status"].astype(str).isin(set(keep))
+    if not rows.any():
+        return []
+    write_table(_with_values(runs, rows, {"status": status, "error": " ".join(str(error).split())}), path)
+    return list(runs.loc[rows, "run_id"].astype(str))
+
+
+def drop_incomplete_steps(out_dir: str | Path, run_ids: Iterable[str]) -> dict[str, list[int]]:
+    """Drop the ``actions`` and ``memory`` rows of ``run_ids`` whose step has no ``steps`` row
+    (a step stopped between its measurements and its ``steps`` row). Returns, per run id, the
+    steps that are complete."""
+    out_dir = Path(out_dir)
+    ids = {str(r) for r in run_ids}
+    steps = _read_csv(out_dir / "steps.csv")
+    complete: dict[str, set[int]] = {r: set() for r in ids}
+    if not steps.empty and {"run_id", "step"} <= set(steps.columns):
+        for rid, step in zip(steps["run_id"].astype(str), steps["step"].astype(int)):
+            if rid in complete:
+                complete[rid].add(step)
+    for table in ("actions", "memory"):
+        path = out_dir / f"{table}.csv"
+        df = _read_csv(path)
+        if df.empty or not {"run_id", "step"} <= set(df.columns):
+            continue
+        rid = df["run_id"].astype(str)
+        mine = rid.isin(ids)
+        done = pd.Series([s in complete.get(r, set()) for r, s in zip(rid, df["step"].astype(int))], index=df.index)
+        keep = ~mine | done
+        if not keep.all():
+            write_table(df[keep].reset_index(drop=True), path)
+    return {r: sorted(s) for r, s in complete.items()}

@@ -12,7 +12,9 @@ through ``results.TableWriter``, so a crash keeps every finished step):
   from the step start on the rank's clock, ``wait_s`` is the receive wait before it;
 - ``memory``: one row per stage: measured peak, the limit it was checked against, the
   planned peak, and on CUDA the allocator's ``allocated_bytes``/``reserved_bytes``;
-- ``runs``: one row per run when it starts (``run_row``: flattened config and provenance).
+- ``runs``: one row per run when it starts (``run_row``: flattened config and provenance,
+  ``status`` ``running``), finished when the run ends (``Recorder.run_finished``: ``ok``, or
+  ``failed`` with its ``error``; the launcher finishes the rows rank 0 could not).
 
 The column dictionary of every table is in the repository's ``docs/design.md``.
 """
@@ -129,7 +131,8 @@ def run_row(spec: RunSpec, *, backend: str, device: str, world_size: int) -> dic
     this worker included), verify and process count."""
     info = run_info(spec.run_id, spec.run.flat(), backend=backend, device=device, world_size=world_size,
                     host_malloc=host_malloc_mode())
-    return {**info, "verify": spec.verify, "nproc": world_size}
+    return {**info, "verify": spec.verify, "nproc": world_size, "plan": spec.plan or "",
+            "schedule_file": spec.schedule or "", "status": "running", "error": ""}
 
 
 class Recorder:
@@ -146,6 +149,10 @@ class Recorder:
     def run_started(self, spec: RunSpec, *, backend: str, device: str, world_size: int) -> None:
         self.writer(spec.out_dir).append("runs", [run_row(spec, backend=backend, device=device,
                                                            world_size=world_size)])
+
+    def run_finished(self, spec: RunSpec, status: str, error: str = "") -> None:
+        """Rewrite the run's ``runs`` row with its final ``status`` and ``error`` (one line)."""
+        self.writer(spec.out_dir).update("runs", spec.run_id, {"status": status, "error": " ".join(error.split())})
 
     def steps(self, spec: RunSpec, row: dict[str, Any]) -> None:
         self.writer(spec.out_dir).append("steps", [row])
