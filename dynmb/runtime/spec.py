@@ -8,12 +8,23 @@ before step k + 1 (what ``dynmb compare`` does). ``hooks`` names a ``StepHooks``
 import path (``"package.module:name"`` plus JSON keyword arguments); every rank builds it
 and hands it to the step runner. Tests inject faults through it; runs leave it empty.
 
+A run of a given plan (``dynmb run --plan P.json [--schedule S.csv]``) names the plan file
+(``plan``) and optionally a schedule CSV (``schedule``): every step runs that plan, with that
+schedule or the one built for the plan's ``schedule_kind``, instead of planning a new batch.
+
+``JobSpec.check()`` (``launch_job`` calls it before torchrun starts) checks what can be checked
+without torch: method, schedule kind and reorder names, the timeout, the model's cost- and
+memory-model files, the length trace, the plan and schedule files, the output folder
+(writable) and the run ids (new to their folder). It raises ``ValueError`` (``OSError`` for a
+missing file) with one line naming the problem.
+
 JSON form (``JobSpec.to_dict``): a job of one case written for that case's own folder is
 the case itself::
 
     {"run": RunConfig.to_dict(), "out_dir": ..., "run_id": ..., "label": ...,
      "verify": bool, "allow_over_limit": bool, "memory_model": path | null,
-     "calibrate": bool | null, "hooks": {"target": "mod:name", "kwargs": {...}} | null}
+     "calibrate": bool | null, "hooks": {"target": "mod:name", "kwargs": {...}} | null,
+     "plan": path | null, "schedule": path | null}
 
 any other job is ``{"out_dir": ..., "cases": [case, ...], "interleave": bool}``.
 ``JobSpec.from_dict`` reads both. The worker reads it (see ``dynmb.runtime.worker``).
@@ -22,6 +33,8 @@ any other job is ``{"out_dir": ..., "cases": [case, ...], "interleave": bool}``.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +42,19 @@ from typing import Any, Mapping
 
 from dynmb.atomic import write_text_atomic
 from dynmb.config import RunConfig
+from dynmb.costmodel import get_cost_model
+from dynmb.data import load_trace
+from dynmb.memory import get_memory_model
+from dynmb.packing import METHODS
+from dynmb.planning import REORDER_METHODS
+from dynmb.results import run_ids_in
+from dynmb.schedule import SCHEDULE_KINDS, from_csv
+from dynmb.types import Plan, Schedule
 
-__all__ = ["HookRef", "RunSpec", "JobSpec"]
+__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable"]
 
-_RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks")
+_RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
+             "plan", "schedule")
 _JOB_KEYS = ("out_dir", "cases", "interleave")
 
 
@@ -87,16 +109,23 @@ class RunSpec:
     """Add the runtime overhead measured on the warm-up steps to the cost model; None: on CPU."""
     hooks: HookRef | None = None
     """Step hooks every rank builds (tests: fault injection); None: none."""
+    plan: str | None = None
+    """A plan JSON every step runs as it is (no planning); None: plan each step's batch."""
+    schedule: str | None = None
+    """With ``plan``: a schedule CSV of that plan (replica 0's); None: built for its schedule kind."""
 
     @classmethod
     def create(cls, run: RunConfig, out_dir: str | Path, *, run_id: str | None = None, label: str | None = None,
                verify: bool = False, allow_over_limit: bool = False, memory_model: str | None = None,
-               calibrate: bool | None = None, hooks: HookRef | None = None) -> RunSpec:
-        """A spec for ``run`` writing to ``out_dir`` (made absolute); ``run_id`` defaults to
-        ``<method>-<schedule>-<8 hex digits>``."""
+               calibrate: bool | None = None, hooks: HookRef | None = None, plan: str | Path | None = None,
+               schedule: str | Path | None = None) -> RunSpec:
+        """A spec for ``run`` writing to ``out_dir`` (made absolute, as are ``plan`` and
+        ``schedule``); ``run_id`` defaults to ``<method>-<schedule>-<8 hex digits>``, new every call."""
         rid = run_id or f"{run.method}-{run.pipeline.schedule}-{uuid.uuid4().hex[:8]}"
         return cls(run=run, out_dir=str(Path(out_dir).resolve()), run_id=rid, label=label, verify=verify,
-                   allow_over_limit=allow_over_limit, memory_model=memory_model, calibrate=calibrate, hooks=hooks)
+                   allow_over_limit=allow_over_limit, memory_model=memory_model, calibrate=calibrate, hooks=hooks,
+                   plan=str(Path(plan).resolve()) if plan else None,
+                   schedule=str(Path(schedule).resolve()) if schedule else None)
 
     @property
     def display_label(self) -> str:
@@ -106,7 +135,8 @@ class RunSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run.to_dict(), "out_dir": self.out_dir, "run_id": self.run_id, "label": self.label,
                 "verify": self.verify, "allow_over_limit": self.allow_over_limit, "memory_model": self.memory_model,
-                "calibrate": self.calibrate, "hooks": self.hooks.to_dict() if self.hooks else None}
+                "calibrate": self.calibrate, "hooks": self.hooks.to_dict() if self.hooks else None,
+                "plan": self.plan, "schedule": self.schedule}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
@@ -116,7 +146,30 @@ class RunSpec:
                    run_id=str(data.get("run_id") or "run"), label=data.get("label"),
                    verify=bool(data.get("verify", False)), allow_over_limit=bool(data.get("allow_over_limit", False)),
                    memory_model=data.get("memory_model"), calibrate=data.get("calibrate"),
-                   hooks=HookRef.from_dict(hooks) if hooks else None)
+                   hooks=HookRef.from_dict(hooks) if hooks else None, plan=data.get("plan"),
+                   schedule=data.get("schedule"))
+
+    def check(self) -> None:
+        """Check what can be checked before torchrun starts (see the module docstring)."""
+        run, pipeline = self.run, self.run.pipeline
+        if run.method not in METHODS:
+            raise ValueError(f"unknown method {run.method!r}; expected one of {', '.join(METHODS)}")
+        if pipeline.schedule not in SCHEDULE_KINDS:
+            raise ValueError(f"unknown schedule {pipeline.schedule!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
+        if pipeline.reorder != "auto" and pipeline.reorder not in REORDER_METHODS:
+            raise ValueError(f"unknown reorder {pipeline.reorder!r}; expected auto or one of "
+                             f"{', '.join(REORDER_METHODS)}")
+        if not run.timeout_s > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
+        get_cost_model(run.cost_model, run.model, pipeline.num_stages)
+        get_memory_model(self.memory_model, run.model, pipeline.num_stages)
+        if self.plan is None:
+            if self.schedule is not None:
+                raise ValueError(f"schedule file {self.schedule} given without the plan it was built for")
+            load_trace(run.dataset)
+        else:
+            load_plan_files(self)
+        check_writable(self.out_dir)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +202,18 @@ class JobSpec:
         """Warm-up plus measured steps over every case."""
         return sum(c.run.warmup + c.run.steps for c in self.cases)
 
+    def check(self) -> None:
+        """Check every case (``RunSpec.check``), and that run ids are unique and new to their folder."""
+        ids = [c.run_id for c in self.cases]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"run ids repeat in one job: {sorted(i for i in set(ids) if ids.count(i) > 1)}")
+        check_writable(self.out_dir)
+        for case in self.cases:
+            case.check()
+            if case.run_id in run_ids_in(case.out_dir):
+                raise ValueError(f"run id {case.run_id!r} is already in {Path(case.out_dir) / 'runs.csv'}; "
+                                 "a run never reuses one")
+
     def to_dict(self) -> dict[str, Any]:
         if self.is_single:
             return self.cases[0].to_dict()
@@ -173,3 +238,45 @@ class JobSpec:
         except json.JSONDecodeError as e:
             raise ValueError(f"spec file {path} is not valid JSON: {e}") from None
         return cls.from_dict(data)
+
+
+def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
+    """The plan of a plan run (``Plan.load`` validates it) and its schedule, if a file gives one,
+    checked against the run: stages, limit, method, data parallelism, sequences, ranks."""
+    if spec.plan is None:
+        raise ValueError("this run plans its batches; it has no plan file")
+    run, pipeline = spec.run, spec.run.pipeline
+    plan = Plan.load(spec.plan, allow_over_limit=spec.allow_over_limit)
+    want = {"stages": (plan.num_stages, pipeline.num_stages),
+            "memory limit bytes": (int(plan.memory_limit_bytes), int(pipeline.memory_limit_bytes)),
+            "method": (plan.method, run.method), "dp": (plan.dp, run.dp),
+            "sequences (global batch)": (plan.num_sequences, run.global_batch)}
+    for what, (in_plan, in_run) in want.items():
+        if in_plan != in_run:
+            raise ValueError(f"plan {spec.plan} has {what} {in_plan}, the run {in_run}")
+    if spec.schedule is None:
+        return plan, None
+    replica = plan.replica(0) if plan.dp > 1 else plan
+    schedule = from_csv(spec.schedule, num_microbatches=replica.num_microbatches, kind=pipeline.schedule)
+    ranks = pipeline.num_stages // pipeline.virtual
+    if schedule.num_stages != plan.num_stages or schedule.num_ranks != ranks:
+        raise ValueError(f"schedule {spec.schedule} has {schedule.num_stages} stages on {schedule.num_ranks} ranks; "
+                         f"the plan {spec.plan} needs {plan.num_stages} stages on {ranks} ranks")
+    return plan, schedule
+
+
+def check_writable(folder: str | Path) -> None:
+    """Raise ``ValueError`` naming ``folder`` when results cannot be written there: the folder, or the
+    nearest existing folder above it, must take a new file. Creates nothing."""
+    path = Path(folder).resolve()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"results folder {path} cannot be made: {existing} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".dynmb-write-check-")
+    except OSError as e:
+        raise ValueError(f"results folder {path} is not writable: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)

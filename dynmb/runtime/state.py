@@ -5,7 +5,9 @@ and process groups (``dynmb.runtime.topology``), this rank's stages (``model.bui
 weights equal to the single-process model's) and Adam over their parameters, the cost and
 memory models, the length trace, the memory meter and the clock. ``plan_batch(k)`` samples
 global batch ``k`` (``data.sample_batch(trace, B, seed, k)``) and plans it with
-``planning.plan_step``: deterministic, so every rank computes the same plan.
+``planning.plan_step``: deterministic, so every rank computes the same plan. A run of a plan
+file (``RunSpec.plan``) runs that plan every step instead, with the spec's schedule file or
+the schedule built for the plan's kind, predictions from this run's cost and memory models.
 
 ``prewarm(state)`` runs one forward + backward of every distinct microbatch shape of the
 run before its first step (``RunConfig.prewarm``). ``RunState.calibrate`` adds the
@@ -14,7 +16,7 @@ per-action runtime overhead measured on the warm-up steps to the cost model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import numpy as np
@@ -25,22 +27,31 @@ from dynmb.costmodel import get_cost_model, runtime_overhead
 from dynmb.data import load_trace, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
-from dynmb.planning import plan_step
+from dynmb.planning import make_schedule, plan_step
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.interpreter import Clock
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.records import ActionRow, actions_frame
-from dynmb.runtime.spec import RunSpec
+from dynmb.runtime.spec import RunSpec, load_plan_files
 from dynmb.runtime.topology import Topology, make_process_groups
-from dynmb.simulate import SimResult
+from dynmb.simulate import SimResult, simulate
 from dynmb.types import Microbatch, Plan, Schedule
 
-__all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed"]
+__all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed", "plan_lengths"]
 
 
 def token_seed(seed: int, step: int) -> int:
     """Seed of the synthetic token ids of step ``step``."""
     return seed * 1_000_003 + step
+
+
+def plan_lengths(plan: Plan) -> np.ndarray:
+    """The global batch's sequence lengths as ``plan`` holds them (a sliced sequence: its last
+    slice's end; a dropped one: 1, never run)."""
+    lengths = np.ones(plan.num_sequences, dtype=np.int64)
+    for mb in plan.microbatches:
+        np.maximum.at(lengths, mb.seq_ids, mb.offsets + mb.lengths)
+    return lengths
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,8 @@ class RunState:
         self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)
         self.cost_model = get_cost_model(run.cost_model, run.model, num_stages)
         self.memory_model = get_memory_model(spec.memory_model, run.model, num_stages)
-        self.trace = load_trace(run.dataset)
+        self.fixed = load_plan_files(spec) if spec.plan else None   # (plan, schedule file or None)
+        self.trace = load_trace(run.dataset) if self.fixed is None else None
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)
         self.clock = Clock(device)
         self.warmup_actions: list[ActionRow] = []       # every rank's warm-up actions, for calibrate
@@ -86,6 +98,9 @@ class RunState:
     def plan_batch(self, step: int) -> PlannedBatch:
         """Global batch ``step`` and its plan: deterministic, the same on every rank."""
         run, pipeline = self.run, self.run.pipeline
+        if self.fixed is not None:
+            return self._plan_file_batch()
+        assert self.trace is not None
         lengths = sample_batch(self.trace, run.global_batch, run.seed, step=step)
         plan, schedule, sim = plan_step(
             lengths, method=run.method, model_cfg=run.model, num_stages=pipeline.num_stages,
@@ -94,6 +109,25 @@ class RunState:
             cost_model=self.cost_model, memory_model=self.memory_model, oversize=run.oversize,
             pack_len=run.pack_len, round_to=run.round_to, recompute=run.recompute)
         return PlannedBatch(lengths, plan, schedule, sim)
+
+    def _plan_file_batch(self) -> PlannedBatch:
+        """The plan file's plan, replica 0's schedule, and predictions of this run's models (the
+        slowest replica's step, every stage's highest peak)."""
+        assert self.fixed is not None
+        plan, schedule = self.fixed
+        pipeline = self.run.pipeline
+        replicas = [plan.replica(r) for r in range(plan.dp)] if plan.dp > 1 else [plan]
+        scheds = [schedule if r == 0 and schedule is not None else
+                  make_schedule(p, pipeline.schedule, virtual=pipeline.virtual, memory_model=self.memory_model,
+                                cost_model=self.cost_model) for r, p in enumerate(replicas)]
+        sims = [simulate(s, p, self.cost_model, self.memory_model) for s, p in zip(scheds, replicas)]
+        worst = max(sims, key=lambda sim: sim.makespan_s)
+        peaks = [int(x) for x in np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0)] \
+            if sims[0].peak_bytes is not None else list(plan.predictions.get("pred_peak_bytes", []))
+        plan = replace(plan, predictions={**plan.predictions, "pred_step_s": float(worst.makespan_s),
+                                          "mean_bubble": float(worst.mean_bubble), "pred_peak_bytes": peaks,
+                                          "plan_s": 0.0})
+        return PlannedBatch(plan_lengths(plan), plan, scheds[0], sims[0])
 
     def note_shapes(self, plan: Plan) -> tuple[int, int]:
         """``(distinct, new)`` microbatch shapes of ``plan``; remembers them as seen."""
