@@ -34,8 +34,15 @@ once. Then every step ``k`` (warm-up steps first, logged with ``warmup=True``):
    cost model (``RunState.calibrate``); the cyclic garbage collector runs between steps
    only (frozen after set-up, off inside a step).
 
-Any exception writes ``out_dir/errors/rank<k>.txt`` (rank, host, error, traceback) and
-exits with status 1, so torchrun tears the other ranks down.
+At the end of each run rank 0 rewrites its ``runs`` row with ``status`` ``ok``, or
+``failed`` and the error when the run raised on rank 0. Any exception writes
+``out_dir/errors/rank<k>.txt`` (rank, host, error, traceback) and exits with status 1, so
+torchrun tears the other ranks down.
+
+A worker never outlives its torchrun agent (``exit_with_parent``): on Linux the kernel sends
+it SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and a watchdog thread polls
+the parent pid everywhere, so killing the launcher (``dynmb run``, which starts torchrun the
+same way) leaves no rank training on.
 """
 
 from __future__ import annotations
@@ -43,8 +50,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -57,13 +67,30 @@ from dynmb.atomic import write_text_atomic
 from dynmb.runtime.checks import PlanDivergenceError, StepCheckError
 from dynmb.runtime.hooks import StepHooks, load_hooks
 from dynmb.runtime.hostmem import prefault, retain_freed_memory
-from dynmb.runtime.launch import PROGRESS
+from dynmb.runtime.launch import PROGRESS, set_parent_death_signal
 from dynmb.runtime.records import Recorder, StepReport, step_row
 from dynmb.runtime.spec import JobSpec, RunSpec
 from dynmb.runtime.state import RunState, prewarm
 from dynmb.runtime.step import run_step
 
-__all__ = ["main", "run_spec", "run_cases", "PlanDivergenceError", "StepCheckError"]
+__all__ = ["main", "run_spec", "run_cases", "exit_with_parent", "PlanDivergenceError", "StepCheckError"]
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process when its parent (the torchrun agent) dies: ``PR_SET_PDEATHSIG`` on
+    Linux, and a daemon thread that polls ``os.getppid()`` and exits when it changes."""
+    parent = os.getppid()
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)                          # the parent died before the kernel was told
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="dynmb-parent-watchdog", daemon=True).start()
 
 
 def _open_run(spec: RunSpec, device: torch.device, recorder: Recorder, hooks: StepHooks | None) -> RunState:
@@ -102,6 +129,16 @@ def _step(state: RunState, step: int, recorder: Recorder) -> None:
         if step == run.warmup - 1:
             state.calibrate()
     gc.collect()
+
+
+def _finish(states: list[RunState], recorder: Recorder, status: str, error: str = "") -> None:
+    """Rank 0: the final ``status`` (and ``error``) of the runs' ``runs`` rows."""
+    for state in states:
+        if state.rank == 0:
+            try:
+                recorder.run_finished(state.spec, status, error)
+            except Exception:  # noqa: BLE001 - the run's own error matters more; the launcher marks it
+                pass
 
 
 def _close(states: list[RunState], recorder: Recorder, device: torch.device) -> None:
@@ -156,6 +193,10 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
                     state = states[(i + step) % len(states)]
                     if step < state.run.warmup + state.run.steps:
                         _step(state, step, recorder)
+            _finish(states, recorder, "ok")
+        except BaseException as e:
+            _finish(states, recorder, "failed", f"{type(e).__name__}: {e}")
+            raise
         finally:
             _close(states, recorder, device)
 
@@ -192,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="spec JSON written by `dynmb run` (launch.launch_job)")
     args = parser.parse_args(argv)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    if "TORCHELASTIC_RUN_ID" in os.environ:    # started by torchrun's agent (not in-process by a test)
+        exit_with_parent()
     out_dir = Path(args.spec).resolve().parent
     try:
         job = JobSpec.load(args.spec)
