@@ -11,6 +11,8 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
 - ``Planner(model=, num_stages=, memory_limit=, ...).plan(lengths, method=, reorder=)``
   -> ``PlannedStep(plan, schedule, sim)``; ``simulate(schedule, plan, cost_model, memory_model)``;
 - ``DynamicBatchSampler``: the planner inside your own DataLoader;
+- ``run(config_or_configs, out=) -> RunResult(returncode, tables, failures)``: real runs
+  through torchrun, as ``dynmb run`` launches them;
 - ``load_results(dir)``, ``summarise(tables, by=)``: the tidy tables of runs;
 - the core types ``Microbatch``, ``Plan``, ``Action``, ``Schedule`` and configs
   ``ModelConfig``, ``PipelineConfig``, ``RunConfig``; the model Protocols ``CostModelLike``,
@@ -35,9 +37,16 @@ def __getattr__(name: str) -> object:
         from .planning.sampler import DynamicBatchSampler
 
         return DynamicBatchSampler
+    # ``run`` / ``RunResult`` bring the launcher and the results loader; loaded on first use like
+    # the sampler, so that ``import dynmb`` stays light (dynmb.runtime.api imports no torch).
+    if name in ("run", "RunResult"):
+        from .runtime import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'dynmb' has no attribute {name!r}")
 
 __all__ = [
     "Planner", "PlannedStep", "simulate", "SimResult", "DynamicBatchSampler", "load_results", "summarise",
+    "run", "RunResult",
     "Microbatch", "Plan", "Action", "Schedule", "ModelConfig", "PipelineConfig", "RunConfig", "model_config",
 ]

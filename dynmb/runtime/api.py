@@ -1,0 +1,99 @@
+"""Real runs from Python: ``dynmb.run(config_or_configs, out=...) -> RunResult``.
+
+``run`` launches torchrun as ``dynmb run`` does (``launch.launch_job``: the same checks before
+it starts, the same worker, stopping on SIGINT/SIGTERM from the main thread) and returns the
+exit code, this run's tables and the failure lines::
+
+    import dynmb
+    cfg = dynmb.RunConfig(model=dynmb.model_config("tiny"), global_batch=8, steps=2)
+    result = dynmb.run(cfg, out="results/try")       # or a list of configs: one torchrun job
+    result.returncode, result.failures
+    result.tables["steps"]                           # only the rows of this call's run ids
+
+Several configs run as the cases of one torchrun job, one after another (start-up paid
+once); they need the same rank count. Every call gets new run ids, so a folder that already
+holds results keeps them and ``tables`` holds this call's rows only (``results.select_runs``).
+``run_job`` is the same for a prepared ``JobSpec`` (what ``dynmb run`` uses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+from dynmb.config import RunConfig
+from dynmb.results import TABLES, load_results, select_runs
+from dynmb.runtime.launch import LaunchResult, launch_job
+from dynmb.runtime.spec import JobSpec, RunSpec
+
+__all__ = ["RunResult", "run", "run_job"]
+
+
+@dataclass
+class RunResult:
+    """What a run (or a job of runs) produced."""
+
+    returncode: int
+    """0 on success; 130 / 143 when SIGINT / SIGTERM stopped it; else torchrun's (or 124: the guard)."""
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    """``steps``, ``actions``, ``memory``, ``runs`` (``dynmb.load_results``), rows of ``run_ids`` only."""
+    failures: tuple[str, ...] = ()
+    """One line per failed rank (or the interruption), empty on success."""
+    run_ids: tuple[str, ...] = ()
+    """The run ids of this call's runs, in case order."""
+    launch: LaunchResult = field(default_factory=lambda: LaunchResult(0))
+    """The launcher's own result (signal, stopped workers, complete steps)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def _tables(out_dirs: Sequence[str], run_ids: Sequence[str]) -> dict[str, pd.DataFrame]:
+    loaded = [load_results(d) for d in dict.fromkeys(out_dirs) if Path(d).exists()]
+    merged = {t: pd.concat([x[t] for x in loaded if not x[t].empty], ignore_index=True)
+              if any(not x[t].empty for x in loaded) else pd.DataFrame() for t in TABLES}
+    return select_runs(merged, run_ids)
+
+
+def run_job(job: JobSpec, nproc: int, *, quiet: bool = False, progress: bool = False,
+            guard_s: float | None = None) -> RunResult:
+    """``launch_job(job, nproc)`` and the tables of the job's runs."""
+    launched = launch_job(job, nproc, guard_s=guard_s, quiet=quiet, progress=progress)
+    ids = tuple(c.run_id for c in job.cases)
+    return RunResult(launched.returncode, _tables([c.out_dir for c in job.cases], ids), launched.failures, ids,
+                     launched)
+
+
+def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], out: str | Path, *,
+        nproc: int | None = None, verify: bool = False, allow_over_limit: bool = False,
+        memory_model: str | None = None, labels: Sequence[str] | None = None, quiet: bool = True,
+        progress: bool = False, guard_s: float | None = None) -> RunResult:
+    """Run one ``RunConfig`` (or several, as the cases of one torchrun job) into ``out``.
+
+    ``RunSpec`` items are taken as they are (their own folder and run id, which must be new);
+    ``RunConfig`` items get a new run id, ``verify``, ``allow_over_limit``, ``memory_model`` and
+    their label from ``labels`` (default: the method). ``nproc`` defaults to the first case's
+    ranks (stages x dp / virtual). ``quiet``: do not stream the workers' output; ``progress``:
+    a progress bar. Bad inputs raise ``ValueError``/``OSError`` before torchrun starts."""
+    items = [config_or_configs] if isinstance(config_or_configs, (RunConfig, RunSpec)) else list(config_or_configs)
+    if not items:
+        raise ValueError("dynmb.run: no config to run")
+    if labels is not None and len(labels) != len(items):
+        raise ValueError(f"dynmb.run: {len(labels)} labels for {len(items)} configs")
+    specs = []
+    for i, item in enumerate(items):
+        if isinstance(item, RunSpec):
+            specs.append(item)
+        elif isinstance(item, RunConfig):
+            specs.append(RunSpec.create(item, out, label=labels[i] if labels is not None else None, verify=verify,
+                                        allow_over_limit=allow_over_limit, memory_model=memory_model))
+        else:
+            raise TypeError(f"dynmb.run: expected RunConfig or RunSpec, got {type(item).__name__}")
+    job = JobSpec(out_dir=str(Path(out).resolve()), cases=tuple(specs))
+    first = specs[0].run
+    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=quiet, progress=progress,
+                   guard_s=guard_s)
