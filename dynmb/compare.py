@@ -49,8 +49,9 @@ from dynmb.memory import get_memory_model
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
 from dynmb.plots import compare_throughput, gantt
 from dynmb.results import load_results, write_table
-from dynmb.runtime.launch import default_backend_device, launch_job
-from dynmb.runtime.spec import JobSpec, RunSpec
+from dynmb.packing import METHODS
+from dynmb.runtime.launch import LaunchResult, default_backend_device, launch_job
+from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 
 __all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "prepare_compare", "run_compare_job",
            "fixed_candidates", "display_summary", "format_summary", "COLUMNS", "FIXED_SIZE_METHODS"]
@@ -159,7 +160,8 @@ class CompareResult:
     """What a comparison produced."""
 
     returncode: int
-    """0: every case ran (a peak over the limit is in ``over_limit``, not here)."""
+    """0: every case ran (a peak over the limit is in ``over_limit``, not here); 130 / 143:
+    stopped by SIGINT / SIGTERM (``launch.interrupted``)."""
     failures: tuple[str, ...] = ()
     """The launcher's lines on the failed ranks."""
     wall_s: float = 0.0
@@ -167,6 +169,8 @@ class CompareResult:
     """``display_summary``'s table (case names in the index)."""
     files: list[str] = field(default_factory=list)
     """The PNG files written next to the tables."""
+    launch: LaunchResult | None = None
+    """The launcher's result (signal, stopped workers, complete steps)."""
 
     @property
     def over_limit(self) -> list[str]:
@@ -203,7 +207,13 @@ def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
 
 
 def prepare_compare(settings: CompareSettings) -> CompareJob:
-    """Resolve ``settings``, create the output folder and plan the cases (see the module docstring)."""
+    """Resolve ``settings``, create the output folder and plan the cases (see the module docstring).
+    Unknown methods and an unwritable folder are refused first (``ValueError``, one line); the
+    launcher checks the rest before torchrun starts."""
+    unknown = [m for m in settings.methods if m not in METHODS]
+    if unknown or not settings.methods:
+        raise ValueError(f"unknown method(s) {unknown or '(none given)'}; expected some of {', '.join(METHODS)}")
+    check_writable(settings.out)
     settings = settings.resolved()
     device = settings.device or "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
@@ -258,7 +268,7 @@ def run_compare_job(job: CompareJob, *, quiet: bool = True, progress: bool = Tru
     launched = launch_job(job.job_spec(), job.nproc, quiet=quiet, progress=progress)
     wall_s = time.perf_counter() - t0
     if not launched.ok:
-        return CompareResult(launched.returncode, launched.failures, wall_s)
+        return CompareResult(launched.returncode, launched.failures, wall_s, launch=launched)
     tables = load_results(out)
     ids = {c.spec.run_id for c in job.cases}
     tables = {k: (v[v["run_id"].isin(ids)] if "run_id" in v.columns else v) for k, v in tables.items()}
@@ -271,7 +281,7 @@ def run_compare_job(job: CompareJob, *, quiet: bool = True, progress: bool = Tru
     for method in ("fixed", "dynamic"):
         if method in settings.methods:
             files += [Path(p).name for p in _gantts(job, tables["steps"], tables["actions"], method)]
-    return CompareResult(0, (), wall_s, summary, files)
+    return CompareResult(0, (), wall_s, summary, files, launch=launched)
 
 
 def display_summary(summary: pd.DataFrame, labels: list[str]) -> pd.DataFrame:

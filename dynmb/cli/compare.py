@@ -9,6 +9,7 @@ import sys
 
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
                              add_shape_flags)
+from dynmb.cli.run import stop_line
 from dynmb.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
 
 __all__ = ["add_parser", "run", "settings_from_args"]
@@ -83,9 +84,16 @@ def _header(job: CompareJob) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    job = prepare_compare(settings_from_args(args))
+    try:
+        job = prepare_compare(settings_from_args(args))
+    except KeyboardInterrupt:
+        print("dynmb compare: interrupted before torchrun started", file=sys.stderr)
+        return 130
     print(_header(job), file=sys.stderr)
     result = run_compare_job(job, quiet=not args.verbose, progress=True)
+    if result.launch is not None and result.launch.interrupted:
+        print(stop_line("compare", result.launch), file=sys.stderr, flush=True)
+        return result.returncode
     if result.returncode != 0:
         for line in result.failures:
             print(f"dynmb compare: {line}", file=sys.stderr)

@@ -1,18 +1,42 @@
 """``dynmb run``: one run on a real torch.distributed pipeline, launched through torchrun
-(``dynmb.runtime.launch``); prints a one-line summary of its measured steps."""
+(``dynmb.runtime.launch``); prints a one-line summary of this run's measured steps.
+
+Two ways to say what runs: the data and packing flags (every step plans a new global batch),
+or ``--plan P.json [--schedule S.csv]`` (every step runs exactly that plan, ``--steps``
+repetitions, no re-planning; model, stages, limit, method, dp and global batch come from the
+plan, a conflicting flag is refused, and a schedule whose sidecar names another plan is
+refused before anything starts). Everything checkable without torch is checked before the
+torch import and torchrun (``JobSpec.check``): a typo costs one line and exit 2, and writes
+nothing. Ctrl-C / SIGTERM stop torchrun and its workers (exit 130 / 143, one line saying
+which steps the tables hold).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import signal
+import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-import pandas as pd
+from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags
+from dynmb.cli.schedule import check_schedule_plan, sidecar_path
+from dynmb.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
+from dynmb.runtime.api import run_job
+from dynmb.runtime.launch import LaunchResult, default_backend_device
+from dynmb.runtime.spec import JobSpec, RunSpec
+from dynmb.schedule import SCHEDULE_KINDS
+from dynmb.types import Plan
 
-from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, model_from_args
-from dynmb.config import PipelineConfig, RunConfig, parse_bytes
-from dynmb.runtime.launch import default_backend_device, launch
+__all__ = ["add_parser", "run", "run_summary", "run_config", "stop_line", "DEFAULTS"]
 
-__all__ = ["add_parser", "run", "run_summary"]
+DEFAULTS: dict[str, Any] = dict(stages=2, memory_limit="1GiB", method="dynamic", dp=1, schedule="1f1b",
+                                global_batch=64, seed=0, round_to=1, oversize="error", recompute="never",
+                                reorder="none", model="small", virtual=1)
+"""The defaults of the flags whose parser default is None (None: not given, so a ``--plan``
+run can tell a flag that conflicts with the plan from one left alone)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
@@ -20,14 +44,21 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_data_flags(parser)
     add_packing_flags(parser)
     add_model_flags(parser)
-    parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) = stages x dp / virtual (default 2)")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b)")
-    parser.add_argument("--virtual", type=int, default=1, help="model chunks per rank for interleaved (default 1)")
-    parser.add_argument("--reorder", default="none", help="microbatch reordering (default none)")
+    parser.add_argument("--plan", default=None,
+                        help="run exactly this plan JSON (`dynmb plan` / `dynmb schedule`) every step, without "
+                             "re-planning; model, stages, limit, method, dp and global batch come from the plan")
+    parser.add_argument("--nproc", type=int, default=None, help="processes (ranks); default stages x dp / virtual")
+    parser.add_argument("--schedule", default=None,
+                        help="schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b); with "
+                             "--plan also a schedule CSV built for that plan (`dynmb schedule`)")
+    parser.add_argument("--virtual", type=int, default=None, help="model chunks per rank for interleaved (default 1)")
+    parser.add_argument("--reorder", default=None, help="microbatch reordering (default none)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps (default 1)")
-    parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--backend", default=None, choices=["gloo", "nccl"],
+                        help="gloo or nccl (default: nccl with CUDA, else gloo)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="process-group / P2P timeout in seconds (default 120)")
     parser.add_argument("--verify", action="store_true",
@@ -35,37 +66,177 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--allow-over-limit", action="store_true",
                         help="report a measured peak over the limit instead of failing")
     add_run_shape_flags(parser)
-    parser.add_argument("--out", required=True, help="results folder (tables steps/actions/memory/runs)")
-    parser.set_defaults(func=run)
+    parser.add_argument("--out", required=True,
+                        help="results folder (tables steps/actions/memory/runs); a folder holding results gets "
+                             "this run's rows added under a new run_id")
+    # None = not given (see DEFAULTS); the help texts above state the defaults
+    parser.set_defaults(func=run, **{k: None for k in DEFAULTS if k not in ("schedule", "virtual", "reorder")},
+                        schedule_kind=None)
 
 
-def run_config(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig of the flags (``--schedule``, else ``--schedule-kind``)."""
-    backend, device = default_backend_device()
-    kind = args.schedule if args.schedule != "1f1b" else args.schedule_kind
+def _arg(args: argparse.Namespace, name: str) -> Any:
+    value = getattr(args, name, None)
+    return DEFAULTS[name] if value is None else value
+
+
+def _schedule_kind(args: argparse.Namespace) -> str:
+    """``--schedule`` (a kind), else ``--schedule-kind``, else 1f1b."""
+    if args.schedule is not None:
+        return args.schedule
+    return args.schedule_kind or DEFAULTS["schedule"]
+
+
+def _flag_backend_device(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The backend and device the flags give (None when neither ``--device`` nor ``--backend``)."""
+    if args.device is not None:
+        return args.backend or ("nccl" if args.device == "cuda" else "gloo"), args.device
+    if args.backend is not None:
+        return args.backend, "cuda" if args.backend == "nccl" else "cpu"
+    return None
+
+
+def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "cpu") -> RunConfig:
+    """The RunConfig of the flags (a run that plans every step)."""
+    if args.schedule is not None and args.schedule not in SCHEDULE_KINDS and (
+            args.schedule.endswith(".csv") or Path(args.schedule).exists()):
+        raise ValueError(f"--schedule {args.schedule} is a schedule file: it runs only with the plan it was built "
+                         "for (--plan)")
     return RunConfig(
-        model=model_from_args(args),
-        pipeline=PipelineConfig(num_stages=args.stages, virtual=args.virtual, schedule=kind, reorder=args.reorder,
-                                memory_limit_bytes=parse_bytes(args.memory_limit)),
-        dataset=args.lengths or args.dataset or "sharegpt", global_batch=args.global_batch, method=args.method,
-        mbs=args.mbs, dp=args.dp, seed=args.seed, steps=args.steps, warmup=args.warmup,
-        backend=args.backend or backend, device=args.device or device, cost_model=args.cost_model,
-        timeout_s=args.timeout, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments, recompute=args.recompute)
+        model=model_config(_arg(args, "model"), attention=args.attention),
+        pipeline=PipelineConfig(num_stages=_arg(args, "stages"), virtual=_arg(args, "virtual"),
+                                schedule=_schedule_kind(args), reorder=_arg(args, "reorder"),
+                                memory_limit_bytes=parse_bytes(_arg(args, "memory_limit"))),
+        dataset=args.lengths or args.dataset or "sharegpt", global_batch=_arg(args, "global_batch"),
+        method=_arg(args, "method"), mbs=args.mbs, dp=_arg(args, "dp"), seed=_arg(args, "seed"), steps=args.steps,
+        warmup=args.warmup, backend=backend, device=device, cost_model=args.cost_model, timeout_s=args.timeout,
+        oversize=_arg(args, "oversize"), pack_len=args.pack_len, round_to=_arg(args, "round_to"),
+        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments,
+        recompute=_arg(args, "recompute"))
 
 
-def run_summary(out: Path) -> str:
-    """One line on the measured steps in ``out``: median step, predicted, tokens/s, bubble."""
+def _plan_model(plan: Plan, args: argparse.Namespace) -> ModelConfig:
+    """The plan's model (``meta["model"]``: a model spec or every field), else the flags'."""
+    recorded = plan.meta.get("model")
+    if isinstance(recorded, dict):
+        model = ModelConfig.from_dict(recorded)
+        return replace(model, attention=args.attention) if args.attention else model
+    return model_config(str(recorded) if recorded else _arg(args, "model"), attention=args.attention)
+
+
+def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, kind: str,
+                      sidecar: dict[str, Any]) -> None:
+    """One ``ValueError`` line for the first flag given that says otherwise than the plan."""
+    meta = plan.meta
+    recorded: list[tuple[str, Any, Any]] = [
+        ("model", args.model and model_config(args.model, attention=args.attention), model),
+        ("stages", args.stages, plan.num_stages),
+        ("memory-limit", args.memory_limit and parse_bytes(args.memory_limit), int(plan.memory_limit_bytes)),
+        ("method", args.method, plan.method), ("dp", args.dp, plan.dp),
+        ("global-batch", args.global_batch, plan.num_sequences),
+        ("schedule", args.schedule if args.schedule in SCHEDULE_KINDS else args.schedule_kind, kind),
+        ("virtual", args.virtual, sidecar.get("virtual")),
+        ("dataset", args.dataset or args.lengths, meta.get("dataset")), ("seed", args.seed, meta.get("seed")),
+        ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, meta.get("pack_len")),
+        ("round-to", args.round_to, meta.get("round_to")),
+    ]
+    for flag, given, in_plan in recorded:
+        if given is not None and in_plan is not None and given != in_plan:
+            shown = getattr(args, flag.replace("-", "_"), given) if flag != "schedule" else given
+            theirs = in_plan.name if isinstance(in_plan, ModelConfig) else in_plan
+            raise ValueError(f"--{flag} {shown} conflicts with the plan {args.plan}, which has {flag} {theirs}; "
+                             "leave the flag out to run the plan as it is")
+    for flag in ("oversize", "recompute", "reorder"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} plans a batch; --plan {args.plan} runs that plan as it is")
+
+
+def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "cpu") -> tuple[RunConfig, str | None]:
+    """The RunConfig of ``--plan`` (and ``--schedule`` CSV) runs, and the schedule file. Refuses a
+    schedule built for another plan (``check_schedule_plan``) and flags that conflict with the plan."""
+    plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
+    schedule_file = args.schedule if args.schedule is not None and args.schedule not in SCHEDULE_KINDS else None
+    sidecar: dict[str, Any] = {}
+    if schedule_file is not None:
+        if not Path(schedule_file).is_file():
+            raise ValueError(f"--schedule {schedule_file}: neither a schedule kind ({', '.join(SCHEDULE_KINDS)}) "
+                             "nor a schedule file")
+        check_schedule_plan(plan, args.plan, schedule_file)
+        meta_path = sidecar_path(schedule_file)
+        sidecar = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    kind = str(sidecar.get("kind") or plan.schedule_kind)
+    model = _plan_model(plan, args)
+    _refuse_conflicts(args, plan, model, kind, sidecar)
+    meta = plan.meta
+    virtual = int(sidecar.get("virtual") or args.virtual or 1)
+    cfg = RunConfig(
+        model=model,
+        pipeline=PipelineConfig(num_stages=plan.num_stages, virtual=virtual, schedule=kind,
+                                reorder=str(sidecar.get("reorder") or meta.get("reorder") or "none"),
+                                memory_limit_bytes=int(plan.memory_limit_bytes)),
+        dataset=str(meta.get("dataset") or Path(args.plan).resolve()), global_batch=plan.num_sequences,
+        method=plan.method, mbs=meta.get("mbs"), dp=plan.dp, seed=int(meta.get("seed") or 0), steps=args.steps,
+        warmup=args.warmup, backend=backend, device=device, cost_model=args.cost_model, timeout_s=args.timeout,
+        pack_len=meta.get("pack_len"), round_to=int(meta.get("round_to") or 1), prewarm=args.prewarm,
+        expandable_segments=not args.no_expandable_segments)
+    return cfg, schedule_file
+
+
+def _spec(args: argparse.Namespace, backend: str, device: str, run_id: str | None = None) -> RunSpec:
+    if args.plan is not None:
+        cfg, schedule_file = plan_run_config(args, backend, device)
+    else:
+        cfg, schedule_file = run_config(args, backend, device), None
+    return RunSpec.create(cfg, args.out, run_id=run_id, verify=args.verify, allow_over_limit=args.allow_over_limit,
+                          memory_model=args.memory_model, plan=args.plan, schedule=schedule_file)
+
+
+def _steps_text(steps: tuple[int, ...]) -> str:
+    if not steps:
+        return "no complete step"
+    if list(steps) == list(range(steps[0], steps[-1] + 1)):
+        return f"steps {steps[0]}-{steps[-1]} complete" if len(steps) > 1 else f"step {steps[0]} complete"
+    return f"steps {', '.join(map(str, steps))} complete"
+
+
+def stop_line(verb: str, launched: LaunchResult) -> str:
+    """The one line of an interrupted job: what was stopped and which steps the tables hold."""
+    done = launched.complete_steps
+    held = "; ".join(f"{rid}: {_steps_text(steps)}" for rid, steps in done.items()) if len(done) > 1 \
+        else _steps_text(next(iter(done.values()), ()))
+    name = signal.Signals(launched.signal).name if launched.signal is not None else "a signal"
+    return (f"dynmb {verb}: interrupted ({name}), stopped torchrun and {launched.stopped_workers} workers; "
+            f"tables hold {held}")
+
+
+def run_summary(out: Path, run_id: str | None = None) -> str:
+    """One line on the measured steps of ``run_id`` (default: every run) in ``out``: median
+    step, predicted, tokens/s, bubble."""
+    import pandas as pd
+
     steps = pd.read_csv(out / "steps.csv")
-    steps = steps[~steps["warmup"]] if "warmup" in steps else steps
-    return (f"dynmb run: ok, {len(steps)} measured steps, median step {steps['step_s'].median():.3f} s "
+    if run_id is not None:
+        steps = steps[steps["run_id"].astype(str) == run_id]
+    steps = steps[~steps["warmup"].astype(bool)] if "warmup" in steps else steps
+    tag = f"run {run_id}, " if run_id is not None else ""
+    return (f"dynmb run: ok, {tag}{len(steps)} measured steps, median step {steps['step_s'].median():.3f} s "
             f"(predicted {steps['pred_step_s'].median():.3f} s), {steps['tokens_per_s'].median():.0f} tokens/s, "
             f"mean bubble {steps['mean_bubble'].median():.2f}; tables in {out}")
 
 
 def run(args: argparse.Namespace) -> int:
-    returncode = launch(run_config(args), args.out, args.nproc, verify=args.verify, memory_model=args.memory_model,
-                        allow_over_limit=args.allow_over_limit)
-    if returncode == 0:
-        print(run_summary(Path(args.out)), flush=True)
-    return returncode
+    try:
+        # every check that needs no torch first (JobSpec.check; gloo/cpu stand in for the default
+        # device, which torch (~4 s to import) decides): a typo costs no torch import
+        given = _flag_backend_device(args)
+        JobSpec.single(_spec(args, *(given or ("gloo", "cpu")))).check()
+        spec = _spec(args, *(given or default_backend_device()))
+    except KeyboardInterrupt:
+        print("dynmb run: interrupted before torchrun started", file=sys.stderr)
+        return 130
+    nproc = args.nproc or spec.run.pipeline.num_ranks * spec.run.dp
+    result = run_job(JobSpec.single(spec), nproc)
+    if result.launch.interrupted:
+        print(stop_line("run", result.launch), file=sys.stderr, flush=True)
+    elif result.returncode == 0:
+        print(run_summary(Path(spec.out_dir), spec.run_id), flush=True)
+    return result.returncode
