@@ -191,3 +191,38 @@ def test_simulate_takes_a_plan_over_its_limit_only_when_allowed(tmp_path, capsys
     assert main(argv) == 2
     assert "over.json" in _one_error_line(capsys)
     assert main([*argv, "--allow-over-limit"]) == 0
+
+
+RUN = ["run", "--model", "tiny", "--global-batch", "4", "--steps", "1", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("argv, word", [
+    ([*RUN, "--method", "dynamc"], "dynamc"),
+    ([*RUN, "--schedule", "1f1bb"], "1f1bb"),
+    ([*RUN, "--timeout", "-1"], "timeout"),
+    ([*RUN, "--timeout", "0"], "timeout"),
+    ([*RUN, "--cost-model", "{d}/nosuch.json"], "nosuch.json"),
+    ([*RUN, "--memory-model", "{d}/nosuch.json"], "nosuch.json"),
+    ([*RUN, "--reorder", "nosuch"], "nosuch"),
+    ([*RUN, "--dataset", "nosuch"], "nosuch"),
+    ([*RUN, "--lengths", "{d}/nosuch.csv"], "nosuch.csv"),
+    ([*RUN, "--plan", "{d}/nosuch.json"], "nosuch.json"),
+    (["compare", "--model", "tiny", "--methods", "fixed,dynamc"], "dynamc"),
+    (["compare", "--model", "tiny", "--device", "cpu", "--cost-model", "{d}/nosuch.json"], "nosuch.json"),
+])
+def test_a_typo_in_run_or_compare_is_one_line_before_torchrun_and_writes_no_runs_row(tmp_path, capsys, argv, word):
+    """Checked before torchrun starts (issue 13: was 6-37 s and a torchrun traceback later, with a
+    ``runs`` row for a run that never ran)."""
+    from dynmb.cli import main
+    out = tmp_path / "out"
+    assert main([a.format(d=tmp_path) for a in argv] + ["--out", str(out)]) == 2
+    assert word in _one_error_line(capsys)
+    assert not (out / "runs.csv").exists() and not (out / "spec.json").exists()
+
+
+@pytest.mark.parametrize("verb", [RUN, ["compare", "--model", "tiny", "--device", "cpu"]])
+def test_run_into_an_unwritable_folder_is_one_line_before_torchrun(tmp_path, capsys, verb):
+    from dynmb.cli import main
+    (tmp_path / "afile").write_text("")
+    assert main([*verb, "--out", str(tmp_path / "afile" / "out")]) == 2
+    assert "afile" in _one_error_line(capsys)
