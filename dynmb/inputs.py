@@ -273,7 +273,7 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
         bad = mb.seq_ids[ends_all > cfg.max_seq_len]
         raise InputError(f"sequences {bad[:10].tolist()} are longer than max_seq_len {cfg.max_seq_len} (they reach "
                          f"position {int(ends_all.max())}; learned positions: size them from the trace, e.g. "
-                         f"--model {cfg.name}:max_seq_len={int(ends_all.max())})")
+                         f"--model {cfg.name.split(':')[0]}:max_seq_len={int(ends_all.max())})")
     row_len = np.bincount(mb.row_ids, weights=lens_all, minlength=b).astype(np.int64)
     if row_len.max() > s:
         r = int(row_len.argmax())

@@ -64,6 +64,7 @@ import numpy as np
 
 from .atomic import write_text_atomic
 from .config import ModelConfig
+from .costmodel.validate import check_memory_model
 
 __all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
            "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef"]
@@ -328,7 +329,7 @@ class MemoryModel:
                 a = np.asarray(d.get(key, []), dtype=np.float64)
                 if not np.all(np.isfinite(a)) or np.any(a < 0):
                     raise ValueError(f"{key} {a.tolist()} must be finite and non-negative")
-            return cls.from_dict(d)
+            return check_memory_model(cls.from_dict(d))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not a JSON file ({e})") from None
         except (KeyError, TypeError, ValueError) as e:

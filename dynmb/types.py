@@ -270,6 +270,10 @@ class Plan:
         """``(num_microbatches,)`` float64: each microbatch's ``Microbatch.attention_work``."""
         return np.array([mb.attention_work(attention) for mb in self.microbatches], dtype=np.float64)
 
+    def prefix_work(self) -> np.ndarray:
+        """``(num_microbatches,)`` float64: each microbatch's ``Microbatch.prefix_work`` (slices)."""
+        return np.array([mb.prefix_work() for mb in self.microbatches], dtype=np.float64)
+
     def replica(self, r: int) -> "Plan":
         """The sub-plan data-parallel pipeline ``r`` runs (microbatches renumbered from 0)."""
         mbs = tuple(mb for mb, rid in zip(self.microbatches, self.replica_ids) if rid == r)

@@ -32,8 +32,12 @@ TINY = ModelConfig.preset("tiny")
 # prefix attention: exact against causal SDPA over the whole sequence
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("pieces,block", [((20, 30), 64), ((7,), 1 << 20), ((), 256), ((64, 1, 33), 96)])
-def test_prefix_attention_matches_causal_sdpa(monkeypatch, pieces, block):
+@pytest.mark.parametrize("fused", [True, False])
+def test_prefix_attention_matches_causal_sdpa(monkeypatch, pieces, block, fused):
+    """Both kernels: the fused CPU flash kernel per part, and the plain-torch key blocks."""
     monkeypatch.setattr(prefix_mod, "KEY_BLOCK_ELEMENTS", block)
+    if not fused:
+        monkeypatch.setattr(prefix_mod, "_FLASH_CPU", None)
     g = torch.Generator().manual_seed(0)
     h, n, dh = 3, 37, 8
     p = sum(pieces)

@@ -111,6 +111,10 @@ class CostModel:
         self.comm = comm if comm is not None else CommModel()
         self.meta = dict(meta or {})
         self.runtime_overhead_s: dict[str, float] = {"F": 0.0, "B": 0.0}
+        self.prefix_scale: float = 1.0
+        """Seconds per unit of a slice's prefix attention work (``Microbatch.prefix_work``) over
+        seconds per unit of whole-document attention work: the prefix kernel's own speed,
+        measured by ``benchmarks/bench_slices.py`` (1.0 until measured)."""
 
     # --- the lookup ---------------------------------------------------------
     def predict(self, stage: int, op: str, rows: Any, padded_len: Any, attn: Any = None) -> np.ndarray:
@@ -161,7 +165,10 @@ class CostModel:
         simulator, reorderer and runtime use for a whole plan."""
         shapes = plan.shapes()
         rc = plan.recompute_mask() if hasattr(plan, "recompute_mask") else None
-        return self.stage_costs(shapes[:, 0], shapes[:, 1], plan.attention_work(self.model_cfg.attention), ops=ops,
+        attn = plan.attention_work(self.model_cfg.attention)
+        if getattr(plan, "has_slices", False) and self.prefix_scale != 1.0:
+            attn = attn + (self.prefix_scale - 1.0) * plan.prefix_work()
+        return self.stage_costs(shapes[:, 0], shapes[:, 1], attn, ops=ops,
                                 recompute=rc if rc is not None and rc.any() else None)
 
     def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
@@ -185,6 +192,8 @@ class CostModel:
              "comm": self.comm.to_dict(), "meta": self.meta, "params": self._params()}
         if any(self.runtime_overhead_s.values()):
             d["runtime_overhead_s"] = dict(self.runtime_overhead_s)
+        if self.prefix_scale != 1.0:
+            d["prefix_scale"] = float(self.prefix_scale)
         return d
 
     def save(self, path: str | Path) -> None:
@@ -199,7 +208,11 @@ class CostModel:
             raise ValueError(f"unknown cost model kind {d.get('kind')!r}; expected one of {list(kinds)}")
         cm = kinds[d["kind"]]._from_parts(ModelConfig.from_dict(d["model"]), int(d["num_stages"]),
                                           CommModel(**d.get("comm", {})), d.get("meta", {}), d.get("params", {}))
-        return cm.with_overhead(**d["runtime_overhead_s"]) if d.get("runtime_overhead_s") else cm
+        cm = cm.with_overhead(**d["runtime_overhead_s"]) if d.get("runtime_overhead_s") else cm
+        cm.prefix_scale = float(d.get("prefix_scale", 1.0))
+        if not np.isfinite(cm.prefix_scale) or cm.prefix_scale <= 0:
+            raise ValueError(f"prefix_scale must be a positive number, got {d.get('prefix_scale')!r}")
+        return cm
 
     @staticmethod
     def load(path: str | Path) -> "CostModel":

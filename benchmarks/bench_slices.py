@@ -1,0 +1,107 @@
+"""Measure the stage time of sequence slices and fit the cost model's ``prefix_scale``.
+
+A slice of n tokens at offset p runs its attention against p prefix keys with
+``dynmb.prefix.PrefixAttention`` (``Microbatch.prefix_work = n * (2p + n)``), a different
+kernel from whole documents' causal SDPA. This script times forward and backward of one
+such slice (the last of its sequence: prefix keys and values from a pre-filled
+``PrefixStore``) on every stage, ``--repeats`` times after a warm-up, wall clock, one
+thread, and fits the single factor ``prefix_scale`` of the cost model:
+
+    t(op) = pred(op, attn = 0) + prefix_scale * (pred(op, attn = prefix_work) - pred(op, attn = 0))
+
+(the model's own per-unit attention cost, scaled), as the median of the per-point factors
+of every other point (F and B pooled); it reports the relative error of the predictions on
+the held-out points (the rest) and, with ``--write``, stores the factor in the cost model file.
+
+    python benchmarks/bench_slices.py --cost-model dynmb/data/costmodels/small-p2-cpu.json \\
+        --model small:max_seq_len=20480 --repeats 5 [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from dynmb.config import model_config
+from dynmb.costmodel import CostModel
+from dynmb.model import build_stage, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.prefix import PrefixStore
+from dynmb.types import Microbatch, Plan
+
+POINTS = [(256, 256), (256, 2048), (384, 4608), (512, 512), (512, 4096), (768, 4608), (1024, 1024), (1024, 8192),
+          (2048, 2048), (2048, 12288)]
+"""(slice tokens n, prefix tokens p) measured."""
+
+
+def _time_slice(cfg, num_stages: int, stage: int, n: int, prefix: int, repeats: int) -> tuple[float, float]:
+    """Median wall seconds of (forward, backward) of one last slice of n tokens at offset ``prefix``."""
+    mod = build_stage(cfg, stage, num_stages)
+    mb = Microbatch([0], [n], n, 1, offsets=[prefix], continued=[False])
+    tokens = synthetic_tokens([prefix + n], cfg.vocab_size, 0)
+    g = torch.Generator().manual_seed(0)
+    fwd, bwd = [], []
+    for r in range(repeats + 1):
+        store = PrefixStore()
+        for layer in mod.layers:
+            k, v = (torch.randn(cfg.n_heads, prefix, cfg.head_dim, generator=g) * 0.1 for _ in range(2))
+            store.keep(layer, 0, 0, k, v, mb=-1)
+        inputs = replace(make_inputs(mb, tokens, cfg=cfg), prefix=store, microbatch=0)
+        x = None if stage == 0 else torch.randn(1, n, cfg.d_model, dtype=torch_dtype(cfg), requires_grad=True)
+        t0 = time.perf_counter()
+        out = mod(x, inputs)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        t2 = time.perf_counter()
+        if r:                                   # the first repeat warms up
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cost-model", required=True)
+    ap.add_argument("--model", default="small:max_seq_len=20480")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--write", action="store_true", help="store the fitted prefix_scale in the cost model file")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = model_config(args.model)
+    cm = CostModel.load(args.cost_model)
+    cm.check(cfg, cm.num_stages)
+    rows = []
+    for n, p in POINTS:
+        for stage in range(cm.num_stages):
+            f, b = _time_slice(cfg, cm.num_stages, stage, n, p, args.repeats)
+            mb = Microbatch([0], [n], n, 1, offsets=[p], continued=[False])
+            work = float(Plan((mb,), "dynamic", cm.num_stages, 1 << 40, 1).prefix_work()[0])
+            for op, t in (("F", f), ("B", b)):
+                base = float(np.ravel(cm.predict(stage, op, 1, n, 0.0))[0])
+                full = float(np.ravel(cm.predict(stage, op, 1, n, work))[0])
+                rows.append((n, p, stage, op, t, base, full))
+                print(f"n={n:5d} prefix={p:6d} stage {stage} {op}: measured {t:.4f} s, model at scale 1 {full:.4f} s")
+    test = rows[1::2]
+    factors = [(t - base) / (full - base) for (_, _, _, _, t, base, full) in rows[0::2] if full > base]
+    scale = max(float(np.median(factors)), 1e-3)
+    errs = [abs(base + scale * (full - base) - t) / t for (_, _, _, _, t, base, full) in test]
+    errs1 = [abs(full - t) / t for (_, _, _, _, t, base, full) in test]
+    print(f"fitted prefix_scale {scale:.3f} on {len(factors)} points; held-out ({len(test)} points) relative error: "
+          f"median {np.median(errs):.1%}, p90 {np.percentile(errs, 90):.1%}, max {np.max(errs):.1%} "
+          f"(at scale 1: median {np.median(errs1):.1%}, max {np.max(errs1):.1%})")
+    if args.write:
+        cm.prefix_scale = scale
+        cm.meta = {**cm.meta, "prefix_scale_fit": {"points": len(factors), "heldout_points": len(test),
+                                                    "heldout_median_rel_err": float(np.median(errs)),
+                                                    "heldout_max_rel_err": float(np.max(errs)),
+                                                    "command": "benchmarks/bench_slices.py"}}
+        cm.save(args.cost_model)
+        print(f"wrote prefix_scale {scale:.3f} to {args.cost_model}")
+
+
+if __name__ == "__main__":
+    main()
