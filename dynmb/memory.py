@@ -482,21 +482,31 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     return out
 
 
+def _head_act_per_token(cfg: ModelConfig) -> float:
+    """Bytes per token the last stage's head saves for backward: norm_f input and output, its
+    fp32 statistics, the fp32 log-softmax output and the int64 labels."""
+    return 2 * cfg.d_model * cfg.dtype_bytes + 8 + 4 * cfg.vocab_size + 8
+
+
 def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
-    """``[P, 3]``: activation bytes a recomputed microbatch does not hold (all blocks' but their inputs)."""
+    """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' but their
+    inputs, and on the last stage the head's but its input (``dynmb.model.RecomputedHead``)."""
     out = np.zeros((num_stages, 3))
     blk = block_act_coef(cfg)
     for i, layers in enumerate(cfg.stage_layers(num_stages)):
         out[i, 1] = len(layers) * (blk[0] - cfg.dtype_bytes * cfg.d_model)
         out[i, 2] = len(layers) * blk[1]
+    out[-1, 1] += _head_act_per_token(cfg) - cfg.dtype_bytes * cfg.d_model
     return out
 
 
 def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
-    """``[P, 3]``: one block's activation bytes, live during a recomputed backward (0 without blocks)."""
+    """``[P, 3]``: what a recomputed backward re-creates at a time: one block's activation bytes,
+    or on the last stage the head's when larger (they are never live together)."""
     out = np.zeros((num_stages, 3))
     blk = block_act_coef(cfg)
     for i, layers in enumerate(cfg.stage_layers(num_stages)):
         if len(layers):
             out[i, 1:] = blk
+    out[-1, 1] = max(out[-1, 1], _head_act_per_token(cfg))
     return out

@@ -76,7 +76,7 @@ __all__ = [
     "GPT", "GPTStage", "Block", "MicrobatchInputs", "DocumentBuckets", "InputError", "build_stage", "build_stages",
     "synthetic_tokens", "full_microbatch", "make_inputs", "attention_mask", "bucket_documents", "hidden_shape",
     "torch_dtype", "global_named_parameters", "count_params", "reference_grads", "IGNORE_INDEX", "INPUT_ATTENTION",
-    "RecomputedBlock", "whole_documents",
+    "RecomputedBlock", "RecomputedHead", "whole_documents",
 ]
 
 # --- model -------------------------------------------------------------------
@@ -191,6 +191,29 @@ class RecomputedBlock(torch.autograd.Function):
         return leaf.grad, None, None
 
 
+class RecomputedHead(torch.autograd.Function):
+    """The last stage's head (final LayerNorm, LM head, summed cross-entropy) under full
+    recomputation: only its input is saved; the backward recomputes the logits and runs
+    their backward at once, so the fp32 logits and log-softmax of a recomputed microbatch
+    live only during its backward (the lever that lets a chain of slices of a long sequence
+    stay in flight on the last stage). Same exactness argument as ``RecomputedBlock``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, stage: "GPTStage", inputs: "MicrobatchInputs") -> torch.Tensor:  # type: ignore[override]
+        ctx.stage, ctx.inputs = stage, inputs
+        ctx.save_for_backward(x)
+        return stage.head(x, inputs, "sum")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        leaf = x.detach().requires_grad_(x.requires_grad)
+        with torch.enable_grad():
+            y = ctx.stage.head(leaf, ctx.inputs, "sum")
+        torch.autograd.backward(y, grad)
+        return leaf.grad, None, None
+
+
 def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
 
@@ -244,17 +267,25 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor | None, inputs: MicrobatchInputs, *, reduction: str = "sum",
                 recompute: bool = False) -> torch.Tensor:
-        """``recompute``: full activation recomputation per block (see ``RecomputedBlock``)."""
+        """``recompute``: full activation recomputation per block (see ``RecomputedBlock``) and of
+        the last stage's head (``RecomputedHead``)."""
         if self.is_first:
             if inputs.max_doc_len > self.cfg.max_seq_len:
                 raise InputError(f"a document of {inputs.max_doc_len} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
             x = self.embed(inputs.input_ids) + self.pos(inputs.position_ids)
         elif x is None:
             raise ValueError(f"stage {self.stage} needs the hidden state from stage {self.stage - 1}")
+        recomputing = recompute and torch.is_grad_enabled()
         for blk in self.blocks.values():
-            x = RecomputedBlock.apply(x, blk, inputs) if recompute and torch.is_grad_enabled() else blk(x, inputs)
+            x = RecomputedBlock.apply(x, blk, inputs) if recomputing else blk(x, inputs)
         if not self.is_last:
             return x
+        if recomputing and reduction == "sum":
+            return RecomputedHead.apply(x, self, inputs)
+        return self.head(x, inputs, reduction)
+
+    def head(self, x: torch.Tensor, inputs: MicrobatchInputs, reduction: str = "sum") -> torch.Tensor:
+        """Final norm, LM head and cross-entropy over real tokens (``reduction``: sum or none)."""
         logits = self.lm_head(self.norm_f(x))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if reduction == "sum":
