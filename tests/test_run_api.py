@@ -61,15 +61,17 @@ def test_a_bad_config_raises_before_torchrun_and_writes_nothing(tmp_path):
     assert not (tmp_path / "res").exists()
 
 
-def test_a_failed_run_is_marked_failed_with_its_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rank, kind, says", [(1, "raise", "rank 1 failed"), (0, "exit", "rank 0 died")])
+def test_a_failed_run_is_marked_failed_with_its_error(tmp_path, monkeypatch, rank, kind, says):
+    """Rank 0 marks its row when it survives; when it died, the launcher does."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "res"
-    spec = RunSpec.create(_cfg(steps=2), out, hooks=fault_hooks(1, 1, "raise"))
+    spec = RunSpec.create(_cfg(steps=2), out, hooks=fault_hooks(rank, 1, kind))
     result = dynmb.run(spec, out=out)
     assert result.returncode != 0 and result.failures
     runs = pd.read_csv(out / "runs.csv")
     assert list(runs["status"]) == ["failed"]
-    assert "rank 1" in runs["error"][0] and "\n" not in runs["error"][0]
+    assert says in runs["error"][0] and "\n" not in runs["error"][0]
     assert sorted(result.tables["steps"]["step"]) == [0]          # the failed step left no rows
     assert set(result.tables["actions"]["step"]) <= {0} and set(result.tables["memory"]["step"]) <= {0}
 

@@ -8,7 +8,7 @@ its own session and waits for the first step's progress line before it signals."
 from __future__ import annotations
 
 import os
-import queue
+import re
 import signal
 import subprocess
 import sys
@@ -43,35 +43,45 @@ def _processes_of(out: Path) -> list[int]:
     return pids
 
 
+RUN = ["run", "--model", "tiny", "--global-batch", "4", "--memory-limit", "256MiB", "--steps", "5000", "--warmup", "0",
+       "--device", "cpu"]
+COMPARE = ["compare", "--model", "tiny", "--methods", "fixed,dynamic", "--no-fixed-best", "--global-batch", "4",
+           "--memory-limit", "256MiB", "--steps", "2000", "--device", "cpu"]
+
+
 class _Run:
-    """``dynmb run`` in its own session, its stdout and stderr read by threads."""
+    """``dynmb ARGV --out OUT`` in its own session; its stdout and stderr read by threads."""
 
-    def __init__(self, out: Path) -> None:
-        cmd = [sys.executable, "-m", "dynmb.cli", "run", "--model", "tiny", "--global-batch", "4", "--memory-limit",
-               "256MiB", "--steps", "5000", "--warmup", "0", "--device", "cpu", "--out", str(out)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, args=(self.proc.stdout, None), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr), daemon=True).start()
+    def __init__(self, argv: list[str], out: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "dynmb.cli", *argv, "--out", str(out)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._got = threading.Event()
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True).start()
 
-    def _read(self, stream, into: list[str] | None) -> None:
-        for line in stream:
-            (into.append(line) if into is not None else self.lines.put(line))
+    def _read(self, stream, into: list[str]) -> None:
+        while chunk := os.read(stream.fileno(), 65536):   # tqdm's bar ends its updates with \r, not \n
+            into.append(chunk.decode(errors="replace"))
+            self._got.set()
 
-    def wait_for_step(self) -> None:
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def wait_for(self, pattern: str, in_stderr: bool = False) -> None:
+        """Until ``pattern`` (a regular expression) appears: a step's progress line (dynmb run
+        prints them on stdout, dynmb compare's progress bar its latest on stderr)."""
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    pytest.fail(f"dynmb run ended with {self.proc.returncode}: {''.join(self.stderr)[-2000:]}")
-                continue
-            if line.startswith(PROGRESS):
+            if re.search(pattern, "".join(self.err if in_stderr else self.out)):
                 return
-        pytest.fail("no progress line")
+            if self.proc.poll() is not None:
+                pytest.fail(f"dynmb ended with {self.proc.returncode}: {self.stderr[-2000:]}")
+            self._got.wait(1)
+            self._got.clear()
+        pytest.fail(f"no {pattern!r} within {START_S:.0f} s")
 
     def wait(self, timeout: float) -> float:
         t0 = time.monotonic()
@@ -79,7 +89,7 @@ class _Run:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            pytest.fail(f"dynmb run still running {timeout:.0f} s after the signal")
+            pytest.fail(f"dynmb still running {timeout:.0f} s after the signal")
         return time.monotonic() - t0
 
 
@@ -101,37 +111,59 @@ def _assert_complete_steps(out: Path) -> list[int]:
     return sorted(steps["step"])
 
 
-@pytest.mark.parametrize("sig, code, to_group", [(signal.SIGINT, 130, True), (signal.SIGTERM, 143, False)])
-def test_a_signal_stops_torchrun_and_every_worker(tmp_path, sig, code, to_group):
-    out = tmp_path / "out"
-    run = _Run(out)
+def _stop(run: _Run, out: Path, sig: int, to_group: bool) -> int:
+    """Send ``sig`` (to the process group, as a terminal's Ctrl-C, or to the process) and check that
+    everything stopped within ``STOP_S``; returns the exit code."""
     try:
-        run.wait_for_step()
         assert len(_processes_of(out)) >= 3          # torchrun and two workers
         (os.killpg if to_group else os.kill)(run.proc.pid, sig)
         took = run.wait(STOP_S + 20)
         assert took < STOP_S, f"took {took:.1f} s to stop"
-        assert run.proc.returncode == code
         _assert_gone(out, 1.0)
     finally:
         if run.proc.poll() is None:
             os.killpg(run.proc.pid, signal.SIGKILL)
-    time.sleep(0.2)
-    lines = [ln for ln in "".join(run.stderr).splitlines() if "interrupted" in ln]
-    assert len(lines) == 1, run.stderr
-    assert lines[0].startswith(f"dynmb run: interrupted ({signal.Signals(sig).name}), stopped torchrun and 2 workers")
+    time.sleep(0.2)                                  # the reader threads take the last output
+    return run.proc.returncode
+
+
+def _stop_line(run: _Run, verb: str, sig: int) -> str:
+    lines = [ln.split("\r")[-1] for ln in run.stderr.splitlines() if "interrupted" in ln]
+    assert len(lines) == 1, run.stderr[-2000:]
+    assert lines[0].startswith(f"dynmb {verb}: interrupted ({signal.Signals(sig).name}), stopped torchrun and 2 "
+                               "workers; tables hold "), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("sig, code, to_group", [(signal.SIGINT, 130, True), (signal.SIGTERM, 143, False)])
+def test_a_signal_stops_torchrun_and_every_worker(tmp_path, sig, code, to_group):
+    out = tmp_path / "out"
+    run = _Run(RUN, out)
+    run.wait_for(re.escape(PROGRESS))
+    assert _stop(run, out, sig, to_group) == code
+    line = _stop_line(run, "run", sig)
     steps = _assert_complete_steps(out)
     assert steps and steps == list(range(len(steps)))
-    assert f"tables hold step{'s' if len(steps) > 1 else ''} 0" in lines[0]
+    assert line.endswith(f"{'steps 0-' + str(steps[-1]) if len(steps) > 1 else 'step 0'} complete")
     runs = pd.read_csv(out / "runs.csv")
     assert list(runs["status"]) == ["interrupted"]
 
 
+def test_ctrl_c_stops_compare(tmp_path):
+    out = tmp_path / "out"
+    run = _Run(COMPARE, out)
+    run.wait_for(r" step \d+: \d", in_stderr=True)
+    assert _stop(run, out, signal.SIGINT, True) == 130
+    _stop_line(run, "compare", signal.SIGINT)
+    _assert_complete_steps(out)
+    assert set(pd.read_csv(out / "runs.csv")["status"]) == {"interrupted"}
+
+
 def test_workers_die_with_a_killed_launcher(tmp_path):
     out = tmp_path / "out"
-    run = _Run(out)
+    run = _Run(RUN, out)
     try:
-        run.wait_for_step()
+        run.wait_for(re.escape(PROGRESS))
         assert len(_processes_of(out)) >= 3
         run.proc.send_signal(signal.SIGKILL)
         run.proc.wait(5)
