@@ -40,7 +40,7 @@ above the simulator in the layering and may not import it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -50,6 +50,7 @@ from dynmb.schedule.validate import ScheduleError, execution_order
 from dynmb.types import Plan, Schedule
 
 __all__ = ["SimResult", "simulate", "simulate_costs", "estimate_makespan", "memory_inputs", "w_inputs", "plan_op_costs",
+           "SliceGrads", "slice_grad_inputs",
            "comm_times", "peaks", "op_memory", "ScheduleError"]
 
 _OPS = np.array(["F", "B", "I", "W"])
@@ -154,11 +155,12 @@ def _cross_mask(flat: Any) -> np.ndarray:
 def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0,
                    act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
                    limit_bytes: int | None = None, transient_bytes: np.ndarray | None = None,
-                   w_bytes: np.ndarray | None = None) -> SimResult:
+                   w_bytes: np.ndarray | None = None, slice_grads: SliceGrads | None = None) -> SimResult:
     """Simulate ``schedule`` with ``costs[op][stage, mb]`` seconds and ``comm_s`` (scalar or per mb) per P2P message.
 
     ``act_bytes[stage, mb]``, ``state_bytes[stage]``, ``transient_bytes[stage, mb]`` and
-    ``w_bytes[stage, mb]`` (held from I to W) (all optional) give the memory prediction. Costs
+    ``w_bytes[stage, mb]`` (held from I to W) and ``slice_grads`` (the gradients of slices' keys
+    and values, ``slice_grad_inputs``) (all optional) give the memory prediction. Costs
     must hold every op the schedule uses. Raises ``ScheduleError`` if the schedule is invalid or deadlocks.
     """
     S, m = schedule.num_stages, schedule.num_microbatches
@@ -184,12 +186,12 @@ def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: flo
                     limit_bytes=None if limit_bytes is None else int(limit_bytes), kind=schedule.kind)
     if act_bytes is not None:
         _memory(res, flat, schedule, np.asarray(act_bytes, dtype=np.float64), state_bytes, transient_bytes, end_a,
-                w_bytes)
+                w_bytes, slice_grads)
     return res
 
 
 def _memory(res: SimResult, flat: Any, schedule: Schedule, act: np.ndarray, state_bytes: Any,
-            transient: Any, end: np.ndarray, w_bytes: Any = None) -> None:
+            transient: Any, end: np.ndarray, w_bytes: Any = None, slice_grads: SliceGrads | None = None) -> None:
     S, m = schedule.num_stages, schedule.num_microbatches
     if act.shape != (S, m):
         raise ValueError(f"act_bytes must be [num_stages={S}, m={m}], got {act.shape}")
@@ -202,15 +204,27 @@ def _memory(res: SimResult, flat: Any, schedule: Schedule, act: np.ndarray, stat
     w = None if w_bytes is None else np.asarray(w_bytes, dtype=np.float64)
     if w is not None and w.shape != (S, m):
         raise ValueError(f"w_bytes must be [num_stages={S}, m={m}], got {w.shape}")
-    res.peak_bytes, res.peak_bytes_rank, (o, st, held) = peaks(flat, S, schedule.num_ranks, act, tr, state, w)
+    res.peak_bytes, res.peak_bytes_rank, (o, st, held) = peaks(flat, S, schedule.num_ranks, act, tr, state, w,
+                                                               slice_grads)
     res.memory_timeline = pd.DataFrame({"stage": st, "t_s": end[o], "bytes": held + state[st]})
 
 
-def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None,
-              w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+class SliceGrads(NamedTuple):
+    """Gradients of slices' keys and values (``dynmb.prefix``), ``[P, m]`` bytes each: ``alloc``
+    appear during a microbatch's backward (the first backward of a chain, its last slice's,
+    creates the gradients of every earlier slice), ``free`` go with its backward (its own)."""
+
+    alloc: np.ndarray
+    free: np.ndarray
+
+
+def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None, w: np.ndarray | None = None,
+              slice_grads: SliceGrads | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(delta, during)`` per action: the change of held bytes when it ends, and what it holds
     on top of the held-after level while it runs (module doc): F +a; B -a, during +a; I +(w - a),
-    during max(a - w, 0); W -w, during +w; every op but W also its transient bytes ``tr``."""
+    during max(a - w, 0); W -w, during +w; every op but W also its transient bytes ``tr``. A
+    backward (B or I) also adds ``slice_grads.alloc - slice_grads.free`` and holds the freed ones
+    while it runs."""
     a = act[flat.stage, flat.mb]
     wb = np.zeros_like(a) if w is None else w[flat.stage, flat.mb]
     op = flat.op
@@ -218,15 +232,20 @@ def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None,
     during = np.select([op == 1, op == 2, op == 3], [a, np.maximum(a - wb, 0.0), wb], 0.0)
     if tr is not None:
         during = during + np.where(op == 3, 0.0, tr[flat.stage, flat.mb])
+    if slice_grads is not None:
+        bwd = (op == 1) | (op == 2)
+        alloc, free = slice_grads.alloc[flat.stage, flat.mb], slice_grads.free[flat.stage, flat.mb]
+        delta = delta + np.where(bwd, alloc - free, 0.0)
+        during = np.where(bwd, np.maximum(during + free - alloc, 0.0), during)
     return delta, during
 
 
 def peaks(flat: Any, S: int, R: int, act: np.ndarray, tr: np.ndarray | None,
-          state: np.ndarray, w: np.ndarray | None = None
+          state: np.ndarray, w: np.ndarray | None = None, slice_grads: SliceGrads | None = None
           ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Peak bytes per stage and per rank of a flattened schedule (see module doc), plus the
     per-stage sequence ``(order, stage, held bytes after each op)`` for the memory timeline."""
-    delta, during = op_memory(flat, act, tr, w)
+    delta, during = op_memory(flat, act, tr, w, slice_grads)
     # per stage: its actions in rank order (a stage lives on one rank)
     o = np.lexsort((flat.step, flat.stage))
     st = flat.stage[o]
@@ -269,6 +288,24 @@ def memory_inputs(memory_model: Any, plan: Plan) -> tuple[Any, Any, Any]:
     if plan.has_slices and hasattr(memory_model, "slice_matrix"):
         act = act + memory_model.slice_matrix([mb.continued_tokens for mb in plan.microbatches], rc)
     return act, tr, np.asarray(memory_model.state_bytes, dtype=np.float64)
+
+
+def slice_grad_inputs(memory_model: Any, plan: Plan) -> SliceGrads | None:
+    """``SliceGrads`` of ``plan``'s chains of slices (None without slices or a memory model that
+    knows them): each continued slice's key/value gradients (``MemoryModel.slice_grad_coef`` per
+    token) appear in the backward of its chain's last slice and are freed by its own."""
+    if memory_model is None or not plan.has_slices or not hasattr(memory_model, "slice_grad_coef"):
+        return None
+    S, m = plan.num_stages, plan.num_microbatches
+    coef = np.asarray(memory_model.slice_grad_coef(), dtype=np.float64)
+    alloc, free = np.zeros((S, m)), np.zeros((S, m))
+    for sid, where in plan.slice_groups().items():
+        for i in where[:-1]:
+            mb = plan.microbatches[i]
+            g = coef * float(mb.lengths[mb.seq_ids == sid][0])
+            free[:, i] += g
+            alloc[:, where[-1]] += g
+    return SliceGrads(alloc, free)
 
 
 def w_inputs(memory_model: Any, plan: Plan) -> np.ndarray | None:
@@ -314,7 +351,8 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: Any, memory_model: Any 
     comm = comm_times(cost_model, plan)
     act, tr, state = memory_inputs(memory_model, plan)
     res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr,
-                         w_bytes=w_inputs(memory_model, plan) if act is not None else None)
+                         w_bytes=w_inputs(memory_model, plan) if act is not None else None,
+                         slice_grads=slice_grad_inputs(memory_model, plan))
     tl = res.timeline
     tl["batch"] = rows[tl["mb"].to_numpy()]
     tl["padded_len"] = plen[tl["mb"].to_numpy()]
