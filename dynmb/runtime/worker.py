@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from dynmb.atomic import write_text_atomic
+from dynmb.results import set_run_status
 from dynmb.runtime.checks import PlanDivergenceError, StepCheckError
 from dynmb.runtime.hooks import StepHooks, load_hooks
 from dynmb.runtime.hostmem import prefault, retain_freed_memory
@@ -131,14 +132,21 @@ def _step(state: RunState, step: int, recorder: Recorder) -> None:
     gc.collect()
 
 
-def _finish(states: list[RunState], recorder: Recorder, status: str, error: str = "") -> None:
-    """Rank 0: the final ``status`` (and ``error``) of the runs' ``runs`` rows."""
+def _finish(states: list[RunState], recorder: Recorder) -> None:
+    """Rank 0: the runs ended well; their ``runs`` rows say ``ok``."""
     for state in states:
         if state.rank == 0:
-            try:
-                recorder.run_finished(state.spec, status, error)
-            except Exception:  # noqa: BLE001 - the run's own error matters more; the launcher marks it
-                pass
+            recorder.run_finished(state.spec, "ok")
+
+
+def _mark_failed(job: JobSpec, err: BaseException) -> None:
+    """Rank 0, after its error file: the ``runs`` rows still ``running`` say ``failed`` and the
+    error (the launcher may name the root cause instead, once torchrun exits)."""
+    for case in job.cases:
+        try:
+            set_run_status(case.out_dir, [case.run_id], "failed", f"{type(err).__name__}: {err}")
+        except Exception:  # noqa: BLE001 - the run's own error matters more; the launcher marks it
+            pass
 
 
 def _close(states: list[RunState], recorder: Recorder, device: torch.device) -> None:
@@ -193,10 +201,7 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
                     state = states[(i + step) % len(states)]
                     if step < state.run.warmup + state.run.steps:
                         _step(state, step, recorder)
-            _finish(states, recorder, "ok")
-        except BaseException as e:
-            _finish(states, recorder, "failed", f"{type(e).__name__}: {e}")
-            raise
+            _finish(states, recorder)
         finally:
             _close(states, recorder, device)
 
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:    # started by torchrun's agent (not in-process by a test)
         exit_with_parent()
     out_dir = Path(args.spec).resolve().parent
+    job: JobSpec | None = None
     try:
         job = JobSpec.load(args.spec)
         out_dir = Path(job.out_dir)
@@ -249,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure must leave a trace and a non-zero exit
         _write_error(out_dir, rank, e)
+        if rank == 0 and job is not None:
+            _mark_failed(job, e)
         print(f"[dynmb rank {rank}] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)   # do not wait for peers stuck in collectives; torchrun tears them down
