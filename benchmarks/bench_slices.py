@@ -7,10 +7,11 @@ such slice (the last of its sequence: prefix keys and values from a pre-filled
 ``PrefixStore``) on every stage, ``--repeats`` times after a warm-up, wall clock, one
 thread, and fits the single factor ``prefix_scale`` of the cost model:
 
-    t(op) = pred(op, attn = 0) + prefix_scale * (pred(op, attn = prefix_work) - pred(op, attn = 0))
+    t(op) = pred(op, attn = n**2) + prefix_scale * (pred(op, attn = prefix_work) - pred(op, attn = n**2))
 
-(the model's own per-unit attention cost, scaled), as the median of the per-point factors
-of every other point (F and B pooled); it reports the relative error of the predictions on
+(the slice's own tokens cost what a causal document of n tokens does; its queries against the
+p prefix keys, ``2 n p`` units, cost the model's per-unit attention cost scaled), by least squares of the relative error over
+every other point (F and B pooled); it reports the relative error of the predictions on
 the held-out points (the rest) and, with ``--write``, stores the factor in the cost model file.
 
     python benchmarks/bench_slices.py --cost-model dynmb/data/costmodels/small-p2-cpu.json \\
@@ -81,13 +82,15 @@ def main() -> None:
             mb = Microbatch([0], [n], n, 1, offsets=[p], continued=[False])
             work = float(Plan((mb,), "dynamic", cm.num_stages, 1 << 40, 1).prefix_work()[0])
             for op, t in (("F", f), ("B", b)):
-                base = float(np.ravel(cm.predict(stage, op, 1, n, 0.0))[0])
-                full = float(np.ravel(cm.predict(stage, op, 1, n, work))[0])
+                base = float(np.ravel(cm.predict(stage, op, 1, n, float(n * n)))[0])    # own tokens, causal
+                full = float(np.ravel(cm.predict(stage, op, 1, n, work))[0])           # + the 2 n p cross term
                 rows.append((n, p, stage, op, t, base, full))
                 print(f"n={n:5d} prefix={p:6d} stage {stage} {op}: measured {t:.4f} s, model at scale 1 {full:.4f} s")
     test = rows[1::2]
-    factors = [(t - base) / (full - base) for (_, _, _, _, t, base, full) in rows[0::2] if full > base]
-    scale = max(float(np.median(factors)), 1e-3)
+    train = [(t, base, full - base) for (_, _, _, _, t, base, full) in rows[0::2] if full > base]
+    factors = train
+    # min sum(((base + scale * delta - t) / t)^2): scale = sum(d/t * (t - base)/t) / sum((d/t)^2)
+    scale = max(sum(d / t * (t - b) / t for t, b, d in train) / sum((d / t) ** 2 for t, _, d in train), 1e-3)
     errs = [abs(base + scale * (full - base) - t) / t for (_, _, _, _, t, base, full) in test]
     errs1 = [abs(full - t) / t for (_, _, _, _, t, base, full) in test]
     print(f"fitted prefix_scale {scale:.3f} on {len(factors)} points; held-out ({len(test)} points) relative error: "

@@ -274,6 +274,12 @@ class Plan:
         """``(num_microbatches,)`` float64: each microbatch's ``Microbatch.prefix_work`` (slices)."""
         return np.array([mb.prefix_work() for mb in self.microbatches], dtype=np.float64)
 
+    def prefix_cross_work(self) -> np.ndarray:
+        """``(num_microbatches,)`` float64: the part of ``prefix_work`` that is slices' queries
+        against their prefix keys, ``sum(2 n p)`` (a slice's own tokens are ``n**2``)."""
+        return np.array([float(np.sum(2 * mb.lengths[mb.slice_mask].astype(np.int64)
+                                      * mb.offsets[mb.slice_mask].astype(np.int64))) for mb in self.microbatches])
+
     def replica(self, r: int) -> "Plan":
         """The sub-plan data-parallel pipeline ``r`` runs (microbatches renumbered from 0)."""
         mbs = tuple(mb for mb, rid in zip(self.microbatches, self.replica_ids) if rid == r)

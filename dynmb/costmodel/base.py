@@ -112,9 +112,10 @@ class CostModel:
         self.meta = dict(meta or {})
         self.runtime_overhead_s: dict[str, float] = {"F": 0.0, "B": 0.0}
         self.prefix_scale: float = 1.0
-        """Seconds per unit of a slice's prefix attention work (``Microbatch.prefix_work``) over
-        seconds per unit of whole-document attention work: the prefix kernel's own speed,
-        measured by ``benchmarks/bench_slices.py`` (1.0 until measured)."""
+        """Seconds per unit of a slice's attention to its prefix (the ``2 n p`` part of
+        ``Microbatch.prefix_work``; its own n tokens cost what a causal document's do) over seconds
+        per unit of whole-document attention work, measured by ``benchmarks/bench_slices.py``
+        (1.0 until measured)."""
 
     # --- the lookup ---------------------------------------------------------
     def predict(self, stage: int, op: str, rows: Any, padded_len: Any, attn: Any = None) -> np.ndarray:
@@ -167,7 +168,7 @@ class CostModel:
         rc = plan.recompute_mask() if hasattr(plan, "recompute_mask") else None
         attn = plan.attention_work(self.model_cfg.attention)
         if getattr(plan, "has_slices", False) and self.prefix_scale != 1.0:
-            attn = attn + (self.prefix_scale - 1.0) * plan.prefix_work()
+            attn = attn + (self.prefix_scale - 1.0) * plan.prefix_cross_work()
         return self.stage_costs(shapes[:, 0], shapes[:, 1], attn, ops=ops,
                                 recompute=rc if rc is not None and rc.any() else None)
 
