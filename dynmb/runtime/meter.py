@@ -67,6 +67,7 @@ class MemoryMeter:
         self._stage_peak: dict[int, int] = {}
         self._stage = 0
         self._logits: dict[int, deque] = {}            # per stage, FIFO over microbatches
+        self._in_backward = False                      # a recomputing backward reruns the head: not a forward
         self._inputs: dict[int, deque] = {}
         self._hooks = []
         for m in self.modules:
@@ -145,12 +146,14 @@ class MemoryMeter:
     def _head_hook(self, stage: int):
         def hook(mod, args, out):
             if not self.cuda and isinstance(out, torch.Tensor):
-                self._logits.setdefault(stage, deque()).append(out.numel() * 4)
+                if not self._in_backward:
+                    self._logits.setdefault(stage, deque()).append(out.numel() * 4)
                 self._note(stage, _nbytes(out))
         return hook
 
     def _bwd_pre_hook(self, stage: int):
         def hook(mod, grad_output):
+            self._in_backward = True
             if not self.cuda:
                 extra = sum(_nbytes(g) for g in grad_output)
                 for q in (self._logits.get(stage), self._inputs.get(stage)):
@@ -207,6 +210,7 @@ class MemoryMeter:
         self.sample(self._stage if stage is None else stage)
 
     def sample(self, stage: int = 0) -> None:
+        self._in_backward = False
         if self.cuda:
             v = int(torch.cuda.max_memory_allocated(self.device))
             self._stage_peak[stage] = max(self._stage_peak.get(stage, 0), v)
