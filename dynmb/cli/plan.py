@@ -38,6 +38,8 @@ def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, 
         "plan_s": plan.predictions["plan_s"], "mbs": plan.meta.get("mbs"),
         "dropped": len(plan.meta.get("dropped", [])), "truncated": len(plan.meta.get("truncated", [])),
         "recomputed": int(plan.recompute_mask().sum()),
+        "sliced": len(plan.slice_groups()), "slices": sum(len(w) for w in plan.slice_groups().values()),
+        "longest_fitting_length": plan.meta.get("longest_fitting_length"),
         "pack_len": plan.meta.get("pack_len"), "round_to": args.round_to, "attention": attention,
         "distinct_shapes": len({(mb.batch, mb.padded_len) for mb in plan.microbatches}),
     }

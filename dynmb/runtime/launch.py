@@ -54,6 +54,7 @@ from typing import Any, Mapping
 from tqdm.auto import tqdm
 
 from dynmb.config import RunConfig
+from dynmb.hostinfo import cores_warning
 from dynmb.results import drop_incomplete_steps, set_run_status
 from dynmb.runtime.spec import HookRef, JobSpec, RunSpec
 
@@ -161,6 +162,9 @@ def launch_job(job: JobSpec, nproc: int, *, guard_s: float | None = None, quiet:
         # fewer fragmented blocks when every microbatch has its own shape (opt out: --no-expandable-segments)
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logger.info("launching %d rank(s): %s", nproc, " ".join(cmd))
+    shared = cores_warning(nproc) if any(c.run.device == "cpu" for c in job.cases) else None
+    if shared:
+        logger.warning("%s", shared)
     lines: list[str] = []
     bar = tqdm(total=job.total_steps, unit="step", desc="steps", file=sys.stderr, mininterval=0.5) \
         if progress else None
