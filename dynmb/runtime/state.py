@@ -162,6 +162,8 @@ def prewarm(state: RunState) -> int:
             todo.setdefault((mb.batch, mb.padded_len, mb.is_packed), (mb, batch.lengths))
     for microbatch, lengths in todo.values():
         tokens = synthetic_tokens(lengths, run.model.vocab_size, 0)
+        if microbatch.has_slices:        # its shape, as whole documents (no earlier slices to attend to here)
+            microbatch = replace(microbatch, offsets=None, continued=None)
         inputs = make_inputs(microbatch, tokens, cfg=run.model, device=state.device)
         for stage in state.stages.values():
             x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model),
