@@ -505,12 +505,15 @@ def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
 
 
 def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
-    """``[P, 3]``: what a recomputed backward re-creates at a time: one block's activation bytes,
-    or on the last stage the head's when larger (they are never live together)."""
+    """``[P, 3]``: what a recomputed backward re-creates at a time, on top of the stage's
+    transient bytes: one block's activation bytes; on the last stage, whose transient is the
+    fp32 logits gradient (4 V per token), the head's re-created activations while that gradient
+    lives, or one block's after it is gone (the head's backward runs first), whichever is larger:
+    ``max(block - 4 V, head)``."""
     out = np.zeros((num_stages, 3))
     blk = block_act_coef(cfg)
     for i, layers in enumerate(cfg.stage_layers(num_stages)):
         if len(layers):
             out[i, 1:] = blk
-    out[-1, 1] = max(out[-1, 1], _head_act_per_token(cfg))
+    out[-1, 1] = max(out[-1, 1] - 4 * cfg.vocab_size, _head_act_per_token(cfg))
     return out
