@@ -190,22 +190,28 @@ class Microbatch:
         if self.recompute:
             d["recompute"] = True
         if self.has_slices:
-            d["offsets"] = self.offsets.tolist()
-            d["continued"] = self.continued.tolist()
+            m = self.slice_mask
+            d["slices"] = [[int(i), int(o), int(o + n)] for i, o, n in
+                           zip(self.seq_ids[m], self.offsets[m], self.lengths[m])]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Microbatch":
-        return cls(
-            seq_ids=d["seq_ids"],
-            lengths=d["lengths"],
-            padded_len=d["padded_len"],
-            batch=d["batch"],
-            row_ids=d.get("row_ids"),
-            recompute=bool(d.get("recompute", False)),
-            offsets=d.get("offsets"),
-            continued=d.get("continued"),
-        )
+        """The JSON form; ``slices`` (``[seq_id, start, end]`` token ranges) give the slice entries'
+        offsets and mark them ``continued`` (``Plan.from_dict`` then clears it on each sequence's
+        last slice, which only the whole plan knows)."""
+        seq_ids = np.asarray(d["seq_ids"], dtype=np.int64).reshape(-1)
+        lengths = np.asarray(d["lengths"], dtype=np.int64).reshape(-1)
+        offsets, continued = np.zeros(len(seq_ids), np.int64), np.zeros(len(seq_ids), bool)
+        for sid, start, end in d.get("slices", []):
+            k = np.flatnonzero(seq_ids == int(sid))
+            if len(k) != 1 or int(end) - int(start) != int(lengths[k[0]]) or int(start) < 0:
+                raise PlanError(f"slice [{sid}, {start}, {end}] does not match an entry of the microbatch "
+                                f"(seq_ids {seq_ids.tolist()}, lengths {lengths.tolist()})")
+            offsets[k[0]], continued[k[0]] = int(start), True
+        return cls(seq_ids=seq_ids, lengths=lengths, padded_len=d["padded_len"], batch=d["batch"],
+                   row_ids=d.get("row_ids"), recompute=bool(d.get("recompute", False)), offsets=offsets,
+                   continued=continued)
 
 
 @dataclass(frozen=True, eq=False)
@@ -414,6 +420,7 @@ class Plan:
             "predictions": _jsonable(self.predictions),
             "meta": _jsonable(self.meta),
             "microbatches": [mb.to_dict() for mb in self.microbatches],
+            "digest": self.digest(),
         }
 
     @classmethod
@@ -421,7 +428,7 @@ class Plan:
         for k in ("method", "num_stages", "memory_limit_bytes", "microbatches"):
             if k not in d:
                 raise PlanError(f"plan JSON lacks the field {k!r}")
-        mbs = tuple(Microbatch.from_dict(m) for m in d["microbatches"])
+        mbs = _last_slices_end(tuple(Microbatch.from_dict(m) for m in d["microbatches"]))
         n = d.get("num_sequences")
         if n is None:
             n = int(max(int(m.seq_ids.max()) for m in mbs) + 1)
@@ -446,16 +453,23 @@ class Plan:
     def load(cls, path: str | Path, *, allow_over_limit: bool = False) -> "Plan":
         """Read and validate a plan file: every sequence exactly once, each row holding its
         sequences, and (unless ``allow_over_limit``) every stage's ``pred_peak_bytes`` within
-        ``memory_limit_bytes``. A bad file raises ``PlanError`` (one line) naming it."""
+        ``memory_limit_bytes``; a ``digest`` field, when present, must be the plan's ``digest()``
+        (the microbatches were not edited after it was written). A bad file raises ``PlanError``
+        (one line) naming it."""
         path = Path(path)
         text = path.read_text()
         try:
-            plan = cls.from_json(text)
+            raw = json.loads(text)
+            plan = cls.from_dict(raw)
             plan.validate()
         except json.JSONDecodeError as e:
             raise PlanError(f"{path}: not a plan JSON file ({e})") from None
         except (PlanError, KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{path}: invalid plan: {e}") from None
+        if isinstance(raw.get("digest"), str) and raw["digest"] != plan.digest():
+            raise PlanError(f"{path}: its digest {raw['digest'][:12]}... does not match its microbatches "
+                            f"({plan.digest()[:12]}...): the plan was edited after it was written; delete the "
+                            f"digest field to run the edited plan")
         peaks = [float(x) for x in plan.predictions.get("pred_peak_bytes", []) or []]
         if not allow_over_limit and peaks and max(peaks) > plan.memory_limit_bytes:
             stage = int(np.argmax(peaks))
@@ -478,6 +492,22 @@ class Plan:
             if mb.recompute:
                 h.update(b"recompute")
         return h.hexdigest()
+
+
+def _last_slices_end(mbs: tuple[Microbatch, ...]) -> tuple[Microbatch, ...]:
+    """Microbatches read from JSON with ``continued`` cleared on each sliced sequence's last slice
+    (in execution order): ``Microbatch.from_dict`` marks every listed slice continued."""
+    last: dict[int, int] = {}
+    for i, mb in enumerate(mbs):
+        for sid in mb.seq_ids[mb.continued].tolist():
+            last[int(sid)] = i
+    out = list(mbs)
+    for sid, i in last.items():
+        mb = out[i]
+        cont = mb.continued.copy()
+        cont[mb.seq_ids == sid] = False
+        out[i] = replace(mb, continued=cont)
+    return tuple(out)
 
 
 def _jsonable(x: Any) -> Any:

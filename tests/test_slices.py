@@ -98,6 +98,24 @@ def test_plan_validates_slice_chains():
         Microbatch([0, 0], [5, 5], 5, 2, offsets=[0, 5], continued=[True, False])
 
 
+def test_plan_json_records_slices_as_token_ranges_and_a_digest(tmp_path):
+    import json
+    plan, lengths = _sliced_plan()
+    d = plan.to_dict()
+    assert d["digest"] == plan.digest()
+    assert [m["slices"] for m in d["microbatches"]] == [[[0, 0, 100]], [[0, 100, 220]], [[0, 220, 300]]]
+    back = Plan.from_dict(json.loads(json.dumps(d)))
+    assert back.digest() == plan.digest()
+    assert [mb.continued.tolist() for mb in back.microbatches] == [mb.continued.tolist() for mb in plan.microbatches]
+    path = tmp_path / "p.json"
+    plan.save(path)
+    assert Plan.load(path).digest() == plan.digest()
+    d["microbatches"][2]["padded_len"] += 8            # still a valid plan, but not the one written
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="edited after it was written"):
+        Plan.load(path)
+
+
 def test_backward_order_reverses_each_chain():
     plan, _ = _sliced_plan()
     short = Microbatch([7], [3], 3, 1)
