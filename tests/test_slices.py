@@ -331,3 +331,37 @@ def test_hand_made_sliced_plans_verify_on_gloo(gloo_slices):
     assert rc == 0, errors
     for case in made:
         assert load_results(out / case.run_id)["steps"]["verified"].all(), case.run_id
+
+
+def test_cli_schedules_a_sliced_plan_in_slice_order_and_refuses_what_breaks_it(tmp_path, capsys):
+    """`dynmb schedule` builds 1F1B with the chain's backwards reversed; zero-bubble kinds and
+    reordering are refused; `dynmb run --plan` refuses, before launching, a schedule that runs
+    the slices' backwards in plain 1F1B order."""
+    import json
+
+    from dynmb.cli.main import main
+    from dynmb.schedule import from_csv, one_f_one_b, to_csv
+
+    trace = tmp_path / "long.csv"
+    trace.write_text("length\n" + "\n".join(str(x) for x in LONG_BATCH) + "\n")
+    common = ["--model", "tiny"]
+    assert main(["plan", "--lengths", str(trace), "--global-batch", "8", "--memory-limit", "16MiB", "--oversize",
+                 "split", "--recompute", "auto", *common, "-o", str(tmp_path / "p.json")]) == 0
+    assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "1f1b", *common,
+                 "-o", str(tmp_path / "s.csv")]) == 0
+    plan = Plan.load(tmp_path / "s.plan.json")
+    validate(from_csv(tmp_path / "s.csv", num_microbatches=plan.num_microbatches), plan)
+    capsys.readouterr()
+    assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "zb-h1", *common,
+                 "-o", str(tmp_path / "z.csv")]) == 2
+    assert "gpipe or 1f1b" in capsys.readouterr().err
+    assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "1f1b", "--reorder", "search", *common,
+                 "-o", str(tmp_path / "r.csv")]) == 2
+    assert "planned order" in capsys.readouterr().err
+    to_csv(one_f_one_b(plan.num_stages, plan.num_microbatches), tmp_path / "bad.csv")
+    meta = json.loads((tmp_path / "s.meta.json").read_text())
+    (tmp_path / "bad.meta.json").write_text(json.dumps(meta))
+    assert main(["run", "--plan", str(tmp_path / "s.plan.json"), "--schedule", str(tmp_path / "bad.csv"),
+                 "--steps", "1", "--out", str(tmp_path / "res")]) == 2
+    assert "backward before the later slice" in capsys.readouterr().err
+    assert not (tmp_path / "res").exists()

@@ -7,17 +7,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from dynmb.atomic import write_text_atomic
 from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
 from dynmb.config import format_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
+from dynmb.planning import make_schedule
 from dynmb.planning.reorder import reorder
-from dynmb.planning.zerobubble import build_zb
-from dynmb.schedule import build_schedule, to_csv, validate
-from dynmb.simulate import memory_inputs, simulate
+from dynmb.schedule import to_csv
+from dynmb.simulate import simulate
 from dynmb.types import Plan
 
 __all__ = ["add_parser", "run", "sidecar_path", "check_schedule_plan"]
@@ -79,17 +78,8 @@ def run(args: argparse.Namespace) -> int:
     memory_model = get_memory_model(args.memory_model, model, plan.num_stages)
     plan = reorder(plan, args.reorder, cost_model=cost_model, memory_model=memory_model, schedule_kind=args.kind,
                    virtual=args.virtual)
-    memory_kwargs: dict[str, Any] = {}
-    if args.kind == "memory-aware":
-        activation, transient, state = memory_inputs(memory_model, plan)
-        memory_kwargs = dict(act_bytes=activation, state_bytes=state, limit_bytes=plan.memory_limit_bytes,
-                             transient_bytes=transient)
-    if args.kind in ("zb-h1", "zb"):          # cost-driven list scheduler (dynmb.planning.zerobubble)
-        schedule = build_zb(plan, args.kind, cost_model=cost_model, memory_model=memory_model)
-    else:
-        schedule = build_schedule(args.kind, plan.num_stages, plan.num_microbatches, virtual=args.virtual,
-                                  **memory_kwargs)
-    validate(schedule)
+    schedule = make_schedule(plan, args.kind, virtual=args.virtual, memory_model=memory_model,
+                             cost_model=cost_model)          # validated, slice order included
     to_csv(schedule, args.output)
     out = Path(args.output)
     plan_out = Path(args.plan_output) if args.plan_output else out.with_name(out.stem + ".plan.json")

@@ -27,7 +27,7 @@ from ..packing import pack
 from ..packing.context import PackContext
 from ..packing.packed import packed_row_len
 from ..schedule import build_schedule, validate
-from ..simulate import SimResult, simulate
+from ..simulate import SimResult, memory_inputs, simulate
 from ..types import Plan, Schedule
 from .defaults import reorder_for
 from .reorder import reorder as reorder_plan
@@ -53,9 +53,7 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any 
     if kind == "memory-aware":
         if memory_model is None:
             raise ValueError("the memory-aware schedule needs a memory model")
-        shapes = plan.shapes()
-        kw["act_bytes"], kw["transient_bytes"] = memory_model.act_matrix(shapes[:, 0], shapes[:, 1])
-        kw["state_bytes"] = memory_model.state_bytes
+        kw["act_bytes"], kw["transient_bytes"], kw["state_bytes"] = memory_inputs(memory_model, plan)
         kw["limit_bytes"] = plan.memory_limit_bytes
     sched = build_schedule(kind, plan.num_stages, m, virtual=virtual, **kw)
     validate(sched, plan)

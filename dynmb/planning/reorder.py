@@ -325,8 +325,12 @@ def reorder(plan: Plan, method: str, *, cost_model: Any, memory_model: Any = Non
     """``plan`` with its microbatches in the order ``method`` picks (``plan.meta['reorder'] = method``).
 
     ``max_evals`` bounds the simulator evaluations of ``search`` (default ``default_max_evals``:
-    about half a second on one core whatever the size).
+    about half a second on one core whatever the size). A plan with slices of long sequences
+    keeps its order (any method but ``none`` is refused).
     """
+    if plan.has_slices and method != "none":
+        raise ValueError(f"reorder {method!r}: this plan holds slices of long sequences, which run in their "
+                         f"planned order (reorder 'none')")
     order = reorder_order(plan, method, cost_model=cost_model, memory_model=memory_model,
                           schedule_kind=schedule_kind, virtual=virtual, max_evals=max_evals)
     return plan.with_order(order, reorder=method)

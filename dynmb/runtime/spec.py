@@ -48,7 +48,7 @@ from dynmb.memory import get_memory_model
 from dynmb.packing import METHODS
 from dynmb.planning import REORDER_METHODS
 from dynmb.results import run_ids_in
-from dynmb.schedule import SCHEDULE_KINDS, from_csv
+from dynmb.schedule import SCHEDULE_KINDS, ScheduleError, from_csv, validate
 from dynmb.types import Plan, Schedule
 
 __all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable"]
@@ -262,6 +262,10 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     if schedule.num_stages != plan.num_stages or schedule.num_ranks != ranks:
         raise ValueError(f"schedule {spec.schedule} has {schedule.num_stages} stages on {schedule.num_ranks} ranks; "
                          f"the plan {spec.plan} needs {plan.num_stages} stages on {ranks} ranks")
+    try:
+        validate(schedule, replica)              # complete, deadlock-free, slices in order
+    except ScheduleError as e:
+        raise ValueError(f"schedule {spec.schedule} cannot run plan {spec.plan}: {str(e).splitlines()[0]}") from None
     return plan, schedule
 
 
