@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 import dynmb
+from dynmb.config import parse_bytes
 from dynmb.data import load_trace, sample_batch
 from dynmb.packing import PackingError
 from dynmb.runtime.launch import launch_job
@@ -52,7 +53,7 @@ def real(args: argparse.Namespace) -> pd.DataFrame:
             oversize = case.split("+")[0]
             cfg = dynmb.RunConfig(
                 model=cfg_model, pipeline=dynmb.PipelineConfig(num_stages=args.stages,
-                                                               memory_limit_bytes=dynmb.parse_bytes(args.memory_limit)),
+                                                               memory_limit_bytes=parse_bytes(args.memory_limit)),
                 dataset=args.dataset, global_batch=args.global_batch, method=method, seed=args.seed, steps=args.steps,
                 warmup=args.warmup, backend="gloo", device="cpu", cost_model=str(COST_MODEL), timeout_s=600.0,
                 oversize=oversize, recompute=recompute)

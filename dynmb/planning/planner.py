@@ -102,6 +102,9 @@ def plan_step(
     if oversize == "split" and lengths.size and lengths.max() > _row_cap(method, model_cfg, memory_model,
                                                                         memory_limit_bytes, num_stages, schedule_kind,
                                                                         pack_len, round_to, virtual):
+        if reorder not in ("none", "auto"):
+            raise ValueError(f"reorder {reorder!r}: a plan with slices of long sequences runs in its planned order "
+                             f"(reorder 'none' or 'auto')")
         plan, sched, sim = plan_split(lengths, method, model_cfg=model_cfg, num_stages=num_stages,
                                       memory_limit_bytes=memory_limit_bytes, memory_model=memory_model,
                                       cost_model=cost_model, schedule_kind=schedule_kind, mbs=mbs, dp=dp,
