@@ -4,6 +4,7 @@ never / always / auto packing at a limit where ``never`` must truncate, and real
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,9 @@ from dynmb.planning import plan_step
 from dynmb.profile import synthetic_microbatch
 from dynmb.packing.recompute import fits, needs_recompute
 from dynmb.costmodel.split import RECOMPUTE_F_SHARE, stage_role
+from dynmb.runtime.spec import RunSpec
 from dynmb.types import Microbatch, Plan
+from tests.gloo_jobs import register
 
 SMALL = ModelConfig.preset("small")
 TINY = ModelConfig.preset("tiny")
@@ -153,24 +156,29 @@ def test_plan_step_predicts_recompute_under_the_limit():
 
 
 # --------------------------------------------------------------------------- real gloo ranks
+def _rc_cfg(kind: str, recompute: str, limit: int = TIGHT) -> RunConfig:
+    return RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=2, schedule=kind, memory_limit_bytes=limit),
+                     dataset="gsm8k", global_batch=8, method="dynamic", seed=0, steps=1, warmup=0,
+                     backend="gloo", device="cpu", timeout_s=60.0, recompute=recompute)
+
+
+RC_CASES = {"rc-auto-1f1b": ("1f1b", "auto", TIGHT), "rc-auto-zb-h1": ("zb-h1", "auto", TIGHT),
+            "rc-always-1f1b": ("1f1b", "always", 24 * 2**20)}
+
+
+@register(2)
+def _rc_two(out: Path) -> list[RunSpec]:
+    return [RunSpec.create(_rc_cfg(*args), out / name, verify=True, run_id=name) for name, args in RC_CASES.items()]
+
+
 @pytest.mark.dist
-def test_two_ranks_recompute_matches_reference_under_the_limit(tmp_path):
+def test_two_ranks_recompute_matches_reference_under_the_limit(gloo_job):
     from dynmb.results import load_results
-    from dynmb.runtime.launch import launch_spec, write_spec
 
-    def cfg(kind: str, recompute: str, limit: int = TIGHT) -> RunConfig:
-        return RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=2, schedule=kind, memory_limit_bytes=limit),
-                         dataset="gsm8k", global_batch=8, method="dynamic", seed=0, steps=1, warmup=0,
-                         backend="gloo", device="cpu", timeout_s=60.0, recompute=recompute)
-
-    cases = {"auto-1f1b": cfg("1f1b", "auto"), "auto-zb-h1": cfg("zb-h1", "auto"),
-             "always-1f1b": cfg("1f1b", "always", 24 * 2**20)}
-    specs = [write_spec(c, tmp_path / n, verify=True, run_id=n) for n, c in cases.items()]
-    rc = launch_spec({"out_dir": str(tmp_path), "cases": specs}, 2, quiet=True)
-    errs = list((tmp_path / "errors").glob("*.txt")) if (tmp_path / "errors").exists() else []
-    assert rc == 0, "\n".join(e.read_text() for e in errs)
-    for n in cases:
-        t = load_results(tmp_path / n)
+    job = gloo_job(2)
+    assert job.returncode == 0, job.errors
+    for n in RC_CASES:
+        t = load_results(job.out / n)
         assert t["steps"]["verified"].all() and (t["steps"]["truncated"] == 0).all(), n
         mem = t["memory"]
         assert (mem["peak_bytes"] <= mem["limit_bytes"]).all(), n

@@ -29,6 +29,7 @@ from dynmb.runtime.launch import LaunchResult, failure_lines, launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec
 from dynmb.runtime.trace import export_trace
 from dynmb.schedule import build_schedule
+from tests.gloo_jobs import register
 from tests.runtime_faults import REPO, Fault, fault_hooks
 
 LIMIT = 24 * 2**20
@@ -107,25 +108,38 @@ def test_failure_lines_names_dead_rank(tmp_path):
 # --------------------------------------------------------------------------
 # 2 ranks: every method x schedule, then three steps with changing shapes
 # --------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("rt2")
+def _rt_two_cases(out: Path) -> list[RunSpec]:
     cases = []
     for method in METHODS:
         for kind, virtual, reorder in SCHEDULES:
-            name = f"{method}-{kind}-{reorder}"
+            name = f"rt-{method}-{kind}-{reorder}"
             cases.append(_case(out, name, _cfg(method, kind, virtual, reorder, stages=2 * virtual)))
-    cases.append(_case(out, "dynamic-memory-aware-none", _cfg("dynamic", "memory-aware")))
-    cases.append(_case(out, "multistep", _cfg("dynamic", steps=3, warmup=0, global_batch=8, seed=3)))
-    rc = launch_job(_job(out, cases), 2, quiet=True).returncode
-    return rc, out, [c.run_id for c in cases]
+    cases.append(_case(out, "rt-dynamic-memory-aware-none", _cfg("dynamic", "memory-aware")))
+    cases.append(_case(out, "rt-multistep", _cfg("dynamic", steps=3, warmup=0, global_batch=8, seed=3)))
+    return cases
+
+
+RT_FOUR = {"rt-pp4": lambda: _cfg("dynamic", stages=4, global_batch=8, limit=32 * 2**20),
+           "rt-pp2dp2": lambda: _cfg("fixed", stages=2, dp=2, global_batch=8),
+           "rt-pp2dp2dyn": lambda: _cfg("dynamic", stages=2, dp=2, global_batch=8, seed=1)}
+
+register(2)(_rt_two_cases)
+register(4)(lambda out: [_case(out, name, cfg()) for name, cfg in RT_FOUR.items()])
+
+
+@pytest.fixture
+def two_rank_run(gloo_job):
+    """Every method x schedule on 2 ranks, verified (cases of the session's shared 2-rank job)."""
+    job = gloo_job(2)
+    names = [c.run_id for c in _rt_two_cases(job.out)]
+    errs = [job.errors] if job.errors else []
+    return job.returncode, job.out, names, errs
 
 
 @pytest.mark.dist
 def test_two_ranks_match_reference(two_rank_run):
-    rc, out, names = two_rank_run
-    errs = list((out / "errors").glob("*.txt")) if (out / "errors").exists() else []
-    assert rc == 0, "\n".join(e.read_text() for e in errs)
+    rc, out, names, errs = two_rank_run
+    assert rc == 0, "\n".join(errs)
     for name in names:
         t = _tables(out / name)
         assert t["steps"]["verified"].all(), name          # --verify passed (else rc != 0)
@@ -134,9 +148,9 @@ def test_two_ranks_match_reference(two_rank_run):
 
 @pytest.mark.dist
 def test_three_steps_change_shapes(two_rank_run):
-    rc, out, _ = two_rank_run
+    rc, out, _, _ = two_rank_run
     assert rc == 0
-    t = _tables(out / "multistep")
+    t = _tables(out / "rt-multistep")
     assert list(t["steps"]["step"]) == [0, 1, 2]
     shapes = t["actions"].groupby("step").apply(lambda d: tuple(sorted(set(zip(d["batch"], d["padded_len"])))))
     assert len(set(shapes)) == 3                            # every step runs other shapes
@@ -146,7 +160,7 @@ def test_three_steps_change_shapes(two_rank_run):
 
 @pytest.mark.dist
 def test_memory_measured_below_limit(two_rank_run):
-    rc, out, names = two_rank_run
+    rc, out, names, _ = two_rank_run
     assert rc == 0
     for name in names:
         mem = _tables(out / name)["memory"]
@@ -157,8 +171,8 @@ def test_memory_measured_below_limit(two_rank_run):
 
 @pytest.mark.dist
 def test_trace_export(two_rank_run, tmp_path):
-    _, out, _ = two_rank_run
-    p = export_trace(_tables(out / "dynamic-1f1b-none")["actions"], tmp_path / "t.json")
+    _, out, _, _ = two_rank_run
+    p = export_trace(_tables(out / "rt-dynamic-1f1b-none")["actions"], tmp_path / "t.json")
     ev = json.loads(p.read_text())["traceEvents"]
     assert {e["tid"] for e in ev} == {0, 1} and any(e["name"] == "1B0" for e in ev)
 
@@ -167,14 +181,12 @@ def test_trace_export(two_rank_run, tmp_path):
 # 4 ranks: P = 4, and PP 2 x DP 2
 # --------------------------------------------------------------------------
 @pytest.mark.dist
-def test_four_ranks_pp4_and_pp2_dp2(tmp_path):
-    cases = [_case(tmp_path, "pp4", _cfg("dynamic", stages=4, global_batch=8, limit=32 * 2**20)),
-             _case(tmp_path, "pp2dp2", _cfg("fixed", stages=2, dp=2, global_batch=8)),
-             _case(tmp_path, "pp2dp2dyn", _cfg("dynamic", stages=2, dp=2, global_batch=8, seed=1))]
-    rc = launch_job(_job(tmp_path, cases), 4, quiet=True).returncode
-    errs = list((tmp_path / "errors").glob("*.txt")) if (tmp_path / "errors").exists() else []
-    assert rc == 0, "\n".join(e.read_text() for e in errs)
-    acts = _tables(tmp_path / "pp2dp2")["actions"]
+def test_four_ranks_pp4_and_pp2_dp2(gloo_job):
+    job = gloo_job(4)
+    assert job.returncode == 0, job.errors
+    for name in RT_FOUR:
+        assert _tables(job.out / name)["steps"]["verified"].all(), name
+    acts = _tables(job.out / "rt-pp2dp2")["actions"]
     assert set(acts["rank"]) == {0, 1, 2, 3} and set(acts["dp_rank"]) == {0, 1}
 
 

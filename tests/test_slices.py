@@ -20,10 +20,10 @@ from dynmb.planning import make_schedule
 from dynmb.planning.planner import plan_step
 from dynmb.prefix import PrefixStore, SliceOrderError, prefix_attention
 from dynmb.results import load_results
-from dynmb.runtime.launch import launch_job
-from dynmb.runtime.spec import JobSpec, RunSpec
+from dynmb.runtime.spec import RunSpec
 from dynmb.schedule import ScheduleError, validate
 from dynmb.types import Action, Microbatch, Plan, PlanError, Schedule
+from tests.gloo_jobs import register
 
 TINY = ModelConfig.preset("tiny")
 
@@ -286,39 +286,38 @@ def _plan_case(out: Path, name: str, plan: Plan, ranks: int) -> RunSpec:
 
 
 RANK_CASES = {2: (LONG_BATCH, "16MiB"), 4: (TEN_X_BATCH, "12MiB")}
+SPLIT_METHODS = {2: ("dynamic", "fixed"), 4: ("dynamic",)}
+MADE_PLANS = {2: (("padded3", (100, 120, 80), "padded", False), ("packed4rc", (40, 90, 60, 10), "packed", True)),
+              4: (("packed4rc", (40, 90, 60, 10), "packed", True), ("padded8", (25,) * 8, "padded", False))}
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def gloo_slices(request, tmp_path_factory):
-    """One torchrun job per rank count: the split planner's plans of a batch with a long
-    sequence (on 4 ranks 10x the longest row that fits) for dynamic (and fixed on 2 ranks), and
-    hand-made plans with slices beside padded rows or packed into a row with another document (3
-    or 4 slices on 2 ranks, 4 or 8 on 4; with and without recomputation) run by ``run --plan``;
-    every case with ``--verify``."""
-    ranks = request.param
-    out = tmp_path_factory.mktemp(f"slices{ranks}")
+def _slice_cases(out: Path, ranks: int) -> list[RunSpec]:
+    """The split planner's plans of a batch with a long sequence (on 4 ranks 10x the longest row
+    that fits), and hand-made plans with slices beside padded rows or packed into a row with
+    another document (3 or 4 slices on 2 ranks, 4 or 8 on 4; with and without recomputation) run
+    by ``run --plan``; every case with ``--verify``."""
     batch, limit = RANK_CASES[ranks]
-    trace = out / "long.csv"
+    trace = out / f"long{ranks}.csv"
     trace.write_text("length\n" + "\n".join(str(x) for x in batch) + "\n")
-    methods = ("dynamic", "fixed") if ranks == 2 else ("dynamic",)
-    split = [_split_case(out, f"{m}-split", m, ranks, limit, trace) for m in methods]
-    made_plans = (("padded3", (100, 120, 80), "padded", False), ("packed4rc", (40, 90, 60, 10), "packed", True)) \
-        if ranks == 2 else (("packed4rc", (40, 90, 60, 10), "packed", True), ("padded8", (25,) * 8, "padded", False))
-    made = [_plan_case(out, name, _sliced_plan(splits, neighbours, rc)[0], ranks)
-            for name, splits, neighbours, rc in made_plans]
-    rc = launch_job(JobSpec(out_dir=str(out.resolve()), cases=tuple(split + made)), ranks, quiet=True).returncode
-    errs = list((out / "errors").glob("*.txt")) if (out / "errors").exists() else []
-    return rc, "\n".join(e.read_text() for e in errs), out, batch, split, made
+    split = [_split_case(out, f"slices-{m}-split", m, ranks, limit, trace) for m in SPLIT_METHODS[ranks]]
+    made = [_plan_case(out, f"slices-{name}", _sliced_plan(splits, neighbours, rc)[0], ranks)
+            for name, splits, neighbours, rc in MADE_PLANS[ranks]]
+    return split + made
+
+
+register(2)(lambda out: _slice_cases(out, 2))
+register(4)(lambda out: _slice_cases(out, 4))
 
 
 @pytest.mark.dist
-def test_split_runs_verify_on_gloo(gloo_slices):
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_split_runs_verify_on_gloo(gloo_job, ranks):
     """Every token trained, gradients equal to running each document whole, measured peak
     within the limit; on 4 ranks the long sequence is 10x the longest row that fits."""
-    rc, errors, out, batch, split, _ = gloo_slices
-    assert rc == 0, errors
-    for case in split:
-        t = load_results(out / case.run_id)
+    job, batch = gloo_job(ranks), RANK_CASES[ranks][0]
+    assert job.returncode == 0, job.errors
+    for m in SPLIT_METHODS[ranks]:
+        t = load_results(job.out / f"slices-{m}-split")
         assert t["steps"]["verified"].all()                      # gradients = whole documents in one pass
         assert (t["steps"]["real_tokens"] == batch.sum()).all()
         mem = t["memory"]
@@ -326,11 +325,12 @@ def test_split_runs_verify_on_gloo(gloo_slices):
 
 
 @pytest.mark.dist
-def test_hand_made_sliced_plans_verify_on_gloo(gloo_slices):
-    rc, errors, out, _, _, made = gloo_slices
-    assert rc == 0, errors
-    for case in made:
-        assert load_results(out / case.run_id)["steps"]["verified"].all(), case.run_id
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_hand_made_sliced_plans_verify_on_gloo(gloo_job, ranks):
+    job = gloo_job(ranks)
+    assert job.returncode == 0, job.errors
+    for name, *_ in MADE_PLANS[ranks]:
+        assert load_results(job.out / f"slices-{name}")["steps"]["verified"].all(), name
 
 
 def test_cli_schedules_a_sliced_plan_in_slice_order_and_refuses_what_breaks_it(tmp_path, capsys):

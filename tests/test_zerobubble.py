@@ -18,13 +18,14 @@ from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.profile import synthetic_microbatch
-from dynmb.runtime.launch import launch_spec, write_spec
+from dynmb.runtime.spec import RunSpec
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.schedule import build_schedule, from_str, to_csv, validate
 from dynmb.schedule.zerobubble import list_schedule, one_f_one_b_peaks
 from dynmb.simulate import simulate, simulate_costs
 from dynmb.types import Microbatch, Plan
 from dynmb.planning.zerobubble import build_zb, zb_evaluator, zb_inputs
+from tests.gloo_jobs import register
 
 torch_sched = pytest.importorskip("torch.distributed.pipelining.schedules")
 CFG = ModelConfig.preset("small")
@@ -245,14 +246,29 @@ def _cfg(kind: str, stages: int = 2, seed: int = 0, limit: int = LIMIT, global_b
                      backend="gloo", device="cpu", timeout_s=60.0, recompute=recompute)
 
 
-def _run(tmp: Path, cases: dict[str, RunConfig], nproc: int) -> dict:
+ZB_CASES = {
+    2: {"split-1f1b": _cfg("1f1b", seed=1), "split-zb-h1": _cfg("zb-h1", seed=1), "split-zb": _cfg("zb", seed=1),
+        "split-zb-h1-steps": _cfg("zb-h1", seed=2, steps=2)},
+    4: {"split-zb-h1-p4": _cfg("zb-h1", stages=4, limit=32 * 2**20, seed=3),
+        "split-zb-p4": _cfg("zb", stages=4, limit=32 * 2**20, seed=3)},
+}
+
+
+@register(2)
+def _zb_two(out: Path) -> list[RunSpec]:
+    return [RunSpec.create(cfg, out / name, verify=True, run_id=name) for name, cfg in ZB_CASES[2].items()]
+
+
+@register(4)
+def _zb_four(out: Path) -> list[RunSpec]:
+    return [RunSpec.create(cfg, out / name, verify=True, run_id=name) for name, cfg in ZB_CASES[4].items()]
+
+
+def _tables(job, names) -> dict:
     from dynmb.results import load_results
 
-    specs = [write_spec(cfg, tmp / name, verify=True, run_id=name) for name, cfg in cases.items()]
-    rc = launch_spec({"out_dir": str(tmp), "cases": specs}, nproc, quiet=True)
-    errs = list((tmp / "errors").glob("*.txt")) if (tmp / "errors").exists() else []
-    assert rc == 0, "\n".join(e.read_text() for e in errs)
-    return {name: load_results(tmp / name) for name in cases}
+    assert job.returncode == 0, job.errors
+    return {name: load_results(job.out / name) for name in names}
 
 
 def _check(tables: dict) -> None:
@@ -266,14 +282,10 @@ def _check(tables: dict) -> None:
 
 
 @pytest.mark.dist
-def test_two_ranks_split_backward_matches_reference(tmp_path):
-    tables = _run(tmp_path, {"1f1b": _cfg("1f1b", seed=1), "zb-h1": _cfg("zb-h1", seed=1), "zb": _cfg("zb", seed=1),
-                             "zb-h1-steps": _cfg("zb-h1", seed=2, steps=2)}, 2)
-    _check(tables)
+def test_two_ranks_split_backward_matches_reference(gloo_job):
+    _check(_tables(gloo_job(2), ZB_CASES[2]))
 
 
 @pytest.mark.dist
-def test_four_ranks_split_backward_matches_reference(tmp_path):
-    cases = {"zb-h1-p4": _cfg("zb-h1", stages=4, limit=32 * 2**20, seed=3),
-             "zb-p4": _cfg("zb", stages=4, limit=32 * 2**20, seed=3)}
-    _check(_run(tmp_path, cases, 4))
+def test_four_ranks_split_backward_matches_reference(gloo_job):
+    _check(_tables(gloo_job(4), ZB_CASES[4]))
