@@ -58,7 +58,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -66,7 +66,7 @@ from .atomic import write_text_atomic
 from .config import ModelConfig
 from .costmodel.validate import check_memory_model
 
-__all__ = ["MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
+__all__ = ["MemoryModelLike", "MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
            "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef"]
 
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")
@@ -74,6 +74,28 @@ SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")
 BUCKET_PADDING = 1 / 16
 """Bound on the pad tokens of bucketed document attention (``dynmb.model.bucket_documents``),
 as a fraction of the microbatch's real tokens; the ``auto`` memory model charges it."""
+
+
+class MemoryModelLike(Protocol):
+    """What consumers use of a memory model (the packers, builders, simulator, planner): per-stage
+    state bytes and the bytes a microbatch holds and needs on each stage."""
+
+    model_cfg: ModelConfig
+    num_stages: int
+    state_bytes: np.ndarray
+
+    def act_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(act[P, m], transient[P, m])`` bytes of microbatches (rows[m], padded_len[m])."""
+        ...
+
+    def peak_bytes(self, rows: Any, padded_len: Any, schedule_kind: str = "1f1b", order: Any = None,
+                   virtual: int = 1, recompute: Any = None) -> np.ndarray:
+        """Predicted peak bytes per stage of running these microbatches."""
+        ...
+
+    def activation_bytes(self, stage: int, rows: Any, padded_len: Any, recompute: bool = False) -> np.ndarray:
+        """Bytes one microbatch holds on ``stage`` from its forward to its backward."""
+        ...
 
 
 def inflight_limit(stage: int, num_stages: int, schedule_kind: str, m: int) -> int:

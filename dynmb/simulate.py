@@ -45,6 +45,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
 from dynmb.packing.rows import makespan
 from dynmb.schedule.validate import ScheduleError, execution_order
 from dynmb.types import Plan, Schedule
@@ -268,7 +270,7 @@ def peaks(flat: Any, S: int, R: int, act: np.ndarray, tr: np.ndarray | None,
     return state + peak_held, np.bincount(rank_of, weights=state, minlength=R) + peak_r, (o, st, held)
 
 
-def memory_inputs(memory_model: Any, plan: Plan) -> tuple[Any, Any, Any]:
+def memory_inputs(memory_model: MemoryModelLike, plan: Plan) -> tuple[Any, Any, Any]:
     """``(act[P, m], transient[P, m] or None, state[P])`` of ``plan`` from ``memory_model`` (Nones
     without one); recomputed microbatches (``Microbatch.recompute``) at their recomputed bytes, continued
     slices of long sequences with the bytes their keys and values hold for later slices
@@ -290,7 +292,7 @@ def memory_inputs(memory_model: Any, plan: Plan) -> tuple[Any, Any, Any]:
     return act, tr, np.asarray(memory_model.state_bytes, dtype=np.float64)
 
 
-def slice_grad_inputs(memory_model: Any, plan: Plan) -> SliceGrads | None:
+def slice_grad_inputs(memory_model: MemoryModelLike, plan: Plan) -> SliceGrads | None:
     """``SliceGrads`` of ``plan``'s chains of slices (None without slices or a memory model that
     knows them): each continued slice's key/value gradients (``MemoryModel.slice_grad_coef`` per
     token) appear in the backward of its chain's last slice and are freed by its own."""
@@ -308,7 +310,7 @@ def slice_grad_inputs(memory_model: Any, plan: Plan) -> SliceGrads | None:
     return SliceGrads(alloc, free)
 
 
-def w_inputs(memory_model: Any, plan: Plan) -> np.ndarray | None:
+def w_inputs(memory_model: MemoryModelLike, plan: Plan) -> np.ndarray | None:
     """``w[P, m]``: bytes each microbatch of ``plan`` holds from its ``I`` to its ``W`` (None
     without a memory model that knows them)."""
     if memory_model is None or not hasattr(memory_model, "w_matrix"):
@@ -317,7 +319,7 @@ def w_inputs(memory_model: Any, plan: Plan) -> np.ndarray | None:
     return np.asarray(memory_model.w_matrix(shapes[:, 0], shapes[:, 1], plan.recompute_mask()), dtype=np.float64)
 
 
-def plan_op_costs(cost_model: Any, plan: Plan, schedule: Schedule) -> dict[str, np.ndarray]:
+def plan_op_costs(cost_model: CostModelLike, plan: Plan, schedule: Schedule) -> dict[str, np.ndarray]:
     """``cost_model.plan_costs(plan)`` with ``I`` and ``W`` added when ``schedule`` splits backwards."""
     used = {a.op for acts in schedule.ranks for a in acts}
     if used <= {"F", "B"}:
@@ -325,7 +327,7 @@ def plan_op_costs(cost_model: Any, plan: Plan, schedule: Schedule) -> dict[str, 
     return cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
 
 
-def comm_times(cost_model: Any, plan: Plan) -> np.ndarray | float:
+def comm_times(cost_model: CostModelLike, plan: Plan) -> np.ndarray | float:
     """P2P seconds per microbatch of ``plan`` from ``cost_model.comm`` (0 without one)."""
     comm_model = getattr(cost_model, "comm", None)
     if comm_model is None:
@@ -335,7 +337,7 @@ def comm_times(cost_model: Any, plan: Plan) -> np.ndarray | float:
     return np.asarray(comm_model.time(nbytes), dtype=np.float64).reshape(-1)
 
 
-def simulate(schedule: Schedule, plan: Plan, cost_model: Any, memory_model: Any = None) -> SimResult:
+def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None) -> SimResult:
     """Simulate ``plan`` (microbatch ``j`` = ``plan.microbatches[j]``) under ``schedule``.
 
     Costs from ``cost_model.plan_costs(plan)`` (rows, padded_len and attention work); P2P time from

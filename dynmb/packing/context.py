@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from dynmb.memory import MemoryModelLike
 from ..memory import inflight_limit, interleaved_inflight
 from .rows import round_down, round_up
 
@@ -74,13 +75,13 @@ class PackContext:
         return round_down(self.max_len(top), round_to) if top >= 1 else 0
 
 
-def max_fitting_length(memory_model: Any, memory_limit_bytes: int, num_stages: int,
+def max_fitting_length(memory_model: MemoryModelLike, memory_limit_bytes: int, num_stages: int,
                        schedule_kind: str = "1f1b", upto: int = 1 << 16, round_to: int = 1) -> int:
     """The longest sequence (a multiple of ``round_to``, <= ``upto``) admissible alone (one row)."""
     return PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind).length_cap(upto, round_to)
 
 
-def auto_mbs(memory_model: Any, memory_limit_bytes: int, num_stages: int, max_len: int,
+def auto_mbs(memory_model: MemoryModelLike, memory_limit_bytes: int, num_stages: int, max_len: int,
              schedule_kind: str = "1f1b", round_to: int = 1) -> int:
     """The largest mbs whose worst case (every row ``max_len`` long, rounded up to a multiple
     of ``round_to``) is admissible (0 if none)."""

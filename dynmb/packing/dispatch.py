@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
 from ..types import Microbatch, Plan
 from .context import PackContext, PackingError
 from .dynamic import dynamic_groups
@@ -55,7 +57,7 @@ _OVERSIZE = ("error", "truncate", "drop")
 
 
 def _check_args(method: str, schedule_kind: str, oversize: str, dp: int, mbs: int | None, round_to: int,
-                memory_model: Any, num_stages: int) -> None:
+                memory_model: MemoryModelLike, num_stages: int) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown packing method {method!r}; expected one of {METHODS}")
     if schedule_kind not in _KINDS:
@@ -120,7 +122,7 @@ def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str,
     return kept_lengths, ids, meta
 
 
-def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Any, *, mbs: int | None, round_to: int,
+def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: CostModelLike, *, mbs: int | None, round_to: int,
                  len_cap: int, attention: str, dp: int = 1) -> tuple[Flat, dict[str, Any]]:
     """The microbatches of ``method`` in flat form and the settings it chose (for ``plan.meta``)."""
     if method in ("fixed", "sorted"):
@@ -202,7 +204,7 @@ def _balance_replicas(flat: Flat, ctx: PackContext, dp: int) -> Flat:
     return groups_to_flat(groups)
 
 
-def _estimate(microbatches: list[Microbatch], cost_model: Any, memory_model: Any, attention: str, kind: str,
+def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_model: MemoryModelLike, attention: str, kind: str,
               virtual: int, dp: int) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
     """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
     makespan of each replica), from the one cost lookup with each microbatch's attention work."""
@@ -231,8 +233,8 @@ def _estimate(microbatches: list[Microbatch], cost_model: Any, memory_model: Any
     return microbatches, replica_ids, peak, estimates
 
 
-def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: Any,
-         cost_model: Any, mbs: int | None = None, schedule_kind: str = "1f1b", dp: int = 1,
+def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: MemoryModelLike,
+         cost_model: CostModelLike, mbs: int | None = None, schedule_kind: str = "1f1b", dp: int = 1,
          oversize: str = "error", pack_len: int | None = None, round_to: int = 1, virtual: int = 1,
          recompute: str = "never") -> Plan:
     """Pack the global batch ``lengths`` with ``method``; see the module docstring.
@@ -259,8 +261,8 @@ def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int,
             gc.enable()
 
 
-def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: Any,
-          cost_model: Any, mbs: int | None, schedule_kind: str, dp: int, oversize: str,
+def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: MemoryModelLike,
+          cost_model: CostModelLike, mbs: int | None, schedule_kind: str, dp: int, oversize: str,
           pack_len: int | None, round_to: int, virtual: int) -> Plan:
     t0 = time.perf_counter()
     _check_args(method, schedule_kind, oversize, dp, mbs, round_to, memory_model, num_stages)

@@ -65,6 +65,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
 from .dynapipe import dynapipe_split
 from .rows import (Flat, assign_replicas, bfd_rows, exact_regime, flat_to_groups, greedy_cuts,
                         greedy_cuts_from_short_end, groups_to_flat, makespans, next_fit_rows, polish_cuts, round_down,
@@ -161,7 +162,7 @@ def _caps(lengths: np.ndarray, max_len: int, round_to: int) -> list[int | None]:
     return caps
 
 
-def _affine_costs(cost_model: Any, padded: np.ndarray) -> dict[str, np.ndarray]:
+def _affine_costs(cost_model: CostModelLike, padded: np.ndarray) -> dict[str, np.ndarray]:
     """Per op ``F`` / ``B``: (alpha, beta, gamma)[P, u] with time(b, s, work) = alpha + beta * b
     - gamma * (b * s^2 - work), from one ``stage_costs`` lookup at (1, s), (2, s), (1, s, 0)."""
     u = len(padded)
@@ -263,7 +264,7 @@ class _Cand:
     order: str = ""                         # the order that gave it
 
 
-def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: Any,
+def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: CostModelLike,
                    num_stages: int, schedule_kind: str = "1f1b", comm: Any = None, *, round_to: int = 1,
                    max_len: int | None = None, attention: str = "auto", dp: int = 1,
                    baselines: Callable[[str], Flat] | None = None, num_tau: int = 4, keep: int = 3,
@@ -372,7 +373,7 @@ def _refined(own: list[_Cand], setups: dict[str, _Setup], grids: dict[str, np.nd
 class _Ranker:
     """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
 
-    def __init__(self, cost_model: Any, num_stages: int, kind: str, comm: Any, dp: int,
+    def __init__(self, cost_model: CostModelLike, num_stages: int, kind: str, comm: Any, dp: int,
                  setups: dict[str, _Setup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
         self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
         self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn

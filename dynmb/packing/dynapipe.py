@@ -21,16 +21,17 @@ O(n * w * K) work for n samples, w the largest feasible microbatch, K candidates
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
 from .rows import Group, round_up
 
 __all__ = ["dynapipe_split", "dynapipe_groups"]
 
 
-def _affine_costs(cost_model: Any, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _affine_costs(cost_model: CostModelLike, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(alpha[P, n], beta[P, n]) with F+B(b, s) ~= alpha + beta * b per stage."""
     c1 = cost_model.stage_costs(np.ones_like(s), s)
     c2 = cost_model.stage_costs(np.full_like(s, 2), s)
@@ -39,7 +40,7 @@ def _affine_costs(cost_model: Any, s: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return t1 - beta, beta
 
 
-def dynapipe_split(lengths_sorted: np.ndarray, bmax: np.ndarray, cost_model: Any, num_stages: int,
+def dynapipe_split(lengths_sorted: np.ndarray, bmax: np.ndarray, cost_model: CostModelLike, num_stages: int,
                    num_candidates: int = 24) -> np.ndarray:
     """Start index of each microbatch (plus n at the end) over ``lengths_sorted`` (ascending
     padded lengths). ``bmax[j]`` is the most rows a microbatch padded to ``lengths_sorted[j]`` may hold.
@@ -81,7 +82,7 @@ def dynapipe_split(lengths_sorted: np.ndarray, bmax: np.ndarray, cost_model: Any
     return np.array(cuts[::-1], dtype=np.int64)
 
 
-def dynapipe_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: Any,
+def dynapipe_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: CostModelLike,
                     num_stages: int, round_to: int = 1) -> list[Group]:
     """The DP split of the length-sorted sequences at their lengths rounded up to ``round_to``."""
     pos = np.argsort(lengths, kind="stable")

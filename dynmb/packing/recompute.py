@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
 from ..memory import inflight_limit
 from ..types import Microbatch, Plan
 from .rows import makespan
@@ -49,13 +51,13 @@ logger = logging.getLogger(__name__)
 RECOMPUTE_MODES = ("never", "always", "auto")
 
 
-def _caps_inflight(memory_model: Any, limit: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+def _caps_inflight(memory_model: MemoryModelLike, limit: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
     P = memory_model.num_stages
     k = np.array([1 if kind == "gpipe" else inflight_limit(i, P, kind, 2**30) for i in range(P)])
     return float(limit) - np.asarray(memory_model.state_bytes, dtype=np.float64), k
 
 
-def fits(memory_model: Any, limit: int, rows: Any, padded_len: Any, *, kind: str = "1f1b", tight: bool = True,
+def fits(memory_model: MemoryModelLike, limit: int, rows: Any, padded_len: Any, *, kind: str = "1f1b", tight: bool = True,
          recompute: bool = False) -> np.ndarray:
     """Whether microbatches (rows, padded_len) are admissible (``dynmb.packing``'s rule), with or
     without recomputation; vectorised."""
@@ -65,7 +67,7 @@ def fits(memory_model: Any, limit: int, rows: Any, padded_len: Any, *, kind: str
     return b <= memory_model.max_rows(caps, s, k, tight=tight, recompute=recompute)
 
 
-def needs_recompute(memory_model: Any, plan: Plan, *, tight: bool = True) -> np.ndarray:
+def needs_recompute(memory_model: MemoryModelLike, plan: Plan, *, tight: bool = True) -> np.ndarray:
     """``(m,)`` bool: the plan's microbatches that are not admissible without recomputation."""
     shapes = plan.shapes()
     return ~fits(memory_model, plan.memory_limit_bytes, shapes[:, 0], shapes[:, 1], kind=plan.schedule_kind,
@@ -84,7 +86,7 @@ def _with_flag(mb: Microbatch, flag: bool) -> Microbatch:
     return Microbatch(mb.seq_ids, mb.lengths, mb.padded_len, mb.batch, mb.row_ids, recompute=flag)
 
 
-def _estimate(plan: Plan, cost_model: Any, memory_model: Any) -> tuple[float, np.ndarray]:
+def _estimate(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike) -> tuple[float, np.ndarray]:
     """(estimated makespan of the slowest replica, predicted peak per stage) with the plan's flags."""
     replicas = range(plan.dp) if plan.dp > 1 else [None]
     worst, peak = 0.0, np.zeros(plan.num_stages)
@@ -101,7 +103,7 @@ def _estimate(plan: Plan, cost_model: Any, memory_model: Any) -> tuple[float, np
     return worst, peak
 
 
-def _with_predictions(plan: Plan, cost_model: Any, memory_model: Any) -> tuple[Plan, float, bool]:
+def _with_predictions(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike) -> tuple[Plan, float, bool]:
     est, peak = _estimate(plan, cost_model, memory_model)
     preds = {**plan.predictions, "pred_peak_bytes": [int(x) for x in np.ceil(peak)], "est_makespan_s": est}
     return replace(plan, predictions=preds), est, bool(np.all(peak <= plan.memory_limit_bytes))
@@ -114,7 +116,7 @@ def _remap(plan: Plan, ids: np.ndarray) -> list[Microbatch]:
 
 
 def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, method: str, *, recompute: str,
-                        memory_model: Any, cost_model: Any, memory_limit_bytes: int, **kw: Any) -> Plan:
+                        memory_model: MemoryModelLike, cost_model: CostModelLike, memory_limit_bytes: int, **kw: Any) -> Plan:
     """``pack_fn`` (``dynmb.packing``'s packer, same keywords) under a recompute mode (module doc)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -156,7 +158,7 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, method: str,
 
 
 def _plain_plus_singletons(pack_fn: Callable[..., Plan], lengths: np.ndarray, method: str, plain_ok: np.ndarray,
-                           memory_model: Any, rc_model: Any, args: dict) -> Plan:
+                           memory_model: MemoryModelLike, rc_model: Any, args: dict) -> Plan:
     """Candidate (c): the plain plan of the sequences that fit without recomputation, then each
     other sequence alone in a recomputed one-row microbatch (at the packer's rounding)."""
     ids = np.flatnonzero(plain_ok)

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
 from ..config import ModelConfig, model_config, parse_bytes
 from ..costmodel import get_cost_model
 from ..memory import get_memory_model
@@ -63,7 +65,7 @@ class Planner:
     """
 
     def __init__(self, *, model: ModelConfig | str = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
-                 cost_model: Any = None, memory_model: Any = None, schedule: str = "1f1b", round_to: int = 1,
+                 cost_model: CostModelLike | None = None, memory_model: MemoryModelLike | None = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu") -> None:
         self.model_cfg = _model(model)

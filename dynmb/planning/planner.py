@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
 from ..config import ModelConfig
 from ..costmodel import get_cost_model
 from ..memory import get_memory_model
@@ -37,8 +39,8 @@ from .zerobubble import build_zb
 __all__ = ["plan_step", "make_schedule"]
 
 
-def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any = None,
-                  cost_model: Any = None) -> Schedule:
+def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: MemoryModelLike | None = None,
+                  cost_model: CostModelLike | None = None) -> Schedule:
     """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``)."""
     order = plan.backward_order() if plan.has_slices else None
     if order is not None and kind not in ("gpipe", "1f1b"):
@@ -60,7 +62,7 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Any 
     return sched
 
 
-def _row_cap(method: str, model_cfg: ModelConfig, memory_model: Any, memory_limit_bytes: int, num_stages: int,
+def _row_cap(method: str, model_cfg: ModelConfig, memory_model: MemoryModelLike, memory_limit_bytes: int, num_stages: int,
              schedule_kind: str, pack_len: int | None, round_to: int, virtual: int) -> int:
     """The longest row ``method`` runs (beyond it, ``oversize='split'`` slices a sequence)."""
     ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
@@ -81,8 +83,8 @@ def plan_step(
     mbs: int | None = None,
     dp: int = 1,
     virtual: int = 1,
-    cost_model: Any = None,
-    memory_model: Any = None,
+    cost_model: CostModelLike | None = None,
+    memory_model: MemoryModelLike | None = None,
     oversize: str = "error",
     pack_len: int | None = None,
     round_to: int = 1,

@@ -40,6 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
 from ..schedule import build_schedule, execution_order, memory_aware, memory_windows
 from ..simulate import _cross_mask, _times, comm_times, memory_inputs, peaks
 from ..types import Plan, Schedule
@@ -55,7 +57,7 @@ class OrderEvaluator:
     The peak is only computed when some order could exceed the limit (else it is reported as 0;
     ``peak(order)`` always computes it)."""
 
-    def __init__(self, plan: Plan, cost_model: Any, memory_model: Any = None, schedule_kind: str = "1f1b",
+    def __init__(self, plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None, schedule_kind: str = "1f1b",
                  virtual: int = 1) -> None:
         self.P, self.m, self.kind, self.virtual = plan.num_stages, plan.num_microbatches, schedule_kind, virtual
         costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W")) if schedule_kind in ("zb-h1", "zb") \
@@ -294,7 +296,7 @@ def default_max_evals(num_actions: int) -> int:
     return int(np.clip(600_000 // max(1, num_actions), 64, 4000))
 
 
-def reorder_order(plan: Plan, method: str, *, cost_model: Any, memory_model: Any = None,
+def reorder_order(plan: Plan, method: str, *, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None,
                   schedule_kind: str = "1f1b", virtual: int = 1, max_evals: int | None = None,
                   evaluator: OrderEvaluator | None = None) -> list[int]:
     """The order (``order[i]`` = old index run at position ``i``) that ``method`` chooses."""
@@ -320,7 +322,7 @@ def reorder_order(plan: Plan, method: str, *, cost_model: Any, memory_model: Any
     return _local_search(ev, start, max_evals)
 
 
-def reorder(plan: Plan, method: str, *, cost_model: Any, memory_model: Any = None, schedule_kind: str = "1f1b",
+def reorder(plan: Plan, method: str, *, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None, schedule_kind: str = "1f1b",
             virtual: int = 1, max_evals: int | None = None) -> Plan:
     """``plan`` with its microbatches in the order ``method`` picks (``plan.meta['reorder'] = method``).
 

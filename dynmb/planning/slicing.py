@@ -30,10 +30,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
 from dynmb.config import ModelConfig
 from dynmb.packing import PackingError, pack
 from dynmb.packing.context import PackContext
@@ -65,7 +67,7 @@ def _chain(seq_id: int, pieces: list[int], round_to: int, recompute: bool) -> li
 
 
 def plan_split(lengths: np.ndarray, method: str, *, model_cfg: ModelConfig, num_stages: int, memory_limit_bytes: int,
-               memory_model: Any, cost_model: Any, schedule_kind: str = "1f1b", mbs: int | None = None, dp: int = 1,
+               memory_model: MemoryModelLike, cost_model: CostModelLike, schedule_kind: str = "1f1b", mbs: int | None = None, dp: int = 1,
                pack_len: int | None = None, round_to: int = 1, virtual: int = 1, recompute: str = "never",
                make_schedule: Callable[..., Schedule]) -> tuple[Plan, Schedule, SimResult]:
     """Plan ``lengths`` with every sequence longer than the longest row cut into slices (module doc)."""

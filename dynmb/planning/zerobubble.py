@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
 from ..schedule.builders import build_schedule
 from ..schedule.validate import execution_order
 from ..schedule.zerobubble import ZBInputs
@@ -29,7 +31,7 @@ __all__ = ["ZB_KINDS", "zb_inputs", "zb_evaluator", "build_zb"]
 ZB_KINDS = ("zb-h1", "zb")
 
 
-def zb_inputs(plan: Plan, cost_model: Any, memory_model: Any = None) -> ZBInputs:
+def zb_inputs(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None) -> ZBInputs:
     """Per (stage, microbatch) times, P2P times and (with ``memory_model``) bytes of ``plan``."""
     costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
     m = plan.num_microbatches
@@ -44,7 +46,7 @@ def zb_inputs(plan: Plan, cost_model: Any, memory_model: Any = None) -> ZBInputs
     return ZBInputs(costs["F"], costs["B"], costs["I"], costs["W"], comm, split, act, w, tr)
 
 
-def zb_evaluator(plan: Plan, cost_model: Any, memory_model: Any, inp: ZBInputs):
+def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike, inp: ZBInputs):
     """``schedule -> (makespan, peak bytes per stage)``: the simulator's recurrence and memory rule
     (``dynmb.simulate``, without building its timeline tables) on ``inp``'s numbers."""
     S = plan.num_stages
@@ -65,7 +67,7 @@ def zb_evaluator(plan: Plan, cost_model: Any, memory_model: Any, inp: ZBInputs):
     return evaluate
 
 
-def build_zb(plan: Plan, kind: str, *, cost_model: Any, memory_model: Any = None) -> Schedule:
+def build_zb(plan: Plan, kind: str, *, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None) -> Schedule:
     """The ``kind`` (``zb-h1`` or ``zb``) schedule of one pipeline replica's plan."""
     if kind not in ZB_KINDS:
         raise ValueError(f"not a zero-bubble kind: {kind!r}; expected one of {ZB_KINDS}")
