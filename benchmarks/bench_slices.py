@@ -5,13 +5,13 @@ A slice of n tokens at offset p runs its attention against p prefix keys with
 kernel from whole documents' causal SDPA. This script times forward and backward of one
 such slice (the last of its sequence: prefix keys and values from a pre-filled
 ``PrefixStore``) on every stage, ``--repeats`` times after a warm-up, wall clock, one
-thread, and fits the single factor ``prefix_scale`` of the cost model:
+thread, and fits the cost model's ``prefix_scale``, one factor per op (F, B):
 
     t(op) = pred(op, attn = n**2) + prefix_scale * (pred(op, attn = prefix_work) - pred(op, attn = n**2))
 
 (the slice's own tokens cost what a causal document of n tokens does; its queries against the
-p prefix keys, ``2 n p`` units, cost the model's per-unit attention cost scaled), by least squares of the relative error over
-every other point (F and B pooled); it reports the relative error of the predictions on
+p prefix keys, ``2 n p`` units, cost the model's per-unit attention cost scaled), by least squares
+of the relative error over every other (n, prefix, stage) point; it reports the relative error of the predictions on
 the held-out points (the rest) and, with ``--write``, stores the factor in the cost model file.
 
     python benchmarks/bench_slices.py --cost-model dynmb/data/costmodels/small-p2-cpu.json \\
@@ -86,24 +86,28 @@ def main() -> None:
                 full = float(np.ravel(cm.predict(stage, op, 1, n, work))[0])           # + the 2 n p cross term
                 rows.append((n, p, stage, op, t, base, full))
                 print(f"n={n:5d} prefix={p:6d} stage {stage} {op}: measured {t:.4f} s, model at scale 1 {full:.4f} s")
-    test = rows[1::2]
-    train = [(t, base, full - base) for (_, _, _, _, t, base, full) in rows[0::2] if full > base]
-    factors = train
-    # min sum(((base + scale * delta - t) / t)^2): scale = sum(d/t * (t - base)/t) / sum((d/t)^2)
-    scale = max(sum(d / t * (t - b) / t for t, b, d in train) / sum((d / t) ** 2 for t, _, d in train), 1e-3)
-    errs = [abs(base + scale * (full - base) - t) / t for (_, _, _, _, t, base, full) in test]
-    errs1 = [abs(full - t) / t for (_, _, _, _, t, base, full) in test]
-    print(f"fitted prefix_scale {scale:.3f} on {len(factors)} points; held-out ({len(test)} points) relative error: "
-          f"median {np.median(errs):.1%}, p90 {np.percentile(errs, 90):.1%}, max {np.max(errs):.1%} "
-          f"(at scale 1: median {np.median(errs1):.1%}, max {np.max(errs1):.1%})")
+    # held out: every other (n, prefix, stage) point, both ops; fitted per op on the rest
+    train = [r for k, r in enumerate(rows) if (k // 2) % 2 == 0]
+    test = [r for k, r in enumerate(rows) if (k // 2) % 2 == 1]
+    scale = {}
+    for op in ("F", "B"):
+        pts = [(t, base, full - base) for (_, _, _, o, t, base, full) in train if o == op and full > base]
+        # min sum(((base + s * delta - t) / t)^2): s = sum(d/t * (t - base)/t) / sum((d/t)^2)
+        scale[op] = max(sum(d / t * (t - b) / t for t, b, d in pts) / sum((d / t) ** 2 for t, _, d in pts), 1e-3)
+    errs = [abs(base + scale[o] * (full - base) - t) / t for (_, _, _, o, t, base, full) in test]
+    errs1 = [abs(full - t) / t for (_, _, _, o, t, base, full) in test]
+    print(f"fitted prefix_scale F {scale['F']:.3f}, B {scale['B']:.3f} on {len(train)} measurements; held-out "
+          f"({len(test)}) relative error: median {np.median(errs):.1%}, p90 {np.percentile(errs, 90):.1%}, "
+          f"max {np.max(errs):.1%} (at scale 1: median {np.median(errs1):.1%}, max {np.max(errs1):.1%})")
     if args.write:
-        cm.prefix_scale = scale
-        cm.meta = {**cm.meta, "prefix_scale_fit": {"points": len(factors), "heldout_points": len(test),
+        cm.prefix_scale = {op: float(v) for op, v in scale.items()}
+        cm.meta = {**cm.meta, "prefix_scale_fit": {"points": len(train), "heldout_points": len(test),
                                                     "heldout_median_rel_err": float(np.median(errs)),
+                                                    "heldout_p90_rel_err": float(np.percentile(errs, 90)),
                                                     "heldout_max_rel_err": float(np.max(errs)),
                                                     "command": "benchmarks/bench_slices.py"}}
         cm.save(args.cost_model)
-        print(f"wrote prefix_scale {scale:.3f} to {args.cost_model}")
+        print(f"wrote prefix_scale {cm.prefix_scale} to {args.cost_model}")
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ class CostModel:
         self.comm = comm if comm is not None else CommModel()
         self.meta = dict(meta or {})
         self.runtime_overhead_s: dict[str, float] = {"F": 0.0, "B": 0.0}
-        self.prefix_scale: float = 1.0
+        self.prefix_scale: dict[str, float] = {"F": 1.0, "B": 1.0}
         """Seconds per unit of a slice's attention to its prefix (the ``2 n p`` part of
         ``Microbatch.prefix_work``; its own n tokens cost what a causal document's do) over seconds
         per unit of whole-document attention work, measured by ``benchmarks/bench_slices.py``
@@ -167,10 +167,16 @@ class CostModel:
         shapes = plan.shapes()
         rc = plan.recompute_mask() if hasattr(plan, "recompute_mask") else None
         attn = plan.attention_work(self.model_cfg.attention)
-        if getattr(plan, "has_slices", False) and self.prefix_scale != 1.0:
-            attn = attn + (self.prefix_scale - 1.0) * plan.prefix_cross_work()
-        return self.stage_costs(shapes[:, 0], shapes[:, 1], attn, ops=ops,
-                                recompute=rc if rc is not None and rc.any() else None)
+        recompute = rc if rc is not None and rc.any() else None
+        if not getattr(plan, "has_slices", False) or set(self.prefix_scale.values()) == {1.0}:
+            return self.stage_costs(shapes[:, 0], shapes[:, 1], attn, ops=ops, recompute=recompute)
+        cross = plan.prefix_cross_work()
+        out = {}
+        for op in ops:                  # each op with its own price of the slices' prefix attention
+            scale = self.prefix_scale.get(op, self.prefix_scale["B"])
+            out[op] = self.stage_costs(shapes[:, 0], shapes[:, 1], attn + (scale - 1.0) * cross, ops=(op,),
+                                       recompute=recompute)[op]
+        return out
 
     def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
         """P2P seconds of the hidden state of microbatches (rows, padded_len) between stages."""
@@ -193,8 +199,8 @@ class CostModel:
              "comm": self.comm.to_dict(), "meta": self.meta, "params": self._params()}
         if any(self.runtime_overhead_s.values()):
             d["runtime_overhead_s"] = dict(self.runtime_overhead_s)
-        if self.prefix_scale != 1.0:
-            d["prefix_scale"] = float(self.prefix_scale)
+        if set(self.prefix_scale.values()) != {1.0}:
+            d["prefix_scale"] = dict(self.prefix_scale)
         return d
 
     def save(self, path: str | Path) -> None:
@@ -210,9 +216,12 @@ class CostModel:
         cm = kinds[d["kind"]]._from_parts(ModelConfig.from_dict(d["model"]), int(d["num_stages"]),
                                           CommModel(**d.get("comm", {})), d.get("meta", {}), d.get("params", {}))
         cm = cm.with_overhead(**d["runtime_overhead_s"]) if d.get("runtime_overhead_s") else cm
-        cm.prefix_scale = float(d.get("prefix_scale", 1.0))
-        if not np.isfinite(cm.prefix_scale) or cm.prefix_scale <= 0:
-            raise ValueError(f"prefix_scale must be a positive number, got {d.get('prefix_scale')!r}")
+        raw = d.get("prefix_scale", 1.0)
+        scale = {"F": raw, "B": raw} if isinstance(raw, (int, float)) else dict(raw)
+        if set(scale) != {"F", "B"} or not all(isinstance(v, (int, float)) and np.isfinite(v) and v > 0
+                                                for v in scale.values()):
+            raise ValueError(f"prefix_scale must be a positive number or {{'F': .., 'B': ..}}, got {raw!r}")
+        cm.prefix_scale = {op: float(v) for op, v in scale.items()}
         return cm
 
     @staticmethod
