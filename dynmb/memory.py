@@ -64,7 +64,7 @@ import numpy as np
 
 from .atomic import write_text_atomic
 from .config import ModelConfig
-from .costmodel.validate import check_memory_model
+from .costmodel.validate import check_memory_model, check_numbers, read_model_file
 
 __all__ = ["MemoryModelLike", "MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
            "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef"]
@@ -348,18 +348,12 @@ class MemoryModel:
 
     @classmethod
     def load(cls, path: str | Path) -> "MemoryModel":
-        text = Path(path).read_text()
-        try:
-            d = json.loads(text)
+        def build(d: dict[str, Any]) -> "MemoryModel":
             for key in ("state_bytes", "act_coef", "transient_coef"):
-                a = np.asarray(d.get(key, []), dtype=np.float64)
-                if not np.all(np.isfinite(a)) or np.any(a < 0):
-                    raise ValueError(f"{key} {a.tolist()} must be finite and non-negative")
+                check_numbers(d.get(key, []), key)
             return check_memory_model(cls.from_dict(d))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not a JSON file ({e})") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: invalid memory-model file: {e}") from None
+
+        return read_model_file(path, "memory-model", build)
 
     def __repr__(self) -> str:
         return f"MemoryModel({self.model_cfg.name!r}, P={self.num_stages}, {self.source})"

@@ -37,7 +37,7 @@ from dynmb.config import ModelConfig
 
 from .nnls import nnls_rel
 from .split import apply_recompute, derived_split
-from .validate import check_cost_model, check_numbers
+from .validate import check_cost_model, check_numbers, read_model_file
 
 __all__ = ["CostModelLike", "CommModel", "CostModel"]
 
@@ -226,17 +226,13 @@ class CostModel:
 
     @staticmethod
     def load(path: str | Path) -> "CostModel":
-        text = Path(path).read_text()
-        try:
-            d = json.loads(text)
+        def build(d: dict[str, Any]) -> "CostModel":
             check_numbers(d.get("params"), "params")
             check_numbers(d.get("comm"), "comm")
             check_numbers(d.get("runtime_overhead_s"), "runtime_overhead_s", negative_ok=True)
             return check_cost_model(CostModel.from_dict(d))   # finite, >= 0, non-decreasing in tokens
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not a JSON file ({e})") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: invalid cost-model file: {e}") from None
+
+        return read_model_file(path, "cost-model", build)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model={self.model_cfg.name!r}, num_stages={self.num_stages}, comm={self.comm})"

@@ -19,12 +19,15 @@ Duck-typed (``predict`` / ``activation_bytes`` / ``transient_bytes``); imports n
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-__all__ = ["GRID_ROWS", "NOISE_TOL", "shape_grid", "check_numbers", "check_cost_model", "check_memory_model"]
+__all__ = ["GRID_ROWS", "NOISE_TOL", "shape_grid", "check_numbers", "check_cost_model", "check_memory_model",
+           "read_model_file"]
 
 GRID_ROWS = (1, 2, 4, 8, 16, 64)
 """Rows of the shapes the monotonicity check evaluates."""
@@ -58,6 +61,18 @@ def check_numbers(x: Any, where: str, *, negative_ok: bool = False) -> None:
     elif isinstance(x, (int, float)) and not isinstance(x, bool):
         if not math.isfinite(x) or (x < 0 and not negative_ok):
             raise ValueError(f"{where} is {x}: must be finite{'' if negative_ok else ' and non-negative'}")
+
+
+def read_model_file(path: str | Path, what: str, build: Callable[[dict[str, Any]], M]) -> M:
+    """``build(the JSON of path)``, any parse or validation error turned into one ``ValueError``
+    naming the file (``what``: "cost-model", "memory-model")."""
+    text = Path(path).read_text()
+    try:
+        return build(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: invalid {what} file: {e}") from None
 
 
 def _first_bad(values: np.ndarray, lens: np.ndarray, rows: float, what: str, unit: str) -> None:
