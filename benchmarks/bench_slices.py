@@ -32,7 +32,7 @@ from dynmb.config import model_config
 from dynmb.costmodel import CostModel
 from dynmb.model import build_stage, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.prefix import PrefixStore
-from dynmb.types import Microbatch, Plan
+from dynmb.types import Microbatch
 
 POINTS = [(256, 256), (256, 2048), (384, 4608), (512, 512), (512, 4096), (768, 4608), (1024, 1024), (1024, 8192),
           (2048, 2048), (2048, 12288)]
@@ -80,7 +80,7 @@ def main() -> None:
         for stage in range(cm.num_stages):
             f, b = _time_slice(cfg, cm.num_stages, stage, n, p, args.repeats)
             mb = Microbatch([0], [n], n, 1, offsets=[p], continued=[False])
-            work = float(Plan((mb,), "dynamic", cm.num_stages, 1 << 40, 1).prefix_work()[0])
+            work = float(mb.prefix_work())
             for op, t in (("F", f), ("B", b)):
                 base = float(np.ravel(cm.predict(stage, op, 1, n, float(n * n)))[0])    # own tokens, causal
                 full = float(np.ravel(cm.predict(stage, op, 1, n, work))[0])           # + the 2 n p cross term

@@ -276,10 +276,6 @@ class Plan:
         """``(num_microbatches,)`` float64: each microbatch's ``Microbatch.attention_work``."""
         return np.array([mb.attention_work(attention) for mb in self.microbatches], dtype=np.float64)
 
-    def prefix_work(self) -> np.ndarray:
-        """``(num_microbatches,)`` float64: each microbatch's ``Microbatch.prefix_work`` (slices)."""
-        return np.array([mb.prefix_work() for mb in self.microbatches], dtype=np.float64)
-
     def prefix_cross_work(self) -> np.ndarray:
         """``(num_microbatches,)`` float64: the part of ``prefix_work`` that is slices' queries
         against their prefix keys, ``sum(2 n p)`` (a slice's own tokens are ``n**2``)."""

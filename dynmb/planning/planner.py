@@ -26,14 +26,12 @@ from ..config import ModelConfig
 from ..costmodel import get_cost_model
 from ..memory import get_memory_model
 from ..packing import pack
-from ..packing.context import PackContext
-from ..packing.packed import packed_row_len
 from ..schedule import build_schedule, validate
 from ..simulate import SimResult, memory_inputs, simulate
 from ..types import Plan, Schedule
 from .defaults import reorder_for
 from .reorder import reorder as reorder_plan
-from .slicing import plan_split
+from .slicing import longest_row, plan_split
 from .zerobubble import build_zb
 
 __all__ = ["plan_step", "make_schedule"]
@@ -60,15 +58,6 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Memo
     sched = build_schedule(kind, plan.num_stages, m, virtual=virtual, **kw)
     validate(sched, plan)
     return sched
-
-
-def _row_cap(method: str, model_cfg: ModelConfig, memory_model: MemoryModelLike, memory_limit_bytes: int, num_stages: int,
-             schedule_kind: str, pack_len: int | None, round_to: int, virtual: int) -> int:
-    """The longest row ``method`` runs (beyond it, ``oversize='split'`` slices a sequence)."""
-    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
-    if method == "packed":
-        return packed_row_len(ctx, model_cfg.max_seq_len, pack_len, round_to)[0]
-    return ctx.length_cap(model_cfg.max_seq_len, round_to)
 
 
 def plan_step(
@@ -101,7 +90,7 @@ def plan_step(
     memory_model = memory_model or get_memory_model(None, model_cfg, num_stages)
     t0 = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
-    if oversize == "split" and lengths.size and lengths.max() > _row_cap(method, model_cfg, memory_model,
+    if oversize == "split" and lengths.size and lengths.max() > longest_row(method, model_cfg, memory_model,
                                                                         memory_limit_bytes, num_stages, schedule_kind,
                                                                         pack_len, round_to, virtual):
         if reorder not in ("none", "auto"):

@@ -44,10 +44,20 @@ from dynmb.packing.rows import round_down, round_up
 from dynmb.simulate import SimResult, simulate
 from dynmb.types import Microbatch, Plan, Schedule
 
-__all__ = ["plan_split", "slice_lengths", "MIN_SLICE"]
+__all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE"]
 
 MIN_SLICE = 128
 """Shortest slice length the planner tries (tokens)."""
+
+
+def longest_row(method: str, model_cfg: ModelConfig, memory_model: MemoryModelLike, memory_limit_bytes: int,
+                num_stages: int, schedule_kind: str, pack_len: int | None, round_to: int, virtual: int = 1) -> int:
+    """The longest row ``method`` runs: ``packed``'s row length, else the longest admissible
+    one-row microbatch (beyond it, ``oversize='split'`` slices a sequence)."""
+    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
+    if method == "packed":
+        return packed_row_len(ctx, model_cfg.max_seq_len, pack_len, round_to)[0]
+    return ctx.length_cap(model_cfg.max_seq_len, round_to)
 
 
 def slice_lengths(length: int, slice_len: int) -> list[int]:
@@ -82,11 +92,8 @@ def plan_split(lengths: np.ndarray, method: str, *, model_cfg: ModelConfig, num_
         raise PackingError(f"a sequence of {int(lengths.max())} tokens is longer than the model's max_seq_len "
                            f"{model_cfg.max_seq_len} (learned positions): size them from the trace, e.g. "
                            f"--model {model_cfg.name}:max_seq_len={int(lengths.max())}")
-    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind)
-    if method == "packed":
-        row_cap, _ = packed_row_len(ctx, model_cfg.max_seq_len, pack_len, round_to)
-    else:
-        row_cap = ctx.length_cap(model_cfg.max_seq_len, round_to)
+    row_cap = longest_row(method, model_cfg, memory_model, memory_limit_bytes, num_stages, schedule_kind, pack_len,
+                          round_to)
     if row_cap < 1:
         raise PackingError(f"no row fits under {memory_limit_bytes} B at {num_stages} stages ({schedule_kind})")
     long_ids = np.flatnonzero(lengths > row_cap)
