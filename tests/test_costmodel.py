@@ -438,23 +438,41 @@ def test_tiny_concurrent_profile(tmp_path):
         profile(tiny, 2, grid=grid, device="cuda", concurrent=True, progress=False)
 
 
-def test_runtime_overhead_from_small_actions_only():
+def test_runtime_scale_is_the_ratio_of_sums_per_stage_and_op():
     import pandas as pd
 
-    from dynmb.costmodel import OVERHEAD_MIN_ACTIONS, runtime_overhead
+    from dynmb.costmodel import SCALE_MIN_ACTIONS, runtime_scale
 
-    rng = np.random.default_rng(0)
-    n = 20
-    pred = rng.uniform(0.002, 0.03, n)
-    small = pd.DataFrame({"op": "F", "pred_s": pred, "start_s": 0.0, "end_s": pred + 0.0015})
-    big = pd.DataFrame({"op": "F", "pred_s": [1.0, 2.0], "start_s": 0.0, "end_s": [1.5, 2.9]})   # noisy, ignored
-    back = pd.DataFrame({"op": "B", "pred_s": pred[:OVERHEAD_MIN_ACTIONS - 1], "start_s": 0.0,
-                         "end_s": pred[:OVERHEAD_MIN_ACTIONS - 1] + 0.01})                       # too few: 0
-    oh = runtime_overhead(pd.concat([small, big, back], ignore_index=True))
-    assert oh["F"] == pytest.approx(0.0015)
-    assert oh["B"] == 0.0
-    faster = small.assign(end_s=small["pred_s"] - 0.001)                                     # never negative
-    assert runtime_overhead(faster)["F"] == 0.0
+    pred = np.array([0.05, 0.2, 0.4, 0.1])
+    fwd0 = pd.DataFrame({"op": "F", "stage": 0, "pred_s": pred, "start_s": 1.0, "end_s": 1.0 + pred * [1.1, 1.3, 1.2, 1.0]})
+    fwd1 = fwd0.assign(stage=1, end_s=1.0 + pred * 0.9)
+    few = pd.DataFrame({"op": "B", "stage": 0, "pred_s": [1.0] * (SCALE_MIN_ACTIONS - 1), "start_s": 0.0, "end_s": 2.0})
+    tiny = pd.DataFrame({"op": "B", "stage": 1, "pred_s": [0.001] * 10, "start_s": 0.0, "end_s": 0.002})
+    scale = runtime_scale(pd.concat([fwd0, fwd1, few, tiny], ignore_index=True), num_stages=2)
+    assert scale["F"][0] == pytest.approx(float((pred * [1.1, 1.3, 1.2, 1.0]).sum() / pred.sum()))
+    assert scale["F"][1] == pytest.approx(0.9)
+    assert "B" not in scale            # too few actions on stage 0, too little predicted work on stage 1
+
+
+def test_with_scale_multiplies_per_stage_before_overhead_and_round_trips(tmp_path):
+    from dynmb.costmodel import CostModel
+
+    cfg = ModelConfig.preset("tiny")
+    base = get_cost_model(None, cfg, 2).with_overhead(F=0.001, B=0.002)
+    cm = base.with_scale({"F": [1.5, 1.0], "B": [1.0, 2.0]})
+    c0, c1 = base.stage_costs([1, 4], [64, 128], ops=("F", "B", "I", "W")), \
+        cm.stage_costs([1, 4], [64, 128], ops=("F", "B", "I", "W"))
+    assert np.allclose(c1["F"][0] - 0.001, 1.5 * (c0["F"][0] - 0.001)) and np.allclose(c1["F"][1], c0["F"][1])
+    assert np.allclose(c1["B"][1] - 0.002, 2.0 * (c0["B"][1] - 0.002)) and np.allclose(c1["B"][0], c0["B"][0])
+    for op in ("I", "W"):                                     # derived from B: B's scale
+        assert np.allclose(c1[op][1], 2.0 * c0[op][1]) and np.allclose(c1[op][0], c0[op][0])
+    assert base.runtime_scale == {}                           # a copy: the base is unchanged
+    cm.save(tmp_path / "c.json")
+    again = CostModel.load(tmp_path / "c.json")
+    assert again.scale_of(0, "F") == 1.5 and again.scale_of(1, "B") == 2.0
+    assert np.allclose(again.stage_costs([1, 4], [64, 128])["F"], c1["F"])
+    with pytest.raises(ValueError, match="runtime scale of F"):
+        base.with_scale({"F": [1.0]})
 
 
 def test_with_overhead_adds_per_action_and_round_trips(tmp_path):

@@ -15,7 +15,8 @@ activation sent between neighbouring stages; ``comm_s(rows, padded_len)`` that o
 
 ``CostModelLike`` is that interface as a ``typing.Protocol`` (what the packers, the reorderer, the
 simulator and the runtime rely on). ``CostModel`` is the base class: the lookup (clipped at 0,
-plus the per-action runtime overhead of ``with_overhead``), the check that a model was made
+times the per-stage runtime scale of ``with_scale``, plus the per-action runtime overhead of
+``with_overhead``), the check that a model was made
 for a config and stage split, and the JSON form ``{"kind", "model", "num_stages", "comm",
 "meta", "params"}``; ``load`` refuses a file whose numbers are not finite and non-negative or
 whose predictions decrease as padded_len grows (``dynmb.costmodel.validate``). Every subclass with its own ``kind`` registers itself, so
@@ -28,7 +29,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
@@ -47,9 +48,14 @@ class CostModelLike(Protocol):
 
     model_cfg: ModelConfig
     num_stages: int
+    runtime_overhead_s: dict[str, float]
 
     def predict(self, stage: int, op: str, rows: Any, padded_len: Any, attn: Any = None) -> np.ndarray:
         """Seconds of ``op`` on ``stage`` for microbatches (rows, padded_len, attention work)."""
+        ...
+
+    def scale_of(self, stage: int, op: str) -> float:
+        """The warm-up calibration factor of ``op`` on ``stage`` (1.0 when not calibrated)."""
         ...
 
     def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None, ops: tuple[str, ...] = ("F", "B"),
@@ -111,6 +117,8 @@ class CostModel:
         self.comm = comm if comm is not None else CommModel()
         self.meta = dict(meta or {})
         self.runtime_overhead_s: dict[str, float] = {"F": 0.0, "B": 0.0}
+        self.runtime_scale: dict[str, tuple[float, ...]] = {}
+        """Per op, one factor per stage (``with_scale``); empty: every factor 1."""
         self.prefix_scale: dict[str, float] = {"F": 1.0, "B": 1.0}
         """Seconds per unit of a slice's attention to its prefix (the ``2 n p`` part of
         ``Microbatch.prefix_work``; its own n tokens cost what a causal document's do) over seconds
@@ -130,8 +138,16 @@ class CostModel:
         if op not in ("F", "B", "I", "W"):
             raise ValueError(f"unknown op {op!r}; expected F, B, I or W")
         if op in ("I", "W") and (int(stage), op) not in getattr(self, "params", getattr(self, "grids", {})):
-            return derived_split(self, int(stage), op, b, s, a)
-        return np.maximum(self._predict(int(stage), op, b, s, a), 0.0) + self.runtime_overhead_s.get(op, 0.0)
+            raw = derived_split(self, int(stage), op, b, s, a)
+        else:
+            raw = np.maximum(self._predict(int(stage), op, b, s, a), 0.0)
+        return raw * self.scale_of(int(stage), op) + self.runtime_overhead_s.get(op, 0.0)
+
+    def scale_of(self, stage: int, op: str) -> float:
+        """The runtime scale of ``op`` on ``stage`` (``with_scale``; 1.0 when not calibrated). ``I`` and
+        ``W`` without a scale of their own take ``B``'s, from which they are derived."""
+        per_stage = self.runtime_scale.get(op) or (self.runtime_scale.get("B") if op in ("I", "W") else None)
+        return float(per_stage[stage]) if per_stage else 1.0
 
     def with_overhead(self, F: float = 0.0, B: float = 0.0, I: float = 0.0, W: float = 0.0) -> "CostModel":  # noqa: E741
         """A copy whose every F / B prediction adds ``F`` / ``B`` seconds: what the runtime
@@ -139,6 +155,17 @@ class CostModel:
         ranks' comm threads), measured on a run's warm-up steps (``runtime_overhead``)."""
         c = copy.copy(self)
         c.runtime_overhead_s = {"F": float(F), "B": float(B), **{k: float(v) for k, v in (("I", I), ("W", W)) if v}}
+        return c
+
+    def with_scale(self, scale: dict[str, Sequence[float]]) -> "CostModel":
+        """A copy whose ``op`` predictions on stage p are multiplied by ``scale[op][p]`` (before the
+        overhead is added): how much slower (or faster) this host runs each stage's ops in a real
+        pipeline than the profile measured, fitted on a run's warm-up steps (``runtime_scale``)."""
+        for op, per_stage in scale.items():
+            if len(per_stage) != self.num_stages or not all(np.isfinite(v) and v > 0 for v in per_stage):
+                raise ValueError(f"runtime scale of {op} must be {self.num_stages} positive numbers, got {per_stage!r}")
+        c = copy.copy(self)
+        c.runtime_scale = {op: tuple(float(v) for v in per_stage) for op, per_stage in scale.items()}
         return c
 
     def _predict(self, stage: int, op: str, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
@@ -199,6 +226,8 @@ class CostModel:
              "comm": self.comm.to_dict(), "meta": self.meta, "params": self._params()}
         if any(self.runtime_overhead_s.values()):
             d["runtime_overhead_s"] = dict(self.runtime_overhead_s)
+        if self.runtime_scale:
+            d["runtime_scale"] = {op: list(v) for op, v in self.runtime_scale.items()}
         if set(self.prefix_scale.values()) != {1.0}:
             d["prefix_scale"] = dict(self.prefix_scale)
         return d
@@ -216,6 +245,7 @@ class CostModel:
         cm = kinds[d["kind"]]._from_parts(ModelConfig.from_dict(d["model"]), int(d["num_stages"]),
                                           CommModel(**d.get("comm", {})), d.get("meta", {}), d.get("params", {}))
         cm = cm.with_overhead(**d["runtime_overhead_s"]) if d.get("runtime_overhead_s") else cm
+        cm = cm.with_scale(d["runtime_scale"]) if d.get("runtime_scale") else cm
         raw = d.get("prefix_scale", 1.0)
         scale = {"F": raw, "B": raw} if isinstance(raw, (int, float)) else dict(raw)
         if set(scale) != {"F", "B"} or not all(isinstance(v, (int, float)) and np.isfinite(v) and v > 0
@@ -230,6 +260,7 @@ class CostModel:
             check_numbers(d.get("params"), "params")
             check_numbers(d.get("comm"), "comm")
             check_numbers(d.get("runtime_overhead_s"), "runtime_overhead_s", negative_ok=True)
+            check_numbers(d.get("runtime_scale"), "runtime_scale")
             return check_cost_model(CostModel.from_dict(d))   # finite, >= 0, non-decreasing in tokens
 
         return read_model_file(path, "cost-model", build)

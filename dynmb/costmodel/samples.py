@@ -8,8 +8,8 @@ repeats (``point_medians``); held-out error (``registry.kfold_error``) holds out
 (profiled before it was recorded) get ``rows * padded_len^2`` on unpacked rows; their packed
 rows are skipped with a warning (their attention work is unknown; ``with_attention_work``). A
 run's ``actions`` table converts to samples with ``samples_from_actions`` so models refit from
-real runs, and ``runtime_overhead`` reads off it what a real pipeline spends per action beyond
-the op (median excess of the small actions).
+real runs, and ``runtime_scale`` reads off it how much slower a real pipeline runs each
+stage's ops than the profile (ratio of sums per stage and op).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["POINT_KEY", "OVERHEAD_SMALL_S", "OVERHEAD_MIN_ACTIONS", "with_attention_work", "point_medians",
-           "noise_floor", "samples_from_actions", "sample_meta", "runtime_overhead"]
+__all__ = ["POINT_KEY", "SCALE_MIN_ACTIONS", "SCALE_MIN_PRED_S", "with_attention_work", "point_medians",
+           "noise_floor", "samples_from_actions", "sample_meta", "runtime_scale"]
 
 logger = logging.getLogger(__name__)
 
 POINT_KEY = ["stage", "op", "rows", "padded_len", "attn_work"]
 """The columns that identify one measured point."""
 
-OVERHEAD_SMALL_S, OVERHEAD_MIN_ACTIONS = 0.05, 8
-"""``runtime_overhead`` uses actions predicted under 50 ms, and needs 8 of an op to say anything."""
+SCALE_MIN_ACTIONS, SCALE_MIN_PRED_S = 3, 0.1
+"""``runtime_scale`` needs 3 actions and 0.1 s of predicted work of a (stage, op) to say anything."""
 
 
 def with_attention_work(samples: pd.DataFrame) -> pd.DataFrame:
@@ -124,21 +124,29 @@ def sample_meta(samples: pd.DataFrame) -> dict[str, Any]:
     return meta
 
 
-def runtime_overhead(actions: pd.DataFrame) -> dict[str, float]:
-    """Seconds per F / B that a real run spends beyond the cost model's prediction of the op.
+def runtime_scale(actions: pd.DataFrame, num_stages: int) -> dict[str, list[float]]:
+    """Per op, one factor per stage: how much longer a real run's actions took than the cost
+    model predicted, ``sum(measured) / sum(predicted)`` over the actions of ``(stage, op)`` in an
+    ``actions`` table (measured ``start_s``/``end_s`` next to ``pred_s``).
 
-    From an ``actions`` table (measured ``start_s``/``end_s`` next to ``pred_s``), per op: the
-    median of measured - predicted over the actions predicted under ``OVERHEAD_SMALL_S``,
-    where a constant per action shows and the noise of big ops does not; 0 with fewer than
-    ``OVERHEAD_MIN_ACTIONS`` such actions, and never negative. On the development box a real
-    CPU pipeline spent 1-3 ms per small action beyond the profile (memory-meter hooks, posting
-    sends, the other rank's comm threads), 5-20% of a 1-row microbatch, which a profile of
-    one op at a time does not see."""
-    out = {}
+    A ratio of sums, so the big actions that make up a step weigh most. A (stage, op) with
+    fewer than ``SCALE_MIN_ACTIONS`` actions or under ``SCALE_MIN_PRED_S`` of predicted work keeps
+    1.0; an op with no such (stage, op) is left out. Why: the profile times one stage's op at a
+    time on its own graph, while a pipeline's ranks share the host's last-level cache and memory
+    bandwidth with each other's compute and communication threads. On the 2-core development box
+    a stage's forward ran up to 1.35x slower while the other rank computed than alone
+    (``experiments/pred_error.py``), and the same box drifts by 10-20% between sittings; the
+    factor measured on a run's own warm-up steps carries both into its predictions."""
+    out: dict[str, list[float]] = {}
     for op in ("F", "B", "I", "W"):
-        a = actions[(actions["op"] == op) & (actions["pred_s"] < OVERHEAD_SMALL_S)]
-        if len(a) < OVERHEAD_MIN_ACTIONS:
-            out[op] = 0.0
-        else:
-            out[op] = max(0.0, float(np.median(a["end_s"] - a["start_s"] - a["pred_s"])))
+        a = actions[actions["op"] == op]
+        if a.empty:
+            continue
+        scale = [1.0] * num_stages
+        for stage, g in a.groupby("stage"):
+            measured, predicted = float((g["end_s"] - g["start_s"]).sum()), float(g["pred_s"].sum())
+            if len(g) >= SCALE_MIN_ACTIONS and predicted >= SCALE_MIN_PRED_S and measured > 0:
+                scale[int(stage)] = measured / predicted
+        if scale != [1.0] * num_stages:
+            out[op] = scale
     return out

@@ -61,15 +61,14 @@ def stage_role(stage: int, num_stages: int) -> str:
 
 
 def derived_split(model: Any, stage: int, op: str, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """``I`` or ``W`` seconds of ``model`` derived from its ``B`` (module doc); ``model.predict``'s
-    arguments, already broadcast. Each op gets its own runtime overhead, not B's."""
+    """``I`` or ``W`` seconds of ``model`` derived from its fitted ``B`` (module doc); ``model.predict``'s
+    arguments, already broadcast. Raw: ``predict`` applies the runtime scale and overhead."""
     role = stage_role(stage, model.num_stages)
-    oh = model.runtime_overhead_s
-    full = model.predict(stage, "B", b, s, a) - oh.get("B", 0.0)
-    no_attn = model.predict(stage, "B", b, s, np.zeros_like(a)) - oh.get("B", 0.0)
-    w = np.minimum(W_SHARE[role] * np.maximum(no_attn, 0.0), full)
+    full = np.maximum(model._predict(stage, "B", b, s, a), 0.0)
+    no_attn = np.maximum(model._predict(stage, "B", b, s, np.zeros_like(a)), 0.0)
+    w = np.minimum(W_SHARE[role] * no_attn, full)
     out = w if op == "W" else (1.0 + SPLIT_OVERHEAD[role]) * full - w
-    return np.maximum(out, 0.0) + oh.get(op, 0.0)
+    return np.maximum(out, 0.0)
 
 
 def apply_recompute(model: Any, costs: dict[str, np.ndarray], recompute: Any) -> dict[str, np.ndarray]:

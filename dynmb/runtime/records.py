@@ -22,10 +22,11 @@ The column dictionary of every table is in the repository's ``docs/design.md``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import pandas as pd
 
+from dynmb.costmodel import CostModelLike
 from dynmb.results import TableWriter, run_info
 from dynmb.runtime.hostmem import host_malloc_mode
 from dynmb.runtime.spec import RunSpec
@@ -103,9 +104,12 @@ def actions_frame(rows: Sequence[ActionRow]) -> pd.DataFrame:
 
 
 def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport], *, world_size: int,
-             distinct_shapes: int, new_shapes: int, overhead_s: Mapping[str, float]) -> dict[str, Any]:
+             distinct_shapes: int, new_shapes: int, cost_model: CostModelLike) -> dict[str, Any]:
     """The ``steps`` row of ``step``: ``plan`` is the global batch's plan, ``reports`` every rank's,
-    ``overhead_s`` the per-action runtime overhead the cost model held (``F``, ``B``)."""
+    ``cost_model`` the model the step was planned and predicted with (its per-action runtime
+    overhead, ``F`` / ``B``, and its warm-up calibration scale, mean over stages)."""
+    overhead_s = cost_model.runtime_overhead_s
+    num_stages = spec.run.pipeline.num_stages
     cfg, pipeline = spec.run, spec.run.pipeline
     step_s = max(r.step_s for r in reports)
     return dict(
@@ -121,6 +125,8 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         model=cfg.model.name, global_batch=cfg.global_batch, truncated=len(plan.meta.get("truncated", [])),
         dropped=len(plan.meta.get("dropped", [])), recomputed=int(plan.recompute_mask().sum()),
         overhead_F_s=overhead_s["F"], overhead_B_s=overhead_s["B"],
+        scale_F=sum(cost_model.scale_of(p, "F") for p in range(num_stages)) / num_stages,
+        scale_B=sum(cost_model.scale_of(p, "B") for p in range(num_stages)) / num_stages,
         attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
         distinct_shapes=distinct_shapes, new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
         label=spec.display_label)

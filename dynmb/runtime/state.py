@@ -10,12 +10,13 @@ file (``RunSpec.plan``) runs that plan every step instead, with the spec's sched
 the schedule built for the plan's kind, predictions from this run's cost and memory models.
 
 ``prewarm(state)`` runs one forward + backward of every distinct microbatch shape of the
-run before its first step (``RunConfig.prewarm``). ``RunState.calibrate`` adds the
-per-action runtime overhead measured on the warm-up steps to the cost model.
+run before its first step (``RunConfig.prewarm``). ``RunState.calibrate`` scales the cost
+model per stage and op by what the warm-up steps measured (``costmodel.runtime_scale``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynmb.costmodel import get_cost_model, runtime_overhead
+from dynmb.costmodel import get_cost_model, runtime_scale
 from dynmb.data import load_trace, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
@@ -38,6 +39,8 @@ from dynmb.simulate import SimResult, simulate
 from dynmb.types import Microbatch, Plan, Schedule
 
 __all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed", "plan_lengths"]
+
+logger = logging.getLogger(__name__)
 
 
 def token_seed(seed: int, step: int) -> int:
@@ -137,11 +140,15 @@ class RunState:
         return len(shapes), new
 
     def calibrate(self) -> None:
-        """Add the per-action runtime overhead the warm-up steps measured to the cost model the
-        next steps are planned and predicted with (``costmodel.runtime_overhead``). Every rank
-        holds every rank's warm-up actions, so all compute the same model."""
-        overhead = runtime_overhead(actions_frame(self.warmup_actions))
-        self.cost_model = self.cost_model.with_overhead(**overhead)
+        """Scale the cost model the next steps are planned and predicted with by how much slower
+        (or faster) each stage's ops ran on the warm-up steps than predicted
+        (``costmodel.runtime_scale``). Every rank holds every rank's warm-up actions, so all
+        compute the same model."""
+        scale = runtime_scale(actions_frame(self.warmup_actions), self.run.pipeline.num_stages)
+        if scale:
+            logger.info("%s: warm-up calibration, measured / predicted per stage: %s", self.spec.run_id,
+                        ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per_stage)}" for op, per_stage in scale.items()))
+            self.cost_model = self.cost_model.with_scale(scale)
         self.warmup_actions = []
 
     def close(self) -> None:

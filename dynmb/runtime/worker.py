@@ -30,9 +30,9 @@ once. Then every step ``k`` (warm-up steps first, logged with ``warmup=True``):
    ``actions`` and ``memory`` tables (``dynmb.runtime.records``; atomic, step by step)
    and prints one progress line (``launch.PROGRESS``) for the launcher;
 3. any failed check is raised on every rank (``StepCheckError``), naming rank and reason;
-4. after the last warm-up step, on CPU, the measured runtime overhead is added to the
-   cost model (``RunState.calibrate``); the cyclic garbage collector runs between steps
-   only (frozen after set-up, off inside a step).
+4. after the last warm-up step, on CPU, the cost model is scaled per stage and op by what
+   the warm-up steps measured (``RunState.calibrate``); the cyclic garbage collector runs
+   between steps only (frozen after set-up, off inside a step).
 
 At the end of each run rank 0 rewrites its ``runs`` row with ``status`` ``ok``, or
 ``failed`` and the error when the run raised on rank 0. Any exception writes
@@ -118,7 +118,7 @@ def _step(state: RunState, step: int, recorder: Recorder) -> None:
         recorder.measurements(state.spec, gathered)
         row = step_row(state.spec, step, plan, gathered, world_size=state.topology.world_size,
                        distinct_shapes=distinct_shapes, new_shapes=new_shapes,
-                       overhead_s=state.cost_model.runtime_overhead_s)
+                       cost_model=state.cost_model)
         row["verified"] = bool(state.spec.verify) and not problems
         recorder.steps(state.spec, row)
         warm = "warm-up " if step < run.warmup else ""
