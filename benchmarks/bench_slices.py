@@ -4,12 +4,12 @@ A slice of n tokens at offset p runs its attention against p prefix keys with
 ``dynmb.prefix.PrefixAttention`` (``Microbatch.prefix_work = n * (2p + n)``), a different
 kernel from whole documents' causal SDPA. This script times forward and backward of one
 such slice (the last of its sequence: prefix keys and values from a pre-filled
-``PrefixStore``) on every stage, ``--repeats`` times after a warm-up, thread CPU time (as the
-profile), one thread, and fits the cost model's ``prefix_scale``, one factor per op (F, B).
+``PrefixStore``) on every stage, ``--repeats`` interleaved passes after a warm-up pass (``measure``),
+thread CPU time (as the profile), one thread, and fits the cost model's ``prefix_scale``, one factor per op (F, B).
 
 First it calibrates the stored model to this sitting as a run calibrates it on its warm-up
-steps (``costmodel.runtime_scale``): whole documents of the slice lengths are timed the same
-way, and the model's predictions are scaled per stage and op by measured / predicted of those
+steps (``costmodel.runtime_scale``): whole documents of the slice lengths are timed in the same
+passes, and the model's predictions are scaled per stage and op by measured / predicted of those
 (the profile was measured on another day, and the shared box drifts by 10-20%). Then:
 
     t(op) = pred(op, attn = n**2) + prefix_scale * (pred(op, attn = prefix_work) - pred(op, attn = n**2))
@@ -44,49 +44,51 @@ POINTS = [(256, 256), (256, 2048), (384, 4608), (512, 512), (512, 4096), (768, 4
 """(slice tokens n, prefix tokens p) measured."""
 
 
-def _time_slice(cfg, num_stages: int, stage: int, n: int, prefix: int, repeats: int) -> tuple[float, float]:
-    """Median thread seconds of (forward, backward) of one last slice of n tokens at offset
-    ``prefix``; ``prefix=0``: a whole document of n tokens (causal SDPA, no store)."""
-    mod = build_stage(cfg, stage, num_stages)
+def _time_once(mod, cfg, n: int, prefix: int, g: torch.Generator) -> tuple[float, float]:
+    """Thread seconds of (forward, backward) of one last slice of n tokens at offset ``prefix``
+    on stage module ``mod``; ``prefix=0``: a whole document of n tokens (causal SDPA, no store)."""
     mb = Microbatch([0], [n], n, 1, offsets=[prefix], continued=[False]) if prefix else Microbatch([0], [n], n, 1)
-    tokens = synthetic_tokens([prefix + n], cfg.vocab_size, 0)
+    inputs = make_inputs(mb, synthetic_tokens([prefix + n], cfg.vocab_size, 0), cfg=cfg)
+    if prefix:
+        store = PrefixStore()
+        for layer in mod.layers:
+            k, v = (torch.randn(cfg.n_heads, prefix, cfg.head_dim, generator=g) * 0.1 for _ in range(2))
+            store.keep(layer, 0, 0, k, v, mb=-1)
+        inputs = replace(inputs, prefix=store, microbatch=0)
+    x = None if mod.is_first else torch.randn(1, n, cfg.d_model, dtype=torch_dtype(cfg), requires_grad=True)
+    t0 = time.thread_time()
+    out = mod(x, inputs)
+    t1 = time.thread_time()
+    out.backward(torch.ones_like(out))
+    t2 = time.thread_time()
+    return t1 - t0, t2 - t1
+
+
+def measure(cfg, num_stages: int, points: list[tuple[int, int]], repeats: int) -> dict[tuple[int, int, int], tuple[float, float]]:
+    """Median (forward, backward) thread seconds per (n, prefix, stage). Repeats are interleaved:
+    pass r times every point once (pass 0 warms up), so a burst of load on the shared box hits one
+    repeat of many points, not every repeat of one point, and the median rejects it."""
+    mods = [build_stage(cfg, stage, num_stages) for stage in range(num_stages)]
     g = torch.Generator().manual_seed(0)
-    fwd, bwd = [], []
+    times: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
     for r in range(repeats + 1):
-        inputs = make_inputs(mb, tokens, cfg=cfg)
-        if prefix:
-            store = PrefixStore()
-            for layer in mod.layers:
-                k, v = (torch.randn(cfg.n_heads, prefix, cfg.head_dim, generator=g) * 0.1 for _ in range(2))
-                store.keep(layer, 0, 0, k, v, mb=-1)
-            inputs = replace(inputs, prefix=store, microbatch=0)
-        x = None if stage == 0 else torch.randn(1, n, cfg.d_model, dtype=torch_dtype(cfg), requires_grad=True)
-        t0 = time.thread_time()
-        out = mod(x, inputs)
-        t1 = time.thread_time()
-        out.backward(torch.ones_like(out))
-        t2 = time.thread_time()
-        if r:                                   # the first repeat warms up
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+        for n, prefix in points:
+            for stage, mod in enumerate(mods):
+                t = _time_once(mod, cfg, n, prefix, g)
+                if r:
+                    times.setdefault((n, prefix, stage), []).append(t)
+    return {k: (statistics.median(f for f, _ in v), statistics.median(b for _, b in v)) for k, v in times.items()}
 
 
-def _sitting_scale(cm: CostModel, cfg, repeats: int) -> dict[str, list[float]]:
-    """This sitting's measured / predicted time of whole documents of the slice lengths, per op and
-    stage (ratio of sums, as ``costmodel.runtime_scale`` calibrates a run on its warm-up steps)."""
-    lengths = sorted({n for n, _ in POINTS})
+def sitting_scale(cm: CostModel, measured: dict[tuple[int, int, int], tuple[float, float]]) -> dict[str, list[float]]:
+    """This sitting's measured / predicted time of the whole documents (prefix 0) in ``measured``,
+    per op and stage (ratio of sums, as ``costmodel.runtime_scale`` calibrates a run on its warm-up)."""
     scale: dict[str, list[float]] = {"F": [], "B": []}
     for stage in range(cm.num_stages):
-        measured = {"F": 0.0, "B": 0.0}
-        predicted = {"F": 0.0, "B": 0.0}
-        for n in lengths:
-            f, b = _time_slice(cfg, cm.num_stages, stage, n, 0, repeats)
-            for op, t in (("F", f), ("B", b)):
-                measured[op] += t
-                predicted[op] += float(np.ravel(cm.predict(stage, op, 1, n, float(n * n)))[0])
-        for op in ("F", "B"):
-            scale[op].append(measured[op] / predicted[op])
+        docs = [(n, t) for (n, prefix, st), t in measured.items() if prefix == 0 and st == stage]
+        for k, op in enumerate(("F", "B")):
+            predicted = sum(float(np.ravel(cm.predict(stage, op, 1, n, float(n * n)))[0]) for n, _ in docs)
+            scale[op].append(sum(t[k] for _, t in docs) / predicted)
     return scale
 
 
@@ -101,14 +103,20 @@ def main() -> None:
     cfg = model_config(args.model)
     stored = CostModel.load(args.cost_model)
     stored.check(cfg, stored.num_stages)
-    sitting = _sitting_scale(stored, cfg, args.repeats)
+    docs = [(n, 0) for n in sorted({n for n, _ in POINTS})]
+    measured = measure(cfg, stored.num_stages, POINTS + docs, args.repeats)
+    sitting = sitting_scale(stored, measured)
     print("this sitting, whole documents of the slice lengths, measured / predicted per stage: "
           + ", ".join(f"{op} {'/'.join(f'{v:.3f}' for v in per)}" for op, per in sitting.items()))
     cm = stored.with_scale(sitting)
+    for (n, p, stage), (f, b) in sorted(measured.items()):
+        if p == 0:
+            print(f"whole document n={n:5d} stage {stage}: F {f:.4f} s (model {float(np.ravel(cm.predict(stage, 'F', 1, n))[0]):.4f}), "
+                  f"B {b:.4f} s (model {float(np.ravel(cm.predict(stage, 'B', 1, n))[0]):.4f})")
     rows = []
     for n, p in POINTS:
         for stage in range(cm.num_stages):
-            f, b = _time_slice(cfg, cm.num_stages, stage, n, p, args.repeats)
+            f, b = measured[(n, p, stage)]
             mb = Microbatch([0], [n], n, 1, offsets=[p], continued=[False])
             work = float(mb.prefix_work())
             for op, t in (("F", f), ("B", b)):

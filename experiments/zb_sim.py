@@ -16,6 +16,8 @@ no I/W of its own).
 
     python experiments/zb_sim.py --out results/zb_sim                  # ~2 min on this 2-core box
     python experiments/zb_sim.py --memory-limit 40GiB --out results/zb_sim_40g
+    python experiments/zb_sim.py --model small --stages 2 --memory-limit 1GiB --traces sharegpt \
+        --global-batch 16 --batches 8 --cost-model dynmb/data/costmodels/small-p2-cpu.json --out results/zb_sim_p2
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pandas as pd
 
 from dynmb import data
 from dynmb.config import ModelConfig, parse_bytes
-from dynmb.costmodel import AnalyticCostModel, CommModel
+from dynmb.costmodel import AnalyticCostModel, CommModel, get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.packing import PackingError, pack
 from dynmb.planning import make_schedule
@@ -53,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overhead-us", type=float, default=20.0, help="fixed cost per op, microseconds (default 20)")
     ap.add_argument("--link-GBps", type=float, default=50.0, help="P2P bandwidth GB/s (default 50)")
     ap.add_argument("--alpha-us", type=float, default=10.0, help="P2P latency microseconds (default 10)")
+    ap.add_argument("--cost-model", default=None,
+                    help="a fitted cost-model JSON for --model and each P instead of the analytic costs, e.g. "
+                         "dynmb/data/costmodels/small-p2-cpu.json with --model small --stages 2")
     ap.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     ap.add_argument("--out", default="results/zb_sim", help="results folder (table zb_sim)")
     return ap
@@ -60,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def rows_for(trace: str, lengths_of: np.ndarray, P: int, k: int, args: argparse.Namespace, cfg: ModelConfig) -> list[dict]:
     limit = parse_bytes(args.memory_limit)
-    cm = AnalyticCostModel(cfg, P, flops_per_s=args.peak_tflops * 1e12 * args.mfu, overhead_s=args.overhead_us * 1e-6,
-                           comm=CommModel(alpha_s=args.alpha_us * 1e-6, bytes_per_s=args.link_GBps * 1e9))
+    if args.cost_model:
+        cm = get_cost_model(args.cost_model, cfg, P)
+    else:
+        cm = AnalyticCostModel(cfg, P, flops_per_s=args.peak_tflops * 1e12 * args.mfu, overhead_s=args.overhead_us * 1e-6,
+                               comm=CommModel(alpha_s=args.alpha_us * 1e-6, bytes_per_s=args.link_GBps * 1e9))
     mm = get_memory_model(None, cfg, P)
     batch = data.sample_batch(lengths_of, args.global_batch, args.seed, step=k)
     base = dict(dataset=trace, model=cfg.name, num_stages=P, batch=k, global_batch=args.global_batch,

@@ -150,9 +150,9 @@ class CostModel:
         return float(per_stage[stage]) if per_stage else 1.0
 
     def with_overhead(self, F: float = 0.0, B: float = 0.0, I: float = 0.0, W: float = 0.0) -> "CostModel":  # noqa: E741
-        """A copy whose every F / B prediction adds ``F`` / ``B`` seconds: what the runtime
-        spends per action beyond the op itself (memory-meter hooks, posting sends, the other
-        ranks' comm threads), measured on a run's warm-up steps (``runtime_overhead``)."""
+        """A copy whose every F / B (/ I / W) prediction adds ``F`` / ``B`` seconds: a fixed cost per
+        action beyond the op itself that a model file may carry (``runtime_overhead_s``). A run's own
+        warm-up calibration scales instead (``with_scale``)."""
         c = copy.copy(self)
         c.runtime_overhead_s = {"F": float(F), "B": float(B), **{k: float(v) for k, v in (("I", I), ("W", W)) if v}}
         return c

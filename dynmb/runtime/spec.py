@@ -106,7 +106,8 @@ class RunSpec:
     memory_model: str | None = None
     """Fitted memory-model JSON; None: the analytic model."""
     calibrate: bool | None = None
-    """Add the runtime overhead measured on the warm-up steps to the cost model; None: on CPU."""
+    """Scale the cost model per stage and op by the warm-up steps' measured / predicted time
+    (``RunState.calibrate``); None: on CPU."""
     hooks: HookRef | None = None
     """Step hooks every rank builds (tests: fault injection); None: none."""
     plan: str | None = None
