@@ -16,11 +16,13 @@ import time
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.costmodel import runtime_scale
 from dynmb.results import load_results
 from dynmb.runtime import worker
 from dynmb.runtime.checks import StepCheckError
@@ -115,7 +117,7 @@ def _rt_two_cases(out: Path) -> list[RunSpec]:
             name = f"rt-{method}-{kind}-{reorder}"
             cases.append(_case(out, name, _cfg(method, kind, virtual, reorder, stages=2 * virtual)))
     cases.append(_case(out, "rt-dynamic-memory-aware-none", _cfg("dynamic", "memory-aware")))
-    cases.append(_case(out, "rt-multistep", _cfg("dynamic", steps=3, warmup=0, global_batch=8, seed=3)))
+    cases.append(_case(out, "rt-multistep", _cfg("dynamic", steps=3, warmup=1, global_batch=8, seed=3)))
     return cases
 
 
@@ -151,9 +153,15 @@ def test_three_steps_change_shapes(two_rank_run):
     rc, out, _, _ = two_rank_run
     assert rc == 0
     t = _tables(out / "rt-multistep")
-    assert list(t["steps"]["step"]) == [0, 1, 2]
+    assert list(t["steps"]["step"]) == [0, 1, 2, 3] and list(t["steps"]["warmup"]) == [True, False, False, False]
     shapes = t["actions"].groupby("step").apply(lambda d: tuple(sorted(set(zip(d["batch"], d["padded_len"])))))
-    assert len(set(shapes)) == 3                            # every step runs other shapes
+    assert len(set(shapes)) == 4                            # every step runs other shapes
+    # the warm-up step calibrates the measured steps' cost model (CPU default): the factors the
+    # steps rows carry are those of the warm-up step's actions, the warm-up step's own are 1
+    scale = runtime_scale(t["actions"][t["actions"]["step"] == 0], num_stages=2)
+    for op in ("F", "B"):
+        expect = float(np.mean(scale.get(op, [1.0, 1.0])))
+        assert t["steps"][f"scale_{op}"].tolist() == pytest.approx([1.0] + [expect] * 3)
     # (how many microbatches a step gets is the planner's choice, tested in test_packing)
     assert (t["steps"]["num_microbatches"] == t["actions"].groupby("step")["mb"].nunique().to_numpy()).all()
 
