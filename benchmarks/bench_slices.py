@@ -8,7 +8,7 @@ such slice (the last of its sequence: prefix keys and values from a pre-filled
 thread CPU time (as the profile), one thread, and fits the cost model's ``prefix_scale``, one factor per op (F, B).
 
 First it calibrates the stored model to this sitting as a run calibrates it on its warm-up
-steps (``costmodel.runtime_scale``): whole documents of the slice lengths are timed in the same
+steps (``costmodel.runtime_calibration``): whole documents of the slice lengths are timed in the same
 passes, and the model's predictions are scaled per stage and op by measured / predicted of those
 (the profile was measured on another day, and the shared box drifts by 10-20%). Then:
 
@@ -82,7 +82,7 @@ def measure(cfg, num_stages: int, points: list[tuple[int, int]], repeats: int) -
 
 def sitting_scale(cm: CostModel, measured: dict[tuple[int, int, int], tuple[float, float]]) -> dict[str, list[float]]:
     """This sitting's measured / predicted time of the whole documents (prefix 0) in ``measured``,
-    per op and stage (ratio of sums, as ``costmodel.runtime_scale`` calibrates a run on its warm-up)."""
+    per op and stage (ratio of sums, as ``costmodel.runtime_calibration`` calibrates a run on its warm-up)."""
     scale: dict[str, list[float]] = {"F": [], "B": []}
     for stage in range(cm.num_stages):
         docs = [(n, t) for (n, prefix, st), t in measured.items() if prefix == 0 and st == stage]

@@ -438,20 +438,29 @@ def test_tiny_concurrent_profile(tmp_path):
         profile(tiny, 2, grid=grid, device="cuda", concurrent=True, progress=False)
 
 
-def test_runtime_scale_is_the_ratio_of_sums_per_stage_and_op():
+def test_runtime_calibration_scales_big_actions_and_adds_the_overhead_of_small_ones():
     import pandas as pd
 
-    from dynmb.costmodel import SCALE_MIN_ACTIONS, runtime_scale
+    from dynmb.costmodel import OVERHEAD_MIN_ACTIONS, SCALE_MIN_ACTIONS, runtime_calibration
 
-    pred = np.array([0.05, 0.2, 0.4, 0.1])
-    fwd0 = pd.DataFrame({"op": "F", "stage": 0, "pred_s": pred, "start_s": 1.0, "end_s": 1.0 + pred * [1.1, 1.3, 1.2, 1.0]})
-    fwd1 = fwd0.assign(stage=1, end_s=1.0 + pred * 0.9)
+    big = np.array([0.05, 0.2, 0.4, 0.1])
+    fwd0 = pd.DataFrame({"op": "F", "stage": 0, "pred_s": big, "start_s": 1.0, "end_s": 1.0 + big * [1.1, 1.3, 1.2, 1.0]})
+    fwd1 = fwd0.assign(stage=1, end_s=1.0 + big * 0.9)
+    small = np.linspace(0.002, 0.03, 12)                     # scaled like their stage's big ones, + 2 ms
+    sm0 = pd.DataFrame({"op": "F", "stage": 0, "pred_s": small, "start_s": 0.0,
+                        "end_s": small * float((big * [1.1, 1.3, 1.2, 1.0]).sum() / big.sum()) + 0.002})
+    sm1 = sm0.assign(stage=1, end_s=small * 0.9 + 0.002)
     few = pd.DataFrame({"op": "B", "stage": 0, "pred_s": [1.0] * (SCALE_MIN_ACTIONS - 1), "start_s": 0.0, "end_s": 2.0})
-    tiny = pd.DataFrame({"op": "B", "stage": 1, "pred_s": [0.001] * 10, "start_s": 0.0, "end_s": 0.002})
-    scale = runtime_scale(pd.concat([fwd0, fwd1, few, tiny], ignore_index=True), num_stages=2)
-    assert scale["F"][0] == pytest.approx(float((pred * [1.1, 1.3, 1.2, 1.0]).sum() / pred.sum()))
-    assert scale["F"][1] == pytest.approx(0.9)
-    assert "B" not in scale            # too few actions on stage 0, too little predicted work on stage 1
+    tiny = pd.DataFrame({"op": "B", "stage": 1, "pred_s": [0.001] * (OVERHEAD_MIN_ACTIONS - 1), "start_s": 0.0,
+                         "end_s": 0.004})
+    cal = runtime_calibration(pd.concat([fwd0, fwd1, sm0, sm1, few, tiny], ignore_index=True), num_stages=2)
+    assert cal.scale["F"][0] == pytest.approx(float((big * [1.1, 1.3, 1.2, 1.0]).sum() / big.sum()))
+    assert cal.scale["F"][1] == pytest.approx(0.9)
+    assert cal.overhead_s["F"] == pytest.approx(0.002)
+    assert "B" not in cal.scale       # too few big actions on stage 0, none on stage 1
+    assert "B" not in cal.overhead_s  # too few small ones
+    faster = pd.concat([sm0.assign(end_s=sm0["pred_s"] * 0.5)] * 2, ignore_index=True)
+    assert runtime_calibration(faster, num_stages=2).overhead_s["F"] == 0.0      # never negative
 
 
 def test_with_scale_multiplies_per_stage_before_overhead_and_round_trips(tmp_path):

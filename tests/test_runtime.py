@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig
-from dynmb.costmodel import runtime_scale
+from dynmb.costmodel import runtime_calibration
 from dynmb.results import load_results
 from dynmb.runtime import worker
 from dynmb.runtime.checks import StepCheckError
@@ -156,12 +156,14 @@ def test_three_steps_change_shapes(two_rank_run):
     assert list(t["steps"]["step"]) == [0, 1, 2, 3] and list(t["steps"]["warmup"]) == [True, False, False, False]
     shapes = t["actions"].groupby("step").apply(lambda d: tuple(sorted(set(zip(d["batch"], d["padded_len"])))))
     assert len(set(shapes)) == 4                            # every step runs other shapes
-    # the warm-up step calibrates the measured steps' cost model (CPU default): the factors the
-    # steps rows carry are those of the warm-up step's actions, the warm-up step's own are 1
-    scale = runtime_scale(t["actions"][t["actions"]["step"] == 0], num_stages=2)
+    # the warm-up step calibrates the measured steps' cost model (CPU default): the scale and
+    # overhead the steps rows carry are those of the warm-up step's actions; the warm-up step's
+    # own are 1 and 0
+    cal = runtime_calibration(t["actions"][t["actions"]["step"] == 0], num_stages=2)
     for op in ("F", "B"):
-        expect = float(np.mean(scale.get(op, [1.0, 1.0])))
+        expect = float(np.mean(cal.scale.get(op, [1.0, 1.0])))
         assert t["steps"][f"scale_{op}"].tolist() == pytest.approx([1.0] + [expect] * 3)
+        assert t["steps"][f"overhead_{op}_s"].tolist() == pytest.approx([0.0] + [cal.overhead_s.get(op, 0.0)] * 3)
     # (how many microbatches a step gets is the planner's choice, tested in test_packing)
     assert (t["steps"]["num_microbatches"] == t["actions"].groupby("step")["mb"].nunique().to_numpy()).all()
 

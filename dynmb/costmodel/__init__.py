@@ -4,7 +4,7 @@ Modules, one way up (each imports only those above it):
 
 - ``nnls``: the relative-error non-negative least-squares solver every fit uses.
 - ``samples``: the tidy samples table (``dynmb profile``, or a run's ``actions``): per-point
-  medians, the repeat noise, the runtime scale per stage and op.
+  medians, the repeat noise, a run's warm-up calibration (scale per stage and op, overhead per action).
 - ``base``: ``CostModelLike`` (the ``typing.Protocol`` consumers use), ``CommModel`` (P2P
   ``alpha_s + nbytes / bytes_per_s``) and ``CostModel`` (the lookup ``predict`` /
   ``stage_costs`` / ``plan_costs`` / ``comm_s``, config checks, JSON I/O of any kind).
@@ -27,13 +27,14 @@ from .grid import GridCostModel
 from .nnls import nnls_rel
 from .poly import COEFS, FORMS, LEGACY_COEF_NAMES, FittedCostModel
 from .registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model, get_cost_model, kfold_error, load_cost_model
-from .samples import (SCALE_MIN_ACTIONS, SCALE_MIN_PRED_S, noise_floor, point_medians, runtime_scale,
-                      samples_from_actions, with_attention_work)
+from .samples import (OVERHEAD_MIN_ACTIONS, OVERHEAD_SMALL_S, SCALE_MIN_ACTIONS, SCALE_MIN_PRED_S,
+                      RuntimeCalibration, noise_floor, point_medians, runtime_calibration, samples_from_actions,
+                      with_attention_work)
 
 __all__ = [
     "CostModelLike", "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",
     "FORMS", "COEFS", "LEGACY_COEF_NAMES", "COST_MODEL_KINDS", "FIT_KINDS",
     "get_cost_model", "load_cost_model", "fit_cost_model", "kfold_error",
-    "noise_floor", "point_medians", "samples_from_actions", "with_attention_work", "runtime_scale",
-    "SCALE_MIN_ACTIONS", "SCALE_MIN_PRED_S", "nnls_rel",
+    "noise_floor", "point_medians", "samples_from_actions", "with_attention_work", "RuntimeCalibration",
+    "runtime_calibration", "SCALE_MIN_ACTIONS", "SCALE_MIN_PRED_S", "OVERHEAD_SMALL_S", "OVERHEAD_MIN_ACTIONS", "nnls_rel",
 ]

@@ -150,9 +150,9 @@ class CostModel:
         return float(per_stage[stage]) if per_stage else 1.0
 
     def with_overhead(self, F: float = 0.0, B: float = 0.0, I: float = 0.0, W: float = 0.0) -> "CostModel":  # noqa: E741
-        """A copy whose every F / B (/ I / W) prediction adds ``F`` / ``B`` seconds: a fixed cost per
-        action beyond the op itself that a model file may carry (``runtime_overhead_s``). A run's own
-        warm-up calibration scales instead (``with_scale``)."""
+        """A copy whose every F / B (/ I / W) prediction adds ``F`` / ``B`` seconds: what the runtime
+        spends per action beyond the op itself (posting sends, memory-meter hooks, the interpreter),
+        measured on a run's warm-up steps (``runtime_calibration``)."""
         c = copy.copy(self)
         c.runtime_overhead_s = {"F": float(F), "B": float(B), **{k: float(v) for k, v in (("I", I), ("W", W)) if v}}
         return c
@@ -160,7 +160,7 @@ class CostModel:
     def with_scale(self, scale: dict[str, Sequence[float]]) -> "CostModel":
         """A copy whose ``op`` predictions on stage p are multiplied by ``scale[op][p]`` (before the
         overhead is added): how much slower (or faster) this host runs each stage's ops in a real
-        pipeline than the profile measured, fitted on a run's warm-up steps (``runtime_scale``)."""
+        pipeline than the profile measured, fitted on a run's warm-up steps (``runtime_calibration``)."""
         for op, per_stage in scale.items():
             if len(per_stage) != self.num_stages or not all(np.isfinite(v) and v > 0 for v in per_stage):
                 raise ValueError(f"runtime scale of {op} must be {self.num_stages} positive numbers, got {per_stage!r}")

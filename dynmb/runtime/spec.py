@@ -106,8 +106,7 @@ class RunSpec:
     memory_model: str | None = None
     """Fitted memory-model JSON; None: the analytic model."""
     calibrate: bool | None = None
-    """Scale the cost model per stage and op by the warm-up steps' measured / predicted time
-    (``RunState.calibrate``); None: on CPU."""
+    """Calibrate the cost model on the warm-up steps (``RunState.calibrate``); None: on CPU."""
     hooks: HookRef | None = None
     """Step hooks every rank builds (tests: fault injection); None: none."""
     plan: str | None = None

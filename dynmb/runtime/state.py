@@ -11,7 +11,8 @@ the schedule built for the plan's kind, predictions from this run's cost and mem
 
 ``prewarm(state)`` runs one forward + backward of every distinct microbatch shape of the
 run before its first step (``RunConfig.prewarm``). ``RunState.calibrate`` scales the cost
-model per stage and op by what the warm-up steps measured (``costmodel.runtime_scale``).
+model per stage and op and adds a per-action overhead, both measured on the warm-up steps
+(``costmodel.runtime_calibration``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynmb.costmodel import get_cost_model, runtime_scale
+from dynmb.costmodel import get_cost_model, runtime_calibration
 from dynmb.data import load_trace, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
@@ -140,15 +141,16 @@ class RunState:
         return len(shapes), new
 
     def calibrate(self) -> None:
-        """Scale the cost model the next steps are planned and predicted with by how much slower
-        (or faster) each stage's ops ran on the warm-up steps than predicted
-        (``costmodel.runtime_scale``). Every rank holds every rank's warm-up actions, so all
-        compute the same model."""
-        scale = runtime_scale(actions_frame(self.warmup_actions), self.run.pipeline.num_stages)
-        if scale:
-            logger.info("%s: warm-up calibration, measured / predicted per stage: %s", self.spec.run_id,
-                        ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per_stage)}" for op, per_stage in scale.items()))
-            self.cost_model = self.cost_model.with_scale(scale)
+        """Calibrate the cost model the next steps are planned and predicted with on the warm-up
+        steps (``costmodel.runtime_calibration``): each stage's ops scaled by how much slower (or
+        faster) the big ones ran than predicted, plus the overhead per action the small ones
+        paid. Every rank holds every rank's warm-up actions, so all compute the same model."""
+        cal = runtime_calibration(actions_frame(self.warmup_actions), self.run.pipeline.num_stages)
+        logger.info("%s: warm-up calibration: scale %s, overhead per action %s", self.spec.run_id,
+                    ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per)}" for op, per in cal.scale.items()) or "none",
+                    ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.overhead_s.items()) or "none")
+        model = self.cost_model.with_scale(cal.scale) if cal.scale else self.cost_model
+        self.cost_model = model.with_overhead(**cal.overhead_s) if cal.overhead_s else model
         self.warmup_actions = []
 
     def close(self) -> None:

@@ -30,8 +30,9 @@ once. Then every step ``k`` (warm-up steps first, logged with ``warmup=True``):
    ``actions`` and ``memory`` tables (``dynmb.runtime.records``; atomic, step by step)
    and prints one progress line (``launch.PROGRESS``) for the launcher;
 3. any failed check is raised on every rank (``StepCheckError``), naming rank and reason;
-4. after the last warm-up step, on CPU, the cost model is scaled per stage and op by what
-   the warm-up steps measured (``RunState.calibrate``); the cyclic garbage collector runs
+4. after the last warm-up step, on CPU, the cost model is calibrated on what the warm-up
+   steps measured (``RunState.calibrate``: a scale per stage and op, an overhead per
+   action); the cyclic garbage collector runs
    between steps only (frozen after set-up, off inside a step).
 
 At the end of each run rank 0 rewrites its ``runs`` row with ``status`` ``ok``, or
