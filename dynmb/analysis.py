@@ -24,6 +24,9 @@ Per configuration (warm-up steps excluded):
 - ``mean_bubble``: median of the per-step mean bubble fraction;
 - ``peak_over_limit``: max over steps and stages of measured peak / limit;
 - ``step_s``, ``pred_step_s``: medians; ``pred_err``: median of |pred - measured| / measured;
+- ``replay_err``: median of |replay - measured| / measured, ``replay_step_s`` being the
+  simulator's step time with the measured action times (the simulator's own error; what
+  ``pred_err`` adds to it is the cost model's); absent when no step has a replay;
 - ``plan_s``: median planning time per step; ``mbs``: the microbatch sizes the steps
   used (``"3"``, or ``"2-3"`` when an automatic mbs varied).
 """
@@ -114,6 +117,10 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
         "padding_fraction": 1.0 - g["real_tokens"].sum() / g["computed_tokens"].sum(),
         "num_microbatches": g["num_microbatches"].mean(),
     })
+    if "replay_step_s" in steps.columns and steps["replay_step_s"].notna().any():
+        replay = pd.to_numeric(steps["replay_step_s"], errors="coerce")
+        steps["replay_err"] = (replay - steps["step_s"]).abs() / steps["step_s"]
+        out["replay_err"] = steps.groupby(keys, dropna=False)["replay_err"].median()
     for col, how in (("mean_bubble", "median"), ("plan_s", "median"), ("distinct_shapes", "mean"),
                      ("new_shapes", "sum")):
         if col in steps.columns:

@@ -57,7 +57,7 @@ __all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "pre
            "fixed_candidates", "display_summary", "format_summary", "COLUMNS", "FIXED_SIZE_METHODS"]
 
 COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
-           "pred_step_s", "step_s", "pred_err", "plan_s", "num_microbatches", "mbs", "distinct_shapes", "new_shapes"]
+           "pred_step_s", "step_s", "pred_err", "replay_err", "plan_s", "num_microbatches", "mbs", "distinct_shapes", "new_shapes"]
 FIXED_SIZE_METHODS = ("fixed", "sorted", "packed")
 ALL_METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
 
@@ -318,6 +318,7 @@ def format_summary(summary: pd.DataFrame, reference: str = "dynamic") -> str:
     fmt = {"padding_fraction": ("padding", "{:.3f}"), "mean_bubble": ("bubble", "{:.3f}"),
            "peak_over_limit": ("peak/limit", "{:.3f}"), "pred_step_s": ("pred step s", "{:.2f}"),
            "step_s": ("step s", "{:.2f}"), "pred_err": ("pred err", "{:.1%}"),
+           "replay_err": ("replay err", "{:.1%}"),
            "num_microbatches": ("mbs/step", "{:.1f}"),
            "distinct_shapes": ("shapes", "{:.1f}"), "new_shapes": ("new shapes", "{:.0f}")}
     for key, (title, f) in fmt.items():

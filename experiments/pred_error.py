@@ -39,6 +39,9 @@ class RusageClock:
     def seconds(self, a, b) -> float:
         return b[0] - a[0]
 
+    def cpu(self) -> float:
+        return time.thread_time()
+
 
 def _worker(rank: int, args, port: int, out: list) -> None:
     for kv in args.env:

@@ -164,6 +164,15 @@ def test_three_steps_change_shapes(two_rank_run):
         expect = float(np.mean(cal.scale.get(op, [1.0, 1.0])))
         assert t["steps"][f"scale_{op}"].tolist() == pytest.approx([1.0] + [expect] * 3)
         assert t["steps"][f"overhead_{op}_s"].tolist() == pytest.approx([0.0] + [cal.overhead_s.get(op, 0.0)] * 3)
+    # every action's thread CPU time is within its wall time; the replay of each step (the
+    # simulator on the measured action times) never exceeds the measured step by more than the
+    # P2P time the cost model charges, and is at least the busiest rank's compute
+    a = t["actions"]
+    assert (a["cpu_s"] > 0).all() and (a["cpu_s"] <= a["end_s"] - a["start_s"] + 2e-3).all()
+    busiest = a.assign(d=a["end_s"] - a["start_s"]).groupby(["step", "rank"])["d"].sum().groupby("step").max()
+    steps = t["steps"].set_index("step")
+    assert (steps["replay_step_s"] >= busiest - 1e-9).all()
+    assert (steps["replay_step_s"] <= steps["step_s"] + 0.05).all()
     # (how many microbatches a step gets is the planner's choice, tested in test_packing)
     assert (t["steps"]["num_microbatches"] == t["actions"].groupby("step")["mb"].nunique().to_numpy()).all()
 

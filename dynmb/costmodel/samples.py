@@ -140,15 +140,17 @@ class RuntimeCalibration:
     overhead_s: dict[str, float] = field(default_factory=dict)
 
 
-def runtime_calibration(actions: pd.DataFrame, num_stages: int) -> RuntimeCalibration:
+def runtime_calibration(actions: pd.DataFrame, num_stages: int, *, min_actions: int = SCALE_MIN_ACTIONS,
+                        min_pred_s: float = SCALE_MIN_PRED_S) -> RuntimeCalibration:
     """Fit ``measured = scale[op][stage] * predicted + overhead_s[op]`` to an ``actions`` table
     (measured ``start_s``/``end_s`` next to the uncalibrated ``pred_s``), in two steps.
 
     1. ``scale``: per (stage, op), ``sum(measured) / sum(predicted)`` over the actions predicted
        at ``OVERHEAD_SMALL_S`` or more, where a fixed cost per action does not show. A ratio of
        sums, so the big actions that make up a step weigh most. A (stage, op) with fewer than
-       ``SCALE_MIN_ACTIONS`` such actions or under ``SCALE_MIN_PRED_S`` of their predicted work
-       keeps 1.0; an op with no such (stage, op) is left out.
+       ``min_actions`` (``SCALE_MIN_ACTIONS``) such actions or under ``min_pred_s``
+       (``SCALE_MIN_PRED_S``) of their predicted work keeps 1.0; an op with no such (stage, op)
+       is left out.
     2. ``overhead_s``: per op, the median of ``measured - scale * predicted`` over the actions
        predicted under ``OVERHEAD_SMALL_S``; 0 with fewer than ``OVERHEAD_MIN_ACTIONS`` of them,
        never negative.
@@ -171,7 +173,7 @@ def runtime_calibration(actions: pd.DataFrame, num_stages: int) -> RuntimeCalibr
         per_stage = [1.0] * num_stages
         for stage, g in big.groupby("stage"):
             total = float(g["pred_s"].sum())
-            if len(g) >= SCALE_MIN_ACTIONS and total >= SCALE_MIN_PRED_S:
+            if len(g) >= min_actions and total >= min_pred_s:
                 per_stage[int(stage)] = float(measured[g.index].sum()) / total
         if per_stage != [1.0] * num_stages:
             scale[op] = per_stage

@@ -75,6 +75,11 @@ class Clock:
         """Seconds from mark ``a`` to mark ``b`` (after synchronisation on CUDA)."""
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
+    def cpu(self) -> float | None:
+        """This thread's CPU seconds (``time.thread_time``) on CPU; None on CUDA, where the
+        thread only queues kernels."""
+        return None if self.cuda else time.thread_time()
+
 
 @dataclass
 class ActionTiming:
@@ -82,6 +87,7 @@ class ActionTiming:
     t_recv: Any      # before waiting for the input
     t_start: Any     # compute start
     t_end: Any       # compute end
+    cpu_s: float | None = None   # thread CPU seconds from compute start to end (CPU only)
 
 
 def run_actions(
@@ -133,7 +139,7 @@ def run_actions(
             if s > 0:
                 x, _ = p2p.recv("act", s, m)
                 x.requires_grad_(True)
-            t_start = clock.mark()
+            t_start, cpu_start = clock.mark(), clock.cpu()
             ctx = meter.saving(s) if meter is not None else nullcontext()
             record = record_linears(mod) if (s, m) in split and not recompute[m] else nullcontext()
             with ctx, record as tape:
@@ -155,7 +161,7 @@ def run_actions(
             grad = None
             if s < last:
                 grad, _ = p2p.recv("grad", s, m)
-            t_start = clock.mark()
+            t_start, cpu_start = clock.mark(), clock.cpu()
             ctx = meter.saving(s) if meter is not None else nullcontext()
             with ctx:
                 if a.op == "I" and tape is not None:
@@ -177,14 +183,15 @@ def run_actions(
                     meter.hold(tape.hold_tensors(), s)
         else:  # "W": the deferred Linear weight gradients
             tape = tapes.pop((s, m), None)
-            t_start = clock.mark()
+            t_start, cpu_start = clock.mark(), clock.cpu()
             if tape is not None:
                 backward_weight(tape)
             del tape
-        t_end = clock.mark()
+        t_end, cpu_end = clock.mark(), clock.cpu()
         if meter is not None:
             meter.sample(s)
-        timings.append(ActionTiming(a, t_recv, t_start, t_end))
+        timings.append(ActionTiming(a, t_recv, t_start, t_end,
+                                    None if cpu_start is None or cpu_end is None else cpu_end - cpu_start))
     if saved:
         raise RuntimeError(f"actions left activations without a backward: {sorted(saved)[:6]}")
     if any(t is not None and t.calls for t in tapes.values()):

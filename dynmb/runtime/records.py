@@ -7,7 +7,7 @@ through ``results.TableWriter``, so a crash keeps every finished step):
 
 - ``steps``: one row per step (``step_row``): the plan's tokens and predictions, the
   step time (the slowest rank's, barrier to barrier), mean bubble over ranks
-  (1 - busy / step time), the run's settings;
+  (1 - busy / step time), the run's settings, and ``replay_step_s`` (``replay_step_s``);
 - ``actions``: one row per action of every rank; ``start_s``/``end_s`` bound the compute
   from the step start on the rank's clock, ``wait_s`` is the receive wait before it;
 - ``memory``: one row per stage: measured peak, the limit it was checked against, the
@@ -24,15 +24,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import pandas as pd
 
 from dynmb.costmodel import CostModelLike
 from dynmb.results import TableWriter, run_info
 from dynmb.runtime.hostmem import host_malloc_mode
 from dynmb.runtime.spec import RunSpec
-from dynmb.types import Plan
+from dynmb.simulate import comm_times, simulate_costs
+from dynmb.types import Plan, Schedule
 
-__all__ = ["ActionRow", "MemoryRow", "StepReport", "step_row", "run_row", "actions_frame", "Recorder"]
+__all__ = ["ActionRow", "MemoryRow", "StepReport", "step_row", "replay_step_s", "run_row", "actions_frame",
+           "Recorder"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +57,9 @@ class ActionRow:
     end_s: float
     pred_s: float
     wait_s: float
+    cpu_s: float | None = None
+    """CPU: this rank's thread CPU seconds of the compute (end_s - start_s minus the time the
+    thread was not running); None (NaN in the table) on CUDA."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,11 +109,38 @@ def actions_frame(rows: Sequence[ActionRow]) -> pd.DataFrame:
     return pd.DataFrame([asdict(r) for r in rows])
 
 
+def replay_step_s(schedule: Schedule, plan: Plan, actions: Sequence[ActionRow],
+                  cost_model: CostModelLike) -> float | None:
+    """The simulator's step time of ``schedule`` with every action's *measured* compute time
+    (``end_s - start_s``) in place of the cost model's, and the cost model's P2P time.
+
+    ``pred_step_s`` errs for two reasons: the cost model's action times, and what the simulator
+    leaves out (receive latency beyond the P2P model, work between actions, the optimizer step,
+    a rank waiting on a peer it does not depend on). Replaying the measured action times
+    removes the first, so ``|replay - step_s| / step_s`` is the simulator's own error and the
+    rest of ``pred_err`` is the cost model's (on a shared machine, mostly its speed drifting
+    between calibration and step). Replica 0 only: None for a data-parallel plan or when an
+    action of the schedule was not measured."""
+    if plan.dp > 1:
+        return None
+    costs = {op: np.full((schedule.num_stages, schedule.num_microbatches), np.nan) for op in ("F", "B", "I", "W")}
+    for a in actions:
+        if a.dp_rank == 0 and a.op in costs:
+            costs[a.op][a.stage, a.mb] = a.end_s - a.start_s
+    scheduled = [a for acts in schedule.ranks for a in acts]
+    if any(np.isnan(costs[a.op][a.stage, a.mb]) for a in scheduled):
+        return None
+    costs = {op: c for op, c in costs.items() if op in {a.op for a in scheduled}}
+    return simulate_costs(schedule, costs, comm_times(cost_model, plan)).makespan_s
+
+
 def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport], *, world_size: int,
-             distinct_shapes: int, new_shapes: int, cost_model: CostModelLike) -> dict[str, Any]:
+             distinct_shapes: int, new_shapes: int, cost_model: CostModelLike,
+             schedule: Schedule | None = None) -> dict[str, Any]:
     """The ``steps`` row of ``step``: ``plan`` is the global batch's plan, ``reports`` every rank's,
     ``cost_model`` the model the step was planned and predicted with (its per-action runtime
-    overhead, ``F`` / ``B``, and its warm-up calibration scale, mean over stages)."""
+    overhead, ``F`` / ``B``, and its warm-up calibration scale, mean over stages), ``schedule``
+    the schedule replica 0 ran (for ``replay_step_s``; None leaves it empty)."""
     overhead_s = cost_model.runtime_overhead_s
     num_stages = spec.run.pipeline.num_stages
     cfg, pipeline = spec.run, spec.run.pipeline
@@ -129,6 +162,8 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         scale_B=sum(cost_model.scale_of(p, "B") for p in range(num_stages)) / num_stages,
         attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
         distinct_shapes=distinct_shapes, new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
+        replay_step_s=None if schedule is None else replay_step_s(
+            schedule, plan, [a for r in reports for a in r.actions], cost_model),
         label=spec.display_label)
 
 

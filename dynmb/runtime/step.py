@@ -47,7 +47,7 @@ from dynmb.runtime.comm import P2P
 from dynmb.runtime.interpreter import ActionTiming, run_actions
 from dynmb.runtime.records import ActionRow, MemoryRow, StepReport
 from dynmb.runtime.state import RunState, token_seed
-from dynmb.types import Action, Plan
+from dynmb.types import Action, Plan, Schedule
 
 __all__ = ["run_step"]
 
@@ -109,7 +109,7 @@ def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTim
             run_id=state.spec.run_id, step=step, rank=state.rank, dp_rank=state.topology.dp_index,
             stage=action.stage, op=action.op, mb=action.mb, batch=mb.batch, padded_len=mb.padded_len,
             docs=mb.num_seqs, attn_work=mb.attention_work(state.run.model.attention), start_s=start, end_s=end,
-            pred_s=float(pred), wait_s=state.clock.seconds(timing.t_recv, timing.t_start)))
+            pred_s=float(pred), wait_s=state.clock.seconds(timing.t_recv, timing.t_start), cpu_s=timing.cpu_s))
     return rows, busy_s
 
 
@@ -134,16 +134,16 @@ def _memory_rows(state: RunState, step: int, plan: Plan) -> list[MemoryRow]:
     return rows
 
 
-def run_step(state: RunState, step: int) -> tuple[StepReport, Plan]:
-    """Run step ``step`` on this rank (see the module docstring); returns this rank's report
-    and the step's plan (the global batch's, every replica)."""
+def run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
+    """Run step ``step`` on this rank (see the module docstring); returns this rank's report,
+    the step's plan (the global batch's, every replica) and replica 0's schedule."""
     try:
         return _run_step(state, step)
     finally:
         gc.enable()
 
 
-def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan]:
+def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     run, pipeline, device, topology = state.run, state.run.pipeline, state.device, state.topology
     batch = state.plan_batch(step)
     plan = state.hooks.plan(state.rank, step, batch.plan)
@@ -196,4 +196,4 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan]:
         problems += gradient_problems(state.rank, step, verified_grads, reference)
     report = StepReport(rank=state.rank, step_s=step_s, busy_s=busy_s, loss=loss, actions=action_rows,
                         memory=memory_rows, problems=problems)
-    return report, plan
+    return report, plan, batch.schedule

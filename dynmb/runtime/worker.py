@@ -106,7 +106,7 @@ def _open_run(spec: RunSpec, device: torch.device, recorder: Recorder, hooks: St
 
 def _step(state: RunState, step: int, recorder: Recorder) -> None:
     """Step ``step`` of one run: run it, gather the reports, record them, raise any failure."""
-    report, plan = run_step(state, step)
+    report, plan, schedule = run_step(state, step)
     reports: list[StepReport | None] = [None] * state.topology.world_size
     dist.all_gather_object(reports, report)
     gathered = [r for r in reports if r is not None]
@@ -119,7 +119,7 @@ def _step(state: RunState, step: int, recorder: Recorder) -> None:
         recorder.measurements(state.spec, gathered)
         row = step_row(state.spec, step, plan, gathered, world_size=state.topology.world_size,
                        distinct_shapes=distinct_shapes, new_shapes=new_shapes,
-                       cost_model=state.cost_model)
+                       cost_model=state.cost_model, schedule=schedule)
         row["verified"] = bool(state.spec.verify) and not problems
         recorder.steps(state.spec, row)
         warm = "warm-up " if step < run.warmup else ""

@@ -1,0 +1,158 @@
+"""Which runtime calibration predicts real steps best? Offline, on recorded compare runs.
+
+A ``dynmb compare`` folder holds every action's measured time and shape. This script re-predicts
+every measured step of every case under several calibration rules and reports each rule's step
+error next to what the run itself predicted. Per step it
+
+1. prices every action with the shipped (uncalibrated) cost model: ``cost_model.predict`` of its
+   stage, op, rows, padded_len and attention work, exactly what the run's warm-up predicted;
+2. calibrates those prices with the rule (``costmodel.runtime_calibration`` fitted on the actions
+   the rule allows: only ones measured *before* the step);
+3. replays the schedule that ran (each rank's actions in the order they ran) in the simulator
+   (``simulate.simulate_costs``, the cost model's P2P time): the rule's ``pred_step_s``.
+
+Rules:
+
+- ``none``: the profile as shipped;
+- ``warmup``: the run's rule, this case's warm-up step (reproduces the recorded ``pred_step_s``);
+- ``warmup-any``: the same with a (stage, op) scaled from one big action on (the run's rule needs
+  three: ``packed``/``sorted``/``token-budget`` warm-ups have fewer and stay uncalibrated);
+- ``pooled``: every case's warm-up step (the whole first round of the job);
+- ``rolling``: this case's warm-up and measured steps before this one;
+- ``recent``: every case's actions of the ``--recent`` steps that ran just before this one in the
+  job (the machine's speed right now).
+
+For ``fixed``, ``sorted``, ``packed`` and ``token-budget`` the plan does not depend on the cost
+model, so the replayed prediction is what the rule would have printed. ``dynamic`` and
+``dynapipe`` plan with it; their numbers are the rule's error on the plan they ran.
+
+    python experiments/calibration_study.py results/compare [more folders] [--recent 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dynmb.config import ModelConfig
+from dynmb.costmodel import get_cost_model, runtime_calibration
+from dynmb.costmodel.samples import RuntimeCalibration
+from dynmb.results import load_results
+from dynmb.simulate import simulate_costs
+from dynmb.types import Action, Schedule
+
+RULES = ("none", "warmup", "warmup-any", "pooled", "rolling", "recent", "hybrid")
+
+
+def _calibrated(acts: pd.DataFrame, cal: RuntimeCalibration) -> np.ndarray:
+    """Each action's raw prediction under ``cal``: raw x scale[op][stage] + overhead[op]."""
+    scale = [cal.scale[op][int(st)] if op in cal.scale else 1.0 for op, st in zip(acts["op"], acts["stage"])]
+    overhead = [cal.overhead_s.get(op, 0.0) for op in acts["op"]]
+    return acts["raw_s"].to_numpy() * np.asarray(scale) + np.asarray(overhead)
+
+
+def _hybrid(own: RuntimeCalibration, everyone: RuntimeCalibration, recent: RuntimeCalibration,
+            num_stages: int) -> RuntimeCalibration:
+    """This case's bias against the whole job (own / everyone, over the same past) times the
+    job's speed right now (recent), per (stage, op); the recent per-action overhead."""
+    scale = {}
+    for op in set(own.scale) | set(recent.scale):
+        ones = [1.0] * num_stages
+        o, e, r = own.scale.get(op, ones), everyone.scale.get(op, ones), recent.scale.get(op, ones)
+        scale[op] = [o[p] / e[p] * r[p] for p in range(num_stages)]
+    return RuntimeCalibration(scale, recent.overhead_s)
+
+
+def _replay(acts: pd.DataFrame, seconds: np.ndarray, num_stages: int) -> float:
+    """The simulator's step time of the schedule ``acts`` ran (each rank's actions in the order
+    they started) with ``seconds`` per action and the cost model's P2P time (``comm_s``)."""
+    acts = acts.assign(sec=seconds).sort_values(["rank", "start_s"])
+    m = int(acts["mb"].max()) + 1
+    ranks = [tuple(Action(int(s), str(o), int(b)) for s, o, b in zip(g["stage"], g["op"], g["mb"]))
+             for _, g in acts.groupby("rank")]
+    costs = {op: np.zeros((num_stages, m)) for op in acts["op"].unique()}
+    comm = np.zeros(m)
+    for s, o, b, sec, c in zip(acts["stage"], acts["op"], acts["mb"], acts["sec"], acts["comm_s"]):
+        costs[o][int(s), int(b)] = sec
+        comm[int(b)] = c
+    return simulate_costs(Schedule(ranks, num_stages, m, kind="replay"), costs, comm).makespan_s
+
+
+def study(folder: Path, recent: int) -> pd.DataFrame:
+    t = load_results(folder)
+    steps, actions, runs = t["steps"], t["actions"].copy(), t["runs"]
+    run = runs.iloc[0]
+    num_stages = int(steps["num_stages"].iloc[0])
+    path = run.get("cost_model")
+    cost_model = get_cost_model(None if pd.isna(path) or not path else str(path), model_from_runs(run), num_stages)
+    actions["raw_s"] = [float(cost_model.predict(int(s), o, b, n, a)) for s, o, b, n, a in
+                        zip(actions["stage"], actions["op"], actions["batch"], actions["padded_len"],
+                            actions["attn_work"])]
+    actions["comm_s"] = cost_model.comm_s(actions["batch"].to_numpy(), actions["padded_len"].to_numpy())
+    fit = actions.assign(pred_s=actions["raw_s"])       # runtime_calibration reads raw predictions
+    order = list(zip(steps["run_id"], steps["step"]))   # the job's execution order (rank 0 appends in order)
+    position = {key: i for i, key in enumerate(order)}
+    warm = steps[steps["warmup"].astype(bool)]
+    warm_keys = set(zip(warm["run_id"], warm["step"]))
+    key_of = list(zip(fit["run_id"], fit["step"]))
+    in_warm = np.array([k in warm_keys for k in key_of])
+    pooled = runtime_calibration(fit[in_warm], num_stages)
+    rows = []
+    for _, st in steps[~steps["warmup"].astype(bool)].iterrows():
+        rid, k = st["run_id"], int(st["step"])
+        here = (fit["run_id"] == rid) & (fit["step"] == k)
+        mine = fit["run_id"] == rid
+        before = np.array([position[key] < position[(rid, k)] for key in key_of])
+        recent_keys = set(order[max(0, position[(rid, k)] - recent):position[(rid, k)]])
+        cals = {
+            "none": RuntimeCalibration(),
+            "warmup": runtime_calibration(fit[mine & in_warm], num_stages),
+            "warmup-any": runtime_calibration(fit[mine & in_warm], num_stages, min_actions=1),
+            "pooled": pooled,
+            "rolling": runtime_calibration(fit[mine & before], num_stages, min_actions=1),
+            "recent": runtime_calibration(fit[np.array([key in recent_keys for key in key_of])], num_stages,
+                                          min_actions=1),
+        }
+        everyone_before = runtime_calibration(fit[before], num_stages, min_actions=1)
+        cals["hybrid"] = _hybrid(cals["rolling"], everyone_before, cals["recent"], num_stages)
+        acts = fit[here]
+        row = {"folder": folder.name, "method": st["method"], "label": st.get("label", st["method"]), "step": k,
+               "step_s": st["step_s"], "recorded": st["pred_step_s"]}
+        for name, cal in cals.items():
+            row[name] = _replay(acts, _calibrated(acts, cal), num_stages)
+        row["measured_actions"] = _replay(acts, (acts["end_s"] - acts["start_s"]).to_numpy(), num_stages)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def model_from_runs(run: pd.Series) -> ModelConfig:
+    """The model of a ``runs`` row (its flattened ``model.*`` columns)."""
+    return ModelConfig.from_dict({c[len("model."):]: run[c] for c in run.index if c.startswith("model.")})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folders", nargs="+", type=Path)
+    ap.add_argument("--recent", type=int, default=4, help="steps of the job before this one for 'recent' (default 4)")
+    ap.add_argument("-o", "--out", type=Path, default=None, help="write the per-step table as CSV")
+    args = ap.parse_args()
+    df = pd.concat([study(f, args.recent) for f in args.folders], ignore_index=True)
+    if args.out:
+        df.to_csv(args.out, index=False)
+    cols = ["recorded", *RULES, "measured_actions"]
+    err = df[cols].sub(df["step_s"], axis=0).abs().div(df["step_s"], axis=0)
+    err[["folder", "label"]] = df[["folder", "label"]]
+    per_case = err.groupby(["folder", "label"])[cols].median()      # a case's pred_err, per run
+    pd.set_option("display.width", 200)
+    print("median |pred - measured| / measured per case and run (the summary's pred_err), by rule:")
+    print((per_case * 100).round(1).to_string())
+    print("\nover cases and runs: median, max, and how many case-runs within 10%:")
+    print(pd.DataFrame({"median": per_case.median(), "max": per_case.max(),
+                        "within_10pct": (per_case <= 0.10).mean()}).round(3).to_string())
+
+
+if __name__ == "__main__":
+    main()
