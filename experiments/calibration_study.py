@@ -14,13 +14,16 @@ error next to what the run itself predicted. Per step it
 Rules:
 
 - ``none``: the profile as shipped;
-- ``warmup``: the run's rule, this case's warm-up step (reproduces the recorded ``pred_step_s``);
-- ``warmup-any``: the same with a (stage, op) scaled from one big action on (the run's rule needs
-  three: ``packed``/``sorted``/``token-budget`` warm-ups have fewer and stay uncalibrated);
-- ``pooled``: every case's warm-up step (the whole first round of the job);
+- ``warmup``: calibrated once, on this case's warm-up step (``runtime_calibration``; the rule of
+  releases before ``job``);
+- ``pooled``: once, on every case's warm-up step (the whole first round of the job);
 - ``rolling``: this case's warm-up and measured steps before this one;
 - ``recent``: every case's actions of the ``--recent`` steps that ran just before this one in the
-  job (the machine's speed right now).
+  job (the machine's speed right now);
+- ``job``: the runtime's rule, ``job_calibration`` on every step of the job before this one (this
+  case's bias against the job times the job's recent speed).
+
+``recorded`` is what the run itself predicted; on a run made with the ``job`` rule the two agree.
 
 For ``fixed``, ``sorted``, ``packed`` and ``token-budget`` the plan does not depend on the cost
 model, so the replayed prediction is what the rule would have printed. ``dynamic`` and
@@ -38,13 +41,12 @@ import numpy as np
 import pandas as pd
 
 from dynmb.config import ModelConfig
-from dynmb.costmodel import get_cost_model, runtime_calibration
-from dynmb.costmodel.samples import RuntimeCalibration
+from dynmb.costmodel import CalibrationStep, RuntimeCalibration, get_cost_model, job_calibration, runtime_calibration
 from dynmb.results import load_results
 from dynmb.simulate import simulate_costs
 from dynmb.types import Action, Schedule
 
-RULES = ("none", "warmup", "warmup-any", "pooled", "rolling", "recent", "hybrid")
+RULES = ("none", "warmup", "pooled", "rolling", "recent", "job")
 
 
 def _calibrated(acts: pd.DataFrame, cal: RuntimeCalibration) -> np.ndarray:
@@ -52,18 +54,6 @@ def _calibrated(acts: pd.DataFrame, cal: RuntimeCalibration) -> np.ndarray:
     scale = [cal.scale[op][int(st)] if op in cal.scale else 1.0 for op, st in zip(acts["op"], acts["stage"])]
     overhead = [cal.overhead_s.get(op, 0.0) for op in acts["op"]]
     return acts["raw_s"].to_numpy() * np.asarray(scale) + np.asarray(overhead)
-
-
-def _hybrid(own: RuntimeCalibration, everyone: RuntimeCalibration, recent: RuntimeCalibration,
-            num_stages: int) -> RuntimeCalibration:
-    """This case's bias against the whole job (own / everyone, over the same past) times the
-    job's speed right now (recent), per (stage, op); the recent per-action overhead."""
-    scale = {}
-    for op in set(own.scale) | set(recent.scale):
-        ones = [1.0] * num_stages
-        o, e, r = own.scale.get(op, ones), everyone.scale.get(op, ones), recent.scale.get(op, ones)
-        scale[op] = [o[p] / e[p] * r[p] for p in range(num_stages)]
-    return RuntimeCalibration(scale, recent.overhead_s)
 
 
 def _replay(acts: pd.DataFrame, seconds: np.ndarray, num_stages: int) -> float:
@@ -88,9 +78,12 @@ def study(folder: Path, recent: int) -> pd.DataFrame:
     num_stages = int(steps["num_stages"].iloc[0])
     path = run.get("cost_model")
     cost_model = get_cost_model(None if pd.isna(path) or not path else str(path), model_from_runs(run), num_stages)
-    actions["raw_s"] = [float(cost_model.predict(int(s), o, b, n, a)) for s, o, b, n, a in
-                        zip(actions["stage"], actions["op"], actions["batch"], actions["padded_len"],
-                            actions["attn_work"])]
+    if "raw_pred_s" in actions:          # recorded by the runtime since the job rule
+        actions["raw_s"] = actions["raw_pred_s"]
+    else:                                # re-priced: what the run's uncalibrated model predicted
+        actions["raw_s"] = [float(cost_model.predict(int(s), o, b, n, a)) for s, o, b, n, a in
+                            zip(actions["stage"], actions["op"], actions["batch"], actions["padded_len"],
+                                actions["attn_work"])]
     actions["comm_s"] = cost_model.comm_s(actions["batch"].to_numpy(), actions["padded_len"].to_numpy())
     fit = actions.assign(pred_s=actions["raw_s"])       # runtime_calibration reads raw predictions
     order = list(zip(steps["run_id"], steps["step"]))   # the job's execution order (rank 0 appends in order)
@@ -107,17 +100,16 @@ def study(folder: Path, recent: int) -> pd.DataFrame:
         mine = fit["run_id"] == rid
         before = np.array([position[key] < position[(rid, k)] for key in key_of])
         recent_keys = set(order[max(0, position[(rid, k)] - recent):position[(rid, k)]])
+        history = [CalibrationStep(r, fit[(fit["run_id"] == r) & (fit["step"] == j)])
+                   for r, j in order[:position[(rid, k)]]]
         cals = {
             "none": RuntimeCalibration(),
             "warmup": runtime_calibration(fit[mine & in_warm], num_stages),
-            "warmup-any": runtime_calibration(fit[mine & in_warm], num_stages, min_actions=1),
             "pooled": pooled,
-            "rolling": runtime_calibration(fit[mine & before], num_stages, min_actions=1),
-            "recent": runtime_calibration(fit[np.array([key in recent_keys for key in key_of])], num_stages,
-                                          min_actions=1),
+            "rolling": runtime_calibration(fit[mine & before], num_stages),
+            "recent": runtime_calibration(fit[np.array([key in recent_keys for key in key_of])], num_stages),
+            "job": job_calibration(history, rid, num_stages),
         }
-        everyone_before = runtime_calibration(fit[before], num_stages, min_actions=1)
-        cals["hybrid"] = _hybrid(cals["rolling"], everyone_before, cals["recent"], num_stages)
         acts = fit[here]
         row = {"folder": folder.name, "method": st["method"], "label": st.get("label", st["method"]), "step": k,
                "step_s": st["step_s"], "recorded": st["pred_step_s"]}

@@ -441,7 +441,7 @@ def test_tiny_concurrent_profile(tmp_path):
 def test_runtime_calibration_scales_big_actions_and_adds_the_overhead_of_small_ones():
     import pandas as pd
 
-    from dynmb.costmodel import OVERHEAD_MIN_ACTIONS, SCALE_MIN_ACTIONS, runtime_calibration
+    from dynmb.costmodel import OVERHEAD_MIN_ACTIONS, SCALE_MIN_PRED_S, runtime_calibration
 
     big = np.array([0.05, 0.2, 0.4, 0.1])
     fwd0 = pd.DataFrame({"op": "F", "stage": 0, "pred_s": big, "start_s": 1.0, "end_s": 1.0 + big * [1.1, 1.3, 1.2, 1.0]})
@@ -450,17 +450,52 @@ def test_runtime_calibration_scales_big_actions_and_adds_the_overhead_of_small_o
     sm0 = pd.DataFrame({"op": "F", "stage": 0, "pred_s": small, "start_s": 0.0,
                         "end_s": small * float((big * [1.1, 1.3, 1.2, 1.0]).sum() / big.sum()) + 0.002})
     sm1 = sm0.assign(stage=1, end_s=small * 0.9 + 0.002)
-    few = pd.DataFrame({"op": "B", "stage": 0, "pred_s": [1.0] * (SCALE_MIN_ACTIONS - 1), "start_s": 0.0, "end_s": 2.0})
+    few = pd.DataFrame({"op": "B", "stage": 0, "pred_s": [SCALE_MIN_PRED_S * 0.9], "start_s": 0.0, "end_s": 2.0})
     tiny = pd.DataFrame({"op": "B", "stage": 1, "pred_s": [0.001] * (OVERHEAD_MIN_ACTIONS - 1), "start_s": 0.0,
                          "end_s": 0.004})
     cal = runtime_calibration(pd.concat([fwd0, fwd1, sm0, sm1, few, tiny], ignore_index=True), num_stages=2)
     assert cal.scale["F"][0] == pytest.approx(float((big * [1.1, 1.3, 1.2, 1.0]).sum() / big.sum()))
     assert cal.scale["F"][1] == pytest.approx(0.9)
     assert cal.overhead_s["F"] == pytest.approx(0.002)
-    assert "B" not in cal.scale       # too few big actions on stage 0, none on stage 1
+    assert "B" not in cal.scale       # too little predicted work on stage 0, none on stage 1
     assert "B" not in cal.overhead_s  # too few small ones
     faster = pd.concat([sm0.assign(end_s=sm0["pred_s"] * 0.5)] * 2, ignore_index=True)
     assert runtime_calibration(faster, num_stages=2).overhead_s["F"] == 0.0      # never negative
+
+
+def _calibration_step(run_id, ratio_f0, ratio_f1=1.0, pred=0.5, small=0, small_extra_s=0.0):
+    """One step's actions: two big forwards per stage at ``ratio`` x their prediction, and
+    ``small`` small stage-0 forwards taking ``small_extra_s`` more than predicted."""
+    import pandas as pd
+
+    from dynmb.costmodel import CalibrationStep
+
+    rows = [{"op": "F", "stage": st, "pred_s": pred, "start_s": 0.0, "end_s": pred * r}
+            for st, r in ((0, ratio_f0), (1, ratio_f1)) for _ in range(2)]
+    rows += [{"op": "F", "stage": 0, "pred_s": 0.01, "start_s": 0.0, "end_s": 0.01 * ratio_f0 + small_extra_s}
+             for _ in range(small)]
+    return CalibrationStep(run_id, pd.DataFrame(rows))
+
+
+def test_job_calibration_is_own_bias_times_the_jobs_recent_speed():
+    from dynmb.costmodel import RECENT_STEPS, job_calibration
+
+    assert RECENT_STEPS == 2 and job_calibration([], "a", 2).scale == {}
+    # a run alone in its job: its own ratio of sums over all its steps
+    alone = [_calibration_step("a", 1.2), _calibration_step("a", 1.4, pred=1.0)]
+    assert job_calibration(alone, "a", 2).scale["F"][0] == pytest.approx((1.2 * 1.0 + 1.4 * 2.0) / 3.0)
+    # run a is 1.1x slower than the job on stage 0 and the machine is at 1.5x now
+    hist = [_calibration_step("a", 1.1), _calibration_step("b", 1.0), _calibration_step("a", 1.1),
+            _calibration_step("b", 1.0), _calibration_step("b", 1.5), _calibration_step("c", 1.5)]
+    everyone = (1.1 * 2 + 1.0 * 2 + 1.5 * 2) / 6
+    cal = job_calibration(hist, "a", 2)
+    assert cal.scale["F"][0] == pytest.approx(1.1 / everyone * 1.5)
+    assert cal.scale["F"][1] == pytest.approx(1.0)            # every stage-1 forward ran as predicted
+    # a run with no steps yet takes the job's recent speed
+    assert job_calibration(hist, "new", 2).scale["F"][0] == pytest.approx(1.5)
+    # the overhead per action comes from the recent window when it has enough small actions
+    noisy = hist[:-2] + [_calibration_step("b", 1.5, small=8, small_extra_s=0.004), _calibration_step("c", 1.5)]
+    assert job_calibration(noisy, "a", 2).overhead_s["F"] == pytest.approx(0.004)
 
 
 def test_with_scale_multiplies_per_stage_before_overhead_and_round_trips(tmp_path):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig
-from dynmb.costmodel import runtime_calibration
+from dynmb.costmodel import CalibrationStep, job_calibration
 from dynmb.results import load_results
 from dynmb.runtime import worker
 from dynmb.runtime.checks import StepCheckError
@@ -156,14 +156,22 @@ def test_three_steps_change_shapes(two_rank_run):
     assert list(t["steps"]["step"]) == [0, 1, 2, 3] and list(t["steps"]["warmup"]) == [True, False, False, False]
     shapes = t["actions"].groupby("step").apply(lambda d: tuple(sorted(set(zip(d["batch"], d["padded_len"])))))
     assert len(set(shapes)) == 4                            # every step runs other shapes
-    # the warm-up step calibrates the measured steps' cost model (CPU default): the scale and
-    # overhead the steps rows carry are those of the warm-up step's actions; the warm-up step's
-    # own are 1 and 0
-    cal = runtime_calibration(t["actions"][t["actions"]["step"] == 0], num_stages=2)
-    for op in ("F", "B"):
-        expect = float(np.mean(cal.scale.get(op, [1.0, 1.0])))
-        assert t["steps"][f"scale_{op}"].tolist() == pytest.approx([1.0] + [expect] * 3)
-        assert t["steps"][f"overhead_{op}_s"].tolist() == pytest.approx([0.0] + [cal.overhead_s.get(op, 0.0)] * 3)
+    # each step's cost model is calibrated on the steps before it (CPU default): the scale and
+    # overhead a steps row carries are job_calibration's of the earlier steps' actions, priced
+    # by the uncalibrated model (raw_pred_s); the first step's are 1 and 0
+    acts = t["actions"]
+    for k in range(4):
+        history = [CalibrationStep("rt", acts[acts["step"] == j].assign(pred_s=acts["raw_pred_s"])) for j in range(k)]
+        cal = job_calibration(history, "rt", 2)
+        row = t["steps"].iloc[k]
+        for op in ("F", "B"):
+            assert row[f"scale_{op}"] == pytest.approx(float(np.mean(cal.scale.get(op, [1.0, 1.0]))))
+            assert row[f"overhead_{op}_s"] == pytest.approx(cal.overhead_s.get(op, 0.0))
+        # every action's pred_s is its raw prediction under that calibration
+        step = acts[acts["step"] == k]
+        scale = [cal.scale[op][st] if op in cal.scale else 1.0 for op, st in zip(step["op"], step["stage"])]
+        expect = step["raw_pred_s"] * scale + [cal.overhead_s.get(op, 0.0) for op in step["op"]]
+        assert step["pred_s"].to_numpy() == pytest.approx(expect.to_numpy(), rel=1e-9)
     # every action's thread CPU time is within its wall time; the replay of each step (the
     # simulator on the measured action times) never exceeds the measured step by more than the
     # P2P time the cost model charges, and is at least the busiest rank's compute

@@ -4,7 +4,9 @@ Modules, one way up (each imports only those above it):
 
 - ``nnls``: the relative-error non-negative least-squares solver every fit uses.
 - ``samples``: the tidy samples table (``dynmb profile``, or a run's ``actions``): per-point
-  medians, the repeat noise, a run's warm-up calibration (scale per stage and op, overhead per action).
+  medians, the repeat noise.
+- ``calibration``: a running pipeline's speed against the model (scale per stage and op,
+  overhead per action), fitted on the steps a job has measured so far.
 - ``base``: ``CostModelLike`` (the ``typing.Protocol`` consumers use), ``CommModel`` (P2P
   ``alpha_s + nbytes / bytes_per_s``) and ``CostModel`` (the lookup ``predict`` /
   ``stage_costs`` / ``plan_costs`` / ``comm_s``, config checks, JSON I/O of any kind).
@@ -27,14 +29,15 @@ from .grid import GridCostModel
 from .nnls import nnls_rel
 from .poly import COEFS, FORMS, LEGACY_COEF_NAMES, FittedCostModel
 from .registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model, get_cost_model, kfold_error, load_cost_model
-from .samples import (OVERHEAD_MIN_ACTIONS, OVERHEAD_SMALL_S, SCALE_MIN_ACTIONS, SCALE_MIN_PRED_S,
-                      RuntimeCalibration, noise_floor, point_medians, runtime_calibration, samples_from_actions,
-                      with_attention_work)
+from .calibration import (OVERHEAD_MIN_ACTIONS, OVERHEAD_SMALL_S, RECENT_STEPS, SCALE_MIN_PRED_S, CalibrationStep,
+                          RuntimeCalibration, job_calibration, runtime_calibration)
+from .samples import noise_floor, point_medians, samples_from_actions, with_attention_work
 
 __all__ = [
     "CostModelLike", "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",
     "FORMS", "COEFS", "LEGACY_COEF_NAMES", "COST_MODEL_KINDS", "FIT_KINDS",
     "get_cost_model", "load_cost_model", "fit_cost_model", "kfold_error",
     "noise_floor", "point_medians", "samples_from_actions", "with_attention_work", "RuntimeCalibration",
-    "runtime_calibration", "SCALE_MIN_ACTIONS", "SCALE_MIN_PRED_S", "OVERHEAD_SMALL_S", "OVERHEAD_MIN_ACTIONS", "nnls_rel",
+    "runtime_calibration", "job_calibration", "CalibrationStep", "SCALE_MIN_PRED_S", "OVERHEAD_SMALL_S",
+    "OVERHEAD_MIN_ACTIONS", "RECENT_STEPS", "nnls_rel",
 ]

@@ -8,34 +8,23 @@ repeats (``point_medians``); held-out error (``registry.kfold_error``) holds out
 (profiled before it was recorded) get ``rows * padded_len^2`` on unpacked rows; their packed
 rows are skipped with a warning (their attention work is unknown; ``with_attention_work``). A
 run's ``actions`` table converts to samples with ``samples_from_actions`` so models refit from
-real runs, and ``runtime_calibration`` reads off it how much slower a real pipeline runs each
-stage's ops than the profile (a scale per stage and op) plus what it pays per action.
+real runs (``calibration`` reads a running pipeline's speed off the same table).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["POINT_KEY", "SCALE_MIN_ACTIONS", "SCALE_MIN_PRED_S", "OVERHEAD_SMALL_S", "OVERHEAD_MIN_ACTIONS",
-           "with_attention_work", "point_medians", "noise_floor", "samples_from_actions", "sample_meta",
-           "RuntimeCalibration", "runtime_calibration"]
+__all__ = ["POINT_KEY", "with_attention_work", "point_medians", "noise_floor", "samples_from_actions", "sample_meta"]
 
 logger = logging.getLogger(__name__)
 
 POINT_KEY = ["stage", "op", "rows", "padded_len", "attn_work"]
 """The columns that identify one measured point."""
-
-SCALE_MIN_ACTIONS, SCALE_MIN_PRED_S = 3, 0.1
-"""``runtime_calibration``'s scale needs 3 big actions and 0.1 s of their predicted work of a (stage, op)."""
-
-OVERHEAD_SMALL_S, OVERHEAD_MIN_ACTIONS = 0.05, 8
-"""``runtime_calibration``: actions predicted under 50 ms give the per-action overhead (8 of an op
-needed), the others the scale."""
 
 
 def with_attention_work(samples: pd.DataFrame) -> pd.DataFrame:
@@ -128,60 +117,3 @@ def sample_meta(samples: pd.DataFrame) -> dict[str, Any]:
             meta[c] = samples[c].dropna().iloc[0]
     meta["n_samples"] = int(len(samples))
     return meta
-
-
-@dataclass(frozen=True)
-class RuntimeCalibration:
-    """What a run's warm-up steps measured against the cost model (``runtime_calibration``):
-    ``scale[op][stage]`` multiplies the profile's prediction (``CostModel.with_scale``), and
-    ``overhead_s[op]`` seconds are added per action (``CostModel.with_overhead``)."""
-
-    scale: dict[str, list[float]] = field(default_factory=dict)
-    overhead_s: dict[str, float] = field(default_factory=dict)
-
-
-def runtime_calibration(actions: pd.DataFrame, num_stages: int, *, min_actions: int = SCALE_MIN_ACTIONS,
-                        min_pred_s: float = SCALE_MIN_PRED_S) -> RuntimeCalibration:
-    """Fit ``measured = scale[op][stage] * predicted + overhead_s[op]`` to an ``actions`` table
-    (measured ``start_s``/``end_s`` next to the uncalibrated ``pred_s``), in two steps.
-
-    1. ``scale``: per (stage, op), ``sum(measured) / sum(predicted)`` over the actions predicted
-       at ``OVERHEAD_SMALL_S`` or more, where a fixed cost per action does not show. A ratio of
-       sums, so the big actions that make up a step weigh most. A (stage, op) with fewer than
-       ``min_actions`` (``SCALE_MIN_ACTIONS``) such actions or under ``min_pred_s``
-       (``SCALE_MIN_PRED_S``) of their predicted work keeps 1.0; an op with no such (stage, op)
-       is left out.
-    2. ``overhead_s``: per op, the median of ``measured - scale * predicted`` over the actions
-       predicted under ``OVERHEAD_SMALL_S``; 0 with fewer than ``OVERHEAD_MIN_ACTIONS`` of them,
-       never negative.
-
-    Why: the profile times one stage's op at a time on its own graph, while a pipeline's ranks
-    share the host's last-level cache and memory bandwidth with each other's compute and comm
-    threads (on the 2-core development box a stage's forward ran up to 1.37x slower while the
-    other rank computed than alone, ``benchmarks/bench_contention.py``), and the box drifts by
-    10-20% between sittings: the scale. Each action also pays a few ms the profile's op does not
-    (posting sends and receives, the memory meter's hooks, the interpreter): after scaling, 1-5
-    ms per action remained on every idle-box run; without it the planner, seeing small
-    microbatches as cheap as the profile says, cut a batch into too many (gsm8k: 23 microbatches
-    predicted 1.08 s, measured 1.75 s)."""
-    actions = actions[actions["op"].isin(["F", "B", "I", "W"])]
-    measured = (actions["end_s"] - actions["start_s"]).astype(float)
-    small = actions["pred_s"] < OVERHEAD_SMALL_S
-    scale: dict[str, list[float]] = {}
-    for op in ("F", "B", "I", "W"):
-        big = actions[(actions["op"] == op) & ~small]
-        per_stage = [1.0] * num_stages
-        for stage, g in big.groupby("stage"):
-            total = float(g["pred_s"].sum())
-            if len(g) >= min_actions and total >= min_pred_s:
-                per_stage[int(stage)] = float(measured[g.index].sum()) / total
-        if per_stage != [1.0] * num_stages:
-            scale[op] = per_stage
-    overhead: dict[str, float] = {}
-    for op in ("F", "B", "I", "W"):
-        few = actions[(actions["op"] == op) & small]
-        if len(few) < OVERHEAD_MIN_ACTIONS:
-            continue
-        factor = np.array([scale.get(op, [1.0] * num_stages)[int(st)] for st in few["stage"]])
-        overhead[op] = max(0.0, float(np.median(measured[few.index] - factor * few["pred_s"])))
-    return RuntimeCalibration(scale, overhead)

@@ -57,6 +57,8 @@ class ActionRow:
     end_s: float
     pred_s: float
     wait_s: float
+    raw_pred_s: float = 0.0
+    """The uncalibrated cost model's prediction (what runtime calibration fits ``pred_s`` from)."""
     cpu_s: float | None = None
     """CPU: this rank's thread CPU seconds of the compute (end_s - start_s minus the time the
     thread was not running); None (NaN in the table) on CUDA."""
@@ -139,7 +141,7 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
              schedule: Schedule | None = None) -> dict[str, Any]:
     """The ``steps`` row of ``step``: ``plan`` is the global batch's plan, ``reports`` every rank's,
     ``cost_model`` the model the step was planned and predicted with (its per-action runtime
-    overhead, ``F`` / ``B``, and its warm-up calibration scale, mean over stages), ``schedule``
+    overhead, ``F`` / ``B``, and its calibration scale, mean over stages), ``schedule``
     the schedule replica 0 ran (for ``replay_step_s``; None leaves it empty)."""
     overhead_s = cost_model.runtime_overhead_s
     num_stages = spec.run.pipeline.num_stages

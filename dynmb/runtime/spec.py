@@ -106,7 +106,8 @@ class RunSpec:
     memory_model: str | None = None
     """Fitted memory-model JSON; None: the analytic model."""
     calibrate: bool | None = None
-    """Calibrate the cost model on the warm-up steps (``RunState.calibrate``); None: on CPU."""
+    """Calibrate each step's cost model on the steps the job measured before it
+    (``RunState.calibrate``); None: on CPU."""
     hooks: HookRef | None = None
     """Step hooks every rank builds (tests: fault injection); None: none."""
     plan: str | None = None

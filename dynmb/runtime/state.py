@@ -10,9 +10,12 @@ file (``RunSpec.plan``) runs that plan every step instead, with the spec's sched
 the schedule built for the plan's kind, predictions from this run's cost and memory models.
 
 ``prewarm(state)`` runs one forward + backward of every distinct microbatch shape of the
-run before its first step (``RunConfig.prewarm``). ``RunState.calibrate`` scales the cost
-model per stage and op and adds a per-action overhead, both measured on the warm-up steps
-(``costmodel.runtime_calibration``).
+run before its first step (``RunConfig.prewarm``). Runtime calibration (CPU default): every
+measured step is appended to the job's history (``RunState.record``, shared by the runs of a job
+on the same model, stages and cost model), and before each step ``RunState.calibrate`` sets the
+cost model the step is planned and predicted with to the uncalibrated one scaled per stage and
+op plus a per-action overhead (``costmodel.job_calibration``: the run's own bias times the
+job's recent speed), so a step's predictions use only what ran before it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynmb.costmodel import get_cost_model, runtime_calibration
+from dynmb.costmodel import CalibrationStep, get_cost_model, job_calibration
 from dynmb.data import load_trace, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
@@ -71,7 +74,8 @@ class PlannedBatch:
 class RunState:
     """Everything one run keeps across steps on this rank (set up collectively)."""
 
-    def __init__(self, spec: RunSpec, device: torch.device, hooks: StepHooks | None = None) -> None:
+    def __init__(self, spec: RunSpec, device: torch.device, hooks: StepHooks | None = None,
+                 history: list[CalibrationStep] | None = None) -> None:
         self.spec, self.device, self.hooks = spec, device, hooks or NoHooks()
         self.run = run = spec.run
         self.topology = Topology.for_run(run, dist.get_rank(), dist.get_world_size())
@@ -81,13 +85,14 @@ class RunState:
                        for s in self.topology.local_stages}
         self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
         self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)
-        self.cost_model = get_cost_model(run.cost_model, run.model, num_stages)
+        self.profile_model = get_cost_model(run.cost_model, run.model, num_stages)   # uncalibrated
+        self.cost_model = self.profile_model                 # what the next step plans with
+        self.history = history if history is not None else []   # the job's measured steps, shared
         self.memory_model = get_memory_model(spec.memory_model, run.model, num_stages)
         self.fixed = load_plan_files(spec) if spec.plan else None   # (plan, schedule file or None)
         self.trace = load_trace(run.dataset) if self.fixed is None else None
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)
         self.clock = Clock(device)
-        self.warmup_actions: list[ActionRow] = []       # every rank's warm-up actions, for calibrate
         self.seen_shapes: set[tuple[int, int]] = set()  # (rows, padded_len) run so far (prewarm included)
 
     @property
@@ -96,7 +101,7 @@ class RunState:
 
     @property
     def calibrates(self) -> bool:
-        """Whether the warm-up steps calibrate the cost model (default: on CPU)."""
+        """Whether measured steps calibrate the cost model of later steps (default: on CPU)."""
         return self.spec.calibrate if self.spec.calibrate is not None else self.device.type == "cpu"
 
     def plan_batch(self, step: int) -> PlannedBatch:
@@ -140,18 +145,24 @@ class RunState:
         self.seen_shapes |= shapes
         return len(shapes), new
 
+    def record(self, actions: list[ActionRow]) -> None:
+        """Append one step's actions (every rank's, the same list on every rank) to the job's
+        history, priced by the uncalibrated model (``raw_pred_s``)."""
+        frame = actions_frame(actions)
+        if not frame.empty:
+            self.history.append(CalibrationStep(self.spec.run_id, frame.assign(pred_s=frame["raw_pred_s"])))
+
     def calibrate(self) -> None:
-        """Calibrate the cost model the next steps are planned and predicted with on the warm-up
-        steps (``costmodel.runtime_calibration``): each stage's ops scaled by how much slower (or
-        faster) the big ones ran than predicted, plus the overhead per action the small ones
-        paid. Every rank holds every rank's warm-up actions, so all compute the same model."""
-        cal = runtime_calibration(actions_frame(self.warmup_actions), self.run.pipeline.num_stages)
-        logger.info("%s: warm-up calibration: scale %s, overhead per action %s", self.spec.run_id,
-                    ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per)}" for op, per in cal.scale.items()) or "none",
-                    ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.overhead_s.items()) or "none")
-        model = self.cost_model.with_scale(cal.scale) if cal.scale else self.cost_model
+        """Set the cost model the next step is planned and predicted with: the uncalibrated model
+        scaled per stage and op, plus a per-action overhead, fitted on the job's history
+        (``costmodel.job_calibration``). Every rank holds the same history, so all compute the
+        same model."""
+        cal = job_calibration(self.history, self.spec.run_id, self.run.pipeline.num_stages)
+        logger.debug("%s: calibration: scale %s, overhead per action %s", self.spec.run_id,
+                     ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per)}" for op, per in cal.scale.items()) or "none",
+                     ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.overhead_s.items()) or "none")
+        model = self.profile_model.with_scale(cal.scale) if cal.scale else self.profile_model
         self.cost_model = model.with_overhead(**cal.overhead_s) if cal.overhead_s else model
-        self.warmup_actions = []
 
     def close(self) -> None:
         self.meter.close()

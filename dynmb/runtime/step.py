@@ -98,6 +98,7 @@ def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTim
                  start_mark: object) -> tuple[list[ActionRow], float]:
     """One row per timed action and this rank's busy seconds."""
     costs = state.cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
+    raw = state.profile_model.plan_costs(plan, ops=("F", "B", "I", "W"))
     rows, busy_s = [], 0.0
     for timing in timings:
         action, mb = timing.action, plan.microbatches[timing.action.mb]
@@ -105,11 +106,13 @@ def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTim
         end = state.clock.seconds(start_mark, timing.t_end)
         busy_s += end - start
         pred = costs[action.op][action.stage, action.mb] if action.op in costs else 0.0
+        raw_pred = raw[action.op][action.stage, action.mb] if action.op in raw else 0.0
         rows.append(ActionRow(
             run_id=state.spec.run_id, step=step, rank=state.rank, dp_rank=state.topology.dp_index,
             stage=action.stage, op=action.op, mb=action.mb, batch=mb.batch, padded_len=mb.padded_len,
             docs=mb.num_seqs, attn_work=mb.attention_work(state.run.model.attention), start_s=start, end_s=end,
-            pred_s=float(pred), wait_s=state.clock.seconds(timing.t_recv, timing.t_start), cpu_s=timing.cpu_s))
+            pred_s=float(pred), wait_s=state.clock.seconds(timing.t_recv, timing.t_start),
+            raw_pred_s=float(raw_pred), cpu_s=timing.cpu_s))
     return rows, busy_s
 
 

@@ -24,16 +24,16 @@ CPU the heap is faulted in up to twice the memory limit (``hostmem.prefault``); 
 appends the run's ``runs`` row. With ``prewarm`` every distinct microbatch shape runs
 once. Then every step ``k`` (warm-up steps first, logged with ``warmup=True``):
 
+0. on CPU, the cost model the step plans with is calibrated on every step the job measured
+   before it (``RunState.calibrate``: a scale per stage and op, an overhead per action);
 1. ``step.run_step``: plan (digests agree), run the actions, sum gradients, Adam, and
    measure; the memory-limit and ``--verify`` checks (``dynmb.runtime.checks``);
 2. all reports are all-gathered; rank 0 appends the step's rows to the ``steps``,
    ``actions`` and ``memory`` tables (``dynmb.runtime.records``; atomic, step by step)
    and prints one progress line (``launch.PROGRESS``) for the launcher;
 3. any failed check is raised on every rank (``StepCheckError``), naming rank and reason;
-4. after the last warm-up step, on CPU, the cost model is calibrated on what the warm-up
-   steps measured (``RunState.calibrate``: a scale per stage and op, an overhead per
-   action); the cyclic garbage collector runs
-   between steps only (frozen after set-up, off inside a step).
+4. on CPU the step's actions join the job's calibration history (``RunState.record``); the
+   cyclic garbage collector runs between steps only (frozen after set-up, off inside a step).
 
 At the end of each run rank 0 rewrites its ``runs`` row with ``status`` ``ok``, or
 ``failed`` and the error when the run raised on rank 0. Any exception writes
@@ -95,9 +95,13 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="dynmb-parent-watchdog", daemon=True).start()
 
 
-def _open_run(spec: RunSpec, device: torch.device, recorder: Recorder, hooks: StepHooks | None) -> RunState:
-    """Set up one run on this rank; rank 0 records its ``runs`` row."""
-    state = RunState(spec, device, hooks if hooks is not None else load_hooks(spec.hooks))
+def _open_run(spec: RunSpec, device: torch.device, recorder: Recorder, hooks: StepHooks | None,
+              histories: dict[tuple, list]) -> RunState:
+    """Set up one run on this rank; rank 0 records its ``runs`` row. Interleaved runs on the same
+    model, stage count and cost model share one calibration history (``histories``)."""
+    run = spec.run
+    history = histories.setdefault((run.model, run.pipeline.num_stages, run.cost_model), [])
+    state = RunState(spec, device, hooks if hooks is not None else load_hooks(spec.hooks), history)
     if state.rank == 0:
         recorder.run_started(spec, backend=dist.get_backend(), device=str(device),
                              world_size=state.topology.world_size)
@@ -105,7 +109,9 @@ def _open_run(spec: RunSpec, device: torch.device, recorder: Recorder, hooks: St
 
 
 def _step(state: RunState, step: int, recorder: Recorder) -> None:
-    """Step ``step`` of one run: run it, gather the reports, record them, raise any failure."""
+    """Step ``step`` of one run: calibrate, run it, gather the reports, record them, raise any failure."""
+    if state.calibrates:
+        state.calibrate()
     report, plan, schedule = run_step(state, step)
     reports: list[StepReport | None] = [None] * state.topology.world_size
     dist.all_gather_object(reports, report)
@@ -126,10 +132,8 @@ def _step(state: RunState, step: int, recorder: Recorder) -> None:
         print(f"{PROGRESS}{state.spec.run_id} {warm}step {step}: {row['step_s']:.2f} s", flush=True)
     if problems:
         raise StepCheckError("; ".join(problems))
-    if step < run.warmup and state.calibrates:
-        state.warmup_actions += [a for r in gathered for a in r.actions]
-        if step == run.warmup - 1:
-            state.calibrate()
+    if state.calibrates:
+        state.record([a for r in gathered for a in r.actions])
     gc.collect()
 
 
@@ -189,10 +193,11 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
                  local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     for group in ([list(specs)] if interleave else [[s] for s in specs]):
         recorder = Recorder()
+        histories: dict[tuple, list] = {}    # interleaved runs share their calibration history
         states: list[RunState] = []
         try:
             for spec in group:
-                states.append(_open_run(spec, device, recorder, hooks))
+                states.append(_open_run(spec, device, recorder, hooks, histories))
                 if spec.run.prewarm:
                     prewarm(states[-1])
             gc.collect()
