@@ -125,12 +125,12 @@ def model_from_runs(run: pd.Series) -> ModelConfig:
     return ModelConfig.from_dict({c[len("model."):]: run[c] for c in run.index if c.startswith("model.")})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--recent", type=int, default=4, help="steps of the job before this one for 'recent' (default 4)")
     ap.add_argument("-o", "--out", type=Path, default=None, help="write the per-step table as CSV")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     df = pd.concat([study(f, args.recent) for f in args.folders], ignore_index=True)
     if args.out:
         df.to_csv(args.out, index=False)

@@ -496,6 +496,9 @@ def test_job_calibration_is_own_bias_times_the_jobs_recent_speed():
     # the overhead per action comes from the recent window when it has enough small actions
     noisy = hist[:-2] + [_calibration_step("b", 1.5, small=8, small_extra_s=0.004), _calibration_step("c", 1.5)]
     assert job_calibration(noisy, "a", 2).overhead_s["F"] == pytest.approx(0.004)
+    # ... and from the run's own steps once it has enough small actions of its own
+    own = noisy + [_calibration_step("a", 1.1, small=8, small_extra_s=0.002)]
+    assert job_calibration(own, "a", 2).overhead_s["F"] == pytest.approx(0.002)
 
 
 def test_with_scale_multiplies_per_stage_before_overhead_and_round_trips(tmp_path):

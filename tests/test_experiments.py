@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"
-SCRIPTS = ("sweep_traces", "fixed_mbs_sweep", "reorder_ablation", "costmodel_ablation", "scaling", "analyze")
+SCRIPTS = ("sweep_traces", "fixed_mbs_sweep", "reorder_ablation", "costmodel_ablation", "scaling", "analyze",
+           "calibration_study")
 
 
 def _script(name: str):

@@ -29,14 +29,15 @@ ran. Per (stage, op) it multiplies
 where *own* is this run's steps so far, *everyone's* every step of the job so far and *recent*
 the job's last ``RECENT_STEPS`` steps (each a ratio of sums as in step 1; a missing ratio falls
 back to everyone's, so with no steps of its own a run takes the job's recent speed, and a run
-alone in its job takes its own ratio). The per-action overhead is the recent window's (fitted
-with the window's own scale), else everyone's. Why both terms: the profile is off by a factor that depends on the shapes a method
+alone in its job takes its own ratio). The per-action overhead is the run's own (each fit with
+its own scale) once it has ``OVERHEAD_MIN_ACTIONS`` small actions of an op, else the recent
+window's, else everyone's: what an action pays beyond its op depends on the method's actions. Why both terms: the profile is off by a factor that depends on the shapes a method
 runs (on the development box the padded rows of ``fixed`` ran 1.15-1.3x their prediction while
 ``packed`` rows ran 1.0x), which only the run's own actions show; and the machine's speed drifts
 by up to 30% within a minute, which only the latest actions show, whoever ran them. Replayed on
-four recorded default compares (``experiments/calibration_study.py``), the median step-time
-error per case fell from 13.6% (calibrating once, on the warm-up step) to 7.6%, the worst from
-35% to 23%.
+seven recorded default compares (``experiments/calibration_study.py``; 63 case-runs), the median
+step-time error per case is 11.1% calibrating once on the warm-up step, 9.4% on the run's own
+steps, 7.3% with this rule, the worst 26%, 19% and 16%.
 
 Every rank appends the same gathered actions in the same order, so every rank computes the same
 calibration and plans the same step.
@@ -146,4 +147,6 @@ def job_calibration(history: Sequence[CalibrationStep], run_id: str, num_stages:
         ratios[key] = own.get(key, all_r) / all_r * recent.get(key, all_r)
     overhead = {**runtime_calibration(everyone_actions, num_stages).overhead_s,
                 **runtime_calibration(recent_actions, num_stages).overhead_s}
+    if own_frames:
+        overhead.update(runtime_calibration(pd.concat(own_frames, ignore_index=True), num_stages).overhead_s)
     return RuntimeCalibration(_as_scale(ratios, num_stages), overhead)
