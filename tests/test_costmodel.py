@@ -484,12 +484,17 @@ def test_job_calibration_is_own_bias_times_the_jobs_recent_speed():
     # a run alone in its job: its own ratio of sums over all its steps
     alone = [_calibration_step("a", 1.2), _calibration_step("a", 1.4, pred=1.0)]
     assert job_calibration(alone, "a", 2).scale["F"][0] == pytest.approx((1.2 * 1.0 + 1.4 * 2.0) / 3.0)
-    # run a is 1.1x slower than the job on stage 0 and the machine is at 1.5x now
+    # run a's stage-0 forwards ran at 1.1x; the job's speed around each of them (the step and the
+    # two before it) was 1.1x and 3.2 / 3 x, so a's bias is 2.2 / (1.1 + 3.2 / 3); the machine runs
+    # at 1.5x over the last two steps
     hist = [_calibration_step("a", 1.1), _calibration_step("b", 1.0), _calibration_step("a", 1.1),
             _calibration_step("b", 1.0), _calibration_step("b", 1.5), _calibration_step("c", 1.5)]
-    everyone = (1.1 * 2 + 1.0 * 2 + 1.5 * 2) / 6
     cal = job_calibration(hist, "a", 2)
-    assert cal.scale["F"][0] == pytest.approx(1.1 / everyone * 1.5)
+    assert cal.scale["F"][0] == pytest.approx(2.2 / (1.1 + 3.2 / 3) * 1.5)
+    # a run slower than the job by a fixed factor at every speed keeps that factor
+    drift = [_calibration_step("a", 1.2 * v) if k % 2 == 0 else _calibration_step("b", v)
+             for k, v in enumerate([1.0, 1.0, 1.3, 1.3, 1.3, 1.3, 0.9, 0.9])]
+    assert job_calibration(drift, "a", 2).scale["F"][0] == pytest.approx(1.2 * 0.9, rel=0.06)
     assert cal.scale["F"][1] == pytest.approx(1.0)            # every stage-1 forward ran as predicted
     # a run with no steps yet takes the job's recent speed
     assert job_calibration(hist, "new", 2).scale["F"][0] == pytest.approx(1.5)

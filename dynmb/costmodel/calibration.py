@@ -24,12 +24,13 @@ every step measured so far by the runs of one job that share a machine, a model,
 and a cost model (``dynmb compare`` runs its cases round by round in one job), in the order they
 ran. Per (stage, op) it multiplies
 
-    own bias x speed now = (own ratio / everyone's ratio) x recent ratio
+    own bias x speed now,   bias = sum(own measured) / sum(own predicted x speed then)
 
-where *own* is this run's steps so far, *everyone's* every step of the job so far and *recent*
-the job's last ``RECENT_STEPS`` steps (each a ratio of sums as in step 1; a missing ratio falls
-back to everyone's, so with no steps of its own a run takes the job's recent speed, and a run
-alone in its job takes its own ratio). The per-action overhead is the run's own (each fit with
+where *speed then* is the job's ratio of sums (as in step 1) over each own step and the
+``RECENT_STEPS`` steps before it, and *speed now* the ratio over the job's last
+``RECENT_STEPS`` steps. A missing ratio falls back to the whole job's; a run with under
+``SCALE_MIN_PRED_S`` of own predicted work has bias 1, so with no steps of its own it takes the
+job's speed now; a run alone in its job takes its own ratio over all its steps. The per-action overhead is the run's own (each fit with
 its own scale) once it has ``OVERHEAD_MIN_ACTIONS`` small actions of an op, else the recent
 window's, else everyone's: what an action pays beyond its op depends on the method's actions. Why both terms: the profile is off by a factor that depends on the shapes a method
 runs (on the development box the padded rows of ``fixed`` ran 1.15-1.3x their prediction while
@@ -37,7 +38,10 @@ runs (on the development box the padded rows of ``fixed`` ran 1.15-1.3x their pr
 by up to 30% within a minute, which only the latest actions show, whoever ran them. Replayed on
 seven recorded default compares (``experiments/calibration_study.py``; 63 case-runs), the median
 step-time error per case is 11.1% calibrating once on the warm-up step, 9.4% on the run's own
-steps, 7.3% with this rule, the worst 26%, 19% and 16%.
+steps, 6.3% with this rule (dynamic's 5.8%), the worst 26%, 19% and 20%. Measuring the bias
+against the job's speed at the time of each own step, not against the job's average, is what
+took dynamic from 12.3% to 5.8%: a run whose warm-up fell in a slow minute otherwise carried
+that minute as its bias.
 
 Every rank appends the same gathered actions in the same order, so every rank computes the same
 calibration and plans the same step.
@@ -89,16 +93,18 @@ def _measured(actions: pd.DataFrame) -> pd.Series:
     return (actions["end_s"] - actions["start_s"]).astype(float)
 
 
+def _sums(actions: pd.DataFrame) -> dict[tuple[str, int], tuple[float, float]]:
+    """``(sum(measured), sum(predicted))`` per (op, stage) over the big actions."""
+    big = actions[actions["op"].isin(_OPS) & (actions["pred_s"] >= OVERHEAD_SMALL_S)]
+    return {(str(op), int(stage)): (float(_measured(g).sum()), float(g["pred_s"].sum()))
+            for (op, stage), g in big.groupby(["op", "stage"])}
+
+
 def _ratios(actions: pd.DataFrame) -> dict[tuple[str, int], float]:
     """``sum(measured) / sum(predicted)`` per (op, stage) over the big actions, where there are
     ``SCALE_MIN_PRED_S`` of predicted work."""
-    big = actions[actions["op"].isin(_OPS) & (actions["pred_s"] >= OVERHEAD_SMALL_S)]
-    out = {}
-    for (op, stage), g in big.groupby(["op", "stage"]):
-        total = float(g["pred_s"].sum())
-        if total >= SCALE_MIN_PRED_S:
-            out[(str(op), int(stage))] = float(_measured(g).sum()) / total
-    return out
+    return {key: measured / predicted for key, (measured, predicted) in _sums(actions).items()
+            if predicted >= SCALE_MIN_PRED_S}
 
 
 def _overheads(actions: pd.DataFrame, scale: dict[str, list[float]], num_stages: int) -> dict[str, float]:
@@ -127,26 +133,41 @@ def runtime_calibration(actions: pd.DataFrame, num_stages: int) -> RuntimeCalibr
     return RuntimeCalibration(scale, _overheads(actions, scale, num_stages))
 
 
+def _window(history: Sequence[CalibrationStep], end: int, steps: int) -> pd.DataFrame:
+    """The actions of the ``steps`` history steps before index ``end``."""
+    return pd.concat([h.actions for h in history[max(0, end - steps):end]], ignore_index=True)
+
+
 def job_calibration(history: Sequence[CalibrationStep], run_id: str, num_stages: int, *,
                     recent_steps: int = RECENT_STEPS) -> RuntimeCalibration:
-    """The calibration run ``run_id`` plans its next step with: its own bias against the job times
-    the job's speed over its last ``recent_steps`` steps (module doc). Empty history: none."""
+    """The calibration run ``run_id`` plans its next step with: its own bias against the job's
+    speed at the time of each of its steps, times the job's speed over its last ``recent_steps``
+    steps (module doc). Empty history: none."""
     if not history:
         return RuntimeCalibration()
-    frames = [h.actions for h in history]
-    everyone_actions = pd.concat(frames, ignore_index=True)
-    own_frames = [h.actions for h in history if h.run_id == run_id]
-    if len(own_frames) == len(history):
+    everyone_actions = pd.concat([h.actions for h in history], ignore_index=True)
+    own = [i for i, h in enumerate(history) if h.run_id == run_id]
+    if len(own) == len(history):
         return runtime_calibration(everyone_actions, num_stages)
     everyone = _ratios(everyone_actions)
-    own = _ratios(pd.concat(own_frames, ignore_index=True)) if own_frames else {}
-    recent_actions = pd.concat(frames[-recent_steps:], ignore_index=True)
-    recent = _ratios(recent_actions)
+    recent_actions = _window(history, len(history), recent_steps)
+    speed_now = _ratios(recent_actions)
+    measured: dict[tuple[str, int], float] = {}
+    expected: dict[tuple[str, int], float] = {}
+    predicted: dict[tuple[str, int], float] = {}
+    for i in own:          # the job's speed around step i: it and the steps just before it
+        speed_then = _ratios(_window(history, i + 1, recent_steps + 1))
+        for key, (meas, pred) in _sums(history[i].actions).items():
+            measured[key] = measured.get(key, 0.0) + meas
+            expected[key] = expected.get(key, 0.0) + pred * speed_then.get(key, everyone.get(key, 1.0))
+            predicted[key] = predicted.get(key, 0.0) + pred
     ratios = {}
     for key, all_r in everyone.items():
-        ratios[key] = own.get(key, all_r) / all_r * recent.get(key, all_r)
+        bias = measured[key] / expected[key] if predicted.get(key, 0.0) >= SCALE_MIN_PRED_S else 1.0
+        ratios[key] = bias * speed_now.get(key, all_r)
     overhead = {**runtime_calibration(everyone_actions, num_stages).overhead_s,
                 **runtime_calibration(recent_actions, num_stages).overhead_s}
-    if own_frames:
-        overhead.update(runtime_calibration(pd.concat(own_frames, ignore_index=True), num_stages).overhead_s)
+    if own:
+        own_actions = pd.concat([history[i].actions for i in own], ignore_index=True)
+        overhead.update(runtime_calibration(own_actions, num_stages).overhead_s)
     return RuntimeCalibration(_as_scale(ratios, num_stages), overhead)
