@@ -55,7 +55,7 @@ class CostModelLike(Protocol):
         ...
 
     def scale_of(self, stage: int, op: str) -> float:
-        """The warm-up calibration factor of ``op`` on ``stage`` (1.0 when not calibrated)."""
+        """The runtime calibration factor of ``op`` on ``stage`` (1.0 when not calibrated)."""
         ...
 
     def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None, ops: tuple[str, ...] = ("F", "B"),
@@ -152,7 +152,7 @@ class CostModel:
     def with_overhead(self, F: float = 0.0, B: float = 0.0, I: float = 0.0, W: float = 0.0) -> "CostModel":  # noqa: E741
         """A copy whose every F / B (/ I / W) prediction adds ``F`` / ``B`` seconds: what the runtime
         spends per action beyond the op itself (posting sends, memory-meter hooks, the interpreter),
-        measured on a run's warm-up steps (``runtime_calibration``)."""
+        measured on the steps a job ran so far (``calibration.job_calibration``)."""
         c = copy.copy(self)
         c.runtime_overhead_s = {"F": float(F), "B": float(B), **{k: float(v) for k, v in (("I", I), ("W", W)) if v}}
         return c
@@ -160,7 +160,8 @@ class CostModel:
     def with_scale(self, scale: dict[str, Sequence[float]]) -> "CostModel":
         """A copy whose ``op`` predictions on stage p are multiplied by ``scale[op][p]`` (before the
         overhead is added): how much slower (or faster) this host runs each stage's ops in a real
-        pipeline than the profile measured, fitted on a run's warm-up steps (``runtime_calibration``)."""
+        pipeline than the profile measured, fitted on the steps a job ran so far
+        (``calibration.job_calibration``)."""
         for op, per_stage in scale.items():
             if len(per_stage) != self.num_stages or not all(np.isfinite(v) and v > 0 for v in per_stage):
                 raise ValueError(f"runtime scale of {op} must be {self.num_stages} positive numbers, got {per_stage!r}")
