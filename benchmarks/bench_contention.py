@@ -12,8 +12,8 @@ as a pipeline's ranks overlap. It prints concurrent / alone per (stage, shape, o
 On the 2-core development box (AMD EPYC, 32 MiB L3), ``--repeats 10``: stage 0 1.11-1.37x for
 4 x 220 ... 16 x 400 and 1 x 2048 tokens, 0.9-1.0x for 1 x 200; stage 1 0.93-1.15x. A second run
 with ``--repeats 3`` read stage 0 1.00-1.33x (1 x 200 included) and stage 1 0.80-1.19x: the effect
-is real but shape by shape as noisy as the box. The warm-up calibration of a run
-(``dynmb.costmodel.runtime_scale``) absorbs the average of this into the run's predictions.
+is real but shape by shape as noisy as the box. The runtime calibration of a run
+(``dynmb.costmodel.job_calibration``) absorbs the average of this into the run's predictions.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ such slice (the last of its sequence: prefix keys and values from a pre-filled
 ``PrefixStore``) on every stage, ``--repeats`` interleaved passes after a warm-up pass (``measure``),
 thread CPU time (as the profile), one thread, and fits the cost model's ``prefix_scale``, one factor per op (F, B).
 
-First it calibrates the stored model to this sitting as a run calibrates it on its warm-up
+First it calibrates the stored model to this sitting, as the runtime calibration does on a run's
 steps (``costmodel.runtime_calibration``): whole documents of the slice lengths are timed in the same
 passes, and the model's predictions are scaled per stage and op by measured / predicted of those
 (the profile was measured on another day, and the shared box drifts by 10-20%). Then:

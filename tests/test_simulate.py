@@ -8,6 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from dynmb.config import ModelConfig
+from dynmb.costmodel import AnalyticCostModel, CommModel
+from dynmb.runtime.records import ActionRow, replay_step_s
 from dynmb.schedule import ScheduleError, build_schedule
 from dynmb.simulate import SimResult, simulate, simulate_costs
 from dynmb.types import Action, Microbatch, Plan, Schedule
@@ -286,7 +289,6 @@ def test_fast_path_is_the_simulation(kind):
 
 
 def _action_row(stage, op, mb, seconds, dp_rank=0):
-    from dynmb.runtime.records import ActionRow
     return ActionRow(run_id="r", step=0, rank=stage, dp_rank=dp_rank, stage=stage, op=op, mb=mb, batch=1,
                      padded_len=8, docs=1, attn_work=64, start_s=10.0, end_s=10.0 + seconds, pred_s=0.0, wait_s=0.0)
 
@@ -296,20 +298,14 @@ def test_replay_step_s_simulates_the_measured_action_times():
     F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7], rank 0 F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]: 9 s; with
     0.5 s per message rank 1 runs F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5] and rank 0
     B0 [5,7] B1 [8,10]: 10 s."""
-    from dynmb.costmodel import AnalyticCostModel, CommModel
-    from dynmb.runtime.records import replay_step_s
     plan = _plan(P=2, lengths=(5, 9))
     schedule = build_schedule("1f1b", 2, 2)
     rows = [_action_row(st, op, mb, 1.0 if op == "F" else 2.0) for st in (0, 1) for op in "FB" for mb in (0, 1)]
-    free = AnalyticCostModel(plan_model_cfg(), 2, comm=CommModel(alpha_s=0.0, bytes_per_s=1e30))
+    free = AnalyticCostModel(ModelConfig.preset("tiny"), 2, comm=CommModel(alpha_s=0.0, bytes_per_s=1e30))
     assert replay_step_s(schedule, plan, rows, free) == pytest.approx(9.0)
-    slow = AnalyticCostModel(plan_model_cfg(), 2, comm=CommModel(alpha_s=0.5, bytes_per_s=1e30))
+    slow = AnalyticCostModel(ModelConfig.preset("tiny"), 2, comm=CommModel(alpha_s=0.5, bytes_per_s=1e30))
     assert replay_step_s(schedule, plan, rows, slow) == pytest.approx(10.0)
-    # an action of the schedule without a measurement, or a data-parallel plan: no replay
+    # an action of the schedule without a measurement (another replica's does not stand in): no replay
     assert replay_step_s(schedule, plan, rows[1:], free) is None
     assert replay_step_s(schedule, plan, [_action_row(0, "F", 0, 1.0, dp_rank=1)] + rows[1:], free) is None
 
-
-def plan_model_cfg():
-    from dynmb.config import ModelConfig
-    return ModelConfig.preset("tiny")

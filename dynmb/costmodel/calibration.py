@@ -27,16 +27,19 @@ ran. Per (stage, op) it multiplies
     own bias x speed now,   bias = sum(own measured) / sum(own predicted x speed then)
 
 where *speed then* is the job's ratio of sums (as in step 1) over each own step and the
-``RECENT_STEPS`` steps before it, and *speed now* the ratio over the job's last
-``RECENT_STEPS`` steps. A missing ratio falls back to the whole job's; a run with under
-``SCALE_MIN_PRED_S`` of own predicted work has bias 1, so with no steps of its own it takes the
-job's speed now; a run alone in its job takes its own ratio over all its steps. The per-action overhead is the run's own (each fit with
-its own scale) once it has ``OVERHEAD_MIN_ACTIONS`` small actions of an op, else the recent
-window's, else everyone's: what an action pays beyond its op depends on the method's actions. Why both terms: the profile is off by a factor that depends on the shapes a method
-runs (on the development box the padded rows of ``fixed`` ran 1.15-1.3x their prediction while
-``packed`` rows ran 1.0x), which only the run's own actions show; and the machine's speed drifts
-by up to 30% within a minute, which only the latest actions show, whoever ran them. Replayed on
-seven recorded default compares (``experiments/calibration_study.py``; 63 case-runs), the median
+``RECENT_STEPS`` steps before it, and *speed now* the ratio over the job's last ``RECENT_STEPS``
+steps. A missing ratio falls back to the whole job's; a run with under ``SCALE_MIN_PRED_S`` of
+own predicted work has bias 1, so with no steps of its own it takes the job's speed now; a run
+alone in its job takes its own ratio over all its steps. The per-action overhead is the run's
+own (each fit with its own scale) once it has ``OVERHEAD_MIN_ACTIONS`` small actions of an op,
+else the recent window's, else everyone's: what an action pays beyond its op depends on the
+method's actions.
+
+Why both terms: the profile is off by a factor that depends on the shapes a method runs (on the
+development box the padded rows of ``fixed`` ran 1.15-1.3x their prediction while ``packed``
+rows ran 1.0x), which only the run's own actions show; and the machine's speed drifts by up to
+30% within a minute, which only the latest actions show, whoever ran them. Replayed on seven
+recorded default compares (``experiments/calibration_study.py``; 63 case-runs), the median
 step-time error per case is 11.1% calibrating once on the warm-up step, 9.4% on the run's own
 steps, 6.3% with this rule (dynamic's 5.8%), the worst 26%, 19% and 20%. Measuring the bias
 against the job's speed at the time of each own step, not against the job's average, is what

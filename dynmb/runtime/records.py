@@ -7,7 +7,8 @@ through ``results.TableWriter``, so a crash keeps every finished step):
 
 - ``steps``: one row per step (``step_row``): the plan's tokens and predictions, the
   step time (the slowest rank's, barrier to barrier), mean bubble over ranks
-  (1 - busy / step time), the run's settings, and ``replay_step_s`` (``replay_step_s``);
+  (1 - busy / step time), the run's settings, and the simulator's step time on the measured
+  action times (``replay_step_s``);
 - ``actions``: one row per action of every rank; ``start_s``/``end_s`` bound the compute
   from the step start on the rank's clock, ``wait_s`` is the receive wait before it;
 - ``memory``: one row per stage: measured peak, the limit it was checked against, the

@@ -171,7 +171,7 @@ class RunState:
 def prewarm(state: RunState) -> int:
     """Run one forward + backward of every distinct microbatch shape of this run's planned steps
     on this rank's stages, outside any measured step (``RunConfig.prewarm``), then drop the
-    gradients. Shapes are planned with the cost model of set-up time (the warm-up calibration
+    gradients. Shapes are planned with the cost model of set-up time (the runtime calibration
     may change later plans; the ``new_shapes`` column says what was still new). Returns the
     number of shapes run."""
     run = state.run
