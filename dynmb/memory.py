@@ -65,11 +65,10 @@ import numpy as np
 from .atomic import write_text_atomic
 from .config import ModelConfig
 from .costmodel.validate import check_memory_model, check_numbers, read_model_file
+from .schedule.kinds import SCHEDULE_KINDS, get_kind, interleaved_inflight
 
 __all__ = ["MemoryModelLike", "MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
            "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef"]
-
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")
 
 BUCKET_PADDING = 1 / 16
 """Bound on the pad tokens of bucketed document attention (``dynmb.model.bucket_documents``),
@@ -99,10 +98,9 @@ class MemoryModelLike(Protocol):
 
 
 def inflight_limit(stage: int, num_stages: int, schedule_kind: str, m: int) -> int:
-    """Most microbatches a stage holds at once: m (gpipe) or min(m, P - stage) (1f1b)."""
-    if schedule_kind == "gpipe":
-        return m
-    return max(1, min(m, num_stages - stage))
+    """Most microbatches a stage holds at once under the kind's window (``dynmb.schedule.kinds``):
+    m (gpipe) or min(m, P - stage) (1f1b and the kinds that keep its window)."""
+    return get_kind(schedule_kind).inflight(stage, num_stages, m)
 
 
 class MemoryModel:
@@ -296,7 +294,7 @@ class MemoryModel:
         """State bytes per stage of the GPU that holds it: under ``interleaved`` with
         ``virtual`` > 1, stage i sits on rank i % (P / virtual) with the rank's other chunks."""
         state = np.asarray(self.state_bytes, dtype=np.float64)
-        if schedule_kind != "interleaved" or virtual <= 1:
+        if not get_kind(schedule_kind).virtual_stages or virtual <= 1:
             return state.copy()
         rank = np.arange(self.num_stages) % (self.num_stages // virtual)
         return np.bincount(rank, weights=state)[rank]
@@ -362,16 +360,15 @@ class MemoryModel:
 def peak_from_matrix(act: np.ndarray, tr: np.ndarray, schedule_kind: str = "1f1b", virtual: int = 1) -> np.ndarray:
     """Peak activation + transient bytes per stage (no states) for ``act[P, m]``, ``tr[P, m]``
     of microbatches in execution order (see the module docstring)."""
-    if schedule_kind not in SCHEDULE_KINDS:
-        raise ValueError(f"unknown schedule kind {schedule_kind!r}; expected one of {SCHEDULE_KINDS}")
+    kind = get_kind(schedule_kind)
     p, m = act.shape
-    if schedule_kind == "interleaved" and virtual > 1:
-        return _interleaved_bound(act, tr, virtual)
+    if kind.virtual_stages and virtual > 1:
+        return _chunk_bound(act, tr, virtual, kind.chunk_window)
     cs = np.concatenate([np.zeros((p, 1)), np.cumsum(act, axis=1)], axis=1)
     j = np.arange(m)
     out = np.empty(p)
     for i in range(p):
-        k = inflight_limit(i, p, schedule_kind, m)
+        k = kind.inflight(i, p, m)
         lo = np.maximum(j - k + 1, 0)
         hi = np.minimum(j + k, m)
         fwd = cs[i, j + 1] - cs[i, lo]
@@ -380,18 +377,15 @@ def peak_from_matrix(act: np.ndarray, tr: np.ndarray, schedule_kind: str = "1f1b
     return out
 
 
-def interleaved_inflight(rank: Any, ranks: int, virtual: int) -> Any:
-    """Chunk-microbatches in flight at most on pipeline ``rank`` of an interleaved schedule."""
-    return 2 * (ranks - np.asarray(rank) - 1) + (virtual - 1) * ranks + 1
-
-
-def _interleaved_bound(act: np.ndarray, tr: np.ndarray, virtual: int) -> np.ndarray:
+def _chunk_bound(act: np.ndarray, tr: np.ndarray, virtual: int, chunk_window: Any) -> np.ndarray:
+    """Per GPU of a kind with virtual stages: its ``chunk_window`` largest chunk activations plus
+    its largest buffer (a conservative bound)."""
     p, m = act.shape
     ranks = p // virtual
     out = np.empty(p)
     for r in range(ranks):
         stages = np.arange(r, p, ranks)
-        warm = min(m * virtual, int(interleaved_inflight(r, ranks, virtual)))
+        warm = min(m * virtual, int(chunk_window(r, ranks, virtual)))
         top = np.sort(act[stages].ravel())[::-1][:warm].sum()
         out[stages] = top + tr[stages].max()
     return out

@@ -1,10 +1,11 @@
 """The memory budget of one packing call: per-stage caps, in-flight counts, admissible rows.
 
 Stage i may spend ``cap_i = limit - state_bytes_i`` on activations and holds ``k_i``
-microbatches in flight: ``P - i`` under 1F1B / memory-aware (``dynmb.memory.inflight_limit``),
-1 under GPipe (whose whole batch is checked afterwards), and under interleaved with
-``virtual`` > 1 chunks per GPU the warm-up bound ``dynmb.memory.interleaved_inflight`` of the
-GPU, whose stages' states add up. A microbatch of b rows x s tokens is admissible under the
+microbatches in flight: the kind's window (``dynmb.schedule.kinds``: ``P - i`` under 1F1B /
+memory-aware / the zero-bubble kinds), 1 under a kind without a window (GPipe, whose whole
+batch is checked afterwards), and under a kind with virtual stages (interleaved) with
+``virtual`` > 1 chunks per GPU the kind's ``chunk_window`` of the GPU, whose stages' states
+add up. A microbatch of b rows x s tokens is admissible under the
 tight budget ``k_i * act_i(b, s) + transient_i(b, s) <= cap_i`` (exact for equal
 microbatches) or the safe one ``k_i * (act_i + transient_i) <= cap_i`` (any mix, any order);
 ``PackContext.bmax(s)`` is the most rows admissible at each length s
@@ -19,10 +20,18 @@ from typing import Any
 import numpy as np
 
 from dynmb.memory import MemoryModelLike
-from ..memory import inflight_limit, interleaved_inflight
+from ..schedule.kinds import ScheduleKind, get_kind
 from .rows import round_down, round_up
 
-__all__ = ["PackingError", "PackContext", "max_fitting_length", "auto_mbs"]
+__all__ = ["PackingError", "PackContext", "max_fitting_length", "auto_mbs", "stage_windows"]
+
+
+def stage_windows(kind: ScheduleKind, num_stages: int) -> np.ndarray:
+    """Per-microbatch in-flight count of every stage for the admissibility budget: the kind's
+    window, 1 without one (GPipe: its whole batch is checked afterwards)."""
+    if kind.window is None:
+        return np.ones(num_stages, dtype=np.int64)
+    return np.array([kind.inflight(i, num_stages, 2**30) for i in range(num_stages)], dtype=np.int64)
 
 
 class PackingError(ValueError):
@@ -35,7 +44,8 @@ class PackContext:
     def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True, virtual: int = 1) -> None:
         self.mm, self.limit, self.p, self.kind, self.tight = mm, int(limit), p, kind, tight
         state = np.asarray(mm.state_bytes, dtype=np.float64)
-        if kind == "interleaved" and virtual > 1:
+        rec = get_kind(kind)
+        if rec.virtual_stages and virtual > 1:
             # one GPU holds stages r, r + R, ...: their states add up, and at most `warm` chunk-
             # microbatches are in flight on it (the bound of memory.peak_from_matrix)
             if p % virtual:
@@ -43,13 +53,13 @@ class PackContext:
             R = p // virtual
             rank = np.arange(p) % R
             state = np.bincount(rank, weights=state, minlength=R)[rank]
-            self.k = interleaved_inflight(rank, R, virtual)
+            self.k = rec.chunk_window(rank, R, virtual)
         else:
-            self.k = np.array([1 if kind == "gpipe" else inflight_limit(i, p, kind, 2**30) for i in range(p)])
+            self.k = stage_windows(rec, p)
         self.caps = float(limit) - state
         if np.any(self.caps <= 0):
             i = int(np.argmin(self.caps))
-            where = f"stage {i}" if virtual == 1 or kind != "interleaved" else f"the GPU holding stage {i}"
+            where = f"stage {i}" if virtual == 1 or not rec.virtual_stages else f"the GPU holding stage {i}"
             raise PackingError(
                 f"memory limit {int(limit)} B is below the model states of {where}: "
                 f"{int(state[i])} B (params + grads + optimizer); states per stage: "

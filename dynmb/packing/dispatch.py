@@ -38,6 +38,7 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
+from ..schedule.kinds import get_kind
 from ..types import Microbatch, Plan
 from .context import PackContext, PackingError
 from .dynamic import dynamic_groups
@@ -52,7 +53,6 @@ from .token_budget import token_budget_flat
 __all__ = ["METHODS", "pack"]
 
 METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
-_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")   # zb kinds pack as 1F1B (dynmb.memory)
 _OVERSIZE = ("error", "truncate", "drop")
 
 
@@ -60,8 +60,7 @@ def _check_args(method: str, schedule_kind: str, oversize: str, dp: int, mbs: in
                 memory_model: MemoryModelLike, num_stages: int) -> None:
     if method not in METHODS:
         raise ValueError(f"unknown packing method {method!r}; expected one of {METHODS}")
-    if schedule_kind not in _KINDS:
-        raise ValueError(f"unknown schedule kind {schedule_kind!r}; expected one of {_KINDS}")
+    get_kind(schedule_kind)              # unknown kinds: ValueError naming the registered ones
     if oversize not in _OVERSIZE:
         raise ValueError(f"oversize must be error, truncate or drop, got {oversize!r}")
     if dp < 1 or (mbs is not None and mbs < 1):

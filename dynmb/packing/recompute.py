@@ -40,8 +40,9 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
-from ..memory import inflight_limit
+from ..schedule.kinds import get_kind
 from ..types import Microbatch, Plan
+from .context import stage_windows
 from .rows import makespan
 
 __all__ = ["RECOMPUTE_MODES", "fits", "needs_recompute", "mark_recompute", "pack_with_recompute"]
@@ -53,7 +54,7 @@ RECOMPUTE_MODES = ("never", "always", "auto")
 
 def _caps_inflight(memory_model: MemoryModelLike, limit: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
     P = memory_model.num_stages
-    k = np.array([1 if kind == "gpipe" else inflight_limit(i, P, kind, 2**30) for i in range(P)])
+    k = stage_windows(get_kind(kind), P)
     return float(limit) - np.asarray(memory_model.state_bytes, dtype=np.float64), k
 
 

@@ -41,9 +41,12 @@ import bisect
 import functools
 import heapq
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
+
+from dynmb.schedule.kinds import get_kind
+from dynmb.schedule.order import stage_order
 
 __all__ = ["next_fit_rows", "bfd_rows", "round_up", "round_down", "pipeline_bound", "makespan", "makespans",
            "exact_regime", "stage_order", "EXACT_OPS", "EXACT_PER_STAGE", "Flat", "Group", "groups_to_flat",
@@ -263,39 +266,12 @@ def polish_cuts(cuts: np.ndarray, bottleneck: Callable[[np.ndarray, np.ndarray],
     return out if np.all(np.diff(out) >= 1) else cuts
 
 
-def stage_order(stage: int, num_stages: int, m: int, kind: str,
-                backward_order: Sequence[int] | None = None) -> list[tuple[str, int]]:
-    """The (op, mb) sequence of ``stage`` under GPipe or 1F1B.
-
-    Forwards run in microbatch order; backwards in ``backward_order`` (default the same
-    order; ``Plan.backward_order`` reverses the slices of a long sequence). GPipe: every
-    forward, then every backward. 1F1B: before its b-th backward a stage has run
-    ``min(m, b + P - stage)`` forwards (warm-up ``P - 1 - stage``, then one forward per
-    backward), and at least up to that backward's own microbatch: a chain of slices extends
-    the warm-up until its last slice has gone forward.
-    """
-    order = list(range(m)) if backward_order is None else [int(j) for j in backward_order]
-    if sorted(order) != list(range(m)):
-        raise ValueError(f"backward_order must be a permutation of 0..{m - 1}, got {order}")
-    if kind == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in order]
-    w = min(num_stages - 1 - stage, m)
-    seq: list[tuple[str, int]] = []
-    f = 0
-    for b, j in enumerate(order):
-        while f < min(m, max(b + w + 1, j + 1)):
-            seq.append(("F", f))
-            f += 1
-        seq.append(("B", j))
-    return seq
-
-
 def _exact_makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b") -> float:
     """Makespan of the schedule ``kind`` (gpipe or 1f1b; others use 1f1b) for costs ``F``, ``B``."""
     p, m = F.shape
     if m == 0:
         return 0.0
-    kind = "gpipe" if kind == "gpipe" else "1f1b"
+    kind = get_kind(kind).estimate_as
     c = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (m,)).tolist()
     Fl, Bl = F.tolist(), B.tolist()
     seqs = [stage_order(i, p, m, kind) for i in range(p)]
@@ -482,7 +458,7 @@ def makespans(F: np.ndarray, B: np.ndarray, comm_s: Any, sizes: Any, kind: str =
     P, M = F.shape
     sizes = np.asarray(sizes, dtype=np.int64)
     comm = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (M,))
-    kind = "gpipe" if kind == "gpipe" else "1f1b"
+    kind = get_kind(kind).estimate_as
     ex = exact_regime(P, sizes) if exact is None else np.full(len(sizes), bool(exact))
     ex &= sizes > 0
     out = np.zeros(len(sizes))

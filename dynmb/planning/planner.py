@@ -27,35 +27,39 @@ from ..costmodel import get_cost_model
 from ..memory import get_memory_model
 from ..packing import pack
 from ..schedule import build_schedule, validate
+from ..schedule.kinds import get_kind, slice_kinds
 from ..simulate import SimResult, memory_inputs, simulate
 from ..types import Plan, Schedule
 from .defaults import reorder_for
 from .reorder import reorder as reorder_plan
 from .slicing import longest_row, plan_split
-from .zerobubble import build_zb
+from .zerobubble import zb_evaluator, zb_inputs
 
 __all__ = ["plan_step", "make_schedule"]
 
 
 def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: MemoryModelLike | None = None,
                   cost_model: CostModelLike | None = None) -> Schedule:
-    """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``)."""
+    """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``): the kind's
+    record (``dynmb.schedule.kinds``) says which inputs its builder takes (the plan's backward
+    order for slices, its bytes and limit, its times and the simulator as judge)."""
+    rec = get_kind(kind)
     order = plan.backward_order() if plan.has_slices else None
-    if order is not None and kind not in ("gpipe", "1f1b"):
-        raise ValueError(f"slices of long sequences run on the gpipe or 1f1b schedule, not {kind!r} "
+    if order is not None and not rec.slices:
+        raise ValueError(f"slices of long sequences run on the {' or '.join(slice_kinds())} schedule, not {kind!r} "
                          f"(its builder does not run their backwards in reverse)")
-    if kind in ("zb-h1", "zb"):          # cost-driven list scheduler (dynmb.planning.zerobubble)
-        sched = build_zb(plan, kind, cost_model=cost_model, memory_model=memory_model)
-        validate(sched)
-        return sched
-    m = plan.num_microbatches
-    kw: dict[str, Any] = {"backward_order": order}
-    if kind == "memory-aware":
-        if memory_model is None:
-            raise ValueError("the memory-aware schedule needs a memory model")
-        kw["act_bytes"], kw["transient_bytes"], kw["state_bytes"] = memory_inputs(memory_model, plan)
-        kw["limit_bytes"] = plan.memory_limit_bytes
-    sched = build_schedule(kind, plan.num_stages, m, virtual=virtual, **kw)
+    inputs: dict[str, Any] = {"virtual": virtual, "backward_order": order}
+    if rec.memory != "none" and memory_model is not None:
+        inputs["act_bytes"], inputs["transient_bytes"], inputs["state_bytes"] = memory_inputs(memory_model, plan)
+        inputs["limit_bytes"] = plan.memory_limit_bytes
+    elif rec.memory == "required":
+        raise ValueError(f"the {kind} schedule needs a memory model")
+    if rec.costs:                        # cost-driven builders (dynmb.planning.zerobubble)
+        if cost_model is None:
+            raise ValueError(f"the {kind} schedule needs a cost model (it places its ops by predicted times)")
+        inputs["zb_inputs"] = zb_inputs(plan, cost_model, memory_model)
+        inputs["evaluate"] = zb_evaluator(plan, cost_model, memory_model, inputs["zb_inputs"])
+    sched = build_schedule(kind, plan.num_stages, plan.num_microbatches, **inputs)
     validate(sched, plan)
     return sched
 

@@ -1,6 +1,7 @@
 """Microbatch reordering for pipeline schedules (a pure ``Plan -> Plan`` pass).
 
-The schedule's shape does not depend on the order (except memory-aware, whose
+The schedule's shape does not depend on the order (except for kinds whose builder reads the
+microbatches' bytes, ``memory="required"`` in ``dynmb.schedule.kinds``: memory-aware, whose
 windows follow the activation sizes), but with variable-size microbatches the
 makespan does: under 1F1B the first microbatches fill the pipeline and the last
 ones drain it, so what sits at the ends shows up as bubbles. Methods
@@ -42,7 +43,8 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
-from ..schedule import build_schedule, execution_order, memory_aware, memory_windows
+from ..schedule import build_schedule, execution_order
+from ..schedule.kinds import BuildInputs, get_kind
 from ..simulate import _cross_mask, _times, comm_times, memory_inputs, peaks
 from ..types import Plan, Schedule
 
@@ -60,7 +62,8 @@ class OrderEvaluator:
     def __init__(self, plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None, schedule_kind: str = "1f1b",
                  virtual: int = 1) -> None:
         self.P, self.m, self.kind, self.virtual = plan.num_stages, plan.num_microbatches, schedule_kind, virtual
-        costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W")) if schedule_kind in ("zb-h1", "zb") \
+        self.rec = get_kind(schedule_kind)
+        costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W")) if self.rec.split_backward \
             else cost_model.plan_costs(plan)
         self.cube = np.zeros((4, self.P, self.m))          # F, B, I, W: the simulator's op codes
         for k, op in enumerate("FBIW"):
@@ -69,40 +72,47 @@ class OrderEvaluator:
         self.work = self.cube[:2].sum(axis=(0, 1))           # F + B
         self.comm = np.broadcast_to(np.asarray(comm_times(cost_model, plan), dtype=np.float64), (self.m,))
         self.act, self.tr, self.state = memory_inputs(memory_model, plan)
-        if schedule_kind == "memory-aware" and self.act is None:
-            raise ValueError("reordering for the memory-aware schedule needs a memory model")
+        self.by_order = self.rec.memory == "required"        # the schedule follows the order's bytes
+        if self.by_order and self.act is None:
+            raise ValueError(f"reordering for the {schedule_kind} schedule needs a memory model")
         self.limit = float(plan.memory_limit_bytes)
         self.evals = 0
         self._cache: dict[tuple[int, ...], tuple[float, float, bool]] = {}
-        self._by_windows: dict[bytes, Any] = {}
-        self._flat = None if schedule_kind == "memory-aware" else self._flatten(None)
+        self._by_key: dict[bytes, Any] = {}
+        self._flat = None if self.by_order else self._flatten(None)
         self._always_fits = self._order_free_fit()
 
     def _order_free_fit(self) -> bool:
-        """True when every order fits (a window of the largest activations + the largest buffer fits;
-        memory-aware schedules fit by construction whenever they can be built)."""
-        if self.kind == "memory-aware":
+        """True when every order fits (a window of the largest activations + the largest buffer fits,
+        for kinds whose window is their exact peak; kinds that fit by construction whenever they
+        can be built)."""
+        if self.rec.fits_by_construction:
             return True
-        if self.act is None or self.kind not in ("gpipe", "1f1b"):
+        if self.act is None or not self.rec.window_exact:
             return False
-        win = np.full(self.P, self.m) if self.kind == "gpipe" else np.minimum(self.m, self.P - np.arange(self.P))
+        win = [self.rec.inflight(s, self.P, self.m) for s in range(self.P)]
         top = -np.sort(-self.act, axis=1)
         held = np.array([top[s, :win[s]].sum() for s in range(self.P)])
         tr = 0.0 if self.tr is None else self.tr.max(axis=1)
         return bool(np.all(self.state + held + tr <= self.limit))
 
     def _flatten(self, perm: np.ndarray | None) -> Any:
-        if self.kind == "memory-aware":
-            # the schedule depends on the order only through its windows: cache by them
-            tr = None if self.tr is None else self.tr[:, perm]
-            k = memory_windows(self.act[:, perm], self.state, self.limit, tr)
-            key = k.tobytes()
-            flat = self._by_windows.get(key)
-            if flat is None:
-                flat = self._prepare(memory_aware(self.P, self.m, self.act[:, perm], self.state, self.limit, tr))
-                self._by_windows[key] = flat
-            return flat
-        return self._prepare(build_schedule(self.kind, self.P, self.m, virtual=self.virtual))
+        if not self.by_order:
+            return self._prepare(build_schedule(self.kind, self.P, self.m, virtual=self.virtual))
+        tr = None if self.tr is None else self.tr[:, perm]
+        inp = BuildInputs(num_stages=self.P, num_microbatches=self.m, virtual=self.virtual,
+                          act_bytes=self.act[:, perm], state_bytes=self.state, limit_bytes=self.limit,
+                          transient_bytes=tr)
+        if self.rec.cache_key is None:
+            self.rec.check(inp)
+            return self._prepare(self.rec.build(inp))
+        key = self.rec.cache_key(inp)       # the schedule depends on the order only through this key
+        flat = self._by_key.get(key)
+        if flat is None:
+            self.rec.check(inp)
+            flat = self._prepare(self.rec.build(inp))
+            self._by_key[key] = flat
+        return flat
 
     @staticmethod
     def _prepare(sched: Schedule) -> Any:
@@ -120,7 +130,7 @@ class OrderEvaluator:
         perm = np.asarray(key, dtype=np.int64)
         try:
             flat = self._flat if self._flat is not None else self._flatten(perm)
-        except ValueError:  # memory-aware: some microbatch cannot fit even alone
+        except ValueError:  # a builder reading the bytes (memory-aware): some microbatch cannot fit even alone
             out = (float("inf"), float("inf"), False)
             self._cache[key] = out
             return out
@@ -144,7 +154,7 @@ class OrderEvaluator:
         """A makespan no order can beat (one stage per rank): for each stage, its total work plus the
         cheapest fill (forwards of one microbatch through the stages before it) and the cheapest
         drain (backwards back through them), each with its P2P hops. NaN for interleaved."""
-        if self.kind == "interleaved" and self.virtual > 1:
+        if self.rec.virtual_stages and self.virtual > 1:
             return float("nan")
         f, b = self.cube[0], self.cube[1] + self.cube[2]
         busy = self.cube.sum(axis=2).sum(axis=0)
@@ -168,7 +178,7 @@ class OrderEvaluator:
         perm = np.asarray(order, dtype=np.int64)
         try:
             flat = self._flat if self._flat is not None else self._flatten(perm)
-        except ValueError:  # memory-aware order that cannot be built
+        except ValueError:  # an order the (memory-aware) builder cannot build
             return []
         j = perm[flat.mb]
         dur = self.cube[flat.op, flat.stage, j]

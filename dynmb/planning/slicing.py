@@ -41,6 +41,7 @@ from dynmb.packing import PackingError, pack
 from dynmb.packing.context import PackContext
 from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
+from dynmb.schedule.kinds import get_kind, slice_kinds
 from dynmb.simulate import SimResult, simulate
 from dynmb.types import Microbatch, Plan, Schedule
 
@@ -85,8 +86,8 @@ def plan_split(lengths: np.ndarray, method: str, *, model_cfg: ModelConfig, num_
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if dp != 1:
         raise ValueError("oversize='split' plans one pipeline replica (dp = 1)")
-    if schedule_kind not in ("gpipe", "1f1b") or virtual != 1:
-        raise ValueError(f"oversize='split' runs on the gpipe or 1f1b schedule, not {schedule_kind!r}"
+    if not get_kind(schedule_kind).slices or virtual != 1:
+        raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {schedule_kind!r}"
                          f"{f' with virtual={virtual}' if virtual != 1 else ''}")
     if lengths.size and int(lengths.max()) > model_cfg.max_seq_len:
         raise PackingError(f"a sequence of {int(lengths.max())} tokens is longer than the model's max_seq_len "

@@ -20,15 +20,13 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
-from ..schedule.builders import build_schedule
+from ..schedule.kinds import build_schedule, get_kind, kind_names
 from ..schedule.validate import execution_order
 from ..schedule.zerobubble import ZBInputs
 from ..simulate import _cross_mask, _times, comm_times, memory_inputs, peaks, w_inputs
 from ..types import Plan, Schedule
 
-__all__ = ["ZB_KINDS", "zb_inputs", "zb_evaluator", "build_zb"]
-
-ZB_KINDS = ("zb-h1", "zb")
+__all__ = ["zb_inputs", "zb_evaluator", "build_zb"]
 
 
 def zb_inputs(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None) -> ZBInputs:
@@ -69,13 +67,14 @@ def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryMode
 
 def build_zb(plan: Plan, kind: str, *, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None) -> Schedule:
     """The ``kind`` (``zb-h1`` or ``zb``) schedule of one pipeline replica's plan."""
-    if kind not in ZB_KINDS:
-        raise ValueError(f"not a zero-bubble kind: {kind!r}; expected one of {ZB_KINDS}")
+    if not get_kind(kind).costs:
+        raise ValueError(f"not a cost-driven (zero-bubble) kind: {kind!r}; expected one of "
+                         f"{tuple(k for k in kind_names() if get_kind(k).costs)}")
     if cost_model is None:
         raise ValueError(f"the {kind} schedule needs a cost model (it places W by predicted times)")
     inp = zb_inputs(plan, cost_model, memory_model)
     evaluate = zb_evaluator(plan, cost_model, memory_model, inp)
     kw: dict[str, Any] = {}
-    if kind == "zb" and memory_model is not None:
+    if memory_model is not None:
         kw = dict(limit_bytes=plan.memory_limit_bytes, state_bytes=memory_model.state_bytes)
     return build_schedule(kind, plan.num_stages, plan.num_microbatches, zb_inputs=inp, evaluate=evaluate, **kw)

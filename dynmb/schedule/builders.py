@@ -13,9 +13,8 @@ Algorithms (``P`` stages, ``m`` microbatches, ``R`` ranks, ``v`` chunks per rank
   drains the remaining backwards. At most ``P - s`` microbatches are in flight.
   With slices of a long sequence (``backward_order``) backwards follow that order and
   the warm-up extends until the backward's microbatch has gone forward.
-  Both orders are ``dynmb.packing.rows.stage_order``: the one GPipe / 1F1B op order,
-  which the packers' fast makespan estimate sweeps too (it sits in the packing layer,
-  above this one, so both see the same order).
+  Both orders are ``dynmb.schedule.order.stage_order``: the one GPipe / 1F1B op order,
+  which the fast makespan estimate (``dynmb.makespan``) sweeps too.
 - ``interleaved`` (Megatron / torch ``ScheduleInterleaved1F1B`` ordering):
   stage ``s`` lives on rank ``s % R``. Microbatches go in rounds of
   ``k = m // max(1, m // R)`` (torch's rule; when that does not split ``m``,
@@ -38,6 +37,9 @@ Algorithms (``P`` stages, ``m`` microbatches, ``R`` ranks, ``v`` chunks per rank
 - ``zb-h1`` / ``zb``: zero-bubble schedules with split backwards (``I`` then ``W``), built by
   the list scheduler of ``dynmb.schedule.zerobubble`` from per-(stage, microbatch) times and
   bytes (``zb_inputs``); without them ZB-H1's order at unit times.
+
+Each kind's record (builder + traits) is in the registry ``dynmb.schedule.kinds``, which also
+holds ``build_schedule(kind, ...)``.
 """
 
 from __future__ import annotations
@@ -46,16 +48,13 @@ from typing import Sequence
 
 import numpy as np
 
-from dynmb.packing.rows import stage_order
+from dynmb.schedule.order import stage_order
 from dynmb.schedule.validate import ScheduleError, execution_order
-from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
+from dynmb.schedule.zerobubble import ZBInputs
 from dynmb.types import Action, Schedule
 
-__all__ = ["SCHEDULE_KINDS", "build_schedule", "gpipe", "one_f_one_b", "interleaved",
+__all__ = ["gpipe", "one_f_one_b", "interleaved",
            "memory_aware", "memory_windows", "interleaved_rounds", "ZBInputs"]
-
-SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")
-
 
 def _check(num_stages: int, m: int) -> None:
     if num_stages < 1:
@@ -209,46 +208,3 @@ def memory_aware(num_stages: int, num_microbatches: int, act_bytes: np.ndarray,
     k = memory_windows(act, state_bytes, limit_bytes, transient_bytes)
     ranks = [_f_then_b(s, num_microbatches, k[s].tolist()) for s in range(num_stages)]
     return Schedule(ranks, num_stages, num_microbatches, kind="memory-aware")
-
-
-def build_schedule(kind: str, num_stages: int, num_microbatches: int, *, virtual: int = 1,
-                   act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
-                   limit_bytes: float | None = None, transient_bytes: np.ndarray | None = None,
-                   zb_inputs: ZBInputs | None = None, evaluate: Evaluate | None = None,
-                   backward_order: Sequence[int] | None = None) -> Schedule:
-    """Build a schedule of ``kind`` (one of ``SCHEDULE_KINDS``).
-
-    ``interleaved`` uses ``virtual`` chunks per rank (``virtual=1`` gives 1F1B's
-    order on ``num_stages`` ranks); ``memory-aware`` needs ``act_bytes[stage, mb]``
-    and ``limit_bytes`` (``state_bytes[stage]`` defaults to 0; ``transient_bytes[stage, mb]``,
-    optional, reserves the running op's buffers). ``zb-h1`` / ``zb`` take the times and bytes
-    in ``zb_inputs`` and the simulator as ``evaluate`` (``zb`` needs both and ``limit_bytes``;
-    without them it is ZB-H1's order); see ``dynmb.schedule.zerobubble``. ``backward_order``
-    (a plan with slices of long sequences, ``Plan.backward_order``) is taken by ``gpipe`` and
-    ``1f1b`` only; the other kinds refuse it.
-    """
-    if backward_order is not None and list(backward_order) != list(range(num_microbatches)) \
-            and kind not in ("gpipe", "1f1b"):
-        raise ValueError(f"slices of long sequences run on the gpipe or 1f1b schedule; {kind!r} does not order "
-                         f"their backwards in reverse")
-    if kind == "gpipe":
-        return gpipe(num_stages, num_microbatches, backward_order)
-    if kind == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches, backward_order)
-    if kind == "interleaved":
-        return interleaved(num_stages, num_microbatches, virtual=virtual)
-    if kind == "memory-aware":
-        if act_bytes is None or limit_bytes is None:
-            raise ValueError("the memory-aware schedule needs act_bytes [stages, m] and limit_bytes")
-        return memory_aware(num_stages, num_microbatches, act_bytes, state_bytes, limit_bytes, transient_bytes)
-    if kind in ("zb-h1", "zb"):
-        _check(num_stages, num_microbatches)
-        if virtual != 1:
-            raise ValueError(f"{kind} runs one stage per rank; got virtual={virtual}")
-        if kind == "zb" and zb_inputs is not None and evaluate is not None and limit_bytes is not None:
-            state = np.zeros(num_stages) if state_bytes is None else np.asarray(state_bytes, dtype=np.float64)
-            return zb_limit_aware(num_stages, num_microbatches, zb_inputs, float(limit_bytes) - state,
-                                  float(limit_bytes), evaluate)
-        sched = zb_h1(num_stages, num_microbatches, zb_inputs, evaluate=evaluate)
-        return Schedule(sched.ranks, num_stages, num_microbatches, kind=kind)
-    raise ValueError(f"unknown schedule kind {kind!r}; known: {', '.join(SCHEDULE_KINDS)}")

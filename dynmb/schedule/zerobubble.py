@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dynmb.packing.rows import stage_order
+from dynmb.schedule.order import stage_order
 from dynmb.types import Action, Schedule
 
 __all__ = ["ZBInputs", "list_schedule", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS"]

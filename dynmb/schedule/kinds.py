@@ -1,0 +1,281 @@
+"""The one registry of schedule kinds: each kind is a record of its builder and its traits.
+
+Every place that behaves differently per schedule kind reads the kind's record here instead of
+comparing names: the memory model (``dynmb.memory``: in-flight microbatches, the peak rule),
+the packers (``dynmb.packing.context``: per-stage windows and caps), the planner
+(``dynmb.planning.planner.make_schedule``: which inputs the builder takes), the reorder pass
+(``dynmb.planning.reorder``: split-backward costs, order-dependent schedules) and the fast
+makespan estimate (``estimate_as``).
+
+A kind's traits (``ScheduleKind``):
+
+- ``build(BuildInputs) -> Schedule``: the builder (``dynmb.schedule.builders``,
+  ``dynmb.schedule.zerobubble``); ``BuildInputs`` carries every input any builder takes.
+- ``window(stage, P)``: microbatches stage ``stage`` of ``P`` holds in flight at most (None:
+  every microbatch of the step, GPipe). The memory peak rule (``dynmb.memory.peak_from_matrix``)
+  charges every stage the largest sum of ``min(m, window)`` consecutive activations.
+- ``chunk_window(rank, ranks, virtual)``: with virtual stages (``virtual_stages`` and
+  ``virtual > 1``), the chunk-microbatches one GPU holds at most (the interleaved warm-up bound);
+  the peak rule is then per GPU, its stages' states added up.
+- ``split_backward``: the builder may emit ``I``/``W`` (costs of all four ops are needed).
+- ``slices``: the kind runs slices of long sequences (``BuildInputs.backward_order``).
+- ``memory``: ``"none"``, ``"optional"`` or ``"required"``: whether the builder takes the
+  per-(stage, microbatch) bytes and the limit (``memory-aware`` needs them).
+- ``costs``: the builder takes per-(stage, microbatch) times and the simulator as judge
+  (``BuildInputs.zb_inputs``, ``evaluate``).
+- ``window_exact``: the window rule is the exact peak of every order (an order-free fit check
+  is exact); ``fits_by_construction``: the builder keeps the peak under the limit itself.
+- ``cache_key(BuildInputs)``: for a builder that reads the bytes (so its schedule follows the
+  microbatch order), a key equal for inputs that build the same schedule (memory-aware: its
+  windows), so a reorder search builds each schedule once.
+- ``estimate_as``: the op order (``"gpipe"`` or ``"1f1b"``) the fast makespan estimate
+  (``dynmb.makespan``) sweeps for this kind.
+
+Adding a kind is one new module with its builder and its record, plus one
+``register_kind(record)`` call. ``SCHEDULE_KINDS`` is a live view of the registered names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from dynmb.schedule import builders
+from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
+from dynmb.types import Schedule
+
+__all__ = ["BuildInputs", "ScheduleKind", "register_kind", "unregister_kind", "get_kind", "kind_names",
+           "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildInputs:
+    """Everything a builder may take; each kind reads what its traits say it needs."""
+
+    num_stages: int
+    """Pipeline stages."""
+    num_microbatches: int
+    """Microbatches of one replica, in execution order."""
+    virtual: int = 1
+    """Model chunks per rank (kinds with ``virtual_stages``)."""
+    backward_order: Sequence[int] | None = None
+    """Backward order of a plan with slices (``Plan.backward_order``), kinds with ``slices`` only."""
+    act_bytes: np.ndarray | None = None
+    """``[P, m]`` bytes held from a microbatch's F to its B (``memory`` kinds)."""
+    state_bytes: np.ndarray | Sequence[float] | None = None
+    """``[P]`` model-state bytes (default 0)."""
+    limit_bytes: float | None = None
+    """The per-GPU memory limit."""
+    transient_bytes: np.ndarray | None = None
+    """``[P, m]`` buffers of the running op, not held."""
+    zb_inputs: ZBInputs | None = None
+    """Per-(stage, microbatch) times, P2P times and bytes (``costs`` kinds)."""
+    evaluate: Evaluate | None = None
+    """schedule -> (predicted makespan, peak per stage): the simulator as judge (``costs`` kinds)."""
+
+
+def _slices_free(order: Sequence[int] | None, m: int) -> bool:
+    return order is None or list(order) == list(range(m))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleKind:
+    """One schedule kind: its builder and traits (module doc)."""
+
+    name: str
+    """The name users pass (``--schedule``, ``Planner(schedule=...)``)."""
+    build: Callable[[BuildInputs], Schedule]
+    """The builder."""
+    window: Callable[[int, int], int] | None
+    """``window(stage, P)``: microbatches in flight on a stage at most; None: all of them (GPipe)."""
+    chunk_window: Callable[[Any, int, int], Any] | None = None
+    """``chunk_window(rank, ranks, virtual)``: chunk-microbatches in flight on a GPU with virtual stages."""
+    split_backward: bool = False
+    """The builder may emit split backwards (``I`` then ``W``)."""
+    slices: bool = False
+    """Runs slices of long sequences (takes ``backward_order``)."""
+    virtual_stages: bool = False
+    """Takes ``virtual`` > 1 model chunks per rank."""
+    memory: str = "none"
+    """Memory inputs the builder takes: none, optional or required."""
+    costs: bool = False
+    """The builder takes per-microbatch times and an evaluator (``zb_inputs``, ``evaluate``)."""
+    window_exact: bool = False
+    """The window rule is this kind's exact peak for every microbatch order."""
+    fits_by_construction: bool = False
+    """The builder keeps the peak under the limit by itself (whenever it can build)."""
+    estimate_as: str = "1f1b"
+    """The op order the fast makespan estimate sweeps: gpipe or 1f1b."""
+    cache_key: Callable[[BuildInputs], bytes] | None = None
+    """For builders that read the microbatches' bytes: a key equal for inputs that build the same
+    schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"a schedule kind needs a name, got {self.name!r}")
+        if self.memory not in ("none", "optional", "required"):
+            raise ValueError(f"kind {self.name!r}: memory must be none, optional or required, got {self.memory!r}")
+        if self.estimate_as not in ("gpipe", "1f1b"):
+            raise ValueError(f"kind {self.name!r}: estimate_as must be gpipe or 1f1b, got {self.estimate_as!r}")
+        if self.virtual_stages and self.chunk_window is None:
+            raise ValueError(f"kind {self.name!r} takes virtual stages: give its chunk_window")
+
+    def inflight(self, stage: int, num_stages: int, m: int) -> int:
+        """Microbatches ``stage`` holds at once with ``m`` in the step (one stage per rank)."""
+        if self.window is None:
+            return m
+        return max(1, min(m, int(self.window(stage, num_stages))))
+
+    def check(self, inp: BuildInputs) -> None:
+        """Refuse inputs this kind cannot take (slices, virtual stages, missing memory inputs)."""
+        if inp.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {inp.num_stages}")
+        if inp.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {inp.num_microbatches}")
+        if not self.slices and not _slices_free(inp.backward_order, inp.num_microbatches):
+            raise ValueError(f"slices of long sequences run on the {' or '.join(slice_kinds())} schedule; "
+                             f"{self.name!r} does not order their backwards in reverse")
+        if not self.virtual_stages and inp.virtual != 1:
+            raise ValueError(f"{self.name} runs one stage per rank; got virtual={inp.virtual}")
+        if self.memory == "required" and (inp.act_bytes is None or inp.limit_bytes is None):
+            raise ValueError(f"the {self.name} schedule needs act_bytes [stages, m] and limit_bytes")
+
+
+_REGISTRY: dict[str, ScheduleKind] = {}
+
+
+def register_kind(kind: ScheduleKind, *, replace: bool = False) -> ScheduleKind:
+    """Add ``kind`` to the registry (``replace``: overwrite a kind of the same name)."""
+    if kind.name in _REGISTRY and not replace:
+        raise ValueError(f"schedule kind {kind.name!r} is already registered")
+    _REGISTRY[kind.name] = kind
+    return kind
+
+
+def unregister_kind(name: str) -> None:
+    """Remove a kind (tests that register one of their own)."""
+    _REGISTRY.pop(name, None)
+
+
+def get_kind(name: str) -> ScheduleKind:
+    """The record of kind ``name``; ``ValueError`` naming the known kinds otherwise."""
+    kind = _REGISTRY.get(name)
+    if kind is None:
+        raise ValueError(f"unknown schedule kind {name!r}; known: {', '.join(_REGISTRY)}")
+    return kind
+
+
+def kind_names() -> tuple[str, ...]:
+    """Registered kind names, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def slice_kinds() -> tuple[str, ...]:
+    """The kinds that run slices of long sequences."""
+    return tuple(k for k, v in _REGISTRY.items() if v.slices)
+
+
+class _KindNames(Sequence):
+    """A live, read-only view of the registered names (``in``, iteration, ``join`` see new kinds)."""
+
+    def __getitem__(self, i: Any) -> Any:
+        return kind_names()[i]
+
+    def __len__(self) -> int:
+        return len(_REGISTRY)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _REGISTRY
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(kind_names())
+
+    def __repr__(self) -> str:
+        return repr(kind_names())
+
+
+SCHEDULE_KINDS: Sequence[str] = _KindNames()
+"""The registered kind names (a live view of the registry)."""
+
+
+def build_schedule(kind: str, num_stages: int, num_microbatches: int, **inputs: Any) -> Schedule:
+    """Build a schedule of ``kind`` (a registered name) from ``BuildInputs`` fields as keywords.
+
+    ``interleaved`` uses ``virtual`` chunks per rank (``virtual=1`` gives 1F1B's order on
+    ``num_stages`` ranks); ``memory-aware`` needs ``act_bytes[stage, mb]`` and ``limit_bytes``
+    (``state_bytes[stage]`` defaults to 0; ``transient_bytes[stage, mb]``, optional, reserves the
+    running op's buffers). ``zb-h1`` / ``zb`` take the times and bytes in ``zb_inputs`` and the
+    simulator as ``evaluate`` (``zb`` needs both and ``limit_bytes``; without them it is ZB-H1's
+    order); see ``dynmb.schedule.zerobubble``. ``backward_order`` (slices of long sequences) is
+    taken by the kinds with ``slices`` only.
+    """
+    rec = get_kind(kind)
+    inp = BuildInputs(num_stages=num_stages, num_microbatches=num_microbatches, **inputs)
+    rec.check(inp)
+    return rec.build(inp)
+
+
+def interleaved_inflight(rank: Any, ranks: int, virtual: int) -> Any:
+    """Chunk-microbatches in flight at most on pipeline ``rank`` of an interleaved schedule."""
+    return 2 * (ranks - np.asarray(rank) - 1) + (virtual - 1) * ranks + 1
+
+
+# --- the built-in kinds ----------------------------------------------------------------------------
+
+def _one_f_one_b_window(stage: int, num_stages: int) -> int:
+    return num_stages - stage
+
+
+def _gpipe(inp: BuildInputs) -> Schedule:
+    return builders.gpipe(inp.num_stages, inp.num_microbatches, inp.backward_order)
+
+
+def _1f1b(inp: BuildInputs) -> Schedule:
+    return builders.one_f_one_b(inp.num_stages, inp.num_microbatches, inp.backward_order)
+
+
+def _interleaved(inp: BuildInputs) -> Schedule:
+    return builders.interleaved(inp.num_stages, inp.num_microbatches, virtual=inp.virtual)
+
+
+def _memory_aware(inp: BuildInputs) -> Schedule:
+    assert inp.act_bytes is not None and inp.limit_bytes is not None
+    return builders.memory_aware(inp.num_stages, inp.num_microbatches, inp.act_bytes, inp.state_bytes,
+                                 inp.limit_bytes, inp.transient_bytes)
+
+
+def _memory_aware_key(inp: BuildInputs) -> bytes:
+    assert inp.act_bytes is not None and inp.limit_bytes is not None
+    return builders.memory_windows(inp.act_bytes, inp.state_bytes, inp.limit_bytes, inp.transient_bytes).tobytes()
+
+
+def _zb_h1(inp: BuildInputs) -> Schedule:
+    sched = zb_h1(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate)
+    return Schedule(sched.ranks, inp.num_stages, inp.num_microbatches, kind="zb-h1")
+
+
+def _zb(inp: BuildInputs) -> Schedule:
+    P, m = inp.num_stages, inp.num_microbatches
+    if inp.zb_inputs is not None and inp.evaluate is not None and inp.limit_bytes is not None:
+        state = np.zeros(P) if inp.state_bytes is None else np.asarray(inp.state_bytes, dtype=np.float64)
+        return zb_limit_aware(P, m, inp.zb_inputs, float(inp.limit_bytes) - state, float(inp.limit_bytes),
+                              inp.evaluate)
+    sched = zb_h1(P, m, inp.zb_inputs, evaluate=inp.evaluate)
+    return Schedule(sched.ranks, P, m, kind="zb")
+
+
+register_kind(ScheduleKind(name="gpipe", build=_gpipe, window=None, slices=True, window_exact=True,
+                           estimate_as="gpipe"))
+register_kind(ScheduleKind(name="1f1b", build=_1f1b, window=_one_f_one_b_window, slices=True, window_exact=True))
+register_kind(ScheduleKind(name="interleaved", build=_interleaved, window=_one_f_one_b_window,
+                           chunk_window=interleaved_inflight, virtual_stages=True))
+register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one_f_one_b_window, memory="required",
+                           fits_by_construction=True, cache_key=_memory_aware_key))
+# the zero-bubble kinds keep 1F1B's window (dynmb.memory): packing for them is packing for 1F1B
+register_kind(ScheduleKind(name="zb-h1", build=_zb_h1, window=_one_f_one_b_window, split_backward=True,
+                           memory="optional", costs=True))
+register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
+                           memory="optional", costs=True))
