@@ -29,12 +29,16 @@ on it. ``bubble_fraction`` per rank = 1 - busy / makespan.
 one cost lookup ``cost_model.stage_costs(rows, padded_len)`` and the message
 time from ``cost_model.comm.time(model_cfg.message_bytes(rows, padded_len))``.
 
+The timeline evaluator is public for the planning passes that score many orders of one
+schedule (``dynmb.planning.reorder``, ``dynmb.planning.zerobubble``): ``cross_mask(flat)``
+(the actions that pay the P2P time) and ``action_times(flat, dur, cross, num_ranks)`` (the
+recurrence above, ``(start, end)`` per action), with ``peaks`` for the memory rule.
+
 Fast path (``estimate_makespan``): the makespan alone of a GPipe or 1F1B schedule with one
-stage per rank, without building a timeline. It is the packers' estimate
-``dynmb.packing.rows.makespan`` (the same recurrence swept stage by stage over
-``rows.stage_order``, the op order the schedule builders emit; the pipeline bound above
-``rows.EXACT_OPS`` ops): one implementation, kept in the packing layer because packing sits
-above the simulator in the layering and may not import it.
+stage per rank, without building a timeline: ``dynmb.makespan.makespan``, the packers'
+estimate (the same recurrence swept stage by stage over ``dynmb.schedule.order.stage_order``,
+the op order the schedule builders emit; the pipeline bound above ``dynmb.makespan.EXACT_OPS``
+ops), in this layer beside the simulator.
 """
 
 from __future__ import annotations
@@ -47,11 +51,11 @@ import pandas as pd
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
-from dynmb.packing.rows import makespan
+from dynmb.makespan import makespan
 from dynmb.schedule.validate import ScheduleError, execution_order
 from dynmb.types import Plan, Schedule
 
-__all__ = ["SimResult", "simulate", "simulate_costs", "estimate_makespan", "memory_inputs", "w_inputs", "plan_op_costs",
+__all__ = ["SimResult", "simulate", "simulate_costs", "estimate_makespan", "action_times", "cross_mask", "memory_inputs", "w_inputs", "plan_op_costs",
            "SliceGrads", "slice_grad_inputs",
            "comm_times", "peaks", "op_memory", "ScheduleError"]
 
@@ -126,8 +130,10 @@ def _cost_cube(costs: dict[str, np.ndarray], S: int, m: int, used: Any = "FB") -
     return cube
 
 
-def _times(flat: Any, dur: np.ndarray, cross: np.ndarray, num_ranks: int) -> tuple[list[float], list[float]]:
-    """The recurrence start = max(rank free, dep end + comm), in topological order, on Python lists."""
+def action_times(flat: Any, dur: np.ndarray, cross: np.ndarray, num_ranks: int) -> tuple[list[float], list[float]]:
+    """``(start, end)`` of every action of a flattened schedule (``execution_order``) with durations
+    ``dur`` and P2P times ``cross`` (0 where the dependency ran on the same rank, ``cross_mask``):
+    the recurrence start = max(rank free, dep end + comm), in topological order, on Python lists."""
     n = len(dur)
     durl, depl, crossl, rankl = dur.tolist(), flat.dep.tolist(), cross.tolist(), flat.rank.tolist()
     end = [0.0] * n
@@ -148,7 +154,7 @@ def _times(flat: Any, dur: np.ndarray, cross: np.ndarray, num_ranks: int) -> tup
     return start, end
 
 
-def _cross_mask(flat: Any) -> np.ndarray:
+def cross_mask(flat: Any) -> np.ndarray:
     """Indices of actions whose dependency ran on another rank (they pay the P2P time)."""
     xi = np.flatnonzero(flat.dep >= 0)
     return xi[flat.rank[flat.dep[xi]] != flat.rank[xi]]
@@ -175,9 +181,9 @@ def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: flo
     if comm.shape != (m,):
         raise ValueError(f"comm_s must be a scalar or have one entry per microbatch ({m}), got {np.shape(comm_s)}")
     cross = np.zeros(n, dtype=np.float64)
-    xi = _cross_mask(flat)
+    xi = cross_mask(flat)
     cross[xi] = comm[mb[xi]]
-    start, end = _times(flat, dur, cross, schedule.num_ranks)
+    start, end = action_times(flat, dur, cross, schedule.num_ranks)
     start_a, end_a = np.asarray(start), np.asarray(end)
     makespan = float(end_a.max()) if n else 0.0
     busy = np.bincount(rank, weights=dur, minlength=schedule.num_ranks)
@@ -364,5 +370,5 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
 def estimate_makespan(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0, kind: str = "1f1b") -> float:
     """The fast path: predicted makespan of the ``kind`` schedule (``gpipe``; any other kind is
     estimated as ``1f1b``) of ``costs["F"]``, ``costs["B"]`` (``[num_stages, m]`` seconds) with
-    ``comm_s`` per message, without a timeline: ``dynmb.packing.rows.makespan`` (module doc)."""
+    ``comm_s`` per message, without a timeline: ``dynmb.makespan.makespan`` (module doc)."""
     return makespan(np.asarray(costs["F"], dtype=np.float64), np.asarray(costs["B"], dtype=np.float64), comm_s, kind)

@@ -1,4 +1,6 @@
-"""The package's import graph: no cycles, and the schedule layer never imports the simulator.
+"""The package's import graph: no cycles, the schedule layer imports neither the simulator nor the
+packers, every module sits in docs/design.md's layer table and imports only its own layer and the
+layers above, and no private name is imported across modules.
 
 Reads every module's top-level and nested ``import`` statements with ``ast`` (no import is
 executed), resolves relative imports, and keeps the edges between dynmb modules."""
@@ -6,6 +8,7 @@ executed), resolves relative imports, and keeps the edges between dynmb modules.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import dynmb
@@ -84,43 +87,54 @@ def test_no_import_cycles():
     assert _cycles(pruned) == []
 
 
-def test_schedule_layer_does_not_import_the_simulator():
+def test_schedule_layer_imports_neither_the_simulator_nor_the_packers():
     graph = _graph()
-    offenders = [m for m in graph if m.startswith("dynmb.schedule") and "dynmb.simulate" in graph[m]]
+    offenders = [m for m in graph if m.startswith("dynmb.schedule")
+                 and any(t.startswith(("dynmb.simulate", "dynmb.makespan", "dynmb.packing")) for t in graph[m])]
     assert offenders == []
+
+
+def _modules(package: str, *leaves: str) -> tuple[str, ...]:
+    """``package`` (its ``__init__``) and its submodules ``leaves``."""
+    return (package, *(f"{package}.{leaf}" for leaf in leaves))
 
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.hostinfo")),
     ("types, config", ("dynmb.types", "dynmb.config")),
-    ("data", ("dynmb.data",)),
-    ("schedules", ("dynmb.schedule",)),
-    ("models of the hardware", ("dynmb.memory", "dynmb.costmodel")),
-    ("packing", ("dynmb.packing",)),
-    ("simulation", ("dynmb.simulate",)),
-    ("planning", ("dynmb.planning",)),
+    ("data", _modules("dynmb.data", "lengths", "corpus")),
+    ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
+    ("models of the hardware", ("dynmb.memory", *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls",
+                                                          "samples", "split", "calibration", "registry", "validate"))),
+    ("simulation", ("dynmb.simulate", "dynmb.makespan")),
+    ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
+                         "dynamic", "dynamic_setup", "dynamic_rank", "recompute")),
+    ("planning", _modules("dynmb.planning", "planner", "reorder", "zerobubble", "slicing", "defaults", "api", "sampler")),
     ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix")),
-    ("runtime", ("dynmb.runtime",)),
+    ("runtime", _modules("dynmb.runtime", "spec", "topology", "state", "step", "interpreter", "splitbackward", "comm",
+                         "checks", "records", "meter", "pingpong", "hostmem", "hooks", "trace", "launch", "worker",
+                         "api")),
     ("measurement", ("dynmb.profile", "dynmb.analysis", "dynmb.plots")),
-    ("job and CLI", ("dynmb.compare", "dynmb.cli")),
+    ("job and CLI", ("dynmb.compare", *_modules("dynmb.cli", "main", "__main__", "flags", "datasets", "lengths", "plan",
+                                                "schedule", "simulate", "profile", "fit", "memory", "run", "compare"))),
     ("public API", ("dynmb",)),
 ]
-"""docs/design.md's layer table, top (imported by all) to bottom: a module may import its own
-layer and the layers above it. A module goes under its longest matching prefix."""
+"""docs/design.md's layer table, top (imported by all) to bottom, module by module: a module may
+import its own layer and the layers above it."""
+
+_LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 
 
 def _layer(module: str) -> int | None:
-    best: tuple[int, int] | None = None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
-                best = (i, len(p))
-    return None if best is None else best[0]
+    return _LAYER_OF.get(module)
 
 
 def test_every_module_has_a_documented_layer():
-    unlisted = [m for m in _graph() if _layer(m) is None]
+    graph = _graph()
+    unlisted = sorted(m for m in graph if _layer(m) is None)
     assert unlisted == [], f"add {unlisted} to docs/design.md's layer table and LAYERS"
+    gone = sorted(m for m in _LAYER_OF if m not in graph)
+    assert gone == [], f"LAYERS names modules that do not exist: {gone}"
 
 
 def test_imports_go_only_to_the_same_or_a_higher_layer():
@@ -132,12 +146,34 @@ def test_imports_go_only_to_the_same_or_a_higher_layer():
     assert bad == [], "\n".join(sorted(bad))
 
 
+def test_no_private_name_is_imported_across_modules():
+    """``from x import _name`` between two dynmb modules: a private name is its module's own."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("dynmb")):
+                bad += [f"{path.relative_to(ROOT.parent)}: {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == [], "\n".join(bad)
+
+
+def _documented(row: str) -> set[str]:
+    """The modules a layer row of docs/design.md names: `` `pkg/` (`a`, `b`) `` gives the package
+    and its modules a, b; `` `pkg/leaf.py` `` and `` `leaf.py` `` one module each."""
+    out: set[str] = set()
+    for pkg, inner in re.findall(r"`(\w+)/`(?: \(([^)]*)\))?", row):
+        out.add(f"dynmb.{pkg}")
+        out.update(f"dynmb.{pkg}.{leaf}" for leaf in re.findall(r"`(\w+)`", inner or ""))
+    for path in re.findall(r"`([\w/]+)\.py`", row):
+        out.add("dynmb" if path == "__init__" else "dynmb." + path.replace("/", "."))
+    return out
+
+
 def test_layer_table_matches_docs():
     doc = (ROOT.parent / "docs" / "design.md").read_text()
-    for name, prefixes in LAYERS[:-1]:
+    for name, modules in LAYERS:
         row = next((line for line in doc.splitlines() if line.startswith(f"| {name} |")), None)
         assert row is not None, f"docs/design.md has no layer row {name!r}"
-        for p in prefixes:
-            if (ROOT.parent / (p.replace(".", "/") + ".py")).exists() or (ROOT.parent / p.replace(".", "/")).is_dir():
-                leaf = p.rpartition(".")[2]
-                assert f"`{leaf}.py`" in row or f"`{leaf}/" in row, f"{p} not in docs/design.md's {name!r} row"
+        named = _documented(row.split("|")[2])
+        assert named == set(modules), (f"docs/design.md's {name!r} row names {sorted(named - set(modules))} "
+                                       f"beyond LAYERS and misses {sorted(set(modules) - named)}")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynmb.packing.rows import stage_order
+from dynmb.schedule.order import stage_order
 from dynmb.config import ModelConfig
 from dynmb.memory import MemoryModel, get_memory_model, peak_from_matrix
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from dynmb.config import ModelConfig
 from dynmb.memory import MemoryModel
 from dynmb.packing import METHODS, PackingError, auto_mbs, max_fitting_length, pack
-from dynmb.packing.rows import bfd_rows, makespan, next_fit_rows
+from dynmb.makespan import makespan
+from dynmb.packing.rows import bfd_rows, next_fit_rows
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("small")

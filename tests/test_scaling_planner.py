@@ -11,14 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynmb.packing.rows import (
-    _exact_makespan,
-    _levels,
-    assign_replicas,
-    exact_regime,
-    makespan,
-    makespans,
-)
+from dynmb.makespan import _exact_makespan, _levels, exact_regime, makespan, makespans
+from dynmb.packing.rows import assign_replicas
 from dynmb.config import ModelConfig, parse_bytes
 from dynmb.costmodel import AnalyticCostModel, CommModel
 from dynmb.data import load_trace, sample_batch

@@ -21,12 +21,11 @@ Cost: every time estimate goes through the one lookup ``cost_model.stage_costs(r
 padded_len, attn)`` with each microbatch's attention work
 ``Microbatch.attention_work(model_cfg.attention)`` (sum of s_i^2 over the documents of a
 packed microbatch under ``auto``, rows x padded_len^2 for one document per row), and the
-one fast makespan estimate ``rows.makespan`` (``predictions["est_makespan_s"]``): the
-simulator's recurrence over the GPipe / 1F1B op order ``rows.stage_order`` (which the
-schedule builders emit too) up to ``rows.EXACT_OPS`` ops, the pipeline bound above. It
-lives here, at the top of the packing layer, because packing sits above the simulator in
-the layering (DESIGN.md "Layout"); ``dynmb.simulate.estimate_makespan`` is the same
-function, as the simulator's fast path.
+one fast makespan estimate ``dynmb.makespan.makespan`` (``predictions["est_makespan_s"]``):
+the simulator's recurrence over the GPipe / 1F1B op order ``dynmb.schedule.order.stage_order``
+(which the schedule builders emit too) up to ``dynmb.makespan.EXACT_OPS`` ops, the pipeline
+bound above. It lives in the simulation layer, which sits above packing (DESIGN.md "Layout");
+``dynmb.simulate.estimate_makespan`` is the same function, as the simulator's fast path.
 
 Methods (``METHODS``), one module per family:
 
@@ -41,7 +40,7 @@ Methods (``METHODS``), one module per family:
 - ``dynamic`` (``dynamic``): this project's method.
 
 ``dispatch.pack`` runs them (checks, oversize policy, data-parallel balancing, estimate);
-``rows`` holds the row, group, cut-point and makespan helpers they share.
+``rows`` holds the row, group and cut-point helpers they share.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 5. Estimate: every microbatch's F/B time per stage from the one cost lookup
    ``cost_model.stage_costs(rows, padded_len, attention work)``, the exact peak
    ``MemoryModel.peak_bytes`` per replica and the slowest replica's makespan from the one
-   fast estimate ``rows.makespan``. If the peak of a mix exceeds the limit, step 3 is rerun
+   fast estimate ``dynmb.makespan.makespan``. If the peak of a mix exceeds the limit, step 3 is rerun
    under the safe budget (``meta["budget"]`` says which was used); with an explicit ``mbs``
    of a fixed-size method, or under the safe budget, it raises ``PackingError``.
 6. A ``Plan`` with ``predictions`` (``pred_peak_bytes``, ``est_makespan_s``, ``plan_s``) and
@@ -38,6 +38,7 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
+from ..makespan import makespan
 from ..schedule.kinds import get_kind
 from ..types import Microbatch, Plan
 from .context import PackContext, PackingError
@@ -46,7 +47,7 @@ from .dynapipe import dynapipe_groups
 from .fixed import fixed_flat
 from .packed import packed_row_len, packed_rows_flat
 from .recompute import pack_with_recompute
-from .rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, makespan, round_down, round_up,
+from .rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, round_down, round_up,
                    split_group)
 from .token_budget import token_budget_flat
 

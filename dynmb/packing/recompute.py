@@ -21,7 +21,7 @@ A microbatch with ``recompute`` runs every stage with full activation recomputat
       the plain plan of the others plus each such sequence as its own one-row recomputed
       microbatch.
 
-  The one with the smallest estimated makespan (``dynmb.packing.rows.makespan`` on the one cost
+  The one with the smallest estimated makespan (``dynmb.makespan.makespan`` on the one cost
   lookup, each microbatch's recompute cost included) wins; ``meta["recompute"]`` records the
   mode and ``meta["recomputed"]`` how many microbatches recompute.
 
@@ -40,10 +40,10 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
+from ..makespan import makespan
 from ..schedule.kinds import get_kind
 from ..types import Microbatch, Plan
 from .context import stage_windows
-from .rows import makespan
 
 __all__ = ["RECOMPUTE_MODES", "fits", "needs_recompute", "mark_recompute", "pack_with_recompute"]
 

@@ -45,7 +45,7 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
 from ..schedule import build_schedule, execution_order
 from ..schedule.kinds import BuildInputs, get_kind
-from ..simulate import _cross_mask, _times, comm_times, memory_inputs, peaks
+from ..simulate import action_times, cross_mask, comm_times, memory_inputs, peaks
 from ..types import Plan, Schedule
 
 __all__ = ["REORDER_METHODS", "reorder", "reorder_order", "OrderEvaluator", "ends_order", "default_max_evals"]
@@ -118,7 +118,7 @@ class OrderEvaluator:
     def _prepare(sched: Schedule) -> Any:
         flat = execution_order(sched)
         flat.num_ranks = sched.num_ranks
-        flat.xi = _cross_mask(flat)
+        flat.xi = cross_mask(flat)
         return flat
 
     def __call__(self, order: Sequence[int]) -> tuple[float, float, bool]:
@@ -138,7 +138,7 @@ class OrderEvaluator:
         dur = self.cube[flat.op, flat.stage, j]
         cross = np.zeros(len(dur))
         cross[flat.xi] = self.comm[j[flat.xi]]
-        _, end = _times(flat, dur, cross, flat.num_ranks)
+        _, end = action_times(flat, dur, cross, flat.num_ranks)
         makespan = max(end) if end else 0.0
         peak, fits = 0.0, True
         if self.act is not None and not self._always_fits:
@@ -184,7 +184,7 @@ class OrderEvaluator:
         dur = self.cube[flat.op, flat.stage, j]
         cross = np.zeros(len(dur))
         cross[flat.xi] = self.comm[j[flat.xi]]
-        start, end = (np.asarray(x) for x in _times(flat, dur, cross, flat.num_ranks))
+        start, end = (np.asarray(x) for x in action_times(flat, dur, cross, flat.num_ranks))
         busy = np.bincount(flat.rank, weights=dur, minlength=flat.num_ranks)
         r = int(busy.argmax())
         a, b = int(flat.start[r]), int(flat.start[r + 1])

@@ -23,7 +23,7 @@ from dynmb.memory import MemoryModelLike
 from ..schedule.kinds import build_schedule, get_kind, kind_names
 from ..schedule.validate import execution_order
 from ..schedule.zerobubble import ZBInputs
-from ..simulate import _cross_mask, _times, comm_times, memory_inputs, peaks, w_inputs
+from ..simulate import action_times, cross_mask, comm_times, memory_inputs, peaks, w_inputs
 from ..types import Plan, Schedule
 
 __all__ = ["zb_inputs", "zb_evaluator", "build_zb"]
@@ -55,9 +55,9 @@ def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryMode
         flat = execution_order(schedule)
         dur = cube[flat.op, flat.stage, flat.mb]
         cross = np.zeros(len(dur))
-        xi = _cross_mask(flat)
+        xi = cross_mask(flat)
         cross[xi] = inp.comm[flat.mb[xi]]
-        _, end = _times(flat, dur, cross, schedule.num_ranks)
+        _, end = action_times(flat, dur, cross, schedule.num_ranks)
         if inp.act is None:
             return float(max(end, default=0.0)), np.zeros(S)
         peak, _, _ = peaks(flat, S, schedule.num_ranks, inp.act, inp.tr, state, inp.w)

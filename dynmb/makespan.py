@@ -1,0 +1,254 @@
+"""The fast makespan estimate of a GPipe / 1F1B pipeline: what the packers score plans with.
+
+``makespan(F, B, comm_s, kind)`` for per-stage, per-microbatch costs ``F[P, m]``, ``B[P, m]``
+and a per-microbatch send time between neighbouring stages; ``makespans`` gives it for many
+pipelines at once. ``kind`` is a schedule kind; its record's ``estimate_as``
+(``dynmb.schedule.kinds``) says which op order is swept (``gpipe`` or ``1f1b``). Two regimes:
+
+* exact (equal to ``dynmb.simulate``'s): the makespan of a GPipe or 1F1B schedule where every op
+  starts when its stage is free and its input has arrived, over the op order the builders emit
+  (``dynmb.schedule.order.stage_order``; 1F1B on stage i: ``w = min(P-1-i, m)`` warm-up
+  forwards, then F/B pairs, then the remaining backwards, torch's ``Schedule1F1B``). Used when
+  ``exact_regime``: 2 * P * m <= ``EXACT_OPS`` or m <= ``EXACT_PER_STAGE`` * P. Evaluated
+  level by level (``_levels``: ops that cannot depend on each other), one vectorised step per
+  level over every pipeline of the batch (O(m + P) numpy steps); ``_exact_makespan``, a sweep
+  over stages that advances each as far as its dependencies allow, when the levels would hold
+  few ops.
+* bound: the busiest stage's work plus the fill of the first microbatch's forward up to that
+  stage and the drain of the last one's backward (relative error O(P / m) for microbatches of
+  similar cost in order); used for more microbatches.
+
+This is the simulation layer (beside ``dynmb.simulate``, whose ``estimate_makespan`` it is);
+the packers, one layer down, import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import numpy as np
+
+from dynmb.schedule.kinds import get_kind
+from dynmb.schedule.order import stage_order
+
+__all__ = ["makespan", "makespans", "exact_regime", "EXACT_OPS", "EXACT_PER_STAGE"]
+
+EXACT_OPS = 6000
+"""Up to this many ops (2 * P * m) ``makespan`` is exact."""
+EXACT_PER_STAGE = 16
+"""... and also up to this many microbatches per stage: with few microbatches per stage the
+bound misses 1F1B's round trips (microbatch j + P cannot start before j's backward is back
+on stage 0), up to 4x low at P = 64 with heavy-tailed lengths."""
+
+
+def _exact_makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b") -> float:
+    """Makespan of the schedule ``kind`` (gpipe or 1f1b; others use 1f1b) for costs ``F``, ``B``."""
+    p, m = F.shape
+    if m == 0:
+        return 0.0
+    kind = get_kind(kind).estimate_as
+    c = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (m,)).tolist()
+    Fl, Bl = F.tolist(), B.tolist()
+    seqs = [stage_order(i, p, m, kind) for i in range(p)]
+    endF = [[-1.0] * m for _ in range(p)]
+    endB = [[-1.0] * m for _ in range(p)]
+    pos = [0] * p
+    free = [0.0] * p
+    total = 2 * m * p
+    done = 0
+    while done < total:
+        progressed = False
+        for i in range(p):
+            seq, k, t = seqs[i], pos[i], free[i]
+            fi, bi = Fl[i], Bl[i]
+            ef, eb = endF[i], endB[i]
+            while k < len(seq):
+                op, j = seq[k]
+                if op == "F":
+                    if i > 0:
+                        dep = endF[i - 1][j]
+                        if dep < 0:
+                            break
+                        dep += c[j]
+                        if dep > t:
+                            t = dep
+                    t += fi[j]
+                    ef[j] = t
+                else:
+                    if i < p - 1:
+                        dep = endB[i + 1][j]
+                        if dep < 0:
+                            break
+                        dep += c[j]
+                        if dep > t:
+                            t = dep
+                    if ef[j] > t:
+                        t = ef[j]
+                    t += bi[j]
+                    eb[j] = t
+                k += 1
+                done += 1
+                progressed = True
+            pos[i], free[i] = k, t
+        if not progressed:
+            raise RuntimeError("makespan estimate deadlocked (bad schedule order)")
+    return float(max(free))
+
+
+def exact_regime(num_stages: int, m: Any) -> Any:
+    """Whether ``makespan`` is exact for ``m`` microbatches on ``num_stages`` stages (broadcast)."""
+    m = np.asarray(m)
+    return (2 * num_stages * m <= EXACT_OPS) | (m <= EXACT_PER_STAGE * num_stages)
+
+
+def _levels(P: int, m: int, kind: str) -> tuple[np.ndarray, ...]:
+    """The ops of a P x m GPipe / 1F1B schedule in natural order (op id = stage * 2m + slot, the
+    slot its position in ``stage_order``): (level, stage, is backward, microbatch, dependency id
+    or -1). The level is the op's start under unit costs and free sends (the longest chain of
+    ops before it), so no op depends on one of its own level: 1F1B warm-up F_j(i) at i + j
+    (j <= w_i = min(P-1-i, m)), later F_j(i) at i + 2j, B_j(i) at 2P-1-i+2j; GPipe F_j(i) at
+    i + j, B_j(i) at 2P-2-i+m+j."""
+    i, j = np.arange(P)[:, None], np.arange(m)[None, :]
+    if kind == "gpipe":
+        slot_f, slot_b, lev_f, lev_b = j + 0 * i, m + j + 0 * i, i + j, 2 * P - 2 - i + m + j
+    else:
+        w = np.minimum(P - 1 - i, m)
+        slot_f, slot_b = np.where(j < w, j, 2 * j - w), np.where(j < m - w, w + 2 * j + 1, m + j)
+        lev_f, lev_b = np.where(j <= w, i + j, 2 * j + i), 2 * P - 1 - i + 2 * j + 0 * i
+    id_f, id_b = i * 2 * m + slot_f, i * 2 * m + slot_b
+    n = 2 * P * m
+    level, is_b, mb, dep = np.empty(n, np.int64), np.zeros(n, bool), np.empty(n, np.int64), np.full(n, -1, np.int64)
+    level[id_f], level[id_b], is_b[id_b] = lev_f, lev_b, True
+    mb[id_f] = mb[id_b] = np.broadcast_to(j, (P, m))
+    dep[id_f[1:]], dep[id_b[:-1]] = id_f[:-1], id_b[1:]      # F from the stage below, B from the one above
+    return level, np.repeat(np.arange(P), 2 * m), is_b, mb, dep
+
+
+@functools.lru_cache(maxsize=16)
+def _level_order(P: int, m: int, kind: str) -> tuple:
+    """``_levels`` sorted by level: (stage, is backward, microbatch, previous op on the stage,
+    dependency; both as positions in that order, n for none), and the start of each level."""
+    level, stage, is_b, mb, dep = _levels(P, m, kind)
+    n = len(level)
+    order = np.argsort(level, kind="stable")
+    inv = np.empty(n + 1, dtype=np.int64)
+    inv[order], inv[n] = np.arange(n), n
+    prev = np.arange(-1, n - 1)
+    prev[np.arange(P) * 2 * m] = n
+    out = (stage[order], is_b[order], mb[order], inv[prev[order]], inv[np.where(dep >= 0, dep, n)[order]])
+    for x in out:
+        x.setflags(write=False)
+    return (*out, np.searchsorted(level[order], np.arange(2 * (m + P) + 1)).tolist())
+
+
+def _exact_same(F: np.ndarray, B: np.ndarray, comm: np.ndarray, K: int, m: int, kind: str) -> np.ndarray:
+    """Exact makespans of K pipelines of m microbatches each (columns k*m .. k*m + m - 1): one
+    [ops, K] array in level order, a level a block of rows."""
+    P = F.shape[0]
+    stage, is_b, mb, prev, dep, bounds = _level_order(P, m, kind)
+    n = len(stage)
+    row = np.where(is_b, P * m, 0) + stage * m + mb                  # rows of [F; B] as [(op, stage, mb), K]
+    dur = np.concatenate([F, B]).reshape(2 * P, K, m).transpose(0, 2, 1).reshape(2 * P * m, K)[row]
+    cross = np.where((dep < n)[:, None], np.ascontiguousarray(comm.reshape(K, m).T)[mb], 0.0)
+    end = np.zeros((n + 1, K))
+    for a, e in itertools.pairwise(bounds):
+        if e > a:
+            t = np.take(end, dep[a:e], axis=0)
+            t += cross[a:e]
+            np.maximum(t, np.take(end, prev[a:e], axis=0), out=t)
+            t += dur[a:e]
+            end[a:e] = t
+    return end[:n].max(axis=0)
+
+
+def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarray, kind: str) -> np.ndarray:
+    """Exact makespans of pipelines k (the next ``sizes[k] >= 1`` columns each), all at once:
+    ops are processed level by level (``_levels``), each level one vectorised step
+    ``end = max(end of the previous op on the stage, end of the dependency + send) + duration``
+    over every pipeline (``_exact_same`` for each size shared by enough pipelines, one merged
+    pass for the rest); the scalar recurrence when levels would hold few ops."""
+    P = F.shape[0]
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    out = np.empty(len(sizes))
+    uniq, which, count = np.unique(sizes, return_inverse=True, return_counts=True)
+    shared = (count >= 4) & (count * P >= 256)                  # enough ops per level to pay for a loop of its own
+    for g in np.flatnonzero(shared).tolist():
+        ks = np.flatnonzero(which == g)
+        cols = (offs[ks][:, None] + np.arange(uniq[g])).ravel()
+        out[ks] = _exact_same(F[:, cols], B[:, cols], comm[cols], len(ks), int(uniq[g]), kind)
+    rest = np.flatnonzero(~shared[which])
+    if not len(rest):
+        return out
+    sizes, cols = sizes[rest], np.concatenate([np.arange(offs[k], offs[k + 1]) for k in rest])
+    F, B, comm = F[:, cols], B[:, cols], comm[cols]
+    M = F.shape[1]
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    ops, num_levels = 2 * P * sizes, 2 * (int(sizes.max()) + P)
+    if ops.sum() < 3 * num_levels:
+        out[rest] = [_exact_makespan(F[:, a:e], B[:, a:e], comm[a:e], kind) for a, e in itertools.pairwise(offs)]
+        return out
+    op_off = np.concatenate([[0], np.cumsum(ops)])
+    N = int(op_off[-1])
+    level = np.empty(N, np.int16 if num_levels < 32000 else np.int64)
+    stage, is_b, col, dep = np.empty(N, np.int64), np.empty(N, bool), np.empty(N, np.int64), np.empty(N, np.int64)
+    uniq, which = np.unique(sizes, return_inverse=True)
+    for g, m in enumerate(uniq.tolist()):
+        lv, st, ib, mb, dp = _levels(P, m, kind)
+        ks = np.flatnonzero(which == g)
+        base = op_off[ks][:, None]
+        at = (base + np.arange(2 * P * m)).ravel()
+        level[at], stage[at], is_b[at] = np.tile(lv, len(ks)), np.tile(st, len(ks)), np.tile(ib, len(ks))
+        col[at] = (offs[ks][:, None] + mb).ravel()
+        dep[at] = np.where(dp >= 0, base + dp, N).ravel()
+    prev = np.arange(-1, N - 1)
+    prev[(np.repeat(op_off[:-1], P) + np.tile(np.arange(P), len(sizes)) * np.repeat(2 * sizes, P))] = N
+    flat_ix = stage * M + col
+    dur = np.append(np.where(is_b, B.ravel()[flat_ix], F.ravel()[flat_ix]), 0.0)
+    cross = np.append(np.where(dep < N, comm[col], 0.0), 0.0)
+    order = np.argsort(level, kind="stable")
+    bounds = np.searchsorted(level[order], np.arange(num_levels + 1)).tolist()
+    end = np.zeros(N + 1)
+    for a, e in itertools.pairwise(bounds):
+        if e > a:
+            ids = order[a:e]
+            end[ids] = np.maximum(end[prev[ids]], end[dep[ids]] + cross[ids]) + dur[ids]
+    out[rest] = np.maximum.reduceat(end[:N], op_off[:-1])
+    return out
+
+
+def makespans(F: np.ndarray, B: np.ndarray, comm_s: Any, sizes: Any, kind: str = "1f1b",
+              exact: bool | None = None) -> np.ndarray:
+    """``makespan`` of several pipelines at once: pipeline k runs the next ``sizes[k]`` columns
+    of ``F``/``B`` (and of ``comm_s``, scalar or per column) in their order. With ``exact=None``
+    each is exact iff ``exact_regime``, else the pipeline bound (module doc; mean send time)."""
+    P, M = F.shape
+    sizes = np.asarray(sizes, dtype=np.int64)
+    comm = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (M,))
+    kind = get_kind(kind).estimate_as
+    ex = exact_regime(P, sizes) if exact is None else np.full(len(sizes), bool(exact))
+    ex &= sizes > 0
+    out = np.zeros(len(sizes))
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    if np.any(ex):
+        cols = np.concatenate([np.arange(a, e) for a, e in zip(offs[:-1][ex], offs[1:][ex])])
+        out[ex] = _exact_batch(F[:, cols], B[:, cols], comm[cols], sizes[ex], kind)
+    rest = np.flatnonzero(~ex & (sizes > 0))
+    if len(rest):
+        a, e = offs[rest], offs[rest + 1]
+        work = np.add.reduceat(F + B, offs[:-1][sizes > 0], axis=1)[:, np.searchsorted(np.flatnonzero(sizes > 0), rest)]
+        c = np.add.reduceat(comm, offs[:-1][sizes > 0])[np.searchsorted(np.flatnonzero(sizes > 0), rest)] / sizes[rest]
+        zero = np.zeros((1, len(rest)))
+        fill = np.concatenate([zero, np.cumsum(F[:-1, a] + c, axis=0)])
+        drain = np.concatenate([zero, np.cumsum(B[:-1, e - 1] + c, axis=0)])
+        out[rest] = (work + fill + drain).max(axis=0)
+    return out
+
+
+def makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b",
+             exact: bool | None = None) -> float:
+    """The packers' makespan estimate: the exact recurrence when ``exact`` or, with
+    ``exact=None``, when ``exact_regime(P, m)``; else the pipeline bound over the columns
+    in their order (mean send time)."""
+    return float(makespans(F, B, comm_s, [F.shape[1]], kind, exact)[0])

@@ -1,0 +1,366 @@
+"""Ranking and choosing candidate plans for the ``dynamic`` packer (``dynmb.packing.dynamic``,
+steps 5-7 of its docstring).
+
+``Ranker`` costs, orders and estimates ``Candidate`` plans for P stages and dp replicas:
+``own`` (a split of a row set, its slowest microbatches halved until dp divides their number),
+``baseline`` (another method's plan, balanced over dp as ``dynmb.packing`` balances it),
+``rank`` (each candidate's best estimate over its orders on its probe replicas: the pipeline
+bound, or ``dynmb.makespan.makespans`` for the best by a proxy within ``RANK_OPS`` ops) and
+``choose`` (the finals re-costed in one lookup and estimated on every replica as
+``dynmb.packing`` runs them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from dynmb.costmodel.base import CostModelLike
+from ..makespan import exact_regime, makespans
+from .dynamic_setup import SplitSetup, split_to_flat
+from .rows import Flat, assign_replicas, flat_to_groups, groups_to_flat, split_group
+
+__all__ = ["Candidate", "Ranker", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS"]
+
+RANK_EXACT = 400
+"""Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
+RANK_OPS = 300_000
+"""Per ranking pass, exact estimates (2 * P * m ops each) of the best by proxy stop at this many ops
+(scaled by P / 16 below 16 stages: with few stages an op of the level-by-level recurrence costs more)."""
+LOOKUP_CELLS = 1 << 22
+"""At most this many (stage, microbatch) cells are costed in one ``stage_costs`` lookup (memory)."""
+
+
+@dataclass(eq=False)
+class Candidate:
+    """One candidate plan: per-microbatch shapes in its own order, how to emit it, its ranking."""
+
+    rows: np.ndarray
+    padded: np.ndarray
+    attn: np.ndarray
+    emit: Callable[[np.ndarray], Flat]      # the flat form run in the given order
+    source: tuple | None = None             # own splits: (row set, cuts before balancing, tau)
+    baseline: str = ""                      # the method whose plan this is, as that method makes it
+    opened: np.ndarray | None = None        # one best-fit row per microbatch: the order they were opened in
+    split: tuple | None = None              # own splits: (row set, cuts after balancing)
+    F: np.ndarray | None = None             # costs, while it is being estimated
+    B: np.ndarray | None = None
+    comm: np.ndarray | None = None
+    value: float = np.inf                   # best estimate found (ranking: on the probe replicas)
+    order: str = ""                         # the order that gave it
+
+
+class Ranker:
+    """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
+
+    def __init__(self, cost_model: CostModelLike, num_stages: int, kind: str, comm: Any, dp: int,
+                 setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
+        self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
+        self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
+
+    def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
+        sends = self.comm_fn(rows, padded) if self.comm_fn is not None else 0.0
+        return np.broadcast_to(np.asarray(sends, dtype=np.float64), rows.shape).copy()
+
+    def own(self, key: str, cuts: np.ndarray, tau: float, balance: bool = True) -> Candidate:
+        """A split of row set ``key``, its slowest microbatches halved until dp divides their number."""
+        st = self.setups[key]
+        bal = _balance_cuts(cuts, st.bottleneck, self.dp) if balance else cuts
+        if bal is None:
+            return Candidate(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None, source=(key, cuts, tau))
+        rows, padded, attn = st.shapes(bal)
+        return Candidate(rows, padded, attn, lambda o, r=st.rows, c=bal: split_to_flat(r, c, o), source=(key, cuts, tau),
+                     opened=st.rows.opened if len(bal) - 1 == len(st.pos) else None, split=(key, bal))
+
+    def baseline(self, method: str, flat: Flat) -> Candidate | None:
+        """``method``'s plan (flat form) balanced over dp as ``dynmb.packing`` does (None if it cannot)."""
+        flat = _balance_like_packing(flat, self.dp, self.bmax_fn)
+        if flat is None:
+            return None
+        items, _, nseq, plen, batch = flat
+        attn = batch * plen.astype(np.float64) ** 2
+        if self.doc_causal:
+            docs2 = np.add.reduceat(self.lengths[items].astype(np.float64) ** 2, np.cumsum(nseq) - nseq)
+            attn = np.where(nseq > batch, docs2, attn)
+        return Candidate(batch, plen, attn, lambda o, f=flat: _reorder(f, o), baseline=method)
+
+    def costed(self, cands: list[Candidate], affine: bool) -> Iterator[Candidate]:
+        """``cands`` in turn with their costs set while they are used: an own split's affine costs
+        when ``affine``, else ``stage_costs`` with each microbatch's attention work, one lookup
+        for as many candidates in a row as fit ``LOOKUP_CELLS`` (stage, microbatch) cells."""
+        todo, i = [c for c in cands if len(c.rows)], 0
+        while i < len(todo):
+            chunk, cells = [todo[i]], len(todo[i].rows) * self.P
+            if affine and todo[i].split is not None:
+                c = todo[i]
+                (c.F, c.B), c.comm = self.setups[c.split[0]].costs(c.split[1]), self._send(c.rows, c.padded)
+            else:
+                while (i + len(chunk) < len(todo) and not (affine and todo[i + len(chunk)].split is not None)
+                       and cells + len(todo[i + len(chunk)].rows) * self.P <= LOOKUP_CELLS):
+                    chunk.append(todo[i + len(chunk)])
+                    cells += len(chunk[-1].rows) * self.P
+                rows, padded, attn = (np.concatenate(a) for a in zip(*((x.rows, x.padded, x.attn) for x in chunk)))
+                cc, sends = self.cm.stage_costs(rows, padded, attn), self._send(rows, padded)
+                bounds = np.cumsum([0] + [len(x.rows) for x in chunk])
+                for x, a, e in zip(chunk, bounds[:-1], bounds[1:]):
+                    x.F, x.B, x.comm = cc["F"][:, a:e], cc["B"][:, a:e], sends[a:e]
+            for x in chunk:
+                yield x
+                x.F = x.B = x.comm = None
+            i += len(chunk)
+
+    def _members(self, c: Candidate, exact_assignment: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(replicas x microbatches in split order, busy time of each microbatch)."""
+        busy = (c.F + c.B).max(axis=0)
+        if self.dp == 1:
+            return np.arange(len(busy))[None, :], busy
+        if exact_assignment:
+            order, _ = assign_replicas(busy, self.dp)
+            return np.asarray(order).reshape(self.dp, -1), busy
+        return np.argsort(_deal(busy, self.dp), kind="stable").reshape(self.dp, -1), busy
+
+    def _probes(self, c: Candidate, members: np.ndarray) -> np.ndarray:
+        """The replica with the most work on its busiest stage and the one with the longest round trip."""
+        if len(members) == 1:
+            return members
+        T = c.F + c.B
+        work = T[:, members].sum(axis=2).max(axis=0)
+        trip = (T.sum(axis=0) + 2 * (self.P - 1) * c.comm)[members].max(axis=1)
+        return members[np.unique([int(np.argmax(work)), int(np.argmax(trip))])]
+
+    def rank(self, cands: list[Candidate]) -> list[Candidate]:
+        """Each candidate's best estimate over its orders on its probe replicas: exact (``makespans``)
+        for the best by proxy within ``RANK_OPS`` ops (baselines and small ones always). Only the
+        probe replicas' costs are kept."""
+        cands = [c for c in cands if len(c.rows)]
+        jobs = []                        # (candidate, order, (F, B, sends) of its probe replicas, columns)
+        for c in self.costed(cands, affine=True):
+            members, busy = self._members(c, exact_assignment=bool(c.baseline))
+            used, local = (np.unique(self._probes(c, members), return_inverse=True) if self.dp > 1
+                           else (np.arange(members.shape[1]), members))
+            sub, local = (c.F[:, used], c.B[:, used], c.comm[used]), local.reshape(-1, members.shape[1])
+            opened = c.opened[used] if c.opened is not None else None
+            if exact_regime(self.P, members.shape[1]):
+                jobs += [(c, name, sub, cols) for name, cols in _orders(local, busy[used], opened).items()]
+                continue
+            # the bound: the same work in every order, only the first and last microbatches differ
+            work, sends = (sub[0] + sub[1])[:, local].sum(axis=2), sub[2][local].mean(axis=1)
+            for name, (first, last) in _order_ends(local, busy[used], opened).items():
+                v = float(_bound(work, sub[0][:, first], sub[1][:, last], sends).max())
+                if v < c.value:
+                    c.value, c.order = v, name
+        proxy = np.array([_proxy(*sub, cols).max() for _, _, sub, cols in jobs])
+        chosen, spent, budget = [], 0, RANK_OPS * min(1.0, self.P / 16)
+        for j in np.argsort(proxy, kind="stable").tolist():
+            c, _, _, cols = jobs[j]
+            cells = self.P * cols.shape[1]
+            ops = 2 * cells * len(cols)
+            if c.baseline or cells <= RANK_EXACT or spent + ops <= budget:
+                chosen.append(j)
+                spent += ops
+        for j, v in zip(chosen, self._estimate([jobs[j][2:] for j in chosen])):
+            c, name = jobs[j][:2]
+            if v < c.value:
+                c.value, c.order = v, name
+        return cands
+
+    def _estimate(self, jobs: list[tuple]) -> list[float]:
+        """Per job ``((F, B, sends), [pipelines, k] columns)``: the slowest of its pipelines by
+        ``makespans``, all in one call."""
+        if not jobs:
+            return []
+        F = np.concatenate([s[0][:, cols.ravel()] for s, cols in jobs], axis=1)
+        B = np.concatenate([s[1][:, cols.ravel()] for s, cols in jobs], axis=1)
+        sends = np.concatenate([s[2][cols.ravel()] for s, cols in jobs])
+        sizes = np.concatenate([np.full(len(cols), cols.shape[1]) for _, cols in jobs])
+        per = makespans(F, B, sends, sizes, self.kind)
+        bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
+        return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
+
+    def _slowest(self, costs: tuple, cols: np.ndarray, limit: float, inclusive: bool) -> float:
+        """The slowest replica's estimate (replicas: rows of ``cols``), the likeliest by proxy
+        first: past ``limit`` (or at it, unless ``inclusive``) already, the others are left out
+        (the value is then a lower bound)."""
+        likely = np.argsort(-_proxy(*costs, cols), kind="stable")
+        head = self._estimate([(costs, cols[likely[:max(2, len(cols) // 8)]])])[0]
+        if head > limit or (head == limit and not inclusive) or len(likely) <= 2:
+            return head
+        return max(head, self._estimate([(costs, cols[likely[max(2, len(cols) // 8):]])])[0])
+
+    def choose(self, finals: list[Candidate], tol: float) -> tuple[Flat, float]:
+        """The plan and estimate of the fastest of ``finals``, re-costed in one lookup and
+        estimated on every replica as ``dynmb.packing`` will run them."""
+        results = []                                   # (value, microbatches, candidate, order returned)
+        if self.dp == 1:
+            jobs = [(c, (c.F, c.B, c.comm), cols) for c in self.costed(finals, affine=False)
+                    for cols in ([np.arange(len(c.rows))[None]] if c.baseline else
+                                 _orders(*self._members(c, True), c.opened).values())]
+            for (c, _, cols), v in zip(jobs, self._estimate([job[1:] for job in jobs])):
+                results.append((v, len(c.rows), c, cols[0]))
+        else:
+            best, best_m, seen = np.inf, np.inf, set()
+            for c in self.costed(sorted(finals, key=lambda c: c.value), affine=False):
+                sig = (c.baseline, c.order, c.rows.tobytes(), c.padded.tobytes(), c.attn.tobytes())
+                if sig in seen:
+                    continue                            # the same plan run the same way
+                seen.add(sig)
+                busy, m = (c.F + c.B).max(axis=0), len(c.rows)
+                # what dynmb.packing will run: a baseline as given, else its order (each replica keeps it)
+                out = np.arange(m) if c.baseline else _global_order(c.order, busy, self._members(c, True)[0], c.opened)
+                order, _ = assign_replicas(busy[out], self.dp)
+                fewer = m < best_m                      # it may also win by tying (or within tol)
+                limit = best * (1 + tol) if fewer else best
+                v = self._slowest((c.F, c.B, c.comm), out[np.asarray(order)].reshape(self.dp, -1), limit, fewer)
+                if v < limit or (v == limit and fewer):
+                    results.append((v, m, c, out))
+                    best, best_m = (v, m) if v < best else (best, min(best_m, m))
+        best_t = min(r[0] for r in results)
+        v, _, c, out = min((r for r in results if r[0] <= best_t * (1 + tol)), key=lambda r: (r[1], r[0]))
+        return c.emit(out), float(v)
+
+
+def _deal(busy: np.ndarray, dp: int) -> np.ndarray:
+    """Replica of each microbatch while ranking: slowest first, dealt boustrophedon (m / dp each)."""
+    pos = np.empty(len(busy), dtype=np.int64)
+    pos[np.argsort(-busy, kind="stable")] = np.arange(len(busy))
+    r = pos % (2 * dp)
+    return np.where(r < dp, r, 2 * dp - 1 - r)
+
+
+def _orders(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Execution orders of each row of ``members`` (a replica's microbatches, as formed): as
+    formed, reversed, slowest / fastest first (by ``t``), the two cheapest at the two ends (the
+    rest as formed or reversed); best-fit rows also as opened. Repeats dropped."""
+    k = members.shape[1]
+    by_t = np.take_along_axis(members, np.argsort(-t[members], axis=1, kind="stable"), axis=1)
+    out = {"as formed": members, "reversed": members[:, ::-1], "slowest first": by_t, "fastest first": by_t[:, ::-1]}
+    if k >= 3:
+        cheap = np.argpartition(t[members], 1, axis=1)[:, :2]
+        mid = np.ones(members.shape, dtype=bool)
+        np.put_along_axis(mid, cheap, False, axis=1)
+        ends, rest = np.take_along_axis(members, cheap, axis=1), members[mid].reshape(-1, k - 2)
+        out["ends"] = np.concatenate([ends[:, :1], rest, ends[:, 1:]], axis=1)
+        out["ends, reversed"] = np.concatenate([ends[:, :1], rest[:, ::-1], ends[:, 1:]], axis=1)
+    if opened is not None:
+        out["as opened"] = np.take_along_axis(members, np.argsort(opened[members], axis=1, kind="stable"), axis=1)
+    unique: dict[bytes, tuple[str, np.ndarray]] = {}
+    for name, cols in out.items():
+        unique.setdefault(cols.tobytes(), (name, cols))
+    return dict(unique.values())
+
+
+def _order_ends(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> dict[str, tuple]:
+    """(first, last) microbatch of each row of ``members`` in each order of ``_orders``."""
+    rows = np.arange(len(members))
+    tm = t[members]
+    slow, fast = np.argmax(tm, axis=1), members.shape[1] - 1 - np.argmin(tm[:, ::-1], axis=1)
+    out = {"as formed": (members[:, 0], members[:, -1]), "reversed": (members[:, -1], members[:, 0]),
+           "slowest first": (members[rows, slow], members[rows, fast]),
+           "fastest first": (members[rows, fast], members[rows, slow])}
+    if members.shape[1] >= 3:
+        cheap = np.take_along_axis(members, np.argpartition(tm, 1, axis=1)[:, :2], axis=1)
+        out["ends"] = (cheap[:, 0], cheap[:, 1])
+    if opened is not None:
+        om = opened[members]
+        out["as opened"] = (members[rows, np.argmin(om, axis=1)], members[rows, np.argmax(om, axis=1)])
+    return out
+
+
+def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.ndarray | None) -> np.ndarray:
+    """The order ``name`` of ``_orders`` for all microbatches at once, so that every replica keeps
+    it whichever identical microbatches ``assign_replicas`` deals it (it breaks ties by position):
+    as formed, reversed, by time, as opened; the two cheapest of each replica of ``members`` first
+    and last, the rest as formed or reversed ("ends")."""
+    m = len(busy)
+    by_t = np.argsort(-busy, kind="stable")
+    if name.startswith("ends") and members.shape[1] >= 3:
+        ends = np.take_along_axis(members, np.argpartition(busy[members], 1, axis=1)[:, :2], axis=1)
+        mid = np.ones(m, dtype=bool)
+        mid[ends.ravel()] = False
+        rest = np.flatnonzero(mid)
+        return np.concatenate([ends[:, 0], rest[::-1] if name == "ends, reversed" else rest, ends[:, 1]])
+    if name == "as opened" and opened is not None:
+        return np.argsort(opened, kind="stable")
+    return {"reversed": np.arange(m)[::-1], "slowest first": by_t, "fastest first": by_t[::-1]}.get(name, np.arange(m))
+
+
+def _bound(work: np.ndarray, first_F: np.ndarray, last_B: np.ndarray, sends: np.ndarray) -> np.ndarray:
+    """The pipeline bound (``dynmb.makespan``) of pipelines side by side: ``work``, ``first_F``, ``last_B`` [P, n],
+    ``sends`` [n] (mean send time of each)."""
+    zero = np.zeros((1, work.shape[1]))
+    fill = np.concatenate([zero, np.cumsum(first_F[:-1] + sends, axis=0)])
+    drain = np.concatenate([zero, np.cumsum(last_B[:-1] + sends, axis=0)])
+    return (work + fill + drain).max(axis=0)
+
+
+def _proxy(F: np.ndarray, B: np.ndarray, comm: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Ranking proxy of each pipeline of ``cols`` ([pipelines, k] columns in order): the larger
+    of the pipeline bound and the longest chain of round trips of microbatches P apart."""
+    P, k = F.shape[0], cols.shape[1]
+    Fo, Bo, c = F[:, cols], B[:, cols], comm[cols]                   # [P, n, k], [n, k]
+    bound = _bound((Fo + Bo).sum(axis=2), Fo[:, :, 0], Bo[:, :, -1], c.mean(axis=1))
+    trip = (Fo + Bo).sum(axis=0) + 2 * (P - 1) * c                    # [n, k]
+    pad = -k % P
+    chains = np.concatenate([trip, np.zeros((len(cols), pad))], axis=1).reshape(len(cols), -1, P).sum(axis=1)
+    return np.maximum(bound, chains.max(axis=1))
+
+
+def _balance_cuts(cuts: np.ndarray, bottleneck: Callable, dp: int) -> np.ndarray | None:
+    """Halve the slowest microbatches of >= 2 rows until their number is a positive multiple
+    of ``dp`` (None if they run out)."""
+    while True:
+        m = len(cuts) - 1
+        need = dp - m if m < dp else -m % dp
+        if not need:
+            return cuts
+        rows = np.diff(cuts)
+        can = np.flatnonzero(rows >= 2)
+        if not len(can):
+            return None
+        t = bottleneck(cuts[:-1][can], cuts[1:][can])
+        pick = can[np.argsort(-t, kind="stable")[:need]]
+        cuts = np.sort(np.concatenate([cuts, cuts[pick] + rows[pick] // 2]))
+
+
+def _balance_like_packing(flat: Flat, dp: int, bmax_fn: Callable) -> Flat | None:
+    """``dynmb.packing``'s balancing of a plan over ``dp`` replicas: while their number is not a
+    positive multiple of dp, split (``split_group``) the first splittable microbatch with the
+    most (rows, documents) (a heap keyed by position paths); then, while it is not a multiple,
+    merge the admissible pair with the fewest padded tokens. None where packing would refuse."""
+    count = len(flat[2])
+    if not (count % dp or count < dp):
+        return flat
+    heap = [(-g[3], -len(g[0]), (j,), g) for j, g in enumerate(flat_to_groups(flat))]
+    heapq.heapify(heap)
+    while (count % dp or count < dp) and (heap[0][0] <= -2 or heap[0][1] <= -2):
+        _, _, key, g = heapq.heappop(heap)
+        for half, part in enumerate(split_group(g)):
+            heapq.heappush(heap, (-part[3], -len(part[0]), key + (half,), part))
+        count += 1
+    groups = [g for *_, g in sorted(heap, key=lambda x: x[2])]
+    while len(groups) % dp:
+        plen, rows = np.array([g[2] for g in groups]), np.array([g[3] for g in groups])
+        bm = bmax_fn(plen)
+        i, j = np.triu_indices(len(groups), 1)
+        ok = rows[i] + rows[j] <= np.minimum(bm[i], bm[j])
+        if not np.any(ok) or len(groups) <= dp:
+            return None
+        k = int(np.argmin(np.where(ok, np.maximum(plen[i], plen[j]) * (rows[i] + rows[j]), np.inf)))
+        a, b = groups[i[k]], groups[j[k]]
+        merged = (np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1] + a[3]]), max(a[2], b[2]), a[3] + b[3])
+        groups = [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
+    return groups_to_flat(groups)
+
+
+def _reorder(flat: Flat, order: np.ndarray) -> Flat:
+    """The flat form with its microbatches run in ``order``."""
+    items, local, nseq, plen, batch = flat
+    order = np.asarray(order, dtype=np.int64)
+    start = np.cumsum(nseq) - nseq
+    counts = nseq[order]
+    idx = np.repeat(start[order] - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+    return items[idx], local[idx], counts, plen[order], batch[order]

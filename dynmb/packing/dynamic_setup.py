@@ -1,0 +1,189 @@
+"""Row sets and their affine costs for the ``dynamic`` packer (``dynmb.packing.dynamic``, steps 1-3).
+
+- ``row_set(lengths, asc, cap, round_to, best_fit)``: the rows of one capacity (None: one
+  sequence per row; else sequences longer than cap/2 alone and the rest next-fit in ascending
+  order, or best-fit-decreasing), numbered longest first (``RowSet``).
+- ``row_caps``: the capacities tried (no packing, up to three powers of two from 2x the median,
+  the longest admissible row).
+- ``affine_costs``: every op's time per stage as ``alpha + beta * rows - gamma * (rows * s^2 -
+  work)`` per padded length s, from one cost lookup at three probe points.
+- ``SplitSetup``: one row set with its per-row affine costs; scores splits (cut points over its
+  rows, longest first): bottleneck time, time-target grid, greedy cuts, costs and shapes.
+- ``split_to_flat``: a split run in a given order, in ``rows.Flat`` form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynmb.costmodel.base import CostModelLike
+from .rows import Flat, bfd_rows, greedy_cuts, greedy_cuts_from_short_end, next_fit_rows, round_down, round_up
+
+__all__ = ["RowSet", "row_set", "row_caps", "affine_costs", "SplitSetup", "split_to_flat"]
+
+
+@dataclass
+class RowSet:
+    """The rows of one row capacity ``cap`` (None: one sequence per row), numbered longest first."""
+
+    key: str                  # how the rows were formed: "none", "next-fit R" or "bfd R"
+    row: np.ndarray           # row of each item
+    tokens: np.ndarray        # tokens per row (non-increasing)
+    padded: np.ndarray        # tokens rounded up to round_to: padded_len of a microbatch starting there
+    work_cum: np.ndarray      # prefix sums of each row's attention work (sum of its documents' s^2)
+    packed_cum: np.ndarray    # prefix counts of rows holding more than one document
+    opened: np.ndarray | None = None   # best-fit rows: the order they were opened in (``packed``'s order)
+
+    def attention(self, start: np.ndarray, end: np.ndarray, doc_causal: bool) -> np.ndarray:
+        """``Microbatch.attention_work`` of the microbatches of rows [start, end) (broadcast)."""
+        rows = end - start
+        full = rows * self.padded[np.minimum(start, len(self.padded) - 1)].astype(np.float64) ** 2
+        if not doc_causal:
+            return full
+        packed = self.packed_cum[end] - self.packed_cum[start] > 0
+        return np.where(packed, self.work_cum[end] - self.work_cum[start], full)
+
+
+def row_set(lengths: np.ndarray, asc: np.ndarray, cap: int | None, round_to: int, best_fit: bool = False) -> RowSet:
+    """Rows for capacity ``cap`` (``best_fit``: filled best-fit-decreasing, as ``packed`` does);
+    ``asc`` sorts ``lengths`` ascending."""
+    n = len(lengths)
+    if cap is None:
+        row = np.empty(n, dtype=np.int64)
+        row[asc[::-1]] = np.arange(n)
+    elif best_fit:
+        row = bfd_rows(lengths, cap)
+    else:
+        k = int(np.searchsorted(lengths[asc], cap // 2, side="right"))
+        short, long_ = asc[:k], asc[k:][::-1]
+        row = np.empty(n, dtype=np.int64)
+        row[long_] = np.arange(len(long_))
+        if k:
+            row[short] = len(long_) + next_fit_rows(lengths[short], cap)
+    opened = None
+    if cap is not None:
+        tokens = np.bincount(row, weights=lengths).astype(np.int64)
+        by_tokens = np.argsort(-tokens, kind="stable")
+        rank = np.empty(len(tokens), dtype=np.int64)
+        rank[by_tokens] = np.arange(len(tokens))
+        row = rank[row]
+        opened = by_tokens if best_fit else None
+    tokens = np.bincount(row, weights=lengths).astype(np.int64)
+    work = np.bincount(row, weights=lengths.astype(np.float64) ** 2)
+    docs = np.bincount(row)
+    key = "none" if cap is None else f"{'bfd' if best_fit else 'next-fit'} {cap}"
+    return RowSet(key, row, tokens, round_up(tokens, round_to), np.concatenate([[0.0], np.cumsum(work)]),
+                   np.concatenate([[0], np.cumsum(docs > 1)]), opened)
+
+
+def row_caps(lengths: np.ndarray, max_len: int, round_to: int) -> list[int | None]:
+    """No packing, then powers of two from 2x the median up to the longest (at most 3), each
+    rounded down to a multiple of ``round_to`` and capped at ``max_len``, then ``max_len``
+    itself (the longest admissible row: the fewest, largest microbatches of packed rows)."""
+    lmax = int(lengths.max())
+    floor_len = 2 * max(float(np.median(lengths)), float(np.percentile(lengths, 25)))
+    caps: list[int | None] = [None]
+    r = 64
+    while r < 2 * lmax and len(caps) < 4:
+        cap = min(round_down(r, round_to), max_len)
+        if cap >= floor_len and cap >= 1 and cap not in caps:
+            caps.append(cap)
+        r *= 2
+    if max_len >= floor_len and max_len not in caps:
+        caps.append(max_len)
+    return caps
+
+
+def affine_costs(cost_model: CostModelLike, padded: np.ndarray) -> dict[str, np.ndarray]:
+    """Per op ``F`` / ``B``: (alpha, beta, gamma)[P, u] with time(b, s, work) = alpha + beta * b
+    - gamma * (b * s^2 - work), from one ``stage_costs`` lookup at (1, s), (2, s), (1, s, 0)."""
+    u = len(padded)
+    s = padded.astype(np.float64)
+    rows = np.concatenate([np.ones(u), np.full(u, 2.0), np.ones(u)])
+    cc = cost_model.stage_costs(rows, np.tile(s, 3), np.concatenate([s * s, 2 * s * s, np.zeros(u)]))
+    out = {}
+    for op in ("F", "B"):
+        one, two, no_attn = cc[op][:, :u], cc[op][:, u:2 * u], cc[op][:, 2 * u:]
+        beta = np.maximum(two - one, 0.0)
+        out[op] = (one - beta, beta, np.maximum(one - no_attn, 0.0) / np.maximum(s * s, 1.0))
+    return out
+
+
+class SplitSetup:
+    """One row set with its affine costs per row: scores splits (cut points over its rows)."""
+
+    def __init__(self, rows: RowSet, length_ix: np.ndarray, costs: dict[str, tuple], bmax_by_length: np.ndarray,
+                 doc_causal: bool) -> None:
+        self.rows, self.doc_causal = rows, doc_causal
+        self.used, self.pos = np.unique(length_ix, return_inverse=True)     # distinct padded lengths, row -> index
+        self.fwd = tuple(c[:, self.used] for c in costs["F"])              # (alpha, beta, gamma) of F
+        self.bwd = tuple(c[:, self.used] for c in costs["B"])
+        self.alpha, self.beta, self.gamma = (f + b for f, b in zip(self.fwd, self.bwd))
+        self.bmax = bmax_by_length[length_ix]
+        # per start row, the bottleneck time affine in rows, taking every row as packed as the first:
+        # rows of one document share their length's line; each packed row has its own (classes)
+        saving = np.where((np.diff(rows.packed_cum) > 0) & doc_causal,
+                          rows.padded.astype(np.float64) ** 2 - np.diff(rows.work_cum), 0.0)
+        packed = np.flatnonzero(saving > 0)
+        self.row_class = self.pos.copy()
+        self.row_class[packed] = len(self.used) + np.arange(len(packed))
+        p_ix = self.pos[packed]
+        self.alpha_cls = np.concatenate([self.alpha, self.alpha[:, p_ix]], axis=1)
+        beta_packed = self.beta[:, p_ix] - self.gamma[:, p_ix] * saving[packed]
+        self.beta_cls = np.maximum(np.concatenate([self.beta, beta_packed], axis=1), 1e-15)
+        self.bmax_cls = np.concatenate([bmax_by_length[self.used], bmax_by_length[self.used][p_ix]])
+        present = np.zeros(self.alpha_cls.shape[1], dtype=bool)
+        present[self.row_class] = True                          # classes some row belongs to
+        self.present = np.flatnonzero(present)
+
+    def saving(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """rows x padded_len^2 minus the attention work of the microbatches [start, end)."""
+        full = (end - start) * self.rows.padded[np.minimum(start, len(self.pos) - 1)].astype(np.float64) ** 2
+        return full - self.rows.attention(start, end, self.doc_causal)
+
+    def bottleneck(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Bottleneck-stage F + B of the microbatches of rows [start, end) (broadcast)."""
+        p = self.pos[start]
+        saving = self.saving(start, end)
+        return (self.alpha[:, p] + self.beta[:, p] * (end - start) - self.gamma[:, p] * saving).max(axis=0)
+
+    def tau_grid(self, num_tau: int) -> np.ndarray:
+        """Geometric time targets from one row's to the largest microbatch's bottleneck time, then inf."""
+        a, b = self.alpha_cls[:, self.present], self.beta_cls[:, self.present]
+        most = np.minimum(self.bmax_cls[self.present], len(self.pos))
+        lo = float((a + b).max(axis=0).min())
+        hi = float((a + b * most).max(axis=0).max())
+        return np.append(np.geomspace(lo, hi, num_tau) if hi > lo * 1.0001 else [hi], np.inf)
+
+    def greedy_cuts(self, tau: float, from_short_end: bool = False) -> np.ndarray:
+        """The greedy split under the memory cap and the time target ``tau``."""
+        bcap = self.bmax
+        if np.isfinite(tau):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                by_time = np.floor(((tau - self.alpha_cls) / self.beta_cls).min(axis=0))
+            bcap = np.minimum(bcap, np.clip(by_time, 1, len(self.pos)).astype(np.int64)[self.row_class])
+        return greedy_cuts_from_short_end(bcap) if from_short_end else greedy_cuts(bcap)
+
+    def costs(self, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(F, B)[P, m] of the microbatches of the split from the affine costs, in split order."""
+        start, end = cuts[:-1], cuts[1:]
+        first, rows, saving = self.pos[start], np.diff(cuts), self.saving(start, end)
+        return tuple(c[0][:, first] + c[1][:, first] * rows - c[2][:, first] * saving for c in (self.fwd, self.bwd))
+
+    def shapes(self, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, padded_len, attention work) of each microbatch of the split, in split order."""
+        start, end = cuts[:-1], cuts[1:]
+        return np.diff(cuts), self.rows.padded[start], self.rows.attention(start, end, self.doc_causal)
+
+
+def split_to_flat(rows: RowSet, cuts: np.ndarray, order: np.ndarray) -> Flat:
+    """The flat form of the split ``cuts`` of ``rows`` run in ``order``."""
+    mb_of_item = np.searchsorted(cuts, rows.row, side="right") - 1
+    pos_of_mb = np.empty(len(order), dtype=np.int64)
+    pos_of_mb[order] = np.arange(len(order))
+    items = np.argsort(pos_of_mb[mb_of_item], kind="stable")
+    local = rows.row[items] - cuts[mb_of_item[items]]
+    nseq = np.bincount(pos_of_mb[mb_of_item], minlength=len(order))
+    return items, local, nseq, rows.padded[cuts[:-1]][order], np.diff(cuts)[order]
