@@ -15,7 +15,7 @@ Modules, one way up (each imports only those above it):
   rows, padded_len and attention work per (stage, op), form chosen by held-out error), ``grid``
   (``GridCostModel``: DynaPipe-style bilinear interpolation of measured times, with a linear
   correction for packed rows).
-- ``registry``: kind -> class, ``load_cost_model``, ``get_cost_model``, ``fit_cost_model``,
+- ``registry``: kind -> class, ``get_cost_model``, ``fit_cost_model``,
   ``kfold_error``.
 
 Every public name is importable from ``dynmb.costmodel``.
@@ -28,7 +28,7 @@ from .base import CommModel, CostModelLike, CostModel
 from .grid import GridCostModel
 from .nnls import nnls_rel
 from .poly import COEFS, FORMS, LEGACY_COEF_NAMES, FittedCostModel
-from .registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model, get_cost_model, kfold_error, load_cost_model
+from .registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model, get_cost_model, kfold_error
 from .calibration import (OVERHEAD_MIN_ACTIONS, OVERHEAD_SMALL_S, RECENT_STEPS, SCALE_MIN_PRED_S, CalibrationStep,
                           RuntimeCalibration, job_calibration, runtime_calibration)
 from .samples import noise_floor, point_medians, samples_from_actions, with_attention_work
@@ -36,7 +36,7 @@ from .samples import noise_floor, point_medians, samples_from_actions, with_atte
 __all__ = [
     "CostModelLike", "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",
     "FORMS", "COEFS", "LEGACY_COEF_NAMES", "COST_MODEL_KINDS", "FIT_KINDS",
-    "get_cost_model", "load_cost_model", "fit_cost_model", "kfold_error",
+    "get_cost_model", "fit_cost_model", "kfold_error",
     "noise_floor", "point_medians", "samples_from_actions", "with_attention_work", "RuntimeCalibration",
     "runtime_calibration", "job_calibration", "CalibrationStep", "SCALE_MIN_PRED_S", "OVERHEAD_SMALL_S",
     "OVERHEAD_MIN_ACTIONS", "RECENT_STEPS", "nnls_rel",

@@ -2,7 +2,7 @@
 
 ``COST_MODEL_KINDS`` maps each kind to its class (``analytic``: ``AnalyticCostModel``,
 ``poly``: ``FittedCostModel``, ``grid``: ``GridCostModel``; ``FIT_KINDS`` the two fitted from
-samples). ``load_cost_model(path)`` reads any kind (``CostModel.load``); ``get_cost_model(path,
+samples). ``CostModel.load(path)`` reads any kind; ``get_cost_model(path,
 cfg, P)`` loads and checks a file against the config and stage split, or returns the analytic
 stand-in without one; ``fit_cost_model(samples, cfg, P, kind)`` fits ``poly`` or ``grid`` (the
 P2P model from the ``op == "comm"`` rows when there are any); ``kfold_error`` is the held-out
@@ -26,18 +26,13 @@ from .grid import GridCostModel
 from .poly import FittedCostModel, fold_ids
 from .samples import point_medians
 
-__all__ = ["COST_MODEL_KINDS", "FIT_KINDS", "load_cost_model", "get_cost_model", "fit_cost_model", "kfold_error"]
+__all__ = ["COST_MODEL_KINDS", "FIT_KINDS", "get_cost_model", "fit_cost_model", "kfold_error"]
 
 COST_MODEL_KINDS: dict[str, type[CostModel]] = {"analytic": AnalyticCostModel, "poly": FittedCostModel,
                                                 "grid": GridCostModel}
 """Every cost-model kind, by the ``kind`` its files carry."""
 FIT_KINDS: dict[str, type[CostModel]] = {"poly": FittedCostModel, "grid": GridCostModel}
 """The kinds fitted from samples."""
-
-
-def load_cost_model(path: str | Path) -> CostModel:
-    """The cost model stored at ``path`` (any kind)."""
-    return CostModel.load(path)
 
 
 def get_cost_model(path_or_none: str | Path | None, model_cfg: ModelConfig, num_stages: int) -> CostModel:
