@@ -101,7 +101,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("planning", ("dynmb.planning",)),
     ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix")),
     ("runtime", ("dynmb.runtime",)),
-    ("measurement", ("dynmb.profile", "dynmb.analysis", "dynmb.plots")),
+    ("measurement", ("dynmb.measure", "dynmb.analysis", "dynmb.plots")),
     ("job and CLI", ("dynmb.compare", "dynmb.cli")),
     ("public API", ("dynmb",)),
 ]
