@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not getattr(args, "quiet", False) and getattr(args, "verbosity", 0) == 0:
+    if not args.quiet and args.verbosity == 0:
         logging.getLogger("dynmb.measure").setLevel(logging.INFO)   # the ETA lines, without -v
     settings = ProfileSettings(quick=args.quick, max_len=args.max_len, repeats=args.repeats, warmup=args.warmup,
                                device=args.device, threads=args.threads, comm=args.comm, memory=not args.no_memory,
