@@ -52,8 +52,10 @@ def default_grid(*, quick: bool = False, max_len: int | None = None, token_cap: 
     cost per unit of attention work of one long document is below that of short ones.
     Quick: rows {1, 2, 4, 8} x {32, 128, 512}, cap 2048, plus rows {1, 2} x 512 x {4, 16, 64}.
     """
-    rows, lens = ((1, 2, 4, 8), (32, 128, 512)) if quick else (GRID_ROWS, GRID_LENS)
-    packed_rows, packed_lens = ((1, 2), (512,)) if quick else (PACKED_ROWS, PACKED_LENS)
+    rows: tuple[int, ...] = (1, 2, 4, 8) if quick else GRID_ROWS
+    lens: tuple[int, ...] = (32, 128, 512) if quick else GRID_LENS
+    packed_rows: tuple[int, ...] = (1, 2) if quick else PACKED_ROWS
+    packed_lens: tuple[int, ...] = (512,) if quick else PACKED_LENS
     cap = token_cap or (2048 if quick else 8192)
     if max_len is not None:
         lens = tuple(s for s in lens if s <= max_len) or (int(max_len),)

@@ -66,7 +66,7 @@ def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int,
         act = int(ops.allocated_bytes() or 0) - state
         out.backward(torch.ones_like(out) if out.dim() else None)
         ops.synchronize()
-        peak = ops.peak_allocated_bytes()
+        peak = int(ops.peak_allocated_bytes() or 0)
         del opt_states
         return {"state_bytes": int(state), "act_bytes": int(act), "peak_bytes": int(peak)}
     meter = MemoryMeter(dev, [mod], optimizer=None, optimizer_kind="adam")

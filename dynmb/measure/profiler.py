@@ -311,12 +311,12 @@ def _profile_concurrent(cfg: ModelConfig, num_stages: int, todo: list[Run], sett
         return []
     est = sum(_run_estimates(cfg, num_stages, _concurrent_items(plist, num_stages), settings))
     logger.info("profile: %d points x %d stages at once, first estimate %s", len(plist), num_stages, minutes(est))
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_concurrent_worker, args=(free_port(), cfg.to_dict(), num_stages, plist, settings, base, d,
-                                                     logger.getEffectiveLevel()),
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_concurrent_worker, args=(free_port(), cfg.to_dict(), num_stages, plist, settings, base,
+                                                     folder, logger.getEffectiveLevel()),
                            nprocs=num_stages, start_method="spawn")
         rows: list[dict] = []
         for rank in range(num_stages):
-            with open(os.path.join(d, f"rank{rank}.json")) as f:
+            with open(os.path.join(folder, f"rank{rank}.json")) as f:
                 rows += json.load(f)
     return rows
