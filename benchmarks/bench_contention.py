@@ -32,7 +32,7 @@ def _worker(stage: int, barrier, queue, together: bool, repeats: int, model: str
 
     from dynmb.config import model_config
     from dynmb.model import build_stages, make_inputs, synthetic_tokens
-    from dynmb.profile import synthetic_microbatch
+    from dynmb.measure import synthetic_microbatch
     from dynmb.runtime.hostmem import retain_freed_memory
 
     torch.set_num_threads(1)

@@ -34,7 +34,7 @@ import torch
 
 from dynmb.config import model_config
 from dynmb.model import build_stages, make_inputs, synthetic_tokens
-from dynmb.profile import synthetic_microbatch
+from dynmb.measure import synthetic_microbatch
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.costmodel.split import stage_role
 

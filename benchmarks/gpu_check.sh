@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # One-GPU check of the CUDA paths, as one short script (device machine: one H200, no internet).
-#   1. tests/test_runtime_cuda.py  (NCCL/CUDA runtime: gradients = reference, CUDA peak <= limit)
-#   2. dynmb memory --device "$DEV"  (memory model fitted on max_memory_allocated, held-out error)
-#   3. dynmb profile/fit --device "$DEV" (cost model on CUDA events, held-out error)
+#   1. tests/test_device.py tests/test_runtime_cuda.py  (the device seam dynmb/runtime/device.py on CUDA:
+#      events, allocator peaks, binding a GPU, the meter on the allocator; NCCL/CUDA runtime: gradients =
+#      reference, CUDA peak <= limit)
+#   2. dynmb memory --device "$DEV"  (dynmb/measure/memory.py: memory model fitted on the allocator's peaks,
+#      held-out error)
+#   3. dynmb profile/fit --device "$DEV" (dynmb/measure/profiler.py: cost model on CUDA events, held-out error)
 #   4. dynmb compare on one GPU: 2 stages interleaved on one rank (--virtual 2), with the fitted models
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
+# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 runs steps 2-4 on the CPU (a check
+# of the script and the commands, not of CUDA).
 set -uo pipefail
 R=${1:-results/gpu_check}
 mkdir -p "$R"
@@ -19,7 +24,7 @@ nvidia-smi -L || true
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
 # SKIP_TESTS=1 skips step 1; COST=<json> uses that cost model and skips steps 3-4
 step pytest cuda
-[ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py
+[ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_runtime_cuda.py
 step memory model on CUDA
 timeout 240 $D memory --model "$MODEL" --stages 2 ${QUICK:-} --device "$DEV" -o "$R/mem-$MODEL-p2-cuda.json" --samples "$R/mem-samples.csv"
 if [ -z "${COST:-}" ]; then

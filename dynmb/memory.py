@@ -32,7 +32,7 @@ within 5% over (rows, padded_len, documents per row) for both attention kinds); 
 CUDA a fit to measurements replaces it.
 
 ``fit(samples)`` fits the coefficients per stage from measurements (``dynmb memory``,
-``dynmb.runtime.meter.measure_stage_memory``) by non-negative least squares on the
+``dynmb.measure.memory.measure_stage_memory``) by non-negative least squares on the
 relative error (an exhaustive active-set over the three terms), reporting the error on
 held-out (b, s) points.
 

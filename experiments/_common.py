@@ -7,15 +7,15 @@
 - Simulated steps: ``simulate_rows`` plans ``steps`` global batches of one configuration
   with the public ``dynmb.Planner`` and returns one tidy row per step (settings + predicted
   metrics); a configuration the packer refuses gives one row with ``status='infeasible'``.
-- Real runs: ``run_real`` launches pending configurations as the cases of one torchrun job:
-  typed ``RunSpec``/``JobSpec`` of ``dynmb.RunConfig``s through ``dynmb.runtime.launch.launch_job``
-  (to become the public ``dynmb.run`` once it lands); the worker writes the ``steps``/``actions``/
-  ``memory``/``runs`` tables into ``out_dir`` and this adds one ``configs`` row per case
-  (settings + run_id + status). A case that fails is recorded as ``failed`` with its error
-  and the remaining cases are relaunched.
+- Real runs: ``run_real`` launches pending configurations (``dynmb.RunConfig``s) as the cases of
+  one torchrun job through the public ``dynmb.run`` (round by round on CPU: ``interleave``); the
+  worker writes the ``steps``/``actions``/``memory``/``runs`` tables into ``out_dir`` and this adds
+  one ``configs`` row per case (settings + run_id + status). A case that fails is recorded as
+  ``failed`` with its error and the remaining cases are relaunched.
 
 Public names (``import dynmb``) wherever one exists; beyond them only ``dynmb.data`` (traces,
-``sample_batch``), ``dynmb.packing.PackingError``, ``dynmb.results.TableWriter`` and the launcher.
+``sample_batch``), ``dynmb.packing.PackingError`` and ``dynmb.results.TableWriter``; nothing of
+``dynmb.runtime``.
 - ``measured(out_dir, run_id)``: medians of one run's measured (non-warm-up) steps.
 """
 
@@ -25,7 +25,6 @@ import argparse
 import math
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -170,11 +169,16 @@ def strip_private(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- real runs
+def _backend_device() -> tuple[str, str]:
+    """nccl on CUDA when torch sees a GPU, else gloo on CPU."""
+    import torch
+
+    return ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
+
+
 def _run_config(s: dict[str, Any], steps: int, warmup: int, timeout: float,
                 cost_model_path: str | None) -> dynmb.RunConfig:
-    from dynmb.runtime.launch import default_backend_device
-
-    backend, device = default_backend_device()
+    backend, device = _backend_device()
     mbs = s.get("mbs")
     mbs = None if mbs is None or (isinstance(mbs, float) and math.isnan(mbs)) else int(mbs)
     return dynmb.RunConfig(
@@ -203,53 +207,48 @@ def run_real(cases: list[dict[str, Any]], out_dir: str | Path, *, steps: int, wa
     Writes the ``configs`` rows to ``out_dir`` as each launch ends. A failed case is recorded
     with ``status='failed'`` and its error; the cases after it are launched again.
     """
-    from dynmb.runtime.launch import default_backend_device, launch_job   # dynmb.run once it lands
-    from dynmb.runtime.spec import JobSpec, RunSpec
-
     out = Path(out_dir)
     pending = list(cases)
     result: list[dict[str, Any]] = []
-    # CPU: round by round (worker.run_cases), so outside load hits every case alike. A
+    # CPU: round by round (dynmb.run(..., interleave=True)), so outside load hits every case alike. A
     # failed interleaved job cannot say which case failed: its unfinished cases are then run
     # again one after another, which can.
-    interleave = len(pending) > 1 and default_backend_device()[1] == "cpu"
+    interleave = len(pending) > 1 and _backend_device()[1] == "cpu"
     while pending:
-        specs = []
-        for s in pending:
-            cfg = _run_config(s, steps, warmup, timeout, cost_model_path(s) if cost_model_path else None)
-            rid = f"{s['method']}-{uuid.uuid4().hex[:10]}"
-            specs.append((s, RunSpec.create(cfg, out, run_id=rid, memory_model=memory_model)))
+        configs = [_run_config(s, steps, warmup, timeout, cost_model_path(s) if cost_model_path else None)
+                   for s in pending]
         nproc = int(pending[0]["num_stages"]) * int(pending[0].get("dp", 1))
         t0 = time.perf_counter()
-        job = JobSpec(out_dir=str(out.resolve()), cases=tuple(sp for _, sp in specs), interleave=interleave)
-        launched = launch_job(job, nproc, quiet=quiet)
+        launched = dynmb.run(configs, out, nproc=nproc, memory_model=memory_model, quiet=quiet,
+                             interleave=interleave)
+        specs = list(zip(pending, launched.run_ids))
         rc = launched.returncode
         wall = time.perf_counter() - t0
         done = _complete_runs(out, warmup + steps)
         if interleave and rc != 0:
-            ok = [(s, sp) for s, sp in specs if sp.run_id in done]
-            rows = [{**s, "run_id": sp.run_id, "status": "ok", "error": "", "launch_s": wall} for s, sp in ok]
+            rows = [{**s, "run_id": rid, "status": "ok", "error": "", "launch_s": wall} for s, rid in specs
+                    if rid in done]
             if rows:
                 with TableWriter(out) as w:
                     w.append("configs", rows)
             result += rows
-            pending = [s for s, sp in specs if sp.run_id not in done]
+            pending = [s for s, rid in specs if rid not in done]
             interleave = False
             print("experiments: the interleaved job failed; running its unfinished cases one by one", file=sys.stderr)
             continue
         rows, failed_at = [], None
-        for i, (s, sp) in enumerate(specs):
-            if sp.run_id in done:
-                rows.append({**s, "run_id": sp.run_id, "status": "ok", "error": "", "launch_s": wall})
+        for i, (s, rid) in enumerate(specs):
+            if rid in done:
+                rows.append({**s, "run_id": rid, "status": "ok", "error": "", "launch_s": wall})
             elif failed_at is None:
                 failed_at = i
                 err = "; ".join(launched.failures) or f"torchrun exited with code {rc}"
-                rows.append({**s, "run_id": sp.run_id, "status": "failed", "error": err[:500], "launch_s": wall})
+                rows.append({**s, "run_id": rid, "status": "failed", "error": err[:500], "launch_s": wall})
                 print(f"experiments: case {s['method']} {s['dataset']} failed: {err[:300]}", file=sys.stderr)
         with TableWriter(out) as w:
             w.append("configs", rows)
         result += rows
-        pending = [s for s, sp in specs[failed_at + 1:]] if failed_at is not None else []
+        pending = [s for s, _ in specs[failed_at + 1:]] if failed_at is not None else []
         if rc == 0 and failed_at is not None:
             break          # the job succeeded but a run wrote no complete steps: do not loop forever
     return result

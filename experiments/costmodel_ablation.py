@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 def fitted_models(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, str | None]:
     """kind -> cost-model JSON path (None for analytic); fits and saves poly/grid once."""
     from dynmb.costmodel import fit_cost_model
-    from dynmb.profile import load_samples
+    from dynmb.measure import load_samples
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ def fitted_models(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, str |
         if args.samples:
             samples = load_samples(args.samples)
         else:
-            from dynmb.profile import profile
+            from dynmb.measure import profile
 
             print("costmodel_ablation: no --samples; profiling a quick grid (about a minute)", file=sys.stderr)
             samples = profile(cfg, args.stages, quick=True, output=out / "samples.csv", progress=not args.no_progress)

@@ -24,7 +24,7 @@ import pandas as pd
 
 from dynmb import ModelConfig
 from dynmb.costmodel import fit_cost_model, point_medians, with_attention_work
-from dynmb.profile import load_samples
+from dynmb.measure import load_samples
 
 
 def extrapolation_table(samples: pd.DataFrame, cfg: ModelConfig, num_stages: int, fit_max_len: int,

@@ -367,7 +367,7 @@ def test_cli_fit(samples, tmp_path, capsys):
 
 def test_tiny_real_profile(tmp_path):
     pytest.importorskip("dynmb.model")
-    from dynmb.profile import default_grid, profile, synthetic_microbatch
+    from dynmb.measure import default_grid, profile, synthetic_microbatch
     tiny = ModelConfig.preset("tiny")
     out = tmp_path / "samples.csv"
     grid = [(1, 32, 1), (2, 64, 4), (1, 128, 16)]
@@ -394,7 +394,7 @@ def test_tiny_real_profile(tmp_path):
 
 
 def test_grid_varies_documents_per_row():
-    from dynmb.profile import GRID_DOCS, MIN_DOC_TOKENS, default_grid, estimate_run_seconds, synthetic_microbatch
+    from dynmb.measure import GRID_DOCS, MIN_DOC_TOKENS, default_grid, estimate_run_seconds, synthetic_microbatch
     grid = default_grid()
     docs = {k for _, _, k in grid}
     assert docs == set(GRID_DOCS) and all(s >= k * MIN_DOC_TOKENS and b * s <= 8192 for b, s, k in grid)
@@ -418,7 +418,7 @@ def test_tiny_concurrent_profile(tmp_path):
     refuses to mix with samples measured alone; the fitted model records the mode."""
     pytest.importorskip("dynmb.model")
     from dynmb.costmodel import fit_cost_model
-    from dynmb.profile import profile
+    from dynmb.measure import profile
     tiny = ModelConfig.preset("tiny")
     out = tmp_path / "samples.csv"
     grid = [(1, 32, 1), (2, 64, 1), (2, 64, 4)]
@@ -619,7 +619,7 @@ def test_memory_model_check_refuses_bad_coefficients():
 
 
 def test_profile_eta_is_calibrated_on_the_measured_runs():
-    from dynmb.profile import Eta
+    from dynmb.measure import Eta
     now = [0.0]
     eta = Eta([1.0] * 10 + [4.0] * 10, clock=lambda: now[0], every_s=30.0)   # 50 estimated seconds
     assert eta.remaining() is None and eta.postfix() == "ETA ?"

@@ -132,13 +132,14 @@ def test_api_example_uses_only_public_names(capsys):
     assert "dynamic" in out and "sampler, replica 0 of 2" in out and "e+" not in out
 
 
-def test_common_plans_and_launches_through_the_typed_api(tmp_path, monkeypatch):
+def test_common_plans_and_launches_through_the_public_api(tmp_path, monkeypatch):
     import dynmb
-    from dynmb.runtime import launch
+    from dynmb.runtime import api, launch
     from dynmb.runtime.spec import JobSpec
     common = _script("_common")
-    names, _ = _dynmb_names(EXP / "_common.py")
-    assert names <= set(dynmb.__all__) and "write_spec" not in (EXP / "_common.py").read_text()
+    names, submodules = _dynmb_names(EXP / "_common.py")
+    assert names <= set(dynmb.__all__) and "run" in names
+    assert not [m for m in submodules if m.startswith("dynmb.runtime")], submodules
     settings = {"dataset": "gsm8k", "model": "tiny", "num_stages": 2, "dp": 1, "global_batch": 8,
                 "memory_limit_bytes": 2**30, "method": "dynamic", "mbs": None, "schedule": "1f1b", "reorder": "none",
                 "cost_model": "analytic", "seed": 0, "oversize": "error"}
@@ -153,9 +154,42 @@ def test_common_plans_and_launches_through_the_typed_api(tmp_path, monkeypatch):
     def fake_launch_job(job, nproc, **kw):
         jobs.append((job, nproc))
         return launch.LaunchResult(returncode=1, failures=("rank 1: RuntimeError: boom",))
-    monkeypatch.setattr(launch, "launch_job", fake_launch_job)
+    monkeypatch.setattr(api, "launch_job", fake_launch_job)     # what dynmb.run launches through
     out = common.run_real([settings], tmp_path, steps=1, warmup=0, timeout=30.0, quiet=True)
     (job, nproc), = jobs
     assert isinstance(job, JobSpec) and nproc == 2 and job.cases[0].run.model.name == "tiny"
+    assert not job.interleave                                        # one case: nothing to interleave
     assert out[0]["status"] == "failed" and "boom" in out[0]["error"] and out[0]["run_id"] == job.cases[0].run_id
     assert pd.read_csv(tmp_path / "configs.csv")["status"].tolist() == ["failed"]
+
+
+def test_common_interleaves_cpu_cases_then_reruns_them_one_by_one(tmp_path, monkeypatch):
+    """Several CPU cases run round by round (``dynmb.run(..., interleave=True)``); when that job
+    fails, its unfinished cases run again one after another, and the first failure is recorded."""
+    from dynmb.runtime import api, launch
+    common = _script("_common")
+    monkeypatch.setattr(common, "_backend_device", lambda: ("gloo", "cpu"))
+    base = {"dataset": "gsm8k", "model": "tiny", "num_stages": 2, "dp": 1, "global_batch": 8,
+            "memory_limit_bytes": 2**30, "mbs": None, "schedule": "1f1b", "reorder": "none",
+            "cost_model": "analytic", "seed": 0, "oversize": "error"}
+    jobs = []
+
+    def fake_launch_job(job, nproc, **kw):
+        jobs.append(job)
+        return launch.LaunchResult(returncode=1, failures=(f"boom {len(jobs)}",))
+    monkeypatch.setattr(api, "launch_job", fake_launch_job)
+    out = common.run_real([{**base, "method": "fixed"}, {**base, "method": "dynamic"}], tmp_path, steps=1, warmup=0,
+                          timeout=30.0, quiet=True)
+    assert [(job.interleave, [c.run.method for c in job.cases]) for job in jobs] == [
+        (True, ["fixed", "dynamic"]), (False, ["fixed", "dynamic"]), (False, ["dynamic"])]
+    assert [(r["method"], r["status"], r["error"]) for r in out] == [("fixed", "failed", "boom 2"),
+                                                                     ("dynamic", "failed", "boom 3")]
+
+
+def test_run_interleave_is_for_cpu_and_checked_before_launch(tmp_path, monkeypatch):
+    import dynmb
+    from dynmb.runtime import api
+    monkeypatch.setattr(api, "launch_job", lambda *a, **k: pytest.fail("launched"))
+    cfg = dynmb.RunConfig(model=dynmb.model_config("tiny"), global_batch=8, steps=1, backend="nccl", device="cuda")
+    with pytest.raises(ValueError, match="interleave is for CPU runs"):
+        dynmb.run([cfg, cfg], out=tmp_path, interleave=True)

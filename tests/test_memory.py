@@ -121,7 +121,7 @@ GRID = ((1, 96, 1), (3, 40, 1), (2, 128, 4), (1, 256, 16), (1, 512, 64), (2, 90,
 @pytest.mark.parametrize("attention", ["auto", "dense"])
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
 def test_meter_accounting_matches_analytic_within_5pct(num_stages, attention):
-    from dynmb.runtime.meter import measure_stage_memory
+    from dynmb.measure.memory import measure_stage_memory
 
     torch.set_num_threads(1)
     cfg = replace(TINY, attention=attention)

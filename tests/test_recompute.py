@@ -17,7 +17,7 @@ from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.packing import PackingError, pack
 from dynmb.planning import plan_step
-from dynmb.profile import synthetic_microbatch
+from dynmb.measure import synthetic_microbatch
 from dynmb.packing.recompute import fits, needs_recompute
 from dynmb.costmodel.split import RECOMPUTE_F_SHARE, stage_role
 from dynmb.runtime.spec import RunSpec

@@ -134,7 +134,7 @@ def test_fit_refuses_samples_of_another_architecture_with_the_same_name(tmp_path
 
 def test_profile_records_every_model_field():
     from dynmb.config import ModelConfig
-    from dynmb.profile import profile
+    from dynmb.measure import profile
     tiny = ModelConfig.preset("tiny")
     samples = profile(tiny, 2, grid=[(1, 8, 1)], repeats=1, warmup=0, memory=False, progress=False)
     for k, v in tiny.to_dict().items():

@@ -17,7 +17,7 @@ from dynmb.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
-from dynmb.profile import synthetic_microbatch
+from dynmb.measure import synthetic_microbatch
 from dynmb.runtime.spec import RunSpec
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.schedule import build_schedule, from_str, to_csv, validate
@@ -117,7 +117,7 @@ def test_w_later_holds_what_the_memory_model_says():
 
 def test_profile_times_i_and_w_and_the_fit_predicts_them():
     from dynmb.costmodel import fit_cost_model
-    from dynmb.profile import profile
+    from dynmb.measure import profile
 
     tiny = ModelConfig.preset("tiny")
     grid = [(1, 32, 1), (2, 32, 1), (1, 64, 1), (2, 64, 1), (4, 32, 1), (1, 128, 1)]

@@ -8,7 +8,7 @@ import argparse
 from dynmb.cli.flags import add_model_flags, model_from_args
 from dynmb.costmodel import fit_cost_model, kfold_error, noise_floor
 from dynmb.plots import cost_fit
-from dynmb.profile import check_samples_model, load_samples
+from dynmb.measure.samples import check_samples_model, load_samples
 
 __all__ = ["add_parser", "run"]
 

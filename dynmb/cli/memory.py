@@ -12,7 +12,7 @@ from dynmb.atomic import atomic_path
 from dynmb.cli.flags import add_model_flags, model_from_args
 from dynmb.config import format_bytes
 from dynmb.memory import MemoryModel
-from dynmb.runtime.meter import measure_grid
+from dynmb.measure.memory import measure_grid
 
 __all__ = ["add_parser", "run"]
 

@@ -1,5 +1,5 @@
 """``dynmb profile``: time forward and backward per stage over a (rows, padded_len) grid into a
-samples CSV (resumable) for ``dynmb fit``. Shows the ETA lines of ``dynmb.profile.Eta`` (INFO)
+samples CSV (resumable) for ``dynmb fit`` (``dynmb.measure.profiler``). Shows the ETA lines (INFO)
 unless ``-q``, then a fixed-point table of median and max seconds per stage and op."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import logging
 
 from dynmb.cli.flags import add_model_flags, model_from_args
-from dynmb.profile import profile
+from dynmb.measure.profiler import ProfileSettings, profile
 
 __all__ = ["add_parser", "run"]
 
@@ -39,12 +39,12 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not getattr(args, "quiet", False) and getattr(args, "verbosity", 0) == 0:
-        logging.getLogger("dynmb.profile").setLevel(logging.INFO)   # the ETA lines, without -v
-    samples = profile(model_from_args(args), args.stages, quick=args.quick, max_len=args.max_len,
-                      repeats=args.repeats, warmup=args.warmup, device=args.device, threads=args.threads,
-                      output=args.output, comm=args.comm, memory=not args.no_memory, concurrent=args.concurrent,
-                      token_cap=args.token_cap, split=args.split)
+    if not args.quiet and args.verbosity == 0:
+        logging.getLogger("dynmb.measure").setLevel(logging.INFO)   # the ETA lines, without -v
+    settings = ProfileSettings(quick=args.quick, max_len=args.max_len, repeats=args.repeats, warmup=args.warmup,
+                               device=args.device, threads=args.threads, comm=args.comm, memory=not args.no_memory,
+                               concurrent=args.concurrent, token_cap=args.token_cap, split=args.split)
+    samples = profile(model_from_args(args), args.stages, settings, output=args.output)
     compute = samples[samples["op"].isin(["F", "B"])]
     medians = compute.groupby(["stage", "op"])["time_s"].agg(["size", "median", "max"])
     medians.columns = ["samples", "median_s", "max_s"]

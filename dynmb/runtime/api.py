@@ -10,8 +10,9 @@ exit code, this run's tables and the failure lines::
     result.returncode, result.failures
     result.tables["steps"]                           # only the rows of this call's run ids
 
-Several configs run as the cases of one torchrun job, one after another (start-up paid
-once); they need the same rank count. Every call gets new run ids, so a folder that already
+Several configs run as the cases of one torchrun job (start-up paid once), one after another
+or, with ``interleave`` (CPU), round by round: step k of every case before step k + 1 of any, so
+that outside load on a shared machine slows every case alike; they need the same rank count. Every call gets new run ids, so a folder that already
 holds results keeps them and ``tables`` holds this call's rows only (``results.select_runs``).
 ``run_job`` is the same for a prepared ``JobSpec`` (what ``dynmb run`` uses).
 """
@@ -71,14 +72,15 @@ def run_job(job: JobSpec, nproc: int, *, quiet: bool = False, progress: bool = F
 def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], out: str | Path, *,
         nproc: int | None = None, verify: bool = False, allow_over_limit: bool = False,
         memory_model: str | None = None, labels: Sequence[str] | None = None, quiet: bool = True,
-        progress: bool = False, guard_s: float | None = None) -> RunResult:
+        progress: bool = False, interleave: bool = False) -> RunResult:
     """Run one ``RunConfig`` (or several, as the cases of one torchrun job) into ``out``.
 
     ``RunSpec`` items are taken as they are (their own folder and run id, which must be new);
     ``RunConfig`` items get a new run id, ``verify``, ``allow_over_limit``, ``memory_model`` and
     their label from ``labels`` (default: the method). ``nproc`` defaults to the first case's
     ranks (stages x dp / virtual). ``quiet``: do not stream the workers' output; ``progress``:
-    a progress bar. Bad inputs raise ``ValueError``/``OSError`` before torchrun starts."""
+    a progress bar; ``interleave``: several CPU cases round by round (see the module doc). Bad
+    inputs raise ``ValueError``/``OSError`` before torchrun starts."""
     items = [config_or_configs] if isinstance(config_or_configs, (RunConfig, RunSpec)) else list(config_or_configs)
     if not items:
         raise ValueError("dynmb.run: no config to run")
@@ -93,7 +95,8 @@ def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], 
                                         allow_over_limit=allow_over_limit, memory_model=memory_model))
         else:
             raise TypeError(f"dynmb.run: expected RunConfig or RunSpec, got {type(item).__name__}")
-    job = JobSpec(out_dir=str(Path(out).resolve()), cases=tuple(specs))
+    if interleave and any(s.run.device != "cpu" for s in specs):
+        raise ValueError("dynmb.run: interleave is for CPU runs (a CUDA peak would count every case's states)")
+    job = JobSpec(out_dir=str(Path(out).resolve()), cases=tuple(specs), interleave=interleave)
     first = specs[0].run
-    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=quiet, progress=progress,
-                   guard_s=guard_s)
+    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=quiet, progress=progress)

@@ -34,16 +34,15 @@ Backwards (``B``, ``I``) run inside the meter's saved-tensor context, so the act
 recomputing backward re-creates are accounted as they are.
 
 Timing: three clock marks per action: before the receive, after it (compute
-start), after the compute. On CPU the clock is ``perf_counter``; on CUDA it is
-CUDA events, read after the step's final synchronisation (``Clock.resolve``).
+start), after the compute, on the device's clock (``dynmb.runtime.device``: ``perf_counter``
+on CPU, CUDA events read after the step's final synchronisation on CUDA).
 ``wait_s`` is the receive wait, ``start_s``/``end_s`` bound the compute relative
-to the step start. The memory meter (``runtime.meter.MemoryMeter``) is told
-where each forward begins and each backward ends.
+to the step start. The memory meter (``runtime.meter.MemoryMeter``) accounts each
+forward's and backward's saved tensors (``saving``) and is sampled after every action.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -52,33 +51,11 @@ import torch
 
 from dynmb.prefix import PrefixStore
 from dynmb.runtime.comm import P2P
+from dynmb.runtime.device import Clock
 from dynmb.runtime.splitbackward import WeightGradTape, backward_input, backward_weight, full_backward, record_linears
 from dynmb.types import Action, Plan
 
-__all__ = ["Clock", "ActionTiming", "run_actions"]
-
-
-class Clock:
-    """``perf_counter`` marks on CPU, CUDA events on a CUDA device (resolved after a sync)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(self, a: Any, b: Any) -> float:
-        """Seconds from mark ``a`` to mark ``b`` (after synchronisation on CUDA)."""
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
-
-    def cpu(self) -> float | None:
-        """This thread's CPU seconds (``time.thread_time``) on CPU; None on CUDA, where the
-        thread only queues kernels."""
-        return None if self.cuda else time.thread_time()
+__all__ = ["ActionTiming", "run_actions"]
 
 
 @dataclass
@@ -117,7 +94,7 @@ def run_actions(
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     split = {(a.stage, a.mb) for a in actions if a.op == "I"}
     tapes: dict[tuple[int, int], WeightGradTape | None] = {}
-    recompute = [bool(getattr(mb, "recompute", False)) for mb in plan.microbatches]
+    recompute = [bool(mb.recompute) for mb in plan.microbatches]
     sliced = [mb.has_slices for mb in plan.microbatches]
     if any(sliced[a.mb] for a in actions if a.op == "I"):
         raise ValueError("a microbatch holding slices of a long sequence cannot split its backward (I/W); "

@@ -26,19 +26,17 @@ Stopping: torchrun runs in its own session (a terminal's Ctrl-C reaches only the
 with the kernel told to kill it when the launcher dies (``PR_SET_PDEATHSIG``; its workers
 die with it, ``worker.exit_with_parent``). SIGINT or SIGTERM to the launcher while
 ``launch_job`` waits (main thread) -- and the wall-clock guard -- stop torchrun and every
-process below it (``stop_job``: SIGTERM, SIGKILL after 3 s); the result then has
+process below it (``processes.stop_job``: SIGTERM, SIGKILL after 3 s); the result then has
 ``returncode`` 128 + the signal (130, 143) and ``signal`` set. After torchrun exits the
 launcher finishes the job's ``runs`` rows (``status`` ok / failed / interrupted, ``error``:
 the first failure line) and, unless the job succeeded, drops ``actions``/``memory`` rows of
 steps without a ``steps`` row, so the tables hold complete steps only (``complete_steps``).
-``write_spec``/``launch_spec`` take and give the spec's JSON form, for scripts that build
-jobs as dicts.
+``write_spec`` gives a run spec's JSON form, for scripts that build jobs as dicts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -46,7 +44,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -56,15 +53,15 @@ from tqdm.auto import tqdm
 from dynmb.config import RunConfig
 from dynmb.hostinfo import cores_warning
 from dynmb.results import drop_incomplete_steps, set_run_status
+from dynmb.runtime.processes import Ended, StopSignals, alive, die_with_parent, wait_or_stop
 from dynmb.runtime.spec import HookRef, JobSpec, RunSpec
 
-__all__ = ["launch", "launch_job", "launch_spec", "write_spec", "LaunchResult", "default_backend_device",
-           "failure_lines", "stop_job", "set_parent_death_signal", "PROGRESS"]
+__all__ = ["launch", "launch_job", "write_spec", "LaunchResult", "default_backend_device", "failure_lines",
+           "PROGRESS"]
 
 logger = logging.getLogger(__name__)
 
 PROGRESS = "[dynmb step] "   # rank 0 prints one such line per finished step (run id, step, seconds)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -97,9 +94,9 @@ class LaunchResult:
 def default_backend_device() -> tuple[str, str]:
     """``("nccl", "cuda")`` when CUDA is available, else ``("gloo", "cpu")``. Imports torch (~4 s)
     only here, so that the checks before a launch cost no torch import."""
-    import torch
+    from dynmb.runtime.device import cuda_available
 
-    return ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
+    return ("nccl", "cuda") if cuda_available() else ("gloo", "cpu")
 
 
 def launch(run_cfg: RunConfig, out_dir: str | Path, nproc: int, verify: bool = False, *,
@@ -120,18 +117,6 @@ def write_spec(run_cfg: RunConfig, out_dir: str | Path, *, verify: bool = False,
         run_cfg = replace(run_cfg, oversize=oversize)
     return RunSpec.create(run_cfg, out_dir, run_id=run_id, label=label, verify=verify,
                           allow_over_limit=allow_over_limit, memory_model=memory_model).to_dict()
-
-
-def launch_spec(spec: JobSpec | RunSpec | Mapping[str, Any], nproc: int, *, guard_s: float | None = None,
-                quiet: bool = False, progress: bool = False) -> int:
-    """``launch_job`` of a job, a run, or the JSON form of either; returns the exit code."""
-    if isinstance(spec, RunSpec):
-        job = JobSpec.single(spec)
-    elif isinstance(spec, JobSpec):
-        job = spec
-    else:
-        job = JobSpec.from_dict(spec)
-    return launch_job(job, nproc, guard_s=guard_s, quiet=quiet, progress=progress).returncode
 
 
 def launch_job(job: JobSpec, nproc: int, *, guard_s: float | None = None, quiet: bool = False,
@@ -168,11 +153,11 @@ def launch_job(job: JobSpec, nproc: int, *, guard_s: float | None = None, quiet:
     lines: list[str] = []
     bar = tqdm(total=job.total_steps, unit="step", desc="steps", file=sys.stderr, mininterval=0.5) \
         if progress else None
-    with _StopSignals() as stop:
+    with StopSignals() as stop:
         # torchrun in its own session (a terminal's Ctrl-C reaches only this process, which stops
         # it and its workers), killed by the kernel if this process dies
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True, preexec_fn=_torchrun_preexec)
+                                start_new_session=True, preexec_fn=die_with_parent)
 
         def pump() -> None:
             assert proc.stdout is not None
@@ -187,21 +172,14 @@ def launch_job(job: JobSpec, nproc: int, *, guard_s: float | None = None, quiet:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        ended = _wait(proc, guard_s, stop)
+        ended = wait_or_stop(proc, guard_s, stop)
     reader.join(5)
     if bar is not None:
         bar.close()
     return _finish(job, proc, ended, "".join(lines), guard_s)
 
 
-@dataclass(frozen=True)
-class _Ended:
-    how: str            # "exited", "timeout" or "signal"
-    signum: int | None = None
-    stopped: int = 0    # workers stopped
-
-
-def _finish(job: JobSpec, proc: subprocess.Popen, ended: _Ended, log: str, guard_s: float) -> LaunchResult:
+def _finish(job: JobSpec, proc: subprocess.Popen, ended: Ended, log: str, guard_s: float) -> LaunchResult:
     """Finish the job's ``runs`` rows, drop incomplete steps unless it succeeded, report."""
     out = Path(job.out_dir)
     by_dir: dict[str, list[str]] = {}
@@ -242,131 +220,9 @@ def _remove_stale_temp_files(folder: Path) -> None:
     processes left in ``folder`` and its ``errors`` folder."""
     for f in [*folder.glob(".*.tmp"), *(folder / "errors").glob(".*.tmp")]:
         pid = f.name.split(".")[-3]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             with contextlib.suppress(OSError):
                 f.unlink()
-
-
-class _StopSignals:
-    """While in the ``with`` block (main thread only), SIGINT and SIGTERM are recorded in
-    ``received`` instead of raising or ending the process; the old handlers come back after."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def _on(self, signum: int, _frame: object) -> None:
-        if self.received is None:
-            self.received = signum
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._on)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-
-def _libc_prctl() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):   # pragma: no cover - no prctl
-        return None
-
-
-_PRCTL = _libc_prctl()   # looked up here: a forked child (preexec_fn) only calls it
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """Linux: have the kernel send ``sig`` to this process when its parent dies (a no-op elsewhere)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-
-
-def _torchrun_preexec() -> None:
-    set_parent_death_signal(signal.SIGKILL)
-
-
-def _wait(proc: subprocess.Popen, guard_s: float, stop: _StopSignals) -> _Ended:
-    """Wait for ``proc``; past ``guard_s``, or on a stop signal, stop it and its workers."""
-    t0 = time.monotonic()
-    while proc.poll() is None:
-        if stop.received is not None:
-            return _Ended("signal", stop.received, stop_job(proc))
-        if time.monotonic() - t0 > guard_s:
-            return _Ended("timeout", None, stop_job(proc))
-        time.sleep(0.1)
-    return _Ended("exited")
-
-
-def stop_job(proc: subprocess.Popen, grace_s: float = 3.0) -> int:
-    """Stop torchrun (``proc``, in its own session) and every process below it (its workers run in
-    sessions of their own): SIGTERM to all, SIGKILL to what is left after ``grace_s``; waits for
-    ``proc``. Returns the number of processes stopped below torchrun (its workers)."""
-    below = _descendants(proc.pid)
-    targets = [proc.pid, *below]
-    for pid in targets:
-        _signal(pid, signal.SIGTERM)
-    _signal_group(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and (proc.poll() is None or any(_alive(p) for p in below)):
-        time.sleep(0.05)
-    for pid in targets:
-        if _alive(pid):
-            _signal(pid, signal.SIGKILL)
-    _signal_group(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in below):
-        time.sleep(0.05)
-    return len(below)
-
-
-def _signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """``(state, ppid)`` of ``pid`` from ``/proc`` (None when it is gone or there is no ``/proc``)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return fields[0], int(fields[1])
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
-    stat = _proc_stat(pid)
-    return stat is not None and stat[0] != "Z"
-
-
-def _descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (from ``/proc``; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if entry.name.isdigit():
-            stat = _proc_stat(int(entry.name))
-            if stat is not None and stat[0] != "Z":
-                children.setdefault(stat[1], []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)

@@ -103,7 +103,7 @@ def record_linears(stage: nn.Module) -> Iterator[WeightGradTape]:
 
     handles = [m.register_forward_hook(on_linear) for m in stage.modules() if isinstance(m, nn.Linear)]
     blocks = getattr(stage, "blocks", None)
-    if getattr(stage, "is_first", False) and blocks is not None and len(blocks):
+    if stage.is_first and blocks is not None and len(blocks):
         handles.append(next(iter(blocks.values())).register_forward_pre_hook(on_first_block))
     try:
         yield tape

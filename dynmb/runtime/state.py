@@ -34,7 +34,7 @@ from dynmb.memory import get_memory_model
 from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import make_schedule, plan_step
 from dynmb.runtime.hooks import NoHooks, StepHooks
-from dynmb.runtime.interpreter import Clock
+from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.records import ActionRow, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files
@@ -92,7 +92,8 @@ class RunState:
         self.fixed = load_plan_files(spec) if spec.plan else None   # (plan, schedule file or None)
         self.trace = load_trace(run.dataset) if self.fixed is None else None
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)
-        self.clock = Clock(device)
+        self.ops = device_ops(device)     # the device seam; also the clock the actions are timed with
+        self.clock = self.ops
         self.seen_shapes: set[tuple[int, int]] = set()  # (rows, padded_len) run so far (prewarm included)
 
     @property

@@ -118,13 +118,9 @@ def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTim
 
 def _memory_rows(state: RunState, step: int, plan: Plan) -> list[MemoryRow]:
     """One row per stage of this rank: measured peak and the limit it is checked against."""
-    device = state.device
     planned = list(plan.predictions.get("pred_peak_bytes", []))
     peaks = state.meter.peaks()
-    allocated = reserved = None
-    if device.type == "cuda":
-        allocated = int(torch.cuda.max_memory_allocated(device))
-        reserved = int(torch.cuda.max_memory_reserved(device))
+    allocated, reserved = state.ops.peak_allocated_bytes(), state.ops.peak_reserved_bytes()
     rows = []
     for stage in sorted(state.stages):
         peak = int(peaks[stage])
@@ -167,9 +163,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     p2p = P2P(schedule, topology.pp_index, topology.pipeline_ranks(), state.groups.pairs,
               lambda mb: hidden_shape(replica.microbatches[mb], run.model), dtype=torch_dtype(run.model),
               device=device)
-    state.meter.reset_step()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    state.meter.reset_step()     # also the allocator's peak counters
     gc.disable()   # no collector pauses inside the measured step; run_step turns it back on
     dist.barrier()
     t0, start_mark = time.perf_counter(), state.clock.mark()
@@ -186,8 +180,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     state.optimizer.step()
     state.meter.sample_states()
     state.optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    state.ops.synchronize()
     dist.barrier()
     step_s = time.perf_counter() - t0
 

@@ -67,9 +67,11 @@ import torch.distributed as dist
 from dynmb.atomic import write_text_atomic
 from dynmb.results import set_run_status
 from dynmb.runtime.checks import PlanDivergenceError, StepCheckError
+from dynmb.runtime.device import DeviceOps, bind_device, device_ops
 from dynmb.runtime.hooks import StepHooks, load_hooks
 from dynmb.runtime.hostmem import prefault, retain_freed_memory
-from dynmb.runtime.launch import PROGRESS, set_parent_death_signal
+from dynmb.runtime.launch import PROGRESS
+from dynmb.runtime.processes import set_parent_death_signal
 from dynmb.runtime.records import Recorder, StepReport, step_row
 from dynmb.runtime.spec import JobSpec, RunSpec
 from dynmb.runtime.state import RunState, prewarm
@@ -154,7 +156,7 @@ def _mark_failed(job: JobSpec, err: BaseException) -> None:
             pass
 
 
-def _close(states: list[RunState], recorder: Recorder, device: torch.device) -> None:
+def _close(states: list[RunState], recorder: Recorder, ops: DeviceOps) -> None:
     """Free the runs' models, gradients and optimizer states before the next case of the job
     starts: modules, hooks and the optimizer form reference cycles that only the cyclic
     collector frees, and on CUDA the next case's measured peak would include them."""
@@ -164,8 +166,7 @@ def _close(states: list[RunState], recorder: Recorder, device: torch.device) -> 
     states.clear()
     gc.unfreeze()
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    ops.empty_cache()
 
 
 def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: bool = False,
@@ -209,7 +210,7 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
                         _step(state, step, recorder)
             _finish(states, recorder)
         finally:
-            _close(states, recorder, device)
+            _close(states, recorder, device_ops(device))
 
 
 def run_spec(spec: RunSpec, device: torch.device, *, hooks: StepHooks | None = None) -> None:
@@ -225,18 +226,11 @@ def _write_error(out_dir: Path, rank: int, err: BaseException) -> None:
 
 def _device(job: JobSpec, local_rank: int) -> torch.device:
     """This rank's device; on CPU one torch thread and the host allocator policy."""
-    if job.cases[0].run.device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("device cuda asked for, but torch sees no CUDA GPU on this host")
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but only "
-                               f"{torch.cuda.device_count()} visible on this host: use fewer ranks per node (e.g. "
-                               "--virtual to put several stages on one rank) or set CUDA_VISIBLE_DEVICES")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    torch.set_num_threads(1)
-    retain_freed_memory()
-    return torch.device("cpu")
+    device = bind_device(job.cases[0].run.device, local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+        retain_freed_memory()
+    return device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         device = _device(job, local_rank)
         first = job.cases[0].run
         dist.init_process_group(first.backend, timeout=timedelta(seconds=first.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device_ops(device).group_device())
         run_cases(job.cases, device, interleave=job.interleave and len(job.cases) > 1)
         dist.barrier()
         dist.destroy_process_group()

@@ -10,7 +10,7 @@ reads it after joining (a stuck child is killed at ``timeout_s``). ``dynmb fit``
 t = alpha + nbytes / bytes_per_s to these rows (relative-error, non-negative).
 
 Entry point: ``ping_pong()`` (used by ``dynmb profile --comm``);
-also ``python -m dynmb.runtime.pingpong`` prints the table.
+also ``python -m dynmb.measure.pingpong`` prints the table.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ import torch.multiprocessing as mp
 
 from dynmb.atomic import write_text_atomic
 
-__all__ = ["DEFAULT_SIZES", "ping_pong"]
+__all__ = ["DEFAULT_SIZES", "ping_pong", "free_port"]
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for a local process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -72,7 +73,7 @@ def ping_pong(sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeats: int = 20, warm
     """One-way P2P times between two local processes: DataFrame nbytes, repeat, time_s."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "pingpong.json")
-        ctx = mp.start_processes(_worker, args=(_free_port(), list(sizes), repeats, warmup, backend, timeout_s,
+        ctx = mp.start_processes(_worker, args=(free_port(), list(sizes), repeats, warmup, backend, timeout_s,
                                                 threads, out), nprocs=2, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s + 30
         while not ctx.join(timeout=1.0):

@@ -8,8 +8,11 @@ thread CPU seconds, minor faults, involuntary context switches and the cost mode
 prediction, so one can tell apart: the op is slower (thread CPU time up), the thread is
 descheduled (wall > thread), the op faults pages (minflt).
 
-    python experiments/pred_error.py --method fixed --steps 0,1,2,3 --repeats 2 -o /tmp/pe.csv
-    python experiments/pred_error.py --summarize /tmp/pe.csv
+    python benchmarks/pred_error.py --method fixed --steps 0,1,2,3 --repeats 2 -o /tmp/pe.csv
+    python benchmarks/pred_error.py --summarize /tmp/pe.csv
+
+A benchmark of the runtime's internals (the interpreter, P2P, the meter, the host allocator
+policy), not an experiment of the public API: it lives in ``benchmarks/``.
 
 Options: ``--cost-model`` (default the shipped one), ``--no-meter``, ``--no-prefault``, ``--env K=V``
 (set in the workers before torch is imported, e.g. ``DYNMB_HOST_MALLOC=system`` for glibc's
@@ -28,9 +31,7 @@ import pandas as pd
 
 
 class RusageClock:
-    """``Clock``-compatible (CPU): marks are (wall, thread cpu, minflt, nivcsw) tuples."""
-
-    cuda = False
+    """A ``dynmb.runtime.device.Clock`` (CPU): marks are (wall, thread cpu, minflt, nivcsw) tuples."""
 
     def mark(self):
         r = resource.getrusage(resource.RUSAGE_THREAD)

@@ -1,0 +1,199 @@
+"""The device seam: every device-specific call of the runtime and the measurements goes through here.
+
+``device_ops(device)`` chooses, once per device, one of two implementations of ``DeviceOps``:
+
+- ``CpuOps``: clock marks are ``time.perf_counter`` (and ``time.thread_time`` for the thread's CPU
+  seconds); synchronising, resetting peaks and emptying caches do nothing; there are no allocator
+  statistics (``allocator_stats`` False: the memory meter counts storages itself).
+- ``CudaOps``: clock marks are CUDA events (``seconds`` reads them after a synchronisation);
+  ``synchronize``, ``empty_cache`` and the allocator's counters (``memory_allocated``,
+  ``max_memory_allocated``, ``max_memory_reserved``, ``reset_peak_memory_stats``) of that
+  device.
+
+A clock (``Clock``: ``mark``, ``seconds``, ``cpu``) is what the action interpreter times with;
+every ``DeviceOps`` is one. ``timer(clock)`` times one call for the profiler: ``(out, seconds by
+the clock, wall seconds)``, where the clock is ``"event"`` (CUDA events), ``"thread"`` (the
+calling thread's CPU time) or ``"wall"``. ``bind_device(kind, local_rank)`` is a worker's device
+(CUDA: checks the GPU count and makes it the current device); ``cuda_available()`` answers
+without a device. Communication code takes its device as an argument and calls none of this.
+
+Adding a device kind: one ``DeviceOps`` subclass here and one entry in ``_KINDS``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Protocol, TypeVar
+
+import torch
+
+__all__ = ["Clock", "DeviceOps", "CpuOps", "CudaOps", "device_ops", "bind_device", "cuda_available"]
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    """Marks in time and the seconds between two of them (what the interpreter times with)."""
+
+    def mark(self) -> Any: ...
+
+    def seconds(self, a: Any, b: Any) -> float: ...
+
+    def cpu(self) -> float | None: ...
+
+
+class DeviceOps:
+    """Device-specific operations on one ``torch.device`` (see the module doc)."""
+
+    allocator_stats = False
+    """Whether the device's allocator reports allocated and peak bytes (else they are None)."""
+    default_clock = "thread"
+    """The clock ``dynmb profile`` times with by default (single-threaded)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    # --- clock ------------------------------------------------------------
+    def mark(self) -> Any:
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (after ``synchronize`` on an asynchronous device)."""
+        return b - a
+
+    def cpu(self) -> float | None:
+        """This thread's CPU seconds (``time.thread_time``); None where the thread only queues work."""
+        return time.thread_time()
+
+    def timer(self, clock: str) -> Callable[[Callable[[], T]], tuple[T, float, float]]:
+        """``run(fn) -> (fn(), seconds by clock, wall seconds)``; ``clock`` "thread" or "wall"."""
+        cpu = time.thread_time if clock == "thread" else time.perf_counter
+
+        def run(fn: Callable[[], T]) -> tuple[T, float, float]:
+            w, c = time.perf_counter(), cpu()
+            out = fn()
+            c1, w1 = cpu(), time.perf_counter()
+            return out, c1 - c, w1 - w
+        return run
+
+    # --- memory and queues ------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for the device's queued work."""
+
+    def allocated_bytes(self) -> int | None:
+        """Bytes the allocator holds for tensors now (None without allocator statistics)."""
+        return None
+
+    def peak_allocated_bytes(self) -> int | None:
+        """The allocator's highest ``allocated_bytes`` since the last ``reset_peak``."""
+        return None
+
+    def peak_reserved_bytes(self) -> int | None:
+        """The allocator's highest reserved (cached) bytes since the last ``reset_peak``."""
+        return None
+
+    def reset_peak(self) -> None:
+        """Restart the allocator's peak counters."""
+
+    def empty_cache(self) -> None:
+        """Give the allocator's cached free blocks back."""
+
+    # --- identity ---------------------------------------------------------
+    def name(self) -> str:
+        """What a samples table records as the device (``cpu`` or the GPU's name)."""
+        return self.device.type
+
+    def group_device(self) -> torch.device | None:
+        """The ``device_id`` a process group binds to (None: not bound)."""
+        return None
+
+
+class CpuOps(DeviceOps):
+    """The host CPU: wall and thread clocks, no allocator statistics."""
+
+
+class CudaOps(DeviceOps):
+    """A CUDA device: event clock, the caching allocator's statistics."""
+
+    allocator_stats = True
+    default_clock = "event"
+
+    def mark(self) -> Any:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3
+
+    def cpu(self) -> float | None:
+        return None
+
+    def timer(self, clock: str) -> Callable[[Callable[[], T]], tuple[T, float, float]]:
+        """CUDA events around the call whatever ``clock`` says (the host thread only queues kernels)."""
+        def run(fn: Callable[[], T]) -> tuple[T, float, float]:
+            w = time.perf_counter()
+            a = self.mark()
+            out = fn()
+            b = self.mark()
+            b.synchronize()
+            return out, self.seconds(a, b), time.perf_counter() - w
+        return run
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def allocated_bytes(self) -> int | None:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def peak_allocated_bytes(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def peak_reserved_bytes(self) -> int | None:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.device)
+
+    def group_device(self) -> torch.device | None:
+        return self.device
+
+
+_KINDS: dict[str, type[DeviceOps]] = {"cpu": CpuOps, "cuda": CudaOps}
+
+
+def device_ops(device: torch.device | str) -> DeviceOps:
+    """The ``DeviceOps`` of ``device`` (``ValueError`` naming the kinds for another device type)."""
+    dev = torch.device(device)
+    kind = _KINDS.get(dev.type)
+    if kind is None:
+        raise ValueError(f"device {dev.type!r} is not supported (devices: {', '.join(_KINDS)})")
+    return kind(dev)
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU on this host."""
+    return torch.cuda.is_available()
+
+
+def bind_device(kind: str, local_rank: int = 0) -> torch.device:
+    """A worker's device: ``cpu``, or CUDA GPU ``local_rank`` made the current device (one-line
+    ``RuntimeError`` when torch sees no GPU, or fewer than the local ranks)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise ValueError(f"device {kind!r} is not supported (devices: {', '.join(_KINDS)})")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device cuda asked for, but torch sees no CUDA GPU on this host")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but only "
+                           f"{torch.cuda.device_count()} visible on this host: use fewer ranks per node (e.g. "
+                           "--virtual to put several stages on one rank) or set CUDA_VISIBLE_DEVICES")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
