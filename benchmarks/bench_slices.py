@@ -19,7 +19,7 @@ p prefix keys, ``2 n p`` units, cost the model's per-unit attention cost scaled)
 of the relative error over every other (n, prefix, stage) point; it reports the relative error of the predictions on
 the held-out points (the rest) and, with ``--write``, stores the factor in the cost model file.
 
-    python benchmarks/bench_slices.py --cost-model dynmb/data/costmodels/small-p2-cpu.json \\
+    python benchmarks/bench_slices.py --cost-model data/costmodels/small-p2-cpu.json \\
         --model small:max_seq_len=20480 --repeats 5 [--write]
 """
 

@@ -162,7 +162,7 @@ def run_info(run_id: str, config_flat: dict[str, Any], *, backend: str, device: 
     try:
         import torch
 
-        tv = torch.__version__
+        tv = str(torch.__version__)
     except ImportError:  # pragma: no cover - torch is a dependency
         tv = "none"
     return {

@@ -2,7 +2,8 @@
 microbatches for a training loop -- only names exported by ``import dynmb``.
 
 The lengths come from a length trace (CSV with a header ``length``, the format ``dynmb lengths``
-writes; default: the shipped ``sharegpt`` trace, package data of the installed ``dynmb``).
+writes; default: the shipped ``sharegpt`` trace: package data of an installed ``dynmb`` wheel,
+else the checkout's ``data/traces/``).
 
     python experiments/api_example.py --global-batch 32 --memory-limit 1GiB [--lengths trace.csv]
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -22,7 +24,8 @@ METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
 
 def shipped_trace(name: str) -> str:
     """Path of a length trace shipped with dynmb (``dynmb datasets`` lists them)."""
-    return str(resources.files("dynmb.data").joinpath("traces", f"{name}.csv"))
+    packaged = resources.files("dynmb.data").joinpath("traces", f"{name}.csv")
+    return str(packaged) if packaged.is_file() else str(Path(__file__).resolve().parents[1] / "data" / "traces" / f"{name}.csv")
 
 
 def main(argv: list[str] | None = None) -> int:

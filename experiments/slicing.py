@@ -34,10 +34,11 @@ import dynmb
 from dynmb.config import parse_bytes
 from dynmb.data import load_trace, sample_batch
 from dynmb.packing import PackingError
+from dynmb.planning import default_cost_model_path
 from dynmb.runtime.launch import launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec
 
-COST_MODEL = Path(dynmb.__file__).parent / "data" / "costmodels" / "small-p2-cpu.json"
+COST_MODEL = default_cost_model_path("small", 2)   # the shipped data/costmodels/small-p2-cpu.json
 
 
 CASES = (("split", "auto"), ("truncate", "never"), ("truncate+rc", "auto"))

@@ -17,7 +17,7 @@ no I/W of its own).
     python experiments/zb_sim.py --out results/zb_sim                  # ~2 min on this 2-core box
     python experiments/zb_sim.py --memory-limit 40GiB --out results/zb_sim_40g
     python experiments/zb_sim.py --model small --stages 2 --memory-limit 1GiB --traces sharegpt \
-        --global-batch 16 --batches 8 --cost-model dynmb/data/costmodels/small-p2-cpu.json --out results/zb_sim_p2
+        --global-batch 16 --batches 8 --cost-model data/costmodels/small-p2-cpu.json --out results/zb_sim_p2
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--alpha-us", type=float, default=10.0, help="P2P latency microseconds (default 10)")
     ap.add_argument("--cost-model", default=None,
                     help="a fitted cost-model JSON for --model and each P instead of the analytic costs, e.g. "
-                         "dynmb/data/costmodels/small-p2-cpu.json with --model small --stages 2")
+                         "data/costmodels/small-p2-cpu.json with --model small --stages 2")
     ap.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     ap.add_argument("--out", default="results/zb_sim", help="results folder (table zb_sim)")
     return ap

@@ -172,6 +172,12 @@ class CostModel:
     def _predict(self, stage: int, op: str, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    @classmethod
+    def _from_parts(cls, cfg: ModelConfig, p: int, comm: CommModel, meta: dict[str, Any],
+                    params: Any) -> "CostModel":
+        """A model of this kind from the parts of its JSON form (``from_dict``); each kind implements it."""
+        raise NotImplementedError
+
     def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None, ops: tuple[str, ...] = ("F", "B"),
                     recompute: Any = None) -> dict[str, np.ndarray]:
         """``{"F": ndarray[P, m], "B": ndarray[P, m]}`` seconds per stage and microbatch

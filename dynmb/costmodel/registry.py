@@ -31,7 +31,7 @@ __all__ = ["COST_MODEL_KINDS", "FIT_KINDS", "get_cost_model", "fit_cost_model", 
 COST_MODEL_KINDS: dict[str, type[CostModel]] = {"analytic": AnalyticCostModel, "poly": FittedCostModel,
                                                 "grid": GridCostModel}
 """Every cost-model kind, by the ``kind`` its files carry."""
-FIT_KINDS: dict[str, type[CostModel]] = {"poly": FittedCostModel, "grid": GridCostModel}
+FIT_KINDS: dict[str, type[FittedCostModel] | type[GridCostModel]] = {"poly": FittedCostModel, "grid": GridCostModel}
 """The kinds fitted from samples."""
 
 

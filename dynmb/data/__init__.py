@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from .corpus import GPT2_HELLO_WORLD, CorpusError, TokenizerError, build_trace, get_tokenizer, read_records
 from .lengths import (check_lengths, data_dir, datasets_table, fit_lognormal, fit_mixture, list_traces, load_trace,
-                      lognormal, lognormal_mixture, sample_batch, save_trace, synthetic_like, trace_stats)
+                      lognormal, lognormal_mixture, sample_batch, save_trace, shipped_dir, synthetic_like, trace_stats)
 
 __all__ = [
-    "CorpusError", "TokenizerError", "data_dir", "list_traces", "load_trace", "save_trace",
+    "CorpusError", "TokenizerError", "shipped_dir", "data_dir", "list_traces", "load_trace", "save_trace",
     "check_lengths", "trace_stats", "datasets_table", "sample_batch", "lognormal",
     "lognormal_mixture", "fit_lognormal", "fit_mixture", "synthetic_like", "read_records",
     "get_tokenizer", "build_trace", "GPT2_HELLO_WORLD",

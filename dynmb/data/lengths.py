@@ -1,10 +1,12 @@
 """Length traces: the shipped ones, loading and saving, statistics, sampling, synthetic ones.
 
 Format: a CSV with a header row and a column ``length`` (one positive integer
-per record, its token count); other columns are ignored. Shipped traces are
-package data, ``dynmb/data/traces/<name>.csv``, read with ``importlib.resources`` so an
-installed wheel finds them from any folder (``DYNMB_DATA_DIR`` overrides the folder);
-loading them needs numpy only, never a tokenizer.
+per record, its token count); other columns are ignored. Shipped traces live once in the
+repository's top-level ``data/traces/<name>.csv``; a wheel carries them as package data
+``dynmb/data/traces/`` (``setup.py`` maps the folder), read with ``importlib.resources`` so an
+installed wheel finds them from any folder. ``shipped_dir`` takes the package data when it is
+there, else the checkout's ``data/`` (editable install, ``PYTHONPATH``); ``DYNMB_DATA_DIR``
+overrides the traces folder. Loading them needs numpy only, never a tokenizer.
 
 Building a trace from a corpus, and the tokenizers: ``dynmb.data.corpus``.
 
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 __all__ = [
-    "data_dir", "list_traces", "load_trace", "save_trace", "check_lengths", "trace_stats", "datasets_table",
+    "shipped_dir", "data_dir", "list_traces", "load_trace", "save_trace", "check_lengths", "trace_stats", "datasets_table",
     "sample_batch", "lognormal", "lognormal_mixture", "fit_lognormal", "fit_mixture", "synthetic_like",
 ]
 
@@ -42,11 +44,19 @@ __all__ = [
 # --------------------------------------------------------------------------
 # shipped traces
 # --------------------------------------------------------------------------
+def shipped_dir(kind: str) -> Path | Traversable:
+    """Folder of the shipped ``kind`` files (``"traces"``, ``"costmodels"``): the package data
+    ``dynmb/data/<kind>`` of an installed wheel, else the checkout's top-level ``data/<kind>``."""
+    packaged = resources.files(__package__).joinpath(kind)
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "data" / kind
+
+
 def data_dir() -> Path | Traversable:
-    """Folder of shipped traces: ``$DYNMB_DATA_DIR`` or the package data ``dynmb/data/traces``
-    (a ``Path`` for an installed or editable package)."""
+    """Folder of shipped traces: ``$DYNMB_DATA_DIR`` or ``shipped_dir("traces")``."""
     env = os.environ.get("DYNMB_DATA_DIR")
-    return Path(env) if env else resources.files(__package__).joinpath("traces")
+    return Path(env) if env else shipped_dir("traces")
 
 
 def list_traces() -> list[str]:

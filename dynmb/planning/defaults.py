@@ -6,14 +6,14 @@
   (``dynapipe``); dynmb's own method uses its simulator-guided search (``search``). See
   ``dynmb.planning.reorder`` for the passes.
 - ``default_cost_model_path(model, stages, device)``: the fitted cost model shipped for that
-  model preset, stage count and device kind (``<model>-p<stages>-<device>.json``, package data
-  of ``dynmb.data`` in ``dynmb/data/costmodels/``, read with ``importlib.resources``), or None
-  when there is none (the analytic stand-in is used then).
+  model preset, stage count and device kind (``<model>-p<stages>-<device>.json`` in the
+  repository's ``data/costmodels/``, package data of a wheel: ``dynmb.data.shipped_dir``), or
+  None when there is none (the analytic stand-in is used then).
 """
 
 from __future__ import annotations
 
-from importlib import resources
+from dynmb.data.lengths import shipped_dir
 
 __all__ = ["AUTO_REORDER", "reorder_for", "default_cost_model_path"]
 
@@ -29,5 +29,5 @@ def reorder_for(method: str, reorder: str) -> str:
 
 def default_cost_model_path(model: str, stages: int, device: str = "cpu") -> str | None:
     """The shipped fitted cost model for (model, stages) on ``device`` ("cpu"/"cuda"), if there is one."""
-    p = resources.files("dynmb.data").joinpath("costmodels", f"{model}-p{stages}-{device}.json")
+    p = shipped_dir("costmodels").joinpath(f"{model}-p{stages}-{device}.json")
     return str(p) if p.is_file() else None
