@@ -91,7 +91,7 @@ def test_schedule_layer_does_not_import_the_simulator():
 
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.hostinfo")),
+    ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.outdir", "dynmb.hostinfo")),
     ("types, config", ("dynmb.types", "dynmb.config")),
     ("data", ("dynmb.data",)),
     ("models of the hardware", ("dynmb.memory", "dynmb.costmodel")),
