@@ -44,13 +44,34 @@ CONTEXT_KEYS = ("dataset", "memory_limit_bytes", "model", "num_stages", "virtual
                 "round_to", "global_batch", "seed")
 """What makes two runs see the same global batches on the same pipeline."""
 CONFIG_KEYS = CONTEXT_KEYS + ("method", "mbs_setting", "pack_len_setting", "reorder", "label")
-"""Everything that makes two runs different configurations."""
+"""The step-table columns that make two runs different configurations."""
+RUN_SETTING_KEYS = ("recompute", "oversize", "cost_model", "memory_model", "lr", "backend", "device", "prewarm",
+                    "calibrate", "corpus", "tokenizer", "stage_split")
+"""Settings of the run spec (the ``runs`` table) that change what a step computes or how it is timed;
+``summarise`` keys on them too (and on every ``model.*`` field), so runs that differ in any of them
+are never merged, whether or not the steps table repeats them."""
 
 
 def _measured(steps: pd.DataFrame) -> pd.DataFrame:
     if "warmup" in steps.columns:
         steps = steps[~steps["warmup"].astype(bool)]
     return steps
+
+
+def _run_settings(steps: pd.DataFrame, runs: pd.DataFrame | None) -> tuple[pd.DataFrame, list[str]]:
+    """Join the run spec's settings (``RUN_SETTING_KEYS`` and ``model.*``) onto the steps by run id;
+    returns the steps and the names of the joined setting columns."""
+    if runs is None or runs.empty or "run_id" not in runs.columns:
+        return steps, []
+    wanted = [c for c in runs.columns if c in RUN_SETTING_KEYS or c.startswith("model.")]
+    wanted = [c for c in wanted if c not in steps.columns]
+    if not wanted:
+        return steps, []
+    first = runs.drop_duplicates("run_id")
+    spec = first[wanted].astype(object).where(first[wanted].notna(), "")   # NaN never equals NaN: keys need a value
+    spec.index = first["run_id"].astype(str)
+    rid = steps["run_id"].astype(str)
+    return steps.assign(**{c: rid.map(spec[c].astype(str)).fillna("") for c in wanted}), wanted
 
 
 def _with_settings(steps: pd.DataFrame, runs: pd.DataFrame | None) -> pd.DataFrame:
@@ -93,10 +114,12 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
     if steps.empty:
         raise ValueError("no measured steps in the results tables")
     steps = _with_settings(steps, tables.get("runs"))
+    steps, spec_keys = _run_settings(steps, tables.get("runs"))
     if "label" not in steps.columns:
         steps["label"] = steps["method"]
     steps["label"] = steps["label"].fillna(steps["method"])
     present = [k for k in CONFIG_KEYS if k in steps.columns]
+    present += [k for k in spec_keys if by is not None or steps[k].nunique(dropna=False) > 1]
     keys = list(by) if by is not None else present
     missing = [k for k in keys if k not in steps.columns]
     if missing:
@@ -143,7 +166,9 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
             rows = rows[rows["label"] == rows.sort_values("mbs").iloc[-1]["label"]]
         if rows.groupby(ctx + ["step"], dropna=False).size().max() > 1:
             rows = rows[rows["label"] == rows["label"].iloc[0]]
-        ref_tps = rows.set_index(ctx + ["step"])["tokens_per_s"] if ctx else rows.set_index("step")["tokens_per_s"]
+        # several runs of the reference configuration (a repeated run into one folder): pair each
+        # step with their median, so the reference is one value per (context, step)
+        ref_tps = rows.groupby(ctx + ["step"], dropna=False)["tokens_per_s"].median()
         pr = _paired(steps, keys, ctx, ref_tps)
         if name == reference:
             out[col], out[f"{col}_lo"], out[f"{col}_hi"] = pr["median"], pr["lo"], pr["hi"]

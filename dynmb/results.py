@@ -20,6 +20,7 @@ holds only complete steps. ``select_runs`` keeps the rows of given run ids.
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import os
 import platform
 import subprocess
@@ -31,7 +32,12 @@ import pandas as pd
 from dynmb.atomic import atomic_path
 
 __all__ = ["TABLES", "REQUIRED_COLUMNS", "RUN_STATUSES", "TableWriter", "load_results", "run_info", "git_sha",
-           "write_table", "select_runs", "set_run_status", "drop_incomplete_steps", "run_ids_in"]
+           "write_table", "select_runs", "set_run_status", "drop_incomplete_steps", "run_ids_in", "ResultsError",
+           "read_table", "check_tables"]
+
+
+class ResultsError(ValueError):
+    """A results file that is not a whole dynmb table; the message is one line naming the file."""
 
 RUN_STATUSES = ("running", "ok", "failed", "interrupted")
 """The ``status`` column of ``runs``: written ``running``, finished by rank 0 or the launcher."""
@@ -66,6 +72,44 @@ def write_table(df: pd.DataFrame, path: str | Path, *, parquet: bool = True) -> 
             df.to_parquet(tmp, index=False)
 
 
+def read_table(path: str | Path, table: str | None = None) -> pd.DataFrame:
+    """Read one results CSV strictly: UTF-8, every row whole (a file cut mid-row is refused, not read
+    with NaNs), the table's required columns present. Raises ``ResultsError`` naming the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ResultsError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not raw:
+        return pd.DataFrame()
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ResultsError(f"{path}: UTF-16 text (it starts with a UTF-16 byte-order mark); dynmb tables are UTF-8")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ResultsError(f"{path}: not UTF-8 text (byte {e.start}); is this a dynmb results table?") from None
+    if not text.endswith("\n") and text.count("\n") >= 1:
+        raise ResultsError(f"{path}: the last row is cut (the file ends mid-row); the run that wrote it did not finish "
+                           "its write: remove the last line or rerun")
+    try:
+        df = pd.read_csv(io.StringIO(text))
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as e:
+        raise ResultsError(f"{path}: not a CSV table ({' '.join(str(e).split())})") from None
+    missing = [c for c in REQUIRED_COLUMNS.get(table or "", ()) if c not in df.columns]
+    if missing:
+        raise ResultsError(f"{path}: not a dynmb {table} table (no column(s) {', '.join(missing)})")
+    return df
+
+
+def check_tables(out_dir: str | Path) -> None:
+    """Refuse a results folder holding a file named like a dynmb table that is not one (a user's own
+    ``steps.csv``), before anything runs: nothing in the folder is touched."""
+    for table in TABLES:
+        path = Path(out_dir) / f"{table}.csv"
+        if path.exists():
+            read_table(path, table)
+
+
 class TableWriter:
     """Accumulates rows per table and rewrites ``out_dir/<table>.csv`` atomically on each append.
 
@@ -76,12 +120,13 @@ class TableWriter:
     def __init__(self, out_dir: str | Path) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        check_tables(self.out_dir)
         self._frames: dict[str, pd.DataFrame] = {}
 
     def _current(self, table: str) -> pd.DataFrame:
         if table not in self._frames:
             p = self.out_dir / f"{table}.csv"
-            self._frames[table] = pd.read_csv(p) if p.exists() and p.stat().st_size > 0 else pd.DataFrame()
+            self._frames[table] = read_table(p, table) if p.exists() else pd.DataFrame()
         return self._frames[table]
 
     def append(self, table: str, rows: Iterable[dict[str, Any]] | pd.DataFrame) -> None:
@@ -137,7 +182,7 @@ def load_results(out_dir: str | Path, tables: Iterable[str] = TABLES) -> dict[st
                 except ImportError:
                     pass
             if csv.stat().st_size > 0:
-                frames.append(pd.read_csv(csv))
+                frames.append(read_table(csv, t))
         out[t] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return out
 
@@ -191,7 +236,7 @@ def _with_values(df: pd.DataFrame, rows: pd.Series, values: dict[str, Any]) -> p
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
-    return pd.read_csv(path) if path.exists() and path.stat().st_size > 0 else pd.DataFrame()
+    return read_table(path) if path.exists() else pd.DataFrame()
 
 
 def run_ids_in(out_dir: str | Path) -> set[str]:

@@ -100,17 +100,19 @@ def _modules(package: str, *leaves: str) -> tuple[str, ...]:
 
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.hostinfo")),
+    ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.outdir", "dynmb.hostinfo")),
     ("types, config", ("dynmb.types", "dynmb.config")),
     ("data", _modules("dynmb.data", "lengths", "corpus")),
     ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
     ("models of the hardware", ("dynmb.memory", *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls",
-                                                          "samples", "split", "calibration", "registry", "validate"))),
+                                                          "samples", "split", "calibration", "registry", "validate",
+                                                          "gpu"))),
     ("simulation", ("dynmb.simulate", "dynmb.makespan")),
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
                          "dynamic", "dynamic_setup", "dynamic_rank", "recompute")),
-    ("planning", _modules("dynmb.planning", "planner", "reorder", "zerobubble", "slicing", "defaults", "api", "sampler")),
-    ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix")),
+    ("planning", _modules("dynmb.planning", "planner", "reorder", "zerobubble", "slicing", "defaults", "api", "sampler",
+                          "stage_split")),
+    ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix", *_modules("dynmb.models", "hf"))),
     ("runtime", _modules("dynmb.runtime", "spec", "topology", "state", "step", "interpreter", "splitbackward", "comm",
                          "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",
                          "worker", "api")),

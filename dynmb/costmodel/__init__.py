@@ -14,7 +14,8 @@ Modules, one way up (each imports only those above it):
   before profiling), ``poly`` (``FittedCostModel``, the default: a non-negative polynomial in
   rows, padded_len and attention work per (stage, op), form chosen by held-out error), ``grid``
   (``GridCostModel``: DynaPipe-style bilinear interpolation of measured times, with a linear
-  correction for packed rows).
+  correction for packed rows); ``gpu`` (``GPUCostModel``: FLOPs at published GPU peaks and
+  shape-dependent efficiencies, for simulated scaling studies).
 - ``registry``: kind -> class, ``get_cost_model``, ``fit_cost_model``,
   ``kfold_error``.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 from .analytic import AnalyticCostModel
 from .base import CommModel, CostModelLike, CostModel
 from .grid import GridCostModel
+from .gpu import GPUCostModel, GPUSpec, H100_SXM, LINKS
 from .nnls import nnls_rel
 from .poly import COEFS, FORMS, LEGACY_COEF_NAMES, FittedCostModel
 from .registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model, get_cost_model, kfold_error
@@ -35,6 +37,7 @@ from .samples import noise_floor, point_medians, samples_from_actions, with_atte
 
 __all__ = [
     "CostModelLike", "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",
+    "GPUCostModel", "GPUSpec", "H100_SXM", "LINKS",
     "FORMS", "COEFS", "LEGACY_COEF_NAMES", "COST_MODEL_KINDS", "FIT_KINDS",
     "get_cost_model", "fit_cost_model", "kfold_error",
     "noise_floor", "point_medians", "samples_from_actions", "with_attention_work", "RuntimeCalibration",

@@ -1,0 +1,135 @@
+"""``GPUCostModel``: an analytic cost model of a datacenter GPU, for the simulated scaling studies.
+
+Nothing here is measured by dynmb; every constant is a published figure or an estimate derived from
+one, named below, and ``experiments/scaling.py`` prints them beside its tables. A forward op of a
+stage on a microbatch of ``b`` rows x ``s`` padded tokens with attention work ``a`` (sum of segment
+lengths squared) takes
+
+    overhead + linear_flops / (peak x gemm_eff(b * s)) + attn_flops(a) / (peak x attn_eff(s_seg))
+
+with ``linear_flops`` and ``attn_flops`` split out of ``ModelConfig.stage_flops`` (the same FLOP
+count for both families as every other consumer: its ``rows * padded_len**2`` attention term is
+rescaled to the microbatch's attention work ``a``, as ``AnalyticCostModel`` does) and
+``s_seg = a / (b * s)``, the mean attention segment a token sees. Efficiency curves
+(``x / (x + half)`` saturation, the shape of tile and wave quantization for small problems):
+
+- ``gemm_eff(M) = gemm_eff_max * M / (M + gemm_m_half)`` over the GEMM's M = tokens of the
+  microbatch (N and K are the model widths, >= 2048 for every published preset, so they fill tiles);
+- ``attn_eff(s) = attn_eff_max * s / (s + attn_s_half)``: fused attention kernels are efficient
+  only on long sequences.
+
+Backward: 2x the linear FLOPs (input and weight gradients) at the same efficiency, and
+``attn_bwd_ratio`` x the attention FLOPs (FlashAttention's backward recomputes the scores: 5 matmuls
+against the forward's 2, 2.5x) at ``attn_bwd_eff`` of the forward's efficiency. P2P: the
+``CommModel`` of the link (``LINKS``): ``alpha + bytes / bandwidth``.
+
+Sources of the constants (``H100_SXM``; H200 has the same Hopper compute, more HBM):
+- peak 989 TFLOP/s dense BF16: NVIDIA H100 Tensor Core GPU datasheet (SXM5), and H200 datasheet;
+- GEMM efficiency: large BF16 GEMMs on H100 sustain about 75-80% of peak (cuBLAS; NVIDIA's
+  "Matrix Multiplication Background" user guide explains the small-M loss by tile and wave
+  quantization); ``gemm_eff_max = 0.78``, half efficiency at M = 128 tokens (one tile row);
+- attention: FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) reaches 600-740 TFLOP/s (60-75%)
+  forward in BF16 at 8-16k tokens and about half that at 512; ``attn_eff_max = 0.75``,
+  ``attn_s_half = 512``; its backward runs at about 0.75 of its forward's rate;
+- per-op overhead: kernel launches of a few microseconds each (CUDA C++ Best Practices Guide), about
+  ten per layer per op without CUDA graphs: ``overhead_per_layer_s = 40e-6`` plus 20 us per op;
+- links: NVLink 4 is 900 GB/s per GPU in both directions together (450 GB/s one way; ``nvlink``
+  uses 370 GB/s achieved and 10 us per message: NCCL's send/recv latency); InfiniBand NDR is
+  400 Gb/s = 50 GB/s per GPU-NIC (ConnectX-7; ``ib`` uses 45 GB/s achieved and 20 us per message).
+  Pipeline stages of a multi-node job cross nodes, so the scaling study defaults to ``ib``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from dynmb.config import ModelConfig
+
+from .base import CommModel, CostModel
+
+__all__ = ["GPUCostModel", "GPUSpec", "H100_SXM", "LINKS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """The constants of ``GPUCostModel`` (sources in the module docstring)."""
+
+    peak_flops: float = 989e12
+    """Dense BF16 tensor-core peak, FLOP/s."""
+    gemm_eff_max: float = 0.78
+    """Fraction of peak a large GEMM sustains."""
+    gemm_m_half: float = 128.0
+    """GEMM M (tokens) at which it reaches half of ``gemm_eff_max``."""
+    attn_eff_max: float = 0.75
+    """Fraction of peak fused attention sustains on long sequences (forward)."""
+    attn_s_half: float = 512.0
+    """Mean attention segment (tokens) at which attention reaches half of ``attn_eff_max``."""
+    attn_bwd_ratio: float = 2.5
+    """Attention backward FLOPs over forward FLOPs."""
+    attn_bwd_eff: float = 0.75
+    """Attention backward's efficiency relative to its forward's."""
+    overhead_s: float = 20e-6
+    """Fixed seconds per op (launch of the stage's first kernel, P2P posting)."""
+    overhead_per_layer_s: float = 40e-6
+    """Seconds per layer per op of kernel launches."""
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not np.isfinite(value) or value < 0 or (value == 0 and name in ("peak_flops", "gemm_eff_max",
+                                                                                "attn_eff_max", "attn_bwd_eff")):
+                raise ValueError(f"GPUSpec.{name} must be finite and positive, got {value}")
+
+
+H100_SXM = GPUSpec()
+LINKS: dict[str, CommModel] = {
+    "nvlink": CommModel(alpha_s=10e-6, bytes_per_s=370e9),
+    "ib": CommModel(alpha_s=20e-6, bytes_per_s=45e9),
+}
+"""P2P between neighbouring stages, per link kind (sources in the module docstring)."""
+
+
+class GPUCostModel(CostModel):
+    """Analytic GPU stage times from FLOPs and shape-dependent efficiencies; see the module docstring."""
+
+    kind = "gpu"
+
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, *, spec: GPUSpec = H100_SXM,
+                 comm: CommModel | None = None, link: str = "ib", meta: dict[str, Any] | None = None) -> None:
+        if comm is None and link not in LINKS:
+            raise ValueError(f"unknown link {link!r}; expected one of {sorted(LINKS)}")
+        super().__init__(model_cfg, num_stages, comm if comm is not None else LINKS[link], meta)
+        self.spec = spec
+        self._attn_unit = [self._attn_flops_per_unit(p) for p in range(num_stages)]
+        self._layers = [len(r) for r in model_cfg.stage_layers(num_stages)]
+
+    def _attn_flops_per_unit(self, stage: int) -> float:
+        """The s^2 coefficient of ``stage_flops`` at one row (its attention FLOPs per unit of work)."""
+        f1, f2 = (float(self.model_cfg.stage_flops(stage, self.num_stages, 1, s)) for s in (1, 2))
+        return (f2 - 2.0 * f1) / 2.0
+
+    def _predict(self, stage, op, b, s, a):
+        g = self.spec
+        tokens = b * s
+        unit = self._attn_unit[stage]
+        linear = np.asarray(self.model_cfg.stage_flops(stage, self.num_stages, b, s), dtype=np.float64) \
+            - unit * b * s * s
+        attn = unit * a
+        seg = np.where(tokens > 0, a / np.maximum(tokens, 1.0), 0.0)
+        gemm_eff = g.gemm_eff_max * tokens / (tokens + g.gemm_m_half)
+        attn_eff = g.attn_eff_max * seg / (seg + g.attn_s_half)
+        linear_s = np.where(tokens > 0, linear / (g.peak_flops * np.maximum(gemm_eff, 1e-12)), 0.0)
+        attn_s = np.where(a > 0, attn / (g.peak_flops * np.maximum(attn_eff, 1e-12)), 0.0)
+        overhead = g.overhead_s + g.overhead_per_layer_s * self._layers[stage]
+        if op == "F":
+            return overhead + linear_s + attn_s
+        return overhead + 2.0 * linear_s + g.attn_bwd_ratio * attn_s / g.attn_bwd_eff
+
+    def _params(self):
+        return asdict(self.spec)
+
+    @classmethod
+    def _from_parts(cls, cfg, p, comm, meta, params):
+        return cls(cfg, p, spec=GPUSpec(**params), comm=comm, meta=meta)

@@ -1,0 +1,48 @@
+"""``GPUCostModel``: shape-dependent efficiencies behave as documented; JSON round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynmb.config import ModelConfig
+from dynmb.costmodel import CostModel, GPUCostModel, GPUSpec, LINKS
+
+
+def _model(p: int = 4) -> GPUCostModel:
+    return GPUCostModel(ModelConfig.preset("small", d_model=4096, n_heads=32, d_ff=11008, n_layers=32,
+                                           vocab_size=32000), p)
+
+
+def test_large_microbatches_reach_the_gemm_efficiency() -> None:
+    cm, spec = _model(), GPUSpec()
+    b, s = 4, 4096
+    t = float(cm.predict(1, "F", b, s, attn=0.0))              # no attention work: linear FLOPs only
+    flops = float(cm.model_cfg.stage_flops(1, 4, b, s)) - cm._attn_flops_per_unit(1) * b * s * s
+    overhead = spec.overhead_s + spec.overhead_per_layer_s * 8
+    achieved = flops / (t - overhead) / spec.peak_flops
+    assert achieved == pytest.approx(spec.gemm_eff_max * b * s / (b * s + spec.gemm_m_half), rel=1e-9)
+
+
+def test_small_problems_run_less_efficiently_and_backward_costs_more() -> None:
+    cm = _model()
+    rows = np.array([1, 1, 1, 8])
+    lens = np.array([16, 256, 4096, 4096])
+    f, b = cm.predict(1, "F", rows, lens), cm.predict(1, "B", rows, lens)
+    per_token = f / (rows * lens)
+    assert per_token[0] > per_token[1] > per_token[3]          # tiny GEMMs are inefficient
+    assert np.all(b > 1.9 * f - 1e-3) and np.all(np.diff(f[:3]) > 0)
+    # packing short documents into one row: same tokens, far less attention work, less time
+    assert float(cm.predict(1, "F", 1, 4096, attn=16 * 256 ** 2)) < float(cm.predict(1, "F", 1, 4096))
+
+
+def test_round_trip_and_links() -> None:
+    cm = GPUCostModel(ModelConfig.preset("small"), 2, spec=GPUSpec(gemm_eff_max=0.5), link="nvlink")
+    back = CostModel.from_dict(cm.to_dict())
+    assert isinstance(back, GPUCostModel) and back.spec == cm.spec
+    assert back.comm.bytes_per_s == LINKS["nvlink"].bytes_per_s
+    np.testing.assert_allclose(back.predict(0, "B", [1, 3], [100, 300]), cm.predict(0, "B", [1, 3], [100, 300]))
+    with pytest.raises(ValueError, match="unknown link"):
+        GPUCostModel(ModelConfig.preset("small"), 2, link="ethernet")
+    with pytest.raises(ValueError, match="peak_flops"):
+        GPUSpec(peak_flops=0)
