@@ -12,6 +12,7 @@ cost model and packers can use them without importing torch.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -82,8 +83,18 @@ class ModelConfig:
     """``auto``: causal attention with no mask tensor for one document per row and
     document-causal attention costing sum(s_i^2) for packed rows (as trainers run it);
     ``dense``: the (batch, 1, s, s) mask on every row, kept only as an ablation."""
+    layer_split: tuple[int, ...] | None = None
+    """Layers per pipeline stage (model chunk), in order, e.g. ``(9, 8, 8, 7)``; None: the even split
+    (``split_layers``). Set by ``--stage-split`` (``dynmb.planning.stage_split``); a fitted cost or
+    memory model is valid only for the split it was measured on."""
 
     def __post_init__(self) -> None:
+        if self.layer_split is not None:
+            split = tuple(int(n) for n in self.layer_split)
+            object.__setattr__(self, "layer_split", split)
+            if min(split) < 1 or sum(split) != self.n_layers:
+                raise ValueError(f"ModelConfig.layer_split {list(split)} must give every stage >= 1 layer and sum to "
+                                 f"n_layers {self.n_layers}")
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, f) < 1:
                 raise ValueError(f"ModelConfig.{f} must be >= 1, got {getattr(self, f)}")
@@ -115,7 +126,15 @@ class ModelConfig:
         return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
 
     def stage_layers(self, num_stages: int) -> list[range]:
-        return split_layers(self.n_layers, num_stages)
+        """The layers of each of ``num_stages`` stages: ``layer_split`` when set (one stage: all layers),
+        else the even split."""
+        if self.layer_split is None or num_stages == 1:
+            return split_layers(self.n_layers, num_stages)
+        if len(self.layer_split) != num_stages:
+            raise ValueError(f"model {self.name!r} has a layer split for {len(self.layer_split)} stages "
+                             f"{list(self.layer_split)}, not {num_stages}")
+        ends = list(itertools.accumulate(self.layer_split))
+        return [range(end - n, end) for n, end in zip(self.layer_split, ends)]
 
     def stage_params(self, stage: int, num_stages: int) -> int:
         """Parameters held by ``stage``: its blocks, plus embeddings on the first and

@@ -46,6 +46,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): causal attention without a mask for one document per row, "
                              "document-causal (sum of s_i^2) for packed rows; dense: the (s, s) mask on every row "
                              "(ablation)")
+    parser.add_argument("--stage-split", default="even",
+                        help="layers per pipeline stage: even (default), auto (balance the stages' work, embedding "
+                             "and LM head included; dynmb.planning.stage_split) or a list such as 9,8,8,7")
 
 
 def add_model_file_flags(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +57,18 @@ def add_model_file_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-model", default=None, help="fitted memory-model JSON; default analytic")
 
 
-def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """The ModelConfig of ``--model`` and ``--attention``."""
-    return model_config(args.model, attention=getattr(args, "attention", None))
+def model_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> ModelConfig:
+    """The ModelConfig of ``--model``, ``--attention`` and ``--stage-split`` over ``--stages`` stages
+    (``model`` / ``stages`` override the flags where a verb resolves its own defaults)."""
+    cfg = model_config(model or args.model, attention=getattr(args, "attention", None))
+    split = getattr(args, "stage_split", "even") or "even"
+    if split == "even":
+        return cfg
+    stages = stages or getattr(args, "stages", None)
+    if not stages:
+        raise ValueError("--stage-split needs --stages (the number of pipeline stages, model chunks with --virtual)")
+    from dynmb.planning.stage_split import resolve_stage_split
+    return resolve_stage_split(cfg, int(stages), split)
 
 
 def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64) -> None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags
+from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, model_from_args
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
 from dynmb.runtime.api import run_job
@@ -102,7 +102,7 @@ def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "c
         raise ValueError(f"--schedule {args.schedule} is a schedule file: it runs only with the plan it was built "
                          "for (--plan)")
     return RunConfig(
-        model=model_config(_arg(args, "model"), attention=args.attention),
+        model=model_from_args(args, model=_arg(args, "model"), stages=_arg(args, "stages")),
         pipeline=PipelineConfig(num_stages=_arg(args, "stages"), virtual=_arg(args, "virtual"),
                                 schedule=_schedule_kind(args), reorder=_arg(args, "reorder"),
                                 memory_limit_bytes=parse_bytes(_arg(args, "memory_limit"))),
