@@ -1,0 +1,184 @@
+"""Hugging Face transformers decoders as dynmb pipeline stages (the stage contract of ``docs/design.md``).
+
+``HFStageFactory`` turns a transformers causal LM of the Llama layout (``LlamaForCausalLM`` and the
+decoders that share it: Qwen2, Mistral; ``model.model.embed_tokens``, ``.layers``, ``.norm``,
+``.rotary_emb`` and ``model.lm_head``) into dynmb stages that *share its modules*: no weight is
+copied, so an optimizer over the stages trains the user's model, and a model loaded with
+``from_pretrained`` keeps its weights.
+
+Stage ``s`` of ``P`` holds the decoder layers ``config.stage_layers(P)[s]`` (the split dynmb's own
+families use), the token embedding on the first stage and the final norm, the LM head and the loss on
+the last. ``forward(x, inputs)`` keeps the contract:
+
+- rotary positions come from ``inputs.position_ids``, which restart at 0 in every document of a packed
+  row, so each document sees the positions it would see alone;
+- one document per row (``inputs.attention == "causal"``): under ``sdpa`` the layers get no mask and
+  transformers' SDPA path runs ``is_causal=True``; pads sit on the right, after every real token, and
+  the loss ignores them, so the result is exact (``eager`` has no causal path: it gets the mask below);
+- packed rows (``document``) and the dense ablation: a ``(rows, 1, s, s)`` document-causal mask
+  (``dynmb.inputs.attention_mask``; additive ``-inf`` form for the ``eager`` implementation). A mask
+  skips no work: transformers' attention pays ``rows * padded_len**2`` for a packed row, so the
+  factory reports ``attention_work = "masked"`` and the cost model is fitted on that feature, not
+  dynmb's document-causal ``sum s_i**2``;
+- the last stage returns the summed cross-entropy over real tokens (labels are the next token of the
+  same document, ``IGNORE_INDEX`` at pads), which equals transformers' own per-document loss times
+  the document's predicted tokens.
+
+Not supported (refused with a one-line error): slices of long sequences (no prefix store in
+transformers' attention), full recomputation, and tied input/output embeddings across more than one
+stage (the two copies would need their gradients summed between the first and last rank).
+Every rank builds the same weights: ``from_config`` seeds torch's generator before building the
+model, so ranks that build separately hold identical parameters; a loaded checkpoint is identical by
+construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynmb.config import ModelConfig, split_layers
+from dynmb.inputs import IGNORE_INDEX, InputError, MicrobatchInputs, attention_mask
+
+__all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf"]
+
+log = logging.getLogger(__name__)
+
+
+def _parts(causal_lm: nn.Module) -> tuple[nn.Module, nn.Module]:
+    base = getattr(causal_lm, "model", None)
+    missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, n)]
+    if base is None or missing or not hasattr(causal_lm, "lm_head"):
+        raise TypeError(f"{type(causal_lm).__name__} does not have the Llama decoder layout "
+                        f"(model.embed_tokens/layers/norm/rotary_emb + lm_head); missing {missing or ['lm_head']}")
+    return base, causal_lm.lm_head
+
+
+class HFDecoderStage(nn.Module):
+    """Stage ``stage`` of ``num_stages`` of a transformers causal LM; its modules are the model's own.
+
+    Parameter names are the model's global names without the ``model.`` prefix
+    (``layers.3.self_attn.q_proj.weight``, ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight``).
+    """
+
+    def __init__(self, causal_lm: nn.Module, stage: int, num_stages: int, layers: range) -> None:
+        super().__init__()
+        base, head = _parts(causal_lm)
+        self.stage, self.num_stages, self.layers = stage, num_stages, layers
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self._impl = getattr(causal_lm.config, "_attn_implementation", "sdpa") or "sdpa"
+        if self._impl not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {self._impl!r} is not supported for transformers stages "
+                             "(use attn_implementation='sdpa' or 'eager')")
+        self.rotary_emb = base.rotary_emb               # buffers only, no parameters
+        if self.is_first:
+            self.embed_tokens = base.embed_tokens
+        self.decoder = nn.ModuleDict({str(i): base.layers[i] for i in layers})
+        if self.is_last:
+            self.norm, self.lm_head = base.norm, head
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
+        """Global names: ``decoder.3.`` is reported as ``layers.3.`` (the model's own numbering)."""
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield (name.replace("decoder.", "layers.", 1) if name.startswith("decoder.") else name), p
+
+    def _mask(self, inputs: MicrobatchInputs, dtype: torch.dtype) -> torch.Tensor | None:
+        if inputs.attention == "causal" and self._impl == "sdpa":
+            return None                                  # SDPA's is_causal path; eager has none, it needs the mask
+        mask = inputs.attn_mask if inputs.attn_mask is not None else attention_mask(inputs.doc_ids)
+        if self._impl == "eager":
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        return mask
+
+    def forward(self, x: torch.Tensor | None, inputs: MicrobatchInputs, *, reduction: str = "sum",
+                recompute: bool = False) -> torch.Tensor:
+        if recompute:
+            raise InputError("recomputation is not supported for transformers stages (use --recompute never)")
+        if inputs.has_slices:
+            raise InputError("slices of long sequences are not supported for transformers stages "
+                             "(use --oversize error/truncate/drop)")
+        if self.is_first:
+            x = self.embed_tokens(inputs.input_ids)
+        elif x is None:
+            raise ValueError(f"stage {self.stage} needs the hidden state from stage {self.stage - 1}")
+        rotary = self.rotary_emb(x, inputs.position_ids)
+        mask = self._mask(inputs, x.dtype)
+        for layer in self.decoder.values():
+            x = layer(x, attention_mask=mask, position_ids=inputs.position_ids, position_embeddings=rotary)
+        if not self.is_last:
+            return x
+        logits = self.lm_head(self.norm(x))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        ce = F.cross_entropy(logits.flatten(0, 1), inputs.labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="sum" if reduction == "sum" else "none")
+        if reduction == "sum":
+            return ce
+        if reduction == "none":
+            return ce.view(inputs.labels.shape)
+        raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
+
+
+def model_config_from_hf(hf_config: Any, name: str = "hf") -> ModelConfig:
+    """The dynmb ``ModelConfig`` of a transformers Llama-layout config (sizes for the memory and cost models)."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    values = dict(name=name, vocab_size=hf_config.vocab_size, d_model=hf_config.hidden_size,
+                  n_layers=hf_config.num_hidden_layers, n_heads=hf_config.num_attention_heads,
+                  d_ff=hf_config.intermediate_size,
+                  max_seq_len=getattr(hf_config, "max_position_embeddings", 2048),
+                  family="llama", n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+                  rope_theta=float(getattr(hf_config, "rope_theta", None)
+                                   or (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+                  tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    return ModelConfig(**{k: v for k, v in values.items() if k in fields})
+
+
+class HFStageFactory:
+    """A ``StageFactory`` over one transformers causal LM (built from a config, or the user's own model).
+
+    ``build_stage(s, P)`` returns stage ``s`` of ``P`` sharing the model's modules; ``config`` is the
+    dynmb ``ModelConfig`` of its sizes; ``attention_work`` is ``"masked"`` (see the module docstring).
+    """
+
+    attention_work = "masked"
+
+    def __init__(self, causal_lm: nn.Module, name: str = "hf") -> None:
+        _parts(causal_lm)
+        self.model = causal_lm
+        self.config = model_config_from_hf(causal_lm.config, name)
+        self.num_layers = len(causal_lm.model.layers)
+
+    @classmethod
+    def from_config(cls, hf_config: Any, *, seed: int = 0, dtype: torch.dtype | None = None,
+                    name: str = "hf") -> "HFStageFactory":
+        """Build ``AutoModelForCausalLM.from_config(hf_config)`` with torch's generator seeded by ``seed``,
+        so every rank that calls this holds the same weights."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(hf_config)
+        return cls(model.to(dtype) if dtype is not None else model, name)
+
+    def stage_layers(self, num_stages: int) -> list[range]:
+        return split_layers(self.num_layers, num_stages)
+
+    def build_stage(self, stage: int, num_stages: int, *, seed: int = 0, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> HFDecoderStage:
+        """Stage ``stage`` of ``num_stages``. ``seed`` is unused (the weights are the model's); ``dtype`` and
+        ``device`` move the shared modules (the whole model's, for one process holding every stage)."""
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage {stage} out of range for {num_stages} stages")
+        if num_stages > 1 and self.config_tied:
+            raise ValueError("tied input/output embeddings across pipeline stages are not supported; "
+                             "set tie_word_embeddings=False in the transformers config")
+        built = HFDecoderStage(self.model, stage, num_stages, self.stage_layers(num_stages)[stage])
+        return built.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else built
+
+    @property
+    def config_tied(self) -> bool:
+        return bool(getattr(self.model.config, "tie_word_embeddings", False))
