@@ -256,3 +256,46 @@ def test_the_package_exports_what_its_docstring_advertises():
     missing = sorted(n for n in advertised if not hasattr(dynmb, n))
     assert missing == []
     assert {"MemoryModelLike", "CostModelLike", "SampledMicrobatch"} <= set(dynmb.__all__)
+
+
+def test_a_trace_smaller_than_the_global_batch_is_sampled_with_replacement_with_a_note(caplog):
+    from dynmb.data import sample_batch
+
+    with caplog.at_level(logging.WARNING, logger="dynmb.data.lengths"):
+        sample_batch(np.arange(1, 11), 8, seed=0)                     # enough records: no note
+        assert caplog.text == ""
+        for step in range(3):
+            sample_batch(np.arange(1, 11), 16, seed=0, step=step)
+    assert caplog.text.count("10 records < global batch 16: batches are drawn with replacement") == 1
+
+
+def test_the_sampler_plans_with_the_memory_model_it_is_given():
+    """A fitted memory model 10% above the analytic count: every microbatch of the epoch fits under
+    the limit by the model given, and the analytic stand-in's plans would not."""
+    lengths = _lengths(128, seed=7)
+    cfg = model_config("tiny")
+    fitted = _fitted_memory_model(cfg, 2)
+    given_mm = _sampler(lengths, memory_model=fitted, seed=1)
+    stand_in = _sampler(lengths, seed=1)
+    assert given_mm.planner.memory_model is fitted
+
+    def worst(s, mm):
+        return max(float(np.max(mm.peak_bytes(p.shapes()[:, 0], p.shapes()[:, 1], "1f1b")) / p.memory_limit_bytes)
+                   for p in s.plans())
+
+    assert worst(given_mm, fitted) <= 1.0
+    assert worst(stand_in, fitted) > 1.0
+
+
+@pytest.mark.parametrize("oversize", ["truncate", "drop"])
+def test_documents_that_fit_nowhere_follow_oversize(oversize):
+    lengths = np.full(40, 20)
+    lengths[11] = 100_000
+    s = _sampler(lengths, global_batch=40, oversize=oversize)
+    recs = list(s)
+    seen = {i: int(n) for mb in recs for i, n in zip(mb.indices.tolist(), mb.lengths.tolist())}
+    assert all(seen[i] == 20 for i in range(40) if i != 11)
+    if oversize == "drop":
+        assert 11 not in seen and recs[0].batch_documents == 39
+    else:
+        assert 0 < seen[11] < 100_000 and recs[0].batch_tokens == 39 * 20 + seen[11]
