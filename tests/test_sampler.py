@@ -78,6 +78,8 @@ def test_epoch_covers_every_index_once_and_replicas_are_disjoint(n, global_batch
         assert sizes == [global_batch] * (n // global_batch) + ([n % global_batch] if n % global_batch else []) \
             or (n % global_batch < replicas and sizes[-1] == global_batch + n % global_batch)
     assert all(set(a).isdisjoint(b) for i, a in enumerate(per_rank) for b in per_rank[i + 1:])
+    counts = [[sum(mb.global_batch == k for mb in recs) for k in range(len(batches))] for recs in records]
+    assert all(c == counts[0] for c in counts)            # every replica steps its optimizer after as many
     for rank, (s, recs) in enumerate(zip(samplers, records)):
         assert len(s) == len(recs)
         assert [mb.is_last_in_batch for mb in recs].count(True) == len(batches)      # one optimizer step per batch

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator
 from importlib import resources
 from typing import Any
 
+from ..config import MODEL_PRESETS
+
 __all__ = ["AUTO_REORDER", "reorder_for", "default_cost_model_path", "StandInModelWarning", "stand_ins_of",
            "warn_stand_ins", "suppress_stand_in_warnings", "reset_stand_in_warnings"]
 
@@ -82,12 +84,17 @@ def reset_stand_in_warnings() -> None:
 def warn_stand_ins(model_cfg: Any, num_stages: int, kinds: Iterable[str], *, who: str = "Planner") -> str | None:
     """Warn once per (stand-in, model config, stages) that planning uses ``kinds`` (``cost``,
     ``memory``) and how to fit the real models; returns the message, or None when nothing is new."""
-    new = [k for k in kinds if (k, model_cfg, int(num_stages)) not in _WARNED]
+    cfg_key: Any = model_cfg
+    try:
+        hash(cfg_key)
+    except TypeError:                                   # an unhashable config: by its repr
+        cfg_key = repr(model_cfg)
+    new = [k for k in kinds if (k, cfg_key, int(num_stages)) not in _WARNED]
     if not new or _SUPPRESSED.get():
         return None
-    _WARNED.update((k, model_cfg, int(num_stages)) for k in new)
+    _WARNED.update((k, cfg_key, int(num_stages)) for k in new)
     name = str(getattr(model_cfg, "name", model_cfg))
-    spec = f"--model {name} --stages {num_stages}"
+    spec = f"--model {name if name.split(':')[0] in MODEL_PRESETS else '<your model>'} --stages {num_stages}"
     fixes = []
     if "cost" in new:
         fixes.append(f"`dynmb profile {spec} -o samples.csv && dynmb fit samples.csv {spec} -o cost.json`, "
