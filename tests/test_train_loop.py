@@ -99,6 +99,13 @@ def test_train_steps_the_optimizer_once_per_global_batch():
     assert all(p.grad is None for p in model.parameters())         # nothing left accumulated after the last step
 
 
+def _trained(t, cfg, tokens, sampler, group=None) -> tuple[torch.Tensor, list[float]]:
+    """Parameters and losses after the example's ``train`` runs 2 SGD steps (fp64)."""
+    model = t.TinyLM(cfg, dtype=torch.float64)
+    losses = t.train(model, tokens, sampler, torch.optim.SGD(model.parameters(), lr=0.5), steps=2, group=group)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), losses
+
+
 def _dp_rank(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -111,8 +118,10 @@ def _dp_rank(rank: int, world: int, init: str, out: str) -> None:
             t.microbatch_backward(model, tokens, mb)
         for p in model.parameters():
             dist.all_reduce(p.grad)
+        trained = _trained(t, cfg, tokens, sampler, dist.group.WORLD)
         torch.save({"grads": _grads(model), "counted": counted, "planned": planned_loss_tokens(mine[0]),
-                    "indices": [i for mb in mine for i in mb.indices.tolist()]}, os.path.join(out, f"{rank}.pt"))
+                    "indices": [i for mb in mine for i in mb.indices.tolist()], "trained": trained},
+                   os.path.join(out, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -131,3 +140,9 @@ def test_data_parallel_replicas_sum_to_the_global_batch_gradient(tmp_path):
     ref = _reference(t, cfg, tokens, batch)
     for r in res:
         assert torch.allclose(r["grads"], ref, rtol=1e-10, atol=1e-13)
+    params, losses = _trained(t, cfg, tokens, sampler)          # the loop on one process: same steps
+    start = torch.cat([p.detach().reshape(-1) for p in t.TinyLM(cfg, dtype=torch.float64).parameters()])
+    assert not torch.allclose(params, start)
+    for r in res:
+        assert torch.allclose(r["trained"][0], params, rtol=1e-9, atol=1e-12)
+        assert r["trained"][1] == pytest.approx(losses, rel=1e-10)
