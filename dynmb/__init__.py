@@ -10,7 +10,8 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
 
 - ``Planner(model=, num_stages=, memory_limit=, ...).plan(lengths, method=, reorder=)``
   -> ``PlannedStep(plan, schedule, sim)``; ``simulate(schedule, plan, cost_model, memory_model)``;
-- ``DynamicBatchSampler``: the planner inside your own DataLoader;
+- ``DynamicBatchSampler``: the planner inside your own training loop, yielding ``SampledMicrobatch``
+  records (``dynmb.collate`` turns them into token tensors and normalises the loss);
 - ``run(config_or_configs, out=) -> RunResult(returncode, tables, failures)``: real runs
   through torchrun, as ``dynmb run`` launches them;
 - ``load_results(dir)``, ``summarise(tables, by=)``: the tidy tables of runs;
@@ -21,6 +22,8 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
 
 from .analysis import summarise
 from .config import ModelConfig, PipelineConfig, RunConfig, model_config
+from .costmodel.base import CostModelLike
+from .memory import MemoryModelLike
 from .planning.api import PlannedStep, Planner
 from .results import load_results
 from .simulate import SimResult, simulate
@@ -33,10 +36,10 @@ def __getattr__(name: str) -> object:
     # ``DynamicBatchSampler`` subclasses torch's Sampler: importing it on first use keeps
     # ``import dynmb`` (and every command that needs no torch, e.g. ``dynmb datasets``) free of
     # torch's ~4 s import. Not a cycle: dynmb.planning.sampler imports only layers above it.
-    if name == "DynamicBatchSampler":
-        from .planning.sampler import DynamicBatchSampler
+    if name in ("DynamicBatchSampler", "SampledMicrobatch"):
+        from .planning import sampler
 
-        return DynamicBatchSampler
+        return getattr(sampler, name)
     # ``run`` / ``RunResult`` bring the launcher and the results loader; loaded on first use like
     # the sampler, so that ``import dynmb`` stays light (dynmb.runtime.api imports no torch).
     if name in ("run", "RunResult"):
@@ -46,7 +49,8 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'dynmb' has no attribute {name!r}")
 
 __all__ = [
-    "Planner", "PlannedStep", "simulate", "SimResult", "DynamicBatchSampler", "load_results", "summarise",
+    "Planner", "PlannedStep", "simulate", "SimResult", "DynamicBatchSampler", "SampledMicrobatch", "load_results", "summarise",
     "run", "RunResult",
     "Microbatch", "Plan", "Action", "Schedule", "ModelConfig", "PipelineConfig", "RunConfig", "model_config",
+    "CostModelLike", "MemoryModelLike",
 ]

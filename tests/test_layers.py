@@ -112,7 +112,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                          "dynamic", "dynamic_setup", "dynamic_rank", "recompute")),
     ("planning", _modules("dynmb.planning", "planner", "reorder", "zerobubble", "slicing", "defaults", "api", "sampler",
                           "stage_split")),
-    ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix", *_modules("dynmb.models", "hf"))),
+    ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "hf"))),
     ("runtime", _modules("dynmb.runtime", "spec", "topology", "state", "step", "interpreter", "splitbackward", "comm",
                          "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",
                          "worker", "api")),

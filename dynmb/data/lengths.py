@@ -12,7 +12,8 @@ Building a trace from a corpus, and the tokenizers: ``dynmb.data.corpus``.
 
 Sampling (``sample_batch``): batch ``step`` of stream ``seed`` is drawn with
 ``np.random.default_rng([seed, step])``, without replacement when the trace has
-``global_batch`` records, else with replacement; same (seed, step), same batch.
+``global_batch`` records, else with replacement (logged once per trace size and batch size);
+same (seed, step), same batch.
 
 Synthetic traces for sweeps: ``lognormal``/``lognormal_mixture`` draw
 ``round(exp(N(mu, sigma)))`` clipped to ``[1, max_len]``; ``fit_lognormal`` is
@@ -23,6 +24,7 @@ Gaussian mixture on log lengths fitted by EM; ``synthetic_like`` fits and draws.
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from importlib import resources
 from pathlib import Path
@@ -31,6 +33,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 
 from ..atomic import write_text_atomic
+
+log = logging.getLogger(__name__)
+_NOTED_REPLACEMENT: set[tuple[int, int]] = set()
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -155,6 +160,10 @@ def sample_batch(lengths: Iterable[int], global_batch: int, seed: int, step: int
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     if seed < 0 or step < 0:
         raise ValueError(f"seed and step must be >= 0, got seed={seed} step={step}")
+    if global_batch > a.size and (a.size, int(global_batch)) not in _NOTED_REPLACEMENT:
+        _NOTED_REPLACEMENT.add((a.size, int(global_batch)))
+        log.warning("the trace has %d records < global batch %d: batches are drawn with replacement "
+                    "(records repeat within a batch)", a.size, global_batch)
     rng = np.random.default_rng([int(seed), int(step)])
     idx = rng.choice(a.size, size=int(global_batch), replace=global_batch > a.size)
     return a[idx]

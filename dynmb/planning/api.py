@@ -31,7 +31,7 @@ from ..costmodel import get_cost_model
 from ..memory import get_memory_model
 from ..simulate import SimResult
 from ..types import Plan, Schedule
-from .defaults import default_cost_model_path
+from .defaults import default_cost_model_path, stand_ins_of, warn_stand_ins
 from .planner import plan_step
 
 __all__ = ["Planner", "PlannedStep"]
@@ -77,6 +77,7 @@ class Planner:
             path = cost_model if cost_model is not None else default_cost_model_path(
                 self.model_cfg.name, self.num_stages, device)
             cost_model = get_cost_model(path, self.model_cfg, self.num_stages)
+            warn_stand_ins(self.model_cfg, self.num_stages, stand_ins_of(cost_model, None))   # said once
         else:
             cost_model.check(self.model_cfg, self.num_stages)
         if memory_model is None or isinstance(memory_model, (str, Path)):
