@@ -147,3 +147,31 @@ def test_a_microbatch_over_the_limit_is_split():
     assert plan.num_microbatches > math.ceil(lengths.sum() / budget)
     assert max(mb.padded_len for mb in plan.microbatches) <= plan.meta["longest_fitting_length"]
     plan.validate(lengths)
+
+
+@pytest.mark.dist
+def test_compare_reports_both_budgets_and_the_gaps(tmp_path):
+    """``dynmb compare`` runs token-budget and balanced at the memory maximum and at cap / d, adds a
+    ``-best`` row for each (the fastest of its cases), and every step carries its bounds."""
+    import pandas as pd
+
+    from dynmb.cli import main
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "8", "--steps", "1",
+               "--warmup", "0", "--methods", "token-budget,balanced", "--memory-limit", "24MiB", "--out", str(out)])
+    assert rc == 0
+    steps = pd.read_csv(out / "steps.csv")
+    summary = pd.read_csv(out / "summary.csv").set_index("case")
+    for method in ("token-budget", "balanced"):
+        rows = summary[summary["method"] == method]
+        assert method in rows.index and any(c.startswith(f"{method} div=") for c in rows.index)
+        best = rows[rows.index.str.startswith(f"{method}-best (cap/")]
+        assert len(best) == 1 and best["tokens_per_s"].iloc[0] == rows["tokens_per_s"].max()
+        divisors = steps.loc[steps["method"] == method, "label"].str.extract(r"div=(\d+)")[0].dropna().astype(int)
+        assert set(divisors) <= {2 ** j for j in range(1, 12)}
+    assert {"bound_s", "ideal_s", "pred_bound_s", "gap_to_bound"} <= set(steps.columns)
+    assert (steps["ideal_s"] <= steps["pred_bound_s"] * (1 + 1e-9)).all()
+    assert (steps["pred_bound_s"] <= steps["pred_step_s"] * (1 + 1e-9)).all()
+    assert (steps["bound_s"] <= steps["replay_step_s"] * (1 + 1e-9)).all()   # same measured times, same P2P
+    assert steps["gap_to_bound"].to_numpy() == pytest.approx((steps["step_s"] / steps["bound_s"] - 1).to_numpy())
+    assert {"gap_to_bound", "gap_to_ideal"} <= set(summary.columns)
