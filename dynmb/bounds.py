@@ -101,18 +101,17 @@ def stage_ranks(num_stages: int, schedule: Schedule | None = None) -> np.ndarray
     """Rank of every stage: the schedule's map, or one stage per rank."""
     rank = np.arange(num_stages, dtype=np.int64)
     if schedule is not None:
-        for s, r in schedule.stage_to_rank().items():
-            rank[s] = r
+        for r, acts in enumerate(schedule.ranks):
+            rank[list({a.stage for a in acts})] = r
     return rank
 
 
 def split_mask(schedule: Schedule) -> np.ndarray:
     """``[S, m]`` bool: which (stage, microbatch) run a split backward (``I`` + ``W``) in ``schedule``."""
     mask = np.zeros((schedule.num_stages, schedule.num_microbatches), dtype=bool)
-    for acts in schedule.ranks:
-        for a in acts:
-            if a.op == "I":
-                mask[a.stage, a.mb] = True
+    split = [(a.stage, a.mb) for acts in schedule.ranks for a in acts if a.op == "I"]
+    if split:
+        mask[tuple(np.array(split).T)] = True
     return mask
 
 
@@ -211,25 +210,24 @@ def plan_bound(plan: Plan, cost_model: CostModelLike, schedule: Schedule | None 
 def plan_lengths_pieces(plan: Plan) -> tuple[np.ndarray, int]:
     """``(whole sequence lengths, shortest piece)`` of ``plan``: a sliced sequence counts once at
     its full length; the shortest piece is the shortest entry of any microbatch (slices included)."""
-    total: dict[int, int] = {}
-    shortest = None
-    for mb in plan.microbatches:
-        for sid, n in zip(mb.seq_ids.tolist(), mb.lengths.tolist()):
-            total[sid] = total.get(sid, 0) + n
-        low = int(mb.lengths.min())
-        shortest = low if shortest is None else min(shortest, low)
-    return np.array(list(total.values()), dtype=np.int64), int(shortest or 0)
+    if not plan.microbatches:
+        return np.zeros(0, dtype=np.int64), 0
+    ids = np.concatenate([mb.seq_ids for mb in plan.microbatches])
+    lens = np.concatenate([mb.lengths for mb in plan.microbatches])
+    uniq, inv = np.unique(ids, return_inverse=True)
+    return np.bincount(inv, weights=lens, minlength=len(uniq)).astype(np.int64), int(lens.min())
 
 
 def _seq_costs(cost_model: CostModelLike, lengths: np.ndarray) -> dict[str, np.ndarray]:
     """``{"F", "B"}: [S, n]``, ``d_op`` of sequences of ``lengths`` (module doc): one row each, no
     overhead, no intercept (the one cost lookup ``stage_costs`` at one row, minus its value at length 0)."""
-    L = lengths.astype(np.float64)
+    L = np.concatenate([[0.0], lengths.astype(np.float64)])     # length 0 first: the intercept
     full = cost_model.stage_costs(np.ones_like(L), L, L * L)
-    base = cost_model.stage_costs(np.ones(1), np.zeros(1), np.zeros(1))
-    return {op: np.maximum(np.asarray(full[op], dtype=np.float64).reshape(cost_model.num_stages, -1)
-                           - np.asarray(base[op], dtype=np.float64).reshape(cost_model.num_stages, 1), 0.0)
-            for op in ("F", "B")}
+    out = {}
+    for op in ("F", "B"):
+        c = np.asarray(full[op], dtype=np.float64).reshape(cost_model.num_stages, -1)
+        out[op] = np.maximum(c[:, 1:] - c[:, :1], 0.0)
+    return out
 
 
 def ideal_bound(lengths: Any, cost_model: CostModelLike, *, stage_rank: Sequence[int] | np.ndarray | None = None,
@@ -243,14 +241,13 @@ def ideal_bound(lengths: Any, cost_model: CostModelLike, *, stage_rank: Sequence
     S = cost_model.num_stages
     rank = np.arange(S) if stage_rank is None else np.asarray(stage_rank, dtype=np.int64)
     uniq, count = np.unique(lengths, return_counts=True)
-    d = _seq_costs(cost_model, uniq)
-    work = (d["F"] + d["B"]) @ count.astype(np.float64) / max(1, int(dp))   # [S]
-    piece = np.array([int(shortest_piece if shortest_piece is not None else uniq[0])], dtype=np.int64)
-    p = _seq_costs(cost_model, piece)
-    pF, pB = p["F"][:, 0], p["B"][:, 0]
+    piece = int(shortest_piece if shortest_piece is not None else uniq[0])
+    d = _seq_costs(cost_model, np.append(uniq, piece))
+    work = (d["F"][:, :-1] + d["B"][:, :-1]) @ count.astype(np.float64) / max(1, int(dp))   # [S]
+    pF, pB = d["F"][:, -1], d["B"][:, -1]
     comm = getattr(cost_model, "comm", None)
     c = 0.0 if comm is None else float(np.asarray(
-        comm.time(cost_model.model_cfg.message_bytes(1, int(piece[0])))).reshape(-1)[0])
+        comm.time(cost_model.model_cfg.message_bytes(1, piece))).reshape(-1)[0])
     hop = _hops(rank) * c
     head = np.concatenate([[0.0], np.cumsum(pF[:-1])]) + hop
     tail = np.zeros(S) if split_backward else np.concatenate([[0.0], np.cumsum(pB[:-1])]) + hop
