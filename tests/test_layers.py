@@ -97,7 +97,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models of the hardware", ("dynmb.memory", "dynmb.costmodel")),
     ("packing", ("dynmb.packing",)),
     ("schedules", ("dynmb.schedule",)),
-    ("simulation", ("dynmb.simulate",)),
+    ("simulation", ("dynmb.simulate", "dynmb.bounds")),
     ("planning", ("dynmb.planning",)),
     ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix")),
     ("runtime", ("dynmb.runtime",)),
