@@ -97,6 +97,20 @@ def test_equal_microbatches_bound_is_one_f_one_b(P, m):
     assert (excess > 0.5) == (P > 1 and m >= 3), excess
 
 
+@pytest.mark.parametrize("R", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_equal_microbatches_bound_is_interleaved_makespan(R, v, rounds):
+    """Interleaved 1F1B of m = rounds x R equal microbatches without P2P time runs v m (F + B)
+    + (R - 1)(F + B) (per-chunk costs): the per-rank bound exactly."""
+    P, m = R * v, rounds * R
+    costs = {"F": np.ones((P, m)), "B": 2 * np.ones((P, m))}
+    sched = build_schedule("interleaved", P, m, virtual=v)
+    want = v * m * 3 + (R - 1) * 3
+    assert simulate_costs(sched, costs).makespan_s == want
+    assert dependency_bound(costs, 0.0, stage_ranks(P, sched)) == want
+
+
 def test_interleaved_bound_is_per_rank():
     """Two ranks holding stages (0, 2) and (1, 3): rank 1's fill is stage 1's (F of stage 0 and
     one P2P), its work all four ops of stages 1 and 3, its drain stage 1's."""
