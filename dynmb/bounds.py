@@ -34,10 +34,14 @@ Equal microbatches (``F``, ``B``, ``c`` the same everywhere), P stages on P rank
 stage gives ``(P - 1)(F + c) + m (F + B) + (P - 1)(B + c) = (m + P - 1)(F + B) + 2 (P - 1) c``.
 GPipe's makespan is exactly that; so is 1F1B's when ``c = 0``. With ``c > 0`` the simulator's 1F1B
 is slower than the bound: in its steady state a stage's next ``F`` is sent only after the
-previous backward came back from its successor, so every steady-state cycle of the last stage
-waits a round trip ``2c`` (the price of 1F1B's bounded in-flight window, part of the gap by
-design; ``tests/test_bounds.py`` checks both equalities and that 1F1B's excess is a multiple
-of ``2c``). One microbatch: the bound is the makespan of every schedule.
+previous backward came back from its successor, so steady-state cycles wait round trips ``2c``
+(how many depends on F, B and c; none with two microbatches or fewer, where 1F1B is GPipe): the
+price of 1F1B's bounded in-flight window, part of the gap by design (``tests/test_bounds.py``
+checks both equalities and that 1F1B's excess is a whole number of ``2c``). Interleaved, R ranks
+of v chunks, m a multiple of R, ``c = 0``: ``v m (F + B) + (R - 1)(F + B)``, its makespan. Split
+backward with unit ``F = I = W``: ``3m + P - 1``, the zero-bubble paper's ZB-H1 makespan (the
+bubble ``(P - 1)(F + I - W)``; ``zb-h1``'s list schedule runs ``P - 1`` above it in this
+simulator). One microbatch, one stage per rank: the bound is the makespan of every schedule.
 
 ``ideal_s`` (``ideal_bound``): the same three terms with the batch's real tokens only. Each
 sequence costs ``d_op(s, l) = predict(s, op, 1 row, l, l^2) - predict(s, op, 1, 0, 0)``: one
