@@ -111,6 +111,18 @@ def test_equal_microbatches_bound_is_interleaved_makespan(R, v, rounds):
     assert dependency_bound(costs, 0.0, stage_ranks(P, sched)) == want
 
 
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_split_backward_unit_bound_is_the_papers_zb_h1(P, k):
+    """F = I = W = 1: 3m + P - 1 (ZB-H1's bubble (P - 1)(F + I - W)); the list-scheduled zb-h1 is not below it."""
+    m = k * P
+    inp = ZBInputs.unit(P, m)
+    sched = zb_h1(P, m, inp)
+    costs = {"F": inp.F, "I": inp.I, "W": inp.W}
+    assert dependency_bound(costs, 0.0, None, split_mask(sched)) == 3 * m + P - 1
+    assert simulate_costs(sched, costs).makespan_s >= 3 * m + P - 1
+
+
 def test_interleaved_bound_is_per_rank():
     """Two ranks holding stages (0, 2) and (1, 3): rank 1's fill is stage 1's (F of stage 0 and
     one P2P), its work all four ops of stages 1 and 3, its drain stage 1's."""
