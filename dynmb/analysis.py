@@ -27,6 +27,8 @@ Per configuration (warm-up steps excluded):
 - ``replay_err``: median of |replay - measured| / measured, ``replay_step_s`` being the
   simulator's step time with the measured action times (the simulator's own error; what
   ``pred_err`` adds to it is the cost model's); absent when no step has a replay;
+- ``gap_to_bound`` / ``gap_to_ideal``: medians of ``step_s / bound_s - 1`` and ``step_s / ideal_s
+  - 1`` (``dynmb.bounds``; present when the steps carry them);
 - ``plan_s``: median planning time per step; ``mbs``: the microbatch sizes the steps
   used (``"3"``, or ``"2-3"`` when an automatic mbs varied).
 """
@@ -144,6 +146,11 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
         replay = pd.to_numeric(steps["replay_step_s"], errors="coerce")
         steps["replay_err"] = (replay - steps["step_s"]).abs() / steps["step_s"]
         out["replay_err"] = steps.groupby(keys, dropna=False)["replay_err"].median()
+    if "ideal_s" in steps.columns:      # gaps to the step's lower bounds (dynmb.bounds)
+        steps["gap_to_ideal"] = steps["step_s"] / pd.to_numeric(steps["ideal_s"], errors="coerce") - 1.0
+        steps["gap_to_bound"] = pd.to_numeric(steps["gap_to_bound"], errors="coerce")
+        for col in ("gap_to_bound", "gap_to_ideal"):
+            out[col] = steps.groupby(keys, dropna=False)[col].median()
     for col, how in (("mean_bubble", "median"), ("plan_s", "median"), ("distinct_shapes", "mean"),
                      ("new_shapes", "sum")):
         if col in steps.columns:

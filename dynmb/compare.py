@@ -3,7 +3,9 @@
 ``prepare_compare(settings)`` plans the cases: every method of ``settings.methods`` at its
 own microbatch order (``--reorder auto``: ``planning.AUTO_REORDER``), and, for ``fixed`` without a
 given microbatch size, extra ``fixed`` cases at 1, 2, 4, ... rows below the largest size
-that fits every step, to find the best fixed size in hindsight (``fixed_candidates``).
+that fits every step, to find the best fixed size in hindsight (``fixed_candidates``), and for
+``token-budget`` and ``balanced`` extra cases at the memory-maximum budget divided by 2, 4, ...
+(``budget_candidates``; the budget users set is the method's own case).
 ``run_compare_job(job)`` runs them all as the cases of ONE torchrun job (one process per
 pipeline rank; gloo on CPU, NCCL on CUDA), so the throughputs are measured side by side on
 the same machine state. On CPU the cases run round by round (step k of every method, the
@@ -12,7 +14,9 @@ on CUDA), so a burst of outside load on a shared machine slows every method alik
 of whichever ran during it. Then it:
 
 1. summarises the measured steps per case (``analysis.summarise``; ``display_summary``
-   names the rows: ``fixed (mbs 3)``, ``fixed-best (mbs B)``, ...);
+   names the rows: ``fixed (mbs 3)``, ``fixed-best (mbs B)``, ``token-budget-best (cap/4)``,
+   ``balanced-best (cap/d)``, ...; each with its gap to its bound and to the batch's ``ideal_s``,
+   ``dynmb.bounds``);
 2. writes ``summary.csv`` next to the tidy ``steps``/``actions``/``memory``/``runs`` tables;
 3. plots ``throughput.png`` and measured-vs-predicted Gantt charts for ``fixed`` and
    ``dynamic`` (``gantt_<method>_measured.png`` / ``gantt_<method>_predicted.png``).
@@ -54,12 +58,19 @@ from dynmb.runtime.launch import LaunchResult, default_backend_device, launch_jo
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 
 __all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "prepare_compare", "run_compare_job",
-           "fixed_candidates", "display_summary", "format_summary", "COLUMNS", "FIXED_SIZE_METHODS"]
+           "fixed_candidates", "budget_candidates", "display_summary", "format_summary", "COLUMNS",
+           "FIXED_SIZE_METHODS", "BUDGET_METHODS"]
 
 COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
-           "pred_step_s", "step_s", "pred_err", "replay_err", "plan_s", "num_microbatches", "mbs", "distinct_shapes", "new_shapes"]
+           "pred_step_s", "step_s", "pred_err", "replay_err", "gap_to_bound", "gap_to_ideal", "plan_s",
+           "num_microbatches", "mbs", "distinct_shapes", "new_shapes"]
 FIXED_SIZE_METHODS = ("fixed", "sorted", "packed")
-ALL_METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
+BUDGET_METHODS = ("token-budget", "balanced")
+"""Methods with a token budget: the memory maximum (their main case) and, for the best budget in
+hindsight, the memory maximum divided by 2, 4, ... (their ``mbs``, ``budget_candidates``)."""
+BUDGET_CANDIDATES = 3
+"""The divided budgets run per budget method: those with the smallest predicted step time."""
+ALL_METHODS = ("fixed", "sorted", "packed", "token-budget", "balanced", "dynapipe", "dynamic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +107,8 @@ class CompareSettings:
     steps: int = 3
     warmup: int = 1
     fixed_best: bool = True
-    """Add the fixed cases that find the best fixed microbatch size in hindsight."""
+    """Add the fixed cases that find the best fixed microbatch size in hindsight, and the
+    token budgets that find the best budget of each ``BUDGET_METHODS`` method."""
     sequential: bool = False
     """Run the cases one after another even on CPU."""
     cost_model: str | None = None
@@ -206,6 +218,26 @@ def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
     return auto, [1 << i for i in range(12) if (1 << i) < min(auto)]
 
 
+def budget_candidates(settings: CompareSettings, method: str) -> list[int]:
+    """Divisors d = 2, 4, ... of ``method``'s memory-maximum token budget (the budgets cap / d)
+    for the best budget in hindsight: every d until the plans of the run's steps stop changing
+    their microbatch count, then the ``BUDGET_CANDIDATES`` whose predicted steps (summed over the
+    run's steps) are shortest, in increasing d. Measured like ``fixed-best``: the fastest case wins."""
+    trace = load_trace(settings.trace)
+    kwargs = _plan_kwargs(settings, method)
+    batches = [sample_batch(trace, settings.global_batch, settings.seed, step=k)
+               for k in range(settings.warmup + settings.steps)]
+    scored, last = [], None
+    for j in range(1, 12):
+        plans = [plan_step(b, **{**kwargs, "mbs": 1 << j})[0] for b in batches]
+        counts = [p.num_microbatches for p in plans]
+        if counts == last:
+            break
+        last = counts
+        scored.append((sum(float(p.predictions["pred_step_s"]) for p in plans), 1 << j))
+    return sorted(d for _, d in sorted(scored)[:BUDGET_CANDIDATES])
+
+
 def prepare_compare(settings: CompareSettings) -> CompareJob:
     """Resolve ``settings``, create the output folder and plan the cases (see the module docstring).
     Unknown methods and an unwritable folder are refused first (``ValueError``, one line); the
@@ -227,6 +259,8 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
     if "fixed" in settings.methods and settings.microbatch_size is None and settings.fixed_best:
         _, candidates = fixed_candidates(settings)
         runs += [(f"fixed mbs={size}", "fixed", size) for size in candidates]
+    for method in (m for m in BUDGET_METHODS if m in settings.methods and settings.fixed_best):
+        runs += [(f"{method} div={d}", method, d) for d in budget_candidates(settings, method)]
     cases = []
     for label, method, size in runs:
         cfg = RunConfig(model=model,
@@ -303,6 +337,14 @@ def display_summary(summary: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
         best["case"] = f"fixed-best (mbs {best['mbs']})"
         at = int(fixed.index.max()) + 1
         flat = pd.concat([flat.iloc[:at], best.to_frame().T, flat.iloc[at:]], ignore_index=True)
+    for method in BUDGET_METHODS:      # the best token budget in hindsight: cap (d = 1) or cap / d
+        rows = flat[flat["method"] == method]
+        if len(rows) > 1:
+            best = rows.loc[rows["tokens_per_s"].astype(float).idxmax()].copy()
+            d = str(best["label"]).rpartition("div=")[2] if "div=" in str(best["label"]) else "1"
+            best["case"] = f"{method}-best (cap/{d})"
+            at = int(rows.index.max()) + 1
+            flat = pd.concat([flat.iloc[:at], best.to_frame().T, flat.iloc[at:]], ignore_index=True)
     return flat.set_index("case")
 
 
@@ -318,7 +360,8 @@ def format_summary(summary: pd.DataFrame, reference: str = "dynamic") -> str:
     fmt = {"padding_fraction": ("padding", "{:.3f}"), "mean_bubble": ("bubble", "{:.3f}"),
            "peak_over_limit": ("peak/limit", "{:.3f}"), "pred_step_s": ("pred step s", "{:.2f}"),
            "step_s": ("step s", "{:.2f}"), "pred_err": ("pred err", "{:.1%}"),
-           "replay_err": ("replay err", "{:.1%}"),
+           "replay_err": ("replay err", "{:.1%}"), "gap_to_bound": ("gap bound", "{:.1%}"),
+           "gap_to_ideal": ("gap ideal", "{:.1%}"),
            "num_microbatches": ("mbs/step", "{:.1f}"),
            "distinct_shapes": ("shapes", "{:.1f}"), "new_shapes": ("new shapes", "{:.0f}")}
     for key, (title, f) in fmt.items():
@@ -327,7 +370,7 @@ def format_summary(summary: pd.DataFrame, reference: str = "dynamic") -> str:
     if "plan_s" in summary:
         view["plan ms"] = (summary["plan_s"].astype(float) * 1e3).map("{:.1f}".format)
     text = view.to_string()
-    others = summary[(summary["method"] != reference) & ~summary.index.str.startswith("fixed-best")]
+    others = summary[(summary["method"] != reference) & ~summary.index.str.contains("-best")]
     if col in summary and not others.empty and (summary["method"] == reference).any():
         best = others[col].astype(float).idxmin()
         text += (f"\n{reference} is {others.loc[best, col]:.2f}x the best other case ({best}; median of per-step "

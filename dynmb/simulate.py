@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
+from dynmb.bounds import dependency_bound, plan_ideal, split_mask, stage_ranks
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
 from dynmb.makespan import makespan
@@ -83,6 +84,10 @@ class SimResult:
     """The memory limit the plan was made for, when known."""
     kind: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    bound_s: float | None = None
+    """The dependency bound of the plan's own microbatch costs (``dynmb.bounds``); None from ``simulate_costs``."""
+    ideal_s: float | None = None
+    """The batch's limit: real tokens only, busiest stage, shortest fill and drain (``dynmb.bounds``)."""
 
     @property
     def mean_bubble(self) -> float:
@@ -106,6 +111,7 @@ class SimResult:
             "busy_s": [float(x) for x in self.busy_s],
             "peak_bytes": None if self.peak_bytes is None else [int(round(x)) for x in self.peak_bytes],
             "limit_bytes": None if self.limit_bytes is None else int(self.limit_bytes),
+            "bound_s": self.bound_s, "ideal_s": self.ideal_s,
         }
         if self.peak_bytes is not None:
             d["fits"] = self.fits
@@ -361,6 +367,8 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
     res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr,
                          w_bytes=w_inputs(memory_model, plan) if act is not None else None,
                          slice_grads=slice_grad_inputs(memory_model, plan))
+    res.bound_s = dependency_bound(costs, comm, stage_ranks(plan.num_stages, schedule), split_mask(schedule))
+    res.ideal_s = plan_ideal(plan, cost_model, schedule) if hasattr(cost_model, "predict") else None
     tl = res.timeline
     tl["batch"] = rows[tl["mb"].to_numpy()]
     tl["padded_len"] = plen[tl["mb"].to_numpy()]

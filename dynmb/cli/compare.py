@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--memory-limit", default=None,
                         help="per-GPU memory limit (default 1GiB, which binds for the small model)")
-    parser.add_argument("--methods", default="fixed,sorted,packed,token-budget,dynapipe,dynamic",
+    parser.add_argument("--methods", default="fixed,sorted,packed,token-budget,balanced,dynapipe,dynamic",
                         help="comma-separated methods")
     parser.add_argument("--mbs", type=int, default=None,
                         help="microbatch size for fixed-size methods (default: largest that fits)")

@@ -85,7 +85,8 @@ def add_packing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit", default="1GiB",
                         help="per-GPU memory limit, e.g. 2GiB, 512MiB (default 1GiB)")
     parser.add_argument("--method", default="dynamic",
-                        help="fixed, sorted, packed, token-budget, dynapipe, dynamic (default dynamic)")
+                        help="fixed, sorted, packed, token-budget, balanced, dynapipe, dynamic (default dynamic); "
+                             "token-budget / balanced: --mbs d divides their memory-maximum token budget by d")
     parser.add_argument("--mbs", type=int, default=None,
                         help="microbatch size for fixed-size methods (default: the largest that fits)")
     parser.add_argument("--dp", type=int, default=1,

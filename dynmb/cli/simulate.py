@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
               f"{sim.mean_bubble:.2f}")
     if args.json:
         print(json.dumps({
-            "makespan_s": sim.makespan_s, "mean_bubble": sim.mean_bubble,
+            "makespan_s": sim.makespan_s, "bound_s": sim.bound_s, "ideal_s": sim.ideal_s,
+            "mean_bubble": sim.mean_bubble,
             "bubble_fraction": [float(x) for x in sim.bubble_fraction],
             "peak_bytes": [int(round(x)) for x in peak_bytes],
             "peak_bytes_rank": [int(round(x)) for x in peak_bytes_rank],

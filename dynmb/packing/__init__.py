@@ -36,6 +36,9 @@ Methods (``METHODS``), one module per family:
   documents, ``mbs`` rows per microbatch (default 1).
 - ``token-budget`` (``token_budget``): fairseq ``batch_by_size``, length-ascending, a
   microbatch grows while rows x padded_len <= T.
+- ``balanced`` (``balanced``): verl's dynamic batching, ceil(tokens / budget) packed rows
+  balanced by Karmarkar-Karp over the workload, small ones at both ends, split when over the limit
+  (``mbs`` divides the budget of ``token-budget`` and ``balanced``).
 - ``dynapipe`` (``dynapipe``): DynaPipe's DP over the rounded lengths.
 - ``dynamic`` (``dynamic``): this project's method.
 

@@ -41,6 +41,7 @@ from dynmb.memory import MemoryModelLike
 from ..makespan import makespan
 from ..schedule.kinds import get_kind
 from ..types import Microbatch, Plan
+from .balanced import balanced_flat
 from .context import PackContext, PackingError
 from .dynamic import dynamic_groups
 from .dynapipe import dynapipe_groups
@@ -53,7 +54,7 @@ from .token_budget import token_budget_flat
 
 __all__ = ["METHODS", "pack"]
 
-METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic")
+METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic", "balanced")
 _OVERSIZE = ("error", "truncate", "drop")
 
 
@@ -132,8 +133,11 @@ def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Co
         flat, rows_per_mb = packed_rows_flat(lens, len_cap, mbs)
         return flat, {"mbs": rows_per_mb}
     if method == "token-budget":
-        flat, budget = token_budget_flat(lens, ctx, round_to)
-        return flat, {"max_tokens": budget}
+        flat, budget = token_budget_flat(lens, ctx, round_to, divisor=mbs)
+        return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
+    if method == "balanced":        # mbs: the memory-maximum token budget is divided by it
+        flat, budget = balanced_flat(lens, ctx, cost_model, round_to=round_to, divisor=mbs)
+        return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
     if method == "dynapipe":
         return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}
     def baseline(m: str) -> Flat:     # the plan method m makes of this batch: one of dynamic's candidates

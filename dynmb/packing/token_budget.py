@@ -25,7 +25,8 @@ def max_tokens(ctx: PackContext, s: int) -> int:
     return int(max(0.0, np.min((ctx.caps - w[:, 0]) / np.maximum(per_tok, 1e-300))))
 
 
-def token_budget_flat(lens: np.ndarray, ctx: PackContext, round_to: int) -> tuple[Flat, int]:
-    """(microbatches of ``token-budget`` in flat form, the token budget T used)."""
-    budget = max_tokens(ctx, round_up(int(lens.max()), round_to))
+def token_budget_flat(lens: np.ndarray, ctx: PackContext, round_to: int, divisor: int | None = None) -> tuple[Flat, int]:
+    """(microbatches of ``token-budget`` in flat form, the token budget T used: the memory maximum,
+    divided by ``divisor`` when given, the budgets ``cap / 2^j`` of ``dynmb compare``'s best in hindsight)."""
+    budget = max_tokens(ctx, round_up(int(lens.max()), round_to)) // int(divisor or 1)
     return groups_to_flat(token_budget_groups(lens, budget, round_to)), budget

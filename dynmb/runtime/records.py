@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
+from dynmb.bounds import step_bound_fields
 from dynmb.costmodel import CostModelLike
 from dynmb.results import TableWriter, run_info
 from dynmb.runtime.hostmem import host_malloc_mode
@@ -167,6 +168,7 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         distinct_shapes=distinct_shapes, new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
         replay_step_s=None if schedule is None else replay_step_s(
             schedule, plan, [a for r in reports for a in r.actions], cost_model),
+        **step_bound_fields(plan, schedule, cost_model, [a for r in reports for a in r.actions], step_s),
         label=spec.display_label)
 
 

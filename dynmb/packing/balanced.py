@@ -1,0 +1,161 @@
+"""``balanced``: verl's dynamic batching (``rearrange_micro_batches``) as its users run it, under
+the memory limit.
+
+Given a token budget T (verl's ``max_token_len``):
+
+1. ``k = ceil(total tokens / T)`` microbatches;
+2. the sequences are partitioned into k sets of balanced *workload* by the Karmarkar-Karp
+   largest differencing method, k-way (``karmarkar_karp``): every sequence starts as a
+   partition of k sets (itself in one, the others empty); the two partitions with the largest
+   spread (largest minus smallest set) are repeatedly merged, the largest set of one with the
+   smallest of the other and so on, until one partition remains;
+3. each set is one microbatch of ONE packed row (its documents side by side, document-causal
+   attention), ``padded_len`` its tokens rounded up to a multiple of ``round_to``;
+4. never over the memory limit: a microbatch whose row is not admissible (``PackContext.bmax``)
+   is split in two by the same partitioner (k = 2) until every part is (then there are more
+   than k microbatches); a sequence alone always fits (the dispatcher's length cap);
+5. order: microbatches sorted by workload, largest first, then the even positions reversed
+   followed by the odd ones: small microbatches at both ends of the order, the largest in the
+   middle (verl's ``use_dynamic_bsz_balance``), which shortens the pipeline's fill and drain.
+
+Workload of a sequence of length l: the cost model's time of that sequence alone, one row,
+``F + B`` summed over the stages, minus the zero-length intercept (the per-op fixed cost does not
+grow with the sequences a packed row holds). Without a cost model, verl's estimate
+``24576 l + l^2`` (its FLOP proxy: a linear term per token and the attention's quadratic one).
+
+Budget T: by default the memory maximum as ``token-budget`` takes it (``token_budget.max_tokens``
+at the batch's longest rounded length); ``divisor`` d > 1 gives ``T // d`` (the budgets
+``cap / 2^j`` that ``dynmb compare`` tries for the best budget in hindsight).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any
+
+import numpy as np
+
+from .context import PackContext
+from .rows import Flat, Group, groups_to_flat, round_up
+from .token_budget import max_tokens
+
+__all__ = ["karmarkar_karp", "greedy_partition", "sequence_workload", "ends_order", "balanced_flat",
+           "VERL_LINEAR_COEF"]
+
+VERL_LINEAR_COEF = 24576
+"""verl's workload estimate per token (``24576 l + l^2``), used without a cost model."""
+
+
+def _flatten(tree: Any, out: list[int]) -> None:
+    stack = [tree]
+    while stack:
+        t = stack.pop()
+        if t is None:
+            continue
+        if isinstance(t, tuple):
+            stack.extend(t)
+        else:
+            out.append(t)
+
+
+def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
+    """Indices of ``weights`` in ``k`` sets of balanced sums (largest differencing, module doc).
+    Sets are returned largest sum first; a set is empty only when there are fewer than k items.
+    O(n k) numpy work: each merge adds one partition's sums to the other's reversed and re-sorts."""
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    n = len(w)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if n == 0:
+        return [[] for _ in range(k)]
+    # a partition: (sums sorted descending, item trees aligned with them); heap on -spread, then insertion
+    heap: list[tuple[float, int, np.ndarray, list[Any]]] = []
+    for i in range(n):
+        sums = np.zeros(k)
+        sums[0] = w[i]
+        heap.append((-float(w[i]), i, sums, [i] + [None] * (k - 1)))
+    heapq.heapify(heap)
+    tie = n
+    while len(heap) > 1:
+        _, _, sa, ta = heapq.heappop(heap)
+        _, _, sb, tb = heapq.heappop(heap)
+        sums = sa + sb[::-1]                  # the largest set of one with the smallest of the other
+        order = np.argsort(-sums, kind="stable")
+        trees = []
+        for j in order.tolist():
+            x, y = ta[j], tb[k - 1 - j]
+            trees.append(x if y is None else y if x is None else (x, y))
+        sums = sums[order]
+        heapq.heappush(heap, (-float(sums[0] - sums[-1]), tie, sums, trees))
+        tie += 1
+    out = []
+    for t in heap[0][3]:
+        items: list[int] = []
+        _flatten(t, items)
+        out.append(sorted(items))
+    return out
+
+
+def greedy_partition(weights: Any, k: int) -> list[list[int]]:
+    """Longest-processing-time greedy: heaviest first, each to the lightest set (the baseline
+    ``karmarkar_karp`` is tested against)."""
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    heap = [(0.0, j) for j in range(k)]
+    sets: list[list[int]] = [[] for _ in range(k)]
+    for i in np.argsort(-w, kind="stable").tolist():
+        load, j = heapq.heappop(heap)
+        sets[j].append(i)
+        heapq.heappush(heap, (load + float(w[i]), j))
+    return sets
+
+
+def sequence_workload(lens: np.ndarray, cost_model: Any = None) -> np.ndarray:
+    """Workload of each sequence (module doc): the cost model's one-row ``F + B`` over the stages
+    minus its zero-length intercept, or verl's ``24576 l + l^2`` without a cost model."""
+    L = np.asarray(lens, dtype=np.float64).reshape(-1)
+    if cost_model is None or not hasattr(cost_model, "stage_costs"):
+        return VERL_LINEAR_COEF * L + L * L
+    uniq, inv = np.unique(L, return_inverse=True)
+    full = cost_model.stage_costs(np.ones_like(uniq), uniq, uniq * uniq)
+    base = cost_model.stage_costs(np.ones(1), np.zeros(1), np.zeros(1))
+    per = sum(np.maximum(full[op] - base[op], 0.0).sum(axis=0) for op in ("F", "B"))
+    return np.asarray(per, dtype=np.float64)[inv]
+
+
+def ends_order(work: np.ndarray) -> list[int]:
+    """Positions in execution order: sorted by ``work`` descending, the even ranks reversed then
+    the odd ones (small at both ends, the largest in the middle)."""
+    desc = np.argsort(-np.asarray(work, dtype=np.float64), kind="stable").tolist()
+    return desc[::2][::-1] + desc[1::2]
+
+
+def _admissible(ctx: PackContext, tokens: int, round_to: int) -> bool:
+    return bool(ctx.bmax([round_up(int(tokens), round_to)])[0] >= 1)
+
+
+def _fit(items: list[int], lens: np.ndarray, work: np.ndarray, ctx: PackContext, round_to: int) -> list[list[int]]:
+    """``items`` as one microbatch, or split in two by ``karmarkar_karp`` until each part's row is admissible."""
+    if len(items) <= 1 or _admissible(ctx, int(lens[items].sum()), round_to):
+        return [items]
+    halves = karmarkar_karp(work[items], 2)
+    return [p for h in halves for p in _fit([items[i] for i in h], lens, work, ctx, round_to)]
+
+
+def balanced_flat(lens: np.ndarray, ctx: PackContext, cost_model: Any = None, *, round_to: int = 1,
+                  divisor: int | None = None) -> tuple[Flat, int]:
+    """(microbatches of ``balanced`` in flat form, the token budget used); module doc."""
+    lens = np.asarray(lens, dtype=np.int64)
+    if divisor is not None and (int(divisor) != divisor or divisor < 1):
+        raise ValueError(f"balanced: the budget divisor must be a whole number >= 1, got {divisor!r}")
+    budget = max(1, max_tokens(ctx, round_up(int(lens.max()), round_to)) // int(divisor or 1))
+    k = max(1, min(len(lens), math.ceil(int(lens.sum()) / budget)))
+    work = sequence_workload(lens, cost_model)
+    sets = [s for s in karmarkar_karp(work, k) if s]
+    sets = [p for s in sets for p in _fit(s, lens, work, ctx, round_to)]
+    groups: list[Group] = []
+    for s in sets:
+        items = np.asarray(s, dtype=np.int64)
+        groups.append((items, np.zeros(len(items), np.int64), int(round_up(int(lens[items].sum()), round_to)), 1))
+    order = ends_order(np.array([work[g[0]].sum() for g in groups]))
+    return groups_to_flat([groups[i] for i in order]), budget
