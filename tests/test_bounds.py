@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from dynmb.bounds import (dependency_bound, ideal_bound, plan_bound, plan_bounds, plan_ideal, split_mask,
                           stage_ranks, step_bound_fields)
 from dynmb.config import ModelConfig
-from dynmb.costmodel import AnalyticCostModel, CommModel, fit_cost_model, load_cost_model
+from dynmb.data.lengths import shipped_dir
+from dynmb.costmodel import AnalyticCostModel, CommModel, CostModel, fit_cost_model
 from dynmb.memory import MemoryModel
 from dynmb.packing import METHODS, PackingError, pack
 from dynmb.planning import default_cost_model_path, make_schedule, plan_step
@@ -175,7 +176,7 @@ def _models(P):
     out = [AnalyticCostModel(SMALL, P, comm=CommModel(2e-4, 1e9))]
     if P == 2:
         path = default_cost_model_path("small", 2, "cpu")
-        out.append(load_cost_model(path))
+        out.append(CostModel.load(path))
         out.append(_grid())
     return out
 
@@ -186,8 +187,7 @@ _GRID = []
 def _grid():
     if not _GRID:
         import pandas as pd
-        from importlib import resources
-        samples = pd.read_csv(resources.files("dynmb.data").joinpath("costmodels", "samples-small-p2-cpu.csv"))
+        samples = pd.read_csv(shipped_dir("costmodels").joinpath("samples-small-p2-cpu.csv"))
         _GRID.append(fit_cost_model(samples, SMALL, 2, kind="grid"))
     return _GRID[0]
 
@@ -280,7 +280,7 @@ def test_ideal_is_at_most_the_bound_of_one_sequence_per_microbatch_and_of_one_pa
 
 
 def test_ideal_is_the_same_for_every_method():
-    cm = load_cost_model(default_cost_model_path("small", 2, "cpu"))
+    cm = CostModel.load(default_cost_model_path("small", 2, "cpu"))
     mm = MemoryModel.analytic(SMALL, 2)
     lengths = np.random.default_rng(3).integers(5, 900, 40)
     ideals = set()
