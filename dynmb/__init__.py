@@ -11,8 +11,9 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
 - ``Planner(model=, num_stages=, memory_limit=, ...).plan(lengths, method=, reorder=)``
   -> ``PlannedStep(plan, schedule, sim)``; ``simulate(schedule, plan, cost_model, memory_model)``;
 - ``DynamicBatchSampler``: the planner inside your own DataLoader;
-- ``run(config_or_configs, out=) -> RunResult(returncode, tables, failures)``: real runs
-  through torchrun, as ``dynmb run`` launches them;
+- ``run(config_or_configs, out=, corpus=) -> RunResult(returncode, tables, failures)``: real runs
+  through torchrun, as ``dynmb run`` launches them; ``corpus=CorpusSource.create(file, field)``
+  trains on real text (synthetic ids without it);
 - ``load_results(dir)``, ``summarise(tables, by=)``: the tidy tables of runs;
 - the core types ``Microbatch``, ``Plan``, ``Action``, ``Schedule`` and configs
   ``ModelConfig``, ``PipelineConfig``, ``RunConfig``; the model Protocols ``CostModelLike``,
@@ -21,6 +22,7 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
 
 from .analysis import summarise
 from .config import ModelConfig, PipelineConfig, RunConfig, model_config
+from .data.tokens import CorpusSource
 from .planning.api import PlannedStep, Planner
 from .results import load_results
 from .simulate import SimResult, simulate
@@ -47,6 +49,6 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "Planner", "PlannedStep", "simulate", "SimResult", "DynamicBatchSampler", "load_results", "summarise",
-    "run", "RunResult",
+    "run", "RunResult", "CorpusSource",
     "Microbatch", "Plan", "Action", "Schedule", "ModelConfig", "PipelineConfig", "RunConfig", "model_config",
 ]

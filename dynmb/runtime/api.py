@@ -14,6 +14,11 @@ Several configs run as the cases of one torchrun job, one after another (start-u
 once); they need the same rank count. Every call gets new run ids, so a folder that already
 holds results keeps them and ``tables`` holds this call's rows only (``results.select_runs``).
 ``run_job`` is the same for a prepared ``JobSpec`` (what ``dynmb run`` uses).
+
+Real text: ``run(cfg, out=..., corpus=dynmb.CorpusSource.create("data.jsonl", "text"))`` tokenizes
+the corpus once into ``out/tokens/`` (``dynmb.data.prepare_tokens``; the tokenizer's vocabulary
+is checked against every config's model first) and every ``RunConfig`` draws its global batches
+from the corpus's records and trains on their ids (its ``dataset`` becomes the corpus's name).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from typing import Sequence
 
 import pandas as pd
 
+from dataclasses import replace
+
 from dynmb.config import RunConfig
+from dynmb.data.tokens import CorpusSource, prepare_tokens
 from dynmb.results import TABLES, load_results, select_runs
 from dynmb.runtime.launch import LaunchResult, launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec
@@ -71,26 +79,34 @@ def run_job(job: JobSpec, nproc: int, *, quiet: bool = False, progress: bool = F
 def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], out: str | Path, *,
         nproc: int | None = None, verify: bool = False, allow_over_limit: bool = False,
         memory_model: str | None = None, labels: Sequence[str] | None = None, quiet: bool = True,
-        progress: bool = False, guard_s: float | None = None) -> RunResult:
+        progress: bool = False, guard_s: float | None = None, corpus: CorpusSource | None = None) -> RunResult:
     """Run one ``RunConfig`` (or several, as the cases of one torchrun job) into ``out``.
 
     ``RunSpec`` items are taken as they are (their own folder and run id, which must be new);
     ``RunConfig`` items get a new run id, ``verify``, ``allow_over_limit``, ``memory_model`` and
     their label from ``labels`` (default: the method). ``nproc`` defaults to the first case's
     ranks (stages x dp / virtual). ``quiet``: do not stream the workers' output; ``progress``:
-    a progress bar. Bad inputs raise ``ValueError``/``OSError`` before torchrun starts."""
+    a progress bar. ``corpus``: the ``RunConfig`` items train on its text (module docstring). Bad
+    inputs raise ``ValueError``/``OSError`` before torchrun starts."""
     items = [config_or_configs] if isinstance(config_or_configs, (RunConfig, RunSpec)) else list(config_or_configs)
     if not items:
         raise ValueError("dynmb.run: no config to run")
     if labels is not None and len(labels) != len(items):
         raise ValueError(f"dynmb.run: {len(labels)} labels for {len(items)} configs")
+    tokens = None
+    if corpus is not None:
+        models = [c.model for c in items if isinstance(c, RunConfig)]
+        smallest = min(models, key=lambda m: m.vocab_size) if models else None
+        tokens = prepare_tokens(corpus, out, vocab_size=smallest.vocab_size if smallest else None,
+                                model_name=smallest.name if smallest else "model")
     specs = []
     for i, item in enumerate(items):
         if isinstance(item, RunSpec):
             specs.append(item)
         elif isinstance(item, RunConfig):
-            specs.append(RunSpec.create(item, out, label=labels[i] if labels is not None else None, verify=verify,
-                                        allow_over_limit=allow_over_limit, memory_model=memory_model))
+            cfg = item if tokens is None else replace(item, dataset=tokens.source.name)
+            specs.append(RunSpec.create(cfg, out, label=labels[i] if labels is not None else None, verify=verify,
+                                        allow_over_limit=allow_over_limit, memory_model=memory_model, corpus=tokens))
         else:
             raise TypeError(f"dynmb.run: expected RunConfig or RunSpec, got {type(item).__name__}")
     job = JobSpec(out_dir=str(Path(out).resolve()), cases=tuple(specs))
