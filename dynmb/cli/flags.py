@@ -19,10 +19,10 @@ import argparse
 import numpy as np
 
 from dynmb.config import ModelConfig, model_config
-from dynmb.data import CorpusSource, load_trace, sample_batch
+from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
-           "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "corpus_source",
+           "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "load_rows", "corpus_source",
            "OVERSIZE_CHOICES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
@@ -139,7 +139,13 @@ def corpus_source(args: argparse.Namespace) -> CorpusSource | None:
 def load_batch(args: argparse.Namespace, step: int = 0) -> np.ndarray:
     """The global batch selected by ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``
     (sharegpt when neither is given; ``args.dataset`` is set to it)."""
+    return load_rows(args, step)[1]
+
+
+def load_rows(args: argparse.Namespace, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows of the trace, their lengths)`` of ``load_batch``'s global batch."""
     if args.dataset is None and args.lengths is None:
         args.dataset = "sharegpt"
     trace = load_trace(args.lengths if args.lengths is not None else args.dataset)
-    return sample_batch(trace, args.global_batch, args.seed, step=step)
+    rows = sample_indices(trace.size, args.global_batch, args.seed, step=step)
+    return rows, trace[rows]
