@@ -252,3 +252,19 @@ def test_gpt2_vocabulary_larger_than_the_model_is_refused(tmp_path, capsys):
     _refused(["run", "--corpus", str(path), "--field", "text", "--model", "small", "--out", str(tmp_path / "r")],
              capsys, "50257", "--model small:vocab_size=50257")
     assert not (tmp_path / "r" / "spec.json").exists()
+
+
+def test_dynmb_plan_records_the_trace_rows_of_every_microbatch(tmp_path, capsys):
+    from dynmb.cli.main import main
+
+    out = tmp_path / "p.json"
+    assert main(["plan", "--dataset", "gsm8k", "--model", "tiny", "--global-batch", "8", "--seed", "4", "--step", "2",
+                 "--method", "fixed", "--mbs", "3", "-o", str(out)]) == 0
+    capsys.readouterr()
+    rows = sample_indices(load_trace("gsm8k").size, 8, 4, 2)
+    d = json.loads(out.read_text())
+    assert d["dataset_ids"] == rows.tolist() and len(d["microbatches"]) == 3
+    for m in d["microbatches"]:
+        assert m["dataset_ids"] == rows[m["seq_ids"]].tolist()
+        assert m["lengths"] == load_trace("gsm8k")[m["dataset_ids"]].tolist()
+    assert Plan.load(out).dataset_ids == tuple(rows.tolist())
