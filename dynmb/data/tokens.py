@@ -13,10 +13,13 @@ positions, the length of the trace (``CorpusTokens.lengths``). A slice or a trun
 document takes a prefix of them (``dynmb.inputs.make_inputs``). A tokenizer without an
 end-of-text id is refused.
 
-Token file (``CorpusTokens.save`` / ``load``): an ``.npz`` of ``ids`` (int32, every
-document's ids back to back), ``offsets`` (int64, ``num_documents + 1``: document i is
-``ids[offsets[i]:offsets[i + 1]]``) and ``meta`` (a JSON string: the source, the
-tokenizer's ``vocab_size`` and ``eos_id``). ``prepare_tokens(source, folder)`` writes it once
+Token file (``CorpusTokens.save`` / ``load``): ``<name>.npz`` holds ``offsets`` (int64,
+``num_documents + 1``: document i is ``ids[offsets[i]:offsets[i + 1]]``) and ``meta`` (a JSON
+string: the source, the tokenizer's ``vocab_size`` and ``eos_id``); the ids themselves (int32,
+every document's back to back) lie beside it in ``<name>.ids.npy``, which ``load`` maps
+read-only (``mmap_mode="r"``), so a rank reads only the documents its batches hold. The ids
+are written first and the ``.npz`` last, each renamed into place: a complete ``.npz`` means a
+complete token file. ``prepare_tokens(source, folder)`` writes it once
 per source into ``folder/tokens/<key>.npz``, the key hashing the source and each file's size
 and modification time, and returns a ``TokenFile``: what a run spec carries to the ranks.
 
@@ -32,7 +35,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -104,31 +107,44 @@ class CorpusTokens:
         return self.ids[self.offsets[row]:self.offsets[row + 1]].astype(np.int64)
 
     def save(self, path: str | Path) -> Path:
-        """Write the ``.npz`` atomically (a temporary file renamed into place)."""
+        """Write ``path`` (the ``.npz``) and its ``.ids.npy``, ids first, each atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = json.dumps({"source": self.source.to_dict(), "vocab_size": self.vocab_size, "eos_id": self.eos_id})
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".npz")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, ids=self.ids, offsets=self.offsets, meta=np.array(meta))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_atomic(_ids_path(path), lambda f: np.save(f, np.ascontiguousarray(self.ids)))
+        _write_atomic(path, lambda f: np.savez(f, offsets=self.offsets, meta=np.array(meta)))
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> CorpusTokens:
+        """The token file ``path`` (its ids mapped read-only)."""
         try:
             with np.load(path, allow_pickle=False) as z:
-                ids, offsets, meta = z["ids"], z["offsets"], json.loads(str(z["meta"]))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"token file {str(path)!r} not found") from None
+                offsets, meta = z["offsets"], json.loads(str(z["meta"]))
+            ids = np.load(_ids_path(Path(path)), mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"token file {str(e.filename or path)!r} not found") from None
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"token file {path} cannot be read: {e}") from None
+        if ids.ndim != 1 or offsets[-1] != ids.size:
+            raise ValueError(f"token file {path}: its offsets end at {int(offsets[-1])}, its ids hold {ids.size}")
         return cls(ids=ids, offsets=offsets, source=CorpusSource.from_dict(meta["source"]),
                    vocab_size=int(meta["vocab_size"]), eos_id=int(meta["eos_id"]))
+
+
+def _ids_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".npz") + ".ids.npy")
+
+
+def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,7 +217,7 @@ def prepare_tokens(source: CorpusSource, folder: str | Path, *, vocab_size: int 
     path = (Path(folder) / "tokens" / f"{_key(source)}.npz").resolve()
     try:
         tokens = CorpusTokens.load(path) if path.is_file() else None
-    except ValueError:
+    except (ValueError, FileNotFoundError):       # a partial or foreign file: write it again
         tokens = None
     if tokens is None or tokens.source != source:
         tokens = tokenize(source)
