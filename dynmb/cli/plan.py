@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import json
+from dataclasses import replace
 from typing import Any
 
 from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args

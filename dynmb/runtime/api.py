@@ -23,13 +23,11 @@ from the corpus's records and trains on their ids (its ``dataset`` becomes the c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
-
-from dataclasses import replace
 
 from dynmb.config import RunConfig
 from dynmb.data.tokens import CorpusSource, prepare_tokens
