@@ -12,8 +12,9 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
   -> ``PlannedStep(plan, schedule, sim)``; ``simulate(schedule, plan, cost_model, memory_model)``;
 - ``DynamicBatchSampler``: the planner inside your own training loop, yielding ``SampledMicrobatch``
   records (``dynmb.collate`` turns them into token tensors and normalises the loss);
-- ``run(config_or_configs, out=) -> RunResult(returncode, tables, failures)``: real runs
-  through torchrun, as ``dynmb run`` launches them;
+- ``run(config_or_configs, out=, corpus=) -> RunResult(returncode, tables, failures)``: real runs
+  through torchrun, as ``dynmb run`` launches them; ``corpus=CorpusSource.create(file, field)``
+  trains on real text (synthetic ids without it);
 - ``load_results(dir)``, ``summarise(tables, by=)``: the tidy tables of runs;
 - the core types ``Microbatch``, ``Plan``, ``Action``, ``Schedule`` and configs
   ``ModelConfig``, ``PipelineConfig``, ``RunConfig``; the model Protocols ``CostModelLike``,
@@ -23,6 +24,7 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
 from .analysis import summarise
 from .config import ModelConfig, PipelineConfig, RunConfig, model_config
 from .costmodel.base import CostModelLike
+from .data.tokens import CorpusSource
 from .memory import MemoryModelLike
 from .planning.api import PlannedStep, Planner
 from .results import load_results
@@ -50,7 +52,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "Planner", "PlannedStep", "simulate", "SimResult", "DynamicBatchSampler", "SampledMicrobatch", "load_results", "summarise",
-    "run", "RunResult",
+    "run", "RunResult", "CorpusSource",
     "Microbatch", "Plan", "Action", "Schedule", "ModelConfig", "PipelineConfig", "RunConfig", "model_config",
     "CostModelLike", "MemoryModelLike",
 ]

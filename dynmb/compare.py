@@ -32,6 +32,10 @@ per method. The cost model is the one fitted on this kind of CPU and shipped in
 (``planning.default_cost_model_path``), else the analytic stand-in (``cost_model`` for
 your own fit).
 
+Real text (``corpus``, ``--corpus FILE --field F``): the corpus is tokenized once into the
+results folder's token file (``dynmb.data.prepare_tokens``) before torchrun starts; every
+case draws the same global batches from its records and trains on their ids.
+
 Equivalent torchrun line of one case: see ``dynmb.runtime.worker``.
 """
 
@@ -43,12 +47,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from dynmb.analysis import summarise
 from dynmb.config import PipelineConfig, RunConfig, model_config, parse_bytes
 from dynmb.costmodel import get_cost_model
-from dynmb.data import load_trace, sample_batch
+from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
 from dynmb.plots import compare_throughput, gantt
@@ -81,6 +86,8 @@ class CompareSettings:
     """Shipped trace name (default sharegpt when ``lengths`` is not given either)."""
     lengths: str | None = None
     """A length-trace CSV instead of a shipped trace."""
+    corpus: CorpusSource | None = None
+    """Real text: the corpus the global batches are drawn from (its token counts are the trace)."""
     global_batch: int = 32
     seed: int = 0
     stages: int = 2
@@ -119,8 +126,8 @@ class CompareSettings:
 
     @property
     def trace(self) -> str:
-        """The trace the global batches are sampled from."""
-        return self.lengths or self.dataset or "sharegpt"
+        """The trace the global batches are sampled from (a corpus: its name)."""
+        return self.corpus.name if self.corpus is not None else self.lengths or self.dataset or "sharegpt"
 
     def resolved(self) -> CompareSettings:
         """Defaults filled: trace, limit, device, the interleaved schedule for ``virtual`` > 1,
@@ -129,7 +136,7 @@ class CompareSettings:
         schedule = "interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule
         if self.stages % self.virtual:
             raise ValueError(f"--stages {self.stages} is not a multiple of --virtual {self.virtual}")
-        dataset = "sharegpt" if self.dataset is None and self.lengths is None else self.dataset
+        dataset = "sharegpt" if self.dataset is None and self.lengths is None and self.corpus is None else self.dataset
         cost_model = self.cost_model or default_cost_model_path(self.model, self.stages, device)
         return replace(self, dataset=dataset, memory_limit=self.memory_limit or "1GiB", device=device,
                        schedule=schedule, cost_model=cost_model)
@@ -206,11 +213,25 @@ def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | 
                 recompute=settings.recompute)
 
 
+def _token_file(settings: CompareSettings) -> TokenFile | None:
+    """The corpus's token file in the results folder (written once; the vocabulary checked first)."""
+    if settings.corpus is None:
+        return None
+    model = model_config(settings.model, attention=settings.attention)
+    return prepare_tokens(settings.corpus, settings.out, vocab_size=model.vocab_size, model_name=model.name)
+
+
+def _trace_lengths(settings: CompareSettings) -> np.ndarray:
+    """The lengths the global batches are drawn from: the trace, or the corpus's token counts."""
+    tokens = _token_file(settings)
+    return load_trace(settings.trace) if tokens is None else tokens.load().lengths
+
+
 def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
     """``(automatic microbatch size of each step, candidates)`` for the best fixed size in
     hindsight: 1, 2, 4, ... below the smallest automatic size (the largest that fits) of the
     run's steps, so that every candidate fits every step."""
-    trace = load_trace(settings.trace)
+    trace = _trace_lengths(settings)
     kwargs = _plan_kwargs(settings, "fixed", microbatch_size=0)
     kwargs["mbs"], kwargs["reorder"] = None, "none"
     auto = [int(plan_step(sample_batch(trace, settings.global_batch, settings.seed, step=k), **kwargs)[0].meta["mbs"])
@@ -254,6 +275,7 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
     limit = parse_bytes(settings.memory_limit or "1GiB")
     tag = uuid.uuid4().hex[:6]
     model = model_config(settings.model, attention=settings.attention)
+    tokens = _token_file(settings)
     runs: list[tuple[str, str, int | None]] = [
         (m, m, settings.microbatch_size if m in FIXED_SIZE_METHODS else None) for m in settings.methods]
     if "fixed" in settings.methods and settings.microbatch_size is None and settings.fixed_best:
@@ -273,7 +295,8 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
                         pack_len=settings.pack_len, round_to=settings.round_to, prewarm=settings.prewarm,
                         recompute=settings.recompute, expandable_segments=settings.expandable_segments)
         spec = RunSpec.create(cfg, out, run_id=f"{label.replace(' ', '-').replace('=', '')}-{tag}", label=label,
-                              memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit)
+                              memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit,
+                              corpus=tokens)
         cases.append(CompareCase(label, method, size, spec))
     return CompareJob(settings, tuple(cases), nproc=settings.stages // settings.virtual, backend=backend)
 
@@ -288,7 +311,7 @@ def _gantts(job: CompareJob, steps: pd.DataFrame, actions: pd.DataFrame, method:
     timeline = actions[(actions["run_id"] == run_id) & (actions["step"] == k)]
     paths = [gantt(timeline, str(out / f"gantt_{method}_measured.png"),
                    title=f"{method}: measured step {k} ({measured.iloc[0]['step_s']:.2f} s)")]
-    batch = sample_batch(load_trace(settings.trace), settings.global_batch, settings.seed, step=k)
+    batch = sample_batch(_trace_lengths(settings), settings.global_batch, settings.seed, step=k)
     _, _, sim = plan_step(batch, **_plan_kwargs(settings, method))
     paths.append(gantt(sim.timeline, str(out / f"gantt_{method}_predicted.png"),
                        title=f"{method}: predicted step {k} ({sim.makespan_s:.2f} s)"))

@@ -18,7 +18,7 @@ labels) and positions ``o .. o + n - 1``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -28,8 +28,12 @@ from dynmb.memory import BUCKET_PADDING
 from dynmb.prefix import PrefixStore
 from dynmb.types import Microbatch
 
+if TYPE_CHECKING:
+    from dynmb.data.tokens import CorpusTokens
+
 __all__ = [
-    "MicrobatchInputs", "DocumentBuckets", "SliceSegment", "InputError", "synthetic_tokens", "full_microbatch", "make_inputs",
+    "MicrobatchInputs", "DocumentBuckets", "SliceSegment", "InputError", "synthetic_tokens", "corpus_tokens",
+    "full_microbatch", "make_inputs",
     "attention_mask", "bucket_documents", "hidden_shape", "torch_dtype", "IGNORE_INDEX", "INPUT_ATTENTION",
 ]
 
@@ -57,13 +61,27 @@ def hidden_shape(mb: Microbatch, cfg: ModelConfig) -> tuple[int, int, int]:
 def synthetic_tokens(lengths: Sequence[int] | np.ndarray, vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
     """Random token ids: sequence i gets ``lengths[i] + 1`` int64 ids (inputs ``t[:-1]``,
     labels ``t[1:]``), drawn from a generator seeded by ``(seed, i)`` so it depends only
-    on the seed, its index and its length."""
+    on the seed, its index and its length. Real text: ``corpus_tokens``."""
     out = []
     for i, n in enumerate(np.asarray(lengths, dtype=np.int64).reshape(-1)):
         if n < 1:
             raise InputError(f"sequence {i} has non-positive length {int(n)}")
         rng = np.random.default_rng([int(seed), i])
         out.append(torch.from_numpy(rng.integers(0, vocab_size, size=int(n) + 1, dtype=np.int64)))
+    return out
+
+
+def corpus_tokens(corpus: CorpusTokens, rows: Sequence[int] | np.ndarray,
+                  lengths: Sequence[int] | np.ndarray | None = None) -> list[torch.Tensor]:
+    """Real token ids: sequence i of a global batch drawn from the corpus rows ``rows`` gets
+    document ``rows[i]``'s ids (its tokens and the end-of-text id, ``dynmb.data.tokens``), the
+    same on every rank. ``lengths`` (the batch as planned) are checked against them."""
+    out = [torch.from_numpy(corpus.document(int(r))) for r in np.asarray(rows, dtype=np.int64).reshape(-1)]
+    if lengths is not None:
+        for i, (t, n) in enumerate(zip(out, np.asarray(lengths, dtype=np.int64).reshape(-1))):
+            if t.numel() < int(n) + 1:
+                raise InputError(f"sequence {i} (corpus row {int(rows[i])}) has {t.numel() - 1} tokens, the plan "
+                                 f"runs {int(n)}")
     return out
 
 

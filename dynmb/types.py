@@ -222,7 +222,10 @@ class Plan:
     (all zero without data parallelism). ``predictions`` holds what the planner
     predicted (``pred_step_s``, ``pred_peak_bytes`` per stage, ``plan_s``);
     ``meta`` holds settings (``mbs``, ``dataset``, ``seed``, ``dropped``,
-    ``truncated``, ...).
+    ``truncated``, ...). ``dataset_ids[i]``, when known, is the row of the trace (or
+    corpus) that sequence ``i`` of the global batch was drawn from; the JSON form lists
+    them per microbatch (``dataset_ids``, one per ``seq_ids`` entry) and for the whole
+    batch, and the digest covers them.
     """
 
     microbatches: tuple[Microbatch, ...]
@@ -235,9 +238,14 @@ class Plan:
     replica_ids: tuple[int, ...] | None = None
     predictions: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    dataset_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "microbatches", tuple(self.microbatches))
+        if self.dataset_ids is not None:
+            object.__setattr__(self, "dataset_ids", tuple(int(i) for i in self.dataset_ids))
+            if len(self.dataset_ids) != self.num_sequences:
+                raise PlanError(f"dataset_ids has {len(self.dataset_ids)} entries for {self.num_sequences} sequences")
         if self.replica_ids is None:
             object.__setattr__(self, "replica_ids", (0,) * len(self.microbatches))
         object.__setattr__(self, "replica_ids", tuple(int(r) for r in self.replica_ids))
@@ -405,6 +413,10 @@ class Plan:
 
     # --- I/O ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        mbs = [mb.to_dict() for mb in self.microbatches]
+        if self.dataset_ids is not None:
+            for d, mb in zip(mbs, self.microbatches):
+                d["dataset_ids"] = [self.dataset_ids[i] for i in mb.seq_ids.tolist()]
         return {
             "method": self.method,
             "num_stages": self.num_stages,
@@ -415,7 +427,8 @@ class Plan:
             "replica_ids": list(self.replica_ids),
             "predictions": _jsonable(self.predictions),
             "meta": _jsonable(self.meta),
-            "microbatches": [mb.to_dict() for mb in self.microbatches],
+            "microbatches": mbs,
+            **({} if self.dataset_ids is None else {"dataset_ids": list(self.dataset_ids)}),
             "digest": self.digest(),
         }
 
@@ -433,6 +446,7 @@ class Plan:
             memory_limit_bytes=int(d["memory_limit_bytes"]), num_sequences=int(n),
             schedule_kind=d.get("schedule_kind", "1f1b"), dp=int(d.get("dp", 1)),
             replica_ids=d.get("replica_ids"), predictions=d.get("predictions", {}), meta=d.get("meta", {}),
+            dataset_ids=_dataset_ids(d, int(n)),
         )
 
     def to_json(self) -> str:
@@ -487,7 +501,35 @@ class Plan:
                 h.update(mb.continued.tobytes())
             if mb.recompute:
                 h.update(b"recompute")
+        if self.dataset_ids is not None:
+            h.update(np.asarray(self.dataset_ids, dtype=np.int64).tobytes())
         return h.hexdigest()
+
+
+def _dataset_ids(d: dict[str, Any], num_sequences: int) -> tuple[int, ...] | None:
+    """A plan JSON's ``dataset_ids``: the batch's list, else assembled from the microbatches'
+    (every sequence must be given one); the microbatches' must agree with the batch's."""
+    whole = d.get("dataset_ids")
+    if whole is not None and len(whole) != num_sequences:
+        raise PlanError(f"dataset_ids has {len(whole)} entries for {num_sequences} sequences")
+    per: dict[int, int] = {}
+    for k, m in enumerate(d["microbatches"]):
+        if "dataset_ids" not in m:
+            continue
+        if len(m["dataset_ids"]) != len(m["seq_ids"]):
+            raise PlanError(f"microbatch {k}: {len(m['dataset_ids'])} dataset_ids for {len(m['seq_ids'])} seq_ids")
+        for sid, row in zip(m["seq_ids"], m["dataset_ids"]):
+            if per.setdefault(int(sid), int(row)) != int(row) or (whole is not None and int(whole[int(sid)]) != int(row)):
+                raise PlanError(f"microbatch {k}: sequence {sid} has dataset id {row}, elsewhere "
+                                f"{whole[int(sid)] if whole is not None else per[int(sid)]}")
+    if whole is not None:
+        return tuple(int(i) for i in whole)
+    if not per:
+        return None
+    if len(per) != num_sequences:
+        missing = sorted(set(range(num_sequences)) - set(per))
+        raise PlanError(f"dataset_ids given for some sequences but not {missing[:10]}")
+    return tuple(per[i] for i in range(num_sequences))
 
 
 def _last_slices_end(mbs: tuple[Microbatch, ...]) -> tuple[Microbatch, ...]:

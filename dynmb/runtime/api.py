@@ -15,17 +15,23 @@ or, with ``interleave`` (CPU), round by round: step k of every case before step 
 that outside load on a shared machine slows every case alike; they need the same rank count. Every call gets new run ids, so a folder that already
 holds results keeps them and ``tables`` holds this call's rows only (``results.select_runs``).
 ``run_job`` is the same for a prepared ``JobSpec`` (what ``dynmb run`` uses).
+
+Real text: ``run(cfg, out=..., corpus=dynmb.CorpusSource.create("data.jsonl", "text"))`` tokenizes
+the corpus once into ``out/tokens/`` (``dynmb.data.prepare_tokens``; the tokenizer's vocabulary
+is checked against every config's model first) and every ``RunConfig`` draws its global batches
+from the corpus's records and trains on their ids (its ``dataset`` becomes the corpus's name).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
 
 from dynmb.config import RunConfig
+from dynmb.data.tokens import CorpusSource, prepare_tokens
 from dynmb.results import TABLES, load_results, select_runs
 from dynmb.runtime.launch import LaunchResult, launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec
@@ -72,31 +78,40 @@ def run_job(job: JobSpec, nproc: int, *, quiet: bool = False, progress: bool = F
 def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], out: str | Path, *,
         nproc: int | None = None, verify: bool = False, allow_over_limit: bool = False,
         memory_model: str | None = None, labels: Sequence[str] | None = None, quiet: bool = True,
-        progress: bool = False, interleave: bool = False) -> RunResult:
+        progress: bool = False, interleave: bool = False, guard_s: float | None = None,
+        corpus: CorpusSource | None = None) -> RunResult:
     """Run one ``RunConfig`` (or several, as the cases of one torchrun job) into ``out``.
 
     ``RunSpec`` items are taken as they are (their own folder and run id, which must be new);
     ``RunConfig`` items get a new run id, ``verify``, ``allow_over_limit``, ``memory_model`` and
     their label from ``labels`` (default: the method). ``nproc`` defaults to the first case's
     ranks (stages x dp / virtual). ``quiet``: do not stream the workers' output; ``progress``:
-    a progress bar; ``interleave``: several CPU cases round by round (see the module doc). Bad
+    a progress bar; ``interleave``: several CPU cases round by round (see the module doc); ``corpus``: the
+    ``RunConfig`` items train on its text (module docstring). Bad
     inputs raise ``ValueError``/``OSError`` before torchrun starts."""
     items = [config_or_configs] if isinstance(config_or_configs, (RunConfig, RunSpec)) else list(config_or_configs)
     if not items:
         raise ValueError("dynmb.run: no config to run")
     if labels is not None and len(labels) != len(items):
         raise ValueError(f"dynmb.run: {len(labels)} labels for {len(items)} configs")
+    tokens = None
+    if corpus is not None:
+        models = [c.model for c in items if isinstance(c, RunConfig)]
+        smallest = min(models, key=lambda m: m.vocab_size) if models else None
+        tokens = prepare_tokens(corpus, out, vocab_size=smallest.vocab_size if smallest else None,
+                                model_name=smallest.name if smallest else "model")
     specs = []
     for i, item in enumerate(items):
         if isinstance(item, RunSpec):
             specs.append(item)
         elif isinstance(item, RunConfig):
-            specs.append(RunSpec.create(item, out, label=labels[i] if labels is not None else None, verify=verify,
-                                        allow_over_limit=allow_over_limit, memory_model=memory_model))
+            cfg = item if tokens is None else replace(item, dataset=tokens.source.name)
+            specs.append(RunSpec.create(cfg, out, label=labels[i] if labels is not None else None, verify=verify,
+                                        allow_over_limit=allow_over_limit, memory_model=memory_model, corpus=tokens))
         else:
             raise TypeError(f"dynmb.run: expected RunConfig or RunSpec, got {type(item).__name__}")
     if interleave and any(s.run.device != "cpu" for s in specs):
         raise ValueError("dynmb.run: interleave is for CPU runs (a CUDA peak would count every case's states)")
     job = JobSpec(out_dir=str(Path(out).resolve()), cases=tuple(specs), interleave=interleave)
     first = specs[0].run
-    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=quiet, progress=progress)
+    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=quiet, progress=progress, guard_s=guard_s)

@@ -178,7 +178,8 @@ def run_row(spec: RunSpec, *, backend: str, device: str, world_size: int) -> dic
     info = run_info(spec.run_id, spec.run.flat(), backend=backend, device=device, world_size=world_size,
                     host_malloc=host_malloc_mode())
     return {**info, "verify": spec.verify, "nproc": world_size, "plan": spec.plan or "",
-            "schedule_file": spec.schedule or "", "status": "running", "error": ""}
+            "schedule_file": spec.schedule or "", "tokenizer": spec.corpus.source.tokenizer if spec.corpus else "",
+            "token_file": spec.corpus.path if spec.corpus else "", "status": "running", "error": ""}
 
 
 class Recorder:

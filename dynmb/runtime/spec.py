@@ -8,13 +8,19 @@ before step k + 1 (what ``dynmb compare`` does). ``hooks`` names a ``StepHooks``
 import path (``"package.module:name"`` plus JSON keyword arguments); every rank builds it
 and hands it to the step runner. Tests inject faults through it; runs leave it empty.
 
+A run on real text (``dynmb run --corpus FILE --field F``) carries ``corpus``, the token file
+the launcher wrote before torchrun started (``dynmb.data.prepare_tokens``): its documents'
+token counts are the run's length trace and every rank reads the same ids from it
+(``RunConfig.dataset`` then only names the corpus); without it the ranks draw synthetic ids.
+
 A run of a given plan (``dynmb run --plan P.json [--schedule S.csv]``) names the plan file
 (``plan``) and optionally a schedule CSV (``schedule``): every step runs that plan, with that
 schedule or the one built for the plan's ``schedule_kind``, instead of planning a new batch.
 
 ``JobSpec.check()`` (``launch_job`` calls it before torchrun starts) checks what can be checked
 without torch: method, schedule kind and reorder names, the timeout, the model's cost- and
-memory-model files, the length trace, the plan and schedule files, the output folder
+memory-model files, the length trace (or the token file, and that the tokenizer's ids fit the
+model's vocabulary), the plan and schedule files, the output folder
 (writable) and the run ids (new to their folder). It raises ``ValueError`` (``OSError`` for a
 missing file) with one line naming the problem.
 
@@ -24,7 +30,7 @@ the case itself::
     {"run": RunConfig.to_dict(), "out_dir": ..., "run_id": ..., "label": ...,
      "verify": bool, "allow_over_limit": bool, "memory_model": path | null,
      "calibrate": bool | null, "hooks": {"target": "mod:name", "kwargs": {...}} | null,
-     "plan": path | null, "schedule": path | null}
+     "plan": path | null, "schedule": path | null, "corpus": TokenFile.to_dict() | null}
 
 any other job is ``{"out_dir": ..., "cases": [case, ...], "interleave": bool}``.
 ``JobSpec.from_dict`` reads both. The worker reads it (see ``dynmb.runtime.worker``).
@@ -43,7 +49,7 @@ from typing import Any, Mapping
 from dynmb.atomic import write_text_atomic
 from dynmb.config import RunConfig
 from dynmb.costmodel import get_cost_model
-from dynmb.data import load_trace
+from dynmb.data import TokenFile, check_vocab, load_trace
 from dynmb.memory import get_memory_model
 from dynmb.packing import METHODS
 from dynmb.planning import REORDER_METHODS
@@ -54,7 +60,7 @@ from dynmb.types import Plan, Schedule
 __all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable"]
 
 _RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
-             "plan", "schedule")
+             "plan", "schedule", "corpus")
 _JOB_KEYS = ("out_dir", "cases", "interleave")
 
 
@@ -114,19 +120,22 @@ class RunSpec:
     """A plan JSON every step runs as it is (no planning); None: plan each step's batch."""
     schedule: str | None = None
     """With ``plan``: a schedule CSV of that plan (replica 0's); None: built for its schedule kind."""
+    corpus: TokenFile | None = None
+    """Real text: the token file of the corpus the global batches are drawn from (its token
+    counts are the length trace); None: the trace ``run.dataset`` and synthetic ids."""
 
     @classmethod
     def create(cls, run: RunConfig, out_dir: str | Path, *, run_id: str | None = None, label: str | None = None,
                verify: bool = False, allow_over_limit: bool = False, memory_model: str | None = None,
                calibrate: bool | None = None, hooks: HookRef | None = None, plan: str | Path | None = None,
-               schedule: str | Path | None = None) -> RunSpec:
+               schedule: str | Path | None = None, corpus: TokenFile | None = None) -> RunSpec:
         """A spec for ``run`` writing to ``out_dir`` (made absolute, as are ``plan`` and
         ``schedule``); ``run_id`` defaults to ``<method>-<schedule>-<8 hex digits>``, new every call."""
         rid = run_id or f"{run.method}-{run.pipeline.schedule}-{uuid.uuid4().hex[:8]}"
         return cls(run=run, out_dir=str(Path(out_dir).resolve()), run_id=rid, label=label, verify=verify,
                    allow_over_limit=allow_over_limit, memory_model=memory_model, calibrate=calibrate, hooks=hooks,
                    plan=str(Path(plan).resolve()) if plan else None,
-                   schedule=str(Path(schedule).resolve()) if schedule else None)
+                   schedule=str(Path(schedule).resolve()) if schedule else None, corpus=corpus)
 
     @property
     def display_label(self) -> str:
@@ -137,7 +146,8 @@ class RunSpec:
         return {"run": self.run.to_dict(), "out_dir": self.out_dir, "run_id": self.run_id, "label": self.label,
                 "verify": self.verify, "allow_over_limit": self.allow_over_limit, "memory_model": self.memory_model,
                 "calibrate": self.calibrate, "hooks": self.hooks.to_dict() if self.hooks else None,
-                "plan": self.plan, "schedule": self.schedule}
+                "plan": self.plan, "schedule": self.schedule,
+                "corpus": self.corpus.to_dict() if self.corpus else None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
@@ -148,7 +158,8 @@ class RunSpec:
                    verify=bool(data.get("verify", False)), allow_over_limit=bool(data.get("allow_over_limit", False)),
                    memory_model=data.get("memory_model"), calibrate=data.get("calibrate"),
                    hooks=HookRef.from_dict(hooks) if hooks else None, plan=data.get("plan"),
-                   schedule=data.get("schedule"))
+                   schedule=data.get("schedule"),
+                   corpus=TokenFile.from_dict(data["corpus"]) if data.get("corpus") else None)
 
     def check(self) -> None:
         """Check what can be checked before torchrun starts (see the module docstring)."""
@@ -164,10 +175,15 @@ class RunSpec:
             raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
         get_cost_model(run.cost_model, run.model, pipeline.num_stages)
         get_memory_model(self.memory_model, run.model, pipeline.num_stages)
+        if self.corpus is not None:
+            if not Path(self.corpus.path).is_file():
+                raise FileNotFoundError(f"token file {self.corpus.path!r} of corpus {self.corpus.source.name} not found")
+            check_vocab(self.corpus, run.model.vocab_size, run.model.name)
         if self.plan is None:
             if self.schedule is not None:
                 raise ValueError(f"schedule file {self.schedule} given without the plan it was built for")
-            load_trace(run.dataset)
+            if self.corpus is None:
+                load_trace(run.dataset)
         else:
             load_plan_files(self)
         check_writable(self.out_dir)
@@ -255,6 +271,13 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     for what, (in_plan, in_run) in want.items():
         if in_plan != in_run:
             raise ValueError(f"plan {spec.plan} has {what} {in_plan}, the run {in_run}")
+    if spec.corpus is not None:
+        if plan.dataset_ids is None:
+            raise ValueError(f"plan {spec.plan} has no dataset_ids: it cannot say which documents of corpus "
+                             f"{spec.corpus.source.name} to run")
+        if max(plan.dataset_ids) >= spec.corpus.num_documents or min(plan.dataset_ids) < 0:
+            raise ValueError(f"plan {spec.plan} has dataset ids up to {max(plan.dataset_ids)}; corpus "
+                             f"{spec.corpus.source.name} has {spec.corpus.num_documents} documents")
     if spec.schedule is None:
         return plan, None
     replica = plan.replica(0) if plan.dp > 1 else plan

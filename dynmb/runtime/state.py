@@ -4,8 +4,10 @@
 and process groups (``dynmb.runtime.topology``), this rank's stages (``model.build_stage``,
 weights equal to the single-process model's) and Adam over their parameters, the cost and
 memory models, the length trace, the memory meter and the clock. ``plan_batch(k)`` samples
-global batch ``k`` (``data.sample_batch(trace, B, seed, k)``) and plans it with
-``planning.plan_step``: deterministic, so every rank computes the same plan. A run of a plan
+global batch ``k`` (the trace rows ``data.sample_indices(len(trace), B, seed, k)``) and plans it
+with ``planning.plan_step``: deterministic, so every rank computes the same plan, which records
+the rows (``Plan.dataset_ids``). On real text (``RunSpec.corpus``) the trace is the token
+file's document lengths and ``tokens`` gives the documents' ids; else synthetic ids. A run of a plan
 file (``RunSpec.plan``) runs that plan every step instead, with the spec's schedule file or
 the schedule built for the plan's kind, predictions from this run's cost and memory models.
 
@@ -29,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from dynmb.costmodel import CalibrationStep, get_cost_model, job_calibration
-from dynmb.data import load_trace, sample_batch
+from dynmb.data import load_trace, sample_indices
 from dynmb.memory import get_memory_model
+from dynmb.inputs import corpus_tokens
 from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import make_schedule, plan_step
 from dynmb.runtime.hooks import NoHooks, StepHooks
@@ -90,7 +93,9 @@ class RunState:
         self.history = history if history is not None else []   # the job's measured steps, shared
         self.memory_model = get_memory_model(spec.memory_model, run.model, num_stages)
         self.fixed = load_plan_files(spec) if spec.plan else None   # (plan, schedule file or None)
-        self.trace = load_trace(run.dataset) if self.fixed is None else None
+        self.corpus = spec.corpus.load() if spec.corpus is not None else None     # real text
+        self.trace = None if self.fixed is not None else (
+            self.corpus.lengths if self.corpus is not None else load_trace(run.dataset))
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)
         self.ops = device_ops(device)     # the device seam; also the clock the actions are timed with
         self.clock = self.ops
@@ -111,14 +116,21 @@ class RunState:
         if self.fixed is not None:
             return self._plan_file_batch()
         assert self.trace is not None
-        lengths = sample_batch(self.trace, run.global_batch, run.seed, step=step)
+        rows = sample_indices(len(self.trace), run.global_batch, run.seed, step=step)
+        lengths = self.trace[rows]
         plan, schedule, sim = plan_step(
             lengths, method=run.method, model_cfg=run.model, num_stages=pipeline.num_stages,
             memory_limit_bytes=pipeline.memory_limit_bytes, schedule_kind=pipeline.schedule,
             reorder=pipeline.reorder, mbs=run.mbs, dp=run.dp, virtual=pipeline.virtual,
             cost_model=self.cost_model, memory_model=self.memory_model, oversize=run.oversize,
             pack_len=run.pack_len, round_to=run.round_to, recompute=run.recompute)
-        return PlannedBatch(lengths, plan, schedule, sim)
+        return PlannedBatch(lengths, replace(plan, dataset_ids=tuple(rows.tolist())), schedule, sim)
+
+    def tokens(self, batch: PlannedBatch, step: int) -> list[torch.Tensor]:
+        """Token ids of ``batch``: the corpus documents of its rows, else synthetic ids of step ``step``."""
+        if self.corpus is not None:
+            return corpus_tokens(self.corpus, batch.plan.dataset_ids, batch.lengths)
+        return synthetic_tokens(batch.lengths, self.run.model.vocab_size, token_seed(self.run.seed, step))
 
     def _plan_file_batch(self) -> PlannedBatch:
         """The plan file's plan, replica 0's schedule, and predictions of this run's models (the

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dynmb.model import MicrobatchInputs, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.model import MicrobatchInputs, hidden_shape, make_inputs, torch_dtype
 from dynmb.planning import make_schedule
 from dynmb.prefix import PrefixStore
 from dynmb.runtime.checks import (
@@ -46,7 +46,7 @@ from dynmb.runtime.checks import (
 from dynmb.runtime.comm import P2P
 from dynmb.runtime.interpreter import ActionTiming, run_actions
 from dynmb.runtime.records import ActionRow, MemoryRow, StepReport
-from dynmb.runtime.state import RunState, token_seed
+from dynmb.runtime.state import RunState
 from dynmb.types import Action, Plan, Schedule
 
 __all__ = ["run_step"]
@@ -156,7 +156,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
         raise RuntimeError(f"schedule for {schedule.num_microbatches} microbatches on {schedule.num_ranks} ranks "
                            f"does not fit replica {topology.dp_index}'s {replica.num_microbatches} microbatches "
                            f"on {topology.pipeline_size} ranks")
-    tokens = synthetic_tokens(batch.lengths, run.model.vocab_size, token_seed(run.seed, step))
+    tokens = state.tokens(batch, step)
     weights = gather_weights(state.params, state.groups.pipeline, topology.pipeline_size) if state.spec.verify \
         else None
     actions = schedule.ranks[topology.pp_index]

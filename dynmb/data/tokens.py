@@ -1,0 +1,239 @@
+"""Real tokens for runs: a corpus tokenized once, in the launcher, into a token file every rank reads.
+
+``CorpusSource(files, fields, tokenizer)`` names a corpus as ``dynmb lengths`` reads it
+(``corpus.corpus_texts``: the same records, fields joined with a newline, txt split per line,
+no normalization) and ``tokenize(source)`` encodes every record with the same encoder
+(``corpus.get_tokenizer``), so document i's token count ``n_i`` is the length ``dynmb
+lengths`` writes for record i. A 0-token record is an error naming its file and record.
+
+Every document is stored as its ``n_i`` ids followed by the tokenizer's end-of-text id
+(GPT-2's ``<|endoftext|>``): ``n_i + 1`` ids, so the model reads ids ``0 .. n_i - 1`` and
+predicts ids ``1 .. n_i`` (the last label is the end of the text), ``n_i`` trained
+positions, the length of the trace (``CorpusTokens.lengths``). A slice or a truncated
+document takes a prefix of them (``dynmb.inputs.make_inputs``). A tokenizer without an
+end-of-text id is refused.
+
+Token file (``CorpusTokens.save`` / ``load``): ``<name>.npz`` holds ``offsets`` (int64,
+``num_documents + 1``: document i is ``ids[offsets[i]:offsets[i + 1]]``) and ``meta`` (a JSON
+string: the source, the tokenizer's ``vocab_size`` and ``eos_id``); the ids themselves (int32,
+every document's back to back) lie beside it in ``<name>.ids.npy``, which ``load`` maps
+read-only (``mmap_mode="r"``), so a rank reads only the documents its batches hold. The ids
+are written first and the ``.npz`` last, each renamed into place: a complete ``.npz`` means a
+complete token file. ``prepare_tokens(source, folder)`` writes it once
+per source into ``folder/tokens/<key>.npz``, the key hashing the source and each file's size
+and modification time, and returns a ``TokenFile``: what a run spec carries to the ranks.
+
+``check_vocab`` refuses a tokenizer whose ids do not fit the model's embedding (ids are never
+folded into a smaller vocabulary): one line naming the corpus and the ``--model`` to use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .corpus import EOS_TOKENS, CorpusError, TokenizerError, corpus_texts, get_tokenizer
+
+__all__ = ["CorpusSource", "CorpusTokens", "TokenFile", "tokenize", "prepare_tokens", "check_vocab"]
+
+_BATCH = 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusSource:
+    """A corpus as ``dynmb lengths`` reads it: files, record fields, tokenizer."""
+
+    files: tuple[str, ...]
+    """Corpus files (.jsonl, .json, .txt, optionally .gz), read in order; absolute paths."""
+    fields: tuple[str, ...] = ()
+    """Record fields (dotted paths) joined with a newline; none for txt corpora."""
+    tokenizer: str = "gpt2"
+    """``gpt2`` (offline BPE), a Hugging Face tokenizer name or a tokenizer.json path."""
+
+    @classmethod
+    def create(cls, files: str | os.PathLike | Sequence[str | os.PathLike], fields: str | Sequence[str] | None = None,
+               tokenizer: str = "gpt2") -> CorpusSource:
+        """A source with absolute file paths; ``fields``: one field or several."""
+        paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+        names = [fields] if isinstance(fields, str) else list(fields or ())
+        return cls(files=tuple(str(Path(p).resolve()) for p in paths), fields=tuple(names), tokenizer=tokenizer)
+
+    @property
+    def name(self) -> str:
+        """What the ``dataset`` column shows: the file(s), and the fields after a colon."""
+        files = ",".join(self.files)
+        return f"{files}:{','.join(self.fields)}" if self.fields else files
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": list(self.files), "fields": list(self.fields), "tokenizer": self.tokenizer}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CorpusSource:
+        return cls(files=tuple(str(f) for f in data["files"]), fields=tuple(str(f) for f in data.get("fields", ())),
+                   tokenizer=str(data.get("tokenizer", "gpt2")))
+
+
+@dataclass(frozen=True, eq=False)
+class CorpusTokens:
+    """Every document's ids followed by the end-of-text id (see the module docstring)."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    source: CorpusSource
+    vocab_size: int
+    """The tokenizer's: every id it can emit."""
+    eos_id: int
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """The trace: each document's token count (its ids less the end-of-text id)."""
+        return np.diff(self.offsets) - 1
+
+    def document(self, row: int) -> np.ndarray:
+        """Document ``row``'s ``n + 1`` ids (int64)."""
+        if not 0 <= row < self.num_documents:
+            raise IndexError(f"document {row} of a corpus of {self.num_documents} ({self.source.name})")
+        return self.ids[self.offsets[row]:self.offsets[row + 1]].astype(np.int64)
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``path`` (the ``.npz``) and its ``.ids.npy``, ids first, each atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = json.dumps({"source": self.source.to_dict(), "vocab_size": self.vocab_size, "eos_id": self.eos_id})
+        _write_atomic(_ids_path(path), lambda f: np.save(f, np.ascontiguousarray(self.ids)))
+        _write_atomic(path, lambda f: np.savez(f, offsets=self.offsets, meta=np.array(meta)))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CorpusTokens:
+        """The token file ``path`` (its ids mapped read-only)."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                offsets, meta = z["offsets"], json.loads(str(z["meta"]))
+            ids = np.load(_ids_path(Path(path)), mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"token file {str(e.filename or path)!r} not found") from None
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"token file {path} cannot be read: {e}") from None
+        if ids.ndim != 1 or offsets[-1] != ids.size:
+            raise ValueError(f"token file {path}: its offsets end at {int(offsets[-1])}, its ids hold {ids.size}")
+        return cls(ids=ids, offsets=offsets, source=CorpusSource.from_dict(meta["source"]),
+                   vocab_size=int(meta["vocab_size"]), eos_id=int(meta["eos_id"]))
+
+
+def _ids_path(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".npz") + ".ids.npy")
+
+
+def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenFile:
+    """A token file written for a run: its path and what the launcher checks before torchrun starts."""
+
+    path: str
+    """The ``.npz`` (absolute)."""
+    source: CorpusSource
+    vocab_size: int
+    """The tokenizer's vocabulary size."""
+    num_documents: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "source": self.source.to_dict(), "vocab_size": self.vocab_size,
+                "num_documents": self.num_documents}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TokenFile:
+        return cls(path=str(data["path"]), source=CorpusSource.from_dict(data["source"]),
+                   vocab_size=int(data["vocab_size"]), num_documents=int(data["num_documents"]))
+
+    def load(self) -> CorpusTokens:
+        return CorpusTokens.load(self.path)
+
+
+def tokenize(source: CorpusSource) -> CorpusTokens:
+    """Every record of ``source`` tokenized as ``dynmb lengths`` does, plus the end-of-text id."""
+    tok = get_tokenizer(source.tokenizer)
+    if tok.eos_id is None:
+        raise TokenizerError(f"tokenizer {source.tokenizer!r} has no end-of-text token (looked for "
+                             f"{', '.join(EOS_TOKENS)}); a run appends it to every document")
+    texts, starts, paths = corpus_texts(list(source.files), list(source.fields) or None)
+    docs: list[np.ndarray] = []
+    for s in range(0, len(texts), _BATCH):
+        docs.extend(np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts[s:s + _BATCH]))
+    counts = np.fromiter((d.size for d in docs), dtype=np.int64, count=len(docs))
+    empty = np.flatnonzero(counts == 0)
+    if empty.size:
+        k = int(np.searchsorted(starts, empty[0], side="right") - 1)
+        raise CorpusError(f"{paths[k]}: record {int(empty[0]) - starts[k]} (0-based) has 0 tokens"
+                          f"{f' (and {empty.size - 1} more)' if empty.size > 1 else ''}; a run needs text in every "
+                          "record (`dynmb lengths --skip-empty` shows them)")
+    eos = np.array([tok.eos_id], dtype=np.int64)
+    ids = np.concatenate([part for d in docs for part in (d, eos)])
+    offsets = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)
+    dtype = np.int32 if tok.vocab_size < 2**31 else np.int64
+    return CorpusTokens(ids=ids.astype(dtype), offsets=offsets, source=source, vocab_size=tok.vocab_size,
+                        eos_id=int(tok.eos_id))
+
+
+def _key(source: CorpusSource) -> str:
+    h = hashlib.sha256(json.dumps(source.to_dict(), sort_keys=True).encode())
+    for f in source.files:
+        try:
+            st = os.stat(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"corpus {f!r} not found") from None
+        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def prepare_tokens(source: CorpusSource, folder: str | Path, *, vocab_size: int | None = None,
+                   model_name: str = "model") -> TokenFile:
+    """The token file of ``source`` in ``folder/tokens/`` (written unless a file of the same
+    source, file sizes and modification times is there). With ``vocab_size`` (the model's) the
+    tokenizer is checked first (``check_vocab``), before any record is read."""
+    if vocab_size is not None:
+        _refuse(source, get_tokenizer(source.tokenizer).vocab_size, vocab_size, model_name)
+    path = (Path(folder) / "tokens" / f"{_key(source)}.npz").resolve()
+    try:
+        tokens = CorpusTokens.load(path) if path.is_file() else None
+    except (ValueError, FileNotFoundError):       # a partial or foreign file: write it again
+        tokens = None
+    if tokens is None or tokens.source != source:
+        tokens = tokenize(source)
+        tokens.save(path)
+    return TokenFile(path=str(path), source=source, vocab_size=tokens.vocab_size,
+                     num_documents=tokens.num_documents)
+
+
+def check_vocab(tokens: TokenFile | CorpusTokens, vocab_size: int, model_name: str) -> None:
+    """Refuse token ids the model cannot embed (``ValueError``, one line)."""
+    _refuse(tokens.source, tokens.vocab_size, vocab_size, model_name)
+
+
+def _refuse(source: CorpusSource, tokenizer_vocab: int, vocab_size: int, model_name: str) -> None:
+    if tokenizer_vocab > vocab_size:
+        flag = f"{model_name}{',' if ':' in model_name else ':'}vocab_size={tokenizer_vocab}"
+        raise ValueError(f"corpus {source.name}: tokenizer {source.tokenizer!r} has {tokenizer_vocab} token ids but "
+                         f"model {model_name} has vocab_size {vocab_size}; ids are never folded into a smaller "
+                         f"vocabulary: use --model {flag}")
