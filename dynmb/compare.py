@@ -199,18 +199,30 @@ class CompareResult:
         return list(self.summary.index[self.summary["peak_over_limit"] > 1])
 
 
-def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> dict[str, Any]:
-    """``plan_step`` keyword arguments of one case (the worker plans with the same)."""
-    cfg = model_config(settings.model, attention=settings.attention)
+def _case_config(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> RunConfig:
+    """The ``RunConfig`` of one case (the worker plans each step with its ``plan_spec``)."""
     if microbatch_size is None and method in FIXED_SIZE_METHODS:
         microbatch_size = settings.microbatch_size
-    return dict(method=method, model_cfg=cfg, num_stages=settings.stages,
-                memory_limit_bytes=parse_bytes(settings.memory_limit or "1GiB"), schedule_kind=settings.schedule,
-                mbs=microbatch_size, reorder=reorder_for(method, settings.reorder), virtual=settings.virtual,
-                cost_model=get_cost_model(settings.cost_model, cfg, settings.stages),
-                memory_model=get_memory_model(settings.memory_model, cfg, settings.stages),
-                oversize=settings.oversize, pack_len=settings.pack_len, round_to=settings.round_to,
-                recompute=settings.recompute)
+    device = settings.device or "cpu"
+    return RunConfig(model=model_config(settings.model, attention=settings.attention),
+                     pipeline=PipelineConfig(num_stages=settings.stages, virtual=settings.virtual,
+                                             schedule=settings.schedule,
+                                             memory_limit_bytes=parse_bytes(settings.memory_limit or "1GiB"),
+                                             reorder=reorder_for(method, settings.reorder)),
+                     dataset=settings.trace, global_batch=settings.global_batch, method=method, mbs=microbatch_size,
+                     seed=settings.seed, steps=settings.steps, warmup=settings.warmup,
+                     backend="nccl" if device == "cuda" else "gloo", device=device, cost_model=settings.cost_model,
+                     oversize=settings.oversize, pack_len=settings.pack_len, round_to=settings.round_to,
+                     prewarm=settings.prewarm, recompute=settings.recompute,
+                     expandable_segments=settings.expandable_segments)
+
+
+def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> dict[str, Any]:
+    """``plan_step`` arguments of one case, the spec from its ``RunConfig``: what the worker plans with."""
+    run = _case_config(settings, method, microbatch_size)
+    return dict(spec=run.plan_spec, model_cfg=run.model,
+                cost_model=get_cost_model(settings.cost_model, run.model, settings.stages),
+                memory_model=get_memory_model(settings.memory_model, run.model, settings.stages))
 
 
 def _token_file(settings: CompareSettings) -> TokenFile | None:
@@ -232,8 +244,8 @@ def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
     hindsight: 1, 2, 4, ... below the smallest automatic size (the largest that fits) of the
     run's steps, so that every candidate fits every step."""
     trace = _trace_lengths(settings)
-    kwargs = _plan_kwargs(settings, "fixed", microbatch_size=0)
-    kwargs["mbs"], kwargs["reorder"] = None, "none"
+    kwargs = _plan_kwargs(settings, "fixed")
+    kwargs["spec"] = kwargs["spec"].with_(mbs=None, reorder="none")
     auto = [int(plan_step(sample_batch(trace, settings.global_batch, settings.seed, step=k), **kwargs)[0].meta["mbs"])
             for k in range(settings.warmup + settings.steps)]
     return auto, [1 << i for i in range(12) if (1 << i) < min(auto)]
@@ -244,13 +256,13 @@ def budget_candidates(settings: CompareSettings, method: str) -> list[int]:
     for the best budget in hindsight: every d until the plans of the run's steps stop changing
     their microbatch count, then the ``BUDGET_CANDIDATES`` whose predicted steps (summed over the
     run's steps) are shortest, in increasing d. Measured like ``fixed-best``: the fastest case wins."""
-    trace = load_trace(settings.trace)
+    trace = _trace_lengths(settings)
     kwargs = _plan_kwargs(settings, method)
     batches = [sample_batch(trace, settings.global_batch, settings.seed, step=k)
                for k in range(settings.warmup + settings.steps)]
     scored, last = [], None
     for j in range(1, 12):
-        plans = [plan_step(b, **{**kwargs, "mbs": 1 << j})[0] for b in batches]
+        plans = [plan_step(b, **{**kwargs, "spec": kwargs["spec"].with_(mbs=1 << j)})[0] for b in batches]
         counts = [p.num_microbatches for p in plans]
         if counts == last:
             break
@@ -272,9 +284,7 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
     backend = "nccl" if device == "cuda" else "gloo"
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    limit = parse_bytes(settings.memory_limit or "1GiB")
     tag = uuid.uuid4().hex[:6]
-    model = model_config(settings.model, attention=settings.attention)
     tokens = _token_file(settings)
     runs: list[tuple[str, str, int | None]] = [
         (m, m, settings.microbatch_size if m in FIXED_SIZE_METHODS else None) for m in settings.methods]
@@ -285,15 +295,7 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
         runs += [(f"{method} div={d}", method, d) for d in budget_candidates(settings, method)]
     cases = []
     for label, method, size in runs:
-        cfg = RunConfig(model=model,
-                        pipeline=PipelineConfig(num_stages=settings.stages, virtual=settings.virtual,
-                                                schedule=settings.schedule, memory_limit_bytes=limit,
-                                                reorder=reorder_for(method, settings.reorder)),
-                        dataset=settings.trace, global_batch=settings.global_batch, method=method, mbs=size,
-                        seed=settings.seed, steps=settings.steps, warmup=settings.warmup, backend=backend,
-                        device=device, cost_model=settings.cost_model, oversize=settings.oversize,
-                        pack_len=settings.pack_len, round_to=settings.round_to, prewarm=settings.prewarm,
-                        recompute=settings.recompute, expandable_segments=settings.expandable_segments)
+        cfg = _case_config(settings, method, size)
         spec = RunSpec.create(cfg, out, run_id=f"{label.replace(' ', '-').replace('=', '')}-{tag}", label=label,
                               memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit,
                               corpus=tokens)

@@ -1,4 +1,5 @@
-"""Configuration: ``ModelConfig``, ``PipelineConfig``, ``RunConfig``.
+"""Configuration: ``ModelConfig``, ``PipelineConfig``, ``RunConfig`` (and ``PlanSpec``, re-exported
+from ``dynmb.planspec``: ``RunConfig.plan_spec`` is the settings a run plans every step with).
 
 kw_only dataclasses with a docstring per field and checks in ``__post_init__``.
 Model presets (``ModelConfig.preset(name)``): ``tiny`` for tests, ``small`` the
@@ -17,7 +18,9 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["ModelConfig", "PipelineConfig", "RunConfig", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
+from dynmb.planspec import PlanSpec
+
+__all__ = ["ModelConfig", "PipelineConfig", "RunConfig", "PlanSpec", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
            "model_config"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -311,6 +314,15 @@ class RunConfig:
             raise ValueError(f"recompute must be never, always or auto, got {self.recompute!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    @property
+    def plan_spec(self) -> PlanSpec:
+        """The settings every step of this run is planned with (``dynmb.planning.plan_step``)."""
+        p = self.pipeline
+        return PlanSpec(method=self.method, num_stages=p.num_stages, virtual=p.virtual, schedule_kind=p.schedule,
+                        reorder=p.reorder, memory_limit_bytes=p.memory_limit_bytes, dp=self.dp, mbs=self.mbs,
+                        pack_len=self.pack_len, round_to=self.round_to, oversize=self.oversize,
+                        recompute=self.recompute, attention=self.model.attention)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -16,10 +16,16 @@ sequence is identified by its index in that array.
   planner's predictions. Invariant (``Plan.validate``): every sequence of the
   global batch appears exactly once, or as one chain of slices (or is listed in
   ``meta['dropped']`` / ``meta['truncated']`` by an explicit policy).
+  ``Plan.spec`` is the ``PlanSpec`` it was planned with (its JSON's ``"spec"``), and
+  ``Plan.predictions`` a ``Predictions`` record.
 - ``Action``: ``(stage, op, mb)`` printed ``2F7`` like torch.distributed.pipelining's
   ``_Action`` (``F`` forward, ``B`` full backward; a split backward is ``I``, the input
   gradient, then ``W``, the weight gradients: torch's BACKWARD_INPUT / BACKWARD_WEIGHT).
 - ``Schedule``: one tuple of Actions per rank; the single schedule IR.
+
+This module holds ``Plan``; ``Microbatch`` (``dynmb.microbatch``), ``Action`` and ``Schedule``
+(``dynmb.actions``), ``Predictions`` (``dynmb.predictions``) and ``PlanSpec``
+(``dynmb.planspec``) live in their own modules and are re-exported here.
 """
 
 from __future__ import annotations
@@ -27,191 +33,20 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from dynmb.actions import OPS, Action, Schedule
 from dynmb.atomic import write_text_atomic
+from dynmb.microbatch import Microbatch, PlanError
+from dynmb.planspec import ATTENTION_KINDS, PlanSpec
+from dynmb.predictions import Predictions
 
-__all__ = ["Microbatch", "Plan", "Action", "Schedule", "OPS", "ATTENTION_KINDS", "PlanError"]
-
-OPS = ("F", "B", "I", "W")
-"""Action ops, torch's ``_ComputationType`` letters: forward, full backward, backward input, backward weight."""
-
-ATTENTION_KINDS = ("auto", "dense")
-"""``auto``: causal attention without a mask for one document per row, document-causal
-(sum of s_i^2) for packed rows; ``dense``: the (s, s) mask tensor on every row (ablation)."""
-
-
-class PlanError(ValueError):
-    """A plan breaks an invariant (a sequence missing or repeated, bad shapes)."""
-
-
-def _as_i64(x: Iterable[int]) -> np.ndarray:
-    a = np.asarray(x, dtype=np.int64).reshape(-1)
-    a.setflags(write=False)
-    return a
-
-
-@dataclass(frozen=True, eq=False)
-class Microbatch:
-    """One microbatch: ``batch`` rows of ``padded_len`` tokens.
-
-    ``seq_ids[k]`` (index into the global batch) has length ``lengths[k]`` and sits
-    in row ``row_ids[k]``; sequences sharing a row are concatenated in the order
-    given (document-causal masking keeps them apart). ``row_ids`` defaults to one
-    sequence per row, in order. ``recompute``: the microbatch runs every stage with full
-    activation recomputation (only each block's input is kept from F to B).
-    ``offsets[k]``: where entry k starts in its sequence (0 unless it is a slice);
-    ``continued[k]``: a later slice of that sequence follows in another microbatch. An
-    entry with an offset or a continuation is a *slice segment* (``slice_mask``).
-    """
-
-    seq_ids: np.ndarray
-    lengths: np.ndarray
-    padded_len: int
-    batch: int
-    row_ids: np.ndarray | None = None
-    recompute: bool = False
-    offsets: np.ndarray | None = None
-    continued: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "seq_ids", _as_i64(self.seq_ids))
-        object.__setattr__(self, "lengths", _as_i64(self.lengths))
-        object.__setattr__(self, "padded_len", int(self.padded_len))
-        object.__setattr__(self, "batch", int(self.batch))
-        object.__setattr__(self, "recompute", bool(self.recompute))
-        n = len(self.seq_ids)
-        rows = np.arange(n, dtype=np.int64) if self.row_ids is None else self.row_ids
-        object.__setattr__(self, "row_ids", _as_i64(rows))
-        object.__setattr__(self, "offsets", _as_i64(np.zeros(n, np.int64) if self.offsets is None else self.offsets))
-        cont = np.zeros(n, bool) if self.continued is None else np.asarray(self.continued, dtype=bool).reshape(-1)
-        cont.setflags(write=False)
-        object.__setattr__(self, "continued", cont)
-        if len(self.offsets) != n or len(self.continued) != n:
-            raise PlanError(f"microbatch: offsets ({len(self.offsets)}) and continued ({len(self.continued)}) "
-                            f"must have one entry per sequence ({n})")
-        if np.any(self.offsets < 0):
-            raise PlanError(f"microbatch has negative slice offsets: {self.offsets[self.offsets < 0].tolist()}")
-        if len(np.unique(self.seq_ids)) < n:
-            raise PlanError(f"microbatch holds a sequence twice: {self.seq_ids.tolist()}")
-        if len(self.lengths) != n or len(self.row_ids) != n:
-            raise PlanError(f"microbatch: seq_ids ({n}), lengths ({len(self.lengths)}) and row_ids ({len(self.row_ids)}) differ in size")
-        if n == 0:
-            raise PlanError("microbatch holds no sequence")
-        if self.batch < 1 or self.padded_len < 1:
-            raise PlanError(f"microbatch shape must be positive, got batch={self.batch} padded_len={self.padded_len}")
-        if np.any(self.lengths < 1):
-            raise PlanError(f"microbatch has non-positive lengths: {self.lengths[self.lengths < 1].tolist()}")
-        if self.row_ids.min() < 0 or self.row_ids.max() >= self.batch:
-            raise PlanError(f"row_ids out of range [0, {self.batch}): {self.row_ids.tolist()}")
-        per_row = np.bincount(self.row_ids, weights=self.lengths, minlength=self.batch)
-        if per_row.max() > self.padded_len:
-            r = int(per_row.argmax())
-            raise PlanError(f"row {r} holds {int(per_row[r])} tokens > padded_len {self.padded_len}")
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_ids)
-
-    @property
-    def real_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.batch * self.padded_len
-
-    @property
-    def padding_fraction(self) -> float:
-        return 1.0 - self.real_tokens / self.computed_tokens
-
-    @property
-    def is_packed(self) -> bool:
-        """True when some row holds more than one sequence."""
-        return len(np.unique(self.row_ids)) < self.num_seqs
-
-    @property
-    def slice_mask(self) -> np.ndarray:
-        """``(num_seqs,)`` bool: which entries are slice segments (offset > 0 or continued)."""
-        return (self.offsets > 0) | self.continued
-
-    @property
-    def has_slices(self) -> bool:
-        return bool(self.slice_mask.any())
-
-    @property
-    def continued_tokens(self) -> int:
-        """Tokens of the slices whose keys and values later slices attend to (held until this
-        microbatch's backward, with their gradients)."""
-        return int(self.lengths[self.continued].sum())
-
-    def attention_work(self, attention: str = "auto") -> int:
-        """Sum over attention segments of segment_length**2: the attention term of the cost.
-
-        ``auto`` (attention as trainers run it): a row holding one document runs causal
-        attention over its whole padded row (pads included), ``batch * padded_len**2``;
-        a microbatch with packed rows or slices runs document-causal attention,
-        ``sum(s_i**2)`` over its documents that are not slice segments, plus the slices'
-        ``prefix_work``. ``dense`` (the (s, s) mask ablation): ``batch * padded_len**2``.
-        """
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention {attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
-        if attention == "auto" and (self.is_packed or self.has_slices):
-            whole = self.lengths[~self.slice_mask].astype(np.int64)
-            return int(np.sum(whole ** 2)) + self.prefix_work()
-        return self.batch * self.padded_len ** 2
-
-    def prefix_work(self) -> int:
-        """Attention work of the slice segments: a slice of n tokens at offset p attends to
-        its p prefix keys and causally to itself, ``sum(n * (p + n))`` (the same scale as
-        ``attention_work``'s ``s**2``: a causal segment of s tokens counts s**2)."""
-        m = self.slice_mask
-        n, p = self.lengths[m].astype(np.int64), self.offsets[m].astype(np.int64)
-        return int(np.sum(n * (2 * p + n)))
-
-    def rows(self) -> list[np.ndarray]:
-        """Positions (into ``seq_ids``) of the sequences in each row, in order."""
-        return [np.flatnonzero(self.row_ids == r) for r in range(self.batch)]
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {
-            "seq_ids": self.seq_ids.tolist(),
-            "lengths": self.lengths.tolist(),
-            "padded_len": self.padded_len,
-            "batch": self.batch,
-        }
-        if not np.array_equal(self.row_ids, np.arange(self.num_seqs)):
-            d["row_ids"] = self.row_ids.tolist()
-        if self.recompute:
-            d["recompute"] = True
-        if self.has_slices:
-            m = self.slice_mask
-            d["slices"] = [[int(i), int(o), int(o + n)] for i, o, n in
-                           zip(self.seq_ids[m], self.offsets[m], self.lengths[m])]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Microbatch":
-        """The JSON form; ``slices`` (``[seq_id, start, end]`` token ranges) give the slice entries'
-        offsets and mark them ``continued`` (``Plan.from_dict`` then clears it on each sequence's
-        last slice, which only the whole plan knows)."""
-        seq_ids = np.asarray(d["seq_ids"], dtype=np.int64).reshape(-1)
-        lengths = np.asarray(d["lengths"], dtype=np.int64).reshape(-1)
-        offsets, continued = np.zeros(len(seq_ids), np.int64), np.zeros(len(seq_ids), bool)
-        for sid, start, end in d.get("slices", []):
-            k = np.flatnonzero(seq_ids == int(sid))
-            if len(k) != 1 or int(end) - int(start) != int(lengths[k[0]]) or int(start) < 0:
-                raise PlanError(f"slice [{sid}, {start}, {end}] does not match an entry of the microbatch "
-                                f"(seq_ids {seq_ids.tolist()}, lengths {lengths.tolist()})")
-            offsets[k[0]], continued[k[0]] = int(start), True
-        return cls(seq_ids=seq_ids, lengths=lengths, padded_len=d["padded_len"], batch=d["batch"],
-                   row_ids=d.get("row_ids"), recompute=bool(d.get("recompute", False)), offsets=offsets,
-                   continued=continued)
+__all__ = ["Microbatch", "Plan", "Action", "Schedule", "OPS", "ATTENTION_KINDS", "PlanError", "Predictions",
+           "PlanSpec"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,12 +55,13 @@ class Plan:
 
     ``replica_ids[i]`` is the data-parallel pipeline that runs microbatch ``i``
     (all zero without data parallelism). ``predictions`` holds what the planner
-    predicted (``pred_step_s``, ``pred_peak_bytes`` per stage, ``plan_s``);
-    ``meta`` holds settings (``mbs``, ``dataset``, ``seed``, ``dropped``,
-    ``truncated``, ...). ``dataset_ids[i]``, when known, is the row of the trace (or
-    corpus) that sequence ``i`` of the global batch was drawn from; the JSON form lists
-    them per microbatch (``dataset_ids``, one per ``seq_ids`` entry) and for the whole
-    batch, and the digest covers them.
+    predicted (``Predictions``: ``pred_step_s``, ``pred_peak_bytes`` per stage, ``plan_s``, ...;
+    a mapping given here is converted); ``spec`` the settings it was planned with (None for a
+    plan made by hand or read from an older file); ``meta`` holds what the packer chose and
+    run context (``mbs``, ``dataset``, ``seed``, ``dropped``, ``truncated``, ...).
+    ``dataset_ids[i]``, when known, is the row of the trace (or corpus) that sequence ``i`` of
+    the global batch was drawn from; the JSON form lists them per microbatch (``dataset_ids``,
+    one per ``seq_ids`` entry) and for the whole batch, and the digest covers them.
     """
 
     microbatches: tuple[Microbatch, ...]
@@ -236,12 +72,15 @@ class Plan:
     schedule_kind: str = "1f1b"
     dp: int = 1
     replica_ids: tuple[int, ...] | None = None
-    predictions: dict[str, Any] = field(default_factory=dict)
+    predictions: Predictions = field(default_factory=Predictions)
     meta: dict[str, Any] = field(default_factory=dict)
+    spec: PlanSpec | None = None
     dataset_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "microbatches", tuple(self.microbatches))
+        if not isinstance(self.predictions, Predictions):
+            object.__setattr__(self, "predictions", Predictions.from_dict(self.predictions))
         if self.dataset_ids is not None:
             object.__setattr__(self, "dataset_ids", tuple(int(i) for i in self.dataset_ids))
             if len(self.dataset_ids) != self.num_sequences:
@@ -293,7 +132,7 @@ class Plan:
     def replica(self, r: int) -> "Plan":
         """The sub-plan data-parallel pipeline ``r`` runs (microbatches renumbered from 0)."""
         mbs = tuple(mb for mb, rid in zip(self.microbatches, self.replica_ids) if rid == r)
-        return replace(self, microbatches=mbs, dp=1, replica_ids=None, predictions=dict(self.predictions),
+        return replace(self, microbatches=mbs, dp=1, replica_ids=None, predictions=self.predictions,
                        meta={**self.meta, "replica": r, "dp": self.dp})
 
     def with_order(self, order: Sequence[int], **meta: Any) -> "Plan":
@@ -302,7 +141,7 @@ class Plan:
         if sorted(order) != list(range(self.num_microbatches)):
             raise PlanError(f"order is not a permutation of 0..{self.num_microbatches - 1}: {order}")
         return replace(self, microbatches=tuple(self.microbatches[i] for i in order),
-                       replica_ids=tuple(self.replica_ids[i] for i in order), predictions=dict(self.predictions),
+                       replica_ids=tuple(self.replica_ids[i] for i in order), predictions=self.predictions,
                        meta={**self.meta, **meta})
 
     def slice_groups(self) -> dict[int, tuple[int, ...]]:
@@ -425,8 +264,9 @@ class Plan:
             "schedule_kind": self.schedule_kind,
             "dp": self.dp,
             "replica_ids": list(self.replica_ids),
-            "predictions": _jsonable(self.predictions),
+            "predictions": _jsonable(self.predictions.to_dict()),
             "meta": _jsonable(self.meta),
+            "spec": None if self.spec is None else self.spec.to_dict(),
             "microbatches": mbs,
             **({} if self.dataset_ids is None else {"dataset_ids": list(self.dataset_ids)}),
             "digest": self.digest(),
@@ -446,6 +286,7 @@ class Plan:
             memory_limit_bytes=int(d["memory_limit_bytes"]), num_sequences=int(n),
             schedule_kind=d.get("schedule_kind", "1f1b"), dp=int(d.get("dp", 1)),
             replica_ids=d.get("replica_ids"), predictions=d.get("predictions", {}), meta=d.get("meta", {}),
+            spec=None if d.get("spec") is None else PlanSpec.from_dict(d["spec"]),
             dataset_ids=_dataset_ids(d, int(n)),
         )
 
@@ -558,72 +399,3 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, np.generic):
         return x.item()
     return x
-
-
-_ACTION_RE = re.compile(r"^\s*(\d+)([FBIW])(\d+)\s*$")
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """``(stage, op, mb)``; ``str(Action(2, 'F', 7)) == '2F7'`` as torch prints ``_Action``."""
-
-    stage: int
-    op: str
-    mb: int
-
-    def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"unknown op {self.op!r}; expected one of {OPS}")
-        if self.stage < 0 or self.mb < 0:
-            raise ValueError(f"stage and mb must be >= 0, got {self.stage}, {self.mb}")
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.op}{self.mb}"
-
-    __repr__ = __str__
-
-    @classmethod
-    def parse(cls, s: str) -> "Action":
-        m = _ACTION_RE.match(s)
-        if not m:
-            raise ValueError(f"malformed action {s!r}; expected e.g. '2F7' (stage, F/B/I/W, microbatch)")
-        return cls(int(m.group(1)), m.group(2), int(m.group(3)))
-
-
-@dataclass(frozen=True, eq=False)
-class Schedule:
-    """One ordered tuple of Actions per rank.
-
-    Stage ``s`` lives on the rank whose list holds its actions; the builders use
-    torch's loop placement (stage ``s`` on rank ``s % num_ranks``) for
-    interleaved schedules. ``kind`` names the builder (``gpipe``, ``1f1b``, ...).
-    """
-
-    ranks: tuple[tuple[Action, ...], ...]
-    num_stages: int
-    num_microbatches: int
-    kind: str = ""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(tuple(r) for r in self.ranks))
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.ranks)
-
-    def stage_to_rank(self) -> dict[int, int]:
-        """Map stage -> rank, read off the actions."""
-        out: dict[int, int] = {}
-        for r, acts in enumerate(self.ranks):
-            for a in acts:
-                out.setdefault(a.stage, r)
-        return out
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Schedule) and self.ranks == other.ranks and self.num_stages == other.num_stages
-
-    def __hash__(self) -> int:
-        return hash(self.ranks)
-
-    def __str__(self) -> str:
-        return "\n".join(f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.ranks))

@@ -101,7 +101,8 @@ def _modules(package: str, *leaves: str) -> tuple[str, ...]:
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.outdir", "dynmb.hostinfo")),
-    ("types, config", ("dynmb.types", "dynmb.config")),
+    ("types, config", ("dynmb.types", "dynmb.microbatch", "dynmb.actions", "dynmb.predictions", "dynmb.planspec",
+                       "dynmb.features", "dynmb.config")),
     ("data", _modules("dynmb.data", "lengths", "corpus", "tokens")),
     ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
     ("models of the hardware", ("dynmb.memory", *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls",
@@ -110,8 +111,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.bounds")),
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
                          "dynamic", "dynamic_setup", "dynamic_rank", "recompute", "balanced")),
-    ("planning", _modules("dynmb.planning", "planner", "reorder", "zerobubble", "slicing", "defaults", "api", "sampler",
-                          "stage_split")),
+    ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "zerobubble", "slicing", "defaults", "api",
+                          "sampler", "stage_split")),
     ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "hf"))),
     ("runtime", _modules("dynmb.runtime", "spec", "topology", "state", "step", "interpreter", "splitbackward", "comm",
                          "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",

@@ -341,8 +341,8 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
     _check_plan(plan, lengths, mm, limit, round_to, cm)
     assume(plan.meta["budget"] == "tight" and plan.num_microbatches * 2 <= RANK_EXACT)
     ctx = PackContext(mm, limit, 2, "1f1b")
-    _, est = dynamic_groups(lengths, ctx.bmax, cm, 2, "1f1b", cm.comm_s, round_to=round_to,
-                            max_len=plan.meta["longest_fitting_length"], attention=attention)
+    _, est = dynamic_groups(lengths, ctx, cm, round_to=round_to, max_len=plan.meta["longest_fitting_length"],
+                            attention=attention)
     assert est == pytest.approx(plan.predictions["est_makespan_s"], rel=1e-9)
 
 

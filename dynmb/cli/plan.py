@@ -8,13 +8,13 @@ from dataclasses import replace
 from typing import Any
 
 from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args
-from dynmb.config import format_bytes, parse_bytes
+from dynmb.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.planning import plan_step
 from dynmb.types import Plan
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "plan_spec"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
@@ -26,6 +26,14 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("-o", "--output", default=None, help="plan JSON path")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary")
     parser.set_defaults(func=run)
+
+
+def plan_spec(args: argparse.Namespace, model: ModelConfig) -> PlanSpec:
+    """The ``PlanSpec`` of ``dynmb plan``'s flags (one place; its errors name the flag's field)."""
+    return PlanSpec(method=args.method, num_stages=args.stages, schedule_kind=args.schedule_kind,
+                    memory_limit_bytes=parse_bytes(args.memory_limit), mbs=args.mbs, dp=args.dp,
+                    oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
+                    recompute=args.recompute, attention=model.attention)
 
 
 def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, Any]:
@@ -65,10 +73,7 @@ def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     rows, batch = load_rows(args, args.step)
     plan, _, _ = plan_step(
-        batch, method=args.method, model_cfg=model, num_stages=args.stages,
-        memory_limit_bytes=parse_bytes(args.memory_limit), schedule_kind=args.schedule_kind,
-        mbs=args.mbs, dp=args.dp, oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-        recompute=args.recompute, cost_model=get_cost_model(args.cost_model, model, args.stages),
+        batch, plan_spec(args, model), model_cfg=model, cost_model=get_cost_model(args.cost_model, model, args.stages),
         memory_model=get_memory_model(args.memory_model, model, args.stages),
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step, "model": args.model},
     )

@@ -15,11 +15,13 @@ admissible one-row length by bisection on it.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
 
 from dynmb.memory import MemoryModelLike
+from dynmb.planspec import PlanSpec
 from ..schedule.kinds import ScheduleKind, get_kind
 from .rows import round_down, round_up
 
@@ -42,7 +44,7 @@ class PackContext:
     """Per-call constants: caps, in-flight counts and the admissible-rows function."""
 
     def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True, virtual: int = 1) -> None:
-        self.mm, self.limit, self.p, self.kind, self.tight = mm, int(limit), p, kind, tight
+        self.mm, self.limit, self.p, self.kind, self.tight, self.virtual = mm, int(limit), p, kind, tight, virtual
         state = np.asarray(mm.state_bytes, dtype=np.float64)
         rec = get_kind(kind)
         if rec.virtual_stages and virtual > 1:
@@ -64,6 +66,19 @@ class PackContext:
                 f"memory limit {int(limit)} B is below the model states of {where}: "
                 f"{int(state[i])} B (params + grads + optimizer); states per stage: "
                 f"{[int(x) for x in mm.state_bytes]}")
+
+    @classmethod
+    def from_spec(cls, spec: PlanSpec, mm: Any) -> "PackContext":
+        """The context of a planning step's settings (tight budget; ``with_budget`` for the safe one)."""
+        return cls(mm, spec.memory_limit_bytes, spec.num_stages, spec.schedule_kind, virtual=spec.virtual)
+
+    def with_budget(self, tight: bool) -> "PackContext":
+        """This context under the tight or the safe budget (caps and in-flight counts shared)."""
+        if tight == self.tight:
+            return self
+        other = copy.copy(self)
+        other.tight = tight
+        return other
 
     def bmax(self, s: Any) -> np.ndarray:
         """The most rows admissible at each padded length in ``s`` (0 where none)."""

@@ -1,9 +1,10 @@
 """``pack``: the dispatcher every packing method runs through.
 
-``pack(lengths, method, ...)`` for one global batch:
+``pack(lengths, spec, ...)`` for one global batch, ``spec`` a ``dynmb.planspec.PlanSpec``:
 
 1. Check the arguments and the lengths (1-D, whole, >= 1); build the ``PackContext`` (caps,
-   in-flight counts) of the memory limit, schedule kind and ``virtual`` chunks.
+   in-flight counts) of the memory limit, schedule kind and ``virtual`` chunks, once (the safe
+   budget of step 5 shares it, ``PackContext.with_budget``).
 2. Length cap: the longest admissible one-row length, a multiple of ``round_to`` up to the
    model's ``max_seq_len`` (for ``packed``: its row length, ``packed.packed_row_len``).
    Longer sequences follow ``oversize``: ``error`` raises ``PackingError`` naming them and
@@ -40,6 +41,8 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
 from ..makespan import makespan
 from ..schedule.kinds import get_kind
+from ..planspec import PlanSpec
+from ..predictions import Predictions
 from ..types import Microbatch, Plan
 from .balanced import balanced_flat
 from .context import PackContext, PackingError
@@ -48,29 +51,26 @@ from .dynapipe import dynapipe_groups
 from .fixed import fixed_flat
 from .packed import packed_row_len, packed_rows_flat
 from .recompute import pack_with_recompute
-from .rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, round_down, round_up,
+from .rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, round_down, round_up,
                    split_group)
 from .token_budget import token_budget_flat
 
-__all__ = ["METHODS", "pack"]
+__all__ = ["METHODS", "pack", "spec_of"]
 
 METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic", "balanced")
 _OVERSIZE = ("error", "truncate", "drop")
 
 
-def _check_args(method: str, schedule_kind: str, oversize: str, dp: int, mbs: int | None, round_to: int,
-                memory_model: MemoryModelLike, num_stages: int) -> None:
-    if method not in METHODS:
-        raise ValueError(f"unknown packing method {method!r}; expected one of {METHODS}")
-    get_kind(schedule_kind)              # unknown kinds: ValueError naming the registered ones
-    if oversize not in _OVERSIZE:
-        raise ValueError(f"oversize must be error, truncate or drop, got {oversize!r}")
-    if dp < 1 or (mbs is not None and mbs < 1):
-        raise ValueError(f"dp and mbs must be >= 1, got dp={dp}, mbs={mbs}")
-    if int(round_to) != round_to or round_to < 1:
-        raise ValueError(f"round_to must be a whole number >= 1, got {round_to!r}")
-    if memory_model.num_stages != num_stages:
-        raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {num_stages}")
+def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> None:
+    """What ``PlanSpec`` cannot check itself: the method and kind names, and the memory model's stages
+    (numbers and option sets are checked when the spec is made)."""
+    if spec.method not in METHODS:
+        raise ValueError(f"unknown packing method {spec.method!r}; expected one of {METHODS}")
+    get_kind(spec.schedule_kind)              # unknown kinds: ValueError naming the registered ones
+    if spec.oversize not in _OVERSIZE:
+        raise ValueError(f"oversize must be error, truncate or drop, got {spec.oversize!r}")
+    if memory_model.num_stages != spec.num_stages:
+        raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {spec.num_stages}")
 
 
 def _check_lengths(lengths: Any) -> np.ndarray:
@@ -143,8 +143,8 @@ def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Co
     def baseline(m: str) -> Flat:     # the plan method m makes of this batch: one of dynamic's candidates
         return _method_flat(m, lens, ctx, cost_model, mbs=None, round_to=round_to, len_cap=len_cap,
                             attention=attention)[0]
-    flat, _ = dynamic_groups(lens, ctx.bmax, cost_model, ctx.p, ctx.kind, getattr(cost_model, "comm_s", None),
-                             round_to=round_to, max_len=len_cap, attention=attention, dp=dp, baselines=baseline)
+    flat, _ = dynamic_groups(lens, ctx, cost_model, round_to=round_to, max_len=len_cap, attention=attention, dp=dp,
+                             baselines=baseline)
     return flat, {}
 
 
@@ -178,8 +178,8 @@ def _microbatches(flat: Flat, ids: np.ndarray, L: np.ndarray) -> list[Microbatch
 def _merge_cheapest(groups: list[Group], ctx: PackContext, dp: int) -> list[Group]:
     """Merge the admissible pair of microbatches with the fewest padded tokens (used when no
     microbatch can be split further and their number does not divide by ``dp``)."""
-    plen = np.array([g[2] for g in groups])
-    rows = np.array([g[3] for g in groups])
+    plen = np.array([g.padded_len for g in groups])
+    rows = np.array([g.batch for g in groups])
     bm = ctx.bmax(plen)
     i, j = np.triu_indices(len(groups), 1)
     ok = rows[i] + rows[j] <= np.minimum(bm[i], bm[j])
@@ -188,8 +188,7 @@ def _merge_cheapest(groups: list[Group], ctx: PackContext, dp: int) -> list[Grou
                            f"{len(groups)} microbatches of single sequences that cannot be merged under the limit")
     cost = np.where(ok, np.maximum(plen[i], plen[j]) * (rows[i] + rows[j]), np.inf)
     k = int(np.argmin(cost))
-    a, b = groups[i[k]], groups[j[k]]
-    merged = (np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1] + a[3]]), max(a[2], b[2]), a[3] + b[3])
+    merged = merge_groups(groups[i[k]], groups[j[k]])
     return [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
 
 
@@ -198,18 +197,18 @@ def _balance_replicas(flat: Flat, ctx: PackContext, dp: int) -> Flat:
     number is a positive multiple of ``dp``."""
     groups = flat_to_groups(flat)
     while len(groups) % dp or len(groups) < dp:
-        splittable = [j for j, g in enumerate(groups) if g[3] >= 2 or len(g[0]) >= 2]
+        splittable = [j for j, g in enumerate(groups) if g.batch >= 2 or len(g.items) >= 2]
         if not splittable:
             break
-        big = max(splittable, key=lambda j: (groups[j][3], len(groups[j][0])))
+        big = max(splittable, key=lambda j: (groups[j].batch, len(groups[j].items)))
         groups[big:big + 1] = split_group(groups[big])
     while len(groups) % dp:
         groups = _merge_cheapest(groups, ctx, dp)
     return groups_to_flat(groups)
 
 
-def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_model: MemoryModelLike, attention: str, kind: str,
-              virtual: int, dp: int) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
+def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_model: MemoryModelLike, attention: str,
+              spec: PlanSpec) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
     """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
     makespan of each replica), from the one cost lookup with each microbatch's attention work."""
     shapes = np.array([[mb.batch, mb.padded_len] for mb in microbatches], dtype=np.float64)
@@ -220,6 +219,7 @@ def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_
     cost = cost_model.stage_costs(shapes[:, 0], shapes[:, 1], attn)
     comm_s = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]) if hasattr(cost_model, "comm_s")
                                         else 0.0, dtype=np.float64), (len(microbatches),))
+    kind, virtual, dp = spec.schedule_kind, spec.virtual, spec.dp
     replica_ids = None
     replicas = [np.arange(len(microbatches))]
     if dp > 1:
@@ -237,77 +237,84 @@ def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_
     return microbatches, replica_ids, peak, estimates
 
 
-def pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: MemoryModelLike,
-         cost_model: CostModelLike, mbs: int | None = None, schedule_kind: str = "1f1b", dp: int = 1,
-         oversize: str = "error", pack_len: int | None = None, round_to: int = 1, virtual: int = 1,
-         recompute: str = "never") -> Plan:
-    """Pack the global batch ``lengths`` with ``method``; see the module docstring.
+def pack(lengths: Any, spec: PlanSpec | str, *, memory_model: MemoryModelLike, cost_model: CostModelLike,
+         **legacy: Any) -> Plan:
+    """Pack the global batch ``lengths`` under the settings ``spec``; see the module docstring.
 
-    ``mbs``: rows per microbatch of ``fixed`` / ``sorted`` / ``packed`` (``packed`` default 1).
-    ``pack_len``: the row length of ``packed`` (the other methods ignore it). ``round_to``:
-    every ``padded_len`` is a multiple of it. ``recompute``: never, always or auto (``dynmb.packing.recompute``).
-    The cyclic garbage collector is paused during the call (packing
+    ``spec.mbs``: rows per microbatch of ``fixed`` / ``sorted`` / ``packed`` (``packed`` default 1);
+    ``spec.pack_len``: the row length of ``packed`` (the other methods ignore it); ``spec.round_to``:
+    every ``padded_len`` is a multiple of it; ``spec.recompute``: never, always or auto
+    (``dynmb.packing.recompute``). ``spec.reorder`` is the planner's (packing ignores it).
+    The earlier form ``pack(lengths, method, num_stages=..., ...)`` (the ``PlanSpec`` fields as
+    keywords) still works. The cyclic garbage collector is paused during the call (packing
     allocates many small objects and creates no cycles); its previous state is restored.
     """
-    if recompute != "never":
-        return pack_with_recompute(pack, lengths, method, recompute=recompute, num_stages=num_stages,
-                                   memory_limit_bytes=memory_limit_bytes, memory_model=memory_model,
-                                   cost_model=cost_model, mbs=mbs, schedule_kind=schedule_kind, dp=dp,
-                                   oversize=oversize, pack_len=pack_len, round_to=round_to, virtual=virtual)
+    spec = spec_of(spec, legacy)
+    if spec.recompute != "never":
+        return pack_with_recompute(pack, lengths, spec, memory_model=memory_model, cost_model=cost_model)
     gc_was = gc.isenabled()
     gc.disable()
     try:
-        return _pack(lengths, method, num_stages=num_stages, memory_limit_bytes=memory_limit_bytes,
-                     memory_model=memory_model, cost_model=cost_model, mbs=mbs, schedule_kind=schedule_kind,
-                     dp=dp, oversize=oversize, pack_len=pack_len, round_to=round_to, virtual=virtual)
+        return _pack(lengths, spec, memory_model, cost_model)
     finally:
         if gc_was:
             gc.enable()
 
 
-def _pack(lengths: Any, method: str, *, num_stages: int, memory_limit_bytes: int, memory_model: MemoryModelLike,
-          cost_model: CostModelLike, mbs: int | None, schedule_kind: str, dp: int, oversize: str,
-          pack_len: int | None, round_to: int, virtual: int) -> Plan:
+def spec_of(spec: PlanSpec | str, legacy: dict[str, Any]) -> PlanSpec:
+    """``spec``, or (the earlier keyword form) a ``PlanSpec`` of method ``spec`` and the fields in ``legacy``."""
+    if isinstance(spec, PlanSpec):
+        if legacy:
+            raise TypeError(f"pass the settings in the PlanSpec, not as keywords too: {sorted(legacy)}")
+        return spec
+    try:
+        return PlanSpec(method=spec, **legacy)
+    except TypeError as e:
+        raise TypeError(f"pack: {e}") from None
+
+
+def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_model: CostModelLike) -> Plan:
     t0 = time.perf_counter()
-    _check_args(method, schedule_kind, oversize, dp, mbs, round_to, memory_model, num_stages)
-    round_to = int(round_to)
+    _check_args(spec, memory_model)
+    method, round_to, dp = spec.method, int(spec.round_to), spec.dp
     orig = _check_lengths(lengths)
     cfg = memory_model.model_cfg
-    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
+    attention = spec.attention or cfg.attention
+    base = PackContext.from_spec(spec, memory_model)
     packed = method == "packed"
     if packed:
-        len_cap, longest_row = packed_row_len(ctx, cfg.max_seq_len, pack_len, round_to)
+        len_cap, longest_row = packed_row_len(base, cfg.max_seq_len, spec.pack_len, round_to)
     else:
-        len_cap = longest_row = ctx.length_cap(cfg.max_seq_len, round_to)
+        len_cap = longest_row = base.length_cap(cfg.max_seq_len, round_to)
 
     def message(over: np.ndarray) -> str:
-        return _oversize_message(over, orig, len_cap, ctx, packed=packed, max_seq_len=cfg.max_seq_len,
+        return _oversize_message(over, orig, len_cap, base, packed=packed, max_seq_len=cfg.max_seq_len,
                                  round_to=round_to, longest_row=longest_row)
 
-    lens, ids, meta = _apply_oversize(orig, len_cap, oversize, message)
+    lens, ids, meta = _apply_oversize(orig, len_cap, spec.oversize, message)
     L = lens[ids]
     for tight in (True, False):
         # tight budget (k * act + tr) first; if the exact peak of a mix exceeds the limit, the safe one
-        ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, tight=tight, virtual=virtual)
-        flat, chosen = _method_flat(method, L, ctx, cost_model, mbs=mbs, round_to=round_to, len_cap=len_cap,
-                                    attention=cfg.attention, dp=dp)
+        ctx = base.with_budget(tight)
+        flat, chosen = _method_flat(method, L, ctx, cost_model, mbs=spec.mbs, round_to=round_to, len_cap=len_cap,
+                                    attention=attention, dp=dp)
         if dp > 1:
             flat = _balance_replicas(flat, ctx, dp)
         microbatches, replica_ids, peak, est = _estimate(_microbatches(flat, ids, L), cost_model, memory_model,
-                                                         cfg.attention, schedule_kind, virtual, dp)
-        if not np.any(peak > memory_limit_bytes):
+                                                         attention, spec)
+        if not np.any(peak > spec.memory_limit_bytes):
             meta.update(chosen, budget="tight" if tight else "safe")
             break
-        if tight and not (mbs is not None and method in ("fixed", "sorted", "packed")):
+        if tight and not (spec.mbs is not None and method in ("fixed", "sorted", "packed")):
             continue
         raise PackingError(_over_limit_message(method, peak, ctx, round_up(int(L.max()), round_to), len_cap))
-    plan = Plan(microbatches=tuple(microbatches), method=method, num_stages=num_stages,
-                memory_limit_bytes=int(memory_limit_bytes), num_sequences=len(orig), schedule_kind=schedule_kind,
-                dp=dp, replica_ids=replica_ids,
-                predictions={"pred_peak_bytes": [int(x) for x in np.ceil(peak)], "est_makespan_s": float(max(est)),
-                             **({"est_replica_makespan_s": [float(x) for x in est]} if dp > 1 else {}),
-                             "plan_s": time.perf_counter() - t0},
-                meta={**meta, "longest_fitting_length": longest_row, "oversize": oversize, "round_to": round_to,
+    plan = Plan(microbatches=tuple(microbatches), method=method, num_stages=spec.num_stages,
+                memory_limit_bytes=int(spec.memory_limit_bytes), num_sequences=len(orig),
+                schedule_kind=spec.schedule_kind, dp=dp, replica_ids=replica_ids, spec=spec,
+                predictions=Predictions(pred_peak_bytes=np.ceil(peak), est_makespan_s=max(est),
+                                        est_replica_makespan_s=est if dp > 1 else None,
+                                        plan_s=time.perf_counter() - t0),
+                meta={**meta, "longest_fitting_length": longest_row, "oversize": spec.oversize, "round_to": round_to,
                       "pack_len": len_cap if packed else None})
     plan.validate(orig)
     return plan

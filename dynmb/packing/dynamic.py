@@ -16,7 +16,10 @@ Algorithm:
    (``attention="auto"``), else rows x padded_len^2. Its time per stage is taken from ONE
    cost lookup (``stage_costs`` at (1, s), (2, s) and (1, s, attention work 0) for every
    distinct padded length s): ``alpha_s + beta_s * rows - gamma_s * (rows * s^2 - work)``,
-   affine in rows and attention work (exact for the analytic and polynomial cost models).
+   affine in rows and attention work (exact for the analytic cost model; the polynomial model's
+   per-token term of packed microbatches is not affine in attention work, which
+   ``dynamic_setup.affine_costs`` checks at two more points and reports; the final choice is
+   re-costed with the model itself, step 7).
 3. Own splits. The size is capped by memory (``bmax``, the per-microbatch budget of
    ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B. Greedy: each
    microbatch takes the most rows both caps allow, found for all rows at once by pointer
@@ -61,11 +64,13 @@ per batch of them).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
+from .context import PackContext
 from .dynamic_rank import RANK_EXACT, Candidate, Ranker
 from .dynamic_setup import SplitSetup, affine_costs, row_caps, row_set
 from .dynapipe import dynapipe_split
@@ -80,25 +85,41 @@ best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and wei
 BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe")
 """Methods whose plans (``baselines``) are candidates too, always weighed in the final choice."""
 
-__all__ = ["dynamic_groups", "BASELINES", "RANK_EXACT"]
+__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "RANK_EXACT"]
 
 
-def dynamic_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndarray], cost_model: CostModelLike,
-                   num_stages: int, schedule_kind: str = "1f1b", comm: Any = None, *, round_to: int = 1,
+@dataclass(frozen=True, kw_only=True)
+class DynamicSearch:
+    """How widely ``dynamic_groups`` searches."""
+
+    num_tau: int = 4
+    """Time targets per row set (3 more for batches of <= 1024 sequences)."""
+    keep: int = 3
+    """Own splits carried to the final choice (and as many of the fewest microbatches within ``tol``)."""
+    tol: float = 0.0
+    """Among plans within this relative margin of the best estimate, the fewest microbatches win."""
+
+
+def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelLike, *, round_to: int = 1,
                    max_len: int | None = None, attention: str = "auto", dp: int = 1,
-                   baselines: Callable[[str], Flat] | None = None, num_tau: int = 4, keep: int = 3,
-                   tol: float = 0.0) -> tuple[Flat, float]:
+                   baselines: Callable[[str], Flat] | None = None,
+                   search: DynamicSearch = DynamicSearch()) -> tuple[Flat, float]:
     """Microbatches (in execution order) of the global batch ``lengths`` and their estimated makespan
     (the slowest of ``dp`` replicas, as ``dynmb.packing`` assigns them).
 
-    ``bmax_fn(padded_lens)``: the most rows admissible per padded length. Every padded_len is
+    ``ctx``: the packing call's memory budget (``ctx.bmax(padded_lens)``: the most rows admissible
+    per padded length), stage count and schedule kind; the P2P time of a microbatch is
+    ``cost_model.comm_s(rows, padded_len)`` when the model has one. Every padded_len is
     a multiple of ``round_to``; packed rows hold at most ``max_len`` tokens (a multiple of
     ``round_to``; default: no cap beyond the longest length). ``attention``: the model's
     attention setting (``auto``: packed microbatches cost sum(s_i^2)). ``baselines(method)``:
     the plan (flat form, in its order) ``method`` makes of the same batch, for the methods of
-    ``BASELINES``. Among plans whose estimate is within ``tol`` (relative) of the best, the one
+    ``BASELINES``. Among plans whose estimate is within ``search.tol`` (relative) of the best, the one
     with the fewest microbatches is kept (less per-microbatch runtime overhead the cost model may miss).
     """
+    bmax_fn, num_stages, schedule_kind = ctx.bmax, ctx.p, ctx.kind
+    comm = getattr(cost_model, "comm_s", None)
+    num_tau, keep, tol = search.num_tau, search.keep, search.tol
     doc_causal = attention == "auto"
     n = len(lengths)
     top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)

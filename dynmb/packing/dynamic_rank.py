@@ -22,7 +22,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from ..makespan import exact_regime, makespans
 from .dynamic_setup import SplitSetup, split_to_flat
-from .rows import Flat, assign_replicas, flat_to_groups, groups_to_flat, split_group
+from .rows import Flat, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, split_group
 
 __all__ = ["Candidate", "Ranker", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS"]
 
@@ -331,27 +331,26 @@ def _balance_like_packing(flat: Flat, dp: int, bmax_fn: Callable) -> Flat | None
     positive multiple of dp, split (``split_group``) the first splittable microbatch with the
     most (rows, documents) (a heap keyed by position paths); then, while it is not a multiple,
     merge the admissible pair with the fewest padded tokens. None where packing would refuse."""
-    count = len(flat[2])
+    count = len(flat.nseq)
     if not (count % dp or count < dp):
         return flat
-    heap = [(-g[3], -len(g[0]), (j,), g) for j, g in enumerate(flat_to_groups(flat))]
+    heap = [(-g.batch, -len(g.items), (j,), g) for j, g in enumerate(flat_to_groups(flat))]
     heapq.heapify(heap)
     while (count % dp or count < dp) and (heap[0][0] <= -2 or heap[0][1] <= -2):
         _, _, key, g = heapq.heappop(heap)
         for half, part in enumerate(split_group(g)):
-            heapq.heappush(heap, (-part[3], -len(part[0]), key + (half,), part))
+            heapq.heappush(heap, (-part.batch, -len(part.items), key + (half,), part))
         count += 1
     groups = [g for *_, g in sorted(heap, key=lambda x: x[2])]
     while len(groups) % dp:
-        plen, rows = np.array([g[2] for g in groups]), np.array([g[3] for g in groups])
+        plen, rows = np.array([g.padded_len for g in groups]), np.array([g.batch for g in groups])
         bm = bmax_fn(plen)
         i, j = np.triu_indices(len(groups), 1)
         ok = rows[i] + rows[j] <= np.minimum(bm[i], bm[j])
         if not np.any(ok) or len(groups) <= dp:
             return None
         k = int(np.argmin(np.where(ok, np.maximum(plen[i], plen[j]) * (rows[i] + rows[j]), np.inf)))
-        a, b = groups[i[k]], groups[j[k]]
-        merged = (np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1] + a[3]]), max(a[2], b[2]), a[3] + b[3])
+        merged = merge_groups(groups[i[k]], groups[j[k]])
         groups = [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
     return groups_to_flat(groups)
 
@@ -363,4 +362,4 @@ def _reorder(flat: Flat, order: np.ndarray) -> Flat:
     start = np.cumsum(nseq) - nseq
     counts = nseq[order]
     idx = np.repeat(start[order] - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
-    return items[idx], local[idx], counts, plen[order], batch[order]
+    return Flat(items[idx], local[idx], counts, plen[order], batch[order])

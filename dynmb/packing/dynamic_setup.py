@@ -6,7 +6,9 @@
 - ``row_caps``: the capacities tried (no packing, up to three powers of two from 2x the median,
   the longest admissible row).
 - ``affine_costs``: every op's time per stage as ``alpha + beta * rows - gamma * (rows * s^2 -
-  work)`` per padded length s, from one cost lookup at three probe points.
+  work)`` per padded length s, from one cost lookup at three probe points, checked at two
+  more (a warning, or ``AffineCostError`` when strict, names where a cost model breaks the
+  affine property the packer relies on).
 - ``SplitSetup``: one row set with its per-row affine costs; scores splits (cut points over its
   rows, longest first): bottleneck time, time-target grid, greedy cuts, costs and shapes.
 - ``split_to_flat``: a split run in a given order, in ``rows.Flat`` form.
@@ -14,14 +16,19 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
+from dynmb.features import CostFeatures
 from .rows import Flat, bfd_rows, greedy_cuts, greedy_cuts_from_short_end, next_fit_rows, round_down, round_up
 
-__all__ = ["RowSet", "row_set", "row_caps", "affine_costs", "SplitSetup", "split_to_flat"]
+__all__ = ["RowSet", "row_set", "row_caps", "affine_costs", "AffineCostError", "AFFINE_TOL", "SplitSetup",
+           "split_to_flat"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,19 +103,63 @@ def row_caps(lengths: np.ndarray, max_len: int, round_to: int) -> list[int | Non
     return caps
 
 
-def affine_costs(cost_model: CostModelLike, padded: np.ndarray) -> dict[str, np.ndarray]:
+AFFINE_TOL = 1e-6
+"""Relative deviation of the cost model from its affine fit at the check points above which
+``affine_costs`` says the model breaks the affine property the packer relies on."""
+
+
+def affine_costs(cost_model: CostModelLike, padded: np.ndarray, *, strict: bool = False) -> dict[str, np.ndarray]:
     """Per op ``F`` / ``B``: (alpha, beta, gamma)[P, u] with time(b, s, work) = alpha + beta * b
-    - gamma * (b * s^2 - work), from one ``stage_costs`` lookup at (1, s), (2, s), (1, s, 0)."""
+    - gamma * (b * s^2 - work), from one ``stage_costs`` lookup at (1, s), (2, s), (1, s, 0).
+
+    The packer scores splits with this form, which holds when the cost model is affine in rows
+    and in attention work at each padded length (the analytic and polynomial models are). The
+    same lookup also evaluates the model at two check points per length, (3, s) and (2, s,
+    work s^2) (two rows, one of them with no attention work); where the fit misses the model by
+    more than ``AFFINE_TOL`` (relative), it logs a warning naming the model, op, stage, point
+    and deviation (``strict``: raises ``AffineCostError``); the packer's estimates are then
+    approximations, and ``dynmb.packing`` still re-costs the chosen plans with the model itself."""
     u = len(padded)
     s = padded.astype(np.float64)
-    rows = np.concatenate([np.ones(u), np.full(u, 2.0), np.ones(u)])
-    cc = cost_model.stage_costs(rows, np.tile(s, 3), np.concatenate([s * s, 2 * s * s, np.zeros(u)]))
+    ones, s2 = np.ones(u), s * s
+    probes = CostFeatures.of_shapes(np.concatenate([ones, 2 * ones, ones, 3 * ones, 2 * ones]), np.tile(s, 5),
+                                    np.concatenate([s2, 2 * s2, 0 * s2, 3 * s2, s2]))
+    cc = probes.costs(cost_model)
     out = {}
     for op in ("F", "B"):
-        one, two, no_attn = cc[op][:, :u], cc[op][:, u:2 * u], cc[op][:, 2 * u:]
+        one, two, no_attn, three, half = (cc[op][:, k * u:(k + 1) * u] for k in range(5))
         beta = np.maximum(two - one, 0.0)
-        out[op] = (one - beta, beta, np.maximum(one - no_attn, 0.0) / np.maximum(s * s, 1.0))
+        out[op] = (one - beta, beta, np.maximum(one - no_attn, 0.0) / np.maximum(s2, 1.0))
+        alpha, _, gamma = out[op]
+        for name, b, saving, got in (("3 rows", 3, 0.0, three), ("2 rows, one without attention work", 2, 1.0, half)):
+            fit = alpha + beta * b - gamma * saving * s2
+            dev = np.abs(fit - got) / np.maximum(np.abs(got), 1e-12)
+            if dev.max() > AFFINE_TOL:
+                stage, j = (int(x) for x in np.unravel_index(np.argmax(dev), dev.shape))
+                msg = (f"cost model {type(cost_model).__name__} is not affine in rows and attention work, which the "
+                       f"dynamic packer's split scoring assumes: op {op} on stage {stage} at padded_len "
+                       f"{int(s[j])}, {name}: model {got[stage, j]:.6g} s, affine fit {fit[stage, j]:.6g} s "
+                       f"({dev.max():.1%} off); its estimates are approximate (the chosen plans are re-costed "
+                       f"with the model)")
+                if strict:
+                    raise AffineCostError(msg)
+                _warn_once(cost_model, msg)
     return out
+
+
+class AffineCostError(ValueError):
+    """A cost model breaks the affine property ``affine_costs`` relies on (``strict``)."""
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(cost_model: CostModelLike, msg: str) -> None:
+    """Log ``msg`` once per process and cost-model class (a run makes a calibrated model every step)."""
+    key = msg.split(":")[0]
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning("%s", msg)
 
 
 class SplitSetup:
@@ -186,4 +237,4 @@ def split_to_flat(rows: RowSet, cuts: np.ndarray, order: np.ndarray) -> Flat:
     items = np.argsort(pos_of_mb[mb_of_item], kind="stable")
     local = rows.row[items] - cuts[mb_of_item[items]]
     nseq = np.bincount(pos_of_mb[mb_of_item], minlength=len(order))
-    return items, local, nseq, rows.padded[cuts[:-1]][order], np.diff(cuts)[order]
+    return Flat(items, local, nseq, rows.padded[cuts[:-1]][order], np.diff(cuts)[order])

@@ -88,4 +88,4 @@ def dynapipe_groups(lengths: np.ndarray, bmax_fn: Callable[[np.ndarray], np.ndar
     pos = np.argsort(lengths, kind="stable")
     padded = round_up(lengths[pos], round_to)
     cuts = dynapipe_split(padded, np.maximum(bmax_fn(padded), 1), cost_model, num_stages)
-    return [(pos[a:e], np.arange(e - a), int(padded[e - 1]), e - a) for a, e in zip(cuts[:-1], cuts[1:])]
+    return [Group(pos[a:e], np.arange(e - a), int(padded[e - 1]), e - a) for a, e in zip(cuts[:-1], cuts[1:])]

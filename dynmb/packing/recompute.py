@@ -41,6 +41,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
 from ..makespan import makespan
+from ..planspec import PlanSpec
 from ..schedule.kinds import get_kind
 from ..types import Microbatch, Plan
 from .context import stage_windows
@@ -106,7 +107,7 @@ def _estimate(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLi
 
 def _with_predictions(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike) -> tuple[Plan, float, bool]:
     est, peak = _estimate(plan, cost_model, memory_model)
-    preds = {**plan.predictions, "pred_peak_bytes": [int(x) for x in np.ceil(peak)], "est_makespan_s": est}
+    preds = plan.predictions.updated(pred_peak_bytes=np.ceil(peak), est_makespan_s=est)
     return replace(plan, predictions=preds), est, bool(np.all(peak <= plan.memory_limit_bytes))
 
 
@@ -116,20 +117,25 @@ def _remap(plan: Plan, ids: np.ndarray) -> list[Microbatch]:
             for mb in plan.microbatches]
 
 
-def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, method: str, *, recompute: str,
-                        memory_model: MemoryModelLike, cost_model: CostModelLike, memory_limit_bytes: int, **kw: Any) -> Plan:
-    """``pack_fn`` (``dynmb.packing``'s packer, same keywords) under a recompute mode (module doc)."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    args = dict(memory_limit_bytes=memory_limit_bytes, cost_model=cost_model, **kw)
-    if recompute == "never":
-        return pack_fn(lengths, method, memory_model=memory_model, **args)
+def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSpec, *,
+                        memory_model: MemoryModelLike, cost_model: CostModelLike) -> Plan:
+    """``pack_fn`` (``dynmb.packing.pack``) under the recompute mode ``spec.recompute`` (module doc)."""
+    if spec.recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {spec.recompute!r}")
+    method, memory_limit_bytes = spec.method, spec.memory_limit_bytes
+    plain = spec.with_(recompute="never")
+
+    def run(lens: Any, model: MemoryModelLike) -> Plan:
+        return replace(pack_fn(lens, plain, memory_model=model, cost_model=cost_model), spec=spec)
+
+    if spec.recompute == "never":
+        return run(lengths, memory_model)
     rc_model = memory_model.recomputing()
-    if recompute == "always":
-        plan = pack_fn(lengths, method, memory_model=rc_model, **args)
+    if spec.recompute == "always":
+        plan = run(lengths, rc_model)
         return _with_predictions(mark_recompute(plan, True, recompute="always"), cost_model, memory_model)[0]
     lengths = np.asarray(lengths, dtype=np.int64)
-    kind = kw.get("schedule_kind", "1f1b")
+    kind = spec.schedule_kind
     cands: list[tuple[float, str, Plan]] = []
 
     def add(name: str, plan: Plan) -> None:
@@ -141,8 +147,8 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, method: str,
 
     plain_ok = fits(memory_model, memory_limit_bytes, np.ones(len(lengths)), lengths, kind=kind)
     if plain_ok.all():
-        add("plain", pack_fn(lengths, method, memory_model=memory_model, **args))
-    rc_plan = pack_fn(lengths, method, memory_model=rc_model, **args)
+        add("plain", run(lengths, memory_model))
+    rc_plan = run(lengths, rc_model)
     flags = needs_recompute(memory_model, rc_plan, tight=rc_plan.meta.get("budget", "tight") == "tight")
     mixed = mark_recompute(rc_plan, flags, recompute="auto")
     if _with_predictions(mixed, cost_model, memory_model)[2]:
@@ -150,27 +156,27 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, method: str,
     else:
         add("all", mark_recompute(rc_plan, True, recompute="auto"))
     rc_ok = fits(memory_model, memory_limit_bytes, np.ones(len(lengths)), lengths, kind=kind, recompute=True)
-    if not plain_ok.all() and plain_ok.any() and rc_ok.all() and kw.get("dp", 1) == 1:
-        add("split", _plain_plus_singletons(pack_fn, lengths, method, plain_ok, memory_model, rc_model, args))
+    if not plain_ok.all() and plain_ok.any() and rc_ok.all() and spec.dp == 1:
+        add("split", _plain_plus_singletons(run, lengths, plain_ok, memory_model, spec))
     if not cands:
         raise ValueError(f"recompute auto: no plan of {method} fits under {memory_limit_bytes} B")
     est, name, plan = min(cands, key=lambda c: c[0])
     return replace(plan, meta={**plan.meta, "recompute": "auto", "recompute_choice": name})
 
 
-def _plain_plus_singletons(pack_fn: Callable[..., Plan], lengths: np.ndarray, method: str, plain_ok: np.ndarray,
-                           memory_model: MemoryModelLike, rc_model: Any, args: dict) -> Plan:
+def _plain_plus_singletons(run: Callable[[Any, MemoryModelLike], Plan], lengths: np.ndarray, plain_ok: np.ndarray,
+                           memory_model: MemoryModelLike, spec: PlanSpec) -> Plan:
     """Candidate (c): the plain plan of the sequences that fit without recomputation, then each
     other sequence alone in a recomputed one-row microbatch (at the packer's rounding)."""
     ids = np.flatnonzero(plain_ok)
-    base = pack_fn(lengths[ids], method, memory_model=memory_model, **args)
-    round_to = int(args.get("round_to", 1))
+    base = run(lengths[ids], memory_model)
+    round_to = int(spec.round_to)
     extra = [Microbatch([i], [int(lengths[i])], -(-int(lengths[i]) // round_to) * round_to, 1, recompute=True)
              for i in np.flatnonzero(~plain_ok)]
     mbs = tuple(_remap(base, ids) + extra)
     plan = Plan(microbatches=mbs, method=base.method, num_stages=base.num_stages,
                 memory_limit_bytes=base.memory_limit_bytes, num_sequences=len(lengths),
-                schedule_kind=base.schedule_kind, predictions=dict(base.predictions),
+                schedule_kind=base.schedule_kind, predictions=base.predictions, spec=base.spec,
                 meta={**base.meta, "recomputed": len(extra), "recompute": "auto"})
     plan.validate(lengths)
     return plan

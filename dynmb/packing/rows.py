@@ -8,8 +8,9 @@
   it (ties: the lowest row id), else opens a new row. O(n log rows) with a sorted list of
   (room, row) pairs.
 - ``round_up(x, multiple)`` / ``round_down(x, multiple)``: shapes as multiples of ``round_to``.
-- Microbatch groups: a ``Group`` is one microbatch (items, local rows, padded_len, rows);
-  ``Flat`` is a whole plan as five arrays (``groups_to_flat`` / ``flat_to_groups``).
+- Microbatch groups: a ``Group`` (named tuple) is one microbatch (items, local rows, padded_len,
+  rows); ``Flat`` (named tuple) is a whole plan as five arrays (``groups_to_flat`` /
+  ``flat_to_groups``); ``merge_groups`` joins two microbatches.
   ``fixed_groups`` (fixed rows per microbatch), ``packed_flat`` (``bfd_rows`` rows of
   ``pack_len``, a fixed number of rows per microbatch), ``token_budget_groups`` (fairseq's
   ``batch_by_size``), ``split_group`` and ``assign_replicas`` (data parallelism).
@@ -22,19 +23,46 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-__all__ = ["next_fit_rows", "bfd_rows", "round_up", "round_down", "Flat", "Group", "groups_to_flat",
+__all__ = ["next_fit_rows", "bfd_rows", "round_up", "round_down", "Flat", "Group", "merge_groups", "groups_to_flat",
            "flat_to_groups", "fixed_groups", "packed_flat", "token_budget_groups", "split_group", "assign_replicas",
            "greedy_cuts", "greedy_cuts_from_short_end", "polish_cuts"]
 
-Flat = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-"""Microbatches in execution order: (item positions grouped by microbatch, local row id per
-item, items per microbatch, padded_len per microbatch, rows per microbatch)."""
-Group = tuple[np.ndarray, np.ndarray, int, int]
-"""One microbatch: (item positions, local row id per item, padded_len, rows)."""
+class Flat(NamedTuple):
+    """Microbatches in execution order, as five arrays."""
+
+    items: np.ndarray
+    """Item positions, grouped by microbatch."""
+    local_row: np.ndarray
+    """Row of each item within its microbatch."""
+    nseq: np.ndarray
+    """Items per microbatch."""
+    padded_len: np.ndarray
+    """padded_len per microbatch."""
+    batch: np.ndarray
+    """Rows per microbatch."""
+
+
+class Group(NamedTuple):
+    """One microbatch."""
+
+    items: np.ndarray
+    """Item positions."""
+    local_row: np.ndarray
+    """Row of each item within the microbatch."""
+    padded_len: int
+    """The row length it runs at."""
+    batch: int
+    """Rows."""
+
+
+def merge_groups(a: Group, b: Group) -> Group:
+    """One microbatch of ``a``'s rows then ``b``'s, at the longer padded_len."""
+    return Group(np.concatenate([a.items, b.items]), np.concatenate([a.local_row, b.local_row + a.batch]),
+                 max(a.padded_len, b.padded_len), a.batch + b.batch)
 
 
 def round_up(x: Any, multiple: int) -> Any:
@@ -96,7 +124,7 @@ def fixed_groups(positions: np.ndarray, lens: np.ndarray, rows_per_mb: int, roun
     local = {z: np.arange(z) for z in set(sizes)}           # shared by the groups: read-only
     for x in local.values():
         x.setflags(write=False)
-    return [(positions[a:a + z], local[z], s, z) for a, s, z in zip(starts.tolist(), longest, sizes)]
+    return [Group(positions[a:a + z], local[z], s, z) for a, s, z in zip(starts.tolist(), longest, sizes)]
 
 
 def packed_flat(lens: np.ndarray, pack_len: int, rows_per_mb: int) -> Flat:
@@ -108,7 +136,7 @@ def packed_flat(lens: np.ndarray, pack_len: int, rows_per_mb: int) -> Flat:
     num_mb = int(mb_of_item.max()) + 1
     rows = np.minimum(rows_per_mb, num_rows - np.arange(num_mb) * rows_per_mb)
     local_row = row[items] - mb_of_item[items] * rows_per_mb
-    return (items, local_row, np.bincount(mb_of_item, minlength=num_mb), np.full(num_mb, pack_len, np.int64), rows)
+    return Flat(items, local_row, np.bincount(mb_of_item, minlength=num_mb), np.full(num_mb, pack_len, np.int64), rows)
 
 
 def token_budget_groups(lens: np.ndarray, max_tokens: int, round_to: int) -> list[Group]:
@@ -118,7 +146,7 @@ def token_budget_groups(lens: np.ndarray, max_tokens: int, round_to: int) -> lis
     groups, a = [], 0
     for e in range(1, len(padded) + 1):
         if e == len(padded) or (e + 1 - a) * padded[e] > max_tokens:
-            groups.append((pos[a:e], np.arange(e - a), padded[e - 1], e - a))
+            groups.append(Group(pos[a:e], np.arange(e - a), padded[e - 1], e - a))
             a = e
     return groups
 
@@ -129,25 +157,28 @@ def split_group(g: Group) -> list[Group]:
     if b >= 2:
         h = b // 2
         lo = rows < h
-        return [(items[lo], rows[lo], plen, h), (items[~lo], rows[~lo] - h, plen, b - h)]
+        return [Group(items[lo], rows[lo], plen, h), Group(items[~lo], rows[~lo] - h, plen, b - h)]
     if len(items) >= 2:                      # a packed row: split its documents
         h = len(items) // 2
-        return [(items[:h], np.zeros(h, np.int64), plen, 1), (items[h:], np.zeros(len(items) - h, np.int64), plen, 1)]
+        return [Group(items[:h], np.zeros(h, np.int64), plen, 1),
+                Group(items[h:], np.zeros(len(items) - h, np.int64), plen, 1)]
     return [g]
 
 
 def groups_to_flat(groups: list[Group]) -> Flat:
     """Groups -> the flat form."""
-    return (np.concatenate([g[0] for g in groups]).astype(np.int64),
-            np.concatenate([g[1] for g in groups]).astype(np.int64),
-            np.array([len(g[0]) for g in groups], dtype=np.int64),
-            np.array([g[2] for g in groups], dtype=np.int64), np.array([g[3] for g in groups], dtype=np.int64))
+    return Flat(np.concatenate([g.items for g in groups]).astype(np.int64),
+                np.concatenate([g.local_row for g in groups]).astype(np.int64),
+                np.array([len(g.items) for g in groups], dtype=np.int64),
+                np.array([g.padded_len for g in groups], dtype=np.int64),
+                np.array([g.batch for g in groups], dtype=np.int64))
 
 
-def flat_to_groups(flat: tuple) -> list[Group]:
-    items, rows, nseq, plen, batch = flat
-    cut = np.cumsum(nseq)[:-1]
-    return list(zip(np.split(items, cut), np.split(rows, cut), plen.tolist(), batch.tolist()))
+def flat_to_groups(flat: Flat) -> list[Group]:
+    """The flat form -> groups."""
+    cut = np.cumsum(flat.nseq)[:-1]
+    return [Group(*g) for g in zip(np.split(flat.items, cut), np.split(flat.local_row, cut), flat.padded_len.tolist(),
+                                   flat.batch.tolist())]
 
 
 def assign_replicas(busy: np.ndarray, dp: int) -> tuple[list[int], list[int]]:

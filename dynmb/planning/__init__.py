@@ -2,6 +2,10 @@
 
 - ``planner``: ``plan_step`` (what ``dynmb plan``, every rank of ``dynmb run`` and ``dynmb
   compare`` call, so the plan that is simulated is the plan that runs) and ``make_schedule``.
+- ``replicas``: ``make_schedule`` (one replica's schedule, from the kind's record) and the one
+  home of per-replica work: split a plan by replica, schedule and simulate each, stitch them back.
+- ``slicing``: plans with slices of sequences longer than any row (``oversize='split'``).
+- ``zerobubble``: the zero-bubble kinds' cost inputs and the simulator as their judge.
 - ``reorder``: microbatch order passes (``none``, ``descending``, ``ascending``, ``ends``,
   ``dynapipe``, ``search``), pure ``Plan -> Plan``, scored by the simulator.
 - ``defaults``: the auto reorder table and the shipped cost models.
@@ -13,7 +17,9 @@ schedule builders and the simulator; nothing above it imports it.
 from __future__ import annotations
 
 from .defaults import AUTO_REORDER, default_cost_model_path, reorder_for
-from .planner import make_schedule, plan_step
+from .planner import plan_step
 from .reorder import REORDER_METHODS
+from .replicas import make_schedule, predict_replicas, replica_of, replica_schedules, replicas_of, stitch
 
-__all__ = ["plan_step", "make_schedule", "REORDER_METHODS", "AUTO_REORDER", "reorder_for", "default_cost_model_path"]
+__all__ = ["plan_step", "make_schedule", "replica_of", "replicas_of", "replica_schedules", "predict_replicas",
+           "stitch", "REORDER_METHODS", "AUTO_REORDER", "reorder_for", "default_cost_model_path"]

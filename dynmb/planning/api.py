@@ -29,6 +29,7 @@ from dynmb.memory import MemoryModelLike
 from ..config import ModelConfig, model_config, parse_bytes
 from ..costmodel import get_cost_model
 from ..memory import get_memory_model
+from ..planspec import PlanSpec
 from ..simulate import SimResult
 from ..types import Plan, Schedule
 from .defaults import default_cost_model_path, stand_ins_of, warn_stand_ins
@@ -69,10 +70,11 @@ class Planner:
                  dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu") -> None:
         self.model_cfg = _model(model)
-        self.num_stages = int(num_stages)
-        self.memory_limit_bytes = parse_bytes(memory_limit)
-        if round_to < 1:
-            raise ValueError(f"round_to must be >= 1, got {round_to}")
+        self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=int(virtual), schedule_kind=schedule,
+                             reorder="auto", memory_limit_bytes=parse_bytes(memory_limit), dp=int(dp),
+                             pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
+                             attention=self.model_cfg.attention)
+        """The settings every ``plan`` call starts from (``plan`` sets the method, reorder and mbs)."""
         if cost_model is None or isinstance(cost_model, (str, Path)):
             path = cost_model if cost_model is not None else default_cost_model_path(
                 self.model_cfg.name, self.num_stages, device)
@@ -85,19 +87,25 @@ class Planner:
         else:
             memory_model.check(self.model_cfg, self.num_stages)
         self.cost_model, self.memory_model = cost_model, memory_model
-        self.schedule, self.round_to, self.dp, self.virtual = schedule, int(round_to), int(dp), int(virtual)
-        self.oversize, self.pack_len, self.recompute = oversize, pack_len, recompute
+
+    # the settings, read from the spec
+    num_stages = property(lambda self: self.spec.num_stages)
+    memory_limit_bytes = property(lambda self: self.spec.memory_limit_bytes)
+    schedule = property(lambda self: self.spec.schedule_kind)
+    round_to = property(lambda self: self.spec.round_to)
+    dp = property(lambda self: self.spec.dp)
+    virtual = property(lambda self: self.spec.virtual)
+    oversize = property(lambda self: self.spec.oversize)
+    pack_len = property(lambda self: self.spec.pack_len)
+    recompute = property(lambda self: self.spec.recompute)
 
     def plan(self, lengths: Any, method: str = "dynamic", reorder: str = "auto", *, mbs: int | None = None,
              meta: dict[str, Any] | None = None) -> PlannedStep:
         """Plan one global batch ``lengths`` (sequence i has ``lengths[i]`` tokens) with ``method``;
         ``reorder="auto"`` runs each method in its own system's order."""
-        plan, schedule, sim = plan_step(
-            np.asarray(lengths, dtype=np.int64), method=method, model_cfg=self.model_cfg, num_stages=self.num_stages,
-            memory_limit_bytes=self.memory_limit_bytes, schedule_kind=self.schedule, reorder=reorder, mbs=mbs,
-            dp=self.dp, virtual=self.virtual, cost_model=self.cost_model, memory_model=self.memory_model,
-            oversize=self.oversize, pack_len=self.pack_len, round_to=self.round_to, meta=meta,
-            recompute=self.recompute)
+        spec = self.spec.with_(method=method, reorder=reorder, mbs=mbs)
+        plan, schedule, sim = plan_step(np.asarray(lengths, dtype=np.int64), spec, model_cfg=self.model_cfg,
+                                        cost_model=self.cost_model, memory_model=self.memory_model, meta=meta)
         return PlannedStep(plan=plan, schedule=schedule, sim=sim)
 
     def __repr__(self) -> str:

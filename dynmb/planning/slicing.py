@@ -41,6 +41,8 @@ from dynmb.packing import PackingError, pack
 from dynmb.packing.context import PackContext
 from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
+from dynmb.planspec import PlanSpec
+from dynmb.predictions import Predictions
 from dynmb.schedule.kinds import get_kind, slice_kinds
 from dynmb.simulate import SimResult, simulate
 from dynmb.types import Microbatch, Plan, Schedule
@@ -51,14 +53,13 @@ MIN_SLICE = 128
 """Shortest slice length the planner tries (tokens)."""
 
 
-def longest_row(method: str, model_cfg: ModelConfig, memory_model: MemoryModelLike, memory_limit_bytes: int,
-                num_stages: int, schedule_kind: str, pack_len: int | None, round_to: int, virtual: int = 1) -> int:
-    """The longest row ``method`` runs: ``packed``'s row length, else the longest admissible
+def longest_row(spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> int:
+    """The longest row ``spec.method`` runs: ``packed``'s row length, else the longest admissible
     one-row microbatch (beyond it, ``oversize='split'`` slices a sequence)."""
-    ctx = PackContext(memory_model, memory_limit_bytes, num_stages, schedule_kind, virtual=virtual)
-    if method == "packed":
-        return packed_row_len(ctx, model_cfg.max_seq_len, pack_len, round_to)[0]
-    return ctx.length_cap(model_cfg.max_seq_len, round_to)
+    ctx = PackContext.from_spec(spec, memory_model)
+    if spec.method == "packed":
+        return packed_row_len(ctx, model_cfg.max_seq_len, spec.pack_len, spec.round_to)[0]
+    return ctx.length_cap(model_cfg.max_seq_len, spec.round_to)
 
 
 def slice_lengths(length: int, slice_len: int) -> list[int]:
@@ -77,14 +78,14 @@ def _chain(seq_id: int, pieces: list[int], round_to: int, recompute: bool) -> li
     return out
 
 
-def plan_split(lengths: np.ndarray, method: str, *, model_cfg: ModelConfig, num_stages: int, memory_limit_bytes: int,
-               memory_model: MemoryModelLike, cost_model: CostModelLike, schedule_kind: str = "1f1b", mbs: int | None = None, dp: int = 1,
-               pack_len: int | None = None, round_to: int = 1, virtual: int = 1, recompute: str = "never",
-               make_schedule: Callable[..., Schedule]) -> tuple[Plan, Schedule, SimResult]:
+def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, memory_model: MemoryModelLike,
+               cost_model: CostModelLike, make_schedule: Callable[..., Schedule]) -> tuple[Plan, Schedule, SimResult]:
     """Plan ``lengths`` with every sequence longer than the longest row cut into slices (module doc)."""
     t0 = time.perf_counter()
+    method, num_stages, memory_limit_bytes = spec.method, spec.num_stages, spec.memory_limit_bytes
+    schedule_kind, round_to, virtual, recompute = spec.schedule_kind, spec.round_to, spec.virtual, spec.recompute
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    if dp != 1:
+    if spec.dp != 1:
         raise ValueError("oversize='split' plans one pipeline replica (dp = 1)")
     if not get_kind(schedule_kind).slices or virtual != 1:
         raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {schedule_kind!r}"
@@ -93,17 +94,14 @@ def plan_split(lengths: np.ndarray, method: str, *, model_cfg: ModelConfig, num_
         raise PackingError(f"a sequence of {int(lengths.max())} tokens is longer than the model's max_seq_len "
                            f"{model_cfg.max_seq_len} (learned positions): size them from the trace, e.g. "
                            f"--model {model_cfg.name}:max_seq_len={int(lengths.max())}")
-    row_cap = longest_row(method, model_cfg, memory_model, memory_limit_bytes, num_stages, schedule_kind, pack_len,
-                          round_to)
+    row_cap = longest_row(spec, model_cfg, memory_model)
     if row_cap < 1:
         raise PackingError(f"no row fits under {memory_limit_bytes} B at {num_stages} stages ({schedule_kind})")
     long_ids = np.flatnonzero(lengths > row_cap)
     short_ids = np.flatnonzero(lengths <= row_cap)
-    common = dict(num_stages=num_stages, memory_limit_bytes=memory_limit_bytes, memory_model=memory_model,
-                  cost_model=cost_model, mbs=mbs, schedule_kind=schedule_kind, pack_len=pack_len, round_to=round_to)
     short_mbs: list[Microbatch] = []
     if short_ids.size:
-        sub = pack(lengths[short_ids], method, recompute=recompute, **common)
+        sub = pack(lengths[short_ids], spec.with_(oversize="error"), memory_model=memory_model, cost_model=cost_model)
         short_mbs = [replace(mb, seq_ids=short_ids[mb.seq_ids]) for mb in sub.microbatches]
     if not long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")
@@ -126,7 +124,7 @@ def plan_split(lengths: np.ndarray, method: str, *, model_cfg: ModelConfig, num_
             for placement in ("first", "last"):
                 order = chains + short_mbs if placement == "first" else short_mbs + chains
                 plan = Plan(tuple(order), method, num_stages, int(memory_limit_bytes), len(lengths),
-                            schedule_kind=schedule_kind,
+                            schedule_kind=schedule_kind, spec=spec,
                             meta={"oversize": "split", "round_to": round_to, "longest_fitting_length": row_cap,
                                   "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
                                   "slice_len": int(slice_len), "slice_placement": placement,
@@ -148,7 +146,7 @@ def plan_split(lengths: np.ndarray, method: str, *, model_cfg: ModelConfig, num_
             f"{int(lowest[0])} B (slices of {lowest[1]}) exceeds the limit {int(memory_limit_bytes)} B"
             f"{'; --recompute auto keeps only block inputs and keys/values' if recompute == 'never' else ''}")
     _, plan, sched, sim = best
-    plan = replace(plan, predictions={"pred_peak_bytes": [int(x) for x in np.ceil(sim.peak_bytes)],
-                                      "est_makespan_s": float(sim.makespan_s), "plan_s": time.perf_counter() - t0})
+    plan = replace(plan, predictions=Predictions(pred_peak_bytes=np.ceil(sim.peak_bytes), est_makespan_s=sim.makespan_s,
+                                                 plan_s=time.perf_counter() - t0))
     plan.validate(lengths)
     return plan, sched, sim

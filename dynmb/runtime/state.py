@@ -35,14 +35,14 @@ from dynmb.data import load_trace, sample_indices
 from dynmb.memory import get_memory_model
 from dynmb.inputs import corpus_tokens
 from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
-from dynmb.planning import make_schedule, plan_step
+from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.records import ActionRow, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files
 from dynmb.runtime.topology import Topology, make_process_groups
-from dynmb.simulate import SimResult, simulate
+from dynmb.simulate import SimResult
 from dynmb.types import Microbatch, Plan, Schedule
 
 __all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed", "plan_lengths"]
@@ -112,18 +112,14 @@ class RunState:
 
     def plan_batch(self, step: int) -> PlannedBatch:
         """Global batch ``step`` and its plan: deterministic, the same on every rank."""
-        run, pipeline = self.run, self.run.pipeline
+        run = self.run
         if self.fixed is not None:
             return self._plan_file_batch()
         assert self.trace is not None
         rows = sample_indices(len(self.trace), run.global_batch, run.seed, step=step)
         lengths = self.trace[rows]
-        plan, schedule, sim = plan_step(
-            lengths, method=run.method, model_cfg=run.model, num_stages=pipeline.num_stages,
-            memory_limit_bytes=pipeline.memory_limit_bytes, schedule_kind=pipeline.schedule,
-            reorder=pipeline.reorder, mbs=run.mbs, dp=run.dp, virtual=pipeline.virtual,
-            cost_model=self.cost_model, memory_model=self.memory_model, oversize=run.oversize,
-            pack_len=run.pack_len, round_to=run.round_to, recompute=run.recompute)
+        plan, schedule, sim = plan_step(lengths, run.plan_spec, model_cfg=run.model, cost_model=self.cost_model,
+                                        memory_model=self.memory_model)
         return PlannedBatch(lengths, replace(plan, dataset_ids=tuple(rows.tolist())), schedule, sim)
 
     def tokens(self, batch: PlannedBatch, step: int) -> list[torch.Tensor]:
@@ -137,19 +133,12 @@ class RunState:
         slowest replica's step, every stage's highest peak)."""
         assert self.fixed is not None
         plan, schedule = self.fixed
-        pipeline = self.run.pipeline
-        replicas = [plan.replica(r) for r in range(plan.dp)] if plan.dp > 1 else [plan]
-        scheds = [schedule if r == 0 and schedule is not None else
-                  make_schedule(p, pipeline.schedule, virtual=pipeline.virtual, memory_model=self.memory_model,
-                                cost_model=self.cost_model) for r, p in enumerate(replicas)]
-        sims = [simulate(s, p, self.cost_model, self.memory_model) for s, p in zip(scheds, replicas)]
-        worst = max(sims, key=lambda sim: sim.makespan_s)
-        peaks = [int(x) for x in np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0)] \
-            if sims[0].peak_bytes is not None else list(plan.predictions.get("pred_peak_bytes", []))
-        plan = replace(plan, predictions={**plan.predictions, "pred_step_s": float(worst.makespan_s),
-                                          "mean_bubble": float(worst.mean_bubble), "pred_peak_bytes": peaks,
-                                          "plan_s": 0.0})
-        return PlannedBatch(plan_lengths(plan), plan, scheds[0], sims[0])
+        replicas = replicas_of(plan)
+        scheds = replica_schedules(replicas, self.run.plan_spec, memory_model=self.memory_model,
+                                   cost_model=self.cost_model, first=schedule)
+        predicted = predict_replicas(replicas, scheds, self.cost_model, self.memory_model, plan.predictions)
+        plan = replace(plan, predictions=predicted.predictions.updated(plan_s=0.0))
+        return PlannedBatch(plan_lengths(plan), plan, scheds[0], predicted.sims[0])
 
     def note_shapes(self, plan: Plan) -> tuple[int, int]:
         """``(distinct, new)`` microbatch shapes of ``plan``; remembers them as seen."""

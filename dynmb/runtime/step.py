@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dynmb.model import MicrobatchInputs, hidden_shape, make_inputs, torch_dtype
-from dynmb.planning import make_schedule
+from dynmb.planning import make_schedule, replica_of
 from dynmb.prefix import PrefixStore
 from dynmb.runtime.checks import (
     check_plan_digest,
@@ -147,7 +147,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     batch = state.plan_batch(step)
     plan = state.hooks.plan(state.rank, step, batch.plan)
     check_plan_digest(plan, step, device)
-    replica = plan.replica(topology.dp_index) if topology.dp_size > 1 else plan
+    replica = replica_of(plan, topology.dp_index)
     schedule = batch.schedule
     if topology.dp_index > 0:
         schedule = make_schedule(replica, pipeline.schedule, virtual=pipeline.virtual,

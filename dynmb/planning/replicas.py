@@ -1,0 +1,117 @@
+"""Replicas of a plan and their schedules: the one place that splits a plan by data-parallel
+replica, builds each replica's schedule, predicts the step from their simulations and stitches
+reordered replicas back into one plan.
+
+- ``make_schedule(plan, kind, ...)``: build and validate one replica's schedule; the kind's
+  record (``dynmb.schedule.kinds``) says which inputs its builder takes.
+- ``replica_of(plan, r)`` / ``replicas_of(plan)``: replica ``r``'s plan (the plan itself without
+  data parallelism), all of them.
+- ``replica_schedules(replicas, spec, ...)``: every replica's schedule (replica 0's may be given:
+  a schedule file).
+- ``predict_replicas(...)``: every replica simulated; the step's predictions are the slowest
+  replica's time and bubbles and every stage's highest peak.
+- ``stitch(plan, replicas)``: (reordered) replicas back into one plan, replica-major.
+
+Used by ``plan_step`` (``dynmb.planning.planner``), ``dynmb.runtime.state`` (a plan file) and
+``dynmb.runtime.step`` (each rank's replica).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike
+from ..planspec import PlanSpec
+from ..predictions import Predictions
+from ..schedule import build_schedule, validate
+from ..schedule.kinds import get_kind, slice_kinds
+from ..simulate import SimResult, memory_inputs, simulate
+from ..types import Plan, Schedule
+from .zerobubble import zb_evaluator, zb_inputs
+
+__all__ = ["make_schedule", "replica_of", "replicas_of", "replica_schedules", "predict_replicas", "stitch",
+           "ReplicaPrediction"]
+
+
+def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: MemoryModelLike | None = None,
+                  cost_model: CostModelLike | None = None) -> Schedule:
+    """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``): the kind's
+    record (``dynmb.schedule.kinds``) says which inputs its builder takes (the plan's backward
+    order for slices, its bytes and limit, its times and the simulator as judge)."""
+    rec = get_kind(kind)
+    order = plan.backward_order() if plan.has_slices else None
+    if order is not None and not rec.slices:
+        raise ValueError(f"slices of long sequences run on the {' or '.join(slice_kinds())} schedule, not {kind!r} "
+                         f"(its builder does not run their backwards in reverse)")
+    inputs: dict[str, Any] = {"virtual": virtual, "backward_order": order}
+    if rec.memory != "none" and memory_model is not None:
+        inputs["act_bytes"], inputs["transient_bytes"], inputs["state_bytes"] = memory_inputs(memory_model, plan)
+        inputs["limit_bytes"] = plan.memory_limit_bytes
+    elif rec.memory == "required":
+        raise ValueError(f"the {kind} schedule needs a memory model")
+    if rec.costs:                        # cost-driven builders (dynmb.planning.zerobubble)
+        if cost_model is None:
+            raise ValueError(f"the {kind} schedule needs a cost model (it places its ops by predicted times)")
+        inputs["zb_inputs"] = zb_inputs(plan, cost_model, memory_model)
+        inputs["evaluate"] = zb_evaluator(plan, cost_model, memory_model, inputs["zb_inputs"])
+    sched = build_schedule(kind, plan.num_stages, plan.num_microbatches, **inputs)
+    validate(sched, plan)
+    return sched
+
+
+def replica_of(plan: Plan, r: int) -> Plan:
+    """Replica ``r``'s share of ``plan`` (the plan itself without data parallelism)."""
+    return plan.replica(r) if plan.dp > 1 else plan
+
+
+def replicas_of(plan: Plan) -> list[Plan]:
+    """Every replica's share of ``plan``, in replica order."""
+    return [replica_of(plan, r) for r in range(plan.dp)]
+
+
+def replica_schedules(replicas: Sequence[Plan], spec: PlanSpec, *, memory_model: MemoryModelLike | None,
+                      cost_model: CostModelLike | None, first: Schedule | None = None) -> list[Schedule]:
+    """Each replica's validated schedule of kind ``spec.schedule_kind`` (``first``: replica 0's, given)."""
+    return [first if r == 0 and first is not None else
+            make_schedule(p, spec.schedule_kind, virtual=spec.virtual, memory_model=memory_model,
+                          cost_model=cost_model) for r, p in enumerate(replicas)]
+
+
+@dataclass(frozen=True)
+class ReplicaPrediction:
+    """Every replica's simulation and the step's predictions from them."""
+
+    sims: list[SimResult]
+    """One per replica, in replica order."""
+    predictions: Predictions
+    """The slowest replica's ``pred_step_s`` and ``mean_bubble``, every stage's highest ``pred_peak_bytes``."""
+
+
+def predict_replicas(replicas: Sequence[Plan], schedules: Sequence[Schedule], cost_model: CostModelLike,
+                     memory_model: MemoryModelLike | None, base: Predictions) -> ReplicaPrediction:
+    """Simulate every replica under its schedule; ``base``'s fields are kept where the simulator
+    gives none (the packer's peaks without a memory model)."""
+    sims = [simulate(s, p, cost_model, memory_model) for s, p in zip(schedules, replicas)]
+    worst = max(sims, key=lambda sim: sim.makespan_s)
+    peaks = np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0) \
+        if sims[0].peak_bytes is not None else base.pred_peak_bytes
+    return ReplicaPrediction(sims, base.updated(pred_step_s=worst.makespan_s, mean_bubble=worst.mean_bubble,
+                                                pred_peak_bytes=peaks))
+
+
+def stitch(plan: Plan, replicas: Sequence[Plan], meta: dict[str, Any] | None = None) -> Plan:
+    """``plan`` with the microbatches of ``replicas`` (each possibly reordered), replica-major, and
+    ``meta`` added to its meta (one replica: that replica itself)."""
+    meta = meta or {}
+    if len(replicas) == 1 and plan.dp == 1:
+        return replace(replicas[0], meta={**replicas[0].meta, **meta})
+    mbs_all, rids = [], []
+    for r, p in enumerate(replicas):
+        mbs_all.extend(p.microbatches)
+        rids.extend([r] * p.num_microbatches)
+    return replace(plan, microbatches=tuple(mbs_all), dp=len(replicas), replica_ids=tuple(rids),
+                   meta={**plan.meta, **meta})
