@@ -23,14 +23,15 @@ class AffineCost:
     def __init__(self, cfg, p, overhead=1e-3):
         self.cfg, self.num_stages, self.overhead = cfg, p, overhead
 
-    def stage_costs(self, rows, padded_len, attn=None):
+    def stage_costs(self, rows, padded_len, attn=None, ops=("F", "B"), recompute=None):
         b, s = np.broadcast_arrays(np.atleast_1d(np.asarray(rows, float)), np.atleast_1d(np.asarray(padded_len, float)))
         a = b * s * s if attn is None else np.broadcast_to(np.asarray(attn, float), b.shape)
         attn_flops = 4 * self.cfg.d_model * (a - b * s * s)        # stage_flops counts b * s^2 per layer
         f = np.stack([self.overhead + (self.cfg.stage_flops(i, self.num_stages, b, s)
                                        + len(self.cfg.stage_layers(self.num_stages)[i]) * attn_flops) / 1e10
                       for i in range(self.num_stages)])
-        return {"F": f, "B": 2 * f}
+        every = {"F": f, "B": 2 * f, "I": f, "W": f}
+        return {op: every[op] for op in ops}
 
     def comm_s(self, rows, padded_len):
         return 1e-5 + np.asarray(rows, float) * np.asarray(padded_len, float) * self.cfg.d_model * 4 / 1e9

@@ -156,6 +156,6 @@ def balanced_flat(lens: np.ndarray, ctx: PackContext, cost_model: Any = None, *,
     groups: list[Group] = []
     for s in sets:
         items = np.asarray(s, dtype=np.int64)
-        groups.append((items, np.zeros(len(items), np.int64), int(round_up(int(lens[items].sum()), round_to)), 1))
-    order = ends_order(np.array([work[g[0]].sum() for g in groups]))
+        groups.append(Group(items, np.zeros(len(items), np.int64), int(round_up(int(lens[items].sum()), round_to)), 1))
+    order = ends_order(np.array([work[g.items].sum() for g in groups]))
     return groups_to_flat([groups[i] for i in order]), budget
