@@ -136,6 +136,22 @@ def test_ceil_tokens_over_budget_microbatches_when_nothing_is_split(lengths, div
     assert np.all(np.diff(work[:top + 1]) >= -1e-15) and np.all(np.diff(work[top:]) <= 1e-15)
 
 
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 400), min_size=4, max_size=120), divisor=st.integers(1, 32),
+       dp=st.integers(2, 4))
+def test_data_parallel_count_is_a_multiple_of_dp_without_splitting_rows(lengths, divisor, dp):
+    lengths = np.array(lengths)
+    mm, cm, limit = _setup(2, 400.0)
+    plan = pack(lengths, "balanced", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
+                mbs=divisor, dp=dp)
+    plan.validate(lengths)
+    k = math.ceil(lengths.sum() / plan.meta["max_tokens"])
+    if len(lengths) >= dp * math.ceil(k / dp):               # enough sequences: KK made the multiple itself
+        assert plan.num_microbatches == dp * math.ceil(k / dp)
+        assert all(mb.batch == 1 and mb.padded_len == mb.real_tokens for mb in plan.microbatches)
+    assert plan.num_microbatches % dp == 0
+
+
 def test_a_microbatch_over_the_limit_is_split():
     """Budget at the memory maximum of padded rows of the longest length: one packed row of all
     of it is not admissible, so KK's sets are split until every row fits."""

@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"predicted makespan {sim.makespan_s:.4g} s, mean bubble {sim.mean_bubble:.3f} "
           f"({schedule.num_ranks} ranks, {schedule.num_microbatches} microbatches)")
+    if sim.bound_s and sim.ideal_s:
+        print(f"lower bounds: bound {sim.bound_s:.4g} s (gap {sim.makespan_s / sim.bound_s - 1:.1%}), ideal "
+              f"{sim.ideal_s:.4g} s (gap {sim.makespan_s / sim.ideal_s - 1:.1%}); see dynmb.bounds")
     for rank, (bubble, busy) in enumerate(zip(sim.bubble_fraction, sim.busy_s)):
         print(f"  rank {rank}: busy {busy:.4g} s, bubble {bubble:.3f}, peak {format_bytes(peak_bytes_rank[rank])}")
     print(f"limit {format_bytes(plan.memory_limit_bytes)}: {'fits' if sim.fits else 'OVER THE LIMIT'}")

@@ -3,7 +3,8 @@ the memory limit.
 
 Given a token budget T (verl's ``max_token_len``):
 
-1. ``k = ceil(total tokens / T)`` microbatches;
+1. ``k = ceil(total tokens / T)`` microbatches (at most one per sequence; with ``dp`` replicas
+   rounded up to a multiple of ``dp``, so the dispatcher need not split any to deal them out);
 2. the sequences are partitioned into k sets of balanced *workload* by the Karmarkar-Karp
    largest differencing method, k-way (``karmarkar_karp``): every sequence starts as a
    partition of k sets (itself in one, the others empty); the two partitions with the largest
@@ -143,13 +144,15 @@ def _fit(items: list[int], lens: np.ndarray, work: np.ndarray, ctx: PackContext,
 
 
 def balanced_flat(lens: np.ndarray, ctx: PackContext, cost_model: Any = None, *, round_to: int = 1,
-                  divisor: int | None = None) -> tuple[Flat, int]:
-    """(microbatches of ``balanced`` in flat form, the token budget used); module doc."""
+                  divisor: int | None = None, dp: int = 1) -> tuple[Flat, int]:
+    """(microbatches of ``balanced`` in flat form, the token budget used); module doc. With ``dp``
+    replicas the count is rounded up to a multiple of ``dp`` (the dispatcher deals them out)."""
     lens = np.asarray(lens, dtype=np.int64)
     if divisor is not None and (int(divisor) != divisor or divisor < 1):
         raise ValueError(f"balanced: the budget divisor must be a whole number >= 1, got {divisor!r}")
     budget = max(1, max_tokens(ctx, round_up(int(lens.max()), round_to)) // int(divisor or 1))
-    k = max(1, min(len(lens), math.ceil(int(lens.sum()) / budget)))
+    k = max(1, math.ceil(int(lens.sum()) / budget))
+    k = min(len(lens), -(-k // dp) * dp)
     work = sequence_workload(lens, cost_model)
     sets = [s for s in karmarkar_karp(work, k) if s]
     sets = [p for s in sets for p in _fit(s, lens, work, ctx, round_to)]

@@ -136,7 +136,7 @@ def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Co
         flat, budget = token_budget_flat(lens, ctx, round_to, divisor=mbs)
         return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
     if method == "balanced":        # mbs: the memory-maximum token budget is divided by it
-        flat, budget = balanced_flat(lens, ctx, cost_model, round_to=round_to, divisor=mbs)
+        flat, budget = balanced_flat(lens, ctx, cost_model, round_to=round_to, divisor=mbs, dp=dp)
         return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
     if method == "dynapipe":
         return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}
