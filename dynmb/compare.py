@@ -51,11 +51,12 @@ import numpy as np
 import pandas as pd
 
 from dynmb.analysis import summarise
-from dynmb.config import PipelineConfig, RunConfig, model_config, parse_bytes
+from dynmb.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
+from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.plots import compare_throughput, gantt
 from dynmb.results import load_results, write_table
 from dynmb.packing import METHODS
@@ -122,12 +123,18 @@ class CompareSettings:
     """Fitted cost-model JSON; None: the shipped one for this model, stages and device, if any."""
     model: str = "small"
     attention: str | None = None
+    stage_split: str = "even"
+    """Layers per stage: even, auto or a list (``dynmb.planning.stage_split``)."""
     out: str = "results/compare"
 
     @property
     def trace(self) -> str:
         """The trace the global batches are sampled from (a corpus: its name)."""
         return self.corpus.name if self.corpus is not None else self.lengths or self.dataset or "sharegpt"
+
+    def model_config(self) -> ModelConfig:
+        """The model of every case: ``model`` with ``attention`` and the ``stage_split`` over ``stages``."""
+        return resolve_stage_split(model_config(self.model, attention=self.attention), self.stages, self.stage_split)
 
     def resolved(self) -> CompareSettings:
         """Defaults filled: trace, limit, device, the interleaved schedule for ``virtual`` > 1,
@@ -204,7 +211,7 @@ def _case_config(settings: CompareSettings, method: str, microbatch_size: int | 
     if microbatch_size is None and method in FIXED_SIZE_METHODS:
         microbatch_size = settings.microbatch_size
     device = settings.device or "cpu"
-    return RunConfig(model=model_config(settings.model, attention=settings.attention),
+    return RunConfig(model=settings.model_config(),
                      pipeline=PipelineConfig(num_stages=settings.stages, virtual=settings.virtual,
                                              schedule=settings.schedule,
                                              memory_limit_bytes=parse_bytes(settings.memory_limit or "1GiB"),
@@ -229,7 +236,7 @@ def _token_file(settings: CompareSettings) -> TokenFile | None:
     """The corpus's token file in the results folder (written once; the vocabulary checked first)."""
     if settings.corpus is None:
         return None
-    model = model_config(settings.model, attention=settings.attention)
+    model = settings.model_config()
     return prepare_tokens(settings.corpus, settings.out, vocab_size=model.vocab_size, model_name=model.name)
 
 

@@ -73,7 +73,7 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         virtual=int(args.virtual or 1), device=args.device, memory_model=args.memory_model,
         allow_over_limit=args.allow_over_limit, reorder=args.reorder, steps=args.steps, warmup=args.warmup,
         fixed_best=not args.no_fixed_best, sequential=args.sequential, cost_model=args.cost_model,
-        model=args.model, attention=args.attention, out=args.out)
+        model=args.model, attention=args.attention, stage_split=args.stage_split, out=args.out)
 
 
 def _header(job: CompareJob) -> str:

@@ -34,6 +34,7 @@ from ..simulate import SimResult
 from ..types import Plan, Schedule
 from .defaults import default_cost_model_path, stand_ins_of, warn_stand_ins
 from .planner import plan_step
+from .stage_split import resolve_stage_split
 
 __all__ = ["Planner", "PlannedStep"]
 
@@ -62,14 +63,18 @@ class Planner:
     ``round_to``: every padded_len a multiple of it; ``dp``: data-parallel replicas;
     ``virtual``: model chunks per rank (interleaved); ``recompute``: never, always or auto
     (per-microbatch activation recomputation, ``dynmb.packing.recompute``); ``device``: which shipped cost model
-    ("cpu"/"cuda") to default to.
+    ("cpu"/"cuda") to default to; ``stage_split``: the layers per stage, ``"even"``, ``"auto"`` (balanced work,
+    embedding and head included: ``dynmb.planning.stage_split``) or a list such as ``"9,8,8,7"`` (the model's
+    ``layer_split``; a fitted cost or memory model must have been measured on the same split).
     """
 
     def __init__(self, *, model: ModelConfig | str = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
                  cost_model: CostModelLike | None = None, memory_model: MemoryModelLike | None = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
-                 recompute: str = "never", device: str = "cpu") -> None:
+                 recompute: str = "never", device: str = "cpu", stage_split: str = "even") -> None:
         self.model_cfg = _model(model)
+        if stage_split != "even":                  # "even" keeps a split the model config already carries
+            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split)
         self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=int(virtual), schedule_kind=schedule,
                              reorder="auto", memory_limit_bytes=parse_bytes(memory_limit), dp=int(dp),
                              pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
