@@ -1,5 +1,5 @@
 """Model inputs of a microbatch: token rows, labels, positions, document ids and the index
-tensors of its attention (see ``dynmb.model`` for the attention algorithm it feeds).
+tensors of its attention (see ``dynmb.models`` for the attention algorithm it feeds).
 
 ``make_inputs(mb, tokens, cfg=)`` lays a microbatch's sequences out in ``mb.batch`` rows of
 ``mb.padded_len`` tokens (sequences sharing a row concatenated, the row padded on the right),

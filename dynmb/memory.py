@@ -12,7 +12,7 @@ numpy only. One definition (DESIGN.md "Memory"): the peak on a stage is
   not held: at a backward's start the incoming gradient and the input gradient, and on
   the last stage the fp32 logits gradient).
 
-Analytic default (``MemoryModel.analytic``) counts the storages ``dynmb.model`` saves
+Analytic default (``MemoryModel.analytic``) counts the storages ``dynmb.models`` saves
 for backward (checked against ``saved_tensors_hooks``, each storage once, parameters
 excluded), keyed on ``cfg.attention``. Per block and token: the LN inputs and the
 qkv/fc inputs (4d), the shared q/k/v storage (3d), the SDPA output (d, also the output
@@ -72,7 +72,7 @@ __all__ = ["MemoryModelLike", "MemoryModel", "get_memory_model", "SCHEDULE_KINDS
 SCHEDULE_KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb")
 
 BUCKET_PADDING = 1 / 16
-"""Bound on the pad tokens of bucketed document attention (``dynmb.model.bucket_documents``),
+"""Bound on the pad tokens of bucketed document attention (``dynmb.models.bucket_documents``),
 as a fraction of the microbatch's real tokens; the ``auto`` memory model charges it."""
 
 
@@ -130,7 +130,7 @@ class MemoryModel:
 
     @classmethod
     def analytic(cls, model_cfg: ModelConfig, num_stages: int, optimizer: str = "adam") -> "MemoryModel":
-        """Coefficients counted from the tensors ``dynmb.model`` saves for backward."""
+        """Coefficients counted from the tensors ``dynmb.models`` saves for backward."""
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
         c = model_cfg
@@ -466,7 +466,7 @@ def get_memory_model(path_or_none: str | Path | None, model_cfg: ModelConfig, nu
 # Memory of a split backward and of full recomputation, per stage, as ``[P, 3]`` coefficients.
 #
 # Same form as the activation model above: bytes of a (b rows x s) microbatch = ``c0 + c1*b*s + c2*b*s^2``.
-# Counted from what ``dynmb.model`` and ``dynmb.runtime.splitbackward`` keep (``e`` the model's
+# Counted from what ``dynmb.models`` and ``dynmb.runtime.splitbackward`` keep (``e`` the model's
 # dtype bytes, ``d`` d_model, ``f`` d_ff, ``V`` the vocabulary, ``L`` the stage's blocks, ``g = 1 +
 # BUCKET_PADDING`` under ``attention="auto"`` (bucketed documents, an upper bound) else 1):
 #
@@ -510,7 +510,7 @@ def _head_act_per_token(cfg: ModelConfig) -> float:
 
 def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' but their
-    inputs, and on the last stage the head's but its input (``dynmb.model.RecomputedHead``)."""
+    inputs, and on the last stage the head's but its input (``dynmb.models.RecomputedHead``)."""
     out = np.zeros((num_stages, 3))
     blk = block_act_coef(cfg)
     for i, layers in enumerate(cfg.stage_layers(num_stages)):

@@ -81,7 +81,7 @@ import torch.distributed as dist
 from dynmb.atomic import atomic_path
 from dynmb.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel, samples_from_actions
-from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
+from dynmb.models import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.results import write_table
 from dynmb.runtime.hostmem import retain_freed_memory
 from dynmb.runtime.meter import measure_stage_memory

@@ -99,7 +99,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schedules", ("dynmb.schedule",)),
     ("simulation", ("dynmb.simulate",)),
     ("planning", ("dynmb.planning",)),
-    ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix")),
+    ("workload", ("dynmb.inputs", "dynmb.models", "dynmb.prefix")),
     ("runtime", ("dynmb.runtime",)),
     ("measurement", ("dynmb.profile", "dynmb.analysis", "dynmb.plots")),
     ("job and CLI", ("dynmb.compare", "dynmb.cli")),

@@ -156,7 +156,7 @@ def _full_rows_of_uneven_documents(rows: int, padded_len: int, rng: np.random.Ge
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bucket_padding_is_charged_as_an_upper_bound(seed):
     """Uneven documents use most of the bucket padding budget; the auto model still bounds them."""
-    from dynmb.model import build_stage, make_inputs, synthetic_tokens
+    from dynmb.models import build_stage, make_inputs, synthetic_tokens
     from dynmb.runtime.meter import MemoryMeter
 
     torch.set_num_threads(1)
@@ -189,7 +189,7 @@ def test_memory_model_is_keyed_on_attention():
 
 def test_meter_over_a_1f1b_sequence_matches_peak_bytes():
     """Stage 0 of 2 runs F0 F1 B0 F2 B1 B2 on microbatches of different shapes, as the runtime does."""
-    from dynmb.model import build_stage, make_inputs, synthetic_tokens
+    from dynmb.models import build_stage, make_inputs, synthetic_tokens
     from dynmb.runtime.meter import MemoryMeter
     from dynmb.types import Microbatch
 

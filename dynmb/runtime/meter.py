@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from dynmb.model import build_stage, full_microbatch, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.models import build_stage, full_microbatch, make_inputs, synthetic_tokens, torch_dtype
 
 __all__ = ["MemoryMeter", "measure_stage_memory", "measure_grid"]
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dynmb.costmodel import CalibrationStep, get_cost_model, job_calibration
 from dynmb.data import load_trace, sample_batch
 from dynmb.memory import get_memory_model
-from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import make_schedule, plan_step
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.interpreter import Clock
