@@ -455,3 +455,63 @@ def test_llama_verifies_on_gloo(gloo_job, ranks):
 
 def test_llama_stage_class_is_the_family_registry_choice():
     assert all(isinstance(st, LlamaStage) for st in build_stages(CFG, 2))
+
+
+def test_w_later_holds_what_the_memory_model_says():
+    """Bytes the CPU meter sees held from I to W (each Linear call's input and output gradient):
+    at most ``MemoryModel.w_matrix``, within 3% for one document per row."""
+    import warnings
+
+    from dynmb.memory import get_memory_model
+    from dynmb.runtime.meter import MemoryMeter
+
+    cfg, P, b, s = ModelConfig.preset("llama-small"), 2, 2, 128
+    mm = get_memory_model(None, cfg, P)
+    mb = Microbatch(seq_ids=np.arange(b), lengths=[s] * b, padded_len=s, batch=b)
+    inp = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size), cfg=cfg)
+    for stage in range(P):
+        stg = build_stages(cfg, P)[stage]
+        meter = MemoryMeter("cpu", [stg])
+        x = None if stage == 0 else torch.randn(b, s, cfg.d_model, requires_grad=True)
+        with meter.saving(stage), record_linears(stg) as tape:
+            y = stg(x, inp)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            backward_input(stg, y, None if stage == P - 1 else torch.ones_like(y), x, tape)
+        del y, x
+        meter.hold(tape.hold_tensors(), stage)
+        held = meter.current_bytes - meter.state_bytes
+        w = float(mm.w_matrix([b], [s])[stage, 0])
+        assert 0.97 * w <= held <= w, (stage, held, w)
+        backward_weight(tape)
+        meter.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_recompute_memory_is_what_the_model_says(stage):
+    """Under recomputation a llama stage holds its blocks' inputs and the shared rotary tables:
+    within 10% under the model's recomputed activation bytes, its backward under act + transient."""
+    import warnings
+
+    from dynmb.memory import get_memory_model
+    from dynmb.runtime.meter import MemoryMeter
+
+    cfg, P, b, s = ModelConfig.preset("llama-small"), 2, 1, 512
+    mm = get_memory_model(None, cfg, P)
+    st = build_stages(cfg, P)[stage]
+    mb = Microbatch(seq_ids=[0], lengths=[s], padded_len=s, batch=1)
+    inp = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size), cfg=cfg)
+    meter = MemoryMeter("cpu", [st])
+    x = None if stage == 0 else torch.randn(b, s, cfg.d_model, requires_grad=True)
+    meter.reset_peak()
+    with meter.saving(stage):
+        y = st(x, inp, recompute=True)
+    held = meter.current_bytes - meter.state_bytes
+    with meter.saving(stage), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.autograd.backward(y, None if stage == P - 1 else torch.ones_like(y))
+    peak = meter.peak_bytes - meter.state_bytes
+    meter.close()
+    act = float(mm.activation_bytes(stage, b, s, recompute=True)[0])
+    assert 0.9 * act <= held <= act, (held, act)
+    assert peak <= act + float(mm.transient_bytes(stage, b, s, recompute=True)[0])

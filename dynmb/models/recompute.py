@@ -6,7 +6,8 @@ CPU memory meter see it). Backward recomputes the block's forward from that inpu
 autograd on and back-propagates at once (a nested ``torch.autograd.backward``: the block's
 parameter gradients accumulate in ``.grad``, the input's gradient is returned), so one block's
 activations are live at a time. ``extra`` are further block arguments that need no gradient
-(the Llama family's rotary tables). The recomputation runs under whatever saved-tensor hooks
+(the Llama family's rotary tables; tensors they hold, ``extra.tensors()``, are saved beside the
+input, so saved-tensor hooks see them, once per stage since the blocks share them). The recomputation runs under whatever saved-tensor hooks
 the caller's backward has, which is why this is not
 ``torch.utils.checkpoint(use_reentrant=False)``: that one saves the recomputed activations
 under its own hooks, where the CPU meter cannot account them. A block holding slices of a
@@ -36,12 +37,13 @@ class RecomputedBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, block: nn.Module, inputs: Any, *extra: Any) -> torch.Tensor:  # type: ignore[override]
         ctx.block, ctx.inputs, ctx.extra = block, inputs, extra
-        ctx.save_for_backward(x)
+        held = [t for e in extra if hasattr(e, "tensors") for t in e.tensors()]
+        ctx.save_for_backward(x, *held)          # the tables live until the backward: let the meter see them
         return block(x, inputs, *extra)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
+        x = ctx.saved_tensors[0]
         leaf = x.detach().requires_grad_(x.requires_grad)
         with torch.enable_grad():
             y = ctx.block(leaf, ctx.inputs, *ctx.extra)
