@@ -515,3 +515,19 @@ def test_recompute_memory_is_what_the_model_says(stage):
     act = float(mm.activation_bytes(stage, b, s, recompute=True)[0])
     assert 0.9 * act <= held <= act, (held, act)
     assert peak <= act + float(mm.transient_bytes(stage, b, s, recompute=True)[0])
+
+
+def test_analytic_costs_and_memory_follow_the_family():
+    """Same widths: the Llama block's three MLP matrices cost more FLOPs, time and saved bytes than
+    GPT-2's two; grouped K/V cost less than full K/V."""
+    from dynmb.costmodel import get_cost_model
+    from dynmb.memory import get_memory_model
+
+    gpt, llama = model_config("gpt2-7b"), model_config("llama2-7b")
+    gqa = replace(llama, name="llama2-7b-gqa", n_kv_heads=8)
+    times = {c.name: float(get_cost_model(None, c, 8).predict(3, "F", [1], [2048])[0]) for c in (gpt, llama, gqa)}
+    assert times["gpt2-7b"] < times["llama2-7b"] and times["llama2-7b-gqa"] < times["llama2-7b"]
+    ratio = llama.stage_flops(3, 8, 1, 1) / gpt.stage_flops(3, 8, 1, 1)
+    assert abs(ratio - llama.block_params() / (gpt.block_params() - 9 * gpt.d_model - gpt.d_ff)) < 0.01
+    acts = {c.name: float(get_memory_model(None, c, 8).activation_bytes(3, 1, 2048)[0]) for c in (gpt, llama, gqa)}
+    assert acts["gpt2-7b"] < acts["llama2-7b"] and acts["llama2-7b-gqa"] < acts["llama2-7b"]
