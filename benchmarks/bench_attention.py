@@ -7,7 +7,7 @@ Run::
 Method. Forward + backward of one microbatch through stage 0 of a ``--stages`` split
 and through the whole model (``GPT``), same weights, ``torch.set_num_threads(threads)``.
 After one warm-up round the cases take turns ``repeats`` times (so that a change in the
-machine's load hits them alike) and the median is kept; tokens/s = real tokens / median s. Cases (``dynmb.model``, ``cfg.attention``):
+machine's load hits them alike) and the median is kept; tokens/s = real tokens / median s. Cases (``dynmb.models``, ``cfg.attention``):
 
 - ``packed``: one row of 4096 tokens holding 64 documents of 64 (``auto``: bucketed
   document-causal attention, work 64 * 64**2);
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from dynmb.config import ModelConfig
-from dynmb.model import GPT, Attention, MicrobatchInputs, build_stage, full_microbatch, make_inputs, synthetic_tokens
+from dynmb.models import GPT, MicrobatchInputs, build_stage, full_microbatch, make_inputs, synthetic_tokens
+from dynmb.models.gpt2 import Attention
 from dynmb.types import Microbatch
 
 __all__ = ["main"]
@@ -72,7 +73,7 @@ def _per_document(attn: Attention, x: torch.Tensor, inputs: MicrobatchInputs) ->
             if doc[r, a] < 0:
                 pieces.append(x.new_zeros(e - a, d))
             else:
-                pieces.append(attn.proj(attn._attend(x[r:r + 1, a:e], None).reshape(e - a, d)))
+                pieces.append(attn.proj(attn._attend(x[r:r + 1, a:e], None, None).reshape(e - a, d)))
     return torch.cat(pieces).view(b, s, d)
 
 

@@ -31,7 +31,7 @@ def _worker(stage: int, barrier, queue, together: bool, repeats: int, model: str
     import torch
 
     from dynmb.config import model_config
-    from dynmb.model import build_stages, make_inputs, synthetic_tokens
+    from dynmb.models import build_stages, make_inputs, synthetic_tokens
     from dynmb.measure import synthetic_microbatch
     from dynmb.runtime.hostmem import retain_freed_memory
 

@@ -6,7 +6,7 @@ Run (it re-launches itself under torchrun when started directly)::
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_runtime.py ...
 
 Method. Two gloo ranks (one pipeline stage each, 1 thread each) run the same
-model (``dynmb.model`` stages, same weights) on ``m`` equal-size microbatches of
+model (``dynmb.models`` stages, same weights) on ``m`` equal-size microbatches of
 ``mbs`` full rows of ``seqlen`` tokens under 1F1B, once with dynmb's runtime
 (``comm.P2P`` + ``interpreter.run_actions``) and once with torch's
 ``PipelineStage`` (shapes inferred at the first step, then fixed) + ``Schedule1F1B``, alternating
@@ -41,7 +41,7 @@ def _run(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from dynmb.config import ModelConfig
-    from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens
+    from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens
     from dynmb.runtime.comm import P2P, make_pair_groups
     from dynmb.runtime.device import device_ops
     from dynmb.runtime.interpreter import run_actions

@@ -35,7 +35,7 @@ import torch
 
 from dynmb.config import model_config
 from dynmb.costmodel import CostModel
-from dynmb.model import build_stage, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.models import build_stage, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.prefix import PrefixStore
 from dynmb.types import Microbatch
 

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from dynmb.config import model_config
-from dynmb.model import build_stages, make_inputs, synthetic_tokens
+from dynmb.models import build_stages, make_inputs, synthetic_tokens
 from dynmb.measure import synthetic_microbatch
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.costmodel.split import stage_role

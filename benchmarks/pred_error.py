@@ -57,7 +57,7 @@ def _worker(rank: int, args, port: int, out: list) -> None:
     from dynmb.config import ModelConfig, parse_bytes
     from dynmb.costmodel import get_cost_model
     from dynmb.data import load_trace, sample_batch
-    from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens
+    from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens
     from dynmb.planning import plan_step
     from dynmb.runtime.comm import P2P, make_pair_groups
     from dynmb.runtime.interpreter import run_actions

@@ -18,7 +18,10 @@ The public API (what scripts and notebooks use; see the README and docs/design.m
 - ``load_results(dir)``, ``summarise(tables, by=)``: the tidy tables of runs;
 - the core types ``Microbatch``, ``Plan``, ``Action``, ``Schedule`` and configs
   ``ModelConfig``, ``PipelineConfig``, ``RunConfig``; the model Protocols ``CostModelLike``,
-  ``MemoryModelLike``.
+  ``MemoryModelLike``;
+- ``model_config(spec)`` (a preset such as ``small`` or ``llama-small``, with overrides, or a JSON
+  file) and the stage contract: ``StageModule``, ``StageFactory``, ``resolve_model(spec)`` (a preset,
+  a JSON file or ``package.module:factory`` -> a ``StageFactory``; docs/design.md "The stage contract").
 """
 
 from .analysis import summarise
@@ -44,6 +47,11 @@ def __getattr__(name: str) -> object:
         return getattr(sampler, name)
     # ``run`` / ``RunResult`` bring the launcher and the results loader; loaded on first use like
     # the sampler, so that ``import dynmb`` stays light (dynmb.runtime.api imports no torch).
+    # the stage contract lives with the torch workload (``dynmb.models``); loaded on first use
+    if name in ("StageModule", "StageFactory", "resolve_model"):
+        from .models import contract
+
+        return getattr(contract, name)
     if name in ("run", "RunResult"):
         from .runtime import api
 
@@ -54,5 +62,5 @@ __all__ = [
     "Planner", "PlannedStep", "simulate", "SimResult", "DynamicBatchSampler", "SampledMicrobatch", "load_results", "summarise",
     "run", "RunResult", "CorpusSource",
     "Microbatch", "Plan", "Action", "Schedule", "ModelConfig", "PipelineConfig", "RunConfig", "model_config",
-    "CostModelLike", "MemoryModelLike",
+    "CostModelLike", "MemoryModelLike", "StageModule", "StageFactory", "resolve_model",
 ]

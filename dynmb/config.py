@@ -2,9 +2,12 @@
 from ``dynmb.planspec``: ``RunConfig.plan_spec`` is the settings a run plans every step with).
 
 kw_only dataclasses with a docstring per field and checks in ``__post_init__``.
-Model presets (``ModelConfig.preset(name)``): ``tiny`` for tests, ``small`` the
-CPU default (a 2-stage step on a few thousand tokens takes about a second on one
-core per stage), and GPT-2 / LLaMA-like sizes for simulation and GPUs.
+Model presets (``ModelConfig.preset(name)``, ``model_config(spec)``), named for their
+architecture: GPT-2 family ``tiny`` for tests, ``small`` the CPU default (a 2-stage step on a
+few thousand tokens takes about a second on one core per stage), ``gpt2``/``gpt2-medium`` and
+GPT-2 blocks at Llama widths (``gpt2-1b``, ``gpt2-7b``, ``gpt2-deep-13b``); Llama family
+``llama-tiny``/``llama-small`` (CPU-sized) and the published ``llama2-7b``, ``llama3.2-1b``,
+``llama3.1-8b`` (sizes from their Hugging Face config.json, cited at ``MODEL_PRESETS``).
 
 The analytic helpers here (layer split, parameter counts, bytes of the
 activation sent between stages) are pure arithmetic so that the memory model,
@@ -20,7 +23,7 @@ from typing import Any
 
 from dynmb.planspec import PlanSpec
 
-__all__ = ["ModelConfig", "PipelineConfig", "RunConfig", "PlanSpec", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
+__all__ = ["MODEL_FAMILIES", "ModelConfig", "PipelineConfig", "RunConfig", "PlanSpec", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
            "model_config"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -62,24 +65,46 @@ def split_layers(n_layers: int, num_stages: int) -> list[range]:
     return out
 
 
+MODEL_FAMILIES = ("gpt2", "llama")
+"""``ModelConfig.family``: the architectures dynmb builds (``dynmb.models.families``)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
-    """A GPT-style pre-LN decoder (see ``dynmb.model``)."""
+    """A pre-norm decoder of one of dynmb's families (``dynmb.models``): the sizes every analytic
+    model uses and the stage builder reads.
+
+    ``family="gpt2"``: learned positions (a ``max_seq_len`` table), LayerNorm, a two-matrix GELU
+    MLP, one K/V head per query head, biases, untied LM head. ``family="llama"``: rotary
+    positions (``rope_theta``; no table, so no document-length cap), RMSNorm, a SwiGLU MLP
+    (gate, up, down: three ``d_model x d_ff`` matrices), grouped-query attention
+    (``n_kv_heads``), no biases, optionally tied embeddings."""
 
     name: str = "custom"
     """Preset name, recorded in results and cost-model files."""
+    family: str = "gpt2"
+    """Architecture: ``gpt2`` or ``llama`` (see the class docstring)."""
     vocab_size: int = 8192
-    """Vocabulary size (token ids are synthetic: only lengths matter for systems work)."""
+    """Vocabulary size (token ids are synthetic unless a corpus is given)."""
     d_model: int = 256
     """Hidden size."""
     n_layers: int = 4
     """Number of transformer blocks, split contiguously over the pipeline stages."""
     n_heads: int = 4
-    """Attention heads; ``d_model`` must divide by it."""
+    """Attention (query) heads; ``d_model`` must divide by it."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention, llama only); None: ``n_heads``. Must divide ``n_heads``."""
     d_ff: int = 1024
-    """MLP inner size."""
+    """MLP inner size (SwiGLU: the width of the gate and up projections)."""
     max_seq_len: int = 8192
-    """Largest row length (positions are learned up to this)."""
+    """Largest row length the packers build; for ``gpt2`` also the size of the learned position
+    table (no document may be longer). Rotary positions (``llama``) have no such cap: longer
+    documents are sliced (``--oversize split``)."""
+    rope_theta: float = 10000.0
+    """Rotary base (llama): frequencies ``rope_theta ** (-2i / head_dim)``."""
+    tie_embeddings: bool = False
+    """LM head shares the token embedding (llama; one stage only at run time, since tying across
+    stages needs an embedding-gradient all-reduce the runtime does not run)."""
     dtype: str = "float32"
     """Parameter and activation dtype: float32, bfloat16 or float16."""
     attention: str = "auto"
@@ -101,8 +126,19 @@ class ModelConfig:
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, f) < 1:
                 raise ValueError(f"ModelConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if self.family not in MODEL_FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; expected one of {', '.join(MODEL_FAMILIES)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ValueError(f"n_kv_heads {self.n_kv_heads} must be >= 1 and divide n_heads {self.n_heads}")
+        if self.family == "gpt2" and (self.kv_heads != self.n_heads or self.tie_embeddings):
+            raise ValueError("the gpt2 family has one K/V head per query head and an untied LM head "
+                             "(n_kv_heads and tie_embeddings are llama fields)")
+        if self.family == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.attention not in ("auto", "dense"):
@@ -122,10 +158,25 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads (``n_kv_heads``, or ``n_heads`` when None)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def learned_positions(self) -> bool:
+        """Whether positions come from a ``max_seq_len`` table (gpt2), capping document length."""
+        return self.family == "gpt2"
+
     # --- analytic sizes -----------------------------------------------------
     def block_params(self) -> int:
-        """Parameters of one block: QKV + out proj (with biases), MLP, two LayerNorms."""
+        """Parameters of one block. gpt2: QKV + out proj (with biases), fc + proj MLP (with biases),
+        two LayerNorms (gain and bias). llama: Q, K, V (``kv_heads`` heads each) and out proj,
+        gate/up/down, two RMSNorm gains; no biases."""
         d, f = self.d_model, self.d_ff
+        if self.family == "llama":
+            kv = self.kv_heads * self.head_dim
+            return (2 * d * d + 2 * d * kv) + 3 * d * f + 2 * d
         return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
 
     def stage_layers(self, num_stages: int) -> list[range]:
@@ -140,17 +191,22 @@ class ModelConfig:
         return [range(end - n, end) for n, end in zip(self.layer_split, ends)]
 
     def stage_params(self, stage: int, num_stages: int) -> int:
-        """Parameters held by ``stage``: its blocks, plus embeddings on the first and
-        final norm + LM head on the last (untied)."""
+        """Parameters held by ``stage``: its blocks, plus the embeddings on the first (gpt2: token
+        and position tables; llama: token table) and the final norm + LM head on the last. A tied
+        head adds nothing on a single stage; across stages the last holds a copy (as Megatron does)."""
+        d = self.d_model
         n = len(self.stage_layers(num_stages)[stage]) * self.block_params()
         if stage == 0:
-            n += self.vocab_size * self.d_model + self.max_seq_len * self.d_model
+            n += self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
         if stage == num_stages - 1:
-            n += 2 * self.d_model + self.d_model * self.vocab_size
+            n += (2 * d if self.family == "gpt2" else d)
+            if not (self.tie_embeddings and num_stages == 1):
+                n += d * self.vocab_size
         return n
 
     def param_count(self) -> int:
-        return sum(self.stage_params(s, 1) for s in range(1))
+        """Parameters of the whole model (a tied embedding counted once)."""
+        return self.stage_params(0, 1)
 
     def message_bytes(self, rows: int, padded_len: int) -> int:
         """Bytes of the hidden state sent between neighbouring stages for one microbatch."""
@@ -159,13 +215,19 @@ class ModelConfig:
     def stage_flops(self, stage: int, num_stages: int, rows: Any, padded_len: Any) -> Any:
         """Forward FLOPs of ``stage`` on a (rows, padded_len) microbatch (vectorised).
 
-        2 FLOPs per multiply-add in every matmul, plus the s^2 attention terms
-        (QK^T and AV over the full row: masks do not skip work in dense SDPA).
+        2 FLOPs per multiply-add in every matmul (gpt2: qkv + out ``4 d^2`` and MLP ``2 d f`` per
+        token; llama: q + out ``2 d^2``, k + v ``2 d kv`` with ``kv = kv_heads * head_dim``, SwiGLU
+        ``3 d f``), plus the s^2 attention terms (QK^T and AV over the full row: masks do not skip
+        work in dense SDPA; K/V heads shared by a group still meet every query head).
         """
         d, f = self.d_model, self.d_ff
         tokens = rows * padded_len
         nl = len(self.stage_layers(num_stages)[stage])
-        per_tok_block = 2 * (4 * d * d + 2 * d * f)
+        if self.family == "llama":
+            kv = self.kv_heads * self.head_dim
+            per_tok_block = 2 * (2 * d * d + 2 * d * kv + 3 * d * f)
+        else:
+            per_tok_block = 2 * (4 * d * d + 2 * d * f)
         attn = 2 * 2 * rows * padded_len * padded_len * d
         fl = nl * (tokens * per_tok_block + attn)
         if stage == num_stages - 1:
@@ -201,13 +263,37 @@ class ModelConfig:
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
+    # GPT-2 family: ``tiny`` for tests, ``small`` the CPU default, GPT-2 sizes, and GPT-2 blocks
+    # at Llama widths (``gpt2-1b``/``gpt2-7b``/``gpt2-deep-13b``: learned positions, LayerNorm, a
+    # two-matrix GELU MLP and biases at the widths of Llama-1B/7B; not Llamas).
     "tiny": ModelConfig(name="tiny", vocab_size=512, d_model=64, n_layers=4, n_heads=4, d_ff=256, max_seq_len=4096),
     "small": ModelConfig(name="small", vocab_size=2048, d_model=256, n_layers=4, n_heads=4, d_ff=1024, max_seq_len=8192),
     "gpt2": ModelConfig(name="gpt2", vocab_size=50304, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_seq_len=8192, dtype="bfloat16"),
     "gpt2-medium": ModelConfig(name="gpt2-medium", vocab_size=50304, d_model=1024, n_layers=24, n_heads=16, d_ff=4096, max_seq_len=8192, dtype="bfloat16"),
-    "llama-1b": ModelConfig(name="llama-1b", vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, d_ff=5632, max_seq_len=8192, dtype="bfloat16"),
-    "llama-7b": ModelConfig(name="llama-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008, max_seq_len=8192, dtype="bfloat16"),
-    "deep-13b": ModelConfig(name="deep-13b", vocab_size=32000, d_model=4096, n_layers=64, n_heads=32, d_ff=11008, max_seq_len=8192, dtype="bfloat16"),
+    "gpt2-1b": ModelConfig(name="gpt2-1b", vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, d_ff=5632, max_seq_len=8192, dtype="bfloat16"),
+    "gpt2-7b": ModelConfig(name="gpt2-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008, max_seq_len=8192, dtype="bfloat16"),
+    "gpt2-deep-13b": ModelConfig(name="gpt2-deep-13b", vocab_size=32000, d_model=4096, n_layers=64, n_heads=32, d_ff=11008, max_seq_len=8192, dtype="bfloat16"),
+    # Llama family, CPU-sized like tiny/small (SwiGLU width about 8/3 d_model, 2 K/V heads).
+    "llama-tiny": ModelConfig(name="llama-tiny", family="llama", vocab_size=512, d_model=64, n_layers=4, n_heads=4,
+                              n_kv_heads=2, d_ff=176, max_seq_len=4096),
+    "llama-small": ModelConfig(name="llama-small", family="llama", vocab_size=2048, d_model=256, n_layers=4, n_heads=4,
+                               n_kv_heads=2, d_ff=688, max_seq_len=8192),
+    # Published configurations, from each model's config.json on the Hugging Face Hub
+    # (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+    # vocab_size, rope_theta, tie_word_embeddings, max_position_embeddings):
+    # meta-llama/Llama-2-7b-hf: 4096, 11008, 32, 32, 32, 32000, 10000, false, 4096 (6.74B parameters);
+    # meta-llama/Llama-3.2-1B: 2048, 8192, 16, 32, 8, 128256, 500000, true, 131072 (1.24B);
+    # meta-llama/Llama-3.1-8B: 4096, 14336, 32, 32, 8, 128256, 500000, false, 131072 (8.03B).
+    # Llama 3.x's rope_scaling (rope_type llama3) rescales long-wavelength frequencies; it changes no
+    # size, FLOP or byte count and is not modelled here.
+    "llama2-7b": ModelConfig(name="llama2-7b", family="llama", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                             n_kv_heads=32, d_ff=11008, max_seq_len=4096, rope_theta=10000.0, dtype="bfloat16"),
+    "llama3.2-1b": ModelConfig(name="llama3.2-1b", family="llama", vocab_size=128256, d_model=2048, n_layers=16,
+                               n_heads=32, n_kv_heads=8, d_ff=8192, max_seq_len=131072, rope_theta=500000.0,
+                               tie_embeddings=True, dtype="bfloat16"),
+    "llama3.1-8b": ModelConfig(name="llama3.1-8b", family="llama", vocab_size=128256, d_model=4096, n_layers=32,
+                               n_heads=32, n_kv_heads=8, d_ff=14336, max_seq_len=131072, rope_theta=500000.0,
+                               dtype="bfloat16"),
 }
 
 
@@ -346,9 +432,18 @@ class RunConfig:
 
 
 def _field_value(name: str, text: str) -> Any:
-    kind = {f.name: f.type for f in fields(ModelConfig)}[name]
-    if kind in ("int", int):
+    """``text`` as the type of ModelConfig field ``name`` (int, float, bool, or None for ``int | None``)."""
+    kind = str({f.name: f.type for f in fields(ModelConfig)}[name])
+    if kind.endswith("| None") and text.lower() in ("none", "null", ""):
+        return None
+    if kind.startswith("int"):
         return int(text)
+    if kind.startswith("float"):
+        return float(text)
+    if kind.startswith("bool"):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(text)
+        return text.lower() in ("true", "1")
     return text
 
 
@@ -390,8 +485,12 @@ def model_config(spec: str, *, attention: str | None = None) -> ModelConfig:
             try:
                 overrides[key] = _field_value(key, value.strip())
             except ValueError:
-                raise ValueError(f"--model {spec}: {key} must be an integer, got {value!r}") from None
-        cfg = ModelConfig.preset(name, **overrides)
+                kind = str({f.name: f.type for f in fields(ModelConfig)}[key]).split(" ")[0]
+                raise ValueError(f"--model {spec}: {key} must be {kind}, got {value!r}") from None
+        try:
+            cfg = ModelConfig.preset(name, **overrides)
+        except ValueError as e:
+            raise ValueError(f"--model {spec}: {e}") from None
         if overrides:
             cfg = replace(cfg, name=spec)
     return cfg if attention is None else replace(cfg, attention=attention)

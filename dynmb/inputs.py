@@ -1,5 +1,5 @@
 """Model inputs of a microbatch: token rows, labels, positions, document ids and the index
-tensors of its attention (see ``dynmb.model`` for the attention algorithm it feeds).
+tensors of its attention (see ``dynmb.models.attention`` for the attention algorithm it feeds).
 
 ``make_inputs(mb, tokens, cfg=)`` lays a microbatch's sequences out in ``mb.batch`` rows of
 ``mb.padded_len`` tokens (sequences sharing a row concatenated, the row padded on the right),
@@ -279,7 +279,7 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
     ``tokens[seq_id]`` holds at least ``length + 1`` ids (see ``synthetic_tokens``; a
     truncated sequence uses its first ``length + 1``). Sequences sharing a row are
     concatenated in order and the row is padded on the right. With ``cfg`` the
-    lengths are checked against ``cfg.max_seq_len`` and the ids against the vocabulary,
+    lengths are checked against ``cfg.max_seq_len`` (learned positions only) and the ids against the vocabulary,
     and ``cfg.attention`` picks the attention path (``auto`` without ``cfg``): the dense
     mask is built only for ``dense``, the bucket indices only for packed rows under ``auto``.
     Vectorised: one Python step per sequence, none per token.
@@ -287,7 +287,7 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
     b, s = mb.batch, mb.padded_len
     lens_all = mb.lengths
     ends_all = mb.offsets + lens_all                      # last position + 1 of each entry in its sequence
-    if cfg is not None and ends_all.max() > cfg.max_seq_len:
+    if cfg is not None and cfg.learned_positions and ends_all.max() > cfg.max_seq_len:
         bad = mb.seq_ids[ends_all > cfg.max_seq_len]
         raise InputError(f"sequences {bad[:10].tolist()} are longer than max_seq_len {cfg.max_seq_len} (they reach "
                          f"position {int(ends_all.max())}; learned positions: size them from the trace, e.g. "

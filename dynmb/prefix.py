@@ -7,24 +7,28 @@ slices 0..j-1 at the same layer. Two pieces make that exact under pipeline execu
 
 ``PrefixAttention`` (an ``autograd.Function``): exact softmax attention of one slice's
 queries ``(heads, n, head_dim)`` over ``[prefix keys..., own keys]`` with the own part
-causal (query i sees own keys <= i and every prefix key). On CPU it runs torch's fused
-flash-attention kernel once per part (each earlier slice's keys without a mask, its own
-keys causal: ``aten._scaled_dot_product_flash_attention_for_cpu``, which also returns the
-log-sum-exp) and merges the parts by their log-sum-exps, ``lse = logsumexp_i(lse_i)``,
-``O = sum_i exp(lse_i - lse) O_i``; the backward calls the kernel's backward per part with
-the merged ``O`` and ``lse`` (the gradient of a softmax split over key blocks, as ring
-attention does) and sums the query gradients. Elsewhere (or without that kernel) it runs
-over key blocks in plain torch with
-the online softmax of FlashAttention: a running max ``m``, normaliser ``l`` and
-accumulator per query, so no ``(n, prefix + n)`` score matrix or mask is ever held; own
-blocks skip the queries before them (block-level causal skip). It saves ``q, k, v``, the
-output and the log-sum-exp (``heads * n`` floats) plus references to the prefix tensors
-(storage shared with the earlier slices, no copy). Backward is FlashAttention's: per
-block, ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``,
-``dQ += dS K``, ``dK = dS^T Q`` (scaled); the prefix blocks' ``dK``/``dV`` are the
-gradients of the earlier slices' keys and values. Work ``n * prefix + n**2 / 2``
-multiply-adds per head dimension, memory linear in ``n``; measured about 2x slower than the
-fused kernel on CPU, which is why the fused path is preferred.
+causal (query i sees own keys <= i and every prefix key). Keys and values may have fewer
+heads than the queries (grouped-query attention, ``kv_heads`` dividing ``heads``: query head
+h reads K/V head ``h // (heads / kv_heads)``); they are saved and kept with ``kv_heads``
+heads. On CPU it runs torch's fused flash-attention kernel once per part (each earlier
+slice's keys without a mask, its own keys causal:
+``aten._scaled_dot_product_flash_attention_for_cpu``, which also returns the log-sum-exp)
+and merges the parts by their log-sum-exps, ``lse = logsumexp_i(lse_i)``, ``O = sum_i
+exp(lse_i - lse) O_i``; the backward calls the kernel's backward per part with the merged
+``O`` and ``lse`` (the gradient of a softmax split over key blocks, as ring attention does)
+and sums the query gradients; the kernel takes grouped K/V as they are. Elsewhere (or
+without that kernel) it runs over key blocks in plain torch with the online softmax of
+FlashAttention: a running max ``m``, normaliser ``l`` and accumulator per query, so no ``(n,
+prefix + n)`` score matrix or mask is ever held; own blocks skip the queries before them
+(block-level causal skip). It saves ``q, k, v``, the output and the log-sum-exp (``heads *
+n`` floats) plus references to the prefix tensors (storage shared with the earlier slices,
+no copy). Backward is FlashAttention's: per block, ``P = exp(S - lse)``, ``dV = P^T dO``,
+``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ += dS K``, ``dK = dS^T Q`` (scaled); the prefix
+blocks' ``dK``/``dV`` are the gradients of the earlier slices' keys and values. Grouped K/V
+are repeated to the query heads for the blocks (a temporary) and their gradients summed back
+over each group. Work ``n * prefix + n**2 / 2`` multiply-adds per head dimension, memory
+linear in ``n``; measured about 2x slower than the fused kernel on CPU, which is why the
+fused path is preferred.
 
 ``PrefixStore`` (one per rank and step): what a continued slice leaves for later ones. At
 a slice's forward, each layer keeps its keys and values ``k, v`` (still attached to the
@@ -34,7 +38,7 @@ backwards of one document run in reverse slice order, when slice j's backward st
 leaves hold the complete gradient of its keys and values, and the runtime adds ``(k,
 k_leaf.grad)``, ``(v, v_leaf.grad)`` as extra roots of that backward
 (``backward_roots``), so the whole document's gradient is exact. Under full
-recomputation (``dynmb.model.RecomputedBlock``) the forward builds no graph: the
+recomputation (``dynmb.models.recompute.RecomputedBlock``) the forward builds no graph: the
 recomputed keys and values are the roots instead (``keep`` during the recomputation
 queues them, ``pop_pending`` hands them to the block's backward). ``release`` drops a
 slice's entries after its backward and refuses an order in which a later slice's
@@ -140,8 +144,9 @@ class PrefixAttention(torch.autograd.Function):
             return out
         heads, n, dh = q.shape
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
-        pk, pv = [t.to(acc_dtype) for t in prefix[:n_prefix]], [t.to(acc_dtype) for t in prefix[n_prefix:]]
-        qf, kf, vf = q.to(acc_dtype), k.to(acc_dtype), v.to(acc_dtype)
+        g = heads // k.shape[0]
+        pk, pv = [_heads(t, g, acc_dtype) for t in prefix[:n_prefix]], [_heads(t, g, acc_dtype) for t in prefix[n_prefix:]]
+        qf, kf, vf = q.to(acc_dtype), _heads(k, g, acc_dtype), _heads(v, g, acc_dtype)
         scale = dh ** -0.5
         m = torch.full((heads, n), float("-inf"), dtype=acc_dtype, device=q.device)
         norm = torch.zeros((heads, n), dtype=acc_dtype, device=q.device)
@@ -170,8 +175,9 @@ class PrefixAttention(torch.autograd.Function):
             return (dq, dk, dv, None, *dpk, *dpv)
         heads, n, dh = q.shape
         acc_dtype = out.dtype
-        pk, pv = [t.to(acc_dtype) for t in prefix[:n_prefix]], [t.to(acc_dtype) for t in prefix[n_prefix:]]
-        qf, kf, vf, do = q.to(acc_dtype), k.to(acc_dtype), v.to(acc_dtype), d_out.to(acc_dtype)
+        g = heads // k.shape[0]
+        pk, pv = [_heads(t, g, acc_dtype) for t in prefix[:n_prefix]], [_heads(t, g, acc_dtype) for t in prefix[n_prefix:]]
+        qf, kf, vf, do = q.to(acc_dtype), _heads(k, g, acc_dtype), _heads(v, g, acc_dtype), d_out.to(acc_dtype)
         scale = dh ** -0.5
         delta = (do * out).sum(-1)
         dq = torch.zeros_like(qf)
@@ -189,8 +195,19 @@ class PrefixAttention(torch.autograd.Function):
             dkb = torch.matmul(ds.transpose(-1, -2), qf[:, r0:]) * scale
             (dk if piece < 0 else dpk[piece])[:, c0:c1] += dkb
             (dv if piece < 0 else dpv[piece])[:, c0:c1] += dvb
-        grads = [g.to(t.dtype) for g, t in zip(dpk + dpv, prefix)]
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *grads)
+        grads = [_group_sum(d, g).to(t.dtype) for d, t in zip(dpk + dpv, prefix)]
+        return (dq.to(q.dtype), _group_sum(dk, g).to(k.dtype), _group_sum(dv, g).to(v.dtype), None, *grads)
+
+
+def _heads(t: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(kv_heads, n, hd)`` -> ``(kv_heads * groups, n, hd)`` at ``dtype`` (head h reads ``h // groups``)."""
+    t = t.to(dtype)
+    return t if groups == 1 else t.repeat_interleave(groups, dim=0)
+
+
+def _group_sum(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``_heads``: sum each group of ``groups`` consecutive heads."""
+    return t if groups == 1 else t.view(t.shape[0] // groups, groups, *t.shape[1:]).sum(1)
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: list[torch.Tensor],

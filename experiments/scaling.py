@@ -17,7 +17,7 @@ schedule built and simulated (``dynmb.simulate``). Rows (table ``scaling``, one 
 - ``padding_fraction``, ``num_microbatches`` (per replica), ``truncated`` (sequences cut to
   the longest that fits alone), ``pred_peak_over_limit``.
 
-Model: the ``deep-13b`` preset (LLaMA-7B widths, 64 layers, so P = 64 has one block per
+Model: the ``gpt2-deep-13b`` preset (GPT-2 blocks at Llama-7B widths, 64 layers, so P = 64 has one block per
 stage), an 80GiB limit, and ``AnalyticCostModel`` scaled to the GPU: FLOPs / (peak x mfu) +
 a per-op overhead, P2P ``alpha + bytes / bandwidth``. Resumable by settings columns.
 
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--traces", default="sharegpt,wikitext2", help="comma-separated traces (default sharegpt,wikitext2)")
     ap.add_argument("--per-replica", default="256", help="sequences per replica, per-trace overrides (default 256)")
     ap.add_argument("--methods", default="fixed,dynapipe,dynamic", help="packing methods (default fixed,dynapipe,dynamic)")
-    ap.add_argument("--model", default="deep-13b", help="model preset (default deep-13b: 64 layers)")
+    ap.add_argument("--model", default="gpt2-deep-13b", help="model preset (default gpt2-deep-13b: 64 layers)")
     ap.add_argument("--memory-limit", default="80GiB", help="per-GPU limit (default 80GiB)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s per GPU (default 989)")
     ap.add_argument("--mfu", type=float, default=0.5, help="fraction of peak the kernels reach (default 0.5)")

@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--sim-model", default="llama-1b:max_seq_len=20980")
+    ap.add_argument("--sim-model", default="gpt2-1b:max_seq_len=20980")
     ap.add_argument("--sim-stages", default="4,8,16")
     ap.add_argument("--sim-memory-limit", default="6GiB")
     ap.add_argument("--sim-global-batch", type=int, default=64)

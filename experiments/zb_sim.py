@@ -8,7 +8,7 @@ One row per (configuration, batch, schedule): ``pred_step_s``, ``mean_bubble``,
 ``peak_over_limit`` (max over stages of the predicted peak / limit), ``speedup`` (1F1B's
 makespan / this one's on the same plan), ``sched_s`` (time to build the schedule).
 
-Default model: ``deep-13b`` (64 layers, so P = 16 has 4 blocks per stage) with the GPU-like
+Default model: ``gpt2-deep-13b`` (64 layers, so P = 16 has 4 blocks per stage) with the GPU-like
 analytic costs of ``experiments/scaling.py`` (989 TFLOP/s x 0.5, 20 us per op, 50 GB/s links),
 an 80GiB limit (``--memory-limit``; try a tighter one to see ``zb`` held back by memory). I and W
 come from B by ``dynmb.costmodel.split``'s measured split (CPU-measured shares; the analytic model has
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", default="4,8,16", help="comma-separated P (default 4,8,16)")
     ap.add_argument("--global-batch", type=int, default=256, help="sequences per global batch (default 256)")
     ap.add_argument("--batches", type=int, default=3, help="global batches per configuration (default 3)")
-    ap.add_argument("--model", default="deep-13b", help="model preset (default deep-13b)")
+    ap.add_argument("--model", default="gpt2-deep-13b", help="model preset (default gpt2-deep-13b)")
     ap.add_argument("--memory-limit", default="80GiB", help="per-GPU limit (default 80GiB)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (default 989)")
     ap.add_argument("--mfu", type=float, default=0.5, help="fraction of peak the kernels reach (default 0.5)")

@@ -154,7 +154,7 @@ def reference_loss(cfg: ModelConfig, seed: int, docs: list[np.ndarray]) -> float
     microbatch, every stage in turn (sum of cross-entropy / real tokens)."""
     import torch
 
-    from dynmb.model import build_stage, make_inputs
+    from dynmb.models import build_stage, make_inputs
 
     stages = [build_stage(cfg, s, 2, seed) for s in range(2)]
     total, count = 0.0, 0

@@ -366,7 +366,7 @@ def test_cli_fit(samples, tmp_path, capsys):
 
 
 def test_tiny_real_profile(tmp_path):
-    pytest.importorskip("dynmb.model")
+    pytest.importorskip("dynmb.models")
     from dynmb.measure import default_grid, profile, synthetic_microbatch
     tiny = ModelConfig.preset("tiny")
     out = tmp_path / "samples.csv"
@@ -416,7 +416,7 @@ def test_grid_varies_documents_per_row():
 def test_tiny_concurrent_profile(tmp_path):
     """Concurrent mode: one process per stage, all stages of a point timed at once; resumable;
     refuses to mix with samples measured alone; the fitted model records the mode."""
-    pytest.importorskip("dynmb.model")
+    pytest.importorskip("dynmb.models")
     from dynmb.costmodel import fit_cost_model
     from dynmb.measure import profile
     tiny = ModelConfig.preset("tiny")

@@ -15,7 +15,7 @@ import torch
 import dynmb
 from dynmb.config import model_config
 from dynmb.measure.grid import synthetic_microbatch
-from dynmb.model import build_stage, make_inputs, synthetic_tokens
+from dynmb.models import build_stage, make_inputs, synthetic_tokens
 from dynmb.runtime.device import CpuOps, CudaOps, bind_device, device_ops
 from dynmb.runtime.meter import MemoryMeter
 

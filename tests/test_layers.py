@@ -113,7 +113,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                          "dynamic", "dynamic_setup", "dynamic_rank", "recompute", "balanced")),
     ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "zerobubble", "slicing", "defaults", "api",
                           "sampler", "stage_split")),
-    ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "hf"))),
+    ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf"))),
     ("runtime", _modules("dynmb.runtime", "spec", "topology", "state", "step", "interpreter", "splitbackward", "comm",
                          "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",
                          "worker", "api")),

@@ -156,7 +156,7 @@ def _full_rows_of_uneven_documents(rows: int, padded_len: int, rng: np.random.Ge
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bucket_padding_is_charged_as_an_upper_bound(seed):
     """Uneven documents use most of the bucket padding budget; the auto model still bounds them."""
-    from dynmb.model import build_stage, make_inputs, synthetic_tokens
+    from dynmb.models import build_stage, make_inputs, synthetic_tokens
     from dynmb.runtime.meter import MemoryMeter
 
     torch.set_num_threads(1)
@@ -189,7 +189,7 @@ def test_memory_model_is_keyed_on_attention():
 
 def test_meter_over_a_1f1b_sequence_matches_peak_bytes():
     """Stage 0 of 2 runs F0 F1 B0 F2 B1 B2 on microbatches of different shapes, as the runtime does."""
-    from dynmb.model import build_stage, make_inputs, synthetic_tokens
+    from dynmb.models import build_stage, make_inputs, synthetic_tokens
     from dynmb.runtime.meter import MemoryMeter
     from dynmb.types import Microbatch
 
@@ -218,3 +218,38 @@ def test_meter_over_a_1f1b_sequence_matches_peak_bytes():
     got = meter.peaks()[0]
     assert abs(pred - got) <= 0.05 * got, (pred, got)
     assert meter.current_bytes == meter.state_bytes           # everything released after the backwards
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_llama_small_memory_model_matches_the_cpu_meter(stage):
+    """The Llama family's coefficients (RMSNorm, rotary tables, SwiGLU, grouped K/V) against the
+    runtime's CPU accounting of saved storages: states exact, activations within 5%."""
+    import torch
+
+    from dynmb.runtime.meter import measure_stage_memory
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig.preset("llama-small")
+    mm = MemoryModel.analytic(cfg, 2)
+    for rows, padded_len, docs in [(1, 512, 1), (2, 384, 3), (3, 200, 1)]:
+        got = measure_stage_memory(cfg, 2, stage, rows, padded_len, docs_per_row=docs)
+        assert got["state_bytes"] == mm.state_bytes[stage]
+        pred = float(mm.activation_bytes(stage, rows, padded_len)[0])
+        assert abs(pred - got["act_bytes"]) <= 0.05 * got["act_bytes"], (rows, padded_len, docs, pred, got)
+
+
+def test_memory_coefficients_follow_the_family():
+    """Same widths, different blocks: SwiGLU's third matrix and the extra norm storage make a Llama
+    block hold more per token; grouped K/V make it hold less than full K/V."""
+    from dynmb.memory import block_act_coef, w_coef
+
+    gpt = ModelConfig(name="g", d_model=256, n_heads=4, d_ff=688)
+    gqa = replace(gpt, name="l", family="llama", n_kv_heads=1)
+    mha = replace(gqa, n_kv_heads=None)
+    assert block_act_coef(gqa)[0] < block_act_coef(mha)[0]
+    assert block_act_coef(gpt)[0] < block_act_coef(mha)[0]
+    assert w_coef(gqa, 2)[0, 1] < w_coef(mha, 2)[0, 1]
+    no_table = MemoryModel.analytic_state_bytes(replace(mha, max_seq_len=100_000), 2)
+    assert np.array_equal(no_table, MemoryModel.analytic_state_bytes(mha, 2))   # rotary: no position table
+    assert MemoryModel.analytic_state_bytes(replace(gpt, max_seq_len=100_000), 2)[0] > \
+        MemoryModel.analytic_state_bytes(gpt, 2)[0]

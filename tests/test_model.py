@@ -1,4 +1,4 @@
-"""dynmb.model: stage split == full model, attention paths == the dense-mask reference, grouping-invariant gradients."""
+"""dynmb.models: stage split == full model, attention paths == the dense-mask reference, grouping-invariant gradients."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from dynmb.config import ModelConfig
 from dynmb.memory import BUCKET_PADDING
-from dynmb.model import (
-    GPT, IGNORE_INDEX, Block, InputError, attention_mask, bucket_documents, build_stages, count_params,
+from dynmb.models import (
+    GPT, IGNORE_INDEX, Block, InputError, LlamaBlock, attention_mask, bucket_documents, build_stages, count_params,
     global_named_parameters, hidden_shape, make_inputs, reference_grads, synthetic_tokens, torch_dtype,
 )
 from dynmb.types import Microbatch, Plan, PlanError
@@ -82,11 +82,11 @@ def test_stage_names_global_weights_equal_and_counts_match_config(P):
     assert "lm_head.bias" not in full  # untied, bias-free head as in config arithmetic
 
 
-@pytest.mark.parametrize("name", ["small", "gpt2", "llama-1b"])
+@pytest.mark.parametrize("name", ["small", "gpt2", "gpt2-1b", "llama-small", "llama3.1-8b"])
 def test_block_arithmetic_matches_modules(name):
     cfg = ModelConfig.preset(name)
     with torch.device("meta"):  # no memory for the big presets
-        blk = Block(cfg)
+        blk = (LlamaBlock if cfg.family == "llama" else Block)(cfg)
     assert count_params(blk) == cfg.block_params()
     if name == "small":
         assert count_params(GPT(cfg)) == cfg.param_count()
@@ -428,7 +428,7 @@ def test_dtypes_follow_config():
 
 
 def test_full_microbatch_has_no_padding():
-    from dynmb.model import full_microbatch
+    from dynmb.models import full_microbatch
     mb = full_microbatch(3, 10, docs_per_row=4)
     assert mb.batch == 3 and mb.padded_len == 10 and mb.real_tokens == 30 and mb.is_packed
     inp = make_inputs(mb, synthetic_tokens(mb.lengths, CFG.vocab_size, 0), cfg=CFG)
@@ -464,3 +464,49 @@ def test_stage_boundary_detach_like_the_runtime_matches_reference():
         for n, p in s.named_parameters():
             if ref[n].norm() > 0:
                 assert _rel(p.grad, ref[n]) <= 1e-5, n
+
+
+# --- the stage contract ----------------------------------------------------------------
+class _OwnFactory:
+    """A StageFactory outside dynmb's families (wraps one, as a user's would)."""
+
+    config = ModelConfig.preset("tiny", n_layers=2)
+    attention_work = "masked"
+
+    def build_stage(self, stage, num_stages, *, seed=0, dtype=None, device=None):
+        return build_stages(self.config, num_stages, seed, dtype=dtype, device=device)[stage]
+
+
+def own_factory() -> _OwnFactory:
+    return _OwnFactory()
+
+
+def test_resolve_model_takes_presets_files_and_factories(tmp_path):
+    from dynmb.models import FamilyFactory, StageFactory, StageModule, resolve_model
+
+    fam = resolve_model("llama-small:d_model=128")
+    assert isinstance(fam, FamilyFactory) and fam.config.family == "llama" and fam.config.d_model == 128
+    assert fam.attention_work == "document" and resolve_model("small", attention="dense").attention_work == "masked"
+    path = tmp_path / "m.json"
+    path.write_text('{"family": "llama", "d_model": 64, "n_heads": 4, "n_kv_heads": 1, "rope_theta": 1e4}')
+    assert resolve_model(str(path)).config.n_kv_heads == 1
+    own = resolve_model("tests.test_model:own_factory")
+    assert isinstance(own, StageFactory) and own.attention_work == "masked"
+    stage = own.build_stage(1, 2)
+    assert isinstance(stage, StageModule) and stage.is_last and not stage.is_first
+    assert resolve_model(own) is own and isinstance(resolve_model(own_factory), _OwnFactory)
+    for bad, msg in [("tests.test_model:nothing", "no attribute 'nothing'"), ("nosuch_mod:f", "cannot import"),
+                     ("tests.test_model:ModelConfig", "not a StageFactory"), ("zzz", "unknown model preset")]:
+        with pytest.raises(ValueError, match=msg):
+            resolve_model(bad)
+
+
+def test_families_are_a_registry_and_fields_are_checked():
+    from dynmb.models import FAMILIES, GPTStage, LlamaStage, build_stage
+
+    assert FAMILIES == {"gpt2": GPTStage, "llama": LlamaStage}
+    assert isinstance(build_stage(ModelConfig.preset("llama-tiny"), 0, 2), LlamaStage)
+    with pytest.raises(ValueError, match="llama fields"):
+        ModelConfig.preset("tiny", n_kv_heads=2)
+    with pytest.raises(ValueError, match="unknown model family"):
+        ModelConfig.preset("tiny", family="mamba")

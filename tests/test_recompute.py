@@ -14,7 +14,7 @@ from dynmb.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import get_cost_model
 from dynmb.data import load_trace, sample_batch
 from dynmb.memory import get_memory_model
-from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
+from dynmb.models import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.packing import PackingError, pack
 from dynmb.planning import plan_step
 from dynmb.measure import synthetic_microbatch

@@ -21,7 +21,7 @@ from dynmb.packing import METHODS, PackingError, pack
 from dynmb.planning.planner import make_schedule
 from dynmb.simulate import simulate, simulate_costs
 
-DEEP = ModelConfig.preset("deep-13b")
+DEEP = ModelConfig.preset("gpt2-deep-13b")
 
 
 def _gpu_costs(cfg: ModelConfig, p: int) -> AnalyticCostModel:
@@ -124,7 +124,7 @@ def test_assign_replicas_is_unchanged(dp, per, ties, seed):
     (8, 1, "sharegpt", 128), (16, 1, "sharegpt", 128), (32, 1, "sharegpt", 128), (32, 1, "wikitext2", 64),
     (8, 4, "sharegpt", 64), (16, 2, "sharegpt", 96), (32, 4, "sharegpt", 48), (16, 4, "wikitext2", 32)])
 def test_dynamic_is_never_slower_than_another_method(p, dp, trace, per_replica):
-    """deep-13b (64 layers) at P = 8/16/32, DP 1-4: dynamic's predicted step (its slowest replica)
+    """gpt2-deep-13b (64 layers) at P = 8/16/32, DP 1-4: dynamic's predicted step (its slowest replica)
     is <= every other method's, and equals the simulator's makespan of that replica."""
     lengths = sample_batch(load_trace(trace), per_replica * dp, 1)
     plans, cm = _all_methods(lengths, p, dp)
@@ -138,7 +138,7 @@ def test_dynamic_is_never_slower_than_another_method(p, dp, trace, per_replica):
 
 
 def test_deep_pipeline_with_one_replica_regression():
-    """The case of issue 14: P = 64, deep-13b, 256 sharegpt sequences, DP 1. dynamic planned 5
+    """The case of issue 14: P = 64, gpt2-deep-13b, 256 sharegpt sequences, DP 1. dynamic planned 5
     microbatches (padding 0.23, bubble 0.94) and predicted a step 2.9x dynapipe's; then 167 small
     ones chosen on the bound (which read 0.14 s for a 0.63 s step). Now <= every method."""
     lengths = sample_batch(load_trace("sharegpt"), 256, 0)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import dynmb.prefix as prefix_mod
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.memory import MemoryModel
-from dynmb.model import build_stages, make_inputs, reference_grads, synthetic_tokens, whole_documents
+from dynmb.models import build_stages, make_inputs, reference_grads, synthetic_tokens, whole_documents
 from dynmb.packing import PackingError
 from dynmb.planning import make_schedule
 from dynmb.planning.planner import plan_step

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
-from dynmb.model import build_stage, build_stages, make_inputs, synthetic_tokens
+from dynmb.models import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.measure import synthetic_microbatch
 from dynmb.runtime.spec import RunSpec
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears

@@ -41,8 +41,9 @@ def positive_int(text: str) -> int:
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small",
-                        help="model: a preset (tiny, small (CPU default), gpt2, gpt2-medium, llama-1b, llama-7b, "
-                             "deep-13b), a preset with overrides (small:d_model=512,n_layers=8) or a JSON file of "
+                        help="model: a preset (GPT-2 family: tiny, small (CPU default), gpt2, gpt2-medium, gpt2-1b, "
+                             "gpt2-7b, gpt2-deep-13b; Llama family: llama-tiny, llama-small, llama2-7b, llama3.2-1b, "
+                             "llama3.1-8b), a preset with overrides (small:d_model=512,n_layers=8) or a JSON file of "
                              "ModelConfig fields")
     parser.add_argument("--attention", default=None, choices=["auto", "dense"],
                         help="auto (default): causal attention without a mask for one document per row, "

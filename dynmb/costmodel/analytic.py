@@ -2,7 +2,9 @@
 
 Forward time of a stage = ``overhead_s`` + FLOPs / ``flops_per_s``, with the FLOPs of
 ``ModelConfig.stage_flops`` (its attention term, ``rows * padded_len^2`` per layer, rescaled to
-the microbatch's attention work); backward = ``bwd_ratio`` x forward. Calibrated roughly to one
+the microbatch's attention work); backward = ``bwd_ratio`` x forward. The FLOPs follow the model
+family (``stage_flops``: the Llama family's SwiGLU has three ``d x d_ff`` matrices, its grouped K/V
+projections are ``d x n_kv_heads * head_dim``), so no feature here depends on the block shape. Calibrated roughly to one
 core of the development CPU; ``get_cost_model(None, ...)`` returns it.
 """
 

@@ -15,7 +15,7 @@ a single stage is ``last``.
 Recomputation (``recompute`` microbatches): the backward first reruns the stage's forward,
 ``RECOMPUTE_F_SHARE[role] * F`` (the stage's forward without what is not recomputed: the
 embeddings; the last stage's head, final norm, LM head and loss, is recomputed too,
-``dynmb.model.RecomputedHead``), and a recomputed microbatch runs its whole
+``dynmb.models.RecomputedHead``), and a recomputed microbatch runs its whole
 backward in ``I`` (its ``W`` is empty, see ``dynmb.runtime.splitbackward``):
 
     B_rc = B + RECOMPUTE_F_SHARE[role] * F,    I_rc = B_rc,    W_rc = 0

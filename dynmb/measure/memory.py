@@ -1,6 +1,6 @@
 """Measure the memory of one microbatch through one stage, and of a grid of them (``dynmb memory``).
 
-``measure_stage_memory``: build the stage (``dynmb.model.build_stage``, the one place this module
+``measure_stage_memory``: build the stage (``dynmb.models.build_stage``, the one place this module
 builds one), a synthetic microbatch of full rows (``full_microbatch``: one document per row,
 ``docs_per_row`` documents splitting each row, or two with ``packed``) and, on a stage after the
 first, a received hidden state; then forward and backward once. Three numbers come back:
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dynmb.model import build_stage, full_microbatch, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.models import build_stage, full_microbatch, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter, tensor_bytes
 

@@ -57,7 +57,7 @@ from dynmb.measure.memory import measure_stage_memory
 from dynmb.measure.pingpong import free_port, ping_pong
 from dynmb.measure.samples import done_runs, read_resumable, sample_rows
 from dynmb.measure.timing import time_stage
-from dynmb.model import build_stage, make_inputs, synthetic_tokens
+from dynmb.models import build_stage, make_inputs, synthetic_tokens
 from dynmb.results import write_table
 from dynmb.runtime.device import cuda_available, device_ops
 from dynmb.runtime.hostmem import retain_freed_memory

@@ -1,7 +1,7 @@
 """Per-microbatch recomputation: which microbatches of a plan recompute, and packing with it.
 
 A microbatch with ``recompute`` runs every stage with full activation recomputation
-(``dynmb.model.RecomputedBlock``): it holds only its blocks' inputs from F to B
+(``dynmb.models.RecomputedBlock``): it holds only its blocks' inputs from F to B
 (``MemoryModel.rc_act_coef``), one block's activations more during its backward
 (``rc_transient_coef``), and its backward reruns the blocks' forward
 (``dynmb.costmodel.split.RECOMPUTE_F_SHARE``). Modes (``RECOMPUTE_MODES``, ``--recompute``):

@@ -90,7 +90,7 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     if not get_kind(schedule_kind).slices or virtual != 1:
         raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {schedule_kind!r}"
                          f"{f' with virtual={virtual}' if virtual != 1 else ''}")
-    if lengths.size and int(lengths.max()) > model_cfg.max_seq_len:
+    if model_cfg.learned_positions and lengths.size and int(lengths.max()) > model_cfg.max_seq_len:
         raise PackingError(f"a sequence of {int(lengths.max())} tokens is longer than the model's max_seq_len "
                            f"{model_cfg.max_seq_len} (learned positions): size them from the trace, e.g. "
                            f"--model {model_cfg.name}:max_seq_len={int(lengths.max())}")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dynmb.config import RunConfig
-from dynmb.model import build_stages, make_inputs, whole_documents
+from dynmb.models import build_stages, make_inputs, whole_documents
 from dynmb.runtime.records import MemoryRow
 from dynmb.types import Plan
 
@@ -69,7 +69,7 @@ def reference_gradients(run: RunConfig, plan: Plan, tokens: Sequence[torch.Tenso
                         weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Single-process gradients of the whole global batch (every replica's microbatches)
     from the pre-step ``weights``, with the pipeline's loss scale (1 / real tokens); a sliced
-    sequence runs whole, in one pass (``dynmb.model.whole_documents``)."""
+    sequence runs whole, in one pass (``dynmb.models.whole_documents``)."""
     stages = build_stages(run.model, run.pipeline.num_stages, run.seed)
     for stage in stages:
         stage.load_state_dict({n: weights[n] for n, _ in stage.named_parameters()})

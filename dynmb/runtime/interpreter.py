@@ -7,7 +7,7 @@ For each action in the rank's list, in order:
 - ``sFm`` (forward): stage 0 embeds microbatch m's tokens; any other stage
   receives the activation ``("act", s, m)`` (shape known from the plan), marks it
   as requiring grad and runs the stage (with full recomputation per block when the
-  microbatch has ``recompute``; ``dynmb.model.RecomputedBlock``). It keeps ``(input,
+  microbatch has ``recompute``; ``dynmb.models.RecomputedBlock``). It keeps ``(input,
   output)`` for the backward and sends the output on to stage ``s + 1`` (a local handoff
   when that stage is on this rank). When the rank's actions split that microbatch's
   backward (an ``sIm``), the forward records its Linear calls for ``W``

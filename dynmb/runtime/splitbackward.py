@@ -2,7 +2,7 @@
 
 Zero-bubble schedules split a stage's backward of one microbatch in two actions (torch's
 ``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``, printed ``I`` / ``W``). This module runs them
-exactly on a ``dynmb.model.GPTStage`` (any module whose weight-bearing layers are
+exactly on any ``dynmb.models.StageModule`` (both families: any module whose weight-bearing layers are
 ``nn.Linear``).
 
 Algorithm

@@ -34,7 +34,7 @@ from dynmb.costmodel import CalibrationStep, get_cost_model, job_calibration
 from dynmb.data import load_trace, sample_indices
 from dynmb.memory import get_memory_model
 from dynmb.inputs import corpus_tokens
-from dynmb.model import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dynmb.model import MicrobatchInputs, hidden_shape, make_inputs, torch_dtype
+from dynmb.models import MicrobatchInputs, hidden_shape, make_inputs, torch_dtype
 from dynmb.planning import make_schedule, replica_of
 from dynmb.prefix import PrefixStore
 from dynmb.runtime.checks import (

@@ -1,0 +1,117 @@
+"""The GPT-2 family: learned positions, LayerNorm, a GELU MLP, one K/V head per query head, biases.
+
+Model: token embedding + learned position embedding (first stage), then pre-LN blocks
+``x + attn(LN(x))``, ``x + mlp(LN(x))`` with causal self-attention on the microbatch's path
+(``dynmb.models.attention``) and a tanh-GELU MLP, then a final LayerNorm, an untied LM head and
+the loss (last stage). ``GPT`` is the whole model as one stage; ``GPTStage(cfg, s, P)`` holds the
+blocks ``cfg.stage_layers(P)[s]``. GPT-2 init, each parameter seeded by ``(seed, global name)``.
+
+Positions come from ``inputs.position_ids`` (restarting at 0 in each document, continuing
+across the slices of a sliced document), looked up in a table of ``max_seq_len`` rows: a
+document (or the end of a slice) past ``max_seq_len`` is refused (size the table from the
+trace, ``--model small:max_seq_len=N``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynmb.config import ModelConfig
+from dynmb.inputs import InputError, MicrobatchInputs
+
+from .attention import RoutedAttention
+from .seeding import seeded_normal_
+from .stage import DecoderStage
+
+__all__ = ["GPT", "GPTStage", "Block", "Attention", "MLP"]
+
+
+class Attention(RoutedAttention):
+    """Multi-head self-attention with a fused, biased qkv projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__(cfg.n_heads, cfg.n_heads, cfg.head_dim, layer)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(x).view(*x.shape[:-1], 3, self.n_heads, self.head_dim).unbind(-3)
+        return q, k, v
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg, layer)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+
+    def forward(self, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), inputs)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTStage(DecoderStage):
+    """Stage ``stage`` of ``num_stages`` of the GPT-2 family (``dynmb.models.stage.DecoderStage``):
+    ``embed``/``pos`` on the first stage, ``norm_f``/``lm_head`` on the last."""
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        if self.is_first:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in self.layers})
+        if self.is_last:
+            self.norm_f = nn.LayerNorm(cfg.d_model)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """GPT-2 init, each parameter from its own generator seeded by ``(seed, global name)``:
+        N(0, 0.02) weights, residual output projections scaled by 1/sqrt(2 n_layers),
+        zero biases, unit LayerNorm gains."""
+        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if ".ln" in name or name.startswith("norm_f"):
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                seeded_normal_(p, seed, name, resid_std if name.endswith("proj.weight") else 0.02)
+
+    def embed_inputs(self, inputs: MicrobatchInputs) -> torch.Tensor:
+        if inputs.max_doc_len > self.cfg.max_seq_len:
+            raise InputError(f"a document of {inputs.max_doc_len} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+        return self.embed(inputs.input_ids) + self.pos(inputs.position_ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm_f(x))
+
+
+class GPT(GPTStage):
+    """The whole model as a single stage; ``GPT(cfg, seed)(inputs)`` returns the summed CE."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(cfg, 0, 1, seed=seed, dtype=dtype, device=device)
+
+    def forward(self, inputs: MicrobatchInputs, *, reduction: str = "sum") -> torch.Tensor:  # type: ignore[override]
+        return super().forward(None, inputs, reduction=reduction)

@@ -1,0 +1,177 @@
+"""The Llama family: rotary positions, RMSNorm, SwiGLU, grouped-query attention, no biases.
+
+Model: token embedding (first stage), then pre-norm blocks ``x + attn(RMSNorm(x))``,
+``x + mlp(RMSNorm(x))``, then a final RMSNorm and the LM head (last stage; optionally the
+embedding matrix itself, ``tie_embeddings``, on a single stage). ``LlamaStage(cfg, s, P)``
+holds the blocks ``cfg.stage_layers(P)[s]``; parameter names are global and each parameter is
+seeded by ``(seed, global name)``: N(0, 0.02) matrices (the residual output projections
+``attn.proj`` and ``mlp.down`` scaled by 1/sqrt(2 n_layers)), unit norm gains.
+
+- Attention (``LlamaAttention``): one bias-free ``qkv`` projection to ``n_heads`` query heads
+  and ``n_kv_heads`` key and value heads of ``head_dim`` (rows ``[q | k | v]``), rotary
+  positions on q and k, attention on the microbatch's path (``dynmb.models.attention``: causal,
+  bucketed document-causal, dense, or slices against a prefix; grouped-query natively), a
+  bias-free output projection.
+- Rotary positions: angle ``p * theta_i`` with ``theta_i = rope_theta ** (-2i / head_dim)`` for
+  position ``p`` (``inputs.position_ids``: restarting at 0 in every document of a packed row,
+  continuing across the slices of a sliced document), applied as ``x * cos + rotate_half(x) *
+  sin`` with ``rotate_half([a, b]) = [-b, a]`` on the two halves of each head (the layout of
+  Hugging Face's ``LlamaForCausalLM``). No position table, so no document-length cap. The
+  cos/sin tables are computed once per stage forward in the layout of each attention call
+  (``PositionTables``: rows, the gathered document buckets, the slice segments) in fp32 (fp64
+  for a fp64 model) and cast to the activation dtype; every block of the stage shares them.
+  The prefix store of slices holds post-rotary keys with ``n_kv_heads`` heads.
+- RMSNorm: ``x / sqrt(mean(x^2) + 1e-5) * g`` (``F.rms_norm``).
+- SwiGLU MLP: one bias-free ``gate_up`` projection to ``2 d_ff`` (rows ``[gate | up]``),
+  ``down(silu(gate) * up)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynmb.config import ModelConfig
+from dynmb.inputs import MicrobatchInputs
+
+from .attention import CosSin, PositionTables, RoutedAttention
+from .seeding import seeded_normal_
+from .stage import DecoderStage
+
+__all__ = ["LlamaStage", "LlamaBlock", "LlamaAttention", "SwiGLU", "RMSNorm", "position_tables", "rotate_half",
+           "NORM_EPS"]
+
+NORM_EPS = 1e-5
+"""RMSNorm epsilon (the published Llama 2 and 3 configurations' ``rms_norm_eps``)."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, NORM_EPS)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[a, b] -> [-b, a]`` on the two halves of the last dimension."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def position_tables(inputs: MicrobatchInputs, cfg: ModelConfig, dtype: torch.dtype) -> PositionTables:
+    """Rotary cos/sin of ``inputs.position_ids`` in the layout of every attention call (module docstring)."""
+    work = torch.promote_types(dtype, torch.float32)
+    pos = inputs.position_ids
+    half = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=pos.device).to(work) / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** half)
+
+    def cos_sin(p: torch.Tensor) -> CosSin:
+        ang = p.to(work)[..., None] * inv_freq
+        emb = torch.cat((ang, ang), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    if inputs.buckets is None:
+        return PositionTables(rows=cos_sin(pos))
+    bk, flat = inputs.buckets, pos.reshape(-1)
+    buckets: tuple[CosSin, ...] = ()
+    if bk.shapes:
+        parts = flat.index_select(0, bk.gather_index).split(bk.split_sizes())
+        buckets = tuple(cos_sin(p.view(n, length)) for (n, length), p in zip(bk.shapes, parts))
+    slices = tuple(cos_sin(flat.index_select(0, seg.index)) for seg in bk.slices)
+    return PositionTables(buckets=buckets, slices=slices)
+
+
+class LlamaAttention(RoutedAttention):
+    """Grouped-query self-attention with rotary positions (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__(cfg.n_heads, cfg.kv_heads, cfg.head_dim, layer)
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self._sizes = [q, kv, kv]
+        self.qkv = nn.Linear(cfg.d_model, q + 2 * kv, bias=False)
+        self.proj = nn.Linear(q, cfg.d_model, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(x).split(self._sizes, dim=-1)
+        lead = x.shape[:-1]
+        return (q.view(*lead, self.n_heads, self.head_dim), k.view(*lead, self.n_kv_heads, self.head_dim),
+                v.view(*lead, self.n_kv_heads, self.head_dim))
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        return self.proj(y)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cs: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cs[0].unsqueeze(-2), cs[1].unsqueeze(-2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm block; ``pos`` are the stage's rotary tables for this microbatch."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(cfg.d_model), LlamaAttention(cfg, layer)
+        self.mlp_norm, self.mlp = RMSNorm(cfg.d_model), SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, inputs: MicrobatchInputs, pos: PositionTables) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), inputs, pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaStage(DecoderStage):
+    """Stage ``stage`` of ``num_stages`` of the Llama family (``dynmb.models.stage.DecoderStage``):
+    ``embed`` on the first stage, ``norm_f`` and ``lm_head`` (absent when tied) on the last."""
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        if cfg.tie_embeddings and self.num_stages > 1:
+            raise ValueError(f"model {cfg.name!r}: tie_embeddings across {self.num_stages} pipeline stages needs an "
+                             f"embedding-gradient all-reduce between the first and last stage, which dynmb's runtime "
+                             f"does not run; use tie_embeddings=false (analytic models count the last stage's copy)")
+        if self.is_first:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg, i) for i in self.layers})
+        if self.is_last:
+            self.norm_f = RMSNorm(cfg.d_model)
+            if not cfg.tie_embeddings:
+                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                resid = name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight")
+                seeded_normal_(p, seed, name, resid_std if resid else 0.02)
+
+    def embed_inputs(self, inputs: MicrobatchInputs) -> torch.Tensor:
+        return self.embed(inputs.input_ids)
+
+    def block_args(self, inputs: MicrobatchInputs) -> tuple[Any, ...]:
+        dtype = next(iter(self.blocks.values())).attn.qkv.weight.dtype
+        return (position_tables(inputs, self.cfg, dtype),)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm_f(x)
+        if self.cfg.tie_embeddings:
+            return F.linear(h, self.embed.weight)      # not an nn.Linear: its gradient is eager under I/W
+        return self.lm_head(h)
