@@ -100,7 +100,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("simulation", ("dynmb.simulate",)),
     ("planning", ("dynmb.planning",)),
     ("workload", ("dynmb.inputs", "dynmb.model", "dynmb.prefix")),
-    ("runtime", ("dynmb.runtime",)),
+    ("runtime", ("dynmb.runtime", "dynmb.integrations")),
     ("measurement", ("dynmb.profile", "dynmb.analysis", "dynmb.plots")),
     ("job and CLI", ("dynmb.compare", "dynmb.cli")),
     ("public API", ("dynmb",)),
