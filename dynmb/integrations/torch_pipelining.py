@@ -32,8 +32,9 @@ microbatches have different shapes (rows x padded length), which torch's stage d
    (``scale_grads=False``; it would divide by the microbatch count). ``_step_microbatches``
    leaves ``stage.has_backward`` unset (only ``step()`` sets it, and with it unset every ``B``
    silently does nothing), so it is set here, with ``clear_runtime_states()`` that ``step()``
-   would also call. ``F``/``B`` (GPipe, 1F1B, memory-aware, interleaved) and ``I``/``W``
-   (ZB-H1, zb) run as torch lowers them; gradients accumulate in the stage modules' ``.grad``.
+   would also call. ``F``/``B`` and the split ``I``/``W`` run as torch lowers them (tested on
+   gloo: GPipe, 1F1B, ZB-H1, interleaved with two stages per rank, recomputed microbatches);
+   gradients accumulate in the stage modules' ``.grad``.
 
 torch internals relied on (written against torch 2.13.0; ``check_torch_internals()`` lists what
 is missing in the installed torch, and ``tests/test_torch_pipelining.py`` fails on it):
