@@ -11,6 +11,7 @@ runs past ``JOB_TIMEOUT_S``.
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import textwrap
 import traceback
 from dataclasses import dataclass, replace
@@ -71,13 +72,16 @@ class Case:
     """Rank 1 runs a plan with one microbatch padded further: every rank must refuse to start."""
     example: bool = False
     """Run the module docstring's example block (with the process group already made)."""
+    dp: int = 1
+    """Data-parallel pipelines: ``plan.replica(r)`` on the pipeline subgroup r, gradients summed over replicas."""
 
 
 CASES = {
     2: [Case("1f1b"), Case("gpipe", kind="gpipe"), Case("zbh1", kind="zb-h1"), Case("1f1b_fp32", dtype="float32"),
         Case("recompute", recompute=True), Case("interleaved", kind="interleaved", virtual=2),
         Case("example", example=True), Case("diverge", diverge=True)],
-    4: [Case("1f1b"), Case("gpipe_fp32", kind="gpipe", dtype="float32"), Case("zbh1", kind="zb-h1")],
+    4: [Case("1f1b"), Case("gpipe_fp32", kind="gpipe", dtype="float32"), Case("zbh1", kind="zb-h1"),
+        Case("pp2dp2", dp=2)],
 }
 
 
@@ -96,9 +100,35 @@ def _run_example() -> dict:
     return {"loss": ns["out"].loss, "plan": ns["step"].plan.to_json(), "lengths": ns["lengths"]}
 
 
+def _dp_plan(dp: int) -> tuple[Plan, list[torch.Tensor]]:
+    plan, tokens = _plan(2)
+    return replace(plan, dp=dp, replica_ids=tuple(i % dp for i in range(plan.num_microbatches))), tokens
+
+
+def _run_dp(rank: int, world: int, case: Case) -> dict:
+    """Pipelines of ``world // dp`` consecutive ranks; gradients all-reduced over the replicas."""
+    pp = world // case.dp
+    pp_groups = [dist.new_group(list(range(r * pp, (r + 1) * pp))) for r in range(case.dp)]
+    dp_groups = [dist.new_group(list(range(s, world, pp))) for s in range(pp)]
+    replica, stage_index = divmod(rank, pp)
+    plan, tokens = _dp_plan(case.dp)
+    mine = plan.replica(replica)
+    stage = build_stage(CFG, stage_index, pp, SEED, dtype=getattr(torch, case.dtype))
+    settings = TorchPipeliningSettings(model=CFG, loss_tokens=plan.real_tokens)
+    out = run_with_torch_pipelining(stage, mine, build_schedule(case.kind, pp, mine.num_microbatches), tokens,
+                                    settings, group=pp_groups[replica])
+    for p in stage.parameters():
+        dist.all_reduce(p.grad, group=dp_groups[stage_index])
+    loss = torch.tensor([out.loss], dtype=torch.float64)
+    dist.all_reduce(loss, group=dp_groups[stage_index])
+    return {"loss": float(loss), "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+
+
 def _run_case(rank: int, world: int, case: Case) -> dict:
     if case.example:
         return _run_example()
+    if case.dp > 1:
+        return _run_dp(rank, world, case)
     stages = world * case.virtual
     plan, tokens = _plan(stages, case.recompute)
     if case.diverge and rank == 1:
@@ -165,7 +195,7 @@ def _results(out: Path, world: int, name: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("world,case", [(w, c) for w, cs in CASES.items() for c in cs
-                                        if not (c.diverge or c.example)],
+                                        if not (c.diverge or c.example or c.dp > 1)],
                          ids=lambda x: x.name if isinstance(x, Case) else str(x))
 def test_gradients_equal_the_single_process_reference(job, world, case):
     res = _results(job(world), world, case.name)
@@ -197,6 +227,18 @@ def test_a_divergent_plan_is_refused_on_every_rank(job):
         assert "group rank(s) [1]" in r["error"]
 
 
+def test_data_parallel_pipelines_on_subgroups_equal_the_reference(job):
+    res = _results(job(4), 4, "pp2dp2")
+    plan, tokens = _dp_plan(2)
+    ref_loss, ref = reference_grads(CFG, 2, plan, tokens, SEED, dtype=torch.float64)
+    got = {**res[0]["grads"], **res[1]["grads"]}
+    assert set(got) == set(ref)
+    for name, g in ref.items():
+        assert float((got[name] - g).abs().max()) <= TOL["float64"] * float(g.abs().max()), name
+        assert torch.equal(got[name], {**res[2]["grads"], **res[3]["grads"]}[name]), name
+    assert all(r["loss"] == pytest.approx(ref_loss, rel=1e-9) for r in res)
+
+
 def test_the_docstring_example_runs_on_two_ranks(job):
     res = _results(job(2), 2, "example")
     plan = Plan.from_json(res[0]["plan"])
@@ -218,6 +260,18 @@ def test_torch_internals_are_there():
     problems = check_torch_internals()
     assert problems == [], (f"torch {torch.__version__} changed what dynmb.integrations.torch_pipelining relies on "
                             f"(written against {TORCH_VERSION_WRITTEN_FOR}): {problems}")
+
+
+def test_a_changed_internal_is_named_before_any_process_talks(monkeypatch):
+    from torch.distributed.pipelining import stage as torch_stage
+
+    monkeypatch.delattr(torch_stage, "_RecvInfo")
+    assert any("_RecvInfo" in p for p in check_torch_internals())
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: pytest.fail("the run went past the internals check"))
+    plan, tokens = _plan(2)
+    with pytest.raises(TorchPipeliningError, match=rf"torch {re.escape(torch.__version__)} lacks .*_RecvInfo"):
+        run_with_torch_pipelining(build_stage(CFG, 0, 2, SEED), plan, build_schedule("1f1b", 2, 6), tokens,
+                                  TorchPipeliningSettings(model=CFG))
 
 
 def test_zero_bubble_schedule_uses_torchs_split_backward():
