@@ -33,7 +33,8 @@ microbatches have different shapes (rows x padded length), which torch's stage d
    leaves ``stage.has_backward`` unset (only ``step()`` sets it, and with it unset every ``B``
    silently does nothing), so it is set here, with ``clear_runtime_states()`` that ``step()``
    would also call. ``F``/``B`` and the split ``I``/``W`` run as torch lowers them (tested on
-   gloo: GPipe, 1F1B, ZB-H1, interleaved with two stages per rank, recomputed microbatches);
+   gloo: GPipe, 1F1B, ZB-H1, interleaved with two stages per rank, recomputed microbatches, two
+   data-parallel pipelines on subgroups);
    gradients accumulate in the stage modules' ``.grad``.
 
 torch internals relied on (written against torch 2.13.0; ``check_torch_internals()`` lists what
