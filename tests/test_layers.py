@@ -116,7 +116,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf"))),
     ("runtime", _modules("dynmb.runtime", "spec", "topology", "state", "step", "interpreter", "splitbackward", "comm",
                          "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",
-                         "worker", "api")),
+                         "worker", "api"), *_modules("dynmb.integrations", "torch_pipelining")),
     ("measurement", (*_modules("dynmb.measure", "profiler", "grid", "timing", "eta", "samples", "memory", "pingpong"),
                      "dynmb.analysis", "dynmb.plots")),
     ("job and CLI", ("dynmb.compare", *_modules("dynmb.cli", "main", "__main__", "flags", "datasets", "lengths", "plan",
