@@ -3,7 +3,7 @@
 Real gloo ranks: one spawned job per rank count (2 and 4) runs every case of that count in one
 process group, one after another (torch's import and gloo's set-up cost seconds per process on a
 small box); each rank saves its stage's gradients and loss, and the test compares them with the
-single-process reference (``dynmb.model.reference_grads``). The plan's microbatches all differ in
+single-process reference (``dynmb.models.reference_grads``). The plan's microbatches all differ in
 rows and padded length, padded and packed rows mixed. Cases: GPipe, 1F1B, ZB-H1 (torch's I/W),
 interleaved, recomputed microbatches, fp32 and fp64, pp2 x dp2 on pipeline subgroups, the module
 docstring's example, and a divergent plan every rank must refuse. The job is killed and the test fails if it

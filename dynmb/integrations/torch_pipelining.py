@@ -60,7 +60,7 @@ runs this block on 2 gloo ranks)::
     import torch, torch.distributed as dist
     from dynmb import ModelConfig, Planner
     from dynmb.inputs import synthetic_tokens
-    from dynmb.model import build_stage
+    from dynmb.models import build_stage
     from dynmb.integrations.torch_pipelining import TorchPipeliningSettings, run_with_torch_pipelining
 
     dist.init_process_group("gloo")
