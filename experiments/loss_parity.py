@@ -16,9 +16,10 @@ Measured on the default settings (``small:vocab_size=50257``, 8 AlpacaEval outpu
 fixed at 4 microbatches of 2 rows, packed at 1-2 rows of 512 tokens, dynamic at 1-7
 microbatches, a 2-core CPU shared with other jobs): the largest spread over 50 steps was
 2.3e-7 at the default ``--lr 3e-4`` (float32 rounding, no growth over the steps), and 6.8e-4 at
-``--lr 1e-3``, where the spread stays ~1e-7 for 24 steps and then grows: Adam's normalised
-update turns a rounding-sized difference in a near-zero gradient into a full-size step, so the
-runs drift apart slowly (still under 1e-3, but with little margin). 50 steps x 3 methods took
+``--lr 1e-3``, where the spread stays ~1e-7 for 24 steps and then grows to 1e-5-1e-4 with one
+step at 6.8e-4 (under 1e-3, with little margin). Our reading, not checked further: Adam's
+normalised update can turn a rounding-sized difference in a near-zero gradient into a full-size
+step, so at the larger rate the runs drift apart slowly. 50 steps x 3 methods took
 10-11 minutes of wall time there (mostly the 50k-wide LM head on one CPU thread per rank).
 
 Corpus: ``--corpus FILE --field F [--tokenizer T]`` as given, or by default the outputs of
