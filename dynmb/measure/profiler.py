@@ -59,7 +59,7 @@ from dynmb.measure.samples import done_runs, read_resumable, sample_rows
 from dynmb.measure.timing import time_stage
 from dynmb.model import build_stage, make_inputs, synthetic_tokens
 from dynmb.results import write_table
-from dynmb.runtime.device import cuda_available, device_ops
+from dynmb.runtime.device import device_ops
 from dynmb.runtime.hostmem import retain_freed_memory
 
 __all__ = ["ProfileSettings", "profile"]
@@ -111,8 +111,7 @@ class ProfileSettings:
         if int(self.repeats) < 1 or int(self.warmup) < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={self.repeats}, "
                              f"warmup={self.warmup}")
-        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        device_ops(self.device)      # ValueError naming the supported devices
         if self.concurrent and self.device != "cpu":
             raise ValueError("concurrent profiling is for CPU stages (one process per stage on one host)")
 
@@ -140,8 +139,8 @@ def profile(cfg: ModelConfig, num_stages: int, settings: ProfileSettings | None 
     torch.set_num_threads(int(settings.threads))
     dev = torch.device(settings.device)
     ops = device_ops(dev)
-    if ops.allocator_stats and not cuda_available():
-        raise ValueError("device cuda requested but torch.cuda.is_available() is False")
+    if not ops.available():
+        raise ValueError(f"device {dev.type} requested but torch sees none on this host")
     if not ops.allocator_stats:
         retain_freed_memory()   # measure under the allocator policy the runtime uses
     clock = settings.resolved_clock()

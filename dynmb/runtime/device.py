@@ -100,6 +100,10 @@ class DeviceOps:
         """Give the allocator's cached free blocks back."""
 
     # --- identity ---------------------------------------------------------
+    def available(self) -> bool:
+        """Whether this host has the device."""
+        return True
+
     def name(self) -> str:
         """What a samples table records as the device (``cpu`` or the GPU's name)."""
         return self.device.type
@@ -164,6 +168,9 @@ class CudaOps(DeviceOps):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
     def name(self) -> str:
         return torch.cuda.get_device_name(self.device)
 
@@ -200,7 +207,7 @@ def device_ops(device: torch.device | str) -> DeviceOps:
 
 def cuda_available() -> bool:
     """Whether torch sees a CUDA GPU on this host."""
-    return torch.cuda.is_available()
+    return CudaOps(torch.device("cuda")).available()
 
 
 def bind_device(kind: str, local_rank: int = 0) -> torch.device:
