@@ -213,7 +213,8 @@ def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list[Run], old: pd.D
         inputs = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size, seed), cfg=cfg, device=dev)
         if first:
             stages[p].zero_grad(set_to_none=False)
-        (times,) = time_stage(stages[p], inputs, repeats=1, warmup=settings.warmup if first else 0, device=dev,
+        (times,) = time_stage(stages[p], inputs, hidden_size=cfg.d_model, repeats=1,
+                              warmup=settings.warmup if first else 0, device=dev,
                               clock=clock, split=settings.split)
         extra = {}
         if memory and r == 0:
@@ -264,7 +265,7 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
             if first:
                 stage.zero_grad(set_to_none=False)
             dist.barrier()          # every stage starts this point's runs together
-            (times,) = time_stage(stage, inputs, repeats=1, warmup=warmup if first else 0,
+            (times,) = time_stage(stage, inputs, hidden_size=cfg.d_model, repeats=1, warmup=warmup if first else 0,
                                   clock=settings.resolved_clock(), split=settings.split)
             if bar is not None:
                 bar.update(est_s, f"rep {r} {b}x{s}/{d}doc F={times[0]:.4f}s")
