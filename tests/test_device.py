@@ -15,6 +15,7 @@ import torch
 import dynmb
 from dynmb.config import model_config
 from dynmb.measure.grid import synthetic_microbatch
+from dynmb.measure.profiler import ProfileSettings, profile
 from dynmb.models import build_stage, make_inputs, synthetic_tokens
 from dynmb.runtime.device import CpuOps, CudaOps, bind_device, device_ops
 from dynmb.runtime.meter import MemoryMeter
@@ -60,7 +61,7 @@ def test_cpu_timer_thread_clock_ignores_sleep_but_wall_does_not():
 
 def test_cpu_has_no_allocator_statistics_and_noop_queue_calls():
     ops = device_ops("cpu")
-    assert not ops.allocator_stats and ops.default_clock == "thread" and ops.name() == "cpu"
+    assert not ops.allocator_stats and ops.default_clock == "thread" and ops.name() == "cpu" and ops.available()
     assert (ops.allocated_bytes(), ops.peak_allocated_bytes(), ops.peak_reserved_bytes()) == (None, None, None)
     ops.synchronize()
     ops.reset_peak()
@@ -71,9 +72,14 @@ def test_cpu_has_no_allocator_statistics_and_noop_queue_calls():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
-def test_bind_cuda_without_a_gpu_is_one_line_error():
+def test_cuda_without_a_gpu_is_one_line_error():
+    assert not device_ops("cuda").available()
     with pytest.raises(RuntimeError, match="torch sees no CUDA GPU on this host"):
         bind_device("cuda", 0)
+    with pytest.raises(ValueError, match="device cuda requested but torch sees none on this host"):
+        profile(model_config("tiny"), 2, device="cuda", grid=[(1, 32, 1)], repeats=1)
+    with pytest.raises(ValueError, match="device 'meta' is not supported"):
+        ProfileSettings(device="meta")
 
 
 def test_meter_accounts_on_cpu_through_the_seam():

@@ -59,7 +59,7 @@ from dynmb.measure.samples import done_runs, read_resumable, sample_rows
 from dynmb.measure.timing import time_stage
 from dynmb.models import build_stage, make_inputs, synthetic_tokens
 from dynmb.results import write_table
-from dynmb.runtime.device import cuda_available, device_ops
+from dynmb.runtime.device import device_ops
 from dynmb.runtime.hostmem import retain_freed_memory
 
 __all__ = ["ProfileSettings", "profile"]
@@ -111,8 +111,7 @@ class ProfileSettings:
         if int(self.repeats) < 1 or int(self.warmup) < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={self.repeats}, "
                              f"warmup={self.warmup}")
-        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        device_ops(self.device)      # ValueError naming the supported devices
         if self.concurrent and self.device != "cpu":
             raise ValueError("concurrent profiling is for CPU stages (one process per stage on one host)")
 
@@ -140,8 +139,8 @@ def profile(cfg: ModelConfig, num_stages: int, settings: ProfileSettings | None 
     torch.set_num_threads(int(settings.threads))
     dev = torch.device(settings.device)
     ops = device_ops(dev)
-    if ops.allocator_stats and not cuda_available():
-        raise ValueError("device cuda requested but torch.cuda.is_available() is False")
+    if not ops.available():
+        raise ValueError(f"device {dev.type} requested but torch sees none on this host")
     if not ops.allocator_stats:
         retain_freed_memory()   # measure under the allocator policy the runtime uses
     clock = settings.resolved_clock()
@@ -214,7 +213,8 @@ def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list[Run], old: pd.D
         inputs = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size, seed), cfg=cfg, device=dev)
         if first:
             stages[p].zero_grad(set_to_none=False)
-        (times,) = time_stage(stages[p], inputs, repeats=1, warmup=settings.warmup if first else 0, device=dev,
+        (times,) = time_stage(stages[p], inputs, hidden_size=cfg.d_model, repeats=1,
+                              warmup=settings.warmup if first else 0, device=dev,
                               clock=clock, split=settings.split)
         extra = {}
         if memory and r == 0:
@@ -265,7 +265,7 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
             if first:
                 stage.zero_grad(set_to_none=False)
             dist.barrier()          # every stage starts this point's runs together
-            (times,) = time_stage(stage, inputs, repeats=1, warmup=warmup if first else 0,
+            (times,) = time_stage(stage, inputs, hidden_size=cfg.d_model, repeats=1, warmup=warmup if first else 0,
                                   clock=settings.resolved_clock(), split=settings.split)
             if bar is not None:
                 bar.update(est_s, f"rep {r} {b}x{s}/{d}doc F={times[0]:.4f}s")

@@ -31,14 +31,16 @@ from dynmb.runtime.splitbackward import backward_input, backward_weight, record_
 __all__ = ["time_stage"]
 
 
-def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, repeats: int = 5, warmup: int = 2,
+def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, hidden_size: int, repeats: int = 5, warmup: int = 2,
                device: str | torch.device = "cpu", clock: str = "thread", split: bool = False) -> list[tuple[float, ...]]:
-    """``repeats`` (forward_s, backward_s, forward_wall_s, backward_wall_s) of ``stage_mod`` on ``inputs``;
-    with ``split`` each tuple goes on with (input_grad_s, weight_grad_s, input_grad_wall_s, weight_grad_wall_s)."""
+    """``repeats`` (forward_s, backward_s, forward_wall_s, backward_wall_s) of ``stage_mod`` (a stage of the
+    stage contract: ``is_first``, ``is_last``) on ``inputs``; ``hidden_size``: the width of the hidden state
+    it receives and sends (the model's ``d_model``). With ``split`` each tuple goes on with (input_grad_s,
+    weight_grad_s, input_grad_wall_s, weight_grad_wall_s)."""
     device = torch.device(device)
     timed = device_ops(device).timer(clock)
     b, s = inputs.shape
-    d = stage_mod.cfg.d_model
+    d = int(hidden_size)
     dtype = next(stage_mod.parameters()).dtype
     gen = torch.Generator(device="cpu").manual_seed(b * 7919 + s)
     x0 = None if stage_mod.is_first else torch.randn(b, s, d, generator=gen).to(device=device, dtype=dtype)

@@ -5,8 +5,8 @@ submodules where they are needed. From the job down to one message:
 
 - ``spec``: ``RunSpec`` (one run: config, output, run id, checks) and ``JobSpec`` (the cases
   of one torchrun job), with their JSON form (``spec.json``).
-- ``launch``: ``launch_job(job, nproc) -> LaunchResult`` / ``launch(run_cfg, out_dir, nproc)``
-  run through torchrun and name the failed ranks; ``processes``: stop signals and stopping
+- ``launch``: ``launch_job(job, nproc) -> LaunchResult``: a job through torchrun, naming the
+  failed ranks (``api.run``, i.e. ``dynmb.run``, builds the job from configs); ``processes``: stop signals and stopping
   torchrun's process tree.
 - ``worker``: the torchrun entry point (``python -m torch.distributed.run --standalone
   --nproc-per-node P -m dynmb.runtime.worker --spec SPEC``) and its loop over cases and steps.

@@ -17,7 +17,8 @@ calling thread's CPU time) or ``"wall"``. ``bind_device(kind, local_rank)`` is a
 (CUDA: checks the GPU count and makes it the current device); ``cuda_available()`` answers
 without a device. Communication code takes its device as an argument and calls none of this.
 
-Adding a device kind: one ``DeviceOps`` subclass here and one entry in ``_KINDS``.
+Adding a device kind: one ``DeviceOps`` subclass (its clock, allocator counters and ``bind``) and
+one entry in ``_KINDS``; ``tests/test_device.py`` shows what each must do.
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ class DeviceOps:
         """Give the allocator's cached free blocks back."""
 
     # --- identity ---------------------------------------------------------
+    def available(self) -> bool:
+        """Whether this host has the device."""
+        return True
+
     def name(self) -> str:
         """What a samples table records as the device (``cpu`` or the GPU's name)."""
         return self.device.type
@@ -106,6 +111,11 @@ class DeviceOps:
     def group_device(self) -> torch.device | None:
         """The ``device_id`` a process group binds to (None: not bound)."""
         return None
+
+    @classmethod
+    def bind(cls, local_rank: int) -> torch.device:
+        """The device of the worker with this local rank, made current where that means something."""
+        return torch.device("cpu")
 
 
 class CpuOps(DeviceOps):
@@ -158,42 +168,49 @@ class CudaOps(DeviceOps):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
     def name(self) -> str:
         return torch.cuda.get_device_name(self.device)
 
     def group_device(self) -> torch.device | None:
         return self.device
 
+    @classmethod
+    def bind(cls, local_rank: int) -> torch.device:
+        if not torch.cuda.is_available():
+            raise RuntimeError("device cuda asked for, but torch sees no CUDA GPU on this host")
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but only "
+                               f"{torch.cuda.device_count()} visible on this host: use fewer ranks per node (e.g. "
+                               "--virtual to put several stages on one rank) or set CUDA_VISIBLE_DEVICES")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+
 
 _KINDS: dict[str, type[DeviceOps]] = {"cpu": CpuOps, "cuda": CudaOps}
+
+
+def _kind(name: str) -> type[DeviceOps]:
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"device {name!r} is not supported (devices: {', '.join(_KINDS)})")
+    return kind
 
 
 def device_ops(device: torch.device | str) -> DeviceOps:
     """The ``DeviceOps`` of ``device`` (``ValueError`` naming the kinds for another device type)."""
     dev = torch.device(device)
-    kind = _KINDS.get(dev.type)
-    if kind is None:
-        raise ValueError(f"device {dev.type!r} is not supported (devices: {', '.join(_KINDS)})")
-    return kind(dev)
+    return _kind(dev.type)(dev)
 
 
 def cuda_available() -> bool:
     """Whether torch sees a CUDA GPU on this host."""
-    return torch.cuda.is_available()
+    return CudaOps(torch.device("cuda")).available()
 
 
 def bind_device(kind: str, local_rank: int = 0) -> torch.device:
     """A worker's device: ``cpu``, or CUDA GPU ``local_rank`` made the current device (one-line
     ``RuntimeError`` when torch sees no GPU, or fewer than the local ranks)."""
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind != "cuda":
-        raise ValueError(f"device {kind!r} is not supported (devices: {', '.join(_KINDS)})")
-    if not torch.cuda.is_available():
-        raise RuntimeError("device cuda asked for, but torch sees no CUDA GPU on this host")
-    if local_rank >= torch.cuda.device_count():
-        raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but only "
-                           f"{torch.cuda.device_count()} visible on this host: use fewer ranks per node (e.g. "
-                           "--virtual to put several stages on one rank) or set CUDA_VISIBLE_DEVICES")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    return _kind(kind).bind(local_rank)

@@ -7,10 +7,9 @@ child process in its own session::
         -m dynmb.runtime.worker --spec out_dir/spec.json
 
 streaming its output (unless ``quiet``), and returns a ``LaunchResult``: the exit code and
-one line per failed rank. ``launch(run_cfg, out_dir, nproc, verify=False)`` does it for one
-run. The same worker module runs under a user's own ``torchrun --nnodes N --node-rank K
---rdzv-endpoint HOST:PORT ... -m dynmb.runtime.worker --spec SPEC`` for multi-node runs
-(see ``dynmb.runtime.worker``).
+one line per failed rank (``dynmb.run`` does it for ``RunConfig``s). The same worker module
+runs under a user's own ``torchrun --nnodes N --node-rank K --rdzv-endpoint HOST:PORT ...
+-m dynmb.runtime.worker --spec SPEC`` for multi-node runs (see ``dynmb.runtime.worker``).
 
 Before torchrun starts, ``JobSpec.check()`` checks the job (names, files, output folder, run
 ids: a bad input costs no torchrun start and writes nothing) and the rank count.
@@ -54,9 +53,9 @@ from dynmb.config import RunConfig
 from dynmb.hostinfo import cores_warning
 from dynmb.results import drop_incomplete_steps, set_run_status
 from dynmb.runtime.processes import Ended, StopSignals, alive, die_with_parent, wait_or_stop
-from dynmb.runtime.spec import HookRef, JobSpec, RunSpec
+from dynmb.runtime.spec import JobSpec, RunSpec
 
-__all__ = ["launch", "launch_job", "write_spec", "LaunchResult", "default_backend_device", "failure_lines",
+__all__ = ["launch_job", "write_spec", "LaunchResult", "default_backend_device", "failure_lines",
            "PROGRESS"]
 
 logger = logging.getLogger(__name__)
@@ -97,15 +96,6 @@ def default_backend_device() -> tuple[str, str]:
     from dynmb.runtime.device import cuda_available
 
     return ("nccl", "cuda") if cuda_available() else ("gloo", "cpu")
-
-
-def launch(run_cfg: RunConfig, out_dir: str | Path, nproc: int, verify: bool = False, *,
-           guard_s: float | None = None, allow_over_limit: bool = False, memory_model: str | None = None,
-           run_id: str | None = None, hooks: HookRef | None = None) -> int:
-    """Run ``run_cfg`` on ``nproc`` local ranks; returns the exit code (0 = success)."""
-    spec = RunSpec.create(run_cfg, out_dir, run_id=run_id, verify=verify, allow_over_limit=allow_over_limit,
-                          memory_model=memory_model, hooks=hooks)
-    return launch_job(JobSpec.single(spec), nproc, guard_s=guard_s).returncode
 
 
 def write_spec(run_cfg: RunConfig, out_dir: str | Path, *, verify: bool = False, allow_over_limit: bool = False,
