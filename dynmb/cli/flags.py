@@ -39,8 +39,10 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small",
+def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "small") -> None:
+    """``--model`` (``default`` None: a verb that reads the model from its plan), ``--attention``,
+    ``--stage-split``."""
+    parser.add_argument("--model", default=default,
                         help="model: a preset (GPT-2 family: tiny, small (CPU default), gpt2, gpt2-medium, gpt2-1b, "
                              "gpt2-7b, gpt2-deep-13b; Llama family: llama-tiny, llama-small, llama2-7b, llama3.2-1b, "
                              "llama3.1-8b), a preset with overrides (small:d_model=512,n_layers=8) or a JSON file of "
@@ -54,10 +56,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "and LM head included; dynmb.planning.stage_split) or a list such as 9,8,8,7")
 
 
-def add_model_file_flags(parser: argparse.ArgumentParser) -> None:
-    """``--cost-model`` and ``--memory-model`` of the verbs that take a plan file."""
-    parser.add_argument("--cost-model", default=None, help="fitted cost-model JSON; default analytic")
-    parser.add_argument("--memory-model", default=None, help="fitted memory-model JSON; default analytic")
+def add_model_file_flags(parser: argparse.ArgumentParser, *, from_plan: bool = False) -> None:
+    """``--cost-model`` and ``--memory-model`` (``from_plan``: of the verbs that take a plan file, whose
+    defaults are the files the plan was made with)."""
+    default = "the plan's (the file it was planned with, or the analytic stand-in)" if from_plan else "analytic"
+    parser.add_argument("--cost-model", default=None, help=f"fitted cost-model JSON; default {default}")
+    parser.add_argument("--memory-model", default=None, help=f"fitted memory-model JSON; default {default}")
 
 
 def model_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> ModelConfig:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args
+from dynmb.cli.planfile import plan_meta
 from dynmb.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     plan, _, _ = plan_step(
         batch, plan_spec(args, model), model_cfg=model, cost_model=get_cost_model(args.cost_model, model, args.stages),
         memory_model=get_memory_model(args.memory_model, model, args.stages),
-        meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step, "model": args.model},
+        meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step,
+              **plan_meta(model, args.cost_model, args.memory_model)},
     )
     plan = replace(plan, dataset_ids=tuple(rows.tolist()))   # the trace rows of its sequences
     if args.output:

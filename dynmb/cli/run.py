@@ -26,8 +26,9 @@ from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
                              model_from_args)
+from dynmb.cli.planfile import plan_model, recorded_model_file
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
+from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
 from dynmb.runtime.api import run_job
 from dynmb.runtime.launch import LaunchResult, default_backend_device
@@ -119,21 +120,11 @@ def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "c
         recompute=_arg(args, "recompute"))
 
 
-def _plan_model(plan: Plan, args: argparse.Namespace) -> ModelConfig:
-    """The plan's model (``meta["model"]``: a model spec or every field), else the flags'."""
-    recorded = plan.meta.get("model")
-    if isinstance(recorded, dict):
-        model = ModelConfig.from_dict(recorded)
-        return replace(model, attention=args.attention) if args.attention else model
-    return model_config(str(recorded) if recorded else _arg(args, "model"), attention=args.attention)
-
-
 def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, kind: str,
                       sidecar: dict[str, Any]) -> None:
     """One ``ValueError`` line for the first flag given that says otherwise than the plan."""
     meta = plan.meta
     recorded: list[tuple[str, Any, Any]] = [
-        ("model", args.model and model_config(args.model, attention=args.attention), model),
         ("stages", args.stages, plan.num_stages),
         ("memory-limit", args.memory_limit and parse_bytes(args.memory_limit), int(plan.memory_limit_bytes)),
         ("method", args.method, plan.method), ("dp", args.dp, plan.dp),
@@ -155,9 +146,11 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
             raise ValueError(f"--{flag} plans a batch; --plan {args.plan} runs that plan as it is")
 
 
-def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "cpu") -> tuple[RunConfig, str | None]:
-    """The RunConfig of ``--plan`` (and ``--schedule`` CSV) runs, and the schedule file. Refuses a
-    schedule built for another plan (``check_schedule_plan``) and flags that conflict with the plan."""
+def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "cpu"
+                    ) -> tuple[RunConfig, str | None, str | None]:
+    """The RunConfig of ``--plan`` (and ``--schedule`` CSV) runs, the schedule file and the memory-model
+    file. Every setting comes from the plan (its spec, model config and model files: ``cli.planfile``);
+    refuses a schedule built for another plan (``check_schedule_plan``) and flags that conflict."""
     plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
     schedule_file = args.schedule if args.schedule is not None and args.schedule not in SCHEDULE_KINDS else None
     sidecar: dict[str, Any] = {}
@@ -169,9 +162,11 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
         meta_path = sidecar_path(schedule_file)
         sidecar = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     kind = str(sidecar.get("kind") or plan.schedule_kind)
-    model = _plan_model(plan, args)
+    model = plan_model(plan, args, args.plan)
     _refuse_conflicts(args, plan, model, kind, sidecar)
-    meta = plan.meta
+    cost_file = recorded_model_file("cost-model", args.cost_model, plan.meta.get("cost_model"), args.plan)
+    memory_file = recorded_model_file("memory-model", args.memory_model, plan.meta.get("memory_model"), args.plan)
+    meta, spec = plan.meta, plan.spec
     virtual = int(sidecar.get("virtual") or args.virtual or 1)
     cfg = RunConfig(
         model=model,
@@ -180,21 +175,24 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
                                 memory_limit_bytes=int(plan.memory_limit_bytes)),
         dataset=str(meta.get("dataset") or Path(args.plan).resolve()), global_batch=plan.num_sequences,
         method=plan.method, mbs=meta.get("mbs"), dp=plan.dp, seed=int(meta.get("seed") or 0), steps=args.steps,
-        warmup=args.warmup, backend=backend, device=device, cost_model=args.cost_model, timeout_s=args.timeout,
-        pack_len=meta.get("pack_len"), round_to=int(meta.get("round_to") or 1), prewarm=args.prewarm,
+        warmup=args.warmup, backend=backend, device=device, cost_model=cost_file, timeout_s=args.timeout,
+        pack_len=meta.get("pack_len") or (spec.pack_len if spec else None),
+        round_to=int(meta.get("round_to") or (spec.round_to if spec else 1)), prewarm=args.prewarm,
+        oversize=spec.oversize if spec else "error", recompute=spec.recompute if spec else "never",
         expandable_segments=not args.no_expandable_segments)
-    return cfg, schedule_file
+    return cfg, schedule_file, memory_file
 
 
 def _spec(args: argparse.Namespace, backend: str, device: str, corpus: TokenFile | None = None) -> RunSpec:
+    memory_model = args.memory_model
     if args.plan is not None:
-        cfg, schedule_file = plan_run_config(args, backend, device)
+        cfg, schedule_file, memory_model = plan_run_config(args, backend, device)
     else:
         cfg, schedule_file = run_config(args, backend, device), None
     if corpus is not None:
         cfg = replace(cfg, dataset=corpus.source.name)
     return RunSpec.create(cfg, args.out, verify=args.verify, allow_over_limit=args.allow_over_limit,
-                          memory_model=args.memory_model, plan=args.plan, schedule=schedule_file, corpus=corpus)
+                          memory_model=memory_model, plan=args.plan, schedule=schedule_file, corpus=corpus)
 
 
 def _token_file(args: argparse.Namespace) -> TokenFile | None:

@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 from dynmb.atomic import write_text_atomic
-from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
+from dynmb.cli.flags import add_model_file_flags, add_model_flags
+from dynmb.cli.planfile import plan_models
 from dynmb.config import format_bytes
-from dynmb.costmodel import get_cost_model
-from dynmb.memory import get_memory_model
 from dynmb.planning import make_schedule
 from dynmb.planning.reorder import reorder
 from dynmb.schedule import to_csv
@@ -53,8 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="model chunks per rank for interleaved (default 1: ranks = stages)")
     parser.add_argument("--reorder", default="none",
                         help="none, descending, ascending, ends, dynapipe, search (default none)")
-    add_model_file_flags(parser)
-    add_model_flags(parser)
+    add_model_file_flags(parser, from_plan=True)
+    add_model_flags(parser, default=None)
     parser.add_argument("-o", "--output", required=True,
                         help="schedule CSV path (torch.distributed.pipelining compute-only format)")
     parser.add_argument("--allow-over-limit", action="store_true",
@@ -73,9 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if plan.schedule_kind != args.kind:
         print(f"dynmb schedule: note: the plan was packed for {plan.schedule_kind!r}, scheduling it as "
               f"{args.kind!r}; its memory guarantee is for the former", file=sys.stderr)
-    model = model_from_args(args)
-    cost_model = get_cost_model(args.cost_model, model, plan.num_stages)
-    memory_model = get_memory_model(args.memory_model, model, plan.num_stages)
+    _, cost_model, memory_model = plan_models(plan, args, args.plan)
     plan = reorder(plan, args.reorder, cost_model=cost_model, memory_model=memory_model, schedule_kind=args.kind,
                    virtual=args.virtual)
     schedule = make_schedule(plan, args.kind, virtual=args.virtual, memory_model=memory_model,

@@ -6,11 +6,10 @@ import argparse
 import json
 
 from dynmb.atomic import atomic_path
-from dynmb.cli.flags import add_model_file_flags, add_model_flags, model_from_args
+from dynmb.cli.flags import add_model_file_flags, add_model_flags
+from dynmb.cli.planfile import plan_models
 from dynmb.cli.schedule import check_schedule_plan
 from dynmb.config import format_bytes
-from dynmb.costmodel import get_cost_model
-from dynmb.memory import get_memory_model
 from dynmb.plots import gantt
 from dynmb.schedule import from_csv
 from dynmb.simulate import simulate
@@ -23,8 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("simulate", help=help_text)
     parser.add_argument("--plan", required=True, help="plan JSON")
     parser.add_argument("--schedule", required=True, help="schedule CSV")
-    add_model_file_flags(parser)
-    add_model_flags(parser)
+    add_model_file_flags(parser, from_plan=True)
+    add_model_flags(parser, default=None)
     parser.add_argument("--allow-over-limit", action="store_true",
                         help="take a plan whose predicted peak exceeds its memory limit")
     parser.add_argument("--gantt", default=None, help="write a Gantt PNG of the predicted timeline here")
@@ -37,9 +36,7 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
     check_schedule_plan(plan, args.plan, args.schedule)
     schedule = from_csv(args.schedule, num_microbatches=plan.num_microbatches)
-    model = model_from_args(args)
-    cost_model = get_cost_model(args.cost_model, model, plan.num_stages)
-    memory_model = get_memory_model(args.memory_model, model, plan.num_stages)
+    _, cost_model, memory_model = plan_models(plan, args, args.plan)
     sim = simulate(schedule, plan, cost_model, memory_model)
     peak_bytes, peak_bytes_rank = sim.peak_bytes, sim.peak_bytes_rank
     assert peak_bytes is not None and peak_bytes_rank is not None   # a memory model is always given

@@ -1,0 +1,101 @@
+"""What a plan file carries beyond its microbatches, and how the verbs that read a plan take it.
+
+``dynmb plan`` records in the plan (``Plan.meta``) the resolved model config (every field, never a
+path: editing a model file later does not change what the plan means) and the identity of the cost
+and memory models it was planned with (``{"path", "sha256"}`` of the file, or ``{"kind":
+"analytic"}`` for the stand-in); ``Plan.spec`` holds the planning settings (method, kind, reorder,
+limit, dp, mbs, pack length, round-to, oversize, recompute, attention).
+
+``dynmb schedule``, ``dynmb simulate`` and ``dynmb run --plan`` then take every one of these from
+the plan when the flag is absent (``plan_models``). A flag that says otherwise is refused with one
+line naming the flag, the plan and the plan's value; a recorded model file whose bytes changed since
+planning is refused the same way (plan again, or pass the file that was used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dynmb.config import ModelConfig, model_config
+from dynmb.costmodel import get_cost_model
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory import MemoryModelLike, get_memory_model
+from dynmb.types import Plan
+
+__all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file"]
+
+
+def model_identity(path: str | None) -> dict[str, Any]:
+    """``{"path", "sha256"}`` of a cost- or memory-model file, ``{"kind": "analytic"}`` without one."""
+    if path is None:
+        return {"kind": "analytic"}
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the model file ({e.strerror or e})") from None
+    return {"path": str(Path(path).resolve()), "sha256": digest}
+
+
+def plan_meta(model: ModelConfig, cost_model: str | None, memory_model: str | None) -> dict[str, Any]:
+    """The ``Plan.meta`` entries ``dynmb plan`` records (module docstring)."""
+    return {"model": model.to_dict(), "cost_model": model_identity(cost_model),
+            "memory_model": model_identity(memory_model)}
+
+
+def plan_model(plan: Plan, args: argparse.Namespace, plan_path: str) -> ModelConfig:
+    """The plan's model config (its recorded fields, or a recorded preset name from an older plan);
+    ``--model`` / ``--attention`` must agree with it (one-line ``ValueError`` otherwise)."""
+    recorded = plan.meta.get("model")
+    if isinstance(recorded, dict):
+        model = ModelConfig.from_dict(recorded)
+    elif recorded:
+        model = model_config(str(recorded))
+    else:
+        model = model_config(getattr(args, "model", None) or "small")
+    if plan.spec is not None and model.attention != plan.spec.attention:
+        model = replace(model, attention=plan.spec.attention)
+    flag_model = getattr(args, "model", None)
+    if flag_model is not None and isinstance(recorded, (dict, str)) and recorded:
+        given = model_config(flag_model, attention=model.attention)
+        if given.architecture() != model.architecture():
+            raise ValueError(f"--model {flag_model} conflicts with the plan {plan_path}, which was planned for model "
+                             f"{model.name!r}; leave --model out to use the plan's")
+    attention = getattr(args, "attention", None)
+    if attention is not None and attention != model.attention:
+        raise ValueError(f"--attention {attention} conflicts with the plan {plan_path}, which was planned with "
+                         f"attention {model.attention}; leave --attention out to use the plan's")
+    return model
+
+
+def recorded_model_file(kind: str, flag: str | None, recorded: Any, plan_path: str) -> str | None:
+    """The cost/memory model file to use: the flag's, which must be the recorded one, else the recorded one."""
+    if not isinstance(recorded, dict):                    # an older plan: no record, the flag decides
+        return flag
+    if flag is not None:
+        if model_identity(flag) != recorded:
+            theirs = recorded.get("path") or "the analytic stand-in"
+            raise ValueError(f"--{kind} {flag} conflicts with the plan {plan_path}, which was planned with {theirs}; "
+                             f"leave --{kind} out to use the plan's")
+        return flag
+    path = recorded.get("path")
+    if path is None:
+        return None
+    if not Path(path).is_file() or model_identity(path) != recorded:
+        raise ValueError(f"the plan {plan_path} was planned with {kind} {path}, which is missing or has changed "
+                         f"since (sha256 {str(recorded.get('sha256'))[:12]}); plan again or pass --{kind}")
+    return path
+
+
+def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str
+                ) -> tuple[ModelConfig, CostModelLike, MemoryModelLike]:
+    """The model config, cost model and memory model a plan was made with (module docstring)."""
+    model = plan_model(plan, args, plan_path)
+    cost_file = recorded_model_file("cost-model", getattr(args, "cost_model", None), plan.meta.get("cost_model"), plan_path)
+    memory_file = recorded_model_file("memory-model", getattr(args, "memory_model", None), plan.meta.get("memory_model"),
+                              plan_path)
+    return (model, get_cost_model(cost_file, model, plan.num_stages),
+            get_memory_model(memory_file, model, plan.num_stages))
