@@ -219,8 +219,8 @@ def run_real(cases: list[dict[str, Any]], out_dir: str | Path, *, steps: int, wa
                    for s in pending]
         nproc = int(pending[0]["num_stages"]) * int(pending[0].get("dp", 1))
         t0 = time.perf_counter()
-        launched = dynmb.run(configs, out, nproc=nproc, memory_model=memory_model, quiet=quiet,
-                             interleave=interleave)
+        launched = dynmb.run(configs, out, nproc=nproc, memory_model=memory_model,
+                             output="quiet" if quiet else "stream", interleave=interleave)
         specs = list(zip(pending, launched.run_ids))
         rc = launched.returncode
         wall = time.perf_counter() - t0

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
           f"global batch {args.global_batch}, 2 gloo ranks", flush=True)
     t0 = time.perf_counter()
     try:
-        result = dynmb.run(cfgs, out=out, corpus=source, labels=methods, quiet=True, progress=True)
+        result = dynmb.run(cfgs, out=out, corpus=source, labels=methods, output="progress")
     except (ValueError, OSError) as e:
         print(f"loss_parity: error: {e}", file=sys.stderr)
         return 2

@@ -75,18 +75,21 @@ def run_job(job: JobSpec, nproc: int, *, quiet: bool = False, progress: bool = F
                      launched)
 
 
+RUN_OUTPUT = ("quiet", "progress", "stream")
+"""``dynmb.run(output=)``: what the caller sees while the job runs."""
+
+
 def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], out: str | Path, *,
         nproc: int | None = None, verify: bool = False, allow_over_limit: bool = False,
-        memory_model: str | None = None, labels: Sequence[str] | None = None, quiet: bool = True,
-        progress: bool = False, interleave: bool = False, guard_s: float | None = None,
-        corpus: CorpusSource | None = None) -> RunResult:
+        memory_model: str | None = None, labels: Sequence[str] | None = None, output: str = "quiet",
+        interleave: bool = False, corpus: CorpusSource | None = None) -> RunResult:
     """Run one ``RunConfig`` (or several, as the cases of one torchrun job) into ``out``.
 
     ``RunSpec`` items are taken as they are (their own folder and run id, which must be new);
     ``RunConfig`` items get a new run id, ``verify``, ``allow_over_limit``, ``memory_model`` and
     their label from ``labels`` (default: the method). ``nproc`` defaults to the first case's
-    ranks (stages x dp / virtual). ``quiet``: do not stream the workers' output; ``progress``:
-    a progress bar; ``interleave``: several CPU cases round by round (see the module doc); ``corpus``: the
+    ranks (stages x dp / virtual). ``output``: ``quiet`` (default: nothing), ``progress`` (a
+    progress bar) or ``stream`` (the workers' output); ``interleave``: several CPU cases round by round (see the module doc); ``corpus``: the
     ``RunConfig`` items train on its text (module docstring). Bad
     inputs raise ``ValueError``/``OSError`` before torchrun starts."""
     items = [config_or_configs] if isinstance(config_or_configs, (RunConfig, RunSpec)) else list(config_or_configs)
@@ -114,4 +117,7 @@ def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], 
         raise ValueError("dynmb.run: interleave is for CPU runs (a CUDA peak would count every case's states)")
     job = JobSpec(out_dir=str(Path(out).resolve()), cases=tuple(specs), interleave=interleave)
     first = specs[0].run
-    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=quiet, progress=progress, guard_s=guard_s)
+    if output not in RUN_OUTPUT:
+        raise ValueError(f"dynmb.run: output must be one of {RUN_OUTPUT}, got {output!r}")
+    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=output != "stream",
+                   progress=output == "progress")
