@@ -46,3 +46,28 @@ def test_one_writer_per_folder(tmp_path) -> None:
         TableWriter(tmp_path).append("steps", [STEP])
     assert load_results(tmp_path)["steps"]["run_id"].tolist() == ["r"]
     assert isinstance(load_results(tmp_path)["steps"], pd.DataFrame)
+
+
+def test_a_second_job_into_a_held_folder_is_refused_before_anything_runs(tmp_path, monkeypatch) -> None:
+    import dynmb
+    from dynmb.runtime import launch
+
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: pytest.fail("torchrun started"))
+    cfg = dynmb.RunConfig(model=dynmb.model_config("tiny"), global_batch=8, steps=1, warmup=0)
+    with lock_out_dir(tmp_path):
+        with pytest.raises(ResultsError, match="being written by another dynmb run"):
+            dynmb.run(cfg, out=tmp_path)
+    assert not (tmp_path / "spec.json").exists()
+
+
+def test_sighup_stops_a_job_like_sigterm() -> None:
+    import os
+    import signal
+    import time
+
+    from dynmb.runtime.processes import StopSignals
+
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.05)
+    assert stop.received == signal.SIGTERM

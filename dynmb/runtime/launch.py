@@ -21,9 +21,14 @@ then stops the others. This launcher adds a wall-clock guard and, on failure, lo
 error file, and for the rank torchrun names as the root cause without such a file "rank k
 died (exit code / signal) without a Python error".
 
+One writer per results folder: ``launch_job`` holds ``dynmb.outdir.lock_out_dir`` on the job's
+folder from before ``spec.json`` is written until the ``runs`` rows are finished; a second job
+into the same folder is refused at once naming the holder, and a file there named like a dynmb
+table that is not one is refused untouched.
+
 Stopping: torchrun runs in its own session (a terminal's Ctrl-C reaches only the launcher)
 with the kernel told to kill it when the launcher dies (``PR_SET_PDEATHSIG``; its workers
-die with it, ``worker.exit_with_parent``). SIGINT or SIGTERM to the launcher while
+die with it, ``worker.exit_with_parent``). SIGINT, SIGTERM or SIGHUP (as SIGTERM) to the launcher while
 ``launch_job`` waits (main thread) -- and the wall-clock guard -- stop torchrun and every
 process below it (``processes.stop_job``: SIGTERM, SIGKILL after 3 s); the result then has
 ``returncode`` 128 + the signal (130, 143) and ``signal`` set. After torchrun exits the
@@ -51,6 +56,7 @@ from tqdm.auto import tqdm
 
 from dynmb.config import RunConfig
 from dynmb.hostinfo import cores_warning
+from dynmb.outdir import lock_out_dir
 from dynmb.results import drop_incomplete_steps, set_run_status
 from dynmb.runtime.processes import Ended, StopSignals, alive, die_with_parent, wait_or_stop
 from dynmb.runtime.spec import JobSpec, RunSpec
@@ -122,8 +128,13 @@ def launch_job(job: JobSpec, nproc: int, *, guard_s: float | None = None, quiet:
             raise ValueError(f"--nproc {nproc} does not match stages {case.run.pipeline.num_stages} / virtual "
                              f"{case.run.pipeline.virtual} x dp {case.run.dp} = {want} ranks")
     job.check()
-    out = Path(job.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with lock_out_dir(job.out_dir) as out:     # one writer per folder; a foreign table refused untouched
+        return _launch_locked(job, nproc, out, guard_s, quiet=quiet, progress=progress)
+
+
+def _launch_locked(job: JobSpec, nproc: int, out: Path, guard_s: float | None, *, quiet: bool,
+                   progress: bool) -> LaunchResult:
+    """``launch_job`` with the results folder held."""
     errors = out / "errors"
     for f in errors.glob("rank*.txt") if errors.exists() else []:
         f.unlink()

@@ -41,8 +41,9 @@ class Ended:
 
 
 class StopSignals:
-    """While in the ``with`` block (main thread only), SIGINT and SIGTERM are recorded in
-    ``received`` instead of raising or ending the process; the old handlers come back after."""
+    """While in the ``with`` block (main thread only), SIGINT, SIGTERM and SIGHUP (a closed terminal:
+    handled as SIGTERM) are recorded in ``received`` instead of raising or ending the process; the old
+    handlers come back after."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -50,11 +51,11 @@ class StopSignals:
 
     def _on(self, signum: int, _frame: object) -> None:
         if self.received is None:
-            self.received = signum
+            self.received = signal.SIGTERM if signum == signal.SIGHUP else signum
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old[sig] = signal.signal(sig, self._on)
         return self
 
