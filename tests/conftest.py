@@ -1,7 +1,16 @@
-"""Shared fixtures: one torchrun job per rank count for the modules' gloo cases (``tests/gloo_jobs.py``)."""
+"""Shared fixtures and the ``slow`` marker.
+
+- ``gloo_job``: one torchrun job per rank count for the modules' gloo cases (``tests/gloo_jobs.py``).
+- ``slow``: the default ``python -m pytest -q tests`` (the README's test command, about 5 min on
+  a 2-core box) skips the tests marked ``slow``; ``--runslow`` or ``DYNMB_SLOW=1`` runs them too,
+  as ``.ci/run`` does. A test is slow when it is marked ``@pytest.mark.slow`` in its module or
+  listed in ``SLOW`` below (node ids of the longest tests by ``pytest --durations``, kept here so
+  that one list decides what the quick run leaves out).
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import pytest
@@ -10,13 +19,52 @@ from dynmb.runtime.launch import launch_job
 from dynmb.runtime.spec import JobSpec
 from tests.gloo_jobs import PROVIDERS, GlooJob
 
+SLOW: tuple[str, ...] = (
+    "tests/test_costmodel.py::test_tiny_concurrent_profile",                 # a real 2-process profile
+    "tests/test_run_api.py::test_run_returns_the_tables_of_this_run_only",   # real runs through torchrun
+    "tests/test_run_api.py::test_a_failed_run_is_marked_failed_with_its_error",
+    "tests/test_run_api.py::test_run_plan_runs_exactly_that_plan_every_step",
+    "tests/test_runtime.py::test_divergent_plan_is_refused",                 # fault injection, one job each
+    "tests/test_runtime.py::test_peak_over_the_limit_fails_the_run",
+    "tests/test_runtime.py::test_killed_rank_fails_fast_and_is_named",
+    "tests/test_stop.py::",                                                  # signals to torchrun and workers
+    "tests/test_hostmem.py::test_retain_reuses_freed_pages",                 # host allocator in subprocesses
+    "tests/test_hostmem.py::test_system_mode_turns_it_off",
+)
+"""Node ids (a prefix matches: a module, a test, or one parametrization) of the slow tests."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the tests marked slow (DYNMB_SLOW=1 does the same; .ci/run does)")
+
+
+def _run_slow(config: pytest.Config) -> bool:
+    return bool(config.getoption("--runslow")) or os.environ.get("DYNMB_SLOW", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+    if _run_slow(config):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow or DYNMB_SLOW=1")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
-def gloo_job(tmp_path_factory) -> Callable[[int], GlooJob]:
-    """``gloo_job(nproc)``: run (once per session) every case registered for ``nproc`` ranks in one job."""
+def gloo_job(tmp_path_factory, pytestconfig) -> Callable[[int], GlooJob]:
+    """``gloo_job(nproc)``: run (once per session) every case registered for ``nproc`` ranks in one job.
+    The 4-rank job is slow: without ``--runslow`` / ``DYNMB_SLOW=1`` the tests that ask for it skip
+    (the 2-rank job, which checks the same exactness on 2 ranks, always runs)."""
     done: dict[int, GlooJob] = {}
 
     def get(nproc: int) -> GlooJob:
+        if nproc >= 4 and not _run_slow(pytestconfig):
+            pytest.skip(f"slow: the {nproc}-rank gloo job; run with --runslow or DYNMB_SLOW=1")
         if nproc not in done:
             out = tmp_path_factory.mktemp(f"gloo{nproc}")
             specs = [spec for provider in PROVIDERS.get(nproc, []) for spec in provider(out)]
