@@ -28,7 +28,7 @@ Defaults (``dynmb compare``): the sharegpt trace, the ``small`` model, 2 stages,
 limit (binding: ``fixed`` can only afford a few rows of the longest sequences), global
 batches of 32 sequences, each method's own microbatch order, 1 warm-up + 3 measured steps
 per method. The cost model is the one fitted on this kind of CPU and shipped in
-``dynmb/data/costmodels/`` (package data) when the model and stage count match
+``data/costmodels/`` (package data of a wheel) when the model and stage count match
 (``planning.default_cost_model_path``), else the analytic stand-in (``cost_model`` for
 your own fit).
 
