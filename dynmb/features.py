@@ -94,9 +94,13 @@ class CostFeatures:
                               for k in ("rows", "padded_len", "attn", "prefix", "recompute")))
 
     def costs(self, cost_model: Any, ops: tuple[str, ...] = ("F", "B")) -> dict[str, np.ndarray]:
-        """``{op: [P, m] seconds}`` from the one lookup ``cost_model.stage_costs``."""
+        """``{op: [P, m] seconds}`` from the one lookup ``cost_model.stage_costs`` (called as
+        ``stage_costs(rows, padded_len, attn)`` for F and B without recomputation, the least a
+        cost model must take; ``ops`` and ``recompute`` are passed only when they matter)."""
         if np.any(self.prefix):
             raise ValueError("features with prefix work of slices: price them with cost_model.plan_costs, "
                              "which applies each op's prefix_scale")
+        if tuple(ops) == ("F", "B") and not self.recompute.any():
+            return cost_model.stage_costs(self.rows, self.padded_len, self.attn)
         return cost_model.stage_costs(self.rows, self.padded_len, self.attn, ops=ops,
                                       recompute=self.recompute if self.recompute.any() else None)

@@ -16,7 +16,7 @@
    admissible pair merged) until their number is a positive multiple of D, then dealt
    largest-first to the least-loaded replica among those with room (``rows.assign_replicas``).
 5. Estimate: every microbatch's F/B time per stage from the one cost lookup
-   ``cost_model.stage_costs(rows, padded_len, attention work)``, the exact peak
+   ``cost_model.stage_costs(rows, padded_len, attention work)`` on its ``CostFeatures``, the exact peak
    ``MemoryModel.peak_bytes`` per replica and the slowest replica's makespan from the one
    fast estimate ``dynmb.makespan.makespan``. If the peak of a mix exceeds the limit, step 3 is rerun
    under the safe budget (``meta["budget"]`` says which was used); with an explicit ``mbs``
@@ -39,6 +39,7 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
+from ..features import CostFeatures
 from ..makespan import makespan
 from ..schedule.kinds import get_kind
 from ..planspec import PlanSpec
@@ -207,12 +208,9 @@ def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_
               spec: PlanSpec) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
     """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
     makespan of each replica), from the one cost lookup with each microbatch's attention work."""
-    shapes = np.array([[mb.batch, mb.padded_len] for mb in microbatches], dtype=np.float64)
-    attn = shapes[:, 0] * shapes[:, 1] ** 2                  # one document per row (every row holds one)
-    for j, mb in enumerate(microbatches):
-        if mb.num_seqs > mb.batch:                            # some row holds several documents
-            attn[j] = mb.attention_work(attention)
-    cost = cost_model.stage_costs(shapes[:, 0], shapes[:, 1], attn)
+    features = CostFeatures.of(microbatches, attention)
+    shapes = np.stack([features.rows, features.padded_len], axis=1)
+    cost = features.costs(cost_model)
     comm_s = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]) if hasattr(cost_model, "comm_s")
                                         else 0.0, dtype=np.float64), (len(microbatches),))
     kind, virtual, dp = spec.schedule_kind, spec.virtual, spec.dp
