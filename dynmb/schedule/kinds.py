@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from dynmb.schedule import builders
+import dynmb.schedule.builders as builders
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.types import Schedule
 
