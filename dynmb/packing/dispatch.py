@@ -304,9 +304,10 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
         raise PackingError(_over_limit_message(method, peak, ctx, round_up(int(L.max()), round_to), len_cap))
     plan = Plan(microbatches=tuple(microbatches), method=method, num_stages=spec.num_stages,
                 memory_limit_bytes=int(spec.memory_limit_bytes), num_sequences=len(orig),
-                schedule_kind=spec.schedule_kind, dp=dp, replica_ids=replica_ids, spec=spec,
-                predictions=Predictions(pred_peak_bytes=np.ceil(peak), est_makespan_s=max(est),
-                                        est_replica_makespan_s=est if dp > 1 else None,
+                schedule_kind=spec.schedule_kind, dp=dp, spec=spec,
+                replica_ids=None if replica_ids is None else tuple(replica_ids),
+                predictions=Predictions(pred_peak_bytes=tuple(int(x) for x in np.ceil(peak)), est_makespan_s=max(est),
+                                        est_replica_makespan_s=tuple(est) if dp > 1 else None,
                                         plan_s=time.perf_counter() - t0),
                 meta={**meta, "longest_fitting_length": longest_row, "oversize": spec.oversize, "round_to": round_to,
                       "pack_len": len_cap if packed else None})
