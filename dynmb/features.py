@@ -59,8 +59,8 @@ class CostFeatures:
         """Features of given shapes; ``attn`` None: one document per row (rows x padded_len^2)."""
         b, s = np.broadcast_arrays(np.atleast_1d(np.asarray(rows, dtype=np.float64)),
                                    np.atleast_1d(np.asarray(padded_len, dtype=np.float64)))
-        a = b * s * s if attn is None else attn
-        return cls(b, s, a, 0.0, recompute)
+        a = b * s * s if attn is None else np.asarray(attn, dtype=np.float64)
+        return cls(b, s, a, np.zeros(b.shape), np.asarray(recompute, dtype=bool))
 
     @classmethod
     def of(cls, microbatches: Sequence[Microbatch], attention: str = "auto") -> "CostFeatures":
@@ -77,7 +77,8 @@ class CostFeatures:
             if mb.num_seqs > mb.batch or mb.has_slices:         # packed rows or slices: their own work
                 attn[j] = mb.attention_work(attention)
             if mb.has_slices:                                   # slices' queries against their prefix keys
-                n, p = mb.lengths[mb.slice_mask].astype(np.float64), mb.offsets[mb.slice_mask].astype(np.float64)
+                offsets = np.asarray(mb.offsets)
+                n, p = mb.lengths[mb.slice_mask].astype(np.float64), offsets[mb.slice_mask].astype(np.float64)
                 prefix[j] = float(np.sum(2 * n * p))
         recompute = np.fromiter((bool(mb.recompute) for mb in microbatches), dtype=bool, count=m)
         return cls(rows, plen, attn, prefix, recompute)
@@ -94,9 +95,13 @@ class CostFeatures:
                               for k in ("rows", "padded_len", "attn", "prefix", "recompute")))
 
     def costs(self, cost_model: Any, ops: tuple[str, ...] = ("F", "B")) -> dict[str, np.ndarray]:
-        """``{op: [P, m] seconds}`` from the one lookup ``cost_model.stage_costs``."""
+        """``{op: [P, m] seconds}`` from the one lookup ``cost_model.stage_costs`` (called as
+        ``stage_costs(rows, padded_len, attn)`` for F and B without recomputation, the least a
+        cost model must take; ``ops`` and ``recompute`` are passed only when they matter)."""
         if np.any(self.prefix):
             raise ValueError("features with prefix work of slices: price them with cost_model.plan_costs, "
                              "which applies each op's prefix_scale")
+        if tuple(ops) == ("F", "B") and not self.recompute.any():
+            return cost_model.stage_costs(self.rows, self.padded_len, self.attn)
         return cost_model.stage_costs(self.rows, self.padded_len, self.attn, ops=ops,
                                       recompute=self.recompute if self.recompute.any() else None)

@@ -31,19 +31,8 @@ backward on). This is what ``dynmb.runtime.meter`` accounts on CPU (``tests/test
 within 5% over (rows, padded_len, documents per row) for both attention kinds); on
 CUDA a fit to measurements replaces it.
 
-``fit(samples)`` fits the coefficients per stage from measurements (``dynmb memory``,
-``dynmb.measure.memory.measure_stage_memory``) by non-negative least squares on the
-relative error (an exhaustive active-set over the three terms), reporting the error on
-held-out (b, s) points.
-
-``peak_bytes(rows, padded_len, kind, order)`` is the exact peak of that definition over
-the op sequence of each stage: GPipe holds every microbatch (F_j sees 0..j live, B_j sees
-j..m-1); 1F1B (and memory-aware) stage i holds a window of at most ``k = P - i``
-consecutive microbatches (F_j sees j-k+1..j, B_j sees j..j+k-1). Interleaved (virtual > 1)
-uses a conservative bound per rank: its warm-up count of the largest chunk activations.
-The zero-bubble kinds keep 1F1B's window: ``zb-h1`` never holds more than 1F1B does (its
-builder caps every stage at 1F1B's peak), ``zb`` adds warm-up forwards only while the simulated
-peak stays under the limit, so packing for either is packing for 1F1B.
+``fit(samples)``: coefficients fitted to measurements (``dynmb.memory_fit``; samples from ``dynmb memory``, ``dynmb.measure.memory``); ``peak_bytes``:
+the states plus the schedule kind's peak rule (``dynmb.memory_peak``).
 
 Split backward and recomputation (the ``[P, 3]`` coefficients at the end of this module): ``w_matrix`` gives the bytes a
 microbatch holds from its ``I`` to its ``W`` (the simulator charges them there); a microbatch
@@ -55,7 +44,6 @@ these from the analytic count: ``rc_act_coef = act_coef - recompute_saved_coef``
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from typing import Any, Protocol
@@ -65,9 +53,12 @@ import numpy as np
 from .atomic import write_text_atomic
 from .config import ModelConfig
 from .costmodel.validate import check_memory_model, check_numbers, read_model_file
-from .schedule.kinds import SCHEDULE_KINDS, get_kind, interleaved_inflight
+from .memory_fit import fit_memory_model
+from .memory_peak import inflight_limit, peak_from_matrix, rank_state
+from .schedule.kinds import SCHEDULE_KINDS, interleaved_inflight
 
 __all__ = ["MemoryModelLike", "MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
+           "peak_from_matrix",
            "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef"]
 
 BUCKET_PADDING = 1 / 16
@@ -95,12 +86,6 @@ class MemoryModelLike(Protocol):
     def activation_bytes(self, stage: int, rows: Any, padded_len: Any, recompute: bool = False) -> np.ndarray:
         """Bytes one microbatch holds on ``stage`` from its forward to its backward."""
         ...
-
-
-def inflight_limit(stage: int, num_stages: int, schedule_kind: str, m: int) -> int:
-    """Most microbatches a stage holds at once under the kind's window (``dynmb.schedule.kinds``):
-    m (gpipe) or min(m, P - stage) (1f1b and the kinds that keep its window)."""
-    return get_kind(schedule_kind).inflight(stage, num_stages, m)
 
 
 class MemoryModel:
@@ -155,57 +140,10 @@ class MemoryModel:
                    optimizer=optimizer, source="analytic")
 
     def fit(self, samples: Any, *, holdout: Any = None, holdout_frac: float = 0.25, seed: int = 0) -> "MemoryModel":
-        """A new model fitted to ``samples`` (DataFrame or dict of arrays with columns
-        stage, rows, padded_len, act_bytes and optionally peak_bytes, state_bytes).
-
-        Held-out points: ``holdout`` (boolean mask) or a random ``holdout_frac`` of the
-        distinct (rows, padded_len) points; the fit uses the rest. ``report`` holds the
-        held-out relative errors of act_bytes and peak_bytes (single microbatch).
-        """
-        cols = {k: np.asarray(samples[k]) for k in ("stage", "rows", "padded_len", "act_bytes")}
-        stage = cols["stage"].astype(np.int64)
-        b = cols["rows"].astype(np.float64)
-        s = cols["padded_len"].astype(np.float64)
-        act = cols["act_bytes"].astype(np.float64)
-        has = lambda k: k in getattr(samples, "columns", samples)  # noqa: E731
-        peak = np.asarray(samples["peak_bytes"], dtype=np.float64) if has("peak_bytes") else None
-        state = self.state_bytes.copy()
-        if has("state_bytes"):
-            sb = np.asarray(samples["state_bytes"], dtype=np.float64)
-            state = np.array([np.median(sb[stage == i]) if np.any(stage == i) else state[i] for i in range(self.num_stages)])
-        if holdout is None:
-            pts = np.unique(np.stack([b, s], 1), axis=0)
-            rng = np.random.default_rng(seed)
-            k = int(round(holdout_frac * len(pts))) if len(pts) >= 4 else 0
-            held = pts[rng.choice(len(pts), size=k, replace=False)] if k else np.zeros((0, 2))
-            holdout = np.array([any((bb == hb) and (ss == hs) for hb, hs in held) for bb, ss in zip(b, s)], dtype=bool)
-        holdout = np.asarray(holdout, dtype=bool)
-        train = ~holdout
-        act_c, tr_c = self.act_coef.copy(), self.transient_coef.copy()
-        for i in range(self.num_stages):
-            sel = train & (stage == i)
-            if not np.any(sel):
-                continue
-            act_c[i] = _nnls_rel(b[sel], s[sel], act[sel])
-            if peak is not None:
-                trv = peak[sel] - state[i] - act[sel]
-                if np.all(trv > 0):
-                    tr_c[i] = _nnls_rel(b[sel], s[sel], trv)
-        out = MemoryModel(self.model_cfg, self.num_stages, state, act_c, tr_c, optimizer=self.optimizer,
-                          source="fitted")
-        rep: dict[str, Any] = {"n_train": int(train.sum()), "n_heldout": int(holdout.sum())}
-        for name, meas, pred in (("act", act, out._act_all(stage, b, s)),
-                                 ("peak", peak, None if peak is None else out._act_all(stage, b, s)
-                                  + out._tr_all(stage, b, s) + out.state_bytes[stage])):
-            if meas is None:
-                continue
-            for part, sel in (("train", train), ("heldout", holdout)):
-                if np.any(sel):
-                    err = np.abs(pred[sel] - meas[sel]) / meas[sel]
-                    rep[f"{name}_{part}_max_rel_err"] = float(err.max())
-                    rep[f"{name}_{part}_mean_rel_err"] = float(err.mean())
-        out.report = rep
-        return out
+        """A new model fitted to ``samples`` (``dynmb.memory_fit.fit_memory_model``: columns stage, rows,
+        padded_len, act_bytes and optionally peak_bytes, state_bytes; ``report`` holds the held-out
+        relative errors)."""
+        return fit_memory_model(self, samples, holdout=holdout, holdout_frac=holdout_frac, seed=seed)
 
     def recomputing(self) -> "MemoryModel":
         """This model as seen by a microbatch that recomputes: its activation and transient
@@ -228,14 +166,6 @@ class MemoryModel:
         b, s = _bs(rows, padded_len)
         t = (self.rc_transient_coef if recompute else self.transient_coef)[int(stage)]
         return t[0] + t[1] * b * s + t[2] * b * s * s
-
-    def _act_all(self, stage: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
-        a = self.act_coef[stage]
-        return a[:, 0] + a[:, 1] * b * s + a[:, 2] * b * s * s
-
-    def _tr_all(self, stage: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
-        t = self.transient_coef[stage]
-        return t[:, 0] + t[:, 1] * b * s + t[:, 2] * b * s * s
 
     def act_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """``(act[P, m], transient[P, m])`` for microbatches (rows[m], padded_len[m]); the
@@ -284,19 +214,12 @@ class MemoryModel:
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
             b, s, rc = b[order], s[order], rc[order]
-        if b.size == 0:
-            return self.rank_state_bytes(schedule_kind, virtual)
-        act, tr = self.act_matrix(b, s, rc)
-        return self.rank_state_bytes(schedule_kind, virtual) + peak_from_matrix(act, tr, schedule_kind, virtual)
+        state = self.rank_state_bytes(schedule_kind, virtual)
+        return state if b.size == 0 else state + peak_from_matrix(*self.act_matrix(b, s, rc), schedule_kind, virtual)
 
     def rank_state_bytes(self, schedule_kind: str = "1f1b", virtual: int = 1) -> np.ndarray:
-        """State bytes per stage of the GPU that holds it: under ``interleaved`` with
-        ``virtual`` > 1, stage i sits on rank i % (P / virtual) with the rank's other chunks."""
-        state = np.asarray(self.state_bytes, dtype=np.float64)
-        if not get_kind(schedule_kind).virtual_stages or virtual <= 1:
-            return state.copy()
-        rank = np.arange(self.num_stages) % (self.num_stages // virtual)
-        return np.bincount(rank, weights=state)[rank]
+        """State bytes per stage of the GPU that holds it (``dynmb.memory_peak.rank_state``)."""
+        return rank_state(self.state_bytes, schedule_kind, virtual)
 
     def max_rows(self, stage_caps: Any, padded_len: Any, inflight: Any, tight: bool = False,
                  recompute: bool = False) -> np.ndarray:
@@ -354,40 +277,6 @@ class MemoryModel:
 
     def __repr__(self) -> str:
         return f"MemoryModel({self.model_cfg.name!r}, P={self.num_stages}, {self.source})"
-
-
-def peak_from_matrix(act: np.ndarray, tr: np.ndarray, schedule_kind: str = "1f1b", virtual: int = 1) -> np.ndarray:
-    """Peak activation + transient bytes per stage (no states) for ``act[P, m]``, ``tr[P, m]``
-    of microbatches in execution order (see the module docstring)."""
-    kind = get_kind(schedule_kind)
-    p, m = act.shape
-    if kind.virtual_stages and virtual > 1:
-        return _chunk_bound(act, tr, virtual, kind.chunk_window)
-    cs = np.concatenate([np.zeros((p, 1)), np.cumsum(act, axis=1)], axis=1)
-    j = np.arange(m)
-    out = np.empty(p)
-    for i in range(p):
-        k = kind.inflight(i, p, m)
-        lo = np.maximum(j - k + 1, 0)
-        hi = np.minimum(j + k, m)
-        fwd = cs[i, j + 1] - cs[i, lo]
-        bwd = cs[i, hi] - cs[i, j]
-        out[i] = np.max(np.maximum(fwd, bwd) + tr[i])
-    return out
-
-
-def _chunk_bound(act: np.ndarray, tr: np.ndarray, virtual: int, chunk_window: Any) -> np.ndarray:
-    """Per GPU of a kind with virtual stages: its ``chunk_window`` largest chunk activations plus
-    its largest buffer (a conservative bound)."""
-    p, m = act.shape
-    ranks = p // virtual
-    out = np.empty(p)
-    for r in range(ranks):
-        stages = np.arange(r, p, ranks)
-        warm = min(m * virtual, int(chunk_window(r, ranks, virtual)))
-        top = np.sort(act[stages].ravel())[::-1][:warm].sum()
-        out[stages] = top + tr[stages].max()
-    return out
 
 
 def _block_act_coef(c: ModelConfig) -> np.ndarray:
@@ -449,25 +338,6 @@ def _bs(rows: Any, padded_len: Any) -> tuple[np.ndarray, np.ndarray]:
     b, s = np.broadcast_arrays(np.atleast_1d(np.asarray(rows, dtype=np.float64)),
                                np.atleast_1d(np.asarray(padded_len, dtype=np.float64)))
     return b, s
-
-
-def _nnls_rel(b: np.ndarray, s: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin_{c >= 0} sum(((c0 + c1 b s + c2 b s^2 - y) / y)^2) over every active set."""
-    x = np.stack([np.ones_like(b), b * s, b * s * s], 1) / y[:, None]
-    scale = np.abs(x).max(axis=0)
-    scale[scale == 0] = 1.0
-    xs, one = x / scale, np.ones(len(y))
-    best, best_err = np.zeros(3), np.inf
-    for k in (1, 2, 3):
-        for cols in itertools.combinations(range(3), k):
-            c, *_ = np.linalg.lstsq(xs[:, cols], one, rcond=None)
-            if np.any(c < 0):
-                continue
-            err = float(np.sum((xs[:, cols] @ c - one) ** 2))
-            if err < best_err - 1e-12:
-                best_err, best = err, np.zeros(3)
-                best[list(cols)] = c
-    return best / scale
 
 
 def get_memory_model(path_or_none: str | Path | None, model_cfg: ModelConfig, num_stages: int,

@@ -105,9 +105,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                        "dynmb.features", "dynmb.config")),
     ("data", _modules("dynmb.data", "lengths", "corpus", "tokens")),
     ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
-    ("models of the hardware", ("dynmb.memory", *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls",
-                                                          "samples", "split", "calibration", "registry", "validate",
-                                                          "gpu"))),
+    ("models of the hardware", ("dynmb.memory", "dynmb.memory_peak", "dynmb.memory_fit",
+                                *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls", "samples",
+                                          "split", "calibration", "registry", "validate", "gpu"))),
     ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.bounds")),
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
                          "dynamic", "dynamic_setup", "dynamic_rank", "recompute", "balanced")),
@@ -120,7 +120,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("measurement", (*_modules("dynmb.measure", "profiler", "grid", "timing", "eta", "samples", "memory", "pingpong"),
                      "dynmb.analysis", "dynmb.plots")),
     ("job and CLI", ("dynmb.compare", *_modules("dynmb.cli", "main", "__main__", "flags", "datasets", "lengths", "plan",
-                                                "schedule", "simulate", "profile", "fit", "memory", "run", "compare"))),
+                                                "schedule", "simulate", "profile", "fit", "memory", "run", "compare", "planfile"))),
     ("public API", ("dynmb",)),
 ]
 """docs/design.md's layer table, top (imported by all) to bottom, module by module: a module may

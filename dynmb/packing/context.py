@@ -47,7 +47,7 @@ class PackContext:
         self.mm, self.limit, self.p, self.kind, self.tight, self.virtual = mm, int(limit), p, kind, tight, virtual
         state = np.asarray(mm.state_bytes, dtype=np.float64)
         rec = get_kind(kind)
-        if rec.virtual_stages and virtual > 1:
+        if rec.virtual_stages and virtual > 1 and rec.chunk_window is not None:
             # one GPU holds stages r, r + R, ...: their states add up, and at most `warm` chunk-
             # microbatches are in flight on it (the bound of memory.peak_from_matrix)
             if p % virtual:

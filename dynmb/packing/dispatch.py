@@ -16,7 +16,7 @@
    admissible pair merged) until their number is a positive multiple of D, then dealt
    largest-first to the least-loaded replica among those with room (``rows.assign_replicas``).
 5. Estimate: every microbatch's F/B time per stage from the one cost lookup
-   ``cost_model.stage_costs(rows, padded_len, attention work)``, the exact peak
+   ``cost_model.stage_costs(rows, padded_len, attention work)`` on its ``CostFeatures``, the exact peak
    ``MemoryModel.peak_bytes`` per replica and the slowest replica's makespan from the one
    fast estimate ``dynmb.makespan.makespan``. If the peak of a mix exceeds the limit, step 3 is rerun
    under the safe budget (``meta["budget"]`` says which was used); with an explicit ``mbs``
@@ -39,6 +39,7 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
+from ..features import CostFeatures
 from ..makespan import makespan
 from ..schedule.kinds import get_kind
 from ..planspec import PlanSpec
@@ -211,12 +212,9 @@ def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_
               spec: PlanSpec) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
     """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
     makespan of each replica), from the one cost lookup with each microbatch's attention work."""
-    shapes = np.array([[mb.batch, mb.padded_len] for mb in microbatches], dtype=np.float64)
-    attn = shapes[:, 0] * shapes[:, 1] ** 2                  # one document per row (every row holds one)
-    for j, mb in enumerate(microbatches):
-        if mb.num_seqs > mb.batch:                            # some row holds several documents
-            attn[j] = mb.attention_work(attention)
-    cost = cost_model.stage_costs(shapes[:, 0], shapes[:, 1], attn)
+    features = CostFeatures.of(microbatches, attention)
+    shapes = np.stack([features.rows, features.padded_len], axis=1)
+    cost = features.costs(cost_model)
     comm_s = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]) if hasattr(cost_model, "comm_s")
                                         else 0.0, dtype=np.float64), (len(microbatches),))
     kind, virtual, dp = spec.schedule_kind, spec.virtual, spec.dp
@@ -310,9 +308,10 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
         raise PackingError(_over_limit_message(method, peak, ctx, round_up(int(L.max()), round_to), len_cap))
     plan = Plan(microbatches=tuple(microbatches), method=method, num_stages=spec.num_stages,
                 memory_limit_bytes=int(spec.memory_limit_bytes), num_sequences=len(orig),
-                schedule_kind=spec.schedule_kind, dp=dp, replica_ids=replica_ids, spec=spec,
-                predictions=Predictions(pred_peak_bytes=np.ceil(peak), est_makespan_s=max(est),
-                                        est_replica_makespan_s=est if dp > 1 else None,
+                schedule_kind=spec.schedule_kind, dp=dp, spec=spec,
+                replica_ids=None if replica_ids is None else tuple(replica_ids),
+                predictions=Predictions(pred_peak_bytes=tuple(int(x) for x in np.ceil(peak)), est_makespan_s=max(est),
+                                        est_replica_makespan_s=tuple(est) if dp > 1 else None,
                                         plan_s=time.perf_counter() - t0),
                 meta={**meta, "longest_fitting_length": longest_row, "oversize": spec.oversize, "round_to": round_to,
                       "pack_len": len_cap if packed else None})

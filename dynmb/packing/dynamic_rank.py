@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
+from ..features import CostFeatures
 from ..makespan import exact_regime, makespans
 from .dynamic_setup import SplitSetup, split_to_flat
 from .rows import Flat, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, split_group
@@ -104,7 +105,7 @@ class Ranker:
                     chunk.append(todo[i + len(chunk)])
                     cells += len(chunk[-1].rows) * self.P
                 rows, padded, attn = (np.concatenate(a) for a in zip(*((x.rows, x.padded, x.attn) for x in chunk)))
-                cc, sends = self.cm.stage_costs(rows, padded, attn), self._send(rows, padded)
+                cc, sends = CostFeatures.of_shapes(rows, padded, attn).costs(self.cm), self._send(rows, padded)
                 bounds = np.cumsum([0] + [len(x.rows) for x in chunk])
                 for x, a, e in zip(chunk, bounds[:-1], bounds[1:]):
                     x.F, x.B, x.comm = cc["F"][:, a:e], cc["B"][:, a:e], sends[a:e]

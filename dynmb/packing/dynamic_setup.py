@@ -108,7 +108,8 @@ AFFINE_TOL = 1e-6
 ``affine_costs`` says the model breaks the affine property the packer relies on."""
 
 
-def affine_costs(cost_model: CostModelLike, padded: np.ndarray, *, strict: bool = False) -> dict[str, np.ndarray]:
+def affine_costs(cost_model: CostModelLike, padded: np.ndarray, *,
+                 strict: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per op ``F`` / ``B``: (alpha, beta, gamma)[P, u] with time(b, s, work) = alpha + beta * b
     - gamma * (b * s^2 - work), from one ``stage_costs`` lookup at (1, s), (2, s), (1, s, 0).
 

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
+from ..features import CostFeatures
 from .rows import Group, round_up
 
 __all__ = ["dynapipe_split", "dynapipe_groups"]
@@ -33,8 +34,8 @@ __all__ = ["dynapipe_split", "dynapipe_groups"]
 
 def _affine_costs(cost_model: CostModelLike, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(alpha[P, n], beta[P, n]) with F+B(b, s) ~= alpha + beta * b per stage."""
-    c1 = cost_model.stage_costs(np.ones_like(s), s)
-    c2 = cost_model.stage_costs(np.full_like(s, 2), s)
+    c1 = CostFeatures.of_shapes(np.ones_like(s), s).costs(cost_model)
+    c2 = CostFeatures.of_shapes(np.full_like(s, 2), s).costs(cost_model)
     t1, t2 = c1["F"] + c1["B"], c2["F"] + c2["B"]
     beta = np.maximum(t2 - t1, 0.0)
     return t1 - beta, beta

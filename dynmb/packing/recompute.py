@@ -40,6 +40,7 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
+from ..features import CostFeatures
 from ..makespan import makespan
 from ..planspec import PlanSpec
 from ..schedule.kinds import get_kind
@@ -95,8 +96,7 @@ def _estimate(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLi
     for r in replicas:
         sub = plan if r is None else plan.replica(r)
         shapes, flags = sub.shapes(), sub.recompute_mask()
-        cost = cost_model.stage_costs(shapes[:, 0], shapes[:, 1], sub.attention_work(memory_model.model_cfg.attention),
-                                      recompute=flags if flags.any() else None)
+        cost = CostFeatures.of(sub.microbatches, memory_model.model_cfg.attention).costs(cost_model)
         comm = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]), dtype=np.float64),
                                (sub.num_microbatches,)) if hasattr(cost_model, "comm_s") else 0.0
         worst = max(worst, makespan(cost["F"], cost["B"], comm, plan.schedule_kind))

@@ -30,7 +30,7 @@ from ..predictions import Predictions
 from ..schedule import build_schedule, validate
 from ..schedule.kinds import get_kind, slice_kinds
 from ..simulate import SimResult, memory_inputs, simulate
-from ..types import Plan, Schedule
+from ..types import Microbatch, Plan, Schedule
 from .zerobubble import zb_evaluator, zb_inputs
 
 __all__ = ["make_schedule", "replica_of", "replicas_of", "replica_schedules", "predict_replicas", "stitch",
@@ -97,7 +97,7 @@ def predict_replicas(replicas: Sequence[Plan], schedules: Sequence[Schedule], co
     gives none (the packer's peaks without a memory model)."""
     sims = [simulate(s, p, cost_model, memory_model) for s, p in zip(schedules, replicas)]
     worst = max(sims, key=lambda sim: sim.makespan_s)
-    peaks = np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0) \
+    peaks = tuple(int(x) for x in np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0)) \
         if sims[0].peak_bytes is not None else base.pred_peak_bytes
     return ReplicaPrediction(sims, base.updated(pred_step_s=worst.makespan_s, mean_bubble=worst.mean_bubble,
                                                 pred_peak_bytes=peaks))
@@ -109,7 +109,8 @@ def stitch(plan: Plan, replicas: Sequence[Plan], meta: dict[str, Any] | None = N
     meta = meta or {}
     if len(replicas) == 1 and plan.dp == 1:
         return replace(replicas[0], meta={**replicas[0].meta, **meta})
-    mbs_all, rids = [], []
+    mbs_all: list[Microbatch] = []
+    rids: list[int] = []
     for r, p in enumerate(replicas):
         mbs_all.extend(p.microbatches)
         rids.extend([r] * p.num_microbatches)

@@ -146,7 +146,7 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
             f"{int(lowest[0])} B (slices of {lowest[1]}) exceeds the limit {int(memory_limit_bytes)} B"
             f"{'; --recompute auto keeps only block inputs and keys/values' if recompute == 'never' else ''}")
     _, plan, sched, sim = best
-    plan = replace(plan, predictions=Predictions(pred_peak_bytes=np.ceil(sim.peak_bytes), est_makespan_s=sim.makespan_s,
+    plan = replace(plan, predictions=Predictions(pred_peak_bytes=tuple(int(x) for x in np.ceil(np.asarray(sim.peak_bytes))), est_makespan_s=sim.makespan_s,
                                                  plan_s=time.perf_counter() - t0))
     plan.validate(lengths)
     return plan, sched, sim

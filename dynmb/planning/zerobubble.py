@@ -44,7 +44,7 @@ def zb_inputs(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLi
     return ZBInputs(costs["F"], costs["B"], costs["I"], costs["W"], comm, split, act, w, tr)
 
 
-def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike, inp: ZBInputs):
+def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None, inp: ZBInputs):
     """``schedule -> (makespan, peak bytes per stage)``: the simulator's recurrence and memory rule
     (``dynmb.simulate``, without building its timeline tables) on ``inp``'s numbers."""
     S = plan.num_stages

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from dynmb.schedule import builders
+import dynmb.schedule.builders as builders
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.types import Schedule
 
@@ -261,7 +261,7 @@ def _zb(inp: BuildInputs) -> Schedule:
     P, m = inp.num_stages, inp.num_microbatches
     if inp.zb_inputs is not None and inp.evaluate is not None and inp.limit_bytes is not None:
         state = np.zeros(P) if inp.state_bytes is None else np.asarray(inp.state_bytes, dtype=np.float64)
-        return zb_limit_aware(P, m, inp.zb_inputs, float(inp.limit_bytes) - state, float(inp.limit_bytes),
+        return zb_limit_aware(P, m, inp.zb_inputs, (float(inp.limit_bytes) - state).tolist(), float(inp.limit_bytes),
                               inp.evaluate)
     sched = zb_h1(P, m, inp.zb_inputs, evaluate=inp.evaluate)
     return Schedule(sched.ranks, P, m, kind="zb")
