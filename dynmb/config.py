@@ -8,9 +8,9 @@ GPT-2 blocks at Llama widths (``gpt2-1b``, ``gpt2-7b``, ``gpt2-deep-13b``); Llam
 ``llama-tiny``/``llama-small`` (CPU-sized) and the published ``llama2-7b``, ``llama3.2-1b``,
 ``llama3.1-8b`` (sizes from their Hugging Face config.json, cited at ``MODEL_PRESETS``).
 
-The analytic helpers here (layer split, parameter counts, bytes of the
-activation sent between stages) are pure arithmetic so that the memory model,
-cost model and packers can use them without importing torch.
+The analytic helpers (layer split here; parameter counts, FLOPs and the bytes of the activation
+sent between stages in ``dynmb.model_sizes``, a mixin of ``ModelConfig``) are pure arithmetic so
+that the memory model, cost model and packers can use them without importing torch.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+from .model_sizes import ModelSizes
 
 __all__ = ["MODEL_FAMILIES", "ModelConfig", "PipelineConfig", "RunConfig", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
            "model_config"]
@@ -66,7 +68,7 @@ MODEL_FAMILIES = ("gpt2", "llama")
 
 
 @dataclass(kw_only=True, frozen=True)
-class ModelConfig:
+class ModelConfig(ModelSizes):
     """A pre-norm decoder of one of dynmb's families (``dynmb.models``): the sizes every analytic
     model uses and the stage builder reads.
 
@@ -136,81 +138,8 @@ class ModelConfig:
             raise ValueError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)}")
         return replace(MODEL_PRESETS[name], **overrides)
 
-    @property
-    def dtype_bytes(self) -> int:
-        return 4 if self.dtype == "float32" else 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """K/V heads (``n_kv_heads``, or ``n_heads`` when None)."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def learned_positions(self) -> bool:
-        """Whether positions come from a ``max_seq_len`` table (gpt2), capping document length."""
-        return self.family == "gpt2"
-
-    # --- analytic sizes -----------------------------------------------------
-    def block_params(self) -> int:
-        """Parameters of one block. gpt2: QKV + out proj (with biases), fc + proj MLP (with biases),
-        two LayerNorms (gain and bias). llama: Q, K, V (``kv_heads`` heads each) and out proj,
-        gate/up/down, two RMSNorm gains; no biases."""
-        d, f = self.d_model, self.d_ff
-        if self.family == "llama":
-            kv = self.kv_heads * self.head_dim
-            return (2 * d * d + 2 * d * kv) + 3 * d * f + 2 * d
-        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
-
     def stage_layers(self, num_stages: int) -> list[range]:
         return split_layers(self.n_layers, num_stages)
-
-    def stage_params(self, stage: int, num_stages: int) -> int:
-        """Parameters held by ``stage``: its blocks, plus the embeddings on the first (gpt2: token
-        and position tables; llama: token table) and the final norm + LM head on the last. A tied
-        head adds nothing on a single stage; across stages the last holds a copy (as Megatron does)."""
-        d = self.d_model
-        n = len(self.stage_layers(num_stages)[stage]) * self.block_params()
-        if stage == 0:
-            n += self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
-        if stage == num_stages - 1:
-            n += (2 * d if self.family == "gpt2" else d)
-            if not (self.tie_embeddings and num_stages == 1):
-                n += d * self.vocab_size
-        return n
-
-    def param_count(self) -> int:
-        """Parameters of the whole model (a tied embedding counted once)."""
-        return self.stage_params(0, 1)
-
-    def message_bytes(self, rows: int, padded_len: int) -> int:
-        """Bytes of the hidden state sent between neighbouring stages for one microbatch."""
-        return rows * padded_len * self.d_model * self.dtype_bytes
-
-    def stage_flops(self, stage: int, num_stages: int, rows: Any, padded_len: Any) -> Any:
-        """Forward FLOPs of ``stage`` on a (rows, padded_len) microbatch (vectorised).
-
-        2 FLOPs per multiply-add in every matmul (gpt2: qkv + out ``4 d^2`` and MLP ``2 d f`` per
-        token; llama: q + out ``2 d^2``, k + v ``2 d kv`` with ``kv = kv_heads * head_dim``, SwiGLU
-        ``3 d f``), plus the s^2 attention terms (QK^T and AV over the full row: masks do not skip
-        work in dense SDPA; K/V heads shared by a group still meet every query head).
-        """
-        d, f = self.d_model, self.d_ff
-        tokens = rows * padded_len
-        nl = len(self.stage_layers(num_stages)[stage])
-        if self.family == "llama":
-            kv = self.kv_heads * self.head_dim
-            per_tok_block = 2 * (2 * d * d + 2 * d * kv + 3 * d * f)
-        else:
-            per_tok_block = 2 * (4 * d * d + 2 * d * f)
-        attn = 2 * 2 * rows * padded_len * padded_len * d
-        fl = nl * (tokens * per_tok_block + attn)
-        if stage == num_stages - 1:
-            fl = fl + tokens * 2 * d * self.vocab_size
-        return fl
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -92,7 +92,7 @@ def test_schedule_layer_does_not_import_the_simulator():
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.hostinfo")),
-    ("types, config", ("dynmb.types", "dynmb.config")),
+    ("types, config", ("dynmb.types", "dynmb.config", "dynmb.model_sizes")),
     ("data", ("dynmb.data",)),
     ("models of the hardware", ("dynmb.memory", "dynmb.costmodel")),
     ("packing", ("dynmb.packing",)),
