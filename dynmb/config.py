@@ -9,68 +9,31 @@ GPT-2 blocks at Llama widths (``gpt2-1b``, ``gpt2-7b``, ``gpt2-deep-13b``); Llam
 ``llama-tiny``/``llama-small`` (CPU-sized) and the published ``llama2-7b``, ``llama3.2-1b``,
 ``llama3.1-8b`` (sizes from their Hugging Face config.json, cited at ``MODEL_PRESETS``).
 
-The analytic helpers here (layer split, parameter counts, bytes of the
-activation sent between stages) are pure arithmetic so that the memory model,
-cost model and packers can use them without importing torch.
+The analytic helpers (layer split here; parameter counts, FLOPs and the bytes of the activation
+sent between stages in ``dynmb.model_sizes``, a mixin of ``ModelConfig``) are pure arithmetic so
+that the memory model, cost model and packers can use them without importing torch.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from dynmb.planspec import PlanSpec
 
+from .model_sizes import ModelSizes, split_layers
+from .units import format_bytes, parse_bytes
+
 __all__ = ["MODEL_FAMILIES", "ModelConfig", "PipelineConfig", "RunConfig", "PlanSpec", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
            "model_config"]
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(x: str | int | float) -> int:
-    """``'2GiB'`` -> 2147483648; ``'500MB'``, ``'1.5GiB'`` and plain integers also work."""
-    if isinstance(x, (int, float)):
-        if x <= 0:
-            raise ValueError(f"a memory size must be positive, got {x}")
-        return int(x)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(x))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse memory size {x!r}; use e.g. 2GiB, 512MiB, 3e9 or 1500000000")
-    v = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if v <= 0:
-        raise ValueError(f"a memory size must be positive, got {x!r}")
-    return v
-
-
-def format_bytes(n: float) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.2f}{unit}"
-    return f"{int(n)}B"
-
-
-def split_layers(n_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, balanced layer ranges per stage (earlier stages take the remainder)."""
-    if num_stages < 1 or n_layers < num_stages:
-        raise ValueError(f"cannot split {n_layers} layers over {num_stages} stages (need 1 <= stages <= layers)")
-    base, extra = divmod(n_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
 
 MODEL_FAMILIES = ("gpt2", "llama")
 """``ModelConfig.family``: the architectures dynmb builds (``dynmb.models.families``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
-class ModelConfig:
+class ModelConfig(ModelSizes):
     """A pre-norm decoder of one of dynmb's families (``dynmb.models``): the sizes every analytic
     model uses and the stage builder reads.
 
@@ -150,35 +113,6 @@ class ModelConfig:
             raise ValueError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)}")
         return replace(MODEL_PRESETS[name], **overrides)
 
-    @property
-    def dtype_bytes(self) -> int:
-        return 4 if self.dtype == "float32" else 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """K/V heads (``n_kv_heads``, or ``n_heads`` when None)."""
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def learned_positions(self) -> bool:
-        """Whether positions come from a ``max_seq_len`` table (gpt2), capping document length."""
-        return self.family == "gpt2"
-
-    # --- analytic sizes -----------------------------------------------------
-    def block_params(self) -> int:
-        """Parameters of one block. gpt2: QKV + out proj (with biases), fc + proj MLP (with biases),
-        two LayerNorms (gain and bias). llama: Q, K, V (``kv_heads`` heads each) and out proj,
-        gate/up/down, two RMSNorm gains; no biases."""
-        d, f = self.d_model, self.d_ff
-        if self.family == "llama":
-            kv = self.kv_heads * self.head_dim
-            return (2 * d * d + 2 * d * kv) + 3 * d * f + 2 * d
-        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
-
     def stage_layers(self, num_stages: int) -> list[range]:
         """The layers of each of ``num_stages`` stages: ``layer_split`` when set (one stage: all layers),
         else the even split."""
@@ -189,50 +123,6 @@ class ModelConfig:
                              f"{list(self.layer_split)}, not {num_stages}")
         ends = list(itertools.accumulate(self.layer_split))
         return [range(end - n, end) for n, end in zip(self.layer_split, ends)]
-
-    def stage_params(self, stage: int, num_stages: int) -> int:
-        """Parameters held by ``stage``: its blocks, plus the embeddings on the first (gpt2: token
-        and position tables; llama: token table) and the final norm + LM head on the last. A tied
-        head adds nothing on a single stage; across stages the last holds a copy (as Megatron does)."""
-        d = self.d_model
-        n = len(self.stage_layers(num_stages)[stage]) * self.block_params()
-        if stage == 0:
-            n += self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
-        if stage == num_stages - 1:
-            n += (2 * d if self.family == "gpt2" else d)
-            if not (self.tie_embeddings and num_stages == 1):
-                n += d * self.vocab_size
-        return n
-
-    def param_count(self) -> int:
-        """Parameters of the whole model (a tied embedding counted once)."""
-        return self.stage_params(0, 1)
-
-    def message_bytes(self, rows: int, padded_len: int) -> int:
-        """Bytes of the hidden state sent between neighbouring stages for one microbatch."""
-        return rows * padded_len * self.d_model * self.dtype_bytes
-
-    def stage_flops(self, stage: int, num_stages: int, rows: Any, padded_len: Any) -> Any:
-        """Forward FLOPs of ``stage`` on a (rows, padded_len) microbatch (vectorised).
-
-        2 FLOPs per multiply-add in every matmul (gpt2: qkv + out ``4 d^2`` and MLP ``2 d f`` per
-        token; llama: q + out ``2 d^2``, k + v ``2 d kv`` with ``kv = kv_heads * head_dim``, SwiGLU
-        ``3 d f``), plus the s^2 attention terms (QK^T and AV over the full row: masks do not skip
-        work in dense SDPA; K/V heads shared by a group still meet every query head).
-        """
-        d, f = self.d_model, self.d_ff
-        tokens = rows * padded_len
-        nl = len(self.stage_layers(num_stages)[stage])
-        if self.family == "llama":
-            kv = self.kv_heads * self.head_dim
-            per_tok_block = 2 * (2 * d * d + 2 * d * kv + 3 * d * f)
-        else:
-            per_tok_block = 2 * (4 * d * d + 2 * d * f)
-        attn = 2 * 2 * rows * padded_len * padded_len * d
-        fl = nl * (tokens * per_tok_block + attn)
-        if stage == num_stages - 1:
-            fl = fl + tokens * 2 * d * self.vocab_size
-        return fl
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -189,15 +189,17 @@ class MemoryModel:
     def slice_coef(self, recompute: bool = False) -> np.ndarray:
         """``[P]`` bytes per token of a continued slice (``Microbatch.continued_tokens``) held on top
         of its activations from its forward to its backward (``dynmb.prefix``): when recomputed,
-        the keys and values later slices attend to (2 d per layer of the stage at the model dtype;
+        the keys and values later slices attend to (2 n_kv_heads head_dim per layer of the stage at the model dtype;
         without recomputation its saved activations hold them already, 0)."""
         return self.slice_grad_coef() if recompute else np.zeros(self.num_stages)
 
     def slice_grad_coef(self) -> np.ndarray:
-        """``[P]`` bytes per token of a continued slice's key and value gradients (2 d per layer of
-        the stage), held from its chain's first backward to its own (``dynmb.simulate.SliceGrads``)."""
-        layers = np.array([len(x) for x in self.model_cfg.stage_layers(self.num_stages)], dtype=np.float64)
-        return layers * self.model_cfg.d_model * self.model_cfg.dtype_bytes * 2.0
+        """``[P]`` bytes per token of a continued slice's key and value gradients (2 n_kv_heads head_dim
+        per layer of the stage: 2 d without grouped K/V), held from its chain's first backward to its
+        own (``dynmb.simulate.SliceGrads``)."""
+        c = self.model_cfg
+        layers = np.array([len(x) for x in c.stage_layers(self.num_stages)], dtype=np.float64)
+        return layers * c.kv_heads * c.head_dim * c.dtype_bytes * 2.0
 
     def slice_matrix(self, continued_tokens: Any, recompute: Any = None) -> np.ndarray:
         """``[P, m]``: the bytes ``slice_coef`` adds to each microbatch (``continued_tokens[m]``)."""
