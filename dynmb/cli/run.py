@@ -11,7 +11,8 @@ the tokenizer's vocabulary is checked against the model's first), the global bat
 from its records and every rank reads their ids from that file. Everything checkable without
 torch is checked before the torch import and torchrun (``JobSpec.check``): a typo costs one
 line and exit 2, and writes nothing (a corpus run: nothing but its token file). Ctrl-C / SIGTERM stop torchrun and its workers (exit 130 / 143, one line saying
-which steps the tables hold).
+which steps the tables hold). ``--model package.module:factory`` runs a model of the user's own:
+the spec records the string (``RunSpec.model_factory``) and every rank builds its stages with it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
-                             model_from_args)
+from dynmb.cli.flags import (names_factory, add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags,
+                             corpus_source, model_from_args, warn_own_model_stand_ins)
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
@@ -122,6 +123,8 @@ def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "c
 def _plan_model(plan: Plan, args: argparse.Namespace) -> ModelConfig:
     """The plan's model (``meta["model"]``: a model spec or every field), else the flags'."""
     recorded = plan.meta.get("model")
+    if isinstance(recorded, str) and names_factory(recorded) or args.model and names_factory(args.model):
+        return model_from_args(args, model=str(args.model or recorded))
     if isinstance(recorded, dict):
         model = ModelConfig.from_dict(recorded)
         return replace(model, attention=args.attention) if args.attention else model
@@ -133,7 +136,7 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
     """One ``ValueError`` line for the first flag given that says otherwise than the plan."""
     meta = plan.meta
     recorded: list[tuple[str, Any, Any]] = [
-        ("model", args.model and model_config(args.model, attention=args.attention), model),
+        ("model", args.model and model_from_args(args, model=args.model), model),
         ("stages", args.stages, plan.num_stages),
         ("memory-limit", args.memory_limit and parse_bytes(args.memory_limit), int(plan.memory_limit_bytes)),
         ("method", args.method, plan.method), ("dp", args.dp, plan.dp),
@@ -193,8 +196,12 @@ def _spec(args: argparse.Namespace, backend: str, device: str, corpus: TokenFile
         cfg, schedule_file = run_config(args, backend, device), None
     if corpus is not None:
         cfg = replace(cfg, dataset=corpus.source.name)
+    warn_own_model_stand_ins(args, cfg.model, cfg.cost_model, args.memory_model, cfg.pipeline.num_stages, "dynmb run")
+    named = args.model or (args.plan and Plan.load(args.plan, allow_over_limit=True).meta.get("model"))
+    factory = str(named) if isinstance(named, str) and names_factory(named) else None
     return RunSpec.create(cfg, args.out, verify=args.verify, allow_over_limit=args.allow_over_limit,
-                          memory_model=args.memory_model, plan=args.plan, schedule=schedule_file, corpus=corpus)
+                          memory_model=args.memory_model, plan=args.plan, schedule=schedule_file, corpus=corpus,
+                          model_factory=factory)
 
 
 def _token_file(args: argparse.Namespace) -> TokenFile | None:

@@ -32,13 +32,15 @@ __all__ = ["time_stage"]
 
 
 def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, repeats: int = 5, warmup: int = 2,
-               device: str | torch.device = "cpu", clock: str = "thread", split: bool = False) -> list[tuple[float, ...]]:
+               device: str | torch.device = "cpu", clock: str = "thread", split: bool = False,
+               d_model: int | None = None) -> list[tuple[float, ...]]:
     """``repeats`` (forward_s, backward_s, forward_wall_s, backward_wall_s) of ``stage_mod`` on ``inputs``;
-    with ``split`` each tuple goes on with (input_grad_s, weight_grad_s, input_grad_wall_s, weight_grad_wall_s)."""
+    with ``split`` each tuple goes on with (input_grad_s, weight_grad_s, input_grad_wall_s, weight_grad_wall_s).
+    ``d_model``: the hidden width (any stage of the contract; default ``stage_mod.cfg.d_model``)."""
     device = torch.device(device)
     timed = device_ops(device).timer(clock)
     b, s = inputs.shape
-    d = stage_mod.cfg.d_model
+    d = d_model if d_model is not None else stage_mod.cfg.d_model
     dtype = next(stage_mod.parameters()).dtype
     gen = torch.Generator(device="cpu").manual_seed(b * 7919 + s)
     x0 = None if stage_mod.is_first else torch.randn(b, s, d, generator=gen).to(device=device, dtype=dtype)

@@ -23,7 +23,7 @@ from .families import FAMILIES, FamilyFactory, build_stage, build_stages, family
 from .gpt2 import GPT, Block, GPTStage
 from .llama import LlamaBlock, LlamaStage
 from .recompute import RecomputedBlock, RecomputedHead
-from .reference import count_params, global_named_parameters, reference_grads, whole_documents
+from .reference import count_params, global_named_parameters, reference_grads, reference_stages, whole_documents
 from .stage import DecoderStage
 
 __all__ = [
@@ -31,5 +31,5 @@ __all__ = [
     "GPT", "GPTStage", "Block", "LlamaStage", "LlamaBlock", "MicrobatchInputs", "DocumentBuckets", "InputError", "build_stage", "build_stages",
     "synthetic_tokens", "full_microbatch", "make_inputs", "attention_mask", "bucket_documents", "hidden_shape",
     "torch_dtype", "global_named_parameters", "count_params", "reference_grads", "IGNORE_INDEX", "INPUT_ATTENTION",
-    "RecomputedBlock", "RecomputedHead", "whole_documents",
+    "RecomputedBlock", "RecomputedHead", "whole_documents", "reference_stages",
 ]
