@@ -119,10 +119,14 @@ def warn_own_model_stand_ins(args: argparse.Namespace, model: ModelConfig, cost_
     dynmb's own GPT (no ``--memory-model``) instead of ones fitted to that model."""
     if not names_factory(str(args.model or "")):
         return
-    from dynmb.planning.defaults import warn_stand_ins
+    import warnings
+
+    from dynmb.planning.defaults import StandInModelWarning, warn_stand_ins
 
     kinds = (("cost",) if cost_model is None else ()) + (("memory",) if memory_model is None else ())
-    warn_stand_ins(model, stages, kinds, who=who)
+    with warnings.catch_warnings():                     # the command line shows the log line only
+        warnings.simplefilter("ignore", StandInModelWarning)
+        warn_stand_ins(model, stages, kinds, who=who)
 
 
 def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64, corpus: bool = False) -> None:
