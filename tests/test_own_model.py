@@ -158,6 +158,16 @@ def test_cli_refuses_a_bad_factory_in_one_line_before_torchrun(tmp_path):
 
 
 # --------------------------------------------------------------------------- the judged chain
+def test_own_model_uses_only_the_public_api_and_none_of_dynmbs_model_classes():
+    from tests.test_experiments import _dynmb_names
+
+    names, submodules = _dynmb_names(EXP / "own_model.py")
+    assert submodules == [] and names and names <= set(dynmb.__all__), names - set(dynmb.__all__)
+    assert names <= {"ModelConfig", "StageFactory", "StageModule"}      # sizes only; the stages are its own
+    own = _own().tiny_decoder()
+    assert isinstance(own, dynmb.StageFactory) and isinstance(own.build_stage(1, 2), dynmb.StageModule)
+
+
 def test_own_model_profile_fit_plan_run_verify_on_two_gloo_ranks(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
