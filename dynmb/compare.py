@@ -133,8 +133,18 @@ class CompareSettings:
         return self.corpus.name if self.corpus is not None else self.lengths or self.dataset or "sharegpt"
 
     def model_config(self) -> ModelConfig:
-        """The model of every case: ``model`` with ``attention`` and the ``stage_split`` over ``stages``."""
+        """The model of every case: ``model`` with ``attention`` and the ``stage_split`` over ``stages``
+        (``package.module:factory``: its factory's ``planning_config``, every rank builds it)."""
+        if self.model_factory is not None:
+            from dynmb.models.contract import planning_config, resolve_model
+            return planning_config(resolve_model(self.model_factory))
         return resolve_stage_split(model_config(self.model, attention=self.attention), self.stages, self.stage_split)
+
+    @property
+    def model_factory(self) -> str | None:
+        """``model`` when it names a model of the user's own (``package.module:factory``), else None."""
+        from dynmb.cli.flags import names_factory
+        return self.model if names_factory(self.model) else None
 
     def resolved(self) -> CompareSettings:
         """Defaults filled: trace, limit, device, the interleaved schedule for ``virtual`` > 1,
@@ -305,7 +315,7 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
         cfg = _case_config(settings, method, size)
         spec = RunSpec.create(cfg, out, run_id=f"{label.replace(' ', '-').replace('=', '')}-{tag}", label=label,
                               memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit,
-                              corpus=tokens)
+                              corpus=tokens, model_factory=settings.model_factory)
         cases.append(CompareCase(label, method, size, spec))
     return CompareJob(settings, tuple(cases), nproc=settings.stages // settings.virtual, backend=backend)
 

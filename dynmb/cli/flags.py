@@ -7,7 +7,10 @@
 - ``add_recompute_flag``: ``--recompute``;
 - ``add_shape_flags``: ``--pack-len``, ``--round-to``;
 - ``add_run_shape_flags``: ``--prewarm``, ``--no-expandable-segments``;
-- ``add_model_flags``: ``--model``, ``--attention``.
+- ``add_model_flags``: ``--model``, ``--attention``; ``factory_from_args`` resolves ``--model`` to a
+  ``StageFactory`` (``dynmb.models.resolve_model``: a preset, a JSON file or ``package.module:factory``),
+  ``model_from_args`` to the ``ModelConfig`` the planner and the cost/memory models use for it
+  (``dynmb.models.contract.planning_config``).
 
 Every flag has its help; defaults are the ones ``dynmb VERB --help`` shows.
 """
@@ -15,6 +18,7 @@ Every flag has its help; defaults are the ones ``dynmb VERB --help`` shows.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +26,7 @@ from dynmb.config import ModelConfig, model_config
 from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
-           "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "load_batch", "load_rows", "corpus_source",
+           "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
            "OVERSIZE_CHOICES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
@@ -45,8 +49,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "s
     parser.add_argument("--model", default=default,
                         help="model: a preset (GPT-2 family: tiny, small (CPU default), gpt2, gpt2-medium, gpt2-1b, "
                              "gpt2-7b, gpt2-deep-13b; Llama family: llama-tiny, llama-small, llama2-7b, llama3.2-1b, "
-                             "llama3.1-8b), a preset with overrides (small:d_model=512,n_layers=8) or a JSON file of "
-                             "ModelConfig fields")
+                             "llama3.1-8b), a preset with overrides (small:d_model=512,n_layers=8), a JSON file of "
+                             "ModelConfig fields, or your own model: package.module:factory (factory() returns a "
+                             "StageFactory; docs/design.md 'The stage contract')")
     parser.add_argument("--attention", default=None, choices=["auto", "dense"],
                         help="auto (default): causal attention without a mask for one document per row, "
                              "document-causal (sum of s_i^2) for packed rows; dense: the (s, s) mask on every row "
@@ -64,10 +69,43 @@ def add_model_file_flags(parser: argparse.ArgumentParser, *, from_plan: bool = F
     parser.add_argument("--memory-model", default=None, help=f"fitted memory-model JSON; default {default}")
 
 
+def names_factory(spec: str) -> bool:
+    """Whether ``spec`` is ``package.module:factory`` (a preset with overrides has ``=``; the check
+    imports ``dynmb.models`` (torch) only for a spec that can be one)."""
+    if ":" not in spec or "=" in spec or spec.endswith(".json"):
+        return False
+    from dynmb.models.contract import factory_spec
+
+    return factory_spec(spec) is not None
+
+
+def factory_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> Any:
+    """The ``StageFactory`` of ``--model`` (``model`` overrides it), ``--attention`` and ``--stage-split``
+    over ``--stages`` stages (``stages`` overrides it). A user's factory builds its own split: only
+    ``--stage-split even`` applies to it."""
+    from dynmb.models.contract import resolve_model
+    from dynmb.models.families import family_factory
+
+    spec = model or args.model
+    if names_factory(spec):
+        split = getattr(args, "stage_split", "even") or "even"
+        if split != "even":
+            raise ValueError(f"--stage-split {split}: a model of your own ({spec}) splits its layers itself; "
+                             "use --stage-split even")
+        return resolve_model(spec)
+    return family_factory(model_from_args(args, model=model, stages=stages))
+
+
 def model_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> ModelConfig:
     """The ModelConfig of ``--model``, ``--attention`` and ``--stage-split`` over ``--stages`` stages
-    (``model`` / ``stages`` override the flags where a verb resolves its own defaults)."""
-    cfg = model_config(model or args.model, attention=getattr(args, "attention", None))
+    (``model`` / ``stages`` override the flags where a verb resolves its own defaults). For
+    ``package.module:factory`` the sizes and attention kind of its factory (``planning_config``)."""
+    spec = model or args.model
+    if names_factory(spec):
+        from dynmb.models.contract import planning_config
+
+        return planning_config(factory_from_args(args, model=model, stages=stages))
+    cfg = model_config(spec, attention=getattr(args, "attention", None))
     split = getattr(args, "stage_split", "even") or "even"
     if split == "even":
         return cfg
@@ -76,6 +114,23 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
         raise ValueError("--stage-split needs --stages (the number of pipeline stages, model chunks with --virtual)")
     from dynmb.planning.stage_split import resolve_stage_split
     return resolve_stage_split(cfg, int(stages), split)
+
+
+def warn_own_model_stand_ins(args: argparse.Namespace, model: ModelConfig, cost_model: str | None,
+                             memory_model: str | None, stages: int, who: str) -> None:
+    """For ``--model package.module:factory``: warn once (``dynmb.planning.defaults.warn_stand_ins``)
+    when planning uses the analytic cost model (no ``--cost-model``) or the analytic memory model of
+    dynmb's own GPT (no ``--memory-model``) instead of ones fitted to that model."""
+    if not names_factory(str(args.model or "")):
+        return
+    import warnings
+
+    from dynmb.planning.defaults import StandInModelWarning, warn_stand_ins
+
+    kinds = (("cost",) if cost_model is None else ()) + (("memory",) if memory_model is None else ())
+    with warnings.catch_warnings():                     # the command line shows the log line only
+        warnings.simplefilter("ignore", StandInModelWarning)
+        warn_stand_ins(model, stages, kinds, who=who)
 
 
 def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64, corpus: bool = False) -> None:

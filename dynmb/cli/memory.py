@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 
 from dynmb.atomic import atomic_path
-from dynmb.cli.flags import add_model_flags, model_from_args
+from dynmb.cli.flags import add_model_flags, factory_from_args
+from dynmb.models.contract import planning_config
 from dynmb.config import format_bytes
 from dynmb.memory import MemoryModel
 from dynmb.measure.memory import measure_grid
@@ -37,9 +38,10 @@ def _grid(args: argparse.Namespace) -> tuple[list[int], list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = model_from_args(args)
+    factory = factory_from_args(args)
+    model = planning_config(factory)
     rows, lengths = _grid(args)
-    samples = pd.DataFrame(measure_grid(model, args.stages, rows, lengths, device=args.device))
+    samples = pd.DataFrame(measure_grid(factory, args.stages, rows, lengths, device=args.device))
     points = sorted({(b, s) for b, s in zip(samples.rows, samples.padded_len)})
     pick = np.random.default_rng(0).choice(len(points), size=max(1, len(points) // 4), replace=False)
     held = {points[i] for i in pick}                       # a random quarter of the (rows, padded_len) points

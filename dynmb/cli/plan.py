@@ -7,7 +7,8 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from dynmb.cli.flags import add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args
+from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args,
+                             names_factory, warn_own_model_stand_ins)
 from dynmb.cli.planfile import plan_meta
 from dynmb.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
@@ -73,11 +74,13 @@ def _show(key: str, value: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     rows, batch = load_rows(args, args.step)
+    warn_own_model_stand_ins(args, model, args.cost_model, args.memory_model, args.stages, "dynmb plan")
     plan, _, _ = plan_step(
         batch, plan_spec(args, model), model_cfg=model, cost_model=get_cost_model(args.cost_model, model, args.stages),
         memory_model=get_memory_model(args.memory_model, model, args.stages),
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step,
-              **plan_meta(model, args.cost_model, args.memory_model)},
+              **plan_meta(model, args.cost_model, args.memory_model,
+                         factory=args.model if names_factory(args.model) else None)},
     )
     plan = replace(plan, dataset_ids=tuple(rows.tolist()))   # the trace rows of its sequences
     if args.output:

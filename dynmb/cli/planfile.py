@@ -1,7 +1,8 @@
 """What a plan file carries beyond its microbatches, and how the verbs that read a plan take it.
 
 ``dynmb plan`` records in the plan (``Plan.meta``) the resolved model config (every field, never a
-path: editing a model file later does not change what the plan means) and the identity of the cost
+path: editing a model file later does not change what the plan means; a model of the user's own
+also its ``package.module:factory``) and the identity of the cost
 and memory models it was planned with (``{"path", "sha256"}`` of the file, or ``{"kind":
 "analytic"}`` for the stand-in); ``Plan.spec`` holds the planning settings (method, kind, reorder,
 limit, dp, mbs, pack length, round-to, oversize, recompute, attention).
@@ -20,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dynmb.cli.flags import names_factory
 from dynmb.config import ModelConfig, model_config
 from dynmb.costmodel import get_cost_model
 from dynmb.costmodel.base import CostModelLike
@@ -40,10 +42,12 @@ def model_identity(path: str | None) -> dict[str, Any]:
     return {"path": str(Path(path).resolve()), "sha256": digest}
 
 
-def plan_meta(model: ModelConfig, cost_model: str | None, memory_model: str | None) -> dict[str, Any]:
-    """The ``Plan.meta`` entries ``dynmb plan`` records (module docstring)."""
+def plan_meta(model: ModelConfig, cost_model: str | None, memory_model: str | None,
+              factory: str | None = None) -> dict[str, Any]:
+    """The ``Plan.meta`` entries ``dynmb plan`` records (module docstring); ``factory``: the
+    ``package.module:factory`` of a model of the user's own, which a run of the plan builds."""
     return {"model": model.to_dict(), "cost_model": model_identity(cost_model),
-            "memory_model": model_identity(memory_model)}
+            "memory_model": model_identity(memory_model), **({"model_factory": factory} if factory else {})}
 
 
 def plan_model(plan: Plan, args: argparse.Namespace, plan_path: str) -> ModelConfig:
@@ -59,7 +63,12 @@ def plan_model(plan: Plan, args: argparse.Namespace, plan_path: str) -> ModelCon
     if plan.spec is not None and model.attention != plan.spec.attention:
         model = replace(model, attention=plan.spec.attention)
     flag_model = getattr(args, "model", None)
-    if flag_model is not None and isinstance(recorded, (dict, str)) and recorded:
+    factory = plan.meta.get("model_factory")
+    if flag_model is not None and (factory or names_factory(flag_model)):
+        if flag_model != factory:
+            raise ValueError(f"--model {flag_model} conflicts with the plan {plan_path}, which was planned for model "
+                             f"{factory or model.name!r}; leave --model out to use the plan's")
+    elif flag_model is not None and isinstance(recorded, (dict, str)) and recorded:
         given = model_config(flag_model, attention=model.attention)
         if given.architecture() != model.architecture():
             raise ValueError(f"--model {flag_model} conflicts with the plan {plan_path}, which was planned for model "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from dynmb.cli.flags import add_model_flags, model_from_args
+from dynmb.cli.flags import add_model_flags, factory_from_args
 from dynmb.measure.profiler import ProfileSettings, profile
 
 __all__ = ["add_parser", "run"]
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ProfileSettings(quick=args.quick, max_len=args.max_len, repeats=args.repeats, warmup=args.warmup,
                                device=args.device, threads=args.threads, comm=args.comm, memory=not args.no_memory,
                                concurrent=args.concurrent, token_cap=args.token_cap, split=args.split)
-    samples = profile(model_from_args(args), args.stages, settings, output=args.output)
+    samples = profile(factory_from_args(args), args.stages, settings, output=args.output)
     compute = samples[samples["op"].isin(["F", "B"])]
     medians = compute.groupby(["stage", "op"])["time_s"].agg(["size", "median", "max"])
     medians.columns = ["samples", "median_s", "max_s"]

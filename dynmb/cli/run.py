@@ -11,7 +11,8 @@ the tokenizer's vocabulary is checked against the model's first), the global bat
 from its records and every rank reads their ids from that file. Everything checkable without
 torch is checked before the torch import and torchrun (``JobSpec.check``): a typo costs one
 line and exit 2, and writes nothing (a corpus run: nothing but its token file). Ctrl-C / SIGTERM stop torchrun and its workers (exit 130 / 143, one line saying
-which steps the tables hold).
+which steps the tables hold). ``--model package.module:factory`` runs a model of the user's own:
+the spec records the string (``RunSpec.model_factory``) and every rank builds its stages with it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
-                             model_from_args)
+                             model_from_args, names_factory, warn_own_model_stand_ins)
 from dynmb.cli.planfile import plan_model, recorded_model_file
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
@@ -191,8 +192,12 @@ def _spec(args: argparse.Namespace, backend: str, device: str, corpus: TokenFile
         cfg, schedule_file = run_config(args, backend, device), None
     if corpus is not None:
         cfg = replace(cfg, dataset=corpus.source.name)
+    warn_own_model_stand_ins(args, cfg.model, cfg.cost_model, args.memory_model, cfg.pipeline.num_stages, "dynmb run")
+    named = args.model or (args.plan and Plan.load(args.plan, allow_over_limit=True).meta.get("model_factory"))
+    factory = str(named) if isinstance(named, str) and names_factory(named) else None
     return RunSpec.create(cfg, args.out, verify=args.verify, allow_over_limit=args.allow_over_limit,
-                          memory_model=memory_model, plan=args.plan, schedule=schedule_file, corpus=corpus)
+                          memory_model=memory_model, plan=args.plan, schedule=schedule_file, corpus=corpus,
+                          model_factory=factory)
 
 
 def _token_file(args: argparse.Namespace) -> TokenFile | None:

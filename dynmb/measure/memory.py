@@ -1,7 +1,8 @@
 """Measure the memory of one microbatch through one stage, and of a grid of them (``dynmb memory``).
 
-``measure_stage_memory``: build the stage (``dynmb.models.build_stage``, the one place this module
-builds one), a synthetic microbatch of full rows (``full_microbatch``: one document per row,
+``measure_stage_memory``: build the stage (through the model's ``StageFactory``: a ``ModelConfig`` of
+dynmb's families or any factory of the stage contract, ``dynmb.models.resolve_model``; the one place
+this module builds one; sizes and attention from ``planning_config(factory)``), a synthetic microbatch of full rows (``full_microbatch``: one document per row,
 ``docs_per_row`` documents splitting each row, or two with ``packed``) and, on a stage after the
 first, a received hidden state; then forward and backward once. Three numbers come back:
 
@@ -25,7 +26,8 @@ from typing import Any, Sequence
 
 import torch
 
-from dynmb.models import build_stage, full_microbatch, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.models import full_microbatch, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.models.contract import planning_config, resolve_model
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter, tensor_bytes
 
@@ -45,7 +47,10 @@ def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int,
     docs = docs_per_row if docs_per_row is not None else 2 if packed and s >= 2 else 1
     mb = full_microbatch(b, s, docs)
     lens = mb.lengths
-    mod = build_stage(model_cfg, stage, num_stages, seed=seed, device=dev)
+    factory = resolve_model(model_cfg)
+    model_cfg = planning_config(factory)
+    mod = factory.build_stage(stage, num_stages, seed=seed, device=dev)
+    mod.zero_grad(set_to_none=True)      # a factory's stages may share modules: no gradient left from before
     inputs = make_inputs(mb, synthetic_tokens(lens, model_cfg.vocab_size, seed), cfg=model_cfg, device=dev)
     x = None
     if stage > 0:

@@ -1,7 +1,9 @@
 """Profile stage times over a (rows, padded_len, documents per row) grid -> a samples table for ``dynmb fit``.
 
-Algorithm. Every stage module (built by ``_stage_module``, the one place this module builds one)
-is timed at every grid point (``grid.default_grid``; the point's microbatch from
+Algorithm. Every stage module (built by ``_stage_module``, the one place this module builds one,
+through the model's ``StageFactory``: ``profile`` takes a ``ModelConfig`` of dynmb's families or any
+factory of the stage contract, ``dynmb.models.resolve_model``; the samples' sizes, attention kind
+and ``attn_work`` follow ``planning_config(factory)``) is timed at every grid point (``grid.default_grid``; the point's microbatch from
 ``grid.synthetic_microbatch`` through ``make_inputs``; input preparation untimed): ``warmup``
 untimed and then timed runs of forward and backward, each on a fresh graph, and with ``split``
 the split backward too (``timing.time_stage``). Clocks: CPU with ``threads == 1`` uses the
@@ -57,7 +59,8 @@ from dynmb.measure.memory import measure_stage_memory
 from dynmb.measure.pingpong import free_port, ping_pong
 from dynmb.measure.samples import done_runs, read_resumable, sample_rows
 from dynmb.measure.timing import time_stage
-from dynmb.models import build_stage, make_inputs, synthetic_tokens
+from dynmb.models import make_inputs, synthetic_tokens
+from dynmb.models.contract import is_family_factory, planning_config, resolve_model
 from dynmb.results import write_table
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.hostmem import retain_freed_memory
@@ -123,19 +126,26 @@ class ProfileSettings:
         return "wall" if default == "thread" and self.threads != 1 else default
 
 
-def _stage_module(cfg: ModelConfig, stage: int, num_stages: int, settings: ProfileSettings,
+def _stage_module(model: Any, stage: int, num_stages: int, settings: ProfileSettings,
                   device: torch.device | None = None) -> torch.nn.Module:
-    """Stage ``stage`` of ``num_stages`` with the profile's seeded weights."""
-    return build_stage(cfg, stage, num_stages, seed=settings.seed, device=device)
+    """Stage ``stage`` of ``num_stages`` of ``model`` (a ``ModelConfig`` or a ``StageFactory``) with the
+    profile's seeded weights, built by its factory."""
+    return resolve_model(model).build_stage(stage, num_stages, seed=settings.seed, device=device)
 
 
-def profile(cfg: ModelConfig, num_stages: int, settings: ProfileSettings | None = None, *,
+def profile(cfg: Any, num_stages: int, settings: ProfileSettings | None = None, *,
             output: str | Path | None = None, **overrides: Any) -> pd.DataFrame:
     """Measure every stage over the grid; return (and write to ``output``) the samples.
 
+    ``cfg``: a ``ModelConfig`` (dynmb's family) or a ``StageFactory`` (a model of the stage contract).
     ``settings`` (default ``ProfileSettings()``) with ``overrides`` (its fields by name, e.g.
     ``profile(cfg, 2, quick=True, repeats=1)``); see the module doc."""
     settings = replace(settings or ProfileSettings(), **overrides)
+    factory = resolve_model(cfg)
+    cfg = planning_config(factory)
+    if settings.concurrent and not is_family_factory(factory):
+        raise ValueError(f"concurrent profiling rebuilds the model in each process from its ModelConfig: not for a "
+                         f"model of your own ({type(factory).__name__}); profile it without --concurrent")
     torch.set_num_threads(int(settings.threads))
     dev = torch.device(settings.device)
     ops = device_ops(dev)
@@ -169,10 +179,10 @@ def profile(cfg: ModelConfig, num_stages: int, settings: ProfileSettings | None 
         if output is not None:
             write_table(df, output, parquet=False)
         return df
-    return _profile_alone(cfg, num_stages, todo, old, settings, base, output)
+    return _profile_alone(factory, num_stages, todo, old, settings, base, output)
 
 
-def _memory_columns(cfg: ModelConfig, num_stages: int, stage: int, point: Point, device: Any = "cpu") -> dict:
+def _memory_columns(cfg: Any, num_stages: int, stage: int, point: Point, device: Any = "cpu") -> dict:
     """``mem_*`` columns of ``measure_stage_memory`` at ``point`` (one-document rows unless packed)."""
     b, s, d = point
     return {f"mem_{k}": v for k, v in measure_stage_memory(cfg, num_stages, stage, b, s, packed=d > 1,
@@ -193,11 +203,12 @@ def _run_estimates(cfg: ModelConfig, num_stages: int, items: list[tuple[Point, l
     return [(1 + (settings.warmup if first else 0)) * max(one(p, pt) for p in stages) for pt, stages, first in items]
 
 
-def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list[Run], old: pd.DataFrame, settings: ProfileSettings,
+def _profile_alone(factory: Any, num_stages: int, todo: list[Run], old: pd.DataFrame, settings: ProfileSettings,
                    base: dict, output: str | Path | None) -> pd.DataFrame:
     """Measure ``todo`` (sorted) one stage at a time in this process."""
     dev, seed, clock = torch.device(settings.device), settings.seed, settings.resolved_clock()
-    stages = [_stage_module(cfg, p, num_stages, settings, dev) for p in range(num_stages)] if todo else []
+    cfg = planning_config(factory)
+    stages = [_stage_module(factory, p, num_stages, settings, dev) for p in range(num_stages)] if todo else []
     memory = settings.memory
     seen: set = set()
     items = []
@@ -219,7 +230,7 @@ def _profile_alone(cfg: ModelConfig, num_stages: int, todo: list[Run], old: pd.D
         extra = {}
         if memory and r == 0:
             try:
-                extra = _memory_columns(cfg, num_stages, p, (b, s, d), dev)
+                extra = _memory_columns(factory, num_stages, p, (b, s, d), dev)
             except Exception as e:  # report once, keep profiling times
                 logger.warning("profile: memory meter failed (%s); continuing without memory columns", e)
                 memory = False

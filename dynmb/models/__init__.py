@@ -18,18 +18,18 @@ re-exported here for convenience.
 from dynmb.inputs import (IGNORE_INDEX, INPUT_ATTENTION, DocumentBuckets, InputError, MicrobatchInputs, attention_mask,
                           bucket_documents, full_microbatch, hidden_shape, make_inputs, synthetic_tokens, torch_dtype)
 
-from .contract import StageFactory, StageModule, resolve_model
+from .contract import StageFactory, StageModule, planning_config, resolve_model
 from .families import FAMILIES, FamilyFactory, build_stage, build_stages, family_factory
 from .gpt2 import GPT, Block, GPTStage
 from .llama import LlamaBlock, LlamaStage
 from .recompute import RecomputedBlock, RecomputedHead
-from .reference import count_params, global_named_parameters, reference_grads, whole_documents
+from .reference import count_params, global_named_parameters, reference_grads, reference_stages, whole_documents
 from .stage import DecoderStage
 
 __all__ = [
-    "StageModule", "StageFactory", "resolve_model", "FAMILIES", "FamilyFactory", "family_factory", "DecoderStage",
+    "StageModule", "StageFactory", "resolve_model", "planning_config", "FAMILIES", "FamilyFactory", "family_factory", "DecoderStage",
     "GPT", "GPTStage", "Block", "LlamaStage", "LlamaBlock", "MicrobatchInputs", "DocumentBuckets", "InputError", "build_stage", "build_stages",
     "synthetic_tokens", "full_microbatch", "make_inputs", "attention_mask", "bucket_documents", "hidden_shape",
     "torch_dtype", "global_named_parameters", "count_params", "reference_grads", "IGNORE_INDEX", "INPUT_ATTENTION",
-    "RecomputedBlock", "RecomputedHead", "whole_documents",
+    "RecomputedBlock", "RecomputedHead", "whole_documents", "reference_stages",
 ]

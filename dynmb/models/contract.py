@@ -27,6 +27,17 @@ fields (``dynmb.config.model_config``), both served by dynmb's own families
 ``factory()`` called); a factory callable; or a ``StageFactory`` itself. Whatever it returns is
 checked to keep the contract's attributes; a bad spec raises one ``ValueError`` naming it.
 This module imports no torch (the families load on first use).
+
+``planning_config(factory)`` is the ``ModelConfig`` everything downstream of a factory uses (the
+planner, the cost and memory models, the profiler's samples, ``make_inputs``): ``factory.config``,
+with ``attention="dense"`` where ``attention_work`` is ``masked``. That is the one place the
+factory's attention kind enters: ``Microbatch.attention_work("dense")`` is ``rows * padded_len**2``
+(a packed row costs what a padded row of its length costs), the memory model counts the
+``(rows, s, s)`` mask a masked kernel holds, and the stages receive that mask in their inputs
+(``doc_ids`` too). ``factory_spec(model)`` is the ``package.module:factory`` string of a user's
+model (None for dynmb's families), what a run records so every rank rebuilds the factory;
+``check_importable(spec)`` checks, in a fresh interpreter started like a torchrun worker, that it
+imports.
 """
 
 from __future__ import annotations
@@ -42,7 +53,8 @@ if TYPE_CHECKING:
 
     from dynmb.inputs import MicrobatchInputs
 
-__all__ = ["StageModule", "StageFactory", "resolve_model", "ATTENTION_WORK"]
+__all__ = ["StageModule", "StageFactory", "resolve_model", "ATTENTION_WORK", "planning_config", "factory_spec",
+           "check_importable", "is_family_factory"]
 
 ATTENTION_WORK = ("document", "masked")
 """``StageFactory.attention_work``: what the cost model's attention feature counts."""
@@ -134,3 +146,42 @@ def _with_attention(cfg: ModelConfig, attention: str) -> ModelConfig:
     from dataclasses import replace
 
     return replace(cfg, attention=attention)
+
+
+def planning_config(factory: StageFactory) -> ModelConfig:
+    """The ``ModelConfig`` the planner, cost/memory models and inputs use for ``factory`` (module docstring)."""
+    cfg = factory.config
+    if factory.attention_work == "masked" and cfg.attention != "dense":
+        return _with_attention(cfg, "dense")
+    return cfg
+
+
+def is_family_factory(factory: Any) -> bool:
+    """Whether ``factory`` is one of dynmb's own families (``FamilyFactory``)."""
+    from .families import FamilyFactory
+
+    return isinstance(factory, FamilyFactory)
+
+
+def factory_spec(model: Any) -> str | None:
+    """``model`` when it is a ``package.module:factory`` string, else None (presets, JSON files, objects)."""
+    return model if isinstance(model, str) and _is_factory_spec(model) else None
+
+
+def check_importable(spec: str) -> None:
+    """Raise one ``ValueError`` naming ``spec`` unless a fresh interpreter with this one's environment
+    and working directory (what a torchrun worker sees) finds its module (``importlib.util.find_spec``,
+    which imports the parent packages only), and this one has the attribute."""
+    import os
+    import subprocess
+    import sys
+
+    module, _, _ = spec.partition(":")
+    code = f"import importlib.util, sys\nsys.exit(0 if importlib.util.find_spec({module!r}) else 3)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),
+                          cwd=os.getcwd())
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no such module"])[-1]
+        raise ValueError(f"--model {spec}: module {module!r} is not importable by the ranks ({last}); "
+                         f"put its folder on PYTHONPATH or run from the folder that holds it")
+    _import_factory(spec)

@@ -30,6 +30,14 @@ stage (the two copies would need their gradients summed between the first and la
 Every rank builds the same weights: ``from_config`` seeds torch's generator before building the
 model, so ranks that build separately hold identical parameters; a loaded checkpoint is identical by
 construction.
+
+The reverse direction: ``llama_to_hf(weights, cfg)`` builds a transformers ``LlamaForCausalLM`` holding
+the weights of a dynmb Llama (``dynmb.models.llama`` names: ``embed.weight``, ``blocks.i.attn.qkv.weight``
+split by rows into ``q_proj``/``k_proj``/``v_proj``, ``blocks.i.attn.proj`` -> ``o_proj``,
+``blocks.i.mlp.gate_up`` split into ``gate_proj``/``up_proj``, ``blocks.i.mlp.down`` -> ``down_proj``,
+``attn_norm``/``mlp_norm`` -> ``input_layernorm``/``post_attention_layernorm``, ``norm_f`` -> ``norm``,
+``lm_head``, tied when ``cfg.tie_embeddings``); ``weights`` is ``{global name: tensor}`` or the stages
+themselves. ``hf_llama_config(cfg)`` is the matching ``LlamaConfig`` (RMSNorm eps 1e-5, no biases).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from torch import nn
 from dynmb.config import ModelConfig, split_layers
 from dynmb.inputs import IGNORE_INDEX, InputError, MicrobatchInputs, attention_mask
 
-__all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf"]
+__all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf", "hf_llama_config", "llama_to_hf"]
 
 log = logging.getLogger(__name__)
 
@@ -182,3 +190,50 @@ class HFStageFactory:
     @property
     def config_tied(self) -> bool:
         return bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+
+def hf_llama_config(cfg: ModelConfig) -> Any:
+    """The transformers ``LlamaConfig`` of a dynmb Llama ``cfg`` (same sizes, RMSNorm eps 1e-5, no biases)."""
+    from transformers import LlamaConfig
+
+    if cfg.family != "llama":
+        raise ValueError(f"model {cfg.name!r} is of the {cfg.family} family; llama_to_hf takes the llama family")
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                       num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+                       rms_norm_eps=1e-5, max_position_embeddings=cfg.max_seq_len,
+                       tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False)
+
+
+def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
+    """A transformers ``LlamaForCausalLM`` (fp32 unless ``cfg.dtype`` says otherwise) holding the dynmb
+    Llama's weights (module docstring): ``weights`` is ``{global name: tensor}`` or an iterable of its
+    stages (every layer present once)."""
+    from transformers import LlamaForCausalLM
+
+    if not isinstance(weights, dict):
+        weights = {n: p for stage in weights for n, p in stage.named_parameters()}
+    p = {n: t.detach() for n, t in weights.items()}
+    expected = {"embed.weight", "norm_f.weight"} | ({"lm_head.weight"} if not cfg.tie_embeddings else set())
+    missing = sorted(n for n in expected if n not in p) + sorted(
+        f"blocks.{i}" for i in range(cfg.n_layers) if f"blocks.{i}.attn.qkv.weight" not in p)
+    if missing:
+        raise ValueError(f"llama_to_hf: weights of model {cfg.name!r} lack {', '.join(missing[:5])}")
+    model = LlamaForCausalLM(hf_llama_config(cfg)).to(p["embed.weight"].dtype)
+    h, kv, f = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.d_ff
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(p["embed.weight"])
+        for i, layer in enumerate(model.model.layers):
+            b = f"blocks.{i}."
+            qkv, gate_up = p[b + "attn.qkv.weight"], p[b + "mlp.gate_up.weight"]
+            attn, mlp = layer.self_attn, layer.mlp
+            for dst, src in ((attn.q_proj, qkv[:h]), (attn.k_proj, qkv[h:h + kv]), (attn.v_proj, qkv[h + kv:]),
+                             (attn.o_proj, p[b + "attn.proj.weight"]), (mlp.gate_proj, gate_up[:f]),
+                             (mlp.up_proj, gate_up[f:]), (mlp.down_proj, p[b + "mlp.down.weight"]),
+                             (layer.input_layernorm, p[b + "attn_norm.weight"]),
+                             (layer.post_attention_layernorm, p[b + "mlp_norm.weight"])):
+                dst.weight.copy_(src)
+        model.model.norm.weight.copy_(p["norm_f.weight"])
+        if not cfg.tie_embeddings:
+            model.lm_head.weight.copy_(p["lm_head.weight"])
+    return model

@@ -1,8 +1,9 @@
 """The single-process reference a pipeline step must match, for any family.
 
-``reference_grads(cfg, P, plan, tokens)`` builds the ``P`` stages of ``cfg``'s family
-(``dynmb.models.families.build_stages``: the same global names and seeded weights as every
-rank's stage), runs every microbatch of the plan (all replicas) through them in order, each
+``reference_grads(model, P, plan, tokens)`` builds the ``P`` stages of ``model`` -- a ``ModelConfig``
+(its dynmb family) or any ``StageFactory`` (``reference_stages``: ``factory.build_stage`` for every
+stage, the same global names and weights as every rank's stage; a factory's inputs follow
+``planning_config(factory)``) -- runs every microbatch of the plan (all replicas) through them in order, each
 sliced sequence whole in one pass (``whole_documents``), divides each microbatch's summed loss
 by the global batch's real tokens, and returns the token-weighted loss and
 ``{global name: gradient}``. Since the loss is a sum over tokens divided by a constant, the
@@ -17,13 +18,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from typing import Any
+
 from dynmb.config import ModelConfig
 from dynmb.inputs import make_inputs
 from dynmb.types import Microbatch, Plan
 
-from .families import build_stages
+from .contract import planning_config, resolve_model
 
-__all__ = ["reference_grads", "whole_documents", "global_named_parameters", "count_params"]
+__all__ = ["reference_grads", "reference_stages", "whole_documents", "global_named_parameters", "count_params"]
 
 
 def global_named_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -53,11 +56,19 @@ def whole_documents(plan: Plan) -> list[Microbatch]:
     return out
 
 
-def reference_grads(cfg: ModelConfig, num_stages: int, plan: Plan, tokens: Sequence[torch.Tensor], seed: int = 0, *,
+def reference_stages(model: Any, num_stages: int, seed: int = 0, *, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> tuple[ModelConfig, list[nn.Module]]:
+    """``(planning config, all num_stages stages)`` of ``model`` (a ``ModelConfig`` or a ``StageFactory``)."""
+    factory = resolve_model(model)
+    return planning_config(factory), [factory.build_stage(s, num_stages, seed=seed, dtype=dtype, device=device)
+                                      for s in range(num_stages)]
+
+
+def reference_grads(model: Any, num_stages: int, plan: Plan, tokens: Sequence[torch.Tensor], seed: int = 0, *,
                     dtype: torch.dtype | None = None, device: torch.device | str | None = None
                     ) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process reference for one step (module docstring): ``(loss, {global name: grad})``."""
-    stages = build_stages(cfg, num_stages, seed, dtype=dtype, device=device)
+    cfg, stages = reference_stages(model, num_stages, seed, dtype=dtype, device=device)
     total = plan.real_tokens
     loss_sum = 0.0
     for mb in whole_documents(plan):

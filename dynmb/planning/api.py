@@ -49,15 +49,29 @@ class PlannedStep:
     sim: SimResult
 
 
-def _model(model: ModelConfig | str) -> ModelConfig:
-    return model if isinstance(model, ModelConfig) else model_config(str(model))
+def _model(model: Any) -> tuple[ModelConfig, bool]:
+    """``(the ModelConfig planning uses, whether it is a model of the user's own)`` of ``model``: a
+    ``ModelConfig``, a ``--model`` spec (a preset, a JSON file, ``package.module:factory``), a
+    ``StageFactory`` or a callable returning one (``planning_config``: sizes, and the masked
+    attention kind where the factory has it)."""
+    if isinstance(model, ModelConfig):
+        return model, False
+    if isinstance(model, (str, Path)) and ":" not in str(model) or isinstance(model, Path):
+        return model_config(str(model)), False
+    from dynmb.models.contract import is_family_factory, planning_config, resolve_model
+
+    factory = resolve_model(str(model) if isinstance(model, Path) else model)
+    return planning_config(factory), not is_family_factory(factory)
 
 
 class Planner:
     """Plans global batches for one pipeline configuration; see the module docstring.
 
-    ``model``: a ``ModelConfig`` or a ``--model`` spec (``"small"``, ``"small:d_model=512"``,
-    ``"model.json"``); ``memory_limit``: bytes or a size string (``"1GiB"``);
+    ``model``: a ``ModelConfig``, a ``--model`` spec (``"small"``, ``"small:d_model=512"``,
+    ``"model.json"``, ``"package.module:factory"``) or a ``StageFactory`` (or a callable returning
+    one): its ``config`` sizes the models and its ``attention_work`` sets the cost model's attention
+    feature (``dynmb.models.contract.planning_config``); a model of your own planned with a stand-in
+    cost or memory model is warned about once (``warn_stand_ins``); ``memory_limit``: bytes or a size string (``"1GiB"``);
     ``cost_model`` / ``memory_model``: objects or JSON paths (None: the shipped/analytic ones);
     ``schedule``: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (and any kind the builders know);
     ``round_to``: every padded_len a multiple of it; ``dp``: data-parallel replicas;
@@ -68,11 +82,11 @@ class Planner:
     ``layer_split``; a fitted cost or memory model must have been measured on the same split).
     """
 
-    def __init__(self, *, model: ModelConfig | str = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
+    def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
                  cost_model: CostModelLike | None = None, memory_model: MemoryModelLike | None = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even") -> None:
-        self.model_cfg = _model(model)
+        self.model_cfg, own = _model(model)
         if stage_split != "even":                  # "even" keeps a split the model config already carries
             self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split)
         self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=int(virtual), schedule_kind=schedule,
@@ -84,13 +98,15 @@ class Planner:
             path = cost_model if cost_model is not None else default_cost_model_path(
                 self.model_cfg.name, self.num_stages, device)
             cost_model = get_cost_model(path, self.model_cfg, self.num_stages)
-            warn_stand_ins(self.model_cfg, self.num_stages, stand_ins_of(cost_model, None))   # said once
         else:
             cost_model.check(self.model_cfg, self.num_stages)
         if memory_model is None or isinstance(memory_model, (str, Path)):
             memory_model = get_memory_model(memory_model, self.model_cfg, self.num_stages)
         else:
             memory_model.check(self.model_cfg, self.num_stages)
+        # said once: the analytic cost model for any model; the analytic memory model (dynmb's own GPT
+        # stages' bytes) only for a model of the user's own
+        warn_stand_ins(self.model_cfg, self.num_stages, stand_ins_of(cost_model, memory_model if own else None))
         self.cost_model, self.memory_model = cost_model, memory_model
 
     # the settings, read from the spec

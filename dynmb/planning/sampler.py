@@ -160,12 +160,13 @@ def _lengths(lengths: Any) -> np.ndarray:
 class DynamicBatchSampler(Sampler[SampledMicrobatch]):
     """Yields this rank's ``SampledMicrobatch`` records; see the module docstring.
 
-    ``model``: the ``ModelConfig`` (or ``--model`` spec) of the model trained, sizing the
-    stand-in models; ``cost_model`` / ``memory_model``: its fitted models (objects or JSON
+    ``model``: the model trained: a ``ModelConfig``, a ``--model`` spec (``package.module:factory``
+    too) or a ``StageFactory`` (its ``config`` sizes the stand-in models, its ``attention_work``
+    sets the cost model's attention feature; see ``Planner``); ``cost_model`` / ``memory_model``: its fitted models (objects or JSON
     paths). Extra keyword arguments (``schedule``, ``round_to``, ``oversize``, ``pack_len``,
     ``virtual``, ``recompute``, ``device``) go to the ``Planner``."""
 
-    def __init__(self, lengths: Any, global_batch: int, *, model: ModelConfig | str, num_stages: int,
+    def __init__(self, lengths: Any, global_batch: int, *, model: ModelConfig | str | Any, num_stages: int,
                  memory_limit: int | str, cost_model: CostModelLike | str | None = None,
                  memory_model: MemoryModelLike | str | None = None, method: str = "dynamic", num_replicas: int = 1,
                  rank: int = 0, shuffle: bool = True, seed: int = 0, drop_last: bool = False,

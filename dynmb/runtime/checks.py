@@ -18,13 +18,13 @@ raises them on every rank as ``StepCheckError`` once the step's rows are written
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dynmb.config import RunConfig
-from dynmb.models import build_stages, make_inputs, whole_documents
+from dynmb.models import make_inputs, reference_stages, whole_documents
 from dynmb.runtime.records import MemoryRow
 from dynmb.types import Plan
 
@@ -66,13 +66,16 @@ def gather_weights(params: Mapping[str, torch.Tensor], group: dist.ProcessGroup 
 
 
 def reference_gradients(run: RunConfig, plan: Plan, tokens: Sequence[torch.Tensor],
-                        weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                        weights: Mapping[str, torch.Tensor], factory: Any = None) -> dict[str, torch.Tensor]:
     """Single-process gradients of the whole global batch (every replica's microbatches)
     from the pre-step ``weights``, with the pipeline's loss scale (1 / real tokens); a sliced
-    sequence runs whole, in one pass (``dynmb.models.whole_documents``)."""
-    stages = build_stages(run.model, run.pipeline.num_stages, run.seed)
-    for stage in stages:
-        stage.load_state_dict({n: weights[n] for n, _ in stage.named_parameters()})
+    sequence runs whole, in one pass (``dynmb.models.whole_documents``). The stages come from
+    ``factory`` (a fresh one: ``RunSpec.factory()``; None: ``run.model``'s family)."""
+    _, stages = reference_stages(factory if factory is not None else run.model, run.pipeline.num_stages, run.seed)
+    with torch.no_grad():
+        for stage in stages:
+            for name, param in stage.named_parameters():
+                param.copy_(weights[name])
     total = plan.real_tokens
     for microbatch in whole_documents(plan):
         inputs = make_inputs(microbatch, tokens, cfg=run.model)

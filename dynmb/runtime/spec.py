@@ -13,6 +13,14 @@ the launcher wrote before torchrun started (``dynmb.data.prepare_tokens``): its 
 token counts are the run's length trace and every rank reads the same ids from it
 (``RunConfig.dataset`` then only names the corpus); without it the ranks draw synthetic ids.
 
+A run of a model of the user's own (``--model package.module:factory``) records that string
+(``model_factory``; ``run.model`` holds its sizes, ``dynmb.models.contract.planning_config``): every
+rank resolves it and builds its stages with ``factory.build_stage``, and ``--verify``'s reference
+resolves it again (a fresh factory, so a factory whose stages share one model's modules never
+shares them with the reference). ``RunSpec.factory()`` gives the run's factory (dynmb's family of
+``run.model`` without one). ``check()`` makes sure a fresh interpreter started like a torchrun worker
+finds the module.
+
 A run of a given plan (``dynmb run --plan P.json [--schedule S.csv]``) names the plan file
 (``plan``) and optionally a schedule CSV (``schedule``): every step runs that plan, with that
 schedule or the one built for the plan's ``schedule_kind``, instead of planning a new batch.
@@ -30,7 +38,8 @@ the case itself::
     {"run": RunConfig.to_dict(), "out_dir": ..., "run_id": ..., "label": ...,
      "verify": bool, "allow_over_limit": bool, "memory_model": path | null,
      "calibrate": bool | null, "hooks": {"target": "mod:name", "kwargs": {...}} | null,
-     "plan": path | null, "schedule": path | null, "corpus": TokenFile.to_dict() | null}
+     "plan": path | null, "schedule": path | null, "corpus": TokenFile.to_dict() | null,
+     "model_factory": "package.module:factory" | null}
 
 any other job is ``{"out_dir": ..., "cases": [case, ...], "interleave": bool}``.
 ``JobSpec.from_dict`` reads both. The worker reads it (see ``dynmb.runtime.worker``).
@@ -60,7 +69,7 @@ from dynmb.types import Plan, Schedule
 __all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable"]
 
 _RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
-             "plan", "schedule", "corpus")
+             "plan", "schedule", "corpus", "model_factory")
 _JOB_KEYS = ("out_dir", "cases", "interleave")
 
 
@@ -123,19 +132,31 @@ class RunSpec:
     corpus: TokenFile | None = None
     """Real text: the token file of the corpus the global batches are drawn from (its token
     counts are the length trace); None: the trace ``run.dataset`` and synthetic ids."""
+    model_factory: str | None = None
+    """``package.module:factory`` every rank builds its stages with (a model of the user's own);
+    None: dynmb's family of ``run.model``."""
+
+    def factory(self) -> Any:
+        """A fresh ``StageFactory`` of this run (each call resolves ``model_factory`` again)."""
+        from dynmb.models.contract import resolve_model
+        from dynmb.models.families import family_factory
+
+        return resolve_model(self.model_factory) if self.model_factory else family_factory(self.run.model)
 
     @classmethod
     def create(cls, run: RunConfig, out_dir: str | Path, *, run_id: str | None = None, label: str | None = None,
                verify: bool = False, allow_over_limit: bool = False, memory_model: str | None = None,
                calibrate: bool | None = None, hooks: HookRef | None = None, plan: str | Path | None = None,
-               schedule: str | Path | None = None, corpus: TokenFile | None = None) -> RunSpec:
+               schedule: str | Path | None = None, corpus: TokenFile | None = None,
+               model_factory: str | None = None) -> RunSpec:
         """A spec for ``run`` writing to ``out_dir`` (made absolute, as are ``plan`` and
         ``schedule``); ``run_id`` defaults to ``<method>-<schedule>-<8 hex digits>``, new every call."""
         rid = run_id or f"{run.method}-{run.pipeline.schedule}-{uuid.uuid4().hex[:8]}"
         return cls(run=run, out_dir=str(Path(out_dir).resolve()), run_id=rid, label=label, verify=verify,
                    allow_over_limit=allow_over_limit, memory_model=memory_model, calibrate=calibrate, hooks=hooks,
                    plan=str(Path(plan).resolve()) if plan else None,
-                   schedule=str(Path(schedule).resolve()) if schedule else None, corpus=corpus)
+                   schedule=str(Path(schedule).resolve()) if schedule else None, corpus=corpus,
+                   model_factory=model_factory)
 
     @property
     def display_label(self) -> str:
@@ -147,7 +168,7 @@ class RunSpec:
                 "verify": self.verify, "allow_over_limit": self.allow_over_limit, "memory_model": self.memory_model,
                 "calibrate": self.calibrate, "hooks": self.hooks.to_dict() if self.hooks else None,
                 "plan": self.plan, "schedule": self.schedule,
-                "corpus": self.corpus.to_dict() if self.corpus else None}
+                "corpus": self.corpus.to_dict() if self.corpus else None, "model_factory": self.model_factory}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
@@ -159,7 +180,8 @@ class RunSpec:
                    memory_model=data.get("memory_model"), calibrate=data.get("calibrate"),
                    hooks=HookRef.from_dict(hooks) if hooks else None, plan=data.get("plan"),
                    schedule=data.get("schedule"),
-                   corpus=TokenFile.from_dict(data["corpus"]) if data.get("corpus") else None)
+                   corpus=TokenFile.from_dict(data["corpus"]) if data.get("corpus") else None,
+                   model_factory=data.get("model_factory"))
 
     def check(self) -> None:
         """Check what can be checked before torchrun starts (see the module docstring)."""
@@ -173,6 +195,10 @@ class RunSpec:
                              f"{', '.join(REORDER_METHODS)}")
         if not run.timeout_s > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
+        if self.model_factory is not None:
+            from dynmb.models.contract import check_importable
+
+            check_importable(self.model_factory)
         get_cost_model(run.cost_model, run.model, pipeline.num_stages)
         get_memory_model(self.memory_model, run.model, pipeline.num_stages)
         if self.corpus is not None:

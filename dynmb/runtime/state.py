@@ -1,8 +1,9 @@
 """What one run keeps on this rank across its steps, set up once, collectively.
 
 ``RunState(spec, device, hooks)`` creates, in the same order on every rank: the topology
-and process groups (``dynmb.runtime.topology``), this rank's stages (``model.build_stage``,
-weights equal to the single-process model's) and Adam over their parameters, the cost and
+and process groups (``dynmb.runtime.topology``), this rank's stages (``factory.build_stage`` of the
+run's ``StageFactory``, ``RunSpec.factory()``: a user's ``package.module:factory`` or dynmb's family
+of ``run.model``; weights equal to the single-process model's) and Adam over their parameters, the cost and
 memory models, the length trace, the memory meter and the clock. ``plan_batch(k)`` samples
 global batch ``k`` (the trace rows ``data.sample_indices(len(trace), B, seed, k)``) and plans it
 with ``planning.plan_step``: deterministic, so every rank computes the same plan, which records
@@ -34,7 +35,7 @@ from dynmb.costmodel import CalibrationStep, get_cost_model, job_calibration
 from dynmb.data import load_trace, sample_indices
 from dynmb.memory import get_memory_model
 from dynmb.inputs import corpus_tokens
-from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens, torch_dtype
+from dynmb.models import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
@@ -64,6 +65,15 @@ def plan_lengths(plan: Plan) -> np.ndarray:
     return lengths
 
 
+def _check_factory_sizes(built: object, planned: object, spec: str | None) -> None:
+    """The factory a rank resolved has the sizes the run was planned with."""
+    keys = ("vocab_size", "d_model", "n_layers")
+    if spec and any(getattr(built, k) != getattr(planned, k) for k in keys):
+        raise ValueError(f"--model {spec}: this rank's factory has sizes "
+                         f"{[getattr(built, k) for k in keys]}, the run was planned with "
+                         f"{[getattr(planned, k) for k in keys]} ({', '.join(keys)})")
+
+
 @dataclass(frozen=True)
 class PlannedBatch:
     """One global batch and its plan, replica 0's schedule and the simulation of it."""
@@ -84,7 +94,9 @@ class RunState:
         self.topology = Topology.for_run(run, dist.get_rank(), dist.get_world_size())
         self.groups = make_process_groups(self.topology, timedelta(seconds=run.timeout_s), device)
         num_stages = run.pipeline.num_stages
-        self.stages = {s: build_stage(run.model, s, num_stages, run.seed, device=device)
+        self.factory = spec.factory()
+        _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
+        self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
                        for s in self.topology.local_stages}
         self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
         self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)

@@ -188,7 +188,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     memory_rows = _memory_rows(state, step, plan)
     problems = memory_problems(memory_rows, allow_over_limit=state.spec.allow_over_limit)
     if weights is not None and verified_grads is not None:
-        reference = reference_gradients(run, plan, tokens, weights)
+        reference = reference_gradients(run, plan, tokens, weights, factory=state.spec.factory())
         problems += gradient_problems(state.rank, step, verified_grads, reference)
     report = StepReport(rank=state.rank, step_s=step_s, busy_s=busy_s, loss=loss, actions=action_rows,
                         memory=memory_rows, problems=problems)
