@@ -2,7 +2,8 @@
 
 What one row is: for a (trace, tokens, P, DP, method, stage split) ONE global batch is drawn
 (sequences sampled from the trace with ``default_rng([seed, tokens])`` until ``tokens`` is reached,
-the count then rounded up to a multiple of DP so every replica can hold whole sequences), packed for
+the count then rounded up to a multiple of DP so every replica can hold whole sequences; fewer
+sequences than replicas: ``status`` infeasible), packed for
 DP pipelines of P stages with ``dynmb.packing.pack(..., dp=DP)`` (the packers balance the replicas),
 each simulated replica reordered as ``dynmb.Planner`` does (``--reorder auto``: ``search`` for dynamic,
 ``dynapipe`` for dynapipe, none for the others), given its 1F1B schedule and simulated
@@ -124,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "drop"],
                     help="a sequence that cannot fit alone (default truncate, counted)")
-    ap.add_argument("--summary", action="store_true", help="only print the markdown summary of --out")
+    ap.add_argument("--summary", action="store_true", help="only print the markdown summary of --out (folders, comma-separated)")
     ap.add_argument("--out", default="results/scaling", help="results folder (default results/scaling)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
@@ -168,6 +169,8 @@ def token_batch(trace: np.ndarray, tokens: int, dp: int, seed: int) -> np.ndarra
         idx = np.concatenate([idx, rng.integers(0, trace.size, size=n)])
     lens = trace[idx]
     k = int(np.searchsorted(np.cumsum(lens), tokens)) + 1
+    if k < dp:
+        raise PackingError(f"{tokens} tokens are {k} sequences, fewer than the {dp} replicas")
     return lens[: -(-k // dp) * dp].astype(np.int64)
 
 
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         return _scaling_small.main([a for a in argv if a != "--small-batch"])
     args = build_parser().parse_args(argv)
     if args.summary:
-        print(summary_markdown(pd.read_csv(f"{args.out}/scaling.csv")))
+        print(summary_markdown(pd.concat([pd.read_csv(f"{d}/scaling.csv") for d in split_list(args.out)])))
         return 0
     configs = configurations(args)
     print(spec_header(args.link))
@@ -340,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
           f"others {args.others_split}", flush=True)
     resume = Resume(args.out, "scaling", KEYS)
     todo = [c for c in configs if not resume.done(c)]
+    todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"]))   # small batches first, cells grouped
     print(f"scaling: {len(configs)} configurations, {len(configs) - len(todo)} already done", file=sys.stderr)
     cells: dict = {}
     with TableWriter(args.out) as w:
@@ -347,8 +351,13 @@ def main(argv: list[str] | None = None) -> int:
             key = (c["dataset"], c["tokens"], c["num_stages"], c["dp"])
             if key not in cells:
                 cells.clear()                      # one cell at a time: configurations are grouped by cell
-                cells[key] = Cell(c, traces[c["dataset"]], cfg)
-            w.append("scaling", [{**one_row(c, cells[key]), "model": c["model"]}])
+                try:
+                    cells[key] = Cell(c, traces[c["dataset"]], cfg)
+                except PackingError as e:
+                    cells[key] = e
+            cell = cells[key]
+            row = {**c, "status": "infeasible", "error": str(cell)} if isinstance(cell, PackingError) else one_row(c, cell)
+            w.append("scaling", [{**row, "model": c["model"]}])
     return 0
 
 
