@@ -27,7 +27,7 @@ CELL = ["dataset", "tokens", "num_stages", "dp"]
 
 def labelled(df: pd.DataFrame) -> pd.DataFrame:
     """Rows that planned (status ok) with a ``label`` column (dynamic's split named when not even)."""
-    df = df[df["status"] == "ok"].copy()
+    df = df[df["status"] == "ok"].reset_index(drop=True).copy()
     auto = (df["method"] == "dynamic") & (df["stage_split"].astype(str) != "even")
     df["label"] = np.where(auto, "dynamic (" + df["stage_split"].astype(str) + ")", df["method"])
     return df
@@ -69,12 +69,15 @@ def summary_markdown(raw: pd.DataFrame) -> str:
                          "dynapipe", "dynamic") if m in set(df["label"])]
     order += sorted(set(df["label"]) - set(order))
     out = []
-    # 1. gaps per method
-    g = df.groupby(["dataset", "num_stages", "label"])[["gap_to_ideal", "gap_to_bound"]].median().reset_index()
-    g["txt"] = [f"{_pct(a)} / {_pct(b)}" for a, b in zip(g["gap_to_ideal"], g["gap_to_bound"])]
-    t1 = g.pivot(index=["dataset", "num_stages"], columns="label", values="txt").reindex(columns=order).reset_index()
-    t1 = t1.rename(columns={"dataset": "trace", "num_stages": "P"}).fillna("")
-    out += ["Gap to `ideal_s` / gap to own `bound_s` (median over the cells of each trace x P):", "", _md(t1), ""]
+    # 1. gaps per method, one table per (tokens, DP)
+    out += ["Gap to `ideal_s` / gap to own `bound_s`, per trace x P (one global batch each):", ""]
+    for (tokens, dp), part in df.groupby(["tokens", "dp"]):
+        g = part.groupby(["dataset", "num_stages", "label"])[["gap_to_ideal", "gap_to_bound"]].median().reset_index()
+        g["txt"] = [f"{_pct(a)} / {_pct(b)}" for a, b in zip(g["gap_to_ideal"], g["gap_to_bound"])]
+        t1 = g.pivot(index=["dataset", "num_stages"], columns="label", values="txt")
+        t1 = t1.reindex(columns=[c for c in order if c in t1.columns]).reset_index()
+        t1 = t1.rename(columns={"dataset": "trace", "num_stages": "P"}).fillna("")
+        out += [f"{_tok(tokens)} tokens, DP {dp}:", "", _md(t1), ""]
     # 2. dynamic against the best other
     rows = []
     splits = [lbl for lbl in order if lbl.startswith("dynamic")]
@@ -107,6 +110,8 @@ def summary_markdown(raw: pd.DataFrame) -> str:
             "split": d["layer_split"].astype(str).str.replace(" ", ","),
             "mb/replica": d["num_microbatches"], "step s": d["pred_step_s"].map("{:.3f}".format),
             "ideal s": d["ideal_s"].map("{:.3f}".format), "gap ideal": d["gap_to_ideal"].map(_pct),
+            "gap ideal (whole seqs)": (d["pred_step_s"] / d["ideal_whole_s"] - 1).map(_pct)
+            if "ideal_whole_s" in d else "",
             "gap bound": d["gap_to_bound"].map(_pct), "bubble": d["mean_bubble"].map("{:.2f}".format),
             "padding": d["padding_fraction"].map("{:.3f}".format), "attainable": d["attainable"].map("{:.2f}".format),
             "split ceiling": (d["attainable"] * (1 + d["gap_to_ideal"])).map("{:.2f}".format),

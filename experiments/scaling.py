@@ -43,6 +43,9 @@ Columns (table ``scaling``):
   0.55 s). With saturated GEMMs the linear part is additive and the attention part
   (``a / eff(a / tokens)``, ``eff`` saturating) is exactly additive, so every plan's step is >= it.
   ``ideal_dynmb_s`` keeps the unmodified ``plan_ideal`` for reference. ``gap_to_ideal = pred_step_s / ideal_s - 1``;
+  ``ideal_whole_s``: ``ideal_s`` with sequences whole, at least the longest sequence's own ideal on the
+  replica holding it (with few tokens per replica, DP 256, or long-tail traces, no plan can spread the
+  work evenly: ``ideal_s`` is then far below any step);
 - ``attainable = sum over stages of the ideal real-token work / (P x pred_step_s)`` (the same work as
   ``ideal_s``: every sequence's own F + B at its own length, GEMMs saturated, no padding, no per-op
   overhead, divided by DP): the fraction of the machine doing real-token work at the best rate the
@@ -82,7 +85,7 @@ from _scaling_summary import summary_markdown
 
 import dynmb
 from dynmb import data
-from dynmb.bounds import plan_ideal
+from dynmb.bounds import ideal_bound, plan_ideal
 from dynmb.config import parse_bytes
 from dynmb.costmodel import gpu
 from dynmb.memory import get_memory_model
@@ -179,6 +182,30 @@ def saturated(cm: gpu.GPUCostModel) -> gpu.GPUCostModel:
     return gpu.GPUCostModel(cm.model_cfg, cm.num_stages, spec=replace(cm.spec, gemm_m_half=1e-9), comm=cm.comm)
 
 
+def whole_ideal(cm_sat: gpu.GPUCostModel, lengths: np.ndarray, ideal_s: float) -> float:
+    """``ideal_s`` with sequences whole on one replica: at least the longest sequence's own ideal on the
+    replica that holds it (its work on the busiest stage + its fill and drain; ``ideal_s`` spreads the
+    work evenly over the DP replicas as if sequences could be cut between them)."""
+    return max(float(ideal_s), ideal_bound(np.array([int(np.max(lengths))]), cm_sat))
+
+
+def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
+    """Rows of older runs given ``ideal_whole_s`` (recomputed from the deterministic batches)."""
+    if "ideal_whole_s" in df and df["ideal_whole_s"].notna().all():
+        return df
+    df = df.reset_index(drop=True).copy()
+    cfg = model_for(spec, [])
+    traces: dict = {}
+    for key, g in df[df["status"] == "ok"].groupby(["dataset", "tokens", "num_stages", "dp", "stage_split", "seed"]):
+        trace, tokens, P, dp, split, seed = key
+        tr = traces.setdefault(trace, data.load_trace(trace))
+        c = resolve_stage_split(cfg, int(P), str(split))
+        lens = token_batch(tr, int(tokens), int(dp), int(seed))
+        cm = saturated(gpu.GPUCostModel(c, int(P), link=str(g["link"].iloc[0])))
+        df.loc[g.index, "ideal_whole_s"] = [whole_ideal(cm, lens, x) for x in g["ideal_s"]]
+    return df
+
+
 def real_work(cm: gpu.GPUCostModel, lengths: np.ndarray, dp: int) -> float:
     """Sum over stages of every sequence's own F + B at its own length (intercept removed), / dp."""
     uniq, count = np.unique(lengths.astype(np.float64), return_counts=True)
@@ -254,7 +281,7 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
             "tokens_per_replica": tokens_per_replica, "load_ok": tokens_per_replica >= 4 * P * c["mb_tokens"],
             "pack_s": pack_s, "reorder_s": float(np.mean(reorder_s)), "sched_s": float(np.mean(sched_s)),
             "plan_s": plan_s, "row_wall_s": wall_s, "pred_step_s": step, "bound_s": worst.bound_s, "ideal_s": ideal,
-            "ideal_dynmb_s": plan_ideal(plan, cm), "gap_to_bound": step / worst.bound_s - 1,
+            "ideal_dynmb_s": plan_ideal(plan, cm), "ideal_whole_s": whole_ideal(cm_sat, lengths, ideal), "gap_to_bound": step / worst.bound_s - 1,
             "gap_to_ideal": step / ideal - 1, "attainable": work / (P * step),
             "efficiency": real_flops(cfg, P, lengths) / (c["dp"] * P * step * cm.spec.peak_flops),
             "mean_bubble": worst.mean_bubble, "padding_fraction": plan.padding_fraction,
@@ -333,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         return _scaling_small.main([a for a in argv if a != "--small-batch"])
     args = build_parser().parse_args(argv)
     if args.summary:
-        print(summary_markdown(pd.concat([pd.read_csv(f"{d}/scaling.csv") for d in split_list(args.out)])))
+        df = pd.concat([pd.read_csv(f"{d}/scaling.csv") for d in split_list(args.out)], ignore_index=True)
+        print(summary_markdown(complete(df, args.model)))
         return 0
     configs = configurations(args)
     print(spec_header(args.link))
