@@ -48,6 +48,12 @@ def _tok(t: float) -> str:
     return f"{t / 1e6:g}M"
 
 
+def _split(text: str) -> str:
+    """Layers per stage: ``2x16`` when even, else the list."""
+    parts = text.split()
+    return f"{parts[0]}x{len(parts)}" if len(set(parts)) == 1 else ",".join(parts)
+
+
 def _others(df: pd.DataFrame) -> pd.DataFrame:
     """Per cell: the best non-dynamic method's step and name."""
     o = df[df["method"] != "dynamic"]
@@ -107,7 +113,7 @@ def summary_markdown(raw: pd.DataFrame) -> str:
         d = _dynamic(df, auto).sort_values(CELL)
         t3 = pd.DataFrame({
             "trace": d["dataset"], "tokens": d["tokens"].map(_tok), "P": d["num_stages"], "DP": d["dp"],
-            "split": d["layer_split"].astype(str).str.replace(" ", ","),
+            "split": d["layer_split"].astype(str).map(_split),
             "mb/replica": d["num_microbatches"], "step s": d["pred_step_s"].map("{:.3f}".format),
             "ideal s": d["ideal_s"].map("{:.3f}".format), "gap ideal": d["gap_to_ideal"].map(_pct),
             "gap ideal (whole seqs)": (d["pred_step_s"] / d["ideal_whole_s"] - 1).map(_pct)

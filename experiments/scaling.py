@@ -190,7 +190,8 @@ def whole_ideal(cm_sat: gpu.GPUCostModel, lengths: np.ndarray, ideal_s: float) -
 
 
 def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
-    """Rows of older runs given ``ideal_whole_s`` (recomputed from the deterministic batches)."""
+    """Rows of older runs given ``ideal_whole_s`` (recomputed from the deterministic batches, the longest
+    sequence cut to the longest one-row length that fits, as ``--oversize truncate`` cuts it)."""
     if "ideal_whole_s" in df and df["ideal_whole_s"].notna().all():
         return df
     df = df.reset_index(drop=True).copy()
@@ -201,8 +202,12 @@ def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
         tr = traces.setdefault(trace, data.load_trace(trace))
         c = resolve_stage_split(cfg, int(P), str(split))
         lens = token_batch(tr, int(tokens), int(dp), int(seed))
-        cm = saturated(gpu.GPUCostModel(c, int(P), link=str(g["link"].iloc[0])))
-        df.loc[g.index, "ideal_whole_s"] = [whole_ideal(cm, lens, x) for x in g["ideal_s"]]
+        cm = gpu.GPUCostModel(c, int(P), link=str(g["link"].iloc[0]))
+        limit = int(g["memory_limit_bytes"].iloc[0])
+        fits = pack(lens[[int(np.argmax(lens))]], "fixed", num_stages=int(P), memory_limit_bytes=limit,
+                    memory_model=get_memory_model(None, c, int(P)), cost_model=cm,
+                    oversize="truncate").meta["longest_fitting_length"]      # truncation, as the packers cut
+        df.loc[g.index, "ideal_whole_s"] = [whole_ideal(saturated(cm), np.minimum(lens, fits), x) for x in g["ideal_s"]]
     return df
 
 
