@@ -1,28 +1,74 @@
-"""Scaling by simulation: P up to 64 pipeline stages, DP up to 1,024 pipelines, GPU-like costs.
+"""Scaling at realistic load (simulated): global batches of millions of tokens, P 4-32, DP 8-256, H100 costs.
 
-What it measures: for each (trace, P, DP, method) one global batch of ``--per-replica`` x DP
-sequences (sampled with replacement from the trace) is packed for DP pipelines of P stages
-(``dynmb.packing.pack`` with ``dp``; the packer also balances the replicas), and the
-replicas the packer predicts slowest (``--sim-replicas``, default 2, 0 for all: the step
-waits for the slowest; ``predictions["est_replica_makespan_s"]``, the packers' makespan
-estimate per replica, exact where a replica has few microbatches per stage) get their 1F1B
-schedule built and simulated (``dynmb.simulate``). Rows (table ``scaling``, one per configuration):
+What one row is: for a (trace, tokens, P, DP, method, stage split) ONE global batch is drawn
+(sequences sampled from the trace with ``default_rng([seed, tokens])`` until ``tokens`` is reached,
+the count then rounded up to a multiple of DP so every replica can hold whole sequences; fewer
+sequences than replicas: ``status`` infeasible), packed for
+DP pipelines of P stages with ``dynmb.packing.pack(..., dp=DP)`` (the packers balance the replicas),
+each simulated replica reordered as ``dynmb.Planner`` does (``--reorder auto``: ``search`` for dynamic,
+``dynapipe`` for dynapipe, none for the others), given its 1F1B schedule and simulated
+(``dynmb.simulate``). The replicas simulated are the ``--sim-replicas`` (default 2; 0: all) the packer's
+estimate ``predictions["est_replica_makespan_s"]`` says are slowest; the step is the slowest simulated.
 
-- ``pack_s`` (planning the whole global batch), ``sched_s`` (one replica's schedule, built
-  by each replica in parallel), ``plan_s`` = pack_s + sched_s: the planning time per step;
+Model and costs: a Llama configuration (``--model``: a preset name such as ``llama2-7b`` once the
+presets exist, else Llama-2-7B widths built field by field: vocab 32000, d_model 4096, 32 layers,
+32 heads, d_ff 11008, bfloat16), ``max_seq_len`` raised to cover the longest trace length (sequences
+longer than fit alone in memory are truncated, counted in ``truncated``), an 80 GiB limit, the
+analytic memory model and ``dynmb.costmodel.gpu.GPUCostModel`` (H100 SXM, ``--link ib|nvlink``; its
+constants and their public sources are printed first). ``--stage-split even|auto`` (both by default)
+applies to ``dynamic``; the other methods run ``--others-split`` (default even).
+
+Methods: ``fixed`` (largest microbatch size that fits), ``sorted`` at mbs 1, ``packed``,
+``token-budget`` and ``balanced`` at the memory-maximum budget AND, as ``token-budget-best`` /
+``balanced-best``, at the best budget in hindsight: budgets cap / 2^j (j = 0, 1, ... until the
+microbatch count stops changing, the step has grown on two budgets in a row past the best, or the next
+budget would make more than ``MAX_SWEEP_MICROBATCHES`` microbatches in all: the packers' replica
+balancing merges the cheapest pair over all O(n^2) pairs when the count is not a multiple of DP, which
+took over 10 GB at 4M sharegpt tokens), each simulated, the shortest predicted step kept (``budget_div``
+is its 2^j, ``budgets_tried`` how many ran; its plan time is that one budget's: a tuned budget is set
+once, not searched per step),
+``dynapipe`` and ``dynamic``.
+
+Columns (table ``scaling``):
+
 - ``pred_step_s``: the slowest simulated replica's makespan; ``mean_bubble`` of it;
-- ``efficiency`` = real-token FLOPs / (DP x P x pred_step_s x peak): forward + backward
-  (3x forward) FLOPs of every sequence at its own length; ``attainable`` = efficiency / mfu
-  (the cost model runs kernels at ``mfu`` x peak, so 1.0 would mean no bubble, no padding);
-- ``padding_fraction``, ``num_microbatches`` (per replica), ``truncated`` (sequences cut to
-  the longest that fits alone), ``pred_peak_over_limit``.
+- ``bound_s``: that replica's dependency bound (``SimResult.bound_s``, ``dynmb.bounds``);
+  ``gap_to_bound = pred_step_s / bound_s - 1`` (what order, ends and schedule leave);
+- ``ideal_s``: ``dynmb.bounds.plan_ideal`` of the whole plan (DP replicas: busiest stage's real-token
+  work / DP + shortest fill and drain), priced by the same GPU model with GEMMs at their
+  large-problem efficiency (``gemm_m_half`` -> 0). Why: ``plan_ideal`` prices each sequence alone in
+  one row, and ``GPUCostModel``'s GEMM efficiency ``M / (M + 128)`` grows with the tokens M of a
+  microbatch, so a sequence alone is dearer than in a packed microbatch: the cost is subadditive and
+  the per-sequence sum is NOT a lower bound (sharegpt, 0.5M tokens, P 8, DP 8: 0.76 s against dynamic's
+  0.55 s). With saturated GEMMs the linear part is additive and the attention part
+  (``a / eff(a / tokens)``, ``eff`` saturating) is exactly additive, so every plan's step is >= it.
+  ``ideal_dynmb_s`` keeps the unmodified ``plan_ideal`` for reference. ``gap_to_ideal = pred_step_s / ideal_s - 1``;
+  ``ideal_whole_s``: ``ideal_s`` with sequences whole, at least the longest sequence's own ideal on the
+  replica holding it (with few tokens per replica, DP 256, or long-tail traces, no plan can spread the
+  work evenly: ``ideal_s`` is then far below any step);
+- ``attainable = sum over stages of the ideal real-token work / (P x pred_step_s)`` (the same work as
+  ``ideal_s``: every sequence's own F + B at its own length, GEMMs saturated, no padding, no per-op
+  overhead, divided by DP): the fraction of the machine doing real-token work at the best rate the
+  cost model allows; 1.0 only with no bubble, no padding, no overhead, full-size GEMMs and balanced
+  stages. ``efficiency`` = real-token FLOPs / (DP x P x pred_step_s x peak) (model FLOPs utilisation);
+- ``pack_s`` (packing the whole global batch for DP replicas: the packers balance replicas, so this
+  part does not split over replicas today), ``reorder_s`` + ``sched_s`` (one replica: every replica
+  does its own in parallel), ``plan_s`` = their sum, ``plan_over_step = plan_s / pred_step_s``;
+- ``padding_fraction``, ``num_microbatches`` (per replica), ``mbs_used``, ``layer_split``,
+  ``tokens_per_replica``, ``load_ok`` (the replica holds >= 4P microbatches' worth of tokens, a
+  microbatch's worth being ``--mb-tokens``, default 4096: one full Llama-2 context row),
+  ``truncated``, ``pred_peak_over_limit``.
 
-Model: the ``gpt2-deep-13b`` preset (GPT-2 blocks at Llama-7B widths, 64 layers, so P = 64 has one block per
-stage), an 80GiB limit, and ``AnalyticCostModel`` scaled to the GPU: FLOPs / (peak x mfu) +
-a per-op overhead, P2P ``alpha + bytes / bandwidth``. Resumable by settings columns.
+Timings are CPU seconds of this process (``time.process_time``): on a loaded shared box the wall time
+mostly measures waiting for a core (``row_wall_s``, the row's pack + reorder + schedule + simulation, shows
+it), while CPU time is close to what the planning costs on a core of its own. Resumable by settings
+columns; ``--summary`` prints the markdown tables of an existing results folder. The old small-batch grid (256 sequences per
+replica, analytic costs, P up to 64): ``--small-batch`` (``experiments/_scaling_small.py``).
 
-    python experiments/scaling.py --quick --out results/scaling_quick      # ~30 s on this 2-core box
-    python experiments/scaling.py --out results/scaling                    # full grid, ~7 min (DP 1,024)
+    nice python experiments/scaling.py --quick --out results/scaling_quick
+    nice python experiments/scaling.py --out results/scaling                  # full grid
+    python experiments/scaling.py --summary --out results/scaling            # markdown tables
+    python experiments/scaling.py --small-batch --quick                      # the old grid
 """
 
 from __future__ import annotations
@@ -30,130 +76,321 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import asdict, replace
 
 import numpy as np
-from _common import Resume, parse_batches, progress, split_list
+import pandas as pd
+from _common import Resume, progress, split_list
+from _scaling_summary import summary_markdown
 
+import dynmb
 from dynmb import data
-from dynmb import ModelConfig, simulate
+from dynmb.bounds import ideal_bound, plan_ideal
 from dynmb.config import parse_bytes
-from dynmb.costmodel import AnalyticCostModel, CommModel
+from dynmb.costmodel import gpu
 from dynmb.memory import get_memory_model
 from dynmb.packing import PackingError, pack
-from dynmb.planning import make_schedule
+from dynmb.planning import make_schedule, reorder_for
+from dynmb.planning.reorder import reorder as reorder_plan
+from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.results import TableWriter
 
-KEYS = ("dataset", "model", "num_stages", "dp", "per_replica", "global_batch", "memory_limit_bytes", "method",
-        "peak_tflops", "mfu", "overhead_us", "link_GBps", "alpha_us", "sim_replicas", "replica_pick", "seed",
-        "oversize")
-FULL = dict(stages="4,8,16,32,64", dp="1,8,64,1024")
-QUICK = dict(stages="4,16,64", dp="1,8,64")
+KEYS = ("dataset", "model", "tokens", "num_stages", "dp", "method", "stage_split", "link", "memory_limit_bytes",
+        "seed", "oversize", "sim_replicas")
+METHODS = ("fixed", "sorted", "packed", "token-budget", "token-budget-best", "balanced", "balanced-best",
+           "dynapipe", "dynamic")
+FULL = dict(traces="sharegpt,wikitext2,longtail", tokens="0.5M,4M", stages="4,8,16,32", dp="8,256")
+QUICK = dict(traces="sharegpt,longtail", tokens="0.5M", stages="4,16", dp="8")
+MAX_SWEEP_MICROBATCHES = 8192
+"""The -best sweeps stop before a budget that would make more microbatches than this in all."""
+LLAMA2_7B = dict(name="llama2-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008,
+                 dtype="bfloat16")
+"""Llama-2-7B widths (Touvron et al. 2023, Table 1 / the released config.json), until the preset lands."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--quick", action="store_true", help=f"smaller grid: P {QUICK['stages']}, DP {QUICK['dp']}")
+    ap.add_argument("--small-batch", action="store_true", help="run the old small-batch grid instead (its own flags)")
+    ap.add_argument("--quick", action="store_true", help=f"smaller grid: {QUICK}")
+    ap.add_argument("--traces", default=None, help=f"comma-separated traces (default {FULL['traces']})")
+    ap.add_argument("--tokens", default=None, help=f"global-batch token targets, e.g. 0.5M,4M (default {FULL['tokens']})")
     ap.add_argument("--stages", default=None, help=f"comma-separated P (default {FULL['stages']})")
     ap.add_argument("--dp", default=None, help=f"comma-separated DP (default {FULL['dp']})")
-    ap.add_argument("--traces", default="sharegpt,wikitext2", help="comma-separated traces (default sharegpt,wikitext2)")
-    ap.add_argument("--per-replica", default="256", help="sequences per replica, per-trace overrides (default 256)")
-    ap.add_argument("--methods", default="fixed,dynapipe,dynamic", help="packing methods (default fixed,dynapipe,dynamic)")
-    ap.add_argument("--model", default="gpt2-deep-13b", help="model preset (default gpt2-deep-13b: 64 layers)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="methods, -best variants included (default all)")
+    ap.add_argument("--stage-split", default="even,auto", help="layer splits of dynamic (default even,auto)")
+    ap.add_argument("--others-split", default="even", help="layer split of the other methods (default even)")
+    ap.add_argument("--model", default="llama2-7b", help="model preset or spec (default llama2-7b)")
+    ap.add_argument("--link", default="ib", choices=sorted(gpu.LINKS), help="P2P link between stages (default ib)")
     ap.add_argument("--memory-limit", default="80GiB", help="per-GPU limit (default 80GiB)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s per GPU (default 989)")
-    ap.add_argument("--mfu", type=float, default=0.5, help="fraction of peak the kernels reach (default 0.5)")
-    ap.add_argument("--overhead-us", type=float, default=20.0, help="fixed cost per op in microseconds (default 20)")
-    ap.add_argument("--link-GBps", type=float, default=50.0, help="P2P bandwidth in GB/s (default 50)")
-    ap.add_argument("--alpha-us", type=float, default=10.0, help="P2P latency in microseconds (default 10)")
-    ap.add_argument("--sim-replicas", type=int, default=2,
-                    help="replicas simulated: those the packer predicts slowest (default 2; 0: all)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the global batch (default 0)")
+    ap.add_argument("--mb-tokens", type=int, default=4096, help="a microbatch's worth of tokens for load_ok (default 4096)")
+    ap.add_argument("--sim-replicas", type=int, default=2, help="replicas simulated, the predicted slowest (default 2; 0: all)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "drop"],
                     help="a sequence that cannot fit alone (default truncate, counted)")
+    ap.add_argument("--summary", action="store_true", help="only print the markdown summary of --out (folders, comma-separated)")
     ap.add_argument("--out", default="results/scaling", help="results folder (default results/scaling)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
 
-def configurations(args: argparse.Namespace) -> list[dict]:
-    grid = QUICK if args.quick else FULL
-    per = parse_batches(args.per_replica)
-    return [dict(dataset=t, model=args.model, num_stages=p, dp=d, per_replica=per(t), global_batch=per(t) * d,
-                 memory_limit_bytes=parse_bytes(args.memory_limit), method=m, peak_tflops=args.peak_tflops,
-                 mfu=args.mfu, overhead_us=args.overhead_us, link_GBps=args.link_GBps, alpha_us=args.alpha_us,
-                 sim_replicas=args.sim_replicas, replica_pick="estimate", seed=args.seed, oversize=args.oversize)
-            for t in split_list(args.traces) for p in map(int, split_list(args.stages or grid["stages"]))
-            for d in map(int, split_list(args.dp or grid["dp"])) for m in split_list(args.methods)]
+def parse_tokens(text: str) -> int:
+    """``0.5M`` / ``4M`` / ``500k`` / ``500000`` -> tokens."""
+    t = text.strip().upper()
+    scale = {"K": 1e3, "M": 1e6}.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if t[-1:] in "KM" else t) * scale
+    except ValueError:
+        raise ValueError(f"--tokens: {text!r} is not a token count such as 0.5M or 500000") from None
+    if value < 1:
+        raise ValueError(f"--tokens: {text!r} must be >= 1 token")
+    return int(round(value))
 
 
-def gpu_cost_model(c: dict, cfg: ModelConfig) -> AnalyticCostModel:
-    comm = CommModel(alpha_s=c["alpha_us"] * 1e-6, bytes_per_s=c["link_GBps"] * 1e9)
-    return AnalyticCostModel(cfg, c["num_stages"], flops_per_s=c["peak_tflops"] * 1e12 * c["mfu"],
-                             overhead_s=c["overhead_us"] * 1e-6, bwd_ratio=2.0, comm=comm)
+def model_for(spec: str, traces: list[np.ndarray]) -> dynmb.ModelConfig:
+    """The preset ``spec`` (Llama-2-7B built field by field while ``llama2-7b`` is not a preset), its
+    ``max_seq_len`` raised to the longest length of ``traces`` and of every shipped trace (the same
+    model whatever traces a run holds), rounded up to 1024."""
+    longest = max(int(t.max()) for t in [*traces, *(data.load_trace(n) for n in data.list_traces())])
+    need = -(-longest // 1024) * 1024
+    try:
+        cfg = dynmb.model_config(spec)
+    except ValueError:
+        if spec != LLAMA2_7B["name"]:
+            raise
+        cfg = dynmb.ModelConfig(**LLAMA2_7B, max_seq_len=need)
+    return replace(cfg, max_seq_len=max(cfg.max_seq_len, need))
 
 
-def real_flops(cfg: ModelConfig, P: int, lengths: np.ndarray) -> float:
-    """Forward + backward FLOPs of every sequence at its own length (no padding)."""
-    fwd = sum(np.sum(cfg.stage_flops(s, P, 1, lengths.astype(np.float64))) for s in range(P))
-    return 3.0 * float(fwd)
+def token_batch(trace: np.ndarray, tokens: int, dp: int, seed: int) -> np.ndarray:
+    """Sequences drawn from ``trace`` (stream ``default_rng([seed, tokens])``, with replacement) until their
+    tokens reach ``tokens``; the count rounded up to a multiple of ``dp``. Deterministic by seed."""
+    rng = np.random.default_rng([int(seed), int(tokens)])
+    n = int(tokens / max(float(trace.mean()), 1.0) * 1.5) + 4 * dp + 16
+    idx = rng.integers(0, trace.size, size=n)
+    while int(trace[idx].sum()) < tokens + int(trace.max()) * dp:   # enough for the target and the rounding
+        idx = np.concatenate([idx, rng.integers(0, trace.size, size=n)])
+    lens = trace[idx]
+    k = int(np.searchsorted(np.cumsum(lens), tokens)) + 1
+    if k < dp:
+        raise PackingError(f"{tokens} tokens are {k} sequences, fewer than the {dp} replicas")
+    return lens[: -(-k // dp) * dp].astype(np.int64)
 
 
-def slowest_replicas(plan, k: int) -> list[int]:
-    """The k replicas with the longest estimated makespan (all with k = 0). Picking them by
-    bottleneck-stage work instead missed the slowest replica in most DP configurations of
-    ``--quick`` (up to 5% low: with many stages the longest microbatch's round trip, not the
-    work, sets a replica's step)."""
+def saturated(cm: gpu.GPUCostModel) -> gpu.GPUCostModel:
+    """The same GPU model with GEMMs at their large-problem efficiency (the ``ideal_s`` pricing)."""
+    return gpu.GPUCostModel(cm.model_cfg, cm.num_stages, spec=replace(cm.spec, gemm_m_half=1e-9), comm=cm.comm)
+
+
+def whole_ideal(cm_sat: gpu.GPUCostModel, lengths: np.ndarray, ideal_s: float) -> float:
+    """``ideal_s`` with sequences whole on one replica: at least the longest sequence's own ideal on the
+    replica that holds it (its work on the busiest stage + its fill and drain; ``ideal_s`` spreads the
+    work evenly over the DP replicas as if sequences could be cut between them)."""
+    return max(float(ideal_s), ideal_bound(np.array([int(np.max(lengths))]), cm_sat))
+
+
+def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
+    """Rows of older runs given ``ideal_whole_s`` (recomputed from the deterministic batches, the longest
+    sequence cut to the longest one-row length that fits, as ``--oversize truncate`` cuts it)."""
+    if "ideal_whole_s" in df and df["ideal_whole_s"].notna().all():
+        return df
+    df = df.reset_index(drop=True).copy()
+    cfg = model_for(spec, [])
+    traces: dict = {}
+    for key, g in df[df["status"] == "ok"].groupby(["dataset", "tokens", "num_stages", "dp", "stage_split", "seed"]):
+        trace, tokens, P, dp, split, seed = key
+        tr = traces.setdefault(trace, data.load_trace(trace))
+        c = resolve_stage_split(cfg, int(P), str(split))
+        lens = token_batch(tr, int(tokens), int(dp), int(seed))
+        cm = gpu.GPUCostModel(c, int(P), link=str(g["link"].iloc[0]))
+        limit = int(g["memory_limit_bytes"].iloc[0])
+        fits = pack(lens[[int(np.argmax(lens))]], "fixed", num_stages=int(P), memory_limit_bytes=limit,
+                    memory_model=get_memory_model(None, c, int(P)), cost_model=cm,
+                    oversize="truncate").meta["longest_fitting_length"]      # truncation, as the packers cut
+        df.loc[g.index, "ideal_whole_s"] = [whole_ideal(saturated(cm), np.minimum(lens, fits), x) for x in g["ideal_s"]]
+    return df
+
+
+def real_work(cm: gpu.GPUCostModel, lengths: np.ndarray, dp: int) -> float:
+    """Sum over stages of every sequence's own F + B at its own length (intercept removed), / dp."""
+    uniq, count = np.unique(lengths.astype(np.float64), return_counts=True)
+    L = np.concatenate([[0.0], uniq])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        c = cm.stage_costs(np.ones_like(L), L, L * L)
+    total = 0.0
+    for op in ("F", "B"):
+        a = np.asarray(c[op], dtype=np.float64).reshape(cm.num_stages, -1)
+        total += float(np.maximum(a[:, 1:] - a[:, :1], 0.0).sum(axis=0) @ count)
+    return total / dp
+
+
+def real_flops(cfg: dynmb.ModelConfig, P: int, lengths: np.ndarray) -> float:
+    """Forward + backward (3x forward) FLOPs of every sequence at its own length."""
+    return 3.0 * float(sum(np.sum(cfg.stage_flops(s, P, 1, lengths.astype(np.float64))) for s in range(P)))
+
+
+def slowest(plan, k: int) -> list[int]:
     if plan.dp == 1:
         return [0]
     est = np.asarray(plan.predictions["est_replica_makespan_s"])
     return [int(r) for r in np.argsort(-est, kind="stable")[:k or plan.dp]]
 
 
-def one_row(c: dict, trace: np.ndarray, cfg: ModelConfig) -> dict:
+class Cell:
+    """One (trace, tokens, P, DP) batch with its models per layer split."""
+
+    def __init__(self, c: dict, trace: np.ndarray, cfg: dynmb.ModelConfig) -> None:
+        self.batch = token_batch(trace, c["tokens"], c["dp"], c["seed"])
+        self.cfg, self.P, self.link, self._models = cfg, c["num_stages"], c["link"], {}
+
+    def models(self, split: str):
+        if split not in self._models:
+            cfg = resolve_stage_split(self.cfg, self.P, split)
+            cm = gpu.GPUCostModel(cfg, self.P, link=self.link)
+            self._models[split] = (cfg, cm, saturated(cm), get_memory_model(None, cfg, self.P))
+        return self._models[split]
+
+
+def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
+    """Pack the global batch, then reorder, schedule and simulate the slowest replicas."""
+    cfg, cm, cm_sat, mm = cell.models(c["stage_split"])
     P, limit = c["num_stages"], c["memory_limit_bytes"]
-    cm, mm = gpu_cost_model(c, cfg), get_memory_model(None, cfg, P)
-    batch = data.sample_batch(trace, c["global_batch"], c["seed"])
-    t0 = time.perf_counter()
-    try:
-        plan = pack(batch, c["method"], num_stages=P, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    dp=c["dp"], oversize=c["oversize"])
-    except PackingError as e:
-        return {**c, "status": "infeasible", "error": str(e)[:300]}
-    pack_s = time.perf_counter() - t0
-    sims, sched_s = [], []
-    for r in slowest_replicas(plan, c["sim_replicas"]):
+    wall0, t0 = time.perf_counter(), time.process_time()
+    plan = pack(cell.batch, base, num_stages=P, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
+                mbs=mbs, dp=c["dp"], oversize=c["oversize"])
+    pack_s = time.process_time() - t0
+    how = reorder_for(base, "auto")
+    sims, reorder_s, sched_s = [], [], []
+    for r in slowest(plan, c["sim_replicas"]):
         sub = plan.replica(r) if plan.dp > 1 else plan
-        t1 = time.perf_counter()
+        t1 = time.process_time()
+        if how != "none":
+            sub = reorder_plan(sub, how, cost_model=cm, memory_model=mm)
+        t2 = time.process_time()
         sched = make_schedule(sub, "1f1b", memory_model=mm)
-        sched_s.append(time.perf_counter() - t1)
-        sims.append(simulate(sched, sub, cm, mm))
+        t3 = time.process_time()
+        reorder_s.append(t2 - t1)
+        sched_s.append(t3 - t2)
+        sims.append(dynmb.simulate(sched, sub, cm, mm))
     worst = max(sims, key=lambda s: s.makespan_s)
     lengths = np.concatenate([mb.lengths for mb in plan.microbatches])
-    eff = real_flops(cfg, P, lengths) / (c["dp"] * P * worst.makespan_s * c["peak_tflops"] * 1e12)
+    ideal = plan_ideal(plan, cm_sat)
+    work = real_work(cm_sat, lengths, c["dp"])
+    step = worst.makespan_s
     peak = max(float(np.max(s.peak_bytes)) for s in sims if s.peak_bytes is not None)
-    return {**c, "status": "ok", "error": "", "pack_s": pack_s, "sched_s": float(np.mean(sched_s)),
-            "plan_s": pack_s + float(np.mean(sched_s)), "pred_step_s": worst.makespan_s,
-            "mean_bubble": worst.mean_bubble, "efficiency": eff, "attainable": eff / c["mfu"],
-            "real_tokens": plan.real_tokens, "tokens_per_s": plan.real_tokens / worst.makespan_s,
-            "padding_fraction": plan.padding_fraction, "num_microbatches": plan.num_microbatches // plan.dp,
-            "mbs_used": plan.meta.get("mbs"), "truncated": len(plan.meta.get("truncated", [])),
-            "dropped": len(plan.meta.get("dropped", [])), "pred_peak_over_limit": peak / limit}
+    plan_s = pack_s + float(np.mean(reorder_s)) + float(np.mean(sched_s))
+    wall_s = time.perf_counter() - wall0
+    tokens_per_replica = int(cell.batch.sum()) / c["dp"]
+    return {"status": "ok", "error": "", "base_method": base, "layer_split": " ".join(str(len(r)) for r in cfg.stage_layers(P)),
+            "num_sequences": int(cell.batch.size), "real_tokens": plan.real_tokens,
+            "tokens_per_replica": tokens_per_replica, "load_ok": tokens_per_replica >= 4 * P * c["mb_tokens"],
+            "pack_s": pack_s, "reorder_s": float(np.mean(reorder_s)), "sched_s": float(np.mean(sched_s)),
+            "plan_s": plan_s, "row_wall_s": wall_s, "pred_step_s": step, "bound_s": worst.bound_s, "ideal_s": ideal,
+            "ideal_dynmb_s": plan_ideal(plan, cm), "ideal_whole_s": whole_ideal(cm_sat, lengths, ideal), "gap_to_bound": step / worst.bound_s - 1,
+            "gap_to_ideal": step / ideal - 1, "attainable": work / (P * step),
+            "efficiency": real_flops(cfg, P, lengths) / (c["dp"] * P * step * cm.spec.peak_flops),
+            "mean_bubble": worst.mean_bubble, "padding_fraction": plan.padding_fraction,
+            "num_microbatches": plan.num_microbatches // plan.dp, "mbs_used": plan.meta.get("mbs"),
+            "plan_over_step": plan_s / step, "tokens_per_s": plan.real_tokens / step,
+            "truncated": len(plan.meta.get("truncated", [])), "dropped": len(plan.meta.get("dropped", [])),
+            "pred_peak_over_limit": peak / limit}
+
+
+def one_row(c: dict, cell: Cell) -> dict:
+    method = c["method"]
+    base = method.removesuffix("-best")
+    try:
+        if not method.endswith("-best"):
+            return {**c, **plan_once(cell, c, base, 1 if base == "sorted" else None), "budget_div": 1,
+                    "budgets_tried": 1}
+        best, last, worse, tried = None, None, 0, 0
+        for j in range(12):                       # budgets cap / 2^j: stop rules in the module docstring
+            if last is not None and 2 * last * c["dp"] > MAX_SWEEP_MICROBATCHES:
+                break
+            try:
+                r = plan_once(cell, c, base, 1 << j)
+            except PackingError:
+                break
+            tried += 1
+            if best is None or r["pred_step_s"] < best["pred_step_s"]:
+                best, worse = {**r, "budget_div": 1 << j}, 0
+            else:
+                worse += 1
+            if r["num_microbatches"] == last or worse >= 2:
+                break
+            last = r["num_microbatches"]
+        if best is None:
+            raise PackingError(f"{base}: no budget cap/2^j fits")
+        return {**c, **best, "budgets_tried": tried}
+    except PackingError as e:
+        return {**c, "status": "infeasible", "error": str(e)[:300]}
+
+
+def configurations(args: argparse.Namespace) -> list[dict]:
+    grid = QUICK if args.quick else FULL
+    limit = parse_bytes(args.memory_limit)
+    out = []
+    for t in split_list(args.traces or grid["traces"]):
+        for tok in (parse_tokens(x) for x in split_list(args.tokens or grid["tokens"])):
+            for p in map(int, split_list(args.stages or grid["stages"])):
+                for d in map(int, split_list(args.dp or grid["dp"])):
+                    for m in split_list(args.methods):
+                        splits = split_list(args.stage_split if m == "dynamic" else args.others_split)
+                        out += [dict(dataset=t, model=args.model, tokens=tok, num_stages=p, dp=d, method=m,
+                                     stage_split=s, link=args.link, memory_limit_bytes=limit, seed=args.seed,
+                                     oversize=args.oversize, sim_replicas=args.sim_replicas, mb_tokens=args.mb_tokens)
+                                for s in splits]
+    unknown = sorted({c["method"] for c in out} - set(METHODS))
+    if unknown:
+        raise SystemExit(f"scaling.py: unknown method(s) {unknown}; expected some of {', '.join(METHODS)}")
+    return out
+
+
+def spec_header(link: str) -> str:
+    """The GPUSpec constants, the link and their sources (the ``dynmb.costmodel.gpu`` docstring)."""
+    lines = ["GPUCostModel constants (dynmb.costmodel.gpu.H100_SXM):"]
+    lines += [f"  {k} = {v:g}" for k, v in asdict(gpu.H100_SXM).items()]
+    comm = gpu.LINKS[link]
+    lines.append(f"  link {link}: alpha = {comm.alpha_s * 1e6:g} us, bandwidth = {comm.bytes_per_s / 1e9:g} GB/s")
+    doc = gpu.__doc__ or ""
+    if "Sources of the constants" in doc:
+        lines.append(doc[doc.index("Sources of the constants"):].strip())
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--small-batch" in argv:
+        import _scaling_small
+        return _scaling_small.main([a for a in argv if a != "--small-batch"])
     args = build_parser().parse_args(argv)
-    cfg = ModelConfig.preset(args.model)
+    if args.summary:
+        df = pd.concat([pd.read_csv(f"{d}/scaling.csv") for d in split_list(args.out)], ignore_index=True)
+        print(summary_markdown(complete(df, args.model)))
+        return 0
     configs = configurations(args)
+    print(spec_header(args.link))
+    traces = {t: data.load_trace(t) for t in {c["dataset"] for c in configs}}
+    cfg = model_for(args.model, list(traces.values()))
+    print(f"model: {cfg}\nmemory limit: {args.memory_limit}; schedule 1f1b; splits: dynamic {args.stage_split}, "
+          f"others {args.others_split}", flush=True)
     resume = Resume(args.out, "scaling", KEYS)
     todo = [c for c in configs if not resume.done(c)]
-    todo.sort(key=lambda c: (c["dp"], c["num_stages"]))          # cheap ones first: partial results early
+    todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"]))   # small batches first, cells grouped
     print(f"scaling: {len(configs)} configurations, {len(configs) - len(todo)} already done", file=sys.stderr)
-    traces: dict = {}
+    cells: dict = {}
     with TableWriter(args.out) as w:
         for c in progress(todo, total=len(todo), desc="scaling", disable=args.no_progress):
-            tr = traces.setdefault(c["dataset"], data.load_trace(c["dataset"]))
-            w.append("scaling", [one_row(c, tr, cfg)])
+            key = (c["dataset"], c["tokens"], c["num_stages"], c["dp"])
+            if key not in cells:
+                cells.clear()                      # one cell at a time: configurations are grouped by cell
+                try:
+                    cells[key] = Cell(c, traces[c["dataset"]], cfg)
+                except PackingError as e:
+                    cells[key] = e
+            cell = cells[key]
+            row = {**c, "status": "infeasible", "error": str(cell)} if isinstance(cell, PackingError) else one_row(c, cell)
+            w.append("scaling", [{**row, "model": c["model"]}])
     return 0
 
 

@@ -58,9 +58,9 @@ def test_sweep_simulate_only_rows_and_resume(tmp_path):
     assert len(df2) == 12 and (df2["method"] == "sorted").sum() == 4
 
 
-def test_scaling_quick_rows_and_resume(tmp_path):
+def test_scaling_small_batch_rows_and_resume(tmp_path):
     scaling = _script("scaling")
-    argv = ["--quick", "--stages", "4,64", "--dp", "1,8", "--traces", "sharegpt", "--per-replica", "16",
+    argv = ["--small-batch", "--quick", "--stages", "4,64", "--dp", "1,8", "--traces", "sharegpt", "--per-replica", "16",
             "--methods", "fixed,dynamic", "--out", str(tmp_path), "--no-progress"]
     assert scaling.main(argv) == 0
     df = pd.read_csv(tmp_path / "scaling.csv")
@@ -72,6 +72,47 @@ def test_scaling_quick_rows_and_resume(tmp_path):
     assert (df["global_batch"] == 16 * df["dp"]).all() and (df["plan_s"] >= df["pack_s"]).all()
     assert scaling.main(argv) == 0
     assert len(pd.read_csv(tmp_path / "scaling.csv")) == 8
+
+
+def test_scaling_realistic_tiny_grid(tmp_path, capsys):
+    """The realistic-load study on a tiny grid: every step at or above its bound and the batch's
+    ideal (GEMMs saturated: a true lower bound), the tuned budget no slower than the memory maximum,
+    batches of whole sequences per replica, resuming adds nothing, the summary tables print."""
+    scaling = _script("scaling")
+    names, submodules = _dynmb_names(EXP / "scaling.py")
+    assert names <= set(__import__("dynmb").__all__) and not [m for m in submodules if m.startswith("dynmb.runtime")]
+    argv = ["--traces", "gsm8k", "--tokens", "20k", "--stages", "2", "--dp", "2", "--methods",
+            "fixed,token-budget,token-budget-best,dynamic", "--out", str(tmp_path), "--no-progress"]
+    assert scaling.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "gemm_eff_max = 0.78" in out and "Sources of the constants" in out and "link ib" in out
+    df = pd.read_csv(tmp_path / "scaling.csv")
+    assert len(df) == 5 and set(df["status"]) == {"ok"}                 # dynamic twice: even and auto splits
+    assert sorted(df.loc[df["method"] == "dynamic", "stage_split"]) == ["auto", "even"]
+    assert (df["pred_step_s"] >= df["bound_s"] * (1 - 1e-9)).all() and (df["pred_step_s"] >= df["ideal_s"]).all()
+    assert ((df["attainable"] > 0) & (df["attainable"] <= 1)).all() and (df["gap_to_ideal"] >= 0).all()
+    assert (df["num_sequences"] % 2 == 0).all() and (df["real_tokens"] >= 20_000).all()
+    assert (df["plan_s"] >= df["pack_s"]).all() and (df["plan_over_step"] > 0).all()
+    tb = df.set_index("method")["pred_step_s"]
+    assert tb["token-budget-best"] <= tb["token-budget"]
+    assert df.loc[df["method"] == "token-budget-best", "budgets_tried"].item() >= 2
+    assert scaling.main(argv) == 0 and len(pd.read_csv(tmp_path / "scaling.csv")) == 5
+    capsys.readouterr()
+    assert scaling.main(["--summary", "--out", str(tmp_path)]) == 0
+    md = capsys.readouterr().out
+    assert "Gap to `ideal_s`" in md and "| gsm8k | 2 |" in md and "dynamic (auto)" in md and "never behind" in md
+
+
+def test_scaling_token_batch_is_deterministic_and_whole():
+    import numpy as np
+    scaling = _script("scaling")
+    trace = np.array([10, 200, 3000, 45, 7])
+    a, b = scaling.token_batch(trace, 50_000, 8, seed=3), scaling.token_batch(trace, 50_000, 8, seed=3)
+    assert np.array_equal(a, b) and a.size % 8 == 0 and a.sum() >= 50_000
+    assert a[:-8].sum() < 50_000                                       # stops at the target (then whole replicas)
+    assert scaling.parse_tokens("0.5M") == 500_000 and scaling.parse_tokens("20k") == 20_000
+    with pytest.raises(ValueError, match="--tokens"):
+        scaling.parse_tokens("lots")
 
 
 def _synthetic_results(d: Path) -> None:

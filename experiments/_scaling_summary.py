@@ -1,0 +1,163 @@
+"""Markdown summary of ``experiments/scaling.py``'s ``scaling`` table (``--summary``).
+
+A *cell* is one (dataset, tokens, P, DP) global batch; every method planned it. Labels: the method name,
+``dynamic`` with the even layer split, ``dynamic (auto)`` with ``--stage-split auto`` (the other methods
+run their ``--others-split``, even by default). Tables:
+
+1. per trace x P, each method's gap to ``ideal_s`` / gap to its own ``bound_s``, the median over the cells;
+2. per trace x P, dynamic's ratio to the best other method (best other's step / dynamic's: > 1 means
+   dynamic is faster; the minimum over the cells, and which method), its attainable fraction (auto split,
+   minimum and median), its gap to ideal on the cells whose replicas hold >= 4P microbatches' worth of
+   tokens (``load_ok``), and its plan time over its step (maximum);
+3. per cell, dynamic (auto): microbatches per replica, step, ideal, gaps, bubble, padding, attainable,
+   the split's ceiling ``attainable x (1 + gap to ideal)`` (= mean over busiest stage's ideal work, up to
+   the ideal's tiny fill and drain: what the layer split alone allows), best other, plan / step;
+4. the judged-by criteria, each with the cells that miss it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["summary_markdown", "labelled"]
+
+CELL = ["dataset", "tokens", "num_stages", "dp"]
+
+
+def labelled(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows that planned (status ok) with a ``label`` column (dynamic's split named when not even)."""
+    df = df[df["status"] == "ok"].reset_index(drop=True).copy()
+    auto = (df["method"] == "dynamic") & (df["stage_split"].astype(str) != "even")
+    df["label"] = np.where(auto, "dynamic (" + df["stage_split"].astype(str) + ")", df["method"])
+    return df
+
+
+def _md(table: pd.DataFrame) -> str:
+    cols = [str(c) for c in table.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _pct(x: float) -> str:
+    return "" if pd.isna(x) else f"{100 * x:+.0f}%"
+
+
+def _tok(t: float) -> str:
+    return f"{t / 1e6:g}M"
+
+
+def _split(text: str) -> str:
+    """Layers per stage: ``2x16`` when even, else the list."""
+    parts = text.split()
+    return f"{parts[0]}x{len(parts)}" if len(set(parts)) == 1 else ",".join(parts)
+
+
+def _others(df: pd.DataFrame) -> pd.DataFrame:
+    """Per cell: the best non-dynamic method's step and name."""
+    o = df[df["method"] != "dynamic"]
+    i = o.groupby(CELL)["pred_step_s"].idxmin()
+    return o.loc[i, CELL + ["pred_step_s", "label"]].rename(columns={"pred_step_s": "best_other_s",
+                                                                       "label": "best_other"})
+
+
+def _dynamic(df: pd.DataFrame, label: str) -> pd.DataFrame:
+    d = df[df["label"] == label].merge(_others(df), on=CELL, how="left")
+    return d.assign(ratio=d["best_other_s"] / d["pred_step_s"])
+
+
+def summary_markdown(raw: pd.DataFrame) -> str:
+    df = labelled(raw)
+    if df.empty:
+        return "(no rows with status ok)"
+    order = [m for m in ("fixed", "sorted", "packed", "token-budget", "token-budget-best", "balanced", "balanced-best",
+                         "dynapipe", "dynamic") if m in set(df["label"])]
+    order += sorted(set(df["label"]) - set(order))
+    out = []
+    # 1. gaps per method, one table per (tokens, DP)
+    out += ["Gap to `ideal_s` / gap to own `bound_s`, per trace x P (one global batch each):", ""]
+    for (tokens, dp), part in df.groupby(["tokens", "dp"]):
+        g = part.groupby(["dataset", "num_stages", "label"])[["gap_to_ideal", "gap_to_bound"]].median().reset_index()
+        g["txt"] = [f"{_pct(a)} / {_pct(b)}" for a, b in zip(g["gap_to_ideal"], g["gap_to_bound"])]
+        t1 = g.pivot(index=["dataset", "num_stages"], columns="label", values="txt")
+        t1 = t1.reindex(columns=[c for c in order if c in t1.columns]).reset_index()
+        t1 = t1.rename(columns={"dataset": "trace", "num_stages": "P"}).fillna("")
+        out += [f"{_tok(tokens)} tokens, DP {dp}:", "", _md(t1), ""]
+    # 2. dynamic against the best other
+    rows = []
+    splits = [lbl for lbl in order if lbl.startswith("dynamic")]
+    auto = "dynamic (auto)" if "dynamic (auto)" in splits else splits[-1] if splits else None
+    for (trace, P), _ in df.groupby(["dataset", "num_stages"]):
+        sub = df[(df["dataset"] == trace) & (df["num_stages"] == P)]
+        row = {"trace": trace, "P": P}
+        for lbl in splits:
+            d = _dynamic(sub, lbl)
+            if d.empty or d["ratio"].isna().all():
+                continue
+            w = d.loc[d["ratio"].idxmin()]
+            row[f"{lbl}: min ratio (vs)"] = f"{w['ratio']:.3f} ({w['best_other']})"
+            row[f"{lbl}: max plan/step"] = f"{d['plan_over_step'].max():.3f}"
+        if auto is not None:
+            d = sub[sub["label"] == auto]
+            if not d.empty:
+                row[f"{auto}: attainable min / median"] = f"{d['attainable'].min():.2f} / {d['attainable'].median():.2f}"
+                ok = d[d["load_ok"].astype(bool)]
+                row[f"{auto}: max gap to ideal, load_ok cells"] = _pct(ok["gap_to_ideal"].max()) if len(ok) else "(none)"
+        rows.append(row)
+    out += ["Dynamic against the best other method (ratio = best other's step / dynamic's, > 1: dynamic faster; "
+            "minimum over the cells), attainable, gap to ideal where a replica holds >= 4P microbatches' worth, "
+            "plan time / step:", "", _md(pd.DataFrame(rows).fillna("")), ""]
+    # 3. per cell, dynamic (auto)
+    if auto is not None:
+        d = _dynamic(df, auto).sort_values(CELL)
+        t3 = pd.DataFrame({
+            "trace": d["dataset"], "tokens": d["tokens"].map(_tok), "P": d["num_stages"], "DP": d["dp"],
+            "split": d["layer_split"].astype(str).map(_split),
+            "mb/replica": d["num_microbatches"], "step s": d["pred_step_s"].map("{:.3f}".format),
+            "ideal s": d["ideal_s"].map("{:.3f}".format), "gap ideal": d["gap_to_ideal"].map(_pct),
+            "gap ideal (whole seqs)": (d["pred_step_s"] / d["ideal_whole_s"] - 1).map(_pct)
+            if "ideal_whole_s" in d else "",
+            "gap bound": d["gap_to_bound"].map(_pct), "bubble": d["mean_bubble"].map("{:.2f}".format),
+            "padding": d["padding_fraction"].map("{:.3f}".format), "attainable": d["attainable"].map("{:.2f}".format),
+            "split ceiling": (d["attainable"] * (1 + d["gap_to_ideal"])).map("{:.2f}".format),
+            "best other": d["best_other"], "x best other": d["ratio"].map("{:.3f}".format),
+            "plan/step": d["plan_over_step"].map("{:.3f}".format), "load_ok": d["load_ok"]})
+        out += [f"Per cell, {auto}:", "", _md(t3), ""]
+    out += ["Judged-by criteria (cells that miss them):", "", criteria_markdown(df, splits, auto)]
+    return "\n".join(out)
+
+
+def criteria_markdown(df: pd.DataFrame, splits: list[str], auto: str | None) -> str:
+    lines = []
+    for lbl in splits:
+        d = _dynamic(df, lbl)
+        behind = d[d["ratio"] < 1]
+        lines.append(f"- {lbl} never behind any method: {'met' if behind.empty else 'NOT met'} "
+                     f"({len(behind)} of {len(d)} cells behind"
+                     + ("".join(f"; {r.dataset} {_tok(r.tokens)} P{r.num_stages} DP{r.dp}: {r.best_other} "
+                                f"{1 / r.ratio - 1:+.1%}" for r in behind.itertuples()) if len(behind) else "") + ")")
+    for lbl in splits:
+        d = df[(df["label"] == lbl) & df["load_ok"].astype(bool)]
+        lim = np.where(d["num_stages"] <= 16, 0.10, 0.20)
+        miss = d[(d["gap_to_ideal"] > lim) & (d["num_stages"] <= 32)]
+        lines.append(f"- {lbl} within 10% (P <= 16) / 20% (P = 32) of ideal where load_ok: "
+                     f"{'met' if miss.empty and len(d) else 'NOT met' if len(d) else 'no load_ok cells'} "
+                     f"({len(miss)} of {len(d)} load_ok cells miss"
+                     + "".join(f"; {r.dataset} {_tok(r.tokens)} P{r.num_stages} DP{r.dp}: {_pct(r.gap_to_ideal)} "
+                               f"(bubble {r.mean_bubble:.2f}, padding {r.padding_fraction:.3f}, gap to bound "
+                               f"{_pct(r.gap_to_bound)})" for r in miss.itertuples()) + ")")
+    if auto is not None:
+        d = df[(df["label"] == auto) & (df["num_stages"] <= 16)]
+        miss = d[d["attainable"] < 0.85]
+        ceiling = d["attainable"] * (1 + d["gap_to_ideal"])
+        lines.append(f"- {auto} attainable >= 0.85 at P <= 16: {'met' if miss.empty else 'NOT met'} "
+                     f"({len(miss)} of {len(d)} cells below; lowest {d['attainable'].min():.2f}; the split's ceiling "
+                     f"(mean / busiest stage's ideal work) below 0.85 in {int((ceiling < 0.85).sum())} of them)")
+    for lbl in splits:
+        d = df[df["label"] == lbl]
+        miss = d[d["plan_over_step"] > 0.05]
+        lines.append(f"- {lbl} plan time <= 5% of its step: {'met' if miss.empty else 'NOT met'} "
+                     f"({len(miss)} of {len(d)} cells over; max {d['plan_over_step'].max():.3f}, pack share "
+                     f"{(d['pack_s'] / d['plan_s']).median():.2f} median)")
+    return "\n".join(lines)
