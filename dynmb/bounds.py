@@ -224,7 +224,13 @@ def plan_lengths_pieces(plan: Plan) -> tuple[np.ndarray, int]:
 
 def _seq_costs(cost_model: CostModelLike, lengths: np.ndarray) -> dict[str, np.ndarray]:
     """``{"F", "B"}: [S, n]``, ``d_op`` of sequences of ``lengths`` (module doc): one row each, no
-    overhead, no intercept (the one cost lookup ``stage_costs`` at one row, minus its value at length 0)."""
+    overhead, no intercept (the one cost lookup ``stage_costs`` at one row, minus its value at length 0).
+    A cost model whose time per token falls as a microbatch grows (``GPUCostModel``: efficiency rises
+    with the GEMM's size) prices a sequence alone above its share of a packed row, so it gives its own
+    ideal (``ideal_stage_costs``: every FLOP at its best efficiency), which stays a lower bound."""
+    own = getattr(cost_model, "ideal_stage_costs", None)
+    if own is not None:
+        return {op: np.asarray(c, dtype=np.float64) for op, c in own(np.asarray(lengths, dtype=np.float64)).items()}
     L = np.concatenate([[0.0], lengths.astype(np.float64)])     # length 0 first: the intercept
     full = cost_model.stage_costs(np.ones_like(L), L, L * L)
     out = {}

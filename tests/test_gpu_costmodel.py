@@ -46,3 +46,19 @@ def test_round_trip_and_links() -> None:
         GPUCostModel(ModelConfig.preset("small"), 2, link="ethernet")
     with pytest.raises(ValueError, match="peak_flops"):
         GPUSpec(peak_flops=0)
+
+
+def test_the_ideal_stays_below_every_plan_of_a_gpu_model() -> None:
+    # efficiency rises with microbatch size, so a sequence alone costs more than its share of a row:
+    # the ideal prices every FLOP at the best efficiency and stays a lower bound
+    import dynmb
+    from dynmb.data import load_trace, sample_batch
+
+    cfg = ModelConfig.preset("small", d_model=1024, n_heads=16, d_ff=4096, n_layers=8, vocab_size=32000,
+                             max_seq_len=32768)
+    planner = dynmb.Planner(model=cfg, num_stages=4, memory_limit="80GiB", cost_model=GPUCostModel(cfg, 4),
+                            oversize="truncate")
+    batch = sample_batch(load_trace("sharegpt"), 256, seed=1)
+    for method in ("fixed", "packed", "balanced", "dynamic"):
+        sim = planner.plan(batch, method=method).sim
+        assert sim.ideal_s <= sim.bound_s * (1 + 1e-9) and sim.bound_s <= sim.makespan_s * (1 + 1e-9), method
