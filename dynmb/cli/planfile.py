@@ -60,7 +60,7 @@ def plan_model(plan: Plan, args: argparse.Namespace, plan_path: str) -> ModelCon
         model = model_config(str(recorded))
     else:
         model = model_config(getattr(args, "model", None) or "small")
-    if plan.spec is not None and model.attention != plan.spec.attention:
+    if plan.spec is not None and plan.spec.attention is not None and model.attention != plan.spec.attention:
         model = replace(model, attention=plan.spec.attention)
     flag_model = getattr(args, "model", None)
     factory = plan.meta.get("model_factory")
