@@ -105,7 +105,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                        "dynmb.features", "dynmb.config", "dynmb.model_sizes", "dynmb.units")),
     ("data", _modules("dynmb.data", "lengths", "corpus", "tokens")),
     ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
-    ("models of the hardware", ("dynmb.memory", "dynmb.memory_peak", "dynmb.memory_fit",
+    ("models of the hardware", ("dynmb.memory", "dynmb.memory_peak", "dynmb.memory_fit", "dynmb.memory_coef",
                                 *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls", "samples",
                                           "split", "calibration", "registry", "validate", "gpu"))),
     ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.bounds")),

@@ -1,0 +1,145 @@
+"""The analytic memory coefficients per model family: bytes a stage keeps per token and per row * s^2.
+
+Counted from what ``dynmb.models`` saves for backward (``torch.autograd`` saved tensors, each storage
+once), per family (gpt2, llama), for the activations held from a microbatch's F to its B
+(``block_act_coef``, ``stage_act_per_token``, ``head_act_per_token``), the bytes held from a split
+backward's I to its W (``w_coef``) and what full recomputation saves and re-creates
+(``recompute_saved_coef``, ``recompute_transient_coef``). ``dynmb.memory.MemoryModel.analytic``
+assembles them per stage; the CPU meter checks them (tests/test_memory.py, tests/test_llama.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+
+__all__ = ["BUCKET_PADDING", "block_act_coef", "stage_act_per_token", "head_act_per_token", "w_coef",
+           "recompute_saved_coef", "recompute_transient_coef"]
+
+BUCKET_PADDING = 1 / 16
+"""Bound on the pad tokens of bucketed document attention (``dynmb.models.bucket_documents``),
+as a fraction of the microbatch's real tokens; the ``auto`` memory model charges it."""
+
+
+def block_act_coef(c: ModelConfig) -> np.ndarray:
+    """``(a1, a2)`` of one block: bytes saved for backward per token and per row * s^2.
+
+    gpt2. Outside attention: both LayerNorm inputs and the MLP's fc input (3d), the GELU input
+    and the MLP-proj input (2f) at ``e`` bytes, and 2 x 2 fp32 LayerNorm statistics. The
+    attention sublayer saves its input (d: qkv's input), the shared q/k/v storage (3d), the SDPA
+    output (d: also proj's input) and the per-head fp32 logsumexp.
+
+    llama (``k = n_kv_heads * head_dim``). Outside attention: each RMSNorm's input and its
+    normalised input before the gain (``F.rms_norm``'s decomposition saves both: 4d), the SwiGLU
+    input (d), the gate/up storage (2f, saved whole through the gate and up views), the SiLU
+    output and the down projection's input (2f), and 2 fp32 RMSNorm statistics. The attention
+    sublayer saves its input (d), the q/k/v storage (d + 2k: the value view keeps it), the
+    rotated q and k (d + k), the SDPA output (d: also the output projection's input) and the
+    per-head fp32 logsumexp. The rotary cos/sin tables are per stage (``stage_act_per_token``).
+
+    ``dense`` adds the additive (s, s) mask; ``auto`` saves no mask, and its packed path runs the
+    sublayer on the documents gathered into buckets, at most ``1 + BUCKET_PADDING`` times the real
+    tokens, which is charged to every microbatch (an upper bound, exact for padded ones up to it).
+    """
+    e, d, f, h = c.dtype_bytes, c.d_model, c.d_ff, c.n_heads
+    if c.family == "llama":
+        k = c.kv_heads * c.head_dim
+        outside, attention = e * (5 * d + 4 * f) + 8, e * (4 * d + 3 * k) + 4 * h
+    else:
+        outside, attention = e * (3 * d + 2 * f) + 16, 5 * d * e + 4 * h
+    if c.attention == "dense":
+        return np.array([outside + attention, e])
+    return np.array([outside + (1 + BUCKET_PADDING) * attention, 0.0])
+
+
+def stage_act_per_token(c: ModelConfig, first: bool) -> float:
+    """Per-token bytes a stage saves outside its blocks and head: on the first stage the token ids
+    (int64) and, for learned positions, the position ids (int64); for rotary positions the cos and
+    sin tables (``2 * head_dim`` at ``e`` bytes, in the bucket layout under ``auto``), shared by the
+    stage's blocks."""
+    out = (16.0 if c.learned_positions else 8.0) if first else 0.0
+    if not c.learned_positions:
+        g = 1.0 if c.attention == "dense" else 1.0 + BUCKET_PADDING
+        out += 2 * c.head_dim * c.dtype_bytes * g
+    return out
+
+
+# --- split backward and recomputation -------------------------------------------------------------
+# Memory of a split backward and of full recomputation, per stage, as ``[P, 3]`` coefficients.
+#
+# Same form as the activation model above: bytes of a (b rows x s) microbatch = ``c0 + c1*b*s + c2*b*s^2``.
+# Counted from what ``dynmb.models`` and ``dynmb.runtime.splitbackward`` keep (``e`` the model's
+# dtype bytes, ``d`` d_model, ``f`` d_ff, ``V`` the vocabulary, ``L`` the stage's blocks, ``g = 1 +
+# BUCKET_PADDING`` under ``attention="auto"`` (bucketed documents, an upper bound) else 1):
+#
+# - ``w_coef``: held from ``I`` to ``W`` (each Linear call's input and output gradient). Per block
+#   and token ``e * (2d + 2f + 6d g)``: qkv (input d, gradient 3d), attention projection (d, d),
+#   MLP fc (d, f), MLP projection (f, d); the last stage adds the LM head's (d, V). Measured with the
+#   CPU meter on the small preset (2 and 4 stages, padded and packed rows): exact for one document per
+#   row (16,384 B per block and token), within the bucket padding for packed rows.
+# - ``recompute_saved_coef``: what a recomputed microbatch does not hold from F to B: each
+#   block's saved activations except its input, which the recomputation keeps (``e d`` per token).
+# - ``recompute_transient_coef``: one block's activations, live while that block is recomputed
+#   and back-propagated (added to the op's transient bytes; an upper bound, since on the last
+#   stage the logits gradient is gone by then).
+#
+# Measured peak of one microbatch through a stage with recomputation (small preset, 1 x 512,
+# stage 0 of 2): 1.58 MB held after the forward (17.3 MB without), 9.46 MB during its backward.
+
+
+def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: bytes held from a microbatch's ``I`` to its ``W`` on each stage: every Linear
+    call's input and output gradient. Per block and token, gpt2: ``e (2d + 2f + 6d g)`` (qkv d + 3d,
+    proj d + d, fc d + f, proj f + d); llama (``k = n_kv_heads * head_dim``): ``e (2d + 3f + (4d +
+    2k) g)`` (qkv d + d + 2k, proj d + d, gate_up d + 2f, down f + d); the last stage adds the LM
+    head's (d, V)."""
+    e, d, f, v = cfg.dtype_bytes, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    g = 1.0 if cfg.attention == "dense" else 1.0 + BUCKET_PADDING
+    if cfg.family == "llama":
+        k = cfg.kv_heads * cfg.head_dim
+        per_block = e * (2 * d + 3 * f + (4 * d + 2 * k) * g)
+    else:
+        per_block = e * (2 * d + 2 * f + 6 * d * g)
+    out = np.zeros((num_stages, 3))
+    for i, layers in enumerate(cfg.stage_layers(num_stages)):
+        out[i, 1] = len(layers) * per_block
+        if i == num_stages - 1 and not cfg.tie_embeddings:
+            out[i, 1] += e * (d + v)
+    return out
+
+
+def head_act_per_token(cfg: ModelConfig) -> float:
+    """Bytes per token the last stage's head saves for backward: norm_f input and output (RMSNorm
+    also its normalised input before the gain), its fp32 statistics (LayerNorm: mean and rstd;
+    RMSNorm: rstd), the fp32 log-softmax output and the int64 labels."""
+    if cfg.family == "llama":
+        return 3 * cfg.d_model * cfg.dtype_bytes + 4 + 4 * cfg.vocab_size + 8
+    return 2 * cfg.d_model * cfg.dtype_bytes + 8 + 4 * cfg.vocab_size + 8
+
+
+def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' but their
+    inputs, and on the last stage the head's but its input (``dynmb.models.RecomputedHead``)."""
+    out = np.zeros((num_stages, 3))
+    blk = block_act_coef(cfg)
+    for i, layers in enumerate(cfg.stage_layers(num_stages)):
+        out[i, 1] = len(layers) * (blk[0] - cfg.dtype_bytes * cfg.d_model)
+        out[i, 2] = len(layers) * blk[1]
+    out[-1, 1] += head_act_per_token(cfg) - cfg.dtype_bytes * cfg.d_model
+    return out
+
+
+def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: what a recomputed backward re-creates at a time, on top of the stage's
+    transient bytes: one block's activation bytes; on the last stage, whose transient is the
+    fp32 logits gradient (4 V per token), the head's re-created activations while that gradient
+    lives, or one block's after it is gone (the head's backward runs first), whichever is larger:
+    ``max(block - 4 V, head)``."""
+    out = np.zeros((num_stages, 3))
+    blk = block_act_coef(cfg)
+    for i, layers in enumerate(cfg.stage_layers(num_stages)):
+        if len(layers):
+            out[i, 1:] = blk
+    out[-1, 1] = max(out[-1, 1] - 4 * cfg.vocab_size, head_act_per_token(cfg))
+    return out
