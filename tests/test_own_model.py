@@ -149,6 +149,23 @@ def test_run_spec_records_the_factory_and_the_launcher_checks_it_imports(tmp_pat
         resolve_model("no_such_module_xyz:f")
 
 
+def test_compare_cases_build_their_stages_with_the_factory(tmp_path):
+    from dynmb.compare import CompareSettings, prepare_compare
+
+    _own()
+    settings = CompareSettings(model="own_model:tiny_decoder", methods=("fixed", "dynamic"), dataset="gsm8k",
+                               global_batch=8, stages=2, steps=1, warmup=0, device="cpu", memory_limit="16MiB",
+                               fixed_best=False, out=str(tmp_path))
+    job = prepare_compare(settings.resolved())
+    assert [c.method for c in job.cases] == ["fixed", "dynamic"]
+    for case in job.cases:
+        assert case.spec.model_factory == "own_model:tiny_decoder"
+        assert case.spec.run.model == planning_config(_own().tiny_decoder())
+    family = prepare_compare(CompareSettings(model="tiny", methods=("dynamic",), dataset="gsm8k", global_batch=8,
+                                             device="cpu", out=str(tmp_path / "f")).resolved())
+    assert family.cases[0].spec.model_factory is None
+
+
 def test_cli_refuses_a_bad_factory_in_one_line_before_torchrun(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dynmb.cli", "run", "--model", "no_such_module_xyz:f",
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, env=_env(), cwd=ROOT)
