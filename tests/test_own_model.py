@@ -166,6 +166,17 @@ def test_compare_cases_build_their_stages_with_the_factory(tmp_path):
     assert family.cases[0].spec.model_factory is None
 
 
+def test_cli_points_a_python_file_or_a_transformers_config_to_the_factory_spec(tmp_path, capsys):
+    from dynmb.cli.main import main
+
+    hf_json = tmp_path / "config.json"
+    hf_json.write_text('{"hidden_size": 256, "num_hidden_layers": 4}')
+    for spec, says in (("mymodel.py", "--model mymodel:<factory>"), (str(hf_json), "package.module:factory")):
+        assert main(["plan", "--model", spec, "--dataset", "gsm8k"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+
+
 def test_cli_refuses_a_bad_factory_in_one_line_before_torchrun(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dynmb.cli", "run", "--model", "no_such_module_xyz:f",
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, env=_env(), cwd=ROOT)

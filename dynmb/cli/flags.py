@@ -97,11 +97,23 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
     (``model`` / ``stages`` override the flags where a verb resolves its own defaults). For
     ``package.module:factory`` the sizes and attention kind of its factory (``planning_config``)."""
     spec = model or args.model
+    if spec.endswith(".py"):
+        module = spec[:-3].replace("/", ".").replace("\\", ".").lstrip(".")
+        raise ValueError(f"--model {spec}: a Python file is not a model; name the function in it that returns a "
+                         f"StageFactory: --model {module}:<factory> (its folder on PYTHONPATH; docs/design.md "
+                         f"'The stage contract')")
     if names_factory(spec):
         from dynmb.models.contract import planning_config
 
         return planning_config(factory_from_args(args, model=model, stages=stages))
-    cfg = model_config(spec, attention=getattr(args, "attention", None))
+    try:
+        cfg = model_config(spec, attention=getattr(args, "attention", None))
+    except ValueError as e:
+        if spec.endswith(".json") and "unknown ModelConfig field" in str(e):
+            raise ValueError(f"{e}; a model of your own (a transformers config too) enters as --model "
+                             "package.module:factory, e.g. a function returning "
+                             "dynmb.models.hf.HFStageFactory.from_config(config)") from None
+        raise
     split = getattr(args, "stage_split", "even") or "even"
     if split == "even":
         return cfg
