@@ -18,6 +18,7 @@ Every flag has its help; defaults are the ones ``dynmb VERB --help`` shows.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import numpy as np
@@ -75,11 +76,18 @@ def names_factory(spec: str) -> bool:
     return factory_spec(spec) is not None
 
 
+@functools.lru_cache(maxsize=4)
+def _resolved(spec: str) -> Any:
+    """``resolve_model(spec)`` once per command (a factory may build a whole model when called)."""
+    from dynmb.models.contract import resolve_model
+
+    return resolve_model(spec)
+
+
 def factory_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> Any:
     """The ``StageFactory`` of ``--model`` (``model`` overrides it), ``--attention`` and ``--stage-split``
     over ``--stages`` stages (``stages`` overrides it). A user's factory builds its own split: only
     ``--stage-split even`` applies to it."""
-    from dynmb.models.contract import resolve_model
     from dynmb.models.families import family_factory
 
     spec = model or args.model
@@ -88,7 +96,7 @@ def factory_from_args(args: argparse.Namespace, *, model: str | None = None, sta
         if split != "even":
             raise ValueError(f"--stage-split {split}: a model of your own ({spec}) splits its layers itself; "
                              "use --stage-split even")
-        return resolve_model(spec)
+        return _resolved(spec)
     return family_factory(model_from_args(args, model=model, stages=stages))
 
 
