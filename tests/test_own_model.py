@@ -149,6 +149,34 @@ def test_run_spec_records_the_factory_and_the_launcher_checks_it_imports(tmp_pat
         resolve_model("no_such_module_xyz:f")
 
 
+def test_compare_cases_build_their_stages_with_the_factory(tmp_path):
+    from dynmb.compare import CompareSettings, prepare_compare
+
+    _own()
+    settings = CompareSettings(model="own_model:tiny_decoder", methods=("fixed", "dynamic"), dataset="gsm8k",
+                               global_batch=8, stages=2, steps=1, warmup=0, device="cpu", memory_limit="16MiB",
+                               fixed_best=False, out=str(tmp_path))
+    job = prepare_compare(settings.resolved())
+    assert [c.method for c in job.cases] == ["fixed", "dynamic"]
+    for case in job.cases:
+        assert case.spec.model_factory == "own_model:tiny_decoder"
+        assert case.spec.run.model == planning_config(_own().tiny_decoder())
+    family = prepare_compare(CompareSettings(model="tiny", methods=("dynamic",), dataset="gsm8k", global_batch=8,
+                                             device="cpu", out=str(tmp_path / "f")).resolved())
+    assert family.cases[0].spec.model_factory is None
+
+
+def test_cli_points_a_python_file_or_a_transformers_config_to_the_factory_spec(tmp_path, capsys):
+    from dynmb.cli.main import main
+
+    hf_json = tmp_path / "config.json"
+    hf_json.write_text('{"hidden_size": 256, "num_hidden_layers": 4}')
+    for spec, says in (("mymodel.py", "--model mymodel:<factory>"), (str(hf_json), "package.module:factory")):
+        assert main(["plan", "--model", spec, "--dataset", "gsm8k"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
+
+
 def test_cli_refuses_a_bad_factory_in_one_line_before_torchrun(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dynmb.cli", "run", "--model", "no_such_module_xyz:f",
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, env=_env(), cwd=ROOT)
@@ -172,7 +200,7 @@ def test_own_model_profile_fit_plan_run_verify_on_two_gloo_ranks(tmp_path, capsy
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     own_model = _own()
-    assert own_model.main(["--factory", "tiny", "--repeats", "1", "--global-batch", "12", "--memory-limit", "10MiB",
+    assert own_model.main(["--factory", "tiny", "--repeats", "1", "--global-batch", "12", "--memory-limit", "5MiB",
                            "--max-len", "256", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for verb in ("profile", "fit", "memory", "plan", "run"):
@@ -184,7 +212,8 @@ def test_own_model_profile_fit_plan_run_verify_on_two_gloo_ranks(tmp_path, capsy
     assert set(runs["model.name"]) == {"own-tiny"}
     mem = pd.read_csv(tmp_path / "run" / "memory.csv")
     assert len(mem) == 2 and (mem["peak_bytes"] <= mem["limit_bytes"]).all()
-    assert (mem["limit_bytes"] == 10 * 2 ** 20).all()
+    assert (mem["limit_bytes"] == 5 * 2 ** 20).all()
+    assert mem["peak_bytes"].max() > 0.5 * mem["limit_bytes"].max()      # the limit shaped the plan
     plan = dynmb.Plan.load(tmp_path / "plan.json")
     assert plan.num_microbatches > 1 and plan.meta["model_factory"] == "own_model:tiny_decoder"
     assert plan.meta["model"]["name"] == "own-tiny"           # the resolved sizes, not a path

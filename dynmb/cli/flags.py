@@ -18,6 +18,7 @@ Every flag has its help; defaults are the ones ``dynmb VERB --help`` shows.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import numpy as np
@@ -79,11 +80,18 @@ def names_factory(spec: str) -> bool:
     return factory_spec(spec) is not None
 
 
+@functools.lru_cache(maxsize=4)
+def _resolved(spec: str) -> Any:
+    """``resolve_model(spec)`` once per command (a factory may build a whole model when called)."""
+    from dynmb.models.contract import resolve_model
+
+    return resolve_model(spec)
+
+
 def factory_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> Any:
     """The ``StageFactory`` of ``--model`` (``model`` overrides it), ``--attention`` and ``--stage-split``
     over ``--stages`` stages (``stages`` overrides it). A user's factory builds its own split: only
     ``--stage-split even`` applies to it."""
-    from dynmb.models.contract import resolve_model
     from dynmb.models.families import family_factory
 
     spec = model or args.model
@@ -92,7 +100,7 @@ def factory_from_args(args: argparse.Namespace, *, model: str | None = None, sta
         if split != "even":
             raise ValueError(f"--stage-split {split}: a model of your own ({spec}) splits its layers itself; "
                              "use --stage-split even")
-        return resolve_model(spec)
+        return _resolved(spec)
     return family_factory(model_from_args(args, model=model, stages=stages))
 
 
@@ -101,11 +109,23 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
     (``model`` / ``stages`` override the flags where a verb resolves its own defaults). For
     ``package.module:factory`` the sizes and attention kind of its factory (``planning_config``)."""
     spec = model or args.model
+    if spec.endswith(".py"):
+        module = spec[:-3].replace("/", ".").replace("\\", ".").lstrip(".")
+        raise ValueError(f"--model {spec}: a Python file is not a model; name the function in it that returns a "
+                         f"StageFactory: --model {module}:<factory> (its folder on PYTHONPATH; docs/design.md "
+                         f"'The stage contract')")
     if names_factory(spec):
         from dynmb.models.contract import planning_config
 
         return planning_config(factory_from_args(args, model=model, stages=stages))
-    cfg = model_config(spec, attention=getattr(args, "attention", None))
+    try:
+        cfg = model_config(spec, attention=getattr(args, "attention", None))
+    except ValueError as e:
+        if spec.endswith(".json") and "unknown ModelConfig field" in str(e):
+            raise ValueError(f"{e}; a model of your own (a transformers config too) enters as --model "
+                             "package.module:factory, e.g. a function returning "
+                             "dynmb.models.hf.HFStageFactory.from_config(config)") from None
+        raise
     split = getattr(args, "stage_split", "even") or "even"
     if split == "even":
         return cfg
