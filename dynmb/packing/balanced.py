@@ -48,54 +48,70 @@ VERL_LINEAR_COEF = 24576
 """verl's workload estimate per token (``24576 l + l^2``), used without a cost model."""
 
 
-def _flatten(tree: Any, out: list[int]) -> None:
-    stack = [tree]
-    while stack:
-        t = stack.pop()
-        if t is None:
-            continue
-        if isinstance(t, tuple):
-            stack.extend(t)
-        else:
-            out.append(t)
-
-
 def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     """Indices of ``weights`` in ``k`` sets of balanced sums (largest differencing, module doc).
     Sets are returned largest sum first; a set is empty only when there are fewer than k items.
-    O(n k) numpy work: each merge adds one partition's sums to the other's reversed and re-sorts."""
+    Each merge is O(k) numpy work: the sums of one partition added to the other's reversed and
+    re-sorted, and its sets recorded as nodes of a merge forest (a new node per pair of non-empty
+    sets joined); the items of every final set are read off the forest at the end by pointer
+    jumping (no per-set Python work per merge)."""
     w = np.asarray(weights, dtype=np.float64).reshape(-1)
     n = len(w)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if n == 0:
         return [[] for _ in range(k)]
-    # a partition: (sums sorted descending, item trees aligned with them); heap on -spread, then insertion
-    heap: list[tuple[float, int, np.ndarray, list[Any]]] = []
-    for i in range(n):
-        sums = np.zeros(k)
-        sums[0] = w[i]
-        heap.append((-float(w[i]), i, sums, [i] + [None] * (k - 1)))
+    # nodes 0..n-1 are the items; a node >= n joins its two children; -1 is an empty set
+    cap = n + (n - 1) * k
+    left, right = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
+    nxt = n
+    # a partition: (sums sorted descending, its sets' nodes aligned with them); heap on -spread, then insertion
+    parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    heap = [(-float(w[i]), i) for i in range(n)]
     heapq.heapify(heap)
+
+    def take(pid: int) -> tuple[np.ndarray, np.ndarray]:
+        if pid < n:                                   # one item alone: built when first merged
+            sums, nodes = np.zeros(k), np.full(k, -1, dtype=np.int64)
+            sums[0], nodes[0] = w[pid], pid
+            return sums, nodes
+        return parts.pop(pid)
+
     tie = n
     while len(heap) > 1:
-        _, _, sa, ta = heapq.heappop(heap)
-        _, _, sb, tb = heapq.heappop(heap)
+        sa, ta = take(heapq.heappop(heap)[1])
+        sb, tb = take(heapq.heappop(heap)[1])
         sums = sa + sb[::-1]                  # the largest set of one with the smallest of the other
         order = np.argsort(-sums, kind="stable")
-        trees = []
-        for j in order.tolist():
-            x, y = ta[j], tb[k - 1 - j]
-            trees.append(x if y is None else y if x is None else (x, y))
+        x, y = ta[order], tb[::-1][order]
+        nodes = np.where(x < 0, y, x)
+        both = np.flatnonzero((x >= 0) & (y >= 0))
+        ids = np.arange(nxt, nxt + len(both))
+        left[ids], right[ids] = x[both], y[both]
+        nodes[both] = ids
+        nxt += len(both)
         sums = sums[order]
-        heapq.heappush(heap, (-float(sums[0] - sums[-1]), tie, sums, trees))
+        parts[tie] = (sums, nodes)
+        heapq.heappush(heap, (-float(sums[0] - sums[-1]), tie))
         tie += 1
-    out = []
-    for t in heap[0][3]:
-        items: list[int] = []
-        _flatten(t, items)
-        out.append(sorted(items))
-    return out
+    _, final = take(heap[0][1])
+    parent = np.arange(nxt)
+    inner = np.arange(n, nxt)
+    parent[left[inner]] = inner
+    parent[right[inner]] = inner
+    root = parent[:n].copy()
+    while True:                               # pointer jumping: every item's root node
+        up = parent[root]
+        if np.array_equal(up, root):
+            break
+        root = up
+        parent = parent[parent]
+    slot = np.full(nxt, -1, dtype=np.int64)
+    slot[final[final >= 0]] = np.flatnonzero(final >= 0)
+    label = slot[root]
+    by = np.argsort(label, kind="stable")
+    cuts = np.searchsorted(label[by], np.arange(k + 1))
+    return [by[a:e].tolist() for a, e in zip(cuts[:-1], cuts[1:])]
 
 
 def greedy_partition(weights: Any, k: int) -> list[list[int]]:

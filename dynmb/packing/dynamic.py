@@ -82,10 +82,15 @@ SEED_DP_MAX = 2048
 BFD_MAX = 16384
 """Batches up to this many sequences also try rows of the longest admissible length filled
 best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
-BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe")
-"""Methods whose plans (``baselines``) are candidates too, always weighed in the final choice."""
+BALANCED_DIVISORS = (1, 2, 4, 8)
+"""``balanced`` (verl's dynamic batching) is weighed at the token budgets memory maximum / d for each d
+here (the budgets ``dynmb compare`` tunes it over in hindsight): ``"balanced/d"`` in ``BASELINES``."""
+BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe") + tuple(
+    "balanced" if d == 1 else f"balanced/{d}" for d in BALANCED_DIVISORS)
+"""Methods whose plans (``baselines``) are candidates too, always weighed in the final choice
+(``method/d``: that method with its budget divisor ``mbs = d``)."""
 
-__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "RANK_EXACT"]
+__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "BALANCED_DIVISORS", "RANK_EXACT"]
 
 
 @dataclass(frozen=True, kw_only=True)
