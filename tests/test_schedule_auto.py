@@ -106,8 +106,8 @@ def test_auto_raises_what_no_kind_can_take():
 def _cases(out: Path) -> list[RunSpec]:
     cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=2, schedule=AUTO, reorder="auto",
                                                         memory_limit_bytes=24 * 2**20),
-                    dataset="sharegpt", global_batch=12, method="dynamic", steps=2, warmup=0, backend="gloo",
-                    device="cpu", timeout_s=60.0)
+                    dataset="gsm8k", global_batch=12, method="dynamic", steps=2, warmup=0, backend="gloo",
+                    device="cpu", timeout_s=60.0, oversize="truncate")
     return [RunSpec.create(cfg, out / "schedule-auto", verify=True, run_id="schedule-auto"),
             RunSpec.create(replace(cfg, method="sorted"), out / "schedule-auto", verify=True,
                            run_id="schedule-auto-sorted")]
@@ -129,3 +129,25 @@ def test_run_schedule_auto_on_two_gloo_ranks(gloo_job):
         ops = set(acts[(acts["run_id"] == run_id) & (acts["step"] == step)]["op"])
         # the runtime ran the chosen kind's schedule: split backwards exactly for the zero-bubble kinds
         assert bool(ops & {"I", "W"}) == get_kind(kind).split_backward, (run_id, step, kind, ops)
+
+
+@pytest.mark.parametrize("kind,virtual", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("gpipe", 1)])
+def test_batched_order_evaluation_is_the_simulator(kind, virtual):
+    """The reorder search simulates neighbour orders in batches: every makespan equals the one-at-a-time
+    simulator's exactly, and the search returns the same order as without batching."""
+    from dynmb.planning import reorder as ro
+
+    mm, cm, limit = _models(4)
+    lengths = np.random.default_rng(7).integers(8, 700, 40)
+    spec = PlanSpec(method="dynamic", num_stages=4, virtual=virtual, schedule_kind=kind,
+                    memory_limit_bytes=limit * 8)
+    plan = pack(lengths, spec, memory_model=mm, cost_model=cm)
+    ev = ro.OrderEvaluator(plan, cm, None, kind, virtual)       # no memory model: every order is batched
+    perms = np.array([np.random.default_rng(s).permutation(plan.num_microbatches) for s in range(9)])
+    batched = ro._batch_makespans(ev._flat, ev.cube, ev.comm, perms)
+    assert batched.tolist() == [ev(p.tolist())[0] for p in perms]
+    fresh = ro.OrderEvaluator(plan, cm, None, kind, virtual)
+    fresh.prefetch = lambda orders, limit: None                 # one at a time
+    assert ro.reorder_order(plan, "search", cost_model=cm, schedule_kind=kind, virtual=virtual, max_evals=60) == \
+        ro.reorder_order(plan, "search", cost_model=cm, schedule_kind=kind, virtual=virtual, max_evals=60,
+                         evaluator=fresh)

@@ -79,6 +79,7 @@ class OrderEvaluator:
         self.evals = 0
         self._cache: dict[tuple[int, ...], tuple[float, float, bool]] = {}
         self._by_key: dict[bytes, Any] = {}
+        self._pre: dict[tuple[int, ...], tuple[float, float, bool]] = {}
         self._flat = None if self.by_order else self._flatten(None)
         self._always_fits = self._order_free_fit()
 
@@ -121,12 +122,35 @@ class OrderEvaluator:
         flat.xi = cross_mask(flat)
         return flat
 
+    def prefetch(self, orders: Sequence[Sequence[int]], limit: int) -> None:
+        """Simulate up to ``limit`` of ``orders`` not seen yet in one vectorised pass (``_batch_makespans``),
+        held until ``__call__`` asks for them (which counts each as one evaluation then, as unbatched).
+        Only where the order changes neither the schedule nor a needed peak: else a no-op."""
+        if self._flat is None or (self.act is not None and not self._always_fits) or limit <= 0:
+            return
+        todo: dict[tuple[int, ...], None] = {}
+        for o in orders:
+            key = tuple(int(i) for i in o)
+            if key not in self._cache and key not in self._pre:
+                todo[key] = None
+                if len(todo) >= limit:
+                    break
+        if len(todo) < 2:
+            return
+        keys = list(todo)
+        for key, mk in zip(keys, _batch_makespans(self._flat, self.cube, self.comm, np.array(keys, dtype=np.int64))):
+            self._pre[key] = (float(mk), 0.0, True)
+
     def __call__(self, order: Sequence[int]) -> tuple[float, float, bool]:
         key = tuple(int(i) for i in order)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         self.evals += 1
+        pre = self._pre.pop(key, None)
+        if pre is not None:
+            self._cache[key] = pre
+            return pre
         perm = np.asarray(key, dtype=np.int64)
         try:
             flat = self._flat if self._flat is not None else self._flatten(perm)
@@ -198,6 +222,52 @@ class OrderEvaluator:
         return (0, mk, pk) if ok else (1, pk, mk)
 
 
+def _levels(flat: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Per level, the actions of a flattened schedule whose dependency and previous action on their
+    rank lie in earlier levels (computed once per schedule); the previous action on the rank and the
+    dependency of each, ``n`` (a zero row) for none."""
+    cached = getattr(flat, "levels", None)
+    if cached is not None:
+        return cached
+    n = len(flat.rank)
+    rank, dep = flat.rank.tolist(), flat.dep.tolist()
+    prev, lev, last = [n] * n, [0] * n, [-1] * flat.num_ranks
+    for i in flat.order.tolist():
+        r, d, p = rank[i], dep[i], last[rank[i]]
+        v = lev[p] + 1 if p >= 0 else 0
+        if d >= 0 and lev[d] + 1 > v:
+            v = lev[d] + 1
+        lev[i], last[r] = v, i
+        if p >= 0:
+            prev[i] = p
+    lv = np.asarray(lev)
+    by = np.argsort(lv, kind="stable")
+    cuts = np.searchsorted(lv[by], np.arange(int(lv.max()) + 2 if n else 1))
+    out = ([by[a:e] for a, e in itertools.pairwise(cuts.tolist()) if e > a], np.asarray(prev, dtype=np.int64),
+           np.where(flat.dep >= 0, flat.dep, n))
+    flat.levels = out
+    return out
+
+
+def _batch_makespans(flat: Any, cube: np.ndarray, comm: np.ndarray, perms: np.ndarray) -> np.ndarray:
+    """``action_times``' makespan of the flattened schedule for each order (rows of ``perms``) at
+    once: the same recurrence (start = max(previous action on the rank ends, dependency ends + P2P))
+    evaluated level by level (``_levels``), every order a column: the same sums, so the same floats."""
+    levels, prev, dep = _levels(flat)
+    n, K = len(flat.rank), len(perms)
+    j = perms[:, flat.mb].T                                            # [n, K] microbatch of each action
+    dur = cube[flat.op[:, None], flat.stage[:, None], j]
+    cross = np.zeros((n, K))
+    cross[flat.xi] = comm[j[flat.xi]]
+    end = np.zeros((n + 1, K))
+    for ids in levels:
+        t = end[dep[ids]] + cross[ids]
+        np.maximum(t, end[prev[ids]], out=t)
+        t += dur[ids]
+        end[ids] = t
+    return end[:n].max(axis=0) if n else np.zeros(K)
+
+
 def ends_order(work: np.ndarray) -> list[int]:
     """Small at both ends, large in the middle: ascending, dealt alternately to front and back."""
     asc = np.argsort(work, kind="stable").tolist()
@@ -229,7 +299,9 @@ def _dynapipe(ev: OrderEvaluator, k: int = 4) -> list[int]:
     groups = [np.flatnonzero(labels == c).tolist() for c in range(k)]
     groups = [g for g in groups if g]
     best = None
-    for perm in itertools.permutations(range(len(groups))):
+    perms = list(itertools.permutations(range(len(groups))))
+    ev.prefetch([[i for c in perm for i in groups[c]] for perm in perms], len(perms))
+    for perm in perms:
         order = [i for c in perm for i in groups[c]]
         if best is None or ev.score(order) < ev.score(best):
             best = order
@@ -291,13 +363,22 @@ def _local_search(ev: OrderEvaluator, start: list[int], max_evals: int) -> list[
     improved = True
     while improved and ev.evals < budget_end:
         improved = False
-        for cand in _neighbours(cur, ev.P, ev.hot_positions(cur)):
-            if ev.evals >= budget_end:
+        hood, chunk = _neighbours(cur, ev.P, ev.hot_positions(cur)), 4
+        # neighbours are simulated in growing chunks at once (OrderEvaluator.prefetch) but taken in turn,
+        # each counted as it is reached: the same descent, evaluations and result as one at a time
+        while not improved and ev.evals < budget_end:
+            cands = list(itertools.islice(hood, chunk))
+            if not cands:
                 break
-            sc = ev.score(cand)
-            if _better(sc, best):
-                cur, best, improved = cand, sc, True
-                break
+            ev.prefetch(cands, budget_end - ev.evals)
+            for cand in cands:
+                if ev.evals >= budget_end:
+                    break
+                sc = ev.score(cand)
+                if _better(sc, best):
+                    cur, best, improved = cand, sc, True
+                    break
+            chunk = min(2 * chunk, 64)
     return cur
 
 
@@ -326,6 +407,7 @@ def reorder_order(plan: Plan, method: str, *, cost_model: CostModelLike, memory_
         return _dynapipe(ev)
     cands = [reorder_order(plan, k, cost_model=cost_model, schedule_kind=schedule_kind, virtual=virtual,
                            evaluator=ev) for k in REORDER_METHODS if k != "search"]
+    ev.prefetch(cands, len(cands))
     start = min(cands, key=ev.score)
     if max_evals is None:
         max_evals = default_max_evals(2 * ev.P * m)

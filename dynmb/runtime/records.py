@@ -134,7 +134,8 @@ def replay_step_s(schedule: Schedule, plan: Plan, actions: Sequence[ActionRow],
     scheduled = [a for acts in schedule.ranks for a in acts]
     if any(np.isnan(costs[a.op][a.stage, a.mb]) for a in scheduled):
         return None
-    costs = {op: c for op, c in costs.items() if op in {a.op for a in scheduled}}
+    # an op some microbatches do not run (B beside I/W in a zero-bubble schedule) costs them nothing
+    costs = {op: np.nan_to_num(c, nan=0.0) for op, c in costs.items() if op in {a.op for a in scheduled}}
     return simulate_costs(schedule, costs, comm_times(cost_model, plan)).makespan_s
 
 
