@@ -65,36 +65,59 @@ def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     cap = n + (n - 1) * k
     left, right = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
     nxt = n
-    # a partition: (sums sorted descending, its sets' nodes aligned with them); heap on -spread, then insertion
-    parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    # a partition: (negated sums ascending, its sets' nodes aligned with them, how many are non-empty);
+    # heap on -spread, then insertion
+    parts: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
     heap = [(-float(w[i]), i) for i in range(n)]
     heapq.heapify(heap)
+    slots = np.arange(k)
 
-    def take(pid: int) -> tuple[np.ndarray, np.ndarray]:
+    def take(pid: int) -> tuple[np.ndarray, np.ndarray, int]:
         if pid < n:                                   # one item alone: built when first merged
-            sums, nodes = np.zeros(k), np.full(k, -1, dtype=np.int64)
-            sums[0], nodes[0] = w[pid], pid
-            return sums, nodes
+            neg, nodes = np.zeros(k), np.full(k, -1, dtype=np.int64)
+            neg[0], nodes[0] = -w[pid], pid
+            return neg, nodes, 1
         return parts.pop(pid)
 
     tie = n
     while len(heap) > 1:
-        sa, ta = take(heapq.heappop(heap)[1])
-        sb, tb = take(heapq.heappop(heap)[1])
-        sums = sa + sb[::-1]                  # the largest set of one with the smallest of the other
-        order = np.argsort(-sums, kind="stable")
+        na, ta, ca = take(heapq.heappop(heap)[1])
+        pb = heapq.heappop(heap)[1]
+        if pb < n:                            # one item into the smallest set of the other (the common
+            v = na[k - 1] - w[pb]             # case): that set moves up, the rest keep their order
+            at = int(np.searchsorted(na[:k - 1], v, side="right"))      # argsort's stable place for it
+            t = int(ta[k - 1])
+            if t >= 0:
+                left[nxt], right[nxt], t = t, pb, nxt
+                nxt += 1
+            else:
+                t = pb
+            neg = np.concatenate((na[:at], [v], na[at:k - 1]))
+            nodes = np.concatenate((ta[:at], [t], ta[at:k - 1]))
+            parts[tie] = (neg, nodes, min(k, ca + 1))
+            heapq.heappush(heap, (float(neg[0] - neg[-1]), tie))
+            tie += 1
+            continue
+        nb, tb, cb = take(pb)
+        neg = na + nb[::-1]                   # the largest set of one with the smallest of the other
+        order = neg.argsort(kind="stable")
         x, y = ta[order], tb[::-1][order]
-        nodes = np.where(x < 0, y, x)
-        both = np.flatnonzero((x >= 0) & (y >= 0))
-        ids = np.arange(nxt, nxt + len(both))
-        left[ids], right[ids] = x[both], y[both]
-        nodes[both] = ids
-        nxt += len(both)
-        sums = sums[order]
-        parts[tie] = (sums, nodes)
-        heapq.heappush(heap, (-float(sums[0] - sums[-1]), tie))
+        if ca == k and cb == k:               # every set of both non-empty: every pair is a new node
+            left[nxt:nxt + k], right[nxt:nxt + k] = x, y
+            nodes = slots + nxt
+            nxt += k
+        else:
+            nodes = np.where(x < 0, y, x)
+            both = np.flatnonzero((x >= 0) & (y >= 0))
+            ids = np.arange(nxt, nxt + len(both))
+            left[ids], right[ids] = x[both], y[both]
+            nodes[both] = ids
+            nxt += len(both)
+        neg = neg[order]
+        parts[tie] = (neg, nodes, min(k, ca + cb))
+        heapq.heappush(heap, (float(neg[0] - neg[-1]), tie))
         tie += 1
-    _, final = take(heap[0][1])
+    _, final, _ = take(heap[0][1])
     parent = np.arange(nxt)
     inner = np.arange(n, nxt)
     parent[left[inner]] = inner

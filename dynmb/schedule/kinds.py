@@ -170,12 +170,14 @@ def register_kind(kind: ScheduleKind, *, replace: bool = False) -> ScheduleKind:
     if kind.name in _REGISTRY and not replace:
         raise ValueError(f"schedule kind {kind.name!r} is already registered")
     _REGISTRY[kind.name] = kind
+    _BUILT.clear()
     return kind
 
 
 def unregister_kind(name: str) -> None:
     """Remove a kind (tests that register one of their own)."""
     _REGISTRY.pop(name, None)
+    _BUILT.clear()
 
 
 def get_kind(name: str) -> ScheduleKind:
@@ -262,7 +264,22 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int, **inputs: 
     rec = get_kind(kind)
     inp = BuildInputs(num_stages=num_stages, num_microbatches=num_microbatches, **inputs)
     rec.check(inp)
-    return rec.build(inp)
+    if rec.memory != "none" or rec.costs:              # the schedule follows the bytes or the times
+        return rec.build(inp)
+    order = None if inp.backward_order is None else tuple(int(i) for i in inp.backward_order)
+    key = (kind, num_stages, num_microbatches, inp.virtual, order)
+    sched = _BUILT.get(key)
+    if sched is None:                 # a Schedule is immutable: a planning step builds the same one twice
+        sched = rec.build(inp)        # (the reorder search's and the plan's), a run its shapes every step
+        if len(_BUILT) >= _BUILT_MAX:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = sched
+    return sched
+
+
+_BUILT: dict[tuple, Schedule] = {}
+"""Schedules of the order-only kinds (no bytes, no times), by (kind, stages, microbatches, virtual, order)."""
+_BUILT_MAX = 64
 
 
 def interleaved_inflight(rank: Any, ranks: int, virtual: int) -> Any:
