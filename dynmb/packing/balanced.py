@@ -24,6 +24,11 @@ Workload of a sequence of length l: the cost model's time of that sequence alone
 grow with the sequences a packed row holds). Without a cost model, verl's estimate
 ``24576 l + l^2`` (its FLOP proxy: a linear term per token and the attention's quadratic one).
 
+``budget_divisors`` ranks the budgets cap / 2^j without partitioning: each as k equal
+microbatches (``tokens / k`` tokens, ``1 / k`` of the batch's attention work) by the fast makespan
+estimate ``dynmb.makespan``; the ``dynamic`` packer weighs ``balanced`` at the best few of them
+and at the memory maximum.
+
 Budget T: by default the memory maximum as ``token-budget`` takes it (``token_budget.max_tokens``
 at the batch's longest rounded length); ``divisor`` d > 1 gives ``T // d`` (the budgets
 ``cap / 2^j`` that ``dynmb compare`` tries for the best budget in hindsight).
@@ -37,12 +42,13 @@ from typing import Any
 
 import numpy as np
 
+from ..makespan import makespans
 from .context import PackContext
 from .rows import Flat, Group, groups_to_flat, round_up
 from .token_budget import max_tokens
 
 __all__ = ["karmarkar_karp", "greedy_partition", "sequence_workload", "ends_order", "balanced_flat",
-           "VERL_LINEAR_COEF"]
+           "budget_divisors", "VERL_LINEAR_COEF"]
 
 VERL_LINEAR_COEF = 24576
 """verl's workload estimate per token (``24576 l + l^2``), used without a cost model."""
@@ -201,3 +207,36 @@ def balanced_flat(lens: np.ndarray, ctx: PackContext, cost_model: Any = None, *,
         groups.append(Group(items, np.zeros(len(items), np.int64), int(round_up(int(lens[items].sum()), round_to)), 1))
     order = ends_order(np.array([work[g.items].sum() for g in groups]))
     return groups_to_flat([groups[i] for i in order]), budget
+
+
+def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, round_to: int = 1, dp: int = 1,
+                    keep: int = 3, max_j: int = 12) -> list[int]:
+    """The divisors d = 2^j (j = 0, 1, ... until every sequence is its own microbatch) of the memory-maximum
+    budget whose ``balanced`` plans the fast estimate ranks best: each budget as k equal microbatches
+    (one packed row of ``tokens / k`` tokens and ``1 / k`` of the attention work; per replica k / dp of
+    them), estimated by ``dynmb.makespan.makespans``; the best and its neighbours in j, ``keep`` in all."""
+    lens = np.asarray(lens, dtype=np.int64)
+    n, total = len(lens), int(lens.sum())
+    cap = max_tokens(ctx, round_up(int(lens.max()), round_to))
+    divs, ks = [], []
+    for j in range(max_j + 1):
+        k = min(n, -(-math.ceil(total / max(1, cap >> j)) // dp) * dp)
+        if ks and k == ks[-1]:
+            continue                          # the same plan as a larger budget's
+        divs.append(1 << j)
+        ks.append(k)
+        if k >= n:
+            break
+    if len(divs) <= keep or not hasattr(cost_model, "stage_costs"):
+        return divs[:keep] if len(divs) > keep else divs
+    k = np.array(ks, dtype=np.float64)
+    padded = np.ceil(total / k / round_to) * round_to
+    cost = cost_model.stage_costs(np.ones(len(k)), padded, float(np.sum(lens.astype(np.float64) ** 2)) / k)
+    comm = cost_model.comm_s(np.ones(len(k)), padded) if hasattr(cost_model, "comm_s") else np.zeros(len(k))
+    per = np.maximum(np.array(ks) // dp, 1)
+    cols = np.repeat(np.arange(len(k)), per)
+    est = makespans(cost["F"][:, cols], cost["B"][:, cols], np.broadcast_to(np.asarray(comm, dtype=np.float64),
+                    (len(k),))[cols], per, ctx.kind)
+    best = int(np.argmin(est))
+    lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
+    return sorted({divs[0], *divs[lo:lo + keep]})       # the budget users set always (the fewest microbatches)
