@@ -102,6 +102,27 @@ def test_auto_raises_what_no_kind_can_take():
         plan_step(np.array([4000, 3000]), spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
 
 
+def test_cli_plan_and_schedule_auto(tmp_path, capsys):
+    """``dynmb plan --schedule-kind auto`` records the chosen kind (the spec keeps auto); ``dynmb schedule
+    --kind auto`` weighs every kind for the plan and writes the chosen one's schedule and sidecar."""
+    import json
+
+    from dynmb.cli import main
+    from dynmb.types import Plan
+
+    plan_path, sched_path = tmp_path / "p.json", tmp_path / "s.csv"
+    assert main(["plan", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "16", "--stages", "2",
+                 "--memory-limit", "1GiB", "--schedule-kind", "auto", "-o", str(plan_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    plan = Plan.load(plan_path)
+    assert summary["schedule_kind"] == plan.schedule_kind in auto_kinds(1) and plan.spec.schedule_kind == AUTO
+    assert main(["schedule", "--plan", str(plan_path), "--kind", "auto", "--model", "tiny", "-o", str(sched_path)]) == 0
+    out = capsys.readouterr().out
+    sidecar = json.loads(sched_path.with_name("s.meta.json").read_text())
+    assert sidecar["kind"] in auto_kinds(1) and f"chose {sidecar['kind']}" in out
+    assert Plan.load(sidecar["plan"]).schedule_kind == sidecar["kind"]
+
+
 # --- dynmb run --schedule auto on 2 gloo ranks (a case of the session's shared 2-rank job) ---------
 def _cases(out: Path) -> list[RunSpec]:
     cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=2, schedule=AUTO, reorder="auto",
