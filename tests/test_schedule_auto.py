@@ -157,6 +157,7 @@ def test_batched_order_evaluation_is_the_simulator(kind, virtual):
     """The reorder search simulates neighbour orders in batches: every makespan equals the one-at-a-time
     simulator's exactly, and the search returns the same order as without batching."""
     from dynmb.planning import reorder as ro
+    from dynmb.planning.batchsim import batch_makespans
 
     mm, cm, limit = _models(4)
     lengths = np.random.default_rng(7).integers(8, 700, 40)
@@ -165,7 +166,7 @@ def test_batched_order_evaluation_is_the_simulator(kind, virtual):
     plan = pack(lengths, spec, memory_model=mm, cost_model=cm)
     ev = ro.OrderEvaluator(plan, cm, None, kind, virtual)       # no memory model: every order is batched
     perms = np.array([np.random.default_rng(s).permutation(plan.num_microbatches) for s in range(9)])
-    batched = ro._batch_makespans(ev._flat, ev.cube, ev.comm, perms)
+    batched = batch_makespans(ev._flat, ev.cube, ev.comm, perms)
     assert batched.tolist() == [ev(p.tolist())[0] for p in perms]
     fresh = ro.OrderEvaluator(plan, cm, None, kind, virtual)
     fresh.prefetch = lambda orders, limit: None                 # one at a time

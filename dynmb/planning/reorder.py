@@ -47,6 +47,7 @@ from ..schedule import build_schedule, execution_order
 from ..schedule.kinds import BuildInputs, get_kind
 from ..simulate import action_times, cross_mask, comm_times, memory_inputs, peaks
 from ..types import Plan, Schedule
+from .batchsim import batch_makespans
 
 __all__ = ["REORDER_METHODS", "reorder", "reorder_order", "OrderEvaluator", "ends_order", "default_max_evals"]
 
@@ -123,7 +124,7 @@ class OrderEvaluator:
         return flat
 
     def prefetch(self, orders: Sequence[Sequence[int]], limit: int) -> None:
-        """Simulate up to ``limit`` of ``orders`` not seen yet in one vectorised pass (``_batch_makespans``),
+        """Simulate up to ``limit`` of ``orders`` not seen yet in one vectorised pass (``dynmb.planning.batchsim``),
         held until ``__call__`` asks for them (which counts each as one evaluation then, as unbatched).
         Only where the order changes neither the schedule nor a needed peak: else a no-op."""
         if self._flat is None or (self.act is not None and not self._always_fits) or limit <= 0:
@@ -138,7 +139,7 @@ class OrderEvaluator:
         if len(todo) < 2:
             return
         keys = list(todo)
-        for key, mk in zip(keys, _batch_makespans(self._flat, self.cube, self.comm, np.array(keys, dtype=np.int64))):
+        for key, mk in zip(keys, batch_makespans(self._flat, self.cube, self.comm, np.array(keys, dtype=np.int64))):
             self._pre[key] = (float(mk), 0.0, True)
 
     def __call__(self, order: Sequence[int]) -> tuple[float, float, bool]:
@@ -220,52 +221,6 @@ class OrderEvaluator:
         """Sort key: memory-feasible first, by makespan; infeasible ones by peak (closest to fitting)."""
         mk, pk, ok = self(order)
         return (0, mk, pk) if ok else (1, pk, mk)
-
-
-def _levels(flat: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """Per level, the actions of a flattened schedule whose dependency and previous action on their
-    rank lie in earlier levels (computed once per schedule); the previous action on the rank and the
-    dependency of each, ``n`` (a zero row) for none."""
-    cached = getattr(flat, "levels", None)
-    if cached is not None:
-        return cached
-    n = len(flat.rank)
-    rank, dep = flat.rank.tolist(), flat.dep.tolist()
-    prev, lev, last = [n] * n, [0] * n, [-1] * flat.num_ranks
-    for i in flat.order.tolist():
-        r, d, p = rank[i], dep[i], last[rank[i]]
-        v = lev[p] + 1 if p >= 0 else 0
-        if d >= 0 and lev[d] + 1 > v:
-            v = lev[d] + 1
-        lev[i], last[r] = v, i
-        if p >= 0:
-            prev[i] = p
-    lv = np.asarray(lev)
-    by = np.argsort(lv, kind="stable")
-    cuts = np.searchsorted(lv[by], np.arange(int(lv.max()) + 2 if n else 1))
-    out = ([by[a:e] for a, e in itertools.pairwise(cuts.tolist()) if e > a], np.asarray(prev, dtype=np.int64),
-           np.where(flat.dep >= 0, flat.dep, n))
-    flat.levels = out
-    return out
-
-
-def _batch_makespans(flat: Any, cube: np.ndarray, comm: np.ndarray, perms: np.ndarray) -> np.ndarray:
-    """``action_times``' makespan of the flattened schedule for each order (rows of ``perms``) at
-    once: the same recurrence (start = max(previous action on the rank ends, dependency ends + P2P))
-    evaluated level by level (``_levels``), every order a column: the same sums, so the same floats."""
-    levels, prev, dep = _levels(flat)
-    n, K = len(flat.rank), len(perms)
-    j = perms[:, flat.mb].T                                            # [n, K] microbatch of each action
-    dur = cube[flat.op[:, None], flat.stage[:, None], j]
-    cross = np.zeros((n, K))
-    cross[flat.xi] = comm[j[flat.xi]]
-    end = np.zeros((n + 1, K))
-    for ids in levels:
-        t = end[dep[ids]] + cross[ids]
-        np.maximum(t, end[prev[ids]], out=t)
-        t += dur[ids]
-        end[ids] = t
-    return end[:n].max(axis=0) if n else np.zeros(K)
 
 
 def ends_order(work: np.ndarray) -> list[int]:
