@@ -48,8 +48,10 @@ from .rows import Flat, Group, groups_to_flat, round_up
 from .token_budget import max_tokens
 
 __all__ = ["karmarkar_karp", "greedy_partition", "sequence_workload", "ends_order", "balanced_flat",
-           "budget_divisors", "VERL_LINEAR_COEF"]
+           "budget_divisors", "NEAR_BEST", "VERL_LINEAR_COEF"]
 
+NEAR_BEST = 0.03
+"""``budget_divisors`` keeps a neighbour of the best-estimated budget only within this margin of it."""
 VERL_LINEAR_COEF = 24576
 """verl's workload estimate per token (``24576 l + l^2``), used without a cost model."""
 
@@ -176,6 +178,11 @@ def ends_order(work: np.ndarray) -> list[int]:
     return desc[::2][::-1] + desc[1::2]
 
 
+def _round_up_all(x: np.ndarray, m: int) -> np.ndarray:
+    """``round_up`` of every entry."""
+    return -(-np.asarray(x, dtype=np.int64) // int(m)) * int(m)
+
+
 def _admissible(ctx: PackContext, tokens: int, round_to: int) -> bool:
     return bool(ctx.bmax([round_up(int(tokens), round_to)])[0] >= 1)
 
@@ -200,7 +207,9 @@ def balanced_flat(lens: np.ndarray, ctx: PackContext, cost_model: Any = None, *,
     k = min(len(lens), -(-k // dp) * dp)
     work = sequence_workload(lens, cost_model)
     sets = [s for s in karmarkar_karp(work, k) if s]
-    sets = [p for s in sets for p in _fit(s, lens, work, ctx, round_to)]
+    tokens = np.array([int(lens[s_].sum()) for s_ in sets], dtype=np.int64)
+    fits = ctx.bmax(_round_up_all(tokens, round_to)) >= 1          # every set's row checked at once
+    sets = [p for s_, ok in zip(sets, fits.tolist()) for p in ([s_] if ok else _fit(s_, lens, work, ctx, round_to))]
     groups: list[Group] = []
     for s in sets:
         items = np.asarray(s, dtype=np.int64)
@@ -239,4 +248,5 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
                     (len(k),))[cols], per, ctx.kind)
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
-    return sorted({divs[0], *divs[lo:lo + keep]})       # the budget users set always (the fewest microbatches)
+    near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]
+    return sorted({divs[0], *near})       # the budget users set always (the fewest microbatches)
