@@ -191,3 +191,56 @@ def test_compare_reports_both_budgets_and_the_gaps(tmp_path):
     assert (steps["bound_s"] <= steps["replay_step_s"] * (1 + 1e-9)).all()   # same measured times, same P2P
     assert steps["gap_to_bound"].to_numpy() == pytest.approx((steps["step_s"] / steps["bound_s"] - 1).to_numpy())
     assert {"gap_to_bound", "gap_to_ideal"} <= set(summary.columns)
+
+
+def _kk_reference(weights, k):
+    """Largest differencing written plainly (partitions as lists of (sum, items) sorted descending)."""
+    import heapq
+    w = [float(x) for x in weights]
+    heap = [(-x, i, [(x, [i])] + [(0.0, [])] * (k - 1)) for i, x in enumerate(w)]
+    heapq.heapify(heap)
+    tie = len(w)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]) for j in range(k)]
+        order = sorted(range(k), key=lambda j: -merged[j][0])          # stable, as argsort(kind="stable")
+        merged = [merged[j] for j in order]
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+        tie += 1
+    return [sorted(items) for _, items in heap[0][2]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=st.lists(st.integers(1, 6), min_size=1, max_size=70), k=st.integers(1, 12))
+def test_karmarkar_karp_matches_the_plain_algorithm(w, k):
+    """The merge-forest implementation (one-item merges and full partitions on fast paths) gives the
+    same sets as the algorithm written plainly, ties (equal weights) included."""
+    assert karmarkar_karp(w, k) == _kk_reference(w, k)
+
+
+@pytest.mark.parametrize("trace", ["sharegpt", "wikitext2", "gsm8k"])
+def test_dynamic_never_behind_balanced_at_its_budgets(trace):
+    """dynamic weighs balanced at the budgets ``budget_divisors`` ranks best: its estimate is never above
+    balanced's at those budgets, nor its predicted step above balanced's best budget in hindsight."""
+    from dynmb.data import load_trace, sample_batch
+    from dynmb.packing.balanced import budget_divisors
+    from dynmb.packing.context import PackContext
+    from dynmb.planning import plan_step
+    from dynmb.planspec import PlanSpec
+
+    mm, cm = MemoryModel.analytic(SMALL, 4), AnalyticCostModel(SMALL, 4)
+    lengths = np.minimum(sample_batch(load_trace(trace), 256, 0), 4096)
+    spec = PlanSpec(method="dynamic", num_stages=4, memory_limit_bytes=int(mm.state_bytes.max() * 4), reorder="auto",
+                    oversize="truncate")
+    dyn, _, _ = plan_step(lengths, spec, model_cfg=SMALL, cost_model=cm, memory_model=mm)
+    ctx = PackContext.from_spec(spec, mm)
+    divs = budget_divisors(np.minimum(lengths, ctx.length_cap(SMALL.max_seq_len)), ctx, cm, keep=3)
+    best = np.inf
+    for j in range(8):
+        bal, _, _ = plan_step(lengths, spec.with_(method="balanced", mbs=1 << j), model_cfg=SMALL, cost_model=cm,
+                              memory_model=mm)
+        if (1 << j) in divs:
+            assert dyn.predictions["est_makespan_s"] <= bal.predictions["est_makespan_s"] * (1 + 1e-12)
+        best = min(best, bal.predictions["pred_step_s"])
+    assert dyn.predictions["pred_step_s"] <= best * (1 + 1e-12)

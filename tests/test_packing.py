@@ -341,9 +341,17 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
                 round_to=round_to)
     _check_plan(plan, lengths, mm, limit, round_to, cm)
     assume(plan.meta["budget"] == "tight" and plan.num_microbatches * 2 <= RANK_EXACT)
+    from dynmb.packing.dispatch import _method_flat
+
     ctx = PackContext(mm, limit, 2, "1f1b")
-    _, est = dynamic_groups(lengths, ctx, cm, round_to=round_to, max_len=plan.meta["longest_fitting_length"],
-                            attention=attention)
+    cap = plan.meta["longest_fitting_length"]
+
+    def baseline(m: str):          # the candidates pack gives dynamic (balanced at its budgets among them)
+        name, _, d = m.partition("/")
+        return _method_flat(name, lengths, ctx, cm, mbs=int(d) if d else None, round_to=round_to, len_cap=cap,
+                            attention=attention)[0]
+
+    _, est = dynamic_groups(lengths, ctx, cm, round_to=round_to, max_len=cap, attention=attention, baselines=baseline)
     assert est == pytest.approx(plan.predictions["est_makespan_s"], rel=1e-9)
 
 

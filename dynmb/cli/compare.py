@@ -31,7 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_shape_flags(parser)
     add_run_shape_flags(parser)
     parser.add_argument("--schedule", default="1f1b",
-                        help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb (default 1f1b)")
+                        help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb, or auto (per step, the fastest predicted "
+                             "kind that fits) (default 1f1b)")
     parser.add_argument("--virtual", type=int, default=1,
                         help="model chunks per rank (default 1: one rank per stage; >1 runs the interleaved "
                              "schedule on stages/virtual ranks)")

@@ -185,8 +185,8 @@ def add_packing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel pipelines the global batch is split over (default 1)")
     parser.add_argument("--schedule-kind", default="1f1b",
-                        help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb "
-                             "(default 1f1b)")
+                        help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto "
+                             "(the fastest predicted kind that fits, chosen per step) (default 1f1b)")
     parser.add_argument("--cost-model", default=None,
                         help="fitted cost-model JSON (`dynmb fit`); default: analytic stand-in")
     parser.add_argument("--memory-model", default=None,

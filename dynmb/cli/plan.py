@@ -40,7 +40,8 @@ def plan_spec(args: argparse.Namespace, model: ModelConfig) -> PlanSpec:
 
 def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, Any]:
     return {
-        "method": plan.method, "num_sequences": plan.num_sequences, "num_microbatches": plan.num_microbatches,
+        "method": plan.method, "schedule_kind": plan.schedule_kind, "num_sequences": plan.num_sequences,
+        "num_microbatches": plan.num_microbatches,
         "real_tokens": plan.real_tokens, "computed_tokens": plan.computed_tokens,
         "padding_fraction": round(plan.padding_fraction, 6),
         "memory_limit_bytes": plan.memory_limit_bytes,

@@ -35,6 +35,7 @@ from dynmb.runtime.api import run_job
 from dynmb.runtime.launch import LaunchResult, default_backend_device
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 from dynmb.schedule import SCHEDULE_KINDS
+from dynmb.schedule.kinds import AUTO, is_schedule_name
 from dynmb.types import Plan
 
 __all__ = ["add_parser", "run", "run_summary", "run_config", "stop_line", "DEFAULTS"]
@@ -56,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                              "re-planning; model, stages, limit, method, dp and global batch come from the plan")
     parser.add_argument("--nproc", type=int, default=None, help="processes (ranks); default stages x dp / virtual")
     parser.add_argument("--schedule", default=None,
-                        help="schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b); with "
+                        help="schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (per step, the fastest "
+                             "predicted of 1f1b / zb-h1 / zb, interleaved with --virtual > 1) (default 1f1b); with "
                              "--plan also a schedule CSV built for that plan (`dynmb schedule`)")
     parser.add_argument("--virtual", type=int, default=None, help="model chunks per rank for interleaved (default 1)")
     parser.add_argument("--reorder", default=None, help="microbatch reordering (default none)")
@@ -104,7 +106,7 @@ def _flag_backend_device(args: argparse.Namespace) -> tuple[str, str] | None:
 
 def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "cpu") -> RunConfig:
     """The RunConfig of the flags (a run that plans every step)."""
-    if args.schedule is not None and args.schedule not in SCHEDULE_KINDS and (
+    if args.schedule is not None and not is_schedule_name(args.schedule) and (
             args.schedule.endswith(".csv") or Path(args.schedule).exists()):
         raise ValueError(f"--schedule {args.schedule} is a schedule file: it runs only with the plan it was built "
                          "for (--plan)")
@@ -130,7 +132,8 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
         ("memory-limit", args.memory_limit and parse_bytes(args.memory_limit), int(plan.memory_limit_bytes)),
         ("method", args.method, plan.method), ("dp", args.dp, plan.dp),
         ("global-batch", args.global_batch, plan.num_sequences),
-        ("schedule", args.schedule if args.schedule in SCHEDULE_KINDS else args.schedule_kind, kind),
+        ("schedule", None if AUTO in (args.schedule, args.schedule_kind) else    # auto: the plan made its choice
+         args.schedule if args.schedule in SCHEDULE_KINDS else args.schedule_kind, kind),
         ("virtual", args.virtual, sidecar.get("virtual")),
         ("dataset", args.dataset or args.lengths, meta.get("dataset")), ("seed", args.seed, meta.get("seed")),
         ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, meta.get("pack_len")),
@@ -153,7 +156,7 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
     file. Every setting comes from the plan (its spec, model config and model files: ``cli.planfile``);
     refuses a schedule built for another plan (``check_schedule_plan``) and flags that conflict."""
     plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
-    schedule_file = args.schedule if args.schedule is not None and args.schedule not in SCHEDULE_KINDS else None
+    schedule_file = args.schedule if args.schedule is not None and not is_schedule_name(args.schedule) else None
     sidecar: dict[str, Any] = {}
     if schedule_file is not None:
         if not Path(schedule_file).is_file():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from dynmb.atomic import write_text_atomic
@@ -15,6 +16,7 @@ from dynmb.config import format_bytes
 from dynmb.planning import make_schedule
 from dynmb.planning.reorder import reorder
 from dynmb.schedule import to_csv
+from dynmb.schedule.kinds import AUTO, auto_kinds
 from dynmb.simulate import simulate
 from dynmb.types import Plan
 
@@ -47,7 +49,9 @@ def check_schedule_plan(plan: Plan, plan_path: str | Path, schedule_path: str | 
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("schedule", help=help_text)
     parser.add_argument("--plan", required=True, help="plan JSON from `dynmb plan`")
-    parser.add_argument("--kind", default="1f1b", help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (default 1f1b)")
+    parser.add_argument("--kind", default="1f1b",
+                        help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (the fastest predicted of "
+                             "the kinds auto weighs that fits) (default 1f1b)")
     parser.add_argument("--virtual", type=int, default=1,
                         help="model chunks per rank for interleaved (default 1: ranks = stages)")
     parser.add_argument("--reorder", default="none",
@@ -69,14 +73,23 @@ def run(args: argparse.Namespace) -> int:
     if plan.dp > 1:
         raise ValueError(f"{args.plan} holds {plan.dp} data-parallel pipelines; `dynmb schedule` takes a "
                          f"one-pipeline plan (plan with --dp 1, or use `dynmb run`, which schedules each replica)")
-    if plan.schedule_kind != args.kind:
+    if plan.schedule_kind != args.kind and args.kind != AUTO:
         print(f"dynmb schedule: note: the plan was packed for {plan.schedule_kind!r}, scheduling it as "
               f"{args.kind!r}; its memory guarantee is for the former", file=sys.stderr)
     _, cost_model, memory_model = plan_models(plan, args, args.plan)
-    plan = reorder(plan, args.reorder, cost_model=cost_model, memory_model=memory_model, schedule_kind=args.kind,
-                   virtual=args.virtual)
-    schedule = make_schedule(plan, args.kind, virtual=args.virtual, memory_model=memory_model,
-                             cost_model=cost_model)          # validated, slice order included
+    tried = []                 # --kind auto: every kind auto weighs, the fastest that fits kept
+    for kind in (auto_kinds(args.virtual, plan.has_slices) if args.kind == AUTO else (args.kind,)):
+        ordered = reorder(plan, args.reorder, cost_model=cost_model, memory_model=memory_model, schedule_kind=kind,
+                          virtual=args.virtual)
+        sched = make_schedule(ordered, kind, virtual=args.virtual, memory_model=memory_model,
+                              cost_model=cost_model)          # validated, slice order included
+        sim = simulate(sched, ordered, cost_model, memory_model)
+        tried.append((not sim.fits, sim.makespan_s, len(tried), kind, ordered, sched))
+    *_, args.kind, plan, schedule = min(tried)
+    if len(tried) > 1:
+        plan = replace(plan, schedule_kind=args.kind)
+        print("dynmb schedule: auto: " + ", ".join(f"{t[3]} {t[1]:.4g} s{' (over the limit)' if t[0] else ''}"
+                                                  for t in sorted(tried, key=lambda t: t[2])) + f"; chose {args.kind}")
     to_csv(schedule, args.output)
     out = Path(args.output)
     plan_out = Path(args.plan_output) if args.plan_output else out.with_name(out.stem + ".plan.json")

@@ -24,6 +24,11 @@ Workload of a sequence of length l: the cost model's time of that sequence alone
 grow with the sequences a packed row holds). Without a cost model, verl's estimate
 ``24576 l + l^2`` (its FLOP proxy: a linear term per token and the attention's quadratic one).
 
+``budget_divisors`` ranks the budgets cap / 2^j without partitioning: each as k equal
+microbatches (``tokens / k`` tokens, ``1 / k`` of the batch's attention work) by the fast makespan
+estimate ``dynmb.makespan``; the ``dynamic`` packer weighs ``balanced`` at the best few of them
+and at the memory maximum.
+
 Budget T: by default the memory maximum as ``token-budget`` takes it (``token_budget.max_tokens``
 at the batch's longest rounded length); ``divisor`` d > 1 gives ``T // d`` (the budgets
 ``cap / 2^j`` that ``dynmb compare`` tries for the best budget in hindsight).
@@ -37,65 +42,107 @@ from typing import Any
 
 import numpy as np
 
+from ..makespan import makespans
 from .context import PackContext
 from .rows import Flat, Group, groups_to_flat, round_up
 from .token_budget import max_tokens
 
 __all__ = ["karmarkar_karp", "greedy_partition", "sequence_workload", "ends_order", "balanced_flat",
-           "VERL_LINEAR_COEF"]
+           "budget_divisors", "NEAR_BEST", "VERL_LINEAR_COEF"]
 
+NEAR_BEST = 0.03
+"""``budget_divisors`` keeps a neighbour of the best-estimated budget only within this margin of it."""
 VERL_LINEAR_COEF = 24576
 """verl's workload estimate per token (``24576 l + l^2``), used without a cost model."""
-
-
-def _flatten(tree: Any, out: list[int]) -> None:
-    stack = [tree]
-    while stack:
-        t = stack.pop()
-        if t is None:
-            continue
-        if isinstance(t, tuple):
-            stack.extend(t)
-        else:
-            out.append(t)
 
 
 def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     """Indices of ``weights`` in ``k`` sets of balanced sums (largest differencing, module doc).
     Sets are returned largest sum first; a set is empty only when there are fewer than k items.
-    O(n k) numpy work: each merge adds one partition's sums to the other's reversed and re-sorts."""
+    Each merge is O(k) numpy work: the sums of one partition added to the other's reversed and
+    re-sorted, and its sets recorded as nodes of a merge forest (a new node per pair of non-empty
+    sets joined); the items of every final set are read off the forest at the end by pointer
+    jumping (no per-set Python work per merge)."""
     w = np.asarray(weights, dtype=np.float64).reshape(-1)
     n = len(w)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if n == 0:
         return [[] for _ in range(k)]
-    # a partition: (sums sorted descending, item trees aligned with them); heap on -spread, then insertion
-    heap: list[tuple[float, int, np.ndarray, list[Any]]] = []
-    for i in range(n):
-        sums = np.zeros(k)
-        sums[0] = w[i]
-        heap.append((-float(w[i]), i, sums, [i] + [None] * (k - 1)))
+    # nodes 0..n-1 are the items; a node >= n joins its two children; -1 is an empty set
+    cap = n + (n - 1) * k
+    left, right = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
+    nxt = n
+    # a partition: (negated sums ascending, its sets' nodes aligned with them, how many are non-empty);
+    # heap on -spread, then insertion
+    parts: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+    heap = [(-float(w[i]), i) for i in range(n)]
     heapq.heapify(heap)
+    slots = np.arange(k)
+
+    def take(pid: int) -> tuple[np.ndarray, np.ndarray, int]:
+        if pid < n:                                   # one item alone: built when first merged
+            neg, nodes = np.zeros(k), np.full(k, -1, dtype=np.int64)
+            neg[0], nodes[0] = -w[pid], pid
+            return neg, nodes, 1
+        return parts.pop(pid)
+
     tie = n
     while len(heap) > 1:
-        _, _, sa, ta = heapq.heappop(heap)
-        _, _, sb, tb = heapq.heappop(heap)
-        sums = sa + sb[::-1]                  # the largest set of one with the smallest of the other
-        order = np.argsort(-sums, kind="stable")
-        trees = []
-        for j in order.tolist():
-            x, y = ta[j], tb[k - 1 - j]
-            trees.append(x if y is None else y if x is None else (x, y))
-        sums = sums[order]
-        heapq.heappush(heap, (-float(sums[0] - sums[-1]), tie, sums, trees))
+        na, ta, ca = take(heapq.heappop(heap)[1])
+        pb = heapq.heappop(heap)[1]
+        if pb < n:                            # one item into the smallest set of the other (the common
+            v = na[k - 1] - w[pb]             # case): that set moves up, the rest keep their order
+            at = int(np.searchsorted(na[:k - 1], v, side="right"))      # argsort's stable place for it
+            t = int(ta[k - 1])
+            if t >= 0:
+                left[nxt], right[nxt], t = t, pb, nxt
+                nxt += 1
+            else:
+                t = pb
+            neg = np.concatenate((na[:at], [v], na[at:k - 1]))
+            nodes = np.concatenate((ta[:at], [t], ta[at:k - 1]))
+            parts[tie] = (neg, nodes, min(k, ca + 1))
+            heapq.heappush(heap, (float(neg[0] - neg[-1]), tie))
+            tie += 1
+            continue
+        nb, tb, cb = take(pb)
+        neg = na + nb[::-1]                   # the largest set of one with the smallest of the other
+        order = neg.argsort(kind="stable")
+        x, y = ta[order], tb[::-1][order]
+        if ca == k and cb == k:               # every set of both non-empty: every pair is a new node
+            left[nxt:nxt + k], right[nxt:nxt + k] = x, y
+            nodes = slots + nxt
+            nxt += k
+        else:
+            nodes = np.where(x < 0, y, x)
+            both = np.flatnonzero((x >= 0) & (y >= 0))
+            ids = np.arange(nxt, nxt + len(both))
+            left[ids], right[ids] = x[both], y[both]
+            nodes[both] = ids
+            nxt += len(both)
+        neg = neg[order]
+        parts[tie] = (neg, nodes, min(k, ca + cb))
+        heapq.heappush(heap, (float(neg[0] - neg[-1]), tie))
         tie += 1
-    out = []
-    for t in heap[0][3]:
-        items: list[int] = []
-        _flatten(t, items)
-        out.append(sorted(items))
-    return out
+    _, final, _ = take(heap[0][1])
+    parent = np.arange(nxt)
+    inner = np.arange(n, nxt)
+    parent[left[inner]] = inner
+    parent[right[inner]] = inner
+    root = parent[:n].copy()
+    while True:                               # pointer jumping: every item's root node
+        up = parent[root]
+        if np.array_equal(up, root):
+            break
+        root = up
+        parent = parent[parent]
+    slot = np.full(nxt, -1, dtype=np.int64)
+    slot[final[final >= 0]] = np.flatnonzero(final >= 0)
+    label = slot[root]
+    by = np.argsort(label, kind="stable")
+    cuts = np.searchsorted(label[by], np.arange(k + 1))
+    return [by[a:e].tolist() for a, e in zip(cuts[:-1], cuts[1:])]
 
 
 def greedy_partition(weights: Any, k: int) -> list[list[int]]:
@@ -131,6 +178,11 @@ def ends_order(work: np.ndarray) -> list[int]:
     return desc[::2][::-1] + desc[1::2]
 
 
+def _round_up_all(x: np.ndarray, m: int) -> np.ndarray:
+    """``round_up`` of every entry."""
+    return -(-np.asarray(x, dtype=np.int64) // int(m)) * int(m)
+
+
 def _admissible(ctx: PackContext, tokens: int, round_to: int) -> bool:
     return bool(ctx.bmax([round_up(int(tokens), round_to)])[0] >= 1)
 
@@ -155,10 +207,46 @@ def balanced_flat(lens: np.ndarray, ctx: PackContext, cost_model: Any = None, *,
     k = min(len(lens), -(-k // dp) * dp)
     work = sequence_workload(lens, cost_model)
     sets = [s for s in karmarkar_karp(work, k) if s]
-    sets = [p for s in sets for p in _fit(s, lens, work, ctx, round_to)]
+    tokens = np.array([int(lens[s_].sum()) for s_ in sets], dtype=np.int64)
+    fits = ctx.bmax(_round_up_all(tokens, round_to)) >= 1          # every set's row checked at once
+    sets = [p for s_, ok in zip(sets, fits.tolist()) for p in ([s_] if ok else _fit(s_, lens, work, ctx, round_to))]
     groups: list[Group] = []
     for s in sets:
         items = np.asarray(s, dtype=np.int64)
         groups.append(Group(items, np.zeros(len(items), np.int64), int(round_up(int(lens[items].sum()), round_to)), 1))
     order = ends_order(np.array([work[g.items].sum() for g in groups]))
     return groups_to_flat([groups[i] for i in order]), budget
+
+
+def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, round_to: int = 1, dp: int = 1,
+                    keep: int = 3, max_j: int = 12) -> list[int]:
+    """The divisors d = 2^j (j = 0, 1, ... until every sequence is its own microbatch) of the memory-maximum
+    budget whose ``balanced`` plans the fast estimate ranks best: each budget as k equal microbatches
+    (one packed row of ``tokens / k`` tokens and ``1 / k`` of the attention work; per replica k / dp of
+    them), estimated by ``dynmb.makespan.makespans``; the best and its neighbours in j, ``keep`` in all."""
+    lens = np.asarray(lens, dtype=np.int64)
+    n, total = len(lens), int(lens.sum())
+    cap = max_tokens(ctx, round_up(int(lens.max()), round_to))
+    divs, ks = [], []
+    for j in range(max_j + 1):
+        k = min(n, -(-math.ceil(total / max(1, cap >> j)) // dp) * dp)
+        if ks and k == ks[-1]:
+            continue                          # the same plan as a larger budget's
+        divs.append(1 << j)
+        ks.append(k)
+        if k >= n:
+            break
+    if len(divs) <= keep or not hasattr(cost_model, "stage_costs"):
+        return divs[:keep] if len(divs) > keep else divs
+    k = np.array(ks, dtype=np.float64)
+    padded = np.ceil(total / k / round_to) * round_to
+    cost = cost_model.stage_costs(np.ones(len(k)), padded, float(np.sum(lens.astype(np.float64) ** 2)) / k)
+    comm = cost_model.comm_s(np.ones(len(k)), padded) if hasattr(cost_model, "comm_s") else np.zeros(len(k))
+    per = np.maximum(np.array(ks) // dp, 1)
+    cols = np.repeat(np.arange(len(k)), per)
+    est = makespans(cost["F"][:, cols], cost["B"][:, cols], np.broadcast_to(np.asarray(comm, dtype=np.float64),
+                    (len(k),))[cols], per, ctx.kind)
+    best = int(np.argmin(est))
+    lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
+    near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]
+    return sorted({divs[0], *near})       # the budget users set always (the fewest microbatches)

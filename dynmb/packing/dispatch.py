@@ -142,8 +142,9 @@ def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Co
     if method == "dynapipe":
         return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}
     def baseline(m: str) -> Flat:     # the plan method m makes of this batch: one of dynamic's candidates
-        return _method_flat(m, lens, ctx, cost_model, mbs=None, round_to=round_to, len_cap=len_cap,
-                            attention=attention)[0]
+        name, _, divisor = m.partition("/")           # "balanced/4": balanced at the memory-maximum budget / 4
+        return _method_flat(name, lens, ctx, cost_model, mbs=int(divisor) if divisor else None, round_to=round_to,
+                            len_cap=len_cap, attention=attention, dp=dp if name == "balanced" else 1)[0]
     flat, _ = dynamic_groups(lens, ctx, cost_model, round_to=round_to, max_len=len_cap, attention=attention, dp=dp,
                              baselines=baseline)
     return flat, {}

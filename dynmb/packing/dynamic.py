@@ -70,6 +70,7 @@ from typing import Callable
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
+from .balanced import budget_divisors
 from .context import PackContext
 from .dynamic_rank import RANK_EXACT, Candidate, Ranker
 from .dynamic_setup import SplitSetup, affine_costs, row_caps, row_set
@@ -82,10 +83,15 @@ SEED_DP_MAX = 2048
 BFD_MAX = 16384
 """Batches up to this many sequences also try rows of the longest admissible length filled
 best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
-BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe")
-"""Methods whose plans (``baselines``) are candidates too, always weighed in the final choice."""
+BALANCED_BUDGETS = 3
+"""``balanced`` (verl's dynamic batching) is weighed at this many token budgets memory maximum / 2^j,
+those the fast estimate ranks best (``balanced.budget_divisors``; ``dynmb compare`` tunes it over the
+same budgets in hindsight): baselines ``"balanced/d"``."""
+BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe", "balanced")
+"""Methods whose plans (``baselines``) are candidates too, always weighed in the final choice
+(``balanced`` at the budgets ``BALANCED_BUDGETS`` says, as ``balanced/d``: budget divisor ``mbs = d``)."""
 
-__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "RANK_EXACT"]
+__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "BALANCED_BUDGETS", "RANK_EXACT"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,8 +153,11 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
             first.append((key, np.arange(len(st.pos) + 1), np.nan))
     given: dict[str, Flat] = {}
     if baselines is not None:
-        given = {m: baselines(m) for m in BASELINES
-                 if not (m == "dynapipe" and n > SEED_DP_MAX) and not (m == "packed" and n > BFD_MAX)}
+        names = [m for m in BASELINES if m != "balanced" and not (m == "dynapipe" and n > SEED_DP_MAX)
+                 and not (m == "packed" and n > BFD_MAX)]
+        names += [f"balanced/{d}" for d in budget_divisors(lengths, ctx, cost_model, round_to=round_to, dp=dp,
+                                                           keep=BALANCED_BUDGETS)]
+        given = {m: baselines(m) for m in names}
     elif n <= SEED_DP_MAX:        # called alone: the fixed-size and DP splits of the sorted rows
         unpacked = setups["none"]
         m0 = len(unpacked.pos)

@@ -6,6 +6,10 @@ and ``dynmb compare`` call, so the plan that is simulated is the plan that runs:
     lengths --pack--> Plan --reorder--> Plan --build_schedule--> Schedule --simulate--> SimResult
 
 It takes the settings as one ``PlanSpec`` (``dynmb.planspec``), which the plan records.
+With ``schedule_kind="auto"`` (``plan_auto``) the step is planned for every kind that
+``dynmb.schedule.kinds.auto_kinds`` admits, each packed, ordered and scheduled for its own kind,
+and the fastest simulated step that fits the memory limit is kept; the plan records the chosen
+kind, the spec ``auto``.
 Each data-parallel replica is reordered, scheduled and simulated by the helpers of
 ``dynmb.planning.replicas``, which stitch the replicas back into one plan.
 
@@ -18,6 +22,7 @@ the slowest replica's.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Any
@@ -31,6 +36,7 @@ from ..costmodel import get_cost_model
 from ..memory import get_memory_model
 from ..packing import pack
 from ..planspec import PlanSpec
+from ..schedule.kinds import AUTO, auto_kinds, get_kind
 from ..simulate import SimResult
 from ..types import Plan, Schedule
 from .defaults import reorder_for
@@ -38,7 +44,9 @@ from .reorder import reorder as reorder_plan
 from .replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
 from .slicing import longest_row, plan_split
 
-__all__ = ["plan_step", "make_schedule"]
+__all__ = ["plan_step", "plan_auto", "make_schedule"]
+
+log = logging.getLogger(__name__)
 
 
 def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: ModelConfig,
@@ -51,6 +59,8 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: M
     ``cost_model``/``memory_model`` default to the analytic stand-ins; ``meta`` is added to the
     plan's. The plan records ``spec`` (``Plan.spec``). The earlier keyword form (the ``PlanSpec``
     fields as keywords, ``plan_step(lengths, method=..., num_stages=..., ...)``) still works.
+    ``spec.schedule_kind == "auto"``: the step is planned for each kind of
+    ``dynmb.schedule.kinds.auto_kinds`` and the fastest that fits is returned (``plan_auto``).
     """
     if spec is None:
         spec = PlanSpec(**legacy)
@@ -58,9 +68,24 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: M
         raise TypeError(f"pass the settings in the PlanSpec, not as keywords too: {sorted(legacy)}")
     cost_model = cost_model or get_cost_model(None, model_cfg, spec.num_stages)
     memory_model = memory_model or get_memory_model(None, model_cfg, spec.num_stages)
-    t0 = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
-    if spec.oversize == "split" and lengths.size and lengths.max() > longest_row(spec, model_cfg, memory_model):
+    if spec.schedule_kind == AUTO:
+        return plan_auto(lengths, spec, model_cfg, cost_model, memory_model, meta)
+    return _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta)
+
+
+def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> bool:
+    return spec.oversize == "split" and bool(lengths.size) and \
+        lengths.max() > longest_row(spec, model_cfg, memory_model)
+
+
+def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
+               memory_model: MemoryModelLike, meta: dict[str, Any] | None,
+               packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
+    """``plan_step`` for one schedule kind; ``packs``: packings already made in this step, by the kind's
+    ``packing_key`` (with the seconds they took), shared by kinds the packers cannot tell apart."""
+    t0 = time.perf_counter()
+    if _sliced(lengths, spec, model_cfg, memory_model):
         if spec.reorder not in ("none", "auto"):
             raise ValueError(f"reorder {spec.reorder!r}: a plan with slices of long sequences runs in its planned "
                              f"order (reorder 'none' or 'auto')")
@@ -70,17 +95,67 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: M
                                          plan_s=time.perf_counter() - t0)
         return replace(plan, predictions=preds, spec=spec,
                        meta={**plan.meta, **(meta or {}), "reorder": "none"}), sched, sim
-    plan = pack(lengths, spec.with_(oversize="error") if spec.oversize == "split" else spec,
-                memory_model=memory_model, cost_model=cost_model)
+    key = get_kind(spec.schedule_kind).packing_key
+    shared = packs.get(key) if packs is not None else None
+    if shared is None:
+        plan = pack(lengths, spec.with_(oversize="error") if spec.oversize == "split" else spec,
+                    memory_model=memory_model, cost_model=cost_model)
+        pack_s = time.perf_counter() - t0
+        if packs is not None:
+            packs[key] = (plan, pack_s)
+    else:                                           # the same packing: only the kind differs
+        plan, pack_s = replace(shared[0], schedule_kind=spec.schedule_kind, spec=spec), shared[1]
+    t1 = time.perf_counter()
     replicas = replicas_of(plan)
     reorder = reorder_for(spec.method, spec.reorder)          # "auto": the method's own order
     if reorder != "none":
         replicas = [reorder_plan(p, reorder, cost_model=cost_model, memory_model=memory_model,
                                  schedule_kind=spec.schedule_kind, virtual=spec.virtual) for p in replicas]
     scheds = replica_schedules(replicas, spec, memory_model=memory_model, cost_model=cost_model)
-    plan_s = time.perf_counter() - t0
+    plan_s = pack_s + time.perf_counter() - t1
     predicted = predict_replicas(replicas, scheds, cost_model, memory_model, plan.predictions)
     plan = stitch(plan, replicas, {"reorder": reorder, "virtual": spec.virtual, **(meta or {})})
     plan = replace(plan, schedule_kind=spec.schedule_kind, spec=spec,
                    predictions=predicted.predictions.updated(plan_s=plan_s))
     return plan, scheds[0], predicted.sims[0]
+
+
+def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
+              memory_model: MemoryModelLike, meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
+    """``--schedule auto``: the step planned for each kind of ``auto_kinds`` (packed for that kind;
+    kinds of equal ``packing_key`` share the packing), each simulated; the fastest whose simulated
+    peak fits the limit is kept (none fits: the fastest, as a fixed kind would return it). Ties go to
+    the kind registered first. The plan's ``schedule_kind`` is the chosen kind, its spec keeps
+    ``auto``; ``meta["schedule_auto"]`` holds every kind's predicted step (None: it could not plan the
+    step), ``plan_s`` the whole choice. A kind that cannot take the step (``ValueError``) drops out;
+    if all do, the first one's error is raised."""
+    t0 = time.perf_counter()
+    kinds = auto_kinds(spec.virtual, slices=_sliced(lengths, spec, model_cfg, memory_model))
+    if not kinds:
+        raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
+                         f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, memory_model) else ''}")
+    packs: dict[tuple, tuple[Plan, float]] = {}
+    results, scores, errors = [], {}, []
+    for kind in kinds:
+        try:
+            res = _plan_kind(lengths, spec.with_(schedule_kind=kind), model_cfg, cost_model, memory_model, meta, packs)
+        except ValueError as e:         # PackingError is one; a kind that cannot take this step drops out
+            errors.append(e)
+            scores[kind] = None
+            continue
+        results.append(res)
+        scores[kind] = float(res[0].predictions.get("pred_step_s"))
+    if not results:
+        raise errors[0]
+    fitting = [r for r in results if _fits(*r)] or results
+    plan, sched, sim = min(fitting, key=lambda r: r[0].predictions.get("pred_step_s"))   # first of equals
+    if len(fitting) < len(results):
+        log.info("schedule auto: %d of %d kinds over the memory limit", len(results) - len(fitting), len(results))
+    preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
+    return replace(plan, spec=spec, predictions=preds, meta={**plan.meta, "schedule_auto": scores}), sched, sim
+
+
+def _fits(plan: Plan, sched: Schedule, sim: SimResult) -> bool:
+    """The simulated peak is under the limit: replica 0's per GPU, every replica's per stage."""
+    peak = plan.predictions.get("pred_peak_bytes")
+    return bool(sim.fits) and (peak is None or bool(np.all(np.asarray(peak) <= plan.memory_limit_bytes)))

@@ -47,6 +47,7 @@ from ..schedule import build_schedule, execution_order
 from ..schedule.kinds import BuildInputs, get_kind
 from ..simulate import action_times, cross_mask, comm_times, memory_inputs, peaks
 from ..types import Plan, Schedule
+from .batchsim import batch_makespans
 
 __all__ = ["REORDER_METHODS", "reorder", "reorder_order", "OrderEvaluator", "ends_order", "default_max_evals"]
 
@@ -79,6 +80,7 @@ class OrderEvaluator:
         self.evals = 0
         self._cache: dict[tuple[int, ...], tuple[float, float, bool]] = {}
         self._by_key: dict[bytes, Any] = {}
+        self._pre: dict[tuple[int, ...], tuple[float, float, bool]] = {}
         self._flat = None if self.by_order else self._flatten(None)
         self._always_fits = self._order_free_fit()
 
@@ -121,12 +123,35 @@ class OrderEvaluator:
         flat.xi = cross_mask(flat)
         return flat
 
+    def prefetch(self, orders: Sequence[Sequence[int]], limit: int) -> None:
+        """Simulate up to ``limit`` of ``orders`` not seen yet in one vectorised pass (``dynmb.planning.batchsim``),
+        held until ``__call__`` asks for them (which counts each as one evaluation then, as unbatched).
+        Only where the order changes neither the schedule nor a needed peak: else a no-op."""
+        if self._flat is None or (self.act is not None and not self._always_fits) or limit <= 0:
+            return
+        todo: dict[tuple[int, ...], None] = {}
+        for o in orders:
+            key = tuple(int(i) for i in o)
+            if key not in self._cache and key not in self._pre:
+                todo[key] = None
+                if len(todo) >= limit:
+                    break
+        if len(todo) < 2:
+            return
+        keys = list(todo)
+        for key, mk in zip(keys, batch_makespans(self._flat, self.cube, self.comm, np.array(keys, dtype=np.int64))):
+            self._pre[key] = (float(mk), 0.0, True)
+
     def __call__(self, order: Sequence[int]) -> tuple[float, float, bool]:
         key = tuple(int(i) for i in order)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         self.evals += 1
+        pre = self._pre.pop(key, None)
+        if pre is not None:
+            self._cache[key] = pre
+            return pre
         perm = np.asarray(key, dtype=np.int64)
         try:
             flat = self._flat if self._flat is not None else self._flatten(perm)
@@ -229,7 +254,9 @@ def _dynapipe(ev: OrderEvaluator, k: int = 4) -> list[int]:
     groups = [np.flatnonzero(labels == c).tolist() for c in range(k)]
     groups = [g for g in groups if g]
     best = None
-    for perm in itertools.permutations(range(len(groups))):
+    perms = list(itertools.permutations(range(len(groups))))
+    ev.prefetch([[i for c in perm for i in groups[c]] for perm in perms], len(perms))
+    for perm in perms:
         order = [i for c in perm for i in groups[c]]
         if best is None or ev.score(order) < ev.score(best):
             best = order
@@ -291,13 +318,22 @@ def _local_search(ev: OrderEvaluator, start: list[int], max_evals: int) -> list[
     improved = True
     while improved and ev.evals < budget_end:
         improved = False
-        for cand in _neighbours(cur, ev.P, ev.hot_positions(cur)):
-            if ev.evals >= budget_end:
+        hood, chunk = _neighbours(cur, ev.P, ev.hot_positions(cur)), 4
+        # neighbours are simulated in growing chunks at once (OrderEvaluator.prefetch) but taken in turn,
+        # each counted as it is reached: the same descent, evaluations and result as one at a time
+        while not improved and ev.evals < budget_end:
+            cands = list(itertools.islice(hood, chunk))
+            if not cands:
                 break
-            sc = ev.score(cand)
-            if _better(sc, best):
-                cur, best, improved = cand, sc, True
-                break
+            ev.prefetch(cands, budget_end - ev.evals)
+            for cand in cands:
+                if ev.evals >= budget_end:
+                    break
+                sc = ev.score(cand)
+                if _better(sc, best):
+                    cur, best, improved = cand, sc, True
+                    break
+            chunk = min(2 * chunk, 64)
     return cur
 
 
@@ -326,6 +362,7 @@ def reorder_order(plan: Plan, method: str, *, cost_model: CostModelLike, memory_
         return _dynapipe(ev)
     cands = [reorder_order(plan, k, cost_model=cost_model, schedule_kind=schedule_kind, virtual=virtual,
                            evaluator=ev) for k in REORDER_METHODS if k != "search"]
+    ev.prefetch(cands, len(cands))
     start = min(cands, key=ev.score)
     if max_evals is None:
         max_evals = default_max_evals(2 * ev.P * m)

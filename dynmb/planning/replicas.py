@@ -28,7 +28,7 @@ from dynmb.memory import MemoryModelLike
 from ..planspec import PlanSpec
 from ..predictions import Predictions
 from ..schedule import build_schedule, validate
-from ..schedule.kinds import get_kind, slice_kinds
+from ..schedule.kinds import get_kind, resolve_kind, slice_kinds
 from ..simulate import SimResult, memory_inputs, simulate
 from ..types import Microbatch, Plan, Schedule
 from .zerobubble import zb_evaluator, zb_inputs
@@ -39,9 +39,11 @@ __all__ = ["make_schedule", "replica_of", "replicas_of", "replica_schedules", "p
 
 def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: MemoryModelLike | None = None,
                   cost_model: CostModelLike | None = None) -> Schedule:
-    """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``): the kind's
-    record (``dynmb.schedule.kinds``) says which inputs its builder takes (the plan's backward
-    order for slices, its bytes and limit, its times and the simulator as judge)."""
+    """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``; ``kind``
+    ``"auto"``: the kind the plan records, ``resolve_kind``): the kind's record
+    (``dynmb.schedule.kinds``) says which inputs its builder takes (the plan's backward order for
+    slices, its bytes and limit, its times and the simulator as judge)."""
+    kind = resolve_kind(kind, plan)            # "auto": the kind the plan was planned for
     rec = get_kind(kind)
     order = plan.backward_order() if plan.has_slices else None
     if order is not None and not rec.slices:

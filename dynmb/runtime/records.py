@@ -134,7 +134,8 @@ def replay_step_s(schedule: Schedule, plan: Plan, actions: Sequence[ActionRow],
     scheduled = [a for acts in schedule.ranks for a in acts]
     if any(np.isnan(costs[a.op][a.stage, a.mb]) for a in scheduled):
         return None
-    costs = {op: c for op, c in costs.items() if op in {a.op for a in scheduled}}
+    # an op some microbatches do not run (B beside I/W in a zero-bubble schedule) costs them nothing
+    costs = {op: np.nan_to_num(c, nan=0.0) for op, c in costs.items() if op in {a.op for a in scheduled}}
     return simulate_costs(schedule, costs, comm_times(cost_model, plan)).makespan_s
 
 
@@ -156,7 +157,8 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         num_microbatches=plan.num_microbatches, padding_fraction=plan.padding_fraction,
         mean_bubble=sum(1 - r.busy_s / step_s for r in reports) / len(reports),
         pred_mean_bubble=plan.predictions.get("mean_bubble"), plan_s=plan.predictions.get("plan_s"),
-        loss=sum(r.loss for r in reports), schedule=pipeline.schedule, reorder=pipeline.reorder,
+        loss=sum(r.loss for r in reports), schedule=pipeline.schedule, schedule_kind=plan.schedule_kind,
+        reorder=pipeline.reorder,
         num_stages=pipeline.num_stages, virtual=pipeline.virtual, dp=cfg.dp, world_size=world_size,
         verified=spec.verify, memory_limit_bytes=int(plan.memory_limit_bytes), mbs=plan.meta.get("mbs"),
         model=cfg.model.name, global_batch=cfg.global_batch, truncated=len(plan.meta.get("truncated", [])),

@@ -64,6 +64,7 @@ from dynmb.packing import METHODS
 from dynmb.planning import REORDER_METHODS
 from dynmb.results import run_ids_in
 from dynmb.schedule import SCHEDULE_KINDS, ScheduleError, from_csv, validate
+from dynmb.schedule.kinds import is_schedule_name
 from dynmb.types import Plan, Schedule
 
 __all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable"]
@@ -188,8 +189,8 @@ class RunSpec:
         run, pipeline = self.run, self.run.pipeline
         if run.method not in METHODS:
             raise ValueError(f"unknown method {run.method!r}; expected one of {', '.join(METHODS)}")
-        if pipeline.schedule not in SCHEDULE_KINDS:
-            raise ValueError(f"unknown schedule {pipeline.schedule!r}; expected one of {', '.join(SCHEDULE_KINDS)}")
+        if not is_schedule_name(pipeline.schedule):
+            raise ValueError(f"unknown schedule {pipeline.schedule!r}; expected auto or one of {', '.join(SCHEDULE_KINDS)}")
         if pipeline.reorder != "auto" and pipeline.reorder not in REORDER_METHODS:
             raise ValueError(f"unknown reorder {pipeline.reorder!r}; expected auto or one of "
                              f"{', '.join(REORDER_METHODS)}")

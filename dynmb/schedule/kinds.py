@@ -31,8 +31,17 @@ A kind's traits (``ScheduleKind``):
 - ``estimate_as``: the op order (``"gpipe"`` or ``"1f1b"``) the fast makespan estimate
   (``dynmb.makespan``) sweeps for this kind.
 
+- ``auto``: ``--schedule auto`` weighs this kind (``auto_kinds``).
+
 Adding a kind is one new module with its builder and its record, plus one
 ``register_kind(record)`` call. ``SCHEDULE_KINDS`` is a live view of the registered names.
+
+``AUTO`` (``"auto"``) is not a kind but a choice among kinds, made per step by the planner
+(``dynmb.planning.planner``): it plans the step for each kind of ``auto_kinds(virtual, slices)``
+(the dynamic packer packs for the kind it will run; kinds of equal ``packing_key`` share one
+packing, since the packers read nothing else of a kind), simulates each under the memory limit
+and keeps the fastest that fits. The plan records the chosen kind (``Plan.schedule_kind``) and
+its spec keeps ``"auto"``; ``resolve_kind(name, plan)`` is the kind a plan runs on.
 """
 
 from __future__ import annotations
@@ -48,7 +57,8 @@ from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.types import Schedule
 
 __all__ = ["BuildInputs", "ScheduleKind", "register_kind", "unregister_kind", "get_kind", "kind_names",
-           "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight"]
+           "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight", "AUTO", "auto_kinds", "is_schedule_name",
+           "resolve_kind"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +122,8 @@ class ScheduleKind:
     cache_key: Callable[[BuildInputs], bytes] | None = None
     """For builders that read the microbatches' bytes: a key equal for inputs that build the same
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
+    auto: bool = False
+    """``--schedule auto`` weighs this kind (``auto_kinds``)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -122,6 +134,12 @@ class ScheduleKind:
             raise ValueError(f"kind {self.name!r}: estimate_as must be gpipe or 1f1b, got {self.estimate_as!r}")
         if self.virtual_stages and self.chunk_window is None:
             raise ValueError(f"kind {self.name!r} takes virtual stages: give its chunk_window")
+
+    @property
+    def packing_key(self) -> tuple:
+        """What the packers, the memory model and the fast estimate read of this kind: kinds with the
+        same key get the same packing of a batch (``auto`` packs once for them)."""
+        return (self.window, self.chunk_window, self.virtual_stages, self.estimate_as)
 
     def inflight(self, stage: int, num_stages: int, m: int) -> int:
         """Microbatches ``stage`` holds at once with ``m`` in the step (one stage per rank)."""
@@ -152,12 +170,14 @@ def register_kind(kind: ScheduleKind, *, replace: bool = False) -> ScheduleKind:
     if kind.name in _REGISTRY and not replace:
         raise ValueError(f"schedule kind {kind.name!r} is already registered")
     _REGISTRY[kind.name] = kind
+    _BUILT.clear()
     return kind
 
 
 def unregister_kind(name: str) -> None:
     """Remove a kind (tests that register one of their own)."""
     _REGISTRY.pop(name, None)
+    _BUILT.clear()
 
 
 def get_kind(name: str) -> ScheduleKind:
@@ -176,6 +196,35 @@ def kind_names() -> tuple[str, ...]:
 def slice_kinds() -> tuple[str, ...]:
     """The kinds that run slices of long sequences."""
     return tuple(k for k, v in _REGISTRY.items() if v.slices)
+
+
+AUTO = "auto"
+"""The schedule choice made per step: the fastest kind of ``auto_kinds`` that fits (module doc)."""
+
+
+def auto_kinds(virtual: int = 1, slices: bool = False) -> tuple[str, ...]:
+    """The kinds ``auto`` weighs, in registration order (ties go to the first): the registered kinds
+    with ``auto`` that take ``virtual`` chunks per rank (with ``virtual`` > 1 a rank holds several
+    model chunks, which only kinds with ``virtual_stages`` run; with 1, those kinds are their
+    one-chunk equal and are left out) and, for a plan with slices of long sequences, run them."""
+    return tuple(k for k, v in _REGISTRY.items() if v.auto and v.virtual_stages == (virtual > 1)
+                 and (v.slices or not slices))
+
+
+def is_schedule_name(name: str) -> bool:
+    """A registered kind or ``auto``."""
+    return name == AUTO or name in _REGISTRY
+
+
+def resolve_kind(name: str, plan: Any) -> str:
+    """The kind ``plan`` runs on under the schedule setting ``name``: the plan's chosen kind for ``auto``."""
+    if name != AUTO:
+        return name
+    kind = getattr(plan, "schedule_kind", AUTO)
+    if kind == AUTO or kind not in _REGISTRY:
+        raise ValueError(f"schedule 'auto': the plan records no chosen kind (got {kind!r}); plan it with "
+                         f"dynmb.planning.plan_step, which chooses one")
+    return kind
 
 
 class _KindNames(Sequence):
@@ -215,7 +264,22 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int, **inputs: 
     rec = get_kind(kind)
     inp = BuildInputs(num_stages=num_stages, num_microbatches=num_microbatches, **inputs)
     rec.check(inp)
-    return rec.build(inp)
+    if rec.memory != "none" or rec.costs:              # the schedule follows the bytes or the times
+        return rec.build(inp)
+    order = None if inp.backward_order is None else tuple(int(i) for i in inp.backward_order)
+    key = (kind, num_stages, num_microbatches, inp.virtual, order)
+    sched = _BUILT.get(key)
+    if sched is None:                 # a Schedule is immutable: a planning step builds the same one twice
+        sched = rec.build(inp)        # (the reorder search's and the plan's), a run its shapes every step
+        if len(_BUILT) >= _BUILT_MAX:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = sched
+    return sched
+
+
+_BUILT: dict[tuple, Schedule] = {}
+"""Schedules of the order-only kinds (no bytes, no times), by (kind, stages, microbatches, virtual, order)."""
+_BUILT_MAX = 64
 
 
 def interleaved_inflight(rank: Any, ranks: int, virtual: int) -> Any:
@@ -269,13 +333,14 @@ def _zb(inp: BuildInputs) -> Schedule:
 
 register_kind(ScheduleKind(name="gpipe", build=_gpipe, window=None, slices=True, window_exact=True,
                            estimate_as="gpipe"))
-register_kind(ScheduleKind(name="1f1b", build=_1f1b, window=_one_f_one_b_window, slices=True, window_exact=True))
+register_kind(ScheduleKind(name="1f1b", build=_1f1b, window=_one_f_one_b_window, slices=True, window_exact=True,
+                           auto=True))
 register_kind(ScheduleKind(name="interleaved", build=_interleaved, window=_one_f_one_b_window,
-                           chunk_window=interleaved_inflight, virtual_stages=True))
+                           chunk_window=interleaved_inflight, virtual_stages=True, auto=True))
 register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one_f_one_b_window, memory="required",
                            fits_by_construction=True, cache_key=_memory_aware_key))
 # the zero-bubble kinds keep 1F1B's window (dynmb.memory): packing for them is packing for 1F1B
 register_kind(ScheduleKind(name="zb-h1", build=_zb_h1, window=_one_f_one_b_window, split_backward=True,
-                           memory="optional", costs=True))
+                           memory="optional", costs=True, auto=True))
 register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
-                           memory="optional", costs=True))
+                           memory="optional", costs=True, auto=True))
