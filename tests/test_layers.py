@@ -102,7 +102,7 @@ def _modules(package: str, *leaves: str) -> tuple[str, ...]:
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.outdir", "dynmb.hostinfo")),
     ("types, config", ("dynmb.types", "dynmb.microbatch", "dynmb.actions", "dynmb.predictions", "dynmb.planspec",
-                       "dynmb.features", "dynmb.config", "dynmb.model_sizes", "dynmb.units")),
+                       "dynmb.features", "dynmb.config", "dynmb.model_sizes", "dynmb.units", "dynmb.contract")),
     ("data", _modules("dynmb.data", "lengths", "corpus", "tokens")),
     ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
     ("models of the hardware", ("dynmb.memory", "dynmb.memory_peak", "dynmb.memory_fit", "dynmb.memory_coef",

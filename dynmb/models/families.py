@@ -47,6 +47,8 @@ class FamilyFactory:
     """The ``StageFactory`` of a dynmb family (module docstring)."""
 
     config: ModelConfig
+    dynmb_family = True
+    """Marks dynmb's own families (``dynmb.contract.is_family_factory``)."""
 
     @property
     def attention_work(self) -> str:

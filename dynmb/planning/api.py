@@ -29,6 +29,7 @@ from dynmb.memory import MemoryModelLike
 from ..config import ModelConfig, model_config, parse_bytes
 from ..costmodel import get_cost_model
 from ..memory import get_memory_model
+from ..contract import as_factory, is_factory_spec, is_family_factory, load_factory, planning_config
 from ..planspec import PlanSpec
 from ..simulate import SimResult
 from ..types import Plan, Schedule
@@ -56,11 +57,9 @@ def _model(model: Any) -> tuple[ModelConfig, bool]:
     attention kind where the factory has it)."""
     if isinstance(model, ModelConfig):
         return model, False
-    if isinstance(model, (str, Path)) and ":" not in str(model) or isinstance(model, Path):
+    if isinstance(model, Path) or isinstance(model, str) and not is_factory_spec(model):
         return model_config(str(model)), False
-    from dynmb.models.contract import is_family_factory, planning_config, resolve_model
-
-    factory = resolve_model(str(model) if isinstance(model, Path) else model)
+    factory = load_factory(model) if isinstance(model, str) else as_factory(model)
     return planning_config(factory), not is_family_factory(factory)
 
 
