@@ -226,7 +226,7 @@ def test_llama_small_memory_model_matches_the_cpu_meter(stage):
     runtime's CPU accounting of saved storages: states exact, activations within 5%."""
     import torch
 
-    from dynmb.runtime.meter import measure_stage_memory
+    from dynmb.measure.memory import measure_stage_memory
 
     torch.set_num_threads(1)
     cfg = ModelConfig.preset("llama-small")
