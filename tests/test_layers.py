@@ -119,7 +119,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                            "worker", "api"), *_modules("dynmb.integrations", "torch_pipelining"))),
     ("measurement", (*_modules("dynmb.measure", "profiler", "grid", "timing", "eta", "samples", "memory", "pingpong"),
                      "dynmb.analysis", "dynmb.plots")),
-    ("job and CLI", ("dynmb.compare", *_modules("dynmb.cli", "main", "__main__", "flags", "datasets", "lengths", "plan",
+    ("job and CLI", ("dynmb.compare", "dynmb.compare_table", *_modules("dynmb.cli", "main", "__main__", "flags", "datasets", "lengths", "plan",
                                                 "schedule", "simulate", "profile", "fit", "memory", "run", "compare", "planfile"))),
     ("public API", ("dynmb",)),
 ]
