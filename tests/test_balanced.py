@@ -244,3 +244,24 @@ def test_dynamic_never_behind_balanced_at_its_budgets(trace):
             assert dyn.predictions["est_makespan_s"] <= bal.predictions["est_makespan_s"] * (1 + 1e-12)
         best = min(best, bal.predictions["pred_step_s"])
     assert dyn.predictions["pred_step_s"] <= best * (1 + 1e-12)
+
+
+def test_dynamic_is_never_predicted_behind_balanced_at_its_checked_budgets():
+    """The final check: dynamic's step is planned against ``balanced`` at the budgets the fast
+    estimate ranks best, each planned whole and simulated, and keeps the fastest that fits."""
+    import dynmb
+    from dynmb.data import load_trace, sample_batch
+    from dynmb.packing.balanced import budget_divisors
+    from dynmb.packing.context import PackContext
+    from dynmb.planning.planner import FINAL_CHECK
+
+    planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
+    planner.cost_model = planner.cost_model.with_overhead(F=0.02, B=0.02)     # overhead per action: few mbs win
+    for step in range(3):
+        batch = sample_batch(load_trace("sharegpt"), 32, seed=3, step=step)
+        got = planner.plan(batch, method="dynamic")
+        ctx = PackContext.from_spec(got.plan.spec, planner.memory_model)
+        for d in budget_divisors(batch, ctx, planner.cost_model, keep=FINAL_CHECK):
+            other = planner.plan(batch, method="balanced", mbs=d).sim.makespan_s
+            assert got.sim.makespan_s <= other * (1 + 1e-9)
+        assert got.plan.method == "dynamic" and got.plan.spec.method == "dynamic"

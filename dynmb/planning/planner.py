@@ -35,6 +35,8 @@ from ..config import ModelConfig
 from ..costmodel import get_cost_model
 from ..memory import get_memory_model
 from ..packing import pack
+from ..packing.balanced import budget_divisors
+from ..packing.context import PackContext
 from ..planspec import PlanSpec
 from ..schedule.kinds import AUTO, auto_kinds, get_kind
 from ..simulate import SimResult
@@ -71,7 +73,7 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: M
     lengths = np.asarray(lengths, dtype=np.int64)
     if spec.schedule_kind == AUTO:
         return plan_auto(lengths, spec, model_cfg, cost_model, memory_model, meta)
-    return _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta)
+    return _plan_checked(lengths, spec, model_cfg, cost_model, memory_model, meta)
 
 
 def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> bool:
@@ -120,6 +122,43 @@ def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost
     return plan, scheds[0], predicted.sims[0]
 
 
+FINAL_CHECK = 3
+"""``dynamic``'s plan is checked against ``balanced`` (verl's dynamic batching) at this many token
+budgets, those the fast estimate ranks best (``packing.balanced.budget_divisors``)."""
+
+
+def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
+                  memory_model: MemoryModelLike, meta: dict[str, Any] | None,
+                  packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
+    """``_plan_kind``, and for ``dynamic`` a final check by the simulator: the packer ranks its
+    candidates by the fast makespan estimate on affine costs, which a cost model that is not affine
+    (the shipped fitted ones) or a long reorder can turn around. So ``balanced`` at ``FINAL_CHECK``
+    budgets is planned whole (packed, in its own order, scheduled, simulated) and kept when it
+    predicts a shorter step that fits; the plan stays ``dynamic``'s (its method and spec) and
+    ``meta["grouping"]`` names the winner (``balanced/d``), ``plan_s`` counts the whole check."""
+    t0 = time.perf_counter()
+    best = _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
+    if spec.method != "dynamic" or best[0].slice_groups():
+        return best
+    try:
+        divisors = budget_divisors(lengths, PackContext.from_spec(spec, memory_model), cost_model,
+                                   round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK)
+    except ValueError:
+        return best
+    chosen = None
+    for d in divisors:
+        try:
+            alt = _plan_kind(lengths, spec.with_(method="balanced", mbs=d), model_cfg, cost_model, memory_model, meta)
+        except ValueError:                              # PackingError: this budget cannot take the batch
+            continue
+        if _fits(*alt) and alt[0].predictions["pred_step_s"] < best[0].predictions["pred_step_s"] * (1 - 1e-9):
+            best, chosen = alt, d
+    plan, sched, sim = best
+    preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
+    grouping = {} if chosen is None else {"grouping": f"balanced/{chosen}"}
+    return replace(plan, method="dynamic", spec=spec, predictions=preds, meta={**plan.meta, **grouping}), sched, sim
+
+
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
               memory_model: MemoryModelLike, meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``--schedule auto``: the step planned for each kind of ``auto_kinds`` (packed for that kind;
@@ -138,7 +177,8 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_
     results, scores, errors = [], {}, []
     for kind in kinds:
         try:
-            res = _plan_kind(lengths, spec.with_(schedule_kind=kind), model_cfg, cost_model, memory_model, meta, packs)
+            res = _plan_checked(lengths, spec.with_(schedule_kind=kind), model_cfg, cost_model, memory_model, meta,
+                                packs)
         except ValueError as e:         # PackingError is one; a kind that cannot take this step drops out
             errors.append(e)
             scores[kind] = None
