@@ -82,17 +82,23 @@ def test_stages_equal_transformers_per_document(attn: str, docs: int, docs_per_r
         assert float((names[n] - g).norm() / g.norm()) <= 1e-5, n
 
 
-def test_fp32_within_1e5() -> None:
-    factory = HFStageFactory.from_config(_config(), seed=0)
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(5, 60, 10).tolist()
+def _two_stages_equal_transformers(factory: HFStageFactory, *, seed: int, docs: int, longest: int,
+                                   docs_per_row: int) -> None:
+    """fp32, 2 stages, one packed microbatch: loss and every gradient within 1e-5 of transformers'."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(4, longest, docs).tolist()
     tokens = [torch.as_tensor(rng.integers(0, VOCAB, n + 1)) for n in lengths]
     ref_loss, ref = _hf_reference(factory.model, tokens, lengths)
-    loss, got = _dynmb(factory, 2, [_packed(lengths, 5)], tokens, sum(lengths))
+    loss, got = _dynmb(factory, 2, [_packed(lengths, docs_per_row)], tokens, sum(lengths))
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     for n, g in got.items():
         r = ref["model." + n if not n.startswith("lm_head") else n]
         assert float((g - r).norm() / r.norm()) <= 1e-5, n
+
+
+def test_fp32_within_1e5() -> None:
+    _two_stages_equal_transformers(HFStageFactory.from_config(_config(), seed=0), seed=0, docs=10, longest=60,
+                                   docs_per_row=5)
 
 
 def test_same_weights_on_every_rank_and_moving_a_document_keeps_its_loss() -> None:
@@ -135,13 +141,4 @@ def test_other_llama_layout_decoders(arch: str) -> None:
     cfg = cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
-    factory = HFStageFactory.from_config(cfg, seed=1)
-    rng = np.random.default_rng(1)
-    lengths = rng.integers(4, 30, 8).tolist()
-    tokens = [torch.as_tensor(rng.integers(0, VOCAB, n + 1)) for n in lengths]
-    ref_loss, ref = _hf_reference(factory.model, tokens, lengths)
-    loss, got = _dynmb(factory, 2, [_packed(lengths, 4)], tokens, sum(lengths))
-    assert loss == pytest.approx(ref_loss, rel=1e-5)
-    for n, g in got.items():
-        r = ref["model." + n if not n.startswith("lm_head") else n]
-        assert float((g - r).norm() / r.norm()) <= 1e-5, n
+    _two_stages_equal_transformers(HFStageFactory.from_config(cfg, seed=1), seed=1, docs=8, longest=30, docs_per_row=4)
