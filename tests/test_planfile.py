@@ -69,3 +69,20 @@ def test_run_plan_takes_recompute_oversize_and_the_memory_model_from_the_plan(tm
     args = build_parser().parse_args(["run", "--plan", plan, "--out", str(tmp_path / "o"), "--model", "small"])
     with pytest.raises(ValueError, match="--model small conflicts with the plan"):
         plan_run_config(args)
+
+
+def test_an_edited_sidecar_or_schedule_is_refused(tmp_path, capsys) -> None:
+    plan = _plan(tmp_path, "--model", "tiny", "--memory-limit", "512MiB")
+    sched = str(tmp_path / "s.csv")
+    assert main(["schedule", "--plan", plan, "-o", sched]) == 0
+    args = ["simulate", "--plan", str(tmp_path / "s.plan.json"), "--schedule", sched, "--json"]
+    assert main(args) == 0
+    side = tmp_path / "s.meta.json"
+    original = side.read_text()
+    side.write_text(original.replace('"kind": "1f1b"', '"kind": "gpipe"'))
+    capsys.readouterr()
+    assert main(args) == 2 and "was edited after" in capsys.readouterr().err
+    side.write_text(original)
+    with open(sched, "a") as f:
+        f.write("\n")
+    assert main(args) == 2 and "does not match" in capsys.readouterr().err

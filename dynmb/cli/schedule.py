@@ -4,6 +4,7 @@ after the plan's microbatch order pass; the reordered plan is written beside it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from dataclasses import replace
@@ -29,8 +30,17 @@ def sidecar_path(schedule_path: str | Path) -> Path:
     return p.with_name(p.stem + ".meta.json")
 
 
+def sidecar_digest(meta: dict, schedule_path: str | Path) -> str:
+    """sha256 over the schedule CSV's bytes and the sidecar's fields (but its own ``digest``): an edit
+    of either after ``dynmb schedule`` wrote them shows."""
+    h = hashlib.sha256(Path(schedule_path).read_bytes())
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
 def check_schedule_plan(plan: Plan, plan_path: str | Path, schedule_path: str | Path) -> None:
-    """Raise ``ValueError`` (one line) when the schedule's sidecar records another plan's digest.
+    """Raise ``ValueError`` (one line) when the schedule's sidecar records another plan's digest, or
+    when the sidecar or the CSV was edited after ``dynmb schedule`` wrote them (``sidecar_digest``).
     A schedule without a sidecar (written by hand or by torch) is taken as it is."""
     meta_path = sidecar_path(schedule_path)
     if not meta_path.exists():
@@ -40,6 +50,9 @@ def check_schedule_plan(plan: Plan, plan_path: str | Path, schedule_path: str | 
         want = str(meta["plan_digest"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{meta_path}: not a schedule sidecar ({e})") from None
+    if "digest" in meta and meta["digest"] != sidecar_digest(meta, schedule_path):
+        raise ValueError(f"{meta_path} does not match {schedule_path}: one was edited after `dynmb schedule` wrote "
+                         "them; build the schedule again, or remove the sidecar to run the CSV as it is")
     if plan.digest() != want:
         hint = f"; use the plan it was built for: --plan {meta['plan']}" if meta.get("plan") else ""
         raise ValueError(f"{schedule_path} was built for another plan than {plan_path} (digest {want[:12]} in "
@@ -95,10 +108,9 @@ def run(args: argparse.Namespace) -> int:
     plan_out = Path(args.plan_output) if args.plan_output else out.with_name(out.stem + ".plan.json")
     plan.save(plan_out)
     meta_out = sidecar_path(out)
-    write_text_atomic(meta_out, json.dumps({
-        "plan_digest": plan.digest(), "plan": str(plan_out), "source_plan": str(args.plan),
-        "source_plan_digest": source_digest, "kind": args.kind, "reorder": args.reorder,
-        "virtual": args.virtual}, indent=1))
+    meta = {"plan_digest": plan.digest(), "plan": str(plan_out), "source_plan": str(args.plan),
+            "source_plan_digest": source_digest, "kind": args.kind, "reorder": args.reorder, "virtual": args.virtual}
+    write_text_atomic(meta_out, json.dumps({**meta, "digest": sidecar_digest(meta, out)}, indent=1))
     sim = simulate(schedule, plan, cost_model, memory_model)
     peak = max(sim.peak_bytes_rank) if sim.peak_bytes_rank is not None else float("nan")
     print(f"{args.kind} schedule: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
