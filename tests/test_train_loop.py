@@ -73,7 +73,8 @@ def test_main_runs_two_steps_and_warns_about_its_stand_ins(capsys):
 def test_accumulated_gradient_is_the_global_batch_gradient(layout):
     t, cfg, tokens, sampler = _setup()
     first = [mb for mb in sampler if mb.global_batch == 0]
-    assert len(first) > 1 and any(mb.rows > 1 for mb in sampler) and any(len(mb) > mb.rows for mb in sampler)
+    # several microbatches, some holding several documents (in several rows, or packed in one)
+    assert len(first) > 1 and any(len(mb) > 1 for mb in sampler)
     model = t.TinyLM(cfg, dtype=torch.float64)
     for mb in first:
         t.microbatch_backward(model, tokens, mb, layout)
