@@ -86,3 +86,10 @@ def test_an_edited_sidecar_or_schedule_is_refused(tmp_path, capsys) -> None:
     with open(sched, "a") as f:
         f.write("\n")
     assert main(args) == 2 and "does not match" in capsys.readouterr().err
+
+
+def test_mbs_is_refused_by_methods_that_choose_their_own_sizes(tmp_path, capsys) -> None:
+    for method in ("dynamic", "dynapipe"):
+        assert main(["plan", "--dataset", "sharegpt", "--global-batch", "8", "--method", method, "--mbs", "4",
+                     "-o", str(tmp_path / "p.json")]) == 2
+        assert f"--mbs 4: {method} chooses its own microbatch sizes" in capsys.readouterr().err

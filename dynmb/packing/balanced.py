@@ -142,7 +142,15 @@ def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     label = slot[root]
     by = np.argsort(label, kind="stable")
     cuts = np.searchsorted(label[by], np.arange(k + 1))
-    return [by[a:e].tolist() for a, e in zip(cuts[:-1], cuts[1:])]
+    sets = [by[a:e].tolist() for a, e in zip(cuts[:-1], cuts[1:])]
+    for empty in [j for j, s in enumerate(sets) if not s] if n >= k else []:
+        # ties among zero sums can leave an empty set beside a zero-sum one: it takes the lightest item
+        # of the set holding the most (a zero-weight one, so no sum changes)
+        donor = max(range(k), key=lambda j: len(sets[j]))
+        item = min(sets[donor], key=lambda i: w[i])
+        sets[donor].remove(item)
+        sets[empty].append(item)
+    return sets
 
 
 def greedy_partition(weights: Any, k: int) -> list[list[int]]:

@@ -72,6 +72,9 @@ def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> None:
         raise ValueError(f"oversize must be error, truncate or drop, got {spec.oversize!r}")
     if memory_model.num_stages != spec.num_stages:
         raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {spec.num_stages}")
+    if spec.mbs is not None and spec.method in ("dynapipe", "dynamic"):
+        raise ValueError(f"--mbs {spec.mbs}: {spec.method} chooses its own microbatch sizes (mbs is the size of "
+                         "fixed, sorted and packed, and the budget divisor of token-budget and balanced); leave it out")
 
 
 def _check_lengths(lengths: Any) -> np.ndarray:
