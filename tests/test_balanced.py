@@ -265,3 +265,29 @@ def test_dynamic_is_never_predicted_behind_balanced_at_its_checked_budgets():
             other = planner.plan(batch, method="balanced", mbs=d).sim.makespan_s
             assert got.sim.makespan_s <= other * (1 + 1e-9)
         assert got.plan.method == "dynamic" and got.plan.spec.method == "dynamic"
+
+
+def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch):
+    """The mechanism itself: a dynamic packing made deliberately poor (one sequence per microbatch,
+    fixed at mbs 1) is replaced by the faster-predicted ``balanced`` plan, named in ``meta``; the plan
+    stays dynamic's."""
+    import dynmb
+    import dynmb.planning.planner as planner_mod
+    from dynmb.data import load_trace, sample_batch
+
+    real = planner_mod._plan_kind
+
+    def poor_dynamic(lengths, spec, *rest, **kw):
+        if spec.method == "dynamic":
+            spec = spec.with_(method="fixed", mbs=1, reorder="none")
+        return real(lengths, spec, *rest, **kw)
+
+    monkeypatch.setattr(planner_mod, "_plan_kind", poor_dynamic)
+    planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
+    batch = sample_batch(load_trace("sharegpt"), 32, seed=3)
+    got = planner.plan(batch, method="dynamic")
+    poor = real(batch, got.plan.spec.with_(method="fixed", mbs=1, reorder="none"), planner.model_cfg,
+                planner.cost_model, planner.memory_model, None)
+    assert got.plan.meta["grouping"].startswith("balanced/")
+    assert got.sim.makespan_s < poor[0].predictions["pred_step_s"]
+    assert got.plan.method == "dynamic" and got.plan.spec.method == "dynamic"
