@@ -10,20 +10,32 @@ that fits, every method is planned both ways:
   (``truncate`` without recomputation, ``truncate+rc`` with ``--recompute auto``, under which
   a longer row fits and is run whole with recomputation).
 
-``--real``: real runs on ``--stages`` gloo ranks (``small`` model, the shipped CPU cost model,
-``--recompute auto`` for ``split``), all cases in one interleaved job (round by round, so outside load hits
-them alike); per case the median step time, trained tokens per step, trained tokens/s, the
-measured peak over the limit and the step-time prediction error. ``--sim``: the simulator at
-``--sim-stages`` (default 4, 8, 16) with a larger preset and the analytic cost model:
-predicted step time, trained tokens and tokens/s, peak over limit.
+Positions: a model with rotary positions (``ModelConfig.learned_positions`` False, the Llama
+family) is run as given: no table, no cap on a document's length. A model with learned
+positions (GPT-2) needs a table as long as the longest document it slices, so its
+``max_seq_len`` is raised to the trace's longest sequence (said once on stderr); the table's
+parameters, gradients and optimizer states then count against the memory limit.
+
+``--real``: real runs on ``--stages`` gloo ranks (``--model``, default ``llama-small``, with its
+shipped CPU cost model ``dynmb.planning.default_cost_model_path``, or ``--cost-model``;
+``--recompute auto`` for ``split``), all cases in one interleaved ``dynmb.run`` job (round by
+round, so outside load hits them alike); per case the median step time, trained tokens per
+step, trained tokens/s, the measured peak over the limit and the step-time prediction error.
+``--sim``: the simulator at ``--sim-stages`` for each of ``--sim-model`` (comma-separated,
+default ``llama3.2-1b``) with the analytic cost model: the longest row that fits, the largest
+stage's model states over the limit, predicted step time, trained tokens and tokens/s, peak
+over limit.
 
     python experiments/slicing.py --real --out results/slicing
     python experiments/slicing.py --sim --out results/slicing
+    python experiments/slicing.py --sim --sim-model llama2-7b,gpt2-7b --sim-stages 8,16,32 \\
+        --sim-memory-limit 24GiB --out results/slicing-7b
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -35,38 +47,54 @@ from dynmb.config import parse_bytes
 from dynmb.data import load_trace, sample_batch
 from dynmb.packing import PackingError
 from dynmb.planning import default_cost_model_path
-from dynmb.runtime.launch import launch_job
-from dynmb.runtime.spec import JobSpec, RunSpec
-
-COST_MODEL = default_cost_model_path("small", 2)   # the shipped data/costmodels/small-p2-cpu.json
-
 
 CASES = (("split", "auto"), ("truncate", "never"), ("truncate+rc", "auto"))
 """(case name, recompute policy); the oversize policy is the name before ``+``."""
 
 
+def model_for_trace(spec: str, trace: np.ndarray) -> dynmb.ModelConfig:
+    """``spec``'s model, with a learned position table sized to the longest sequence of ``trace``
+    (a rotary model is returned as it is: it has no table to size)."""
+    cfg = dynmb.model_config(spec)
+    longest = int(trace.max())
+    if cfg.learned_positions and cfg.max_seq_len < longest:
+        print(f"slicing: {spec}: learned positions; position table sized to the trace's longest sequence, "
+              f"max_seq_len {cfg.max_seq_len} -> {longest}", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, max_seq_len=longest)
+    return cfg
+
+
+def position_table(cfg: dynmb.ModelConfig) -> int:
+    """Rows of the learned position table (0: rotary positions, no table)."""
+    return cfg.max_seq_len if cfg.learned_positions else 0
+
+
 def real(args: argparse.Namespace) -> pd.DataFrame:
     out = Path(args.out) / "real"
-    cfg_model = dynmb.model_config(args.model)
-    cases = []
+    trace = load_trace(args.dataset)
+    cfg_model = model_for_trace(args.model, trace)
+    cost_model = args.cost_model or default_cost_model_path(cfg_model.name, args.stages)
+    if cost_model is None:
+        raise SystemExit(f"slicing: no shipped CPU cost model for {cfg_model.name!r} on {args.stages} stages; "
+                         f"fit one (dynmb profile + dynmb fit) and pass --cost-model FILE")
+    configs, labels = [], []
     for method in args.methods.split(","):
         for case, recompute in CASES:
-            oversize = case.split("+")[0]
-            cfg = dynmb.RunConfig(
+            configs.append(dynmb.RunConfig(
                 model=cfg_model, pipeline=dynmb.PipelineConfig(num_stages=args.stages,
                                                                memory_limit_bytes=parse_bytes(args.memory_limit)),
                 dataset=args.dataset, global_batch=args.global_batch, method=method, seed=args.seed, steps=args.steps,
-                warmup=args.warmup, backend="gloo", device="cpu", cost_model=str(COST_MODEL), timeout_s=600.0,
-                oversize=oversize, recompute=recompute)
-            cases.append(RunSpec.create(cfg, out, run_id=f"{method}-{case}-s{args.seed}"))
-    result = launch_job(JobSpec(out_dir=str(out.resolve()), cases=tuple(cases), interleave=True), args.stages,
-                        quiet=args.quiet)
-    if result.returncode != 0:
+                warmup=args.warmup, backend="gloo", device="cpu", cost_model=str(cost_model), timeout_s=600.0,
+                oversize=case.split("+")[0], recompute=recompute))
+            labels.append(f"{method}-{case}")
+    result = dynmb.run(configs, out=out, nproc=args.stages, labels=labels, interleave=True,
+                       output="quiet" if args.quiet else "stream")
+    if not result.ok:
         print("\n".join(result.failures), file=sys.stderr)
         raise SystemExit(result.returncode)
-    t = dynmb.load_results(out)
+    case_of = dict(zip(result.run_ids, labels))
+    t = result.tables
     steps = t["steps"][~t["steps"]["warmup"].astype(bool)].copy()
-    trace = load_trace(args.dataset)
     steps["batch_tokens"] = [int(sample_batch(trace, args.global_batch, args.seed, step=int(k)).sum())
                              for k in steps["step"]]
     steps["pred_err"] = (steps["pred_step_s"] - steps["step_s"]).abs() / steps["step_s"]
@@ -74,9 +102,10 @@ def real(args: argparse.Namespace) -> pd.DataFrame:
                              pred_over_measured=lambda d: d["pred_peak_bytes"] / d["peak_bytes"] - 1)
     rows = []
     for rid, g in steps.groupby("run_id"):
-        method, case = rid.split("-")[:2]
+        method, case = case_of[rid].split("-", 1)
         m = mem[mem["run_id"] == rid]
-        rows.append({"method": method, "case": case, "steps": len(g),
+        rows.append({"model": cfg_model.name, "position_table": position_table(cfg_model), "method": method,
+                     "case": case, "steps": len(g),
                      "median_step_s": g["step_s"].median(),
                      "trained_tokens_per_step": g["real_tokens"].mean(),
                      "tokens_kept": g["real_tokens"].sum() / g["batch_tokens"].sum(),
@@ -90,55 +119,71 @@ def real(args: argparse.Namespace) -> pd.DataFrame:
 def simulated(args: argparse.Namespace) -> pd.DataFrame:
     trace = load_trace(args.dataset)
     rows = []
-    for stages in [int(x) for x in args.sim_stages.split(",")]:
-        for method in args.methods.split(","):
-            for case, recompute in CASES:
-                planner = dynmb.Planner(model=args.sim_model, num_stages=stages, memory_limit=args.sim_memory_limit,
-                                        cost_model=None, oversize=case.split("+")[0], recompute=recompute,
-                                        device="cuda")
-                steps, tokens, batch_tokens, peaks, cap = [], [], [], [], 0
-                try:
-                    for k in range(args.steps):
-                        batch = sample_batch(trace, args.sim_global_batch, args.seed, step=k)
-                        planned = planner.plan(batch, method=method)
-                        steps.append(planned.plan.predictions["pred_step_s"])
-                        tokens.append(planned.plan.real_tokens)
-                        batch_tokens.append(int(batch.sum()))
-                        peaks.append(max(planned.plan.predictions["pred_peak_bytes"]) / planner.memory_limit_bytes)
-                        cap = planned.plan.meta.get("longest_fitting_length", cap)
-                except PackingError as e:
-                    rows.append({"stages": stages, "method": method, "case": case, "status": str(e)[:100]})
-                    continue
-                rows.append({"stages": stages, "method": method, "case": case, "status": "ok",
-                             "longest_row": cap, "median_pred_step_s": float(np.median(steps)),
-                             "tokens_kept": sum(tokens) / sum(batch_tokens),
-                             "pred_trained_tokens_per_s": sum(tokens) / sum(steps),
-                             "max_pred_peak_over_limit": max(peaks)})
+    for spec in args.sim_model.split(","):
+        model = model_for_trace(spec, trace)
+        for stages in [int(x) for x in args.sim_stages.split(",")]:
+            for method in args.methods.split(","):
+                for case, recompute in CASES:
+                    rows.append(_simulate_case(args, trace, model, stages, method, case, recompute))
     return pd.DataFrame(rows)
 
 
-def main() -> None:
+def _simulate_case(args: argparse.Namespace, trace: np.ndarray, model: dynmb.ModelConfig, stages: int, method: str,
+                   case: str, recompute: str) -> dict:
+    """One (model, stages, method, case) of the ``--sim`` study over ``args.steps`` batches."""
+    row = {"model": model.name, "position_table": position_table(model), "stages": stages, "method": method,
+           "case": case}
+    steps, tokens, batch_tokens, peaks, cap = [], [], [], [], 0
+    try:
+        planner = dynmb.Planner(model=model, num_stages=stages, memory_limit=args.sim_memory_limit, cost_model=None,
+                                oversize=case.split("+")[0], recompute=recompute, device="cuda")
+        states = planner.memory_model.rank_state_bytes(planner.schedule).max() / planner.memory_limit_bytes
+        for k in range(args.steps):
+            batch = sample_batch(trace, args.sim_global_batch, args.seed, step=k)
+            planned = planner.plan(batch, method=method)
+            steps.append(planned.plan.predictions["pred_step_s"])
+            tokens.append(planned.plan.real_tokens)
+            batch_tokens.append(int(batch.sum()))
+            peaks.append(max(planned.plan.predictions["pred_peak_bytes"]) / planner.memory_limit_bytes)
+            cap = planned.plan.meta.get("longest_fitting_length", cap)
+    except PackingError as e:                   # also: the model states alone exceed the limit
+        return {**row, "status": str(e)[:100]}
+    return {**row, "status": "ok", "longest_row": cap, "states_over_limit": float(states),
+            "median_pred_step_s": float(np.median(steps)), "tokens_kept": sum(tokens) / sum(batch_tokens),
+            "pred_trained_tokens_per_s": sum(tokens) / sum(steps), "max_pred_peak_over_limit": max(peaks)}
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--real", action="store_true")
     ap.add_argument("--sim", action="store_true")
     ap.add_argument("--out", default="results/slicing")
     ap.add_argument("--dataset", default="longtail")
     ap.add_argument("--methods", default="dynamic,fixed")
-    ap.add_argument("--model", default="small:max_seq_len=20980")
+    ap.add_argument("--model", default="llama-small",
+                    help="--real model; learned positions are sized to the trace, rotary ones need nothing")
+    ap.add_argument("--cost-model", default=None,
+                    help="--real cost model JSON (default: the shipped one for --model on --stages ranks)")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--memory-limit", default="384MiB")
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--sim-model", default="gpt2-1b:max_seq_len=20980")
+    ap.add_argument("--sim-model", default="llama3.2-1b", help="--sim models, comma-separated")
     ap.add_argument("--sim-stages", default="4,8,16")
-    ap.add_argument("--sim-memory-limit", default="6GiB")
+    ap.add_argument("--sim-memory-limit", default="12GiB")
     ap.add_argument("--sim-global-batch", type=int, default=64)
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not (args.real or args.sim):
         ap.error("pick --real and/or --sim")
+    try:
+        for spec in [args.model] + args.sim_model.split(","):
+            dynmb.model_config(spec)
+        parse_bytes(args.memory_limit), parse_bytes(args.sim_memory_limit)
+    except ValueError as e:
+        ap.error(str(e))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     pd.set_option("display.width", 200)
     if args.sim:
@@ -149,7 +194,8 @@ def main() -> None:
         df = real(args)
         df.to_csv(Path(args.out) / "real.csv", index=False)
         print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
