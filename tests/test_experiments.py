@@ -16,7 +16,7 @@ import pytest
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"
 SCRIPTS = ("sweep_traces", "fixed_mbs_sweep", "reorder_ablation", "costmodel_ablation", "scaling", "analyze",
-           "calibration_study", "loss_parity")
+           "calibration_study", "loss_parity", "slicing")
 
 
 def _script(name: str):
@@ -234,6 +234,51 @@ def test_run_interleave_is_for_cpu_and_checked_before_launch(tmp_path, monkeypat
     cfg = dynmb.RunConfig(model=dynmb.model_config("tiny"), global_batch=8, steps=1, backend="nccl", device="cuda")
     with pytest.raises(ValueError, match="interleave is for CPU runs"):
         dynmb.run([cfg, cfg], out=tmp_path, interleave=True)
+
+
+def test_slicing_sim_sizes_a_position_table_only_for_learned_positions(tmp_path, capsys):
+    """``slicing.py --sim``: a rotary model (llama-tiny) is planned as it is, a learned-position one
+    (tiny) gets a table as long as the trace's longest sequence, so that its long articles can be
+    sliced (unsized, ``split`` fails for it: a document longer than the table)."""
+    from dynmb.data import load_trace, sample_batch
+    longest = int(load_trace("longtail").max())
+    argv = ["--sim", "--sim-model", "llama-tiny,tiny", "--sim-stages", "2", "--steps", "1", "--sim-global-batch", "16",
+            "--sim-memory-limit", "64MiB", "--methods", "dynamic", "--out", str(tmp_path)]
+    assert _script("slicing").main(argv) == 0
+    df = pd.read_csv(tmp_path / "simulated.csv")
+    assert len(df) == 2 * 3 and set(df["status"]) == {"ok"}, df[["model", "case", "status"]]
+    tables = df.groupby("model")["position_table"].unique().to_dict()
+    assert list(tables["llama-tiny"]) == [0] and list(tables["tiny"]) == [longest]
+    assert "tiny: learned positions" in capsys.readouterr().err
+    split, cut = df[df["case"] == "split"], df[df["case"] == "truncate"]
+    assert (split["longest_row"] < sample_batch(load_trace("longtail"), 16, 0, step=0).max()).all()  # sliced
+    assert (split["tokens_kept"] == 1).all() and (cut["tokens_kept"] < 1).all()
+    assert (df["max_pred_peak_over_limit"] <= 1).all()
+
+
+def test_slicing_real_runs_llama_small_through_the_public_api(tmp_path, monkeypatch):
+    """``slicing.py --real`` launches one interleaved ``dynmb.run`` job (no runtime internals):
+    llama-small by default, unsized, with its shipped cost model; a failed job exits non-zero."""
+    import dynmb
+    from dynmb.runtime import api, launch
+    names, submodules = _dynmb_names(EXP / "slicing.py")
+    assert "run" in names and not [m for m in submodules if m.startswith("dynmb.runtime")], submodules
+    jobs = []
+
+    def fake_launch_job(job, nproc, **kw):
+        jobs.append((job, nproc))
+        return launch.LaunchResult(returncode=1, failures=("rank 1: RuntimeError: boom",))
+    monkeypatch.setattr(api, "launch_job", fake_launch_job)
+    with pytest.raises(SystemExit) as e:
+        _script("slicing").main(["--real", "--steps", "1", "--warmup", "0", "--out", str(tmp_path), "--quiet"])
+    assert e.value.code == 1
+    (job, nproc), = jobs
+    assert nproc == 2 and job.interleave and len(job.cases) == 2 * 3
+    assert [c.label for c in job.cases[:3]] == ["dynamic-split", "dynamic-truncate", "dynamic-truncate+rc"]
+    preset = dynmb.model_config("llama-small")
+    for c in job.cases:
+        assert c.run.model == preset and Path(c.run.cost_model).name == "llama-small-p2-cpu.json"
+        assert (c.run.oversize, c.run.recompute) in {("split", "auto"), ("truncate", "never"), ("truncate", "auto")}
 
 
 def test_loss_parity_spread_is_max_minus_min_over_min_per_step():
