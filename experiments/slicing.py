@@ -24,12 +24,16 @@ step, trained tokens/s, the measured peak over the limit and the step-time predi
 ``--sim``: the simulator at ``--sim-stages`` for each of ``--sim-model`` (comma-separated,
 default ``llama3.2-1b``) with the analytic cost model: the longest row that fits, the largest
 stage's model states over the limit, predicted step time, trained tokens and tokens/s, peak
-over limit.
+over limit. ``--reach``: for each of ``--reach-models`` at each of ``--reach-limits`` on
+``--stages`` stages (shipped cost models, ``--recompute auto``), the longest single document the
+planner slices under the limit (doubling, then bisection to ``--reach-tol``); a learned-position
+model's table is sized to the document tried, so its states grow with it.
 
     python experiments/slicing.py --real --out results/slicing
     python experiments/slicing.py --sim --out results/slicing
     python experiments/slicing.py --sim --sim-model llama2-7b,gpt2-7b --sim-stages 8,16,32 \\
         --sim-memory-limit 24GiB --out results/slicing-7b
+    python experiments/slicing.py --reach --out results/slicing
 """
 
 from __future__ import annotations
@@ -153,6 +157,35 @@ def _simulate_case(args: argparse.Namespace, trace: np.ndarray, model: dynmb.Mod
             "pred_trained_tokens_per_s": sum(tokens) / sum(steps), "max_pred_peak_over_limit": max(peaks)}
 
 
+def _fits_sliced(spec: str, length: int, stages: int, limit: str) -> bool:
+    """Whether one document of ``length`` tokens plans sliced on ``spec`` under ``limit``."""
+    cfg = dynmb.model_config(spec)
+    if cfg.learned_positions and cfg.max_seq_len < length:
+        cfg = dataclasses.replace(cfg, max_seq_len=length)
+    planner = dynmb.Planner(model=cfg, num_stages=stages, memory_limit=limit, oversize="split", recompute="auto")
+    try:
+        planner.plan(np.array([length]), method="dynamic")
+    except PackingError:
+        return False
+    return True
+
+
+def reach(args: argparse.Namespace) -> pd.DataFrame:
+    rows = []
+    for spec in args.reach_models.split(","):
+        for limit in args.reach_limits.split(","):
+            lo, hi = 0, 1024
+            while _fits_sliced(spec, hi, args.stages, limit):
+                lo, hi = hi, 2 * hi
+            while hi - lo > max(1, int(args.reach_tol * lo)):
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if _fits_sliced(spec, mid, args.stages, limit) else (lo, mid)
+            cfg = dynmb.model_config(spec)
+            rows.append({"model": cfg.name, "learned_positions": cfg.learned_positions, "stages": args.stages,
+                         "memory_limit": limit, "longest_document": lo, "first_refused": hi})
+    return pd.DataFrame(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--real", action="store_true")
@@ -174,14 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-stages", default="4,8,16")
     ap.add_argument("--sim-memory-limit", default="12GiB")
     ap.add_argument("--sim-global-batch", type=int, default=64)
+    ap.add_argument("--reach", action="store_true")
+    ap.add_argument("--reach-models", default="small,llama-small")
+    ap.add_argument("--reach-limits", default="384MiB,1GiB")
+    ap.add_argument("--reach-tol", type=float, default=0.01, help="--reach: relative width of the last bracket")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-    if not (args.real or args.sim):
-        ap.error("pick --real and/or --sim")
+    if not (args.real or args.sim or args.reach):
+        ap.error("pick --real, --sim and/or --reach")
     try:
-        for spec in [args.model] + args.sim_model.split(","):
+        for spec in [args.model] + args.sim_model.split(",") + args.reach_models.split(","):
             dynmb.model_config(spec)
-        parse_bytes(args.memory_limit), parse_bytes(args.sim_memory_limit)
+        for limit in [args.memory_limit, args.sim_memory_limit] + args.reach_limits.split(","):
+            parse_bytes(limit)
     except ValueError as e:
         ap.error(str(e))
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -190,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         df = simulated(args)
         df.to_csv(Path(args.out) / "simulated.csv", index=False)
         print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    if args.reach:
+        df = reach(args)
+        df.to_csv(Path(args.out) / "reach.csv", index=False)
+        print(df.to_string(index=False))
     if args.real:
         df = real(args)
         df.to_csv(Path(args.out) / "real.csv", index=False)

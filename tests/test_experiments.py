@@ -256,6 +256,23 @@ def test_slicing_sim_sizes_a_position_table_only_for_learned_positions(tmp_path,
     assert (df["max_pred_peak_over_limit"] <= 1).all()
 
 
+def test_slicing_reach_rotary_slices_longer_documents_than_a_sized_table(tmp_path):
+    """``slicing.py --reach``: the longest document planned sliced is bracketed (it fits, the next
+    tried does not) and is longer for rotary llama-tiny than for tiny, whose table grows with it."""
+    slicing = _script("slicing")
+    argv = ["--reach", "--reach-models", "llama-tiny,tiny", "--reach-limits", "32MiB", "--reach-tol", "0.05",
+            "--out", str(tmp_path)]
+    assert slicing.main(argv) == 0
+    df = pd.read_csv(tmp_path / "reach.csv").set_index("model")
+    assert list(df["learned_positions"]) == [False, True]
+    assert (df["first_refused"] > df["longest_document"]).all()
+    assert (df["first_refused"] - df["longest_document"] <= 0.05 * df["longest_document"] + 1).all()
+    for model, row in df.iterrows():
+        assert slicing._fits_sliced(model, int(row["longest_document"]), 2, "32MiB")
+        assert not slicing._fits_sliced(model, int(row["first_refused"]), 2, "32MiB")
+    assert df.loc["llama-tiny", "longest_document"] > df.loc["tiny", "first_refused"]
+
+
 def test_slicing_real_runs_llama_small_through_the_public_api(tmp_path, monkeypatch):
     """``slicing.py --real`` launches one interleaved ``dynmb.run`` job (no runtime internals):
     llama-small by default, unsized, with its shipped cost model; a failed job exits non-zero."""
