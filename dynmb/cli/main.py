@@ -6,6 +6,8 @@ flags, help on each) next to ``run(args) -> exit code`` (the handler: calls the 
 prints). Only the chosen verb's module is imported, so a typo or ``--help`` costs no torch
 or scipy import; ``build_parser()`` without a verb builds every verb's parser.
 
+A mistyped flag or value (argparse) is one line too, ``dynmb VERB: error: ...``, exit 2.
+
 ``-v`` shows the library's INFO log lines (``-vv`` DEBUG), ``-q`` only its errors; the
 default shows warnings and errors, on stderr. A user error (``ValueError`` (JSON and pandas
 parse errors among them), ``OSError``, ``KeyError``, ``csv.Error``) prints one line
@@ -22,7 +24,7 @@ import logging
 import re
 import sys
 from types import ModuleType
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __all__ = ["main", "build_parser", "VERBS", "configure_logging"]
 
@@ -74,10 +76,18 @@ def _chosen_verb(argv: Sequence[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line (``dynmb VERB: error: argument --stages:
+    must be >= 1, got 0 (dynmb VERB --help lists the flags)``), exit code 2, no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} ({self.prog} --help lists the flags)\n")
+
+
 def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``dynmb`` parser with the flags of ``verbs`` (default: every verb); the other verbs
     are listed with their help only."""
-    parser = argparse.ArgumentParser(prog="dynmb",
+    parser = _Parser(prog="dynmb",
                                      description="Dynamic microbatching for pipeline-parallel transformer training.")
     loudness = parser.add_mutually_exclusive_group()
     loudness.add_argument("-v", dest="verbosity", action="count", default=0,

@@ -60,14 +60,12 @@ from dynmb.config import RunConfig
 from dynmb.costmodel import get_cost_model
 from dynmb.data import TokenFile, check_vocab, load_trace
 from dynmb.memory import get_memory_model
-from dynmb.packing import METHODS
-from dynmb.planning import REORDER_METHODS
+from dynmb.planning.spec_check import check_plan_spec
 from dynmb.results import run_ids_in
-from dynmb.schedule import SCHEDULE_KINDS, ScheduleError, from_csv, validate
-from dynmb.schedule.kinds import is_schedule_name
+from dynmb.schedule import ScheduleError, from_csv, validate
 from dynmb.types import Plan, Schedule
 
-__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable"]
+__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable", "check_device"]
 
 _RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
              "plan", "schedule", "corpus", "model_factory")
@@ -184,18 +182,25 @@ class RunSpec:
                    corpus=TokenFile.from_dict(data["corpus"]) if data.get("corpus") else None,
                    model_factory=data.get("model_factory"))
 
+    def check_settings(self) -> None:
+        """The settings of the run alone (nothing written): the planning settings
+        (``dynmb.planning.spec_check.check_plan_spec``, what ``dynmb plan`` refuses; a plan run:
+        the schedule kind, virtual stages and slices of its plan; ``pack_len`` against the memory
+        model), the timeout, and the device:
+        ``nccl`` runs on CUDA, and CUDA must be there (``dynmb.runtime.device.cuda_available``)."""
+        run = self.run
+        spec = run.plan_spec
+        check_plan_spec(spec if self.plan is None else spec.with_(mbs=None, pack_len=None))
+        if self.plan is None and run.pack_len is not None:        # longer than any row that fits
+            check_plan_spec(spec, run.model, get_memory_model(self.memory_model, run.model, spec.num_stages))
+        if not run.timeout_s > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
+        check_device(run.backend, run.device)
+
     def check(self) -> None:
         """Check what can be checked before torchrun starts (see the module docstring)."""
         run, pipeline = self.run, self.run.pipeline
-        if run.method not in METHODS:
-            raise ValueError(f"unknown method {run.method!r}; expected one of {', '.join(METHODS)}")
-        if not is_schedule_name(pipeline.schedule):
-            raise ValueError(f"unknown schedule {pipeline.schedule!r}; expected auto or one of {', '.join(SCHEDULE_KINDS)}")
-        if pipeline.reorder != "auto" and pipeline.reorder not in REORDER_METHODS:
-            raise ValueError(f"unknown reorder {pipeline.reorder!r}; expected auto or one of "
-                             f"{', '.join(REORDER_METHODS)}")
-        if not run.timeout_s > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
+        self.check_settings()
         if self.model_factory is not None:
             from dynmb.models.contract import check_importable
 
@@ -318,6 +323,19 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     except ScheduleError as e:
         raise ValueError(f"schedule {spec.schedule} cannot run plan {spec.plan}: {str(e).splitlines()[0]}") from None
     return plan, schedule
+
+
+def check_device(backend: str, device: str) -> None:
+    """Refuse (``ValueError``, one line) a backend and device this machine cannot run: ``nccl`` off
+    CUDA, or CUDA where torch sees none (imports torch only for ``cuda``)."""
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(f"--backend nccl runs on CUDA devices, not {device}; use --device cuda or --backend gloo")
+    if device == "cuda":
+        from dynmb.runtime.device import cuda_available
+
+        if not cuda_available():
+            raise ValueError(f"--device cuda{' (--backend nccl)' if backend == 'nccl' else ''}: CUDA is not "
+                             "available here (torch.cuda.is_available() is False); use --device cpu")
 
 
 def check_writable(folder: str | Path) -> None:
