@@ -302,6 +302,8 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
     settings = settings.resolved()
     for method in settings.methods:       # what `dynmb plan` refuses, and the device: before anything is written
         RunSpec.create(_case_config(settings, method), settings.out).check_settings()
+    if settings.corpus is None:
+        load_trace(settings.trace)        # a bad trace is one line naming it, before the folder is made
     device = settings.device or "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
     out = Path(settings.out)

@@ -5,6 +5,7 @@ disk-full write names the file and never leaves a run saying ``ok``."""
 from __future__ import annotations
 
 import errno
+import json
 import pathlib
 import subprocess
 import sys
@@ -195,3 +196,24 @@ def test_a_job_that_fails_after_rank_0_said_ok_is_not_left_ok(tmp_path):
     runs = pd.read_csv(tmp_path / "runs.csv")
     assert result.returncode == 1
     assert runs["status"].tolist() == ["failed"] and "No space left" in runs["error"][0]
+
+
+@pytest.mark.parametrize("content,says", [(b"length\n100\n\xff200\n", "not UTF-8 text (byte 11)"),
+                                          (b"\xff\xfel\x00e\x00n\x00\n\x00", "UTF-16 text")])
+def test_an_input_that_is_not_utf8_is_named(content, says, tmp_path, capsys, no_launch):
+    trace = tmp_path / "trace.csv"
+    trace.write_bytes(content)
+    for argv in (["plan"], ["run", "--out", str(tmp_path / "o")], ["compare", "--out", str(tmp_path / "c")]):
+        rc, err = _cli([*argv, "--lengths", str(trace)], capsys)
+        line = _one_line(err)
+        assert rc == 2 and f"{trace}: {says}" in line
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.csv"]
+
+
+def test_a_packed_plan_with_slices_reports_its_pack_len(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("length\n100\n200\n3000\n150\n")
+    rc = main(["plan", "--lengths", str(trace), "--global-batch", "4", "--method", "packed", "--pack-len", "100",
+               "--oversize", "split", "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 0 and summary["sliced"] > 0 and summary["pack_len"] == 100

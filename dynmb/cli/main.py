@@ -12,7 +12,8 @@ A mistyped flag or value (argparse) is one line too, ``dynmb VERB: error: ...``,
 default shows warnings and errors, on stderr. A user error (``ValueError`` (JSON and pandas
 parse errors among them), ``OSError``, ``KeyError``, ``csv.Error``) prints one line
 ``dynmb VERB: error: ...`` naming the file and exits 2, with no traceback (numpy scalars in it
-printed as plain numbers, never ``np.int64(...)``).
+printed as plain numbers, never ``np.int64(...)``); an input file (trace, plan, schedule, model,
+samples) that is not UTF-8 text is refused naming it before the verb starts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import importlib
 import logging
 import re
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import NoReturn, Sequence
 
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser([verb] if verb in VERBS else []).parse_args(argv)
     configure_logging(-1 if args.quiet else args.verbosity)
     try:
+        _check_text_inputs(args)
         return int(args.func(args) or 0)
     except OSError as e:
         # os.replace(tmp, target) names the temporary file first: the target is the user's path
@@ -119,6 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, csv.Error) as e:
         print(f"dynmb {args.verb}: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+
+
+_TEXT_INPUTS = ("lengths", "plan", "schedule", "cost_model", "memory_model", "model", "samples")
+"""The flags (``args`` attributes) that name a text file a verb reads (a trace, a plan, a schedule,
+a model file, samples)."""
+
+
+def _check_text_inputs(args: argparse.Namespace) -> None:
+    """Refuse an input file of ``_TEXT_INPUTS`` (``.csv`` / ``.json``) that is not UTF-8 text, one line
+    naming it (``dynmb.results.check_utf8``), before the verb reads it."""
+    paths = []
+    for name in _TEXT_INPUTS:
+        value = getattr(args, name, None) if name != "samples" or args.verb == "fit" else None  # memory: an output
+        paths += [p for p in (value if isinstance(value, list) else [value])
+                  if isinstance(p, str) and p.endswith((".csv", ".json")) and Path(p).is_file()]
+    if paths:
+        from dynmb.results import check_utf8
+
+        for path in paths:
+            check_utf8(path)
 
 
 _NUMPY_SCALAR = re.compile(r"\bnp\.(?:u?int|float|bool_?|str_)\d*\(([^()]*)\)")

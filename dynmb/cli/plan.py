@@ -9,7 +9,7 @@ from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args,
                              names_factory, nonnegative_int, warn_own_model_stand_ins)
-from dynmb.cli.planfile import plan_meta
+from dynmb.cli.planfile import plan_meta, plan_pack_len
 from dynmb.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
@@ -53,7 +53,7 @@ def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, 
         "recomputed": int(plan.recompute_mask().sum()),
         "sliced": len(plan.slice_groups()), "slices": sum(len(w) for w in plan.slice_groups().values()),
         "longest_fitting_length": plan.meta.get("longest_fitting_length"),
-        "pack_len": plan.meta.get("pack_len"), "round_to": args.round_to, "attention": attention,
+        "pack_len": plan_pack_len(plan), "round_to": args.round_to, "attention": attention,
         "distinct_shapes": len({(mb.batch, mb.padded_len) for mb in plan.microbatches}),
     }
 

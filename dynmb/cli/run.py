@@ -28,7 +28,7 @@ from typing import Any
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
                              model_from_args, names_factory, nonnegative_int, positive_int,
                              warn_own_model_stand_ins)
-from dynmb.cli.planfile import plan_model, recorded_model_file
+from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
@@ -137,7 +137,7 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
          args.schedule if args.schedule in SCHEDULE_KINDS else args.schedule_kind, kind),
         ("virtual", args.virtual, sidecar.get("virtual")),
         ("dataset", args.dataset or args.lengths, meta.get("dataset")), ("seed", args.seed, meta.get("seed")),
-        ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, meta.get("pack_len")),
+        ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, plan_pack_len(plan)),
         ("round-to", args.round_to, meta.get("round_to")),
     ]
     for flag, given, in_plan in recorded:
@@ -181,7 +181,7 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
         dataset=str(meta.get("dataset") or Path(args.plan).resolve()), global_batch=plan.num_sequences,
         method=plan.method, mbs=meta.get("mbs"), dp=plan.dp, seed=int(meta.get("seed") or 0), steps=args.steps,
         warmup=args.warmup, backend=backend, device=device, cost_model=cost_file, timeout_s=args.timeout,
-        pack_len=meta.get("pack_len") or (spec.pack_len if spec else None),
+        pack_len=plan_pack_len(plan),
         round_to=int(meta.get("round_to") or (spec.round_to if spec else 1)), prewarm=args.prewarm,
         oversize=spec.oversize if spec else "error", recompute=spec.recompute if spec else "never",
         expandable_segments=not args.no_expandable_segments)

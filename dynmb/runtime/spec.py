@@ -58,7 +58,7 @@ from typing import Any, Mapping
 from dynmb.atomic import write_text_atomic
 from dynmb.config import RunConfig
 from dynmb.costmodel import get_cost_model
-from dynmb.data import TokenFile, check_vocab, load_trace
+from dynmb.data import TokenFile, check_vocab, load_trace, sample_indices
 from dynmb.memory import get_memory_model
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.results import run_ids_in
@@ -215,7 +215,9 @@ class RunSpec:
             if self.schedule is not None:
                 raise ValueError(f"schedule file {self.schedule} given without the plan it was built for")
             if self.corpus is None:
-                load_trace(run.dataset)
+                trace = load_trace(run.dataset)
+                if trace.size < run.global_batch:       # said once here, not by every rank
+                    sample_indices(trace.size, run.global_batch, run.seed)
         else:
             load_plan_files(self)
         check_writable(self.out_dir)
