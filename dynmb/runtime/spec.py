@@ -26,7 +26,11 @@ A run of a given plan (``dynmb run --plan P.json [--schedule S.csv]``) names the
 schedule or the one built for the plan's ``schedule_kind``, instead of planning a new batch.
 
 ``JobSpec.check()`` (``launch_job`` calls it before torchrun starts) checks what can be checked
-without torch: method, schedule kind and reorder names, the timeout, the model's cost- and
+without starting a rank: first ``RunSpec.check_settings()`` (also what ``dynmb run`` and ``dynmb
+compare`` call before anything is read or written): the planning settings by the same function
+``dynmb plan`` uses (``dynmb.planning.spec_check.check_plan_spec``: names, a kind that takes the
+virtual stages or slices asked for, ``mbs`` / ``pack_len`` only for the methods that read them), the
+timeout and the device (``nccl`` needs CUDA, and CUDA must be there); then the model's cost- and
 memory-model files, the length trace (or the token file, and that the tokenizer's ids fit the
 model's vocabulary), the plan and schedule files, the output folder
 (writable) and the run ids (new to their folder). It raises ``ValueError`` (``OSError`` for a
