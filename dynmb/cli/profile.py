@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from dynmb.cli.flags import add_model_flags, factory_from_args, nonnegative_int, positive_int
+from dynmb.cli.flags import add_model_flags, factory_from_args, positive_int
 from dynmb.measure.profiler import ProfileSettings, profile
 from dynmb.runtime.spec import check_device
 
@@ -20,8 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--quick", action="store_true", help="a grid that finishes in about a minute")
     parser.add_argument("--max-len", type=positive_int, default=None, help="largest padded_len in the grid")
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats per point (default 5)")
-    parser.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed warm-up runs per point (default 2)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per point (default 2)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu or cuda")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1, as one rank per core)")
     parser.add_argument("--comm", action="store_true", help="also measure P2P ping-pong (alpha, beta) on gloo")
