@@ -41,6 +41,7 @@ Equivalent torchrun line of one case: see ``dynmb.runtime.worker``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -57,9 +58,10 @@ from dynmb.costmodel import get_cost_model
 from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, sample_batch
 from dynmb.memory import get_memory_model
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
+from dynmb.planning.spec_check import uses_pack_len
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.plots import compare_throughput, gantt
-from dynmb.results import load_results, write_table
+from dynmb.results import load_results, set_run_status, write_table
 from dynmb.packing import METHODS
 from dynmb.runtime.launch import LaunchResult, default_backend_device, launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
@@ -96,6 +98,8 @@ class CompareSettings:
     """Rows per microbatch of the fixed-size methods; None: the largest that fits."""
     oversize: str = "error"
     pack_len: int | None = None
+    """Row length of the ``packed`` cases (the methods that build rows of it,
+    ``planning.spec_check.uses_pack_len``); the other cases never get it."""
     round_to: int = 1
     recompute: str = "never"
     """Per-microbatch activation recomputation: never, always or auto (``dynmb.packing.recompute``)."""
@@ -226,7 +230,8 @@ def _case_config(settings: CompareSettings, method: str, microbatch_size: int | 
                      dataset=settings.trace, global_batch=settings.global_batch, method=method, mbs=microbatch_size,
                      seed=settings.seed, steps=settings.steps, warmup=settings.warmup,
                      backend="nccl" if device == "cuda" else "gloo", device=device, cost_model=settings.cost_model,
-                     oversize=settings.oversize, pack_len=settings.pack_len, round_to=settings.round_to,
+                     oversize=settings.oversize,
+                     pack_len=settings.pack_len if uses_pack_len(method) else None, round_to=settings.round_to,
                      prewarm=settings.prewarm, recompute=settings.recompute,
                      expandable_segments=settings.expandable_segments)
 
@@ -287,13 +292,18 @@ def budget_candidates(settings: CompareSettings, method: str) -> list[int]:
 
 def prepare_compare(settings: CompareSettings) -> CompareJob:
     """Resolve ``settings``, create the output folder and plan the cases (see the module docstring).
-    Unknown methods and an unwritable folder are refused first (``ValueError``, one line); the
-    launcher checks the rest before torchrun starts."""
+    Unknown methods, an unwritable folder, and every case's settings that ``dynmb plan`` would refuse
+    or this machine cannot run (``RunSpec.check_settings``) are refused first (``ValueError``, one
+    line), before the folder is made; the launcher checks the rest before torchrun starts."""
     unknown = [m for m in settings.methods if m not in METHODS]
     if unknown or not settings.methods:
         raise ValueError(f"unknown method(s) {unknown or '(none given)'}; expected some of {', '.join(METHODS)}")
     check_writable(settings.out)
     settings = settings.resolved()
+    for method in settings.methods:       # what `dynmb plan` refuses, and the device: before anything is written
+        RunSpec.create(_case_config(settings, method), settings.out).check_settings()
+    if settings.corpus is None:
+        load_trace(settings.trace)        # a bad trace is one line naming it, before the folder is made
     device = settings.device or "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
     out = Path(settings.out)
@@ -336,14 +346,25 @@ def _gantts(job: CompareJob, steps: pd.DataFrame, actions: pd.DataFrame, method:
 
 def run_compare_job(job: CompareJob, *, quiet: bool = True, progress: bool = True) -> CompareResult:
     """Run the job's cases in one torchrun job, then summarise, write ``summary.csv`` and plot."""
-    settings, out = job.settings, job.out_dir
+    out = job.out_dir
     t0 = time.perf_counter()
     launched = launch_job(job.job_spec(), job.nproc, quiet=quiet, progress=progress)
     wall_s = time.perf_counter() - t0
     if not launched.ok:
         return CompareResult(launched.returncode, launched.failures, wall_s, launch=launched)
-    tables = load_results(out)
     ids = {c.spec.run_id for c in job.cases}
+    try:
+        return _summarise_job(job, launched, wall_s, ids)
+    except OSError as e:        # ENOSPC writing summary.csv or a plot: the runs are not left saying ok
+        with contextlib.suppress(OSError, ValueError):
+            set_run_status(out, ids, "failed", f"compare could not write its summary: {e}", keep=())
+        raise
+
+
+def _summarise_job(job: CompareJob, launched: LaunchResult, wall_s: float, ids: set[str]) -> CompareResult:
+    """``run_compare_job`` after its torchrun job ended well: the summary table and the plots."""
+    settings, out = job.settings, job.out_dir
+    tables = load_results(out)
     tables = {k: (v[v["run_id"].isin(ids)] if "run_id" in v.columns else v) for k, v in tables.items()}
     summary = display_summary(summarise(tables), [c.label for c in job.cases])
     write_table(summary.reset_index(), out / "summary.csv")

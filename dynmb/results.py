@@ -33,7 +33,7 @@ from dynmb.atomic import atomic_path
 
 __all__ = ["TABLES", "REQUIRED_COLUMNS", "RUN_STATUSES", "TableWriter", "load_results", "run_info", "git_sha",
            "write_table", "select_runs", "set_run_status", "drop_incomplete_steps", "run_ids_in", "ResultsError",
-           "read_table", "check_tables"]
+           "read_table", "check_tables", "utf8_text", "check_utf8"]
 
 
 class ResultsError(ValueError):
@@ -82,12 +82,7 @@ def read_table(path: str | Path, table: str | None = None) -> pd.DataFrame:
         raise ResultsError(f"{path}: cannot read ({e.strerror or e})") from None
     if not raw:
         return pd.DataFrame()
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise ResultsError(f"{path}: UTF-16 text (it starts with a UTF-16 byte-order mark); dynmb tables are UTF-8")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ResultsError(f"{path}: not UTF-8 text (byte {e.start}); is this a dynmb results table?") from None
+    text = utf8_text(raw, path, "is this a dynmb results table?")
     if not text.endswith("\n") and text.count("\n") >= 1:
         raise ResultsError(f"{path}: the last row is cut (the file ends mid-row); the run that wrote it did not finish "
                            "its write: remove the last line or rerun")
@@ -99,6 +94,28 @@ def read_table(path: str | Path, table: str | None = None) -> pd.DataFrame:
     if missing:
         raise ResultsError(f"{path}: not a dynmb {table} table (no column(s) {', '.join(missing)})")
     return df
+
+
+def utf8_text(raw: bytes, path: str | Path, hint: str = "dynmb reads UTF-8 text") -> str:
+    """``raw`` (the bytes of ``path``) decoded as UTF-8; ``ResultsError`` naming the file otherwise: a
+    UTF-16 byte-order mark gets its own line (a file saved as "Unicode" by an editor), any other
+    undecodable byte its offset."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ResultsError(f"{path}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ResultsError(f"{path}: not UTF-8 text (byte {e.start}); {hint}") from None
+
+
+def check_utf8(path: str | Path) -> None:
+    """Refuse (``ResultsError``, one line naming the file) a file that is not UTF-8 text; a file that
+    cannot be read is left to its reader."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError:
+        return
+    utf8_text(raw, path)
 
 
 def check_tables(out_dir: str | Path) -> None:

@@ -112,7 +112,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
                          "dynamic", "dynamic_setup", "dynamic_rank", "recompute", "balanced")),
     ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "defaults", "api",
-                          "sampler", "stage_split")),
+                          "sampler", "stage_split", "spec_check")),
     ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf"))),
     ("runtime", (*_modules("dynmb.runtime", "spec", "topology", "state", "step", "interpreter", "splitbackward", "comm",
                            "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",

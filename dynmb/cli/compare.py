@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
-                             add_shape_flags, corpus_source)
+                             add_shape_flags, corpus_source, nonnegative_int, positive_int)
 from dynmb.cli.run import stop_line
 from dynmb.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
 
@@ -18,12 +18,12 @@ __all__ = ["add_parser", "run", "settings_from_args"]
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("compare", help=help_text)
     add_data_flags(parser, global_batch=32, corpus=True)
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--memory-limit", default=None,
                         help="per-GPU memory limit (default 1GiB, which binds for the small model)")
     parser.add_argument("--methods", default="fixed,sorted,packed,token-budget,balanced,dynapipe,dynamic",
                         help="comma-separated methods")
-    parser.add_argument("--mbs", type=int, default=None,
+    parser.add_argument("--mbs", type=positive_int, default=None,
                         help="microbatch size for fixed-size methods (default: largest that fits)")
     parser.add_argument("--oversize", default="error", choices=OVERSIZE_CHOICES,
                         help="a sequence that cannot fit alone: error (default), truncate or drop (both reported)")
@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--schedule", default="1f1b",
                         help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb, or auto (per step, the fastest predicted "
                              "kind that fits) (default 1f1b)")
-    parser.add_argument("--virtual", type=int, default=1,
+    parser.add_argument("--virtual", type=positive_int, default=1,
                         help="model chunks per rank (default 1: one rank per stage; >1 runs the interleaved "
                              "schedule on stages/virtual ranks)")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
@@ -45,8 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--reorder", default="auto",
                         help="microbatch order: auto (dynamic: search, dynapipe: its cluster permutation, others: "
                              "none) or one of none, descending, ascending, ends, dynapipe, search for every method")
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per method (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per method (default 1)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="measured steps per method (default 3)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up steps per method (default 1)")
     parser.add_argument("--no-fixed-best", action="store_true",
                         help="skip the extra fixed cases (mbs 1, 2, 4, ... below the largest that fits) that find "
                              "the best fixed mbs in hindsight")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dynmb.cli.flags import add_model_flags, model_from_args
+from dynmb.cli.flags import add_model_flags, int_at_least, model_from_args, positive_int
 from dynmb.costmodel import fit_cost_model, kfold_error, noise_floor
 from dynmb.plots import cost_fit
 from dynmb.measure.samples import check_samples_model, load_samples
@@ -18,8 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("samples", nargs="+", help="samples CSV(s) from `dynmb profile` or a run's actions table")
     parser.add_argument("--kind", default="poly", help="poly (scipy least squares, default) or grid (interpolation)")
     add_model_flags(parser)
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages the samples were measured for")
-    parser.add_argument("--folds", type=int, default=5, help="k for k-fold held-out error (default 5)")
+    parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages the samples were measured for")
+    parser.add_argument("--folds", type=int_at_least(2), default=5, help="k for k-fold held-out error (default 5; at least 2: one fold fits, another is held out)")
     parser.add_argument("--plot", default=None, help="write a measured-vs-predicted PNG here")
     parser.add_argument("-o", "--output", required=True, help="cost-model JSON path")
     parser.set_defaults(func=run)

@@ -27,21 +27,42 @@ from dynmb.config import ModelConfig, model_config
 from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
-           "add_recompute_flag", "add_model_file_flags", "positive_int", "model_from_args", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
+           "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
+           "global_batch_int", "MAX_GLOBAL_BATCH", "model_from_args", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
            "OVERSIZE_CHOICES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+MAX_GLOBAL_BATCH = 2**24
+"""The most sequences ``--global-batch`` takes: one planning step holds several arrays per sequence
+and its packers sort and scan them, so a step far beyond this is minutes of planning and gigabytes
+before the first microbatch runs (a typo such as ``1e12`` is refused at once instead)."""
+
+
+def int_at_least(low: int, high: int | None = None):
+    """argparse type: an integer in ``[low, high]`` (``high`` None: no upper end); its error is one
+    line naming the bound."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+positive_int = int_at_least(1)
+"""argparse type: an integer >= 1."""
+nonnegative_int = int_at_least(0)
+"""argparse type: an integer >= 0."""
+global_batch_int = int_at_least(1, MAX_GLOBAL_BATCH)
+"""argparse type of ``--global-batch``: 1 to ``MAX_GLOBAL_BATCH`` sequences."""
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "small") -> None:
@@ -168,21 +189,21 @@ def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64, c
         parser.add_argument("--tokenizer", default=None,
                             help="with --corpus: gpt2 (offline BPE, default), a Hugging Face tokenizer name or a "
                                  "tokenizer.json path; its ids must fit the model's vocab_size")
-    parser.add_argument("--global-batch", type=int, default=global_batch,
-                        help=f"sequences per global batch (default {global_batch})")
-    parser.add_argument("--seed", type=int, default=0, help="seed for sampling the global batch (default 0)")
+    parser.add_argument("--global-batch", type=global_batch_int, default=global_batch,
+                        help=f"sequences per global batch (default {global_batch}; at most {MAX_GLOBAL_BATCH})")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed for sampling the global batch (default 0)")
 
 
 def add_packing_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--memory-limit", default="1GiB",
                         help="per-GPU memory limit, e.g. 2GiB, 512MiB (default 1GiB)")
     parser.add_argument("--method", default="dynamic",
                         help="fixed, sorted, packed, token-budget, balanced, dynapipe, dynamic (default dynamic); "
                              "token-budget / balanced: --mbs d divides their memory-maximum token budget by d")
-    parser.add_argument("--mbs", type=int, default=None,
+    parser.add_argument("--mbs", type=positive_int, default=None,
                         help="microbatch size for fixed-size methods (default: the largest that fits)")
-    parser.add_argument("--dp", type=int, default=1,
+    parser.add_argument("--dp", type=positive_int, default=1,
                         help="data-parallel pipelines the global batch is split over (default 1)")
     parser.add_argument("--schedule-kind", default="1f1b",
                         help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto "

@@ -6,11 +6,14 @@ flags, help on each) next to ``run(args) -> exit code`` (the handler: calls the 
 prints). Only the chosen verb's module is imported, so a typo or ``--help`` costs no torch
 or scipy import; ``build_parser()`` without a verb builds every verb's parser.
 
+A mistyped flag or value (argparse) is one line too, ``dynmb VERB: error: ...``, exit 2.
+
 ``-v`` shows the library's INFO log lines (``-vv`` DEBUG), ``-q`` only its errors; the
 default shows warnings and errors, on stderr. A user error (``ValueError`` (JSON and pandas
 parse errors among them), ``OSError``, ``KeyError``, ``csv.Error``) prints one line
 ``dynmb VERB: error: ...`` naming the file and exits 2, with no traceback (numpy scalars in it
-printed as plain numbers, never ``np.int64(...)``).
+printed as plain numbers, never ``np.int64(...)``); an input file (trace, plan, schedule, model,
+samples) that is not UTF-8 text is refused naming it before the verb starts.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import importlib
 import logging
 import re
 import sys
+from pathlib import Path
 from types import ModuleType
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __all__ = ["main", "build_parser", "VERBS", "configure_logging"]
 
@@ -74,10 +78,18 @@ def _chosen_verb(argv: Sequence[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line (``dynmb VERB: error: argument --stages:
+    must be >= 1, got 0 (dynmb VERB --help lists the flags)``), exit code 2, no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} ({self.prog} --help lists the flags)\n")
+
+
 def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``dynmb`` parser with the flags of ``verbs`` (default: every verb); the other verbs
     are listed with their help only."""
-    parser = argparse.ArgumentParser(prog="dynmb",
+    parser = _Parser(prog="dynmb",
                                      description="Dynamic microbatching for pipeline-parallel transformer training.")
     loudness = parser.add_mutually_exclusive_group()
     loudness.add_argument("-v", dest="verbosity", action="count", default=0,
@@ -99,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser([verb] if verb in VERBS else []).parse_args(argv)
     configure_logging(-1 if args.quiet else args.verbosity)
     try:
+        _check_text_inputs(args)
         return int(args.func(args) or 0)
     except OSError as e:
         # os.replace(tmp, target) names the temporary file first: the target is the user's path
@@ -109,6 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, csv.Error) as e:
         print(f"dynmb {args.verb}: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+
+
+_TEXT_INPUTS = ("lengths", "plan", "schedule", "cost_model", "memory_model", "model", "samples")
+"""The flags (``args`` attributes) that name a text file a verb reads (a trace, a plan, a schedule,
+a model file, samples)."""
+
+
+def _check_text_inputs(args: argparse.Namespace) -> None:
+    """Refuse an input file of ``_TEXT_INPUTS`` (``.csv`` / ``.json``) that is not UTF-8 text, one line
+    naming it (``dynmb.results.check_utf8``), before the verb reads it."""
+    paths = []
+    for name in _TEXT_INPUTS:
+        value = getattr(args, name, None) if name != "samples" or args.verb == "fit" else None  # memory: an output
+        paths += [p for p in (value if isinstance(value, list) else [value])
+                  if isinstance(p, str) and p.endswith((".csv", ".json")) and Path(p).is_file()]
+    if paths:
+        from dynmb.results import check_utf8
+
+        for path in paths:
+            check_utf8(path)
 
 
 _NUMPY_SCALAR = re.compile(r"\bnp\.(?:u?int|float|bool_?|str_)\d*\(([^()]*)\)")

@@ -9,11 +9,12 @@ import numpy as np
 import pandas as pd
 
 from dynmb.atomic import atomic_path
-from dynmb.cli.flags import add_model_flags, factory_from_args
+from dynmb.cli.flags import add_model_flags, factory_from_args, positive_int
 from dynmb.models.contract import planning_config
 from dynmb.config import format_bytes
 from dynmb.memory import MemoryModel
 from dynmb.measure.memory import measure_grid
+from dynmb.runtime.spec import check_device
 
 __all__ = ["add_parser", "run"]
 
@@ -21,9 +22,10 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("memory", help=help_text)
     add_model_flags(parser)
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--quick", action="store_true", help="a small grid")
-    parser.add_argument("--device", default="cpu", help="cpu (storage accounting) or cuda (max_memory_allocated)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cpu (storage accounting) or cuda (max_memory_allocated)")
     parser.add_argument("-o", "--output", required=True, help="memory-model JSON path")
     parser.add_argument("--samples", default=None, help="also write the measured samples CSV here")
     parser.set_defaults(func=run)
@@ -38,6 +40,7 @@ def _grid(args: argparse.Namespace) -> tuple[list[int], list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_device("gloo", args.device)           # CUDA asked for where torch sees none: one line, no traceback
     factory = factory_from_args(args)
     model = planning_config(factory)
     rows, lengths = _grid(args)

@@ -8,12 +8,13 @@ from dataclasses import replace
 from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args,
-                             names_factory, warn_own_model_stand_ins)
-from dynmb.cli.planfile import plan_meta
+                             names_factory, nonnegative_int, warn_own_model_stand_ins)
+from dynmb.cli.planfile import plan_meta, plan_pack_len
 from dynmb.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.planning import plan_step
+from dynmb.planning.spec_check import check_plan_spec
 from dynmb.types import Plan
 
 __all__ = ["add_parser", "run", "plan_spec"]
@@ -24,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_data_flags(parser)
     add_packing_flags(parser)
     add_model_flags(parser)
-    parser.add_argument("--step", type=int, default=0, help="which global batch of the seed's stream (default 0)")
+    parser.add_argument("--step", type=nonnegative_int, default=0, help="which global batch of the seed's stream (default 0)")
     parser.add_argument("-o", "--output", default=None, help="plan JSON path")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary")
     parser.set_defaults(func=run)
@@ -52,7 +53,7 @@ def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, 
         "recomputed": int(plan.recompute_mask().sum()),
         "sliced": len(plan.slice_groups()), "slices": sum(len(w) for w in plan.slice_groups().values()),
         "longest_fitting_length": plan.meta.get("longest_fitting_length"),
-        "pack_len": plan.meta.get("pack_len"), "round_to": args.round_to, "attention": attention,
+        "pack_len": plan_pack_len(plan), "round_to": args.round_to, "attention": attention,
         "distinct_shapes": len({(mb.batch, mb.padded_len) for mb in plan.microbatches}),
     }
 
@@ -74,10 +75,12 @@ def _show(key: str, value: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
+    spec = plan_spec(args, model)
+    check_plan_spec(spec)                  # what run and compare refuse too, before any batch is read
     rows, batch = load_rows(args, args.step)
     warn_own_model_stand_ins(args, model, args.cost_model, args.memory_model, args.stages, "dynmb plan")
     plan, _, _ = plan_step(
-        batch, plan_spec(args, model), model_cfg=model, cost_model=get_cost_model(args.cost_model, model, args.stages),
+        batch, spec, model_cfg=model, cost_model=get_cost_model(args.cost_model, model, args.stages),
         memory_model=get_memory_model(args.memory_model, model, args.stages),
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step,
               **plan_meta(model, args.cost_model, args.memory_model,

@@ -28,7 +28,18 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike, get_memory_model
 from dynmb.types import Plan
 
-__all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file"]
+__all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file", "plan_pack_len"]
+
+
+def plan_pack_len(plan: Plan) -> int | None:
+    """The row length a ``packed`` plan was built with: ``meta["pack_len"]``, or, for a plan with
+    slices (whose meta has none: its rows are the longest row, ``meta["longest_fitting_length"]``,
+    the pack length rounded), that; None for the other methods."""
+    if plan.method != "packed":
+        return None
+    value = plan.meta.get("pack_len") or plan.meta.get("longest_fitting_length") or (
+        plan.spec.pack_len if plan.spec is not None else None)
+    return None if value is None else int(value)
 
 
 def model_identity(path: str | None) -> dict[str, Any]:

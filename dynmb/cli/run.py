@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
-                             model_from_args, names_factory, warn_own_model_stand_ins)
-from dynmb.cli.planfile import plan_model, recorded_model_file
+                             model_from_args, names_factory, nonnegative_int, positive_int,
+                             warn_own_model_stand_ins)
+from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
@@ -55,15 +56,15 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--plan", default=None,
                         help="run exactly this plan JSON (`dynmb plan` / `dynmb schedule`) every step, without "
                              "re-planning; model, stages, limit, method, dp and global batch come from the plan")
-    parser.add_argument("--nproc", type=int, default=None, help="processes (ranks); default stages x dp / virtual")
+    parser.add_argument("--nproc", type=positive_int, default=None, help="processes (ranks); default stages x dp / virtual")
     parser.add_argument("--schedule", default=None,
                         help="schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (per step, the fastest "
                              "predicted of 1f1b / zb-h1 / zb, interleaved with --virtual > 1) (default 1f1b); with "
                              "--plan also a schedule CSV built for that plan (`dynmb schedule`)")
-    parser.add_argument("--virtual", type=int, default=None, help="model chunks per rank for interleaved (default 1)")
+    parser.add_argument("--virtual", type=positive_int, default=None, help="model chunks per rank for interleaved (default 1)")
     parser.add_argument("--reorder", default=None, help="microbatch reordering (default none)")
-    parser.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps (default 1)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="measured steps (default 3)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up steps (default 1)")
     parser.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                         help="gloo or nccl (default: nccl with CUDA, else gloo)")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
@@ -136,7 +137,7 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
          args.schedule if args.schedule in SCHEDULE_KINDS else args.schedule_kind, kind),
         ("virtual", args.virtual, sidecar.get("virtual")),
         ("dataset", args.dataset or args.lengths, meta.get("dataset")), ("seed", args.seed, meta.get("seed")),
-        ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, meta.get("pack_len")),
+        ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, plan_pack_len(plan)),
         ("round-to", args.round_to, meta.get("round_to")),
     ]
     for flag, given, in_plan in recorded:
@@ -180,7 +181,7 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
         dataset=str(meta.get("dataset") or Path(args.plan).resolve()), global_batch=plan.num_sequences,
         method=plan.method, mbs=meta.get("mbs"), dp=plan.dp, seed=int(meta.get("seed") or 0), steps=args.steps,
         warmup=args.warmup, backend=backend, device=device, cost_model=cost_file, timeout_s=args.timeout,
-        pack_len=meta.get("pack_len") or (spec.pack_len if spec else None),
+        pack_len=plan_pack_len(plan),
         round_to=int(meta.get("round_to") or (spec.round_to if spec else 1)), prewarm=args.prewarm,
         oversize=spec.oversize if spec else "error", recompute=spec.recompute if spec else "never",
         expandable_segments=not args.no_expandable_segments)
@@ -252,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
         # every check that needs no torch first (JobSpec.check; gloo/cpu stand in for the default
         # device, which torch (~4 s to import) decides): a typo costs no torch import
         given = _flag_backend_device(args)
+        # the settings alone first (what `dynmb plan` refuses, the device): nothing read or written yet
+        _spec(args, *(given or ("gloo", "cpu"))).check_settings()
         tokens = _token_file(args)
         JobSpec.single(_spec(args, *(given or ("gloo", "cpu")), corpus=tokens)).check()
         spec = _spec(args, *(given or default_backend_device()), corpus=tokens)

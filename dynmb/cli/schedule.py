@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dynmb.atomic import write_text_atomic
-from dynmb.cli.flags import add_model_file_flags, add_model_flags
+from dynmb.cli.flags import add_model_file_flags, add_model_flags, positive_int
 from dynmb.cli.planfile import plan_models
 from dynmb.config import format_bytes
 from dynmb.planning import make_schedule
@@ -65,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--kind", default="1f1b",
                         help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (the fastest predicted of "
                              "the kinds auto weighs that fits) (default 1f1b)")
-    parser.add_argument("--virtual", type=int, default=1,
+    parser.add_argument("--virtual", type=positive_int, default=1,
                         help="model chunks per rank for interleaved (default 1: ranks = stages)")
     parser.add_argument("--reorder", default="none",
                         help="none, descending, ascending, ends, dynapipe, search (default none)")

@@ -84,19 +84,54 @@ def sample_rows(stage: int, mb: Microbatch, cfg: ModelConfig, docs: int, times: 
 
 
 
+def _lines(mask: pd.Series, k: int = 5) -> str:
+    """The CSV line numbers (header = line 1) of the rows where ``mask`` holds, the first ``k`` and a count."""
+    lines = (mask[mask].index.to_numpy() + 2).tolist()
+    return ", ".join(map(str, lines[:k])) + (f", ... ({len(lines)} rows in all)" if len(lines) > k else "")
+
+
+def _check_values(df: pd.DataFrame, path: str | Path) -> None:
+    """Refuse, naming the file, the column and its CSV lines: a non-numeric, missing (NaN) or negative
+    value in a column a fit reads (a time, stage, rows, padded_len); nothing is dropped silently."""
+    times = ["start_s", "end_s"] if {"start_s", "end_s"} <= set(df.columns) else ["time_s"]
+    shape = [c for c in ("stage", "rows", "batch", "padded_len") if c in df.columns]
+    timed = df["op"].isin(["F", "B", "I", "W"]) if "op" in df.columns else pd.Series(True, index=df.index)
+    for column in times + shape:
+        values = pd.to_numeric(df[column], errors="coerce")
+        text = df[column].where(values.isna() & df[column].notna())
+        if text.notna().any():
+            first = text.dropna().iloc[0]
+            raise ValueError(f"{path}: column {column} holds non-numeric values ({first!r}) at line(s) "
+                             f"{_lines(text.notna())}; a samples table holds numbers there")
+        missing = values.isna() & timed
+        if missing.any():
+            raise ValueError(f"{path}: column {column} is empty (NaN) at line(s) {_lines(missing)}; "
+                             "remove those rows or re-profile (a sample without a value is never dropped silently)")
+        negative = (values < 0) & timed
+        if negative.any():
+            raise ValueError(f"{path}: column {column} is negative at line(s) {_lines(negative)} "
+                             f"(e.g. {values[negative].iloc[0]}); a time or size cannot be below 0")
+
+
 def load_samples(paths: Iterable[str | Path]) -> pd.DataFrame:
-    """Read and concatenate samples CSVs (or a run's actions CSVs, converted)."""
+    """Read and concatenate samples CSVs (or a run's actions CSVs, converted). A file that is not
+    one, or whose times or sizes are non-numeric, missing or negative, is refused naming the file
+    and its lines (``ValueError``)."""
     dfs = []
     for p in paths:
         try:
             df = pd.read_csv(p)
-            dfs.append(samples_from_actions(df) if {"start_s", "end_s"} <= set(df.columns) else df)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p}: not UTF-8 text (byte {e.start}); is this a samples CSV?") from None
         except (ValueError, KeyError) as e:   # pandas' parse errors are ValueErrors
-            raise ValueError(f"{p}: not a samples or actions CSV: {e}") from None
-        missing = {"stage", "op", "rows", "padded_len", "time_s"} - set(dfs[-1].columns)
+            raise ValueError(f"{p}: not a samples or actions CSV: {' '.join(str(e).split())}") from None
+        actions = {"start_s", "end_s"} <= set(df.columns)
+        need = {"stage", "op", "batch", "padded_len"} if actions else {"stage", "op", "rows", "padded_len", "time_s"}
+        missing = need - set(df.columns)
         if missing:
             raise ValueError(f"{p}: not a samples or actions CSV (no column {', '.join(sorted(missing))})")
+        _check_values(df, p)
+        dfs.append(samples_from_actions(df) if actions else df)
     if not dfs:
         raise ValueError("no samples files given")
     return pd.concat(dfs, ignore_index=True)
-

@@ -33,7 +33,9 @@ die with it, ``worker.exit_with_parent``). SIGINT, SIGTERM or SIGHUP (as SIGTERM
 process below it (``processes.stop_job``: SIGTERM, SIGKILL after 3 s); the result then has
 ``returncode`` 128 + the signal (130, 143) and ``signal`` set. After torchrun exits the
 launcher finishes the job's ``runs`` rows (``status`` ok / failed / interrupted, ``error``:
-the first failure line) and, unless the job succeeded, drops ``actions``/``memory`` rows of
+the first failure line; in a job that failed no row keeps ``ok`` unless its case was closed
+before the failure, so a run whose command exits non-zero never reads ``ok``, and a status that
+cannot be written, ``ENOSPC``, is one more failure line naming the file) and, unless the job succeeded, drops ``actions``/``memory`` rows of
 steps without a ``steps`` row, so the tables hold complete steps only (``complete_steps``).
 ``write_spec`` gives a run spec's JSON form, for scripts that build jobs as dicts.
 """
@@ -57,7 +59,7 @@ from tqdm.auto import tqdm
 from dynmb.config import RunConfig
 from dynmb.hostinfo import cores_warning
 from dynmb.outdir import lock_out_dir
-from dynmb.results import drop_incomplete_steps, set_run_status
+from dynmb.results import ResultsError, drop_incomplete_steps, run_ids_in, set_run_status
 from dynmb.runtime.processes import Ended, StopSignals, alive, die_with_parent, wait_or_stop
 from dynmb.runtime.spec import JobSpec, RunSpec
 
@@ -201,19 +203,41 @@ def _finish(job: JobSpec, proc: subprocess.Popen, ended: Ended, log: str, guard_
             failures = [f"dynmb run: torchrun exited with code {rc}"]
         status = "ok" if rc == 0 else "failed"
     complete: dict[str, tuple[int, ...]] = {}
+    closed = set() if rc == 0 else _closed_cases(job)
     for out_dir, ids in by_dir.items():
         _remove_stale_temp_files(Path(out_dir))
-        if rc == 0:
-            set_run_status(out_dir, ids, "ok")
-        else:
-            set_run_status(out_dir, ids, status, failures[0], keep=("ok",))
-        complete.update({r: tuple(s) for r, s in drop_incomplete_steps(out_dir, ids).items()})
+        try:
+            if rc == 0:
+                set_run_status(out_dir, ids, "ok")
+            else:       # a failed job: no row says ok unless its case was closed before the failure
+                set_run_status(out_dir, [r for r in ids if r not in closed], status, failures[0], keep=())
+            complete.update({r: tuple(s) for r, s in drop_incomplete_steps(out_dir, ids).items()})
+        except (OSError, ResultsError) as e:           # ENOSPC, a table cut by it: one line naming the file
+            name = getattr(e, "filename", None)
+            line = (f"dynmb run: cannot record the runs' status in {out_dir}: "
+                    f"{f'{name}: {e.strerror}' if name and getattr(e, 'strerror', None) else e}")
+            failures.append(line)
+            rc = rc or 1
     if rc != 0 and ended.how != "signal":
         for line in failures:
             logger.error("%s", line)
     elif ended.how == "signal":
         logger.info("%s", failures[0])
     return LaunchResult(rc, tuple(failures), ended.how == "timeout", ended.signum, ended.stopped, complete)
+
+
+def _closed_cases(job: JobSpec) -> set[str]:
+    """Run ids of the cases a failed job finished for good: cases run one after another (not
+    interleaved) are closed (tables written whole) before the next one starts, so a case followed by
+    one with a ``runs`` row is done; the last one that started may have failed after rank 0 wrote
+    ``ok`` (its tables' final write, ``ENOSPC``), so its row does not keep ``ok``."""
+    if job.interleave or len(job.cases) < 2:
+        return set()
+    try:
+        started = set().union(*(run_ids_in(d) for d in {c.out_dir for c in job.cases}))
+    except (OSError, ResultsError):
+        return set()
+    return {c.run_id for c, following in zip(job.cases, job.cases[1:]) if following.run_id in started}
 
 
 def _remove_stale_temp_files(folder: Path) -> None:

@@ -26,7 +26,11 @@ A run of a given plan (``dynmb run --plan P.json [--schedule S.csv]``) names the
 schedule or the one built for the plan's ``schedule_kind``, instead of planning a new batch.
 
 ``JobSpec.check()`` (``launch_job`` calls it before torchrun starts) checks what can be checked
-without torch: method, schedule kind and reorder names, the timeout, the model's cost- and
+without starting a rank: first ``RunSpec.check_settings()`` (also what ``dynmb run`` and ``dynmb
+compare`` call before anything is read or written): the planning settings by the same function
+``dynmb plan`` uses (``dynmb.planning.spec_check.check_plan_spec``: names, a kind that takes the
+virtual stages or slices asked for, ``mbs`` / ``pack_len`` only for the methods that read them), the
+timeout and the device (``nccl`` needs CUDA, and CUDA must be there); then the model's cost- and
 memory-model files, the length trace (or the token file, and that the tokenizer's ids fit the
 model's vocabulary), the plan and schedule files, the output folder
 (writable) and the run ids (new to their folder). It raises ``ValueError`` (``OSError`` for a
@@ -58,16 +62,14 @@ from typing import Any, Mapping
 from dynmb.atomic import write_text_atomic
 from dynmb.config import RunConfig
 from dynmb.costmodel import get_cost_model
-from dynmb.data import TokenFile, check_vocab, load_trace
+from dynmb.data import TokenFile, check_vocab, load_trace, sample_indices
 from dynmb.memory import get_memory_model
-from dynmb.packing import METHODS
-from dynmb.planning import REORDER_METHODS
+from dynmb.planning.spec_check import check_plan_spec
 from dynmb.results import run_ids_in
-from dynmb.schedule import SCHEDULE_KINDS, ScheduleError, from_csv, validate
-from dynmb.schedule.kinds import is_schedule_name
+from dynmb.schedule import ScheduleError, from_csv, validate
 from dynmb.types import Plan, Schedule
 
-__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable"]
+__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable", "check_device"]
 
 _RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
              "plan", "schedule", "corpus", "model_factory")
@@ -184,18 +186,25 @@ class RunSpec:
                    corpus=TokenFile.from_dict(data["corpus"]) if data.get("corpus") else None,
                    model_factory=data.get("model_factory"))
 
+    def check_settings(self) -> None:
+        """The settings of the run alone (nothing written): the planning settings
+        (``dynmb.planning.spec_check.check_plan_spec``, what ``dynmb plan`` refuses; a plan run:
+        the schedule kind, virtual stages and slices of its plan; ``pack_len`` against the memory
+        model), the timeout, and the device:
+        ``nccl`` runs on CUDA, and CUDA must be there (``dynmb.runtime.device.cuda_available``)."""
+        run = self.run
+        spec = run.plan_spec
+        check_plan_spec(spec if self.plan is None else spec.with_(mbs=None, pack_len=None))
+        if self.plan is None and run.pack_len is not None:        # longer than any row that fits
+            check_plan_spec(spec, run.model, get_memory_model(self.memory_model, run.model, spec.num_stages))
+        if not run.timeout_s > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
+        check_device(run.backend, run.device)
+
     def check(self) -> None:
         """Check what can be checked before torchrun starts (see the module docstring)."""
         run, pipeline = self.run, self.run.pipeline
-        if run.method not in METHODS:
-            raise ValueError(f"unknown method {run.method!r}; expected one of {', '.join(METHODS)}")
-        if not is_schedule_name(pipeline.schedule):
-            raise ValueError(f"unknown schedule {pipeline.schedule!r}; expected auto or one of {', '.join(SCHEDULE_KINDS)}")
-        if pipeline.reorder != "auto" and pipeline.reorder not in REORDER_METHODS:
-            raise ValueError(f"unknown reorder {pipeline.reorder!r}; expected auto or one of "
-                             f"{', '.join(REORDER_METHODS)}")
-        if not run.timeout_s > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
+        self.check_settings()
         if self.model_factory is not None:
             from dynmb.models.contract import check_importable
 
@@ -210,7 +219,9 @@ class RunSpec:
             if self.schedule is not None:
                 raise ValueError(f"schedule file {self.schedule} given without the plan it was built for")
             if self.corpus is None:
-                load_trace(run.dataset)
+                trace = load_trace(run.dataset)
+                if trace.size < run.global_batch:       # said once here, not by every rank
+                    sample_indices(trace.size, run.global_batch, run.seed)
         else:
             load_plan_files(self)
         check_writable(self.out_dir)
@@ -318,6 +329,19 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     except ScheduleError as e:
         raise ValueError(f"schedule {spec.schedule} cannot run plan {spec.plan}: {str(e).splitlines()[0]}") from None
     return plan, schedule
+
+
+def check_device(backend: str, device: str) -> None:
+    """Refuse (``ValueError``, one line) a backend and device this machine cannot run: ``nccl`` off
+    CUDA, or CUDA where torch sees none (imports torch only for ``cuda``)."""
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(f"--backend nccl runs on CUDA devices, not {device}; use --device cuda or --backend gloo")
+    if device == "cuda":
+        from dynmb.runtime.device import cuda_available
+
+        if not cuda_available():
+            raise ValueError(f"--device cuda{' (--backend nccl)' if backend == 'nccl' else ''}: CUDA is not "
+                             "available here (torch.cuda.is_available() is False); use --device cpu")
 
 
 def check_writable(folder: str | Path) -> None:

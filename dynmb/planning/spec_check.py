@@ -1,0 +1,88 @@
+"""``check_plan_spec``: the settings no global batch can be planned with, refused before any planning.
+
+``dynmb plan``, ``dynmb run`` (``RunSpec.check``, before torchrun starts) and ``dynmb compare``
+(every case, before anything is written into its results folder) call this one function, so the
+three refuse the same flag combinations with the same one line. ``PlanSpec`` itself checks the
+numbers and the fixed option sets; this adds what needs a registry (no batch, no torch):
+
+1. the method (``dynmb.packing.METHODS``), the schedule kind (``dynmb.schedule.kinds``, or
+   ``auto``) and the reorder (``auto`` or ``dynmb.planning.REORDER_METHODS``) are known;
+2. ``virtual`` > 1 needs a kind whose record takes virtual stages (``ScheduleKind.virtual_stages``;
+   ``auto``: one of ``auto_kinds(virtual)``);
+3. ``oversize='split'`` needs a kind that runs slices of long sequences (``ScheduleKind.slices``;
+   ``auto``: one of ``auto_kinds(virtual, slices=True)``) and one pipeline replica (``dp`` 1);
+   the kinds are read off the registry, so a kind that learns to run slices is admitted at once;
+4. ``mbs`` only for the methods that take one (``MBS_METHODS``: the rows of ``fixed``, ``sorted``,
+   ``packed``, the budget divisor of ``token-budget`` and ``balanced``); ``dynamic`` and
+   ``dynapipe`` choose their own sizes;
+5. ``pack_len`` only for the methods that build rows of it (``PACK_LEN_METHODS``: ``packed``);
+   every other method would ignore it;
+6. with a memory model: ``packed``'s ``pack_len`` is at most the longest row that fits
+   (``slicing.longest_row``, the packer's own check, which raises ``PackingError`` naming both).
+
+Each refusal is a ``ValueError`` of one line naming the flag (``--schedule``, ``--virtual``, ...).
+"""
+
+from __future__ import annotations
+
+from dynmb.memory import MemoryModelLike
+from ..config import ModelConfig
+from ..packing import METHODS
+from ..planspec import PlanSpec
+from ..schedule.kinds import AUTO, auto_kinds, get_kind, kind_names, is_schedule_name, slice_kinds
+from .reorder import REORDER_METHODS
+
+__all__ = ["check_plan_spec", "MBS_METHODS", "PACK_LEN_METHODS", "uses_pack_len", "uses_mbs"]
+
+MBS_METHODS = ("fixed", "sorted", "packed", "token-budget", "balanced")
+"""Methods that take ``mbs`` (rows per microbatch, or the divisor of their token budget)."""
+PACK_LEN_METHODS = ("packed",)
+"""Methods that build rows of ``pack_len`` tokens."""
+
+
+def uses_pack_len(method: str) -> bool:
+    """Whether ``method`` reads ``pack_len``."""
+    return method in PACK_LEN_METHODS
+
+
+def uses_mbs(method: str) -> bool:
+    """Whether ``method`` reads ``mbs``."""
+    return method in MBS_METHODS
+
+
+def _kinds_taking_virtual() -> list[str]:
+    return [k for k in kind_names() if get_kind(k).virtual_stages]
+
+
+def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
+                    memory_model: MemoryModelLike | None = None) -> None:
+    """Raise ``ValueError`` (one line) for settings of ``spec`` no batch can be planned with (module doc)."""
+    if spec.method not in METHODS:
+        raise ValueError(f"unknown method {spec.method!r}; expected one of {', '.join(METHODS)}")
+    kind = spec.schedule_kind
+    if not is_schedule_name(kind):
+        raise ValueError(f"unknown schedule {kind!r}; expected auto or one of {', '.join(kind_names())}")
+    if spec.reorder != "auto" and spec.reorder not in REORDER_METHODS:
+        raise ValueError(f"unknown reorder {spec.reorder!r}; expected auto or one of {', '.join(REORDER_METHODS)}")
+    if spec.virtual > 1:
+        if not (auto_kinds(spec.virtual) if kind == AUTO else get_kind(kind).virtual_stages):
+            raise ValueError(f"--virtual {spec.virtual}: the {kind} schedule runs one stage per rank; model chunks "
+                             f"per rank run on {' or '.join(_kinds_taking_virtual()) or 'no registered kind'}")
+    if spec.oversize == "split":
+        if not (auto_kinds(spec.virtual, slices=True) if kind == AUTO else get_kind(kind).slices):
+            among = f" (auto with --virtual {spec.virtual}: none of the kinds it weighs)" if kind == AUTO else ""
+            raise ValueError(f"--oversize split: the {kind} schedule{among} cannot run slices of long sequences; "
+                             f"slices run on {' or '.join(slice_kinds()) or 'no registered kind'}")
+        if spec.dp != 1:
+            raise ValueError(f"--oversize split plans one pipeline replica; got --dp {spec.dp}")
+    if spec.mbs is not None and not uses_mbs(spec.method):
+        raise ValueError(f"--mbs {spec.mbs}: {spec.method} chooses its own microbatch sizes (mbs is the size of "
+                         f"{', '.join(MBS_METHODS[:3])} and the budget divisor of {', '.join(MBS_METHODS[3:])}); "
+                         "leave it out")
+    if spec.pack_len is not None and not uses_pack_len(spec.method):
+        raise ValueError(f"--pack-len {spec.pack_len}: {spec.method} does not build rows of a fixed length "
+                         f"(pack_len is the row length of {' and '.join(PACK_LEN_METHODS)}); leave it out")
+    if model_cfg is not None and memory_model is not None and spec.pack_len is not None:
+        from .slicing import longest_row
+
+        longest_row(spec, model_cfg, memory_model)      # PackingError: pack_len longer than any row that fits
