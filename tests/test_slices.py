@@ -3,16 +3,20 @@ exact gradients against the whole document, the split planner, and real gloo run
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 import torch.nn.functional as F
 
 import dynmb.prefix as prefix_mod
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+from dynmb.costmodel import AnalyticCostModel
 from dynmb.memory import MemoryModel
 from dynmb.models import build_stages, make_inputs, reference_grads, synthetic_tokens, whole_documents
 from dynmb.packing import PackingError
@@ -21,7 +25,11 @@ from dynmb.planning.planner import plan_step
 from dynmb.prefix import PrefixStore, SliceOrderError, prefix_attention
 from dynmb.results import load_results
 from dynmb.runtime.spec import RunSpec
-from dynmb.schedule import ScheduleError, validate
+from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
+from dynmb.schedule import ScheduleError, get_kind, validate
+from dynmb.schedule.kinds import slice_kinds
+from dynmb.schedule.validate import check_slice_order
+from dynmb.simulate import simulate
 from dynmb.types import Action, Microbatch, Plan, PlanError, Schedule
 from tests.gloo_jobs import register
 
@@ -147,8 +155,70 @@ def test_schedules_run_slices_in_order_and_violations_are_refused(kind, stages):
     with pytest.raises(ScheduleError, match="reverse order"):
         validate(make_schedule(replace(plan, microbatches=tuple(Microbatch([i], [5], 5, 1) for i in range(m)),
                                        num_sequences=m), kind), plan)
-    with pytest.raises(ValueError, match="gpipe or 1f1b"):
-        make_schedule(plan, "interleaved", virtual=2) if stages == 4 else make_schedule(plan, "zb-h1")
+    with pytest.raises(ValueError, match="'memory-aware' .*does not run their backwards in reverse"):
+        make_schedule(plan, "memory-aware", memory_model=MemoryModel.analytic(TINY, stages))
+
+
+DEEP = replace(TINY, name="tiny-12", n_layers=12)       # up to 12 stages: interleaved with 2 chunks on 6 ranks
+
+
+@hst.composite
+def slice_chains(draw):
+    """A plan of 2..10 single-row microbatches, each a slice of one of one or two long sequences
+    or a short sequence, on 2..6 pipeline ranks."""
+    ranks = draw(hst.integers(2, 6))
+    m = draw(hst.integers(2, 10))
+    owner = draw(hst.lists(hst.sampled_from([0, 0, 1, -1]), min_size=m, max_size=m))
+    if owner.count(0) < 2:
+        owner[:2] = [0, 0]
+    last = {c: max(i for i, o in enumerate(owner) if o == c) for c in (0, 1) if c in owner}
+    mbs, offset, short = [], {0: 0, 1: 0}, 2
+    for i, o in enumerate(owner):
+        n = draw(hst.sampled_from([16, 48, 100, 256]))
+        if o < 0:
+            mbs.append(Microbatch([short], [n], n, 1))
+            short += 1
+        else:
+            mbs.append(Microbatch([o], [n], n, 1, offsets=[offset[o]], continued=[i < last[o]]))
+            offset[o] += n
+    if 1 not in owner:                                   # sequence 1 is not in the batch: a 1-token stand-in
+        mbs.append(Microbatch([1], [1], 1, 1))
+    return Plan(tuple(mbs), "dynamic", ranks, 1 << 40, short)
+
+
+def _break_slice_order(sched: Schedule, plan: Plan) -> Schedule:
+    """``sched`` with the backwards (B or I) of a chain's last two slices swapped on its first rank."""
+    where = next(iter(plan.slice_groups().values()))
+    early, late = where[-2], where[-1]
+    acts = list(sched.ranks[0])
+    stage = acts[0].stage
+    i = next(k for k, a in enumerate(acts) if a.stage == stage and a.op in "BI" and a.mb == late)
+    j = next(k for k, a in enumerate(acts) if a.stage == stage and a.op in "BI" and a.mb == early)
+    acts[i], acts[j] = acts[j], acts[i]
+    return Schedule((tuple(acts),) + tuple(sched.ranks[1:]), sched.num_stages, sched.num_microbatches)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(slice_chains())
+def test_every_slice_kind_schedules_random_chains_above_the_bound(plan):
+    """Every kind with ``slices`` (interleaved with 2 chunks per rank) validates on random chains,
+    slice order included, never simulates below its dependency bound, and refuses its own schedule
+    with one chain's last two backwards swapped (validator and simulator)."""
+    plan.validate()
+    assert set(slice_kinds()) >= {"gpipe", "1f1b", "interleaved", "zb-h1", "zb"}
+    for kind in slice_kinds():
+        virtual = 2 if get_kind(kind).virtual_stages else 1
+        p = replace(plan, num_stages=plan.num_stages * virtual, schedule_kind=kind)
+        cm, mm = AnalyticCostModel(DEEP, p.num_stages), MemoryModel.analytic(DEEP, p.num_stages)
+        sched = make_schedule(p, kind, virtual=virtual, memory_model=mm, cost_model=cm)
+        validate(sched, p)
+        sim = simulate(sched, p, cm, mm)
+        assert sim.makespan_s >= sim.bound_s * (1 - 1e-12), kind
+        bad = _break_slice_order(sched, p)
+        with pytest.raises(ScheduleError, match="reverse order"):
+            check_slice_order(bad, p)
+        with pytest.raises(ScheduleError):
+            simulate(bad, p, cm, mm)
 
 
 def test_forward_out_of_slice_order_is_refused():
@@ -161,22 +231,29 @@ def test_forward_out_of_slice_order_is_refused():
 # --------------------------------------------------------------------------
 # exact gradients in one process: every stage, slices in 2..8 microbatches
 # --------------------------------------------------------------------------
-def _run_local(plan: Plan, tokens, cfg: ModelConfig, num_stages: int, dtype, order=None):
+def _run_local(plan: Plan, tokens, cfg: ModelConfig, num_stages: int, dtype, order=None, split=False, w_late=True):
     """Run ``plan`` through ``num_stages`` stages in one process the way the runtime does:
     forwards in plan order, backwards in ``order`` (default ``plan.backward_order()``), extra
-    backward roots and releases from one PrefixStore. Returns the stages."""
+    backward roots and releases from one PrefixStore. ``split``: every backward of a microbatch
+    that is not recomputed is an ``I`` (``backward_input`` with the store's roots and the leaves
+    it read), its ``W`` at the very end (``w_late``) or right after the next microbatch's ``I``.
+    Returns the stages."""
     stages = build_stages(cfg, num_stages, 0, dtype=dtype)
-    store, total, saved = PrefixStore(), plan.real_tokens, []
+    store, total, saved, tapes = PrefixStore(), plan.real_tokens, [], []
     for i, mb in enumerate(plan.microbatches):
         inp = replace(make_inputs(mb, tokens, cfg=cfg), prefix=store, microbatch=i)
-        xs, x = [], None
+        xs, x, tp = [], None, []
         for st in stages:
             if x is not None:
                 x = x.detach().requires_grad_(True)
             xs.append(x)
-            x = st(x, inp, recompute=mb.recompute)
+            with (record_linears(st) if split and not mb.recompute else nullcontext()) as tape:
+                x = st(x, inp, recompute=mb.recompute)
+            tp.append(tape)
             xs.append(x)
         saved.append(xs)
+        tapes.append(tp)
+    pending: list = []
     for i in (plan.backward_order() if order is None else order):
         xs = saved[i]
         grad = None
@@ -184,11 +261,21 @@ def _run_local(plan: Plan, tokens, cfg: ModelConfig, num_stages: int, dtype, ord
             x_in, out = xs[2 * s], xs[2 * s + 1]
             if s == num_stages - 1:
                 out, grad = out / total, None
-            roots = store.backward_roots(list(stages[s].layers), i)
-            g0 = torch.ones_like(out) if grad is None else grad
-            torch.autograd.backward([out, *(t for t, _ in roots)], [g0, *(g for _, g in roots)])
-            store.release(list(stages[s].layers), i)
-            grad = None if x_in is None else x_in.grad
+            layers = list(stages[s].layers)
+            roots = store.backward_roots(layers, i)
+            if tapes[i][s] is not None:
+                g = backward_input(stages[s], out, grad, x_in, tapes[i][s], roots, store.read_leaves(layers, i))
+                pending.append(tapes[i][s])
+            else:
+                g0 = torch.ones_like(out) if grad is None else grad
+                torch.autograd.backward([out, *(t for t, _ in roots)], [g0, *(g for _, g in roots)])
+                g = None if x_in is None else x_in.grad
+            store.release(layers, i)
+            grad = g
+        while not w_late and len(pending) > num_stages:
+            backward_weight(pending.pop(0))
+    for tape in pending:
+        backward_weight(tape)
     assert len(store) == 0
     return stages
 
@@ -207,6 +294,26 @@ def test_sliced_document_gradients_equal_whole_document(splits, neighbours, reco
         for name, p in st.named_parameters():
             err = float((p.grad - ref[name]).abs().max())
             assert err <= 1e-5 * float(ref[name].abs().max()) + 1e-9, (name, err)
+
+
+@pytest.mark.parametrize("splits,neighbours,recompute,w_late", [((150, 150), "padded", False, True),
+                                                               ((40, 90, 60, 10), "packed", False, False),
+                                                               ((25,) * 8, "padded", False, True),
+                                                               ((40, 90, 60, 10), "padded", True, False)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_split_backward_of_slices_equals_whole_document(splits, neighbours, recompute, w_late, dtype):
+    """I/W with prefix-attention slices: each I adds its continued slices' key/value gradients as
+    roots and accumulates the earlier slices' leaves it read; W any time after (fails without
+    ``read_leaves``: the earlier slices' keys then get no gradient from later slices)."""
+    plan, lengths = _sliced_plan(splits, neighbours, recompute)
+    tokens = synthetic_tokens(lengths, TINY.vocab_size, seed=5)
+    stages = _run_local(plan, tokens, TINY, 2, dtype, split=True, w_late=w_late)
+    _, ref = reference_grads(TINY, 2, plan, tokens, 0, dtype=dtype)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for st in stages:
+        for name, p in st.named_parameters():
+            err = float((p.grad - ref[name]).abs().max())
+            assert err <= tol * float(ref[name].abs().max()) + 1e-12, (name, err)
 
 
 def test_backward_before_a_later_slice_is_refused():
@@ -334,9 +441,9 @@ def test_hand_made_sliced_plans_verify_on_gloo(gloo_job, ranks):
 
 
 def test_cli_schedules_a_sliced_plan_in_slice_order_and_refuses_what_breaks_it(tmp_path, capsys):
-    """`dynmb schedule` builds 1F1B with the chain's backwards reversed; zero-bubble kinds and
-    reordering are refused; `dynmb run --plan` refuses, before launching, a schedule that runs
-    the slices' backwards in plain 1F1B order."""
+    """`dynmb schedule` builds 1F1B and ZB-H1 with the chain's backwards (B, I) reversed;
+    memory-aware and reordering are refused; `dynmb run --plan` refuses, before launching, a
+    schedule that runs the slices' backwards in plain 1F1B order."""
     import json
 
     from dynmb.cli.main import main
@@ -353,8 +460,14 @@ def test_cli_schedules_a_sliced_plan_in_slice_order_and_refuses_what_breaks_it(t
     validate(from_csv(tmp_path / "s.csv", num_microbatches=plan.num_microbatches), plan)
     capsys.readouterr()
     assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "zb-h1", *common,
-                 "-o", str(tmp_path / "z.csv")]) == 2
-    assert "gpipe or 1f1b" in capsys.readouterr().err
+                 "-o", str(tmp_path / "z.csv")]) == 0
+    zb = from_csv(tmp_path / "z.csv", num_microbatches=plan.num_microbatches)
+    validate(zb, plan)
+    assert any(a.op == "I" and a.mb in plan.slice_groups()[2] for acts in zb.ranks for a in acts)
+    capsys.readouterr()
+    assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "memory-aware", *common,
+                 "-o", str(tmp_path / "m.csv")]) == 2
+    assert "not 'memory-aware'" in capsys.readouterr().err
     assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "1f1b", "--reorder", "search", *common,
                  "-o", str(tmp_path / "r.csv")]) == 2
     assert "planned order" in capsys.readouterr().err

@@ -13,16 +13,18 @@ Algorithm (one global batch, one pipeline replica):
    at least 128 tokens), the chains placed before or after the short sequences'
    microbatches, and the slices recomputed or not (``recompute``: ``never`` - not;
    ``always`` - always; ``auto`` - only when the plan does not fit otherwise), the whole
-   plan is scheduled (``make_schedule``: 1F1B or GPipe with backwards in reverse slice
+   plan is scheduled (``make_schedule`` with the plan's kind, any kind with ``slices`` in the
+   registry: GPipe, 1F1B, interleaved with its virtual stages, ZB-H1 and ``zb``, every one
+   running a chain's backwards -- ``B``, or ``I`` of a split backward -- in reverse slice
    order, a chain in flight until its last slice went forward) and simulated with the
-   memory model's slice bytes; the fastest candidate whose every stage's predicted peak
-   is within the limit wins. None fitting raises ``PackingError`` naming the longest
+   memory model's slice bytes; the fastest candidate whose every GPU's predicted peak
+   (every stage's, with one stage per rank) is within the limit wins. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
    ``slice_placement``, ``longest_fitting_length``; every token of the batch is planned.
 
-Not supported (refused with one line): data parallelism (``dp > 1``) and schedules other
-than ``gpipe`` / ``1f1b``.
+Not supported (refused with one line): data parallelism (``dp > 1``) and kinds without
+``slices`` (``memory-aware``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
 from dynmb.planspec import PlanSpec
 from dynmb.predictions import Predictions
-from dynmb.schedule.kinds import get_kind, slice_kinds
+from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, slice_kinds
 from dynmb.simulate import SimResult, simulate
 from dynmb.types import Microbatch, Plan, Schedule
 
@@ -55,7 +57,10 @@ MIN_SLICE = 128
 
 def longest_row(spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> int:
     """The longest row ``spec.method`` runs: ``packed``'s row length, else the longest admissible
-    one-row microbatch (beyond it, ``oversize='split'`` slices a sequence)."""
+    one-row microbatch (beyond it, ``oversize='split'`` slices a sequence). ``--schedule auto``:
+    the shortest over the kinds auto weighs (a longer sequence is sliced under one of them at least)."""
+    if spec.schedule_kind == AUTO:
+        return min(longest_row(spec.with_(schedule_kind=k), model_cfg, memory_model) for k in auto_kinds(spec.virtual))
     ctx = PackContext.from_spec(spec, memory_model)
     if spec.method == "packed":
         return packed_row_len(ctx, model_cfg.max_seq_len, spec.pack_len, spec.round_to)[0]
@@ -87,7 +92,8 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if spec.dp != 1:
         raise ValueError("oversize='split' plans one pipeline replica (dp = 1)")
-    if not get_kind(schedule_kind).slices or virtual != 1:
+    rec = get_kind(schedule_kind)
+    if not rec.slices or (virtual != 1 and not rec.virtual_stages):
         raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {schedule_kind!r}"
                          f"{f' with virtual={virtual}' if virtual != 1 else ''}")
     if model_cfg.learned_positions and lengths.size and int(lengths.max()) > model_cfg.max_seq_len:
@@ -128,10 +134,13 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
                             meta={"oversize": "split", "round_to": round_to, "longest_fitting_length": row_cap,
                                   "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
                                   "slice_len": int(slice_len), "slice_placement": placement,
-                                  "slice_recompute": use_rc, "truncated": [], "dropped": []})
-                sched = make_schedule(plan, schedule_kind, memory_model=memory_model, cost_model=cost_model)
+                                  "slice_recompute": use_rc, "truncated": [], "dropped": [],
+                                  "virtual": int(virtual)})
+                sched = make_schedule(plan, schedule_kind, virtual=virtual, memory_model=memory_model,
+                                      cost_model=cost_model)
                 sim = simulate(sched, plan, cost_model, memory_model)
-                peak = float(np.max(sim.peak_bytes)) if sim.peak_bytes is not None else 0.0
+                gpu = sim.peak_bytes_rank if sim.peak_bytes_rank is not None else sim.peak_bytes
+                peak = float(np.max(gpu)) if gpu is not None else 0.0
                 if lowest is None or peak < lowest[0]:
                     lowest = (peak, int(slice_len))
                 if peak <= memory_limit_bytes and (best is None or sim.makespan_s < best[0]):
