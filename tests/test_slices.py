@@ -376,17 +376,21 @@ def test_split_that_cannot_fit_names_the_sequence():
 # --------------------------------------------------------------------------
 # real gloo runs with --verify: 2 and 4 ranks
 # --------------------------------------------------------------------------
-def _split_case(out: Path, name: str, method: str, stages: int, limit: str, trace: Path) -> RunSpec:
-    cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=stages, memory_limit_bytes=parse_bytes(limit)),
+def _split_case(out: Path, name: str, method: str, stages: int, limit: str, trace: Path, kind: str = "1f1b",
+                virtual: int = 1) -> RunSpec:
+    cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=stages * virtual, virtual=virtual, schedule=kind,
+                                                        memory_limit_bytes=parse_bytes(limit)),
                     dataset=str(trace), global_batch=8, method=method, seed=0, steps=1, warmup=0,
                     backend="gloo", device="cpu", timeout_s=90.0, oversize="split", recompute="auto")
     return RunSpec.create(cfg, out / name, verify=True, run_id=name)
 
 
-def _plan_case(out: Path, name: str, plan: Plan, ranks: int) -> RunSpec:
+def _plan_case(out: Path, name: str, plan: Plan, ranks: int, kind: str = "1f1b", virtual: int = 1,
+               model: ModelConfig = TINY) -> RunSpec:
     path = out / f"{name}.json"
-    replace(plan, num_stages=ranks).save(path)
-    cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=ranks, memory_limit_bytes=1 << 30),
+    replace(plan, num_stages=ranks * virtual, schedule_kind=kind).save(path)
+    cfg = RunConfig(model=model, pipeline=PipelineConfig(num_stages=ranks * virtual, virtual=virtual, schedule=kind,
+                                                         memory_limit_bytes=1 << 30),
                     dataset="gsm8k", global_batch=plan.num_sequences, method="dynamic", steps=1, warmup=0,
                     backend="gloo", device="cpu", timeout_s=90.0)
     return RunSpec.create(cfg, out / name, verify=True, run_id=name, plan=path)
@@ -396,6 +400,33 @@ RANK_CASES = {2: (LONG_BATCH, "16MiB"), 4: (TEN_X_BATCH, "12MiB")}
 SPLIT_METHODS = {2: ("dynamic", "fixed"), 4: ("dynamic",)}
 MADE_PLANS = {2: (("padded3", (100, 120, 80), "padded", False), ("packed4rc", (40, 90, 60, 10), "packed", True)),
               4: (("packed4rc", (40, 90, 60, 10), "packed", True), ("padded8", (25,) * 8, "padded", False))}
+
+
+KIND_PLANS = {   # hand-made plans with slices on the other kinds: (name, splits, neighbours, recompute, kind, virtual)
+    2: (("il-padded3", (100, 120, 80), "padded", False, "interleaved", 2),
+        ("zbh1-packed4", (40, 90, 60, 10), "packed", False, "zb-h1", 1),
+        ("zb-padded8", (25,) * 8, "padded", False, "zb", 1)),
+    4: (("zbh1-padded8", (25,) * 8, "padded", False, "zb-h1", 1),
+        ("zb-packed4", (40, 90, 60, 10), "packed", False, "zb", 1),
+        ("il-packed4", (40, 90, 60, 10), "packed", False, "interleaved", 2)),
+}
+SPLIT_KINDS = {2: (("zb-h1", 1), ("interleaved", 2)), 4: (("zb", 1),)}
+"""The split planner's plan of the batch on these kinds too (``dynamic``)."""
+TINY8 = replace(TINY, name="tiny-8", n_layers=8)         # 8 stages: interleaved with 2 chunks on 4 ranks
+
+
+def _kind_cases(out: Path, ranks: int) -> list[RunSpec]:
+    """Sliced documents on interleaved (2 chunks per rank), ZB-H1 and zb: hand-made plans (slices
+    beside padded rows or packed with another document, no recomputation, so every slice runs a
+    split backward I/W on the zero-bubble kinds) and the split planner's plan for those kinds."""
+    batch, limit = RANK_CASES[ranks]
+    trace = out / f"long{ranks}.csv"
+    made = [_plan_case(out, f"slices-{name}", _sliced_plan(splits, neighbours, rc)[0], ranks, kind, virtual,
+                       TINY8 if virtual * ranks > TINY.n_layers else TINY)
+            for name, splits, neighbours, rc, kind, virtual in KIND_PLANS[ranks]]
+    split = [_split_case(out, f"slices-split-{kind}", "dynamic", ranks, limit, trace, kind, virtual)
+             for kind, virtual in SPLIT_KINDS[ranks]]
+    return made + split
 
 
 def _slice_cases(out: Path, ranks: int) -> list[RunSpec]:
@@ -409,7 +440,7 @@ def _slice_cases(out: Path, ranks: int) -> list[RunSpec]:
     split = [_split_case(out, f"slices-{m}-split", m, ranks, limit, trace) for m in SPLIT_METHODS[ranks]]
     made = [_plan_case(out, f"slices-{name}", _sliced_plan(splits, neighbours, rc)[0], ranks)
             for name, splits, neighbours, rc in MADE_PLANS[ranks]]
-    return split + made
+    return split + made + _kind_cases(out, ranks)
 
 
 register(2)(lambda out: _slice_cases(out, 2))
@@ -438,6 +469,32 @@ def test_hand_made_sliced_plans_verify_on_gloo(gloo_job, ranks):
     assert job.returncode == 0, job.errors
     for name, *_ in MADE_PLANS[ranks]:
         assert load_results(job.out / f"slices-{name}")["steps"]["verified"].all(), name
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_slices_on_interleaved_and_zero_bubble_verify_on_gloo(gloo_job, ranks):
+    """Gradients equal to running each document whole (fp32, the runtime's --verify: 1e-5
+    relative) for sliced documents on interleaved, ZB-H1 and zb; on the zero-bubble kinds every
+    slice's backward is split (I, then W) on every stage, the I in reverse slice order."""
+    job = gloo_job(ranks)
+    assert job.returncode == 0, job.errors
+    for name, splits, _, _, kind, virtual in KIND_PLANS[ranks]:
+        t = load_results(job.out / f"slices-{name}")
+        assert t["steps"]["verified"].all(), name
+        acts = t["actions"]
+        assert acts["stage"].nunique() == ranks * virtual, name
+        if kind != "interleaved":
+            for stage, rows in acts.groupby("stage"):
+                order = rows.sort_values("start_s")
+                i_mbs = order.loc[order["op"] == "I", "mb"].tolist()
+                assert i_mbs == list(reversed(range(len(splits)))), (name, stage, i_mbs)
+                assert set(order.loc[order["op"] == "W", "mb"]) == set(range(len(splits))), (name, stage)
+    for kind, _ in SPLIT_KINDS[ranks]:
+        t = load_results(job.out / f"slices-split-{kind}")
+        assert t["steps"]["verified"].all(), kind
+        assert (t["steps"]["real_tokens"] == RANK_CASES[ranks][0].sum()).all()
+        assert (t["memory"]["peak_bytes"] <= t["memory"]["limit_bytes"]).all(), kind
 
 
 def test_cli_schedules_a_sliced_plan_in_slice_order_and_refuses_what_breaks_it(tmp_path, capsys):
