@@ -364,6 +364,30 @@ def test_split_plans_every_token_under_the_limit(method, stages, limit):
     assert (mm.slice_coef(True) == mm.slice_grad_coef()).all() and (mm.slice_coef(False) == 0).all()
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_split_fills_slice_rows_with_short_sequences_when_predicted_faster(monkeypatch, kind):
+    """Short sequences packed into the rows of slices shorter than the longest row: chosen here
+    because the simulator predicts a shorter step than every plan without it (fails without
+    ``_fill``: no row then holds a slice beside another sequence)."""
+    import dynmb.planning.slicing as slicing
+
+    def plan(**kw):
+        return plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2, schedule_kind=kind,
+                         memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto", **kw)
+
+    filled, sched, sim = plan()
+    filled.validate(LONG_BATCH)
+    validate(sched, filled)
+    assert filled.meta["slice_fill"] and filled.real_tokens == LONG_BATCH.sum()
+    rows = [mb for mb in filled.microbatches if mb.has_slices and mb.num_seqs > 1]
+    assert rows and all(mb.batch == 1 and mb.padded_len <= filled.meta["longest_fitting_length"] for mb in rows)
+    assert max(filled.predictions["pred_peak_bytes"]) <= parse_bytes("16MiB")
+    monkeypatch.setattr(slicing, "_fill", lambda chains, short_ids, *a: (chains, short_ids))
+    plain, _, plain_sim = plan()
+    assert not plain.meta["slice_fill"]
+    assert sim.makespan_s < plain_sim.makespan_s
+
+
 def test_split_that_cannot_fit_names_the_sequence():
     with pytest.raises(PackingError, match=r"sequence 2 of 2400 tokens does not fit sliced.*--recompute auto"):
         plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2, memory_limit_bytes=parse_bytes("16MiB"),
