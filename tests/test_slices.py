@@ -316,6 +316,18 @@ def test_split_backward_of_slices_equals_whole_document(splits, neighbours, reco
             assert err <= tol * float(ref[name].abs().max()) + 1e-12, (name, err)
 
 
+def test_split_backward_of_llama_slices_equals_whole_document():
+    """The same with grouped-query K/V and rotary positions (llama-tiny), fp64."""
+    cfg = ModelConfig.preset("llama-tiny")
+    plan, lengths = _sliced_plan((40, 90, 60, 10), "packed", False)
+    tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=5)
+    stages = _run_local(plan, tokens, cfg, 2, torch.float64, split=True, w_late=False)
+    _, ref = reference_grads(cfg, 2, plan, tokens, 0, dtype=torch.float64)
+    for st in stages:
+        for name, p in st.named_parameters():
+            assert float((p.grad - ref[name]).abs().max()) <= 1e-10 * float(ref[name].abs().max()) + 1e-12, name
+
+
 def test_backward_before_a_later_slice_is_refused():
     plan, lengths = _sliced_plan((30, 30, 30))
     tokens = synthetic_tokens(lengths, TINY.vocab_size, seed=1)

@@ -306,7 +306,7 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     """``zb``: the fastest of ZB-H1, 1F1B and the list schedules with extra warm-up forwards
     (``ZB_ALPHAS``, tried in increasing order until one is no faster than the one before) under
     the per-stage ``caps`` (limit minus states) whose simulated peak stays within
-    ``limit_bytes`` (module doc)."""
+    ``limit_bytes`` (module doc); every candidate runs its backwards in ``backward_order``."""
     best, best_t = None, np.inf
 
     def consider(cands: list[Schedule]) -> float:
