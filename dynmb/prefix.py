@@ -37,7 +37,9 @@ slice's graph) and hands later slices detached leaves ``k.detach().requires_grad
 backwards of one document run in reverse slice order, when slice j's backward starts the
 leaves hold the complete gradient of its keys and values, and the runtime adds ``(k,
 k_leaf.grad)``, ``(v, v_leaf.grad)`` as extra roots of that backward
-(``backward_roots``), so the whole document's gradient is exact. Under full
+(``backward_roots``), so the whole document's gradient is exact. A split backward's ``I``
+computes only the gradients it is asked for, so it asks for the leaves the microbatch read
+(``read_leaves``) and accumulates them itself (``dynmb.runtime.splitbackward``). Under full
 recomputation (``dynmb.models.recompute.RecomputedBlock``) the forward builds no graph: the
 recomputed keys and values are the roots instead (``keep`` during the recomputation
 queues them, ``pop_pending`` hands them to the block's backward). ``release`` drops a
@@ -296,6 +298,18 @@ class PrefixStore:
                 for e in kept.values():
                     if e.mb == mb and e.k.grad_fn is not None:
                         out += self._roots(e, layer, seq)
+        return out
+
+    def read_leaves(self, layers: list[int], mb: int) -> list[torch.Tensor]:
+        """The key/value leaves of earlier slices that microbatch ``mb`` read on a stage holding
+        ``layers``: a split backward's ``I`` (``autograd.grad``) accumulates their gradients
+        explicitly (``dynmb.runtime.splitbackward.backward_input``), a full one does by itself."""
+        out = []
+        for (layer, _), kept in self._kept.items():
+            if layer in layers:
+                for e in kept.values():
+                    if mb in e.users:
+                        out += [e.k_leaf, e.v_leaf]
         return out
 
     def release(self, layers: list[int], mb: int) -> None:

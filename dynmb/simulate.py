@@ -13,7 +13,13 @@ like ``B`` (for the ``B``/``I`` of ``s + 1``) and sends the input gradient at it
 The recurrence is evaluated once, in a topological order of the (rank order
 + dependency) graph that ``dynmb.schedule.validate.execution_order`` produces
 with a worklist over the ranks' queues; a deadlock there raises
-``ScheduleError``. Arrays, one pass: O(actions) (P = 64, m = 1,024: well under
+``ScheduleError``. Slices of a long sequence add a dependency on the stage itself: a slice's
+forward needs its earlier slices' keys and values (their forwards on that stage first), and
+its backward (``B``/``I``) produces the gradients of those keys and values, which the earlier
+slice's backward on that stage needs (reverse slice order). A stage lives on one rank, so the
+rank's list order enforces both and adds no waiting of its own; ``simulate`` refuses a
+schedule whose lists break it (``dynmb.schedule.validate.check_slice_order``), so no
+simulated step ever runs an earlier slice's backward before a later one's. Arrays, one pass: O(actions) (P = 64, m = 1,024: well under
 a second, see ``benchmarks/bench_simulate.py``).
 
 Memory (DESIGN.md's one definition): a stage holds the activation bytes ``a`` of a
@@ -53,7 +59,7 @@ from dynmb.bounds import dependency_bound, plan_ideal, split_mask, stage_ranks
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
 from dynmb.makespan import makespan
-from dynmb.schedule.validate import ScheduleError, execution_order
+from dynmb.schedule.validate import ScheduleError, check_slice_order, execution_order
 from dynmb.types import Plan, Schedule
 
 __all__ = ["SimResult", "simulate", "simulate_costs", "estimate_makespan", "action_times", "cross_mask", "memory_inputs", "w_inputs", "plan_op_costs",
@@ -359,6 +365,8 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
         raise ValueError(f"schedule has {schedule.num_stages} stages but the plan was made for {plan.num_stages}")
     if schedule.num_microbatches != plan.num_microbatches:
         raise ValueError(f"schedule has {schedule.num_microbatches} microbatches but the plan {plan.num_microbatches}")
+    if plan.has_slices:
+        check_slice_order(schedule, plan)       # the same-stage slice dependency (module doc)
     shapes = plan.shapes()
     rows, plen = shapes[:, 0], shapes[:, 1]
     costs = plan_op_costs(cost_model, plan, schedule)

@@ -39,7 +39,8 @@ def _models(P: int):
 def test_auto_kinds_follow_the_registry():
     assert auto_kinds(1) == tuple(k for k in ("1f1b", "zb-h1", "zb") if get_kind(k).auto)
     assert auto_kinds(2) == ("interleaved",)
-    assert auto_kinds(1, slices=True) == ("1f1b",)
+    assert auto_kinds(1, slices=True) == auto_kinds(1)          # slices run on every auto kind
+    assert auto_kinds(2, slices=True) == ("interleaved",)
     assert is_schedule_name(AUTO) and is_schedule_name("zb") and not is_schedule_name("lifo")
     with pytest.raises(ValueError, match="no chosen kind"):
         resolve_kind(AUTO, object())
@@ -92,6 +93,30 @@ def test_auto_with_virtual_stages_is_interleaved():
                     schedule_kind=AUTO)
     plan, sched, _ = plan_step(lengths, spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
     assert plan.schedule_kind == "interleaved" and sched.num_ranks == 2
+
+
+def test_auto_weighs_the_zero_bubble_kinds_for_a_plan_with_slices():
+    """A batch with a sequence 3.5x the longest row (``--oversize split``): auto plans the step for
+    1F1B, ZB-H1 and zb alike (each a plan with slices, scheduled in reverse slice order), keeps the
+    fastest predicted, and its schedule runs the slices' backwards in reverse (fails when the
+    zero-bubble kinds do not take slices: auto then weighs 1F1B only)."""
+    from dynmb.schedule import validate
+
+    lengths = np.array([40, 100, 2400, 70, 300, 25, 90, 150], dtype=np.int64)
+    mm, cm = MemoryModel.analytic(TINY, 2), AnalyticCostModel(TINY, 2)
+    spec = PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=16 * 2**20, schedule_kind=AUTO,
+                    oversize="split", recompute="auto")
+    plan, sched, _ = plan_step(lengths, spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
+    scores = plan.meta["schedule_auto"]
+    assert set(scores) == {"1f1b", "zb-h1", "zb"} and all(v is not None for v in scores.values()), scores
+    assert plan.slice_groups() and plan.schedule_kind in scores
+    assert scores[plan.schedule_kind] == min(scores.values())
+    validate(sched, plan)
+    for kind in ("zb-h1", "zb"):           # each as plan_step gives it alone
+        alone, _, _ = plan_step(lengths, spec.with_(schedule_kind=kind), model_cfg=TINY, cost_model=cm,
+                                memory_model=mm)
+        assert alone.predictions["pred_step_s"] == pytest.approx(scores[kind], rel=1e-12)
+        assert alone.slice_groups()
 
 
 def test_auto_raises_what_no_kind_can_take():

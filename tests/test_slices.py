@@ -3,16 +3,20 @@ exact gradients against the whole document, the split planner, and real gloo run
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hst
 import torch.nn.functional as F
 
 import dynmb.prefix as prefix_mod
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+from dynmb.costmodel import AnalyticCostModel
 from dynmb.memory import MemoryModel
 from dynmb.models import build_stages, make_inputs, reference_grads, synthetic_tokens, whole_documents
 from dynmb.packing import PackingError
@@ -21,7 +25,11 @@ from dynmb.planning.planner import plan_step
 from dynmb.prefix import PrefixStore, SliceOrderError, prefix_attention
 from dynmb.results import load_results
 from dynmb.runtime.spec import RunSpec
-from dynmb.schedule import ScheduleError, validate
+from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
+from dynmb.schedule import ScheduleError, get_kind, validate
+from dynmb.schedule.kinds import slice_kinds
+from dynmb.schedule.validate import check_slice_order
+from dynmb.simulate import simulate
 from dynmb.types import Action, Microbatch, Plan, PlanError, Schedule
 from tests.gloo_jobs import register
 
@@ -147,8 +155,70 @@ def test_schedules_run_slices_in_order_and_violations_are_refused(kind, stages):
     with pytest.raises(ScheduleError, match="reverse order"):
         validate(make_schedule(replace(plan, microbatches=tuple(Microbatch([i], [5], 5, 1) for i in range(m)),
                                        num_sequences=m), kind), plan)
-    with pytest.raises(ValueError, match="gpipe or 1f1b"):
-        make_schedule(plan, "interleaved", virtual=2) if stages == 4 else make_schedule(plan, "zb-h1")
+    with pytest.raises(ValueError, match="'memory-aware' .*does not run their backwards in reverse"):
+        make_schedule(plan, "memory-aware", memory_model=MemoryModel.analytic(TINY, stages))
+
+
+DEEP = replace(TINY, name="tiny-12", n_layers=12)       # up to 12 stages: interleaved with 2 chunks on 6 ranks
+
+
+@hst.composite
+def slice_chains(draw):
+    """A plan of 2..10 single-row microbatches, each a slice of one of one or two long sequences
+    or a short sequence, on 2..6 pipeline ranks."""
+    ranks = draw(hst.integers(2, 6))
+    m = draw(hst.integers(2, 10))
+    owner = draw(hst.lists(hst.sampled_from([0, 0, 1, -1]), min_size=m, max_size=m))
+    if owner.count(0) < 2:
+        owner[:2] = [0, 0]
+    last = {c: max(i for i, o in enumerate(owner) if o == c) for c in (0, 1) if c in owner}
+    mbs, offset, short = [], {0: 0, 1: 0}, 2
+    for i, o in enumerate(owner):
+        n = draw(hst.sampled_from([16, 48, 100, 256]))
+        if o < 0:
+            mbs.append(Microbatch([short], [n], n, 1))
+            short += 1
+        else:
+            mbs.append(Microbatch([o], [n], n, 1, offsets=[offset[o]], continued=[i < last[o]]))
+            offset[o] += n
+    if 1 not in owner:                                   # sequence 1 is not in the batch: a 1-token stand-in
+        mbs.append(Microbatch([1], [1], 1, 1))
+    return Plan(tuple(mbs), "dynamic", ranks, 1 << 40, short)
+
+
+def _break_slice_order(sched: Schedule, plan: Plan) -> Schedule:
+    """``sched`` with the backwards (B or I) of a chain's last two slices swapped on its first rank."""
+    where = next(iter(plan.slice_groups().values()))
+    early, late = where[-2], where[-1]
+    acts = list(sched.ranks[0])
+    stage = acts[0].stage
+    i = next(k for k, a in enumerate(acts) if a.stage == stage and a.op in "BI" and a.mb == late)
+    j = next(k for k, a in enumerate(acts) if a.stage == stage and a.op in "BI" and a.mb == early)
+    acts[i], acts[j] = acts[j], acts[i]
+    return Schedule((tuple(acts),) + tuple(sched.ranks[1:]), sched.num_stages, sched.num_microbatches)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(slice_chains())
+def test_every_slice_kind_schedules_random_chains_above_the_bound(plan):
+    """Every kind with ``slices`` (interleaved with 2 chunks per rank) validates on random chains,
+    slice order included, never simulates below its dependency bound, and refuses its own schedule
+    with one chain's last two backwards swapped (validator and simulator)."""
+    plan.validate()
+    assert set(slice_kinds()) >= {"gpipe", "1f1b", "interleaved", "zb-h1", "zb"}
+    for kind in slice_kinds():
+        virtual = 2 if get_kind(kind).virtual_stages else 1
+        p = replace(plan, num_stages=plan.num_stages * virtual, schedule_kind=kind)
+        cm, mm = AnalyticCostModel(DEEP, p.num_stages), MemoryModel.analytic(DEEP, p.num_stages)
+        sched = make_schedule(p, kind, virtual=virtual, memory_model=mm, cost_model=cm)
+        validate(sched, p)
+        sim = simulate(sched, p, cm, mm)
+        assert sim.makespan_s >= sim.bound_s * (1 - 1e-12), kind
+        bad = _break_slice_order(sched, p)
+        with pytest.raises(ScheduleError, match="reverse order"):
+            check_slice_order(bad, p)
+        with pytest.raises(ScheduleError):
+            simulate(bad, p, cm, mm)
 
 
 def test_forward_out_of_slice_order_is_refused():
@@ -161,22 +231,29 @@ def test_forward_out_of_slice_order_is_refused():
 # --------------------------------------------------------------------------
 # exact gradients in one process: every stage, slices in 2..8 microbatches
 # --------------------------------------------------------------------------
-def _run_local(plan: Plan, tokens, cfg: ModelConfig, num_stages: int, dtype, order=None):
+def _run_local(plan: Plan, tokens, cfg: ModelConfig, num_stages: int, dtype, order=None, split=False, w_late=True):
     """Run ``plan`` through ``num_stages`` stages in one process the way the runtime does:
     forwards in plan order, backwards in ``order`` (default ``plan.backward_order()``), extra
-    backward roots and releases from one PrefixStore. Returns the stages."""
+    backward roots and releases from one PrefixStore. ``split``: every backward of a microbatch
+    that is not recomputed is an ``I`` (``backward_input`` with the store's roots and the leaves
+    it read), its ``W`` at the very end (``w_late``) or right after the next microbatch's ``I``.
+    Returns the stages."""
     stages = build_stages(cfg, num_stages, 0, dtype=dtype)
-    store, total, saved = PrefixStore(), plan.real_tokens, []
+    store, total, saved, tapes = PrefixStore(), plan.real_tokens, [], []
     for i, mb in enumerate(plan.microbatches):
         inp = replace(make_inputs(mb, tokens, cfg=cfg), prefix=store, microbatch=i)
-        xs, x = [], None
+        xs, x, tp = [], None, []
         for st in stages:
             if x is not None:
                 x = x.detach().requires_grad_(True)
             xs.append(x)
-            x = st(x, inp, recompute=mb.recompute)
+            with (record_linears(st) if split and not mb.recompute else nullcontext()) as tape:
+                x = st(x, inp, recompute=mb.recompute)
+            tp.append(tape)
             xs.append(x)
         saved.append(xs)
+        tapes.append(tp)
+    pending: list = []
     for i in (plan.backward_order() if order is None else order):
         xs = saved[i]
         grad = None
@@ -184,11 +261,21 @@ def _run_local(plan: Plan, tokens, cfg: ModelConfig, num_stages: int, dtype, ord
             x_in, out = xs[2 * s], xs[2 * s + 1]
             if s == num_stages - 1:
                 out, grad = out / total, None
-            roots = store.backward_roots(list(stages[s].layers), i)
-            g0 = torch.ones_like(out) if grad is None else grad
-            torch.autograd.backward([out, *(t for t, _ in roots)], [g0, *(g for _, g in roots)])
-            store.release(list(stages[s].layers), i)
-            grad = None if x_in is None else x_in.grad
+            layers = list(stages[s].layers)
+            roots = store.backward_roots(layers, i)
+            if tapes[i][s] is not None:
+                g = backward_input(stages[s], out, grad, x_in, tapes[i][s], roots, store.read_leaves(layers, i))
+                pending.append(tapes[i][s])
+            else:
+                g0 = torch.ones_like(out) if grad is None else grad
+                torch.autograd.backward([out, *(t for t, _ in roots)], [g0, *(g for _, g in roots)])
+                g = None if x_in is None else x_in.grad
+            store.release(layers, i)
+            grad = g
+        while not w_late and len(pending) > num_stages:
+            backward_weight(pending.pop(0))
+    for tape in pending:
+        backward_weight(tape)
     assert len(store) == 0
     return stages
 
@@ -207,6 +294,38 @@ def test_sliced_document_gradients_equal_whole_document(splits, neighbours, reco
         for name, p in st.named_parameters():
             err = float((p.grad - ref[name]).abs().max())
             assert err <= 1e-5 * float(ref[name].abs().max()) + 1e-9, (name, err)
+
+
+@pytest.mark.parametrize("splits,neighbours,recompute,w_late", [((150, 150), "padded", False, True),
+                                                               ((40, 90, 60, 10), "packed", False, False),
+                                                               ((25,) * 8, "padded", False, True),
+                                                               ((40, 90, 60, 10), "padded", True, False)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_split_backward_of_slices_equals_whole_document(splits, neighbours, recompute, w_late, dtype):
+    """I/W with prefix-attention slices: each I adds its continued slices' key/value gradients as
+    roots and accumulates the earlier slices' leaves it read; W any time after (fails without
+    ``read_leaves``: the earlier slices' keys then get no gradient from later slices)."""
+    plan, lengths = _sliced_plan(splits, neighbours, recompute)
+    tokens = synthetic_tokens(lengths, TINY.vocab_size, seed=5)
+    stages = _run_local(plan, tokens, TINY, 2, dtype, split=True, w_late=w_late)
+    _, ref = reference_grads(TINY, 2, plan, tokens, 0, dtype=dtype)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for st in stages:
+        for name, p in st.named_parameters():
+            err = float((p.grad - ref[name]).abs().max())
+            assert err <= tol * float(ref[name].abs().max()) + 1e-12, (name, err)
+
+
+def test_split_backward_of_llama_slices_equals_whole_document():
+    """The same with grouped-query K/V and rotary positions (llama-tiny), fp64."""
+    cfg = ModelConfig.preset("llama-tiny")
+    plan, lengths = _sliced_plan((40, 90, 60, 10), "packed", False)
+    tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=5)
+    stages = _run_local(plan, tokens, cfg, 2, torch.float64, split=True, w_late=False)
+    _, ref = reference_grads(cfg, 2, plan, tokens, 0, dtype=torch.float64)
+    for st in stages:
+        for name, p in st.named_parameters():
+            assert float((p.grad - ref[name]).abs().max()) <= 1e-10 * float(ref[name].abs().max()) + 1e-12, name
 
 
 def test_backward_before_a_later_slice_is_refused():
@@ -257,6 +376,30 @@ def test_split_plans_every_token_under_the_limit(method, stages, limit):
     assert (mm.slice_coef(True) == mm.slice_grad_coef()).all() and (mm.slice_coef(False) == 0).all()
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_split_fills_slice_rows_with_short_sequences_when_predicted_faster(monkeypatch, kind):
+    """Short sequences packed into the rows of slices shorter than the longest row: chosen here
+    because the simulator predicts a shorter step than every plan without it (fails without
+    ``_fill``: no row then holds a slice beside another sequence)."""
+    import dynmb.planning.slicing as slicing
+
+    def plan(**kw):
+        return plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2, schedule_kind=kind,
+                         memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto", **kw)
+
+    filled, sched, sim = plan()
+    filled.validate(LONG_BATCH)
+    validate(sched, filled)
+    assert filled.meta["slice_fill"] and filled.real_tokens == LONG_BATCH.sum()
+    rows = [mb for mb in filled.microbatches if mb.has_slices and mb.num_seqs > 1]
+    assert rows and all(mb.batch == 1 and mb.padded_len <= filled.meta["longest_fitting_length"] for mb in rows)
+    assert max(filled.predictions["pred_peak_bytes"]) <= parse_bytes("16MiB")
+    monkeypatch.setattr(slicing, "_fill", lambda chains, short_ids, *a: (chains, short_ids))
+    plain, _, plain_sim = plan()
+    assert not plain.meta["slice_fill"]
+    assert sim.makespan_s < plain_sim.makespan_s
+
+
 def test_split_that_cannot_fit_names_the_sequence():
     with pytest.raises(PackingError, match=r"sequence 2 of 2400 tokens does not fit sliced.*--recompute auto"):
         plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2, memory_limit_bytes=parse_bytes("16MiB"),
@@ -269,17 +412,21 @@ def test_split_that_cannot_fit_names_the_sequence():
 # --------------------------------------------------------------------------
 # real gloo runs with --verify: 2 and 4 ranks
 # --------------------------------------------------------------------------
-def _split_case(out: Path, name: str, method: str, stages: int, limit: str, trace: Path) -> RunSpec:
-    cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=stages, memory_limit_bytes=parse_bytes(limit)),
+def _split_case(out: Path, name: str, method: str, stages: int, limit: str, trace: Path, kind: str = "1f1b",
+                virtual: int = 1) -> RunSpec:
+    cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=stages * virtual, virtual=virtual, schedule=kind,
+                                                        memory_limit_bytes=parse_bytes(limit)),
                     dataset=str(trace), global_batch=8, method=method, seed=0, steps=1, warmup=0,
                     backend="gloo", device="cpu", timeout_s=90.0, oversize="split", recompute="auto")
     return RunSpec.create(cfg, out / name, verify=True, run_id=name)
 
 
-def _plan_case(out: Path, name: str, plan: Plan, ranks: int) -> RunSpec:
+def _plan_case(out: Path, name: str, plan: Plan, ranks: int, kind: str = "1f1b", virtual: int = 1,
+               model: ModelConfig = TINY) -> RunSpec:
     path = out / f"{name}.json"
-    replace(plan, num_stages=ranks).save(path)
-    cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=ranks, memory_limit_bytes=1 << 30),
+    replace(plan, num_stages=ranks * virtual, schedule_kind=kind).save(path)
+    cfg = RunConfig(model=model, pipeline=PipelineConfig(num_stages=ranks * virtual, virtual=virtual, schedule=kind,
+                                                         memory_limit_bytes=1 << 30),
                     dataset="gsm8k", global_batch=plan.num_sequences, method="dynamic", steps=1, warmup=0,
                     backend="gloo", device="cpu", timeout_s=90.0)
     return RunSpec.create(cfg, out / name, verify=True, run_id=name, plan=path)
@@ -289,6 +436,33 @@ RANK_CASES = {2: (LONG_BATCH, "16MiB"), 4: (TEN_X_BATCH, "12MiB")}
 SPLIT_METHODS = {2: ("dynamic", "fixed"), 4: ("dynamic",)}
 MADE_PLANS = {2: (("padded3", (100, 120, 80), "padded", False), ("packed4rc", (40, 90, 60, 10), "packed", True)),
               4: (("packed4rc", (40, 90, 60, 10), "packed", True), ("padded8", (25,) * 8, "padded", False))}
+
+
+KIND_PLANS = {   # hand-made plans with slices on the other kinds: (name, splits, neighbours, recompute, kind, virtual)
+    2: (("il-padded3", (100, 120, 80), "padded", False, "interleaved", 2),
+        ("zbh1-packed4", (40, 90, 60, 10), "packed", False, "zb-h1", 1),
+        ("zb-padded8", (25,) * 8, "padded", False, "zb", 1)),
+    4: (("zbh1-padded8", (25,) * 8, "padded", False, "zb-h1", 1),
+        ("zb-packed4", (40, 90, 60, 10), "packed", False, "zb", 1),
+        ("il-packed4", (40, 90, 60, 10), "packed", False, "interleaved", 2)),
+}
+SPLIT_KINDS = {2: (("zb-h1", 1), ("interleaved", 2)), 4: (("zb", 1),)}
+"""The split planner's plan of the batch on these kinds too (``dynamic``)."""
+TINY8 = replace(TINY, name="tiny-8", n_layers=8)         # 8 stages: interleaved with 2 chunks on 4 ranks
+
+
+def _kind_cases(out: Path, ranks: int) -> list[RunSpec]:
+    """Sliced documents on interleaved (2 chunks per rank), ZB-H1 and zb: hand-made plans (slices
+    beside padded rows or packed with another document, no recomputation, so every slice runs a
+    split backward I/W on the zero-bubble kinds) and the split planner's plan for those kinds."""
+    batch, limit = RANK_CASES[ranks]
+    trace = out / f"long{ranks}.csv"
+    made = [_plan_case(out, f"slices-{name}", _sliced_plan(splits, neighbours, rc)[0], ranks, kind, virtual,
+                       TINY8 if virtual * ranks > TINY.n_layers else TINY)
+            for name, splits, neighbours, rc, kind, virtual in KIND_PLANS[ranks]]
+    split = [_split_case(out, f"slices-split-{kind}", "dynamic", ranks, limit, trace, kind, virtual)
+             for kind, virtual in SPLIT_KINDS[ranks]]
+    return made + split
 
 
 def _slice_cases(out: Path, ranks: int) -> list[RunSpec]:
@@ -302,7 +476,7 @@ def _slice_cases(out: Path, ranks: int) -> list[RunSpec]:
     split = [_split_case(out, f"slices-{m}-split", m, ranks, limit, trace) for m in SPLIT_METHODS[ranks]]
     made = [_plan_case(out, f"slices-{name}", _sliced_plan(splits, neighbours, rc)[0], ranks)
             for name, splits, neighbours, rc in MADE_PLANS[ranks]]
-    return split + made
+    return split + made + _kind_cases(out, ranks)
 
 
 register(2)(lambda out: _slice_cases(out, 2))
@@ -333,10 +507,36 @@ def test_hand_made_sliced_plans_verify_on_gloo(gloo_job, ranks):
         assert load_results(job.out / f"slices-{name}")["steps"]["verified"].all(), name
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_slices_on_interleaved_and_zero_bubble_verify_on_gloo(gloo_job, ranks):
+    """Gradients equal to running each document whole (fp32, the runtime's --verify: 1e-5
+    relative) for sliced documents on interleaved, ZB-H1 and zb; on the zero-bubble kinds every
+    slice's backward is split (I, then W) on every stage, the I in reverse slice order."""
+    job = gloo_job(ranks)
+    assert job.returncode == 0, job.errors
+    for name, splits, _, _, kind, virtual in KIND_PLANS[ranks]:
+        t = load_results(job.out / f"slices-{name}")
+        assert t["steps"]["verified"].all(), name
+        acts = t["actions"]
+        assert acts["stage"].nunique() == ranks * virtual, name
+        if kind != "interleaved":
+            for stage, rows in acts.groupby("stage"):
+                order = rows.sort_values("start_s")
+                i_mbs = order.loc[order["op"] == "I", "mb"].tolist()
+                assert i_mbs == list(reversed(range(len(splits)))), (name, stage, i_mbs)
+                assert set(order.loc[order["op"] == "W", "mb"]) == set(range(len(splits))), (name, stage)
+    for kind, _ in SPLIT_KINDS[ranks]:
+        t = load_results(job.out / f"slices-split-{kind}")
+        assert t["steps"]["verified"].all(), kind
+        assert (t["steps"]["real_tokens"] == RANK_CASES[ranks][0].sum()).all()
+        assert (t["memory"]["peak_bytes"] <= t["memory"]["limit_bytes"]).all(), kind
+
+
 def test_cli_schedules_a_sliced_plan_in_slice_order_and_refuses_what_breaks_it(tmp_path, capsys):
-    """`dynmb schedule` builds 1F1B with the chain's backwards reversed; zero-bubble kinds and
-    reordering are refused; `dynmb run --plan` refuses, before launching, a schedule that runs
-    the slices' backwards in plain 1F1B order."""
+    """`dynmb schedule` builds 1F1B and ZB-H1 with the chain's backwards (B, I) reversed;
+    memory-aware and reordering are refused; `dynmb run --plan` refuses, before launching, a
+    schedule that runs the slices' backwards in plain 1F1B order."""
     import json
 
     from dynmb.cli.main import main
@@ -353,8 +553,12 @@ def test_cli_schedules_a_sliced_plan_in_slice_order_and_refuses_what_breaks_it(t
     validate(from_csv(tmp_path / "s.csv", num_microbatches=plan.num_microbatches), plan)
     capsys.readouterr()
     assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "zb-h1", *common,
-                 "-o", str(tmp_path / "z.csv")]) == 2
-    assert "gpipe or 1f1b" in capsys.readouterr().err
+                 "-o", str(tmp_path / "z.csv")]) == 0
+    validate(from_csv(tmp_path / "z.csv", num_microbatches=plan.num_microbatches), plan)   # slices reversed
+    capsys.readouterr()
+    assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "memory-aware", *common,
+                 "-o", str(tmp_path / "m.csv")]) == 2
+    assert "not 'memory-aware'" in capsys.readouterr().err
     assert main(["schedule", "--plan", str(tmp_path / "p.json"), "--kind", "1f1b", "--reorder", "search", *common,
                  "-o", str(tmp_path / "r.csv")]) == 2
     assert "planned order" in capsys.readouterr().err

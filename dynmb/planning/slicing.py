@@ -13,20 +13,31 @@ Algorithm (one global batch, one pipeline replica):
    at least 128 tokens), the chains placed before or after the short sequences'
    microbatches, and the slices recomputed or not (``recompute``: ``never`` - not;
    ``always`` - always; ``auto`` - only when the plan does not fit otherwise), the whole
-   plan is scheduled (``make_schedule``: 1F1B or GPipe with backwards in reverse slice
+   plan is scheduled (``make_schedule`` with the plan's kind, any kind with ``slices`` in the
+   registry: GPipe, 1F1B, interleaved with its virtual stages, ZB-H1 and ``zb``, every one
+   running a chain's backwards -- ``B``, or ``I`` of a split backward -- in reverse slice
    order, a chain in flight until its last slice went forward) and simulated with the
-   memory model's slice bytes; the fastest candidate whose every stage's predicted peak
-   is within the limit wins. None fitting raises ``PackingError`` naming the longest
+   memory model's slice bytes; the fastest candidate whose every GPU's predicted peak
+   (every stage's, with one stage per rank) is within the limit wins.
+   Each slice length is also tried with the slices' rows filled (``slice_fill``): a slice
+   shorter than the longest row leaves room in its row, which short sequences take, packed
+   after the slice in the same row (first fit, longest first; the row stays within the longest
+   row), and the short sequences left over are packed by the method as usual. Fewer
+   microbatches (less per-op overhead, shorter fill and drain) against longer slice rows: the
+   simulator decides, as for the other choices; without room for any short sequence the
+   candidate is not tried. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
-   ``slice_placement``, ``longest_fitting_length``; every token of the batch is planned.
+   ``slice_placement``, ``slice_recompute``, ``slice_fill``, ``longest_fitting_length``; every token of
+   the batch is planned.
 
-Not supported (refused with one line): data parallelism (``dp > 1``) and schedules other
-than ``gpipe`` / ``1f1b``.
+Not supported (refused with one line): data parallelism (``dp > 1``) and kinds without
+``slices`` (``memory-aware``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import replace
@@ -43,7 +54,7 @@ from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
 from dynmb.planspec import PlanSpec
 from dynmb.predictions import Predictions
-from dynmb.schedule.kinds import get_kind, slice_kinds
+from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, slice_kinds
 from dynmb.simulate import SimResult, simulate
 from dynmb.types import Microbatch, Plan, Schedule
 
@@ -55,7 +66,10 @@ MIN_SLICE = 128
 
 def longest_row(spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> int:
     """The longest row ``spec.method`` runs: ``packed``'s row length, else the longest admissible
-    one-row microbatch (beyond it, ``oversize='split'`` slices a sequence)."""
+    one-row microbatch (beyond it, ``oversize='split'`` slices a sequence). ``--schedule auto``:
+    the shortest over the kinds auto weighs (a longer sequence is sliced under one of them at least)."""
+    if spec.schedule_kind == AUTO:
+        return min(longest_row(spec.with_(schedule_kind=k), model_cfg, memory_model) for k in auto_kinds(spec.virtual))
     ctx = PackContext.from_spec(spec, memory_model)
     if spec.method == "packed":
         return packed_row_len(ctx, model_cfg.max_seq_len, spec.pack_len, spec.round_to)[0]
@@ -78,6 +92,35 @@ def _chain(seq_id: int, pieces: list[int], round_to: int, recompute: bool) -> li
     return out
 
 
+def _fill(chains: list[Microbatch], short_ids: np.ndarray, lengths: np.ndarray, row_cap: int,
+          round_to: int) -> tuple[list[Microbatch], np.ndarray]:
+    """The slices' rows filled with short sequences (first fit, longest first, each row within
+    ``row_cap`` rounded up to ``round_to``) and the short sequences left over (module doc)."""
+    cap = round_down(row_cap, round_to) or row_cap
+    free = [cap - int(mb.lengths.sum()) for mb in chains]
+    added: list[list[int]] = [[] for _ in chains]
+    left = []
+    for sid in sorted(short_ids.tolist(), key=lambda i: -int(lengths[i])):
+        n = int(lengths[sid])
+        k = next((k for k, f in enumerate(free) if f >= n), None)
+        if k is None:
+            left.append(sid)
+            continue
+        free[k] -= n
+        added[k].append(sid)
+    out = []
+    for mb, more in zip(chains, added):
+        if more:
+            ids = [*mb.seq_ids.tolist(), *more]
+            lens = [*mb.lengths.tolist(), *lengths[more].tolist()]
+            extra = [0] * len(more)
+            mb = Microbatch(ids, lens, min(cap, round_up(sum(lens), round_to)), 1, recompute=mb.recompute,
+                            row_ids=[0] * len(ids), offsets=[*mb.offsets.tolist(), *extra],
+                            continued=[*mb.continued.tolist(), *(False for _ in more)])
+        out.append(mb)
+    return out, np.asarray(sorted(left), dtype=np.int64)
+
+
 def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, memory_model: MemoryModelLike,
                cost_model: CostModelLike, make_schedule: Callable[..., Schedule]) -> tuple[Plan, Schedule, SimResult]:
     """Plan ``lengths`` with every sequence longer than the longest row cut into slices (module doc)."""
@@ -87,7 +130,8 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if spec.dp != 1:
         raise ValueError("oversize='split' plans one pipeline replica (dp = 1)")
-    if not get_kind(schedule_kind).slices or virtual != 1:
+    rec = get_kind(schedule_kind)
+    if not rec.slices or (virtual != 1 and not rec.virtual_stages):
         raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {schedule_kind!r}"
                          f"{f' with virtual={virtual}' if virtual != 1 else ''}")
     if model_cfg.learned_positions and lengths.size and int(lengths.max()) > model_cfg.max_seq_len:
@@ -99,10 +143,18 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
         raise PackingError(f"no row fits under {memory_limit_bytes} B at {num_stages} stages ({schedule_kind})")
     long_ids = np.flatnonzero(lengths > row_cap)
     short_ids = np.flatnonzero(lengths <= row_cap)
-    short_mbs: list[Microbatch] = []
-    if short_ids.size:
-        sub = pack(lengths[short_ids], spec.with_(oversize="error"), memory_model=memory_model, cost_model=cost_model)
-        short_mbs = [replace(mb, seq_ids=short_ids[mb.seq_ids]) for mb in sub.microbatches]
+    packed: dict[tuple[int, ...], list[Microbatch]] = {}
+
+    def pack_short(ids: np.ndarray) -> list[Microbatch]:
+        """The method's packing of short sequences ``ids`` (cached: the fill candidates share leftovers)."""
+        key = tuple(ids.tolist())
+        if key not in packed:
+            sub = pack(lengths[ids], spec.with_(oversize="error"), memory_model=memory_model,
+                       cost_model=cost_model) if ids.size else None
+            packed[key] = [] if sub is None else [replace(mb, seq_ids=ids[mb.seq_ids]) for mb in sub.microbatches]
+        return packed[key]
+
+    short_mbs = pack_short(short_ids)
     if not long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")
     if method == "packed":
@@ -121,17 +173,26 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
                 pieces = ([slice_len] * (n // slice_len) + ([n % slice_len] if n % slice_len else [])
                           if method == "packed" else slice_lengths(n, slice_len))
                 chains += _chain(int(sid), pieces, round_to, use_rc)
-            for placement in ("first", "last"):
-                order = chains + short_mbs if placement == "first" else short_mbs + chains
+            variants = [(False, chains, short_mbs)]
+            filled, left = _fill(chains, short_ids, lengths, row_cap, round_to)
+            if left.size < short_ids.size:
+                variants.append((True, filled, pack_short(left)))
+            for (fill, rows, shorts), placement in itertools.product(variants, ("first", "last")):
+                if fill and not shorts and placement == "last":
+                    continue                         # nothing left to place around the chains
+                order = rows + shorts if placement == "first" else shorts + rows
                 plan = Plan(tuple(order), method, num_stages, int(memory_limit_bytes), len(lengths),
                             schedule_kind=schedule_kind, spec=spec,
                             meta={"oversize": "split", "round_to": round_to, "longest_fitting_length": row_cap,
                                   "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
                                   "slice_len": int(slice_len), "slice_placement": placement,
-                                  "slice_recompute": use_rc, "truncated": [], "dropped": []})
-                sched = make_schedule(plan, schedule_kind, memory_model=memory_model, cost_model=cost_model)
+                                  "slice_recompute": use_rc, "slice_fill": fill, "truncated": [], "dropped": [],
+                                  "virtual": int(virtual)})
+                sched = make_schedule(plan, schedule_kind, virtual=virtual, memory_model=memory_model,
+                                      cost_model=cost_model)
                 sim = simulate(sched, plan, cost_model, memory_model)
-                peak = float(np.max(sim.peak_bytes)) if sim.peak_bytes is not None else 0.0
+                gpu = sim.peak_bytes_rank if sim.peak_bytes_rank is not None else sim.peak_bytes
+                peak = float(np.max(gpu)) if gpu is not None else 0.0
                 if lowest is None or peak < lowest[0]:
                     lowest = (peak, int(slice_len))
                 if peak <= memory_limit_bytes and (best is None or sim.makespan_s < best[0]):

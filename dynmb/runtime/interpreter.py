@@ -25,10 +25,13 @@ For each action in the rank's list, in order:
   whole backward here (its ``W`` is then empty).
 - ``sWm`` (backward weight): the deferred Linear weight gradients of ``sIm``
   (``splitbackward.backward_weight``); no communication.
-- Slices of long sequences (``dynmb.prefix``): a microbatch's backward adds its continued
-  slices' keys and values, with the gradients later slices left on their leaves, as extra
-  roots (``PrefixStore.backward_roots``), then releases them (``PrefixStore.release``
-  refuses a backward that runs before a later slice's). Slices run full backwards only.
+- Slices of long sequences (``dynmb.prefix``): a microbatch's backward (``B``, or ``I``) adds its
+  continued slices' keys and values, with the gradients later slices left on their leaves, as
+  extra roots (``PrefixStore.backward_roots``), then releases them (``PrefixStore.release``
+  refuses a backward that runs before a later slice's). An ``I`` also accumulates the gradients
+  of the earlier slices' leaves it read (``PrefixStore.read_leaves``), which a full ``B`` does
+  by itself, so the earlier slice's ``I`` (after it on the stage, the schedule's reverse slice
+  order) finds them complete; ``W`` is unchanged (``dynmb.runtime.splitbackward``).
 
 Backwards (``B``, ``I``) run inside the meter's saved-tensor context, so the activations a
 recomputing backward re-creates are accounted as they are.
@@ -96,9 +99,6 @@ def run_actions(
     tapes: dict[tuple[int, int], WeightGradTape | None] = {}
     recompute = [bool(mb.recompute) for mb in plan.microbatches]
     sliced = [mb.has_slices for mb in plan.microbatches]
-    if any(sliced[a.mb] for a in actions if a.op == "I"):
-        raise ValueError("a microbatch holding slices of a long sequence cannot split its backward (I/W); "
-                         "use a schedule with full backwards (1f1b, gpipe)")
     timings: list[ActionTiming] = []
     loss = 0.0
     losses: list[torch.Tensor] = []
@@ -141,13 +141,18 @@ def run_actions(
             t_start, cpu_start = clock.mark(), clock.cpu()
             ctx = meter.saving(s) if meter is not None else nullcontext()
             with ctx:
-                if a.op == "I" and tape is not None:
-                    dx = backward_input(mod, out, grad, x, tape)
-                elif sliced[m] and prefix is not None:
-                    dx = full_backward(out, grad, x, prefix.backward_roots(mod.layers, m))
+                if sliced[m] and prefix is not None:
+                    roots = prefix.backward_roots(mod.layers, m)
+                    if a.op == "I" and tape is not None:
+                        dx = backward_input(mod, out, grad, x, tape, roots, prefix.read_leaves(mod.layers, m))
+                    else:
+                        dx = full_backward(out, grad, x, roots)
+                    del roots
                     prefix.release(mod.layers, m)
                     if meter is not None:
                         meter.hold(prefix.held_tensors(mod.layers), s)
+                elif a.op == "I" and tape is not None:
+                    dx = backward_input(mod, out, grad, x, tape)
                 else:
                     dx = full_backward(out, grad, x)
             if s > 0:

@@ -27,6 +27,18 @@ activation are freed as the pass goes. The eager gradients are accumulated into 
 Held from ``I`` to ``W``: each Linear call's input and output gradient (``hold_tensors``),
 about a microbatch's activation bytes (``dynmb.memory.MemoryModel.w_bytes`` counts them).
 
+Slices of a long sequence (``dynmb.prefix``): a slice reads the keys and values of its
+sequence's earlier slices through detached leaves, and a continued slice's own keys and values
+get, before its backward, the gradients every later slice left on those leaves. A full ``B``
+(``torch.autograd.backward``) accumulates into the leaves by itself; ``I`` is an
+``autograd.grad`` that computes only what it is asked for, so the runtime passes the leaves
+the microbatch read as ``leaves`` (their gradients are accumulated into ``.grad``, exactly as
+``B`` would) and its continued slices' ``(keys, gradient)`` pairs as extra ``roots`` of the same
+call: the Linear output gradients the hooks store for ``W`` then include what later slices gave
+the keys and values, and ``W`` stays a plain GEMM. Since the schedule runs a sequence's
+backwards (``B`` or ``I``) in reverse slice order on every stage, every later slice's ``I`` has
+filled the leaves before the earlier slice's ``I`` reads them; its ``W`` may run any time after.
+
 ``W`` (``backward_weight``): per recorded call, ``dW = (x^T g)^T`` on the flattened
 ``(tokens, features)`` views -- the very GEMM ``AddmmBackward0`` runs for ``mat2`` followed
 by its ``TBackward0`` -- accumulated into ``weight.grad`` (set when None, else added in
@@ -139,16 +151,23 @@ def full_backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor 
 
 
 def backward_input(stage: nn.Module, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   tape: WeightGradTape) -> torch.Tensor | None:
+                   tape: WeightGradTape, roots: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+                   leaves: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
     """``I``: the gradient of the stage input ``x`` (None on the first stage) and the eager
-    parameter gradients; the Linear output gradients are stored on ``tape`` for ``W``."""
+    parameter gradients; the Linear output gradients are stored on ``tape`` for ``W``.
+    ``roots``: more ``(tensor, gradient)`` roots (a continued slice's keys and values,
+    ``PrefixStore.backward_roots``); ``leaves``: tensors whose gradients are accumulated into
+    their ``.grad`` as a full backward would (the earlier slices' key/value leaves this
+    microbatch read, ``PrefixStore.read_leaves``) -- module doc."""
     boundary = x if x is not None else tape.boundary
     if boundary is None or not boundary.requires_grad:
         tape.clear()                      # nothing to split at: run everything now, W is empty
-        return full_backward(out, grad, x)
+        return full_backward(out, grad, x, roots)
     eager = _eager_params(stage)
-    grads = torch.autograd.grad(out, [boundary, *eager], grad_outputs=grad, allow_unused=True)
-    for p, g in zip(eager, grads[1:]):
+    leaves = [t for t in leaves if t.requires_grad]
+    outs, gouts = [out, *(t for t, _ in roots)], [grad, *(g for _, g in roots)]
+    grads = torch.autograd.grad(outs, [boundary, *eager, *leaves], grad_outputs=gouts, allow_unused=True)
+    for p, g in zip([*eager, *leaves], grads[1:]):
         if g is not None:
             _accumulate(p, g)
     tape.boundary = None

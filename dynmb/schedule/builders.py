@@ -25,6 +25,13 @@ Algorithms (``P`` stages, ``m`` microbatches, ``R`` ranks, ``v`` chunks per rank
   drains the backwards. With an uneven last round the warm-up of a rank that
   would deadlock waiting on a backward grows by one until the validator's
   queue play-out passes (``warm = v m`` always does: all forwards first).
+  With slices of a long sequence (``backward_order``) the backward rounds are
+  taken from that order (rounds of ``k`` in ``backward_order``, chunks ``v - 1``
+  down to 0), so every stage runs a chain's backwards in reverse slice order;
+  a rank forwards on (beyond one forward per backward) until the next
+  backward's own forward has run, and the warm-up grows as above until the
+  play-out passes (all forwards first relabels torch's backward pattern by the
+  order, which is deadlock-free).
 - ``memory-aware``: 1F1B with a per-(stage, microbatch) window. Before the
   forward of microbatch ``j`` stage ``s`` may hold at most ``k_s(j)`` microbatches
   (``j`` included), where ``k_s(j)`` is the largest window whose activation
@@ -48,7 +55,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dynmb.schedule.order import stage_order
+from dynmb.schedule.order import check_order, stage_order
 from dynmb.schedule.validate import ScheduleError, execution_order
 from dynmb.schedule.zerobubble import ZBInputs
 from dynmb.types import Action, Schedule
@@ -120,37 +127,47 @@ def interleaved_rounds(num_ranks: int, num_microbatches: int) -> int:
 
 
 def _merge(fwd: list[Action], bwd: list[Action], warm: int) -> list[Action]:
-    """``warm`` forwards, then one forward and one backward alternately, then the remaining backwards."""
+    """``warm`` forwards, then one forward and one backward alternately, then the remaining
+    backwards; a backward whose own forward has not run yet is preceded by the forwards up to it."""
+    where = {(a.stage, a.mb): i for i, a in enumerate(fwd)}
     total = len(fwd)
     acts = fwd[:warm]
-    for i in range(total - warm):
-        acts.append(fwd[warm + i])
-        acts.append(bwd[i])
-    acts.extend(bwd[total - warm:])
+    f = warm
+    for i, b in enumerate(bwd):
+        need = max(min(total, warm + i + 1), where[(b.stage, b.mb)] + 1)
+        acts.extend(fwd[f:need])
+        f = max(f, need)
+        acts.append(b)
     return acts
 
 
-def interleaved(num_stages: int, num_microbatches: int, virtual: int = 2) -> Schedule:
-    """Interleaved 1F1B with ``virtual`` chunks per rank; ``num_stages`` must be a multiple of it."""
+def interleaved(num_stages: int, num_microbatches: int, virtual: int = 2,
+                backward_order: Sequence[int] | None = None) -> Schedule:
+    """Interleaved 1F1B with ``virtual`` chunks per rank; ``num_stages`` must be a multiple of it.
+    ``backward_order`` (``Plan.backward_order``: slices of a sequence backward in reverse) orders
+    the backward rounds (module doc)."""
     _check(num_stages, num_microbatches)
     if virtual < 1 or num_stages % virtual:
         raise ValueError(f"num_stages ({num_stages}) must be a positive multiple of virtual ({virtual})")
     R, v, m = num_stages // virtual, virtual, num_microbatches
+    order = check_order(m, backward_order)
     k = interleaved_rounds(R, m)
     groups = [list(range(g, min(g + k, m))) for g in range(0, m, k)]
+    bgroups = [order[g:g + k] for g in range(0, m, k)]
     fwd = [[Action(c * R + r, "F", j) for grp in groups for c in range(v) for j in grp] for r in range(R)]
-    bwd = [[Action(c * R + r, "B", j) for grp in groups for c in reversed(range(v)) for j in grp] for r in range(R)]
+    bwd = [[Action(c * R + r, "B", j) for grp in bgroups for c in reversed(range(v)) for j in grp] for r in range(R)]
     total = v * m
     warm = [min((v - 1) * k + 2 * (R - 1 - r), total) for r in range(R)]
+    plain = order == list(range(m))
     while True:
         ranks = [_merge(fwd[r], bwd[r], warm[r]) for r in range(R)]
-        if m % k == 0:
+        if m % k == 0 and plain:
             break  # torch's case: its warm-up counts are deadlock-free
         try:
             execution_order(Schedule(ranks, num_stages, m))
             break
         except ScheduleError as e:
-            # uneven last round: a rank stuck on a backward forwards one more microbatch first
+            # uneven last round or slices: a rank stuck on a backward forwards one more microbatch first
             grow = [r for r, i in e.blocked if ranks[r][i].op == "B" and warm[r] < total]
             if not grow:
                 raise

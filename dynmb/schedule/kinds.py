@@ -18,7 +18,10 @@ A kind's traits (``ScheduleKind``):
   ``virtual > 1``), the chunk-microbatches one GPU holds at most (the interleaved warm-up bound);
   the peak rule is then per GPU, its stages' states added up.
 - ``split_backward``: the builder may emit ``I``/``W`` (costs of all four ops are needed).
-- ``slices``: the kind runs slices of long sequences (``BuildInputs.backward_order``).
+- ``slices``: the kind runs slices of long sequences (``BuildInputs.backward_order``): on
+  every stage a sequence's slices go forward in slice order and backward (``B``, or ``I`` of
+  a split backward; ``W`` anywhere after its ``I``) in reverse, which ``validate(schedule,
+  plan)`` checks for every kind. Today all but ``memory-aware``.
 - ``memory``: ``"none"``, ``"optional"`` or ``"required"``: whether the builder takes the
   per-(stage, microbatch) bytes and the limit (``memory-aware`` needs them).
 - ``costs``: the builder takes per-(stage, microbatch) times and the simulator as judge
@@ -302,7 +305,8 @@ def _1f1b(inp: BuildInputs) -> Schedule:
 
 
 def _interleaved(inp: BuildInputs) -> Schedule:
-    return builders.interleaved(inp.num_stages, inp.num_microbatches, virtual=inp.virtual)
+    return builders.interleaved(inp.num_stages, inp.num_microbatches, virtual=inp.virtual,
+                                backward_order=inp.backward_order)
 
 
 def _memory_aware(inp: BuildInputs) -> Schedule:
@@ -317,7 +321,8 @@ def _memory_aware_key(inp: BuildInputs) -> bytes:
 
 
 def _zb_h1(inp: BuildInputs) -> Schedule:
-    sched = zb_h1(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate)
+    sched = zb_h1(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate,
+                  backward_order=inp.backward_order)
     return Schedule(sched.ranks, inp.num_stages, inp.num_microbatches, kind="zb-h1")
 
 
@@ -326,8 +331,8 @@ def _zb(inp: BuildInputs) -> Schedule:
     if inp.zb_inputs is not None and inp.evaluate is not None and inp.limit_bytes is not None:
         state = np.zeros(P) if inp.state_bytes is None else np.asarray(inp.state_bytes, dtype=np.float64)
         return zb_limit_aware(P, m, inp.zb_inputs, (float(inp.limit_bytes) - state).tolist(), float(inp.limit_bytes),
-                              inp.evaluate)
-    sched = zb_h1(P, m, inp.zb_inputs, evaluate=inp.evaluate)
+                              inp.evaluate, backward_order=inp.backward_order)
+    sched = zb_h1(P, m, inp.zb_inputs, evaluate=inp.evaluate, backward_order=inp.backward_order)
     return Schedule(sched.ranks, P, m, kind="zb")
 
 
@@ -335,12 +340,12 @@ register_kind(ScheduleKind(name="gpipe", build=_gpipe, window=None, slices=True,
                            estimate_as="gpipe"))
 register_kind(ScheduleKind(name="1f1b", build=_1f1b, window=_one_f_one_b_window, slices=True, window_exact=True,
                            auto=True))
-register_kind(ScheduleKind(name="interleaved", build=_interleaved, window=_one_f_one_b_window,
+register_kind(ScheduleKind(name="interleaved", build=_interleaved, window=_one_f_one_b_window, slices=True,
                            chunk_window=interleaved_inflight, virtual_stages=True, auto=True))
 register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one_f_one_b_window, memory="required",
                            fits_by_construction=True, cache_key=_memory_aware_key))
 # the zero-bubble kinds keep 1F1B's window (dynmb.memory): packing for them is packing for 1F1B
 register_kind(ScheduleKind(name="zb-h1", build=_zb_h1, window=_one_f_one_b_window, split_backward=True,
-                           memory="optional", costs=True, auto=True))
+                           slices=True, memory="optional", costs=True, auto=True))
 register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
-                           memory="optional", costs=True, auto=True))
+                           slices=True, memory="optional", costs=True, auto=True))

@@ -2,21 +2,54 @@
 
 ``stage_order(stage, P, m, kind, backward_order)`` is what the GPipe and 1F1B builders emit
 (``dynmb.schedule.builders``), what the zero-bubble list scheduler starts from
-(``dynmb.schedule.zerobubble``) and what the fast makespan estimate sweeps (``dynmb.makespan``),
-so the three see the same order. Pure Python.
+(``dynmb.schedule.zerobubble``, through ``windowed_order`` with its own windows) and what the
+fast makespan estimate sweeps (``dynmb.makespan``), so the three see the same order. Pure Python.
 
 - GPipe: every forward in microbatch order, then every backward in ``backward_order``.
 - 1F1B: before its b-th backward a stage has run ``min(m, b + P - stage)`` forwards (warm-up
   ``P - 1 - stage``, then one forward per backward), and at least up to that backward's own
   microbatch: a chain of slices of a long sequence extends the warm-up until its last slice
   has gone forward.
+- ``windowed_order(m, k, backward_order)``: the same rule for any in-flight window ``k``
+  (1F1B is ``k = P - stage``): forward while fewer than ``k`` microbatches are in flight or
+  while the next backward's own microbatch has not gone forward, else that backward.
+
+Deadlock freedom with slices: the forwards a stage has run before its b-th backward,
+``max(min(m, b + k), order[0..b] + 1)``, never grow along the pipeline when the windows do
+not (``k`` non-increasing in the stage), so a stage waiting for a gradient has already sent
+every activation its successor needs to produce it.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["stage_order"]
+__all__ = ["stage_order", "windowed_order", "check_order"]
+
+
+def check_order(m: int, backward_order: Sequence[int] | None) -> list[int]:
+    """``backward_order`` as a list (default ``0..m-1``); ``ValueError`` unless a permutation of ``0..m-1``."""
+    order = list(range(m)) if backward_order is None else [int(j) for j in backward_order]
+    if sorted(order) != list(range(m)):
+        raise ValueError(f"backward_order must be a permutation of 0..{m - 1}, got {order}")
+    return order
+
+
+def windowed_order(m: int, window: int, backward_order: Sequence[int] | None = None,
+                   backward: str = "B") -> list[tuple[str, int]]:
+    """One stage's forwards (in microbatch order) and backwards (in ``backward_order``, labelled
+    ``backward``) with at most ``window`` microbatches in flight, except that a backward's own
+    microbatch always goes forward before it (module doc)."""
+    order = check_order(m, backward_order)
+    k = max(1, int(window))
+    seq: list[tuple[str, int]] = []
+    f = 0
+    for b, j in enumerate(order):
+        while f < m and (f - b < k or f <= j):
+            seq.append(("F", f))
+            f += 1
+        seq.append((backward, j))
+    return seq
 
 
 def stage_order(stage: int, num_stages: int, m: int, kind: str,
@@ -30,17 +63,7 @@ def stage_order(stage: int, num_stages: int, m: int, kind: str,
     backward), and at least up to that backward's own microbatch: a chain of slices extends
     the warm-up until its last slice has gone forward.
     """
-    order = list(range(m)) if backward_order is None else [int(j) for j in backward_order]
-    if sorted(order) != list(range(m)):
-        raise ValueError(f"backward_order must be a permutation of 0..{m - 1}, got {order}")
+    order = check_order(m, backward_order)
     if kind == "gpipe":
         return [("F", j) for j in range(m)] + [("B", j) for j in order]
-    w = min(num_stages - 1 - stage, m)
-    seq: list[tuple[str, int]] = []
-    f = 0
-    for b, j in enumerate(order):
-        while f < min(m, max(b + w + 1, j + 1)):
-            seq.append(("F", f))
-            f += 1
-        seq.append(("B", j))
-    return seq
+    return windowed_order(m, num_stages - stage, order)

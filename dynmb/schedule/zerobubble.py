@@ -51,6 +51,13 @@ Kinds:
   order, stopping at the first that is no faster than the one before, plus ZB-H1 and 1F1B;
   the fastest by ``evaluate`` whose simulated peak stays under the limit wins.
 
+Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
+takes its backwards (``I`` or ``B``) in that order, so a chain's input gradients run in reverse
+slice order as its ``B`` would (its ``W`` anywhere after its ``I``: they read only the stage's
+own Linear inputs and output gradients), and forwards on until a backward's own microbatch
+went forward (``dynmb.schedule.order.windowed_order``); 1F1B's candidate and the caps it gives
+use the same order.
+
 Without costs (``build_schedule("zb-h1", P, m)``): unit times F = I = W = 1, B = 2, no P2P
 time, no memory caps -- the paper's setting; ``zb`` without costs is ZB-H1's order.
 """
@@ -64,7 +71,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dynmb.schedule.order import stage_order
+from dynmb.schedule.order import check_order, stage_order, windowed_order
 from dynmb.types import Action, Schedule
 
 __all__ = ["ZBInputs", "list_schedule", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS"]
@@ -117,18 +124,19 @@ def op_bytes(op: str, a: float, w: float, tr: float) -> tuple[float, float]:
     return -w, 0.0
 
 
-def _one_f_one_b(num_stages: int, m: int) -> Schedule:
+def _one_f_one_b(num_stages: int, m: int, order: Sequence[int] | None = None) -> Schedule:
     """1F1B's schedule (``dynmb.schedule.builders.one_f_one_b``: the same ``stage_order``), built here
     so that the builders can import this module."""
-    return Schedule([[Action(s, op, j) for op, j in stage_order(s, num_stages, m, "1f1b")] for s in range(num_stages)],
-                    num_stages, m, kind="1f1b")
+    return Schedule([[Action(s, op, j) for op, j in stage_order(s, num_stages, m, "1f1b", order)]
+                     for s in range(num_stages)], num_stages, m, kind="1f1b")
 
 
-def one_f_one_b_peaks(inp: ZBInputs) -> np.ndarray:
-    """Peak held + running bytes (no states) of every stage under 1F1B with full backwards."""
+def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None) -> np.ndarray:
+    """Peak held + running bytes (no states) of every stage under 1F1B with full backwards
+    (backwards in ``backward_order``)."""
     P, m = inp.shape
     out = np.zeros(P)
-    for s, acts in enumerate(_one_f_one_b(P, m).ranks):
+    for s, acts in enumerate(_one_f_one_b(P, m, backward_order).ranks):
         held = 0.0
         for a in acts:
             d, extra = op_bytes(a.op, inp.act[s, a.mb], 0.0, inp.tr[s, a.mb])
@@ -137,24 +145,12 @@ def one_f_one_b_peaks(inp: ZBInputs) -> np.ndarray:
     return out
 
 
-def _template(stage: int, m: int, k: int) -> list[tuple[str, int]]:
-    """1F1B's greedy order of one stage for an in-flight window ``k``: ``("F", j)`` / ``("X", j)``
-    (X: the backward, I or B), forward while fewer than k are in flight."""
-    out, f, b = [], 0, 0
-    while b < m:
-        if f < m and f - b < k:
-            out.append(("F", f))
-            f += 1
-        else:
-            out.append(("X", b))
-            b += 1
-    return out
-
-
 def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | None = None,
-                  kind: str = "zb") -> tuple[Schedule, float]:
-    """The order the list scheduler (module doc) emits and its makespan under ``inp``'s times."""
+                  kind: str = "zb", backward_order: Sequence[int] | None = None) -> tuple[Schedule, float]:
+    """The order the list scheduler (module doc) emits and its makespan under ``inp``'s times;
+    each stage's backwards in ``backward_order`` (slices of a sequence in reverse)."""
     P, m = inp.shape
+    order = check_order(m, backward_order)
     k = [max(1, min(m, int(x))) for x in inflight]
     mem = caps is not None and inp.act is not None
     cap = [float(c) + 1e-6 for c in caps] if mem else [np.inf] * P
@@ -167,7 +163,8 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     fend = [[-1.0] * m for _ in range(P)]
     bend = [[-1.0] * m for _ in range(P)]
     clock = [0.0] * P
-    todo = [deque(_template(s, m, k[s])) for s in range(P)]
+    # 1F1B's greedy order per stage for its window (X: the backward, I or B)
+    todo = [deque(windowed_order(m, k[s], order, "X")) for s in range(P)]
     pend: list[deque] = [deque() for _ in range(P)]
     held, live = [0.0] * P, [0] * P
     ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
@@ -257,53 +254,59 @@ def _inflight(P: int, m: int, alpha: float = 0.0) -> list[int]:
     return [min(m, P - s + int(round(alpha * (P - s - 1)))) for s in range(P)]
 
 
-def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool) -> ZBInputs | None:
+def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool,
+                      order: Sequence[int] | None = None) -> ZBInputs | None:
     """``inp`` with ``split`` off where ``sched`` runs a ``W`` right after its ``I`` (the split
     filled no gap there and only costs its overhead) -- with ``keep_cooldown``, except for each
-    stage's last ``P - s`` microbatches, whose early input gradients shorten the drain. None
-    when nothing changes."""
+    stage's last ``P - s`` backwards (in ``order``), whose early input gradients shorten the
+    drain. None when nothing changes."""
     P, m = inp.shape
+    rank = {j: b for b, j in enumerate(check_order(m, order))}     # position of each backward
     split = inp.split.copy()
     for acts in sched.ranks:
         for a, b in zip(acts, acts[1:]):
-            if a.op == "I" and b.op == "W" and a.mb == b.mb and not (keep_cooldown and a.mb >= m - (P - a.stage)):
+            if a.op == "I" and b.op == "W" and a.mb == b.mb and \
+                    not (keep_cooldown and rank[a.mb] >= m - (P - a.stage)):
                 split[a.stage, a.mb] = False
     if np.array_equal(split, inp.split):
         return None
     return ZBInputs(inp.F, inp.B, inp.I, inp.W, inp.comm, split, inp.act, inp.w, inp.tr)
 
 
-def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | None, kind: str) -> list[Schedule]:
+def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | None, kind: str,
+              order: Sequence[int] | None = None) -> list[Schedule]:
     """The list schedule, and the list schedule again with full backwards where the first ran W
     right after I (``_unsplit_adjacent``; everywhere, and everywhere but the cool-down)."""
-    first, _ = list_schedule(inp, inflight, caps, kind=kind)
+    first, _ = list_schedule(inp, inflight, caps, kind=kind, backward_order=order)
     out = [first]
     for keep in (False, True):
-        fewer = _unsplit_adjacent(first, inp, keep)
+        fewer = _unsplit_adjacent(first, inp, keep, order)
         if fewer is not None:
-            out.append(list_schedule(fewer, inflight, caps, kind=kind)[0])
+            out.append(list_schedule(fewer, inflight, caps, kind=kind, backward_order=order)[0])
     return out
 
 
-def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Evaluate | None = None) -> Schedule:
+def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Evaluate | None = None,
+          backward_order: Sequence[int] | None = None) -> Schedule:
     """ZB-H1 for variable microbatches (module doc); unit costs without ``inp``. With ``evaluate``
     the fastest of the list schedule, its variant without the splits that filled no gap
-    (``_unsplit_adjacent``) and 1F1B."""
+    (``_unsplit_adjacent``) and 1F1B. ``backward_order``: slices of a sequence backward in reverse."""
     inp = inp if inp is not None else ZBInputs.unit(num_stages, m)
-    caps = one_f_one_b_peaks(inp) if inp.act is not None else None
+    order = backward_order
+    caps = one_f_one_b_peaks(inp, order) if inp.act is not None else None
     if evaluate is None:
-        return list_schedule(inp, _inflight(num_stages, m), caps, kind="zb-h1")[0]
-    cands = _variants(inp, _inflight(num_stages, m), caps, "zb-h1") + [_one_f_one_b(num_stages, m)]
+        return list_schedule(inp, _inflight(num_stages, m), caps, kind="zb-h1", backward_order=order)[0]
+    cands = _variants(inp, _inflight(num_stages, m), caps, "zb-h1", order) + [_one_f_one_b(num_stages, m, order)]
     best = min(cands, key=lambda c: evaluate(c)[0])          # first of equals: the split schedule
     return Schedule(best.ranks, num_stages, m, kind="zb-h1")
 
 
 def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float], limit_bytes: float,
-                   evaluate: Evaluate) -> Schedule:
+                   evaluate: Evaluate, backward_order: Sequence[int] | None = None) -> Schedule:
     """``zb``: the fastest of ZB-H1, 1F1B and the list schedules with extra warm-up forwards
     (``ZB_ALPHAS``, tried in increasing order until one is no faster than the one before) under
     the per-stage ``caps`` (limit minus states) whose simulated peak stays within
-    ``limit_bytes`` (module doc)."""
+    ``limit_bytes`` (module doc); every candidate runs its backwards in ``backward_order``."""
     best, best_t = None, np.inf
 
     def consider(cands: list[Schedule]) -> float:
@@ -317,8 +320,9 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
                     best, best_t = c, t
         return fastest
 
-    h1 = zb_h1(num_stages, m, inp, evaluate=evaluate)
-    consider([h1, _one_f_one_b(num_stages, m)])
+    order = backward_order
+    h1 = zb_h1(num_stages, m, inp, evaluate=evaluate, backward_order=order)
+    consider([h1, _one_f_one_b(num_stages, m, order)])
     seen, previous = set(), np.inf
     for alpha in (0.0, *ZB_ALPHAS):
         k = tuple(_inflight(num_stages, m, alpha))
@@ -326,7 +330,7 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
             continue
         seen.add(k)
         try:
-            t = consider(_variants(inp, k, caps, "zb"))
+            t = consider(_variants(inp, k, caps, "zb", order))
         except ValueError:          # a microbatch cannot fit under the cap alone: no larger window will
             break
         if alpha > 0 and t >= previous - 1e-12:
