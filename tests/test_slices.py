@@ -446,7 +446,7 @@ KIND_PLANS = {   # hand-made plans with slices on the other kinds: (name, splits
         ("zb-packed4", (40, 90, 60, 10), "packed", False, "zb", 1),
         ("il-packed4", (40, 90, 60, 10), "packed", False, "interleaved", 2)),
 }
-SPLIT_KINDS = {2: (("zb-h1", 1), ("interleaved", 2)), 4: (("zb", 1),)}
+SPLIT_KINDS = {2: (("interleaved", 2),), 4: (("zb", 1),)}
 """The split planner's plan of the batch on these kinds too (``dynamic``)."""
 TINY8 = replace(TINY, name="tiny-8", n_layers=8)         # 8 stages: interleaved with 2 chunks on 4 ranks
 
