@@ -50,7 +50,7 @@ def no_launch(monkeypatch):
 
 
 REFUSED = [
-    (["--oversize", "split", "--schedule", "zb"], "--oversize split"),
+    (["--oversize", "split", "--schedule", "memory-aware"], "--oversize split"),
     (["--virtual", "2", "--schedule", "1f1b"], "--virtual 2"),
     (["--backend", "nccl"], "CUDA is not available"),
     (["--device", "cuda"], "CUDA is not available"),
@@ -67,7 +67,7 @@ def test_run_refuses_what_plan_refuses_before_anything_starts(flags, says, tmp_p
 
 
 @pytest.mark.parametrize("flags,says", [
-    (["--oversize", "split", "--schedule", "zb"], "--oversize split"),
+    (["--oversize", "split", "--schedule", "memory-aware"], "--oversize split"),
     (["--virtual", "2", "--schedule", "zb"], "--virtual 2"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--methods", "packed", "--pack-len", "100000"], "pack_len 100000"),
@@ -81,7 +81,7 @@ def test_compare_refuses_before_its_folder_is_made(flags, says, tmp_path, capsys
 
 def test_plan_run_and_compare_refuse_with_the_same_line(tmp_path, capsys, no_launch):
     flags = ["--oversize", "split", "--global-batch", "8"]
-    lines = [_one_line(_cli([verb, *flags, kind_flag, "zb", *extra], capsys)[1]).split(": error: ", 1)[1]
+    lines = [_one_line(_cli([verb, *flags, kind_flag, "memory-aware", *extra], capsys)[1]).split(": error: ", 1)[1]
              for verb, kind_flag, extra in (("plan", "--schedule-kind", []),
                                             ("run", "--schedule", ["--out", str(tmp_path / "r")]),
                                             ("compare", "--schedule", ["--out", str(tmp_path / "c")]))]
