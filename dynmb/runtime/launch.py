@@ -215,7 +215,7 @@ def _finish(job: JobSpec, proc: subprocess.Popen, ended: Ended, log: str, guard_
             complete.update({r: tuple(s) for r, s in drop_incomplete_steps(out_dir, ids).items()})
         except (OSError, ResultsError) as e:           # ENOSPC, a table cut by it: one line naming the file
             name = getattr(e, "filename", None)
-            line = (f"dynmb run: cannot record the runs' status in {out_dir}: "
+            line = (f"dynmb run: writing the runs' status in {out_dir} failed: "
                     f"{f'{name}: {e.strerror}' if name and getattr(e, 'strerror', None) else e}")
             failures.append(line)
             rc = rc or 1
