@@ -62,18 +62,20 @@ def _measured(steps: pd.DataFrame) -> pd.DataFrame:
 
 def _run_settings(steps: pd.DataFrame, runs: pd.DataFrame | None) -> tuple[pd.DataFrame, list[str]]:
     """Join the run spec's settings (``RUN_SETTING_KEYS`` and ``model.*``) onto the steps by run id;
-    returns the steps and the names of the joined setting columns."""
+    returns the steps and the names of the setting columns: those joined and those the steps table
+    carries itself (``recompute``, ``oversize``: a key whichever table holds it)."""
+    own = [c for c in steps.columns if c in RUN_SETTING_KEYS]     # settings the steps table carries itself
     if runs is None or runs.empty or "run_id" not in runs.columns:
-        return steps, []
+        return steps, own
     wanted = [c for c in runs.columns if c in RUN_SETTING_KEYS or c.startswith("model.")]
     wanted = [c for c in wanted if c not in steps.columns]
     if not wanted:
-        return steps, []
+        return steps, own
     first = runs.drop_duplicates("run_id")
     spec = first[wanted].astype(object).where(first[wanted].notna(), "")   # NaN never equals NaN: keys need a value
     spec.index = first["run_id"].astype(str)
     rid = steps["run_id"].astype(str)
-    return steps.assign(**{c: rid.map(spec[c].astype(str)).fillna("") for c in wanted}), wanted
+    return steps.assign(**{c: rid.map(spec[c].astype(str)).fillna("") for c in wanted}), own + wanted
 
 
 def _with_settings(steps: pd.DataFrame, runs: pd.DataFrame | None) -> pd.DataFrame:

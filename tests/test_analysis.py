@@ -48,3 +48,13 @@ def test_constant_settings_add_no_index_levels() -> None:
     steps = pd.DataFrame(_steps("a", "dynamic", [100]) + _steps("c", "fixed", [50]))
     out = summarise({"steps": steps, "runs": _runs(dict(run_id="a"), dict(run_id="c"))})
     assert "recompute" not in out.index.names and len(out) == 2
+
+
+def test_a_setting_the_steps_table_carries_itself_is_a_key_too() -> None:
+    """Real runs write ``recompute`` and ``oversize`` into ``steps`` as well as ``runs``: two runs
+    that differ in it stay two rows (the join skips columns the steps already have)."""
+    steps = pd.DataFrame(_steps("a", "dynamic", [100, 110], recompute="never")
+                         + _steps("b", "dynamic", [50, 55], recompute="always"))
+    runs = _runs(dict(run_id="a", recompute="never"), dict(run_id="b", recompute="always"))
+    out = summarise({"steps": steps, "runs": runs})
+    assert len(out) == 2 and sorted(out.index.get_level_values("recompute")) == ["always", "never"]

@@ -142,6 +142,7 @@ def test_a_signal_stops_torchrun_and_every_worker(tmp_path, sig, code, to_group)
     run.wait_for(re.escape(PROGRESS))
     assert _stop(run, out, sig, to_group) == code
     line = _stop_line(run, "run", sig)
+    assert "Traceback" not in "".join(run.out) + run.stderr       # torchrun's SignalException unshown
     steps = _assert_complete_steps(out)
     assert steps and steps == list(range(len(steps)))
     assert line.endswith(f"{'steps 0-' + str(steps[-1]) if len(steps) > 1 else 'step 0'} complete")

@@ -31,7 +31,8 @@ with the kernel told to kill it when the launcher dies (``PR_SET_PDEATHSIG``; it
 die with it, ``worker.exit_with_parent``). SIGINT, SIGTERM or SIGHUP (as SIGTERM) to the launcher while
 ``launch_job`` waits (main thread) -- and the wall-clock guard -- stop torchrun and every
 process below it (``processes.stop_job``: SIGTERM, SIGKILL after 3 s); the result then has
-``returncode`` 128 + the signal (130, 143) and ``signal`` set. After torchrun exits the
+``returncode`` 128 + the signal (130, 143) and ``signal`` set; from the signal on, the workers' and
+torchrun's output (its ``SignalException`` traceback) is no longer streamed, the launcher's one line says it. After torchrun exits the
 launcher finishes the job's ``runs`` rows (``status`` ok / failed / interrupted, ``error``:
 the first failure line; in a job that failed no row keeps ``ok`` unless its case was closed
 before the failure, so a run whose command exits non-zero never reads ``ok``, and a status that
@@ -169,7 +170,7 @@ def _launch_locked(job: JobSpec, nproc: int, out: Path, guard_s: float | None, *
                 if bar is not None and line.startswith(PROGRESS):
                     bar.set_postfix_str(line[len(PROGRESS):].strip(), refresh=False)
                     bar.update(1)
-                elif not quiet:
+                elif not quiet and stop.received is None:     # once stopping: torchrun's own traceback unshown
                     sys.stdout.write(line)
                     sys.stdout.flush()
 
@@ -214,7 +215,7 @@ def _finish(job: JobSpec, proc: subprocess.Popen, ended: Ended, log: str, guard_
             complete.update({r: tuple(s) for r, s in drop_incomplete_steps(out_dir, ids).items()})
         except (OSError, ResultsError) as e:           # ENOSPC, a table cut by it: one line naming the file
             name = getattr(e, "filename", None)
-            line = (f"dynmb run: cannot record the runs' status in {out_dir}: "
+            line = (f"dynmb run: writing the runs' status in {out_dir} failed: "
                     f"{f'{name}: {e.strerror}' if name and getattr(e, 'strerror', None) else e}")
             failures.append(line)
             rc = rc or 1
