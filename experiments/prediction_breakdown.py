@@ -10,7 +10,11 @@ Per case (the ``steps`` label), over its measured steps (medians):
 2. **actions by shape**: Σ measured / Σ pred_s (the calibrated prediction the step used) of the
    actions predicted at 20 ms or more, per op and rows-per-microbatch bucket (1, 2-4, 5+), and
    packed (documents > rows) or not;
-3. **between actions**: the mean unexplained receive wait (``costmodel.p2pfit.receive_waits``:
+3. **shapes within a step**: the same ratio per action, as log(measured / pred_s) minus its
+   step's mean for that op, averaged per shape class over every case (the machine's speed
+   drifts between steps by far more than shapes differ; within a step it is one speed), as a
+   factor;
+4. **between actions**: the mean unexplained receive wait (``costmodel.p2pfit.receive_waits``:
    the wait beyond the sender's end plus the model's P2P time, clock offset removed), the share
    of receives that waited over 5 ms, the median gap before an ``F`` (``p2pfit.action_gaps``),
    and the step's tail (step_s minus the last action's end).
@@ -51,6 +55,16 @@ def _shapes(actions: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"actions": g.size(), "measured/pred": g["measured"].sum() / g["pred_s"].sum()})
 
 
+def _within(actions: pd.DataFrame) -> pd.DataFrame:
+    a = actions[actions["op"].isin(("F", "B")) & (actions["pred_s"] >= 0.02)]
+    a = a.assign(y=np.log((a["end_s"] - a["start_s"]) / a["pred_s"]),
+                 rows=pd.cut(a["batch"], [0, 1, 4, np.inf], labels=["1", "2-4", "5+"]),
+                 packed=np.where(a["docs"] > a["batch"], "packed", "one doc/row"))
+    a = a.assign(y=a["y"] - a.groupby(["run_id", "step", "op"])["y"].transform("mean"))
+    g = a.groupby(["op", "rows", "packed"], observed=True)["y"]
+    return pd.DataFrame({"actions": g.size(), "factor": np.exp(g.mean()), "se": g.std() / np.sqrt(g.size())})
+
+
 def _between(actions: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (label, step), acts in actions.groupby(["label", "step"]):
@@ -74,7 +88,8 @@ def breakdown(folder: Path) -> dict[str, pd.DataFrame]:
     label = steps.set_index("run_id")["label"].groupby(level=0).first()
     actions = actions.assign(label=actions["run_id"].map(label),
                              comm_s=cost_model.comm_s(actions["batch"].to_numpy(), actions["padded_len"].to_numpy()))
-    return {"steps": _steps(steps), "shapes": _shapes(actions), "between": _between(actions, steps)}
+    return {"steps": _steps(steps), "shapes": _shapes(actions), "within": _within(actions),
+            "between": _between(actions, steps)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         print(b["steps"].round(3).to_string())
         print("\nactions: sum measured / sum calibrated prediction, by op, rows per microbatch, packing:")
         print(b["shapes"]["measured/pred"].unstack(["op", "rows", "packed"]).round(3).to_string())
+        print("\nshapes within a step (factor on the step's own ratio, every case; se of its log):")
+        print(b["within"].round(3).to_string())
         print("\nbetween actions (medians over measured steps):")
         print(b["between"].round(2).to_string())
         tables.append(b["steps"].join(b["between"]).assign(folder=folder.name))
