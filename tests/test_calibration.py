@@ -71,6 +71,12 @@ def test_receive_waits_recover_the_injected_wait_whatever_the_clock_offset():
         assert p2p_latency([waits]) == pytest.approx(0.006, abs=1e-9)
         gaps = gap_per_op([action_gaps(acts)])
         assert gaps["F"] == pytest.approx(0.0015, abs=1e-9) and gaps["B"] == pytest.approx(0.0, abs=1e-9)
+    # two data-parallel replicas (ranks 2 and 3 hold replica 1's stages): each receive pairs with
+    # its own replica's sender
+    acts, _ = _execute(12, recv_s=0.006, gap_s=0.0015, offset_s=0.003)
+    other, _ = _execute(12, recv_s=0.004, gap_s=0.0015)
+    two = pd.concat([acts, other.assign(dp_rank=1, rank=other["rank"] + 2)], ignore_index=True)
+    assert np.sort(receive_waits(two).to_numpy()) == pytest.approx([0.004] * 24 + [0.006] * 24, abs=1e-9)
     # no wait beyond the P2P model: nothing to add; too few receives: no estimate
     assert p2p_latency([receive_waits(_execute(12, recv_s=0.0, gap_s=0.0015)[0])]) == pytest.approx(0.0, abs=1e-9)
     few = receive_waits(_execute(2, recv_s=0.006, gap_s=0.0)[0])

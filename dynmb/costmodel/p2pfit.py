@@ -53,7 +53,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["LATENCY_MIN_RECEIVES", "GAP_MIN_ACTIONS", "RECEIVE_COLUMNS", "receive_waits", "action_gaps",
+__all__ = ["LATENCY_MIN_RECEIVES", "GAP_MIN_ACTIONS", "RECEIVE_COLUMNS", "has_receive_columns", "receive_waits", "action_gaps",
            "p2p_latency", "gap_per_op"]
 
 LATENCY_MIN_RECEIVES = 8
@@ -71,45 +71,57 @@ def has_receive_columns(actions: pd.DataFrame) -> bool:
     return set(RECEIVE_COLUMNS) <= set(actions.columns)
 
 
-def _keys(actions: pd.DataFrame) -> list[str]:
-    return ["dp_rank", "stage", "mb"] if "dp_rank" in actions.columns else ["stage", "mb"]
-
-
-def _pairs(actions: pd.DataFrame) -> pd.DataFrame:
-    """Every cross-rank receive of one step with its sender's ``rank_src`` and ``end_src``."""
-    keys = _keys(actions)
-    cols = [*keys, "rank", "op", "start_s", "end_s", "wait_s", "comm_s"]
-    a = actions[cols]
-    fwd = a[a["op"] == "F"]
-    bwd = a[a["op"].isin(("B", "I"))]
-    src_f = fwd.assign(stage=fwd["stage"] + 1)[[*keys, "rank", "end_s"]]     # F of s feeds F of s + 1
-    src_b = bwd.assign(stage=bwd["stage"] - 1)[[*keys, "rank", "end_s"]]     # B/I of s feeds B/I of s - 1
-    out = pd.concat([fwd.merge(src_f, on=keys, suffixes=("", "_src")),
-                     bwd.merge(src_b, on=keys, suffixes=("", "_src"))], ignore_index=True)
-    return out[out["rank"] != out["rank_src"]]
+def _pairs(actions: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of one step's cross-rank receives and of their senders (a dictionary walk: a
+    step holds a few hundred actions, where pandas merges cost more than the rest of the fit)."""
+    n = len(actions)
+    dp = actions["dp_rank"].to_numpy() if "dp_rank" in actions.columns else np.zeros(n, dtype=np.int64)
+    stage, op, mb, rank = (actions[c].to_numpy() for c in ("stage", "op", "mb", "rank"))
+    sent: dict[tuple, int] = {}
+    for i in range(n):             # F of s feeds F of s + 1; B/I of s feeds B/I of s - 1
+        if op[i] == "F":
+            sent[(dp[i], stage[i] + 1, mb[i], "F")] = i
+        elif op[i] in ("B", "I"):
+            sent[(dp[i], stage[i] - 1, mb[i], "B")] = i
+    recv, src = [], []
+    for i in range(n):
+        j = sent.get((dp[i], stage[i], mb[i], "F" if op[i] == "F" else "B")) if op[i] in ("F", "B", "I") else None
+        if j is not None and rank[j] != rank[i]:
+            recv.append(i)
+            src.append(j)
+    return np.asarray(recv, dtype=np.int64), np.asarray(src, dtype=np.int64)
 
 
 def receive_waits(actions: pd.DataFrame) -> pd.Series:
     """One step's unexplained receive waits, seconds, one per cross-rank receive (module doc, 1)."""
-    r = _pairs(actions)
-    if r.empty:
+    recv, src = _pairs(actions)
+    if len(recv) == 0:
         return pd.Series(dtype=float)
-    posted = r["start_s"] - r["wait_s"]
-    delay = r["start_s"] - r["end_s_src"]
-    early = posted < r["end_s_src"]
-    shortest = delay[early].groupby([r["rank_src"][early], r["rank"][early]]).min().to_dict()
+    start, end, wait, comm, rank = (actions[c].to_numpy()
+                                    for c in ("start_s", "end_s", "wait_s", "comm_s", "rank"))
+    start, wait, comm, sender_end = start[recv], wait[recv], comm[recv], end[src]
+    pair = list(zip(rank[src].tolist(), rank[recv].tolist()))
+    posted = start - wait
+    delay = start - sender_end
+    shortest: dict[tuple[int, int], float] = {}
+    for p, d, early in zip(pair, delay, posted < sender_end):
+        if early:
+            shortest[p] = min(d, shortest.get(p, np.inf))
     offset = np.array([(shortest[(s, d)] - shortest[(d, s)]) / 2 if (s, d) in shortest and (d, s) in shortest
-                       else 0.0 for s, d in zip(r["rank_src"], r["rank"])])
-    return (r["start_s"] - np.maximum(posted, r["end_s_src"] + offset + r["comm_s"])).astype(float)
+                       else 0.0 for s, d in pair])
+    return pd.Series(start - np.maximum(posted, sender_end + offset + comm), dtype=float)
 
 
 def action_gaps(actions: pd.DataFrame) -> pd.DataFrame:
     """One step's gaps: ``op`` and ``gap_s`` (``start - wait_s - previous end`` on the rank) of
     every action but each rank's first (module doc, 2)."""
-    ranks = ["dp_rank", "rank"] if "dp_rank" in actions.columns else ["rank"]
-    a = actions.sort_values([*ranks, "start_s"])
-    gap = a["start_s"] - a["wait_s"] - a.groupby(ranks)["end_s"].shift()
-    return pd.DataFrame({"op": a["op"], "gap_s": gap}).dropna()
+    rank = actions["rank"].to_numpy()
+    start, end, wait, op = (actions[c].to_numpy() for c in ("start_s", "end_s", "wait_s", "op"))
+    order = np.lexsort((start, rank))                 # rank by rank (a global rank), in time order
+    same = rank[order][1:] == rank[order][:-1]
+    after = order[1:][same]
+    gap = start[after] - wait[after] - end[order[:-1][same]]
+    return pd.DataFrame({"op": op[after], "gap_s": gap})
 
 
 def p2p_latency(waits: Sequence[pd.Series]) -> float | None:
