@@ -6,11 +6,12 @@ compares show two costs outside that model, both paid once per microbatch and st
 with many microbatches is predicted too fast by more than a plan with few:
 
 - **late receives.** A message is handed to the transport (``isend``) when its sender finishes,
-  but gloo moves a large message only once the receiver has posted its ``irecv``, in a helper
-  thread that competes with the sender's next compute for the cores. On the 2-core box an
-  activation the receiver asked for after its sender had moved on arrived 5-100 ms later
-  (``/work/meas/compare_small_r3``: balanced div=64, step 2, 16 microbatches, 185 ms of 2.0 s),
-  where the ping-pong model says 0.2-0.6 ms;
+  yet the recorded waits behave as a rendezvous: a receive posted before its sender finished
+  waited 0.2-0.4 ms beyond the ping-pong model (median), while an activation the receiver asked
+  for after its sender had moved on to its next compute often waited 5-100 ms *after asking*
+  (``/work/meas/compare_small_r3``: balanced div=64, step 2, 16 microbatches: 185 ms of a 2.0 s
+  step), as if the transfer starts once both ends are there and competes with the sender's
+  compute for the 2 cores (our reading of the timings; gloo's internals were not traced);
 - **gaps.** Between one action's end and the next one's receive the interpreter builds the
   next forward's inputs and samples the memory meter: about 1.3 ms before every ``F``.
 
