@@ -20,21 +20,30 @@ Rules:
 - ``rolling``: this case's warm-up and measured steps before this one;
 - ``recent``: every case's actions of the ``--recent`` steps that ran just before this one in the
   job (the machine's speed right now);
-- ``job``: the runtime's rule, ``job_calibration`` on every step of the job before this one (this
-  case's bias against the job times the job's recent speed).
+- ``job0``: ``job_calibration``'s scale and compute overhead alone (the runtime's rule before the
+  P2P fit: this case's bias against the job times the job's recent speed);
+- ``job-gap``: ``job0`` plus the gap before each action (``p2pfit.action_gaps``);
+- ``job-lat``: ``job0`` plus the wait per receiving action (``p2pfit.receive_waits``);
+- ``job``: the runtime's rule, ``job_calibration`` on every step of the job before this one
+  (``job0`` plus both).
 
 ``recorded`` is what the run itself predicted; on a run made with the ``job`` rule the two agree.
+``measured_actions`` replays every action's measured time (P2P at the model's time, the
+runtime's ``replay_step_s``), ``measured_actions+p2p`` adds the ``job`` rule's latency to every
+receiving action and its gap to every action (the simulator's own error with the P2P fit). Besides the median |error| per case, the script prints the median signed error
+(``--signed``: negative = predicted too fast).
 
 For ``fixed``, ``sorted``, ``packed`` and ``token-budget`` the plan does not depend on the cost
 model, so the replayed prediction is what the rule would have printed. ``dynamic`` and
 ``dynapipe`` plan with it; their numbers are the rule's error on the plan they ran.
 
-    python experiments/calibration_study.py results/compare [more folders] [--recent 4]
+    python experiments/calibration_study.py results/compare [more folders] [--recent 4] [--signed]
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,14 +55,23 @@ from dynmb.results import load_results
 from dynmb.simulate import simulate_costs
 from dynmb.types import Action, Schedule
 
-RULES = ("none", "warmup", "pooled", "rolling", "recent", "job")
+RULES = ("none", "warmup", "pooled", "rolling", "recent", "job0", "job-gap", "job-lat", "job")
 
 
-def _calibrated(acts: pd.DataFrame, cal: RuntimeCalibration) -> np.ndarray:
-    """Each action's raw prediction under ``cal``: raw x scale[op][stage] + overhead[op]."""
+def _receiving(acts: pd.DataFrame, num_stages: int) -> np.ndarray:
+    """Which actions receive a message (``CostModel.receives``)."""
+    op, stage = acts["op"].to_numpy(), acts["stage"].to_numpy()
+    return ((op == "F") & (stage > 0)) | (np.isin(op, ("B", "I")) & (stage < num_stages - 1))
+
+
+def _calibrated(acts: pd.DataFrame, cal: RuntimeCalibration, num_stages: int) -> np.ndarray:
+    """Each action's raw prediction under ``cal``: raw x scale[op][stage] + overhead[op] + gap[op],
+    plus the latency on receiving actions (``CostModel.predict``)."""
     scale = [cal.scale[op][int(st)] if op in cal.scale else 1.0 for op, st in zip(acts["op"], acts["stage"])]
-    overhead = [cal.overhead_s.get(op, 0.0) for op in acts["op"]]
-    return acts["raw_s"].to_numpy() * np.asarray(scale) + np.asarray(overhead)
+    per_action = cal.per_action_s
+    overhead = [per_action.get(op, 0.0) for op in acts["op"]]
+    return (acts["raw_s"].to_numpy() * np.asarray(scale) + np.asarray(overhead)
+            + cal.latency_s * _receiving(acts, num_stages))
 
 
 def _replay(acts: pd.DataFrame, seconds: np.ndarray, num_stages: int) -> float:
@@ -102,20 +120,29 @@ def study(folder: Path, recent: int) -> pd.DataFrame:
         recent_keys = set(order[max(0, position[(rid, k)] - recent):position[(rid, k)]])
         history = [CalibrationStep(r, fit[(fit["run_id"] == r) & (fit["step"] == j)])
                    for r, j in order[:position[(rid, k)]]]
+        job = job_calibration(history, rid, num_stages)
+        job0 = replace(job, gap_s={}, latency_s=0.0)
         cals = {
             "none": RuntimeCalibration(),
             "warmup": runtime_calibration(fit[mine & in_warm], num_stages),
             "pooled": pooled,
             "rolling": runtime_calibration(fit[mine & before], num_stages),
             "recent": runtime_calibration(fit[np.array([key in recent_keys for key in key_of])], num_stages),
-            "job": job_calibration(history, rid, num_stages),
+            "job0": job0,
+            "job-gap": replace(job0, gap_s=job.gap_s),
+            "job-lat": replace(job0, latency_s=job.latency_s),
+            "job": job,
         }
         acts = fit[here]
         row = {"folder": folder.name, "method": st["method"], "label": st.get("label", st["method"]), "step": k,
                "step_s": st["step_s"], "recorded": st["pred_step_s"]}
         for name, cal in cals.items():
-            row[name] = _replay(acts, _calibrated(acts, cal), num_stages)
-        row["measured_actions"] = _replay(acts, (acts["end_s"] - acts["start_s"]).to_numpy(), num_stages)
+            row[name] = _replay(acts, _calibrated(acts, cal, num_stages), num_stages)
+        measured = (acts["end_s"] - acts["start_s"]).to_numpy()
+        row["measured_actions"] = _replay(acts, measured, num_stages)
+        row["measured_actions+p2p"] = _replay(acts, measured + job.latency_s * _receiving(acts, num_stages)
+                                              + acts["op"].map(job.gap_s).fillna(0.0).to_numpy(), num_stages)
+        row["latency_ms"] = 1e3 * job.latency_s
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -130,17 +157,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--recent", type=int, default=4, help="steps of the job before this one for 'recent' (default 4)")
     ap.add_argument("-o", "--out", type=Path, default=None, help="write the per-step table as CSV")
+    ap.add_argument("--signed", action="store_true", help="also print the median signed error per case")
     args = ap.parse_args(argv)
     df = pd.concat([study(f, args.recent) for f in args.folders], ignore_index=True)
     if args.out:
         df.to_csv(args.out, index=False)
-    cols = ["recorded", *RULES, "measured_actions"]
+    cols = ["recorded", *RULES, "measured_actions", "measured_actions+p2p"]
     err = df[cols].sub(df["step_s"], axis=0).abs().div(df["step_s"], axis=0)
     err[["folder", "label"]] = df[["folder", "label"]]
     per_case = err.groupby(["folder", "label"])[cols].median()      # a case's pred_err, per run
     pd.set_option("display.width", 200)
     print("median |pred - measured| / measured per case and run (the summary's pred_err), by rule:")
     print((per_case * 100).round(1).to_string())
+    if args.signed:
+        signed = df[cols].sub(df["step_s"], axis=0).div(df["step_s"], axis=0)
+        signed[["folder", "label"]] = df[["folder", "label"]]
+        print("\nmedian (pred - measured) / measured per case and run (negative: predicted too fast):")
+        print((signed.groupby(["folder", "label"])[cols].median() * 100).round(1).to_string())
     print("\nover cases and runs: median, max, and how many case-runs within 10%:")
     print(pd.DataFrame({"median": per_case.median(), "max": per_case.max(),
                         "within_10pct": (per_case <= 0.10).mean()}).round(3).to_string())

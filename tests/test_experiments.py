@@ -16,7 +16,7 @@ import pytest
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"
 SCRIPTS = ("sweep_traces", "fixed_mbs_sweep", "reorder_ablation", "costmodel_ablation", "scaling", "analyze",
-           "calibration_study", "loss_parity", "slicing")
+           "calibration_study", "loss_parity", "slicing", "prediction_breakdown")
 
 
 def _script(name: str):

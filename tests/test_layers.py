@@ -107,7 +107,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
     ("models of the hardware", ("dynmb.memory", "dynmb.memory_peak", "dynmb.memory_fit", "dynmb.memory_coef",
                                 *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls", "samples",
-                                          "split", "calibration", "registry", "validate", "gpu"))),
+                                          "split", "p2pfit", "calibration", "registry", "validate", "gpu"))),
     ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.bounds")),
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
                          "dynamic", "dynamic_setup", "dynamic_rank", "recompute", "balanced")),

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig
-from dynmb.costmodel import CalibrationStep, job_calibration
+from dynmb.costmodel import CalibrationStep, get_cost_model, job_calibration
 from dynmb.results import load_results
 from dynmb.runtime import worker
 from dynmb.runtime.checks import StepCheckError
@@ -160,17 +160,24 @@ def test_three_steps_change_shapes(two_rank_run):
     # overhead a steps row carries are job_calibration's of the earlier steps' actions, priced
     # by the uncalibrated model (raw_pred_s); the first step's are 1 and 0
     acts = t["actions"]
+    cfg = _cfg("dynamic", steps=3, warmup=1, global_batch=8, seed=3)     # the run's P2P time (RunState.record)
+    comm = get_cost_model(cfg.cost_model, cfg.model, 2).comm_s(acts["batch"].to_numpy(), acts["padded_len"].to_numpy())
+    priced = acts.assign(pred_s=acts["raw_pred_s"], comm_s=comm)
     for k in range(4):
-        history = [CalibrationStep("rt", acts[acts["step"] == j].assign(pred_s=acts["raw_pred_s"])) for j in range(k)]
+        history = [CalibrationStep("rt", priced[priced["step"] == j]) for j in range(k)]
         cal = job_calibration(history, "rt", 2)
         row = t["steps"].iloc[k]
         for op in ("F", "B"):
             assert row[f"scale_{op}"] == pytest.approx(float(np.mean(cal.scale.get(op, [1.0, 1.0]))))
-            assert row[f"overhead_{op}_s"] == pytest.approx(cal.overhead_s.get(op, 0.0))
-        # every action's pred_s is its raw prediction under that calibration
+            assert row[f"overhead_{op}_s"] == pytest.approx(cal.per_action_s.get(op, 0.0))
+        assert row["recv_latency_s"] == pytest.approx(cal.latency_s)
+        # every action's pred_s is its raw prediction under that calibration, plus the receive
+        # latency on the actions that receive (F of stage 1, B of stage 0)
         step = acts[acts["step"] == k]
         scale = [cal.scale[op][st] if op in cal.scale else 1.0 for op, st in zip(step["op"], step["stage"])]
-        expect = step["raw_pred_s"] * scale + [cal.overhead_s.get(op, 0.0) for op in step["op"]]
+        receives = ((step["op"] == "F") & (step["stage"] == 1)) | ((step["op"] == "B") & (step["stage"] == 0))
+        expect = (step["raw_pred_s"] * scale + [cal.per_action_s.get(op, 0.0) for op in step["op"]]
+                  + cal.latency_s * receives)
         assert step["pred_s"].to_numpy() == pytest.approx(expect.to_numpy(), rel=1e-9)
     # every action's thread CPU time is within its wall time; the replay of each step (the
     # simulator on the measured action times) never exceeds the measured step by more than the

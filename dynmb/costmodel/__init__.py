@@ -5,10 +5,13 @@ Modules, one way up (each imports only those above it):
 - ``nnls``: the relative-error non-negative least-squares solver every fit uses.
 - ``samples``: the tidy samples table (``dynmb profile``, or a run's ``actions``): per-point
   medians, the repeat noise.
+- ``p2pfit``: what a running pipeline pays between its actions that the simulator does not
+  know (the wait of a receive beyond the P2P model, the gap before an action), from its actions.
 - ``calibration``: a running pipeline's speed against the model (scale per stage and op,
-  overhead per action), fitted on the steps a job has measured so far.
+  overhead and gap per action, wait per received message), fitted on the steps a job has
+  measured so far.
 - ``base``: ``CostModelLike`` (the ``typing.Protocol`` consumers use), ``CommModel`` (P2P
-  ``alpha_s + nbytes / bytes_per_s``) and ``CostModel`` (the lookup ``predict`` /
+  ``alpha_s + nbytes / bytes_per_s``, and the calibrated ``recv_latency_s`` of a receiving action) and ``CostModel`` (the lookup ``predict`` /
   ``stage_costs`` / ``plan_costs`` / ``comm_s``, config checks, JSON I/O of any kind).
 - three kinds: ``analytic`` (``AnalyticCostModel``: FLOPs / flops_per_s + overhead, the stand-in
   before profiling), ``poly`` (``FittedCostModel``, the default: a non-negative polynomial in

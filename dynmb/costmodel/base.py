@@ -12,11 +12,13 @@ others); ``plan_costs(plan)`` is the same for a whole plan with each microbatch'
 and its ``recompute`` flag (``dynmb.costmodel.split.apply_recompute``), and is what consumers call.
 ``comm`` (a ``CommModel``) gives the P2P time ``alpha_s + nbytes / bytes_per_s`` of the
 activation sent between neighbouring stages; ``comm_s(rows, padded_len)`` that of a microbatch.
+Its ``recv_latency_s`` (the runtime calibration's, ``with_recv_latency``) is added to every
+receiving action's prediction: the wait for a message the receiver asked for late.
 
 ``CostModelLike`` is that interface as a ``typing.Protocol`` (what the packers, the reorderer, the
 simulator and the runtime rely on). ``CostModel`` is the base class: the lookup (clipped at 0,
 times the per-stage runtime scale of ``with_scale``, plus the per-action runtime overhead of
-``with_overhead``), the check that a model was made
+``with_overhead``, plus on a receiving action the ``recv_latency_s`` of ``with_recv_latency``), the check that a model was made
 for a config and stage split, and the JSON form ``{"kind", "model", "num_stages", "comm",
 "meta", "params"}``; ``load`` refuses a file whose numbers are not finite and non-negative or
 whose predictions decrease as padded_len grows (``dynmb.costmodel.validate``). Every subclass with its own ``kind`` registers itself, so
@@ -73,15 +75,30 @@ class CostModelLike(Protocol):
 
 
 class CommModel:
-    """Point-to-point time ``alpha_s + nbytes / bytes_per_s`` (one-way, one message)."""
+    """Point-to-point time ``alpha_s + nbytes / bytes_per_s`` (one-way, one message), and
+    ``recv_latency_s``, what the action that receives a message waits for it beyond that.
 
-    def __init__(self, alpha_s: float = 5e-5, bytes_per_s: float = 2e9) -> None:
-        if alpha_s < 0 or bytes_per_s <= 0:
-            raise ValueError(f"CommModel needs alpha_s >= 0 and bytes_per_s > 0, got {alpha_s}, {bytes_per_s}")
-        self.alpha_s, self.bytes_per_s = float(alpha_s), float(bytes_per_s)
+    ``alpha_s`` and ``bytes_per_s`` are the profile's (``dynmb.measure.pingpong``: two ranks
+    doing nothing else): the simulator delays a receiving action to the sender's end plus that
+    time. A running pipeline's receiver also waits when it asks late: the transport moves the
+    message once both ends are there, competing with the sender's next compute for the cores,
+    so the wait shows after the receive is posted, however long ago the sender finished.
+    ``recv_latency_s`` is that wait, fitted at run time (``calibration.job_calibration``,
+    ``dynmb.costmodel.p2pfit``; 0 until calibrated); ``CostModel.predict`` adds it to every
+    receiving action (``F`` of a stage > 0, ``B``/``I`` of a stage before the last)."""
+
+    def __init__(self, alpha_s: float = 5e-5, bytes_per_s: float = 2e9, recv_latency_s: float = 0.0) -> None:
+        if alpha_s < 0 or bytes_per_s <= 0 or recv_latency_s < 0:
+            raise ValueError(f"CommModel needs alpha_s >= 0, bytes_per_s > 0 and recv_latency_s >= 0, got "
+                             f"{alpha_s}, {bytes_per_s}, {recv_latency_s}")
+        self.alpha_s, self.bytes_per_s, self.recv_latency_s = float(alpha_s), float(bytes_per_s), float(recv_latency_s)
 
     def time(self, nbytes: Any) -> np.ndarray:
         return self.alpha_s + np.asarray(nbytes, dtype=np.float64) / self.bytes_per_s
+
+    def with_recv_latency(self, recv_latency_s: float) -> "CommModel":
+        """This profile with ``recv_latency_s`` per received message (replacing any earlier one)."""
+        return CommModel(self.alpha_s, self.bytes_per_s, recv_latency_s)
 
     @classmethod
     def fit(cls, nbytes: Any, time_s: Any) -> "CommModel":
@@ -92,10 +109,12 @@ class CommModel:
         return cls(coef[0], 1.0 / max(coef[1], 1e-15))
 
     def to_dict(self) -> dict[str, float]:
-        return {"alpha_s": self.alpha_s, "bytes_per_s": self.bytes_per_s}
+        d = {"alpha_s": self.alpha_s, "bytes_per_s": self.bytes_per_s}
+        return {**d, "recv_latency_s": self.recv_latency_s} if self.recv_latency_s else d
 
     def __repr__(self) -> str:
-        return f"CommModel(alpha_s={self.alpha_s:.3g}, bytes_per_s={self.bytes_per_s:.3g})"
+        extra = f", recv_latency_s={self.recv_latency_s:.3g}" if self.recv_latency_s else ""
+        return f"CommModel(alpha_s={self.alpha_s:.3g}, bytes_per_s={self.bytes_per_s:.3g}{extra})"
 
 
 class CostModel:
@@ -141,7 +160,8 @@ class CostModel:
             raw = derived_split(self, int(stage), op, b, s, a)
         else:
             raw = np.maximum(self._predict(int(stage), op, b, s, a), 0.0)
-        return raw * self.scale_of(int(stage), op) + self.runtime_overhead_s.get(op, 0.0)
+        recv = self.comm.recv_latency_s if self.receives(int(stage), op) else 0.0
+        return raw * self.scale_of(int(stage), op) + self.runtime_overhead_s.get(op, 0.0) + recv
 
     def scale_of(self, stage: int, op: str) -> float:
         """The runtime scale of ``op`` on ``stage`` (``with_scale``; 1.0 when not calibrated). ``I`` and
@@ -168,6 +188,19 @@ class CostModel:
         c = copy.copy(self)
         c.runtime_scale = {op: tuple(float(v) for v in per_stage) for op, per_stage in scale.items()}
         return c
+
+    def with_recv_latency(self, recv_latency_s: float) -> "CostModel":
+        """A copy whose every receiving action (``receives``) takes ``recv_latency_s`` seconds
+        more: what a running pipeline's receives waited beyond the profile's P2P time, fitted on
+        the steps a job ran so far (``calibration.job_calibration``; ``CommModel``)."""
+        c = copy.copy(self)
+        c.comm = self.comm.with_recv_latency(recv_latency_s)
+        return c
+
+    def receives(self, stage: int, op: str) -> bool:
+        """Whether ``op`` on ``stage`` receives a message from a neighbouring stage (``F`` after
+        the first stage, ``B``/``I`` before the last)."""
+        return (op == "F" and stage > 0) or (op in ("B", "I") and stage < self.num_stages - 1)
 
     def _predict(self, stage: int, op: str, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> np.ndarray:
         raise NotImplementedError

@@ -144,7 +144,8 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
              schedule: Schedule | None = None) -> dict[str, Any]:
     """The ``steps`` row of ``step``: ``plan`` is the global batch's plan, ``reports`` every rank's,
     ``cost_model`` the model the step was planned and predicted with (its per-action runtime
-    overhead, ``F`` / ``B``, and its calibration scale, mean over stages), ``schedule``
+    overhead, ``F`` / ``B``, its calibration scale, mean over stages, and the wait per received
+    message it adds to receiving actions, ``recv_latency_s``), ``schedule``
     the schedule replica 0 ran (for ``replay_step_s``; None leaves it empty)."""
     overhead_s = cost_model.runtime_overhead_s
     num_stages = spec.run.pipeline.num_stages
@@ -167,6 +168,7 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         oversize=cfg.oversize, recompute=cfg.recompute, overhead_F_s=overhead_s["F"], overhead_B_s=overhead_s["B"],
         scale_F=sum(cost_model.scale_of(p, "F") for p in range(num_stages)) / num_stages,
         scale_B=sum(cost_model.scale_of(p, "B") for p in range(num_stages)) / num_stages,
+        recv_latency_s=float(getattr(getattr(cost_model, "comm", None), "recv_latency_s", 0.0)),
         attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
         distinct_shapes=distinct_shapes, new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
         replay_step_s=None if schedule is None else replay_step_s(

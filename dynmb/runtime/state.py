@@ -17,8 +17,9 @@ run before its first step (``RunConfig.prewarm``). Runtime calibration (CPU defa
 measured step is appended to the job's history (``RunState.record``, shared by the runs of a job
 on the same model, stages and cost model), and before each step ``RunState.calibrate`` sets the
 cost model the step is planned and predicted with to the uncalibrated one scaled per stage and
-op plus a per-action overhead (``costmodel.job_calibration``: the run's own bias times the
-job's recent speed), so a step's predictions use only what ran before it.
+op, plus a per-action overhead and gap, plus a wait per received message (``costmodel.job_calibration``:
+the run's own bias times the job's recent speed; the job's unexplained receive waits and gaps
+between actions), so a step's predictions use only what ran before it.
 """
 
 from __future__ import annotations
@@ -161,10 +162,12 @@ class RunState:
 
     def record(self, actions: list[ActionRow]) -> None:
         """Append one step's actions (every rank's, the same list on every rank) to the job's
-        history, priced by the uncalibrated model (``raw_pred_s``)."""
+        history, priced by the uncalibrated model (``raw_pred_s``, and ``comm_s``: its P2P time
+        of the action's microbatch, what the receive waits are measured against)."""
         frame = actions_frame(actions)
         if not frame.empty:
-            self.history.append(CalibrationStep(self.spec.run_id, frame.assign(pred_s=frame["raw_pred_s"])))
+            comm = self.profile_model.comm_s(frame["batch"].to_numpy(), frame["padded_len"].to_numpy())
+            self.history.append(CalibrationStep(self.spec.run_id, frame.assign(pred_s=frame["raw_pred_s"], comm_s=comm)))
 
     def calibrate(self) -> None:
         """Set the cost model the next step is planned and predicted with: the uncalibrated model
@@ -172,11 +175,13 @@ class RunState:
         (``costmodel.job_calibration``). Every rank holds the same history, so all compute the
         same model."""
         cal = job_calibration(self.history, self.spec.run_id, self.run.pipeline.num_stages)
-        logger.debug("%s: calibration: scale %s, overhead per action %s", self.spec.run_id,
+        logger.debug("%s: calibration: scale %s, per action %s, per receive %.1f ms", self.spec.run_id,
                      ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per)}" for op, per in cal.scale.items()) or "none",
-                     ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.overhead_s.items()) or "none")
+                     ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.per_action_s.items()) or "none",
+                     1e3 * cal.latency_s)
         model = self.profile_model.with_scale(cal.scale) if cal.scale else self.profile_model
-        self.cost_model = model.with_overhead(**cal.overhead_s) if cal.overhead_s else model
+        model = model.with_overhead(**cal.per_action_s) if cal.per_action_s else model
+        self.cost_model = model.with_recv_latency(cal.latency_s) if cal.latency_s else model
 
     def close(self) -> None:
         self.meter.close()
