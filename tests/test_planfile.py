@@ -93,3 +93,20 @@ def test_mbs_is_refused_by_methods_that_choose_their_own_sizes(tmp_path, capsys)
         assert main(["plan", "--dataset", "sharegpt", "--global-batch", "8", "--method", method, "--mbs", "4",
                      "-o", str(tmp_path / "p.json")]) == 2
         assert f"--mbs 4: {method} chooses its own microbatch sizes" in capsys.readouterr().err
+
+
+def test_a_schedule_csv_without_its_sidecar_is_labelled_file(tmp_path):
+    """Issue 25: a hand-written schedule (no ``.meta.json``) is recorded as ``schedule=file``, not as the
+    plan's kind; one written by ``dynmb schedule`` (sidecar present) keeps its kind."""
+    from dynmb.config import RunConfig
+    from dynmb.runtime.records import schedule_label
+    from dynmb.runtime.spec import RunSpec
+    from dynmb.schedule.io import sidecar_path
+
+    csv_path = tmp_path / "s.csv"
+    csv_path.write_text("0F0,0B0\n")
+    spec = RunSpec(run=RunConfig(), out_dir=str(tmp_path), run_id="r", schedule=str(csv_path))
+    assert schedule_label(spec) == "file"
+    sidecar_path(csv_path).write_text("{}")
+    assert schedule_label(spec) == spec.run.pipeline.schedule == "1f1b"
+    assert schedule_label(RunSpec(run=RunConfig(), out_dir=str(tmp_path), run_id="r")) == "1f1b"

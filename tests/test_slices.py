@@ -400,6 +400,18 @@ def test_split_fills_slice_rows_with_short_sequences_when_predicted_faster(monke
     assert sim.makespan_s < plain_sim.makespan_s
 
 
+def test_a_packed_split_plan_records_its_row_length():
+    """Issue 25: the ``steps``/``runs`` ``pack_len`` of a packed plan with slices is its row length
+    (was None: ``plan_split`` did not record it); other methods record none."""
+    packed, _, _ = plan_step(LONG_BATCH, method="packed", model_cfg=TINY, num_stages=2,
+                             memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+    assert packed.meta["sliced"] and packed.meta["pack_len"] == packed.meta["longest_fitting_length"] > 0
+    assert max(mb.padded_len for mb in packed.microbatches) <= packed.meta["pack_len"]
+    dynamic, _, _ = plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2,
+                              memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+    assert dynamic.meta["pack_len"] is None
+
+
 def test_split_that_cannot_fit_names_the_sequence():
     with pytest.raises(PackingError, match=r"sequence 2 of 2400 tokens does not fit sliced.*--recompute auto"):
         plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2, memory_limit_bytes=parse_bytes("16MiB"),

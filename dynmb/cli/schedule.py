@@ -17,17 +17,12 @@ from dynmb.config import format_bytes
 from dynmb.planning import make_schedule
 from dynmb.planning.reorder import reorder
 from dynmb.schedule import to_csv
+from dynmb.schedule.io import sidecar_path
 from dynmb.schedule.kinds import AUTO, auto_kinds
 from dynmb.simulate import simulate
 from dynmb.types import Plan
 
 __all__ = ["add_parser", "run", "sidecar_path", "check_schedule_plan"]
-
-
-def sidecar_path(schedule_path: str | Path) -> Path:
-    """``<stem>.meta.json`` beside a schedule CSV: the digest and path of the plan it was built for."""
-    p = Path(schedule_path)
-    return p.with_name(p.stem + ".meta.json")
 
 
 def sidecar_digest(meta: dict, schedule_path: str | Path) -> str:

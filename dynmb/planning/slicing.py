@@ -187,6 +187,7 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
                                   "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
                                   "slice_len": int(slice_len), "slice_placement": placement,
                                   "slice_recompute": use_rc, "slice_fill": fill, "truncated": [], "dropped": [],
+                                  "pack_len": int(row_cap) if method == "packed" else None,
                                   "virtual": int(virtual)})
                 sched = make_schedule(plan, schedule_kind, virtual=virtual, memory_model=memory_model,
                                       cost_model=cost_model)

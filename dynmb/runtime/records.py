@@ -33,6 +33,7 @@ from dynmb.costmodel import CostModelLike
 from dynmb.results import TableWriter, run_info
 from dynmb.runtime.hostmem import host_malloc_mode
 from dynmb.runtime.spec import RunSpec
+from dynmb.schedule.io import sidecar_path
 from dynmb.simulate import comm_times, simulate_costs
 from dynmb.types import Plan, Schedule
 
@@ -158,7 +159,7 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         num_microbatches=plan.num_microbatches, padding_fraction=plan.padding_fraction,
         mean_bubble=sum(1 - r.busy_s / step_s for r in reports) / len(reports),
         pred_mean_bubble=plan.predictions.get("mean_bubble"), plan_s=plan.predictions.get("plan_s"),
-        loss=sum(r.loss for r in reports), schedule=pipeline.schedule, schedule_kind=plan.schedule_kind,
+        loss=sum(r.loss for r in reports), schedule=schedule_label(spec), schedule_kind=plan.schedule_kind,
         reorder=pipeline.reorder,
         num_stages=pipeline.num_stages, virtual=pipeline.virtual, dp=cfg.dp, world_size=world_size,
         verified=spec.verify, memory_limit_bytes=int(plan.memory_limit_bytes), mbs=plan.meta.get("mbs"),
@@ -175,6 +176,14 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
             schedule, plan, [a for r in reports for a in r.actions], cost_model),
         **step_bound_fields(plan, schedule, cost_model, [a for r in reports for a in r.actions], step_s),
         label=spec.display_label)
+
+
+def schedule_label(spec: RunSpec) -> str:
+    """The ``schedule`` column: the kind that ran, or ``file`` for a schedule CSV without the sidecar
+    ``dynmb schedule`` writes (a hand-written or torch schedule: its kind is not known)."""
+    if spec.schedule and not sidecar_path(spec.schedule).exists():
+        return "file"
+    return spec.run.pipeline.schedule
 
 
 def run_row(spec: RunSpec, *, backend: str, device: str, world_size: int) -> dict[str, Any]:

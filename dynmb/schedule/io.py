@@ -18,7 +18,14 @@ from pathlib import Path
 from dynmb.atomic import write_text_atomic
 from dynmb.types import Action, Schedule
 
-__all__ = ["to_str", "from_str", "to_csv", "from_csv"]
+__all__ = ["to_str", "from_str", "to_csv", "from_csv", "sidecar_path"]
+
+def sidecar_path(schedule_path: str | Path) -> Path:
+    """``<stem>.meta.json`` beside a schedule CSV: what ``dynmb schedule`` built it for (the plan's
+    digest, kind, virtual stages, reorder). A CSV without one was written by hand or by torch."""
+    p = Path(schedule_path)
+    return p.with_name(p.stem + ".meta.json")
+
 
 _RANK_PREFIX = re.compile(r"^\s*rank\s+\d+\s*:\s*")
 
