@@ -65,7 +65,8 @@ def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     jumping (no per-set Python work per merge). One item into a partition (most merges) is an
     O(k) list edit in place (``bisect``: the set with the smallest sum takes it and moves to its
     sorted place); two partitions of several items merge in numpy, O(k): the sums of one added to
-    the other's reversed and re-sorted (stable). A partition is a list or an array, whichever its
+    the other's reversed and re-sorted (stable), or, with positive weights and no two non-empty
+    sets meeting, by sorting their non-empty sets only (what that stable sort gives). A partition is a list or an array, whichever its
     last merge made. Node storage grows with the nodes made (not the worst case n + (n - 1) k)."""
     w = np.asarray(weights, dtype=np.float64).reshape(-1)
     n = len(w)
@@ -94,6 +95,7 @@ def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
         return heapq.heappop(heap)[1]
     slots = np.arange(k)
     zeros, empties = [0.0] * (k - 1), [-1] * (k - 1)
+    positive = bool(np.all(w > 0))            # then a set is non-empty iff its sum is: the first `count` hold items
 
     def take(pid: int) -> tuple[Any, Any, int]:
         if pid < n:                                   # one item alone: built when first merged
@@ -123,6 +125,15 @@ def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
             tie += 1
             continue
         nb, tb, cb = take(pb)
+        if positive and ca + cb <= k:         # no non-empty set meets a non-empty one: they stand side by side,
+            items = sorted([*zip(_head(na, ca), _head(ta, ca)),                 # in the stable sort's order
+                            *zip(_head(nb, cb)[::-1], _head(tb, cb)[::-1])], key=_first)
+            c = ca + cb
+            neg = [v for v, _ in items] + zeros[:k - c]
+            parts[tie] = (neg, [t for _, t in items] + empties[:k - c], c)
+            heapq.heappush(heap, (neg[0] - neg[-1], tie))
+            tie += 1
+            continue
         neg = np.asarray(na, dtype=np.float64) + np.asarray(nb, dtype=np.float64)[::-1]   # the largest set of
         order = neg.argsort(kind="stable")                                # one with the smallest of the other
         x, y = np.asarray(ta, dtype=np.int64)[order], np.asarray(tb, dtype=np.int64)[::-1][order]
@@ -169,6 +180,15 @@ def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
         sets[donor].remove(item)
         sets[empty].append(item)
     return sets
+
+
+def _head(x: Any, c: int) -> list:
+    """The first ``c`` entries of a partition's list or array, as a list."""
+    return x[:c] if isinstance(x, list) else x[:c].tolist()
+
+
+def _first(item: tuple) -> Any:
+    return item[0]
 
 
 def greedy_partition(weights: Any, k: int) -> list[list[int]]:
