@@ -10,10 +10,10 @@ each simulated replica reordered as ``dynmb.Planner`` does (``--reorder auto``: 
 (``dynmb.simulate``). The replicas simulated are the ``--sim-replicas`` (default 2; 0: all) the packer's
 estimate ``predictions["est_replica_makespan_s"]`` says are slowest; the step is the slowest simulated.
 
-Model and costs: a Llama configuration (``--model``: a preset name such as ``llama2-7b`` once the
-presets exist, else Llama-2-7B widths built field by field: vocab 32000, d_model 4096, 32 layers,
-32 heads, d_ff 11008, bfloat16), ``max_seq_len`` raised to cover the longest trace length (sequences
-longer than fit alone in memory are truncated, counted in ``truncated``), an 80 GiB limit, the
+Model and costs: a model preset (``--model``, default ``llama2-7b``: the Llama family, SwiGLU,
+RMSNorm, rotary positions, no biases; ``llama3.1-8b`` / ``llama3.2-1b`` with grouped-query attention
+and a 128k vocabulary; ``dynmb.config`` cites their sizes), ``max_seq_len`` raised to cover the longest
+trace length (sequences longer than fit alone in memory are truncated, counted in ``truncated``), an 80 GiB limit, the
 analytic memory model and ``dynmb.costmodel.gpu.GPUCostModel`` (H100 SXM, ``--link ib|nvlink``; its
 constants and their public sources are printed first). ``--stage-split even|auto`` (both by default)
 applies to ``dynamic``; the other methods run ``--others-split`` (default even).
@@ -103,9 +103,6 @@ FULL = dict(traces="sharegpt,wikitext2,longtail", tokens="0.5M,4M", stages="4,8,
 QUICK = dict(traces="sharegpt,longtail", tokens="0.5M", stages="4,16", dp="8")
 MAX_SWEEP_MICROBATCHES = 8192
 """The -best sweeps stop before a budget that would make more microbatches than this in all."""
-LLAMA2_7B = dict(name="llama2-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008,
-                 dtype="bfloat16")
-"""Llama-2-7B widths (Touvron et al. 2023, Table 1 / the released config.json), until the preset lands."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,17 +145,11 @@ def parse_tokens(text: str) -> int:
 
 
 def model_for(spec: str, traces: list[np.ndarray]) -> dynmb.ModelConfig:
-    """The preset ``spec`` (Llama-2-7B built field by field while ``llama2-7b`` is not a preset), its
-    ``max_seq_len`` raised to the longest length of ``traces`` and of every shipped trace (the same
-    model whatever traces a run holds), rounded up to 1024."""
+    """The preset ``spec``, its ``max_seq_len`` raised to the longest length of ``traces`` and of every
+    shipped trace (the same model whatever traces a run holds), rounded up to 1024."""
     longest = max(int(t.max()) for t in [*traces, *(data.load_trace(n) for n in data.list_traces())])
     need = -(-longest // 1024) * 1024
-    try:
-        cfg = dynmb.model_config(spec)
-    except ValueError:
-        if spec != LLAMA2_7B["name"]:
-            raise
-        cfg = dynmb.ModelConfig(**LLAMA2_7B, max_seq_len=need)
+    cfg = dynmb.model_config(spec)
     return replace(cfg, max_seq_len=max(cfg.max_seq_len, need))
 
 

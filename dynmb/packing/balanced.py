@@ -36,6 +36,7 @@ at the batch's longest rounded length); ``divisor`` d > 1 gives ``T // d`` (the 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from typing import Any
@@ -59,77 +60,105 @@ VERL_LINEAR_COEF = 24576
 def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     """Indices of ``weights`` in ``k`` sets of balanced sums (largest differencing, module doc).
     Sets are returned largest sum first; a set is empty only when there are fewer than k items.
-    Each merge is O(k) numpy work: the sums of one partition added to the other's reversed and
-    re-sorted, and its sets recorded as nodes of a merge forest (a new node per pair of non-empty
+    A partition's sets are recorded as nodes of a merge forest (a new node per pair of non-empty
     sets joined); the items of every final set are read off the forest at the end by pointer
-    jumping (no per-set Python work per merge)."""
+    jumping (no per-set Python work per merge). One item into a partition (most merges) is an
+    O(k) list edit in place (``bisect``: the set with the smallest sum takes it and moves to its
+    sorted place); two partitions of several items merge in numpy, O(k): the sums of one added to
+    the other's reversed and re-sorted (stable), or, with positive weights and no two non-empty
+    sets meeting, by sorting their non-empty sets only (what that stable sort gives). A partition is a list or an array, whichever its
+    last merge made. Node storage grows with the nodes made (not the worst case n + (n - 1) k)."""
     w = np.asarray(weights, dtype=np.float64).reshape(-1)
     n = len(w)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if n == 0:
         return [[] for _ in range(k)]
-    # nodes 0..n-1 are the items; a node >= n joins its two children; -1 is an empty set
-    cap = n + (n - 1) * k
-    left, right = np.full(cap, -1, dtype=np.int64), np.full(cap, -1, dtype=np.int64)
-    nxt = n
+    wl = w.tolist()
+    # nodes 0..n-1 are the items; node n + i joins left[i] and right[i]; -1 is an empty set
+    left: list[int] = []
+    right: list[int] = []
     # a partition: (negated sums ascending, its sets' nodes aligned with them, how many are non-empty);
-    # heap on -spread, then insertion
-    parts: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
-    heap = [(-float(w[i]), i) for i in range(n)]
-    heapq.heapify(heap)
-    slots = np.arange(k)
+    # popped by -spread, then id (an item's own id; a partition's, n and up, in order of making)
+    parts: dict[int, tuple[Any, Any, int]] = {}
+    heap: list[tuple[float, int]] = []        # partitions of several items; the items alone, in heap order:
+    alone = np.lexsort((np.arange(n), -w)).tolist()
+    neg_alone = [-wl[i] for i in alone]
+    nxt_alone = 0
 
-    def take(pid: int) -> tuple[np.ndarray, np.ndarray, int]:
+    def pop() -> int:
+        """The id with the largest spread (the smallest (-spread, id)) of the items alone and the heap."""
+        nonlocal nxt_alone
+        if nxt_alone < n and (not heap or (neg_alone[nxt_alone], alone[nxt_alone]) < heap[0]):
+            nxt_alone += 1
+            return alone[nxt_alone - 1]
+        return heapq.heappop(heap)[1]
+    slots = np.arange(k)
+    zeros, empties = [0.0] * (k - 1), [-1] * (k - 1)
+    positive = bool(np.all(w > 0))            # then a set is non-empty iff its sum is: the first `count` hold items
+
+    def take(pid: int) -> tuple[Any, Any, int]:
         if pid < n:                                   # one item alone: built when first merged
-            neg, nodes = np.zeros(k), np.full(k, -1, dtype=np.int64)
-            neg[0], nodes[0] = -w[pid], pid
-            return neg, nodes, 1
+            return [-wl[pid], *zeros], [pid, *empties], 1
         return parts.pop(pid)
 
     tie = n
-    while len(heap) > 1:
-        na, ta, ca = take(heapq.heappop(heap)[1])
-        pb = heapq.heappop(heap)[1]
+    while len(heap) + n - nxt_alone > 1:
+        na, ta, ca = take(pop())
+        pb = pop()
         if pb < n:                            # one item into the smallest set of the other (the common
-            v = na[k - 1] - w[pb]             # case): that set moves up, the rest keep their order
-            at = int(np.searchsorted(na[:k - 1], v, side="right"))      # argsort's stable place for it
-            t = int(ta[k - 1])
+            if not isinstance(na, list):      # case): that set moves up, the rest keep their order
+                na, ta = na.tolist(), ta.tolist()
+            v = na.pop() - wl[pb]
+            at = bisect.bisect_right(na, v)   # np.searchsorted(side="right"): argsort's stable place for it
+            t = ta.pop()
             if t >= 0:
-                left[nxt], right[nxt], t = t, pb, nxt
-                nxt += 1
+                left.append(t)
+                right.append(pb)
+                t = n + len(left) - 1
             else:
                 t = pb
-            neg = np.concatenate((na[:at], [v], na[at:k - 1]))
-            nodes = np.concatenate((ta[:at], [t], ta[at:k - 1]))
-            parts[tie] = (neg, nodes, min(k, ca + 1))
-            heapq.heappush(heap, (float(neg[0] - neg[-1]), tie))
+            na.insert(at, v)
+            ta.insert(at, t)
+            parts[tie] = (na, ta, min(k, ca + 1))
+            heapq.heappush(heap, (na[0] - na[-1], tie))
             tie += 1
             continue
         nb, tb, cb = take(pb)
-        neg = na + nb[::-1]                   # the largest set of one with the smallest of the other
-        order = neg.argsort(kind="stable")
-        x, y = ta[order], tb[::-1][order]
+        if positive and ca + cb <= k:         # no non-empty set meets a non-empty one: they stand side by side,
+            items = sorted([*zip(_head(na, ca), _head(ta, ca)),                 # in the stable sort's order
+                            *zip(_head(nb, cb)[::-1], _head(tb, cb)[::-1])], key=_first)
+            c = ca + cb
+            neg = [v for v, _ in items] + zeros[:k - c]
+            parts[tie] = (neg, [t for _, t in items] + empties[:k - c], c)
+            heapq.heappush(heap, (neg[0] - neg[-1], tie))
+            tie += 1
+            continue
+        neg = np.asarray(na, dtype=np.float64) + np.asarray(nb, dtype=np.float64)[::-1]   # the largest set of
+        order = neg.argsort(kind="stable")                                # one with the smallest of the other
+        x, y = np.asarray(ta, dtype=np.int64)[order], np.asarray(tb, dtype=np.int64)[::-1][order]
+        nxt = n + len(left)
         if ca == k and cb == k:               # every set of both non-empty: every pair is a new node
-            left[nxt:nxt + k], right[nxt:nxt + k] = x, y
+            left.extend(x.tolist())
+            right.extend(y.tolist())
             nodes = slots + nxt
-            nxt += k
         else:
             nodes = np.where(x < 0, y, x)
             both = np.flatnonzero((x >= 0) & (y >= 0))
-            ids = np.arange(nxt, nxt + len(both))
-            left[ids], right[ids] = x[both], y[both]
-            nodes[both] = ids
-            nxt += len(both)
+            left.extend(x[both].tolist())
+            right.extend(y[both].tolist())
+            nodes[both] = np.arange(nxt, nxt + len(both))
         neg = neg[order]
         parts[tie] = (neg, nodes, min(k, ca + cb))
         heapq.heappush(heap, (float(neg[0] - neg[-1]), tie))
         tie += 1
-    _, final, _ = take(heap[0][1])
+    _, final, _ = take(pop())
+    final = np.asarray(final, dtype=np.int64)
+    nxt = n + len(left)
     parent = np.arange(nxt)
     inner = np.arange(n, nxt)
-    parent[left[inner]] = inner
-    parent[right[inner]] = inner
+    parent[np.asarray(left, dtype=np.int64)] = inner
+    parent[np.asarray(right, dtype=np.int64)] = inner
     root = parent[:n].copy()
     while True:                               # pointer jumping: every item's root node
         up = parent[root]
@@ -151,6 +180,15 @@ def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
         sets[donor].remove(item)
         sets[empty].append(item)
     return sets
+
+
+def _head(x: Any, c: int) -> list:
+    """The first ``c`` entries of a partition's list or array, as a list."""
+    return x[:c] if isinstance(x, list) else x[:c].tolist()
+
+
+def _first(item: tuple) -> Any:
+    return item[0]
 
 
 def greedy_partition(weights: Any, k: int) -> list[list[int]]:

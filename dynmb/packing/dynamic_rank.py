@@ -4,8 +4,9 @@ steps 5-7 of its docstring).
 ``Ranker`` costs, orders and estimates ``Candidate`` plans for P stages and dp replicas:
 ``own`` (a split of a row set, its slowest microbatches halved until dp divides their number),
 ``baseline`` (another method's plan, balanced over dp as ``dynmb.packing`` balances it),
-``rank`` (each candidate's best estimate over its orders on its probe replicas: the pipeline
-bound, or ``dynmb.makespan.makespans`` for the best by a proxy within ``RANK_OPS`` ops) and
+``rank`` (each candidate's best estimate over its orders on its probe replicas: ``dynmb.makespan``'s
+bound regime (the pipeline bound and the round trips), or ``dynmb.makespan.makespans`` for the
+best by a proxy within ``RANK_OPS`` ops) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
 ``dynmb.packing`` runs them).
 """
@@ -21,7 +22,8 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from ..features import CostFeatures
-from ..makespan import exact_regime, makespans
+from ..makespan import exact_regime, makespans, round_trip_bound
+from ..schedule.kinds import get_kind
 from .dynamic_setup import SplitSetup, split_to_flat
 from .rows import Flat, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, split_group
 
@@ -139,6 +141,7 @@ class Ranker:
         probe replicas' costs are kept."""
         cands = [c for c in cands if len(c.rows)]
         jobs = []                        # (candidate, order, (F, B, sends) of its probe replicas, columns)
+        trips = []                       # bound regime: (candidate, order, pipeline bound, stage-0 F, B, trip above)
         for c in self.costed(cands, affine=True):
             members, busy = self._members(c, exact_assignment=bool(c.baseline))
             used, local = (np.unique(self._probes(c, members), return_inverse=True) if self.dp > 1
@@ -148,12 +151,18 @@ class Ranker:
             if exact_regime(self.P, members.shape[1]):
                 jobs += [(c, name, sub, cols) for name, cols in _orders(local, busy[used], opened).items()]
                 continue
-            # the bound: the same work in every order, only the first and last microbatches differ
-            work, sends = (sub[0] + sub[1])[:, local].sum(axis=2), sub[2][local].mean(axis=1)
-            for name, (first, last) in _order_ends(local, busy[used], opened).items():
-                v = float(_bound(work, sub[0][:, first], sub[1][:, last], sends).max())
-                if v < c.value:
-                    c.value, c.order = v, name
+            # the bound (dynmb.makespan): the pipeline bound (the same work in every order, only the
+            # first and last microbatches differ) and the round trips, the latter for all at once below
+            work = (sub[0] + sub[1])[:, local].sum(axis=2)
+            up = (sub[0][1:] + sub[1][1:]).sum(axis=0) + 2 * (self.P - 1) * sub[2]
+            for name, cols in _orders(local, busy[used], opened).items():
+                a, e = cols[:, 0], cols[:, -1]
+                v = float(_bound(work, sub[0][:, a], sub[1][:, e], sub[2][a], sub[2][e]).max())
+                trips.append((c, name, v, sub[0][0][cols], sub[1][0][cols], up[cols]))
+        for (c, name, v, *_), t in zip(trips, _round_trips(trips, self.P, self.kind)):
+            v = max(v, t)
+            if v < c.value:
+                c.value, c.order = v, name
         proxy = np.array([_proxy(*sub, cols).max() for _, _, sub, cols in jobs])
         chosen, spent, budget = [], 0, RANK_OPS * min(1.0, self.P / 16)
         for j in np.argsort(proxy, kind="stable").tolist():
@@ -254,21 +263,16 @@ def _orders(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> di
     return dict(unique.values())
 
 
-def _order_ends(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> dict[str, tuple]:
-    """(first, last) microbatch of each row of ``members`` in each order of ``_orders``."""
-    rows = np.arange(len(members))
-    tm = t[members]
-    slow, fast = np.argmax(tm, axis=1), members.shape[1] - 1 - np.argmin(tm[:, ::-1], axis=1)
-    out = {"as formed": (members[:, 0], members[:, -1]), "reversed": (members[:, -1], members[:, 0]),
-           "slowest first": (members[rows, slow], members[rows, fast]),
-           "fastest first": (members[rows, fast], members[rows, slow])}
-    if members.shape[1] >= 3:
-        cheap = np.take_along_axis(members, np.argpartition(tm, 1, axis=1)[:, :2], axis=1)
-        out["ends"] = (cheap[:, 0], cheap[:, 1])
-    if opened is not None:
-        om = opened[members]
-        out["as opened"] = (members[rows, np.argmin(om, axis=1)], members[rows, np.argmax(om, axis=1)])
-    return out
+def _round_trips(trips: list[tuple], P: int, kind: str) -> list[float]:
+    """``round_trip_bound`` of each entry's probe replicas (the slowest of them), all entries at once
+    (padded with zero-cost microbatches to the longest)."""
+    if not trips:
+        return []
+    k = max(t[3].shape[1] for t in trips)
+    pad = [np.concatenate([np.pad(t[i], ((0, 0), (0, k - t[i].shape[1]))) for t in trips]) for i in (3, 4, 5)]
+    per = round_trip_bound(*pad, k if get_kind(kind).estimate_as == "gpipe" else P - 1)
+    bounds = np.cumsum([0] + [len(t[3]) for t in trips])
+    return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
 
 def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.ndarray | None) -> np.ndarray:
@@ -289,12 +293,13 @@ def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.n
     return {"reversed": np.arange(m)[::-1], "slowest first": by_t, "fastest first": by_t[::-1]}.get(name, np.arange(m))
 
 
-def _bound(work: np.ndarray, first_F: np.ndarray, last_B: np.ndarray, sends: np.ndarray) -> np.ndarray:
+def _bound(work: np.ndarray, first_F: np.ndarray, last_B: np.ndarray, first_send: np.ndarray,
+           last_send: np.ndarray) -> np.ndarray:
     """The pipeline bound (``dynmb.makespan``) of pipelines side by side: ``work``, ``first_F``, ``last_B`` [P, n],
-    ``sends`` [n] (mean send time of each)."""
+    the first and last microbatch's send time [n] each."""
     zero = np.zeros((1, work.shape[1]))
-    fill = np.concatenate([zero, np.cumsum(first_F[:-1] + sends, axis=0)])
-    drain = np.concatenate([zero, np.cumsum(last_B[:-1] + sends, axis=0)])
+    fill = np.concatenate([zero, np.cumsum(first_F[:-1] + first_send, axis=0)])
+    drain = np.concatenate([zero, np.cumsum(last_B[:-1] + last_send, axis=0)])
     return (work + fill + drain).max(axis=0)
 
 
@@ -303,7 +308,7 @@ def _proxy(F: np.ndarray, B: np.ndarray, comm: np.ndarray, cols: np.ndarray) -> 
     of the pipeline bound and the longest chain of round trips of microbatches P apart."""
     P, k = F.shape[0], cols.shape[1]
     Fo, Bo, c = F[:, cols], B[:, cols], comm[cols]                   # [P, n, k], [n, k]
-    bound = _bound((Fo + Bo).sum(axis=2), Fo[:, :, 0], Bo[:, :, -1], c.mean(axis=1))
+    bound = _bound((Fo + Bo).sum(axis=2), Fo[:, :, 0], Bo[:, :, -1], c[:, 0], c[:, -1])
     trip = (Fo + Bo).sum(axis=0) + 2 * (P - 1) * c                    # [n, k]
     pad = -k % P
     chains = np.concatenate([trip, np.zeros((len(cols), pad))], axis=1).reshape(len(cols), -1, P).sum(axis=1)

@@ -192,14 +192,16 @@ def assign_replicas(busy: np.ndarray, dp: int) -> tuple[list[int], list[int]]:
         raise ValueError(f"{m} microbatches cannot fill {dp} replicas")
     heap = [(0.0, r) for r in range(dp)]
     count = [0] * dp
-    replica = np.zeros(m, dtype=np.int64)
     values = np.asarray(busy, dtype=np.float64)
+    vals = values.tolist()                  # Python floats: the same IEEE sums, without numpy scalars
+    rep = [0] * m
     for j in np.argsort(-values, kind="stable").tolist():
         load, r = heapq.heappop(heap)
-        replica[j] = r
+        rep[j] = r
         count[r] += 1
         if count[r] < per:
-            heapq.heappush(heap, (float(np.float64(load) + values[j]), r))
+            heapq.heappush(heap, (load + vals[j], r))
+    replica = np.array(rep, dtype=np.int64)
     order = np.argsort(replica, kind="stable")
     return order.tolist(), replica[order].tolist()
 
