@@ -182,3 +182,31 @@ def test_two_ranks_recompute_matches_reference_under_the_limit(gloo_job):
         assert t["steps"]["verified"].all() and (t["steps"]["truncated"] == 0).all(), n
         mem = t["memory"]
         assert (mem["peak_bytes"] <= mem["limit_bytes"]).all(), n
+
+
+# --------------------------------------------------------------------------- the row-length cap
+LLAMA = ModelConfig.preset("llama-small")
+
+
+@pytest.mark.parametrize("limit", [384 * 2**20, 2**30])
+def test_auto_truncates_every_method_at_max_seq_len(limit):
+    """Under truncate + auto every method cuts at the same cap min(max_seq_len, longest row
+    admissible with recomputation) -- the split candidate's recomputed singletons too -- builds
+    no row past max_seq_len, and records that cap as longest_fitting_length. At 384 MiB a
+    document of 3/4 max_seq_len fits only with recomputation (candidate (c) is in play)."""
+    from dynmb.packing import METHODS
+    from dynmb.packing.context import PackContext
+
+    mm, cm = get_memory_model(None, LLAMA, 2), get_cost_model(None, LLAMA, 2)
+    top = LLAMA.max_seq_len
+    lengths = np.array([top + top // 2, 3 * top // 4, 300, 200, 150, 900, 1200, 64, 500])
+    rc_cap = PackContext(mm.recomputing(), limit, 2, "1f1b").length_cap(top)
+    assert rc_cap == top and not fits(mm, limit, 1, lengths[0])      # the case: recomputation would fit it whole
+    kept = {}
+    for method in METHODS:
+        plan = pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
+                    oversize="truncate", recompute="auto")
+        assert max(mb.padded_len for mb in plan.microbatches) <= top, (method, plan.meta.get("recompute_choice"))
+        assert plan.meta["truncated"] == [0] and plan.meta["longest_fitting_length"] == rc_cap, method
+        kept[method] = sum(int(mb.lengths.sum()) for mb in plan.microbatches)
+    assert {k for k, v in kept.items() if v != lengths.sum() - lengths[0] + rc_cap} <= {"packed"}, kept

@@ -6,7 +6,8 @@
    in-flight counts) of the memory limit, schedule kind and ``virtual`` chunks, once (the safe
    budget of step 5 shares it, ``PackContext.with_budget``).
 2. Length cap: the longest admissible one-row length, a multiple of ``round_to`` up to the
-   model's ``max_seq_len`` (for ``packed``: its row length, ``packed.packed_row_len``).
+   model's ``max_seq_len`` (for ``packed``: its row length, ``packed.packed_row_len``); no row
+   is longer (``balanced``'s rows of several documents: a longer row is inadmissible).
    Longer sequences follow ``oversize``: ``error`` raises ``PackingError`` naming them and
    the length that fits, ``truncate`` / ``drop`` list them in ``plan.meta``.
 3. The method's microbatches in flat form (``rows.Flat``): ``fixed.fixed_flat``,
@@ -127,6 +128,19 @@ def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str,
     return kept_lengths, ids, meta
 
 
+class _RowCapped(PackContext):
+    """``ctx`` with every row longer than ``row_cap`` inadmissible (``bmax`` 0): the length cap
+    (the model's ``max_seq_len`` at most) for ``balanced``, whose rows hold several documents."""
+
+    def __init__(self, ctx: PackContext, row_cap: int) -> None:     # ctx's caps and counts, not recomputed
+        self.__dict__.update(ctx.__dict__)
+        self.row_cap = int(row_cap)
+
+    def bmax(self, s: Any) -> np.ndarray:
+        s = np.asarray(s)
+        return np.where(s > self.row_cap, 0, super().bmax(s))
+
+
 def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: CostModelLike, *, mbs: int | None, round_to: int,
                  len_cap: int, attention: str, dp: int = 1) -> tuple[Flat, dict[str, Any]]:
     """The microbatches of ``method`` in flat form and the settings it chose (for ``plan.meta``)."""
@@ -140,7 +154,7 @@ def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Co
         flat, budget = token_budget_flat(lens, ctx, round_to, divisor=mbs)
         return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
     if method == "balanced":        # mbs: the memory-maximum token budget is divided by it
-        flat, budget = balanced_flat(lens, ctx, cost_model, round_to=round_to, divisor=mbs, dp=dp)
+        flat, budget = balanced_flat(lens, _RowCapped(ctx, len_cap), cost_model, round_to=round_to, divisor=mbs, dp=dp)
         return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
     if method == "dynapipe":
         return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}

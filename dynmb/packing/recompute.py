@@ -21,6 +21,11 @@ A microbatch with ``recompute`` runs every stage with full activation recomputat
       the plain plan of the others plus each such sequence as its own one-row recomputed
       microbatch.
 
+  Every candidate cuts the batch as (b) does: at the cap ``min(max_seq_len, longest row
+  admissible with recomputation)`` under ``oversize`` (truncate / drop; ``error`` raises), so
+  every method truncates alike and ``meta["longest_fitting_length"]``, ``truncated`` and
+  ``dropped`` are (b)'s; (a) only when it cut the batch the same way.
+
   The one with the smallest estimated makespan (``dynmb.makespan.makespan`` on the one cost
   lookup, each microbatch's recompute cost included) wins; ``meta["recompute"]`` records the
   mode and ``meta["recomputed"]`` how many microbatches recompute.
@@ -145,38 +150,64 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSp
         if ok:
             cands.append((est, name, plan))
 
-    plain_ok = fits(memory_model, memory_limit_bytes, np.ones(len(lengths)), lengths, kind=kind)
-    if plain_ok.all():
-        add("plain", run(lengths, memory_model))
-    rc_plan = run(lengths, rc_model)
+    rc_plan = run(lengths, rc_model)           # cut at the cap with recomputation (PackingError under oversize error)
+    cut, keep = _after_oversize(lengths, rc_plan)
+    plain_ok = fits(memory_model, memory_limit_bytes, np.ones(len(cut)), cut, kind=kind)
+    if plain_ok[keep].all():
+        plain_plan = run(lengths, memory_model)
+        same = _after_oversize(lengths, plain_plan)
+        if np.array_equal(same[0][keep], cut[keep]) and np.array_equal(same[1], keep):
+            add("plain", plain_plan)        # (it cut the batch as rc_plan did: otherwise not a candidate)
     flags = needs_recompute(memory_model, rc_plan, tight=rc_plan.meta.get("budget", "tight") == "tight")
     mixed = mark_recompute(rc_plan, flags, recompute="auto")
     if _with_predictions(mixed, cost_model, memory_model)[2]:
         add("mixed", mixed)
     else:
         add("all", mark_recompute(rc_plan, True, recompute="auto"))
-    rc_ok = fits(memory_model, memory_limit_bytes, np.ones(len(lengths)), lengths, kind=kind, recompute=True)
-    if not plain_ok.all() and plain_ok.any() and rc_ok.all() and spec.dp == 1:
-        add("split", _plain_plus_singletons(run, lengths, plain_ok, memory_model, spec))
+    rc_ok = fits(memory_model, memory_limit_bytes, np.ones(len(cut)), cut, kind=kind, recompute=True)
+    plain_ok &= keep
+    if plain_ok.any() and not plain_ok[keep].all() and rc_ok[keep].all() and spec.dp == 1:
+        add("split", _plain_plus_singletons(run, lengths, plain_ok, memory_model, rc_plan))
     if not cands:
         raise ValueError(f"recompute auto: no plan of {method} fits under {memory_limit_bytes} B")
     est, name, plan = min(cands, key=lambda c: c[0])
-    return replace(plan, meta={**plan.meta, "recompute": "auto", "recompute_choice": name})
+    return replace(plan, meta={**plan.meta, **_cap_meta(rc_plan), "recompute": "auto", "recompute_choice": name})
+
+
+_CAP_KEYS = ("longest_fitting_length", "truncated", "dropped")
+
+
+def _cap_meta(rc_plan: Plan) -> dict[str, Any]:
+    """The length cap of every candidate: the plan packed with recomputation's admissibility
+    (``min(max_seq_len, longest admissible row)``) and its truncated / dropped sequences."""
+    return {k: rc_plan.meta[k] for k in _CAP_KEYS if k in rc_plan.meta}
+
+
+def _after_oversize(lengths: np.ndarray, rc_plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths as ``rc_plan`` runs them: truncated ones at its length, mask of the sequences not dropped)."""
+    cut = lengths.copy()
+    for mb in rc_plan.microbatches:
+        cut[mb.seq_ids] = mb.lengths
+    keep = np.ones(len(lengths), dtype=bool)
+    keep[np.asarray(rc_plan.meta.get("dropped", []), dtype=np.int64)] = False
+    return cut, keep
 
 
 def _plain_plus_singletons(run: Callable[[Any, MemoryModelLike], Plan], lengths: np.ndarray, plain_ok: np.ndarray,
-                           memory_model: MemoryModelLike, spec: PlanSpec) -> Plan:
+                           memory_model: MemoryModelLike, rc_plan: Plan) -> Plan:
     """Candidate (c): the plain plan of the sequences that fit without recomputation, then each
-    other sequence alone in a recomputed one-row microbatch (at the packer's rounding)."""
+    other sequence ``rc_plan`` keeps alone in a recomputed one-row microbatch (at the packer's
+    rounding), every sequence at the length ``rc_plan`` cut it to (``plain_ok``: False for dropped ones)."""
+    cut, keep = _after_oversize(lengths, rc_plan)
     ids = np.flatnonzero(plain_ok)
-    base = run(lengths[ids], memory_model)
-    round_to = int(spec.round_to)
-    extra = [Microbatch([i], [int(lengths[i])], -(-int(lengths[i]) // round_to) * round_to, 1, recompute=True)
-             for i in np.flatnonzero(~plain_ok)]
+    base = run(cut[ids], memory_model)
+    round_to = int(rc_plan.meta.get("round_to", 1))
+    extra = [Microbatch([i], [int(cut[i])], -(-int(cut[i]) // round_to) * round_to, 1, recompute=True)
+             for i in np.flatnonzero(keep & ~plain_ok)]
     mbs = tuple(_remap(base, ids) + extra)
     plan = Plan(microbatches=mbs, method=base.method, num_stages=base.num_stages,
-                memory_limit_bytes=base.memory_limit_bytes, num_sequences=len(lengths),
+                memory_limit_bytes=base.memory_limit_bytes, num_sequences=len(cut),
                 schedule_kind=base.schedule_kind, predictions=base.predictions, spec=base.spec,
-                meta={**base.meta, "recomputed": len(extra), "recompute": "auto"})
+                meta={**base.meta, **_cap_meta(rc_plan), "recomputed": len(extra), "recompute": "auto"})
     plan.validate(lengths)
     return plan
