@@ -19,7 +19,7 @@ Per case (the ``steps`` label), over its measured steps (medians):
    of receives that waited over 5 ms, the median gap before an ``F`` (``p2pfit.action_gaps``),
    and the step's tail (step_s minus the last action's end).
 
-    python experiments/prediction_breakdown.py /work/meas/compare_small_r3 [more] [--out table.csv]
+    python experiments/prediction_breakdown.py results/compare [more] [--out table.csv]
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ added to every receiving action (``CostModel.with_recv_latency``), and ``gap_s[o
 median time between an action's end and the next ``op``'s receive on a rank (about 1.3 ms of
 input building before every ``F``), to every action's overhead (``per_action_s``). Both are paid
 once per microbatch and stage, so a plan of many microbatches is charged for them and a plan of
-few is not: without them the replay of ``/work/meas/compare_small_r3`` with every action's
+few is not: without them the replay of a default ``dynmb compare`` recorded on the loaded 2-core box (c0fe06a) with every action's
 *measured* time ran 4.1% fast on dynamic's steps (11 microbatches) against 1.3% on
 balanced div=16's (4-8), and the planner's choice between them leaned the same way.
 

@@ -9,7 +9,7 @@ with many microbatches is predicted too fast by more than a plan with few:
   yet the recorded waits behave as a rendezvous: a receive posted before its sender finished
   waited 0.2-0.4 ms beyond the ping-pong model (median), while an activation the receiver asked
   for after its sender had moved on to its next compute often waited 5-100 ms *after asking*
-  (``/work/meas/compare_small_r3``: balanced div=64, step 2, 16 microbatches: 185 ms of a 2.0 s
+  (a default ``dynmb compare`` recorded on the loaded 2-core box, c0fe06a: balanced div=64, step 2, 16 microbatches: 185 ms of a 2.0 s
   step), as if the transfer starts once both ends are there and competes with the sender's
   compute for the 2 cores (our reading of the timings; gloo's internals were not traced);
 - **gaps.** Between one action's end and the next one's receive the interpreter builds the

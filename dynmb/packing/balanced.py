@@ -248,7 +248,7 @@ def balanced_flat(lens: np.ndarray, ctx: PackContext, cost_model: Any = None, *,
     lens = np.asarray(lens, dtype=np.int64)
     if divisor is not None and (int(divisor) != divisor or divisor < 1):
         raise ValueError(f"balanced: the budget divisor must be a whole number >= 1, got {divisor!r}")
-    budget = max(1, max_tokens(ctx, round_up(int(lens.max()), round_to)) // int(divisor or 1))
+    budget = max(1, row_budget(ctx, lens, round_to) // int(divisor or 1))
     k = max(1, math.ceil(int(lens.sum()) / budget))
     k = min(len(lens), -(-k // dp) * dp)
     work = sequence_workload(lens, cost_model)
@@ -264,6 +264,13 @@ def balanced_flat(lens: np.ndarray, ctx: PackContext, cost_model: Any = None, *,
     return groups_to_flat([groups[i] for i in order]), budget
 
 
+def row_budget(ctx: PackContext, lens: np.ndarray, round_to: int) -> int:
+    """The memory-maximum token budget of one packed row (``token_budget.max_tokens``), no longer
+    than the row may be (``ctx.row_cap``): verl's ``max_token_len`` is a row's length too."""
+    cap = max_tokens(ctx, round_up(int(lens.max()), round_to))
+    return cap if ctx.row_cap is None else min(cap, int(ctx.row_cap))
+
+
 def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, round_to: int = 1, dp: int = 1,
                     keep: int = 3, max_j: int = 12) -> list[int]:
     """The divisors d = 2^j (j = 0, 1, ... until every sequence is its own microbatch) of the memory-maximum
@@ -272,7 +279,7 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     them), estimated by ``dynmb.makespan.makespans``; the best and its neighbours in j, ``keep`` in all."""
     lens = np.asarray(lens, dtype=np.int64)
     n, total = len(lens), int(lens.sum())
-    cap = max_tokens(ctx, round_up(int(lens.max()), round_to))
+    cap = row_budget(ctx, lens, round_to)
     divs, ks = [], []
     for j in range(max_j + 1):
         k = min(n, -(-math.ceil(total / max(1, cap >> j)) // dp) * dp)

@@ -43,6 +43,10 @@ class PackingError(ValueError):
 class PackContext:
     """Per-call constants: caps, in-flight counts and the admissible-rows function."""
 
+    row_cap: int | None = None
+    """The longest one packed row may be (``balanced``'s rows hold several documents: the model's
+    ``max_seq_len`` at most); None: memory alone decides."""
+
     def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True, virtual: int = 1) -> None:
         self.mm, self.limit, self.p, self.kind, self.tight, self.virtual = mm, int(limit), p, kind, tight, virtual
         state = np.asarray(mm.state_bytes, dtype=np.float64)
