@@ -2,8 +2,8 @@
 
 - ``gloo_job``: one torchrun job per rank count for the modules' gloo cases (``tests/gloo_jobs.py``).
 - ``slow``: the default ``python -m pytest -q tests`` (the README's test command, about 5 min on
-  a 2-core box) skips the tests marked ``slow``; ``--runslow`` or ``DYNMB_SLOW=1`` runs them too,
-  as ``.ci/run`` does. A test is slow when it is marked ``@pytest.mark.slow`` in its module or
+  a 2-core box) skips the tests marked ``slow``; ``--runslow`` or ``DYNMB_SLOW=1`` runs them too
+  (before a merge). A test is slow when it is marked ``@pytest.mark.slow`` in its module or
   listed in ``SLOW`` below (node ids of the longest tests by ``pytest --durations``, kept here so
   that one list decides what the quick run leaves out).
 """
@@ -36,7 +36,7 @@ SLOW: tuple[str, ...] = (
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run the tests marked slow (DYNMB_SLOW=1 does the same; .ci/run does)")
+                     help="also run the tests marked slow (DYNMB_SLOW=1 does the same)")
 
 
 def _run_slow(config: pytest.Config) -> bool:
