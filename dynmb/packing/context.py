@@ -84,9 +84,18 @@ class PackContext:
         other.tight = tight
         return other
 
+    def with_row_cap(self, row_cap: int) -> "PackContext":
+        """This context with every row longer than ``row_cap`` inadmissible (``balanced``'s rows
+        hold several documents: the length cap, the model's ``max_seq_len`` at most)."""
+        other = copy.copy(self)
+        other.row_cap = int(row_cap)
+        return other
+
     def bmax(self, s: Any) -> np.ndarray:
-        """The most rows admissible at each padded length in ``s`` (0 where none)."""
-        return self.mm.max_rows(self.caps, s, self.k, tight=self.tight)
+        """The most rows admissible at each padded length in ``s`` (0 where none, and where ``s``
+        is over ``row_cap``)."""
+        rows = self.mm.max_rows(self.caps, s, self.k, tight=self.tight)
+        return rows if self.row_cap is None else np.where(np.asarray(s) > self.row_cap, 0, rows)
 
     def max_len(self, cap_len: int) -> int:
         """Largest s <= cap_len with one admissible row (bmax is non-increasing in s)."""

@@ -128,19 +128,6 @@ def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str,
     return kept_lengths, ids, meta
 
 
-class _RowCapped(PackContext):
-    """``ctx`` with every row longer than ``row_cap`` inadmissible (``bmax`` 0): the length cap
-    (the model's ``max_seq_len`` at most) for ``balanced``, whose rows hold several documents."""
-
-    def __init__(self, ctx: PackContext, row_cap: int) -> None:     # ctx's caps and counts, not recomputed
-        self.__dict__.update(ctx.__dict__)
-        self.row_cap = int(row_cap)
-
-    def bmax(self, s: Any) -> np.ndarray:
-        s = np.asarray(s)
-        return np.where(s > self.row_cap, 0, super().bmax(s))
-
-
 def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: CostModelLike, *, mbs: int | None, round_to: int,
                  len_cap: int, attention: str, dp: int = 1) -> tuple[Flat, dict[str, Any]]:
     """The microbatches of ``method`` in flat form and the settings it chose (for ``plan.meta``)."""
@@ -154,7 +141,7 @@ def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: Co
         flat, budget = token_budget_flat(lens, ctx, round_to, divisor=mbs)
         return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
     if method == "balanced":        # mbs: the memory-maximum token budget is divided by it
-        flat, budget = balanced_flat(lens, _RowCapped(ctx, len_cap), cost_model, round_to=round_to, divisor=mbs, dp=dp)
+        flat, budget = balanced_flat(lens, ctx.with_row_cap(len_cap), cost_model, round_to=round_to, divisor=mbs, dp=dp)
         return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
     if method == "dynapipe":
         return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}
