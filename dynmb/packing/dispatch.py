@@ -73,9 +73,21 @@ def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> None:
         raise ValueError(f"oversize must be error, truncate or drop, got {spec.oversize!r}")
     if memory_model.num_stages != spec.num_stages:
         raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {spec.num_stages}")
-    if spec.mbs is not None and spec.method in ("dynapipe", "dynamic"):
-        raise ValueError(f"--mbs {spec.mbs}: {spec.method} chooses its own microbatch sizes (mbs is the size of "
-                         "fixed, sorted and packed, and the budget divisor of token-budget and balanced); leave it out")
+    if (refusal := mbs_refusal(spec)) is not None:
+        raise ValueError(refusal)
+
+
+MBS_METHODS = ("fixed", "sorted", "packed", "token-budget", "balanced")
+"""Methods that take ``mbs`` (rows per microbatch, or the divisor of their token budget); ``dynamic``
+and ``dynapipe`` choose their own sizes."""
+
+
+def mbs_refusal(spec: PlanSpec) -> str | None:
+    """The one-line refusal of an ``mbs`` given to a method that chooses its own sizes, else None."""
+    if spec.mbs is None or spec.method in MBS_METHODS:
+        return None
+    return (f"--mbs {spec.mbs}: {spec.method} chooses its own microbatch sizes (mbs is the size of "
+            f"{', '.join(MBS_METHODS[:3])} and the budget divisor of {', '.join(MBS_METHODS[3:])}); leave it out")
 
 
 def _check_lengths(lengths: Any) -> np.ndarray:

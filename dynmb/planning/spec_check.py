@@ -28,14 +28,13 @@ from __future__ import annotations
 from dynmb.memory import MemoryModelLike
 from ..config import ModelConfig
 from ..packing import METHODS
+from ..packing.dispatch import MBS_METHODS, mbs_refusal
 from ..planspec import PlanSpec
 from ..schedule.kinds import AUTO, auto_kinds, get_kind, kind_names, is_schedule_name, slice_kinds
 from .reorder import REORDER_METHODS
 
-__all__ = ["check_plan_spec", "MBS_METHODS", "PACK_LEN_METHODS", "uses_pack_len", "uses_mbs"]
+__all__ = ["check_plan_spec", "MBS_METHODS", "PACK_LEN_METHODS", "uses_pack_len"]
 
-MBS_METHODS = ("fixed", "sorted", "packed", "token-budget", "balanced")
-"""Methods that take ``mbs`` (rows per microbatch, or the divisor of their token budget)."""
 PACK_LEN_METHODS = ("packed",)
 """Methods that build rows of ``pack_len`` tokens."""
 
@@ -43,11 +42,6 @@ PACK_LEN_METHODS = ("packed",)
 def uses_pack_len(method: str) -> bool:
     """Whether ``method`` reads ``pack_len``."""
     return method in PACK_LEN_METHODS
-
-
-def uses_mbs(method: str) -> bool:
-    """Whether ``method`` reads ``mbs``."""
-    return method in MBS_METHODS
 
 
 def _kinds_taking_virtual() -> list[str]:
@@ -75,10 +69,8 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
                              f"slices run on {' or '.join(slice_kinds()) or 'no registered kind'}")
         if spec.dp != 1:
             raise ValueError(f"--oversize split plans one pipeline replica; got --dp {spec.dp}")
-    if spec.mbs is not None and not uses_mbs(spec.method):
-        raise ValueError(f"--mbs {spec.mbs}: {spec.method} chooses its own microbatch sizes (mbs is the size of "
-                         f"{', '.join(MBS_METHODS[:3])} and the budget divisor of {', '.join(MBS_METHODS[3:])}); "
-                         "leave it out")
+    if (refusal := mbs_refusal(spec)) is not None:
+        raise ValueError(refusal)
     if spec.pack_len is not None and not uses_pack_len(spec.method):
         raise ValueError(f"--pack-len {spec.pack_len}: {spec.method} does not build rows of a fixed length "
                          f"(pack_len is the row length of {' and '.join(PACK_LEN_METHODS)}); leave it out")
