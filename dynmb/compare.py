@@ -104,6 +104,8 @@ class CompareSettings:
     recompute: str = "never"
     """Per-microbatch activation recomputation: never, always or auto (``dynmb.packing.recompute``)."""
     prewarm: bool = False
+    plan_ahead: int = 0
+    """Planner processes per rank planning ahead of training (``dynmb.runtime.planahead``)."""
     expandable_segments: bool = True
     schedule: str = "1f1b"
     virtual: int = 1
@@ -232,7 +234,7 @@ def _case_config(settings: CompareSettings, method: str, microbatch_size: int | 
                      backend="nccl" if device == "cuda" else "gloo", device=device, cost_model=settings.cost_model,
                      oversize=settings.oversize,
                      pack_len=settings.pack_len if uses_pack_len(method) else None, round_to=settings.round_to,
-                     prewarm=settings.prewarm, recompute=settings.recompute,
+                     prewarm=settings.prewarm, recompute=settings.recompute, plan_ahead=settings.plan_ahead,
                      expandable_segments=settings.expandable_segments)
 
 

@@ -266,6 +266,9 @@ class RunConfig:
     prewarm: bool = False
     """Run one forward+backward of every distinct microbatch shape of the planned steps before
     the first step (CUDA kernels and allocator pools are set up per shape)."""
+    plan_ahead: int = 0
+    """Planner processes per rank planning that many steps ahead of the step being trained
+    (``dynmb.runtime.planahead``); 0 plans each step in line, on the critical path."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -274,6 +277,8 @@ class RunConfig:
             raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
         if self.dp < 1:
             raise ValueError(f"dp must be >= 1, got {self.dp}")
+        if not 0 <= self.plan_ahead <= 64:
+            raise ValueError(f"plan_ahead must be 0-64 steps, got {self.plan_ahead}")
         if self.mbs is not None and self.mbs < 1:
             raise ValueError(f"mbs must be >= 1, got {self.mbs}")
         if self.backend not in ("gloo", "nccl"):

@@ -69,7 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         stages=args.stages, memory_limit=args.memory_limit,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), microbatch_size=args.mbs,
         oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to, recompute=args.recompute,
-        prewarm=args.prewarm,
+        prewarm=args.prewarm, plan_ahead=args.plan_ahead,
         expandable_segments=not args.no_expandable_segments, schedule=args.schedule,
         virtual=int(args.virtual or 1), device=args.device, memory_model=args.memory_model,
         allow_over_limit=args.allow_over_limit, reorder=args.reorder, steps=args.steps, warmup=args.warmup,

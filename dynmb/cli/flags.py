@@ -237,6 +237,9 @@ def add_run_shape_flags(parser: argparse.ArgumentParser) -> None:
                         help="run one forward+backward of every distinct microbatch shape of the planned steps first")
     parser.add_argument("--no-expandable-segments", action="store_true",
                         help="CUDA: do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the default)")
+    parser.add_argument("--plan-ahead", type=int, default=0, metavar="N",
+                        help="N planner processes per rank plan N steps ahead of the step being trained "
+                             "(default 0: each step is planned in line; steps.plan_wait_s says what it waited)")
 
 
 def corpus_source(args: argparse.Namespace) -> CorpusSource | None:

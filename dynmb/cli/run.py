@@ -121,7 +121,7 @@ def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "c
         warmup=args.warmup, backend=backend, device=device, cost_model=args.cost_model, timeout_s=args.timeout,
         oversize=_arg(args, "oversize"), pack_len=args.pack_len, round_to=_arg(args, "round_to"),
         prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments,
-        recompute=_arg(args, "recompute"))
+        recompute=_arg(args, "recompute"), plan_ahead=args.plan_ahead)
 
 
 def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, kind: str,
@@ -149,6 +149,8 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
     for flag in ("oversize", "recompute", "reorder"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag} plans a batch; --plan {args.plan} runs that plan as it is")
+    if args.plan_ahead:
+        raise ValueError(f"--plan-ahead plans the steps' batches; --plan {args.plan} runs that plan every step")
 
 
 def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "cpu"

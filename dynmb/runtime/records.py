@@ -107,6 +107,8 @@ class StepReport:
     memory: list[MemoryRow] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     """Failed checks (memory limit, gradients), one message each."""
+    plan_wait_s: float = 0.0
+    """How long this rank's step start waited for the step's plan (``runtime.planahead``)."""
 
 
 def actions_frame(rows: Sequence[ActionRow]) -> pd.DataFrame:
@@ -159,6 +161,7 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         num_microbatches=plan.num_microbatches, padding_fraction=plan.padding_fraction,
         mean_bubble=sum(1 - r.busy_s / step_s for r in reports) / len(reports),
         pred_mean_bubble=plan.predictions.get("mean_bubble"), plan_s=plan.predictions.get("plan_s"),
+        plan_wait_s=max(r.plan_wait_s for r in reports), plan_ahead=cfg.plan_ahead,
         loss=sum(r.loss for r in reports), schedule=schedule_label(spec), schedule_kind=plan.schedule_kind,
         reorder=pipeline.reorder,
         num_stages=pipeline.num_stages, virtual=pipeline.virtual, dp=cfg.dp, world_size=world_size,

@@ -41,6 +41,7 @@ from dynmb.planning import plan_step, predict_replicas, replica_schedules, repli
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
+from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.records import ActionRow, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files
 from dynmb.runtime.topology import Topology, make_process_groups
@@ -83,6 +84,8 @@ class PlannedBatch:
     plan: Plan
     schedule: Schedule
     sim: SimResult
+    wait_s: float = 0.0
+    """How long the step's start waited for this plan (``plan_s`` in line; see ``planahead``)."""
 
 
 class RunState:
@@ -113,6 +116,9 @@ class RunState:
         self.ops = device_ops(device)     # the device seam; also the clock the actions are timed with
         self.clock = self.ops
         self.seen_shapes: set[tuple[int, int]] = set()  # (rows, padded_len) run so far (prewarm included)
+        self.ahead = PlanAhead(run.plan_ahead, self.batch_lengths, run.warmup + run.steps - 1, spec=run.plan_spec,
+                               model_cfg=run.model, memory_model=self.memory_model) \
+            if run.plan_ahead and self.fixed is None else None
 
     @property
     def rank(self) -> int:
@@ -123,17 +129,31 @@ class RunState:
         """Whether measured steps calibrate the cost model of later steps (default: on CPU)."""
         return self.spec.calibrate if self.spec.calibrate is not None else self.device.type == "cpu"
 
-    def plan_batch(self, step: int) -> PlannedBatch:
-        """Global batch ``step`` and its plan: deterministic, the same on every rank."""
+    def batch_rows(self, step: int) -> np.ndarray:
+        """The trace rows of global batch ``step`` (deterministic)."""
+        assert self.trace is not None
+        return sample_indices(len(self.trace), self.run.global_batch, self.run.seed, step=step)
+
+    def batch_lengths(self, step: int) -> np.ndarray:
+        """The sequence lengths of global batch ``step``."""
+        assert self.trace is not None
+        return self.trace[self.batch_rows(step)]
+
+    def plan_batch(self, step: int, *, ahead: bool = True) -> PlannedBatch:
+        """Global batch ``step`` and its plan: deterministic, the same on every rank. With
+        ``plan_ahead`` (and ``ahead``) from the planner processes, else planned here and now."""
         run = self.run
         if self.fixed is not None:
             return self._plan_file_batch()
-        assert self.trace is not None
-        rows = sample_indices(len(self.trace), run.global_batch, run.seed, step=step)
-        lengths = self.trace[rows]
-        plan, schedule, sim = plan_step(lengths, run.plan_spec, model_cfg=run.model, cost_model=self.cost_model,
-                                        memory_model=self.memory_model)
-        return PlannedBatch(lengths, replace(plan, dataset_ids=tuple(rows.tolist())), schedule, sim)
+        rows = self.batch_rows(step)
+        if ahead and self.ahead is not None:
+            (plan, schedule, sim), lengths, wait_s = self.ahead.get(step, self.cost_model)
+        else:
+            lengths = self.batch_lengths(step)
+            plan, schedule, sim = plan_step(lengths, run.plan_spec, model_cfg=run.model, cost_model=self.cost_model,
+                                            memory_model=self.memory_model)
+            wait_s = float(plan.predictions.get("plan_s") or 0.0)
+        return PlannedBatch(lengths, replace(plan, dataset_ids=tuple(rows.tolist())), schedule, sim, wait_s)
 
     def tokens(self, batch: PlannedBatch, step: int) -> list[torch.Tensor]:
         """Token ids of ``batch``: the corpus documents of its rows, else synthetic ids of step ``step``."""
@@ -185,6 +205,8 @@ class RunState:
 
     def close(self) -> None:
         self.meter.close()
+        if self.ahead is not None:
+            self.ahead.close()
 
 
 def prewarm(state: RunState) -> int:
@@ -196,7 +218,7 @@ def prewarm(state: RunState) -> int:
     run = state.run
     todo: dict[tuple[int, int, bool], tuple[Microbatch, np.ndarray]] = {}
     for step in range(run.warmup + run.steps):
-        batch = state.plan_batch(step)
+        batch = state.plan_batch(step, ahead=False)
         for mb in batch.plan.microbatches:
             todo.setdefault((mb.batch, mb.padded_len, mb.is_packed), (mb, batch.lengths))
     for microbatch, lengths in todo.values():

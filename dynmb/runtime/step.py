@@ -191,5 +191,5 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
         reference = reference_gradients(run, plan, tokens, weights, factory=state.spec.factory())
         problems += gradient_problems(state.rank, step, verified_grads, reference)
     report = StepReport(rank=state.rank, step_s=step_s, busy_s=busy_s, loss=loss, actions=action_rows,
-                        memory=memory_rows, problems=problems)
+                        memory=memory_rows, problems=problems, plan_wait_s=batch.wait_s)
     return report, plan, batch.schedule
