@@ -114,7 +114,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "defaults", "api",
                           "sampler", "stage_split", "spec_check")),
     ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf"))),
-    ("runtime", (*_modules("dynmb.runtime", "spec", "topology", "state", "step", "interpreter", "splitbackward", "comm",
+    ("runtime", (*_modules("dynmb.runtime", "spec", "topology", "state", "planahead", "step", "interpreter", "splitbackward", "comm",
                            "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",
                            "worker", "api"), *_modules("dynmb.integrations", "torch_pipelining"))),
     ("measurement", (*_modules("dynmb.measure", "profiler", "grid", "timing", "eta", "samples", "memory", "pingpong"),
