@@ -86,7 +86,8 @@ best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and wei
 BALANCED_BUDGETS = 3
 """``balanced`` (verl's dynamic batching) is weighed at this many token budgets memory maximum / 2^j,
 those the fast estimate ranks best (``balanced.budget_divisors``; ``dynmb compare`` tunes it over the
-same budgets in hindsight): baselines ``"balanced/d"``."""
+same budgets in hindsight): baselines ``"balanced/d"``. ``token-budget`` is weighed at the same
+budgets (``"token-budget/d"``), as ``dynmb compare``'s ``token-budget-best`` tunes it."""
 BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe", "balanced")
 """Methods whose plans (``baselines``) are candidates too, always weighed in the final choice
 (``balanced`` at the budgets ``BALANCED_BUDGETS`` says, as ``balanced/d``: budget divisor ``mbs = d``)."""
@@ -155,8 +156,8 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     if baselines is not None:
         names = [m for m in BASELINES if m != "balanced" and not (m == "dynapipe" and n > SEED_DP_MAX)
                  and not (m == "packed" and n > BFD_MAX)]
-        names += [f"balanced/{d}" for d in budget_divisors(lengths, ctx, cost_model, round_to=round_to, dp=dp,
-                                                           keep=BALANCED_BUDGETS)]
+        divisors = budget_divisors(lengths, ctx, cost_model, round_to=round_to, dp=dp, keep=BALANCED_BUDGETS)
+        names += [f"balanced/{d}" for d in divisors] + [f"token-budget/{d}" for d in divisors if d > 1]
         given = {m: baselines(m) for m in names}
     elif n <= SEED_DP_MAX:        # called alone: the fixed-size and DP splits of the sorted rows
         unpacked = setups["none"]

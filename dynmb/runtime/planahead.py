@@ -72,10 +72,7 @@ class PlanAhead:
     def get(self, step: int, cost_model: Any) -> tuple[Any, np.ndarray, float]:
         """``(planned, lengths, wait_s)`` of step ``step``: what ``plan`` returned, the batch's
         lengths, and the seconds this call waited for it. Submits steps up to ``step + n`` first."""
-        for k in range(self._next, min(step + self.n, self.last) + 1):
-            lengths = self._lengths_of(k)
-            self._futures[k] = (self._pool.submit(_plan, lengths, cost_model, *self._args), lengths)
-            self._next = k + 1
+        self.submit_through(step + self.n, cost_model)
         if step not in self._futures:
             raise RuntimeError(f"plan ahead: step {step} was not submitted (steps are asked for in order)")
         future, lengths = self._futures.pop(step)
@@ -85,6 +82,15 @@ class PlanAhead:
         except BrokenProcessPool as e:
             raise RuntimeError(f"plan ahead: a planner process died while planning step {step} ({e})") from None
         return planned, lengths, time.perf_counter() - t0
+
+    def submit_through(self, step: int, cost_model: Any) -> None:
+        """Submit every step not yet submitted up to ``step`` (and the run's last), planned with
+        ``cost_model``. ``RunState`` submits the first ``n + 1`` steps at set-up, so the planner
+        processes start (a few seconds of imports) while the rank builds its model."""
+        for k in range(self._next, min(step, self.last) + 1):
+            lengths = self._lengths_of(k)
+            self._futures[k] = (self._pool.submit(_plan, lengths, cost_model, *self._args), lengths)
+            self._next = k + 1
 
     def close(self) -> None:
         """Stop the planner processes; plans not yet asked for are dropped."""

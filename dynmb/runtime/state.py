@@ -100,10 +100,6 @@ class RunState:
         num_stages = run.pipeline.num_stages
         self.factory = spec.factory()
         _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
-        self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
-                       for s in self.topology.local_stages}
-        self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
-        self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)
         self.profile_model = get_cost_model(run.cost_model, run.model, num_stages)   # uncalibrated
         self.cost_model = self.profile_model                 # what the next step plans with
         self.history = history if history is not None else []   # the job's measured steps, shared
@@ -112,13 +108,19 @@ class RunState:
         self.corpus = spec.corpus.load() if spec.corpus is not None else None     # real text
         self.trace = None if self.fixed is not None else (
             self.corpus.lengths if self.corpus is not None else load_trace(run.dataset))
+        self.ahead = PlanAhead(run.plan_ahead, self.batch_lengths, run.warmup + run.steps - 1, spec=run.plan_spec,
+                               model_cfg=run.model, memory_model=self.memory_model) \
+            if run.plan_ahead and self.fixed is None else None
+        if self.ahead is not None:       # the planner processes start while the stages are built
+            self.ahead.submit_through(run.plan_ahead, self.cost_model)
+        self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
+                       for s in self.topology.local_stages}
+        self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
+        self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)
         self.ops = device_ops(device)     # the device seam; also the clock the actions are timed with
         self.clock = self.ops
         self.seen_shapes: set[tuple[int, int]] = set()  # (rows, padded_len) run so far (prewarm included)
-        self.ahead = PlanAhead(run.plan_ahead, self.batch_lengths, run.warmup + run.steps - 1, spec=run.plan_spec,
-                               model_cfg=run.model, memory_model=self.memory_model) \
-            if run.plan_ahead and self.fixed is None else None
 
     @property
     def rank(self) -> int:
