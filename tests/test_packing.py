@@ -381,6 +381,40 @@ def test_dynamic_beats_every_method_on_the_shipped_traces(trace, round_to):
     assert est["dynamic"] <= min(est.values()) * (1 + 1e-9), est
 
 
+@pytest.mark.parametrize("trace", ["sharegpt", "wikitext2"])
+def test_dynamic_weighs_the_tuned_token_budgets(trace):
+    """dynamic is given ``token-budget`` at the budgets it weighs ``balanced`` at (as ``dynmb
+    compare``'s ``token-budget-best`` tunes it) and is never estimated slower than any of them."""
+    from dynmb.costmodel import AnalyticCostModel
+    from dynmb.data import load_trace, sample_batch
+    from dynmb.packing.balanced import budget_divisors
+    from dynmb.packing.context import PackContext
+    from dynmb.packing.dispatch import _method_flat
+    from dynmb.packing.dynamic import BALANCED_BUDGETS, dynamic_groups
+
+    mm, cm = MemoryModel.analytic(SMALL, 2), AnalyticCostModel(SMALL, 2)
+    lengths = np.minimum(sample_batch(load_trace(trace), 256, 0), SMALL.max_seq_len)
+    limit = 1 << 30
+    plan = pack(lengths, "dynamic", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    ctx, cap = PackContext(mm, limit, 2, "1f1b"), plan.meta["longest_fitting_length"]
+    asked: list[str] = []
+
+    def baseline(m: str):
+        asked.append(m)
+        name, _, d = m.partition("/")
+        return _method_flat(name, lengths, ctx, cm, mbs=int(d) if d else None, round_to=1, len_cap=cap,
+                            attention="auto")[0]
+
+    dynamic_groups(lengths, ctx, cm, round_to=1, max_len=cap, baselines=baseline)
+    divisors = budget_divisors(lengths, ctx, cm, keep=BALANCED_BUDGETS)
+    tuned = [f"token-budget/{d}" for d in divisors if d > 1]
+    assert tuned and set(tuned) <= set(asked)
+    for d in divisors:
+        other = pack(lengths, "token-budget", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
+                     mbs=d)
+        assert plan.predictions["est_makespan_s"] <= other.predictions["est_makespan_s"] * (1 + 1e-9), d
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_interleaved_on_fewer_gpus_fits_the_gpu_not_the_stage(method):
     """With virtual chunks one GPU holds several stages: their states and in-flight activations
