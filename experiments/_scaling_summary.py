@@ -11,7 +11,8 @@ run their ``--others-split``, even by default). Tables:
    tokens (``load_ok``), and its plan time over its step (maximum);
 3. per cell, dynamic (auto): microbatches per replica, step, ideal, gaps, bubble, padding, attainable,
    the split's ceiling ``attainable x (1 + gap to ideal)`` (= mean over busiest stage's ideal work, up to
-   the ideal's tiny fill and drain: what the layer split alone allows), best other, plan / step;
+   the ideal's tiny fill and drain: what the layer split alone allows), best other, plan / step, and the
+   planner processes per rank that planning ahead needs so that no step waits (``planners_needed``);
 4. the judged-by criteria, each with the cells that miss it.
 """
 
@@ -122,7 +123,8 @@ def summary_markdown(raw: pd.DataFrame) -> str:
             "padding": d["padding_fraction"].map("{:.3f}".format), "attainable": d["attainable"].map("{:.2f}".format),
             "split ceiling": (d["attainable"] * (1 + d["gap_to_ideal"])).map("{:.2f}".format),
             "best other": d["best_other"], "x best other": d["ratio"].map("{:.3f}".format),
-            "plan/step": d["plan_over_step"].map("{:.3f}".format), "load_ok": d["load_ok"]})
+            "plan/step": d["plan_over_step"].map("{:.3f}".format), "planners": planners_needed(d["plan_over_step"]),
+            "load_ok": d["load_ok"]})
         out += [f"Per cell, {auto}:", "", _md(t3), ""]
     out += ["Judged-by criteria (cells that miss them):", "", criteria_markdown(df, splits, auto)]
     return "\n".join(out)
@@ -160,4 +162,14 @@ def criteria_markdown(df: pd.DataFrame, splits: list[str], auto: str | None) -> 
         lines.append(f"- {lbl} plan time <= 5% of its step: {'met' if miss.empty else 'NOT met'} "
                      f"({len(miss)} of {len(d)} cells over; max {d['plan_over_step'].max():.3f}, pack share "
                      f"{(d['pack_s'] / d['plan_s']).median():.2f} median)")
+        n = planners_needed(d["plan_over_step"])
+        lines.append(f"- {lbl} planned ahead (`--plan-ahead N`: N planner processes per rank, a step waits only when "
+                     f"its plan takes longer than N steps): no step waits with N = 1 in {int((n == 1).sum())} of "
+                     f"{len(d)} cells, N <= 4 in {int((n <= 4).sum())}, at most N = {int(n.max()) if len(n) else 0}")
     return "\n".join(lines)
+
+
+def planners_needed(plan_over_step: pd.Series) -> pd.Series:
+    """Planner processes per rank (``--plan-ahead N``) with which no step waits for its plan:
+    ceil(plan time / step time), at least 1 (``dynmb.runtime.planahead``: N processes plan N steps at once)."""
+    return np.maximum(1, np.ceil(plan_over_step.astype(float) - 1e-12)).astype(int)

@@ -329,3 +329,9 @@ def test_loss_parity_on_a_tiny_corpus(tmp_path, capsys):
     assert (df["rel_spread"] <= 1e-5).all() and (df.groupby("step")["real_tokens"].nunique() == 1).all()
     assert (out / "loss_parity.png").stat().st_size > 0
     assert "largest relative difference between methods" in capsys.readouterr().out
+
+
+def test_planners_needed_is_plan_over_step_rounded_up():
+    summary = _script("_scaling_summary")
+    got = summary.planners_needed(pd.Series([0.05, 1.0, 1.2, 8.3]))
+    assert list(got) == [1, 1, 2, 9]
