@@ -60,10 +60,15 @@ class Resume:
     """Which configurations already have rows in ``out_dir/<table>.csv`` (by settings columns)."""
 
     def __init__(self, out_dir: str | Path, table: str, keys: Iterable[str],
-                 where: Callable[[pd.DataFrame], pd.Series] | None = None) -> None:
+                 where: Callable[[pd.DataFrame], pd.Series] | None = None,
+                 defaults: dict[str, Any] | None = None) -> None:
+        """``defaults``: the value of a key in rows written before that key existed (missing or empty)."""
         self.keys = tuple(keys)
         p = Path(out_dir) / f"{table}.csv"
         df = pd.read_csv(p) if p.exists() and p.stat().st_size > 0 else pd.DataFrame()
+        for k, v in (defaults or {}).items():
+            if not df.empty:
+                df[k] = df[k].astype(object).fillna(v) if k in df else v
         if not df.empty and where is not None:
             df = df[where(df)]
         self._done = {self.key(r) for r in df.to_dict("records")} if not df.empty else set()

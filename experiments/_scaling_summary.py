@@ -2,7 +2,9 @@
 
 A *cell* is one (dataset, tokens, P, DP) global batch; every method planned it. Labels: the method name,
 ``dynamic`` with the even layer split, ``dynamic (auto)`` with ``--stage-split auto`` (the other methods
-run their ``--others-split``, even by default). Tables:
+run their ``--others-split``, even by default), `` [sched auto]`` added to rows run with ``--schedule auto``
+(rows without a ``schedule_key`` ran 1F1B). Methods are compared within one ``--schedule`` setting (dynamic
+with ``auto`` against the others with ``auto``). Tables:
 
 1. per trace x P, each method's gap to ``ideal_s`` / gap to its own ``bound_s``, the median over the cells;
 2. per trace x P, dynamic's ratio to the best other method (best other's step / dynamic's: > 1 means
@@ -13,7 +15,9 @@ run their ``--others-split``, even by default). Tables:
    the split's ceiling ``attainable x (1 + gap to ideal)`` (= mean over busiest stage's ideal work, up to
    the ideal's tiny fill and drain: what the layer split alone allows), best other, plan / step, and the
    planner processes per rank that planning ahead needs so that no step waits (``planners_needed``);
-4. the judged-by criteria, each with the cells that miss it.
+4. the judged-by criteria, each with the cells that miss it; with ``--schedule auto`` rows also: the
+   chosen step is never slower than any kind weighed whose simulated peak fits (``step_<kind>_s``), nor
+   than the same method's ``--schedule 1f1b`` row of the same cell where the data holds one.
 """
 
 from __future__ import annotations
@@ -24,14 +28,27 @@ import pandas as pd
 __all__ = ["summary_markdown", "labelled"]
 
 CELL = ["dataset", "tokens", "num_stages", "dp"]
+METHOD_ORDER = ("fixed", "sorted", "packed", "token-budget", "token-budget-best", "balanced", "balanced-best",
+                "dynapipe", "dynamic")
+SCHED = "schedule_key"
 
 
 def labelled(df: pd.DataFrame) -> pd.DataFrame:
     """Rows that planned (status ok) with a ``label`` column (dynamic's split named when not even)."""
     df = df[df["status"] == "ok"].reset_index(drop=True).copy()
+    df[SCHED] = df[SCHED].astype(object).fillna("1f1b").astype(str) if SCHED in df else "1f1b"
     auto = (df["method"] == "dynamic") & (df["stage_split"].astype(str) != "even")
-    df["label"] = np.where(auto, "dynamic (" + df["stage_split"].astype(str) + ")", df["method"])
+    label = pd.Series(np.where(auto, "dynamic (" + df["stage_split"].astype(str) + ")", df["method"]), index=df.index)
+    df["label"] = label + np.where(df[SCHED] == "1f1b", "", " [sched " + df[SCHED] + "]")
     return df
+
+
+def _order(df: pd.DataFrame) -> list[str]:
+    """Labels by schedule setting (1f1b first), then method, then the rest sorted."""
+    keys = sorted(set(df[SCHED]), key=lambda k: (k != "1f1b", k))
+    order = [lbl for k in keys for m in METHOD_ORDER
+             for lbl in sorted(set(df.loc[(df[SCHED] == k) & (df["method"] == m), "label"]), key=len)]
+    return order + sorted(set(df["label"]) - set(order))
 
 
 def _md(table: pd.DataFrame) -> str:
@@ -58,13 +75,13 @@ def _split(text: str) -> str:
 def _others(df: pd.DataFrame) -> pd.DataFrame:
     """Per cell: the best non-dynamic method's step and name."""
     o = df[df["method"] != "dynamic"]
-    i = o.groupby(CELL)["pred_step_s"].idxmin()
-    return o.loc[i, CELL + ["pred_step_s", "label"]].rename(columns={"pred_step_s": "best_other_s",
+    i = o.groupby(CELL + [SCHED])["pred_step_s"].idxmin()
+    return o.loc[i, CELL + [SCHED, "pred_step_s", "label"]].rename(columns={"pred_step_s": "best_other_s",
                                                                        "label": "best_other"})
 
 
 def _dynamic(df: pd.DataFrame, label: str) -> pd.DataFrame:
-    d = df[df["label"] == label].merge(_others(df), on=CELL, how="left")
+    d = df[df["label"] == label].merge(_others(df), on=CELL + [SCHED], how="left")
     return d.assign(ratio=d["best_other_s"] / d["pred_step_s"])
 
 
@@ -72,9 +89,7 @@ def summary_markdown(raw: pd.DataFrame) -> str:
     df = labelled(raw)
     if df.empty:
         return "(no rows with status ok)"
-    order = [m for m in ("fixed", "sorted", "packed", "token-budget", "token-budget-best", "balanced", "balanced-best",
-                         "dynapipe", "dynamic") if m in set(df["label"])]
-    order += sorted(set(df["label"]) - set(order))
+    order = _order(df)
     out = []
     # 1. gaps per method, one table per (tokens, DP)
     out += ["Gap to `ideal_s` / gap to own `bound_s`, per trace x P (one global batch each):", ""]
@@ -88,7 +103,8 @@ def summary_markdown(raw: pd.DataFrame) -> str:
     # 2. dynamic against the best other
     rows = []
     splits = [lbl for lbl in order if lbl.startswith("dynamic")]
-    auto = "dynamic (auto)" if "dynamic (auto)" in splits else splits[-1] if splits else None
+    autos = [lbl for lbl in splits if lbl.startswith("dynamic (auto)")]
+    auto = autos[-1] if autos else splits[-1] if splits else None      # the auto split, --schedule auto if run
     for (trace, P), _ in df.groupby(["dataset", "num_stages"]):
         sub = df[(df["dataset"] == trace) & (df["num_stages"] == P)]
         row = {"trace": trace, "P": P}
@@ -125,9 +141,48 @@ def summary_markdown(raw: pd.DataFrame) -> str:
             "best other": d["best_other"], "x best other": d["ratio"].map("{:.3f}".format),
             "plan/step": d["plan_over_step"].map("{:.3f}".format), "planners": planners_needed(d["plan_over_step"]),
             "load_ok": d["load_ok"]})
+        if "schedule" in d and "step_1f1b_s" in d and d[SCHED].ne("1f1b").any():
+            t3.insert(8, "schedule", d["schedule"].fillna("1f1b"))
+            t3.insert(9, "gap ideal 1f1b", (d["step_1f1b_s"] / d["ideal_s"] - 1).map(_pct))
         out += [f"Per cell, {auto}:", "", _md(t3), ""]
     out += ["Judged-by criteria (cells that miss them):", "", criteria_markdown(df, splits, auto)]
+    out += schedule_criteria(df)
     return "\n".join(out)
+
+
+def schedule_criteria(df: pd.DataFrame) -> list[str]:
+    """``--schedule`` rows other than 1f1b: the chosen step against every kind weighed that fits, and
+    against the same method's 1f1b row of the same cell (when present); the kinds chosen."""
+    rows = df[df[SCHED] != "1f1b"]
+    if rows.empty:
+        return []
+    cols = [c for c in df.columns if c.startswith("step_") and c.endswith("_s")]
+    over = rows.get("kinds_over_limit", pd.Series("", index=rows.index)).astype(object).fillna("").astype(str)
+    slower, weighed = [], 0
+    for (_, r), ol in zip(rows.iterrows(), over):
+        for c in cols:
+            k = c[len("step_"):-len("_s")]
+            if pd.isna(r[c]) or k in ol.split():
+                continue
+            weighed += 1
+            if r["pred_step_s"] > r[c] * (1 + 1e-9):
+                slower.append(f"{r['label']} {r['dataset']} {_tok(r['tokens'])} P{r['num_stages']} DP{r['dp']}: "
+                              f"{k} {r[c]:.4f} s < {r['pred_step_s']:.4f} s")
+    chosen = rows["schedule"].value_counts() if "schedule" in rows else pd.Series(dtype=int)
+    lines = [f"- auto never slower (predicted) than any fixed kind it weighed: {'met' if not slower else 'NOT met'} "
+             f"({len(slower)} of {len(rows)} rows slower, {weighed} (row, kind) pairs that fit"
+             + "".join(f"; {x}" for x in slower) + "); kinds chosen: "
+             + ", ".join(f"{k} {n}" for k, n in chosen.items())
+             + f"; rows with a kind over the limit: {int((over != '').sum())}"]
+    keys = CELL + ["method", "stage_split", "sim_replicas"]
+    base = df[df[SCHED] == "1f1b"][keys + ["pred_step_s"]].rename(columns={"pred_step_s": "step_1f1b_row_s"})
+    both = rows.merge(base.drop_duplicates(keys), on=keys)
+    if len(both):
+        worse = both[both["pred_step_s"] > both["step_1f1b_row_s"] * (1 + 1e-9)]
+        lines.append(f"- auto never slower than the same method's `--schedule 1f1b` row of the cell: "
+                     f"{'met' if worse.empty else 'NOT met'} ({len(worse)} of {len(both)} rows slower; median "
+                     f"1f1b / auto {float((both['step_1f1b_row_s'] / both['pred_step_s']).median()):.3f})")
+    return lines
 
 
 def criteria_markdown(df: pd.DataFrame, splits: list[str], auto: str | None) -> str:

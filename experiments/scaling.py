@@ -6,9 +6,14 @@ the count then rounded up to a multiple of DP so every replica can hold whole se
 sequences than replicas: ``status`` infeasible), packed for
 DP pipelines of P stages with ``dynmb.packing.pack(..., dp=DP)`` (the packers balance the replicas),
 each simulated replica reordered as ``dynmb.Planner`` does (``--reorder auto``: ``search`` for dynamic,
-``dynapipe`` for dynapipe, none for the others), given its 1F1B schedule and simulated
+``dynapipe`` for dynapipe, none for the others), given its schedule and simulated
 (``dynmb.simulate``). The replicas simulated are the ``--sim-replicas`` (default 2; 0: all) the packer's
 estimate ``predictions["est_replica_makespan_s"]`` says are slowest; the step is the slowest simulated.
+The schedule (``--schedule``, ``experiments/_scaling_sched.py``): ``1f1b`` (default, the study as before)
+or ``auto``: for every method, each simulated replica reordered, scheduled and simulated under each kind
+of ``dynmb.schedule.kinds.auto_kinds()`` (1f1b, zb-h1, zb; one packing, since they share a packing key),
+the fastest kind whose simulated peak fits kept (``plan_auto``'s rule); the row records it (``schedule``),
+every kind's step (``step_<kind>_s``) and the kinds over the limit (``kinds_over_limit``).
 
 Model and costs: a model preset (``--model``, default ``llama2-7b``: the Llama family, SwiGLU,
 RMSNorm, rotary positions, no biases; ``llama3.1-8b`` / ``llama3.2-1b`` with grouped-query attention
@@ -57,7 +62,8 @@ Columns (table ``scaling``):
 - ``padding_fraction``, ``num_microbatches`` (per replica), ``mbs_used``, ``layer_split``,
   ``tokens_per_replica``, ``load_ok`` (the replica holds >= 4P microbatches' worth of tokens, a
   microbatch's worth being ``--mb-tokens``, default 4096: one full Llama-2 context row),
-  ``truncated``, ``pred_peak_over_limit``.
+  ``truncated``, ``pred_peak_over_limit``; ``schedule_key`` (the ``--schedule`` setting, a resume key;
+  rows from before the flag count as ``1f1b``), ``schedule``, ``step_<kind>_s``, ``kinds_over_limit``.
 
 Timings are CPU seconds of this process (``time.process_time``): on a loaded shared box the wall time
 mostly measures waiting for a core (``row_wall_s``, the row's pack + reorder + schedule + simulation, shows
@@ -66,6 +72,7 @@ columns; ``--summary`` prints the markdown tables of an existing results folder.
 replica, analytic costs, P up to 64): ``--small-batch`` (``experiments/_scaling_small.py``).
 
     nice python experiments/scaling.py --quick --out results/scaling_quick
+    nice python experiments/scaling.py --quick --schedule auto --out results/scaling_quick_auto
     nice python experiments/scaling.py --out results/scaling                  # full grid
     python experiments/scaling.py --summary --out results/scaling            # markdown tables
     python experiments/scaling.py --small-batch --quick                      # the old grid
@@ -81,6 +88,7 @@ from dataclasses import asdict, replace
 import numpy as np
 import pandas as pd
 from _common import Resume, progress, split_list
+from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import summary_markdown
 
 import dynmb
@@ -90,13 +98,12 @@ from dynmb.config import parse_bytes
 from dynmb.costmodel import gpu
 from dynmb.memory import get_memory_model
 from dynmb.packing import PackingError, pack
-from dynmb.planning import make_schedule, reorder_for
-from dynmb.planning.reorder import reorder as reorder_plan
+from dynmb.planning import reorder_for
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.results import TableWriter
 
 KEYS = ("dataset", "model", "tokens", "num_stages", "dp", "method", "stage_split", "link", "memory_limit_bytes",
-        "seed", "oversize", "sim_replicas")
+        "seed", "oversize", "sim_replicas", "schedule_key")
 METHODS = ("fixed", "sorted", "packed", "token-budget", "token-budget-best", "balanced", "balanced-best",
            "dynapipe", "dynamic")
 FULL = dict(traces="sharegpt,wikitext2,longtail", tokens="0.5M,4M", stages="4,8,16,32", dp="8,256")
@@ -122,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-limit", default="80GiB", help="per-GPU limit (default 80GiB)")
     ap.add_argument("--mb-tokens", type=int, default=4096, help="a microbatch's worth of tokens for load_ok (default 4096)")
     ap.add_argument("--sim-replicas", type=int, default=2, help="replicas simulated, the predicted slowest (default 2; 0: all)")
+    ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                    help="1f1b (default, as before) or auto: every method's step on each auto kind, the fastest that fits")
     ap.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "drop"],
                     help="a sequence that cannot fit alone (default truncate, counted)")
@@ -243,40 +252,33 @@ class Cell:
 
 
 def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
-    """Pack the global batch, then reorder, schedule and simulate the slowest replicas."""
+    """Pack the global batch, then reorder, schedule and simulate the slowest replicas under each kind of
+    ``--schedule`` (``_scaling_sched``), keeping the fastest that fits."""
     cfg, cm, cm_sat, mm = cell.models(c["stage_split"])
     P, limit = c["num_stages"], c["memory_limit_bytes"]
-    wall0, t0 = time.perf_counter(), time.process_time()
-    plan = pack(cell.batch, base, num_stages=P, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                mbs=mbs, dp=c["dp"], oversize=c["oversize"])
-    pack_s = time.process_time() - t0
+    wall0, pack_s, runs = time.perf_counter(), 0.0, []
     how = reorder_for(base, "auto")
-    sims, reorder_s, sched_s = [], [], []
-    for r in slowest(plan, c["sim_replicas"]):
-        sub = plan.replica(r) if plan.dp > 1 else plan
-        t1 = time.process_time()
-        if how != "none":
-            sub = reorder_plan(sub, how, cost_model=cm, memory_model=mm)
-        t2 = time.process_time()
-        sched = make_schedule(sub, "1f1b", memory_model=mm)
-        t3 = time.process_time()
-        reorder_s.append(t2 - t1)
-        sched_s.append(t3 - t2)
-        sims.append(dynmb.simulate(sched, sub, cm, mm))
-    worst = max(sims, key=lambda s: s.makespan_s)
+    for group in packing_groups(kinds_for(c["schedule_key"])):
+        t0 = time.process_time()
+        plan = pack(cell.batch, base, num_stages=P, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
+                    mbs=mbs, dp=c["dp"], oversize=c["oversize"], schedule_kind=group[0])
+        pack_s += time.process_time() - t0
+        runs += [run_kind(plan, slowest(plan, c["sim_replicas"]), k, how, cm, mm) for k in group]
+    chosen, cols = choose(runs), kind_columns(runs)
+    plan, sims, worst = chosen.plan, chosen.sims, chosen.worst
     lengths = np.concatenate([mb.lengths for mb in plan.microbatches])
     ideal = plan_ideal(plan, cm_sat)
     work = real_work(cm_sat, lengths, c["dp"])
     step = worst.makespan_s
     peak = max(float(np.max(s.peak_bytes)) for s in sims if s.peak_bytes is not None)
-    plan_s = pack_s + float(np.mean(reorder_s)) + float(np.mean(sched_s))
+    plan_s = pack_s + cols["reorder_s"] + cols["sched_s"]
     wall_s = time.perf_counter() - wall0
     tokens_per_replica = int(cell.batch.sum()) / c["dp"]
     return {"status": "ok", "error": "", "base_method": base, "layer_split": " ".join(str(len(r)) for r in cfg.stage_layers(P)),
             "num_sequences": int(cell.batch.size), "real_tokens": plan.real_tokens,
             "tokens_per_replica": tokens_per_replica, "load_ok": tokens_per_replica >= 4 * P * c["mb_tokens"],
-            "pack_s": pack_s, "reorder_s": float(np.mean(reorder_s)), "sched_s": float(np.mean(sched_s)),
-            "plan_s": plan_s, "row_wall_s": wall_s, "pred_step_s": step, "bound_s": worst.bound_s, "ideal_s": ideal,
+            **cols, "pack_s": pack_s, "plan_s": plan_s, "row_wall_s": wall_s,
+            "pred_step_s": step, "bound_s": worst.bound_s, "ideal_s": ideal,
             "ideal_dynmb_s": plan_ideal(plan, cm), "ideal_whole_s": whole_ideal(cm_sat, lengths, ideal), "gap_to_bound": step / worst.bound_s - 1,
             "gap_to_ideal": step / ideal - 1, "attainable": work / (P * step),
             "efficiency": real_flops(cfg, P, lengths) / (c["dp"] * P * step * cm.spec.peak_flops),
@@ -329,7 +331,8 @@ def configurations(args: argparse.Namespace) -> list[dict]:
                         splits = split_list(args.stage_split if m == "dynamic" else args.others_split)
                         out += [dict(dataset=t, model=args.model, tokens=tok, num_stages=p, dp=d, method=m,
                                      stage_split=s, link=args.link, memory_limit_bytes=limit, seed=args.seed,
-                                     oversize=args.oversize, sim_replicas=args.sim_replicas, mb_tokens=args.mb_tokens)
+                                     oversize=args.oversize, sim_replicas=args.sim_replicas, mb_tokens=args.mb_tokens,
+                                     schedule_key=args.schedule)
                                 for s in splits]
     unknown = sorted({c["method"] for c in out} - set(METHODS))
     if unknown:
@@ -363,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     print(spec_header(args.link))
     traces = {t: data.load_trace(t) for t in {c["dataset"] for c in configs}}
     cfg = model_for(args.model, list(traces.values()))
-    print(f"model: {cfg}\nmemory limit: {args.memory_limit}; schedule 1f1b; splits: dynamic {args.stage_split}, "
+    print(f"model: {cfg}\nmemory limit: {args.memory_limit}; schedule {args.schedule} "
+          f"(weighs {', '.join(kinds_for(args.schedule))}); splits: dynamic {args.stage_split}, "
           f"others {args.others_split}", flush=True)
-    resume = Resume(args.out, "scaling", KEYS)
+    resume = Resume(args.out, "scaling", KEYS, defaults={"schedule_key": "1f1b"})   # rows from before --schedule
     todo = [c for c in configs if not resume.done(c)]
     todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"]))   # small batches first, cells grouped
     print(f"scaling: {len(configs)} configurations, {len(configs) - len(todo)} already done", file=sys.stderr)

@@ -103,6 +103,40 @@ def test_scaling_realistic_tiny_grid(tmp_path, capsys):
     assert "Gap to `ideal_s`" in md and "| gsm8k | 2 |" in md and "dynamic (auto)" in md and "never behind" in md
 
 
+def test_scaling_schedule_auto_keeps_the_fastest_kind_that_fits(tmp_path, capsys):
+    """``--schedule auto``: every method's step is the fastest fitting kind of ``auto_kinds()``, each kind's
+    step recorded; ``schedule_key`` keeps 1f1b and auto rows apart (and rows without it count as 1f1b);
+    the 1f1b rows are the study as before; the summary labels the auto rows and checks the choice."""
+    from dynmb.schedule.kinds import auto_kinds
+    scaling = _script("scaling")
+    base = ["--traces", "gsm8k", "--tokens", "20k", "--stages", "2", "--dp", "2", "--methods", "packed,dynamic",
+            "--stage-split", "even", "--out", str(tmp_path), "--no-progress"]
+    assert scaling.main(base) == 0
+    old = pd.read_csv(tmp_path / "scaling.csv")
+    old.drop(columns=[c for c in old if c.startswith("sched") or c.startswith("step_") or c == "kinds_over_limit"]
+             ).to_csv(tmp_path / "scaling.csv", index=False)             # as written before --schedule
+    assert scaling.main(base) == 0 and len(pd.read_csv(tmp_path / "scaling.csv")) == 2
+    assert scaling.main([*base, "--schedule", "auto"]) == 0
+    df = pd.read_csv(tmp_path / "scaling.csv")
+    auto = df[df["schedule_key"] == "auto"].set_index("method")
+    assert len(df) == 4 and sorted(auto.index) == ["dynamic", "packed"]
+    kinds = auto_kinds()
+    assert len(kinds) >= 2 and set(auto["schedule"]) <= set(kinds)
+    steps = auto[[f"step_{k}_s" for k in kinds]]
+    assert auto["kinds_over_limit"].isna().all()                        # 80 GiB: every kind fits here
+    assert (auto["pred_step_s"] <= steps.min(axis=1) * (1 + 1e-12)).all()
+    assert (auto["pred_step_s"] == steps.min(axis=1)).all()
+    one = df[df["schedule_key"].isna()].set_index("method")["pred_step_s"]      # the rows of before
+    assert (auto["step_1f1b_s"] == one[auto.index]).all() and (auto["pred_step_s"] <= one[auto.index]).all()
+    assert auto.loc["packed", "pred_step_s"] < auto.loc["packed", "step_1f1b_s"]  # 2 microbatches: zero bubble helps
+    capsys.readouterr()
+    assert scaling.main(["--summary", "--out", str(tmp_path)]) == 0
+    md = capsys.readouterr().out
+    assert "dynamic [sched auto]" in md and "| gap ideal 1f1b |" in md
+    assert "auto never slower (predicted) than any fixed kind it weighed: met (0 of 2 rows slower" in md
+    assert "auto never slower than the same method's `--schedule 1f1b` row of the cell: met (0 of 2" in md
+
+
 def test_scaling_token_batch_is_deterministic_and_whole():
     import numpy as np
     scaling = _script("scaling")
