@@ -7,6 +7,10 @@
 #      held-out error)
 #   3. dynmb profile/fit --device "$DEV" (dynmb/measure/profiler.py: cost model on CUDA events, held-out error)
 #   4. dynmb compare on one GPU: 2 stages interleaved on one rank (--virtual 2), with the fitted models
+#   5. planning ahead on a GPU host (dynmb/runtime/planahead.py): the same run in line and with
+#      --plan-ahead 1 (steps.plan_wait_s; on a GPU the host cores idle while the planner works)
+#   6. benchmarks/recompute_peak.py: the allocator's peak during a recomputed forward against the
+#      memory model's two transients (which one the forward really holds)
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
 # Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 runs steps 2-4 on the CPU (a check
 # of the script and the commands, not of CUDA).
@@ -38,4 +42,13 @@ MM=(); [ -f "$R/mem-$MODEL-p2-cuda.json" ] && MM=(--memory-model "$R/mem-$MODEL-
 CM=(); [ -f "$R/cost-$MODEL-p2-cuda.json" ] && CM=(--cost-model "$R/cost-$MODEL-p2-cuda.json")
 timeout 300 $D compare --model "$MODEL" --stages 2 --virtual 2 --device "$DEV" --memory-limit "$LIMIT" \
     --global-batch "${GB:-128}" --steps "${STEPS:-3}" --allow-over-limit "${MM[@]}" "${CM[@]}" --out "$R/compare"
+step plan ahead on one GPU
+for N in 0 1; do
+timeout 240 $D run --nproc 1 --model "$MODEL" --stages 2 --virtual 2 --device "$DEV" --memory-limit "$LIMIT" \
+    --global-batch "${GB:-128}" --steps "${STEPS:-3}" --allow-over-limit --method dynamic --plan-ahead $N \
+    "${MM[@]}" "${CM[@]}" --out "$R/plan-ahead-$N" 2>&1 | tail -2
+python3 -c "import dynmb,sys; t=dynmb.load_results(sys.argv[1])['steps']; print(t[['step','step_s','plan_s','plan_wait_s']].to_string())" "$R/plan-ahead-$N"
+done
+step recomputed forward peak
+timeout 120 python3 benchmarks/recompute_peak.py --device "$DEV" --model "$MODEL" --lengths 1024,4096
 step done

@@ -110,7 +110,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                                           "split", "p2pfit", "calibration", "registry", "validate", "gpu"))),
     ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.bounds")),
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
-                         "dynamic", "dynamic_setup", "dynamic_rank", "recompute", "balanced")),
+                         "dynamic", "dynamic_setup", "dynamic_rank", "recompute", "balanced", "methods")),
     ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "defaults", "api",
                           "sampler", "stage_split", "spec_check")),
     ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf"))),

@@ -341,15 +341,14 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
                 round_to=round_to)
     _check_plan(plan, lengths, mm, limit, round_to, cm)
     assume(plan.meta["budget"] == "tight" and plan.num_microbatches * 2 <= RANK_EXACT)
-    from dynmb.packing.dispatch import _method_flat
+    from dynmb.packing.methods import MethodJob, method_flat
 
     ctx = PackContext(mm, limit, 2, "1f1b")
     cap = plan.meta["longest_fitting_length"]
 
     def baseline(m: str):          # the candidates pack gives dynamic (balanced at its budgets among them)
         name, _, d = m.partition("/")
-        return _method_flat(name, lengths, ctx, cm, mbs=int(d) if d else None, round_to=round_to, len_cap=cap,
-                            attention=attention)[0]
+        return method_flat(name, MethodJob(lengths, ctx, cm, int(d) if d else None, round_to, cap, attention))[0]
 
     _, est = dynamic_groups(lengths, ctx, cm, round_to=round_to, max_len=cap, attention=attention, baselines=baseline)
     assert est == pytest.approx(plan.predictions["est_makespan_s"], rel=1e-9)
@@ -389,7 +388,7 @@ def test_dynamic_weighs_the_tuned_token_budgets(trace):
     from dynmb.data import load_trace, sample_batch
     from dynmb.packing.balanced import budget_divisors
     from dynmb.packing.context import PackContext
-    from dynmb.packing.dispatch import _method_flat
+    from dynmb.packing.methods import MethodJob, method_flat
     from dynmb.packing.dynamic import BALANCED_BUDGETS, dynamic_groups
 
     mm, cm = MemoryModel.analytic(SMALL, 2), AnalyticCostModel(SMALL, 2)
@@ -402,8 +401,7 @@ def test_dynamic_weighs_the_tuned_token_budgets(trace):
     def baseline(m: str):
         asked.append(m)
         name, _, d = m.partition("/")
-        return _method_flat(name, lengths, ctx, cm, mbs=int(d) if d else None, round_to=1, len_cap=cap,
-                            attention="auto")[0]
+        return method_flat(name, MethodJob(lengths, ctx, cm, int(d) if d else None, 1, cap, "auto"))[0]
 
     dynamic_groups(lengths, ctx, cm, round_to=1, max_len=cap, baselines=baseline)
     divisors = budget_divisors(lengths, ctx, cm, keep=BALANCED_BUDGETS)
@@ -436,3 +434,29 @@ def test_interleaved_on_fewer_gpus_fits_the_gpu_not_the_stage(method):
                      cost_model=get_cost_model(None, SMALL, 2), schedule_kind="interleaved")
         sh = naive.shapes()
         assert mm.peak_bytes(sh[:, 0], sh[:, 1], "interleaved", virtual=2).max() > limit
+
+
+def test_a_registered_method_packs_through_the_dispatcher():
+    """A new method is one ``register_method`` call: ``pack`` and the settings check take it, the
+    dispatcher applies the oversize policy, replicas and the peak check to it like any other."""
+    from dynmb.packing import methods
+    from dynmb.packing.rows import Group, groups_to_flat
+    from dynmb.planning.spec_check import check_plan_spec
+    from dynmb.planspec import PlanSpec
+
+    def one_each(job):                       # every sequence its own one-row microbatch
+        return groups_to_flat([Group(np.array([i]), np.array([0]), int(n), 1) for i, n in enumerate(job.lens)]), {}
+
+    methods.register_method(methods.MethodRecord("one-each", one_each))
+    try:
+        mm = MemoryModel.analytic(TINY, 2)
+        lengths = np.array([5, 90, 30, 200, 7, 64])
+        plan = pack(lengths, "one-each", num_stages=2, memory_limit_bytes=int(mm.state_bytes.max() * 4),
+                    memory_model=mm, cost_model=AffineCost(TINY, 2), dp=2)
+        assert plan.num_microbatches == len(lengths) and plan.dp == 2 and plan.method == "one-each"
+        plan.validate(lengths)
+        check_plan_spec(PlanSpec(method="one-each", num_stages=2, memory_limit_bytes=1 << 30))
+        with pytest.raises(ValueError, match="chooses its own microbatch sizes"):
+            check_plan_spec(PlanSpec(method="one-each", num_stages=2, memory_limit_bytes=1 << 30, mbs=2))
+    finally:
+        methods._REGISTRY.pop("one-each", None)

@@ -10,9 +10,9 @@
    is longer (``balanced``'s rows of several documents: a longer row is inadmissible).
    Longer sequences follow ``oversize``: ``error`` raises ``PackingError`` naming them and
    the length that fits, ``truncate`` / ``drop`` list them in ``plan.meta``.
-3. The method's microbatches in flat form (``rows.Flat``): ``fixed.fixed_flat``,
-   ``packed.packed_rows_flat``, ``token_budget.token_budget_flat``,
-   ``dynapipe.dynapipe_groups``, ``dynamic.dynamic_groups``; under the tight budget first.
+3. The method's microbatches in flat form (``rows.Flat``), from the method registry
+   (``methods.method_flat``: ``fixed``, ``sorted``, ``packed``, ``token-budget``, ``balanced``,
+   ``dynapipe``, ``dynamic``); under the tight budget first.
 4. Data parallelism ``dp = D``: microbatches are split (largest first; else the cheapest
    admissible pair merged) until their number is a positive multiple of D, then dealt
    largest-first to the least-loaded replica among those with room (``rows.assign_replicas``).
@@ -46,28 +46,24 @@ from ..schedule.kinds import get_kind
 from ..planspec import PlanSpec
 from ..predictions import Predictions
 from ..types import Microbatch, Plan
-from .balanced import balanced_flat
 from .context import PackContext, PackingError
-from .dynamic import dynamic_groups
-from .dynapipe import dynapipe_groups
-from .fixed import fixed_flat
-from .packed import packed_row_len, packed_rows_flat
+from .methods import MethodJob, get_method, method_flat, method_names
+from .packed import packed_row_len
 from .recompute import pack_with_recompute
 from .rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, round_down, round_up,
                    split_group)
-from .token_budget import token_budget_flat
 
 __all__ = ["METHODS", "pack", "spec_of"]
 
-METHODS = ("fixed", "sorted", "packed", "token-budget", "dynapipe", "dynamic", "balanced")
+METHODS = method_names()
+"""The registered packing methods (``packing.methods``)."""
 _OVERSIZE = ("error", "truncate", "drop")
 
 
 def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> None:
     """What ``PlanSpec`` cannot check itself: the method and kind names, and the memory model's stages
     (numbers and option sets are checked when the spec is made)."""
-    if spec.method not in METHODS:
-        raise ValueError(f"unknown packing method {spec.method!r}; expected one of {METHODS}")
+    get_method(spec.method)                   # unknown methods: ValueError naming the registered ones
     get_kind(spec.schedule_kind)              # unknown kinds: ValueError naming the registered ones
     if spec.oversize not in _OVERSIZE:
         raise ValueError(f"oversize must be error, truncate or drop, got {spec.oversize!r}")
@@ -77,17 +73,19 @@ def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> None:
         raise ValueError(refusal)
 
 
-MBS_METHODS = ("fixed", "sorted", "packed", "token-budget", "balanced")
-"""Methods that take ``mbs`` (rows per microbatch, or the divisor of their token budget); ``dynamic``
-and ``dynapipe`` choose their own sizes."""
+MBS_METHODS = tuple(m for m in METHODS if get_method(m).mbs)
+"""Methods that take ``mbs`` (rows per microbatch, or the divisor of their token budget: the
+registry's ``MethodRecord.mbs``); ``dynamic`` and ``dynapipe`` choose their own sizes."""
 
 
 def mbs_refusal(spec: PlanSpec) -> str | None:
     """The one-line refusal of an ``mbs`` given to a method that chooses its own sizes, else None."""
-    if spec.mbs is None or spec.method in MBS_METHODS:
+    if spec.mbs is None or get_method(spec.method).mbs:
         return None
+    takes = {kind: ", ".join(m for m in method_names() if get_method(m).mbs == kind)
+             for kind in ("rows", "budget divisor")}
     return (f"--mbs {spec.mbs}: {spec.method} chooses its own microbatch sizes (mbs is the size of "
-            f"{', '.join(MBS_METHODS[:3])} and the budget divisor of {', '.join(MBS_METHODS[3:])}); leave it out")
+            f"{takes['rows']} and the budget divisor of {takes['budget divisor']}); leave it out")
 
 
 def _check_lengths(lengths: Any) -> np.ndarray:
@@ -138,32 +136,6 @@ def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str,
                 raise PackingError(f"every sequence is longer than the longest that fits ({len_cap}); nothing left")
     ids = np.setdiff1d(np.arange(len(lengths)), np.asarray(meta["dropped"], dtype=np.int64))
     return kept_lengths, ids, meta
-
-
-def _method_flat(method: str, lens: np.ndarray, ctx: PackContext, cost_model: CostModelLike, *, mbs: int | None, round_to: int,
-                 len_cap: int, attention: str, dp: int = 1) -> tuple[Flat, dict[str, Any]]:
-    """The microbatches of ``method`` in flat form and the settings it chose (for ``plan.meta``)."""
-    if method in ("fixed", "sorted"):
-        flat, rows_per_mb = fixed_flat(method, lens, ctx, mbs, round_to)
-        return flat, {"mbs": rows_per_mb}
-    if method == "packed":
-        flat, rows_per_mb = packed_rows_flat(lens, len_cap, mbs)
-        return flat, {"mbs": rows_per_mb}
-    if method == "token-budget":
-        flat, budget = token_budget_flat(lens, ctx, round_to, divisor=mbs)
-        return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
-    if method == "balanced":        # mbs: the memory-maximum token budget is divided by it
-        flat, budget = balanced_flat(lens, ctx.with_row_cap(len_cap), cost_model, round_to=round_to, divisor=mbs, dp=dp)
-        return flat, {"max_tokens": budget, "budget_divisor": mbs or 1}
-    if method == "dynapipe":
-        return groups_to_flat(dynapipe_groups(lens, ctx.bmax, cost_model, ctx.p, round_to)), {}
-    def baseline(m: str) -> Flat:     # the plan method m makes of this batch: one of dynamic's candidates
-        name, _, divisor = m.partition("/")           # "balanced/4": balanced at the memory-maximum budget / 4
-        return _method_flat(name, lens, ctx, cost_model, mbs=int(divisor) if divisor else None, round_to=round_to,
-                            len_cap=len_cap, attention=attention, dp=dp if name == "balanced" else 1)[0]
-    flat, _ = dynamic_groups(lens, ctx, cost_model, round_to=round_to, max_len=len_cap, attention=attention, dp=dp,
-                             baselines=baseline)
-    return flat, {}
 
 
 def _microbatches(flat: Flat, ids: np.ndarray, L: np.ndarray) -> list[Microbatch]:
@@ -296,7 +268,7 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
     cfg = memory_model.model_cfg
     attention = spec.attention or cfg.attention
     base = PackContext.from_spec(spec, memory_model)
-    packed = method == "packed"
+    packed = get_method(method).pack_len_rows
     if packed:
         len_cap, longest_row = packed_row_len(base, cfg.max_seq_len, spec.pack_len, round_to)
     else:
@@ -311,8 +283,7 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
     for tight in (True, False):
         # tight budget (k * act + tr) first; if the exact peak of a mix exceeds the limit, the safe one
         ctx = base.with_budget(tight)
-        flat, chosen = _method_flat(method, L, ctx, cost_model, mbs=spec.mbs, round_to=round_to, len_cap=len_cap,
-                                    attention=attention, dp=dp)
+        flat, chosen = method_flat(method, MethodJob(L, ctx, cost_model, spec.mbs, round_to, len_cap, attention, dp))
         if dp > 1:
             flat = _balance_replicas(flat, ctx, dp)
         microbatches, replica_ids, peak, est = _estimate(_microbatches(flat, ids, L), cost_model, memory_model,
@@ -320,7 +291,7 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
         if not np.any(peak > spec.memory_limit_bytes):
             meta.update(chosen, budget="tight" if tight else "safe")
             break
-        if tight and not (spec.mbs is not None and method in ("fixed", "sorted", "packed")):
+        if tight and not (spec.mbs is not None and get_method(method).mbs == "rows"):
             continue
         raise PackingError(_over_limit_message(method, peak, ctx, round_up(int(L.max()), round_to), len_cap))
     plan = Plan(microbatches=tuple(microbatches), method=method, num_stages=spec.num_stages,
@@ -338,10 +309,10 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
 
 def _over_limit_message(method: str, peak: np.ndarray, ctx: PackContext, longest_padded: int, pack_len: int) -> str:
     i = int(np.argmax(peak - ctx.limit))
-    hint = ""
-    if method in ("fixed", "sorted"):
-        hint = f"; the largest mbs whose worst case fits is {int(ctx.bmax([longest_padded])[0])}"
-    elif method == "packed":
+    hint, record = "", get_method(method)
+    if record.mbs == "rows" and record.pack_len_rows:
         hint = f"; the largest mbs (rows of pack_len {pack_len}) that fits is {int(ctx.bmax([pack_len])[0])}"
+    elif record.mbs == "rows":
+        hint = f"; the largest mbs whose worst case fits is {int(ctx.bmax([longest_padded])[0])}"
     return (f"{method}: predicted peak {int(peak[i])} B on stage {i} exceeds the limit {ctx.limit} B "
             f"under {ctx.kind}{hint}")

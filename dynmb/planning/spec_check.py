@@ -5,7 +5,7 @@
 three refuse the same flag combinations with the same one line. ``PlanSpec`` itself checks the
 numbers and the fixed option sets; this adds what needs a registry (no batch, no torch):
 
-1. the method (``dynmb.packing.METHODS``), the schedule kind (``dynmb.schedule.kinds``, or
+1. the method (registered in ``dynmb.packing.methods``), the schedule kind (``dynmb.schedule.kinds``, or
    ``auto``) and the reorder (``auto`` or ``dynmb.planning.REORDER_METHODS``) are known;
 2. ``virtual`` > 1 needs a kind whose record takes virtual stages (``ScheduleKind.virtual_stages``;
    ``auto``: one of ``auto_kinds(virtual)``);
@@ -27,21 +27,21 @@ from __future__ import annotations
 
 from dynmb.memory import MemoryModelLike
 from ..config import ModelConfig
-from ..packing import METHODS
 from ..packing.dispatch import MBS_METHODS, mbs_refusal
+from ..packing.methods import get_method, method_names
 from ..planspec import PlanSpec
 from ..schedule.kinds import AUTO, auto_kinds, get_kind, kind_names, is_schedule_name, slice_kinds
 from .reorder import REORDER_METHODS
 
 __all__ = ["check_plan_spec", "MBS_METHODS", "PACK_LEN_METHODS", "uses_pack_len"]
 
-PACK_LEN_METHODS = ("packed",)
-"""Methods that build rows of ``pack_len`` tokens."""
+PACK_LEN_METHODS = tuple(m for m in method_names() if get_method(m).pack_len_rows)
+"""Methods that build rows of ``pack_len`` tokens (the registry's ``MethodRecord.pack_len_rows``)."""
 
 
 def uses_pack_len(method: str) -> bool:
     """Whether ``method`` reads ``pack_len``."""
-    return method in PACK_LEN_METHODS
+    return method in method_names() and get_method(method).pack_len_rows
 
 
 def _kinds_taking_virtual() -> list[str]:
@@ -51,8 +51,8 @@ def _kinds_taking_virtual() -> list[str]:
 def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
                     memory_model: MemoryModelLike | None = None) -> None:
     """Raise ``ValueError`` (one line) for settings of ``spec`` no batch can be planned with (module doc)."""
-    if spec.method not in METHODS:
-        raise ValueError(f"unknown method {spec.method!r}; expected one of {', '.join(METHODS)}")
+    if spec.method not in method_names():
+        raise ValueError(f"unknown method {spec.method!r}; expected one of {', '.join(method_names())}")
     kind = spec.schedule_kind
     if not is_schedule_name(kind):
         raise ValueError(f"unknown schedule {kind!r}; expected auto or one of {', '.join(kind_names())}")

@@ -1,0 +1,143 @@
+"""The registry of packing methods: each method's packer and its traits, looked up by name.
+
+``pack`` (``dispatch``) asks the registry for the method's microbatches in flat form
+(``method_flat``) and for its traits; nothing in the packing layer branches on a method's name.
+A record (``MethodRecord``) holds:
+
+- ``flat(job)``: the microbatches of one global batch (``MethodJob``: lengths after the oversize
+  policy, the ``PackContext``, the cost model, ``mbs``, ``round_to``, the row-length cap, the
+  attention and ``dp``) in flat form, and the settings it chose (for ``plan.meta``);
+- ``mbs``: what ``--mbs`` means to it: ``"rows"`` (rows per microbatch: ``fixed``, ``sorted``,
+  ``packed``), ``"budget divisor"`` (its token budget is the memory maximum divided by it:
+  ``token-budget``, ``balanced``) or None (it sizes its own microbatches: ``dynapipe``,
+  ``dynamic``; an ``mbs`` is refused);
+- ``pack_len_rows``: its rows are ``pack_len`` long (``packed``), so the row-length cap is the
+  pack length instead of the longest admissible one-row length;
+- ``takes_dp``: it balances its own microbatches over the data-parallel replicas (``balanced``,
+  ``dynamic``); the others get ``dp = 1`` and ``pack`` balances their plan afterwards.
+
+A new method is one ``register_method`` call (``docs/design.md``, "A packing method").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from dynmb.costmodel.base import CostModelLike
+
+from .balanced import balanced_flat
+from .context import PackContext
+from .dynamic import dynamic_groups
+from .dynapipe import dynapipe_groups
+from .fixed import fixed_flat
+from .packed import packed_rows_flat
+from .rows import Flat, groups_to_flat
+from .token_budget import token_budget_flat
+
+__all__ = ["MethodJob", "MethodRecord", "register_method", "get_method", "method_names", "method_flat"]
+
+
+@dataclass(frozen=True)
+class MethodJob:
+    """What a method packs: one global batch (lengths after the oversize policy) and its settings."""
+
+    lens: np.ndarray
+    ctx: PackContext
+    cost_model: CostModelLike
+    mbs: int | None
+    round_to: int
+    len_cap: int
+    """The longest row: the longest admissible one-row length, or ``packed``'s pack length."""
+    attention: str
+    dp: int = 1
+
+
+@dataclass(frozen=True)
+class MethodRecord:
+    """One packing method: its packer and traits (module docstring)."""
+
+    name: str
+    flat: Callable[[MethodJob], tuple[Flat, dict[str, Any]]]
+    mbs: str | None = None
+    pack_len_rows: bool = False
+    takes_dp: bool = False
+
+
+_REGISTRY: dict[str, MethodRecord] = {}
+
+
+def register_method(record: MethodRecord) -> MethodRecord:
+    """Add (or replace) a method; returns it."""
+    if record.mbs not in (None, "rows", "budget divisor"):
+        raise ValueError(f"method {record.name!r}: mbs must be None, 'rows' or 'budget divisor', got {record.mbs!r}")
+    _REGISTRY[record.name] = record
+    return record
+
+
+def get_method(name: str) -> MethodRecord:
+    """The record of ``name``; ``ValueError`` naming the registered methods otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown packing method {name!r}; expected one of {method_names()}") from None
+
+
+def method_names() -> tuple[str, ...]:
+    """The registered methods, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def method_flat(name: str, job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+    """``name``'s microbatches of ``job`` in flat form and the settings it chose; a method that
+    does not balance replicas itself is packed with ``dp = 1``."""
+    record = get_method(name)
+    return record.flat(job if record.takes_dp else replace(job, dp=1))
+
+
+def _fixed(method: str) -> Callable[[MethodJob], tuple[Flat, dict[str, Any]]]:
+    def flat(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+        out, rows_per_mb = fixed_flat(method, job.lens, job.ctx, job.mbs, job.round_to)
+        return out, {"mbs": rows_per_mb}
+    return flat
+
+
+def _packed(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+    out, rows_per_mb = packed_rows_flat(job.lens, job.len_cap, job.mbs)
+    return out, {"mbs": rows_per_mb}
+
+
+def _token_budget(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+    out, budget = token_budget_flat(job.lens, job.ctx, job.round_to, divisor=job.mbs)
+    return out, {"max_tokens": budget, "budget_divisor": job.mbs or 1}
+
+
+def _balanced(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+    out, budget = balanced_flat(job.lens, job.ctx.with_row_cap(job.len_cap), job.cost_model, round_to=job.round_to,
+                                divisor=job.mbs, dp=job.dp)
+    return out, {"max_tokens": budget, "budget_divisor": job.mbs or 1}
+
+
+def _dynapipe(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+    return groups_to_flat(dynapipe_groups(job.lens, job.ctx.bmax, job.cost_model, job.ctx.p, job.round_to)), {}
+
+
+def _dynamic(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+    def baseline(m: str) -> Flat:     # the plan method m makes of this batch: one of dynamic's candidates
+        name, _, divisor = m.partition("/")           # "balanced/4": balanced at the memory-maximum budget / 4
+        return method_flat(name, replace(job, mbs=int(divisor) if divisor else None))[0]
+    out, _ = dynamic_groups(job.lens, job.ctx, job.cost_model, round_to=job.round_to, max_len=job.len_cap,
+                            attention=job.attention, dp=job.dp, baselines=baseline)
+    return out, {}
+
+
+for _record in (MethodRecord("fixed", _fixed("fixed"), mbs="rows"),
+                MethodRecord("sorted", _fixed("sorted"), mbs="rows"),
+                MethodRecord("packed", _packed, mbs="rows", pack_len_rows=True),
+                MethodRecord("token-budget", _token_budget, mbs="budget divisor"),
+                MethodRecord("dynapipe", _dynapipe),
+                MethodRecord("dynamic", _dynamic, takes_dp=True),
+                MethodRecord("balanced", _balanced, mbs="budget divisor", takes_dp=True)):
+    register_method(_record)
