@@ -12,7 +12,7 @@
 #   6. benchmarks/recompute_peak.py: the allocator's peak during a recomputed forward against the
 #      memory model's two transients (which one the forward really holds)
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
-# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 runs steps 2-4 on the CPU (a check
+# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-6 on the CPU (a check
 # of the script and the commands, not of CUDA).
 set -uo pipefail
 R=${1:-results/gpu_check}
@@ -45,7 +45,7 @@ timeout 300 $D compare --model "$MODEL" --stages 2 --virtual 2 --device "$DEV" -
 step plan ahead on one GPU
 for N in 0 1; do
 timeout 240 $D run --nproc 1 --model "$MODEL" --stages 2 --virtual 2 --device "$DEV" --memory-limit "$LIMIT" \
-    --global-batch "${GB:-128}" --steps "${STEPS:-3}" --allow-over-limit --method dynamic --plan-ahead $N \
+    --global-batch "${GB:-128}" --steps "${STEPS:-3}" --allow-over-limit --method dynamic --schedule interleaved --plan-ahead $N \
     "${MM[@]}" "${CM[@]}" --out "$R/plan-ahead-$N" 2>&1 | tail -2
 python3 -c "import dynmb,sys; t=dynmb.load_results(sys.argv[1])['steps']; print(t[['step','step_s','plan_s','plan_wait_s']].to_string())" "$R/plan-ahead-$N"
 done
