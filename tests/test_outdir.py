@@ -60,7 +60,7 @@ def test_a_second_job_into_a_held_folder_is_refused_before_anything_runs(tmp_pat
     assert not (tmp_path / "spec.json").exists()
 
 
-def test_sighup_stops_a_job_like_sigterm() -> None:
+def test_sighup_stops_a_job_and_is_named_as_itself() -> None:
     import os
     import signal
     import time
@@ -70,4 +70,4 @@ def test_sighup_stops_a_job_like_sigterm() -> None:
     with StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGHUP)
         time.sleep(0.05)
-    assert stop.received == signal.SIGTERM
+    assert stop.received == signal.SIGHUP        # the job stops as on SIGTERM; its line says SIGHUP (129)

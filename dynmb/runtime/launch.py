@@ -28,10 +28,10 @@ table that is not one is refused untouched.
 
 Stopping: torchrun runs in its own session (a terminal's Ctrl-C reaches only the launcher)
 with the kernel told to kill it when the launcher dies (``PR_SET_PDEATHSIG``; its workers
-die with it, ``worker.exit_with_parent``). SIGINT, SIGTERM or SIGHUP (as SIGTERM) to the launcher while
+die with it, ``worker.exit_with_parent``). SIGINT, SIGTERM or SIGHUP (a closed terminal) to the launcher while
 ``launch_job`` waits (main thread) -- and the wall-clock guard -- stop torchrun and every
 process below it (``processes.stop_job``: SIGTERM, SIGKILL after 3 s); the result then has
-``returncode`` 128 + the signal (130, 143) and ``signal`` set; from the signal on, the workers' and
+``returncode`` 128 + the signal (130, 143, 129) and ``signal`` set; from the signal on, the workers' and
 torchrun's output (its ``SignalException`` traceback) is no longer streamed, the launcher's one line says it. After torchrun exits the
 launcher finishes the job's ``runs`` rows (``status`` ok / failed / interrupted, ``error``:
 the first failure line; in a job that failed no row keeps ``ok`` unless its case was closed

@@ -42,8 +42,8 @@ class Ended:
 
 class StopSignals:
     """While in the ``with`` block (main thread only), SIGINT, SIGTERM and SIGHUP (a closed terminal:
-    handled as SIGTERM) are recorded in ``received`` instead of raising or ending the process; the old
-    handlers come back after."""
+    it stops the job as SIGTERM does) are recorded in ``received`` (the first one, as it came) instead
+    of raising or ending the process; the old handlers come back after."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -51,7 +51,7 @@ class StopSignals:
 
     def _on(self, signum: int, _frame: object) -> None:
         if self.received is None:
-            self.received = signal.SIGTERM if signum == signal.SIGHUP else signum
+            self.received = signum
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
