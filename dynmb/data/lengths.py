@@ -158,17 +158,18 @@ def sample_batch(lengths: Iterable[int], global_batch: int, seed: int, step: int
     return a[sample_indices(a.size, global_batch, seed, step)]
 
 
-def sample_indices(num_records: int, global_batch: int, seed: int, step: int = 0) -> np.ndarray:
+def sample_indices(num_records: int, global_batch: int, seed: int, step: int = 0, *, note: bool = True) -> np.ndarray:
     """Rows (int64) of a trace of ``num_records`` in global batch ``step`` of stream ``seed``:
     ``global_batch`` drawn with ``default_rng([seed, step])``, without replacement if the trace
-    is big enough."""
+    is big enough (else with, said once per process unless ``note`` is False: a run's ranks draw
+    quietly, its launcher said it before they started)."""
     if num_records < 1:
         raise ValueError(f"cannot sample from an empty trace ({num_records} records)")
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     if seed < 0 or step < 0:
         raise ValueError(f"seed and step must be >= 0, got seed={seed} step={step}")
-    if global_batch > num_records and (num_records, int(global_batch)) not in _NOTED_REPLACEMENT:
+    if note and global_batch > num_records and (num_records, int(global_batch)) not in _NOTED_REPLACEMENT:
         _NOTED_REPLACEMENT.add((num_records, int(global_batch)))
         log.warning("the trace has %d records < global batch %d: batches are drawn with replacement "
                     "(records repeat within a batch)", num_records, global_batch)

@@ -134,7 +134,7 @@ class RunState:
     def batch_rows(self, step: int) -> np.ndarray:
         """The trace rows of global batch ``step`` (deterministic)."""
         assert self.trace is not None
-        return sample_indices(len(self.trace), self.run.global_batch, self.run.seed, step=step)
+        return sample_indices(len(self.trace), self.run.global_batch, self.run.seed, step=step, note=False)
 
     def batch_lengths(self, step: int) -> np.ndarray:
         """The sequence lengths of global batch ``step``."""
