@@ -107,7 +107,13 @@ def _dp_case(out: Path, ranks: int) -> list[RunSpec]:
     cfg = RunConfig(model=TINY, pipeline=PipelineConfig(num_stages=stages, memory_limit_bytes=parse_bytes(limit)),
                     dataset=str(trace), global_batch=len(TWO_LONG), method="dynamic", dp=2, seed=0, steps=1,
                     warmup=0, backend="gloo", device="cpu", timeout_s=90.0, oversize="split", recompute="auto")
-    return [RunSpec.create(cfg, out / f"slices-dp2-pp{stages}", verify=True, run_id=f"slices-dp2-pp{stages}")]
+    cases = [RunSpec.create(cfg, out / f"slices-dp2-pp{stages}", verify=True, run_id=f"slices-dp2-pp{stages}")]
+    if ranks == 2:                      # the same batch as a plan file (``dynmb run --plan``)
+        plan, _, _ = plan_step(TWO_LONG, cfg.plan_spec, model_cfg=TINY)
+        plan.save(out / "slices-dp2-plan.json")
+        cases.append(RunSpec.create(cfg, out / "slices-dp2-plan", verify=True, run_id="slices-dp2-plan",
+                                    plan=out / "slices-dp2-plan.json"))
+    return cases
 
 
 register(2)(lambda out: _dp_case(out, 2))
@@ -131,3 +137,6 @@ def test_split_with_dp_runs_verify_on_gloo(gloo_job, ranks):
     forwards = acts[(acts["op"] == "F") & (acts["stage"] == 0)]
     assert sum(forwards.groupby("dp_rank")["mb"].nunique()) == int(steps["num_microbatches"].iloc[0])
     assert (t["memory"]["peak_bytes"] <= t["memory"]["limit_bytes"]).all()
+    if ranks == 2:                      # the same plan run from its file (dynmb run --plan)
+        p = load_results(job.out / "slices-dp2-plan")["steps"]
+        assert p["verified"].all() and (p["sliced"] == 2).all() and (p["real_tokens"] == TWO_LONG.sum()).all()
