@@ -136,12 +136,14 @@ def _fill(chains: list[Microbatch], short_ids: np.ndarray, lengths: np.ndarray, 
 
 def _deal(work: list[float], dp: int) -> list[int]:
     """Each unit's replica: largest ``work`` first onto the replica with the least work so far
-    (ties: the lowest id), so the first ``dp`` units go to ``dp`` different replicas."""
-    loads, out = [0.0] * dp, [0] * len(work)
+    (ties: the fewest units, then the lowest id), so the first ``dp`` units go to ``dp``
+    different replicas."""
+    loads, counts, out = [0.0] * dp, [0] * dp, [0] * len(work)
     for u in sorted(range(len(work)), key=lambda u: -work[u]):
-        r = min(range(dp), key=lambda q: (loads[q], q))
+        r = min(range(dp), key=lambda q: (loads[q], counts[q], q))
         out[u] = r
         loads[r] += work[u]
+        counts[r] += 1
     return out
 
 
