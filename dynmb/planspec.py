@@ -44,7 +44,8 @@ class PlanSpec:
     memory_limit_bytes: int = 2 * 2**30
     """The per-GPU memory limit every stage must stay under."""
     dp: int = 1
-    """Data-parallel pipeline replicas (each gets the same number of microbatches)."""
+    """Data-parallel pipeline replicas (each gets the same number of microbatches, except with
+    slices of long sequences: a chain runs whole on one replica)."""
     mbs: int | None = None
     """Rows per microbatch of fixed-size methods (fixed, sorted, packed); None: the largest that fits."""
     pack_len: int | None = None

@@ -193,7 +193,9 @@ class Plan:
         """Raise ``PlanError`` unless every sequence appears exactly once, or as one chain of
         slices: entries in distinct microbatches, in execution order, whose offsets run
         0, l0, l0 + l1, ... back to back, every one but the last ``continued``, all in one
-        data-parallel replica.
+        data-parallel replica. With ``dp > 1`` every replica runs at least one microbatch, and
+        all the same number unless the plan holds slices (a chain runs whole on one replica, so
+        the replicas of a plan with slices may differ; each runs its own schedule).
 
         Sequences listed in ``meta['dropped']`` must be absent; those in
         ``meta['truncated']`` may appear with a shorter length. With ``lengths``
@@ -247,7 +249,10 @@ class Plan:
                 raise PlanError(f"sequences {bad[:10]} have lengths that differ from the global batch")
         if self.dp > 1:
             per = np.bincount(np.asarray(self.replica_ids), minlength=self.dp)
-            if len(per) != self.dp or np.any(per != per[0]):
+            if len(per) != self.dp or np.any(per == 0):
+                raise PlanError(f"every one of the {self.dp} data-parallel replicas must run at least one microbatch "
+                                f"(and no other replica any), got {per.tolist()}")
+            if not groups and np.any(per != per[0]):
                 raise PlanError(f"data-parallel replicas must run the same number of microbatches, got {per.tolist()}")
 
     # --- I/O ----------------------------------------------------------------

@@ -16,7 +16,8 @@ Each data-parallel replica is reordered, scheduled and simulated by the helpers 
 The plan's ``predictions`` are filled from the simulator (``pred_step_s``,
 ``pred_peak_bytes`` per stage, ``mean_bubble``) and the wall time of packing +
 reordering + scheduling (``plan_s``). With data parallelism each replica's
-schedule is the same shape (same microbatch count); the step's predicted time is
+schedule is the same shape (same microbatch count; with slices of long sequences
+the replicas may differ, ``dynmb.planning.slicing``); the step's predicted time is
 the slowest replica's.
 """
 
@@ -93,8 +94,7 @@ def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost
                              f"order (reorder 'none' or 'auto')")
         plan, sched, sim = plan_split(lengths, spec, model_cfg=model_cfg, memory_model=memory_model,
                                       cost_model=cost_model, make_schedule=make_schedule)
-        preds = plan.predictions.updated(pred_step_s=sim.makespan_s, mean_bubble=sim.mean_bubble,
-                                         plan_s=time.perf_counter() - t0)
+        preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)     # the slowest replica's step
         return replace(plan, predictions=preds, spec=spec,
                        meta={**plan.meta, **(meta or {}), "reorder": "none"}), sched, sim
     key = get_kind(spec.schedule_kind).packing_key

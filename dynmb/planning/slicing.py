@@ -1,10 +1,12 @@
 """``oversize="split"``: plan sequences longer than any row that fits as chains of slices.
 
-Algorithm (one global batch, one pipeline replica):
+Algorithm (one global batch, ``dp`` pipeline replicas):
 
 1. The longest row the method runs (``row_cap``): the longest admissible one-row
    microbatch (``PackContext.length_cap``), or ``packed``'s row length. Sequences up to it
-   are packed by the method as usual (``dynmb.packing.pack``, any ``recompute`` policy).
+   are packed by the method as usual (``dynmb.packing.pack`` with the spec's ``dp``, any
+   ``recompute`` policy; with ``dp > 1`` a batch the packer cannot give every replica the same
+   number of microbatches is packed as for one replica).
 2. Every longer sequence is cut into ``k = ceil(L / S)`` consecutive slices of near-equal
    length (``packed``: rows of its pack length, the last one shorter, as a packed trainer
    cuts a document at row boundaries), each slice one single-row microbatch
@@ -19,6 +21,17 @@ Algorithm (one global batch, one pipeline replica):
    order, a chain in flight until its last slice went forward) and simulated with the
    memory model's slice bytes; the fastest candidate whose every GPU's predicted peak
    (every stage's, with one stage per rank) is within the limit wins.
+   Data parallelism (``dp = D > 1``): a chain runs whole on one replica (its slices in order on
+   one pipeline; the prefix store is per rank). Each candidate deals its units -- every chain
+   (its slices, filled or not) and every short microbatch -- to the replicas, longest predicted
+   work first (the bottleneck stage's F + B, summed over a chain's slices) onto the replica with
+   the least work so far (ties: the lowest id); within a replica the units keep their order
+   (chains by sequence id, then the short microbatches as packed). Every replica gets at least
+   one microbatch (fewer units than replicas raises ``PackingError``); the replicas may run
+   different numbers of microbatches (a plan with slices only, ``Plan.validate``). Every
+   replica is scheduled and simulated: a candidate's time is the slowest replica's, and every
+   replica's every GPU must be within the limit. The plan is replica-major (``stitch``); its
+   predictions are ``predict_replicas``'; the schedule and simulation returned are replica 0's.
    Each slice length is also tried with the slices' rows filled (``slice_fill``): a slice
    shorter than the longest row leaves room in its row, which short sequences take, packed
    after the slice in the same row (first fit, longest first; the row stays within the longest
@@ -31,8 +44,7 @@ Algorithm (one global batch, one pipeline replica):
    ``slice_placement``, ``slice_recompute``, ``slice_fill``, ``longest_fitting_length``; every token of
    the batch is planned.
 
-Not supported (refused with one line): data parallelism (``dp > 1``) and kinds without
-``slices`` (``memory-aware``).
+Not supported (refused with one line): kinds without ``slices`` (``memory-aware``).
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from dynmb.predictions import Predictions
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, slice_kinds
 from dynmb.simulate import SimResult, simulate
 from dynmb.types import Microbatch, Plan, Schedule
+from .replicas import predict_replicas, replicas_of
 
 __all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE"]
 
@@ -121,15 +134,62 @@ def _fill(chains: list[Microbatch], short_ids: np.ndarray, lengths: np.ndarray, 
     return out, np.asarray(sorted(left), dtype=np.int64)
 
 
+def _deal(work: list[float], dp: int) -> list[int]:
+    """Each unit's replica: largest ``work`` first onto the replica with the least work so far
+    (ties: the fewest units, then the lowest id), so the first ``dp`` units go to ``dp``
+    different replicas."""
+    loads, counts, out = [0.0] * dp, [0] * dp, [0] * len(work)
+    for u in sorted(range(len(work)), key=lambda u: -work[u]):
+        r = min(range(dp), key=lambda q: (loads[q], counts[q], q))
+        out[u] = r
+        loads[r] += work[u]
+        counts[r] += 1
+    return out
+
+
+def _replicas(chains: list[list[Microbatch]], shorts: list[Microbatch], placement: str, dp: int,
+              cost_model: CostModelLike, plan_of: Callable[..., Plan]) -> tuple[list[Microbatch], list[int]] | None:
+    """The microbatches replica-major and their replica ids: chains and short microbatches dealt
+    to ``dp`` replicas (``_deal`` on each unit's bottleneck-stage F + B), each replica in the
+    units' order, its chains before (``first``) or after (``last``) its short microbatches.
+    None when there are fewer units than replicas (a chain runs whole on one replica)."""
+    units: list[list[Microbatch]] = [*chains, *([mb] for mb in shorts)]
+    if len(units) < dp:
+        return None
+    if dp == 1:
+        where = [0] * len(units)
+    else:
+        flat = [mb for unit in units for mb in unit]
+        cost = cost_model.plan_costs(plan_of(flat), ops=("F", "B"))
+        busy = (np.asarray(cost["F"]) + np.asarray(cost["B"])).max(axis=0).tolist()
+        work, k = [], 0
+        for unit in units:
+            work.append(float(sum(busy[k:k + len(unit)])))
+            k += len(unit)
+        where = _deal(work, dp)
+    order: list[Microbatch] = []
+    rids: list[int] = []
+    for r in range(dp):
+        own = [u for u in range(len(units)) if where[u] == r]
+        mine_chains = [mb for u in own if u < len(chains) for mb in units[u]]
+        mine_shorts = [mb for u in own if u >= len(chains) for mb in units[u]]
+        mbs = mine_chains + mine_shorts if placement == "first" else mine_shorts + mine_chains
+        order += mbs
+        rids += [r] * len(mbs)
+    return order, rids
+
+
 def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, memory_model: MemoryModelLike,
                cost_model: CostModelLike, make_schedule: Callable[..., Schedule]) -> tuple[Plan, Schedule, SimResult]:
-    """Plan ``lengths`` with every sequence longer than the longest row cut into slices (module doc)."""
+    """Plan ``lengths`` with every sequence longer than the longest row cut into slices, each
+    chain whole on one of the ``spec.dp`` replicas (module doc). Returns the plan (every replica,
+    its predictions the slowest replica's time and every stage's highest peak) and replica 0's
+    schedule and simulation."""
     t0 = time.perf_counter()
     method, num_stages, memory_limit_bytes = spec.method, spec.num_stages, spec.memory_limit_bytes
-    schedule_kind, round_to, virtual, recompute = spec.schedule_kind, spec.round_to, spec.virtual, spec.recompute
+    schedule_kind, round_to, virtual, recompute, dp = spec.schedule_kind, spec.round_to, spec.virtual, spec.recompute, \
+        spec.dp
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    if spec.dp != 1:
-        raise ValueError("oversize='split' plans one pipeline replica (dp = 1)")
     rec = get_kind(schedule_kind)
     if not rec.slices or (virtual != 1 and not rec.virtual_stages):
         raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {schedule_kind!r}"
@@ -146,13 +206,26 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     packed: dict[tuple[int, ...], list[Microbatch]] = {}
 
     def pack_short(ids: np.ndarray) -> list[Microbatch]:
-        """The method's packing of short sequences ``ids`` (cached: the fill candidates share leftovers)."""
+        """The method's packing of short sequences ``ids`` for ``dp`` replicas, else for one
+        (cached: the fill candidates share leftovers); ``_replicas`` deals them again."""
         key = tuple(ids.tolist())
         if key not in packed:
-            sub = pack(lengths[ids], spec.with_(oversize="error"), memory_model=memory_model,
-                       cost_model=cost_model) if ids.size else None
+            sub = None
+            for d in dict.fromkeys((dp, 1)) if ids.size else ():
+                try:
+                    sub = pack(lengths[ids], spec.with_(oversize="error", dp=d), memory_model=memory_model,
+                               cost_model=cost_model)
+                    break
+                except PackingError:
+                    if d == 1:
+                        raise
             packed[key] = [] if sub is None else [replace(mb, seq_ids=ids[mb.seq_ids]) for mb in sub.microbatches]
         return packed[key]
+
+    def plan_of(mbs: list[Microbatch], rids: list[int] | None = None, meta: dict | None = None) -> Plan:
+        return Plan(tuple(mbs), method, num_stages, int(memory_limit_bytes), len(lengths), schedule_kind=schedule_kind,
+                    spec=spec, dp=dp if rids is not None else 1, replica_ids=None if rids is None else tuple(rids),
+                    meta=meta or {})
 
     short_mbs = pack_short(short_ids)
     if not long_ids.size:
@@ -163,43 +236,56 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
         candidates = sorted({max(MIN_SLICE, round_down(row_cap // f, round_to) or round_to) for f in (1, 2, 4, 8)},
                             reverse=True)
     rc_options = {"never": [False], "always": [True], "auto": [False, True]}[recompute]
-    best: tuple[float, Plan, Schedule, SimResult] | None = None
+    best: tuple[float, Plan, list[Plan], list[Schedule]] | None = None
     lowest: tuple[float, int] | None = None
+    too_few = (0, 0)
     for use_rc in rc_options:
         for slice_len in candidates:
-            chains: list[Microbatch] = []
+            chains: list[list[Microbatch]] = []
             for sid in long_ids:
                 n = int(lengths[sid])
                 pieces = ([slice_len] * (n // slice_len) + ([n % slice_len] if n % slice_len else [])
                           if method == "packed" else slice_lengths(n, slice_len))
-                chains += _chain(int(sid), pieces, round_to, use_rc)
+                chains.append(_chain(int(sid), pieces, round_to, use_rc))
             variants = [(False, chains, short_mbs)]
-            filled, left = _fill(chains, short_ids, lengths, row_cap, round_to)
+            filled, left = _fill([mb for c in chains for mb in c], short_ids, lengths, row_cap, round_to)
             if left.size < short_ids.size:
-                variants.append((True, filled, pack_short(left)))
+                it = iter(filled)
+                variants.append((True, [[next(it) for _ in c] for c in chains], pack_short(left)))
             for (fill, rows, shorts), placement in itertools.product(variants, ("first", "last")):
                 if fill and not shorts and placement == "last":
                     continue                         # nothing left to place around the chains
-                order = rows + shorts if placement == "first" else shorts + rows
-                plan = Plan(tuple(order), method, num_stages, int(memory_limit_bytes), len(lengths),
-                            schedule_kind=schedule_kind, spec=spec,
-                            meta={"oversize": "split", "round_to": round_to, "longest_fitting_length": row_cap,
-                                  "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
-                                  "slice_len": int(slice_len), "slice_placement": placement,
-                                  "slice_recompute": use_rc, "slice_fill": fill, "truncated": [], "dropped": [],
-                                  "pack_len": int(row_cap) if method == "packed" else None,
-                                  "virtual": int(virtual)})
-                sched = make_schedule(plan, schedule_kind, virtual=virtual, memory_model=memory_model,
-                                      cost_model=cost_model)
-                sim = simulate(sched, plan, cost_model, memory_model)
-                gpu = sim.peak_bytes_rank if sim.peak_bytes_rank is not None else sim.peak_bytes
-                peak = float(np.max(gpu)) if gpu is not None else 0.0
+                dealt = _replicas(rows, shorts, placement, dp, cost_model, plan_of)
+                if dealt is None:
+                    too_few = (len(rows), len(shorts))
+                    continue
+                order, rids = dealt
+                plan = plan_of(order, rids, {
+                    "oversize": "split", "round_to": round_to, "longest_fitting_length": row_cap,
+                    "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
+                    "slice_len": int(slice_len), "slice_placement": placement, "slice_recompute": use_rc,
+                    "slice_fill": fill, "truncated": [], "dropped": [],
+                    "pack_len": int(row_cap) if method == "packed" else None, "virtual": int(virtual)})
+                replicas = replicas_of(plan)
+                scheds, slowest, peak = [], 0.0, 0.0
+                for p in replicas:
+                    sched = make_schedule(p, schedule_kind, virtual=virtual, memory_model=memory_model,
+                                          cost_model=cost_model)
+                    sim = simulate(sched, p, cost_model, memory_model)
+                    gpu = sim.peak_bytes_rank if sim.peak_bytes_rank is not None else sim.peak_bytes
+                    peak = max(peak, float(np.max(gpu)) if gpu is not None else 0.0)
+                    slowest = max(slowest, sim.makespan_s)
+                    scheds.append(sched)
                 if lowest is None or peak < lowest[0]:
                     lowest = (peak, int(slice_len))
-                if peak <= memory_limit_bytes and (best is None or sim.makespan_s < best[0]):
-                    best = (sim.makespan_s, plan, sched, sim)
+                if peak <= memory_limit_bytes and (best is None or slowest < best[0]):
+                    best = (slowest, plan, replicas, scheds)
         if best is not None:
             break
+    if best is None and lowest is None:
+        raise PackingError(f"oversize='split' with dp={dp}: {too_few[0]} chain(s) of slices and {too_few[1]} short "
+                           f"microbatch(es) cannot give every replica a microbatch (a chain runs whole on one "
+                           f"replica)")
     if best is None:
         assert lowest is not None
         raise PackingError(
@@ -207,8 +293,12 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
             f"{int(lengths[long_ids].max())} tokens does not fit sliced: the lowest predicted peak "
             f"{int(lowest[0])} B (slices of {lowest[1]}) exceeds the limit {int(memory_limit_bytes)} B"
             f"{'; --recompute auto keeps only block inputs and keys/values' if recompute == 'never' else ''}")
-    _, plan, sched, sim = best
-    plan = replace(plan, predictions=Predictions(pred_peak_bytes=tuple(int(x) for x in np.ceil(np.asarray(sim.peak_bytes))), est_makespan_s=sim.makespan_s,
-                                                 plan_s=time.perf_counter() - t0))
+    _, plan, replicas, scheds = best
+    predicted = predict_replicas(replicas, scheds, cost_model, memory_model, Predictions())
+    sim = predicted.sims[0]
+    plan = replace(plan, predictions=predicted.predictions.updated(
+        pred_peak_bytes=tuple(int(x) for x in np.ceil(np.max([np.asarray(s.peak_bytes) for s in predicted.sims],
+                                                             axis=0))),
+        est_makespan_s=predicted.predictions.pred_step_s, plan_s=time.perf_counter() - t0))
     plan.validate(lengths)
-    return plan, sched, sim
+    return plan, scheds[0], sim

@@ -10,8 +10,9 @@ numbers and the fixed option sets; this adds what needs a registry (no batch, no
 2. ``virtual`` > 1 needs a kind whose record takes virtual stages (``ScheduleKind.virtual_stages``;
    ``auto``: one of ``auto_kinds(virtual)``);
 3. ``oversize='split'`` needs a kind that runs slices of long sequences (``ScheduleKind.slices``;
-   ``auto``: one of ``auto_kinds(virtual, slices=True)``) and one pipeline replica (``dp`` 1);
-   the kinds are read off the registry, so a kind that learns to run slices is admitted at once;
+   ``auto``: one of ``auto_kinds(virtual, slices=True)``), with any ``dp`` (each chain of slices
+   runs whole on one replica); the kinds are read off the registry, so a kind that learns to run
+   slices is admitted at once;
 4. ``mbs`` only for the methods that take one (``MBS_METHODS``: the rows of ``fixed``, ``sorted``,
    ``packed``, the budget divisor of ``token-budget`` and ``balanced``); ``dynamic`` and
    ``dynapipe`` choose their own sizes;
@@ -67,8 +68,6 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
             among = f" (auto with --virtual {spec.virtual}: none of the kinds it weighs)" if kind == AUTO else ""
             raise ValueError(f"--oversize split: the {kind} schedule{among} cannot run slices of long sequences; "
                              f"slices run on {' or '.join(slice_kinds()) or 'no registered kind'}")
-        if spec.dp != 1:
-            raise ValueError(f"--oversize split plans one pipeline replica; got --dp {spec.dp}")
     if (refusal := mbs_refusal(spec)) is not None:
         raise ValueError(refusal)
     if spec.pack_len is not None and not uses_pack_len(spec.method):
