@@ -3,15 +3,13 @@
 numpy only. A *global batch* is an ``np.ndarray[int64]`` of sequence lengths; a
 sequence is identified by its index in that array.
 
-- ``Microbatch``: the sequences it holds, the row each sits in, and the shape it
-  runs at (``batch`` rows x ``padded_len`` columns). One sequence per row is the
-  usual case; the ``packed`` method puts several documents in one row.
-- Slices: a sequence longer than any row that fits may be cut into consecutive
-  slices (``--oversize split``), each an entry of a different microbatch with its
-  token ``offset`` in the sequence and ``continued`` (a later slice follows). In
-  execution order the slices of one sequence cover ``[0, length)`` back to back;
-  slice j attends to the keys and values of slices 0..j-1 on every stage, so their
-  forwards run in slice order and their backwards in reverse (``Plan.slice_groups``).
+- ``Microbatch``: the sequences it holds, the row each sits in, and the shape it runs at (``batch``
+  rows x ``padded_len`` columns). One sequence per row is the usual case; ``packed`` puts several in a row.
+- Slices: a sequence longer than any row that fits may be cut into consecutive slices (``--oversize
+  split``), each an entry of a different microbatch with its token ``offset`` in the sequence and
+  ``continued`` (a later slice follows). In execution order the slices of one sequence cover ``[0,
+  length)`` back to back; slice j attends to the keys and values of slices 0..j-1 on every stage, so
+  their forwards run in slice order and their backwards in reverse (``Plan.slice_groups``).
 - ``Plan``: microbatches in execution order plus the method, memory limit and the
   planner's predictions. Invariant (``Plan.validate``): every sequence of the
   global batch appears exactly once, or as one chain of slices (or is listed in
@@ -193,9 +191,8 @@ class Plan:
         """Raise ``PlanError`` unless every sequence appears exactly once, or as one chain of
         slices: entries in distinct microbatches, in execution order, whose offsets run
         0, l0, l0 + l1, ... back to back, every one but the last ``continued``, all in one
-        data-parallel replica. With ``dp > 1`` every replica runs at least one microbatch, and
-        all the same number unless the plan holds slices (a chain runs whole on one replica, so
-        the replicas of a plan with slices may differ; each runs its own schedule).
+        data-parallel replica. With ``dp > 1`` every replica runs at least one microbatch, all the
+        same number unless the plan holds slices (a chain runs whole on one replica).
 
         Sequences listed in ``meta['dropped']`` must be absent; those in
         ``meta['truncated']`` may appear with a shorter length. With ``lengths``
@@ -250,8 +247,7 @@ class Plan:
         if self.dp > 1:
             per = np.bincount(np.asarray(self.replica_ids), minlength=self.dp)
             if len(per) != self.dp or np.any(per == 0):
-                raise PlanError(f"every one of the {self.dp} data-parallel replicas must run at least one microbatch "
-                                f"(and no other replica any), got {per.tolist()}")
+                raise PlanError(f"each of the {self.dp} replicas must run a microbatch (no other any): {per.tolist()}")
             if not groups and np.any(per != per[0]):
                 raise PlanError(f"data-parallel replicas must run the same number of microbatches, got {per.tolist()}")
 
