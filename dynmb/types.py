@@ -247,7 +247,7 @@ class Plan:
         if self.dp > 1:
             per = np.bincount(np.asarray(self.replica_ids), minlength=self.dp)
             if len(per) != self.dp or np.any(per == 0):
-                raise PlanError(f"each of the {self.dp} replicas must run a microbatch (no other any): {per.tolist()}")
+                raise PlanError(f"each of the {self.dp} replicas must run at least one microbatch, got {per.tolist()}")
             if not groups and np.any(per != per[0]):
                 raise PlanError(f"data-parallel replicas must run the same number of microbatches, got {per.tolist()}")
 
