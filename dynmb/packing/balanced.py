@@ -44,6 +44,9 @@ from typing import Any
 import numpy as np
 
 from ..makespan import makespans
+from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
+from ..makespan_zb import backward_shares
+from ..schedule.kinds import get_kind
 from .context import PackContext
 from .rows import Flat, Group, groups_to_flat, round_up
 from .token_budget import max_tokens
@@ -298,7 +301,8 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     per = np.maximum(np.array(ks) // dp, 1)
     cols = np.repeat(np.arange(len(k)), per)
     est = makespans(cost["F"][:, cols], cost["B"][:, cols], np.broadcast_to(np.asarray(comm, dtype=np.float64),
-                    (len(k),))[cols], per, ctx.kind)
+                    (len(k),))[cols], per, ctx.kind,
+                    shares=backward_shares(cost_model, lens, ctx.p) if get_kind(ctx.kind).estimate_as in ZB_ESTIMATES else None)
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
     near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]
