@@ -14,8 +14,8 @@ allows and it pays; ``ESTIMATES``): a ``W`` counts as in flight until it ran, so
 at the end of ``I_j``, before ``W_j``. After a stage's last forward (its cool-down) nothing forces
 a ``W``: they queue and fill the waits for the gradients from above; the rest run at the end.
 
-The estimate is that schedule's makespan (``zb_recurrence``; for ``zb`` the smaller of its largest
-window's and ZB-H1's, which it also weighs), one regime for every m: each stage's
+The estimate is that schedule's makespan (``zb_recurrence``; for ``zb`` with its largest window),
+one regime for every m: each stage's
 order of forwards and backwards for window ``k_s`` (``dynmb.schedule.order.windowed_order``) swept
 with ``end = max(stage free, input + send) + duration``, where a steady-state backward is ``I``
 then ``W`` (its dependants read the end of ``I``) and a cool-down backward (microbatch
@@ -140,7 +140,7 @@ def _scalar(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, win: 
     return float(max(f + x for f, x in zip(free, q)))
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=128)
 def _level_table(P: int, m: int, win: tuple[int, ...]) -> tuple:
     """``dynmb.makespan_levels.level_order``'s table (stage, is backward, microbatch, previous op, dependency,
     level starts) of the windowed order (``windowed_order``): 1F1B's closed form for ``P - s``, else
@@ -222,23 +222,21 @@ def _same(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, K: int,
 
 def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarray,
                   shares: np.ndarray | None = None, estimate_as: str = "zb-h1") -> np.ndarray:
-    """The recurrence (module doc) of pipelines k (the next ``sizes[k] >= 1`` columns each); for
-    ``zb`` the smaller of its own window's and ZB-H1's (one of its candidates)."""
+    """The recurrence (module doc) of pipelines k (the next ``sizes[k] >= 1`` columns each)."""
     I, W = split_backward(B, shares)                           # noqa: E741
     P = F.shape[0]
-    wins = {windows(P, "zb-h1"), windows(P, estimate_as)}
+    win = windows(P, estimate_as)
     offs = np.concatenate([[0], np.cumsum(sizes)])
-    out = np.full(len(sizes), np.inf)
+    out = np.empty(len(sizes))
     for m in np.unique(sizes).tolist():
         ks = np.flatnonzero(sizes == m)
-        for win in wins:
-            if 2 * P * m * len(ks) <= SCALAR_OPS:
-                for k in ks.tolist():
-                    a, e = offs[k], offs[k + 1]
-                    out[k] = min(out[k], _scalar(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win))
-                continue
-            cols = (offs[ks][:, None] + np.arange(m)).ravel()
-            out[ks] = np.minimum(out[ks], _same(F[:, cols], I[:, cols], W[:, cols], comm[cols], len(ks), m, win))
+        if 2 * P * m * len(ks) <= SCALAR_OPS:
+            for k in ks.tolist():
+                a, e = offs[k], offs[k + 1]
+                out[k] = _scalar(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win)
+            continue
+        cols = (offs[ks][:, None] + np.arange(m)).ravel()
+        out[ks] = _same(F[:, cols], I[:, cols], W[:, cols], comm[cols], len(ks), m, win)
     return out
 
 
