@@ -5,12 +5,15 @@ and a per-microbatch send time between neighbouring stages; ``makespans`` gives 
 pipelines at once. ``kind`` is a schedule kind; its record's ``estimate_as``
 (``dynmb.schedule.kinds``) says which op order is swept (``gpipe`` or ``1f1b``). Two regimes:
 
+A kind estimated as ``zb-h1`` or ``zb`` (the zero-bubble kinds) has an estimate of its own,
+``dynmb.makespan_zb`` (a recurrence for every m, ``exact`` is ignored).
+
 * exact (equal to ``dynmb.simulate``'s): the makespan of a GPipe or 1F1B schedule where every op
   starts when its stage is free and its input has arrived, over the op order the builders emit
   (``dynmb.schedule.order.stage_order``; 1F1B on stage i: ``w = min(P-1-i, m)`` warm-up
   forwards, then F/B pairs, then the remaining backwards, torch's ``Schedule1F1B``). Used when
   ``exact_regime``: 2 * P * m <= ``EXACT_OPS`` or m <= ``EXACT_PER_STAGE`` * P. Evaluated
-  level by level (``_levels``: ops that cannot depend on each other), one vectorised step per
+  level by level (``dynmb.makespan_levels``: ops that cannot depend on each other), one vectorised step per
   level over every pipeline of the batch (O(m + P) numpy steps); ``_exact_makespan``, a sweep
   over stages that advances each as far as its dependencies allow, when the levels would hold
   few ops.
@@ -32,12 +35,15 @@ the packers, one layer down, import it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Any
 
 import numpy as np
 
+from dynmb.makespan_levels import level_order as _level_order
+from dynmb.makespan_levels import levels as _levels
+from dynmb.makespan_zb import ESTIMATES as ZB_ESTIMATES
+from dynmb.makespan_zb import zb_makespans
 from dynmb.schedule.kinds import get_kind
 from dynmb.schedule.order import stage_order
 
@@ -150,46 +156,6 @@ def exact_regime(num_stages: int, m: Any) -> Any:
     return (2 * num_stages * m <= EXACT_OPS) | (m <= EXACT_PER_STAGE * num_stages)
 
 
-def _levels(P: int, m: int, kind: str) -> tuple[np.ndarray, ...]:
-    """The ops of a P x m GPipe / 1F1B schedule in natural order (op id = stage * 2m + slot, the
-    slot its position in ``stage_order``): (level, stage, is backward, microbatch, dependency id
-    or -1). The level is the op's start under unit costs and free sends (the longest chain of
-    ops before it), so no op depends on one of its own level: 1F1B warm-up F_j(i) at i + j
-    (j <= w_i = min(P-1-i, m)), later F_j(i) at i + 2j, B_j(i) at 2P-1-i+2j; GPipe F_j(i) at
-    i + j, B_j(i) at 2P-2-i+m+j."""
-    i, j = np.arange(P)[:, None], np.arange(m)[None, :]
-    if kind == "gpipe":
-        slot_f, slot_b, lev_f, lev_b = j + 0 * i, m + j + 0 * i, i + j, 2 * P - 2 - i + m + j
-    else:
-        w = np.minimum(P - 1 - i, m)
-        slot_f, slot_b = np.where(j < w, j, 2 * j - w), np.where(j < m - w, w + 2 * j + 1, m + j)
-        lev_f, lev_b = np.where(j <= w, i + j, 2 * j + i), 2 * P - 1 - i + 2 * j + 0 * i
-    id_f, id_b = i * 2 * m + slot_f, i * 2 * m + slot_b
-    n = 2 * P * m
-    level, is_b, mb, dep = np.empty(n, np.int64), np.zeros(n, bool), np.empty(n, np.int64), np.full(n, -1, np.int64)
-    level[id_f], level[id_b], is_b[id_b] = lev_f, lev_b, True
-    mb[id_f] = mb[id_b] = np.broadcast_to(j, (P, m))
-    dep[id_f[1:]], dep[id_b[:-1]] = id_f[:-1], id_b[1:]      # F from the stage below, B from the one above
-    return level, np.repeat(np.arange(P), 2 * m), is_b, mb, dep
-
-
-@functools.lru_cache(maxsize=16)
-def _level_order(P: int, m: int, kind: str) -> tuple:
-    """``_levels`` sorted by level: (stage, is backward, microbatch, previous op on the stage,
-    dependency; both as positions in that order, n for none), and the start of each level."""
-    level, stage, is_b, mb, dep = _levels(P, m, kind)
-    n = len(level)
-    order = np.argsort(level, kind="stable")
-    inv = np.empty(n + 1, dtype=np.int64)
-    inv[order], inv[n] = np.arange(n), n
-    prev = np.arange(-1, n - 1)
-    prev[np.arange(P) * 2 * m] = n
-    out = (stage[order], is_b[order], mb[order], inv[prev[order]], inv[np.where(dep >= 0, dep, n)[order]])
-    for x in out:
-        x.setflags(write=False)
-    return (*out, np.searchsorted(level[order], np.arange(2 * (m + P) + 1)).tolist())
-
-
 def _exact_same(F: np.ndarray, B: np.ndarray, comm: np.ndarray, K: int, m: int, kind: str) -> np.ndarray:
     """Exact makespans of K pipelines of m microbatches each (columns k*m .. k*m + m - 1): one
     [ops, K] array in level order, a level a block of rows."""
@@ -212,7 +178,7 @@ def _exact_same(F: np.ndarray, B: np.ndarray, comm: np.ndarray, K: int, m: int, 
 
 def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarray, kind: str) -> np.ndarray:
     """Exact makespans of pipelines k (the next ``sizes[k] >= 1`` columns each), all at once:
-    ops are processed level by level (``_levels``), each level one vectorised step
+    ops are processed level by level (``dynmb.makespan_levels``), each level one vectorised step
     ``end = max(end of the previous op on the stage, end of the dependency + send) + duration``
     over every pipeline (``_exact_same`` for each size shared by enough pipelines, one merged
     pass for the rest); the scalar recurrence when levels would hold few ops."""
@@ -266,10 +232,11 @@ def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarr
 
 
 def makespans(F: np.ndarray, B: np.ndarray, comm_s: Any, sizes: Any, kind: str = "1f1b",
-              exact: bool | None = None) -> np.ndarray:
+              exact: bool | None = None, shares: np.ndarray | None = None) -> np.ndarray:
     """``makespan`` of several pipelines at once: pipeline k runs the next ``sizes[k]`` columns
     of ``F``/``B`` (and of ``comm_s``, scalar or per column) in their order. With ``exact=None``
-    each is exact iff ``exact_regime``, else the bound (module doc)."""
+    each is exact iff ``exact_regime``, else the bound (module doc). A zero-bubble estimate (``zb-h1``, ``zb``):
+    ``dynmb.makespan_zb`` (``shares``: its ``I / B``, ``W / B`` per stage, ``backward_shares``)."""
     P, M = F.shape
     sizes = np.asarray(sizes, dtype=np.int64)
     comm = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (M,))
@@ -277,6 +244,8 @@ def makespans(F: np.ndarray, B: np.ndarray, comm_s: Any, sizes: Any, kind: str =
     ex = exact_regime(P, sizes) if exact is None else np.full(len(sizes), bool(exact))
     ex &= sizes > 0
     out = np.zeros(len(sizes))
+    if kind in ZB_ESTIMATES:                          # the zero-bubble kinds: dynmb.makespan_zb (one regime)
+        return zb_makespans(F, B, comm, sizes, shares, kind)
     offs = np.concatenate([[0], np.cumsum(sizes)])
     if np.any(ex):
         cols = np.concatenate([np.arange(a, e) for a, e in zip(offs[:-1][ex], offs[1:][ex])])
@@ -306,8 +275,8 @@ def _round_trips(F: np.ndarray, B: np.ndarray, comm: np.ndarray, offs: np.ndarra
 
 
 def makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b",
-             exact: bool | None = None) -> float:
+             exact: bool | None = None, shares: np.ndarray | None = None) -> float:
     """The packers' makespan estimate: the exact recurrence when ``exact`` or, with
     ``exact=None``, when ``exact_regime(P, m)``; else the pipeline bound over the columns
     in their order and the round trips."""
-    return float(makespans(F, B, comm_s, [F.shape[1]], kind, exact)[0])
+    return float(makespans(F, B, comm_s, [F.shape[1]], kind, exact, shares)[0])

@@ -291,3 +291,17 @@ def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch)
     assert got.plan.meta["grouping"].startswith("balanced/")
     assert got.sim.makespan_s < poor[0].predictions["pred_step_s"]
     assert got.plan.method == "dynamic" and got.plan.spec.method == "dynamic"
+
+
+def test_karmarkar_karp_remembers_large_calls_and_hands_out_copies():
+    """``--schedule auto`` packs once per kind, each packing weighing the same balanced budgets: the
+    partitioner remembers its last large calls; what it returns is the partition of a fresh call, and a
+    caller's edits do not reach the memo."""
+    from dynmb.packing import balanced as bal
+    w = np.random.default_rng(5).lognormal(5, 1, bal.KK_MEMO_MIN + 10)
+    first = bal.karmarkar_karp(w, 7)
+    assert first == bal._karmarkar_karp(w, 7)
+    first[0].append(-1)
+    again = bal.karmarkar_karp(w, 7)
+    assert again == bal._karmarkar_karp(w, 7) and -1 not in again[0]
+    assert bal.karmarkar_karp(w[:50], 3) == bal._karmarkar_karp(w[:50], 3)

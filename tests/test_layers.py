@@ -108,7 +108,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models of the hardware", ("dynmb.memory", "dynmb.memory_peak", "dynmb.memory_fit", "dynmb.memory_coef",
                                 *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls", "samples",
                                           "split", "p2pfit", "calibration", "registry", "validate", "gpu"))),
-    ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.bounds")),
+    ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.makespan_zb", "dynmb.makespan_levels", "dynmb.bounds")),
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
                          "dynamic", "dynamic_setup", "dynamic_rank", "recompute", "balanced", "methods")),
     ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "defaults", "api",

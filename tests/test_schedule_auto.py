@@ -25,7 +25,7 @@ from dynmb.planning import make_schedule, plan_step
 from dynmb.planspec import PlanSpec
 from dynmb.results import load_results
 from dynmb.runtime.spec import RunSpec
-from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, is_schedule_name, resolve_kind
+from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, is_schedule_name, kind_names, resolve_kind
 from tests.gloo_jobs import register
 
 TINY = ModelConfig.preset("tiny")
@@ -47,12 +47,16 @@ def test_auto_kinds_follow_the_registry():
 
 
 def test_kinds_of_one_packing_key_pack_alike():
-    """auto packs once per packing key: the packers must give those kinds the same plan."""
+    """auto packs once per packing key: the packers must give those kinds the same plan. Each zero-bubble
+    kind has an estimate of its own (dynmb.makespan_zb), so a key of its own."""
     mm, cm, limit = _models(4)
     lengths = np.random.default_rng(3).integers(8, 900, 48)
+    assert len({get_kind(k).packing_key for k in auto_kinds(1)}) == 3
+    assert [get_kind(k).estimate_as for k in ("1f1b", "zb-h1", "zb")] == ["1f1b", "zb-h1", "zb"]
+    alike = [k for k in kind_names() if get_kind(k).packing_key == get_kind("1f1b").packing_key]
+    assert "memory-aware" in alike                    # 1F1B's window and estimate
     plans = [pack(lengths, PlanSpec(method="dynamic", num_stages=4, schedule_kind=k, memory_limit_bytes=limit),
-                  memory_model=mm, cost_model=cm) for k in auto_kinds(1)]
-    assert len({get_kind(k).packing_key for k in auto_kinds(1)}) == 1
+                  memory_model=mm, cost_model=cm) for k in ("1f1b", "memory-aware")]
     for p in plans[1:]:
         assert [(mb.seq_ids.tolist(), mb.row_ids.tolist(), mb.padded_len) for mb in p.microbatches] == \
             [(mb.seq_ids.tolist(), mb.row_ids.tolist(), mb.padded_len) for mb in plans[0].microbatches]

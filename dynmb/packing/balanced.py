@@ -37,6 +37,7 @@ at the batch's longest rounded length); ``divisor`` d > 1 gives ``T // d`` (the 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
 import math
 from typing import Any
@@ -44,6 +45,9 @@ from typing import Any
 import numpy as np
 
 from ..makespan import makespans
+from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
+from ..makespan_zb import backward_shares
+from ..schedule.kinds import get_kind
 from .context import PackContext
 from .rows import Flat, Group, groups_to_flat, round_up
 from .token_budget import max_tokens
@@ -57,7 +61,29 @@ VERL_LINEAR_COEF = 24576
 """verl's workload estimate per token (``24576 l + l^2``), used without a cost model."""
 
 
+KK_MEMO = 8
+"""``karmarkar_karp`` keeps the sets of its last this many large calls (``KK_MEMO_MIN`` items or more):
+``--schedule auto`` packs a batch once per kind, and each packing weighs the same ``balanced`` budgets."""
+KK_MEMO_MIN = 4096
+_KK_MEMO: dict[tuple, list[list[int]]] = {}
+
+
 def karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
+    """``_karmarkar_karp``, remembered for the last ``KK_MEMO`` calls of ``KK_MEMO_MIN`` items or more."""
+    w = np.ascontiguousarray(weights, dtype=np.float64).reshape(-1)
+    if len(w) < KK_MEMO_MIN:
+        return _karmarkar_karp(w, k)
+    key = (int(k), len(w), hashlib.blake2b(w.tobytes(), digest_size=16).digest())
+    sets = _KK_MEMO.pop(key, None)
+    if sets is None:
+        sets = _karmarkar_karp(w, k)
+    _KK_MEMO[key] = sets
+    while len(_KK_MEMO) > KK_MEMO:
+        _KK_MEMO.pop(next(iter(_KK_MEMO)))
+    return [list(s) for s in sets]
+
+
+def _karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     """Indices of ``weights`` in ``k`` sets of balanced sums (largest differencing, module doc).
     Sets are returned largest sum first; a set is empty only when there are fewer than k items.
     A partition's sets are recorded as nodes of a merge forest (a new node per pair of non-empty
@@ -298,7 +324,8 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     per = np.maximum(np.array(ks) // dp, 1)
     cols = np.repeat(np.arange(len(k)), per)
     est = makespans(cost["F"][:, cols], cost["B"][:, cols], np.broadcast_to(np.asarray(comm, dtype=np.float64),
-                    (len(k),))[cols], per, ctx.kind)
+                    (len(k),))[cols], per, ctx.kind,
+                    shares=backward_shares(cost_model, lens, ctx.p) if get_kind(ctx.kind).estimate_as in ZB_ESTIMATES else None)
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
     near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]

@@ -42,6 +42,8 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
 from ..features import CostFeatures
 from ..makespan import makespan
+from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
+from ..makespan_zb import backward_shares
 from ..schedule.kinds import get_kind
 from ..planspec import PlanSpec
 from ..predictions import Predictions
@@ -218,9 +220,11 @@ def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_
         replicas = [np.flatnonzero(np.asarray(replica_ids) == r) for r in range(dp)]
     peak = np.zeros(memory_model.num_stages)
     estimates = []
+    shares = (backward_shares(cost_model, np.concatenate([mb.lengths for mb in microbatches]), memory_model.num_stages)
+              if get_kind(kind).estimate_as in ZB_ESTIMATES and microbatches else None)
     for sel in replicas:
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
-        estimates.append(makespan(cost["F"][:, sel], cost["B"][:, sel], comm_s[sel], kind))
+        estimates.append(makespan(cost["F"][:, sel], cost["B"][:, sel], comm_s[sel], kind, shares=shares))
     return microbatches, replica_ids, peak, estimates
 
 

@@ -6,7 +6,8 @@ steps 5-7 of its docstring).
 ``baseline`` (another method's plan, balanced over dp as ``dynmb.packing`` balances it),
 ``rank`` (each candidate's best estimate over its orders on its probe replicas: ``dynmb.makespan``'s
 bound regime (the pipeline bound and the round trips), or ``dynmb.makespan.makespans`` for the
-best by a proxy within ``RANK_OPS`` ops) and
+best by a proxy within ``RANK_OPS`` ops; the zero-bubble kinds' estimate, ``dynmb.makespan_zb``, has
+no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B``) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
 ``dynmb.packing`` runs them).
 """
@@ -23,6 +24,8 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from ..features import CostFeatures
 from ..makespan import exact_regime, makespans, round_trip_bound
+from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
+from ..makespan_zb import backward_shares
 from ..schedule.kinds import get_kind
 from .dynamic_setup import SplitSetup, split_to_flat
 from .rows import Flat, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, split_group
@@ -64,6 +67,8 @@ class Ranker:
                  setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
         self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
         self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
+        self.zb = get_kind(kind).estimate_as in ZB_ESTIMATES
+        self.shares = backward_shares(cost_model, lengths, num_stages) if self.zb else None
 
     def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
         sends = self.comm_fn(rows, padded) if self.comm_fn is not None else 0.0
@@ -148,7 +153,7 @@ class Ranker:
                            else (np.arange(members.shape[1]), members))
             sub, local = (c.F[:, used], c.B[:, used], c.comm[used]), local.reshape(-1, members.shape[1])
             opened = c.opened[used] if c.opened is not None else None
-            if exact_regime(self.P, members.shape[1]):
+            if self.zb or exact_regime(self.P, members.shape[1]):      # zero-bubble kinds: no bound regime
                 jobs += [(c, name, sub, cols) for name, cols in _orders(local, busy[used], opened).items()]
                 continue
             # the bound (dynmb.makespan): the pipeline bound (the same work in every order, only the
@@ -187,7 +192,7 @@ class Ranker:
         B = np.concatenate([s[1][:, cols.ravel()] for s, cols in jobs], axis=1)
         sends = np.concatenate([s[2][cols.ravel()] for s, cols in jobs])
         sizes = np.concatenate([np.full(len(cols), cols.shape[1]) for _, cols in jobs])
-        per = makespans(F, B, sends, sizes, self.kind)
+        per = makespans(F, B, sends, sizes, self.kind, shares=self.shares)
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
         return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
