@@ -16,13 +16,12 @@ that the memory model, cost model and packers can use them without importing tor
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from dynmb.planspec import PlanSpec
 
-from .model_sizes import ModelSizes, split_layers
+from .model_sizes import ModelSizes, normalise_layer_split, split_layers
 from .units import format_bytes, parse_bytes
 
 __all__ = ["MODEL_FAMILIES", "ModelConfig", "PipelineConfig", "RunConfig", "PlanSpec", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
@@ -74,18 +73,15 @@ class ModelConfig(ModelSizes):
     """``auto``: causal attention with no mask tensor for one document per row and
     document-causal attention costing sum(s_i^2) for packed rows (as trainers run it);
     ``dense``: the (batch, 1, s, s) mask on every row, kept only as an ablation."""
-    layer_split: tuple[int, ...] | None = None
-    """Layers per pipeline stage (model chunk), in order, e.g. ``(9, 8, 8, 7)``; None: the even split
-    (``split_layers``). Set by ``--stage-split`` (``dynmb.planning.stage_split``); a fitted cost or
-    memory model is valid only for the split it was measured on."""
+    layer_split: tuple[int | float, ...] | None = None
+    """Layers per pipeline stage (model chunk), in order, e.g. ``(9, 8, 8, 7)``, or in half-blocks,
+    ``(2.5, 2, 2, 1.5)`` (a boundary between a block's attention and MLP halves; ``stage_blocks``);
+    None: the even split (``split_layers``). Set by ``--stage-split`` (``dynmb.planning.stage_split``);
+    a fitted cost or memory model is valid only for the split it was measured on."""
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
-            split = tuple(int(n) for n in self.layer_split)
-            object.__setattr__(self, "layer_split", split)
-            if min(split) < 1 or sum(split) != self.n_layers:
-                raise ValueError(f"ModelConfig.layer_split {list(split)} must give every stage >= 1 layer and sum to "
-                                 f"n_layers {self.n_layers}")
+            object.__setattr__(self, "layer_split", normalise_layer_split(self.layer_split, self.n_layers))
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, f) < 1:
                 raise ValueError(f"ModelConfig.{f} must be >= 1, got {getattr(self, f)}")
@@ -114,15 +110,14 @@ class ModelConfig(ModelSizes):
         return replace(MODEL_PRESETS[name], **overrides)
 
     def stage_layers(self, num_stages: int) -> list[range]:
-        """The layers of each of ``num_stages`` stages: ``layer_split`` when set (one stage: all layers),
-        else the even split."""
-        if self.layer_split is None or num_stages == 1:
-            return split_layers(self.n_layers, num_stages)
-        if len(self.layer_split) != num_stages:
-            raise ValueError(f"model {self.name!r} has a layer split for {len(self.layer_split)} stages "
-                             f"{list(self.layer_split)}, not {num_stages}")
-        ends = list(itertools.accumulate(self.layer_split))
-        return [range(end - n, end) for n, end in zip(self.layer_split, ends)]
+        """The (whole) layers of each of ``num_stages`` stages: ``layer_split`` when set (one stage: all
+        layers), else the even split. A split between half-blocks has no such list (ValueError; dynmb's
+        families read ``stage_blocks``)."""
+        units = self.stage_units(num_stages)
+        if num_stages > 1 and self.half_split:
+            raise ValueError(f"model {self.name!r}: the layer split {list(self.layer_split or ())} cuts blocks in "
+                             "half, which only dynmb's own model families (gpt2, llama) can run; use whole layers")
+        return [range(r.start // 2, r.stop // 2) for r in units]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

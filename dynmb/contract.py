@@ -17,7 +17,8 @@ sum of s_i^2; ``masked``: the full rows * padded_len^2 of a masked kernel) and
 ``build_stage(stage, num_stages, *, seed=0, dtype=None, device=None)`` returning a
 ``StageModule`` whose parameters have global names and equal values on every rank for any
 split (seeded by ``(seed, global name)``, or loaded identically). Layers split with
-``config.stage_layers(num_stages)``: the first stage holds the embedding, the last the final
+``config.stage_layers(num_stages)`` (whole layers; a split between half-blocks, which only dynmb's own
+families run, is refused there): the first stage holds the embedding, the last the final
 norm and LM head.
 
 ``resolve_model(spec)`` turns what a user names into a factory: a ``ModelConfig``; a preset

@@ -53,7 +53,7 @@ import numpy as np
 from .atomic import write_text_atomic
 from .config import ModelConfig
 from .costmodel.validate import check_memory_model, check_numbers, read_model_file
-from .memory_coef import (BUCKET_PADDING, block_act_coef, head_act_per_token, recompute_saved_coef,
+from .memory_coef import (BUCKET_PADDING, block_act_coef, half_act_coef, head_act_per_token, recompute_saved_coef,
                           recompute_transient_coef, stage_act_per_token, w_coef)
 from .memory_fit import fit_memory_model
 from .memory_peak import inflight_limit, peak_from_matrix, rank_state
@@ -61,7 +61,8 @@ from .schedule.kinds import SCHEDULE_KINDS, interleaved_inflight
 
 __all__ = ["MemoryModelLike", "MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
            "peak_from_matrix",
-           "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef"]
+           "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef",
+           "half_act_coef"]
 
 
 
@@ -94,7 +95,7 @@ class MemoryModel:
     def __init__(self, model_cfg: ModelConfig, num_stages: int, state_bytes: Any, act_coef: Any,
                  transient_coef: Any, *, optimizer: str = "adam", source: str = "analytic",
                  report: dict[str, Any] | None = None) -> None:
-        model_cfg.stage_layers(num_stages)
+        model_cfg.stage_units(num_stages)              # validates the split
         self.model_cfg, self.num_stages, self.optimizer = model_cfg, int(num_stages), optimizer
         self.state_bytes = np.asarray(state_bytes, dtype=np.float64).reshape(self.num_stages)
         self.act_coef = np.asarray(act_coef, dtype=np.float64).reshape(self.num_stages, 3)
@@ -118,13 +119,13 @@ class MemoryModel:
             raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
         c = model_cfg
         e, d, v = c.dtype_bytes, c.d_model, c.vocab_size
-        layers = c.stage_layers(num_stages)
+        attn, mlp = half_act_coef(c)
         act = np.zeros((num_stages, 3))
         tr = np.zeros((num_stages, 3))
-        for i, lr in enumerate(layers):
+        for i, (na, nm) in enumerate(c.stage_parts(num_stages)):
             first, last = i == 0, i == num_stages - 1
-            act[i, 1:] = len(lr) * block_act_coef(c)
-            act[i, 1] += stage_act_per_token(c, first) if len(lr) or first else 0.0   # ids, rotary tables
+            act[i, 1:] = na * attn + nm * mlp                                      # whole and half blocks
+            act[i, 1] += stage_act_per_token(c, first, attention=na > 0)          # ids, rotary tables
             if c.attention == "auto":
                 act[i, 1] += 8 * (2 + BUCKET_PADDING)       # bucket gather + scatter indices (int64)
             if last:
@@ -198,7 +199,7 @@ class MemoryModel:
         per layer of the stage: 2 d without grouped K/V), held from its chain's first backward to its
         own (``dynmb.simulate.SliceGrads``)."""
         c = self.model_cfg
-        layers = np.array([len(x) for x in c.stage_layers(self.num_stages)], dtype=np.float64)
+        layers = np.array([na for na, _ in c.stage_parts(self.num_stages)], dtype=np.float64)   # attention halves
         return layers * c.kv_heads * c.head_dim * c.dtype_bytes * 2.0
 
     def slice_matrix(self, continued_tokens: Any, recompute: Any = None) -> np.ndarray:

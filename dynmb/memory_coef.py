@@ -2,9 +2,10 @@
 
 Counted from what ``dynmb.models`` saves for backward (``torch.autograd`` saved tensors, each storage
 once), per family (gpt2, llama), for the activations held from a microbatch's F to its B
-(``block_act_coef``, ``stage_act_per_token``, ``head_act_per_token``), the bytes held from a split
-backward's I to its W (``w_coef``) and what full recomputation saves and re-creates
-(``recompute_saved_coef``, ``recompute_transient_coef``). ``dynmb.memory.MemoryModel.analytic``
+(``block_act_coef``, per half-block ``half_act_coef``, ``stage_act_per_token``, ``head_act_per_token``),
+the bytes held from a split backward's I to its W (``w_coef``) and what full recomputation saves and
+re-creates (``recompute_saved_coef``, ``recompute_transient_coef``), counted per half-block (attention
+half, MLP half: a stage may start or end between them, ``ModelConfig.stage_blocks``). ``dynmb.memory.MemoryModel.analytic``
 assembles them per stage; the CPU meter checks them (tests/test_memory.py, tests/test_llama.py).
 """
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from .config import ModelConfig
 
-__all__ = ["BUCKET_PADDING", "block_act_coef", "stage_act_per_token", "head_act_per_token", "w_coef",
+__all__ = ["BUCKET_PADDING", "block_act_coef", "half_act_coef", "stage_act_per_token", "head_act_per_token", "w_coef",
            "recompute_saved_coef", "recompute_transient_coef"]
 
 BUCKET_PADDING = 1 / 16
@@ -42,24 +43,37 @@ def block_act_coef(c: ModelConfig) -> np.ndarray:
     sublayer on the documents gathered into buckets, at most ``1 + BUCKET_PADDING`` times the real
     tokens, which is charged to every microbatch (an upper bound, exact for padded ones up to it).
     """
+    attn, mlp = half_act_coef(c)
+    return attn + mlp
+
+
+def half_act_coef(c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``(attention half, MLP half)`` of ``block_act_coef``, each ``(a1, a2)``: the attention half
+    holds its norm's saved tensors and the attention sublayer's, the MLP half its norm's and the MLP's.
+
+    gpt2: attention half ``e d + 8`` (LayerNorm input, fp32 mean and rstd) plus the sublayer;
+    MLP half ``e (2d + 2f) + 8`` (LayerNorm input, fc input, GELU input, proj input, statistics).
+    llama: attention half ``2 e d + 4`` (RMSNorm input and normalised input, rstd) plus the
+    sublayer; MLP half ``e (3d + 4f) + 4`` (the same for its RMSNorm, the SwiGLU input, gate/up,
+    SiLU output and down input)."""
     e, d, f, h = c.dtype_bytes, c.d_model, c.d_ff, c.n_heads
     if c.family == "llama":
         k = c.kv_heads * c.head_dim
-        outside, attention = e * (5 * d + 4 * f) + 8, e * (4 * d + 3 * k) + 4 * h
+        attn_norm, mlp_half, attention = 2 * e * d + 4, e * (3 * d + 4 * f) + 4, e * (4 * d + 3 * k) + 4 * h
     else:
-        outside, attention = e * (3 * d + 2 * f) + 16, 5 * d * e + 4 * h
+        attn_norm, mlp_half, attention = e * d + 8, e * (2 * d + 2 * f) + 8, 5 * d * e + 4 * h
     if c.attention == "dense":
-        return np.array([outside + attention, e])
-    return np.array([outside + (1 + BUCKET_PADDING) * attention, 0.0])
+        return np.array([attn_norm + attention, e]), np.array([mlp_half, 0.0])
+    return np.array([attn_norm + (1 + BUCKET_PADDING) * attention, 0.0]), np.array([mlp_half, 0.0])
 
 
-def stage_act_per_token(c: ModelConfig, first: bool) -> float:
+def stage_act_per_token(c: ModelConfig, first: bool, attention: bool = True) -> float:
     """Per-token bytes a stage saves outside its blocks and head: on the first stage the token ids
     (int64) and, for learned positions, the position ids (int64); for rotary positions the cos and
     sin tables (``2 * head_dim`` at ``e`` bytes, in the bucket layout under ``auto``), shared by the
-    stage's blocks."""
+    stage's blocks, when it holds an attention half (``attention``)."""
     out = (16.0 if c.learned_positions else 8.0) if first else 0.0
-    if not c.learned_positions:
+    if not c.learned_positions and attention:
         g = 1.0 if c.attention == "dense" else 1.0 + BUCKET_PADDING
         out += 2 * c.head_dim * c.dtype_bytes * g
     return out
@@ -92,18 +106,18 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     """``[P, 3]``: bytes held from a microbatch's ``I`` to its ``W`` on each stage: every Linear
     call's input and output gradient. Per block and token, gpt2: ``e (2d + 2f + 6d g)`` (qkv d + 3d,
     proj d + d, fc d + f, proj f + d); llama (``k = n_kv_heads * head_dim``): ``e (2d + 3f + (4d +
-    2k) g)`` (qkv d + d + 2k, proj d + d, gate_up d + 2f, down f + d); the last stage adds the LM
-    head's (d, V)."""
+    2k) g)`` (qkv d + d + 2k, proj d + d, gate_up d + 2f, down f + d), the attention half's the terms
+    with ``g``, the MLP half's the rest; the last stage adds the LM head's (d, V)."""
     e, d, f, v = cfg.dtype_bytes, cfg.d_model, cfg.d_ff, cfg.vocab_size
     g = 1.0 if cfg.attention == "dense" else 1.0 + BUCKET_PADDING
     if cfg.family == "llama":
         k = cfg.kv_heads * cfg.head_dim
-        per_block = e * (2 * d + 3 * f + (4 * d + 2 * k) * g)
+        attn, mlp = e * (4 * d + 2 * k) * g, e * (2 * d + 3 * f)
     else:
-        per_block = e * (2 * d + 2 * f + 6 * d * g)
+        attn, mlp = e * 6 * d * g, e * (2 * d + 2 * f)
     out = np.zeros((num_stages, 3))
-    for i, layers in enumerate(cfg.stage_layers(num_stages)):
-        out[i, 1] = len(layers) * per_block
+    for i, (na, nm) in enumerate(cfg.stage_parts(num_stages)):
+        out[i, 1] = na * attn + nm * mlp
         if i == num_stages - 1 and not cfg.tie_embeddings:
             out[i, 1] += e * (d + v)
     return out
@@ -119,27 +133,27 @@ def head_act_per_token(cfg: ModelConfig) -> float:
 
 
 def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
-    """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' but their
-    inputs, and on the last stage the head's but its input (``dynmb.models.RecomputedHead``)."""
+    """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' (whole or
+    half) but their inputs, and on the last stage the head's but its input (``dynmb.models.RecomputedHead``)."""
     out = np.zeros((num_stages, 3))
-    blk = block_act_coef(cfg)
-    for i, layers in enumerate(cfg.stage_layers(num_stages)):
-        out[i, 1] = len(layers) * (blk[0] - cfg.dtype_bytes * cfg.d_model)
-        out[i, 2] = len(layers) * blk[1]
+    attn, mlp = half_act_coef(cfg)
+    for i, ((na, nm), blocks) in enumerate(zip(cfg.stage_parts(num_stages), cfg.stage_blocks(num_stages))):
+        out[i, 1:] = na * attn + nm * mlp
+        out[i, 1] -= len(blocks) * cfg.dtype_bytes * cfg.d_model
     out[-1, 1] += head_act_per_token(cfg) - cfg.dtype_bytes * cfg.d_model
     return out
 
 
 def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     """``[P, 3]``: what a recomputed backward re-creates at a time, on top of the stage's
-    transient bytes: one block's activation bytes; on the last stage, whose transient is the
-    fp32 logits gradient (4 V per token), the head's re-created activations while that gradient
+    transient bytes: one block's activation bytes (its largest block, whole or half); on the last
+    stage, whose transient is the fp32 logits gradient (4 V per token), the head's re-created activations while that gradient
     lives, or one block's after it is gone (the head's backward runs first), whichever is larger:
     ``max(block - 4 V, head)``."""
     out = np.zeros((num_stages, 3))
-    blk = block_act_coef(cfg)
-    for i, layers in enumerate(cfg.stage_layers(num_stages)):
-        if len(layers):
-            out[i, 1:] = blk
+    halves = dict(zip(("attn", "mlp"), half_act_coef(cfg)))
+    for i, blocks in enumerate(cfg.stage_blocks(num_stages)):
+        for _, parts in blocks:
+            out[i, 1:] = np.maximum(out[i, 1:], sum(halves[p] for p in parts))
     out[-1, 1] = max(out[-1, 1] - 4 * cfg.vocab_size, head_act_per_token(cfg))
     return out

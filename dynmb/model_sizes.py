@@ -2,8 +2,16 @@
 
 ``ModelSizes`` is a mixin of ``ModelConfig`` (it reads the config's fields through ``self`` and
 imports nothing from dynmb): ``block_params``, ``stage_params``, ``param_count``, ``message_bytes``
-and ``stage_flops``. gpt2: a block holds QKV + out projection and a two-matrix MLP, all with biases,
-and two LayerNorms; the first stage a token and a position table. llama: Q and out projections
+and ``stage_flops``, counted per half-block (``half_params``, ``half_flops``: a pre-norm block is the
+attention sub-block ``x + attn(norm1(x))`` then the MLP sub-block ``x + mlp(norm2(x))``, each with
+its own norm), and the split of the layers into stages in half-block units (``stage_units``,
+``stage_parts``, ``stage_blocks``; ``normalise_layer_split``): unit ``u`` is layer ``u // 2``'s
+attention half (``u`` even) or its MLP half (``u`` odd), and a ``layer_split`` of whole layers
+(``(9, 8, 8, 7)``) or of half layers (``(2.5, 2, 2, 1.5)``: the first stage ends after layer 2's
+attention half, the second starts with its MLP half) gives each stage a contiguous run of units.
+
+gpt2: a block holds QKV + out projection and a two-matrix MLP, all with biases, and two LayerNorms;
+the first stage a token and a position table. llama: Q and out projections
 ``d x d``, K and V ``d x n_kv_heads * head_dim``, SwiGLU's three ``d x d_ff`` matrices, two RMSNorm
 gains, no biases; the first stage a token table only (rotary positions); a tied LM head adds nothing
 on one stage, and a copy on the last of several (as Megatron keeps it).
@@ -11,9 +19,13 @@ on one stage, and a copy on the last of several (as Megatron keeps it).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
-__all__ = ["ModelSizes", "split_layers"]
+__all__ = ["ModelSizes", "split_layers", "normalise_layer_split", "PARTS"]
+
+PARTS = ("attn", "mlp")
+"""The two halves of a block, in order (unit ``2 i`` is layer ``i``'s ``attn``, ``2 i + 1`` its ``mlp``)."""
 
 
 class ModelSizes:
@@ -29,6 +41,7 @@ class ModelSizes:
     n_heads: int
     n_kv_heads: int | None
     n_layers: int
+    layer_split: tuple[int | float, ...] | None
 
     @property
     def dtype_bytes(self) -> int:
@@ -48,25 +61,72 @@ class ModelSizes:
         """Whether positions come from a ``max_seq_len`` table (gpt2), capping document length."""
         return self.family == "gpt2"
 
-    def _layers(self, num_stages: int) -> list[range]:
-        return self.stage_layers(num_stages)  # type: ignore[attr-defined]
+    # --- the split in half-block units ------------------------------------------------
+    @property
+    def unit_split(self) -> tuple[int, ...] | None:
+        """``layer_split`` in half-block units (``(2.5, 2, 2, 1.5)`` -> ``(5, 4, 4, 3)``); None: even."""
+        return None if self.layer_split is None else tuple(int(round(2 * v)) for v in self.layer_split)
+
+    @property
+    def half_split(self) -> bool:
+        """Whether a stage boundary falls between a block's attention and MLP halves."""
+        units = self.unit_split
+        return units is not None and any(u % 2 for u in itertools.accumulate(units))
+
+    def stage_units(self, num_stages: int) -> list[range]:
+        """The half-block units of each stage (unit ``u``: layer ``u // 2``, part ``PARTS[u % 2]``)."""
+        units = self.unit_split
+        if units is None or num_stages == 1:
+            return [range(2 * r.start, 2 * r.stop) for r in split_layers(self.n_layers, num_stages)]
+        if len(units) != num_stages:
+            raise ValueError(f"model {getattr(self, 'name', '')!r} has a layer split for {len(units)} stages "
+                             f"{list(self.layer_split or ())}, not {num_stages}")
+        ends = list(itertools.accumulate(units))
+        return [range(end - n, end) for n, end in zip(units, ends)]
+
+    def stage_parts(self, num_stages: int) -> list[tuple[int, int]]:
+        """``(attention halves, MLP halves)`` of each stage."""
+        return [(len(range((r.start + 1) // 2, (r.stop + 1) // 2)), len(range(r.start // 2, r.stop // 2)))
+                for r in self.stage_units(num_stages)]
+
+    def stage_blocks(self, num_stages: int) -> list[list[tuple[int, tuple[str, ...]]]]:
+        """Each stage's blocks as ``(layer, parts)``: whole blocks ``("attn", "mlp")``, and at a
+        mid-block boundary the stage's ``("mlp",)`` first and/or ``("attn",)`` last."""
+        out = []
+        for r in self.stage_units(num_stages):
+            blocks: dict[int, tuple[str, ...]] = {}
+            for u in r:
+                blocks[u // 2] = blocks.get(u // 2, ()) + (PARTS[u % 2],)
+            out.append(list(blocks.items()))
+        return out
+
+    def stage_layer_counts(self, num_stages: int) -> list[float]:
+        """Layers per stage (halves count 0.5), e.g. ``[2.5, 2.0, 2.0, 1.5]``."""
+        return [len(r) / 2 for r in self.stage_units(num_stages)]
+
+    # --- sizes ----------------------------------------------------------------------
+    def half_params(self) -> tuple[int, int]:
+        """Parameters of a block's ``(attention half, MLP half)``, each with its norm (module docstring)."""
+        d, f = self.d_model, self.d_ff
+        if self.family == "llama":
+            kv = self.kv_heads * self.head_dim
+            return 2 * d * d + 2 * d * kv + d, 3 * d * f + d
+        return (3 * d * d + 3 * d) + (d * d + d) + 2 * d, (d * f + f) + (f * d + d) + 2 * d
 
     def block_params(self) -> int:
         """Parameters of one block. gpt2: QKV + out proj (with biases), fc + proj MLP (with biases),
         two LayerNorms (gain and bias). llama: Q, K, V (``kv_heads`` heads each) and out proj,
         gate/up/down, two RMSNorm gains; no biases."""
-        d, f = self.d_model, self.d_ff
-        if self.family == "llama":
-            kv = self.kv_heads * self.head_dim
-            return (2 * d * d + 2 * d * kv) + 3 * d * f + 2 * d
-        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+        return sum(self.half_params())
 
     def stage_params(self, stage: int, num_stages: int) -> int:
-        """Parameters held by ``stage``: its blocks, plus the embeddings on the first (gpt2: token
+        """Parameters held by ``stage``: its blocks (or half-blocks), plus the embeddings on the first (gpt2: token
         and position tables; llama: token table) and the final norm + LM head on the last. A tied
         head adds nothing on a single stage; across stages the last holds a copy (as Megatron does)."""
         d = self.d_model
-        n = len(self._layers(num_stages)[stage]) * self.block_params()
+        na, nm = self.stage_parts(num_stages)[stage]
+        attn, mlp = self.half_params()
+        n = na * attn + nm * mlp
         if stage == 0:
             n += self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
         if stage == num_stages - 1:
@@ -91,19 +151,38 @@ class ModelSizes:
         ``3 d f``), plus the s^2 attention terms (QK^T and AV over the full row: masks do not skip
         work in dense SDPA; K/V heads shared by a group still meet every query head).
         """
+        na, nm = self.stage_parts(num_stages)[stage]
+        attn, mlp = self.half_flops(rows, padded_len)
+        fl = na * attn + nm * mlp
+        if stage == num_stages - 1:
+            fl = fl + rows * padded_len * 2 * self.d_model * self.vocab_size
+        return fl
+
+    def half_flops(self, rows: Any, padded_len: Any) -> tuple[Any, Any]:
+        """Forward FLOPs of one block's ``(attention half, MLP half)`` on a (rows, padded_len)
+        microbatch (the terms of ``stage_flops``; the s^2 attention terms in the attention half)."""
         d, f = self.d_model, self.d_ff
         tokens = rows * padded_len
-        nl = len(self._layers(num_stages)[stage])
+        attn = 2 * 2 * rows * padded_len * padded_len * d
         if self.family == "llama":
             kv = self.kv_heads * self.head_dim
-            per_tok_block = 2 * (2 * d * d + 2 * d * kv + 3 * d * f)
-        else:
-            per_tok_block = 2 * (4 * d * d + 2 * d * f)
-        attn = 2 * 2 * rows * padded_len * padded_len * d
-        fl = nl * (tokens * per_tok_block + attn)
-        if stage == num_stages - 1:
-            fl = fl + tokens * 2 * d * self.vocab_size
-        return fl
+            return tokens * 2 * (2 * d * d + 2 * d * kv) + attn, tokens * 2 * 3 * d * f
+        return tokens * 2 * 4 * d * d + attn, tokens * 2 * 2 * d * f
+
+
+def normalise_layer_split(split: Any, n_layers: int) -> tuple[int | float, ...]:
+    """``split`` as layers per stage: whole layers as ints, half layers (``x.5``) as floats; every
+    stage at least half a block, the total ``n_layers`` (ValueError naming the split otherwise)."""
+    units = []
+    for v in split:
+        u = 2 * float(v)
+        if not abs(u) < float("inf") or abs(u - round(u)) > 1e-9:
+            raise ValueError(f"ModelConfig.layer_split {list(split)}: {v} is not a whole or half number of layers")
+        units.append(int(round(u)))
+    if not units or min(units) < 1 or sum(units) != 2 * n_layers:
+        raise ValueError(f"ModelConfig.layer_split {list(split)} must give every stage >= 1 layer (or half a "
+                         f"block) and sum to n_layers {n_layers}")
+    return tuple(u // 2 if u % 2 == 0 else u / 2 for u in units)
 
 
 def split_layers(n_layers: int, num_stages: int) -> list[range]:

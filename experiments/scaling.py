@@ -274,7 +274,7 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
     plan_s = pack_s + cols["reorder_s"] + cols["sched_s"]
     wall_s = time.perf_counter() - wall0
     tokens_per_replica = int(cell.batch.sum()) / c["dp"]
-    return {"status": "ok", "error": "", "base_method": base, "layer_split": " ".join(str(len(r)) for r in cfg.stage_layers(P)),
+    return {"status": "ok", "error": "", "base_method": base, "layer_split": " ".join(f"{n:g}" for n in cfg.stage_layer_counts(P)),
             "num_sequences": int(cell.batch.size), "real_tokens": plan.real_tokens,
             "tokens_per_replica": tokens_per_replica, "load_ok": tokens_per_replica >= 4 * P * c["mb_tokens"],
             **cols, "pack_s": pack_s, "plan_s": plan_s, "row_wall_s": wall_s,

@@ -317,6 +317,28 @@ def test_split_backward_i_then_w_equals_the_plain_llama(P):
     _check(stages, ref, 1e-10)
 
 
+@pytest.mark.parametrize("split", [(1.5, 1.5), (0.5, 2, 0.5)])
+@pytest.mark.parametrize("mode", ["slices", "slices-recompute", "recompute-packed", "split-backward"])
+def test_half_block_splits_equal_the_plain_llama(split, mode):
+    """Stages starting and/or ending between a block's attention and MLP halves (the first stage
+    attention only, the last MLP only with ``(0.5, 2, 0.5)``): slices against a prefix (only
+    attention halves keep keys and values), full recomputation, packed rows and I then W all give
+    the plain Llama's gradients."""
+    cfg = replace(CFG, layer_split=split)
+    P = len(split)
+    if mode.startswith("slices"):
+        plan, lengths = _sliced_plan((20, 35, 15), True, recompute=mode.endswith("recompute"))
+    else:
+        lengths = np.array([10, 17, 6, 13, 9, 20])
+        plan = _plan([_packed(lengths[:3], 1), Microbatch(seq_ids=[3, 4, 5], lengths=lengths[3:], padded_len=20,
+                                                          batch=3)], 6, P)
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=9)
+    stages = _run_plan(plan, tokens, cfg, P, recompute=mode == "recompute-packed", split=mode == "split-backward")
+    assert [s.layers for s in stages][-1] == ([] if split[-1] == 0.5 else [2])
+    _, ref = _reference(stages, cfg, _lengths_of(plan), tokens)
+    _check(stages, ref, 1e-10)
+
+
 def test_grouped_prefix_attention_matches_causal_sdpa_in_both_kernels(monkeypatch):
     g = torch.Generator().manual_seed(0)
     h, kv, n, p, dh = 6, 2, 19, 23, 8

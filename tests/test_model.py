@@ -116,6 +116,34 @@ def test_composed_stages_equal_full_model_fp32(P):
         assert ls.dim() == 0 and ls.dtype == torch.float32
 
 
+@pytest.mark.parametrize("split", [(1.5, 2.5), (0.5, 2, 1.5), (1, 1.5, 1, 0.5)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_half_block_splits_equal_full_model_fp32(split, recompute):
+    """Stages that start and end between a block's attention and MLP halves compose to the whole
+    model: same loss, same gradients under the same global names (the MLP half of a block on the
+    stage after its attention half)."""
+    lengths = np.array([7, 19, 3, 12, 25, 9])
+    tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=1)
+    cfg = replace(CFG, layer_split=split)
+    P = len(split)
+    for mb in (_padded([0, 1, 2], lengths, extra=2), _packed(np.arange(6), lengths, rows=2, extra=1)):
+        inp = make_inputs(mb, tokens, cfg=CFG)
+        full, stages = GPT(CFG, seed=5), build_stages(cfg, P, seed=5)
+        x = None
+        for s in stages:
+            x = s(x, inp, recompute=recompute)
+        lf = full(inp)
+        lf.backward()
+        x.backward()
+        assert abs(float(lf.detach() - x.detach())) <= 1e-5 * abs(float(lf.detach()))
+        gs = {n: p.grad for s in stages for n, p in s.named_parameters()}
+        assert set(gs) == {n for n, _ in full.named_parameters()}
+        for n, p in full.named_parameters():
+            assert _rel(gs[n], p.grad) <= 1e-5, n
+    units = [(i, parts) for s in stages for i, parts in s.units]
+    assert [u for u in units if len(u[1]) == 1], units          # some stage holds half a block
+
+
 # --- masking forms -------------------------------------------------------------------
 def test_padded_packed_unpadded_give_same_per_sequence_loss():
     lengths = np.array([5, 17, 9, 30, 1, 12])

@@ -131,7 +131,7 @@ class CostModel:
 
     def __init__(self, model_cfg: ModelConfig, num_stages: int, comm: CommModel | None = None,
                  meta: dict[str, Any] | None = None) -> None:
-        model_cfg.stage_layers(num_stages)  # validates the split
+        model_cfg.stage_units(num_stages)  # validates the split
         self.model_cfg, self.num_stages = model_cfg, int(num_stages)
         self.comm = comm if comm is not None else CommModel()
         self.meta = dict(meta or {})

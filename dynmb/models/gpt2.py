@@ -4,7 +4,7 @@ Model: token embedding + learned position embedding (first stage), then pre-LN b
 ``x + attn(LN(x))``, ``x + mlp(LN(x))`` with causal self-attention on the microbatch's path
 (``dynmb.models.attention``) and a tanh-GELU MLP, then a final LayerNorm, an untied LM head and
 the loss (last stage). ``GPT`` is the whole model as one stage; ``GPTStage(cfg, s, P)`` holds the
-blocks ``cfg.stage_layers(P)[s]``. GPT-2 init, each parameter seeded by ``(seed, global name)``.
+blocks ``cfg.stage_blocks(P)[s]`` (whole, or a half at a mid-block boundary). GPT-2 init, each parameter seeded by ``(seed, global name)``.
 
 Positions come from ``inputs.position_ids`` (restarting at 0 in each document, continuing
 across the slices of a sliced document), looked up in a table of ``max_seq_len`` rows: a
@@ -57,16 +57,23 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block."""
+    """Pre-LN transformer block. ``parts``: both halves, or only ``("attn",)`` / ``("mlp",)`` at a
+    stage boundary inside the block."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0, parts: tuple[str, ...] = ("attn", "mlp")) -> None:
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg, layer)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        if "attn" in parts:
+            self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg, layer)
+        if "mlp" in parts:
+            self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.parts = tuple(parts)
 
     def forward(self, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), inputs)
-        return x + self.mlp(self.ln2(x))
+        if "attn" in self.parts:
+            x = x + self.attn(self.ln1(x), inputs)
+        if "mlp" in self.parts:
+            x = x + self.mlp(self.ln2(x))
+        return x
 
 
 class GPTStage(DecoderStage):
@@ -78,7 +85,7 @@ class GPTStage(DecoderStage):
         if self.is_first:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in self.layers})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, parts) for i, parts in self.units})
         if self.is_last:
             self.norm_f = nn.LayerNorm(cfg.d_model)
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

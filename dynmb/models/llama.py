@@ -3,7 +3,7 @@
 Model: token embedding (first stage), then pre-norm blocks ``x + attn(RMSNorm(x))``,
 ``x + mlp(RMSNorm(x))``, then a final RMSNorm and the LM head (last stage; optionally the
 embedding matrix itself, ``tie_embeddings``, on a single stage). ``LlamaStage(cfg, s, P)``
-holds the blocks ``cfg.stage_layers(P)[s]``; parameter names are global and each parameter is
+holds the blocks ``cfg.stage_blocks(P)[s]`` (whole, or a half at a mid-block boundary); parameter names are global and each parameter is
 seeded by ``(seed, global name)``: N(0, 0.02) matrices (the residual output projections
 ``attn.proj`` and ``mlp.down`` scaled by 1/sqrt(2 n_layers)), unit norm gains.
 
@@ -123,16 +123,23 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block; ``pos`` are the stage's rotary tables for this microbatch."""
+    """Pre-RMSNorm block; ``pos`` are the stage's rotary tables for this microbatch. ``parts``: both
+    halves, or only ``("attn",)`` / ``("mlp",)`` at a stage boundary inside the block."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0, parts: tuple[str, ...] = ("attn", "mlp")) -> None:
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(cfg.d_model), LlamaAttention(cfg, layer)
-        self.mlp_norm, self.mlp = RMSNorm(cfg.d_model), SwiGLU(cfg)
+        if "attn" in parts:
+            self.attn_norm, self.attn = RMSNorm(cfg.d_model), LlamaAttention(cfg, layer)
+        if "mlp" in parts:
+            self.mlp_norm, self.mlp = RMSNorm(cfg.d_model), SwiGLU(cfg)
+        self.parts = tuple(parts)
 
-    def forward(self, x: torch.Tensor, inputs: MicrobatchInputs, pos: PositionTables) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), inputs, pos)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: torch.Tensor, inputs: MicrobatchInputs, pos: PositionTables | None = None) -> torch.Tensor:
+        if "attn" in self.parts:
+            x = x + self.attn(self.attn_norm(x), inputs, pos)
+        if "mlp" in self.parts:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
 
 
 class LlamaStage(DecoderStage):
@@ -147,7 +154,7 @@ class LlamaStage(DecoderStage):
                              f"does not run; use tie_embeddings=false (analytic models count the last stage's copy)")
         if self.is_first:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg, i) for i in self.layers})
+        self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg, i, parts) for i, parts in self.units})
         if self.is_last:
             self.norm_f = RMSNorm(cfg.d_model)
             if not cfg.tie_embeddings:
@@ -167,7 +174,7 @@ class LlamaStage(DecoderStage):
         return self.embed(inputs.input_ids)
 
     def block_args(self, inputs: MicrobatchInputs) -> tuple[Any, ...]:
-        dtype = next(iter(self.blocks.values())).attn.qkv.weight.dtype
+        dtype = self.blocks[str(self.layers[0])].attn.qkv.weight.dtype
         return (position_tables(inputs, self.cfg, dtype),)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

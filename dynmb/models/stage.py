@@ -1,9 +1,14 @@
 """``DecoderStage``: what every dynmb family's pipeline stage shares.
 
-Stage ``stage`` of ``num_stages`` holds the blocks ``cfg.stage_layers(num_stages)[stage]``
+Stage ``stage`` of ``num_stages`` holds the blocks ``cfg.stage_blocks(num_stages)[stage]``
 (a ``ModuleDict`` keyed by the global layer index, so parameter names are global:
 "blocks.3.attn.qkv.weight"), plus the embedding on the first stage and the final norm and
-LM head on the last. ``forward(x, inputs, *, reduction, recompute)`` keeps the stage contract
+LM head on the last. A split between half-blocks (``ModelConfig.layer_split`` such as ``(2.5,
+1.5)``) gives a stage that starts mid-block a first block holding only the MLP half
+(``blocks.3.mlp_norm``/``blocks.3.mlp``) and one that ends mid-block a last block holding only
+the attention half (``blocks.3.attn_norm``/``blocks.3.attn``): the two residual sub-blocks are
+functions of the hidden state alone, so only the hidden state crosses the boundary. ``layers``
+are the layers whose attention half (and so keys and values, ``dynmb.prefix``) the stage holds. ``forward(x, inputs, *, reduction, recompute)`` keeps the stage contract
 (``dynmb.models.contract``): ``x`` is ignored on the first stage (``embed_inputs`` turns
 ``inputs.input_ids`` into the hidden state), otherwise the hidden state
 ``(batch, padded_len, d_model)``; non-last stages return the hidden state, the last the summed
@@ -41,7 +46,9 @@ class DecoderStage(nn.Module):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} out of range for {num_stages} stages")
         self.cfg, self.stage, self.num_stages = cfg, stage, num_stages
-        self.layers = cfg.stage_layers(num_stages)[stage]
+        self.units: list[tuple[int, tuple[str, ...]]] = cfg.stage_blocks(num_stages)[stage]
+        """``(layer, parts)`` of each block, in order (``parts``: ``("attn", "mlp")`` or one half)."""
+        self.layers = [i for i, parts in self.units if "attn" in parts]
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self._build()
         self.reset_parameters(seed)
@@ -77,7 +84,7 @@ class DecoderStage(nn.Module):
         elif x is None:
             raise ValueError(f"stage {self.stage} needs the hidden state from stage {self.stage - 1}")
         recomputing = recompute and torch.is_grad_enabled()
-        extra = self.block_args(inputs) if len(self.blocks) else ()
+        extra = self.block_args(inputs) if self.layers else ()     # tables for the attention halves
         for blk in self.blocks.values():
             x = RecomputedBlock.apply(x, blk, inputs, *extra) if recomputing else blk(x, inputs, *extra)
         if not self.is_last:

@@ -77,8 +77,9 @@ class Planner:
     ``virtual``: model chunks per rank (interleaved); ``recompute``: never, always or auto
     (per-microbatch activation recomputation, ``dynmb.packing.recompute``); ``device``: which shipped cost model
     ("cpu"/"cuda") to default to; ``stage_split``: the layers per stage, ``"even"``, ``"auto"`` (balanced work,
-    embedding and head included: ``dynmb.planning.stage_split``) or a list such as ``"9,8,8,7"`` (the model's
-    ``layer_split``; a fitted cost or memory model must have been measured on the same split).
+    embedding and head included: ``dynmb.planning.stage_split``; in half-blocks for dynmb's families) or a
+    list such as ``"9,8,8,7"`` or ``"2.5,2,2,1.5"`` (the model's ``layer_split``; half-blocks for dynmb's
+    families only; a fitted cost or memory model must have been measured on the same split).
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
@@ -87,7 +88,7 @@ class Planner:
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even") -> None:
         self.model_cfg, own = _model(model)
         if stage_split != "even":                  # "even" keeps a split the model config already carries
-            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split)
+            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own)
         self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=int(virtual), schedule_kind=schedule,
                              reorder="auto", memory_limit_bytes=parse_bytes(memory_limit), dp=int(dp),
                              pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,

@@ -14,23 +14,36 @@ does). The per-part FLOPs are read off ``stage_flops`` at one representative mic
 ``tokens_hint`` tokens in one row (attention grows with the row length, the head does not: the hint
 matters; ``--stage-split auto`` uses 1,024 tokens, a typical microbatch row of the shipped traces):
 ``layer = F(2 layers, 1 stage) - F(1 layer, 1 stage)``, ``first = F_0(2 layers, 2 stages) - layer``,
-``last = F_1(2 layers, 2 stages) - layer``.
+``last = F_1(2 layers, 2 stages) - layer``, and the attention half's ``attn = F_0(1 layer split
+(0.5, 0.5), 2 stages) - first`` (the MLP half ``layer - attn``).
 
-Algorithm: the min-max contiguous partition of ``n_layers`` items into ``P`` non-empty segments,
-where a segment's cost is its layers' work plus the first/last extras when it touches an end, by
-dynamic programming over (stages used, layers covered): ``best[k][j] = min over i of max(best[k-1][i],
-cost(i, j))``, ties (the min-max optimum is rarely unique with whole layers) broken by the smallest
-sum of squared stage work, so the spare work spreads evenly instead of leaving a near-empty stage.
-``O(P x n_layers^2)`` with the inner minimum vectorised (numpy): milliseconds for 128 layers.
+Units: whole layers, or half-blocks (``half_blocks=True``; ``--stage-split auto`` for dynmb's own
+families): a pre-norm block is two residual sub-blocks, ``x + attn(norm1(x))`` then ``x +
+mlp(norm2(x))``, each a function of the hidden state alone, so a stage boundary may fall between them
+with only the hidden state crossing it (``ModelConfig.stage_blocks``). At Llama-2-7B widths the
+attention half (4 d^2 per token plus the scores) is about 1/3 of a layer and the SwiGLU half 2/3.
 
-Whole layers bound what any split can do: moving a layer off the last stage only helps when the head
+Algorithm: the min-max contiguous partition of the ``N`` units (``n_layers``, or ``2 n_layers``
+alternating attention/MLP halves) into ``P`` non-empty segments, where a segment's cost is its units'
+work plus the first/last extras when it touches an end, by dynamic programming over (stages used, units
+covered): ``best[k][j] = min over i of max(best[k-1][i], cost(i, j))``, ties (the min-max optimum is
+rarely unique) broken by the smallest sum of squared stage work, so the spare work spreads evenly
+instead of leaving a near-empty stage. ``O(P x N^2)`` with the inner minimum vectorised (numpy):
+milliseconds for 128 layers. With half-blocks both partitions are solved and the half-block one is
+taken only when its busiest stage does strictly less work than the whole-layer one's, so wherever whole
+layers are already optimal ``auto`` keeps the same whole-layer split (and the same fitted models).
+
+Whole layers bound what a split can do: moving a layer off the last stage only helps when the head
 costs more than the layer moved, so at 32k vocabularies and two layers a stage (Llama-2-7B at P = 16)
-the even split is already optimal and the head's 1.4x stays; at Llama-3's 128k vocabulary the head is
-about 2.4 layers and the planned split removes most of the imbalance (tests/test_stage_split.py).
+the even split is the best whole-layer one and the head's 1.4x stays (split ceiling, mean over busiest
+stage work ``split_ceiling``, 0.78); half-blocks move an attention half off the head's stage and lift
+it to 0.865 (docs/results.md); at Llama-3's 128k vocabulary the head is about 2.4 layers and the
+planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py).
 
-The split is a property of the model layout (``ModelConfig.layer_split``): the memory model, the cost
-models, the runtime's stages and the single-process reference all read it through
-``ModelConfig.stage_layers``; a fitted cost or memory model is refused for another split.
+The split is a property of the model layout (``ModelConfig.layer_split``, halves allowed): the memory
+model, the cost models, the runtime's stages and the single-process reference all read it through
+``ModelConfig.stage_units`` / ``stage_parts`` / ``stage_blocks``; a fitted cost or memory model is
+refused for another split. A model of the user's own splits whole layers only (``half_blocks=False``).
 """
 
 from __future__ import annotations
@@ -42,45 +55,62 @@ import numpy as np
 
 from dynmb.config import ModelConfig
 
-__all__ = ["balanced_split", "stage_work", "resolve_stage_split", "STAGE_SPLITS"]
+__all__ = ["balanced_split", "stage_work", "split_ceiling", "resolve_stage_split", "STAGE_SPLITS"]
 
 logger = logging.getLogger(__name__)
 
 STAGE_SPLITS = ("even", "auto")
-"""The named ``--stage-split`` settings; anything else is an explicit list such as ``"9,8,8,7"``."""
+"""The named ``--stage-split`` settings; anything else is an explicit list such as ``"9,8,8,7"`` (or
+``"2.5,2,2,1.5"``, in half-blocks)."""
 
 
-def _parts(cfg: ModelConfig, tokens_hint: int) -> tuple[float, float, float]:
-    """(per-layer, first-stage extra, last-stage extra) forward FLOPs at one row of ``tokens_hint``."""
+def _parts(cfg: ModelConfig, tokens_hint: int) -> tuple[float, float, float, float]:
+    """(attention half, MLP half, first-stage extra, last-stage extra) forward FLOPs at one row of
+    ``tokens_hint`` tokens, read off ``stage_flops`` (module docstring)."""
     base = replace(cfg, layer_split=None)
     one, two = replace(base, n_layers=1), replace(base, n_layers=2)
     layer = float(two.stage_flops(0, 1, 1, tokens_hint)) - float(one.stage_flops(0, 1, 1, tokens_hint))
-    first = float(two.stage_flops(0, 2, 1, tokens_hint)) - layer
-    last = float(two.stage_flops(1, 2, 1, tokens_hint)) - layer
-    return layer, max(first, 0.0), max(last, 0.0)
+    first = max(float(two.stage_flops(0, 2, 1, tokens_hint)) - layer, 0.0)
+    last = max(float(two.stage_flops(1, 2, 1, tokens_hint)) - layer, 0.0)
+    halves = replace(one, layer_split=(0.5, 0.5))
+    attn = float(halves.stage_flops(0, 2, 1, tokens_hint)) - first
+    return attn, layer - attn, first, last
 
 
-def stage_work(cfg: ModelConfig, split: tuple[int, ...], tokens_hint: int = 1024) -> list[float]:
-    """The work model's forward FLOPs of each stage under ``split`` (layers per stage)."""
-    layer, first, last = _parts(cfg, tokens_hint)
-    work = [n * layer for n in split]
+def _unit_work(cfg: ModelConfig, tokens_hint: int, half: bool) -> tuple[np.ndarray, float, float]:
+    """(work of each unit in order, first extra, last extra): half-blocks (attention, MLP, ...) or
+    whole layers."""
+    attn, mlp, first, last = _parts(cfg, tokens_hint)
+    if half:
+        return np.tile([attn, mlp], cfg.n_layers), first, last
+    return np.full(cfg.n_layers, attn + mlp), first, last
+
+
+def stage_work(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024) -> list[float]:
+    """The work model's forward FLOPs of each stage under ``split`` (layers per stage; halves allowed)."""
+    units, first, last = _unit_work(cfg, tokens_hint, True)
+    prefix = np.concatenate([[0.0], np.cumsum(units)])
+    ends = np.cumsum([int(round(2 * n)) for n in split])
+    work = [float(prefix[b] - prefix[a]) for a, b in zip(np.concatenate([[0], ends[:-1]]), ends)]
     work[0] += first
     work[-1] += last
     return work
 
 
-def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024) -> tuple[int, ...]:
-    """The contiguous split of ``cfg``'s layers over ``num_stages`` stages with the smallest maximum
-    stage work, ties broken by the smallest sum of squared stage work (module docstring)."""
-    n, p = cfg.n_layers, int(num_stages)
-    if not 1 <= p <= n:
-        raise ValueError(f"cannot split {n} layers over {p} stages (need 1 <= stages <= layers)")
-    layer, first, last = _parts(cfg, max(1, int(tokens_hint)))
-    prefix = np.arange(n + 1, dtype=np.float64) * layer            # work of layers [0, j)
-    inf = np.inf
-    # best[k][j]: (max, sum of squares) of the best split of layers [0, j) into k + 1 stages
-    best_max = np.full((p, n + 1), inf)
-    best_sq = np.full((p, n + 1), inf)
+def split_ceiling(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024) -> float:
+    """Mean stage work over the busiest stage's under ``split``: the share of the machine the split
+    alone lets a pipeline use (1.0: balanced)."""
+    w = stage_work(cfg, split, tokens_hint)
+    return sum(w) / len(w) / max(w)
+
+
+def _min_max_partition(units: np.ndarray, p: int, first: float, last: float) -> tuple[list[int], float, float]:
+    """(units per stage, max, sum of squares) of the min-max contiguous partition of ``units`` into
+    ``p`` non-empty segments, ``first`` / ``last`` added to the segments at the ends (module docstring)."""
+    n = units.size
+    prefix = np.concatenate([[0.0], np.cumsum(units)])               # work of units [0, j)
+    best_max = np.full((p, n + 1), np.inf)
+    best_sq = np.full((p, n + 1), np.inf)
     arg = np.zeros((p, n + 1), dtype=np.int64)
     j = np.arange(n + 1)
     seg0 = prefix + first + np.where(j == n, last, 0.0)
@@ -101,26 +131,64 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024) -
         split.append(end - start)
         end = start
     split.append(end)
-    return tuple(reversed(split))
+    return list(reversed(split)), float(best_max[p - 1, n]), float(best_sq[p - 1, n])
 
 
-def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024) -> ModelConfig:
-    """``cfg`` with the layer split ``setting`` names: ``even`` (None), ``auto`` (``balanced_split``), or an
-    explicit comma-separated list of layers per stage."""
+def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *,
+                   half_blocks: bool = False) -> tuple[float, ...]:
+    """The contiguous split of ``cfg``'s layers over ``num_stages`` stages with the smallest maximum
+    stage work, ties broken by the smallest sum of squared stage work (module docstring); with
+    ``half_blocks`` a stage may start or end between a block's attention and MLP halves, and the
+    half-block split is taken only where it lowers the busiest stage's work (else the whole-layer one)."""
+    n, p = cfg.n_layers, int(num_stages)
+    if not 1 <= p <= (2 * n if half_blocks else n):
+        raise ValueError(f"cannot split {n} layers over {p} stages (need 1 <= stages <= "
+                         f"{'2 x layers with half-blocks' if half_blocks else 'layers'})")
+    hint = max(1, int(tokens_hint))
+    whole, w_max = None, np.inf
+    if p <= n:
+        units, first, last = _unit_work(cfg, hint, False)
+        counts, w_max, _ = _min_max_partition(units, p, first, last)
+        whole = tuple(counts)
+    if not half_blocks:
+        assert whole is not None
+        return whole
+    units, first, last = _unit_work(cfg, hint, True)
+    counts, h_max, _ = _min_max_partition(units, p, first, last)
+    if whole is not None and h_max >= w_max * (1 - 1e-9):
+        return whole
+    return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts)
+
+
+def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
+                        half_blocks: bool = True) -> ModelConfig:
+    """``cfg`` with the layer split ``setting`` names: ``even`` (None), ``auto`` (``balanced_split``, in
+    half-blocks when ``half_blocks``), or an explicit comma-separated list of layers per stage, whole
+    (``9,8,8,7``) or with halves (``2.5,2,2,1.5``). ``half_blocks=False`` (a model of the user's own,
+    whose stages split whole layers): ``auto`` in whole layers, and a list with halves is refused."""
     setting = str(setting).strip()
     if setting == "even":
         return replace(cfg, layer_split=None)
     if setting == "auto":
-        split = balanced_split(cfg, num_stages, tokens_hint)
-        even = [len(r) for r in replace(cfg, layer_split=None).stage_layers(num_stages)]
-        w_even, w_auto = stage_work(cfg, tuple(even), tokens_hint), stage_work(cfg, split, tokens_hint)
-        logger.info("stage split auto: %s (max/mean stage work %.3f; even split %s: %.3f)", list(split),
-                    max(w_auto) * len(w_auto) / sum(w_auto), even, max(w_even) * len(w_even) / sum(w_even))
+        split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks)
+        w_auto = stage_work(cfg, split, tokens_hint)
+        if num_stages <= cfg.n_layers:
+            even = [len(r) for r in replace(cfg, layer_split=None).stage_layers(num_stages)]
+            logger.info("stage split auto: %s (max/mean stage work %.3f; even split %s: %.3f)", list(split),
+                        1 / split_ceiling(cfg, split, tokens_hint), even, 1 / split_ceiling(cfg, tuple(even), tokens_hint))
+        else:
+            logger.info("stage split auto: %s (max/mean stage work %.3f)", list(split),
+                        max(w_auto) * len(w_auto) / sum(w_auto))
         return replace(cfg, layer_split=split)
     try:
-        split = tuple(int(x) for x in setting.split(","))
+        split = tuple(float(x) for x in setting.split(","))
     except ValueError:
-        raise ValueError(f"--stage-split must be even, auto or layers per stage such as 9,8,8,7; got {setting!r}") from None
+        raise ValueError(f"--stage-split must be even, auto or layers per stage such as 9,8,8,7 (or 2.5,2,2,1.5 in "
+                         f"half-blocks); got {setting!r}") from None
     if len(split) != num_stages:
         raise ValueError(f"--stage-split {setting} gives {len(split)} stages, not {num_stages}")
-    return replace(cfg, layer_split=split)
+    out = replace(cfg, layer_split=split)
+    if out.half_split and not half_blocks:
+        raise ValueError(f"--stage-split {setting}: a model of your own splits whole layers only; half-blocks "
+                         f"(x.5) are for dynmb's own families (gpt2, llama)")
+    return out
