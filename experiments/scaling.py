@@ -21,7 +21,8 @@ and a 128k vocabulary; ``dynmb.config`` cites their sizes), ``max_seq_len`` rais
 trace length (sequences longer than fit alone in memory are truncated, counted in ``truncated``), an 80 GiB limit, the
 analytic memory model and ``dynmb.costmodel.gpu.GPUCostModel`` (H100 SXM, ``--link ib|nvlink``; its
 constants and their public sources are printed first). ``--stage-split even|auto`` (both by default)
-applies to ``dynamic``; the other methods run ``--others-split`` (default even).
+applies to ``dynamic`` (``auto``: half-blocks balancing ``ideal_cost``, the batch's ideal F + B seconds per stage that
+``ideal_s`` is made of); the other methods run ``--others-split`` (default even).
 
 Methods: ``fixed`` (largest microbatch size that fits), ``sorted`` at mbs 1, ``packed``,
 ``token-budget`` and ``balanced`` at the memory-maximum budget AND, as ``token-budget-best`` /
@@ -182,6 +183,12 @@ def saturated(cm: gpu.GPUCostModel) -> gpu.GPUCostModel:
     return gpu.GPUCostModel(cm.model_cfg, cm.num_stages, spec=replace(cm.spec, gemm_m_half=1e-9), comm=cm.comm)
 
 
+def ideal_cost(lengths: np.ndarray, link: str):
+    """``--stage-split auto``'s work model: a layout's stage's ideal F + B seconds of the batch (as ``ideal_s``)."""
+    return lambda cfg, stage, P: float(sum(t[stage].sum() for t in saturated(
+        gpu.GPUCostModel(cfg, P, link=link)).ideal_stage_costs(lengths).values()))
+
+
 def whole_ideal(cm_sat: gpu.GPUCostModel, lengths: np.ndarray, ideal_s: float) -> float:
     """``ideal_s`` with sequences whole on one replica: at least the longest sequence's own ideal on the
     replica that holds it (its work on the busiest stage + its fill and drain; ``ideal_s`` spreads the
@@ -200,8 +207,8 @@ def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
     for key, g in df[df["status"] == "ok"].groupby(["dataset", "tokens", "num_stages", "dp", "stage_split", "seed"]):
         trace, tokens, P, dp, split, seed = key
         tr = traces.setdefault(trace, data.load_trace(trace))
-        c = resolve_stage_split(cfg, int(P), str(split))
         lens = token_batch(tr, int(tokens), int(dp), int(seed))
+        c = resolve_stage_split(cfg, int(P), str(split), stage_cost=ideal_cost(lens, str(g["link"].iloc[0])))
         cm = gpu.GPUCostModel(c, int(P), link=str(g["link"].iloc[0]))
         limit = int(g["memory_limit_bytes"].iloc[0])
         fits = pack(lens[[int(np.argmax(lens))]], "fixed", num_stages=int(P), memory_limit_bytes=limit,
@@ -245,7 +252,7 @@ class Cell:
 
     def models(self, split: str):
         if split not in self._models:
-            cfg = resolve_stage_split(self.cfg, self.P, split)
+            cfg = resolve_stage_split(self.cfg, self.P, split, stage_cost=ideal_cost(self.batch, self.link))
             cm = gpu.GPUCostModel(cfg, self.P, link=self.link)
             self._models[split] = (cfg, cm, saturated(cm), get_memory_model(None, cfg, self.P))
         return self._models[split]

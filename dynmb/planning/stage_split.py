@@ -12,7 +12,11 @@ and, on the last, the head (``ModelConfig.stage_flops``, the same count every co
 families; backward is a multiple of forward per part, so forward FLOPs rank splits as the whole step
 does). The per-part FLOPs are read off ``stage_flops`` at one representative microbatch of
 ``tokens_hint`` tokens in one row (attention grows with the row length, the head does not: the hint
-matters; ``--stage-split auto`` uses 1,024 tokens, a typical microbatch row of the shipped traces):
+matters; ``--stage-split auto`` uses 1,024 tokens, a typical microbatch row of the shipped traces).
+Any other work model enters as ``stage_cost(layout, stage, num_stages) -> work`` and is read off the
+same small layouts (a cost model's forward + backward seconds of a batch, say, where attention runs
+below GEMM efficiency and its backward does 2.5x its forward's FLOPs: ``experiments/scaling.py``
+balances the ideal seconds its ``ideal_s`` is made of). With ``F`` the work of a layout:
 ``layer = F(2 layers, 1 stage) - F(1 layer, 1 stage)``, ``first = F_0(2 layers, 2 stages) - layer``,
 ``last = F_1(2 layers, 2 stages) - layer``, and the attention half's ``attn = F_0(1 layer split
 (0.5, 0.5), 2 stages) - first`` (the MLP half ``layer - attn``).
@@ -50,12 +54,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 
 from dynmb.config import ModelConfig
 
-__all__ = ["balanced_split", "stage_work", "split_ceiling", "resolve_stage_split", "STAGE_SPLITS"]
+__all__ = ["balanced_split", "stage_work", "split_ceiling", "resolve_stage_split", "flops_cost",
+           "StageCost", "STAGE_SPLITS"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,31 +70,41 @@ STAGE_SPLITS = ("even", "auto")
 ``"2.5,2,2,1.5"``, in half-blocks)."""
 
 
-def _parts(cfg: ModelConfig, tokens_hint: int) -> tuple[float, float, float, float]:
-    """(attention half, MLP half, first-stage extra, last-stage extra) forward FLOPs at one row of
-    ``tokens_hint`` tokens, read off ``stage_flops`` (module docstring)."""
+StageCost = Callable[[ModelConfig, int, int], float]
+"""``(layout, stage, num_stages) -> work``: what the split balances (default: forward FLOPs at one row)."""
+
+
+def flops_cost(tokens_hint: int = 1024) -> StageCost:
+    """The default work model: ``stage_flops`` at one row of ``tokens_hint`` tokens."""
+    return lambda cfg, stage, num_stages: float(cfg.stage_flops(stage, num_stages, 1, tokens_hint))
+
+
+def _parts(cfg: ModelConfig, cost: StageCost) -> tuple[float, float, float, float]:
+    """(attention half, MLP half, first-stage extra, last-stage extra) work, read off ``cost`` of small
+    layouts (module docstring)."""
     base = replace(cfg, layer_split=None)
     one, two = replace(base, n_layers=1), replace(base, n_layers=2)
-    layer = float(two.stage_flops(0, 1, 1, tokens_hint)) - float(one.stage_flops(0, 1, 1, tokens_hint))
-    first = max(float(two.stage_flops(0, 2, 1, tokens_hint)) - layer, 0.0)
-    last = max(float(two.stage_flops(1, 2, 1, tokens_hint)) - layer, 0.0)
-    halves = replace(one, layer_split=(0.5, 0.5))
-    attn = float(halves.stage_flops(0, 2, 1, tokens_hint)) - first
+    layer = cost(two, 0, 1) - cost(one, 0, 1)
+    first = max(cost(two, 0, 2) - layer, 0.0)
+    last = max(cost(two, 1, 2) - layer, 0.0)
+    attn = cost(replace(one, layer_split=(0.5, 0.5)), 0, 2) - first
     return attn, layer - attn, first, last
 
 
-def _unit_work(cfg: ModelConfig, tokens_hint: int, half: bool) -> tuple[np.ndarray, float, float]:
+def _unit_work(cfg: ModelConfig, cost: StageCost, half: bool) -> tuple[np.ndarray, float, float]:
     """(work of each unit in order, first extra, last extra): half-blocks (attention, MLP, ...) or
     whole layers."""
-    attn, mlp, first, last = _parts(cfg, tokens_hint)
+    attn, mlp, first, last = _parts(cfg, cost)
     if half:
         return np.tile([attn, mlp], cfg.n_layers), first, last
     return np.full(cfg.n_layers, attn + mlp), first, last
 
 
-def stage_work(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024) -> list[float]:
-    """The work model's forward FLOPs of each stage under ``split`` (layers per stage; halves allowed)."""
-    units, first, last = _unit_work(cfg, tokens_hint, True)
+def stage_work(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024, *,
+               stage_cost: StageCost | None = None) -> list[float]:
+    """The work model's work of each stage under ``split`` (layers per stage; halves allowed): forward
+    FLOPs at one row of ``tokens_hint`` tokens, or ``stage_cost``'s."""
+    units, first, last = _unit_work(cfg, stage_cost or flops_cost(tokens_hint), True)
     prefix = np.concatenate([[0.0], np.cumsum(units)])
     ends = np.cumsum([int(round(2 * n)) for n in split])
     work = [float(prefix[b] - prefix[a]) for a, b in zip(np.concatenate([[0], ends[:-1]]), ends)]
@@ -97,10 +113,11 @@ def stage_work(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 10
     return work
 
 
-def split_ceiling(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024) -> float:
+def split_ceiling(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024, *,
+                  stage_cost: StageCost | None = None) -> float:
     """Mean stage work over the busiest stage's under ``split``: the share of the machine the split
     alone lets a pipeline use (1.0: balanced)."""
-    w = stage_work(cfg, split, tokens_hint)
+    w = stage_work(cfg, split, tokens_hint, stage_cost=stage_cost)
     return sum(w) / len(w) / max(w)
 
 
@@ -135,7 +152,7 @@ def _min_max_partition(units: np.ndarray, p: int, first: float, last: float) -> 
 
 
 def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *,
-                   half_blocks: bool = False) -> tuple[float, ...]:
+                   half_blocks: bool = False, stage_cost: StageCost | None = None) -> tuple[float, ...]:
     """The contiguous split of ``cfg``'s layers over ``num_stages`` stages with the smallest maximum
     stage work, ties broken by the smallest sum of squared stage work (module docstring); with
     ``half_blocks`` a stage may start or end between a block's attention and MLP halves, and the
@@ -144,16 +161,16 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *
     if not 1 <= p <= (2 * n if half_blocks else n):
         raise ValueError(f"cannot split {n} layers over {p} stages (need 1 <= stages <= "
                          f"{'2 x layers with half-blocks' if half_blocks else 'layers'})")
-    hint = max(1, int(tokens_hint))
+    cost = stage_cost or flops_cost(max(1, int(tokens_hint)))
     whole, w_max = None, np.inf
     if p <= n:
-        units, first, last = _unit_work(cfg, hint, False)
+        units, first, last = _unit_work(cfg, cost, False)
         counts, w_max, _ = _min_max_partition(units, p, first, last)
         whole = tuple(counts)
     if not half_blocks:
         assert whole is not None
         return whole
-    units, first, last = _unit_work(cfg, hint, True)
+    units, first, last = _unit_work(cfg, cost, True)
     counts, h_max, _ = _min_max_partition(units, p, first, last)
     if whole is not None and h_max >= w_max * (1 - 1e-9):
         return whole
@@ -161,24 +178,21 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *
 
 
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
-                        half_blocks: bool = True) -> ModelConfig:
+                        half_blocks: bool = True, stage_cost: StageCost | None = None) -> ModelConfig:
     """``cfg`` with the layer split ``setting`` names: ``even`` (None), ``auto`` (``balanced_split``, in
     half-blocks when ``half_blocks``), or an explicit comma-separated list of layers per stage, whole
     (``9,8,8,7``) or with halves (``2.5,2,2,1.5``). ``half_blocks=False`` (a model of the user's own,
-    whose stages split whole layers): ``auto`` in whole layers, and a list with halves is refused."""
+    whose stages split whole layers): ``auto`` in whole layers, and a list with halves is refused.
+    ``tokens_hint`` / ``stage_cost``: the work model (module docstring)."""
     setting = str(setting).strip()
     if setting == "even":
         return replace(cfg, layer_split=None)
     if setting == "auto":
-        split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks)
-        w_auto = stage_work(cfg, split, tokens_hint)
-        if num_stages <= cfg.n_layers:
-            even = [len(r) for r in replace(cfg, layer_split=None).stage_layers(num_stages)]
-            logger.info("stage split auto: %s (max/mean stage work %.3f; even split %s: %.3f)", list(split),
-                        1 / split_ceiling(cfg, split, tokens_hint), even, 1 / split_ceiling(cfg, tuple(even), tokens_hint))
-        else:
-            logger.info("stage split auto: %s (max/mean stage work %.3f)", list(split),
-                        max(w_auto) * len(w_auto) / sum(w_auto))
+        split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost)
+        even = tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages))
+        logger.info("stage split auto: %s (split ceiling %.3f; even split: %.3f)", list(split),
+                    split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost),
+                    split_ceiling(cfg, even, tokens_hint, stage_cost=stage_cost))
         return replace(cfg, layer_split=split)
     try:
         split = tuple(float(x) for x in setting.split(","))
