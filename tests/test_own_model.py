@@ -177,6 +177,23 @@ def test_cli_points_a_python_file_or_a_transformers_config_to_the_factory_spec(t
         assert says in err and len(err.splitlines()) == 1, err
 
 
+def test_a_factory_keeps_whole_layers_and_is_refused_a_half_block_split(tmp_path):
+    """Half-block splits are for dynmb's own families: a factory's stages split whole layers."""
+    own = _own().tiny_decoder()
+    n = own.config.n_layers
+    half = f"{n / 2 - 0.5:g},{n / 2 + 0.5:g}"
+    with pytest.raises(ValueError, match="half-blocks"):
+        dynmb.Planner(model=own, num_stages=2, memory_limit="16MiB", stage_split=half)
+    with pytest.warns(StandInModelWarning):
+        auto = dynmb.Planner(model=own, num_stages=2, memory_limit="16MiB", stage_split="auto")
+    assert not auto.model_cfg.half_split
+    done = subprocess.run([sys.executable, "-m", "dynmb.cli", "run", "--model", "own_model:tiny_decoder", "--stages",
+                           "2", "--stage-split", half, "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          env=_env(EXP), cwd=ROOT)
+    assert done.returncode != 0 and "--stage-split" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_refuses_a_bad_factory_in_one_line_before_torchrun(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dynmb.cli", "run", "--model", "no_such_module_xyz:f",
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, env=_env(), cwd=ROOT)
