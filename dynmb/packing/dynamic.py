@@ -73,16 +73,9 @@ from dynmb.costmodel.base import CostModelLike
 from .balanced import budget_divisors
 from .context import PackContext
 from .dynamic_rank import RANK_EXACT, Candidate, Ranker
-from .dynamic_setup import SplitSetup, affine_costs, row_caps, row_set
-from .dynapipe import dynapipe_split
+from .dynamic_setup import SplitSetup
+from .dynamic_space import BFD_MAX, SEED_DP_MAX, Space, space_for
 from .rows import Flat, polish_cuts, round_up
-
-SEED_DP_MAX = 2048
-"""Batches up to this many sequences weigh ``dynapipe``'s plan (its DP costs O(n * w * K), about
-0.1 ms per sequence), or seed with its DP split when ``dynamic_groups`` is called alone."""
-BFD_MAX = 16384
-"""Batches up to this many sequences also try rows of the longest admissible length filled
-best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
 BALANCED_BUDGETS = 3
 """``balanced`` (verl's dynamic batching) is weighed at this many token budgets memory maximum / 2^j,
 those the fast estimate ranks best (``balanced.budget_divisors``; ``dynmb compare`` tunes it over the
@@ -92,7 +85,8 @@ BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe", "balanced"
 """Methods whose plans (``baselines``) are candidates too, always weighed in the final choice
 (``balanced`` at the budgets ``BALANCED_BUDGETS`` says, as ``balanced/d``: budget divisor ``mbs = d``)."""
 
-__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "BALANCED_BUDGETS", "RANK_EXACT"]
+__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "BALANCED_BUDGETS", "RANK_EXACT", "BFD_MAX",
+           "SEED_DP_MAX"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,59 +118,35 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     ``BASELINES``. Among plans whose estimate is within ``search.tol`` (relative) of the best, the one
     with the fewest microbatches is kept (less per-microbatch runtime overhead the cost model may miss).
     """
-    bmax_fn, num_stages, schedule_kind = ctx.bmax, ctx.p, ctx.kind
     comm = getattr(cost_model, "comm_s", None)
     num_tau, keep, tol = search.num_tau, search.keep, search.tol
-    doc_causal = attention == "auto"
     n = len(lengths)
     top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)
-    asc = np.argsort(lengths, kind="stable")
-    row_sets = [row_set(lengths, asc, None, round_to)]
-    caps = row_caps(lengths, top, round_to)[1:]
-    for cap in caps:
-        row_sets.append(row_set(lengths, asc, cap, round_to))
-    if caps and caps[-1] == top and n <= BFD_MAX:
-        row_sets.append(row_set(lengths, asc, top, round_to, best_fit=True))
-    row_sets = [r for r in row_sets if r.key == "none" or len(r.tokens) < n]   # packing changed something
-    uniq, inv = np.unique(np.concatenate([r.padded for r in row_sets]), return_inverse=True)
-    costs = affine_costs(cost_model, uniq)
-    bmax_u = np.maximum(bmax_fn(uniq), 1)
-    setups: dict[str, SplitSetup] = {}
-    offset = 0
-    for rows in row_sets:
-        setups[rows.key] = SplitSetup(rows, inv[offset:offset + len(rows.tokens)], costs, bmax_u, doc_causal)
-        offset += len(rows.tokens)
-    rk = Ranker(cost_model, num_stages, schedule_kind, comm, dp, setups, lengths, doc_causal, bmax_fn)
-    grids = {key: st.tau_grid(num_tau if n > 1024 else num_tau + 3) for key, st in setups.items()}
-    first = [(key, st.greedy_cuts(tau), tau) for key, st in setups.items() for tau in grids[key]]
-    for key, st in setups.items():
-        if st.rows.opened is not None:                                  # one best-fit row per microbatch
-            first.append((key, np.arange(len(st.pos) + 1), np.nan))
-    given: dict[str, Flat] = {}
+    space = space_for(lengths, ctx, cost_model, round_to=round_to, top=top, attention=attention, dp=dp,
+                      num_tau=num_tau if n > 1024 else num_tau + 3, baselines=baselines)
+    setups = space.setups
+    rk = Ranker(cost_model, ctx.p, ctx.kind, comm, dp, setups, lengths, space.doc_causal, ctx.bmax)
+    first = list(space.first)
+    base: list[Candidate] = []
     if baselines is not None:
         names = [m for m in BASELINES if m != "balanced" and not (m == "dynapipe" and n > SEED_DP_MAX)
                  and not (m == "packed" and n > BFD_MAX)]
         divisors = budget_divisors(lengths, ctx, cost_model, round_to=round_to, dp=dp, keep=BALANCED_BUDGETS)
         names += [f"balanced/{d}" for d in divisors] + [f"token-budget/{d}" for d in divisors if d > 1]
-        given = {m: baselines(m) for m in names}
-    elif n <= SEED_DP_MAX:        # called alone: the fixed-size and DP splits of the sorted rows
-        unpacked = setups["none"]
-        m0 = len(unpacked.pos)
-        first.append(("none", np.append(np.arange(0, m0, max(1, int(unpacked.bmax[0]))), m0), np.nan))
-        dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
-        first.append(("none", m0 - dp_cuts[::-1], np.nan))
-    for m in ("sorted", "dynapipe"):            # the seeds above, as those methods made them
-        cuts = _sorted_cuts(given[m], setups["none"].rows.padded, m == "dynapipe") if m in given else None
-        if cuts is not None:
-            first.append(("none", cuts, np.nan))
-    own = rk.rank([rk.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
-    base = rk.rank([c for c in (rk.baseline(m, f) for m, f in given.items()) if c is not None])
-    own += rk.rank(_refined(own, setups, grids, num_tau, rk))
+        base = [c for c in (space.baseline(m, baselines, ctx.bmax) for m in names) if c is not None]
+        for m in ("sorted", "dynapipe"):            # the seeds of a call without baselines, as those methods made them
+            if m in names:
+                cuts = _sorted_cuts(space.given(m, baselines), setups["none"].rows.padded, m == "dynapipe")
+                if cuts is not None:
+                    first.append(("none", cuts, np.nan))
+    own = rk.rank([space.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
+    base = rk.rank(base, as_given=True)
+    own += rk.rank(_refined(own, setups, space.grids, num_tau, space))
     best = sorted((c for c in own if np.isfinite(c.value)), key=lambda c: c.value)
     finals = best[:keep] + sorted((c for c in best if c.value <= best[0].value * (1 + tol)),
                                   key=lambda c: len(c.rows))[:keep] if best else []
     if not finals and not base:                      # nothing balances over dp: leave it to dynmb.packing
-        c = rk.own(*first[0], balance=False)
+        c = space.own(*first[0], balance=False)
         return c.emit(np.arange(len(c.rows))), np.inf
     return rk.choose(list({id(c): c for c in finals + base}.values()), tol)
 
@@ -193,7 +163,7 @@ def _sorted_cuts(flat: Flat, padded: np.ndarray, reverse: bool) -> np.ndarray | 
 
 
 def _refined(own: list[Candidate], setups: dict[str, SplitSetup], grids: dict[str, np.ndarray], num_tau: int,
-             rk: Ranker) -> list[Candidate]:
+             space: Space) -> list[Candidate]:
     """Second-pass splits around the best ranked: tau refined between the grid neighbours of the
     best's, the best three's targets filled from the short end, the best two polished."""
     ranked = sorted((c for c in own if np.isfinite(c.value) and c.source is not None), key=lambda c: c.value)
@@ -217,4 +187,4 @@ def _refined(own: list[Candidate], setups: dict[str, SplitSetup], grids: dict[st
             out.append((key, polish_cuts(cuts, st.bottleneck, st.bmax), tau))
     seen = {(c.source[0], c.source[1].tobytes()) for c in own if c.source is not None}
     fresh = {(x[0], x[1].tobytes()): x for x in out if (x[0], x[1].tobytes()) not in seen}
-    return [rk.own(*x) for x in fresh.values()]
+    return [space.own(*x) for x in fresh.values()]

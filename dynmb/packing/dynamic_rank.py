@@ -1,9 +1,9 @@
 """Ranking and choosing candidate plans for the ``dynamic`` packer (``dynmb.packing.dynamic``,
 steps 5-7 of its docstring).
 
-``Ranker`` costs, orders and estimates ``Candidate`` plans for P stages and dp replicas:
-``own`` (a split of a row set, its slowest microbatches halved until dp divides their number),
-``baseline`` (another method's plan, balanced over dp as ``dynmb.packing`` balances it),
+``Ranker`` costs, orders and estimates ``Candidate`` plans (built by ``dynmb.packing.dynamic_space``:
+a split of a row set, its slowest microbatches halved until dp divides their number, or another
+method's plan, balanced over dp as ``dynmb.packing`` balances it) for P stages and dp replicas:
 ``rank`` (each candidate's best estimate over its orders on its probe replicas: ``dynmb.makespan``'s
 bound regime (the pipeline bound and the round trips), or ``dynmb.makespan.makespans`` for the
 best by a proxy within ``RANK_OPS`` ops; the zero-bubble kinds' estimate, ``dynmb.makespan_zb``, has
@@ -14,7 +14,6 @@ no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B`
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -27,8 +26,8 @@ from ..makespan import exact_regime, makespans, round_trip_bound
 from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
 from ..makespan_zb import backward_shares
 from ..schedule.kinds import get_kind
-from .dynamic_setup import SplitSetup, split_to_flat
-from .rows import Flat, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, split_group
+from .dynamic_setup import SplitSetup
+from .rows import Flat, assign_replicas
 
 __all__ = ["Candidate", "Ranker", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS"]
 
@@ -74,28 +73,6 @@ class Ranker:
         sends = self.comm_fn(rows, padded) if self.comm_fn is not None else 0.0
         return np.broadcast_to(np.asarray(sends, dtype=np.float64), rows.shape).copy()
 
-    def own(self, key: str, cuts: np.ndarray, tau: float, balance: bool = True) -> Candidate:
-        """A split of row set ``key``, its slowest microbatches halved until dp divides their number."""
-        st = self.setups[key]
-        bal = _balance_cuts(cuts, st.bottleneck, self.dp) if balance else cuts
-        if bal is None:
-            return Candidate(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None, source=(key, cuts, tau))
-        rows, padded, attn = st.shapes(bal)
-        return Candidate(rows, padded, attn, lambda o, r=st.rows, c=bal: split_to_flat(r, c, o), source=(key, cuts, tau),
-                     opened=st.rows.opened if len(bal) - 1 == len(st.pos) else None, split=(key, bal))
-
-    def baseline(self, method: str, flat: Flat) -> Candidate | None:
-        """``method``'s plan (flat form) balanced over dp as ``dynmb.packing`` does (None if it cannot)."""
-        flat = _balance_like_packing(flat, self.dp, self.bmax_fn)
-        if flat is None:
-            return None
-        items, _, nseq, plen, batch = flat
-        attn = batch * plen.astype(np.float64) ** 2
-        if self.doc_causal:
-            docs2 = np.add.reduceat(self.lengths[items].astype(np.float64) ** 2, np.cumsum(nseq) - nseq)
-            attn = np.where(nseq > batch, docs2, attn)
-        return Candidate(batch, plen, attn, lambda o, f=flat: _reorder(f, o), baseline=method)
-
     def costed(self, cands: list[Candidate], affine: bool) -> Iterator[Candidate]:
         """``cands`` in turn with their costs set while they are used: an own split's affine costs
         when ``affine``, else ``stage_costs`` with each microbatch's attention work, one lookup
@@ -140,10 +117,11 @@ class Ranker:
         trip = (T.sum(axis=0) + 2 * (self.P - 1) * c.comm)[members].max(axis=1)
         return members[np.unique([int(np.argmax(work)), int(np.argmax(trip))])]
 
-    def rank(self, cands: list[Candidate]) -> list[Candidate]:
+    def rank(self, cands: list[Candidate], as_given: bool = False) -> list[Candidate]:
         """Each candidate's best estimate over its orders on its probe replicas: exact (``makespans``)
         for the best by proxy within ``RANK_OPS`` ops (baselines and small ones always). Only the
-        probe replicas' costs are kept."""
+        probe replicas' costs are kept. ``as_given``: in its order as formed only (the baselines:
+        ``choose`` runs them as they stand, so their other orders would only sort the finals)."""
         cands = [c for c in cands if len(c.rows)]
         jobs = []                        # (candidate, order, (F, B, sends) of its probe replicas, columns)
         trips = []                       # bound regime: (candidate, order, pipeline bound, stage-0 F, B, trip above)
@@ -153,14 +131,15 @@ class Ranker:
                            else (np.arange(members.shape[1]), members))
             sub, local = (c.F[:, used], c.B[:, used], c.comm[used]), local.reshape(-1, members.shape[1])
             opened = c.opened[used] if c.opened is not None else None
+            orders = {"as formed": local} if as_given else _orders(local, busy[used], opened)
             if self.zb or exact_regime(self.P, members.shape[1]):      # zero-bubble kinds: no bound regime
-                jobs += [(c, name, sub, cols) for name, cols in _orders(local, busy[used], opened).items()]
+                jobs += [(c, name, sub, cols) for name, cols in orders.items()]
                 continue
             # the bound (dynmb.makespan): the pipeline bound (the same work in every order, only the
             # first and last microbatches differ) and the round trips, the latter for all at once below
             work = (sub[0] + sub[1])[:, local].sum(axis=2)
             up = (sub[0][1:] + sub[1][1:]).sum(axis=0) + 2 * (self.P - 1) * sub[2]
-            for name, cols in _orders(local, busy[used], opened).items():
+            for name, cols in orders.items():
                 a, e = cols[:, 0], cols[:, -1]
                 v = float(_bound(work, sub[0][:, a], sub[1][:, e], sub[2][a], sub[2][e]).max())
                 trips.append((c, name, v, sub[0][0][cols], sub[1][0][cols], up[cols]))
@@ -318,59 +297,3 @@ def _proxy(F: np.ndarray, B: np.ndarray, comm: np.ndarray, cols: np.ndarray) -> 
     pad = -k % P
     chains = np.concatenate([trip, np.zeros((len(cols), pad))], axis=1).reshape(len(cols), -1, P).sum(axis=1)
     return np.maximum(bound, chains.max(axis=1))
-
-
-def _balance_cuts(cuts: np.ndarray, bottleneck: Callable, dp: int) -> np.ndarray | None:
-    """Halve the slowest microbatches of >= 2 rows until their number is a positive multiple
-    of ``dp`` (None if they run out)."""
-    while True:
-        m = len(cuts) - 1
-        need = dp - m if m < dp else -m % dp
-        if not need:
-            return cuts
-        rows = np.diff(cuts)
-        can = np.flatnonzero(rows >= 2)
-        if not len(can):
-            return None
-        t = bottleneck(cuts[:-1][can], cuts[1:][can])
-        pick = can[np.argsort(-t, kind="stable")[:need]]
-        cuts = np.sort(np.concatenate([cuts, cuts[pick] + rows[pick] // 2]))
-
-
-def _balance_like_packing(flat: Flat, dp: int, bmax_fn: Callable) -> Flat | None:
-    """``dynmb.packing``'s balancing of a plan over ``dp`` replicas: while their number is not a
-    positive multiple of dp, split (``split_group``) the first splittable microbatch with the
-    most (rows, documents) (a heap keyed by position paths); then, while it is not a multiple,
-    merge the admissible pair with the fewest padded tokens. None where packing would refuse."""
-    count = len(flat.nseq)
-    if not (count % dp or count < dp):
-        return flat
-    heap = [(-g.batch, -len(g.items), (j,), g) for j, g in enumerate(flat_to_groups(flat))]
-    heapq.heapify(heap)
-    while (count % dp or count < dp) and (heap[0][0] <= -2 or heap[0][1] <= -2):
-        _, _, key, g = heapq.heappop(heap)
-        for half, part in enumerate(split_group(g)):
-            heapq.heappush(heap, (-part.batch, -len(part.items), key + (half,), part))
-        count += 1
-    groups = [g for *_, g in sorted(heap, key=lambda x: x[2])]
-    while len(groups) % dp:
-        plen, rows = np.array([g.padded_len for g in groups]), np.array([g.batch for g in groups])
-        bm = bmax_fn(plen)
-        i, j = np.triu_indices(len(groups), 1)
-        ok = rows[i] + rows[j] <= np.minimum(bm[i], bm[j])
-        if not np.any(ok) or len(groups) <= dp:
-            return None
-        k = int(np.argmin(np.where(ok, np.maximum(plen[i], plen[j]) * (rows[i] + rows[j]), np.inf)))
-        merged = merge_groups(groups[i[k]], groups[j[k]])
-        groups = [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
-    return groups_to_flat(groups)
-
-
-def _reorder(flat: Flat, order: np.ndarray) -> Flat:
-    """The flat form with its microbatches run in ``order``."""
-    items, local, nseq, plen, batch = flat
-    order = np.asarray(order, dtype=np.int64)
-    start = np.cumsum(nseq) - nseq
-    counts = nseq[order]
-    idx = np.repeat(start[order] - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
-    return Flat(items[idx], local[idx], counts, plen[order], batch[order])
