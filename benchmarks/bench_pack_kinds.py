@@ -39,8 +39,8 @@ def clear_memos() -> None:
     """Forget every packing memo of this checkout (a fresh process would have none)."""
     getattr(balanced, "_KK_MEMO", {}).clear()
     try:
-        from dynmb.packing import dynamic_memo
-        dynamic_memo.clear()
+        from dynmb.packing import dynamic_space
+        dynamic_space.clear()
     except ImportError:                     # a checkout without the dynamic packer's memo
         pass
 

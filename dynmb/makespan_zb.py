@@ -42,10 +42,11 @@ import numpy as np
 
 from dynmb.costmodel.split import SPLIT_OVERHEAD, W_SHARE
 from dynmb.makespan_levels import level_order
+from dynmb.schedule.kinds import get_kind
 from dynmb.schedule.order import windowed_order
 from dynmb.schedule.zerobubble import ZB_ALPHAS
 
-__all__ = ["ESTIMATES", "windows", "backward_shares", "split_backward", "zb_makespans", "zb_recurrence", "TOLERANCE", "SCALAR_OPS"]
+__all__ = ["ESTIMATES", "RANK_AS", "ranking_kind", "windows", "backward_shares", "split_backward", "zb_makespans", "zb_recurrence", "TOLERANCE", "SCALAR_OPS"]
 
 TOLERANCE = {"zb-h1": 0.08, "zb": 0.20}
 """With the true ``I`` and ``W``, the estimate is within this relative margin of the simulated ``zb-h1``
@@ -84,6 +85,18 @@ ESTIMATES = {"zb-h1": 0.0, "zb": max(ZB_ALPHAS)}
 """The zero-bubble estimates (``estimate_as``) and their warm-up: stage s holds ``P - s + alpha (P - s - 1)``
 microbatches in flight (``dynmb.schedule.zerobubble``'s rule): ZB-H1's alpha 0, and for ``zb`` the
 largest it tries (``ZB_ALPHAS``; the memory limit may keep it lower)."""
+
+
+RANK_AS = {"zb": "zb-h1"}
+"""The packers rank candidates of a kind estimated as a key here with the value's estimate, and use the kind's
+own only to choose among the finals (``dynmb.packing.dynamic_rank``) and to report the plan's: ``zb``'s level
+tables are built op by op for every microbatch count (ZB-H1's, 1F1B's window, have a closed form), so ranking
+dozens of candidates by it cost more than the rest of the packing; ZB-H1's estimate orders them alike."""
+
+
+def ranking_kind(kind: str) -> str:
+    """The kind whose estimate the packers rank ``kind``'s candidates with (``RANK_AS``; else ``kind``)."""
+    return RANK_AS.get(get_kind(kind).estimate_as, kind)
 
 
 def windows(num_stages: int, estimate_as: str) -> tuple[int, ...]:

@@ -72,7 +72,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from .balanced import budget_divisors
 from .context import PackContext
-from .dynamic_rank import RANK_EXACT, Candidate, Ranker
+from .dynamic_rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
 from .dynamic_setup import SplitSetup
 from .dynamic_space import BFD_MAX, SEED_DP_MAX, Space, space_for
 from .rows import Flat, polish_cuts, round_up
@@ -125,7 +125,9 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     space = space_for(lengths, ctx, cost_model, round_to=round_to, top=top, attention=attention, dp=dp,
                       num_tau=num_tau if n > 1024 else num_tau + 3, baselines=baselines)
     setups = space.setups
-    rk = Ranker(cost_model, ctx.p, ctx.kind, comm, dp, setups, lengths, space.doc_causal, ctx.bmax)
+    rk = Ranker(cost_model, ctx.p, ctx.kind, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo)
+    if rk.rank_kind != ctx.kind:                      # ranked by another kind's estimate: more finals to choose from
+        keep = max(keep, ZB_KEEP)
     first = list(space.first)
     base: list[Candidate] = []
     if baselines is not None:

@@ -15,7 +15,7 @@ no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B`
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -24,12 +24,12 @@ from dynmb.costmodel.base import CostModelLike
 from ..features import CostFeatures
 from ..makespan import exact_regime, makespans, round_trip_bound
 from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
-from ..makespan_zb import backward_shares
+from ..makespan_zb import backward_shares, ranking_kind
 from ..schedule.kinds import get_kind
 from .dynamic_setup import SplitSetup
 from .rows import Flat, assign_replicas
 
-__all__ = ["Candidate", "Ranker", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS"]
+__all__ = ["Candidate", "Ranker", "RankMemo", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS", "ZB_KEEP", "ZB_GAP"]
 
 RANK_EXACT = 400
 """Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
@@ -38,6 +38,26 @@ RANK_OPS = 300_000
 (scaled by P / 16 below 16 stages: with few stages an op of the level-by-level recurrence costs more)."""
 LOOKUP_CELLS = 1 << 22
 """At most this many (stage, microbatch) cells are costed in one ``stage_costs`` lookup (memory)."""
+ZB_KEEP = 4
+"""A kind that ranks with another kind's estimate (``makespan_zb.ranking_kind``: ``zb`` ranks with ``zb-h1``'s)
+carries at least this many own splits to ``choose``, which estimates them with its own."""
+ZB_GAP = 0.15
+"""... and there weighs a baseline only if its ranked value (the other estimate, on the probe replicas,
+as it runs) is within this fraction above the best so far: the heuristic that ``zb``'s estimate of a plan
+is at most this far below ``zb-h1``'s (the shipped traces: up to about 8%)."""
+
+
+@dataclass
+class RankMemo:
+    """What the packings of one batch share (``dynamic_space.Space.memo``), by candidate key: looked-up
+    costs, replica assignments (both from ``stage_costs``, so the same for every kind) and whole ranking
+    calls by (estimate, orders, candidate keys) (a value depends on the other candidates of its call:
+    the ``RANK_OPS`` budget goes to the best by proxy)."""
+
+    looked_up: dict = field(default_factory=dict)
+    assigned: dict = field(default_factory=dict)
+    ranked: dict = field(default_factory=dict)
+    shares: dict = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -57,17 +77,24 @@ class Candidate:
     comm: np.ndarray | None = None
     value: float = np.inf                   # best estimate found (ranking: on the probe replicas)
     order: str = ""                         # the order that gave it
+    key: tuple | None = None                # its key in ``dynamic_space`` (equal keys: the same plan)
 
 
 class Ranker:
     """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
 
     def __init__(self, cost_model: CostModelLike, num_stages: int, kind: str, comm: Any, dp: int,
-                 setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
+                 setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable,
+                 memo: RankMemo | None = None) -> None:
         self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
         self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
-        self.zb = get_kind(kind).estimate_as in ZB_ESTIMATES
-        self.shares = backward_shares(cost_model, lengths, num_stages) if self.zb else None
+        self.memo = RankMemo() if memo is None else memo
+        self.looked_up = self.memo.looked_up                 # stage_costs (F, B, sends) by candidate key
+        self.rank_kind = ranking_kind(kind)                  # the estimate rank() uses; choose() uses the kind's
+        self.zb = get_kind(self.rank_kind).estimate_as in ZB_ESTIMATES
+        if get_kind(kind).estimate_as in ZB_ESTIMATES and "shares" not in self.memo.shares:
+            self.memo.shares["shares"] = backward_shares(cost_model, lengths, num_stages)
+        self.shares = self.memo.shares.get("shares")
 
     def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
         sends = self.comm_fn(rows, padded) if self.comm_fn is not None else 0.0
@@ -76,15 +103,20 @@ class Ranker:
     def costed(self, cands: list[Candidate], affine: bool) -> Iterator[Candidate]:
         """``cands`` in turn with their costs set while they are used: an own split's affine costs
         when ``affine``, else ``stage_costs`` with each microbatch's attention work, one lookup
-        for as many candidates in a row as fit ``LOOKUP_CELLS`` (stage, microbatch) cells."""
+        for as many candidates in a row as fit ``LOOKUP_CELLS`` (stage, microbatch) cells; looked-up
+        costs are kept by candidate key (``looked_up``: shared by the packings of one batch)."""
         todo, i = [c for c in cands if len(c.rows)], 0
         while i < len(todo):
             chunk, cells = [todo[i]], len(todo[i].rows) * self.P
-            if affine and todo[i].split is not None:
+            if todo[i].key in self.looked_up and not (affine and todo[i].split is not None):
+                c = todo[i]
+                c.F, c.B, c.comm = self.looked_up[c.key]
+            elif affine and todo[i].split is not None:
                 c = todo[i]
                 (c.F, c.B), c.comm = self.setups[c.split[0]].costs(c.split[1]), self._send(c.rows, c.padded)
             else:
                 while (i + len(chunk) < len(todo) and not (affine and todo[i + len(chunk)].split is not None)
+                       and todo[i + len(chunk)].key not in self.looked_up
                        and cells + len(todo[i + len(chunk)].rows) * self.P <= LOOKUP_CELLS):
                     chunk.append(todo[i + len(chunk)])
                     cells += len(chunk[-1].rows) * self.P
@@ -93,6 +125,8 @@ class Ranker:
                 bounds = np.cumsum([0] + [len(x.rows) for x in chunk])
                 for x, a, e in zip(chunk, bounds[:-1], bounds[1:]):
                     x.F, x.B, x.comm = cc["F"][:, a:e], cc["B"][:, a:e], sends[a:e]
+                    if x.key is not None:
+                        self.looked_up[x.key] = (x.F, x.B, x.comm)
             for x in chunk:
                 yield x
                 x.F = x.B = x.comm = None
@@ -104,9 +138,20 @@ class Ranker:
         if self.dp == 1:
             return np.arange(len(busy))[None, :], busy
         if exact_assignment:
-            order, _ = assign_replicas(busy, self.dp)
-            return np.asarray(order).reshape(self.dp, -1), busy
+            return self._assigned(c, busy, None).reshape(self.dp, -1), busy
         return np.argsort(_deal(busy, self.dp), kind="stable").reshape(self.dp, -1), busy
+
+    def _assigned(self, c: Candidate, busy: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """``assign_replicas`` of the microbatches ``out`` (None: all, as formed) on their looked-up ``busy``
+        times, as positions: kept by candidate key for ``out`` None (the same for every kind)."""
+        key = c.key if out is None else None
+        if key is None or key not in self.memo.assigned:
+            order, _ = assign_replicas(busy if out is None else busy[out], self.dp)
+            got = np.asarray(order, dtype=np.int64)
+            if key is None:
+                return got
+            self.memo.assigned[key] = got
+        return self.memo.assigned[key]
 
     def _probes(self, c: Candidate, members: np.ndarray) -> np.ndarray:
         """The replica with the most work on its busiest stage and the one with the longest round trip."""
@@ -123,6 +168,17 @@ class Ranker:
         probe replicas' costs are kept. ``as_given``: in its order as formed only (the baselines:
         ``choose`` runs them as they stand, so their other orders would only sort the finals)."""
         cands = [c for c in cands if len(c.rows)]
+        call = (self.rank_kind, as_given, tuple(c.key for c in cands))
+        if None not in call[2] and call in self.memo.ranked:
+            for c, (value, order) in zip(cands, self.memo.ranked[call]):
+                c.value, c.order = value, order
+            return cands
+        self._rank(cands, as_given)
+        if None not in call[2]:
+            self.memo.ranked[call] = [(c.value, c.order) for c in cands]
+        return cands
+
+    def _rank(self, cands: list[Candidate], as_given: bool) -> None:
         jobs = []                        # (candidate, order, (F, B, sends) of its probe replicas, columns)
         trips = []                       # bound regime: (candidate, order, pipeline bound, stage-0 F, B, trip above)
         for c in self.costed(cands, affine=True):
@@ -143,7 +199,7 @@ class Ranker:
                 a, e = cols[:, 0], cols[:, -1]
                 v = float(_bound(work, sub[0][:, a], sub[1][:, e], sub[2][a], sub[2][e]).max())
                 trips.append((c, name, v, sub[0][0][cols], sub[1][0][cols], up[cols]))
-        for (c, name, v, *_), t in zip(trips, _round_trips(trips, self.P, self.kind)):
+        for (c, name, v, *_), t in zip(trips, _round_trips(trips, self.P, self.rank_kind)):
             v = max(v, t)
             if v < c.value:
                 c.value, c.order = v, name
@@ -156,22 +212,21 @@ class Ranker:
             if c.baseline or cells <= RANK_EXACT or spent + ops <= budget:
                 chosen.append(j)
                 spent += ops
-        for j, v in zip(chosen, self._estimate([jobs[j][2:] for j in chosen])):
+        for j, v in zip(chosen, self._estimate([jobs[j][2:] for j in chosen], self.rank_kind)):
             c, name = jobs[j][:2]
             if v < c.value:
                 c.value, c.order = v, name
-        return cands
 
-    def _estimate(self, jobs: list[tuple]) -> list[float]:
+    def _estimate(self, jobs: list[tuple], kind: str | None = None) -> list[float]:
         """Per job ``((F, B, sends), [pipelines, k] columns)``: the slowest of its pipelines by
-        ``makespans``, all in one call."""
+        ``makespans`` (under ``kind``, default the Ranker's), all in one call."""
         if not jobs:
             return []
         F = np.concatenate([s[0][:, cols.ravel()] for s, cols in jobs], axis=1)
         B = np.concatenate([s[1][:, cols.ravel()] for s, cols in jobs], axis=1)
         sends = np.concatenate([s[2][cols.ravel()] for s, cols in jobs])
         sizes = np.concatenate([np.full(len(cols), cols.shape[1]) for _, cols in jobs])
-        per = makespans(F, B, sends, sizes, self.kind, shares=self.shares)
+        per = makespans(F, B, sends, sizes, kind or self.kind, shares=self.shares)
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
         return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
@@ -203,12 +258,17 @@ class Ranker:
                     continue                            # the same plan run the same way
                 seen.add(sig)
                 busy, m = (c.F + c.B).max(axis=0), len(c.rows)
-                # what dynmb.packing will run: a baseline as given, else its order (each replica keeps it)
-                out = np.arange(m) if c.baseline else _global_order(c.order, busy, self._members(c, True)[0], c.opened)
-                order, _ = assign_replicas(busy[out], self.dp)
                 fewer = m < best_m                      # it may also win by tying (or within tol)
                 limit = best * (1 + tol) if fewer else best
-                v = self._slowest((c.F, c.B, c.comm), out[np.asarray(order)].reshape(self.dp, -1), limit, fewer)
+                # a baseline's ranked value (probe replicas, as it runs) is a lower bound of v under the same
+                # estimate; under another (ranking_kind), ZB_GAP is the margin allowed
+                past = limit * (1 + ZB_GAP) if self.rank_kind != self.kind else limit
+                if c.baseline and (c.value > past or (c.value == past and not fewer)):
+                    continue
+                # what dynmb.packing will run: a baseline as given, else its order (each replica keeps it)
+                out = np.arange(m) if c.baseline else _global_order(c.order, busy, self._members(c, True)[0], c.opened)
+                order = self._assigned(c, busy, None if c.baseline else out)
+                v = self._slowest((c.F, c.B, c.comm), out[order].reshape(self.dp, -1), limit, fewer)
                 if v < limit or (v == limit and fewer):
                     results.append((v, m, c, out))
                     best, best_m = (v, m) if v < best else (best, min(best_m, m))

@@ -33,7 +33,7 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from .context import PackContext
-from .dynamic_rank import Candidate
+from .dynamic_rank import Candidate, RankMemo
 from .dynamic_setup import RowSet, SplitSetup, affine_costs, row_caps, row_set, split_to_flat
 from .dynapipe import dynapipe_split
 from .rows import Flat, flat_to_groups, groups_to_flat, merge_groups, split_group
@@ -117,6 +117,7 @@ class Space:
             self.first.append(("none", np.append(np.arange(0, m0, max(1, int(unpacked.bmax[0]))), m0), np.nan))
             dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
             self.first.append(("none", m0 - dp_cuts[::-1], np.nan))
+        self.memo = RankMemo()                       # what the rankings share (looked-up costs, assignments, calls)
         self._own: dict[tuple, Candidate] = {}
         self._given: dict[str, Flat] = {}
         self._base: dict[str, Candidate | None] = {}
@@ -129,12 +130,13 @@ class Space:
             st = self.setups[key]
             bal = _balance_cuts(cuts, st.bottleneck, self.dp) if balance else cuts
             if bal is None:
-                c = Candidate(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None, source=(key, cuts, tau))
+                c = Candidate(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None, source=(key, cuts, tau),
+                              key=("own",) + memo)
             else:
                 rows, padded, attn = st.shapes(bal)
                 c = Candidate(rows, padded, attn, lambda o, r=st.rows, b=bal: split_to_flat(r, b, o),
                               source=(key, cuts, tau), opened=st.rows.opened if len(bal) - 1 == len(st.pos) else None,
-                              split=(key, bal))
+                              split=(key, bal), key=("own",) + memo)
             self._own[memo] = c
         return copy.copy(self._own[memo])
 
@@ -155,7 +157,7 @@ class Space:
                 if self.doc_causal:
                     docs2 = np.add.reduceat(self.lengths[items].astype(np.float64) ** 2, np.cumsum(nseq) - nseq)
                     attn = np.where(nseq > batch, docs2, attn)
-                c = Candidate(batch, plen, attn, lambda o, f=flat: _reorder(f, o), baseline=method)
+                c = Candidate(batch, plen, attn, lambda o, f=flat: _reorder(f, o), baseline=method, key=("base", method))
             self._base[method] = c
         c = self._base[method]
         return None if c is None else copy.copy(c)
