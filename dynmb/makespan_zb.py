@@ -233,23 +233,100 @@ def _same(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, K: int,
     return np.maximum(fin[:n].max(axis=0), (fin[last] + q).max(axis=0))
 
 
+def _merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes: np.ndarray,  # noqa: E741
+            win: tuple[int, ...]) -> np.ndarray:
+    """``_same`` of pipelines of several sizes in ONE level loop (not one per size): their level tables
+    side by side, sorted by level, each level one vectorised step over the ops of every pipeline; the
+    same arithmetic per op as ``_same`` (so the same values), the queue per (pipeline, stage)."""
+    P, K = F.shape[0], len(sizes)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    op_off = np.concatenate([[0], np.cumsum(2 * P * sizes)])
+    N = int(op_off[-1])
+    level, stage, is_b, col, prev, dep, pipe = (np.empty(N, np.int64) for _ in range(7))
+    is_b = is_b.astype(bool)
+    last = np.empty(K * P, dtype=np.int64)                   # each (pipeline, stage)'s last op, unsorted
+    for m in np.unique(sizes).tolist():
+        st, ib, mb, pv, dp_, bounds = _level_table(P, m, win)
+        n, ks = len(st), np.flatnonzero(sizes == m)
+        last[(ks[:, None] * P + np.arange(P)).ravel()] = (op_off[ks][:, None] + _last_ops(P, m, win)).ravel()
+        at = (op_off[ks][:, None] + np.arange(n)).ravel()
+        base = np.repeat(op_off[ks], n)
+        level[at] = np.tile(np.repeat(np.arange(len(bounds) - 1), np.diff(bounds)), len(ks))
+        stage[at], is_b[at], pipe[at] = np.tile(st, len(ks)), np.tile(ib, len(ks)), np.repeat(ks, n)
+        col[at] = (offs[ks][:, None] + mb).ravel()
+        prev[at] = np.where(np.tile(pv, len(ks)) < n, base + np.tile(pv, len(ks)), N)
+        dep[at] = np.where(np.tile(dp_, len(ks)) < n, base + np.tile(dp_, len(ks)), N)
+    order = np.argsort(level.astype(np.int16) if level.max() < 2**15 else level, kind="stable")   # radix sort
+    pos = np.empty(N + 1, dtype=np.int64)
+    pos[order], pos[N] = np.arange(N), N
+    stage, is_b, col, pipe = stage[order], is_b[order], col[order], pipe[order]
+    prev, dep = pos[prev[order]], pos[dep[order]]
+    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2)).tolist()
+    dur = np.where(is_b, I[stage, col], F[stage, col])
+    cool = is_b & (col - offs[pipe] >= np.maximum(sizes[pipe] - np.asarray(win)[stage], 0))
+    w_op = np.where(is_b, W[stage, col], 0.0)
+    tail = np.where(cool, 0.0, w_op)
+    cross = np.where(dep < N, comm[col], 0.0)
+    qid = pipe * P + stage
+    seen, fin, q = np.zeros(N + 1), np.zeros(N + 1), np.zeros(K * P)
+    cools = np.concatenate([[0], np.cumsum(cool)]).tolist()
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        if e <= a:
+            continue
+        ready = seen[dep[a:e]]
+        ready += cross[a:e]
+        free = fin[prev[a:e]]
+        end = np.maximum(ready, free)
+        if cools[e] > cools[a]:
+            c = np.flatnonzero(cool[a:e])
+            qi = qid[a + c]
+            q[qi] -= np.minimum(q[qi], np.maximum(ready[c] - free[c], 0.0))
+            q[qi] += w_op[a + c]
+        end += dur[a:e]
+        seen[a:e] = end
+        end += tail[a:e]
+        fin[a:e] = end
+    out = np.maximum.reduceat(fin[pos[:N]], op_off[:-1])       # each pipeline's ops lie together unsorted
+    return np.maximum(out, (fin[pos[last]] + q).reshape(K, P).max(axis=1))
+
+
+@functools.lru_cache(maxsize=128)
+def _last_ops(P: int, m: int, win: tuple[int, ...]) -> np.ndarray:
+    """Each stage's last op, as a position in ``_level_table``'s level order (which keeps a stage's order)."""
+    stage = _level_table(P, m, win)[0]
+    last = np.zeros(P, dtype=np.int64)
+    np.maximum.at(last, stage, np.arange(len(stage)))
+    last.setflags(write=False)
+    return last
+
+
 def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarray,
                   shares: np.ndarray | None = None, estimate_as: str = "zb-h1") -> np.ndarray:
-    """The recurrence (module doc) of pipelines k (the next ``sizes[k] >= 1`` columns each)."""
+    """The recurrence (module doc) of pipelines k (the next ``sizes[k] >= 1`` columns each): the
+    scalar sweep for sizes of few ops, else level by level, one loop for all sizes (``_merged``; one
+    size: ``_same``)."""
     I, W = split_backward(B, shares)                           # noqa: E741
     P = F.shape[0]
     win = windows(P, estimate_as)
     offs = np.concatenate([[0], np.cumsum(sizes)])
     out = np.empty(len(sizes))
+    rest = []
     for m in np.unique(sizes).tolist():
         ks = np.flatnonzero(sizes == m)
         if 2 * P * m * len(ks) <= SCALAR_OPS:
             for k in ks.tolist():
                 a, e = offs[k], offs[k + 1]
                 out[k] = _scalar(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win)
-            continue
+        else:
+            rest.append(ks)
+    if len(rest) == 1:
+        ks, m = rest[0], int(sizes[rest[0][0]])
         cols = (offs[ks][:, None] + np.arange(m)).ravel()
         out[ks] = _same(F[:, cols], I[:, cols], W[:, cols], comm[cols], len(ks), m, win)
+    elif rest:
+        ks = np.sort(np.concatenate(rest))
+        cols = np.concatenate([np.arange(offs[k], offs[k + 1]) for k in ks.tolist()])
+        out[ks] = _merged(F[:, cols], I[:, cols], W[:, cols], comm[cols], sizes[ks], win)
     return out
 
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..makespan import makespans
 from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
-from ..makespan_zb import backward_shares, ranking_kind
+from ..makespan_zb import backward_shares, ranking_kind, windows
 from ..schedule.kinds import get_kind
 from .context import PackContext
 from .rows import Flat, Group, groups_to_flat, round_up
@@ -297,20 +297,15 @@ def row_budget(ctx: PackContext, lens: np.ndarray, round_to: int) -> int:
     return cap if ctx.row_cap is None else min(cap, int(ctx.row_cap))
 
 
-ZB_EQUAL_MAX = 64
-"""``budget_divisors`` runs the zero-bubble recurrence on at most this many equal microbatches per pipeline
-(times P / 4 from 4 stages up) and extends it linearly (``_equal_zb``)."""
-
-
 def _equal_zb(F: np.ndarray, B: np.ndarray, comm: np.ndarray, per: np.ndarray, kind: str,
               shares: np.ndarray | None) -> np.ndarray:
     """The zero-bubble estimate of pipelines of ``per[j]`` equal microbatches (stage costs ``F[:, j]``, ``B[:, j]``,
-    send ``comm[j]``): the recurrence of up to ``c = ZB_EQUAL_MAX * max(1, P / 4)`` of them, then one period per
+    send ``comm[j]``): the recurrence of up to ``c`` = twice the largest window + 2 of them, then one period per
     microbatch more (the estimate of c and c - 1 apart): with equal microbatches the recurrence is periodic once
     every stage is in its steady state (affine in m from two microbatches on, to 1e-9, on the shipped models;
     ``tests/test_balanced.py``), and an O(m) recurrence of thousands of microbatches would cost more than the
     whole packing it ranks budgets for."""
-    cap = int(ZB_EQUAL_MAX * max(1.0, F.shape[0] / 4))
+    cap = 2 * max(windows(F.shape[0], get_kind(kind).estimate_as)) + 2
     head = np.minimum(per, cap)
     prev = np.maximum(head - 1, 1)
     sizes = np.concatenate([head, prev])
