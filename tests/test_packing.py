@@ -460,3 +460,26 @@ def test_a_registered_method_packs_through_the_dispatcher():
             check_plan_spec(PlanSpec(method="one-each", num_stages=2, memory_limit_bytes=1 << 30, mbs=2))
     finally:
         methods._REGISTRY.pop("one-each", None)
+
+
+@pytest.mark.parametrize("method", ["fixed", "sorted"])
+def test_fixed_in_flat_form_is_the_groups_flattened(method):
+    """``fixed`` / ``sorted`` build their flat form at once: the same arrays (and dtypes) as flattening one
+    group per microbatch (``rows.fixed_groups``)."""
+    from dynmb.packing.fixed import fixed_flat
+    from dynmb.packing.rows import fixed_groups, groups_to_flat
+
+    class Ctx:
+        def __init__(self, b):
+            self.b = b
+
+        def bmax(self, s):
+            return np.array([self.b])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n, b, r = int(rng.integers(1, 60)), int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        lens = rng.integers(1, 500, n)
+        got, used = fixed_flat(method, lens, Ctx(b), None, r)
+        pos = np.arange(n) if method == "fixed" else np.argsort(-lens, kind="stable")
+        want = groups_to_flat(fixed_groups(pos, lens, b, r))
+        assert used == b and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want))
