@@ -23,7 +23,7 @@ then ``W`` (its dependants read the end of ``I``) and a cool-down backward (micr
 cool-down ``I`` runs ``min(q, g)`` of the queue (fluid: a ``W`` may be cut), and the stage ends
 at its last op + ``q``. Evaluated level by level (``_level_table``: ops that cannot depend on each
 other, ``dynmb.makespan_levels``' closed form for 1F1B's window, else each op's start under unit costs),
-one vectorised step per level over every pipeline of one size (O(m + P) numpy steps); the scalar
+one vectorised step per level over every pipeline (all sizes in one loop, ``_merged``; O(m + P) numpy steps); the scalar
 sweep (``_scalar``) for pipelines of few ops. Left out: the memory limit (``zb`` runs its extra
 warm-up only where it fits: its estimate is optimistic where the limit binds), the list scheduler's candidates
 (unsplit backwards, 1F1B: never slower than the one modelled) and its exact tie rules.

@@ -33,7 +33,8 @@ Algorithm:
    is a positive multiple of D (else it drops out); a baseline is balanced as ``dynmb.packing``
    balances it (halving, then merging).
 6. Rank. Each candidate in several orders (as formed; reversed; slowest / fastest first; the
-   two cheapest at the two ends, the rest as formed or reversed; best-fit rows also as opened), per replica when D > 1
+   two cheapest at the two ends, the rest as formed or reversed; best-fit rows also as opened; a
+   baseline only as it stands, the order step 7 runs it in), per replica when D > 1
    (replicas dealt boustrophedon by time, ``assign_replicas`` for baselines; estimated on the
    replica with the most work and the one with the longest round trip). A proxy orders them:
    the larger of the pipeline bound (``dynmb.makespan``) and the longest chain of round trips that 1F1B forces
@@ -43,18 +44,25 @@ Algorithm:
    ``RANK_OPS`` ops per pass (``makespans``: all at once). Then tau is refined around the
    best, the best three are also filled from the short end and the best two get a
    boundary-shift DP (each cut moves by up to 4 rows to minimise the summed bottleneck
-   time), and those are ranked too.
+   time), and those are ranked too. The estimate is the kind's, except that ``zb`` ranks with
+   ``zb-h1``'s (``dynmb.makespan_zb.RANK_AS``: its level tables have a closed form) and carries
+   ``ZB_KEEP`` own splits to step 7, which estimates them with its own.
 7. Choose. The ``keep`` best (and the fewest-microbatch ones within ``tol``) and every baseline
    are re-costed in one ``stage_costs`` lookup and estimated as ``dynmb.packing`` will run them:
    a baseline as it stands; D = 1, an own split in each order; D > 1, in its best order run
    globally (so that every replica keeps it, whichever of identical microbatches
    ``assign_replicas`` deals it), replicas assigned by ``assign_replicas`` on the order returned
    and each estimated with ``makespans``, the likeliest slowest first (a candidate drops out as
-   soon as one is past the best). The fastest is returned (among those within ``tol``, the
-   fewest microbatches): by the estimate ``dynmb.packing`` reports, dynamic is never slower
-   than the plan of any method it was given.
+   soon as one is past the best; a baseline whose ranked value, a lower bound of that estimate, is
+   past it already is not estimated again; under ``zb``, ranked by ``zb-h1``'s estimate, one past it by
+   more than ``ZB_GAP``). The fastest is returned (among those within ``tol``, the fewest
+   microbatches): by the estimate ``dynmb.packing`` reports, dynamic is never slower than the plan of
+   any method it was given (under ``zb``: of any within ``ZB_GAP`` of the best by ``zb-h1``'s).
 Modules: the row sets, their affine costs and split scoring (steps 1-3) are in
 ``dynamic_setup``, the ranking and choice (steps 5-7) in ``dynamic_rank``; this module runs them.
+Steps 1-5 read no makespan estimate: ``dynamic_space`` remembers them (and the rankings, looked-up
+costs and replica assignments, ``dynamic_rank.RankMemo``) across the packings of one batch, so
+``--schedule auto``, which packs a batch once per kind (1f1b, zb-h1, zb), does them once.
 
 Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau), O(rows) Python steps for
 the next-fit rows, a per-sequence Python loop for the best-fit rows, the baselines' own costs

@@ -9,7 +9,8 @@ bound regime (the pipeline bound and the round trips), or ``dynmb.makespan.makes
 best by a proxy within ``RANK_OPS`` ops; the zero-bubble kinds' estimate, ``dynmb.makespan_zb``, has
 no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B``) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
-``dynmb.packing`` runs them).
+``dynmb.packing`` runs them). ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``:
+``zb-h1``'s), ``choose`` the kind's own. ``RankMemo`` holds what the packings of one batch share.
 """
 
 from __future__ import annotations
