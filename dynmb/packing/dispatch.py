@@ -41,7 +41,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
 from ..features import CostFeatures
-from ..makespan import makespan
+from ..makespan import makespans
 from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
 from ..makespan_zb import backward_shares
 from ..schedule.kinds import get_kind
@@ -219,12 +219,13 @@ def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_
         cost = {op: v[:, perm] for op, v in cost.items()}
         replicas = [np.flatnonzero(np.asarray(replica_ids) == r) for r in range(dp)]
     peak = np.zeros(memory_model.num_stages)
-    estimates = []
     shares = (backward_shares(cost_model, np.concatenate([mb.lengths for mb in microbatches]), memory_model.num_stages)
               if get_kind(kind).estimate_as in ZB_ESTIMATES and microbatches else None)
     for sel in replicas:
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
-        estimates.append(makespan(cost["F"][:, sel], cost["B"][:, sel], comm_s[sel], kind, shares=shares))
+    cols = np.concatenate(replicas)                 # every replica's estimate in one call (one level loop)
+    estimates = makespans(cost["F"][:, cols], cost["B"][:, cols], comm_s[cols], [len(sel) for sel in replicas], kind,
+                          shares=shares).tolist()
     return microbatches, replica_ids, peak, estimates
 
 
