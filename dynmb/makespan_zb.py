@@ -242,8 +242,9 @@ def _merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes
     offs = np.concatenate([[0], np.cumsum(sizes)])
     op_off = np.concatenate([[0], np.cumsum(2 * P * sizes)])
     N = int(op_off[-1])
-    level, stage, is_b, col, prev, dep, pipe = (np.empty(N, np.int64) for _ in range(7))
-    is_b = is_b.astype(bool)
+    idx = np.int32 if N < 2**31 - 1 and F.size < 2**31 - 1 else np.int64     # halves the memory traffic
+    level, stage, col, prev, dep, pipe = (np.empty(N, idx) for _ in range(6))
+    is_b = np.empty(N, bool)
     last = np.empty(K * P, dtype=np.int64)                   # each (pipeline, stage)'s last op, unsorted
     for m in np.unique(sizes).tolist():
         st, ib, mb, pv, dp_, bounds = _level_table(P, m, win)
@@ -257,27 +258,29 @@ def _merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes
         prev[at] = np.where(np.tile(pv, len(ks)) < n, base + np.tile(pv, len(ks)), N)
         dep[at] = np.where(np.tile(dp_, len(ks)) < n, base + np.tile(dp_, len(ks)), N)
     order = np.argsort(level.astype(np.int16) if level.max() < 2**15 else level, kind="stable")   # radix sort
-    pos = np.empty(N + 1, dtype=np.int64)
+    pos = np.empty(N + 1, dtype=idx)
     pos[order], pos[N] = np.arange(N), N
     stage, is_b, col, pipe = stage[order], is_b[order], col[order], pipe[order]
     prev, dep = pos[prev[order]], pos[dep[order]]
-    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2)).tolist()
-    dur = np.where(is_b, I[stage, col], F[stage, col])
+    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2))
+    cell = stage * F.shape[1] + col                           # flat (stage, column) of each op
+    dur = np.where(is_b, np.take(I, cell), np.take(F, cell))
     cool = is_b & (col - offs[pipe] >= np.maximum(sizes[pipe] - np.asarray(win)[stage], 0))
-    w_op = np.where(is_b, W[stage, col], 0.0)
+    w_op = np.where(is_b, np.take(W, cell), 0.0)
     tail = np.where(cool, 0.0, w_op)
-    cross = np.where(dep < N, comm[col], 0.0)
+    cross = np.where(dep < N, np.take(comm, col), 0.0)
     qid = pipe * P + stage
     seen, fin, q = np.zeros(N + 1), np.zeros(N + 1), np.zeros(K * P)
-    cools = np.concatenate([[0], np.cumsum(cool)]).tolist()
-    for a, e in zip(bounds[:-1], bounds[1:]):
+    cum = np.concatenate([[0], np.cumsum(cool)])
+    cools = (cum[bounds[1:]] > cum[bounds[:-1]]).tolist()    # levels with cool-down backwards
+    for a, e, has_cool in zip(bounds[:-1].tolist(), bounds[1:].tolist(), cools):
         if e <= a:
             continue
         ready = seen[dep[a:e]]
         ready += cross[a:e]
         free = fin[prev[a:e]]
         end = np.maximum(ready, free)
-        if cools[e] > cools[a]:
+        if has_cool:
             c = np.flatnonzero(cool[a:e])
             qi = qid[a + c]
             q[qi] -= np.minimum(q[qi], np.maximum(ready[c] - free[c], 0.0))
