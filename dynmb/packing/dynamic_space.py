@@ -8,8 +8,9 @@ the batch, the memory budget (``ctx.bmax``), the cost model, ``round_to``, ``max
 (``SplitSetup``), the time-target grids, the first splits, every candidate built from a split (cut
 points balanced over dp, its shapes), the other methods' plans and their candidates (balanced over dp
 as ``dynmb.packing`` balances them). ``Space`` holds them; the candidates and plans are built on first
-use (``own``: per (row set, cuts, tau); ``given`` / ``baseline``: per method name) and handed out as
-fresh copies, so a ranking never sees another's values.
+use (``own``: per (row set, cuts, tau); ``given`` / ``baseline``: per method name; ``divisors``: the
+``balanced`` budgets per ranking estimate) and handed out as fresh copies, so a ranking never sees
+another's values.
 
 ``space_for`` returns the call's space: the one remembered (the last ``MEMO`` used) when the call's key
 matches, else a new one. The key: the lengths (length and a digest), every setting above, the cost and
@@ -120,6 +121,7 @@ class Space:
         self.memo = RankMemo()                       # what the rankings share (looked-up costs, assignments, calls)
         self._own: dict[tuple, Candidate] = {}
         self._given: dict[str, Flat] = {}
+        self._divisors: dict[str, list[int]] = {}
         self._base: dict[str, Candidate | None] = {}
 
     def own(self, key: str, cuts: np.ndarray, tau: float, balance: bool = True) -> Candidate:
@@ -139,6 +141,12 @@ class Space:
                               split=(key, bal), key=("own",) + memo)
             self._own[memo] = c
         return copy.copy(self._own[memo])
+
+    def divisors(self, rank_kind: str, make: Callable[[], list[int]]) -> list[int]:
+        """``balanced``'s budget divisors ranked by ``rank_kind``'s estimate (``make()``), found once per estimate."""
+        if rank_kind not in self._divisors:
+            self._divisors[rank_kind] = make()
+        return list(self._divisors[rank_kind])
 
     def given(self, method: str, make: Callable[[str], Flat]) -> Flat:
         """``method``'s plan of the batch (``make(method)``, the ``baselines`` callback), made once."""
