@@ -53,6 +53,25 @@ def test_auto_packings_share_the_other_methods_plans(monkeypatch):
     assert calls and len(calls) == len(set(calls)), calls          # each budget partitioned once
 
 
+def test_zb_reuses_zb_h1s_rankings(monkeypatch):
+    """zb ranks with zb-h1's estimate: packed after zb-h1 (as auto packs them), it ranks nothing itself (every
+    ranking call is zb-h1's, remembered), and it estimates with its own only in ``choose``."""
+    ranked: list[str] = []
+    real = dynamic_rank.Ranker._rank
+
+    def counted(self, cands, as_given):
+        ranked.append(self.kind)
+        return real(self, cands, as_given)
+    monkeypatch.setattr(dynamic_rank.Ranker, "_rank", counted)
+    dynamic_space.clear()
+    lengths, mm, cm, limit = _case(7)
+    _pack(lengths, mm, cm, limit, "zb-h1")
+    assert ranked and set(ranked) == {"zb-h1"}
+    ranked.clear()
+    _pack(lengths, mm, cm, limit, "zb")
+    assert ranked == []
+
+
 def test_plans_do_not_depend_on_what_was_packed_before():
     """Each kind's plan is the one a fresh process makes, whatever was packed before it (in any order),
     and packing again gives it again."""
