@@ -23,7 +23,7 @@ then ``W`` (its dependants read the end of ``I``) and a cool-down backward (micr
 cool-down ``I`` runs ``min(q, g)`` of the queue (fluid: a ``W`` may be cut), and the stage ends
 at its last op + ``q``. Evaluated level by level (``_level_table``: ops that cannot depend on each
 other, ``dynmb.makespan_levels``' closed form for 1F1B's window, else each op's start under unit costs),
-one vectorised step per level over every pipeline of one size (O(m + P) numpy steps); the scalar
+one vectorised step per level over every pipeline (all sizes in one loop, ``_merged``; O(m + P) numpy steps); the scalar
 sweep (``_scalar``) for pipelines of few ops. Left out: the memory limit (``zb`` runs its extra
 warm-up only where it fits: its estimate is optimistic where the limit binds), the list scheduler's candidates
 (unsplit backwards, 1F1B: never slower than the one modelled) and its exact tie rules.
@@ -42,10 +42,11 @@ import numpy as np
 
 from dynmb.costmodel.split import SPLIT_OVERHEAD, W_SHARE
 from dynmb.makespan_levels import level_order
+from dynmb.schedule.kinds import get_kind
 from dynmb.schedule.order import windowed_order
 from dynmb.schedule.zerobubble import ZB_ALPHAS
 
-__all__ = ["ESTIMATES", "windows", "backward_shares", "split_backward", "zb_makespans", "zb_recurrence", "TOLERANCE", "SCALAR_OPS"]
+__all__ = ["ESTIMATES", "RANK_AS", "ranking_kind", "windows", "backward_shares", "split_backward", "zb_makespans", "zb_recurrence", "TOLERANCE", "SCALAR_OPS"]
 
 TOLERANCE = {"zb-h1": 0.08, "zb": 0.20}
 """With the true ``I`` and ``W``, the estimate is within this relative margin of the simulated ``zb-h1``
@@ -84,6 +85,18 @@ ESTIMATES = {"zb-h1": 0.0, "zb": max(ZB_ALPHAS)}
 """The zero-bubble estimates (``estimate_as``) and their warm-up: stage s holds ``P - s + alpha (P - s - 1)``
 microbatches in flight (``dynmb.schedule.zerobubble``'s rule): ZB-H1's alpha 0, and for ``zb`` the
 largest it tries (``ZB_ALPHAS``; the memory limit may keep it lower)."""
+
+
+RANK_AS = {"zb": "zb-h1"}
+"""The packers rank candidates of a kind estimated as a key here with the value's estimate, and use the kind's
+own only to choose among the finals (``dynmb.packing.dynamic_rank``) and to report the plan's: ``zb``'s level
+tables are built op by op for every microbatch count (ZB-H1's, 1F1B's window, have a closed form), so ranking
+dozens of candidates by it cost more than the rest of the packing; ZB-H1's estimate orders them alike."""
+
+
+def ranking_kind(kind: str) -> str:
+    """The kind whose estimate the packers rank ``kind``'s candidates with (``RANK_AS``; else ``kind``)."""
+    return RANK_AS.get(get_kind(kind).estimate_as, kind)
 
 
 def windows(num_stages: int, estimate_as: str) -> tuple[int, ...]:
@@ -220,23 +233,103 @@ def _same(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, K: int,
     return np.maximum(fin[:n].max(axis=0), (fin[last] + q).max(axis=0))
 
 
+def _merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes: np.ndarray,  # noqa: E741
+            win: tuple[int, ...]) -> np.ndarray:
+    """``_same`` of pipelines of several sizes in ONE level loop (not one per size): their level tables
+    side by side, sorted by level, each level one vectorised step over the ops of every pipeline; the
+    same arithmetic per op as ``_same`` (so the same values), the queue per (pipeline, stage)."""
+    P, K = F.shape[0], len(sizes)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    op_off = np.concatenate([[0], np.cumsum(2 * P * sizes)])
+    N = int(op_off[-1])
+    idx = np.int32 if N < 2**31 - 1 and F.size < 2**31 - 1 else np.int64     # halves the memory traffic
+    level, stage, col, prev, dep, pipe = (np.empty(N, idx) for _ in range(6))
+    is_b = np.empty(N, bool)
+    last = np.empty(K * P, dtype=np.int64)                   # each (pipeline, stage)'s last op, unsorted
+    for m in np.unique(sizes).tolist():
+        st, ib, mb, pv, dp_, bounds = _level_table(P, m, win)
+        n, ks = len(st), np.flatnonzero(sizes == m)
+        last[(ks[:, None] * P + np.arange(P)).ravel()] = (op_off[ks][:, None] + _last_ops(P, m, win)).ravel()
+        at = (op_off[ks][:, None] + np.arange(n)).ravel()
+        base = np.repeat(op_off[ks], n)
+        level[at] = np.tile(np.repeat(np.arange(len(bounds) - 1), np.diff(bounds)), len(ks))
+        stage[at], is_b[at], pipe[at] = np.tile(st, len(ks)), np.tile(ib, len(ks)), np.repeat(ks, n)
+        col[at] = (offs[ks][:, None] + mb).ravel()
+        prev[at] = np.where(np.tile(pv, len(ks)) < n, base + np.tile(pv, len(ks)), N)
+        dep[at] = np.where(np.tile(dp_, len(ks)) < n, base + np.tile(dp_, len(ks)), N)
+    order = np.argsort(level.astype(np.int16) if level.max() < 2**15 else level, kind="stable")   # radix sort
+    pos = np.empty(N + 1, dtype=idx)
+    pos[order], pos[N] = np.arange(N), N
+    stage, is_b, col, pipe = stage[order], is_b[order], col[order], pipe[order]
+    prev, dep = pos[prev[order]], pos[dep[order]]
+    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2))
+    cell = stage * F.shape[1] + col                           # flat (stage, column) of each op
+    dur = np.where(is_b, np.take(I, cell), np.take(F, cell))
+    cool = is_b & (col - offs[pipe] >= np.maximum(sizes[pipe] - np.asarray(win)[stage], 0))
+    w_op = np.where(is_b, np.take(W, cell), 0.0)
+    tail = np.where(cool, 0.0, w_op)
+    cross = np.where(dep < N, np.take(comm, col), 0.0)
+    qid = pipe * P + stage
+    seen, fin, q = np.zeros(N + 1), np.zeros(N + 1), np.zeros(K * P)
+    cum = np.concatenate([[0], np.cumsum(cool)])
+    cools = (cum[bounds[1:]] > cum[bounds[:-1]]).tolist()    # levels with cool-down backwards
+    for a, e, has_cool in zip(bounds[:-1].tolist(), bounds[1:].tolist(), cools):
+        if e <= a:
+            continue
+        ready = seen[dep[a:e]]
+        ready += cross[a:e]
+        free = fin[prev[a:e]]
+        end = np.maximum(ready, free)
+        if has_cool:
+            c = np.flatnonzero(cool[a:e])
+            qi = qid[a + c]
+            q[qi] -= np.minimum(q[qi], np.maximum(ready[c] - free[c], 0.0))
+            q[qi] += w_op[a + c]
+        end += dur[a:e]
+        seen[a:e] = end
+        end += tail[a:e]
+        fin[a:e] = end
+    out = np.maximum.reduceat(fin[pos[:N]], op_off[:-1])       # each pipeline's ops lie together unsorted
+    return np.maximum(out, (fin[pos[last]] + q).reshape(K, P).max(axis=1))
+
+
+@functools.lru_cache(maxsize=128)
+def _last_ops(P: int, m: int, win: tuple[int, ...]) -> np.ndarray:
+    """Each stage's last op, as a position in ``_level_table``'s level order (which keeps a stage's order)."""
+    stage = _level_table(P, m, win)[0]
+    last = np.zeros(P, dtype=np.int64)
+    np.maximum.at(last, stage, np.arange(len(stage)))
+    last.setflags(write=False)
+    return last
+
+
 def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarray,
                   shares: np.ndarray | None = None, estimate_as: str = "zb-h1") -> np.ndarray:
-    """The recurrence (module doc) of pipelines k (the next ``sizes[k] >= 1`` columns each)."""
+    """The recurrence (module doc) of pipelines k (the next ``sizes[k] >= 1`` columns each): the
+    scalar sweep for sizes of few ops, else level by level, one loop for all sizes (``_merged``; one
+    size: ``_same``)."""
     I, W = split_backward(B, shares)                           # noqa: E741
     P = F.shape[0]
     win = windows(P, estimate_as)
     offs = np.concatenate([[0], np.cumsum(sizes)])
     out = np.empty(len(sizes))
+    rest = []
     for m in np.unique(sizes).tolist():
         ks = np.flatnonzero(sizes == m)
         if 2 * P * m * len(ks) <= SCALAR_OPS:
             for k in ks.tolist():
                 a, e = offs[k], offs[k + 1]
                 out[k] = _scalar(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win)
-            continue
+        else:
+            rest.append(ks)
+    if len(rest) == 1:
+        ks, m = rest[0], int(sizes[rest[0][0]])
         cols = (offs[ks][:, None] + np.arange(m)).ravel()
         out[ks] = _same(F[:, cols], I[:, cols], W[:, cols], comm[cols], len(ks), m, win)
+    elif rest:
+        ks = np.sort(np.concatenate(rest))
+        cols = np.concatenate([np.arange(offs[k], offs[k + 1]) for k in ks.tolist()])
+        out[ks] = _merged(F[:, cols], I[:, cols], W[:, cols], comm[cols], sizes[ks], win)
     return out
 
 

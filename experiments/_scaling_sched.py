@@ -6,7 +6,8 @@ auto`` weighs every kind of ``dynmb.schedule.kinds.auto_kinds()`` (1f1b, zb-h1, 
 so each method gets the same schedule choice. The rule is ``dynmb.planning.planner.plan_auto``'s:
 
 - the batch is packed once per ``packing_key`` (kinds of equal key get the same packing, since the
-  packers read nothing else of a kind; the three auto kinds share one), with ``schedule_kind`` that kind;
+  packers read nothing else of a kind; each auto kind has its own: three packings, whose estimate-free work
+  ``dynmb.packing.dynamic_space`` does once), with ``schedule_kind`` that kind;
 - for each kind, each simulated replica is reordered for that kind (``reorder(..., schedule_kind=kind)``:
   ``search`` judges orders under the kind's own schedule), given the kind's schedule by
   ``dynmb.planning.make_schedule`` (the zero-bubble kinds get the cost model, which prices I and W from

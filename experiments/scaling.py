@@ -11,7 +11,7 @@ each simulated replica reordered as ``dynmb.Planner`` does (``--reorder auto``: 
 estimate ``predictions["est_replica_makespan_s"]`` says are slowest; the step is the slowest simulated.
 The schedule (``--schedule``, ``experiments/_scaling_sched.py``): ``1f1b`` (default, the study as before)
 or ``auto``: for every method, each simulated replica reordered, scheduled and simulated under each kind
-of ``dynmb.schedule.kinds.auto_kinds()`` (1f1b, zb-h1, zb; one packing, since they share a packing key),
+of ``dynmb.schedule.kinds.auto_kinds()`` (1f1b, zb-h1, zb; one packing per packing key: three),
 the fastest kind whose simulated peak fits kept (``plan_auto``'s rule); the row records it (``schedule``),
 every kind's step (``step_<kind>_s``) and the kinds over the limit (``kinds_over_limit``).
 

@@ -305,3 +305,27 @@ def test_karmarkar_karp_remembers_large_calls_and_hands_out_copies():
     again = bal.karmarkar_karp(w, 7)
     assert again == bal._karmarkar_karp(w, 7) and -1 not in again[0]
     assert bal.karmarkar_karp(w[:50], 3) == bal._karmarkar_karp(w[:50], 3)
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb"])
+def test_equal_microbatches_extend_the_zero_bubble_recurrence_linearly(kind):
+    """``budget_divisors`` runs the zero-bubble recurrence of k equal microbatches on a few of them and extends it
+    one period per microbatch (``_equal_zb``): the value of the full recurrence, to 1e-9, from 1 to 400 of them."""
+    from dynmb.makespan import makespans
+    from dynmb.makespan_zb import backward_shares
+    from dynmb.packing.balanced import _equal_zb
+
+    for P in (2, 4):
+        cm = AnalyticCostModel(TINY, P)
+        s = np.array([300.0, 1200.0])
+        c = cm.stage_costs(np.ones(2), s, s * s / 2)
+        comm = np.asarray(cm.comm_s(np.ones(2), s), dtype=np.float64)
+        shares = backward_shares(cm, np.array([300, 900, 1200]), P)
+        per = np.array([1, 3, 40, 400])
+        for j in range(2):
+            got = _equal_zb(np.repeat(c["F"][:, j:j + 1], 4, 1), np.repeat(c["B"][:, j:j + 1], 4, 1),
+                            np.repeat(comm[j], 4), per, kind, shares)
+            cols = np.repeat(np.arange(4), per)
+            full = makespans(np.repeat(c["F"][:, j:j + 1], 4, 1)[:, cols], np.repeat(c["B"][:, j:j + 1], 4, 1)[:, cols],
+                             np.repeat(comm[j], per.sum()), per, kind, shares=shares)
+            np.testing.assert_allclose(got, full, rtol=1e-9)

@@ -460,3 +460,48 @@ def test_a_registered_method_packs_through_the_dispatcher():
             check_plan_spec(PlanSpec(method="one-each", num_stages=2, memory_limit_bytes=1 << 30, mbs=2))
     finally:
         methods._REGISTRY.pop("one-each", None)
+
+
+@pytest.mark.parametrize("method", ["fixed", "sorted"])
+def test_fixed_in_flat_form_is_the_groups_flattened(method):
+    """``fixed`` / ``sorted`` build their flat form at once: the same arrays (and dtypes) as flattening one
+    group per microbatch (``rows.fixed_groups``)."""
+    from dynmb.packing.fixed import fixed_flat
+    from dynmb.packing.rows import fixed_groups, groups_to_flat
+
+    class Ctx:
+        def __init__(self, b):
+            self.b = b
+
+        def bmax(self, s):
+            return np.array([self.b])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n, b, r = int(rng.integers(1, 60)), int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        lens = rng.integers(1, 500, n)
+        got, used = fixed_flat(method, lens, Ctx(b), None, r)
+        pos = np.arange(n) if method == "fixed" else np.argsort(-lens, kind="stable")
+        want = groups_to_flat(fixed_groups(pos, lens, b, r))
+        assert used == b and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize("attention", ["auto", "dense"])
+def test_flat_features_are_the_microbatches_features(attention):
+    """The dispatcher's features of a flat plan (``flat_features``, at once) equal ``CostFeatures.of`` of the
+    microbatches it builds, for rows of one document and packed rows alike."""
+    from dynmb.features import CostFeatures
+    from dynmb.packing.balanced import balanced_flat
+    from dynmb.packing.context import PackContext
+    from dynmb.packing.dispatch import _microbatches, flat_features
+    from dynmb.packing.fixed import fixed_flat
+
+    mm = MemoryModel.analytic(SMALL, 2)
+    ctx = PackContext(mm, 1 << 30, 2, "1f1b")
+    rng = np.random.default_rng(0)
+    for seed in range(4):
+        L = rng.integers(1, 900, 200)
+        for flat in (balanced_flat(L, ctx, divisor=1 << seed)[0], fixed_flat("sorted", L, ctx, 3, 8)[0]):
+            want = CostFeatures.of(_microbatches(flat, np.arange(len(L)), L), attention)
+            got = flat_features(flat, L, attention)
+            for name in ("rows", "padded_len", "attn", "prefix", "recompute"):
+                assert np.array_equal(getattr(got, name), getattr(want, name)), name

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..makespan import makespans
 from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
-from ..makespan_zb import backward_shares
+from ..makespan_zb import backward_shares, ranking_kind, windows
 from ..schedule.kinds import get_kind
 from .context import PackContext
 from .rows import Flat, Group, groups_to_flat, round_up
@@ -297,6 +297,25 @@ def row_budget(ctx: PackContext, lens: np.ndarray, round_to: int) -> int:
     return cap if ctx.row_cap is None else min(cap, int(ctx.row_cap))
 
 
+def _equal_zb(F: np.ndarray, B: np.ndarray, comm: np.ndarray, per: np.ndarray, kind: str,
+              shares: np.ndarray | None) -> np.ndarray:
+    """The zero-bubble estimate of pipelines of ``per[j]`` equal microbatches (stage costs ``F[:, j]``, ``B[:, j]``,
+    send ``comm[j]``): the recurrence of up to ``c`` = twice the largest window + 2 of them, then one period per
+    microbatch more (the estimate of c and c - 1 apart): with equal microbatches the recurrence is periodic once
+    every stage is in its steady state (affine in m from two microbatches on, to 1e-9, on the shipped models;
+    ``tests/test_balanced.py``), and an O(m) recurrence of thousands of microbatches would cost more than the
+    whole packing it ranks budgets for."""
+    cap = 2 * max(windows(F.shape[0], get_kind(kind).estimate_as)) + 2
+    head = np.minimum(per, cap)
+    prev = np.maximum(head - 1, 1)
+    sizes = np.concatenate([head, prev])
+    cols = np.repeat(np.concatenate([np.arange(len(per))] * 2), sizes)
+    est = makespans(F[:, cols], B[:, cols], comm[cols], sizes, kind, shares=shares)
+    a, b = est[:len(per)], est[len(per):]
+    period = np.where(head > prev, (a - b) / np.maximum(head - prev, 1), 0.0)
+    return a + (per - head) * period
+
+
 def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, round_to: int = 1, dp: int = 1,
                     keep: int = 3, max_j: int = 12) -> list[int]:
     """The divisors d = 2^j (j = 0, 1, ... until every sequence is its own microbatch) of the memory-maximum
@@ -322,10 +341,13 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     cost = cost_model.stage_costs(np.ones(len(k)), padded, float(np.sum(lens.astype(np.float64) ** 2)) / k)
     comm = cost_model.comm_s(np.ones(len(k)), padded) if hasattr(cost_model, "comm_s") else np.zeros(len(k))
     per = np.maximum(np.array(ks) // dp, 1)
-    cols = np.repeat(np.arange(len(k)), per)
-    est = makespans(cost["F"][:, cols], cost["B"][:, cols], np.broadcast_to(np.asarray(comm, dtype=np.float64),
-                    (len(k),))[cols], per, ctx.kind,
-                    shares=backward_shares(cost_model, lens, ctx.p) if get_kind(ctx.kind).estimate_as in ZB_ESTIMATES else None)
+    comm = np.broadcast_to(np.asarray(comm, dtype=np.float64), (len(k),))
+    kind = ranking_kind(ctx.kind)                  # the estimate the dynamic packer ranks with
+    if get_kind(kind).estimate_as in ZB_ESTIMATES:
+        est = _equal_zb(cost["F"], cost["B"], comm, per, kind, backward_shares(cost_model, lens, ctx.p))
+    else:
+        cols = np.repeat(np.arange(len(k)), per)
+        est = makespans(cost["F"][:, cols], cost["B"][:, cols], comm[cols], per, kind)
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
     near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]

@@ -41,7 +41,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory import MemoryModelLike
 from ..features import CostFeatures
-from ..makespan import makespan
+from ..makespan import makespans
 from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
 from ..makespan_zb import backward_shares
 from ..schedule.kinds import get_kind
@@ -199,11 +199,26 @@ def _balance_replicas(flat: Flat, ctx: PackContext, dp: int) -> Flat:
     return groups_to_flat(groups)
 
 
-def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_model: MemoryModelLike, attention: str,
-              spec: PlanSpec) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
+def flat_features(flat: Flat, L: np.ndarray, attention: str) -> CostFeatures:
+    """``CostFeatures.of`` of the microbatches ``_microbatches`` makes of ``flat`` (whole sequences, no
+    recomputation), at once: a microbatch whose rows hold more than one document (more items than rows:
+    every row holds one at least) costs the sum of its documents' s^2 under ``auto``, else rows x padded_len^2."""
+    items, _, nseq, plen, batch = flat
+    rows, padded = batch.astype(np.float64), plen.astype(np.float64)
+    attn = rows * padded ** 2
+    if attention == "auto" and np.any(nseq > batch):
+        docs = np.add.reduceat(L[items].astype(np.int64) ** 2, np.cumsum(nseq) - nseq)
+        attn = np.where(nseq > batch, docs.astype(np.float64), attn)
+    elif attention not in ("auto", "dense"):
+        return CostFeatures.of([], attention)          # its error names the settings
+    return CostFeatures(rows, padded, attn, np.zeros(len(rows)), np.zeros(len(rows), dtype=bool))
+
+
+def _estimate(microbatches: list[Microbatch], features: CostFeatures, cost_model: CostModelLike,
+              memory_model: MemoryModelLike, spec: PlanSpec) -> tuple[list[Microbatch], list[int] | None, np.ndarray,
+                                                                       list[float]]:
     """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
-    makespan of each replica), from the one cost lookup with each microbatch's attention work."""
-    features = CostFeatures.of(microbatches, attention)
+    makespan of each replica), from the one cost lookup with each microbatch's attention work (``features``)."""
     shapes = np.stack([features.rows, features.padded_len], axis=1)
     cost = features.costs(cost_model)
     comm_s = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]) if hasattr(cost_model, "comm_s")
@@ -219,12 +234,13 @@ def _estimate(microbatches: list[Microbatch], cost_model: CostModelLike, memory_
         cost = {op: v[:, perm] for op, v in cost.items()}
         replicas = [np.flatnonzero(np.asarray(replica_ids) == r) for r in range(dp)]
     peak = np.zeros(memory_model.num_stages)
-    estimates = []
     shares = (backward_shares(cost_model, np.concatenate([mb.lengths for mb in microbatches]), memory_model.num_stages)
               if get_kind(kind).estimate_as in ZB_ESTIMATES and microbatches else None)
     for sel in replicas:
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
-        estimates.append(makespan(cost["F"][:, sel], cost["B"][:, sel], comm_s[sel], kind, shares=shares))
+    cols = np.concatenate(replicas)                 # every replica's estimate in one call (one level loop)
+    estimates = makespans(cost["F"][:, cols], cost["B"][:, cols], comm_s[cols], [len(sel) for sel in replicas], kind,
+                          shares=shares).tolist()
     return microbatches, replica_ids, peak, estimates
 
 
@@ -290,8 +306,8 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
         flat, chosen = method_flat(method, MethodJob(L, ctx, cost_model, spec.mbs, round_to, len_cap, attention, dp))
         if dp > 1:
             flat = _balance_replicas(flat, ctx, dp)
-        microbatches, replica_ids, peak, est = _estimate(_microbatches(flat, ids, L), cost_model, memory_model,
-                                                         attention, spec)
+        microbatches, replica_ids, peak, est = _estimate(_microbatches(flat, ids, L), flat_features(flat, L, attention),
+                                                         cost_model, memory_model, spec)
         if not np.any(peak > spec.memory_limit_bytes):
             meta.update(chosen, budget="tight" if tight else "safe")
             break

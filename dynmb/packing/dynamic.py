@@ -33,7 +33,8 @@ Algorithm:
    is a positive multiple of D (else it drops out); a baseline is balanced as ``dynmb.packing``
    balances it (halving, then merging).
 6. Rank. Each candidate in several orders (as formed; reversed; slowest / fastest first; the
-   two cheapest at the two ends, the rest as formed or reversed; best-fit rows also as opened), per replica when D > 1
+   two cheapest at the two ends, the rest as formed or reversed; best-fit rows also as opened; a
+   baseline only as it stands, the order step 7 runs it in), per replica when D > 1
    (replicas dealt boustrophedon by time, ``assign_replicas`` for baselines; estimated on the
    replica with the most work and the one with the longest round trip). A proxy orders them:
    the larger of the pipeline bound (``dynmb.makespan``) and the longest chain of round trips that 1F1B forces
@@ -43,18 +44,25 @@ Algorithm:
    ``RANK_OPS`` ops per pass (``makespans``: all at once). Then tau is refined around the
    best, the best three are also filled from the short end and the best two get a
    boundary-shift DP (each cut moves by up to 4 rows to minimise the summed bottleneck
-   time), and those are ranked too.
+   time), and those are ranked too. The estimate is the kind's, except that ``zb`` ranks with
+   ``zb-h1``'s (``dynmb.makespan_zb.RANK_AS``: its level tables have a closed form) and carries
+   ``ZB_KEEP`` own splits to step 7, which estimates them with its own.
 7. Choose. The ``keep`` best (and the fewest-microbatch ones within ``tol``) and every baseline
    are re-costed in one ``stage_costs`` lookup and estimated as ``dynmb.packing`` will run them:
    a baseline as it stands; D = 1, an own split in each order; D > 1, in its best order run
    globally (so that every replica keeps it, whichever of identical microbatches
    ``assign_replicas`` deals it), replicas assigned by ``assign_replicas`` on the order returned
    and each estimated with ``makespans``, the likeliest slowest first (a candidate drops out as
-   soon as one is past the best). The fastest is returned (among those within ``tol``, the
-   fewest microbatches): by the estimate ``dynmb.packing`` reports, dynamic is never slower
-   than the plan of any method it was given.
+   soon as one is past the best; a baseline whose ranked value, a lower bound of that estimate, is
+   past it already is not estimated again; under ``zb``, ranked by ``zb-h1``'s estimate, one past it by
+   more than ``ZB_GAP``). The fastest is returned (among those within ``tol``, the fewest
+   microbatches): by the estimate ``dynmb.packing`` reports, dynamic is never slower than the plan of
+   any method it was given (under ``zb``: of any within ``ZB_GAP`` of the best by ``zb-h1``'s).
 Modules: the row sets, their affine costs and split scoring (steps 1-3) are in
 ``dynamic_setup``, the ranking and choice (steps 5-7) in ``dynamic_rank``; this module runs them.
+Steps 1-5 read no makespan estimate: ``dynamic_space`` remembers them (and the rankings, looked-up
+costs and replica assignments, ``dynamic_rank.RankMemo``) across the packings of one batch, so
+``--schedule auto``, which packs a batch once per kind (1f1b, zb-h1, zb), does them once.
 
 Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau), O(rows) Python steps for
 the next-fit rows, a per-sequence Python loop for the best-fit rows, the baselines' own costs
@@ -72,17 +80,10 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from .balanced import budget_divisors
 from .context import PackContext
-from .dynamic_rank import RANK_EXACT, Candidate, Ranker
-from .dynamic_setup import SplitSetup, affine_costs, row_caps, row_set
-from .dynapipe import dynapipe_split
+from .dynamic_rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
+from .dynamic_setup import SplitSetup
+from .dynamic_space import BFD_MAX, SEED_DP_MAX, Space, space_for
 from .rows import Flat, polish_cuts, round_up
-
-SEED_DP_MAX = 2048
-"""Batches up to this many sequences weigh ``dynapipe``'s plan (its DP costs O(n * w * K), about
-0.1 ms per sequence), or seed with its DP split when ``dynamic_groups`` is called alone."""
-BFD_MAX = 16384
-"""Batches up to this many sequences also try rows of the longest admissible length filled
-best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
 BALANCED_BUDGETS = 3
 """``balanced`` (verl's dynamic batching) is weighed at this many token budgets memory maximum / 2^j,
 those the fast estimate ranks best (``balanced.budget_divisors``; ``dynmb compare`` tunes it over the
@@ -92,7 +93,8 @@ BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe", "balanced"
 """Methods whose plans (``baselines``) are candidates too, always weighed in the final choice
 (``balanced`` at the budgets ``BALANCED_BUDGETS`` says, as ``balanced/d``: budget divisor ``mbs = d``)."""
 
-__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "BALANCED_BUDGETS", "RANK_EXACT"]
+__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "BALANCED_BUDGETS", "RANK_EXACT", "BFD_MAX",
+           "SEED_DP_MAX"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,59 +126,38 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     ``BASELINES``. Among plans whose estimate is within ``search.tol`` (relative) of the best, the one
     with the fewest microbatches is kept (less per-microbatch runtime overhead the cost model may miss).
     """
-    bmax_fn, num_stages, schedule_kind = ctx.bmax, ctx.p, ctx.kind
     comm = getattr(cost_model, "comm_s", None)
     num_tau, keep, tol = search.num_tau, search.keep, search.tol
-    doc_causal = attention == "auto"
     n = len(lengths)
     top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)
-    asc = np.argsort(lengths, kind="stable")
-    row_sets = [row_set(lengths, asc, None, round_to)]
-    caps = row_caps(lengths, top, round_to)[1:]
-    for cap in caps:
-        row_sets.append(row_set(lengths, asc, cap, round_to))
-    if caps and caps[-1] == top and n <= BFD_MAX:
-        row_sets.append(row_set(lengths, asc, top, round_to, best_fit=True))
-    row_sets = [r for r in row_sets if r.key == "none" or len(r.tokens) < n]   # packing changed something
-    uniq, inv = np.unique(np.concatenate([r.padded for r in row_sets]), return_inverse=True)
-    costs = affine_costs(cost_model, uniq)
-    bmax_u = np.maximum(bmax_fn(uniq), 1)
-    setups: dict[str, SplitSetup] = {}
-    offset = 0
-    for rows in row_sets:
-        setups[rows.key] = SplitSetup(rows, inv[offset:offset + len(rows.tokens)], costs, bmax_u, doc_causal)
-        offset += len(rows.tokens)
-    rk = Ranker(cost_model, num_stages, schedule_kind, comm, dp, setups, lengths, doc_causal, bmax_fn)
-    grids = {key: st.tau_grid(num_tau if n > 1024 else num_tau + 3) for key, st in setups.items()}
-    first = [(key, st.greedy_cuts(tau), tau) for key, st in setups.items() for tau in grids[key]]
-    for key, st in setups.items():
-        if st.rows.opened is not None:                                  # one best-fit row per microbatch
-            first.append((key, np.arange(len(st.pos) + 1), np.nan))
-    given: dict[str, Flat] = {}
+    space = space_for(lengths, ctx, cost_model, round_to=round_to, top=top, attention=attention, dp=dp,
+                      num_tau=num_tau if n > 1024 else num_tau + 3, baselines=baselines)
+    setups = space.setups
+    rk = Ranker(cost_model, ctx.p, ctx.kind, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo)
+    if rk.rank_kind != ctx.kind:                      # ranked by another kind's estimate: more finals to choose from
+        keep = max(keep, ZB_KEEP)
+    first = list(space.first)
+    base: list[Candidate] = []
     if baselines is not None:
         names = [m for m in BASELINES if m != "balanced" and not (m == "dynapipe" and n > SEED_DP_MAX)
                  and not (m == "packed" and n > BFD_MAX)]
-        divisors = budget_divisors(lengths, ctx, cost_model, round_to=round_to, dp=dp, keep=BALANCED_BUDGETS)
+        divisors = space.divisors(rk.rank_kind, lambda: budget_divisors(lengths, ctx, cost_model, round_to=round_to,
+                                                                        dp=dp, keep=BALANCED_BUDGETS))
         names += [f"balanced/{d}" for d in divisors] + [f"token-budget/{d}" for d in divisors if d > 1]
-        given = {m: baselines(m) for m in names}
-    elif n <= SEED_DP_MAX:        # called alone: the fixed-size and DP splits of the sorted rows
-        unpacked = setups["none"]
-        m0 = len(unpacked.pos)
-        first.append(("none", np.append(np.arange(0, m0, max(1, int(unpacked.bmax[0]))), m0), np.nan))
-        dp_cuts = dynapipe_split(unpacked.rows.padded[::-1], unpacked.bmax[::-1], cost_model, num_stages)
-        first.append(("none", m0 - dp_cuts[::-1], np.nan))
-    for m in ("sorted", "dynapipe"):            # the seeds above, as those methods made them
-        cuts = _sorted_cuts(given[m], setups["none"].rows.padded, m == "dynapipe") if m in given else None
-        if cuts is not None:
-            first.append(("none", cuts, np.nan))
-    own = rk.rank([rk.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
-    base = rk.rank([c for c in (rk.baseline(m, f) for m, f in given.items()) if c is not None])
-    own += rk.rank(_refined(own, setups, grids, num_tau, rk))
+        base = [c for c in (space.baseline(m, baselines, ctx.bmax) for m in names) if c is not None]
+        for m in ("sorted", "dynapipe"):            # the seeds of a call without baselines, as those methods made them
+            if m in names:
+                cuts = _sorted_cuts(space.given(m, baselines), setups["none"].rows.padded, m == "dynapipe")
+                if cuts is not None:
+                    first.append(("none", cuts, np.nan))
+    own = rk.rank([space.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
+    base = rk.rank(base, as_given=True)
+    own += rk.rank(_refined(own, setups, space.grids, num_tau, space))
     best = sorted((c for c in own if np.isfinite(c.value)), key=lambda c: c.value)
     finals = best[:keep] + sorted((c for c in best if c.value <= best[0].value * (1 + tol)),
                                   key=lambda c: len(c.rows))[:keep] if best else []
     if not finals and not base:                      # nothing balances over dp: leave it to dynmb.packing
-        c = rk.own(*first[0], balance=False)
+        c = space.own(*first[0], balance=False)
         return c.emit(np.arange(len(c.rows))), np.inf
     return rk.choose(list({id(c): c for c in finals + base}.values()), tol)
 
@@ -193,7 +174,7 @@ def _sorted_cuts(flat: Flat, padded: np.ndarray, reverse: bool) -> np.ndarray | 
 
 
 def _refined(own: list[Candidate], setups: dict[str, SplitSetup], grids: dict[str, np.ndarray], num_tau: int,
-             rk: Ranker) -> list[Candidate]:
+             space: Space) -> list[Candidate]:
     """Second-pass splits around the best ranked: tau refined between the grid neighbours of the
     best's, the best three's targets filled from the short end, the best two polished."""
     ranked = sorted((c for c in own if np.isfinite(c.value) and c.source is not None), key=lambda c: c.value)
@@ -217,4 +198,4 @@ def _refined(own: list[Candidate], setups: dict[str, SplitSetup], grids: dict[st
             out.append((key, polish_cuts(cuts, st.bottleneck, st.bmax), tau))
     seen = {(c.source[0], c.source[1].tobytes()) for c in own if c.source is not None}
     fresh = {(x[0], x[1].tobytes()): x for x in out if (x[0], x[1].tobytes()) not in seen}
-    return [rk.own(*x) for x in fresh.values()]
+    return [space.own(*x) for x in fresh.values()]

@@ -1,22 +1,22 @@
 """Ranking and choosing candidate plans for the ``dynamic`` packer (``dynmb.packing.dynamic``,
 steps 5-7 of its docstring).
 
-``Ranker`` costs, orders and estimates ``Candidate`` plans for P stages and dp replicas:
-``own`` (a split of a row set, its slowest microbatches halved until dp divides their number),
-``baseline`` (another method's plan, balanced over dp as ``dynmb.packing`` balances it),
+``Ranker`` costs, orders and estimates ``Candidate`` plans (built by ``dynmb.packing.dynamic_space``:
+a split of a row set, its slowest microbatches halved until dp divides their number, or another
+method's plan, balanced over dp as ``dynmb.packing`` balances it) for P stages and dp replicas:
 ``rank`` (each candidate's best estimate over its orders on its probe replicas: ``dynmb.makespan``'s
 bound regime (the pipeline bound and the round trips), or ``dynmb.makespan.makespans`` for the
 best by a proxy within ``RANK_OPS`` ops; the zero-bubble kinds' estimate, ``dynmb.makespan_zb``, has
 no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B``) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
-``dynmb.packing`` runs them).
+``dynmb.packing`` runs them). ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``:
+``zb-h1``'s), ``choose`` the kind's own. ``RankMemo`` holds what the packings of one batch share.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -25,12 +25,12 @@ from dynmb.costmodel.base import CostModelLike
 from ..features import CostFeatures
 from ..makespan import exact_regime, makespans, round_trip_bound
 from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
-from ..makespan_zb import backward_shares
+from ..makespan_zb import backward_shares, ranking_kind
 from ..schedule.kinds import get_kind
-from .dynamic_setup import SplitSetup, split_to_flat
-from .rows import Flat, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, split_group
+from .dynamic_setup import SplitSetup
+from .rows import Flat, assign_replicas
 
-__all__ = ["Candidate", "Ranker", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS"]
+__all__ = ["Candidate", "Ranker", "RankMemo", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS", "ZB_KEEP", "ZB_GAP"]
 
 RANK_EXACT = 400
 """Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
@@ -39,6 +39,27 @@ RANK_OPS = 300_000
 (scaled by P / 16 below 16 stages: with few stages an op of the level-by-level recurrence costs more)."""
 LOOKUP_CELLS = 1 << 22
 """At most this many (stage, microbatch) cells are costed in one ``stage_costs`` lookup (memory)."""
+ZB_KEEP = 4
+"""A kind that ranks with another kind's estimate (``makespan_zb.ranking_kind``: ``zb`` ranks with ``zb-h1``'s)
+carries at least this many own splits to ``choose``, which estimates them with its own."""
+ZB_GAP = 0.15
+"""... and there weighs a baseline only if its ranked value (the other estimate, on the probe replicas,
+as it runs) is within this fraction above the best so far: the heuristic that ``zb``'s estimate of a plan
+is at most this far below ``zb-h1``'s (the shipped traces, 4M tokens, DP 8, P 4-32, the plans of dynamic,
+balanced at three budgets, packed and token-budget: 0 to 11.6% below, docs/results.md)."""
+
+
+@dataclass
+class RankMemo:
+    """What the packings of one batch share (``dynamic_space.Space.memo``), by candidate key: looked-up
+    costs, replica assignments (both from ``stage_costs``, so the same for every kind) and whole ranking
+    calls by (estimate, orders, candidate keys) (a value depends on the other candidates of its call:
+    the ``RANK_OPS`` budget goes to the best by proxy)."""
+
+    looked_up: dict = field(default_factory=dict)
+    assigned: dict = field(default_factory=dict)
+    ranked: dict = field(default_factory=dict)
+    shares: dict = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -58,56 +79,46 @@ class Candidate:
     comm: np.ndarray | None = None
     value: float = np.inf                   # best estimate found (ranking: on the probe replicas)
     order: str = ""                         # the order that gave it
+    key: tuple | None = None                # its key in ``dynamic_space`` (equal keys: the same plan)
 
 
 class Ranker:
     """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
 
     def __init__(self, cost_model: CostModelLike, num_stages: int, kind: str, comm: Any, dp: int,
-                 setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable) -> None:
+                 setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable,
+                 memo: RankMemo | None = None) -> None:
         self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
         self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
-        self.zb = get_kind(kind).estimate_as in ZB_ESTIMATES
-        self.shares = backward_shares(cost_model, lengths, num_stages) if self.zb else None
+        self.memo = RankMemo() if memo is None else memo
+        self.looked_up = self.memo.looked_up                 # stage_costs (F, B, sends) by candidate key
+        self.rank_kind = ranking_kind(kind)                  # the estimate rank() uses; choose() uses the kind's
+        self.zb = get_kind(self.rank_kind).estimate_as in ZB_ESTIMATES
+        if get_kind(kind).estimate_as in ZB_ESTIMATES and "shares" not in self.memo.shares:
+            self.memo.shares["shares"] = backward_shares(cost_model, lengths, num_stages)
+        self.shares = self.memo.shares.get("shares")
 
     def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
         sends = self.comm_fn(rows, padded) if self.comm_fn is not None else 0.0
         return np.broadcast_to(np.asarray(sends, dtype=np.float64), rows.shape).copy()
 
-    def own(self, key: str, cuts: np.ndarray, tau: float, balance: bool = True) -> Candidate:
-        """A split of row set ``key``, its slowest microbatches halved until dp divides their number."""
-        st = self.setups[key]
-        bal = _balance_cuts(cuts, st.bottleneck, self.dp) if balance else cuts
-        if bal is None:
-            return Candidate(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None, source=(key, cuts, tau))
-        rows, padded, attn = st.shapes(bal)
-        return Candidate(rows, padded, attn, lambda o, r=st.rows, c=bal: split_to_flat(r, c, o), source=(key, cuts, tau),
-                     opened=st.rows.opened if len(bal) - 1 == len(st.pos) else None, split=(key, bal))
-
-    def baseline(self, method: str, flat: Flat) -> Candidate | None:
-        """``method``'s plan (flat form) balanced over dp as ``dynmb.packing`` does (None if it cannot)."""
-        flat = _balance_like_packing(flat, self.dp, self.bmax_fn)
-        if flat is None:
-            return None
-        items, _, nseq, plen, batch = flat
-        attn = batch * plen.astype(np.float64) ** 2
-        if self.doc_causal:
-            docs2 = np.add.reduceat(self.lengths[items].astype(np.float64) ** 2, np.cumsum(nseq) - nseq)
-            attn = np.where(nseq > batch, docs2, attn)
-        return Candidate(batch, plen, attn, lambda o, f=flat: _reorder(f, o), baseline=method)
-
     def costed(self, cands: list[Candidate], affine: bool) -> Iterator[Candidate]:
         """``cands`` in turn with their costs set while they are used: an own split's affine costs
         when ``affine``, else ``stage_costs`` with each microbatch's attention work, one lookup
-        for as many candidates in a row as fit ``LOOKUP_CELLS`` (stage, microbatch) cells."""
+        for as many candidates in a row as fit ``LOOKUP_CELLS`` (stage, microbatch) cells; looked-up
+        costs are kept by candidate key (``looked_up``: shared by the packings of one batch)."""
         todo, i = [c for c in cands if len(c.rows)], 0
         while i < len(todo):
             chunk, cells = [todo[i]], len(todo[i].rows) * self.P
-            if affine and todo[i].split is not None:
+            if todo[i].key in self.looked_up and not (affine and todo[i].split is not None):
+                c = todo[i]
+                c.F, c.B, c.comm = self.looked_up[c.key]
+            elif affine and todo[i].split is not None:
                 c = todo[i]
                 (c.F, c.B), c.comm = self.setups[c.split[0]].costs(c.split[1]), self._send(c.rows, c.padded)
             else:
                 while (i + len(chunk) < len(todo) and not (affine and todo[i + len(chunk)].split is not None)
+                       and todo[i + len(chunk)].key not in self.looked_up
                        and cells + len(todo[i + len(chunk)].rows) * self.P <= LOOKUP_CELLS):
                     chunk.append(todo[i + len(chunk)])
                     cells += len(chunk[-1].rows) * self.P
@@ -116,6 +127,8 @@ class Ranker:
                 bounds = np.cumsum([0] + [len(x.rows) for x in chunk])
                 for x, a, e in zip(chunk, bounds[:-1], bounds[1:]):
                     x.F, x.B, x.comm = cc["F"][:, a:e], cc["B"][:, a:e], sends[a:e]
+                    if x.key is not None:
+                        self.looked_up[x.key] = (x.F, x.B, x.comm)
             for x in chunk:
                 yield x
                 x.F = x.B = x.comm = None
@@ -127,9 +140,20 @@ class Ranker:
         if self.dp == 1:
             return np.arange(len(busy))[None, :], busy
         if exact_assignment:
-            order, _ = assign_replicas(busy, self.dp)
-            return np.asarray(order).reshape(self.dp, -1), busy
+            return self._assigned(c, busy, None).reshape(self.dp, -1), busy
         return np.argsort(_deal(busy, self.dp), kind="stable").reshape(self.dp, -1), busy
+
+    def _assigned(self, c: Candidate, busy: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """``assign_replicas`` of the microbatches ``out`` (None: all, as formed) on their looked-up ``busy``
+        times, as positions: kept by candidate key for ``out`` None (the same for every kind)."""
+        key = c.key if out is None else None
+        if key is None or key not in self.memo.assigned:
+            order, _ = assign_replicas(busy if out is None else busy[out], self.dp)
+            got = np.asarray(order, dtype=np.int64)
+            if key is None:
+                return got
+            self.memo.assigned[key] = got
+        return self.memo.assigned[key]
 
     def _probes(self, c: Candidate, members: np.ndarray) -> np.ndarray:
         """The replica with the most work on its busiest stage and the one with the longest round trip."""
@@ -140,11 +164,23 @@ class Ranker:
         trip = (T.sum(axis=0) + 2 * (self.P - 1) * c.comm)[members].max(axis=1)
         return members[np.unique([int(np.argmax(work)), int(np.argmax(trip))])]
 
-    def rank(self, cands: list[Candidate]) -> list[Candidate]:
+    def rank(self, cands: list[Candidate], as_given: bool = False) -> list[Candidate]:
         """Each candidate's best estimate over its orders on its probe replicas: exact (``makespans``)
         for the best by proxy within ``RANK_OPS`` ops (baselines and small ones always). Only the
-        probe replicas' costs are kept."""
+        probe replicas' costs are kept. ``as_given``: in its order as formed only (the baselines:
+        ``choose`` runs them as they stand, so their other orders would only sort the finals)."""
         cands = [c for c in cands if len(c.rows)]
+        call = (self.rank_kind, as_given, tuple(c.key for c in cands))
+        if None not in call[2] and call in self.memo.ranked:
+            for c, (value, order) in zip(cands, self.memo.ranked[call]):
+                c.value, c.order = value, order
+            return cands
+        self._rank(cands, as_given)
+        if None not in call[2]:
+            self.memo.ranked[call] = [(c.value, c.order) for c in cands]
+        return cands
+
+    def _rank(self, cands: list[Candidate], as_given: bool) -> None:
         jobs = []                        # (candidate, order, (F, B, sends) of its probe replicas, columns)
         trips = []                       # bound regime: (candidate, order, pipeline bound, stage-0 F, B, trip above)
         for c in self.costed(cands, affine=True):
@@ -153,18 +189,19 @@ class Ranker:
                            else (np.arange(members.shape[1]), members))
             sub, local = (c.F[:, used], c.B[:, used], c.comm[used]), local.reshape(-1, members.shape[1])
             opened = c.opened[used] if c.opened is not None else None
+            orders = {"as formed": local} if as_given else _orders(local, busy[used], opened)
             if self.zb or exact_regime(self.P, members.shape[1]):      # zero-bubble kinds: no bound regime
-                jobs += [(c, name, sub, cols) for name, cols in _orders(local, busy[used], opened).items()]
+                jobs += [(c, name, sub, cols) for name, cols in orders.items()]
                 continue
             # the bound (dynmb.makespan): the pipeline bound (the same work in every order, only the
             # first and last microbatches differ) and the round trips, the latter for all at once below
             work = (sub[0] + sub[1])[:, local].sum(axis=2)
             up = (sub[0][1:] + sub[1][1:]).sum(axis=0) + 2 * (self.P - 1) * sub[2]
-            for name, cols in _orders(local, busy[used], opened).items():
+            for name, cols in orders.items():
                 a, e = cols[:, 0], cols[:, -1]
                 v = float(_bound(work, sub[0][:, a], sub[1][:, e], sub[2][a], sub[2][e]).max())
                 trips.append((c, name, v, sub[0][0][cols], sub[1][0][cols], up[cols]))
-        for (c, name, v, *_), t in zip(trips, _round_trips(trips, self.P, self.kind)):
+        for (c, name, v, *_), t in zip(trips, _round_trips(trips, self.P, self.rank_kind)):
             v = max(v, t)
             if v < c.value:
                 c.value, c.order = v, name
@@ -177,22 +214,21 @@ class Ranker:
             if c.baseline or cells <= RANK_EXACT or spent + ops <= budget:
                 chosen.append(j)
                 spent += ops
-        for j, v in zip(chosen, self._estimate([jobs[j][2:] for j in chosen])):
+        for j, v in zip(chosen, self._estimate([jobs[j][2:] for j in chosen], self.rank_kind)):
             c, name = jobs[j][:2]
             if v < c.value:
                 c.value, c.order = v, name
-        return cands
 
-    def _estimate(self, jobs: list[tuple]) -> list[float]:
+    def _estimate(self, jobs: list[tuple], kind: str | None = None) -> list[float]:
         """Per job ``((F, B, sends), [pipelines, k] columns)``: the slowest of its pipelines by
-        ``makespans``, all in one call."""
+        ``makespans`` (under ``kind``, default the Ranker's), all in one call."""
         if not jobs:
             return []
         F = np.concatenate([s[0][:, cols.ravel()] for s, cols in jobs], axis=1)
         B = np.concatenate([s[1][:, cols.ravel()] for s, cols in jobs], axis=1)
         sends = np.concatenate([s[2][cols.ravel()] for s, cols in jobs])
         sizes = np.concatenate([np.full(len(cols), cols.shape[1]) for _, cols in jobs])
-        per = makespans(F, B, sends, sizes, self.kind, shares=self.shares)
+        per = makespans(F, B, sends, sizes, kind or self.kind, shares=self.shares)
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
         return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
@@ -224,12 +260,17 @@ class Ranker:
                     continue                            # the same plan run the same way
                 seen.add(sig)
                 busy, m = (c.F + c.B).max(axis=0), len(c.rows)
-                # what dynmb.packing will run: a baseline as given, else its order (each replica keeps it)
-                out = np.arange(m) if c.baseline else _global_order(c.order, busy, self._members(c, True)[0], c.opened)
-                order, _ = assign_replicas(busy[out], self.dp)
                 fewer = m < best_m                      # it may also win by tying (or within tol)
                 limit = best * (1 + tol) if fewer else best
-                v = self._slowest((c.F, c.B, c.comm), out[np.asarray(order)].reshape(self.dp, -1), limit, fewer)
+                # a baseline's ranked value (probe replicas, as it runs) is a lower bound of v under the same
+                # estimate; under another (ranking_kind), ZB_GAP is the margin allowed
+                past = limit * (1 + ZB_GAP) if self.rank_kind != self.kind else limit
+                if c.baseline and (c.value > past or (c.value == past and not fewer)):
+                    continue
+                # what dynmb.packing will run: a baseline as given, else its order (each replica keeps it)
+                out = np.arange(m) if c.baseline else _global_order(c.order, busy, self._members(c, True)[0], c.opened)
+                order = self._assigned(c, busy, None if c.baseline else out)
+                v = self._slowest((c.F, c.B, c.comm), out[order].reshape(self.dp, -1), limit, fewer)
                 if v < limit or (v == limit and fewer):
                     results.append((v, m, c, out))
                     best, best_m = (v, m) if v < best else (best, min(best_m, m))
@@ -318,59 +359,3 @@ def _proxy(F: np.ndarray, B: np.ndarray, comm: np.ndarray, cols: np.ndarray) -> 
     pad = -k % P
     chains = np.concatenate([trip, np.zeros((len(cols), pad))], axis=1).reshape(len(cols), -1, P).sum(axis=1)
     return np.maximum(bound, chains.max(axis=1))
-
-
-def _balance_cuts(cuts: np.ndarray, bottleneck: Callable, dp: int) -> np.ndarray | None:
-    """Halve the slowest microbatches of >= 2 rows until their number is a positive multiple
-    of ``dp`` (None if they run out)."""
-    while True:
-        m = len(cuts) - 1
-        need = dp - m if m < dp else -m % dp
-        if not need:
-            return cuts
-        rows = np.diff(cuts)
-        can = np.flatnonzero(rows >= 2)
-        if not len(can):
-            return None
-        t = bottleneck(cuts[:-1][can], cuts[1:][can])
-        pick = can[np.argsort(-t, kind="stable")[:need]]
-        cuts = np.sort(np.concatenate([cuts, cuts[pick] + rows[pick] // 2]))
-
-
-def _balance_like_packing(flat: Flat, dp: int, bmax_fn: Callable) -> Flat | None:
-    """``dynmb.packing``'s balancing of a plan over ``dp`` replicas: while their number is not a
-    positive multiple of dp, split (``split_group``) the first splittable microbatch with the
-    most (rows, documents) (a heap keyed by position paths); then, while it is not a multiple,
-    merge the admissible pair with the fewest padded tokens. None where packing would refuse."""
-    count = len(flat.nseq)
-    if not (count % dp or count < dp):
-        return flat
-    heap = [(-g.batch, -len(g.items), (j,), g) for j, g in enumerate(flat_to_groups(flat))]
-    heapq.heapify(heap)
-    while (count % dp or count < dp) and (heap[0][0] <= -2 or heap[0][1] <= -2):
-        _, _, key, g = heapq.heappop(heap)
-        for half, part in enumerate(split_group(g)):
-            heapq.heappush(heap, (-part.batch, -len(part.items), key + (half,), part))
-        count += 1
-    groups = [g for *_, g in sorted(heap, key=lambda x: x[2])]
-    while len(groups) % dp:
-        plen, rows = np.array([g.padded_len for g in groups]), np.array([g.batch for g in groups])
-        bm = bmax_fn(plen)
-        i, j = np.triu_indices(len(groups), 1)
-        ok = rows[i] + rows[j] <= np.minimum(bm[i], bm[j])
-        if not np.any(ok) or len(groups) <= dp:
-            return None
-        k = int(np.argmin(np.where(ok, np.maximum(plen[i], plen[j]) * (rows[i] + rows[j]), np.inf)))
-        merged = merge_groups(groups[i[k]], groups[j[k]])
-        groups = [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
-    return groups_to_flat(groups)
-
-
-def _reorder(flat: Flat, order: np.ndarray) -> Flat:
-    """The flat form with its microbatches run in ``order``."""
-    items, local, nseq, plen, batch = flat
-    order = np.asarray(order, dtype=np.int64)
-    start = np.cumsum(nseq) - nseq
-    counts = nseq[order]
-    idx = np.repeat(start[order] - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
-    return Flat(items[idx], local[idx], counts, plen[order], batch[order])

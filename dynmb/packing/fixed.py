@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .context import PackContext
-from .rows import Flat, fixed_groups, groups_to_flat, round_up
+from .rows import Flat, round_up
 
 __all__ = ["fixed_flat"]
 
@@ -22,4 +22,9 @@ def fixed_flat(method: str, lens: np.ndarray, ctx: PackContext, mbs: int | None,
     longest_padded = round_up(int(lens.max()), round_to)
     rows_per_mb = max(1, mbs or int(ctx.bmax([longest_padded])[0]))
     pos = np.arange(len(lens)) if method == "fixed" else np.argsort(-lens, kind="stable")
-    return groups_to_flat(fixed_groups(pos, lens, rows_per_mb, round_to)), rows_per_mb
+    # rows_per_mb consecutive positions per microbatch (rows.fixed_groups), built in flat form at once
+    starts = np.arange(0, len(pos), rows_per_mb)
+    sizes = np.minimum(rows_per_mb, len(pos) - starts).astype(np.int64)
+    longest = round_up(np.maximum.reduceat(lens[pos], starts), round_to).astype(np.int64)
+    local = np.arange(len(pos), dtype=np.int64) - np.repeat(starts, sizes)
+    return Flat(pos.astype(np.int64), local, sizes, longest, sizes.copy()), rows_per_mb

@@ -128,6 +128,9 @@ def _dynamic(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
     def baseline(m: str) -> Flat:     # the plan method m makes of this batch: one of dynamic's candidates
         name, _, divisor = m.partition("/")           # "balanced/4": balanced at the memory-maximum budget / 4
         return method_flat(name, replace(job, mbs=int(divisor) if divisor else None))[0]
+    # its plans are functions of what the dynamic packer keys its remembered search space by (the lengths,
+    # the memory budget, the models, round_to, the row cap, attention, dp): calls may share them
+    baseline.memo_key = "dynmb.packing.methods"   # type: ignore[attr-defined]
     out, _ = dynamic_groups(job.lens, job.ctx, job.cost_model, round_to=job.round_to, max_len=job.len_cap,
                             attention=job.attention, dp=job.dp, baselines=baseline)
     return out, {}
