@@ -6,7 +6,9 @@ pipelines at once. ``kind`` is a schedule kind; its record's ``estimate_as``
 (``dynmb.schedule.kinds``) says which op order is swept (``gpipe`` or ``1f1b``). Two regimes:
 
 A kind estimated as ``zb-h1`` or ``zb`` (the zero-bubble kinds) has an estimate of its own,
-``dynmb.makespan_zb`` (a recurrence for every m, ``exact`` is ignored).
+``dynmb.makespan_zb`` (a recurrence for every m, ``exact`` is ignored), and so has ``interleaved``
+(``dynmb.makespan_interleaved``: the builder's order for ``virtual`` chunks per GPU swept with the
+simulator's recurrence, every m; ``F`` / ``B`` then have one row per model chunk).
 
 * exact (equal to ``dynmb.simulate``'s): the makespan of a GPipe or 1F1B schedule where every op
   starts when its stage is free and its input has arrived, over the op order the builders emit
@@ -40,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from dynmb.makespan_interleaved import ESTIMATE as INTERLEAVED
+from dynmb.makespan_interleaved import interleaved_makespans
 from dynmb.makespan_levels import level_order as _level_order
 from dynmb.makespan_levels import levels as _levels
 from dynmb.makespan_zb import ESTIMATES as ZB_ESTIMATES
@@ -47,7 +51,8 @@ from dynmb.makespan_zb import zb_makespans
 from dynmb.schedule.kinds import get_kind
 from dynmb.schedule.order import stage_order
 
-__all__ = ["makespan", "makespans", "exact_regime", "round_trip_bound", "EXACT_OPS", "EXACT_PER_STAGE"]
+__all__ = ["makespan", "makespans", "exact_regime", "round_trip_bound", "has_bound_regime", "EXACT_OPS",
+           "EXACT_PER_STAGE"]
 
 EXACT_OPS = 6000
 """Up to this many ops (2 * P * m) ``makespan`` is exact."""
@@ -150,6 +155,13 @@ def round_trip_bound(F0: np.ndarray, B0: np.ndarray, up: np.ndarray, warmup: int
     return t
 
 
+def has_bound_regime(kind: str) -> bool:
+    """Whether ``kind``'s estimate has the bound regime (GPipe / 1F1B orders; the zero-bubble and the
+    interleaved estimates are one recurrence for every m)."""
+    est = get_kind(kind).estimate_as
+    return est not in ZB_ESTIMATES and est != INTERLEAVED
+
+
 def exact_regime(num_stages: int, m: Any) -> Any:
     """Whether ``makespan`` is exact for ``m`` microbatches on ``num_stages`` stages (broadcast)."""
     m = np.asarray(m)
@@ -232,11 +244,12 @@ def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarr
 
 
 def makespans(F: np.ndarray, B: np.ndarray, comm_s: Any, sizes: Any, kind: str = "1f1b",
-              exact: bool | None = None, shares: np.ndarray | None = None) -> np.ndarray:
+              exact: bool | None = None, shares: np.ndarray | None = None, virtual: int = 1) -> np.ndarray:
     """``makespan`` of several pipelines at once: pipeline k runs the next ``sizes[k]`` columns
     of ``F``/``B`` (and of ``comm_s``, scalar or per column) in their order. With ``exact=None``
     each is exact iff ``exact_regime``, else the bound (module doc). A zero-bubble estimate (``zb-h1``, ``zb``):
-    ``dynmb.makespan_zb`` (``shares``: its ``I / B``, ``W / B`` per stage, ``backward_shares``)."""
+    ``dynmb.makespan_zb`` (``shares``: its ``I / B``, ``W / B`` per stage, ``backward_shares``); the
+    interleaved one: ``dynmb.makespan_interleaved`` (``virtual`` chunks per GPU, the rows of ``F`` chunks)."""
     P, M = F.shape
     sizes = np.asarray(sizes, dtype=np.int64)
     comm = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (M,))
@@ -246,6 +259,8 @@ def makespans(F: np.ndarray, B: np.ndarray, comm_s: Any, sizes: Any, kind: str =
     out = np.zeros(len(sizes))
     if kind in ZB_ESTIMATES:                          # the zero-bubble kinds: dynmb.makespan_zb (one regime)
         return zb_makespans(F, B, comm, sizes, shares, kind)
+    if kind == INTERLEAVED:                           # dynmb.makespan_interleaved (one regime)
+        return interleaved_makespans(F, B, comm, sizes, virtual)
     offs = np.concatenate([[0], np.cumsum(sizes)])
     if np.any(ex):
         cols = np.concatenate([np.arange(a, e) for a, e in zip(offs[:-1][ex], offs[1:][ex])])
@@ -275,8 +290,8 @@ def _round_trips(F: np.ndarray, B: np.ndarray, comm: np.ndarray, offs: np.ndarra
 
 
 def makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b",
-             exact: bool | None = None, shares: np.ndarray | None = None) -> float:
+             exact: bool | None = None, shares: np.ndarray | None = None, virtual: int = 1) -> float:
     """The packers' makespan estimate: the exact recurrence when ``exact`` or, with
     ``exact=None``, when ``exact_regime(P, m)``; else the pipeline bound over the columns
-    in their order and the round trips."""
-    return float(makespans(F, B, comm_s, [F.shape[1]], kind, exact, shares)[0])
+    in their order and the round trips (``virtual``: chunks per GPU of the interleaved estimate)."""
+    return float(makespans(F, B, comm_s, [F.shape[1]], kind, exact, shares, virtual)[0])

@@ -383,9 +383,12 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
     return res
 
 
-def estimate_makespan(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0, kind: str = "1f1b") -> float:
+def estimate_makespan(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0, kind: str = "1f1b",
+                      virtual: int = 1) -> float:
     """The fast path: predicted makespan of the ``kind`` schedule (as its ``estimate_as`` says: ``gpipe``,
-    ``1f1b``, or the zero-bubble estimate of ``dynmb.makespan_zb`` with its default I / W shares) of
+    ``1f1b``, the zero-bubble estimate of ``dynmb.makespan_zb`` with its default I / W shares, or the
+    interleaved one of ``dynmb.makespan_interleaved`` with ``virtual`` chunks per GPU) of
     ``costs["F"]``, ``costs["B"]`` (``[num_stages, m]`` seconds) with ``comm_s`` per message, without a
     timeline: ``dynmb.makespan.makespan`` (module doc)."""
-    return makespan(np.asarray(costs["F"], dtype=np.float64), np.asarray(costs["B"], dtype=np.float64), comm_s, kind)
+    return makespan(np.asarray(costs["F"], dtype=np.float64), np.asarray(costs["B"], dtype=np.float64), comm_s, kind,
+                    virtual=virtual)

@@ -347,7 +347,7 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
         est = _equal_zb(cost["F"], cost["B"], comm, per, kind, backward_shares(cost_model, lens, ctx.p))
     else:
         cols = np.repeat(np.arange(len(k)), per)
-        est = makespans(cost["F"][:, cols], cost["B"][:, cols], comm[cols], per, kind)
+        est = makespans(cost["F"][:, cols], cost["B"][:, cols], comm[cols], per, kind, virtual=ctx.virtual)
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
     near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]

@@ -240,7 +240,7 @@ def _estimate(microbatches: list[Microbatch], features: CostFeatures, cost_model
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
     cols = np.concatenate(replicas)                 # every replica's estimate in one call (one level loop)
     estimates = makespans(cost["F"][:, cols], cost["B"][:, cols], comm_s[cols], [len(sel) for sel in replicas], kind,
-                          shares=shares).tolist()
+                          shares=shares, virtual=virtual).tolist()
     return microbatches, replica_ids, peak, estimates
 
 

@@ -133,7 +133,8 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     space = space_for(lengths, ctx, cost_model, round_to=round_to, top=top, attention=attention, dp=dp,
                       num_tau=num_tau if n > 1024 else num_tau + 3, baselines=baselines)
     setups = space.setups
-    rk = Ranker(cost_model, ctx.p, ctx.kind, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo)
+    rk = Ranker(cost_model, ctx.p, ctx.kind, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo,
+                virtual=ctx.virtual)
     if rk.rank_kind != ctx.kind:                      # ranked by another kind's estimate: more finals to choose from
         keep = max(keep, ZB_KEEP)
     first = list(space.first)

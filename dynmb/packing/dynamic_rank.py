@@ -7,7 +7,9 @@ method's plan, balanced over dp as ``dynmb.packing`` balances it) for P stages a
 ``rank`` (each candidate's best estimate over its orders on its probe replicas: ``dynmb.makespan``'s
 bound regime (the pipeline bound and the round trips), or ``dynmb.makespan.makespans`` for the
 best by a proxy within ``RANK_OPS`` ops; the zero-bubble kinds' estimate, ``dynmb.makespan_zb``, has
-no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B``) and
+no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B``; nor has the
+interleaved one, ``dynmb.makespan_interleaved``, given the ``virtual`` chunks per GPU, whose proxy
+sums each GPU's chunks) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
 ``dynmb.packing`` runs them). ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``:
 ``zb-h1``'s), ``choose`` the kind's own. ``RankMemo`` holds what the packings of one batch share.
@@ -23,7 +25,8 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from ..features import CostFeatures
-from ..makespan import exact_regime, makespans, round_trip_bound
+from ..makespan import exact_regime, has_bound_regime, makespans, round_trip_bound
+from ..makespan_interleaved import fold_chunks
 from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
 from ..makespan_zb import backward_shares, ranking_kind
 from ..schedule.kinds import get_kind
@@ -87,13 +90,14 @@ class Ranker:
 
     def __init__(self, cost_model: CostModelLike, num_stages: int, kind: str, comm: Any, dp: int,
                  setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable,
-                 memo: RankMemo | None = None) -> None:
+                 memo: RankMemo | None = None, virtual: int = 1) -> None:
         self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
+        self.virtual = virtual                               # chunks per GPU (the interleaved estimate reads it)
         self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
         self.memo = RankMemo() if memo is None else memo
         self.looked_up = self.memo.looked_up                 # stage_costs (F, B, sends) by candidate key
         self.rank_kind = ranking_kind(kind)                  # the estimate rank() uses; choose() uses the kind's
-        self.zb = get_kind(self.rank_kind).estimate_as in ZB_ESTIMATES
+        self.one_regime = not has_bound_regime(self.rank_kind)    # zero-bubble, interleaved: no bound regime
         if get_kind(kind).estimate_as in ZB_ESTIMATES and "shares" not in self.memo.shares:
             self.memo.shares["shares"] = backward_shares(cost_model, lengths, num_stages)
         self.shares = self.memo.shares.get("shares")
@@ -190,7 +194,7 @@ class Ranker:
             sub, local = (c.F[:, used], c.B[:, used], c.comm[used]), local.reshape(-1, members.shape[1])
             opened = c.opened[used] if c.opened is not None else None
             orders = {"as formed": local} if as_given else _orders(local, busy[used], opened)
-            if self.zb or exact_regime(self.P, members.shape[1]):      # zero-bubble kinds: no bound regime
+            if self.one_regime or exact_regime(self.P, members.shape[1]):
                 jobs += [(c, name, sub, cols) for name, cols in orders.items()]
                 continue
             # the bound (dynmb.makespan): the pipeline bound (the same work in every order, only the
@@ -205,7 +209,7 @@ class Ranker:
             v = max(v, t)
             if v < c.value:
                 c.value, c.order = v, name
-        proxy = np.array([_proxy(*sub, cols).max() for _, _, sub, cols in jobs])
+        proxy = np.array([self._proxy(*sub, cols).max() for _, _, sub, cols in jobs])
         chosen, spent, budget = [], 0, RANK_OPS * min(1.0, self.P / 16)
         for j in np.argsort(proxy, kind="stable").tolist():
             c, _, _, cols = jobs[j]
@@ -219,6 +223,10 @@ class Ranker:
             if v < c.value:
                 c.value, c.order = v, name
 
+    def _proxy(self, F: np.ndarray, B: np.ndarray, comm: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """``_proxy``; with ``virtual`` chunks per GPU on the GPUs' costs (each GPU's chunks summed)."""
+        return _proxy(fold_chunks(F, self.virtual), fold_chunks(B, self.virtual), comm, cols)
+
     def _estimate(self, jobs: list[tuple], kind: str | None = None) -> list[float]:
         """Per job ``((F, B, sends), [pipelines, k] columns)``: the slowest of its pipelines by
         ``makespans`` (under ``kind``, default the Ranker's), all in one call."""
@@ -228,7 +236,7 @@ class Ranker:
         B = np.concatenate([s[1][:, cols.ravel()] for s, cols in jobs], axis=1)
         sends = np.concatenate([s[2][cols.ravel()] for s, cols in jobs])
         sizes = np.concatenate([np.full(len(cols), cols.shape[1]) for _, cols in jobs])
-        per = makespans(F, B, sends, sizes, kind or self.kind, shares=self.shares)
+        per = makespans(F, B, sends, sizes, kind or self.kind, shares=self.shares, virtual=self.virtual)
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
         return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
@@ -236,7 +244,7 @@ class Ranker:
         """The slowest replica's estimate (replicas: rows of ``cols``), the likeliest by proxy
         first: past ``limit`` (or at it, unless ``inclusive``) already, the others are left out
         (the value is then a lower bound)."""
-        likely = np.argsort(-_proxy(*costs, cols), kind="stable")
+        likely = np.argsort(-self._proxy(*costs, cols), kind="stable")
         head = self._estimate([(costs, cols[likely[:max(2, len(cols) // 8)]])])[0]
         if head > limit or (head == limit and not inclusive) or len(likely) <= 2:
             return head

@@ -98,15 +98,16 @@ def _estimate(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLi
     """(estimated makespan of the slowest replica, predicted peak per stage) with the plan's flags."""
     replicas = range(plan.dp) if plan.dp > 1 else [None]
     worst, peak = 0.0, np.zeros(plan.num_stages)
+    virtual = plan.spec.virtual if plan.spec is not None else 1
     for r in replicas:
         sub = plan if r is None else plan.replica(r)
         shapes, flags = sub.shapes(), sub.recompute_mask()
         cost = CostFeatures.of(sub.microbatches, memory_model.model_cfg.attention).costs(cost_model)
         comm = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]), dtype=np.float64),
                                (sub.num_microbatches,)) if hasattr(cost_model, "comm_s") else 0.0
-        worst = max(worst, makespan(cost["F"], cost["B"], comm, plan.schedule_kind))
+        worst = max(worst, makespan(cost["F"], cost["B"], comm, plan.schedule_kind, virtual=virtual))
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[:, 0], shapes[:, 1], plan.schedule_kind,
-                                                        recompute=flags))
+                                                        virtual=virtual, recompute=flags))
     return worst, peak
 
 

@@ -34,7 +34,9 @@ A kind's traits (``ScheduleKind``):
 - ``estimate_as``: the op order (``"gpipe"`` or ``"1f1b"``) the fast makespan estimate
   (``dynmb.makespan``) sweeps for this kind, or ``"zb-h1"`` / ``"zb"``: the zero-bubble
   estimate (``dynmb.makespan_zb``: the input gradient sent before the ``W``, the cool-down's ``W``
-  filling the waits; ZB-H1's in-flight count ``P - s`` or ``zb``'s largest extra warm-up).
+  filling the waits; ZB-H1's in-flight count ``P - s`` or ``zb``'s largest extra warm-up), or
+  ``"interleaved"``: the interleaved builder's order of ``virtual`` chunks per GPU
+  (``dynmb.makespan_interleaved``).
 
 - ``auto``: ``--schedule auto`` weighs this kind (``auto_kinds``).
 
@@ -123,8 +125,9 @@ class ScheduleKind:
     fits_by_construction: bool = False
     """The builder keeps the peak under the limit by itself (whenever it can build)."""
     estimate_as: str = "1f1b"
-    """The fast makespan estimate of this kind: gpipe or 1f1b (the op order swept), or zb-h1 / zb
-    (the zero-bubble estimate, ``dynmb.makespan_zb``, with ZB-H1's or zb's largest in-flight count)."""
+    """The fast makespan estimate of this kind: gpipe or 1f1b (the op order swept), zb-h1 / zb
+    (the zero-bubble estimate, ``dynmb.makespan_zb``, with ZB-H1's or zb's largest in-flight count), or
+    interleaved (``dynmb.makespan_interleaved``: the interleaved order of ``virtual`` chunks per GPU)."""
     cache_key: Callable[[BuildInputs], bytes] | None = None
     """For builders that read the microbatches' bytes: a key equal for inputs that build the same
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
@@ -136,8 +139,8 @@ class ScheduleKind:
             raise ValueError(f"a schedule kind needs a name, got {self.name!r}")
         if self.memory not in ("none", "optional", "required"):
             raise ValueError(f"kind {self.name!r}: memory must be none, optional or required, got {self.memory!r}")
-        if self.estimate_as not in ("gpipe", "1f1b", "zb-h1", "zb"):
-            raise ValueError(f"kind {self.name!r}: estimate_as must be gpipe, 1f1b, zb-h1 or zb, "
+        if self.estimate_as not in ("gpipe", "1f1b", "zb-h1", "zb", "interleaved"):
+            raise ValueError(f"kind {self.name!r}: estimate_as must be gpipe, 1f1b, zb-h1, zb or interleaved, "
                              f"got {self.estimate_as!r}")
         if self.virtual_stages and self.chunk_window is None:
             raise ValueError(f"kind {self.name!r} takes virtual stages: give its chunk_window")
@@ -345,7 +348,8 @@ register_kind(ScheduleKind(name="gpipe", build=_gpipe, window=None, slices=True,
 register_kind(ScheduleKind(name="1f1b", build=_1f1b, window=_one_f_one_b_window, slices=True, window_exact=True,
                            auto=True))
 register_kind(ScheduleKind(name="interleaved", build=_interleaved, window=_one_f_one_b_window, slices=True,
-                           chunk_window=interleaved_inflight, virtual_stages=True, auto=True))
+                           chunk_window=interleaved_inflight, virtual_stages=True, estimate_as="interleaved",
+                           auto=True))
 register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one_f_one_b_window, memory="required",
                            fits_by_construction=True, cache_key=_memory_aware_key))
 # the zero-bubble kinds keep 1F1B's window (dynmb.memory) but have estimates of their own: the packers
