@@ -103,8 +103,8 @@ def test_interleaved_equals_torch(R, v, m):
 
 
 def test_interleaved_any_microbatch_count():
-    # torch refuses m that its rounds do not split (4 ranks, m = 9: 2 rounds); we use rounds of R
-    # with a shorter last one and grow warm-ups until deadlock-free
+    # torch refuses m that its rounds do not split (4 ranks, m = 9: 2 rounds); we give the first
+    # m % rounds rounds one microbatch more (rounds of 5 and 4)
     with pytest.raises(ValueError):
         stages = [SimpleNamespace(num_stages=12, group_size=4, group_rank=0, stage_index=c * 4) for c in range(3)]
         torch_sched.ScheduleInterleaved1F1B(stages, 9)
@@ -114,6 +114,23 @@ def test_interleaved_any_microbatch_count():
         assert all(sum(a.op == "F" for a in acts) == v * m for acts in s.ranks)
     with pytest.raises(ValueError, match="multiple of virtual"):
         build_schedule("interleaved", 6, 4, virtual=4)
+
+
+@pytest.mark.parametrize("R,v,m", [(4, 2, 9), (4, 3, 13), (8, 2, 61), (16, 2, 118), (16, 2, 472), (5, 2, 17)])
+def test_interleaved_uneven_rounds_keep_the_interleaved_makespan(R, v, m):
+    """m that torch's rounds do not split: near-equal rounds (the first ones one larger) run equal
+    microbatches (F = 1, B = 2, no sends) in the interleaved makespan 3 (v m + R - 1) with the warm-ups
+    of torch's rule; rounds of R with a short last one ran R 16, m 472 in 3.9x that."""
+    from dynmb.schedule.builders import interleaved_round_sizes
+    from dynmb.simulate import simulate_costs
+    sizes = interleaved_round_sizes(R, m)
+    assert sum(sizes) == m and max(sizes) - min(sizes) <= 1 and min(sizes) >= R
+    s = build_schedule("interleaved", R * v, m, virtual=v)
+    validate(s)
+    unit = {"F": np.ones((R * v, m)), "B": 2 * np.ones((R * v, m))}
+    assert simulate_costs(s, unit, 0.0).makespan_s == pytest.approx(3 * (v * m + R - 1))
+    warm = [next(i for i, a in enumerate(acts) if a.op == "B") for acts in s.ranks]
+    assert warm == [(v - 1) * sizes[0] + 2 * (R - 1 - r) + 1 for r in range(R)]
 
 
 # --------------------------------------------------------------------------- CSV / torch runtime
