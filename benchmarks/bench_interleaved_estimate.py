@@ -13,7 +13,9 @@ of the schedule ``build_schedule("interleaved", S, m, virtual=v)``.
 2. The shipped traces: Llama-2-7B on the scaling study's H100 cost model (``experiments/scaling.py``'s
    model, even split over P v chunks), ``--tokens`` per step over ``--dp`` replicas, the plans
    ``balanced`` makes for the interleaved kind at budgets memory maximum / d (``--divisors``: few to many
-   microbatches) and ``dynamic``'s plan; the slowest replica by the packer's estimate of each plan,
+   microbatches), ``dynamic``'s plan, and ``dynamic (as 1f1b)``: the plan the dynamic packer makes when it
+   plans with the estimate of before (a copy of the kind registered with ``estimate_as="1f1b"``), run as
+   interleaved; the slowest replica by the packer's estimate of each plan,
    estimated both ways and simulated as ``planning.make_schedule`` builds it (80 GiB, memory model on).
    Rank agreement: over the pairs of plans of one cell (trace, P), the share each estimate orders as the
    simulator does (pairs within 0.5% by the simulator left out), and which plan each estimate ranks first.
@@ -35,6 +37,16 @@ from dynmb.schedule.kinds import build_schedule
 from dynmb.simulate import simulate_costs
 
 ESTIMATES = ("as 1f1b", "interleaved")
+AS_1F1B = "interleaved-as-1f1b"
+"""The interleaved kind estimated as 1F1B over the chunks (its ``estimate_as`` before its own estimate)."""
+
+
+def register_as_1f1b() -> None:
+    from dataclasses import replace
+
+    from dynmb.schedule.kinds import get_kind, kind_names, register_kind
+    if AS_1F1B not in kind_names():
+        register_kind(replace(get_kind("interleaved"), name=AS_1F1B, estimate_as="1f1b", auto=False))
 
 
 def estimates(F, B, comm, m: int, v: int) -> dict:
@@ -65,6 +77,7 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
     from dynmb.planning.replicas import make_schedule
     from dynmb.simulate import comm_times
     out = []
+    register_as_1f1b()
     for t in traces:
         trace = data.load_trace(t)
         cfg = S.model_for("llama2-7b", [trace])
@@ -76,6 +89,7 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
                           dp=dp, oversize="truncate", schedule_kind="interleaved")
             plans = {f"balanced/{d}": (lambda d=d: pack(batch, "balanced", mbs=d, **common)) for d in divisors}
             plans["dynamic"] = lambda: pack(batch, "dynamic", **common)
+            plans["dynamic (as 1f1b)"] = lambda: pack(batch, "dynamic", **{**common, "schedule_kind": AS_1F1B})
             seen = set()
             for name, make in plans.items():
                 try:
@@ -83,7 +97,7 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
                 except Exception as e:          # noqa: BLE001  (a budget that does not fit: skipped)
                     print(f"{t} P{P} {name}: {e}", flush=True)
                     continue
-                if plan.num_microbatches in seen and name != "dynamic":
+                if plan.num_microbatches in seen and not name.startswith("dynamic"):
                     continue
                 seen.add(plan.num_microbatches)
                 est_r = np.asarray(plan.predictions["est_replica_makespan_s"] or [plan.predictions["est_makespan_s"]])

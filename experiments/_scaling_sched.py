@@ -1,8 +1,10 @@
 """The schedule of ``experiments/scaling.py``'s rows (``--schedule 1f1b|auto``): pack, then for each kind
 reorder, schedule and simulate the slowest replicas, and keep the fastest kind that fits.
 
-``--schedule 1f1b`` (the default) weighs 1F1B alone: the study as it ran before the flag. ``--schedule
-auto`` weighs every kind of ``dynmb.schedule.kinds.auto_kinds()`` (1f1b, zb-h1, zb), for EVERY method,
+``--schedule 1f1b`` (the default) weighs 1F1B alone: the study as it ran before the flag; ``interleaved``
+that kind alone (with ``--virtual`` > 1, ``_scaling_virtual``). ``--schedule
+auto`` weighs every kind of ``dynmb.schedule.kinds.auto_kinds(virtual=V)`` (V = 1: 1f1b, zb-h1, zb; V > 1:
+interleaved), for EVERY method,
 so each method gets the same schedule choice. The rule is ``dynmb.planning.planner.plan_auto``'s:
 
 - the batch is packed once per ``packing_key`` (kinds of equal key get the same packing, since the
@@ -40,8 +42,9 @@ from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 
 __all__ = ["SCHEDULES", "KindRun", "kinds_for", "packing_groups", "run_kind", "choose", "kind_columns"]
 
-SCHEDULES = ("1f1b", AUTO)
-"""The ``--schedule`` settings: 1F1B alone (the study's default) or the per-step choice."""
+SCHEDULES = ("1f1b", "interleaved", AUTO)
+"""The ``--schedule`` settings: 1F1B alone (the study's default), interleaved alone (``--virtual``), or the
+per-step choice."""
 
 
 @dataclass
@@ -68,11 +71,12 @@ class KindRun:
         return max(self.sims, key=lambda s: s.makespan_s)
 
 
-def kinds_for(setting: str) -> tuple[str, ...]:
-    """The kinds a ``--schedule`` setting weighs (``auto``: ``auto_kinds()`` in registration order)."""
+def kinds_for(setting: str, virtual: int = 1) -> tuple[str, ...]:
+    """The kinds a ``--schedule`` setting weighs with ``virtual`` chunks per GPU (``auto``:
+    ``auto_kinds(virtual=virtual)`` in registration order)."""
     if setting not in SCHEDULES:
         raise ValueError(f"--schedule: {setting!r}; expected one of {', '.join(SCHEDULES)}")
-    return auto_kinds() if setting == AUTO else (setting,)
+    return auto_kinds(virtual=virtual) if setting == AUTO else (setting,)
 
 
 def packing_groups(kinds: tuple[str, ...]) -> list[list[str]]:
@@ -83,16 +87,17 @@ def packing_groups(kinds: tuple[str, ...]) -> list[list[str]]:
     return list(groups.values())
 
 
-def run_kind(plan, replicas: list[int], kind: str, how: str, cm, mm) -> KindRun:
-    """Reorder (``how``, for ``kind``), schedule and simulate ``replicas`` of ``plan`` under ``kind``."""
+def run_kind(plan, replicas: list[int], kind: str, how: str, cm, mm, virtual: int = 1) -> KindRun:
+    """Reorder (``how``, for ``kind``), schedule and simulate ``replicas`` of ``plan`` under ``kind``
+    (``virtual`` chunks per GPU)."""
     run = KindRun(kind, plan)
     for r in replicas:
         sub = plan.replica(r) if plan.dp > 1 else plan
         t1 = time.process_time()
         if how != "none":
-            sub = reorder_plan(sub, how, cost_model=cm, memory_model=mm, schedule_kind=kind)
+            sub = reorder_plan(sub, how, cost_model=cm, memory_model=mm, schedule_kind=kind, virtual=virtual)
         t2 = time.process_time()
-        sched = make_schedule(sub, kind, memory_model=mm, cost_model=cm)
+        sched = make_schedule(sub, kind, virtual=virtual, memory_model=mm, cost_model=cm)
         t3 = time.process_time()
         run.reorder_s.append(t2 - t1)
         run.sched_s.append(t3 - t2)

@@ -3,8 +3,8 @@
 A *cell* is one (dataset, tokens, P, DP) global batch; every method planned it. Labels: the method name,
 ``dynamic`` with the even layer split, ``dynamic (auto)`` with ``--stage-split auto`` (the other methods
 run their ``--others-split``, even by default), `` [sched auto]`` added to rows run with ``--schedule auto``
-(rows without a ``schedule_key`` ran 1F1B). Methods are compared within one ``--schedule`` setting (dynamic
-with ``auto`` against the others with ``auto``). Tables:
+(rows without a ``schedule_key`` ran 1F1B; rows with ``--virtual`` V > 1 read `` [sched auto v2]``). Methods are
+compared within one ``--schedule`` setting and V (dynamic with ``auto`` against the others with ``auto``). Tables:
 
 1. per trace x P, each method's gap to ``ideal_s`` / gap to its own ``bound_s``, the median over the cells;
 2. per trace x P, dynamic's ratio to the best other method (best other's step / dynamic's: > 1 means
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from _scaling_virtual import setting_label
 
 __all__ = ["summary_markdown", "labelled"]
 
@@ -37,6 +38,8 @@ def labelled(df: pd.DataFrame) -> pd.DataFrame:
     """Rows that planned (status ok) with a ``label`` column (dynamic's split named when not even)."""
     df = df[df["status"] == "ok"].reset_index(drop=True).copy()
     df[SCHED] = df[SCHED].astype(object).fillna("1f1b").astype(str) if SCHED in df else "1f1b"
+    if "virtual" in df:                                  # V > 1: the setting reads "auto v2" (its own rows)
+        df[SCHED] = [setting_label(k, v) for k, v in zip(df[SCHED], df["virtual"])]
     auto = (df["method"] == "dynamic") & (df["stage_split"].astype(str) != "even")
     label = pd.Series(np.where(auto, "dynamic (" + df["stage_split"].astype(str) + ")", df["method"]), index=df.index)
     df["label"] = label + np.where(df[SCHED] == "1f1b", "", " [sched " + df[SCHED] + "]")

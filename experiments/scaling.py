@@ -13,7 +13,8 @@ The schedule (``--schedule``, ``experiments/_scaling_sched.py``): ``1f1b`` (defa
 or ``auto``: for every method, each simulated replica reordered, scheduled and simulated under each kind
 of ``dynmb.schedule.kinds.auto_kinds()`` (1f1b, zb-h1, zb; one packing per packing key: three),
 the fastest kind whose simulated peak fits kept (``plan_auto``'s rule); the row records it (``schedule``),
-every kind's step (``step_<kind>_s``) and the kinds over the limit (``kinds_over_limit``).
+every kind's step (``step_<kind>_s``) and the kinds over the limit (``kinds_over_limit``). ``--virtual V``
+(``experiments/_scaling_virtual.py``): P GPUs of V model chunks each, the interleaved schedule.
 
 Model and costs: a model preset (``--model``, default ``llama2-7b``: the Llama family, SwiGLU,
 RMSNorm, rotary positions, no biases; ``llama3.1-8b`` / ``llama3.2-1b`` with grouped-query attention
@@ -82,6 +83,7 @@ replica, analytic costs, P up to 64): ``--small-batch`` (``experiments/_scaling_
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from dataclasses import asdict, replace
@@ -91,10 +93,11 @@ import pandas as pd
 from _common import Resume, progress, split_list
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import summary_markdown
+from _scaling_virtual import check, plan_ideal_v, ranks, real_flops, real_work
 
 import dynmb
 from dynmb import data
-from dynmb.bounds import ideal_bound, plan_ideal
+from dynmb.bounds import ideal_bound
 from dynmb.config import parse_bytes
 from dynmb.costmodel import gpu
 from dynmb.memory import get_memory_model
@@ -104,7 +107,7 @@ from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.results import TableWriter
 
 KEYS = ("dataset", "model", "tokens", "num_stages", "dp", "method", "stage_split", "link", "memory_limit_bytes",
-        "seed", "oversize", "sim_replicas", "schedule_key")
+        "seed", "oversize", "sim_replicas", "schedule_key", "virtual")
 METHODS = ("fixed", "sorted", "packed", "token-budget", "token-budget-best", "balanced", "balanced-best",
            "dynapipe", "dynamic")
 FULL = dict(traces="sharegpt,wikitext2,longtail", tokens="0.5M,4M", stages="4,8,16,32", dp="8,256")
@@ -131,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mb-tokens", type=int, default=4096, help="a microbatch's worth of tokens for load_ok (default 4096)")
     ap.add_argument("--sim-replicas", type=int, default=2, help="replicas simulated, the predicted slowest (default 2; 0: all)")
     ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
-                    help="1f1b (default, as before) or auto: every method's step on each auto kind, the fastest that fits")
+                    help="1f1b (default, as before), interleaved, or auto: each auto kind's step, the fastest that fits")
+    ap.add_argument("--virtual", default="1", help="model chunks per GPU, comma-separated (default 1; > 1: interleaved)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "drop"],
                     help="a sequence that cannot fit alone (default truncate, counted)")
@@ -189,11 +193,12 @@ def ideal_cost(lengths: np.ndarray, link: str):
         gpu.GPUCostModel(cfg, P, link=link)).ideal_stage_costs(lengths).values()))
 
 
-def whole_ideal(cm_sat: gpu.GPUCostModel, lengths: np.ndarray, ideal_s: float) -> float:
+def whole_ideal(cm_sat: gpu.GPUCostModel, lengths: np.ndarray, ideal_s: float, virtual: int = 1) -> float:
     """``ideal_s`` with sequences whole on one replica: at least the longest sequence's own ideal on the
     replica that holds it (its work on the busiest stage + its fill and drain; ``ideal_s`` spreads the
     work evenly over the DP replicas as if sequences could be cut between them)."""
-    return max(float(ideal_s), ideal_bound(np.array([int(np.max(lengths))]), cm_sat))
+    return max(float(ideal_s), ideal_bound(np.array([int(np.max(lengths))]), cm_sat,
+                                           stage_rank=ranks(cm_sat.num_stages, virtual)))
 
 
 def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
@@ -204,7 +209,8 @@ def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
     df = df.reset_index(drop=True).copy()
     cfg = model_for(spec, [])
     traces: dict = {}
-    for key, g in df[df["status"] == "ok"].groupby(["dataset", "tokens", "num_stages", "dp", "stage_split", "seed"]):
+    todo = df["status"].eq("ok") & (df["ideal_whole_s"].isna() if "ideal_whole_s" in df else True)
+    for key, g in df[todo].groupby(["dataset", "tokens", "num_stages", "dp", "stage_split", "seed"]):
         trace, tokens, P, dp, split, seed = key
         tr = traces.setdefault(trace, data.load_trace(trace))
         lens = token_batch(tr, int(tokens), int(dp), int(seed))
@@ -218,24 +224,6 @@ def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
     return df
 
 
-def real_work(cm: gpu.GPUCostModel, lengths: np.ndarray, dp: int) -> float:
-    """Sum over stages of every sequence's own F + B at its own length (intercept removed), / dp."""
-    uniq, count = np.unique(lengths.astype(np.float64), return_counts=True)
-    L = np.concatenate([[0.0], uniq])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        c = cm.stage_costs(np.ones_like(L), L, L * L)
-    total = 0.0
-    for op in ("F", "B"):
-        a = np.asarray(c[op], dtype=np.float64).reshape(cm.num_stages, -1)
-        total += float(np.maximum(a[:, 1:] - a[:, :1], 0.0).sum(axis=0) @ count)
-    return total / dp
-
-
-def real_flops(cfg: dynmb.ModelConfig, P: int, lengths: np.ndarray) -> float:
-    """Forward + backward (3x forward) FLOPs of every sequence at its own length."""
-    return 3.0 * float(sum(np.sum(cfg.stage_flops(s, P, 1, lengths.astype(np.float64))) for s in range(P)))
-
-
 def slowest(plan, k: int) -> list[int]:
     if plan.dp == 1:
         return [0]
@@ -244,11 +232,11 @@ def slowest(plan, k: int) -> list[int]:
 
 
 class Cell:
-    """One (trace, tokens, P, DP) batch with its models per layer split."""
+    """One (trace, tokens, P, DP, V) batch with its models (P V chunks) per layer split."""
 
     def __init__(self, c: dict, trace: np.ndarray, cfg: dynmb.ModelConfig) -> None:
         self.batch = token_batch(trace, c["tokens"], c["dp"], c["seed"])
-        self.cfg, self.P, self.link, self._models = cfg, c["num_stages"], c["link"], {}
+        self.cfg, self.P, self.link, self._models = cfg, c["num_stages"] * c["virtual"], c["link"], {}
 
     def models(self, split: str):
         if split not in self._models:
@@ -262,33 +250,34 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
     """Pack the global batch, then reorder, schedule and simulate the slowest replicas under each kind of
     ``--schedule`` (``_scaling_sched``), keeping the fastest that fits."""
     cfg, cm, cm_sat, mm = cell.models(c["stage_split"])
-    P, limit = c["num_stages"], c["memory_limit_bytes"]
+    P, V, limit = c["num_stages"], c["virtual"], c["memory_limit_bytes"]
     wall0, pack_s, runs = time.perf_counter(), 0.0, []
     how = reorder_for(base, "auto")
-    for group in packing_groups(kinds_for(c["schedule_key"])):
+    for group in packing_groups(kinds_for(c["schedule_key"], V)):
         t0 = time.process_time()
-        plan = pack(cell.batch, base, num_stages=P, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    mbs=mbs, dp=c["dp"], oversize=c["oversize"], schedule_kind=group[0])
+        plan = pack(cell.batch, base, num_stages=P * V, virtual=V, memory_limit_bytes=limit, memory_model=mm,
+                    cost_model=cm, mbs=mbs, dp=c["dp"], oversize=c["oversize"], schedule_kind=group[0])
         pack_s += time.process_time() - t0
-        runs += [run_kind(plan, slowest(plan, c["sim_replicas"]), k, how, cm, mm) for k in group]
+        runs += [run_kind(plan, slowest(plan, c["sim_replicas"]), k, how, cm, mm, V) for k in group]
     chosen, cols = choose(runs), kind_columns(runs)
     plan, sims, worst = chosen.plan, chosen.sims, chosen.worst
     lengths = np.concatenate([mb.lengths for mb in plan.microbatches])
-    ideal = plan_ideal(plan, cm_sat)
+    ideal = plan_ideal_v(plan, cm_sat, V)
     work = real_work(cm_sat, lengths, c["dp"])
     step = worst.makespan_s
     peak = max(float(np.max(s.peak_bytes)) for s in sims if s.peak_bytes is not None)
     plan_s = pack_s + cols["reorder_s"] + cols["sched_s"]
     wall_s = time.perf_counter() - wall0
     tokens_per_replica = int(cell.batch.sum()) / c["dp"]
-    return {"status": "ok", "error": "", "base_method": base, "layer_split": " ".join(f"{n:g}" for n in cfg.stage_layer_counts(P)),
+    return {"status": "ok", "error": "", "base_method": base, "layer_split": " ".join(f"{n:g}" for n in cfg.stage_layer_counts(P * V)),
             "num_sequences": int(cell.batch.size), "real_tokens": plan.real_tokens,
             "tokens_per_replica": tokens_per_replica, "load_ok": tokens_per_replica >= 4 * P * c["mb_tokens"],
             **cols, "pack_s": pack_s, "plan_s": plan_s, "row_wall_s": wall_s,
             "pred_step_s": step, "bound_s": worst.bound_s, "ideal_s": ideal,
-            "ideal_dynmb_s": plan_ideal(plan, cm), "ideal_whole_s": whole_ideal(cm_sat, lengths, ideal), "gap_to_bound": step / worst.bound_s - 1,
+            "ideal_dynmb_s": plan_ideal_v(plan, cm, V), "ideal_whole_s": whole_ideal(cm_sat, lengths, ideal, V),
+            "gap_to_bound": step / worst.bound_s - 1,
             "gap_to_ideal": step / ideal - 1, "attainable": work / (P * step),
-            "efficiency": real_flops(cfg, P, lengths) / (c["dp"] * P * step * cm.spec.peak_flops),
+            "efficiency": real_flops(cfg, P * V, lengths) / (c["dp"] * P * step * cm.spec.peak_flops),
             "mean_bubble": worst.mean_bubble, "padding_fraction": plan.padding_fraction,
             "num_microbatches": plan.num_microbatches // plan.dp, "mbs_used": plan.meta.get("mbs"),
             "plan_over_step": plan_s / step, "tokens_per_s": plan.real_tokens / step,
@@ -334,12 +323,12 @@ def configurations(args: argparse.Namespace) -> list[dict]:
         for tok in (parse_tokens(x) for x in split_list(args.tokens or grid["tokens"])):
             for p in map(int, split_list(args.stages or grid["stages"])):
                 for d in map(int, split_list(args.dp or grid["dp"])):
-                    for m in split_list(args.methods):
+                    for m, v in itertools.product(split_list(args.methods), map(int, split_list(args.virtual))):
                         splits = split_list(args.stage_split if m == "dynamic" else args.others_split)
                         out += [dict(dataset=t, model=args.model, tokens=tok, num_stages=p, dp=d, method=m,
                                      stage_split=s, link=args.link, memory_limit_bytes=limit, seed=args.seed,
                                      oversize=args.oversize, sim_replicas=args.sim_replicas, mb_tokens=args.mb_tokens,
-                                     schedule_key=args.schedule)
+                                     schedule_key=args.schedule, virtual=v)
                                 for s in splits]
     unknown = sorted({c["method"] for c in out} - set(METHODS))
     if unknown:
@@ -370,20 +359,22 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_markdown(complete(df, args.model)))
         return 0
     configs = configurations(args)
-    print(spec_header(args.link))
     traces = {t: data.load_trace(t) for t in {c["dataset"] for c in configs}}
     cfg = model_for(args.model, list(traces.values()))
-    print(f"model: {cfg}\nmemory limit: {args.memory_limit}; schedule {args.schedule} "
-          f"(weighs {', '.join(kinds_for(args.schedule))}); splits: dynamic {args.stage_split}, "
+    check(cfg.n_layers, sorted({c["num_stages"] for c in configs}), sorted({c["virtual"] for c in configs}),
+          {c["stage_split"] for c in configs}, args.schedule)
+    print(spec_header(args.link))
+    print(f"model: {cfg}\nmemory limit: {args.memory_limit}; schedule {args.schedule}, virtual {args.virtual} (weighs "
+          f"{'; '.join(', '.join(kinds_for(args.schedule, v)) for v in map(int, split_list(args.virtual)))}); splits: dynamic {args.stage_split}, "
           f"others {args.others_split}", flush=True)
-    resume = Resume(args.out, "scaling", KEYS, defaults={"schedule_key": "1f1b"})   # rows from before --schedule
+    resume = Resume(args.out, "scaling", KEYS, defaults={"schedule_key": "1f1b", "virtual": 1})   # rows from before the flags
     todo = [c for c in configs if not resume.done(c)]
-    todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"]))   # small batches first, cells grouped
+    todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"], c["virtual"]))   # cells grouped
     print(f"scaling: {len(configs)} configurations, {len(configs) - len(todo)} already done", file=sys.stderr)
     cells: dict = {}
     with TableWriter(args.out) as w:
         for c in progress(todo, total=len(todo), desc="scaling", disable=args.no_progress):
-            key = (c["dataset"], c["tokens"], c["num_stages"], c["dp"])
+            key = (c["dataset"], c["tokens"], c["num_stages"], c["dp"], c["virtual"])
             if key not in cells:
                 cells.clear()                      # one cell at a time: configurations are grouped by cell
                 try:

@@ -137,6 +137,34 @@ def test_scaling_schedule_auto_keeps_the_fastest_kind_that_fits(tmp_path, capsys
     assert "auto never slower than the same method's `--schedule 1f1b` row of the cell: met (0 of 2" in md
 
 
+def test_scaling_virtual_stages_run_interleaved_rows_beside_one_chunk_rows(tmp_path, capsys):
+    """``--virtual 1,2``: the V = 2 rows pack P V chunks (the layer split lists them), run the interleaved kind
+    (``auto_kinds(virtual=2)``) on P GPUs, under the memory limit, at or above their GPU-level ideal; the row
+    key keeps them beside the V = 1 rows (resuming adds nothing), the summary labels them; a setting whose
+    chunks the layers do not cover, or a one-chunk kind with V > 1, is refused in one line."""
+    from dynmb.schedule.kinds import auto_kinds
+    scaling = _script("scaling")
+    base = ["--traces", "gsm8k", "--tokens", "20k", "--stages", "2", "--dp", "2", "--methods", "packed,dynamic",
+            "--stage-split", "even", "--schedule", "auto", "--out", str(tmp_path), "--no-progress"]
+    assert scaling.main([*base, "--virtual", "1,2"]) == 0
+    df = pd.read_csv(tmp_path / "scaling.csv")
+    assert len(df) == 4 and set(df["status"]) == {"ok"} and sorted(df["virtual"]) == [1, 1, 2, 2]
+    v2 = df[df["virtual"] == 2]
+    assert set(v2["schedule"]) == set(auto_kinds(virtual=2)) == {"interleaved"}
+    assert (v2["layer_split"].str.split().map(len) == 4).all()
+    assert (df["pred_peak_over_limit"] <= 1).all() and (df["pred_step_s"] >= df["ideal_s"]).all()
+    assert ((df["attainable"] > 0) & (df["attainable"] <= 1)).all()
+    assert scaling.main([*base, "--virtual", "2"]) == 0 and len(pd.read_csv(tmp_path / "scaling.csv")) == 4
+    capsys.readouterr()
+    assert scaling.main(["--summary", "--out", str(tmp_path)]) == 0
+    md = capsys.readouterr().out
+    assert "dynamic [sched auto v2]" in md and "dynamic [sched auto]" in md
+    with pytest.raises(SystemExit, match="32 x virtual 2 = 64 chunks, but the even split has 32 whole layers"):
+        scaling.main([*base, "--stages", "32", "--virtual", "2"])
+    with pytest.raises(SystemExit, match="--virtual 2 needs a kind with virtual stages"):
+        scaling.main([*base[:-5], "--out", str(tmp_path), "--virtual", "2"])
+
+
 def test_scaling_token_batch_is_deterministic_and_whole():
     import numpy as np
     scaling = _script("scaling")

@@ -1,0 +1,86 @@
+"""Interleaved (virtual) pipeline stages in ``experiments/scaling.py`` (``--virtual V``).
+
+``--stages P`` stays the number of GPUs in one pipeline; with ``--virtual V`` the model is cut into
+``S = P V`` chunks, chunk ``s`` on GPU ``s % P`` (``dynmb.schedule.builders.interleaved``), and every
+method is packed with ``num_stages=S, virtual=V`` (the packing context budgets a GPU's chunks together:
+``dynmb.packing.context``), scheduled and simulated on the P GPUs. The kinds a row weighs: ``--schedule
+auto`` gives ``auto_kinds(virtual=V)`` (with V > 1 the kinds with virtual stages: interleaved),
+``--schedule interleaved`` that kind; ``1f1b`` runs one chunk per GPU and is refused with V > 1.
+
+Refused before anything runs (one line, ``check``): a (P, V, split) whose chunks the model's layers do
+not cover: the even split needs ``n_layers >= P V`` whole layers, ``--stage-split auto`` (half-blocks of
+dynmb's families) ``2 n_layers >= P V`` half-blocks.
+
+What a row's bounds and metrics read with chunks (``ranks``): ``ideal_s`` / ``ideal_whole_s`` are
+``dynmb.bounds.ideal_bound`` with each chunk's work charged to its GPU (the busiest GPU's work, its
+shortest fill and drain), ``attainable`` the chunks' ideal work over ``P x step`` (GPUs), ``efficiency``
+the FLOPs of all chunks over ``DP x P`` GPUs (``real_work``, ``real_flops``: sums over every chunk). The row key ``virtual`` (rows from before the flag: 1)
+keeps V = 1 and V = 2 rows of one cell apart in one results folder; the summary labels rows with V > 1
+`` v<V>`` after the schedule setting (``setting_label``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dynmb.bounds import ideal_bound, plan_lengths_pieces
+from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
+
+__all__ = ["kinds", "check", "ranks", "plan_ideal_v", "setting_label", "real_work", "real_flops"]
+
+
+def kinds(setting: str, virtual: int) -> tuple[str, ...]:
+    """The kinds a ``--schedule`` setting weighs with ``virtual`` chunks per GPU."""
+    return auto_kinds(virtual=virtual) if setting == AUTO else (setting,)
+
+
+def check(n_layers: int, stages: list[int], virtuals: list[int], splits: set[str], setting: str) -> None:
+    """``SystemExit`` with one line where a setting cannot run (module doc)."""
+    for v in virtuals:
+        if v < 1:
+            raise SystemExit(f"scaling.py: --virtual must be >= 1, got {v}")
+        if v > 1 and setting != AUTO and not get_kind(setting).virtual_stages:
+            raise SystemExit(f"scaling.py: --virtual {v} needs a kind with virtual stages: --schedule auto or "
+                             f"interleaved, not {setting}")
+        for p in stages:
+            for split in sorted(splits):
+                units, what = (2 * n_layers, "half-blocks") if split == "auto" else (n_layers, "whole layers")
+                if p * v > units:
+                    raise SystemExit(f"scaling.py: P {p} x virtual {v} = {p * v} chunks, but the {split} split has "
+                                     f"{units} {what} ({n_layers} layers): use a smaller P or V")
+
+
+def ranks(num_chunks: int, virtual: int) -> np.ndarray:
+    """The GPU of every chunk: ``s % P`` with ``P = num_chunks / virtual``."""
+    return np.arange(num_chunks) % (num_chunks // virtual)
+
+
+def plan_ideal_v(plan, cost_model, virtual: int) -> float:
+    """``dynmb.bounds.plan_ideal`` with each chunk's work on its GPU (``ranks``)."""
+    lengths, shortest = plan_lengths_pieces(plan)
+    return ideal_bound(lengths, cost_model, stage_rank=ranks(plan.num_stages, virtual), dp=plan.dp,
+                       shortest_piece=shortest)
+
+
+def setting_label(setting: object, virtual: object) -> str:
+    """The summary's schedule setting of a row: ``--schedule`` and, with V > 1, `` v<V>``."""
+    v = 1 if virtual is None or (isinstance(virtual, float) and np.isnan(virtual)) else int(virtual)
+    return str(setting) if v == 1 else f"{setting} v{v}"
+
+
+def real_work(cm, lengths: np.ndarray, dp: int) -> float:
+    """Sum over stages of every sequence's own F + B at its own length (intercept removed), / dp."""
+    uniq, count = np.unique(lengths.astype(np.float64), return_counts=True)
+    L = np.concatenate([[0.0], uniq])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        c = cm.stage_costs(np.ones_like(L), L, L * L)
+    total = 0.0
+    for op in ("F", "B"):
+        a = np.asarray(c[op], dtype=np.float64).reshape(cm.num_stages, -1)
+        total += float(np.maximum(a[:, 1:] - a[:, :1], 0.0).sum(axis=0) @ count)
+    return total / dp
+
+
+def real_flops(cfg, P: int, lengths: np.ndarray) -> float:
+    """Forward + backward (3x forward) FLOPs of every sequence at its own length."""
+    return 3.0 * float(sum(np.sum(cfg.stage_flops(s, P, 1, lengths.astype(np.float64))) for s in range(P)))
