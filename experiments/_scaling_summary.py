@@ -15,7 +15,9 @@ compared within one ``--schedule`` setting and V (dynamic with ``auto`` against 
    the split's ceiling ``attainable x (1 + gap to ideal)`` (= mean over busiest stage's ideal work, up to
    the ideal's tiny fill and drain: what the layer split alone allows), best other, plan / step, and the
    planner processes per rank that planning ahead needs so that no step waits (``planners_needed``);
-4. the judged-by criteria, each with the cells that miss it; with ``--schedule auto`` rows also: the
+4. with ``--virtual`` V > 1 rows: per cell, V and dynamic split, dynamic's step, tokens / s, truncated sequences,
+   gap, attainable, kind, plan time and every other method's step (``virtual_table``);
+5. the judged-by criteria, each with the cells that miss it; with ``--schedule auto`` rows also: the
    chosen step is never slower than any kind weighed whose simulated peak fits (``step_<kind>_s``), nor
    than the same method's ``--schedule 1f1b`` row of the same cell where the data holds one.
 """
@@ -148,9 +150,34 @@ def summary_markdown(raw: pd.DataFrame) -> str:
             t3.insert(8, "schedule", d["schedule"].fillna("1f1b"))
             t3.insert(9, "gap ideal 1f1b", (d["step_1f1b_s"] / d["ideal_s"] - 1).map(_pct))
         out += [f"Per cell, {auto}:", "", _md(t3), ""]
+    if "virtual" in df and df["virtual"].fillna(1).gt(1).any():
+        out += ["Per cell and V (`--virtual`), dynamic (each split) against the other methods of the same setting "
+                "(step s; x best other = best other's step / dynamic's):", "", _md(virtual_table(df)), ""]
     out += ["Judged-by criteria (cells that miss them):", "", criteria_markdown(df, splits, auto)]
     out += schedule_criteria(df)
     return "\n".join(out)
+
+
+def virtual_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Table 4: per cell, schedule setting (V included) and dynamic split: dynamic's step, real tokens per second
+    (a chunk holds more in flight, so more sequences may be truncated under V > 1: ``truncated``), gap to ideal,
+    attainable, kind, microbatches, peak / limit, plan time, best other (x), and every other method's step."""
+    others = [m for m in METHOD_ORDER if m != "dynamic" and m in set(df["method"])]
+    rows = []
+    for lbl in sorted(set(df.loc[df["method"] == "dynamic", "label"])):
+        tag = lbl[lbl.index(" ["):] if " [" in lbl else ""
+        for r in _dynamic(df, lbl).itertuples():
+            same = df[(df[CELL + [SCHED]] == [getattr(r, c) for c in CELL + [SCHED]]).all(axis=1)]
+            step = same.set_index("label")["pred_step_s"]
+            rows.append({"trace": r.dataset, "tokens": _tok(r.tokens), "P": r.num_stages, "DP": r.dp,
+                         "V": int(getattr(r, "virtual", 1) or 1), "dynamic": lbl.split(" [")[0],
+                         "schedule": getattr(r, "schedule", ""), "mb/replica": r.num_microbatches,
+                         "step s": f"{r.pred_step_s:.3f}", "Mtok/s": f"{r.real_tokens / r.pred_step_s / 1e6:.3f}",
+                         "truncated": int(r.truncated), "gap ideal": _pct(r.gap_to_ideal),
+                         "attainable": f"{r.attainable:.2f}", "peak/limit": f"{r.pred_peak_over_limit:.2f}",
+                         "plan s": f"{r.plan_s:.1f}", "x best other": f"{r.ratio:.3f} ({r.best_other})",
+                         **{m: f"{step[m + tag]:.3f}" if m + tag in step else "" for m in others}})
+    return pd.DataFrame(rows).sort_values(["trace", "tokens", "P", "DP", "dynamic", "V"], kind="stable")
 
 
 def schedule_criteria(df: pd.DataFrame) -> list[str]:

@@ -158,7 +158,7 @@ def test_scaling_virtual_stages_run_interleaved_rows_beside_one_chunk_rows(tmp_p
     capsys.readouterr()
     assert scaling.main(["--summary", "--out", str(tmp_path)]) == 0
     md = capsys.readouterr().out
-    assert "dynamic [sched auto v2]" in md and "dynamic [sched auto]" in md
+    assert "dynamic [sched auto v2]" in md and "dynamic [sched auto]" in md and "| V | dynamic |" in md
     with pytest.raises(SystemExit, match="32 x virtual 2 = 64 chunks, but the even split has 32 whole layers"):
         scaling.main([*base, "--stages", "32", "--virtual", "2"])
     with pytest.raises(SystemExit, match="--virtual 2 needs a kind with virtual stages"):
