@@ -33,7 +33,7 @@ import numpy as np
 from dynmb.schedule.kinds import build_schedule
 from dynmb.schedule.validate import execution_order
 
-__all__ = ["ESTIMATE", "level_table", "interleaved_makespans", "fold_chunks", "SCALAR_OPS"]
+__all__ = ["ESTIMATE", "level_table", "interleaved_makespans", "fold_chunks", "SCALAR_OPS", "TABLES"]
 
 ESTIMATE = "interleaved"
 """The ``estimate_as`` value of this estimate."""
@@ -41,7 +41,11 @@ SCALAR_OPS = 4000
 """Up to this many ops in all the pipelines are swept one by one (cheaper than numpy steps per level)."""
 
 
-@functools.lru_cache(maxsize=128)
+TABLES = 32
+"""Level tables kept (``level_table``'s cache): one per (chunks, microbatches, virtual), about 60 bytes per op."""
+
+
+@functools.lru_cache(maxsize=TABLES)
 def level_table(num_stages: int, m: int, virtual: int) -> tuple[np.ndarray, ...]:
     """``(row, mb, prev, dep, cross, level, topo)`` of the interleaved order of ``num_stages`` chunks,
     ``m`` microbatches, ``virtual`` chunks per GPU, one entry per op in the flat (GPU by GPU) order:
@@ -59,8 +63,8 @@ def level_table(num_stages: int, m: int, virtual: int) -> tuple[np.ndarray, ...]
     for i in fl.order.tolist():
         a, b = level[pl[i]], level[dl[i]]
         level[i] = (a if a > b else b) + 1
-    out = (fl.op * num_stages + fl.stage, fl.mb.astype(np.int64), prev, dep, cross,
-           np.asarray(level[:n], dtype=np.int64), fl.order.astype(np.int64))
+    out = tuple(np.asarray(a, dtype=np.int32) for a in (fl.op * num_stages + fl.stage, fl.mb, prev, dep)) + (
+        cross, np.asarray(level[:n], dtype=np.int32), fl.order.astype(np.int32))
     for a in out:
         a.setflags(write=False)
     return out

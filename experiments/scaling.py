@@ -65,7 +65,8 @@ Columns (table ``scaling``):
   ``tokens_per_replica``, ``load_ok`` (the replica holds >= 4P microbatches' worth of tokens, a
   microbatch's worth being ``--mb-tokens``, default 4096: one full Llama-2 context row),
   ``truncated``, ``pred_peak_over_limit``; ``schedule_key`` (the ``--schedule`` setting, a resume key;
-  rows from before the flag count as ``1f1b``), ``schedule``, ``step_<kind>_s``, ``kinds_over_limit``.
+  rows from before the flag count as ``1f1b``), ``schedule``, ``step_<kind>_s``, ``kinds_over_limit``;
+  ``virtual`` (``--virtual``, a resume key; rows from before count as 1).
 
 Timings are CPU seconds of this process (``time.process_time``): on a loaded shared box the wall time
 mostly measures waiting for a core (``row_wall_s``, the row's pack + reorder + schedule + simulation, shows
