@@ -1,0 +1,27 @@
+"""``experiments/scaling.py`` with one more ``--schedule`` setting, ``interleaved-as-1f1b``: the interleaved kind
+registered again with the estimate it had before ``dynmb.makespan_interleaved`` (1F1B over the chunks), so the
+dynamic packer plans with it while the rows run interleaved. The A/B of docs/results.md "Interleaved stages
+at realistic load":
+
+    PYTHONPATH=$PWD nice -n 19 python3 benchmarks/scaling_as_1f1b.py --traces sharegpt,wikitext2,longtail \
+        --tokens 4M --dp 8 --sim-replicas 1 --methods dynamic --schedule interleaved-as-1f1b --stages 8,16 \
+        --virtual 2 --out results/scaling_vpp_ab --no-progress
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _scaling_sched  # noqa: E402
+import scaling  # noqa: E402
+from bench_interleaved_estimate import AS_1F1B, register_as_1f1b  # noqa: E402
+
+if __name__ == "__main__":
+    register_as_1f1b()
+    _scaling_sched.SCHEDULES = scaling.SCHEDULES = (*scaling.SCHEDULES, AS_1F1B)
+    sys.exit(scaling.main(sys.argv[1:]))
