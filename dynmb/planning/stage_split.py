@@ -54,11 +54,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from dynmb.config import ModelConfig
+
+from .split_work import workload_cost
 
 __all__ = ["balanced_split", "stage_work", "split_ceiling", "resolve_stage_split", "flops_cost",
            "StageCost", "STAGE_SPLITS"]
@@ -177,23 +179,46 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *
     return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts)
 
 
+def _fallback_said() -> bool:
+    """Whether the 1,024-token stand-in was said already (once per process); marks it said."""
+    global _FALLBACK_SAID
+    said, _FALLBACK_SAID = _FALLBACK_SAID, True
+    return said
+
+
+_FALLBACK_SAID = False
+
+
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
-                        half_blocks: bool = True, stage_cost: StageCost | None = None) -> ModelConfig:
+                        half_blocks: bool = True, stage_cost: StageCost | None = None, workload: Any = None,
+                        cost_model: Any = None) -> ModelConfig:
     """``cfg`` with the layer split ``setting`` names: ``even`` (None), ``auto`` (``balanced_split``, in
     half-blocks when ``half_blocks``), or an explicit comma-separated list of layers per stage, whole
     (``9,8,8,7``) or with halves (``2.5,2,2,1.5``). ``half_blocks=False`` (a model of the user's own,
     whose stages split whole layers): ``auto`` in whole layers, and a list with halves is refused.
-    ``tokens_hint`` / ``stage_cost``: the work model (module docstring)."""
+    The work ``auto`` balances: ``stage_cost`` when given; else the ``workload``'s (lengths, a trace
+    name or a length-trace CSV) forward + backward at every sequence's own length, priced by
+    ``cost_model`` (an object or JSON path) where it prices any layout, else in FLOPs
+    (``dynmb.planning.split_work``); with neither, forward FLOPs at one row of ``tokens_hint`` tokens,
+    said once (module docstring)."""
     setting = str(setting).strip()
     if setting == "even":
         return replace(cfg, layer_split=None)
     if setting == "auto":
+        if stage_cost is None and workload is not None:
+            stage_cost = workload_cost(workload, cfg, cost_model)
+        elif stage_cost is None and not _fallback_said():
+            logger.warning("--stage-split auto: no workload given, so the split balances forward FLOPs of one "
+                           "%s-token row, not the work of the sequences you train; give the lengths (dynmb plan / "
+                           "run / compare: --dataset or --lengths; Planner(workload=lengths or a trace name))",
+                           f"{int(tokens_hint):,}")
         split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost)
         even = tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages))
         logger.info("stage split auto: %s (split ceiling %.3f; even split: %.3f)", list(split),
                     split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost),
                     split_ceiling(cfg, even, tokens_hint, stage_cost=stage_cost))
-        return replace(cfg, layer_split=split)
+        # the even split found is the even split: no layer_split, so a model fitted on it still fits
+        return replace(cfg, layer_split=None if tuple(split) == even else split)
     try:
         split = tuple(float(x) for x in setting.split(","))
     except ValueError:
