@@ -88,7 +88,8 @@ def test_without_a_workload_the_stand_in_is_said_once(monkeypatch: pytest.Monkey
     assert len(said) == 1 and "1,024-token" in said[0] and "--dataset" in said[0] and "workload=" in said[0]
 
 
-def test_the_command_line_balances_its_trace() -> None:
+@pytest.mark.filterwarnings("ignore::UserWarning")                    # the sampler's stand-in memory model
+def test_the_command_line_and_the_sampler_balance_their_trace() -> None:
     """``dynmb plan`` / ``run`` plan the trace they draw batches from (sharegpt when none is named)."""
     parser = build_parser()
     base = ["plan", "--model", "llama2-7b", "--stages", str(P), "--stage-split", "auto"]
@@ -96,3 +97,24 @@ def test_the_command_line_balances_its_trace() -> None:
     assert wiki.stage_layer_counts(P) == [2] * P
     assert model_from_args(parser.parse_args(base)).layer_split == \
         resolve_stage_split(dynmb.model_config("llama2-7b"), P, "auto", workload="sharegpt").layer_split
+    # the sampler balances its dataset
+    sampler = dynmb.DynamicBatchSampler(data.load_trace("wikitext2"), 8, model=LLAMA2, num_stages=P,
+                                        memory_limit="80GiB", cost_model=GPUCostModel(LLAMA2, P), stage_split="auto")
+    assert sampler.planner.model_cfg.stage_layer_counts(P) == [2] * P
+
+
+def test_a_fitted_cost_model_plans_the_split_it_was_measured_on(tmp_path) -> None:
+    """A fitted model prices one split only: ``auto`` with one made for this model and stage count is its
+    split (so profile + fit with ``--stage-split auto``, which see no workload, still plan ``run --stage-split
+    auto --dataset ...``); one made for another model or stage count is not taken."""
+    cfg = dynmb.model_config("llama-small")
+    half = replace(cfg, layer_split=(2.5, 1.5))
+    fitted = get_cost_model(None, half, 2)
+    fitted.layout_free = False                       # stands for a poly / grid fit on the (2.5, 1.5) split
+    assert resolve_stage_split(cfg, 2, "auto", workload="wikitext2", cost_model=fitted).layer_split == (2.5, 1.5)
+    for other, stages in ((cfg, 4), (replace(cfg, d_model=512), 2)):      # another stage count, another model
+        assert resolve_stage_split(other, stages, "auto", workload="wikitext2", cost_model=fitted).layer_split == \
+            resolve_stage_split(other, stages, "auto", workload="wikitext2").layer_split
+    shipped = dynmb.Planner(model="llama-small", num_stages=2, memory_limit="1GiB", stage_split="auto",
+                            workload="wikitext2")
+    assert shipped.cost_model.kind != "analytic" and shipped.model_cfg.layer_split == shipped.cost_model.model_cfg.layer_split

@@ -80,7 +80,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "s
                              "(ablation)")
     parser.add_argument("--stage-split", default="even",
                         help="layers per pipeline stage: even (default), auto (balance the stages' work, embedding "
-                             "and LM head included, in half-blocks; dynmb.planning.stage_split) or a list such as "
+                             "and LM head included, in half-blocks: the forward + backward of every sequence of "
+                             "--dataset/--lengths at its own length, priced by --cost-model where it prices any "
+                             "split (analytic, gpu), else in FLOPs; dynmb.planning.stage_split) or a list such as "
                              "9,8,8,7 or, in half-blocks (a stage boundary between a block's attention and MLP), "
                              "2.5,2,2,1.5")
 

@@ -94,7 +94,8 @@ class Planner:
     what ``"auto"`` balances, the lengths the planner will see (an array, a shipped trace name or a
     length-trace CSV: every sequence's forward + backward at its own length, priced by ``cost_model`` where
     it prices any layout (the analytic and GPU models, rebuilt for the split), else in FLOPs:
-    ``dynmb.planning.split_work``); None: forward FLOPs of one 1,024-token row, said once.
+    ``dynmb.planning.split_work``); None: forward FLOPs of one 1,024-token row, said once. A fitted cost
+    model (given, or the shipped one) prices only the split it was measured on: ``"auto"`` is that split.
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
@@ -104,8 +105,10 @@ class Planner:
                  workload: Any = None) -> None:
         self.model_cfg, own = _model(model)
         if stage_split != "even":                  # "even" keeps a split the model config already carries
+            pricing = cost_model if cost_model is not None else default_cost_model_path(
+                self.model_cfg.name, int(num_stages), device)          # the model it will plan with
             self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
-                                                 workload=workload, cost_model=cost_model)
+                                                 workload=workload, cost_model=pricing)
             cost_model = _for_split(cost_model, self.model_cfg, int(num_stages))
         self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=int(virtual), schedule_kind=schedule,
                              reorder="auto", memory_limit_bytes=parse_bytes(memory_limit), dp=int(dp),

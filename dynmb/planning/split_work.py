@@ -22,7 +22,9 @@ Why not one 1,024-token row (the old default, ``stage_split.flops_cost``): with 
 sum s^2 / sum s about 7,300 tokens) attention is a larger share of a layer than at 1k tokens, and its
 backward is dearer than the GEMMs', so the split balanced at 1k tokens loaded the stages holding extra
 attention halves (docs/results.md "Half-block stage splits": Llama-2-7B P16 +1.7% slower than even).
-Where no lengths are known the 1,024-token FLOPs model stays, said once (``resolve_stage_split``).
+Where no lengths are known the 1,024-token FLOPs model stays, said once (``resolve_stage_split``). A
+fitted cost model prices the one split it was measured on, so ``auto`` with one made for this model and
+stage count plans that split (``fitted_split``, logged).
 
 The workload: lengths (any array), or a shipped trace name or length-trace CSV (``dynmb.data.load_trace``),
 read only when ``auto`` needs it. Lengths of a family with a learned position table are capped at its
@@ -41,7 +43,7 @@ from dynmb.bounds import sequence_costs
 from dynmb.config import ModelConfig
 from dynmb.costmodel.base import CostModel
 
-__all__ = ["workload_cost", "workload_lengths", "layout_cost_model", "ATTN_BWD_FLOPS"]
+__all__ = ["workload_cost", "workload_lengths", "layout_cost_model", "fitted_split", "ATTN_BWD_FLOPS"]
 
 ATTN_BWD_FLOPS = 2.5
 """Attention backward FLOPs over its forward's: fused (flash) kernels recompute the scores, five matmuls
@@ -69,6 +71,25 @@ def layout_cost_model(cost_model: Any) -> CostModel | None:
     if isinstance(cost_model, str) or hasattr(cost_model, "__fspath__"):
         cost_model = CostModel.load(cost_model)
     return cost_model if getattr(cost_model, "layout_free", False) else None
+
+
+def fitted_split(cost_model: Any, cfg: ModelConfig, num_stages: int) -> ModelConfig | None:
+    """``cfg`` with the layer split a fitted (not ``layout_free``) ``cost_model`` (an object or a JSON path)
+    was measured on, when it was made for this model at ``num_stages`` stages; else None. Such a model
+    prices that split only, so ``auto`` plans with it (``resolve_stage_split``): a model profiled and fitted
+    with ``--stage-split auto`` (no workload there) then plans ``run --stage-split auto`` on its own split."""
+    if cost_model is None:
+        return None
+    if isinstance(cost_model, str) or hasattr(cost_model, "__fspath__"):
+        cost_model = CostModel.load(cost_model)
+    if getattr(cost_model, "layout_free", True) or int(getattr(cost_model, "num_stages", -1)) != int(num_stages):
+        return None
+    out = replace(cfg, layer_split=cost_model.model_cfg.layer_split)
+    try:
+        cost_model.check(out, num_stages)
+    except ValueError:
+        return None                                 # another model: its own check refuses it later
+    return out
 
 
 def _flops_work(layout: ModelConfig, stage: int, num_stages: int, lengths: np.ndarray) -> float:

@@ -7,16 +7,18 @@ P = 16 the last stage does 1.4x the others' work and caps the whole pipeline at 
 (Megatron's ``pipeline_model_parallel_layout`` and DeepSpeed's ``partition_method`` let users move
 layers by hand for the same reason).
 
-Work model: a stage's work is the forward FLOPs of its layers plus, on the first stage, the embedding
-and, on the last, the head (``ModelConfig.stage_flops``, the same count every consumer uses, for both
-families; backward is a multiple of forward per part, so forward FLOPs rank splits as the whole step
-does). The per-part FLOPs are read off ``stage_flops`` at one representative microbatch of
-``tokens_hint`` tokens in one row (attention grows with the row length, the head does not: the hint
-matters; ``--stage-split auto`` uses 1,024 tokens, a typical microbatch row of the shipped traces).
-Any other work model enters as ``stage_cost(layout, stage, num_stages) -> work`` and is read off the
-same small layouts (a cost model's forward + backward seconds of a batch, say, where attention runs
-below GEMM efficiency and its backward does 2.5x its forward's FLOPs: ``experiments/scaling.py``
-balances the ideal seconds its ``ideal_s`` is made of). With ``F`` the work of a layout:
+Work model: what ``resolve_stage_split``'s ``auto`` balances is the work of the workload the pipeline
+will train, when it is given (``workload``: the lengths, a trace name or a length-trace CSV;
+``dynmb.Planner(workload=...)``, and ``dynmb plan`` / ``run`` / ``compare`` pass the trace they draw
+batches from): every sequence's forward + backward at its own length, attention's s^2 term included,
+priced by the cost model where it prices any layout (the analytic and GPU models), else in FLOPs
+(``dynmb.planning.split_work``). With no workload it falls back to forward FLOPs
+(``ModelConfig.stage_flops``) at one representative microbatch of ``tokens_hint`` tokens in one row
+(1,024, a typical microbatch row of the shipped traces; the head does not grow with the row length,
+attention does, so the hint matters), and says so once: with long documents that stand-in loads the
+stages holding extra attention halves (docs/results.md "Half-block stage splits"). Any other work model
+enters as ``stage_cost(layout, stage, num_stages) -> work`` and is read off the same small layouts.
+With ``F`` the work of a layout:
 ``layer = F(2 layers, 1 stage) - F(1 layer, 1 stage)``, ``first = F_0(2 layers, 2 stages) - layer``,
 ``last = F_1(2 layers, 2 stages) - layer``, and the attention half's ``attn = F_0(1 layer split
 (0.5, 0.5), 2 stages) - first`` (the MLP half ``layer - attn``).
@@ -47,7 +49,9 @@ planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py
 The split is a property of the model layout (``ModelConfig.layer_split``, halves allowed): the memory
 model, the cost models, the runtime's stages and the single-process reference all read it through
 ``ModelConfig.stage_units`` / ``stage_parts`` / ``stage_blocks``; a fitted cost or memory model is
-refused for another split. A model of the user's own splits whole layers only (``half_blocks=False``).
+refused for another split; an ``auto`` split equal to the even one is the even split (``layer_split``
+None), so a model fitted on the even split still fits. A model of the user's own splits whole layers only
+(``half_blocks=False``).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ import numpy as np
 
 from dynmb.config import ModelConfig
 
-from .split_work import workload_cost
+from .split_work import fitted_split, workload_cost
 
 __all__ = ["balanced_split", "stage_work", "split_ceiling", "resolve_stage_split", "flops_cost",
            "StageCost", "STAGE_SPLITS"]
@@ -73,7 +77,8 @@ STAGE_SPLITS = ("even", "auto")
 
 
 StageCost = Callable[[ModelConfig, int, int], float]
-"""``(layout, stage, num_stages) -> work``: what the split balances (default: forward FLOPs at one row)."""
+"""``(layout, stage, num_stages) -> work``: what the split balances (``split_work.workload_cost``: a workload's
+F + B; without one, ``flops_cost``: forward FLOPs at one row)."""
 
 
 def flops_cost(tokens_hint: int = 1024) -> StageCost:
@@ -200,11 +205,17 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
     name or a length-trace CSV) forward + backward at every sequence's own length, priced by
     ``cost_model`` (an object or JSON path) where it prices any layout, else in FLOPs
     (``dynmb.planning.split_work``); with neither, forward FLOPs at one row of ``tokens_hint`` tokens,
-    said once (module docstring)."""
+    said once (module docstring). A fitted ``cost_model`` made for this model and stage count prices
+    only the split it was measured on: ``auto`` is that split."""
     setting = str(setting).strip()
     if setting == "even":
         return replace(cfg, layer_split=None)
     if setting == "auto":
+        pinned = fitted_split(cost_model, cfg, num_stages) if stage_cost is None else None
+        if pinned is not None:
+            logger.info("stage split auto: %s, the split the fitted cost model was measured on",
+                        list(pinned.stage_layer_counts(num_stages)))
+            return pinned
         if stage_cost is None and workload is not None:
             stage_cost = workload_cost(workload, cfg, cost_model)
         elif stage_cost is None and not _fallback_said():
