@@ -84,7 +84,7 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.types import Plan, Schedule
 
 __all__ = ["dependency_bound", "ideal_bound", "plan_bound", "plan_ideal", "plan_bounds", "stage_ranks",
-           "split_mask", "plan_lengths_pieces", "step_bound_fields", "MeasuredAction", "BOUND_COLUMNS"]
+           "split_mask", "plan_lengths_pieces", "sequence_costs", "step_bound_fields", "MeasuredAction", "BOUND_COLUMNS"]
 
 BOUND_COLUMNS = ("bound_s", "ideal_s", "pred_bound_s", "gap_to_bound")
 """The ``steps`` columns ``step_bound_fields`` fills."""
@@ -222,7 +222,7 @@ def plan_lengths_pieces(plan: Plan) -> tuple[np.ndarray, int]:
     return np.bincount(inv, weights=lens, minlength=len(uniq)).astype(np.int64), int(lens.min())
 
 
-def _seq_costs(cost_model: CostModelLike, lengths: np.ndarray) -> dict[str, np.ndarray]:
+def sequence_costs(cost_model: CostModelLike, lengths: np.ndarray) -> dict[str, np.ndarray]:
     """``{"F", "B"}: [S, n]``, ``d_op`` of sequences of ``lengths`` (module doc): one row each, no
     overhead, no intercept (the one cost lookup ``stage_costs`` at one row, minus its value at length 0).
     A cost model whose time per token falls as a microbatch grows (``GPUCostModel``: efficiency rises
@@ -252,7 +252,7 @@ def ideal_bound(lengths: Any, cost_model: CostModelLike, *, stage_rank: Sequence
     rank = np.arange(S) if stage_rank is None else np.asarray(stage_rank, dtype=np.int64)
     uniq, count = np.unique(lengths, return_counts=True)
     piece = int(shortest_piece if shortest_piece is not None else uniq[0])
-    d = _seq_costs(cost_model, np.append(uniq, piece))
+    d = sequence_costs(cost_model, np.append(uniq, piece))
     work = (d["F"][:, :-1] + d["B"][:, :-1]) @ count.astype(np.float64) / max(1, int(dp))   # [S]
     pF, pB = d["F"][:, -1], d["B"][:, -1]
     comm = getattr(cost_model, "comm", None)

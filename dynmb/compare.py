@@ -141,7 +141,9 @@ class CompareSettings:
         if self.model_factory is not None:
             from dynmb.models.contract import planning_config, resolve_model
             return planning_config(resolve_model(self.model_factory))
-        return resolve_stage_split(model_config(self.model, attention=self.attention), self.stages, self.stage_split)
+        workload = None if self.corpus is not None else self.lengths or self.dataset or "sharegpt"
+        return resolve_stage_split(model_config(self.model, attention=self.attention), self.stages, self.stage_split,
+                                   workload=workload, cost_model=self.cost_model)
 
     @property
     def model_factory(self) -> str | None:

@@ -49,10 +49,10 @@ class Microbatch:
     lengths: np.ndarray
     padded_len: int
     batch: int
-    row_ids: np.ndarray | None = None
+    row_ids: np.ndarray = None  # type: ignore[assignment]  # None: one sequence per row (set in __post_init__)
     recompute: bool = False
-    offsets: np.ndarray | None = None
-    continued: np.ndarray | None = None
+    offsets: np.ndarray = None  # type: ignore[assignment]  # None: zeros
+    continued: np.ndarray = None  # type: ignore[assignment]  # None: all False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_ids", _as_i64(self.seq_ids))

@@ -169,8 +169,8 @@ class Plan:
                 after[a].add(b)
         waiting = [len(a) for a in after]
         before: list[list[int]] = [[] for _ in range(m)]
-        for i, a in enumerate(after):
-            for j in a:
+        for i, later in enumerate(after):
+            for j in later:
                 before[j].append(i)
         ready = [i for i in range(m) if waiting[i] == 0]
         heapq.heapify(ready)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dynmb.bounds import (dependency_bound, ideal_bound, plan_bound, plan_bounds, plan_ideal, split_mask,
@@ -259,6 +259,9 @@ def test_ideal_of_one_sequence_is_its_makespan_without_overhead():
 @settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.integers(1, 2000), min_size=1, max_size=40), P=st.sampled_from([2, 2, 4]),
        which=st.integers(0, 2))
+@example(lengths=[115, 117, 123, 128, 128, 513, 515, 517, 521, 531, 537, 1210, 1276, 1409, 1454, 1967], P=2, which=2)
+@example(lengths=[4663, 6954, 7106, 6123], P=2, which=2)           # a packed row past the grid's longest row
+@example(lengths=[1, 2] * 16, P=2, which=2)                        # rows shorter than the grid's shortest
 def test_ideal_is_at_most_the_bound_of_one_sequence_per_microbatch_and_of_one_packed_row(lengths, P, which):
     """The superadditivity the proof assumes, on the shipped models: the batch run as one
     microbatch per sequence, as one padded microbatch, and as one packed row."""

@@ -197,6 +197,23 @@ def test_grid_corrects_packed_microbatches(samples):
     assert len(gerr) == 8 and np.isfinite(gerr["mape"]).all()
 
 
+def test_grid_beyond_its_longest_row_corrects_against_what_the_table_holds(samples):
+    """Past the longest measured padded_len (2,048 here) the table goes on linearly, so it holds the
+    secant's attention, not b s^2: a long packed row of short documents is priced near the truth
+    (subtracting k (b s^2 - a) took it to 0 s), the price rises with every document added, and a
+    one-document row past the grid gains the quadratic attention the extrapolation misses."""
+    m = fit_cost_model(samples, CFG, 2, kind="grid")
+    for (p, op) in TRUE:
+        docs = np.arange(1, 41)
+        s = 1000.0 * docs                                                    # rows of 1..40 documents of 1,000
+        pred = m.predict(p, op, np.ones_like(s), s, docs * 1000.0 ** 2)
+        truth = _truth(p, op, 1, s, docs * 1000.0 ** 2)
+        assert (np.diff(pred) > 0).all(), (p, op)
+        np.testing.assert_allclose(pred, truth, rtol=0.15)
+        one_doc = m.predict(p, op, 1, 16384)
+        assert abs(one_doc / _truth(p, op, 1, 16384) - 1) < 0.15, (p, op)
+
+
 def test_kfold_error_and_noise_floor(samples):
     err = kfold_error(samples, "poly", 5, model_cfg=CFG, num_stages=2)
     assert list(err.columns[:4]) == ["stage", "op", "mape", "max_ape"] and (err["n"] > 10).all()

@@ -28,7 +28,7 @@ from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
-           "global_batch_int", "MAX_GLOBAL_BATCH", "model_from_args", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
+           "global_batch_int", "MAX_GLOBAL_BATCH", "model_from_args", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
            "OVERSIZE_CHOICES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
@@ -80,7 +80,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "s
                              "(ablation)")
     parser.add_argument("--stage-split", default="even",
                         help="layers per pipeline stage: even (default), auto (balance the stages' work, embedding "
-                             "and LM head included, in half-blocks; dynmb.planning.stage_split) or a list such as "
+                             "and LM head included, in half-blocks: the forward + backward of every sequence of "
+                             "--dataset/--lengths at its own length, priced by --cost-model where it prices any "
+                             "split (analytic, gpu), else in FLOPs; dynmb.planning.stage_split) or a list such as "
                              "9,8,8,7 or, in half-blocks (a stage boundary between a block's attention and MLP), "
                              "2.5,2,2,1.5")
 
@@ -129,7 +131,8 @@ def factory_from_args(args: argparse.Namespace, *, model: str | None = None, sta
 
 def model_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> ModelConfig:
     """The ModelConfig of ``--model``, ``--attention`` and ``--stage-split`` over ``--stages`` stages
-    (``model`` / ``stages`` override the flags where a verb resolves its own defaults). For
+    (``model`` / ``stages`` override the flags where a verb resolves its own defaults; ``auto`` balances
+    the verb's trace, ``workload_of``, priced by ``--cost-model`` where it prices any layout). For
     ``package.module:factory`` the sizes and attention kind of its factory (``planning_config``)."""
     spec = model or args.model
     if spec.endswith(".py"):
@@ -156,7 +159,17 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
     if not stages:
         raise ValueError("--stage-split needs --stages (the number of pipeline stages, model chunks with --virtual)")
     from dynmb.planning.stage_split import resolve_stage_split
-    return resolve_stage_split(cfg, int(stages), split)
+    return resolve_stage_split(cfg, int(stages), split, workload=workload_of(args),
+                               cost_model=getattr(args, "cost_model", None))
+
+
+def workload_of(args: argparse.Namespace) -> str | None:
+    """What ``--stage-split auto`` balances: the trace a verb with data flags draws its batches from
+    (``--lengths``, ``--dataset``, else sharegpt as they default); None for a verb without them and for
+    ``--corpus`` (its token counts are known only once tokenized): the 1,024-token stand-in, said once."""
+    if not hasattr(args, "dataset") or getattr(args, "corpus", None):
+        return None
+    return args.lengths or args.dataset or "sharegpt"
 
 
 def warn_own_model_stand_ins(args: argparse.Namespace, model: ModelConfig, cost_model: str | None,

@@ -27,6 +27,7 @@ class AnalyticCostModel(CostModel):
     measured backward/forward ~ 2.0. Held-out-free error there: ~5% (F), ~6% (B)."""
 
     kind = "analytic"
+    layout_free = True
 
     def __init__(self, model_cfg: ModelConfig, num_stages: int, *, flops_per_s: float = 5.8e10,
                  overhead_s: float = 1.3e-3, bwd_ratio: float = 2.0, comm: CommModel | None = None,

@@ -124,6 +124,10 @@ class CostModel:
     _kinds: ClassVar[dict[str, type["CostModel"]]] = {}
     """Every subclass that sets its own ``kind``, by kind (``from_dict`` builds from it)."""
 
+    layout_free: ClassVar[bool] = False
+    """Whether the model prices any layer split of its model from the config alone (the analytic
+    kinds; a fitted model measured one split): ``for_layout`` rebuilds it for another."""
+
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         if "kind" in cls.__dict__:
@@ -196,6 +200,14 @@ class CostModel:
         c = copy.copy(self)
         c.comm = self.comm.with_recv_latency(recv_latency_s)
         return c
+
+    def for_layout(self, model_cfg: ModelConfig, num_stages: int) -> "CostModel":
+        """This model's kind and constants for ``model_cfg`` (another layer split, say) over ``num_stages``
+        stages; only a ``layout_free`` model (ValueError otherwise). The runtime calibration
+        (``with_scale``, ``with_overhead``, per stage) is not carried over."""
+        if not self.layout_free:
+            raise ValueError(f"a {self.kind} cost model was fitted to one layer split; it cannot price another")
+        return type(self)._from_parts(model_cfg, int(num_stages), self.comm, dict(self.meta), self._params())
 
     def receives(self, stage: int, op: str) -> bool:
         """Whether ``op`` on ``stage`` receives a message from a neighbouring stage (``F`` after

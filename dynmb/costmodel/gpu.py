@@ -95,6 +95,7 @@ class GPUCostModel(CostModel):
     """Analytic GPU stage times from FLOPs and shape-dependent efficiencies; see the module docstring."""
 
     kind = "gpu"
+    layout_free = True
 
     def __init__(self, model_cfg: ModelConfig, num_stages: int, *, spec: GPUSpec = H100_SXM,
                  comm: CommModel | None = None, link: str = "ib", meta: dict[str, Any] | None = None) -> None:

@@ -6,9 +6,12 @@ from the rectangle (token cap, held-out folds) are filled along rows at the same
 linearly between the two nearest measured rows, and beyond the measured rows in proportion to
 rows from the nearest measured cell (linear extrapolation from two noisy neighbours can go to
 ~0 or double); columns with no measured cell are then filled along padded_len, linearly.
-Extrapolation rule outside the grid: linear in each variable from the edge cell (``fill_value=None``), i.e. time keeps the slope of the last grid interval -- exact in rows
-(time is affine in rows at fixed length), an underestimate in padded_len beyond the grid
-(attention grows like s^2); clipped at >= 0. Reached through ``dynmb.costmodel``
+Extrapolation rule outside the grid: linear in each variable from the edge cell (``fill_value=None``),
+i.e. time keeps the slope of the last grid interval -- exact in rows (time is affine in rows at
+fixed length); beyond the longest padded_len the attention the slope misses (it grows like s^2) is
+added back by the document correction below; below the shortest measured padded_len the time is held at that length's (fixed
+costs dominate there, and a line through two noisy short points reached 0 s for many short rows);
+clipped at >= 0. Reached through ``dynmb.costmodel``
 (``GridCostModel``, ``fit_cost_model(kind="grid")``, ``CostModel.load``, which refuses a table
 with unordered axes, a wrong shape, or times that fall as padded_len grows).
 
@@ -17,6 +20,14 @@ documents a row holds; its cells are one-document rows (attention work ``b * s^2
 microbatch of attention work ``a < b * s^2`` gets a linear correction per (stage, op):
 
     t(b, s, a) = table(b, s) - k * (b * s^2 - a)
+
+Beyond the longest measured padded_len ``s_e`` the table's linear extrapolation holds the attention
+work of the last interval's secant, not ``b * s^2``, so the correction is taken against what the
+table holds there: ``t(b, s, a) = table(b, s) + k * (a - A_tab(b, s))`` with ``A_tab = b * s^2`` up to
+``s_e`` and ``b * (s_e^2 + (s_e + s_p)(s - s_e))`` beyond it (``s_p`` the padded_len before ``s_e``):
+a one-document row past the grid gains the attention the linear extrapolation misses, and a packed
+row past it loses only what the table holds (subtracting ``k * (b s^2 - a)`` there drove long packed
+rows to 0 s).
 
 ``k`` (seconds per unit of attention work, >= 0) is the relative-error least-squares slope of
 ``table(b, s) - t`` against ``b * s^2 - a`` over the packed points of the samples, or, when
@@ -62,11 +73,25 @@ class GridCostModel(CostModel):
                         if len(r) > 1 and len(s) > 1 else None for k, (r, s, t) in self.grids.items()}
 
     def _predict(self, stage, op, b, s, a):
-        return self._table(stage, op, b, s) - self.attn_slope[(stage, op)] * (b * s * s - a)
+        return self._table(stage, op, b, s) + self.attn_slope[(stage, op)] * (a - self._table_attn(stage, op, b, s))
+
+    def _table_attn(self, stage: int, op: str, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """The attention work the table's value at (rows, padded_len) stands for: ``b * s^2`` up to
+        the longest measured padded_len ``s_e``; beyond it the table goes on along its last interval
+        ``[s_p, s_e]``, so its attention grows as that secant of ``s^2`` does: ``b * (s_e^2 + (s_e + s_p)
+        * (s - s_e))`` (module doc)."""
+        s_ax = self.grids[(stage, op)][1]
+        if len(s_ax) < 2:
+            return b * s * s
+        s_e, s_p = float(s_ax[-1]), float(s_ax[-2])
+        return b * np.where(s > s_e, s_e * s_e + (s_e + s_p) * (s - s_e), s * s)
 
     def _table(self, stage: int, op: str, b: np.ndarray, s: np.ndarray) -> np.ndarray:
-        """The interpolated one-document time at (rows, padded_len)."""
+        """The interpolated one-document time at (rows, padded_len); held at the shortest measured
+        padded_len below it (module doc)."""
         r_ax, s_ax, t = self.grids[(stage, op)]
+        if len(s_ax) > 1:
+            s = np.maximum(s, s_ax[0])
         f = self._interp[(stage, op)]
         if f is not None:
             return f(np.stack([b.ravel(), s.ravel()], axis=-1)).reshape(b.shape)

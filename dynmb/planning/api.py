@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from ..simulate import SimResult
 from ..types import Plan, Schedule
 from .defaults import default_cost_model_path, stand_ins_of, warn_stand_ins
 from .planner import plan_step
+from .split_work import layout_cost_model
 from .stage_split import resolve_stage_split
 
 __all__ = ["Planner", "PlannedStep"]
@@ -63,6 +64,16 @@ def _model(model: Any) -> tuple[ModelConfig, bool]:
     return planning_config(factory), not is_family_factory(factory)
 
 
+def _for_split(cost_model: Any, cfg: ModelConfig, num_stages: int) -> Any:
+    """``cost_model`` (an object or a JSON path) rebuilt for ``cfg``'s layer split when it prices any
+    layout (``CostModel.layout_free``) and was made for another split of the same model; else as given."""
+    cm = layout_cost_model(cost_model)
+    if cm is None or cm.model_cfg.layer_split == cfg.layer_split or cm.num_stages != num_stages:
+        return cost_model
+    cm.check(replace(cfg, layer_split=cm.model_cfg.layer_split), num_stages)      # the same model otherwise
+    return cm.for_layout(replace(cm.model_cfg, layer_split=cfg.layer_split), num_stages)
+
+
 class Planner:
     """Plans global batches for one pipeline configuration; see the module docstring.
 
@@ -79,16 +90,26 @@ class Planner:
     ("cpu"/"cuda") to default to; ``stage_split``: the layers per stage, ``"even"``, ``"auto"`` (balanced work,
     embedding and head included: ``dynmb.planning.stage_split``; in half-blocks for dynmb's families) or a
     list such as ``"9,8,8,7"`` or ``"2.5,2,2,1.5"`` (the model's ``layer_split``; half-blocks for dynmb's
-    families only; a fitted cost or memory model must have been measured on the same split).
+    families only; a fitted cost or memory model must have been measured on the same split); ``workload``:
+    what ``"auto"`` balances, the lengths the planner will see (an array, a shipped trace name or a
+    length-trace CSV: every sequence's forward + backward at its own length, priced by ``cost_model`` where
+    it prices any layout (the analytic and GPU models, rebuilt for the split), else in FLOPs:
+    ``dynmb.planning.split_work``); None: forward FLOPs of one 1,024-token row, said once. A fitted cost
+    model (given, or the shipped one) prices only the split it was measured on: ``"auto"`` is that split.
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
                  cost_model: CostModelLike | None = None, memory_model: MemoryModelLike | None = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
-                 recompute: str = "never", device: str = "cpu", stage_split: str = "even") -> None:
+                 recompute: str = "never", device: str = "cpu", stage_split: str = "even",
+                 workload: Any = None) -> None:
         self.model_cfg, own = _model(model)
         if stage_split != "even":                  # "even" keeps a split the model config already carries
-            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own)
+            pricing = cost_model if cost_model is not None else default_cost_model_path(
+                self.model_cfg.name, int(num_stages), device)          # the model it will plan with
+            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
+                                                 workload=workload, cost_model=pricing)
+            cost_model = _for_split(cost_model, self.model_cfg, int(num_stages))
         self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=int(virtual), schedule_kind=schedule,
                              reorder="auto", memory_limit_bytes=parse_bytes(memory_limit), dp=int(dp),
                              pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,

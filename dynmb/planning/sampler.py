@@ -164,7 +164,8 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
     too) or a ``StageFactory`` (its ``config`` sizes the stand-in models, its ``attention_work``
     sets the cost model's attention feature; see ``Planner``); ``cost_model`` / ``memory_model``: its fitted models (objects or JSON
     paths). Extra keyword arguments (``schedule``, ``round_to``, ``oversize``, ``pack_len``,
-    ``virtual``, ``recompute``, ``device``) go to the ``Planner``."""
+    ``virtual``, ``recompute``, ``device``, ``stage_split``) go to the ``Planner``; ``stage_split="auto"``
+    balances the dataset's ``lengths`` (the ``Planner``'s ``workload``)."""
 
     def __init__(self, lengths: Any, global_batch: int, *, model: ModelConfig | str | Any, num_stages: int,
                  memory_limit: int | str, cost_model: CostModelLike | str | None = None,
@@ -198,7 +199,8 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
                         "batch of all %d (not sampled with replacement)", n, self.global_batch, n)
         with suppress_stand_in_warnings():           # one warning below names every stand-in at once
             self.planner = Planner(model=model, num_stages=num_stages, memory_limit=memory_limit, dp=self.num_replicas,
-                                   cost_model=cost_model, memory_model=memory_model, **planner_kwargs)
+                                   cost_model=cost_model, memory_model=memory_model,
+                                   **{"workload": self.lengths, **planner_kwargs})   # stage_split="auto": the dataset
         warn_stand_ins(self.planner.model_cfg, self.planner.num_stages,
                        stand_ins_of(self.planner.cost_model, self.planner.memory_model), who="DynamicBatchSampler")
         self.epoch = 0

@@ -7,16 +7,18 @@ P = 16 the last stage does 1.4x the others' work and caps the whole pipeline at 
 (Megatron's ``pipeline_model_parallel_layout`` and DeepSpeed's ``partition_method`` let users move
 layers by hand for the same reason).
 
-Work model: a stage's work is the forward FLOPs of its layers plus, on the first stage, the embedding
-and, on the last, the head (``ModelConfig.stage_flops``, the same count every consumer uses, for both
-families; backward is a multiple of forward per part, so forward FLOPs rank splits as the whole step
-does). The per-part FLOPs are read off ``stage_flops`` at one representative microbatch of
-``tokens_hint`` tokens in one row (attention grows with the row length, the head does not: the hint
-matters; ``--stage-split auto`` uses 1,024 tokens, a typical microbatch row of the shipped traces).
-Any other work model enters as ``stage_cost(layout, stage, num_stages) -> work`` and is read off the
-same small layouts (a cost model's forward + backward seconds of a batch, say, where attention runs
-below GEMM efficiency and its backward does 2.5x its forward's FLOPs: ``experiments/scaling.py``
-balances the ideal seconds its ``ideal_s`` is made of). With ``F`` the work of a layout:
+Work model: what ``resolve_stage_split``'s ``auto`` balances is the work of the workload the pipeline
+will train, when it is given (``workload``: the lengths, a trace name or a length-trace CSV;
+``dynmb.Planner(workload=...)``, and ``dynmb plan`` / ``run`` / ``compare`` pass the trace they draw
+batches from): every sequence's forward + backward at its own length, attention's s^2 term included,
+priced by the cost model where it prices any layout (the analytic and GPU models), else in FLOPs
+(``dynmb.planning.split_work``). With no workload it falls back to forward FLOPs
+(``ModelConfig.stage_flops``) at one representative microbatch of ``tokens_hint`` tokens in one row
+(1,024, a typical microbatch row of the shipped traces; the head does not grow with the row length,
+attention does, so the hint matters), and says so once: with long documents that stand-in loads the
+stages holding extra attention halves (docs/results.md "Half-block stage splits"). Any other work model
+enters as ``stage_cost(layout, stage, num_stages) -> work`` and is read off the same small layouts.
+With ``F`` the work of a layout:
 ``layer = F(2 layers, 1 stage) - F(1 layer, 1 stage)``, ``first = F_0(2 layers, 2 stages) - layer``,
 ``last = F_1(2 layers, 2 stages) - layer``, and the attention half's ``attn = F_0(1 layer split
 (0.5, 0.5), 2 stages) - first`` (the MLP half ``layer - attn``).
@@ -47,18 +49,22 @@ planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py
 The split is a property of the model layout (``ModelConfig.layer_split``, halves allowed): the memory
 model, the cost models, the runtime's stages and the single-process reference all read it through
 ``ModelConfig.stage_units`` / ``stage_parts`` / ``stage_blocks``; a fitted cost or memory model is
-refused for another split. A model of the user's own splits whole layers only (``half_blocks=False``).
+refused for another split; an ``auto`` split equal to the even one is the even split (``layer_split``
+None), so a model fitted on the even split still fits. A model of the user's own splits whole layers only
+(``half_blocks=False``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from dynmb.config import ModelConfig
+
+from .split_work import fitted_split, workload_cost
 
 __all__ = ["balanced_split", "stage_work", "split_ceiling", "resolve_stage_split", "flops_cost",
            "StageCost", "STAGE_SPLITS"]
@@ -71,7 +77,8 @@ STAGE_SPLITS = ("even", "auto")
 
 
 StageCost = Callable[[ModelConfig, int, int], float]
-"""``(layout, stage, num_stages) -> work``: what the split balances (default: forward FLOPs at one row)."""
+"""``(layout, stage, num_stages) -> work``: what the split balances (``split_work.workload_cost``: a workload's
+F + B; without one, ``flops_cost``: forward FLOPs at one row)."""
 
 
 def flops_cost(tokens_hint: int = 1024) -> StageCost:
@@ -177,23 +184,52 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *
     return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts)
 
 
+def _fallback_said() -> bool:
+    """Whether the 1,024-token stand-in was said already (once per process); marks it said."""
+    global _FALLBACK_SAID
+    said, _FALLBACK_SAID = _FALLBACK_SAID, True
+    return said
+
+
+_FALLBACK_SAID = False
+
+
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
-                        half_blocks: bool = True, stage_cost: StageCost | None = None) -> ModelConfig:
+                        half_blocks: bool = True, stage_cost: StageCost | None = None, workload: Any = None,
+                        cost_model: Any = None) -> ModelConfig:
     """``cfg`` with the layer split ``setting`` names: ``even`` (None), ``auto`` (``balanced_split``, in
     half-blocks when ``half_blocks``), or an explicit comma-separated list of layers per stage, whole
     (``9,8,8,7``) or with halves (``2.5,2,2,1.5``). ``half_blocks=False`` (a model of the user's own,
     whose stages split whole layers): ``auto`` in whole layers, and a list with halves is refused.
-    ``tokens_hint`` / ``stage_cost``: the work model (module docstring)."""
+    The work ``auto`` balances: ``stage_cost`` when given; else the ``workload``'s (lengths, a trace
+    name or a length-trace CSV) forward + backward at every sequence's own length, priced by
+    ``cost_model`` (an object or JSON path) where it prices any layout, else in FLOPs
+    (``dynmb.planning.split_work``); with neither, forward FLOPs at one row of ``tokens_hint`` tokens,
+    said once (module docstring). A fitted ``cost_model`` made for this model and stage count prices
+    only the split it was measured on: ``auto`` is that split."""
     setting = str(setting).strip()
     if setting == "even":
         return replace(cfg, layer_split=None)
     if setting == "auto":
+        pinned = fitted_split(cost_model, cfg, num_stages) if stage_cost is None else None
+        if pinned is not None:
+            logger.info("stage split auto: %s, the split the fitted cost model was measured on",
+                        list(pinned.stage_layer_counts(num_stages)))
+            return pinned
+        if stage_cost is None and workload is not None:
+            stage_cost = workload_cost(workload, cfg, cost_model)
+        elif stage_cost is None and not _fallback_said():
+            logger.warning("--stage-split auto: no workload given, so the split balances forward FLOPs of one "
+                           "%s-token row, not the work of the sequences you train; give the lengths (dynmb plan / "
+                           "run / compare: --dataset or --lengths; Planner(workload=lengths or a trace name))",
+                           f"{int(tokens_hint):,}")
         split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost)
         even = tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages))
         logger.info("stage split auto: %s (split ceiling %.3f; even split: %.3f)", list(split),
                     split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost),
                     split_ceiling(cfg, even, tokens_hint, stage_cost=stage_cost))
-        return replace(cfg, layer_split=split)
+        # the even split found is the even split: no layer_split, so a model fitted on it still fits
+        return replace(cfg, layer_split=None if tuple(split) == even else split)
     try:
         split = tuple(float(x) for x in setting.split(","))
     except ValueError:
