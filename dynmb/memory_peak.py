@@ -70,7 +70,7 @@ def _chunk_bound(act: np.ndarray, tr: np.ndarray, virtual: int, chunk_window: An
     out = np.empty(p)
     for r in range(ranks):
         stages = np.arange(r, p, ranks)
-        warm = min(m * virtual, int(chunk_window(r, ranks, virtual)))
+        warm = min(m * virtual, int(chunk_window(r, ranks, virtual, m)))
         top = np.sort(act[stages].ravel())[::-1][:warm].sum()
         out[stages] = top + tr[stages].max()
     return out

@@ -5,7 +5,8 @@ microbatches in flight: the kind's window (``dynmb.schedule.kinds``: ``P - i`` u
 memory-aware / the zero-bubble kinds), 1 under a kind without a window (GPipe, whose whole
 batch is checked afterwards), and under a kind with virtual stages (interleaved) with
 ``virtual`` > 1 chunks per GPU the kind's ``chunk_window`` of the GPU, whose stages' states
-add up. A microbatch of b rows x s tokens is admissible under the
+add up (before ``m`` is known, rounds of ``R``; ``for_microbatch_counts`` raises it to what a step
+of ``m`` microbatches holds). A microbatch of b rows x s tokens is admissible under the
 tight budget ``k_i * act_i(b, s) + transient_i(b, s) <= cap_i`` (exact for equal
 microbatches) or the safe one ``k_i * (act_i + transient_i) <= cap_i`` (any mix, any order);
 ``PackContext.bmax(s)`` is the most rows admissible at each length s
@@ -82,6 +83,20 @@ class PackContext:
             return self
         other = copy.copy(self)
         other.tight = tight
+        return other
+
+    def for_microbatch_counts(self, counts: Any) -> "PackContext":
+        """This context with every GPU's in-flight count at least what its kind holds with each of
+        ``counts`` microbatches in a step (``chunk_window``'s ``m``: interleaved rounds that ``R`` does
+        not split warm up more than packing assumed); itself for a kind without a chunk window."""
+        rec = get_kind(self.kind)
+        if not (rec.virtual_stages and self.virtual > 1 and rec.chunk_window is not None):
+            return self
+        R = self.p // self.virtual
+        rank = np.arange(self.p) % R
+        other = copy.copy(self)
+        for m in {int(c) for c in counts if int(c) > 0}:
+            other.k = np.maximum(other.k, rec.chunk_window(rank, R, self.virtual, m))
         return other
 
     def with_row_cap(self, row_cap: int) -> "PackContext":

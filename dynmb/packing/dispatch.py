@@ -280,14 +280,40 @@ def spec_of(spec: PlanSpec | str, legacy: dict[str, Any]) -> PlanSpec:
         raise TypeError(f"pack: {e}") from None
 
 
+class _OverLimit(PackingError):
+    """A packing whose exact peak is over the limit under both budgets (``counts``: its microbatches
+    per replica, for ``PackContext.for_microbatch_counts``)."""
+
+    def __init__(self, message: str, counts: Any) -> None:
+        super().__init__(message)
+        self.counts = counts
+
+
 def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_model: CostModelLike) -> Plan:
+    """``pack`` under ``PackContext.from_spec``. With virtual stages the exact peak counts the chunks in
+    flight with the plan's own m; where that is more than packing assumed (interleaved rounds that R does
+    not split warm up more), the batch is packed again with the in-flight counts of every m near the
+    plan's, until it fits or the counts stop growing."""
     t0 = time.perf_counter()
     _check_args(spec, memory_model)
-    method, round_to, dp = spec.method, int(spec.round_to), spec.dp
     orig = _check_lengths(lengths)
+    base = PackContext.from_spec(spec, memory_model)
+    while True:
+        try:
+            return _pack_under(base, orig, spec, memory_model, cost_model, t0)
+        except _OverLimit as e:
+            lo, hi = max(1, int(min(e.counts)) // 2), 2 * int(max(e.counts)) + 2 * spec.num_stages
+            wider = base.for_microbatch_counts(range(lo, hi))
+            if np.array_equal(wider.k, base.k):
+                raise PackingError(str(e)) from None
+            base = wider
+
+
+def _pack_under(base: PackContext, orig: np.ndarray, spec: PlanSpec, memory_model: MemoryModelLike,
+                cost_model: CostModelLike, t0: float) -> Plan:
+    method, round_to, dp = spec.method, int(spec.round_to), spec.dp
     cfg = memory_model.model_cfg
     attention = spec.attention or cfg.attention
-    base = PackContext.from_spec(spec, memory_model)
     packed = get_method(method).pack_len_rows
     if packed:
         len_cap, longest_row = packed_row_len(base, cfg.max_seq_len, spec.pack_len, round_to)
@@ -313,7 +339,8 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
             break
         if tight and not (spec.mbs is not None and get_method(method).mbs == "rows"):
             continue
-        raise PackingError(_over_limit_message(method, peak, ctx, round_up(int(L.max()), round_to), len_cap))
+        counts = np.bincount(replica_ids, minlength=dp) if replica_ids is not None else [len(microbatches)]
+        raise _OverLimit(_over_limit_message(method, peak, ctx, round_up(int(L.max()), round_to), len_cap), counts)
     plan = Plan(microbatches=tuple(microbatches), method=method, num_stages=spec.num_stages,
                 memory_limit_bytes=int(spec.memory_limit_bytes), num_sequences=len(orig),
                 schedule_kind=spec.schedule_kind, dp=dp, spec=spec,

@@ -14,7 +14,7 @@ A kind's traits (``ScheduleKind``):
 - ``window(stage, P)``: microbatches stage ``stage`` of ``P`` holds in flight at most (None:
   every microbatch of the step, GPipe). The memory peak rule (``dynmb.memory.peak_from_matrix``)
   charges every stage the largest sum of ``min(m, window)`` consecutive activations.
-- ``chunk_window(rank, ranks, virtual)``: with virtual stages (``virtual_stages`` and
+- ``chunk_window(rank, ranks, virtual, m=None)``: with virtual stages (``virtual_stages`` and
   ``virtual > 1``), the chunk-microbatches one GPU holds at most (the interleaved warm-up bound);
   the peak rule is then per GPU, its stages' states added up.
 - ``split_backward``: the builder may emit ``I``/``W`` (costs of all four ops are needed).
@@ -108,8 +108,9 @@ class ScheduleKind:
     """The builder."""
     window: Callable[[int, int], int] | None
     """``window(stage, P)``: microbatches in flight on a stage at most; None: all of them (GPipe)."""
-    chunk_window: Callable[[Any, int, int], Any] | None = None
-    """``chunk_window(rank, ranks, virtual)``: chunk-microbatches in flight on a GPU with virtual stages."""
+    chunk_window: Callable[..., Any] | None = None
+    """``chunk_window(rank, ranks, virtual, num_microbatches=None)``: chunk-microbatches in flight on a GPU
+    with virtual stages (with ``m`` microbatches in the step; without, the count packing assumes)."""
     split_backward: bool = False
     """The builder may emit split backwards (``I`` then ``W``)."""
     slices: bool = False
@@ -292,9 +293,19 @@ _BUILT: dict[tuple, Schedule] = {}
 _BUILT_MAX = 64
 
 
-def interleaved_inflight(rank: Any, ranks: int, virtual: int) -> Any:
-    """Chunk-microbatches in flight at most on pipeline ``rank`` of an interleaved schedule."""
-    return 2 * (ranks - np.asarray(rank) - 1) + (virtual - 1) * ranks + 1
+def interleaved_inflight(rank: Any, ranks: int, virtual: int, num_microbatches: int | None = None) -> Any:
+    """Chunk-microbatches in flight at most on pipeline ``rank`` of an interleaved schedule: the
+    builder's warm-up ``(v - 1) k + 2 (R - 1 - r)`` forwards plus the one before the first backward,
+    ``k`` the first round's size (``builders.interleaved_round_sizes``: ``R`` when ``R`` splits ``m``,
+    up to ``2R - 1`` when it does not, ``m`` itself below ``2R``), at most all ``v m``. Without
+    ``num_microbatches`` (packing, before ``m`` is known): rounds of ``R``, Megatron's count; the
+    packer checks the plan it made with its own ``m`` (``dynmb.packing.dispatch``)."""
+    rank = np.asarray(rank)
+    if num_microbatches is None:
+        return 2 * (ranks - rank - 1) + (virtual - 1) * ranks + 1
+    m = int(num_microbatches)
+    k = builders.interleaved_round_sizes(ranks, m)[0]
+    return np.minimum(2 * (ranks - rank - 1) + (virtual - 1) * k + 1, virtual * m)
 
 
 # --- the built-in kinds ----------------------------------------------------------------------------
