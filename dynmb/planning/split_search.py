@@ -9,8 +9,8 @@ the same stage sizes with the 2.5-layer stage elsewhere simulated up to 4.8% fas
 Algorithm (``SplitSearch.choose``), run once per run, deterministic (every rank computes the same):
 
 1. **Candidates** (``near_optimal_splits``): the min-max split ``S0`` first; then every arrangement of
-   the stage sizes of ``S0``, of the whole-layer min-max split and of the half-block one (in half-block
-   units; whole layers only for a model of the user's own) whose busiest stage's work is within
+   the stage sizes of ``S0``, of the whole-layer min-max split and of the half-block one
+   (``stage_split.min_max_split``; in half-block units, whole layers only for a model of the user's own) whose busiest stage's work is within
    ``tolerance`` of the min-max optimum (a depth-first walk over the multiset of sizes, a stage dropped as
    soon as its work passes the bound; at most ``ENUMERATE_LIMIT`` arrangements). Arbitrary segmentations
    are not enumerated: where the busiest stage is the head's, millions of them keep the bound (most with
@@ -48,7 +48,7 @@ from dynmb.planspec import PlanSpec
 
 from .planner import plan_step
 from .split_work import layout_cost_model, workload_lengths
-from .stage_split import StageCost, balanced_split, unit_work
+from .stage_split import StageCost, balanced_split, min_max_split, unit_work
 
 __all__ = ["SplitSearch", "SplitChoice", "near_optimal_splits", "ENUMERATE_LIMIT"]
 
@@ -125,7 +125,7 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
     if p <= cfg.n_layers:
         seeds.add(_units(balanced_split(cfg, p, half_blocks=False, stage_cost=stage_cost)))
     if half_blocks and p <= 2 * cfg.n_layers:
-        seeds.add(_units(balanced_split(cfg, p, half_blocks=True, stage_cost=stage_cost)))
+        seeds.add(_units(min_max_split(cfg, p, stage_cost, half_blocks=True)))
     opt = min(busiest(s) for s in seeds)
     bound = opt * (1.0 + float(tolerance)) * (1 + 1e-12)
     found: set[tuple[int, ...]] = set()

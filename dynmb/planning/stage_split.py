@@ -46,6 +46,11 @@ stage work ``split_ceiling``, 0.78); half-blocks move an attention half off the 
 it to 0.865 (docs/results.md); at Llama-3's 128k vocabulary the head is about 2.4 layers and the
 planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py).
 
+Min-max cannot see where an uneven stage sits, which moves the fill and drain of 1F1B and the
+zero-bubble kinds by a few percent: given the run's planning settings (``search``, a
+``split_search.SplitSearch``), ``auto`` takes among the near-optimal splits the one whose simulated step
+is fastest (``dynmb.planning.split_search``), else the min-max split, said once.
+
 The split is a property of the model layout (``ModelConfig.layer_split``, halves allowed): the memory
 model, the cost models, the runtime's stages and the single-process reference all read it through
 ``ModelConfig.stage_units`` / ``stage_parts`` / ``stage_blocks``; a fitted cost or memory model is
@@ -66,7 +71,7 @@ from dynmb.config import ModelConfig
 
 from .split_work import fitted_split, workload_cost
 
-__all__ = ["balanced_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
+__all__ = ["balanced_split", "min_max_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
            "StageCost", "STAGE_SPLITS"]
 
 logger = logging.getLogger(__name__)
@@ -156,6 +161,14 @@ def _min_max_partition(units: np.ndarray, p: int, first: float, last: float) -> 
         end = start
     split.append(end)
     return list(reversed(split)), float(best_max[p - 1, n]), float(best_sq[p - 1, n])
+
+
+def min_max_split(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool) -> tuple[float, ...]:
+    """The min-max partition in half-block units (``half_blocks``) or whole layers, as layers per stage,
+    without ``balanced_split``'s preference for whole layers."""
+    units, first, last = unit_work(cfg, stage_cost, half_blocks)
+    counts = _min_max_partition(units, int(num_stages), first, last)[0]
+    return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts) if half_blocks else tuple(counts)
 
 
 def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *,
