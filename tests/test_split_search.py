@@ -110,3 +110,11 @@ def test_the_command_line_chooses_as_the_planner(tmp_path) -> None:
     choice = search.choose(LLAMA2, P, workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)), workload=TRACE,
                            cost_model=GPUCostModel(LLAMA2, P))
     assert choice.how == "simulated" and model_from_args(args).layer_split == choice.split
+
+
+def test_an_even_optimum_offers_its_neighbours() -> None:
+    """Where the min-max split is the even one (long documents), its arrangements are one split: the free
+    places go to the sizes one half-block move away that keep the bound."""
+    cost = workload_cost("wikitext2", LLAMA2, GPUCostModel(LLAMA2, P))
+    cands, _ = near_optimal_splits(LLAMA2, P, cost, tolerance=0.02, max_candidates=4)
+    assert cands[0] == (4,) * P and len(cands) == 4 and all(4.5 in c and 3.5 in c for c in cands[1:])

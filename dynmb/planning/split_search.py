@@ -10,13 +10,16 @@ Algorithm (``SplitSearch.choose``), run once per run, deterministic (every rank 
 
 1. **Candidates** (``near_optimal_splits``): the min-max split ``S0`` first; then every arrangement of
    the stage sizes of ``S0``, of the whole-layer min-max split and of the half-block one
-   (``stage_split.min_max_split``; in half-block units, whole layers only for a model of the user's own) whose busiest stage's work is within
-   ``tolerance`` of the min-max optimum (a depth-first walk over the multiset of sizes, a stage dropped as
-   soon as its work passes the bound; at most ``ENUMERATE_LIMIT`` arrangements). Arbitrary segmentations
-   are not enumerated: where the busiest stage is the head's, millions of them keep the bound (most with
-   very uneven stages), while arrangements of the optimum's own sizes are the near-ties that matter. Of
-   the arrangements (sorted by their sizes, as tuples) ``max_candidates - 1`` evenly spaced ones are kept,
-   so the uneven stages' positions spread over the pipeline.
+   (``stage_split.min_max_split``; in half-block units, whole layers only for a model of the user's own)
+   whose busiest stage's work is within ``tolerance`` of the min-max optimum (a depth-first walk over the
+   multiset of sizes, a stage dropped as soon as its work passes the bound; at most ``ENUMERATE_LIMIT``
+   arrangements). Arbitrary segmentations are not enumerated: where the busiest stage is the head's,
+   millions of them keep the bound (most with very uneven stages), while arrangements of the optimum's own
+   sizes are the near-ties that matter. Of the arrangements (sorted by their sizes, as tuples)
+   ``max_candidates - 1`` evenly spaced ones are kept, so the uneven stages' positions spread over the
+   pipeline; where they are fewer, the free places go (evenly spaced again) to the arrangements within the
+   bound of the sizes one move away (one stage gives a half-block, a layer for whole layers, to another:
+   the even split's neighbours 4.5, 3.5, 4, ... among them).
 2. **Choice**: ``batches`` sample batches drawn from the workload (``dynmb.data.sample_batch``, stream
    ``seed``, steps 0, 1, ...), each one replica's share of the global batch (``global_batch / dp``
    sequences) planned at ``dp = 1`` with the run's other settings (``PlanSpec``: memory limit, schedule
@@ -105,10 +108,22 @@ def _arrangements(sizes: tuple[int, ...], work: np.ndarray, first: float, last: 
     return out
 
 
+def _moves(sizes: tuple[int, ...], step: int) -> set[tuple[int, ...]]:
+    """The multisets (sorted) ``sizes`` becomes when one stage gives ``step`` units to another."""
+    out = set()
+    for i in range(len(sizes)):
+        for j in range(len(sizes)):
+            if i != j and sizes[j] > step:
+                m = list(sizes)
+                m[i], m[j] = m[i] + step, m[j] - step
+                out.add(tuple(sorted(m)))
+    return out
+
+
 def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool = True,
                         tolerance: float = 0.02, max_candidates: int = 8) -> tuple[list[Split], int]:
-    """(candidate splits, the min-max split ``balanced_split`` first; how many arrangements kept the bound):
-    step 1 of the module docstring."""
+    """(candidate splits, the min-max split ``balanced_split`` first; how many arrangements walked kept the
+    bound): step 1 of the module docstring."""
     p = int(num_stages)
     s0 = balanced_split(cfg, p, half_blocks=half_blocks, stage_cost=stage_cost)
     work, first, last = unit_work(cfg, stage_cost, True)
@@ -128,15 +143,24 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
         seeds.add(_units(min_max_split(cfg, p, stage_cost, half_blocks=True)))
     opt = min(busiest(s) for s in seeds)
     bound = opt * (1.0 + float(tolerance)) * (1 + 1e-12)
-    found: set[tuple[int, ...]] = set()
-    for sizes in sorted(seeds):
-        found.update(_arrangements(tuple(sorted(sizes)), work, first, last, bound, not half_blocks,
-                                   ENUMERATE_LIMIT))
-    others = sorted(found - {_units(s0)})
-    k = max(0, int(max_candidates) - 1)
-    if len(others) > k:
-        others = [others[int(i)] for i in np.unique(np.linspace(0, len(others) - 1, k).round().astype(int))]
-    return [s0, *(_layers(u) for u in others)], len(found | {_units(s0)})
+    step = 1 if half_blocks else 2
+    near = {tuple(sorted(m)) for m in seeds}
+    moved = {mv for m in near for mv in _moves(m, step)} - near
+    k, kept, total = max(0, int(max_candidates) - 1), [], 0
+    for tier in (near, moved):                          # the optimum's own sizes first, then one half-block moved
+        if tier is moved and len(kept) >= k:
+            break
+        found: set[tuple[int, ...]] = set()
+        for sizes in sorted(tier):
+            found.update(_arrangements(sizes, work, first, last, bound, not half_blocks, ENUMERATE_LIMIT))
+        total += len(found | ({_units(s0)} if tier is near else set()))
+        others = sorted(found - {_units(s0)} - set(kept))
+        room = k - len(kept)
+        if len(others) > room:
+            others = [others[int(i)] for i in np.unique(np.linspace(0, len(others) - 1, room).round().astype(int))] \
+                if room > 0 else []
+        kept += others
+    return [s0, *(_layers(u) for u in kept)], total
 
 
 @dataclass(frozen=True)
