@@ -21,7 +21,8 @@ min-max split (the ``new`` one above: ``Planner(stage_split="auto", workload=bat
 and the split ``SplitSearch`` chooses with the Planner's own settings (``--schedule``, dp, 80 GiB, truncate)
 and ``global_batch`` = the batch's sequences, the workload being the batch (its sample batches: one
 replica's share drawn from it); each split's dynamic step, kind and attainable fraction by the study's
-``plan_once`` on the whole batch, the candidates' mean steps on the sample batches and the choice's CPU s.
+``plan_once`` on the whole batch (with its real tokens / s and truncated sequences), the chosen candidate's
+score on the sample batches against the min-max split's (mean step per real token) and the choice's CPU s.
 
     PYTHONPATH=$PWD nice -n 19 python3 benchmarks/bench_stage_split.py --out /tmp/stage_split.json
     PYTHONPATH=$PWD nice -n 19 python3 benchmarks/bench_stage_split.py --choice --out /tmp/split_choice.json
@@ -115,25 +116,32 @@ def choice_rows(model: str, trace_name: str, P: int, args: argparse.Namespace) -
     steps: dict[str, dict] = {}
     for split in dict.fromkeys(splits.values()):
         row = scaling.plan_once(cell, {**c, "stage_split": split}, "dynamic", None)
-        steps[split] = {"step_s": row["pred_step_s"], "kind": row["schedule"], "attainable": row["attainable"]}
+        steps[split] = {"step_s": row["pred_step_s"], "kind": row["schedule"], "attainable": row["attainable"],
+                        "tokens_per_s": row["tokens_per_s"], "truncated": row["truncated"]}
+    i = choice.candidates.index(choice.split)
     return {"model": model, "trace": trace_name, "P": P, "seed": args.seed, "sequences": int(batch.size),
             **{f"split_{k}": v for k, v in splits.items()}, "choice_cpu_s": cpu_s,
             "candidates": len(choice.candidates), "near_optimal": choice.near_optimal,
-            "sample_step_minmax_s": choice.steps_s[0], "sample_step_sim_s": min(choice.steps_s),
-            **{f"{m}_{k}": steps[splits[k]][m] for k in splits for m in ("step_s", "kind", "attainable")}}
+            "sample_step_minmax_s": choice.steps_s[0], "sample_step_sim_s": choice.steps_s[i],
+            "sample_score_sim_s": choice.scores_s[i],
+            **{f"{m}_{k}": steps[splits[k]][m] for k in splits
+               for m in ("step_s", "kind", "attainable", "tokens_per_s", "truncated")}}
 
 
 def choice_markdown(rows: list[dict]) -> str:
     out = ["| model | trace | P | seed | split, min-max | split, simulated choice | step s, min-max -> choice | change | "
-           "attainable | kind | sample mean step, min-max -> choice | candidates (near-optimal) | choice CPU s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "tokens/s change | truncated | attainable | kind | sample score, choice / min-max | candidates (near-optimal) "
+           "| choice CPU s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         same = r["split_minmax"] == r["split_sim"]
         out.append(f"| {r['model']} | {r['trace']} | {r['P']} | {r['seed']} | {short(r['split_minmax'])} | "
                    f"{'same' if same else short(r['split_sim'])} | {r['step_s_minmax']:.4f} -> {r['step_s_sim']:.4f} | "
-                   f"{r['step_s_sim'] / r['step_s_minmax'] - 1:+.2%} | {r['attainable_minmax']:.3f} -> "
+                   f"{r['step_s_sim'] / r['step_s_minmax'] - 1:+.2%} | "
+                   f"{r['tokens_per_s_sim'] / r['tokens_per_s_minmax'] - 1:+.2%} | "
+                   f"{r['truncated_minmax']} -> {r['truncated_sim']} | {r['attainable_minmax']:.3f} -> "
                    f"{r['attainable_sim']:.3f} | {r['kind_minmax']} -> {r['kind_sim']} | "
-                   f"{r['sample_step_minmax_s']:.4f} -> {r['sample_step_sim_s']:.4f} | {r['candidates']} "
+                   f"{r['sample_score_sim_s'] / r['sample_step_minmax_s'] - 1:+.1%} | {r['candidates']} "
                    f"({r['near_optimal']}) | {r['choice_cpu_s']:.1f} |")
     return "\n".join(out)
 

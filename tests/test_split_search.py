@@ -38,11 +38,13 @@ def _min_max() -> tuple[float, ...]:
     return balanced_split(LLAMA2, P, half_blocks=True, stage_cost=workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)))
 
 
-def _mean_step(split: tuple[float, ...], batches: list[np.ndarray]) -> float:
-    """The split's mean simulated step on ``batches``, planned by a Planner given the split explicitly."""
+def _mean_step(split: tuple[float, ...], batches: list[np.ndarray]) -> tuple[float, float]:
+    """The split's (mean simulated step, mean real tokens) on ``batches``, planned by a Planner given the
+    split explicitly."""
     planner = dynmb.Planner(model=LLAMA2, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(LLAMA2, P),
                             stage_split=",".join(f"{n:g}" for n in split), oversize="truncate")
-    return float(np.mean([planner.plan(b).plan.predictions["pred_step_s"] for b in batches]))
+    plans = [planner.plan(b).plan for b in batches]
+    return float(np.mean([p.predictions["pred_step_s"] for p in plans])), float(np.mean([p.real_tokens for p in plans]))
 
 
 def test_candidates_are_near_optimal_arrangements_min_max_first() -> None:
@@ -68,11 +70,23 @@ def test_auto_takes_the_fastest_simulated_split_never_slower_than_min_max() -> N
     choice = search.choose(LLAMA2, P, workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)), workload=TRACE,
                            cost_model=GPUCostModel(LLAMA2, P))
     assert choice.how == "simulated" and choice.split == chosen and choice.candidates[0] == s0
-    assert min(choice.steps_s) == choice.steps_s[choice.candidates.index(chosen)] <= choice.steps_s[0]
+    i = choice.candidates.index(chosen)
+    assert min(choice.scores_s) == choice.scores_s[i] < choice.scores_s[0] == choice.steps_s[0]
     batches = search.sample_batches(np.asarray(dynmb.data.load_trace(TRACE)))
-    fast, old = _mean_step(chosen, batches), _mean_step(s0, batches)
-    assert fast == pytest.approx(min(choice.steps_s)) and old == pytest.approx(choice.steps_s[0])
-    assert fast < old
+    (fast, fast_tok), (old, old_tok) = _mean_step(chosen, batches), _mean_step(s0, batches)
+    assert fast == pytest.approx(choice.steps_s[i]) and old == pytest.approx(choice.steps_s[0])
+    assert fast / fast_tok < old / old_tok                          # more real tokens per second
+
+
+def test_the_choice_is_by_throughput_not_by_a_step_that_trains_fewer_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``oversize="truncate"`` a split can shorten its step by truncating more: the score is the step
+    per real token, so a candidate whose step is shorter only because it trains fewer tokens loses."""
+    s0, cost, cm = _min_max(), workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)), GPUCostModel(LLAMA2, P)
+    for other, expect_s0 in (((0.98, 95.0), True), ((0.98, 100.0), False)):   # 2% shorter step, 5% fewer tokens
+        monkeypatch.setattr(SplitSearch, "step_of",
+                            lambda self, cfg, split, p, m, b, o=other: (1.0, 100.0) if tuple(split) == s0 else o)
+        choice = _search().choose(LLAMA2, P, cost, workload=TRACE, cost_model=cm)
+        assert len(choice.candidates) > 1 and (choice.split == s0) == expect_s0
 
 
 def test_the_choice_is_deterministic() -> None:

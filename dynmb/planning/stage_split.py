@@ -212,11 +212,11 @@ def _say_choice(choice: Any) -> None:
     """Log how ``auto`` chose (``split_search.SplitChoice``): by simulated step every time (once per run), the
     min-max fallback and its reason once per process."""
     if choice.how == "simulated":
-        s0 = choice.steps_s[0]
-        logger.info("stage split auto: %s by simulated step, %.4f s against the min-max split %s's %.4f s "
-                    "(%d candidates of %d near-optimal arrangements; %.1f CPU s)", list(choice.split),
-                    min(choice.steps_s), list(choice.candidates[0]), s0, len(choice.candidates),
-                    choice.near_optimal, choice.cpu_s)
+        i = choice.candidates.index(choice.split)
+        logger.info("stage split auto: %s by simulated step, %.4f s (%.0f real tokens) against the min-max split "
+                    "%s's %.4f s (%.0f) on sample batches (%d candidates of %d near-optimal arrangements; %.1f CPU s)",
+                    list(choice.split), choice.steps_s[i], choice.tokens[i], list(choice.candidates[0]),
+                    choice.steps_s[0], choice.tokens[0], len(choice.candidates), choice.near_optimal, choice.cpu_s)
     elif choice.reason not in _CHOICE_SAID:
         _CHOICE_SAID.add(choice.reason)
         logger.info("stage split auto: the min-max split, not chosen by simulated step: %s", choice.reason)
