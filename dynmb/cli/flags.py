@@ -82,7 +82,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "s
                         help="layers per pipeline stage: even (default), auto (balance the stages' work, embedding "
                              "and LM head included, in half-blocks: the forward + backward of every sequence of "
                              "--dataset/--lengths at its own length, priced by --cost-model where it prices any "
-                             "split (analytic, gpu), else in FLOPs; dynmb.planning.stage_split) or a list such as "
+                             "split (analytic, gpu), else in FLOPs; dynmb.planning.stage_split; with such a cost "
+                             "model plan / run / compare then take, among the near-optimal splits, the one whose "
+                             "simulated step per real token is smallest: dynmb.planning.split_search) or a list such as "
                              "9,8,8,7 or, in half-blocks (a stage boundary between a block's attention and MLP), "
                              "2.5,2,2,1.5")
 

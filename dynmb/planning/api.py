@@ -98,8 +98,8 @@ class Planner:
     ``dynmb.planning.split_work``); None: forward FLOPs of one 1,024-token row, said once. A fitted cost
     model (given, or the shipped one) prices only the split it was measured on: ``"auto"`` is that split.
     ``global_batch``: sequences per global batch; given with ``workload`` and a layout-free cost model,
-    ``"auto"`` takes among the near-optimal splits the one whose simulated ``dynamic`` step on sample
-    batches of the workload is fastest under these settings (``dynmb.planning.split_search``; once, CPU
+    ``"auto"`` takes among the near-optimal splits the one whose simulated ``dynamic`` step per real token
+    on sample batches of the workload is smallest under these settings (``dynmb.planning.split_search``; once, CPU
     seconds logged); else the min-max split.
     """
 
