@@ -132,3 +132,13 @@ def test_an_even_optimum_offers_its_neighbours() -> None:
     cost = workload_cost("wikitext2", LLAMA2, GPUCostModel(LLAMA2, P))
     cands, _ = near_optimal_splits(LLAMA2, P, cost, tolerance=0.02, max_candidates=4)
     assert cands[0] == (4,) * P and len(cands) == 4 and all(4.5 in c and 3.5 in c for c in cands[1:])
+
+
+def test_compare_chooses_as_the_planner(tmp_path) -> None:
+    from dynmb.compare import CompareSettings
+
+    path = tmp_path / "gpu.json"
+    GPUCostModel(LLAMA2, P).save(path)
+    settings = CompareSettings(model="llama2-7b:max_seq_len=21504", stages=P, stage_split="auto", dataset=TRACE,
+                               cost_model=str(path), global_batch=GLOBAL, memory_limit="80GiB", oversize="truncate")
+    assert settings.model_config().layer_split == _planner(global_batch=GLOBAL).model_cfg.layer_split
