@@ -16,7 +16,16 @@ then simulated by the study's own row code (``scaling.plan_once``: pack for DP r
 steps are comparable with docs/results.md "Half-block stage splits". Prints a markdown table; ``--out``
 writes the rows as JSON.
 
+``--choice``: min-max against the choice by simulated step (``dynmb.planning.split_search``). Per cell the
+min-max split (the ``new`` one above: ``Planner(stage_split="auto", workload=batch, cost_model=GPU model)``)
+and the split ``SplitSearch`` chooses with the Planner's own settings (``--schedule``, dp, 80 GiB, truncate)
+and ``global_batch`` = the batch's sequences, the workload being the batch (its sample batches: one
+replica's share drawn from it); each split's dynamic step, kind and attainable fraction by the study's
+``plan_once`` on the whole batch (with its real tokens / s and truncated sequences), the chosen candidate's
+score on the sample batches against the min-max split's (mean step per real token) and the choice's CPU s.
+
     PYTHONPATH=$PWD nice -n 19 python3 benchmarks/bench_stage_split.py --out /tmp/stage_split.json
+    PYTHONPATH=$PWD nice -n 19 python3 benchmarks/bench_stage_split.py --choice --out /tmp/split_choice.json
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import dynmb  # noqa: E402
 from dynmb import data  # noqa: E402
 from dynmb.config import parse_bytes  # noqa: E402
 from dynmb.costmodel import gpu  # noqa: E402
+from dynmb.planning.split_search import SplitSearch  # noqa: E402
+from dynmb.planning.split_work import workload_cost  # noqa: E402
 from dynmb.planning.stage_split import flops_cost, resolve_stage_split  # noqa: E402
 
 
@@ -85,6 +96,56 @@ def cell_rows(model: str, trace_name: str, P: int, args: argparse.Namespace) -> 
             **{f"kind_{k}": steps[splits[k]]["kind"] for k in ("old", "new")}}
 
 
+def choice_rows(model: str, trace_name: str, P: int, args: argparse.Namespace) -> dict:
+    """``--choice``: the min-max split against the one chosen by simulated step (module docstring)."""
+    cfg = scaling.model_for(model, [])
+    c = dict(tokens=scaling.parse_tokens(args.tokens), dp=args.dp, seed=args.seed, num_stages=P, link=args.link,
+             memory_limit_bytes=parse_bytes(args.memory_limit), oversize="truncate", sim_replicas=args.sim_replicas,
+             schedule_key=args.schedule, mb_tokens=4096)
+    cell = scaling.Cell(c, data.load_trace(trace_name), cfg)
+    batch, cm = cell.batch, gpu.GPUCostModel(cfg, P, link=args.link)
+    planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit=args.memory_limit, dp=args.dp, cost_model=cm,
+                            stage_split="auto", workload=batch, oversize="truncate", schedule=args.schedule)
+    t0 = time.process_time()
+    choice = SplitSearch(spec=planner.spec, global_batch=int(batch.size), batches=args.batches,
+                         tolerance=args.tolerance, max_candidates=args.candidates).choose(
+        cfg, P, workload_cost(batch, cfg, cm), workload=batch, cost_model=cm)
+    cpu_s = time.process_time() - t0
+    splits = {"minmax": split_text(planner.model_cfg),
+              "sim": split_text(resolve_stage_split(cfg, P, ",".join(f"{n:g}" for n in choice.split)))}
+    steps: dict[str, dict] = {}
+    for split in dict.fromkeys(splits.values()):
+        row = scaling.plan_once(cell, {**c, "stage_split": split}, "dynamic", None)
+        steps[split] = {"step_s": row["pred_step_s"], "kind": row["schedule"], "attainable": row["attainable"],
+                        "tokens_per_s": row["tokens_per_s"], "truncated": row["truncated"]}
+    i = choice.candidates.index(choice.split)
+    return {"model": model, "trace": trace_name, "P": P, "seed": args.seed, "sequences": int(batch.size),
+            **{f"split_{k}": v for k, v in splits.items()}, "choice_cpu_s": cpu_s,
+            "candidates": len(choice.candidates), "near_optimal": choice.near_optimal,
+            "sample_step_minmax_s": choice.steps_s[0], "sample_step_sim_s": choice.steps_s[i],
+            "sample_score_sim_s": choice.scores_s[i],
+            **{f"{m}_{k}": steps[splits[k]][m] for k in splits
+               for m in ("step_s", "kind", "attainable", "tokens_per_s", "truncated")}}
+
+
+def choice_markdown(rows: list[dict]) -> str:
+    out = ["| model | trace | P | seed | split, min-max | split, simulated choice | step s, min-max -> choice | change | "
+           "tokens/s change | truncated | attainable | kind | sample score, choice / min-max | candidates (near-optimal) "
+           "| choice CPU s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        same = r["split_minmax"] == r["split_sim"]
+        out.append(f"| {r['model']} | {r['trace']} | {r['P']} | {r['seed']} | {short(r['split_minmax'])} | "
+                   f"{'same' if same else short(r['split_sim'])} | {r['step_s_minmax']:.4f} -> {r['step_s_sim']:.4f} | "
+                   f"{r['step_s_sim'] / r['step_s_minmax'] - 1:+.2%} | "
+                   f"{r['tokens_per_s_sim'] / r['tokens_per_s_minmax'] - 1:+.2%} | "
+                   f"{r['truncated_minmax']} -> {r['truncated_sim']} | {r['attainable_minmax']:.3f} -> "
+                   f"{r['attainable_sim']:.3f} | {r['kind_minmax']} -> {r['kind_sim']} | "
+                   f"{r['sample_score_sim_s'] / r['sample_step_minmax_s'] - 1:+.1%} | {r['candidates']} "
+                   f"({r['near_optimal']}) | {r['choice_cpu_s']:.1f} |")
+    return "\n".join(out)
+
+
 def markdown(rows: list[dict]) -> str:
     out = ["| model | trace | P | split, old (1,024-token FLOPs) | split, new (workload) | new = study's | "
            "step s, old -> new | change | flops-at-lengths split = new | step s with it |",
@@ -111,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-limit", default="80GiB")
     ap.add_argument("--sim-replicas", type=int, default=1)
     ap.add_argument("--schedule", default="auto", choices=["1f1b", "auto"])
+    ap.add_argument("--choice", action="store_true", help="min-max against the choice by simulated step")
+    ap.add_argument("--batches", type=int, default=2, help="--choice: sample batches (default 2)")
+    ap.add_argument("--candidates", type=int, default=8, help="--choice: candidates at most (default 8)")
+    ap.add_argument("--tolerance", type=float, default=0.02, help="--choice: near-optimal within (default 0.02)")
     ap.add_argument("--out", default=None, help="JSON rows")
     args = ap.parse_args(argv)
     rows = []
@@ -118,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         for trace in args.traces.split(","):
             for P in (int(p) for p in args.stages.split(",")):
                 t0 = time.perf_counter()
-                rows.append(cell_rows(model, trace, P, args))
+                rows.append((choice_rows if args.choice else cell_rows)(model, trace, P, args))
                 print(f"{model} {trace} P{P}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
                 if args.out:
                     Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(markdown(rows))
+    print(choice_markdown(rows) if args.choice else markdown(rows))
     return 0
 
 

@@ -42,6 +42,7 @@ Equivalent torchrun line of one case: see ``dynmb.runtime.worker``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -59,7 +60,9 @@ from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, samp
 from dynmb.memory import get_memory_model
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
 from dynmb.planning.spec_check import uses_pack_len
+from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
+from dynmb.planspec import PlanSpec
 from dynmb.plots import compare_throughput, gantt
 from dynmb.results import load_results, set_run_status, write_table
 from dynmb.packing import METHODS
@@ -142,8 +145,22 @@ class CompareSettings:
             from dynmb.models.contract import planning_config, resolve_model
             return planning_config(resolve_model(self.model_factory))
         workload = None if self.corpus is not None else self.lengths or self.dataset or "sharegpt"
-        return resolve_stage_split(model_config(self.model, attention=self.attention), self.stages, self.stage_split,
-                                   workload=workload, cost_model=self.cost_model)
+        return _split_model(self.model, self.attention, self.stages, self.stage_split, workload, self.cost_model,
+                            self._split_search() if self.stage_split == "auto" else None)
+
+    def _split_search(self) -> SplitSearch | None:
+        """What ``--stage-split auto`` chooses by (``dynmb.planning.split_search``): dynamic's settings of
+        this comparison and its global batch; None where they cannot make a plan (refused later)."""
+        try:
+            spec = PlanSpec(method="dynamic", num_stages=self.stages, virtual=self.virtual,
+                            reorder=reorder_for("dynamic", self.reorder),
+                            schedule_kind="interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule,
+                            memory_limit_bytes=parse_bytes(self.memory_limit or "1GiB"), round_to=self.round_to,
+                            oversize=self.oversize, recompute=self.recompute,
+                            attention=model_config(self.model, attention=self.attention).attention)
+        except ValueError:
+            return None
+        return SplitSearch(spec=spec, global_batch=self.global_batch, seed=self.seed, memory_model=self.memory_model)
 
     @property
     def model_factory(self) -> str | None:
@@ -219,6 +236,14 @@ class CompareResult:
         if self.summary is None or "peak_over_limit" not in self.summary:
             return []
         return list(self.summary.index[self.summary["peak_over_limit"] > 1])
+
+
+@functools.lru_cache(maxsize=8)
+def _split_model(model: str, attention: str | None, stages: int, split: str, workload: str | None,
+                 cost_model: str | None, search: SplitSearch | None) -> ModelConfig:
+    """``resolve_stage_split`` of a comparison's model, once per settings (every case reads it)."""
+    return resolve_stage_split(model_config(model, attention=attention), stages, split, workload=workload,
+                               cost_model=cost_model, search=search)
 
 
 def _case_config(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> RunConfig:

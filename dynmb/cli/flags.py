@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from dynmb.config import ModelConfig, model_config
+from dynmb.config import ModelConfig, model_config, parse_bytes
 from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
-           "global_batch_int", "MAX_GLOBAL_BATCH", "model_from_args", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
+           "global_batch_int", "MAX_GLOBAL_BATCH", "model_from_args", "split_search_of", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
            "OVERSIZE_CHOICES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
@@ -82,7 +82,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "s
                         help="layers per pipeline stage: even (default), auto (balance the stages' work, embedding "
                              "and LM head included, in half-blocks: the forward + backward of every sequence of "
                              "--dataset/--lengths at its own length, priced by --cost-model where it prices any "
-                             "split (analytic, gpu), else in FLOPs; dynmb.planning.stage_split) or a list such as "
+                             "split (analytic, gpu), else in FLOPs; dynmb.planning.stage_split; with such a cost "
+                             "model plan / run / compare then take, among the near-optimal splits, the one whose "
+                             "simulated step per real token is smallest: dynmb.planning.split_search) or a list such as "
                              "9,8,8,7 or, in half-blocks (a stage boundary between a block's attention and MLP), "
                              "2.5,2,2,1.5")
 
@@ -160,7 +162,38 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
         raise ValueError("--stage-split needs --stages (the number of pipeline stages, model chunks with --virtual)")
     from dynmb.planning.stage_split import resolve_stage_split
     return resolve_stage_split(cfg, int(stages), split, workload=workload_of(args),
-                               cost_model=getattr(args, "cost_model", None))
+                               cost_model=getattr(args, "cost_model", None), search=split_search_of(args, cfg, int(stages)))
+
+
+def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> Any:
+    """The ``SplitSearch`` of a verb that plans global batches (``plan``, ``run``: ``--global-batch``, the
+    limit, the schedule kind, dp, ...): ``--stage-split auto`` then takes the near-optimal split whose
+    simulated step is fastest (``dynmb.planning.split_search``); None for the other verbs and for settings
+    a plan cannot be made with (refused later by ``check_plan_spec``)."""
+    if not hasattr(args, "global_batch") or not hasattr(args, "memory_limit"):
+        return None
+    from dynmb.planning.defaults import reorder_for
+    from dynmb.planning.split_search import SplitSearch
+    from dynmb.planspec import PlanSpec
+    from dynmb.schedule.kinds import is_schedule_name
+
+    def flag(name: str, default: Any) -> Any:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    kind = flag("schedule", None) or flag("schedule_kind", "1f1b")
+    if not is_schedule_name(kind):
+        return None                                 # a schedule file: the run replays a plan
+    try:
+        spec = PlanSpec(method="dynamic", num_stages=int(stages), virtual=int(flag("virtual", 1)), schedule_kind=kind,
+                        reorder=reorder_for("dynamic", flag("reorder", "none")),
+                        memory_limit_bytes=parse_bytes(flag("memory_limit", "1GiB")), dp=int(flag("dp", 1)),
+                        round_to=int(flag("round_to", 1)), oversize=flag("oversize", "error"),
+                        recompute=flag("recompute", "never"), attention=cfg.attention)
+    except ValueError:
+        return None
+    return SplitSearch(spec=spec, global_batch=int(flag("global_batch", 64)), seed=int(flag("seed", 0)),
+                       memory_model=getattr(args, "memory_model", None))
 
 
 def workload_of(args: argparse.Namespace) -> str | None:

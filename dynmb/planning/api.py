@@ -35,6 +35,7 @@ from ..simulate import SimResult
 from ..types import Plan, Schedule
 from .defaults import default_cost_model_path, stand_ins_of, warn_stand_ins
 from .planner import plan_step
+from .split_search import SplitSearch
 from .split_work import layout_cost_model
 from .stage_split import resolve_stage_split
 
@@ -96,25 +97,31 @@ class Planner:
     it prices any layout (the analytic and GPU models, rebuilt for the split), else in FLOPs:
     ``dynmb.planning.split_work``); None: forward FLOPs of one 1,024-token row, said once. A fitted cost
     model (given, or the shipped one) prices only the split it was measured on: ``"auto"`` is that split.
+    ``global_batch``: sequences per global batch; given with ``workload`` and a layout-free cost model,
+    ``"auto"`` takes among the near-optimal splits the one whose simulated ``dynamic`` step per real token
+    on sample batches of the workload is smallest under these settings (``dynmb.planning.split_search``; once, CPU
+    seconds logged); else the min-max split.
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
                  cost_model: CostModelLike | None = None, memory_model: MemoryModelLike | None = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even",
-                 workload: Any = None) -> None:
+                 workload: Any = None, global_batch: int | None = None) -> None:
         self.model_cfg, own = _model(model)
-        if stage_split != "even":                  # "even" keeps a split the model config already carries
-            pricing = cost_model if cost_model is not None else default_cost_model_path(
-                self.model_cfg.name, int(num_stages), device)          # the model it will plan with
-            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
-                                                 workload=workload, cost_model=pricing)
-            cost_model = _for_split(cost_model, self.model_cfg, int(num_stages))
         self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=int(virtual), schedule_kind=schedule,
                              reorder="auto", memory_limit_bytes=parse_bytes(memory_limit), dp=int(dp),
                              pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
                              attention=self.model_cfg.attention)
         """The settings every ``plan`` call starts from (``plan`` sets the method, reorder and mbs)."""
+        if stage_split != "even":                  # "even" keeps a split the model config already carries
+            pricing = cost_model if cost_model is not None else default_cost_model_path(
+                self.model_cfg.name, int(num_stages), device)          # the model it will plan with
+            search = None if global_batch is None else SplitSearch(spec=self.spec, global_batch=int(global_batch),
+                                                                   memory_model=memory_model)
+            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
+                                                 workload=workload, cost_model=pricing, search=search)
+            cost_model = _for_split(cost_model, self.model_cfg, int(num_stages))
         if cost_model is None or isinstance(cost_model, (str, Path)):
             path = cost_model if cost_model is not None else default_cost_model_path(
                 self.model_cfg.name, self.num_stages, device)

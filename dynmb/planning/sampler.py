@@ -200,7 +200,8 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
         with suppress_stand_in_warnings():           # one warning below names every stand-in at once
             self.planner = Planner(model=model, num_stages=num_stages, memory_limit=memory_limit, dp=self.num_replicas,
                                    cost_model=cost_model, memory_model=memory_model,
-                                   **{"workload": self.lengths, **planner_kwargs})   # stage_split="auto": the dataset
+                                   **{"workload": self.lengths, "global_batch": self.global_batch,
+                                      **planner_kwargs})   # stage_split="auto": the dataset
         warn_stand_ins(self.planner.model_cfg, self.planner.num_stages,
                        stand_ins_of(self.planner.cost_model, self.planner.memory_model), who="DynamicBatchSampler")
         self.epoch = 0

@@ -46,6 +46,11 @@ stage work ``split_ceiling``, 0.78); half-blocks move an attention half off the 
 it to 0.865 (docs/results.md); at Llama-3's 128k vocabulary the head is about 2.4 layers and the
 planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py).
 
+Min-max cannot see where an uneven stage sits, which moves the fill and drain of 1F1B and the
+zero-bubble kinds by a few percent: given the run's planning settings (``search``, a
+``split_search.SplitSearch``), ``auto`` takes among the near-optimal splits the one whose simulated step
+is fastest (``dynmb.planning.split_search``), else the min-max split, said once.
+
 The split is a property of the model layout (``ModelConfig.layer_split``, halves allowed): the memory
 model, the cost models, the runtime's stages and the single-process reference all read it through
 ``ModelConfig.stage_units`` / ``stage_parts`` / ``stage_blocks``; a fitted cost or memory model is
@@ -66,7 +71,7 @@ from dynmb.config import ModelConfig
 
 from .split_work import fitted_split, workload_cost
 
-__all__ = ["balanced_split", "stage_work", "split_ceiling", "resolve_stage_split", "flops_cost",
+__all__ = ["balanced_split", "min_max_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
            "StageCost", "STAGE_SPLITS"]
 
 logger = logging.getLogger(__name__)
@@ -98,7 +103,7 @@ def _parts(cfg: ModelConfig, cost: StageCost) -> tuple[float, float, float, floa
     return attn, layer - attn, first, last
 
 
-def _unit_work(cfg: ModelConfig, cost: StageCost, half: bool) -> tuple[np.ndarray, float, float]:
+def unit_work(cfg: ModelConfig, cost: StageCost, half: bool) -> tuple[np.ndarray, float, float]:
     """(work of each unit in order, first extra, last extra): half-blocks (attention, MLP, ...) or
     whole layers."""
     attn, mlp, first, last = _parts(cfg, cost)
@@ -111,7 +116,7 @@ def stage_work(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 10
                stage_cost: StageCost | None = None) -> list[float]:
     """The work model's work of each stage under ``split`` (layers per stage; halves allowed): forward
     FLOPs at one row of ``tokens_hint`` tokens, or ``stage_cost``'s."""
-    units, first, last = _unit_work(cfg, stage_cost or flops_cost(tokens_hint), True)
+    units, first, last = unit_work(cfg, stage_cost or flops_cost(tokens_hint), True)
     prefix = np.concatenate([[0.0], np.cumsum(units)])
     ends = np.cumsum([int(round(2 * n)) for n in split])
     work = [float(prefix[b] - prefix[a]) for a, b in zip(np.concatenate([[0], ends[:-1]]), ends)]
@@ -158,6 +163,14 @@ def _min_max_partition(units: np.ndarray, p: int, first: float, last: float) -> 
     return list(reversed(split)), float(best_max[p - 1, n]), float(best_sq[p - 1, n])
 
 
+def min_max_split(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool) -> tuple[float, ...]:
+    """The min-max partition in half-block units (``half_blocks``) or whole layers, as layers per stage,
+    without ``balanced_split``'s preference for whole layers."""
+    units, first, last = unit_work(cfg, stage_cost, half_blocks)
+    counts = _min_max_partition(units, int(num_stages), first, last)[0]
+    return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts) if half_blocks else tuple(counts)
+
+
 def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *,
                    half_blocks: bool = False, stage_cost: StageCost | None = None) -> tuple[float, ...]:
     """The contiguous split of ``cfg``'s layers over ``num_stages`` stages with the smallest maximum
@@ -171,13 +184,13 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *
     cost = stage_cost or flops_cost(max(1, int(tokens_hint)))
     whole, w_max = None, np.inf
     if p <= n:
-        units, first, last = _unit_work(cfg, cost, False)
+        units, first, last = unit_work(cfg, cost, False)
         counts, w_max, _ = _min_max_partition(units, p, first, last)
         whole = tuple(counts)
     if not half_blocks:
         assert whole is not None
         return whole
-    units, first, last = _unit_work(cfg, cost, True)
+    units, first, last = unit_work(cfg, cost, True)
     counts, h_max, _ = _min_max_partition(units, p, first, last)
     if whole is not None and h_max >= w_max * (1 - 1e-9):
         return whole
@@ -192,11 +205,26 @@ def _fallback_said() -> bool:
 
 
 _FALLBACK_SAID = False
+_CHOICE_SAID: set[str] = set()
+
+
+def _say_choice(choice: Any) -> None:
+    """Log how ``auto`` chose (``split_search.SplitChoice``): by simulated step every time (once per run), the
+    min-max fallback and its reason once per process."""
+    if choice.how == "simulated":
+        i = choice.candidates.index(choice.split)
+        logger.info("stage split auto: %s by simulated step, %.4f s (%.0f real tokens) against the min-max split "
+                    "%s's %.4f s (%.0f) on sample batches (%d candidates of %d near-optimal arrangements; %.1f CPU s)",
+                    list(choice.split), choice.steps_s[i], choice.tokens[i], list(choice.candidates[0]),
+                    choice.steps_s[0], choice.tokens[0], len(choice.candidates), choice.near_optimal, choice.cpu_s)
+    elif choice.reason not in _CHOICE_SAID:
+        _CHOICE_SAID.add(choice.reason)
+        logger.info("stage split auto: the min-max split, not chosen by simulated step: %s", choice.reason)
 
 
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
                         half_blocks: bool = True, stage_cost: StageCost | None = None, workload: Any = None,
-                        cost_model: Any = None) -> ModelConfig:
+                        cost_model: Any = None, search: Any = None) -> ModelConfig:
     """``cfg`` with the layer split ``setting`` names: ``even`` (None), ``auto`` (``balanced_split``, in
     half-blocks when ``half_blocks``), or an explicit comma-separated list of layers per stage, whole
     (``9,8,8,7``) or with halves (``2.5,2,2,1.5``). ``half_blocks=False`` (a model of the user's own,
@@ -206,7 +234,10 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
     ``cost_model`` (an object or JSON path) where it prices any layout, else in FLOPs
     (``dynmb.planning.split_work``); with neither, forward FLOPs at one row of ``tokens_hint`` tokens,
     said once (module docstring). A fitted ``cost_model`` made for this model and stage count prices
-    only the split it was measured on: ``auto`` is that split."""
+    only the split it was measured on: ``auto`` is that split. ``search`` (a
+    ``dynmb.planning.split_search.SplitSearch``: the run's planning settings and global batch size): ``auto``
+    takes, among the near-optimal splits, the one whose simulated step on sample batches of the workload is
+    fastest, where the cost model prices any layout; else (and without ``search``) the min-max split."""
     setting = str(setting).strip()
     if setting == "even":
         return replace(cfg, layer_split=None)
@@ -223,7 +254,13 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
                            "%s-token row, not the work of the sequences you train; give the lengths (dynmb plan / "
                            "run / compare: --dataset or --lengths; Planner(workload=lengths or a trace name))",
                            f"{int(tokens_hint):,}")
-        split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost)
+        if search is not None:
+            choice = search.choose(cfg, num_stages, stage_cost or flops_cost(max(1, int(tokens_hint))),
+                                   half_blocks=half_blocks, workload=workload, cost_model=cost_model)
+            split = choice.split
+            _say_choice(choice)
+        else:
+            split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost)
         even = tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages))
         logger.info("stage split auto: %s (split ceiling %.3f; even split: %.3f)", list(split),
                     split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost),

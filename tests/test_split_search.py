@@ -1,0 +1,144 @@
+"""``--stage-split auto`` by simulated step (``dynmb.planning.split_search``): among the near-optimal splits
+the one whose simulated ``dynamic`` step on sample batches is fastest, never one slower than the min-max
+split, the same on every call, and the min-max split where no plan can be made."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import dynmb
+from dynmb.cli.flags import model_from_args
+from dynmb.cli.main import build_parser
+from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.planning import stage_split
+from dynmb.planning.split_search import SplitSearch, near_optimal_splits
+from dynmb.planning.split_work import workload_cost
+from dynmb.planning.stage_split import balanced_split, resolve_stage_split, stage_work
+
+LLAMA2 = replace(dynmb.model_config("llama2-7b"), max_seq_len=21504)
+P, GLOBAL = 8, 64
+# a long-tailed trace at P 8: the min-max split (4 x 6, 4.5, 3.5) puts the 2.5-layer-plus stage next to the head's
+TRACE = "longtail"
+
+
+def _planner(**kw) -> dynmb.Planner:
+    return dynmb.Planner(model=LLAMA2, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(LLAMA2, P),
+                         stage_split="auto", workload=TRACE, oversize="truncate", **kw)
+
+
+def _search() -> SplitSearch:
+    return SplitSearch(spec=_planner().spec, global_batch=GLOBAL)
+
+
+def _min_max() -> tuple[float, ...]:
+    return balanced_split(LLAMA2, P, half_blocks=True, stage_cost=workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)))
+
+
+def _mean_step(split: tuple[float, ...], batches: list[np.ndarray]) -> tuple[float, float]:
+    """The split's (mean simulated step, mean real tokens) on ``batches``, planned by a Planner given the
+    split explicitly."""
+    planner = dynmb.Planner(model=LLAMA2, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(LLAMA2, P),
+                            stage_split=",".join(f"{n:g}" for n in split), oversize="truncate")
+    plans = [planner.plan(b).plan for b in batches]
+    return float(np.mean([p.predictions["pred_step_s"] for p in plans])), float(np.mean([p.real_tokens for p in plans]))
+
+
+def test_candidates_are_near_optimal_arrangements_min_max_first() -> None:
+    cost = workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P))
+    cands, near = near_optimal_splits(LLAMA2, P, cost, tolerance=0.02, max_candidates=6)
+    assert cands[0] == _min_max() and len(cands) == len(set(cands)) <= 6 and near >= len(cands)
+    best = max(stage_work(LLAMA2, cands[0], stage_cost=cost))
+    for c in cands:
+        assert sum(c) == LLAMA2.n_layers and len(c) == P
+        assert max(stage_work(LLAMA2, c, stage_cost=cost)) <= best * 1.02 * (1 + 1e-9)
+    assert near_optimal_splits(LLAMA2, P, cost, tolerance=0.02, max_candidates=1)[0] == [cands[0]]
+
+
+def test_auto_takes_the_fastest_simulated_split_never_slower_than_min_max() -> None:
+    """The Planner given a global batch size plans the split whose simulated step is fastest; checked
+    against plans of each split made independently (an explicit --stage-split)."""
+    planner = _planner(global_batch=GLOBAL)
+    chosen = tuple(planner.model_cfg.stage_layer_counts(P))
+    s0 = _min_max()
+    assert chosen != s0                                             # the min-max split is not the fastest here
+    assert planner.cost_model.model_cfg.layer_split == planner.model_cfg.layer_split    # the model follows
+    search = _search()
+    choice = search.choose(LLAMA2, P, workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)), workload=TRACE,
+                           cost_model=GPUCostModel(LLAMA2, P))
+    assert choice.how == "simulated" and choice.split == chosen and choice.candidates[0] == s0
+    i = choice.candidates.index(chosen)
+    assert min(choice.scores_s) == choice.scores_s[i] < choice.scores_s[0] == choice.steps_s[0]
+    batches = search.sample_batches(np.asarray(dynmb.data.load_trace(TRACE)))
+    (fast, fast_tok), (old, old_tok) = _mean_step(chosen, batches), _mean_step(s0, batches)
+    assert fast == pytest.approx(choice.steps_s[i]) and old == pytest.approx(choice.steps_s[0])
+    assert fast / fast_tok < old / old_tok                          # more real tokens per second
+
+
+def test_the_choice_is_by_throughput_not_by_a_step_that_trains_fewer_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``oversize="truncate"`` a split can shorten its step by truncating more: the score is the step
+    per real token, so a candidate whose step is shorter only because it trains fewer tokens loses."""
+    s0, cost, cm = _min_max(), workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)), GPUCostModel(LLAMA2, P)
+    for other, expect_s0 in (((0.98, 95.0), True), ((0.98, 100.0), False)):   # 2% shorter step, 5% fewer tokens
+        monkeypatch.setattr(SplitSearch, "step_of",
+                            lambda self, cfg, split, p, m, b, o=other: (1.0, 100.0) if tuple(split) == s0 else o)
+        choice = _search().choose(LLAMA2, P, cost, workload=TRACE, cost_model=cm)
+        assert len(choice.candidates) > 1 and (choice.split == s0) == expect_s0
+
+
+def test_the_choice_is_deterministic() -> None:
+    a, b = _planner(global_batch=GLOBAL), _planner(global_batch=GLOBAL)
+    assert a.model_cfg.layer_split == b.model_cfg.layer_split
+    cost = workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P))
+    runs = [_search().choose(LLAMA2, P, cost, workload=TRACE, cost_model=GPUCostModel(LLAMA2, P)) for _ in range(2)]
+    assert runs[0].split == runs[1].split and runs[0].steps_s == runs[1].steps_s
+
+
+def test_without_what_a_plan_needs_auto_keeps_the_min_max_split(caplog: pytest.LogCaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stage_split, "_CHOICE_SAID", set())
+    s0 = _min_max()
+    assert tuple(_planner().model_cfg.stage_layer_counts(P)) == s0          # no global batch size
+    with caplog.at_level(logging.INFO, logger="dynmb.planning.stage_split"):
+        for _ in range(2):      # FLOPs work model (no layout-free cost model): today's split, said once
+            out = resolve_stage_split(LLAMA2, P, "auto", workload=TRACE, search=_search())
+            assert out.layer_split == resolve_stage_split(LLAMA2, P, "auto", workload=TRACE).layer_split
+    said = [r.getMessage() for r in caplog.records if "min-max split, not chosen" in r.getMessage()]
+    assert len(said) == 1 and "layout-free" in said[0]
+    fitted = SplitSearch(spec=_planner().spec, global_batch=GLOBAL, memory_model="fitted.json")
+    assert fitted.choose(LLAMA2, P, workload_cost(TRACE, LLAMA2, None), workload=TRACE,
+                         cost_model=GPUCostModel(LLAMA2, P)).how == "min-max"
+
+
+def test_the_command_line_chooses_as_the_planner(tmp_path) -> None:
+    path = tmp_path / "gpu.json"
+    GPUCostModel(LLAMA2, P).save(path)
+    args = build_parser().parse_args(["plan", "--model", "llama2-7b:max_seq_len=21504", "--stages", str(P),
+                                      "--stage-split", "auto", "--dataset", TRACE, "--cost-model", str(path),
+                                      "--global-batch", str(GLOBAL), "--memory-limit", "80GiB",
+                                      "--oversize", "truncate", "--schedule-kind", "1f1b"])
+    search = SplitSearch(spec=_planner().spec.with_(reorder="none"), global_batch=GLOBAL)   # dynmb plan's order
+    choice = search.choose(LLAMA2, P, workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)), workload=TRACE,
+                           cost_model=GPUCostModel(LLAMA2, P))
+    assert choice.how == "simulated" and model_from_args(args).layer_split == choice.split
+
+
+def test_an_even_optimum_offers_its_neighbours() -> None:
+    """Where the min-max split is the even one (long documents), its arrangements are one split: the free
+    places go to the sizes one half-block move away that keep the bound."""
+    cost = workload_cost("wikitext2", LLAMA2, GPUCostModel(LLAMA2, P))
+    cands, _ = near_optimal_splits(LLAMA2, P, cost, tolerance=0.02, max_candidates=4)
+    assert cands[0] == (4,) * P and len(cands) == 4 and all(4.5 in c and 3.5 in c for c in cands[1:])
+
+
+def test_compare_chooses_as_the_planner(tmp_path) -> None:
+    from dynmb.compare import CompareSettings
+
+    path = tmp_path / "gpu.json"
+    GPUCostModel(LLAMA2, P).save(path)
+    settings = CompareSettings(model="llama2-7b:max_seq_len=21504", stages=P, stage_split="auto", dataset=TRACE,
+                               cost_model=str(path), global_batch=GLOBAL, memory_limit="80GiB", oversize="truncate")
+    assert settings.model_config().layer_split == _planner(global_batch=GLOBAL).model_cfg.layer_split
