@@ -104,6 +104,7 @@ from dynmb.costmodel import gpu
 from dynmb.memory import get_memory_model
 from dynmb.packing import PackingError, pack
 from dynmb.planning import reorder_for
+from dynmb.planning.split_work import workload_cost
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.results import TableWriter
 
@@ -189,9 +190,9 @@ def saturated(cm: gpu.GPUCostModel) -> gpu.GPUCostModel:
 
 
 def ideal_cost(lengths: np.ndarray, link: str):
-    """``--stage-split auto``'s work model: a layout's stage's ideal F + B seconds of the batch (as ``ideal_s``)."""
-    return lambda cfg, stage, P: float(sum(t[stage].sum() for t in saturated(
-        gpu.GPUCostModel(cfg, P, link=link)).ideal_stage_costs(lengths).values()))
+    """``--stage-split auto``'s work model: a layout's stage's ideal F + B seconds of the batch (what
+    ``ideal_s`` is made of), the library's ``split_work.workload_cost`` priced by the GPU model."""
+    return lambda cfg, stage, P: workload_cost(lengths, cfg, gpu.GPUCostModel(cfg, P, link=link))(cfg, stage, P)
 
 
 def whole_ideal(cm_sat: gpu.GPUCostModel, lengths: np.ndarray, ideal_s: float, virtual: int = 1) -> float:
