@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from dataclasses import replace
 
 from dynmb.bounds import ideal_bound, plan_lengths_pieces
-from dynmb.planning.stage_split import balanced_split, resolve_stage_split
+from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 
 __all__ = ["kinds", "check", "ranks", "plan_ideal_v", "setting_label", "real_work", "real_flops", "split_for"]
@@ -54,10 +53,7 @@ def check(n_layers: int, stages: list[int], virtuals: list[int], splits: set[str
 
 
 def split_for(cfg, num_chunks: int, setting: str, stage_cost):
-    """``resolve_stage_split``; for ``auto`` with more chunks than layers the half-block split directly
-    (``resolve_stage_split`` also logs the even split, which does not exist there)."""
-    if setting == "auto" and num_chunks > cfg.n_layers:
-        return replace(cfg, layer_split=balanced_split(cfg, num_chunks, half_blocks=True, stage_cost=stage_cost))
+    """``resolve_stage_split`` over ``num_chunks`` model chunks (half-blocks where they outnumber layers)."""
     return resolve_stage_split(cfg, num_chunks, setting, stage_cost=stage_cost)
 
 

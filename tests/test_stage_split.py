@@ -229,3 +229,15 @@ def test_uneven_splits_give_the_reference_gradients(gloo_job, nproc: int) -> Non
         assert t["steps"]["verified"].all(), name
         recorded = str(t["runs"]["model.layer_split"].iloc[0])          # a list, or numpy's print of it
         assert tuple(float(x) for x in re.findall(r"\d+(?:\.\d+)?", recorded)) == split, name
+
+
+def test_auto_with_more_stages_than_layers_splits_half_blocks():
+    """More pipeline stages (model chunks with virtual stages) than layers: only half-blocks cover
+    them, so ``auto`` returns that split instead of failing on an even split that does not exist."""
+    from dynmb.config import model_config
+    cfg = model_config("llama-tiny")
+    n = cfg.n_layers
+    split = resolve_stage_split(cfg, n + 1, "auto").layer_split
+    assert len(split) == n + 1 and sum(split) == n and min(split) == 0.5
+    with pytest.raises(ValueError, match="2 x layers"):
+        resolve_stage_split(cfg, 2 * n + 1, "auto")

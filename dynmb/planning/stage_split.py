@@ -261,6 +261,10 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
             _say_choice(choice)
         else:
             split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost)
+        if num_stages > cfg.n_layers:      # more stages than layers: half-blocks only, no even split
+            logger.info("stage split auto: %s (split ceiling %.3f)", list(split),
+                        split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost))
+            return replace(cfg, layer_split=split)
         even = tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages))
         logger.info("stage split auto: %s (split ceiling %.3f; even split: %.3f)", list(split),
                     split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost),
