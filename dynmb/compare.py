@@ -1,17 +1,15 @@
 """The main job: fixed against dynamic microbatching on real pipelines, in one run.
 
-``prepare_compare(settings)`` plans the cases: every method of ``settings.methods`` at its
-own microbatch order (``--reorder auto``: ``planning.AUTO_REORDER``), and, for ``fixed`` without a
-given microbatch size, extra ``fixed`` cases at 1, 2, 4, ... rows below the largest size
-that fits every step, to find the best fixed size in hindsight (``fixed_candidates``), and for
-``token-budget`` and ``balanced`` extra cases at the memory-maximum budget divided by 2, 4, ...
-(``budget_candidates``; the budget users set is the method's own case).
-``run_compare_job(job)`` runs them all as the cases of ONE torchrun job (one process per
-pipeline rank; gloo on CPU, NCCL on CUDA), so the throughputs are measured side by side on
-the same machine state. On CPU the cases run round by round (step k of every method, the
-order rotated each round, then step k + 1; ``sequential`` for one method after another, as
-on CUDA), so a burst of outside load on a shared machine slows every method alike instead
-of whichever ran during it. Then it:
+``prepare_compare(settings)`` plans the cases: every method of ``settings.methods`` at its own microbatch
+order (``--reorder auto``: ``planning.AUTO_REORDER``), and, for ``fixed`` without a given microbatch size,
+extra ``fixed`` cases at 1, 2, 4, ... rows below the largest size that fits every step, to find the best
+fixed size in hindsight (``fixed_candidates``), and for ``token-budget`` and ``balanced`` extra cases at
+the memory-maximum budget divided by 2, 4, ... (``budget_candidates``; the budget users set is the
+method's own case). ``run_compare_job(job)`` runs them all as the cases of ONE torchrun job (one process
+per pipeline rank; gloo on CPU, NCCL on CUDA), so the throughputs are measured side by side on the same
+machine state. On CPU the cases run round by round (step k of every method, the order rotated each round,
+then step k + 1; ``sequential`` for one method after another, as on CUDA), so a burst of outside load on a
+shared machine slows every method alike instead of whichever ran during it. Then it:
 
 1. summarises the measured steps per case (``analysis.summarise``; ``display_summary``
    names the rows: ``fixed (mbs 3)``, ``fixed-best (mbs B)``, ``token-budget-best (cap/4)``,
@@ -24,19 +22,16 @@ of whichever ran during it. Then it:
 ``format_summary`` is the printed table: tokens/s, dynamic's paired per-step ratio to
 every case with its range, padding, bubble, peak / limit, predicted vs measured step time.
 
-Defaults (``dynmb compare``): the sharegpt trace, the ``small`` model, 2 stages, a 1 GiB
-limit (binding: ``fixed`` can only afford a few rows of the longest sequences), global
-batches of 32 sequences, each method's own microbatch order, 1 warm-up + 3 measured steps
-per method. The cost model is the one fitted on this kind of CPU and shipped in
-``data/costmodels/`` (package data of a wheel) when the model and stage count match
-(``planning.default_cost_model_path``), else the analytic stand-in (``cost_model`` for
+Defaults (``dynmb compare``): the sharegpt trace, the ``small`` model, 2 stages, a 1 GiB limit (binding:
+``fixed`` can only afford a few rows of the longest sequences), global batches of 32 sequences, each
+method's own microbatch order, 1 warm-up + 3 measured steps per method. The cost model is the one fitted
+on this kind of CPU and shipped in ``data/costmodels/`` (package data of a wheel) when the model and
+stage count match (``planning.default_cost_model_path``), else the analytic stand-in (``cost_model`` for
 your own fit).
 
-Real text (``corpus``, ``--corpus FILE --field F``): the corpus is tokenized once into the
-results folder's token file (``dynmb.data.prepare_tokens``) before torchrun starts; every
-case draws the same global batches from its records and trains on their ids.
-
-Equivalent torchrun line of one case: see ``dynmb.runtime.worker``.
+Real text (``corpus``, ``--corpus FILE --field F``): the corpus is tokenized once into the results
+folder's token file (``dynmb.data.prepare_tokens``) before torchrun starts; every case draws the same
+global batches from its records and trains on their ids. The torchrun line of one case: ``dynmb.runtime.worker``.
 """
 
 from __future__ import annotations
@@ -144,20 +139,18 @@ class CompareSettings:
         if self.model_factory is not None:
             from dynmb.models.contract import planning_config, resolve_model
             return planning_config(resolve_model(self.model_factory))
-        workload = None if self.corpus is not None else self.lengths or self.dataset or "sharegpt"
-        return _split_model(self.model, self.attention, self.stages, self.stage_split, workload, self.cost_model,
+        return _split_model(self.model, self.attention, self.stages, self.stage_split,
+                            None if self.corpus is not None else self.trace, self.cost_model,
                             self._split_search() if self.stage_split == "auto" else None)
 
     def _split_search(self) -> SplitSearch | None:
-        """What ``--stage-split auto`` chooses by (``dynmb.planning.split_search``): dynamic's settings of
-        this comparison and its global batch; None where they cannot make a plan (refused later)."""
+        """What ``--stage-split auto`` chooses by: dynamic's settings here; None where no plan can be made."""
         try:
-            spec = PlanSpec(method="dynamic", num_stages=self.stages, virtual=self.virtual,
-                            reorder=reorder_for("dynamic", self.reorder),
-                            schedule_kind="interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule,
-                            memory_limit_bytes=parse_bytes(self.memory_limit or "1GiB"), round_to=self.round_to,
-                            oversize=self.oversize, recompute=self.recompute,
-                            attention=model_config(self.model, attention=self.attention).attention)
+            kind = "interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule
+            spec = PlanSpec(method="dynamic", num_stages=self.stages, virtual=self.virtual, schedule_kind=kind,
+                            reorder=reorder_for("dynamic", self.reorder), round_to=self.round_to,
+                            memory_limit_bytes=parse_bytes(self.memory_limit or "1GiB"), oversize=self.oversize,
+                            recompute=self.recompute, attention=model_config(self.model, attention=self.attention).attention)
         except ValueError:
             return None
         return SplitSearch(spec=spec, global_batch=self.global_batch, seed=self.seed, memory_model=self.memory_model)
@@ -241,7 +234,7 @@ class CompareResult:
 @functools.lru_cache(maxsize=8)
 def _split_model(model: str, attention: str | None, stages: int, split: str, workload: str | None,
                  cost_model: str | None, search: SplitSearch | None) -> ModelConfig:
-    """``resolve_stage_split`` of a comparison's model, once per settings (every case reads it)."""
+    """``resolve_stage_split`` once per settings (every case reads it; the split search plans batches)."""
     return resolve_stage_split(model_config(model, attention=attention), stages, split, workload=workload,
                                cost_model=cost_model, search=search)
 
