@@ -56,7 +56,7 @@ class RecomputedHead(torch.autograd.Function):
     """The last stage's head under full recomputation (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, stage: Any, inputs: Any) -> torch.Tensor:    # stage: a DecoderStage (it imports us)
+    def forward(ctx, x: torch.Tensor, stage: Any, inputs: Any) -> torch.Tensor:    # stage: a DecoderStage
         ctx.stage, ctx.inputs = stage, inputs
         ctx.save_for_backward(x)
         return stage.head(x, inputs, "sum")

@@ -244,7 +244,8 @@ class Ranker:
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
         return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
-    def _slowest(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray], cols: np.ndarray, limit: float, inclusive: bool) -> float:
+    def _slowest(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray], cols: np.ndarray, limit: float,
+                 inclusive: bool) -> float:
         """The slowest replica's estimate (replicas: rows of ``cols``), the likeliest by proxy
         first: past ``limit`` (or at it, unless ``inclusive``) already, the others are left out
         (the value is then a lower bound)."""

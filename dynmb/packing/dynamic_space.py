@@ -166,7 +166,8 @@ class Space:
                 if self.doc_causal:
                     docs2 = np.add.reduceat(self.lengths[items].astype(np.float64) ** 2, np.cumsum(nseq) - nseq)
                     attn = np.where(nseq > batch, docs2, attn)
-                c = Candidate(batch, plen, attn, functools.partial(_reorder, flat), baseline=method, key=("base", method))
+                c = Candidate(batch, plen, attn, functools.partial(_reorder, flat), baseline=method,
+                              key=("base", method))
             self._base[method] = c
         c = self._base[method]
         return None if c is None else copy.copy(c)
