@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 __all__ = ["Action", "Schedule", "OPS"]
 
@@ -60,6 +61,10 @@ class Schedule:
     num_stages: int
     num_microbatches: int
     kind: str = ""
+
+    if TYPE_CHECKING:  # the constructor takes any sequence of sequences; __post_init__ makes the tuples
+        def __init__(self, ranks: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int,
+                     kind: str = "") -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(tuple(r) for r in self.ranks))

@@ -91,14 +91,21 @@ BOUND_COLUMNS = ("bound_s", "ideal_s", "pred_bound_s", "gap_to_bound")
 
 
 class MeasuredAction(Protocol):
-    """What ``step_bound_fields`` reads of a measured action (``runtime.records.ActionRow``)."""
+    """What ``step_bound_fields`` reads of a measured action (``runtime.records.ActionRow``); read-only
+    (properties: a frozen dataclass's fields qualify)."""
 
-    dp_rank: int
-    stage: int
-    op: str
-    mb: int
-    start_s: float
-    end_s: float
+    @property
+    def dp_rank(self) -> int: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def mb(self) -> int: ...
+    @property
+    def start_s(self) -> float: ...
+    @property
+    def end_s(self) -> float: ...
 
 
 def stage_ranks(num_stages: int, schedule: Schedule | None = None) -> np.ndarray:

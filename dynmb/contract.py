@@ -80,10 +80,13 @@ class StageModule(Protocol):
 
 @runtime_checkable
 class StageFactory(Protocol):
-    """Builds the stages of one model (module docstring)."""
+    """Builds the stages of one model (module docstring). ``config`` and ``attention_work`` are read
+    (properties here: a plain attribute, a frozen dataclass field or a property all qualify)."""
 
-    config: ModelConfig
-    attention_work: str
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def attention_work(self) -> str: ...
 
     def build_stage(self, stage: int, num_stages: int, *, seed: int = 0, dtype: Any = None,
                     device: Any = None) -> StageModule: ...

@@ -18,7 +18,7 @@ labels) and positions ``o .. o + n - 1``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 import torch
@@ -182,7 +182,7 @@ class MicrobatchInputs:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.input_ids.shape)
+        return cast("tuple[int, int]", tuple(self.input_ids.shape))    # input_ids is [rows, columns]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the inputs hold (the mask and bucket indices included)."""
@@ -326,8 +326,9 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
         return out.view(b, s)
 
     offs = mb.offsets[order]
-    t = dict(input_ids=fill(0, stream[src]), labels=fill(IGNORE_INDEX, stream[src + 1]),
-             position_ids=fill(0, torch.from_numpy(offs[seg] + pos)), doc_ids=fill(-1, torch.from_numpy(order[seg])))
+    named = dict(input_ids=fill(0, stream[src]), labels=fill(IGNORE_INDEX, stream[src + 1]),
+                 position_ids=fill(0, torch.from_numpy(offs[seg] + pos)),
+                 doc_ids=fill(-1, torch.from_numpy(order[seg])))
     mode = "auto" if cfg is None else cfg.attention
     if mb.has_slices and mode == "dense":
         raise InputError("slices of long sequences need --attention auto (the dense mask ablation has no prefix)")
@@ -340,8 +341,9 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
                   for k in np.flatnonzero(sliced)]
         buckets = _document_buckets(lens, doc_start, seg, pos, flat, b * s, sliced, slices)
     if device is not None:
-        t = {k: v.to(device) for k, v in t.items()}
+        named = {k: v.to(device) for k, v in named.items()}
         buckets = None if buckets is None else buckets.to(device)
-    return MicrobatchInputs(**t, loss_mask=t["doc_ids"] >= 0, num_real_tokens=int(lens.sum()),
+    return MicrobatchInputs(input_ids=named["input_ids"], labels=named["labels"], position_ids=named["position_ids"],
+                            doc_ids=named["doc_ids"], loss_mask=named["doc_ids"] >= 0, num_real_tokens=int(lens.sum()),
                             max_doc_len=int(ends_all.max()), attention=path, buckets=buckets,
-                            attn_mask=attention_mask(t["doc_ids"]) if path == "dense" else None)
+                            attn_mask=attention_mask(named["doc_ids"]) if path == "dense" else None)

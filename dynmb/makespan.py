@@ -142,17 +142,17 @@ def round_trip_bound(F0: np.ndarray, B0: np.ndarray, up: np.ndarray, warmup: int
             out[r] = t
         return out
     f0, b0, u = (np.ascontiguousarray(x.T) for x in (F0, B0, up))        # [m, n]: one row per step
-    eF = np.cumsum(f0[:w], axis=0)
+    eF_v = np.cumsum(f0[:w], axis=0)
     rel = np.empty_like(f0)
-    rel[:w] = eF + u[:w]
-    t = eF[-1].copy() if w else np.zeros(n)
+    rel[:w] = eF_v + u[:w]
+    t_v = eF_v[-1].copy() if w else np.zeros(n)
     for j in range(m):
         if j + w < m:
-            t += f0[j + w]
-            rel[j + w] = t + u[j + w]
-        np.maximum(t, rel[j], out=t)
-        t += b0[j]
-    return t
+            t_v += f0[j + w]
+            rel[j + w] = t_v + u[j + w]
+        np.maximum(t_v, rel[j], out=t_v)
+        t_v += b0[j]
+    return t_v
 
 
 def has_bound_regime(kind: str) -> bool:

@@ -63,6 +63,7 @@ def fit_memory_model(model: Any, samples: Any, *, holdout: Any = None, holdout_f
                               + _at(out.transient_coef, stage, b, s) + out.state_bytes[stage])):
         if meas is None:
             continue
+        assert pred is not None                  # None only with peak None
         for part, sel in (("train", train), ("heldout", holdout)):
             if np.any(sel):
                 err = np.abs(pred[sel] - meas[sel]) / meas[sel]

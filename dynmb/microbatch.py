@@ -12,9 +12,10 @@ that the slices of one sequence cover ``[0, length)`` back to back in execution 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
+import numpy.typing as npt
 
 from dynmb.planspec import ATTENTION_KINDS
 
@@ -53,6 +54,11 @@ class Microbatch:
     recompute: bool = False
     offsets: np.ndarray = None  # type: ignore[assignment]  # None: zeros
     continued: np.ndarray = None  # type: ignore[assignment]  # None: all False
+
+    if TYPE_CHECKING:  # the constructor takes any int / bool sequence; __post_init__ makes the arrays
+        def __init__(self, seq_ids: npt.ArrayLike, lengths: npt.ArrayLike, padded_len: int, batch: int,
+                     row_ids: npt.ArrayLike | None = None, recompute: bool = False,
+                     offsets: npt.ArrayLike | None = None, continued: npt.ArrayLike | None = None) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_ids", _as_i64(self.seq_ids))

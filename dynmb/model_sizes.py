@@ -139,8 +139,8 @@ class ModelSizes:
         """Parameters of the whole model (a tied embedding counted once)."""
         return self.stage_params(0, 1)
 
-    def message_bytes(self, rows: int, padded_len: int) -> int:
-        """Bytes of the hidden state sent between neighbouring stages for one microbatch."""
+    def message_bytes(self, rows: Any, padded_len: Any) -> Any:
+        """Bytes of the hidden state sent between neighbouring stages for one microbatch (vectorised)."""
         return rows * padded_len * self.d_model * self.dtype_bytes
 
     def stage_flops(self, stage: int, num_stages: int, rows: Any, padded_len: Any) -> Any:

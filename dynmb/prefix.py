@@ -106,6 +106,7 @@ def _parts(k: torch.Tensor, v: torch.Tensor, prefix: tuple[torch.Tensor, ...], n
 
 def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: tuple[torch.Tensor, ...],
                    n_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert _FLASH_CPU is not None                  # the caller checked _fused()
     qb = q.unsqueeze(0).contiguous()
     outs, lses = [], []
     for kb, vb, causal in _parts(k, v, prefix, n_prefix):
@@ -119,6 +120,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: tu
 
 def _fused_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, prefix: tuple[torch.Tensor, ...], n_prefix: int):
+    assert _FLASH_CPU_BACKWARD is not None         # the caller checked _fused()
     qb, ob, lb = q.unsqueeze(0).contiguous(), out.unsqueeze(0).contiguous(), lse.unsqueeze(0).contiguous()
     gb = d_out.unsqueeze(0).contiguous()
     dq = torch.zeros_like(qb)
@@ -137,7 +139,7 @@ class PrefixAttention(torch.autograd.Function):
     Returns ``(heads, n, head_dim)`` (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int,  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int,
                 *prefix: torch.Tensor) -> torch.Tensor:
         ctx.n_prefix = n_prefix
         if _fused(q):
@@ -169,7 +171,7 @@ class PrefixAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, d_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, d_out: torch.Tensor):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
         n_prefix = ctx.n_prefix
         if _fused(q):

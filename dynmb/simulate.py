@@ -288,7 +288,7 @@ def peaks(flat: Any, S: int, R: int, act: np.ndarray, tr: np.ndarray | None,
     return state + peak_held, np.bincount(rank_of, weights=state, minlength=R) + peak_r, (o, st, held)
 
 
-def memory_inputs(memory_model: MemoryModelLike, plan: Plan) -> tuple[Any, Any, Any]:
+def memory_inputs(memory_model: MemoryModelLike | None, plan: Plan) -> tuple[Any, Any, Any]:
     """``(act[P, m], transient[P, m] or None, state[P])`` of ``plan`` from ``memory_model`` (Nones
     without one); recomputed microbatches (``Microbatch.recompute``) at their recomputed bytes, continued
     slices of long sequences with the bytes their keys and values hold for later slices
@@ -310,7 +310,7 @@ def memory_inputs(memory_model: MemoryModelLike, plan: Plan) -> tuple[Any, Any, 
     return act, tr, np.asarray(memory_model.state_bytes, dtype=np.float64)
 
 
-def slice_grad_inputs(memory_model: MemoryModelLike, plan: Plan) -> SliceGrads | None:
+def slice_grad_inputs(memory_model: MemoryModelLike | None, plan: Plan) -> SliceGrads | None:
     """``SliceGrads`` of ``plan``'s chains of slices (None without slices or a memory model that
     knows them): each continued slice's key/value gradients (``MemoryModel.slice_grad_coef`` per
     token) appear in the backward of its chain's last slice and are freed by its own."""
@@ -328,7 +328,7 @@ def slice_grad_inputs(memory_model: MemoryModelLike, plan: Plan) -> SliceGrads |
     return SliceGrads(alloc, free)
 
 
-def w_inputs(memory_model: MemoryModelLike, plan: Plan) -> np.ndarray | None:
+def w_inputs(memory_model: MemoryModelLike | None, plan: Plan) -> np.ndarray | None:
     """``w[P, m]``: bytes each microbatch of ``plan`` holds from its ``I`` to its ``W`` (None
     without a memory model that knows them)."""
     if memory_model is None or not hasattr(memory_model, "w_matrix"):

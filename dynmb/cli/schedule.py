@@ -20,7 +20,7 @@ from dynmb.schedule import to_csv
 from dynmb.schedule.io import sidecar_path
 from dynmb.schedule.kinds import AUTO, auto_kinds
 from dynmb.simulate import simulate
-from dynmb.types import Plan
+from dynmb.types import Plan, Schedule
 
 __all__ = ["add_parser", "run", "sidecar_path", "check_schedule_plan"]
 
@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dynmb schedule: note: the plan was packed for {plan.schedule_kind!r}, scheduling it as "
               f"{args.kind!r}; its memory guarantee is for the former", file=sys.stderr)
     _, cost_model, memory_model = plan_models(plan, args, args.plan)
-    tried = []                 # --kind auto: every kind auto weighs, the fastest that fits kept
+    # --kind auto: every kind auto weighs, the fastest that fits kept
+    tried: list[tuple[bool, float, int, str, Plan, Schedule]] = []
     for kind in (auto_kinds(args.virtual, plan.has_slices) if args.kind == AUTO else (args.kind,)):
         ordered = reorder(plan, args.reorder, cost_model=cost_model, memory_model=memory_model, schedule_kind=kind,
                           virtual=args.virtual)

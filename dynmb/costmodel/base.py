@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Sequence
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -181,7 +181,7 @@ class CostModel:
         c.runtime_overhead_s = {"F": float(F), "B": float(B), **{k: float(v) for k, v in (("I", I), ("W", W)) if v}}
         return c
 
-    def with_scale(self, scale: dict[str, Sequence[float]]) -> "CostModel":
+    def with_scale(self, scale: Mapping[str, Sequence[float]]) -> "CostModel":
         """A copy whose ``op`` predictions on stage p are multiplied by ``scale[op][p]`` (before the
         overhead is added): how much slower (or faster) this host runs each stage's ops in a real
         pipeline than the profile measured, fitted on the steps a job ran so far

@@ -40,6 +40,8 @@ _NOTED_REPLACEMENT: set[tuple[int, int]] = set()
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
+    import pandas
+
 __all__ = [
     "shipped_dir", "data_dir", "list_traces", "load_trace", "save_trace", "check_lengths", "trace_stats", "datasets_table",
     "sample_batch", "sample_indices", "lognormal", "lognormal_mixture", "fit_lognormal", "fit_mixture", "synthetic_like",
@@ -145,7 +147,7 @@ def trace_stats(lengths: Iterable[int]) -> dict[str, float]:
             "p90": float(p90), "p99": float(p99), "max": int(a.max())}
 
 
-def datasets_table() -> "pandas.DataFrame":  # noqa: F821
+def datasets_table() -> pandas.DataFrame:
     """One row per shipped trace: name, count, mean, median, p90, p99, max."""
     import pandas as pd
     rows = [{"name": n, **trace_stats(load_trace(n))} for n in list_traces()]

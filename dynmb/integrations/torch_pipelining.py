@@ -85,7 +85,7 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from dynmb.config import ModelConfig
+from dynmb.contract import StageModule
 from dynmb.inputs import hidden_shape, make_inputs
 from dynmb.runtime.checks import PlanDivergenceError
 from dynmb.schedule import from_csv, to_csv, to_str
@@ -276,7 +277,7 @@ def _check_step(stages: Sequence[nn.Module], plan: Plan, schedule: Schedule, ran
             raise TorchPipeliningError(f"stage {st.stage} was built for {st.num_stages} stages, the schedule has "
                                        f"{schedule.num_stages}")
     mine = sorted(s for s, r in schedule.stage_to_rank().items() if r == rank)
-    given = sorted(int(st.stage) for st in stages)
+    given = sorted(int(cast(StageModule, st).stage) for st in stages)
     if mine != given:
         raise TorchPipeliningError(f"rank {rank} runs stages {mine} in the schedule but was given stages {given}")
     last = [a.mb for acts in schedule.ranks for a in acts if a.stage == schedule.num_stages - 1 and a.op == "F"]
@@ -334,9 +335,9 @@ def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Pla
 
     dtype = _hidden_dtype(stage_list, settings)
     shapes = [hidden_shape(mb, settings.model) for mb in plan.microbatches]
-    torch_stages = [PlanShapedStage(st, int(st.stage), sched.num_stages, device, shapes=shapes, dtype=dtype,
-                                    loss_dtype=torch.promote_types(dtype, torch.float32), group=group)
-                    for st in sorted(stage_list, key=lambda s: int(s.stage))]
+    torch_stages = [PlanShapedStage(st, int(cast(StageModule, st).stage), sched.num_stages, device, shapes=shapes,
+                                    dtype=dtype, loss_dtype=torch.promote_types(dtype, torch.float32), group=group)
+                    for st in sorted(stage_list, key=lambda s: int(cast(StageModule, s).stage))]
     runtime = schedules._PipelineScheduleRuntime(stages=torch_stages, n_microbatches=plan.num_microbatches,
                                                  loss_fn=_TokenWeightedLoss(loss_tokens), scale_grads=False)
     with tempfile.TemporaryDirectory(prefix="dynmb-torch-pp-") as tmp:

@@ -22,7 +22,7 @@ accounts storages (see ``dynmb.runtime.meter``). ``measure_grid`` runs every sta
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -49,7 +49,7 @@ def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int,
     lens = mb.lengths
     factory = resolve_model(model_cfg)
     model_cfg = planning_config(factory)
-    mod = factory.build_stage(stage, num_stages, seed=seed, device=dev)
+    mod = cast(torch.nn.Module, factory.build_stage(stage, num_stages, seed=seed, device=dev))   # a stage is a Module
     mod.zero_grad(set_to_none=True)      # a factory's stages may share modules: no gradient left from before
     inputs = make_inputs(mb, synthetic_tokens(lens, model_cfg.vocab_size, seed), cfg=model_cfg, device=dev)
     x = None

@@ -44,7 +44,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 import pandas as pd
@@ -130,7 +130,7 @@ def _stage_module(model: Any, stage: int, num_stages: int, settings: ProfileSett
                   device: torch.device | None = None) -> torch.nn.Module:
     """Stage ``stage`` of ``num_stages`` of ``model`` (a ``ModelConfig`` or a ``StageFactory``) with the
     profile's seeded weights, built by its factory."""
-    return resolve_model(model).build_stage(stage, num_stages, seed=settings.seed, device=device)
+    return cast(torch.nn.Module, resolve_model(model).build_stage(stage, num_stages, seed=settings.seed, device=device))
 
 
 def profile(cfg: Any, num_stages: int, settings: ProfileSettings | None = None, *,

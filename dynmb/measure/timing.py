@@ -49,8 +49,9 @@ def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, hidden_size: int, rep
     out = []
     for i in range(warmup + repeats):
         x = None if x0 is None else x0.detach().requires_grad_(True)
-        y, tf, wf = timed(lambda x=x: stage_mod(x, inputs))          # bound now: x and y are deleted below
-        _, tb, wb = timed(lambda y=y: y.backward() if g is None else y.backward(g))
+        # bound now: x and y are deleted below (mypy cannot type a lambda with default arguments)
+        y, tf, wf = timed(lambda x=x: stage_mod(x, inputs))  # type: ignore[misc]
+        _, tb, wb = timed(lambda y=y: y.backward() if g is None else y.backward(g))  # type: ignore[misc]
         del y, x
         times: tuple[float, ...] = (tf, tb, wf, wb)
         if split:

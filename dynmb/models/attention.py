@@ -42,6 +42,7 @@ No FlexAttention: the bucketed path runs unchanged on CUDA (its index tensors mo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +111,7 @@ class RoutedAttention(nn.Module):
     def _attend(self, x: torch.Tensor, mask: torch.Tensor | None, cs: CosSin | None) -> torch.Tensor:
         """``(n, L, d)`` -> SDPA output ``(n, L, heads, head_dim)``: causal without a mask."""
         q, k, v = (t.transpose(1, 2) for t in self._qkv(x, cs))
-        gqa = {"enable_gqa": True} if self.n_kv_heads != self.n_heads else {}
+        gqa: dict[str, Any] = {"enable_gqa": True} if self.n_kv_heads != self.n_heads else {}
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         else:

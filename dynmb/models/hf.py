@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -58,13 +58,14 @@ __all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf", "hf_llama
 log = logging.getLogger(__name__)
 
 
-def _parts(causal_lm: nn.Module) -> tuple[nn.Module, nn.Module]:
+def _parts(causal_lm: nn.Module) -> tuple[Any, nn.Module]:
+    """The decoder (a transformers ``LlamaModel``-like module, untyped: transformers is optional) and the head."""
     base = getattr(causal_lm, "model", None)
     missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, n)]
     if base is None or missing or not hasattr(causal_lm, "lm_head"):
         raise TypeError(f"{type(causal_lm).__name__} does not have the Llama decoder layout "
                         f"(model.embed_tokens/layers/norm/rotary_emb + lm_head); missing {missing or ['lm_head']}")
-    return base, causal_lm.lm_head
+    return base, cast(nn.Module, causal_lm.lm_head)
 
 
 class HFDecoderStage(nn.Module):
@@ -90,7 +91,7 @@ class HFDecoderStage(nn.Module):
         if self.is_last:
             self.norm, self.lm_head = base.norm, head
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """Global names: ``decoder.3.`` is reported as ``layers.3.`` (the model's own numbering)."""
         for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
             yield (name.replace("decoder.", "layers.", 1) if name.startswith("decoder.") else name), p
@@ -155,10 +156,10 @@ class HFStageFactory:
     attention_work = "masked"
 
     def __init__(self, causal_lm: nn.Module, name: str = "hf") -> None:
-        _parts(causal_lm)
+        base, _ = _parts(causal_lm)
         self.model = causal_lm
         self.config = model_config_from_hf(causal_lm.config, name)
-        self.num_layers = len(causal_lm.model.layers)
+        self.num_layers = len(base.layers)
 
     @classmethod
     def from_config(cls, hf_config: Any, *, seed: int = 0, dtype: torch.dtype | None = None,
@@ -198,7 +199,9 @@ def hf_llama_config(cfg: ModelConfig) -> Any:
 
     if cfg.family != "llama":
         raise ValueError(f"model {cfg.name!r} is of the {cfg.family} family; llama_to_hf takes the llama family")
-    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+    # transformers 5 takes rope_theta as a legacy keyword (it lands in rope_parameters); its stubs do not list it
+    return LlamaConfig(vocab_size=cfg.vocab_size,  # type: ignore[call-arg]
+                       hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
                        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
                        rms_norm_eps=1e-5, max_position_embeddings=cfg.max_seq_len,

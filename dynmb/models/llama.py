@@ -29,7 +29,7 @@ seeded by ``(seed, global name)``: N(0, 0.02) matrices (the residual output proj
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -174,7 +174,7 @@ class LlamaStage(DecoderStage):
         return self.embed(inputs.input_ids)
 
     def block_args(self, inputs: MicrobatchInputs) -> tuple[Any, ...]:
-        dtype = self.blocks[str(self.layers[0])].attn.qkv.weight.dtype
+        dtype = cast(LlamaBlock, self.blocks[str(self.layers[0])]).attn.qkv.weight.dtype
         return (position_tables(inputs, self.cfg, dtype),)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

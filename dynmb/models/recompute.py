@@ -35,14 +35,14 @@ class RecomputedBlock(torch.autograd.Function):
     """A block under full recomputation (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, block: nn.Module, inputs: Any, *extra: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, block: nn.Module, inputs: Any, *extra: Any) -> torch.Tensor:
         ctx.block, ctx.inputs, ctx.extra = block, inputs, extra
         held = [t for e in extra if hasattr(e, "tensors") for t in e.tensors()]
         ctx.save_for_backward(x, *held)          # the tables live until the backward: let the meter see them
         return block(x, inputs, *extra)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x = ctx.saved_tensors[0]
         leaf = x.detach().requires_grad_(x.requires_grad)
         with torch.enable_grad():
@@ -56,13 +56,13 @@ class RecomputedHead(torch.autograd.Function):
     """The last stage's head under full recomputation (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, stage: nn.Module, inputs: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, stage: Any, inputs: Any) -> torch.Tensor:    # stage: a DecoderStage
         ctx.stage, ctx.inputs = stage, inputs
         ctx.save_for_backward(x)
         return stage.head(x, inputs, "sum")
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (x,) = ctx.saved_tensors
         leaf = x.detach().requires_grad_(x.requires_grad)
         with torch.enable_grad():

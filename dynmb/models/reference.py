@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from typing import Any
+from typing import Any, cast
 
 from dynmb.config import ModelConfig
 from dynmb.inputs import make_inputs
@@ -60,7 +60,8 @@ def reference_stages(model: Any, num_stages: int, seed: int = 0, *, dtype: torch
                      device: torch.device | str | None = None) -> tuple[ModelConfig, list[nn.Module]]:
     """``(planning config, all num_stages stages)`` of ``model`` (a ``ModelConfig`` or a ``StageFactory``)."""
     factory = resolve_model(model)
-    return planning_config(factory), [factory.build_stage(s, num_stages, seed=seed, dtype=dtype, device=device)
+    return planning_config(factory), [cast(nn.Module, factory.build_stage(s, num_stages, seed=seed, dtype=dtype,
+                                                                         device=device))
                                       for s in range(num_stages)]
 
 
@@ -73,7 +74,7 @@ def reference_grads(model: Any, num_stages: int, plan: Plan, tokens: Sequence[to
     loss_sum = 0.0
     for mb in whole_documents(plan):
         inputs = make_inputs(mb, tokens, cfg=cfg, device=device)
-        x = None
+        x: Any = None                           # into the first stage; then each stage's output
         for st in stages:
             x = st(x, inputs)
         (x / total).backward()

@@ -40,6 +40,8 @@ __all__ = ["DecoderStage"]
 class DecoderStage(nn.Module):
     """One pipeline stage of a pre-norm decoder (module docstring)."""
 
+    blocks: nn.ModuleDict          # set by the family's ``_build``
+
     def __init__(self, cfg: ModelConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()

@@ -160,8 +160,8 @@ def _karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
             heapq.heappush(heap, (neg[0] - neg[-1], tie))
             tie += 1
             continue
-        neg = np.asarray(na, dtype=np.float64) + np.asarray(nb, dtype=np.float64)[::-1]   # the largest set of
-        order = neg.argsort(kind="stable")                                # one with the smallest of the other
+        neg_a = np.asarray(na, dtype=np.float64) + np.asarray(nb, dtype=np.float64)[::-1]   # the largest set of
+        order = neg_a.argsort(kind="stable")                                # one with the smallest of the other
         x, y = np.asarray(ta, dtype=np.int64)[order], np.asarray(tb, dtype=np.int64)[::-1][order]
         nxt = n + len(left)
         if ca == k and cb == k:               # every set of both non-empty: every pair is a new node
@@ -174,9 +174,9 @@ def _karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
             left.extend(x[both].tolist())
             right.extend(y[both].tolist())
             nodes[both] = np.arange(nxt, nxt + len(both))
-        neg = neg[order]
-        parts[tie] = (neg, nodes, min(k, ca + cb))
-        heapq.heappush(heap, (float(neg[0] - neg[-1]), tie))
+        neg_a = neg_a[order]
+        parts[tie] = (neg_a, nodes, min(k, ca + cb))
+        heapq.heappush(heap, (float(neg_a[0] - neg_a[-1]), tie))
         tie += 1
     _, final, _ = take(pop())
     final = np.asarray(final, dtype=np.int64)
@@ -325,7 +325,8 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     lens = np.asarray(lens, dtype=np.int64)
     n, total = len(lens), int(lens.sum())
     cap = row_budget(ctx, lens, round_to)
-    divs, ks = [], []
+    divs: list[int] = []
+    ks: list[int] = []
     for j in range(max_j + 1):
         k = min(n, -(-math.ceil(total / max(1, cap >> j)) // dp) * dp)
         if ks and k == ks[-1]:
@@ -336,17 +337,17 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
             break
     if len(divs) <= keep or not hasattr(cost_model, "stage_costs"):
         return divs[:keep] if len(divs) > keep else divs
-    k = np.array(ks, dtype=np.float64)
-    padded = np.ceil(total / k / round_to) * round_to
-    cost = cost_model.stage_costs(np.ones(len(k)), padded, float(np.sum(lens.astype(np.float64) ** 2)) / k)
-    comm = cost_model.comm_s(np.ones(len(k)), padded) if hasattr(cost_model, "comm_s") else np.zeros(len(k))
+    k_a = np.array(ks, dtype=np.float64)
+    padded = np.ceil(total / k_a / round_to) * round_to
+    cost = cost_model.stage_costs(np.ones(len(k_a)), padded, float(np.sum(lens.astype(np.float64) ** 2)) / k_a)
+    comm = cost_model.comm_s(np.ones(len(k_a)), padded) if hasattr(cost_model, "comm_s") else np.zeros(len(k_a))
     per = np.maximum(np.array(ks) // dp, 1)
-    comm = np.broadcast_to(np.asarray(comm, dtype=np.float64), (len(k),))
+    comm = np.broadcast_to(np.asarray(comm, dtype=np.float64), (len(k_a),))
     kind = ranking_kind(ctx.kind)                  # the estimate the dynamic packer ranks with
     if get_kind(kind).estimate_as in ZB_ESTIMATES:
         est = _equal_zb(cost["F"], cost["B"], comm, per, kind, backward_shares(cost_model, lens, ctx.p))
     else:
-        cols = np.repeat(np.arange(len(k)), per)
+        cols = np.repeat(np.arange(len(k_a)), per)
         est = makespans(cost["F"][:, cols], cost["B"][:, cols], comm[cols], per, kind, virtual=ctx.virtual)
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)

@@ -180,8 +180,9 @@ def _refined(own: list[Candidate], setups: dict[str, SplitSetup], grids: dict[st
     best's, the best three's targets filled from the short end, the best two polished."""
     ranked = sorted((c for c in own if np.isfinite(c.value) and c.source is not None), key=lambda c: c.value)
     out: list[tuple] = []
-    if ranked and np.isfinite(ranked[0].source[2]):
-        key, _, tau = ranked[0].source
+    best = ranked[0].source if ranked else None      # every ranked candidate has a source
+    if best is not None and np.isfinite(best[2]):
+        key, _, tau = best
         grid = grids[key]
         k = int(np.searchsorted(grid, tau))
         lo_t, hi_t = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 2)]
@@ -189,10 +190,12 @@ def _refined(own: list[Candidate], setups: dict[str, SplitSetup], grids: dict[st
             for t in np.geomspace(lo_t, hi_t, num_tau + 2)[1:-1]:
                 out.append((key, setups[key].greedy_cuts(t), t))
     for c in ranked[:3]:
+        assert c.source is not None
         key, _, tau = c.source
         if not np.isnan(tau):
             out.append((key, setups[key].greedy_cuts(tau, from_short_end=True), tau))
     for c in ranked[:2]:
+        assert c.source is not None
         key, cuts, tau = c.source
         if len(cuts) - 1 <= 256:
             st = setups[key]

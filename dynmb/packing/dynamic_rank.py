@@ -119,6 +119,7 @@ class Ranker:
                 c.F, c.B, c.comm = self.looked_up[c.key]
             elif affine and todo[i].split is not None:
                 c = todo[i]
+                assert c.split is not None
                 (c.F, c.B), c.comm = self.setups[c.split[0]].costs(c.split[1]), self._send(c.rows, c.padded)
             else:
                 while (i + len(chunk) < len(todo) and not (affine and todo[i + len(chunk)].split is not None)
@@ -140,6 +141,7 @@ class Ranker:
 
     def _members(self, c: Candidate, exact_assignment: bool) -> tuple[np.ndarray, np.ndarray]:
         """(replicas x microbatches in split order, busy time of each microbatch)."""
+        assert c.F is not None and c.B is not None          # costed
         busy = (c.F + c.B).max(axis=0)
         if self.dp == 1:
             return np.arange(len(busy))[None, :], busy
@@ -163,6 +165,7 @@ class Ranker:
         """The replica with the most work on its busiest stage and the one with the longest round trip."""
         if len(members) == 1:
             return members
+        assert c.F is not None and c.B is not None and c.comm is not None    # costed
         T = c.F + c.B
         work = T[:, members].sum(axis=2).max(axis=0)
         trip = (T.sum(axis=0) + 2 * (self.P - 1) * c.comm)[members].max(axis=1)
@@ -189,6 +192,7 @@ class Ranker:
         trips = []                       # bound regime: (candidate, order, pipeline bound, stage-0 F, B, trip above)
         for c in self.costed(cands, affine=True):
             members, busy = self._members(c, exact_assignment=bool(c.baseline))
+            assert c.F is not None and c.B is not None and c.comm is not None    # costed
             used, local = (np.unique(self._probes(c, members), return_inverse=True) if self.dp > 1
                            else (np.arange(members.shape[1]), members))
             sub, local = (c.F[:, used], c.B[:, used], c.comm[used]), local.reshape(-1, members.shape[1])
@@ -240,7 +244,8 @@ class Ranker:
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
         return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
-    def _slowest(self, costs: tuple, cols: np.ndarray, limit: float, inclusive: bool) -> float:
+    def _slowest(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray], cols: np.ndarray, limit: float,
+                 inclusive: bool) -> float:
         """The slowest replica's estimate (replicas: rows of ``cols``), the likeliest by proxy
         first: past ``limit`` (or at it, unless ``inclusive``) already, the others are left out
         (the value is then a lower bound)."""
@@ -267,6 +272,7 @@ class Ranker:
                 if sig in seen:
                     continue                            # the same plan run the same way
                 seen.add(sig)
+                assert c.F is not None and c.B is not None and c.comm is not None    # costed
                 busy, m = (c.F + c.B).max(axis=0), len(c.rows)
                 fewer = m < best_m                      # it may also win by tying (or within tol)
                 limit = best * (1 + tol) if fewer else best
@@ -323,8 +329,8 @@ def _round_trips(trips: list[tuple], P: int, kind: str) -> list[float]:
     if not trips:
         return []
     k = max(t[3].shape[1] for t in trips)
-    pad = [np.concatenate([np.pad(t[i], ((0, 0), (0, k - t[i].shape[1]))) for t in trips]) for i in (3, 4, 5)]
-    per = round_trip_bound(*pad, k if get_kind(kind).estimate_as == "gpipe" else P - 1)
+    F0, B0, up = [np.concatenate([np.pad(t[i], ((0, 0), (0, k - t[i].shape[1]))) for t in trips]) for i in (3, 4, 5)]
+    per = round_trip_bound(F0, B0, up, k if get_kind(kind).estimate_as == "gpipe" else P - 1)
     bounds = np.cumsum([0] + [len(t[3]) for t in trips])
     return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 

@@ -26,6 +26,7 @@ Row sets (``row_set``) are remembered by the lengths, ``round_to`` and ``max_len
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import heapq
 from typing import Any, Callable
@@ -37,7 +38,7 @@ from .context import PackContext
 from .dynamic_rank import Candidate, RankMemo
 from .dynamic_setup import RowSet, SplitSetup, affine_costs, row_caps, row_set, split_to_flat
 from .dynapipe import dynapipe_split
-from .rows import Flat, flat_to_groups, groups_to_flat, merge_groups, split_group
+from .rows import Flat, Group, flat_to_groups, groups_to_flat, merge_groups, split_group
 
 __all__ = ["Space", "space_for", "clear", "MEMO", "BFD_MAX", "SEED_DP_MAX"]
 
@@ -136,7 +137,7 @@ class Space:
                               key=("own",) + memo)
             else:
                 rows, padded, attn = st.shapes(bal)
-                c = Candidate(rows, padded, attn, lambda o, r=st.rows, b=bal: split_to_flat(r, b, o),
+                c = Candidate(rows, padded, attn, functools.partial(split_to_flat, st.rows, bal),
                               source=(key, cuts, tau), opened=st.rows.opened if len(bal) - 1 == len(st.pos) else None,
                               split=(key, bal), key=("own",) + memo)
             self._own[memo] = c
@@ -165,7 +166,8 @@ class Space:
                 if self.doc_causal:
                     docs2 = np.add.reduceat(self.lengths[items].astype(np.float64) ** 2, np.cumsum(nseq) - nseq)
                     attn = np.where(nseq > batch, docs2, attn)
-                c = Candidate(batch, plen, attn, lambda o, f=flat: _reorder(f, o), baseline=method, key=("base", method))
+                c = Candidate(batch, plen, attn, functools.partial(_reorder, flat), baseline=method,
+                              key=("base", method))
             self._base[method] = c
         c = self._base[method]
         return None if c is None else copy.copy(c)
@@ -220,7 +222,8 @@ def _balance_like_packing(flat: Flat, dp: int, bmax_fn: Callable) -> Flat | None
     count = len(flat.nseq)
     if not (count % dp or count < dp):
         return flat
-    heap = [(-g.batch, -len(g.items), (j,), g) for j, g in enumerate(flat_to_groups(flat))]
+    heap: list[tuple[int, int, tuple[int, ...], Group]] = [(-g.batch, -len(g.items), (j,), g)
+                                                            for j, g in enumerate(flat_to_groups(flat))]
     heapq.heapify(heap)
     while (count % dp or count < dp) and (heap[0][0] <= -2 or heap[0][1] <= -2):
         _, _, key, g = heapq.heappop(heap)

@@ -265,5 +265,5 @@ def polish_cuts(cuts: np.ndarray, bottleneck: Callable[[np.ndarray, np.ndarray],
     for k in range(m - 1, -1, -1):
         j = int(arg[k, j])
         out.append(int(pos[k, j]))
-    out = np.array(out[::-1], dtype=np.int64)
-    return out if np.all(np.diff(out) >= 1) else cuts
+    polished = np.array(out[::-1], dtype=np.int64)
+    return polished if np.all(np.diff(polished) >= 1) else cuts

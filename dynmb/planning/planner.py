@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -174,7 +174,9 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_
         raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
                          f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, memory_model) else ''}")
     packs: dict[tuple, tuple[Plan, float]] = {}
-    results, scores, errors = [], {}, []
+    results: list[tuple[Plan, Schedule, SimResult]] = []
+    scores: dict[str, float | None] = {}
+    errors: list[ValueError] = []
     for kind in kinds:
         try:
             res = _plan_checked(lengths, spec.with_(schedule_kind=kind), model_cfg, cost_model, memory_model, meta,
@@ -184,11 +186,11 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_
             scores[kind] = None
             continue
         results.append(res)
-        scores[kind] = float(res[0].predictions.get("pred_step_s"))
+        scores[kind] = float(cast(float, res[0].predictions.get("pred_step_s")))     # set by _plan_checked
     if not results:
         raise errors[0]
     fitting = [r for r in results if _fits(*r)] or results
-    plan, sched, sim = min(fitting, key=lambda r: r[0].predictions.get("pred_step_s"))   # first of equals
+    plan, sched, sim = min(fitting, key=lambda r: cast(float, r[0].predictions.get("pred_step_s")))   # first of equals
     if len(fitting) < len(results):
         log.info("schedule auto: %d of %d kinds over the memory limit", len(results) - len(fitting), len(results))
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)

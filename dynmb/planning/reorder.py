@@ -118,7 +118,7 @@ class OrderEvaluator:
 
     @staticmethod
     def _prepare(sched: Schedule) -> Any:
-        flat = execution_order(sched)
+        flat: Any = execution_order(sched)               # a FlatSchedule with two attributes more
         flat.num_ranks = sched.num_ranks
         flat.xi = cross_mask(flat)
         return flat
@@ -253,13 +253,14 @@ def _dynapipe(ev: OrderEvaluator, k: int = 4) -> list[int]:
     labels = _kmeans_1d(ev.work, k)
     groups = [np.flatnonzero(labels == c).tolist() for c in range(k)]
     groups = [g for g in groups if g]
-    best = None
+    best: list[int] | None = None
     perms = list(itertools.permutations(range(len(groups))))
     ev.prefetch([[i for c in perm for i in groups[c]] for perm in perms], len(perms))
     for perm in perms:
         order = [i for c in perm for i in groups[c]]
         if best is None or ev.score(order) < ev.score(best):
             best = order
+    assert best is not None                            # permutations() yields at least one order
     return best
 
 

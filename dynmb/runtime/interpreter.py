@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 
@@ -68,6 +68,11 @@ class ActionTiming:
     t_start: Any     # compute start
     t_end: Any       # compute end
     cpu_s: float | None = None   # thread CPU seconds from compute start to end (CPU only)
+
+
+def _layers(mod: torch.nn.Module) -> list[int]:
+    """A stage's attention layers (``DecoderStage.layers``): the keys of its prefix store."""
+    return cast("list[int]", mod.layers)
 
 
 def run_actions(
@@ -126,7 +131,7 @@ def run_actions(
             saved[(s, m)] = (x, out)
             tapes[(s, m)] = tape
             if sliced[m] and prefix is not None and meter is not None:
-                meter.hold(prefix.held_tensors(mod.layers), s)
+                meter.hold(prefix.held_tensors(_layers(mod)), s)
             del inp
             if s == last:
                 losses.append(out.detach())
@@ -142,15 +147,15 @@ def run_actions(
             ctx = meter.saving(s) if meter is not None else nullcontext()
             with ctx:
                 if sliced[m] and prefix is not None:
-                    roots = prefix.backward_roots(mod.layers, m)
+                    roots = prefix.backward_roots(_layers(mod), m)
                     if a.op == "I" and tape is not None:
-                        dx = backward_input(mod, out, grad, x, tape, roots, prefix.read_leaves(mod.layers, m))
+                        dx = backward_input(mod, out, grad, x, tape, roots, prefix.read_leaves(_layers(mod), m))
                     else:
                         dx = full_backward(out, grad, x, roots)
                     del roots
-                    prefix.release(mod.layers, m)
+                    prefix.release(_layers(mod), m)
                     if meter is not None:
-                        meter.hold(prefix.held_tensors(mod.layers), s)
+                        meter.hold(prefix.held_tensors(_layers(mod)), s)
                 elif a.op == "I" and tape is not None:
                     dx = backward_input(mod, out, grad, x, tape)
                 else:

@@ -214,9 +214,9 @@ def _finish(job: JobSpec, proc: subprocess.Popen, ended: Ended, log: str, guard_
                 set_run_status(out_dir, [r for r in ids if r not in closed], status, failures[0], keep=())
             complete.update({r: tuple(s) for r, s in drop_incomplete_steps(out_dir, ids).items()})
         except (OSError, ResultsError) as e:           # ENOSPC, a table cut by it: one line naming the file
-            name = getattr(e, "filename", None)
+            fname, strerror = getattr(e, "filename", None), getattr(e, "strerror", None)
             line = (f"dynmb run: writing the runs' status in {out_dir} failed: "
-                    f"{f'{name}: {e.strerror}' if name and getattr(e, 'strerror', None) else e}")
+                    f"{f'{fname}: {strerror}' if fname and strerror else e}")
             failures.append(line)
             rc = rc or 1
     if rc != 0 and ended.how != "signal":

@@ -36,10 +36,11 @@ import warnings
 import weakref
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import torch
 
+from dynmb.contract import StageModule
 from dynmb.runtime.device import device_ops
 
 __all__ = ["MemoryMeter", "tensor_bytes"]
@@ -73,7 +74,7 @@ class MemoryMeter:
         self._inputs: dict[int, deque] = {}
         self._hooks = []
         for m in self.modules if self.accounting else ():
-            st = int(m.stage)
+            st = int(cast(StageModule, m).stage)
             self._hooks.append(m.register_forward_hook(self._fwd_hook(st)))
             self._hooks.append(m.register_full_backward_pre_hook(self._bwd_pre_hook(st)))
             for blk in getattr(m, "blocks", {}).values():   # also inside a recomputing backward
@@ -223,7 +224,7 @@ class MemoryMeter:
         return {s: int(self._stage_peak.get(s, self.current_bytes)) for s in stages}
 
     def _stages(self) -> list[int]:
-        return [int(m.stage) for m in self.modules]
+        return [int(cast(StageModule, m).stage) for m in self.modules]
 
     def close(self) -> None:
         for h in self._hooks:

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, cast
 
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ def record_linears(stage: nn.Module) -> Iterator[WeightGradTape]:
     def on_linear(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
         if not (isinstance(out, torch.Tensor) and out.requires_grad):
             return
-        call = LinearCall(mod, args[0])
+        call = LinearCall(cast(nn.Linear, mod), args[0])     # hooked on nn.Linear modules only
         out.register_hook(call.capture)
         tape.calls.append(call)
 

@@ -160,6 +160,7 @@ class RunState:
     def tokens(self, batch: PlannedBatch, step: int) -> list[torch.Tensor]:
         """Token ids of ``batch``: the corpus documents of its rows, else synthetic ids of step ``step``."""
         if self.corpus is not None:
+            assert batch.plan.dataset_ids is not None    # set by plan_batch; RunSpec checks a plan file's
             return corpus_tokens(self.corpus, batch.plan.dataset_ids, batch.lengths)
         return synthetic_tokens(batch.lengths, self.run.model.vocab_size, token_seed(self.run.seed, step))
 
@@ -226,7 +227,8 @@ def prewarm(state: RunState) -> int:
     for microbatch, lengths in todo.values():
         tokens = synthetic_tokens(lengths, run.model.vocab_size, 0)
         if microbatch.has_slices:        # its shape, as whole documents (no earlier slices to attend to here)
-            microbatch = replace(microbatch, offsets=None, continued=None)
+            # None: the defaults (Microbatch's __init__ takes them; mypy types replace() by the fields)
+            microbatch = replace(microbatch, offsets=None, continued=None)  # type: ignore[arg-type]
         inputs = make_inputs(microbatch, tokens, cfg=run.model, device=state.device)
         for stage in state.stages.values():
             x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model),

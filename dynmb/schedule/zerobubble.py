@@ -145,7 +145,7 @@ def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None
     return out
 
 
-def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | None = None,
+def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None = None,
                   kind: str = "zb", backward_order: Sequence[int] | None = None) -> tuple[Schedule, float]:
     """The order the list scheduler (module doc) emits and its makespan under ``inp``'s times;
     each stage's backwards in ``backward_order`` (slices of a sequence in reverse)."""
@@ -153,7 +153,7 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     order = check_order(m, backward_order)
     k = [max(1, min(m, int(x))) for x in inflight]
     mem = caps is not None and inp.act is not None
-    cap = [float(c) + 1e-6 for c in caps] if mem else [np.inf] * P
+    cap = [float(c) + 1e-6 for c in caps] if mem and caps is not None else [np.inf] * P
     zero = np.zeros((P, m))
     # plain Python lists: the loop below reads one scalar at a time
     act, wb, tr = ((zero if a is None else a).tolist() for a in (inp.act, inp.w, inp.tr))
@@ -273,7 +273,7 @@ def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool,
     return ZBInputs(inp.F, inp.B, inp.I, inp.W, inp.comm, split, inp.act, inp.w, inp.tr)
 
 
-def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | None, kind: str,
+def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None, kind: str,
               order: Sequence[int] | None = None) -> list[Schedule]:
     """The list schedule, and the list schedule again with full backwards where the first ran W
     right after I (``_unsplit_adjacent``; everywhere, and everywhere but the cool-down)."""
