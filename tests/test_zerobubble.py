@@ -21,7 +21,7 @@ from dynmb.measure import synthetic_microbatch
 from dynmb.runtime.spec import RunSpec
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.schedule import build_schedule, from_str, to_csv, validate
-from dynmb.schedule.zerobubble import list_schedule, one_f_one_b_peaks
+from dynmb.schedule.zerobubble import ZBInputs, list_schedule, one_f_one_b_peaks
 from dynmb.simulate import simulate, simulate_costs
 from dynmb.types import Microbatch, Plan
 from dynmb.planning.zerobubble import build_zb, zb_evaluator, zb_inputs
@@ -289,3 +289,16 @@ def test_two_ranks_split_backward_matches_reference(gloo_job):
 @pytest.mark.dist
 def test_four_ranks_split_backward_matches_reference(gloo_job):
     _check(_tables(gloo_job(4), ZB_CASES[4]))
+
+
+def test_one_f_one_b_peaks_without_transients_is_the_held_bytes():
+    """A memory model with activations but no ``act_matrix`` gives no transients (``simulate.memory_inputs``):
+    the 1F1B peaks the zero-bubble builders cap with are then the held bytes alone (it raised TypeError)."""
+    from dataclasses import replace as dc_replace
+    P, m = 2, 4
+    act = np.arange(1.0, 1.0 + P * m).reshape(P, m)
+    z = np.zeros((P, m))
+    inp = ZBInputs(np.ones((P, m)), 2 * np.ones((P, m)), z, z, np.zeros(m), np.zeros((P, m), bool), act, None, None)
+    with_tr = one_f_one_b_peaks(dc_replace(inp, tr=np.zeros((P, m))))
+    np.testing.assert_allclose(one_f_one_b_peaks(inp), with_tr)
+    assert np.all(with_tr > 0)

@@ -136,10 +136,12 @@ def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None
     (backwards in ``backward_order``)."""
     P, m = inp.shape
     out = np.zeros(P)
+    act = np.zeros((P, m)) if inp.act is None else inp.act
+    tr = np.zeros((P, m)) if inp.tr is None else inp.tr        # a memory model without transients
     for s, acts in enumerate(_one_f_one_b(P, m, backward_order).ranks):
         held = 0.0
         for a in acts:
-            d, extra = op_bytes(a.op, inp.act[s, a.mb], 0.0, inp.tr[s, a.mb])
+            d, extra = op_bytes(a.op, act[s, a.mb], 0.0, tr[s, a.mb])
             out[s] = max(out[s], held + extra)
             held += d
     return out
