@@ -88,6 +88,19 @@ class MemoryModelLike(Protocol):
         """Bytes one microbatch holds on ``stage`` from its forward to its backward."""
         ...
 
+    def max_rows(self, stage_caps: Any, padded_len: Any, inflight: Any, tight: bool = False,
+                 recompute: bool = False) -> np.ndarray:
+        """The most rows per padded length that fit ``stage_caps`` with ``inflight`` in flight (packing)."""
+        ...
+
+    def recomputing(self) -> Any:
+        """This model as a microbatch that recomputes sees it (``--recompute``)."""
+        ...
+
+    def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        """Raise ValueError unless made for ``model_cfg`` over ``num_stages`` stages (``Planner``)."""
+        ...
+
 
 class MemoryModel:
     """Per-stage ``state_bytes`` and activation/transient coefficients ``[P, 3]`` (a0, a1, a2)."""

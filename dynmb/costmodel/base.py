@@ -73,6 +73,10 @@ class CostModelLike(Protocol):
         """P2P seconds of a microbatch's hidden state between neighbouring stages."""
         ...
 
+    def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        """Raise ValueError unless made for ``model_cfg`` over ``num_stages`` stages (``Planner``)."""
+        ...
+
 
 class CommModel:
     """Point-to-point time ``alpha_s + nbytes / bytes_per_s`` (one-way, one message), and
