@@ -36,6 +36,9 @@ from dynmb.makespan import makespans
 from dynmb.schedule.kinds import build_schedule
 from dynmb.simulate import simulate_costs
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_zb_estimate import _dist  # noqa: E402  (the same error summary as the zero-bubble estimate's)
+
 ESTIMATES = ("as 1f1b", "interleaved")
 AS_1F1B = "interleaved-as-1f1b"
 """The interleaved kind estimated as 1F1B over the chunks (its ``estimate_as`` before its own estimate)."""
@@ -112,12 +115,6 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
                       + " ".join(f"{k} {x:.4f} ({x / res.makespan_s - 1:+.1%})" for k, x in est.items())
                       + f" peak/limit {out[-1]['peak']:.3f}", flush=True)
     return out
-
-
-def _dist(err: np.ndarray) -> str:
-    q = np.percentile(err, [0, 5, 50, 95, 100])
-    return (f"n {len(err)}: min {q[0]:+.1%} p5 {q[1]:+.1%} median {q[2]:+.1%} p95 {q[3]:+.1%} max {q[4]:+.1%}, "
-            f"mean |err| {np.mean(np.abs(err)):.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:
