@@ -55,7 +55,7 @@ from dynmb.planspec import PlanSpec
 
 from .planner import plan_step
 from .split_work import layout_cost_model, workload_lengths
-from .stage_split import StageCost, balanced_split, min_max_split, unit_work
+from .stage_split import StageCost, balanced_split, min_max_split, unit_work, with_split
 
 __all__ = ["SplitSearch", "SplitChoice", "near_optimal_splits", "ENUMERATE_LIMIT"]
 
@@ -221,8 +221,7 @@ class SplitSearch:
                 batches: list[np.ndarray]) -> tuple[float, float]:
         """(mean simulated step, mean real tokens) of ``dynamic`` on ``batches`` under ``split``; (inf, 0) when
         one cannot be planned."""
-        even = tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages))
-        layout = replace(cfg, layer_split=None if tuple(split) == even else tuple(split))
+        layout = with_split(cfg, num_stages, split)
         priced = cm.for_layout(replace(cm.model_cfg, layer_split=layout.layer_split), num_stages)
         mm = get_memory_model(None, layout, num_stages)
         spec = self.spec.with_(method="dynamic", dp=1, mbs=None)

@@ -71,7 +71,7 @@ from dynmb.config import ModelConfig
 
 from .split_work import fitted_split, workload_cost
 
-__all__ = ["balanced_split", "min_max_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
+__all__ = ["balanced_split", "min_max_split", "with_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
            "StageCost", "STAGE_SPLITS"]
 
 logger = logging.getLogger(__name__)
@@ -222,6 +222,14 @@ def _say_choice(choice: Any) -> None:
         logger.info("stage split auto: the min-max split, not chosen by simulated step: %s", choice.reason)
 
 
+def with_split(cfg: ModelConfig, num_stages: int, split: tuple[float, ...]) -> ModelConfig:
+    """``cfg`` with layers per stage ``split``; the even split as the even split (``layer_split`` None), so
+    a model fitted on the even split still fits (with more stages than layers there is none)."""
+    if num_stages <= cfg.n_layers and tuple(split) == tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages)):
+        return replace(cfg, layer_split=None)
+    return replace(cfg, layer_split=tuple(split))
+
+
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
                         half_blocks: bool = True, stage_cost: StageCost | None = None, workload: Any = None,
                         cost_model: Any = None, search: Any = None) -> ModelConfig:
@@ -261,16 +269,12 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
             _say_choice(choice)
         else:
             split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost)
-        if num_stages > cfg.n_layers:      # more stages than layers: half-blocks only, no even split
-            logger.info("stage split auto: %s (split ceiling %.3f)", list(split),
-                        split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost))
-            return replace(cfg, layer_split=split)
-        even = tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages))
-        logger.info("stage split auto: %s (split ceiling %.3f; even split: %.3f)", list(split),
+        out = with_split(cfg, num_stages, split)
+        even = None if num_stages > cfg.n_layers else replace(cfg, layer_split=None).stage_layer_counts(num_stages)
+        logger.info("stage split auto: %s (split ceiling %.3f; even split: %s)", list(split),
                     split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost),
-                    split_ceiling(cfg, even, tokens_hint, stage_cost=stage_cost))
-        # the even split found is the even split: no layer_split, so a model fitted on it still fits
-        return replace(cfg, layer_split=None if tuple(split) == even else split)
+                    "none" if even is None else f"{split_ceiling(cfg, tuple(even), tokens_hint, stage_cost=stage_cost):.3f}")
+        return out
     try:
         split = tuple(float(x) for x in setting.split(","))
     except ValueError:
