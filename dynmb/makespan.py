@@ -46,6 +46,7 @@ from dynmb.makespan_interleaved import ESTIMATE as INTERLEAVED
 from dynmb.makespan_interleaved import interleaved_makespans
 from dynmb.makespan_levels import level_order as _level_order
 from dynmb.makespan_levels import levels as _levels
+from dynmb.makespan_levels import sweep_levels
 from dynmb.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.makespan_zb import zb_makespans
 from dynmb.schedule.kinds import get_kind
@@ -232,14 +233,7 @@ def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarr
     flat_ix = stage * M + col
     dur = np.append(np.where(is_b, B.ravel()[flat_ix], F.ravel()[flat_ix]), 0.0)
     cross = np.append(np.where(dep < N, comm[col], 0.0), 0.0)
-    order = np.argsort(level, kind="stable")
-    bounds = np.searchsorted(level[order], np.arange(num_levels + 1)).tolist()
-    end = np.zeros(N + 1)
-    for a, e in itertools.pairwise(bounds):
-        if e > a:
-            ids = order[a:e]
-            end[ids] = np.maximum(end[prev[ids]], end[dep[ids]] + cross[ids]) + dur[ids]
-    out[rest] = np.maximum.reduceat(end[:N], op_off[:-1])
+    out[rest] = np.maximum.reduceat(sweep_levels(level, prev, dep, cross, dur), op_off[:-1])
     return out
 
 

@@ -26,10 +26,10 @@ The simulation layer, beside ``dynmb.makespan``; the packers, one layer down, im
 from __future__ import annotations
 
 import functools
-import itertools
 
 import numpy as np
 
+from dynmb.makespan_levels import sweep_levels
 from dynmb.schedule.kinds import build_schedule
 from dynmb.schedule.validate import execution_order
 
@@ -117,14 +117,7 @@ def interleaved_makespans(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes:
     level = np.concatenate([t[5] for t in parts])
     dur = np.append(FB[row, col], 0.0)
     cross = np.append(np.where(np.concatenate([t[4] for t in parts]), comm[col], 0.0), 0.0)
-    order = np.argsort(level, kind="stable")
-    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2)).tolist()
-    end = np.zeros(N + 1)
-    for a, e in itertools.pairwise(bounds):
-        if e > a:
-            ids = order[a:e]
-            end[ids] = np.maximum(end[prev[ids]], end[dep[ids]] + cross[ids]) + dur[ids]
-    out[live] = np.maximum.reduceat(end[:N], base[:-1])
+    out[live] = np.maximum.reduceat(sweep_levels(level, prev, dep, cross, dur), base[:-1])
     return out
 
 

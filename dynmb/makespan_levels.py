@@ -5,16 +5,18 @@ unit costs and free sends (the longest chain of ops before it), so that no op de
 its own level and the makespan recurrence ``end = max(stage free, input + send) + duration`` can be
 evaluated one level at a time, vectorised over the level's ops and over many pipelines. Closed forms
 (``levels``), and the table sorted by level with each op's predecessor on its stage and its
-dependency as positions (``level_order``, cached).
+dependency as positions (``level_order``, cached); ``sweep_levels`` evaluates the recurrence on any
+such table (the 1F1B / GPipe estimate of many pipelines at once, the interleaved one).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 
-__all__ = ["levels", "level_order"]
+__all__ = ["levels", "level_order", "sweep_levels"]
 
 
 def levels(P: int, m: int, kind: str) -> tuple[np.ndarray, ...]:
@@ -55,3 +57,19 @@ def level_order(P: int, m: int, kind: str) -> tuple:
     for x in out:
         x.setflags(write=False)
     return (*out, np.searchsorted(level[order], np.arange(2 * (m + P) + 1)).tolist())
+
+
+def sweep_levels(level: np.ndarray, prev: np.ndarray, dep: np.ndarray, cross: np.ndarray,
+                 dur: np.ndarray) -> np.ndarray:
+    """End of each of the ``N`` ops (``level[N]``; ``prev`` / ``dep``: positions of its predecessor on its
+    stage and of its dependency, ``N`` for none; ``cross`` / ``dur``: ``N + 1`` seconds, the last 0):
+    ``end = max(end[prev], end[dep] + cross) + dur``, one level at a time, vectorised over its ops."""
+    N = len(level)
+    order = np.argsort(level, kind="stable")
+    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2)).tolist()
+    end = np.zeros(N + 1)
+    for a, e in itertools.pairwise(bounds):
+        if e > a:
+            ids = order[a:e]
+            end[ids] = np.maximum(end[prev[ids]], end[dep[ids]] + cross[ids]) + dur[ids]
+    return end[:N]
