@@ -57,7 +57,6 @@ from dynmb.planning import default_cost_model_path, plan_step, reorder_for
 from dynmb.planning.spec_check import uses_pack_len
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
-from dynmb.planspec import PlanSpec
 from dynmb.plots import compare_throughput, gantt
 from dynmb.results import load_results, set_run_status, write_table
 from dynmb.packing import METHODS
@@ -146,14 +145,14 @@ class CompareSettings:
     def _split_search(self) -> SplitSearch | None:
         """What ``--stage-split auto`` chooses by: dynamic's settings here; None where no plan can be made."""
         try:
-            kind = "interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule
-            spec = PlanSpec(method="dynamic", num_stages=self.stages, virtual=self.virtual, schedule_kind=kind,
-                            reorder=reorder_for("dynamic", self.reorder), round_to=self.round_to,
-                            memory_limit_bytes=parse_bytes(self.memory_limit or "1GiB"), oversize=self.oversize,
-                            recompute=self.recompute, attention=model_config(self.model, attention=self.attention).attention)
+            limit, cfg = parse_bytes(self.memory_limit or "1GiB"), model_config(self.model, attention=self.attention)
         except ValueError:
             return None
-        return SplitSearch(spec=spec, global_batch=self.global_batch, seed=self.seed, memory_model=self.memory_model)
+        kind = "interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule
+        fields = dict(num_stages=self.stages, virtual=self.virtual, schedule_kind=kind, reorder=self.reorder,
+                      round_to=self.round_to, memory_limit_bytes=limit, oversize=self.oversize,
+                      recompute=self.recompute, attention=cfg.attention)
+        return SplitSearch.of(fields, self.global_batch, seed=self.seed, memory_model=self.memory_model)
 
     @property
     def model_factory(self) -> str | None:

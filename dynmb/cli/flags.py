@@ -172,9 +172,7 @@ def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> 
     a plan cannot be made with (refused later by ``check_plan_spec``)."""
     if not hasattr(args, "global_batch") or not hasattr(args, "memory_limit"):
         return None
-    from dynmb.planning.defaults import reorder_for
     from dynmb.planning.split_search import SplitSearch
-    from dynmb.planspec import PlanSpec
     from dynmb.schedule.kinds import is_schedule_name
 
     def flag(name: str, default: Any) -> Any:
@@ -185,15 +183,15 @@ def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> 
     if not is_schedule_name(kind):
         return None                                 # a schedule file: the run replays a plan
     try:
-        spec = PlanSpec(method="dynamic", num_stages=int(stages), virtual=int(flag("virtual", 1)), schedule_kind=kind,
-                        reorder=reorder_for("dynamic", flag("reorder", "none")),
-                        memory_limit_bytes=parse_bytes(flag("memory_limit", "1GiB")), dp=int(flag("dp", 1)),
-                        round_to=int(flag("round_to", 1)), oversize=flag("oversize", "error"),
-                        recompute=flag("recompute", "never"), attention=cfg.attention)
+        limit = parse_bytes(flag("memory_limit", "1GiB"))
     except ValueError:
-        return None
-    return SplitSearch(spec=spec, global_batch=int(flag("global_batch", 64)), seed=int(flag("seed", 0)),
-                       memory_model=getattr(args, "memory_model", None))
+        return None                                 # refused later, in one line
+    fields = dict(num_stages=int(stages), virtual=int(flag("virtual", 1)), schedule_kind=kind,
+                  reorder=flag("reorder", "none"), memory_limit_bytes=limit, dp=int(flag("dp", 1)),
+                  round_to=int(flag("round_to", 1)), oversize=flag("oversize", "error"),
+                  recompute=flag("recompute", "never"), attention=cfg.attention)
+    return SplitSearch.of(fields, int(flag("global_batch", 64)), seed=int(flag("seed", 0)),
+                          memory_model=getattr(args, "memory_model", None))
 
 
 def workload_of(args: argparse.Namespace) -> str | None:

@@ -53,6 +53,7 @@ from dynmb.config import ModelConfig
 from dynmb.memory import get_memory_model
 from dynmb.planspec import PlanSpec
 
+from .defaults import reorder_for
 from .planner import plan_step
 from .split_work import layout_cost_model, workload_lengths
 from .stage_split import StageCost, balanced_split, min_max_split, unit_work, with_split
@@ -197,6 +198,19 @@ class SplitSearch:
     tolerance: float = 0.02
     max_candidates: int = 8
     memory_model: Any = None
+
+    @classmethod
+    def of(cls, spec_fields: dict[str, Any], global_batch: int, *, seed: int = 0,
+           memory_model: Any = None) -> "SplitSearch | None":
+        """The search of ``dynamic`` under the ``PlanSpec`` fields of a run (its reorder setting mapped to
+        dynamic's, ``reorder_for``); None where they cannot make a plan (the run refuses them later)."""
+        fields = {**spec_fields, "method": "dynamic",
+                  "reorder": reorder_for("dynamic", spec_fields.get("reorder", "auto"))}
+        try:
+            spec = PlanSpec(**fields)
+        except ValueError:
+            return None
+        return cls(spec=spec, global_batch=int(global_batch), seed=int(seed), memory_model=memory_model)
 
     def sample_batches(self, lengths: np.ndarray) -> list[np.ndarray]:
         """The sample batches: ``batches`` draws of one replica's share of the global batch."""
