@@ -9,7 +9,7 @@ cleared again, then ``1f1b``, ``zb-h1``, ``zb`` in turn (what ``--schedule auto`
 plan's ``est_makespan_s`` and microbatch count are printed, so two checkouts can be compared plan by
 plan. Run it once per checkout, back to back, and compare ratios (the box is shared):
 
-    PYTHONPATH=/work/main nice -n 19 python3 benchmarks/bench_pack_kinds.py --out /tmp/main.json
+    PYTHONPATH=path/to/main-checkout nice -n 19 python3 benchmarks/bench_pack_kinds.py --out /tmp/main.json
     PYTHONPATH=$PWD nice -n 19 python3 benchmarks/bench_pack_kinds.py --out /tmp/branch.json
 """
 
