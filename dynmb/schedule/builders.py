@@ -56,7 +56,7 @@ holds ``build_schedule(kind, ...)``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -66,7 +66,7 @@ from dynmb.schedule.zerobubble import ZBInputs
 from dynmb.types import Action, Schedule
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved",
-           "memory_aware", "memory_windows", "interleaved_rounds", "interleaved_round_sizes", "ZBInputs"]
+           "memory_aware", "memory_windows", "interleaved_rounds", "interleaved_round_sizes", "interleaved_warmup", "ZBInputs"]
 
 def _check(num_stages: int, m: int) -> None:
     if num_stages < 1:
@@ -134,6 +134,13 @@ def interleaved_rounds(num_ranks: int, num_microbatches: int) -> int:
     return interleaved_round_sizes(num_ranks, num_microbatches)[0]
 
 
+def interleaved_warmup(rank: Any, num_ranks: int, virtual: int, num_microbatches: int) -> Any:
+    """Forwards pipeline ``rank`` runs before its first backward (torch's rule): ``(v - 1) k + 2 (R - 1 - r)``,
+    ``k`` the first round's size (``interleaved_rounds``), at most every one of its ``v m``."""
+    k = interleaved_rounds(num_ranks, num_microbatches)
+    return np.minimum((virtual - 1) * k + 2 * (num_ranks - 1 - np.asarray(rank)), virtual * num_microbatches)
+
+
 def _merge(fwd: list[Action], bwd: list[Action], warm: int) -> list[Action]:
     """``warm`` forwards, then one forward and one backward alternately, then the remaining
     backwards; a backward whose own forward has not run yet is preceded by the forwards up to it."""
@@ -160,13 +167,13 @@ def interleaved(num_stages: int, num_microbatches: int, virtual: int = 2,
     R, v, m = num_stages // virtual, virtual, num_microbatches
     order = check_order(m, backward_order)
     sizes = interleaved_round_sizes(R, m)
-    k, cuts = sizes[0], np.cumsum([0, *sizes]).tolist()
+    cuts = np.cumsum([0, *sizes]).tolist()
     groups = [list(range(a, e)) for a, e in zip(cuts[:-1], cuts[1:])]
     bgroups = [order[a:e] for a, e in zip(cuts[:-1], cuts[1:])]
     fwd = [[Action(c * R + r, "F", j) for grp in groups for c in range(v) for j in grp] for r in range(R)]
     bwd = [[Action(c * R + r, "B", j) for grp in bgroups for c in reversed(range(v)) for j in grp] for r in range(R)]
     total = v * m
-    warm = [min((v - 1) * k + 2 * (R - 1 - r), total) for r in range(R)]
+    warm = [int(w) for w in interleaved_warmup(np.arange(R), R, v, m)]
     plain = order == list(range(m))
     while True:
         ranks = [_merge(fwd[r], bwd[r], warm[r]) for r in range(R)]

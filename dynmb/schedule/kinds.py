@@ -296,7 +296,7 @@ _BUILT_MAX = 64
 def interleaved_inflight(rank: Any, ranks: int, virtual: int, num_microbatches: int | None = None) -> Any:
     """Chunk-microbatches in flight at most on pipeline ``rank`` of an interleaved schedule: the
     builder's warm-up ``(v - 1) k + 2 (R - 1 - r)`` forwards plus the one before the first backward,
-    ``k`` the first round's size (``builders.interleaved_round_sizes``: ``R`` when ``R`` splits ``m``,
+    ``k`` the first round's size (``builders.interleaved_warmup``: ``R`` when ``R`` splits ``m``,
     up to ``2R - 1`` when it does not, ``m`` itself below ``2R``), at most all ``v m``. Without
     ``num_microbatches`` (packing, before ``m`` is known): rounds of ``R``, Megatron's count; the
     packer checks the plan it made with its own ``m`` (``dynmb.packing.dispatch``)."""
@@ -304,8 +304,7 @@ def interleaved_inflight(rank: Any, ranks: int, virtual: int, num_microbatches: 
     if num_microbatches is None:
         return 2 * (ranks - rank - 1) + (virtual - 1) * ranks + 1
     m = int(num_microbatches)
-    k = builders.interleaved_round_sizes(ranks, m)[0]
-    return np.minimum(2 * (ranks - rank - 1) + (virtual - 1) * k + 1, virtual * m)
+    return np.minimum(builders.interleaved_warmup(rank, ranks, virtual, m) + 1, virtual * m)
 
 
 # --- the built-in kinds ----------------------------------------------------------------------------
