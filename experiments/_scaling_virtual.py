@@ -9,7 +9,7 @@ auto`` gives ``auto_kinds(virtual=V)`` (with V > 1 the kinds with virtual stages
 
 Refused before anything runs (one line, ``check``): a (P, V, split) whose chunks the model's layers do
 not cover: the even split needs ``n_layers >= P V`` whole layers, ``--stage-split auto`` (half-blocks of
-dynmb's families) ``2 n_layers >= P V`` half-blocks (``split_for``: more chunks than layers, half-blocks only).
+dynmb's families) ``2 n_layers >= P V`` half-blocks (more chunks than layers: half-blocks only).
 
 What a row's bounds and metrics read with chunks (``ranks``): ``ideal_s`` / ``ideal_whole_s`` are
 ``dynmb.bounds.ideal_bound`` with each chunk's work charged to its GPU (the busiest GPU's work, its
@@ -25,10 +25,9 @@ import numpy as np
 
 
 from dynmb.bounds import ideal_bound, plan_lengths_pieces
-from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 
-__all__ = ["kinds", "check", "ranks", "plan_ideal_v", "setting_label", "real_work", "real_flops", "split_for"]
+__all__ = ["kinds", "check", "ranks", "plan_ideal_v", "setting_label", "real_work", "real_flops"]
 
 
 def kinds(setting: str, virtual: int) -> tuple[str, ...]:
@@ -50,11 +49,6 @@ def check(n_layers: int, stages: list[int], virtuals: list[int], splits: set[str
                 if p * v > units:
                     raise SystemExit(f"scaling.py: P {p} x virtual {v} = {p * v} chunks, but the {split} split has "
                                      f"{units} {what} ({n_layers} layers): use a smaller P or V")
-
-
-def split_for(cfg, num_chunks: int, setting: str, stage_cost):
-    """``resolve_stage_split`` over ``num_chunks`` model chunks (half-blocks where they outnumber layers)."""
-    return resolve_stage_split(cfg, num_chunks, setting, stage_cost=stage_cost)
 
 
 def ranks(num_chunks: int, virtual: int) -> np.ndarray:

@@ -94,7 +94,7 @@ import pandas as pd
 from _common import Resume, progress, split_list
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import summary_markdown
-from _scaling_virtual import check, plan_ideal_v, ranks, real_flops, real_work, split_for
+from _scaling_virtual import check, plan_ideal_v, ranks, real_flops, real_work
 
 import dynmb
 from dynmb import data
@@ -242,7 +242,7 @@ class Cell:
 
     def models(self, split: str):
         if split not in self._models:
-            cfg = split_for(self.cfg, self.P, split, ideal_cost(self.batch, self.link))
+            cfg = resolve_stage_split(self.cfg, self.P, split, stage_cost=ideal_cost(self.batch, self.link))
             cm = gpu.GPUCostModel(cfg, self.P, link=self.link)
             self._models[split] = (cfg, cm, saturated(cm), get_memory_model(None, cfg, self.P))
         return self._models[split]
