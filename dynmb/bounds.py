@@ -234,7 +234,8 @@ def sequence_costs(cost_model: CostModelLike, lengths: np.ndarray) -> dict[str, 
     overhead, no intercept (the one cost lookup ``stage_costs`` at one row, minus its value at length 0).
     A cost model whose time per token falls as a microbatch grows (``GPUCostModel``: efficiency rises
     with the GEMM's size) prices a sequence alone above its share of a packed row, so it gives its own
-    ideal (``ideal_stage_costs``: every FLOP at its best efficiency), which stays a lower bound."""
+    ideal (``ideal_stage_costs``: GEMMs at their best efficiency, attention at the sequence's own
+    length, which packing does not change), which stays a lower bound."""
     own = getattr(cost_model, "ideal_stage_costs", None)
     if own is not None:
         return {op: np.asarray(c, dtype=np.float64) for op, c in own(np.asarray(lengths, dtype=np.float64)).items()}

@@ -48,7 +48,8 @@ Columns (table ``scaling``):
   microbatch, so a sequence alone is dearer than in a packed microbatch: the cost is subadditive and
   the per-sequence sum is NOT a lower bound (sharegpt, 0.5M tokens, P 8, DP 8: 0.76 s against dynamic's
   0.55 s). With saturated GEMMs the linear part is additive and the attention part
-  (``a / eff(a / tokens)``, ``eff`` saturating) is exactly additive, so every plan's step is >= it.
+  (``a / eff(a / tokens)``, ``eff`` saturating) is exactly additive, so every plan's step is >= it
+  (``GPUCostModel.ideal_stage_costs``), the same work ``attainable`` counts.
   ``ideal_dynmb_s`` keeps the unmodified ``plan_ideal`` for reference. ``gap_to_ideal = pred_step_s / ideal_s - 1``;
   ``ideal_whole_s``: ``ideal_s`` with sequences whole, at least the longest sequence's own ideal on the
   replica holding it (with few tokens per replica, DP 256, or long-tail traces, no plan can spread the

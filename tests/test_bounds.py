@@ -14,6 +14,7 @@ from dynmb.bounds import (dependency_bound, ideal_bound, plan_bound, plan_bounds
 from dynmb.config import ModelConfig
 from dynmb.data.lengths import shipped_dir
 from dynmb.costmodel import AnalyticCostModel, CommModel, CostModel, fit_cost_model
+from dynmb.costmodel.gpu import GPUCostModel, GPUSpec
 from dynmb.memory import MemoryModel
 from dynmb.packing import METHODS, PackingError, pack
 from dynmb.planning import default_cost_model_path, make_schedule, plan_step
@@ -171,9 +172,9 @@ def test_no_schedule_is_below_its_bound(R, v, m, seed, c, kind):
 
 
 def _models(P):
-    """The cost models the bound is checked on: analytic, and at 2 stages the shipped poly fit
-    and a grid fitted on the shipped samples."""
-    out = [AnalyticCostModel(SMALL, P, comm=CommModel(2e-4, 1e9))]
+    """The cost models the bound is checked on: analytic, the GPU model (efficiency growing with the
+    microbatch), and at 2 stages the shipped poly fit and a grid fitted on the shipped samples."""
+    out = [AnalyticCostModel(SMALL, P, comm=CommModel(2e-4, 1e9)), GPUCostModel(SMALL, P)]
     if P == 2:
         path = default_cost_model_path("small", 2, "cpu")
         out.append(CostModel.load(path))
@@ -194,7 +195,7 @@ def _grid():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 1200), min_size=1, max_size=48), P=st.sampled_from([1, 2, 2, 4]),
-       method=st.sampled_from(METHODS), kind=st.sampled_from(KINDS), which=st.integers(0, 2),
+       method=st.sampled_from(METHODS), kind=st.sampled_from(KINDS), which=st.integers(0, 3),
        scale=st.floats(1.5, 8.0))
 def test_simulated_plans_keep_ideal_below_bound_below_makespan(lengths, P, method, kind, which, scale):
     """``dynmb.simulate`` of every method's plan under every schedule kind, on the shipped models:
@@ -256,9 +257,29 @@ def test_ideal_of_one_sequence_is_its_makespan_without_overhead():
     assert sim.ideal_s == pytest.approx(sim.makespan_s - P * (0.002 + 0.004))
 
 
+@pytest.mark.parametrize("length", [7, 130, 2048])
+def test_gpu_ideal_prices_attention_at_the_sequences_own_length(length):
+    """GPU model with GEMMs saturated and no overhead: one sequence alone runs exactly its ideal (the
+    attention of a short sequence is slow at any packing, so the ideal charges it), and packing it
+    beside others in one row costs at least the sum of their ideals."""
+    P = 2
+    spec = GPUSpec(gemm_m_half=1e-9, overhead_s=0.0, overhead_per_layer_s=0.0)
+    cm = GPUCostModel(SMALL, P, spec=spec, comm=CommModel(0.0, 1e30))
+    mb = Microbatch(seq_ids=[0], lengths=[length], padded_len=length, batch=1)
+    plan = Plan(microbatches=(mb,), method="fixed", num_stages=P, memory_limit_bytes=1 << 40, num_sequences=1)
+    sim = simulate(build_schedule("1f1b", P, 1), plan, cm)
+    assert sim.ideal_s == pytest.approx(sim.makespan_s, rel=1e-9)
+    L = np.array([length, 3, 900, 64])
+    row = Microbatch(seq_ids=np.arange(4), lengths=L, padded_len=int(L.sum()), batch=1, row_ids=np.zeros(4, int))
+    packed = Plan(microbatches=(row,), method="fixed", num_stages=P, memory_limit_bytes=1 << 40, num_sequences=4)
+    work = {op: float(c.sum()) for op, c in cm.plan_costs(packed, ops=("F", "B")).items()}
+    ideal = {op: float(c.sum()) for op, c in cm.ideal_stage_costs(L).items()}
+    assert ideal["F"] == pytest.approx(work["F"], rel=1e-9) and ideal["B"] == pytest.approx(work["B"], rel=1e-9)
+
+
 @settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.integers(1, 2000), min_size=1, max_size=40), P=st.sampled_from([2, 2, 4]),
-       which=st.integers(0, 2))
+       which=st.integers(0, 3))
 @example(lengths=[115, 117, 123, 128, 128, 513, 515, 517, 521, 531, 537, 1210, 1276, 1409, 1454, 1967], P=2, which=2)
 @example(lengths=[4663, 6954, 7106, 6123], P=2, which=2)           # a packed row past the grid's longest row
 @example(lengths=[1, 2] * 16, P=2, which=2)                        # rows shorter than the grid's shortest

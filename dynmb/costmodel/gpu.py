@@ -129,11 +129,14 @@ class GPUCostModel(CostModel):
         return overhead + 2.0 * linear_s + g.attn_bwd_ratio * attn_s / g.attn_bwd_eff
 
     def ideal_stage_costs(self, lengths: Any) -> dict[str, np.ndarray]:
-        """``{"F", "B"}: [P, n]`` seconds of each sequence's own work at this model's best efficiency
-        (every GEMM at ``gemm_eff_max``, attention at ``attn_eff_max``, no overhead): what
-        ``dynmb.bounds`` prices the batch's ideal with. Per-sequence times at the sequence's own shape
-        would not be a lower bound here, since efficiency grows with the microbatch (packing short
-        sequences makes them cheaper than alone)."""
+        """``{"F", "B"}: [P, n]`` seconds of each sequence's own work, no overhead: what ``dynmb.bounds``
+        prices the batch's ideal with. GEMMs at ``gemm_eff_max``: their efficiency grows with the
+        microbatch's tokens, so a sequence's GEMMs alone would not be a lower bound (packing short
+        sequences makes them cheaper than alone). Attention at the sequence's own length: with
+        ``seg = a / tokens`` the op's attention time ``unit a / (peak attn_eff(seg))`` is
+        ``unit (a + attn_s_half tokens) / (peak attn_eff_max)``, additive over the row's segments, so
+        ``unit (L^2 + attn_s_half L) / (peak attn_eff_max)`` is each sequence's share in any microbatch
+        (padding only adds), a lower bound that packing cannot undercut."""
         g = self.spec
         L = np.asarray(lengths, dtype=np.float64).reshape(-1)
         out = {"F": np.empty((self.num_stages, L.size)), "B": np.empty((self.num_stages, L.size))}
@@ -141,7 +144,7 @@ class GPUCostModel(CostModel):
             unit = self._attn_unit[p]
             linear = np.asarray(self.model_cfg.stage_flops(p, self.num_stages, 1, L), dtype=np.float64) - unit * L * L
             linear_s = linear / (g.peak_flops * g.gemm_eff_max)
-            attn_s = unit * L * L / (g.peak_flops * g.attn_eff_max)
+            attn_s = unit * (L * L + g.attn_s_half * L) / (g.peak_flops * g.attn_eff_max)
             out["F"][p] = linear_s + attn_s
             out["B"][p] = 2.0 * linear_s + g.attn_bwd_ratio * attn_s / g.attn_bwd_eff
         return out
