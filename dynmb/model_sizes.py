@@ -172,16 +172,20 @@ class ModelSizes:
 
 def normalise_layer_split(split: Any, n_layers: int) -> tuple[int | float, ...]:
     """``split`` as layers per stage: whole layers as ints, half layers (``x.5``) as floats; every
-    stage at least half a block, the total ``n_layers`` (ValueError naming the split otherwise)."""
+    stage at least half a block except a last stage of several, which may hold none (the final norm
+    and LM head alone, as Megatron's layout ``...|L`` allows); the total ``n_layers`` (ValueError
+    naming the split otherwise)."""
     units = []
     for v in split:
         u = 2 * float(v)
         if not abs(u) < float("inf") or abs(u - round(u)) > 1e-9:
             raise ValueError(f"ModelConfig.layer_split {list(split)}: {v} is not a whole or half number of layers")
         units.append(int(round(u)))
-    if not units or min(units) < 1 or sum(units) != 2 * n_layers:
+    inner = units[:-1] if len(units) > 1 else units
+    if not units or min(inner) < 1 or units[-1] < 0 or sum(units) != 2 * n_layers:
         raise ValueError(f"ModelConfig.layer_split {list(split)} must give every stage >= 1 layer (or half a "
-                         f"block) and sum to n_layers {n_layers}")
+                         f"block; the last of several may hold none: the LM head alone) and sum to n_layers "
+                         f"{n_layers}")
     return tuple(u // 2 if u % 2 == 0 else u / 2 for u in units)
 
 

@@ -317,11 +317,12 @@ def test_split_backward_i_then_w_equals_the_plain_llama(P):
     _check(stages, ref, 1e-10)
 
 
-@pytest.mark.parametrize("split", [(1.5, 1.5), (0.5, 2, 0.5)])
+@pytest.mark.parametrize("split", [(1.5, 1.5), (0.5, 2, 0.5), (3, 0)])
 @pytest.mark.parametrize("mode", ["slices", "slices-recompute", "recompute-packed", "split-backward"])
 def test_half_block_splits_equal_the_plain_llama(split, mode):
     """Stages starting and/or ending between a block's attention and MLP halves (the first stage
-    attention only, the last MLP only with ``(0.5, 2, 0.5)``): slices against a prefix (only
+    attention only, the last MLP only with ``(0.5, 2, 0.5)``), and a last stage of the final norm and
+    LM head alone (``(3, 0)``): slices against a prefix (only
     attention halves keep keys and values), full recomputation, packed rows and I then W all give
     the plain Llama's gradients."""
     cfg = replace(CFG, layer_split=split)
@@ -334,7 +335,7 @@ def test_half_block_splits_equal_the_plain_llama(split, mode):
                                                           batch=3)], 6, P)
     tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=9)
     stages = _run_plan(plan, tokens, cfg, P, recompute=mode == "recompute-packed", split=mode == "split-backward")
-    assert [s.layers for s in stages][-1] == ([] if split[-1] == 0.5 else [2])
+    assert [s.layers for s in stages][-1] == ([] if split[-1] < 1 else [2])      # (3, 0): the head alone
     _, ref = _reference(stages, cfg, _lengths_of(plan), tokens)
     _check(stages, ref, 1e-10)
 

@@ -116,12 +116,12 @@ def test_composed_stages_equal_full_model_fp32(P):
         assert ls.dim() == 0 and ls.dtype == torch.float32
 
 
-@pytest.mark.parametrize("split", [(1.5, 2.5), (0.5, 2, 1.5), (1, 1.5, 1, 0.5)])
+@pytest.mark.parametrize("split", [(1.5, 2.5), (0.5, 2, 1.5), (1, 1.5, 1, 0.5), (4, 0), (1.5, 2.5, 0)])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_half_block_splits_equal_full_model_fp32(split, recompute):
     """Stages that start and end between a block's attention and MLP halves compose to the whole
     model: same loss, same gradients under the same global names (the MLP half of a block on the
-    stage after its attention half)."""
+    stage after its attention half); a last stage of 0 layers holds the final norm and head alone."""
     lengths = np.array([7, 19, 3, 12, 25, 9])
     tokens = synthetic_tokens(lengths, CFG.vocab_size, seed=1)
     cfg = replace(CFG, layer_split=split)
@@ -141,7 +141,10 @@ def test_half_block_splits_equal_full_model_fp32(split, recompute):
         for n, p in full.named_parameters():
             assert _rel(gs[n], p.grad) <= 1e-5, n
     units = [(i, parts) for s in stages for i, parts in s.units]
-    assert [u for u in units if len(u[1]) == 1], units          # some stage holds half a block
+    if any(v % 1 for v in split):
+        assert [u for u in units if len(u[1]) == 1], units      # some stage holds half a block
+    if split[-1] == 0:
+        assert stages[-1].units == [] and any(n.startswith("lm_head") for n, _ in stages[-1].named_parameters())
 
 
 # --- masking forms -------------------------------------------------------------------

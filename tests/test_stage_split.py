@@ -161,15 +161,17 @@ def test_half_splits_are_written_read_and_refused_where_they_cannot_run() -> Non
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
-def test_the_memory_model_counts_each_half_block_as_the_meter_does(preset: str) -> None:
+@pytest.mark.parametrize("split", [(1.5, 2, 0.5), (2.5, 1.5, 0)])
+def test_the_memory_model_counts_each_half_block_as_the_meter_does(preset: str, split) -> None:
     """Stages that start with an MLP half and/or end with an attention half (the last one holding only
-    an MLP half: no rotary tables): states exact, activations within 5% of the CPU meter."""
+    an MLP half: no rotary tables), or a last stage of the head alone: states exact, activations within
+    5% of the CPU meter."""
     import torch
 
     from dynmb.measure.memory import measure_stage_memory
 
     torch.set_num_threads(1)
-    cfg = replace(ModelConfig.preset(preset), layer_split=(1.5, 2, 0.5))
+    cfg = replace(ModelConfig.preset(preset), layer_split=split)
     mm = MemoryModel.analytic(cfg, 3)
     whole = MemoryModel.analytic(replace(cfg, layer_split=None), 4)
     assert mm.state_bytes.sum() == whole.state_bytes.sum()                    # every parameter counted once
@@ -199,10 +201,12 @@ SPLIT_CASES = {2: {"split-1-3": ((1, 3), "1f1b"), "split-3-1-zbh1": ((3, 1), "zb
                    "half-1.5-2.5-recompute": ((1.5, 2.5), "1f1b", "tiny", "dynamic", "always"),
                    "half-llama-2.5-1.5-zbh1": ((2.5, 1.5), "zb-h1", "llama-tiny"),
                    "half-llama-0.5-3.5-packed-recompute": ((0.5, 3.5), "1f1b", "llama-tiny", "packed", "always"),
-                   "half-3.5-0.5-zbh1": ((3.5, 0.5), "zb-h1", "tiny", "packed")},
+                   "half-3.5-0.5-zbh1": ((3.5, 0.5), "zb-h1", "tiny", "packed"),
+                   "head-alone-llama-4-0-zbh1": ((4, 0), "zb-h1", "llama-tiny")},
                4: {"split-1-2-2-1": ((1, 2, 2, 1), "1f1b"),
                    "half-llama-1.5-1-1-0.5": ((1.5, 1, 1, 0.5), "1f1b", "llama-tiny", "dynamic", "always"),
-                   "half-0.5-1.5-1.5-0.5-zbh1": ((0.5, 1.5, 1.5, 0.5), "zb-h1", "tiny", "packed")}}
+                   "half-0.5-1.5-1.5-0.5-zbh1": ((0.5, 1.5, 1.5, 0.5), "zb-h1", "tiny", "packed"),
+                   "head-alone-2-1.5-0.5-0": ((2, 1.5, 0.5, 0), "1f1b", "tiny", "dynamic", "always")}}
 
 
 def _provider(nproc: int):
