@@ -1,0 +1,173 @@
+"""The interleaved layer split balanced per GPU: chunks sized so that every GPU's total work is even.
+
+With the interleaved schedule (``virtual = V`` > 1) the model is cut into ``S = P V`` contiguous chunks,
+chunk ``s`` on GPU ``s % P`` (``dynmb.schedule.builders.interleaved``). Its steady state is bound by each
+GPU's total work, the sum of its V chunks, not by each chunk's: the per-chunk min-max split
+(``stage_split._min_max_partition``) wastes that freedom where one chunk is heavy. With Llama-3's 128k
+head (about 2.3 layers of work) at P 16 V 2 the head's chunk 31 shares GPU 15 with chunk 15, and the
+per-chunk split gives chunk 15 as many layers as any other chunk, so GPU 15 carries about 1 + 2.3 layers
+while the mean GPU carries about 2.1; balanced per GPU, chunk 15 gets fewer layers (half-blocks allowed)
+and the other chunks take them.
+
+Objective (lexicographic): the busiest GPU's total work; then the busiest chunk's work (the fill and
+drain of the interleaved schedule run chunk by chunk); then the sum of squared chunk work.
+
+Algorithm: no polynomial exact method is at hand (a DP over chunks would carry every GPU's load so far,
+exponential in P), so a deterministic local search over contiguous partitions of the ``N`` units (whole
+layers or half-blocks; ``units`` their work, ``first`` / ``last`` the embedding and head extras of the
+end chunks), from each of the given starts (the per-chunk min-max split, the even one):
+
+1. **Move**: shift a run of consecutive chunk boundaries ``b_i .. b_j`` by ``d`` units (``d`` = +-1,
+   +-2): chunk ``i - 1`` gains ``d`` units at its end, chunk ``j`` loses them at its start, the chunks
+   between slide (a two-unit slide keeps their work exactly; a one-unit slide swaps an attention half for
+   an MLP half). Every chunk keeps >= 1 unit. All ``O(S^2)`` moves are priced at once (numpy).
+2. **Phase 1**: steepest descent on (busiest GPU, sum of squared GPU work); the squares walk the
+   plateaus where several GPUs tie at the maximum.
+3. **Phase 2**: with the busiest GPU held at phase 1's value, steepest descent on (busiest chunk, sum of
+   squared chunk work).
+
+The best result over the starts wins (the objective above). Each descent step lowers a bounded key, so it
+ends; ``max_steps`` caps it anyway. A few milliseconds per step at S = 32 (about 2,000 moves).
+``tests/test_gpu_split.py`` checks it against exhaustive search on small cases. Only the split changes:
+the memory model, the cost models and the runtime read uneven chunk splits already
+(``ModelConfig.layer_split``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynmb.schedule.kinds import interleaved_inflight
+
+__all__ = ["ChunkLoads", "chunk_loads", "gpu_balanced_partition", "in_flight"]
+
+_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class ChunkLoads:
+    """The work of every chunk, of every GPU (chunk ``s`` on GPU ``s % P``) and the objective's key."""
+
+    chunks: np.ndarray
+    gpus: np.ndarray
+
+    @property
+    def key(self) -> tuple[float, float, float]:
+        """(busiest GPU, busiest chunk, sum of squared chunk work): smaller is better."""
+        return float(self.gpus.max()), float(self.chunks.max()), float(np.sum(self.chunks ** 2))
+
+
+def _bounds(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def _loads(bounds: np.ndarray, prefix: np.ndarray, first: float, last: float, virtual: int) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk work, GPU work) of the rows of ``bounds`` (M x (S + 1) unit offsets)."""
+    w = prefix[bounds[:, 1:]] - prefix[bounds[:, :-1]]
+    w[:, 0] += first
+    w[:, -1] += last
+    m, s = w.shape
+    return w, w.reshape(m, virtual, s // virtual).sum(axis=1)
+
+
+def chunk_loads(counts, units: np.ndarray, first: float, last: float, virtual: int) -> ChunkLoads:
+    """The loads of the partition ``counts`` (units per chunk) of ``units`` (module docstring)."""
+    prefix = np.concatenate([[0.0], np.cumsum(units)])
+    w, g = _loads(_bounds(np.asarray(counts))[None, :], prefix, first, last, virtual)
+    return ChunkLoads(chunks=w[0], gpus=g[0])
+
+
+def in_flight(num_gpus: int, virtual: int) -> np.ndarray:
+    """Chunk-microbatches in flight on each GPU, the packer's count (``kinds.interleaved_inflight`` before
+    ``m`` is known: ``2 (P - 1 - r) + (V - 1) P + 1``): a chunk's activations count that many times against
+    its GPU's budget (``dynmb.packing.context``), so a large chunk on an early GPU shortens the longest
+    sequence that fits."""
+    return np.asarray(interleaved_inflight(np.arange(int(num_gpus)), int(num_gpus), int(virtual)), dtype=np.float64)
+
+
+def _pick(keys: np.ndarray) -> int:
+    """The row of ``keys`` (M x K) smallest lexicographically, ties within ``_TOL`` (relative)."""
+    rows = np.arange(keys.shape[0])
+    for k in range(keys.shape[1]):
+        col = keys[rows, k]
+        rows = rows[col <= col.min() + _TOL * abs(col.min())]
+    return int(rows[0])
+
+
+def _better(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether key ``a`` is strictly below ``b`` (lexicographic, relative tolerance)."""
+    for x, y in zip(a, b):
+        if x < y - _TOL * abs(y):
+            return True
+        if x > y + _TOL * abs(y):
+            return False
+    return False
+
+
+def _keys(w: np.ndarray, g: np.ndarray, phase: int, held: np.ndarray) -> np.ndarray:
+    """Phase 1: (busiest GPU, sum of squared GPU work); phase 2: (busiest chunk, the largest and the sum of
+    chunk work x its GPU's in-flight count, sum of squared chunk work)."""
+    if phase == 1:
+        return np.stack([g.max(axis=1), np.sum(g ** 2, axis=1)], axis=1)
+    act = w * np.tile(held, w.shape[1] // held.size)[None, :]
+    return np.stack([w.max(axis=1), act.max(axis=1), act.sum(axis=1), np.sum(w ** 2, axis=1)], axis=1)
+
+
+def _descend(bounds: np.ndarray, prefix: np.ndarray, first: float, last: float, virtual: int, phase: int,
+             caps: tuple[float, float], max_steps: int) -> np.ndarray:
+    """Steepest descent from ``bounds`` (phase 1 or 2 of the module docstring; ``caps``: phase 2's bounds on
+    the busiest GPU's work and the sum of squared GPU work)."""
+    s = bounds.size - 1
+    idx = np.arange(s + 1)
+    ii, jj = np.triu_indices(s - 1)
+    masks = ((idx[None, :] >= ii[:, None] + 1) & (idx[None, :] <= jj[:, None] + 1)).astype(np.int64)
+    moves = np.concatenate([d * masks for d in (1, -1, 2, -2)])
+    held = in_flight(s // virtual, virtual)
+    cur = _keys(*_loads(bounds[None, :], prefix, first, last, virtual), phase, held)[0]
+    for _ in range(max_steps):
+        cand = bounds[None, :] + moves
+        cand = cand[np.all(np.diff(cand, axis=1) >= 1, axis=1)]
+        w, g = _loads(cand, prefix, first, last, virtual)
+        if phase == 2:
+            ok = (g.max(axis=1) <= caps[0] * (1 + _TOL)) & (np.sum(g ** 2, axis=1) <= caps[1] * (1 + _TOL))
+            cand, w, g = cand[ok], w[ok], g[ok]
+        if cand.shape[0] == 0:
+            break
+        keys = _keys(w, g, phase, held)
+        pick = _pick(keys)
+        if not _better(keys[pick], cur):
+            break
+        bounds, cur = cand[pick], keys[pick]
+    return bounds
+
+
+def gpu_balanced_partition(units: np.ndarray, num_chunks: int, virtual: int, first: float, last: float,
+                           starts: list, *, max_steps: int = 10000) -> tuple[list[int], ChunkLoads]:
+    """(units per chunk, its loads): the partition of ``units`` into ``num_chunks`` contiguous non-empty
+    chunks, chunk ``s`` on GPU ``s % (num_chunks / virtual)``, with the smallest busiest GPU's work, then
+    busiest chunk's (module docstring), by local search from each of ``starts`` (units per chunk)."""
+    units = np.asarray(units, dtype=np.float64)
+    s, v = int(num_chunks), int(virtual)
+    if v < 1 or s % v or not 1 <= s <= units.size:
+        raise ValueError(f"cannot cut {units.size} units into {s} chunks over {s // max(v, 1)} GPUs of {v} chunks")
+    prefix = np.concatenate([[0.0], np.cumsum(units)])
+    if s == 1:
+        counts = [int(units.size)]
+        return counts, chunk_loads(counts, units, first, last, v)
+    best: tuple[list[int], ChunkLoads] | None = None
+    for start in starts:
+        b = _bounds(np.asarray(start, dtype=np.int64))
+        if b.size != s + 1 or b[-1] != units.size or np.any(np.diff(b) < 1):
+            raise ValueError(f"start {list(start)} is not a partition of {units.size} units into {s} chunks")
+        b = _descend(b, prefix, first, last, v, 1, (np.inf, np.inf), max_steps)
+        g = _loads(b[None, :], prefix, first, last, v)[1]
+        b = _descend(b, prefix, first, last, v, 2, (float(g.max()), float(np.sum(g ** 2))), max_steps)
+        counts = [int(c) for c in np.diff(b)]
+        loads = chunk_loads(counts, units, first, last, v)
+        if best is None or _better(np.asarray(loads.key), np.asarray(best[1].key)):
+            best = (counts, loads)
+    if best is None:
+        raise ValueError("gpu_balanced_partition needs at least one start")
+    return best
