@@ -9,27 +9,38 @@ per-chunk split gives chunk 15 as many layers as any other chunk, so GPU 15 carr
 while the mean GPU carries about 2.1; balanced per GPU, chunk 15 gets fewer layers (half-blocks allowed)
 and the other chunks take them.
 
-Objective (lexicographic): the busiest GPU's total work; then the busiest chunk's work (the fill and
-drain of the interleaved schedule run chunk by chunk); then the sum of squared chunk work.
+Objective: the busiest GPU's total work; then, among splits of the same GPU loads (the sum of their
+squares held: the spare work spread evenly), the busiest chunk's work (the fill and drain of the
+interleaved schedule run chunk by chunk); then memory: the largest and the sum of a chunk's
+work times its GPU's in-flight count (``in_flight``: the packer budgets every chunk's activations that
+many times, so a big chunk on an early GPU shortens the longest sequence that fits and truncates more);
+then the sum of squared chunk work.
 
-Algorithm: no polynomial exact method is at hand (a DP over chunks would carry every GPU's load so far,
-exponential in P), so a deterministic local search over contiguous partitions of the ``N`` units (whole
-layers or half-blocks; ``units`` their work, ``first`` / ``last`` the embedding and head extras of the
-end chunks), from each of the given starts (the per-chunk min-max split, the even one):
+Algorithm, for ``N`` units (whole layers or half-blocks; ``units`` their work, ``first`` / ``last`` the
+embedding and head extras of the end chunks):
 
-1. **Move**: shift a run of consecutive chunk boundaries ``b_i .. b_j`` by ``d`` units (``d`` = +-1,
-   +-2): chunk ``i - 1`` gains ``d`` units at its end, chunk ``j`` loses them at its start, the chunks
-   between slide (a two-unit slide keeps their work exactly; a one-unit slide swaps an attention half for
-   an MLP half). Every chunk keeps >= 1 unit. All ``O(S^2)`` moves are priced at once (numpy).
-2. **Phase 1**: steepest descent on (busiest GPU, sum of squared GPU work); the squares walk the
-   plateaus where several GPUs tie at the maximum.
-3. **Phase 2**: with the busiest GPU held at phase 1's value, steepest descent on (busiest chunk, sum of
-   squared chunk work).
+1. **Local search** from each of the given starts (the per-chunk min-max split, the even one). A move
+   shifts a run of consecutive chunk boundaries ``b_i .. b_j`` by ``d`` units (``d`` = +-1, +-2): chunk
+   ``i - 1`` gains ``d`` units at its end, chunk ``j`` loses them at its start, the chunks between slide
+   (a two-unit slide keeps their work exactly; a one-unit slide swaps an attention half for an MLP
+   half); every chunk keeps >= 1 unit; all ``O(S^2)`` moves are priced at once (numpy). Phase 1: steepest
+   descent on (busiest GPU, sum of squared GPU work), the squares walking the plateaus where GPUs tie at
+   the maximum. Phase 2: with the busiest GPU and the sum of squares held, steepest descent on the rest of
+   the objective (a tie-break among splits of the same GPU loads). The best result over the starts wins.
+2. **Exact, V = 2** (``_exact_two``): is there a partition whose busiest GPU does at most ``B``? With
+   round 0 covering ``[0, c)``, GPU g's state after its two chunks is the pair of ends ``(x, y)``; from
+   the reachable pairs of GPU ``g - 1`` a pair is reachable when some reachable ``(x', y') < (x, y)`` has
+   ``X[x'] + X[y'] >= X[x] + X[y] + extra - B`` (``X`` the prefix sums): a 2-D running maximum, so one
+   check is ``O(P x C x N^2)`` for the ``C`` split points, vectorised. Bisection on ``B`` below the local
+   search's value (one check when local search was already optimal); when it finds a lower one, the
+   partition walked back from the check is polished by both phases of step 1. Skipped past
+   ``EXACT_CELLS`` grid cells (models of 100+ layers in half-blocks: local search alone).
 
-The best result over the starts wins (the objective above). Each descent step lowers a bounded key, so it
-ends; ``max_steps`` caps it anyway. A few milliseconds per step at S = 32 (about 2,000 moves).
-``tests/test_gpu_split.py`` checks it against exhaustive search on small cases. Only the split changes:
-the memory model, the cost models and the runtime read uneven chunk splits already
+A DP over chunks for any V would carry every GPU's load so far (exponential in P); the pair state above
+grows as ``N^(2V - 1)``, so V > 2 is local search alone: against exhaustive search on small random cases
+(``tests/test_gpu_split.py``) V = 2 is exact and V = 3 within a few percent where it misses, never worse
+than the per-chunk split it starts from. Milliseconds at S = 32 half-blocks of Llama's 32 layers. Only
+the split changes: the memory model, the cost models and the runtime read uneven chunk splits already
 (``ModelConfig.layer_split``).
 """
 
@@ -44,6 +55,9 @@ from dynmb.schedule.kinds import interleaved_inflight
 __all__ = ["ChunkLoads", "chunk_loads", "gpu_balanced_partition", "in_flight"]
 
 _TOL = 1e-9
+
+EXACT_CELLS = 4_000_000
+"""The largest V = 2 feasibility grid (split points x (units + 1)^2) solved exactly; past it local search only."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +157,57 @@ def _descend(bounds: np.ndarray, prefix: np.ndarray, first: float, last: float, 
     return bounds
 
 
+def _reach(prefix: np.ndarray, p: int, budget: float, first: float, last: float,
+           cs: np.ndarray) -> list[np.ndarray]:
+    """V = 2 feasibility (module docstring, "Exact"): per GPU g, (C, N + 1, N + 1) booleans, whether chunk g
+    can end at x and chunk g + P at y with GPUs 0..g within ``budget``, round 0 covering ``[0, c)``."""
+    n = prefix.size - 1
+    both = prefix[:, None] + prefix[None, :]
+    reach = np.zeros((cs.size, n + 1, n + 1), dtype=bool)
+    reach[np.arange(cs.size), 0, cs] = True
+    inside = np.arange(n + 1)[None, :, None] <= cs[:, None, None]
+    out = []
+    for g in range(p):
+        best = np.maximum.accumulate(np.maximum.accumulate(np.where(reach, both[None], -np.inf), axis=1), axis=2)
+        before = np.full_like(best, -np.inf)
+        before[:, 1:, 1:] = best[:, :-1, :-1]              # the best predecessor strictly below (x, y)
+        extra = (first if g == 0 else 0.0) + (last if g == p - 1 else 0.0)
+        reach = (before >= both[None] + extra - budget) & inside
+        out.append(reach)
+    return out
+
+
+def _exact_two(prefix: np.ndarray, p: int, first: float, last: float, known: float) -> np.ndarray | None:
+    """V = 2: the chunk bounds of a partition whose busiest GPU does less than ``known`` (bisection on the
+    budget, ``_reach``), None when none does or the grid is too large (``EXACT_CELLS``)."""
+    n = prefix.size - 1
+    cs = np.arange(p, n - p + 1)
+    if cs.size == 0 or cs.size * (n + 1) ** 2 > EXACT_CELLS:
+        return None
+
+    def feasible(budget: float) -> np.ndarray:
+        return _reach(prefix, p, budget, first, last, cs)[-1][np.arange(cs.size), cs, n]
+
+    lo, hi = (prefix[-1] + first + last) / p, known * (1 - _TOL)
+    if not feasible(hi).any():
+        return None
+    while hi - lo > _TOL * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if feasible(mid).any() else (mid, hi)
+    c = cs[int(np.flatnonzero(feasible(hi))[0])]
+    reach = _reach(prefix, p, hi, first, last, np.array([c]))
+    x, y, ends = c, n, [(c, n)]
+    for g in range(p - 1, 0, -1):                          # walk back: a reachable predecessor that fits
+        extra = last if g == p - 1 else 0.0
+        both = prefix[:x, None] + prefix[None, :y]
+        ok = reach[g - 1][0, :x, :y] & (both >= prefix[x] + prefix[y] + extra - hi)
+        i = int(np.argmax(np.where(ok, both, -np.inf)))
+        x, y = divmod(i, y)
+        ends.append((x, y))
+    ends.reverse()
+    return np.array([0, *(e[0] for e in ends), *(e[1] for e in ends)], dtype=np.int64)
+
+
 def gpu_balanced_partition(units: np.ndarray, num_chunks: int, virtual: int, first: float, last: float,
                            starts: list, *, max_steps: int = 10000) -> tuple[list[int], ChunkLoads]:
     """(units per chunk, its loads): the partition of ``units`` into ``num_chunks`` contiguous non-empty
@@ -170,4 +235,11 @@ def gpu_balanced_partition(units: np.ndarray, num_chunks: int, virtual: int, fir
             best = (counts, loads)
     if best is None:
         raise ValueError("gpu_balanced_partition needs at least one start")
+    exact = _exact_two(prefix, s // v, first, last, best[1].key[0]) if v == 2 else None
+    if exact is not None:                                  # local search missed the optimum: polish the exact one
+        b = _descend(exact, prefix, first, last, v, 1, (np.inf, np.inf), max_steps)
+        g = _loads(b[None, :], prefix, first, last, v)[1]
+        b = _descend(b, prefix, first, last, v, 2, (float(g.max()), float(np.sum(g ** 2))), max_steps)
+        counts = [int(c) for c in np.diff(b)]
+        best = (counts, chunk_loads(counts, units, first, last, v))
     return best
