@@ -14,7 +14,7 @@ import dynmb
 from dynmb.config import ModelConfig
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.memory import get_memory_model
-from dynmb.planning.gpu_split import chunk_loads, gpu_balanced_partition
+from dynmb.planning.gpu_split import chunk_caps, chunk_loads, gpu_balanced_partition
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.split_work import workload_cost
 from dynmb.planning.stage_split import _min_max_partition, balanced_split, resolve_stage_split, split_ceiling, stage_work
@@ -37,9 +37,10 @@ def _gpu_work(cfg: ModelConfig, split, virtual: int) -> np.ndarray:
 
 @pytest.mark.parametrize("virtual", [2, 3])
 def test_the_partition_against_exhaustive_search(virtual: int) -> None:
-    """Random small cases (whole-layer-like, half-block-like and random unit work, a heavy last chunk): every
-    chunk non-empty, every unit covered; the busiest GPU never above the per-chunk min-max split's; at V = 2
-    the exhaustive optimum (the exact bisection), at V = 3 (local search alone) within a few percent."""
+    """Random small cases (whole-layer-like, half-block-like and random unit work, a heavy last chunk), with
+    the chunk caps of the per-chunk split (per round and memory) and without: every chunk non-empty, every
+    unit covered, the caps kept; the busiest GPU never above the per-chunk min-max
+    split's; at V = 2 the exhaustive optimum (the exact bisection), at V = 3 (local search alone) within 10%."""
     rng = np.random.default_rng(virtual)
     for case in range(40):
         p = int(rng.integers(2, 4)) if virtual == 2 else 2
@@ -50,13 +51,18 @@ def test_the_partition_against_exhaustive_search(virtual: int) -> None:
         units = np.ones(n) if kind == 0 else np.resize([a, 1 - a], n) if kind == 1 else rng.uniform(0.5, 1.5, n)
         first, last = float(rng.uniform(0, 0.5)), float(rng.uniform(0, 4))
         per_chunk = _min_max_partition(units, s, first, last)[0]
-        counts, loads = gpu_balanced_partition(units, s, virtual, first, last, [per_chunk])
-        assert len(counts) == s and min(counts) >= 1 and sum(counts) == n
-        assert loads.key == chunk_loads(counts, units, first, last, virtual).key
-        assert loads.gpus.sum() == pytest.approx(units.sum() + first + last)
-        assert loads.key[0] <= chunk_loads(per_chunk, units, first, last, virtual).key[0] * (1 + 1e-9)
-        best = min(chunk_loads(c, units, first, last, virtual).key[0] for c in _compositions(n, s))
-        assert loads.key[0] <= best * (1 + (1e-9 if virtual == 2 else 0.1))
+        caps = chunk_caps(per_chunk, units, first, last, virtual) * (1 + 1e-9)
+        for ref in (0, None):                       # with the chunk caps (the default) and without
+            counts, loads = gpu_balanced_partition(units, s, virtual, first, last, [per_chunk], bound_by=ref)
+            assert len(counts) == s and min(counts) >= 1 and sum(counts) == n
+            assert loads.key == chunk_loads(counts, units, first, last, virtual).key
+            assert loads.gpus.sum() == pytest.approx(units.sum() + first + last)
+            assert loads.key[0] <= chunk_loads(per_chunk, units, first, last, virtual).key[0] * (1 + 1e-9)
+            fits = [c for c in _compositions(n, s)
+                    if ref is None or np.all(chunk_loads(c, units, first, last, virtual).chunks <= caps)]
+            assert ref is None or np.all(loads.chunks <= caps)
+            best = min(chunk_loads(c, units, first, last, virtual).key[0] for c in fits)
+            assert loads.key[0] <= best * (1 + (1e-9 if virtual == 2 else 0.1))
 
 
 def test_a_heavy_head_is_balanced_per_gpu_not_per_chunk() -> None:

@@ -10,11 +10,21 @@ while the mean GPU carries about 2.1; balanced per GPU, chunk 15 gets fewer laye
 and the other chunks take them.
 
 Objective: the busiest GPU's total work; then, among splits of the same GPU loads (the sum of their
-squares held: the spare work spread evenly), the busiest chunk's work (the fill and drain of the
-interleaved schedule run chunk by chunk); then memory: the largest and the sum of a chunk's
-work times its GPU's in-flight count (``in_flight``: the packer budgets every chunk's activations that
-many times, so a big chunk on an early GPU shortens the longest sequence that fits and truncates more);
-then the sum of squared chunk work.
+squares held: the spare work spread evenly), the busiest chunk's work; then the largest and the sum of a
+chunk's work times its GPU's in-flight count (``in_flight``); then the sum of squared chunk work.
+
+Bounds (``chunk_caps``, from the reference split: the per-chunk min-max one), every chunk within both:
+
+- **Per round**: no chunk does more than the reference's busiest chunk of its round (chunks ``vP ..
+  (v + 1) P - 1``). The interleaved 1F1B schedule runs its microbatches in rounds of P, every GPU on its
+  round-v chunk together, so a chunk heavier than its round's busiest stalls the round (the lower GPU
+  total does not buy it back). Measured (docs/results.md "Interleaved split balanced per GPU"): without
+  this bound the exact optimum of the GPU total made Llama-2-7B wikitext2 P 16 V 2 8% slower (chunks of
+  0.5 and 1.5 layers), with it the split stays where per-GPU balance gains nothing.
+- **Memory**: no chunk's work times its GPU's in-flight count above the reference's largest such product.
+  The packer budgets every chunk's activations that many times against its GPU's memory
+  (``dynmb.packing.context``: ``2 (P - 1 - r) + (V - 1) P + 1`` on GPU r), so a bigger chunk on an early
+  GPU shortens the longest sequence that fits and truncates more (measured: 13% fewer tokens trained).
 
 Algorithm, for ``N`` units (whole layers or half-blocks; ``units`` their work, ``first`` / ``last`` the
 embedding and head extras of the end chunks):
@@ -23,15 +33,17 @@ embedding and head extras of the end chunks):
    shifts a run of consecutive chunk boundaries ``b_i .. b_j`` by ``d`` units (``d`` = +-1, +-2): chunk
    ``i - 1`` gains ``d`` units at its end, chunk ``j`` loses them at its start, the chunks between slide
    (a two-unit slide keeps their work exactly; a one-unit slide swaps an attention half for an MLP
-   half); every chunk keeps >= 1 unit; all ``O(S^2)`` moves are priced at once (numpy). Phase 1: steepest
+   half); every chunk keeps >= 1 unit and its cap; all ``O(S^2)`` moves are priced at once (numpy). Phase 1: steepest
    descent on (busiest GPU, sum of squared GPU work), the squares walking the plateaus where GPUs tie at
    the maximum. Phase 2: with the busiest GPU and the sum of squares held, steepest descent on the rest of
    the objective (a tie-break among splits of the same GPU loads). The best result over the starts wins.
 2. **Exact, V = 2** (``_exact_two``): is there a partition whose busiest GPU does at most ``B``? With
    round 0 covering ``[0, c)``, GPU g's state after its two chunks is the pair of ends ``(x, y)``; from
    the reachable pairs of GPU ``g - 1`` a pair is reachable when some reachable ``(x', y') < (x, y)`` has
-   ``X[x'] + X[y'] >= X[x] + X[y] + extra - B`` (``X`` the prefix sums): a 2-D running maximum, so one
-   check is ``O(P x C x N^2)`` for the ``C`` split points, vectorised. Bisection on ``B`` below the local
+   ``X[x'] + X[y'] >= X[x] + X[y] + extra - B`` (``X`` the prefix sums) and both chunks within their caps
+   (``x'`` and ``y'`` at least the first starts that keep them: a box below ``(x, y)``): a 2-D window
+   maximum (sparse tables of power-of-two windows, ``_window_max``), so one check is ``O(P x C x N^2 log
+   N)`` for the ``C`` split points, vectorised. Bisection on ``B`` below the local
    search's value (one check when local search was already optimal); when it finds a lower one, the
    partition walked back from the check is polished by both phases of step 1. Skipped past
    ``EXACT_CELLS`` grid cells (models of 100+ layers in half-blocks: local search alone).
@@ -52,11 +64,11 @@ import numpy as np
 
 from dynmb.schedule.kinds import interleaved_inflight
 
-__all__ = ["ChunkLoads", "chunk_loads", "gpu_balanced_partition", "in_flight"]
+__all__ = ["ChunkLoads", "chunk_loads", "chunk_caps", "gpu_balanced_partition", "in_flight"]
 
 _TOL = 1e-9
 
-EXACT_CELLS = 4_000_000
+EXACT_CELLS = 1_000_000
 """The largest V = 2 feasibility grid (split points x (units + 1)^2) solved exactly; past it local search only."""
 
 
@@ -101,6 +113,16 @@ def in_flight(num_gpus: int, virtual: int) -> np.ndarray:
     return np.asarray(interleaved_inflight(np.arange(int(num_gpus)), int(num_gpus), int(virtual)), dtype=np.float64)
 
 
+def chunk_caps(counts, units: np.ndarray, first: float, last: float, virtual: int) -> np.ndarray:
+    """The most work each chunk may do (module docstring, "Bounds") given the reference partition ``counts``:
+    within its round, the reference's busiest chunk of that round; times its GPU's in-flight count, the
+    reference's largest such product."""
+    w = chunk_loads(counts, units, first, last, virtual).chunks
+    held = np.tile(in_flight(w.size // virtual, virtual), virtual)
+    per_round = np.repeat(w.reshape(virtual, -1).max(axis=1), w.size // virtual)
+    return np.minimum(per_round, float(np.max(held * w)) / held)
+
+
 def _pick(keys: np.ndarray) -> int:
     """The row of ``keys`` (M x K) smallest lexicographically, ties within ``_TOL`` (relative)."""
     rows = np.arange(keys.shape[0])
@@ -130,9 +152,9 @@ def _keys(w: np.ndarray, g: np.ndarray, phase: int, held: np.ndarray) -> np.ndar
 
 
 def _descend(bounds: np.ndarray, prefix: np.ndarray, first: float, last: float, virtual: int, phase: int,
-             caps: tuple[float, float], max_steps: int) -> np.ndarray:
+             caps: tuple[float, float], chunk_cap: np.ndarray, max_steps: int) -> np.ndarray:
     """Steepest descent from ``bounds`` (phase 1 or 2 of the module docstring; ``caps``: phase 2's bounds on
-    the busiest GPU's work and the sum of squared GPU work)."""
+    the busiest GPU's work and the sum of squared GPU work; ``chunk_cap``: every chunk's most work)."""
     s = bounds.size - 1
     idx = np.arange(s + 1)
     ii, jj = np.triu_indices(s - 1)
@@ -144,9 +166,10 @@ def _descend(bounds: np.ndarray, prefix: np.ndarray, first: float, last: float, 
         cand = bounds[None, :] + moves
         cand = cand[np.all(np.diff(cand, axis=1) >= 1, axis=1)]
         w, g = _loads(cand, prefix, first, last, virtual)
+        ok = np.all(w <= chunk_cap[None, :] * (1 + _TOL), axis=1)
         if phase == 2:
-            ok = (g.max(axis=1) <= caps[0] * (1 + _TOL)) & (np.sum(g ** 2, axis=1) <= caps[1] * (1 + _TOL))
-            cand, w, g = cand[ok], w[ok], g[ok]
+            ok &= (g.max(axis=1) <= caps[0] * (1 + _TOL)) & (np.sum(g ** 2, axis=1) <= caps[1] * (1 + _TOL))
+        cand, w, g = cand[ok], w[ok], g[ok]
         if cand.shape[0] == 0:
             break
         keys = _keys(w, g, phase, held)
@@ -157,10 +180,38 @@ def _descend(bounds: np.ndarray, prefix: np.ndarray, first: float, last: float, 
     return bounds
 
 
-def _reach(prefix: np.ndarray, p: int, budget: float, first: float, last: float,
+def _window_max(a: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """Along the last axis, ``out[..., i] = max(a[..., lo[i]:i])`` (-inf where empty): a sparse table of
+    power-of-two windows, each query the larger of two that cover it."""
+    n = a.shape[-1]
+    table, k = [a], 1
+    while 2 * k <= n:
+        nxt = table[-1].copy()
+        nxt[..., : n - k] = np.maximum(table[-1][..., : n - k], table[-1][..., k:])
+        table.append(nxt)
+        k *= 2
+    i = np.arange(n)
+    length = i - lo
+    out = np.full(a.shape, -np.inf)
+    level = np.where(length >= 1, np.floor(np.log2(np.maximum(length, 1))).astype(np.int64), -1)
+    for lv in range(len(table)):
+        at = np.flatnonzero(level == lv)
+        if at.size:
+            out[..., at] = np.maximum(table[lv][..., lo[at]], table[lv][..., at - (1 << lv)])
+    return out
+
+
+def _lows(prefix: np.ndarray, extra: float, cap: float) -> np.ndarray:
+    """For every end x, the first start x' whose chunk ``[x', x)`` does at most ``cap`` work (with ``extra``)."""
+    need = prefix + extra - cap
+    return np.searchsorted(prefix, need - _TOL * np.abs(need), side="left").astype(np.int64)
+
+
+def _reach(prefix: np.ndarray, p: int, budget: float, first: float, last: float, cap: np.ndarray,
            cs: np.ndarray) -> list[np.ndarray]:
     """V = 2 feasibility (module docstring, "Exact"): per GPU g, (C, N + 1, N + 1) booleans, whether chunk g
-    can end at x and chunk g + P at y with GPUs 0..g within ``budget``, round 0 covering ``[0, c)``."""
+    can end at x and chunk g + P at y with GPUs 0..g within ``budget`` and every chunk within ``cap``
+    (per chunk), round 0 covering ``[0, c)``."""
     n = prefix.size - 1
     both = prefix[:, None] + prefix[None, :]
     reach = np.zeros((cs.size, n + 1, n + 1), dtype=bool)
@@ -168,25 +219,24 @@ def _reach(prefix: np.ndarray, p: int, budget: float, first: float, last: float,
     inside = np.arange(n + 1)[None, :, None] <= cs[:, None, None]
     out = []
     for g in range(p):
-        best = np.maximum.accumulate(np.maximum.accumulate(np.where(reach, both[None], -np.inf), axis=1), axis=2)
-        before = np.full_like(best, -np.inf)
-        before[:, 1:, 1:] = best[:, :-1, :-1]              # the best predecessor strictly below (x, y)
-        extra = (first if g == 0 else 0.0) + (last if g == p - 1 else 0.0)
-        reach = (before >= both[None] + extra - budget) & inside
+        e0, e1 = (first if g == 0 else 0.0), (last if g == p - 1 else 0.0)
+        best = _window_max(np.where(reach, both[None], -np.inf), _lows(prefix, e1, cap[g + p]))
+        best = _window_max(best.transpose(0, 2, 1), _lows(prefix, e0, cap[g])).transpose(0, 2, 1)
+        reach = (best >= both[None] + e0 + e1 - budget) & inside
         out.append(reach)
     return out
 
 
-def _exact_two(prefix: np.ndarray, p: int, first: float, last: float, known: float) -> np.ndarray | None:
-    """V = 2: the chunk bounds of a partition whose busiest GPU does less than ``known`` (bisection on the
-    budget, ``_reach``), None when none does or the grid is too large (``EXACT_CELLS``)."""
+def _exact_two(prefix: np.ndarray, p: int, first: float, last: float, cap: np.ndarray, known: float) -> np.ndarray | None:
+    """V = 2: the chunk bounds of a partition whose busiest GPU does less than ``known``, every chunk within
+    ``cap`` (bisection on the budget, ``_reach``); None when none does or the grid is too large."""
     n = prefix.size - 1
     cs = np.arange(p, n - p + 1)
     if cs.size == 0 or cs.size * (n + 1) ** 2 > EXACT_CELLS:
         return None
 
     def feasible(budget: float) -> np.ndarray:
-        return _reach(prefix, p, budget, first, last, cs)[-1][np.arange(cs.size), cs, n]
+        return _reach(prefix, p, budget, first, last, cap, cs)[-1][np.arange(cs.size), cs, n]
 
     lo, hi = (prefix[-1] + first + last) / p, known * (1 - _TOL)
     if not feasible(hi).any():
@@ -195,12 +245,14 @@ def _exact_two(prefix: np.ndarray, p: int, first: float, last: float, known: flo
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if feasible(mid).any() else (mid, hi)
     c = cs[int(np.flatnonzero(feasible(hi))[0])]
-    reach = _reach(prefix, p, hi, first, last, np.array([c]))
+    reach = _reach(prefix, p, hi, first, last, cap, np.array([c]))
     x, y, ends = c, n, [(c, n)]
     for g in range(p - 1, 0, -1):                          # walk back: a reachable predecessor that fits
-        extra = last if g == p - 1 else 0.0
+        e1 = last if g == p - 1 else 0.0
         both = prefix[:x, None] + prefix[None, :y]
-        ok = reach[g - 1][0, :x, :y] & (both >= prefix[x] + prefix[y] + extra - hi)
+        ok = reach[g - 1][0, :x, :y] & (both >= prefix[x] + prefix[y] + e1 - hi)
+        ok[: _lows(prefix, 0.0, cap[g])[x]] = False
+        ok[:, : _lows(prefix, e1, cap[g + p])[y]] = False
         i = int(np.argmax(np.where(ok, both, -np.inf)))
         x, y = divmod(i, y)
         ends.append((x, y))
@@ -209,10 +261,13 @@ def _exact_two(prefix: np.ndarray, p: int, first: float, last: float, known: flo
 
 
 def gpu_balanced_partition(units: np.ndarray, num_chunks: int, virtual: int, first: float, last: float,
-                           starts: list, *, max_steps: int = 10000) -> tuple[list[int], ChunkLoads]:
+                           starts: list, *, bound_by: int | None = 0,
+                           max_steps: int = 10000) -> tuple[list[int], ChunkLoads]:
     """(units per chunk, its loads): the partition of ``units`` into ``num_chunks`` contiguous non-empty
     chunks, chunk ``s`` on GPU ``s % (num_chunks / virtual)``, with the smallest busiest GPU's work, then
-    busiest chunk's (module docstring), by local search from each of ``starts`` (units per chunk)."""
+    busiest chunk's (module docstring), by local search from each of ``starts`` (units per chunk) and, at
+    V = 2, exactly; every chunk within ``chunk_caps`` of the start ``bound_by`` (None: unbounded; starts
+    past the caps are skipped)."""
     units = np.asarray(units, dtype=np.float64)
     s, v = int(num_chunks), int(virtual)
     if v < 1 or s % v or not 1 <= s <= units.size:
@@ -221,25 +276,28 @@ def gpu_balanced_partition(units: np.ndarray, num_chunks: int, virtual: int, fir
     if s == 1:
         counts = [int(units.size)]
         return counts, chunk_loads(counts, units, first, last, v)
+    chunk_cap = np.full(s, np.inf) if bound_by is None else chunk_caps(starts[bound_by], units, first, last, v)
+
+    def polish(b: np.ndarray) -> tuple[list[int], ChunkLoads]:
+        b = _descend(b, prefix, first, last, v, 1, (np.inf, np.inf), chunk_cap, max_steps)
+        g = _loads(b[None, :], prefix, first, last, v)[1]
+        b = _descend(b, prefix, first, last, v, 2, (float(g.max()), float(np.sum(g ** 2))), chunk_cap, max_steps)
+        counts = [int(c) for c in np.diff(b)]
+        return counts, chunk_loads(counts, units, first, last, v)
+
     best: tuple[list[int], ChunkLoads] | None = None
     for start in starts:
         b = _bounds(np.asarray(start, dtype=np.int64))
         if b.size != s + 1 or b[-1] != units.size or np.any(np.diff(b) < 1):
             raise ValueError(f"start {list(start)} is not a partition of {units.size} units into {s} chunks")
-        b = _descend(b, prefix, first, last, v, 1, (np.inf, np.inf), max_steps)
-        g = _loads(b[None, :], prefix, first, last, v)[1]
-        b = _descend(b, prefix, first, last, v, 2, (float(g.max()), float(np.sum(g ** 2))), max_steps)
-        counts = [int(c) for c in np.diff(b)]
-        loads = chunk_loads(counts, units, first, last, v)
+        if np.any(chunk_loads(start, units, first, last, v).chunks > chunk_cap * (1 + _TOL)):
+            continue
+        counts, loads = polish(b)
         if best is None or _better(np.asarray(loads.key), np.asarray(best[1].key)):
             best = (counts, loads)
     if best is None:
-        raise ValueError("gpu_balanced_partition needs at least one start")
-    exact = _exact_two(prefix, s // v, first, last, best[1].key[0]) if v == 2 else None
+        raise ValueError("gpu_balanced_partition needs a start within the chunk caps")
+    exact = _exact_two(prefix, s // v, first, last, chunk_cap, best[1].key[0]) if v == 2 else None
     if exact is not None:                                  # local search missed the optimum: polish the exact one
-        b = _descend(exact, prefix, first, last, v, 1, (np.inf, np.inf), max_steps)
-        g = _loads(b[None, :], prefix, first, last, v)[1]
-        b = _descend(b, prefix, first, last, v, 2, (float(g.max()), float(np.sum(g ** 2))), max_steps)
-        counts = [int(c) for c in np.diff(b)]
-        best = (counts, chunk_loads(counts, units, first, last, v))
+        best = polish(exact)
     return best
