@@ -140,3 +140,20 @@ def test_the_split_search_with_virtual_stages_simulates_per_gpu_and_per_chunk() 
                                                                                          stage_cost=cost))
     assert all(np.isfinite(choice.scores_s)) and choice.split in choice.candidates
     assert choice.scores_s[choice.candidates.index(choice.split)] == min(choice.scores_s)
+
+
+def test_the_command_line_and_compare_pass_virtual() -> None:
+    """``--virtual 2 --stage-split auto`` (``cli.flags.model_from_args``, what ``run`` reads) and ``compare``'s
+    settings plan the split balanced per GPU (gpt2: its 50k head is several layers of work at 768 wide)."""
+    import argparse
+
+    from dynmb.cli.flags import model_from_args
+    from dynmb.compare import _split_model
+
+    s, cfg = P * V, dynmb.model_config("gpt2")
+    per_gpu = balanced_split(cfg, s, half_blocks=True, virtual=V)
+    assert per_gpu != balanced_split(cfg, s, half_blocks=True)
+    args = argparse.Namespace(model="gpt2", stages=s, virtual=V, stage_split="auto", attention=None)
+    assert model_from_args(args).layer_split == per_gpu
+    assert model_from_args(argparse.Namespace(**{**vars(args), "virtual": None})).layer_split != per_gpu
+    assert _split_model("gpt2", None, s, "auto", None, None, None, V).layer_split == per_gpu

@@ -51,6 +51,14 @@ zero-bubble kinds by a few percent: given the run's planning settings (``search`
 ``split_search.SplitSearch``), ``auto`` takes among the near-optimal splits the one whose simulated step
 is fastest (``dynmb.planning.split_search``), else the min-max split, said once.
 
+Interleaved chunks (``virtual`` V > 1: ``num_stages`` counts the P V chunks, chunk ``s`` on GPU ``s %
+P``): the steady state is bound by each GPU's total work, the sum of its V chunks, so ``auto`` minimises
+the busiest GPU's total instead (``dynmb.planning.gpu_split``: local search and, at V = 2, an exact
+bisection), every chunk within caps taken from the per-chunk min-max split (per round of the schedule,
+and its in-flight activations), and keeps the per-chunk split unless the busiest GPU does strictly less
+work; ``resolve_stage_split`` reads V from its caller (``Planner``, ``run``, ``compare``, the scaling study)
+or the split search's spec.
+
 The split is a property of the model layout (``ModelConfig.layer_split``, halves allowed): the memory
 model, the cost models, the runtime's stages and the single-process reference all read it through
 ``ModelConfig.stage_units`` / ``stage_parts`` / ``stage_blocks``; a fitted cost or memory model is
