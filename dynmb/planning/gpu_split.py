@@ -18,13 +18,14 @@ Bounds (``chunk_caps``, from the reference split: the per-chunk min-max one), ev
 - **Per round**: no chunk does more than the reference's busiest chunk of its round (chunks ``vP ..
   (v + 1) P - 1``). The interleaved 1F1B schedule runs its microbatches in rounds of P, every GPU on its
   round-v chunk together, so a chunk heavier than its round's busiest stalls the round (the lower GPU
-  total does not buy it back). Measured (docs/results.md "Interleaved split balanced per GPU"): without
-  this bound the exact optimum of the GPU total made Llama-2-7B wikitext2 P 16 V 2 8% slower (chunks of
-  0.5 and 1.5 layers), with it the split stays where per-GPU balance gains nothing.
+  total does not buy it back). Measured (docs/results.md "Interleaved split balanced per GPU"): with the
+  memory bound alone the exact optimum of the GPU total made Llama-2-7B wikitext2 P 16 V 2 8% slower at
+  equal tokens (chunks of 0.5 and 1.5 layers); with this bound that split stays the per-chunk one.
 - **Memory**: no chunk's work times its GPU's in-flight count above the reference's largest such product.
   The packer budgets every chunk's activations that many times against its GPU's memory
   (``dynmb.packing.context``: ``2 (P - 1 - r) + (V - 1) P + 1`` on GPU r), so a bigger chunk on an early
-  GPU shortens the longest sequence that fits and truncates more (measured: 13% fewer tokens trained).
+  GPU shortens the longest sequence that fits and truncates more (measured without either bound: 13% fewer
+  tokens trained in the same cell).
 
 Algorithm, for ``N`` units (whole layers or half-blocks; ``units`` their work, ``first`` / ``last`` the
 embedding and head extras of the end chunks):
@@ -33,8 +34,8 @@ embedding and head extras of the end chunks):
    shifts a run of consecutive chunk boundaries ``b_i .. b_j`` by ``d`` units (``d`` = +-1, +-2): chunk
    ``i - 1`` gains ``d`` units at its end, chunk ``j`` loses them at its start, the chunks between slide
    (a two-unit slide keeps their work exactly; a one-unit slide swaps an attention half for an MLP
-   half); every chunk keeps >= 1 unit and its cap; all ``O(S^2)`` moves are priced at once (numpy). Phase 1: steepest
-   descent on (busiest GPU, sum of squared GPU work), the squares walking the plateaus where GPUs tie at
+   half); every chunk keeps >= 1 unit and its cap; all ``O(S^2)`` moves are priced at once (numpy).
+   Phase 1: steepest descent on (busiest GPU, sum of squared GPU work), the squares walking the plateaus where GPUs tie at
    the maximum. Phase 2: with the busiest GPU and the sum of squares held, steepest descent on the rest of
    the objective (a tie-break among splits of the same GPU loads). The best result over the starts wins.
 2. **Exact, V = 2** (``_exact_two``): is there a partition whose busiest GPU does at most ``B``? With
@@ -46,12 +47,13 @@ embedding and head extras of the end chunks):
    N)`` for the ``C`` split points, vectorised. Bisection on ``B`` below the local
    search's value (one check when local search was already optimal); when it finds a lower one, the
    partition walked back from the check is polished by both phases of step 1. Skipped past
-   ``EXACT_CELLS`` grid cells (models of 100+ layers in half-blocks: local search alone).
+   ``EXACT_CELLS`` grid cells (past about 50 layers in half-blocks: local search alone).
 
 A DP over chunks for any V would carry every GPU's load so far (exponential in P); the pair state above
 grows as ``N^(2V - 1)``, so V > 2 is local search alone: against exhaustive search on small random cases
-(``tests/test_gpu_split.py``) V = 2 is exact and V = 3 within a few percent where it misses, never worse
-than the per-chunk split it starts from. Milliseconds at S = 32 half-blocks of Llama's 32 layers. Only
+(``tests/test_gpu_split.py``) V = 2 is exact and V = 3 within a few percent where it misses (the tests
+allow 10%), never worse than the per-chunk split it starts from. Cost for Llama's 32 layers in half-blocks:
+about 0.1 s, up to about 2 s where the bisection runs (P 4). Only
 the split changes: the memory model, the cost models and the runtime read uneven chunk splits already
 (``ModelConfig.layer_split``).
 """
