@@ -140,7 +140,7 @@ class CompareSettings:
             return planning_config(resolve_model(self.model_factory))
         return _split_model(self.model, self.attention, self.stages, self.stage_split,
                             None if self.corpus is not None else self.trace, self.cost_model,
-                            self._split_search() if self.stage_split == "auto" else None)
+                            self._split_search() if self.stage_split == "auto" else None, int(self.virtual))
 
     def _split_search(self) -> SplitSearch | None:
         """What ``--stage-split auto`` chooses by: dynamic's settings here; None where no plan can be made."""
@@ -232,10 +232,10 @@ class CompareResult:
 
 @functools.lru_cache(maxsize=8)
 def _split_model(model: str, attention: str | None, stages: int, split: str, workload: str | None,
-                 cost_model: str | None, search: SplitSearch | None) -> ModelConfig:
+                 cost_model: str | None, search: SplitSearch | None, virtual: int = 1) -> ModelConfig:
     """``resolve_stage_split`` once per settings (every case reads it; the split search plans batches)."""
     return resolve_stage_split(model_config(model, attention=attention), stages, split, workload=workload,
-                               cost_model=cost_model, search=search)
+                               cost_model=cost_model, search=search, virtual=virtual)
 
 
 def _case_config(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> RunConfig:

@@ -7,6 +7,9 @@ method is packed with ``num_stages=S, virtual=V`` (the packing context budgets a
 auto`` gives ``auto_kinds(virtual=V)`` (with V > 1 the kinds with virtual stages: interleaved),
 ``--schedule interleaved`` that kind; ``1f1b`` runs one chunk per GPU and is refused with V > 1.
 
+``--stage-split auto`` with V > 1 balances each GPU's total work, the sum of its V chunks
+(``resolve_stage_split(..., virtual=V)``: ``dynmb.planning.gpu_split``), not each chunk's.
+
 Refused before anything runs (one line, ``check``): a (P, V, split) whose chunks the model's layers do
 not cover: the even split needs ``n_layers >= P V`` whole layers, ``--stage-split auto`` (half-blocks of
 dynmb's families) ``2 n_layers >= P V`` half-blocks (more chunks than layers: half-blocks only).

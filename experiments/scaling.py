@@ -240,10 +240,12 @@ class Cell:
     def __init__(self, c: dict, trace: np.ndarray, cfg: dynmb.ModelConfig) -> None:
         self.batch = token_batch(trace, c["tokens"], c["dp"], c["seed"])
         self.cfg, self.P, self.link, self._models = cfg, c["num_stages"] * c["virtual"], c["link"], {}
+        self.V = c["virtual"]
 
     def models(self, split: str):
         if split not in self._models:
-            cfg = resolve_stage_split(self.cfg, self.P, split, stage_cost=ideal_cost(self.batch, self.link))
+            cfg = resolve_stage_split(self.cfg, self.P, split, stage_cost=ideal_cost(self.batch, self.link),
+                                      virtual=self.V)
             cm = gpu.GPUCostModel(cfg, self.P, link=self.link)
             self._models[split] = (cfg, cm, saturated(cm), get_memory_model(None, cfg, self.P))
         return self._models[split]

@@ -114,7 +114,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                          "dynamic", "dynamic_setup", "dynamic_space", "dynamic_rank", "recompute", "balanced",
                          "methods")),
     ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "defaults", "api",
-                          "sampler", "stage_split", "split_work", "split_search", "spec_check")),
+                          "sampler", "stage_split", "gpu_split", "split_work", "split_search", "spec_check")),
     ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf"))),
     ("runtime", (*_modules("dynmb.runtime", "spec", "topology", "state", "planahead", "step", "interpreter", "splitbackward", "comm",
                            "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",

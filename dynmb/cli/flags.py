@@ -162,7 +162,8 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
         raise ValueError("--stage-split needs --stages (the number of pipeline stages, model chunks with --virtual)")
     from dynmb.planning.stage_split import resolve_stage_split
     return resolve_stage_split(cfg, int(stages), split, workload=workload_of(args),
-                               cost_model=getattr(args, "cost_model", None), search=split_search_of(args, cfg, int(stages)))
+                               cost_model=getattr(args, "cost_model", None), search=split_search_of(args, cfg, int(stages)),
+                               virtual=int(getattr(args, "virtual", None) or 1))
 
 
 def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> Any:

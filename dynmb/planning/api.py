@@ -121,7 +121,8 @@ class Planner:
             search = None if global_batch is None else SplitSearch(spec=self.spec, global_batch=int(global_batch),
                                                                    memory_model=memory_model)
             self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
-                                                 workload=workload, cost_model=pricing, search=search)
+                                                 workload=workload, cost_model=pricing, search=search,
+                                                 virtual=int(virtual))
             cost_model = _for_split(cost_model, self.model_cfg, int(num_stages))
         if cost_model is None or isinstance(cost_model, (str, Path)):
             path = cost_model if cost_model is not None else default_cost_model_path(

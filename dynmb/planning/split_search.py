@@ -33,6 +33,11 @@ Algorithm (``SplitSearch.choose``), run once per run, deterministic (every rank 
    better, so the choice is never below the min-max split's throughput on the sample batches. A
    candidate that cannot plan a batch drops out.
 
+With ``virtual`` > 1 (interleaved chunks, chunk ``s`` on GPU ``s % P``) the bound is the busiest GPU's
+total work, not a chunk's, and the candidates are the split balanced per GPU (``S0``,
+``dynmb.planning.gpu_split``) and the per-chunk min-max split when it differs (the arrangements of step 1
+are not walked per GPU).
+
 Only where a plan can be made: a layout-free cost model (``CostModel.layout_free``: ``analytic``,
 ``gpu``), the workload's lengths, and no fitted memory model (one split only); otherwise ``S0``, said once
 (``logging``). Its cost: ``max_candidates x batches`` plannings of one replica's batch (CPU seconds logged);
@@ -126,10 +131,16 @@ def _moves(sizes: tuple[int, ...], step: int) -> set[tuple[int, ...]]:
 
 
 def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool = True,
-                        tolerance: float = 0.02, max_candidates: int = 8) -> tuple[list[Split], int]:
+                        tolerance: float = 0.02, max_candidates: int = 8, virtual: int = 1) -> tuple[list[Split], int]:
     """(candidate splits, the min-max split ``balanced_split`` first; how many arrangements walked kept the
-    bound): step 1 of the module docstring."""
+    bound): step 1 of the module docstring; ``virtual`` > 1: the split balanced per GPU, then the per-chunk
+    min-max one when it differs."""
     p = int(num_stages)
+    if int(virtual) > 1:
+        per_gpu = balanced_split(cfg, p, half_blocks=half_blocks, stage_cost=stage_cost, virtual=int(virtual))
+        per_chunk = balanced_split(cfg, p, half_blocks=half_blocks, stage_cost=stage_cost)
+        cands = [per_gpu] + ([per_chunk] if _units(per_chunk) != _units(per_gpu) else [])
+        return cands[:max(1, int(max_candidates))], len(cands)
     s0 = balanced_split(cfg, p, half_blocks=half_blocks, stage_cost=stage_cost)
     work, first, last = unit_work(cfg, stage_cost, True)
     pre = np.concatenate([[0.0], np.cumsum(work)])
@@ -250,17 +261,18 @@ class SplitSearch:
         return float(np.mean(steps)), float(np.mean(tokens))
 
     def choose(self, cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool = True,
-               workload: Any = None, cost_model: Any = None) -> SplitChoice:
+               workload: Any = None, cost_model: Any = None, virtual: int | None = None) -> SplitChoice:
         """The split (module docstring): the candidate of the smallest mean step per real token, else the
-        min-max split."""
+        min-max split (``virtual`` chunks a GPU, None: the spec's; more than one: balanced per GPU)."""
         t0 = time.process_time()
+        v = int(self.spec.virtual if virtual is None else virtual)
         reason = self.why_not(cost_model, workload)
         if reason:
-            s0 = balanced_split(cfg, num_stages, half_blocks=half_blocks, stage_cost=stage_cost)
+            s0 = balanced_split(cfg, num_stages, half_blocks=half_blocks, stage_cost=stage_cost, virtual=v)
             return SplitChoice(split=s0, how="min-max", reason=reason, cpu_s=time.process_time() - t0)
         cm = layout_cost_model(cost_model)
         cands, near = near_optimal_splits(cfg, num_stages, stage_cost, half_blocks=half_blocks,
-                                          tolerance=self.tolerance, max_candidates=self.max_candidates)
+                                          tolerance=self.tolerance, max_candidates=self.max_candidates, virtual=v)
         batches = self.sample_batches(workload_lengths(workload, cfg))
         runs = [self.step_of(cfg, c, num_stages, cm, batches) for c in cands]
         ref = runs[0][1]

@@ -51,6 +51,14 @@ zero-bubble kinds by a few percent: given the run's planning settings (``search`
 ``split_search.SplitSearch``), ``auto`` takes among the near-optimal splits the one whose simulated step
 is fastest (``dynmb.planning.split_search``), else the min-max split, said once.
 
+Interleaved chunks (``virtual`` V > 1: ``num_stages`` counts the P V chunks, chunk ``s`` on GPU ``s %
+P``): the steady state is bound by each GPU's total work, the sum of its V chunks, so ``auto`` minimises
+the busiest GPU's total instead (``dynmb.planning.gpu_split``: local search and, at V = 2, an exact
+bisection), every chunk within caps taken from the per-chunk min-max split (per round of the schedule,
+and its in-flight activations), and keeps the per-chunk split unless the busiest GPU does strictly less
+work; ``resolve_stage_split`` reads V from its caller (``Planner``, ``run``, ``compare``, the scaling study)
+or the split search's spec.
+
 The split is a property of the model layout (``ModelConfig.layer_split``, halves allowed): the memory
 model, the cost models, the runtime's stages and the single-process reference all read it through
 ``ModelConfig.stage_units`` / ``stage_parts`` / ``stage_blocks``; a fitted cost or memory model is
@@ -69,6 +77,7 @@ import numpy as np
 
 from dynmb.config import ModelConfig
 
+from .gpu_split import chunk_loads, gpu_balanced_partition
 from .split_work import fitted_split, workload_cost
 
 __all__ = ["balanced_split", "min_max_split", "with_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
@@ -126,11 +135,13 @@ def stage_work(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 10
 
 
 def split_ceiling(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024, *,
-                  stage_cost: StageCost | None = None) -> float:
-    """Mean stage work over the busiest stage's under ``split``: the share of the machine the split
-    alone lets a pipeline use (1.0: balanced)."""
-    w = stage_work(cfg, split, tokens_hint, stage_cost=stage_cost)
-    return sum(w) / len(w) / max(w)
+                  stage_cost: StageCost | None = None, virtual: int = 1) -> float:
+    """Mean GPU work over the busiest GPU's under ``split`` (``virtual`` chunks per GPU, chunk ``s`` on GPU
+    ``s % (len(split) / virtual)``; one: a stage a GPU): the share of the machine the split alone lets a
+    pipeline use (1.0: balanced)."""
+    w = np.asarray(stage_work(cfg, split, tokens_hint, stage_cost=stage_cost))
+    g = w.reshape(int(virtual), -1).sum(axis=0)
+    return float(g.mean() / g.max())
 
 
 def _min_max_partition(units: np.ndarray, p: int, first: float, last: float) -> tuple[list[int], float, float]:
@@ -171,27 +182,52 @@ def min_max_split(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, h
     return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts) if half_blocks else tuple(counts)
 
 
+def _gpu_partition(units: np.ndarray, p: int, virtual: int, first: float, last: float) -> tuple[list[int], float]:
+    """(units per chunk, busiest GPU's work) of the split balanced per GPU (``dynmb.planning.gpu_split``),
+    searched from the per-chunk min-max partition and the even one; the per-chunk min-max partition itself
+    unless the busiest GPU's work is strictly lower (where per-GPU balance gains nothing the split stays)."""
+    n = units.size
+    even = [n // p + (1 if s < n % p else 0) for s in range(p)]
+    per_chunk = _min_max_partition(units, p, first, last)[0]
+    counts, loads = gpu_balanced_partition(units, p, virtual, first, last, [per_chunk, even])
+    kept = chunk_loads(per_chunk, units, first, last, virtual).key[0]
+    if loads.key[0] >= kept * (1 - 1e-9):
+        return per_chunk, kept
+    return counts, loads.key[0]
+
+
 def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *,
-                   half_blocks: bool = False, stage_cost: StageCost | None = None) -> tuple[float, ...]:
+                   half_blocks: bool = False, stage_cost: StageCost | None = None,
+                   virtual: int = 1) -> tuple[float, ...]:
     """The contiguous split of ``cfg``'s layers over ``num_stages`` stages with the smallest maximum
     stage work, ties broken by the smallest sum of squared stage work (module docstring); with
     ``half_blocks`` a stage may start or end between a block's attention and MLP halves, and the
-    half-block split is taken only where it lowers the busiest stage's work (else the whole-layer one)."""
-    n, p = cfg.n_layers, int(num_stages)
+    half-block split is taken only where it lowers the busiest stage's work (else the whole-layer one).
+    ``virtual`` > 1 (interleaved: ``num_stages`` chunks, chunk ``s`` on GPU ``s % (num_stages /
+    virtual)``): the smallest busiest GPU's work (the sum of its chunks), then busiest chunk's
+    (``dynmb.planning.gpu_split``), half-blocks again taken only where they lower the busiest GPU's."""
+    n, p, v = cfg.n_layers, int(num_stages), int(virtual)
     if not 1 <= p <= (2 * n if half_blocks else n):
         raise ValueError(f"cannot split {n} layers over {p} stages (need 1 <= stages <= "
                          f"{'2 x layers with half-blocks' if half_blocks else 'layers'})")
+    if v < 1 or p % v:
+        raise ValueError(f"cannot place {p} chunks {v} a GPU (virtual must divide the chunk count)")
     cost = stage_cost or flops_cost(max(1, int(tokens_hint)))
+
+    def solve(units: np.ndarray, first: float, last: float) -> tuple[list[int], float]:
+        if v > 1:
+            return _gpu_partition(units, p, v, first, last)
+        counts, top, _ = _min_max_partition(units, p, first, last)
+        return counts, top
+
     whole, w_max = None, np.inf
     if p <= n:
-        units, first, last = unit_work(cfg, cost, False)
-        counts, w_max, _ = _min_max_partition(units, p, first, last)
+        counts, w_max = solve(*unit_work(cfg, cost, False))
         whole = tuple(counts)
     if not half_blocks:
         assert whole is not None
         return whole
-    units, first, last = unit_work(cfg, cost, True)
-    counts, h_max, _ = _min_max_partition(units, p, first, last)
+    counts, h_max = solve(*unit_work(cfg, cost, True))
     if whole is not None and h_max >= w_max * (1 - 1e-9):
         return whole
     return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts)
@@ -232,7 +268,7 @@ def with_split(cfg: ModelConfig, num_stages: int, split: tuple[float, ...]) -> M
 
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
                         half_blocks: bool = True, stage_cost: StageCost | None = None, workload: Any = None,
-                        cost_model: Any = None, search: Any = None) -> ModelConfig:
+                        cost_model: Any = None, search: Any = None, virtual: int | None = None) -> ModelConfig:
     """``cfg`` with the layer split ``setting`` names: ``even`` (None), ``auto`` (``balanced_split``, in
     half-blocks when ``half_blocks``), or an explicit comma-separated list of layers per stage, whole
     (``9,8,8,7``) or with halves (``2.5,2,2,1.5``). ``half_blocks=False`` (a model of the user's own,
@@ -245,8 +281,12 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
     only the split it was measured on: ``auto`` is that split. ``search`` (a
     ``dynmb.planning.split_search.SplitSearch``: the run's planning settings and global batch size): ``auto``
     takes, among the near-optimal splits, the one whose simulated step on sample batches of the workload is
-    fastest, where the cost model prices any layout; else (and without ``search``) the min-max split."""
+    fastest, where the cost model prices any layout; else (and without ``search``) the min-max split.
+    ``virtual`` (model chunks per GPU, interleaved; ``num_stages`` counts chunks; None: ``search``'s, else
+    1): with more than one ``auto`` balances each GPU's total work (``balanced_split``)."""
     setting = str(setting).strip()
+    if virtual is None:
+        virtual = int(getattr(getattr(search, "spec", None), "virtual", 1))
     if setting == "even":
         return replace(cfg, layer_split=None)
     if setting == "auto":
@@ -264,16 +304,19 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
                            f"{int(tokens_hint):,}")
         if search is not None:
             choice = search.choose(cfg, num_stages, stage_cost or flops_cost(max(1, int(tokens_hint))),
-                                   half_blocks=half_blocks, workload=workload, cost_model=cost_model)
+                                   half_blocks=half_blocks, workload=workload, cost_model=cost_model,
+                                   virtual=virtual)
             split = choice.split
             _say_choice(choice)
         else:
-            split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost)
+            split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost,
+                                   virtual=virtual)
         out = with_split(cfg, num_stages, split)
         even = None if num_stages > cfg.n_layers else replace(cfg, layer_split=None).stage_layer_counts(num_stages)
-        logger.info("stage split auto: %s (split ceiling %.3f; even split: %s)", list(split),
-                    split_ceiling(cfg, split, tokens_hint, stage_cost=stage_cost),
-                    "none" if even is None else f"{split_ceiling(cfg, tuple(even), tokens_hint, stage_cost=stage_cost):.3f}")
+        ceil = {"stage_cost": stage_cost, "virtual": virtual}
+        logger.info("stage split auto: %s (split ceiling %.3f%s; even split: %s)", list(split),
+                    split_ceiling(cfg, split, tokens_hint, **ceil), f", {virtual} chunks a GPU" if virtual > 1 else "",
+                    "none" if even is None else f"{split_ceiling(cfg, tuple(even), tokens_hint, **ceil):.3f}")
         return out
     try:
         split = tuple(float(x) for x in setting.split(","))
