@@ -17,7 +17,8 @@ from dynmb.memory import get_memory_model
 from dynmb.planning.gpu_split import chunk_caps, chunk_loads, gpu_balanced_partition
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.split_work import workload_cost
-from dynmb.planning.stage_split import _min_max_partition, balanced_split, resolve_stage_split, split_ceiling, stage_work
+from dynmb.planning.stage_split import (_min_max_partition, balanced_split, flops_cost, resolve_stage_split, split_ceiling,
+                                        stage_work, unit_work)
 
 # Llama-3's 128k vocabulary at 7B widths, 8 layers: the head is more than two layers of work, so at P 4 V 2
 # the head's chunk 7 and its GPU partner chunk 3 overload GPU 3 under the per-chunk split
@@ -70,7 +71,8 @@ def test_a_heavy_head_is_balanced_per_gpu_not_per_chunk() -> None:
     share; balanced per GPU it gets less, the busiest GPU does strictly less work, the optimum over every
     half-block partition; every layer is covered once and the config, memory model and split ceiling take it."""
     s = P * V
-    per_chunk = balanced_split(HEAVY_HEAD, s, half_blocks=True)
+    units, first, last = unit_work(HEAVY_HEAD, flops_cost(), True)     # the per-chunk min-max, every chunk non-empty
+    per_chunk = tuple(u / 2 for u in _min_max_partition(units, s, first, last)[0])
     per_gpu = balanced_split(HEAVY_HEAD, s, half_blocks=True, virtual=V)
     assert len(per_gpu) == s and sum(per_gpu) == HEAVY_HEAD.n_layers and min(per_gpu) >= 0.5
     assert _gpu_work(HEAVY_HEAD, per_gpu, V).max() < _gpu_work(HEAVY_HEAD, per_chunk, V).max() * (1 - 1e-6)

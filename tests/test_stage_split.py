@@ -20,9 +20,12 @@ SEVEN_B = ModelConfig(name="7b-widths", vocab_size=32000, d_model=4096, n_layers
 
 
 def _compositions(n: int, p: int):
+    """Every split of n layers over p stages: non-empty stages, or (p > 1) a last stage of the head alone."""
     for cuts in itertools.combinations(range(1, n), p - 1):
         bounds = (0,) + cuts + (n,)
         yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if p > 1:
+        yield from (c + (0,) for c in _compositions(n, p - 1))
 
 
 @settings(max_examples=60, deadline=None)
@@ -33,7 +36,7 @@ def test_the_split_is_the_best_contiguous_partition(n: int, p: int, vocab: int, 
         return
     cfg = ModelConfig(name="t", vocab_size=vocab, d_model=64, n_layers=n, n_heads=4, d_ff=256)
     got = balanced_split(cfg, p, hint)
-    assert sum(got) == n and len(got) == p and min(got) >= 1
+    assert sum(got) == n and len(got) == p and min(got[:-1], default=1) >= 1 and got[-1] >= (0 if p > 1 else 1)
     best = min(max(stage_work(cfg, c, hint)) for c in _compositions(n, p))
     assert max(stage_work(cfg, got, hint)) <= best * (1 + 1e-9)
 
@@ -91,7 +94,7 @@ def test_the_half_block_split_is_the_best_contiguous_partition(n: int, p: int, f
         return
     cfg = ModelConfig(name="t", family=family, vocab_size=vocab, d_model=64, n_layers=n, n_heads=4, d_ff=256)
     got = balanced_split(cfg, p, hint, half_blocks=True)
-    assert len(got) == p and sum(got) == n and min(got) >= 0.5
+    assert len(got) == p and sum(got) == n and min(got[:-1], default=0.5) >= 0.5 and got[-1] >= (0 if p > 1 else 0.5)
     best = min(max(stage_work(cfg, c, hint)) for c in _half_compositions(n, p))
     assert max(stage_work(cfg, got, hint)) <= best * (1 + 1e-9)
     if p <= n:
@@ -245,3 +248,27 @@ def test_auto_with_more_stages_than_layers_splits_half_blocks():
     assert len(split) == n + 1 and sum(split) == n and min(split) == 0.5
     with pytest.raises(ValueError, match="2 x layers"):
         resolve_stage_split(cfg, 2 * n + 1, "auto")
+
+
+def test_a_head_heavier_than_a_stage_gets_the_last_stage_alone():
+    """Llama-3.1-8B's 128k head is ~2.3 layers of work: at P 16 the last stage holds it alone (split
+    ending in 0), strictly below the busiest stage of every split with a non-empty last stage; the
+    split search's candidates keep the empty stage last; a 32k head (Llama-2-7B) never stands alone."""
+    from dynmb.config import model_config
+    from dynmb.planning.split_search import near_optimal_splits
+    from dynmb.planning.stage_split import _min_max_partition, flops_cost, unit_work, with_split
+
+    cfg = model_config("llama3.1-8b")
+    split = balanced_split(cfg, 16, half_blocks=True)
+    assert split[-1] == 0 and sum(split) == cfg.n_layers
+    units, first, last = unit_work(cfg, flops_cost(), True)
+    non_empty_best = _min_max_partition(units, 16, first, last)[1]
+    assert max(stage_work(cfg, split)) < non_empty_best * (1 - 1e-6)
+    assert stage_work(cfg, split)[-1] == pytest.approx(last)
+    cands, _ = near_optimal_splits(cfg, 16, flops_cost(), half_blocks=True)
+    assert cands[0] == split and len(cands) > 1
+    for c in cands:
+        assert 0 not in c[:-1], c
+        assert with_split(cfg, 16, c).stage_layer_counts(16) == [float(x) for x in c]
+    llama2 = model_config("llama2-7b")
+    assert all(balanced_split(llama2, p, half_blocks=True)[-1] > 0 for p in (2, 4, 8, 16, 32))

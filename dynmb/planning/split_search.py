@@ -87,7 +87,7 @@ def _arrangements(sizes: tuple[int, ...], work: np.ndarray, first: float, last: 
     unit, ``first`` / ``last`` added at the ends) stays within ``bound``; depth-first, sizes in ascending
     order at each step, at most ``limit``."""
     prefix = np.concatenate([[0.0], np.cumsum(work)])
-    n, p = work.size, len(sizes)
+    p = len(sizes)
     values = sorted(set(sizes))
     left = {v: sizes.count(v) for v in values}
     out: list[tuple[int, ...]] = []
@@ -100,12 +100,12 @@ def _arrangements(sizes: tuple[int, ...], work: np.ndarray, first: float, last: 
             out.append(tuple(path))
             return
         for v in values:
-            if not left[v]:
+            if not left[v] or (v == 0 and len(path) != p - 1):      # only the last stage may hold the head alone
                 continue
             end = start + v
             if whole and end % 2:
                 continue
-            cost = prefix[end] - prefix[start] + (first if start == 0 else 0.0) + (last if end == n else 0.0)
+            cost = prefix[end] - prefix[start] + (first if start == 0 else 0.0) + (last if len(path) == p - 1 else 0.0)
             if cost > bound:
                 continue
             left[v] -= 1

@@ -37,7 +37,10 @@ rarely unique) broken by the smallest sum of squared stage work, so the spare wo
 instead of leaving a near-empty stage. ``O(P x N^2)`` with the inner minimum vectorised (numpy):
 milliseconds for 128 layers. With half-blocks both partitions are solved and the half-block one is
 taken only when its busiest stage does strictly less work than the whole-layer one's, so wherever whole
-layers are already optimal ``auto`` keeps the same whole-layer split (and the same fitted models).
+layers are already optimal ``auto`` keeps the same whole-layer split (and the same fitted models). The
+last stage may also hold the final norm and LM head alone (``P - 1`` segments and an empty last one,
+``_stage_partition``), taken only where that lowers the busiest stage's work: a head heavier than the
+mean stage (Llama-3's 128k vocabulary at P >= 16) is then the busiest stage by itself.
 
 Whole layers bound what a split can do: moving a layer off the last stage only helps when the head
 costs more than the layer moved, so at 32k vocabularies and two layers a stage (Llama-2-7B at P = 16)
@@ -174,11 +177,22 @@ def _min_max_partition(units: np.ndarray, p: int, first: float, last: float) -> 
     return list(reversed(split)), float(best_max[p - 1, n]), float(best_sq[p - 1, n])
 
 
+def _stage_partition(units: np.ndarray, p: int, first: float, last: float) -> tuple[list[int], float, float]:
+    """``_min_max_partition`` where the last of several stages may also hold the head alone (no unit):
+    ``p - 1`` segments and an empty last one, taken only where its busiest stage does strictly less work."""
+    counts, top, sq = _min_max_partition(units, p, first, last)
+    if 1 < p <= units.size + 1:
+        alone, top_alone, sq_alone = _min_max_partition(units, p - 1, first, 0.0)
+        if max(top_alone, last) < top * (1 - 1e-9):
+            return alone + [0], max(top_alone, last), sq_alone + last ** 2
+    return counts, top, sq
+
+
 def min_max_split(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool) -> tuple[float, ...]:
     """The min-max partition in half-block units (``half_blocks``) or whole layers, as layers per stage,
     without ``balanced_split``'s preference for whole layers."""
     units, first, last = unit_work(cfg, stage_cost, half_blocks)
-    counts = _min_max_partition(units, int(num_stages), first, last)[0]
+    counts = _stage_partition(units, int(num_stages), first, last)[0]
     return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts) if half_blocks else tuple(counts)
 
 
@@ -217,7 +231,7 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *
     def solve(units: np.ndarray, first: float, last: float) -> tuple[list[int], float]:
         if v > 1:
             return _gpu_partition(units, p, v, first, last)
-        counts, top, _ = _min_max_partition(units, p, first, last)
+        counts, top, _ = _stage_partition(units, p, first, last)
         return counts, top
 
     whole, w_max = None, np.inf
