@@ -140,14 +140,13 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     first = list(space.first)
     base: list[Candidate] = []
     if baselines is not None:
-        names = [m for m in BASELINES if m != "balanced" and not (m == "dynapipe" and n > SEED_DP_MAX)
-                 and not (m == "packed" and n > BFD_MAX)]
+        names = [m for m in BASELINES if m != "balanced" and not (m == "packed" and n > BFD_MAX)]
         divisors = space.divisors(rk.rank_kind, lambda: budget_divisors(lengths, ctx, cost_model, round_to=round_to,
                                                                         dp=dp, keep=BALANCED_BUDGETS))
         names += [f"balanced/{d}" for d in divisors] + [f"token-budget/{d}" for d in divisors if d > 1]
         base = [c for c in (space.baseline(m, baselines, ctx.bmax) for m in names) if c is not None]
         for m in ("sorted", "dynapipe"):            # the seeds of a call without baselines, as those methods made them
-            if m in names:
+            if m in names and n <= SEED_DP_MAX:
                 cuts = _sorted_cuts(space.given(m, baselines), setups["none"].rows.padded, m == "dynapipe")
                 if cuts is not None:
                     first.append(("none", cuts, np.nan))
