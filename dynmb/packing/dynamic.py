@@ -146,7 +146,7 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
         names += [f"balanced/{d}" for d in divisors] + [f"token-budget/{d}" for d in divisors if d > 1]
         base = [c for c in (space.baseline(m, baselines, ctx.bmax) for m in names) if c is not None]
         for m in ("sorted", "dynapipe"):            # the seeds of a call without baselines, as those methods made them
-            if m in names and n <= SEED_DP_MAX:
+            if m in names and (m == "sorted" or n <= SEED_DP_MAX):
                 cuts = _sorted_cuts(space.given(m, baselines), setups["none"].rows.padded, m == "dynapipe")
                 if cuts is not None:
                     first.append(("none", cuts, np.nan))

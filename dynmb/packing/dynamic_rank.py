@@ -31,7 +31,7 @@ from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
 from ..makespan_zb import backward_shares, ranking_kind
 from ..schedule.kinds import get_kind
 from .dynamic_setup import SplitSetup
-from .orders import best_start_orders, start_orders
+from .orders import best_start_orders, blocked_order, start_orders
 from .rows import Flat, assign_replicas
 
 __all__ = ["Candidate", "Ranker", "RankMemo", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS", "ZB_KEEP", "CLUSTERED"]
@@ -255,18 +255,18 @@ class Ranker:
 
     def _started(self, c: Candidate, busy: np.ndarray, cols: np.ndarray, out: np.ndarray,
                  limit: float) -> tuple[float, np.ndarray]:
-        """(estimate, order) of ``c`` run as ``out`` (replicas ``cols``) or, if faster, with each replica in its
-        best start order of the reorder search (``orders.best_start_orders``; DynaPipe's cluster orders for the
-        ``CLUSTERED`` baselines) as one global order, estimated on the replicas ``assign_replicas`` deals it;
-        inf where neither is below ``limit``."""
+        """(value, order) of ``c`` run as ``out`` (replicas ``cols``, as ``assign_replicas`` deals it), each replica
+        in its best start order of the reorder search (``orders.best_start_orders``; DynaPipe's cluster orders
+        too for the ``CLUSTERED`` baselines): what the search runs is no slower. The order returned is one
+        that ``assign_replicas`` deals in those orders where ``orders.blocked_order`` finds one (then the value
+        is its estimate), else ``out``; inf where the value is not below ``limit``."""
         costs = (c.F, c.B, c.comm)
         starts, u, ran = best_start_orders(cols, (c.F + c.B).sum(axis=0), lambda p: self._each(costs, p), limit,
                                            c.baseline in CLUSTERED)
-        if not u < ran:
-            return ran, out
-        g = starts.ravel()
-        u = self._slowest(costs, g[self._assigned(c, busy, g)].reshape(self.dp, -1), ran, False)
-        return (u, g) if u < ran else (ran, out)
+        g = blocked_order(starts, cols, out, busy) if u < ran else None
+        if g is not None and self._slowest(costs, g[self._assigned(c, busy, g)].reshape(self.dp, -1), u, True) <= u:
+            return u, g
+        return u, out
 
     def _each(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray], cols: np.ndarray) -> np.ndarray:
         """``makespans`` (the kind's own) of each pipeline of ``cols`` ([n, k] columns in order)."""
@@ -299,8 +299,11 @@ class Ranker:
                 # each replica in its best start of the reorder search: a baseline's ranked value no bound of it
                 out = np.arange(m) if c.baseline else _global_order(c.order, busy, self._members(c, True)[0], c.opened)
                 order = self._assigned(c, busy, None if c.baseline else out)
-                v, out = self._started(c, busy, out[order].reshape(self.dp, -1), out,
-                                       np.nextafter(limit, np.inf) if fewer else limit)
+                cols = out[order].reshape(self.dp, -1)
+                busiest = fold_chunks(c.F + c.B, self.virtual)[:, cols].sum(axis=2).max()   # no order runs faster
+                if busiest > limit or (busiest == limit and not fewer):
+                    continue
+                v, out = self._started(c, busy, cols, out, np.nextafter(limit, np.inf) if fewer else limit)
                 if v < limit or (v == limit and fewer):
                     results.append((v, m, c, out))
                     best, best_m = (v, m) if v < best else (best, min(best_m, m))

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["START_ORDERS", "ends_order", "kmeans_1d", "cluster_orders", "start_orders", "best_start_orders"]
+__all__ = ["START_ORDERS", "ends_order", "kmeans_1d", "cluster_orders", "start_orders", "best_start_orders", "blocked_order"]
 
 START_ORDERS = ("none", "descending", "ascending", "ends", "dynapipe")
 """The reorder methods the search starts from (``dynapipe``: each of its cluster permutations)."""
@@ -86,3 +86,33 @@ def best_start_orders(cols: np.ndarray, work: np.ndarray, estimate: Callable[[np
         if slowest >= limit:
             return cols, np.inf, np.inf
     return out, slowest, float(ran.max())
+
+
+def blocked_order(starts: np.ndarray, cols: np.ndarray, ran: np.ndarray, busy: np.ndarray) -> np.ndarray | None:
+    """A global order that ``rows.assign_replicas`` deals as replica ``r`` running ``starts[r]``, given how it
+    dealt the order ``ran``: ``cols`` ([dp, k], replica r's microbatches in row r), ``starts[r]`` holding the
+    microbatches of ``cols[r]``; None if this merge finds none.
+
+    ``assign_replicas`` deals by ``busy``, largest first, ties in order of position: the microbatches of one
+    ``busy`` value go to the replicas in a sequence that the loads alone fix (the one they got in ``ran``).
+    So the replicas' sequences are merged, each time taking the next microbatch of the first replica that
+    is next in its value's sequence (O(m dp) steps); a merge that gets stuck gives None."""
+    dp, k = starts.shape
+    label = np.empty(dp * k, dtype=np.int64)
+    label[cols.ravel()] = np.repeat(np.arange(dp), k)
+    value = busy.tolist()
+    seq: dict[float, list[int]] = {}
+    for x in np.asarray(ran).tolist():
+        seq.setdefault(value[x], []).append(int(label[x]))
+    taken = dict.fromkeys(seq, 0)
+    ptr, out, rows = [0] * dp, [], starts.tolist()
+    for _ in range(dp * k):
+        for r in range(dp):
+            if ptr[r] < k and seq[value[rows[r][ptr[r]]]][taken[value[rows[r][ptr[r]]]]] == r:
+                out.append(rows[r][ptr[r]])
+                taken[value[out[-1]]] += 1
+                ptr[r] += 1
+                break
+        else:
+            return None
+    return np.array(out, dtype=np.int64)
