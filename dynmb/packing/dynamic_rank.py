@@ -262,7 +262,7 @@ class Ranker:
         is its estimate), else ``out``; inf where the value is not below ``limit``."""
         costs = (c.F, c.B, c.comm)
         starts, u, ran = best_start_orders(cols, (c.F + c.B).sum(axis=0), lambda p: self._each(costs, p), limit,
-                                           c.baseline in CLUSTERED)
+                                           c.baseline in CLUSTERED, int(np.argmax(self._proxy(*costs, cols))))
         g = blocked_order(starts, cols, out, busy) if u < ran else None
         if g is not None and self._slowest(costs, g[self._assigned(c, busy, g)].reshape(self.dp, -1), u, True) <= u:
             return u, g

@@ -68,21 +68,30 @@ def start_orders(work: np.ndarray, clusters: bool = True) -> list[list[int]]:
 
 
 def best_start_orders(cols: np.ndarray, work: np.ndarray, estimate: Callable[[np.ndarray], np.ndarray],
-                      limit: float, clusters: bool = True) -> tuple[np.ndarray, float, float]:
+                      limit: float, clusters: bool = True, first: int = 0) -> tuple[np.ndarray, float, float]:
     """Each pipeline of ``cols`` ([n, k]: its microbatches as run) in its best start order (``start_orders``
     of its ``work``) by ``estimate`` (pipelines [N, k] -> their values, all at once), as far as that can
-    lower the slowest: the pipelines, slowest first, until the next is no slower than the best reached
-    (the rest keep their order). Returns the orders [n, k], the slowest pipeline's value in them and as
-    run; (``cols``, inf, inf) as soon as a pipeline's best is at or past ``limit``."""
-    ran = estimate(cols)
+    lower the slowest: pipeline ``first`` (the likeliest slowest), then the others as run, slowest first,
+    until the next is no slower than the best reached (the rest keep their order). Returns the orders
+    [n, k], the slowest pipeline's value in them and as run; (``cols``, inf, inf) as soon as a pipeline's
+    best is at or past ``limit``."""
     out, slowest = cols.copy(), 0.0
-    for r in np.argsort(-ran, kind="stable").tolist():
-        if ran[r] <= slowest:
-            break
+
+    def improve(r: int) -> float:
         starts = cols[r][np.array(start_orders(work[cols[r]], clusters), dtype=np.int64)]
         vals = estimate(starts)
         j = int(np.argmin(vals))
-        out[r], slowest = starts[j], max(slowest, float(vals[j]))
+        out[r] = starts[j]
+        return float(vals[j])
+
+    slowest = improve(first)
+    if slowest >= limit:
+        return cols, np.inf, np.inf
+    ran = estimate(cols)
+    for r in np.argsort(-ran, kind="stable").tolist():
+        if ran[r] <= slowest:
+            break
+        slowest = max(slowest, improve(r)) if r != first else slowest
         if slowest >= limit:
             return cols, np.inf, np.inf
     return out, slowest, float(ran.max())
