@@ -11,7 +11,7 @@ no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B`
 interleaved one, ``dynmb.makespan_interleaved``, given the ``virtual`` chunks per GPU, whose proxy
 sums each GPU's chunks) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
-``dynmb.packing`` runs them). ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``:
+``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``). ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``:
 ``zb-h1``'s), ``choose`` the kind's own. ``RankMemo`` holds what the packings of one batch share.
 """
 
@@ -275,8 +275,9 @@ class Ranker:
                          self.kind, shares=self.shares, virtual=self.virtual)
 
     def choose(self, finals: list[Candidate], tol: float) -> tuple[Flat, float]:
-        """The plan and estimate of the fastest of ``finals``, re-costed in one lookup and
-        estimated on every replica as ``dynmb.packing`` will run them."""
+        """The plan and estimate of the fastest of ``finals``, re-costed in one lookup and estimated on
+        every replica as ``dynmb.packing`` will run them, in the reorder search's start orders (dp > 1:
+        ``_started``, the estimate the search starts from)."""
         results = []                                   # (value, microbatches, candidate, order returned)
         if self.dp == 1:                               # every order weighed, the search's starts too
             jobs = [(c, (c.F, c.B, c.comm), cols) for c in self.costed(finals, affine=False)
