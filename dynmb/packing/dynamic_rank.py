@@ -11,8 +11,9 @@ no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B`
 interleaved one, ``dynmb.makespan_interleaved``, given the ``virtual`` chunks per GPU, whose proxy
 sums each GPU's chunks) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
-``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``). ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``:
-``zb-h1``'s), ``choose`` the kind's own. ``RankMemo`` holds what the packings of one batch share.
+``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``).
+``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``: ``zb-h1``'s), ``choose`` the kind's own.
+``RankMemo`` holds what the packings of one batch share.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ carries at least this many own splits to ``choose``, which estimates them with i
 CLUSTERED = ("dynapipe",)
 """Baselines whose method runs its plan after DynaPipe's cluster search (``planning.defaults.AUTO_REORDER``):
 ``choose`` weighs them in those orders too (every candidate in the search's other start orders)."""
+
 
 @dataclass
 class RankMemo:
