@@ -25,8 +25,8 @@ Algorithm:
    microbatch takes the most rows both caps allow, found for all rows at once by pointer
    doubling; tau sweeps a geometric grid per R. Also one best-fit row per microbatch.
 4. Baselines. ``baselines(method)`` gives the plan each other method makes of the same batch
-   (``BASELINES``; ``dynapipe`` up to ``SEED_DP_MAX`` sequences, ``packed`` up to ``BFD_MAX``):
-   candidates as they stand. The splits of ``sorted`` and ``dynapipe`` (runs of the sorted
+   (``BASELINES``; ``packed`` up to ``BFD_MAX`` sequences): candidates as they stand. The splits
+   of ``sorted`` and (batches of <= ``SEED_DP_MAX`` sequences) ``dynapipe`` (runs of the sorted
    rows) are own splits too; called without baselines, batches of <= ``SEED_DP_MAX`` sequences
    seed with the same two (the fixed-size and DP (``dynmb.packing.dynapipe``) splits).
 5. Data parallelism (dp = D): an own split's slowest microbatches are halved until their number
@@ -48,16 +48,23 @@ Algorithm:
    ``zb-h1``'s (``dynmb.makespan_zb.RANK_AS``: its level tables have a closed form) and carries
    ``ZB_KEEP`` own splits to step 7, which estimates them with its own.
 7. Choose. The ``keep`` best (and the fewest-microbatch ones within ``tol``) and every baseline
-   are re-costed in one ``stage_costs`` lookup and estimated as ``dynmb.packing`` will run them:
-   a baseline as it stands; D = 1, an own split in each order; D > 1, in its best order run
-   globally (so that every replica keeps it, whichever of identical microbatches
-   ``assign_replicas`` deals it), replicas assigned by ``assign_replicas`` on the order returned
-   and each estimated with ``makespans``, the likeliest slowest first (a candidate drops out as
-   soon as one is past the best; a baseline whose ranked value, a lower bound of that estimate, is
-   past it already is not estimated again; under ``zb``, ranked by ``zb-h1``'s estimate, one past it by
-   more than ``ZB_GAP``). The fastest is returned (among those within ``tol``, the fewest
-   microbatches): by the estimate ``dynmb.packing`` reports, dynamic is never slower than the plan of
-   any method it was given (under ``zb``: of any within ``ZB_GAP`` of the best by ``zb-h1``'s).
+   are re-costed in one ``stage_costs`` lookup and estimated as ``dynmb.packing`` will run them and
+   as the reorder search (``dynmb.planning.reorder``) will start them: in the search's start orders
+   (``dynmb.packing.orders``: as packed, by work, ends, and for ``dynapipe``'s plan its cluster
+   permutations, the reorder that method runs). D = 1: a baseline as it stands and in those orders,
+   an own split in each order of step 6 and those; the best order is returned. D > 1: an own split in
+   its best order run globally (so that every replica keeps it, whichever of identical microbatches
+   ``assign_replicas`` deals it), a baseline as it stands, replicas assigned by ``assign_replicas``
+   on that order; then each replica, the likeliest slowest first, in its best start order
+   (``orders.best_start_orders``), with ``makespans``: the value is the slowest replica's, the step
+   the search starts from (a candidate drops out as soon as a replica's best is past the best, or
+   its busiest GPU's work alone is). The order returned is one ``assign_replicas`` deals in those
+   replica orders where ``orders.blocked_order`` finds one (ties of equal work are dealt by position),
+   else the order as run, which the search then reorders per replica. The fastest is returned (among
+   those within ``tol``, the fewest microbatches): dynamic is never slower than the plan of any
+   method it was given, by the estimate ``dynmb.packing`` reports (D = 1) or the estimate the reorder
+   search starts from (D > 1; ``dynapipe``'s plan after its own cluster search). With D > 1 the plan
+   as packed may be estimated slower than another method's (``--reorder none`` runs it so).
 Modules: the row sets, their affine costs and split scoring (steps 1-3) are in
 ``dynamic_setup``, the ranking and choice (steps 5-7) in ``dynamic_rank``; this module runs them.
 Steps 1-5 read no makespan estimate: ``dynamic_space`` remembers them (and the rankings, looked-up
@@ -66,8 +73,9 @@ costs and replica assignments, ``dynamic_rank.RankMemo``) across the packings of
 
 Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau), O(rows) Python steps for
 the next-fit rows, a per-sequence Python loop for the best-fit rows, the baselines' own costs
-(``dynapipe``'s DP, about 0.1 ms per sequence), and the exact estimates (O(m + P) numpy steps
-per batch of them).
+(``dynapipe``'s DP: a Python step per sequence, at any batch size), and the exact estimates
+(O(m + P) numpy steps per batch of them; step 7: up to 4 start orders per replica, 28 for
+``dynapipe``'s plan).
 """
 
 from __future__ import annotations
@@ -140,14 +148,13 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     first = list(space.first)
     base: list[Candidate] = []
     if baselines is not None:
-        names = [m for m in BASELINES if m != "balanced" and not (m == "dynapipe" and n > SEED_DP_MAX)
-                 and not (m == "packed" and n > BFD_MAX)]
+        names = [m for m in BASELINES if m != "balanced" and not (m == "packed" and n > BFD_MAX)]
         divisors = space.divisors(rk.rank_kind, lambda: budget_divisors(lengths, ctx, cost_model, round_to=round_to,
                                                                         dp=dp, keep=BALANCED_BUDGETS))
         names += [f"balanced/{d}" for d in divisors] + [f"token-budget/{d}" for d in divisors if d > 1]
         base = [c for c in (space.baseline(m, baselines, ctx.bmax) for m in names) if c is not None]
         for m in ("sorted", "dynapipe"):            # the seeds of a call without baselines, as those methods made them
-            if m in names:
+            if m in names and (m == "sorted" or n <= SEED_DP_MAX):
                 cuts = _sorted_cuts(space.given(m, baselines), setups["none"].rows.padded, m == "dynapipe")
                 if cuts is not None:
                     first.append(("none", cuts, np.nan))

@@ -11,8 +11,9 @@ no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B`
 interleaved one, ``dynmb.makespan_interleaved``, given the ``virtual`` chunks per GPU, whose proxy
 sums each GPU's chunks) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
-``dynmb.packing`` runs them). ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``:
-``zb-h1``'s), ``choose`` the kind's own. ``RankMemo`` holds what the packings of one batch share.
+``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``).
+``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``: ``zb-h1``'s), ``choose`` the kind's own.
+``RankMemo`` holds what the packings of one batch share.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
 from ..makespan_zb import backward_shares, ranking_kind
 from ..schedule.kinds import get_kind
 from .dynamic_setup import SplitSetup
+from .orders import best_start_orders, blocked_order, start_orders
 from .rows import Flat, assign_replicas
 
-__all__ = ["Candidate", "Ranker", "RankMemo", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS", "ZB_KEEP", "ZB_GAP"]
+__all__ = ["Candidate", "Ranker", "RankMemo", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS", "ZB_KEEP", "CLUSTERED"]
 
 RANK_EXACT = 400
 """Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
@@ -45,11 +47,9 @@ LOOKUP_CELLS = 1 << 22
 ZB_KEEP = 4
 """A kind that ranks with another kind's estimate (``makespan_zb.ranking_kind``: ``zb`` ranks with ``zb-h1``'s)
 carries at least this many own splits to ``choose``, which estimates them with its own."""
-ZB_GAP = 0.15
-"""... and there weighs a baseline only if its ranked value (the other estimate, on the probe replicas,
-as it runs) is within this fraction above the best so far: the heuristic that ``zb``'s estimate of a plan
-is at most this far below ``zb-h1``'s (the shipped traces, 4M tokens, DP 8, P 4-32, the plans of dynamic,
-balanced at three budgets, packed and token-budget: 0 to 11.6% below, docs/results.md)."""
+CLUSTERED = ("dynapipe",)
+"""Baselines whose method runs its plan after DynaPipe's cluster search (``planning.defaults.AUTO_REORDER``):
+``choose`` weighs them in those orders too (every candidate in the search's other start orders)."""
 
 
 @dataclass
@@ -255,14 +255,36 @@ class Ranker:
             return head
         return max(head, self._estimate([(costs, cols[likely[max(2, len(cols) // 8):]])])[0])
 
+    def _started(self, c: Candidate, busy: np.ndarray, cols: np.ndarray, out: np.ndarray,
+                 limit: float) -> tuple[float, np.ndarray]:
+        """(value, order) of ``c`` run as ``out`` (replicas ``cols``, as ``assign_replicas`` deals it), each replica
+        in its best start order of the reorder search (``orders.best_start_orders``; DynaPipe's cluster orders
+        too for the ``CLUSTERED`` baselines): what the search runs is no slower. The order returned is one
+        that ``assign_replicas`` deals in those orders where ``orders.blocked_order`` finds one (then the value
+        is its estimate), else ``out``; inf where the value is not below ``limit``."""
+        costs = (c.F, c.B, c.comm)
+        starts, u, ran = best_start_orders(cols, (c.F + c.B).sum(axis=0), lambda p: self._each(costs, p), limit,
+                                           c.baseline in CLUSTERED, int(np.argmax(self._proxy(*costs, cols))))
+        g = blocked_order(starts, cols, out, busy) if u < ran else None
+        if g is not None and self._slowest(costs, g[self._assigned(c, busy, g)].reshape(self.dp, -1), u, True) <= u:
+            return u, g
+        return u, out
+
+    def _each(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray], cols: np.ndarray) -> np.ndarray:
+        """``makespans`` (the kind's own) of each pipeline of ``cols`` ([n, k] columns in order)."""
+        idx = cols.ravel()
+        return makespans(costs[0][:, idx], costs[1][:, idx], costs[2][idx], np.full(len(cols), cols.shape[1]),
+                         self.kind, shares=self.shares, virtual=self.virtual)
+
     def choose(self, finals: list[Candidate], tol: float) -> tuple[Flat, float]:
-        """The plan and estimate of the fastest of ``finals``, re-costed in one lookup and
-        estimated on every replica as ``dynmb.packing`` will run them."""
+        """The plan and estimate of the fastest of ``finals``, re-costed in one lookup and estimated on
+        every replica as ``dynmb.packing`` will run them, in the reorder search's start orders (dp > 1:
+        ``_started``, the estimate the search starts from)."""
         results = []                                   # (value, microbatches, candidate, order returned)
-        if self.dp == 1:
+        if self.dp == 1:                               # every order weighed, the search's starts too
             jobs = [(c, (c.F, c.B, c.comm), cols) for c in self.costed(finals, affine=False)
-                    for cols in ([np.arange(len(c.rows))[None]] if c.baseline else
-                                 _orders(*self._members(c, True), c.opened).values())]
+                    for cols in ([] if c.baseline else list(_orders(*self._members(c, True), c.opened).values()))
+                    + [np.array([o]) for o in start_orders((c.F + c.B).sum(axis=0), c.baseline in CLUSTERED)]]
             for (c, _, cols), v in zip(jobs, self._estimate([job[1:] for job in jobs])):
                 results.append((v, len(c.rows), c, cols[0]))
         else:
@@ -276,15 +298,15 @@ class Ranker:
                 busy, m = (c.F + c.B).max(axis=0), len(c.rows)
                 fewer = m < best_m                      # it may also win by tying (or within tol)
                 limit = best * (1 + tol) if fewer else best
-                # a baseline's ranked value (probe replicas, as it runs) is a lower bound of v under the same
-                # estimate; under another (ranking_kind), ZB_GAP is the margin allowed
-                past = limit * (1 + ZB_GAP) if self.rank_kind != self.kind else limit
-                if c.baseline and (c.value > past or (c.value == past and not fewer)):
-                    continue
-                # what dynmb.packing will run: a baseline as given, else its order (each replica keeps it)
+                # what dynmb.packing will run (a baseline as given, else its order, which each replica keeps), or
+                # each replica in its best start of the reorder search: a baseline's ranked value no bound of it
                 out = np.arange(m) if c.baseline else _global_order(c.order, busy, self._members(c, True)[0], c.opened)
                 order = self._assigned(c, busy, None if c.baseline else out)
-                v = self._slowest((c.F, c.B, c.comm), out[order].reshape(self.dp, -1), limit, fewer)
+                cols = out[order].reshape(self.dp, -1)
+                busiest = fold_chunks(c.F + c.B, self.virtual)[:, cols].sum(axis=2).max()   # no order runs faster
+                if busiest > limit or (busiest == limit and not fewer):
+                    continue
+                v, out = self._started(c, busy, cols, out, np.nextafter(limit, np.inf) if fewer else limit)
                 if v < limit or (v == limit and fewer):
                     results.append((v, m, c, out))
                     best, best_m = (v, m) if v < best else (best, min(best_m, m))

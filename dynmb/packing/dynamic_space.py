@@ -48,8 +48,8 @@ BFD_MAX = 16384
 """Batches up to this many sequences also try rows of the longest admissible length filled
 best-fit-decreasing (the rows of ``packed``; a Python loop per sequence) and weigh ``packed``'s plan."""
 SEED_DP_MAX = 2048
-"""Batches up to this many sequences weigh ``dynapipe``'s plan (its DP costs O(n * w * K), about
-0.1 ms per sequence), or seed with its DP split when ``dynamic_groups`` is called alone."""
+"""Batches up to this many sequences seed the own splits with ``dynapipe``'s DP split (its plan is
+weighed as a baseline at any size), or with its DP split when ``dynamic_groups`` is called alone."""
 
 _SPACES: dict[tuple, "Space"] = {}
 _ROWS: dict[tuple, list[RowSet]] = {}

@@ -16,7 +16,8 @@ in flight), and every ``t_max`` candidate is solved in the same pass over prefix
 DP state is a ``[K, n+1]`` array). Inside the DP the time of ``b`` rows at length ``s``
 is taken affine in ``b`` from the lookup at b = 1 and 2 per stage (exact for the
 analytic and polynomial cost models); the chosen split is then re-costed exactly.
-O(n * w * K) work for n samples, w the largest feasible microbatch, K candidates.
+O(n * w * K) work for n samples, w the largest feasible microbatch, K candidates; each padded length's
+microbatch times and cap masks are computed once for its run of sorted samples.
 """
 
 from __future__ import annotations
@@ -61,16 +62,20 @@ def dynapipe_split(lengths_sorted: np.ndarray, bmax: np.ndarray, cost_model: Cos
     dp[:, 0] = 0.0
     tmx = np.zeros((K, n + 1))            # max t_i along the chosen path
     choice = np.zeros((K, n + 1), dtype=np.int64)
+    ks = np.arange(K)
+    shape = None
     for j in range(1, n + 1):
         w = int(wmax[j - 1])
-        b = np.arange(1, w + 1)
-        tj = (alpha[:, j - 1:j] + beta[:, j - 1:j] * b).max(axis=0)          # [w]: mb = samples j-b .. j-1
-        prev = dp[:, j - w:j][:, ::-1]                                         # [K, w]: dp[j - b]
-        val = np.where(tj[None, :] <= cands[:, None], prev + tj[None, :], inf)
+        if shape != (s[j - 1], bmax[j - 1]):        # a new padded length: its times and masks, once per run
+            shape = (s[j - 1], bmax[j - 1])
+            b = np.arange(1, min(int(bmax[j - 1]), n) + 1)
+            t_all = (alpha[:, j - 1:j] + beta[:, j - 1:j] * b).max(axis=0)     # mb = samples j-b .. j-1
+            add_all = np.where(t_all[None, :] <= cands[:, None], t_all[None, :], inf)   # [K, b]: over a cap: inf
+        tj, val = t_all[:w], dp[:, j - w:j][:, ::-1] + add_all[:, :w]         # dp[j - b] + t_b
         k = val.argmin(axis=1)
-        dp[:, j] = val[np.arange(K), k]
+        dp[:, j] = val[ks, k]
         choice[:, j] = k + 1
-        tmx[:, j] = np.maximum(tmx[np.arange(K), j - 1 - k], tj[k])
+        tmx[:, j] = np.maximum(tmx[ks, j - 1 - k], tj[k])
     obj = (num_stages - 1) * tmx[:, n] + dp[:, n]
     best = int(np.argmin(obj))
     if not np.isfinite(obj[best]):

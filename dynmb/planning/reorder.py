@@ -47,6 +47,7 @@ from ..schedule import build_schedule, execution_order
 from ..schedule.kinds import BuildInputs, get_kind
 from ..simulate import action_times, cross_mask, comm_times, memory_inputs, peaks
 from ..types import Plan, Schedule
+from ..packing.orders import cluster_orders, ends_order
 from .batchsim import batch_makespans
 
 __all__ = ["REORDER_METHODS", "reorder", "reorder_order", "OrderEvaluator", "ends_order", "default_max_evals"]
@@ -223,44 +224,17 @@ class OrderEvaluator:
         return (0, mk, pk) if ok else (1, pk, mk)
 
 
-def ends_order(work: np.ndarray) -> list[int]:
-    """Small at both ends, large in the middle: ascending, dealt alternately to front and back."""
-    asc = np.argsort(work, kind="stable").tolist()
-    return asc[0::2] + asc[1::2][::-1]
-
-
-def _kmeans_1d(x: np.ndarray, k: int, iters: int = 50) -> np.ndarray:
-    """Cluster labels (0 = smallest centre) of 1-D values, Lloyd's iterations from quantile seeds."""
-    centres = np.quantile(x, (np.arange(k) + 0.5) / k)
-    labels = np.zeros(len(x), dtype=np.int64)
-    for _ in range(iters):
-        new = np.abs(x[:, None] - centres[None, :]).argmin(axis=1)
-        if np.array_equal(new, labels) and _:
-            break
-        labels = new
-        for c in range(k):
-            if np.any(labels == c):
-                centres[c] = x[labels == c].mean()
-    rank = np.argsort(np.argsort(centres, kind="stable"), kind="stable")
-    return rank[labels]
-
-
 def _dynapipe(ev: OrderEvaluator, k: int = 4) -> list[int]:
-    m = ev.m
-    k = min(k, m, len(np.unique(ev.work)))
-    if k <= 1:
-        return list(range(m))
-    labels = _kmeans_1d(ev.work, k)
-    groups = [np.flatnonzero(labels == c).tolist() for c in range(k)]
-    groups = [g for g in groups if g]
-    best: list[int] | None = None
-    perms = list(itertools.permutations(range(len(groups))))
-    ev.prefetch([[i for c in perm for i in groups[c]] for perm in perms], len(perms))
-    for perm in perms:
-        order = [i for c in perm for i in groups[c]]
-        if best is None or ev.score(order) < ev.score(best):
+    """DynaPipe's search: the best (``OrderEvaluator.score``) of its cluster permutations
+    (``dynmb.packing.orders.cluster_orders``)."""
+    perms = cluster_orders(ev.work, k)
+    if len(perms) == 1:
+        return perms[0]
+    ev.prefetch(perms, len(perms))
+    best = perms[0]
+    for order in perms[1:]:
+        if ev.score(order) < ev.score(best):
             best = order
-    assert best is not None                            # permutations() yields at least one order
     return best
 
 
