@@ -48,7 +48,7 @@ def check(n_layers: int, stages: list[int], virtuals: list[int], splits: set[str
                              f"interleaved, not {setting}")
         for p in stages:
             for split in sorted(splits):
-                units, what = (2 * n_layers, "half-blocks") if split == "auto" else (n_layers, "whole layers")
+                units, what = (2 * n_layers, "half-blocks") if split in ("auto", "search") else (n_layers, "whole layers")
                 if p * v > units:
                     raise SystemExit(f"scaling.py: P {p} x virtual {v} = {p * v} chunks, but the {split} split has "
                                      f"{units} {what} ({n_layers} layers): use a smaller P or V")

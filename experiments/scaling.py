@@ -21,7 +21,8 @@ RMSNorm, rotary positions, no biases; ``llama3.1-8b`` / ``llama3.2-1b`` with gro
 and a 128k vocabulary; ``dynmb.config`` cites their sizes), ``max_seq_len`` raised to cover the longest
 trace length (sequences longer than fit alone in memory are truncated, counted in ``truncated``), an 80 GiB limit, the
 analytic memory model and ``dynmb.costmodel.gpu.GPUCostModel`` (H100 SXM, ``--link ib|nvlink``; its
-constants and their public sources are printed first). ``--stage-split even|auto`` (both by default)
+constants and their public sources are printed first). ``--stage-split even|auto|search`` (even and auto by default;
+``search``: the split the library chooses by simulated step, ``_scaling_split``, its CPU s in ``split_choice_s``)
 applies to ``dynamic`` (``auto``: half-blocks balancing ``ideal_cost``, the batch's ideal F + B seconds per stage that
 ``ideal_s`` is made of); the other methods run ``--others-split`` (default even).
 
@@ -95,6 +96,7 @@ import pandas as pd
 from _common import Resume, progress, split_list
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import summary_markdown
+from _scaling_split import SEARCH, searched_split
 from _scaling_virtual import check, plan_ideal_v, ranks, real_flops, real_work
 
 import dynmb
@@ -129,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", default=None, help=f"comma-separated P (default {FULL['stages']})")
     ap.add_argument("--dp", default=None, help=f"comma-separated DP (default {FULL['dp']})")
     ap.add_argument("--methods", default=",".join(METHODS), help="methods, -best variants included (default all)")
-    ap.add_argument("--stage-split", default="even,auto", help="layer splits of dynamic (default even,auto)")
+    ap.add_argument("--stage-split", default="even,auto",
+                    help="layer splits of dynamic: even, auto (min-max), search (chosen by simulated step) (default even,auto)")
     ap.add_argument("--others-split", default="even", help="layer split of the other methods (default even)")
     ap.add_argument("--model", default="llama2-7b", help="model preset or spec (default llama2-7b)")
     ap.add_argument("--link", default="ib", choices=sorted(gpu.LINKS), help="P2P link between stages (default ib)")
@@ -240,12 +243,16 @@ class Cell:
     def __init__(self, c: dict, trace: np.ndarray, cfg: dynmb.ModelConfig) -> None:
         self.batch = token_batch(trace, c["tokens"], c["dp"], c["seed"])
         self.cfg, self.P, self.link, self._models = cfg, c["num_stages"] * c["virtual"], c["link"], {}
-        self.V = c["virtual"]
+        self.V, self.trace, self.split_cpu_s = c["virtual"], trace, {}
 
-    def models(self, split: str):
+    def models(self, split: str, c: dict | None = None):
         if split not in self._models:
-            cfg = resolve_stage_split(self.cfg, self.P, split, stage_cost=ideal_cost(self.batch, self.link),
-                                      virtual=self.V)
+            if split == SEARCH:
+                cfg, self.split_cpu_s[split] = searched_split(self.cfg, c, self.trace, int(self.batch.size),
+                                                              ideal_cost(self.trace, self.link))
+            else:
+                cfg = resolve_stage_split(self.cfg, self.P, split, stage_cost=ideal_cost(self.batch, self.link),
+                                          virtual=self.V)
             cm = gpu.GPUCostModel(cfg, self.P, link=self.link)
             self._models[split] = (cfg, cm, saturated(cm), get_memory_model(None, cfg, self.P))
         return self._models[split]
@@ -254,7 +261,7 @@ class Cell:
 def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
     """Pack the global batch, then reorder, schedule and simulate the slowest replicas under each kind of
     ``--schedule`` (``_scaling_sched``), keeping the fastest that fits."""
-    cfg, cm, cm_sat, mm = cell.models(c["stage_split"])
+    cfg, cm, cm_sat, mm = cell.models(c["stage_split"], c)
     P, V, limit = c["num_stages"], c["virtual"], c["memory_limit_bytes"]
     wall0, pack_s, runs = time.perf_counter(), 0.0, []
     how = reorder_for(base, "auto")
@@ -287,7 +294,7 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
             "num_microbatches": plan.num_microbatches // plan.dp, "mbs_used": plan.meta.get("mbs"),
             "plan_over_step": plan_s / step, "tokens_per_s": plan.real_tokens / step,
             "truncated": len(plan.meta.get("truncated", [])), "dropped": len(plan.meta.get("dropped", [])),
-            "pred_peak_over_limit": peak / limit}
+            "pred_peak_over_limit": peak / limit, "split_choice_s": cell.split_cpu_s.get(c["stage_split"], 0.0)}
 
 
 def one_row(c: dict, cell: Cell) -> dict:

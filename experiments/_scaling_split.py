@@ -1,0 +1,38 @@
+"""``--stage-split search`` in ``experiments/scaling.py``: dynamic's layer split as the library chooses it
+when it knows the run (``Planner(stage_split="auto", workload=..., global_batch=...)``,
+``dynmb.planning.split_search.SplitSearch``), where the study's ``auto`` is the min-max split alone.
+
+The candidates are the min-max split of the trace's work (``scaling.ideal_cost`` of the whole trace) and
+its near-optimal arrangements; each is planned with ``dynamic`` and the row's settings (``--schedule``,
+``--virtual``, the memory limit, ``--oversize``, DP) on sample batches drawn from the trace, not from the
+measured batch, one replica's share of the global batch each; the fastest per real token is kept, the
+min-max split unless another is strictly better. Its CPU seconds (``split_choice_s``) are paid once per
+run, not per step, and are not in ``plan_s``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dynmb.costmodel import gpu
+from dynmb.planning.split_search import SplitSearch
+from dynmb.planning.stage_split import with_split
+
+__all__ = ["SEARCH", "searched_split"]
+
+SEARCH = "search"
+
+
+def searched_split(cfg, c: dict, trace: np.ndarray, global_batch: int, stage_cost) -> tuple[object, float]:
+    """``(cfg with the chosen split, CPU seconds of the choice)`` for the row settings ``c`` (module doc)."""
+    chunks, virtual = c["num_stages"] * c["virtual"], c["virtual"]
+    search = SplitSearch.of(dict(num_stages=chunks, virtual=virtual, schedule_kind=c["schedule_key"],
+                                 reorder="auto", memory_limit_bytes=c["memory_limit_bytes"], dp=c["dp"],
+                                 oversize=c["oversize"]), global_batch, seed=c["seed"])
+    if search is None:
+        raise SystemExit(f"scaling.py: --stage-split search cannot plan with the settings {c}")
+    choice = search.choose(cfg, chunks, stage_cost, workload=trace, cost_model=gpu.GPUCostModel(cfg, chunks, link=c["link"]),
+                           virtual=virtual)
+    if choice.how != "simulated":
+        raise SystemExit(f"scaling.py: --stage-split search fell back to the min-max split: {choice.reason}")
+    return with_split(cfg, chunks, choice.split), float(choice.cpu_s)
