@@ -20,6 +20,14 @@ shortest fill and drain), ``attainable`` the chunks' ideal work over ``P x step`
 the FLOPs of all chunks over ``DP x P`` GPUs (``real_work``, ``real_flops``: sums over every chunk). The row key ``virtual`` (rows from before the flag: 1)
 keeps V = 1 and V = 2 rows of one cell apart in one results folder; the summary labels rows with V > 1
 `` v<V>`` after the schedule setting (``setting_label``).
+
+``--virtual auto`` (``choose_v``): once per cell, V among 1, 2, 4 that the layers allow under the row's
+split setting (``dynmb.planning.virtual_search.admissible``) chosen by the library's ``VirtualSearch``: the
+workload's (the trace's) sample batches, one replica's share of the cell's global batch, planned with
+``dynamic`` under the row's settings (``--schedule``, limit, dp, oversize) at each V's layout (the row's own
+split, ``resolve_stage_split`` with the study's ``ideal_cost``), priced by the study's GPU model; V 1 unless
+another is strictly faster per real token. The row key stays ``virtual = auto``; the row records the chosen
+V (``virtual_chosen``) and the choice's CPU seconds (``virtual_cpu_s``); its step is planned at that V.
 """
 
 from __future__ import annotations
@@ -28,9 +36,43 @@ import numpy as np
 
 
 from dynmb.bounds import ideal_bound, plan_lengths_pieces
+from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.planning.split_search import SplitSearch
+from dynmb.planning.stage_split import resolve_stage_split
+from dynmb.planning.virtual_search import AUTO_VIRTUAL, CANDIDATES, VirtualSearch, admissible, say
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 
-__all__ = ["kinds", "check", "ranks", "plan_ideal_v", "setting_label", "real_work", "real_flops"]
+__all__ = ["kinds", "check", "ranks", "plan_ideal_v", "setting_label", "real_work", "real_flops", "parse_virtual",
+           "weighs", "choose_v"]
+
+
+def parse_virtual(text: str) -> int | str:
+    """A ``--virtual`` entry: ``auto`` or a whole number."""
+    return AUTO_VIRTUAL if text.strip() == AUTO_VIRTUAL else int(text)
+
+
+def weighs(setting: str, virtuals: list) -> str:
+    """The kinds each ``--virtual`` entry weighs (``auto``: those of every candidate V), for the header."""
+    return "; ".join(", ".join(dict.fromkeys(k for w in (CANDIDATES if v == AUTO_VIRTUAL else (v,))
+                                             for k in kinds(setting, w))) for v in virtuals)
+
+
+def choose_v(c: dict, trace: np.ndarray, cfg, batch: np.ndarray, ideal_cost) -> tuple[int, float]:
+    """``--virtual auto``: (the chosen V, its CPU seconds) of the cell of row settings ``c`` (module doc);
+    ``ideal_cost(batch, link)``: the study's work model of ``--stage-split auto``."""
+    P, split = int(c["num_stages"]), str(c["stage_split"])
+    fields = dict(num_stages=P, virtual=1, schedule_kind=c["schedule_key"], reorder="auto",
+                  memory_limit_bytes=int(c["memory_limit_bytes"]), dp=int(c["dp"]), oversize=c["oversize"],
+                  attention=cfg.attention)
+    search = SplitSearch.of(fields, int(batch.size), seed=int(c["seed"]))
+
+    def layout_of(v: int, _search) -> object:
+        return resolve_stage_split(cfg, P * v, split, stage_cost=ideal_cost(batch, c["link"]), virtual=v)
+
+    choice = VirtualSearch(search).choose(cfg, layout_of, candidates=admissible(cfg.n_layers, P, split),
+                                          workload=trace, cost_model=GPUCostModel(cfg, P, link=c["link"]))
+    say(choice)
+    return choice.virtual, choice.cpu_s
 
 
 def kinds(setting: str, virtual: int) -> tuple[str, ...]:
@@ -40,7 +82,7 @@ def kinds(setting: str, virtual: int) -> tuple[str, ...]:
 
 def check(n_layers: int, stages: list[int], virtuals: list[int], splits: set[str], setting: str) -> None:
     """``SystemExit`` with one line where a setting cannot run (module doc)."""
-    for v in virtuals:
+    for v in (v for v in virtuals if v != AUTO_VIRTUAL):       # auto: the V the layers allow (admissible)
         if v < 1:
             raise SystemExit(f"scaling.py: --virtual must be >= 1, got {v}")
         if v > 1 and setting != AUTO and not get_kind(setting).virtual_stages:
@@ -68,6 +110,8 @@ def plan_ideal_v(plan, cost_model, virtual: int) -> float:
 
 def setting_label(setting: object, virtual: object) -> str:
     """The summary's schedule setting of a row: ``--schedule`` and, with V > 1, `` v<V>``."""
+    if str(virtual) == AUTO_VIRTUAL:
+        return f"{setting} vauto"
     v = 1 if virtual is None or (isinstance(virtual, float) and np.isnan(virtual)) else int(virtual)
     return str(setting) if v == 1 else f"{setting} v{v}"
 
