@@ -28,11 +28,15 @@ workload's (the trace's) sample batches, one replica's share of the cell's globa
 split, ``resolve_stage_split`` with the study's ``ideal_cost``), priced by the study's GPU model; V 1 unless
 another is strictly faster per real token. The row key stays ``virtual = auto``; the row records the chosen
 V (``virtual_chosen``) and the choice's CPU seconds (``virtual_cpu_s``); its step is planned at that V.
+A folder holding both kinds of rows writes ``virtual`` as text in its parquet copy (``Writer``); the summary
+lists the ``auto`` rows in a table of their own (``auto_apart``).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
+from _common import canon
 
 
 from dynmb.bounds import ideal_bound, plan_lengths_pieces
@@ -40,10 +44,11 @@ from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, CANDIDATES, VirtualSearch, admissible, say
+from dynmb.results import TableWriter
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 
 __all__ = ["kinds", "check", "ranks", "plan_ideal_v", "setting_label", "real_work", "real_flops", "parse_virtual",
-           "weighs", "choose_v"]
+           "weighs", "choose_v", "auto_apart", "Writer"]
 
 
 def parse_virtual(text: str) -> int | str:
@@ -132,3 +137,35 @@ def real_work(cm, lengths: np.ndarray, dp: int) -> float:
 def real_flops(cfg, P: int, lengths: np.ndarray) -> float:
     """Forward + backward (3x forward) FLOPs of every sequence at its own length."""
     return 3.0 * float(sum(np.sum(cfg.stage_flops(s, P, 1, lengths.astype(np.float64))) for s in range(P)))
+
+
+class Writer(TableWriter):
+    """``TableWriter`` whose parquet copy takes a ``virtual`` column of numbers and ``auto`` (as text)."""
+
+    def close(self) -> None:
+        for df in self._frames.values():
+            if "virtual" in df and df["virtual"].map(type).nunique() > 1:
+                df["virtual"] = df["virtual"].map(canon)
+        super().close()
+
+
+AUTO_COLUMNS = ("dataset", "tokens", "num_stages", "dp", "method", "stage_split", "schedule_key", "virtual_chosen",
+                "schedule", "pred_step_s", "gap_to_ideal", "attainable", "tokens_per_s", "virtual_cpu_s")
+
+
+def auto_apart(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """(the rows of a numeric ``virtual``, for the summary's tables; a markdown table of the ``auto`` rows)."""
+    if "virtual" not in df:
+        return df, ""
+    auto = df["virtual"].astype(str) == AUTO_VIRTUAL
+    rest = df[~auto].copy()
+    rest["virtual"] = pd.to_numeric(rest["virtual"])
+    rows = df[auto & (df["status"] == "ok")]
+    if rows.empty:
+        return rest, ""
+    cols = [c for c in AUTO_COLUMNS if c in rows]
+    fmt = {"pred_step_s": "{:.3f}", "gap_to_ideal": "{:.1%}", "attainable": "{:.2f}", "tokens_per_s": "{:,.0f}",
+           "virtual_cpu_s": "{:.1f}"}
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt.get(c, "{}").format(r[c]) for c in cols) + " |" for _, r in rows.iterrows()]
+    return rest, "\n\n`--virtual auto` rows (V chosen per cell by simulated step):\n\n" + "\n".join(lines) + "\n"

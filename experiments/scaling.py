@@ -96,7 +96,8 @@ import pandas as pd
 from _common import Resume, progress, split_list
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import summary_markdown
-from _scaling_virtual import check, choose_v, parse_virtual, plan_ideal_v, ranks, real_flops, real_work, weighs
+from _scaling_virtual import (Writer, auto_apart, check, choose_v, parse_virtual, plan_ideal_v, ranks, real_flops,
+                              real_work, weighs)
 
 import dynmb
 from dynmb import data
@@ -108,7 +109,6 @@ from dynmb.packing import PackingError, pack
 from dynmb.planning import reorder_for
 from dynmb.planning.split_work import workload_cost
 from dynmb.planning.stage_split import resolve_stage_split
-from dynmb.results import TableWriter
 
 KEYS = ("dataset", "model", "tokens", "num_stages", "dp", "method", "stage_split", "link", "memory_limit_bytes",
         "seed", "oversize", "sim_replicas", "schedule_key", "virtual")
@@ -363,13 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         return _scaling_small.main([a for a in argv if a != "--small-batch"])
     args = build_parser().parse_args(argv)
     if args.summary:
-        df = pd.concat([pd.read_csv(f"{d}/scaling.csv") for d in split_list(args.out)], ignore_index=True)
-        print(summary_markdown(complete(df, args.model)))
+        df, auto_md = auto_apart(pd.concat([pd.read_csv(f"{d}/scaling.csv") for d in split_list(args.out)], ignore_index=True))
+        print((summary_markdown(complete(df, args.model)) if len(df) else "") + auto_md)
         return 0
     configs = configurations(args)
     traces = {t: data.load_trace(t) for t in {c["dataset"] for c in configs}}
     cfg = model_for(args.model, list(traces.values()))
-    check(cfg.n_layers, sorted({c["num_stages"] for c in configs}), sorted({c["virtual"] for c in configs}),
+    check(cfg.n_layers, sorted({c["num_stages"] for c in configs}), sorted({c["virtual"] for c in configs}, key=str),
           {c["stage_split"] for c in configs}, args.schedule)
     print(spec_header(args.link))
     print(f"model: {cfg}\nmemory limit: {args.memory_limit}; schedule {args.schedule}, virtual {args.virtual} (weighs "
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"], str(c["virtual"])))   # cells grouped
     print(f"scaling: {len(configs)} configurations, {len(configs) - len(todo)} already done", file=sys.stderr)
     cells: dict = {}
-    with TableWriter(args.out) as w:
+    with Writer(args.out) as w:
         for c in progress(todo, total=len(todo), desc="scaling", disable=args.no_progress):
             key = (c["dataset"], c["tokens"], c["num_stages"], c["dp"], c["virtual"])
             if key not in cells:
