@@ -15,6 +15,7 @@ import dynmb
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.planning import virtual_search
 from dynmb.planning.split_search import SplitSearch
+from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import VirtualSearch, admissible
 
 pytestmark = pytest.mark.filterwarnings("ignore::dynmb.planning.defaults.StandInModelWarning")
@@ -93,3 +94,20 @@ def test_without_what_a_plan_needs_v1_is_said_once(caplog: pytest.LogCaptureFixt
     for words, kw in cases.items():
         planner = _planner("longtail", **kw)
         assert planner.virtual == 1 and planner.num_stages == P and words in planner.virtual_choice.reason
+
+
+def test_each_v_plans_its_own_split_search() -> None:
+    """``stage_split="auto"``: each V's layout is the split search's choice for ``P V`` chunks at that V's
+    settings; the Planner keeps the chosen V's split, its cost model rebuilt for it."""
+    p = 4
+    planner = _planner("longtail", num_stages=p, cost_model=GPUCostModel(LLAMA2, p), stage_split="auto",
+                       global_batch=16)
+    choice = planner.virtual_choice
+    assert choice.how == "simulated" and choice.candidates == (1, 2, 4)
+    v = choice.virtual
+    spec = _planner("longtail", num_stages=p, virtual=1, cost_model=GPUCostModel(LLAMA2, p)).spec
+    search = VirtualSearch(SplitSearch(spec=spec, global_batch=16))
+    own = resolve_stage_split(LLAMA2, p * v, "auto", workload="longtail", cost_model=GPUCostModel(LLAMA2, p),
+                              search=search.for_virtual(v), virtual=v)
+    assert planner.model_cfg.layer_split == own.layer_split is not None and planner.num_stages == p * v
+    assert planner.cost_model.model_cfg.layer_split == own.layer_split and planner.cost_model.num_stages == p * v
