@@ -23,9 +23,10 @@ __all__ = ["SEARCH", "searched_split"]
 SEARCH = "search"
 
 
-def searched_split(cfg, c: dict, trace: np.ndarray, global_batch: int, stage_cost) -> tuple[object, float]:
-    """``(cfg with the chosen split, CPU seconds of the choice)`` for the row settings ``c`` (module doc)."""
-    chunks, virtual = c["num_stages"] * c["virtual"], c["virtual"]
+def searched_split(cfg, c: dict, chunks: int, virtual: int, trace: np.ndarray, global_batch: int,
+                   stage_cost) -> tuple[object, float]:
+    """``(cfg with the chosen split, CPU seconds of the choice)`` for the row settings ``c`` on ``chunks``
+    model chunks, ``virtual`` a GPU (module doc)."""
     search = SplitSearch.of(dict(num_stages=chunks, virtual=virtual, schedule_kind=c["schedule_key"],
                                  reorder="auto", memory_limit_bytes=c["memory_limit_bytes"], dp=c["dp"],
                                  oversize=c["oversize"]), global_batch, seed=c["seed"])

@@ -14,7 +14,8 @@ or ``auto``: for every method, each simulated replica reordered, scheduled and s
 of ``dynmb.schedule.kinds.auto_kinds()`` (1f1b, zb-h1, zb; one packing per packing key: three),
 the fastest kind whose simulated peak fits kept (``plan_auto``'s rule); the row records it (``schedule``),
 every kind's step (``step_<kind>_s``) and the kinds over the limit (``kinds_over_limit``). ``--virtual V``
-(``experiments/_scaling_virtual.py``): P GPUs of V model chunks each, the interleaved schedule.
+(``experiments/_scaling_virtual.py``): P GPUs of V model chunks each, the interleaved schedule; ``auto``: V chosen
+per cell by simulated step (``virtual_chosen``).
 
 Model and costs: a model preset (``--model``, default ``llama2-7b``: the Llama family, SwiGLU,
 RMSNorm, rotary positions, no biases; ``llama3.1-8b`` / ``llama3.2-1b`` with grouped-query attention
@@ -97,7 +98,8 @@ from _common import Resume, progress, split_list
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import summary_markdown
 from _scaling_split import SEARCH, searched_split
-from _scaling_virtual import check, plan_ideal_v, ranks, real_flops, real_work
+from _scaling_virtual import (Writer, auto_apart, check, choose_v, parse_virtual, plan_ideal_v, ranks, real_flops,
+                              real_work, weighs)
 
 import dynmb
 from dynmb import data
@@ -109,7 +111,6 @@ from dynmb.packing import PackingError, pack
 from dynmb.planning import reorder_for
 from dynmb.planning.split_work import workload_cost
 from dynmb.planning.stage_split import resolve_stage_split
-from dynmb.results import TableWriter
 
 KEYS = ("dataset", "model", "tokens", "num_stages", "dp", "method", "stage_split", "link", "memory_limit_bytes",
         "seed", "oversize", "sim_replicas", "schedule_key", "virtual")
@@ -141,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sim-replicas", type=int, default=2, help="replicas simulated, the predicted slowest (default 2; 0: all)")
     ap.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                     help="1f1b (default, as before), interleaved, or auto: each auto kind's step, the fastest that fits")
-    ap.add_argument("--virtual", default="1", help="model chunks per GPU, comma-separated (default 1; > 1: interleaved)")
+    ap.add_argument("--virtual", default="1", help="model chunks per GPU, comma-separated (default 1; > 1: interleaved; "
+                    "auto: chosen per cell by simulated step)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "drop"],
                     help="a sequence that cannot fit alone (default truncate, counted)")
@@ -242,14 +244,16 @@ class Cell:
 
     def __init__(self, c: dict, trace: np.ndarray, cfg: dynmb.ModelConfig) -> None:
         self.batch = token_batch(trace, c["tokens"], c["dp"], c["seed"])
-        self.cfg, self.P, self.link, self._models = cfg, c["num_stages"] * c["virtual"], c["link"], {}
-        self.V, self.trace, self.split_cpu_s = c["virtual"], trace, {}
+        self.V, self.virtual_cpu_s = choose_v(c, trace, cfg, self.batch, ideal_cost) if c["virtual"] == "auto" \
+            else (c["virtual"], 0.0)                # --virtual auto: chosen once per cell (_scaling_virtual)
+        self.cfg, self.P, self.link, self._models = cfg, c["num_stages"] * self.V, c["link"], {}
+        self.trace, self.split_cpu_s = trace, {}
 
     def models(self, split: str, c: dict | None = None):
         if split not in self._models:
             if split == SEARCH:
-                cfg, self.split_cpu_s[split] = searched_split(self.cfg, c, self.trace, int(self.batch.size),
-                                                              ideal_cost(self.trace, self.link))
+                cfg, self.split_cpu_s[split] = searched_split(self.cfg, c, self.P, self.V, self.trace,
+                                                              int(self.batch.size), ideal_cost(self.trace, self.link))
             else:
                 cfg = resolve_stage_split(self.cfg, self.P, split, stage_cost=ideal_cost(self.batch, self.link),
                                           virtual=self.V)
@@ -262,7 +266,7 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
     """Pack the global batch, then reorder, schedule and simulate the slowest replicas under each kind of
     ``--schedule`` (``_scaling_sched``), keeping the fastest that fits."""
     cfg, cm, cm_sat, mm = cell.models(c["stage_split"], c)
-    P, V, limit = c["num_stages"], c["virtual"], c["memory_limit_bytes"]
+    P, V, limit = c["num_stages"], cell.V, c["memory_limit_bytes"]
     wall0, pack_s, runs = time.perf_counter(), 0.0, []
     how = reorder_for(base, "auto")
     for group in packing_groups(kinds_for(c["schedule_key"], V)):
@@ -294,7 +298,8 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
             "num_microbatches": plan.num_microbatches // plan.dp, "mbs_used": plan.meta.get("mbs"),
             "plan_over_step": plan_s / step, "tokens_per_s": plan.real_tokens / step,
             "truncated": len(plan.meta.get("truncated", [])), "dropped": len(plan.meta.get("dropped", [])),
-            "pred_peak_over_limit": peak / limit, "split_choice_s": cell.split_cpu_s.get(c["stage_split"], 0.0)}
+            "pred_peak_over_limit": peak / limit, "virtual_chosen": V, "virtual_cpu_s": cell.virtual_cpu_s,
+            "split_choice_s": cell.split_cpu_s.get(c["stage_split"], 0.0)}
 
 
 def one_row(c: dict, cell: Cell) -> dict:
@@ -335,7 +340,7 @@ def configurations(args: argparse.Namespace) -> list[dict]:
         for tok in (parse_tokens(x) for x in split_list(args.tokens or grid["tokens"])):
             for p in map(int, split_list(args.stages or grid["stages"])):
                 for d in map(int, split_list(args.dp or grid["dp"])):
-                    for m, v in itertools.product(split_list(args.methods), map(int, split_list(args.virtual))):
+                    for m, v in itertools.product(split_list(args.methods), map(parse_virtual, split_list(args.virtual))):
                         splits = split_list(args.stage_split if m == "dynamic" else args.others_split)
                         out += [dict(dataset=t, model=args.model, tokens=tok, num_stages=p, dp=d, method=m,
                                      stage_split=s, link=args.link, memory_limit_bytes=limit, seed=args.seed,
@@ -367,24 +372,24 @@ def main(argv: list[str] | None = None) -> int:
         return _scaling_small.main([a for a in argv if a != "--small-batch"])
     args = build_parser().parse_args(argv)
     if args.summary:
-        df = pd.concat([pd.read_csv(f"{d}/scaling.csv") for d in split_list(args.out)], ignore_index=True)
-        print(summary_markdown(complete(df, args.model)))
+        df, auto_md = auto_apart(pd.concat([pd.read_csv(f"{d}/scaling.csv") for d in split_list(args.out)], ignore_index=True))
+        print((summary_markdown(complete(df, args.model)) if len(df) else "") + auto_md)
         return 0
     configs = configurations(args)
     traces = {t: data.load_trace(t) for t in {c["dataset"] for c in configs}}
     cfg = model_for(args.model, list(traces.values()))
-    check(cfg.n_layers, sorted({c["num_stages"] for c in configs}), sorted({c["virtual"] for c in configs}),
+    check(cfg.n_layers, sorted({c["num_stages"] for c in configs}), sorted({c["virtual"] for c in configs}, key=str),
           {c["stage_split"] for c in configs}, args.schedule)
     print(spec_header(args.link))
     print(f"model: {cfg}\nmemory limit: {args.memory_limit}; schedule {args.schedule}, virtual {args.virtual} (weighs "
-          f"{'; '.join(', '.join(kinds_for(args.schedule, v)) for v in map(int, split_list(args.virtual)))}); splits: dynamic {args.stage_split}, "
+          f"{weighs(args.schedule, list(map(parse_virtual, split_list(args.virtual))))}); splits: dynamic {args.stage_split}, "
           f"others {args.others_split}", flush=True)
     resume = Resume(args.out, "scaling", KEYS, defaults={"schedule_key": "1f1b", "virtual": 1})   # rows from before the flags
     todo = [c for c in configs if not resume.done(c)]
-    todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"], c["virtual"]))   # cells grouped
+    todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"], str(c["virtual"])))   # cells grouped
     print(f"scaling: {len(configs)} configurations, {len(configs) - len(todo)} already done", file=sys.stderr)
     cells: dict = {}
-    with TableWriter(args.out) as w:
+    with Writer(args.out) as w:
         for c in progress(todo, total=len(todo), desc="scaling", disable=args.no_progress):
             key = (c["dataset"], c["tokens"], c["num_stages"], c["dp"], c["virtual"])
             if key not in cells:

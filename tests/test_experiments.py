@@ -165,6 +165,26 @@ def test_scaling_virtual_stages_run_interleaved_rows_beside_one_chunk_rows(tmp_p
         scaling.main([*base[:-5], "--out", str(tmp_path), "--virtual", "2"])
 
 
+def test_scaling_virtual_auto_plans_the_chosen_v(tmp_path, capsys):
+    """``--virtual auto``: the row (key ``virtual`` = auto) plans at the V chosen by simulated step
+    (``virtual_chosen``, one the layers allow), the same plan as that V's own row; a folder of both kinds of
+    rows writes its parquet copy, resumes, and the summary lists the auto rows apart."""
+    scaling = _script("scaling")
+    base = ["--traces", "gsm8k", "--tokens", "20k", "--stages", "2", "--dp", "2", "--methods", "dynamic",
+            "--stage-split", "even", "--schedule", "auto", "--out", str(tmp_path), "--no-progress"]
+    assert scaling.main([*base, "--virtual", "auto,1,2,4"]) == 0
+    df = pd.read_csv(tmp_path / "scaling.csv")
+    assert len(df) == 4 and set(df["status"]) == {"ok"} and (tmp_path / "scaling.parquet").exists()
+    auto = df[df["virtual"].astype(str) == "auto"].iloc[0]
+    assert auto["virtual_chosen"] in (1, 2, 4) and auto["virtual_cpu_s"] > 0
+    same = df[df["virtual"].astype(str) == str(int(auto["virtual_chosen"]))].iloc[0]
+    assert auto["pred_step_s"] == same["pred_step_s"] and auto["layer_split"] == same["layer_split"]
+    assert scaling.main([*base, "--virtual", "auto"]) == 0 and len(pd.read_csv(tmp_path / "scaling.csv")) == 4
+    capsys.readouterr()
+    assert scaling.main(["--summary", "--out", str(tmp_path)]) == 0
+    assert "`--virtual auto` rows" in capsys.readouterr().out
+
+
 def test_scaling_token_batch_is_deterministic_and_whole():
     import numpy as np
     scaling = _script("scaling")

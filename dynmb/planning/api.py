@@ -38,6 +38,7 @@ from .planner import plan_step
 from .split_search import SplitSearch
 from .split_work import layout_cost_model
 from .stage_split import resolve_stage_split
+from .virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
 
 __all__ = ["Planner", "PlannedStep"]
 
@@ -65,10 +66,14 @@ def _model(model: Any) -> tuple[ModelConfig, bool]:
     return planning_config(factory), not is_family_factory(factory)
 
 
-def _for_split(cost_model: Any, cfg: ModelConfig, num_stages: int) -> Any:
+def _for_split(cost_model: Any, cfg: ModelConfig, num_stages: int, chunks_from: int | None = None) -> Any:
     """``cost_model`` (an object or a JSON path) rebuilt for ``cfg``'s layer split when it prices any
-    layout (``CostModel.layout_free``) and was made for another split of the same model; else as given."""
+    layout (``CostModel.layout_free``) and was made for another split of the same model; else as given.
+    ``chunks_from``: it was made for that many stages (``virtual="auto"``'s GPUs): rebuilt for ``num_stages``."""
     cm = layout_cost_model(cost_model)
+    if cm is not None and chunks_from is not None and cm.num_stages == chunks_from != num_stages:
+        cm.check(replace(cfg, layer_split=cm.model_cfg.layer_split), chunks_from)
+        return cm.for_layout(replace(cm.model_cfg, layer_split=cfg.layer_split), num_stages)
     if cm is None or cm.model_cfg.layer_split == cfg.layer_split or cm.num_stages != num_stages:
         return cost_model
     cm.check(replace(cfg, layer_split=cm.model_cfg.layer_split), num_stages)      # the same model otherwise
@@ -86,7 +91,10 @@ class Planner:
     ``cost_model`` / ``memory_model``: objects or JSON paths (None: the shipped/analytic ones);
     ``schedule``: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (and any kind the builders know);
     ``round_to``: every padded_len a multiple of it; ``dp``: data-parallel replicas;
-    ``virtual``: model chunks per rank (interleaved); ``recompute``: never, always or auto
+    ``virtual``: model chunks per rank (interleaved), or ``"auto"``: ``num_stages`` then counts the GPUs and V (1, 2
+    or 4, where the layers allow) is chosen once by the simulated step of the workload's sample batches
+    (``dynmb.planning.virtual_search``; needs ``workload``, ``global_batch`` and a layout-free cost model, else V 1,
+    said once; ``virtual_choice`` records how; ``num_stages`` and ``virtual`` read the chosen layout's); ``recompute``: never, always or auto
     (per-microbatch activation recomputation, ``dynmb.packing.recompute``); ``device``: which shipped cost model
     ("cpu"/"cuda") to default to; ``stage_split``: the layers per stage, ``"even"``, ``"auto"`` (balanced work,
     embedding and head included: ``dynmb.planning.stage_split``; in half-blocks for dynmb's families) or a
@@ -106,20 +114,32 @@ class Planner:
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
                  cost_model: CostModelLike | str | Path | None = None,
                  memory_model: MemoryModelLike | str | Path | None = None, schedule: str = "1f1b", round_to: int = 1,
-                 dp: int = 1, virtual: int = 1, oversize: str = "error", pack_len: int | None = None,
+                 dp: int = 1, virtual: int | str = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even",
                  workload: Any = None, global_batch: int | None = None) -> None:
         self.model_cfg, own = _model(model)
-        self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=int(virtual), schedule_kind=schedule,
-                             reorder="auto", memory_limit_bytes=parse_bytes(memory_limit), dp=int(dp),
-                             pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
+        auto_v = str(virtual).strip() == AUTO_VIRTUAL
+        self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
+                             schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
+                             dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
                              attention=self.model_cfg.attention)
         """The settings every ``plan`` call starts from (``plan`` sets the method, reorder and mbs)."""
+        self.virtual_choice: VirtualChoice | None = None
+        """With ``virtual="auto"``: how V was chosen (``dynmb.planning.virtual_search``)."""
+        pricing = cost_model if cost_model is not None or (stage_split == "even" and not auto_v) else \
+            default_cost_model_path(self.model_cfg.name, int(num_stages), device)     # the model it will plan with
+        search = None if global_batch is None else SplitSearch(spec=self.spec, global_batch=int(global_batch),
+                                                               memory_model=memory_model)
+        if auto_v:                                 # num_stages: the GPUs; the chosen V's P V chunks from here on
+            self.virtual_choice = choose_virtual(self.model_cfg, int(num_stages), str(stage_split), search=search,
+                                                 workload=workload, cost_model=pricing, half_blocks=not own)
+            v = self.virtual_choice.virtual
+            self.spec = self.spec.with_(num_stages=int(num_stages) * v, virtual=v)
+            gpus, num_stages, virtual = int(num_stages), self.spec.num_stages, v
+            if self.virtual_choice.layout is not None:          # resolved by the choice: not again
+                stage_split, self.model_cfg = "even", self.virtual_choice.layout
+                cost_model = _for_split(cost_model, self.model_cfg, int(num_stages), gpus)
         if stage_split != "even":                  # "even" keeps a split the model config already carries
-            pricing = cost_model if cost_model is not None else default_cost_model_path(
-                self.model_cfg.name, int(num_stages), device)          # the model it will plan with
-            search = None if global_batch is None else SplitSearch(spec=self.spec, global_batch=int(global_batch),
-                                                                   memory_model=memory_model)
             self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
                                                  workload=workload, cost_model=pricing, search=search,
                                                  virtual=int(virtual))

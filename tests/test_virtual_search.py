@@ -1,0 +1,113 @@
+"""``virtual="auto"`` (``dynmb.planning.virtual_search``): the model chunks per GPU chosen once per run by the
+simulated step per real token of the workload's sample batches: V 2 for long documents, V 1 for short
+chats, the same on every call, checked against plans made at that V independently; V 1 said once where
+no plan can be made."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import dynmb
+from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.planning import virtual_search
+from dynmb.planning.split_search import SplitSearch
+from dynmb.planning.stage_split import resolve_stage_split
+from dynmb.planning.virtual_search import VirtualSearch, admissible
+
+pytestmark = pytest.mark.filterwarnings("ignore::dynmb.planning.defaults.StandInModelWarning")
+LLAMA2 = replace(dynmb.model_config("llama2-7b"), max_seq_len=21504)
+P, GLOBAL = 8, 64
+
+
+def _planner(trace: str, **kw) -> dynmb.Planner:
+    args = dict(model=LLAMA2, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(LLAMA2, P),
+                workload=trace, oversize="truncate", schedule="auto", virtual="auto", global_batch=GLOBAL)
+    return dynmb.Planner(**{**args, **kw})
+
+
+def test_long_documents_choose_two_chunks_per_gpu() -> None:
+    """longtail at P 8: V 2 trains more tokens per simulated second than V 1 and V 4; the Planner then plans
+    16 chunks of 2 per GPU, its cost model rebuilt for them, and the steps match plans made at each V."""
+    planner = _planner("longtail")
+    choice = planner.virtual_choice
+    assert choice.how == "simulated" and choice.candidates == (1, 2, 4) and choice.virtual == 2
+    assert planner.virtual == 2 and planner.num_stages == 2 * P and planner.cost_model.num_stages == 2 * P
+    assert min(choice.scores_s) == choice.scores_s[1] < choice.scores_s[0]
+    step = planner.plan(np.asarray(dynmb.data.sample_batch(dynmb.data.load_trace("longtail"), 16, 1, step=0)))
+    assert step.plan.num_stages == 2 * P and step.schedule.kind == "interleaved"
+    batches = SplitSearch(spec=planner.spec, global_batch=GLOBAL).sample_batches(dynmb.data.load_trace("longtail"))
+    for v, expect in zip((1, 2), choice.steps_s):                   # independently planned at each V
+        fixed = dynmb.Planner(model=LLAMA2, num_stages=P * v, virtual=v, memory_limit="80GiB",
+                              cost_model=GPUCostModel(LLAMA2, P * v), oversize="truncate", schedule="auto")
+        got = np.mean([fixed.plan(b).plan.predictions["pred_step_s"] for b in batches])
+        assert got == pytest.approx(expect)
+
+
+def test_short_chats_keep_one_chunk_per_gpu() -> None:
+    planner = _planner("sharegpt")
+    choice = planner.virtual_choice
+    assert choice.how == "simulated" and choice.virtual == 1 and len(choice.candidates) == 3
+    assert choice.scores_s[0] == min(choice.scores_s)
+    assert planner.virtual == 1 and planner.num_stages == P and planner.cost_model.num_stages == P
+
+
+def test_the_choice_is_deterministic() -> None:
+    a, b = _planner("longtail").virtual_choice, _planner("longtail").virtual_choice
+    assert a.virtual == b.virtual and a.steps_s == b.steps_s and a.tokens == b.tokens
+
+
+def test_a_tie_keeps_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """V 1 unless another V is strictly better per real token (a shorter step on fewer tokens loses)."""
+    for other, expect in (((1.0, 100.0), 1), ((0.98, 95.0), 1), ((0.98, 100.0), 2)):
+        monkeypatch.setattr(SplitSearch, "step_of", lambda self, cfg, split, n, cm, b, o=other:
+                            (1.0, 100.0) if self.spec.virtual == 1 else o)
+        search = VirtualSearch(SplitSearch(spec=_planner("longtail", virtual=1).spec, global_batch=GLOBAL))
+        choice = search.choose(LLAMA2, lambda v, s: LLAMA2, candidates=(1, 2), workload="longtail",
+                               cost_model=GPUCostModel(LLAMA2, P))
+        assert choice.virtual == expect
+
+
+def test_admissible_chunks_follow_the_layers_and_split() -> None:
+    assert admissible(32, 8, "even") == (1, 2, 4)
+    assert admissible(32, 16, "even") == (1, 2)                    # 64 chunks > 32 whole layers
+    assert admissible(32, 16, "auto") == (1, 2, 4)                 # 64 half-blocks
+    assert admissible(32, 16, "auto", half_blocks=False) == (1, 2)  # a model of one's own: whole layers
+    assert admissible(32, 8, "8,8,8,8,0,0,0,0") == (1,)            # an explicit list fixes the chunks
+    assert admissible(32, 8, "even", carried_split=True) == (1,)
+
+
+def test_without_what_a_plan_needs_v1_is_said_once(caplog: pytest.LogCaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(virtual_search, "_SAID", set())
+    with caplog.at_level(logging.INFO, logger="dynmb.planning.virtual_search"):
+        for _ in range(2):
+            planner = _planner("longtail", global_batch=None)
+            assert planner.virtual == 1 and planner.num_stages == P and planner.virtual_choice.how == "default"
+    said = [r.getMessage() for r in caplog.records if "1 chunk per GPU" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0] and "global batch" in said[0] and "global_batch=" in said[0]
+    cases = {"layout-free": dict(cost_model=None), "no workload": dict(workload=None),
+             "schedule 1f1b": dict(schedule="1f1b")}
+    for words, kw in cases.items():
+        planner = _planner("longtail", **kw)
+        assert planner.virtual == 1 and planner.num_stages == P and words in planner.virtual_choice.reason
+
+
+def test_each_v_plans_its_own_split_search() -> None:
+    """``stage_split="auto"``: each V's layout is the split search's choice for ``P V`` chunks at that V's
+    settings; the Planner keeps the chosen V's split, its cost model rebuilt for it."""
+    p = 4
+    planner = _planner("longtail", num_stages=p, cost_model=GPUCostModel(LLAMA2, p), stage_split="auto",
+                       global_batch=16)
+    choice = planner.virtual_choice
+    assert choice.how == "simulated" and choice.candidates == (1, 2, 4)
+    v = choice.virtual
+    spec = _planner("longtail", num_stages=p, virtual=1, cost_model=GPUCostModel(LLAMA2, p)).spec
+    search = VirtualSearch(SplitSearch(spec=spec, global_batch=16))
+    own = resolve_stage_split(LLAMA2, p * v, "auto", workload="longtail", cost_model=GPUCostModel(LLAMA2, p),
+                              search=search.for_virtual(v), virtual=v)
+    assert planner.model_cfg.layer_split == own.layer_split is not None and planner.num_stages == p * v
+    assert planner.cost_model.model_cfg.layer_split == own.layer_split and planner.cost_model.num_stages == p * v
