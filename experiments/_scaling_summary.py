@@ -24,11 +24,15 @@ compared within one ``--schedule`` setting and V (dynamic with ``auto`` against 
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 import pandas as pd
 from _scaling_virtual import setting_label
 
-__all__ = ["summary_markdown", "labelled"]
+from dynmb.costmodel import gpu
+
+__all__ = ["summary_markdown", "labelled", "spec_header"]
 
 CELL = ["dataset", "tokens", "num_stages", "dp"]
 METHOD_ORDER = ("fixed", "sorted", "packed", "token-budget", "token-budget-best", "balanced", "balanced-best",
@@ -258,3 +262,15 @@ def planners_needed(plan_over_step: pd.Series) -> pd.Series:
     """Planner processes per rank (``--plan-ahead N``) with which no step waits for its plan:
     ceil(plan time / step time), at least 1 (``dynmb.runtime.planahead``: N processes plan N steps at once)."""
     return np.maximum(1, np.ceil(plan_over_step.astype(float) - 1e-12)).astype(int)
+
+
+def spec_header(link: str) -> str:
+    """The GPUSpec constants, the link and their sources (the ``dynmb.costmodel.gpu`` docstring)."""
+    lines = ["GPUCostModel constants (dynmb.costmodel.gpu.H100_SXM):"]
+    lines += [f"  {k} = {v:g}" for k, v in asdict(gpu.H100_SXM).items()]
+    comm = gpu.LINKS[link]
+    lines.append(f"  link {link}: alpha = {comm.alpha_s * 1e6:g} us, bandwidth = {comm.bytes_per_s / 1e9:g} GB/s")
+    doc = gpu.__doc__ or ""
+    if "Sources of the constants" in doc:
+        lines.append(doc[doc.index("Sources of the constants"):].strip())
+    return "\n".join(lines)

@@ -90,13 +90,13 @@ import argparse
 import itertools
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 from _common import Resume, progress, split_list
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
-from _scaling_summary import summary_markdown
+from _scaling_summary import spec_header, summary_markdown
 from _scaling_split import SEARCH, searched_split
 from _scaling_virtual import (Writer, auto_apart, check, choose_v, parse_virtual, plan_ideal_v, ranks, real_flops,
                               real_work, weighs)
@@ -351,18 +351,6 @@ def configurations(args: argparse.Namespace) -> list[dict]:
     if unknown:
         raise SystemExit(f"scaling.py: unknown method(s) {unknown}; expected some of {', '.join(METHODS)}")
     return out
-
-
-def spec_header(link: str) -> str:
-    """The GPUSpec constants, the link and their sources (the ``dynmb.costmodel.gpu`` docstring)."""
-    lines = ["GPUCostModel constants (dynmb.costmodel.gpu.H100_SXM):"]
-    lines += [f"  {k} = {v:g}" for k, v in asdict(gpu.H100_SXM).items()]
-    comm = gpu.LINKS[link]
-    lines.append(f"  link {link}: alpha = {comm.alpha_s * 1e6:g} us, bandwidth = {comm.bytes_per_s / 1e9:g} GB/s")
-    doc = gpu.__doc__ or ""
-    if "Sources of the constants" in doc:
-        lines.append(doc[doc.index("Sources of the constants"):].strip())
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
