@@ -30,9 +30,11 @@ def _planner(trace: str, **kw) -> dynmb.Planner:
 
 
 def test_long_documents_choose_two_chunks_per_gpu() -> None:
-    """longtail at P 8: V 2 trains more tokens per simulated second than V 1 and V 4; the Planner then plans
-    16 chunks of 2 per GPU, its cost model rebuilt for them, and the steps match plans made at each V."""
-    planner = _planner("longtail")
+    """longtail at P 8, long documents sliced (``oversize="split"``: every V trains every token): V 2 trains
+    more tokens per simulated second than V 1 and V 4; the Planner then plans 16 chunks of 2 per GPU, its
+    cost model rebuilt for them, and the steps match plans made at each V. (With ``truncate`` V 2 would
+    truncate more than V 1, and is not taken.)"""
+    planner = _planner("longtail", oversize="split")
     choice = planner.virtual_choice
     assert choice.how == "simulated" and choice.candidates == (1, 2, 4) and choice.virtual == 2
     assert planner.virtual == 2 and planner.num_stages == 2 * P and planner.cost_model.num_stages == 2 * P
@@ -42,7 +44,7 @@ def test_long_documents_choose_two_chunks_per_gpu() -> None:
     batches = SplitSearch(spec=planner.spec, global_batch=GLOBAL).sample_batches(dynmb.data.load_trace("longtail"))
     for v, expect in zip((1, 2), choice.steps_s):                   # independently planned at each V
         fixed = dynmb.Planner(model=LLAMA2, num_stages=P * v, virtual=v, memory_limit="80GiB",
-                              cost_model=GPUCostModel(LLAMA2, P * v), oversize="truncate", schedule="auto")
+                              cost_model=GPUCostModel(LLAMA2, P * v), oversize="split", schedule="auto")
         got = np.mean([fixed.plan(b).plan.predictions["pred_step_s"] for b in batches])
         assert got == pytest.approx(expect)
 
@@ -61,8 +63,10 @@ def test_the_choice_is_deterministic() -> None:
 
 
 def test_a_tie_keeps_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """V 1 unless another V is strictly better per real token (a shorter step on fewer tokens loses)."""
-    for other, expect in (((1.0, 100.0), 1), ((0.98, 95.0), 1), ((0.98, 100.0), 2)):
+    """V 1 unless another V is strictly better per real token (a shorter step on fewer tokens loses), and never
+    a V that trains fewer of the batches' tokens (more truncated), even at a better step per token."""
+    for other, expect in (((1.0, 100.0), 1), ((0.98, 95.0), 1), ((0.98, 100.0), 2), ((0.5, 99.0), 1),
+                          ((0.9, 100.5), 2)):
         monkeypatch.setattr(SplitSearch, "step_of", lambda self, cfg, split, n, cm, b, o=other:
                             (1.0, 100.0) if self.spec.virtual == 1 else o)
         search = VirtualSearch(SplitSearch(spec=_planner("longtail", virtual=1).spec, global_batch=GLOBAL))

@@ -23,7 +23,10 @@ Algorithm (``VirtualSearch.choose``), deterministic (every rank computes the sam
    layout-free cost model rebuilt for the layout, the analytic memory model). The V of the smallest mean
    simulated step per real token wins (``score``: mean step scaled to V 1's mean real tokens, as
    ``split_search`` scores: with ``oversize="truncate"`` a layout that truncates more trains fewer tokens in
-   a shorter step), V 1 unless another is strictly better. A V that cannot plan a batch drops out.
+   a shorter step), V 1 unless another is strictly better. A V that cannot plan a batch drops out, and so
+   does a V that trains fewer of the sample batches' tokens than V 1 (``TOKENS_KEPT``): more chunks a GPU
+   hold more microbatches in flight, so the longest row that fits shrinks and ``--oversize truncate`` cuts
+   more; a layout is not chosen for throughput bought by training less of the batch.
 
 Only where a plan can be made (``SplitSearch.why_not``: a layout-free cost model, a workload, a global batch
 size, no fitted memory model): else V 1, said once in one line naming what to give (``say``). Its cost: per
@@ -51,6 +54,8 @@ logger = logging.getLogger(__name__)
 CANDIDATES = (1, 2, 4)
 """The chunks per GPU ``auto`` weighs (where the layers allow them)."""
 AUTO_VIRTUAL = "auto"
+TOKENS_KEPT = 1.0 - 1e-9
+"""A V is eligible only if its sample batches keep at least this share of V 1's real tokens (module doc)."""
 ENABLE = ("give a layout-free cost model (analytic, gpu), the workload and the global batch size "
           "(Planner(cost_model=..., workload=..., global_batch=...))")
 """What the one-line refusal asks for."""
@@ -133,7 +138,8 @@ class VirtualSearch:
             layouts.append(layout)
             runs.append(search.step_of(layout, tuple(layout.stage_layer_counts(n)), n, cm, batches))
         ref = runs[0][1]
-        scores = [step * ref / tok if tok > 0 else float("inf") for step, tok in runs]
+        base = ref if ref > 0 else max(r[1] for r in runs)          # V 1 could not plan: the others compete
+        scores = [step * base / tok if tok > 0 and tok >= ref * TOKENS_KEPT else float("inf") for step, tok in runs]
         best = 0
         for i, score in enumerate(scores):
             if score < scores[best] * (1 - 1e-9):
