@@ -262,6 +262,7 @@ class Ranker:
         too for the ``CLUSTERED`` baselines): what the search runs is no slower. The order returned is one
         that ``assign_replicas`` deals in those orders where ``orders.blocked_order`` finds one (then the value
         is its estimate), else ``out``; inf where the value is not below ``limit``."""
+        assert c.F is not None and c.B is not None and c.comm is not None      # costed candidates
         costs = (c.F, c.B, c.comm)
         starts, u, ran = best_start_orders(cols, (c.F + c.B).sum(axis=0), lambda p: self._each(costs, p), limit,
                                            c.baseline in CLUSTERED, int(np.argmax(self._proxy(*costs, cols))))

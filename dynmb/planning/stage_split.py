@@ -327,10 +327,12 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
                                    virtual=virtual)
         out = with_split(cfg, num_stages, split)
         even = None if num_stages > cfg.n_layers else replace(cfg, layer_split=None).stage_layer_counts(num_stages)
-        ceil = {"stage_cost": stage_cost, "virtual": virtual}
-        logger.info("stage split auto: %s (split ceiling %.3f%s; even split: %s)", list(split),
-                    split_ceiling(cfg, split, tokens_hint, **ceil), f", {virtual} chunks a GPU" if virtual > 1 else "",
-                    "none" if even is None else f"{split_ceiling(cfg, tuple(even), tokens_hint, **ceil):.3f}")
+        def ceiling(s: tuple[float, ...]) -> float:
+            return split_ceiling(cfg, s, tokens_hint, stage_cost=stage_cost, virtual=virtual)
+
+        logger.info("stage split auto: %s (split ceiling %.3f%s; even split: %s)", list(split), ceiling(split),
+                    f", {virtual} chunks a GPU" if virtual > 1 else "",
+                    "none" if even is None else f"{ceiling(tuple(even)):.3f}")
         return out
     try:
         split = tuple(float(x) for x in setting.split(","))
