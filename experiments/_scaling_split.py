@@ -18,20 +18,27 @@ from dynmb.costmodel import gpu
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import with_split
 
-__all__ = ["SEARCH", "searched_split"]
+__all__ = ["SEARCH", "searched_split", "row_search"]
 
 SEARCH = "search"
+
+
+def row_search(cfg, c: dict, chunks: int, virtual: int, global_batch: int) -> SplitSearch:
+    """The library's search by simulated step (``SplitSearch``, which ``VirtualSearch`` reuses) under the row
+    settings ``c`` on ``chunks`` model chunks, ``virtual`` a GPU; one line and exit where they cannot plan."""
+    search = SplitSearch.of(dict(num_stages=chunks, virtual=virtual, schedule_kind=c["schedule_key"], reorder="auto",
+                                 memory_limit_bytes=int(c["memory_limit_bytes"]), dp=int(c["dp"]),
+                                 oversize=c["oversize"], attention=cfg.attention), global_batch, seed=int(c["seed"]))
+    if search is None:
+        raise SystemExit(f"scaling.py: the settings {c} cannot plan a sample batch")
+    return search
 
 
 def searched_split(cfg, c: dict, chunks: int, virtual: int, trace: np.ndarray, global_batch: int,
                    stage_cost) -> tuple[object, float]:
     """``(cfg with the chosen split, CPU seconds of the choice)`` for the row settings ``c`` on ``chunks``
     model chunks, ``virtual`` a GPU (module doc)."""
-    search = SplitSearch.of(dict(num_stages=chunks, virtual=virtual, schedule_kind=c["schedule_key"],
-                                 reorder="auto", memory_limit_bytes=c["memory_limit_bytes"], dp=c["dp"],
-                                 oversize=c["oversize"]), global_batch, seed=c["seed"])
-    if search is None:
-        raise SystemExit(f"scaling.py: --stage-split search cannot plan with the settings {c}")
+    search = row_search(cfg, c, chunks, virtual, global_batch)
     choice = search.choose(cfg, chunks, stage_cost, workload=trace, cost_model=gpu.GPUCostModel(cfg, chunks, link=c["link"]),
                            virtual=virtual)
     if choice.how != "simulated":

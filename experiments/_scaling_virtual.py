@@ -37,11 +37,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 from _common import canon
+from _scaling_split import row_search
 
 
 from dynmb.bounds import ideal_bound, plan_lengths_pieces
 from dynmb.costmodel.gpu import GPUCostModel
-from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, CANDIDATES, VirtualSearch, admissible, say
 from dynmb.results import TableWriter
@@ -66,10 +66,7 @@ def choose_v(c: dict, trace: np.ndarray, cfg, batch: np.ndarray, ideal_cost) -> 
     """``--virtual auto``: (the chosen V, its CPU seconds) of the cell of row settings ``c`` (module doc);
     ``ideal_cost(batch, link)``: the study's work model of ``--stage-split auto``."""
     P, split = int(c["num_stages"]), str(c["stage_split"])
-    fields = dict(num_stages=P, virtual=1, schedule_kind=c["schedule_key"], reorder="auto",
-                  memory_limit_bytes=int(c["memory_limit_bytes"]), dp=int(c["dp"]), oversize=c["oversize"],
-                  attention=cfg.attention)
-    search = SplitSearch.of(fields, int(batch.size), seed=int(c["seed"]))
+    search = row_search(cfg, c, P, 1, int(batch.size))
 
     def layout_of(v: int, _search) -> object:
         return resolve_stage_split(cfg, P * v, split, stage_cost=ideal_cost(batch, c["link"]), virtual=v)
