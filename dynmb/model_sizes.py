@@ -22,10 +22,14 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-__all__ = ["ModelSizes", "split_layers", "normalise_layer_split", "PARTS"]
+__all__ = ["ModelSizes", "split_layers", "normalise_layer_split", "normalise_head_split", "PARTS", "HEAD_STATS"]
 
 PARTS = ("attn", "mlp")
 """The two halves of a block, in order (unit ``2 i`` is layer ``i``'s ``attn``, ``2 i + 1`` its ``mlp``)."""
+
+HEAD_STATS = 2
+"""Running statistics a shard of a vocabulary-split LM head passes on per token: the log-sum-exp of the
+logits so far and the target's logit (0 where the target lies in a later shard), fp32 each."""
 
 
 class ModelSizes:
@@ -42,6 +46,7 @@ class ModelSizes:
     n_kv_heads: int | None
     n_layers: int
     layer_split: tuple[int | float, ...] | None
+    head_split: tuple[int, ...] | None
 
     @property
     def dtype_bytes(self) -> int:
@@ -104,6 +109,30 @@ class ModelSizes:
         """Layers per stage (halves count 0.5), e.g. ``[2.5, 2.0, 2.0, 1.5]``."""
         return [len(r) / 2 for r in self.stage_units(num_stages)]
 
+    # --- the LM head's vocabulary over the stages ---------------------------------------
+    def stage_vocab(self, num_stages: int) -> list[range]:
+        """The LM head's vocabulary rows on each stage: ``head_split`` when set (a suffix of stages,
+        contiguous row ranges in order), else all ``vocab_size`` rows on the last stage."""
+        if self.head_split is None or num_stages == 1:
+            return [range(0)] * (num_stages - 1) + [range(self.vocab_size)]
+        if len(self.head_split) != num_stages:
+            raise ValueError(f"model {getattr(self, 'name', '')!r} has a head split for {len(self.head_split)} "
+                             f"stages {list(self.head_split)}, not {num_stages}")
+        ends = list(itertools.accumulate(self.head_split))
+        return [range(end - n, end) for n, end in zip(self.head_split, ends)]
+
+    def head_stage(self, num_stages: int) -> int:
+        """The first stage holding LM-head rows: it also runs the final norm."""
+        return next(i for i, r in enumerate(self.stage_vocab(num_stages)) if len(r))
+
+    def message_channels(self, stage: int, num_stages: int) -> int:
+        """Width of the last dimension of the message ``stage`` sends on (to ``stage + 1``): ``d_model``,
+        plus the head's running statistics after a head shard (``HEAD_STATS`` fp32 values per token; in
+        a 16-bit model each as a high and a low 16-bit part, so they keep fp32's precision)."""
+        if stage >= num_stages - 1 or not len(self.stage_vocab(num_stages)[stage]):
+            return self.d_model
+        return self.d_model + HEAD_STATS * (1 if self.dtype_bytes == 4 else 2)
+
     # --- sizes ----------------------------------------------------------------------
     def half_params(self) -> tuple[int, int]:
         """Parameters of a block's ``(attention half, MLP half)``, each with its norm (module docstring)."""
@@ -121,7 +150,8 @@ class ModelSizes:
 
     def stage_params(self, stage: int, num_stages: int) -> int:
         """Parameters held by ``stage``: its blocks (or half-blocks), plus the embeddings on the first (gpt2: token
-        and position tables; llama: token table) and the final norm + LM head on the last. A tied
+        and position tables; llama: token table), the final norm on the head's first stage and the LM
+        head's rows on the stages holding them (``stage_vocab``; all on the last by default). A tied
         head adds nothing on a single stage; across stages the last holds a copy (as Megatron does)."""
         d = self.d_model
         na, nm = self.stage_parts(num_stages)[stage]
@@ -129,10 +159,10 @@ class ModelSizes:
         n = na * attn + nm * mlp
         if stage == 0:
             n += self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
-        if stage == num_stages - 1:
+        if stage == self.head_stage(num_stages):
             n += (2 * d if self.family == "gpt2" else d)
-            if not (self.tie_embeddings and num_stages == 1):
-                n += d * self.vocab_size
+        if not (self.tie_embeddings and num_stages == 1):
+            n += d * len(self.stage_vocab(num_stages)[stage])
         return n
 
     def param_count(self) -> int:
@@ -149,13 +179,15 @@ class ModelSizes:
         2 FLOPs per multiply-add in every matmul (gpt2: qkv + out ``4 d^2`` and MLP ``2 d f`` per
         token; llama: q + out ``2 d^2``, k + v ``2 d kv`` with ``kv = kv_heads * head_dim``, SwiGLU
         ``3 d f``), plus the s^2 attention terms (QK^T and AV over the full row: masks do not skip
-        work in dense SDPA; K/V heads shared by a group still meet every query head).
+        work in dense SDPA; K/V heads shared by a group still meet every query head), plus the LM
+        head's ``2 d`` per token and vocabulary row the stage holds (``stage_vocab``).
         """
         na, nm = self.stage_parts(num_stages)[stage]
         attn, mlp = self.half_flops(rows, padded_len)
         fl = na * attn + nm * mlp
-        if stage == num_stages - 1:
-            fl = fl + rows * padded_len * 2 * self.d_model * self.vocab_size
+        vocab_rows = len(self.stage_vocab(num_stages)[stage])
+        if vocab_rows:
+            fl = fl + rows * padded_len * 2 * self.d_model * vocab_rows
         return fl
 
     def half_flops(self, rows: Any, padded_len: Any) -> tuple[Any, Any]:
@@ -172,21 +204,48 @@ class ModelSizes:
 
 def normalise_layer_split(split: Any, n_layers: int) -> tuple[int | float, ...]:
     """``split`` as layers per stage: whole layers as ints, half layers (``x.5``) as floats; every
-    stage at least half a block except a last stage of several, which may hold none (the final norm
-    and LM head alone, as Megatron's layout ``...|L`` allows); the total ``n_layers`` (ValueError
-    naming the split otherwise)."""
+    stage at least half a block except the last stages of several, which may hold none (the final norm
+    and LM head alone, as Megatron's layout ``...|L`` allows, or the LM head's vocabulary shards:
+    ``ModelConfig.head_split``); the total ``n_layers`` (ValueError naming the split otherwise)."""
     units = []
     for v in split:
         u = 2 * float(v)
         if not abs(u) < float("inf") or abs(u - round(u)) > 1e-9:
             raise ValueError(f"ModelConfig.layer_split {list(split)}: {v} is not a whole or half number of layers")
         units.append(int(round(u)))
-    inner = units[:-1] if len(units) > 1 else units
-    if not units or min(inner) < 1 or units[-1] < 0 or sum(units) != 2 * n_layers:
+    held = len(units) - next((i for i, u in enumerate(reversed(units)) if u), len(units))   # stages up to the last with layers
+    if not units or min(units[:held] or [0]) < 1 or min(units) < 0 or sum(units) != 2 * n_layers:
         raise ValueError(f"ModelConfig.layer_split {list(split)} must give every stage >= 1 layer (or half a "
-                         f"block; the last of several may hold none: the LM head alone) and sum to n_layers "
+                         f"block; the last stages of several may hold none: the LM head alone or its shards) and "
+                         f"sum to n_layers "
                          f"{n_layers}")
     return tuple(u // 2 if u % 2 == 0 else u / 2 for u in units)
+
+
+def normalise_head_split(split: Any, vocab_size: int, layer_split: tuple[int | float, ...] | None
+                         ) -> tuple[int, ...] | None:
+    """``split`` as LM-head vocabulary rows per stage (None: all on the last stage): whole numbers summing
+    to ``vocab_size``, held by a suffix of the stages (the first of them may also hold layers and runs the
+    final norm; every later one holds head rows only, so ``layer_split`` must give it no layers). A split
+    that leaves every row on the last stage is None (ValueError naming the split otherwise)."""
+    if split is None:
+        return None
+    rows = []
+    for v in split:
+        if float(v) != int(v) or int(v) < 0:
+            raise ValueError(f"ModelConfig.head_split {list(split)}: {v} is not a whole number of vocabulary rows")
+        rows.append(int(v))
+    first = next((i for i, n in enumerate(rows) if n), len(rows))
+    if not rows or sum(rows) != vocab_size or min(rows[first:]) < 1:
+        raise ValueError(f"ModelConfig.head_split {list(split)} must give a suffix of the stages >= 1 vocabulary row "
+                         f"each and sum to vocab_size {vocab_size}")
+    if first == len(rows) - 1:
+        return None
+    if layer_split is None or len(layer_split) != len(rows) or any(layer_split[first + 1:]):
+        raise ValueError(f"ModelConfig.head_split {rows} shards the LM head over stages {first}..{len(rows) - 1}: "
+                         f"layer_split must give the same {len(rows)} stages and no layers after stage {first}, "
+                         f"got {None if layer_split is None else list(layer_split)}")
+    return tuple(rows)
 
 
 def split_layers(n_layers: int, num_stages: int) -> list[range]:

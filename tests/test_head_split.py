@@ -1,0 +1,61 @@
+"""The LM head split by vocabulary over the last stages (``ModelConfig.head_split``): sizes and checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynmb.config import ModelConfig
+from dynmb.model_sizes import HEAD_STATS
+
+
+def _llama8b(**kw):
+    return ModelConfig.preset("llama3.1-8b", **kw)
+
+
+def test_default_keeps_the_whole_head_on_the_last_stage():
+    cfg = _llama8b()
+    assert [len(r) for r in cfg.stage_vocab(4)] == [0, 0, 0, cfg.vocab_size]
+    assert cfg.head_stage(4) == 3 and [cfg.message_channels(i, 4) for i in range(4)] == [cfg.d_model] * 4
+
+
+def test_shards_split_rows_params_and_flops_and_conserve_the_totals():
+    base, cfg = _llama8b(), _llama8b(layer_split=(16, 16, 0, 0), head_split=(0, 0, 28256, 100000))
+    assert [(r.start, r.stop) for r in cfg.stage_vocab(4)] == [(0, 0), (0, 0), (0, 28256), (28256, 128256)]
+    assert cfg.head_stage(4) == 2
+    d = cfg.d_model
+    assert cfg.stage_params(2, 4) == d + 28256 * d           # the final norm and its rows
+    assert cfg.stage_params(3, 4) == 100000 * d              # rows only
+    assert sum(cfg.stage_params(i, 4) for i in range(4)) == sum(
+        _llama8b(layer_split=(16, 16, 0)).stage_params(i, 3) for i in range(3))
+    assert cfg.param_count() == base.param_count()
+    head = [float(cfg.stage_flops(i, 4, 2, 100)) for i in (2, 3)]
+    assert head == [2 * 100 * 2 * d * 28256, 2 * 100 * 2 * d * 100000]
+    # a 16-bit model sends each fp32 statistic as two 16-bit parts; fp32 sends them as they are
+    assert cfg.message_channels(2, 4) == d + 2 * HEAD_STATS and cfg.message_channels(3, 4) == d
+    f32 = _llama8b(dtype="float32", layer_split=(16, 16, 0, 0), head_split=(0, 0, 28256, 100000))
+    assert f32.message_channels(2, 4) == d + HEAD_STATS and f32.message_channels(1, 4) == d
+
+
+def test_the_first_shard_may_share_its_stage_with_layers():
+    cfg = _llama8b(layer_split=(16, 16, 0), head_split=(0, 100, 128156))
+    assert cfg.head_stage(3) == 1 and cfg.stage_layer_counts(3) == [16, 16, 0]
+    assert _llama8b(layer_split=(16, 16, 0), head_split=(0, 0, 128256)).head_split is None   # all on the last
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(layer_split=(16, 16, 0, 0)), "hold no layers"),
+    (dict(layer_split=(16, 8, 8, 0), head_split=(0, 28256, 50000, 50000)), "no layers after stage 1"),
+    (dict(head_split=(0, 0, 28256, 100000)), "layer_split must give"),
+    (dict(layer_split=(16, 16, 0, 0), head_split=(0, 0, 28256, 99999)), "sum to vocab_size"),
+    (dict(layer_split=(16, 16, 0, 0), head_split=(0, 5, 0, 128251)), "suffix"),
+    (dict(layer_split=(16, 16, 0, 0), head_split=(0, 0, 0.5, 128255.5)), "whole number"),
+    (dict(layer_split=(16, 0, 16)), "every stage >= 1 layer"),
+])
+def test_bad_splits_are_refused_naming_the_split(kw, words):
+    with pytest.raises(ValueError, match=words):
+        _llama8b(**kw)
+
+
+def test_tied_heads_cannot_be_sharded():
+    with pytest.raises(ValueError, match="untied"):
+        ModelConfig.preset("llama3.2-1b", layer_split=(8, 8, 0, 0), head_split=(0, 0, 64128, 64128))
