@@ -133,6 +133,10 @@ class ModelConfig(ModelSizes):
                              "half, which only dynmb's own model families (gpt2, llama) can run; use whole layers")
         return [range(r.start // 2, r.stop // 2) for r in units]
 
+    def with_layout_of(self, other: "ModelConfig") -> "ModelConfig":
+        """This config with ``other``'s split over the stages (``layer_split`` and ``head_split``)."""
+        return replace(self, layer_split=other.layer_split, head_split=other.head_split)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -131,25 +131,26 @@ class MemoryModel:
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
         c = model_cfg
-        e, d, v = c.dtype_bytes, c.d_model, c.vocab_size
+        e = c.dtype_bytes
         attn, mlp = half_act_coef(c)
         act = np.zeros((num_stages, 3))
         tr = np.zeros((num_stages, 3))
-        for i, (na, nm) in enumerate(c.stage_parts(num_stages)):
+        for i, ((na, nm), rows) in enumerate(zip(c.stage_parts(num_stages), c.stage_vocab(num_stages))):
             first, last = i == 0, i == num_stages - 1
+            out_bytes = c.message_channels(i, num_stages) * e       # the message sent on
             act[i, 1:] = na * attn + nm * mlp                                      # whole and half blocks
             act[i, 1] += stage_act_per_token(c, first, attention=na > 0)          # ids, rotary tables
             if c.attention == "auto":
                 act[i, 1] += 8 * (2 + BUCKET_PADDING)       # bucket gather + scatter indices (int64)
+            act[i, 1] += head_act_per_token(c, i, num_stages)  # norm_f in/out, stats, log-softmax / logits, labels
+            tr[i, 1] = 4 * len(rows)                        # logits gradient of its LM-head rows (fp32)
             if last:
-                act[i, 1] += head_act_per_token(c)        # norm_f in/out, stats, log-softmax out, labels
                 act[i, 0] += 4                              # the loss
-                tr[i, 1] = 4 * v                            # logits gradient (fp32)
             else:
-                act[i, 1] += d * e                          # the stage output, kept for its backward
-                tr[i, 1] = d * e                            # incoming gradient
+                act[i, 1] += out_bytes                      # the stage output, kept for its backward
+                tr[i, 1] = max(tr[i, 1], out_bytes)         # incoming gradient
             if not first:
-                tr[i, 1] += d * e                           # input gradient produced
+                tr[i, 1] += c.message_channels(i - 1, num_stages) * e    # input gradient produced
         return cls(model_cfg, num_stages, cls.analytic_state_bytes(model_cfg, num_stages, optimizer), act, tr,
                    optimizer=optimizer, source="analytic")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import ModelConfig
+from .model_sizes import HEAD_STATS
 
 __all__ = ["BUCKET_PADDING", "block_act_coef", "half_act_coef", "stage_act_per_token", "head_act_per_token", "w_coef",
            "recompute_saved_coef", "recompute_transient_coef"]
@@ -107,8 +108,8 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     call's input and output gradient. Per block and token, gpt2: ``e (2d + 2f + 6d g)`` (qkv d + 3d,
     proj d + d, fc d + f, proj f + d); llama (``k = n_kv_heads * head_dim``): ``e (2d + 3f + (4d +
     2k) g)`` (qkv d + d + 2k, proj d + d, gate_up d + 2f, down f + d), the attention half's the terms
-    with ``g``, the MLP half's the rest; the last stage adds the LM head's (d, V)."""
-    e, d, f, v = cfg.dtype_bytes, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    with ``g``, the MLP half's the rest; a stage holding LM-head rows adds the head's (d, its rows)."""
+    e, d, f = cfg.dtype_bytes, cfg.d_model, cfg.d_ff
     g = 1.0 if cfg.attention == "dense" else 1.0 + BUCKET_PADDING
     if cfg.family == "llama":
         k = cfg.kv_heads * cfg.head_dim
@@ -118,42 +119,56 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     out = np.zeros((num_stages, 3))
     for i, (na, nm) in enumerate(cfg.stage_parts(num_stages)):
         out[i, 1] = na * attn + nm * mlp
-        if i == num_stages - 1 and not cfg.tie_embeddings:
-            out[i, 1] += e * (d + v)
+        rows = len(cfg.stage_vocab(num_stages)[i])
+        if rows and not cfg.tie_embeddings:
+            out[i, 1] += e * (d + rows)
     return out
 
 
-def head_act_per_token(cfg: ModelConfig) -> float:
-    """Bytes per token the last stage's head saves for backward: norm_f input and output (RMSNorm
-    also its normalised input before the gain), its fp32 statistics (LayerNorm: mean and rstd;
-    RMSNorm: rstd), the fp32 log-softmax output and the int64 labels."""
-    if cfg.family == "llama":
-        return 3 * cfg.d_model * cfg.dtype_bytes + 4 + 4 * cfg.vocab_size + 8
-    return 2 * cfg.d_model * cfg.dtype_bytes + 8 + 4 * cfg.vocab_size + 8
+def head_act_per_token(cfg: ModelConfig, stage: int | None = None, num_stages: int = 1) -> float:
+    """Bytes per token the head saves for backward on ``stage`` (None: the whole head on one stage):
+    on the head's first stage norm_f input and output (RMSNorm also its normalised input before the
+    gain) and its fp32 statistics (LayerNorm: mean and rstd; RMSNorm: rstd); on a stage holding
+    ``rows`` of the LM head the fp32 log-softmax (a shard: its logits) of its rows and the int64
+    labels, and on a shard stage after the first its input, the normalised hidden state, plus the
+    running fp32 statistics (``dynmb.model_sizes.HEAD_STATS``); 0 on a stage without head rows."""
+    e, d = cfg.dtype_bytes, cfg.d_model
+    rows = cfg.vocab_size if stage is None else len(cfg.stage_vocab(num_stages)[stage])
+    if not rows:
+        return 0.0
+    norm = 3 * d * e + 4 if cfg.family == "llama" else 2 * d * e + 8
+    if stage is None or stage == cfg.head_stage(num_stages):
+        return norm + 4 * rows + 8
+    return d * e + 4 * HEAD_STATS + 4 * rows + 8
 
 
 def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' (whole or
-    half) but their inputs, and on the last stage the head's but its input (``dynmb.models.RecomputedHead``)."""
+    half) but their inputs, and on the stages holding LM-head rows the head's but its input
+    (``dynmb.models.RecomputedHead``)."""
     out = np.zeros((num_stages, 3))
     attn, mlp = half_act_coef(cfg)
     for i, ((na, nm), blocks) in enumerate(zip(cfg.stage_parts(num_stages), cfg.stage_blocks(num_stages))):
         out[i, 1:] = na * attn + nm * mlp
         out[i, 1] -= len(blocks) * cfg.dtype_bytes * cfg.d_model
-    out[-1, 1] += head_act_per_token(cfg) - cfg.dtype_bytes * cfg.d_model
+    for i in range(num_stages):
+        if len(cfg.stage_vocab(num_stages)[i]):
+            out[i, 1] += head_act_per_token(cfg, i, num_stages) - cfg.dtype_bytes * cfg.d_model
     return out
 
 
 def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     """``[P, 3]``: what a recomputed backward re-creates at a time, on top of the stage's
-    transient bytes: one block's activation bytes (its largest block, whole or half); on the last
-    stage, whose transient is the fp32 logits gradient (4 V per token), the head's re-created activations while that gradient
-    lives, or one block's after it is gone (the head's backward runs first), whichever is larger:
-    ``max(block - 4 V, head)``."""
+    transient bytes: one block's activation bytes (its largest block, whole or half); on a stage holding
+    LM-head rows, whose transient is the fp32 logits gradient of its rows (4 per token and row), the head's
+    re-created activations while that gradient lives, or one block's after it is gone (the head's backward
+    runs first), whichever is larger: ``max(block - 4 rows, head)``."""
     out = np.zeros((num_stages, 3))
     halves = dict(zip(("attn", "mlp"), half_act_coef(cfg)))
     for i, blocks in enumerate(cfg.stage_blocks(num_stages)):
         for _, parts in blocks:
             out[i, 1:] = np.maximum(out[i, 1:], sum(halves[p] for p in parts))
-    out[-1, 1] = max(out[-1, 1] - 4 * cfg.vocab_size, head_act_per_token(cfg))
+    for i, rows in enumerate(cfg.stage_vocab(num_stages)):
+        if len(rows):
+            out[i, 1] = max(out[i, 1] - 4 * len(rows), head_act_per_token(cfg, i, num_stages))
     return out

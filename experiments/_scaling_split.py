@@ -6,7 +6,8 @@ The candidates are the min-max split of the trace's work (``scaling.ideal_cost``
 its near-optimal arrangements; each is planned with ``dynamic`` and the row's settings (``--schedule``,
 ``--virtual``, the memory limit, ``--oversize``, DP) on sample batches drawn from the trace, not from the
 measured batch, one replica's share of the global batch each; the fastest per real token is kept, the
-min-max split unless another is strictly better. Its CPU seconds (``split_choice_s``) are paid once per
+min-max split unless another is strictly better; its LM head is then sharded over the last stages where that
+lightens the busiest stage (``dynmb.planning.head_split``), as ``auto`` does. Its CPU seconds (``split_choice_s``) are paid once per
 run, not per step, and are not in ``plan_s``.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from dynmb.costmodel import gpu
 from dynmb.planning.split_search import SplitSearch
-from dynmb.planning.stage_split import with_split
+from dynmb.planning.stage_split import planned_layout
 
 __all__ = ["SEARCH", "searched_split", "row_search"]
 
@@ -43,4 +44,4 @@ def searched_split(cfg, c: dict, chunks: int, virtual: int, trace: np.ndarray, g
                            virtual=virtual)
     if choice.how != "simulated":
         raise SystemExit(f"scaling.py: --stage-split search fell back to the min-max split: {choice.reason}")
-    return with_split(cfg, chunks, choice.split), float(choice.cpu_s)
+    return planned_layout(cfg, chunks, choice.split, stage_cost, virtual=virtual), float(choice.cpu_s)

@@ -17,7 +17,7 @@ from dynmb.memory import get_memory_model
 from dynmb.planning.gpu_split import chunk_caps, chunk_loads, gpu_balanced_partition
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.split_work import workload_cost
-from dynmb.planning.stage_split import (_min_max_partition, balanced_split, flops_cost, resolve_stage_split, split_ceiling,
+from dynmb.planning.stage_split import (_min_max_partition, balanced_split, flops_cost, planned_layout, resolve_stage_split, split_ceiling,
                                         stage_work, unit_work)
 
 # Llama-3's 128k vocabulary at 7B widths, 8 layers: the head is more than two layers of work, so at P 4 V 2
@@ -88,7 +88,8 @@ def test_a_heavy_head_is_balanced_per_gpu_not_per_chunk() -> None:
 
 def test_resolve_stage_split_takes_virtual_from_the_caller_or_the_search(caplog) -> None:
     """``auto`` with ``virtual=2`` (or a split search whose spec has it) plans per GPU; ``even`` stays even;
-    V = 1 (the default) is the per-chunk min-max split it always was."""
+    V = 1 (the default) is the per-chunk min-max split it always was (with the head sharded where it outweighs
+    a stage, ``head_split``)."""
     s = P * V
     per_gpu = balanced_split(HEAVY_HEAD, s, half_blocks=True, virtual=V)
     assert resolve_stage_split(HEAVY_HEAD, s, "auto", virtual=V).layer_split == per_gpu
@@ -101,8 +102,11 @@ def test_resolve_stage_split_takes_virtual_from_the_caller_or_the_search(caplog)
     assert resolve_stage_split(HEAVY_HEAD, s, "even", virtual=V).layer_split is None
     per_chunk = balanced_split(HEAVY_HEAD, s, half_blocks=True)
     assert per_chunk != per_gpu
-    assert resolve_stage_split(HEAVY_HEAD, s, "auto").layer_split == per_chunk
-    assert resolve_stage_split(HEAVY_HEAD, s, "auto", virtual=1).layer_split == per_chunk
+    # V = 1: the per-chunk split, its head then sharded over the last stages where that lightens the busiest
+    one = planned_layout(HEAVY_HEAD, s, per_chunk, flops_cost())
+    assert resolve_stage_split(HEAVY_HEAD, s, "auto") == one
+    assert resolve_stage_split(HEAVY_HEAD, s, "auto", virtual=1) == one
+    assert one.layer_split == per_chunk or one.head_split is not None
 
 
 def test_where_per_gpu_balance_gains_nothing_the_per_chunk_split_stays() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dynmb.config import ModelConfig
@@ -59,3 +61,49 @@ def test_bad_splits_are_refused_naming_the_split(kw, words):
 def test_tied_heads_cannot_be_sharded():
     with pytest.raises(ValueError, match="untied"):
         ModelConfig.preset("llama3.2-1b", layer_split=(8, 8, 0, 0), head_split=(0, 0, 64128, 64128))
+
+
+# --- planned: --stage-split auto shards the head where it outweighs a stage ------------------------------
+def test_auto_shards_a_head_heavier_than_a_stage_and_only_then():
+    from dynmb.planning.head_split import HEAD_CHUNKS, shard_head
+    from dynmb.planning.stage_split import flops_cost, resolve_stage_split, stage_work, unit_work
+
+    cost = flops_cost(1024)
+    cfg = _llama8b()
+    out = resolve_stage_split(cfg, 32, "auto")
+    assert out.head_split is not None and out.head_stage(32) == 30           # the head over the last two stages
+    assert sum(out.head_split) == cfg.vocab_size and out.stage_layer_counts(32)[-1] == 0
+    unsharded = replace(out, head_split=None)                     # the same layers, the head alone on the last
+    assert max(stage_work(out, tuple(out.stage_layer_counts(32)), stage_cost=cost)) < \
+        max(stage_work(unsharded, tuple(unsharded.stage_layer_counts(32)), stage_cost=cost)) * 0.9
+    # the two head stages balanced to within one chunk of the head's work (the tie-break spreads them)
+    work = stage_work(out, tuple(out.stage_layer_counts(32)), stage_cost=cost)
+    head = unit_work(cfg, cost, True)[2]
+    assert abs(work[-1] - work[-2]) <= head / HEAD_CHUNKS * (1 + 1e-9) and max(work[-2:]) < max(work)
+    # Llama-2-7B's 32k head never outweighs a stage at P <= 16: the split is left as it is
+    for p in (4, 8, 16):
+        assert resolve_stage_split(ModelConfig.preset("llama2-7b"), p, "auto").head_split is None
+        layout = resolve_stage_split(cfg, p, "auto")
+        units, first, last = unit_work(layout, cost, True)
+        now = max(stage_work(layout, tuple(layout.stage_layer_counts(p)), stage_cost=cost))
+        assert layout.head_split is None and shard_head(layout, p, units, first, last, now) is None
+
+
+def test_memory_and_costs_follow_the_rows():
+    from dynmb.costmodel.gpu import GPUCostModel
+    from dynmb.memory import MemoryModel
+
+    whole = _llama8b(layer_split=(16, 16, 0))
+    cfg = _llama8b(layer_split=(16, 16, 0, 0), head_split=(0, 0, 28256, 100000))
+    mw, ms = MemoryModel.analytic(whole, 3), MemoryModel.analytic(cfg, 4)
+    # the fp32 logits gradient (transient) and the saved log-softmax / logits split by rows
+    assert ms.transient_coef[2, 1] >= 4 * 28256 and ms.transient_coef[3, 1] >= 4 * 100000
+    assert ms.transient_coef[3, 1] < mw.transient_coef[2, 1]
+    assert ms.act_coef[2, 1] + ms.act_coef[3, 1] > mw.act_coef[2, 1] > max(ms.act_coef[2, 1], ms.act_coef[3, 1])
+    assert ms.state_bytes[2] + ms.state_bytes[3] == pytest.approx(mw.state_bytes[2], rel=1e-6)
+    # the GPU model prices a shard's head time by its rows
+    gw, gs = GPUCostModel(whole, 3), GPUCostModel(cfg, 4)
+    t = {name: float(m.predict(stage, "F", 1, 4096)) - m.spec.overhead_s
+         for name, m, stage in (("whole", gw, 2), ("a", gs, 2), ("b", gs, 3))}
+    assert t["a"] + t["b"] == pytest.approx(t["whole"], rel=1e-6)
+    assert t["b"] / t["a"] == pytest.approx(100000 / 28256, rel=1e-3)

@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +72,12 @@ def _for_split(cost_model: Any, cfg: ModelConfig, num_stages: int, chunks_from: 
     ``chunks_from``: it was made for that many stages (``virtual="auto"``'s GPUs): rebuilt for ``num_stages``."""
     cm = layout_cost_model(cost_model)
     if cm is not None and chunks_from is not None and cm.num_stages == chunks_from != num_stages:
-        cm.check(replace(cfg, layer_split=cm.model_cfg.layer_split), chunks_from)
-        return cm.for_layout(replace(cm.model_cfg, layer_split=cfg.layer_split), num_stages)
-    if cm is None or cm.model_cfg.layer_split == cfg.layer_split or cm.num_stages != num_stages:
+        cm.check(cfg.with_layout_of(cm.model_cfg), chunks_from)
+        return cm.for_layout(cm.model_cfg.with_layout_of(cfg), num_stages)
+    if cm is None or cm.model_cfg.with_layout_of(cfg) == cm.model_cfg or cm.num_stages != num_stages:
         return cost_model
-    cm.check(replace(cfg, layer_split=cm.model_cfg.layer_split), num_stages)      # the same model otherwise
-    return cm.for_layout(replace(cm.model_cfg, layer_split=cfg.layer_split), num_stages)
+    cm.check(cfg.with_layout_of(cm.model_cfg), num_stages)      # the same model otherwise
+    return cm.for_layout(cm.model_cfg.with_layout_of(cfg), num_stages)
 
 
 class Planner:

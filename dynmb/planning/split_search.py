@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -247,7 +247,7 @@ class SplitSearch:
         """(mean simulated step, mean real tokens) of ``dynamic`` on ``batches`` under ``split``; (inf, 0) when
         one cannot be planned."""
         layout = with_split(cfg, num_stages, split)
-        priced = cm.for_layout(replace(cm.model_cfg, layer_split=layout.layer_split), num_stages)
+        priced = cm.for_layout(cm.model_cfg.with_layout_of(layout), num_stages)
         mm = get_memory_model(None, layout, num_stages)
         spec = self.spec.with_(method="dynamic", dp=1, mbs=None)
         steps, tokens = [], []

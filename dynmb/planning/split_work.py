@@ -34,7 +34,6 @@ constants, summed in the lengths' order: every rank computes the same split.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -84,7 +83,7 @@ def fitted_split(cost_model: Any, cfg: ModelConfig, num_stages: int) -> ModelCon
         cost_model = CostModel.load(cost_model)
     if getattr(cost_model, "layout_free", True) or int(getattr(cost_model, "num_stages", -1)) != int(num_stages):
         return None
-    out = replace(cfg, layer_split=cost_model.model_cfg.layer_split)
+    out = cfg.with_layout_of(cost_model.model_cfg)
     try:
         cost_model.check(out, num_stages)
     except ValueError:
@@ -109,7 +108,7 @@ def workload_cost(workload: Any, cfg: ModelConfig, cost_model: Any = None):
     if cm is None:
         return lambda layout, stage, num_stages: _flops_work(layout, stage, num_stages, lengths)
 
-    cm.check(replace(cfg, layer_split=cm.model_cfg.layer_split), cm.num_stages)   # the same model, any split
+    cm.check(cfg.with_layout_of(cm.model_cfg), cm.num_stages)   # the same model, any split
 
     def seconds(layout: ModelConfig, stage: int, num_stages: int) -> float:
         priced = cm.for_layout(layout, num_stages)

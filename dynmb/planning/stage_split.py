@@ -81,9 +81,11 @@ import numpy as np
 from dynmb.config import ModelConfig
 
 from .gpu_split import chunk_loads, gpu_balanced_partition
+from .head_split import shard_head
+from .partition import min_max_partition as _min_max_partition
 from .split_work import fitted_split, workload_cost
 
-__all__ = ["balanced_split", "min_max_split", "with_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
+__all__ = ["balanced_split", "planned_layout", "min_max_split", "with_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
            "StageCost", "STAGE_SPLITS"]
 
 logger = logging.getLogger(__name__)
@@ -106,7 +108,7 @@ def flops_cost(tokens_hint: int = 1024) -> StageCost:
 def _parts(cfg: ModelConfig, cost: StageCost) -> tuple[float, float, float, float]:
     """(attention half, MLP half, first-stage extra, last-stage extra) work, read off ``cost`` of small
     layouts (module docstring)."""
-    base = replace(cfg, layer_split=None)
+    base = replace(cfg, layer_split=None, head_split=None)
     one, two = replace(base, n_layers=1), replace(base, n_layers=2)
     layer = cost(two, 0, 1) - cost(one, 0, 1)
     first = max(cost(two, 0, 2) - layer, 0.0)
@@ -126,14 +128,18 @@ def unit_work(cfg: ModelConfig, cost: StageCost, half: bool) -> tuple[np.ndarray
 
 def stage_work(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024, *,
                stage_cost: StageCost | None = None) -> list[float]:
-    """The work model's work of each stage under ``split`` (layers per stage; halves allowed): forward
-    FLOPs at one row of ``tokens_hint`` tokens, or ``stage_cost``'s."""
+    """The work model's work of each stage under ``split`` (layers per stage; halves allowed) and ``cfg``'s
+    ``head_split`` (the head's work over its stages by rows; None: on the last): forward FLOPs at one row
+    of ``tokens_hint`` tokens, or ``stage_cost``'s."""
     units, first, last = unit_work(cfg, stage_cost or flops_cost(tokens_hint), True)
     prefix = np.concatenate([[0.0], np.cumsum(units)])
     ends = np.cumsum([int(round(2 * n)) for n in split])
     work = [float(prefix[b] - prefix[a]) for a, b in zip(np.concatenate([[0], ends[:-1]]), ends)]
     work[0] += first
-    work[-1] += last
+    if cfg.head_split is not None and len(cfg.head_split) == len(work):     # the head's rows over its stages
+        work = [w + last * rows / cfg.vocab_size for w, rows in zip(work, cfg.head_split)]
+    else:
+        work[-1] += last
     return work
 
 
@@ -145,36 +151,6 @@ def split_ceiling(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int =
     w = np.asarray(stage_work(cfg, split, tokens_hint, stage_cost=stage_cost))
     g = w.reshape(int(virtual), -1).sum(axis=0)
     return float(g.mean() / g.max())
-
-
-def _min_max_partition(units: np.ndarray, p: int, first: float, last: float) -> tuple[list[int], float, float]:
-    """(units per stage, max, sum of squares) of the min-max contiguous partition of ``units`` into
-    ``p`` non-empty segments, ``first`` / ``last`` added to the segments at the ends (module docstring)."""
-    n = units.size
-    prefix = np.concatenate([[0.0], np.cumsum(units)])               # work of units [0, j)
-    best_max = np.full((p, n + 1), np.inf)
-    best_sq = np.full((p, n + 1), np.inf)
-    arg = np.zeros((p, n + 1), dtype=np.int64)
-    j = np.arange(n + 1)
-    seg0 = prefix + first + np.where(j == n, last, 0.0)
-    best_max[0, 1:], best_sq[0, 1:] = seg0[1:], seg0[1:] ** 2
-    for k in range(1, p):
-        for end in range(k + 1, n + 1):
-            starts = np.arange(k, end)                                    # the last segment is [start, end)
-            seg = prefix[end] - prefix[starts] + (last if end == n else 0.0)
-            mx = np.maximum(best_max[k - 1, starts], seg)
-            sq = best_sq[k - 1, starts] + seg ** 2
-            lo = mx.min()
-            ties = np.flatnonzero(mx <= lo * (1 + 1e-12))
-            pick = ties[np.argmin(sq[ties])]
-            best_max[k, end], best_sq[k, end], arg[k, end] = mx[pick], sq[pick], starts[pick]
-    split, end = [], n
-    for k in range(p - 1, 0, -1):
-        start = int(arg[k, end])
-        split.append(end - start)
-        end = start
-    split.append(end)
-    return list(reversed(split)), float(best_max[p - 1, n]), float(best_sq[p - 1, n])
 
 
 def _stage_partition(units: np.ndarray, p: int, first: float, last: float) -> tuple[list[int], float, float]:
@@ -275,9 +251,22 @@ def _say_choice(choice: Any) -> None:
 def with_split(cfg: ModelConfig, num_stages: int, split: tuple[float, ...]) -> ModelConfig:
     """``cfg`` with layers per stage ``split``; the even split as the even split (``layer_split`` None), so
     a model fitted on the even split still fits (with more stages than layers there is none)."""
-    if num_stages <= cfg.n_layers and tuple(split) == tuple(replace(cfg, layer_split=None).stage_layer_counts(num_stages)):
-        return replace(cfg, layer_split=None)
-    return replace(cfg, layer_split=tuple(split))
+    if num_stages <= cfg.n_layers and tuple(split) == tuple(replace(cfg, layer_split=None, head_split=None).stage_layer_counts(num_stages)):
+        return replace(cfg, layer_split=None, head_split=None)
+    return replace(cfg, layer_split=tuple(split), head_split=None)
+
+
+def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], stage_cost: StageCost, *,
+                   virtual: int = 1, half_blocks: bool = True) -> ModelConfig:
+    """``cfg`` with the layer split ``split`` an ``auto`` choice arrived at (``with_split``), its LM head then
+    sharded over the last stages where that lightens the busiest stage (``head_split.shard_head``; one chunk
+    a GPU, dynmb's own families)."""
+    out = with_split(cfg, num_stages, split)
+    if int(virtual) == 1 and half_blocks and num_stages > 1:
+        units, first, last = unit_work(out, stage_cost, True)
+        now = max(stage_work(out, tuple(out.stage_layer_counts(num_stages)), stage_cost=stage_cost))
+        out = shard_head(out, num_stages, units, first, last, now) or out
+    return out
 
 
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
@@ -302,7 +291,7 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
     if virtual is None:
         virtual = int(getattr(getattr(search, "spec", None), "virtual", 1))
     if setting == "even":
-        return replace(cfg, layer_split=None)
+        return replace(cfg, layer_split=None, head_split=None)
     if setting == "auto":
         pinned = fitted_split(cost_model, cfg, num_stages) if stage_cost is None else None
         if pinned is not None:
@@ -325,12 +314,15 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
         else:
             split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost,
                                    virtual=virtual)
-        out = with_split(cfg, num_stages, split)
-        even = None if num_stages > cfg.n_layers else replace(cfg, layer_split=None).stage_layer_counts(num_stages)
-        def ceiling(s: tuple[float, ...]) -> float:
-            return split_ceiling(cfg, s, tokens_hint, stage_cost=stage_cost, virtual=virtual)
+        out = planned_layout(cfg, num_stages, split, stage_cost or flops_cost(max(1, int(tokens_hint))),
+                             virtual=virtual, half_blocks=half_blocks)
+        even = None if num_stages > cfg.n_layers else replace(cfg, layer_split=None, head_split=None).stage_layer_counts(num_stages)
+        def ceiling(s: tuple[float, ...], layout: ModelConfig = cfg) -> float:
+            return split_ceiling(layout, s, tokens_hint, stage_cost=stage_cost, virtual=virtual)
 
-        logger.info("stage split auto: %s (split ceiling %.3f%s; even split: %s)", list(split), ceiling(split),
+        logger.info("stage split auto: %s%s (split ceiling %.3f%s; even split: %s)", list(out.stage_layer_counts(num_stages)),
+                    "" if out.head_split is None else f", LM-head rows {list(out.head_split)}",
+                    ceiling(tuple(out.stage_layer_counts(num_stages)), out),
                     f", {virtual} chunks a GPU" if virtual > 1 else "",
                     "none" if even is None else f"{ceiling(tuple(even)):.3f}")
         return out
