@@ -8,7 +8,8 @@ microbatches have different shapes (rows x padded length), which torch's stage d
 1. **Checks, before any process talks.** The plan is one pipeline's (``dp == 1``; under data
    parallelism run ``plan.replica(r)`` and pass the global token count as
    ``TorchPipeliningSettings.loss_tokens``), holds no slices of long sequences, and matches the
-   schedule (microbatches, stages, ranks, this rank's stages); the last stage runs its forwards
+   schedule (microbatches, stages, ranks, this rank's stages), the model's LM head is not split by
+   vocabulary (``head_split`` sends wider messages); the last stage runs its forwards
    in microbatch order (torch keeps the losses in a list in forward order and reads them back by
    microbatch index). Each failure is one ``TorchPipeliningError`` line.
 2. **The ranks agree** (``settings.check_digest``): sha256 of the plan's digest, the schedule
@@ -254,7 +255,7 @@ def _as_schedule(schedule: Schedule | str | Path, m: int) -> Schedule:
 
 
 def _check_step(stages: Sequence[nn.Module], plan: Plan, schedule: Schedule, rank: int, group_size: int,
-                loss_tokens: int) -> None:
+                loss_tokens: int, model: ModelConfig) -> None:
     """The one-line refusals of the module docstring's step 1 (no process talks before them)."""
     if plan.dp != 1:
         raise TorchPipeliningError(f"the plan has dp={plan.dp}: run plan.replica(r) on pipeline r and pass "
@@ -262,6 +263,10 @@ def _check_step(stages: Sequence[nn.Module], plan: Plan, schedule: Schedule, ran
     if plan.has_slices:
         raise TorchPipeliningError("the plan slices long sequences (prefix attention across microbatches); "
                                    "torch's runtime cannot carry the prefix store: plan with --oversize error/truncate")
+    if model.head_split is not None:
+        raise TorchPipeliningError(f"the LM head split by vocabulary (head_split {list(model.head_split)}) sends "
+                                   f"wider messages after its shards, which this adapter does not size: run it "
+                                   f"with dynmb's runtime")
     if loss_tokens < 1:
         raise TorchPipeliningError(f"loss_tokens must be >= 1, got {loss_tokens}")
     if schedule.num_microbatches != plan.num_microbatches:
@@ -329,7 +334,7 @@ def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Pla
     sched = _as_schedule(schedule, plan.num_microbatches)
     loss_tokens = int(settings.loss_tokens if settings.loss_tokens is not None else plan.real_tokens)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    _check_step(stage_list, plan, sched, rank, size, loss_tokens)
+    _check_step(stage_list, plan, sched, rank, size, loss_tokens, settings.model)
     device = torch.device(settings.device)
     digest = _agree(plan, sched, loss_tokens, group, device, settings.check_digest)
 

@@ -25,8 +25,8 @@ the last. ``forward(x, inputs)`` keeps the contract:
   the document's predicted tokens.
 
 Not supported (refused with a one-line error): slices of long sequences (no prefix store in
-transformers' attention), full recomputation, and tied input/output embeddings across more than one
-stage (the two copies would need their gradients summed between the first and last rank).
+transformers' attention), full recomputation, the LM head split by vocabulary (``head_split``), and
+tied input/output embeddings across more than one stage (the two copies would need their gradients summed between the first and last rank).
 Every rank builds the same weights: ``from_config`` seeds torch's generator before building the
 model, so ranks that build separately hold identical parameters; a loaded checkpoint is identical by
 construction.
@@ -182,6 +182,9 @@ class HFStageFactory:
         ``device`` move the shared modules (the whole model's, for one process holding every stage)."""
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} out of range for {num_stages} stages")
+        if self.config.head_split is not None:
+            raise ValueError(f"the LM head split by vocabulary (head_split {list(self.config.head_split)}) runs on "
+                             f"dynmb's own model families only; a transformers model keeps its head on the last stage")
         if num_stages > 1 and self.config_tied:
             raise ValueError("tied input/output embeddings across pipeline stages are not supported; "
                              "set tie_word_embeddings=False in the transformers config")
