@@ -310,3 +310,12 @@ def test_torch_pipelining_refuses_a_head_split(monkeypatch):
     with pytest.raises(TorchPipeliningError, match="head split by vocabulary"):
         run_with_torch_pipelining(build_stages(cfg, 2, SEED)[0], plan, build_schedule("1f1b", 2, 2), tokens,
                                   TorchPipeliningSettings(model=cfg))
+
+
+def test_a_sharded_llama_converts_to_transformers_with_the_whole_head():
+    pytest.importorskip("transformers")
+    from dynmb.models.hf import llama_to_hf
+
+    base, cfg = _cfg("llama-tiny", "3-1-0-0")
+    hf = llama_to_hf(build_stages(cfg, 4, SEED), cfg)
+    assert torch.equal(hf.lm_head.weight, build_stages(base, 1, SEED)[0].lm_head.weight)
