@@ -5,7 +5,8 @@ shards hold the whole head's rows, the loss is the same and every parameter's gr
 reference's (a shard's against the reference head's rows), for both families, padded and packed
 rows, slices of a long sequence, full recomputation, the I/W split and ``reduction="none"``; a 16-bit
 model sends the fp32 statistics as high and low parts. Refusals: transformers stages, a model of the
-user's own, torch's pipelining adapter. Real gloo ranks: ``tests/test_stage_split.py``.
+user's own. Real gloo ranks: ``tests/test_stage_split.py`` (dynmb's runtime) and
+``tests/test_torch_pipelining.py`` (torch's).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import dynmb.models.head as head_mod
 from dynmb.config import ModelConfig
@@ -293,23 +293,6 @@ def test_transformers_stages_refuse_a_head_split():
     factory.config = replace(factory.config, layer_split=(2, 0, 0), head_split=(0, 30, 34))
     with pytest.raises(ValueError, match="head split by vocabulary .* dynmb's own model families only"):
         factory.build_stage(1, 3)
-
-
-def test_torch_pipelining_refuses_a_head_split(monkeypatch):
-    from dynmb.integrations.torch_pipelining import (TorchPipeliningError, TorchPipeliningSettings,
-                                                     run_with_torch_pipelining)
-    from dynmb.schedule import build_schedule
-
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_gather", lambda *a, **k: pytest.fail("a collective ran before the checks"))
-    _, cfg = _cfg("llama-tiny", "4-0")
-    plan, lengths = _mixed_plan()
-    plan = replace(plan, num_stages=2)
-    tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=1)
-    with pytest.raises(TorchPipeliningError, match="head split by vocabulary"):
-        run_with_torch_pipelining(build_stages(cfg, 2, SEED)[0], plan, build_schedule("1f1b", 2, 2), tokens,
-                                  TorchPipeliningSettings(model=cfg))
 
 
 def test_a_sharded_llama_converts_to_transformers_with_the_whole_head():
