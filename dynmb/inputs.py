@@ -52,9 +52,16 @@ def torch_dtype(cfg: ModelConfig) -> torch.dtype:
     return _DTYPES[cfg.dtype]
 
 
-def hidden_shape(mb: Microbatch, cfg: ModelConfig) -> tuple[int, int, int]:
-    """Shape of the hidden state a stage sends for ``mb``: ``(batch, padded_len, d_model)``."""
-    return (mb.batch, mb.padded_len, cfg.d_model)
+def hidden_shape(mb: Microbatch, cfg: ModelConfig, stage: int | None = None,
+                 num_stages: int | None = None) -> tuple[int, int, int]:
+    """Shape of the message stage ``stage`` of ``num_stages`` sends on for ``mb`` (and of its gradient):
+    ``(batch, padded_len, cfg.message_channels(stage, num_stages))``, ``d_model`` channels but after a
+    head shard (``ModelConfig.head_split``); without a stage, the hidden state ``(batch, padded_len, d_model)``."""
+    if stage is None:
+        return (mb.batch, mb.padded_len, cfg.d_model)
+    if num_stages is None:
+        raise ValueError("hidden_shape: a stage's message shape needs num_stages")
+    return (mb.batch, mb.padded_len, cfg.message_channels(stage, num_stages))
 
 
 # --- data --------------------------------------------------------------------

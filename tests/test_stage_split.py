@@ -190,10 +190,10 @@ def test_the_memory_model_counts_each_half_block_as_the_meter_does(preset: str, 
 
 # --------------------------------------------------------------------------- real gloo ranks
 def _split_cfg(split: tuple[float, ...], kind: str = "1f1b", preset: str = "tiny", method: str = "dynamic",
-               recompute: str = "never") -> RunConfig:
-
-    model = ModelConfig.preset(preset, n_layers=int(sum(split)), layer_split=split)
-    return RunConfig(model=model, pipeline=PipelineConfig(num_stages=len(split), schedule=kind,
+               recompute: str = "never", head: tuple[int, ...] | None = None, virtual: int = 1) -> RunConfig:
+    """``head``: the LM head's vocabulary rows per stage (``ModelConfig.head_split``); ``virtual``: chunks per rank."""
+    model = ModelConfig.preset(preset, n_layers=int(sum(split)), layer_split=split, head_split=head)
+    return RunConfig(model=model, pipeline=PipelineConfig(num_stages=len(split), schedule=kind, virtual=virtual,
                                                           memory_limit_bytes=2**30),
                      dataset="gsm8k", global_batch=8, method=method, seed=0, steps=1, warmup=0, recompute=recompute,
                      backend="gloo", device="cpu", timeout_s=90.0)
@@ -205,11 +205,22 @@ SPLIT_CASES = {2: {"split-1-3": ((1, 3), "1f1b"), "split-3-1-zbh1": ((3, 1), "zb
                    "half-llama-2.5-1.5-zbh1": ((2.5, 1.5), "zb-h1", "llama-tiny"),
                    "half-llama-0.5-3.5-packed-recompute": ((0.5, 3.5), "1f1b", "llama-tiny", "packed", "always"),
                    "half-3.5-0.5-zbh1": ((3.5, 0.5), "zb-h1", "tiny", "packed"),
-                   "head-alone-llama-4-0-zbh1": ((4, 0), "zb-h1", "llama-tiny")},
+                   "head-alone-llama-4-0-zbh1": ((4, 0), "zb-h1", "llama-tiny"),
+                   # the head split by vocabulary: a shard beside every layer on rank 0, the rest on rank 1
+                   "vocab-llama-4-0-200-312": ((4, 0), "1f1b", "llama-tiny", "dynamic", "never", (200, 312)),
+                   "vocab-4-0-300-212-packed-zbh1": ((4, 0), "zb-h1", "tiny", "packed", "never", (300, 212)),
+                   "vocab-4-0-100-412-recompute": ((4, 0), "1f1b", "tiny", "dynamic", "always", (100, 412)),
+                   # interleaved: chunks 2 and 3 (the two row-only shards) on ranks 0 and 1
+                   "vocab-llama-2-2-0-0-interleaved": ((2, 2, 0, 0), "interleaved", "llama-tiny", "dynamic", "never",
+                                                       (0, 0, 200, 312), 2)},
                4: {"split-1-2-2-1": ((1, 2, 2, 1), "1f1b"),
                    "half-llama-1.5-1-1-0.5": ((1.5, 1, 1, 0.5), "1f1b", "llama-tiny", "dynamic", "always"),
                    "half-0.5-1.5-1.5-0.5-zbh1": ((0.5, 1.5, 1.5, 0.5), "zb-h1", "tiny", "packed"),
-                   "head-alone-2-1.5-0.5-0": ((2, 1.5, 0.5, 0), "1f1b", "tiny", "dynamic", "always")}}
+                   "head-alone-2-1.5-0.5-0": ((2, 1.5, 0.5, 0), "1f1b", "tiny", "dynamic", "always"),
+                   "vocab-llama-2-2-0-0-200-312": ((2, 2, 0, 0), "1f1b", "llama-tiny", "dynamic", "never",
+                                                   (0, 0, 200, 312)),
+                   "vocab-2-1.5-0.5-0-100-412-zbh1": ((2, 1.5, 0.5, 0), "zb-h1", "tiny", "packed", "never",
+                                                      (0, 0, 100, 412))}}
 
 
 def _provider(nproc: int):
@@ -231,11 +242,15 @@ def test_uneven_splits_give_the_reference_gradients(gloo_job, nproc: int) -> Non
 
     job = gloo_job(nproc)
     assert job.returncode == 0, job.errors
-    for name, (split, *_) in SPLIT_CASES[nproc].items():
+    for name, (split, *args) in SPLIT_CASES[nproc].items():
         t = load_results(job.out / name)
         assert t["steps"]["verified"].all(), name
         recorded = str(t["runs"]["model.layer_split"].iloc[0])          # a list, or numpy's print of it
         assert tuple(float(x) for x in re.findall(r"\d+(?:\.\d+)?", recorded)) == split, name
+        head = args[4] if len(args) > 4 else None
+        if head is not None:
+            recorded = str(t["runs"]["model.head_split"].iloc[0])
+            assert tuple(int(x) for x in re.findall(r"\d+", recorded)) == head, name
 
 
 def test_auto_with_more_stages_than_layers_splits_half_blocks():

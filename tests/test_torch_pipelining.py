@@ -5,7 +5,9 @@ process group, one after another (torch's import and gloo's set-up cost seconds 
 small box); each rank saves its stage's gradients and loss, and the test compares them with the
 single-process reference (``dynmb.models.reference_grads``). The plan's microbatches all differ in
 rows and padded length, padded and packed rows mixed. Cases: GPipe, 1F1B, ZB-H1 (torch's I/W),
-interleaved, recomputed microbatches, fp32 and fp64, pp2 x dp2 on pipeline subgroups, the module
+interleaved, recomputed microbatches, fp32 and fp64, an LM head split by vocabulary (ZB-H1; the
+reference is the same split in one process, ``tests/test_vocab_split.py`` ties it to the unsplit
+model), pp2 x dp2 on pipeline subgroups, the module
 docstring's example, and a divergent plan every rank must refuse. The job is killed and the test fails if it
 runs past ``JOB_TIMEOUT_S``.
 """
@@ -34,6 +36,8 @@ from dynmb.schedule import build_schedule
 from dynmb.types import Microbatch, Plan
 
 CFG = ModelConfig.preset("tiny", max_seq_len=256)
+VOCAB_SPLIT = replace(CFG, layer_split=(4, 0), head_split=(200, 312))
+"""Two stages, the LM head split by vocabulary: rows 0..199 beside every layer, the rest alone (wider message)."""
 SEED = 3
 JOB_TIMEOUT_S = 300
 TOL = {"float32": 1e-5, "float64": 1e-10}
@@ -76,12 +80,19 @@ class Case:
     """Run the module docstring's example block (with the process group already made)."""
     dp: int = 1
     """Data-parallel pipelines: ``plan.replica(r)`` on the pipeline subgroup r, gradients summed over replicas."""
+    vocab_split: bool = False
+    """The model ``VOCAB_SPLIT`` (two stages)."""
+
+    @property
+    def model(self) -> ModelConfig:
+        return VOCAB_SPLIT if self.vocab_split else CFG
 
 
 CASES = {
     2: [Case("1f1b"), Case("gpipe", kind="gpipe"), Case("zbh1", kind="zb-h1"), Case("1f1b_fp32", dtype="float32"),
         Case("recompute", recompute=True), Case("interleaved", kind="interleaved", virtual=2),
-        Case("example", example=True), Case("diverge", diverge=True)],
+        Case("example", example=True), Case("diverge", diverge=True),
+        Case("vocab_split_zbh1", kind="zb-h1", vocab_split=True)],
     4: [Case("1f1b"), Case("gpipe_fp32", kind="gpipe", dtype="float32"), Case("zbh1", kind="zb-h1"),
         Case("pp2dp2", dp=2)],
 }
@@ -138,9 +149,9 @@ def _run_case(rank: int, world: int, case: Case) -> dict:
         mbs[1] = replace(mbs[1], padded_len=mbs[1].padded_len + 1)
         plan = replace(plan, microbatches=tuple(mbs))
     dtype = getattr(torch, case.dtype)
-    mine = [build_stage(CFG, s, stages, SEED, dtype=dtype) for s in range(rank, stages, world)]
+    mine = [build_stage(case.model, s, stages, SEED, dtype=dtype) for s in range(rank, stages, world)]
     schedule = build_schedule(case.kind, stages, plan.num_microbatches, virtual=case.virtual)
-    out = run_with_torch_pipelining(mine, plan, schedule, tokens, TorchPipeliningSettings(model=CFG))
+    out = run_with_torch_pipelining(mine, plan, schedule, tokens, TorchPipeliningSettings(model=case.model))
     grads = {n: p.grad.detach().clone() if p.grad is not None else None
              for st in mine for n, p in st.named_parameters()}
     return {"loss": out.loss, "grads": grads, "shares": out.microbatch_losses}
@@ -202,7 +213,8 @@ def _results(out: Path, world: int, name: str) -> list[dict]:
 def test_gradients_equal_the_single_process_reference(job, world, case):
     res = _results(job(world), world, case.name)
     plan, tokens = _plan(world * case.virtual, case.recompute)
-    ref_loss, ref = reference_grads(CFG, world * case.virtual, plan, tokens, SEED, dtype=getattr(torch, case.dtype))
+    ref_loss, ref = reference_grads(case.model, world * case.virtual, plan, tokens, SEED,
+                                    dtype=getattr(torch, case.dtype))
     got: dict[str, torch.Tensor] = {}
     for r in res:
         assert not set(got) & set(r["grads"])

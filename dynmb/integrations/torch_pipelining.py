@@ -20,8 +20,9 @@ microbatches have different shapes (rows x padded length), which torch's stage d
    metadata forward, no ``send_object_list``) and its up-front receive buffers are empty. The
    subclass overrides two methods, ``get_fwd_recv_ops`` and ``get_bwd_recv_ops``: before torch
    posts the ``irecv`` of microbatch i it replaces that microbatch's buffer with a fresh tensor of
-   the plan's shape, ``(mb.batch, mb.padded_len, d_model)`` (``dynmb.inputs.hidden_shape``), the
-   same shape for the gradient. After the step the buffers are released (zero-size again).
+   the plan's shape, ``(mb.batch, mb.padded_len, d_model)`` (``dynmb.inputs.hidden_shape``; after a
+   shard of an LM head split by vocabulary, ``ModelConfig.head_split``, the wider message of the
+   sending stage, ``cfg.message_channels``), the shape of what the stage sends for the gradient. After the step the buffers are released (zero-size again).
 4. **Inputs as keyword arguments.** torch calls ``submod(*args, **kwargs)``; a dynmb stage's
    forward is ``forward(x, inputs, *, recompute=False)``. The first stage gets the microbatch's
    token ids as ``x`` (ignored by the contract: it embeds ``inputs.input_ids``), every stage
@@ -193,35 +194,39 @@ def _require_torch_internals() -> None:
 class PlanShapedStage(PipelineStage):
     """torch's ``PipelineStage`` whose receive buffers take the plan's shape of each microbatch.
 
-    ``shapes[i]``: the hidden state (and its gradient) of microbatch i between stages; built in
-    torch's static metadata mode with zero-row examples (module docstring, step 3)."""
+    ``shapes[i]``: the hidden state of microbatch i the stage receives; ``out_shapes[i]`` what it sends
+    (and so the gradient it receives; None: ``shapes``); built in torch's static metadata mode with
+    zero-row examples (module docstring, step 3)."""
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device, *,
                  shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, loss_dtype: torch.dtype,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, out_shapes: Sequence[tuple[int, ...]] | None = None) -> None:
+        out_shapes = shapes if out_shapes is None else out_shapes
         empty = (0,) * (len(shapes[0]) - 1) + (shapes[0][-1],)
         hidden = torch.zeros(empty, dtype=dtype, device=device, requires_grad=True)
+        sent = torch.zeros(empty[:-1] + (out_shapes[0][-1],), dtype=dtype, device=device, requires_grad=True)
         first = torch.zeros(empty[:-1], dtype=torch.int64, device=device)
         last = torch.zeros((), dtype=loss_dtype, device=device, requires_grad=True)
         super().__init__(submodule, stage_index, num_stages, device,
                          input_args=first if stage_index == 0 else hidden,
-                         output_args=last if stage_index == num_stages - 1 else hidden, group=group)
+                         output_args=last if stage_index == num_stages - 1 else sent, group=group)
         self._runtime_validate = False   # DETAIL validation would compare with the zero-row examples
         self._shapes = [tuple(int(n) for n in s) for s in shapes]
+        self._out_shapes = [tuple(int(n) for n in s) for s in out_shapes]
         self._dtype = dtype
 
-    def _size_buffers(self, infos: Sequence[Any], mb: int) -> None:
+    def _size_buffers(self, infos: Sequence[Any], shape: tuple[int, ...]) -> None:
         for info in infos:
             if not info.is_root_arg and info.buffer is not None:
-                info.buffer = torch.empty(self._shapes[mb], dtype=self._dtype, device=self.device)
+                info.buffer = torch.empty(shape, dtype=self._dtype, device=self.device)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        self._size_buffers(self.args_recv_info[fwd_chunk_id], fwd_chunk_id)
+        self._size_buffers(self.args_recv_info[fwd_chunk_id], self._shapes[fwd_chunk_id])
         return super().get_fwd_recv_ops(fwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         if self.has_backward and not self.is_last:
-            self._size_buffers(self.grad_recv_info[bwd_chunk_id], bwd_chunk_id)
+            self._size_buffers(self.grad_recv_info[bwd_chunk_id], self._out_shapes[bwd_chunk_id])
         return super().get_bwd_recv_ops(bwd_chunk_id)
 
     def release_buffers(self) -> None:
@@ -334,10 +339,15 @@ def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Pla
     digest = _agree(plan, sched, loss_tokens, group, device, settings.check_digest)
 
     dtype = _hidden_dtype(stage_list, settings)
-    shapes = [hidden_shape(mb, settings.model) for mb in plan.microbatches]
-    torch_stages = [PlanShapedStage(st, int(cast(StageModule, st).stage), sched.num_stages, device, shapes=shapes,
-                                    dtype=dtype, loss_dtype=torch.promote_types(dtype, torch.float32), group=group)
-                    for st in sorted(stage_list, key=lambda s: int(cast(StageModule, s).stage))]
+    def shapes(sender: int) -> list[tuple[int, int, int]]:        # what stage ``sender`` sends, per microbatch
+        return [hidden_shape(mb, settings.model, max(sender, 0), sched.num_stages) for mb in plan.microbatches]
+
+    indices = sorted(int(cast(StageModule, st).stage) for st in stage_list)
+    by_index = {int(cast(StageModule, st).stage): st for st in stage_list}
+    torch_stages = [PlanShapedStage(by_index[s], s, sched.num_stages, device, shapes=shapes(s - 1),
+                                    out_shapes=shapes(s), dtype=dtype,
+                                    loss_dtype=torch.promote_types(dtype, torch.float32), group=group)
+                    for s in indices]
     runtime = schedules._PipelineScheduleRuntime(stages=torch_stages, n_microbatches=plan.num_microbatches,
                                                  loss_fn=_TokenWeightedLoss(loss_tokens), scale_grads=False)
     with tempfile.TemporaryDirectory(prefix="dynmb-torch-pp-") as tmp:

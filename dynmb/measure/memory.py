@@ -54,7 +54,8 @@ def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int,
     inputs = make_inputs(mb, synthetic_tokens(lens, model_cfg.vocab_size, seed), cfg=model_cfg, device=dev)
     x = None
     if stage > 0:
-        x = torch.randn(b, s, model_cfg.d_model, dtype=torch_dtype(model_cfg), device=dev, requires_grad=True)
+        x = torch.randn(b, s, model_cfg.message_channels(stage - 1, num_stages), dtype=torch_dtype(model_cfg),
+                        device=dev, requires_grad=True)
     ops = device_ops(dev)
     if ops.allocator_stats:
         for p in mod.parameters():

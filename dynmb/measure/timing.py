@@ -31,20 +31,30 @@ from dynmb.runtime.splitbackward import backward_input, backward_weight, record_
 __all__ = ["time_stage"]
 
 
+def _widths(stage_mod: Any, d: int) -> tuple[int, int]:
+    """Channels a stage receives and sends: ``d``, or a dynmb stage's ``cfg.message_channels`` (head shards)."""
+    cfg = getattr(stage_mod, "cfg", None)
+    if cfg is None or not hasattr(cfg, "message_channels"):
+        return d, d
+    s, n = int(stage_mod.stage), int(stage_mod.num_stages)
+    return (cfg.message_channels(s - 1, n) if s > 0 else d), cfg.message_channels(s, n)
+
+
 def time_stage(stage_mod: torch.nn.Module, inputs: Any, *, hidden_size: int, repeats: int = 5, warmup: int = 2,
                device: str | torch.device = "cpu", clock: str = "thread", split: bool = False) -> list[tuple[float, ...]]:
     """``repeats`` (forward_s, backward_s, forward_wall_s, backward_wall_s) of ``stage_mod`` (a stage of the
     stage contract: ``is_first``, ``is_last``) on ``inputs``; ``hidden_size``: the width of the hidden state
-    it receives and sends (the model's ``d_model``). With ``split`` each tuple goes on with (input_grad_s,
+    it receives and sends (the model's ``d_model``; a dynmb stage next to a head shard receives or sends
+    its ``cfg.message_channels``). With ``split`` each tuple goes on with (input_grad_s,
     weight_grad_s, input_grad_wall_s, weight_grad_wall_s)."""
     device = torch.device(device)
     timed = device_ops(device).timer(clock)
     b, s = inputs.shape
-    d = int(hidden_size)
+    d_in, d_out = _widths(stage_mod, int(hidden_size))
     dtype = next(stage_mod.parameters()).dtype
     gen = torch.Generator(device="cpu").manual_seed(b * 7919 + s)
-    x0 = None if stage_mod.is_first else torch.randn(b, s, d, generator=gen).to(device=device, dtype=dtype)
-    g = None if stage_mod.is_last else (torch.randn(b, s, d, generator=gen) * 1e-3).to(device=device, dtype=dtype)
+    x0 = None if stage_mod.is_first else torch.randn(b, s, d_in, generator=gen).to(device=device, dtype=dtype)
+    g = None if stage_mod.is_last else (torch.randn(b, s, d_out, generator=gen) * 1e-3).to(device=device, dtype=dtype)
     stage_mod.train()
     out = []
     for i in range(warmup + repeats):

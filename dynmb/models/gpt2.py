@@ -3,7 +3,8 @@
 Model: token embedding + learned position embedding (first stage), then pre-LN blocks
 ``x + attn(LN(x))``, ``x + mlp(LN(x))`` with causal self-attention on the microbatch's path
 (``dynmb.models.attention``) and a tanh-GELU MLP, then a final LayerNorm, an untied LM head and
-the loss (last stage). ``GPT`` is the whole model as one stage; ``GPTStage(cfg, s, P)`` holds the
+the loss (last stage; or the head split by vocabulary over the last stages,
+``ModelConfig.head_split``, ``dynmb.models.head``). ``GPT`` is the whole model as one stage; ``GPTStage(cfg, s, P)`` holds the
 blocks ``cfg.stage_blocks(P)[s]`` (whole, or a half at a mid-block boundary). GPT-2 init, each parameter seeded by ``(seed, global name)``.
 
 Positions come from ``inputs.position_ids`` (restarting at 0 in each document, continuing
@@ -24,6 +25,7 @@ from dynmb.config import ModelConfig
 from dynmb.inputs import InputError, MicrobatchInputs
 
 from .attention import RoutedAttention
+from .head import seed_head_rows_
 from .seeding import seeded_normal_
 from .stage import DecoderStage
 
@@ -78,7 +80,8 @@ class Block(nn.Module):
 
 class GPTStage(DecoderStage):
     """Stage ``stage`` of ``num_stages`` of the GPT-2 family (``dynmb.models.stage.DecoderStage``):
-    ``embed``/``pos`` on the first stage, ``norm_f``/``lm_head`` on the last."""
+    ``embed``/``pos`` on the first stage, ``norm_f`` on the head stage and the head's rows (``lm_head``,
+    or a shard ``lm_head_<first row>``; ``DecoderStage.build_head``)."""
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -86,21 +89,22 @@ class GPTStage(DecoderStage):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, parts) for i, parts in self.units})
-        if self.is_last:
-            self.norm_f = nn.LayerNorm(cfg.d_model)
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.build_head(nn.LayerNorm(cfg.d_model))
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
         """GPT-2 init, each parameter from its own generator seeded by ``(seed, global name)``:
         N(0, 0.02) weights, residual output projections scaled by 1/sqrt(2 n_layers),
-        zero biases, unit LayerNorm gains."""
+        zero biases, unit LayerNorm gains; the LM head's rows in blocks of rows
+        (``dynmb.models.head.seed_head_rows_``, equal for every head split)."""
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if ".ln" in name or name.startswith("norm_f"):
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
             elif name.endswith("bias"):
                 p.zero_()
+            elif name.startswith("lm_head"):
+                seed_head_rows_(p, seed, self.vocab, self.cfg.vocab_size, 0.02)
             else:
                 seeded_normal_(p, seed, name, resid_std if name.endswith("proj.weight") else 0.02)
 

@@ -2,10 +2,12 @@
 
 Model: token embedding (first stage), then pre-norm blocks ``x + attn(RMSNorm(x))``,
 ``x + mlp(RMSNorm(x))``, then a final RMSNorm and the LM head (last stage; optionally the
-embedding matrix itself, ``tie_embeddings``, on a single stage). ``LlamaStage(cfg, s, P)``
+embedding matrix itself, ``tie_embeddings``, on a single stage; or split by vocabulary over the
+last stages, ``ModelConfig.head_split``, ``dynmb.models.head``). ``LlamaStage(cfg, s, P)``
 holds the blocks ``cfg.stage_blocks(P)[s]`` (whole, or a half at a mid-block boundary); parameter names are global and each parameter is
 seeded by ``(seed, global name)``: N(0, 0.02) matrices (the residual output projections
-``attn.proj`` and ``mlp.down`` scaled by 1/sqrt(2 n_layers)), unit norm gains.
+``attn.proj`` and ``mlp.down`` scaled by 1/sqrt(2 n_layers)), unit norm gains; the LM head's rows
+N(0, 0.02) in blocks of rows (``dynmb.models.head.seed_head_rows_``, equal for every head split).
 
 - Attention (``LlamaAttention``): one bias-free ``qkv`` projection to ``n_heads`` query heads
   and ``n_kv_heads`` key and value heads of ``head_dim`` (rows ``[q | k | v]``), rotary
@@ -39,6 +41,7 @@ from dynmb.config import ModelConfig
 from dynmb.inputs import MicrobatchInputs
 
 from .attention import CosSin, PositionTables, RoutedAttention
+from .head import seed_head_rows_
 from .seeding import seeded_normal_
 from .stage import DecoderStage
 
@@ -144,7 +147,8 @@ class LlamaBlock(nn.Module):
 
 class LlamaStage(DecoderStage):
     """Stage ``stage`` of ``num_stages`` of the Llama family (``dynmb.models.stage.DecoderStage``):
-    ``embed`` on the first stage, ``norm_f`` and ``lm_head`` (absent when tied) on the last."""
+    ``embed`` on the first stage, ``norm_f`` on the head stage and the head's rows (``lm_head``, absent
+    when tied, or a shard ``lm_head_<first row>``; ``DecoderStage.build_head``)."""
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -155,10 +159,7 @@ class LlamaStage(DecoderStage):
         if self.is_first:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg, i, parts) for i, parts in self.units})
-        if self.is_last:
-            self.norm_f = RMSNorm(cfg.d_model)
-            if not cfg.tie_embeddings:
-                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.build_head(RMSNorm(cfg.d_model), tied=cfg.tie_embeddings)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -166,6 +167,8 @@ class LlamaStage(DecoderStage):
         for name, p in self.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
+            elif name.startswith("lm_head"):
+                seed_head_rows_(p, seed, self.vocab, self.cfg.vocab_size, 0.02)
             else:
                 resid = name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight")
                 seeded_normal_(p, seed, name, resid_std if resid else 0.02)

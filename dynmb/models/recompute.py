@@ -1,4 +1,4 @@
-"""Full activation recomputation of a block and of the last stage's head (Megatron's ``full``).
+"""Full activation recomputation of a block and of the LM head or a head shard (Megatron's ``full``).
 
 ``RecomputedBlock.apply(x, block, inputs, *extra)``: the block runs without building a graph;
 only its input is saved for backward (``save_for_backward``, so saved-tensor hooks such as the
@@ -16,9 +16,10 @@ their accumulated gradients join the nested backward as extra roots
 (``dynmb.prefix.PrefixStore.pop_pending``). Deterministic kernels recompute bit-identical
 activations, so gradients are exact.
 
-``RecomputedHead.apply(x, stage, inputs)``: the final norm, LM head and summed cross-entropy
-under the same scheme; the fp32 logits and log-softmax of a recomputed microbatch live only
-during its backward.
+``RecomputedHead.apply(x, stage, inputs, reduction)``: the stage's ``head`` (final norm, LM head
+and cross-entropy; or a head shard's message or loss, ``dynmb.models.head``) under the same
+scheme: only ``x`` is saved, and the fp32 logits (a shard's rows only) and log-softmax of a
+recomputed microbatch live only during its backward.
 """
 
 from __future__ import annotations
@@ -53,19 +54,20 @@ class RecomputedBlock(torch.autograd.Function):
 
 
 class RecomputedHead(torch.autograd.Function):
-    """The last stage's head under full recomputation (module docstring)."""
+    """A stage's head or head shard under full recomputation (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, stage: Any, inputs: Any) -> torch.Tensor:    # stage: a DecoderStage
-        ctx.stage, ctx.inputs = stage, inputs
+    def forward(ctx, x: torch.Tensor, stage: Any, inputs: Any,           # stage: a DecoderStage
+                reduction: str = "sum") -> torch.Tensor:
+        ctx.stage, ctx.inputs, ctx.reduction = stage, inputs, reduction
         ctx.save_for_backward(x)
-        return stage.head(x, inputs, "sum")
+        return stage.head(x, inputs, reduction)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         (x,) = ctx.saved_tensors
         leaf = x.detach().requires_grad_(x.requires_grad)
         with torch.enable_grad():
-            y = ctx.stage.head(leaf, ctx.inputs, "sum")
+            y = ctx.stage.head(leaf, ctx.inputs, ctx.reduction)
         torch.autograd.backward(y, grad)
-        return leaf.grad, None, None
+        return leaf.grad, None, None, None

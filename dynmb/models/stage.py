@@ -2,8 +2,10 @@
 
 Stage ``stage`` of ``num_stages`` holds the blocks ``cfg.stage_blocks(num_stages)[stage]``
 (a ``ModuleDict`` keyed by the global layer index, so parameter names are global:
-"blocks.3.attn.qkv.weight"), plus the embedding on the first stage and the final norm and
-LM head on the last. A split between half-blocks (``ModelConfig.layer_split`` such as ``(2.5,
+"blocks.3.attn.qkv.weight"), plus the embedding on the first stage, the final norm on the head
+stage (``cfg.head_stage(P)``: the last by default) and the LM head's rows ``cfg.stage_vocab(P)[stage]``
+on the stages holding them (all on the last by default; split by vocabulary over the last stages with
+``ModelConfig.head_split``, ``dynmb.models.head``: ``lm_head`` whole, ``lm_head_<first row>`` a shard). A split between half-blocks (``ModelConfig.layer_split`` such as ``(2.5,
 1.5)``) gives a stage that starts mid-block a first block holding only the MLP half
 (``blocks.3.mlp_norm``/``blocks.3.mlp``) and one that ends mid-block a last block holding only
 the attention half (``blocks.3.attn_norm``/``blocks.3.attn``): the two residual sub-blocks are
@@ -11,14 +13,17 @@ functions of the hidden state alone, so only the hidden state crosses the bounda
 are the layers whose attention half (and so keys and values, ``dynmb.prefix``) the stage holds. ``forward(x, inputs, *, reduction, recompute)`` keeps the stage contract
 (``dynmb.models.contract``): ``x`` is ignored on the first stage (``embed_inputs`` turns
 ``inputs.input_ids`` into the hidden state), otherwise the hidden state
-``(batch, padded_len, d_model)``; non-last stages return the hidden state, the last the summed
+``(batch, padded_len, d_model)`` (after a head shard the message ``[z | statistics]`` of
+``cfg.message_channels(stage - 1, P)`` channels); non-last stages return the hidden state (a
+non-last head shard its message), the last the summed
 cross-entropy over real tokens (0-dim, float32 or wider), or per-token CE ``(batch,
 padded_len)`` with zeros at pads when ``reduction="none"``. Each block is called
 ``block(x, inputs, *self.block_args(inputs))`` (a family passes per-microbatch tables, such as
 the Llama family's rotary cos/sin, computed once per stage forward).
 
-A family subclasses it and defines ``_build`` (the modules), ``embed_inputs``, ``logits`` and
-``reset_parameters`` (each parameter seeded by ``(seed, global name)``, ``dynmb.models.seeding``).
+A family subclasses it and defines ``_build`` (the modules; ``build_head`` adds the final norm and the
+head's rows), ``embed_inputs``, ``logits`` (the whole head) and ``reset_parameters`` (each parameter
+seeded by ``(seed, global name)``, ``dynmb.models.seeding``; the head's rows by ``seed_head_rows_``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import nn
 from dynmb.config import ModelConfig
 from dynmb.inputs import IGNORE_INDEX, MicrobatchInputs, torch_dtype
 
+from .head import head_name, shard_loss
 from .recompute import RecomputedBlock, RecomputedHead
 
 __all__ = ["DecoderStage"]
@@ -52,14 +58,33 @@ class DecoderStage(nn.Module):
         """``(layer, parts)`` of each block, in order (``parts``: ``("attn", "mlp")`` or one half)."""
         self.layers = [i for i, parts in self.units if "attn" in parts]
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.vocab: range = cfg.stage_vocab(num_stages)[stage]
+        """The LM head's vocabulary rows this stage holds (empty: none)."""
+        self.is_head_stage = stage == cfg.head_stage(num_stages)
+        """Whether this stage runs the final norm (the first stage holding head rows)."""
+        self.is_shard = len(self.vocab) not in (0, cfg.vocab_size)
+        """Whether this stage holds a shard of a head split by vocabulary (``dynmb.models.head``)."""
         self._build()
         self.reset_parameters(seed)
         self.to(device=device, dtype=dtype or torch_dtype(cfg))
 
     # --- family hooks -------------------------------------------------------------
     def _build(self) -> None:
-        """Create ``embed`` (first stage), ``blocks``, ``norm_f`` and the head (last stage)."""
+        """Create ``embed`` (first stage), ``blocks``, ``norm_f`` and the head (``build_head``)."""
         raise NotImplementedError
+
+    def build_head(self, norm: nn.Module, tied: bool = False) -> None:
+        """``norm_f`` (``norm``) on the head stage and a bias-free Linear of this stage's vocabulary rows
+        (``head_name``: ``lm_head`` or ``lm_head_<first row>``), none when ``tied`` (the embedding is the head)."""
+        if self.is_head_stage:
+            self.norm_f = norm
+        if len(self.vocab) and not tied:
+            self.add_module(head_name(self.vocab, self.cfg.vocab_size),
+                            nn.Linear(self.cfg.d_model, len(self.vocab), bias=False))
+
+    def head_linear(self) -> nn.Module | None:
+        """The Linear holding this stage's vocabulary rows (None: no rows, or a tied head)."""
+        return getattr(self, head_name(self.vocab, self.cfg.vocab_size), None) if len(self.vocab) else None
 
     def reset_parameters(self, seed: int = 0) -> None:
         raise NotImplementedError
@@ -80,7 +105,7 @@ class DecoderStage(nn.Module):
     def forward(self, x: torch.Tensor | None, inputs: MicrobatchInputs, *, reduction: str = "sum",
                 recompute: bool = False) -> torch.Tensor:
         """``recompute``: full activation recomputation per block (``RecomputedBlock``) and of the
-        last stage's head (``RecomputedHead``)."""
+        head or head shard (``RecomputedHead``; on the last stage for ``reduction="sum"``)."""
         if self.is_first:
             x = self.embed_inputs(inputs)
         elif x is None:
@@ -89,14 +114,17 @@ class DecoderStage(nn.Module):
         extra = self.block_args(inputs) if self.layers else ()     # tables for the attention halves
         for blk in self.blocks.values():
             x = RecomputedBlock.apply(x, blk, inputs, *extra) if recomputing else blk(x, inputs, *extra)
-        if not self.is_last:
+        if not len(self.vocab):
             return x
-        if recomputing and reduction == "sum":
-            return RecomputedHead.apply(x, self, inputs)
+        if recomputing and (reduction == "sum" or not self.is_last):
+            return RecomputedHead.apply(x, self, inputs, reduction)
         return self.head(x, inputs, reduction)
 
     def head(self, x: torch.Tensor, inputs: MicrobatchInputs, reduction: str = "sum") -> torch.Tensor:
-        """Final norm, LM head and cross-entropy over real tokens (``reduction``: sum or none)."""
+        """Final norm, LM head and cross-entropy over real tokens (``reduction``: sum or none); a head
+        shard: its message, or on the last stage the cross-entropy (``dynmb.models.head.shard_loss``)."""
+        if self.is_shard:
+            return shard_loss(self, x, inputs, reduction)
         logits = self.logits(x)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if reduction not in ("sum", "none"):

@@ -6,8 +6,10 @@ A message is named ``(kind, stage, mb)``: ``("act", s, m)`` is the hidden state
 stage ``s - 1`` sends to stage ``s`` for microbatch ``m``; ``("grad", s, m)`` is
 the gradient stage ``s + 1`` sends back to stage ``s``. Both ends read the same
 validated Schedule and the same Plan, so a receiver allocates its buffer with
-the shape ``(mb.batch, mb.padded_len, d_model)`` it already knows: there is no
-per-message shape handshake.
+the shape ``(mb.batch, mb.padded_len, channels)`` it already knows: there is no
+per-message shape handshake (``channels``: ``d_model``, or more after a stage holding a
+shard of a head split by vocabulary, ``ModelConfig.message_channels``: both messages of
+microbatch ``m`` between stages ``s`` and ``s + 1`` have the shape of what ``s`` sends).
 
 Ordering. Message tags are not honoured by every backend (NCCL ignores them), so
 correctness rests only on FIFO order per ordered pair (src, dst):
@@ -106,11 +108,12 @@ class P2P:
 
     ``pp_rank``: this rank's index in the pipeline; ``pp_ranks[i]``: the global rank
     of pipeline index i (this DP replica); ``pair_groups``: from ``make_pair_groups``;
-    ``shape_of(mb)``: the hidden-state shape of microbatch ``mb``.
+    ``shape_of(mb, sender)``: the shape of the message stage ``sender`` sends on for microbatch ``mb``
+    (``("act", s, m)`` is sent by ``s - 1``; ``("grad", s, m)`` is the gradient of what ``s`` sent).
     """
 
     def __init__(self, schedule: Schedule, pp_rank: int, pp_ranks: list[int],
-                 pair_groups: dict[tuple[int, int], dist.ProcessGroup], shape_of: Callable[[int], tuple[int, ...]],
+                 pair_groups: dict[tuple[int, int], dist.ProcessGroup], shape_of: Callable[[int, int], tuple[int, ...]],
                  *, dtype: torch.dtype, device: torch.device) -> None:
         self.schedule, self.me, self.pp_ranks = schedule, pp_rank, pp_ranks
         self.groups, self.shape_of, self.dtype, self.device = pair_groups, shape_of, dtype, device
@@ -162,7 +165,9 @@ class P2P:
         return buf, time.perf_counter() - t0
 
     def _post(self, src: int, msg: Msg) -> None:
-        buf = torch.empty(self.shape_of(msg[2]), dtype=self.dtype, device=self.device)
+        kind, stage, mb = msg
+        buf = torch.empty(self.shape_of(mb, stage - 1 if kind == "act" else stage), dtype=self.dtype,
+                          device=self.device)
         src_g, dst_g = self.pp_ranks[src], self.pp_ranks[self.me]
         work = dist.irecv(buf, src=src_g, group=self.groups[(src_g, dst_g)])
         assert work is not None   # this rank is in the pair's group

@@ -19,7 +19,8 @@ counting when the last tracked tensor on it is freed (autograd releases saved te
 during backward, the runtime drops the stage output after it). Transient (the buffers of
 the op being run that are not held): at the start of a stage's backward (module
 backward pre-hook) the incoming gradient and the input gradient being produced, plus on
-the stage with the LM head its logits gradient (rows x len x vocab, fp32). Samples are
+the stage with the LM head its logits gradient (rows x len x vocab, fp32; a head shard's
+rows only, ``head_linear()``). Samples are
 taken at the end of each forward, at the start of each backward and whenever the
 runtime calls ``sample``.
 
@@ -79,7 +80,7 @@ class MemoryMeter:
             self._hooks.append(m.register_full_backward_pre_hook(self._bwd_pre_hook(st)))
             for blk in getattr(m, "blocks", {}).values():   # also inside a recomputing backward
                 self._hooks.append(blk.register_forward_hook(self._block_hook(st)))
-            head = getattr(m, "lm_head", None)
+            head = m.head_linear() if callable(getattr(m, "head_linear", None)) else getattr(m, "lm_head", None)
             if isinstance(head, torch.nn.Module):
                 self._hooks.append(head.register_forward_hook(self._head_hook(st)))
         self.state_bytes = self._state_bytes()

@@ -19,7 +19,8 @@ rank resolves it and builds its stages with ``factory.build_stage``, and ``--ver
 resolves it again (a fresh factory, so a factory whose stages share one model's modules never
 shares them with the reference). ``RunSpec.factory()`` gives the run's factory (dynmb's family of
 ``run.model`` without one). ``check()`` makes sure a fresh interpreter started like a torchrun worker
-finds the module.
+finds the module, and refuses an LM head split by vocabulary (``ModelConfig.head_split``) for it
+(``refuse_foreign_head_split``; the ranks check it again): only dynmb's families build head shards.
 
 A run of a given plan (``dynmb run --plan P.json [--schedule S.csv]``) names the plan file
 (``plan``) and optionally a schedule CSV (``schedule``): every step runs that plan, with that
@@ -69,7 +70,7 @@ from dynmb.results import run_ids_in
 from dynmb.schedule import ScheduleError, from_csv, validate
 from dynmb.types import Plan, Schedule
 
-__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable", "check_device"]
+__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable", "check_device", "refuse_foreign_head_split"]
 
 _RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
              "plan", "schedule", "corpus", "model_factory")
@@ -209,6 +210,7 @@ class RunSpec:
             from dynmb.models.contract import check_importable
 
             check_importable(self.model_factory)
+            refuse_foreign_head_split(run.model, f"--model {self.model_factory}")
         get_cost_model(run.cost_model, run.model, pipeline.num_stages)
         get_memory_model(self.memory_model, run.model, pipeline.num_stages)
         if self.corpus is not None:
@@ -329,6 +331,14 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     except ScheduleError as e:
         raise ValueError(f"schedule {spec.schedule} cannot run plan {spec.plan}: {str(e).splitlines()[0]}") from None
     return plan, schedule
+
+
+def refuse_foreign_head_split(cfg: Any, what: str) -> None:
+    """One ``ValueError`` when ``cfg`` splits the LM head by vocabulary (``ModelConfig.head_split``) for a
+    model that is not one of dynmb's families (``what`` names it): its stages keep the head whole."""
+    if getattr(cfg, "head_split", None) is not None:
+        raise ValueError(f"{what}: the LM head split by vocabulary (head_split {list(cfg.head_split)}) runs on "
+                         f"dynmb's own model families only; a model of your own keeps its head on the last stage")
 
 
 def check_device(backend: str, device: str) -> None:

@@ -43,7 +43,7 @@ from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.records import ActionRow, actions_frame
-from dynmb.runtime.spec import RunSpec, load_plan_files
+from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_head_split
 from dynmb.runtime.topology import Topology, make_process_groups
 from dynmb.simulate import SimResult
 from dynmb.types import Microbatch, Plan, Schedule
@@ -100,6 +100,8 @@ class RunState:
         num_stages = run.pipeline.num_stages
         self.factory = spec.factory()
         _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
+        if not getattr(self.factory, "dynmb_family", False):
+            refuse_foreign_head_split(run.model, f"--model {spec.model_factory or type(self.factory).__name__}")
         self.profile_model = get_cost_model(run.cost_model, run.model, num_stages)   # uncalibrated
         self.cost_model = self.profile_model                 # what the next step plans with
         self.history = history if history is not None else []   # the job's measured steps, shared
@@ -230,8 +232,9 @@ def prewarm(state: RunState) -> int:
             # None: the defaults (Microbatch's __init__ takes them; mypy types replace() by the fields)
             microbatch = replace(microbatch, offsets=None, continued=None)  # type: ignore[arg-type]
         inputs = make_inputs(microbatch, tokens, cfg=run.model, device=state.device)
-        for stage in state.stages.values():
-            x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model),
+        for s, stage in state.stages.items():
+            x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model, s - 1,
+                                                                     run.pipeline.num_stages),
                                                         dtype=torch_dtype(run.model), device=state.device,
                                                         requires_grad=True)
             y = stage(x, inputs)

@@ -161,7 +161,8 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
         else None
     actions = schedule.ranks[topology.pp_index]
     p2p = P2P(schedule, topology.pp_index, topology.pipeline_ranks(), state.groups.pairs,
-              lambda mb: hidden_shape(replica.microbatches[mb], run.model), dtype=torch_dtype(run.model),
+              lambda mb, sender: hidden_shape(replica.microbatches[mb], run.model, sender, pipeline.num_stages),
+              dtype=torch_dtype(run.model),
               device=device)
     state.meter.reset_step()     # also the allocator's peak counters
     gc.disable()   # no collector pauses inside the measured step; run_step turns it back on
