@@ -148,7 +148,7 @@ class MemoryModel:
                 act[i, 0] += 4                              # the loss
             else:
                 act[i, 1] += out_bytes                      # the stage output, kept for its backward
-                tr[i, 1] = max(tr[i, 1], out_bytes)         # incoming gradient
+                tr[i, 1] += out_bytes                       # incoming gradient (beside a shard's logits gradient)
             if not first:
                 tr[i, 1] += c.message_channels(i - 1, num_stages) * e    # input gradient produced
         return cls(model_cfg, num_stages, cls.analytic_state_bytes(model_cfg, num_stages, optimizer), act, tr,

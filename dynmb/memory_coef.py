@@ -128,7 +128,7 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
 def head_act_per_token(cfg: ModelConfig, stage: int | None = None, num_stages: int = 1) -> float:
     """Bytes per token the head saves for backward on ``stage`` (None: the whole head on one stage):
     on the head's first stage norm_f input and output (RMSNorm also its normalised input before the
-    gain) and its fp32 statistics (LayerNorm: mean and rstd; RMSNorm: rstd); on a stage holding
+    gain, and in a 16-bit model an fp32 copy of it, as the CPU meter shows) and its fp32 statistics (LayerNorm: mean and rstd; RMSNorm: rstd); on a stage holding
     ``rows`` of the LM head the fp32 log-softmax (a shard: its logits) of its rows and the int64
     labels, and on a shard stage after the first its input, the normalised hidden state, plus the
     running fp32 statistics (``dynmb.model_sizes.HEAD_STATS``); 0 on a stage without head rows."""
@@ -136,7 +136,7 @@ def head_act_per_token(cfg: ModelConfig, stage: int | None = None, num_stages: i
     rows = cfg.vocab_size if stage is None else len(cfg.stage_vocab(num_stages)[stage])
     if not rows:
         return 0.0
-    norm = 3 * d * e + 4 if cfg.family == "llama" else 2 * d * e + 8
+    norm = 3 * d * e + d * (4 - e) + 4 if cfg.family == "llama" else 2 * d * e + 8   # a 16-bit RMSNorm keeps an fp32 copy too
     if stage is None or stage == cfg.head_stage(num_stages):
         return norm + 4 * rows + 8
     return d * e + 4 * HEAD_STATS + 4 * rows + 8
