@@ -13,13 +13,15 @@ run, not per step, and are not in ``plan_s``.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from dynmb.costmodel import gpu
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import planned_layout
 
-__all__ = ["SEARCH", "searched_split", "row_search"]
+__all__ = ["SEARCH", "searched_split", "row_search", "layout_label"]
 
 SEARCH = "search"
 
@@ -40,8 +42,20 @@ def searched_split(cfg, c: dict, chunks: int, virtual: int, trace: np.ndarray, g
     """``(cfg with the chosen split, CPU seconds of the choice)`` for the row settings ``c`` on ``chunks``
     model chunks, ``virtual`` a GPU (module doc)."""
     search = row_search(cfg, c, chunks, virtual, global_batch)
-    choice = search.choose(cfg, chunks, stage_cost, workload=trace, cost_model=gpu.GPUCostModel(cfg, chunks, link=c["link"]),
-                           virtual=virtual)
+    cm = gpu.GPUCostModel(cfg, chunks, link=c["link"])
+    choice = search.choose(cfg, chunks, stage_cost, workload=trace, cost_model=cm, virtual=virtual)
     if choice.how != "simulated":
         raise SystemExit(f"scaling.py: --stage-split search fell back to the min-max split: {choice.reason}")
-    return planned_layout(cfg, chunks, choice.split, stage_cost, virtual=virtual), float(choice.cpu_s)
+    t0 = time.process_time()
+    layout = planned_layout(cfg, chunks, choice.split, stage_cost, virtual=virtual, search=search, workload=trace,
+                            cost_model=cm)
+    return layout, float(choice.cpu_s) + time.process_time() - t0
+
+
+def layout_label(cfg, chunks: int) -> str:
+    """The ``layer_split`` column: layers per stage (``2.5 2 2 1.5``), then where the LM head is sharded by
+    vocabulary its rows per head stage (``| head 30:42084 31:86172``)."""
+    text = " ".join(f"{n:g}" for n in cfg.stage_layer_counts(chunks))
+    if cfg.head_split is None:
+        return text
+    return text + " | head " + " ".join(f"{i}:{n}" for i, n in enumerate(cfg.head_split) if n)

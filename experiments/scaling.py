@@ -97,7 +97,7 @@ import pandas as pd
 from _common import Resume, progress, split_list
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import spec_header, summary_markdown
-from _scaling_split import SEARCH, searched_split
+from _scaling_split import SEARCH, layout_label, searched_split
 from _scaling_virtual import (Writer, auto_apart, check, choose_v, parse_virtual, plan_ideal_v, ranks, real_flops,
                               real_work, weighs)
 
@@ -285,7 +285,7 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
     plan_s = pack_s + cols["reorder_s"] + cols["sched_s"]
     wall_s = time.perf_counter() - wall0
     tokens_per_replica = int(cell.batch.sum()) / c["dp"]
-    return {"status": "ok", "error": "", "base_method": base, "layer_split": " ".join(f"{n:g}" for n in cfg.stage_layer_counts(P * V)),
+    return {"status": "ok", "error": "", "base_method": base, "layer_split": layout_label(cfg, P * V),
             "num_sequences": int(cell.batch.size), "real_tokens": plan.real_tokens,
             "tokens_per_replica": tokens_per_replica, "load_ok": tokens_per_replica >= 4 * P * c["mb_tokens"],
             **cols, "pack_s": pack_s, "plan_s": plan_s, "row_wall_s": wall_s,

@@ -246,7 +246,11 @@ class SplitSearch:
                 batches: list[np.ndarray]) -> tuple[float, float]:
         """(mean simulated step, mean real tokens) of ``dynamic`` on ``batches`` under ``split``; (inf, 0) when
         one cannot be planned."""
-        layout = with_split(cfg, num_stages, split)
+        return self.layout_step(with_split(cfg, num_stages, split), num_stages, cm, batches)
+
+    def layout_step(self, layout: ModelConfig, num_stages: int, cm: Any,
+                    batches: list[np.ndarray]) -> tuple[float, float]:
+        """``step_of`` for a whole layout (its ``layer_split`` and ``head_split``)."""
         priced = cm.for_layout(cm.model_cfg.with_layout_of(layout), num_stages)
         mm = get_memory_model(None, layout, num_stages)
         spec = self.spec.with_(method="dynamic", dp=1, mbs=None)
@@ -259,6 +263,16 @@ class SplitSearch:
             steps.append(float(plan.predictions["pred_step_s"]))
             tokens.append(float(plan.real_tokens))
         return float(np.mean(steps)), float(np.mean(tokens))
+
+    def scores(self, layouts: list[ModelConfig], num_stages: int, *, workload: Any, cost_model: Any) -> list[float] | None:
+        """Mean simulated step per real token of each layout on the sample batches (scaled to the first's
+        tokens, as ``choose`` scores); None where no plan can be made (``why_not``)."""
+        if self.why_not(cost_model, workload):
+            return None
+        cm = layout_cost_model(cost_model)
+        batches = self.sample_batches(workload_lengths(workload, layouts[0]))
+        runs = [self.layout_step(layout, num_stages, cm, batches) for layout in layouts]
+        return [step * runs[0][1] / tok if tok > 0 else float("inf") for step, tok in runs]
 
     def choose(self, cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool = True,
                workload: Any = None, cost_model: Any = None, virtual: int | None = None) -> SplitChoice:

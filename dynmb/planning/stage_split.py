@@ -257,16 +257,28 @@ def with_split(cfg: ModelConfig, num_stages: int, split: tuple[float, ...]) -> M
 
 
 def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], stage_cost: StageCost, *,
-                   virtual: int = 1, half_blocks: bool = True) -> ModelConfig:
+                   virtual: int = 1, half_blocks: bool = True, search: Any = None, workload: Any = None,
+                   cost_model: Any = None) -> ModelConfig:
     """``cfg`` with the layer split ``split`` an ``auto`` choice arrived at (``with_split``), its LM head then
     sharded over the last stages where that lightens the busiest stage (``head_split.shard_head``; one chunk
-    a GPU, dynmb's own families)."""
+    a GPU, dynmb's own families) and, given a ``search`` that can simulate (``SplitSearch.scores`` of the
+    ``workload`` priced by ``cost_model``), where the simulated step per real token is strictly smaller too."""
     out = with_split(cfg, num_stages, split)
-    if int(virtual) == 1 and half_blocks and num_stages > 1:
-        units, first, last = unit_work(out, stage_cost, True)
-        now = max(stage_work(out, tuple(out.stage_layer_counts(num_stages)), stage_cost=stage_cost))
-        out = shard_head(out, num_stages, units, first, last, now) or out
-    return out
+    if int(virtual) != 1 or not half_blocks or num_stages < 2:
+        return out
+    units, first, last = unit_work(out, stage_cost, True)
+    now = max(stage_work(out, tuple(out.stage_layer_counts(num_stages)), stage_cost=stage_cost))
+    sharded = shard_head(out, num_stages, units, first, last, now)
+    if sharded is None:
+        return out
+    scores = None if search is None else search.scores([out, sharded], num_stages, workload=workload,
+                                                       cost_model=cost_model)
+    if scores is not None:
+        logger.info("stage split: the head sharded simulates %.4f s per batch against %.4f s unsharded: %s",
+                    scores[1], scores[0], "sharded" if scores[1] < scores[0] * (1 - 1e-9) else "kept whole")
+        if not scores[1] < scores[0] * (1 - 1e-9):
+            return out
+    return sharded
 
 
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
@@ -315,7 +327,8 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
             split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost,
                                    virtual=virtual)
         out = planned_layout(cfg, num_stages, split, stage_cost or flops_cost(max(1, int(tokens_hint))),
-                             virtual=virtual, half_blocks=half_blocks)
+                             virtual=virtual, half_blocks=half_blocks, search=search, workload=workload,
+                             cost_model=cost_model)
         even = None if num_stages > cfg.n_layers else replace(cfg, layer_split=None, head_split=None).stage_layer_counts(num_stages)
         def ceiling(s: tuple[float, ...], layout: ModelConfig = cfg) -> float:
             return split_ceiling(layout, s, tokens_hint, stage_cost=stage_cost, virtual=virtual)
