@@ -11,6 +11,8 @@
 #      --plan-ahead 1 (steps.plan_wait_s; on a GPU the host cores idle while the planner works)
 #   6. benchmarks/recompute_peak.py: the allocator's peak during a recomputed forward against the
 #      memory model's two transients (which one the forward really holds)
+#   7. the LM head split by vocabulary (ModelConfig.head_split, dynmb/models/head.py): its two shards
+#      on one GPU as 2 chunks (interleaved), --verify (gradients = the single-process reference on CUDA)
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
 # Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-6 on the CPU (a check
 # of the script and the commands, not of CUDA).
@@ -51,4 +53,10 @@ python3 -c "import dynmb,sys; t=dynmb.load_results(sys.argv[1])['steps']; print(
 done
 step recomputed forward peak
 timeout 120 python3 benchmarks/recompute_peak.py --device "$DEV" --model "$MODEL" --lengths 1024,4096
+step head shards on one GPU
+python3 -c "import json,sys; from dynmb.config import ModelConfig as M; c=M.preset(sys.argv[1]).to_dict(); v=c['vocab_size']; \
+c.update(name=sys.argv[1]+'-heads', layer_split=[c['n_layers'], 0], head_split=[v // 3, v - v // 3]); json.dump(c, open(sys.argv[2], 'w'))" \
+    "$MODEL" "$R/head-split.json"
+timeout 240 $D run --nproc 1 --model "$R/head-split.json" --stages 2 --virtual 2 --device "$DEV" --memory-limit "$LIMIT" \
+    --global-batch 8 --steps 1 --allow-over-limit --oversize truncate --method dynamic --schedule interleaved --verify --out "$R/head-split" 2>&1 | tail -3
 step done

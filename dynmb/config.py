@@ -329,14 +329,15 @@ class RunConfig:
         return cls(**d)
 
     def flat(self) -> dict[str, Any]:
-        """Flattened ``{'model.d_model': 256, ...}`` for the ``runs`` table."""
+        """Flattened ``{'model.d_model': 256, ...}`` for the ``runs`` table; tuples (the layer and head splits)
+        as their text ``"(4, 0)"``, as the CSV keeps them (a column of tuples does not always convert to parquet)."""
         out: dict[str, Any] = {}
         for k, v in self.to_dict().items():
             if isinstance(v, dict):
                 out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
             else:
                 out[k] = v
-        return out
+        return {k: str(tuple(v)) if isinstance(v, (list, tuple)) else v for k, v in out.items()}
 
 
 def _field_value(name: str, text: str) -> Any:

@@ -107,3 +107,16 @@ def test_memory_and_costs_follow_the_rows():
          for name, m, stage in (("whole", gw, 2), ("a", gs, 2), ("b", gs, 3))}
     assert t["a"] + t["b"] == pytest.approx(t["whole"], rel=1e-6)
     assert t["b"] / t["a"] == pytest.approx(100000 / 28256, rel=1e-3)
+
+
+def test_the_runs_table_keeps_both_splits(tmp_path):
+    """The ``runs`` row of a run with both splits writes to CSV and parquet alike (a column of tuples did not)."""
+    from dynmb.config import PipelineConfig, RunConfig
+    from dynmb.results import read_table, write_table
+    import pandas as pd
+
+    model = ModelConfig.preset("llama-tiny", layer_split=(4, 0), head_split=(170, 342))
+    flat = RunConfig(model=model, pipeline=PipelineConfig(num_stages=2)).flat()
+    assert flat["model.layer_split"] == "(4, 0)" and flat["model.head_split"] == "(170, 342)"
+    write_table(pd.DataFrame([flat, {**flat, "model.head_split": None}]), tmp_path / "runs.csv")
+    assert list(read_table(tmp_path / "runs.csv")["model.layer_split"]) == ["(4, 0)", "(4, 0)"]
