@@ -18,9 +18,10 @@ so each method gets the same schedule choice. The rule is ``dynmb.planning.plann
   ties to the kind registered first; none fits: the fastest (as a fixed kind would run).
 
 Why not ``plan_auto`` itself: it plans every DP replica (all reordered, scheduled and simulated, eight
-or 256 per kind here) and adds, for ``dynamic``, the planner's final check against ``balanced``; the
-study packs once with ``dynmb.packing.pack`` and simulates only the ``--sim-replicas`` slowest, so
-calling ``plan_auto`` would change more than the schedule between the ``1f1b`` and ``auto`` rows. The
+or 256 per kind here); the study packs once with ``dynmb.packing.pack`` and simulates only the
+``--sim-replicas`` slowest, so calling ``plan_auto`` would change more than the schedule between the
+``1f1b`` and ``auto`` rows. The planner's final check of ``dynamic`` against ``balanced`` runs on this
+same path after the kind choice (``_scaling_final``). The
 choice itself is three lines of the same rule; the building and simulating is the library's.
 
 Columns: ``schedule`` (the kind run), ``step_<kind>_s`` for every kind weighed (its slowest simulated

@@ -36,7 +36,7 @@ balancing merges the cheapest pair over all O(n^2) pairs when the count is not a
 took over 10 GB at 4M sharegpt tokens), each simulated, the shortest predicted step kept (``budget_div``
 is its 2^j, ``budgets_tried`` how many ran; its plan time is that one budget's: a tuned budget is set
 once, not searched per step),
-``dynapipe`` and ``dynamic``.
+``dynapipe`` and ``dynamic`` (with the Planner's final check against ``balanced``, ``_scaling_final``: ``grouping``).
 
 Columns (table ``scaling``):
 
@@ -95,6 +95,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 from _common import Resume, progress, split_list
+from _scaling_final import final_check
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import spec_header, summary_markdown
 from _scaling_split import SEARCH, layout_label, searched_split
@@ -307,7 +308,8 @@ def one_row(c: dict, cell: Cell) -> dict:
     base = method.removesuffix("-best")
     try:
         if not method.endswith("-best"):
-            return {**c, **plan_once(cell, c, base, 1 if base == "sorted" else None), "budget_div": 1,
+            r = plan_once(cell, c, base, 1 if base == "sorted" else None)      # dynamic: + the Planner's check
+            return {**c, **(final_check(cell, c, r, plan_once) if base == "dynamic" else r), "budget_div": 1,
                     "budgets_tried": 1}
         best, last, worse, tried = None, None, 0, 0
         for j in range(12):                       # budgets cap / 2^j: stop rules in the module docstring

@@ -126,8 +126,10 @@ def test_scaling_schedule_auto_keeps_the_fastest_kind_that_fits(tmp_path, capsys
     assert auto["kinds_over_limit"].isna().all()                        # 80 GiB: every kind fits here
     assert (auto["pred_step_s"] <= steps.min(axis=1) * (1 + 1e-12)).all()
     assert (auto["pred_step_s"] == steps.min(axis=1)).all()
-    one = df[df["schedule_key"].isna()].set_index("method")["pred_step_s"]      # the rows of before
-    assert (auto["step_1f1b_s"] == one[auto.index]).all() and (auto["pred_step_s"] <= one[auto.index]).all()
+    before = df[df["schedule_key"].isna()].set_index("method")                  # the rows of before
+    one, same = before["pred_step_s"], auto["grouping"].fillna("") == before.loc[auto.index, "grouping"].fillna("")
+    assert same["packed"] and (auto["step_1f1b_s"] == one[auto.index])[same].all()   # the same plan (dynamic: if
+    assert (auto["pred_step_s"] <= one[auto.index]).all()                             # the final check kept the same)
     assert auto.loc["packed", "pred_step_s"] < auto.loc["packed", "step_1f1b_s"]  # 2 microbatches: zero bubble helps
     capsys.readouterr()
     assert scaling.main(["--summary", "--out", str(tmp_path)]) == 0
@@ -135,6 +137,33 @@ def test_scaling_schedule_auto_keeps_the_fastest_kind_that_fits(tmp_path, capsys
     assert "dynamic [sched auto]" in md and "| gap ideal 1f1b |" in md
     assert "auto never slower (predicted) than any fixed kind it weighed: met (0 of 2 rows slower" in md
     assert "auto never slower than the same method's `--schedule 1f1b` row of the cell: met (0 of 2" in md
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "auto"])
+def test_scaling_dynamic_rows_get_the_planners_final_check_against_balanced(tmp_path, monkeypatch, schedule):
+    """The Planner's final check in the study (``_scaling_final``): a dynamic packing made deliberately poor
+    (one sequence per microbatch) is replaced by ``balanced`` at a checked budget, planned as the
+    ``balanced-best`` rows plan it; the row stays dynamic's, is never slower than the best balanced row of the
+    cell, names the winner in ``grouping`` and counts the check in ``plan_s``."""
+    scaling = _script("scaling")
+    real = scaling.pack
+
+    def poor_dynamic(batch, method, **kw):
+        return real(batch, "fixed", **{**kw, "mbs": 1}) if method == "dynamic" else real(batch, method, **kw)
+
+    monkeypatch.setattr(scaling, "pack", poor_dynamic)
+    argv = ["--traces", "gsm8k", "--tokens", "20k", "--stages", "2", "--dp", "2", "--methods", "dynamic,balanced-best",
+            "--stage-split", "even", "--schedule", schedule, "--out", str(tmp_path), "--no-progress"]
+    assert scaling.main(argv) == 0
+    df = pd.read_csv(tmp_path / "scaling.csv").set_index("method")
+    dyn, bal = df.loc["dynamic"], df.loc["balanced-best"]
+    assert dyn["pred_step_s"] <= bal["pred_step_s"] * (1 + 1e-12) < dyn["own_step_s"]
+    assert str(dyn["grouping"]).startswith("balanced/") and dyn["base_method"] == "dynamic"
+    d = int(str(dyn["grouping"]).split("/")[1])
+    assert str(d) in str(dyn["final_divisors"]).split()                # one of the budgets the estimate ranks best
+    assert dyn["final_check_s"] > 0
+    assert dyn["plan_s"] == pytest.approx(dyn["pack_s"] + dyn["reorder_s"] + dyn["sched_s"] + dyn["final_check_s"])
+    assert dyn["pred_peak_over_limit"] <= 1
 
 
 def test_scaling_virtual_stages_run_interleaved_rows_beside_one_chunk_rows(tmp_path, capsys):
