@@ -67,7 +67,7 @@ def test_a_tie_keeps_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     a V that trains fewer of the batches' tokens (more truncated), even at a better step per token."""
     for other, expect in (((1.0, 100.0), 1), ((0.98, 95.0), 1), ((0.98, 100.0), 2), ((0.5, 99.0), 1),
                           ((0.9, 100.5), 2)):
-        monkeypatch.setattr(SplitSearch, "step_of", lambda self, cfg, split, n, cm, b, o=other:
+        monkeypatch.setattr(SplitSearch, "layout_step", lambda self, layout, n, cm, b, o=other:
                             (1.0, 100.0) if self.spec.virtual == 1 else o)
         search = VirtualSearch(SplitSearch(spec=_planner("longtail", virtual=1).spec, global_batch=GLOBAL))
         choice = search.choose(LLAMA2, lambda v, s: LLAMA2, candidates=(1, 2), workload="longtail",

@@ -19,7 +19,7 @@ Algorithm (``VirtualSearch.choose``), deterministic (every rank computes the sam
    settings; the scaling study passes its own min-max split).
 3. **Choice**: the sample batches of ``SplitSearch.sample_batches`` (one replica's share of the global
    batch, drawn from the workload), each planned with ``dynamic`` at ``dp = 1`` under the run's settings
-   with ``num_stages = P V, virtual = V`` (``SplitSearch.step_of``: pack, reorder, schedule, simulate; the
+   with ``num_stages = P V, virtual = V`` (``SplitSearch.layout_step``: pack, reorder, schedule, simulate; the
    layout-free cost model rebuilt for the layout, the analytic memory model). The V of the smallest mean
    simulated step per real token wins (``score``: mean step scaled to V 1's mean real tokens, as
    ``split_search`` scores: with ``oversize="truncate"`` a layout that truncates more trains fewer tokens in
@@ -136,7 +136,7 @@ class VirtualSearch:
             layout = layout_of(int(v), search)
             n = self.gpus * int(v)
             layouts.append(layout)
-            runs.append(search.step_of(layout, tuple(layout.stage_layer_counts(n)), n, cm, batches))
+            runs.append(search.layout_step(layout, n, cm, batches))        # the whole layout, head shards too
         ref = runs[0][1]
         base = ref if ref > 0 else max(r[1] for r in runs)          # V 1 could not plan: the others compete
         scores = [step * base / tok if tok > 0 and tok >= ref * TOKENS_KEPT else float("inf") for step, tok in runs]
