@@ -86,7 +86,7 @@ def test_auto_shards_a_head_heavier_than_a_stage_and_only_then():
         layout = resolve_stage_split(cfg, p, "auto")
         units, first, last = unit_work(layout, cost, True)
         now = max(stage_work(layout, tuple(layout.stage_layer_counts(p)), stage_cost=cost))
-        assert layout.head_split is None and shard_head(layout, p, units, first, last, now) is None
+        assert layout.head_split is None and shard_head(layout, p, units, first, last, now) == []
 
 
 def test_memory_and_costs_follow_the_rows():
@@ -120,3 +120,30 @@ def test_the_runs_table_keeps_both_splits(tmp_path):
     assert flat["model.layer_split"] == "(4, 0)" and flat["model.head_split"] == "(170, 342)"
     write_table(pd.DataFrame([flat, {**flat, "model.head_split": None}]), tmp_path / "runs.csv")
     assert list(read_table(tmp_path / "runs.csv")["model.layer_split"]) == ["(4, 0)", "(4, 0)"]
+
+
+def test_a_split_search_keeps_the_layout_that_simulates_fastest():
+    """With a search that can simulate, the head stays whole unless a sharded layout (the min-max one, or the
+    split's own prefix kept) simulates strictly faster per token; without one, the min-max sharded layout."""
+    from dynmb.planning.stage_split import balanced_split, flops_cost, planned_layout
+
+    cfg, cost = _llama8b(), flops_cost(1024)
+    split = balanced_split(cfg, 32, half_blocks=True, stage_cost=cost)
+    seen = []
+
+    class Search:                              # SplitSearch.scores: mean step per token of each layout
+        def __init__(self, scores):
+            self.given = scores
+
+        def scores(self, layouts, num_stages, *, workload, cost_model):
+            seen.append(layouts)
+            return self.given[:len(layouts)]
+
+    plain = planned_layout(cfg, 32, split, cost)
+    assert plain.head_split is not None
+    whole = planned_layout(cfg, 32, split, cost, search=Search([1.0, 1.0, 1.0]))
+    assert whole.head_split is None and whole.layer_split == tuple(split)        # no strict gain: kept whole
+    layouts = seen[-1]
+    assert layouts[1] == plain and all(x.head_split is not None for x in layouts[1:])
+    assert planned_layout(cfg, 32, split, cost, search=Search([1.0, 0.9, 0.95])) == plain
+    assert planned_layout(cfg, 32, split, cost, search=Search([1.0, 0.95, 0.9])) == layouts[-1]

@@ -9,16 +9,18 @@ the head into work that can be divided as finely as a vocabulary row.
 
 Algorithm (``shard_head``, called by ``stage_split.planned_layout``): the head's work ``last`` (the work
 model's last-stage extra, read off the same small layouts as ``stage_split.unit_work``) is cut into
-``HEAD_CHUNKS`` equal vocabulary chunks appended after the layer units (half-blocks). The split chosen so
-far keeps its first ``P - m`` stages; the units of its last ``m`` stages and the head chunks get the
-min-max contiguous partition over ``m`` non-empty stages (``partition.min_max_partition``), for the
-smallest ``m`` that reaches the lowest busiest stage over the whole pipeline (a prefix of the split's own
-stages is kept because where uneven stages sit moves fill and drain, which the split search weighed). In
-order, so the head's stages form a suffix and only the first of them may also hold layers. Chunk ``c`` ends at vocabulary row ``round(V c / HEAD_CHUNKS)``.
-The sharded layout replaces the split it refines only where its busiest stage does strictly less work,
-and where a split search can simulate (``stage_split.planned_layout`` with a ``SplitSearch``) only where
-its simulated step per real token on the sample batches is strictly smaller too; otherwise (a head lighter
-than a stage: Llama-2's 32k at P <= 16) nothing changes. Only for dynmb's own families with an untied
+``HEAD_CHUNKS`` equal vocabulary chunks appended after the layer units (half-blocks), and the units of the
+split's last ``m`` stages plus the chunks get the min-max contiguous partition over ``m`` non-empty stages
+(``partition.min_max_partition``), the split's first ``P - m`` stages kept. Two candidates: ``m = P`` (the
+whole pipeline re-partitioned: the min-max layout) and the smallest ``m`` that reaches the same busiest
+stage (the split's own prefix kept: where uneven stages sit moves fill and drain, which the split search
+weighed; measured either way, docs/results.md). In order, so the head's stages form a suffix and only the
+first of them may also hold layers. Chunk ``c`` ends at vocabulary row ``round(V c / HEAD_CHUNKS)``.
+A sharded layout replaces the split it refines only where its busiest stage does strictly less work; where
+a split search can simulate (``stage_split.planned_layout`` with a ``SplitSearch``) the candidate of the
+smallest simulated step per real token on the sample batches, only where strictly smaller than the split's
+own; without one the min-max layout. Otherwise (a head lighter than a stage: Llama-2's 32k at P <= 16)
+nothing changes. Only for dynmb's own families with an untied
 head and one model chunk a GPU (``virtual`` 1).
 """
 
@@ -54,37 +56,37 @@ def _layout(cfg: ModelConfig, counts: list[int], n_units: int) -> tuple[tuple[fl
 
 
 def shard_head(cfg: ModelConfig, num_stages: int, units: np.ndarray, first: float, last: float,
-               now: float) -> ModelConfig | None:
-    """``cfg`` (whose ``layer_split`` is the split chosen so far, its busiest stage's work ``now``) with the
-    head sharded over its last stages where that makes the busiest stage strictly lighter; ``units`` the
-    half-blocks' work, ``first`` / ``last`` the embedding's and the head's (``stage_split.unit_work``). Only
-    a suffix of the stages is re-partitioned (the fewest whose re-partition reaches the best busiest stage),
-    so the stages before it keep the sizes and places the split's choice gave them. None where nothing
-    gets lighter, or where the model cannot shard (a tied head, one stage) (module docstring)."""
+               now: float) -> list[ModelConfig]:
+    """Layouts of ``cfg`` (whose ``layer_split`` is the split chosen so far, its busiest stage's work ``now``)
+    with the head sharded over its last stages that make the busiest stage strictly lighter, the whole
+    pipeline re-partitioned first, then the split's own prefix kept and only the fewest last stages that
+    reach the best busiest stage re-partitioned (where that differs); ``units`` the half-blocks' work,
+    ``first`` / ``last`` the embedding's and the head's (``stage_split.unit_work``). Empty where nothing gets
+    lighter, or where the model cannot shard (a tied head, one stage) (module docstring)."""
     p = int(num_stages)
     if p < 2 or cfg.tie_embeddings:
-        return None
+        return []
     bounds = [r.start for r in cfg.stage_units(p)] + [units.size]
     work = [float(units[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
     work[0] += first
     head = np.full(HEAD_CHUNKS, last / HEAD_CHUNKS)
-    best: tuple[float, list[int], int] | None = None
+    tops: dict[int, tuple[float, list[int]]] = {}
     for m in range(2, p + 1):                         # re-partition the last m stages, layers + head chunks
-        start = bounds[p - m]
-        counts, top, _ = min_max_partition(np.concatenate([units[start:], head]), m, first if m == p else 0.0, 0.0)
-        top = max([top, *work[:p - m]])
-        if best is None or top < best[0] * (1 - 1e-9):
-            best = (top, counts, m)
-    assert best is not None
-    top, counts, m = best
-    if not top < now * (1 - 1e-9):
-        return None
-    prefix = [b - a for a, b in zip(bounds[:p - m], bounds[1:p - m + 1])]
-    layers, rows = _layout(cfg, prefix + list(counts), units.size)
-    out = replace(cfg, layer_split=layers, head_split=rows)
-    if out.head_split is None:                      # the whole head on the last stage after all
-        return None
-    logger.info("stage split: the LM head over stages %d..%d by vocabulary rows %s (the last %d stages "
-                "re-partitioned): busiest stage's work %.4g against %.4g", out.head_stage(p), p - 1,
-                list(rows[out.head_stage(p):]), m, top, now)
+        counts, top, _ = min_max_partition(np.concatenate([units[bounds[p - m]:], head]), m,
+                                           first if m == p else 0.0, 0.0)
+        tops[m] = (max([top, *work[:p - m]]), [b - a for a, b in zip(bounds[:p - m], bounds[1:p - m + 1])] + counts)
+    best = min(t for t, _ in tops.values())
+    fewest = min(m for m, (t, _) in tops.items() if t <= best * (1 + 1e-9))
+    out: list[ModelConfig] = []
+    for m in dict.fromkeys((p, fewest)):
+        top, counts = tops[m]
+        if not top < now * (1 - 1e-9):
+            continue
+        layers, rows = _layout(cfg, counts, units.size)
+        layout = replace(cfg, layer_split=layers, head_split=rows)
+        if layout.head_split is not None and layout not in out:
+            out.append(layout)
+            logger.info("stage split: the LM head over stages %d..%d by vocabulary rows %s (the last %d stages "
+                        "re-partitioned): busiest stage's work %.4g against %.4g", layout.head_stage(p), p - 1,
+                        list(rows[layout.head_stage(p):]), m, top, now)
     return out

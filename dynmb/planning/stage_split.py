@@ -269,16 +269,16 @@ def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], 
     units, first, last = unit_work(out, stage_cost, True)
     now = max(stage_work(out, tuple(out.stage_layer_counts(num_stages)), stage_cost=stage_cost))
     sharded = shard_head(out, num_stages, units, first, last, now)
-    if sharded is None:
+    if not sharded:
         return out
-    scores = None if search is None else search.scores([out, sharded], num_stages, workload=workload,
+    scores = None if search is None else search.scores([out, *sharded], num_stages, workload=workload,
                                                        cost_model=cost_model)
-    if scores is not None:
-        logger.info("stage split: the head sharded simulates %.4f s per batch against %.4f s unsharded: %s",
-                    scores[1], scores[0], "sharded" if scores[1] < scores[0] * (1 - 1e-9) else "kept whole")
-        if not scores[1] < scores[0] * (1 - 1e-9):
-            return out
-    return sharded
+    if scores is None:
+        return sharded[0]                              # the min-max layout
+    best = min(range(len(scores)), key=lambda i: (scores[i] if i == 0 else scores[i] / (1 - 1e-9), i))
+    logger.info("stage split: the head kept whole simulates %.4f s per batch, sharded %s: %s", scores[0],
+                ", ".join(f"{x:.4f}" for x in scores[1:]), "kept whole" if best == 0 else f"sharded ({best})")
+    return out if best == 0 else sharded[best - 1]
 
 
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
