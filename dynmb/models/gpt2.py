@@ -114,7 +114,7 @@ class GPTStage(DecoderStage):
         return self.embed(inputs.input_ids) + self.pos(inputs.position_ids)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm_f(x))
+        return self.whole_head()(self.norm_f(x))
 
 
 class GPT(GPTStage):

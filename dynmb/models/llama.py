@@ -184,4 +184,4 @@ class LlamaStage(DecoderStage):
         h = self.norm_f(x)
         if self.cfg.tie_embeddings:
             return F.linear(h, self.embed.weight)      # not an nn.Linear: its gradient is eager under I/W
-        return self.lm_head(h)
+        return self.whole_head()(h)

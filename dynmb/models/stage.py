@@ -82,6 +82,13 @@ class DecoderStage(nn.Module):
             self.add_module(head_name(self.vocab, self.cfg.vocab_size),
                             nn.Linear(self.cfg.d_model, len(self.vocab), bias=False))
 
+    def whole_head(self) -> nn.Module:
+        """The Linear of the whole head (``logits``: a stage holding every row)."""
+        head = self.head_linear()
+        if head is None or self.is_shard:
+            raise ValueError(f"stage {self.stage} does not hold the whole LM head")
+        return head
+
     def head_linear(self) -> nn.Module | None:
         """The Linear holding this stage's vocabulary rows (None: no rows, or a tied head)."""
         return getattr(self, head_name(self.vocab, self.cfg.vocab_size), None) if len(self.vocab) else None

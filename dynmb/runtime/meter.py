@@ -80,7 +80,8 @@ class MemoryMeter:
             self._hooks.append(m.register_full_backward_pre_hook(self._bwd_pre_hook(st)))
             for blk in getattr(m, "blocks", {}).values():   # also inside a recomputing backward
                 self._hooks.append(blk.register_forward_hook(self._block_hook(st)))
-            head = m.head_linear() if callable(getattr(m, "head_linear", None)) else getattr(m, "lm_head", None)
+            find = getattr(m, "head_linear", None)
+            head = find() if callable(find) else getattr(m, "lm_head", None)
             if isinstance(head, torch.nn.Module):
                 self._hooks.append(head.register_forward_hook(self._head_hook(st)))
         self.state_bytes = self._state_bytes()
