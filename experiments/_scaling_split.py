@@ -48,7 +48,7 @@ def searched_split(cfg, c: dict, chunks: int, virtual: int, trace: np.ndarray, g
         raise SystemExit(f"scaling.py: --stage-split search fell back to the min-max split: {choice.reason}")
     t0 = time.process_time()
     layout = planned_layout(cfg, chunks, choice.split, stage_cost, virtual=virtual, search=search, workload=trace,
-                            cost_model=cm)
+                            cost_model=cm, arrangements=choice.candidates)
     return layout, float(choice.cpu_s) + time.process_time() - t0
 
 

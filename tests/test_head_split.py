@@ -147,3 +147,25 @@ def test_a_split_search_keeps_the_layout_that_simulates_fastest():
     assert layouts[1] == plain and all(x.head_split is not None for x in layouts[1:])
     assert planned_layout(cfg, 32, split, cost, search=Search([1.0, 0.9, 0.95])) == plain
     assert planned_layout(cfg, 32, split, cost, search=Search([1.0, 0.95, 0.9])) == layouts[-1]
+
+
+def test_the_search_s_other_arrangements_are_sharded_and_weighed_too():
+    from dynmb.planning.split_search import near_optimal_splits
+    from dynmb.planning.stage_split import balanced_split, flops_cost, planned_layout
+
+    cfg, cost = _llama8b(), flops_cost(1024)
+    split = balanced_split(cfg, 32, half_blocks=True, stage_cost=cost)
+    others = near_optimal_splits(cfg, 32, cost, half_blocks=True, max_candidates=4)[0]
+    seen = []
+
+    class Search:
+        def scores(self, layouts, num_stages, *, workload, cost_model):
+            seen.append(layouts)
+            return [1.0] + [0.9 + 0.001 * i for i in range(len(layouts) - 1)][::-1]   # the last one fastest
+
+    chosen = planned_layout(cfg, 32, split, cost, search=Search(), arrangements=others)
+    layouts = seen[-1]
+    assert len(layouts) > 3 and chosen == layouts[-1] and chosen.head_split is not None
+    # each weighed arrangement keeps its own prefix: its stages before the re-partitioned suffix
+    prefixes = {x.layer_split[:20] for x in layouts[1:]}
+    assert len(prefixes) > 1

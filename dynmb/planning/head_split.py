@@ -19,7 +19,8 @@ first of them may also hold layers. Chunk ``c`` ends at vocabulary row ``round(V
 A sharded layout replaces the split it refines only where its busiest stage does strictly less work; where
 a split search can simulate (``stage_split.planned_layout`` with a ``SplitSearch``) the candidate of the
 smallest simulated step per real token on the sample batches, only where strictly smaller than the split's
-own; without one the min-max layout. Otherwise (a head lighter than a stage: Llama-2's 32k at P <= 16)
+own, the prefix-keeping shards of the search's other candidate arrangements weighed too (where the uneven
+stages sit matters as much with shards); without one the min-max layout. Otherwise (a head lighter than a stage: Llama-2's 32k at P <= 16)
 nothing changes. Only for dynmb's own families with an untied
 head and one model chunk a GPU (``virtual`` 1).
 """
@@ -56,13 +57,14 @@ def _layout(cfg: ModelConfig, counts: list[int], n_units: int) -> tuple[tuple[fl
 
 
 def shard_head(cfg: ModelConfig, num_stages: int, units: np.ndarray, first: float, last: float,
-               now: float) -> list[ModelConfig]:
+               now: float, *, whole: bool = True) -> list[ModelConfig]:
     """Layouts of ``cfg`` (whose ``layer_split`` is the split chosen so far, its busiest stage's work ``now``)
     with the head sharded over its last stages that make the busiest stage strictly lighter, the whole
     pipeline re-partitioned first, then the split's own prefix kept and only the fewest last stages that
     reach the best busiest stage re-partitioned (where that differs); ``units`` the half-blocks' work,
-    ``first`` / ``last`` the embedding's and the head's (``stage_split.unit_work``). Empty where nothing gets
-    lighter, or where the model cannot shard (a tied head, one stage) (module docstring)."""
+    ``first`` / ``last`` the embedding's and the head's (``stage_split.unit_work``); ``whole=False``: the
+    prefix-keeping one only. Empty where nothing gets lighter, or where the model cannot shard (a tied
+    head, one stage) (module docstring)."""
     p = int(num_stages)
     if p < 2 or cfg.tie_embeddings:
         return []
@@ -78,7 +80,7 @@ def shard_head(cfg: ModelConfig, num_stages: int, units: np.ndarray, first: floa
     best = min(t for t, _ in tops.values())
     fewest = min(m for m, (t, _) in tops.items() if t <= best * (1 + 1e-9))
     out: list[ModelConfig] = []
-    for m in dict.fromkeys((p, fewest)):
+    for m in dict.fromkeys((p, fewest) if whole else (fewest,)):
         top, counts = tops[m]
         if not top < now * (1 - 1e-9):
             continue

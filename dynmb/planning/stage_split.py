@@ -258,11 +258,12 @@ def with_split(cfg: ModelConfig, num_stages: int, split: tuple[float, ...]) -> M
 
 def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], stage_cost: StageCost, *,
                    virtual: int = 1, half_blocks: bool = True, search: Any = None, workload: Any = None,
-                   cost_model: Any = None) -> ModelConfig:
+                   cost_model: Any = None, arrangements: tuple = ()) -> ModelConfig:
     """``cfg`` with the layer split ``split`` an ``auto`` choice arrived at (``with_split``), its LM head then
     sharded over the last stages where that lightens the busiest stage (``head_split.shard_head``; one chunk
     a GPU, dynmb's own families) and, given a ``search`` that can simulate (``SplitSearch.scores`` of the
-    ``workload`` priced by ``cost_model``), where the simulated step per real token is strictly smaller too."""
+    ``workload`` priced by ``cost_model``), where the simulated step per real token is strictly smaller too,
+    the prefix-keeping shards of the search's other candidate splits (``arrangements``) weighed beside."""
     out = with_split(cfg, num_stages, split)
     if int(virtual) != 1 or not half_blocks or num_stages < 2:
         return out
@@ -271,6 +272,11 @@ def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], 
     sharded = shard_head(out, num_stages, units, first, last, now)
     if not sharded:
         return out
+    for other in (arrangements if search is not None else ()):
+        layout = with_split(cfg, num_stages, tuple(other))
+        busiest = max(stage_work(layout, tuple(layout.stage_layer_counts(num_stages)), stage_cost=stage_cost))
+        sharded += [x for x in shard_head(layout, num_stages, units, first, last, busiest, whole=False)
+                    if x not in sharded]
     scores = None if search is None else search.scores([out, *sharded], num_stages, workload=workload,
                                                        cost_model=cost_model)
     if scores is None:
@@ -328,7 +334,7 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
                                    virtual=virtual)
         out = planned_layout(cfg, num_stages, split, stage_cost or flops_cost(max(1, int(tokens_hint))),
                              virtual=virtual, half_blocks=half_blocks, search=search, workload=workload,
-                             cost_model=cost_model)
+                             cost_model=cost_model, arrangements=getattr(choice, "candidates", ()) if search else ())
         even = None if num_stages > cfg.n_layers else replace(cfg, layer_split=None, head_split=None).stage_layer_counts(num_stages)
         def ceiling(s: tuple[float, ...], layout: ModelConfig = cfg) -> float:
             return split_ceiling(layout, s, tokens_hint, stage_cost=stage_cost, virtual=virtual)
