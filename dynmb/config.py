@@ -82,20 +82,14 @@ class ModelConfig(ModelSizes):
     """The LM head's vocabulary rows per pipeline stage (model chunk), e.g. ``(0, 0, 9000, 23000)``:
     the head split by vocabulary over the last stages, which hold no layers after the first of them
     (``layer_split`` ``(16, 16, 0, 0)``); each shard passes the running log-sum-exp and target logit
-    on with the normalised hidden state (``dynmb.models.stage``). None: the whole head on the last
-    stage. Set by ``--head-split`` or ``--stage-split auto`` (``dynmb.planning.stage_split``)."""
+    on with the normalised hidden state (``dynmb.models.head``). None: the whole head on the last
+    stage. Set by ``--stage-split auto`` (``dynmb.planning.head_split``) or a JSON model file."""
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
             object.__setattr__(self, "layer_split", normalise_layer_split(self.layer_split, self.n_layers))
         object.__setattr__(self, "head_split", normalise_head_split(self.head_split, self.vocab_size,
-                                                                    self.layer_split))
-        empty = [i for i, n in enumerate(self.layer_split or ()) if not n]
-        if len(empty) > 1 and (self.head_split is None or any(not self.head_split[i] for i in empty)):
-            raise ValueError(f"ModelConfig.layer_split {list(self.layer_split or ())}: stages {empty} hold no layers; "
-                             f"only the last stage may, unless head_split gives each of them LM-head rows")
-        if self.head_split is not None and self.tie_embeddings:
-            raise ValueError("ModelConfig.head_split needs an untied LM head (tie_embeddings=False)")
+                                                                    self.layer_split, self.tie_embeddings))
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             if getattr(self, f) < 1:
                 raise ValueError(f"ModelConfig.{f} must be >= 1, got {getattr(self, f)}")

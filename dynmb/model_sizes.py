@@ -222,14 +222,25 @@ def normalise_layer_split(split: Any, n_layers: int) -> tuple[int | float, ...]:
     return tuple(u // 2 if u % 2 == 0 else u / 2 for u in units)
 
 
-def normalise_head_split(split: Any, vocab_size: int, layer_split: tuple[int | float, ...] | None
-                         ) -> tuple[int, ...] | None:
+def normalise_head_split(split: Any, vocab_size: int, layer_split: tuple[int | float, ...] | None,
+                         tied: bool = False) -> tuple[int, ...] | None:
     """``split`` as LM-head vocabulary rows per stage (None: all on the last stage): whole numbers summing
     to ``vocab_size``, held by a suffix of the stages (the first of them may also hold layers and runs the
     final norm; every later one holds head rows only, so ``layer_split`` must give it no layers). A split
-    that leaves every row on the last stage is None (ValueError naming the split otherwise)."""
-    if split is None:
-        return None
+    that leaves every row on the last stage is None; only stages holding head rows may hold no layers, only
+    an untied head (``tied``) may be split (ValueError naming the split otherwise)."""
+    out = None if split is None else _head_rows(split, vocab_size, layer_split)
+    empty = [i for i, n in enumerate(layer_split or ()) if not n]
+    if len(empty) > 1 and (out is None or any(not out[i] for i in empty)):
+        raise ValueError(f"ModelConfig.layer_split {list(layer_split or ())}: stages {empty} hold no layers; "
+                         f"only the last stage may, unless head_split gives each of them LM-head rows")
+    if out is not None and tied:
+        raise ValueError("ModelConfig.head_split needs an untied LM head (tie_embeddings=False)")
+    return out
+
+
+def _head_rows(split: Any, vocab_size: int, layer_split: tuple[int | float, ...] | None) -> tuple[int, ...] | None:
+    """``normalise_head_split``'s rows (None: all on the last stage), checked against ``layer_split``."""
     rows = []
     for v in split:
         if float(v) != int(v) or int(v) < 0:
