@@ -25,12 +25,13 @@ import torch.nn.functional as F
 import dynmb.prefix as prefix_mod
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
 from dynmb.models import LlamaStage, build_stages, make_inputs, reference_grads, synthetic_tokens, whole_documents
-from dynmb.prefix import PrefixStore, prefix_attention
+from dynmb.prefix import prefix_attention
 from dynmb.results import load_results
 from dynmb.runtime.spec import RunSpec
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.types import Microbatch, Plan
 from tests.gloo_jobs import register
+from tests.plan_runner import run_plan
 
 CFG = ModelConfig.preset("llama-tiny", n_layers=3, vocab_size=97, rope_theta=500.0)
 MHA = replace(CFG, name="llama-tiny-mha", n_kv_heads=None)
@@ -113,43 +114,9 @@ def _lengths_of(plan: Plan) -> dict[int, int]:
 
 def _run_plan(plan: Plan, tokens, cfg: ModelConfig, num_stages: int, dtype=F64, *, recompute: bool = False,
               split: bool = False):
-    """Run ``plan`` through ``num_stages`` stages in one process the way the runtime does: forwards in
-    plan order, backwards in ``plan.backward_order()``, one PrefixStore; ``split``: I then W."""
-    stages = build_stages(cfg, num_stages, 0, dtype=dtype)
-    store, total, saved, tapes = PrefixStore(), plan.real_tokens, [], []
-    for i, mb in enumerate(plan.microbatches):
-        inp = replace(make_inputs(mb, tokens, cfg=cfg), prefix=store, microbatch=i)
-        xs, x = [], None
-        for st in stages:
-            x = None if x is None else x.detach().requires_grad_(True)
-            if split:
-                with record_linears(st) as tape:
-                    y = st(x, inp, recompute=recompute or mb.recompute)
-                tapes.append(tape)
-            else:
-                y = st(x, inp, recompute=recompute or mb.recompute)
-            xs.append((st, x, y, tapes[-1] if split else None))
-            x = y
-        saved.append(xs)
-    pending = []
-    for i in plan.backward_order():
-        grad = None
-        for st, x_in, out, tape in reversed(saved[i]):
-            if st.is_last:
-                out = out / total
-            roots = store.backward_roots(list(st.layers), i)
-            if split and not roots:
-                grad = backward_input(st, out, grad, x_in, tape)
-                pending.append(tape)
-            else:
-                g0 = torch.ones_like(out) if grad is None else grad
-                torch.autograd.backward([out, *(t for t, _ in roots)], [g0, *(g for _, g in roots)])
-                grad = None if x_in is None else x_in.grad
-            store.release(list(st.layers), i)
-    for tape in pending:
-        backward_weight(tape)
-    assert len(store) == 0
-    return stages
+    """Run ``plan`` through ``num_stages`` stages in one process the way the runtime does
+    (``tests.plan_runner``); the stages after the backwards."""
+    return run_plan(plan, tokens, cfg, num_stages, dtype, recompute=recompute, split=split)[0]
 
 
 def _packed(lengths: np.ndarray, rows: int, extra: int = 0) -> Microbatch:

@@ -17,6 +17,7 @@ from dynmb.models import (
     global_named_parameters, hidden_shape, make_inputs, reference_grads, synthetic_tokens, torch_dtype,
 )
 from dynmb.types import Microbatch, Plan, PlanError
+from tests.plan_runner import packed_microbatch
 
 CFG = ModelConfig.preset("tiny", max_seq_len=128)
 DENSE = replace(CFG, attention="dense")
@@ -33,15 +34,7 @@ def _padded(ids, lengths, extra: int = 0) -> Microbatch:
     return Microbatch(seq_ids=ids, lengths=lengths[ids], padded_len=int(lengths[ids].max()) + extra, batch=len(ids))
 
 
-def _packed(ids, lengths, rows: int, extra: int = 0) -> Microbatch:
-    """Greedy: each sequence into the currently shortest row."""
-    ids = np.asarray(ids)
-    fill, row_ids = np.zeros(rows, dtype=np.int64), []
-    for i in ids:
-        r = int(fill.argmin())
-        row_ids.append(r)
-        fill[r] += lengths[i]
-    return Microbatch(seq_ids=ids, lengths=lengths[ids], padded_len=int(fill.max()) + extra, batch=rows, row_ids=row_ids)
+_packed = packed_microbatch
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

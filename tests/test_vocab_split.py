@@ -11,7 +11,6 @@ user's own. Real gloo ranks: ``tests/test_stage_split.py`` (dynmb's runtime) and
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 
 import numpy as np
@@ -23,9 +22,8 @@ from dynmb.config import ModelConfig
 from dynmb.model_sizes import HEAD_STATS
 from dynmb.models import build_stages, hidden_shape, make_inputs, reference_grads, synthetic_tokens
 from dynmb.models.head import decode_stats, encode_stats, full_head_weight, head_name
-from dynmb.prefix import PrefixStore
-from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.types import Microbatch, Plan
+from tests.plan_runner import packed_microbatch, run_plan
 
 F64 = torch.float64
 SEED = 3
@@ -49,21 +47,11 @@ def _plan(mbs: list[Microbatch], n: int, lengths: np.ndarray | None = None) -> P
     return plan
 
 
-def _packed(ids, lengths, rows: int, extra: int = 0) -> Microbatch:
-    ids = np.asarray(ids)
-    fill, row_ids = np.zeros(rows, dtype=np.int64), []
-    for i in ids:
-        r = int(fill.argmin())
-        row_ids.append(r)
-        fill[r] += lengths[i]
-    return Microbatch(seq_ids=ids, lengths=lengths[ids], padded_len=int(fill.max()) + extra, batch=rows, row_ids=row_ids)
-
-
 def _mixed_plan() -> tuple[Plan, np.ndarray]:
     """A padded microbatch with extra padding and a packed one (document-causal attention)."""
     lengths = np.array([7, 19, 3, 12, 25, 9, 14])
     mbs = [Microbatch(seq_ids=[0, 1, 2], lengths=lengths[[0, 1, 2]], padded_len=21, batch=3),
-           _packed([3, 4, 5, 6], lengths, rows=2, extra=2)]
+           packed_microbatch([3, 4, 5, 6], lengths, rows=2, extra=2)]
     return _plan(mbs, len(lengths)), lengths
 
 
@@ -76,42 +64,9 @@ def _sliced_plan() -> tuple[Plan, np.ndarray]:
 
 
 def _run(plan: Plan, tokens, cfg: ModelConfig, P: int, dtype=F64, *, recompute: bool = False, split: bool = False):
-    """``plan`` through the ``P`` stages of ``cfg`` the way the runtime runs it (forwards in plan order,
-    backwards in ``plan.backward_order()``, one prefix store; ``split``: I now, W at the end).
-    Returns the stages and the token-weighted loss."""
-    stages = build_stages(cfg, P, SEED, dtype=dtype)
-    store, total, saved, pending, loss = PrefixStore(), plan.real_tokens, [], [], 0.0
-    for i, mb in enumerate(plan.microbatches):
-        inp = make_inputs(mb, tokens, cfg=cfg)
-        if inp.has_slices:
-            inp = replace(inp, prefix=store, microbatch=i)
-        chain, x = [], None
-        for st in stages:
-            x = None if x is None else x.detach().requires_grad_(True)
-            with (record_linears(st) if split else nullcontext()) as tape:
-                y = st(x, inp, recompute=recompute)
-            assert tuple(y.shape) == (() if st.is_last else hidden_shape(mb, cfg, st.stage, P)), st.stage
-            chain.append((st, x, y, tape))
-            x = y
-        loss += float(x.detach())
-        saved.append(chain)
-    for i in plan.backward_order():
-        grad = None
-        for st, x_in, out, tape in reversed(saved[i]):
-            if st.is_last:
-                out = out / total
-            roots = store.backward_roots(list(st.layers), i)
-            if split:            # as the runtime's interpreter: a continued slice's roots, the leaves it read
-                grad = backward_input(st, out, grad, x_in, tape, roots, store.read_leaves(list(st.layers), i))
-                pending.append(tape)
-            else:
-                g0 = torch.ones_like(out) if grad is None else grad
-                torch.autograd.backward([out, *(t for t, _ in roots)], [g0, *(g for _, g in roots)])
-                grad = None if x_in is None else x_in.grad
-            store.release(list(st.layers), i)
-    for tape in pending:
-        backward_weight(tape)
-    return stages, loss / total
+    """``plan`` through the ``P`` stages of ``cfg`` as the runtime runs it (``tests.plan_runner``): the stages
+    and the token-weighted loss."""
+    return run_plan(plan, tokens, cfg, P, dtype, seed=SEED, recompute=recompute, split=split)
 
 
 def _check_against_reference(stages, base: ModelConfig, cfg: ModelConfig, P: int, ref: dict[str, torch.Tensor],
