@@ -21,7 +21,7 @@ from typing import Any
 
 from dynmb.planspec import PlanSpec
 
-from .model_sizes import ModelSizes, normalise_head_split, normalise_layer_split, split_layers
+from .model_sizes import UNITS_PER_LAYER, ModelSizes, normalise_head_split, normalise_layer_split, split_layers
 from .units import format_bytes, parse_bytes
 
 __all__ = ["MODEL_FAMILIES", "ModelConfig", "PipelineConfig", "RunConfig", "PlanSpec", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
@@ -74,9 +74,9 @@ class ModelConfig(ModelSizes):
     document-causal attention costing sum(s_i^2) for packed rows (as trainers run it);
     ``dense``: the (batch, 1, s, s) mask on every row, kept only as an ablation."""
     layer_split: tuple[int | float, ...] | None = None
-    """Layers per pipeline stage (model chunk), in order, e.g. ``(9, 8, 8, 7)``, or in half-blocks,
-    ``(2.5, 2, 2, 1.5)`` (a boundary between a block's attention and MLP halves; ``stage_blocks``);
-    None: the even split (``split_layers``). Set by ``--stage-split`` (``dynmb.planning.stage_split``);
+    """Layers per pipeline stage (model chunk), in order, e.g. ``(9, 8, 8, 7)``, in half-blocks,
+    ``(2.5, 2, 2, 1.5)`` (a boundary between a block's attention and MLP halves), or on the 1/16 grid
+    inside a half (``(2.75, 1.25)``; ``dynmb.model_sizes``: ``stage_pieces``); None: the even split (``split_layers``). Set by ``--stage-split`` (``dynmb.planning.stage_split``);
     a fitted cost or memory model is valid only for the split it was measured on."""
     head_split: tuple[int, ...] | None = None
     """The LM head's vocabulary rows per pipeline stage (model chunk), e.g. ``(0, 0, 9000, 23000)``:
@@ -102,6 +102,7 @@ class ModelConfig(ModelSizes):
         if self.family == "gpt2" and (self.kv_heads != self.n_heads or self.tie_embeddings):
             raise ValueError("the gpt2 family has one K/V head per query head and an untied LM head "
                              "(n_kv_heads and tie_embeddings are llama fields)")
+        self.check_chunk_bounds()
         if self.family == "llama" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if not self.rope_theta > 0:
@@ -125,7 +126,7 @@ class ModelConfig(ModelSizes):
         if num_stages > 1 and self.half_split:
             raise ValueError(f"model {self.name!r}: the layer split {list(self.layer_split or ())} cuts blocks in "
                              "half, which only dynmb's own model families (gpt2, llama) can run; use whole layers")
-        return [range(r.start // 2, r.stop // 2) for r in units]
+        return [range(r.start // UNITS_PER_LAYER, r.stop // UNITS_PER_LAYER) for r in units]
 
     def with_layout_of(self, other: "ModelConfig") -> "ModelConfig":
         """This config with ``other``'s split over the stages (``layer_split`` and ``head_split``)."""

@@ -4,11 +4,21 @@
 imports nothing from dynmb): ``block_params``, ``stage_params``, ``param_count``, ``message_bytes``
 and ``stage_flops``, counted per half-block (``half_params``, ``half_flops``: a pre-norm block is the
 attention sub-block ``x + attn(norm1(x))`` then the MLP sub-block ``x + mlp(norm2(x))``, each with
-its own norm), and the split of the layers into stages in half-block units (``stage_units``,
-``stage_parts``, ``stage_blocks``; ``normalise_layer_split``): unit ``u`` is layer ``u // 2``'s
-attention half (``u`` even) or its MLP half (``u`` odd), and a ``layer_split`` of whole layers
-(``(9, 8, 8, 7)``) or of half layers (``(2.5, 2, 2, 1.5)``: the first stage ends after layer 2's
-attention half, the second starts with its MLP half) gives each stage a contiguous run of units.
+its own norm), and the split of the layers into stages (``stage_units``, ``stage_pieces``, ``stage_parts``,
+``stage_blocks``; ``normalise_layer_split``) in units of 1/16 layer: each half-block is cut into
+``SUB_CHUNKS`` (8) equal chunks, unit ``u`` is chunk ``u % 8`` of layer ``u // 16``'s attention half
+(``(u // 8) % 2 == 0``) or MLP half. An attention chunk is 1/8 of the K/V heads (and the query heads
+that read them), an MLP chunk 1/8 of the inner columns (gate, up rows; down columns). A ``layer_split``
+of whole layers (``(9, 8, 8, 7)``), of half layers (``(2.5, 2, 2, 1.5)``: the first stage ends after
+layer 2's attention half, the second starts with its MLP half) or on the 1/16 grid (``(2.75, 1.25)``:
+the boundary after three quarters of layer 2, i.e. its attention and half its MLP columns) gives each
+stage a contiguous run of units. A boundary inside a half-block (``chunk_split``) sends two tensors on,
+``[y | h]`` (``message_channels``: ``2 d``): ``y``, the residual stream with the chunks so far added
+(``x + sum of their outputs``), and ``h``, the half's normalised input, which the next stage's chunks
+read (so the norm runs once, on the stage holding the half's first chunk); the partial sums are those
+of a row-parallel matmul (Megatron's tensor parallelism), split over pipeline stages instead of GPUs of
+one stage. A boundary needs whole heads and columns: ``n_kv_heads * c / 8`` and ``d_ff * c / 8``
+integers (``check_chunk_bounds``).
 
 gpt2: a block holds QKV + out projection and a two-matrix MLP, all with biases, and two LayerNorms;
 the first stage a token and a position table. llama: Q and out projections
@@ -20,12 +30,32 @@ on one stage, and a copy on the last of several (as Megatron keeps it).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["ModelSizes", "split_layers", "normalise_layer_split", "normalise_head_split", "PARTS", "HEAD_STATS"]
+__all__ = ["ModelSizes", "split_layers", "normalise_layer_split", "normalise_head_split", "PARTS", "HEAD_STATS",
+           "SUB_CHUNKS", "UNITS_PER_LAYER", "HalfPiece"]
 
 PARTS = ("attn", "mlp")
-"""The two halves of a block, in order (unit ``2 i`` is layer ``i``'s ``attn``, ``2 i + 1`` its ``mlp``)."""
+"""The two halves of a block, in order."""
+
+SUB_CHUNKS = 8
+"""Chunks of a half-block a stage boundary may fall between (attention: K/V head groups; MLP: inner columns)."""
+
+UNITS_PER_LAYER = 2 * SUB_CHUNKS
+"""Split units per layer (module docstring): unit ``u`` is chunk ``u % 8`` of layer ``u // 16``'s half
+``PARTS[(u // 8) % 2]``."""
+
+
+class HalfPiece(NamedTuple):
+    """The chunks ``chunks`` (of ``SUB_CHUNKS``) of layer ``layer``'s half ``part`` a stage holds."""
+
+    layer: int
+    part: str
+    chunks: range
+
+    @property
+    def whole(self) -> bool:
+        return len(self.chunks) == SUB_CHUNKS
 
 HEAD_STATS = 2
 """Running statistics a shard of a vocabulary-split LM head passes on per token: the log-sum-exp of the
@@ -66,48 +96,92 @@ class ModelSizes:
         """Whether positions come from a ``max_seq_len`` table (gpt2), capping document length."""
         return self.family == "gpt2"
 
-    # --- the split in half-block units ------------------------------------------------
+    # --- the split in units of 1/16 layer ---------------------------------------------
     @property
     def unit_split(self) -> tuple[int, ...] | None:
-        """``layer_split`` in half-block units (``(2.5, 2, 2, 1.5)`` -> ``(5, 4, 4, 3)``); None: even."""
-        return None if self.layer_split is None else tuple(int(round(2 * v)) for v in self.layer_split)
+        """``layer_split`` in units (``(2.5, 2, 2, 1.5)`` -> ``(40, 32, 32, 24)``); None: even."""
+        return None if self.layer_split is None else tuple(int(round(UNITS_PER_LAYER * v)) for v in self.layer_split)
+
+    def _boundaries(self) -> list[int]:
+        """The units at which a stage ends (cumulative ``unit_split``; empty: even split)."""
+        return list(itertools.accumulate(self.unit_split or ()))
 
     @property
     def half_split(self) -> bool:
-        """Whether a stage boundary falls between a block's attention and MLP halves."""
-        units = self.unit_split
-        return units is not None and any(u % 2 for u in itertools.accumulate(units))
+        """Whether a stage boundary falls inside a block (between its halves or inside one)."""
+        return any(u % UNITS_PER_LAYER for u in self._boundaries())
+
+    @property
+    def chunk_split(self) -> bool:
+        """Whether a stage boundary falls inside a half-block (between its chunks, module docstring)."""
+        return any(u % SUB_CHUNKS for u in self._boundaries())
+
+    def check_chunk_bounds(self) -> None:
+        """ValueError naming the boundary where one inside a half-block does not fall on whole K/V heads
+        (attention) or whole inner columns (MLP)."""
+        for u in self._boundaries():
+            c = u % SUB_CHUNKS
+            if not c:
+                continue
+            part = PARTS[(u // SUB_CHUNKS) % 2]
+            width, what = (self.kv_heads, "n_kv_heads") if part == "attn" else (self.d_ff, "d_ff")
+            if width * c % SUB_CHUNKS:
+                raise ValueError(f"ModelConfig.layer_split {list(self.layer_split or ())}: the boundary at "
+                                 f"{u / UNITS_PER_LAYER:g} layers cuts layer {u // UNITS_PER_LAYER}'s {part} half "
+                                 f"after {c}/{SUB_CHUNKS} of it, but {what} {width} is not divisible there")
 
     def stage_units(self, num_stages: int) -> list[range]:
-        """The half-block units of each stage (unit ``u``: layer ``u // 2``, part ``PARTS[u % 2]``)."""
+        """The units of each stage (module docstring)."""
         units = self.unit_split
         if units is None or num_stages == 1:
-            return [range(2 * r.start, 2 * r.stop) for r in split_layers(self.n_layers, num_stages)]
+            return [range(UNITS_PER_LAYER * r.start, UNITS_PER_LAYER * r.stop)
+                    for r in split_layers(self.n_layers, num_stages)]
         if len(units) != num_stages:
             raise ValueError(f"model {getattr(self, 'name', '')!r} has a layer split for {len(units)} stages "
                              f"{list(self.layer_split or ())}, not {num_stages}")
         ends = list(itertools.accumulate(units))
         return [range(end - n, end) for n, end in zip(units, ends)]
 
-    def stage_parts(self, num_stages: int) -> list[tuple[int, int]]:
-        """``(attention halves, MLP halves)`` of each stage."""
-        return [(len(range((r.start + 1) // 2, (r.stop + 1) // 2)), len(range(r.start // 2, r.stop // 2)))
-                for r in self.stage_units(num_stages)]
+    def stage_pieces(self, num_stages: int) -> list[list[HalfPiece]]:
+        """Each stage's half-blocks in order, whole or the chunks it holds of one."""
+        out = []
+        for r in self.stage_units(num_stages):
+            pieces: list[HalfPiece] = []
+            u = r.start
+            while u < r.stop:
+                half_end = (u // SUB_CHUNKS + 1) * SUB_CHUNKS
+                end = min(half_end, r.stop)
+                pieces.append(HalfPiece(u // UNITS_PER_LAYER, PARTS[(u // SUB_CHUNKS) % 2],
+                                        range(u % SUB_CHUNKS, u % SUB_CHUNKS + end - u)))
+                u = end
+            out.append(pieces)
+        return out
+
+    def stage_parts(self, num_stages: int) -> list[tuple[float, float]]:
+        """``(attention halves, MLP halves)`` of each stage (a chunk counts 1/8)."""
+        out = []
+        for pieces in self.stage_pieces(num_stages):
+            n = {p: 0 for p in PARTS}
+            for piece in pieces:
+                n[piece.part] += len(piece.chunks)
+            out.append((_count(n["attn"]), _count(n["mlp"])))
+        return out
 
     def stage_blocks(self, num_stages: int) -> list[list[tuple[int, tuple[str, ...]]]]:
         """Each stage's blocks as ``(layer, parts)``: whole blocks ``("attn", "mlp")``, and at a
-        mid-block boundary the stage's ``("mlp",)`` first and/or ``("attn",)`` last."""
+        mid-block boundary the stage's ``("mlp",)`` first and/or ``("attn",)`` last (whole halves or
+        chunks of them: ``stage_pieces``)."""
         out = []
-        for r in self.stage_units(num_stages):
+        for pieces in self.stage_pieces(num_stages):
             blocks: dict[int, tuple[str, ...]] = {}
-            for u in r:
-                blocks[u // 2] = blocks.get(u // 2, ()) + (PARTS[u % 2],)
+            for piece in pieces:
+                blocks[piece.layer] = blocks.get(piece.layer, ()) + (piece.part,)
             out.append(list(blocks.items()))
         return out
 
     def stage_layer_counts(self, num_stages: int) -> list[float]:
-        """Layers per stage (halves count 0.5), e.g. ``[2.5, 2.0, 2.0, 1.5]``."""
-        return [len(r) / 2 for r in self.stage_units(num_stages)]
+        """Layers per stage (halves count 0.5, chunks 1/16), e.g. ``[2.5, 2.0, 2.0, 1.5]``."""
+        return [len(r) / UNITS_PER_LAYER for r in self.stage_units(num_stages)]
 
     # --- the LM head's vocabulary over the stages ---------------------------------------
     def stage_vocab(self, num_stages: int) -> list[range]:
@@ -126,10 +200,15 @@ class ModelSizes:
         return next(i for i, r in enumerate(self.stage_vocab(num_stages)) if len(r))
 
     def message_channels(self, stage: int, num_stages: int) -> int:
-        """Width of the last dimension of the message ``stage`` sends on (to ``stage + 1``): ``d_model``,
-        plus the head's running statistics after a head shard (``HEAD_STATS`` fp32 values per token; in
-        a 16-bit model each as a high and a low 16-bit part, so they keep fp32's precision)."""
-        if stage >= num_stages - 1 or not len(self.stage_vocab(num_stages)[stage]):
+        """Width of the last dimension of the message ``stage`` sends on (to ``stage + 1``): ``d_model``;
+        ``2 d_model`` (``[y | h]``, module docstring) when it ends inside a half-block; ``d_model`` plus the
+        head's running statistics after a head shard (``HEAD_STATS`` fp32 values per token; in a 16-bit
+        model each as a high and a low 16-bit part, so they keep fp32's precision)."""
+        if stage >= num_stages - 1:
+            return self.d_model
+        if self.stage_units(num_stages)[stage].stop % SUB_CHUNKS:
+            return 2 * self.d_model
+        if not len(self.stage_vocab(num_stages)[stage]):
             return self.d_model
         return self.d_model + HEAD_STATS * (1 if self.dtype_bytes == 4 else 2)
 
@@ -203,23 +282,25 @@ class ModelSizes:
 
 
 def normalise_layer_split(split: Any, n_layers: int) -> tuple[int | float, ...]:
-    """``split`` as layers per stage: whole layers as ints, half layers (``x.5``) as floats; every
-    stage at least half a block except the last stages of several, which may hold none (the final norm
-    and LM head alone, as Megatron's layout ``...|L`` allows, or the LM head's vocabulary shards:
-    ``ModelConfig.head_split``); the total ``n_layers`` (ValueError naming the split otherwise)."""
+    """``split`` as layers per stage: whole layers as ints, others as floats on the 1/16 grid (``x.5``: half
+    a block; module docstring); every stage at least one unit except the last stages of several, which may
+    hold none (the final norm and LM head alone, as Megatron's layout ``...|L`` allows, or the LM head's
+    vocabulary shards: ``ModelConfig.head_split``); the total ``n_layers`` (ValueError naming the split
+    otherwise)."""
     units = []
     for v in split:
-        u = 2 * float(v)
+        u = UNITS_PER_LAYER * float(v)
         if not abs(u) < float("inf") or abs(u - round(u)) > 1e-9:
-            raise ValueError(f"ModelConfig.layer_split {list(split)}: {v} is not a whole or half number of layers")
+            raise ValueError(f"ModelConfig.layer_split {list(split)}: {v} is not a whole number of layers, halves "
+                             f"or 1/{UNITS_PER_LAYER}ths")
         units.append(int(round(u)))
     held = len(units) - next((i for i, u in enumerate(reversed(units)) if u), len(units))   # stages up to the last with layers
-    if not units or min(units[:held] or [0]) < 1 or min(units) < 0 or sum(units) != 2 * n_layers:
-        raise ValueError(f"ModelConfig.layer_split {list(split)} must give every stage >= 1 layer (or half a "
-                         f"block; the last stages of several may hold none: the LM head alone or its shards) and "
+    if not units or min(units[:held] or [0]) < 1 or min(units) < 0 or sum(units) != UNITS_PER_LAYER * n_layers:
+        raise ValueError(f"ModelConfig.layer_split {list(split)} must give every stage >= 1 layer (or a part of "
+                         f"one; the last stages of several may hold none: the LM head alone or its shards) and "
                          f"sum to n_layers "
                          f"{n_layers}")
-    return tuple(u // 2 if u % 2 == 0 else u / 2 for u in units)
+    return tuple(u // UNITS_PER_LAYER if u % UNITS_PER_LAYER == 0 else u / UNITS_PER_LAYER for u in units)
 
 
 def normalise_head_split(split: Any, vocab_size: int, layer_split: tuple[int | float, ...] | None,
@@ -257,6 +338,11 @@ def _head_rows(split: Any, vocab_size: int, layer_split: tuple[int | float, ...]
                          f"layer_split must give the same {len(rows)} stages and no layers after stage {first}, "
                          f"got {None if layer_split is None else list(layer_split)}")
     return tuple(rows)
+
+
+def _count(chunks: int) -> int | float:
+    """Half-blocks of ``chunks`` chunks (an int when whole)."""
+    return chunks // SUB_CHUNKS if chunks % SUB_CHUNKS == 0 else chunks / SUB_CHUNKS
 
 
 def split_layers(n_layers: int, num_stages: int) -> list[range]:

@@ -82,7 +82,7 @@ def test_a_heavy_head_is_balanced_per_gpu_not_per_chunk() -> None:
     assert split_ceiling(HEAVY_HEAD, per_gpu, virtual=V) > split_ceiling(HEAVY_HEAD, per_chunk, virtual=V)
     cfg = replace(HEAVY_HEAD, layer_split=per_gpu)
     units = [u for r in cfg.stage_units(s) for u in r]
-    assert units == list(range(2 * HEAVY_HEAD.n_layers)) and all(len(r) for r in cfg.stage_units(s))
+    assert units == list(range(16 * HEAVY_HEAD.n_layers)) and all(len(r) for r in cfg.stage_units(s))
     assert len(get_memory_model(None, cfg, s).state_bytes) == s
 
 

@@ -147,15 +147,17 @@ def test_flops_and_parameters_per_stage_sum_to_the_model(n: int, p: int, family:
 def test_half_splits_are_written_read_and_refused_where_they_cannot_run() -> None:
     tiny = ModelConfig.preset("tiny")
     cfg = resolve_stage_split(tiny, 3, "1.5,2,0.5")
-    assert cfg.layer_split == (1.5, 2, 0.5) and cfg.half_split and cfg.unit_split == (3, 4, 1)
+    assert cfg.layer_split == (1.5, 2, 0.5) and cfg.half_split and cfg.unit_split == (24, 32, 8) and not cfg.chunk_split
     assert cfg.stage_blocks(3) == [[(0, ("attn", "mlp")), (1, ("attn",))], [(1, ("mlp",)), (2, ("attn", "mlp")),
                                                                            (3, ("attn",))], [(3, ("mlp",))]]
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     assert resolve_stage_split(tiny, 2, "2.0,2").layer_split == (2, 2) and not resolve_stage_split(tiny, 2, "2,2").half_split
     with pytest.raises(ValueError, match="cuts blocks in half"):
         cfg.stage_layers(3)
-    with pytest.raises(ValueError, match="not a whole or half number"):
-        resolve_stage_split(tiny, 2, "1.25,2.75")
+    with pytest.raises(ValueError, match="not a whole number of layers, halves or 1/16ths"):
+        resolve_stage_split(tiny, 2, "1.3,2.7")
+    with pytest.raises(ValueError, match="n_kv_heads 4 is not divisible"):       # 1/8 of 4 heads
+        resolve_stage_split(tiny, 2, "1.0625,2.9375")
     with pytest.raises(ValueError, match="half-blocks"):
         resolve_stage_split(tiny, 2, "1.5,2.5", half_blocks=False)
     auto = resolve_stage_split(tiny, 2, "auto", half_blocks=False)

@@ -33,6 +33,7 @@ from dataclasses import replace
 import numpy as np
 
 from dynmb.config import ModelConfig
+from dynmb.model_sizes import SUB_CHUNKS
 
 from .partition import min_max_partition
 
@@ -68,7 +69,7 @@ def shard_head(cfg: ModelConfig, num_stages: int, units: np.ndarray, first: floa
     p = int(num_stages)
     if p < 2 or cfg.tie_embeddings:
         return []
-    bounds = [r.start for r in cfg.stage_units(p)] + [units.size]
+    bounds = [r.start // SUB_CHUNKS for r in cfg.stage_units(p)] + [units.size]     # in half-blocks
     work = [float(units[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
     work[0] += first
     head = np.full(HEAD_CHUNKS, last / HEAD_CHUNKS)
