@@ -13,9 +13,11 @@ contiguous partition (``planning.partition``) of a finer row of work units:
   ``--stage-split auto`` planned before the head could be sharded;
 - ``+head``: the LM head cut into 64 vocabulary chunks over the last stages (``planning.head_split``,
   ``ModelConfig.head_split``): what ``--stage-split auto`` plans now;
-- ``+mlp/8`` and ``+attn/8``: NOT BUILT, what a boundary inside a sub-block would add: each MLP half
-  (then also each attention half) cut into 8 equal chunks (column / head groups, whose partial sums
-  would travel with the residual stream). They show which grain holds each cell back.
+- ``+mlp/8`` and ``+attn/8``: a boundary inside a half-block: each MLP half (then also each attention
+  half) cut into 8 equal chunks (column / K/V-head groups, whose partial sums travel with the residual
+  stream, ``dynmb.model_sizes``). They show which grain holds each cell back;
+- ``auto``: the layout ``--stage-split auto`` plans (``resolve_stage_split``, same work model): chunks of
+  both halves and head shards, each taken where it lightens the busiest stage (chunks by ``CHUNK_GAIN``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 from dynmb.config import ModelConfig
 from dynmb.planning.head_split import HEAD_CHUNKS
 from dynmb.planning.partition import min_max_partition
-from dynmb.planning.stage_split import _stage_partition, flops_cost, unit_work
+from dynmb.planning.stage_split import _stage_partition, flops_cost, resolve_stage_split, split_ceiling, unit_work
 
 
 def ceilings(name: str, stages: int, tokens: int) -> dict[str, float]:
@@ -44,8 +46,10 @@ def ceilings(name: str, stages: int, tokens: int) -> dict[str, float]:
     attn, mlp = units[0::2], units[1::2]
     cut_mlp = np.concatenate([[a] + [m / 8] * 8 for a, m in zip(attn, mlp)])
     cut_both = np.concatenate([[a / 8] * 8 + [m / 8] * 8 for a, m in zip(attn, mlp)])
+    auto = resolve_stage_split(cfg, stages, "auto", tokens, stage_cost=flops_cost(tokens))
     return {"half": mean / half, "+head": mean / top(units), "+mlp/8": mean / top(cut_mlp),
-            "+attn/8": mean / top(cut_both)}
+            "+attn/8": mean / top(cut_both),
+            "auto": split_ceiling(auto, tuple(auto.stage_layer_counts(stages)), tokens)}
 
 
 def main() -> None:
@@ -54,12 +58,12 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[4, 8, 16, 32])
     ap.add_argument("--tokens", type=int, default=1024)
     args = ap.parse_args()
-    print("| model | P | half | +head (built) | +mlp/8 (not built) | +attn/8 (not built) |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| model | P | half | +head | +mlp/8 | +attn/8 | auto |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name in args.models:
         for p in args.stages:
             c = ceilings(name, p, args.tokens)
-            print(f"| {name} | {p} | " + " | ".join(f"{c[k]:.3f}" for k in ("half", "+head", "+mlp/8", "+attn/8")) + " |")
+            print(f"| {name} | {p} | " + " | ".join(f"{c[k]:.3f}" for k in ("half", "+head", "+mlp/8", "+attn/8", "auto")) + " |")
 
 
 if __name__ == "__main__":

@@ -52,3 +52,19 @@ def test_attention_boundaries_fall_on_whole_kv_heads() -> None:
         replace(LLAMA, layer_split=(1.125, 2.875))
     with pytest.raises(ValueError, match="d_ff 100 is not divisible"):
         replace(LLAMA, d_ff=100, layer_split=(1.5625, 2.4375))
+
+
+def test_the_cost_model_prices_the_wider_message_on_its_sender() -> None:
+    from dynmb.costmodel.gpu import GPUCostModel
+
+    cfg = replace(LLAMA, layer_split=(1.75, 1.75, 0.5))         # stage 0 ends inside layer 1's MLP, 1 on a half
+    even = GPUCostModel(replace(cfg, layer_split=(2, 2)), 2)
+    cm = GPUCostModel(cfg, 3)
+    extra = cfg.message_bytes(2, 300) / cm.comm.bytes_per_s       # one more d-wide tensor of a 2 x 300 microbatch
+    assert cm.wide_message_s(0, "F", 2, 300) == pytest.approx(extra) and cm.wide_message_s(1, "B", 2, 300) == \
+        pytest.approx(extra) and cm.wide_message_s(1, "I", 2, 300) == pytest.approx(extra)
+    assert [cm.wide_message_s(s, op, 2, 300) for s, op in ((0, "B"), (1, "F"), (2, "F"), (2, "B"), (0, "W"))] == \
+        [0.0] * 5
+    assert even.wide_message_s(0, "F", 2, 300) == 0.0
+    b, s, a = np.array([2.0]), np.array([300.0]), np.array([2 * 300.0 ** 2])
+    assert float(cm.predict(0, "F", 2, 300)) == pytest.approx(float(cm._predict(0, "F", b, s, a)[0]) + extra)

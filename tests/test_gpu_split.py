@@ -17,7 +17,7 @@ from dynmb.memory import get_memory_model
 from dynmb.planning.gpu_split import chunk_caps, chunk_loads, gpu_balanced_partition
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.split_work import workload_cost
-from dynmb.planning.stage_split import (_min_max_partition, balanced_split, flops_cost, planned_layout, resolve_stage_split, split_ceiling,
+from dynmb.planning.stage_split import (_min_max_partition, balanced_split, flops_cost, min_max_split, planned_layout, resolve_stage_split, split_ceiling,
                                         stage_work, unit_work)
 
 # Llama-3's 128k vocabulary at 7B widths, 8 layers: the head is more than two layers of work, so at P 4 V 2
@@ -111,10 +111,12 @@ def test_resolve_stage_split_takes_virtual_from_the_caller_or_the_search(caplog)
 
 def test_where_per_gpu_balance_gains_nothing_the_per_chunk_split_stays() -> None:
     """Llama-2-7B (32k head, about 1.4 layers): at P 8 and 16, V 2 no split lowers the busiest GPU below the
-    per-chunk split's, so ``auto`` keeps that split exactly (no churn of the fitted models or the runs)."""
+    per-chunk split's, so ``auto`` keeps that split exactly (no churn of the fitted models or the runs). With
+    V > 1 the split is planned in half-blocks (chunks of halves only at V 1)."""
     cfg = dynmb.model_config("llama2-7b")
     for p in (8, 16):
-        assert balanced_split(cfg, p * V, half_blocks=True, virtual=V) == balanced_split(cfg, p * V, half_blocks=True)
+        assert balanced_split(cfg, p * V, half_blocks=True, virtual=V) == \
+            min_max_split(cfg, p * V, flops_cost(), half_blocks=True)
 
 
 def test_the_planner_plans_the_per_gpu_split_with_virtual_stages() -> None:

@@ -114,7 +114,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                          "dynamic", "dynamic_setup", "dynamic_space", "dynamic_rank", "orders", "recompute",
                          "balanced", "methods")),
     ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "defaults", "api",
-                          "sampler", "partition", "stage_split", "head_split", "gpu_split", "split_work", "split_search", "virtual_search",
+                          "sampler", "partition", "split_units", "stage_split", "head_split", "gpu_split", "split_work", "split_search", "virtual_search",
                           "spec_check")),
     ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf", "head"))),
     ("runtime", (*_modules("dynmb.runtime", "spec", "topology", "state", "planahead", "step", "interpreter", "splitbackward", "comm",

@@ -7,12 +7,14 @@ import re
 from dataclasses import replace
 
 import pytest
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.memory import MemoryModel
-from dynmb.planning.stage_split import balanced_split, resolve_stage_split, split_ceiling, stage_work
+from dynmb.planning.stage_split import (balanced_split, flops_cost, min_max_split, resolve_stage_split, split_ceiling,
+                                        stage_work)
 from tests.gloo_jobs import register
 
 SEVEN_B = ModelConfig(name="7b-widths", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008,
@@ -94,30 +96,54 @@ def test_the_half_block_split_is_the_best_contiguous_partition(n: int, p: int, f
         return
     cfg = ModelConfig(name="t", family=family, vocab_size=vocab, d_model=64, n_layers=n, n_heads=4, d_ff=256)
     got = balanced_split(cfg, p, hint, half_blocks=True)
-    assert len(got) == p and sum(got) == n and min(got[:-1], default=0.5) >= 0.5 and got[-1] >= (0 if p > 1 else 0.5)
+    assert len(got) == p and sum(got) == n and min(got[:-1], default=0.5) > 0 and got[-1] >= (0 if p > 1 else 0.5)
+    laid = replace(cfg, layer_split=got)                        # every boundary one the model allows
     best = min(max(stage_work(cfg, c, hint)) for c in _half_compositions(n, p))
-    assert max(stage_work(cfg, got, hint)) <= best * (1 + 1e-9)
-    if p <= n:
+    w_got = max(stage_work(cfg, got, hint))
+    assert w_got <= best * (1 + 1e-9)
+    if laid.chunk_split:                                        # chunks only where strictly lighter than halves
+        assert w_got < best * (1 - 1e-9)
+    elif p <= n:
         whole = balanced_split(cfg, p, hint)
         w_whole = max(stage_work(cfg, whole, hint))
         if w_whole <= best * (1 + 1e-9):            # whole layers are optimal: the whole-layer answer
             assert got == whole
         else:
-            assert max(stage_work(cfg, got, hint)) < w_whole
+            assert w_got < w_whole
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 3), p=st.integers(2, 3), kv=st.sampled_from([1, 2, 8]), vocab=st.sampled_from([64, 20000]))
+def test_the_chunk_split_is_the_best_contiguous_partition_on_the_allowed_cuts(n: int, p: int, kv: int,
+                                                                             vocab: int) -> None:
+    cfg = ModelConfig(name="t", family="llama", vocab_size=vocab, d_model=64, n_layers=n, n_heads=8, n_kv_heads=kv,
+                      d_ff=176)
+    got = balanced_split(cfg, p, 512, half_blocks=True)
+    best = np.inf
+    for units in _compositions(16 * n, p):
+        try:
+            layout = replace(cfg, layer_split=tuple(u / 16 for u in units))
+        except ValueError:                          # a cut inside K/V heads or MLP columns
+            continue
+        best = min(best, max(stage_work(layout, layout.layer_split, 512)))
+    assert max(stage_work(cfg, got, 512)) <= best * (1 + 1e-9)
 
 
 def test_half_blocks_balance_the_head_that_whole_layers_cannot() -> None:
     """Llama-2-7B widths at P = 16 (two layers a stage, the head ~0.6 layers): whole layers keep the
     even split; half-blocks move half a block off the last stage and lift the split's ceiling."""
     cfg = replace(SEVEN_B, family="llama", n_kv_heads=32)
-    whole, half = balanced_split(cfg, 16, 1024), balanced_split(cfg, 16, 1024, half_blocks=True)
+    whole, half = balanced_split(cfg, 16, 1024), min_max_split(cfg, 16, flops_cost(1024), half_blocks=True)
     assert whole == (2,) * 16
     assert half[-1] == 1.5 and sum(half) == 32 and cfg.n_layers == 32
     assert split_ceiling(cfg, half) > split_ceiling(cfg, whole) + 0.05
-    assert resolve_stage_split(cfg, 16, "auto").layer_split == half
+    auto = balanced_split(cfg, 16, 1024, half_blocks=True)      # chunks of halves where they are lighter still
+    assert replace(cfg, layer_split=auto).chunk_split and split_ceiling(cfg, auto) > split_ceiling(cfg, half) + 0.05
+    assert resolve_stage_split(cfg, 16, "auto").layer_split == auto
     # the stage work is the FLOPs every consumer counts
-    flops = [float(replace(cfg, layer_split=half).stage_flops(s, 16, 1, 1024)) for s in range(16)]
-    assert flops == pytest.approx(stage_work(cfg, half, 1024), rel=1e-12)
+    for split in (half, auto):
+        flops = [float(replace(cfg, layer_split=split).stage_flops(s, 16, 1, 1024)) for s in range(16)]
+        assert flops == pytest.approx(stage_work(cfg, split, 1024), rel=1e-12)
 
 
 def _random_half_split(n: int, p: int, seed: int) -> tuple[float, ...]:
@@ -256,15 +282,18 @@ def test_uneven_splits_give_the_reference_gradients(gloo_job, nproc: int) -> Non
 
 
 def test_auto_with_more_stages_than_layers_splits_half_blocks():
-    """More pipeline stages (model chunks with virtual stages) than layers: only half-blocks cover
-    them, so ``auto`` returns that split instead of failing on an even split that does not exist."""
+    """More pipeline stages (model chunks with virtual stages) than layers: only parts of blocks cover
+    them, so ``auto`` returns that split instead of failing on an even split that does not exist; up to
+    one stage per chunk the model allows (llama-tiny: two K/V-head groups and eight column chunks a layer)."""
     from dynmb.config import model_config
     cfg = model_config("llama-tiny")
     n = cfg.n_layers
     split = resolve_stage_split(cfg, n + 1, "auto").layer_split
-    assert len(split) == n + 1 and sum(split) == n and min(split) == 0.5
-    with pytest.raises(ValueError, match="2 x layers"):
-        resolve_stage_split(cfg, 2 * n + 1, "auto")
+    assert len(split) == n + 1 and sum(split) == n and 0 < min(split) < 1
+    finest = resolve_stage_split(cfg, 10 * n, "auto")
+    assert len(finest.layer_split) == 10 * n and finest.chunk_split
+    with pytest.raises(ValueError, match="chunks the model allows"):
+        resolve_stage_split(cfg, 10 * n + 1, "auto")
 
 
 def test_a_head_heavier_than_a_stage_gets_the_last_stage_alone():

@@ -104,7 +104,8 @@ class GPUCostModel(CostModel):
         super().__init__(model_cfg, num_stages, comm if comm is not None else LINKS[link], meta)
         self.spec = spec
         self._attn_unit = [self._attn_flops_per_unit(p) for p in range(num_stages)]
-        self._layers = model_cfg.stage_layer_counts(num_stages)      # half-blocks count 0.5
+        self._layers = [len(pieces) / 2 for pieces in model_cfg.stage_pieces(num_stages)]
+        """Layers' worth of kernel launches per stage: each half-block it holds counts 0.5, whole or chunks."""
 
     def _attn_flops_per_unit(self, stage: int) -> float:
         """The s^2 coefficient of ``stage_flops`` at one row (its attention FLOPs per unit of work)."""

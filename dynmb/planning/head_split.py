@@ -8,8 +8,9 @@ the running log-sum-exp and target logit on with the normalised hidden state, ``
 the head into work that can be divided as finely as a vocabulary row.
 
 Algorithm (``shard_head``, called by ``stage_split.planned_layout``): the head's work ``last`` (the work
-model's last-stage extra, read off the same small layouts as ``stage_split.unit_work``) is cut into
-``HEAD_CHUNKS`` equal vocabulary chunks appended after the layer units (half-blocks), and the units of the
+model's last-stage extra, read off the same small layouts as ``split_units.unit_row``) is cut into
+``HEAD_CHUNKS`` equal vocabulary chunks appended after the layer units (the planning row at the chunk grain:
+every boundary the model allows, ``split_units``), and the units of the
 split's last ``m`` stages plus the chunks get the min-max contiguous partition over ``m`` non-empty stages
 (``partition.min_max_partition``), the split's first ``P - m`` stages kept. Two candidates: ``m = P`` (the
 whole pipeline re-partitioned: the min-max layout) and the smallest ``m`` that reaches the same busiest
@@ -33,9 +34,9 @@ from dataclasses import replace
 import numpy as np
 
 from dynmb.config import ModelConfig
-from dynmb.model_sizes import SUB_CHUNKS
 
 from .partition import min_max_partition
+from .split_units import UnitRow
 
 __all__ = ["shard_head", "HEAD_CHUNKS"]
 
@@ -45,31 +46,30 @@ HEAD_CHUNKS = 64
 """Equal vocabulary chunks the head is cut into for the partition (its granularity: 1/64 of the head)."""
 
 
-def _layout(cfg: ModelConfig, counts: list[int], n_units: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """(layers per stage, head rows per stage) of a partition of ``n_units`` half-blocks + the chunks."""
+def _layout(cfg: ModelConfig, counts: list[int], row: UnitRow) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """(layers per stage, head rows per stage) of a partition of ``row``'s units + the head chunks."""
+    n_units = row.work.size
     bounds = np.concatenate([[0], np.cumsum(counts)])
-    row = [round(cfg.vocab_size * c / HEAD_CHUNKS) for c in range(HEAD_CHUNKS + 1)]
-    layers, rows = [], []
-    for b0, b1 in zip(bounds[:-1], bounds[1:]):
-        u = int(min(b1, n_units) - min(b0, n_units))
-        layers.append(u // 2 if u % 2 == 0 else u / 2)
-        rows.append(row[int(max(b1 - n_units, 0))] - row[int(max(b0 - n_units, 0))])
-    return tuple(layers), tuple(rows)
+    vocab = [round(cfg.vocab_size * c / HEAD_CHUNKS) for c in range(HEAD_CHUNKS + 1)]
+    layers = row.layers([int(min(b1, n_units) - min(b0, n_units)) for b0, b1 in zip(bounds[:-1], bounds[1:])])
+    rows = [vocab[int(max(b1 - n_units, 0))] - vocab[int(max(b0 - n_units, 0))] for b0, b1 in zip(bounds[:-1], bounds[1:])]
+    return layers, tuple(rows)
 
 
-def shard_head(cfg: ModelConfig, num_stages: int, units: np.ndarray, first: float, last: float,
-               now: float, *, whole: bool = True) -> list[ModelConfig]:
+def shard_head(cfg: ModelConfig, num_stages: int, row: UnitRow, now: float, *,
+               whole: bool = True) -> list[ModelConfig]:
     """Layouts of ``cfg`` (whose ``layer_split`` is the split chosen so far, its busiest stage's work ``now``)
     with the head sharded over its last stages that make the busiest stage strictly lighter, the whole
     pipeline re-partitioned first, then the split's own prefix kept and only the fewest last stages that
-    reach the best busiest stage re-partitioned (where that differs); ``units`` the half-blocks' work,
-    ``first`` / ``last`` the embedding's and the head's (``stage_split.unit_work``); ``whole=False``: the
+    reach the best busiest stage re-partitioned (where that differs); ``row`` the layers' planning row, its
+    ``first`` / ``last`` the embedding's and the head's work (``split_units.unit_row``); ``whole=False``: the
     prefix-keeping one only. Empty where nothing gets lighter, or where the model cannot shard (a tied
     head, one stage) (module docstring)."""
     p = int(num_stages)
     if p < 2 or cfg.tie_embeddings:
         return []
-    bounds = [r.start // SUB_CHUNKS for r in cfg.stage_units(p)] + [units.size]     # in half-blocks
+    units, first, last = row.work, row.first, row.last
+    bounds = [row.index(r.start) for r in cfg.stage_units(p)] + [units.size]
     work = [float(units[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
     work[0] += first
     head = np.full(HEAD_CHUNKS, last / HEAD_CHUNKS)
@@ -85,7 +85,7 @@ def shard_head(cfg: ModelConfig, num_stages: int, units: np.ndarray, first: floa
         top, counts = tops[m]
         if not top < now * (1 - 1e-9):
             continue
-        layers, rows = _layout(cfg, counts, units.size)
+        layers, rows = _layout(cfg, counts, row)
         layout = replace(cfg, layer_split=layers, head_split=rows)
         if layout.head_split is not None and layout not in out:
             out.append(layout)

@@ -56,12 +56,14 @@ import numpy as np
 
 from dynmb.config import ModelConfig
 from dynmb.memory import get_memory_model
+from dynmb.model_sizes import UNITS_PER_LAYER
 from dynmb.planspec import PlanSpec
 
 from .defaults import reorder_for
 from .planner import plan_step
+from .split_units import CHUNK, HALF, LAYER, as_layers, fine_grid
 from .split_work import layout_cost_model, workload_lengths
-from .stage_split import StageCost, balanced_split, min_max_split, unit_work, with_split
+from .stage_split import StageCost, balanced_split, min_max_split, with_split
 
 __all__ = ["SplitSearch", "SplitChoice", "near_optimal_splits", "ENUMERATE_LIMIT"]
 
@@ -74,18 +76,16 @@ Split = tuple[float, ...]
 
 
 def _units(split: Split) -> tuple[int, ...]:
-    return tuple(int(round(2 * n)) for n in split)
-
-
-def _layers(units: tuple[int, ...]) -> Split:
-    return tuple(u // 2 if u % 2 == 0 else u / 2 for u in units)
+    """Layers per stage in units of 1/16 layer (``dynmb.model_sizes``)."""
+    return tuple(int(round(UNITS_PER_LAYER * n)) for n in split)
 
 
 def _arrangements(sizes: tuple[int, ...], work: np.ndarray, first: float, last: float, bound: float,
-                  whole: bool, limit: int) -> list[tuple[int, ...]]:
-    """Every order of the multiset ``sizes`` (half-block units per stage) whose stages' work (``work`` per
-    unit, ``first`` / ``last`` added at the ends) stays within ``bound``; depth-first, sizes in ascending
-    order at each step, at most ``limit``."""
+                  cuts: np.ndarray, limit: int) -> list[tuple[int, ...]]:
+    """Every order of the multiset ``sizes`` (1/16-layer units per stage) whose stages' work (``work`` per
+    unit, ``first`` / ``last`` added at the ends) stays within ``bound`` and whose boundaries are all allowed
+    (``cuts``: per boundary on the 1/16 grid); depth-first, sizes in ascending order at each step, at most
+    ``limit``."""
     prefix = np.concatenate([[0.0], np.cumsum(work)])
     p = len(sizes)
     values = sorted(set(sizes))
@@ -103,7 +103,7 @@ def _arrangements(sizes: tuple[int, ...], work: np.ndarray, first: float, last: 
             if not left[v] or (v == 0 and len(path) != p - 1):      # only the last stage may hold the head alone
                 continue
             end = start + v
-            if whole and end % 2:
+            if not cuts[end]:
                 continue
             cost = prefix[end] - prefix[start] + (first if start == 0 else 0.0) + (last if len(path) == p - 1 else 0.0)
             if cost > bound:
@@ -142,7 +142,8 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
         cands = [per_gpu] + ([per_chunk] if _units(per_chunk) != _units(per_gpu) else [])
         return cands[:max(1, int(max_candidates))], len(cands)
     s0 = balanced_split(cfg, p, half_blocks=half_blocks, stage_cost=stage_cost)
-    work, first, last = unit_work(cfg, stage_cost, True)
+    chunked = any(int(u) % HALF for u in np.cumsum(_units(s0)))
+    work, first, last, cuts = fine_grid(cfg, stage_cost, CHUNK if chunked else HALF if half_blocks else LAYER)
     pre = np.concatenate([[0.0], np.cumsum(work)])
 
     def busiest(units: tuple[int, ...]) -> float:
@@ -159,7 +160,7 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
         seeds.add(_units(min_max_split(cfg, p, stage_cost, half_blocks=True)))
     opt = min(busiest(s) for s in seeds)
     bound = opt * (1.0 + float(tolerance)) * (1 + 1e-12)
-    step = 1 if half_blocks else 2
+    step = CHUNK if chunked else HALF if half_blocks else LAYER
     near = {tuple(sorted(m)) for m in seeds}
     moved = {mv for m in near for mv in _moves(m, step)} - near
     k, kept, total = max(0, int(max_candidates) - 1), [], 0
@@ -168,7 +169,7 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
             break
         found: set[tuple[int, ...]] = set()
         for sizes in sorted(tier):
-            found.update(_arrangements(sizes, work, first, last, bound, not half_blocks, ENUMERATE_LIMIT))
+            found.update(_arrangements(sizes, work, first, last, bound, cuts, ENUMERATE_LIMIT))
         total += len(found | ({_units(s0)} if tier is near else set()))
         others = sorted(found - {_units(s0)} - set(kept))
         room = k - len(kept)
@@ -176,7 +177,7 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
             others = [others[int(i)] for i in np.unique(np.linspace(0, len(others) - 1, room).round().astype(int))] \
                 if room > 0 else []
         kept += others
-    return [s0, *(_layers(u) for u in kept)], total
+    return [s0, *(as_layers(u) for u in kept)], total
 
 
 @dataclass(frozen=True)

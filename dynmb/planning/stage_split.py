@@ -17,27 +17,29 @@ priced by the cost model where it prices any layout (the analytic and GPU models
 (1,024, a typical microbatch row of the shipped traces; the head does not grow with the row length,
 attention does, so the hint matters), and says so once: with long documents that stand-in loads the
 stages holding extra attention halves (docs/results.md "Half-block stage splits"). Any other work model
-enters as ``stage_cost(layout, stage, num_stages) -> work`` and is read off the same small layouts.
-With ``F`` the work of a layout:
-``layer = F(2 layers, 1 stage) - F(1 layer, 1 stage)``, ``first = F_0(2 layers, 2 stages) - layer``,
-``last = F_1(2 layers, 2 stages) - layer``, and the attention half's ``attn = F_0(1 layer split
-(0.5, 0.5), 2 stages) - first`` (the MLP half ``layer - attn``).
+enters as ``stage_cost(layout, stage, num_stages) -> work`` and is read off the same small layouts
+(``split_units.half_parts``).
 
-Units: whole layers, or half-blocks (``half_blocks=True``; ``--stage-split auto`` for dynmb's own
-families): a pre-norm block is two residual sub-blocks, ``x + attn(norm1(x))`` then ``x +
-mlp(norm2(x))``, each a function of the hidden state alone, so a stage boundary may fall between them
-with only the hidden state crossing it (``ModelConfig.stage_blocks``). At Llama-2-7B widths the
-attention half (4 d^2 per token plus the scores) is about 1/3 of a layer and the SwiGLU half 2/3.
+Units: whole layers, half-blocks or chunks of them (``split_units``; ``half_blocks=True``, ``--stage-split
+auto`` for dynmb's own families, allows the last two): a pre-norm block is two residual sub-blocks, ``x +
+attn(norm1(x))`` then ``x + mlp(norm2(x))``, each a function of the hidden state alone, so a stage boundary
+may fall between them with only the hidden state crossing it; inside a half, between eighths of its K/V
+heads or MLP columns, the partial sum and the half's normalised input cross it (``dynmb.model_sizes``,
+``[y | h]``). At Llama-2-7B widths the attention half (4 d^2 per token plus the scores) is about 1/3 of a
+layer and the SwiGLU half 2/3.
 
-Algorithm: the min-max contiguous partition of the ``N`` units (``n_layers``, or ``2 n_layers``
-alternating attention/MLP halves) into ``P`` non-empty segments, where a segment's cost is its units'
-work plus the first/last extras when it touches an end, by dynamic programming over (stages used, units
-covered): ``best[k][j] = min over i of max(best[k-1][i], cost(i, j))``, ties (the min-max optimum is
-rarely unique) broken by the smallest sum of squared stage work, so the spare work spreads evenly
-instead of leaving a near-empty stage. ``O(P x N^2)`` with the inner minimum vectorised (numpy):
-milliseconds for 128 layers. With half-blocks both partitions are solved and the half-block one is
-taken only when its busiest stage does strictly less work than the whole-layer one's, so wherever whole
-layers are already optimal ``auto`` keeps the same whole-layer split (and the same fitted models). The
+Algorithm: the min-max contiguous partition of the ``N`` units (``n_layers``, ``2 n_layers`` alternating
+attention/MLP halves, or up to ``16 n_layers`` chunks) into ``P`` non-empty segments, where a segment's cost
+is its units' work plus the first/last extras when it touches an end, by dynamic programming over (stages
+used, units covered): ``best[k][j] = min over i of max(best[k-1][i], cost(i, j))``, ties (the min-max
+optimum is rarely unique) broken by the smallest sum of squared stage work, so the spare work spreads evenly
+instead of leaving a near-empty stage (``partition``). ``O(P x N^2)`` with the inner minimum vectorised
+(numpy): 0.1-0.5 s for 32 layers in chunks. The grains are solved coarse to fine and a finer one is taken
+only where its busiest stage does less work: strictly less for half-blocks against whole layers, so wherever
+whole layers are already optimal ``auto`` keeps the same whole-layer split (and the same fitted models), and
+``CHUNK_GAIN`` (1%) less for chunks against half-blocks (a boundary inside a half sends twice the bytes;
+the cost model prices that on the sender, ``CostModel.wide_message_s``). Chunks at one chunk a GPU only
+(interleaved splits balance per GPU in half-blocks). The
 last stage may also hold the final norm and LM head alone (``P - 1`` segments and an empty last one,
 ``_stage_partition``), taken only where that lowers the busiest stage's work: a head heavier than the
 mean stage (Llama-3's 128k vocabulary at P >= 16) is then the busiest stage by itself.
@@ -47,7 +49,8 @@ costs more than the layer moved, so at 32k vocabularies and two layers a stage (
 the even split is the best whole-layer one and the head's 1.4x stays (split ceiling, mean over busiest
 stage work ``split_ceiling``, 0.78); half-blocks move an attention half off the head's stage and lift
 it to 0.865 (docs/results.md); at Llama-3's 128k vocabulary the head is about 2.4 layers and the
-planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py).
+planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py). Chunks lift the
+ceiling to 0.96-0.99 at P 16 on both (``benchmarks/split_ceilings.py``).
 
 Min-max cannot see where an uneven stage sits, which moves the fill and drain of 1F1B and the
 zero-bubble kinds by a few percent: given the run's planning settings (``search``, a
@@ -74,7 +77,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -83,10 +86,11 @@ from dynmb.config import ModelConfig
 from .gpu_split import chunk_loads, gpu_balanced_partition
 from .head_split import shard_head
 from .partition import min_max_partition as _min_max_partition
+from .split_units import CHUNK, HALF, LAYER, StageCost, UnitRow, flops_cost, stage_work, unit_row, unit_work
 from .split_work import fitted_split, workload_cost
 
-__all__ = ["balanced_split", "planned_layout", "min_max_split", "with_split", "stage_work", "unit_work", "split_ceiling", "resolve_stage_split", "flops_cost",
-           "StageCost", "STAGE_SPLITS"]
+__all__ = ["balanced_split", "planned_layout", "min_max_split", "with_split", "stage_work", "unit_work", "split_ceiling",
+           "resolve_stage_split", "flops_cost", "StageCost", "STAGE_SPLITS"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,52 +99,10 @@ STAGE_SPLITS = ("even", "auto")
 ``"2.5,2,2,1.5"``, in half-blocks)."""
 
 
-StageCost = Callable[[ModelConfig, int, int], float]
-"""``(layout, stage, num_stages) -> work``: what the split balances (``split_work.workload_cost``: a workload's
-F + B; without one, ``flops_cost``: forward FLOPs at one row)."""
-
-
-def flops_cost(tokens_hint: int = 1024) -> StageCost:
-    """The default work model: ``stage_flops`` at one row of ``tokens_hint`` tokens."""
-    return lambda cfg, stage, num_stages: float(cfg.stage_flops(stage, num_stages, 1, tokens_hint))
-
-
-def _parts(cfg: ModelConfig, cost: StageCost) -> tuple[float, float, float, float]:
-    """(attention half, MLP half, first-stage extra, last-stage extra) work, read off ``cost`` of small
-    layouts (module docstring)."""
-    base = replace(cfg, layer_split=None, head_split=None)
-    one, two = replace(base, n_layers=1), replace(base, n_layers=2)
-    layer = cost(two, 0, 1) - cost(one, 0, 1)
-    first = max(cost(two, 0, 2) - layer, 0.0)
-    last = max(cost(two, 1, 2) - layer, 0.0)
-    attn = cost(replace(one, layer_split=(0.5, 0.5)), 0, 2) - first
-    return attn, layer - attn, first, last
-
-
-def unit_work(cfg: ModelConfig, cost: StageCost, half: bool) -> tuple[np.ndarray, float, float]:
-    """(work of each unit in order, first extra, last extra): half-blocks (attention, MLP, ...) or
-    whole layers."""
-    attn, mlp, first, last = _parts(cfg, cost)
-    if half:
-        return np.tile([attn, mlp], cfg.n_layers), first, last
-    return np.full(cfg.n_layers, attn + mlp), first, last
-
-
-def stage_work(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024, *,
-               stage_cost: StageCost | None = None) -> list[float]:
-    """The work model's work of each stage under ``split`` (layers per stage; halves allowed) and ``cfg``'s
-    ``head_split`` (the head's work over its stages by rows; None: on the last): forward FLOPs at one row
-    of ``tokens_hint`` tokens, or ``stage_cost``'s."""
-    units, first, last = unit_work(cfg, stage_cost or flops_cost(tokens_hint), True)
-    prefix = np.concatenate([[0.0], np.cumsum(units)])
-    ends = np.cumsum([int(round(2 * n)) for n in split])
-    work = [float(prefix[b] - prefix[a]) for a, b in zip(np.concatenate([[0], ends[:-1]]), ends)]
-    work[0] += first
-    if cfg.head_split is not None and len(cfg.head_split) == len(work):     # the head's rows over its stages
-        work = [w + last * rows / cfg.vocab_size for w, rows in zip(work, cfg.head_split)]
-    else:
-        work[-1] += last
-    return work
+CHUNK_GAIN = 0.01
+"""A split with a boundary inside a half-block is taken only where its busiest stage does at least this much
+less work than the half-block split's: such a boundary sends twice the bytes (``[y | h]``) and cuts the
+matmuls narrower, so a smaller gain is left to the coarser split."""
 
 
 def split_ceiling(cfg: ModelConfig, split: tuple[float, ...], tokens_hint: int = 1024, *,
@@ -164,12 +126,12 @@ def _stage_partition(units: np.ndarray, p: int, first: float, last: float) -> tu
     return counts, top, sq
 
 
-def min_max_split(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool) -> tuple[float, ...]:
-    """The min-max partition in half-block units (``half_blocks``) or whole layers, as layers per stage,
-    without ``balanced_split``'s preference for whole layers."""
-    units, first, last = unit_work(cfg, stage_cost, half_blocks)
-    counts = _stage_partition(units, int(num_stages), first, last)[0]
-    return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts) if half_blocks else tuple(counts)
+def min_max_split(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool,
+                  grain: int | None = None) -> tuple[float, ...]:
+    """The min-max partition of the row at ``grain`` (default: half-blocks with ``half_blocks``, else whole
+    layers), as layers per stage, without ``balanced_split``'s preference for coarser grains."""
+    row = unit_row(cfg, stage_cost, grain or (HALF if half_blocks else LAYER))
+    return row.layers(_stage_partition(row.work, int(num_stages), row.first, row.last)[0])
 
 
 def _gpu_partition(units: np.ndarray, p: int, virtual: int, first: float, last: float) -> tuple[list[int], float]:
@@ -197,30 +159,31 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *
     virtual)``): the smallest busiest GPU's work (the sum of its chunks), then busiest chunk's
     (``dynmb.planning.gpu_split``), half-blocks again taken only where they lower the busiest GPU's."""
     n, p, v = cfg.n_layers, int(num_stages), int(virtual)
-    if not 1 <= p <= (2 * n if half_blocks else n):
-        raise ValueError(f"cannot split {n} layers over {p} stages (need 1 <= stages <= "
-                         f"{'2 x layers with half-blocks' if half_blocks else 'layers'})")
     if v < 1 or p % v:
         raise ValueError(f"cannot place {p} chunks {v} a GPU (virtual must divide the chunk count)")
     cost = stage_cost or flops_cost(max(1, int(tokens_hint)))
+    most = n if not half_blocks else 2 * n if v > 1 else unit_row(cfg, cost, CHUNK).work.size
+    if not 1 <= p <= most:
+        raise ValueError(f"cannot split {n} layers over {p} stages (need 1 <= stages <= {most}, the "
+                         f"{'layers' if not half_blocks else 'half-blocks' if v > 1 else 'chunks the model allows'})")
 
-    def solve(units: np.ndarray, first: float, last: float) -> tuple[list[int], float]:
+    def solve(row: UnitRow) -> tuple[list[int], float]:
         if v > 1:
-            return _gpu_partition(units, p, v, first, last)
-        counts, top, _ = _stage_partition(units, p, first, last)
+            return _gpu_partition(row.work, p, v, row.first, row.last)
+        counts, top, _ = _stage_partition(row.work, p, row.first, row.last)
         return counts, top
 
-    whole, w_max = None, np.inf
-    if p <= n:
-        counts, w_max = solve(*unit_work(cfg, cost, False))
-        whole = tuple(counts)
-    if not half_blocks:
-        assert whole is not None
-        return whole
-    counts, h_max = solve(*unit_work(cfg, cost, True))
-    if whole is not None and h_max >= w_max * (1 - 1e-9):
-        return whole
-    return tuple(c // 2 if c % 2 == 0 else c / 2 for c in counts)
+    best, w_max = None, np.inf
+    grains = [LAYER] if p <= n else []
+    if half_blocks:
+        grains += [HALF, CHUNK] if v == 1 else [HALF]
+    for grain in grains:                               # a finer grain only where lighter (CHUNK_GAIN)
+        row = unit_row(cfg, cost, grain)
+        counts, top = solve(row)
+        if top < w_max * (1 - (CHUNK_GAIN if grain == CHUNK else 1e-9)):
+            best, w_max = row.layers(counts), top
+    assert best is not None
+    return best
 
 
 def _fallback_said() -> bool:
@@ -267,15 +230,11 @@ def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], 
     out = with_split(cfg, num_stages, split)
     if int(virtual) != 1 or not half_blocks or num_stages < 2:
         return out
-    units, first, last = unit_work(out, stage_cost, True)
-    now = max(stage_work(out, tuple(out.stage_layer_counts(num_stages)), stage_cost=stage_cost))
-    sharded = shard_head(out, num_stages, units, first, last, now)
+    sharded = _shards(out, num_stages, stage_cost)
     if not sharded:
         return out
     for other in (arrangements if search is not None else ()):
-        layout = with_split(cfg, num_stages, tuple(other))
-        busiest = max(stage_work(layout, tuple(layout.stage_layer_counts(num_stages)), stage_cost=stage_cost))
-        sharded += [x for x in shard_head(layout, num_stages, units, first, last, busiest, whole=False)
+        sharded += [x for x in _shards(with_split(cfg, num_stages, tuple(other)), num_stages, stage_cost, whole=False)
                     if x not in sharded]
     scores = None if search is None else search.scores([out, *sharded], num_stages, workload=workload,
                                                        cost_model=cost_model)
@@ -285,6 +244,23 @@ def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], 
     logger.info("stage split: the head kept whole simulates %.4f s per batch, sharded %s: %s", scores[0],
                 ", ".join(f"{x:.4f}" for x in scores[1:]), "kept whole" if best == 0 else f"sharded ({best})")
     return out if best == 0 else sharded[best - 1]
+
+
+def _busiest(layout: ModelConfig, num_stages: int, stage_cost: StageCost) -> float:
+    return max(stage_work(layout, tuple(layout.stage_layer_counts(num_stages)), stage_cost=stage_cost))
+
+
+def _shards(layout: ModelConfig, num_stages: int, stage_cost: StageCost, *, whole: bool = True) -> list[ModelConfig]:
+    """``head_split.shard_head`` of ``layout``: re-partitioned in half-blocks, or in chunks where that is
+    ``CHUNK_GAIN`` lighter still (or ``layout`` has chunks already)."""
+    now = _busiest(layout, num_stages, stage_cost)
+    out: list[ModelConfig] = []
+    for grain in ([CHUNK] if layout.chunk_split else [HALF, CHUNK]):
+        found = shard_head(layout, num_stages, unit_row(layout, stage_cost, grain), now, whole=whole)
+        top = min((_busiest(x, num_stages, stage_cost) for x in found), default=np.inf)
+        if found and (not out or top < min(_busiest(x, num_stages, stage_cost) for x in out) * (1 - CHUNK_GAIN)):
+            out = found
+    return out
 
 
 def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
