@@ -99,6 +99,7 @@ def test_pieces_hold_the_whole_models_weights_under_unique_names(family, P, spli
     joined = full_weights({n: p for st in stages for n, p in st.named_parameters()}, cfg, P)
     assert set(joined) == set(whole) and all(torch.equal(joined[n], whole[n]) for n in whole)
     assert sum(p.numel() for st in stages for p in st.parameters()) == sum(p.numel() for p in whole.values())
+    assert [sum(p.numel() for p in st.parameters()) for st in stages] == [cfg.stage_params(s, P) for s in range(P)]
     for s, st in enumerate(stages):            # a norm (and an output bias) only where a half's chunk 0 is
         norms = {int(n.split(".")[1]) * 2 + (n.split(".")[2] in ("mlp_norm", "ln2"))
                  for n in dict(st.named_parameters()) if re.match(r"blocks\.\d+\.(attn_norm|mlp_norm|ln1|ln2)\.", n)}

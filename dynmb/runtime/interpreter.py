@@ -129,6 +129,8 @@ def run_actions(
                 if s == last:
                     out = out * loss_scale
             saved[(s, m)] = (x, out)
+            if meter is not None and x is not None:
+                meter.hold([x], s)           # held to its backward: not always saved (a piece's bucketed h)
             tapes[(s, m)] = tape
             if sliced[m] and prefix is not None and meter is not None:
                 meter.hold(prefix.held_tensors(_layers(mod)), s)
