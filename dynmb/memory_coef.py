@@ -5,7 +5,8 @@ once), per family (gpt2, llama), for the activations held from a microbatch's F 
 (``block_act_coef``, per half-block ``half_act_coef``, ``stage_act_per_token``, ``head_act_per_token``),
 the bytes held from a split backward's I to its W (``w_coef``) and what full recomputation saves and
 re-creates (``recompute_saved_coef``, ``recompute_transient_coef``), counted per half-block (attention
-half, MLP half: a stage may start or end between them, ``ModelConfig.stage_blocks``). ``dynmb.memory.MemoryModel.analytic``
+half, MLP half: a stage may start or end between them, ``ModelConfig.stage_blocks``) and per piece of one
+(``piece_act_coef``, ``stage_blocks_act``: a boundary inside a half, ``dynmb.models.pieces``). ``dynmb.memory.MemoryModel.analytic``
 assembles them per stage; the CPU meter checks them (tests/test_memory.py, tests/test_llama.py).
 """
 
