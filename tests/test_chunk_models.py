@@ -234,20 +234,26 @@ def test_transformers_stages_refuse_a_chunk_split():
 
 
 # --------------------------------------------------------------------------- real gloo ranks
+LONG = (40, 100, 700, 70, 300, 25, 90, 150)
+"""A batch whose 700-token document is cut into slices under a 10 MiB limit (``--oversize split``)."""
+
+
 def _run_cfg(split: tuple[float, ...], kind: str, family: str, method: str = "dynamic", recompute: str = "never",
-             virtual: int = 1) -> RunConfig:
+             virtual: int = 1, trace: str = "gsm8k") -> RunConfig:
     model = replace(FAMILIES[family], layer_split=split)
+    sliced = trace != "gsm8k"
     return RunConfig(model=model, pipeline=PipelineConfig(num_stages=len(split), schedule=kind, virtual=virtual,
-                                                          memory_limit_bytes=2**30),
-                     dataset="gsm8k", global_batch=8, method=method, seed=0, steps=1, warmup=0, recompute=recompute,
-                     backend="gloo", device="cpu", timeout_s=90.0)
+                                                          memory_limit_bytes=10 << 20 if sliced else 2**30),
+                     dataset=trace, global_batch=8, method=method, seed=0, steps=1, warmup=0, recompute=recompute,
+                     backend="gloo", device="cpu", timeout_s=90.0, oversize="split" if sliced else "error")
 
 
 GLOO_CASES = {2: {"chunk-llama-2.75-1.25-1f1b": ((2.75, 1.25), "1f1b", "llama"),
                   "chunk-1.125-2.875-zbh1-packed": ((1.125, 2.875), "zb-h1", "gpt2", "packed"),
                   "chunk-llama-1.25-1.5-0.0625-1.1875-interleaved": ((1.25, 1.5, 0.0625, 1.1875), "interleaved",
                                                                     "llama", "dynamic", "never", 2),
-                  "chunk-0.375-3.625-recompute": ((0.375, 3.625), "1f1b", "gpt2", "dynamic", "always")},
+                  "chunk-0.375-3.625-recompute": ((0.375, 3.625), "1f1b", "gpt2", "dynamic", "always"),
+                  "chunk-llama-1.25-2.75-slices-zbh1": ((1.25, 2.75), "zb-h1", "llama", "dynamic", "auto", 1, LONG)},
               4: {"chunk-llama-0.75-1.25-0.25-1.75-zbh1": ((0.75, 1.25, 0.25, 1.75), "zb-h1", "llama"),
                   "chunk-1.0625-0.9375-1.5-0.5-recompute": ((1.0625, 0.9375, 1.5, 0.5), "1f1b", "gpt2", "packed",
                                                            "always")}}
@@ -256,8 +262,10 @@ GLOO_CASES = {2: {"chunk-llama-2.75-1.25-1f1b": ((2.75, 1.25), "1f1b", "llama"),
 def _provider(nproc: int):
     def provide(out):
         from dynmb.runtime.spec import RunSpec
-        return [RunSpec.create(_run_cfg(*args), out / name, verify=True, run_id=name)
-                for name, args in GLOO_CASES[nproc].items()]
+        trace = out / "long.csv"
+        trace.write_text("length\n" + "\n".join(str(x) for x in LONG) + "\n")
+        return [RunSpec.create(_run_cfg(*args[:6], **({"trace": str(trace)} if len(args) > 6 else {})), out / name,
+                               verify=True, run_id=name) for name, args in GLOO_CASES[nproc].items()]
     return provide
 
 
@@ -278,3 +286,5 @@ def test_chunk_splits_give_the_reference_gradients_on_gloo_ranks(gloo_job, nproc
         assert t["steps"]["verified"].all(), name
         recorded = str(t["runs"]["model.layer_split"].iloc[0])
         assert tuple(float(x) for x in re.findall(r"\d+(?:\.\d+)?", recorded)) == split, name
+        if "slices" in name:
+            assert (t["steps"]["sliced"] > 0).all() and (t["steps"]["real_tokens"] == sum(LONG)).all(), name
