@@ -70,9 +70,9 @@ class ActionTiming:
     cpu_s: float | None = None   # thread CPU seconds from compute start to end (CPU only)
 
 
-def _layers(mod: torch.nn.Module) -> list[int]:
+def _layers(mod: torch.nn.Module) -> list[float]:
     """A stage's attention layers (``DecoderStage.layers``): the keys of its prefix store."""
-    return cast("list[int]", mod.layers)
+    return cast("list[float]", mod.layers)
 
 
 def run_actions(
