@@ -167,23 +167,32 @@ def test_fp32_chunk_split_gradients_within_1e5(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_bfloat16_pieces_give_the_whole_models_loss(family):
-    """bf16 sums the partial outputs in another order than the whole matmul: equal within bf16 rounding."""
+def test_bfloat16_pieces_are_as_close_to_fp64_as_the_whole_bf16_model(family):
+    """bf16 sums the partial outputs in another order than the whole matmul: the loss within bf16 rounding
+    of the whole bf16 model's, the joined gradients as close to the fp64 model's as the whole bf16 model's
+    (measured: 1.2e-2 and 1.5e-2 relative, the whole model's 1.1e-2 and 1.6e-2)."""
     base = replace(FAMILIES[family], dtype="bfloat16")
     cfg = replace(base, layer_split=(1.75, 0.25, 2))
     plan, lengths = _mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=6)
+    ref = build_stages(FAMILIES[family], 1, SEED, dtype=F64)[0]
     whole, stages = build_stages(base, 1, SEED)[0], build_stages(cfg, 3, SEED)
     for mb in plan.microbatches:
         inp = make_inputs(mb, tokens, cfg=cfg)
-        ref = float(whole(None, inp).detach())
+        ref(None, inp).backward()
+        loss = whole(None, inp)
+        loss.backward()
         x = None
         for st in stages:
             x = st(x, inp)
             assert x.dtype == torch.bfloat16 or st.is_last
-        assert abs(float(x.detach()) - ref) <= 2e-3 * ref, (float(x.detach()), ref)
+        assert abs(float(x.detach()) - float(loss.detach())) <= 2e-3 * float(loss.detach())
         x.backward()
-    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for st in stages for p in st.parameters())
+    got = full_weights({n: p.grad for st in stages for n, p in st.named_parameters()}, cfg, 3)
+    for name, r in ref.named_parameters():
+        err = float((got[name].to(F64) - r.grad).norm() / r.grad.norm())
+        err_whole = float((dict(whole.named_parameters())[name].grad.to(F64) - r.grad).norm() / r.grad.norm())
+        assert err <= 2 * err_whole + 1e-3, (name, err, err_whole)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
