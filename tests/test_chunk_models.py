@@ -115,7 +115,9 @@ def test_names_keys_and_messages_of_a_boundary_inside_the_mlp():
     assert p1["blocks.2.mlp_c4.gate_up.weight"].shape == (2 * 88, 64) and p1["blocks.2.mlp_c4.down.weight"].shape == (64, 88)
     assert "blocks.2.mlp_norm.weight" not in p1 and whole_name("blocks.2.mlp_c4.down.weight") == "blocks.2.mlp.down.weight"
     mb = Microbatch(seq_ids=[0, 1], lengths=[5, 7], padded_len=8, batch=2)
-    assert hidden_shape(mb, cfg, 0, 2) == (2, 8, 128)
+    assert hidden_shape(mb, cfg, 0, 2) == (2, 8, 128) and s1.in_channels == 128
+    with pytest.raises(ValueError, match=r"receives messages of 128 channels .*\[y \| h\].*got 64"):
+        s1(torch.zeros(2, 8, 64), make_inputs(mb, synthetic_tokens([5, 7], cfg.vocab_size), cfg=cfg))
     att = replace(FAMILIES["gpt2"], layer_split=(1.125, 0.25, 2.625))     # layer 1's heads 0..1, 2..5, 6..7
     stages = build_stages(att, 3, SEED)
     assert [st.layers for st in stages] == [[0, 1], [1.25], [1.75, 2, 3]]

@@ -72,6 +72,8 @@ class DecoderStage(nn.Module):
         """The prefix-store keys (``dynmb.prefix``) of the attention halves or pieces it holds: the layer
         index, plus ``c0 / 8`` for a piece from chunk ``c0 > 0`` (``dynmb.models.pieces.store_key``)."""
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.in_channels = cfg.message_channels(stage - 1, num_stages) if stage else cfg.d_model
+        """Channels of the message it receives (``[y | h]``: ``2 d`` when the stage starts inside a half)."""
         self.vocab: range = cfg.stage_vocab(num_stages)[stage]
         """The LM head's vocabulary rows this stage holds (empty: none)."""
         self.is_head_stage = stage == cfg.head_stage(num_stages)
@@ -139,6 +141,9 @@ class DecoderStage(nn.Module):
             x = self.embed_inputs(inputs)
         elif x is None:
             raise ValueError(f"stage {self.stage} needs the hidden state from stage {self.stage - 1}")
+        elif x.shape[-1] != self.in_channels:
+            raise ValueError(f"stage {self.stage} of {self.num_stages} receives messages of {self.in_channels} channels "
+                             f"(config.message_channels; [y | h] inside a half-block), got {x.shape[-1]}")
         recomputing = recompute and torch.is_grad_enabled()
         extra = self.block_args(inputs) if self.layers else ()     # tables for the attention halves
         for blk in self.blocks.values():
