@@ -157,6 +157,20 @@ def test_slices_of_a_long_sequence_keep_each_pieces_heads(family, split, mode):
     _check(stages, cfg, len(split), ref, 1e-10)
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pieces_beside_head_shards(family, split):
+    """A stage ending inside layer 2's MLP, the next holding its other columns, layer 3 and a head shard."""
+    base = FAMILIES[family]
+    cfg = replace(base, layer_split=(2.75, 1.25, 0), head_split=(0, 200, 312))
+    plan, lengths = _mixed_plan()
+    tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=1)
+    stages, loss = run_plan(plan, tokens, cfg, 3, F64, seed=SEED, split=split)
+    ref_loss, ref = reference_grads(base, 1, plan, tokens, SEED, dtype=F64)
+    assert abs(loss - ref_loss) <= 1e-12 * ref_loss
+    _check(stages, cfg, 3, ref, 1e-10)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fp32_chunk_split_gradients_within_1e5(family):
     cfg = replace(FAMILIES[family], layer_split=(0.75, 1.125, 2.125))
