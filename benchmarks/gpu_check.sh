@@ -13,6 +13,9 @@
 #      memory model's two transients (which one the forward really holds)
 #   7. the LM head split by vocabulary (ModelConfig.head_split, dynmb/models/head.py): its two shards
 #      on one GPU as 2 chunks (interleaved), --verify (gradients = the single-process reference on CUDA)
+#   8. stage boundaries inside half-blocks (the 1/16-layer grid, dynmb/models/pieces.py): 4 chunks on one
+#      GPU (interleaved), ending inside layer 1's attention (K/V heads) and twice inside an MLP (columns:
+#      one chunk holds 2/8 of it, sending and receiving [y | h]), --verify
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
 # Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-6 on the CPU (a check
 # of the script and the commands, not of CUDA).
@@ -59,4 +62,12 @@ c.update(name=sys.argv[1]+'-heads', layer_split=[c['n_layers'], 0], head_split=[
     "$MODEL" "$R/head-split.json"
 timeout 240 $D run --nproc 1 --model "$R/head-split.json" --stages 2 --virtual 2 --device "$DEV" --memory-limit "$LIMIT" \
     --global-batch 8 --steps 1 --allow-over-limit --oversize truncate --method dynamic --schedule interleaved --verify --out "$R/head-split" 2>&1 | tail -3
+step chunk split on one GPU
+python3 -c "import json,sys; from dynmb.config import ModelConfig as M; c=M.preset(sys.argv[1]); n=c.n_layers; \
+a=next(k for k in (2, 4, 8) if c.kv_heads * k % 8 == 0); u=[16 + a, 16 * (n // 2) + 12 - 16 - a, 2]; u.append(16 * n - sum(u)); \
+d=c.to_dict(); d.update(name=sys.argv[1] + '-chunks', layer_split=[x / 16 for x in u]); M.from_dict(d); json.dump(d, open(sys.argv[2], 'w'))" \
+    "$MODEL" "$R/chunk-split.json"
+timeout 240 $D run --nproc 1 --model "$R/chunk-split.json" --stages 4 --virtual 4 --device "$DEV" --memory-limit "$LIMIT" \
+    --global-batch 8 --steps 1 --allow-over-limit --oversize truncate --method dynamic --schedule interleaved --verify --out "$R/chunk-split" 2>&1 | tail -3
+python3 -c "import dynmb,sys; t=dynmb.load_results(sys.argv[1]); print('verified', bool(t['steps']['verified'].all()), 'layer_split', t['runs']['model.layer_split'].iloc[0])" "$R/chunk-split"
 step done

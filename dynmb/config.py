@@ -119,13 +119,13 @@ class ModelConfig(ModelSizes):
         return replace(MODEL_PRESETS[name], **overrides)
 
     def stage_layers(self, num_stages: int) -> list[range]:
-        """The (whole) layers of each of ``num_stages`` stages: ``layer_split`` when set (one stage: all
-        layers), else the even split. A split between half-blocks has no such list (ValueError; dynmb's
-        families read ``stage_blocks``)."""
+        """The (whole) layers of each of ``num_stages`` stages: ``layer_split`` (one stage: all), else the even
+        split. A split inside blocks has none (ValueError; dynmb's families read ``stage_pieces``)."""
         units = self.stage_units(num_stages)
         if num_stages > 1 and self.half_split:
-            raise ValueError(f"model {self.name!r}: the layer split {list(self.layer_split or ())} cuts blocks in "
-                             "half, which only dynmb's own model families (gpt2, llama) can run; use whole layers")
+            cut = " (and halves into K/V heads or MLP columns)" if self.chunk_split else ""
+            raise ValueError(f"model {self.name!r}: the layer split {list(self.layer_split or ())} cuts blocks in half"
+                             f"{cut}, which only dynmb's own model families (gpt2, llama) can run; use whole layers")
         return [range(r.start // UNITS_PER_LAYER, r.stop // UNITS_PER_LAYER) for r in units]
 
     def with_layout_of(self, other: "ModelConfig") -> "ModelConfig":

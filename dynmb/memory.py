@@ -54,7 +54,7 @@ from .atomic import write_text_atomic
 from .config import ModelConfig
 from .costmodel.validate import check_memory_model, check_numbers, read_model_file
 from .memory_coef import (BUCKET_PADDING, block_act_coef, half_act_coef, head_act_per_token, recompute_saved_coef,
-                          recompute_transient_coef, stage_act_per_token, w_coef)
+                          recompute_transient_coef, stage_act_per_token, stage_blocks_act, w_coef)
 from .memory_fit import fit_memory_model
 from .memory_peak import inflight_limit, peak_from_matrix, rank_state
 from .schedule.kinds import SCHEDULE_KINDS, interleaved_inflight
@@ -132,13 +132,13 @@ class MemoryModel:
             raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
         c = model_cfg
         e = c.dtype_bytes
-        attn, mlp = half_act_coef(c)
         act = np.zeros((num_stages, 3))
         tr = np.zeros((num_stages, 3))
+        blocks = stage_blocks_act(c, num_stages)
         for i, ((na, nm), rows) in enumerate(zip(c.stage_parts(num_stages), c.stage_vocab(num_stages))):
             first, last = i == 0, i == num_stages - 1
             out_bytes = c.message_channels(i, num_stages) * e       # the message sent on
-            act[i, 1:] = na * attn + nm * mlp                                      # whole and half blocks
+            act[i, 1:] = blocks[i]                                      # whole and half blocks, pieces of halves
             act[i, 1] += stage_act_per_token(c, first, attention=na > 0)          # ids, rotary tables
             if c.attention == "auto":
                 act[i, 1] += 8 * (2 + BUCKET_PADDING)       # bucket gather + scatter indices (int64)

@@ -5,7 +5,8 @@ once), per family (gpt2, llama), for the activations held from a microbatch's F 
 (``block_act_coef``, per half-block ``half_act_coef``, ``stage_act_per_token``, ``head_act_per_token``),
 the bytes held from a split backward's I to its W (``w_coef``) and what full recomputation saves and
 re-creates (``recompute_saved_coef``, ``recompute_transient_coef``), counted per half-block (attention
-half, MLP half: a stage may start or end between them, ``ModelConfig.stage_blocks``). ``dynmb.memory.MemoryModel.analytic``
+half, MLP half: a stage may start or end between them, ``ModelConfig.stage_blocks``) and per piece of one
+(``piece_act_coef``, ``stage_blocks_act``: a boundary inside a half, ``dynmb.models.pieces``). ``dynmb.memory.MemoryModel.analytic``
 assembles them per stage; the CPU meter checks them (tests/test_memory.py, tests/test_llama.py).
 """
 
@@ -14,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 from .config import ModelConfig
-from .model_sizes import HEAD_STATS
+from .model_sizes import HEAD_STATS, SUB_CHUNKS, HalfPiece
 
-__all__ = ["BUCKET_PADDING", "block_act_coef", "half_act_coef", "stage_act_per_token", "head_act_per_token", "w_coef",
-           "recompute_saved_coef", "recompute_transient_coef"]
+__all__ = ["BUCKET_PADDING", "block_act_coef", "half_act_coef", "piece_act_coef", "stage_blocks_act",
+           "stage_act_per_token", "head_act_per_token", "w_coef", "recompute_saved_coef", "recompute_transient_coef"]
 
 BUCKET_PADDING = 1 / 16
 """Bound on the pad tokens of bucketed document attention (``dynmb.models.bucket_documents``),
@@ -57,15 +58,52 @@ def half_act_coef(c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     llama: attention half ``2 e d + 4`` (RMSNorm input and normalised input, rstd) plus the
     sublayer; MLP half ``e (3d + 4f) + 4`` (the same for its RMSNorm, the SwiGLU input, gate/up,
     SiLU output and down input)."""
+    attn, mlp = (piece_act_coef(c, HalfPiece(0, part, range(SUB_CHUNKS))) for part in ("attn", "mlp"))
+    return attn, mlp
+
+
+def _half_terms(c: ModelConfig, part: str) -> tuple[float, float, float, float]:
+    """``(norm, input, scaled, a2)`` per token of a half (``half_act_coef``): its norm's saved tensors, the
+    sublayer's input (the normalised hidden state), what scales with its chunks (heads, columns) and the
+    per row * s^2 bytes (the dense mask); attention's input and scaled terms times ``1 + BUCKET_PADDING``
+    under ``auto``."""
     e, d, f, h = c.dtype_bytes, c.d_model, c.d_ff, c.n_heads
-    if c.family == "llama":
-        k = c.kv_heads * c.head_dim
-        attn_norm, mlp_half, attention = 2 * e * d + 4, e * (3 * d + 4 * f) + 4, e * (4 * d + 3 * k) + 4 * h
-    else:
-        attn_norm, mlp_half, attention = e * d + 8, e * (2 * d + 2 * f) + 8, 5 * d * e + 4 * h
-    if c.attention == "dense":
-        return np.array([attn_norm + attention, e]), np.array([mlp_half, 0.0])
-    return np.array([attn_norm + (1 + BUCKET_PADDING) * attention, 0.0]), np.array([mlp_half, 0.0])
+    g = 1.0 if c.attention == "dense" else 1.0 + BUCKET_PADDING
+    norm = 2 * e * d + 4 if c.family == "llama" else e * d + 8
+    if part == "mlp":
+        return norm, e * d, e * (4 if c.family == "llama" else 2) * f, 0.0
+    k = c.kv_heads * c.head_dim
+    scaled = e * (3 * d + 3 * k) + 4 * h if c.family == "llama" else 4 * d * e + 4 * h
+    return norm, g * e * d, g * scaled, e if c.attention == "dense" else 0.0
+
+
+def piece_act_coef(c: ModelConfig, piece: HalfPiece) -> np.ndarray:
+    """``(a1, a2)`` of a half-block or piece of one (``dynmb.models.pieces``): chunk 0's piece (or the whole
+    half) holds the norm's saved tensors and the normalised input, a later piece the message ``[y | h]`` it
+    received (``2 d``, held from its forward to its backward: its sublayer reads ``h`` as a view of it) and
+    for attention the gathered copy of ``h`` that packed rows' document buckets make (an upper bound: one
+    document a row reads the view); every piece its share of the heads' or columns' tensors."""
+    norm, inp, scaled, a2 = _half_terms(c, piece.part)
+    r = len(piece.chunks) / SUB_CHUNKS
+    if piece.chunks.start == 0:
+        return np.array([norm + inp + r * scaled, a2])
+    return np.array([2 * c.dtype_bytes * c.d_model + (inp if piece.part == "attn" else 0.0) + r * scaled, a2])
+
+
+def stage_blocks_act(c: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 2]``: ``(a1, a2)`` of each stage's half-blocks and pieces (``piece_act_coef``)."""
+    return np.array([sum((piece_act_coef(c, pc) for pc in pieces), np.zeros(2))
+                     for pieces in c.stage_pieces(num_stages)])
+
+
+def _block_inputs(c: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P]``: bytes per token of the inputs of each stage's blocks (``d``, ``2 d`` for a first block that
+    starts inside a half, whose input is ``[y | h]``): what full recomputation keeps of them."""
+    out = np.zeros(num_stages)
+    for i, pieces in enumerate(c.stage_pieces(num_stages)):
+        layers = {pc.layer for pc in pieces}
+        out[i] = c.dtype_bytes * c.d_model * (len(layers) + (1 if pieces and pieces[0].chunks.start else 0))
+    return out
 
 
 def stage_act_per_token(c: ModelConfig, first: bool, attention: bool = True) -> float:
@@ -108,17 +146,22 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     call's input and output gradient. Per block and token, gpt2: ``e (2d + 2f + 6d g)`` (qkv d + 3d,
     proj d + d, fc d + f, proj f + d); llama (``k = n_kv_heads * head_dim``): ``e (2d + 3f + (4d +
     2k) g)`` (qkv d + d + 2k, proj d + d, gate_up d + 2f, down f + d), the attention half's the terms
-    with ``g``, the MLP half's the rest; a stage holding LM-head rows adds the head's (d, its rows)."""
+    with ``g``, the MLP half's the rest; a stage holding LM-head rows adds the head's (d, its rows). A piece
+    of a half (``dynmb.models.pieces``) holds its first Linear's whole input (``d``; ``2 d``, the message
+    ``[y | h]`` it is a view of, on a piece after chunk 0) and its last Linear's whole output gradient
+    (``d``; ``2 d``, a view of the gradient of the ``[y | h]`` it sent, on a piece ending before chunk 8),
+    and its share of the rest."""
     e, d, f = cfg.dtype_bytes, cfg.d_model, cfg.d_ff
     g = 1.0 if cfg.attention == "dense" else 1.0 + BUCKET_PADDING
-    if cfg.family == "llama":
-        k = cfg.kv_heads * cfg.head_dim
-        attn, mlp = e * (4 * d + 2 * k) * g, e * (2 * d + 3 * f)
-    else:
-        attn, mlp = e * 6 * d * g, e * (2 * d + 2 * f)
+    k = cfg.kv_heads * cfg.head_dim
+    scaled = {"attn": (2 * d + 2 * k) * g if cfg.family == "llama" else 4 * d * g,
+              "mlp": 3 * f if cfg.family == "llama" else 2 * f}
     out = np.zeros((num_stages, 3))
-    for i, (na, nm) in enumerate(cfg.stage_parts(num_stages)):
-        out[i, 1] = na * attn + nm * mlp
+    for i, pieces in enumerate(cfg.stage_pieces(num_stages)):
+        for pc in pieces:
+            one = g if pc.part == "attn" else 1.0              # a view of [y | h] or its gradient: 2 d, not g d
+            whole = d * ((2 if pc.chunks.start else one) + (2 if pc.chunks.stop < SUB_CHUNKS else one))
+            out[i, 1] += e * (whole + len(pc.chunks) / SUB_CHUNKS * scaled[pc.part])
         rows = len(cfg.stage_vocab(num_stages)[i])
         if rows and not cfg.tie_embeddings:
             out[i, 1] += e * (d + rows)
@@ -143,14 +186,12 @@ def head_act_per_token(cfg: ModelConfig, stage: int | None = None, num_stages: i
 
 
 def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
-    """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' (whole or
-    half) but their inputs, and on the stages holding LM-head rows the head's but its input
+    """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' (whole, halves or
+    pieces) but their inputs (``[y | h]`` for a first block that starts inside a half), and on the stages holding LM-head rows the head's but its input
     (``dynmb.models.RecomputedHead``)."""
     out = np.zeros((num_stages, 3))
-    attn, mlp = half_act_coef(cfg)
-    for i, ((na, nm), blocks) in enumerate(zip(cfg.stage_parts(num_stages), cfg.stage_blocks(num_stages))):
-        out[i, 1:] = na * attn + nm * mlp
-        out[i, 1] -= len(blocks) * cfg.dtype_bytes * cfg.d_model
+    out[:, 1:] = stage_blocks_act(cfg, num_stages)
+    out[:, 1] -= _block_inputs(cfg, num_stages)
     for i in range(num_stages):
         if len(cfg.stage_vocab(num_stages)[i]):
             out[i, 1] += head_act_per_token(cfg, i, num_stages) - cfg.dtype_bytes * cfg.d_model
@@ -164,10 +205,10 @@ def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     re-created activations while that gradient lives, or one block's after it is gone (the head's backward
     runs first), whichever is larger: ``max(block - 4 rows, head)``."""
     out = np.zeros((num_stages, 3))
-    halves = dict(zip(("attn", "mlp"), half_act_coef(cfg)))
-    for i, blocks in enumerate(cfg.stage_blocks(num_stages)):
-        for _, parts in blocks:
-            out[i, 1:] = np.maximum(out[i, 1:], sum(halves[p] for p in parts))
+    for i, pieces in enumerate(cfg.stage_pieces(num_stages)):
+        for layer in {pc.layer for pc in pieces}:
+            block = sum(piece_act_coef(cfg, pc) for pc in pieces if pc.layer == layer)
+            out[i, 1:] = np.maximum(out[i, 1:], block)
     for i, rows in enumerate(cfg.stage_vocab(num_stages)):
         if len(rows):
             out[i, 1] = max(out[i, 1] - 4 * len(rows), head_act_per_token(cfg, i, num_stages))

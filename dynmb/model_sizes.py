@@ -228,7 +228,8 @@ class ModelSizes:
         return sum(self.half_params())
 
     def stage_params(self, stage: int, num_stages: int) -> int:
-        """Parameters held by ``stage``: its blocks (or half-blocks), plus the embeddings on the first (gpt2: token
+        """Parameters held by ``stage``: its blocks (or half-blocks, or pieces of one: a half's norm, and gpt2's
+        output bias, with its chunk 0), plus the embeddings on the first (gpt2: token
         and position tables; llama: token table), the final norm on the head's first stage and the LM
         head's rows on the stages holding them (``stage_vocab``; all on the last by default). A tied
         head adds nothing on a single stage; across stages the last holds a copy (as Megatron does)."""
@@ -236,6 +237,10 @@ class ModelSizes:
         na, nm = self.stage_parts(num_stages)[stage]
         attn, mlp = self.half_params()
         n = na * attn + nm * mlp
+        for pc in self.stage_pieces(num_stages)[stage]:      # a piece: the norm (gpt2: and output bias) on chunk 0's
+            if not pc.whole:
+                n += (d if self.family == "llama" else 3 * d) * ((pc.chunks.start == 0) - len(pc.chunks) / SUB_CHUNKS)
+        n = int(round(n))
         if stage == 0:
             n += self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
         if stage == self.head_stage(num_stages):

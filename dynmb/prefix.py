@@ -50,6 +50,7 @@ backward has not run yet (its gradient would be missing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -234,14 +235,16 @@ class _Kept:
 
 
 class PrefixStore:
-    """Keys and values of continued slices, per (layer, sequence), for later slices (module docstring)."""
+    """Keys and values of continued slices, per (layer, sequence), for later slices (module docstring). A layer
+    key is the layer index, or for a piece of an attention half its ``dynmb.models.pieces.store_key``
+    (``layer + c0 / 8``: each piece keeps its own K/V heads)."""
 
     def __init__(self) -> None:
-        self._kept: dict[tuple[int, int], dict[int, _Kept]] = {}
+        self._kept: dict[tuple[float, int], dict[int, _Kept]] = {}
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._done: set[tuple[int, int]] = set()
+        self._done: set[tuple[float, int]] = set()
 
-    def prefix(self, layer: int, seq: int, offset: int, mb: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def prefix(self, layer: float, seq: int, offset: int, mb: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The leaves of slices ``[0, offset)`` of ``seq`` at ``layer``, in order; ``mb`` (the
         microbatch asking) is recorded as their user. Raises if they do not cover the prefix."""
         if offset == 0:
@@ -262,7 +265,7 @@ class PrefixStore:
             raise SliceOrderError(f"sequence {seq}: earlier slices on layer {layer} cover {at} tokens, not {offset}")
         return ks, vs
 
-    def keep(self, layer: int, seq: int, offset: int, k: torch.Tensor, v: torch.Tensor, mb: int) -> None:
+    def keep(self, layer: float, seq: int, offset: int, k: torch.Tensor, v: torch.Tensor, mb: int) -> None:
         """Keep a continued slice's ``k, v`` ``(heads, n, head_dim)``. Called again for the same
         slice while its block is recomputed in backward, it queues the recomputed tensors
         with the leaves' accumulated gradients as extra backward roots (``pop_pending``)."""
@@ -279,7 +282,7 @@ class PrefixStore:
             self._pending += self._roots(e, layer, seq)
 
     @staticmethod
-    def _roots(e: _Kept, layer: int, seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _roots(e: _Kept, layer: float, seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if e.k_leaf.grad is None or e.v_leaf.grad is None:
             raise SliceOrderError(f"sequence {seq}: the backward of its slice in microbatch {e.mb} (layer {layer}) ran "
                                   f"before every later slice's backward; slices must run backward in reverse order")
@@ -290,7 +293,7 @@ class PrefixStore:
         out, self._pending = self._pending, []
         return out
 
-    def backward_roots(self, layers: list[int], mb: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def backward_roots(self, layers: Sequence[float], mb: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(tensor, gradient)`` pairs to add to microbatch ``mb``'s backward on a stage holding
         ``layers``: its continued slices' keys and values (those with a graph; a recomputed
         microbatch adds its roots inside the recomputation)."""
@@ -302,7 +305,7 @@ class PrefixStore:
                         out += self._roots(e, layer, seq)
         return out
 
-    def read_leaves(self, layers: list[int], mb: int) -> list[torch.Tensor]:
+    def read_leaves(self, layers: Sequence[float], mb: int) -> list[torch.Tensor]:
         """The key/value leaves of earlier slices that microbatch ``mb`` read on a stage holding
         ``layers``: a split backward's ``I`` (``autograd.grad``) accumulates their gradients
         explicitly (``dynmb.runtime.splitbackward.backward_input``), a full one does by itself."""
@@ -314,7 +317,7 @@ class PrefixStore:
                         out += [e.k_leaf, e.v_leaf]
         return out
 
-    def release(self, layers: list[int], mb: int) -> None:
+    def release(self, layers: Sequence[float], mb: int) -> None:
         """After microbatch ``mb``'s backward on a stage holding ``layers``: drop its slices'
         entries, refusing if a later slice that used them has not run its backward."""
         for layer in layers:
@@ -334,7 +337,7 @@ class PrefixStore:
             if not kept:
                 del self._kept[(layer, seq)]
 
-    def held_tensors(self, layers: list[int]) -> list[torch.Tensor]:
+    def held_tensors(self, layers: Sequence[float]) -> list[torch.Tensor]:
         """What the store holds on a stage: kept keys and values and their leaves' gradients
         (for the CPU memory meter, which sees only saved tensors otherwise)."""
         out = []

@@ -82,17 +82,23 @@ class Case:
     """Data-parallel pipelines: ``plan.replica(r)`` on the pipeline subgroup r, gradients summed over replicas."""
     vocab_split: bool = False
     """The model ``VOCAB_SPLIT`` (two stages)."""
+    layer_split: tuple[float, ...] | None = None
+    """A layer split of ``CFG`` (boundaries inside a half-block: the ``[y | h]`` message of ``2 d``)."""
 
     @property
     def model(self) -> ModelConfig:
-        return VOCAB_SPLIT if self.vocab_split else CFG
+        return VOCAB_SPLIT if self.vocab_split else replace(CFG, layer_split=self.layer_split)
 
 
 CASES = {
     2: [Case("1f1b"), Case("gpipe", kind="gpipe"), Case("zbh1", kind="zb-h1"), Case("1f1b_fp32", dtype="float32"),
         Case("recompute", recompute=True), Case("interleaved", kind="interleaved", virtual=2),
         Case("example", example=True), Case("diverge", diverge=True),
-        Case("vocab_split_zbh1", kind="zb-h1", vocab_split=True)],
+        Case("vocab_split_zbh1", kind="zb-h1", vocab_split=True),
+        # boundaries inside a half-block: layer 1's attention after 2 of 8 chunks (1 of 4 heads); interleaved
+        # chunks ending inside layer 0's MLP, layer 2's attention and layer 2's MLP
+        Case("chunk_split_zbh1", kind="zb-h1", layer_split=(1.125, 2.875)),
+        Case("chunk_split_interleaved", kind="interleaved", virtual=2, layer_split=(0.75, 1.375, 0.5, 1.375))],
     4: [Case("1f1b"), Case("gpipe_fp32", kind="gpipe", dtype="float32"), Case("zbh1", kind="zb-h1"),
         Case("pp2dp2", dp=2)],
 }

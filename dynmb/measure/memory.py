@@ -80,6 +80,8 @@ def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int,
         meter.reset_peak()
         with meter.saving(stage):
             out = mod(x, inputs)
+        if x is not None:
+            meter.hold([x], stage)           # the received message, held to its backward (as the runtime does)
         act = meter.current_bytes - meter.state_bytes
         grad = torch.ones_like(out) if out.dim() else None
         with warnings.catch_warnings():

@@ -6,7 +6,8 @@
   ``FamilyFactory``;
 - ``gpt2``: the GPT-2 family (learned positions, LayerNorm, GELU MLP, biases);
 - ``llama``: the Llama family (rotary positions, RMSNorm, SwiGLU, grouped-query attention);
-- ``stage``: the ``DecoderStage`` base both families share; ``attention``: attention on the
+- ``stage``: the ``DecoderStage`` base both families share; ``pieces``: a stage boundary inside a
+  half-block (K/V head groups, MLP columns, the ``[y | h]`` message, ``full_weights``); ``attention``: attention on the
   microbatch's path (causal, bucketed document-causal, dense, slices with a prefix);
   ``recompute``: ``RecomputedBlock`` / ``RecomputedHead``; ``seeding``: per-name seeded init;
   ``reference``: the single-process reference (``reference_grads``, ``whole_documents``).

@@ -77,7 +77,9 @@ class PositionTables:
 class RoutedAttention(nn.Module):
     """Attention sublayer; subclasses define ``project``, ``output`` and optionally ``rotate``."""
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, layer: int) -> None:
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, layer: float) -> None:
+        """``layer``: the key of its keys and values in the prefix store (the layer index; a piece of a half:
+        ``dynmb.models.pieces.store_key``)."""
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim, self.layer = n_heads, n_kv_heads, head_dim, layer
 

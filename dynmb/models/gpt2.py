@@ -5,7 +5,9 @@ Model: token embedding + learned position embedding (first stage), then pre-LN b
 (``dynmb.models.attention``) and a tanh-GELU MLP, then a final LayerNorm, an untied LM head and
 the loss (last stage; or the head split by vocabulary over the last stages,
 ``ModelConfig.head_split``, ``dynmb.models.head``). ``GPT`` is the whole model as one stage; ``GPTStage(cfg, s, P)`` holds the
-blocks ``cfg.stage_blocks(P)[s]`` (whole, or a half at a mid-block boundary). GPT-2 init, each parameter seeded by ``(seed, global name)``.
+blocks ``cfg.stage_blocks(P)[s]`` (whole, or a half or a piece of one at a boundary inside a block,
+``dynmb.models.pieces``). GPT-2 init, each parameter seeded by ``(seed, global name)`` (a piece's weights:
+their slice of the whole weight).
 
 Positions come from ``inputs.position_ids`` (restarting at 0 in each document, continuing
 across the slices of a sliced document), looked up in a table of ``max_seq_len`` rows: a
@@ -23,22 +25,28 @@ from torch import nn
 
 from dynmb.config import ModelConfig
 from dynmb.inputs import InputError, MicrobatchInputs
+from dynmb.model_sizes import SUB_CHUNKS, HalfPiece
 
 from .attention import RoutedAttention
 from .head import seed_head_rows_
-from .seeding import seeded_normal_
+from .pieces import chunk_width, piece_name, run_half, store_key
 from .stage import DecoderStage
 
 __all__ = ["GPT", "GPTStage", "Block", "Attention", "MLP"]
 
+WHOLE = range(SUB_CHUNKS)
+"""The chunks of a whole half-block."""
+
 
 class Attention(RoutedAttention):
-    """Multi-head self-attention with a fused, biased qkv projection."""
+    """Multi-head self-attention with a fused, biased qkv projection; ``chunks``: the piece of its heads a
+    stage holds (``dynmb.models.pieces``; the output bias sits with chunk 0)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__(cfg.n_heads, cfg.n_heads, cfg.head_dim, layer)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+    def __init__(self, cfg: ModelConfig, layer: int = 0, chunks: range = WHOLE) -> None:
+        heads = chunk_width(cfg.n_heads, chunks)
+        super().__init__(heads, heads, cfg.head_dim, store_key(layer, chunks))
+        self.qkv = nn.Linear(cfg.d_model, 3 * heads * cfg.head_dim)
+        self.proj = nn.Linear(heads * cfg.head_dim, cfg.d_model, bias=chunks.start == 0)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv(x).view(*x.shape[:-1], 3, self.n_heads, self.head_dim).unbind(-3)
@@ -49,32 +57,40 @@ class Attention(RoutedAttention):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """``proj(gelu(fc(x)))``; ``chunks``: the piece of its inner columns a stage holds (output bias: chunk 0's)."""
+
+    def __init__(self, cfg: ModelConfig, chunks: range = WHOLE) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        f = chunk_width(cfg.d_ff, chunks)
+        self.fc = nn.Linear(cfg.d_model, f)
+        self.proj = nn.Linear(f, cfg.d_model, bias=chunks.start == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block. ``parts``: both halves, or only ``("attn",)`` / ``("mlp",)`` at a
-    stage boundary inside the block."""
+    """Pre-LN transformer block. ``pieces``: both halves, or one half or piece of one at a stage boundary
+    inside the block (``dynmb.models.pieces``: the LayerNorm sits with chunk 0; a piece reads and sends
+    ``[y | h]``)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, parts: tuple[str, ...] = ("attn", "mlp")) -> None:
+    NORMS = {"attn": "ln1", "mlp": "ln2"}
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0, pieces: tuple[HalfPiece, ...] | None = None) -> None:
         super().__init__()
-        if "attn" in parts:
-            self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg, layer)
-        if "mlp" in parts:
-            self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
-        self.parts = tuple(parts)
+        self.pieces = pieces or (HalfPiece(layer, "attn", WHOLE), HalfPiece(layer, "mlp", WHOLE))
+        self.parts = tuple(pc.part for pc in self.pieces)
+        self.d = cfg.d_model
+        for pc in self.pieces:
+            if pc.chunks.start == 0:
+                self.add_module(self.NORMS[pc.part], nn.LayerNorm(cfg.d_model))
+            sub = Attention(cfg, layer, pc.chunks) if pc.part == "attn" else MLP(cfg, pc.chunks)
+            self.add_module(piece_name(pc.part, pc.chunks), sub)
 
     def forward(self, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
-        if "attn" in self.parts:
-            x = x + self.attn(self.ln1(x), inputs)
-        if "mlp" in self.parts:
-            x = x + self.mlp(self.ln2(x))
+        for pc in self.pieces:
+            norm, sub = getattr(self, self.NORMS[pc.part], None), getattr(self, piece_name(pc.part, pc.chunks))
+            x = run_half(x, pc.chunks, norm, (lambda h: sub(h, inputs)) if pc.part == "attn" else sub, self.d)
         return x
 
 
@@ -88,7 +104,7 @@ class GPTStage(DecoderStage):
         if self.is_first:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, parts) for i, parts in self.units})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, pieces) for i, pieces in self.units})
         self.build_head(nn.LayerNorm(cfg.d_model))
 
     @torch.no_grad()
@@ -106,7 +122,7 @@ class GPTStage(DecoderStage):
             elif name.startswith("lm_head"):
                 seed_head_rows_(p, seed, self.vocab, self.cfg.vocab_size, 0.02)
             else:
-                seeded_normal_(p, seed, name, resid_std if name.endswith("proj.weight") else 0.02)
+                self.seed_weight_(p, seed, name, resid_std if name.endswith("proj.weight") else 0.02)
 
     def embed_inputs(self, inputs: MicrobatchInputs) -> torch.Tensor:
         if inputs.max_doc_len > self.cfg.max_seq_len:

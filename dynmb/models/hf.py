@@ -25,7 +25,8 @@ the last. ``forward(x, inputs)`` keeps the contract:
   the document's predicted tokens.
 
 Not supported (refused with a one-line error): slices of long sequences (no prefix store in
-transformers' attention), full recomputation, the LM head split by vocabulary (``head_split``), and
+transformers' attention), full recomputation, the LM head split by vocabulary (``head_split``), a
+stage boundary inside a block (half-blocks or pieces of one, ``layer_split`` such as ``2.5`` or ``2.75``), and
 tied input/output embeddings across more than one stage (the two copies would need their gradients summed between the first and last rank).
 Every rank builds the same weights: ``from_config`` seeds torch's generator before building the
 model, so ranks that build separately hold identical parameters; a loaded checkpoint is identical by
@@ -36,7 +37,8 @@ the weights of a dynmb Llama (``dynmb.models.llama`` names: ``embed.weight``, ``
 split by rows into ``q_proj``/``k_proj``/``v_proj``, ``blocks.i.attn.proj`` -> ``o_proj``,
 ``blocks.i.mlp.gate_up`` split into ``gate_proj``/``up_proj``, ``blocks.i.mlp.down`` -> ``down_proj``,
 ``attn_norm``/``mlp_norm`` -> ``input_layernorm``/``post_attention_layernorm``, ``norm_f`` -> ``norm``,
-``lm_head`` (or the shards ``lm_head_<first row>`` of a head split by vocabulary, joined), tied when
+``lm_head`` (or the shards ``lm_head_<first row>`` of a head split by vocabulary, joined; the pieces of a
+split inside a half-block joined too, ``dynmb.models.pieces.full_weights``), tied when
 ``cfg.tie_embeddings``); ``weights`` is ``{global name: tensor}`` or the stages
 themselves. ``hf_llama_config(cfg)`` is the matching ``LlamaConfig`` (RMSNorm eps 1e-5, no biases).
 """
@@ -54,7 +56,7 @@ from torch import nn
 from dynmb.config import ModelConfig, split_layers
 from dynmb.inputs import IGNORE_INDEX, InputError, MicrobatchInputs, attention_mask
 
-from .head import full_head_weight
+from .pieces import full_weights
 
 __all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf", "hf_llama_config", "llama_to_hf"]
 
@@ -185,6 +187,10 @@ class HFStageFactory:
         ``device`` move the shared modules (the whole model's, for one process holding every stage)."""
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} out of range for {num_stages} stages")
+        if self.config.half_split and num_stages > 1:
+            raise ValueError(f"the layer split {list(self.config.layer_split or ())} puts a stage boundary inside a "
+                             f"block (half-blocks, K/V heads or MLP columns), which runs on dynmb's own model families "
+                             f"only; a transformers model splits whole layers")
         if self.config.head_split is not None:
             raise ValueError(f"the LM head split by vocabulary (head_split {list(self.config.head_split)}) runs on "
                              f"dynmb's own model families only; a transformers model keeps its head on the last stage")
@@ -223,10 +229,10 @@ def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
     if not isinstance(weights, dict):
         weights = {n: p for stage in weights for n, p in stage.named_parameters()}
     p = {n: t.detach() for n, t in weights.items()}
-    if cfg.head_split is not None and not cfg.tie_embeddings and "lm_head.weight" not in p:
-        try:                                       # a head split by vocabulary: its shards, in row order
-            p["lm_head.weight"] = full_head_weight(p, cfg, len(cfg.head_split))
-        except KeyError:
+    if cfg.layer_split is not None:                # pieces of half-blocks, shards of the head: joined
+        try:
+            p = full_weights(p, cfg, len(cfg.layer_split))
+        except (KeyError, IndexError, RuntimeError):
             pass                                   # reported as missing below
     expected = {"embed.weight", "norm_f.weight"} | ({"lm_head.weight"} if not cfg.tie_embeddings else set())
     missing = sorted(n for n in expected if n not in p) + sorted(

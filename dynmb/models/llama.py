@@ -4,10 +4,12 @@ Model: token embedding (first stage), then pre-norm blocks ``x + attn(RMSNorm(x)
 ``x + mlp(RMSNorm(x))``, then a final RMSNorm and the LM head (last stage; optionally the
 embedding matrix itself, ``tie_embeddings``, on a single stage; or split by vocabulary over the
 last stages, ``ModelConfig.head_split``, ``dynmb.models.head``). ``LlamaStage(cfg, s, P)``
-holds the blocks ``cfg.stage_blocks(P)[s]`` (whole, or a half at a mid-block boundary); parameter names are global and each parameter is
+holds the blocks ``cfg.stage_blocks(P)[s]`` (whole, or a half or a piece of one at a boundary inside a block,
+``dynmb.models.pieces``); parameter names are global and each parameter is
 seeded by ``(seed, global name)``: N(0, 0.02) matrices (the residual output projections
 ``attn.proj`` and ``mlp.down`` scaled by 1/sqrt(2 n_layers)), unit norm gains; the LM head's rows
-N(0, 0.02) in blocks of rows (``dynmb.models.head.seed_head_rows_``, equal for every head split).
+N(0, 0.02) in blocks of rows (``dynmb.models.head.seed_head_rows_``, equal for every head split); a piece's
+weights are its slice of the whole weight (``dynmb.models.pieces.seed_weight_``).
 
 - Attention (``LlamaAttention``): one bias-free ``qkv`` projection to ``n_heads`` query heads
   and ``n_kv_heads`` key and value heads of ``head_dim`` (rows ``[q | k | v]``), rotary
@@ -31,7 +33,7 @@ N(0, 0.02) in blocks of rows (``dynmb.models.head.seed_head_rows_``, equal for e
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +41,18 @@ from torch import nn
 
 from dynmb.config import ModelConfig
 from dynmb.inputs import MicrobatchInputs
+from dynmb.model_sizes import SUB_CHUNKS, HalfPiece
 
 from .attention import CosSin, PositionTables, RoutedAttention
 from .head import seed_head_rows_
-from .seeding import seeded_normal_
+from .pieces import chunk_width, piece_name, run_half, store_key, whole_name
 from .stage import DecoderStage
 
 __all__ = ["LlamaStage", "LlamaBlock", "LlamaAttention", "SwiGLU", "RMSNorm", "position_tables", "rotate_half",
            "NORM_EPS"]
+
+WHOLE = range(SUB_CHUNKS)
+"""The chunks of a whole half-block."""
 
 NORM_EPS = 1e-5
 """RMSNorm epsilon (the published Llama 2 and 3 configurations' ``rms_norm_eps``)."""
@@ -91,11 +97,13 @@ def position_tables(inputs: MicrobatchInputs, cfg: ModelConfig, dtype: torch.dty
 
 
 class LlamaAttention(RoutedAttention):
-    """Grouped-query self-attention with rotary positions (module docstring)."""
+    """Grouped-query self-attention with rotary positions (module docstring); ``chunks``: the piece of
+    it a stage holds (its K/V head group and the query heads reading it, ``dynmb.models.pieces``)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__(cfg.n_heads, cfg.kv_heads, cfg.head_dim, layer)
-        q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    def __init__(self, cfg: ModelConfig, layer: int = 0, chunks: range = WHOLE) -> None:
+        heads, kv_heads = chunk_width(cfg.n_heads, chunks), chunk_width(cfg.kv_heads, chunks)
+        super().__init__(heads, kv_heads, cfg.head_dim, store_key(layer, chunks))
+        q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
         self._sizes = [q, kv, kv]
         self.qkv = nn.Linear(cfg.d_model, q + 2 * kv, bias=False)
         self.proj = nn.Linear(q, cfg.d_model, bias=False)
@@ -115,10 +123,13 @@ class LlamaAttention(RoutedAttention):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """``down(silu(gate) * up)``; ``chunks``: the piece of its inner columns a stage holds."""
+
+    def __init__(self, cfg: ModelConfig, chunks: range = WHOLE) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        f = chunk_width(cfg.d_ff, chunks)
+        self.gate_up = nn.Linear(cfg.d_model, 2 * f, bias=False)
+        self.down = nn.Linear(f, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -126,22 +137,25 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block; ``pos`` are the stage's rotary tables for this microbatch. ``parts``: both
-    halves, or only ``("attn",)`` / ``("mlp",)`` at a stage boundary inside the block."""
+    """Pre-RMSNorm block; ``pos`` are the stage's rotary tables for this microbatch. ``pieces``: both
+    halves, or one half or piece of one at a stage boundary inside the block (``dynmb.models.pieces``:
+    the norm sits with chunk 0; a piece reads and sends ``[y | h]``)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, parts: tuple[str, ...] = ("attn", "mlp")) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0, pieces: tuple[HalfPiece, ...] | None = None) -> None:
         super().__init__()
-        if "attn" in parts:
-            self.attn_norm, self.attn = RMSNorm(cfg.d_model), LlamaAttention(cfg, layer)
-        if "mlp" in parts:
-            self.mlp_norm, self.mlp = RMSNorm(cfg.d_model), SwiGLU(cfg)
-        self.parts = tuple(parts)
+        self.pieces = pieces or (HalfPiece(layer, "attn", WHOLE), HalfPiece(layer, "mlp", WHOLE))
+        self.parts = tuple(pc.part for pc in self.pieces)
+        self.d = cfg.d_model
+        for pc in self.pieces:
+            if pc.chunks.start == 0:
+                self.add_module(f"{pc.part}_norm", RMSNorm(cfg.d_model))
+            sub = LlamaAttention(cfg, layer, pc.chunks) if pc.part == "attn" else SwiGLU(cfg, pc.chunks)
+            self.add_module(piece_name(pc.part, pc.chunks), sub)
 
     def forward(self, x: torch.Tensor, inputs: MicrobatchInputs, pos: PositionTables | None = None) -> torch.Tensor:
-        if "attn" in self.parts:
-            x = x + self.attn(self.attn_norm(x), inputs, pos)
-        if "mlp" in self.parts:
-            x = x + self.mlp(self.mlp_norm(x))
+        for pc in self.pieces:
+            norm, sub = getattr(self, f"{pc.part}_norm", None), getattr(self, piece_name(pc.part, pc.chunks))
+            x = run_half(x, pc.chunks, norm, (lambda h: sub(h, inputs, pos)) if pc.part == "attn" else sub, self.d)
         return x
 
 
@@ -158,7 +172,7 @@ class LlamaStage(DecoderStage):
                              f"does not run; use tie_embeddings=false (analytic models count the last stage's copy)")
         if self.is_first:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg, i, parts) for i, parts in self.units})
+        self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg, i, pieces) for i, pieces in self.units})
         self.build_head(RMSNorm(cfg.d_model), tied=cfg.tie_embeddings)
 
     @torch.no_grad()
@@ -170,14 +184,15 @@ class LlamaStage(DecoderStage):
             elif name.startswith("lm_head"):
                 seed_head_rows_(p, seed, self.vocab, self.cfg.vocab_size, 0.02)
             else:
-                resid = name.endswith("attn.proj.weight") or name.endswith("mlp.down.weight")
-                seeded_normal_(p, seed, name, resid_std if resid else 0.02)
+                whole = whole_name(name)
+                resid = whole.endswith("attn.proj.weight") or whole.endswith("mlp.down.weight")
+                self.seed_weight_(p, seed, name, resid_std if resid else 0.02)
 
     def embed_inputs(self, inputs: MicrobatchInputs) -> torch.Tensor:
         return self.embed(inputs.input_ids)
 
     def block_args(self, inputs: MicrobatchInputs) -> tuple[Any, ...]:
-        dtype = cast(LlamaBlock, self.blocks[str(self.layers[0])]).attn.qkv.weight.dtype
+        dtype = next(self.parameters()).dtype
         return (position_tables(inputs, self.cfg, dtype),)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,16 @@ on the stages holding them (all on the last by default; split by vocabulary over
 1.5)``) gives a stage that starts mid-block a first block holding only the MLP half
 (``blocks.3.mlp_norm``/``blocks.3.mlp``) and one that ends mid-block a last block holding only
 the attention half (``blocks.3.attn_norm``/``blocks.3.attn``): the two residual sub-blocks are
-functions of the hidden state alone, so only the hidden state crosses the boundary. ``layers``
-are the layers whose attention half (and so keys and values, ``dynmb.prefix``) the stage holds. ``forward(x, inputs, *, reduction, recompute)`` keeps the stage contract
+functions of the hidden state alone, so only the hidden state crosses the boundary. A boundary
+inside a half-block (the 1/16-layer grid, ``ModelConfig.stage_pieces``) gives the stages pieces of it
+(``dynmb.models.pieces``: K/V head groups of attention, inner columns of the MLP, e.g.
+``blocks.3.mlp_c4``), and the message across it is ``[y | h]`` (``2 d`` channels: the residual stream
+with the chunks so far added, and the half's normalised input). ``layers`` are the prefix-store keys of
+the attention halves or pieces (and so keys and values, ``dynmb.prefix``) the stage holds. ``forward(x, inputs, *, reduction, recompute)`` keeps the stage contract
 (``dynmb.models.contract``): ``x`` is ignored on the first stage (``embed_inputs`` turns
 ``inputs.input_ids`` into the hidden state), otherwise the hidden state
-``(batch, padded_len, d_model)`` (after a head shard the message ``[z | statistics]`` of
+``(batch, padded_len, d_model)`` (after a head shard the message ``[z | statistics]``, inside a
+half-block ``[y | h]``, of
 ``cfg.message_channels(stage - 1, P)`` channels); non-last stages return the hidden state (a
 non-last head shard its message), the last the summed
 cross-entropy over real tokens (0-dim, float32 or wider), or per-token CE ``(batch,
@@ -36,8 +41,10 @@ from torch import nn
 
 from dynmb.config import ModelConfig
 from dynmb.inputs import IGNORE_INDEX, MicrobatchInputs, torch_dtype
+from dynmb.model_sizes import HalfPiece
 
 from .head import head_name, shard_loss
+from .pieces import seed_weight_, store_key
 from .recompute import RecomputedBlock, RecomputedHead
 
 __all__ = ["DecoderStage"]
@@ -54,10 +61,19 @@ class DecoderStage(nn.Module):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} out of range for {num_stages} stages")
         self.cfg, self.stage, self.num_stages = cfg, stage, num_stages
-        self.units: list[tuple[int, tuple[str, ...]]] = cfg.stage_blocks(num_stages)[stage]
-        """``(layer, parts)`` of each block, in order (``parts``: ``("attn", "mlp")`` or one half)."""
-        self.layers = [i for i, parts in self.units if "attn" in parts]
+        self.pieces: list[HalfPiece] = cfg.stage_pieces(num_stages)[stage]
+        """The half-blocks (whole, or chunks of one: ``dynmb.models.pieces``) of this stage, in order."""
+        blocks: dict[int, tuple[HalfPiece, ...]] = {}
+        for piece in self.pieces:
+            blocks[piece.layer] = blocks.get(piece.layer, ()) + (piece,)
+        self.units: list[tuple[int, tuple[HalfPiece, ...]]] = list(blocks.items())
+        """``(layer, pieces)`` of each block, in order (both halves, or one half or piece at a boundary)."""
+        self.layers: list[int | float] = [store_key(pc.layer, pc.chunks) for pc in self.pieces if pc.part == "attn"]
+        """The prefix-store keys (``dynmb.prefix``) of the attention halves or pieces it holds: the layer
+        index, plus ``c0 / 8`` for a piece from chunk ``c0 > 0`` (``dynmb.models.pieces.store_key``)."""
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.in_channels = cfg.message_channels(stage - 1, num_stages) if stage else cfg.d_model
+        """Channels of the message it receives (``[y | h]``: ``2 d`` when the stage starts inside a half)."""
         self.vocab: range = cfg.stage_vocab(num_stages)[stage]
         """The LM head's vocabulary rows this stage holds (empty: none)."""
         self.is_head_stage = stage == cfg.head_stage(num_stages)
@@ -96,6 +112,14 @@ class DecoderStage(nn.Module):
     def reset_parameters(self, seed: int = 0) -> None:
         raise NotImplementedError
 
+    def chunks_of(self, layer: int, part: str) -> range:
+        """The chunks of layer ``layer``'s half ``part`` this stage holds."""
+        return next(pc.chunks for pc in self.pieces if (pc.layer, pc.part) == (layer, part))
+
+    def seed_weight_(self, p: torch.Tensor, seed: int, name: str, std: float) -> None:
+        """N(0, std) of generator ``(seed, whole name)``, a piece's as its slice (``dynmb.models.pieces``)."""
+        seed_weight_(p, seed, name, std, self.cfg, self.chunks_of)
+
     def embed_inputs(self, inputs: MicrobatchInputs) -> torch.Tensor:
         """First stage: token ids -> hidden state ``(batch, padded_len, d_model)``."""
         raise NotImplementedError
@@ -117,6 +141,9 @@ class DecoderStage(nn.Module):
             x = self.embed_inputs(inputs)
         elif x is None:
             raise ValueError(f"stage {self.stage} needs the hidden state from stage {self.stage - 1}")
+        elif x.shape[-1] != self.in_channels:
+            raise ValueError(f"stage {self.stage} of {self.num_stages} receives messages of {self.in_channels} channels "
+                             f"(config.message_channels; [y | h] inside a half-block), got {x.shape[-1]}")
         recomputing = recompute and torch.is_grad_enabled()
         extra = self.block_args(inputs) if self.layers else ()     # tables for the attention halves
         for blk in self.blocks.values():

@@ -70,9 +70,9 @@ class ActionTiming:
     cpu_s: float | None = None   # thread CPU seconds from compute start to end (CPU only)
 
 
-def _layers(mod: torch.nn.Module) -> list[int]:
+def _layers(mod: torch.nn.Module) -> list[float]:
     """A stage's attention layers (``DecoderStage.layers``): the keys of its prefix store."""
-    return cast("list[int]", mod.layers)
+    return cast("list[float]", mod.layers)
 
 
 def run_actions(
@@ -129,6 +129,8 @@ def run_actions(
                 if s == last:
                     out = out * loss_scale
             saved[(s, m)] = (x, out)
+            if meter is not None and x is not None:
+                meter.hold([x], s)           # held to its backward: not always saved (a piece's bucketed h)
             tapes[(s, m)] = tape
             if sliced[m] and prefix is not None and meter is not None:
                 meter.hold(prefix.held_tensors(_layers(mod)), s)
