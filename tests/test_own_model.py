@@ -182,7 +182,7 @@ def test_a_factory_keeps_whole_layers_and_is_refused_a_half_block_split(tmp_path
     own = _own().tiny_decoder()
     n = own.config.n_layers
     half = f"{n / 2 - 0.5:g},{n / 2 + 0.5:g}"
-    with pytest.raises(ValueError, match="half-blocks"):
+    with pytest.raises(ValueError, match="parts of blocks"):
         dynmb.Planner(model=own, num_stages=2, memory_limit="16MiB", stage_split=half)
     reset_stand_in_warnings()                        # said once per config: an earlier test may have said it
     with pytest.warns(StandInModelWarning):

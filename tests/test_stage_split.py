@@ -184,7 +184,7 @@ def test_half_splits_are_written_read_and_refused_where_they_cannot_run() -> Non
         resolve_stage_split(tiny, 2, "1.3,2.7")
     with pytest.raises(ValueError, match="n_kv_heads 4 is not divisible"):       # 1/8 of 4 heads
         resolve_stage_split(tiny, 2, "1.0625,2.9375")
-    with pytest.raises(ValueError, match="half-blocks"):
+    with pytest.raises(ValueError, match="parts of blocks"):
         resolve_stage_split(tiny, 2, "1.5,2.5", half_blocks=False)
     auto = resolve_stage_split(tiny, 2, "auto", half_blocks=False)
     assert balanced_split(tiny, 2, half_blocks=False) == tuple(auto.stage_layer_counts(2))

@@ -80,13 +80,14 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "s
                              "(ablation)")
     parser.add_argument("--stage-split", default="even",
                         help="layers per pipeline stage: even (default), auto (balance the stages' work, embedding "
-                             "and LM head included, in half-blocks: the forward + backward of every sequence of "
+                             "and LM head included, in half-blocks or eighths of them (K/V-head groups, MLP "
+                             "columns) where 1%% lighter: the forward + backward of every sequence of "
                              "--dataset/--lengths at its own length, priced by --cost-model where it prices any "
                              "split (analytic, gpu), else in FLOPs; dynmb.planning.stage_split; with such a cost "
                              "model plan / run / compare then take, among the near-optimal splits, the one whose "
                              "simulated step per real token is smallest: dynmb.planning.split_search) or a list such as "
                              "9,8,8,7 or, in half-blocks (a stage boundary between a block's attention and MLP), "
-                             "2.5,2,2,1.5")
+                             "2.5,2,2,1.5, or on the 1/16-layer grid inside a half-block, 2.75,1.25")
 
 
 def add_model_file_flags(parser: argparse.ArgumentParser, *, from_plan: bool = False) -> None:

@@ -97,9 +97,9 @@ class Planner:
     said once; ``virtual_choice`` records how; ``num_stages`` and ``virtual`` read the chosen layout's); ``recompute``: never, always or auto
     (per-microbatch activation recomputation, ``dynmb.packing.recompute``); ``device``: which shipped cost model
     ("cpu"/"cuda") to default to; ``stage_split``: the layers per stage, ``"even"``, ``"auto"`` (balanced work,
-    embedding and head included: ``dynmb.planning.stage_split``; in half-blocks for dynmb's families) or a
-    list such as ``"9,8,8,7"`` or ``"2.5,2,2,1.5"`` (the model's ``layer_split``; half-blocks for dynmb's
-    families only; a fitted cost or memory model must have been measured on the same split); ``workload``:
+    embedding and head included: ``dynmb.planning.stage_split``; in half-blocks or chunks of them for dynmb's
+    families) or a list such as ``"9,8,8,7"``, ``"2.5,2,2,1.5"`` or ``"2.75,1.25"`` (the model's ``layer_split``;
+    parts of blocks for dynmb's families only; a fitted cost or memory model must have been measured on the same split); ``workload``:
     what ``"auto"`` balances, the lengths the planner will see (an array, a shipped trace name or a
     length-trace CSV: every sequence's forward + backward at its own length, priced by ``cost_model`` where
     it prices any layout (the analytic and GPU models, rebuilt for the split), else in FLOPs:

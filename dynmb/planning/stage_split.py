@@ -325,11 +325,11 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
         split = tuple(float(x) for x in setting.split(","))
     except ValueError:
         raise ValueError(f"--stage-split must be even, auto or layers per stage such as 9,8,8,7 (or 2.5,2,2,1.5 in "
-                         f"half-blocks); got {setting!r}") from None
+                         f"half-blocks, 2.75,1.25 on the 1/16-layer grid); got {setting!r}") from None
     if len(split) != num_stages:
         raise ValueError(f"--stage-split {setting} gives {len(split)} stages, not {num_stages}")
     out = replace(cfg, layer_split=split)
     if out.half_split and not half_blocks:
-        raise ValueError(f"--stage-split {setting}: a model of your own splits whole layers only; half-blocks "
-                         f"(x.5) are for dynmb's own families (gpt2, llama)")
+        raise ValueError(f"--stage-split {setting}: a model of your own splits whole layers only; parts of blocks "
+                         f"(x.5, x.25, ...) are for dynmb's own families (gpt2, llama)")
     return out
