@@ -226,6 +226,23 @@ def test_scaling_token_batch_is_deterministic_and_whole():
         scaling.parse_tokens("lots")
 
 
+def test_scaling_real_work_is_the_same_for_every_split():
+    """``attainable``'s work counts compute only: the wider message of a split inside a half-block (priced on
+    its sender by the cost model) is not real work, so the sum is the same under every layout."""
+    import numpy as np
+    from dataclasses import replace
+
+    from dynmb.config import model_config
+    from dynmb.costmodel.gpu import GPUCostModel
+
+    real_work = _script("_scaling_virtual").real_work
+    cfg, lengths = model_config("llama2-7b"), np.array([100, 2000, 5000, 300])
+    even = real_work(GPUCostModel(cfg, 8), lengths, 1)
+    chunked = replace(cfg, layer_split=(4.0625,) * 7 + (3.5625,))
+    assert GPUCostModel(chunked, 8).wide_message_s(0, "F", 1, 5000) > 0
+    assert real_work(GPUCostModel(chunked, 8), lengths, 1) == pytest.approx(even, rel=1e-12)
+
+
 def _synthetic_results(d: Path) -> None:
     """Real-run tables of 4 runs: fixed mbs 1 and 2, token-budget, dynamic (100/150/120/200 tokens/s)."""
     runs = {"r1": ("fixed", 1, 150.0), "r2": ("fixed", 2, 100.0), "r3": ("token-budget", None, 120.0),
