@@ -3,10 +3,13 @@
 Run::
 
     python benchmarks/split_ceilings.py [--models llama2-7b llama3.1-8b] [--stages 4 8 16 32] [--tokens 1024]
+                                        [--trace sharegpt]
 
 The split ceiling is the mean stage's work over the busiest stage's (``stage_split.split_ceiling``): the
 share of the machine the split alone lets a pipeline reach, whatever the schedule. The work model is
-forward FLOPs of one ``--tokens``-token row (``stage_split.flops_cost``); each column is the min-max
+forward FLOPs of one ``--tokens``-token row (``stage_split.flops_cost``), or with ``--trace`` the trace's
+own forward + backward priced by the GPU model (``split_work.workload_cost``, what ``auto`` balances in
+the scaling study); each column is the min-max
 contiguous partition (``planning.partition``) of a finer row of work units:
 
 - ``half``: half-blocks (attention half, MLP half) with the head alone on the last stage allowed: what
@@ -27,15 +30,18 @@ import argparse
 import numpy as np
 
 from dynmb.config import ModelConfig
+from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.planning.head_split import HEAD_CHUNKS
 from dynmb.planning.partition import min_max_partition
+from dynmb.planning.split_work import workload_cost
 from dynmb.planning.stage_split import _stage_partition, flops_cost, resolve_stage_split, split_ceiling, unit_work
 
 
-def ceilings(name: str, stages: int, tokens: int) -> dict[str, float]:
-    """The four columns (module docstring) of ``name`` over ``stages`` stages."""
+def ceilings(name: str, stages: int, tokens: int, trace: str | None = None) -> dict[str, float]:
+    """The five columns (module docstring) of ``name`` over ``stages`` stages."""
     cfg = ModelConfig.preset(name)
-    units, first, last = unit_work(cfg, flops_cost(tokens), True)
+    cost = flops_cost(tokens) if trace is None else workload_cost(trace, cfg, GPUCostModel(cfg, stages))
+    units, first, last = unit_work(cfg, cost, True)
     mean = (units.sum() + first + last) / stages
     head = np.full(HEAD_CHUNKS, last / HEAD_CHUNKS)
     half = _stage_partition(units, stages, first, last)[1]
@@ -46,10 +52,10 @@ def ceilings(name: str, stages: int, tokens: int) -> dict[str, float]:
     attn, mlp = units[0::2], units[1::2]
     cut_mlp = np.concatenate([[a] + [m / 8] * 8 for a, m in zip(attn, mlp)])
     cut_both = np.concatenate([[a / 8] * 8 + [m / 8] * 8 for a, m in zip(attn, mlp)])
-    auto = resolve_stage_split(cfg, stages, "auto", tokens, stage_cost=flops_cost(tokens))
+    auto = resolve_stage_split(cfg, stages, "auto", tokens, stage_cost=cost)
     return {"half": mean / half, "+head": mean / top(units), "+mlp/8": mean / top(cut_mlp),
             "+attn/8": mean / top(cut_both),
-            "auto": split_ceiling(auto, tuple(auto.stage_layer_counts(stages)), tokens)}
+            "auto": split_ceiling(auto, tuple(auto.stage_layer_counts(stages)), tokens, stage_cost=cost)}
 
 
 def main() -> None:
@@ -57,12 +63,13 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama2-7b", "llama3.1-8b"])
     ap.add_argument("--stages", nargs="+", type=int, default=[4, 8, 16, 32])
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--trace", default=None, help="balance this trace's own F + B on the GPU model instead")
     args = ap.parse_args()
     print("| model | P | half | +head | +mlp/8 | +attn/8 | auto |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in args.models:
         for p in args.stages:
-            c = ceilings(name, p, args.tokens)
+            c = ceilings(name, p, args.tokens, args.trace)
             print(f"| {name} | {p} | " + " | ".join(f"{c[k]:.3f}" for k in ("half", "+head", "+mlp/8", "+attn/8", "auto")) + " |")
 
 
