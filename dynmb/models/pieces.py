@@ -40,8 +40,11 @@ from dynmb.model_sizes import SUB_CHUNKS
 from .head import full_head_weight, head_name
 from .seeding import param_seed
 
-__all__ = ["piece_name", "store_key", "chunk_width", "cut", "seed_weight_", "whole_name", "full_weights", "run_half",
+__all__ = ["WHOLE", "piece_name", "store_key", "chunk_width", "cut", "seed_weight_", "whole_name", "full_weights", "run_half",
            "CUT_AXIS"]
+
+WHOLE = range(SUB_CHUNKS)
+"""The chunks of a whole half-block."""
 
 CUT_AXIS = {("attn", "qkv"): 0, ("attn", "proj"): 1, ("mlp", "gate_up"): 0, ("mlp", "down"): 1,
             ("mlp", "fc"): 0, ("mlp", "proj"): 1}
