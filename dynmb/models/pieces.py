@@ -142,7 +142,10 @@ def full_weights(named: Mapping[str, torch.Tensor], cfg: ModelConfig, num_stages
         groups.setdefault(key, []).append((starts[(int(m[1]), m[2], int(m[3]))], t))
     for key, pieces in groups.items():
         _, layer, part, linear, _ = key.split(".")
-        out[key] = _join(sorted(pieces, key=lambda x: x[0].start), cfg, part, linear)
+        pieces.sort(key=lambda x: x[0].start)
+        if [c for r, _ in pieces for c in r] != list(WHOLE):
+            raise ValueError(f"full_weights: {key} has the chunks {[list(r) for r, _ in pieces]} of {SUB_CHUNKS} only")
+        out[key] = _join(pieces, cfg, part, linear)
     if "lm_head.weight" not in out and shards and all(s in named for s in shards):
         out["lm_head.weight"] = full_head_weight(named, cfg, num_stages)
     return out
