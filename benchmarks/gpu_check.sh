@@ -17,7 +17,7 @@
 #      GPU (interleaved), ending inside layer 1's attention (K/V heads) and twice inside an MLP (columns:
 #      one chunk holds 2/8 of it, sending and receiving [y | h]), --verify
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
-# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-6 on the CPU (a check
+# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-8 on the CPU (a check
 # of the script and the commands, not of CUDA).
 set -uo pipefail
 R=${1:-results/gpu_check}

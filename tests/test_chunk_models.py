@@ -98,6 +98,10 @@ def test_pieces_hold_the_whole_models_weights_under_unique_names(family, P, spli
     assert any(re.search(r"\.(attn|mlp)_c\d\.", n) for n in names), cfg.layer_split
     joined = full_weights({n: p for st in stages for n, p in st.named_parameters()}, cfg, P)
     assert set(joined) == set(whole) and all(torch.equal(joined[n], whole[n]) for n in whole)
+    partial = {n: p for st in stages[1:] for n, p in st.named_parameters()}
+    if any(pc.chunks.start for pc in cfg.stage_pieces(P)[1][:1]):        # stage 1 starts inside a half
+        with pytest.raises(ValueError, match=r"full_weights: blocks\.\d+\.[\w.]+ has the chunks"):
+            full_weights(partial, cfg, P)
     assert sum(p.numel() for st in stages for p in st.parameters()) == sum(p.numel() for p in whole.values())
     assert [sum(p.numel() for p in st.parameters()) for st in stages] == [cfg.stage_params(s, P) for s in range(P)]
     for s, st in enumerate(stages):            # a norm (and an output bias) only where a half's chunk 0 is

@@ -25,17 +25,14 @@ from torch import nn
 
 from dynmb.config import ModelConfig
 from dynmb.inputs import InputError, MicrobatchInputs
-from dynmb.model_sizes import SUB_CHUNKS, HalfPiece
+from dynmb.model_sizes import HalfPiece
 
 from .attention import RoutedAttention
 from .head import seed_head_rows_
-from .pieces import chunk_width, piece_name, run_half, store_key
+from .pieces import WHOLE, chunk_width, piece_name, run_half, store_key
 from .stage import DecoderStage
 
 __all__ = ["GPT", "GPTStage", "Block", "Attention", "MLP"]
-
-WHOLE = range(SUB_CHUNKS)
-"""The chunks of a whole half-block."""
 
 
 class Attention(RoutedAttention):

@@ -232,7 +232,7 @@ def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
     if cfg.layer_split is not None:                # pieces of half-blocks, shards of the head: joined
         try:
             p = full_weights(p, cfg, len(cfg.layer_split))
-        except (KeyError, IndexError, RuntimeError):
+        except (KeyError, ValueError):
             pass                                   # reported as missing below
     expected = {"embed.weight", "norm_f.weight"} | ({"lm_head.weight"} if not cfg.tie_embeddings else set())
     missing = sorted(n for n in expected if n not in p) + sorted(

@@ -41,18 +41,15 @@ from torch import nn
 
 from dynmb.config import ModelConfig
 from dynmb.inputs import MicrobatchInputs
-from dynmb.model_sizes import SUB_CHUNKS, HalfPiece
+from dynmb.model_sizes import HalfPiece
 
 from .attention import CosSin, PositionTables, RoutedAttention
 from .head import seed_head_rows_
-from .pieces import chunk_width, piece_name, run_half, store_key, whole_name
+from .pieces import WHOLE, chunk_width, piece_name, run_half, store_key, whole_name
 from .stage import DecoderStage
 
 __all__ = ["LlamaStage", "LlamaBlock", "LlamaAttention", "SwiGLU", "RMSNorm", "position_tables", "rotate_half",
            "NORM_EPS"]
-
-WHOLE = range(SUB_CHUNKS)
-"""The chunks of a whole half-block."""
 
 NORM_EPS = 1e-5
 """RMSNorm epsilon (the published Llama 2 and 3 configurations' ``rms_norm_eps``)."""

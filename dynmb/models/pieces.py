@@ -40,8 +40,11 @@ from dynmb.model_sizes import SUB_CHUNKS
 from .head import full_head_weight, head_name
 from .seeding import param_seed
 
-__all__ = ["piece_name", "store_key", "chunk_width", "cut", "seed_weight_", "whole_name", "full_weights", "run_half",
+__all__ = ["WHOLE", "piece_name", "store_key", "chunk_width", "cut", "seed_weight_", "whole_name", "full_weights", "run_half",
            "CUT_AXIS"]
+
+WHOLE = range(SUB_CHUNKS)
+"""The chunks of a whole half-block."""
 
 CUT_AXIS = {("attn", "qkv"): 0, ("attn", "proj"): 1, ("mlp", "gate_up"): 0, ("mlp", "down"): 1,
             ("mlp", "fc"): 0, ("mlp", "proj"): 1}
@@ -139,7 +142,10 @@ def full_weights(named: Mapping[str, torch.Tensor], cfg: ModelConfig, num_stages
         groups.setdefault(key, []).append((starts[(int(m[1]), m[2], int(m[3]))], t))
     for key, pieces in groups.items():
         _, layer, part, linear, _ = key.split(".")
-        out[key] = _join(sorted(pieces, key=lambda x: x[0].start), cfg, part, linear)
+        pieces.sort(key=lambda x: x[0].start)
+        if [c for r, _ in pieces for c in r] != list(WHOLE):
+            raise ValueError(f"full_weights: {key} has the chunks {[list(r) for r, _ in pieces]} of {SUB_CHUNKS} only")
+        out[key] = _join(pieces, cfg, part, linear)
     if "lm_head.weight" not in out and shards and all(s in named for s in shards):
         out["lm_head.weight"] = full_head_weight(named, cfg, num_stages)
     return out
