@@ -182,7 +182,7 @@ def _comm(plan: Plan, cost_model: CostModelLike) -> np.ndarray:
     if comm is None:
         return np.zeros(plan.num_microbatches)
     shapes = plan.shapes()
-    nbytes = np.asarray(cost_model.model_cfg.message_bytes(shapes[:, 0], shapes[:, 1]), dtype=np.float64)
+    nbytes = np.asarray(cost_model.model_cfg.link_bytes(shapes[:, 0], shapes[:, 1], plan.num_stages), dtype=np.float64)
     return np.broadcast_to(np.asarray(comm.time(nbytes), dtype=np.float64), (plan.num_microbatches,))
 
 
@@ -265,7 +265,7 @@ def ideal_bound(lengths: Any, cost_model: CostModelLike, *, stage_rank: Sequence
     pF, pB = d["F"][:, -1], d["B"][:, -1]
     comm = getattr(cost_model, "comm", None)
     c = 0.0 if comm is None else float(np.asarray(
-        comm.time(cost_model.model_cfg.message_bytes(1, piece))).reshape(-1)[0])
+        comm.time(cost_model.model_cfg.link_bytes(1, piece, S))).reshape(-1)[0])
     hop = _hops(rank) * c
     head = np.concatenate([[0.0], np.cumsum(pF[:-1])]) + hop
     tail = np.zeros(S) if split_backward else np.concatenate([[0.0], np.cumsum(pB[:-1])]) + hop

@@ -257,6 +257,13 @@ class ModelSizes:
         """Bytes of the hidden state sent between neighbouring stages for one microbatch (vectorised)."""
         return rows * padded_len * self.d_model * self.dtype_bytes
 
+    def link_bytes(self, rows: Any, padded_len: Any, num_stages: int) -> Any:
+        """Bytes of one microbatch's message on the widest link of ``num_stages`` stages (``message_channels``:
+        ``[y | h]`` after a boundary inside a half-block, head statistics after a shard): what the simulator
+        prices every P2P message of the pipeline at (one price per microbatch; an upper bound on the others)."""
+        widest = max((self.message_channels(s, num_stages) for s in range(num_stages - 1)), default=self.d_model)
+        return self.message_bytes(rows, padded_len) * (widest / self.d_model)
+
     def stage_flops(self, stage: int, num_stages: int, rows: Any, padded_len: Any) -> Any:
         """Forward FLOPs of ``stage`` on a (rows, padded_len) microbatch (vectorised).
 

@@ -33,7 +33,7 @@ on it. ``bubble_fraction`` per rank = 1 - busy / makespan.
 
 ``simulate(schedule, plan, cost_model, memory_model)`` gets the costs from the
 one cost lookup ``cost_model.stage_costs(rows, padded_len)`` and the message
-time from ``cost_model.comm.time(model_cfg.message_bytes(rows, padded_len))``.
+time from ``cost_model.comm.time(model_cfg.link_bytes(rows, padded_len, P))`` (the widest link's message).
 
 The timeline evaluator is public for the planning passes that score many orders of one
 schedule (``dynmb.planning.reorder``, ``dynmb.planning.zerobubble``): ``cross_mask(flat)``
@@ -351,7 +351,7 @@ def comm_times(cost_model: CostModelLike, plan: Plan) -> np.ndarray | float:
     if comm_model is None:
         return 0.0
     shapes = plan.shapes()
-    nbytes = np.asarray(cost_model.model_cfg.message_bytes(shapes[:, 0], shapes[:, 1]), dtype=np.float64)
+    nbytes = np.asarray(cost_model.model_cfg.link_bytes(shapes[:, 0], shapes[:, 1], plan.num_stages), dtype=np.float64)
     return np.asarray(comm_model.time(nbytes), dtype=np.float64).reshape(-1)
 
 

@@ -119,8 +119,7 @@ def setting_label(setting: object, virtual: object) -> str:
 
 
 def real_work(cm, lengths: np.ndarray, dp: int) -> float:
-    """Sum over stages of every sequence's own F + B at its own length (intercept removed, and the wider
-    messages of a split inside a half-block, ``CostModel.wide_message_s``: transfer, not work), / dp."""
+    """Sum over stages of every sequence's own F + B at its own length (intercept removed), / dp."""
     uniq, count = np.unique(lengths.astype(np.float64), return_counts=True)
     L = np.concatenate([[0.0], uniq])
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -128,8 +127,6 @@ def real_work(cm, lengths: np.ndarray, dp: int) -> float:
     total = 0.0
     for op in ("F", "B"):
         a = np.asarray(c[op], dtype=np.float64).reshape(cm.num_stages, -1)
-        a = a - np.stack([np.broadcast_to(cm.wide_message_s(s, op, np.ones_like(L), L), L.shape)
-                          for s in range(cm.num_stages)])
         total += float(np.maximum(a[:, 1:] - a[:, :1], 0.0).sum(axis=0) @ count)
     return total / dp
 

@@ -54,17 +54,25 @@ def test_attention_boundaries_fall_on_whole_kv_heads() -> None:
         replace(LLAMA, d_ff=100, layer_split=(1.5625, 2.4375))
 
 
-def test_the_cost_model_prices_the_wider_message_on_its_sender() -> None:
+def test_every_message_is_priced_at_the_widest_link() -> None:
+    """The simulator prices one P2P time per microbatch on every link: at the widest message of the layout
+    (``link_bytes``: ``[y | h]`` after a boundary inside a half-block, 2 d), the even split's at d."""
     from dynmb.costmodel.gpu import GPUCostModel
+    from dynmb.simulate import comm_times
 
     cfg = replace(LLAMA, layer_split=(1.75, 1.75, 0.5))         # stage 0 ends inside layer 1's MLP, 1 on a half
-    even = GPUCostModel(replace(cfg, layer_split=(2, 2)), 2)
-    cm = GPUCostModel(cfg, 3)
-    extra = cfg.message_bytes(2, 300) / cm.comm.bytes_per_s       # one more d-wide tensor of a 2 x 300 microbatch
-    assert cm.wide_message_s(0, "F", 2, 300) == pytest.approx(extra) and cm.wide_message_s(1, "B", 2, 300) == \
-        pytest.approx(extra) and cm.wide_message_s(1, "I", 2, 300) == pytest.approx(extra)
-    assert [cm.wide_message_s(s, op, 2, 300) for s, op in ((0, "B"), (1, "F"), (2, "F"), (2, "B"), (0, "W"))] == \
-        [0.0] * 5
-    assert even.wide_message_s(0, "F", 2, 300) == 0.0
-    b, s, a = np.array([2.0]), np.array([300.0]), np.array([2 * 300.0 ** 2])
-    assert float(cm.predict(0, "F", 2, 300)) == pytest.approx(float(cm._predict(0, "F", b, s, a)[0]) + extra)
+    assert cfg.link_bytes(2, 300, 3) == 2 * cfg.message_bytes(2, 300)
+    assert LLAMA.link_bytes(2, 300, 2) == LLAMA.message_bytes(2, 300)
+    assert replace(LLAMA, layer_split=(1.5, 2.5)).link_bytes(2, 300, 2) == LLAMA.message_bytes(2, 300)
+    cm, even = GPUCostModel(cfg, 3), GPUCostModel(LLAMA, 3)
+    assert float(cm.comm_s(2, 300)) == pytest.approx(float(cm.comm.time(2 * LLAMA.message_bytes(2, 300))))
+    assert float(even.comm_s(2, 300)) == pytest.approx(float(even.comm.time(LLAMA.message_bytes(2, 300))))
+
+    class Plan:                                                   # what comm_times reads of a plan
+        num_stages = 3
+
+        @staticmethod
+        def shapes() -> np.ndarray:
+            return np.array([[2, 300], [1, 50]])
+
+    assert comm_times(cm, Plan()) == pytest.approx([float(cm.comm_s(2, 300)), float(cm.comm_s(1, 50))])

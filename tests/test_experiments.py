@@ -227,8 +227,8 @@ def test_scaling_token_batch_is_deterministic_and_whole():
 
 
 def test_scaling_real_work_is_the_same_for_every_split():
-    """``attainable``'s work counts compute only: the wider message of a split inside a half-block (priced on
-    its sender by the cost model) is not real work, so the sum is the same under every layout."""
+    """``attainable``'s work counts compute only: the same sum under every layout, a split inside a half-block
+    (whose wider message is priced on the links, ``link_bytes``) too."""
     import numpy as np
     from dataclasses import replace
 
@@ -239,7 +239,7 @@ def test_scaling_real_work_is_the_same_for_every_split():
     cfg, lengths = model_config("llama2-7b"), np.array([100, 2000, 5000, 300])
     even = real_work(GPUCostModel(cfg, 8), lengths, 1)
     chunked = replace(cfg, layer_split=(4.0625,) * 7 + (3.5625,))
-    assert GPUCostModel(chunked, 8).wide_message_s(0, "F", 1, 5000) > 0
+    assert float(GPUCostModel(chunked, 8).comm_s(1, 5000)) > float(GPUCostModel(cfg, 8).comm_s(1, 5000))
     assert real_work(GPUCostModel(chunked, 8), lengths, 1) == pytest.approx(even, rel=1e-12)
 
 

@@ -109,7 +109,7 @@ def test_memory_and_costs_follow_the_rows():
     assert ms.state_bytes[2] + ms.state_bytes[3] == pytest.approx(mw.state_bytes[2], rel=1e-6)
     # the GPU model prices a shard's head time by its rows
     gw, gs = GPUCostModel(whole, 3), GPUCostModel(cfg, 4)
-    t = {name: float(m.predict(stage, "F", 1, 4096)) - m.spec.overhead_s - float(m.wide_message_s(stage, "F", 1, 4096))
+    t = {name: float(m.predict(stage, "F", 1, 4096)) - m.spec.overhead_s
          for name, m, stage in (("whole", gw, 2), ("a", gs, 2), ("b", gs, 3))}
     assert t["a"] + t["b"] == pytest.approx(t["whole"], rel=1e-6)
     assert t["b"] / t["a"] == pytest.approx(100000 / 28256, rel=1e-3)

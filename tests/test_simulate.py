@@ -123,7 +123,7 @@ class _Cost:
 
     def __init__(self, P):
         self.num_stages = P
-        self.model_cfg = SimpleNamespace(message_bytes=lambda rows, plen: np.asarray(rows) * np.asarray(plen) * 4)
+        self.model_cfg = SimpleNamespace(link_bytes=lambda rows, plen, p: np.asarray(rows) * np.asarray(plen) * 4)
         self.comm = SimpleNamespace(time=lambda nbytes: np.asarray(nbytes, dtype=float) * 1e-3)
 
     def stage_costs(self, rows, plen):

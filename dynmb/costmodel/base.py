@@ -169,24 +169,7 @@ class CostModel:
         else:
             raw = np.maximum(self._predict(int(stage), op, b, s, a), 0.0)
         recv = self.comm.recv_latency_s if self.receives(int(stage), op) else 0.0
-        return raw * self.scale_of(int(stage), op) + self.runtime_overhead_s.get(op, 0.0) + recv + \
-            self.wide_message_s(int(stage), op, b, s)
-
-    def wide_message_s(self, stage: int, op: str, rows: np.ndarray, padded_len: np.ndarray) -> np.ndarray | float:
-        """Seconds the channels a message carries beyond ``d_model`` take at the profile's bandwidth, added to
-        the op that sends it: ``F`` of a stage ending inside a half-block (``[y | h]``, 2 d) or after a head
-        shard (its statistics), and ``B``/``I`` of the stage after it (the gradient of both, back). The
-        simulator prices every message at ``d_model`` channels (``message_bytes``, the same for every link);
-        this adds the rest on the sender's clock, as if not overlapped (an upper bound)."""
-        cfg, p = self.model_cfg, self.num_stages
-        if op == "F" and stage < p - 1:
-            link = stage
-        elif op in ("B", "I") and stage > 0:
-            link = stage - 1
-        else:
-            return 0.0
-        extra = cfg.message_channels(link, p) / cfg.d_model - 1.0
-        return extra * cfg.message_bytes(rows, padded_len) / self.comm.bytes_per_s if extra > 0 else 0.0
+        return raw * self.scale_of(int(stage), op) + self.runtime_overhead_s.get(op, 0.0) + recv
 
     def scale_of(self, stage: int, op: str) -> float:
         """The runtime scale of ``op`` on ``stage`` (``with_scale``; 1.0 when not calibrated). ``I`` and
@@ -279,10 +262,10 @@ class CostModel:
         return out
 
     def comm_s(self, rows: Any, padded_len: Any) -> np.ndarray:
-        """P2P seconds of the hidden state of microbatches (rows, padded_len) between stages."""
-        nbytes = np.asarray(rows, dtype=np.float64) * np.asarray(padded_len, dtype=np.float64) \
-            * self.model_cfg.d_model * self.model_cfg.dtype_bytes
-        return self.comm.time(nbytes)
+        """P2P seconds of the message of microbatches (rows, padded_len) between stages, at the widest link's
+        channels (``ModelConfig.link_bytes``)."""
+        return self.comm.time(self.model_cfg.link_bytes(np.asarray(rows, dtype=np.float64),
+                                                        np.asarray(padded_len, dtype=np.float64), self.num_stages))
 
     def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
         """Raise ValueError unless this model was made for ``model_cfg`` split over ``num_stages``."""

@@ -38,7 +38,7 @@ instead of leaving a near-empty stage (``partition``). ``O(P x N^2)`` with the i
 only where its busiest stage does less work: strictly less for half-blocks against whole layers, so wherever
 whole layers are already optimal ``auto`` keeps the same whole-layer split (and the same fitted models), and
 ``CHUNK_GAIN`` (1%) less for chunks against half-blocks (a boundary inside a half sends twice the bytes;
-the cost model prices that on the sender, ``CostModel.wide_message_s``). Chunks at one chunk a GPU only
+the simulator prices every link's message at the widest, ``ModelConfig.link_bytes``). Chunks at one chunk a GPU only
 (interleaved splits balance per GPU in half-blocks). The
 last stage may also hold the final norm and LM head alone (``P - 1`` segments and an empty last one,
 ``_stage_partition``), taken only where that lowers the busiest stage's work: a head heavier than the
