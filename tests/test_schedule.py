@@ -358,7 +358,7 @@ class _ArrCost:
 
     def __init__(self, factors, comm=0.0):
         self.factors = np.asarray(factors, dtype=float)
-        self.model_cfg = SimpleNamespace(message_bytes=lambda r, s: np.asarray(r) * np.asarray(s))
+        self.model_cfg = SimpleNamespace(link_bytes=lambda r, s, p: np.asarray(r) * np.asarray(s))
         self.comm = SimpleNamespace(time=lambda nb: np.asarray(nb, dtype=float) * comm)
 
     def stage_costs(self, rows, plen):
