@@ -129,3 +129,12 @@ def test_run_plan_runs_the_chunks_its_plan_was_made_for(tmp_path: Path) -> None:
     assert (cfg.pipeline.num_stages, cfg.pipeline.virtual, cfg.pipeline.num_ranks) == (4, 2, 2)
     with pytest.raises(ValueError, match="--virtual 4 conflicts"):
         plan_run_config(build_parser(["run"]).parse_args([*run, "--virtual", "4"]))
+
+
+def test_a_model_of_ones_own_keeps_its_split_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--virtual auto`` resolves the layout itself; a model of one's own is still refused any split but ``even``."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
+    args = build_parser(["run"]).parse_args(["run", "--model", "own_model:tiny_decoder", "--stages", "2", "--virtual",
+                                             "auto", "--stage-split", "auto", "--out", "unused"])
+    with pytest.raises(ValueError, match="--stage-split auto: a model of your own"):
+        with_virtual_choice(args, stages=2)

@@ -99,6 +99,8 @@ def with_virtual_choice(args: argparse.Namespace, *, model: str | None = None,
     from dynmb.planning.virtual_search import choose_virtual
 
     gpus, split, spec = int(stages or args.stages), getattr(args, "stage_split", None) or "even", model or args.model
+    if names_factory(spec):                # a model of one's own splits its layers itself: refused in one line
+        factory_from_args(argparse.Namespace(**{**vars(args), "model": spec}))
     base = argparse.Namespace(**{**vars(args), "model": spec, "stages": gpus, "virtual": 1, "stage_split": "even"})
     cfg = model_from_args(base)
     choice = choose_virtual(cfg, gpus, split, search=split_search_of(base, cfg, gpus), workload=workload_of(args),
