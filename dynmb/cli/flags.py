@@ -7,6 +7,8 @@
 - ``add_recompute_flag``: ``--recompute``;
 - ``add_shape_flags``: ``--pack-len``, ``--round-to``;
 - ``add_run_shape_flags``: ``--prewarm``, ``--no-expandable-segments``;
+- ``virtual_arg``, ``with_virtual_choice``: ``--virtual`` (chunks per GPU, or ``auto``: chosen once, before
+  anything runs, by ``dynmb.planning.virtual_search.choose_virtual``, as ``Planner(virtual="auto")`` does);
 - ``add_model_flags``: ``--model``, ``--attention``; ``factory_from_args`` resolves ``--model`` to a
   ``StageFactory`` (``dynmb.models.resolve_model``: a preset, a JSON file or ``package.module:factory``),
   ``model_from_args`` to the ``ModelConfig`` the planner and the cost/memory models use for it
@@ -28,7 +30,7 @@ from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
-           "global_batch_int", "MAX_GLOBAL_BATCH", "model_from_args", "split_search_of", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
+           "global_batch_int", "MAX_GLOBAL_BATCH", "virtual_arg", "with_virtual_choice", "model_from_args", "split_search_of", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
            "OVERSIZE_CHOICES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
@@ -63,6 +65,50 @@ nonnegative_int = int_at_least(0)
 """argparse type: an integer >= 0."""
 global_batch_int = int_at_least(1, MAX_GLOBAL_BATCH)
 """argparse type of ``--global-batch``: 1 to ``MAX_GLOBAL_BATCH`` sequences."""
+VIRTUAL_ENABLE = ("give --cost-model a layout-free cost-model JSON (analytic or gpu kind), --dataset or --lengths, "
+                  "and --global-batch")
+"""What ``--virtual auto`` asks for where V cannot be chosen by simulated step."""
+
+
+def virtual_arg(text: str) -> int | str:
+    """argparse type of ``--virtual``: model chunks per GPU, an integer >= 1, or ``auto``."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or auto, got {value}")
+    return value
+
+
+virtual_arg.__name__ = "int >= 1 or auto"
+
+
+def with_virtual_choice(args: argparse.Namespace, *, model: str | None = None,
+                        stages: int | None = None) -> argparse.Namespace:
+    """``--virtual auto``: a copy of ``args`` with V chosen once (``choose_virtual``, the ``Planner``'s choice):
+    ``--stages`` (``stages`` overrides it) counts the GPUs of one pipeline; the copy has ``stages`` P V,
+    ``virtual`` V, ``virtual_choice`` (how) and, where the choice resolved it, ``virtual_layout`` (the model
+    with its split, which ``model_from_args`` returns). Any other ``--virtual``: ``args`` as they are."""
+    if getattr(args, "virtual", None) != "auto":
+        return args
+    if getattr(args, "plan", None):
+        raise ValueError(f"--virtual auto chooses a layout; --plan {args.plan} runs its own (leave --virtual out)")
+    from dynmb.planning.virtual_search import choose_virtual
+
+    gpus, split, spec = int(stages or args.stages), getattr(args, "stage_split", None) or "even", model or args.model
+    if names_factory(spec):                # a model of one's own splits its layers itself: refused in one line
+        factory_from_args(argparse.Namespace(**{**vars(args), "model": spec}))
+    base = argparse.Namespace(**{**vars(args), "model": spec, "stages": gpus, "virtual": 1, "stage_split": "even"})
+    cfg = model_from_args(base)
+    choice = choose_virtual(cfg, gpus, split, search=split_search_of(base, cfg, gpus), workload=workload_of(args),
+                            cost_model=getattr(args, "cost_model", None), half_blocks=not names_factory(spec),
+                            enable=VIRTUAL_ENABLE)
+    layout = {} if choice.layout is None else {"virtual_layout": choice.layout, "stage_split": "even"}
+    return argparse.Namespace(**{**vars(args), "stages": gpus * choice.virtual, "virtual": choice.virtual,
+                                 "virtual_choice": choice, **layout})
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "small") -> None:
@@ -136,7 +182,10 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
     """The ModelConfig of ``--model``, ``--attention`` and ``--stage-split`` over ``--stages`` stages
     (``model`` / ``stages`` override the flags where a verb resolves its own defaults; ``auto`` balances
     the verb's trace, ``workload_of``, priced by ``--cost-model`` where it prices any layout). For
-    ``package.module:factory`` the sizes and attention kind of its factory (``planning_config``)."""
+    ``package.module:factory`` the sizes and attention kind of its factory (``planning_config``); after
+    ``with_virtual_choice`` the layout it chose."""
+    if getattr(args, "virtual_layout", None) is not None:
+        return args.virtual_layout
     spec = model or args.model
     if spec.endswith(".py"):
         module = spec[:-3].replace("/", ".").replace("\\", ".").lstrip(".")

@@ -1,4 +1,5 @@
-"""``dynmb plan``: pack one global batch into microbatches under a memory limit; print a summary."""
+"""``dynmb plan``: pack one global batch into microbatches under a memory limit; print a summary (with
+``--virtual auto`` the chunks per GPU chosen once first, ``cli.flags.with_virtual_choice``)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from dataclasses import replace
 from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args,
-                             names_factory, nonnegative_int, warn_own_model_stand_ins)
+                             names_factory, nonnegative_int, virtual_arg, warn_own_model_stand_ins,
+                             with_virtual_choice)
 from dynmb.cli.planfile import plan_meta, plan_pack_len
 from dynmb.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
-from dynmb.costmodel import get_cost_model
 from dynmb.memory import get_memory_model
 from dynmb.planning import plan_step
+from dynmb.planning.api import cost_model_for
 from dynmb.planning.spec_check import check_plan_spec
+from dynmb.planning.virtual_search import describe
 from dynmb.types import Plan
 
 __all__ = ["add_parser", "run", "plan_spec"]
@@ -25,6 +28,12 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_data_flags(parser)
     add_packing_flags(parser)
     add_model_flags(parser)
+    parser.add_argument("--virtual", type=virtual_arg, default=1,
+                        help="model chunks per GPU for interleaved (default 1; --stages counts chunks), or auto: "
+                             "--stages counts the GPUs of one pipeline and V (1, 2 or 4) is chosen once by simulated "
+                             "step on sample batches of --dataset/--lengths, as Planner(virtual='auto') does (needs "
+                             "--global-batch, a layout-free --cost-model and --schedule-kind auto or interleaved; "
+                             "else V 1, said once)")
     parser.add_argument("--step", type=nonnegative_int, default=0, help="which global batch of the seed's stream (default 0)")
     parser.add_argument("-o", "--output", default=None, help="plan JSON path")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary")
@@ -33,15 +42,19 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 def plan_spec(args: argparse.Namespace, model: ModelConfig) -> PlanSpec:
     """The ``PlanSpec`` of ``dynmb plan``'s flags (one place; its errors name the flag's field)."""
-    return PlanSpec(method=args.method, num_stages=args.stages, schedule_kind=args.schedule_kind,
+    return PlanSpec(method=args.method, num_stages=args.stages, virtual=int(getattr(args, "virtual", 1) or 1),
+                    schedule_kind=args.schedule_kind,
                     memory_limit_bytes=parse_bytes(args.memory_limit), mbs=args.mbs, dp=args.dp,
                     oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
                     recompute=args.recompute, attention=model.attention)
 
 
 def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, Any]:
+    choice = getattr(args, "virtual_choice", None)
     return {
-        "method": plan.method, "schedule_kind": plan.schedule_kind, "num_sequences": plan.num_sequences,
+        "method": plan.method, "schedule_kind": plan.schedule_kind, "num_stages": plan.num_stages,
+        "virtual": int(getattr(args, "virtual", 1) or 1),
+        **({"virtual_choice": describe(choice)} if choice is not None else {}), "num_sequences": plan.num_sequences,
         "num_microbatches": plan.num_microbatches,
         "real_tokens": plan.real_tokens, "computed_tokens": plan.computed_tokens,
         "padding_fraction": round(plan.padding_fraction, 6),
@@ -74,13 +87,14 @@ def _show(key: str, value: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    args = with_virtual_choice(args)       # --virtual auto: V chosen once; --stages then P V
     model = model_from_args(args)
     spec = plan_spec(args, model)
     check_plan_spec(spec)                  # what run and compare refuse too, before any batch is read
     rows, batch = load_rows(args, args.step)
     warn_own_model_stand_ins(args, model, args.cost_model, args.memory_model, args.stages, "dynmb plan")
     plan, _, _ = plan_step(
-        batch, spec, model_cfg=model, cost_model=get_cost_model(args.cost_model, model, args.stages),
+        batch, spec, model_cfg=model, cost_model=cost_model_for(args.cost_model, model, args.stages, spec.virtual),
         memory_model=get_memory_model(args.memory_model, model, args.stages),
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step,
               **plan_meta(model, args.cost_model, args.memory_model,

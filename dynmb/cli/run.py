@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
-                             model_from_args, names_factory, nonnegative_int, positive_int,
-                             warn_own_model_stand_ins)
+                             model_from_args, names_factory, nonnegative_int, positive_int, virtual_arg,
+                             warn_own_model_stand_ins, with_virtual_choice)
 from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
+from dynmb.planning.virtual_search import describe
 from dynmb.runtime.api import run_job
 from dynmb.runtime.launch import LaunchResult, default_backend_device
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
@@ -56,12 +57,17 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--plan", default=None,
                         help="run exactly this plan JSON (`dynmb plan` / `dynmb schedule`) every step, without "
                              "re-planning; model, stages, limit, method, dp and global batch come from the plan")
-    parser.add_argument("--nproc", type=positive_int, default=None, help="processes (ranks); default stages x dp / virtual")
+    parser.add_argument("--nproc", type=positive_int, default=None, help="processes (ranks); default stages x dp / virtual (--virtual auto: stages x dp)")
     parser.add_argument("--schedule", default=None,
                         help="schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (per step, the fastest "
                              "predicted of 1f1b / zb-h1 / zb, interleaved with --virtual > 1) (default 1f1b); with "
                              "--plan also a schedule CSV built for that plan (`dynmb schedule`)")
-    parser.add_argument("--virtual", type=positive_int, default=None, help="model chunks per rank for interleaved (default 1)")
+    parser.add_argument("--virtual", type=virtual_arg, default=None,
+                        help="model chunks per rank for interleaved (default 1; --stages counts chunks), or auto: "
+                             "--stages counts the ranks of one pipeline and V (1, 2 or 4) is chosen once, before "
+                             "any process starts, by simulated step on sample batches, as Planner(virtual='auto') "
+                             "does (needs a layout-free --cost-model and --schedule auto or interleaved; else V 1, "
+                             "said once); the runs table's virtual_choice says how")
     parser.add_argument("--reorder", default=None, help="microbatch reordering (default none)")
     parser.add_argument("--steps", type=positive_int, default=3, help="measured steps (default 3)")
     parser.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up steps (default 1)")
@@ -124,6 +130,11 @@ def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "c
         recompute=_arg(args, "recompute"), plan_ahead=args.plan_ahead)
 
 
+def _planned_virtual(plan: Plan) -> int | None:
+    """The chunks per GPU a plan was made for (``dynmb plan --virtual``); None for one chunk (older plans: unknown)."""
+    return int(plan.spec.virtual) if plan.spec is not None and plan.spec.virtual > 1 else None
+
+
 def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, kind: str,
                       sidecar: dict[str, Any]) -> None:
     """One ``ValueError`` line for the first flag given that says otherwise than the plan."""
@@ -135,7 +146,7 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
         ("global-batch", args.global_batch, plan.num_sequences),
         ("schedule", None if AUTO in (args.schedule, args.schedule_kind) else    # auto: the plan made its choice
          args.schedule if args.schedule in SCHEDULE_KINDS else args.schedule_kind, kind),
-        ("virtual", args.virtual, sidecar.get("virtual")),
+        ("virtual", args.virtual, sidecar.get("virtual") or _planned_virtual(plan)),
         ("dataset", args.dataset or args.lengths, meta.get("dataset")), ("seed", args.seed, meta.get("seed")),
         ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, plan_pack_len(plan)),
         ("round-to", args.round_to, meta.get("round_to")),
@@ -174,7 +185,7 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
     cost_file = recorded_model_file("cost-model", args.cost_model, plan.meta.get("cost_model"), args.plan)
     memory_file = recorded_model_file("memory-model", args.memory_model, plan.meta.get("memory_model"), args.plan)
     meta, spec = plan.meta, plan.spec
-    virtual = int(sidecar.get("virtual") or args.virtual or 1)
+    virtual = int(sidecar.get("virtual") or _planned_virtual(plan) or args.virtual or 1)
     cfg = RunConfig(
         model=model,
         pipeline=PipelineConfig(num_stages=plan.num_stages, virtual=virtual, schedule=kind,
@@ -201,9 +212,10 @@ def _spec(args: argparse.Namespace, backend: str, device: str, corpus: TokenFile
     warn_own_model_stand_ins(args, cfg.model, cfg.cost_model, args.memory_model, cfg.pipeline.num_stages, "dynmb run")
     named = args.model or (args.plan and Plan.load(args.plan, allow_over_limit=True).meta.get("model_factory"))
     factory = str(named) if isinstance(named, str) and names_factory(named) else None
+    choice = getattr(args, "virtual_choice", None)
     return RunSpec.create(cfg, args.out, verify=args.verify, allow_over_limit=args.allow_over_limit,
                           memory_model=memory_model, plan=args.plan, schedule=schedule_file, corpus=corpus,
-                          model_factory=factory)
+                          model_factory=factory, virtual_choice=describe(choice) if choice is not None else "")
 
 
 def _token_file(args: argparse.Namespace) -> TokenFile | None:
@@ -255,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         # every check that needs no torch first (JobSpec.check; gloo/cpu stand in for the default
         # device, which torch (~4 s to import) decides): a typo costs no torch import
         given = _flag_backend_device(args)
+        args = with_virtual_choice(args, model=_arg(args, "model"), stages=_arg(args, "stages"))   # auto: V once
         # the settings alone first (what `dynmb plan` refuses, the device): nothing read or written yet
         _spec(args, *(given or ("gloo", "cpu"))).check_settings()
         tokens = _token_file(args)
@@ -263,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("dynmb run: interrupted before torchrun started", file=sys.stderr)
         return 130
+    if spec.virtual_choice:
+        print(f"dynmb run: --virtual auto: {spec.virtual_choice}", file=sys.stderr, flush=True)
     nproc = args.nproc or spec.run.pipeline.num_ranks * spec.run.dp
     result = run_job(JobSpec.single(spec), nproc)
     if result.launch.interrupted:

@@ -40,7 +40,7 @@ from .split_work import layout_cost_model
 from .stage_split import resolve_stage_split
 from .virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
 
-__all__ = ["Planner", "PlannedStep"]
+__all__ = ["Planner", "PlannedStep", "cost_model_for"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,18 @@ def _for_split(cost_model: Any, cfg: ModelConfig, num_stages: int, chunks_from: 
         return cost_model
     cm.check(cfg.with_layout_of(cm.model_cfg), num_stages)      # the same model otherwise
     return cm.for_layout(cm.model_cfg.with_layout_of(cfg), num_stages)
+
+
+def cost_model_for(cost_model: str | Path | None, cfg: ModelConfig, num_stages: int, virtual: int = 1) -> Any:
+    """The cost model of a run of ``cfg`` over ``num_stages`` stages, ``virtual`` per GPU (``dynmb plan`` / ``run``,
+    every rank): the file's (checked; None: the analytic stand-in), or, as the ``Planner`` does (``_for_split``), a
+    layout-free one made for the GPUs or for another split of the same model rebuilt for this layout."""
+    chunks_from = int(num_stages) // int(virtual) if int(virtual) > 1 else None
+    cm = _for_split(cost_model, cfg, int(num_stages), chunks_from)
+    if cm is None or isinstance(cm, (str, Path)):
+        return get_cost_model(cm, cfg, int(num_stages))
+    cm.check(cfg, int(num_stages))
+    return cm
 
 
 class Planner:

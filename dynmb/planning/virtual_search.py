@@ -47,7 +47,8 @@ from .split_search import SplitSearch
 from .split_work import layout_cost_model, workload_lengths
 from .stage_split import resolve_stage_split
 
-__all__ = ["CANDIDATES", "AUTO_VIRTUAL", "VirtualChoice", "VirtualSearch", "admissible", "choose_virtual", "say"]
+__all__ = ["CANDIDATES", "AUTO_VIRTUAL", "VirtualChoice", "VirtualSearch", "admissible", "choose_virtual", "describe",
+           "say"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class VirtualSearch:
     ``num_stages`` is the GPUs of one pipeline; its global batch, sample batches, seed, memory model)."""
 
     search: SplitSearch
+    enable: str = ENABLE
+    """What the one-line refusal asks for (the command line names its flags)."""
 
     @property
     def gpus(self) -> int:
@@ -116,7 +119,7 @@ class VirtualSearch:
         if kind != AUTO and not get_kind(kind).virtual_stages:
             return f"schedule {kind} runs one chunk per GPU (give schedule auto or interleaved)"
         reason = self.search.why_not(cost_model, workload)
-        return f"{reason}; to choose V, {ENABLE}" if reason else ""
+        return f"{reason}; to choose V, {self.enable}" if reason else ""
 
     def choose(self, cfg: ModelConfig, layout_of: Callable[[int, SplitSearch], ModelConfig], *,
                candidates: tuple[int, ...], workload: Any, cost_model: Any) -> VirtualChoice:
@@ -149,25 +152,33 @@ class VirtualSearch:
                              tokens=tuple(r[1] for r in runs), scores_s=tuple(scores), cpu_s=time.process_time() - t0)
 
 
+def describe(choice: VirtualChoice) -> str:
+    """The choice in one line (what ``say`` logs; ``dynmb plan`` / ``dynmb run`` record it)."""
+    if choice.how != "simulated":
+        return f"1 chunk per GPU, not chosen by simulated step: {choice.reason}"
+    rows = ", ".join(f"V {v}: {s:.4f} s ({t:.0f} real tokens)"
+                     for v, s, t in zip(choice.candidates, choice.steps_s, choice.tokens))
+    return (f"{choice.virtual} chunk(s) per GPU by simulated step per real token on sample batches ({rows}; "
+            f"{choice.cpu_s:.1f} CPU s)")
+
+
 def say(choice: VirtualChoice) -> None:
     """Log the choice (every time: once per run), or V 1 and its reason once per process, in one line."""
     if choice.how == "simulated":
-        rows = ", ".join(f"V {v}: {s:.4f} s ({t:.0f} real tokens)"
-                         for v, s, t in zip(choice.candidates, choice.steps_s, choice.tokens))
-        logger.info("virtual auto: %d chunk(s) per GPU by simulated step per real token on sample batches (%s; "
-                    "%.1f CPU s)", choice.virtual, rows, choice.cpu_s)
+        logger.info("virtual auto: %s", describe(choice))
     elif choice.reason not in _SAID:
         _SAID.add(choice.reason)
-        logger.info("virtual auto: 1 chunk per GPU, not chosen by simulated step: %s", choice.reason)
+        logger.info("virtual auto: %s", describe(choice))
 
 
 def choose_virtual(cfg: ModelConfig, gpus: int, stage_split: str, *, search: SplitSearch | None, workload: Any,
-                   cost_model: Any, half_blocks: bool = True) -> VirtualChoice:
-    """The ``Planner``'s choice (said, ``say``): ``search`` the run's split search at V 1 over ``gpus``
-    stages (None: no global batch size); each V's layout ``stage_split`` resolved for ``gpus x V`` chunks
-    priced by ``cost_model``."""
+                   cost_model: Any, half_blocks: bool = True, enable: str = ENABLE) -> VirtualChoice:
+    """The choice of ``Planner(virtual="auto")`` and of ``dynmb plan`` / ``run --virtual auto`` (said, ``say``):
+    ``search`` the run's split search at V 1 over ``gpus`` stages (None: no global batch size); each V's layout
+    ``stage_split`` resolved for ``gpus x V`` chunks priced by ``cost_model``; ``enable``: what the one-line
+    refusal asks for."""
     if search is None:
-        choice = VirtualChoice(virtual=1, how="default", reason=f"no global batch size; to choose V, {ENABLE}")
+        choice = VirtualChoice(virtual=1, how="default", reason=f"no global batch size; to choose V, {enable}")
     else:
         def layout_of(v: int, s: SplitSearch) -> ModelConfig:
             if stage_split == "even":
@@ -177,7 +188,7 @@ def choose_virtual(cfg: ModelConfig, gpus: int, stage_split: str, *, search: Spl
 
         cands = admissible(cfg.n_layers, gpus, stage_split, half_blocks=half_blocks,
                            carried_split=cfg.layer_split is not None)
-        choice = VirtualSearch(search).choose(cfg, layout_of, candidates=cands, workload=workload,
+        choice = VirtualSearch(search, enable).choose(cfg, layout_of, candidates=cands, workload=workload,
                                               cost_model=cost_model)
     say(choice)
     return choice

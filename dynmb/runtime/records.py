@@ -196,7 +196,8 @@ def run_row(spec: RunSpec, *, backend: str, device: str, world_size: int) -> dic
                     host_malloc=host_malloc_mode())
     return {**info, "verify": spec.verify, "nproc": world_size, "plan": spec.plan or "",
             "schedule_file": spec.schedule or "", "tokenizer": spec.corpus.source.tokenizer if spec.corpus else "",
-            "token_file": spec.corpus.path if spec.corpus else "", "status": "running", "error": ""}
+            "token_file": spec.corpus.path if spec.corpus else "", "virtual_choice": spec.virtual_choice,
+            "status": "running", "error": ""}
 
 
 class Recorder:

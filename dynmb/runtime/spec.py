@@ -62,9 +62,9 @@ from typing import Any, Mapping
 
 from dynmb.atomic import write_text_atomic
 from dynmb.config import RunConfig
-from dynmb.costmodel import get_cost_model
 from dynmb.data import TokenFile, check_vocab, load_trace, sample_indices
 from dynmb.memory import get_memory_model
+from dynmb.planning.api import cost_model_for
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.results import run_ids_in
 from dynmb.schedule import ScheduleError, from_csv, validate
@@ -73,7 +73,7 @@ from dynmb.types import Plan, Schedule
 __all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable", "check_device", "refuse_foreign_head_split"]
 
 _RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
-             "plan", "schedule", "corpus", "model_factory")
+             "plan", "schedule", "corpus", "model_factory", "virtual_choice")
 _JOB_KEYS = ("out_dir", "cases", "interleave")
 
 
@@ -139,6 +139,9 @@ class RunSpec:
     model_factory: str | None = None
     """``package.module:factory`` every rank builds its stages with (a model of the user's own);
     None: dynmb's family of ``run.model``."""
+    virtual_choice: str = ""
+    """How ``--virtual auto`` chose the run's chunks per GPU (``dynmb.planning.virtual_search.describe``);
+    empty: V was given."""
 
     def factory(self) -> Any:
         """A fresh ``StageFactory`` of this run (each call resolves ``model_factory`` again)."""
@@ -152,7 +155,7 @@ class RunSpec:
                verify: bool = False, allow_over_limit: bool = False, memory_model: str | None = None,
                calibrate: bool | None = None, hooks: HookRef | None = None, plan: str | Path | None = None,
                schedule: str | Path | None = None, corpus: TokenFile | None = None,
-               model_factory: str | None = None) -> RunSpec:
+               model_factory: str | None = None, virtual_choice: str = "") -> RunSpec:
         """A spec for ``run`` writing to ``out_dir`` (made absolute, as are ``plan`` and
         ``schedule``); ``run_id`` defaults to ``<method>-<schedule>-<8 hex digits>``, new every call."""
         rid = run_id or f"{run.method}-{run.pipeline.schedule}-{uuid.uuid4().hex[:8]}"
@@ -160,7 +163,7 @@ class RunSpec:
                    allow_over_limit=allow_over_limit, memory_model=memory_model, calibrate=calibrate, hooks=hooks,
                    plan=str(Path(plan).resolve()) if plan else None,
                    schedule=str(Path(schedule).resolve()) if schedule else None, corpus=corpus,
-                   model_factory=model_factory)
+                   model_factory=model_factory, virtual_choice=virtual_choice)
 
     @property
     def display_label(self) -> str:
@@ -172,7 +175,8 @@ class RunSpec:
                 "verify": self.verify, "allow_over_limit": self.allow_over_limit, "memory_model": self.memory_model,
                 "calibrate": self.calibrate, "hooks": self.hooks.to_dict() if self.hooks else None,
                 "plan": self.plan, "schedule": self.schedule,
-                "corpus": self.corpus.to_dict() if self.corpus else None, "model_factory": self.model_factory}
+                "corpus": self.corpus.to_dict() if self.corpus else None, "model_factory": self.model_factory,
+                "virtual_choice": self.virtual_choice}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
@@ -185,7 +189,7 @@ class RunSpec:
                    hooks=HookRef.from_dict(hooks) if hooks else None, plan=data.get("plan"),
                    schedule=data.get("schedule"),
                    corpus=TokenFile.from_dict(data["corpus"]) if data.get("corpus") else None,
-                   model_factory=data.get("model_factory"))
+                   model_factory=data.get("model_factory"), virtual_choice=str(data.get("virtual_choice") or ""))
 
     def check_settings(self) -> None:
         """The settings of the run alone (nothing written): the planning settings
@@ -211,7 +215,7 @@ class RunSpec:
 
             check_importable(self.model_factory)
             refuse_foreign_head_split(run.model, f"--model {self.model_factory}")
-        get_cost_model(run.cost_model, run.model, pipeline.num_stages)
+        cost_model_for(run.cost_model, run.model, pipeline.num_stages, pipeline.virtual)
         get_memory_model(self.memory_model, run.model, pipeline.num_stages)
         if self.corpus is not None:
             if not Path(self.corpus.path).is_file():

@@ -32,12 +32,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynmb.costmodel import CalibrationStep, get_cost_model, job_calibration
+from dynmb.costmodel import CalibrationStep, job_calibration
 from dynmb.data import load_trace, sample_indices
 from dynmb.memory import get_memory_model
 from dynmb.inputs import corpus_tokens
 from dynmb.models import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
+from dynmb.planning.api import cost_model_for
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
@@ -102,7 +103,7 @@ class RunState:
         _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
         if not getattr(self.factory, "dynmb_family", False):
             refuse_foreign_head_split(run.model, f"--model {spec.model_factory or type(self.factory).__name__}")
-        self.profile_model = get_cost_model(run.cost_model, run.model, num_stages)   # uncalibrated
+        self.profile_model = cost_model_for(run.cost_model, run.model, num_stages, run.pipeline.virtual)  # uncalibrated
         self.cost_model = self.profile_model                 # what the next step plans with
         self.history = history if history is not None else []   # the job's measured steps, shared
         self.memory_model = get_memory_model(spec.memory_model, run.model, num_stages)
