@@ -247,13 +247,15 @@ def test_dynamic_never_behind_balanced_at_its_budgets(trace):
 
 
 def test_dynamic_is_never_predicted_behind_balanced_at_its_checked_budgets():
-    """The final check: dynamic's step is planned against ``balanced`` at the budgets the fast
-    estimate ranks best, each planned whole and simulated, and keeps the fastest that fits."""
+    """The final check: dynamic's step is planned against ``balanced`` and ``token-budget`` at the budgets
+    the fast estimate ranks best, each planned whole and simulated, and keeps the fastest that fits."""
+    import itertools
+
     import dynmb
     from dynmb.data import load_trace, sample_batch
     from dynmb.packing.balanced import budget_divisors
     from dynmb.packing.context import PackContext
-    from dynmb.planning.planner import FINAL_CHECK
+    from dynmb.planning.planner import FINAL_CHECK, FINAL_METHODS
 
     planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
     planner.cost_model = planner.cost_model.with_overhead(F=0.02, B=0.02)     # overhead per action: few mbs win
@@ -261,8 +263,9 @@ def test_dynamic_is_never_predicted_behind_balanced_at_its_checked_budgets():
         batch = sample_batch(load_trace("sharegpt"), 32, seed=3, step=step)
         got = planner.plan(batch, method="dynamic")
         ctx = PackContext.from_spec(got.plan.spec, planner.memory_model)
-        for d in budget_divisors(batch, ctx, planner.cost_model, keep=FINAL_CHECK):
-            other = planner.plan(batch, method="balanced", mbs=d).sim.makespan_s
+        for method, d in itertools.product(FINAL_METHODS, budget_divisors(batch, ctx, planner.cost_model,
+                                                                          keep=FINAL_CHECK)):
+            other = planner.plan(batch, method=method, mbs=d).sim.makespan_s
             assert got.sim.makespan_s <= other * (1 + 1e-9)
         assert got.plan.method == "dynamic" and got.plan.spec.method == "dynamic"
 
@@ -329,3 +332,27 @@ def test_equal_microbatches_extend_the_zero_bubble_recurrence_linearly(kind):
             full = makespans(np.repeat(c["F"][:, j:j + 1], 4, 1)[:, cols], np.repeat(c["B"][:, j:j + 1], 4, 1)[:, cols],
                              np.repeat(comm[j], per.sum()), per, kind, shares=shares)
             np.testing.assert_allclose(got, full, rtol=1e-9)
+
+
+def test_the_final_check_weighs_the_plain_token_budget_too(monkeypatch):
+    """Where a plain token budget's plan simulates fastest (here: ``balanced`` made as poor as dynamic's
+    packing), the final check keeps it and names it ``token-budget/d``."""
+    import dynmb
+    import dynmb.planning.planner as planner_mod
+    from dynmb.data import load_trace, sample_batch
+
+    real = planner_mod._plan_kind
+
+    def poor(lengths, spec, *rest, **kw):
+        if spec.method in ("dynamic", "balanced"):
+            spec = spec.with_(method="fixed", mbs=1, reorder="none")
+        return real(lengths, spec, *rest, **kw)
+
+    monkeypatch.setattr(planner_mod, "_plan_kind", poor)
+    planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
+    batch = sample_batch(load_trace("sharegpt"), 32, seed=3)
+    got = planner.plan(batch, method="dynamic")
+    assert got.plan.meta["grouping"].startswith("token-budget/")
+    d = int(got.plan.meta["grouping"].split("/")[1])
+    assert got.sim.makespan_s == pytest.approx(planner.plan(batch, method="token-budget", mbs=d).sim.makespan_s)
+    assert got.plan.method == "dynamic"

@@ -23,6 +23,8 @@ the slowest replica's.
 
 from __future__ import annotations
 
+import itertools
+
 import logging
 import time
 from dataclasses import replace
@@ -123,8 +125,12 @@ def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost
 
 
 FINAL_CHECK = 3
-"""``dynamic``'s plan is checked against ``balanced`` (verl's dynamic batching) at this many token
-budgets, those the fast estimate ranks best (``packing.balanced.budget_divisors``)."""
+"""``dynamic``'s plan is checked against ``FINAL_METHODS`` at this many token budgets, those the fast
+estimate ranks best for ``balanced`` (``packing.balanced.budget_divisors``)."""
+
+FINAL_METHODS = ("balanced", "token-budget")
+"""The token-budget groupings of the final check: verl's dynamic batching and the plain token budget, each
+at the ``FINAL_CHECK`` budgets (as ``dynmb compare``'s ``-best`` rows tune them in hindsight)."""
 
 
 def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
@@ -132,10 +138,11 @@ def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, c
                   packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``_plan_kind``, and for ``dynamic`` a final check by the simulator: the packer ranks its
     candidates by the fast makespan estimate on affine costs, which a cost model that is not affine
-    (the shipped fitted ones) or a long reorder can turn around. So ``balanced`` at ``FINAL_CHECK``
-    budgets is planned whole (packed, in its own order, scheduled, simulated) and kept when it
-    predicts a shorter step that fits; the plan stays ``dynamic``'s (its method and spec) and
-    ``meta["grouping"]`` names the winner (``balanced/d``), ``plan_s`` counts the whole check."""
+    (the shipped fitted ones) or a long reorder can turn around. So each of ``FINAL_METHODS`` at
+    ``FINAL_CHECK`` budgets is planned whole (packed, in its own order, scheduled, simulated) and kept
+    when it predicts a shorter step that fits; the plan stays ``dynamic``'s (its method and spec) and
+    ``meta["grouping"]`` names the winner (``balanced/d``, ``token-budget/d``), ``plan_s`` counts the
+    whole check."""
     t0 = time.perf_counter()
     best = _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
     if spec.method != "dynamic" or best[0].slice_groups():
@@ -146,16 +153,16 @@ def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, c
     except ValueError:
         return best
     chosen = None
-    for d in divisors:
+    for method, d in itertools.product(FINAL_METHODS, divisors):
         try:
-            alt = _plan_kind(lengths, spec.with_(method="balanced", mbs=d), model_cfg, cost_model, memory_model, meta)
+            alt = _plan_kind(lengths, spec.with_(method=method, mbs=d), model_cfg, cost_model, memory_model, meta)
         except ValueError:                              # PackingError: this budget cannot take the batch
             continue
         if _fits(*alt) and alt[0].predictions["pred_step_s"] < best[0].predictions["pred_step_s"] * (1 - 1e-9):
-            best, chosen = alt, d
+            best, chosen = alt, f"{method}/{d}"
     plan, sched, sim = best
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
-    grouping = {} if chosen is None else {"grouping": f"balanced/{chosen}"}
+    grouping = {} if chosen is None else {"grouping": chosen}
     return replace(plan, method="dynamic", spec=spec, predictions=preds, meta={**plan.meta, **grouping}), sched, sim
 
 
