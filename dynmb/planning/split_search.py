@@ -163,7 +163,8 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
     step = CHUNK if chunked else HALF if half_blocks else LAYER
     near = {tuple(sorted(m)) for m in seeds}
     moved = {mv for m in near for mv in _moves(m, step)} - near
-    k, kept, total = max(0, int(max_candidates) - 1), [], 0
+    k, total = max(0, int(max_candidates) - 1), 0
+    kept: list[tuple[int, ...]] = []
     for tier in (near, moved):                          # the optimum's own sizes first, then one half-block moved
         if tier is moved and len(kept) >= k:
             break

@@ -19,7 +19,7 @@ back to layers per stage (``UnitRow.layers``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -91,7 +91,7 @@ class UnitRow:
         return int(np.searchsorted(self.ends, fine, side="right")) if fine else 0
 
 
-def as_layers(units: np.ndarray | list[int]) -> tuple[float, ...]:
+def as_layers(units: np.ndarray | Sequence[int]) -> tuple[float, ...]:
     """Units of 1/16 layer per stage as layers per stage (ints where whole)."""
     return tuple(int(u) // UNITS_PER_LAYER if int(u) % UNITS_PER_LAYER == 0 else int(u) / UNITS_PER_LAYER
                  for u in units)
