@@ -10,7 +10,8 @@ Algorithm (``SplitSearch.choose``), run once per run, deterministic (every rank 
 
 1. **Candidates** (``near_optimal_splits``): the min-max split ``S0`` first; then every arrangement of
    the stage sizes of ``S0``, of the whole-layer min-max split and of the half-block one
-   (``stage_split.min_max_split``; in half-block units, whole layers only for a model of the user's own)
+   (``stage_split.min_max_split``; sizes in 1/16 layer, boundaries on the grain of ``S0``: chunks where ``S0``
+   is cut inside a half-block, else half-blocks, whole layers only for a model of the user's own)
    whose busiest stage's work is within ``tolerance`` of the min-max optimum (a depth-first walk over the
    multiset of sizes, a stage dropped as soon as its work passes the bound; at most ``ENUMERATE_LIMIT``
    arrangements). Arbitrary segmentations are not enumerated: where the busiest stage is the head's,
@@ -18,8 +19,8 @@ Algorithm (``SplitSearch.choose``), run once per run, deterministic (every rank 
    sizes are the near-ties that matter. Of the arrangements (sorted by their sizes, as tuples)
    ``max_candidates - 1`` evenly spaced ones are kept, so the uneven stages' positions spread over the
    pipeline; where they are fewer, the free places go (evenly spaced again) to the arrangements within the
-   bound of the sizes one move away (one stage gives a half-block, a layer for whole layers, to another:
-   the even split's neighbours 4.5, 3.5, 4, ... among them).
+   bound of the sizes one move away (one stage gives a chunk, a half-block or a layer, by that grain, to
+   another: the even split's neighbours 4.5, 3.5, 4, ... among them).
 2. **Choice**: ``batches`` sample batches drawn from the workload (``dynmb.data.sample_batch``, stream
    ``seed``, steps 0, 1, ...), each one replica's share of the global batch (``global_batch / dp``
    sequences) planned at ``dp = 1`` with the run's other settings (``PlanSpec``: memory limit, schedule
@@ -165,7 +166,7 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
     moved = {mv for m in near for mv in _moves(m, step)} - near
     k, total = max(0, int(max_candidates) - 1), 0
     kept: list[tuple[int, ...]] = []
-    for tier in (near, moved):                          # the optimum's own sizes first, then one half-block moved
+    for tier in (near, moved):                          # the optimum's own sizes first, then one unit moved
         if tier is moved and len(kept) >= k:
             break
         found: set[tuple[int, ...]] = set()
