@@ -20,7 +20,30 @@ from dynmb.prefix import PrefixStore
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.types import Microbatch, Plan
 
-__all__ = ["run_plan", "packed_microbatch"]
+__all__ = ["run_plan", "packed_microbatch", "validated_plan", "mixed_plan", "sliced_plan"]
+
+
+def validated_plan(mbs: list[Microbatch], n: int, lengths: np.ndarray | None = None) -> Plan:
+    """A two-stage test plan of ``mbs`` over ``n`` sequences, checked against ``lengths`` when given."""
+    plan = Plan(microbatches=tuple(mbs), method="test", num_stages=2, memory_limit_bytes=1 << 30, num_sequences=n)
+    plan.validate(lengths)
+    return plan
+
+
+def mixed_plan() -> tuple[Plan, np.ndarray]:
+    """A padded microbatch with extra padding and a packed one (document-causal attention)."""
+    lengths = np.array([7, 19, 3, 12, 25, 9, 14])
+    mbs = [Microbatch(seq_ids=[0, 1, 2], lengths=lengths[[0, 1, 2]], padded_len=21, batch=3),
+           packed_microbatch([3, 4, 5, 6], lengths, rows=2, extra=2)]
+    return validated_plan(mbs, len(lengths), lengths), lengths
+
+
+def sliced_plan() -> tuple[Plan, np.ndarray]:
+    """Sequence 0 in three slices of 20, each beside a short document of its own row."""
+    lengths = np.array([60, 9, 12, 15], dtype=np.int64)
+    mbs = [Microbatch([0, j + 1], [20, lengths[j + 1]], 20, 2, offsets=[20 * j, 0], continued=[j < 2, False])
+           for j in range(3)]
+    return validated_plan(mbs, 4, lengths), lengths
 
 
 def packed_microbatch(ids, lengths, rows: int, extra: int = 0) -> Microbatch:

@@ -18,8 +18,8 @@ from dynmb.memory import MemoryModel
 from dynmb.memory_coef import BUCKET_PADDING
 from dynmb.models import build_stages, make_inputs, synthetic_tokens
 from dynmb.runtime.meter import MemoryMeter
-from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.types import Microbatch
+from tests.meter_checks import check_w_held
 
 FAMILIES = {"llama": ModelConfig.preset("llama-tiny", n_heads=8, n_kv_heads=4),
             "gpt2": ModelConfig.preset("tiny", n_heads=8)}
@@ -78,20 +78,7 @@ def test_w_later_and_recompute_hold_what_the_model_says(family):
     inp = _inputs(cfg, b, s)
     for stage, st in enumerate(build_stages(cfg, P)):
         width = cfg.message_channels(stage - 1, P) if stage else 0
-        meter = MemoryMeter("cpu", [st])
-        x = None if stage == 0 else torch.randn(b, s, width, requires_grad=True)
-        with meter.saving(stage), record_linears(st) as tape:
-            y = st(x, inp)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            backward_input(st, y, None if stage == P - 1 else torch.ones_like(y), x, tape)
-        del y, x
-        meter.hold(tape.hold_tensors(), stage)
-        held = meter.current_bytes - meter.state_bytes
-        w = float(mm.w_matrix([b], [s])[stage, 0])
-        assert 0.97 * w <= held <= w, (stage, held, w)
-        backward_weight(tape)
-        meter.close()
+        check_w_held(st, stage, P, width, inp, mm, b, s)
         st.zero_grad(set_to_none=True)
 
         meter = MemoryMeter("cpu", [st])

@@ -22,9 +22,9 @@ from dynmb.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.model_sizes import SUB_CHUNKS, UNITS_PER_LAYER
 from dynmb.models import build_stages, hidden_shape, make_inputs, reference_grads, synthetic_tokens
 from dynmb.models.pieces import full_weights, whole_name
-from dynmb.types import Microbatch, Plan
+from dynmb.types import Microbatch
 from tests.gloo_jobs import register
-from tests.plan_runner import packed_microbatch, run_plan
+from tests.plan_runner import mixed_plan, run_plan, sliced_plan
 
 F64 = torch.float64
 SEED = 3
@@ -46,28 +46,6 @@ def random_chunk_split(base: ModelConfig, num_stages: int, rng: np.random.Genera
             return replace(base, layer_split=tuple(float(u) / UNITS_PER_LAYER for u in units))
         except ValueError:                          # a boundary off whole K/V heads
             continue
-
-
-def _plan(mbs: list[Microbatch], n: int, lengths: np.ndarray) -> Plan:
-    plan = Plan(microbatches=tuple(mbs), method="test", num_stages=2, memory_limit_bytes=1 << 30, num_sequences=n)
-    plan.validate(lengths)
-    return plan
-
-
-def _mixed_plan() -> tuple[Plan, np.ndarray]:
-    """A padded microbatch with extra padding and a packed one (document-causal attention)."""
-    lengths = np.array([7, 19, 3, 12, 25, 9, 14])
-    mbs = [Microbatch(seq_ids=[0, 1, 2], lengths=lengths[[0, 1, 2]], padded_len=21, batch=3),
-           packed_microbatch([3, 4, 5, 6], lengths, rows=2, extra=2)]
-    return _plan(mbs, len(lengths), lengths), lengths
-
-
-def _sliced_plan() -> tuple[Plan, np.ndarray]:
-    """Sequence 0 in three slices of 20, each beside a short document of its own row."""
-    lengths = np.array([60, 9, 12, 15], dtype=np.int64)
-    mbs = [Microbatch([0, j + 1], [20, lengths[j + 1]], 20, 2, offsets=[20 * j, 0], continued=[j < 2, False])
-           for j in range(3)]
-    return _plan(mbs, 4, lengths), lengths
 
 
 def _check(stages, cfg: ModelConfig, P: int, ref: dict[str, torch.Tensor], tol: float) -> None:
@@ -135,7 +113,7 @@ def test_names_keys_and_messages_of_a_boundary_inside_the_mlp():
 def test_random_chunk_splits_give_the_single_stage_gradients(family, P, split_seed, mode):
     base = FAMILIES[family]
     cfg = random_chunk_split(base, P, np.random.default_rng(split_seed))
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=1)
     stages, loss = run_plan(plan, tokens, cfg, P, F64, seed=SEED, recompute=mode == "recompute",
                             split=mode == "split-backward")
@@ -152,7 +130,7 @@ def test_slices_of_a_long_sequence_keep_each_pieces_heads(family, split, mode):
     one rank share one): each keeps its own K/V heads under its own key."""
     base = FAMILIES[family]
     cfg = replace(base, layer_split=split)
-    plan, lengths = _sliced_plan()
+    plan, lengths = sliced_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=2)
     stages, loss = run_plan(plan, tokens, cfg, len(split), F64, seed=SEED, recompute=mode == "recompute",
                             split=mode == "split-backward")
@@ -167,7 +145,7 @@ def test_pieces_beside_head_shards(family, split):
     """A stage ending inside layer 2's MLP, the next holding its other columns, layer 3 and a head shard."""
     base = FAMILIES[family]
     cfg = replace(base, layer_split=(2.75, 1.25, 0), head_split=(0, 200, 312))
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=1)
     stages, loss = run_plan(plan, tokens, cfg, 3, F64, seed=SEED, split=split)
     ref_loss, ref = reference_grads(base, 1, plan, tokens, SEED, dtype=F64)
@@ -178,7 +156,7 @@ def test_pieces_beside_head_shards(family, split):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fp32_chunk_split_gradients_within_1e5(family):
     cfg = replace(FAMILIES[family], layer_split=(0.75, 1.125, 2.125))
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=4)
     stages, loss = run_plan(plan, tokens, cfg, 3, torch.float32, seed=SEED, split=True)
     ref_loss, ref = reference_grads(FAMILIES[family], 1, plan, tokens, SEED, dtype=torch.float32)
@@ -193,7 +171,7 @@ def test_bfloat16_pieces_are_as_close_to_fp64_as_the_whole_bf16_model(family):
     (measured: 1.2e-2 and 1.5e-2 relative, the whole model's 1.1e-2 and 1.6e-2)."""
     base = replace(FAMILIES[family], dtype="bfloat16")
     cfg = replace(base, layer_split=(1.75, 0.25, 2))
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=6)
     ref = build_stages(FAMILIES[family], 1, SEED, dtype=F64)[0]
     whole, stages = build_stages(base, 1, SEED)[0], build_stages(cfg, 3, SEED)
@@ -219,7 +197,7 @@ def test_bfloat16_pieces_are_as_close_to_fp64_as_the_whole_bf16_model(family):
 def test_reduction_none_through_pieces(family):
     base = FAMILIES[family]
     cfg = replace(base, layer_split=(2.5, 0.375, 1.125))
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=5)
     inp = make_inputs(plan.microbatches[1], tokens, cfg=cfg)
     weights = torch.rand(inp.labels.shape, dtype=F64, generator=torch.Generator().manual_seed(0))

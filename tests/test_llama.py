@@ -28,9 +28,9 @@ from dynmb.models import LlamaStage, build_stages, make_inputs, reference_grads,
 from dynmb.prefix import prefix_attention
 from dynmb.results import load_results
 from dynmb.runtime.spec import RunSpec
-from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.types import Microbatch, Plan
 from tests.gloo_jobs import register
+from tests.meter_checks import check_w_held
 from tests.plan_runner import run_plan
 
 CFG = ModelConfig.preset("llama-tiny", n_layers=3, vocab_size=97, rope_theta=500.0)
@@ -450,31 +450,14 @@ def test_llama_stage_class_is_the_family_registry_choice():
 def test_w_later_holds_what_the_memory_model_says():
     """Bytes the CPU meter sees held from I to W (each Linear call's input and output gradient):
     at most ``MemoryModel.w_matrix``, within 3% for one document per row."""
-    import warnings
-
     from dynmb.memory import get_memory_model
-    from dynmb.runtime.meter import MemoryMeter
 
     cfg, P, b, s = ModelConfig.preset("llama-small"), 2, 2, 128
     mm = get_memory_model(None, cfg, P)
     mb = Microbatch(seq_ids=np.arange(b), lengths=[s] * b, padded_len=s, batch=b)
     inp = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size), cfg=cfg)
-    for stage in range(P):
-        stg = build_stages(cfg, P)[stage]
-        meter = MemoryMeter("cpu", [stg])
-        x = None if stage == 0 else torch.randn(b, s, cfg.d_model, requires_grad=True)
-        with meter.saving(stage), record_linears(stg) as tape:
-            y = stg(x, inp)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            backward_input(stg, y, None if stage == P - 1 else torch.ones_like(y), x, tape)
-        del y, x
-        meter.hold(tape.hold_tensors(), stage)
-        held = meter.current_bytes - meter.state_bytes
-        w = float(mm.w_matrix([b], [s])[stage, 0])
-        assert 0.97 * w <= held <= w, (stage, held, w)
-        backward_weight(tape)
-        meter.close()
+    for stage, stg in enumerate(build_stages(cfg, P)):
+        check_w_held(stg, stage, P, cfg.d_model, inp, mm, b, s)
 
 
 @pytest.mark.parametrize("stage", [0, 1])

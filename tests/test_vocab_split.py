@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,7 +22,7 @@ from dynmb.model_sizes import HEAD_STATS
 from dynmb.models import build_stages, hidden_shape, make_inputs, reference_grads, synthetic_tokens
 from dynmb.models.head import decode_stats, encode_stats, full_head_weight, head_name
 from dynmb.types import Microbatch, Plan
-from tests.plan_runner import packed_microbatch, run_plan
+from tests.plan_runner import mixed_plan, run_plan, sliced_plan
 
 F64 = torch.float64
 SEED = 3
@@ -39,28 +38,6 @@ def _cfg(preset: str, split: str, **kw) -> tuple[ModelConfig, ModelConfig]:
     base = ModelConfig.preset(preset, max_seq_len=256, **kw)
     layers, rows = SPLITS[split]
     return base, replace(base, layer_split=layers, head_split=rows)
-
-
-def _plan(mbs: list[Microbatch], n: int, lengths: np.ndarray | None = None) -> Plan:
-    plan = Plan(microbatches=tuple(mbs), method="test", num_stages=2, memory_limit_bytes=1 << 30, num_sequences=n)
-    plan.validate(lengths)
-    return plan
-
-
-def _mixed_plan() -> tuple[Plan, np.ndarray]:
-    """A padded microbatch with extra padding and a packed one (document-causal attention)."""
-    lengths = np.array([7, 19, 3, 12, 25, 9, 14])
-    mbs = [Microbatch(seq_ids=[0, 1, 2], lengths=lengths[[0, 1, 2]], padded_len=21, batch=3),
-           packed_microbatch([3, 4, 5, 6], lengths, rows=2, extra=2)]
-    return _plan(mbs, len(lengths)), lengths
-
-
-def _sliced_plan() -> tuple[Plan, np.ndarray]:
-    """Sequence 0 in three slices of 20, each beside a short document of its own row."""
-    lengths = np.array([60, 9, 12, 15], dtype=np.int64)
-    mbs = [Microbatch([0, j + 1], [20, lengths[j + 1]], 20, 2, offsets=[20 * j, 0], continued=[j < 2, False])
-           for j in range(3)]
-    return _plan(mbs, 4, lengths), lengths
 
 
 def _run(plan: Plan, tokens, cfg: ModelConfig, P: int, dtype=F64, *, recompute: bool = False, split: bool = False):
@@ -131,7 +108,7 @@ def test_message_shapes_follow_the_stage():
 def test_sharded_pipelines_give_the_single_stage_gradients(preset, split, mode):
     base, cfg = _cfg(preset, split)
     P = len(cfg.head_split)
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=1)
     stages, loss = _run(plan, tokens, cfg, P, recompute=mode == "recompute", split=mode == "split-backward")
     ref_loss, ref = reference_grads(base, 1, plan, tokens, SEED, dtype=F64)
@@ -143,7 +120,7 @@ def test_sharded_pipelines_give_the_single_stage_gradients(preset, split, mode):
 @pytest.mark.parametrize("mode", ["plain", "recompute", "split-backward"])
 def test_slices_of_a_long_sequence_through_a_sharded_head(preset, mode):
     base, cfg = _cfg(preset, "2-1.5-0.5-0")
-    plan, lengths = _sliced_plan()
+    plan, lengths = sliced_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=2)
     stages, loss = _run(plan, tokens, cfg, 4, recompute=mode == "recompute", split=mode == "split-backward")
     ref_loss, ref = reference_grads(base, 1, plan, tokens, SEED, dtype=F64)
@@ -154,7 +131,7 @@ def test_slices_of_a_long_sequence_through_a_sharded_head(preset, mode):
 @pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
 def test_fp32_sharded_gradients_within_1e5(preset):
     base, cfg = _cfg(preset, "2-2-0-0")
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=4)
     stages, loss = _run(plan, tokens, cfg, 4, dtype=torch.float32, split=True)
     ref_loss, ref = reference_grads(base, 1, plan, tokens, SEED, dtype=torch.float32)
@@ -165,7 +142,7 @@ def test_fp32_sharded_gradients_within_1e5(preset):
 @pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
 def test_reduction_none_gives_the_per_token_loss_and_its_gradients(preset):
     base, cfg = _cfg(preset, "3-1-0-0")
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=5)
     mb = plan.microbatches[1]
     inp = make_inputs(mb, tokens, cfg=cfg)
@@ -203,7 +180,7 @@ def test_hi_lo_parts_keep_the_statistics_and_pass_gradients():
 @pytest.mark.parametrize("preset", ["llama-tiny", "tiny"])
 def test_bfloat16_shards_give_the_unsharded_loss_and_fp32_statistics(preset):
     base, cfg = _cfg(preset, "2-2-0-0", dtype="bfloat16")
-    plan, lengths = _mixed_plan()
+    plan, lengths = mixed_plan()
     tokens = synthetic_tokens(lengths, cfg.vocab_size, seed=6)
     whole, stages = build_stages(base, 1, SEED)[0], build_stages(cfg, 4, SEED)
     for mb in plan.microbatches:
