@@ -270,29 +270,32 @@ def test_dynamic_is_never_predicted_behind_balanced_at_its_checked_budgets():
         assert got.plan.method == "dynamic" and got.plan.spec.method == "dynamic"
 
 
-def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch):
-    """The mechanism itself: a dynamic packing made deliberately poor (one sequence per microbatch,
-    fixed at mbs 1) is replaced by the faster-predicted ``balanced`` plan, named in ``meta``; the plan
-    stays dynamic's."""
+@pytest.mark.parametrize("poor_methods, winner", [(("dynamic",), "balanced"),
+                                                    (("dynamic", "balanced"), "token-budget")])
+def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch, poor_methods, winner):
+    """The mechanism itself: a dynamic packing made deliberately poor (one sequence per microbatch, fixed at
+    mbs 1) is replaced by the faster-predicted ``balanced`` plan, or (``balanced`` made as poor too) the plain
+    ``token-budget`` one, named in ``meta`` (``method/d``); the plan stays dynamic's."""
     import dynmb
     import dynmb.planning.planner as planner_mod
     from dynmb.data import load_trace, sample_batch
 
     real = planner_mod._plan_kind
 
-    def poor_dynamic(lengths, spec, *rest, **kw):
-        if spec.method == "dynamic":
+    def poor(lengths, spec, *rest, **kw):
+        if spec.method in poor_methods:
             spec = spec.with_(method="fixed", mbs=1, reorder="none")
         return real(lengths, spec, *rest, **kw)
 
-    monkeypatch.setattr(planner_mod, "_plan_kind", poor_dynamic)
+    monkeypatch.setattr(planner_mod, "_plan_kind", poor)
     planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
     batch = sample_batch(load_trace("sharegpt"), 32, seed=3)
     got = planner.plan(batch, method="dynamic")
-    poor = real(batch, got.plan.spec.with_(method="fixed", mbs=1, reorder="none"), planner.model_cfg,
+    slow = real(batch, got.plan.spec.with_(method="fixed", mbs=1, reorder="none"), planner.model_cfg,
                 planner.cost_model, planner.memory_model, None)
-    assert got.plan.meta["grouping"].startswith("balanced/")
-    assert got.sim.makespan_s < poor[0].predictions["pred_step_s"]
+    method, d = got.plan.meta["grouping"].split("/")
+    assert method == winner and got.sim.makespan_s < slow[0].predictions["pred_step_s"]
+    assert got.sim.makespan_s == pytest.approx(planner.plan(batch, method=winner, mbs=int(d)).sim.makespan_s)
     assert got.plan.method == "dynamic" and got.plan.spec.method == "dynamic"
 
 
@@ -332,27 +335,3 @@ def test_equal_microbatches_extend_the_zero_bubble_recurrence_linearly(kind):
             full = makespans(np.repeat(c["F"][:, j:j + 1], 4, 1)[:, cols], np.repeat(c["B"][:, j:j + 1], 4, 1)[:, cols],
                              np.repeat(comm[j], per.sum()), per, kind, shares=shares)
             np.testing.assert_allclose(got, full, rtol=1e-9)
-
-
-def test_the_final_check_weighs_the_plain_token_budget_too(monkeypatch):
-    """Where a plain token budget's plan simulates fastest (here: ``balanced`` made as poor as dynamic's
-    packing), the final check keeps it and names it ``token-budget/d``."""
-    import dynmb
-    import dynmb.planning.planner as planner_mod
-    from dynmb.data import load_trace, sample_batch
-
-    real = planner_mod._plan_kind
-
-    def poor(lengths, spec, *rest, **kw):
-        if spec.method in ("dynamic", "balanced"):
-            spec = spec.with_(method="fixed", mbs=1, reorder="none")
-        return real(lengths, spec, *rest, **kw)
-
-    monkeypatch.setattr(planner_mod, "_plan_kind", poor)
-    planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
-    batch = sample_batch(load_trace("sharegpt"), 32, seed=3)
-    got = planner.plan(batch, method="dynamic")
-    assert got.plan.meta["grouping"].startswith("token-budget/")
-    d = int(got.plan.meta["grouping"].split("/")[1])
-    assert got.sim.makespan_s == pytest.approx(planner.plan(batch, method="token-budget", mbs=d).sim.makespan_s)
-    assert got.plan.method == "dynamic"
