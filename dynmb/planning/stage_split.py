@@ -126,11 +126,10 @@ def _stage_partition(units: np.ndarray, p: int, first: float, last: float) -> tu
     return counts, top, sq
 
 
-def min_max_split(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool,
-                  grain: int | None = None) -> tuple[float, ...]:
-    """The min-max partition of the row at ``grain`` (default: half-blocks with ``half_blocks``, else whole
-    layers), as layers per stage, without ``balanced_split``'s preference for coarser grains."""
-    row = unit_row(cfg, stage_cost, grain or (HALF if half_blocks else LAYER))
+def min_max_split(cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool) -> tuple[float, ...]:
+    """The min-max partition in half-blocks (``half_blocks``) or whole layers, as layers per stage, without
+    ``balanced_split``'s preference for whole layers."""
+    row = unit_row(cfg, stage_cost, HALF if half_blocks else LAYER)
     return row.layers(_stage_partition(row.work, int(num_stages), row.first, row.last)[0])
 
 
@@ -180,7 +179,7 @@ def balanced_split(cfg: ModelConfig, num_stages: int, tokens_hint: int = 1024, *
     for grain in grains:                               # a finer grain only where lighter (CHUNK_GAIN)
         row = unit_row(cfg, cost, grain)
         counts, top = solve(row)
-        if top < w_max * (1 - (CHUNK_GAIN if grain == CHUNK else 1e-9)):
+        if _finer_wins(top, w_max, grain):
             best, w_max = row.layers(counts), top
     assert best is not None
     return best
@@ -250,16 +249,22 @@ def _busiest(layout: ModelConfig, num_stages: int, stage_cost: StageCost) -> flo
     return max(stage_work(layout, tuple(layout.stage_layer_counts(num_stages)), stage_cost=stage_cost))
 
 
+def _finer_wins(top: float, coarser_top: float, grain: int) -> bool:
+    """Whether a partition at ``grain`` whose busiest stage does ``top`` replaces the coarser one's: strictly
+    lighter, by ``CHUNK_GAIN`` for chunks (module docstring)."""
+    return top < coarser_top * (1 - (CHUNK_GAIN if grain == CHUNK else 1e-9))
+
+
 def _shards(layout: ModelConfig, num_stages: int, stage_cost: StageCost, *, whole: bool = True) -> list[ModelConfig]:
     """``head_split.shard_head`` of ``layout``: re-partitioned in half-blocks, or in chunks where that is
     ``CHUNK_GAIN`` lighter still (or ``layout`` has chunks already)."""
     now = _busiest(layout, num_stages, stage_cost)
-    out: list[ModelConfig] = []
+    out, best = [], np.inf
     for grain in ([CHUNK] if layout.chunk_split else [HALF, CHUNK]):
         found = shard_head(layout, num_stages, unit_row(layout, stage_cost, grain), now, whole=whole)
         top = min((_busiest(x, num_stages, stage_cost) for x in found), default=np.inf)
-        if found and (not out or top < min(_busiest(x, num_stages, stage_cost) for x in out) * (1 - CHUNK_GAIN)):
-            out = found
+        if found and (not out or _finer_wins(top, best, grain)):
+            out, best = found, top
     return out
 
 
