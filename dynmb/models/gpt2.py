@@ -25,11 +25,10 @@ from torch import nn
 
 from dynmb.config import ModelConfig
 from dynmb.inputs import InputError, MicrobatchInputs
-from dynmb.model_sizes import HalfPiece
 
 from .attention import RoutedAttention
 from .head import seed_head_rows_
-from .pieces import WHOLE, chunk_width, piece_name, run_half, store_key
+from .pieces import WHOLE, PiecedBlock, chunk_width, store_key
 from .stage import DecoderStage
 
 __all__ = ["GPT", "GPTStage", "Block", "Attention", "MLP"]
@@ -66,29 +65,18 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
-class Block(nn.Module):
+class Block(PiecedBlock):
     """Pre-LN transformer block. ``pieces``: both halves, or one half or piece of one at a stage boundary
     inside the block (``dynmb.models.pieces``: the LayerNorm sits with chunk 0; a piece reads and sends
     ``[y | h]``)."""
 
     NORMS = {"attn": "ln1", "mlp": "ln2"}
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, pieces: tuple[HalfPiece, ...] | None = None) -> None:
-        super().__init__()
-        self.pieces = pieces or (HalfPiece(layer, "attn", WHOLE), HalfPiece(layer, "mlp", WHOLE))
-        self.parts = tuple(pc.part for pc in self.pieces)
-        self.d = cfg.d_model
-        for pc in self.pieces:
-            if pc.chunks.start == 0:
-                self.add_module(self.NORMS[pc.part], nn.LayerNorm(cfg.d_model))
-            sub = Attention(cfg, layer, pc.chunks) if pc.part == "attn" else MLP(cfg, pc.chunks)
-            self.add_module(piece_name(pc.part, pc.chunks), sub)
+    def make_norm(self, d: int) -> nn.Module:
+        return nn.LayerNorm(d)
 
-    def forward(self, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
-        for pc in self.pieces:
-            norm, sub = getattr(self, self.NORMS[pc.part], None), getattr(self, piece_name(pc.part, pc.chunks))
-            x = run_half(x, pc.chunks, norm, (lambda h: sub(h, inputs)) if pc.part == "attn" else sub, self.d)
-        return x
+    def make_sublayer(self, cfg: ModelConfig, layer: int, part: str, chunks: range) -> nn.Module:
+        return Attention(cfg, layer, chunks) if part == "attn" else MLP(cfg, chunks)
 
 
 class GPTStage(DecoderStage):

@@ -41,11 +41,10 @@ from torch import nn
 
 from dynmb.config import ModelConfig
 from dynmb.inputs import MicrobatchInputs
-from dynmb.model_sizes import HalfPiece
 
 from .attention import CosSin, PositionTables, RoutedAttention
 from .head import seed_head_rows_
-from .pieces import WHOLE, chunk_width, piece_name, run_half, store_key, whole_name
+from .pieces import WHOLE, PiecedBlock, chunk_width, store_key, whole_name
 from .stage import DecoderStage
 
 __all__ = ["LlamaStage", "LlamaBlock", "LlamaAttention", "SwiGLU", "RMSNorm", "position_tables", "rotate_half",
@@ -133,27 +132,18 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(PiecedBlock):
     """Pre-RMSNorm block; ``pos`` are the stage's rotary tables for this microbatch. ``pieces``: both
     halves, or one half or piece of one at a stage boundary inside the block (``dynmb.models.pieces``:
     the norm sits with chunk 0; a piece reads and sends ``[y | h]``)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, pieces: tuple[HalfPiece, ...] | None = None) -> None:
-        super().__init__()
-        self.pieces = pieces or (HalfPiece(layer, "attn", WHOLE), HalfPiece(layer, "mlp", WHOLE))
-        self.parts = tuple(pc.part for pc in self.pieces)
-        self.d = cfg.d_model
-        for pc in self.pieces:
-            if pc.chunks.start == 0:
-                self.add_module(f"{pc.part}_norm", RMSNorm(cfg.d_model))
-            sub = LlamaAttention(cfg, layer, pc.chunks) if pc.part == "attn" else SwiGLU(cfg, pc.chunks)
-            self.add_module(piece_name(pc.part, pc.chunks), sub)
+    NORMS = {"attn": "attn_norm", "mlp": "mlp_norm"}
 
-    def forward(self, x: torch.Tensor, inputs: MicrobatchInputs, pos: PositionTables | None = None) -> torch.Tensor:
-        for pc in self.pieces:
-            norm, sub = getattr(self, f"{pc.part}_norm", None), getattr(self, piece_name(pc.part, pc.chunks))
-            x = run_half(x, pc.chunks, norm, (lambda h: sub(h, inputs, pos)) if pc.part == "attn" else sub, self.d)
-        return x
+    def make_norm(self, d: int) -> nn.Module:
+        return RMSNorm(d)
+
+    def make_sublayer(self, cfg: ModelConfig, layer: int, part: str, chunks: range) -> nn.Module:
+        return LlamaAttention(cfg, layer, chunks) if part == "attn" else SwiGLU(cfg, chunks)
 
 
 class LlamaStage(DecoderStage):

@@ -33,14 +33,17 @@ import re
 from typing import Callable, Mapping
 
 import torch
+from torch import nn
 
 from dynmb.config import ModelConfig
-from dynmb.model_sizes import SUB_CHUNKS
+from dynmb.inputs import MicrobatchInputs
+from dynmb.model_sizes import SUB_CHUNKS, HalfPiece
 
+from .attention import PositionTables
 from .head import full_head_weight, head_name
 from .seeding import param_seed
 
-__all__ = ["WHOLE", "piece_name", "store_key", "chunk_width", "cut", "seed_weight_", "whole_name", "full_weights", "run_half",
+__all__ = ["PiecedBlock", "WHOLE", "piece_name", "store_key", "chunk_width", "cut", "seed_weight_", "whole_name", "full_weights", "run_half",
            "CUT_AXIS"]
 
 WHOLE = range(SUB_CHUNKS)
@@ -163,3 +166,35 @@ def run_half(x: torch.Tensor, chunks: range, norm: Callable[[torch.Tensor], torc
         y, h = x[..., :d], x[..., d:]
     y = y + sub(h)
     return y if chunks.stop == SUB_CHUNKS else torch.cat([y, h], dim=-1)
+
+
+class PiecedBlock(nn.Module):
+    """A pre-norm block of a family, built from the pieces a stage holds (both halves whole by default): the
+    half's norm (named ``NORMS[part]``) with the piece holding chunk 0, each piece's sublayer named
+    ``piece_name``, run in order by ``run_half``. A family gives ``NORMS``, ``make_norm`` and ``make_sublayer``
+    (attention called ``sub(h, inputs, pos)``, the MLP ``sub(h)``)."""
+
+    NORMS: dict[str, str]
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0, pieces: tuple[HalfPiece, ...] | None = None) -> None:
+        super().__init__()
+        self.pieces = pieces or (HalfPiece(layer, "attn", WHOLE), HalfPiece(layer, "mlp", WHOLE))
+        self.parts = tuple(pc.part for pc in self.pieces)
+        self.d = cfg.d_model
+        for pc in self.pieces:
+            if pc.chunks.start == 0:
+                self.add_module(self.NORMS[pc.part], self.make_norm(cfg.d_model))
+            self.add_module(piece_name(pc.part, pc.chunks), self.make_sublayer(cfg, layer, pc.part, pc.chunks))
+
+    def make_norm(self, d: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_sublayer(self, cfg: ModelConfig, layer: int, part: str, chunks: range) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, inputs: MicrobatchInputs, pos: PositionTables | None = None) -> torch.Tensor:
+        for pc in self.pieces:
+            norm, sub = getattr(self, self.NORMS[pc.part], None), getattr(self, piece_name(pc.part, pc.chunks))
+            fn = (lambda h, sub=sub: sub(h, inputs, pos)) if pc.part == "attn" else sub
+            x = run_half(x, pc.chunks, norm, fn, self.d)
+        return x

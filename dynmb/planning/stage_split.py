@@ -259,7 +259,8 @@ def _shards(layout: ModelConfig, num_stages: int, stage_cost: StageCost, *, whol
     """``head_split.shard_head`` of ``layout``: re-partitioned in half-blocks, or in chunks where that is
     ``CHUNK_GAIN`` lighter still (or ``layout`` has chunks already)."""
     now = _busiest(layout, num_stages, stage_cost)
-    out, best = [], np.inf
+    out: list[ModelConfig] = []
+    best = np.inf
     for grain in ([CHUNK] if layout.chunk_split else [HALF, CHUNK]):
         found = shard_head(layout, num_stages, unit_row(layout, stage_cost, grain), now, whole=whole)
         top = min((_busiest(x, num_stages, stage_cost) for x in found), default=np.inf)
