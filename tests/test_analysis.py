@@ -58,3 +58,15 @@ def test_a_setting_the_steps_table_carries_itself_is_a_key_too() -> None:
     runs = _runs(dict(run_id="a", recompute="never"), dict(run_id="b", recompute="always"))
     out = summarise({"steps": steps, "runs": runs})
     assert len(out) == 2 and sorted(out.index.get_level_values("recompute")) == ["always", "never"]
+
+
+def test_every_method_is_measured_against_one_ideal_per_batch() -> None:
+    """Each run prices ``ideal_s`` with its own calibrated model; the summary's gap is to the median over
+    the runs of the same batch (same context and step), so a method's gap does not move with its calibration."""
+    steps = pd.DataFrame(_steps("a", "dynamic", [100, 100], ideal_s=8.0, bound_s=9.0, gap_to_bound=0.1)
+                         + _steps("b", "balanced", [100, 100], ideal_s=9.0, bound_s=9.0, gap_to_bound=0.1)
+                         + _steps("c", "fixed", [50, 50], ideal_s=10.0, bound_s=9.0, gap_to_bound=0.1))
+    out = summarise({"steps": steps, "runs": _runs(dict(run_id="a"), dict(run_id="b"), dict(run_id="c"))})
+    gaps = out.reset_index().set_index("method")["gap_to_ideal"]
+    assert gaps["dynamic"] == pytest.approx(10.0 / 9.0 - 1) and gaps["balanced"] == pytest.approx(10.0 / 9.0 - 1)
+    assert gaps["fixed"] == pytest.approx(20.0 / 9.0 - 1)
