@@ -148,7 +148,7 @@ def summary_markdown(raw: pd.DataFrame) -> str:
             "padding": d["padding_fraction"].map("{:.3f}".format), "attainable": d["attainable"].map("{:.2f}".format),
             "split ceiling": (d["attainable"] * (1 + d["gap_to_ideal"])).map("{:.2f}".format),
             "best other": d["best_other"], "x best other": d["ratio"].map("{:.3f}".format),
-            "plan/step": d["plan_over_step"].map("{:.3f}".format), "planners": planners_needed(d["plan_over_step"]),
+            "plan/step": d["plan_over_step"].map("{:.3f}".format), "planners": planners_needed(d["plan_over_step"], _ranks(d)),
             "load_ok": d["load_ok"]})
         if "schedule" in d and "step_1f1b_s" in d and d[SCHED].ne("1f1b").any():
             t3.insert(8, "schedule", d["schedule"].fillna("1f1b"))
@@ -251,17 +251,24 @@ def criteria_markdown(df: pd.DataFrame, splits: list[str], auto: str | None) -> 
         lines.append(f"- {lbl} plan time <= 5% of its step: {'met' if miss.empty else 'NOT met'} "
                      f"({len(miss)} of {len(d)} cells over; max {d['plan_over_step'].max():.3f}, pack share "
                      f"{(d['pack_s'] / d['plan_s']).median():.2f} median)")
-        n = planners_needed(d["plan_over_step"])
-        lines.append(f"- {lbl} planned ahead (`--plan-ahead N`: N planner processes per rank, a step waits only when "
-                     f"its plan takes longer than N steps): no step waits with N = 1 in {int((n == 1).sum())} of "
+        n = planners_needed(d["plan_over_step"], _ranks(d))
+        lines.append(f"- {lbl} planned ahead (`--plan-ahead N`: N planner processes per rank, shared by the P x DP "
+                     f"ranks, a step waits only when its plan takes longer than N x P x DP steps): no step waits with N = 1 in {int((n == 1).sum())} of "
                      f"{len(d)} cells, N <= 4 in {int((n <= 4).sum())}, at most N = {int(n.max()) if len(n) else 0}")
     return "\n".join(lines)
 
 
-def planners_needed(plan_over_step: pd.Series) -> pd.Series:
+def _ranks(d: pd.DataFrame) -> pd.Series:
+    """The job's ranks per cell: P x DP (virtual stages add none)."""
+    return d["num_stages"].astype(int) * d["dp"].astype(int)
+
+
+def planners_needed(plan_over_step: pd.Series, ranks: pd.Series | int = 1) -> pd.Series:
     """Planner processes per rank (``--plan-ahead N``) with which no step waits for its plan:
-    ceil(plan time / step time), at least 1 (``dynmb.runtime.planahead``: N processes plan N steps at once)."""
-    return np.maximum(1, np.ceil(plan_over_step.astype(float) - 1e-12)).astype(int)
+    ceil(plan time / (ranks x step time)), at least 1 (``dynmb.runtime.planahead``: the job's ranks share
+    the planning, ``ranks`` x N processes plan ``ranks`` x N steps at once)."""
+    per_rank = plan_over_step.astype(float) / np.asarray(ranks, dtype=float)
+    return np.maximum(1, np.ceil(per_rank - 1e-12)).astype(int)
 
 
 def spec_header(link: str) -> str:

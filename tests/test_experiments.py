@@ -463,3 +463,5 @@ def test_planners_needed_is_plan_over_step_rounded_up():
     summary = _script("_scaling_summary")
     got = summary.planners_needed(pd.Series([0.05, 1.0, 1.2, 8.3]))
     assert list(got) == [1, 1, 2, 9]
+    # the job's ranks share the planning: 8.3 steps of plan over 4 ranks need 3 planners each, over 16 one
+    assert list(summary.planners_needed(pd.Series([8.3, 8.3, 12.6]), pd.Series([4, 16, 256]))) == [3, 1, 1]

@@ -117,7 +117,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                           "sampler", "partition", "split_units", "stage_split", "head_split", "gpu_split", "split_work", "split_search", "virtual_search",
                           "spec_check")),
     ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf", "head", "pieces"))),
-    ("runtime", (*_modules("dynmb.runtime", "spec", "topology", "state", "planahead", "step", "interpreter", "splitbackward", "comm",
+    ("runtime", (*_modules("dynmb.runtime", "spec", "topology", "state", "planahead", "planshare", "step", "interpreter", "splitbackward", "comm",
                            "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",
                            "worker", "api"), *_modules("dynmb.integrations", "torch_pipelining"))),
     ("measurement", (*_modules("dynmb.measure", "profiler", "grid", "timing", "eta", "samples", "memory", "pingpong"),

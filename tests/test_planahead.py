@@ -16,6 +16,7 @@ from dynmb.packing import PackingError
 from dynmb.planning import plan_step
 from dynmb.results import load_results
 from dynmb.runtime.planahead import PlanAhead
+from dynmb.runtime.planshare import PlanShare
 from dynmb.runtime.spec import RunSpec
 from tests.gloo_jobs import register
 
@@ -69,6 +70,37 @@ def test_planner_error_reaches_the_step_that_needs_the_plan():
             ahead.get(0, get_cost_model(None, cfg.model, 2))
     finally:
         ahead.close()
+
+
+def test_shared_planning_each_rank_plans_its_own_steps():
+    """Two ranks sharing one store: rank r plans the steps k with k mod 2 = r, reads the others', and
+    gets the in-line plans; an owner's planning error is every rank's; read plans leave the store."""
+    import torch.distributed as dist
+    cfg = _cfg(plan_ahead=1)
+    cm = get_cost_model(None, cfg.model, 2)
+    mm = get_memory_model(None, cfg.model, 2)
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(8, 200, size=8) for _ in range(4)] + [np.array([10, 10**6])]   # step 4 cannot fit
+    store = dist.HashStore()
+    ranks = [PlanAhead(1, batches.__getitem__, 4, spec=cfg.plan_spec, model_cfg=cfg.model, memory_model=mm,
+                       share=PlanShare(store, r, 2, "run")) for r in (0, 1)]
+    try:
+        assert [a.window for a in ranks] == [2, 2]
+        for k in range(4):
+            owner, reader = ranks[k % 2], ranks[1 - k % 2]
+            (plan, _, _), _, _ = owner.get(k, cm)
+            (read, _, _), lengths, wait_s = reader.get(k, cm)
+            inline, _, _ = plan_step(batches[k], cfg.plan_spec, model_cfg=cfg.model, cost_model=cm, memory_model=mm)
+            assert _shapes(read) == _shapes(plan) == _shapes(inline) and np.array_equal(lengths, batches[k])
+            assert wait_s >= 0 and all(j % 2 == r for r, a in enumerate(ranks) for j in a._futures)
+        assert store.num_keys() <= 1           # read plans are deleted; step 4's error may be published already
+        for a in ranks:                        # step 4 (rank 0's) cannot be planned: both ranks raise it
+            with pytest.raises(PackingError):
+                a.get(4, cm)
+        assert store.num_keys() == 0
+    finally:
+        for a in ranks:
+            a.close()
 
 
 def test_plan_ahead_is_bounded():

@@ -14,9 +14,16 @@ planning is deterministic, so every rank receives the same plan (the step still 
 digests, ``checks.check_plan_digest``). What changes against in-line planning is only which
 calibration a plan uses: step k is planned with the model of step k - n.
 
+Shared (``share``, a ``dynmb.runtime.planshare.PlanShare``; the runtime passes one whenever the job
+has more than one rank): each rank plans only the steps it owns (``k mod W``) and reads the others'
+from the job's store, and the window is ``n x W`` steps (step k planned with the model of step
+k - n W), so the ``n x W`` planner processes of the job plan ``n x W`` steps at once. An owner
+publishes a plan as soon as it sees it done (at every ``get``), an error too: every rank raises
+the owner's error at the step that needed the plan.
+
 Steady state: the plan of step k is submitted when step k - n starts and ``n`` processes plan
 ``n`` steps at once, so planning delays a step only when one plan takes longer than ``n`` steps
-(``plan_s > n x step_s``). Per step the ``steps`` table keeps the planner's own time
+(``plan_s > n x step_s``; shared, ``plan_s > n x W x step_s``). Per step the ``steps`` table keeps the planner's own time
 (``plan_s``) and how long the step's start waited for it (``plan_wait_s``: the whole ``plan_s``
 in line, zero when planning kept ahead). A planner's error (an unplannable batch) is raised by
 the step that needed the plan, as in line; a planner process that dies fails the run naming it.
@@ -33,6 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dynmb.planning import plan_step
+from dynmb.runtime.planshare import PlanShare
 from dynmb.runtime.processes import set_parent_death_signal
 
 __all__ = ["PlanAhead"]
@@ -54,42 +62,75 @@ def _plan(lengths: np.ndarray, cost_model: Any, spec: Any, model_cfg: Any, memor
 
 
 class PlanAhead:
-    """``n`` planner processes planning up to ``n`` steps ahead of the step being trained:
-    ``plan_step(lengths_of(k), spec, model_cfg=, cost_model=, memory_model=)`` for every step k
-    up to ``last``, the run's last step."""
+    """``n`` planner processes planning up to ``n`` steps (shared: ``n x W``) ahead of the step being
+    trained: ``plan_step(lengths_of(k), spec, model_cfg=, cost_model=, memory_model=)`` for every step k
+    up to ``last``, the run's last step (shared: the steps this rank owns)."""
 
     def __init__(self, n: int, lengths_of: Callable[[int], np.ndarray], last: int, *, spec: Any, model_cfg: Any,
-                 memory_model: Any) -> None:
+                 memory_model: Any, share: PlanShare | None = None) -> None:
         if n < 1:
             raise ValueError(f"plan_ahead must be >= 1 to plan ahead, got {n}")
-        self.n, self.last = n, last
+        self.n, self.last, self.share = n, last, share
+        self.window = n * (share.world if share is not None else 1)
         self._lengths_of, self._args = lengths_of, (spec, model_cfg, memory_model)
         self._pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_init_planner)
-        self._futures: dict[int, tuple[Future, np.ndarray]] = {}   # step -> (its plan, its lengths)
+        self._futures: dict[int, Future] = {}        # owned step -> its plan
+        self._lengths: dict[int, np.ndarray] = {}    # submitted step -> its batch's lengths
+        self._published: set[int] = set()
         self._next = 0
+
+    def _owns(self, step: int) -> bool:
+        return self.share is None or self.share.owns(step)
 
     def get(self, step: int, cost_model: Any) -> tuple[Any, np.ndarray, float]:
         """``(planned, lengths, wait_s)`` of step ``step``: what ``plan`` returned, the batch's
-        lengths, and the seconds this call waited for it. Submits steps up to ``step + n`` first."""
-        self.submit_through(step + self.n, cost_model)
-        if step not in self._futures:
+        lengths, and the seconds this call waited for it. Submits steps up to ``step + window`` first."""
+        self.submit_through(step + self.window, cost_model)
+        self._publish_done()
+        if step not in self._lengths:
             raise RuntimeError(f"plan ahead: step {step} was not submitted (steps are asked for in order)")
-        future, lengths = self._futures.pop(step)
+        lengths = self._lengths.pop(step)
+        if not self._owns(step):
+            assert self.share is not None
+            (ok, planned), wait_s = self.share.fetch(step)
+            if not ok:
+                raise planned
+            return planned, lengths, wait_s
+        future = self._futures.pop(step)
         t0 = time.perf_counter()
         try:
             planned = future.result()
         except BrokenProcessPool as e:
             raise RuntimeError(f"plan ahead: a planner process died while planning step {step} ({e})") from None
+        except Exception as e:
+            self._publish(step, (False, e))
+            raise
+        self._publish(step, (True, planned))
         return planned, lengths, time.perf_counter() - t0
+
+    def _publish(self, step: int, result: tuple[bool, Any]) -> None:
+        if self.share is not None and step not in self._published:
+            self.share.publish(step, result)
+            self._published.add(step)
+
+    def _publish_done(self) -> None:
+        """Publish every owned plan that is done (a plan error too) without waiting for any."""
+        for step, future in self._futures.items():
+            if self.share is not None and step not in self._published and future.done():
+                error = future.exception()
+                if not isinstance(error, BrokenProcessPool):
+                    self._publish(step, (False, error) if error is not None else (True, future.result()))
 
     def submit_through(self, step: int, cost_model: Any) -> None:
         """Submit every step not yet submitted up to ``step`` (and the run's last), planned with
-        ``cost_model``. ``RunState`` submits the first ``n + 1`` steps at set-up, so the planner
-        processes start (a few seconds of imports) while the rank builds its model."""
+        ``cost_model`` (shared: the owned ones; the others' lengths are kept for ``get``).
+        ``RunState`` submits the first ``window + 1`` steps at set-up, so the planner processes
+        start (a few seconds of imports) while the rank builds its model."""
         for k in range(self._next, min(step, self.last) + 1):
-            lengths = self._lengths_of(k)
-            self._futures[k] = (self._pool.submit(_plan, lengths, cost_model, *self._args), lengths)
+            self._lengths[k] = lengths = self._lengths_of(k)
+            if self._owns(k):
+                self._futures[k] = self._pool.submit(_plan, lengths, cost_model, *self._args)
             self._next = k + 1
 
     def close(self) -> None:

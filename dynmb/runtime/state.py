@@ -43,6 +43,7 @@ from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.planahead import PlanAhead
+from dynmb.runtime.planshare import PlanShare, job_store
 from dynmb.runtime.records import ActionRow, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_head_split
 from dynmb.runtime.topology import Topology, make_process_groups
@@ -112,10 +113,10 @@ class RunState:
         self.trace = None if self.fixed is not None else (
             self.corpus.lengths if self.corpus is not None else load_trace(run.dataset))
         self.ahead = PlanAhead(run.plan_ahead, self.batch_lengths, run.warmup + run.steps - 1, spec=run.plan_spec,
-                               model_cfg=run.model, memory_model=self.memory_model) \
+                               model_cfg=run.model, memory_model=self.memory_model, share=self._plan_share()) \
             if run.plan_ahead and self.fixed is None else None
         if self.ahead is not None:       # the planner processes start while the stages are built
-            self.ahead.submit_through(run.plan_ahead, self.cost_model)
+            self.ahead.submit_through(self.ahead.window, self.cost_model)
         self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
                        for s in self.topology.local_stages}
         self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
@@ -128,6 +129,11 @@ class RunState:
     @property
     def rank(self) -> int:
         return self.topology.rank
+
+    def _plan_share(self) -> PlanShare | None:
+        """Planning ahead shared by the job's ranks (``runtime.planshare``) when there are several."""
+        world = dist.get_world_size()
+        return PlanShare(job_store(), dist.get_rank(), world, self.spec.run_id) if world > 1 else None
 
     @property
     def calibrates(self) -> bool:
