@@ -69,6 +69,10 @@ non-decreasing in rows, padded length and attention work (the *assumption*):
   checks the inequality by property tests on the shipped models (analytic, the shipped poly
   fit and a grid fitted on the shipped samples).
 
+``dependency_terms`` / ``ideal_terms`` give each rank's three terms (``RankTerms``: ``head``, ``work``,
+``tail``, the tail already ``max(0, tail_r - W_r)`` on the bound's side), whose largest ``total`` is the
+bound; ``dynmb.gap_terms`` compares them term by term.
+
 ``step_bound_fields`` gives a measured step's ``steps`` columns: ``bound_s`` from the measured
 action times (P2P at the model's cost, as ``replay_step_s``), ``pred_bound_s`` from the cost
 model, ``ideal_s`` from the cost model, and ``gap_to_bound = step_s / bound_s - 1``.
@@ -76,6 +80,7 @@ model, ``ideal_s`` from the cost model, and ``gap_to_bound = step_s / bound_s - 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -83,11 +88,28 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.types import Plan, Schedule
 
-__all__ = ["dependency_bound", "ideal_bound", "plan_bound", "plan_ideal", "plan_bounds", "stage_ranks",
-           "split_mask", "plan_lengths_pieces", "sequence_costs", "step_bound_fields", "MeasuredAction", "BOUND_COLUMNS"]
+__all__ = ["RankTerms", "dependency_terms", "ideal_terms", "replica_bound_terms", "dependency_bound", "ideal_bound",
+           "plan_bound", "plan_ideal", "plan_bounds", "stage_ranks", "split_mask", "plan_lengths_pieces",
+           "sequence_costs", "step_bound_fields", "MeasuredAction", "BOUND_COLUMNS"]
 
 BOUND_COLUMNS = ("bound_s", "ideal_s", "pred_bound_s", "gap_to_bound")
 """The ``steps`` columns ``step_bound_fields`` fills."""
+
+
+@dataclass(frozen=True)
+class RankTerms:
+    """One rank's terms of a bound (module doc): ``head + work + tail`` seconds."""
+
+    head: float
+    """The shortest time any microbatch (for ``ideal_s``: the shortest piece) reaches the rank."""
+    work: float
+    """Every op the rank runs (``ideal_s``: its stages' real-token work, / dp)."""
+    tail: float
+    """The drain after the rank's last gradient op (``bound_s``: ``max(0, tail_r - W_r)``)."""
+
+    @property
+    def total(self) -> float:
+        return self.head + self.work + self.tail
 
 
 class MeasuredAction(Protocol):
@@ -138,10 +160,11 @@ def _excl_cumsum(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def dependency_bound(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0,
-                     stage_rank: Sequence[int] | np.ndarray | None = None, split: np.ndarray | None = None) -> float:
-    """``bound_s`` (module doc) of microbatches costing ``costs[op][stage, mb]`` seconds, with
-    ``comm_s`` (scalar or one per microbatch) per P2P message. ``split[stage, mb]`` marks the
+def dependency_terms(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0,
+                     stage_rank: Sequence[int] | np.ndarray | None = None,
+                     split: np.ndarray | None = None) -> dict[int, RankTerms]:
+    """Each rank's ``RankTerms`` of ``bound_s`` (module doc) of microbatches costing ``costs[op][stage, mb]``
+    seconds, with ``comm_s`` (scalar or one per microbatch) per P2P message. ``split[stage, mb]`` marks the
     split backwards (``I`` + ``W`` in ``costs``), default: split where ``costs`` has ``I`` and no ``B``."""
     F = np.asarray(costs["F"], dtype=np.float64)
     S, m = F.shape
@@ -168,12 +191,18 @@ def dependency_bound(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 
     tail[1:] = G[1:] + reach[:-1]
     work = (F + g + w).sum(axis=1)                     # [S]
     wsum = w.sum(axis=1)
-    best = 0.0
+    out = {}
     for r in np.unique(rank):
         on = rank == r
-        b = head[on].min() + work[on].sum() + max(0.0, float(tail[on].min()) - float(wsum[on].sum()))
-        best = max(best, float(b))
-    return best
+        out[int(r)] = RankTerms(float(head[on].min()), float(work[on].sum()),
+                                max(0.0, float(tail[on].min()) - float(wsum[on].sum())))
+    return out
+
+
+def dependency_bound(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0,
+                     stage_rank: Sequence[int] | np.ndarray | None = None, split: np.ndarray | None = None) -> float:
+    """``bound_s`` (module doc): the largest rank total of ``dependency_terms`` (same arguments)."""
+    return max([0.0, *(t.total for t in dependency_terms(costs, comm_s, stage_rank, split).values())])
 
 
 def _comm(plan: Plan, cost_model: CostModelLike) -> np.ndarray:
@@ -209,13 +238,18 @@ def plan_bound(plan: Plan, cost_model: CostModelLike, schedule: Schedule | None 
     """``bound_s`` of ``plan`` under ``cost_model``: the slowest replica's, on ``schedule``'s
     stage-to-rank map and backward split (replica 0's schedule stands for every replica; without
     one: one stage per rank, full backwards)."""
-    rank = stage_ranks(plan.num_stages, schedule)
     out = 0.0
     for p in _replicas(plan):
-        split = _replica_split(schedule, p)
-        costs, comm = _op_costs(p, cost_model, bool(split.any()))
-        out = max(out, dependency_bound(costs, comm, rank, split))
+        out = max([out, *(t.total for t in replica_bound_terms(p, cost_model, schedule).values())])
     return out
+
+
+def replica_bound_terms(replica: Plan, cost_model: CostModelLike,
+                        schedule: Schedule | None = None) -> dict[int, RankTerms]:
+    """Each rank's ``RankTerms`` of ``bound_s`` of one replica's plan (``plan_bound``'s pricing, map and split)."""
+    split = _replica_split(schedule, replica)
+    costs, comm = _op_costs(replica, cost_model, bool(split.any()))
+    return dependency_terms(costs, comm, stage_ranks(replica.num_stages, schedule), split)
 
 
 def plan_lengths_pieces(plan: Plan) -> tuple[np.ndarray, int]:
@@ -253,9 +287,17 @@ def ideal_bound(lengths: Any, cost_model: CostModelLike, *, stage_rank: Sequence
     """``ideal_s`` (module doc) of the sequences ``lengths`` on ``dp`` replicas of the pipeline of
     ``cost_model``; ``shortest_piece`` (default the shortest sequence) sets the fill and drain;
     ``split_backward``: the schedule splits backwards (no drain term)."""
+    terms = ideal_terms(lengths, cost_model, stage_rank=stage_rank, split_backward=split_backward, dp=dp,
+                        shortest_piece=shortest_piece)
+    return max([0.0, *(t.total for t in terms.values())]) if terms else 0.0
+
+
+def ideal_terms(lengths: Any, cost_model: CostModelLike, *, stage_rank: Sequence[int] | np.ndarray | None = None,
+                split_backward: bool = False, dp: int = 1, shortest_piece: int | None = None) -> dict[int, RankTerms]:
+    """Each rank's ``RankTerms`` of ``ideal_bound`` (same arguments); empty without sequences."""
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if lengths.size == 0:
-        return 0.0
+        return {}
     S = cost_model.num_stages
     rank = np.arange(S) if stage_rank is None else np.asarray(stage_rank, dtype=np.int64)
     uniq, count = np.unique(lengths, return_counts=True)
@@ -269,7 +311,8 @@ def ideal_bound(lengths: Any, cost_model: CostModelLike, *, stage_rank: Sequence
     hop = _hops(rank) * c
     head = np.concatenate([[0.0], np.cumsum(pF[:-1])]) + hop
     tail = np.zeros(S) if split_backward else np.concatenate([[0.0], np.cumsum(pB[:-1])]) + hop
-    return float(max(head[rank == r].min() + work[rank == r].sum() + tail[rank == r].min() for r in np.unique(rank)))
+    return {int(r): RankTerms(float(head[rank == r].min()), float(work[rank == r].sum()), float(tail[rank == r].min()))
+            for r in np.unique(rank)}
 
 
 def plan_ideal(plan: Plan, cost_model: CostModelLike, schedule: Schedule | None = None) -> float:

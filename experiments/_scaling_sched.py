@@ -56,6 +56,9 @@ class KindRun:
     plan: object
     """The packed plan (every replica)."""
     sims: list = field(default_factory=list)
+    subs: list = field(default_factory=list)
+    """The simulated replicas' plans as reordered, and their ``schedules`` (``_scaling_gap``)."""
+    schedules: list = field(default_factory=list)
     reorder_s: list[float] = field(default_factory=list)
     sched_s: list[float] = field(default_factory=list)
 
@@ -103,6 +106,8 @@ def run_kind(plan, replicas: list[int], kind: str, how: str, cm, mm, virtual: in
         run.reorder_s.append(t2 - t1)
         run.sched_s.append(t3 - t2)
         run.sims.append(dynmb.simulate(sched, sub, cm, mm))
+        run.subs.append(sub)
+        run.schedules.append(sched)
     return run
 
 

@@ -17,7 +17,8 @@ compared within one ``--schedule`` setting and V (dynamic with ``auto`` against 
    planner processes per rank that planning ahead needs so that no step waits (``planners_needed``);
 4. with ``--virtual`` V > 1 rows: per cell, V and dynamic split, dynamic's step, tokens / s, truncated sequences,
    gap, attainable, kind, plan time and every other method's step (``virtual_table``);
-5. the judged-by criteria, each with the cells that miss it; with ``--schedule auto`` rows also: the
+5. the judged-by criteria, each with the cells that miss it (a cell missing the ideal criterion with where its
+   gap goes, the ``gap_<term>`` columns of ``_scaling_gap``); with ``--schedule auto`` rows also: the
    chosen step is never slower than any kind weighed whose simulated peak fits (``step_<kind>_s``), nor
    than the same method's ``--schedule 1f1b`` row of the same cell where the data holds one.
 """
@@ -28,6 +29,7 @@ from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
+from _scaling_gap import terms_text
 from _scaling_virtual import setting_label
 
 from dynmb.costmodel import gpu
@@ -237,7 +239,7 @@ def criteria_markdown(df: pd.DataFrame, splits: list[str], auto: str | None) -> 
                      f"({len(miss)} of {len(d)} load_ok cells miss"
                      + "".join(f"; {r.dataset} {_tok(r.tokens)} P{r.num_stages} DP{r.dp}: {_pct(r.gap_to_ideal)} "
                                f"(bubble {r.mean_bubble:.2f}, padding {r.padding_fraction:.3f}, gap to bound "
-                               f"{_pct(r.gap_to_bound)})" for r in miss.itertuples()) + ")")
+                               f"{_pct(r.gap_to_bound)}{terms_text(r)})" for r in miss.itertuples()) + ")")
     if auto is not None:
         d = df[(df["label"] == auto) & (df["num_stages"] <= 16)]
         miss = d[d["attainable"] < 0.85]

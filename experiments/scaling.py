@@ -53,6 +53,7 @@ Columns (table ``scaling``):
   (``a / eff(a / tokens)``, ``eff`` saturating) is exactly additive, so every plan's step is >= it
   (``GPUCostModel.ideal_stage_costs``), the same work ``attainable`` counts.
   ``ideal_dynmb_s`` keeps the unmodified ``plan_ideal`` for reference. ``gap_to_ideal = pred_step_s / ideal_s - 1``;
+  ``gap_<term>`` (``_scaling_gap``): where it goes (schedule, ends, ..., padding, shape), fractions summing to it;
   ``ideal_whole_s``: ``ideal_s`` with sequences whole, at least the longest sequence's own ideal on the
   replica holding it (with few tokens per replica, DP 256, or long-tail traces, no plan can spread the
   work evenly: ``ideal_s`` is then far below any step);
@@ -96,6 +97,7 @@ import numpy as np
 import pandas as pd
 from _common import Resume, progress, split_list
 from _scaling_final import final_check
+from _scaling_gap import gap_columns
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import spec_header, summary_markdown
 from _scaling_split import SEARCH, layout_label, searched_split
@@ -293,7 +295,7 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
             "pred_step_s": step, "bound_s": worst.bound_s, "ideal_s": ideal,
             "ideal_dynmb_s": plan_ideal_v(plan, cm, V), "ideal_whole_s": whole_ideal(cm_sat, lengths, ideal, V),
             "gap_to_bound": step / worst.bound_s - 1,
-            "gap_to_ideal": step / ideal - 1, "attainable": work / (P * step),
+            "gap_to_ideal": step / ideal - 1, "attainable": work / (P * step), **gap_columns(chosen, cm, cm_sat, V),
             "efficiency": real_flops(cfg, P * V, lengths) / (c["dp"] * P * step * cm.spec.peak_flops),
             "mean_bubble": worst.mean_bubble, "padding_fraction": plan.padding_fraction,
             "num_microbatches": plan.num_microbatches // plan.dp, "mbs_used": plan.meta.get("mbs"),

@@ -91,6 +91,8 @@ def test_scaling_realistic_tiny_grid(tmp_path, capsys):
     assert sorted(df.loc[df["method"] == "dynamic", "stage_split"]) == ["auto", "even"]
     assert (df["pred_step_s"] >= df["bound_s"] * (1 - 1e-9)).all() and (df["pred_step_s"] >= df["ideal_s"]).all()
     assert ((df["attainable"] > 0) & (df["attainable"] <= 1)).all() and (df["gap_to_ideal"] >= 0).all()
+    gaps = df[[c for c in df if c.startswith("gap_") and c not in ("gap_to_ideal", "gap_to_bound", "gap_rank")]]
+    assert gaps.shape[1] == 8 and (gaps.sum(axis=1) - df["gap_to_ideal"]).abs().max() < 1e-9   # where the gap goes
     assert (df["num_sequences"] % 2 == 0).all() and (df["real_tokens"] >= 20_000).all()
     assert (df["plan_s"] >= df["pack_s"]).all() and (df["plan_over_step"] > 0).all()
     tb = df.set_index("method")["pred_step_s"]

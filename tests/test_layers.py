@@ -109,7 +109,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                                 *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls", "samples",
                                           "split", "p2pfit", "calibration", "registry", "validate", "gpu"))),
     ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.makespan_zb", "dynmb.makespan_interleaved",
-                    "dynmb.makespan_levels", "dynmb.bounds")),
+                    "dynmb.makespan_levels", "dynmb.bounds", "dynmb.gap_terms")),
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
                          "dynamic", "dynamic_setup", "dynamic_space", "dynamic_rank", "orders", "recompute",
                          "balanced", "methods")),
