@@ -268,6 +268,8 @@ class RunConfig:
     recompute: str = "never"
     """Per-microbatch full activation recomputation: never, always, or auto (the packer recomputes
     the microbatches for which it pays; ``dynmb.packing.recompute``)."""
+    slice_fitting: str = "never"
+    """Slices of sequences that fit: never, or auto (where predicted faster; ``dynmb.planning.slice_fitting``)."""
     expandable_segments: bool = True
     """CUDA: run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (less fragmentation
     when microbatch shapes vary), unless the variable is already set."""
@@ -301,6 +303,8 @@ class RunConfig:
             raise ValueError(f"oversize must be error, truncate, drop or split, got {self.oversize!r}")
         if self.recompute not in ("never", "always", "auto"):
             raise ValueError(f"recompute must be never, always or auto, got {self.recompute!r}")
+        if self.slice_fitting not in ("never", "auto"):
+            raise ValueError(f"slice_fitting must be never or auto, got {self.slice_fitting!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
@@ -311,7 +315,7 @@ class RunConfig:
         return PlanSpec(method=self.method, num_stages=p.num_stages, virtual=p.virtual, schedule_kind=p.schedule,
                         reorder=p.reorder, memory_limit_bytes=p.memory_limit_bytes, dp=self.dp, mbs=self.mbs,
                         pack_len=self.pack_len, round_to=self.round_to, oversize=self.oversize,
-                        recompute=self.recompute, attention=self.model.attention)
+                        recompute=self.recompute, attention=self.model.attention, slice_fitting=self.slice_fitting)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
