@@ -46,7 +46,8 @@ def plan_spec(args: argparse.Namespace, model: ModelConfig) -> PlanSpec:
                     schedule_kind=args.schedule_kind,
                     memory_limit_bytes=parse_bytes(args.memory_limit), mbs=args.mbs, dp=args.dp,
                     oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-                    recompute=args.recompute, attention=model.attention, slice_fitting=args.slice_fitting)
+                    recompute=args.recompute, attention=model.attention,
+                    slice_fitting=getattr(args, "slice_fitting", None) or "never")
 
 
 def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, Any]:
