@@ -299,12 +299,7 @@ class RunConfig:
             raise ValueError(f"round_to must be >= 1, got {self.round_to}")
         if self.pack_len is not None and self.pack_len < 1:
             raise ValueError(f"pack_len must be >= 1, got {self.pack_len}")
-        if self.oversize not in ("error", "truncate", "drop", "split"):
-            raise ValueError(f"oversize must be error, truncate, drop or split, got {self.oversize!r}")
-        if self.recompute not in ("never", "always", "auto"):
-            raise ValueError(f"recompute must be never, always or auto, got {self.recompute!r}")
-        if self.slice_fitting not in ("never", "auto"):
-            raise ValueError(f"slice_fitting must be never or auto, got {self.slice_fitting!r}")
+        PlanSpec(oversize=self.oversize, recompute=self.recompute, slice_fitting=self.slice_fitting)   # their checks
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
