@@ -51,7 +51,7 @@ CONTEXT_KEYS = ("dataset", "memory_limit_bytes", "model", "num_stages", "virtual
 """What makes two runs see the same global batches on the same pipeline."""
 CONFIG_KEYS = CONTEXT_KEYS + ("method", "mbs_setting", "pack_len_setting", "reorder", "label")
 """The step-table columns that make two runs different configurations."""
-RUN_SETTING_KEYS = ("recompute", "oversize", "cost_model", "memory_model", "lr", "backend", "device", "prewarm",
+RUN_SETTING_KEYS = ("recompute", "oversize", "slice_fitting", "cost_model", "memory_model", "lr", "backend", "device", "prewarm",
                     "calibrate", "corpus", "tokenizer", "stage_split")
 """Settings of the run spec (the ``runs`` table) that change what a step computes or how it is timed;
 ``summarise`` keys on them too (and on every ``model.*`` field), so runs that differ in any of them

@@ -268,6 +268,8 @@ class RunConfig:
     recompute: str = "never"
     """Per-microbatch full activation recomputation: never, always, or auto (the packer recomputes
     the microbatches for which it pays; ``dynmb.packing.recompute``)."""
+    slice_fitting: str = "never"
+    """Slices of sequences that fit: never, or auto (where predicted faster; ``dynmb.planning.slice_fitting``)."""
     expandable_segments: bool = True
     """CUDA: run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (less fragmentation
     when microbatch shapes vary), unless the variable is already set."""
@@ -297,10 +299,7 @@ class RunConfig:
             raise ValueError(f"round_to must be >= 1, got {self.round_to}")
         if self.pack_len is not None and self.pack_len < 1:
             raise ValueError(f"pack_len must be >= 1, got {self.pack_len}")
-        if self.oversize not in ("error", "truncate", "drop", "split"):
-            raise ValueError(f"oversize must be error, truncate, drop or split, got {self.oversize!r}")
-        if self.recompute not in ("never", "always", "auto"):
-            raise ValueError(f"recompute must be never, always or auto, got {self.recompute!r}")
+        PlanSpec(oversize=self.oversize, recompute=self.recompute, slice_fitting=self.slice_fitting)   # their checks
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
@@ -311,7 +310,7 @@ class RunConfig:
         return PlanSpec(method=self.method, num_stages=p.num_stages, virtual=p.virtual, schedule_kind=p.schedule,
                         reorder=p.reorder, memory_limit_bytes=p.memory_limit_bytes, dp=self.dp, mbs=self.mbs,
                         pack_len=self.pack_len, round_to=self.round_to, oversize=self.oversize,
-                        recompute=self.recompute, attention=self.model.attention)
+                        recompute=self.recompute, attention=self.model.attention, slice_fitting=self.slice_fitting)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

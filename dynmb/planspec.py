@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["PlanSpec", "ATTENTION_KINDS", "OVERSIZE_POLICIES", "RECOMPUTE_MODES"]
+__all__ = ["PlanSpec", "ATTENTION_KINDS", "OVERSIZE_POLICIES", "RECOMPUTE_MODES", "SLICE_FITTING"]
 
 ATTENTION_KINDS = ("auto", "dense")
 """``ModelConfig.attention`` values: causal/document-causal without a mask tensor, or the dense mask."""
@@ -25,6 +25,8 @@ OVERSIZE_POLICIES = ("error", "truncate", "drop", "split")
 """What happens to a sequence that cannot fit alone."""
 RECOMPUTE_MODES = ("never", "always", "auto")
 """Per-microbatch activation recomputation."""
+SLICE_FITTING = ("never", "auto")
+"""Whether sequences that fit may be sliced too (``dynmb.planning.slice_fitting``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +61,10 @@ class PlanSpec:
     """Per-microbatch full activation recomputation: never, always or auto."""
     attention: str | None = None
     """The attention the costs count (auto or dense); None: the model's ``ModelConfig.attention``."""
+    slice_fitting: str = "never"
+    """Slices of sequences that fit: never (only ``oversize="split"`` slices, what does not fit), or auto (the
+    planner also tries slicing every sequence longer than the longest row / 2 or / 4 and keeps the fastest
+    predicted plan within the limit: ``dynmb.planning.slice_fitting``)."""
 
     def __post_init__(self) -> None:
         for name in ("method", "schedule_kind", "reorder"):
@@ -78,6 +84,8 @@ class PlanSpec:
             raise ValueError(f"oversize must be error, truncate, drop or split, got {self.oversize!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be never, always or auto, got {self.recompute!r}")
+        if self.slice_fitting not in SLICE_FITTING:
+            raise ValueError(f"slice_fitting must be never or auto, got {self.slice_fitting!r}")
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {self.attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
 

@@ -195,7 +195,7 @@ class Plan:
         same number unless the plan holds slices (a chain runs whole on one replica).
 
         Sequences listed in ``meta['dropped']`` must be absent; those in
-        ``meta['truncated']`` may appear with a shorter length. With ``lengths``
+        ``meta['truncated']`` may appear with a shorter length (whole or sliced). With ``lengths``
         (the global batch) each sequence's length (its slices' sum) is checked too.
         """
         if not self.microbatches:
@@ -241,7 +241,7 @@ class Plan:
             want = lengths[wid]
             truncated = set(int(i) for i in self.meta.get("truncated", []))
             bad = [int(i) for i, g, w in zip(wid, got, want) if g != w and not (int(i) in truncated and g < w)]
-            bad += [sid for sid, n in total.items() if n != lengths[sid]]
+            bad += [sid for sid, n in total.items() if n != lengths[sid] and not (sid in truncated and n < lengths[sid])]
             if bad:
                 raise PlanError(f"sequences {bad[:10]} have lengths that differ from the global batch")
         if self.dp > 1:

@@ -34,12 +34,11 @@ microbatch count stops changing, the step has grown on two budgets in a row past
 budget would make more than ``MAX_SWEEP_MICROBATCHES`` microbatches in all: the packers' replica
 balancing merges the cheapest pair over all O(n^2) pairs when the count is not a multiple of DP, which
 took over 10 GB at 4M sharegpt tokens), each simulated, the shortest predicted step kept (``budget_div``
-is its 2^j, ``budgets_tried`` how many ran; its plan time is that one budget's: a tuned budget is set
-once, not searched per step),
-``dynapipe`` and ``dynamic`` (with the Planner's final check against ``balanced``, ``_scaling_final``: ``grouping``).
+is its 2^j, ``budgets_tried`` how many ran; its plan time is that one budget's: a tuned budget is set once, not
+searched per step), ``dynapipe`` and ``dynamic`` (with the Planner's final check against ``balanced``, ``_scaling_final``:
+``grouping``; with ``--slice-fitting auto`` then weighed against slicing sequences that fit, ``_scaling_slicefit``).
 
 Columns (table ``scaling``):
-
 - ``pred_step_s``: the slowest simulated replica's makespan; ``mean_bubble`` of it;
 - ``bound_s``: that replica's dependency bound (``SimResult.bound_s``, ``dynmb.bounds``);
   ``gap_to_bound = pred_step_s / bound_s - 1`` (what order, ends and schedule leave);
@@ -75,10 +74,9 @@ Columns (table ``scaling``):
 Timings are CPU seconds of this process (``time.process_time``): on a loaded shared box the wall time
 mostly measures waiting for a core (``row_wall_s``, the row's pack + reorder + schedule + simulation, shows
 it), while CPU time is close to what the planning costs on a core of its own. Resumable by settings
-columns; ``--summary`` prints the markdown tables of an existing results folder. The old small-batch grid (256 sequences per
-replica, analytic costs, P up to 64): ``--small-batch`` (``experiments/_scaling_small.py``).
+columns; ``--summary`` prints the markdown tables of an existing results folder. The old small-batch grid (256
+sequences per replica, analytic costs, P up to 64): ``--small-batch`` (``experiments/_scaling_small.py``).
 
-    nice python experiments/scaling.py --quick --out results/scaling_quick
     nice python experiments/scaling.py --quick --schedule auto --out results/scaling_quick_auto
     nice python experiments/scaling.py --out results/scaling                  # full grid
     python experiments/scaling.py --summary --out results/scaling            # markdown tables
@@ -98,6 +96,7 @@ import pandas as pd
 from _common import Resume, progress, split_list
 from _scaling_final import final_check
 from _scaling_gap import gap_columns
+from _scaling_slicefit import slice_check
 from _scaling_sched import SCHEDULES, choose, kind_columns, kinds_for, packing_groups, run_kind
 from _scaling_summary import spec_header, summary_markdown
 from _scaling_split import SEARCH, layout_label, searched_split
@@ -116,7 +115,7 @@ from dynmb.planning.split_work import workload_cost
 from dynmb.planning.stage_split import resolve_stage_split
 
 KEYS = ("dataset", "model", "tokens", "num_stages", "dp", "method", "stage_split", "link", "memory_limit_bytes",
-        "seed", "oversize", "sim_replicas", "schedule_key", "virtual")
+        "seed", "oversize", "sim_replicas", "schedule_key", "virtual", "slice_fitting")
 METHODS = ("fixed", "sorted", "packed", "token-budget", "token-budget-best", "balanced", "balanced-best",
            "dynapipe", "dynamic")
 FULL = dict(traces="sharegpt,wikitext2,longtail", tokens="0.5M,4M", stages="4,8,16,32", dp="8,256")
@@ -150,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the global batches (default 0)")
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "drop"],
                     help="a sequence that cannot fit alone (default truncate, counted)")
+    ap.add_argument("--slice-fitting", default="never", choices=["never", "auto"], help="dynamic: + fitting slices (_scaling_slicefit)")
     ap.add_argument("--summary", action="store_true", help="only print the markdown summary of --out (folders, comma-separated)")
     ap.add_argument("--out", default="results/scaling", help="results folder (default results/scaling)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -311,7 +311,7 @@ def one_row(c: dict, cell: Cell) -> dict:
     try:
         if not method.endswith("-best"):
             r = plan_once(cell, c, base, 1 if base == "sorted" else None)      # dynamic: + the Planner's check
-            return {**c, **(final_check(cell, c, r, plan_once) if base == "dynamic" else r), "budget_div": 1,
+            return {**c, **(slice_check(cell, c, final_check(cell, c, r, plan_once)) if base == "dynamic" else r), "budget_div": 1,
                     "budgets_tried": 1}
         best, last, worse, tried = None, None, 0, 0
         for j in range(12):                       # budgets cap / 2^j: stop rules in the module docstring
@@ -349,7 +349,7 @@ def configurations(args: argparse.Namespace) -> list[dict]:
                         out += [dict(dataset=t, model=args.model, tokens=tok, num_stages=p, dp=d, method=m,
                                      stage_split=s, link=args.link, memory_limit_bytes=limit, seed=args.seed,
                                      oversize=args.oversize, sim_replicas=args.sim_replicas, mb_tokens=args.mb_tokens,
-                                     schedule_key=args.schedule, virtual=v)
+                                     schedule_key=args.schedule, virtual=v, slice_fitting=args.slice_fitting)
                                 for s in splits]
     unknown = sorted({c["method"] for c in out} - set(METHODS))
     if unknown:
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {cfg}\nmemory limit: {args.memory_limit}; schedule {args.schedule}, virtual {args.virtual} (weighs "
           f"{weighs(args.schedule, list(map(parse_virtual, split_list(args.virtual))))}); splits: dynamic {args.stage_split}, "
           f"others {args.others_split}", flush=True)
-    resume = Resume(args.out, "scaling", KEYS, defaults={"schedule_key": "1f1b", "virtual": 1})   # rows from before the flags
+    resume = Resume(args.out, "scaling", KEYS, defaults={"schedule_key": "1f1b", "virtual": 1, "slice_fitting": "never"})
     todo = [c for c in configs if not resume.done(c)]
     todo.sort(key=lambda c: (c["tokens"], c["dataset"], c["num_stages"], c["dp"], str(c["virtual"])))   # cells grouped
     print(f"scaling: {len(configs)} configurations, {len(configs) - len(todo)} already done", file=sys.stderr)

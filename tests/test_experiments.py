@@ -467,3 +467,18 @@ def test_planners_needed_is_plan_over_step_rounded_up():
     assert list(got) == [1, 1, 2, 9]
     # the job's ranks share the planning: 8.3 steps of plan over 4 ranks need 3 planners each, over 16 one
     assert list(summary.planners_needed(pd.Series([8.3, 8.3, 12.6]), pd.Series([4, 16, 256]))) == [3, 1, 1]
+
+
+def test_scaling_slice_fitting_keeps_the_tokens_and_records_the_threshold(tmp_path, capsys):
+    """``--slice-fitting auto`` (``_scaling_slicefit``): the dynamic row on longtail at P 8 keeps the tokens of
+    ``never``, slices some of the sequences that fit (predicted faster here) and records its threshold and check time."""
+    scaling = _script("scaling")
+    argv = ["--traces", "longtail", "--tokens", "200k", "--stages", "8", "--dp", "1", "--sim-replicas", "1",
+            "--schedule", "auto", "--methods", "dynamic", "--stage-split", "even", "--no-progress"]
+    assert scaling.main([*argv, "--out", str(tmp_path / "never")]) == 0
+    assert scaling.main([*argv, "--slice-fitting", "auto", "--out", str(tmp_path / "auto")]) == 0
+    never, auto = (pd.read_csv(tmp_path / d / "scaling.csv").iloc[0] for d in ("never", "auto"))
+    assert auto["slice_fitting"] == "auto" and auto["real_tokens"] == never["real_tokens"]
+    assert auto["pred_step_s"] <= never["pred_step_s"] and auto["slice_fitting_s"] > 0
+    assert auto["pred_step_s"] >= auto["ideal_s"]
+    assert auto["slice_threshold"] > 0 and auto["sliced"] > 0 and auto["pred_step_s"] < never["pred_step_s"]

@@ -113,7 +113,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
                          "dynamic", "dynamic_setup", "dynamic_space", "dynamic_rank", "orders", "recompute",
                          "balanced", "methods")),
-    ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "defaults", "api",
+    ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "slice_fitting", "defaults", "api",
                           "sampler", "partition", "split_units", "stage_split", "head_split", "gpu_split", "split_work", "split_search", "virtual_search",
                           "spec_check")),
     ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf", "head", "pieces"))),

@@ -3,7 +3,9 @@
 - ``add_data_flags``: ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``; with ``corpus``
   (run, compare) also ``--corpus FILE --field F [--tokenizer T]`` (real tokens, ``corpus_source``);
 - ``add_packing_flags``: ``--stages``, ``--memory-limit``, ``--method``, ``--mbs``, ``--dp``,
-  ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize``, ``--recompute`` and the shape flags;
+  ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize``, ``--slice-fitting``, ``--recompute``
+  and the shape flags;
+- ``add_slice_fitting_flag``: ``--slice-fitting``;
 - ``add_recompute_flag``: ``--recompute``;
 - ``add_shape_flags``: ``--pack-len``, ``--round-to``;
 - ``add_run_shape_flags``: ``--prewarm``, ``--no-expandable-segments``;
@@ -31,9 +33,10 @@ from dynmb.data import CorpusSource, load_trace, sample_indices
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
            "global_batch_int", "MAX_GLOBAL_BATCH", "virtual_arg", "with_virtual_choice", "model_from_args", "split_search_of", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
-           "OVERSIZE_CHOICES"]
+           "OVERSIZE_CHOICES", "SLICE_FITTING", "add_slice_fitting_flag"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
+SLICE_FITTING = ("never", "auto")
 
 
 MAX_GLOBAL_BATCH = 2**24
@@ -240,7 +243,8 @@ def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> 
     fields = dict(num_stages=int(stages), virtual=int(flag("virtual", 1)), schedule_kind=kind,
                   reorder=flag("reorder", "none"), memory_limit_bytes=limit, dp=int(flag("dp", 1)),
                   round_to=int(flag("round_to", 1)), oversize=flag("oversize", "error"),
-                  recompute=flag("recompute", "never"), attention=cfg.attention)
+                  recompute=flag("recompute", "never"), slice_fitting=flag("slice_fitting", "never"),
+                  attention=cfg.attention)
     return SplitSearch.of(fields, int(flag("global_batch", 64)), seed=int(flag("seed", 0)),
                           memory_model=getattr(args, "memory_model", None))
 
@@ -312,8 +316,17 @@ def add_packing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oversize", default="error", choices=OVERSIZE_CHOICES,
                         help="a sequence that cannot fit alone: error (default), truncate it to fit, or drop it "
                              "(both reported)")
+    add_slice_fitting_flag(parser)
     add_recompute_flag(parser)
     add_shape_flags(parser)
+
+
+def add_slice_fitting_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slice-fitting", default="never", choices=SLICE_FITTING,
+                        help="slice sequences that fit too: never (default; only --oversize split slices, what does "
+                             "not fit), or auto (also try slicing every sequence longer than the longest row / 2 or / 4, "
+                             "after --oversize truncate's cut, and keep the plan with the shortest predicted step that "
+                             "fits; dynmb.planning.slice_fitting)")
 
 
 def add_recompute_flag(parser: argparse.ArgumentParser) -> None:

@@ -46,7 +46,8 @@ def plan_spec(args: argparse.Namespace, model: ModelConfig) -> PlanSpec:
                     schedule_kind=args.schedule_kind,
                     memory_limit_bytes=parse_bytes(args.memory_limit), mbs=args.mbs, dp=args.dp,
                     oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-                    recompute=args.recompute, attention=model.attention)
+                    recompute=args.recompute, attention=model.attention,
+                    slice_fitting=getattr(args, "slice_fitting", None) or "never")
 
 
 def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, Any]:
@@ -66,6 +67,7 @@ def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, 
         "recomputed": int(plan.recompute_mask().sum()),
         "sliced": len(plan.slice_groups()), "slices": sum(len(w) for w in plan.slice_groups().values()),
         "longest_fitting_length": plan.meta.get("longest_fitting_length"),
+        "slice_threshold": plan.meta.get("slice_threshold"),
         "pack_len": plan_pack_len(plan), "round_to": args.round_to, "attention": attention,
         "distinct_shapes": len({(mb.batch, mb.padded_len) for mb in plan.microbatches}),
     }

@@ -44,7 +44,7 @@ __all__ = ["add_parser", "run", "run_summary", "run_config", "stop_line", "DEFAU
 
 DEFAULTS: dict[str, Any] = dict(stages=2, memory_limit="1GiB", method="dynamic", dp=1, schedule="1f1b",
                                 global_batch=64, seed=0, round_to=1, oversize="error", recompute="never",
-                                reorder="none", model="small", virtual=1)
+                                reorder="none", model="small", virtual=1, slice_fitting="never")
 """The defaults of the flags whose parser default is None (None: not given, so a ``--plan``
 run can tell a flag that conflicts with the plan from one left alone)."""
 
@@ -127,7 +127,7 @@ def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "c
         warmup=args.warmup, backend=backend, device=device, cost_model=args.cost_model, timeout_s=args.timeout,
         oversize=_arg(args, "oversize"), pack_len=args.pack_len, round_to=_arg(args, "round_to"),
         prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments,
-        recompute=_arg(args, "recompute"), plan_ahead=args.plan_ahead)
+        recompute=_arg(args, "recompute"), slice_fitting=_arg(args, "slice_fitting"), plan_ahead=args.plan_ahead)
 
 
 def _planned_virtual(plan: Plan) -> int | None:
@@ -157,9 +157,9 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
             theirs = in_plan.name if isinstance(in_plan, ModelConfig) else in_plan
             raise ValueError(f"--{flag} {shown} conflicts with the plan {args.plan}, which has {flag} {theirs}; "
                              "leave the flag out to run the plan as it is")
-    for flag in ("oversize", "recompute", "reorder"):
+    for flag in ("oversize", "recompute", "reorder", "slice_fitting"):
         if getattr(args, flag) is not None:
-            raise ValueError(f"--{flag} plans a batch; --plan {args.plan} runs that plan as it is")
+            raise ValueError(f"--{flag.replace('_', '-')} plans a batch; --plan {args.plan} runs that plan as it is")
     if args.plan_ahead:
         raise ValueError(f"--plan-ahead plans the steps' batches; --plan {args.plan} runs that plan every step")
 
@@ -197,6 +197,7 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
         pack_len=plan_pack_len(plan),
         round_to=int(meta.get("round_to") or (spec.round_to if spec else 1)), prewarm=args.prewarm,
         oversize=spec.oversize if spec else "error", recompute=spec.recompute if spec else "never",
+        slice_fitting=spec.slice_fitting if spec else "never",
         expandable_segments=not args.no_expandable_segments)
     return cfg, schedule_file, memory_file
 

@@ -5,6 +5,7 @@
 - ``replicas``: ``make_schedule`` (one replica's schedule, from the kind's record) and the one
   home of per-replica work: split a plan by replica, schedule and simulate each, stitch them back.
 - ``slicing``: plans with slices of sequences longer than any row (``oversize='split'``).
+- ``slice_fitting``: with ``slice_fitting='auto'`` plans that slice sequences which fit too, where faster.
 - ``zerobubble``: the zero-bubble kinds' cost inputs and the simulator as their judge.
 - ``reorder``: microbatch order passes (``none``, ``descending``, ``ascending``, ``ends``,
   ``dynapipe``, ``search``), pure ``Plan -> Plan``, scored by the simulator.

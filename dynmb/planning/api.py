@@ -120,7 +120,9 @@ class Planner:
     ``global_batch``: sequences per global batch; given with ``workload`` and a layout-free cost model,
     ``"auto"`` takes among the near-optimal splits the one whose simulated ``dynamic`` step per real token
     on sample batches of the workload is smallest under these settings (``dynmb.planning.split_search``; once, CPU
-    seconds logged); else the min-max split.
+    seconds logged); else the min-max split. ``slice_fitting``: ``"never"`` (default) or ``"auto"``: sequences
+    longer than the longest row / 2 or / 4 may be planned as chains of slices too, where the simulator predicts a
+    shorter step within the limit (``dynmb.planning.slice_fitting``; with ``oversize="truncate"`` after the cut).
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
@@ -128,13 +130,13 @@ class Planner:
                  memory_model: MemoryModelLike | str | Path | None = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int | str = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even",
-                 workload: Any = None, global_batch: int | None = None) -> None:
+                 workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never") -> None:
         self.model_cfg, own = _model(model)
         auto_v = str(virtual).strip() == AUTO_VIRTUAL
         self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
                              schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
                              dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
-                             attention=self.model_cfg.attention)
+                             attention=self.model_cfg.attention, slice_fitting=slice_fitting)
         """The settings every ``plan`` call starts from (``plan`` sets the method, reorder and mbs)."""
         self.virtual_choice: VirtualChoice | None = None
         """With ``virtual="auto"``: how V was chosen (``dynmb.planning.virtual_search``)."""
@@ -181,6 +183,7 @@ class Planner:
     oversize = property(lambda self: self.spec.oversize)
     pack_len = property(lambda self: self.spec.pack_len)
     recompute = property(lambda self: self.spec.recompute)
+    slice_fitting = property(lambda self: self.spec.slice_fitting)
 
     def plan(self, lengths: Any, method: str = "dynamic", reorder: str = "auto", *, mbs: int | None = None,
              meta: dict[str, Any] | None = None) -> PlannedStep:

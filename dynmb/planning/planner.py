@@ -13,6 +13,9 @@ kind, the spec ``auto``.
 Each data-parallel replica is reordered, scheduled and simulated by the helpers of
 ``dynmb.planning.replicas``, which stitch the replicas back into one plan.
 
+With ``slice_fitting="auto"`` each kind's plan is weighed against plans that slice sequences which fit
+(``dynmb.planning.slice_fitting``) and the fastest that fits is that kind's plan.
+
 The plan's ``predictions`` are filled from the simulator (``pred_step_s``,
 ``pred_peak_bytes`` per stage, ``mean_bubble``) and the wall time of packing +
 reordering + scheduling (``plan_s``). With data parallelism each replica's
@@ -47,6 +50,7 @@ from ..types import Plan, Schedule
 from .defaults import reorder_for
 from .reorder import reorder as reorder_plan
 from .replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
+from .slice_fitting import plan_fitting
 from .slicing import longest_row, plan_split
 
 __all__ = ["plan_step", "plan_auto", "make_schedule"]
@@ -136,6 +140,23 @@ at the ``FINAL_CHECK`` budgets (as ``dynmb compare``'s ``-best`` rows tune them 
 def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
                   memory_model: MemoryModelLike, meta: dict[str, Any] | None,
                   packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
+    """``_plan_final``; with ``spec.slice_fitting == "auto"`` the plans that slice sequences which fit are
+    weighed against it and the fastest that fits is kept (``dynmb.planning.slice_fitting``); ``plan_s``
+    counts both."""
+    t0 = time.perf_counter()
+    best = _plan_final(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
+    if spec.slice_fitting == "never":
+        return best
+    plan, sched, sim = plan_fitting(lengths, spec, best, model_cfg=model_cfg, cost_model=cost_model,
+                                    memory_model=memory_model, fits=_fits)
+    if plan.meta.get("slice_threshold") is not None:            # a plan with fitting slices: in its planned order
+        plan = replace(plan, spec=spec, meta={**plan.meta, **(meta or {}), "reorder": "none"})
+    return replace(plan, predictions=plan.predictions.updated(plan_s=time.perf_counter() - t0)), sched, sim
+
+
+def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
+                memory_model: MemoryModelLike, meta: dict[str, Any] | None,
+                packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``_plan_kind``, and for ``dynamic`` a final check by the simulator: the packer ranks its
     candidates by the fast makespan estimate on affine costs, which a cost model that is not affine
     (the shipped fitted ones) or a long reorder can turn around. So each of ``FINAL_METHODS`` at

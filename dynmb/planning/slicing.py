@@ -41,8 +41,12 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    candidate is not tried. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
-   ``slice_placement``, ``slice_recompute``, ``slice_fill``, ``longest_fitting_length``; every token of
-   the batch is planned.
+   ``slice_placement``, ``slice_recompute``, ``slice_fill``, ``longest_fitting_length``,
+   ``slice_threshold``; every token of the batch is planned.
+
+``threshold`` (``dynmb.planning.slice_fitting``): every sequence longer than ``threshold`` (below the
+longest row) is sliced, with the slice lengths of step 2 that are at most ``threshold``; the rows of the
+slices are filled up to the longest row as above.
 
 Not supported (refused with one line): kinds without ``slices`` (``memory-aware``).
 """
@@ -180,11 +184,12 @@ def _replicas(chains: list[list[Microbatch]], shorts: list[Microbatch], placemen
 
 
 def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, memory_model: MemoryModelLike,
-               cost_model: CostModelLike, make_schedule: Callable[..., Schedule]) -> tuple[Plan, Schedule, SimResult]:
-    """Plan ``lengths`` with every sequence longer than the longest row cut into slices, each
-    chain whole on one of the ``spec.dp`` replicas (module doc). Returns the plan (every replica,
-    its predictions the slowest replica's time and every stage's highest peak) and replica 0's
-    schedule and simulation."""
+               cost_model: CostModelLike, make_schedule: Callable[..., Schedule],
+               threshold: int | None = None) -> tuple[Plan, Schedule, SimResult]:
+    """Plan ``lengths`` with every sequence longer than the longest row (``threshold``: longer than
+    it) cut into slices, each chain whole on one of the ``spec.dp`` replicas (module doc). Returns the
+    plan (every replica, its predictions the slowest replica's time and every stage's highest peak)
+    and replica 0's schedule and simulation."""
     t0 = time.perf_counter()
     method, num_stages, memory_limit_bytes = spec.method, spec.num_stages, spec.memory_limit_bytes
     schedule_kind, round_to, virtual, recompute, dp = spec.schedule_kind, spec.round_to, spec.virtual, spec.recompute, \
@@ -201,8 +206,9 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     row_cap = longest_row(spec, model_cfg, memory_model)
     if row_cap < 1:
         raise PackingError(f"no row fits under {memory_limit_bytes} B at {num_stages} stages ({schedule_kind})")
-    long_ids = np.flatnonzero(lengths > row_cap)
-    short_ids = np.flatnonzero(lengths <= row_cap)
+    cut = row_cap if threshold is None else min(int(threshold), row_cap)
+    long_ids = np.flatnonzero(lengths > cut)
+    short_ids = np.flatnonzero(lengths <= cut)
     packed: dict[tuple[int, ...], list[Microbatch]] = {}
 
     def pack_short(ids: np.ndarray) -> list[Microbatch]:
@@ -235,6 +241,7 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     else:
         candidates = sorted({max(MIN_SLICE, round_down(row_cap // f, round_to) or round_to) for f in (1, 2, 4, 8)},
                             reverse=True)
+        candidates = [s for s in candidates if s <= cut] or [max(MIN_SLICE, round_down(cut, round_to) or round_to)]
     rc_options = {"never": [False], "always": [True], "auto": [False, True]}[recompute]
     best: tuple[float, Plan, list[Plan], list[Schedule]] | None = None
     lowest: tuple[float, int] | None = None
@@ -264,7 +271,8 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
                     "oversize": "split", "round_to": round_to, "longest_fitting_length": row_cap,
                     "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
                     "slice_len": int(slice_len), "slice_placement": placement, "slice_recompute": use_rc,
-                    "slice_fill": fill, "truncated": [], "dropped": [],
+                    "slice_fill": fill, "slice_threshold": None if threshold is None else int(cut),
+                    "truncated": [], "dropped": [],
                     "pack_len": int(row_cap) if method == "packed" else None, "virtual": int(virtual)})
                 replicas = replicas_of(plan)
                 scheds, slowest, peak = [], 0.0, 0.0
