@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON rows (written after each cell)")
     args = ap.parse_args(argv)
     rows = []
-    for trace_name in args.traces:
-        for P in args.stages:
+    for P in args.stages:                           # the cheaper cells first
+        for trace_name in args.traces:
             for model in args.models:
                 if f"{model}:{trace_name}:{P}" in args.skip:
                     continue
