@@ -1,6 +1,7 @@
 """``--stage-split auto`` by simulated step (``dynmb.planning.split_search``): among the near-optimal splits
-the one whose simulated ``dynamic`` step on sample batches is fastest, never one slower than the min-max
-split, the same on every call, and the min-max split where no plan can be made."""
+the min-max one unless another's simulated ``dynamic`` step per token on sample batches is faster on every
+batch by more than the noise (``pick_layout``), the same on every call, and the min-max split where no plan
+can be made."""
 
 from __future__ import annotations
 
@@ -58,27 +59,27 @@ def test_candidates_are_near_optimal_arrangements_min_max_first() -> None:
     assert near_optimal_splits(LLAMA2, P, cost, tolerance=0.02, max_candidates=1)[0] == [cands[0]]
 
 
-def test_auto_takes_a_split_faster_than_min_max_on_every_sample_batch() -> None:
-    """The Planner given a global batch size plans the split ``pick_layout`` takes from the per-batch scores,
-    here one faster than the min-max split on every sample batch; checked against plans of each split made
-    independently (an explicit --stage-split)."""
+def test_auto_keeps_the_min_max_split_against_a_win_within_the_noise() -> None:
+    """Here the rival of the smallest mean step per token on the two sample batches (what the strictly-smaller
+    rule took) is faster on one batch and slower on the other: the Planner given a global batch size keeps
+    the min-max split; the scores are those of plans of each split made independently (an explicit
+    --stage-split)."""
     planner = _planner(global_batch=GLOBAL)
-    chosen = tuple(planner.model_cfg.stage_layer_counts(P))
     s0 = _min_max()
-    assert chosen != s0                                             # the min-max split is not the fastest here
+    assert tuple(planner.model_cfg.stage_layer_counts(P)) == s0
     assert planner.cost_model.model_cfg.layer_split == planner.model_cfg.layer_split    # the model follows
     search = _search()
     choice = search.choose(LLAMA2, P, workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)), workload=TRACE,
                            cost_model=GPUCostModel(LLAMA2, P))
-    assert choice.how == "simulated" and choice.split == chosen and choice.candidates[0] == s0
-    i = choice.candidates.index(chosen)
-    assert i == pick_layout(choice.batch_scores).index and "gains" in choice.rule
-    assert all(a < b for a, b in zip(choice.batch_scores[i], choice.batch_scores[0]))
-    assert choice.scores_s[i] < choice.scores_s[0] == pytest.approx(choice.steps_s[0])
+    assert choice.how == "simulated" and choice.split == s0 == choice.candidates[0] and "not on every" in choice.rule
+    best = int(np.argmin(choice.scores_s))
+    assert best != 0 and choice.scores_s[best] < choice.scores_s[0] == pytest.approx(choice.steps_s[0])
+    gains = [1 - a / b for a, b in zip(choice.batch_scores[best], choice.batch_scores[0])]
+    assert min(gains) < 0 < max(gains)
     batches = search.sample_batches(np.asarray(dynmb.data.load_trace(TRACE)))
-    (fast, fast_tok), (old, old_tok) = _mean_step(chosen, batches), _mean_step(s0, batches)
-    assert fast == pytest.approx(choice.steps_s[i]) and old == pytest.approx(choice.steps_s[0])
-    assert fast / fast_tok < old / old_tok                          # more real tokens per second
+    for i in (0, best):
+        step, tokens = _mean_step(choice.candidates[i], batches)
+        assert step == pytest.approx(choice.steps_s[i]) and tokens == pytest.approx(choice.tokens[i])
 
 
 def test_the_choice_is_by_throughput_not_by_a_step_that_trains_fewer_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
