@@ -5,14 +5,16 @@ when it knows the run (``Planner(stage_split="auto", workload=..., global_batch=
 The candidates are the min-max split of the trace's work (``scaling.ideal_cost`` of the whole trace) and
 its near-optimal arrangements; each is planned with ``dynamic`` and the row's settings (``--schedule``,
 ``--virtual``, the memory limit, ``--oversize``, DP) on sample batches drawn from the trace, not from the
-measured batch, one replica's share of the global batch each; the fastest per real token is kept, the
-min-max split unless another is strictly better; its LM head is then sharded over the last stages where that
-lightens the busiest stage (``dynmb.planning.head_split``), as ``auto`` does. Its CPU seconds (``split_choice_s``) are paid once per
-run, not per step, and are not in ``plan_s``.
+measured batch, one replica's share of the global batch each; the min-max split is kept unless another is
+faster per real token on every sample batch by more than the noise (``split_search.pick_layout``; the rule
+that decided goes to stderr); its LM head is then sharded over the last stages where that lightens the
+busiest stage (``dynmb.planning.head_split``), as ``auto`` does. Its CPU seconds (``split_choice_s``) are
+paid once per run, not per step, and are not in ``plan_s``.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -46,6 +48,8 @@ def searched_split(cfg, c: dict, chunks: int, virtual: int, trace: np.ndarray, g
     choice = search.choose(cfg, chunks, stage_cost, workload=trace, cost_model=cm, virtual=virtual)
     if choice.how != "simulated":
         raise SystemExit(f"scaling.py: --stage-split search fell back to the min-max split: {choice.reason}")
+    print(f"split search P {chunks}: {' '.join(f'{n:g}' for n in choice.split)} (min-max "
+          f"{' '.join(f'{n:g}' for n in choice.candidates[0])}); rule: {choice.rule}", file=sys.stderr, flush=True)
     t0 = time.process_time()
     layout = planned_layout(cfg, chunks, choice.split, stage_cost, virtual=virtual, search=search, workload=trace,
                             cost_model=cm, arrangements=choice.candidates)

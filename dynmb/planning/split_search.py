@@ -26,13 +26,19 @@ Algorithm (``SplitSearch.choose``), run once per run, deterministic (every rank 
    sequences) planned at ``dp = 1`` with the run's other settings (``PlanSpec``: memory limit, schedule
    kind ``auto`` included, round-to, oversize, recompute, virtual) and the ``dynamic`` method through
    ``planner.plan_step`` (pack, reorder, schedule, simulate), the cost model rebuilt for each candidate
-   (``CostModel.for_layout``) and the analytic memory model of each split. The candidate with the
-   highest throughput wins: the smallest mean simulated step per real token (``score``: its mean step
-   scaled to ``S0``'s mean real tokens), not the smallest step, since with ``oversize="truncate"`` a
-   split whose stages hold more activations truncates long sequences sooner and trains fewer tokens in a
-   shorter step (Llama-3.1-8B longtail P16: -4.2% step, -2.5% tokens). ``S0`` unless another is strictly
-   better, so the choice is never below the min-max split's throughput on the sample batches. A
-   candidate that cannot plan a batch drops out.
+   (``CostModel.for_layout``) and the analytic memory model of each split. Each candidate is scored per
+   sample batch by throughput: its simulated step per real token (``score``: the step scaled to ``S0``'s
+   real tokens on that batch), not its step, since with ``oversize="truncate"`` a split whose stages hold
+   more activations truncates long sequences sooner and trains fewer tokens in a shorter step (Llama-3.1-8B
+   longtail P16: -4.2% step, -2.5% tokens). A candidate that cannot plan a batch drops out.
+3. **Keep ``S0`` unless the win is larger than the sample noise** (``pick_layout``): a candidate's gain on
+   batch ``b`` is ``1 - score / S0's score`` (paired: the same batch); it may replace ``S0`` only if it gains
+   on *every* sample batch and its mean gain exceeds ``max(MIN_GAIN, NOISE_SE x`` the standard error of its
+   gains ``)``; of those, the largest mean gain wins (ties: the earlier candidate), else ``S0``. The sample
+   is one replica's share planned at dp 1, the measured step the slowest of dp replicas of another batch:
+   near-ties on the sample are noise on the run (docs/results.md, "The split search keeps the min-max layout
+   unless the win exceeds the noise"). The rule that decided is in ``SplitChoice.rule`` (logged). Where
+   ``S0`` itself cannot plan a sample batch, the smallest mean score of the candidates that plan them all.
 
 With ``virtual`` > 1 (interleaved chunks, chunk ``s`` on GPU ``s % P``) the bound is the busiest GPU's
 total work, not a chunk's, and the candidates are the split balanced per GPU (``S0``,
@@ -66,14 +72,77 @@ from .split_units import CHUNK, HALF, LAYER, as_layers, fine_grid
 from .split_work import layout_cost_model, workload_lengths
 from .stage_split import StageCost, balanced_split, min_max_split, with_split
 
-__all__ = ["SplitSearch", "SplitChoice", "near_optimal_splits", "ENUMERATE_LIMIT"]
+__all__ = ["SplitSearch", "SplitChoice", "Pick", "pick_layout", "batch_scores", "near_optimal_splits",
+           "ENUMERATE_LIMIT", "MIN_GAIN", "NOISE_SE"]
 
 logger = logging.getLogger(__name__)
 
 ENUMERATE_LIMIT = 20000
 """Arrangements of the stage sizes walked at most (the walk stops there; deterministic)."""
 
+MIN_GAIN = 0.01
+"""The smallest mean gain per real token (1%) on the sample batches for which a candidate replaces the
+min-max split: one replica's share planned at dp 1 is not the slowest of dp replicas of the run's batch, and
+a layout's gain moves by about 1% from one sample batch to the next (Llama-2-7B sharegpt P 4, 4M tokens: the
+layout chosen on +0.65 / +0.94% gained +1.53 / -1.03% on the next two draws and ran 0.9% slower than the
+min-max one on the cell's own batch; docs/results.md, "The split search keeps the min-max layout ...")."""
+
+NOISE_SE = 2.0
+"""The mean gain must also exceed this many standard errors of the per-batch gains (paired against ``S0``):
+a gain that varies as much as it is large from batch to batch is the batches', not the layout's."""
+
 Split = tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Pick:
+    """``pick_layout``'s answer: the candidate's ``index`` (0: ``S0``), the ``rule`` that decided (words), its
+    mean paired ``gain`` over ``S0`` and the ``margin`` it had to exceed (fractions)."""
+
+    index: int
+    rule: str
+    gain: float = 0.0
+    margin: float = 0.0
+
+
+def pick_layout(scores: list[list[float]] | np.ndarray, *, min_gain: float = MIN_GAIN,
+                noise_se: float = NOISE_SE) -> Pick:
+    """Step 3 of the module docstring: ``scores[i][b]`` is candidate ``i``'s step per real token on sample
+    batch ``b`` (candidate 0 the min-max split ``S0``; inf: cannot plan). ``S0`` unless a candidate gains on
+    every batch and on average by more than ``max(min_gain, noise_se x`` the standard error of its gains``)``."""
+    x = np.asarray(scores, dtype=float)
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError("pick_layout: scores must be candidates x sample batches")
+    ok = np.isfinite(x).all(axis=1)
+    if not ok[0]:                                   # S0 cannot plan a batch: no pairing, the smallest mean
+        if not ok.any():
+            return Pick(0, "no candidate plans every sample batch: the min-max split")
+        means = np.where(ok, np.where(ok[:, None], x, 0.0).mean(axis=1), np.inf)
+        i = int(np.argmin(means))
+        return Pick(i, "the min-max split cannot plan a sample batch: the smallest mean step per token")
+    best, best_gain, margin_of_best = 0, 0.0, 0.0
+    closest = None                                  # the best candidate that fell short, for the log
+    for i in range(1, x.shape[0]):
+        if not ok[i]:
+            continue
+        gains = 1.0 - x[i] / x[0]
+        gain = float(gains.mean())
+        se = float(gains.std(ddof=1) / np.sqrt(gains.size)) if gains.size > 1 else 0.0
+        margin = max(float(min_gain), float(noise_se) * se)
+        if bool((gains > 0).all()) and gain > margin:
+            if gain > best_gain:
+                best, best_gain, margin_of_best = i, gain, margin
+        elif closest is None or gain > closest[1]:
+            closest = (i, gain, margin, bool((gains > 0).all()))
+    if best:
+        return Pick(best, f"candidate {best} gains {best_gain:+.2%} on every sample batch, over the margin "
+                          f"{margin_of_best:.2%}", best_gain, margin_of_best)
+    if closest is None:
+        return Pick(0, "the min-max split: no other candidate plans every sample batch")
+    i, gain, margin, every = closest
+    why = f"gains {gain:+.2%}, not over the margin {margin:.2%}" if every else \
+        f"gains {gain:+.2%} on average but not on every sample batch"
+    return Pick(0, f"the min-max split kept: its best rival (candidate {i}) {why}", gain, margin)
 
 
 def _units(split: Split) -> tuple[int, ...]:
@@ -185,8 +254,10 @@ def near_optimal_splits(cfg: ModelConfig, num_stages: int, stage_cost: StageCost
 @dataclass(frozen=True)
 class SplitChoice:
     """What ``SplitSearch.choose`` did: the split, how (``"simulated"`` or ``"min-max"``: why in ``reason``),
-    the candidates, their mean simulated steps and real tokens, their ``scores_s`` (mean step scaled to the
-    min-max split's mean real tokens; inf: could not plan), and its CPU seconds."""
+    the candidates, their mean simulated steps and real tokens, their ``scores_s`` (mean over the sample
+    batches of the step scaled to the min-max split's real tokens; inf: could not plan), the per-batch
+    scores (``batch_scores``, candidates x batches), the ``rule`` that decided (``pick_layout``) and its CPU
+    seconds."""
 
     split: Split
     how: str
@@ -197,6 +268,8 @@ class SplitChoice:
     scores_s: tuple[float, ...] = ()
     near_optimal: int = 0
     cpu_s: float = 0.0
+    batch_scores: tuple[tuple[float, ...], ...] = ()
+    rule: str = ""
 
 
 @dataclass(frozen=True)
@@ -245,15 +318,20 @@ class SplitSearch:
             return "no global batch size"
         return ""
 
-    def step_of(self, cfg: ModelConfig, split: Split, num_stages: int, cm: Any,
-                batches: list[np.ndarray]) -> tuple[float, float]:
-        """(mean simulated step, mean real tokens) of ``dynamic`` on ``batches`` under ``split``; (inf, 0) when
-        one cannot be planned."""
-        return self.layout_step(with_split(cfg, num_stages, split), num_stages, cm, batches)
+    def runs_of(self, cfg: ModelConfig, split: Split, num_stages: int, cm: Any,
+                batches: list[np.ndarray]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(simulated steps, real tokens), one each per batch, of ``dynamic`` under ``split``; inf steps and 0
+        tokens when a batch cannot be planned."""
+        return self.layout_runs(with_split(cfg, num_stages, split), num_stages, cm, batches)
 
     def layout_step(self, layout: ModelConfig, num_stages: int, cm: Any,
                     batches: list[np.ndarray]) -> tuple[float, float]:
-        """``step_of`` for a whole layout (its ``layer_split`` and ``head_split``)."""
+        """(mean simulated step, mean real tokens) of ``layout_runs``; (inf, 0) when a batch cannot be planned."""
+        return _means(self.layout_runs(layout, num_stages, cm, batches))
+
+    def layout_runs(self, layout: ModelConfig, num_stages: int, cm: Any,
+                    batches: list[np.ndarray]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """``runs_of`` for a whole layout (its ``layer_split`` and ``head_split``)."""
         priced = cm.for_layout(cm.model_cfg.with_layout_of(layout), num_stages)
         mm = get_memory_model(None, layout, num_stages)
         spec = self.spec.with_(method="dynamic", dp=1, mbs=None)
@@ -262,10 +340,10 @@ class SplitSearch:
             try:
                 plan, _, _ = plan_step(batch, spec, model_cfg=layout, cost_model=priced, memory_model=mm)
             except ValueError:                          # PackingError: this split cannot take the batch
-                return float("inf"), 0.0
+                return (float("inf"),) * len(batches), (0.0,) * len(batches)
             steps.append(float(plan.predictions["pred_step_s"]))
             tokens.append(float(plan.real_tokens))
-        return float(np.mean(steps)), float(np.mean(tokens))
+        return tuple(steps), tuple(tokens)
 
     def scores(self, layouts: list[ModelConfig], num_stages: int, *, workload: Any, cost_model: Any) -> list[float] | None:
         """Mean simulated step per real token of each layout on the sample batches (scaled to the first's
@@ -279,8 +357,9 @@ class SplitSearch:
 
     def choose(self, cfg: ModelConfig, num_stages: int, stage_cost: StageCost, *, half_blocks: bool = True,
                workload: Any = None, cost_model: Any = None, virtual: int | None = None) -> SplitChoice:
-        """The split (module docstring): the candidate of the smallest mean step per real token, else the
-        min-max split (``virtual`` chunks a GPU, None: the spec's; more than one: balanced per GPU)."""
+        """The split (module docstring): the min-max split unless a candidate's step per real token is smaller
+        on every sample batch by more than the noise (``pick_layout``; ``virtual`` chunks a GPU, None: the
+        spec's; more than one: balanced per GPU)."""
         t0 = time.process_time()
         v = int(self.spec.virtual if virtual is None else virtual)
         reason = self.why_not(cost_model, workload)
@@ -291,13 +370,27 @@ class SplitSearch:
         cands, near = near_optimal_splits(cfg, num_stages, stage_cost, half_blocks=half_blocks,
                                           tolerance=self.tolerance, max_candidates=self.max_candidates, virtual=v)
         batches = self.sample_batches(workload_lengths(workload, cfg))
-        runs = [self.step_of(cfg, c, num_stages, cm, batches) for c in cands]
-        ref = runs[0][1]
-        scores = [step * ref / tok if tok > 0 else float("inf") for step, tok in runs]
-        best = 0
-        for i, score in enumerate(scores):
-            if score < scores[best] * (1 - 1e-9):
-                best = i
-        return SplitChoice(split=cands[best], how="simulated", candidates=tuple(cands),
-                           steps_s=tuple(r[0] for r in runs), tokens=tuple(r[1] for r in runs),
-                           scores_s=tuple(scores), near_optimal=near, cpu_s=time.process_time() - t0)
+        runs = [self.runs_of(cfg, c, num_stages, cm, batches) for c in cands]
+        per_batch = batch_scores(runs)
+        pick = pick_layout(per_batch)
+        means = [_means(r) for r in runs]
+        return SplitChoice(split=cands[pick.index], how="simulated", candidates=tuple(cands),
+                           steps_s=tuple(m[0] for m in means), tokens=tuple(m[1] for m in means),
+                           scores_s=tuple(float(np.mean(row)) for row in per_batch), near_optimal=near,
+                           cpu_s=time.process_time() - t0, batch_scores=tuple(map(tuple, per_batch)), rule=pick.rule)
+
+
+def _means(run: tuple[tuple[float, ...], tuple[float, ...]]) -> tuple[float, float]:
+    """(mean step, mean real tokens) of per-batch runs; (inf, 0) where a batch could not be planned."""
+    steps, tokens = run
+    if not steps or not np.isfinite(steps).all():
+        return float("inf"), 0.0
+    return float(np.mean(steps)), float(np.mean(tokens))
+
+
+def batch_scores(runs: list[tuple[tuple[float, ...], tuple[float, ...]]]) -> list[list[float]]:
+    """Per candidate and sample batch, the simulated step per real token scaled to the first candidate's (the
+    min-max split's) real tokens on that batch (where it could not plan: to one token); inf: cannot plan."""
+    ref = [t if np.isfinite(s) and t > 0 else 1.0 for s, t in zip(*runs[0])]
+    return [[s * r / t if np.isfinite(s) and t > 0 else float("inf") for s, t, r in zip(steps, tokens, ref)]
+            for steps, tokens in runs]

@@ -202,9 +202,10 @@ def _say_choice(choice: Any) -> None:
     if choice.how == "simulated":
         i = choice.candidates.index(choice.split)
         logger.info("stage split auto: %s by simulated step, %.4f s (%.0f real tokens) against the min-max split "
-                    "%s's %.4f s (%.0f) on sample batches (%d candidates of %d near-optimal arrangements; %.1f CPU s)",
-                    list(choice.split), choice.steps_s[i], choice.tokens[i], list(choice.candidates[0]),
-                    choice.steps_s[0], choice.tokens[0], len(choice.candidates), choice.near_optimal, choice.cpu_s)
+                    "%s's %.4f s (%.0f) on sample batches (%d candidates of %d near-optimal arrangements; %.1f CPU s); "
+                    "rule: %s", list(choice.split), choice.steps_s[i], choice.tokens[i], list(choice.candidates[0]),
+                    choice.steps_s[0], choice.tokens[0], len(choice.candidates), choice.near_optimal, choice.cpu_s,
+                    choice.rule)
     elif choice.reason not in _CHOICE_SAID:
         _CHOICE_SAID.add(choice.reason)
         logger.info("stage split auto: the min-max split, not chosen by simulated step: %s", choice.reason)
