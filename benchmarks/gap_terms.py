@@ -1,6 +1,6 @@
 """Where dynamic's gap to ``ideal_s`` goes (``dynmb.gap_terms``), on one replica's share of the realistic
 study's batch (``experiments/scaling.py``: 4M tokens, DP 8, the GPU cost model, 80 GiB), as
-``benchmarks/probe_slice_fitting.py`` takes it: a seeded 1/8 of the global batch, DP 1, the ``Planner``
+``benchmarks/bench_slice_fitting.py`` takes it: a seeded 1/8 of the global batch, DP 1, the ``Planner``
 with ``schedule="auto"``, the ``--stage-split auto`` split of that share, sequences too long to fit alone
 truncated. ``ideal_s`` is priced as the study prices it: GEMMs saturated (``scaling.saturated``), the drain
 kept under a split backward (``plan_ideal_v``). Prints one markdown row per (trace, P): step, ideal, the
