@@ -162,8 +162,8 @@ def gap_terms(plan: Plan, schedule: Schedule, cost_model: CostModelLike, step_s:
     on = stage_ranks(replica.num_stages, schedule) == r
     tokens = np.array([mb.real_tokens for mb in replica.microbatches], dtype=np.float64)
     attn, cross = _real_attention(replica), replica.prefix_cross_work()
-    rc = replica.recompute_mask()
-    rc = rc if rc.any() else None
+    mask = replica.recompute_mask()
+    rc = mask if mask.any() else None
     ops = ("F", "B", "I", "W") if split.any() else ("F", "B")
     real_ops = _rank_sum(_priced(cost_model, tokens, attn, cross, ops, rc), on, split if split.any() else None)
     real_fb = _rank_sum(_priced(cost_model, tokens, attn, cross, ("F", "B"), None), on, None)

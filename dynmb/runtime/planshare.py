@@ -22,7 +22,7 @@ from __future__ import annotations
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 __all__ = ["PlanShare", "KeyValueStore", "job_store"]
 
@@ -75,4 +75,4 @@ class PlanShare:
 def job_store() -> KeyValueStore:
     """The store ``torch.distributed`` rendezvoused with (``init_process_group``'s default group)."""
     import torch.distributed as dist
-    return dist.distributed_c10d._get_default_store()
+    return cast(KeyValueStore, dist.distributed_c10d._get_default_store())
