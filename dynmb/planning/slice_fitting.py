@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike
+from ..costmodel.base import CostModelLike
+from ..memory import MemoryModelLike
 from ..config import ModelConfig
 from ..packing import PackingError
 from ..packing.rows import round_down
