@@ -33,10 +33,10 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.models import GPT, MicrobatchInputs, build_stage, full_microbatch, make_inputs, synthetic_tokens
 from dynmb.models.gpt2 import Attention
-from dynmb.types import Microbatch
+from dynmb.core.types import Microbatch
 
 __all__ = ["main"]
 

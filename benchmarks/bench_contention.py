@@ -30,7 +30,7 @@ SHAPES = [(1, 200), (4, 220), (2, 500), (8, 300), (16, 400), (1, 2048)]
 def _worker(stage: int, barrier, queue, together: bool, repeats: int, model: str) -> None:
     import torch
 
-    from dynmb.config import model_config
+    from dynmb.core.config import model_config
     from dynmb.models import build_stages, make_inputs, synthetic_tokens
     from dynmb.measure import synthetic_microbatch
     from dynmb.runtime.hostmem import retain_freed_memory

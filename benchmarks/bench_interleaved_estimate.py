@@ -4,8 +4,8 @@
         [--stages 8,16] [--virtual 2] [--tokens 4M] [--dp 8] [--divisors 1,2,4,8,16,32]
 
 Two estimates of an interleaved step on ``S = P v`` model chunks: ``as 1f1b`` (what the kind's
-``estimate_as="1f1b"`` gave before ``dynmb.makespan_interleaved``: 1F1B over S stages, each its own
-GPU) and ``interleaved`` (``makespans(..., "interleaved", virtual=v)``), each against ``dynmb.simulate``
+``estimate_as="1f1b"`` gave before ``dynmb.timing.makespan_interleaved``: 1F1B over S stages, each its own
+GPU) and ``interleaved`` (``makespans(..., "interleaved", virtual=v)``), each against ``dynmb.timing.simulate``
 of the schedule ``build_schedule("interleaved", S, m, virtual=v)``.
 
 1. Random pipelines (``--random``; R in 2-8 GPUs, v in 2-4, m from 1 to 8 R, microbatch sizes equal,
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dynmb.makespan import makespans
+from dynmb.timing.makespan import makespans
 from dynmb.schedule.kinds import build_schedule
-from dynmb.simulate import simulate_costs
+from dynmb.timing.simulate import simulate_costs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zb_estimate import _dist  # noqa: E402  (the same error summary as the zero-bubble estimate's)
@@ -75,10 +75,10 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
     import dynmb
     from dynmb import data
     from dynmb.costmodel import gpu
-    from dynmb.memory import get_memory_model
+    from dynmb.memory.model import get_memory_model
     from dynmb.packing import pack
     from dynmb.planning.replicas import make_schedule
-    from dynmb.simulate import comm_times
+    from dynmb.timing.simulate import comm_times
     out = []
     register_as_1f1b()
     for t in traces:
@@ -107,7 +107,7 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
                 sub = plan.replica(int(np.argmax(est_r))) if dp > 1 else plan
                 cost = cm.plan_costs(sub)
                 est = estimates(cost["F"], cost["B"], comm_times(cm, sub), sub.num_microbatches, v)
-                res = dynmb.simulate(make_schedule(sub, "interleaved", virtual=v, memory_model=mm, cost_model=cm),
+                res = dynmb.timing.simulate(make_schedule(sub, "interleaved", virtual=v, memory_model=mm, cost_model=cm),
                                      sub, cm, mm)
                 out.append({"trace": t, "P": P, "plan": name, "m": sub.num_microbatches, "est": est,
                             "sim": res.makespan_s, "peak": float(np.max(res.peak_bytes)) / (80 << 30)})

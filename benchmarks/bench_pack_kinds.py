@@ -28,7 +28,7 @@ import scaling  # noqa: E402
 
 from dynmb import data  # noqa: E402
 from dynmb.costmodel import gpu  # noqa: E402
-from dynmb.memory import get_memory_model  # noqa: E402
+from dynmb.memory.model import get_memory_model  # noqa: E402
 from dynmb.packing import balanced, pack  # noqa: E402
 from dynmb.schedule.kinds import auto_kinds, get_kind  # noqa: E402
 

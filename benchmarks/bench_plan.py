@@ -3,7 +3,7 @@
 Global batches of 1k, 4k, 16k and 64k sequences sampled with replacement from a shipped
 trace (sharegpt by default), at P = 4 and 8 pipeline stages, 1F1B, one memory limit;
 the median (and min) over repeats of each cell, side by side, with the ratio and the
-predicted makespan of each plan (``est_makespan_s``, equal to ``dynmb.simulate``'s).
+predicted makespan of each plan (``est_makespan_s``, equal to ``dynmb.timing.simulate``'s).
 
     python benchmarks/bench_plan.py                      # the full table (dynapipe at 64k takes a while)
     python benchmarks/bench_plan.py --sizes 1024,4096 --stages 8 --repeats 7
@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
-from dynmb.config import ModelConfig, format_bytes, parse_bytes
+from dynmb.core.config import ModelConfig, format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.data import load_trace, sample_batch
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import auto_mbs, pack
 
 

@@ -14,7 +14,7 @@ step by step in the same process group. Each step is timed barrier to barrier
 (forward + backward of the pipeline; no optimizer step). The critical path's
 compute is the makespan of the 1F1B schedule with zero communication cost and
 each action taking its median compute time measured in place by dynmb's
-interpreter (same ranks, same contention; ``dynmb.simulate.simulate_costs``).
+interpreter (same ranks, same contention; ``dynmb.timing.simulate.simulate_costs``).
 Overhead = median step time - that critical path. Rank 0 prints one JSON line and
 a small table.
 """
@@ -40,14 +40,14 @@ __all__ = ["main"]
 def _run(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from dynmb.config import ModelConfig
+    from dynmb.core.config import ModelConfig
     from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens
     from dynmb.runtime.comm import P2P, make_pair_groups
     from dynmb.runtime.device import device_ops
     from dynmb.runtime.interpreter import run_actions
     from dynmb.schedule import build_schedule
-    from dynmb.simulate import simulate_costs
-    from dynmb.types import Microbatch, Plan
+    from dynmb.timing.simulate import simulate_costs
+    from dynmb.core.types import Microbatch, Plan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from dynmb.schedule import build_schedule, validate
-from dynmb.simulate import simulate_costs
+from dynmb.timing.simulate import simulate_costs
 
 
 def _best(fn, repeats: int) -> tuple[float, object]:

@@ -1,7 +1,7 @@
 """Measure the stage time of sequence slices and fit the cost model's ``prefix_scale``.
 
 A slice of n tokens at offset p runs its attention against p prefix keys with
-``dynmb.prefix.PrefixAttention`` (``Microbatch.prefix_work = n * (2p + n)``), a different
+``dynmb.models.prefix.PrefixAttention`` (``Microbatch.prefix_work = n * (2p + n)``), a different
 kernel from whole documents' causal SDPA. This script times forward and backward of one
 such slice (the last of its sequence: prefix keys and values from a pre-filled
 ``PrefixStore``) on every stage, ``--repeats`` interleaved passes after a warm-up pass (``measure``),
@@ -33,11 +33,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from dynmb.config import model_config
+from dynmb.core.config import model_config
 from dynmb.costmodel import CostModel
 from dynmb.models import build_stage, make_inputs, synthetic_tokens, torch_dtype
-from dynmb.prefix import PrefixStore
-from dynmb.types import Microbatch
+from dynmb.models.prefix import PrefixStore
+from dynmb.core.types import Microbatch
 
 POINTS = [(256, 256), (256, 2048), (384, 4608), (512, 512), (512, 4096), (768, 4608), (1024, 1024), (1024, 8192),
           (2048, 2048), (2048, 12288)]

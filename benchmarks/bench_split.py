@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from dynmb.config import model_config
+from dynmb.core.config import model_config
 from dynmb.models import build_stages, make_inputs, synthetic_tokens
 from dynmb.measure import synthetic_microbatch
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears

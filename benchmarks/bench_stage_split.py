@@ -42,7 +42,7 @@ import scaling  # noqa: E402
 
 import dynmb  # noqa: E402
 from dynmb import data  # noqa: E402
-from dynmb.config import parse_bytes  # noqa: E402
+from dynmb.core.config import parse_bytes  # noqa: E402
 from dynmb.costmodel import gpu  # noqa: E402
 from dynmb.planning.split_search import SplitSearch  # noqa: E402
 from dynmb.planning.split_work import workload_cost  # noqa: E402

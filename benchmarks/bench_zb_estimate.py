@@ -1,4 +1,4 @@
-"""The zero-bubble makespan estimate (``dynmb.makespan_zb``) against the simulator.
+"""The zero-bubble makespan estimate (``dynmb.timing.makespan_zb``) against the simulator.
 
     python benchmarks/bench_zb_estimate.py [--random 200] [--traces sharegpt,wikitext2,longtail]
         [--stages 2,4,8,16] [--tokens 1M] [--dp 8] [--divisors 1,2,4,8,16]
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dynmb.makespan import makespans
-from dynmb.makespan_zb import backward_shares
+from dynmb.timing.makespan import makespans
+from dynmb.timing.makespan_zb import backward_shares
 from dynmb.schedule.validate import execution_order
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1, zb_limit_aware
-from dynmb.simulate import action_times, cross_mask
+from dynmb.timing.simulate import action_times, cross_mask
 
 
 def _evaluator(F, B, I, W, comm):  # noqa: E741
@@ -75,7 +75,7 @@ def trace_cases(traces, stages, tokens, dp, divisors) -> list[dict]:
     from dynmb import data
     from dynmb.packing import pack
     from dynmb.planning.planner import make_schedule
-    from dynmb.simulate import comm_times
+    from dynmb.timing.simulate import comm_times
     out = []
     for t in traces:
         trace = data.load_trace(t)
@@ -99,7 +99,7 @@ def trace_cases(traces, stages, tokens, dp, divisors) -> list[dict]:
                     cost = cm.plan_costs(sub)
                     est = float(makespans(cost["F"], cost["B"], comm_times(cm, sub), [sub.num_microbatches], kind,
                                           shares=shares)[0])
-                    sim = dynmb.simulate(make_schedule(sub, kind, memory_model=mm, cost_model=cm), sub, cm, mm).makespan_s
+                    sim = dynmb.timing.simulate(make_schedule(sub, kind, memory_model=mm, cost_model=cm), sub, cm, mm).makespan_s
                     out.append({"trace": t, "P": P, "kind": kind, "div": d, "m": sub.num_microbatches, "est": est, "sim": sim})
                     print(f"{t} P{P} {kind} balanced/{d}: m {sub.num_microbatches} est {est:.4f} sim {sim:.4f} "
                           f"({est / sim - 1:+.2%})", flush=True)

@@ -1,4 +1,4 @@
-"""Where dynamic's gap to ``ideal_s`` goes (``dynmb.gap_terms``), on one replica's share of the realistic
+"""Where dynamic's gap to ``ideal_s`` goes (``dynmb.timing.gap_terms``), on one replica's share of the realistic
 study's batch (``experiments/scaling.py``: 4M tokens, DP 8, the GPU cost model, 80 GiB), as
 ``benchmarks/bench_slice_fitting.py`` takes it: a seeded 1/8 of the global batch, DP 1, the ``Planner``
 with ``schedule="auto"``, the ``--stage-split auto`` split of that share, sequences too long to fit alone
@@ -24,7 +24,7 @@ import scaling  # noqa: E402
 import dynmb  # noqa: E402
 from dynmb import data  # noqa: E402
 from dynmb.costmodel.gpu import GPUCostModel  # noqa: E402
-from dynmb.gap_terms import TERMS, gap_terms  # noqa: E402
+from dynmb.timing.gap_terms import TERMS, gap_terms  # noqa: E402
 
 
 def one(trace_name: str, P: int, model: str) -> str:

@@ -57,13 +57,13 @@ done
 step recomputed forward peak
 timeout 120 python3 benchmarks/recompute_peak.py --device "$DEV" --model "$MODEL" --lengths 1024,4096
 step head shards on one GPU
-python3 -c "import json,sys; from dynmb.config import ModelConfig as M; c=M.preset(sys.argv[1]).to_dict(); v=c['vocab_size']; \
+python3 -c "import json,sys; from dynmb.core.config import ModelConfig as M; c=M.preset(sys.argv[1]).to_dict(); v=c['vocab_size']; \
 c.update(name=sys.argv[1]+'-heads', layer_split=[c['n_layers'], 0], head_split=[v // 3, v - v // 3]); json.dump(c, open(sys.argv[2], 'w'))" \
     "$MODEL" "$R/head-split.json"
 timeout 240 $D run --nproc 1 --model "$R/head-split.json" --stages 2 --virtual 2 --device "$DEV" --memory-limit "$LIMIT" \
     --global-batch 8 --steps 1 --allow-over-limit --oversize truncate --method dynamic --schedule interleaved --verify --out "$R/head-split" 2>&1 | tail -3
 step chunk split on one GPU
-python3 -c "import json,sys; from dynmb.config import ModelConfig as M; c=M.preset(sys.argv[1]); n=c.n_layers; \
+python3 -c "import json,sys; from dynmb.core.config import ModelConfig as M; c=M.preset(sys.argv[1]); n=c.n_layers; \
 a=next(k for k in (2, 4, 8) if c.kv_heads * k % 8 == 0); u=[16 + a, 16 * (n // 2) + 12 - 16 - a, 2]; u.append(16 * n - sum(u)); \
 d=c.to_dict(); d.update(name=sys.argv[1] + '-chunks', layer_split=[x / 16 for x in u]); M.from_dict(d); json.dump(d, open(sys.argv[2], 'w'))" \
     "$MODEL" "$R/chunk-split.json"

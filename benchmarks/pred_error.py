@@ -54,7 +54,7 @@ def _worker(rank: int, args, port: int, out: list) -> None:
     torch.set_num_threads(1)
     from dynmb.runtime.hostmem import prefault, retain_freed_memory
     retain_freed_memory()     # as the runtime worker does; --env DYNMB_HOST_MALLOC=system turns it off
-    from dynmb.config import ModelConfig, parse_bytes
+    from dynmb.core.config import ModelConfig, parse_bytes
     from dynmb.costmodel import get_cost_model
     from dynmb.data import load_trace, sample_batch
     from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens

@@ -20,9 +20,9 @@ import argparse
 
 import torch
 
-from dynmb.config import model_config
-from dynmb.memory import get_memory_model
-from dynmb.microbatch import Microbatch
+from dynmb.core.config import model_config
+from dynmb.memory.model import get_memory_model
+from dynmb.core.microbatch import Microbatch
 from dynmb.models import build_stage, make_inputs, synthetic_tokens
 from dynmb.runtime.meter import MemoryMeter
 

@@ -1,5 +1,5 @@
 """``experiments/scaling.py`` with one more ``--schedule`` setting, ``interleaved-as-1f1b``: the interleaved kind
-registered again with the estimate it had before ``dynmb.makespan_interleaved`` (1F1B over the chunks), so the
+registered again with the estimate it had before ``dynmb.timing.makespan_interleaved`` (1F1B over the chunks), so the
 dynamic packer plans with it while the rows run interleaved. The A/B of docs/results.md "Interleaved stages
 at realistic load":
 

@@ -18,7 +18,7 @@ contiguous partition (``planning.partition``) of a finer row of work units:
   ``ModelConfig.head_split``): what ``--stage-split auto`` plans now;
 - ``+mlp/8`` and ``+attn/8``: a boundary inside a half-block: each MLP half (then also each attention
   half) cut into 8 equal chunks (column / K/V-head groups, whose partial sums travel with the residual
-  stream, ``dynmb.model_sizes``). They show which grain holds each cell back;
+  stream, ``dynmb.core.model_sizes``). They show which grain holds each cell back;
 - ``auto``: the layout ``--stage-split auto`` plans (``resolve_stage_split``, same work model): chunks of
   both halves and head shards, each taken where it lightens the busiest stage (chunks by ``CHUNK_GAIN``).
 """
@@ -29,7 +29,7 @@ import argparse
 
 import numpy as np
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.planning.head_split import HEAD_CHUNKS
 from dynmb.planning.partition import min_max_partition

@@ -36,7 +36,7 @@ import scaling  # noqa: E402
 from _scaling_split import row_search  # noqa: E402
 
 from dynmb import data  # noqa: E402
-from dynmb.config import parse_bytes  # noqa: E402
+from dynmb.core.config import parse_bytes  # noqa: E402
 from dynmb.costmodel import gpu  # noqa: E402
 from dynmb.planning.split_search import batch_scores, near_optimal_splits, pick_layout  # noqa: E402
 from dynmb.planning.split_work import workload_lengths  # noqa: E402

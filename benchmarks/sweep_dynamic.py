@@ -2,7 +2,7 @@
 
 For each shipped trace, global batch size and AnalyticCostModel per-op overhead, packs the
 batch with every method at the binding limit of ``table_methods.py`` (fixed gets mbs 4 at the
-batch's longest sequence) and compares ``est_makespan_s`` (equal to ``dynmb.simulate``'s
+batch's longest sequence) and compares ``est_makespan_s`` (equal to ``dynmb.timing.simulate``'s
 makespan). Prints one line per case and a final count.
 
     python benchmarks/sweep_dynamic.py [--model small --stages 2] [--overheads 3e-4,5e-3,0.02,0.1] [--sizes 128,256,512]
@@ -14,10 +14,10 @@ import argparse
 
 import numpy as np
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel
 from dynmb.data import list_traces, load_trace, sample_batch
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import METHODS, pack
 
 

@@ -4,7 +4,7 @@ For each trace: a global batch (default 256 sequences, seed 0; lengths clipped t
 model's max_seq_len), the small model at P = 2 under 1F1B, and a limit at which
 ``fixed`` gets mbs 4 at the batch's longest sequence (so it binds). Each method is
 packed and scheduled by ``dynmb.planning.plan_step`` (no reordering) and simulated by
-``dynmb.simulate``; the table shows microbatches, padding fraction, predicted peak /
+``dynmb.timing.simulate``; the table shows microbatches, padding fraction, predicted peak /
 limit (max over stages), simulated step time and plan_s (pack wall time).
 
     python benchmarks/table_methods.py [--global-batch 256] [--mbs-at-limit 4] [--cost-model cost.json]
@@ -16,10 +16,10 @@ import argparse
 
 import numpy as np
 
-from dynmb.config import ModelConfig, format_bytes
+from dynmb.core.config import ModelConfig, format_bytes
 from dynmb.costmodel import get_cost_model
 from dynmb.data import list_traces, load_trace, sample_batch
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import METHODS
 from dynmb.planning import plan_step
 

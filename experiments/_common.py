@@ -14,7 +14,7 @@
   ``failed`` with its error and the remaining cases are relaunched.
 
 Public names (``import dynmb``) wherever one exists; beyond them only ``dynmb.data`` (traces,
-``sample_batch``), ``dynmb.packing.PackingError`` and ``dynmb.results.TableWriter``; nothing of
+``sample_batch``), ``dynmb.packing.PackingError`` and ``dynmb.io.results.TableWriter``; nothing of
 ``dynmb.runtime``.
 - ``measured(out_dir, run_id)``: medians of one run's measured (non-warm-up) steps.
 """
@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 import dynmb
-from dynmb.results import TableWriter
+from dynmb.io.results import TableWriter
 
 __all__ = ["canon", "Resume", "progress", "split_list", "parse_batches", "simulate_rows", "run_real",
            "measured", "add_model_flags", "real_flags", "SIM_SETTINGS"]

@@ -1,11 +1,11 @@
-"""Where a row's gap to ``ideal_s`` goes, for ``experiments/scaling.py`` (``dynmb.gap_terms``).
+"""Where a row's gap to ``ideal_s`` goes, for ``experiments/scaling.py`` (``dynmb.timing.gap_terms``).
 
 For the row's chosen kind, the slowest simulated replica (the one whose makespan is ``pred_step_s``,
 as reordered and scheduled) is split against the row's ``ideal_s`` (the whole plan's, GEMMs saturated,
 each chunk's work on its GPU, no split-backward drain dropped: ``plan_ideal_v``'s pricing) into
 ``gap_schedule`` (step - bound), ``gap_ends``, ``gap_split``, ``gap_replicas``, ``gap_overhead``,
 ``gap_padding``, ``gap_passes``, ``gap_shape``: seconds over ``ideal_s``, summing to ``gap_to_ideal``
-(``dynmb.gap_terms`` defines each); ``gap_rank`` is the GPU that decides the bound. ``terms_text`` writes
+(``dynmb.timing.gap_terms`` defines each); ``gap_rank`` is the GPU that decides the bound. ``terms_text`` writes
 them for the summary's list of cells that miss the ideal criterion.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pandas as pd
 from _scaling_virtual import ranks
 
-from dynmb.gap_terms import TERMS, gap_terms
+from dynmb.timing.gap_terms import TERMS, gap_terms
 
 __all__ = ["GAP_COLUMNS", "gap_columns", "terms_text"]
 

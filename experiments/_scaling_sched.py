@@ -13,7 +13,7 @@ so each method gets the same schedule choice. The rule is ``dynmb.planning.plann
 - for each kind, each simulated replica is reordered for that kind (``reorder(..., schedule_kind=kind)``:
   ``search`` judges orders under the kind's own schedule), given the kind's schedule by
   ``dynmb.planning.make_schedule`` (the zero-bubble kinds get the cost model, which prices I and W from
-  B) and simulated (``dynmb.simulate``); the kind's step is its slowest simulated replica;
+  B) and simulated (``dynmb.timing.simulate``); the kind's step is its slowest simulated replica;
 - the fastest kind whose every simulated replica fits the memory limit (``SimResult.fits``) is kept,
   ties to the kind registered first; none fits: the fastest (as a fixed kind would run).
 
@@ -105,7 +105,7 @@ def run_kind(plan, replicas: list[int], kind: str, how: str, cm, mm, virtual: in
         t3 = time.process_time()
         run.reorder_s.append(t2 - t1)
         run.sched_s.append(t3 - t2)
-        run.sims.append(dynmb.simulate(sched, sub, cm, mm))
+        run.sims.append(dynmb.timing.simulate(sched, sub, cm, mm))
         run.subs.append(sub)
         run.schedules.append(sched)
     return run

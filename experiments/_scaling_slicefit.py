@@ -31,7 +31,7 @@ from _scaling_virtual import plan_ideal_v, real_flops, real_work
 from dynmb.packing import PackingError
 from dynmb.planning.slice_fitting import plan_threshold, thresholds
 from dynmb.planning.slicing import longest_row
-from dynmb.planspec import PlanSpec
+from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import get_kind
 
 __all__ = ["slice_check"]

@@ -9,7 +9,7 @@ sequences (sampled with replacement from the trace) is packed for DP pipelines o
 replicas the packer predicts slowest (``--sim-replicas``, default 2, 0 for all: the step
 waits for the slowest; ``predictions["est_replica_makespan_s"]``, the packers' makespan
 estimate per replica, exact where a replica has few microbatches per stage) get their 1F1B
-schedule built and simulated (``dynmb.simulate``). Rows (table ``scaling``, one per configuration):
+schedule built and simulated (``dynmb.timing.simulate``). Rows (table ``scaling``, one per configuration):
 
 - ``pack_s`` (planning the whole global batch), ``sched_s`` (one replica's schedule, built
   by each replica in parallel), ``plan_s`` = pack_s + sched_s: the planning time per step;
@@ -39,12 +39,12 @@ from _common import Resume, parse_batches, progress, split_list
 
 from dynmb import data
 from dynmb import ModelConfig, simulate
-from dynmb.config import parse_bytes
+from dynmb.core.config import parse_bytes
 from dynmb.costmodel import AnalyticCostModel, CommModel
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError, pack
 from dynmb.planning import make_schedule
-from dynmb.results import TableWriter
+from dynmb.io.results import TableWriter
 
 KEYS = ("dataset", "model", "num_stages", "dp", "per_replica", "global_batch", "memory_limit_bytes", "method",
         "peak_tflops", "mfu", "overhead_us", "link_GBps", "alpha_us", "sim_replicas", "replica_pick", "seed",

@@ -15,7 +15,7 @@ not cover: the even split needs ``n_layers >= P V`` whole layers, ``--stage-spli
 dynmb's families) ``2 n_layers >= P V`` half-blocks (more chunks than layers: half-blocks only).
 
 What a row's bounds and metrics read with chunks (``ranks``): ``ideal_s`` / ``ideal_whole_s`` are
-``dynmb.bounds.ideal_bound`` with each chunk's work charged to its GPU (the busiest GPU's work, its
+``dynmb.timing.bounds.ideal_bound`` with each chunk's work charged to its GPU (the busiest GPU's work, its
 shortest fill and drain), ``attainable`` the chunks' ideal work over ``P x step`` (GPUs), ``efficiency``
 the FLOPs of all chunks over ``DP x P`` GPUs (``real_work``, ``real_flops``: sums over every chunk). The row key ``virtual`` (rows from before the flag: 1)
 keeps V = 1 and V = 2 rows of one cell apart in one results folder; the summary labels rows with V > 1
@@ -40,11 +40,11 @@ from _common import canon
 from _scaling_split import row_search
 
 
-from dynmb.bounds import ideal_bound, plan_lengths_pieces
+from dynmb.timing.bounds import ideal_bound, plan_lengths_pieces
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, CANDIDATES, VirtualSearch, admissible, say
-from dynmb.results import TableWriter
+from dynmb.io.results import TableWriter
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 
 __all__ = ["kinds", "check", "ranks", "plan_ideal_v", "setting_label", "real_work", "real_flops", "parse_virtual",
@@ -104,7 +104,7 @@ def ranks(num_chunks: int, virtual: int) -> np.ndarray:
 
 
 def plan_ideal_v(plan, cost_model, virtual: int) -> float:
-    """``dynmb.bounds.plan_ideal`` with each chunk's work on its GPU (``ranks``)."""
+    """``dynmb.timing.bounds.plan_ideal`` with each chunk's work on its GPU (``ranks``)."""
     lengths, shortest = plan_lengths_pieces(plan)
     return ideal_bound(lengths, cost_model, stage_rank=ranks(plan.num_stages, virtual), dp=plan.dp,
                        shortest_piece=shortest)

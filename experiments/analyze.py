@@ -1,10 +1,10 @@
 """Print the README results table (and "dynamic vs best fixed mbs") from a results folder.
 
 What it does: loads the tidy tables of ``DIR`` (and of every folder below it) with
-``dynmb.results.load_results``. Real runs (``steps``/``memory`` from the runtime) get their
+``dynmb.io.results.load_results``. Real runs (``steps``/``memory`` from the runtime) get their
 settings joined by ``run_id`` from ``configs`` (the experiment scripts) or ``runs`` (the
 flattened ``RunConfig`` of ``dynmb run``) and are summarised with
-``dynmb.analysis.summarise``: tokens/s, speedup vs ``fixed``, padding, mean bubble,
+``dynmb.report.analysis.summarise``: tokens/s, speedup vs ``fixed``, padding, mean bubble,
 peak / limit, predicted vs measured step time, plan time. Simulated sweeps (table ``sim``)
 get the predicted counterpart. A settings column that varies within a (dataset, limit,
 method) group (mbs, reorder, cost_model, ...) is appended to the method label, so nothing is
@@ -54,7 +54,7 @@ def _fmt(v, floatfmt: str) -> str:
 
 def _limit_label(df: pd.DataFrame) -> pd.DataFrame:
     if "memory_limit_bytes" in df.columns:
-        from dynmb.config import format_bytes
+        from dynmb.core.config import format_bytes
 
         df = df.copy()
         df["memory_limit"] = [format_bytes(x) if pd.notna(x) else "" for x in df["memory_limit_bytes"]]

@@ -1,6 +1,6 @@
-"""Simulated gaps to the step's lower bounds (``dynmb.bounds``) per method, token budgets tuned in hindsight.
+"""Simulated gaps to the step's lower bounds (``dynmb.timing.bounds``) per method, token budgets tuned in hindsight.
 
-For each step's global batch: every method's plan, its predicted step (``dynmb.simulate``), its
+For each step's global batch: every method's plan, its predicted step (``dynmb.timing.simulate``), its
 ``bound_s`` (the dependency bound of its own microbatches) and the batch's ``ideal_s`` (real tokens
 only, busiest stage, shortest fill and drain). ``token-budget-best`` / ``balanced-best``: the fastest
 predicted of the budgets cap / 2^j (j = 0, 1, ... until every sequence is its own microbatch), the
@@ -20,10 +20,10 @@ import argparse
 
 import numpy as np
 
-from dynmb.config import model_config, parse_bytes
+from dynmb.core.config import model_config, parse_bytes
 from dynmb.costmodel import AnalyticCostModel, CommModel, get_cost_model
 from dynmb.data import load_trace, sample_batch
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError
 from dynmb.planning import default_cost_model_path, plan_step
 

@@ -49,11 +49,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import CalibrationStep, RuntimeCalibration, get_cost_model, job_calibration, runtime_calibration
-from dynmb.results import load_results
-from dynmb.simulate import simulate_costs
-from dynmb.types import Action, Schedule
+from dynmb.io.results import load_results
+from dynmb.timing.simulate import simulate_costs
+from dynmb.core.types import Action, Schedule
 
 RULES = ("none", "warmup", "pooled", "rolling", "recent", "job0", "job-gap", "job-lat", "job")
 

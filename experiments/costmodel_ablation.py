@@ -32,10 +32,10 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, measured, parse_batc
 
 from dynmb import data
 from dynmb import ModelConfig, simulate
-from dynmb.config import parse_bytes
+from dynmb.core.config import parse_bytes
 from dynmb.costmodel import CostModel, get_cost_model
-from dynmb.memory import get_memory_model
-from dynmb.results import TableWriter
+from dynmb.memory.model import get_memory_model
+from dynmb.io.results import TableWriter
 
 KINDS = ("poly", "grid", "analytic")
 REAL_KEYS = SIM_SETTINGS + ("steps", "warmup")

@@ -24,11 +24,11 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, parse_batches, progr
 
 from dynmb import data
 from dynmb import ModelConfig
-from dynmb.config import parse_bytes
+from dynmb.core.config import parse_bytes
 from dynmb.costmodel import get_cost_model
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.planning import AUTO_REORDER
-from dynmb.results import TableWriter
+from dynmb.io.results import TableWriter
 
 REAL_KEYS = SIM_SETTINGS + ("steps", "warmup")
 

@@ -32,7 +32,7 @@ import pandas as pd
 
 from dynmb.costmodel import get_cost_model
 from dynmb.costmodel.p2pfit import action_gaps, receive_waits
-from dynmb.results import load_results
+from dynmb.io.results import load_results
 
 from calibration_study import model_from_runs
 

@@ -8,7 +8,7 @@ For each trace x seed x packing method x schedule kind: sample one global batch
 (``dynmb.data.sample_batch``), pack it (``dynmb.packing.pack``, analytic cost and
 memory models unless ``--cost-model``/``--memory-model``), then order its
 microbatches with every ``REORDER_METHODS`` entry and simulate the result
-(``dynmb.simulate``). Writes ``rows.csv`` (one row per plan x reorder method:
+(``dynmb.timing.simulate``). Writes ``rows.csv`` (one row per plan x reorder method:
 makespan, peak per GPU, fits, planning seconds, an order-free lower bound on the
 makespan: ``OrderEvaluator.lower_bound``) and ``table.md`` (makespan per
 method, with ``!`` marking an order over the memory limit), and checks that
@@ -27,9 +27,9 @@ import pandas as pd
 
 from dynmb import data
 from dynmb import ModelConfig
-from dynmb.config import format_bytes, parse_bytes
+from dynmb.core.config import format_bytes, parse_bytes
 from dynmb.costmodel import get_cost_model
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import pack
 from dynmb.planning.reorder import REORDER_METHODS, OrderEvaluator, reorder_order
 

@@ -7,7 +7,7 @@ sequences than replicas: ``status`` infeasible), packed for
 DP pipelines of P stages with ``dynmb.packing.pack(..., dp=DP)`` (the packers balance the replicas),
 each simulated replica reordered as ``dynmb.Planner`` does (``--reorder auto``: ``search`` for dynamic,
 ``dynapipe`` for dynapipe, none for the others), given its schedule and simulated
-(``dynmb.simulate``). The replicas simulated are the ``--sim-replicas`` (default 2; 0: all) the packer's
+(``dynmb.timing.simulate``). The replicas simulated are the ``--sim-replicas`` (default 2; 0: all) the packer's
 estimate ``predictions["est_replica_makespan_s"]`` says are slowest; the step is the slowest simulated.
 The schedule (``--schedule``, ``experiments/_scaling_sched.py``): ``1f1b`` (default, the study as before)
 or ``auto``: for every method, each simulated replica reordered, scheduled and simulated under each kind
@@ -19,7 +19,7 @@ per cell by simulated step (``virtual_chosen``).
 
 Model and costs: a model preset (``--model``, default ``llama2-7b``: the Llama family, SwiGLU,
 RMSNorm, rotary positions, no biases; ``llama3.1-8b`` / ``llama3.2-1b`` with grouped-query attention
-and a 128k vocabulary; ``dynmb.config`` cites their sizes), ``max_seq_len`` raised to cover the longest
+and a 128k vocabulary; ``dynmb.core.config`` cites their sizes), ``max_seq_len`` raised to cover the longest
 trace length (sequences longer than fit alone in memory are truncated, counted in ``truncated``), an 80 GiB limit, the
 analytic memory model and ``dynmb.costmodel.gpu.GPUCostModel`` (H100 SXM, ``--link ib|nvlink``; its
 constants and their public sources are printed first). ``--stage-split even|auto|search`` (even and auto by default;
@@ -40,9 +40,9 @@ searched per step), ``dynapipe`` and ``dynamic`` (with the Planner's final check
 
 Columns (table ``scaling``):
 - ``pred_step_s``: the slowest simulated replica's makespan; ``mean_bubble`` of it;
-- ``bound_s``: that replica's dependency bound (``SimResult.bound_s``, ``dynmb.bounds``);
+- ``bound_s``: that replica's dependency bound (``SimResult.bound_s``, ``dynmb.timing.bounds``);
   ``gap_to_bound = pred_step_s / bound_s - 1`` (what order, ends and schedule leave);
-- ``ideal_s``: ``dynmb.bounds.plan_ideal`` of the whole plan (DP replicas: busiest stage's real-token
+- ``ideal_s``: ``dynmb.timing.bounds.plan_ideal`` of the whole plan (DP replicas: busiest stage's real-token
   work / DP + shortest fill and drain), priced by the same GPU model with GEMMs at their
   large-problem efficiency (``gemm_m_half`` -> 0). Why: ``plan_ideal`` prices each sequence alone in
   one row, and ``GPUCostModel``'s GEMM efficiency ``M / (M + 128)`` grows with the tokens M of a
@@ -105,10 +105,10 @@ from _scaling_virtual import (Writer, auto_apart, check, choose_v, parse_virtual
 
 import dynmb
 from dynmb import data
-from dynmb.bounds import ideal_bound
-from dynmb.config import parse_bytes
+from dynmb.timing.bounds import ideal_bound
+from dynmb.core.config import parse_bytes
 from dynmb.costmodel import gpu
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError, pack
 from dynmb.planning import reorder_for
 from dynmb.planning.split_work import workload_cost

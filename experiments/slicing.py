@@ -47,7 +47,7 @@ import numpy as np
 import pandas as pd
 
 import dynmb
-from dynmb.config import parse_bytes
+from dynmb.core.config import parse_bytes
 from dynmb.data import load_trace, sample_batch
 from dynmb.packing import PackingError
 from dynmb.planning import default_cost_model_path

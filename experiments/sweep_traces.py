@@ -26,12 +26,12 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, parse_batches, progr
 
 from dynmb import data
 from dynmb import ModelConfig
-from dynmb.config import parse_bytes
+from dynmb.core.config import parse_bytes
 from dynmb.costmodel import get_cost_model
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import METHODS
 from dynmb.planning import default_cost_model_path, reorder_for
-from dynmb.results import TableWriter
+from dynmb.io.results import TableWriter
 
 REAL_KEYS = SIM_SETTINGS + ("steps", "warmup")
 

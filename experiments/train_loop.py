@@ -5,7 +5,7 @@ What it shows, in order:
 1. the sampler plans each global batch of the dataset for *your* model (its sizes in a
    ``ModelConfig``; pass ``--cost-model`` / ``--memory-model`` fitted for it, else dynmb warns
    once that it plans with stand-ins) and yields this rank's microbatches in execution order;
-2. ``dynmb.collate`` turns each into token tensors (``--layout padded``: the plan's rows;
+2. ``dynmb.api.collate`` turns each into token tensors (``--layout padded``: the plan's rows;
    ``packed``: one row, no padding), positions restarting per document, labels masked at
    document starts and pads, ``doc_ids`` for document-causal attention;
 3. gradient accumulation with the token-weighted loss: each microbatch's summed
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynmb
-from dynmb.collate import TokenBatch, collate, planned_loss_tokens, token_loss_sum
+from dynmb.api.collate import TokenBatch, collate, planned_loss_tokens, token_loss_sum
 
 
 class TinyLM(nn.Module):

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from dynmb import PipelineConfig, RunConfig, model_config
-from dynmb.config import parse_bytes
+from dynmb.core.config import parse_bytes
 from dynmb.planning import default_cost_model_path
 from dynmb.runtime.launch import launch_job   # the public dynmb.run once it lands
 from dynmb.runtime.spec import JobSpec, RunSpec

@@ -2,8 +2,8 @@
 
 What it measures: for each (trace, P, global batch k of ``--batches``) one global batch of
 ``--global-batch`` sequences is packed by ``dynamic`` for 1F1B (``dynmb.packing.pack``; the
-zero-bubble kinds pack the same way, see ``dynmb.memory``), and the same plan is scheduled as
-``1f1b``, ``zb-h1`` and ``zb`` (``dynmb.planning.zerobubble.build_zb``) and simulated (``dynmb.simulate``).
+zero-bubble kinds pack the same way, see ``dynmb.memory.model``), and the same plan is scheduled as
+``1f1b``, ``zb-h1`` and ``zb`` (``dynmb.planning.zerobubble.build_zb``) and simulated (``dynmb.timing.simulate``).
 One row per (configuration, batch, schedule): ``pred_step_s``, ``mean_bubble``,
 ``peak_over_limit`` (max over stages of the predicted peak / limit), ``speedup`` (1F1B's
 makespan / this one's on the same plan), ``sched_s`` (time to build the schedule).
@@ -30,13 +30,13 @@ import numpy as np
 import pandas as pd
 
 from dynmb import data
-from dynmb.config import ModelConfig, parse_bytes
+from dynmb.core.config import ModelConfig, parse_bytes
 from dynmb.costmodel import AnalyticCostModel, CommModel, get_cost_model
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError, pack
 from dynmb.planning import make_schedule
-from dynmb.results import TableWriter
-from dynmb.simulate import simulate
+from dynmb.io.results import TableWriter
+from dynmb.timing.simulate import simulate
 
 KINDS = ("1f1b", "zb-h1", "zb")
 

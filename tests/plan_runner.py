@@ -14,11 +14,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.models import build_stages, hidden_shape, make_inputs
-from dynmb.prefix import PrefixStore
+from dynmb.models.prefix import PrefixStore
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
-from dynmb.types import Microbatch, Plan
+from dynmb.core.types import Microbatch, Plan
 
 __all__ = ["run_plan", "packed_microbatch", "validated_plan", "mixed_plan", "sliced_plan"]
 

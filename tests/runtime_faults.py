@@ -21,7 +21,7 @@ import torch
 
 from dynmb.runtime.hooks import NoHooks
 from dynmb.runtime.spec import HookRef
-from dynmb.types import Action, Plan
+from dynmb.core.types import Action, Plan
 
 __all__ = ["Fault", "fault_hooks", "KINDS", "REPO"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from dynmb.analysis import summarise
+from dynmb.report.analysis import summarise
 
 
 def _steps(run_id: str, method: str, tps: list[float], **cols) -> list[dict]:

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import PackingError, pack
 from dynmb.packing.balanced import (VERL_LINEAR_COEF, ends_order, greedy_partition, karmarkar_karp,
                                     sequence_workload)
@@ -227,7 +227,7 @@ def test_dynamic_never_behind_balanced_at_its_budgets(trace):
     from dynmb.packing.balanced import budget_divisors
     from dynmb.packing.context import PackContext
     from dynmb.planning import plan_step
-    from dynmb.planspec import PlanSpec
+    from dynmb.core.planspec import PlanSpec
 
     mm, cm = MemoryModel.analytic(SMALL, 4), AnalyticCostModel(SMALL, 4)
     lengths = np.minimum(sample_batch(load_trace(trace), 256, 0), 4096)
@@ -317,8 +317,8 @@ def test_karmarkar_karp_remembers_large_calls_and_hands_out_copies():
 def test_equal_microbatches_extend_the_zero_bubble_recurrence_linearly(kind):
     """``budget_divisors`` runs the zero-bubble recurrence of k equal microbatches on a few of them and extends it
     one period per microbatch (``_equal_zb``): the value of the full recurrence, to 1e-9, from 1 to 400 of them."""
-    from dynmb.makespan import makespans
-    from dynmb.makespan_zb import backward_shares
+    from dynmb.timing.makespan import makespans
+    from dynmb.timing.makespan_zb import backward_shares
     from dynmb.packing.balanced import _equal_zb
 
     for P in (2, 4):

@@ -1,4 +1,4 @@
-"""Lower bounds (dynmb.bounds): hand-computed cases, no schedule below its bound, ideal <= bound."""
+"""Lower bounds (dynmb.timing.bounds): hand-computed cases, no schedule below its bound, ideal <= bound."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dynmb.bounds import (dependency_bound, ideal_bound, plan_bound, plan_bounds, plan_ideal, split_mask,
+from dynmb.timing.bounds import (dependency_bound, ideal_bound, plan_bound, plan_bounds, plan_ideal, split_mask,
                           stage_ranks, step_bound_fields)
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.data.lengths import shipped_dir
 from dynmb.costmodel import AnalyticCostModel, CommModel, CostModel, fit_cost_model
 from dynmb.costmodel.gpu import GPUCostModel, GPUSpec
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import METHODS, PackingError, pack
 from dynmb.planning import default_cost_model_path, make_schedule, plan_step
 from dynmb.schedule import build_schedule
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1
-from dynmb.simulate import simulate, simulate_costs
-from dynmb.types import Microbatch, Plan
+from dynmb.timing.simulate import simulate, simulate_costs
+from dynmb.core.types import Microbatch, Plan
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("small")
@@ -198,7 +198,7 @@ def _grid():
        method=st.sampled_from(METHODS), kind=st.sampled_from(KINDS), which=st.integers(0, 3),
        scale=st.floats(1.5, 8.0))
 def test_simulated_plans_keep_ideal_below_bound_below_makespan(lengths, P, method, kind, which, scale):
-    """``dynmb.simulate`` of every method's plan under every schedule kind, on the shipped models:
+    """``dynmb.timing.simulate`` of every method's plan under every schedule kind, on the shipped models:
     ideal_s <= bound_s <= makespan_s."""
     models = _models(P)
     cm = models[which % len(models)]

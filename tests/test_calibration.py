@@ -14,11 +14,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import CalibrationStep, CommModel, CostModel, job_calibration
 from dynmb.costmodel.p2pfit import LATENCY_MIN_RECEIVES, action_gaps, gap_per_op, p2p_latency, receive_waits
 from dynmb.schedule.builders import one_f_one_b
-from dynmb.simulate import simulate_costs
+from dynmb.timing.simulate import simulate_costs
 
 F_S, B_S, COMM_S = 0.010, 0.020, 0.0002
 

@@ -1,4 +1,4 @@
-"""The memory model of stages holding pieces of a half-block (``dynmb.memory_coef.piece_act_coef``) against the
+"""The memory model of stages holding pieces of a half-block (``dynmb.memory.coef.piece_act_coef``) against the
 CPU meter (fp32): states exact (a half's norm, and gpt2's output bias, with its chunk 0), activations and peaks
 an upper bound within 5%, but for the documented slack of a stage that starts inside an attention half on
 one-document rows (the gathered copy of ``h`` that only packed rows make); the bytes held from I to W and under
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from dynmb.config import ModelConfig
-from dynmb.memory import MemoryModel
-from dynmb.memory_coef import BUCKET_PADDING
+from dynmb.core.config import ModelConfig
+from dynmb.memory.model import MemoryModel
+from dynmb.memory.coef import BUCKET_PADDING
 from dynmb.models import build_stages, make_inputs, synthetic_tokens
 from dynmb.runtime.meter import MemoryMeter
-from dynmb.types import Microbatch
+from dynmb.core.types import Microbatch
 from tests.meter_checks import check_w_held
 
 FAMILIES = {"llama": ModelConfig.preset("llama-tiny", n_heads=8, n_kv_heads=4),

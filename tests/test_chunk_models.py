@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
-from dynmb.model_sizes import SUB_CHUNKS, UNITS_PER_LAYER
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.model_sizes import SUB_CHUNKS, UNITS_PER_LAYER
 from dynmb.models import build_stages, hidden_shape, make_inputs, reference_grads, synthetic_tokens
 from dynmb.models.pieces import full_weights, whole_name
-from dynmb.types import Microbatch
+from dynmb.core.types import Microbatch
 from tests.gloo_jobs import register
 from tests.plan_runner import mixed_plan, run_plan, sliced_plan
 
@@ -284,7 +284,7 @@ register(4)(_provider(4))
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_chunk_splits_give_the_reference_gradients_on_gloo_ranks(gloo_job, nproc: int) -> None:
     """``--verify``: every rank's gradients equal the single-process reference of the same split."""
-    from dynmb.results import load_results
+    from dynmb.io.results import load_results
 
     job = gloo_job(nproc)
     assert job.returncode == 0, job.errors

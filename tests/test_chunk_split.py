@@ -1,4 +1,4 @@
-"""Stage boundaries inside a half-block (``dynmb.model_sizes``: units of 1/16 layer, ``stage_pieces``)."""
+"""Stage boundaries inside a half-block (``dynmb.core.model_sizes``: units of 1/16 layer, ``stage_pieces``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dynmb.config import ModelConfig
-from dynmb.model_sizes import SUB_CHUNKS, UNITS_PER_LAYER, HalfPiece
+from dynmb.core.config import ModelConfig
+from dynmb.core.model_sizes import SUB_CHUNKS, UNITS_PER_LAYER, HalfPiece
 
 LLAMA = ModelConfig.preset("llama-tiny")        # 4 layers, 2 K/V heads, d_ff 176
 
@@ -58,7 +58,7 @@ def test_every_message_is_priced_at_the_widest_link() -> None:
     """The simulator prices one P2P time per microbatch on every link: at the widest message of the layout
     (``link_bytes``: ``[y | h]`` after a boundary inside a half-block, 2 d), the even split's at d."""
     from dynmb.costmodel.gpu import GPUCostModel
-    from dynmb.simulate import comm_times
+    from dynmb.timing.simulate import comm_times
 
     cfg = replace(LLAMA, layer_split=(1.75, 1.75, 0.5))         # stage 0 ends inside layer 1's MLP, 1 on a half
     assert cfg.link_bytes(2, 300, 3) == 2 * cfg.message_bytes(2, 300)

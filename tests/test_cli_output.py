@@ -38,8 +38,8 @@ def test_error_lines_show_numpy_scalars_as_numbers():
                                              ("transient_coef", -1.0, "non-negative"),
                                              ("state_bytes", float("inf"), "finite")])
 def test_bad_memory_model_file_is_refused_naming_the_file(tmp_path, capsys, key, value, match):
-    from dynmb.config import ModelConfig
-    from dynmb.memory import MemoryModel
+    from dynmb.core.config import ModelConfig
+    from dynmb.memory.model import MemoryModel
     d = MemoryModel.analytic(ModelConfig.preset("tiny"), 2).to_dict()
     d[key][1] = [value] * 3 if isinstance(d[key][1], list) else value
     path = tmp_path / "bad-mem.json"

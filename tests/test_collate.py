@@ -1,4 +1,4 @@
-"""dynmb.collate: token tensors of a sampled microbatch and the token-weighted loss helpers.
+"""dynmb.api.collate: token tensors of a sampled microbatch and the token-weighted loss helpers.
 
 Properties (hypothesis) over random row layouts: every document's tokens where the layout puts
 them, positions restarting at 0 per document, labels IGNORE at every document start and pad,
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import dynmb
-from dynmb.collate import (IGNORE_INDEX, CollateError, MicrobatchDataset, collate, collate_packed, collate_padded,
+from dynmb.api.collate import (IGNORE_INDEX, CollateError, MicrobatchDataset, collate, collate_packed, collate_padded,
                            global_loss_tokens, planned_loss_tokens, token_loss_sum)
 
 pytestmark = pytest.mark.filterwarnings("ignore::dynmb.planning.defaults.StandInModelWarning")

@@ -21,11 +21,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.data import (CorpusSource, CorpusTokens, build_trace, load_trace, prepare_tokens, sample_batch,
                         sample_indices, tokenize)
 from dynmb.runtime.spec import RunSpec
-from dynmb.types import Microbatch, Plan, PlanError
+from dynmb.core.types import Microbatch, Plan, PlanError
 from tests.gloo_jobs import register
 
 TINY = ModelConfig.preset("tiny")
@@ -172,7 +172,7 @@ def reference_loss(cfg: ModelConfig, seed: int, docs: list[np.ndarray]) -> float
 @pytest.mark.dist
 def test_two_ranks_train_on_the_corpus_and_steps_loss_is_the_reference(gloo_job):
     pytest.importorskip("tokenizers")
-    from dynmb.results import load_results
+    from dynmb.io.results import load_results
 
     job = gloo_job(2)
     assert job.returncode == 0, job.errors

@@ -10,13 +10,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import (
     FORMS, AnalyticCostModel, CommModel, CostModel, FittedCostModel, GridCostModel, nnls_rel,
     fit_cost_model, get_cost_model, kfold_error, noise_floor, point_medians, samples_from_actions,
 )
 from dynmb.planning import default_cost_model_path
-from dynmb.types import Microbatch, Plan
+from dynmb.core.types import Microbatch, Plan
 
 CFG = ModelConfig.preset("small")
 SHIPPED = default_cost_model_path("small", 2)
@@ -608,7 +608,7 @@ def test_decreasing_cost_model_is_refused_on_the_command_line(tmp_path, capsys):
 
 def test_shipped_and_fitted_models_pass_the_load_checks(samples, tmp_path):
     from dynmb.costmodel.validate import check_cost_model, check_memory_model
-    from dynmb.memory import MemoryModel
+    from dynmb.memory.model import MemoryModel
     check_cost_model(CostModel.load(SHIPPED))
     check_cost_model(AnalyticCostModel(CFG, 2))
     for kind in ("poly", "grid"):
@@ -621,7 +621,7 @@ def test_shipped_and_fitted_models_pass_the_load_checks(samples, tmp_path):
 
 def test_memory_model_check_refuses_bad_coefficients():
     from dynmb.costmodel.validate import check_memory_model
-    from dynmb.memory import MemoryModel
+    from dynmb.memory.model import MemoryModel
     good = MemoryModel.analytic(CFG, 2)
     act = good.act_coef.copy()
     act[1, 0], act[1, 2] = 1e12, -act[1, 1] / 100     # stage 1's bytes fall beyond padded_len 50

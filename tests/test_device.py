@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dynmb
-from dynmb.config import model_config
+from dynmb.core.config import model_config
 from dynmb.measure.grid import synthetic_microbatch
 from dynmb.measure.profiler import ProfileSettings, profile
 from dynmb.models import build_stage, make_inputs, synthetic_tokens

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import dynamic_rank, dynamic_space, methods, pack
-from dynmb.planspec import PlanSpec
+from dynmb.core.planspec import PlanSpec
 
 TINY = ModelConfig.preset("tiny")
 KINDS = ("1f1b", "zb-h1", "zb")

@@ -234,7 +234,7 @@ def test_scaling_real_work_is_the_same_for_every_split():
     import numpy as np
     from dataclasses import replace
 
-    from dynmb.config import model_config
+    from dynmb.core.config import model_config
     from dynmb.costmodel.gpu import GPUCostModel
 
     real_work = _script("_scaling_virtual").real_work

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel, get_cost_model
-from dynmb.features import CostFeatures
-from dynmb.memory import MemoryModel
+from dynmb.core.features import CostFeatures
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import pack
 from dynmb.packing.dynamic_setup import AFFINE_TOL, AffineCostError, affine_costs
 from dynmb.packing.rows import Flat, Group, flat_to_groups, groups_to_flat, merge_groups, split_group
-from dynmb.planspec import PlanSpec
-from dynmb.types import Microbatch
+from dynmb.core.planspec import PlanSpec
+from dynmb.core.types import Microbatch
 
 TINY = ModelConfig.preset("tiny")
 

@@ -1,4 +1,4 @@
-"""Where a step's gap to the ideal goes (dynmb.gap_terms): the terms add up to step - ideal on random
+"""Where a step's gap to the ideal goes (dynmb.timing.gap_terms): the terms add up to step - ideal on random
 plans and cost models, and hand-computed cases (one sequence per microbatch, a packed row, a padded
 microbatch, a split backward, equal and unequal replicas)."""
 
@@ -11,16 +11,16 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dynmb.bounds import ideal_bound, plan_bound, plan_ideal, sequence_costs
-from dynmb.config import ModelConfig
+from dynmb.timing.bounds import ideal_bound, plan_bound, plan_ideal, sequence_costs
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel, CommModel
 from dynmb.costmodel.gpu import GPUCostModel
-from dynmb.gap_terms import TERMS, GapTerms, gap_terms
-from dynmb.memory import MemoryModel
+from dynmb.timing.gap_terms import TERMS, GapTerms, gap_terms
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import PackingError
 from dynmb.planning import make_schedule, plan_step
-from dynmb.simulate import simulate
-from dynmb.types import Microbatch, Plan
+from dynmb.timing.simulate import simulate
+from dynmb.core.types import Microbatch, Plan
 
 SMALL = ModelConfig.preset("small")
 NO_COMM = CommModel(0.0, 1e30)
@@ -65,7 +65,7 @@ def _sat(cm: GPUCostModel) -> GPUCostModel:
 def test_terms_add_up_to_step_minus_ideal(lengths, P, dp, method, kind, which, overhead, comm, recompute):
     """Random plans (methods, schedule kinds, dp, recomputation) on random analytic models and the GPU
     model (its ideal priced by itself or saturated): the terms sum to step - ideal; bound and ideal are
-    ``dynmb.bounds``'."""
+    ``dynmb.timing.bounds``'."""
     virtual = 2 if kind == "interleaved" and P == 2 else 1         # the small model has 4 layers
     kind = "1f1b" if kind == "interleaved" and virtual == 1 else kind
     S = P * virtual

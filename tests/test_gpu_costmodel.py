@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import CostModel, GPUCostModel, GPUSpec, LINKS
 
 

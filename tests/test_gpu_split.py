@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import dynmb
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel.gpu import GPUCostModel
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.planning.gpu_split import chunk_caps, chunk_loads, gpu_balanced_partition
 from dynmb.planning.split_search import SplitSearch, pick_layout
 from dynmb.planning.split_work import workload_cost
@@ -156,7 +156,7 @@ def test_the_command_line_and_compare_pass_virtual() -> None:
     import argparse
 
     from dynmb.cli.flags import model_from_args
-    from dynmb.compare import _split_model
+    from dynmb.jobs.compare import _split_model
 
     s, cfg = P * V, dynmb.model_config("gpt2")
     per_gpu = balanced_split(cfg, s, half_blocks=True, virtual=V)

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from dynmb.config import ModelConfig
-from dynmb.model_sizes import HEAD_STATS
+from dynmb.core.config import ModelConfig
+from dynmb.core.model_sizes import HEAD_STATS
 
 
 def _llama8b(**kw):
@@ -97,7 +97,7 @@ def test_auto_shards_a_head_heavier_than_a_stage_and_only_then():
 
 def test_memory_and_costs_follow_the_rows():
     from dynmb.costmodel.gpu import GPUCostModel
-    from dynmb.memory import MemoryModel
+    from dynmb.memory.model import MemoryModel
 
     whole = _llama8b(layer_split=(16, 16, 0))
     cfg = _llama8b(layer_split=(16, 16, 0, 0), head_split=(0, 0, 28256, 100000))
@@ -117,8 +117,8 @@ def test_memory_and_costs_follow_the_rows():
 
 def test_the_runs_table_keeps_both_splits(tmp_path):
     """The ``runs`` row of a run with both splits writes to CSV and parquet alike (a column of tuples did not)."""
-    from dynmb.config import PipelineConfig, RunConfig
-    from dynmb.results import read_table, write_table
+    from dynmb.core.config import PipelineConfig, RunConfig
+    from dynmb.io.results import read_table, write_table
     import pandas as pd
 
     model = ModelConfig.preset("llama-tiny", layer_split=(4, 0), head_split=(170, 342))

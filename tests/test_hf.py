@@ -9,9 +9,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dynmb.inputs import InputError, make_inputs  # noqa: E402
+from dynmb.models.inputs import InputError, make_inputs  # noqa: E402
 from dynmb.models.hf import HFStageFactory, model_config_from_hf  # noqa: E402
-from dynmb.types import Microbatch  # noqa: E402
+from dynmb.core.types import Microbatch  # noqa: E402
 
 VOCAB = 97
 

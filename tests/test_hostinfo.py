@@ -1,11 +1,11 @@
-"""``dynmb.hostinfo``: usable cores and the one-line warning when ranks outnumber them."""
+"""``dynmb.io.hostinfo``: usable cores and the one-line warning when ranks outnumber them."""
 
 from __future__ import annotations
 
 import os
 
 from dynmb import hostinfo
-from dynmb.hostinfo import cores_warning, usable_cores
+from dynmb.io.hostinfo import cores_warning, usable_cores
 
 
 def test_usable_cores_is_the_affinity_mask_capped_by_the_quota(tmp_path, monkeypatch):

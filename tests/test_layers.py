@@ -90,58 +90,56 @@ def test_no_import_cycles():
 def test_schedule_layer_imports_neither_the_simulator_nor_the_packers():
     graph = _graph()
     offenders = [m for m in graph if m.startswith("dynmb.schedule")
-                 and any(t.startswith(("dynmb.simulate", "dynmb.makespan", "dynmb.packing")) for t in graph[m])]
+                 and any(t.startswith(("dynmb.timing.simulate", "dynmb.timing.makespan", "dynmb.packing")) for t in graph[m])]
     assert offenders == []
 
 
-def _modules(package: str, *leaves: str) -> tuple[str, ...]:
-    """``package`` (its ``__init__``) and its submodules ``leaves``."""
-    return (package, *(f"{package}.{leaf}" for leaf in leaves))
-
-
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("io helpers", ("dynmb.atomic", "dynmb.results", "dynmb.outdir", "dynmb.hostinfo")),
-    ("types, config", ("dynmb.types", "dynmb.microbatch", "dynmb.actions", "dynmb.predictions", "dynmb.planspec",
-                       "dynmb.features", "dynmb.config", "dynmb.model_sizes", "dynmb.units", "dynmb.contract")),
-    ("data", _modules("dynmb.data", "lengths", "corpus", "tokens")),
-    ("schedules", _modules("dynmb.schedule", "kinds", "builders", "order", "zerobubble", "validate", "io")),
-    ("models of the hardware", ("dynmb.memory", "dynmb.memory_peak", "dynmb.memory_fit", "dynmb.memory_coef",
-                                *_modules("dynmb.costmodel", "base", "analytic", "poly", "grid", "nnls", "samples",
-                                          "split", "p2pfit", "calibration", "registry", "validate", "gpu"))),
-    ("simulation", ("dynmb.simulate", "dynmb.makespan", "dynmb.makespan_zb", "dynmb.makespan_interleaved",
-                    "dynmb.makespan_levels", "dynmb.bounds", "dynmb.gap_terms")),
-    ("packing", _modules("dynmb.packing", "dispatch", "context", "rows", "fixed", "packed", "token_budget", "dynapipe",
-                         "dynamic", "dynamic_setup", "dynamic_space", "dynamic_rank", "orders", "recompute",
-                         "balanced", "methods")),
-    ("planning", _modules("dynmb.planning", "planner", "replicas", "reorder", "batchsim", "zerobubble", "slicing", "slice_fitting", "defaults", "api",
-                          "sampler", "partition", "split_units", "stage_split", "head_split", "gpu_split", "split_work", "split_search", "virtual_search",
-                          "spec_check")),
-    ("workload", ("dynmb.inputs", "dynmb.prefix", "dynmb.collate", *_modules("dynmb.models", "contract", "families", "gpt2", "llama", "stage", "attention", "recompute", "seeding", "reference", "hf", "head", "pieces"))),
-    ("runtime", (*_modules("dynmb.runtime", "spec", "topology", "state", "planahead", "planshare", "step", "interpreter", "splitbackward", "comm",
-                           "checks", "records", "device", "meter", "hostmem", "hooks", "trace", "launch", "processes",
-                           "worker", "api"), *_modules("dynmb.integrations", "torch_pipelining"))),
-    ("measurement", (*_modules("dynmb.measure", "profiler", "grid", "timing", "eta", "samples", "memory", "pingpong"),
-                     "dynmb.analysis", "dynmb.plots")),
-    ("job and CLI", ("dynmb.compare", "dynmb.compare_table", *_modules("dynmb.cli", "main", "__main__", "flags", "datasets", "lengths", "plan",
-                                                "schedule", "simulate", "profile", "fit", "memory", "run", "compare", "planfile"))),
-    ("public API", ("dynmb",)),
+    ("io", ("io",)),
+    ("core", ("core",)),
+    ("data", ("data",)),
+    ("schedule", ("schedule",)),
+    ("costmodel, memory", ("costmodel", "memory")),
+    ("timing", ("timing",)),
+    ("packing", ("packing",)),
+    ("planning", ("planning",)),
+    ("api", ("api",)),
+    ("models", ("models",)),
+    ("runtime", ("runtime",)),
+    ("measure", ("measure",)),
+    ("integrations", ("integrations",)),
+    ("report", ("report",)),
+    ("jobs", ("jobs",)),
+    ("cli", ("cli",)),
+    ("public API", ("",)),
 ]
-"""docs/design.md's layer table, top (imported by all) to bottom, module by module: a module may
-import its own layer and the layers above it."""
+"""docs/design.md's layer table, top (imported by all) to bottom, folder by folder (``""``: the
+package's own ``__init__``): a module may import its own layer and the layers above it."""
 
-_LAYER_OF = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
+_LAYER_OF = {folder: i for i, (_, folders) in enumerate(LAYERS) for folder in folders}
+
+
+def _folder(module: str) -> str:
+    """``dynmb.timing.simulate`` -> ``timing``; ``dynmb`` -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def _layer(module: str) -> int | None:
-    return _LAYER_OF.get(module)
+    return _LAYER_OF.get(_folder(module))
+
+
+def test_only_the_package_init_stands_at_the_top():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert top in (["__init__.py"], ["__init__.py", "__main__.py"]), f"move {top} into a layer's folder"
 
 
 def test_every_module_has_a_documented_layer():
     graph = _graph()
     unlisted = sorted(m for m in graph if _layer(m) is None)
-    assert unlisted == [], f"add {unlisted} to docs/design.md's layer table and LAYERS"
-    gone = sorted(m for m in _LAYER_OF if m not in graph)
-    assert gone == [], f"LAYERS names modules that do not exist: {gone}"
+    assert unlisted == [], f"add the folders of {unlisted} to docs/design.md's layer table and LAYERS"
+    gone = sorted(f for f in _LAYER_OF if f and not (ROOT / f / "__init__.py").exists())
+    assert gone == [], f"LAYERS names folders that do not exist: {gone}"
 
 
 def test_imports_go_only_to_the_same_or_a_higher_layer():
@@ -165,22 +163,19 @@ def test_no_private_name_is_imported_across_modules():
 
 
 def _documented(row: str) -> set[str]:
-    """The modules a layer row of docs/design.md names: `` `pkg/` (`a`, `b`) `` gives the package
-    and its modules a, b; `` `pkg/leaf.py` `` and `` `leaf.py` `` one module each."""
-    out: set[str] = set()
-    for pkg, inner in re.findall(r"`(\w+)/`(?: \(([^)]*)\))?", row):
-        out.add(f"dynmb.{pkg}")
-        out.update(f"dynmb.{pkg}.{leaf}" for leaf in re.findall(r"`(\w+)`", inner or ""))
-    for path in re.findall(r"`([\w/]+)\.py`", row):
-        out.add("dynmb" if path == "__init__" else "dynmb." + path.replace("/", "."))
+    """The folders a layer row of docs/design.md names: `` `pkg/` `` gives ``pkg``; `` `__init__.py` `` the
+    package's own ``__init__`` (``""``)."""
+    out = set(re.findall(r"`(\w+)/`", row))
+    if "`__init__.py`" in row:
+        out.add("")
     return out
 
 
 def test_layer_table_matches_docs():
     doc = (ROOT.parent / "docs" / "design.md").read_text()
-    for name, modules in LAYERS:
+    for name, folders in LAYERS:
         row = next((line for line in doc.splitlines() if line.startswith(f"| {name} |")), None)
         assert row is not None, f"docs/design.md has no layer row {name!r}"
         named = _documented(row.split("|")[2])
-        assert named == set(modules), (f"docs/design.md's {name!r} row names {sorted(named - set(modules))} "
-                                       f"beyond LAYERS and misses {sorted(set(modules) - named)}")
+        assert named == set(folders), (f"docs/design.md's {name!r} row names {sorted(named - set(folders))} "
+                                       f"beyond LAYERS and misses {sorted(set(folders) - named)}")

@@ -22,13 +22,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dynmb.prefix as prefix_mod
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
+import dynmb.models.prefix as prefix_mod
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
 from dynmb.models import LlamaStage, build_stages, make_inputs, reference_grads, synthetic_tokens, whole_documents
-from dynmb.prefix import prefix_attention
-from dynmb.results import load_results
+from dynmb.models.prefix import prefix_attention
+from dynmb.io.results import load_results
 from dynmb.runtime.spec import RunSpec
-from dynmb.types import Microbatch, Plan
+from dynmb.core.types import Microbatch, Plan
 from tests.gloo_jobs import register
 from tests.meter_checks import check_w_held
 from tests.plan_runner import run_plan
@@ -450,7 +450,7 @@ def test_llama_stage_class_is_the_family_registry_choice():
 def test_w_later_holds_what_the_memory_model_says():
     """Bytes the CPU meter sees held from I to W (each Linear call's input and output gradient):
     at most ``MemoryModel.w_matrix``, within 3% for one document per row."""
-    from dynmb.memory import get_memory_model
+    from dynmb.memory.model import get_memory_model
 
     cfg, P, b, s = ModelConfig.preset("llama-small"), 2, 2, 128
     mm = get_memory_model(None, cfg, P)
@@ -466,7 +466,7 @@ def test_recompute_memory_is_what_the_model_says(stage):
     within 10% under the model's recomputed activation bytes, its backward under act + transient."""
     import warnings
 
-    from dynmb.memory import get_memory_model
+    from dynmb.memory.model import get_memory_model
     from dynmb.runtime.meter import MemoryMeter
 
     cfg, P, b, s = ModelConfig.preset("llama-small"), 2, 1, 512
@@ -494,7 +494,7 @@ def test_analytic_costs_and_memory_follow_the_family():
     """Same widths: the Llama block's three MLP matrices cost more FLOPs, time and saved bytes than
     GPT-2's two; grouped K/V cost less than full K/V."""
     from dynmb.costmodel import get_cost_model
-    from dynmb.memory import get_memory_model
+    from dynmb.memory.model import get_memory_model
 
     gpt, llama = model_config("gpt2-7b"), model_config("llama2-7b")
     gqa = replace(llama, name="llama2-7b-gqa", n_kv_heads=8)

@@ -1,4 +1,4 @@
-"""The interleaved schedule's own fast makespan estimate (dynmb.makespan_interleaved): the hand-checked
+"""The interleaved schedule's own fast makespan estimate (dynmb.timing.makespan_interleaved): the hand-checked
 makespan of equal microbatches, the simulator's on random pipelines, its two sweeps, and the packers
 planning an interleaved step with it (``virtual`` reaches the estimate)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import dynmb.makespan_interleaved as mi
-from dynmb.config import ModelConfig
-from dynmb.makespan import has_bound_regime, makespan, makespans
+import dynmb.timing.makespan_interleaved as mi
+from dynmb.core.config import ModelConfig
+from dynmb.timing.makespan import has_bound_regime, makespan, makespans
 from dynmb.schedule.kinds import build_schedule, get_kind
-from dynmb.simulate import simulate_costs
+from dynmb.timing.simulate import simulate_costs
 
 SMALL = ModelConfig.preset("small")
 
@@ -24,7 +24,7 @@ def test_the_interleaved_kind_has_an_estimate_of_its_own():
 @pytest.mark.parametrize("R,v,k", [(2, 2, 1), (2, 2, 3), (4, 2, 2), (4, 4, 1), (8, 2, 2), (3, 3, 2)])
 def test_equal_microbatches_give_the_interleaved_makespan(R, v, k):
     """F = 1, B = 2 per chunk, no sends, m = k R: every GPU does v m (F + B) of work and the bubble is
-    (R - 1)(F + B), a chunk's (docs/design.md, dynmb.bounds): 3 (v m + R - 1). As 1F1B over the R v chunks
+    (R - 1)(F + B), a chunk's (docs/design.md, dynmb.timing.bounds): 3 (v m + R - 1). As 1F1B over the R v chunks
     (the estimate the kind had before) the same costs give 3 (m + R v - 1): a GPU's chunks in parallel."""
     S, m = R * v, k * R
     F, B = np.ones((S, m)), 2 * np.ones((S, m))
@@ -85,10 +85,10 @@ def test_the_packers_estimate_an_interleaved_plan_as_it_runs(method, mbs):
     (``virtual`` reaches the estimate), which is the simulated step of the schedule it runs."""
     from dynmb.costmodel import get_cost_model
     from dynmb.data import load_trace, sample_batch
-    from dynmb.memory import get_memory_model
+    from dynmb.memory.model import get_memory_model
     from dynmb.packing import pack
     from dynmb.planning.replicas import make_schedule
-    from dynmb.simulate import comm_times, simulate
+    from dynmb.timing.simulate import comm_times, simulate
 
     S, v = 4, 2
     lengths = sample_batch(load_trace("sharegpt"), 96, 1)

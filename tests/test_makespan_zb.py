@@ -1,4 +1,4 @@
-"""The zero-bubble kinds' fast makespan estimate (dynmb.makespan_zb): hand-checked values, its
+"""The zero-bubble kinds' fast makespan estimate (dynmb.timing.makespan_zb): hand-checked values, its
 vectorised and scalar sweeps, and the simulator's zb-h1 / zb steps on random pipelines."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynmb.makespan import makespan, makespans
-from dynmb.makespan_zb import (TOLERANCE, _level_table, _merged, _same, _scalar, backward_shares, ranking_kind,
+from dynmb.timing.makespan import makespan, makespans
+from dynmb.timing.makespan_zb import (TOLERANCE, _level_table, _merged, _same, _scalar, backward_shares, ranking_kind,
                                split_backward, windows)
 from dynmb.schedule.kinds import get_kind
 from dynmb.schedule.validate import execution_order
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1, zb_limit_aware
-from dynmb.simulate import action_times, cross_mask
+from dynmb.timing.simulate import action_times, cross_mask
 
 
 def _evaluator(F, B, I, W, comm):  # noqa: E741

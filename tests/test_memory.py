@@ -1,4 +1,4 @@
-"""Memory model (dynmb.memory) and the CPU memory meter (dynmb.runtime.meter)."""
+"""Memory model (dynmb.memory.model) and the CPU memory meter (dynmb.runtime.meter)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmb.schedule.order import stage_order
-from dynmb.config import ModelConfig
-from dynmb.memory import MemoryModel, get_memory_model, peak_from_matrix
+from dynmb.core.config import ModelConfig
+from dynmb.memory.model import MemoryModel, get_memory_model, peak_from_matrix
 
 TINY = ModelConfig.preset("tiny")
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
@@ -140,7 +140,7 @@ def test_meter_accounting_matches_analytic_within_5pct(num_stages, attention):
 
 def _full_rows_of_uneven_documents(rows: int, padded_len: int, rng: np.random.Generator):
     """Rows filled exactly with documents of random lengths (the last one cut to fit)."""
-    from dynmb.types import Microbatch
+    from dynmb.core.types import Microbatch
 
     lengths, row_ids = [], []
     for r in range(rows):
@@ -191,7 +191,7 @@ def test_meter_over_a_1f1b_sequence_matches_peak_bytes():
     """Stage 0 of 2 runs F0 F1 B0 F2 B1 B2 on microbatches of different shapes, as the runtime does."""
     from dynmb.models import build_stage, make_inputs, synthetic_tokens
     from dynmb.runtime.meter import MemoryMeter
-    from dynmb.types import Microbatch
+    from dynmb.core.types import Microbatch
 
     torch.set_num_threads(1)
     mm = MemoryModel.analytic(TINY, 2)
@@ -241,7 +241,7 @@ def test_llama_small_memory_model_matches_the_cpu_meter(stage):
 def test_memory_coefficients_follow_the_family():
     """Same widths, different blocks: SwiGLU's third matrix and the extra norm storage make a Llama
     block hold more per token; grouped K/V make it hold less than full K/V."""
-    from dynmb.memory import block_act_coef, w_coef
+    from dynmb.memory.model import block_act_coef, w_coef
 
     gpt = ModelConfig(name="g", d_model=256, n_heads=4, d_ff=688)
     gqa = replace(gpt, name="l", family="llama", n_kv_heads=1)

@@ -10,13 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynmb.config import ModelConfig
-from dynmb.memory import BUCKET_PADDING
+from dynmb.core.config import ModelConfig
+from dynmb.memory.model import BUCKET_PADDING
 from dynmb.models import (
     GPT, IGNORE_INDEX, Block, InputError, LlamaBlock, attention_mask, bucket_documents, build_stages, count_params,
     global_named_parameters, hidden_shape, make_inputs, reference_grads, synthetic_tokens, torch_dtype,
 )
-from dynmb.types import Microbatch, Plan, PlanError
+from dynmb.core.types import Microbatch, Plan, PlanError
 from tests.plan_runner import packed_microbatch
 
 CFG = ModelConfig.preset("tiny", max_seq_len=128)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from dynmb.outdir import lock_out_dir
-from dynmb.results import ResultsError, TableWriter, load_results
+from dynmb.io.outdir import lock_out_dir
+from dynmb.io.results import ResultsError, TableWriter, load_results
 
 STEP = dict(run_id="r", method="dynamic", dataset="d", step=0, step_s=1.0, pred_step_s=1.0, real_tokens=10,
             computed_tokens=12, tokens_per_s=10.0, num_microbatches=2)

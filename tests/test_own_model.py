@@ -28,12 +28,12 @@ import pytest
 import torch
 
 import dynmb
-from dynmb.config import RunConfig
-from dynmb.features import CostFeatures
+from dynmb.core.config import RunConfig
+from dynmb.core.features import CostFeatures
 from dynmb.models.contract import check_importable, factory_spec, planning_config, resolve_model
 from dynmb.planning.defaults import StandInModelWarning, reset_stand_in_warnings
 from dynmb.runtime.spec import JobSpec, RunSpec
-from dynmb.types import Microbatch
+from dynmb.core.types import Microbatch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"
@@ -107,7 +107,7 @@ def test_profile_and_memory_measure_a_factorys_stages():
 
 def test_reference_from_a_factory_equals_the_stages_composed():
     from dynmb.models import reference_grads, synthetic_tokens
-    from dynmb.types import Plan
+    from dynmb.core.types import Plan
 
     own = _own().tiny_decoder()
     mb = _packed_mb()
@@ -150,7 +150,7 @@ def test_run_spec_records_the_factory_and_the_launcher_checks_it_imports(tmp_pat
 
 
 def test_compare_cases_build_their_stages_with_the_factory(tmp_path):
-    from dynmb.compare import CompareSettings, prepare_compare
+    from dynmb.jobs.compare import CompareSettings, prepare_compare
 
     _own()
     settings = CompareSettings(model="own_model:tiny_decoder", methods=("fixed", "dynamic"), dataset="gsm8k",

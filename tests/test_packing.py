@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dynmb.config import ModelConfig
-from dynmb.memory import MemoryModel
+from dynmb.core.config import ModelConfig
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import METHODS, PackingError, auto_mbs, max_fitting_length, pack
-from dynmb.makespan import makespan
+from dynmb.timing.makespan import makespan
 from dynmb.packing.rows import bfd_rows, next_fit_rows
 
 TINY = ModelConfig.preset("tiny")
@@ -419,7 +419,7 @@ def test_interleaved_on_fewer_gpus_fits_the_gpu_not_the_stage(method):
     add up, and the plan must keep that sum (the simulator's per-rank peak) under the limit."""
     from dynmb.costmodel import get_cost_model
     from dynmb.data import load_trace, sample_batch
-    from dynmb.memory import get_memory_model
+    from dynmb.memory.model import get_memory_model
     from dynmb.planning import plan_step
 
     lengths = sample_batch(load_trace("sharegpt"), 32, 0)
@@ -465,7 +465,7 @@ def test_a_registered_method_packs_through_the_dispatcher():
     from dynmb.packing import methods
     from dynmb.packing.rows import Group, groups_to_flat
     from dynmb.planning.spec_check import check_plan_spec
-    from dynmb.planspec import PlanSpec
+    from dynmb.core.planspec import PlanSpec
 
     def one_each(job):                       # every sequence its own one-row microbatch
         return groups_to_flat([Group(np.array([i]), np.array([0]), int(n), 1) for i, n in enumerate(job.lens)]), {}
@@ -512,7 +512,7 @@ def test_fixed_in_flat_form_is_the_groups_flattened(method):
 def test_flat_features_are_the_microbatches_features(attention):
     """The dispatcher's features of a flat plan (``flat_features``, at once) equal ``CostFeatures.of`` of the
     microbatches it builds, for rows of one document and packed rows alike."""
-    from dynmb.features import CostFeatures
+    from dynmb.core.features import CostFeatures
     from dynmb.packing.balanced import balanced_flat
     from dynmb.packing.context import PackContext
     from dynmb.packing.dispatch import _microbatches, flat_features

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import get_cost_model
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError
 from dynmb.planning import plan_step
-from dynmb.results import load_results
+from dynmb.io.results import load_results
 from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.planshare import PlanShare
 from dynmb.runtime.spec import RunSpec

@@ -10,7 +10,7 @@ import pytest
 from dynmb.cli.main import build_parser, main
 from dynmb.cli.run import plan_run_config
 from dynmb.data.lengths import shipped_dir
-from dynmb.types import Plan
+from dynmb.core.types import Plan
 
 
 def _plan(tmp_path, *flags: str) -> str:
@@ -98,7 +98,7 @@ def test_mbs_is_refused_by_methods_that_choose_their_own_sizes(tmp_path, capsys)
 def test_a_schedule_csv_without_its_sidecar_is_labelled_file(tmp_path):
     """Issue 25: a hand-written schedule (no ``.meta.json``) is recorded as ``schedule=file``, not as the
     plan's kind; one written by ``dynmb schedule`` (sidecar present) keeps its kind."""
-    from dynmb.config import RunConfig
+    from dynmb.core.config import RunConfig
     from dynmb.runtime.records import schedule_label
     from dynmb.runtime.spec import RunSpec
     from dynmb.schedule.io import sidecar_path

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 import dynmb
 from dynmb.cli.plan import plan_spec
-from dynmb.config import ModelConfig, PipelineConfig, PlanSpec, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, PlanSpec, RunConfig
 from dynmb.costmodel import get_cost_model
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import pack
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of, stitch
-from dynmb.predictions import Predictions
-from dynmb.types import Plan
+from dynmb.core.predictions import Predictions
+from dynmb.core.types import Plan
 
 TINY = ModelConfig.preset("tiny")
 LIMIT = 64 * 2**20

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import get_cost_model
 from dynmb.data import load_trace, sample_batch
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.models import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.packing import PackingError, pack
 from dynmb.planning import plan_step
@@ -21,7 +21,7 @@ from dynmb.measure import synthetic_microbatch
 from dynmb.packing.recompute import fits, needs_recompute
 from dynmb.costmodel.split import RECOMPUTE_F_SHARE, stage_role
 from dynmb.runtime.spec import RunSpec
-from dynmb.types import Microbatch, Plan
+from dynmb.core.types import Microbatch, Plan
 from tests.gloo_jobs import register
 
 SMALL = ModelConfig.preset("small")
@@ -173,7 +173,7 @@ def _rc_two(out: Path) -> list[RunSpec]:
 
 @pytest.mark.dist
 def test_two_ranks_recompute_matches_reference_under_the_limit(gloo_job):
-    from dynmb.results import load_results
+    from dynmb.io.results import load_results
 
     job = gloo_job(2)
     assert job.returncode == 0, job.errors

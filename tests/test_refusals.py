@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 
 from dynmb.cli import main
-from dynmb.config import RunConfig
+from dynmb.core.config import RunConfig
 from dynmb.planning.spec_check import check_plan_spec
-from dynmb.planspec import PlanSpec
+from dynmb.core.planspec import PlanSpec
 from dynmb.runtime import launch
 from dynmb.runtime.processes import Ended
 from dynmb.runtime.spec import JobSpec, RunSpec
@@ -45,7 +45,7 @@ def no_launch(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("torchrun started")
     monkeypatch.setattr("dynmb.cli.run.run_job", refuse)
-    monkeypatch.setattr("dynmb.compare.launch_job", refuse)
+    monkeypatch.setattr("dynmb.jobs.compare.launch_job", refuse)
     monkeypatch.setattr("dynmb.runtime.device.cuda_available", lambda: False)
 
 
@@ -106,7 +106,7 @@ def test_the_checks_read_the_kinds_traits_not_their_names():
 
 
 def test_compare_gives_pack_len_to_the_packed_cases_only(tmp_path):
-    from dynmb.compare import CompareSettings, prepare_compare
+    from dynmb.jobs.compare import CompareSettings, prepare_compare
 
     job = prepare_compare(CompareSettings(methods=("packed", "dynamic"), pack_len=512, device="cpu",
                                           out=str(tmp_path / "c")))
@@ -169,7 +169,7 @@ def test_a_full_disk_names_the_destination_not_the_temp_file(tmp_path, capsys, m
 
 
 def test_a_table_write_on_a_full_disk_names_the_table(tmp_path, monkeypatch):
-    from dynmb.results import TableWriter
+    from dynmb.io.results import TableWriter
 
     monkeypatch.setattr(pd.DataFrame, "to_csv", lambda self, path, **_k: _disk_full(Path(path)))
     with pytest.raises(OSError) as e:

@@ -13,7 +13,7 @@ import pytest
 
 import dynmb
 from dynmb.cli.main import main
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.runtime.spec import RunSpec
 from tests.runtime_faults import REPO, fault_hooks
 

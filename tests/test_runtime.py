@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import CalibrationStep, get_cost_model, job_calibration
-from dynmb.results import load_results
+from dynmb.io.results import load_results
 from dynmb.runtime import worker
 from dynmb.runtime.checks import StepCheckError
 from dynmb.runtime.comm import sender_order

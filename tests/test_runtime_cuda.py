@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
-from dynmb.results import load_results
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.io.results import load_results
 from dynmb.runtime.launch import launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from dynmb.compare import CompareSettings
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.jobs.compare import CompareSettings
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.runtime.hooks import NoHooks, load_hooks
 from dynmb.runtime.launch import write_spec
 from dynmb.runtime.spec import HookRef, JobSpec, RunSpec

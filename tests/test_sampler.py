@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 import dynmb
-from dynmb.config import model_config
+from dynmb.core.config import model_config
 from dynmb.data import load_trace
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import PackingError
 from dynmb.planning.defaults import StandInModelWarning, default_cost_model_path, reset_stand_in_warnings
 
@@ -158,7 +158,7 @@ def test_oversize_errors_name_dataset_indices():
 
 
 def test_a_dataset_smaller_than_the_global_batch_is_one_batch_with_a_note(caplog):
-    with caplog.at_level(logging.WARNING, logger="dynmb.planning.sampler"):
+    with caplog.at_level(logging.WARNING, logger="dynmb.api.sampler"):
         s = _sampler(_lengths(10), global_batch=32)
     assert "10 samples < global_batch 32" in caplog.text and "not sampled with replacement" in caplog.text
     assert sorted(i for mb in s for i in mb) == list(range(10)) and s.num_global_batches() == 1
@@ -246,7 +246,7 @@ def test_planner_plans_a_shipped_trace_with_auto_reorder():
     assert step.plan.meta["reorder"] == "search"
     assert sorted(np.concatenate([mb.seq_ids for mb in step.plan.microbatches]).tolist()) == list(range(32))
     assert step.sim.makespan_s == pytest.approx(step.plan.predictions["pred_step_s"])
-    again = dynmb.simulate(step.schedule, step.plan, planner.cost_model, planner.memory_model)
+    again = dynmb.timing.simulate(step.schedule, step.plan, planner.cost_model, planner.memory_model)
     assert again.makespan_s == pytest.approx(step.sim.makespan_s)
 
 

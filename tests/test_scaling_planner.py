@@ -11,15 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynmb.makespan import _exact_makespan, _levels, exact_regime, makespan, makespans
+from dynmb.timing.makespan import _exact_makespan, _levels, exact_regime, makespan, makespans
 from dynmb.packing.rows import assign_replicas
-from dynmb.config import ModelConfig, parse_bytes
+from dynmb.core.config import ModelConfig, parse_bytes
 from dynmb.costmodel import AnalyticCostModel, CommModel
 from dynmb.data import load_trace, sample_batch
-from dynmb.memory import MemoryModel, get_memory_model
+from dynmb.memory.model import MemoryModel, get_memory_model
 from dynmb.packing import METHODS, PackingError, pack
 from dynmb.planning.planner import make_schedule
-from dynmb.simulate import simulate, simulate_costs
+from dynmb.timing.simulate import simulate, simulate_costs
 
 DEEP = ModelConfig.preset("gpt2-deep-13b")
 

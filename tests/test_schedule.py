@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from dynmb.schedule import (ScheduleError, build_schedule, format_grid, from_csv, from_str, to_csv, to_str,
                             validate)
 from dynmb.schedule.builders import memory_windows
-from dynmb.simulate import simulate_costs
-from dynmb.types import Action, Schedule
+from dynmb.timing.simulate import simulate_costs
+from dynmb.core.types import Action, Schedule
 
 torch_sched = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -122,7 +122,7 @@ def test_interleaved_uneven_rounds_keep_the_interleaved_makespan(R, v, m):
     microbatches (F = 1, B = 2, no sends) in the interleaved makespan 3 (v m + R - 1) with the warm-ups
     of torch's rule; rounds of R with a short last one ran R 16, m 472 in 3.9x that."""
     from dynmb.schedule.builders import interleaved_round_sizes
-    from dynmb.simulate import simulate_costs
+    from dynmb.timing.simulate import simulate_costs
     sizes = interleaved_round_sizes(R, m)
     assert sum(sizes) == m and max(sizes) - min(sizes) <= 1 and min(sizes) >= R
     s = build_schedule("interleaved", R * v, m, virtual=v)
@@ -385,7 +385,7 @@ class _ArrMem:
 
 
 def _plan_of(lengths, P, limit=10**12):
-    from dynmb.types import Microbatch, Plan
+    from dynmb.core.types import Microbatch, Plan
     mbs = [Microbatch(seq_ids=[i], lengths=[n], padded_len=n, batch=1) for i, n in enumerate(lengths)]
     return Plan(microbatches=mbs, method="test", num_stages=P, memory_limit_bytes=limit, num_sequences=len(lengths))
 

@@ -17,13 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import AnalyticCostModel
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.packing import pack
 from dynmb.planning import make_schedule, plan_step
-from dynmb.planspec import PlanSpec
-from dynmb.results import load_results
+from dynmb.core.planspec import PlanSpec
+from dynmb.io.results import load_results
 from dynmb.runtime.spec import RunSpec
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, is_schedule_name, kind_names, resolve_kind
 from tests.gloo_jobs import register
@@ -48,7 +48,7 @@ def test_auto_kinds_follow_the_registry():
 
 def test_kinds_of_one_packing_key_pack_alike():
     """auto packs once per packing key: the packers must give those kinds the same plan. Each zero-bubble
-    kind has an estimate of its own (dynmb.makespan_zb), so a key of its own."""
+    kind has an estimate of its own (dynmb.timing.makespan_zb), so a key of its own."""
     mm, cm, limit = _models(4)
     lengths = np.random.default_rng(3).integers(8, 900, 48)
     assert len({get_kind(k).packing_key for k in auto_kinds(1)}) == 3
@@ -137,7 +137,7 @@ def test_cli_plan_and_schedule_auto(tmp_path, capsys):
     import json
 
     from dynmb.cli import main
-    from dynmb.types import Plan
+    from dynmb.core.types import Plan
 
     plan_path, sched_path = tmp_path / "p.json", tmp_path / "s.csv"
     assert main(["plan", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "16", "--stages", "2",

@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 
 from dynmb import Planner
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import get_cost_model
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.planning import plan_step
-from dynmb.results import load_results
+from dynmb.io.results import load_results
 from dynmb.runtime.hooks import NoHooks
 from dynmb.runtime.spec import HookRef, RunSpec
 from dynmb.schedule import (SCHEDULE_KINDS, BuildInputs, ScheduleKind, build_schedule, get_kind, register_kind,
                             validate)
-from dynmb.simulate import simulate, simulate_costs
-from dynmb.types import Action, Schedule
+from dynmb.timing.simulate import simulate, simulate_costs
+from dynmb.core.types import Action, Schedule
 from tests.gloo_jobs import register
 from tests.runtime_faults import REPO
 

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel, CommModel
 from dynmb.runtime.records import ActionRow, replay_step_s
 from dynmb.schedule import ScheduleError, build_schedule
-from dynmb.simulate import SimResult, simulate, simulate_costs
-from dynmb.types import Action, Microbatch, Plan, Schedule
+from dynmb.timing.simulate import SimResult, simulate, simulate_costs
+from dynmb.core.types import Action, Microbatch, Plan, Schedule
 
 
 def _unit(P, m):
@@ -173,8 +173,8 @@ def test_transient_bytes_count_while_the_op_runs():
 
 
 def test_peak_matches_memory_model_definition():
-    memory = pytest.importorskip("dynmb.memory")
-    from dynmb.config import ModelConfig
+    memory = pytest.importorskip("dynmb.memory.model")
+    from dynmb.core.config import ModelConfig
     P = 4
     mm = memory.get_memory_model(None, ModelConfig.preset("tiny"), P)
     rng = np.random.default_rng(0)
@@ -238,7 +238,7 @@ def st_seed():
 
 def test_cli_schedule_and_simulate(tmp_path, capsys):
     pytest.importorskip("dynmb.costmodel")
-    pytest.importorskip("dynmb.memory")
+    pytest.importorskip("dynmb.memory.model")
     import json
 
     from dynmb.cli import main
@@ -273,7 +273,7 @@ def test_cli_schedule_and_simulate(tmp_path, capsys):
 def test_fast_path_is_the_simulation(kind):
     """``estimate_makespan`` (the packers' estimate) equals the discrete-event simulation of the
     builders' schedule, bit for bit, in its exact regime; above it, a lower bound close to it."""
-    from dynmb.simulate import estimate_makespan
+    from dynmb.timing.simulate import estimate_makespan
 
     rng = np.random.default_rng(0)
     for P in range(1, 6):

@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 from dynmb.costmodel import AnalyticCostModel
-from dynmb.config import ModelConfig, RunConfig, parse_bytes
+from dynmb.core.config import ModelConfig, RunConfig, parse_bytes
 from dynmb.planning.planner import plan_step
 from dynmb.planning.slice_fitting import kept_lengths, plan_threshold, thresholds
 from dynmb.planning.slicing import longest_row
-from dynmb.planspec import PlanSpec
-from dynmb.memory import MemoryModel
+from dynmb.core.planspec import PlanSpec
+from dynmb.memory.model import MemoryModel
 from dynmb.runtime.spec import RunSpec
 from dynmb.schedule import validate
 from tests.gloo_jobs import register
@@ -136,8 +136,8 @@ def test_run_with_fitting_slices_verifies_on_gloo(gloo_job, tmp_path):
     """The plan ``dynmb plan`` makes with these flags slices sequences that fit (and a truncated one);
     the run of the same flags trains every kept token with the whole documents' gradients."""
     from dynmb.cli.main import main
-    from dynmb.results import load_results
-    from dynmb.types import Plan
+    from dynmb.io.results import load_results
+    from dynmb.core.types import Plan
 
     trace = tmp_path / "slicefit.csv"
     trace.write_text("length\n" + "\n".join(str(x) for x in GLOO_BATCH) + "\n")

@@ -14,23 +14,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 import torch.nn.functional as F
 
-import dynmb.prefix as prefix_mod
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+import dynmb.models.prefix as prefix_mod
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.costmodel import AnalyticCostModel
-from dynmb.memory import MemoryModel
+from dynmb.memory.model import MemoryModel
 from dynmb.models import build_stages, make_inputs, reference_grads, synthetic_tokens, whole_documents
 from dynmb.packing import PackingError
 from dynmb.planning import make_schedule
 from dynmb.planning.planner import plan_step
-from dynmb.prefix import PrefixStore, SliceOrderError, prefix_attention
-from dynmb.results import load_results
+from dynmb.models.prefix import PrefixStore, SliceOrderError, prefix_attention
+from dynmb.io.results import load_results
 from dynmb.runtime.spec import RunSpec
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.schedule import ScheduleError, get_kind, validate
 from dynmb.schedule.kinds import slice_kinds
 from dynmb.schedule.validate import check_slice_order
-from dynmb.simulate import simulate
-from dynmb.types import Action, Microbatch, Plan, PlanError, Schedule
+from dynmb.timing.simulate import simulate
+from dynmb.core.types import Action, Microbatch, Plan, PlanError, Schedule
 from tests.gloo_jobs import register
 
 TINY = ModelConfig.preset("tiny")

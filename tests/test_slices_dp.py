@@ -10,18 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.costmodel import get_cost_model
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.planning import make_schedule, replicas_of
 from dynmb.planning.planner import plan_step
 from dynmb.planning.spec_check import check_plan_spec
-from dynmb.planspec import PlanSpec
-from dynmb.results import load_results
+from dynmb.core.planspec import PlanSpec
+from dynmb.io.results import load_results
 from dynmb.runtime.spec import RunSpec
 from dynmb.schedule import validate
-from dynmb.simulate import simulate
-from dynmb.types import Microbatch, Plan, PlanError
+from dynmb.timing.simulate import simulate
+from dynmb.core.types import Microbatch, Plan, PlanError
 from tests.gloo_jobs import register
 
 TINY = ModelConfig.preset("tiny")

@@ -144,7 +144,7 @@ def test_a_chunked_optimum_offers_its_arrangements_and_neighbours() -> None:
 
 
 def test_compare_chooses_as_the_planner(tmp_path) -> None:
-    from dynmb.compare import CompareSettings
+    from dynmb.jobs.compare import CompareSettings
 
     path = tmp_path / "gpu.json"
     GPUCostModel(LLAMA2, P).save(path)

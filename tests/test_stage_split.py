@@ -11,8 +11,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
-from dynmb.memory import MemoryModel
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.memory.model import MemoryModel
 from dynmb.planning.stage_split import (balanced_split, flops_cost, min_max_split, resolve_stage_split, split_ceiling,
                                         stage_work)
 from tests.gloo_jobs import register
@@ -266,7 +266,7 @@ register(4)(_provider(4))
 @pytest.mark.dist
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_uneven_splits_give_the_reference_gradients(gloo_job, nproc: int) -> None:
-    from dynmb.results import load_results
+    from dynmb.io.results import load_results
 
     job = gloo_job(nproc)
     assert job.returncode == 0, job.errors
@@ -285,7 +285,7 @@ def test_auto_with_more_stages_than_layers_splits_half_blocks():
     """More pipeline stages (model chunks with virtual stages) than layers: only parts of blocks cover
     them, so ``auto`` returns that split instead of failing on an even split that does not exist; up to
     one stage per chunk the model allows (llama-tiny: two K/V-head groups and eight column chunks a layer)."""
-    from dynmb.config import model_config
+    from dynmb.core.config import model_config
     cfg = model_config("llama-tiny")
     n = cfg.n_layers
     split = resolve_stage_split(cfg, n + 1, "auto").layer_split
@@ -300,7 +300,7 @@ def test_a_head_heavier_than_a_stage_gets_the_last_stage_alone():
     """Llama-3.1-8B's 128k head is ~2.3 layers of work: at P 16 the last stage holds it alone (split
     ending in 0), strictly below the busiest stage of every split with a non-empty last stage; the
     split search's candidates keep the empty stage last; a 32k head (Llama-2-7B) never stands alone."""
-    from dynmb.config import model_config
+    from dynmb.core.config import model_config
     from dynmb.planning.split_search import near_optimal_splits
     from dynmb.planning.stage_split import _min_max_partition, flops_cost, unit_work, with_split
 

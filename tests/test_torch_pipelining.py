@@ -26,14 +26,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.integrations import torch_pipelining
 from dynmb.integrations.torch_pipelining import (TORCH_VERSION_WRITTEN_FOR, TorchPipeliningError,
                                                  TorchPipeliningSettings, check_torch_internals,
                                                  run_with_torch_pipelining)
 from dynmb.models import build_stage, reference_grads, synthetic_tokens
 from dynmb.schedule import build_schedule
-from dynmb.types import Microbatch, Plan
+from dynmb.core.types import Microbatch, Plan
 
 CFG = ModelConfig.preset("tiny", max_seq_len=256)
 VOCAB_SPLIT = replace(CFG, layer_split=(4, 0), head_split=(200, 312))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dynmb
-from dynmb.collate import collate_packed, global_loss_tokens, planned_loss_tokens, token_loss_sum
+from dynmb.api.collate import collate_packed, global_loss_tokens, planned_loss_tokens, token_loss_sum
 from dynmb.planning.defaults import StandInModelWarning, reset_stand_in_warnings
 
 EXP = Path(__file__).resolve().parents[1] / "experiments"

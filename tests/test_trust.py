@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dynmb.types import Microbatch, Plan, PlanError
+from dynmb.core.types import Microbatch, Plan, PlanError
 
 
 def _plan(seq_groups, *, limit=1 << 30, peaks=(1000, 1000)) -> Plan:
@@ -116,7 +116,7 @@ def test_profile_refuses_zero_repeats_before_writing_anything(tmp_path, capsys, 
 
 def test_fit_refuses_samples_of_another_architecture_with_the_same_name(tmp_path, capsys):
     from dynmb.cli import main
-    from dynmb.config import ModelConfig
+    from dynmb.core.config import ModelConfig
     from tests.test_costmodel import synthetic_samples
     small = ModelConfig.preset("small")
     samples = synthetic_samples(repeats=2).assign(num_stages=2, **{k: v for k, v in small.to_dict().items()
@@ -133,7 +133,7 @@ def test_fit_refuses_samples_of_another_architecture_with_the_same_name(tmp_path
 
 
 def test_profile_records_every_model_field():
-    from dynmb.config import ModelConfig
+    from dynmb.core.config import ModelConfig
     from dynmb.measure import profile
     tiny = ModelConfig.preset("tiny")
     samples = profile(tiny, 2, grid=[(1, 8, 1)], repeats=1, warmup=0, memory=False, progress=False)
@@ -144,10 +144,10 @@ def test_profile_records_every_model_field():
 
 @pytest.mark.parametrize("bad", [-1e-3, float("nan"), float("inf")])
 def test_cost_and_memory_model_files_with_bad_coefficients_are_refused(tmp_path, bad):
-    from dynmb.config import ModelConfig
+    from dynmb.core.config import ModelConfig
     from dynmb.costmodel import CostModel
     from dynmb.planning import default_cost_model_path
-    from dynmb.memory import MemoryModel
+    from dynmb.memory.model import MemoryModel
     d = json.loads(Path(default_cost_model_path("small", 2)).read_text())
     d["params"]["fits"][0]["coef"]["c1_tok"] = bad
     cm_path = tmp_path / "cm.json"

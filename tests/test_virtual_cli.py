@@ -14,10 +14,10 @@ import dynmb
 from dynmb.cli.flags import with_virtual_choice
 from dynmb.cli.main import build_parser, main
 from dynmb.costmodel.analytic import AnalyticCostModel
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.runtime.spec import RunSpec
-from dynmb.types import Plan
+from dynmb.core.types import Plan
 from tests.gloo_jobs import register
 
 pytestmark = pytest.mark.filterwarnings("ignore::dynmb.planning.defaults.StandInModelWarning")
@@ -104,7 +104,7 @@ def _provider(out: Path) -> list[RunSpec]:
 
 @pytest.mark.dist
 def test_run_virtual_auto_runs_the_chosen_chunks_on_gloo(gloo_job) -> None:
-    from dynmb.results import load_results
+    from dynmb.io.results import load_results
 
     job = gloo_job(2)
     assert job.returncode == 0, job.errors

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import dynmb.models.head as head_mod
-from dynmb.config import ModelConfig
-from dynmb.model_sizes import HEAD_STATS
+from dynmb.core.config import ModelConfig
+from dynmb.core.model_sizes import HEAD_STATS
 from dynmb.models import build_stages, hidden_shape, make_inputs, reference_grads, synthetic_tokens
 from dynmb.models.head import decode_stats, encode_stats, full_head_weight, head_name
-from dynmb.types import Microbatch, Plan
+from dynmb.core.types import Microbatch, Plan
 from tests.plan_runner import mixed_plan, run_plan, sliced_plan
 
 F64 = torch.float64

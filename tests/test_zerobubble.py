@@ -13,17 +13,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
 from dynmb.costmodel import get_cost_model
-from dynmb.memory import get_memory_model
+from dynmb.memory.model import get_memory_model
 from dynmb.models import build_stage, build_stages, make_inputs, synthetic_tokens
 from dynmb.measure import synthetic_microbatch
 from dynmb.runtime.spec import RunSpec
 from dynmb.runtime.splitbackward import backward_input, backward_weight, record_linears
 from dynmb.schedule import build_schedule, from_str, to_csv, validate
 from dynmb.schedule.zerobubble import ZBInputs, list_schedule, one_f_one_b_peaks
-from dynmb.simulate import simulate, simulate_costs
-from dynmb.types import Microbatch, Plan
+from dynmb.timing.simulate import simulate, simulate_costs
+from dynmb.core.types import Microbatch, Plan
 from dynmb.planning.zerobubble import build_zb, zb_evaluator, zb_inputs
 from tests.gloo_jobs import register
 
@@ -265,7 +265,7 @@ def _zb_four(out: Path) -> list[RunSpec]:
 
 
 def _tables(job, names) -> dict:
-    from dynmb.results import load_results
+    from dynmb.io.results import load_results
 
     assert job.returncode == 0, job.errors
     return {name: load_results(job.out / name) for name in names}

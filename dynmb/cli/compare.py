@@ -1,5 +1,5 @@
 """``dynmb compare``: the main job, fixed against dynamic microbatching on real runs, with a table
-and plots. The job itself is ``dynmb.compare``; this module parses, prints and sets the exit
+and plots. The job itself is ``dynmb.jobs.compare``; this module parses, prints and sets the exit
 code (1 when a measured peak is over the limit)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
                              add_shape_flags, corpus_source, nonnegative_int, positive_int)
 from dynmb.cli.run import stop_line
-from dynmb.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
+from dynmb.jobs.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
 
 __all__ = ["add_parser", "run", "settings_from_args"]
 

@@ -7,7 +7,7 @@ import argparse
 
 from dynmb.cli.flags import add_model_flags, int_at_least, model_from_args, positive_int
 from dynmb.costmodel import fit_cost_model, kfold_error, noise_floor
-from dynmb.plots import cost_fit
+from dynmb.report.plots import cost_fit
 from dynmb.measure.samples import check_samples_model, load_samples
 
 __all__ = ["add_parser", "run"]

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from dynmb.config import ModelConfig, model_config, parse_bytes
+from dynmb.core.config import ModelConfig, model_config, parse_bytes
+from dynmb.core.contract import names_factory
 from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
@@ -145,16 +146,6 @@ def add_model_file_flags(parser: argparse.ArgumentParser, *, from_plan: bool = F
     default = "the plan's (the file it was planned with, or the analytic stand-in)" if from_plan else "analytic"
     parser.add_argument("--cost-model", default=None, help=f"fitted cost-model JSON; default {default}")
     parser.add_argument("--memory-model", default=None, help=f"fitted memory-model JSON; default {default}")
-
-
-def names_factory(spec: str) -> bool:
-    """Whether ``spec`` is ``package.module:factory`` (a preset with overrides has ``=``; the check
-    imports ``dynmb.models`` (torch) only for a spec that can be one)."""
-    if ":" not in spec or "=" in spec or spec.endswith(".json"):
-        return False
-    from dynmb.models.contract import factory_spec
-
-    return factory_spec(spec) is not None
 
 
 @functools.lru_cache(maxsize=4)

@@ -131,14 +131,14 @@ a model file, samples)."""
 
 def _check_text_inputs(args: argparse.Namespace) -> None:
     """Refuse an input file of ``_TEXT_INPUTS`` (``.csv`` / ``.json``) that is not UTF-8 text, one line
-    naming it (``dynmb.results.check_utf8``), before the verb reads it."""
+    naming it (``dynmb.io.results.check_utf8``), before the verb reads it."""
     paths = []
     for name in _TEXT_INPUTS:
         value = getattr(args, name, None) if name != "samples" or args.verb == "fit" else None  # memory: an output
         paths += [p for p in (value if isinstance(value, list) else [value])
                   if isinstance(p, str) and p.endswith((".csv", ".json")) and Path(p).is_file()]
     if paths:
-        from dynmb.results import check_utf8
+        from dynmb.io.results import check_utf8
 
         for path in paths:
             check_utf8(path)

@@ -8,11 +8,11 @@ import argparse
 import numpy as np
 import pandas as pd
 
-from dynmb.atomic import atomic_path
+from dynmb.io.atomic import atomic_path
 from dynmb.cli.flags import add_model_flags, factory_from_args, positive_int
 from dynmb.models.contract import planning_config
-from dynmb.config import format_bytes
-from dynmb.memory import MemoryModel
+from dynmb.core.config import format_bytes
+from dynmb.memory.model import MemoryModel
 from dynmb.measure.memory import measure_grid
 from dynmb.runtime.spec import check_device
 

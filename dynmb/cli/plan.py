@@ -12,13 +12,13 @@ from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags,
                              names_factory, nonnegative_int, virtual_arg, warn_own_model_stand_ins,
                              with_virtual_choice)
 from dynmb.cli.planfile import plan_meta, plan_pack_len
-from dynmb.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
-from dynmb.memory import get_memory_model
+from dynmb.core.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
+from dynmb.memory.model import get_memory_model
 from dynmb.planning import plan_step
-from dynmb.planning.api import cost_model_for
+from dynmb.api.planner import cost_model_for
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.planning.virtual_search import describe
-from dynmb.types import Plan
+from dynmb.core.types import Plan
 
 __all__ = ["add_parser", "run", "plan_spec"]
 

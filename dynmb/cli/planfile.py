@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from dynmb.cli.flags import names_factory
-from dynmb.config import ModelConfig, model_config
+from dynmb.core.config import ModelConfig, model_config
 from dynmb.costmodel import get_cost_model
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike, get_memory_model
-from dynmb.types import Plan
+from dynmb.memory.model import MemoryModelLike, get_memory_model
+from dynmb.core.types import Plan
 
 __all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file", "plan_pack_len"]
 

@@ -30,7 +30,7 @@ from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags,
                              warn_own_model_stand_ins, with_virtual_choice)
 from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
-from dynmb.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
 from dynmb.planning.virtual_search import describe
 from dynmb.runtime.api import run_job
@@ -38,7 +38,7 @@ from dynmb.runtime.launch import LaunchResult, default_backend_device
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 from dynmb.schedule import SCHEDULE_KINDS
 from dynmb.schedule.kinds import AUTO, is_schedule_name
-from dynmb.types import Plan
+from dynmb.core.types import Plan
 
 __all__ = ["add_parser", "run", "run_summary", "run_config", "stop_line", "DEFAULTS"]
 

@@ -10,17 +10,17 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dynmb.atomic import write_text_atomic
+from dynmb.io.atomic import write_text_atomic
 from dynmb.cli.flags import add_model_file_flags, add_model_flags, positive_int
 from dynmb.cli.planfile import plan_models
-from dynmb.config import format_bytes
+from dynmb.core.config import format_bytes
 from dynmb.planning import make_schedule
 from dynmb.planning.reorder import reorder
 from dynmb.schedule import to_csv
 from dynmb.schedule.io import sidecar_path
 from dynmb.schedule.kinds import AUTO, auto_kinds
-from dynmb.simulate import simulate
-from dynmb.types import Plan, Schedule
+from dynmb.timing.simulate import simulate
+from dynmb.core.types import Plan, Schedule
 
 __all__ = ["add_parser", "run", "sidecar_path", "check_schedule_plan"]
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from dynmb.atomic import atomic_path
+from dynmb.io.atomic import atomic_path
 from dynmb.cli.flags import add_model_file_flags, add_model_flags
 from dynmb.cli.planfile import plan_models
 from dynmb.cli.schedule import check_schedule_plan
-from dynmb.config import format_bytes
-from dynmb.plots import gantt
+from dynmb.core.config import format_bytes
+from dynmb.report.plots import gantt
 from dynmb.schedule import from_csv
-from dynmb.simulate import simulate
-from dynmb.types import Plan
+from dynmb.timing.simulate import simulate
+from dynmb.core.types import Plan
 
 __all__ = ["add_parser", "run"]
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
           f"({schedule.num_ranks} ranks, {schedule.num_microbatches} microbatches)")
     if sim.bound_s and sim.ideal_s:
         print(f"lower bounds: bound {sim.bound_s:.4g} s (gap {sim.makespan_s / sim.bound_s - 1:.1%}), ideal "
-              f"{sim.ideal_s:.4g} s (gap {sim.makespan_s / sim.ideal_s - 1:.1%}); see dynmb.bounds")
+              f"{sim.ideal_s:.4g} s (gap {sim.makespan_s / sim.ideal_s - 1:.1%}); see dynmb.timing.bounds")
     for rank, (bubble, busy) in enumerate(zip(sim.bubble_fraction, sim.busy_s)):
         print(f"  rank {rank}: busy {busy:.4g} s, bubble {bubble:.3f}, peak {format_bytes(peak_bytes_rank[rank])}")
     print(f"limit {format_bytes(plan.memory_limit_bytes)}: {'fits' if sim.fits else 'OVER THE LIMIT'}")

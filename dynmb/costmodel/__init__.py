@@ -27,16 +27,16 @@ Every public name is importable from ``dynmb.costmodel``.
 
 from __future__ import annotations
 
-from .analytic import AnalyticCostModel
-from .base import CommModel, CostModelLike, CostModel
-from .grid import GridCostModel
-from .gpu import GPUCostModel, GPUSpec, H100_SXM, LINKS
-from .nnls import nnls_rel
-from .poly import COEFS, FORMS, LEGACY_COEF_NAMES, FittedCostModel
-from .registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model, get_cost_model, kfold_error
-from .calibration import (OVERHEAD_MIN_ACTIONS, OVERHEAD_SMALL_S, RECENT_STEPS, SCALE_MIN_PRED_S, CalibrationStep,
+from dynmb.costmodel.analytic import AnalyticCostModel
+from dynmb.costmodel.base import CommModel, CostModelLike, CostModel
+from dynmb.costmodel.grid import GridCostModel
+from dynmb.costmodel.gpu import GPUCostModel, GPUSpec, H100_SXM, LINKS
+from dynmb.costmodel.nnls import nnls_rel
+from dynmb.costmodel.poly import COEFS, FORMS, LEGACY_COEF_NAMES, FittedCostModel
+from dynmb.costmodel.registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model, get_cost_model, kfold_error
+from dynmb.costmodel.calibration import (OVERHEAD_MIN_ACTIONS, OVERHEAD_SMALL_S, RECENT_STEPS, SCALE_MIN_PRED_S, CalibrationStep,
                           RuntimeCalibration, job_calibration, runtime_calibration)
-from .samples import noise_floor, point_medians, samples_from_actions, with_attention_work
+from dynmb.costmodel.samples import noise_floor, point_medians, samples_from_actions, with_attention_work
 
 __all__ = [
     "CostModelLike", "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 
-from .base import CommModel, CostModel
+from dynmb.costmodel.base import CommModel, CostModel
 
 __all__ = ["AnalyticCostModel"]
 

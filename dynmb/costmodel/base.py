@@ -35,12 +35,12 @@ from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from dynmb.atomic import write_text_atomic
-from dynmb.config import ModelConfig
+from dynmb.io.atomic import write_text_atomic
+from dynmb.core.config import ModelConfig
 
-from .nnls import nnls_rel
-from .split import apply_recompute, derived_split
-from .validate import check_cost_model, check_numbers, read_model_file
+from dynmb.costmodel.nnls import nnls_rel
+from dynmb.costmodel.split import apply_recompute, derived_split
+from dynmb.costmodel.validate import check_cost_model, check_numbers, read_model_file
 
 __all__ = ["CostModelLike", "CommModel", "CostModel"]
 
@@ -289,7 +289,7 @@ class CostModel:
         return d
 
     def save(self, path: str | Path) -> None:
-        """Write the JSON form atomically (``dynmb.atomic``)."""
+        """Write the JSON form atomically (``dynmb.io.atomic``)."""
         write_text_atomic(path, json.dumps(self.to_dict(), indent=1,
                                            default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
 

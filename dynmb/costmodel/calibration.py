@@ -72,7 +72,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from .p2pfit import RECEIVE_COLUMNS, action_gaps, gap_per_op, has_receive_columns, p2p_latency, receive_waits
+from dynmb.costmodel.p2pfit import RECEIVE_COLUMNS, action_gaps, gap_per_op, has_receive_columns, p2p_latency, receive_waits
 
 __all__ = ["SCALE_MIN_PRED_S", "OVERHEAD_SMALL_S", "OVERHEAD_MIN_ACTIONS", "RECENT_STEPS", "RuntimeCalibration",
            "CalibrationStep", "runtime_calibration", "job_calibration"]

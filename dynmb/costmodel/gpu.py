@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 
-from .base import CommModel, CostModel
+from dynmb.costmodel.base import CommModel, CostModel
 
 __all__ = ["GPUCostModel", "GPUSpec", "H100_SXM", "LINKS"]
 
@@ -130,7 +130,7 @@ class GPUCostModel(CostModel):
         return overhead + 2.0 * linear_s + g.attn_bwd_ratio * attn_s / g.attn_bwd_eff
 
     def ideal_stage_costs(self, lengths: Any) -> dict[str, np.ndarray]:
-        """``{"F", "B"}: [P, n]`` seconds of each sequence's own work, no overhead: what ``dynmb.bounds``
+        """``{"F", "B"}: [P, n]`` seconds of each sequence's own work, no overhead: what ``dynmb.timing.bounds``
         prices the batch's ideal with. GEMMs at ``gemm_eff_max``: their efficiency grows with the
         microbatch's tokens, so a sequence's GEMMs alone would not be a lower bound (packing short
         sequences makes them cheaper than alone). Attention at the sequence's own length: with

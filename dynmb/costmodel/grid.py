@@ -44,12 +44,12 @@ import numpy as np
 import pandas as pd
 from scipy.interpolate import RegularGridInterpolator
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 
-from .base import CommModel, CostModel
-from .nnls import nnls_rel
-from .poly import features
-from .samples import point_medians, sample_meta
+from dynmb.costmodel.base import CommModel, CostModel
+from dynmb.costmodel.nnls import nnls_rel
+from dynmb.costmodel.poly import features
+from dynmb.costmodel.samples import point_medians, sample_meta
 
 __all__ = ["GridCostModel"]
 

@@ -1,6 +1,6 @@
 """What a running pipeline pays between its actions that the simulator does not know.
 
-The simulator (``dynmb.simulate``) starts an action when its rank is free and its input message
+The simulator (``dynmb.timing.simulate``) starts an action when its rank is free and its input message
 has arrived, ``comm_s`` (the cost model's ``CommModel``) after the sender finished. Recorded
 compares show two costs outside that model, both paid once per microbatch and stage, so a plan
 with many microbatches is predicted too fast by more than a plan with few:

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 
-from .base import CommModel, CostModel
-from .nnls import nnls_rel
-from .samples import point_medians, sample_meta
+from dynmb.costmodel.base import CommModel, CostModel
+from dynmb.costmodel.nnls import nnls_rel
+from dynmb.costmodel.samples import point_medians, sample_meta
 
 __all__ = ["FORMS", "COEFS", "LEGACY_COEF_NAMES", "FittedCostModel", "features", "fold_ids"]
 

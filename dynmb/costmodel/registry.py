@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 
-from .analytic import AnalyticCostModel
-from .base import CommModel, CostModel
-from .grid import GridCostModel
-from .poly import FittedCostModel, fold_ids
-from .samples import point_medians
+from dynmb.costmodel.analytic import AnalyticCostModel
+from dynmb.costmodel.base import CommModel, CostModel
+from dynmb.costmodel.grid import GridCostModel
+from dynmb.costmodel.poly import FittedCostModel, fold_ids
+from dynmb.costmodel.samples import point_medians
 
 __all__ = ["COST_MODEL_KINDS", "FIT_KINDS", "get_cost_model", "fit_cost_model", "kfold_error"]
 

@@ -14,7 +14,7 @@ return the model, so a loader ends ``return check_memory_model(cls.from_dict(d))
 ``check_numbers(x, where)`` is the finite/non-negative check of the raw JSON values.
 
 Duck-typed (``predict`` / ``activation_bytes`` / ``transient_bytes``); imports numpy only, so
-``costmodel.base`` and ``dynmb.memory`` can both use it without a cycle.
+``costmodel.base`` and ``dynmb.memory.model`` can both use it without a cycle.
 """
 
 from __future__ import annotations

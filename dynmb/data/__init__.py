@@ -15,11 +15,11 @@ The fitted cost models shipped with dynmb are package data here too
 
 from __future__ import annotations
 
-from .corpus import GPT2_HELLO_WORLD, CorpusError, TokenizerError, build_trace, get_tokenizer, read_records
-from .lengths import (check_lengths, data_dir, datasets_table, fit_lognormal, fit_mixture, list_traces, load_trace,
+from dynmb.data.corpus import GPT2_HELLO_WORLD, CorpusError, TokenizerError, build_trace, get_tokenizer, read_records
+from dynmb.data.lengths import (check_lengths, data_dir, datasets_table, fit_lognormal, fit_mixture, list_traces, load_trace,
                       lognormal, lognormal_mixture, sample_batch, sample_indices, save_trace, shipped_dir,
                       synthetic_like, trace_stats)
-from .tokens import CorpusSource, CorpusTokens, TokenFile, check_vocab, prepare_tokens, tokenize
+from dynmb.data.tokens import CorpusSource, CorpusTokens, TokenFile, check_vocab, prepare_tokens, tokenize
 
 __all__ = [
     "CorpusError", "TokenizerError", "shipped_dir", "data_dir", "list_traces", "load_trace", "save_trace",

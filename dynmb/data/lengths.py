@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
-from ..atomic import write_text_atomic
+from dynmb.io.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 _NOTED_REPLACEMENT: set[tuple[int, int]] = set()

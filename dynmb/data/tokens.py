@@ -10,7 +10,7 @@ Every document is stored as its ``n_i`` ids followed by the tokenizer's end-of-t
 (GPT-2's ``<|endoftext|>``): ``n_i + 1`` ids, so the model reads ids ``0 .. n_i - 1`` and
 predicts ids ``1 .. n_i`` (the last label is the end of the text), ``n_i`` trained
 positions, the length of the trace (``CorpusTokens.lengths``). A slice or a truncated
-document takes a prefix of them (``dynmb.inputs.make_inputs``). A tokenizer without an
+document takes a prefix of them (``dynmb.models.inputs.make_inputs``). A tokenizer without an
 end-of-text id is refused.
 
 Token file (``CorpusTokens.save`` / ``load``): ``<name>.npz`` holds ``offsets`` (int64,
@@ -39,7 +39,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .corpus import EOS_TOKENS, CorpusError, TokenizerError, corpus_texts, get_tokenizer
+from dynmb.data.corpus import EOS_TOKENS, CorpusError, TokenizerError, corpus_texts, get_tokenizer
 
 __all__ = ["CorpusSource", "CorpusTokens", "TokenFile", "tokenize", "prepare_tokens", "check_vocab"]
 

@@ -20,7 +20,7 @@ microbatches have different shapes (rows x padded length), which torch's stage d
    metadata forward, no ``send_object_list``) and its up-front receive buffers are empty. The
    subclass overrides two methods, ``get_fwd_recv_ops`` and ``get_bwd_recv_ops``: before torch
    posts the ``irecv`` of microbatch i it replaces that microbatch's buffer with a fresh tensor of
-   the plan's shape, ``(mb.batch, mb.padded_len, d_model)`` (``dynmb.inputs.hidden_shape``; after a
+   the plan's shape, ``(mb.batch, mb.padded_len, d_model)`` (``dynmb.models.inputs.hidden_shape``; after a
    shard of an LM head split by vocabulary, ``ModelConfig.head_split``, the wider message of the
    sending stage, ``cfg.message_channels``), the shape of what the stage sends for the gradient. After the step the buffers are released (zero-size again).
 4. **Inputs as keyword arguments.** torch calls ``submod(*args, **kwargs)``; a dynmb stage's
@@ -60,7 +60,7 @@ runs this block on 2 gloo ranks)::
 
     import torch, torch.distributed as dist
     from dynmb import ModelConfig, Planner
-    from dynmb.inputs import synthetic_tokens
+    from dynmb.models.inputs import synthetic_tokens
     from dynmb.models import build_stage
     from dynmb.integrations.torch_pipelining import TorchPipeliningSettings, run_with_torch_pipelining
 
@@ -93,12 +93,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from dynmb.config import ModelConfig
-from dynmb.contract import StageModule
-from dynmb.inputs import hidden_shape, make_inputs
+from dynmb.core.config import ModelConfig
+from dynmb.core.contract import StageModule
+from dynmb.models.inputs import hidden_shape, make_inputs
 from dynmb.runtime.checks import PlanDivergenceError
 from dynmb.schedule import from_csv, to_csv, to_str
-from dynmb.types import Plan, Schedule
+from dynmb.core.types import Plan, Schedule
 
 __all__ = ["TorchPipeliningSettings", "TorchPipeliningResult", "TorchPipeliningError", "PlanShapedStage",
            "run_with_torch_pipelining", "check_torch_internals", "TORCH_VERSION_WRITTEN_FOR"]

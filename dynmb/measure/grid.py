@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel
-from dynmb.types import Microbatch
+from dynmb.core.types import Microbatch
 
 __all__ = ["Point", "GRID_ROWS", "GRID_LENS", "GRID_DOCS", "PACKED_ROWS", "PACKED_LENS", "MIN_DOC_TOKENS",
            "RUN_OVERHEAD_S", "default_grid", "as_point", "synthetic_microbatch", "estimate_run_seconds"]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dynmb.atomic import write_text_atomic
+from dynmb.io.atomic import write_text_atomic
 
 __all__ = ["DEFAULT_SIZES", "ping_pong", "free_port"]
 

@@ -51,8 +51,8 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from dynmb.atomic import atomic_path
-from dynmb.config import ModelConfig
+from dynmb.io.atomic import atomic_path
+from dynmb.core.config import ModelConfig
 from dynmb.measure.eta import Progress, minutes
 from dynmb.measure.grid import Point, as_point, default_grid, estimate_run_seconds, synthetic_microbatch
 from dynmb.measure.memory import measure_stage_memory
@@ -61,7 +61,7 @@ from dynmb.measure.samples import done_runs, read_resumable, sample_rows
 from dynmb.measure.timing import time_stage
 from dynmb.models import make_inputs, synthetic_tokens
 from dynmb.models.contract import is_family_factory, planning_config, resolve_model
-from dynmb.results import write_table
+from dynmb.io.results import write_table
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.hostmem import retain_freed_memory
 

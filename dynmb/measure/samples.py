@@ -20,9 +20,9 @@ from typing import Iterable
 
 import pandas as pd
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel import samples_from_actions
-from dynmb.types import Microbatch
+from dynmb.core.types import Microbatch
 
 __all__ = ["ARCH_FIELDS", "load_samples", "check_samples_model", "read_resumable", "done_runs", "sample_rows"]
 

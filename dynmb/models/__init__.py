@@ -12,20 +12,20 @@
   ``recompute``: ``RecomputedBlock`` / ``RecomputedHead``; ``seeding``: per-name seeded init;
   ``reference``: the single-process reference (``reference_grads``, ``whole_documents``).
 
-The model inputs (``make_inputs``, ``MicrobatchInputs``, ...) live in ``dynmb.inputs`` and are
+The model inputs (``make_inputs``, ``MicrobatchInputs``, ...) live in ``dynmb.models.inputs`` and are
 re-exported here for convenience.
 """
 
-from dynmb.inputs import (IGNORE_INDEX, INPUT_ATTENTION, DocumentBuckets, InputError, MicrobatchInputs, attention_mask,
+from dynmb.models.inputs import (IGNORE_INDEX, INPUT_ATTENTION, DocumentBuckets, InputError, MicrobatchInputs, attention_mask,
                           bucket_documents, full_microbatch, hidden_shape, make_inputs, synthetic_tokens, torch_dtype)
 
-from .contract import StageFactory, StageModule, planning_config, resolve_model
-from .families import FAMILIES, FamilyFactory, build_stage, build_stages, family_factory
-from .gpt2 import GPT, Block, GPTStage
-from .llama import LlamaBlock, LlamaStage
-from .recompute import RecomputedBlock, RecomputedHead
-from .reference import count_params, global_named_parameters, reference_grads, reference_stages, whole_documents
-from .stage import DecoderStage
+from dynmb.models.contract import StageFactory, StageModule, planning_config, resolve_model
+from dynmb.models.families import FAMILIES, FamilyFactory, build_stage, build_stages, family_factory
+from dynmb.models.gpt2 import GPT, Block, GPTStage
+from dynmb.models.llama import LlamaBlock, LlamaStage
+from dynmb.models.recompute import RecomputedBlock, RecomputedHead
+from dynmb.models.reference import count_params, global_named_parameters, reference_grads, reference_stages, whole_documents
+from dynmb.models.stage import DecoderStage
 
 __all__ = [
     "StageModule", "StageFactory", "resolve_model", "planning_config", "FAMILIES", "FamilyFactory", "family_factory", "DecoderStage",

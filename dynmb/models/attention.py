@@ -5,8 +5,8 @@ rotation, attention, output projection) of every family; a family supplies ``pro
 (``x -> q, k, v``, ``(..., L, heads, head_dim)``, k and v with ``n_kv_heads`` heads),
 ``output`` and, for rotary positions, ``rotate``. Grouped-query attention (fewer K/V heads)
 runs natively: SDPA with ``enable_gqa`` (query head h uses K/V head ``h // (heads / kv_heads)``)
-and ``dynmb.prefix.PrefixAttention`` on the compact K/V. The path is chosen once per
-microbatch by ``dynmb.inputs.make_inputs`` (``MicrobatchInputs.attention``):
+and ``dynmb.models.prefix.PrefixAttention`` on the compact K/V. The path is chosen once per
+microbatch by ``dynmb.models.inputs.make_inputs`` (``MicrobatchInputs.attention``):
 
 - ``causal`` (``auto``, one document per row): SDPA with ``is_causal=True`` and no mask tensor.
   A real query only sees keys at or before it, all real; pad outputs are ignored by the loss
@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynmb.inputs import InputError, MicrobatchInputs, SliceSegment
-from dynmb.prefix import prefix_attention
+from dynmb.models.inputs import InputError, MicrobatchInputs, SliceSegment
+from dynmb.models.prefix import prefix_attention
 
 __all__ = ["RoutedAttention", "PositionTables", "CosSin"]
 
@@ -140,7 +140,7 @@ class RoutedAttention(nn.Module):
 
     def _slice(self, x: torch.Tensor, seg: SliceSegment, inputs: MicrobatchInputs, cs: CosSin | None) -> torch.Tensor:
         """``(n, d)`` tokens of one slice -> the sublayer's output, attending to the keys and
-        values earlier slices kept in ``inputs.prefix`` (``dynmb.prefix``)."""
+        values earlier slices kept in ``inputs.prefix`` (``dynmb.models.prefix``)."""
         store = inputs.prefix
         if store is None:
             raise InputError(f"microbatch {inputs.microbatch} holds a slice of sequence {seg.seq_id} but runs "

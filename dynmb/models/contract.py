@@ -1,5 +1,5 @@
 """``resolve_model``: what a user names as a model, as a ``StageFactory`` (the contract itself,
-its Protocols and helpers, is ``dynmb.contract``, re-exported here).
+its Protocols and helpers, is ``dynmb.core.contract``, re-exported here).
 
 A ``ModelConfig``, a preset name with overrides (``small``, ``llama-small:d_model=512``) or a JSON
 file of ``ModelConfig`` fields are served by dynmb's own families
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from dynmb.config import ModelConfig, model_config
-from dynmb.contract import (ATTENTION_WORK, StageFactory, StageModule, as_factory, check_factory, check_importable,
+from dynmb.core.config import ModelConfig, model_config
+from dynmb.core.contract import (ATTENTION_WORK, StageFactory, StageModule, as_factory, check_factory, check_importable,
                             factory_spec, is_factory_spec, is_family_factory, load_factory, planning_config)
 
 __all__ = ["StageModule", "StageFactory", "resolve_model", "ATTENTION_WORK", "planning_config", "factory_spec",
@@ -25,7 +25,7 @@ def resolve_model(spec: "str | ModelConfig | StageFactory | Callable[[], StageFa
                   attention: str | None = None) -> StageFactory:
     """The ``StageFactory`` ``spec`` names (module docstring). ``attention`` overrides a dynmb
     family's ``ModelConfig.attention`` (ignored for other factories)."""
-    from .families import family_factory
+    from dynmb.models.families import family_factory
 
     if isinstance(spec, ModelConfig):
         return family_factory(spec if attention is None else replace(spec, attention=attention))

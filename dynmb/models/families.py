@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 
-from .gpt2 import GPTStage
-from .llama import LlamaStage
-from .stage import DecoderStage
+from dynmb.models.gpt2 import GPTStage
+from dynmb.models.llama import LlamaStage
+from dynmb.models.stage import DecoderStage
 
 __all__ = ["FAMILIES", "FamilyFactory", "build_stage", "build_stages", "family_factory"]
 
@@ -48,7 +48,7 @@ class FamilyFactory:
 
     config: ModelConfig
     dynmb_family = True
-    """Marks dynmb's own families (``dynmb.contract.is_family_factory``)."""
+    """Marks dynmb's own families (``dynmb.core.contract.is_family_factory``)."""
 
     @property
     def attention_work(self) -> str:

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynmb.config import ModelConfig
-from dynmb.inputs import InputError, MicrobatchInputs
+from dynmb.core.config import ModelConfig
+from dynmb.models.inputs import InputError, MicrobatchInputs
 
-from .attention import RoutedAttention
-from .head import seed_head_rows_
-from .pieces import WHOLE, PiecedBlock, chunk_width, store_key
-from .stage import DecoderStage
+from dynmb.models.attention import RoutedAttention
+from dynmb.models.head import seed_head_rows_
+from dynmb.models.pieces import WHOLE, PiecedBlock, chunk_width, store_key
+from dynmb.models.stage import DecoderStage
 
 __all__ = ["GPT", "GPTStage", "Block", "Attention", "MLP"]
 

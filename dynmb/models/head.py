@@ -38,11 +38,11 @@ from typing import Any, Mapping
 
 import torch
 
-from dynmb.config import ModelConfig
-from dynmb.inputs import IGNORE_INDEX, MicrobatchInputs
-from dynmb.model_sizes import HEAD_STATS
+from dynmb.core.config import ModelConfig
+from dynmb.models.inputs import IGNORE_INDEX, MicrobatchInputs
+from dynmb.core.model_sizes import HEAD_STATS
 
-from .seeding import param_seed
+from dynmb.models.seeding import param_seed
 
 __all__ = ["ROW_BLOCK", "head_name", "seed_head_rows_", "stat_parts", "encode_stats", "decode_stats", "shard_loss",
            "full_head_weight"]

@@ -16,7 +16,7 @@ the last. ``forward(x, inputs)`` keeps the contract:
   transformers' SDPA path runs ``is_causal=True``; pads sit on the right, after every real token, and
   the loss ignores them, so the result is exact (``eager`` has no causal path: it gets the mask below);
 - packed rows (``document``) and the dense ablation: a ``(rows, 1, s, s)`` document-causal mask
-  (``dynmb.inputs.attention_mask``; additive ``-inf`` form for the ``eager`` implementation). A mask
+  (``dynmb.models.inputs.attention_mask``; additive ``-inf`` form for the ``eager`` implementation). A mask
   skips no work: transformers' attention pays ``rows * padded_len**2`` for a packed row, so the
   factory reports ``attention_work = "masked"`` and the cost model is fitted on that feature, not
   dynmb's document-causal ``sum s_i**2``;
@@ -53,10 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynmb.config import ModelConfig, split_layers
-from dynmb.inputs import IGNORE_INDEX, InputError, MicrobatchInputs, attention_mask
+from dynmb.core.config import ModelConfig, split_layers
+from dynmb.models.inputs import IGNORE_INDEX, InputError, MicrobatchInputs, attention_mask
 
-from .pieces import full_weights
+from dynmb.models.pieces import full_weights
 
 __all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf", "hf_llama_config", "llama_to_hf"]
 

@@ -39,13 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynmb.config import ModelConfig
-from dynmb.inputs import MicrobatchInputs
+from dynmb.core.config import ModelConfig
+from dynmb.models.inputs import MicrobatchInputs
 
-from .attention import CosSin, PositionTables, RoutedAttention
-from .head import seed_head_rows_
-from .pieces import WHOLE, PiecedBlock, chunk_width, store_key, whole_name
-from .stage import DecoderStage
+from dynmb.models.attention import CosSin, PositionTables, RoutedAttention
+from dynmb.models.head import seed_head_rows_
+from dynmb.models.pieces import WHOLE, PiecedBlock, chunk_width, store_key, whole_name
+from dynmb.models.stage import DecoderStage
 
 __all__ = ["LlamaStage", "LlamaBlock", "LlamaAttention", "SwiGLU", "RMSNorm", "position_tables", "rotate_half",
            "NORM_EPS"]

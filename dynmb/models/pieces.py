@@ -1,6 +1,6 @@
 """Pieces of a half-block: a pipeline-stage boundary inside an attention or MLP half.
 
-``ModelConfig.layer_split`` on the 1/16-layer grid (``dynmb.model_sizes``) cuts a half-block into
+``ModelConfig.layer_split`` on the 1/16-layer grid (``dynmb.core.model_sizes``) cuts a half-block into
 ``SUB_CHUNKS`` (8) chunks; ``cfg.stage_pieces(P)[s]`` lists the ``HalfPiece(layer, part, chunks)`` stage
 ``s`` holds. Chunks ``[c0, c1)`` of an attention half are the K/V heads ``[kv c0/8, kv c1/8)`` and the
 query heads that read them, ``[H c0/8, H c1/8)``: the piece's rows of ``qkv`` (in each of the q, k and v
@@ -18,7 +18,7 @@ message is exact: its gradient carries d/dy and d/dh, and d/dh reaches the norm 
 Names (``piece_name``): a whole half keeps its module name (``blocks.3.mlp.gate_up.weight``); a piece is
 named by its first chunk, ``blocks.3.mlp_c4.gate_up.weight`` (``mlp_c0`` for a piece from chunk 0 that
 does not end the half), so names are unique across the stages. The prefix store of sliced sequences
-(``dynmb.prefix``) keys a piece's keys and values by ``store_key``: the layer, plus ``c0 / 8`` for a piece
+(``dynmb.models.prefix``) keys a piece's keys and values by ``store_key``: the layer, plus ``c0 / 8`` for a piece
 starting at chunk ``c0 > 0`` (only its K/V heads are kept).
 
 Initial values (``seed_weight_``): a piece's weight is its slice of the whole weight seeded by
@@ -35,13 +35,13 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from dynmb.config import ModelConfig
-from dynmb.inputs import MicrobatchInputs
-from dynmb.model_sizes import SUB_CHUNKS, HalfPiece
+from dynmb.core.config import ModelConfig
+from dynmb.models.inputs import MicrobatchInputs
+from dynmb.core.model_sizes import SUB_CHUNKS, HalfPiece
 
-from .attention import PositionTables
-from .head import full_head_weight, head_name
-from .seeding import param_seed
+from dynmb.models.attention import PositionTables
+from dynmb.models.head import full_head_weight, head_name
+from dynmb.models.seeding import param_seed
 
 __all__ = ["PiecedBlock", "WHOLE", "piece_name", "store_key", "chunk_width", "cut", "seed_weight_", "whole_name", "full_weights", "run_half",
            "CUT_AXIS"]

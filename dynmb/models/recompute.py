@@ -13,7 +13,7 @@ the caller's backward has, which is why this is not
 under its own hooks, where the CPU meter cannot account them. A block holding slices of a
 long sequence re-keeps its keys and values in the prefix store during the recomputation;
 their accumulated gradients join the nested backward as extra roots
-(``dynmb.prefix.PrefixStore.pop_pending``). Deterministic kernels recompute bit-identical
+(``dynmb.models.prefix.PrefixStore.pop_pending``). Deterministic kernels recompute bit-identical
 activations, so gradients are exact.
 
 ``RecomputedHead.apply(x, stage, inputs, reduction)``: the stage's ``head`` (final norm, LM head

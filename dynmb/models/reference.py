@@ -20,11 +20,11 @@ from torch import nn
 
 from typing import Any, cast
 
-from dynmb.config import ModelConfig
-from dynmb.inputs import make_inputs
-from dynmb.types import Microbatch, Plan
+from dynmb.core.config import ModelConfig
+from dynmb.models.inputs import make_inputs
+from dynmb.core.types import Microbatch, Plan
 
-from .contract import planning_config, resolve_model
+from dynmb.models.contract import planning_config, resolve_model
 
 __all__ = ["reference_grads", "reference_stages", "whole_documents", "global_named_parameters", "count_params"]
 

@@ -14,7 +14,7 @@ inside a half-block (the 1/16-layer grid, ``ModelConfig.stage_pieces``) gives th
 (``dynmb.models.pieces``: K/V head groups of attention, inner columns of the MLP, e.g.
 ``blocks.3.mlp_c4``), and the message across it is ``[y | h]`` (``2 d`` channels: the residual stream
 with the chunks so far added, and the half's normalised input). ``layers`` are the prefix-store keys of
-the attention halves or pieces (and so keys and values, ``dynmb.prefix``) the stage holds. ``forward(x, inputs, *, reduction, recompute)`` keeps the stage contract
+the attention halves or pieces (and so keys and values, ``dynmb.models.prefix``) the stage holds. ``forward(x, inputs, *, reduction, recompute)`` keeps the stage contract
 (``dynmb.models.contract``): ``x`` is ignored on the first stage (``embed_inputs`` turns
 ``inputs.input_ids`` into the hidden state), otherwise the hidden state
 ``(batch, padded_len, d_model)`` (after a head shard the message ``[z | statistics]``, inside a
@@ -39,13 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynmb.config import ModelConfig
-from dynmb.inputs import IGNORE_INDEX, MicrobatchInputs, torch_dtype
-from dynmb.model_sizes import HalfPiece
+from dynmb.core.config import ModelConfig
+from dynmb.models.inputs import IGNORE_INDEX, MicrobatchInputs, torch_dtype
+from dynmb.core.model_sizes import HalfPiece
 
-from .head import head_name, shard_loss
-from .pieces import seed_weight_, store_key
-from .recompute import RecomputedBlock, RecomputedHead
+from dynmb.models.head import head_name, shard_loss
+from dynmb.models.pieces import seed_weight_, store_key
+from dynmb.models.recompute import RecomputedBlock, RecomputedHead
 
 __all__ = ["DecoderStage"]
 
@@ -69,7 +69,7 @@ class DecoderStage(nn.Module):
         self.units: list[tuple[int, tuple[HalfPiece, ...]]] = list(blocks.items())
         """``(layer, pieces)`` of each block, in order (both halves, or one half or piece at a boundary)."""
         self.layers: list[int | float] = [store_key(pc.layer, pc.chunks) for pc in self.pieces if pc.part == "attn"]
-        """The prefix-store keys (``dynmb.prefix``) of the attention halves or pieces it holds: the layer
+        """The prefix-store keys (``dynmb.models.prefix``) of the attention halves or pieces it holds: the layer
         index, plus ``c0 / 8`` for a piece from chunk ``c0 > 0`` (``dynmb.models.pieces.store_key``)."""
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.in_channels = cfg.message_channels(stage - 1, num_stages) if stage else cfg.d_model

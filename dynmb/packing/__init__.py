@@ -21,11 +21,11 @@ Cost: every time estimate goes through the one lookup ``cost_model.stage_costs(r
 padded_len, attn)`` with each microbatch's attention work
 ``Microbatch.attention_work(model_cfg.attention)`` (sum of s_i^2 over the documents of a
 packed microbatch under ``auto``, rows x padded_len^2 for one document per row), and the
-one fast makespan estimate ``dynmb.makespan.makespan`` (``predictions["est_makespan_s"]``):
+one fast makespan estimate ``dynmb.timing.makespan.makespan`` (``predictions["est_makespan_s"]``):
 the simulator's recurrence over the GPipe / 1F1B op order ``dynmb.schedule.order.stage_order``
-(which the schedule builders emit too) up to ``dynmb.makespan.EXACT_OPS`` ops, the pipeline
+(which the schedule builders emit too) up to ``dynmb.timing.makespan.EXACT_OPS`` ops, the pipeline
 bound above. It lives in the simulation layer, which sits above packing (DESIGN.md "Layout");
-``dynmb.simulate.estimate_makespan`` is the same function, as the simulator's fast path.
+``dynmb.timing.simulate.estimate_makespan`` is the same function, as the simulator's fast path.
 
 Methods (``METHODS``), one module per family:
 
@@ -48,7 +48,7 @@ Methods (``METHODS``), one module per family:
 
 from __future__ import annotations
 
-from .context import PackingError, auto_mbs, max_fitting_length
-from .dispatch import METHODS, pack
+from dynmb.packing.context import PackingError, auto_mbs, max_fitting_length
+from dynmb.packing.dispatch import METHODS, pack
 
 __all__ = ["METHODS", "PackingError", "pack", "max_fitting_length", "auto_mbs"]

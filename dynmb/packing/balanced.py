@@ -26,7 +26,7 @@ grow with the sequences a packed row holds). Without a cost model, verl's estima
 
 ``budget_divisors`` ranks the budgets cap / 2^j without partitioning: each as k equal
 microbatches (``tokens / k`` tokens, ``1 / k`` of the batch's attention work) by the fast makespan
-estimate ``dynmb.makespan``; the ``dynamic`` packer weighs ``balanced`` at the best few of them
+estimate ``dynmb.timing.makespan``; the ``dynamic`` packer weighs ``balanced`` at the best few of them
 and at the memory maximum.
 
 Budget T: by default the memory maximum as ``token-budget`` takes it (``token_budget.max_tokens``
@@ -44,13 +44,13 @@ from typing import Any
 
 import numpy as np
 
-from ..makespan import makespans
-from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
-from ..makespan_zb import backward_shares, ranking_kind, windows
-from ..schedule.kinds import get_kind
-from .context import PackContext
-from .rows import Flat, Group, groups_to_flat, round_up
-from .token_budget import max_tokens
+from dynmb.timing.makespan import makespans
+from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
+from dynmb.timing.makespan_zb import backward_shares, ranking_kind, windows
+from dynmb.schedule.kinds import get_kind
+from dynmb.packing.context import PackContext
+from dynmb.packing.rows import Flat, Group, groups_to_flat, round_up
+from dynmb.packing.token_budget import max_tokens
 
 __all__ = ["karmarkar_karp", "greedy_partition", "sequence_workload", "ends_order", "balanced_flat",
            "budget_divisors", "NEAR_BEST", "VERL_LINEAR_COEF"]
@@ -321,7 +321,7 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     """The divisors d = 2^j (j = 0, 1, ... until every sequence is its own microbatch) of the memory-maximum
     budget whose ``balanced`` plans the fast estimate ranks best: each budget as k equal microbatches
     (one packed row of ``tokens / k`` tokens and ``1 / k`` of the attention work; per replica k / dp of
-    them), estimated by ``dynmb.makespan.makespans``; the best and its neighbours in j, ``keep`` in all."""
+    them), estimated by ``dynmb.timing.makespan.makespans``; the best and its neighbours in j, ``keep`` in all."""
     lens = np.asarray(lens, dtype=np.int64)
     n, total = len(lens), int(lens.sum())
     cap = row_budget(ctx, lens, round_to)

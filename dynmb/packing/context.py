@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from dynmb.memory import MemoryModelLike
-from dynmb.planspec import PlanSpec
-from ..schedule.kinds import ScheduleKind, get_kind
-from .rows import round_down, round_up
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.planspec import PlanSpec
+from dynmb.schedule.kinds import ScheduleKind, get_kind
+from dynmb.packing.rows import round_down, round_up
 
 __all__ = ["PackingError", "PackContext", "max_fitting_length", "auto_mbs", "stage_windows"]
 

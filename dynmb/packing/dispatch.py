@@ -1,6 +1,6 @@
 """``pack``: the dispatcher every packing method runs through.
 
-``pack(lengths, spec, ...)`` for one global batch, ``spec`` a ``dynmb.planspec.PlanSpec``:
+``pack(lengths, spec, ...)`` for one global batch, ``spec`` a ``dynmb.core.planspec.PlanSpec``:
 
 1. Check the arguments and the lengths (1-D, whole, >= 1); build the ``PackContext`` (caps,
    in-flight counts) of the memory limit, schedule kind and ``virtual`` chunks, once (the safe
@@ -19,7 +19,7 @@
 5. Estimate: every microbatch's F/B time per stage from the one cost lookup
    ``cost_model.stage_costs(rows, padded_len, attention work)`` on its ``CostFeatures``, the exact peak
    ``MemoryModel.peak_bytes`` per replica and the slowest replica's makespan from the one
-   fast estimate ``dynmb.makespan.makespan``. If the peak of a mix exceeds the limit, step 3 is rerun
+   fast estimate ``dynmb.timing.makespan.makespan``. If the peak of a mix exceeds the limit, step 3 is rerun
    under the safe budget (``meta["budget"]`` says which was used); with an explicit ``mbs``
    of a fixed-size method, or under the safe budget, it raises ``PackingError``.
 6. A ``Plan`` with ``predictions`` (``pred_peak_bytes``, ``est_makespan_s``, ``plan_s``) and
@@ -39,20 +39,20 @@ from typing import Any, Callable
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike
-from ..features import CostFeatures
-from ..makespan import makespans
-from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
-from ..makespan_zb import backward_shares
-from ..schedule.kinds import get_kind
-from ..planspec import PlanSpec
-from ..predictions import Predictions
-from ..types import Microbatch, Plan
-from .context import PackContext, PackingError
-from .methods import MethodJob, get_method, method_flat, method_names
-from .packed import packed_row_len
-from .recompute import pack_with_recompute
-from .rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, round_down, round_up,
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.features import CostFeatures
+from dynmb.timing.makespan import makespans
+from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
+from dynmb.timing.makespan_zb import backward_shares
+from dynmb.schedule.kinds import get_kind
+from dynmb.core.planspec import PlanSpec
+from dynmb.core.predictions import Predictions
+from dynmb.core.types import Microbatch, Plan
+from dynmb.packing.context import PackContext, PackingError
+from dynmb.packing.methods import MethodJob, get_method, method_flat, method_names
+from dynmb.packing.packed import packed_row_len
+from dynmb.packing.recompute import pack_with_recompute
+from dynmb.packing.rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, round_down, round_up,
                    split_group)
 
 __all__ = ["METHODS", "pack", "spec_of"]

@@ -37,7 +37,7 @@ Algorithm:
    baseline only as it stands, the order step 7 runs it in), per replica when D > 1
    (replicas dealt boustrophedon by time, ``assign_replicas`` for baselines; estimated on the
    replica with the most work and the one with the longest round trip). A proxy orders them:
-   the larger of the pipeline bound (``dynmb.makespan``) and the longest chain of round trips that 1F1B forces
+   the larger of the pipeline bound (``dynmb.timing.makespan``) and the longest chain of round trips that 1F1B forces
    (microbatch j + P starts on stage 0 only after j's backward is back there; with m <= P
    every microbatch is its own chain). The value ``makespan`` reports (exact with few
    microbatches per stage, else the bound) is computed for the best by proxy within
@@ -45,7 +45,7 @@ Algorithm:
    best, the best three are also filled from the short end and the best two get a
    boundary-shift DP (each cut moves by up to 4 rows to minimise the summed bottleneck
    time), and those are ranked too. The estimate is the kind's, except that ``zb`` ranks with
-   ``zb-h1``'s (``dynmb.makespan_zb.RANK_AS``: its level tables have a closed form) and carries
+   ``zb-h1``'s (``dynmb.timing.makespan_zb.RANK_AS``: its level tables have a closed form) and carries
    ``ZB_KEEP`` own splits to step 7, which estimates them with its own.
 7. Choose. The ``keep`` best (and the fewest-microbatch ones within ``tol``) and every baseline
    are re-costed in one ``stage_costs`` lookup and estimated as ``dynmb.packing`` will run them and
@@ -86,12 +86,12 @@ from typing import Callable
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from .balanced import budget_divisors
-from .context import PackContext
-from .dynamic_rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
-from .dynamic_setup import SplitSetup
-from .dynamic_space import BFD_MAX, SEED_DP_MAX, Space, space_for
-from .rows import Flat, polish_cuts, round_up
+from dynmb.packing.balanced import budget_divisors
+from dynmb.packing.context import PackContext
+from dynmb.packing.dynamic_rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
+from dynmb.packing.dynamic_setup import SplitSetup
+from dynmb.packing.dynamic_space import BFD_MAX, SEED_DP_MAX, Space, space_for
+from dynmb.packing.rows import Flat, polish_cuts, round_up
 BALANCED_BUDGETS = 3
 """``balanced`` (verl's dynamic batching) is weighed at this many token budgets memory maximum / 2^j,
 those the fast estimate ranks best (``balanced.budget_divisors``; ``dynmb compare`` tunes it over the

@@ -4,11 +4,11 @@ steps 5-7 of its docstring).
 ``Ranker`` costs, orders and estimates ``Candidate`` plans (built by ``dynmb.packing.dynamic_space``:
 a split of a row set, its slowest microbatches halved until dp divides their number, or another
 method's plan, balanced over dp as ``dynmb.packing`` balances it) for P stages and dp replicas:
-``rank`` (each candidate's best estimate over its orders on its probe replicas: ``dynmb.makespan``'s
-bound regime (the pipeline bound and the round trips), or ``dynmb.makespan.makespans`` for the
-best by a proxy within ``RANK_OPS`` ops; the zero-bubble kinds' estimate, ``dynmb.makespan_zb``, has
+``rank`` (each candidate's best estimate over its orders on its probe replicas: ``dynmb.timing.makespan``'s
+bound regime (the pipeline bound and the round trips), or ``dynmb.timing.makespan.makespans`` for the
+best by a proxy within ``RANK_OPS`` ops; the zero-bubble kinds' estimate, ``dynmb.timing.makespan_zb``, has
 no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B``; nor has the
-interleaved one, ``dynmb.makespan_interleaved``, given the ``virtual`` chunks per GPU, whose proxy
+interleaved one, ``dynmb.timing.makespan_interleaved``, given the ``virtual`` chunks per GPU, whose proxy
 sums each GPU's chunks) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
 ``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``).
@@ -25,15 +25,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from ..features import CostFeatures
-from ..makespan import exact_regime, has_bound_regime, makespans, round_trip_bound
-from ..makespan_interleaved import fold_chunks
-from ..makespan_zb import ESTIMATES as ZB_ESTIMATES
-from ..makespan_zb import backward_shares, ranking_kind
-from ..schedule.kinds import get_kind
-from .dynamic_setup import SplitSetup
-from .orders import best_start_orders, blocked_order, start_orders
-from .rows import Flat, assign_replicas
+from dynmb.core.features import CostFeatures
+from dynmb.timing.makespan import exact_regime, has_bound_regime, makespans, round_trip_bound
+from dynmb.timing.makespan_interleaved import fold_chunks
+from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
+from dynmb.timing.makespan_zb import backward_shares, ranking_kind
+from dynmb.schedule.kinds import get_kind
+from dynmb.packing.dynamic_setup import SplitSetup
+from dynmb.packing.orders import best_start_orders, blocked_order, start_orders
+from dynmb.packing.rows import Flat, assign_replicas
 
 __all__ = ["Candidate", "Ranker", "RankMemo", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS", "ZB_KEEP", "CLUSTERED"]
 
@@ -201,7 +201,7 @@ class Ranker:
             if self.one_regime or exact_regime(self.P, members.shape[1]):
                 jobs += [(c, name, sub, cols) for name, cols in orders.items()]
                 continue
-            # the bound (dynmb.makespan): the pipeline bound (the same work in every order, only the
+            # the bound (dynmb.timing.makespan): the pipeline bound (the same work in every order, only the
             # first and last microbatches differ) and the round trips, the latter for all at once below
             work = (sub[0] + sub[1])[:, local].sum(axis=2)
             up = (sub[0][1:] + sub[1][1:]).sum(axis=0) + 2 * (self.P - 1) * sub[2]
@@ -378,7 +378,7 @@ def _global_order(name: str, busy: np.ndarray, members: np.ndarray, opened: np.n
 
 def _bound(work: np.ndarray, first_F: np.ndarray, last_B: np.ndarray, first_send: np.ndarray,
            last_send: np.ndarray) -> np.ndarray:
-    """The pipeline bound (``dynmb.makespan``) of pipelines side by side: ``work``, ``first_F``, ``last_B`` [P, n],
+    """The pipeline bound (``dynmb.timing.makespan``) of pipelines side by side: ``work``, ``first_F``, ``last_B`` [P, n],
     the first and last microbatch's send time [n] each."""
     zero = np.zeros((1, work.shape[1]))
     fill = np.concatenate([zero, np.cumsum(first_F[:-1] + first_send, axis=0)])

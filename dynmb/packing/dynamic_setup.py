@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.features import CostFeatures
-from .rows import Flat, bfd_rows, greedy_cuts, greedy_cuts_from_short_end, next_fit_rows, round_down, round_up
+from dynmb.core.features import CostFeatures
+from dynmb.packing.rows import Flat, bfd_rows, greedy_cuts, greedy_cuts_from_short_end, next_fit_rows, round_down, round_up
 
 __all__ = ["RowSet", "row_set", "row_caps", "affine_costs", "AffineCostError", "AFFINE_TOL", "SplitSetup",
            "split_to_flat"]

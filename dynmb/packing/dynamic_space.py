@@ -34,11 +34,11 @@ from typing import Any, Callable
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from .context import PackContext
-from .dynamic_rank import Candidate, RankMemo
-from .dynamic_setup import RowSet, SplitSetup, affine_costs, row_caps, row_set, split_to_flat
-from .dynapipe import dynapipe_split
-from .rows import Flat, Group, flat_to_groups, groups_to_flat, merge_groups, split_group
+from dynmb.packing.context import PackContext
+from dynmb.packing.dynamic_rank import Candidate, RankMemo
+from dynmb.packing.dynamic_setup import RowSet, SplitSetup, affine_costs, row_caps, row_set, split_to_flat
+from dynmb.packing.dynapipe import dynapipe_split
+from dynmb.packing.rows import Flat, Group, flat_to_groups, groups_to_flat, merge_groups, split_group
 
 __all__ = ["Space", "space_for", "clear", "MEMO", "BFD_MAX", "SEED_DP_MAX"]
 

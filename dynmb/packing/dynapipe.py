@@ -27,8 +27,8 @@ from typing import Callable
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from ..features import CostFeatures
-from .rows import Group, round_up
+from dynmb.core.features import CostFeatures
+from dynmb.packing.rows import Group, round_up
 
 __all__ = ["dynapipe_split", "dynapipe_groups"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .context import PackContext
-from .rows import Flat, round_up
+from dynmb.packing.context import PackContext
+from dynmb.packing.rows import Flat, round_up
 
 __all__ = ["fixed_flat"]
 

@@ -28,14 +28,14 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 
-from .balanced import balanced_flat
-from .context import PackContext
-from .dynamic import dynamic_groups
-from .dynapipe import dynapipe_groups
-from .fixed import fixed_flat
-from .packed import packed_rows_flat
-from .rows import Flat, groups_to_flat
-from .token_budget import token_budget_flat
+from dynmb.packing.balanced import balanced_flat
+from dynmb.packing.context import PackContext
+from dynmb.packing.dynamic import dynamic_groups
+from dynmb.packing.dynapipe import dynapipe_groups
+from dynmb.packing.fixed import fixed_flat
+from dynmb.packing.packed import packed_rows_flat
+from dynmb.packing.rows import Flat, groups_to_flat
+from dynmb.packing.token_budget import token_budget_flat
 
 __all__ = ["MethodJob", "MethodRecord", "register_method", "get_method", "method_names", "method_flat"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .context import PackContext, PackingError
-from .rows import Flat, packed_flat, round_up
+from dynmb.packing.context import PackContext, PackingError
+from dynmb.packing.rows import Flat, packed_flat, round_up
 
 __all__ = ["packed_row_len", "packed_rows_flat"]
 

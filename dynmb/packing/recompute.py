@@ -26,7 +26,7 @@ A microbatch with ``recompute`` runs every stage with full activation recomputat
   every method truncates alike and ``meta["longest_fitting_length"]``, ``truncated`` and
   ``dropped`` are (b)'s; (a) only when it cut the batch the same way.
 
-  The one with the smallest estimated makespan (``dynmb.makespan.makespan`` on the one cost
+  The one with the smallest estimated makespan (``dynmb.timing.makespan.makespan`` on the one cost
   lookup, each microbatch's recompute cost included) wins; ``meta["recompute"]`` records the
   mode and ``meta["recomputed"]`` how many microbatches recompute.
 
@@ -44,13 +44,13 @@ from typing import Any, Callable
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike
-from ..features import CostFeatures
-from ..makespan import makespan
-from ..planspec import PlanSpec
-from ..schedule.kinds import get_kind
-from ..types import Microbatch, Plan
-from .context import stage_windows
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.features import CostFeatures
+from dynmb.timing.makespan import makespan
+from dynmb.core.planspec import PlanSpec
+from dynmb.schedule.kinds import get_kind
+from dynmb.core.types import Microbatch, Plan
+from dynmb.packing.context import stage_windows
 
 __all__ = ["RECOMPUTE_MODES", "fits", "needs_recompute", "mark_recompute", "pack_with_recompute"]
 

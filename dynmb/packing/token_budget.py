@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .context import PackContext
-from .rows import Flat, groups_to_flat, round_up, token_budget_groups
+from dynmb.packing.context import PackContext
+from dynmb.packing.rows import Flat, groups_to_flat, round_up, token_budget_groups
 
 __all__ = ["max_tokens", "token_budget_flat"]
 

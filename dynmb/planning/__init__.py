@@ -17,10 +17,10 @@ schedule builders and the simulator; nothing above it imports it.
 
 from __future__ import annotations
 
-from .defaults import AUTO_REORDER, default_cost_model_path, reorder_for
-from .planner import plan_step
-from .reorder import REORDER_METHODS
-from .replicas import make_schedule, predict_replicas, replica_of, replica_schedules, replicas_of, stitch
+from dynmb.planning.defaults import AUTO_REORDER, default_cost_model_path, reorder_for
+from dynmb.planning.planner import plan_step
+from dynmb.planning.reorder import REORDER_METHODS
+from dynmb.planning.replicas import make_schedule, predict_replicas, replica_of, replica_schedules, replicas_of, stitch
 
 __all__ = ["plan_step", "make_schedule", "replica_of", "replicas_of", "replica_schedules", "predict_replicas",
            "stitch", "REORDER_METHODS", "AUTO_REORDER", "reorder_for", "default_cost_model_path"]

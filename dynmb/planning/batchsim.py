@@ -1,6 +1,6 @@
 """Simulating many microbatch orders of one flattened schedule at once (the reorder search's batches).
 
-``batch_makespans(flat, cube, comm, perms)`` is ``dynmb.simulate.action_times``' makespan for every
+``batch_makespans(flat, cube, comm, perms)`` is ``dynmb.timing.simulate.action_times``' makespan for every
 order (row of ``perms``) together: the actions are grouped once per schedule into levels
 (``levels``: an action's dependency and the previous action on its rank lie in earlier levels), then
 the recurrence ``end = max(previous action on the rank ends, dependency ends + P2P) + duration`` runs

@@ -28,7 +28,7 @@ from typing import Any
 
 from dynmb.data.lengths import shipped_dir
 
-from ..config import MODEL_PRESETS
+from dynmb.core.config import MODEL_PRESETS
 
 __all__ = ["AUTO_REORDER", "reorder_for", "default_cost_model_path", "StandInModelWarning", "stand_ins_of",
            "warn_stand_ins", "suppress_stand_in_warnings", "reset_stand_in_warnings"]

@@ -33,10 +33,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 
-from .partition import min_max_partition
-from .split_units import UnitRow
+from dynmb.planning.partition import min_max_partition
+from dynmb.planning.split_units import UnitRow
 
 __all__ = ["shard_head", "HEAD_CHUNKS"]
 

@@ -5,7 +5,7 @@ and ``dynmb compare`` call, so the plan that is simulated is the plan that runs:
 
     lengths --pack--> Plan --reorder--> Plan --build_schedule--> Schedule --simulate--> SimResult
 
-It takes the settings as one ``PlanSpec`` (``dynmb.planspec``), which the plan records.
+It takes the settings as one ``PlanSpec`` (``dynmb.core.planspec``), which the plan records.
 With ``schedule_kind="auto"`` (``plan_auto``) the step is planned for every kind that
 ``dynmb.schedule.kinds.auto_kinds`` admits, each packed, ordered and scheduled for its own kind,
 and the fastest simulated step that fits the memory limit is kept; the plan records the chosen
@@ -36,22 +36,22 @@ from typing import Any, cast
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike
-from ..config import ModelConfig
-from ..costmodel import get_cost_model
-from ..memory import get_memory_model
-from ..packing import pack
-from ..packing.balanced import budget_divisors
-from ..packing.context import PackContext
-from ..planspec import PlanSpec
-from ..schedule.kinds import AUTO, auto_kinds, get_kind
-from ..simulate import SimResult
-from ..types import Plan, Schedule
-from .defaults import reorder_for
-from .reorder import reorder as reorder_plan
-from .replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
-from .slice_fitting import plan_fitting
-from .slicing import longest_row, plan_split
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.config import ModelConfig
+from dynmb.costmodel import get_cost_model
+from dynmb.memory.model import get_memory_model
+from dynmb.packing import pack
+from dynmb.packing.balanced import budget_divisors
+from dynmb.packing.context import PackContext
+from dynmb.core.planspec import PlanSpec
+from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
+from dynmb.timing.simulate import SimResult
+from dynmb.core.types import Plan, Schedule
+from dynmb.planning.defaults import reorder_for
+from dynmb.planning.reorder import reorder as reorder_plan
+from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
+from dynmb.planning.slice_fitting import plan_fitting
+from dynmb.planning.slicing import longest_row, plan_split
 
 __all__ = ["plan_step", "plan_auto", "make_schedule"]
 

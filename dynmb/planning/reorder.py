@@ -30,7 +30,7 @@ ones drain it, so what sits at the ends shows up as bubbles. Methods
   the same order).
 
 Each candidate is scored by the discrete-event simulator on a schedule
-flattened once (``dynmb.simulate``), so one evaluation is a single
+flattened once (``dynmb.timing.simulate``), so one evaluation is a single
 O(actions) pass.
 """
 
@@ -42,13 +42,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike
-from ..schedule import build_schedule, execution_order
-from ..schedule.kinds import BuildInputs, get_kind
-from ..simulate import action_times, cross_mask, comm_times, memory_inputs, peaks
-from ..types import Plan, Schedule
-from ..packing.orders import cluster_orders, ends_order
-from .batchsim import batch_makespans
+from dynmb.memory.model import MemoryModelLike
+from dynmb.schedule import build_schedule, execution_order
+from dynmb.schedule.kinds import BuildInputs, get_kind
+from dynmb.timing.simulate import action_times, cross_mask, comm_times, memory_inputs, peaks
+from dynmb.core.types import Plan, Schedule
+from dynmb.packing.orders import cluster_orders, ends_order
+from dynmb.planning.batchsim import batch_makespans
 
 __all__ = ["REORDER_METHODS", "reorder", "reorder_order", "OrderEvaluator", "ends_order", "default_max_evals"]
 

@@ -24,14 +24,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike
-from ..planspec import PlanSpec
-from ..predictions import Predictions
-from ..schedule import build_schedule, validate
-from ..schedule.kinds import get_kind, resolve_kind, slice_kinds
-from ..simulate import SimResult, memory_inputs, simulate
-from ..types import Microbatch, Plan, Schedule
-from .zerobubble import zb_evaluator, zb_inputs
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.planspec import PlanSpec
+from dynmb.core.predictions import Predictions
+from dynmb.schedule import build_schedule, validate
+from dynmb.schedule.kinds import get_kind, resolve_kind, slice_kinds
+from dynmb.timing.simulate import SimResult, memory_inputs, simulate
+from dynmb.core.types import Microbatch, Plan, Schedule
+from dynmb.planning.zerobubble import zb_evaluator, zb_inputs
 
 __all__ = ["make_schedule", "replica_of", "replicas_of", "replica_schedules", "predict_replicas", "stitch",
            "ReplicaPrediction"]

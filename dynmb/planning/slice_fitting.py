@@ -38,17 +38,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..costmodel.base import CostModelLike
-from ..memory import MemoryModelLike
-from ..config import ModelConfig
-from ..packing import PackingError
-from ..packing.rows import round_down
-from ..planspec import PlanSpec
-from ..schedule.kinds import get_kind
-from ..simulate import SimResult
-from ..types import Plan, Schedule
-from .replicas import make_schedule
-from .slicing import MIN_SLICE, longest_row, plan_split
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.config import ModelConfig
+from dynmb.packing import PackingError
+from dynmb.packing.rows import round_down
+from dynmb.core.planspec import PlanSpec
+from dynmb.schedule.kinds import get_kind
+from dynmb.timing.simulate import SimResult
+from dynmb.core.types import Plan, Schedule
+from dynmb.planning.replicas import make_schedule
+from dynmb.planning.slicing import MIN_SLICE, longest_row, plan_split
 
 __all__ = ["DIVISORS", "kept_lengths", "thresholds", "applies", "plan_threshold", "plan_fitting"]
 

@@ -62,18 +62,18 @@ from typing import Callable
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike
-from dynmb.config import ModelConfig
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.config import ModelConfig
 from dynmb.packing import PackingError, pack
 from dynmb.packing.context import PackContext
 from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
-from dynmb.planspec import PlanSpec
-from dynmb.predictions import Predictions
+from dynmb.core.planspec import PlanSpec
+from dynmb.core.predictions import Predictions
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, slice_kinds
-from dynmb.simulate import SimResult, simulate
-from dynmb.types import Microbatch, Plan, Schedule
-from .replicas import predict_replicas, replicas_of
+from dynmb.timing.simulate import SimResult, simulate
+from dynmb.core.types import Microbatch, Plan, Schedule
+from dynmb.planning.replicas import predict_replicas, replicas_of
 
 __all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE"]
 

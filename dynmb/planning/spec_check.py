@@ -26,13 +26,13 @@ Each refusal is a ``ValueError`` of one line naming the flag (``--schedule``, ``
 
 from __future__ import annotations
 
-from dynmb.memory import MemoryModelLike
-from ..config import ModelConfig
-from ..packing.dispatch import MBS_METHODS, mbs_refusal
-from ..packing.methods import get_method, method_names
-from ..planspec import PlanSpec
-from ..schedule.kinds import AUTO, auto_kinds, get_kind, kind_names, is_schedule_name, slice_kinds
-from .reorder import REORDER_METHODS
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.config import ModelConfig
+from dynmb.packing.dispatch import MBS_METHODS, mbs_refusal
+from dynmb.packing.methods import get_method, method_names
+from dynmb.core.planspec import PlanSpec
+from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, kind_names, is_schedule_name, slice_kinds
+from dynmb.planning.reorder import REORDER_METHODS
 
 __all__ = ["check_plan_spec", "MBS_METHODS", "PACK_LEN_METHODS", "uses_pack_len"]
 
@@ -74,6 +74,6 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
         raise ValueError(f"--pack-len {spec.pack_len}: {spec.method} does not build rows of a fixed length "
                          f"(pack_len is the row length of {' and '.join(PACK_LEN_METHODS)}); leave it out")
     if model_cfg is not None and memory_model is not None and spec.pack_len is not None:
-        from .slicing import longest_row
+        from dynmb.planning.slicing import longest_row
 
         longest_row(spec, model_cfg, memory_model)      # PackingError: pack_len longer than any row that fits

@@ -61,16 +61,16 @@ from typing import Any
 
 import numpy as np
 
-from dynmb.config import ModelConfig
-from dynmb.memory import get_memory_model
-from dynmb.model_sizes import UNITS_PER_LAYER
-from dynmb.planspec import PlanSpec
+from dynmb.core.config import ModelConfig
+from dynmb.memory.model import get_memory_model
+from dynmb.core.model_sizes import UNITS_PER_LAYER
+from dynmb.core.planspec import PlanSpec
 
-from .defaults import reorder_for
-from .planner import plan_step
-from .split_units import CHUNK, HALF, LAYER, as_layers, fine_grid
-from .split_work import layout_cost_model, workload_lengths
-from .stage_split import StageCost, balanced_split, min_max_split, with_split
+from dynmb.planning.defaults import reorder_for
+from dynmb.planning.planner import plan_step
+from dynmb.planning.split_units import CHUNK, HALF, LAYER, as_layers, fine_grid
+from dynmb.planning.split_work import layout_cost_model, workload_lengths
+from dynmb.planning.stage_split import StageCost, balanced_split, min_max_split, with_split
 
 __all__ = ["SplitSearch", "SplitChoice", "Pick", "pick_layout", "batch_scores", "near_optimal_splits",
            "ENUMERATE_LIMIT", "MIN_GAIN", "NOISE_SE"]
@@ -146,7 +146,7 @@ def pick_layout(scores: list[list[float]] | np.ndarray, *, min_gain: float = MIN
 
 
 def _units(split: Split) -> tuple[int, ...]:
-    """Layers per stage in units of 1/16 layer (``dynmb.model_sizes``)."""
+    """Layers per stage in units of 1/16 layer (``dynmb.core.model_sizes``)."""
     return tuple(int(round(UNITS_PER_LAYER * n)) for n in split)
 
 

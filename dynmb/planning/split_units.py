@@ -4,7 +4,7 @@ A work model (``StageCost``: ``(layout, stage, num_stages) -> work``) is read of
 (``half_parts``): ``layer = F(2 layers, 1 stage) - F(1 layer, 1 stage)``, ``first = F_0(2 layers, 2
 stages) - layer``, ``last = F_1(2 layers, 2 stages) - layer`` (the embedding's and the final norm +
 LM head's extra work), the attention half ``attn = F_0(1 layer split (0.5, 0.5), 2 stages) - first``
-and the MLP half ``layer - attn``. The model is cut into units of 1/16 layer (``dynmb.model_sizes``:
+and the MLP half ``layer - attn``. The model is cut into units of 1/16 layer (``dynmb.core.model_sizes``:
 eight chunks of each half-block, attention by K/V-head groups, MLP by inner columns), each chunk 1/8 of
 its half's work: the work models price matmuls and attention per head linearly, and the extra ``h``
 message of a boundary inside a half is priced by the cost model (``CostModel.predict``), not here.
@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dynmb.config import ModelConfig
-from dynmb.model_sizes import SUB_CHUNKS, UNITS_PER_LAYER
+from dynmb.core.config import ModelConfig
+from dynmb.core.model_sizes import SUB_CHUNKS, UNITS_PER_LAYER
 
 __all__ = ["StageCost", "UnitRow", "unit_row", "fine_grid", "unit_work", "half_parts", "stage_work", "flops_cost", "as_layers",
            "LAYER", "HALF", "CHUNK"]

@@ -8,7 +8,7 @@ its own length (one sequence per row, attention's s^2 term included), summed ove
 - **From the cost model**, when it prices any layer split from the config alone
   (``CostModel.layout_free``: the analytic kinds, ``analytic`` and the GPU model ``gpu``): the model is
   rebuilt for each layout (``CostModel.for_layout``) and each sequence's F and B seconds are read with
-  ``dynmb.bounds.sequence_costs``, the pricing ``ideal_s`` is made of: ``ideal_stage_costs`` where the
+  ``dynmb.timing.bounds.sequence_costs``, the pricing ``ideal_s`` is made of: ``ideal_stage_costs`` where the
   model has it (``GPUCostModel``: every FLOP at its best efficiency, attention at its own, its backward
   at ``attn_bwd_ratio`` x its FLOPs; a sequence priced alone at its own GEMM size would count short
   sequences dearer than they run packed), else the one cost lookup at one row minus its value at
@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from dynmb.bounds import sequence_costs
-from dynmb.config import ModelConfig
+from dynmb.timing.bounds import sequence_costs
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel.base import CostModel
 
 __all__ = ["workload_cost", "workload_lengths", "layout_cost_model", "fitted_split", "ATTN_BWD_FLOPS"]

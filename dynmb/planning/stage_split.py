@@ -24,7 +24,7 @@ Units: whole layers, half-blocks or chunks of them (``split_units``; ``half_bloc
 auto`` for dynmb's own families, allows the last two): a pre-norm block is two residual sub-blocks, ``x +
 attn(norm1(x))`` then ``x + mlp(norm2(x))``, each a function of the hidden state alone, so a stage boundary
 may fall between them with only the hidden state crossing it; inside a half, between eighths of its K/V
-heads or MLP columns, the partial sum and the half's normalised input cross it (``dynmb.model_sizes``,
+heads or MLP columns, the partial sum and the half's normalised input cross it (``dynmb.core.model_sizes``,
 ``[y | h]``). At Llama-2-7B widths the attention half (4 d^2 per token plus the scores) is about 1/3 of a
 layer and the SwiGLU half 2/3.
 
@@ -81,13 +81,13 @@ from typing import Any
 
 import numpy as np
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 
-from .gpu_split import chunk_loads, gpu_balanced_partition
-from .head_split import shard_head
-from .partition import min_max_partition as _min_max_partition
-from .split_units import CHUNK, HALF, LAYER, StageCost, UnitRow, flops_cost, stage_work, unit_row, unit_work
-from .split_work import fitted_split, workload_cost
+from dynmb.planning.gpu_split import chunk_loads, gpu_balanced_partition
+from dynmb.planning.head_split import shard_head
+from dynmb.planning.partition import min_max_partition as _min_max_partition
+from dynmb.planning.split_units import CHUNK, HALF, LAYER, StageCost, UnitRow, flops_cost, stage_work, unit_row, unit_work
+from dynmb.planning.split_work import fitted_split, workload_cost
 
 __all__ = ["balanced_split", "planned_layout", "min_max_split", "with_split", "stage_work", "unit_work", "split_ceiling",
            "resolve_stage_split", "flops_cost", "StageCost", "STAGE_SPLITS"]

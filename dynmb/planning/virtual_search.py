@@ -40,12 +40,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from dynmb.config import ModelConfig
+from dynmb.core.config import ModelConfig
 from dynmb.schedule.kinds import AUTO, get_kind
 
-from .split_search import SplitSearch
-from .split_work import layout_cost_model, workload_lengths
-from .stage_split import resolve_stage_split
+from dynmb.planning.split_search import SplitSearch
+from dynmb.planning.split_work import layout_cost_model, workload_lengths
+from dynmb.planning.stage_split import resolve_stage_split
 
 __all__ = ["CANDIDATES", "AUTO_VIRTUAL", "VirtualChoice", "VirtualSearch", "admissible", "choose_virtual", "describe",
            "say"]

@@ -4,7 +4,7 @@ checked by the simulator.
 ``build_zb(plan, kind, cost_model=, memory_model=)`` gathers, for every (stage, microbatch) of
 the plan, the predicted seconds of F, B, I and W (``cost_model.plan_costs(plan, ops=...)``, each
 microbatch's attention work and recompute flag included), its P2P time and, with a memory model,
-its activation, I-to-W and transient bytes (``dynmb.simulate.memory_inputs`` / ``w_inputs``),
+its activation, I-to-W and transient bytes (``dynmb.timing.simulate.memory_inputs`` / ``w_inputs``),
 and builds ``zb-h1`` or ``zb`` (``dynmb.schedule.zerobubble``) with the simulator as the
 judge (``evaluate``: predicted makespan and per-stage peak, states included). Recomputed
 microbatches run a full ``B`` (``split`` False): their backward holds no more than one block,
@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory import MemoryModelLike
-from ..schedule.kinds import build_schedule, get_kind, kind_names
-from ..schedule.validate import execution_order
-from ..schedule.zerobubble import ZBInputs
-from ..simulate import action_times, cross_mask, comm_times, memory_inputs, peaks, w_inputs
-from ..types import Plan, Schedule
+from dynmb.memory.model import MemoryModelLike
+from dynmb.schedule.kinds import build_schedule, get_kind, kind_names
+from dynmb.schedule.validate import execution_order
+from dynmb.schedule.zerobubble import ZBInputs
+from dynmb.timing.simulate import action_times, cross_mask, comm_times, memory_inputs, peaks, w_inputs
+from dynmb.core.types import Plan, Schedule
 
 __all__ = ["zb_inputs", "zb_evaluator", "build_zb"]
 
@@ -46,7 +46,7 @@ def zb_inputs(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLi
 
 def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None, inp: ZBInputs):
     """``schedule -> (makespan, peak bytes per stage)``: the simulator's recurrence and memory rule
-    (``dynmb.simulate``, without building its timeline tables) on ``inp``'s numbers."""
+    (``dynmb.timing.simulate``, without building its timeline tables) on ``inp``'s numbers."""
     S = plan.num_stages
     state = np.zeros(S) if memory_model is None else np.asarray(memory_model.state_bytes, dtype=np.float64)
     cube = np.stack([inp.F, inp.B, inp.I, inp.W])             # the simulator's op codes F, B, I, W

@@ -30,9 +30,9 @@ from typing import Sequence
 
 import pandas as pd
 
-from dynmb.config import RunConfig
+from dynmb.core.config import RunConfig
 from dynmb.data.tokens import CorpusSource, prepare_tokens
-from dynmb.results import TABLES, load_results, select_runs
+from dynmb.io.results import TABLES, load_results, select_runs
 from dynmb.runtime.launch import LaunchResult, launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec
 

@@ -23,10 +23,10 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from dynmb.config import RunConfig
+from dynmb.core.config import RunConfig
 from dynmb.models import make_inputs, reference_stages, whole_documents
 from dynmb.runtime.records import MemoryRow
-from dynmb.types import Plan
+from dynmb.core.types import Plan
 
 __all__ = ["VERIFY_RTOL", "PlanDivergenceError", "StepCheckError", "check_plan_digest", "gather_weights",
            "reference_gradients", "gradient_problems", "memory_problems"]

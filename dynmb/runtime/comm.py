@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dynmb.types import Schedule
+from dynmb.core.types import Schedule
 
 __all__ = ["make_pair_groups", "sender_order", "P2P", "CommError"]
 

@@ -24,7 +24,7 @@ from typing import Mapping, Protocol, Sequence
 import torch
 
 from dynmb.runtime.spec import HookRef
-from dynmb.types import Action, Plan
+from dynmb.core.types import Action, Plan
 
 __all__ = ["StepHooks", "NoHooks", "load_hooks"]
 

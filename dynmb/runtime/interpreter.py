@@ -25,7 +25,7 @@ For each action in the rank's list, in order:
   whole backward here (its ``W`` is then empty).
 - ``sWm`` (backward weight): the deferred Linear weight gradients of ``sIm``
   (``splitbackward.backward_weight``); no communication.
-- Slices of long sequences (``dynmb.prefix``): a microbatch's backward (``B``, or ``I``) adds its
+- Slices of long sequences (``dynmb.models.prefix``): a microbatch's backward (``B``, or ``I``) adds its
   continued slices' keys and values, with the gradients later slices left on their leaves, as
   extra roots (``PrefixStore.backward_roots``), then releases them (``PrefixStore.release``
   refuses a backward that runs before a later slice's). An ``I`` also accumulates the gradients
@@ -52,11 +52,11 @@ from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 
-from dynmb.prefix import PrefixStore
+from dynmb.models.prefix import PrefixStore
 from dynmb.runtime.comm import P2P
 from dynmb.runtime.device import Clock
 from dynmb.runtime.splitbackward import WeightGradTape, backward_input, backward_weight, full_backward, record_linears
-from dynmb.types import Action, Plan
+from dynmb.core.types import Action, Plan
 
 __all__ = ["ActionTiming", "run_actions"]
 

@@ -21,7 +21,7 @@ then stops the others. This launcher adds a wall-clock guard and, on failure, lo
 error file, and for the rank torchrun names as the root cause without such a file "rank k
 died (exit code / signal) without a Python error".
 
-One writer per results folder: ``launch_job`` holds ``dynmb.outdir.lock_out_dir`` on the job's
+One writer per results folder: ``launch_job`` holds ``dynmb.io.outdir.lock_out_dir`` on the job's
 folder from before ``spec.json`` is written until the ``runs`` rows are finished; a second job
 into the same folder is refused at once naming the holder, and a file there named like a dynmb
 table that is not one is refused untouched.
@@ -57,10 +57,10 @@ from typing import Any, Mapping
 
 from tqdm.auto import tqdm
 
-from dynmb.config import RunConfig
-from dynmb.hostinfo import cores_warning
-from dynmb.outdir import lock_out_dir
-from dynmb.results import ResultsError, drop_incomplete_steps, run_ids_in, set_run_status
+from dynmb.core.config import RunConfig
+from dynmb.io.hostinfo import cores_warning
+from dynmb.io.outdir import lock_out_dir
+from dynmb.io.results import ResultsError, drop_incomplete_steps, run_ids_in, set_run_status
 from dynmb.runtime.processes import Ended, StopSignals, alive, die_with_parent, wait_or_stop
 from dynmb.runtime.spec import JobSpec, RunSpec
 
@@ -242,7 +242,7 @@ def _closed_cases(job: JobSpec) -> set[str]:
 
 
 def _remove_stale_temp_files(folder: Path) -> None:
-    """Remove the temporary files (``dynmb.atomic``: ``.<name>.<pid>.<hex>.tmp``) that killed
+    """Remove the temporary files (``dynmb.io.atomic``: ``.<name>.<pid>.<hex>.tmp``) that killed
     processes left in ``folder`` and its ``errors`` folder."""
     for f in [*folder.glob(".*.tmp"), *(folder / "errors").glob(".*.tmp")]:
         pid = f.name.split(".")[-3]

@@ -41,7 +41,7 @@ from typing import Any, Iterator, Sequence, cast
 
 import torch
 
-from dynmb.contract import StageModule
+from dynmb.core.contract import StageModule
 from dynmb.runtime.device import device_ops
 
 __all__ = ["MemoryMeter", "tensor_bytes"]

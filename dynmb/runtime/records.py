@@ -28,14 +28,14 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from dynmb.bounds import step_bound_fields
+from dynmb.timing.bounds import step_bound_fields
 from dynmb.costmodel import CostModelLike
-from dynmb.results import TableWriter, run_info
+from dynmb.io.results import TableWriter, run_info
 from dynmb.runtime.hostmem import host_malloc_mode
 from dynmb.runtime.spec import RunSpec
 from dynmb.schedule.io import sidecar_path
-from dynmb.simulate import comm_times, simulate_costs
-from dynmb.types import Plan, Schedule
+from dynmb.timing.simulate import comm_times, simulate_costs
+from dynmb.core.types import Plan, Schedule
 
 __all__ = ["ActionRow", "MemoryRow", "StepReport", "step_row", "replay_step_s", "run_row", "actions_frame",
            "Recorder"]

@@ -60,15 +60,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from dynmb.atomic import write_text_atomic
-from dynmb.config import RunConfig
+from dynmb.io.atomic import write_text_atomic
+from dynmb.core.config import RunConfig
 from dynmb.data import TokenFile, check_vocab, load_trace, sample_indices
-from dynmb.memory import get_memory_model
-from dynmb.planning.api import cost_model_for
+from dynmb.memory.model import get_memory_model
+from dynmb.api.planner import cost_model_for
 from dynmb.planning.spec_check import check_plan_spec
-from dynmb.results import run_ids_in
+from dynmb.io.results import run_ids_in
 from dynmb.schedule import ScheduleError, from_csv, validate
-from dynmb.types import Plan, Schedule
+from dynmb.core.types import Plan, Schedule
 
 __all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable", "check_device", "refuse_foreign_head_split"]
 

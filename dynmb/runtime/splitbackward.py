@@ -25,9 +25,9 @@ hooks store each Linear's output gradient on its ``LinearCall``; the graph and e
 activation are freed as the pass goes. The eager gradients are accumulated into ``.grad``
 (as ``AccumulateGrad`` would) and ``d boundary`` is returned (sent upstream on stages > 0).
 Held from ``I`` to ``W``: each Linear call's input and output gradient (``hold_tensors``),
-about a microbatch's activation bytes (``dynmb.memory.MemoryModel.w_bytes`` counts them).
+about a microbatch's activation bytes (``dynmb.memory.model.MemoryModel.w_bytes`` counts them).
 
-Slices of a long sequence (``dynmb.prefix``): a slice reads the keys and values of its
+Slices of a long sequence (``dynmb.models.prefix``): a slice reads the keys and values of its
 sequence's earlier slices through detached leaves, and a continued slice's own keys and values
 get, before its backward, the gradients every later slice left on those leaves. A full ``B``
 (``torch.autograd.backward``) accumulates into the leaves by itself; ``I`` is an
@@ -141,7 +141,7 @@ def full_backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor 
                   extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor | None:
     """The full backward ``B``: every gradient at once; returns the input's gradient (None on stage 0).
     ``extra``: more ``(tensor, gradient)`` roots of the same backward (a continued slice's keys and
-    values with the gradients later slices gave them, ``dynmb.prefix.PrefixStore.backward_roots``)."""
+    values with the gradients later slices gave them, ``dynmb.models.prefix.PrefixStore.backward_roots``)."""
     if extra:
         torch.autograd.backward([out, *(t for t, _ in extra)],
                                 [torch.ones_like(out) if grad is None else grad, *(g for _, g in extra)])

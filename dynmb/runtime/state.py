@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from dynmb.costmodel import CalibrationStep, job_calibration
 from dynmb.data import load_trace, sample_indices
-from dynmb.memory import get_memory_model
-from dynmb.inputs import corpus_tokens
+from dynmb.memory.model import get_memory_model
+from dynmb.models.inputs import corpus_tokens
 from dynmb.models import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
-from dynmb.planning.api import cost_model_for
+from dynmb.api.planner import cost_model_for
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
@@ -47,8 +47,8 @@ from dynmb.runtime.planshare import PlanShare, job_store
 from dynmb.runtime.records import ActionRow, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_head_split
 from dynmb.runtime.topology import Topology, make_process_groups
-from dynmb.simulate import SimResult
-from dynmb.types import Microbatch, Plan, Schedule
+from dynmb.timing.simulate import SimResult
+from dynmb.core.types import Microbatch, Plan, Schedule
 
 __all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed", "plan_lengths"]
 

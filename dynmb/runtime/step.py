@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from dynmb.models import MicrobatchInputs, hidden_shape, make_inputs, torch_dtype
 from dynmb.planning import make_schedule, replica_of
-from dynmb.prefix import PrefixStore
+from dynmb.models.prefix import PrefixStore
 from dynmb.runtime.checks import (
     check_plan_digest,
     gather_weights,
@@ -47,7 +47,7 @@ from dynmb.runtime.comm import P2P
 from dynmb.runtime.interpreter import ActionTiming, run_actions
 from dynmb.runtime.records import ActionRow, MemoryRow, StepReport
 from dynmb.runtime.state import RunState
-from dynmb.types import Action, Plan, Schedule
+from dynmb.core.types import Action, Plan, Schedule
 
 __all__ = ["run_step"]
 

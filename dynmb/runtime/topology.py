@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dynmb.config import RunConfig
+from dynmb.core.config import RunConfig
 from dynmb.runtime.comm import make_pair_groups
 
 __all__ = ["Topology", "ProcessGroups", "make_process_groups"]

@@ -64,8 +64,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dynmb.atomic import write_text_atomic
-from dynmb.results import set_run_status
+from dynmb.io.atomic import write_text_atomic
+from dynmb.io.results import set_run_status
 from dynmb.runtime.checks import PlanDivergenceError, StepCheckError
 from dynmb.runtime.device import DeviceOps, bind_device, device_ops
 from dynmb.runtime.hooks import StepHooks, load_hooks

@@ -1,7 +1,7 @@
 """Pipeline schedules: builders, validation, CSV/str I/O (pure Python).
 
 ``build_schedule(kind, num_stages, num_microbatches, ...)`` emits a
-``dynmb.types.Schedule`` through the registry of kinds (``kinds``: each kind's builder and
+``dynmb.core.types.Schedule`` through the registry of kinds (``kinds``: each kind's builder and
 traits; ``register_kind`` adds one); ``validate`` checks it; ``to_csv``/``from_csv`` speak
 torch.distributed.pipelining's compute-only CSV. This package never imports the
 simulator; reordering microbatches (scored by the simulator) is a planning pass,

@@ -14,7 +14,7 @@ Algorithms (``P`` stages, ``m`` microbatches, ``R`` ranks, ``v`` chunks per rank
   With slices of a long sequence (``backward_order``) backwards follow that order and
   the warm-up extends until the backward's microbatch has gone forward.
   Both orders are ``dynmb.schedule.order.stage_order``: the one GPipe / 1F1B op order,
-  which the fast makespan estimate (``dynmb.makespan``) sweeps too.
+  which the fast makespan estimate (``dynmb.timing.makespan``) sweeps too.
 - ``interleaved`` (Megatron / torch ``ScheduleInterleaved1F1B`` ordering):
   stage ``s`` lives on rank ``s % R``. Microbatches go in ``n = max(1, m // R)``
   rounds of ``k = m // n`` (torch's rule); when that does not split ``m``, which
@@ -63,7 +63,7 @@ import numpy as np
 from dynmb.schedule.order import check_order, stage_order
 from dynmb.schedule.validate import ScheduleError, execution_order
 from dynmb.schedule.zerobubble import ZBInputs
-from dynmb.types import Action, Schedule
+from dynmb.core.types import Action, Schedule
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved",
            "memory_aware", "memory_windows", "interleaved_rounds", "interleaved_round_sizes", "interleaved_warmup", "ZBInputs"]

@@ -15,8 +15,8 @@ import io
 import re
 from pathlib import Path
 
-from dynmb.atomic import write_text_atomic
-from dynmb.types import Action, Schedule
+from dynmb.io.atomic import write_text_atomic
+from dynmb.core.types import Action, Schedule
 
 __all__ = ["to_str", "from_str", "to_csv", "from_csv", "sidecar_path"]
 
@@ -64,7 +64,7 @@ def from_str(text: str, num_microbatches: int | None = None, kind: str = "") -> 
 
 
 def to_csv(schedule: Schedule, path: str | Path) -> None:
-    """Write the compute-only CSV (atomically: ``dynmb.atomic``)."""
+    """Write the compute-only CSV (atomically: ``dynmb.io.atomic``)."""
     write_text_atomic(path, to_str(schedule))
 
 

@@ -1,7 +1,7 @@
 """The one registry of schedule kinds: each kind is a record of its builder and its traits.
 
 Every place that behaves differently per schedule kind reads the kind's record here instead of
-comparing names: the memory model (``dynmb.memory``: in-flight microbatches, the peak rule),
+comparing names: the memory model (``dynmb.memory.model``: in-flight microbatches, the peak rule),
 the packers (``dynmb.packing.context``: per-stage windows and caps), the planner
 (``dynmb.planning.planner.make_schedule``: which inputs the builder takes), the reorder pass
 (``dynmb.planning.reorder``: split-backward costs, order-dependent schedules) and the fast
@@ -12,7 +12,7 @@ A kind's traits (``ScheduleKind``):
 - ``build(BuildInputs) -> Schedule``: the builder (``dynmb.schedule.builders``,
   ``dynmb.schedule.zerobubble``); ``BuildInputs`` carries every input any builder takes.
 - ``window(stage, P)``: microbatches stage ``stage`` of ``P`` holds in flight at most (None:
-  every microbatch of the step, GPipe). The memory peak rule (``dynmb.memory.peak_from_matrix``)
+  every microbatch of the step, GPipe). The memory peak rule (``dynmb.memory.model.peak_from_matrix``)
   charges every stage the largest sum of ``min(m, window)`` consecutive activations.
 - ``chunk_window(rank, ranks, virtual, m=None)``: with virtual stages (``virtual_stages`` and
   ``virtual > 1``), the chunk-microbatches one GPU holds at most (the interleaved warm-up bound);
@@ -32,11 +32,11 @@ A kind's traits (``ScheduleKind``):
   microbatch order), a key equal for inputs that build the same schedule (memory-aware: its
   windows), so a reorder search builds each schedule once.
 - ``estimate_as``: the op order (``"gpipe"`` or ``"1f1b"``) the fast makespan estimate
-  (``dynmb.makespan``) sweeps for this kind, or ``"zb-h1"`` / ``"zb"``: the zero-bubble
-  estimate (``dynmb.makespan_zb``: the input gradient sent before the ``W``, the cool-down's ``W``
+  (``dynmb.timing.makespan``) sweeps for this kind, or ``"zb-h1"`` / ``"zb"``: the zero-bubble
+  estimate (``dynmb.timing.makespan_zb``: the input gradient sent before the ``W``, the cool-down's ``W``
   filling the waits; ZB-H1's in-flight count ``P - s`` or ``zb``'s largest extra warm-up), or
   ``"interleaved"``: the interleaved builder's order of ``virtual`` chunks per GPU
-  (``dynmb.makespan_interleaved``).
+  (``dynmb.timing.makespan_interleaved``).
 
 - ``auto``: ``--schedule auto`` weighs this kind (``auto_kinds``).
 
@@ -61,7 +61,7 @@ import numpy as np
 
 import dynmb.schedule.builders as builders
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
-from dynmb.types import Schedule
+from dynmb.core.types import Schedule
 
 __all__ = ["BuildInputs", "ScheduleKind", "register_kind", "unregister_kind", "get_kind", "kind_names",
            "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight", "AUTO", "auto_kinds", "is_schedule_name",
@@ -127,8 +127,8 @@ class ScheduleKind:
     """The builder keeps the peak under the limit by itself (whenever it can build)."""
     estimate_as: str = "1f1b"
     """The fast makespan estimate of this kind: gpipe or 1f1b (the op order swept), zb-h1 / zb
-    (the zero-bubble estimate, ``dynmb.makespan_zb``, with ZB-H1's or zb's largest in-flight count), or
-    interleaved (``dynmb.makespan_interleaved``: the interleaved order of ``virtual`` chunks per GPU)."""
+    (the zero-bubble estimate, ``dynmb.timing.makespan_zb``, with ZB-H1's or zb's largest in-flight count), or
+    interleaved (``dynmb.timing.makespan_interleaved``: the interleaved order of ``virtual`` chunks per GPU)."""
     cache_key: Callable[[BuildInputs], bytes] | None = None
     """For builders that read the microbatches' bytes: a key equal for inputs that build the same
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
@@ -362,7 +362,7 @@ register_kind(ScheduleKind(name="interleaved", build=_interleaved, window=_one_f
                            auto=True))
 register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one_f_one_b_window, memory="required",
                            fits_by_construction=True, cache_key=_memory_aware_key))
-# the zero-bubble kinds keep 1F1B's window (dynmb.memory) but have estimates of their own: the packers
+# the zero-bubble kinds keep 1F1B's window (dynmb.memory.model) but have estimates of their own: the packers
 # rank plans for them as they run (zb by its largest extra warm-up, the memory limit not weighed)
 register_kind(ScheduleKind(name="zb-h1", build=_zb_h1, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb-h1", auto=True))

@@ -3,7 +3,7 @@
 ``stage_order(stage, P, m, kind, backward_order)`` is what the GPipe and 1F1B builders emit
 (``dynmb.schedule.builders``), what the zero-bubble list scheduler starts from
 (``dynmb.schedule.zerobubble``, through ``windowed_order`` with its own windows) and what the
-fast makespan estimate sweeps (``dynmb.makespan``), so the three see the same order. Pure Python.
+fast makespan estimate sweeps (``dynmb.timing.makespan``), so the three see the same order. Pure Python.
 
 - GPipe: every forward in microbatch order, then every backward in ``backward_order``.
 - 1F1B: before its b-th backward a stage has run ``min(m, b + P - stage)`` forwards (warm-up

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynmb.types import Action, Plan, Schedule
+from dynmb.core.types import Action, Plan, Schedule
 
 __all__ = ["ScheduleError", "validate", "execution_order", "format_grid", "FlatSchedule", "check_slice_order"]
 

@@ -26,7 +26,7 @@ When the order is done, the queued ``W`` run. The times are the simulator's recu
 order emitted, and the forwards and backwards keep 1F1B's (window's) order, so a ``W`` only
 ever runs in a gap or where the window needs its slot -- where 1F1B's ``B`` had its weight part.
 
-Memory, per stage, the simulator's rule (``dynmb.simulate.op_memory``): held bytes grow by
+Memory, per stage, the simulator's rule (``dynmb.timing.simulate.op_memory``): held bytes grow by
 ``a`` at F, shrink by ``a`` at B, change by ``w - a`` at I and shrink by ``w`` at W; while an op
 runs it also holds: F and B ``tr``, I ``max(w - a, 0) + tr``, W nothing. An op is started
 only if held + its extra stays within ``caps[s]``; a backward that would pass it runs queued
@@ -72,7 +72,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dynmb.schedule.order import check_order, stage_order, windowed_order
-from dynmb.types import Action, Schedule
+from dynmb.core.types import Action, Schedule
 
 __all__ = ["ZBInputs", "list_schedule", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS"]
 
@@ -114,7 +114,7 @@ class ZBInputs:
 
 def op_bytes(op: str, a: float, w: float, tr: float) -> tuple[float, float]:
     """``(change of held bytes at the end of op, extra bytes held while it runs on top of the
-    held-before level)`` (module doc; ``dynmb.simulate.op_memory`` is the same rule, vectorised)."""
+    held-before level)`` (module doc; ``dynmb.timing.simulate.op_memory`` is the same rule, vectorised)."""
     if op == "F":
         return a, a + tr
     if op == "B":

@@ -1,0 +1,200 @@
+"""The planning entry points of the public API: ``Planner`` and ``PlannedStep``.
+
+A ``Planner`` holds what stays fixed over a training run (model, pipeline depth, memory
+limit, cost and memory models, schedule kind, shape rounding); ``Planner.plan(lengths)``
+runs one planning step (``dynmb.planning.planner.plan_step``: pack -> reorder -> build
+and validate the schedule -> simulate) and returns a ``PlannedStep``. Cost and memory
+models default to the fitted ones shipped for the model (``default_cost_model_path``) and
+the analytic memory model; pass your own (``dynmb fit`` / ``dynmb memory``) as objects or
+file paths. Every model is checked against the architecture and stage count it was made for.
+
+Example::
+
+    import dynmb
+    planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
+    step = planner.plan(lengths, method="dynamic")            # reorder="auto"
+    step.plan.num_microbatches, step.sim.makespan_s, step.schedule
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dynmb.costmodel.base import CostModelLike
+from dynmb.memory.model import MemoryModelLike
+from dynmb.core.config import ModelConfig, model_config, parse_bytes
+from dynmb.costmodel import get_cost_model
+from dynmb.memory.model import get_memory_model
+from dynmb.core.contract import as_factory, is_factory_spec, is_family_factory, load_factory, planning_config
+from dynmb.core.planspec import PlanSpec
+from dynmb.timing.simulate import SimResult
+from dynmb.core.types import Plan, Schedule
+from dynmb.planning.defaults import default_cost_model_path, stand_ins_of, warn_stand_ins
+from dynmb.planning.planner import plan_step
+from dynmb.planning.split_search import SplitSearch
+from dynmb.planning.split_work import layout_cost_model
+from dynmb.planning.stage_split import resolve_stage_split
+from dynmb.planning.virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
+
+__all__ = ["Planner", "PlannedStep", "cost_model_for"]
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One planned global batch: the plan (microbatches in execution order), the validated
+    schedule of (replica 0 of) the pipeline, and its simulation."""
+
+    plan: Plan
+    schedule: Schedule
+    sim: SimResult
+
+
+def _model(model: Any) -> tuple[ModelConfig, bool]:
+    """``(the ModelConfig planning uses, whether it is a model of the user's own)`` of ``model``: a
+    ``ModelConfig``, a ``--model`` spec (a preset, a JSON file, ``package.module:factory``), a
+    ``StageFactory`` or a callable returning one (``planning_config``: sizes, and the masked
+    attention kind where the factory has it)."""
+    if isinstance(model, ModelConfig):
+        return model, False
+    if isinstance(model, Path) or isinstance(model, str) and not is_factory_spec(model):
+        return model_config(str(model)), False
+    factory = load_factory(model) if isinstance(model, str) else as_factory(model)
+    return planning_config(factory), not is_family_factory(factory)
+
+
+def _for_split(cost_model: Any, cfg: ModelConfig, num_stages: int, chunks_from: int | None = None) -> Any:
+    """``cost_model`` (an object or a JSON path) rebuilt for ``cfg``'s layer split when it prices any
+    layout (``CostModel.layout_free``) and was made for another split of the same model; else as given.
+    ``chunks_from``: it was made for that many stages (``virtual="auto"``'s GPUs): rebuilt for ``num_stages``."""
+    cm = layout_cost_model(cost_model)
+    if cm is not None and chunks_from is not None and cm.num_stages == chunks_from != num_stages:
+        cm.check(cfg.with_layout_of(cm.model_cfg), chunks_from)
+        return cm.for_layout(cm.model_cfg.with_layout_of(cfg), num_stages)
+    if cm is None or cm.model_cfg.with_layout_of(cfg) == cm.model_cfg or cm.num_stages != num_stages:
+        return cost_model
+    cm.check(cfg.with_layout_of(cm.model_cfg), num_stages)      # the same model otherwise
+    return cm.for_layout(cm.model_cfg.with_layout_of(cfg), num_stages)
+
+
+def cost_model_for(cost_model: str | Path | None, cfg: ModelConfig, num_stages: int, virtual: int = 1) -> Any:
+    """The cost model of a run of ``cfg`` over ``num_stages`` stages, ``virtual`` per GPU (``dynmb plan`` / ``run``,
+    every rank): the file's (checked; None: the analytic stand-in), or, as the ``Planner`` does (``_for_split``), a
+    layout-free one made for the GPUs or for another split of the same model rebuilt for this layout."""
+    chunks_from = int(num_stages) // int(virtual) if int(virtual) > 1 else None
+    cm = _for_split(cost_model, cfg, int(num_stages), chunks_from)
+    if cm is None or isinstance(cm, (str, Path)):
+        return get_cost_model(cm, cfg, int(num_stages))
+    cm.check(cfg, int(num_stages))
+    return cm
+
+
+class Planner:
+    """Plans global batches for one pipeline configuration; see the module docstring.
+
+    ``model``: a ``ModelConfig``, a ``--model`` spec (``"small"``, ``"small:d_model=512"``,
+    ``"model.json"``, ``"package.module:factory"``) or a ``StageFactory`` (or a callable returning
+    one): its ``config`` sizes the models and its ``attention_work`` sets the cost model's attention
+    feature (``dynmb.models.contract.planning_config``); a model of your own planned with a stand-in
+    cost or memory model is warned about once (``warn_stand_ins``); ``memory_limit``: bytes or a size string (``"1GiB"``);
+    ``cost_model`` / ``memory_model``: objects or JSON paths (None: the shipped/analytic ones);
+    ``schedule``: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (and any kind the builders know);
+    ``round_to``: every padded_len a multiple of it; ``dp``: data-parallel replicas;
+    ``virtual``: model chunks per rank (interleaved), or ``"auto"``: ``num_stages`` then counts the GPUs and V (1, 2
+    or 4, where the layers allow) is chosen once by the simulated step of the workload's sample batches
+    (``dynmb.planning.virtual_search``; needs ``workload``, ``global_batch`` and a layout-free cost model, else V 1,
+    said once; ``virtual_choice`` records how; ``num_stages`` and ``virtual`` read the chosen layout's); ``recompute``: never, always or auto
+    (per-microbatch activation recomputation, ``dynmb.packing.recompute``); ``device``: which shipped cost model
+    ("cpu"/"cuda") to default to; ``stage_split``: the layers per stage, ``"even"``, ``"auto"`` (balanced work,
+    embedding and head included: ``dynmb.planning.stage_split``; in half-blocks or chunks of them for dynmb's
+    families) or a list such as ``"9,8,8,7"``, ``"2.5,2,2,1.5"`` or ``"2.75,1.25"`` (the model's ``layer_split``;
+    parts of blocks for dynmb's families only; a fitted cost or memory model must have been measured on the same split); ``workload``:
+    what ``"auto"`` balances, the lengths the planner will see (an array, a shipped trace name or a
+    length-trace CSV: every sequence's forward + backward at its own length, priced by ``cost_model`` where
+    it prices any layout (the analytic and GPU models, rebuilt for the split), else in FLOPs:
+    ``dynmb.planning.split_work``); None: forward FLOPs of one 1,024-token row, said once. A fitted cost
+    model (given, or the shipped one) prices only the split it was measured on: ``"auto"`` is that split.
+    ``global_batch``: sequences per global batch; given with ``workload`` and a layout-free cost model,
+    ``"auto"`` takes among the near-optimal splits the one whose simulated ``dynamic`` step per real token
+    on sample batches of the workload is smallest under these settings (``dynmb.planning.split_search``; once, CPU
+    seconds logged); else the min-max split. ``slice_fitting``: ``"never"`` (default) or ``"auto"``: sequences
+    longer than the longest row / 2 or / 4 may be planned as chains of slices too, where the simulator predicts a
+    shorter step within the limit (``dynmb.planning.slice_fitting``; with ``oversize="truncate"`` after the cut).
+    """
+
+    def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
+                 cost_model: CostModelLike | str | Path | None = None,
+                 memory_model: MemoryModelLike | str | Path | None = None, schedule: str = "1f1b", round_to: int = 1,
+                 dp: int = 1, virtual: int | str = 1, oversize: str = "error", pack_len: int | None = None,
+                 recompute: str = "never", device: str = "cpu", stage_split: str = "even",
+                 workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never") -> None:
+        self.model_cfg, own = _model(model)
+        auto_v = str(virtual).strip() == AUTO_VIRTUAL
+        self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
+                             schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
+                             dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
+                             attention=self.model_cfg.attention, slice_fitting=slice_fitting)
+        """The settings every ``plan`` call starts from (``plan`` sets the method, reorder and mbs)."""
+        self.virtual_choice: VirtualChoice | None = None
+        """With ``virtual="auto"``: how V was chosen (``dynmb.planning.virtual_search``)."""
+        pricing = cost_model if cost_model is not None or (stage_split == "even" and not auto_v) else \
+            default_cost_model_path(self.model_cfg.name, int(num_stages), device)     # the model it will plan with
+        search = None if global_batch is None else SplitSearch(spec=self.spec, global_batch=int(global_batch),
+                                                               memory_model=memory_model)
+        if auto_v:                                 # num_stages: the GPUs; the chosen V's P V chunks from here on
+            self.virtual_choice = choose_virtual(self.model_cfg, int(num_stages), str(stage_split), search=search,
+                                                 workload=workload, cost_model=pricing, half_blocks=not own)
+            v = self.virtual_choice.virtual
+            self.spec = self.spec.with_(num_stages=int(num_stages) * v, virtual=v)
+            gpus, num_stages, virtual = int(num_stages), self.spec.num_stages, v
+            if self.virtual_choice.layout is not None:          # resolved by the choice: not again
+                stage_split, self.model_cfg = "even", self.virtual_choice.layout
+                cost_model = _for_split(cost_model, self.model_cfg, int(num_stages), gpus)
+        if stage_split != "even":                  # "even" keeps a split the model config already carries
+            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
+                                                 workload=workload, cost_model=pricing, search=search,
+                                                 virtual=int(virtual))
+            cost_model = _for_split(cost_model, self.model_cfg, int(num_stages))
+        if cost_model is None or isinstance(cost_model, (str, Path)):
+            path = cost_model if cost_model is not None else default_cost_model_path(
+                self.model_cfg.name, self.num_stages, device)
+            cost_model = get_cost_model(path, self.model_cfg, self.num_stages)
+        else:
+            cost_model.check(self.model_cfg, self.num_stages)
+        if memory_model is None or isinstance(memory_model, (str, Path)):
+            memory_model = get_memory_model(memory_model, self.model_cfg, self.num_stages)
+        else:
+            memory_model.check(self.model_cfg, self.num_stages)
+        # said once: the analytic cost model for any model; the analytic memory model (dynmb's own GPT
+        # stages' bytes) only for a model of the user's own
+        warn_stand_ins(self.model_cfg, self.num_stages, stand_ins_of(cost_model, memory_model if own else None))
+        self.cost_model, self.memory_model = cost_model, memory_model
+
+    # the settings, read from the spec
+    num_stages = property(lambda self: self.spec.num_stages)
+    memory_limit_bytes = property(lambda self: self.spec.memory_limit_bytes)
+    schedule = property(lambda self: self.spec.schedule_kind)
+    round_to = property(lambda self: self.spec.round_to)
+    dp = property(lambda self: self.spec.dp)
+    virtual = property(lambda self: self.spec.virtual)
+    oversize = property(lambda self: self.spec.oversize)
+    pack_len = property(lambda self: self.spec.pack_len)
+    recompute = property(lambda self: self.spec.recompute)
+    slice_fitting = property(lambda self: self.spec.slice_fitting)
+
+    def plan(self, lengths: Any, method: str = "dynamic", reorder: str = "auto", *, mbs: int | None = None,
+             meta: dict[str, Any] | None = None) -> PlannedStep:
+        """Plan one global batch ``lengths`` (sequence i has ``lengths[i]`` tokens) with ``method``;
+        ``reorder="auto"`` runs each method in its own system's order."""
+        spec = self.spec.with_(method=method, reorder=reorder, mbs=mbs)
+        plan, schedule, sim = plan_step(np.asarray(lengths, dtype=np.int64), spec, model_cfg=self.model_cfg,
+                                        cost_model=self.cost_model, memory_model=self.memory_model, meta=meta)
+        return PlannedStep(plan=plan, schedule=schedule, sim=sim)
+
+    def __repr__(self) -> str:
+        return (f"Planner(model={self.model_cfg.name!r}, num_stages={self.num_stages}, "
+                f"memory_limit_bytes={self.memory_limit_bytes}, schedule={self.schedule!r}, round_to={self.round_to}, "
+                f"dp={self.dp}, cost_model={type(self.cost_model).__name__})")

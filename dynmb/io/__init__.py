@@ -1,0 +1,1 @@
+"""Atomic writes, tidy result tables (CSV, Parquet), output folders and their lock, host facts."""

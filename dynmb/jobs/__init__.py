@@ -1,0 +1,1 @@
+"""Whole jobs built from the layers above: ``dynmb compare`` (fixed against dynamic, real runs)."""

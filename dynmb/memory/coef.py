@@ -1,0 +1,215 @@
+"""The analytic memory coefficients per model family: bytes a stage keeps per token and per row * s^2.
+
+Counted from what ``dynmb.models`` saves for backward (``torch.autograd`` saved tensors, each storage
+once), per family (gpt2, llama), for the activations held from a microbatch's F to its B
+(``block_act_coef``, per half-block ``half_act_coef``, ``stage_act_per_token``, ``head_act_per_token``),
+the bytes held from a split backward's I to its W (``w_coef``) and what full recomputation saves and
+re-creates (``recompute_saved_coef``, ``recompute_transient_coef``), counted per half-block (attention
+half, MLP half: a stage may start or end between them, ``ModelConfig.stage_blocks``) and per piece of one
+(``piece_act_coef``, ``stage_blocks_act``: a boundary inside a half, ``dynmb.models.pieces``). ``dynmb.memory.model.MemoryModel.analytic``
+assembles them per stage; the CPU meter checks them (tests/test_memory.py, tests/test_llama.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dynmb.core.config import ModelConfig
+from dynmb.core.model_sizes import HEAD_STATS, SUB_CHUNKS, HalfPiece
+
+__all__ = ["BUCKET_PADDING", "block_act_coef", "half_act_coef", "piece_act_coef", "stage_blocks_act",
+           "stage_act_per_token", "head_act_per_token", "w_coef", "recompute_saved_coef", "recompute_transient_coef"]
+
+BUCKET_PADDING = 1 / 16
+"""Bound on the pad tokens of bucketed document attention (``dynmb.models.bucket_documents``),
+as a fraction of the microbatch's real tokens; the ``auto`` memory model charges it."""
+
+
+def block_act_coef(c: ModelConfig) -> np.ndarray:
+    """``(a1, a2)`` of one block: bytes saved for backward per token and per row * s^2.
+
+    gpt2. Outside attention: both LayerNorm inputs and the MLP's fc input (3d), the GELU input
+    and the MLP-proj input (2f) at ``e`` bytes, and 2 x 2 fp32 LayerNorm statistics. The
+    attention sublayer saves its input (d: qkv's input), the shared q/k/v storage (3d), the SDPA
+    output (d: also proj's input) and the per-head fp32 logsumexp.
+
+    llama (``k = n_kv_heads * head_dim``). Outside attention: each RMSNorm's input and its
+    normalised input before the gain (``F.rms_norm``'s decomposition saves both: 4d), the SwiGLU
+    input (d), the gate/up storage (2f, saved whole through the gate and up views), the SiLU
+    output and the down projection's input (2f), and 2 fp32 RMSNorm statistics. The attention
+    sublayer saves its input (d), the q/k/v storage (d + 2k: the value view keeps it), the
+    rotated q and k (d + k), the SDPA output (d: also the output projection's input) and the
+    per-head fp32 logsumexp. The rotary cos/sin tables are per stage (``stage_act_per_token``).
+
+    ``dense`` adds the additive (s, s) mask; ``auto`` saves no mask, and its packed path runs the
+    sublayer on the documents gathered into buckets, at most ``1 + BUCKET_PADDING`` times the real
+    tokens, which is charged to every microbatch (an upper bound, exact for padded ones up to it).
+    """
+    attn, mlp = half_act_coef(c)
+    return attn + mlp
+
+
+def half_act_coef(c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``(attention half, MLP half)`` of ``block_act_coef``, each ``(a1, a2)``: the attention half
+    holds its norm's saved tensors and the attention sublayer's, the MLP half its norm's and the MLP's.
+
+    gpt2: attention half ``e d + 8`` (LayerNorm input, fp32 mean and rstd) plus the sublayer;
+    MLP half ``e (2d + 2f) + 8`` (LayerNorm input, fc input, GELU input, proj input, statistics).
+    llama: attention half ``2 e d + 4`` (RMSNorm input and normalised input, rstd) plus the
+    sublayer; MLP half ``e (3d + 4f) + 4`` (the same for its RMSNorm, the SwiGLU input, gate/up,
+    SiLU output and down input)."""
+    attn, mlp = (piece_act_coef(c, HalfPiece(0, part, range(SUB_CHUNKS))) for part in ("attn", "mlp"))
+    return attn, mlp
+
+
+def _half_terms(c: ModelConfig, part: str) -> tuple[float, float, float, float]:
+    """``(norm, input, scaled, a2)`` per token of a half (``half_act_coef``): its norm's saved tensors, the
+    sublayer's input (the normalised hidden state), what scales with its chunks (heads, columns) and the
+    per row * s^2 bytes (the dense mask); attention's input and scaled terms times ``1 + BUCKET_PADDING``
+    under ``auto``."""
+    e, d, f, h = c.dtype_bytes, c.d_model, c.d_ff, c.n_heads
+    g = 1.0 if c.attention == "dense" else 1.0 + BUCKET_PADDING
+    norm = 2 * e * d + 4 if c.family == "llama" else e * d + 8
+    if part == "mlp":
+        return norm, e * d, e * (4 if c.family == "llama" else 2) * f, 0.0
+    k = c.kv_heads * c.head_dim
+    scaled = e * (3 * d + 3 * k) + 4 * h if c.family == "llama" else 4 * d * e + 4 * h
+    return norm, g * e * d, g * scaled, e if c.attention == "dense" else 0.0
+
+
+def piece_act_coef(c: ModelConfig, piece: HalfPiece) -> np.ndarray:
+    """``(a1, a2)`` of a half-block or piece of one (``dynmb.models.pieces``): chunk 0's piece (or the whole
+    half) holds the norm's saved tensors and the normalised input, a later piece the message ``[y | h]`` it
+    received (``2 d``, held from its forward to its backward: its sublayer reads ``h`` as a view of it) and
+    for attention the gathered copy of ``h`` that packed rows' document buckets make (an upper bound: one
+    document a row reads the view); every piece its share of the heads' or columns' tensors."""
+    norm, inp, scaled, a2 = _half_terms(c, piece.part)
+    r = len(piece.chunks) / SUB_CHUNKS
+    if piece.chunks.start == 0:
+        return np.array([norm + inp + r * scaled, a2])
+    return np.array([2 * c.dtype_bytes * c.d_model + (inp if piece.part == "attn" else 0.0) + r * scaled, a2])
+
+
+def stage_blocks_act(c: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 2]``: ``(a1, a2)`` of each stage's half-blocks and pieces (``piece_act_coef``)."""
+    return np.array([sum((piece_act_coef(c, pc) for pc in pieces), np.zeros(2))
+                     for pieces in c.stage_pieces(num_stages)])
+
+
+def _block_inputs(c: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P]``: bytes per token of the inputs of each stage's blocks (``d``, ``2 d`` for a first block that
+    starts inside a half, whose input is ``[y | h]``): what full recomputation keeps of them."""
+    out = np.zeros(num_stages)
+    for i, pieces in enumerate(c.stage_pieces(num_stages)):
+        layers = {pc.layer for pc in pieces}
+        out[i] = c.dtype_bytes * c.d_model * (len(layers) + (1 if pieces and pieces[0].chunks.start else 0))
+    return out
+
+
+def stage_act_per_token(c: ModelConfig, first: bool, attention: bool = True) -> float:
+    """Per-token bytes a stage saves outside its blocks and head: on the first stage the token ids
+    (int64) and, for learned positions, the position ids (int64); for rotary positions the cos and
+    sin tables (``2 * head_dim`` at ``e`` bytes, in the bucket layout under ``auto``), shared by the
+    stage's blocks, when it holds an attention half (``attention``)."""
+    out = (16.0 if c.learned_positions else 8.0) if first else 0.0
+    if not c.learned_positions and attention:
+        g = 1.0 if c.attention == "dense" else 1.0 + BUCKET_PADDING
+        out += 2 * c.head_dim * c.dtype_bytes * g
+    return out
+
+
+# --- split backward and recomputation -------------------------------------------------------------
+# Memory of a split backward and of full recomputation, per stage, as ``[P, 3]`` coefficients.
+#
+# Same form as the activation model above: bytes of a (b rows x s) microbatch = ``c0 + c1*b*s + c2*b*s^2``.
+# Counted from what ``dynmb.models`` and ``dynmb.runtime.splitbackward`` keep (``e`` the model's
+# dtype bytes, ``d`` d_model, ``f`` d_ff, ``V`` the vocabulary, ``L`` the stage's blocks, ``g = 1 +
+# BUCKET_PADDING`` under ``attention="auto"`` (bucketed documents, an upper bound) else 1):
+#
+# - ``w_coef``: held from ``I`` to ``W`` (each Linear call's input and output gradient). Per block
+#   and token ``e * (2d + 2f + 6d g)``: qkv (input d, gradient 3d), attention projection (d, d),
+#   MLP fc (d, f), MLP projection (f, d); the last stage adds the LM head's (d, V). Measured with the
+#   CPU meter on the small preset (2 and 4 stages, padded and packed rows): exact for one document per
+#   row (16,384 B per block and token), within the bucket padding for packed rows.
+# - ``recompute_saved_coef``: what a recomputed microbatch does not hold from F to B: each
+#   block's saved activations except its input, which the recomputation keeps (``e d`` per token).
+# - ``recompute_transient_coef``: one block's activations, live while that block is recomputed
+#   and back-propagated (added to the op's transient bytes; an upper bound, since on the last
+#   stage the logits gradient is gone by then).
+#
+# Measured peak of one microbatch through a stage with recomputation (small preset, 1 x 512,
+# stage 0 of 2): 1.58 MB held after the forward (17.3 MB without), 9.46 MB during its backward.
+
+
+def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: bytes held from a microbatch's ``I`` to its ``W`` on each stage: every Linear
+    call's input and output gradient. Per block and token, gpt2: ``e (2d + 2f + 6d g)`` (qkv d + 3d,
+    proj d + d, fc d + f, proj f + d); llama (``k = n_kv_heads * head_dim``): ``e (2d + 3f + (4d +
+    2k) g)`` (qkv d + d + 2k, proj d + d, gate_up d + 2f, down f + d), the attention half's the terms
+    with ``g``, the MLP half's the rest; a stage holding LM-head rows adds the head's (d, its rows). A piece
+    of a half (``dynmb.models.pieces``) holds its first Linear's whole input (``d``; ``2 d``, the message
+    ``[y | h]`` it is a view of, on a piece after chunk 0) and its last Linear's whole output gradient
+    (``d``; ``2 d``, a view of the gradient of the ``[y | h]`` it sent, on a piece ending before chunk 8),
+    and its share of the rest."""
+    e, d, f = cfg.dtype_bytes, cfg.d_model, cfg.d_ff
+    g = 1.0 if cfg.attention == "dense" else 1.0 + BUCKET_PADDING
+    k = cfg.kv_heads * cfg.head_dim
+    scaled = {"attn": (2 * d + 2 * k) * g if cfg.family == "llama" else 4 * d * g,
+              "mlp": 3 * f if cfg.family == "llama" else 2 * f}
+    out = np.zeros((num_stages, 3))
+    for i, pieces in enumerate(cfg.stage_pieces(num_stages)):
+        for pc in pieces:
+            one = g if pc.part == "attn" else 1.0              # a view of [y | h] or its gradient: 2 d, not g d
+            whole = d * ((2 if pc.chunks.start else one) + (2 if pc.chunks.stop < SUB_CHUNKS else one))
+            out[i, 1] += e * (whole + len(pc.chunks) / SUB_CHUNKS * scaled[pc.part])
+        rows = len(cfg.stage_vocab(num_stages)[i])
+        if rows and not cfg.tie_embeddings:
+            out[i, 1] += e * (d + rows)
+    return out
+
+
+def head_act_per_token(cfg: ModelConfig, stage: int | None = None, num_stages: int = 1) -> float:
+    """Bytes per token the head saves for backward on ``stage`` (None: the whole head on one stage):
+    on the head's first stage norm_f input and output (RMSNorm also its normalised input before the
+    gain, and in a 16-bit model an fp32 copy of it, as the CPU meter shows) and its fp32 statistics (LayerNorm: mean and rstd; RMSNorm: rstd); on a stage holding
+    ``rows`` of the LM head the fp32 log-softmax (a shard: its logits) of its rows and the int64
+    labels, and on a shard stage after the first its input, the normalised hidden state, plus the
+    running fp32 statistics (``dynmb.core.model_sizes.HEAD_STATS``); 0 on a stage without head rows."""
+    e, d = cfg.dtype_bytes, cfg.d_model
+    rows = cfg.vocab_size if stage is None else len(cfg.stage_vocab(num_stages)[stage])
+    if not rows:
+        return 0.0
+    norm = 3 * d * e + d * (4 - e) + 4 if cfg.family == "llama" else 2 * d * e + 8   # a 16-bit RMSNorm keeps an fp32 copy too
+    if stage is None or stage == cfg.head_stage(num_stages):
+        return norm + 4 * rows + 8
+    return d * e + 4 * HEAD_STATS + 4 * rows + 8
+
+
+def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' (whole, halves or
+    pieces) but their inputs (``[y | h]`` for a first block that starts inside a half), and on the stages holding LM-head rows the head's but its input
+    (``dynmb.models.RecomputedHead``)."""
+    out = np.zeros((num_stages, 3))
+    out[:, 1:] = stage_blocks_act(cfg, num_stages)
+    out[:, 1] -= _block_inputs(cfg, num_stages)
+    for i in range(num_stages):
+        if len(cfg.stage_vocab(num_stages)[i]):
+            out[i, 1] += head_act_per_token(cfg, i, num_stages) - cfg.dtype_bytes * cfg.d_model
+    return out
+
+
+def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: what a recomputed backward re-creates at a time, on top of the stage's
+    transient bytes: one block's activation bytes (its largest block, whole or half); on a stage holding
+    LM-head rows, whose transient is the fp32 logits gradient of its rows (4 per token and row), the head's
+    re-created activations while that gradient lives, or one block's after it is gone (the head's backward
+    runs first), whichever is larger: ``max(block - 4 rows, head)``."""
+    out = np.zeros((num_stages, 3))
+    for i, pieces in enumerate(cfg.stage_pieces(num_stages)):
+        for layer in {pc.layer for pc in pieces}:
+            block = sum(piece_act_coef(cfg, pc) for pc in pieces if pc.layer == layer)
+            out[i, 1:] = np.maximum(out[i, 1:], block)
+    for i, rows in enumerate(cfg.stage_vocab(num_stages)):
+        if len(rows):
+            out[i, 1] = max(out[i, 1] - 4 * len(rows), head_act_per_token(cfg, i, num_stages))
+    return out

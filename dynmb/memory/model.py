@@ -1,0 +1,324 @@
+"""Per-stage memory model: model states + activation bytes of (rows, padded_len) microbatches.
+
+numpy only. One definition (DESIGN.md "Memory"): the peak on a stage is
+
+    state_bytes[i] + sum(act_i(mb) for mb in flight on stage i) + transient_i(current op's mb)
+
+- ``state_bytes[i]``: parameters + gradients (both at the model dtype, ``e`` bytes) +
+  optimizer states (Adam: two fp32 states per parameter, 8 bytes; SGD: none), so
+  ``n_params * (2e + 8)`` with Adam.
+- ``act_i(b, s) = a0 + a1*b*s + a2*b*s^2`` (bytes held for backward by one microbatch).
+- ``transient_i(b, s) = t0 + t1*b*s + t2*b*s^2`` (buffers of the op being run that are
+  not held: at a backward's start the incoming gradient and the input gradient, and on
+  the last stage the fp32 logits gradient).
+
+Analytic default (``MemoryModel.analytic``) counts the storages ``dynmb.models`` saves
+for backward (checked against ``saved_tensors_hooks``, each storage once, parameters
+excluded), keyed on ``cfg.attention``. Per block and token: the LN inputs and the
+qkv/fc inputs (4d), the shared q/k/v storage (3d), the SDPA output (d, also the output
+projection's input), the GELU input and MLP-proj input (2f) at ``e`` bytes, plus 4 fp32
+LayerNorm statistics and the per-head fp32 logsumexp. ``dense`` adds, per block and row,
+the additive (s, s) mask at ``e`` bytes (``a2``). ``auto`` saves no mask (``a2 = 0``); its
+packed path runs the attention sublayer (qkv input, q/k/v, output, logsumexp) on the
+documents gathered into length buckets, at most ``1 + BUCKET_PADDING`` times the real
+tokens, and the model charges that factor on those terms for every microbatch (an
+upper bound for packed rows; padded rows are over-counted by at most BUCKET_PADDING
+times the attention share, about 2%), plus the two int64 bucket index tensors per
+stage. The first stage adds the token and position ids (int64), the last the final
+norm (2d + 2 stats), the fp32 log-softmax output (V) and the labels (int64); every stage
+but the last holds its output (d) until its backward (the runtime keeps it to call
+backward on). This is what ``dynmb.runtime.meter`` accounts on CPU (``tests/test_memory.py``:
+within 5% over (rows, padded_len, documents per row) for both attention kinds); on
+CUDA a fit to measurements replaces it.
+
+``fit(samples)``: coefficients fitted to measurements (``dynmb.memory.fit``; samples from ``dynmb memory``, ``dynmb.measure.memory``); ``peak_bytes``:
+the states plus the schedule kind's peak rule (``dynmb.memory.peak``).
+
+Split backward and recomputation (the ``[P, 3]`` coefficients at the end of this module): ``w_matrix`` gives the bytes a
+microbatch holds from its ``I`` to its ``W`` (the simulator charges them there); a microbatch
+with ``recompute`` holds only its blocks' inputs from F to B (``act_matrix(..., recompute=)``,
+``rc_act_coef``) and one block's activations on top of its backward's transient bytes
+(``rc_transient_coef``); it runs its whole backward in ``I`` (``w`` = 0). Fitted models derive
+these from the analytic count: ``rc_act_coef = act_coef - recompute_saved_coef`` (>= 0).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from dynmb.io.atomic import write_text_atomic
+from dynmb.core.config import ModelConfig
+from dynmb.costmodel.validate import check_memory_model, check_numbers, read_model_file
+from dynmb.memory.coef import (BUCKET_PADDING, block_act_coef, half_act_coef, head_act_per_token, recompute_saved_coef,
+                          recompute_transient_coef, stage_act_per_token, stage_blocks_act, w_coef)
+from dynmb.memory.fit import fit_memory_model
+from dynmb.memory.peak import inflight_limit, peak_from_matrix, rank_state
+from dynmb.schedule.kinds import SCHEDULE_KINDS, interleaved_inflight
+
+__all__ = ["MemoryModelLike", "MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
+           "peak_from_matrix",
+           "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef",
+           "half_act_coef"]
+
+
+
+
+class MemoryModelLike(Protocol):
+    """What consumers use of a memory model (the packers, builders, simulator, planner): per-stage
+    state bytes and the bytes a microbatch holds and needs on each stage."""
+
+    model_cfg: ModelConfig
+    num_stages: int
+    state_bytes: np.ndarray
+
+    def act_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(act[P, m], transient[P, m])`` bytes of microbatches (rows[m], padded_len[m])."""
+        ...
+
+    def peak_bytes(self, rows: Any, padded_len: Any, schedule_kind: str = "1f1b", order: Any = None,
+                   virtual: int = 1, recompute: Any = None) -> np.ndarray:
+        """Predicted peak bytes per stage of running these microbatches."""
+        ...
+
+    def activation_bytes(self, stage: int, rows: Any, padded_len: Any, recompute: bool = False) -> np.ndarray:
+        """Bytes one microbatch holds on ``stage`` from its forward to its backward."""
+        ...
+
+    def max_rows(self, stage_caps: Any, padded_len: Any, inflight: Any, tight: bool = False,
+                 recompute: bool = False) -> np.ndarray:
+        """The most rows per padded length that fit ``stage_caps`` with ``inflight`` in flight (packing)."""
+        ...
+
+    def recomputing(self) -> Any:
+        """This model as a microbatch that recomputes sees it (``--recompute``)."""
+        ...
+
+    def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        """Raise ValueError unless made for ``model_cfg`` over ``num_stages`` stages (``Planner``)."""
+        ...
+
+
+class MemoryModel:
+    """Per-stage ``state_bytes`` and activation/transient coefficients ``[P, 3]`` (a0, a1, a2)."""
+
+    def __init__(self, model_cfg: ModelConfig, num_stages: int, state_bytes: Any, act_coef: Any,
+                 transient_coef: Any, *, optimizer: str = "adam", source: str = "analytic",
+                 report: dict[str, Any] | None = None) -> None:
+        model_cfg.stage_units(num_stages)              # validates the split
+        self.model_cfg, self.num_stages, self.optimizer = model_cfg, int(num_stages), optimizer
+        self.state_bytes = np.asarray(state_bytes, dtype=np.float64).reshape(self.num_stages)
+        self.act_coef = np.asarray(act_coef, dtype=np.float64).reshape(self.num_stages, 3)
+        self.transient_coef = np.asarray(transient_coef, dtype=np.float64).reshape(self.num_stages, 3)
+        self.source, self.report = source, dict(report or {})
+        self.w_coef = w_coef(model_cfg, self.num_stages)
+        self.rc_act_coef = np.maximum(self.act_coef - recompute_saved_coef(model_cfg, self.num_stages), 0.0)
+        self.rc_transient_coef = self.transient_coef + recompute_transient_coef(model_cfg, self.num_stages)
+
+    # --- construction -------------------------------------------------------
+    @staticmethod
+    def analytic_state_bytes(model_cfg: ModelConfig, num_stages: int, optimizer: str = "adam") -> np.ndarray:
+        e = model_cfg.dtype_bytes
+        per = 2 * e + (8 if optimizer == "adam" else 0)
+        return np.array([model_cfg.stage_params(s, num_stages) * per for s in range(num_stages)], dtype=np.float64)
+
+    @classmethod
+    def analytic(cls, model_cfg: ModelConfig, num_stages: int, optimizer: str = "adam") -> "MemoryModel":
+        """Coefficients counted from the tensors ``dynmb.models`` saves for backward."""
+        if optimizer not in ("adam", "sgd"):
+            raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
+        c = model_cfg
+        e = c.dtype_bytes
+        act = np.zeros((num_stages, 3))
+        tr = np.zeros((num_stages, 3))
+        blocks = stage_blocks_act(c, num_stages)
+        for i, ((na, nm), rows) in enumerate(zip(c.stage_parts(num_stages), c.stage_vocab(num_stages))):
+            first, last = i == 0, i == num_stages - 1
+            out_bytes = c.message_channels(i, num_stages) * e       # the message sent on
+            act[i, 1:] = blocks[i]                                      # whole and half blocks, pieces of halves
+            act[i, 1] += stage_act_per_token(c, first, attention=na > 0)          # ids, rotary tables
+            if c.attention == "auto":
+                act[i, 1] += 8 * (2 + BUCKET_PADDING)       # bucket gather + scatter indices (int64)
+            act[i, 1] += head_act_per_token(c, i, num_stages)  # norm_f in/out, stats, log-softmax / logits, labels
+            tr[i, 1] = 4 * len(rows)                        # logits gradient of its LM-head rows (fp32)
+            if last:
+                act[i, 0] += 4                              # the loss
+            else:
+                act[i, 1] += out_bytes                      # the stage output, kept for its backward
+                tr[i, 1] += out_bytes                       # incoming gradient (beside a shard's logits gradient)
+            if not first:
+                tr[i, 1] += c.message_channels(i - 1, num_stages) * e    # input gradient produced
+        return cls(model_cfg, num_stages, cls.analytic_state_bytes(model_cfg, num_stages, optimizer), act, tr,
+                   optimizer=optimizer, source="analytic")
+
+    def fit(self, samples: Any, *, holdout: Any = None, holdout_frac: float = 0.25, seed: int = 0) -> "MemoryModel":
+        """A new model fitted to ``samples`` (``dynmb.memory.fit.fit_memory_model``: columns stage, rows,
+        padded_len, act_bytes and optionally peak_bytes, state_bytes; ``report`` holds the held-out
+        relative errors)."""
+        return fit_memory_model(self, samples, holdout=holdout, holdout_frac=holdout_frac, seed=seed)
+
+    def recomputing(self) -> "MemoryModel":
+        """This model as seen by a microbatch that recomputes: its activation and transient
+        coefficients are ``rc_act_coef`` / ``rc_transient_coef`` (for packing every microbatch
+        under recomputation's admissibility)."""
+        view = MemoryModel(self.model_cfg, self.num_stages, self.state_bytes, self.rc_act_coef,
+                           self.rc_transient_coef, optimizer=self.optimizer, source=f"{self.source}+recompute",
+                           report=self.report)
+        view.rc_act_coef, view.rc_transient_coef, view.w_coef = self.rc_act_coef, self.rc_transient_coef, 0 * self.w_coef
+        return view
+
+    # --- queries ------------------------------------------------------------
+    def activation_bytes(self, stage: int, rows: Any, padded_len: Any, recompute: bool = False) -> np.ndarray:
+        """Bytes held for backward on ``stage`` by microbatches (rows, padded_len), vectorised."""
+        b, s = _bs(rows, padded_len)
+        a = (self.rc_act_coef if recompute else self.act_coef)[int(stage)]
+        return a[0] + a[1] * b * s + a[2] * b * s * s
+
+    def transient_bytes(self, stage: int, rows: Any, padded_len: Any, recompute: bool = False) -> np.ndarray:
+        b, s = _bs(rows, padded_len)
+        t = (self.rc_transient_coef if recompute else self.transient_coef)[int(stage)]
+        return t[0] + t[1] * b * s + t[2] * b * s * s
+
+    def act_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(act[P, m], transient[P, m])`` for microbatches (rows[m], padded_len[m]); the
+        microbatches flagged in ``recompute[m]`` (optional) run with full recomputation."""
+        b, s = _bs(rows, padded_len)
+        act, tr = _eval(self.act_coef, b, s), _eval(self.transient_coef, b, s)
+        rc = _mask(recompute, act.shape[1])
+        if rc.any():
+            act[:, rc] = _eval(self.rc_act_coef, b[rc], s[rc])
+            tr[:, rc] = _eval(self.rc_transient_coef, b[rc], s[rc])
+        return act, tr
+
+    def w_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> np.ndarray:
+        """``w[P, m]``: bytes each microbatch holds from its ``I`` to its ``W`` (0 when recomputed:
+        its ``I`` runs the whole backward)."""
+        b, s = _bs(rows, padded_len)
+        w = _eval(self.w_coef, b, s)
+        w[:, _mask(recompute, w.shape[1])] = 0.0
+        return w
+
+    def slice_coef(self, recompute: bool = False) -> np.ndarray:
+        """``[P]`` bytes per token of a continued slice (``Microbatch.continued_tokens``) held on top
+        of its activations from its forward to its backward (``dynmb.models.prefix``): when recomputed,
+        the keys and values later slices attend to (2 n_kv_heads head_dim per layer of the stage at the model dtype;
+        without recomputation its saved activations hold them already, 0)."""
+        return self.slice_grad_coef() if recompute else np.zeros(self.num_stages)
+
+    def slice_grad_coef(self) -> np.ndarray:
+        """``[P]`` bytes per token of a continued slice's key and value gradients (2 n_kv_heads head_dim
+        per layer of the stage: 2 d without grouped K/V), held from its chain's first backward to its
+        own (``dynmb.timing.simulate.SliceGrads``)."""
+        c = self.model_cfg
+        layers = np.array([na for na, _ in c.stage_parts(self.num_stages)], dtype=np.float64)   # attention halves
+        return layers * c.kv_heads * c.head_dim * c.dtype_bytes * 2.0
+
+    def slice_matrix(self, continued_tokens: Any, recompute: Any = None) -> np.ndarray:
+        """``[P, m]``: the bytes ``slice_coef`` adds to each microbatch (``continued_tokens[m]``)."""
+        n = np.asarray(continued_tokens, dtype=np.float64).reshape(-1)
+        rc = _mask(recompute, n.size)
+        return np.where(rc[None, :], self.slice_coef(True)[:, None], self.slice_coef(False)[:, None]) * n[None, :]
+
+    def peak_bytes(self, rows: Any, padded_len: Any, schedule_kind: str = "1f1b", order: Any = None,
+                   virtual: int = 1, recompute: Any = None) -> np.ndarray:
+        """Predicted peak bytes per stage of running these microbatches (in ``order``;
+        ``recompute[m]``, optional, flags recomputed ones, in the same order as ``rows``)."""
+        b, s = _bs(rows, padded_len)
+        rc = _mask(recompute, b.size)
+        if order is not None:
+            order = np.asarray(order, dtype=np.int64)
+            b, s, rc = b[order], s[order], rc[order]
+        state = self.rank_state_bytes(schedule_kind, virtual)
+        return state if b.size == 0 else state + peak_from_matrix(*self.act_matrix(b, s, rc), schedule_kind, virtual)
+
+    def rank_state_bytes(self, schedule_kind: str = "1f1b", virtual: int = 1) -> np.ndarray:
+        """State bytes per stage of the GPU that holds it (``dynmb.memory.peak.rank_state``)."""
+        return rank_state(self.state_bytes, schedule_kind, virtual)
+
+    def max_rows(self, stage_caps: Any, padded_len: Any, inflight: Any, tight: bool = False,
+                 recompute: bool = False) -> np.ndarray:
+        """Largest b per padded_len with ``inflight[i] * (act_i(b, s) + tr_i(b, s)) <= stage_caps[i]``
+        on every stage (0 where not even one row fits); vectorised over padded_len.
+
+        This per-microbatch budget makes any order of such microbatches fit under a
+        schedule holding at most ``inflight[i]`` on stage i: a window of k sums to at
+        most k * max(act + tr). ``tight``: ``k * act + tr <= cap`` instead (exact for equal
+        microbatches; a mix must then be checked with ``peak_bytes``). ``recompute``: the
+        rows of microbatches that run with full recomputation.
+        """
+        s = np.asarray(padded_len, dtype=np.float64).reshape(1, -1)
+        k = np.asarray(inflight, dtype=np.float64).reshape(-1, 1)
+        act, tr = (self.rc_act_coef, self.rc_transient_coef) if recompute else (self.act_coef, self.transient_coef)
+        w = k * act + (1.0 if tight else k) * tr
+        room = np.asarray(stage_caps, dtype=np.float64).reshape(-1, 1) - w[:, :1]
+        per_row = w[:, 1:2] * s + w[:, 2:3] * s * s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            bmax = np.where(per_row > 0, np.floor(room / np.where(per_row > 0, per_row, 1.0)),
+                            np.where(room >= 0, np.inf, -1.0))
+        return np.clip(bmax.min(axis=0), 0, 2**40).astype(np.int64)
+
+    # --- identity and I/O ---------------------------------------------------
+    def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        self.model_cfg.check_made_for(self.num_stages, model_cfg, num_stages, what="memory model",
+                                      remedy=f"measure one with `dynmb memory --model ... --stages {num_stages} "
+                                             "-o mem.json`")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "memory", "source": self.source, "model": self.model_cfg.to_dict(),
+                "num_stages": self.num_stages, "optimizer": self.optimizer,
+                "state_bytes": self.state_bytes.tolist(), "act_coef": self.act_coef.tolist(),
+                "transient_coef": self.transient_coef.tolist(), "report": self.report}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MemoryModel":
+        if d.get("kind") != "memory":
+            raise ValueError("not a memory-model JSON (field kind != 'memory')")
+        return cls(ModelConfig.from_dict(d["model"]), d["num_stages"], d["state_bytes"], d["act_coef"],
+                   d["transient_coef"], optimizer=d.get("optimizer", "adam"), source=d.get("source", "fitted"),
+                   report=d.get("report"))
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MemoryModel":
+        def build(d: dict[str, Any]) -> "MemoryModel":
+            for key in ("state_bytes", "act_coef", "transient_coef"):
+                check_numbers(d.get(key, []), key)
+            return check_memory_model(cls.from_dict(d))
+
+        return read_model_file(path, "memory-model", build)
+
+    def __repr__(self) -> str:
+        return f"MemoryModel({self.model_cfg.name!r}, P={self.num_stages}, {self.source})"
+
+
+def _eval(coef: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """``coef[P, 3]`` at microbatches (b[m], s[m]) -> ``[P, m]``."""
+    return coef[:, :1] + coef[:, 1:2] * (b * s) + coef[:, 2:3] * (b * s * s)
+
+
+def _mask(flags: Any, m: int) -> np.ndarray:
+    """``flags`` (None, a bool, or one bool per microbatch) as a bool array of length m."""
+    if flags is None:
+        return np.zeros(m, dtype=bool)
+    return np.broadcast_to(np.asarray(flags, dtype=bool), (m,)).copy()
+
+
+def _bs(rows: Any, padded_len: Any) -> tuple[np.ndarray, np.ndarray]:
+    b, s = np.broadcast_arrays(np.atleast_1d(np.asarray(rows, dtype=np.float64)),
+                               np.atleast_1d(np.asarray(padded_len, dtype=np.float64)))
+    return b, s
+
+
+def get_memory_model(path_or_none: str | Path | None, model_cfg: ModelConfig, num_stages: int,
+                     optimizer: str = "adam") -> MemoryModel:
+    """The fitted model at ``path`` (checked against the config) or the analytic one."""
+    if path_or_none is None:
+        return MemoryModel.analytic(model_cfg, num_stages, optimizer)
+    mm = MemoryModel.load(path_or_none)
+    mm.check(model_cfg, num_stages)
+    return mm

@@ -1,0 +1,1 @@
+"""Summaries, comparison tables and plots of the tidy results tables."""
