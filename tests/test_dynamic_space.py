@@ -141,7 +141,7 @@ def test_zb_ranked_with_zb_h1s_estimate_stays_near_its_own_ranking(monkeypatch):
     """``zb`` ranks with ``zb-h1``'s estimate (RANK_AS) and estimates only its finals with its own: on hand
     batches its plan is mostly the one ranking every candidate by ``zb``'s own estimate gives, and never
     more than 3% slower by that estimate (the shipped-trace cells: the same plans, docs/results.md)."""
-    from dynmb import makespan_zb
+    from dynmb.timing import makespan_zb
 
     same, n = 0, 0
     for seed in range(8):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from dynmb import hostinfo
+from dynmb.io import hostinfo
 from dynmb.io.hostinfo import cores_warning, usable_cores
 
 
