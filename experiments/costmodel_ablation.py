@@ -31,8 +31,7 @@ from _common import (Resume, SIM_SETTINGS, add_model_flags, measured, parse_batc
                      simulate_rows, split_list)
 
 from dynmb import data
-from dynmb import ModelConfig
-from dynmb.timing import simulate
+from dynmb import ModelConfig, simulate
 from dynmb.core.config import parse_bytes
 from dynmb.costmodel import CostModel, get_cost_model
 from dynmb.memory.model import get_memory_model
