@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from dynmb.cli.flags import names_factory
 from dynmb.core.config import ModelConfig, model_config
-from dynmb.costmodel import get_cost_model
+from dynmb.costmodel.analytic import AnalyticCostModel
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory.model import MemoryModelLike, get_memory_model
+from dynmb.costmodel.loader import load_models, models_record
+from dynmb.costmodel.standin import StandInModelWarning, suppress_stand_in_warnings
+from dynmb.memory.model import MemoryModelLike
 from dynmb.core.types import Plan
 
 __all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file", "plan_pack_len"]
@@ -112,10 +115,37 @@ def recorded_model_file(kind: str, flag: str | None, recorded: Any, plan_path: s
 
 def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str
                 ) -> tuple[ModelConfig, CostModelLike, MemoryModelLike]:
-    """The model config, cost model and memory model a plan was made with (module docstring)."""
+    """The model config, cost model and memory model a plan was made with (module docstring), through the
+    one loader (``dynmb.costmodel.loader``); a plan that names the stand-in gets the stand-in, and the models
+    loaded must have the digests the plan recorded (``Plan.meta["models"]``) unless it was planned with a
+    calibrated model (a run's): then its predictions are made again with the uncalibrated one."""
     model = plan_model(plan, args, plan_path)
-    cost_file = recorded_model_file("cost-model", getattr(args, "cost_model", None), plan.meta.get("cost_model"), plan_path)
+    recorded = plan.meta.get("cost_model")
+    cost_file = recorded_model_file("cost-model", getattr(args, "cost_model", None), recorded, plan_path)
     memory_file = recorded_model_file("memory-model", getattr(args, "memory_model", None), plan.meta.get("memory_model"),
                               plan_path)
-    return (model, get_cost_model(cost_file, model, plan.num_stages),
-            get_memory_model(memory_file, model, plan.num_stages))
+    stand_in = cost_file is None and (not isinstance(recorded, dict) or recorded.get("kind") == "analytic")
+    cost = AnalyticCostModel(model, plan.num_stages) if stand_in else cost_file
+    with warnings.catch_warnings():                       # the plan's models: said when it was planned
+        warnings.simplefilter("ignore", StandInModelWarning)
+        with suppress_stand_in_warnings():
+            models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
+    check_recorded_digests(plan, models.cost, models.memory, plan_path)
+    return model, models.cost, models.memory
+
+
+def check_recorded_digests(plan: Plan, cost_model: Any, memory_model: Any, plan_path: str) -> None:
+    """ValueError (one line) when the models differ from the digests ``plan`` recorded; nothing for a plan
+    without a record or one planned with a calibrated cost model."""
+    rec = plan.meta.get("models")
+    if not isinstance(rec, dict):
+        return
+    now = models_record(cost_model, memory_model)
+    for kind in ("cost", "memory"):
+        theirs = rec.get(kind) or {}
+        if kind == "cost" and theirs.get("calibrated"):
+            continue
+        if theirs.get("digest") not in (None, now[kind]["digest"]):
+            raise ValueError(f"the plan {plan_path} was planned with a {kind} model of digest "
+                             f"{str(theirs.get('digest'))[:12]}, the one given has {now[kind]['digest'][:12]}; "
+                             f"plan again or pass the {kind} model it was planned with")

@@ -50,9 +50,8 @@ import pandas as pd
 from dynmb.report.analysis import summarise
 from dynmb.report.compare_table import BUDGET_METHODS, FIXED_SIZE_METHODS, display_summary, format_summary
 from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
-from dynmb.costmodel import get_cost_model
+from dynmb.costmodel.loader import load_models
 from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, sample_batch
-from dynmb.memory.model import get_memory_model
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
 from dynmb.planning.spec_check import uses_pack_len
 from dynmb.planning.split_search import SplitSearch
@@ -260,9 +259,9 @@ def _case_config(settings: CompareSettings, method: str, microbatch_size: int | 
 def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> dict[str, Any]:
     """``plan_step`` arguments of one case, the spec from its ``RunConfig``: what the worker plans with."""
     run = _case_config(settings, method, microbatch_size)
-    return dict(spec=run.plan_spec, model_cfg=run.model,
-                cost_model=get_cost_model(settings.cost_model, run.model, settings.stages),
-                memory_model=get_memory_model(settings.memory_model, run.model, settings.stages))
+    models = load_models(run.model, settings.stages, cost=settings.cost_model, memory=settings.memory_model,
+                         device=run.device, virtual=settings.virtual)         # the one loader, as the ranks'
+    return dict(spec=run.plan_spec, model_cfg=run.model, cost_model=models.cost, memory_model=models.memory)
 
 
 def _token_file(settings: CompareSettings) -> TokenFile | None:

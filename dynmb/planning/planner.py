@@ -16,6 +16,9 @@ Each data-parallel replica is reordered, scheduled and simulated by the helpers 
 With ``slice_fitting="auto"`` each kind's plan is weighed against plans that slice sequences which fit
 (``dynmb.planning.slice_fitting``) and the fastest that fits is that kind's plan.
 
+The plan records the models it was made with (``meta["models"]``: each one's digest, whether the cost
+model was calibrated and its online-refit version; ``dynmb.costmodel.loader.models_record``).
+
 The plan's ``predictions`` are filled from the simulator (``pred_step_s``,
 ``pred_peak_bytes`` per stage, ``mean_bubble``) and the wall time of packing +
 reordering + scheduling (``plan_s``). With data parallelism each replica's
@@ -39,6 +42,7 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel import get_cost_model
+from dynmb.costmodel.loader import models_record
 from dynmb.memory.model import get_memory_model
 from dynmb.packing import pack
 from dynmb.packing.balanced import budget_divisors
@@ -79,8 +83,11 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: M
     memory_model = memory_model or get_memory_model(None, model_cfg, spec.num_stages)
     lengths = np.asarray(lengths, dtype=np.int64)
     if spec.schedule_kind == AUTO:
-        return plan_auto(lengths, spec, model_cfg, cost_model, memory_model, meta)
-    return _plan_checked(lengths, spec, model_cfg, cost_model, memory_model, meta)
+        plan, sched, sim = plan_auto(lengths, spec, model_cfg, cost_model, memory_model, meta)
+    else:
+        plan, sched, sim = _plan_checked(lengths, spec, model_cfg, cost_model, memory_model, meta)
+    # which models made it: every consumer of the plan checks (or, calibrated, re-predicts) against these
+    return replace(plan, meta={**plan.meta, "models": models_record(cost_model, memory_model)}), sched, sim
 
 
 def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> bool:

@@ -34,11 +34,10 @@ import torch.distributed as dist
 
 from dynmb.costmodel import CalibrationStep, job_calibration
 from dynmb.data import load_trace, sample_indices
-from dynmb.memory.model import get_memory_model
+from dynmb.costmodel.standin import suppress_stand_in_warnings
 from dynmb.models.inputs import corpus_tokens
 from dynmb.models import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
-from dynmb.api.planner import cost_model_for
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
@@ -104,10 +103,12 @@ class RunState:
         _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
         if not getattr(self.factory, "dynmb_family", False):
             refuse_foreign_head_split(run.model, f"--model {spec.model_factory or type(self.factory).__name__}")
-        self.profile_model = cost_model_for(run.cost_model, run.model, num_stages, run.pipeline.virtual)  # uncalibrated
+        with suppress_stand_in_warnings():           # said once by the launcher (RunSpec.check)
+            self.models = spec.models()
+        self.profile_model = self.models.cost                # uncalibrated: the prior of the online refit
         self.cost_model = self.profile_model                 # what the next step plans with
         self.history = history if history is not None else []   # the job's measured steps, shared
-        self.memory_model = get_memory_model(spec.memory_model, run.model, num_stages)
+        self.memory_model = self.models.memory
         self.fixed = load_plan_files(spec) if spec.plan else None   # (plan, schedule file or None)
         self.corpus = spec.corpus.load() if spec.corpus is not None else None     # real text
         self.trace = None if self.fixed is not None else (
