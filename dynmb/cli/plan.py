@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +14,6 @@ from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags,
 from dynmb.cli.planfile import plan_meta, plan_pack_len
 from dynmb.core.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
 from dynmb.costmodel.loader import load_models
-from dynmb.costmodel.standin import StandInModelWarning
 from dynmb.planning import plan_step
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.planning.virtual_search import describe
@@ -102,10 +100,8 @@ def run(args: argparse.Namespace) -> int:
     rows, batch = load_rows(args, args.step)
     own = names_factory(args.model)
     warn_own_model_stand_ins(args, model, args.cost_model, args.memory_model, args.stages, "dynmb plan")
-    with warnings.catch_warnings():                      # the command line shows the stand-in's log line only
-        warnings.simplefilter("ignore", StandInModelWarning)
-        models = load_models(model, args.stages, cost=args.cost_model, memory=args.memory_model, virtual=spec.virtual,
-                             device=args.device, own_model=own, who="dynmb plan")    # the one loader, as Planner's
+    models = load_models(model, args.stages, cost=args.cost_model, memory=args.memory_model, virtual=spec.virtual,
+                         device=args.device, own_model=own, who="dynmb plan")    # the one loader, as Planner's
     plan, _, _ = plan_step(
         batch, spec, model_cfg=model, cost_model=models.cost, memory_model=models.memory,
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step,

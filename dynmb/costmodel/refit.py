@@ -53,7 +53,7 @@ class RefitSettings:
 
     half_life_steps: float = 8.0
     """History steps after which an action weighs half (a compare's round of cases is ~10-16 steps)."""
-    prior_weight: float = 4.0
+    prior_weight: float = 1.0
     """The prior's pull per coefficient, in fresh actions."""
     min_actions: int = 4
     """A (stage, op) refits once this many of its actions were measured; else it keeps the prior."""
