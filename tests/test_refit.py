@@ -64,13 +64,16 @@ def test_refit_learns_the_shape_not_only_the_scale():
 def test_a_term_the_actions_do_not_exercise_keeps_its_prior():
     prior = _prior()
     truth = _truth(prior, {"c1_tok": 0.7})
-    refit = refit_cost_model(prior, refit_actions([_actions(truth, np.random.default_rng(1), 30)]), version=1)
+    train = _actions(truth, np.random.default_rng(1), 30)
+    refit = refit_cost_model(prior, refit_actions([train]), version=1)
     checked = 0
     for key, (form, coef) in refit.params.items():
         assert form == prior.params[key][0]
-        if "c4_packed_tok" in FORMS[form]:                  # no packed actions: the prior's value
+        if "c4_packed_tok" in FORMS[form]:                  # no packed actions: the prior's value at the level
+            g = train[(train["stage"] == key[0]) & (train["op"] == key[1])]
+            level = g["end_s"].sum() / prior.predict(key[0], key[1], g["batch"], g["padded_len"], g["attn_work"]).sum()
             j = FORMS[form].index("c4_packed_tok")
-            assert coef[j] == pytest.approx(prior.params[key][1][j])
+            assert coef[j] == pytest.approx(prior.params[key][1][j] * level)
             checked += 1
     assert checked
 
@@ -101,3 +104,13 @@ def test_no_history_or_another_kind_is_the_prior():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="half_life_steps"):
         RefitSettings(half_life_steps=0)
+
+
+def test_a_host_several_times_slower_than_its_profile_is_followed_at_once():
+    """The level is learned freely (the ridge keeps only the shape near the prior's): one step of a host
+    5x slower than the profile prices the next within a few percent."""
+    prior = _prior()
+    slow = _truth(prior, {n: 5.0 for n in FORMS["quad_bp"]})
+    rng = np.random.default_rng(3)
+    refit = job_refit(prior, [CalibrationStep("a", _actions(slow, rng, 10))])
+    assert _mape(refit, _actions(slow, rng, 20)) < 0.02

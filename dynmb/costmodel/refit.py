@@ -7,9 +7,12 @@ small actions biased in opposite directions, and a planner that chooses by those
 shapes it underprices. The refit learns the coefficients themselves, on the prior's features
 (``poly.features``: 1, computed tokens, attention work, rows, packed tokens), per (stage, op):
 
-    c = p * r,   r = argmin_{r >= 0}  sum_i w_i ((x_i . (p * r) - t_i) / t_i)^2 + lam * sum_j (r_j - 1)^2
+    c = L p * r,   r = argmin_{r >= 0}  sum_i w_i ((x_i . (L p * r) - t_i) / t_i)^2 + lam * sum_j (r_j - 1)^2
 
-``p`` the prior's coefficients (the shipped or user fit: a term the prior does not have stays out),
+``p`` the prior's coefficients (the shipped or user fit: a term the prior does not have stays out), ``L``
+the level, ``sum_i w_i t_i / sum_i w_i x_i . p`` (how fast the machine runs this (stage, op) now: learned
+freely, so a host several times slower than its profile is followed at once, while the ridge keeps the
+shape, the ratios between the terms, near the prior's unless the actions say otherwise),
 ``t_i`` an action's measured seconds (``end_s - start_s``: what the runtime's actions take, per-action
 overhead included), ``w_i = 0.5 ** (age_i / half_life_steps)`` (age: history steps since it ran, so
 recent steps weigh most and a drifting machine is followed), ``lam = prior_weight`` (the prior counts as
@@ -80,7 +83,10 @@ def _solve(form: str, prior: np.ndarray, g: pd.DataFrame, settings: RefitSetting
     """Coefficients of one (stage, op) and the relative residuals of its actions (module doc)."""
     b, s, a, t = (g[c].to_numpy(np.float64) for c in ("batch", "padded_len", "attn_work", "time_s"))
     x = features(form, b, s, a)
-    w = np.sqrt(0.5 ** (g["age"].to_numpy(np.float64) / settings.half_life_steps))
+    weight = 0.5 ** (g["age"].to_numpy(np.float64) / settings.half_life_steps)
+    level = float(np.sum(weight * t) / max(np.sum(weight * (x @ prior)), 1e-300))   # the machine's speed now
+    prior = prior * level if np.isfinite(level) and level > 0 else prior
+    w = np.sqrt(weight)
     live = np.flatnonzero(prior > 0)
     design = x[:, live] * prior[live] / t[:, None] * w[:, None]
     lam = np.sqrt(settings.prior_weight)
