@@ -114,3 +114,20 @@ def test_a_host_several_times_slower_than_its_profile_is_followed_at_once():
     rng = np.random.default_rng(3)
     refit = job_refit(prior, [CalibrationStep("a", _actions(slow, rng, 10))])
     assert _mape(refit, _actions(slow, rng, 20)) < 0.02
+
+
+def test_a_run_plans_with_the_refit_poly_model_and_scales_another_kind():
+    """``runtime.state.planning_model``: the poly prior refit (its version the history's length), the
+    analytic stand-in scaled as before; neither changes the profile model it starts from."""
+    from dynmb.costmodel.analytic import AnalyticCostModel
+    from dynmb.runtime.state import planning_model
+
+    prior = _prior()
+    rng = np.random.default_rng(4)
+    frames = [_actions(_truth(prior, {"c1_tok": 1.5}), rng, 8).assign(pred_s=lambda f: f["end_s"]) for _ in range(3)]
+    history = [CalibrationStep(run, f) for run, f in zip(("a", "b", "a"), frames)]
+    refit = planning_model(prior, history, "a", 2)
+    assert refit_version(refit) == 3 and refit_version(prior) == 0 and is_calibrated(refit)
+    analytic = AnalyticCostModel(model_config("small"), 2)
+    scaled = planning_model(analytic, history, "a", 2)
+    assert refit_version(scaled) == 0 and is_calibrated(scaled) and not is_calibrated(analytic)

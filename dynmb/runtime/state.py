@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynmb.costmodel import CalibrationStep, job_calibration
+from dynmb.costmodel import CalibrationStep, CostModel, job_calibration
 from dynmb.costmodel.loader import refit_version
 from dynmb.costmodel.refit import job_refit
 from dynmb.data import load_trace, sample_indices
@@ -53,7 +53,7 @@ from dynmb.runtime.topology import Topology, make_process_groups
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Microbatch, Plan, Schedule
 
-__all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed", "plan_lengths"]
+__all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed", "plan_lengths", "planning_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,28 +207,35 @@ class RunState:
             self.history.append(CalibrationStep(self.spec.run_id, frame.assign(pred_s=frame["raw_pred_s"], comm_s=comm)))
 
     def calibrate(self) -> None:
-        """Set the cost model the next step is planned and predicted with, from the job's history (every
-        rank holds the same history, so all compute the same model): a poly prior refit online on every
-        measured action (``costmodel.refit.job_refit``: coefficients per stage and op, recent steps
-        weighted most) plus the gap before each action; another kind scaled per stage and op plus a
-        per-action overhead (``costmodel.job_calibration``); both plus the wait per received message."""
-        cal = job_calibration(self.history, self.spec.run_id, self.run.pipeline.num_stages)
-        refit = job_refit(self.profile_model, self.history)
-        if refit is not self.profile_model:          # the refit's fixed cost holds the per-action overhead
-            model = refit.with_overhead(**cal.gap_s) if cal.gap_s else refit
-            logger.debug("%s: online refit version %d", self.spec.run_id, refit_version(refit))
-        else:
-            logger.debug("%s: calibration: scale %s, per action %s", self.spec.run_id,
-                         ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per)}" for op, per in cal.scale.items())
-                         or "none", ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.per_action_s.items()) or "none")
-            model = self.profile_model.with_scale(cal.scale) if cal.scale else self.profile_model
-            model = model.with_overhead(**cal.per_action_s) if cal.per_action_s else model
-        self.cost_model = model.with_recv_latency(cal.latency_s) if cal.latency_s else model
+        """Set the cost model the next step is planned and predicted with (``planning_model`` of the job's
+        history; every rank holds the same history, so all compute the same model)."""
+        self.cost_model = planning_model(self.profile_model, self.history, self.spec.run_id,
+                                         self.run.pipeline.num_stages)
 
     def close(self) -> None:
         self.meter.close()
         if self.ahead is not None:
             self.ahead.close()
+
+
+def planning_model(profile_model: CostModel, history: list[CalibrationStep], run_id: str,
+                   num_stages: int) -> CostModel:
+    """The cost model run ``run_id``'s next step is planned with, from the job's ``history``: a poly prior
+    refit online on every measured action (``costmodel.refit.job_refit``: coefficients per stage and op,
+    recent steps weighted most) plus the gap before each action; another kind scaled per stage and op plus a
+    per-action overhead (``costmodel.job_calibration``); both plus the wait per received message."""
+    cal = job_calibration(history, run_id, num_stages)
+    refit = job_refit(profile_model, history)
+    if refit is not profile_model:          # the refit's fixed cost holds the per-action overhead
+        model = refit.with_overhead(**cal.gap_s) if cal.gap_s else refit
+        logger.debug("%s: online refit version %d", run_id, refit_version(refit))
+    else:
+        logger.debug("%s: calibration: scale %s, per action %s", run_id,
+                     ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per)}" for op, per in cal.scale.items())
+                     or "none", ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.per_action_s.items()) or "none")
+        model = profile_model.with_scale(cal.scale) if cal.scale else profile_model
+        model = model.with_overhead(**cal.per_action_s) if cal.per_action_s else model
+    return model.with_recv_latency(cal.latency_s) if cal.latency_s else model
 
 
 def prewarm(state: RunState) -> int:
