@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -82,9 +83,35 @@ def _schedule(plan_path, tmp_path):
     return sched
 
 
-def test_analytic_plan_gets_the_analytic_model_back(tmp_path):
-    """A plan recorded with the stand-in is simulated with the stand-in, not the shipped fit."""
-    lengths = np.array([100, 200, 300, 400])
-    plan = dynmb.Planner(model="small", num_stages=2, cost_model=AnalyticCostModel(model_config("small"), 2)
-                         ).plan(lengths, method="balanced").plan
-    assert plan.meta["models"]["cost"]["kind"] == "analytic"
+@pytest.mark.parametrize("cost", [None, "analytic"])
+def test_plan_schedule_simulate_predict_one_step(cost, tmp_path, capsys):
+    """plan -> schedule -> simulate with the plan's own models (the shipped fit, or the stand-in asked for by
+    name, where a fit is shipped): the simulated makespan is the plan's pred_step_s."""
+    out, sched = tmp_path / "plan.json", tmp_path / "s.csv"
+    flags = ["--cost-model", cost] if cost else []
+    assert main(["plan", "--dataset", "sharegpt", "--global-batch", "16", "--stages", "2", "--method", "dynamic",
+                 "-o", str(out), *flags]) == 0
+    plan = Plan.load(out)
+    assert plan.meta["models"]["cost"]["kind"] == (cost or "poly")
+    assert main(["schedule", "--plan", str(out), "--kind", "1f1b", "-o", str(sched)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(out), "--schedule", str(sched), "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sim["makespan_s"] == pytest.approx(plan.predictions["pred_step_s"], rel=1e-9)
+
+
+def test_a_plan_run_refuses_models_of_another_digest(tmp_path):
+    from dynmb.core.config import PipelineConfig, RunConfig
+    from dynmb.runtime.spec import RunSpec
+
+    step = dynmb.Planner(model="small", num_stages=2).plan(np.array([100, 200, 300, 400]), method="balanced")
+    path = tmp_path / "plan.json"
+    step.plan.save(path)
+    cfg = RunConfig(model=model_config("small"), pipeline=PipelineConfig(num_stages=2, memory_limit_bytes=2**30),
+                    method="balanced",
+                    global_batch=4, dataset="sharegpt")
+    RunSpec.create(cfg, tmp_path / "ok", plan=str(path)).check()              # the shipped fit: the plan's
+    other = tmp_path / "cost.json"
+    AnalyticCostModel(model_config("small"), 2, flops_per_s=1e11).save(other)
+    with pytest.raises(ValueError, match="cost model of digest"):
+        RunSpec.create(replace(cfg, cost_model=str(other)), tmp_path / "bad", plan=str(path)).check()

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from dynmb.cli.flags import names_factory
 from dynmb.core.config import ModelConfig, model_config
-from dynmb.costmodel.analytic import AnalyticCostModel
 from dynmb.costmodel.base import CostModelLike
-from dynmb.costmodel.loader import load_models, models_record
-from dynmb.costmodel.standin import StandInModelWarning, suppress_stand_in_warnings
+from dynmb.costmodel.loader import STAND_IN, check_plan_models, load_models
+from dynmb.costmodel.standin import suppress_stand_in_warnings
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.types import Plan
 
@@ -47,7 +45,7 @@ def plan_pack_len(plan: Plan) -> int | None:
 
 def model_identity(path: str | None) -> dict[str, Any]:
     """``{"path", "sha256"}`` of a cost- or memory-model file, ``{"kind": "analytic"}`` without one."""
-    if path is None:
+    if path is None or path == STAND_IN:
         return {"kind": "analytic"}
     try:
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -105,8 +103,8 @@ def recorded_model_file(kind: str, flag: str | None, recorded: Any, plan_path: s
                              f"leave --{kind} out to use the plan's")
         return flag
     path = recorded.get("path")
-    if path is None:
-        return None
+    if path is None:                                      # the analytic stand-in: asked for by name
+        return STAND_IN if recorded.get("kind") == STAND_IN and kind == "cost-model" else None
     if not Path(path).is_file() or model_identity(path) != recorded:
         raise ValueError(f"the plan {plan_path} was planned with {kind} {path}, which is missing or has changed "
                          f"since (sha256 {str(recorded.get('sha256'))[:12]}); plan again or pass --{kind}")
@@ -124,28 +122,8 @@ def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str
     cost_file = recorded_model_file("cost-model", getattr(args, "cost_model", None), recorded, plan_path)
     memory_file = recorded_model_file("memory-model", getattr(args, "memory_model", None), plan.meta.get("memory_model"),
                               plan_path)
-    stand_in = cost_file is None and (not isinstance(recorded, dict) or recorded.get("kind") == "analytic")
-    cost = AnalyticCostModel(model, plan.num_stages) if stand_in else cost_file
-    with warnings.catch_warnings():                       # the plan's models: said when it was planned
-        warnings.simplefilter("ignore", StandInModelWarning)
-        with suppress_stand_in_warnings():
-            models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
-    check_recorded_digests(plan, models.cost, models.memory, plan_path)
+    cost = STAND_IN if cost_file is None and not isinstance(recorded, dict) else cost_file   # an older plan
+    with suppress_stand_in_warnings():                    # the plan's models: said when it was planned
+        models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
+    check_plan_models(plan.meta.get("models"), models.cost, models.memory, plan_path)
     return model, models.cost, models.memory
-
-
-def check_recorded_digests(plan: Plan, cost_model: Any, memory_model: Any, plan_path: str) -> None:
-    """ValueError (one line) when the models differ from the digests ``plan`` recorded; nothing for a plan
-    without a record or one planned with a calibrated cost model."""
-    rec = plan.meta.get("models")
-    if not isinstance(rec, dict):
-        return
-    now = models_record(cost_model, memory_model)
-    for kind in ("cost", "memory"):
-        theirs = rec.get(kind) or {}
-        if kind == "cost" and theirs.get("calibrated"):
-            continue
-        if theirs.get("digest") not in (None, now[kind]["digest"]):
-            raise ValueError(f"the plan {plan_path} was planned with a {kind} model of digest "
-                             f"{str(theirs.get('digest'))[:12]}, the one given has {now[kind]['digest'][:12]}; "
-                             f"plan again or pass the {kind} model it was planned with")

@@ -2,7 +2,7 @@
 
 ``load_models(model_cfg, num_stages, cost=, memory=, device=, virtual=)`` resolves, in this order:
 
-- cost model: an object or a JSON path (checked against the model and stages; a ``layout_free`` one,
+- cost model: ``"analytic"`` (``STAND_IN``: the stand-in, asked for); an object or a JSON path (checked against the model and stages; a ``layout_free`` one,
   the analytic and GPU kinds, made for another layer split of the same model, or for the GPUs of a
   ``virtual`` > 1 layout, is rebuilt for this one); else the fit shipped for (model preset, stages,
   device) (``shipped_cost_model_path``: ``data/costmodels/<model>-p<P>-<device>.json``) when it was
@@ -36,9 +36,13 @@ from dynmb.costmodel.standin import warn_stand_ins
 from dynmb.memory.model import MemoryModel, get_memory_model
 
 __all__ = ["PredictionModels", "load_models", "shipped_cost_model_path", "model_digest", "models_record",
-           "refit_version", "is_calibrated"]
+           "refit_version", "is_calibrated", "check_plan_models", "STAND_IN"]
 
 log = logging.getLogger(__name__)
+
+STAND_IN = "analytic"
+"""The cost-model name (``--cost-model analytic``, ``cost="analytic"``) that asks for the analytic stand-in
+even where a fit is shipped (a plan recorded with it is run and simulated with it)."""
 
 SOURCES = ("object", "file", "shipped", "analytic", "stand-in")
 """Where a model of the bundle came from."""
@@ -75,6 +79,23 @@ def models_record(cost_model: Any, memory_model: Any) -> dict[str, Any]:
     return {"cost": {"digest": model_digest(cost_model), "kind": getattr(cost_model, "kind", type(cost_model).__name__),
                      "calibrated": is_calibrated(cost_model), "version": refit_version(cost_model)},
             "memory": {"digest": model_digest(memory_model), "source": str(getattr(memory_model, "source", ""))}}
+
+
+def check_plan_models(recorded: Any, cost_model: Any, memory_model: Any, where: str) -> None:
+    """ValueError (one line naming ``where``, the plan) when the models differ from the digests a plan
+    recorded (``recorded``: its ``meta["models"]``); nothing for a plan without a record, nor for the cost
+    model of a plan made with a calibrated one (a run's: its predictions are made again)."""
+    if not isinstance(recorded, dict):
+        return
+    now = models_record(cost_model, memory_model)
+    for kind in ("cost", "memory"):
+        theirs = recorded.get(kind) or {}
+        if kind == "cost" and theirs.get("calibrated"):
+            continue
+        if theirs.get("digest") not in (None, now[kind]["digest"]):
+            raise ValueError(f"the plan {where} was planned with a {kind} model of digest "
+                             f"{str(theirs.get('digest'))[:12]}, the one given has {now[kind]['digest'][:12]}; "
+                             f"plan again or pass the {kind} model it was planned with")
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,8 @@ def rebuilt_for_layout(cost: Any, cfg: ModelConfig, num_stages: int, chunks_from
 
 def _cost(cost: Any, cfg: ModelConfig, num_stages: int, device: str, chunks_from: int | None
           ) -> tuple[CostModel, str, str | None]:
+    if isinstance(cost, str) and cost == STAND_IN:
+        return AnalyticCostModel(cfg, num_stages), "analytic", None
     cost = rebuilt_for_layout(cost, cfg, num_stages, chunks_from)
     if isinstance(cost, (str, Path)):
         cm = CostModel.load(cost)

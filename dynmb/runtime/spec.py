@@ -64,7 +64,7 @@ from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import RunConfig
 from dynmb.data import TokenFile, check_vocab, load_trace, sample_indices
 from dynmb.memory.model import get_memory_model
-from dynmb.costmodel.loader import PredictionModels, load_models
+from dynmb.costmodel.loader import PredictionModels, check_plan_models, load_models
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.io.results import run_ids_in
 from dynmb.schedule import ScheduleError, from_csv, validate
@@ -223,7 +223,10 @@ class RunSpec:
 
             check_importable(self.model_factory)
             refuse_foreign_head_split(run.model, f"--model {self.model_factory}")
-        self.models(who="dynmb run")            # the one loader: a stand-in is said here, once, not by every rank
+        models = self.models(who="dynmb run")   # the one loader: a stand-in is said here, once, not by every rank
+        if self.plan is not None:                # a plan runs with the models it was made with
+            check_plan_models(Plan.load(self.plan, allow_over_limit=True).meta.get("models"), models.cost,
+                              models.memory, str(self.plan))
         if self.corpus is not None:
             if not Path(self.corpus.path).is_file():
                 raise FileNotFoundError(f"token file {self.corpus.path!r} of corpus {self.corpus.source.name} not found")
