@@ -124,16 +124,19 @@ def _paired(steps: pd.DataFrame, keys: list[str], ctx: list[str], ref: pd.Series
     return pd.DataFrame({"median": g.median(), "lo": g.min(), "hi": g.max()})
 
 
-def _action_ratio(actions: pd.DataFrame | None, steps: pd.DataFrame, keys: list[str]) -> pd.Series | None:
-    """Per configuration, the median measured / predicted seconds of the measured steps' actions (None
-    without an ``actions`` table)."""
+def _prediction_ratios(steps: pd.DataFrame, actions: pd.DataFrame | None, keys: list[str]) -> pd.DataFrame:
+    """Per configuration, the median measured / predicted step time (``step_ratio``) and, with an
+    ``actions`` table, seconds of the measured steps' actions (``action_ratio``)."""
+    out = pd.DataFrame({"step_ratio": (steps["step_s"] / steps["pred_step_s"]).groupby(
+        [steps[k] for k in keys], dropna=False).median()})
     if actions is None or actions.empty or not {"pred_s", "start_s", "end_s"} <= set(actions.columns):
-        return None
+        return out
     acts = actions[actions["pred_s"] > 0]
     ratio = ((acts["end_s"] - acts["start_s"]) / acts["pred_s"]).rename("ratio")
     step_keys = steps.drop_duplicates(["run_id", "step"]).set_index(["run_id", "step"])[keys]
     joined = acts[["run_id", "step"]].join(ratio).join(step_keys, on=["run_id", "step"], how="inner")
-    return joined.groupby(keys, dropna=False)["ratio"].median()
+    out["action_ratio"] = joined.groupby(keys, dropna=False)["ratio"].median()
+    return out
 
 
 def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, *,
@@ -169,10 +172,7 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
         "padding_fraction": 1.0 - g["real_tokens"].sum() / g["computed_tokens"].sum(),
         "num_microbatches": g["num_microbatches"].mean(),
     })
-    out["step_ratio"] = (steps["step_s"] / steps["pred_step_s"]).groupby([steps[k] for k in keys], dropna=False).median()
-    action_ratio = _action_ratio(tables.get("actions"), steps, keys)
-    if action_ratio is not None:
-        out["action_ratio"] = action_ratio
+    out = out.join(_prediction_ratios(steps, tables.get("actions"), keys))
     if "replay_step_s" in steps.columns and steps["replay_step_s"].notna().any():
         replay = pd.to_numeric(steps["replay_step_s"], errors="coerce")
         steps["replay_err"] = (replay - steps["step_s"]).abs() / steps["step_s"]

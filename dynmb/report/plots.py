@@ -49,8 +49,7 @@ def gantt(timeline: pd.DataFrame, path: str, title: str | None = None, *, max_la
     forward / backward (/ weight) boxes coloured per op, the microbatch number in each box wide
     enough to hold it; the white gaps are the bubbles (per-rank bubble fraction on the right).
     Works for simulated and measured timelines alike; ``span_s``: the x axis's seconds (at least the
-    makespan), so that a measured and a predicted chart of one step share one scale. Writes a PNG and
-    returns its path."""
+    makespan: one scale for a step's measured and predicted charts). Writes a PNG, returns its path."""
     import numpy as np
     from matplotlib.patches import Patch
 
@@ -61,8 +60,7 @@ def gantt(timeline: pd.DataFrame, path: str, title: str | None = None, *, max_la
     makespan = float(tl["end_s"].max()) - t0
     ranks = sorted(int(r) for r in tl["rank"].unique())
     nr = len(ranks)
-    span = max(makespan, float(span_s or 0.0))
-    fig_w = 12.0
+    span, fig_w = max(makespan, float(span_s or 0.0)), 12.0
     fig, ax = plt.subplots(figsize=(fig_w, 0.9 + 0.42 * nr))
     multi_stage = tl.groupby("rank")["stage"].nunique().max() > 1
     label_ok = len(tl) <= max_labels
