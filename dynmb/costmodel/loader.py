@@ -50,7 +50,7 @@ SOURCES = ("object", "file", "shipped", "analytic", "stand-in")
 
 def shipped_cost_model_path(model: str, stages: int, device: str = "cpu") -> str | None:
     """The shipped fitted cost model for (model preset, stages) on ``device`` ("cpu"/"cuda"), if any."""
-    p = shipped_dir("costmodels").joinpath(f"{str(model).split(':')[0]}-p{int(stages)}-{device}.json")
+    p = shipped_dir("costmodels").joinpath(f"{model}-p{int(stages)}-{device}.json")
     return str(p) if p.is_file() else None
 
 
