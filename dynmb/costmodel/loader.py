@@ -183,5 +183,5 @@ def load_models(model_cfg: ModelConfig, num_stages: int, *, cost: Any = None, me
         mm, memory_source, memory_path = memory, "object", None
     models = PredictionModels(cm, mm, cost_source, memory_source, cost_path, memory_path)
     if models.stand_ins:
-        warn_stand_ins(model_cfg, int(num_stages), models.stand_ins, who=who)
+        warn_stand_ins(model_cfg, int(num_stages), models.stand_ins, who=who, stacklevel=4)  # at who's caller
     return models

@@ -52,7 +52,8 @@ def reset_stand_in_warnings() -> None:
     _WARNED.clear()
 
 
-def warn_stand_ins(model_cfg: Any, num_stages: int, kinds: Iterable[str], *, who: str = "Planner") -> str | None:
+def warn_stand_ins(model_cfg: Any, num_stages: int, kinds: Iterable[str], *, who: str = "Planner",
+                   stacklevel: int = 3) -> str | None:
     """Warn once per (stand-in, model config, stages) that planning uses ``kinds`` (``cost``,
     ``memory``) and how to fit the real models; returns the message, or None when nothing is new."""
     cfg_key: Any = model_cfg
@@ -76,5 +77,5 @@ def warn_stand_ins(model_cfg: Any, num_stages: int, kinds: Iterable[str], *, who
            f"{' and '.join(_WHAT[k] for k in new)}; plans may run slow or over the memory limit. "
            f"Fit the real ones for your model: {'; '.join(fixes)} (a model of your own: --model pkg.module:factory)")
     log.warning(msg)
-    warnings.warn(msg, StandInModelWarning, stacklevel=3)
+    warnings.warn(msg, StandInModelWarning, stacklevel=stacklevel)
     return msg

@@ -14,7 +14,8 @@ where ``u(plan)`` is the plan's relative uncertainty: the mean, weighted by pred
 relative residual of each of its actions' (op, token bucket) (``plan_uncertainty``). The residuals are
 the online refit's on the job's recent actions (``meta["refit"]["residuals"]``, ``dynmb.costmodel.refit``);
 before any (``dynmb plan``, a run's first step) the fit's held-out MAPE of its chosen form per (stage, op)
-(``meta["form_cv_mape"]``); for a model with neither (the analytic stand-in) ``STAND_IN_REL_ERROR``.
+(``meta["form_cv_mape"]``); a model with neither (the analytic and GPU models of simulated studies) says
+nothing about its error, so its prediction decides (bound 0, the fastest predicted plan).
 
 ``Choice`` is what the plan records (``meta["candidate"]``, ``pred_margin_s``, ``error_bound_s``,
 ``robust_candidate``) and the ``steps`` table carries (``plan_choice_fields``).
@@ -29,12 +30,7 @@ import numpy as np
 
 from dynmb.costmodel.refit import TOKEN_BUCKETS, token_bucket
 
-__all__ = ["Choice", "STAND_IN_REL_ERROR", "plan_uncertainty", "choose_robust", "plan_choice_fields",
-           "CHOICE_FIELDS"]
-
-STAND_IN_REL_ERROR = 0.10
-"""Relative error assumed for a model without residuals of its own (about twice the analytic model's
-documented in-sample error on its development CPU, ``costmodel.analytic``)."""
+__all__ = ["Choice", "plan_uncertainty", "choose_robust", "plan_choice_fields", "CHOICE_FIELDS"]
 
 CHOICE_FIELDS = ("candidate", "pred_margin_s", "error_bound_s", "robust_candidate")
 """The ``Plan.meta`` keys (and ``steps`` columns) of the choice."""
@@ -60,7 +56,7 @@ class Choice:
 def _residuals(cost_model: Any, stage: int, op: str) -> np.ndarray:
     """Relative residual per token bucket of ``op`` on ``stage`` (module doc)."""
     meta = getattr(cost_model, "meta", None) or {}
-    prior = STAND_IN_REL_ERROR
+    prior = 0.0                                     # no measured error: the prediction decides
     cv = (meta.get("form_cv_mape") or {}).get(f"{stage}{op}")
     params = getattr(cost_model, "params", {})
     if cv and (stage, op) in params and params[(stage, op)][0] in cv:
