@@ -37,7 +37,7 @@ from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
 
-__all__ = ["Planner", "PlannedStep", "cost_model_for"]
+__all__ = ["Planner", "PlannedStep"]
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,6 @@ def _model(model: Any) -> tuple[ModelConfig, bool]:
         return model_config(str(model)), False
     factory = load_factory(model) if isinstance(model, str) else as_factory(model)
     return planning_config(factory), not is_family_factory(factory)
-
-
-def cost_model_for(cost_model: str | Path | None, cfg: ModelConfig, num_stages: int, virtual: int = 1,
-                   device: str = "cpu") -> Any:
-    """The cost model of a run of ``cfg`` over ``num_stages`` stages, ``virtual`` per GPU: the one loader's
-    (``dynmb.costmodel.loader.load_models``: the file's, the shipped fit for ``device``, else the stand-in)."""
-    return load_models(cfg, int(num_stages), cost=cost_model, virtual=int(virtual), device=device).cost
 
 
 class Planner:
