@@ -92,7 +92,8 @@ class _Bent(AnalyticCostModel):
 def test_affine_property_holds_for_the_analytic_model():
     cm = AnalyticCostModel(TINY, 2)
     a = affine_costs(cm, np.array([32, 100, 999]), strict=True)
-    alpha, beta, gamma = a["F"]
+    alpha, beta, gamma, delta = a["F"]
+    np.testing.assert_allclose(delta, 0.0, atol=1e-15)          # no packed path in the FLOP count
     s = 100.0
     for b in (1, 4, 9):
         want = cm.stage_costs([b], [s], [b * s * s])["F"][:, 0]
@@ -114,13 +115,23 @@ def test_a_cost_model_that_is_not_affine_is_named(caplog):
     plan.validate(lengths)
 
 
-def test_shipped_fitted_model_breaks_affinity_only_in_attention_work():
+def test_shipped_fitted_model_is_affine_on_each_side_of_the_packed_flag(caplog):
     """The shipped polynomial model's per-token term of packed microbatches (attention work below
-    rows x padded_len^2) is a step, not affine: the check names that point, never the rows one."""
+    rows x padded_len^2) is a step; the packer's form carries it (``delta``), so the check passes, no
+    warning on the default path, and the form reproduces the model at packed and one-document shapes."""
     cfg = ModelConfig.preset("small")
-    cm = get_cost_model(None, cfg, 2)
-    affine_costs(cm, np.array([64, 512]), strict=True)                 # analytic: affine
     from dynmb.planning import default_cost_model_path
     fitted = get_cost_model(default_cost_model_path("small", 2, "cpu"), cfg, 2)
-    with pytest.raises(AffineCostError, match="one without attention work"):
-        affine_costs(fitted, np.array([64, 512]), strict=True)
+    s = np.array([64, 512])
+    with caplog.at_level(logging.WARNING, logger="dynmb.packing.dynamic_setup"):
+        a = affine_costs(fitted, s, strict=True)
+    assert not any("not affine" in r.getMessage() for r in caplog.records)
+    for op in ("F", "B"):
+        alpha, beta, gamma, delta = a[op]
+        assert np.all(delta > 0)
+        for b, work_share in ((4, 1.0), (4, 0.3), (7, 0.05)):
+            work = b * s * s * work_share
+            want = fitted.stage_costs(np.full(2, b), s, work)[op]
+            packed = work_share < 1.0
+            got = alpha + beta * b - gamma * (b * s * s - work) + delta * b * packed
+            np.testing.assert_allclose(got, want, rtol=1e-9)

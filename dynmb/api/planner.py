@@ -4,8 +4,8 @@ A ``Planner`` holds what stays fixed over a training run (model, pipeline depth,
 limit, cost and memory models, schedule kind, shape rounding); ``Planner.plan(lengths)``
 runs one planning step (``dynmb.planning.planner.plan_step``: pack -> reorder -> build
 and validate the schedule -> simulate) and returns a ``PlannedStep``. Cost and memory
-models default to the fitted ones shipped for the model (``default_cost_model_path``) and
-the analytic memory model; pass your own (``dynmb fit`` / ``dynmb memory``) as objects or
+models are resolved by the one loader (``dynmb.costmodel.loader.load_models``: the fitted ones shipped
+for the model, else the stand-ins, said once); pass your own (``dynmb fit`` / ``dynmb memory``) as objects or
 file paths. Every model is checked against the architecture and stage count it was made for.
 
 Example::
@@ -27,20 +27,17 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig, model_config, parse_bytes
-from dynmb.costmodel import get_cost_model
-from dynmb.memory.model import get_memory_model
+from dynmb.costmodel.loader import PredictionModels, load_models, rebuilt_for_layout, shipped_cost_model_path
 from dynmb.core.contract import as_factory, is_factory_spec, is_family_factory, load_factory, planning_config
 from dynmb.core.planspec import PlanSpec
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
-from dynmb.planning.defaults import default_cost_model_path, stand_ins_of, warn_stand_ins
 from dynmb.planning.planner import plan_step
 from dynmb.planning.split_search import SplitSearch
-from dynmb.planning.split_work import layout_cost_model
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
 
-__all__ = ["Planner", "PlannedStep", "cost_model_for"]
+__all__ = ["Planner", "PlannedStep"]
 
 
 @dataclass(frozen=True)
@@ -64,32 +61,6 @@ def _model(model: Any) -> tuple[ModelConfig, bool]:
         return model_config(str(model)), False
     factory = load_factory(model) if isinstance(model, str) else as_factory(model)
     return planning_config(factory), not is_family_factory(factory)
-
-
-def _for_split(cost_model: Any, cfg: ModelConfig, num_stages: int, chunks_from: int | None = None) -> Any:
-    """``cost_model`` (an object or a JSON path) rebuilt for ``cfg``'s layer split when it prices any
-    layout (``CostModel.layout_free``) and was made for another split of the same model; else as given.
-    ``chunks_from``: it was made for that many stages (``virtual="auto"``'s GPUs): rebuilt for ``num_stages``."""
-    cm = layout_cost_model(cost_model)
-    if cm is not None and chunks_from is not None and cm.num_stages == chunks_from != num_stages:
-        cm.check(cfg.with_layout_of(cm.model_cfg), chunks_from)
-        return cm.for_layout(cm.model_cfg.with_layout_of(cfg), num_stages)
-    if cm is None or cm.model_cfg.with_layout_of(cfg) == cm.model_cfg or cm.num_stages != num_stages:
-        return cost_model
-    cm.check(cfg.with_layout_of(cm.model_cfg), num_stages)      # the same model otherwise
-    return cm.for_layout(cm.model_cfg.with_layout_of(cfg), num_stages)
-
-
-def cost_model_for(cost_model: str | Path | None, cfg: ModelConfig, num_stages: int, virtual: int = 1) -> Any:
-    """The cost model of a run of ``cfg`` over ``num_stages`` stages, ``virtual`` per GPU (``dynmb plan`` / ``run``,
-    every rank): the file's (checked; None: the analytic stand-in), or, as the ``Planner`` does (``_for_split``), a
-    layout-free one made for the GPUs or for another split of the same model rebuilt for this layout."""
-    chunks_from = int(num_stages) // int(virtual) if int(virtual) > 1 else None
-    cm = _for_split(cost_model, cfg, int(num_stages), chunks_from)
-    if cm is None or isinstance(cm, (str, Path)):
-        return get_cost_model(cm, cfg, int(num_stages))
-    cm.check(cfg, int(num_stages))
-    return cm
 
 
 class Planner:
@@ -141,7 +112,7 @@ class Planner:
         self.virtual_choice: VirtualChoice | None = None
         """With ``virtual="auto"``: how V was chosen (``dynmb.planning.virtual_search``)."""
         pricing = cost_model if cost_model is not None or (stage_split == "even" and not auto_v) else \
-            default_cost_model_path(self.model_cfg.name, int(num_stages), device)     # the model it will plan with
+            shipped_cost_model_path(self.model_cfg.name, int(num_stages), device)     # the model it will plan with
         search = None if global_batch is None else SplitSearch(spec=self.spec, global_batch=int(global_batch),
                                                                memory_model=memory_model)
         if auto_v:                                 # num_stages: the GPUs; the chosen V's P V chunks from here on
@@ -152,26 +123,18 @@ class Planner:
             gpus, num_stages, virtual = int(num_stages), self.spec.num_stages, v
             if self.virtual_choice.layout is not None:          # resolved by the choice: not again
                 stage_split, self.model_cfg = "even", self.virtual_choice.layout
-                cost_model = _for_split(cost_model, self.model_cfg, int(num_stages), gpus)
+                cost_model = rebuilt_for_layout(cost_model, self.model_cfg, int(num_stages), gpus)
         if stage_split != "even":                  # "even" keeps a split the model config already carries
             self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
                                                  workload=workload, cost_model=pricing, search=search,
                                                  virtual=int(virtual))
-            cost_model = _for_split(cost_model, self.model_cfg, int(num_stages))
-        if cost_model is None or isinstance(cost_model, (str, Path)):
-            path = cost_model if cost_model is not None else default_cost_model_path(
-                self.model_cfg.name, self.num_stages, device)
-            cost_model = get_cost_model(path, self.model_cfg, self.num_stages)
-        else:
-            cost_model.check(self.model_cfg, self.num_stages)
-        if memory_model is None or isinstance(memory_model, (str, Path)):
-            memory_model = get_memory_model(memory_model, self.model_cfg, self.num_stages)
-        else:
-            memory_model.check(self.model_cfg, self.num_stages)
-        # said once: the analytic cost model for any model; the analytic memory model (dynmb's own GPT
-        # stages' bytes) only for a model of the user's own
-        warn_stand_ins(self.model_cfg, self.num_stages, stand_ins_of(cost_model, memory_model if own else None))
-        self.cost_model, self.memory_model = cost_model, memory_model
+            cost_model = rebuilt_for_layout(cost_model, self.model_cfg, int(num_stages))
+        # the one loader: file, shipped fit or stand-in (said once; the analytic memory model is one only
+        # for a model of the user's own)
+        self.models: PredictionModels = load_models(self.model_cfg, self.num_stages, cost=cost_model,
+                                                    memory=memory_model, device=device, own_model=own, who="Planner")
+        """The cost and memory models every ``plan`` uses, with where they came from."""
+        self.cost_model, self.memory_model = self.models.cost, self.models.memory
 
     # the settings, read from the spec
     num_stages = property(lambda self: self.spec.num_stages)

@@ -24,6 +24,7 @@ import importlib
 import logging
 import re
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import NoReturn, Sequence
@@ -112,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(-1 if args.quiet else args.verbosity)
     try:
         _check_text_inputs(args)
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():     # a stand-in model is said by its log line, once, not twice
+            warnings.filterwarnings("ignore", message=r".* with stand-in\(s\): ")    # StandInModelWarning
+            return int(args.func(args) or 0)
     except OSError as e:
         # os.replace(tmp, target) names the temporary file first: the target is the user's path
         name = e.filename2 if e.filename2 is not None else e.filename

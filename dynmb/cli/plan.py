@@ -13,9 +13,8 @@ from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags,
                              with_virtual_choice)
 from dynmb.cli.planfile import plan_meta, plan_pack_len
 from dynmb.core.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
-from dynmb.memory.model import get_memory_model
+from dynmb.costmodel.loader import load_models
 from dynmb.planning import plan_step
-from dynmb.api.planner import cost_model_for
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.planning.virtual_search import describe
 from dynmb.core.types import Plan
@@ -34,6 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                              "step on sample batches of --dataset/--lengths, as Planner(virtual='auto') does (needs "
                              "--global-batch, a layout-free --cost-model and --schedule-kind auto or interleaved; "
                              "else V 1, said once)")
+    parser.add_argument("--reorder", default="auto",
+                        help="microbatch order pass before the plan is written (default auto: each method's own "
+                             "order, as Planner, run and compare plan; none keeps the packer's order)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="which shipped cost model to plan with when --cost-model is not given (default cpu)")
     parser.add_argument("--step", type=nonnegative_int, default=0, help="which global batch of the seed's stream (default 0)")
     parser.add_argument("-o", "--output", default=None, help="plan JSON path")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary")
@@ -43,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 def plan_spec(args: argparse.Namespace, model: ModelConfig) -> PlanSpec:
     """The ``PlanSpec`` of ``dynmb plan``'s flags (one place; its errors name the flag's field)."""
     return PlanSpec(method=args.method, num_stages=args.stages, virtual=int(getattr(args, "virtual", 1) or 1),
-                    schedule_kind=args.schedule_kind,
+                    schedule_kind=args.schedule_kind, reorder=getattr(args, "reorder", None) or "none",
                     memory_limit_bytes=parse_bytes(args.memory_limit), mbs=args.mbs, dp=args.dp,
                     oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
                     recompute=args.recompute, attention=model.attention,
@@ -94,13 +98,14 @@ def run(args: argparse.Namespace) -> int:
     spec = plan_spec(args, model)
     check_plan_spec(spec)                  # what run and compare refuse too, before any batch is read
     rows, batch = load_rows(args, args.step)
+    own = names_factory(args.model)
     warn_own_model_stand_ins(args, model, args.cost_model, args.memory_model, args.stages, "dynmb plan")
+    models = load_models(model, args.stages, cost=args.cost_model, memory=args.memory_model, virtual=spec.virtual,
+                         device=args.device, own_model=own, who="dynmb plan")    # the one loader, as Planner's
     plan, _, _ = plan_step(
-        batch, spec, model_cfg=model, cost_model=cost_model_for(args.cost_model, model, args.stages, spec.virtual),
-        memory_model=get_memory_model(args.memory_model, model, args.stages),
+        batch, spec, model_cfg=model, cost_model=models.cost, memory_model=models.memory,
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step,
-              **plan_meta(model, args.cost_model, args.memory_model,
-                         factory=args.model if names_factory(args.model) else None)},
+              **plan_meta(model, models.cost_path, models.memory_path, factory=args.model if own else None)},
     )
     plan = replace(plan, dataset_ids=tuple(rows.tolist()))   # the trace rows of its sequences
     if args.output:

@@ -23,9 +23,10 @@ from typing import Any
 
 from dynmb.cli.flags import names_factory
 from dynmb.core.config import ModelConfig, model_config
-from dynmb.costmodel import get_cost_model
 from dynmb.costmodel.base import CostModelLike
-from dynmb.memory.model import MemoryModelLike, get_memory_model
+from dynmb.costmodel.loader import STAND_IN, check_plan_models, load_models
+from dynmb.costmodel.standin import suppress_stand_in_warnings
+from dynmb.memory.model import MemoryModelLike
 from dynmb.core.types import Plan
 
 __all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file", "plan_pack_len"]
@@ -44,7 +45,7 @@ def plan_pack_len(plan: Plan) -> int | None:
 
 def model_identity(path: str | None) -> dict[str, Any]:
     """``{"path", "sha256"}`` of a cost- or memory-model file, ``{"kind": "analytic"}`` without one."""
-    if path is None:
+    if path is None or path == STAND_IN:
         return {"kind": "analytic"}
     try:
         digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -102,8 +103,8 @@ def recorded_model_file(kind: str, flag: str | None, recorded: Any, plan_path: s
                              f"leave --{kind} out to use the plan's")
         return flag
     path = recorded.get("path")
-    if path is None:
-        return None
+    if path is None:                                      # the analytic stand-in: asked for by name
+        return STAND_IN if recorded.get("kind") == STAND_IN and kind == "cost-model" else None
     if not Path(path).is_file() or model_identity(path) != recorded:
         raise ValueError(f"the plan {plan_path} was planned with {kind} {path}, which is missing or has changed "
                          f"since (sha256 {str(recorded.get('sha256'))[:12]}); plan again or pass --{kind}")
@@ -112,10 +113,17 @@ def recorded_model_file(kind: str, flag: str | None, recorded: Any, plan_path: s
 
 def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str
                 ) -> tuple[ModelConfig, CostModelLike, MemoryModelLike]:
-    """The model config, cost model and memory model a plan was made with (module docstring)."""
+    """The model config, cost model and memory model a plan was made with (module docstring), through the
+    one loader (``dynmb.costmodel.loader``); a plan that names the stand-in gets the stand-in, and the models
+    loaded must have the digests the plan recorded (``Plan.meta["models"]``) unless it was planned with a
+    calibrated model (a run's): then its predictions are made again with the uncalibrated one."""
     model = plan_model(plan, args, plan_path)
-    cost_file = recorded_model_file("cost-model", getattr(args, "cost_model", None), plan.meta.get("cost_model"), plan_path)
+    recorded = plan.meta.get("cost_model")
+    cost_file = recorded_model_file("cost-model", getattr(args, "cost_model", None), recorded, plan_path)
     memory_file = recorded_model_file("memory-model", getattr(args, "memory_model", None), plan.meta.get("memory_model"),
                               plan_path)
-    return (model, get_cost_model(cost_file, model, plan.num_stages),
-            get_memory_model(memory_file, model, plan.num_stages))
+    cost = STAND_IN if cost_file is None and not isinstance(recorded, dict) else cost_file   # an older plan
+    with suppress_stand_in_warnings():                    # the plan's models: said when it was planned
+        models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
+    check_plan_models(plan.meta.get("models"), models.cost, models.memory, plan_path)
+    return model, models.cost, models.memory

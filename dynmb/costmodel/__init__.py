@@ -21,6 +21,11 @@ Modules, one way up (each imports only those above it):
   shape-dependent efficiencies, for simulated scaling studies).
 - ``registry``: kind -> class, ``get_cost_model``, ``fit_cost_model``,
   ``kfold_error``.
+- ``refit``: the online refit of a poly model's coefficients per (stage, op) from a job's measured
+  actions, the fit as the prior (``job_refit``).
+- ``standin`` and ``loader``: the ONE loader of the cost and memory models of a model, layout and
+  device (``load_models`` -> ``PredictionModels``: file, shipped fit, or the stand-in said once), and
+  what a plan records about them (``models_record``: digests, calibrated, refit version).
 
 Every public name is importable from ``dynmb.costmodel``.
 """
@@ -37,6 +42,8 @@ from dynmb.costmodel.registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model
 from dynmb.costmodel.calibration import (OVERHEAD_MIN_ACTIONS, OVERHEAD_SMALL_S, RECENT_STEPS, SCALE_MIN_PRED_S, CalibrationStep,
                           RuntimeCalibration, job_calibration, runtime_calibration)
 from dynmb.costmodel.samples import noise_floor, point_medians, samples_from_actions, with_attention_work
+from dynmb.costmodel.refit import RefitSettings, job_refit
+from dynmb.costmodel.loader import PredictionModels, load_models, models_record
 
 __all__ = [
     "CostModelLike", "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",
@@ -45,5 +52,6 @@ __all__ = [
     "get_cost_model", "fit_cost_model", "kfold_error",
     "noise_floor", "point_medians", "samples_from_actions", "with_attention_work", "RuntimeCalibration",
     "runtime_calibration", "job_calibration", "CalibrationStep", "SCALE_MIN_PRED_S", "OVERHEAD_SMALL_S",
-    "OVERHEAD_MIN_ACTIONS", "RECENT_STEPS", "nnls_rel",
+    "OVERHEAD_MIN_ACTIONS", "RECENT_STEPS", "nnls_rel", "RefitSettings", "job_refit", "PredictionModels",
+    "load_models", "models_record",
 ]

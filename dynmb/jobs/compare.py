@@ -50,14 +50,13 @@ import pandas as pd
 from dynmb.report.analysis import summarise
 from dynmb.report.compare_table import BUDGET_METHODS, FIXED_SIZE_METHODS, display_summary, format_summary
 from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
-from dynmb.costmodel import get_cost_model
+from dynmb.costmodel.loader import load_models
 from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, sample_batch
-from dynmb.memory.model import get_memory_model
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
 from dynmb.planning.spec_check import uses_pack_len
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
-from dynmb.report.plots import compare_throughput, gantt
+from dynmb.report.plots import compare_throughput, gantt, predicted_timeline
 from dynmb.io.results import load_results, set_run_status, write_table
 from dynmb.packing import METHODS
 from dynmb.runtime.launch import LaunchResult, default_backend_device, launch_job
@@ -68,7 +67,7 @@ __all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "pre
            "FIXED_SIZE_METHODS", "BUDGET_METHODS"]
 
 COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
-           "pred_step_s", "step_s", "pred_err", "replay_err", "gap_to_bound", "gap_to_ideal", "plan_s",
+           "pred_step_s", "step_s", "pred_err", "step_ratio", "action_ratio", "replay_err", "gap_to_bound", "gap_to_ideal", "plan_s",
            "num_microbatches", "mbs", "distinct_shapes", "new_shapes"]
 BUDGET_CANDIDATES = 3
 """The divided budgets run per budget method: those with the smallest predicted step time."""
@@ -260,9 +259,9 @@ def _case_config(settings: CompareSettings, method: str, microbatch_size: int | 
 def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> dict[str, Any]:
     """``plan_step`` arguments of one case, the spec from its ``RunConfig``: what the worker plans with."""
     run = _case_config(settings, method, microbatch_size)
-    return dict(spec=run.plan_spec, model_cfg=run.model,
-                cost_model=get_cost_model(settings.cost_model, run.model, settings.stages),
-                memory_model=get_memory_model(settings.memory_model, run.model, settings.stages))
+    models = load_models(run.model, settings.stages, cost=settings.cost_model, memory=settings.memory_model,
+                         device=run.device, virtual=settings.virtual)         # the one loader, as the ranks'
+    return dict(spec=run.plan_spec, model_cfg=run.model, cost_model=models.cost, memory_model=models.memory)
 
 
 def _token_file(settings: CompareSettings) -> TokenFile | None:
@@ -349,20 +348,26 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
 
 
 def _gantts(job: CompareJob, steps: pd.DataFrame, actions: pd.DataFrame, method: str) -> list[str]:
-    """Measured and predicted timelines of the first measured step of ``method`` (its main case)."""
+    """Measured and predicted timelines of the first measured step of ``method`` (its main case), on one x
+    scale: the predicted one is the plan that ran, its actions at the predictions they were planned with
+    (``predicted_timeline``), titled with the step's recorded ``pred_step_s``."""
     settings, out = job.settings, job.out_dir
     measured = steps[(steps["label"] == method) & (~steps["warmup"].astype(bool))]
     if measured.empty:
         return []
-    run_id, k = measured.iloc[0]["run_id"], int(measured.iloc[0]["step"])
+    row = measured.iloc[0]
+    run_id, k = row["run_id"], int(row["step"])
     timeline = actions[(actions["run_id"] == run_id) & (actions["step"] == k)]
-    paths = [gantt(timeline, str(out / f"gantt_{method}_measured.png"),
-                   title=f"{method}: measured step {k} ({measured.iloc[0]['step_s']:.2f} s)")]
-    batch = sample_batch(_trace_lengths(settings), settings.global_batch, settings.seed, step=k)
-    _, _, sim = plan_step(batch, **_plan_kwargs(settings, method))
-    paths.append(gantt(sim.timeline, str(out / f"gantt_{method}_predicted.png"),
-                       title=f"{method}: predicted step {k} ({sim.makespan_s:.2f} s)"))
-    return paths
+    shapes = timeline.drop_duplicates("mb").sort_values("mb")
+    comm = _plan_kwargs(settings, method)["cost_model"].comm_s(shapes["batch"].to_numpy(), shapes["padded_len"].to_numpy())
+    predicted = predicted_timeline(timeline, comm)
+    span = max(float(timeline["end_s"].max() - timeline["start_s"].min()), float(predicted["end_s"].max()))
+    n = int(row["num_microbatches"])
+    return [gantt(timeline, str(out / f"gantt_{method}_measured.png"), span_s=span,
+                  title=f"{method}: measured step {k} ({row['step_s']:.2f} s, {n} microbatches)"),
+            gantt(predicted, str(out / f"gantt_{method}_predicted.png"), span_s=span,
+                  title=f"{method}: predicted step {k} ({float(row['pred_step_s']):.2f} s as planned, "
+                        f"{n} microbatches)")]
 
 
 def run_compare_job(job: CompareJob, *, quiet: bool = True, progress: bool = True) -> CompareResult:

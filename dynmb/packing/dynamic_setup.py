@@ -6,8 +6,8 @@
 - ``row_caps``: the capacities tried (no packing, up to three powers of two from 2x the median,
   the longest admissible row).
 - ``affine_costs``: every op's time per stage as ``alpha + beta * rows - gamma * (rows * s^2 -
-  work)`` per padded length s, from one cost lookup at three probe points, checked at two
-  more (a warning, or ``AffineCostError`` when strict, names where a cost model breaks the
+  work) + delta * rows * [packed]`` per padded length s, from one cost lookup at four probe points,
+  checked at two more (a warning, or ``AffineCostError`` when strict, names where a cost model breaks the
   affine property the packer relies on).
 - ``SplitSetup``: one row set with its per-row affine costs; scores splits (cut points over its
   rows, longest first): bottleneck time, time-target grid, greedy cuts, costs and shapes.
@@ -109,31 +109,36 @@ AFFINE_TOL = 1e-6
 
 
 def affine_costs(cost_model: CostModelLike, padded: np.ndarray, *,
-                 strict: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per op ``F`` / ``B``: (alpha, beta, gamma)[P, u] with time(b, s, work) = alpha + beta * b
-    - gamma * (b * s^2 - work), from one ``stage_costs`` lookup at (1, s), (2, s), (1, s, 0).
+                 strict: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per op ``F`` / ``B``: (alpha, beta, gamma, delta)[P, u] with time(b, s, work) = alpha + beta * b
+    - gamma * (b * s^2 - work) + delta * b * [packed] per padded length s, where a microbatch is packed
+    when its attention work is below b * s^2 (its document-causal path gathers and scatters the rows,
+    a cost per computed token that one-document rows do not pay: the poly model's ``c4_packed_tok``).
+    From one ``stage_costs`` lookup at (1, s, s^2), (2, s, 2 s^2), (1, s, 0) and (1, s, s^2 / 2).
 
-    The packer scores splits with this form, which holds when the cost model is affine in rows
-    and in attention work at each padded length (the analytic and polynomial models are). The
-    same lookup also evaluates the model at two check points per length, (3, s) and (2, s,
-    work s^2) (two rows, one of them with no attention work); where the fit misses the model by
-    more than ``AFFINE_TOL`` (relative), it logs a warning naming the model, op, stage, point
-    and deviation (``strict``: raises ``AffineCostError``); the packer's estimates are then
-    approximations, and ``dynmb.packing`` still re-costs the chosen plans with the model itself."""
+    The packer scores splits with this form, which holds when the cost model is affine in rows and in
+    attention work on each side of the packed flag (the analytic and polynomial models are). The same
+    lookup also evaluates the model at two check points per length, (3, s, 3 s^2) and the packed
+    (2, s, s^2); where the form misses the model by more than ``AFFINE_TOL`` (relative), it logs a
+    warning naming the model, op, stage, point and deviation (``strict``: raises ``AffineCostError``);
+    the packer's estimates are then approximations, and ``dynmb.packing`` still re-costs the chosen
+    plans with the model itself."""
     u = len(padded)
     s = padded.astype(np.float64)
     ones, s2 = np.ones(u), s * s
-    probes = CostFeatures.of_shapes(np.concatenate([ones, 2 * ones, ones, 3 * ones, 2 * ones]), np.tile(s, 5),
-                                    np.concatenate([s2, 2 * s2, 0 * s2, 3 * s2, s2]))
+    probes = CostFeatures.of_shapes(np.concatenate([ones, 2 * ones, ones, ones, 3 * ones, 2 * ones]), np.tile(s, 6),
+                                    np.concatenate([s2, 2 * s2, 0 * s2, s2 / 2, 3 * s2, s2]))
     cc = probes.costs(cost_model)
     out = {}
     for op in ("F", "B"):
-        one, two, no_attn, three, half = (cc[op][:, k * u:(k + 1) * u] for k in range(5))
+        one, two, no_attn, half_attn, three, packed_two = (cc[op][:, k * u:(k + 1) * u] for k in range(6))
         beta = np.maximum(two - one, 0.0)
-        out[op] = (one - beta, beta, np.maximum(one - no_attn, 0.0) / np.maximum(s2, 1.0))
-        alpha, _, gamma = out[op]
-        for name, b, saving, got in (("3 rows", 3, 0.0, three), ("2 rows, one without attention work", 2, 1.0, half)):
-            fit = alpha + beta * b - gamma * saving * s2
+        gamma = np.maximum(half_attn - no_attn, 0.0) / np.maximum(s2 / 2, 0.5)
+        delta = np.maximum(no_attn + gamma * s2 - one, 0.0)
+        out[op] = (one - beta, beta, gamma, delta)
+        for name, b, saving, packed, got in (("3 rows", 3, 0.0, 0.0, three),
+                                             ("2 packed rows, half the attention work", 2, 1.0, 1.0, packed_two)):
+            fit = one - beta + beta * b - gamma * saving * s2 + delta * b * packed
             dev = np.abs(fit - got) / np.maximum(np.abs(got), 1e-12)
             if dev.max() > AFFINE_TOL:
                 stage, j = (int(x) for x in np.unravel_index(np.argmax(dev), dev.shape))
@@ -170,9 +175,9 @@ class SplitSetup:
                  doc_causal: bool) -> None:
         self.rows, self.doc_causal = rows, doc_causal
         self.used, self.pos = np.unique(length_ix, return_inverse=True)     # distinct padded lengths, row -> index
-        self.fwd = tuple(c[:, self.used] for c in costs["F"])              # (alpha, beta, gamma) of F
+        self.fwd = tuple(c[:, self.used] for c in costs["F"])              # (alpha, beta, gamma, delta) of F
         self.bwd = tuple(c[:, self.used] for c in costs["B"])
-        self.alpha, self.beta, self.gamma = (f + b for f, b in zip(self.fwd, self.bwd))
+        self.alpha, self.beta, self.gamma, self.delta = (f + b for f, b in zip(self.fwd, self.bwd))
         self.bmax = bmax_by_length[length_ix]
         # per start row, the bottleneck time affine in rows, taking every row as packed as the first:
         # rows of one document share their length's line; each packed row has its own (classes)
@@ -183,7 +188,7 @@ class SplitSetup:
         self.row_class[packed] = len(self.used) + np.arange(len(packed))
         p_ix = self.pos[packed]
         self.alpha_cls = np.concatenate([self.alpha, self.alpha[:, p_ix]], axis=1)
-        beta_packed = self.beta[:, p_ix] - self.gamma[:, p_ix] * saving[packed]
+        beta_packed = self.beta[:, p_ix] - self.gamma[:, p_ix] * saving[packed] + self.delta[:, p_ix]
         self.beta_cls = np.maximum(np.concatenate([self.beta, beta_packed], axis=1), 1e-15)
         self.bmax_cls = np.concatenate([bmax_by_length[self.used], bmax_by_length[self.used][p_ix]])
         present = np.zeros(self.alpha_cls.shape[1], dtype=bool)
@@ -197,9 +202,13 @@ class SplitSetup:
 
     def bottleneck(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
         """Bottleneck-stage F + B of the microbatches of rows [start, end) (broadcast)."""
-        p = self.pos[start]
-        saving = self.saving(start, end)
-        return (self.alpha[:, p] + self.beta[:, p] * (end - start) - self.gamma[:, p] * saving).max(axis=0)
+        return self._affine((self.alpha, self.beta, self.gamma, self.delta), start, end).max(axis=0)
+
+    def _affine(self, coef: tuple, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """``alpha + beta * rows - gamma * saving + delta * rows * [packed]`` of the microbatches [start, end)
+        per stage, ``coef`` that form's four arrays (a microbatch is packed when it saves attention work)."""
+        p, rows, saving = self.pos[start], end - start, self.saving(start, end)
+        return coef[0][:, p] + coef[1][:, p] * rows - coef[2][:, p] * saving + coef[3][:, p] * rows * (saving > 0)
 
     def tau_grid(self, num_tau: int) -> np.ndarray:
         """Geometric time targets from one row's to the largest microbatch's bottleneck time, then inf."""
@@ -221,8 +230,7 @@ class SplitSetup:
     def costs(self, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(F, B)[P, m] of the microbatches of the split from the affine costs, in split order."""
         start, end = cuts[:-1], cuts[1:]
-        first, rows, saving = self.pos[start], np.diff(cuts), self.saving(start, end)
-        return tuple(c[0][:, first] + c[1][:, first] * rows - c[2][:, first] * saving for c in (self.fwd, self.bwd))
+        return self._affine(self.fwd, start, end), self._affine(self.bwd, start, end)
 
     def shapes(self, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, padded_len, attention work) of each microbatch of the split, in split order."""

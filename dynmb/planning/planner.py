@@ -16,6 +16,9 @@ Each data-parallel replica is reordered, scheduled and simulated by the helpers 
 With ``slice_fitting="auto"`` each kind's plan is weighed against plans that slice sequences which fit
 (``dynmb.planning.slice_fitting``) and the fastest that fits is that kind's plan.
 
+The plan records the models it was made with (``meta["models"]``: each one's digest, whether the cost
+model was calibrated and its online-refit version; ``dynmb.costmodel.loader.models_record``).
+
 The plan's ``predictions`` are filled from the simulator (``pred_step_s``,
 ``pred_peak_bytes`` per stage, ``mean_bubble``) and the wall time of packing +
 reordering + scheduling (``plan_s``). With data parallelism each replica's
@@ -39,6 +42,7 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel import get_cost_model
+from dynmb.costmodel.loader import models_record
 from dynmb.memory.model import get_memory_model
 from dynmb.packing import pack
 from dynmb.packing.balanced import budget_divisors
@@ -47,6 +51,7 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
+from dynmb.planning.choice import choose_robust
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
@@ -79,8 +84,11 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: M
     memory_model = memory_model or get_memory_model(None, model_cfg, spec.num_stages)
     lengths = np.asarray(lengths, dtype=np.int64)
     if spec.schedule_kind == AUTO:
-        return plan_auto(lengths, spec, model_cfg, cost_model, memory_model, meta)
-    return _plan_checked(lengths, spec, model_cfg, cost_model, memory_model, meta)
+        plan, sched, sim = plan_auto(lengths, spec, model_cfg, cost_model, memory_model, meta)
+    else:
+        plan, sched, sim = _plan_checked(lengths, spec, model_cfg, cost_model, memory_model, meta)
+    # which models made it: every consumer of the plan checks (or, calibrated, re-predicts) against these
+    return replace(plan, meta={**plan.meta, "models": models_record(cost_model, memory_model)}), sched, sim
 
 
 def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> bool:
@@ -129,7 +137,7 @@ def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost
 
 
 FINAL_CHECK = 3
-"""``dynamic``'s plan is checked against ``FINAL_METHODS`` at this many token budgets, those the fast
+"""``dynamic``'s plan is weighed against ``FINAL_METHODS`` at this many token budgets, those the fast
 estimate ranks best for ``balanced`` (``packing.balanced.budget_divisors``)."""
 
 FINAL_METHODS = ("balanced", "token-budget")
@@ -157,34 +165,36 @@ def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, c
 def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
                 memory_model: MemoryModelLike, meta: dict[str, Any] | None,
                 packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
-    """``_plan_kind``, and for ``dynamic`` a final check by the simulator: the packer ranks its
-    candidates by the fast makespan estimate on affine costs, which a cost model that is not affine
-    (the shipped fitted ones) or a long reorder can turn around. So each of ``FINAL_METHODS`` at
-    ``FINAL_CHECK`` budgets is planned whole (packed, in its own order, scheduled, simulated) and kept
-    when it predicts a shorter step that fits; the plan stays ``dynamic``'s (its method and spec) and
-    ``meta["grouping"]`` names the winner (``balanced/d``, ``token-budget/d``), ``plan_s`` counts the
-    whole check."""
+    """``_plan_kind``, and for ``dynamic`` the robust choice (``dynmb.planning.choice``): each of
+    ``FINAL_METHODS`` at ``FINAL_CHECK`` budgets is planned whole (packed, in its own order, scheduled,
+    simulated); the best-predicted that fits is the robust candidate, and the packer's own plan is kept only
+    when it is predicted faster than that by more than the model's residuals on both plans' shapes can
+    resolve. The plan stays ``dynamic``'s (its method and spec); ``meta`` records the choice (``candidate``,
+    ``pred_margin_s``, ``error_bound_s``, ``robust_candidate``; ``grouping`` names a baseline chosen);
+    ``plan_s`` counts the whole choice."""
     t0 = time.perf_counter()
-    best = _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
-    if spec.method != "dynamic" or best[0].slice_groups():
-        return best
+    own = _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
+    if spec.method != "dynamic" or own[0].slice_groups():
+        return own
     try:
         divisors = budget_divisors(lengths, PackContext.from_spec(spec, memory_model), cost_model,
                                    round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK)
     except ValueError:
-        return best
-    chosen = None
+        divisors = []
+    alternatives = {}
     for method, d in itertools.product(FINAL_METHODS, divisors):
         try:
             alt = _plan_kind(lengths, spec.with_(method=method, mbs=d), model_cfg, cost_model, memory_model, meta)
         except ValueError:                              # PackingError: this budget cannot take the batch
             continue
-        if _fits(*alt) and alt[0].predictions["pred_step_s"] < best[0].predictions["pred_step_s"] * (1 - 1e-9):
-            best, chosen = alt, f"{method}/{d}"
-    plan, sched, sim = best
+        if _fits(*alt):
+            alternatives[f"{method}/{d}"] = alt
+    (plan, sched, sim), choice = choose_robust(own if _fits(*own) or not alternatives else None, alternatives,
+                                               cost_model)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
-    grouping = {} if chosen is None else {"grouping": chosen}
-    return replace(plan, method="dynamic", spec=spec, predictions=preds, meta={**plan.meta, **grouping}), sched, sim
+    grouping = {} if choice.candidate == "dynamic" else {"grouping": choice.candidate}
+    return replace(plan, method="dynamic", spec=spec, predictions=preds,
+                   meta={**plan.meta, **grouping, **choice.meta()}), sched, sim
 
 
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,

@@ -66,7 +66,6 @@ from dynmb.memory.model import get_memory_model
 from dynmb.core.model_sizes import UNITS_PER_LAYER
 from dynmb.core.planspec import PlanSpec
 
-from dynmb.planning.defaults import reorder_for
 from dynmb.planning.planner import plan_step
 from dynmb.planning.split_units import CHUNK, HALF, LAYER, as_layers, fine_grid
 from dynmb.planning.split_work import layout_cost_model, workload_lengths
@@ -289,10 +288,10 @@ class SplitSearch:
     @classmethod
     def of(cls, spec_fields: dict[str, Any], global_batch: int, *, seed: int = 0,
            memory_model: Any = None) -> "SplitSearch | None":
-        """The search of ``dynamic`` under the ``PlanSpec`` fields of a run (its reorder setting mapped to
-        dynamic's, ``reorder_for``); None where they cannot make a plan (the run refuses them later)."""
-        fields = {**spec_fields, "method": "dynamic",
-                  "reorder": reorder_for("dynamic", spec_fields.get("reorder", "auto"))}
+        """The search of ``dynamic`` under the ``PlanSpec`` fields of a run (``auto`` reorder kept: ``plan_step``
+        maps it to dynamic's own, or none for a plan with slices); None where they cannot make a plan (the run
+        refuses them later)."""
+        fields = {**spec_fields, "method": "dynamic", "reorder": spec_fields.get("reorder", "auto")}
         try:
             spec = PlanSpec(**fields)
         except ValueError:

@@ -24,6 +24,8 @@ Per configuration (warm-up steps excluded):
 - ``mean_bubble``: median of the per-step mean bubble fraction;
 - ``peak_over_limit``: max over steps and stages of measured peak / limit;
 - ``step_s``, ``pred_step_s``: medians; ``pred_err``: median of |pred - measured| / measured;
+- ``step_ratio``: median measured / predicted step time; ``action_ratio``: median measured / predicted
+  seconds of the steps' actions (with an ``actions`` table): the bias of the predictions a case ran by;
 - ``replay_err``: median of |replay - measured| / measured, ``replay_step_s`` being the
   simulator's step time with the measured action times (the simulator's own error; what
   ``pred_err`` adds to it is the cost model's); absent when no step has a replay;
@@ -122,6 +124,21 @@ def _paired(steps: pd.DataFrame, keys: list[str], ctx: list[str], ref: pd.Series
     return pd.DataFrame({"median": g.median(), "lo": g.min(), "hi": g.max()})
 
 
+def _prediction_ratios(steps: pd.DataFrame, actions: pd.DataFrame | None, keys: list[str]) -> pd.DataFrame:
+    """Per configuration, the median measured / predicted step time (``step_ratio``) and, with an
+    ``actions`` table, seconds of the measured steps' actions (``action_ratio``)."""
+    out = pd.DataFrame({"step_ratio": (steps["step_s"] / steps["pred_step_s"]).groupby(
+        [steps[k] for k in keys], dropna=False).median()})
+    if actions is None or actions.empty or not {"pred_s", "start_s", "end_s"} <= set(actions.columns):
+        return out
+    acts = actions[actions["pred_s"] > 0]
+    ratio = ((acts["end_s"] - acts["start_s"]) / acts["pred_s"]).rename("ratio")
+    step_keys = steps.drop_duplicates(["run_id", "step"]).set_index(["run_id", "step"])[keys]
+    joined = acts[["run_id", "step"]].join(ratio).join(step_keys, on=["run_id", "step"], how="inner")
+    out["action_ratio"] = joined.groupby(keys, dropna=False)["ratio"].median()
+    return out
+
+
 def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, *,
               reference: str = "dynamic", baseline: str = "fixed") -> pd.DataFrame:
     """One row per configuration; see the module docstring."""
@@ -155,6 +172,7 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
         "padding_fraction": 1.0 - g["real_tokens"].sum() / g["computed_tokens"].sum(),
         "num_microbatches": g["num_microbatches"].mean(),
     })
+    out = out.join(_prediction_ratios(steps, tables.get("actions"), keys))
     if "replay_step_s" in steps.columns and steps["replay_step_s"].notna().any():
         replay = pd.to_numeric(steps["replay_step_s"], errors="coerce")
         steps["replay_err"] = (replay - steps["step_s"]).abs() / steps["step_s"]

@@ -55,6 +55,7 @@ def format_summary(summary: pd.DataFrame, reference: str = "dynamic") -> str:
     fmt = {"padding_fraction": ("padding", "{:.3f}"), "mean_bubble": ("bubble", "{:.3f}"),
            "peak_over_limit": ("peak/limit", "{:.3f}"), "pred_step_s": ("pred step s", "{:.2f}"),
            "step_s": ("step s", "{:.2f}"), "pred_err": ("pred err", "{:.1%}"),
+           "step_ratio": ("meas/pred", "{:.2f}"), "action_ratio": ("act meas/pred", "{:.2f}"),
            "replay_err": ("replay err", "{:.1%}"), "gap_to_bound": ("gap bound", "{:.1%}"),
            "gap_to_ideal": ("gap ideal", "{:.1%}"),
            "num_microbatches": ("mbs/step", "{:.1f}"),

@@ -5,25 +5,51 @@ Each function takes tidy pandas tables and writes a PNG; none of them shows a wi
 
 from __future__ import annotations
 
+from typing import Any
+
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from dynmb.costmodel import point_medians  # noqa: E402
 
-__all__: list[str] = ["compare_throughput", "cost_fit", "gantt"]
+__all__: list[str] = ["compare_throughput", "cost_fit", "gantt", "predicted_timeline"]
 
 # --- gantt (schedule helper) ---
 _GANTT_COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
 
 
-def gantt(timeline: pd.DataFrame, path: str, title: str | None = None, *, max_labels: int = 600) -> str:
+def predicted_timeline(actions: pd.DataFrame, comm_s: Any = 0.0) -> pd.DataFrame:
+    """The predicted timeline of the step that ran: its actions (one step, replica 0: rank, stage, op, mb,
+    start_s, pred_s) in the order each rank ran them, simulated with each action's recorded prediction
+    (``pred_s``, what the step was planned with) and ``comm_s`` (scalar or per microbatch) per message.
+    Its microbatches are the step's, so the chart shows the plan that ran, not a plan made again."""
+    from dynmb.core.actions import Action, Schedule
+    from dynmb.timing.simulate import simulate_costs
+
+    acts = actions[actions.get("dp_rank", 0) == 0] if "dp_rank" in actions else actions
+    if acts.empty:
+        raise ValueError("predicted_timeline: no actions")
+    num_stages, num_mb = int(acts["stage"].max()) + 1, int(acts["mb"].max()) + 1
+    ranks = [tuple(Action(int(a.stage), str(a.op), int(a.mb)) for a in g.sort_values("start_s").itertuples())
+             for _, g in acts.groupby("rank")]
+    ops = sorted(set(acts["op"]))
+    costs = {op: np.zeros((num_stages, num_mb)) for op in ops}
+    for a in acts.itertuples():
+        costs[str(a.op)][int(a.stage), int(a.mb)] = float(a.pred_s)
+    return simulate_costs(Schedule(ranks, num_stages, num_mb), costs, comm_s).timeline
+
+
+def gantt(timeline: pd.DataFrame, path: str, title: str | None = None, *, max_labels: int = 600,
+          span_s: float | None = None) -> str:
     """Pipeline Gantt chart of a timeline (rank, stage, op, mb, start_s, end_s): one row per rank,
     forward / backward (/ weight) boxes coloured per op, the microbatch number in each box wide
     enough to hold it; the white gaps are the bubbles (per-rank bubble fraction on the right).
-    Works for simulated and measured timelines alike; writes a PNG and returns its path."""
+    Works for simulated and measured timelines alike; ``span_s``: the x axis's seconds (at least the
+    makespan: one scale for a step's measured and predicted charts). Writes a PNG, returns its path."""
     import numpy as np
     from matplotlib.patches import Patch
 
@@ -34,11 +60,11 @@ def gantt(timeline: pd.DataFrame, path: str, title: str | None = None, *, max_la
     makespan = float(tl["end_s"].max()) - t0
     ranks = sorted(int(r) for r in tl["rank"].unique())
     nr = len(ranks)
-    fig_w = 12.0
+    span, fig_w = max(makespan, float(span_s or 0.0)), 12.0
     fig, ax = plt.subplots(figsize=(fig_w, 0.9 + 0.42 * nr))
     multi_stage = tl.groupby("rank")["stage"].nunique().max() > 1
     label_ok = len(tl) <= max_labels
-    px_per_s = fig_w * 0.8 * 100 / max(makespan, 1e-12)
+    px_per_s = fig_w * 0.8 * 100 / max(span, 1e-12)
     lw = 0.4 if len(tl) <= 5000 else 0.0
     shade = (tl["stage"].to_numpy() // max(1, nr) > 0) if multi_stage else np.zeros(len(tl), dtype=bool)
     for (r, op, later), g in tl.assign(_later=shade).groupby(["rank", "op", "_later"]):
@@ -62,7 +88,7 @@ def gantt(timeline: pd.DataFrame, path: str, title: str | None = None, *, max_la
         ax.text(makespan * 1.005, i, f"bubble {100 * bub:.0f}%", va="center", fontsize=7)
     ax.set_yticks(range(nr), [f"rank {r}" for r in ranks])
     ax.set_ylim(nr - 0.5, -0.5)
-    ax.set_xlim(0, makespan * 1.09)
+    ax.set_xlim(0, span * 1.09)
     ax.set_xlabel("time (s)")
     handles = [Patch(color=_GANTT_COLORS.get(op, "#8172B2"),
                      label={"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}.get(op, op))

@@ -28,6 +28,8 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
+from dynmb.costmodel.loader import refit_version
+from dynmb.planning.choice import plan_choice_fields
 from dynmb.timing.bounds import step_bound_fields
 from dynmb.costmodel import CostModelLike
 from dynmb.io.results import TableWriter, run_info
@@ -179,7 +181,7 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         replay_step_s=None if schedule is None else replay_step_s(
             schedule, plan, [a for r in reports for a in r.actions], cost_model),
         **step_bound_fields(plan, schedule, cost_model, [a for r in reports for a in r.actions], step_s),
-        label=spec.display_label)
+        model_version=refit_version(cost_model), **plan_choice_fields(plan), label=spec.display_label)
 
 
 def schedule_label(spec: RunSpec) -> str:

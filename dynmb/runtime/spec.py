@@ -64,7 +64,7 @@ from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import RunConfig
 from dynmb.data import TokenFile, check_vocab, load_trace, sample_indices
 from dynmb.memory.model import get_memory_model
-from dynmb.api.planner import cost_model_for
+from dynmb.costmodel.loader import PredictionModels, check_plan_models, load_models
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.io.results import run_ids_in
 from dynmb.schedule import ScheduleError, from_csv, validate
@@ -206,17 +206,27 @@ class RunSpec:
             raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
         check_device(run.backend, run.device)
 
+    def models(self, *, who: str = "dynmb run") -> PredictionModels:
+        """The run's cost and memory models, through the one loader (``dynmb.costmodel.loader.load_models``:
+        the run's files, else the fit shipped for its model, stages and device, else the stand-ins)."""
+        run = self.run
+        return load_models(run.model, run.pipeline.num_stages, cost=run.cost_model, memory=self.memory_model,
+                           device=run.device, virtual=run.pipeline.virtual, own_model=self.model_factory is not None,
+                           who=who)
+
     def check(self) -> None:
         """Check what can be checked before torchrun starts (see the module docstring)."""
-        run, pipeline = self.run, self.run.pipeline
+        run = self.run
         self.check_settings()
         if self.model_factory is not None:
             from dynmb.models.contract import check_importable
 
             check_importable(self.model_factory)
             refuse_foreign_head_split(run.model, f"--model {self.model_factory}")
-        cost_model_for(run.cost_model, run.model, pipeline.num_stages, pipeline.virtual)
-        get_memory_model(self.memory_model, run.model, pipeline.num_stages)
+        models = self.models(who="dynmb run")   # the one loader: a stand-in is said here, once, not by every rank
+        if self.plan is not None:                # a plan runs with the models it was made with
+            check_plan_models(Plan.load(self.plan, allow_over_limit=True).meta.get("models"), models.cost,
+                              models.memory, str(self.plan))
         if self.corpus is not None:
             if not Path(self.corpus.path).is_file():
                 raise FileNotFoundError(f"token file {self.corpus.path!r} of corpus {self.corpus.source.name} not found")

@@ -16,10 +16,12 @@ the schedule built for the plan's kind, predictions from this run's cost and mem
 run before its first step (``RunConfig.prewarm``). Runtime calibration (CPU default): every
 measured step is appended to the job's history (``RunState.record``, shared by the runs of a job
 on the same model, stages and cost model), and before each step ``RunState.calibrate`` sets the
-cost model the step is planned and predicted with to the uncalibrated one scaled per stage and
-op, plus a per-action overhead and gap, plus a wait per received message (``costmodel.job_calibration``:
-the run's own bias times the job's recent speed; the job's unexplained receive waits and gaps
-between actions), so a step's predictions use only what ran before it.
+cost model the step is planned and predicted with: a poly model (the shipped or user fit) refit online on
+the job's measured actions (``costmodel.refit``: coefficients per stage and op, the fit as the prior, recent
+steps weighted most), another kind scaled per stage and op plus a per-action overhead
+(``costmodel.job_calibration``); both plus the gap before each action and a wait per received message (the
+job's unexplained receive waits), so a step's predictions use only what ran before it. The cost model is
+resolved once by the one loader (``RunSpec.models``).
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dynmb.costmodel import CalibrationStep, job_calibration
+from dynmb.costmodel import CalibrationStep, CostModel, job_calibration
+from dynmb.costmodel.loader import refit_version
+from dynmb.costmodel.refit import job_refit
 from dynmb.data import load_trace, sample_indices
-from dynmb.memory.model import get_memory_model
+from dynmb.costmodel.standin import suppress_stand_in_warnings
 from dynmb.models.inputs import corpus_tokens
 from dynmb.models import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
-from dynmb.api.planner import cost_model_for
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter
@@ -50,7 +53,7 @@ from dynmb.runtime.topology import Topology, make_process_groups
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Microbatch, Plan, Schedule
 
-__all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed", "plan_lengths"]
+__all__ = ["PlannedBatch", "RunState", "prewarm", "token_seed", "plan_lengths", "planning_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +107,12 @@ class RunState:
         _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
         if not getattr(self.factory, "dynmb_family", False):
             refuse_foreign_head_split(run.model, f"--model {spec.model_factory or type(self.factory).__name__}")
-        self.profile_model = cost_model_for(run.cost_model, run.model, num_stages, run.pipeline.virtual)  # uncalibrated
+        with suppress_stand_in_warnings():           # said once by the launcher (RunSpec.check)
+            self.models = spec.models()
+        self.profile_model = self.models.cost                # uncalibrated: the prior of the online refit
         self.cost_model = self.profile_model                 # what the next step plans with
         self.history = history if history is not None else []   # the job's measured steps, shared
-        self.memory_model = get_memory_model(spec.memory_model, run.model, num_stages)
+        self.memory_model = self.models.memory
         self.fixed = load_plan_files(spec) if spec.plan else None   # (plan, schedule file or None)
         self.corpus = spec.corpus.load() if spec.corpus is not None else None     # real text
         self.trace = None if self.fixed is not None else (
@@ -202,23 +207,35 @@ class RunState:
             self.history.append(CalibrationStep(self.spec.run_id, frame.assign(pred_s=frame["raw_pred_s"], comm_s=comm)))
 
     def calibrate(self) -> None:
-        """Set the cost model the next step is planned and predicted with: the uncalibrated model
-        scaled per stage and op, plus a per-action overhead, fitted on the job's history
-        (``costmodel.job_calibration``). Every rank holds the same history, so all compute the
-        same model."""
-        cal = job_calibration(self.history, self.spec.run_id, self.run.pipeline.num_stages)
-        logger.debug("%s: calibration: scale %s, per action %s, per receive %.1f ms", self.spec.run_id,
-                     ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per)}" for op, per in cal.scale.items()) or "none",
-                     ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.per_action_s.items()) or "none",
-                     1e3 * cal.latency_s)
-        model = self.profile_model.with_scale(cal.scale) if cal.scale else self.profile_model
-        model = model.with_overhead(**cal.per_action_s) if cal.per_action_s else model
-        self.cost_model = model.with_recv_latency(cal.latency_s) if cal.latency_s else model
+        """Set the cost model the next step is planned and predicted with (``planning_model`` of the job's
+        history; every rank holds the same history, so all compute the same model)."""
+        self.cost_model = planning_model(self.profile_model, self.history, self.spec.run_id,
+                                         self.run.pipeline.num_stages)
 
     def close(self) -> None:
         self.meter.close()
         if self.ahead is not None:
             self.ahead.close()
+
+
+def planning_model(profile_model: CostModel, history: list[CalibrationStep], run_id: str,
+                   num_stages: int) -> CostModel:
+    """The cost model run ``run_id``'s next step is planned with, from the job's ``history``: a poly prior
+    refit online on every measured action (``costmodel.refit.job_refit``: coefficients per stage and op,
+    recent steps weighted most) plus the gap before each action; another kind scaled per stage and op plus a
+    per-action overhead (``costmodel.job_calibration``); both plus the wait per received message."""
+    cal = job_calibration(history, run_id, num_stages)
+    refit = job_refit(profile_model, history)
+    if refit is not profile_model:          # the refit's fixed cost holds the per-action overhead
+        model = refit.with_overhead(**cal.gap_s) if cal.gap_s else refit
+        logger.debug("%s: online refit version %d", run_id, refit_version(refit))
+    else:
+        logger.debug("%s: calibration: scale %s, per action %s", run_id,
+                     ", ".join(f"{op} {'/'.join(f'{v:.2f}' for v in per)}" for op, per in cal.scale.items())
+                     or "none", ", ".join(f"{op} {1e3 * v:.1f} ms" for op, v in cal.per_action_s.items()) or "none")
+        model = profile_model.with_scale(cal.scale) if cal.scale else profile_model
+        model = model.with_overhead(**cal.per_action_s) if cal.per_action_s else model
+    return model.with_recv_latency(cal.latency_s) if cal.latency_s else model
 
 
 def prewarm(state: RunState) -> int:
