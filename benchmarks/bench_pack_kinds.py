@@ -39,7 +39,7 @@ def clear_memos() -> None:
     """Forget every packing memo of this checkout (a fresh process would have none)."""
     getattr(balanced, "_KK_MEMO", {}).clear()
     try:
-        from dynmb.packing import dynamic_space
+        from dynmb.packing.dynamic import space as dynamic_space
         dynamic_space.clear()
     except ImportError:                     # a checkout without the dynamic packer's memo
         pass

@@ -9,7 +9,7 @@ so each method gets the same schedule choice. The rule is ``dynmb.planning.plann
 
 - the batch is packed once per ``packing_key`` (kinds of equal key get the same packing, since the
   packers read nothing else of a kind; each auto kind has its own: three packings, whose estimate-free work
-  ``dynmb.packing.dynamic_space`` does once), with ``schedule_kind`` that kind;
+  ``dynmb.packing.dynamic.space`` does once), with ``schedule_kind`` that kind;
 - for each kind, each simulated replica is reordered for that kind (``reorder(..., schedule_kind=kind)``:
   ``search`` judges orders under the kind's own schedule), given the kind's schedule by
   ``dynmb.planning.make_schedule`` (the zero-bubble kinds get the cost model, which prices I and W from

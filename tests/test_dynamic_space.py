@@ -1,5 +1,5 @@
 """Plan time under ``--schedule auto`` (issue 23): the packings of one batch for 1f1b, zb-h1 and zb share
-their estimate-free work (``dynmb.packing.dynamic_space``), and the shortcuts of the ranking pick what
+their estimate-free work (``dynmb.packing.dynamic.space``), and the shortcuts of the ranking pick what
 the full ranking picks where they are exact (baselines ranked in the order they run, baselines skipped
 in ``choose`` by their ranked value, one level loop for pipelines of several sizes, equal microbatches
 extended linearly) or close to it (``zb`` ranked with ``zb-h1``'s estimate). Plans never depend on what
@@ -13,7 +13,9 @@ import pytest
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel import AnalyticCostModel
 from dynmb.memory.model import MemoryModel
-from dynmb.packing import dynamic_rank, dynamic_space, methods, pack
+from dynmb.packing import methods, pack
+from dynmb.packing.dynamic import rank as dynamic_rank
+from dynmb.packing.dynamic import space as dynamic_space
 from dynmb.core.planspec import PlanSpec
 
 TINY = ModelConfig.preset("tiny")

@@ -16,7 +16,7 @@ from dynmb.costmodel import AnalyticCostModel, get_cost_model
 from dynmb.core.features import CostFeatures
 from dynmb.memory.model import MemoryModel
 from dynmb.packing import pack
-from dynmb.packing.dynamic_setup import AFFINE_TOL, AffineCostError, affine_costs
+from dynmb.packing.dynamic.setup import AFFINE_TOL, AffineCostError, affine_costs
 from dynmb.packing.rows import Flat, Group, flat_to_groups, groups_to_flat, merge_groups, split_group
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.types import Microbatch
@@ -104,7 +104,7 @@ def test_a_cost_model_that_is_not_affine_is_named(caplog):
     bent = _Bent(TINY, 2, extra=1e-3)
     with pytest.raises(AffineCostError, match=r"_Bent is not affine .* 3 rows"):
         affine_costs(bent, np.array([64, 128]), strict=True)
-    with caplog.at_level(logging.WARNING, logger="dynmb.packing.dynamic_setup"):
+    with caplog.at_level(logging.WARNING, logger="dynmb.packing.dynamic.setup"):
         affine_costs(bent, np.array([64, 128]))
     assert any("not affine" in r.getMessage() for r in caplog.records)
     assert AFFINE_TOL < 1e-3
@@ -123,7 +123,7 @@ def test_shipped_fitted_model_is_affine_on_each_side_of_the_packed_flag(caplog):
     from dynmb.planning import default_cost_model_path
     fitted = get_cost_model(default_cost_model_path("small", 2, "cpu"), cfg, 2)
     s = np.array([64, 512])
-    with caplog.at_level(logging.WARNING, logger="dynmb.packing.dynamic_setup"):
+    with caplog.at_level(logging.WARNING, logger="dynmb.packing.dynamic.setup"):
         a = affine_costs(fitted, s, strict=True)
     assert not any("not affine" in r.getMessage() for r in caplog.records)
     for op in ("F", "B"):

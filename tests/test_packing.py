@@ -331,7 +331,7 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
     from dataclasses import replace
 
     from dynmb.packing.context import PackContext
-    from dynmb.packing.dynamic import RANK_EXACT, dynamic_groups
+    from dynmb.packing.dynamic.pack import RANK_EXACT, dynamic_groups
 
     cfg = replace(TINY, attention=attention)
     lengths = np.array(short + long_)
@@ -389,7 +389,7 @@ def test_dynamic_weighs_the_tuned_token_budgets(trace):
     from dynmb.packing.balanced import budget_divisors
     from dynmb.packing.context import PackContext
     from dynmb.packing.methods import MethodJob, method_flat
-    from dynmb.packing.dynamic import BALANCED_BUDGETS, dynamic_groups
+    from dynmb.packing.dynamic.pack import BALANCED_BUDGETS, dynamic_groups
 
     mm, cm = MemoryModel.analytic(SMALL, 2), AnalyticCostModel(SMALL, 2)
     lengths = np.minimum(sample_batch(load_trace(trace), 256, 0), SMALL.max_seq_len)

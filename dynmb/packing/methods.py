@@ -30,7 +30,7 @@ from dynmb.costmodel.base import CostModelLike
 
 from dynmb.packing.balanced import balanced_flat
 from dynmb.packing.context import PackContext
-from dynmb.packing.dynamic import dynamic_groups
+from dynmb.packing.dynamic.pack import dynamic_groups
 from dynmb.packing.dynapipe import dynapipe_groups
 from dynmb.packing.fixed import fixed_flat
 from dynmb.packing.packed import packed_rows_flat

@@ -5,7 +5,7 @@ packed, descending and ascending by work (``sum over stages of F + B``, stable),
 dealt alternately to the front and the back: small at both ends) and DynaPipe's cluster search (the
 works in ``k <= 4`` clusters by 1-D k-means from quantile seeds, every permutation of the clusters,
 the original order inside a cluster). The search never ends above its start, so the best of these
-orders bounds what it runs. ``dynmb.packing.dynamic_rank`` weighs its finals by the same orders,
+orders bounds what it runs. ``dynmb.packing.dynamic.rank`` weighs its finals by the same orders,
 so that it chooses among plans as they will be run after the search (and a baseline's plan as
 its own method's reorder, one of these orders, runs it); the reorder pass takes them from here.
 """

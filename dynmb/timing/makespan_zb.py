@@ -89,7 +89,7 @@ largest it tries (``ZB_ALPHAS``; the memory limit may keep it lower)."""
 
 RANK_AS = {"zb": "zb-h1"}
 """The packers rank candidates of a kind estimated as a key here with the value's estimate, and use the kind's
-own only to choose among the finals (``dynmb.packing.dynamic_rank``) and to report the plan's: ``zb``'s level
+own only to choose among the finals (``dynmb.packing.dynamic.rank``) and to report the plan's: ``zb``'s level
 tables are built op by op for every microbatch count (ZB-H1's, 1F1B's window, have a closed form), so ranking
 dozens of candidates by it cost more than the rest of the packing; ZB-H1's estimate orders them alike."""
 

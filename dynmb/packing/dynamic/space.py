@@ -1,4 +1,4 @@
-"""The estimate-free part of a ``dynamic`` packing (``dynmb.packing.dynamic`` steps 1-5), remembered
+"""The estimate-free part of a ``dynamic`` packing (``dynmb.packing.dynamic.pack`` steps 1-5), remembered
 across calls.
 
 ``--schedule auto`` packs a batch once per packing key (``1f1b``, ``zb-h1``, ``zb``): the calls differ only in
@@ -35,8 +35,8 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.packing.context import PackContext
-from dynmb.packing.dynamic_rank import Candidate, RankMemo
-from dynmb.packing.dynamic_setup import RowSet, SplitSetup, affine_costs, row_caps, row_set, split_to_flat
+from dynmb.packing.dynamic.rank import Candidate, RankMemo
+from dynmb.packing.dynamic.setup import RowSet, SplitSetup, affine_costs, row_caps, row_set, split_to_flat
 from dynmb.packing.dynapipe import dynapipe_split
 from dynmb.packing.rows import Flat, Group, flat_to_groups, groups_to_flat, merge_groups, split_group
 
@@ -77,7 +77,7 @@ def _digest(*arrays: np.ndarray) -> bytes:
 
 
 def row_sets(lengths: np.ndarray, round_to: int, top: int) -> list[RowSet]:
-    """Step 1's row sets (``dynmb.packing.dynamic``): no packing, next-fit at ``row_caps``, best-fit rows of
+    """Step 1's row sets (``dynmb.packing.dynamic.pack``): no packing, next-fit at ``row_caps``, best-fit rows of
     ``top`` for batches of <= ``BFD_MAX``; those that packed nothing dropped. Remembered."""
     key = (len(lengths), _digest(lengths), int(round_to), int(top))
     if key in _ROWS:

@@ -18,7 +18,7 @@ Algorithm:
    distinct padded length s): ``alpha_s + beta_s * rows - gamma_s * (rows * s^2 - work)``,
    affine in rows and attention work (exact for the analytic cost model; the polynomial model's
    per-token term of packed microbatches is not affine in attention work, which
-   ``dynamic_setup.affine_costs`` checks at two more points and reports; the final choice is
+   ``setup.affine_costs`` checks at two more points and reports; the final choice is
    re-costed with the model itself, step 7).
 3. Own splits. The size is capped by memory (``bmax``, the per-microbatch budget of
    ``dynmb.packing``) and by a time target tau on the bottleneck stage's F + B. Greedy: each
@@ -66,9 +66,9 @@ Algorithm:
    search starts from (D > 1; ``dynapipe``'s plan after its own cluster search). With D > 1 the plan
    as packed may be estimated slower than another method's (``--reorder none`` runs it so).
 Modules: the row sets, their affine costs and split scoring (steps 1-3) are in
-``dynamic_setup``, the ranking and choice (steps 5-7) in ``dynamic_rank``; this module runs them.
-Steps 1-5 read no makespan estimate: ``dynamic_space`` remembers them (and the rankings, looked-up
-costs and replica assignments, ``dynamic_rank.RankMemo``) across the packings of one batch, so
+``setup``, the ranking and choice (steps 5-7) in ``rank``; this module runs them.
+Steps 1-5 read no makespan estimate: ``space`` remembers them (and the rankings, looked-up
+costs and replica assignments, ``rank.RankMemo``) across the packings of one batch, so
 ``--schedule auto``, which packs a batch once per kind (1f1b, zb-h1, zb), does them once.
 
 Cost: O(n log n) for sorting plus O(n) vectorised work per (R, tau), O(rows) Python steps for
@@ -88,9 +88,9 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
-from dynmb.packing.dynamic_rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
-from dynmb.packing.dynamic_setup import SplitSetup
-from dynmb.packing.dynamic_space import BFD_MAX, SEED_DP_MAX, Space, space_for
+from dynmb.packing.dynamic.rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
+from dynmb.packing.dynamic.setup import SplitSetup
+from dynmb.packing.dynamic.space import BFD_MAX, SEED_DP_MAX, Space, space_for
 from dynmb.packing.rows import Flat, polish_cuts, round_up
 BALANCED_BUDGETS = 3
 """``balanced`` (verl's dynamic batching) is weighed at this many token budgets memory maximum / 2^j,

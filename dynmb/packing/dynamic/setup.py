@@ -1,4 +1,4 @@
-"""Row sets and their affine costs for the ``dynamic`` packer (``dynmb.packing.dynamic``, steps 1-3).
+"""Row sets and their affine costs for the ``dynamic`` packer (``dynmb.packing.dynamic.pack``, steps 1-3).
 
 - ``row_set(lengths, asc, cap, round_to, best_fit)``: the rows of one capacity (None: one
   sequence per row; else sequences longer than cap/2 alone and the rest next-fit in ascending

@@ -1,7 +1,7 @@
-"""Ranking and choosing candidate plans for the ``dynamic`` packer (``dynmb.packing.dynamic``,
+"""Ranking and choosing candidate plans for the ``dynamic`` packer (``dynmb.packing.dynamic.pack``,
 steps 5-7 of its docstring).
 
-``Ranker`` costs, orders and estimates ``Candidate`` plans (built by ``dynmb.packing.dynamic_space``:
+``Ranker`` costs, orders and estimates ``Candidate`` plans (built by ``dynmb.packing.dynamic.space``:
 a split of a row set, its slowest microbatches halved until dp divides their number, or another
 method's plan, balanced over dp as ``dynmb.packing`` balances it) for P stages and dp replicas:
 ``rank`` (each candidate's best estimate over its orders on its probe replicas: ``dynmb.timing.makespan``'s
@@ -31,7 +31,7 @@ from dynmb.timing.makespan_interleaved import fold_chunks
 from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares, ranking_kind
 from dynmb.schedule.kinds import get_kind
-from dynmb.packing.dynamic_setup import SplitSetup
+from dynmb.packing.dynamic.setup import SplitSetup
 from dynmb.packing.orders import best_start_orders, blocked_order, start_orders
 from dynmb.packing.rows import Flat, assign_replicas
 
@@ -54,7 +54,7 @@ CLUSTERED = ("dynapipe",)
 
 @dataclass
 class RankMemo:
-    """What the packings of one batch share (``dynamic_space.Space.memo``), by candidate key: looked-up
+    """What the packings of one batch share (``space.Space.memo``), by candidate key: looked-up
     costs, replica assignments (both from ``stage_costs``, so the same for every kind) and whole ranking
     calls by (estimate, orders, candidate keys) (a value depends on the other candidates of its call:
     the ``RANK_OPS`` budget goes to the best by proxy)."""
@@ -82,7 +82,7 @@ class Candidate:
     comm: np.ndarray | None = None
     value: float = np.inf                   # best estimate found (ranking: on the probe replicas)
     order: str = ""                         # the order that gave it
-    key: tuple | None = None                # its key in ``dynamic_space`` (equal keys: the same plan)
+    key: tuple | None = None                # its key in ``space`` (equal keys: the same plan)
 
 
 class Ranker:
