@@ -70,6 +70,10 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
                              f"slices run on {' or '.join(slice_kinds()) or 'no registered kind'}")
     if (refusal := mbs_refusal(spec)) is not None:
         raise ValueError(refusal)
+    if get_method(spec.method).lockstep and (spec.oversize == "split" or spec.reorder not in ("auto", "none")):
+        flag = "--oversize split" if spec.oversize == "split" else f"--reorder {spec.reorder}"
+        raise ValueError(f"{flag}: {spec.method} runs microbatch i of every replica together in its planned order and "
+                         f"a static-shape engine attends within a row only; use --oversize truncate or drop, --reorder auto")
     if spec.pack_len is not None and not uses_pack_len(spec.method):
         raise ValueError(f"--pack-len {spec.pack_len}: {spec.method} does not build rows of a fixed length "
                          f"(pack_len is the row length of {' and '.join(PACK_LEN_METHODS)}); leave it out")
