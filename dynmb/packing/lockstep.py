@@ -47,7 +47,7 @@ from dynmb.timing.makespan import makespans
 from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares
 
-__all__ = ["LockstepShape", "LockstepLayout", "plan_lockstep", "layout_of_rows", "doc_weights", "balanced_fill",
+__all__ = ["LockstepShape", "LockstepLayout", "plan_lockstep", "layout_of_rows", "layout_of_plan", "doc_weights", "balanced_fill",
            "rebalance", "lockstep_flat", "derived_microbatches", "ORDERS"]
 
 ORDERS = ("packed", "descending", "ascending", "ends")
@@ -213,6 +213,8 @@ def layout_of_rows(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, M: 
     G, D, b = shape.groups, shape.dp, shape.rows_per_mb
     grid = (G, M, D, b)
     K = G * M * D * b
+    if len(rows) and int(rows.max()) >= K:
+        raise PackingError(f"lockstep: {int(rows.max()) + 1} rows do not fit {G} x {M} x {D} x {b} slots")
     attn = np.bincount(rows, weights=np.asarray(lens, dtype=np.float64) ** 2, minlength=K)
     # rows priced alone (one row each): busiest stage F + B, with their own attention work
     c = cost_model.stage_costs(np.ones(K), np.full(K, shape.pack_len), np.maximum(attn, 1.0))
@@ -270,6 +272,8 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
                            f"more than the {K} of {shape.groups} group(s) x {M} microbatches x {shape.dp} "
                            f"replica(s) x {shape.rows_per_mb} row(s)")
     weights = doc_weights(lens, shape.pack_len, cost_model)
+    if every_microbatch:
+        bfd = _fill_empty_rows(bfd, lens, K)
     candidates = [layout_of_rows(bfd, lens, shape, M, cost_model, "packed rows")]
     filled = balanced_fill(lens, weights, K, shape.pack_len)
     if filled is not None:
@@ -282,6 +286,20 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
             raise PackingError(f"lockstep: {len(lens)} document(s) cannot give each of the {slots} microbatches "
                                f"({shape.dp} replica(s) x {M}) one; use fewer replicas or a larger batch")
     return min(candidates, key=lambda lay: lay.step_s)
+
+
+def _fill_empty_rows(rows: np.ndarray, lens: np.ndarray, K: int) -> np.ndarray:
+    """``rows`` with each of the ``K`` rows holding a document where there are enough: every empty row
+    takes the shortest document of the row holding the most (more than one)."""
+    rows = rows.copy()
+    for empty in np.flatnonzero(np.bincount(rows, minlength=K) == 0).tolist():
+        count = np.bincount(rows, minlength=K)
+        donor = int(np.argmax(count))
+        if count[donor] < 2:
+            break
+        docs = np.flatnonzero(rows == donor)
+        rows[docs[np.argmin(lens[docs])]] = empty
+    return rows
 
 
 def rebalance(layout: LockstepLayout, lens: np.ndarray, dims: str, shape: LockstepShape,
@@ -314,6 +332,30 @@ def _pool_rows(coord: np.ndarray, keep: list[int], dims: tuple[int, int, int], b
         mask &= grids[a] == coord[a]
     slots = np.flatnonzero(mask.ravel())
     return (slots[:, None] * b + np.arange(b)[None, :]).ravel()
+
+
+def layout_of_plan(plan: Any, shape: LockstepShape, cost_model: CostModelLike) -> LockstepLayout:
+    """Another method's plan of rows of ``T`` tokens (``packed``) run in lockstep as it stands: replica
+    ``d``'s microbatches in their order, ``M`` (the most any replica has, over ``G``, rounded up) per group,
+    microbatch ``j`` of every replica together; a replica with fewer runs empty rows. Its documents are
+    the plan's sequences (``seq_ids``), at their planned lengths."""
+    D, G, b = plan.dp, shape.groups, shape.rows_per_mb
+    rid = np.asarray(plan.replica_ids)
+    per = np.bincount(rid, minlength=D)
+    M = max(1, -(-int(per.max()) // G))
+    n = int(plan.num_sequences)
+    row_of = np.full(n, -1, dtype=np.int64)
+    lens = np.zeros(n, dtype=np.int64)
+    seen = np.zeros(D, dtype=np.int64)
+    for mb, d in zip(plan.microbatches, rid.tolist()):
+        g, j = divmod(int(seen[d]), M)
+        seen[d] += 1
+        if mb.batch > b:
+            raise ValueError(f"layout_of_plan: a microbatch of {mb.batch} rows, more than rows_per_mb {b}")
+        row_of[mb.seq_ids] = ((g * M + j) * D + d) * b + mb.row_ids
+        lens[mb.seq_ids] = mb.lengths
+    kept = row_of >= 0                                         # dropped sequences are in no row
+    return _priced(row_of[kept], lens[kept], (G, M, D, b), shape, cost_model, {"candidate": plan.method})
 
 
 def lockstep_flat(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelLike) -> tuple[Flat, dict[str, Any]]:
