@@ -39,7 +39,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import dynmb
 from dynmb.api.collate import token_loss_sum
-from dynmb.integrations.static_rows import StaticRowsSettings, StaticStep, static_steps
+from dynmb.integrations.static_rows import StaticRowsSettings, static_steps
 from dynmb.models import synthetic_tokens
 
 VOCAB, D_MODEL, HEADS, LAYERS = 64, 32, 4, 4

@@ -29,8 +29,9 @@ def _plan(lens: np.ndarray, T: int, dp: int, mbs: int) -> dynmb.Plan:
 
 
 def _busy(plan: dynmb.Plan, T: int, mbs: int) -> np.ndarray:
-    """[D, m] bottleneck-stage F + B of every replica's microbatches, priced as the planner prices them."""
-    attn = np.array([max(float(np.sum(mb.lengths.astype(np.float64) ** 2)), 1.0) for mb in plan.microbatches])
+    """[D, m] bottleneck-stage F + B of every replica's microbatches, at the static shape (``mbs`` rows of T)
+    with the attention work dynmb runs (``Microbatch.attention_work``)."""
+    attn = np.array([float(mb.attention_work("auto")) for mb in plan.microbatches])
     c = CM.stage_costs(np.full(len(attn), mbs), np.full(len(attn), T), attn)
     busy = (c["F"] + c["B"]).max(axis=0)
     rid = np.asarray(plan.replica_ids)

@@ -153,9 +153,9 @@ def _step_rows(step: list[SampledMicrobatch], tokens: Sequence[Any],
     for i in range(M):
         if i < len(step):
             tb = collate_padded(tokens, step[i], pad_id=settings.pad_id)
-            parts = (tb.input_ids, tb.position_ids, tb.labels, tb.doc_ids)
+            parts = [tb.input_ids, tb.position_ids, tb.labels, tb.doc_ids]
         else:                                            # an all-pad microbatch: no loss tokens
-            parts = tuple(torch.empty((0, 0), dtype=torch.int64) for _ in range(4))
+            parts = [torch.empty((0, 0), dtype=torch.int64) for _ in range(4)]
         ids, pos, lab, doc = (_pad_rows(x, b, T, v) for x, v in zip(parts, (settings.pad_id, 0, IGNORE_INDEX, -1)))
         yield StaticRowBatch(ids, pos, lab, doc, valid, step[0].global_batch, i)
 

@@ -10,14 +10,18 @@ most ``T`` tokens: the oversize policy ran before):
 
 1. Each document's predicted weight from the one cost lookup: ``stage_costs(1, T, T + s^2)`` minus
    ``stage_costs(1, T, T)``, F + B summed over stages (every row runs the same linear work of ``T``
-   tokens; documents differ by their attention work ``s^2``).
+   tokens; documents differ by their attention work ``s^2``). Attention work as dynmb prices and runs
+   it (``Microbatch.attention_work``, ``auto``): a microbatch of packed rows costs ``sum s^2`` over its
+   documents, one whose rows hold one document each runs causal attention over the whole rows,
+   ``rows x T^2``; so a row's load while filling is the weight of ``T`` while it holds one document.
 2. Rows: ``K = G x M x D x b``; ``M`` derived, when not given, as the fewest whose rows hold the
    best-fit-decreasing packing of the batch (``rows.bfd_rows``).
 3. Candidate rows: (i) the balanced fill -- documents longest first, each into the row of least
    weight among those with room (ties: the lowest row; a heap, rows without room set aside until
    the next document), and (ii) ``packed``'s best-fit-decreasing rows, empty rows added.
-4. Slots: rows sorted by predicted cost; consecutive runs of ``D x b`` rows form a lockstep slot
-   (dealt snake-wise to the ``D`` microbatches), so the rows run together differ least; the slots,
+4. Slots: rows sorted by predicted cost; consecutive runs of ``D x b`` rows form a lockstep slot, so
+   the rows run together differ least, dealt heaviest first to the replicas of least work so far (snake-
+   wise over a slot's ``b`` rounds), so every replica's total stays even too; the slots,
    heaviest first, fill the ``G`` groups ``M`` at a time (similar slots share a pipeline call); each
    group runs its slots in the order (as packed, descending, ascending, small at both ends) of the
    shortest predicted makespan (``dynmb.timing.makespan.makespans`` of the slot maxima).
@@ -109,12 +113,15 @@ def doc_weights(lens: np.ndarray, pack_len: int, cost_model: CostModelLike) -> n
     return np.maximum(total[:-1] - total[-1], 0.0)
 
 
-def balanced_fill(lens: np.ndarray, weights: np.ndarray, num_rows: int, pack_len: int) -> np.ndarray | None:
-    """Row of every document, the rows' weights balanced under ``pack_len`` tokens each (step 3 (i));
-    None when a document finds no row with room."""
+def balanced_fill(lens: np.ndarray, weights: np.ndarray, num_rows: int, pack_len: int,
+                  alone: float = 0.0) -> np.ndarray | None:
+    """Row of every document, the rows' loads balanced under ``pack_len`` tokens each (step 3 (i)): a
+    row's load is its documents' weights, or ``alone`` while it holds one document (step 1); None when
+    a document finds no row with room."""
     order = np.lexsort((np.arange(len(lens)), -np.asarray(weights), -np.asarray(lens)))
     heap = [(0.0, r) for r in range(num_rows)]
     room = [int(pack_len)] * num_rows
+    total, count = [0.0] * num_rows, [0] * num_rows
     row = np.empty(len(lens), dtype=np.int64)
     w = np.asarray(weights, dtype=np.float64).tolist()
     sizes = np.asarray(lens, dtype=np.int64).tolist()
@@ -124,10 +131,12 @@ def balanced_fill(lens: np.ndarray, weights: np.ndarray, num_rows: int, pack_len
             aside.append(heapq.heappop(heap))
         if not heap:
             return None
-        load, r = heapq.heappop(heap)
+        _, r = heapq.heappop(heap)
         row[i] = r
         room[r] -= sizes[i]
-        heapq.heappush(heap, (load + w[i], r))
+        total[r] += w[i]
+        count[r] += 1
+        heapq.heappush(heap, (max(total[r], alone) if count[r] == 1 else total[r], r))
         for item in aside:
             heapq.heappush(heap, item)
     return row
@@ -148,10 +157,19 @@ def _slot_costs(row_of: np.ndarray, lens: np.ndarray, grid: tuple[int, int, int,
     ``sum s^2`` of its rows, at least 1 for an empty one)."""
     G, M, D, b = grid
     slots = G * M * D
-    attn = np.bincount(row_of // b, weights=np.asarray(lens, dtype=np.float64) ** 2, minlength=slots)
-    c = cost_model.stage_costs(np.full(slots, b), np.full(slots, pack_len), np.maximum(attn, 1.0))
+    c = cost_model.stage_costs(np.full(slots, b), np.full(slots, pack_len), _attention(row_of, lens, b, slots, pack_len))
     P = c["F"].shape[0]
     return {op: c[op].reshape(P, G, M, D) for op in ("F", "B")}
+
+
+def _attention(row_of: np.ndarray, lens: np.ndarray, b: int, slots: int, pack_len: int) -> np.ndarray:
+    """Attention work of every microbatch of ``b`` rows (step 1): ``sum s^2`` when it holds more documents
+    than non-empty rows, else its non-empty rows x ``T^2``; 1 for an empty one."""
+    slot = row_of // b
+    docs = np.bincount(slot, minlength=slots)
+    rows = np.bincount(np.unique(row_of) // b, minlength=slots)
+    packed = np.bincount(slot, weights=np.asarray(lens, dtype=np.float64) ** 2, minlength=slots)
+    return np.maximum(np.where(docs > rows, packed, rows * float(pack_len) ** 2), 1.0)
 
 
 def _group_makespans(F: np.ndarray, B: np.ndarray, comm: float, shape: LockstepShape, shares: Any) -> np.ndarray:
@@ -215,19 +233,22 @@ def layout_of_rows(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, M: 
     K = G * M * D * b
     if len(rows) and int(rows.max()) >= K:
         raise PackingError(f"lockstep: {int(rows.max()) + 1} rows do not fit {G} x {M} x {D} x {b} slots")
-    attn = np.bincount(rows, weights=np.asarray(lens, dtype=np.float64) ** 2, minlength=K)
     # rows priced alone (one row each): busiest stage F + B, with their own attention work
-    c = cost_model.stage_costs(np.ones(K), np.full(K, shape.pack_len), np.maximum(attn, 1.0))
+    c = cost_model.stage_costs(np.ones(K), np.full(K, shape.pack_len), _attention(rows, lens, 1, K, shape.pack_len))
     row_cost = (c["F"] + c["B"]).max(axis=0)
     by_cost = np.argsort(-row_cost, kind="stable")            # heaviest first
     sets = by_cost.reshape(G * M, D * b)
-    snake = np.concatenate([np.arange(D) if k % 2 == 0 else np.arange(D)[::-1] for k in range(b)])
     place = np.empty(K, dtype=np.int64)                       # place[row] = global row in the grid
+    load = np.zeros(D)                                        # each replica's work so far
     for k, members in enumerate(sets):
         g, j = divmod(k, M)
-        for q, r in enumerate(members.tolist()):
-            d, rr = snake[q], q // D
-            place[r] = ((g * M + j) * D + d) * b + rr
+        for q, r in enumerate(members.tolist()):              # members heaviest first
+            if q % D == 0:                                    # a round: the least-loaded replicas first,
+                turn = np.argsort(load, kind="stable")        # snake-wise over the rounds
+                turn = turn if (q // D) % 2 == 0 else turn[::-1]
+            d = int(turn[q % D])
+            place[r] = ((g * M + j) * D + d) * b + q // D
+            load[d] += row_cost[r]
     return _ordered(place[rows], lens, grid, shape, cost_model, name)
 
 
@@ -248,11 +269,11 @@ def _ordered(row_of: np.ndarray, lens: np.ndarray, grid: tuple[int, int, int, in
             best = (step, order_name, perms)
     assert best is not None
     new_slot = np.empty((G, M), dtype=np.int64)               # old (g, j) -> new j
-    for g, p in enumerate(best[2]):
-        new_slot[g, p] = np.arange(M)
+    for group, p in enumerate(best[2]):
+        new_slot[group, p] = np.arange(M)
     slot, rest = divmod(row_of, D * b)
-    g, j = divmod(slot, M)
-    moved = (g * M + new_slot[g, j]) * D * b + rest
+    gi, ji = divmod(slot, M)
+    moved = (gi * M + new_slot[gi, ji]) * D * b + rest
     return _priced(moved, lens, grid, shape, cost_model, {"candidate": name, "order": best[1]})
 
 
@@ -275,7 +296,8 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
     if every_microbatch:
         bfd = _fill_empty_rows(bfd, lens, K)
     candidates = [layout_of_rows(bfd, lens, shape, M, cost_model, "packed rows")]
-    filled = balanced_fill(lens, weights, K, shape.pack_len)
+    alone = float(doc_weights(np.array([shape.pack_len]), shape.pack_len, cost_model)[0])
+    filled = balanced_fill(lens, weights, K, shape.pack_len, alone)
     if filled is not None:
         candidates.append(layout_of_rows(filled, lens, shape, M, cost_model, "balanced fill"))
     if every_microbatch:
@@ -290,7 +312,8 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
 
 def _fill_empty_rows(rows: np.ndarray, lens: np.ndarray, K: int) -> np.ndarray:
     """``rows`` with each of the ``K`` rows holding a document where there are enough: every empty row
-    takes the shortest document of the row holding the most (more than one)."""
+    takes the two shortest documents of the row holding the most (one when it holds fewer than four), so
+    neither is left with one document (a row of one runs attention over all of it, step 1)."""
     rows = rows.copy()
     for empty in np.flatnonzero(np.bincount(rows, minlength=K) == 0).tolist():
         count = np.bincount(rows, minlength=K)
@@ -298,7 +321,7 @@ def _fill_empty_rows(rows: np.ndarray, lens: np.ndarray, K: int) -> np.ndarray:
         if count[donor] < 2:
             break
         docs = np.flatnonzero(rows == donor)
-        rows[docs[np.argmin(lens[docs])]] = empty
+        rows[docs[np.argsort(lens[docs], kind="stable")[:2 if count[donor] >= 4 else 1]]] = empty
     return rows
 
 
@@ -310,6 +333,7 @@ def rebalance(layout: LockstepLayout, lens: np.ndarray, dims: str, shape: Lockst
     G, M, D, b = layout.grid
     lens = np.asarray(lens, dtype=np.int64)
     weights = doc_weights(lens, shape.pack_len, cost_model)
+    alone = float(doc_weights(np.array([shape.pack_len]), shape.pack_len, cost_model)[0])
     coords = np.stack(np.unravel_index(layout.row_of // b, (G, M, D)), axis=1)      # [n, 3] (g, j, d)
     keep = [a for a, name in enumerate("GMD") if name not in dims]
     pool_key = np.ravel_multi_index(tuple(coords[:, a] for a in keep), tuple((G, M, D)[a] for a in keep)) \
@@ -318,7 +342,7 @@ def rebalance(layout: LockstepLayout, lens: np.ndarray, dims: str, shape: Lockst
     for key in np.unique(pool_key).tolist():
         docs = np.flatnonzero(pool_key == key)
         pool_rows = _pool_rows(coords[docs[0]], keep, (G, M, D), b)
-        filled = balanced_fill(lens[docs], weights[docs], len(pool_rows), shape.pack_len)
+        filled = balanced_fill(lens[docs], weights[docs], len(pool_rows), shape.pack_len, alone)
         if filled is not None:
             row_of[docs] = pool_rows[filled]
     return _priced(row_of, lens, layout.grid, shape, cost_model, {"candidate": f"rebalanced {dims}"})
