@@ -13,20 +13,25 @@ most ``T`` tokens: the oversize policy ran before):
    tokens; documents differ by their attention work ``s^2``). Attention work as dynmb prices and runs
    it (``Microbatch.attention_work``, ``auto``): a microbatch of packed rows costs ``sum s^2`` over its
    documents, one whose rows hold one document each runs causal attention over the whole rows,
-   ``rows x T^2``; so a row's load while filling is the weight of ``T`` while it holds one document.
+   ``rows x T^2``; so every candidate's rows of one document take a second where one can be had
+   (``pair_lone_documents``).
 2. Rows: ``K = G x M x D x b``; ``M`` derived, when not given, as the fewest whose rows hold the
    best-fit-decreasing packing of the batch (``rows.bfd_rows``).
 3. Candidate rows: (i) the balanced fill -- documents longest first, each into the row of least
-   weight among those with room (ties: the lowest row; a heap, rows without room set aside until
-   the next document), and (ii) ``packed``'s best-fit-decreasing rows, empty rows added.
+   weight among those with room (ties: the lowest row) -- and (ii) ``packed``'s best-fit-decreasing
+   rows, every row left empty given the later half of the row of most documents (as ``pack`` splits
+   ``packed``'s rows) or not; with one row per microbatch, each also dealt as ``pack`` deals
+   ``packed``'s plan (largest first to the replica of least work, ``rows.assign_replicas``).
 4. Slots: rows sorted by predicted cost; consecutive runs of ``D x b`` rows form a lockstep slot, so
    the rows run together differ least, dealt heaviest first to the replicas of least work so far (snake-
    wise over a slot's ``b`` rounds), so every replica's total stays even too; the slots,
    heaviest first, fill the ``G`` groups ``M`` at a time (similar slots share a pipeline call); each
    group runs its slots in the order (as packed, descending, ascending, small at both ends) of the
    shortest predicted makespan (``dynmb.timing.makespan.makespans`` of the slot maxima).
-5. The candidate of the shorter predicted step (the sum of its groups' makespans) is kept, so the
-   plan is never predicted slower than ``packed``'s rows in lockstep order.
+5. The candidate of the shortest predicted step (the sum of its groups' makespans) is kept, so the
+   plan is never predicted slower than ``packed``'s rows in either arrangement; then the pools of one
+   dimension at a time (``POLISH``: M, D, G) are re-filled by the balanced fill (``rebalance``), each
+   kept where it shortens the predicted step.
 
 Balance (``LockstepLayout.report``): per slot, the spread of its ``D`` microbatches' predicted
 bottleneck-stage F + B (``max - min``, seconds and relative to the max), the worst over slots; per
@@ -37,25 +42,26 @@ of one replica's pipeline call; G: the same position in every group) from ``pack
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.packing.context import PackingError
-from dynmb.packing.rows import Flat, bfd_rows
+from dynmb.packing.rows import Flat, assign_replicas, bfd_rows
 from dynmb.schedule.kinds import get_kind
 from dynmb.timing.makespan import makespans
 from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares
 
-__all__ = ["LockstepShape", "LockstepLayout", "plan_lockstep", "layout_of_rows", "layout_of_plan", "doc_weights", "balanced_fill",
-           "rebalance", "lockstep_flat", "derived_microbatches", "ORDERS"]
+__all__ = ["LockstepShape", "LockstepLayout", "plan_lockstep", "layout_of_rows", "layout_of_plan", "layout_dealt", "doc_weights", "balanced_fill",
+           "rebalance", "pair_lone_documents", "lockstep_flat", "derived_microbatches", "ORDERS"]
 
 ORDERS = ("packed", "descending", "ascending", "ends")
 """The slot orders each group is tried in (step 4)."""
+POLISH = ("M", "D", "G")
+"""The dimensions whose pools the kept candidate is re-filled along, one after another (step 5)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,33 +119,39 @@ def doc_weights(lens: np.ndarray, pack_len: int, cost_model: CostModelLike) -> n
     return np.maximum(total[:-1] - total[-1], 0.0)
 
 
-def balanced_fill(lens: np.ndarray, weights: np.ndarray, num_rows: int, pack_len: int,
-                  alone: float = 0.0) -> np.ndarray | None:
-    """Row of every document, the rows' loads balanced under ``pack_len`` tokens each (step 3 (i)): a
-    row's load is its documents' weights, or ``alone`` while it holds one document (step 1); None when
-    a document finds no row with room."""
+def balanced_fill(lens: np.ndarray, weights: np.ndarray, num_rows: int, pack_len: int) -> np.ndarray | None:
+    """Row of every document, the rows' weights balanced under ``pack_len`` tokens each (step 3 (i)), then
+    ``pair_lone_documents``; None when a document finds no row with room. One vectorised scan of the
+    rows per document, O(n K)."""
     order = np.lexsort((np.arange(len(lens)), -np.asarray(weights), -np.asarray(lens)))
-    heap = [(0.0, r) for r in range(num_rows)]
-    room = [int(pack_len)] * num_rows
-    total, count = [0.0] * num_rows, [0] * num_rows
+    room = np.full(num_rows, int(pack_len), dtype=np.int64)
+    load = np.zeros(num_rows)
     row = np.empty(len(lens), dtype=np.int64)
-    w = np.asarray(weights, dtype=np.float64).tolist()
-    sizes = np.asarray(lens, dtype=np.int64).tolist()
+    w = np.asarray(weights, dtype=np.float64)
+    sizes = np.asarray(lens, dtype=np.int64)
     for i in order.tolist():
-        aside = []
-        while heap and room[heap[0][1]] < sizes[i]:
-            aside.append(heapq.heappop(heap))
-        if not heap:
+        r = int(np.argmin(np.where(room >= sizes[i], load, np.inf)))
+        if room[r] < sizes[i]:
             return None
-        _, r = heapq.heappop(heap)
         row[i] = r
         room[r] -= sizes[i]
-        total[r] += w[i]
-        count[r] += 1
-        heapq.heappush(heap, (max(total[r], alone) if count[r] == 1 else total[r], r))
-        for item in aside:
-            heapq.heappush(heap, item)
-    return row
+        load[r] += w[i]
+    return pair_lone_documents(row, sizes, num_rows, pack_len)
+
+
+def pair_lone_documents(rows: np.ndarray, lens: np.ndarray, num_rows: int, pack_len: int) -> np.ndarray:
+    """``rows`` with every row of one document and room given a second one where it can be had: the
+    shortest document that fits, from a row of three or more (a row of one runs attention over all of
+    its ``T`` tokens, step 1; with a second it runs ``sum s^2``)."""
+    rows = rows.copy()
+    lens = np.asarray(lens, dtype=np.int64)
+    for r in np.flatnonzero(np.bincount(rows, minlength=num_rows) == 1).tolist():
+        count = np.bincount(rows, minlength=num_rows)
+        fill = np.bincount(rows, weights=lens, minlength=num_rows)
+        ok = (count[rows] >= 3) & (lens <= pack_len - fill[r])
+        if ok.any():
+            rows[np.flatnonzero(ok)[np.argmin(lens[ok])]] = r
+    return rows
 
 
 def derived_microbatches(lens: np.ndarray, shape: LockstepShape) -> int:
@@ -292,14 +304,15 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
         raise PackingError(f"lockstep: the batch needs {int(bfd.max()) + 1} rows of {shape.pack_len} tokens, "
                            f"more than the {K} of {shape.groups} group(s) x {M} microbatches x {shape.dp} "
                            f"replica(s) x {shape.rows_per_mb} row(s)")
-    weights = doc_weights(lens, shape.pack_len, cost_model)
-    if every_microbatch:
-        bfd = _fill_empty_rows(bfd, lens, K)
-    candidates = [layout_of_rows(bfd, lens, shape, M, cost_model, "packed rows")]
-    alone = float(doc_weights(np.array([shape.pack_len]), shape.pack_len, cost_model)[0])
-    filled = balanced_fill(lens, weights, K, shape.pack_len, alone)
+    row_sets = {"packed rows": pair_lone_documents(bfd, lens, K, shape.pack_len),
+                "packed rows split": pair_lone_documents(_fill_empty_rows(bfd, K), lens, K, shape.pack_len)}
+    filled = balanced_fill(lens, doc_weights(lens, shape.pack_len, cost_model), K, shape.pack_len)
     if filled is not None:
-        candidates.append(layout_of_rows(filled, lens, shape, M, cost_model, "balanced fill"))
+        row_sets["balanced fill"] = filled
+    candidates = [layout_of_rows(rows, lens, shape, M, cost_model, name) for name, rows in row_sets.items()]
+    if shape.rows_per_mb == 1:
+        candidates += [_dealt_by_work(rows, lens, shape, M, cost_model, f"{name} dealt by work")
+                       for name, rows in row_sets.items()]
     if every_microbatch:
         slots = K // shape.rows_per_mb
         candidates = [lay for lay in candidates
@@ -307,13 +320,40 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
         if not candidates:
             raise PackingError(f"lockstep: {len(lens)} document(s) cannot give each of the {slots} microbatches "
                                f"({shape.dp} replica(s) x {M}) one; use fewer replicas or a larger batch")
-    return min(candidates, key=lambda lay: lay.step_s)
+    best = min(candidates, key=lambda lay: lay.step_s)
+    for dims in POLISH:                                  # re-fill one dimension's pools of the best, if faster
+        polished = rebalance(best, lens, dims, shape, cost_model)
+        full = not every_microbatch or len(np.unique(polished.row_of // shape.rows_per_mb)) == K // shape.rows_per_mb
+        if full and polished.step_s < best.step_s:
+            best = replace(polished, report={**polished.report, "candidate": f"{best.report['candidate']}, {dims}"})
+    return best
 
 
-def _fill_empty_rows(rows: np.ndarray, lens: np.ndarray, K: int) -> np.ndarray:
+def _dealt_by_work(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, M: int,
+                   cost_model: CostModelLike, name: str) -> LockstepLayout:
+    """``packed``'s arrangement of ``rows`` (one row per microbatch): dealt largest first to the replica of
+    least work with room (``rows.assign_replicas``, as ``pack`` deals a plan), each replica's in row order."""
+    G, D = shape.groups, shape.dp
+    K = G * M * D
+    used = int(rows.max()) + 1
+    c = cost_model.stage_costs(np.ones(used), np.full(used, shape.pack_len), _attention(rows, lens, 1, used, shape.pack_len))
+    busy = np.append((c["F"] + c["B"]).max(axis=0), np.zeros(-used % D))        # empty rows to a multiple of D
+    order, replica = assign_replicas(busy, D)
+    place = np.empty(len(busy), dtype=np.int64)
+    seen = np.zeros(D, dtype=np.int64)
+    for r, d in zip(order, replica):
+        g, j = divmod(int(seen[d]), M)
+        seen[d] += 1
+        place[r] = (g * M + j) * D + d
+    if place.max() >= K:
+        raise PackingError(f"lockstep: {used} rows do not fit {G} x {M} x {D} slots")
+    return _ordered(place[rows], lens, (G, M, D, 1), shape, cost_model, name)
+
+
+def _fill_empty_rows(rows: np.ndarray, K: int) -> np.ndarray:
     """``rows`` with each of the ``K`` rows holding a document where there are enough: every empty row
-    takes the two shortest documents of the row holding the most (one when it holds fewer than four), so
-    neither is left with one document (a row of one runs attention over all of it, step 1)."""
+    takes the later half (by document index) of the row holding the most, as ``pack`` splits a ``packed``
+    row to give every replica the same count (``rows.split_group``)."""
     rows = rows.copy()
     for empty in np.flatnonzero(np.bincount(rows, minlength=K) == 0).tolist():
         count = np.bincount(rows, minlength=K)
@@ -321,7 +361,7 @@ def _fill_empty_rows(rows: np.ndarray, lens: np.ndarray, K: int) -> np.ndarray:
         if count[donor] < 2:
             break
         docs = np.flatnonzero(rows == donor)
-        rows[docs[np.argsort(lens[docs], kind="stable")[:2 if count[donor] >= 4 else 1]]] = empty
+        rows[docs[len(docs) // 2:]] = empty
     return rows
 
 
@@ -333,7 +373,6 @@ def rebalance(layout: LockstepLayout, lens: np.ndarray, dims: str, shape: Lockst
     G, M, D, b = layout.grid
     lens = np.asarray(lens, dtype=np.int64)
     weights = doc_weights(lens, shape.pack_len, cost_model)
-    alone = float(doc_weights(np.array([shape.pack_len]), shape.pack_len, cost_model)[0])
     coords = np.stack(np.unravel_index(layout.row_of // b, (G, M, D)), axis=1)      # [n, 3] (g, j, d)
     keep = [a for a, name in enumerate("GMD") if name not in dims]
     pool_key = np.ravel_multi_index(tuple(coords[:, a] for a in keep), tuple((G, M, D)[a] for a in keep)) \
@@ -342,7 +381,7 @@ def rebalance(layout: LockstepLayout, lens: np.ndarray, dims: str, shape: Lockst
     for key in np.unique(pool_key).tolist():
         docs = np.flatnonzero(pool_key == key)
         pool_rows = _pool_rows(coords[docs[0]], keep, (G, M, D), b)
-        filled = balanced_fill(lens[docs], weights[docs], len(pool_rows), shape.pack_len, alone)
+        filled = balanced_fill(lens[docs], weights[docs], len(pool_rows), shape.pack_len)
         if filled is not None:
             row_of[docs] = pool_rows[filled]
     return _priced(row_of, lens, layout.grid, shape, cost_model, {"candidate": f"rebalanced {dims}"})
@@ -356,6 +395,19 @@ def _pool_rows(coord: np.ndarray, keep: list[int], dims: tuple[int, int, int], b
         mask &= grids[a] == coord[a]
     slots = np.flatnonzero(mask.ravel())
     return (slots[:, None] * b + np.arange(b)[None, :]).ravel()
+
+
+def layout_dealt(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, cost_model: CostModelLike) -> LockstepLayout:
+    """Rows (row per document) in their order, dealt round-robin to the replicas as a distributed sampler
+    deals them (row k to replica ``k % D``), each replica's in order over ``M`` (the fewest that hold them)
+    per group: what a static-shape data loader does with no planning."""
+    G, D, b = shape.groups, shape.dp, shape.rows_per_mb
+    num_rows = int(rows.max()) + 1
+    M = max(1, -(-num_rows // (D * G * b)))
+    mb, r_in = divmod(rows, b)
+    d, k = mb % D, mb // D
+    g, j = divmod(k, M)
+    return _priced(((g * M + j) * D + d) * b + r_in, lens, (G, M, D, b), shape, cost_model, {"candidate": "dealt"})
 
 
 def layout_of_plan(plan: Any, shape: LockstepShape, cost_model: CostModelLike) -> LockstepLayout:

@@ -10,13 +10,16 @@ at P stages; a step of static rows is the sum over groups of the 1F1B makespan o
 replica (the replicas meet at every microbatch: FSDP collectives), ``dynmb.packing.lockstep``. Memory is not
 checked for (a)-(e) (a static engine picks T to fit). Variants:
 
+(a0) ``stream``: no planning -- next-fit rows in sample order dealt round-robin to the replicas (a
+    distributed sampler over a packed stream; ``layout_dealt``), for reference;
 (a) ``packed``: today's ``packed`` plan for D replicas (``dynmb.packing.pack``), each replica's rows in order,
     M per group (``layout_of_plan``); (b) / (c) / (d): (a) with the rows of one slot across D / of one pipeline
     call across M / of one position across G re-filled by the balanced fill (``rebalance``); (e) ``lockstep``
     (``plan_lockstep``, the same M); (f) ``dynamic``: dynmb's variable-shape plan at an 80 GiB limit, replicas
     independent, one group (its packer's estimate), only up to ``--dynamic-max-tokens``.
 ``ideal_s``: ``dynmb.timing.bounds.ideal_bound`` of the batch (real tokens only, GEMMs saturated, D replicas);
-``gap_x = x / ideal - 1``; ``share_D`` etc. = ``(a - b) / (a - e)``: the part of lockstep's gain one dimension buys.
+``gap_x = x / ideal - 1``; ``share_D`` etc. = ``(a - b) / (a - e)``: the part of lockstep's gain one dimension buys
+(meaningless where ``a - e`` is tiny); ``share0_*``: the same from (a0), each dimension re-filled from the stream layout.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.costmodel import gpu
 from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError, pack
-from dynmb.packing.lockstep import LockstepShape, layout_of_plan, plan_lockstep, rebalance
+from dynmb.packing.lockstep import LockstepShape, layout_dealt, layout_of_plan, plan_lockstep, rebalance
+from dynmb.packing.rows import next_fit_rows
 from dynmb.timing.bounds import ideal_bound
 
 
@@ -79,10 +83,12 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
     shape = LockstepShape(pack_len=T, dp=D, groups=G)
     a = layout_of_plan(pack(lens, spec, memory_model=mm, cost_model=cm), shape, cm)
     M_a = a.grid[1]
+    a0 = layout_dealt(next_fit_rows(lens, T), lens, shape, cm)
     row = {"trace": trace_name, "model": model, "P": P, "D": D, "T": T, "G": G, "M": M_a, "docs": len(lens),
-           "tokens": int(lens.sum()), "a_packed_s": a.step_s}
+           "tokens": int(lens.sum()), "a_packed_s": a.step_s, "a0_stream_s": a0.step_s}
     for dims, key in (("D", "b_D_s"), ("M", "c_M_s"), ("G", "d_G_s")):
         row[key] = rebalance(a, lens, dims, shape, cm).step_s
+        row[f"{key[:-2]}_from_stream_s"] = rebalance(a0, lens, dims, shape, cm).step_s
     e = plan_lockstep(lens, replace(shape, microbatches=M_a), cm)
     row.update(e_lockstep_s=e.step_s, e_candidate=e.report["candidate"], e_replica_spread=e.report["replica_spread"],
                a_replica_spread=a.report["replica_spread"])
@@ -96,11 +102,14 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
             row["f_error"] = str(err)[:80]
     row["ideal_s"] = ideal_bound(lens, saturated(cm), dp=D)
     gain = row["a_packed_s"] - row["e_lockstep_s"]
-    for x in ("a_packed", "b_D", "c_M", "d_G", "e_lockstep", "f_dynamic"):
+    for x in ("a0_stream", "a_packed", "b_D", "c_M", "d_G", "e_lockstep", "f_dynamic"):
         row[f"gap_{x}"] = row[f"{x}_s"] / row["ideal_s"] - 1
-    for x, key in (("D", "b_D_s"), ("M", "c_M_s"), ("G", "d_G_s")):
-        row[f"share_{x}"] = (row["a_packed_s"] - row[key]) / gain if gain > 0 else np.nan
+    gain0 = row["a0_stream_s"] - row["e_lockstep_s"]
+    for x, key in (("D", "b_D"), ("M", "c_M"), ("G", "d_G")):
+        row[f"share_{x}"] = (row["a_packed_s"] - row[f"{key}_s"]) / gain if gain > 0 else np.nan
+        row[f"share0_{x}"] = (row["a0_stream_s"] - row[f"{key}_from_stream_s"]) / gain0 if gain0 > 0 else np.nan
     row["e_vs_a"] = row["e_lockstep_s"] / row["a_packed_s"]
+    row["e_vs_a0"] = row["e_lockstep_s"] / row["a0_stream_s"]
     row["f_vs_a"] = row["f_dynamic_s"] / row["a_packed_s"]
     row["cpu_s"] = time.process_time() - t0
     return row
@@ -130,11 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     df = pd.DataFrame(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out / "lockstep.csv", index=False)
-    cols = ["trace", "model", "P", "D", "T", "M", "gap_a_packed", "gap_b_D", "gap_c_M", "gap_d_G", "gap_e_lockstep",
-            "gap_f_dynamic", "e_vs_a", "share_D", "share_M", "share_G"]
+    cols = ["trace", "model", "P", "D", "T", "M", "gap_a0_stream", "gap_a_packed", "gap_b_D", "gap_c_M", "gap_d_G", "gap_e_lockstep",
+            "gap_f_dynamic", "e_vs_a", "share_D", "share_M", "share_G", "e_vs_a0", "share0_D", "share0_M", "share0_G"]
     print(markdown(df[cols]))
     print(f"\ne never slower than a: {bool((df.e_vs_a <= 1 + 1e-12).all())}; median e/a {df.e_vs_a.median():.3f}; "
-          f"median shares D {df.share_D.median():.2f} M {df.share_M.median():.2f} G {df.share_G.median():.2f}")
+          f"median shares D {df.share_D.median():.2f} M {df.share_M.median():.2f} G {df.share_G.median():.2f}\n"
+          f"e never slower than a0: {bool((df.e_vs_a0 <= 1 + 1e-12).all())}; median e/a0 {df.e_vs_a0.median():.3f}; "
+          f"median shares from a0: D {df.share0_D.median():.2f} M {df.share0_M.median():.2f} "
+          f"G {df.share0_G.median():.2f}; median f/a {df.f_vs_a.median():.3f}")
     return 0
 
 
