@@ -117,7 +117,8 @@ def test_refusals_name_the_flag():
     with pytest.raises(ValueError, match="--oversize split"):
         check_plan_spec(PlanSpec(method="lockstep", pack_len=64, oversize="split"))
     with pytest.raises(ValueError, match="--reorder search"):
-        check_plan_spec(PlanSpec(method="lockstep", pack_len=64, reorder="search"))
+        check_plan_spec(PlanSpec(method="lockstep", pack_len=64, reorder="search", dp=2))
+    check_plan_spec(PlanSpec(method="lockstep", pack_len=64, reorder="search"))     # one replica: any order
     with pytest.raises(PackingError, match="more than the"):
         plan_lockstep(np.full(10, 60), LockstepShape(pack_len=64, dp=2, microbatches=2), CM)
 

@@ -19,7 +19,10 @@ numbers and the fixed option sets; this adds what needs a registry (no batch, no
 5. ``pack_len`` only for the methods that build rows of it (``PACK_LEN_METHODS``: ``packed``);
    every other method would ignore it;
 6. with a memory model: ``packed``'s ``pack_len`` is at most the longest row that fits
-   (``slicing.longest_row``, the packer's own check, which raises ``PackingError`` naming both).
+   (``slicing.longest_row``, the packer's own check, which raises ``PackingError`` naming both);
+7. a method whose replicas run in lockstep (``MethodRecord.lockstep``: ``lockstep``) takes no ``split``
+   (a static-shape engine attends within a row) and, with ``dp`` > 1, no reorder pass (it would reorder
+   each replica alone).
 
 Each refusal is a ``ValueError`` of one line naming the flag (``--schedule``, ``--virtual``, ...).
 """
@@ -70,7 +73,7 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
                              f"slices run on {' or '.join(slice_kinds()) or 'no registered kind'}")
     if (refusal := mbs_refusal(spec)) is not None:
         raise ValueError(refusal)
-    if get_method(spec.method).lockstep and (spec.oversize == "split" or spec.reorder not in ("auto", "none")):
+    if get_method(spec.method).lockstep and (spec.oversize == "split" or spec.dp > 1 and spec.reorder not in ("auto", "none")):
         flag = "--oversize split" if spec.oversize == "split" else f"--reorder {spec.reorder}"
         raise ValueError(f"{flag}: {spec.method} runs microbatch i of every replica together in its planned order and "
                          f"a static-shape engine attends within a row only; use --oversize truncate or drop, --reorder auto")
