@@ -119,6 +119,9 @@ def test_refusals_name_the_flag():
     with pytest.raises(ValueError, match="--reorder search"):
         check_plan_spec(PlanSpec(method="lockstep", pack_len=64, reorder="search", dp=2))
     check_plan_spec(PlanSpec(method="lockstep", pack_len=64, reorder="search"))     # one replica: any order
+    planner = dynmb.Planner(model=CFG, num_stages=P, memory_limit="2GiB", dp=2, pack_len=64)
+    with pytest.raises(ValueError, match="--reorder search"):                      # the API path refuses too
+        planner.plan(np.full(20, 30), method="lockstep", reorder="search")
     with pytest.raises(PackingError, match="more than the"):
         plan_lockstep(np.full(10, 60), LockstepShape(pack_len=64, dp=2, microbatches=2), CM)
 
