@@ -163,7 +163,8 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
     ``model``: the model trained: a ``ModelConfig``, a ``--model`` spec (``package.module:factory``
     too) or a ``StageFactory`` (its ``config`` sizes the stand-in models, its ``attention_work``
     sets the cost model's attention feature; see ``Planner``); ``cost_model`` / ``memory_model``: its fitted models (objects or JSON
-    paths). Extra keyword arguments (``schedule``, ``round_to``, ``oversize``, ``pack_len``,
+    paths). ``mbs``: rows per microbatch of the methods that take it. Extra keyword arguments (``schedule``,
+    ``round_to``, ``oversize``, ``pack_len``,
     ``virtual``, ``recompute``, ``device``, ``stage_split``) go to the ``Planner``; ``stage_split="auto"``
     balances the dataset's ``lengths`` (the ``Planner``'s ``workload``)."""
 
@@ -186,6 +187,7 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
             raise ValueError("DynamicBatchSampler: oversize='split' puts slices of one document in different "
                              "microbatches, which only dynmb's runtime attends across; use 'error', 'truncate' or 'drop'")
         self.global_batch, self.method = int(global_batch), method
+        self.mbs = planner_kwargs.pop("mbs", None)        # rows per microbatch (fixed, sorted, packed, lockstep)
         self.num_replicas, self.rank = int(num_replicas), int(rank)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         if n < self.num_replicas:
@@ -229,7 +231,7 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
 
     def _plan(self, k: int, batch: np.ndarray) -> Plan:
         try:
-            return self.planner.plan(self.lengths[batch], method=self.method,
+            return self.planner.plan(self.lengths[batch], method=self.method, mbs=self.mbs,
                                      meta={"epoch": self.epoch, "global_batch_index": k}).plan
         except PackingError as e:
             raise PackingError(f"DynamicBatchSampler (epoch {self.epoch}, global batch {k}): "

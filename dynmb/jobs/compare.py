@@ -71,7 +71,7 @@ COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", 
            "num_microbatches", "mbs", "distinct_shapes", "new_shapes"]
 BUDGET_CANDIDATES = 3
 """The divided budgets run per budget method: those with the smallest predicted step time."""
-ALL_METHODS = ("fixed", "sorted", "packed", "token-budget", "balanced", "dynapipe", "dynamic")
+ALL_METHODS = ("fixed", "sorted", "packed", "token-budget", "balanced", "lockstep", "dynapipe", "dynamic")
 
 
 @dataclass(frozen=True, kw_only=True)

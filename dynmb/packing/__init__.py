@@ -39,6 +39,8 @@ Methods (``METHODS``), one module per family:
 - ``balanced`` (``balanced``): verl's dynamic batching, ceil(tokens / budget) packed rows
   balanced by Karmarkar-Karp over the workload, small ones at both ends, split when over the limit
   (``mbs`` divides the budget of ``token-budget`` and ``balanced``).
+- ``lockstep`` (``lockstep``): rows of ``pack_len`` for engines with static shapes, balanced across the
+  rows the replicas run together and the pipeline's microbatches, replica-major.
 - ``dynapipe`` (``dynapipe``): DynaPipe's DP over the rounded lengths.
 - ``dynamic`` (``dynamic``): this project's method.
 

@@ -228,7 +228,9 @@ def _estimate(microbatches: list[Microbatch], features: CostFeatures, cost_model
     replicas = [np.arange(len(microbatches))]
     if dp > 1:
         busy = (cost["F"] + cost["B"]).max(axis=0)
-        perm, replica_ids = assign_replicas(busy, dp)
+        m = len(microbatches)              # a lockstep method's plan is replica-major already: kept
+        perm, replica_ids = ((list(range(m)), [j * dp // m for j in range(m)]) if get_method(spec.method).lockstep
+                             else assign_replicas(busy, dp))
         microbatches = [microbatches[j] for j in perm]
         shapes, comm_s = shapes[perm], comm_s[perm]
         cost = {op: v[:, perm] for op, v in cost.items()}

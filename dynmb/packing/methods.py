@@ -14,7 +14,10 @@ A record (``MethodRecord``) holds:
 - ``pack_len_rows``: its rows are ``pack_len`` long (``packed``), so the row-length cap is the
   pack length instead of the longest admissible one-row length;
 - ``takes_dp``: it balances its own microbatches over the data-parallel replicas (``balanced``,
-  ``dynamic``); the others get ``dp = 1`` and ``pack`` balances their plan afterwards.
+  ``dynamic``); the others get ``dp = 1`` and ``pack`` balances their plan afterwards;
+- ``lockstep``: its microbatches come replica-major, every replica the same number, microbatch i of
+  every replica run together (``lockstep``): ``pack`` keeps that order and assignment, and the planner
+  runs it in that order (no reorder pass, no slices).
 
 A new method is one ``register_method`` call (``docs/design.md``, "A packing method").
 """
@@ -33,6 +36,7 @@ from dynmb.packing.context import PackContext
 from dynmb.packing.dynamic.pack import dynamic_groups
 from dynmb.packing.dynapipe import dynapipe_groups
 from dynmb.packing.fixed import fixed_flat
+from dynmb.packing.lockstep import LockstepShape, lockstep_flat
 from dynmb.packing.packed import packed_rows_flat
 from dynmb.packing.rows import Flat, groups_to_flat
 from dynmb.packing.token_budget import token_budget_flat
@@ -64,6 +68,7 @@ class MethodRecord:
     mbs: str | None = None
     pack_len_rows: bool = False
     takes_dp: bool = False
+    lockstep: bool = False
 
 
 _REGISTRY: dict[str, MethodRecord] = {}
@@ -136,11 +141,18 @@ def _dynamic(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
     return out, {}
 
 
+def _lockstep(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+    shape = LockstepShape(pack_len=job.len_cap, dp=job.dp, rows_per_mb=job.mbs or 1, kind=job.ctx.kind,
+                          virtual=job.ctx.virtual)
+    return lockstep_flat(job.lens, shape, job.cost_model)
+
+
 for _record in (MethodRecord("fixed", _fixed("fixed"), mbs="rows"),
                 MethodRecord("sorted", _fixed("sorted"), mbs="rows"),
                 MethodRecord("packed", _packed, mbs="rows", pack_len_rows=True),
                 MethodRecord("token-budget", _token_budget, mbs="budget divisor"),
                 MethodRecord("dynapipe", _dynapipe),
                 MethodRecord("dynamic", _dynamic, takes_dp=True),
-                MethodRecord("balanced", _balanced, mbs="budget divisor", takes_dp=True)):
+                MethodRecord("balanced", _balanced, mbs="budget divisor", takes_dp=True),
+                MethodRecord("lockstep", _lockstep, mbs="rows", pack_len_rows=True, takes_dp=True, lockstep=True)):
     register_method(_record)

@@ -57,6 +57,7 @@ from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
 from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.slicing import longest_row, plan_split
+from dynmb.planning.spec_check import lockstep_refusal
 
 __all__ = ["plan_step", "plan_auto", "make_schedule"]
 
@@ -80,6 +81,8 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: M
         spec = PlanSpec(**legacy)
     elif legacy:
         raise TypeError(f"pass the settings in the PlanSpec, not as keywords too: {sorted(legacy)}")
+    if (refusal := lockstep_refusal(spec)) is not None:
+        raise ValueError(refusal)
     cost_model = cost_model or get_cost_model(None, model_cfg, spec.num_stages)
     memory_model = memory_model or get_memory_model(None, model_cfg, spec.num_stages)
     lengths = np.asarray(lengths, dtype=np.int64)

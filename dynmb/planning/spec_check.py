@@ -19,7 +19,10 @@ numbers and the fixed option sets; this adds what needs a registry (no batch, no
 5. ``pack_len`` only for the methods that build rows of it (``PACK_LEN_METHODS``: ``packed``);
    every other method would ignore it;
 6. with a memory model: ``packed``'s ``pack_len`` is at most the longest row that fits
-   (``slicing.longest_row``, the packer's own check, which raises ``PackingError`` naming both).
+   (``slicing.longest_row``, the packer's own check, which raises ``PackingError`` naming both);
+7. a method whose replicas run in lockstep (``MethodRecord.lockstep``: ``lockstep``) takes no ``split``
+   (a static-shape engine attends within a row) and, with ``dp`` > 1, no reorder pass (it would reorder
+   each replica alone).
 
 Each refusal is a ``ValueError`` of one line naming the flag (``--schedule``, ``--virtual``, ...).
 """
@@ -34,7 +37,7 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, kind_names, is_schedule_name, slice_kinds
 from dynmb.planning.reorder import REORDER_METHODS
 
-__all__ = ["check_plan_spec", "MBS_METHODS", "PACK_LEN_METHODS", "uses_pack_len"]
+__all__ = ["check_plan_spec", "lockstep_refusal", "MBS_METHODS", "PACK_LEN_METHODS", "uses_pack_len"]
 
 PACK_LEN_METHODS = tuple(m for m in method_names() if get_method(m).pack_len_rows)
 """Methods that build rows of ``pack_len`` tokens (the registry's ``MethodRecord.pack_len_rows``)."""
@@ -47,6 +50,16 @@ def uses_pack_len(method: str) -> bool:
 
 def _kinds_taking_virtual() -> list[str]:
     return [k for k in kind_names() if get_kind(k).virtual_stages]
+
+
+def lockstep_refusal(spec: PlanSpec) -> str | None:
+    """The one-line refusal of item 7 (also checked by ``planning.planner.plan_step``, the API's path), else None."""
+    if not get_method(spec.method).lockstep or not (spec.oversize == "split" or
+                                                    spec.dp > 1 and spec.reorder not in ("auto", "none")):
+        return None
+    flag = "--oversize split" if spec.oversize == "split" else f"--reorder {spec.reorder}"
+    return (f"{flag}: {spec.method} runs microbatch i of every replica together in its planned order and "
+            f"a static-shape engine attends within a row only; use --oversize truncate or drop, --reorder auto")
 
 
 def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
@@ -69,6 +82,8 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
             raise ValueError(f"--oversize split: the {kind} schedule{among} cannot run slices of long sequences; "
                              f"slices run on {' or '.join(slice_kinds()) or 'no registered kind'}")
     if (refusal := mbs_refusal(spec)) is not None:
+        raise ValueError(refusal)
+    if (refusal := lockstep_refusal(spec)) is not None:
         raise ValueError(refusal)
     if spec.pack_len is not None and not uses_pack_len(spec.method):
         raise ValueError(f"--pack-len {spec.pack_len}: {spec.method} does not build rows of a fixed length "

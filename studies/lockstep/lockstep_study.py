@@ -1,0 +1,154 @@
+"""Which dimension of a static-shape step is worth balancing: data-parallel replicas D, pipeline microbatches M,
+or accumulation groups G? (torchtitan #3938, simulated.)
+
+    python studies/lockstep/lockstep_study.py --out results/lockstep_study
+
+One global batch per cell: documents drawn from a shipped trace (or ``--lengths``) until
+``D x G x M x T x --fill`` tokens, longer ones truncated to T; ``M = P`` microbatches per group, ``G``
+(``--groups``) groups. Costs: ``dynmb.costmodel.gpu.GPUCostModel`` (H100, ``ib`` link) of the model preset
+at P stages; a step of static rows is the sum over groups of the 1F1B makespan of every slot's slowest
+replica (the replicas meet at every microbatch: FSDP collectives), ``dynmb.packing.lockstep``. Memory is not
+checked for (a)-(e) (a static engine picks T to fit). Variants:
+
+(a0) ``stream``: no planning -- next-fit rows in sample order dealt round-robin to the replicas (a
+    distributed sampler over a packed stream; ``layout_dealt``), for reference;
+(a) ``packed``: today's ``packed`` plan for D replicas (``dynmb.packing.pack``), each replica's rows in order,
+    M per group (``layout_of_plan``); (b) / (c) / (d): (a) with the rows of one slot across D / of one pipeline
+    call across M / of one position across G re-filled by the balanced fill (``rebalance``); (e) ``lockstep``
+    (``plan_lockstep``, the same M); (f) ``dynamic``: dynmb's variable-shape plan at an 80 GiB limit, replicas
+    independent, one group (its packer's estimate), only up to ``--dynamic-max-tokens``.
+``ideal_s``: ``dynmb.timing.bounds.ideal_bound`` of the batch (real tokens only, GEMMs saturated, D replicas);
+``gap_x = x / ideal - 1``; ``share_D`` etc. = ``(a - b) / (a - e)``: the part of lockstep's gain one dimension buys
+(meaningless where ``a - e`` is tiny); ``share0_*``: the same from (a0), each dimension re-filled from the stream layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+import dynmb
+from dynmb import data
+from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel import gpu
+from dynmb.memory.model import get_memory_model
+from dynmb.packing import PackingError, pack
+from dynmb.packing.lockstep import LockstepShape, layout_dealt, layout_of_plan, plan_lockstep, rebalance
+from dynmb.packing.rows import next_fit_rows
+from dynmb.timing.bounds import ideal_bound
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--traces", default="longtail,wikitext2", help="shipped traces (comma-separated)")
+    ap.add_argument("--lengths", type=Path, help="a length trace CSV instead of --traces")
+    ap.add_argument("--P", default="4,16", help="pipeline stages")
+    ap.add_argument("--D", default="8,64", help="data-parallel replicas")
+    ap.add_argument("--T", default="4096,32768", help="row lengths")
+    ap.add_argument("--models", default="llama2-7b,llama3.1-8b", help="model presets")
+    ap.add_argument("--groups", type=int, default=2, help="G: accumulation groups per step")
+    ap.add_argument("--fill", type=float, default=0.9, help="batch tokens / the rows' tokens")
+    ap.add_argument("--dynamic-max-tokens", type=float, default=3e6, help="run (f) dynamic up to this many tokens")
+    ap.add_argument("--seed", type=int, default=0, help="batch seed")
+    ap.add_argument("--out", type=Path, required=True, help="folder for lockstep.csv")
+    return ap
+
+
+def batch(trace: np.ndarray, tokens: int, T: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, tokens, T])
+    lens = trace[rng.integers(0, trace.size, int(tokens / trace.mean() * 1.3) + 64)]
+    while lens.sum() < tokens:
+        lens = np.concatenate([lens, trace[rng.integers(0, trace.size, 1024)]])
+    k = int(np.searchsorted(np.cumsum(lens), tokens)) + 1
+    return np.minimum(lens[:k], T).astype(np.int64)
+
+
+def saturated(cm: gpu.GPUCostModel) -> gpu.GPUCostModel:
+    return gpu.GPUCostModel(cm.model_cfg, cm.num_stages, spec=replace(cm.spec, gemm_m_half=1e-9), comm=cm.comm)
+
+
+def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int, args: argparse.Namespace) -> dict:
+    cfg = dynmb.model_config(model)
+    cfg = replace(cfg, max_seq_len=max(cfg.max_seq_len, T))
+    cm, mm = gpu.GPUCostModel(cfg, P, link="ib"), get_memory_model(None, cfg, P)
+    G, M = args.groups, P
+    lens = batch(trace, int(D * G * M * T * args.fill), T, args.seed)
+    t0 = time.process_time()
+    spec = PlanSpec(method="packed", num_stages=P, dp=D, pack_len=T, memory_limit_bytes=2**50)
+    shape = LockstepShape(pack_len=T, dp=D, groups=G)
+    a = layout_of_plan(pack(lens, spec, memory_model=mm, cost_model=cm), shape, cm)
+    M_a = a.grid[1]
+    a0 = layout_dealt(next_fit_rows(lens, T), lens, shape, cm)
+    row = {"trace": trace_name, "model": model, "P": P, "D": D, "T": T, "G": G, "M": M_a, "docs": len(lens),
+           "tokens": int(lens.sum()), "a_packed_s": a.step_s, "a0_stream_s": a0.step_s}
+    for dims, key in (("D", "b_D_s"), ("M", "c_M_s"), ("G", "d_G_s")):
+        row[key] = rebalance(a, lens, dims, shape, cm).step_s
+        row[f"{key[:-2]}_from_stream_s"] = rebalance(a0, lens, dims, shape, cm).step_s
+    e = plan_lockstep(lens, replace(shape, microbatches=M_a), cm)
+    row.update(e_lockstep_s=e.step_s, e_candidate=e.report["candidate"], e_replica_spread=e.report["replica_spread"],
+               a_replica_spread=a.report["replica_spread"])
+    row["f_dynamic_s"] = np.nan
+    if lens.sum() <= args.dynamic_max_tokens:
+        try:
+            dyn = pack(lens, PlanSpec(method="dynamic", num_stages=P, dp=D, memory_limit_bytes=80 * 2**30,
+                                      oversize="truncate"), memory_model=mm, cost_model=cm)
+            row["f_dynamic_s"] = dyn.predictions.est_makespan_s
+        except PackingError as err:
+            row["f_error"] = str(err)[:80]
+    row["ideal_s"] = ideal_bound(lens, saturated(cm), dp=D)
+    gain = row["a_packed_s"] - row["e_lockstep_s"]
+    for x in ("a0_stream", "a_packed", "b_D", "c_M", "d_G", "e_lockstep", "f_dynamic"):
+        row[f"gap_{x}"] = row[f"{x}_s"] / row["ideal_s"] - 1
+    gain0 = row["a0_stream_s"] - row["e_lockstep_s"]
+    for x, key in (("D", "b_D"), ("M", "c_M"), ("G", "d_G")):
+        row[f"share_{x}"] = (row["a_packed_s"] - row[f"{key}_s"]) / gain if gain > 0 else np.nan
+        row[f"share0_{x}"] = (row["a0_stream_s"] - row[f"{key}_from_stream_s"]) / gain0 if gain0 > 0 else np.nan
+    row["e_vs_a"] = row["e_lockstep_s"] / row["a_packed_s"]
+    row["e_vs_a0"] = row["e_lockstep_s"] / row["a0_stream_s"]
+    row["f_vs_a"] = row["f_dynamic_s"] / row["a_packed_s"]
+    row["cpu_s"] = time.process_time() - t0
+    return row
+
+
+def markdown(df: pd.DataFrame) -> str:
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)     # noqa: E731
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",")]     # noqa: E731
+    traces = {args.lengths.stem: data.load_trace(args.lengths)} if args.lengths else \
+        {n: data.load_trace(n) for n in args.traces.split(",")}
+    rows = []
+    for name, trace in traces.items():
+        for model in args.models.split(","):
+            for P in ints(args.P):
+                for D in ints(args.D):
+                    for T in ints(args.T):
+                        rows.append(cell(name, np.asarray(trace, dtype=np.int64), model, P, D, T, args))
+                        print(f"{name} {model} P{P} D{D} T{T}: e/a {rows[-1]['e_vs_a']:.3f} "
+                              f"({rows[-1]['cpu_s']:.1f} CPU s)", flush=True)
+    df = pd.DataFrame(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out / "lockstep.csv", index=False)
+    cols = ["trace", "model", "P", "D", "T", "M", "gap_a0_stream", "gap_a_packed", "gap_b_D", "gap_c_M", "gap_d_G", "gap_e_lockstep",
+            "gap_f_dynamic", "e_vs_a", "share_D", "share_M", "share_G", "e_vs_a0", "share0_D", "share0_M", "share0_G"]
+    print(markdown(df[cols]))
+    print(f"\ne never slower than a: {bool((df.e_vs_a <= 1 + 1e-12).all())}; median e/a {df.e_vs_a.median():.3f}; "
+          f"median shares D {df.share_D.median():.2f} M {df.share_M.median():.2f} G {df.share_G.median():.2f}\n"
+          f"e never slower than a0: {bool((df.e_vs_a0 <= 1 + 1e-12).all())}; median e/a0 {df.e_vs_a0.median():.3f}; "
+          f"median shares from a0: D {df.share0_D.median():.2f} M {df.share0_M.median():.2f} "
+          f"G {df.share0_G.median():.2f}; median f/a {df.f_vs_a.median():.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""Paired ratios of real 2x2 gloo runs (pp 2 x dp 2) of packed, lockstep and dynamic on the same global batches.
+
+    for m in packed lockstep dynamic lockstep:2 packed:2; do
+      meth=${m%%:*}
+      dynmb run --nproc 4 --dp 2 --stages 2 --method $meth --dataset longtail --global-batch 64 \\
+        $([ $meth = dynamic ] || echo --pack-len 1024) --oversize truncate --model llama-tiny:max_seq_len=1024 \\
+        --memory-limit 2GiB --steps 6 --out results/lockstep_real/${m/:/_}
+    done
+    python studies/lockstep/real_runs.py results/lockstep_real
+
+Every run draws the same global batches (same trace, seed and global batch; every method truncates documents at
+1024 tokens, dynamic through the model's ``max_seq_len``). The runs go one after another in the order above
+(A B C B A), so drift of the shared box's load falls on both sides. Per measured step (step 0 warms up), each
+run's ``step_s`` over each ``packed`` run's, and the same for the runtime's predictions ``pred_step_s`` (its cost
+model is refit online from the run's own measurements, so it carries the load of the box as well); the medians
+over every step of every pairing of a method's runs with the ``packed`` runs (a run never with itself).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+
+def main(argv: list[str] | None = None) -> int:
+    root = Path((argv or sys.argv[1:])[0])
+    runs = {d.name: pd.read_csv(d / "steps.csv").set_index("step") for d in sorted(root.iterdir())
+            if (d / "steps.csv").is_file()}
+    runs = {name: df[df.index > 0] for name, df in runs.items()}                 # step 0 warms up
+    method = {name: name.split("_")[0] for name in runs}
+    rows = []
+    for m in dict.fromkeys(method.values()):
+        measured, predicted = [], []
+        for name, df in runs.items():
+            for base_name, base in runs.items():
+                if method[name] != m or method[base_name] != "packed" or base_name == name:
+                    continue
+                both = df.index.intersection(base.index)
+                measured.append(df.step_s[both] / base.step_s[both])
+                predicted.append(df.pred_step_s[both] / base.pred_step_s[both])
+        mine = pd.concat([df for name, df in runs.items() if method[name] == m])
+        rows.append({"method": m, "runs": sum(1 for x in method.values() if x == m), "pairs": len(measured),
+                     "median step_s": mine.step_s.median(),
+                     "step_s / packed": pd.concat(measured).median(),
+                     "pred_step_s / packed": pd.concat(predicted).median()})
+    print(pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
