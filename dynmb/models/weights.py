@@ -130,9 +130,11 @@ def _fill(dst: torch.Tensor, name: str, ref: WeightRef, source: TensorSource) ->
         dst[at:at + block.shape[0]].copy_(block)
 
 
-def load_stage_weights(stage: nn.Module, weights: Mapping[str, torch.Tensor] | str | Path | TensorSource) -> None:
-    """Fill ``stage``'s parameters and persistent buffers from ``weights`` (module docstring)."""
-    own = weights if isinstance(weights, TensorSource) else None
-    with (contextlib.nullcontext(own) if own is not None else TensorSource(weights)) as source:  # type: ignore[arg-type]
+def load_stage_weights(stage: nn.Module, weights: Mapping[str, torch.Tensor] | str | Path,
+                       names: set[str] | None = None) -> None:
+    """Fill ``stage``'s parameters and persistent buffers (those of ``names`` only, when given) from
+    ``weights`` (module docstring)."""
+    with TensorSource(weights) as source:
         for name, t in stage.state_dict(keep_vars=True).items():
-            _fill(t, name, _ref(stage, name), source)
+            if names is None or name in names:
+                _fill(t, name, _ref(stage, name), source)
