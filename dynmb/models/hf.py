@@ -61,7 +61,8 @@ from dynmb.models.pieces import full_weights
 from dynmb.models.seeding import param_seed
 from dynmb.models.weights import load_stage_weights
 
-__all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf", "hf_llama_config", "llama_to_hf"]
+__all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf", "hf_llama_config", "llama_to_hf",
+           "llama_state_dict_to_hf"]
 
 log = logging.getLogger(__name__)
 
@@ -263,14 +264,11 @@ def hf_llama_config(cfg: ModelConfig) -> Any:
                        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False)
 
 
-def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
-    """A transformers ``LlamaForCausalLM`` (fp32 unless ``cfg.dtype`` says otherwise) holding the dynmb
-    Llama's weights (module docstring): ``weights`` is ``{global name: tensor}`` or an iterable of its
-    stages (every layer present once)."""
-    from transformers import LlamaForCausalLM
-
+def llama_state_dict_to_hf(weights: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers ``LlamaForCausalLM``'s state dict (its names, ``load_state_dict(strict=True)`` takes it) from
+    a dynmb Llama's ``{global name: tensor}`` or its stages (every layer present once; module docstring)."""
     if not isinstance(weights, dict):
-        weights = {n: p for stage in weights for n, p in stage.named_parameters()}
+        weights = {n: t for stage in weights for n, t in stage.state_dict().items()}
     p = {n: t.detach() for n, t in weights.items()}
     if cfg.layer_split is not None:                # pieces of half-blocks, shards of the head: joined
         try:
@@ -282,21 +280,28 @@ def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
         f"blocks.{i}" for i in range(cfg.n_layers) if f"blocks.{i}.attn.qkv.weight" not in p)
     if missing:
         raise ValueError(f"llama_to_hf: weights of model {cfg.name!r} lack {', '.join(missing[:5])}")
-    model = LlamaForCausalLM(hf_llama_config(cfg)).to(p["embed.weight"].dtype)
     h, kv, f = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.d_ff
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(p["embed.weight"])
-        for i, layer in enumerate(model.model.layers):
-            b = f"blocks.{i}."
-            qkv, gate_up = p[b + "attn.qkv.weight"], p[b + "mlp.gate_up.weight"]
-            attn, mlp = layer.self_attn, layer.mlp
-            for dst, src in ((attn.q_proj, qkv[:h]), (attn.k_proj, qkv[h:h + kv]), (attn.v_proj, qkv[h + kv:]),
-                             (attn.o_proj, p[b + "attn.proj.weight"]), (mlp.gate_proj, gate_up[:f]),
-                             (mlp.up_proj, gate_up[f:]), (mlp.down_proj, p[b + "mlp.down.weight"]),
-                             (layer.input_layernorm, p[b + "attn_norm.weight"]),
-                             (layer.post_attention_layernorm, p[b + "mlp_norm.weight"])):
-                dst.weight.copy_(src)
-        model.model.norm.weight.copy_(p["norm_f.weight"])
-        if not cfg.tie_embeddings:
-            model.lm_head.weight.copy_(p["lm_head.weight"])
+    out = {"model.embed_tokens.weight": p["embed.weight"], "model.norm.weight": p["norm_f.weight"],
+           "lm_head.weight": p["embed.weight" if cfg.tie_embeddings else "lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        b, hf = f"blocks.{i}.", f"model.layers.{i}."
+        qkv, gate_up = p[b + "attn.qkv.weight"], p[b + "mlp.gate_up.weight"]
+        out.update({hf + "self_attn.q_proj.weight": qkv[:h], hf + "self_attn.k_proj.weight": qkv[h:h + kv],
+                    hf + "self_attn.v_proj.weight": qkv[h + kv:], hf + "self_attn.o_proj.weight": p[b + "attn.proj.weight"],
+                    hf + "mlp.gate_proj.weight": gate_up[:f], hf + "mlp.up_proj.weight": gate_up[f:],
+                    hf + "mlp.down_proj.weight": p[b + "mlp.down.weight"],
+                    hf + "input_layernorm.weight": p[b + "attn_norm.weight"],
+                    hf + "post_attention_layernorm.weight": p[b + "mlp_norm.weight"]})
+    return out
+
+
+def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
+    """A transformers ``LlamaForCausalLM`` (the weights' dtype) holding the dynmb Llama's weights
+    (``llama_state_dict_to_hf``, loaded with ``strict=True``): ``weights`` is ``{global name: tensor}`` or an
+    iterable of its stages (every layer present once)."""
+    from transformers import LlamaForCausalLM
+
+    state = llama_state_dict_to_hf(weights, cfg)
+    model = LlamaForCausalLM(hf_llama_config(cfg)).to(state["model.embed_tokens.weight"].dtype)
+    model.load_state_dict(state, strict=True)
     return model
