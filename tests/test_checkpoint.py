@@ -1,0 +1,124 @@
+"""Checkpoints with torch.distributed.checkpoint (``dynmb.runtime.checkpoint``): one name per weight, the
+optimizer keyed by names, and a checkpoint saved at one pipeline depth resumed at another with the loss
+of the next step equal to an uninterrupted run's (fp32, <= 1e-6 relative).
+
+Fast: names of every factory's stages, and dynmb's runtime in process on one gloo rank (two stages on it,
+resumed at one and at three). Slow (``-m slow``): real torchrun jobs, pp 2 x dp 2 resumed at pp 1 x dp 2
+and pp 4 x dp 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.io.results import load_results
+from dynmb.models import build_stage
+from dynmb.runtime import worker
+from dynmb.runtime.checkpoint import INFO_FILE, CheckpointInfo, find_checkpoint, rank_module
+from dynmb.runtime.launch import launch_job
+from dynmb.runtime.spec import JobSpec, RunSpec
+
+REL = 1e-6
+
+
+def _names_agree(stages) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    module = rank_module(stages)
+    names = [n for n, _ in module.named_parameters()]
+    assert names == list(module.state_dict())
+    opt = torch.optim.Adam(module.parameters())
+    model_sd, optim_sd = get_state_dict(module, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert list(model_sd) == names
+    assert {k.split(".", 1)[1].rsplit(".", 1)[0] for k in optim_sd if k.startswith("state.")} == set(names)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_dynmb_stages_have_one_name_per_weight(name):
+    cfg = ModelConfig.preset(name)
+    stages = [build_stage(cfg, k, 4) for k in range(4)]
+    _names_agree(stages[1])
+    _names_agree([stages[0], stages[2]])           # two stages on one rank (interleaved): one module
+    whole = set(build_stage(cfg, 0, 1).state_dict())
+    assert set().union(*(s.state_dict() for s in stages)) == whole
+
+
+def test_transformers_stages_have_transformers_names():
+    pytest.importorskip("transformers")
+    from tests.hf_models import tiny_llama
+
+    factory = tiny_llama()
+    stages = [factory.build_stage(k, 2) for k in range(2)]
+    _names_agree(stages[1])
+    _names_agree(stages)
+    assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == set(factory.whole_model().state_dict())
+
+
+def _cfg(stages: int, ranks: int = 1, dp: int = 1, steps: int = 3, **kw) -> RunConfig:
+    virtual = stages // ranks
+    return RunConfig(model=ModelConfig.preset("tiny"),
+                     pipeline=PipelineConfig(num_stages=stages, virtual=virtual,
+                                             schedule="interleaved" if virtual > 1 else "1f1b",
+                                             memory_limit_bytes=24 * 2**20),
+                     dataset="gsm8k", global_batch=8, method="dynamic", dp=dp, seed=1, steps=steps, warmup=0,
+                     backend="gloo", device="cpu", timeout_s=120.0, **kw)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    steps = load_results(out)["steps"]
+    return dict(zip(steps["step"].astype(int), steps["loss"].astype(float)))
+
+
+def test_resume_at_another_depth_in_process(tmp_path):
+    """One gloo rank: 2 stages on it train 3 steps (checkpoint after step 2), then the checkpoint resumes at
+    1 and at 3 stages and step 2's loss equals the uninterrupted run's."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ck = tmp_path / "ck"
+        worker.run_spec(RunSpec.create(_cfg(2, checkpoint=str(ck), checkpoint_every=2), tmp_path / "a", run_id="a"),
+                        torch.device("cpu"))
+        assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000003"]
+        found, info = find_checkpoint(ck / "step-00000002")
+        assert info == CheckpointInfo(step=2, model="tiny", num_stages=2, dp=1)
+        for stages in (1, 3):
+            out = tmp_path / f"resume{stages}"
+            worker.run_spec(RunSpec.create(_cfg(stages, resume=str(found)), out, run_id=f"r{stages}"),
+                            torch.device("cpu"))
+            got = _losses(out)
+            assert list(got) == [2]
+            assert got[2] == pytest.approx(_losses(tmp_path / "a")[2], rel=REL)
+        with pytest.raises(ValueError, match="nothing left to run"):
+            worker.run_spec(RunSpec.create(_cfg(1, steps=3, resume=str(ck)), tmp_path / "late", run_id="late"),
+                            torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_missing_checkpoint_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=f"no complete checkpoint there .*{INFO_FILE}"):
+        find_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="checkpoint_every 2 needs a checkpoint folder"):
+        _cfg(1, checkpoint_every=2)
+
+
+# --------------------------------------------------------------------------- torchrun jobs
+def _job(out: Path, cfg: RunConfig, nproc: int) -> Path:
+    result = launch_job(JobSpec.single(RunSpec.create(cfg, out, run_id=out.name)), nproc, quiet=True)
+    assert result.ok, "\n".join(result.failures)
+    return out
+
+
+@pytest.mark.slow
+def test_pp2_dp2_checkpoint_resumes_at_pp1_and_pp4(tmp_path):
+    ck = tmp_path / "ck"
+    base = _job(tmp_path / "pp2dp2", _cfg(2, ranks=2, dp=2, steps=4, checkpoint=str(ck), checkpoint_every=3), 4)
+    uninterrupted = _losses(base)[3]
+    pp1 = _losses(_job(tmp_path / "pp1dp2", _cfg(1, ranks=1, dp=2, steps=4, resume=str(ck / "step-00000003")), 2))
+    pp4 = _losses(_job(tmp_path / "pp4dp1", _cfg(4, ranks=4, dp=1, steps=4, resume=str(ck / "step-00000003")), 4))
+    assert list(pp1) == list(pp4) == [3]
+    assert pp1[3] == pytest.approx(uninterrupted, rel=REL)
+    assert pp4[3] == pytest.approx(uninterrupted, rel=REL)
