@@ -122,3 +122,19 @@ def test_pp2_dp2_checkpoint_resumes_at_pp1_and_pp4(tmp_path):
     assert list(pp1) == list(pp4) == [3]
     assert pp1[3] == pytest.approx(uninterrupted, rel=REL)
     assert pp4[3] == pytest.approx(uninterrupted, rel=REL)
+
+
+def test_dynmb_run_refuses_a_bad_resume_before_torchrun(tmp_path, capsys):
+    from dynmb.cli import main
+
+    base = ["run", "--dataset", "gsm8k", "--global-batch", "8", "--stages", "1", "--memory-limit", "24MiB",
+            "--model", "tiny", "--out", str(tmp_path / "out")]
+    assert main(base + ["--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no complete checkpoint there" in err[0]
+    ck = tmp_path / "ck" / "step-00000004"
+    ck.mkdir(parents=True)
+    (ck / INFO_FILE).write_text('{"step": 4}')
+    assert main(base + ["--resume", str(tmp_path / "ck"), "--steps", "3"]) == 2
+    assert "at step 4 and the run ends at step 4: nothing left to run" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -33,26 +33,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
+from dynmb.core.config import RunConfig
 from dynmb.io.atomic import write_text_atomic
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from dynmb.runtime.state import RunState
 
 __all__ = ["CheckpointInfo", "rank_module", "save_checkpoint", "load_checkpoint", "find_checkpoint",
-           "checkpoint_dir", "save_due", "resume_run", "INFO_FILE"]
+           "checkpoint_dir", "check_resume", "save_due", "resume_run", "INFO_FILE"]
 
 logger = logging.getLogger(__name__)
 
 INFO_FILE = "dynmb.json"
 """Written by rank 0 after every rank saved: marks a complete checkpoint and says what it holds."""
 
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _options() -> Any:
+    """Optimizer state keyed by parameter names (``state.<name>.exp_avg``), not by integer ids."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ def find_checkpoint(path: str | Path) -> tuple[Path, CheckpointInfo]:
 
 
 def _merge(modules: Sequence[nn.Module]) -> nn.Module:
+    from torch import nn
+
     if all(m is modules[0] for m in modules):
         return modules[0]
     view = nn.Module()
@@ -112,6 +118,8 @@ def _merge(modules: Sequence[nn.Module]) -> nn.Module:
 
 def rank_module(stages: nn.Module | Sequence[nn.Module]) -> nn.Module:
     """This rank's stage(s) as one module with the stages' own (global) names (module docstring)."""
+    from torch import nn
+
     modules = [stages] if isinstance(stages, nn.Module) else list(stages)
     return modules[0] if len(modules) == 1 else _merge(modules)
 
@@ -119,8 +127,12 @@ def rank_module(stages: nn.Module | Sequence[nn.Module]) -> nn.Module:
 def save_checkpoint(directory: str | Path, stages: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer,
                     info: CheckpointInfo) -> Path:
     """Save this rank's model and optimizer state into ``directory`` (collective; module docstring)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     directory = Path(directory)
-    model_state, optim_state = get_state_dict(rank_module(stages), optimizer, options=_OPTIONS)
+    model_state, optim_state = get_state_dict(rank_module(stages), optimizer, options=_options())
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -132,6 +144,8 @@ def save_checkpoint(directory: str | Path, stages: nn.Module | Sequence[nn.Modul
 
 def _check_names(directory: Path, state: dict[str, Any]) -> None:
     """Every name this rank loads is in the checkpoint (one line naming the first missing ones)."""
+    import torch.distributed.checkpoint as dcp
+
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     wanted = [f"model.{n}" for n in state["model"]] + [f"optim.{n}" for n in state["optim"]]
     missing = [n for n in wanted if n not in saved]
@@ -144,14 +158,17 @@ def load_checkpoint(directory: str | Path, stages: nn.Module | Sequence[nn.Modul
                     optimizer: torch.optim.Optimizer) -> CheckpointInfo:
     """Load the checkpoint ``directory`` (a step folder or a folder of them) into this rank's stages and
     optimizer, at this run's layout (collective; module docstring)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     found, info = find_checkpoint(directory)
     module = rank_module(stages)
-    model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
+    model_state, optim_state = get_state_dict(module, optimizer, options=_options())
     state = {"model": model_state, "optim": optim_state}
     _check_names(found, state)
     dcp.load(state, checkpoint_id=str(found))
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_OPTIONS)
+                   options=_options())
     logger.info("checkpoint of step %d loaded from %s", info.step, found)
     return info
 
@@ -168,13 +185,21 @@ def save_due(state: "RunState", step: int) -> Path | None:
     return save_checkpoint(checkpoint_dir(run.checkpoint, done), list(state.stages.values()), state.optimizer, info)
 
 
+def check_resume(run: RunConfig) -> CheckpointInfo:
+    """``run.resume``'s checkpoint record, refused in one line when missing or at or past the run's last step
+    (what ``dynmb run`` checks before torchrun starts, and every rank again)."""
+    assert run.resume
+    _, info = find_checkpoint(run.resume)
+    if info.step >= run.warmup + run.steps:
+        raise ValueError(f"--resume {run.resume}: the checkpoint is at step {info.step} and the run ends at step "
+                         f"{run.warmup + run.steps}: nothing left to run (raise --steps)")
+    return info
+
+
 def resume_run(state: "RunState") -> int:
     """Load ``RunConfig.resume`` into the run's stages and optimizer; the step the run goes on from."""
     run = state.run
     if not run.resume:
         return 0
-    info = load_checkpoint(run.resume, list(state.stages.values()), state.optimizer)
-    if info.step >= run.warmup + run.steps:
-        raise ValueError(f"--resume {run.resume}: the checkpoint is at step {info.step} and the run ends at step "
-                         f"{run.warmup + run.steps}: nothing left to run (raise --steps)")
-    return info.step
+    check_resume(run)
+    return load_checkpoint(run.resume, list(state.stages.values()), state.optimizer).step
