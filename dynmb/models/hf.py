@@ -28,12 +28,17 @@ Not supported (refused with a one-line error): slices of long sequences (no pref
 transformers' attention), full recomputation, the LM head split by vocabulary (``head_split``), a
 stage boundary inside a block (half-blocks or pieces of one, ``layer_split`` such as ``2.5`` or ``2.75``), and
 tied input/output embeddings across more than one stage (the two copies would need their gradients summed between the first and last rank).
-Every rank builds the same weights: ``from_config`` seeds torch's generator before building the
-model, so ranks that build separately hold identical parameters; a loaded checkpoint is identical by
-construction.
+A stage is built alone: ``from_config`` / ``from_pretrained`` build the model on the meta device (no memory)
+and ``build_stage(s, P)`` materialises only the stage's modules, each initialised by the model's own
+``_init_weights`` with torch's generator seeded by ``(seed, global module name)`` or read from the whole
+model's state dict / safetensors (``dynmb.models.weights``), so ranks that build separately hold exactly the
+whole model's parameters. A stage's module tree is the model's cut to it (``model.embed_tokens``,
+``model.layers.<global index>``, ``model.norm``, ``lm_head``): its ``named_parameters()`` and ``state_dict()``
+are transformers' own names, what torch.distributed.checkpoint saves.
 
 The reverse direction: ``llama_to_hf(weights, cfg)`` builds a transformers ``LlamaForCausalLM`` holding
-the weights of a dynmb Llama (``dynmb.models.llama`` names: ``embed.weight``, ``blocks.i.attn.qkv.weight``
+the weights of a dynmb Llama (through ``llama_state_dict_to_hf``: the state dict in transformers' names, loaded with ``strict=True``;
+``dynmb.models.llama`` names: ``embed.weight``, ``blocks.i.attn.qkv.weight``
 split by rows into ``q_proj``/``k_proj``/``v_proj``, ``blocks.i.attn.proj`` -> ``o_proj``,
 ``blocks.i.mlp.gate_up`` split into ``gate_proj``/``up_proj``, ``blocks.i.mlp.down`` -> ``down_proj``,
 ``attn_norm``/``mlp_norm`` -> ``input_layernorm``/``post_attention_layernorm``, ``norm_f`` -> ``norm``,
@@ -117,7 +122,7 @@ class HFDecoderStage(nn.Module):
         if inputs.has_slices:
             raise InputError("slices of long sequences are not supported for transformers stages "
                              "(use --oversize error/truncate/drop)")
-        model = self.model
+        model: Any = self.model                          # the cut trunk (transformers is untyped here)
         if self.is_first:
             x = model.embed_tokens(inputs.input_ids)
         elif x is None:
@@ -221,7 +226,7 @@ class HFStageFactory:
                                                            for k in m.state_dict(keep_vars=True)
                                                            if "." not in k})
         if self.config_tied:
-            self.model.tie_weights()
+            cast(Any, self.model).tie_weights()
 
     def build_stage(self, stage: int, num_stages: int, *, seed: int = 0, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> HFDecoderStage:
@@ -302,6 +307,7 @@ def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
     from transformers import LlamaForCausalLM
 
     state = llama_state_dict_to_hf(weights, cfg)
-    model = LlamaForCausalLM(hf_llama_config(cfg)).to(state["model.embed_tokens.weight"].dtype)
+    model: Any = LlamaForCausalLM(hf_llama_config(cfg))
+    model = model.to(state["model.embed_tokens.weight"].dtype)
     model.load_state_dict(state, strict=True)
     return model

@@ -164,7 +164,7 @@ def load_checkpoint(directory: str | Path, stages: nn.Module | Sequence[nn.Modul
     found, info = find_checkpoint(directory)
     module = rank_module(stages)
     model_state, optim_state = get_state_dict(module, optimizer, options=_options())
-    state = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     _check_names(found, state)
     dcp.load(state, checkpoint_id=str(found))
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
