@@ -142,6 +142,8 @@ def test_pp2_dp2_checkpoint_resumes_at_pp1_and_pp4(tmp_path):
     errors = [f"rank {r}: {x['traceback']}" for r, x in enumerate(res) if "error" in x]
     assert not errors, "\n".join(errors)
     want = res[0]["uninterrupted"]
+    print(f"run_with_torch_pipelining, step 3 loss: uninterrupted pp2xdp2 {want!r}, resumed pp1xdp4 "
+          f"{res[0]['resumed'][1]!r}, pp4xdp1 {res[0]['resumed'][4]!r}")
     for r in res:
         assert r["uninterrupted"] == pytest.approx(want, rel=1e-12)
         for pp in (1, 4):
