@@ -98,6 +98,38 @@ def test_resume_at_another_depth_in_process(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_dynmb_llama_checkpoint_loads_into_transformers_strictly(tmp_path):
+    """Two llama stages on one rank train a step and are saved; the checkpoint's model tensors, in
+    transformers' names, load into LlamaForCausalLM with strict=True and give the stages' loss."""
+    pytest.importorskip("transformers")
+    import numpy as np
+    from transformers import LlamaForCausalLM
+
+    from dynmb.core.types import Microbatch
+    from dynmb.models import make_inputs, synthetic_tokens
+    from dynmb.models.hf import HFStageFactory, hf_llama_config, llama_state_dict_to_hf
+    from dynmb.runtime.checkpoint import model_weights, save_checkpoint
+
+    cfg = ModelConfig.preset("llama-tiny")
+    stages = [build_stage(cfg, k, 2, seed=4) for k in range(2)]
+    opt = torch.optim.Adam([p for s in stages for p in s.parameters()], lr=1e-2)
+    lengths = np.array([12, 30, 7])
+    inputs = make_inputs(Microbatch(np.arange(3), lengths, 30, 3), synthetic_tokens(lengths, cfg.vocab_size), cfg=cfg)
+    stages[1](stages[0](None, inputs), inputs).backward()
+    opt.step()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        save_checkpoint(tmp_path / "ck" / "step-00000001", stages, opt, CheckpointInfo(step=1, model=cfg.name))
+    finally:
+        dist.destroy_process_group()
+    model = LlamaForCausalLM(hf_llama_config(cfg))
+    model.load_state_dict(llama_state_dict_to_hf(model_weights(tmp_path / "ck"), cfg), strict=True)
+    with torch.no_grad():
+        want = float(stages[1](stages[0](None, inputs), inputs))
+        got = float(HFStageFactory(model).build_stage(0, 1)(None, inputs))
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_a_missing_checkpoint_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=f"no complete checkpoint there .*{INFO_FILE}"):
         find_checkpoint(tmp_path)

@@ -232,7 +232,7 @@ class HFStageFactory:
                     device: torch.device | str | None = None) -> HFDecoderStage:
         """Stage ``stage`` of ``num_stages``. ``seed`` is unused (the factory's ``seed`` initialises modules still
         on the meta device); ``dtype`` and ``device`` move the shared modules (the whole model's, for one process
-        holding every stage)."""
+        holding every stage); ``device="meta"`` leaves modules not yet materialised on the meta device."""
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} out of range for {num_stages} stages")
         if self.config.half_split and num_stages > 1:
@@ -246,6 +246,8 @@ class HFStageFactory:
             raise ValueError("tied input/output embeddings across pipeline stages are not supported; "
                              "set tie_word_embeddings=False in the transformers config")
         built = HFDecoderStage(self.model, stage, num_stages, self.stage_layers(num_stages)[stage])
+        if device is not None and torch.device(device).type == "meta":
+            return built                          # left on the meta device: ``materialise(stage)`` later
         self.materialise(built)
         return built.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else built
 

@@ -15,6 +15,7 @@ whatever the pipeline depth; each rank holds a subset (its stages), replicas hol
   checkpoint's (one line naming what is missing), then ``get_state_dict`` (templates; the optimizer's
   state is created), ``dcp.load`` (each rank reads only its names) and ``set_state_dict``. The layout is
   the run's: a checkpoint saved at pipeline depth 2 x dp 2 loads at depth 1, 4, any dp.
+- ``model_weights(directory)``: the model's whole tensors in one process (to convert or inspect).
 - ``dynmb run --checkpoint DIR [--checkpoint-every N]`` writes ``DIR/step-<k>`` (k optimizer steps done)
   every N steps and after the last step (``save_due``); ``--resume PATH`` (a step folder, or a folder of
   them: the latest complete one, ``find_checkpoint``) loads it after set-up and the run goes on from
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from dynmb.runtime.state import RunState
 
 __all__ = ["CheckpointInfo", "rank_module", "save_checkpoint", "load_checkpoint", "find_checkpoint",
-           "checkpoint_dir", "check_resume", "save_due", "resume_run", "INFO_FILE"]
+           "checkpoint_dir", "check_resume", "save_due", "resume_run", "model_weights", "INFO_FILE"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +173,24 @@ def load_checkpoint(directory: str | Path, stages: nn.Module | Sequence[nn.Modul
                    options=_options())
     logger.info("checkpoint of step %d loaded from %s", info.step, found)
     return info
+
+
+def model_weights(directory: str | Path) -> "dict[str, torch.Tensor]":
+    """The model's whole tensors of a checkpoint (a step folder or a folder of them), ``{global name: tensor}``,
+    read in one process without a process group (``llama_state_dict_to_hf`` turns a dynmb Llama's into
+    transformers' names)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    found, _ = find_checkpoint(directory)
+    saved = dcp.FileSystemReader(str(found)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():            # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(found), no_dist=True)
+    return {k.removeprefix("model."): t for k, t in state.items()}
 
 
 def save_due(state: "RunState", step: int) -> Path | None:
