@@ -221,10 +221,9 @@ class HFStageFactory:
                 if self.weights is None or any(True for _ in module.buffers(recurse=False)):
                     torch.manual_seed(param_seed(self.seed, name))
                     init_weights(module)
-        if self.weights is not None:
-            load_stage_weights(stage, self.weights, names={f"{n}.{k}" if n else k for n, m in fresh
-                                                           for k in m.state_dict(keep_vars=True)
-                                                           if "." not in k})
+        if self.weights is not None:            # a tied head is the embedding (files often omit it): tied below
+            names = {f"{n}.{k}" if n else k for n, m in fresh for k in m.state_dict(keep_vars=True) if "." not in k}
+            load_stage_weights(stage, self.weights, names=names - ({"lm_head.weight"} if self.config_tied else set()))
         if self.config_tied:
             cast(Any, self.model).tie_weights()
 
