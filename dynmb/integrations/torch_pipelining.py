@@ -102,8 +102,7 @@ from dynmb.schedule import from_csv, to_csv, to_str
 from dynmb.core.types import Plan, Schedule
 
 __all__ = ["TorchPipeliningSettings", "TorchPipeliningResult", "TorchPipeliningError", "PlanShapedStage",
-           "run_with_torch_pipelining", "check_torch_internals", "TORCH_VERSION_WRITTEN_FOR",
-           "save_pipeline_checkpoint", "load_pipeline_checkpoint"]
+           "run_with_torch_pipelining", "check_torch_internals", "TORCH_VERSION_WRITTEN_FOR"]
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +379,9 @@ def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Pla
 
 
 # --- checkpoints -------------------------------------------------------------------------------
+__all__ += ["save_pipeline_checkpoint", "load_pipeline_checkpoint"]
+
+
 def save_pipeline_checkpoint(directory: str | Path, stages: nn.Module | Sequence[nn.Module],
                              optimizer: torch.optim.Optimizer, step: int) -> Path:
     """Save this rank's stage module(s) and optimizer after ``step`` optimizer steps into ``directory`` with
