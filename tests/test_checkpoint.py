@@ -74,25 +74,26 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def test_resume_at_another_depth_in_process(tmp_path):
-    """One gloo rank: 2 stages on it train 3 steps (checkpoint after step 2), then the checkpoint resumes at
-    1 and at 3 stages and step 2's loss equals the uninterrupted run's."""
+    """One gloo rank: 2 stages on it train 2 steps (a checkpoint after each), then the first checkpoint resumes
+    at 1 and at 3 stages and step 1's loss equals the uninterrupted run's."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         ck = tmp_path / "ck"
-        worker.run_spec(RunSpec.create(_cfg(2, checkpoint=str(ck), checkpoint_every=2), tmp_path / "a", run_id="a"),
-                        torch.device("cpu"))
-        assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000003"]
-        found, info = find_checkpoint(ck / "step-00000002")
-        assert info == CheckpointInfo(step=2, model="tiny", num_stages=2, dp=1)
+        worker.run_spec(RunSpec.create(_cfg(2, steps=2, checkpoint=str(ck), checkpoint_every=1), tmp_path / "a",
+                                       run_id="a"), torch.device("cpu"))
+        assert sorted(p.name for p in ck.iterdir()) == ["step-00000001", "step-00000002"]
+        found, info = find_checkpoint(ck / "step-00000001")
+        assert info == CheckpointInfo(step=1, model="tiny", num_stages=2, dp=1)
+        assert find_checkpoint(ck)[1].step == 2                       # a folder of them: the latest
         for stages in (1, 3):
             out = tmp_path / f"resume{stages}"
-            worker.run_spec(RunSpec.create(_cfg(stages, resume=str(found)), out, run_id=f"r{stages}"),
+            worker.run_spec(RunSpec.create(_cfg(stages, steps=2, resume=str(found)), out, run_id=f"r{stages}"),
                             torch.device("cpu"))
             got = _losses(out)
-            assert list(got) == [2]
-            assert got[2] == pytest.approx(_losses(tmp_path / "a")[2], rel=REL)
+            assert list(got) == [1]
+            assert got[1] == pytest.approx(_losses(tmp_path / "a")[1], rel=REL)
         with pytest.raises(ValueError, match="nothing left to run"):
-            worker.run_spec(RunSpec.create(_cfg(1, steps=3, resume=str(ck)), tmp_path / "late", run_id="late"),
+            worker.run_spec(RunSpec.create(_cfg(1, steps=2, resume=str(ck)), tmp_path / "late", run_id="late"),
                             torch.device("cpu"))
     finally:
         dist.destroy_process_group()
