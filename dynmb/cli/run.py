@@ -34,6 +34,7 @@ from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, parse_byte
 from dynmb.data import TokenFile, prepare_tokens
 from dynmb.planning.virtual_search import describe
 from dynmb.runtime.api import run_job
+from dynmb.runtime.checkpoint import check_resume
 from dynmb.runtime.launch import LaunchResult, default_backend_device
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 from dynmb.schedule import SCHEDULE_KINDS
@@ -82,6 +83,14 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--allow-over-limit", action="store_true",
                         help="report a measured peak over the limit instead of failing")
     add_run_shape_flags(parser)
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="save torch.distributed.checkpoint checkpoints (weights, Adam) in DIR/step-<k> after the "
+                             "last step and every --checkpoint-every steps; they load at any --stages / --dp")
+    parser.add_argument("--checkpoint-every", type=nonnegative_int, default=0, metavar="N",
+                        help="optimizer steps between checkpoints (default 0: after the last step only)")
+    parser.add_argument("--resume", default=None, metavar="PATH",
+                        help="start from this checkpoint (a step-<k> folder, or a --checkpoint folder: its latest) "
+                             "at this run's layout; the run goes on from step k to --warmup + --steps")
     parser.add_argument("--out", required=True,
                         help="results folder (tables steps/actions/memory/runs); a folder holding results gets "
                              "this run's rows added under a new run_id")
@@ -210,6 +219,9 @@ def _spec(args: argparse.Namespace, backend: str, device: str, corpus: TokenFile
         cfg, schedule_file = run_config(args, backend, device), None
     if corpus is not None:
         cfg = replace(cfg, dataset=corpus.source.name)
+    cfg = replace(cfg, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume)
+    if cfg.resume:
+        check_resume(cfg)
     warn_own_model_stand_ins(args, cfg.model, cfg.cost_model, args.memory_model, cfg.pipeline.num_stages, "dynmb run")
     named = args.model or (args.plan and Plan.load(args.plan, allow_over_limit=True).meta.get("model_factory"))
     factory = str(named) if isinstance(named, str) and names_factory(named) else None

@@ -279,6 +279,14 @@ class RunConfig:
     plan_ahead: int = 0
     """Planner processes per rank planning that many steps ahead of the step being trained
     (``dynmb.runtime.planahead``); 0 plans each step in line, on the critical path."""
+    checkpoint: str | None = None
+    """Folder of torch.distributed.checkpoint checkpoints, one ``step-<k>`` folder each
+    (``dynmb.runtime.checkpoint``): saved after the last step and every ``checkpoint_every`` steps."""
+    checkpoint_every: int = 0
+    """Optimizer steps between checkpoints (0: after the last step only)."""
+    resume: str | None = None
+    """A checkpoint (or a folder of them: its latest) to start from, loaded at this run's layout; the run
+    goes on from the checkpoint's step to ``warmup + steps``."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -302,6 +310,8 @@ class RunConfig:
         PlanSpec(oversize=self.oversize, recompute=self.recompute, slice_fitting=self.slice_fitting)   # their checks
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint):
+            raise ValueError(f"checkpoint_every {self.checkpoint_every} needs a checkpoint folder and must be >= 0")
 
     @property
     def plan_spec(self) -> PlanSpec:

@@ -96,6 +96,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from dynmb.core.config import ModelConfig
 from dynmb.core.contract import StageModule
 from dynmb.models.inputs import hidden_shape, make_inputs
+from dynmb.runtime.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from dynmb.runtime.checks import PlanDivergenceError
 from dynmb.schedule import from_csv, to_csv, to_str
 from dynmb.core.types import Plan, Schedule
@@ -375,3 +376,25 @@ def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Pla
     logger.debug("rank %d: ran %d microbatches of plan %s through torch's pipelining runtime", rank,
                  plan.num_microbatches, digest[:12])
     return TorchPipeliningResult(loss=float(total.item()), microbatch_losses=shares, digest=digest)
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+__all__ += ["save_pipeline_checkpoint", "load_pipeline_checkpoint"]
+
+
+def save_pipeline_checkpoint(directory: str | Path, stages: nn.Module | Sequence[nn.Module],
+                             optimizer: torch.optim.Optimizer, step: int) -> Path:
+    """Save this rank's stage module(s) and optimizer after ``step`` optimizer steps into ``directory`` with
+    torch.distributed.checkpoint (collective over the world; every rank of every pipeline and replica calls
+    it): global parameter names, the optimizer keyed by them, so it loads at any pipeline depth and dp
+    (``dynmb.runtime.checkpoint``)."""
+    first = stages if isinstance(stages, nn.Module) else next(iter(stages))
+    info = CheckpointInfo(step=step, num_stages=int(getattr(first, "num_stages", 0)))
+    return save_checkpoint(directory, stages, optimizer, info)
+
+
+def load_pipeline_checkpoint(directory: str | Path, stages: nn.Module | Sequence[nn.Module],
+                             optimizer: torch.optim.Optimizer) -> int:
+    """Load a checkpoint (``save_pipeline_checkpoint`` or ``dynmb run --checkpoint``) into this rank's stage
+    module(s) and optimizer, built for this run's layout (collective); returns the steps it was saved after."""
+    return load_checkpoint(directory, stages, optimizer).step

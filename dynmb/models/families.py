@@ -11,6 +11,7 @@ ablation (``masked``: the full rows * padded_len^2).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,13 +28,18 @@ FAMILIES: dict[str, type[DecoderStage]] = {"gpt2": GPTStage, "llama": LlamaStage
 
 
 def build_stage(cfg: ModelConfig, stage: int, num_stages: int, seed: int = 0, *, dtype: torch.dtype | None = None,
-                device: torch.device | str | None = None) -> DecoderStage:
-    """One stage of ``cfg``'s family (what a pipeline rank builds); its weights equal the whole model's."""
+                device: torch.device | str | None = None, weights: Any = None) -> DecoderStage:
+    """One stage of ``cfg``'s family (what a pipeline rank builds), built on the meta device and materialised
+    alone in its final dtype: its weights equal the whole model's of ``seed``, or are read from ``weights`` (a
+    whole model's state dict or safetensors, only this stage's tensors: ``dynmb.models.weights``).
+    ``device="meta"`` leaves it unmaterialised (``DecoderStage.materialise``)."""
     try:
         cls = FAMILIES[cfg.family]
     except KeyError:
         raise ValueError(f"model {cfg.name!r}: unknown family {cfg.family!r}; known: {', '.join(FAMILIES)}") from None
-    return cls(cfg, stage, num_stages, seed=seed, dtype=dtype, device=device)
+    if weights is None:
+        return cls(cfg, stage, num_stages, seed=seed, dtype=dtype, device=device)
+    return cls(cfg, stage, num_stages, dtype=dtype, device="meta").materialise(device, weights=weights)
 
 
 def build_stages(cfg: ModelConfig, num_stages: int, seed: int = 0, *, dtype: torch.dtype | None = None,
@@ -47,6 +53,8 @@ class FamilyFactory:
     """The ``StageFactory`` of a dynmb family (module docstring)."""
 
     config: ModelConfig
+    weights: Any = None
+    """A whole model's state dict or safetensors file every stage reads its tensors from (None: seeded init)."""
     dynmb_family = True
     """Marks dynmb's own families (``dynmb.core.contract.is_family_factory``)."""
 
@@ -56,7 +64,7 @@ class FamilyFactory:
 
     def build_stage(self, stage: int, num_stages: int, *, seed: int = 0, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> DecoderStage:
-        return build_stage(self.config, stage, num_stages, seed, dtype=dtype, device=device)
+        return build_stage(self.config, stage, num_stages, seed, dtype=dtype, device=device, weights=self.weights)
 
 
 def family_factory(cfg: ModelConfig) -> FamilyFactory:

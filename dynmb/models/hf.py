@@ -28,12 +28,17 @@ Not supported (refused with a one-line error): slices of long sequences (no pref
 transformers' attention), full recomputation, the LM head split by vocabulary (``head_split``), a
 stage boundary inside a block (half-blocks or pieces of one, ``layer_split`` such as ``2.5`` or ``2.75``), and
 tied input/output embeddings across more than one stage (the two copies would need their gradients summed between the first and last rank).
-Every rank builds the same weights: ``from_config`` seeds torch's generator before building the
-model, so ranks that build separately hold identical parameters; a loaded checkpoint is identical by
-construction.
+A stage is built alone: ``from_config`` / ``from_pretrained`` build the model on the meta device (no memory)
+and ``build_stage(s, P)`` materialises only the stage's modules, each initialised by the model's own
+``_init_weights`` with torch's generator seeded by ``(seed, global module name)`` or read from the whole
+model's state dict / safetensors (``dynmb.models.weights``), so ranks that build separately hold exactly the
+whole model's parameters. A stage's module tree is the model's cut to it (``model.embed_tokens``,
+``model.layers.<global index>``, ``model.norm``, ``lm_head``): its ``named_parameters()`` and ``state_dict()``
+are transformers' own names, what torch.distributed.checkpoint saves.
 
 The reverse direction: ``llama_to_hf(weights, cfg)`` builds a transformers ``LlamaForCausalLM`` holding
-the weights of a dynmb Llama (``dynmb.models.llama`` names: ``embed.weight``, ``blocks.i.attn.qkv.weight``
+the weights of a dynmb Llama (through ``llama_state_dict_to_hf``: the state dict in transformers' names, loaded with ``strict=True``;
+``dynmb.models.llama`` names: ``embed.weight``, ``blocks.i.attn.qkv.weight``
 split by rows into ``q_proj``/``k_proj``/``v_proj``, ``blocks.i.attn.proj`` -> ``o_proj``,
 ``blocks.i.mlp.gate_up`` split into ``gate_proj``/``up_proj``, ``blocks.i.mlp.down`` -> ``down_proj``,
 ``attn_norm``/``mlp_norm`` -> ``input_layernorm``/``post_attention_layernorm``, ``norm_f`` -> ``norm``,
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -57,8 +63,11 @@ from dynmb.core.config import ModelConfig, split_layers
 from dynmb.models.inputs import IGNORE_INDEX, InputError, MicrobatchInputs, attention_mask
 
 from dynmb.models.pieces import full_weights
+from dynmb.models.seeding import param_seed
+from dynmb.models.weights import load_stage_weights
 
-__all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf", "hf_llama_config", "llama_to_hf"]
+__all__ = ["HFDecoderStage", "HFStageFactory", "model_config_from_hf", "hf_llama_config", "llama_to_hf",
+           "llama_state_dict_to_hf"]
 
 log = logging.getLogger(__name__)
 
@@ -76,30 +85,27 @@ def _parts(causal_lm: nn.Module) -> tuple[Any, nn.Module]:
 class HFDecoderStage(nn.Module):
     """Stage ``stage`` of ``num_stages`` of a transformers causal LM; its modules are the model's own.
 
-    Parameter names are the model's global names without the ``model.`` prefix
-    (``layers.3.self_attn.q_proj.weight``, ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight``).
+    Its module tree is the model's, cut to the stage (``model.embed_tokens``, ``model.layers`` keyed by the
+    global layer index, ``model.norm``, ``lm_head``), so ``named_parameters()`` and ``state_dict()`` give
+    transformers' own names: ``model.layers.3.self_attn.q_proj.weight``, ``lm_head.weight``.
     """
 
     def __init__(self, causal_lm: nn.Module, stage: int, num_stages: int, layers: range) -> None:
         super().__init__()
         base, head = _parts(causal_lm)
-        self.stage, self.num_stages, self.layers = stage, num_stages, layers
+        self.stage, self.num_stages, self.layer_range = stage, num_stages, layers
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self._impl = getattr(causal_lm.config, "_attn_implementation", "sdpa") or "sdpa"
         if self._impl not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {self._impl!r} is not supported for transformers stages "
                              "(use attn_implementation='sdpa' or 'eager')")
-        self.rotary_emb = base.rotary_emb               # buffers only, no parameters
+        self.model = nn.Module()
+        self.model.rotary_emb = base.rotary_emb          # non-persistent buffers only
         if self.is_first:
-            self.embed_tokens = base.embed_tokens
-        self.decoder = nn.ModuleDict({str(i): base.layers[i] for i in layers})
+            self.model.embed_tokens = base.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in layers})
         if self.is_last:
-            self.norm, self.lm_head = base.norm, head
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """Global names: ``decoder.3.`` is reported as ``layers.3.`` (the model's own numbering)."""
-        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield (name.replace("decoder.", "layers.", 1) if name.startswith("decoder.") else name), p
+            self.model.norm, self.lm_head = base.norm, head
 
     def _mask(self, inputs: MicrobatchInputs, dtype: torch.dtype) -> torch.Tensor | None:
         if inputs.attention == "causal" and self._impl == "sdpa":
@@ -116,17 +122,18 @@ class HFDecoderStage(nn.Module):
         if inputs.has_slices:
             raise InputError("slices of long sequences are not supported for transformers stages "
                              "(use --oversize error/truncate/drop)")
+        model: Any = self.model                          # the cut trunk (transformers is untyped here)
         if self.is_first:
-            x = self.embed_tokens(inputs.input_ids)
+            x = model.embed_tokens(inputs.input_ids)
         elif x is None:
             raise ValueError(f"stage {self.stage} needs the hidden state from stage {self.stage - 1}")
-        rotary = self.rotary_emb(x, inputs.position_ids)
+        rotary = model.rotary_emb(x, inputs.position_ids)
         mask = self._mask(inputs, x.dtype)
-        for layer in self.decoder.values():
+        for layer in model.layers.values():
             x = layer(x, attention_mask=mask, position_ids=inputs.position_ids, position_embeddings=rotary)
         if not self.is_last:
             return x
-        logits = self.lm_head(self.norm(x))
+        logits = self.lm_head(model.norm(x))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         ce = F.cross_entropy(logits.flatten(0, 1), inputs.labels.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum" if reduction == "sum" else "none")
@@ -156,35 +163,75 @@ class HFStageFactory:
 
     ``build_stage(s, P)`` returns stage ``s`` of ``P`` sharing the model's modules; ``config`` is the
     dynmb ``ModelConfig`` of its sizes; ``attention_work`` is ``"masked"`` (see the module docstring).
+    Modules still on the meta device (``from_config``, ``from_pretrained``, or a model of the user's own built
+    under ``torch.device("meta")``) are materialised when a stage holding them is built, and only those
+    (``materialise``): filled from ``weights`` (a whole model's state dict or safetensors, reading only the
+    stage's tensors, ``dynmb.models.weights``), else initialised by the model's own ``_init_weights`` with
+    torch's generator seeded per module by ``(seed, global module name)`` (``dynmb.models.seeding``), so a
+    stage holds exactly what the whole model built with the same seed holds.
     """
 
     attention_work = "masked"
 
-    def __init__(self, causal_lm: nn.Module, name: str = "hf") -> None:
+    def __init__(self, causal_lm: nn.Module, name: str = "hf", *, seed: int = 0, weights: Any = None) -> None:
         base, _ = _parts(causal_lm)
         self.model = causal_lm
         self.config = model_config_from_hf(causal_lm.config, name)
         self.num_layers = len(base.layers)
+        self.seed, self.weights = seed, weights
 
     @classmethod
-    def from_config(cls, hf_config: Any, *, seed: int = 0, dtype: torch.dtype | None = None,
-                    name: str = "hf") -> "HFStageFactory":
-        """Build ``AutoModelForCausalLM.from_config(hf_config)`` with torch's generator seeded by ``seed``,
-        so every rank that calls this holds the same weights."""
+    def from_config(cls, hf_config: Any, *, seed: int = 0, dtype: torch.dtype | None = None, name: str = "hf",
+                    weights: Any = None) -> "HFStageFactory":
+        """``AutoModelForCausalLM.from_config(hf_config)`` on the meta device (no memory): every stage built
+        materialises its own modules in ``dtype``, seeded by ``seed`` or read from ``weights`` (class docstring)."""
         from transformers import AutoModelForCausalLM
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
-        return cls(model.to(dtype) if dtype is not None else model, name)
+        return cls(model.to(dtype) if dtype is not None else model, name, seed=seed, weights=weights)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None, name: str | None = None
+                        ) -> "HFStageFactory":
+        """A transformers checkpoint folder (``config.json`` and safetensors): every stage reads only its tensors."""
+        from transformers import AutoConfig
+
+        return cls.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype, name=name or Path(path).name,
+                               weights=Path(path))
 
     def stage_layers(self, num_stages: int) -> list[range]:
         return split_layers(self.num_layers, num_stages)
 
+    def whole_model(self) -> nn.Module:
+        """The whole causal LM, every module materialised (a single-process reference)."""
+        self.materialise(HFDecoderStage(self.model, 0, 1, range(self.num_layers)))
+        return self.model
+
+    def materialise(self, stage: nn.Module) -> None:
+        """Give ``stage``'s modules still on the meta device storage on the CPU and fill them (class docstring)."""
+        fresh = [(n, m) for n, m in stage.named_modules()
+                 if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+        if not fresh:
+            return
+        init_weights = getattr(self.model, "_init_weights")
+        with torch.random.fork_rng(devices=[]):
+            for name, module in fresh:
+                module.to_empty(device="cpu", recurse=False)
+                if self.weights is None or any(True for _ in module.buffers(recurse=False)):
+                    torch.manual_seed(param_seed(self.seed, name))
+                    init_weights(module)
+        if self.weights is not None:            # a tied head is the embedding (files often omit it): tied below
+            names = {f"{n}.{k}" if n else k for n, m in fresh for k in m.state_dict(keep_vars=True) if "." not in k}
+            load_stage_weights(stage, self.weights, names=names - ({"lm_head.weight"} if self.config_tied else set()))
+        if self.config_tied:
+            cast(Any, self.model).tie_weights()
+
     def build_stage(self, stage: int, num_stages: int, *, seed: int = 0, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> HFDecoderStage:
-        """Stage ``stage`` of ``num_stages``. ``seed`` is unused (the weights are the model's); ``dtype`` and
-        ``device`` move the shared modules (the whole model's, for one process holding every stage)."""
+        """Stage ``stage`` of ``num_stages``. ``seed`` is unused (the factory's ``seed`` initialises modules still
+        on the meta device); ``dtype`` and ``device`` move the shared modules (the whole model's, for one process
+        holding every stage); ``device="meta"`` leaves modules not yet materialised on the meta device."""
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} out of range for {num_stages} stages")
         if self.config.half_split and num_stages > 1:
@@ -198,6 +245,9 @@ class HFStageFactory:
             raise ValueError("tied input/output embeddings across pipeline stages are not supported; "
                              "set tie_word_embeddings=False in the transformers config")
         built = HFDecoderStage(self.model, stage, num_stages, self.stage_layers(num_stages)[stage])
+        if device is not None and torch.device(device).type == "meta":
+            return built                          # left on the meta device: ``materialise(stage)`` later
+        self.materialise(built)
         return built.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else built
 
     @property
@@ -220,14 +270,11 @@ def hf_llama_config(cfg: ModelConfig) -> Any:
                        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False)
 
 
-def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
-    """A transformers ``LlamaForCausalLM`` (fp32 unless ``cfg.dtype`` says otherwise) holding the dynmb
-    Llama's weights (module docstring): ``weights`` is ``{global name: tensor}`` or an iterable of its
-    stages (every layer present once)."""
-    from transformers import LlamaForCausalLM
-
+def llama_state_dict_to_hf(weights: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers ``LlamaForCausalLM``'s state dict (its names, ``load_state_dict(strict=True)`` takes it) from
+    a dynmb Llama's ``{global name: tensor}`` or its stages (every layer present once; module docstring)."""
     if not isinstance(weights, dict):
-        weights = {n: p for stage in weights for n, p in stage.named_parameters()}
+        weights = {n: t for stage in weights for n, t in stage.state_dict().items()}
     p = {n: t.detach() for n, t in weights.items()}
     if cfg.layer_split is not None:                # pieces of half-blocks, shards of the head: joined
         try:
@@ -239,21 +286,29 @@ def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
         f"blocks.{i}" for i in range(cfg.n_layers) if f"blocks.{i}.attn.qkv.weight" not in p)
     if missing:
         raise ValueError(f"llama_to_hf: weights of model {cfg.name!r} lack {', '.join(missing[:5])}")
-    model = LlamaForCausalLM(hf_llama_config(cfg)).to(p["embed.weight"].dtype)
     h, kv, f = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.d_ff
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(p["embed.weight"])
-        for i, layer in enumerate(model.model.layers):
-            b = f"blocks.{i}."
-            qkv, gate_up = p[b + "attn.qkv.weight"], p[b + "mlp.gate_up.weight"]
-            attn, mlp = layer.self_attn, layer.mlp
-            for dst, src in ((attn.q_proj, qkv[:h]), (attn.k_proj, qkv[h:h + kv]), (attn.v_proj, qkv[h + kv:]),
-                             (attn.o_proj, p[b + "attn.proj.weight"]), (mlp.gate_proj, gate_up[:f]),
-                             (mlp.up_proj, gate_up[f:]), (mlp.down_proj, p[b + "mlp.down.weight"]),
-                             (layer.input_layernorm, p[b + "attn_norm.weight"]),
-                             (layer.post_attention_layernorm, p[b + "mlp_norm.weight"])):
-                dst.weight.copy_(src)
-        model.model.norm.weight.copy_(p["norm_f.weight"])
-        if not cfg.tie_embeddings:
-            model.lm_head.weight.copy_(p["lm_head.weight"])
+    out = {"model.embed_tokens.weight": p["embed.weight"], "model.norm.weight": p["norm_f.weight"],
+           "lm_head.weight": p["embed.weight" if cfg.tie_embeddings else "lm_head.weight"]}
+    for i in range(cfg.n_layers):
+        b, hf = f"blocks.{i}.", f"model.layers.{i}."
+        qkv, gate_up = p[b + "attn.qkv.weight"], p[b + "mlp.gate_up.weight"]
+        out.update({hf + "self_attn.q_proj.weight": qkv[:h], hf + "self_attn.k_proj.weight": qkv[h:h + kv],
+                    hf + "self_attn.v_proj.weight": qkv[h + kv:], hf + "self_attn.o_proj.weight": p[b + "attn.proj.weight"],
+                    hf + "mlp.gate_proj.weight": gate_up[:f], hf + "mlp.up_proj.weight": gate_up[f:],
+                    hf + "mlp.down_proj.weight": p[b + "mlp.down.weight"],
+                    hf + "input_layernorm.weight": p[b + "attn_norm.weight"],
+                    hf + "post_attention_layernorm.weight": p[b + "mlp_norm.weight"]})
+    return out
+
+
+def llama_to_hf(weights: Any, cfg: ModelConfig) -> nn.Module:
+    """A transformers ``LlamaForCausalLM`` (the weights' dtype) holding the dynmb Llama's weights
+    (``llama_state_dict_to_hf``, loaded with ``strict=True``): ``weights`` is ``{global name: tensor}`` or an
+    iterable of its stages (every layer present once)."""
+    from transformers import LlamaForCausalLM
+
+    state = llama_state_dict_to_hf(weights, cfg)
+    model: Any = LlamaForCausalLM(hf_llama_config(cfg))
+    model = model.to(state["model.embed_tokens.weight"].dtype)
+    model.load_state_dict(state, strict=True)
     return model

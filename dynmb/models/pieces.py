@@ -41,9 +41,9 @@ from dynmb.core.model_sizes import SUB_CHUNKS, HalfPiece
 
 from dynmb.models.attention import PositionTables
 from dynmb.models.head import full_head_weight, head_name
-from dynmb.models.seeding import param_seed
+from dynmb.models.seeding import fill_normal_, param_seed
 
-__all__ = ["PiecedBlock", "WHOLE", "piece_name", "store_key", "chunk_width", "cut", "seed_weight_", "whole_name", "full_weights", "run_half",
+__all__ = ["PiecedBlock", "WHOLE", "piece_name", "store_key", "chunk_width", "cut", "piece_cutter", "seed_weight_", "whole_name", "full_weights", "run_half",
            "CUT_AXIS"]
 
 WHOLE = range(SUB_CHUNKS)
@@ -105,6 +105,17 @@ def whole_name(name: str) -> str:
     return name if m is None else f"blocks.{m[1]}.{m[2]}.{m[4]}.{m[5]}"
 
 
+def piece_cutter(name: str, cfg: ModelConfig,
+                 chunks_of: Callable[[int, str], range]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How parameter ``name``'s values come out of the whole model's ``whole_name(name)``: ``cut`` for a
+    piece, None when it is the whole tensor (a whole half, or a piece's uncut output bias)."""
+    m = _PIECE.match(name)
+    if m is None or (CUT_AXIS[(m[2], m[4])] == 1 and m[5] == "bias"):
+        return None
+    layer, part, linear = int(m[1]), m[2], m[4]
+    return lambda whole: cut(whole, cfg, part, linear, chunks_of(layer, part))
+
+
 @torch.no_grad()
 def seed_weight_(p: torch.Tensor, seed: int, name: str, std: float, cfg: ModelConfig,
                  chunks_of: Callable[[int, str], range]) -> None:
@@ -114,7 +125,7 @@ def seed_weight_(p: torch.Tensor, seed: int, name: str, std: float, cfg: ModelCo
     m = _PIECE.match(name)
     g = torch.Generator().manual_seed(param_seed(seed, whole_name(name)))
     if m is None:
-        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        fill_normal_(p, g, std)
         return
     layer, part, linear = int(m[1]), m[2], m[4]
     width = sum(_segments(cfg, part, linear))

@@ -5,6 +5,12 @@
 parameter's initial value depends only on the run's seed and its global name
 ("blocks.3.attn.qkv.weight"), never on which stage or rank builds it: stages built
 separately on different ranks hold exactly the weights of the whole model.
+
+``fill_normal_`` draws N(0, std) in fp32 in pieces of ``DRAW_ELEMENTS`` elements into a tensor of any
+dtype: torch's CPU ``randn`` fills a contiguous tensor 16 values at a time from the generator's stream
+(redrawing the last 16 when the size is not a multiple of 16), so pieces whose sizes are multiples of 16
+(the last one at least 16) give the values of one whole draw. A parameter is filled in its final dtype
+with at most one fp32 piece alive, never an fp32 copy of it.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ import hashlib
 
 import torch
 
-__all__ = ["param_seed", "seeded_normal_"]
+__all__ = ["param_seed", "seeded_normal_", "fill_normal_", "DRAW_ELEMENTS"]
+
+DRAW_ELEMENTS = 1 << 21
+"""Elements of one fp32 draw (8 MiB): a multiple of 16."""
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -22,7 +31,20 @@ def param_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
+def fill_normal_(p: torch.Tensor, generator: torch.Generator, std: float) -> None:
+    """Fill the contiguous ``p`` with N(0, std) drawn in fp32 from ``generator``, piece by piece
+    (module docstring): the values of ``torch.randn(p.shape, generator=generator) * std``."""
+    flat = p.view(-1)
+    n, at = flat.numel(), 0
+    while at < n:
+        k = min(DRAW_ELEMENTS, n - at)
+        if n - at - k < 16:                 # a short tail joins this piece (torch redraws a tail of < 16)
+            k = n - at
+        flat[at:at + k].copy_(torch.randn(k, generator=generator, dtype=torch.float32).mul_(std))
+        at += k
+
+
+@torch.no_grad()
 def seeded_normal_(p: torch.Tensor, seed: int, name: str, std: float) -> None:
     """Fill ``p`` with N(0, std) drawn in fp32 from the generator of ``(seed, name)``."""
-    g = torch.Generator().manual_seed(param_seed(seed, name))
-    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+    fill_normal_(p, torch.Generator().manual_seed(param_seed(seed, name)), std)

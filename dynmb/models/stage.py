@@ -44,8 +44,9 @@ from dynmb.models.inputs import IGNORE_INDEX, MicrobatchInputs, torch_dtype
 from dynmb.core.model_sizes import HalfPiece
 
 from dynmb.models.head import head_name, shard_loss
-from dynmb.models.pieces import seed_weight_, store_key
+from dynmb.models.pieces import piece_cutter, seed_weight_, store_key, whole_name
 from dynmb.models.recompute import RecomputedBlock, RecomputedHead
+from dynmb.models.weights import WeightRef
 
 __all__ = ["DecoderStage"]
 
@@ -80,9 +81,25 @@ class DecoderStage(nn.Module):
         """Whether this stage runs the final norm (the first stage holding head rows)."""
         self.is_shard = len(self.vocab) not in (0, cfg.vocab_size)
         """Whether this stage holds a shard of a head split by vocabulary (``dynmb.models.head``)."""
-        self._build()
-        self.reset_parameters(seed)
-        self.to(device=device, dtype=dtype or torch_dtype(cfg))
+        with torch.device("meta"):
+            self._build()
+        self.to(dtype=dtype or torch_dtype(cfg))
+        if torch.device(device if device is not None else "cpu").type != "meta":
+            self.materialise(device, seed)
+
+    def materialise(self, device: torch.device | str | None = None, seed: int = 0,
+                    weights: Any = None) -> "DecoderStage":
+        """Give the meta-device stage storage on ``device`` (default CPU) in its dtype and fill it: the whole
+        model's initial values of ``seed`` (``reset_parameters``), or the stage's tensors of ``weights``, a
+        whole model's state dict or safetensors file (``dynmb.models.weights.load_stage_weights``)."""
+        from dynmb.models.weights import load_stage_weights
+
+        self.to_empty(device=device if device is not None else "cpu")
+        if weights is None:
+            self.reset_parameters(seed)
+        else:
+            load_stage_weights(self, weights)
+        return self
 
     # --- family hooks -------------------------------------------------------------
     def _build(self) -> None:
@@ -119,6 +136,13 @@ class DecoderStage(nn.Module):
     def seed_weight_(self, p: torch.Tensor, seed: int, name: str, std: float) -> None:
         """N(0, std) of generator ``(seed, whole name)``, a piece's as its slice (``dynmb.models.pieces``)."""
         seed_weight_(p, seed, name, std, self.cfg, self.chunks_of)
+
+    def weight_ref(self, name: str) -> WeightRef:
+        """Where parameter ``name`` lives in the whole model (``dynmb.models.weights``): a head shard's rows of
+        ``lm_head.weight``, a piece's cut of its whole weight, else the same name."""
+        if name.startswith("lm_head_"):
+            return WeightRef("lm_head.weight", rows=self.vocab)
+        return WeightRef(whole_name(name), cut=piece_cutter(name, self.cfg, self.chunks_of))
 
     def embed_inputs(self, inputs: MicrobatchInputs) -> torch.Tensor:
         """First stage: token ids -> hidden state ``(batch, padded_len, d_model)``."""

@@ -130,6 +130,7 @@ class RunState:
         self.ops = device_ops(device)     # the device seam; also the clock the actions are timed with
         self.clock = self.ops
         self.seen_shapes: set[tuple[int, int]] = set()  # (rows, padded_len) run so far (prewarm included)
+        self.first_step = 0        # the step a resumed run goes on from (``checkpoint.resume_run``)
 
     @property
     def rank(self) -> int:

@@ -66,6 +66,7 @@ import torch.distributed as dist
 
 from dynmb.io.atomic import write_text_atomic
 from dynmb.io.results import set_run_status
+from dynmb.runtime.checkpoint import resume_run, save_due
 from dynmb.runtime.checks import PlanDivergenceError, StepCheckError
 from dynmb.runtime.device import DeviceOps, bind_device, device_ops
 from dynmb.runtime.hooks import StepHooks, load_hooks
@@ -104,6 +105,7 @@ def _open_run(spec: RunSpec, device: torch.device, recorder: Recorder, hooks: St
     run = spec.run
     history = histories.setdefault((run.model, run.pipeline.num_stages, run.cost_model), [])
     state = RunState(spec, device, hooks if hooks is not None else load_hooks(spec.hooks), history)
+    state.first_step = resume_run(state)
     if state.rank == 0:
         recorder.run_started(spec, backend=dist.get_backend(), device=str(device),
                              world_size=state.topology.world_size)
@@ -136,6 +138,7 @@ def _step(state: RunState, step: int, recorder: Recorder) -> None:
         raise StepCheckError("; ".join(problems))
     if state.calibrates:
         state.record([a for r in gathered for a in r.actions])
+    save_due(state, step)
     gc.collect()
 
 
@@ -206,7 +209,7 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
             for step in range(max(s.run.warmup + s.run.steps for s in states)):
                 for i in range(len(states)):
                     state = states[(i + step) % len(states)]
-                    if step < state.run.warmup + state.run.steps:
+                    if state.first_step <= step < state.run.warmup + state.run.steps:
                         _step(state, step, recorder)
             _finish(states, recorder)
         finally:
