@@ -115,6 +115,17 @@ def with_virtual_choice(args: argparse.Namespace, *, model: str | None = None,
                                  "virtual_choice": choice, **layout})
 
 
+def stage_split_arg(text: str) -> str:
+    """argparse type of ``--stage-split``: even, auto or a comma-separated list, never empty."""
+    value = text.strip()
+    if not value or not value.strip(","):
+        raise argparse.ArgumentTypeError(f"empty ({text!r}); give even, auto or layers per stage such as 2,2")
+    return value
+
+
+stage_split_arg.__name__ = "even, auto or a list"
+
+
 def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "small") -> None:
     """``--model`` (``default`` None: a verb that reads the model from its plan), ``--attention``,
     ``--stage-split``."""
@@ -128,7 +139,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "s
                         help="auto (default): causal attention without a mask for one document per row, "
                              "document-causal (sum of s_i^2) for packed rows; dense: the (s, s) mask on every row "
                              "(ablation)")
-    parser.add_argument("--stage-split", default="even",
+    parser.add_argument("--stage-split", default="even", type=stage_split_arg,
                         help="layers per pipeline stage: even (default), auto (balance the stages' work, embedding "
                              "and LM head included, in half-blocks or eighths of them (K/V-head groups, MLP "
                              "columns) where 1%% lighter: the forward + backward of every sequence of "

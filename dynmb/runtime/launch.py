@@ -37,7 +37,8 @@ launcher finishes the job's ``runs`` rows (``status`` ok / failed / interrupted,
 the first failure line; in a job that failed no row keeps ``ok`` unless its case was closed
 before the failure, so a run whose command exits non-zero never reads ``ok``, and a status that
 cannot be written, ``ENOSPC``, is one more failure line naming the file) and, unless the job succeeded, drops ``actions``/``memory`` rows of
-steps without a ``steps`` row, so the tables hold complete steps only (``complete_steps``).
+steps without a ``steps`` row, so the tables hold complete steps only (``complete_steps``); every row of
+the job's runs gets a ``case`` column (the run's label, else its method: ``dynmb.io.results.tag_runs``).
 ``write_spec`` gives a run spec's JSON form, for scripts that build jobs as dicts.
 """
 
@@ -60,7 +61,7 @@ from tqdm.auto import tqdm
 from dynmb.core.config import RunConfig
 from dynmb.io.hostinfo import cores_warning
 from dynmb.io.outdir import lock_out_dir
-from dynmb.io.results import ResultsError, drop_incomplete_steps, run_ids_in, set_run_status
+from dynmb.io.results import ResultsError, drop_incomplete_steps, run_ids_in, set_run_status, tag_runs
 from dynmb.runtime.processes import Ended, StopSignals, alive, die_with_parent, wait_or_stop
 from dynmb.runtime.spec import JobSpec, RunSpec
 
@@ -213,6 +214,7 @@ def _finish(job: JobSpec, proc: subprocess.Popen, ended: Ended, log: str, guard_
             else:       # a failed job: no row says ok unless its case was closed before the failure
                 set_run_status(out_dir, [r for r in ids if r not in closed], status, failures[0], keep=())
             complete.update({r: tuple(s) for r, s in drop_incomplete_steps(out_dir, ids).items()})
+            tag_runs(out_dir, {c.run_id: {"case": c.display_label} for c in job.cases if c.run_id in ids})
         except (OSError, ResultsError) as e:           # ENOSPC, a table cut by it: one line naming the file
             fname, strerror = getattr(e, "filename", None), getattr(e, "strerror", None)
             line = (f"dynmb run: writing the runs' status in {out_dir} failed: "
