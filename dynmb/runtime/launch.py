@@ -284,7 +284,10 @@ def failure_lines(out_dir: Path, log: str) -> list[str]:
         signalled = code < 0 and -code in signal.valid_signals()
         how = f"signal {signal.Signals(-code).name}" if signalled else f"exit code {code}"
         out.append(f"dynmb run: rank {root} died ({how}) without a Python error")
+    same = [r for r, e in sorted(files.items()) if r != root and root in files and e == files[root]]
     if root in files:
-        out.append(f"dynmb run: rank {root} failed: {files[root]}")
-    out += [f"dynmb run: rank {r} failed after rank {root}: {e}" for r, e in sorted(files.items()) if r != root]
+        also = f" (rank(s) {', '.join(map(str, same))}: the same error)" if same else ""
+        out.append(f"dynmb run: rank {root} failed: {files[root]}{also}")
+    out += [f"dynmb run: rank {r} failed after rank {root}: {e}" for r, e in sorted(files.items())
+            if r != root and r not in same]
     return out

@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from dynmb.io.atomic import write_text_atomic
 from dynmb.io.results import set_run_status
-from dynmb.runtime.checks import PlanDivergenceError, StepCheckError
+from dynmb.runtime.checks import PlanDivergenceError, StepCheckError, problem_line
 from dynmb.runtime.device import DeviceOps, bind_device, device_ops
 from dynmb.runtime.hooks import StepHooks, load_hooks
 from dynmb.runtime.hostmem import prefault, retain_freed_memory
@@ -146,7 +146,7 @@ def _step(state: RunState, step: int, recorder: Recorder, position: int = 0) -> 
         warm = "warm-up " if step < run.warmup else ""
         print(f"{PROGRESS}{state.spec.run_id} {warm}step {step}: {row['step_s']:.2f} s", flush=True)
     if problems:
-        raise StepCheckError("; ".join(problems))
+        raise StepCheckError(problem_line(step, problems))
     if state.calibrates:
         state.record([a for r in gathered for a in r.actions])
     gc.collect()
