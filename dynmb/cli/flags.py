@@ -161,10 +161,17 @@ def add_model_file_flags(parser: argparse.ArgumentParser, *, from_plan: bool = F
 
 @functools.lru_cache(maxsize=4)
 def _resolved(spec: str) -> Any:
-    """``resolve_model(spec)`` once per command (a factory may build a whole model when called)."""
+    """``resolve_model(spec)`` once per command (a factory may build a whole model when called); a factory
+    that raises anything is one ``ValueError`` line naming it, not a traceback."""
     from dynmb.models.contract import resolve_model
 
-    return resolve_model(spec)
+    try:
+        return resolve_model(spec)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's factory may raise anything
+        text = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"--model {spec}: the factory raised {type(e).__name__}: {text}") from None
 
 
 def factory_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> Any:

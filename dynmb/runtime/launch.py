@@ -12,7 +12,9 @@ runs under a user's own ``torchrun --nnodes N --node-rank K --rdzv-endpoint HOST
 -m dynmb.runtime.worker --spec SPEC`` for multi-node runs (see ``dynmb.runtime.worker``).
 
 Before torchrun starts, ``JobSpec.check()`` checks the job (names, files, output folder, run
-ids: a bad input costs no torchrun start and writes nothing) and the rank count.
+ids: a bad input costs no torchrun start and writes nothing) and the rank count, and
+``preflight.preflight`` what the ranks would refuse: every stage built on the meta device, the first
+batches planned as the ranks will plan them.
 
 Faults never hang: the worker's process groups time out after ``run_cfg.timeout_s``; a
 rank that raises writes ``out_dir/errors/rank<k>.txt`` and exits 1, and torchrun's agent
@@ -62,6 +64,7 @@ from dynmb.core.config import RunConfig
 from dynmb.io.hostinfo import cores_warning
 from dynmb.io.outdir import lock_out_dir
 from dynmb.io.results import ResultsError, drop_incomplete_steps, run_ids_in, set_run_status, tag_runs
+from dynmb.runtime.preflight import preflight
 from dynmb.runtime.processes import Ended, StopSignals, alive, die_with_parent, wait_or_stop
 from dynmb.runtime.spec import JobSpec, RunSpec
 
@@ -132,6 +135,8 @@ def launch_job(job: JobSpec, nproc: int, *, guard_s: float | None = None, quiet:
             raise ValueError(f"--nproc {nproc} does not match stages {case.run.pipeline.num_stages} / virtual "
                              f"{case.run.pipeline.virtual} x dp {case.run.dp} = {want} ranks")
     job.check()
+    for case in job.cases:                     # what the ranks would refuse: the stages, the first batches
+        preflight(case)
     with lock_out_dir(job.out_dir) as out:     # one writer per folder; a foreign table refused untouched
         return _launch_locked(job, nproc, out, guard_s, quiet=quiet, progress=progress)
 
