@@ -74,6 +74,17 @@ VIRTUAL_ENABLE = ("give --cost-model a layout-free cost-model JSON (analytic or 
 """What ``--virtual auto`` asks for where V cannot be chosen by simulated step."""
 
 
+def virtual_enable(args: argparse.Namespace) -> str:
+    """What ``--virtual auto`` asks for: ``VIRTUAL_ENABLE`` less the flags ``args`` already has (a verb with
+    data flags always has a trace and a global batch, given or by default)."""
+    given = getattr(args, "cost_model", None)
+    model = ("give --cost-model a layout-free cost-model JSON (analytic or gpu kind)" if given is None else
+             f"--cost-model {given} must be a layout-free cost model (analytic or gpu kind)")
+    if hasattr(args, "global_batch") and hasattr(args, "dataset"):
+        return model
+    return VIRTUAL_ENABLE if given is None else f"{model}, --dataset or --lengths, and --global-batch"
+
+
 def virtual_arg(text: str) -> int | str:
     """argparse type of ``--virtual``: model chunks per GPU, an integer >= 1, or ``auto``."""
     if text.strip() == "auto":
@@ -109,7 +120,7 @@ def with_virtual_choice(args: argparse.Namespace, *, model: str | None = None,
     cfg = model_from_args(base)
     choice = choose_virtual(cfg, gpus, split, search=split_search_of(base, cfg, gpus), workload=workload_of(args),
                             cost_model=getattr(args, "cost_model", None), half_blocks=not names_factory(spec),
-                            enable=VIRTUAL_ENABLE)
+                            enable=virtual_enable(args))
     layout = {} if choice.layout is None else {"virtual_layout": choice.layout, "stage_split": "even"}
     return argparse.Namespace(**{**vars(args), "stages": gpus * choice.virtual, "virtual": choice.virtual,
                                  "virtual_choice": choice, **layout})
