@@ -204,6 +204,9 @@ class RunSpec:
             check_plan_spec(spec, run.model, get_memory_model(self.memory_model, run.model, spec.num_stages))
         if not run.timeout_s > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
+        if self.plan is None and run.global_batch < run.dp:
+            raise ValueError(f"--global-batch {run.global_batch} is smaller than --dp {run.dp}: every data-parallel "
+                             "replica needs at least one sequence of the global batch")
         check_device(run.backend, run.device)
 
     def check(self) -> None:
