@@ -28,7 +28,7 @@ from typing import Any
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
                              model_from_args, names_factory, nonnegative_int, positive_int, virtual_arg,
                              warn_own_model_stand_ins, with_virtual_choice)
-from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file
+from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file, refuse_split_conflict
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
@@ -160,28 +160,12 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
             theirs = in_plan.name if isinstance(in_plan, ModelConfig) else in_plan
             raise ValueError(f"--{flag} {shown} conflicts with the plan {args.plan}, which has {flag} {theirs}; "
                              "leave the flag out to run the plan as it is")
-    _refuse_split_conflict(args, plan, model)
+    refuse_split_conflict(args, plan, model)
     for flag in ("oversize", "recompute", "reorder", "slice_fitting"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} plans a batch; --plan {args.plan} runs that plan as it is")
     if args.plan_ahead:
         raise ValueError(f"--plan-ahead plans the steps' batches; --plan {args.plan} runs that plan every step")
-
-
-def _refuse_split_conflict(args: argparse.Namespace, plan: Plan, model: ModelConfig) -> None:
-    """``--stage-split`` with ``--plan``: only the plan's own split (one ``ValueError`` line otherwise)."""
-    given = getattr(args, "stage_split", None)
-    if given is None:
-        return
-    from dynmb.planning.stage_split import resolve_stage_split
-
-    theirs = ",".join(f"{v:g}" for v in model.layer_split) if model.layer_split else "even"
-    if given != "auto":
-        asked = resolve_stage_split(replace(model, layer_split=None, head_split=None), plan.num_stages, given)
-        if asked.layer_split == model.layer_split:
-            return
-    raise ValueError(f"--stage-split {given} conflicts with the plan {args.plan}, which has stage split {theirs}; "
-                     "leave the flag out to run the plan as it is")
 
 
 def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "cpu"
