@@ -3,7 +3,9 @@
 ``preflight(spec)`` runs after ``RunSpec.check`` for every case of a job (``launch.launch_job``):
 
 1. The model: the run's factory (``RunSpec.factory()``: a user's ``package.module:factory``, a
-   transformers model or dynmb's family) builds every stage on the meta device (no memory, no weights),
+   transformers model or dynmb's family) builds every stage under ``torch.device("meta")`` (new tensors
+   take no memory and get no values; modules a factory already holds, as transformers factories share
+   their model's, are neither copied nor moved),
    as rank ``stage mod ranks`` will build it for real; a factory that raises, or a stage that is not a
    ``StageModule`` of the right index, is one ``ValueError`` naming the rank, the stage and the cause.
 2. The data: the batches the ranks will plan first are planned here, the same way
@@ -53,7 +55,8 @@ def check_stages(spec: RunSpec) -> None:
         raise ValueError(f"{what}: the factory raised {type(e).__name__}: {_first_line(e)}") from None
     for k in range(stages):
         try:
-            module = factory.build_stage(k, stages, seed=run.seed, device=torch.device("meta"))
+            with torch.device("meta"):     # new tensors on meta; a factory's shared modules are left where they are
+                module = factory.build_stage(k, stages, seed=run.seed)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{what}: rank {k % ranks} cannot build stage {k} of {stages}: {type(e).__name__}: "
                              f"{_first_line(e)}") from None
