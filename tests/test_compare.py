@@ -108,3 +108,19 @@ def test_compare_on_one_rank_with_virtual_stages(tmp_path, capsys):
     assert (mem["peak_bytes"] <= mem["limit_bytes"]).all()
     with pytest.raises(SystemExit):
         main(["compare", "--virtual", "2", "--device", "tpu"])
+
+
+@pytest.mark.slow
+def test_compare_repeats_pair_within_each_repeat_and_measure_the_noise(tmp_path, capsys):
+    out = tmp_path / "rep"
+    rc = main(["compare", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "8", "--steps", "2",
+               "--warmup", "0", "--methods", "fixed,dynamic", "--memory-limit", "24MiB", "--no-fixed-best",
+               "--repeats", "2", "--order-seed", "5", "--out", str(out)])
+    assert rc == 0
+    steps = pd.read_csv(out / "steps.csv")
+    assert sorted(set(steps["repeat"])) == [0, 1] and steps["run_id"].nunique() == 4
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["pairs"] == 4 and verdict["box"]["repeats"] == 2 and verdict["box"]["order_seed"] == 5
+    assert verdict["box"]["repeat_noise"] >= 0 and "over 2 repeats" in capsys.readouterr().out
+    # a second job into the same folder is refused; --append adds to it
+    assert main(["compare", "--model", "tiny", "--out", str(out)]) == 2

@@ -57,3 +57,19 @@ def test_replicas_take_the_first_replicas_weights(tmp_path) -> None:
 
 def test_a_single_replica_is_left_alone() -> None:
     assert sync_replicas([nn.Linear(2, 2)], None) == []
+
+
+def test_a_failed_check_is_one_line_and_said_once_for_ranks_with_the_same_error(tmp_path) -> None:
+    from dynmb.runtime.checks import problem_line
+    from dynmb.runtime.launch import failure_lines
+
+    problems = [f"rank {r} step 0 param layers.{i}.w: max abs error 0.1 > 1e-05 x max|ref| 1" for r in (0, 1)
+                for i in range(5)]
+    line = problem_line(0, problems)
+    assert "\n" not in line and line.startswith("step 0: gradients differ from the single-process reference")
+    assert "9 more on rank(s) 0, 1" in line and len(line) < 300
+    (tmp_path / "errors").mkdir()
+    for rank in range(4):
+        (tmp_path / "errors" / f"rank{rank}.txt").write_text(f"rank: {rank}\nerror: StepCheckError: {line}\n")
+    lines = failure_lines(tmp_path, "")
+    assert lines == [f"dynmb run: rank 0 failed: StepCheckError: {line} (rank(s) 1, 2, 3: the same error)"]
