@@ -85,6 +85,7 @@ import hashlib
 import inspect
 import logging
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, cast
@@ -322,13 +323,16 @@ def _hidden_dtype(stages: Sequence[nn.Module], settings: TorchPipeliningSettings
 
 
 # --- the step ----------------------------------------------------------------------------------
+_SYNCED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Stage modules that already took the first replica's weights (``_start_identical``)."""
+
+
 def _start_identical(stages: Sequence[nn.Module], replica_group: dist.ProcessGroup | None) -> None:
-    """Once per stage module: the first replica's weights (a marker attribute records it was done)."""
-    fresh = [st for st in stages if not getattr(st, "_dynmb_replicas_synced", False)]
+    """Once per stage module: the first replica's weights."""
+    fresh = [st for st in stages if st not in _SYNCED]
     if replica_group is not None and fresh:
         sync_replicas(fresh, replica_group)
-        for st in fresh:
-            st._dynmb_replicas_synced = True
+        _SYNCED.update(fresh)
 
 
 def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Plan, schedule: Schedule | str | Path,

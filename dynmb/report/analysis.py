@@ -245,7 +245,7 @@ class Summary(pd.DataFrame):
     derived from it (``reset_index``, selections) is a plain ``DataFrame``."""
 
     @property
-    def _constructor(self):  # type: ignore[override]
+    def _constructor(self):
         return pd.DataFrame
 
     def readable(self) -> pd.DataFrame:

@@ -191,17 +191,15 @@ def compare_figure(summary: pd.DataFrame, title: str | None = None, *, compact: 
     height = 1.4 + 0.32 * len(df)
     has_ratio = "x_dynamic" in df.columns and df["x_dynamic"].notna().any()
     if compact and has_ratio:
-        fig, ax2 = plt.subplots(figsize=(6.4, height))
-        axes = [ax2]
-        _ratio_panel(ax2, df)
-        ax2.set_yticks(range(len(df)), df["case"], fontsize=9)
+        fig, ax = plt.subplots(figsize=(6.4, height))
+        _ratio_panel(ax, df)
+        ax.set_yticks(range(len(df)), df["case"], fontsize=9)
     else:
-        fig, axes = plt.subplots(1, 2 if has_ratio else 1, figsize=(11.0 if has_ratio else 6.4, height),
+        fig, grid = plt.subplots(1, 2 if has_ratio else 1, figsize=(11.0 if has_ratio else 6.4, height),
                                  squeeze=False, sharey=True)
-        axes = list(axes[0])
-        _throughput_panel(axes[0], df, steps)
+        _throughput_panel(grid[0, 0], df, steps)
         if has_ratio:
-            _ratio_panel(axes[1], df)
+            _ratio_panel(grid[0, 1], df)
     keys = [Patch(color=_METHOD_COLORS.get(m, "#555555"), label=m) for m in dict.fromkeys(df["method"].astype(str))]
     fig.legend(handles=keys, loc="lower center", ncol=min(len(keys), 8), fontsize=8, frameon=False)
     fig.suptitle((title or "throughput per case") + (f" ({steps}; * best in hindsight)"), fontsize=9)
