@@ -10,7 +10,8 @@
    ``StageModule`` of the right index, is one ``ValueError`` naming the rank, the stage and the cause.
 2. The data: the batches the ranks will plan first are planned here, the same way
    (``planning.plan_step`` with the run's ``PlanSpec``, cost and memory models, on the trace or the
-   corpus's token counts): step 0, and the step holding the run's longest sequence when that is another.
+   corpus's token counts): step 0, and the step holding the run's longest sequence when that is another
+   (``slice_fitting`` off: slicing sequences that fit only adds options, and costs minutes at scale).
    What ``dynmb plan`` refuses for them (a limit below the model states, a sequence longer than any row,
    a position limit shorter than the data, data parallelism over too few sequences) is one line naming
    the step and the sequence's trace row (corpus record), not its position in the batch.
@@ -82,9 +83,10 @@ def check_first_batches(spec: RunSpec) -> None:
     longest = int(np.argmax([trace[r].max() for r in rows]))
     cost = cost_model_for(run.cost_model, run.model, run.pipeline.num_stages, run.pipeline.virtual)
     memory = get_memory_model(spec.memory_model, run.model, run.pipeline.num_stages)
+    spec_of = run.plan_spec.with_(slice_fitting="never")      # slicing what fits only adds options, at a cost
     for k in dict.fromkeys((0, longest)):
         try:
-            plan_step(trace[rows[k]], run.plan_spec, model_cfg=run.model, cost_model=cost, memory_model=memory)
+            plan_step(trace[rows[k]], spec_of, model_cfg=run.model, cost_model=cost, memory_model=memory)
         except ValueError as e:
             source = "corpus record" if spec.corpus is not None else "trace row"
             raise ValueError(f"step {k}: {_with_rows(_first_line(e), rows[k], source)}") from None
