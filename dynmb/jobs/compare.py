@@ -49,11 +49,12 @@ import contextlib
 import functools
 import json
 import secrets
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
@@ -73,7 +74,7 @@ from dynmb.planning.spec_check import uses_pack_len
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.report.plots import compare_throughput, gantt
-from dynmb.io.results import load_results, set_run_status, tag_runs, write_table
+from dynmb.io.results import TABLES, load_results, set_run_status, tag_runs, write_table
 from dynmb.packing import METHODS
 from dynmb.runtime.launch import LaunchResult, default_backend_device, launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
@@ -218,6 +219,8 @@ class CompareJob:
     cases: tuple[CompareCase, ...]
     nproc: int
     backend: str
+    created_out: bool = False
+    """``prepare_compare`` made the results folder: a job refused before torchrun started removes it."""
 
     @property
     def interleave(self) -> bool:
@@ -360,7 +363,25 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
     device = settings.device or "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
     out = Path(settings.out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    with _removed_on_refusal(out, created):
+        return _plan_cases(settings, out, backend, created)
+
+
+@contextlib.contextmanager
+def _removed_on_refusal(out: Path, created: bool) -> Iterator[None]:
+    """Remove ``out`` (made by this job) when a refusal (``ValueError``, ``OSError``) leaves it without tables."""
+    try:
+        yield
+    except (ValueError, OSError):
+        if created and not any((out / f"{t}.csv").exists() for t in TABLES):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _plan_cases(settings: CompareSettings, out: Path, backend: str, created: bool) -> CompareJob:
+    """``prepare_compare`` once the folder exists: the token file and every case's spec."""
     tag = uuid.uuid4().hex[:6]
     tokens = _token_file(settings)
     runs: list[tuple[str, str, int | None]] = [
@@ -377,7 +398,8 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
                               memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit,
                               corpus=tokens, model_factory=settings.model_factory)
         cases.append(CompareCase(label, method, size, spec))
-    return CompareJob(settings, tuple(cases), nproc=settings.stages // settings.virtual, backend=backend)
+    return CompareJob(settings, tuple(cases), nproc=settings.stages // settings.virtual, backend=backend,
+                      created_out=created)
 
 
 def _gantts(job: CompareJob, steps: pd.DataFrame, actions: pd.DataFrame, method: str) -> list[str]:
@@ -406,7 +428,8 @@ def run_compare_job(job: CompareJob, *, quiet: bool = True, progress: bool = Tru
     with LoadSampler() as load:
         for repeat in range(job.settings.repeats):
             spec = job.job_spec(repeat)
-            launched = launch_job(spec, job.nproc, quiet=quiet, progress=progress)
+            with _removed_on_refusal(out, job.created_out and repeat == 0):   # refused before torchrun started
+                launched = launch_job(spec, job.nproc, quiet=quiet, progress=progress)
             if not launched.ok:
                 return CompareResult(launched.returncode, launched.failures, time.perf_counter() - t0,
                                      launch=launched)
