@@ -162,6 +162,22 @@ def _paired(steps: pd.DataFrame, keys: list[str], pair: list[str], ref: pd.Serie
                          "ci_lo": ci.map(lambda c: c[0]), "ci_hi": ci.map(lambda c: c[1])})
 
 
+def _against(steps: pd.DataFrame, keys: list[str], pair: list[str], name: str,
+             pick_largest_mbs: bool) -> pd.DataFrame | None:
+    """Every configuration's paired ratios to method ``name`` (``_paired``); None when it did not run."""
+    rows = steps[steps["method"] == name]
+    if rows.empty:
+        return None
+    if pick_largest_mbs and rows["mbs_setting"].nunique() > 1:
+        # several fixed cases: the baseline is the largest microbatch that fits (the common default)
+        rows = rows[rows["label"] == rows.sort_values("mbs").iloc[-1]["label"]]
+    if rows.groupby(pair, dropna=False).size().max() > 1:
+        rows = rows[rows["label"] == rows["label"].iloc[0]]
+    # several runs of the reference configuration (a repeated run into one folder): pair each
+    # step with their median, so the reference is one value per (context, step)
+    return _paired(steps, keys, pair, rows.groupby(pair, dropna=False)["tokens_per_s"].median())
+
+
 def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, *,
               reference: str = "dynamic", baseline: str = "fixed") -> pd.DataFrame:
     """One row per configuration; see the module docstring."""
@@ -219,18 +235,9 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
         mem = mem.join(step_keys, on=["run_id", "step"], how="inner")   # measured steps only
         out = out.join(mem.groupby(keys, dropna=False)["ratio"].max().rename("peak_over_limit"))
     for name, col, pick_largest_mbs in ((reference, f"x_{reference}", False), (baseline, "speedup_vs_fixed", True)):
-        rows = steps[steps["method"] == name]
-        if rows.empty:
+        pr = _against(steps, keys, pair, name, pick_largest_mbs)
+        if pr is None:
             continue
-        if pick_largest_mbs and rows["mbs_setting"].nunique() > 1:
-            # several fixed cases: the baseline is the largest microbatch that fits (the common default)
-            rows = rows[rows["label"] == rows.sort_values("mbs").iloc[-1]["label"]]
-        if rows.groupby(pair, dropna=False).size().max() > 1:
-            rows = rows[rows["label"] == rows["label"].iloc[0]]
-        # several runs of the reference configuration (a repeated run into one folder): pair each
-        # step with their median, so the reference is one value per (context, step)
-        ref_tps = rows.groupby(pair, dropna=False)["tokens_per_s"].median()
-        pr = _paired(steps, keys, pair, ref_tps)
         if name == reference:
             out[col], out[f"{col}_lo"], out[f"{col}_hi"] = pr["median"], pr["lo"], pr["hi"]
             out[f"{col}_ci_lo"], out[f"{col}_ci_hi"], out["pairs"] = pr["ci_lo"], pr["ci_hi"], pr["pairs"]
