@@ -164,3 +164,12 @@ def test_summarise_prints_the_columns_people_read() -> None:
     assert "more columns" in text and out.index.nlevels > 3               # the frame itself keeps every key
     assert "dataset" not in first and "memory_limit_bytes" not in text.splitlines()[1]
     assert type(out.reset_index()) is pd.DataFrame
+
+
+def test_a_cut_parquet_copy_is_refused_naming_it(tmp_path) -> None:
+    pytest.importorskip("pyarrow")
+    write_table(pd.DataFrame(_steps("a", "dynamic", [100.0] * 40)), tmp_path / "steps.csv")
+    parquet = tmp_path / "steps.parquet"
+    parquet.write_bytes(parquet.read_bytes()[:200])          # cut (and newer than the CSV)
+    with pytest.raises(ResultsError, match="steps.parquet: not a whole Parquet table"):
+        load_results(tmp_path)

@@ -194,6 +194,9 @@ def _read_newest(csv: Path, table: str) -> pd.DataFrame:
             return pd.read_parquet(pq)
         except ImportError:
             pass
+        except (OSError, ValueError) as e:              # a cut or foreign file: one line naming it
+            raise ResultsError(f"{pq}: not a whole Parquet table ({' '.join(str(e).split())[:200]}); remove it "
+                               f"to read {csv.name}") from None
     return read_table(csv, table) if csv.exists() and csv.stat().st_size > 0 else pd.DataFrame()
 
 
