@@ -110,14 +110,16 @@ def memory_problems(rows: Sequence[MemoryRow], *, allow_over_limit: bool) -> lis
             f"{r.limit_bytes} bytes at step {r.step}" for r in rows if r.peak_bytes > r.limit_bytes]
 
 
-def problem_line(step: int, problems: Sequence[str]) -> str:
-    """One line for a step's failed checks: what failed (gradients, memory), the first message, how many more."""
+def problem_line(step: int, problems: Sequence[str], shown: int = 3) -> str:
+    """One line for a step's failed checks: what failed (gradients, memory), the first ``shown`` messages and
+    how many more, on which ranks."""
     grads = [p for p in problems if " param " in p]
-    what = "gradients differ from the single-process reference (--verify)" if grads else "a check failed"
     if grads and len(grads) < len(problems):
         what = "gradients differ from the single-process reference (--verify) and a peak is over the limit"
-    elif not grads and problems:
+    elif grads:
+        what = "gradients differ from the single-process reference (--verify)"
+    else:
         what = "a measured peak is over the memory limit"
     ranks = sorted({p.split()[1] for p in problems if p.startswith("rank ")}, key=lambda r: int(r) if r.isdigit() else 0)
-    more = f"; {len(problems) - 1} more on rank(s) {', '.join(ranks)}" if len(problems) > 1 else ""
-    return f"step {step}: {what}: {problems[0]}{more}"
+    more = f"; {len(problems) - shown} more on rank(s) {', '.join(ranks)}" if len(problems) > shown else ""
+    return f"step {step}: {what}: {'; '.join(problems[:shown])}{more}"
