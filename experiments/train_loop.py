@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -131,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     rank, group = (dist.get_rank(), dist.group.WORLD) if world > 1 else (0, None)
     cfg = model_config()
     tokens = dataset(args.samples, cfg)
-    sampler = dynmb.DynamicBatchSampler([len(t) for t in tokens], args.global_batch, model=cfg, num_stages=1,
-                                        memory_limit=args.memory_limit, cost_model=args.cost_model,
-                                        memory_model=args.memory_model, num_replicas=world, rank=rank, seed=0)
+    with warnings.catch_warnings():      # dynmb logs its stand-in line; the warning would say it a second time
+        warnings.filterwarnings("ignore", message=r".*with stand-in\(s\)")
+        sampler = dynmb.DynamicBatchSampler([len(t) for t in tokens], args.global_batch, model=cfg, num_stages=1,
+                                            memory_limit=args.memory_limit, cost_model=args.cost_model,
+                                            memory_model=args.memory_model, num_replicas=world, rank=rank, seed=0)
     model = TinyLM(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = train(model, tokens, sampler, optimizer, steps=args.steps, layout=args.layout, group=group)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from dynmb.cli import main
 from dynmb.planning import reorder_for
+from dynmb.runtime.worker import round_order
 
 pytestmark = pytest.mark.dist
 
@@ -38,16 +40,24 @@ def test_compare_runs_methods_side_by_side(tmp_path, capsys):
     captured = capsys.readouterr()
     printed = captured.out
     steps = pd.read_csv(out / "steps.csv")
-    cases = list(dict.fromkeys(steps["label"]))
+    cases = [c["label"] for c in json.loads((out / "spec.json").read_text())["cases"]]
     assert cases[:2] == ["fixed", "dynamic"] and all(c.startswith("fixed mbs=") for c in cases[2:])
     n = len(cases)
     assert n >= 3, "the hindsight search must try at least mbs 1 below the largest that fits"
     assert "steps: 100%" in captured.err and f"{2 * n}/{2 * n}" in captured.err     # the progress bar
-    # on CPU the cases run round by round, the order rotated by one each round
+    # on CPU the cases run round by round, each round in a fresh random order drawn from the recorded seed
+    seed = json.loads((out / "spec.json").read_text())["order_seed"]
+    assert json.loads((out / "verdict.json").read_text())["box"]["order_seed"] == seed
     order = steps[["label", "step"]].apply(tuple, axis=1).tolist()
-    assert order == [(c, 0) for c in cases] + [(cases[(i + 1) % n], 1) for i in range(n)]
-    assert "dynamic x" in printed and "fixed-best (mbs" in printed and "the best other case" in printed
+    assert order == [(cases[i], k) for k in (0, 1) for i in round_order(n, k, seed)]
+    assert (steps.groupby("step")["round_position"].apply(sorted) == [list(range(n))] * 2).all()
+    assert "x_dynamic_ci_lo" in printed and "fixed-best (mbs" in printed and "the closest other case" in printed
+    assert "95% interval" in printed and "load average" in printed
     summary = pd.read_csv(out / "summary.csv").set_index("case")
+    # every row of every table names its case as the summary does; the summary joins on it
+    for table in ("steps", "actions", "memory", "runs"):
+        assert set(pd.read_csv(out / f"{table}.csv")["case"]) <= set(summary.index)
+    assert set(steps["case"]) == {c for c in summary.index if "-best" not in c}
     used = steps.loc[steps["label"] == "fixed", "mbs"]
     auto = f"fixed (mbs {int(used.min())}{'' if used.nunique() == 1 else '-' + str(int(used.max()))})"
     assert summary.index[0] == auto                   # the largest mbs that fits, as each step chose it
@@ -98,3 +108,19 @@ def test_compare_on_one_rank_with_virtual_stages(tmp_path, capsys):
     assert (mem["peak_bytes"] <= mem["limit_bytes"]).all()
     with pytest.raises(SystemExit):
         main(["compare", "--virtual", "2", "--device", "tpu"])
+
+
+@pytest.mark.slow
+def test_compare_repeats_pair_within_each_repeat_and_measure_the_noise(tmp_path, capsys):
+    out = tmp_path / "rep"
+    rc = main(["compare", "--model", "tiny", "--dataset", "gsm8k", "--global-batch", "8", "--steps", "2",
+               "--warmup", "0", "--methods", "fixed,dynamic", "--memory-limit", "24MiB", "--no-fixed-best",
+               "--repeats", "2", "--order-seed", "5", "--out", str(out)])
+    assert rc == 0
+    steps = pd.read_csv(out / "steps.csv")
+    assert sorted(set(steps["repeat"])) == [0, 1] and steps["run_id"].nunique() == 4
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["pairs"] == 4 and verdict["box"]["repeats"] == 2 and verdict["box"]["order_seed"] == 5
+    assert verdict["box"]["repeat_noise"] >= 0 and "over 2 repeats" in capsys.readouterr().out
+    # a second job into the same folder is refused; --append adds to it
+    assert main(["compare", "--model", "tiny", "--out", str(out)]) == 2

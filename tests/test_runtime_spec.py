@@ -39,7 +39,7 @@ def test_job_spec_json_forms(tmp_path):
     job = JobSpec(out_dir=str(tmp_path), cases=(one, RunSpec.create(_run(method="fixed"), tmp_path / "b")),
                   interleave=True)
     data = job.to_dict()
-    assert set(data) == {"out_dir", "cases", "interleave"} and len(data["cases"]) == 2
+    assert set(data) == {"out_dir", "cases", "interleave", "order_seed"} and len(data["cases"]) == 2
     assert JobSpec.from_dict(data) == job and job.total_steps == 2 * (1 + 3)
 
 

@@ -93,7 +93,9 @@ class TokenBatch:
                                 ("input_ids", "labels", "position_ids", "doc_ids", "cu_seqlens")})
 
 
-def _document_ids(tokens: Sequence[Any], index: int, need: int) -> torch.Tensor:
+def _document_ids(tokens: Sequence[Any], index: int, need: int, given: int | None = None) -> torch.Tensor:
+    """The first ``need`` ids of document ``index``; ``given``: the length the sampler was given for it,
+    which the token list must have (a longer list would be cut silently)."""
     try:
         t = torch.as_tensor(tokens[index]).reshape(-1)
     except (IndexError, KeyError) as e:
@@ -103,6 +105,9 @@ def _document_ids(tokens: Sequence[Any], index: int, need: int) -> torch.Tensor:
     if t.numel() < need:
         raise CollateError(f"collate: dataset index {index} has {t.numel()} tokens, the plan needs {need} "
                            f"(the sampler's lengths must be the token counts of the dataset)")
+    if given is not None and t.numel() != given:
+        raise CollateError(f"collate: dataset index {index} has {t.numel()} tokens, the sampler was given length "
+                           f"{given}; the sampler's lengths must be the token counts of the dataset")
     return t[:need].to(torch.int64)
 
 
@@ -112,7 +117,9 @@ def collate(tokens: Sequence[Any], mb: SampledMicrobatch, *, layout: str = "padd
         raise CollateError(f"collate: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     order = np.argsort(mb.row_ids, kind="stable")          # entries grouped by row, in entry order
     lens, rows = mb.lengths[order], mb.row_ids[order]
-    stream = torch.cat([_document_ids(tokens, int(mb.indices[k]), int(mb.lengths[k])) for k in order])
+    given = getattr(mb, "dataset_lengths", None)
+    stream = torch.cat([_document_ids(tokens, int(mb.indices[k]), int(mb.lengths[k]),
+                                      None if given is None else int(given[k])) for k in order])
     start = np.cumsum(lens) - lens                          # each document's start among the real tokens
     seg = np.repeat(np.arange(len(order)), lens)            # document (in `order`) of each real token
     pos = np.arange(int(lens.sum())) - start[seg]           # position inside its document

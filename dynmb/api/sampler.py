@@ -104,8 +104,13 @@ class SampledMicrobatch:
     batch_tokens: int
     batch_documents: int
     recompute: bool = False
+    dataset_lengths: np.ndarray | None = None
+    """The lengths the sampler was given for ``indices`` (``lengths`` is shorter where a plan truncated a
+    document); ``collate`` refuses a token list of another length. None: not known."""
 
     def __post_init__(self) -> None:
+        if self.dataset_lengths is not None:
+            object.__setattr__(self, "dataset_lengths", _frozen(self.dataset_lengths))
         for name in ("indices", "lengths", "row_ids"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
@@ -175,6 +180,9 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
                  **planner_kwargs: Any) -> None:
         self.lengths = _lengths(lengths)
         n = len(self.lengths)
+        for name, value in (("num_replicas", num_replicas), ("rank", rank), ("global_batch", global_batch)):
+            if isinstance(value, bool) or not float(value).is_integer():
+                raise ValueError(f"DynamicBatchSampler: {name} must be a whole number, got {value!r}")
         if int(num_replicas) < 1:
             raise ValueError(f"DynamicBatchSampler: num_replicas must be >= 1, got {num_replicas}")
         if not 0 <= int(rank) < int(num_replicas):
@@ -258,7 +266,7 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
         return [SampledMicrobatch(indices=batch[mb.seq_ids], lengths=mb.lengths, row_ids=mb.row_ids, rows=mb.batch,
                                   padded_len=mb.padded_len, epoch=self.epoch, global_batch=k, microbatch=j,
                                   local_index=i, local_count=len(mine), batch_tokens=tokens, batch_documents=docs,
-                                  recompute=mb.recompute)
+                                  recompute=mb.recompute, dataset_lengths=self.lengths[batch[mb.seq_ids]])
                 for i, j in enumerate(mine) for mb in (plan.microbatches[j],)]
 
     def __iter__(self) -> Iterator[SampledMicrobatch]:

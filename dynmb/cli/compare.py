@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
-                             add_shape_flags, corpus_source, nonnegative_int, positive_int)
+                             add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int, positive_int)
 from dynmb.cli.run import stop_line
 from dynmb.jobs.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
 
@@ -28,6 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.add_argument("--oversize", default="error", choices=OVERSIZE_CHOICES,
                         help="a sequence that cannot fit alone: error (default), truncate or drop (both reported)")
     add_recompute_flag(parser)
+    add_slice_fitting_flag(parser)
     add_shape_flags(parser)
     add_run_shape_flags(parser)
     parser.add_argument("--schedule", default="1f1b",
@@ -57,7 +58,17 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="fitted cost-model JSON (default: the one shipped for this model/stages on CPU, "
                              "else analytic)")
     add_model_flags(parser)
-    parser.add_argument("--out", default="results/compare", help="results folder (default results/compare)")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="run the whole job N times on the same batches (default 1); with N >= 2 the verdict "
+                             "also gives the box's repeat noise")
+    parser.add_argument("--order-seed", type=nonnegative_int, default=None,
+                        help="seed of the random case order of every round (default: a fresh one, recorded in "
+                             "spec.json and verdict.json)")
+    parser.add_argument("--out", default="results/compare",
+                        help="results folder (default results/compare); one holding another job's tables is "
+                             "refused unless --append")
+    parser.add_argument("--append", action="store_true",
+                        help="add this job's rows to a results folder that already holds another job's tables")
     parser.add_argument("--verbose", action="store_true", help="stream the workers' output")
     parser.set_defaults(func=run)
 
@@ -68,13 +79,14 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         seed=args.seed,
         stages=args.stages, memory_limit=args.memory_limit,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), microbatch_size=args.mbs,
-        oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to, recompute=args.recompute,
+        oversize=args.oversize, slice_fitting=args.slice_fitting, pack_len=args.pack_len, round_to=args.round_to, recompute=args.recompute,
         prewarm=args.prewarm, plan_ahead=args.plan_ahead,
         expandable_segments=not args.no_expandable_segments, schedule=args.schedule,
         virtual=int(args.virtual or 1), device=args.device, memory_model=args.memory_model,
         allow_over_limit=args.allow_over_limit, reorder=args.reorder, steps=args.steps, warmup=args.warmup,
         fixed_best=not args.no_fixed_best, sequential=args.sequential, cost_model=args.cost_model,
-        model=args.model, attention=args.attention, stage_split=args.stage_split, out=args.out)
+        model=args.model, attention=args.attention, stage_split=args.stage_split, out=args.out,
+        repeats=args.repeats, order_seed=args.order_seed, append=args.append)
 
 
 def _header(job: CompareJob) -> str:
@@ -82,7 +94,8 @@ def _header(job: CompareJob) -> str:
     return (f"dynmb compare: {len(job.cases)} cases ({', '.join(c.label for c in job.cases)}) x ({s.warmup} warm-up "
             f"+ {s.steps} steps) on {job.nproc} {job.backend} rank(s) ({s.stages} stages, {s.schedule}, {s.device}), "
             f"{s.trace}, global batch {s.global_batch}, limit {s.memory_limit}, reorder {s.reorder}, "
-            f"cost model {s.cost_model or 'analytic'} -> {job.out_dir}")
+            f"cost model {s.cost_model or 'analytic'}, {s.repeats} repeat(s), round order seed {s.order_seed} "
+            f"-> {job.out_dir}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return result.returncode
     assert result.summary is not None
     out = job.out_dir
-    print(format_summary(result.summary))
+    print(format_summary(result.summary, box=result.box))
     print(f"\n{len(job.cases)} cases in {result.wall_s:.0f} s; tables steps/actions/memory/runs/summary (.csv"
           f"{', .parquet' if (out / 'summary.parquet').exists() else ''}) and {', '.join(result.files)} in {out}")
     if result.over_limit:

@@ -74,6 +74,17 @@ VIRTUAL_ENABLE = ("give --cost-model a layout-free cost-model JSON (analytic or 
 """What ``--virtual auto`` asks for where V cannot be chosen by simulated step."""
 
 
+def virtual_enable(args: argparse.Namespace) -> str:
+    """What ``--virtual auto`` asks for: ``VIRTUAL_ENABLE`` less the flags ``args`` already has (a verb with
+    data flags always has a trace and a global batch, given or by default)."""
+    given = getattr(args, "cost_model", None)
+    model = ("give --cost-model a layout-free cost-model JSON (analytic or gpu kind)" if given is None else
+             f"--cost-model {given} must be a layout-free cost model (analytic or gpu kind)")
+    if hasattr(args, "global_batch") and hasattr(args, "dataset"):
+        return model
+    return VIRTUAL_ENABLE if given is None else f"{model}, --dataset or --lengths, and --global-batch"
+
+
 def virtual_arg(text: str) -> int | str:
     """argparse type of ``--virtual``: model chunks per GPU, an integer >= 1, or ``auto``."""
     if text.strip() == "auto":
@@ -109,10 +120,21 @@ def with_virtual_choice(args: argparse.Namespace, *, model: str | None = None,
     cfg = model_from_args(base)
     choice = choose_virtual(cfg, gpus, split, search=split_search_of(base, cfg, gpus), workload=workload_of(args),
                             cost_model=getattr(args, "cost_model", None), half_blocks=not names_factory(spec),
-                            enable=VIRTUAL_ENABLE)
+                            enable=virtual_enable(args))
     layout = {} if choice.layout is None else {"virtual_layout": choice.layout, "stage_split": "even"}
     return argparse.Namespace(**{**vars(args), "stages": gpus * choice.virtual, "virtual": choice.virtual,
                                  "virtual_choice": choice, **layout})
+
+
+def stage_split_arg(text: str) -> str:
+    """argparse type of ``--stage-split``: even, auto or a comma-separated list, never empty."""
+    value = text.strip()
+    if not value or not value.strip(","):
+        raise argparse.ArgumentTypeError(f"empty ({text!r}); give even, auto or layers per stage such as 2,2")
+    return value
+
+
+stage_split_arg.__name__ = "even, auto or a list"
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "small") -> None:
@@ -128,7 +150,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default: str | None = "s
                         help="auto (default): causal attention without a mask for one document per row, "
                              "document-causal (sum of s_i^2) for packed rows; dense: the (s, s) mask on every row "
                              "(ablation)")
-    parser.add_argument("--stage-split", default="even",
+    parser.add_argument("--stage-split", default="even", type=stage_split_arg,
                         help="layers per pipeline stage: even (default), auto (balance the stages' work, embedding "
                              "and LM head included, in half-blocks or eighths of them (K/V-head groups, MLP "
                              "columns) where 1%% lighter: the forward + backward of every sequence of "
@@ -150,10 +172,17 @@ def add_model_file_flags(parser: argparse.ArgumentParser, *, from_plan: bool = F
 
 @functools.lru_cache(maxsize=4)
 def _resolved(spec: str) -> Any:
-    """``resolve_model(spec)`` once per command (a factory may build a whole model when called)."""
+    """``resolve_model(spec)`` once per command (a factory may build a whole model when called); a factory
+    that raises anything is one ``ValueError`` line naming it, not a traceback."""
     from dynmb.models.contract import resolve_model
 
-    return resolve_model(spec)
+    try:
+        return resolve_model(spec)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's factory may raise anything
+        text = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"--model {spec}: the factory raised {type(e).__name__}: {text}") from None
 
 
 def factory_from_args(args: argparse.Namespace, *, model: str | None = None, stages: int | None = None) -> Any:

@@ -79,9 +79,18 @@ def _chosen_verb(argv: Sequence[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
+_NEGATIVE_VALUE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d[\d.]*[A-Za-z]+$")
+"""What argparse reads as a (negative) value rather than a flag: -3, -.5, and sizes such as -1GiB."""
+
+
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose usage errors are one line (``dynmb VERB: error: argument --stages:
     must be >= 1, got 0 (dynmb VERB --help lists the flags)``), exit code 2, no usage block."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # a negative size (``--memory-limit -1GiB``) is a value, refused by its own check, not a missing one
+        self._negative_number_matcher = _NEGATIVE_VALUE
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {_one_line(message)} ({self.prog} --help lists the flags)\n")

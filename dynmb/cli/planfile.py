@@ -29,7 +29,8 @@ from dynmb.costmodel.standin import suppress_stand_in_warnings
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.types import Plan
 
-__all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file", "plan_pack_len"]
+__all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file", "plan_pack_len",
+           "refuse_split_conflict"]
 
 
 def plan_pack_len(plan: Plan) -> int | None:
@@ -127,3 +128,19 @@ def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str
         models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
     check_plan_models(plan.meta.get("models"), models.cost, models.memory, plan_path)
     return model, models.cost, models.memory
+
+
+def refuse_split_conflict(args: argparse.Namespace, plan: Plan, model: ModelConfig) -> None:
+    """``--stage-split`` with ``--plan``: only the plan's own split (one ``ValueError`` line otherwise)."""
+    given = getattr(args, "stage_split", None)
+    if given is None:
+        return
+    from dynmb.planning.stage_split import resolve_stage_split
+
+    theirs = ",".join(f"{v:g}" for v in model.layer_split) if model.layer_split else "even"
+    if given != "auto":
+        asked = resolve_stage_split(replace(model, layer_split=None, head_split=None), plan.num_stages, given)
+        if asked.layer_split == model.layer_split:
+            return
+    raise ValueError(f"--stage-split {given} conflicts with the plan {args.plan}, which has stage split {theirs}; "
+                     "leave the flag out to run the plan as it is")

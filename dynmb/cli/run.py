@@ -28,10 +28,11 @@ from typing import Any
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
                              model_from_args, names_factory, nonnegative_int, positive_int, virtual_arg,
                              warn_own_model_stand_ins, with_virtual_choice)
-from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file
+from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file, refuse_split_conflict
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
+from dynmb.io.outdir import check_fresh
 from dynmb.planning.virtual_search import describe
 from dynmb.runtime.api import run_job
 from dynmb.runtime.checkpoint import check_resume
@@ -92,11 +93,13 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="start from this checkpoint (a step-<k> folder, or a --checkpoint folder: its latest) "
                              "at this run's layout; the run goes on from step k to --warmup + --steps")
     parser.add_argument("--out", required=True,
-                        help="results folder (tables steps/actions/memory/runs); a folder holding results gets "
-                             "this run's rows added under a new run_id")
+                        help="results folder (tables steps/actions/memory/runs); one holding another job's tables "
+                             "is refused unless --append")
+    parser.add_argument("--append", action="store_true",
+                        help="add this run's rows (a new run_id) to a results folder that already holds tables")
     # None = not given (see DEFAULTS); the help texts above state the defaults
     parser.set_defaults(func=run, **{k: None for k in DEFAULTS if k not in ("schedule", "virtual", "reorder")},
-                        schedule_kind=None)
+                        schedule_kind=None, stage_split=None)
 
 
 def _arg(args: argparse.Namespace, name: str) -> Any:
@@ -166,6 +169,7 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
             theirs = in_plan.name if isinstance(in_plan, ModelConfig) else in_plan
             raise ValueError(f"--{flag} {shown} conflicts with the plan {args.plan}, which has {flag} {theirs}; "
                              "leave the flag out to run the plan as it is")
+    refuse_split_conflict(args, plan, model)
     for flag in ("oversize", "recompute", "reorder", "slice_fitting"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} plans a batch; --plan {args.plan} runs that plan as it is")
@@ -270,9 +274,13 @@ def run_summary(out: Path, run_id: str | None = None) -> str:
         steps = steps[steps["run_id"].astype(str) == run_id]
     steps = steps[~steps["warmup"].astype(bool)] if "warmup" in steps else steps
     tag = f"run {run_id}, " if run_id is not None else ""
+    checked = ""
+    if "verified" in steps.columns and steps["verified"].astype(bool).any():
+        checked = (f"; gradients checked against a single-process reference: {int(steps['verified'].astype(bool).sum())}"
+                   f" of {len(steps)} measured steps equal")
     return (f"dynmb run: ok, {tag}{len(steps)} measured steps, median step {steps['step_s'].median():.3f} s "
             f"(predicted {steps['pred_step_s'].median():.3f} s), {steps['tokens_per_s'].median():.0f} tokens/s, "
-            f"mean bubble {steps['mean_bubble'].median():.2f}; tables in {out}")
+            f"mean bubble {steps['mean_bubble'].median():.2f}{checked}; tables in {out}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -283,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         args = with_virtual_choice(args, model=_arg(args, "model"), stages=_arg(args, "stages"))   # auto: V once
         # the settings alone first (what `dynmb plan` refuses, the device): nothing read or written yet
         _spec(args, *(given or ("gloo", "cpu"))).check_settings()
+        check_fresh(args.out, args.append)          # one job per folder, before anything is written
         tokens = _token_file(args)
         JobSpec.single(_spec(args, *(given or ("gloo", "cpu")), corpus=tokens)).check()
         spec = _spec(args, *(given or default_backend_device()), corpus=tokens)

@@ -19,6 +19,7 @@ from dynmb.planning.reorder import reorder
 from dynmb.schedule import to_csv
 from dynmb.schedule.io import sidecar_path
 from dynmb.schedule.kinds import AUTO, auto_kinds
+from dynmb.schedule.kinds import get_kind
 from dynmb.timing.simulate import simulate
 from dynmb.core.types import Plan, Schedule
 
@@ -76,6 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kind != AUTO:
+        get_kind(args.kind)             # an unknown kind: its one line, before any note on the plan
     plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
     source_digest = plan.digest()
     if plan.dp > 1:

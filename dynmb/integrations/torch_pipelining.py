@@ -35,7 +35,8 @@ microbatches have different shapes (rows x padded length), which torch's stage d
    silently does nothing), so it is set here, with ``clear_runtime_states()`` that ``step()``
    would also call. ``F``/``B`` and the split ``I``/``W`` run as torch lowers them (tested on
    gloo: GPipe, 1F1B, ZB-H1, interleaved with two stages per rank, recomputed microbatches, two
-   data-parallel pipelines on subgroups);
+   data-parallel pipelines on subgroups; pass ``replica_group=`` there and the replicas start from the
+   first one's weights);
    gradients accumulate in the stage modules' ``.grad``.
 
 torch internals relied on (written against torch 2.13.0; ``check_torch_internals()`` lists what
@@ -84,6 +85,7 @@ import hashlib
 import inspect
 import logging
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, cast
@@ -98,6 +100,7 @@ from dynmb.core.contract import StageModule
 from dynmb.models.inputs import hidden_shape, make_inputs
 from dynmb.runtime.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from dynmb.runtime.checks import PlanDivergenceError
+from dynmb.runtime.replicas import sync_replicas
 from dynmb.schedule import from_csv, to_csv, to_str
 from dynmb.core.types import Plan, Schedule
 
@@ -321,17 +324,33 @@ def _hidden_dtype(stages: Sequence[nn.Module], settings: TorchPipeliningSettings
 
 
 # --- the step ----------------------------------------------------------------------------------
+_SYNCED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Stage modules that already took the first replica's weights (``_start_identical``)."""
+
+
+def _start_identical(stages: Sequence[nn.Module], replica_group: dist.ProcessGroup | None) -> None:
+    """Once per stage module: the first replica's weights."""
+    fresh = [st for st in stages if st not in _SYNCED]
+    if replica_group is not None and fresh:
+        sync_replicas(fresh, replica_group)
+        _SYNCED.update(fresh)
+
+
 def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Plan, schedule: Schedule | str | Path,
                               tokens: Sequence[torch.Tensor], settings: TorchPipeliningSettings,
-                              group: dist.ProcessGroup | None = None) -> TorchPipeliningResult:
+                              group: dist.ProcessGroup | None = None, *,
+                              replica_group: dist.ProcessGroup | None = None) -> TorchPipeliningResult:
     """Run one step of ``plan`` in ``schedule`` (a ``Schedule`` or a compute-only CSV path) on this
     rank's stage module(s) with torch's ``PipelineStage`` and ``_PipelineScheduleRuntime``.
 
     ``tokens[seq_id]``: the token ids of each sequence of the global batch (``length + 1`` ids).
     Gradients accumulate into the stage modules' ``.grad`` (token-weighted, unscaled by torch);
-    collective over ``group`` (default: the world). See the module docstring."""
+    collective over ``group`` (default: the world). See the module docstring. ``replica_group``: under data
+    parallelism, the ranks holding these stages in every replica; at the first call the stages take the
+    first replica's weights (``dynmb.runtime.replicas.sync_replicas``), so replicas start identical."""
     _require_torch_internals()
     stage_list = [stages] if isinstance(stages, nn.Module) else list(stages)
+    _start_identical(stage_list, replica_group)
     sched = _as_schedule(schedule, plan.num_microbatches)
     loss_tokens = int(settings.loss_tokens if settings.loss_tokens is not None else plan.real_tokens)
     rank, size = dist.get_rank(group), dist.get_world_size(group)

@@ -7,6 +7,10 @@ kernel drops the lock when the holder exits, however it exits (a killed launcher
 lock; the file itself stays, harmless). The folder's existing tables are checked first
 (``dynmb.io.results.check_tables``): a file named like a dynmb table that is not one is refused
 untouched.
+
+One job per folder: ``check_fresh(out, append)`` refuses (one line naming ``--out`` and ``--append``) a
+folder whose ``runs`` or ``steps`` table already holds rows, unless the user asked to add to them; the
+command line checks it before anything is written (``dynmb run``, ``dynmb compare``).
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from dynmb.io.results import ResultsError, check_tables
+from dynmb.io.results import ResultsError, check_tables, read_table
 
-__all__ = ["lock_out_dir", "LOCK_NAME"]
+__all__ = ["lock_out_dir", "check_fresh", "LOCK_NAME"]
 
 LOCK_NAME = ".dynmb.lock"
 
@@ -50,3 +54,18 @@ def lock_out_dir(out_dir: str | Path) -> Iterator[Path]:
         yield out
     finally:
         os.close(fd)                  # closing the descriptor releases the lock
+
+
+def check_fresh(out_dir: str | Path, append: bool) -> None:
+    """Refuse (``ResultsError``, one line) a results folder holding another job's rows, unless ``append``."""
+    if append:
+        return
+    out = Path(out_dir)
+    for table in ("runs", "steps"):
+        path = out / f"{table}.csv"
+        if path.is_file() and path.stat().st_size > 0:
+            rows = read_table(path, table)
+            if len(rows):
+                runs = rows["run_id"].astype(str).nunique()
+                raise ResultsError(f"{out} already holds another job's tables ({runs} run(s) in {path.name}); "
+                                   "give a new --out, or --append to add this job's rows to them")

@@ -14,7 +14,10 @@ reader never sees half a file. Settings live in columns, never in folder names.
 After a job, the launcher finishes its ``runs`` rows (``set_run_status``: ``status`` running ->
 ok / failed / interrupted, ``error``) and, when it did not end well, drops the ``actions`` and
 ``memory`` rows of steps that have no ``steps`` row (``drop_incomplete_steps``), so the folder
-holds only complete steps. ``select_runs`` keeps the rows of given run ids.
+holds only complete steps. ``select_runs`` keeps the rows of given run ids. ``tag_runs`` sets columns
+(``case``: the name the summary gives the run's case; ``repeat``) in every table's rows of given run ids,
+so a row joins ``summary.csv`` on ``case``. ``load_results`` also returns ``summary`` (a compare's
+``summary.csv``; empty elsewhere).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dynmb.io.atomic import atomic_path
 
 __all__ = ["TABLES", "REQUIRED_COLUMNS", "RUN_STATUSES", "TableWriter", "load_results", "run_info", "git_sha",
            "write_table", "select_runs", "set_run_status", "drop_incomplete_steps", "run_ids_in", "ResultsError",
-           "read_table", "check_tables", "utf8_text", "check_utf8"]
+           "read_table", "check_tables", "utf8_text", "check_utf8", "tag_runs", "SUMMARY"]
 
 
 class ResultsError(ValueError):
@@ -179,8 +182,27 @@ class TableWriter:
         self.close()
 
 
-def load_results(out_dir: str | Path, tables: Iterable[str] = TABLES) -> dict[str, pd.DataFrame]:
-    """Load the tables of one results folder (or of every run folder below it, concatenated).
+SUMMARY = "summary"
+"""The compare job's table of cases (``summary.csv``), loaded by ``load_results`` next to ``TABLES``."""
+
+
+def _read_newest(csv: Path, table: str) -> pd.DataFrame:
+    """``csv``'s table from its Parquet copy when that is there and not older (types kept), else the CSV."""
+    pq = csv.with_suffix(".parquet")
+    if pq.exists() and csv.exists() and pq.stat().st_mtime >= csv.stat().st_mtime:
+        try:
+            return pd.read_parquet(pq)
+        except ImportError:
+            pass
+        except (OSError, ValueError) as e:              # a cut or foreign file: one line naming it
+            raise ResultsError(f"{pq}: not a whole Parquet table ({' '.join(str(e).split())[:200]}); remove it "
+                               f"to read {csv.name}") from None
+    return read_table(csv, table) if csv.exists() and csv.stat().st_size > 0 else pd.DataFrame()
+
+
+def load_results(out_dir: str | Path, tables: Iterable[str] = (*TABLES, SUMMARY)) -> dict[str, pd.DataFrame]:
+    """Load the tables of one results folder (or of every run folder below it, concatenated): ``steps``,
+    ``actions``, ``memory``, ``runs`` and ``summary`` (empty where no compare wrote one).
 
     Parquet is preferred when present and not older than the CSV.
     """
@@ -191,15 +213,9 @@ def load_results(out_dir: str | Path, tables: Iterable[str] = TABLES) -> dict[st
     for t in tables:
         frames = []
         for csv in sorted(out_dir.rglob(f"{t}.csv")):
-            pq = csv.with_suffix(".parquet")
-            if pq.exists() and pq.stat().st_mtime >= csv.stat().st_mtime:
-                try:
-                    frames.append(pd.read_parquet(pq))
-                    continue
-                except ImportError:
-                    pass
-            if csv.stat().st_size > 0:
-                frames.append(read_table(csv, t))
+            frame = _read_newest(csv, t)
+            if not frame.empty or len(frame.columns):
+                frames.append(frame)
         out[t] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return out
 
@@ -314,3 +330,19 @@ def drop_incomplete_steps(out_dir: str | Path, run_ids: Iterable[str]) -> dict[s
         if not keep.all():
             write_table(df[keep].reset_index(drop=True), path)
     return {r: sorted(s) for r, s in complete.items()}
+
+
+def tag_runs(out_dir: str | Path, values: dict[str, dict[str, Any]], tables: Iterable[str] = TABLES) -> None:
+    """Set, in every table of ``out_dir``, the columns ``values[run_id]`` in the rows of that run id
+    (tables rewritten atomically; rows of other runs keep what they had, empty where new)."""
+    if not values:
+        return
+    for table in tables:
+        path = Path(out_dir) / f"{table}.csv"
+        df = _read_newest(path, table)
+        if df.empty or "run_id" not in df.columns:
+            continue
+        rid = df["run_id"].astype(str)
+        for run_id, cols in values.items():
+            df = _with_values(df, rid == str(run_id), cols)
+        write_table(df, path)

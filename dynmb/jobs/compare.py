@@ -7,20 +7,29 @@ fixed size in hindsight (``fixed_candidates``), and for ``token-budget`` and ``b
 the memory-maximum budget divided by 2, 4, ... (``budget_candidates``; the budget users set is the
 method's own case). ``run_compare_job(job)`` runs them all as the cases of ONE torchrun job (one process
 per pipeline rank; gloo on CPU, NCCL on CUDA), so the throughputs are measured side by side on the same
-machine state. On CPU the cases run round by round (step k of every method, the order rotated each round,
-then step k + 1; ``sequential`` for one method after another, as on CUDA), so a burst of outside load on a
-shared machine slows every method alike instead of whichever ran during it. Then it:
+machine state. On CPU the cases run round by round (step k of every method, in a fresh random order each
+round, seeded by ``order_seed`` and recorded in ``spec.json``, ``verdict.json`` and the steps'
+``round_position``; then step k + 1; ``sequential`` for one method after another, as on CUDA), so a burst
+of outside load on a shared machine slows every method alike instead of whichever ran during it.
+``repeats`` runs the whole job that many times on the same batches (run ids ``...-r<k>``, rows tagged
+``repeat``); the paired ratios are then paired within each repeat and the box's repeat noise is measured.
+A folder that holds another job's tables is refused (``dynmb.io.outdir.check_fresh``) unless ``append``.
+Then it:
 
 1. summarises the measured steps per case (``analysis.summarise``; ``display_summary``
    names the rows: ``fixed (mbs 3)``, ``fixed-best (mbs B)``, ``token-budget-best (cap/4)``,
    ``balanced-best (cap/d)``, ...; each with its gap to its bound and to the batch's ``ideal_s``,
    ``dynmb.timing.bounds``);
-2. writes ``summary.csv`` next to the tidy ``steps``/``actions``/``memory``/``runs`` tables;
+2. writes ``summary.csv`` next to the tidy ``steps``/``actions``/``memory``/``runs`` tables (every row of
+   which gets a ``case`` column, the summary's name of its case) and ``verdict.json``
+   (``compare_table.verdict``: the closest case's ratio, its bootstrap interval, within noise or not, the
+   load average while the job ran, the repeat noise, the order seed);
 3. plots ``throughput.png`` and measured-vs-predicted Gantt charts for ``fixed`` and
    ``dynamic`` (``gantt_<method>_measured.png`` / ``gantt_<method>_predicted.png``).
 
-``format_summary`` is the printed table: tokens/s, dynamic's paired per-step ratio to
-every case with its range, padding, bubble, peak / limit, predicted vs measured step time.
+``format_summary`` is the printed table under the CSV's column names: tokens/s, dynamic's paired per-step
+ratio to every case with its interval, padding, bubble, peak / limit, predicted vs measured step time, a
+legend line and the verdict.
 
 Defaults (``dynmb compare``): the sharegpt trace, the ``small`` model, 2 stages, a 1 GiB limit (binding:
 ``fixed`` can only afford a few rows of the longest sequences), global batches of 32 sequences, each
@@ -38,17 +47,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import secrets
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
 
-from dynmb.report.analysis import summarise
-from dynmb.report.compare_table import BUDGET_METHODS, FIXED_SIZE_METHODS, display_summary, format_summary
+from dynmb.io.atomic import write_text_atomic
+from dynmb.io.hostinfo import LoadSampler, usable_cores
+from dynmb.io.outdir import check_fresh
+from dynmb.report.analysis import repeat_noise, summarise
+from dynmb.report.compare_table import (BUDGET_METHODS, FIXED_SIZE_METHODS, BoxState, display_summary, format_summary,
+                                        verdict)
 from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
 from dynmb.costmodel.loader import load_models
 from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, sample_batch
@@ -57,7 +73,7 @@ from dynmb.planning.spec_check import uses_pack_len
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.report.plots import compare_throughput, gantt, predicted_timeline
-from dynmb.io.results import load_results, set_run_status, write_table
+from dynmb.io.results import TABLES, load_results, set_run_status, tag_runs, write_table
 from dynmb.packing import METHODS
 from dynmb.runtime.launch import LaunchResult, default_backend_device, launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
@@ -93,6 +109,8 @@ class CompareSettings:
     microbatch_size: int | None = None
     """Rows per microbatch of the fixed-size methods; None: the largest that fits."""
     oversize: str = "error"
+    slice_fitting: str = "never"
+    """Slice sequences that fit too: never or auto (``dynmb.planning.slice_fitting``)."""
     pack_len: int | None = None
     """Row length of the ``packed`` cases (the methods that build rows of it,
     ``planning.spec_check.uses_pack_len``); the other cases never get it."""
@@ -125,6 +143,12 @@ class CompareSettings:
     stage_split: str = "even"
     """Layers per stage: even, auto or a list (``dynmb.planning.stage_split``)."""
     out: str = "results/compare"
+    repeats: int = 1
+    """Times the whole job runs on the same batches (each a torchrun job, its own random round order)."""
+    order_seed: int | None = None
+    """Seed of the rounds' random case order; None: a fresh one (recorded)."""
+    append: bool = False
+    """Add this job's rows to a folder that holds another job's tables instead of refusing it."""
 
     @property
     def trace(self) -> str:
@@ -150,6 +174,7 @@ class CompareSettings:
         kind = "interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule
         fields = dict(num_stages=self.stages, virtual=self.virtual, schedule_kind=kind, reorder=self.reorder,
                       round_to=self.round_to, memory_limit_bytes=limit, oversize=self.oversize,
+                      slice_fitting=self.slice_fitting,
                       recompute=self.recompute, attention=cfg.attention)
         return SplitSearch.of(fields, self.global_batch, seed=self.seed, memory_model=self.memory_model)
 
@@ -168,8 +193,11 @@ class CompareSettings:
             raise ValueError(f"--stages {self.stages} is not a multiple of --virtual {self.virtual}")
         dataset = "sharegpt" if self.dataset is None and self.lengths is None and self.corpus is None else self.dataset
         cost_model = self.cost_model or default_cost_model_path(self.model, self.stages, device)
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+        order_seed = secrets.randbits(31) if self.order_seed is None else int(self.order_seed)
         return replace(self, dataset=dataset, memory_limit=self.memory_limit or "1GiB", device=device,
-                       schedule=schedule, cost_model=cost_model)
+                       schedule=schedule, cost_model=cost_model, order_seed=order_seed)
 
 
 @dataclass(frozen=True)
@@ -190,6 +218,8 @@ class CompareJob:
     cases: tuple[CompareCase, ...]
     nproc: int
     backend: str
+    created_out: bool = False
+    """``prepare_compare`` made the results folder: a job refused before torchrun started removes it."""
 
     @property
     def interleave(self) -> bool:
@@ -199,9 +229,11 @@ class CompareJob:
     def out_dir(self) -> Path:
         return Path(self.settings.out)
 
-    def job_spec(self) -> JobSpec:
-        return JobSpec(out_dir=str(self.out_dir.resolve()), cases=tuple(c.spec for c in self.cases),
-                       interleave=self.interleave)
+    def job_spec(self, repeat: int = 0) -> JobSpec:
+        """The torchrun job of repeat ``repeat``: run ids ``<id>-r<repeat>`` after the first, the order seed + repeat."""
+        cases = tuple(c.spec if repeat == 0 else replace(c.spec, run_id=f"{c.spec.run_id}-r{repeat}") for c in self.cases)
+        seed = None if self.settings.order_seed is None else self.settings.order_seed + repeat
+        return JobSpec(out_dir=str(self.out_dir.resolve()), cases=cases, interleave=self.interleave, order_seed=seed)
 
 
 @dataclass
@@ -220,6 +252,8 @@ class CompareResult:
     """The PNG files written next to the tables."""
     launch: LaunchResult | None = None
     """The launcher's result (signal, stopped workers, complete steps)."""
+    box: BoxState | None = None
+    """The machine's load and repeat noise while the job ran (the verdict's context)."""
 
     @property
     def over_limit(self) -> list[str]:
@@ -250,7 +284,7 @@ def _case_config(settings: CompareSettings, method: str, microbatch_size: int | 
                      dataset=settings.trace, global_batch=settings.global_batch, method=method, mbs=microbatch_size,
                      seed=settings.seed, steps=settings.steps, warmup=settings.warmup,
                      backend="nccl" if device == "cuda" else "gloo", device=device, cost_model=settings.cost_model,
-                     oversize=settings.oversize,
+                     oversize=settings.oversize, slice_fitting=settings.slice_fitting,
                      pack_len=settings.pack_len if uses_pack_len(method) else None, round_to=settings.round_to,
                      prewarm=settings.prewarm, recompute=settings.recompute, plan_ahead=settings.plan_ahead,
                      expandable_segments=settings.expandable_segments)
@@ -319,6 +353,7 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
     if unknown or not settings.methods:
         raise ValueError(f"unknown method(s) {unknown or '(none given)'}; expected some of {', '.join(METHODS)}")
     check_writable(settings.out)
+    check_fresh(settings.out, settings.append)
     settings = settings.resolved()
     for method in settings.methods:       # what `dynmb plan` refuses, and the device: before anything is written
         RunSpec.create(_case_config(settings, method), settings.out).check_settings()
@@ -327,7 +362,25 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
     device = settings.device or "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
     out = Path(settings.out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    with _removed_on_refusal(out, created):
+        return _plan_cases(settings, out, backend, created)
+
+
+@contextlib.contextmanager
+def _removed_on_refusal(out: Path, created: bool) -> Iterator[None]:
+    """Remove ``out`` (made by this job) when a refusal (``ValueError``, ``OSError``) leaves it without tables."""
+    try:
+        yield
+    except (ValueError, OSError):
+        if created and not any((out / f"{t}.csv").exists() for t in TABLES):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _plan_cases(settings: CompareSettings, out: Path, backend: str, created: bool) -> CompareJob:
+    """``prepare_compare`` once the folder exists: the token file and every case's spec."""
     tag = uuid.uuid4().hex[:6]
     tokens = _token_file(settings)
     runs: list[tuple[str, str, int | None]] = [
@@ -344,7 +397,8 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
                               memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit,
                               corpus=tokens, model_factory=settings.model_factory)
         cases.append(CompareCase(label, method, size, spec))
-    return CompareJob(settings, tuple(cases), nproc=settings.stages // settings.virtual, backend=backend)
+    return CompareJob(settings, tuple(cases), nproc=settings.stages // settings.virtual, backend=backend,
+                      created_out=created)
 
 
 def _gantts(job: CompareJob, steps: pd.DataFrame, actions: pd.DataFrame, method: str) -> list[str]:
@@ -371,34 +425,53 @@ def _gantts(job: CompareJob, steps: pd.DataFrame, actions: pd.DataFrame, method:
 
 
 def run_compare_job(job: CompareJob, *, quiet: bool = True, progress: bool = True) -> CompareResult:
-    """Run the job's cases in one torchrun job, then summarise, write ``summary.csv`` and plot."""
+    """Run the job's cases in one torchrun job per repeat, then summarise, write ``summary.csv`` and
+    ``verdict.json``, and plot."""
     out = job.out_dir
     t0 = time.perf_counter()
-    launched = launch_job(job.job_spec(), job.nproc, quiet=quiet, progress=progress)
-    wall_s = time.perf_counter() - t0
-    if not launched.ok:
-        return CompareResult(launched.returncode, launched.failures, wall_s, launch=launched)
-    ids = {c.spec.run_id for c in job.cases}
+    ids: dict[str, int] = {}
+    with LoadSampler() as load:
+        for repeat in range(job.settings.repeats):
+            spec = job.job_spec(repeat)
+            with _removed_on_refusal(out, job.created_out and repeat == 0):   # refused before torchrun started
+                launched = launch_job(spec, job.nproc, quiet=quiet, progress=progress)
+            if not launched.ok:
+                return CompareResult(launched.returncode, launched.failures, time.perf_counter() - t0,
+                                     launch=launched)
+            ids.update({c.run_id: repeat for c in spec.cases})
+            tag_runs(out, {rid: {"repeat": r} for rid, r in ids.items() if r == repeat})
+    box = BoxState(load.peak, load.mean, usable_cores(), float("nan"), job.settings.repeats, job.settings.order_seed)
     try:
-        return _summarise_job(job, launched, wall_s, ids)
+        return _summarise_job(job, launched, time.perf_counter() - t0, ids, box)
     except OSError as e:        # ENOSPC writing summary.csv or a plot: the runs are not left saying ok
         with contextlib.suppress(OSError, ValueError):
             set_run_status(out, ids, "failed", f"compare could not write its summary: {e}", keep=())
         raise
 
 
-def _summarise_job(job: CompareJob, launched: LaunchResult, wall_s: float, ids: set[str]) -> CompareResult:
-    """``run_compare_job`` after its torchrun job ended well: the summary table and the plots."""
+def _case_names(summary: pd.DataFrame, steps: pd.DataFrame) -> dict[str, dict[str, str]]:
+    """Run id -> ``{"case": the summary's name of its case}`` (the ``-best`` rows repeat a case: not used)."""
+    names = {str(row["label"]): str(case) for case, row in summary.iterrows() if "-best" not in str(case)}
+    first = steps.drop_duplicates("run_id")
+    return {str(r): {"case": names.get(str(lb), str(lb))} for r, lb in zip(first["run_id"], first["label"])}
+
+
+def _summarise_job(job: CompareJob, launched: LaunchResult, wall_s: float, ids: dict[str, int],
+                   box: BoxState) -> CompareResult:
+    """``run_compare_job`` after its torchrun jobs ended well: the summary table, the verdict and the plots."""
     settings, out = job.settings, job.out_dir
     tables = load_results(out)
-    tables = {k: (v[v["run_id"].isin(ids)] if "run_id" in v.columns else v) for k, v in tables.items()}
+    tables = {k: (v[v["run_id"].isin(set(ids))] if "run_id" in v.columns else v) for k, v in tables.items()}
     summary = display_summary(summarise(tables), [c.label for c in job.cases])
+    tag_runs(out, _case_names(summary, tables["steps"]))
+    box = replace(box, repeat_noise=repeat_noise(tables["steps"]))
     write_table(summary.reset_index(), out / "summary.csv")
-    compare_throughput(summary, str(out / "throughput.png"),
-                       title=f"{settings.trace}, {settings.model}, {settings.stages} stages, "
-                             f"limit {settings.memory_limit}")
-    files = ["throughput.png"]
+    found = verdict(summary, box)
+    write_text_atomic(out / "verdict.json", json.dumps(found.to_dict() if found else {"box": box.__dict__},
+                                                       indent=1, default=str))
+    title = f"{settings.trace}, {settings.model}, {settings.stages} stages, limit {settings.memory_limit}"
+    files = [Path(p).name for p in compare_throughput(summary, str(out / "throughput.png"), title=title)]
     for method in ("fixed", "dynamic"):
         if method in settings.methods:
             files += [Path(p).name for p in _gantts(job, tables["steps"], tables["actions"], method)]
-    return CompareResult(0, (), wall_s, summary, files, launch=launched)
+    return CompareResult(0, (), wall_s, summary, files, launch=launched, box=box)

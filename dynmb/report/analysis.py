@@ -15,8 +15,11 @@ Per configuration (warm-up steps excluded):
 - ``x_<reference>``: the reference method's (``dynamic``) advantage, the median over
   steps of the paired ratio ``reference tokens/s at step k / this tokens/s at step k``
   (steps paired by index within the same context: same dataset, limit, model, stages,
-  schedule, attention, rounding, global batch, seed), with ``x_<reference>_lo`` /
-  ``_hi``: the smallest and largest paired ratio;
+  schedule, attention, rounding, global batch, seed; and repeat, when the steps carry a ``repeat``
+  column, so each repeat of a compare is paired with itself), with ``x_<reference>_lo`` / ``_hi``: the
+  smallest and largest paired ratio, and ``x_<reference>_ci_lo`` / ``_ci_hi``: the 95% interval of that
+  median by a paired bootstrap (``paired_bootstrap``: the paired ratios resampled with replacement
+  ``BOOTSTRAP_DRAWS`` times, seeded; the percentiles of the resampled medians), ``pairs`` their count;
 - ``speedup_vs_fixed``: the paired median ratio this / ``fixed`` (the largest-mbs
   ``fixed`` case of the context when there are several);
 - ``padding_fraction``: 1 - real / computed tokens over the steps; ``num_microbatches``,
@@ -46,7 +49,13 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["summarise", "CONFIG_KEYS", "CONTEXT_KEYS"]
+__all__ = ["summarise", "paired_bootstrap", "repeat_noise", "Summary", "CONFIG_KEYS", "CONTEXT_KEYS", "READ_COLUMNS", "BOOTSTRAP_DRAWS"]
+
+BOOTSTRAP_DRAWS = 4000
+"""Resamples of the paired bootstrap (the interval's percentiles move by < 0.5% between seeds)."""
+READ_COLUMNS = ("steps", "tokens_per_s", "x_dynamic", "x_dynamic_ci_lo", "x_dynamic_ci_hi", "speedup_vs_fixed",
+                "padding_fraction", "mean_bubble", "peak_over_limit", "step_s", "pred_step_s", "pred_err")
+"""The columns ``print(summarise(...))`` shows (``Summary``); every column stays in the frame."""
 
 CONTEXT_KEYS = ("dataset", "memory_limit_bytes", "model", "num_stages", "virtual", "dp", "schedule", "attention",
                 "round_to", "global_batch", "seed")
@@ -114,14 +123,61 @@ def _batch_ideal(steps: pd.DataFrame, ctx: list[str]) -> pd.Series:
     return ideal.groupby([steps[k] for k in batch], dropna=False).transform("median")
 
 
-def _paired(steps: pd.DataFrame, keys: list[str], ctx: list[str], ref: pd.Series) -> pd.DataFrame:
-    """Per configuration: median, min and max over steps of ``ref_tps[step] / tps[step]``."""
-    own = steps.set_index(ctx + ["step"])["tokens_per_s"] if ctx else steps.set_index("step")["tokens_per_s"]
+def paired_bootstrap(ratios: np.ndarray, *, draws: int = BOOTSTRAP_DRAWS, level: float = 0.95,
+                     seed: int = 0) -> tuple[float, float]:
+    """The ``level`` interval of the median of paired ``ratios`` (NaNs dropped): resample the pairs with
+    replacement ``draws`` times (``numpy.random.default_rng(seed)``), take each resample's median, return
+    the percentiles. One pair: ``(r, r)``; none: NaNs."""
+    values = np.asarray(ratios, dtype=float)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return float("nan"), float("nan")
+    picks = np.random.default_rng(seed).integers(0, values.size, size=(draws, values.size))
+    medians = np.median(values[picks], axis=1)
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+
+def repeat_noise(steps: pd.DataFrame) -> float:
+    """How much the same step of the same case moved between repeats (a ``repeat`` column): the median over
+    (run label, step, repeat) of ``|tokens_per_s / its median over the repeats - 1|``; NaN with one repeat."""
+    steps = _measured(steps)
+    if "repeat" not in steps.columns or steps["repeat"].nunique() < 2:
+        return float("nan")
+    by = [steps["label"] if "label" in steps.columns else steps["method"], steps["step"]]
+    tps = pd.to_numeric(steps["tokens_per_s"], errors="coerce")
+    median = tps.groupby(by).transform("median")
+    several = tps.groupby(by).transform("size") > 1
+    deviation = (tps / median - 1.0).abs()[several]
+    return float(deviation.median()) if len(deviation) else float("nan")
+
+
+def _paired(steps: pd.DataFrame, keys: list[str], pair: list[str], ref: pd.Series) -> pd.DataFrame:
+    """Per configuration: median, min, max and bootstrap interval over steps of ``ref_tps[step] / tps[step]``."""
+    own = steps.set_index(pair)["tokens_per_s"]
     ratio = ref.reindex(own.index).to_numpy() / own.to_numpy()
     frame = steps[keys].copy()
     frame["ratio"] = ratio
     g = frame.groupby(keys, dropna=False)["ratio"]
-    return pd.DataFrame({"median": g.median(), "lo": g.min(), "hi": g.max()})
+    ci = g.agg(lambda r: paired_bootstrap(r.to_numpy()))
+    return pd.DataFrame({"median": g.median(), "lo": g.min(), "hi": g.max(), "pairs": g.count(),
+                         "ci_lo": ci.map(lambda c: c[0]), "ci_hi": ci.map(lambda c: c[1])})
+
+
+def _against(steps: pd.DataFrame, keys: list[str], pair: list[str], name: str,
+             pick_largest_mbs: bool) -> pd.DataFrame | None:
+    """Every configuration's paired ratios to method ``name`` (``_paired``); None when it did not run."""
+    rows = steps[steps["method"] == name]
+    if rows.empty:
+        return None
+    if pick_largest_mbs and rows["mbs_setting"].nunique() > 1:
+        # several fixed cases: the baseline is the largest microbatch that fits (the common default)
+        rows = rows[rows["label"] == rows.sort_values("mbs").iloc[-1]["label"]]
+    if rows.groupby(pair, dropna=False).size().max() > 1:
+        rows = rows[rows["label"] == rows["label"].iloc[0]]
+    # several runs of the reference configuration (a repeated run into one folder): pair each
+    # step with their median, so the reference is one value per (context, step)
+    return _paired(steps, keys, pair, rows.groupby(pair, dropna=False)["tokens_per_s"].median())
 
 
 def _prediction_ratios(steps: pd.DataFrame, actions: pd.DataFrame | None, keys: list[str]) -> pd.DataFrame:
@@ -160,6 +216,7 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
         if k not in keys and steps.groupby(keys, dropna=False)[k].nunique(dropna=False).max() > 1:
             raise ValueError(f"summarise(by={list(keys)}) would merge runs of different {k!r}; add it to `by`")
     ctx = [k for k in CONTEXT_KEYS if k in keys]
+    pair = ctx + ["step"] + (["repeat"] if "repeat" in steps.columns else [])
     steps = steps.copy()
     steps["pred_err"] = (steps["pred_step_s"] - steps["step_s"]).abs() / steps["step_s"]
     g = steps.groupby(keys, dropna=False)
@@ -196,20 +253,38 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
         mem = mem.join(step_keys, on=["run_id", "step"], how="inner")   # measured steps only
         out = out.join(mem.groupby(keys, dropna=False)["ratio"].max().rename("peak_over_limit"))
     for name, col, pick_largest_mbs in ((reference, f"x_{reference}", False), (baseline, "speedup_vs_fixed", True)):
-        rows = steps[steps["method"] == name]
-        if rows.empty:
+        pr = _against(steps, keys, pair, name, pick_largest_mbs)
+        if pr is None:
             continue
-        if pick_largest_mbs and rows["mbs_setting"].nunique() > 1:
-            # several fixed cases: the baseline is the largest microbatch that fits (the common default)
-            rows = rows[rows["label"] == rows.sort_values("mbs").iloc[-1]["label"]]
-        if rows.groupby(ctx + ["step"], dropna=False).size().max() > 1:
-            rows = rows[rows["label"] == rows["label"].iloc[0]]
-        # several runs of the reference configuration (a repeated run into one folder): pair each
-        # step with their median, so the reference is one value per (context, step)
-        ref_tps = rows.groupby(ctx + ["step"], dropna=False)["tokens_per_s"].median()
-        pr = _paired(steps, keys, ctx, ref_tps)
         if name == reference:
             out[col], out[f"{col}_lo"], out[f"{col}_hi"] = pr["median"], pr["lo"], pr["hi"]
+            out[f"{col}_ci_lo"], out[f"{col}_ci_hi"], out["pairs"] = pr["ci_lo"], pr["ci_hi"], pr["pairs"]
         else:
             out[col] = 1.0 / pr["median"]
-    return out
+    return Summary(out)
+
+
+class Summary(pd.DataFrame):
+    """``summarise``'s frame: every column and index level as computed; printed (``repr``, ``print``) as the
+    few columns people read (``READ_COLUMNS``) by case (``label``), with one line naming the rest. Anything
+    derived from it (``reset_index``, selections) is a plain ``DataFrame``."""
+
+    @property
+    def _constructor(self):
+        return pd.DataFrame
+
+    def readable(self) -> pd.DataFrame:
+        """The printed view: ``READ_COLUMNS`` present, indexed by the index levels that differ between rows."""
+        flat = pd.DataFrame(self).reset_index()
+        names = [n for n in self.index.names if n is not None]
+        varying = [n for n in names if flat[n].astype(str).nunique() > 1] or names[-1:] or ["index"]
+        shown = [c for c in READ_COLUMNS if c in flat.columns]
+        return flat.set_index(varying)[shown]
+
+    def __repr__(self) -> str:
+        view = self.readable()
+        hidden = len(self.columns) - len(view.columns)
+        with pd.option_context("display.max_columns", None, "display.width", 200, "display.precision", 3):
+            text = view.to_string()
+        return text + (f"\n[{len(self)} rows; {hidden} more columns and {self.index.nlevels} index levels: "
+                       f"pd.DataFrame(summary) shows them all]" if hidden else "")

@@ -13,10 +13,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from dynmb.costmodel import point_medians  # noqa: E402
 
-__all__: list[str] = ["compare_throughput", "cost_fit", "gantt", "predicted_timeline"]
+__all__: list[str] = ["compare_throughput", "compare_figure", "cost_fit", "gantt", "predicted_timeline"]
 
 # --- gantt (schedule helper) ---
 _GANTT_COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
@@ -147,26 +148,101 @@ def cost_fit(samples: pd.DataFrame, cost_model, path: str, title: str | None = N
 
 
 # --- compare (lead) ---
-def compare_throughput(summary: pd.DataFrame, path: str, title: str | None = None) -> str:
-    """Bar chart of measured tokens/s per case (one panel), dynamic's paired ratio to each on the bars.
+_METHOD_COLORS = {"fixed": "#7f7f7f", "sorted": "#bcbd22", "packed": "#8c564b", "token-budget": "#1f77b4",
+                  "balanced": "#2ca02c", "dynapipe": "#9467bd", "lockstep": "#17becf", "dynamic": "#d62728"}
+
+
+def _cases(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per measured case (the ``-best`` rows repeat a case: dropped, the case they name is starred)."""
+    df = summary.reset_index()
+    names = (df["case"] if "case" in df.columns else df["method"]).astype(str)
+    df = df.assign(case=names)
+    best = df[names.str.contains("-best")]
+    df = df[~names.str.contains("-best")].reset_index(drop=True)
+    for _, row in best.iterrows():            # star the case the best-in-hindsight row repeats
+        same = (df["method"] == row["method"]) & (df["tokens_per_s"].astype(float) == float(row["tokens_per_s"]))
+        df.loc[same, "case"] = df.loc[same, "case"] + " *"
+    return df
+
+
+def _throughput_panel(ax, df: pd.DataFrame, steps: str) -> None:
+    """Horizontal bars of total tokens/s per case, each labelled with its own height."""
+    y = range(len(df))
+    tps = df["tokens_per_s"].astype(float)
+    colors = [_METHOD_COLORS.get(str(m), "#555555") for m in df["method"]]
+    ax.barh(list(y), tps, color=colors)
+    for yi, v in zip(y, tps):
+        ax.text(v, yi, f" {v:,.0f}", va="center", fontsize=8)
+    ax.set_yticks(list(y), df["case"])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"real tokens / s, total over {steps} (longer bar = faster)")
+    ax.margins(x=0.18)
+
+
+def _ratio_panel(ax, df: pd.DataFrame) -> None:
+    """Dynamic's paired ratio to each case (median of per-step ratios) with its 95% bootstrap interval."""
+    from matplotlib.ticker import FuncFormatter
+
+    y = list(range(len(df)))
+    ratio = df["x_dynamic"].astype(float)
+    lo = df.get("x_dynamic_ci_lo", ratio).astype(float)
+    hi = df.get("x_dynamic_ci_hi", ratio).astype(float)
+    colors = [_METHOD_COLORS.get(str(m), "#555555") for m in df["method"]]
+    ax.errorbar(ratio, y, xerr=[ratio - lo, hi - ratio], fmt="none", ecolor="#333333", capsize=3, lw=1)
+    ax.scatter(ratio, y, c=colors, zorder=3, s=28)
+    for yi, r, a, b, m in zip(y, ratio, lo, hi, df["method"]):
+        text = "  reference" if m == "dynamic" else f"  {r:.2f}x [{a:.2f}-{b:.2f}]"
+        ax.text(max(b, r), yi, text, va="center", fontsize=8)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_ylim(len(df) - 0.5, -0.5)
+    ax.set_xlabel("dynamic tokens/s / case tokens/s (paired per step, 95% interval)")
+    ax.margins(x=0.35)
+    ax.text(0.99, 1.01, "dynamic faster \u2192", transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
+    ax.text(0.01, 1.01, "\u2190 case faster", transform=ax.transAxes, ha="left", va="bottom", fontsize=8)
+
+
+def compare_figure(summary: pd.DataFrame, title: str | None = None, *, compact: bool = False):
+    """The compare figure (returned, not saved): full, throughput bars (each labelled with its own tokens/s)
+    beside dynamic's paired ratio to each case with its interval on its own axis; compact (the README's),
+    the ratio panel alone. A colour key names the methods; ``*`` marks the best case in hindsight."""
+    from matplotlib.patches import Patch
+
+    df = _cases(summary)
+    steps = f"{int(df['steps'].max())} measured steps" if "steps" in df.columns else "the measured steps"
+    height = 1.4 + 0.32 * len(df)
+    has_ratio = "x_dynamic" in df.columns and df["x_dynamic"].notna().any()
+    if compact and has_ratio:
+        fig, ax = plt.subplots(figsize=(6.4, height))
+        _ratio_panel(ax, df)
+        ax.set_yticks(range(len(df)), df["case"], fontsize=9)
+    else:
+        fig, grid = plt.subplots(1, 2 if has_ratio else 1, figsize=(11.0 if has_ratio else 6.4, height),
+                                 squeeze=False, sharey=True)
+        _throughput_panel(grid[0, 0], df, steps)
+        if has_ratio:
+            _ratio_panel(grid[0, 1], df)
+    keys = [Patch(color=_METHOD_COLORS.get(m, "#555555"), label=m) for m in dict.fromkeys(df["method"].astype(str))]
+    fig.legend(handles=keys, loc="lower center", ncol=min(len(keys), 8), fontsize=8, frameon=False)
+    fig.suptitle((title or "throughput per case") + (f" ({steps}; * best in hindsight)"), fontsize=9)
+    fig.tight_layout(rect=(0, 0.25 / height, 1, 1))
+    return fig
+
+
+def compare_throughput(summary: pd.DataFrame, path: str, title: str | None = None) -> list[str]:
+    """Write ``compare_figure`` to ``path`` and its compact form next to it (``<stem>_compact.png``);
+    returns both paths.
 
     ``summary`` is ``dynmb.jobs.compare.display_summary``'s output (case names in the index, a
-    ``method`` column, ``x_dynamic``) or ``summarise``'s (``method`` in the index or columns).
+    ``method`` column, ``x_dynamic`` and its interval) or ``summarise``'s.
     """
-    df = summary.reset_index()
-    names = df["case"] if "case" in df.columns else df["method"]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(df)), 3.8))
-    colors = ["#d62728" if m == "dynamic" else "#7f7f7f" if m == "fixed" else "#1f77b4" for m in df["method"]]
-    bars = ax.bar(names.astype(str), df["tokens_per_s"].astype(float), color=colors)
-    if "x_dynamic" in df.columns:
-        for b, s in zip(bars, df["x_dynamic"].astype(float)):
-            ax.annotate(f"dyn {s:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
-                        ha="center", va="bottom", fontsize=8)
-    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-    ax.set_ylabel("real tokens / s (total over steps)")
-    ax.set_title(title or "throughput per packing method")
-    ax.margins(y=0.15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    paths = [path, str(Path(path).with_name(Path(path).stem + "_compact.png"))]
+    for target, compact in zip(paths, (False, True)):
+        fig = compare_figure(summary, title, compact=compact)
+        fig.savefig(target, dpi=120)
+        plt.close(fig)
+    return paths

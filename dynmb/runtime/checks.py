@@ -13,7 +13,8 @@
    (+1e-9), fp32 (``gradient_problems``).
 
 Failures of 2 and 3 are messages naming rank, stage or parameter and step; the worker
-raises them on every rank as ``StepCheckError`` once the step's rows are written.
+raises them on every rank as ``StepCheckError`` once the step's rows are written, in one line
+(``problem_line``: the first message and how many more, on which ranks), the same on every rank.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dynmb.runtime.records import MemoryRow
 from dynmb.core.types import Plan
 
 __all__ = ["VERIFY_RTOL", "PlanDivergenceError", "StepCheckError", "check_plan_digest", "gather_weights",
-           "reference_gradients", "gradient_problems", "memory_problems"]
+           "reference_gradients", "gradient_problems", "memory_problems", "problem_line"]
 
 VERIFY_RTOL = 1e-5
 _MAX_GRADIENT_PROBLEMS = 5
@@ -107,3 +108,18 @@ def memory_problems(rows: Sequence[MemoryRow], *, allow_over_limit: bool) -> lis
         return []
     return [f"rank {r.rank} stage {r.stage}: measured peak {r.peak_bytes} bytes exceeds the memory limit "
             f"{r.limit_bytes} bytes at step {r.step}" for r in rows if r.peak_bytes > r.limit_bytes]
+
+
+def problem_line(step: int, problems: Sequence[str], shown: int = 3) -> str:
+    """One line for a step's failed checks: what failed (gradients, memory), the first ``shown`` messages and
+    how many more, on which ranks."""
+    grads = [p for p in problems if " param " in p]
+    if grads and len(grads) < len(problems):
+        what = "gradients differ from the single-process reference (--verify) and a peak is over the limit"
+    elif grads:
+        what = "gradients differ from the single-process reference (--verify)"
+    else:
+        what = "a measured peak is over the memory limit"
+    ranks = sorted({p.split()[1] for p in problems if p.startswith("rank ")}, key=lambda r: int(r) if r.isdigit() else 0)
+    more = f"; {len(problems) - shown} more on rank(s) {', '.join(ranks)}" if len(problems) > shown else ""
+    return f"step {step}: {what}: {'; '.join(problems[:shown])}{more}"

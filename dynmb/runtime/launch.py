@@ -12,7 +12,9 @@ runs under a user's own ``torchrun --nnodes N --node-rank K --rdzv-endpoint HOST
 -m dynmb.runtime.worker --spec SPEC`` for multi-node runs (see ``dynmb.runtime.worker``).
 
 Before torchrun starts, ``JobSpec.check()`` checks the job (names, files, output folder, run
-ids: a bad input costs no torchrun start and writes nothing) and the rank count.
+ids: a bad input costs no torchrun start and writes nothing) and the rank count, and
+``preflight.preflight`` what the ranks would refuse: every stage built on the meta device, the first
+batches planned as the ranks will plan them.
 
 Faults never hang: the worker's process groups time out after ``run_cfg.timeout_s``; a
 rank that raises writes ``out_dir/errors/rank<k>.txt`` and exits 1, and torchrun's agent
@@ -37,7 +39,8 @@ launcher finishes the job's ``runs`` rows (``status`` ok / failed / interrupted,
 the first failure line; in a job that failed no row keeps ``ok`` unless its case was closed
 before the failure, so a run whose command exits non-zero never reads ``ok``, and a status that
 cannot be written, ``ENOSPC``, is one more failure line naming the file) and, unless the job succeeded, drops ``actions``/``memory`` rows of
-steps without a ``steps`` row, so the tables hold complete steps only (``complete_steps``).
+steps without a ``steps`` row, so the tables hold complete steps only (``complete_steps``); every row of
+the job's runs gets a ``case`` column (the run's label, else its method: ``dynmb.io.results.tag_runs``).
 ``write_spec`` gives a run spec's JSON form, for scripts that build jobs as dicts.
 """
 
@@ -60,7 +63,8 @@ from tqdm.auto import tqdm
 from dynmb.core.config import RunConfig
 from dynmb.io.hostinfo import cores_warning
 from dynmb.io.outdir import lock_out_dir
-from dynmb.io.results import ResultsError, drop_incomplete_steps, run_ids_in, set_run_status
+from dynmb.io.results import ResultsError, drop_incomplete_steps, run_ids_in, set_run_status, tag_runs
+from dynmb.runtime.preflight import preflight
 from dynmb.runtime.processes import Ended, StopSignals, alive, die_with_parent, wait_or_stop
 from dynmb.runtime.spec import JobSpec, RunSpec
 
@@ -131,6 +135,8 @@ def launch_job(job: JobSpec, nproc: int, *, guard_s: float | None = None, quiet:
             raise ValueError(f"--nproc {nproc} does not match stages {case.run.pipeline.num_stages} / virtual "
                              f"{case.run.pipeline.virtual} x dp {case.run.dp} = {want} ranks")
     job.check()
+    for case in job.cases:                     # what the ranks would refuse: the stages, the first batches
+        preflight(case)
     with lock_out_dir(job.out_dir) as out:     # one writer per folder; a foreign table refused untouched
         return _launch_locked(job, nproc, out, guard_s, quiet=quiet, progress=progress)
 
@@ -213,6 +219,7 @@ def _finish(job: JobSpec, proc: subprocess.Popen, ended: Ended, log: str, guard_
             else:       # a failed job: no row says ok unless its case was closed before the failure
                 set_run_status(out_dir, [r for r in ids if r not in closed], status, failures[0], keep=())
             complete.update({r: tuple(s) for r, s in drop_incomplete_steps(out_dir, ids).items()})
+            tag_runs(out_dir, {c.run_id: {"case": c.display_label} for c in job.cases if c.run_id in ids})
         except (OSError, ResultsError) as e:           # ENOSPC, a table cut by it: one line naming the file
             fname, strerror = getattr(e, "filename", None), getattr(e, "strerror", None)
             line = (f"dynmb run: writing the runs' status in {out_dir} failed: "
@@ -282,7 +289,10 @@ def failure_lines(out_dir: Path, log: str) -> list[str]:
         signalled = code < 0 and -code in signal.valid_signals()
         how = f"signal {signal.Signals(-code).name}" if signalled else f"exit code {code}"
         out.append(f"dynmb run: rank {root} died ({how}) without a Python error")
+    same = [r for r, e in sorted(files.items()) if r != root and root in files and e == files[root]]
     if root in files:
-        out.append(f"dynmb run: rank {root} failed: {files[root]}")
-    out += [f"dynmb run: rank {r} failed after rank {root}: {e}" for r, e in sorted(files.items()) if r != root]
+        also = f" (rank(s) {', '.join(map(str, same))}: the same error)" if same else ""
+        out.append(f"dynmb run: rank {root} failed: {files[root]}{also}")
+    out += [f"dynmb run: rank {r} failed after rank {root}: {e}" for r, e in sorted(files.items())
+            if r != root and r not in same]
     return out

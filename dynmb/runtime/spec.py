@@ -46,7 +46,7 @@ the case itself::
      "plan": path | null, "schedule": path | null, "corpus": TokenFile.to_dict() | null,
      "model_factory": "package.module:factory" | null}
 
-any other job is ``{"out_dir": ..., "cases": [case, ...], "interleave": bool}``.
+any other job is ``{"out_dir": ..., "cases": [case, ...], "interleave": bool, "order_seed": int | null}``.
 ``JobSpec.from_dict`` reads both. The worker reads it (see ``dynmb.runtime.worker``).
 """
 
@@ -74,7 +74,7 @@ __all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable",
 
 _RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
              "plan", "schedule", "corpus", "model_factory", "virtual_choice")
-_JOB_KEYS = ("out_dir", "cases", "interleave")
+_JOB_KEYS = ("out_dir", "cases", "interleave", "order_seed")
 
 
 def _check_keys(data: Mapping[str, Any], known: tuple[str, ...], what: str) -> None:
@@ -204,6 +204,9 @@ class RunSpec:
             check_plan_spec(spec, run.model, get_memory_model(self.memory_model, run.model, spec.num_stages))
         if not run.timeout_s > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
+        if self.plan is None and run.global_batch < run.dp:
+            raise ValueError(f"--global-batch {run.global_batch} is smaller than --dp {run.dp}: every data-parallel "
+                             "replica needs at least one sequence of the global batch")
         check_device(run.backend, run.device)
 
     def models(self, *, who: str = "dynmb run") -> PredictionModels:
@@ -253,6 +256,9 @@ class JobSpec:
     """The runs, in order."""
     interleave: bool = False
     """CPU: round by round (step k of every case, then step k + 1) instead of one after another."""
+    order_seed: int | None = None
+    """With ``interleave``: each round runs the cases in a fresh random order drawn from this seed and the
+    round (``dynmb.runtime.worker.round_order``); None: the order rotated by one every round."""
 
     def __post_init__(self) -> None:
         if not self.cases:
@@ -288,7 +294,8 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         if self.is_single:
             return self.cases[0].to_dict()
-        return {"out_dir": self.out_dir, "cases": [c.to_dict() for c in self.cases], "interleave": self.interleave}
+        return {"out_dir": self.out_dir, "cases": [c.to_dict() for c in self.cases], "interleave": self.interleave,
+                "order_seed": self.order_seed}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
@@ -296,7 +303,8 @@ class JobSpec:
             return cls.single(RunSpec.from_dict(data))
         _check_keys(data, _JOB_KEYS, "job spec")
         return cls(out_dir=str(data["out_dir"]), cases=tuple(RunSpec.from_dict(c) for c in data["cases"]),
-                   interleave=bool(data.get("interleave", False)))
+                   interleave=bool(data.get("interleave", False)),
+                   order_seed=None if data.get("order_seed") is None else int(data["order_seed"]))
 
     def save(self, path: str | Path) -> Path:
         """Write the JSON form to ``path`` (atomically)."""

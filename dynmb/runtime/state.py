@@ -3,7 +3,8 @@
 ``RunState(spec, device, hooks)`` creates, in the same order on every rank: the topology
 and process groups (``dynmb.runtime.topology``), this rank's stages (``factory.build_stage`` of the
 run's ``StageFactory``, ``RunSpec.factory()``: a user's ``package.module:factory`` or dynmb's family
-of ``run.model``; weights equal to the single-process model's) and Adam over their parameters, the cost and
+of ``run.model``; weights equal to the single-process model's; data-parallel replicas then take the first
+replica's, ``replicas.sync_replicas``) and Adam over their parameters, the cost and
 memory models, the length trace, the memory meter and the clock. ``plan_batch(k)`` samples
 global batch ``k`` (the trace rows ``data.sample_indices(len(trace), B, seed, k)``) and plans it
 with ``planning.plan_step``: deterministic, so every rank computes the same plan, which records
@@ -49,6 +50,7 @@ from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.planshare import PlanShare, job_store
 from dynmb.runtime.records import ActionRow, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_head_split
+from dynmb.runtime.replicas import sync_replicas
 from dynmb.runtime.topology import Topology, make_process_groups
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Microbatch, Plan, Schedule
@@ -124,6 +126,7 @@ class RunState:
             self.ahead.submit_through(self.ahead.window, self.cost_model)
         self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
                        for s in self.topology.local_stages}
+        sync_replicas(self.stages.values(), self.groups.data_parallel)   # replicas start identical
         self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
         self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)

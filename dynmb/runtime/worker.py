@@ -13,8 +13,9 @@ Multi-node (same spec file on every node, e.g. on a shared file system)::
 
 The spec file is a ``JobSpec`` (``dynmb.runtime.spec``; ``launch`` writes it): one run, or
 the cases of a job run in the same process group (start-up paid once), one after another
-or, with ``interleave`` (CPU), round by round: step k of every case, in an order rotated by
-one every round, before step k + 1 (``run_cases``; what ``dynmb compare`` does on CPU).
+or, with ``interleave`` (CPU), round by round: step k of every case, in a fresh random order each
+round (``round_order``: seeded by the job's ``order_seed``; rotated by one without one), before step
+k + 1 (``run_cases``; what ``dynmb compare`` does on CPU); the steps rows record ``round_position``.
 
 Algorithm per run
 -----------------
@@ -67,7 +68,7 @@ import torch.distributed as dist
 from dynmb.io.atomic import write_text_atomic
 from dynmb.io.results import set_run_status
 from dynmb.runtime.checkpoint import resume_run, save_due
-from dynmb.runtime.checks import PlanDivergenceError, StepCheckError
+from dynmb.runtime.checks import PlanDivergenceError, StepCheckError, problem_line
 from dynmb.runtime.device import DeviceOps, bind_device, device_ops
 from dynmb.runtime.hooks import StepHooks, load_hooks
 from dynmb.runtime.hostmem import prefault, retain_freed_memory
@@ -78,7 +79,8 @@ from dynmb.runtime.spec import JobSpec, RunSpec
 from dynmb.runtime.state import RunState, prewarm
 from dynmb.runtime.step import run_step
 
-__all__ = ["main", "run_spec", "run_cases", "exit_with_parent", "PlanDivergenceError", "StepCheckError"]
+__all__ = ["main", "run_spec", "run_cases", "round_order", "exit_with_parent", "PlanDivergenceError",
+           "StepCheckError"]
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
@@ -112,7 +114,17 @@ def _open_run(spec: RunSpec, device: torch.device, recorder: Recorder, hooks: St
     return state
 
 
-def _step(state: RunState, step: int, recorder: Recorder) -> None:
+def round_order(cases: int, step: int, seed: int | None) -> list[int]:
+    """The order of the cases in round ``step``: a permutation drawn from ``(seed, step)`` (the same on
+    every rank), or the order rotated by ``step`` when ``seed`` is None."""
+    if seed is None:
+        return [(i + step) % cases for i in range(cases)]
+    import numpy as np
+
+    return [int(i) for i in np.random.default_rng([int(seed), int(step)]).permutation(cases)]
+
+
+def _step(state: RunState, step: int, recorder: Recorder, position: int = 0) -> None:
     """Step ``step`` of one run: calibrate, run it, gather the reports, record them, raise any failure."""
     if state.calibrates:
         state.calibrate()
@@ -131,11 +143,12 @@ def _step(state: RunState, step: int, recorder: Recorder) -> None:
                        distinct_shapes=distinct_shapes, new_shapes=new_shapes,
                        cost_model=state.cost_model, schedule=schedule)
         row["verified"] = bool(state.spec.verify) and not problems
+        row["round_position"] = position
         recorder.steps(state.spec, row)
         warm = "warm-up " if step < run.warmup else ""
         print(f"{PROGRESS}{state.spec.run_id} {warm}step {step}: {row['step_s']:.2f} s", flush=True)
     if problems:
-        raise StepCheckError("; ".join(problems))
+        raise StepCheckError(problem_line(step, problems))
     if state.calibrates:
         state.record([a for r in gathered for a in r.actions])
     save_due(state, step)
@@ -173,12 +186,12 @@ def _close(states: list[RunState], recorder: Recorder, ops: DeviceOps) -> None:
 
 
 def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: bool = False,
-              hooks: StepHooks | None = None) -> None:
+              hooks: StepHooks | None = None, order_seed: int | None = None) -> None:
     """Run specs in the current process group: one after another, or round by round.
 
     ``interleave`` (CPU only): all specs are set up first (their models and optimizers live
-    side by side), then each round runs step k of every spec that has one, in an order
-    rotated by one every round, so a burst of outside load on a shared machine slows every
+    side by side), then each round runs step k of every spec that has one, in the order
+    ``round_order(len(specs), k, order_seed)``, so a burst of outside load on a shared machine slows every
     method's step alike instead of whichever method ran during it. Not on CUDA: the other
     specs' states would be in every measured peak.
 
@@ -207,10 +220,10 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
             gc.collect()
             gc.freeze()
             for step in range(max(s.run.warmup + s.run.steps for s in states)):
-                for i in range(len(states)):
-                    state = states[(i + step) % len(states)]
+                for position, i in enumerate(round_order(len(states), step, order_seed)):
+                    state = states[i]
                     if state.first_step <= step < state.run.warmup + state.run.steps:
-                        _step(state, step, recorder)
+                        _step(state, step, recorder, position)
             _finish(states, recorder)
         finally:
             _close(states, recorder, device_ops(device))
@@ -252,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         first = job.cases[0].run
         dist.init_process_group(first.backend, timeout=timedelta(seconds=first.timeout_s),
                                 device_id=device_ops(device).group_device())
-        run_cases(job.cases, device, interleave=job.interleave and len(job.cases) > 1)
+        run_cases(job.cases, device, interleave=job.interleave and len(job.cases) > 1, order_seed=job.order_seed)
         dist.barrier()
         dist.destroy_process_group()
         return 0

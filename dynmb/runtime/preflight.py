@@ -1,0 +1,108 @@
+"""What the ranks would refuse, refused by the launcher before torchrun starts (one line, nothing written).
+
+``preflight(spec)`` runs after ``RunSpec.check`` for every case of a job (``launch.launch_job``):
+
+1. The model: the run's factory (``RunSpec.factory()``: a user's ``package.module:factory``, a
+   transformers model or dynmb's family) builds every stage under ``torch.device("meta")`` (new tensors
+   take no memory and get no values; modules a factory already holds, as transformers factories share
+   their model's, are neither copied nor moved),
+   as rank ``stage mod ranks`` will build it for real; a factory that raises, or a stage that is not a
+   ``StageModule`` of the right index, is one ``ValueError`` naming the rank, the stage and the cause.
+2. The data: the batches the ranks will plan first are planned here, the same way
+   (``planning.plan_step`` with the run's ``PlanSpec``, cost and memory models, on the trace or the
+   corpus's token counts): step 0, and the step holding the run's longest sequence when that is another
+   (``slice_fitting`` off: slicing sequences that fit only adds options, and costs minutes at scale).
+   What ``dynmb plan`` refuses for them (a limit below the model states, a sequence longer than any row,
+   a position limit shorter than the data, data parallelism over too few sequences) is one line naming
+   the step and the sequence's trace row (corpus record), not its position in the batch.
+
+A plan-file run (``--plan``) was checked against its plan by ``load_plan_files``; step 2 is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from dynmb.data import load_trace, sample_indices
+from dynmb.runtime.spec import RunSpec
+
+__all__ = ["preflight", "check_stages", "check_first_batches"]
+
+
+def preflight(spec: RunSpec) -> None:
+    """Refuse (``ValueError``, one line) what the ranks of ``spec`` would refuse (module docstring)."""
+    check_stages(spec)
+    if spec.plan is None:
+        check_first_batches(spec)
+
+
+def check_stages(spec: RunSpec) -> None:
+    """Every stage of the run built on the meta device, checked against the stage contract."""
+    import torch
+
+    from dynmb.core.contract import StageModule
+
+    run = spec.run
+    what = f"--model {spec.model_factory or run.model.name}"
+    stages, ranks = run.pipeline.num_stages, run.pipeline.num_ranks
+    try:
+        factory = spec.factory()
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's factory may raise anything: one line, no traceback
+        raise ValueError(f"{what}: the factory raised {type(e).__name__}: {_first_line(e)}") from None
+    for k in range(stages):
+        try:
+            with torch.device("meta"):     # new tensors on meta; a factory's shared modules are left where they are
+                module = factory.build_stage(k, stages, seed=run.seed)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{what}: rank {k % ranks} cannot build stage {k} of {stages}: {type(e).__name__}: "
+                             f"{_first_line(e)}") from None
+        if not isinstance(module, StageModule) or not isinstance(module, torch.nn.Module):
+            raise ValueError(f"{what}: rank {k % ranks}: build_stage({k}, {stages}) returned a "
+                             f"{type(module).__name__}, not a stage module (an nn.Module with stage, num_stages, "
+                             "is_first, is_last and forward(x, inputs); docs/design.md 'The stage contract')")
+        if int(module.stage) != k or int(module.num_stages) != stages:
+            raise ValueError(f"{what}: rank {k % ranks}: build_stage({k}, {stages}) returned stage {module.stage} "
+                             f"of {module.num_stages}")
+
+
+def check_first_batches(spec: RunSpec) -> None:
+    """Plan the run's first batch, and the batch holding its longest sequence, as the ranks will."""
+    from dynmb.api.planner import cost_model_for
+    from dynmb.memory.model import get_memory_model
+    from dynmb.planning import plan_step
+
+    run = spec.run
+    trace = spec.corpus.load().lengths if spec.corpus is not None else load_trace(run.dataset)
+    steps = run.warmup + run.steps
+    rows = [sample_indices(len(trace), run.global_batch, run.seed, step=k, note=False) for k in range(steps)]
+    longest = int(np.argmax([trace[r].max() for r in rows]))
+    cost = cost_model_for(run.cost_model, run.model, run.pipeline.num_stages, run.pipeline.virtual)
+    memory = get_memory_model(spec.memory_model, run.model, run.pipeline.num_stages)
+    spec_of = run.plan_spec.with_(slice_fitting="never")      # slicing what fits only adds options, at a cost
+    for k in dict.fromkeys((0, longest)):
+        try:
+            plan_step(trace[rows[k]], spec_of, model_cfg=run.model, cost_model=cost, memory_model=memory)
+        except ValueError as e:
+            source = "corpus record" if spec.corpus is not None else "trace row"
+            raise ValueError(f"step {k}: {_with_rows(_first_line(e), rows[k], source)}") from None
+
+
+_IDS = re.compile(r"\bids \[([\d, ]+)\]")
+
+
+def _with_rows(message: str, rows: np.ndarray, source: str) -> str:
+    """``message`` with the batch positions it names (``ids [1, 2]``) as the trace rows they hold."""
+    def rows_of(m: re.Match[str]) -> str:
+        positions = [int(p) for p in m.group(1).split(",") if p.strip()]
+        return f"{source}s {[int(rows[p]) for p in positions if p < len(rows)]}"
+    return _IDS.sub(rows_of, message, count=1)
+
+
+def _first_line(err: Any) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text[:400] + (" ..." if len(text) > 400 else "")
