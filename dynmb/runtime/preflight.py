@@ -57,7 +57,7 @@ def check_stages(spec: RunSpec) -> None:
     for k in range(stages):
         try:
             with torch.device("meta"):     # new tensors on meta; a factory's shared modules are left where they are
-                module = factory.build_stage(k, stages, seed=run.seed)
+                module = factory.build_stage(k, stages, seed=run.seed, device="meta")
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{what}: rank {k % ranks} cannot build stage {k} of {stages}: {type(e).__name__}: "
                              f"{_first_line(e)}") from None
@@ -72,8 +72,7 @@ def check_stages(spec: RunSpec) -> None:
 
 def check_first_batches(spec: RunSpec) -> None:
     """Plan the run's first batch, and the batch holding its longest sequence, as the ranks will."""
-    from dynmb.api.planner import cost_model_for
-    from dynmb.memory.model import get_memory_model
+    from dynmb.costmodel.standin import suppress_stand_in_warnings
     from dynmb.planning import plan_step
 
     run = spec.run
@@ -81,8 +80,9 @@ def check_first_batches(spec: RunSpec) -> None:
     steps = run.warmup + run.steps
     rows = [sample_indices(len(trace), run.global_batch, run.seed, step=k, note=False) for k in range(steps)]
     longest = int(np.argmax([trace[r].max() for r in rows]))
-    cost = cost_model_for(run.cost_model, run.model, run.pipeline.num_stages, run.pipeline.virtual)
-    memory = get_memory_model(spec.memory_model, run.model, run.pipeline.num_stages)
+    with suppress_stand_in_warnings():                   # said once, where the run resolves its models
+        models = spec.models()
+    cost, memory = models.cost, models.memory
     spec_of = run.plan_spec.with_(slice_fitting="never")      # slicing what fits only adds options, at a cost
     for k in dict.fromkeys((0, longest)):
         try:
