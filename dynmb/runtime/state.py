@@ -41,6 +41,7 @@ from dynmb.planning import plan_step, predict_replicas, replica_schedules, repli
 from dynmb.api.planner import cost_model_for
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
+from dynmb.runtime.fsdp import shard_stage
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.planshare import PlanShare, job_store
@@ -119,6 +120,9 @@ class RunState:
             self.ahead.submit_through(self.ahead.window, self.cost_model)
         self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
                        for s in self.topology.local_stages}
+        self.sharded = run.shard      # FSDP2 over the replicas (dynmb.runtime.fsdp); before the optimizer
+        for stage in self.stages.values() if self.sharded else ():
+            shard_stage(stage, self.groups.data_parallel)
         self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
         self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)
