@@ -54,6 +54,16 @@ is missing in the installed torch, and ``tests/test_torch_pipelining.py`` fails 
   ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` validation compares every microbatch with the zero-row
   example shapes.
 
+**Data parallelism** (``tests/test_fsdp.py`` runs it on 4 gloo ranks, 2 x 2): pipeline ``r`` runs
+``plan.replica(r)`` on its pipeline group with ``TorchPipeliningSettings(loss_tokens=plan.real_tokens)``
+(the global batch's real tokens: every replica divides by the same count), and the replicas' gradients
+are *summed*. With plain replicas, all-reduce ``.grad`` (SUM) over the data-parallel group yourself;
+with FSDP2, ``shard_stages(stages, dp_group)`` (``dynmb.runtime.fsdp.shard_stage``: blocks, then the
+stage, gradients reduced by a plain sum, which works on gloo) before the optimizer is built, and torch's
+runtime gathers, reduces and reshards each step (its ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD``
+actions). Pass ``dp_group=`` to ``run_with_torch_pipelining`` and ``loss`` is the global batch's loss,
+the same on every rank; without it, it is this pipeline's share (its replica's summed CE / ``loss_tokens``).
+
 Example, the way a torchtitan-style loop calls it (``torchrun --nproc-per-node 2 train.py``;
 every rank sees the same global batch and plans it itself; ``tests/test_torch_pipelining.py``
 runs this block on 2 gloo ranks)::
@@ -97,11 +107,12 @@ from dynmb.core.config import ModelConfig
 from dynmb.core.contract import StageModule
 from dynmb.models.inputs import hidden_shape, make_inputs
 from dynmb.runtime.checks import PlanDivergenceError
+from dynmb.runtime.fsdp import shard_stage
 from dynmb.schedule import from_csv, to_csv, to_str
 from dynmb.core.types import Plan, Schedule
 
 __all__ = ["TorchPipeliningSettings", "TorchPipeliningResult", "TorchPipeliningError", "PlanShapedStage",
-           "run_with_torch_pipelining", "check_torch_internals", "TORCH_VERSION_WRITTEN_FOR"]
+           "run_with_torch_pipelining", "shard_stages", "check_torch_internals", "TORCH_VERSION_WRITTEN_FOR"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +145,8 @@ class TorchPipeliningResult:
     """One step's outcome on a rank."""
 
     loss: float
-    """The token-weighted loss (sum of cross-entropy / ``loss_tokens``), the same on every rank of the group."""
+    """The token-weighted loss (sum of cross-entropy / ``loss_tokens``), the same on every rank of the group:
+    with ``dp_group`` the whole global batch's; without, under data parallelism, this pipeline's share only."""
     microbatch_losses: tuple[float, ...]
     """Each microbatch's share of ``loss`` in plan order, on the rank holding the last stage; empty elsewhere."""
     digest: str
@@ -319,16 +331,27 @@ def _hidden_dtype(stages: Sequence[nn.Module], settings: TorchPipeliningSettings
     raise TorchPipeliningError("no floating-point parameter to take the hidden dtype from: set hidden_dtype")
 
 
+# --- data parallelism --------------------------------------------------------------------------
+def shard_stages(stages: nn.Module | Sequence[nn.Module], dp_group: dist.ProcessGroup | None) -> list[nn.Module]:
+    """FSDP2 over the data-parallel ``dp_group`` for this rank's stage module(s), as dynmb's own runtime
+    shards them (``dynmb.runtime.fsdp.shard_stage``: each block, then the stage; gradients reduced by a
+    plain sum, so the token-weighted loss needs no rescaling, on gloo too). Build the optimizer after."""
+    stage_list = [stages] if isinstance(stages, nn.Module) else list(stages)
+    return [shard_stage(st, dp_group) for st in stage_list]
+
+
 # --- the step ----------------------------------------------------------------------------------
 def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Plan, schedule: Schedule | str | Path,
                               tokens: Sequence[torch.Tensor], settings: TorchPipeliningSettings,
-                              group: dist.ProcessGroup | None = None) -> TorchPipeliningResult:
+                              group: dist.ProcessGroup | None = None, *,
+                              dp_group: dist.ProcessGroup | None = None) -> TorchPipeliningResult:
     """Run one step of ``plan`` in ``schedule`` (a ``Schedule`` or a compute-only CSV path) on this
     rank's stage module(s) with torch's ``PipelineStage`` and ``_PipelineScheduleRuntime``.
 
     ``tokens[seq_id]``: the token ids of each sequence of the global batch (``length + 1`` ids).
-    Gradients accumulate into the stage modules' ``.grad`` (token-weighted, unscaled by torch);
-    collective over ``group`` (default: the world). See the module docstring."""
+    Gradients accumulate into the stage modules' ``.grad`` (token-weighted, unscaled by torch; summed
+    over replicas when the stages were sharded by ``shard_stages``); collective over ``group`` (default:
+    the world), and the loss also over ``dp_group`` when given (the global loss). See the module docstring."""
     _require_torch_internals()
     stage_list = [stages] if isinstance(stages, nn.Module) else list(stages)
     sched = _as_schedule(schedule, plan.num_microbatches)
@@ -372,6 +395,8 @@ def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Pla
     shares = tuple(float(x.detach()) for x in losses)
     total = torch.tensor([sum(shares)], dtype=torch.float64, device=device)
     dist.all_reduce(total, group=group)
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)     # every replica's share: the global batch's loss
     logger.debug("rank %d: ran %d microbatches of plan %s through torch's pipelining runtime", rank,
                  plan.num_microbatches, digest[:12])
     return TorchPipeliningResult(loss=float(total.item()), microbatch_losses=shares, digest=digest)
