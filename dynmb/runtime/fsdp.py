@@ -134,13 +134,12 @@ def begin_step(stages: Iterable[nn.Module]) -> None:
 def finish_step(stages: Iterable[nn.Module]) -> None:
     """Reduce-scatter (sum) every unit's accumulated gradient and reshard (module docstring, 5)."""
     _, _, fully_shard = _fsdp()
-    roots = [s for s in stages]
-    for root in roots:
+    for root in stages:
         for m in _fsdp_modules([root]):
             m.set_requires_gradient_sync(True, recurse=False)     # type: ignore[operator]
             m.set_reshard_after_backward(True, recurse=False)     # type: ignore[operator]
         root.set_is_last_backward(True)                           # type: ignore[operator]
-        state = fully_shard.state(root)                           # type: ignore[attr-defined]
+        state = fully_shard.state(root)
         for unit_state in state._state_ctx.all_states:
             for group in unit_state._fsdp_param_groups:
                 group.post_backward()
