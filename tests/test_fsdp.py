@@ -2,7 +2,8 @@
 
 dynmb's runtime (``dynmb run --dp N --shard``): verified runs (``--verify``: every rank's gradients,
 gathered whole, equal the single-process reference of the whole global batch, fp32 1e-5) in the shared
-gloo jobs: pp 1 x dp 2 on 2 ranks (always), pp 2 x dp 2 on 4 ranks under 1F1B, ZB-H1 (split backward)
+gloo jobs: pp 1 x dp 2 on 2 ranks (always; dynmb's GPT-2 family, and a transformers Llama on packed
+rows), pp 2 x dp 2 on 4 ranks under 1F1B, ZB-H1 (split backward)
 and interleaved (two stages a rank) (slow). torch's runtime (``run_with_torch_pipelining`` after
 ``shard_stages``): one spawned job per rank count, pp 1 x dp 2 and pp 2 x dp 2, gradients gathered whole
 and compared with ``reference_grads`` (fp64 1e-10), the loss with ``dp_group`` the global one. No test
@@ -26,6 +27,7 @@ from dynmb.integrations.torch_pipelining import (TorchPipeliningSettings, run_wi
                                                  shard_stages)
 from dynmb.io.results import load_results
 from dynmb.models import build_stage, reference_grads
+from dynmb.models.contract import planning_config, resolve_model
 from dynmb.runtime.fsdp import fsdp_units
 from dynmb.runtime.spec import RunSpec
 from dynmb.schedule import build_schedule
@@ -44,18 +46,36 @@ def _cfg(stages: int, kind: str = "1f1b", virtual: int = 1, steps: int = 2) -> R
                      seed=2, backend="gloo", device="cpu", timeout_s=120.0)
 
 
-TWO = {"fsdp-pp1dp2": _cfg(1)}
+HF = "tests.hf_models:tiny_llama"
+"""A transformers ``LlamaForCausalLM`` (``--model`` of a user's factory; its stages share the model's modules)."""
+TWO = {"fsdp-pp1dp2": _cfg(1), "fsdp-hf-pp1dp2": None}
 FOUR = {"fsdp-pp2dp2-1f1b": _cfg(2), "fsdp-pp2dp2-zbh1": _cfg(2, "zb-h1", steps=1),
         "fsdp-pp2dp2-interleaved": _cfg(4, "interleaved", virtual=2, steps=1)}
-register(2)(lambda out: [RunSpec.create(c, out / n, verify=True, run_id=n) for n, c in TWO.items()])
+
+
+def _hf_spec(out: Path, name: str) -> list[RunSpec]:
+    """The transformers case, packed rows (a document mask), when transformers is installed."""
+    try:
+        factory = resolve_model(HF)
+    except (ImportError, ValueError):
+        return []
+    cfg = replace(_cfg(1), model=planning_config(factory), method="packed", pack_len=512,
+                  pipeline=replace(_cfg(1).pipeline, memory_limit_bytes=256 * 2**20))
+    return [RunSpec.create(cfg, out / name, verify=True, run_id=name, model_factory=HF)]
+
+
+register(2)(lambda out: [RunSpec.create(c, out / n, verify=True, run_id=n) for n, c in TWO.items() if c is not None]
+            + _hf_spec(out, "fsdp-hf-pp1dp2"))
 register(4)(lambda out: [RunSpec.create(c, out / n, verify=True, run_id=n) for n, c in FOUR.items()])
 
 
 def _check_verified(job, names) -> None:
     assert job.returncode == 0, job.errors
     for name in names:
+        if not (job.out / name).exists() and name.startswith("fsdp-hf"):
+            continue                               # transformers is not installed
         t = load_results(job.out / name)
-        assert len(t["steps"]) == TWO.get(name, FOUR.get(name)).steps
+        assert len(t["steps"]) == (TWO.get(name) or FOUR.get(name) or _cfg(1)).steps
         assert t["steps"]["verified"].all(), name
         assert bool(t["runs"]["shard"].iloc[0]), name
 
