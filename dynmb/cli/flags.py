@@ -1,7 +1,7 @@
 """Flag groups several verbs share, and what they select (the model, the global batch).
 
 - ``add_data_flags``: ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``; with ``corpus``
-  (run, compare) also ``--corpus FILE --field F [--tokenizer T]`` (real tokens, ``corpus_source``);
+  (run, compare) also ``--corpus FILE --field F [--tokenizer T] [--eos-token E]`` (real tokens, ``corpus_source``);
 - ``add_packing_flags``: ``--stages``, ``--memory-limit``, ``--method``, ``--mbs``, ``--dp``,
   ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize``, ``--slice-fitting``, ``--recompute``
   and the shape flags;
