@@ -6,8 +6,9 @@ What it shows, in order:
    ``ModelConfig``; pass ``--cost-model`` / ``--memory-model`` fitted for it, else dynmb warns
    once that it plans with stand-ins) and yields this rank's microbatches in execution order;
 2. ``dynmb.api.collate`` turns each into token tensors (``--layout padded``: the plan's rows;
-   ``packed``: one row, no padding), positions restarting per document, labels masked at
-   document starts and pads, ``doc_ids`` for document-causal attention;
+   ``packed``: one row, no padding), positions restarting per document, labels the ids each
+   position predicts (IGNORE at pads), ``doc_ids`` for document-causal attention; a document
+   of length n is n tokens then its end-of-text id, n trained tokens (docs/design.md "Lengths");
 3. gradient accumulation with the token-weighted loss: each microbatch's summed
    cross-entropy divided by the global batch's loss tokens (``planned_loss_tokens``: known on
    every rank from the plan), backward per microbatch, so the accumulated gradient is the
@@ -18,7 +19,8 @@ What it shows, in order:
 
 The model (``TinyLM``) is one pre-LN transformer block written only against the collate's
 ``TokenBatch``: token and learned position embeddings, SDPA under ``document_mask()``, an
-MLP, an LM head. The data are random token sequences with lengths from a log-normal.
+MLP, an LM head. The data are random token sequences with lengths from a log-normal, each
+ending with an end-of-text id (random here, as the tokens are).
 
     python experiments/train_loop.py --steps 2
     torchrun --nproc-per-node 2 experiments/train_loop.py --steps 2       # 2 data-parallel replicas
@@ -72,10 +74,11 @@ def model_config(vocab: int = 64, d_model: int = 32, heads: int = 2, max_len: in
 
 
 def dataset(n: int, cfg: dynmb.ModelConfig, seed: int = 0) -> list[torch.Tensor]:
-    """``n`` random token sequences, lengths log-normal in [2, max_seq_len]."""
+    """``n`` random token sequences (the last id of each is its end-of-text), lengths log-normal in
+    [1, max_seq_len] trained tokens: ``length + 1`` ids each."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(np.rint(np.exp(rng.normal(3.2, 0.8, size=n))), 2, cfg.max_seq_len).astype(np.int64)
-    return [torch.from_numpy(rng.integers(0, cfg.vocab_size, size=int(n_tok))) for n_tok in lengths]
+    lengths = np.clip(np.rint(np.exp(rng.normal(3.2, 0.8, size=n))), 1, cfg.max_seq_len).astype(np.int64)
+    return [torch.from_numpy(rng.integers(0, cfg.vocab_size, size=int(n_tok) + 1)) for n_tok in lengths]
 
 
 def microbatch_backward(model: nn.Module, tokens: Sequence[Any], mb: dynmb.SampledMicrobatch,
@@ -132,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     rank, group = (dist.get_rank(), dist.group.WORLD) if world > 1 else (0, None)
     cfg = model_config()
     tokens = dataset(args.samples, cfg)
+    lengths = [len(t) - 1 for t in tokens]            # a length: the tokens trained (ids less the end-of-text)
     with warnings.catch_warnings():      # dynmb logs its stand-in line; the warning would say it a second time
         warnings.filterwarnings("ignore", message=r".*with stand-in\(s\)")
-        sampler = dynmb.DynamicBatchSampler([len(t) for t in tokens], args.global_batch, model=cfg, num_stages=1,
+        sampler = dynmb.DynamicBatchSampler(lengths, args.global_batch, model=cfg, num_stages=1,
                                             memory_limit=args.memory_limit, cost_model=args.cost_model,
                                             memory_model=args.memory_model, num_replicas=world, rank=rank, seed=0)
     model = TinyLM(cfg)

@@ -1,7 +1,8 @@
 """dynmb.api.collate: token tensors of a sampled microbatch and the token-weighted loss helpers.
 
 Properties (hypothesis) over random row layouts: every document's tokens where the layout puts
-them, positions restarting at 0 per document, labels IGNORE at every document start and pad,
+them (a length n document: n input ids, labels its ids 1..n, the last its end-of-text), positions
+restarting at 0 per document, labels IGNORE at every pad,
 doc_ids/cu_seqlens describing the documents; the document mask is document-causal; the loss of
 a document-causal model is the same in both layouts and equals the documents' own losses."""
 
@@ -61,16 +62,20 @@ def test_every_document_where_its_layout_puts_it(mb, pad_id):
             assert len(c) == n and len(set(r.tolist())) == 1 and torch.equal(c, c[0] + torch.arange(n))  # contiguous
             if b.layout == "padded":
                 assert int(r[0]) == int(mb.row_ids[k])
-            doc = tokens[int(mb.indices[k])][:n]
-            assert torch.equal(b.input_ids[where], doc)
+            doc = tokens[int(mb.indices[k])][:n + 1]                                    # n tokens, then end-of-text
+            assert torch.equal(b.input_ids[where], doc[:-1])
             assert torch.equal(b.position_ids[where], torch.arange(n))                  # restart per document
-            assert b.labels[where][0] == IGNORE_INDEX                                   # masked at its start
-            assert torch.equal(b.labels[where][1:], doc[1:])
+            assert torch.equal(b.labels[where], doc[1:])                                # the ids they predict
             seen |= where
         pads = ~seen
         assert torch.all(b.doc_ids[pads] == -1) and torch.all(b.labels[pads] == IGNORE_INDEX)
-        assert torch.all(b.position_ids[pads] == 0) and torch.equal(b.attention_mask.bool(), seen)
-        assert b.loss_tokens == int((mb.lengths - 1).sum()) == planned_loss_tokens(mb)
+        assert torch.all(b.position_ids[pads] == 0)
+        if all(len(set(row[row >= 0].tolist())) <= 1 for row in b.doc_ids):
+            assert torch.equal(b.attention_mask.bool(), seen)
+        else:                                                    # packed rows: the padding mask is refused
+            with pytest.raises(CollateError, match="cross-document attention"):
+                b.attention_mask
+        assert b.loss_tokens == int(mb.lengths.sum()) == planned_loss_tokens(mb)
     assert torch.all(padded.input_ids[padded.doc_ids < 0] == pad_id)
 
 
@@ -100,7 +105,7 @@ def test_token_loss_sum_is_the_documents_own_next_token_loss(mb, seed):
 
     ref = torch.tensor(0.0, dtype=torch.float64)
     for k in range(len(mb)):
-        doc = tokens[int(mb.indices[k])][: int(mb.lengths[k])]
+        doc = tokens[int(mb.indices[k])][: int(mb.lengths[k]) + 1]
         ref += torch.nn.functional.cross_entropy(logits(doc[:-1], torch.arange(len(doc) - 1)), doc[1:] % 7,
                                                  reduction="sum")
     for b in (collate_padded(tokens, mb), collate_packed(tokens, mb)):
@@ -114,8 +119,8 @@ def test_errors_name_the_dataset_index():
                                  global_batch=0, microbatch=0, local_index=0, local_count=1, batch_tokens=8,
                                  batch_documents=2)
     tokens = _tokens()
-    tokens[9] = tokens[9][:4]
-    with pytest.raises(CollateError, match="dataset index 9 has 4 tokens, the plan needs 5"):
+    tokens[9] = tokens[9][:5]
+    with pytest.raises(CollateError, match="dataset index 9 has 5 ids, its length 5 needs 6"):
         collate_padded(tokens, mb)
     with pytest.raises(CollateError, match="dataset index 9 has no token sequence"):
         collate_padded(tokens[:5], mb)
@@ -138,7 +143,7 @@ def _sampler(lengths, rank=0, replicas=1):
 @pytest.mark.parametrize("workers", [0, 1])
 def test_dataloader_collates_records(workers):
     lengths = np.random.default_rng(1).integers(2, 90, size=30)
-    tokens = [torch.arange(int(n)) + 1000 * i for i, n in enumerate(lengths)]
+    tokens = [torch.arange(int(n) + 1) + 1000 * i for i, n in enumerate(lengths)]
     sampler = _sampler(lengths)
     loader = DataLoader(MicrobatchDataset(tokens, layout="packed"), sampler=sampler, batch_size=None,
                         num_workers=workers)
@@ -152,7 +157,7 @@ def test_dataloader_collates_records(workers):
 
 def test_planned_loss_tokens_count_the_whole_global_batch_over_replicas():
     lengths = np.random.default_rng(2).integers(1, 90, size=40)
-    tokens = [torch.zeros(int(n), dtype=torch.int64) for n in lengths]
+    tokens = [torch.zeros(int(n) + 1, dtype=torch.int64) for n in lengths]
     per_batch: dict[int, int] = {}
     planned: dict[int, int] = {}
     for rank in range(2):
@@ -160,5 +165,5 @@ def test_planned_loss_tokens_count_the_whole_global_batch_over_replicas():
             per_batch[mb.global_batch] = per_batch.get(mb.global_batch, 0) + collate_padded(tokens, mb).loss_tokens
             planned.setdefault(mb.global_batch, planned_loss_tokens(mb))
             assert planned[mb.global_batch] == planned_loss_tokens(mb)
-    assert per_batch == planned and sum(planned.values()) == int((lengths - 1).sum())
+    assert per_batch == planned and sum(planned.values()) == int(lengths.sum())
     assert global_loss_tokens(7) == 7                                   # no group: the local count

@@ -648,4 +648,5 @@ def test_profile_eta_is_calibrated_on_the_measured_runs():
     assert "3/20 runs in 6 s; about 94 s left" in lines[2]                      # (50 - 3) x 2, not 47
     assert sum(line is not None for line in lines) <= 4 and "\n" not in lines[2]
     assert "e+" not in "".join(line for line in lines if line) and "np." not in "".join(x for x in lines if x)
-    assert eta.final() == "profile: 20 runs in 100 s (first estimate 50 s)"
+    assert eta.final() == ("profile: 20 runs in 100 s (first estimate 50 s; projected 100 s after 3 runs, "
+                           "measured / projected 1.00)")

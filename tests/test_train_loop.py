@@ -37,7 +37,7 @@ def _setup(replicas: int = 1, rank: int = 0):
     t = _loop()
     cfg = t.model_config()
     tokens = t.dataset(48, cfg, seed=1)
-    sampler = dynmb.DynamicBatchSampler([len(x) for x in tokens], 16, model=cfg, num_stages=1,
+    sampler = dynmb.DynamicBatchSampler([len(x) - 1 for x in tokens], 16, model=cfg, num_stages=1,
                                         memory_limit="1500KiB", num_replicas=replicas, rank=rank, seed=2)
     return t, cfg, tokens, sampler
 
@@ -52,9 +52,10 @@ def _reference(t, cfg, tokens, indices) -> torch.Tensor:
     count = sum(len(tokens[i]) - 1 for i in indices)
     total = 0.0
     for i in indices:
-        one = dynmb.SampledMicrobatch(indices=[i], lengths=[len(tokens[i])], row_ids=[0], rows=1,
-                                      padded_len=len(tokens[i]), epoch=0, global_batch=0, microbatch=0, local_index=0,
-                                      local_count=1, batch_tokens=len(tokens[i]), batch_documents=1)
+        n = len(tokens[i]) - 1                  # a length: the tokens trained (ids less the end-of-text)
+        one = dynmb.SampledMicrobatch(indices=[i], lengths=[n], row_ids=[0], rows=1,
+                                      padded_len=n, epoch=0, global_batch=0, microbatch=0, local_index=0,
+                                      local_count=1, batch_tokens=n, batch_documents=1)
         b = collate_packed(tokens, one)
         total = total + token_loss_sum(model(b), b.labels)
     (total / count).backward()

@@ -1,7 +1,9 @@
 """``DynamicBatchSampler``: dynmb's planning inside your own training loop.
 
 A ``torch.utils.data.Sampler`` over a dataset whose sample ``i`` (its *dataset index*) has
-``lengths[i]`` tokens. Each epoch:
+length ``lengths[i]``: the tokens it trains, its ids less the end-of-text id appended to it (the one
+convention of ``dynmb plan`` / ``run``, docs/design.md "Lengths": a ``dynmb lengths`` trace is such a
+list, and ``dynmb.api.collate`` reads ``lengths[i] + 1`` ids). Each epoch:
 
 1. the dataset indices are permuted (``shuffle``: a generator seeded by ``(seed, epoch)``;
    else in order) and cut into global batches of ``global_batch`` indices. The last,

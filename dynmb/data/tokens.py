@@ -6,8 +6,8 @@ no normalization) and ``tokenize(source)`` encodes every record with the same en
 (``corpus.get_tokenizer``), so document i's token count ``n_i`` is the length ``dynmb
 lengths`` writes for record i. A 0-token record is an error naming its file and record.
 
-Every document is stored as its ``n_i`` ids followed by the tokenizer's end-of-text id
-(GPT-2's ``<|endoftext|>``): ``n_i + 1`` ids, so the model reads ids ``0 .. n_i - 1`` and
+Every document is stored as its ``n_i`` ids followed by the end-of-text id (``CorpusSource.eos_token``,
+``--eos-token``, else the tokenizer's own: GPT-2's ``<|endoftext|>``): ``n_i + 1`` ids, so the model reads ids ``0 .. n_i - 1`` and
 predicts ids ``1 .. n_i`` (the last label is the end of the text), ``n_i`` trained
 positions, the length of the trace (``CorpusTokens.lengths``). A slice or a truncated
 document takes a prefix of them (``dynmb.models.inputs.make_inputs``). A tokenizer without an
@@ -56,14 +56,18 @@ class CorpusSource:
     """Record fields (dotted paths) joined with a newline; none for txt corpora."""
     tokenizer: str = "gpt2"
     """``gpt2`` (offline BPE), a Hugging Face tokenizer name or a tokenizer.json path."""
+    eos_token: str | None = None
+    """The end-of-text token appended to every document (``--eos-token``); None: the tokenizer's own
+    (``dynmb.data.corpus.get_tokenizer``)."""
 
     @classmethod
     def create(cls, files: str | os.PathLike | Sequence[str | os.PathLike], fields: str | Sequence[str] | None = None,
-               tokenizer: str = "gpt2") -> CorpusSource:
+               tokenizer: str = "gpt2", eos_token: str | None = None) -> CorpusSource:
         """A source with absolute file paths; ``fields``: one field or several."""
         paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         names = [fields] if isinstance(fields, str) else list(fields or ())
-        return cls(files=tuple(str(Path(p).resolve()) for p in paths), fields=tuple(names), tokenizer=tokenizer)
+        return cls(files=tuple(str(Path(p).resolve()) for p in paths), fields=tuple(names), tokenizer=tokenizer,
+                   eos_token=eos_token)
 
     @property
     def name(self) -> str:
@@ -72,12 +76,16 @@ class CorpusSource:
         return f"{files}:{','.join(self.fields)}" if self.fields else files
 
     def to_dict(self) -> dict[str, Any]:
-        return {"files": list(self.files), "fields": list(self.fields), "tokenizer": self.tokenizer}
+        out: dict[str, Any] = {"files": list(self.files), "fields": list(self.fields), "tokenizer": self.tokenizer}
+        if self.eos_token is not None:
+            out["eos_token"] = self.eos_token
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CorpusSource:
+        eos = data.get("eos_token")
         return cls(files=tuple(str(f) for f in data["files"]), fields=tuple(str(f) for f in data.get("fields", ())),
-                   tokenizer=str(data.get("tokenizer", "gpt2")))
+                   tokenizer=str(data.get("tokenizer", "gpt2")), eos_token=None if eos is None else str(eos))
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,10 +181,11 @@ class TokenFile:
 
 def tokenize(source: CorpusSource) -> CorpusTokens:
     """Every record of ``source`` tokenized as ``dynmb lengths`` does, plus the end-of-text id."""
-    tok = get_tokenizer(source.tokenizer)
+    tok = get_tokenizer(source.tokenizer, source.eos_token)
     if tok.eos_id is None:
-        raise TokenizerError(f"tokenizer {source.tokenizer!r} has no end-of-text token (looked for "
-                             f"{', '.join(EOS_TOKENS)}); a run appends it to every document")
+        raise TokenizerError(f"tokenizer {source.tokenizer!r} has no end-of-text token of its own (looked for "
+                             f"tokenizer_config.json's eos_token, {', '.join(EOS_TOKENS)}); a run appends it to every "
+                             "document: name it with --eos-token TOKEN")
     texts, starts, paths = corpus_texts(list(source.files), list(source.fields) or None)
     docs: list[np.ndarray] = []
     for s in range(0, len(texts), _BATCH):
@@ -213,7 +222,8 @@ def prepare_tokens(source: CorpusSource, folder: str | Path, *, vocab_size: int 
     source, file sizes and modification times is there). With ``vocab_size`` (the model's) the
     tokenizer is checked first (``check_vocab``), before any record is read."""
     if vocab_size is not None:
-        _refuse(source, get_tokenizer(source.tokenizer).vocab_size, vocab_size, model_name)
+        tok = get_tokenizer(source.tokenizer, source.eos_token)       # also refuses an --eos-token it lacks
+        _refuse(source, tok.vocab_size, vocab_size, model_name)
     path = (Path(folder) / "tokens" / f"{_key(source)}.npz").resolve()
     try:
         tokens = CorpusTokens.load(path) if path.is_file() else None

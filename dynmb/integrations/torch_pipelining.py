@@ -35,7 +35,7 @@ microbatches have different shapes (rows x padded length), which torch's stage d
    silently does nothing), so it is set here, with ``clear_runtime_states()`` that ``step()``
    would also call. ``F``/``B`` and the split ``I``/``W`` run as torch lowers them (tested on
    gloo: GPipe, 1F1B, ZB-H1, interleaved with two stages per rank, recomputed microbatches, two
-   data-parallel pipelines on subgroups; pass ``replica_group=`` there and the replicas start from the
+   data-parallel pipelines on subgroups; pass ``dp_group=`` there and the replicas start from the
    first one's weights);
    gradients accumulate in the stage modules' ``.grad``.
 
@@ -54,6 +54,16 @@ is missing in the installed torch, and ``tests/test_torch_pipelining.py`` fails 
   whose ``is_root_arg`` is read; ``_runtime_validate`` (private) is set False, because torch's
   ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` validation compares every microbatch with the zero-row
   example shapes.
+
+**Data parallelism** (``tests/test_fsdp.py`` runs it on 4 gloo ranks, 2 x 2): pipeline ``r`` runs
+``plan.replica(r)`` on its pipeline group with ``TorchPipeliningSettings(loss_tokens=plan.real_tokens)``
+(the global batch's real tokens: every replica divides by the same count), and the replicas' gradients
+are *summed*. With plain replicas, all-reduce ``.grad`` (SUM) over the data-parallel group yourself;
+with FSDP2, ``shard_stages(stages, dp_group)`` (``dynmb.runtime.fsdp.shard_stage``: blocks, then the
+stage, gradients reduced by a plain sum, which works on gloo) before the optimizer is built, and torch's
+runtime gathers, reduces and reshards each step (its ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD``
+actions). Pass ``dp_group=`` to ``run_with_torch_pipelining`` and ``loss`` is the global batch's loss,
+the same on every rank; without it, it is this pipeline's share (its replica's summed CE / ``loss_tokens``).
 
 Example, the way a torchtitan-style loop calls it (``torchrun --nproc-per-node 2 train.py``;
 every rank sees the same global batch and plans it itself; ``tests/test_torch_pipelining.py``
@@ -100,12 +110,13 @@ from dynmb.core.contract import StageModule
 from dynmb.models.inputs import hidden_shape, make_inputs
 from dynmb.runtime.checkpoint import CheckpointInfo, load_checkpoint, save_checkpoint
 from dynmb.runtime.checks import PlanDivergenceError
+from dynmb.runtime.fsdp import shard_stage
 from dynmb.runtime.replicas import sync_replicas
 from dynmb.schedule import from_csv, to_csv, to_str
 from dynmb.core.types import Plan, Schedule
 
 __all__ = ["TorchPipeliningSettings", "TorchPipeliningResult", "TorchPipeliningError", "PlanShapedStage",
-           "run_with_torch_pipelining", "check_torch_internals", "TORCH_VERSION_WRITTEN_FOR"]
+           "run_with_torch_pipelining", "shard_stages", "check_torch_internals", "TORCH_VERSION_WRITTEN_FOR"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +149,8 @@ class TorchPipeliningResult:
     """One step's outcome on a rank."""
 
     loss: float
-    """The token-weighted loss (sum of cross-entropy / ``loss_tokens``), the same on every rank of the group."""
+    """The token-weighted loss (sum of cross-entropy / ``loss_tokens``), the same on every rank of the group:
+    with ``dp_group`` the whole global batch's; without, under data parallelism, this pipeline's share only."""
     microbatch_losses: tuple[float, ...]
     """Each microbatch's share of ``loss`` in plan order, on the rank holding the last stage; empty elsewhere."""
     digest: str
@@ -323,6 +335,16 @@ def _hidden_dtype(stages: Sequence[nn.Module], settings: TorchPipeliningSettings
     raise TorchPipeliningError("no floating-point parameter to take the hidden dtype from: set hidden_dtype")
 
 
+# --- data parallelism --------------------------------------------------------------------------
+def shard_stages(stages: nn.Module | Sequence[nn.Module], dp_group: dist.ProcessGroup | None) -> list[nn.Module]:
+    """FSDP2 over the data-parallel ``dp_group`` for this rank's stage module(s), as dynmb's own runtime
+    shards them (``dynmb.runtime.fsdp.shard_stage``: each block, then the stage; gradients reduced by a
+    plain sum, so the token-weighted loss needs no rescaling, on gloo too). Build the optimizer after."""
+    stage_list = [stages] if isinstance(stages, nn.Module) else list(stages)
+    _start_identical(stage_list, dp_group)             # replicas start identical, before their shards are cut
+    return [shard_stage(st, dp_group) for st in stage_list]
+
+
 # --- the step ----------------------------------------------------------------------------------
 _SYNCED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Stage modules that already took the first replica's weights (``_start_identical``)."""
@@ -339,18 +361,20 @@ def _start_identical(stages: Sequence[nn.Module], replica_group: dist.ProcessGro
 def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Plan, schedule: Schedule | str | Path,
                               tokens: Sequence[torch.Tensor], settings: TorchPipeliningSettings,
                               group: dist.ProcessGroup | None = None, *,
-                              replica_group: dist.ProcessGroup | None = None) -> TorchPipeliningResult:
+                              dp_group: dist.ProcessGroup | None = None) -> TorchPipeliningResult:
     """Run one step of ``plan`` in ``schedule`` (a ``Schedule`` or a compute-only CSV path) on this
     rank's stage module(s) with torch's ``PipelineStage`` and ``_PipelineScheduleRuntime``.
 
     ``tokens[seq_id]``: the token ids of each sequence of the global batch (``length + 1`` ids).
-    Gradients accumulate into the stage modules' ``.grad`` (token-weighted, unscaled by torch);
-    collective over ``group`` (default: the world). See the module docstring. ``replica_group``: under data
-    parallelism, the ranks holding these stages in every replica; at the first call the stages take the
-    first replica's weights (``dynmb.runtime.replicas.sync_replicas``), so replicas start identical."""
+    Gradients accumulate into the stage modules' ``.grad`` (token-weighted, unscaled by torch; summed
+    over replicas when the stages were sharded by ``shard_stages``); collective over ``group`` (default:
+    the world). ``dp_group``: under data parallelism, the ranks holding these stages in every replica: the
+    loss is then the global batch's, and at the first call unsharded stages take the first replica's
+    weights (``dynmb.runtime.replicas.sync_replicas``; ``shard_stages`` does it before sharding), so
+    replicas start identical. See the module docstring."""
     _require_torch_internals()
     stage_list = [stages] if isinstance(stages, nn.Module) else list(stages)
-    _start_identical(stage_list, replica_group)
+    _start_identical(stage_list, dp_group)
     sched = _as_schedule(schedule, plan.num_microbatches)
     loss_tokens = int(settings.loss_tokens if settings.loss_tokens is not None else plan.real_tokens)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -392,6 +416,8 @@ def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Pla
     shares = tuple(float(x.detach()) for x in losses)
     total = torch.tensor([sum(shares)], dtype=torch.float64, device=device)
     dist.all_reduce(total, group=group)
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)     # every replica's share: the global batch's loss
     logger.debug("rank %d: ran %d microbatches of plan %s through torch's pipelining runtime", rank,
                  plan.num_microbatches, digest[:12])
     return TorchPipeliningResult(loss=float(total.item()), microbatch_losses=shares, digest=digest)

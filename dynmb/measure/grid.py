@@ -51,6 +51,9 @@ def default_grid(*, quick: bool = False, max_len: int | None = None, token_cap: 
     The long rows matter: causal attention skips its masked blocks only on long rows, so the
     cost per unit of attention work of one long document is below that of short ones.
     Quick: rows {1, 2, 4, 8} x {32, 128, 512}, cap 2048, plus rows {1, 2} x 512 x {4, 16, 64}.
+    ``max_len`` (quick or full): the lengths up to it, and ``max_len`` itself, and beyond the
+    grid's own lengths every 4x (quick) or 2x (full) step below it, so the fit never extrapolates
+    past the longest row asked for; the cap grows to hold one row of ``max_len``.
     """
     rows: tuple[int, ...] = (1, 2, 4, 8) if quick else GRID_ROWS
     lens: tuple[int, ...] = (32, 128, 512) if quick else GRID_LENS
@@ -58,13 +61,24 @@ def default_grid(*, quick: bool = False, max_len: int | None = None, token_cap: 
     packed_lens: tuple[int, ...] = (512,) if quick else PACKED_LENS
     cap = token_cap or (2048 if quick else 8192)
     if max_len is not None:
-        lens = tuple(s for s in lens if s <= max_len) or (int(max_len),)
+        lens = _lengths_to(lens, int(max_len), 4 if quick else 2)
         packed_lens = tuple(s for s in packed_lens if s <= max_len)
+        cap = max(cap, int(max_len))
     pts = [(b, s, 1) for s in lens for b in rows if b * s <= cap]
     if packed_points:
         pts += [(b, s, k) for s in packed_lens for k in GRID_DOCS[1:] for b in packed_rows
                 if b * s <= cap and s >= k * MIN_DOC_TOKENS]
     return pts
+
+
+def _lengths_to(lens: tuple[int, ...], max_len: int, step: int) -> tuple[int, ...]:
+    """``lens`` up to ``max_len``, then every ``step``-fold length beyond the last below it, and ``max_len``."""
+    kept = [s for s in lens if s < max_len]
+    nxt = (kept[-1] if kept else max_len) * step
+    while nxt < max_len:
+        kept.append(nxt)
+        nxt *= step
+    return tuple(kept) + (max_len,)
 
 
 def as_point(point: tuple[int, int, int | bool]) -> Point:

@@ -19,7 +19,9 @@ table (``samples``), plus ``mem_*`` columns on repeat 0 (``memory.measure_stage_
 ``memory=False``. Resumable: (repeat, stage, point) runs already in the output CSV are skipped;
 the CSV is rewritten atomically every few seconds and at the end. ``comm=True`` first adds the
 gloo ping-pong rows (op="comm", nbytes) of ``pingpong.ping_pong``. Progress and the ETA:
-``eta.Progress`` over the analytic estimate of every run.
+``eta.Progress`` over the analytic estimate of every run, fitted on the runs measured so far; a few
+probe runs go first (``_probes_first``: each stage's largest point, a run of a later repeat) so the
+fit spans the grid early.
 
 Concurrent mode (``concurrent=True``, CPU): the stages are measured as a pipeline runs them, one
 process per stage (1 torch thread each, gloo): every process holds its stage and all of them visit
@@ -44,7 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 import pandas as pd
@@ -179,7 +181,27 @@ def profile(cfg: Any, num_stages: int, settings: ProfileSettings | None = None, 
         if output is not None:
             write_table(df, output, parquet=False)
         return df
-    return _profile_alone(factory, num_stages, todo, old, settings, base, output)
+    def size(run: Run) -> float:       # the run's estimated seconds (attention's s^2 included), not its tokens
+        return estimate_run_seconds(cfg, num_stages, run[1], run[2:], seed=settings.seed)
+    return _profile_alone(factory, num_stages, _probes_first(todo, size), old, settings, base, output)
+
+
+def _probes_first(todo: list[Run], size: Callable[[Run], float]) -> list[Run]:
+    """``todo`` with a few of its runs moved to the front, so the ETA's fit (``eta.Eta``) spans the grid
+    from the start: every stage's largest point by ``size`` of the first repeat left (warm-up and memory
+    columns included), then of a later repeat (the op alone), and the smallest point of a later repeat."""
+    if not todo:
+        return todo
+    first = todo[0][0]
+    stages = sorted({r[1] for r in todo})
+    probes = [max((r for r in todo if r[0] == first and r[1] == p), key=size)
+              for p in stages if any(r[0] == first and r[1] == p for r in todo)]
+    later = [r for r in todo if r[0] > first]
+    if later:
+        probes += [max((r for r in later if r[1] == p), key=size) for p in stages if any(r[1] == p for r in later)]
+        probes.append(min(later, key=lambda r: (size(r), r[1])))
+    moved = set(probes)
+    return probes + [r for r in todo if r not in moved]
 
 
 def _memory_columns(cfg: Any, num_stages: int, stage: int, point: Point, device: Any = "cpu") -> dict:
@@ -216,7 +238,9 @@ def _profile_alone(factory: Any, num_stages: int, todo: list[Run], old: pd.DataF
         items.append(((b, s, d), [p], (p, b, s, d) not in seen))
         seen.add((p, b, s, d))
     est = _run_estimates(cfg, num_stages, items, settings)
-    bar = Progress(est, "profile", settings.progress) if todo else None
+    extras = [e / (1 + (settings.warmup if first else 0)) if memory and r == 0 else 0.0   # the memory columns:
+              for (r, *_), (_, _, first), e in zip(todo, items, est)]                 # one more run, a fresh stage
+    bar = Progress(est, "profile", settings.progress, extras) if todo else None
     rows_out: list[dict] = []
     last_write = time.monotonic()
     for (r, p, b, s, d), (_, _, first), est_s in zip(todo, items, est):

@@ -50,9 +50,15 @@ __all__ = ["MemoryMeter", "tensor_bytes"]
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (an FSDP2 ``DTensor``: its shard); others as they are."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def tensor_bytes(t: Any) -> int:
-    """Bytes of a tensor's elements (0 for anything else)."""
-    return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
+    """Bytes of a tensor's elements on this rank (a sharded one's shard; 0 for anything else)."""
+    return int(_local(t).numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
 
 
 class MemoryMeter:
@@ -65,7 +71,7 @@ class MemoryMeter:
         self.accounting = not self.ops.allocator_stats    # count storages here (no allocator statistics)
         self.modules = list(modules)
         self.optimizer, self.optimizer_kind = optimizer, optimizer_kind
-        self._params = {p.untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+        self._params = {_local(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
         self._live: dict[int, list[int]] = {}          # data_ptr -> [nbytes, tracked tensors]
         self._held = 0
         self._peak = 0
@@ -95,7 +101,7 @@ class MemoryMeter:
             opt = sum(tensor_bytes(v) for s in self.optimizer.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0)
         elif self.optimizer_kind == "adam":
-            opt = sum(8 * p.numel() for p in params)
+            opt = sum(8 * _local(p).numel() for p in params)
         return 2 * n + opt
 
     def _track(self, t: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ the group's first rank logs one warning naming the first tensor that differs (th
 not seeded alike on every rank: a user's model, a transformers model initialised from the global RNG).
 Then every tensor is broadcast from the group's first rank (the first replica), so the replicas train
 one model whatever the factory did. A group of one rank does nothing. Used by dynmb's runtime
-(``RunState``) and by ``dynmb.integrations.torch_pipelining`` (``replica_group=``).
+(``RunState``) and by ``dynmb.integrations.torch_pipelining`` (``dp_group=``).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from dynmb.models import hidden_shape, make_inputs, synthetic_tokens, torch_dtyp
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
 from dynmb.runtime.hooks import NoHooks, StepHooks
 from dynmb.runtime.device import device_ops
+from dynmb.runtime.fsdp import shard_stage
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.planshare import PlanShare, job_store
@@ -127,6 +128,9 @@ class RunState:
         self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
                        for s in self.topology.local_stages}
         sync_replicas(self.stages.values(), self.groups.data_parallel)   # replicas start identical
+        self.sharded = run.shard      # FSDP2 over the replicas (dynmb.runtime.fsdp); before the optimizer
+        for stage in self.stages.values() if self.sharded else ():
+            shard_stage(stage, self.groups.data_parallel)
         self.params = {n: p for module in self.stages.values() for n, p in module.named_parameters()}
         self.optimizer = torch.optim.Adam(self.params.values(), lr=run.lr)
         self.meter = MemoryMeter(device=device, modules=list(self.stages.values()), optimizer=self.optimizer)

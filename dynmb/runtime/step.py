@@ -44,6 +44,7 @@ from dynmb.runtime.checks import (
     reference_gradients,
 )
 from dynmb.runtime.comm import P2P
+from dynmb.runtime.fsdp import begin_step, finish_step, full_tensors
 from dynmb.runtime.interpreter import ActionTiming, run_actions
 from dynmb.runtime.records import ActionRow, MemoryRow, StepReport
 from dynmb.runtime.state import RunState
@@ -84,7 +85,7 @@ def _sum_gradients(state: RunState) -> dict[str, torch.Tensor]:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads[name] = p.grad
-    if state.topology.dp_size > 1:
+    if state.topology.dp_size > 1 and not state.sharded:     # sharded: FSDP2 summed them (finish_step)
         flat = torch.cat([g.reshape(-1) for g in grads.values()])
         dist.all_reduce(flat, group=state.groups.data_parallel)
         offset = 0
@@ -157,8 +158,8 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
                            f"does not fit replica {topology.dp_index}'s {replica.num_microbatches} microbatches "
                            f"on {topology.pipeline_size} ranks")
     tokens = state.tokens(batch, step)
-    weights = gather_weights(state.params, state.groups.pipeline, topology.pipeline_size) if state.spec.verify \
-        else None
+    weights = gather_weights(full_tensors(state.params), state.groups.pipeline, topology.pipeline_size) \
+        if state.spec.verify else None
     actions = schedule.ranks[topology.pp_index]
     p2p = P2P(schedule, topology.pp_index, topology.pipeline_ranks(), state.groups.pairs,
               lambda mb, sender: hidden_shape(replica.microbatches[mb], run.model, sender, pipeline.num_stages),
@@ -168,6 +169,8 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     gc.disable()   # no collector pauses inside the measured step; run_step turns it back on
     dist.barrier()
     t0, start_mark = time.perf_counter(), state.clock.mark()
+    if state.sharded:
+        begin_step(state.stages.values())      # weights gathered once, gradient sync off
     prefix = PrefixStore() if replica.has_slices else None
     timings, loss = run_actions(
         actions, stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix),
@@ -175,9 +178,11 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
         loss_scale=1.0 / plan.real_tokens, clock=state.clock, meter=state.meter,
         on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions))
     p2p.finish()
+    if state.sharded:
+        finish_step(state.stages.values())     # reduce-scatter: the replicas' gradients summed
     grads = _sum_gradients(state)
     state.hooks.gradients(state.rank, step, state.params)
-    verified_grads = {n: g.detach().clone() for n, g in grads.items()} if weights is not None else None
+    verified_grads = {n: g.detach().clone() for n, g in full_tensors(grads).items()} if weights is not None else None
     state.optimizer.step()
     state.meter.sample_states()
     state.optimizer.zero_grad(set_to_none=True)
