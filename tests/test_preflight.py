@@ -96,10 +96,10 @@ def test_collate_refuses_a_token_list_longer_than_the_sampler_was_told() -> None
     lengths = [22, 30, 12, 40]
     sampler = DynamicBatchSampler(lengths, 4, model="tiny", num_stages=1, memory_limit="64MiB", shuffle=False)
     mb = next(iter(sampler))
-    tokens = [np.arange(n) for n in lengths]
+    tokens = [np.arange(n + 1) for n in lengths]                # a length's tokens, then the end-of-text id
     collate(tokens, mb)                                         # the lengths it was told: fine
     tokens[int(mb.indices[0])] = np.arange(62)
-    with pytest.raises(CollateError, match="has 62 tokens, the sampler was given length"):
+    with pytest.raises(CollateError, match="has 62 ids, the sampler was given length"):
         collate(tokens, mb)
 
 

@@ -243,7 +243,8 @@ def test_planner_plans_a_shipped_trace_with_auto_reorder():
     planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
     batch = load_trace("sharegpt")[:32]
     step = planner.plan(batch, method="dynamic")                 # reorder="auto"
-    assert step.plan.meta["reorder"] == "search"
+    robust = step.plan.meta["candidate"] == step.plan.meta["robust_candidate"]   # a tuned baseline, as it runs
+    assert step.plan.meta["reorder"] == ("none" if robust else "search")
     assert sorted(np.concatenate([mb.seq_ids for mb in step.plan.microbatches]).tolist()) == list(range(32))
     assert step.sim.makespan_s == pytest.approx(step.plan.predictions["pred_step_s"])
     again = dynmb.simulate(step.schedule, step.plan, planner.cost_model, planner.memory_model)
