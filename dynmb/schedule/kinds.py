@@ -339,7 +339,7 @@ def _memory_aware_key(inp: BuildInputs) -> bytes:
 
 def _zb_h1(inp: BuildInputs) -> Schedule:
     sched = zb_h1(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate,
-                  backward_order=inp.backward_order)
+                  backward_order=inp.backward_order, state_bytes=inp.state_bytes)
     return Schedule(sched.ranks, inp.num_stages, inp.num_microbatches, kind="zb-h1")
 
 
@@ -348,7 +348,7 @@ def _zb(inp: BuildInputs) -> Schedule:
     if inp.zb_inputs is not None and inp.evaluate is not None and inp.limit_bytes is not None:
         state = np.zeros(P) if inp.state_bytes is None else np.asarray(inp.state_bytes, dtype=np.float64)
         return zb_limit_aware(P, m, inp.zb_inputs, (float(inp.limit_bytes) - state).tolist(), float(inp.limit_bytes),
-                              inp.evaluate, backward_order=inp.backward_order)
+                              inp.evaluate, backward_order=inp.backward_order, state_bytes=state)
     sched = zb_h1(P, m, inp.zb_inputs, evaluate=inp.evaluate, backward_order=inp.backward_order)
     return Schedule(sched.ranks, P, m, kind="zb")
 

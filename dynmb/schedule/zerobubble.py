@@ -148,12 +148,14 @@ def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None
 
 
 def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None = None,
-                  kind: str = "zb", backward_order: Sequence[int] | None = None) -> tuple[Schedule, float]:
+                  kind: str = "zb", backward_order: Sequence[int] | None = None,
+                  w_defer: Sequence[int] | None = None, eager: bool = False) -> tuple[Schedule, float]:
     """The order the list scheduler (module doc) emits and its makespan under ``inp``'s times;
     each stage's backwards in ``backward_order`` (slices of a sequence in reverse)."""
     P, m = inp.shape
     order = check_order(m, backward_order)
     k = [max(1, min(m, int(x))) for x in inflight]
+    defer = [0] * P if w_defer is None else [max(0, int(x)) for x in w_defer]
     mem = caps is not None and inp.act is not None
     cap = [float(c) + 1e-6 for c in caps] if mem and caps is not None else [np.inf] * P
     zero = np.zeros((P, m))
@@ -167,6 +169,7 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     clock = [0.0] * P
     # 1F1B's greedy order per stage for its window (X: the backward, I or B)
     todo = [deque(windowed_order(m, k[s], order, "X")) for s in range(P)]
+    fq, bq = [deque(range(m)) for _ in range(P)], [deque(order) for _ in range(P)]     # eager: op by op
     pend: list[deque] = [deque() for _ in range(P)]
     held, live = [0.0] * P, [0] * P
     ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
@@ -207,16 +210,31 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
         j = pend[s].popleft()
         run(s, "W", j, W[s][j])
 
+    def window_full(s: int) -> bool:
+        return live[s] - len(pend[s]) >= k[s] or live[s] >= k[s] + defer[s]
+
+    def pick(s: int, t: float) -> tuple[str, int]:
+        """Eager: the next backward if its input is there, else the next forward if the window lets it
+        and its input is there, else whichever input comes first (known or bound)."""
+        jb = bq[s][0] if bq[s] else -1
+        if jb < 0 or fend[s][jb] < 0:                 # its forward has not run here yet
+            return "F", fq[s][0]
+        rb, kb = ready(s, "I", jb)
+        if (kb and rb <= t + 1e-12) or not fq[s] or window_full(s):
+            return "X", jb
+        rf, kf = ready(s, "F", fq[s][0])
+        return ("F", fq[s][0]) if (kf and rf <= t + 1e-12) or rf < rb else ("X", jb)
+
     while heap:
         t, neg = heapq.heappop(heap)
         s = -neg
-        if not todo[s]:
+        if not (fq[s] or bq[s] if eager else todo[s]):
             while pend[s]:                                    # the template is done: the last W
                 run_w(s)
             continue
-        kind_op, j = todo[s][0]
+        kind_op, j = pick(s, t) if eager else todo[s][0]
         if kind_op == "F":
-            blocked = live[s] >= k[s] or held[s] + act[s][j] + tr[s][j] > cap[s]
+            blocked = window_full(s) or held[s] + act[s][j] + tr[s][j] > cap[s]
             op = "F"
         else:
             op = "I" if split[s][j] else "B"
@@ -229,7 +247,7 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
         if blocked and pend[s]:
             run_w(s)                                          # frees an in-flight slot and bytes
         elif known and r <= t + 1e-12:
-            todo[s].popleft()
+            (fq[s] if op == "F" else bq[s]).popleft() if eager else todo[s].popleft()
             run(s, op, j, F[s][j] if op == "F" else I[s][j] if op == "I" else B[s][j])
         elif pend[s] and t + W[s][pend[s][0]] <= r + 1e-12:
             run_w(s)                                          # fills the gap before the input arrives
@@ -276,35 +294,51 @@ def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool,
 
 
 def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None, kind: str,
-              order: Sequence[int] | None = None) -> list[Schedule]:
+              order: Sequence[int] | None = None, w_defer: Sequence[int] | None = None,
+              eager: bool = False) -> list[Schedule]:
     """The list schedule, and the list schedule again with full backwards where the first ran W
     right after I (``_unsplit_adjacent``; everywhere, and everywhere but the cool-down)."""
-    first, _ = list_schedule(inp, inflight, caps, kind=kind, backward_order=order)
+    first, _ = list_schedule(inp, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer, eager=eager)
     out = [first]
     for keep in (False, True):
         fewer = _unsplit_adjacent(first, inp, keep, order)
         if fewer is not None:
-            out.append(list_schedule(fewer, inflight, caps, kind=kind, backward_order=order)[0])
+            out.append(list_schedule(fewer, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer,
+                                     eager=eager)[0])
     return out
 
 
+def h1_caps(inp: ZBInputs, state_bytes: Sequence[float] | np.ndarray | None = None,
+            backward_order: Sequence[int] | None = None) -> np.ndarray:
+    """ZB-H1's per-stage byte caps: every GPU may hold what 1F1B's fullest GPU holds (its peak plus its
+    states), less its own states -- so ZB-H1's peak never passes 1F1B's (module doc)."""
+    P = inp.shape[0]
+    state = np.zeros(P) if state_bytes is None else np.asarray(state_bytes, dtype=np.float64).reshape(P)
+    return float(np.max(one_f_one_b_peaks(inp, backward_order) + state)) - state
+
+
 def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Evaluate | None = None,
-          backward_order: Sequence[int] | None = None) -> Schedule:
+          backward_order: Sequence[int] | None = None,
+          state_bytes: Sequence[float] | np.ndarray | None = None) -> Schedule:
     """ZB-H1 for variable microbatches (module doc); unit costs without ``inp``. With ``evaluate``
     the fastest of the list schedule, its variant without the splits that filled no gap
-    (``_unsplit_adjacent``) and 1F1B. ``backward_order``: slices of a sequence backward in reverse."""
+    (``_unsplit_adjacent``), the list schedule without deferred W and 1F1B. ``backward_order``:
+    slices of a sequence backward in reverse; ``state_bytes``: per-stage states (the caps' GPU totals)."""
     inp = inp if inp is not None else ZBInputs.unit(num_stages, m)
     order = backward_order
-    caps = one_f_one_b_peaks(inp, order) if inp.act is not None else None
+    caps = h1_caps(inp, state_bytes, order) if inp.act is not None else None
+    k, defer = _inflight(num_stages, m), list(range(num_stages))
     if evaluate is None:
-        return list_schedule(inp, _inflight(num_stages, m), caps, kind="zb-h1", backward_order=order)[0]
-    cands = _variants(inp, _inflight(num_stages, m), caps, "zb-h1", order) + [_one_f_one_b(num_stages, m, order)]
+        return list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0]
+    cands = _variants(inp, k, caps, "zb-h1", order, defer) + \
+        [list_schedule(inp, k, caps, kind="zb-h1", backward_order=order)[0], _one_f_one_b(num_stages, m, order)]
     best = min(cands, key=lambda c: evaluate(c)[0])          # first of equals: the split schedule
     return Schedule(best.ranks, num_stages, m, kind="zb-h1")
 
 
 def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float], limit_bytes: float,
-                   evaluate: Evaluate, backward_order: Sequence[int] | None = None) -> Schedule:
+                   evaluate: Evaluate, backward_order: Sequence[int] | None = None,
+                   state_bytes: Sequence[float] | np.ndarray | None = None) -> Schedule:
     """``zb``: the fastest of ZB-H1, 1F1B and the list schedules with extra warm-up forwards
     (``ZB_ALPHAS``, tried in increasing order until one is no faster than the one before) under
     the per-stage ``caps`` (limit minus states) whose simulated peak stays within
@@ -323,16 +357,17 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
         return fastest
 
     order = backward_order
-    h1 = zb_h1(num_stages, m, inp, evaluate=evaluate, backward_order=order)
+    h1 = zb_h1(num_stages, m, inp, evaluate=evaluate, backward_order=order, state_bytes=state_bytes)
     consider([h1, _one_f_one_b(num_stages, m, order)])
-    seen, previous = set(), np.inf
+    seen, previous, unbounded = set(), np.inf, [m] * num_stages
     for alpha in (0.0, *ZB_ALPHAS):
         k = tuple(_inflight(num_stages, m, alpha))
         if k in seen:
             continue
         seen.add(k)
-        try:
-            t = consider(_variants(inp, k, caps, "zb", order))
+        try:               # W deferred as far as the caps let (ZB-2p), in 1F1B's order and eagerly
+            t = consider(_variants(inp, k, caps, "zb", order, unbounded)
+                         + _variants(inp, k, caps, "zb", order, unbounded, eager=True)[:1])
         except ValueError:          # a microbatch cannot fit under the cap alone: no larger window will
             break
         if alpha > 0 and t >= previous - 1e-12:
