@@ -60,6 +60,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import dynmb.schedule.builders as builders
+from dynmb.schedule.vshape import PLACEMENTS, placement_rank, v_inflight, zb_v
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.core.types import Schedule
 
@@ -134,6 +135,9 @@ class ScheduleKind:
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
     auto: bool = False
     """``--schedule auto`` weighs this kind (``auto_kinds``)."""
+    placement: str = "loop"
+    """Which rank holds each stage (``dynmb.schedule.vshape.placement_rank``): ``loop`` (stage ``s`` on rank
+    ``s % R``, interleaved) or ``v`` (chunk 0 of rank ``r`` is stage ``r``, chunk 1 stage ``S - 1 - r``)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -143,6 +147,8 @@ class ScheduleKind:
         if self.estimate_as not in ("gpipe", "1f1b", "zb-h1", "zb", "interleaved"):
             raise ValueError(f"kind {self.name!r}: estimate_as must be gpipe, 1f1b, zb-h1, zb or interleaved, "
                              f"got {self.estimate_as!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"kind {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.virtual_stages and self.chunk_window is None:
             raise ValueError(f"kind {self.name!r} takes virtual stages: give its chunk_window")
 
@@ -151,6 +157,10 @@ class ScheduleKind:
         """What the packers, the memory model and the fast estimate read of this kind: kinds with the
         same key get the same packing of a batch (``auto`` packs once for them)."""
         return (self.window, self.chunk_window, self.virtual_stages, self.estimate_as)
+
+    def rank_of(self, stage: int, num_stages: int, virtual: int) -> int:
+        """The rank that holds ``stage`` under this kind's placement (one stage per rank: the stage)."""
+        return placement_rank(stage, num_stages, virtual if self.virtual_stages else 1, self.placement)
 
     def inflight(self, stage: int, num_stages: int, m: int) -> int:
         """Microbatches ``stage`` holds at once with ``m`` in the step (one stage per rank)."""
@@ -219,7 +229,7 @@ def auto_kinds(virtual: int = 1, slices: bool = False) -> tuple[str, ...]:
     model chunks, which only kinds with ``virtual_stages`` run; with 1, those kinds are their
     one-chunk equal and are left out) and, for a plan with slices of long sequences, run them."""
     return tuple(k for k, v in _REGISTRY.items() if v.auto and v.virtual_stages == (virtual > 1)
-                 and (v.slices or not slices))
+                 and (v.slices or not slices) and v.placement == "loop")
 
 
 def is_schedule_name(name: str) -> bool:
@@ -366,5 +376,17 @@ register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one
 # rank plans for them as they run (zb by its largest extra warm-up, the memory limit not weighed)
 register_kind(ScheduleKind(name="zb-h1", build=_zb_h1, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb-h1", auto=True))
+def _zb_v(inp: BuildInputs) -> Schedule:
+    if inp.virtual not in (1, 2):
+        raise ValueError(f"zb-v runs two chunks per rank; got virtual={inp.virtual}")
+    return zb_v(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate)
+
+
 register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb", auto=True))
+# ZB-V: two chunks per rank placed V-wise (dynmb.schedule.vshape); the packers count its chunk window per GPU and
+# estimate it as interleaved (the same chunk count per GPU). ``auto`` leaves it out: a run's placement is fixed
+# while auto's kinds change step by step.
+register_kind(ScheduleKind(name="zb-v", build=_zb_v, window=_one_f_one_b_window, chunk_window=v_inflight,
+                           virtual_stages=True, split_backward=True, memory="optional", costs=True,
+                           estimate_as="interleaved", placement="v"))

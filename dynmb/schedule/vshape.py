@@ -1,0 +1,154 @@
+"""ZB-V for variable microbatches: two model chunks per rank placed V-wise, split backwards, a greedy list scheduler.
+
+Placement (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, Section 6): the model is cut
+into ``S = 2R`` stages (chunks) over ``R`` ranks; chunk 0 of rank ``r`` is stage ``r`` and chunk 1 is
+stage ``S - 1 - r`` (``v_rank``), so a microbatch goes down the ranks and back up, and its first
+forward and its last backward both run on rank 0. ``placement_rank(stage, S, virtual, placement)``
+is the one stage -> rank rule of every placement (``"loop"``: ``s % R``, the interleaved one).
+
+List scheduler (``zb_v``), one rank at a time in clock order (a heap). Each stage runs its forwards
+and its backwards (``I``, or a full ``B`` where ``split`` is False) in microbatch order; a ``W``
+joins its rank's queue when its ``I`` ends. At its clock ``t`` a rank takes, in this order:
+
+1. an input gradient whose gradient is there (chunk 1's first: it is earlier in the backward pass);
+2. a forward whose input is there (chunk 1's first: it leads to a backward), chunk 0's only while
+   the rank holds fewer than ``cap`` chunk-microbatches (forwarded, not yet through ``W``): the
+   admission that bounds its memory; when the rank is full and a ``W`` is queued the ``W`` runs
+   first (it frees a slot);
+3. a queued ``W`` (it fills the wait);
+4. else its clock moves to the first input known to arrive (or to the next rank's clock).
+
+P2P time is paid where a message crosses ranks (chunk 0 -> chunk 1 on rank ``R - 1`` is a local
+handoff). With ``cap = 2R`` chunk-microbatches (the paper's ``p M_B``: each chunk holds half a
+stage's layers) a rank warms up with about ``2R - 1`` forwards, the paper's ZB-V warm-up. Given an
+``evaluate`` (the simulator) the builder tries ``cap`` from ``R + 1`` to ``2R`` and keeps the
+fastest (``V_CAPS``); without costs it runs unit times F = I = W = 1.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from dynmb.core.types import Action, Schedule
+from dynmb.schedule.zerobubble import Evaluate, ZBInputs
+
+__all__ = ["placement_rank", "v_rank", "zb_v", "v_inflight", "PLACEMENTS"]
+
+PLACEMENTS = ("loop", "v")
+"""Stage -> rank rules: ``loop`` (stage ``s`` on rank ``s % R``), ``v`` (``v_rank``)."""
+
+
+def v_rank(stage: int, num_stages: int) -> int:
+    """Rank of ``stage`` under the V placement: ``s`` for the first half, ``S - 1 - s`` for the second."""
+    return stage if stage < num_stages // 2 else num_stages - 1 - stage
+
+
+def placement_rank(stage: int, num_stages: int, virtual: int, placement: str = "loop") -> int:
+    """The rank that holds ``stage`` of ``num_stages`` with ``virtual`` chunks per rank under ``placement``."""
+    if placement == "v":
+        return v_rank(stage, num_stages)
+    if placement != "loop":
+        raise ValueError(f"unknown placement {placement!r}; expected one of {PLACEMENTS}")
+    return stage % (num_stages // max(1, virtual))
+
+
+def v_inflight(rank: int, ranks: int, virtual: int, num_microbatches: int | None = None) -> int:
+    """Chunk-microbatches a rank of ``zb-v`` holds at most: the admission cap ``2R`` plus the chunk-1
+    forwards it lets through beyond it (at most ``R``), never more than its ``2 m``."""
+    bound = 3 * int(ranks)
+    return bound if num_microbatches is None else min(bound, 2 * int(num_microbatches))
+
+
+def zb_v(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Evaluate | None = None) -> Schedule:
+    """ZB-V (module doc): unit times without ``inp``; with ``evaluate`` the fastest admission cap."""
+    if num_stages < 2 or num_stages % 2:
+        raise ValueError(f"zb-v runs two chunks per rank: num_stages must be even and >= 2, got {num_stages}")
+    inp = inp if inp is not None else ZBInputs.unit(num_stages, m)
+    R = num_stages // 2
+    if evaluate is None:
+        return _list_v(inp, 2 * R)
+    cands = [_list_v(inp, cap) for cap in sorted({R + 1, (3 * R + 1) // 2, 2 * R})]
+    return min(cands, key=lambda c: evaluate(c)[0])
+
+
+def _list_v(inp: ZBInputs, cap: int) -> Schedule:
+    """The greedy V list schedule with admission ``cap`` (module doc)."""
+    S, m = inp.shape
+    R = S // 2
+    rank_of = [v_rank(s, S) for s in range(S)]
+    F, B, I, W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()  # noqa: E741
+    comm, split = inp.comm.tolist(), inp.split.tolist()
+    fend = [[-1.0] * m for _ in range(S)]
+    bend = [[-1.0] * m for _ in range(S)]
+    nf, nb = [0] * S, [0] * S                         # next forward / backward microbatch of each stage
+    clock, live = [0.0] * R, [0] * R
+    pend: list[deque] = [deque() for _ in range(R)]
+    acts: list[list[Action]] = [[] for _ in range(R)]
+    heap = [(0.0, r, r) for r in range(R)]           # (clock, turn, rank): a rank that waits goes behind
+    turn, stuck = R, 0
+
+    def hop(a: int, b: int, j: int) -> float:
+        return comm[j] if rank_of[a] != rank_of[b] else 0.0
+
+    def arrival(s: int, op: str, j: int) -> float:
+        """When op j's input is on stage s (-1: not yet known)."""
+        if op == "F":
+            return 0.0 if s == 0 else (fend[s - 1][j] + hop(s - 1, s, j) if fend[s - 1][j] >= 0 else -1.0)
+        if fend[s][j] < 0:
+            return -1.0
+        if s == S - 1:
+            return fend[s][j]
+        return bend[s + 1][j] + hop(s + 1, s, j) if bend[s + 1][j] >= 0 else -1.0
+
+    def run(r: int, s: int, op: str, j: int, dur: float) -> None:
+        clock[r] += dur
+        acts[r].append(Action(s, op, j))
+        if op == "F":
+            fend[s][j], nf[s], live[r] = clock[r], nf[s] + 1, live[r] + 1
+        elif op == "W":
+            live[r] -= 1
+        else:
+            bend[s][j], nb[s] = clock[r], nb[s] + 1
+            if op == "I":
+                pend[r].append((s, j))
+            else:
+                live[r] -= 1
+
+    while heap:
+        t, _, r = heapq.heappop(heap)
+        chunks = (S - 1 - r, r)                       # chunk 1 first
+        if all(nb[s] == m for s in chunks):
+            while pend[r]:
+                s, j = pend[r].popleft()
+                run(r, s, "W", j, W[s][j])
+            continue
+        cands = []                                    # (priority, input arrival, stage, op, mb)
+        for pri, s in enumerate(chunks):
+            if nb[s] < m:
+                cands.append((pri, arrival(s, "X", nb[s]), s, "X", nb[s]))
+            if nf[s] < m:
+                cands.append((2 + pri, arrival(s, "F", nf[s]), s, "F", nf[s]))
+        full = live[r] >= cap
+        ready = [c for c in cands if 0 <= c[1] <= t + 1e-12 and not (c[3] == "F" and c[2] == r and full)]
+        if ready and not (full and pend[r] and min(ready)[3] == "F"):
+            _, _, s, op, j = min(ready)
+            op = "F" if op == "F" else ("I" if split[s][j] else "B")
+            run(r, s, op, j, F[s][j] if op == "F" else I[s][j] if op == "I" else B[s][j])
+            stuck = 0
+        elif pend[r]:
+            s, j = pend[r].popleft()
+            run(r, s, "W", j, W[s][j])
+            stuck = 0
+        else:
+            known = [c[1] for c in cands if c[1] > t] + [c for c, _, _ in heap if c > t]
+            if known:
+                clock[r] = min(known)                 # wait for the first input (or the next rank to move)
+            else:
+                stuck += 1                            # every rank at t and none can run: cannot happen
+                if stuck > 2 * R:
+                    raise RuntimeError(f"zb-v list scheduler stuck on rank {r} at t={t}")
+        turn += 1
+        heapq.heappush(heap, (clock[r], turn, r))
+    return Schedule(acts, S, m, kind="zb-v")
+
