@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from typing import Any
+
+import numpy as np
 
 from dynmb.core.types import Action, Schedule
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs
@@ -53,11 +56,12 @@ def placement_rank(stage: int, num_stages: int, virtual: int, placement: str = "
     return stage % (num_stages // max(1, virtual))
 
 
-def v_inflight(rank: int, ranks: int, virtual: int, num_microbatches: int | None = None) -> int:
-    """Chunk-microbatches a rank of ``zb-v`` holds at most: the admission cap ``2R`` plus the chunk-1
-    forwards it lets through beyond it (at most ``R``), never more than its ``2 m``."""
-    bound = 3 * int(ranks)
-    return bound if num_microbatches is None else min(bound, 2 * int(num_microbatches))
+def v_inflight(rank: Any, ranks: int, virtual: int, num_microbatches: int | None = None) -> Any:
+    """Chunk-microbatches a rank (an array of ranks) of ``zb-v`` holds at most: the admission cap ``2R``
+    plus the chunk-1 forwards it lets through beyond it (at most ``R``), never more than its ``2 m``."""
+    bound = np.full(np.shape(rank), 3 * int(ranks))
+    out = bound if num_microbatches is None else np.minimum(bound, 2 * int(num_microbatches))
+    return out if np.ndim(rank) else int(out)
 
 
 def zb_v(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Evaluate | None = None) -> Schedule:
