@@ -135,6 +135,8 @@ class ScheduleKind:
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
     auto: bool = False
     """``--schedule auto`` weighs this kind (``auto_kinds``)."""
+    chunks: int | None = None
+    """The model chunks per rank the kind runs with exactly (``zb-v``: 2); None: any ``virtual``."""
     placement: str = "loop"
     """Which rank holds each stage (``dynmb.schedule.vshape.placement_rank``): ``loop`` (stage ``s`` on rank
     ``s % R``, interleaved) or ``v`` (chunk 0 of rank ``r`` is stage ``r``, chunk 1 stage ``S - 1 - r``)."""
@@ -179,6 +181,9 @@ class ScheduleKind:
                              f"{self.name!r} does not order their backwards in reverse")
         if not self.virtual_stages and inp.virtual != 1:
             raise ValueError(f"{self.name} runs one stage per rank; got virtual={inp.virtual}")
+        if self.chunks is not None and (inp.virtual != self.chunks or inp.num_stages % self.chunks):
+            raise ValueError(f"{self.name} runs exactly {self.chunks} model chunks per rank; got virtual={inp.virtual} "
+                             f"with {inp.num_stages} stages")
         if self.memory == "required" and (inp.act_bytes is None or inp.limit_bytes is None):
             raise ValueError(f"the {self.name} schedule needs act_bytes [stages, m] and limit_bytes")
 
@@ -377,8 +382,6 @@ register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one
 register_kind(ScheduleKind(name="zb-h1", build=_zb_h1, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb-h1", auto=True))
 def _zb_v(inp: BuildInputs) -> Schedule:
-    if inp.virtual not in (1, 2):
-        raise ValueError(f"zb-v runs two chunks per rank; got virtual={inp.virtual}")
     return zb_v(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate)
 
 
@@ -389,4 +392,4 @@ register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, spl
 # while auto's kinds change step by step.
 register_kind(ScheduleKind(name="zb-v", build=_zb_v, window=_one_f_one_b_window, chunk_window=v_inflight,
                            virtual_stages=True, split_backward=True, memory="optional", costs=True,
-                           estimate_as="interleaved", placement="v"))
+                           estimate_as="interleaved", chunks=2, placement="v"))
