@@ -39,6 +39,10 @@ A kind's traits (``ScheduleKind``):
   (``dynmb.timing.makespan_interleaved``).
 
 - ``auto``: ``--schedule auto`` weighs this kind (``auto_kinds``).
+- ``placement``: which rank holds each stage (``dynmb.schedule.vshape.placement_rank``; ``loop``: stage
+  ``s`` on rank ``s % R``; ``v``: ZB-V's, ``zb-v``); the memory peak rule, the packers' per-GPU sums
+  and the runtime's topology read it; ``auto`` weighs ``loop`` kinds only (a run's placement is fixed).
+- ``chunks``: the model chunks per rank a kind runs with exactly (``zb-v``: 2), refused otherwise.
 
 Adding a kind is one new module with its builder and its record, plus one
 ``register_kind(record)`` call. ``SCHEDULE_KINDS`` is a live view of the registered names.

@@ -21,8 +21,10 @@ joins its rank's queue when its ``I`` ends. At its clock ``t`` a rank takes, in 
 P2P time is paid where a message crosses ranks (chunk 0 -> chunk 1 on rank ``R - 1`` is a local
 handoff). With ``cap = 2R`` chunk-microbatches (the paper's ``p M_B``: each chunk holds half a
 stage's layers) a rank warms up with about ``2R - 1`` forwards, the paper's ZB-V warm-up. Given an
-``evaluate`` (the simulator) the builder tries ``cap`` from ``R + 1`` to ``2R`` and keeps the
-fastest (``V_CAPS``); without costs it runs unit times F = I = W = 1.
+``evaluate`` (the simulator) the builder tries ``cap`` = ``R + 1``, ``(3R + 1) // 2`` and ``2R`` and keeps
+the fastest; without costs it runs unit times F = I = W = 1 at ``2R``. A rank never held more than
+``cap + R`` chunk-microbatches on 800 random pipelines (``v_inflight``'s bound, which
+tests/test_zbv.py checks); slices of long sequences are not taken (``slices`` False).
 """
 
 from __future__ import annotations
