@@ -80,81 +80,102 @@ def zb_v(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eval
 
 def _list_v(inp: ZBInputs, cap: int) -> Schedule:
     """The greedy V list schedule with admission ``cap`` (module doc)."""
-    S, m = inp.shape
-    R = S // 2
-    rank_of = [v_rank(s, S) for s in range(S)]
-    F, B, I, W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()  # noqa: E741
-    comm, split = inp.comm.tolist(), inp.split.tolist()
-    fend = [[-1.0] * m for _ in range(S)]
-    bend = [[-1.0] * m for _ in range(S)]
-    nf, nb = [0] * S, [0] * S                         # next forward / backward microbatch of each stage
-    clock, live = [0.0] * R, [0] * R
-    pend: list[deque] = [deque() for _ in range(R)]
-    acts: list[list[Action]] = [[] for _ in range(R)]
-    heap = [(0.0, r, r) for r in range(R)]           # (clock, turn, rank): a rank that waits goes behind
-    turn, stuck = R, 0
+    return _VList(inp, cap).schedule()
 
-    def hop(a: int, b: int, j: int) -> float:
-        return comm[j] if rank_of[a] != rank_of[b] else 0.0
 
-    def arrival(s: int, op: str, j: int) -> float:
-        """When op j's input is on stage s (-1: not yet known)."""
+class _VList:
+    """The state of one greedy V list schedule (module doc): per stage the end of every forward and
+    backward and the next microbatch of each, per rank its clock, held chunk-microbatches and queued W."""
+
+    def __init__(self, inp: ZBInputs, cap: int) -> None:
+        S, m = inp.shape
+        self.S, self.m, self.R, self.cap = S, m, S // 2, cap
+        self.rank_of = [v_rank(s, S) for s in range(S)]
+        self.F, self.B, self.I, self.W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()
+        self.comm, self.split = inp.comm.tolist(), inp.split.tolist()
+        self.fend = [[-1.0] * m for _ in range(S)]
+        self.bend = [[-1.0] * m for _ in range(S)]
+        self.nf, self.nb = [0] * S, [0] * S           # next forward / backward microbatch of each stage
+        self.clock, self.live = [0.0] * self.R, [0] * self.R
+        self.pend: list[deque] = [deque() for _ in range(self.R)]
+        self.acts: list[list[Action]] = [[] for _ in range(self.R)]
+
+    def arrival(self, s: int, op: str, j: int) -> float:
+        """When op j's input is on stage s (-1: not yet known); P2P time where it crosses ranks."""
+        def hop(a: int) -> float:
+            return self.comm[j] if self.rank_of[a] != self.rank_of[s] else 0.0
         if op == "F":
-            return 0.0 if s == 0 else (fend[s - 1][j] + hop(s - 1, s, j) if fend[s - 1][j] >= 0 else -1.0)
-        if fend[s][j] < 0:
+            if s == 0:
+                return 0.0
+            return self.fend[s - 1][j] + hop(s - 1) if self.fend[s - 1][j] >= 0 else -1.0
+        if self.fend[s][j] < 0:
             return -1.0
-        if s == S - 1:
-            return fend[s][j]
-        return bend[s + 1][j] + hop(s + 1, s, j) if bend[s + 1][j] >= 0 else -1.0
+        if s == self.S - 1:
+            return self.fend[s][j]
+        return self.bend[s + 1][j] + hop(s + 1) if self.bend[s + 1][j] >= 0 else -1.0
 
-    def run(r: int, s: int, op: str, j: int, dur: float) -> None:
-        clock[r] += dur
-        acts[r].append(Action(s, op, j))
+    def run(self, r: int, s: int, op: str, j: int) -> None:
+        """Rank r runs ``op`` of microbatch j on stage s (X: its backward, I or a full B)."""
+        if op == "X":
+            op = "I" if self.split[s][j] else "B"
+        self.clock[r] += {"F": self.F, "I": self.I, "B": self.B, "W": self.W}[op][s][j]
+        self.acts[r].append(Action(s, op, j))
         if op == "F":
-            fend[s][j], nf[s], live[r] = clock[r], nf[s] + 1, live[r] + 1
+            self.fend[s][j], self.nf[s], self.live[r] = self.clock[r], self.nf[s] + 1, self.live[r] + 1
         elif op == "W":
-            live[r] -= 1
+            self.live[r] -= 1
         else:
-            bend[s][j], nb[s] = clock[r], nb[s] + 1
+            self.bend[s][j], self.nb[s] = self.clock[r], self.nb[s] + 1
             if op == "I":
-                pend[r].append((s, j))
+                self.pend[r].append((s, j))
             else:
-                live[r] -= 1
+                self.live[r] -= 1
 
-    while heap:
-        t, _, r = heapq.heappop(heap)
-        chunks = (S - 1 - r, r)                       # chunk 1 first
-        if all(nb[s] == m for s in chunks):
-            while pend[r]:
-                s, j = pend[r].popleft()
-                run(r, s, "W", j, W[s][j])
-            continue
+    def step(self, r: int, t: float, later: list[float]) -> bool:
+        """One decision of rank r at its clock t (module doc, 1-4); ``later``: other ranks' clocks.
+        False when it could only wait with no known time to wait for."""
+        chunks = (self.S - 1 - r, r)                  # chunk 1 first
         cands = []                                    # (priority, input arrival, stage, op, mb)
         for pri, s in enumerate(chunks):
-            if nb[s] < m:
-                cands.append((pri, arrival(s, "X", nb[s]), s, "X", nb[s]))
-            if nf[s] < m:
-                cands.append((2 + pri, arrival(s, "F", nf[s]), s, "F", nf[s]))
-        full = live[r] >= cap
+            if self.nb[s] < self.m:
+                cands.append((pri, self.arrival(s, "X", self.nb[s]), s, "X", self.nb[s]))
+            if self.nf[s] < self.m:
+                cands.append((2 + pri, self.arrival(s, "F", self.nf[s]), s, "F", self.nf[s]))
+        full = self.live[r] >= self.cap
         ready = [c for c in cands if 0 <= c[1] <= t + 1e-12 and not (c[3] == "F" and c[2] == r and full)]
-        if ready and not (full and pend[r] and min(ready)[3] == "F"):
+        if ready and not (full and self.pend[r] and min(ready)[3] == "F"):
             _, _, s, op, j = min(ready)
-            op = "F" if op == "F" else ("I" if split[s][j] else "B")
-            run(r, s, op, j, F[s][j] if op == "F" else I[s][j] if op == "I" else B[s][j])
-            stuck = 0
-        elif pend[r]:
-            s, j = pend[r].popleft()
-            run(r, s, "W", j, W[s][j])
-            stuck = 0
+            self.run(r, s, op, j)
+        elif self.pend[r]:
+            self.run_w(r)
         else:
-            known = [c[1] for c in cands if c[1] > t] + [c for c, _, _ in heap if c > t]
-            if known:
-                clock[r] = min(known)                 # wait for the first input (or the next rank to move)
-            else:
-                stuck += 1                            # every rank at t and none can run: cannot happen
-                if stuck > 2 * R:
-                    raise RuntimeError(f"zb-v list scheduler stuck on rank {r} at t={t}")
-        turn += 1
-        heapq.heappush(heap, (clock[r], turn, r))
-    return Schedule(acts, S, m, kind="zb-v")
+            known = [c[1] for c in cands if c[1] > t] + [c for c in later if c > t]
+            if not known:
+                return False
+            self.clock[r] = min(known)                # wait for the first input (or the next rank to move)
+        return True
 
+    def run_w(self, r: int) -> None:
+        """Rank r runs its oldest queued ``W``."""
+        s, j = self.pend[r].popleft()
+        self.run(r, s, "W", j)
+
+    def schedule(self) -> Schedule:
+        """Advance the ranks in clock order until every op ran."""
+        heap = [(0.0, r, r) for r in range(self.R)]   # (clock, turn, rank): a rank that waits goes behind
+        turn, stuck = self.R, 0
+        while heap:
+            t, _, r = heapq.heappop(heap)
+            if self.nb[r] == self.m and self.nb[self.S - 1 - r] == self.m:
+                while self.pend[r]:
+                    self.run_w(r)
+                continue
+            if self.step(r, t, [c for c, _, _ in heap]):
+                stuck = 0
+            else:                                     # every rank at t and none can run: cannot happen
+                stuck += 1
+                if stuck > 2 * self.R:
+                    raise RuntimeError(f"zb-v list scheduler stuck on rank {r} at t={t}")
+            turn += 1
+            heapq.heappush(heap, (self.clock[r], turn, r))
+        return Schedule(self.acts, self.S, self.m, kind="zb-v")
