@@ -62,3 +62,29 @@ def test_the_ideal_stays_below_every_plan_of_a_gpu_model() -> None:
     for method in ("fixed", "packed", "balanced", "dynamic"):
         sim = planner.plan(batch, method=method).sim
         assert sim.ideal_s <= sim.bound_s * (1 + 1e-9) and sim.bound_s <= sim.makespan_s * (1 + 1e-9), method
+
+
+def test_the_split_backward_is_the_devices_own() -> None:
+    """On a GPU the weight gradients are the forward's GEMM FLOPs and the split costs nothing (Qi et al.,
+    arXiv:2401.10241, Table 1): W + I == B exactly, W is the forward less its attention, and the CPU's
+    measured shares (``dynmb.costmodel.split``) are not used."""
+    cm = _model()
+    b, s = np.array([1.0, 4.0, 16.0]), np.array([4096.0, 1024.0, 256.0])
+    for stage in range(cm.num_stages):
+        full, i, w = (cm.predict(stage, op, b, s) for op in ("B", "I", "W"))
+        np.testing.assert_allclose(i + w, full, rtol=1e-12)
+        no_attn_f = cm.predict(stage, "F", b, s, np.zeros_like(b)) - cm.spec.overhead_s \
+            - cm.spec.overhead_per_layer_s * cm._layers[stage]
+        np.testing.assert_allclose(w, no_attn_f, rtol=1e-9)
+
+
+def test_the_a100_megatron_spec_matches_the_zero_bubble_papers_profiled_times() -> None:
+    """``A100_SXM_MEGATRON`` against the paper's Table 9 (1.5B, P 8, microbatch 6 x 1024; its middle stage,
+    3 of 22 layers): F, I (the paper's B) and W each within 12%."""
+    from dynmb.costmodel.gpu import A100_SXM_MEGATRON
+    cfg = ModelConfig(name="gpt3-1.5b", family="gpt2", vocab_size=50257, d_model=2304, n_layers=22, n_heads=24,
+                      d_ff=4 * 2304, max_seq_len=1024, dtype="bfloat16", layer_split=(2, 3, 3, 3, 3, 3, 3, 2))
+    cm = GPUCostModel(cfg, 8, spec=A100_SXM_MEGATRON)
+    published = {"F": 18.522e-3, "I": 18.086e-3, "W": 9.337e-3}
+    for op, t in published.items():
+        assert abs(float(cm.predict(4, op, 6, 1024)) / t - 1) < 0.12, op

@@ -45,13 +45,13 @@ def test_the_zero_bubble_kinds_have_estimates_of_their_own():
 
 @pytest.mark.parametrize("P,m", [(2, 2), (4, 4), (4, 12), (8, 4), (8, 8), (8, 30)])
 def test_equal_unit_microbatches_give_the_pipeline_bound(P, m):
-    """F = I = W = 1 (B = 2), no sends: every W is hidden, the bubble is the first forward's fill and
-    the last input gradient's drain, (P - 1)(F + I): 3 m + 2 (P - 1), against 1F1B's (P - 1)(F + B);
-    the simulated zb-h1 schedule agrees."""
+    """F = I = W = 1 (B = 2), no sends: the paper's ZB-H1 bubble (Qi et al. Table 2), (P - 1)(F + I - W):
+    3 m + (P - 1), against 1F1B's (P - 1)(F + B); the simulated zb-h1 schedule agrees."""
     F, B = np.ones((P, m)), 2 * np.ones((P, m))
     half = np.full((2, P), 0.5)
-    assert makespan(F, B, 0.0, "zb-h1", shares=half) == pytest.approx(3 * m + 2 * (P - 1))
-    assert _simulated(F, B, F, F, np.zeros(m), "zb-h1") == pytest.approx(3 * m + 2 * (P - 1))
+    want = 3 * m + (P - 1) if m >= P else 2 * (m + P - 1) + 1       # m <= P: Qi et al. Appendix H
+    assert makespan(F, B, 0.0, "zb-h1", shares=half) == pytest.approx(want)
+    assert _simulated(F, B, F, F, np.zeros(m), "zb-h1") == pytest.approx(want)
     assert makespan(F, B, 0.0, "1f1b") == pytest.approx(3 * m + 3 * (P - 1))
 
 

@@ -132,3 +132,22 @@ def test_a_fitted_cost_model_plans_the_split_it_was_measured_on(tmp_path) -> Non
     shipped = dynmb.Planner(model="llama-small", num_stages=2, memory_limit="1GiB", stage_split="auto",
                             workload="wikitext2")
     assert shipped.cost_model.kind != "analytic" and shipped.model_cfg.layer_split == shipped.cost_model.model_cfg.layer_split
+
+
+def test_zero_length_documents_are_skipped_with_a_note(caplog: pytest.LogCaptureFixture) -> None:
+    """Real traces hold empty files: ``Planner(stage_split="auto", workload=...)`` skips their zero lengths
+    with a warning and balances the rest as without them; a negative length is still refused."""
+    cfg = dynmb.model_config("small")
+    lengths = data.sample_batch(data.load_trace("sharegpt"), 64, 0, step=0)
+    with_empty = np.concatenate([lengths, np.zeros(5, dtype=np.int64)])
+    with caplog.at_level(logging.WARNING, logger="dynmb.planning.split_work"):
+        split = resolve_stage_split(cfg, 2, "auto", workload=with_empty).layer_split
+    assert split == resolve_stage_split(cfg, 2, "auto", workload=lengths).layer_split
+    assert any("skipped 5 zero-length" in r.getMessage() for r in caplog.records)
+    gpu = GPUCostModel(cfg, 2)
+    planner = dynmb.Planner(model=cfg, num_stages=2, memory_limit="2GiB", stage_split="auto", workload=with_empty,
+                            cost_model=gpu)
+    assert planner.model_cfg.layer_split == resolve_stage_split(cfg, 2, "auto", workload=lengths,
+                                                                cost_model=gpu).layer_split
+    with pytest.raises(ValueError, match="non-negative"):
+        resolve_stage_split(cfg, 2, "auto", workload=np.array([5, -1, 7]))

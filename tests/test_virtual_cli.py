@@ -17,6 +17,7 @@ from dynmb.costmodel.analytic import AnalyticCostModel
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.runtime.spec import RunSpec
+from dynmb.schedule.kinds import auto_kinds
 from dynmb.core.types import Plan
 from tests.gloo_jobs import register
 
@@ -81,8 +82,9 @@ def test_run_plan_refuses_virtual_auto(tmp_path: Path, capsys: pytest.CaptureFix
     assert "\n" not in err and "--virtual auto" in err and not (tmp_path / "o").exists()
 
 
-GLOO_V = 2
-"""llama-tiny, sharegpt, 64 MiB: the analytic model's simulated step per real token is lower at V 2."""
+GLOO_V = 1
+"""llama-tiny, sharegpt, 64 MiB: the analytic model's simulated step per real token is lower at V 1 (0.151 s
+against 0.154 s at V 2) since ZB-H1 defers its weight gradients as the paper's does (issue 39); it was V 2."""
 
 
 @register(2)
@@ -113,7 +115,7 @@ def test_run_virtual_auto_runs_the_chosen_chunks_on_gloo(gloo_job) -> None:
     assert (runs["pipeline.num_stages"].iloc[0], runs["pipeline.virtual"].iloc[0]) == (2 * GLOO_V, GLOO_V)
     assert int(runs["nproc"].iloc[0]) == 2
     assert str(runs["virtual_choice"].iloc[0]).startswith(f"{GLOO_V} chunk(s) per GPU by simulated step")
-    assert steps["verified"].all() and (steps["schedule_kind"] == "interleaved").all()
+    assert steps["verified"].all() and steps["schedule_kind"].isin(auto_kinds(GLOO_V)).all()
 
 
 def test_run_plan_runs_the_chunks_its_plan_was_made_for(tmp_path: Path) -> None:

@@ -158,13 +158,13 @@ def test_zero_bubble_csv_passes_torch_checks(tmp_path, kind, P):
 
 
 def test_unit_costs_give_zb_h1_bubble():
-    """F = I = W = 1, B = 2: 1F1B takes (m + P - 1) * 3, ZB-H1 m * 3 + (P - 1) * 2 (the paper's
-    (P - 1)(T_F + T_B - T_W) bubble)."""
+    """F = I = W = 1, B = 2: 1F1B takes (m + P - 1) * 3, ZB-H1 m * 3 + (P - 1) (the paper's
+    (P - 1)(T_F + T_B - T_W) bubble, Table 2, its T_B being dynmb's I)."""
     for P, m in [(4, 8), (4, 4), (8, 16), (3, 7)]:
         one = np.ones((P, m))
         c = {"F": one, "B": 2 * one, "I": one, "W": one}
         assert simulate_costs(build_schedule("1f1b", P, m), c).makespan_s == (m + P - 1) * 3
-        assert simulate_costs(build_schedule("zb-h1", P, m), c).makespan_s == m * 3 + (P - 1) * 2
+        assert simulate_costs(build_schedule("zb-h1", P, m), c).makespan_s == m * 3 + (P - 1) * (1 + 1 - 1)
 
 
 # --------------------------------------------------------------------------- simulator properties
@@ -186,7 +186,8 @@ def test_zb_h1_never_slower_nor_higher_than_1f1b(plan):
     validate(zb)
     got = simulate(zb, plan, cm, mm)
     assert got.makespan_s <= one.makespan_s * (1 + 1e-12)
-    assert np.all(got.peak_bytes <= one.peak_bytes + 1e-6)
+    # ZB-H1's guarantee (Qi et al. 2.1): no GPU above 1F1B's fullest; a later stage holds its deferred W there
+    assert np.max(got.peak_bytes) <= np.max(one.peak_bytes) + 1e-6
 
 
 @settings(max_examples=25, deadline=None)

@@ -164,12 +164,17 @@ class CostModel:
         a = b * s * s if attn is None else np.broadcast_to(np.asarray(attn, dtype=np.float64), b.shape)
         if op not in ("F", "B", "I", "W"):
             raise ValueError(f"unknown op {op!r}; expected F, B, I or W")
-        if op in ("I", "W") and (int(stage), op) not in getattr(self, "params", getattr(self, "grids", {})):
+        if op in ("I", "W") and not self.own_split(int(stage), op):
             raw = derived_split(self, int(stage), op, b, s, a)
         else:
             raw = np.maximum(self._predict(int(stage), op, b, s, a), 0.0)
         recv = self.comm.recv_latency_s if self.receives(int(stage), op) else 0.0
         return raw * self.scale_of(int(stage), op) + self.runtime_overhead_s.get(op, 0.0) + recv
+
+    def own_split(self, stage: int, op: str) -> bool:
+        """Whether ``op`` (``I`` or ``W``) on ``stage`` comes from this model's own fit or formula; else it is
+        derived from ``B`` by ``dynmb.costmodel.split``'s measured shares."""
+        return (int(stage), op) in getattr(self, "params", getattr(self, "grids", {}))
 
     def scale_of(self, stage: int, op: str) -> float:
         """The runtime scale of ``op`` on ``stage`` (``with_scale``; 1.0 when not calibrated). ``I`` and

@@ -23,7 +23,28 @@ Backward: 2x the linear FLOPs (input and weight gradients) at the same efficienc
 against the forward's 2, 2.5x) at ``attn_bwd_eff`` of the forward's efficiency. P2P: the
 ``CommModel`` of the link (``LINKS``): ``alpha + bytes / bandwidth``.
 
+Unfused attention (``score_bytes_fwd`` / ``score_bytes_bwd`` > 0: the scores are written to HBM, as
+Megatron-LM without FlashAttention does): every attention score (``n_heads`` x the attention work
+per layer) moves that many bytes through memory at ``hbm_bytes_per_s`` in the forward and in the
+input-gradient backward (softmax, mask, dropout and their gradients). Fused kernels keep the scores
+on chip: 0 (``H100_SXM``).
+
+Split backward (``I``, ``W``; Qi et al., "Zero Bubble Pipeline Parallelism", arXiv:2401.10241, Table 1):
+``W`` is the weight-gradient GEMMs, the same FLOPs as the forward's GEMMs (``sbh * 24h`` per layer),
+at the same efficiency: ``W = linear_s``; ``I = (1 + split_overhead) B - W`` (the input-gradient GEMMs,
+all of attention's backward, the launches). The split does no extra work on a GPU (``split_overhead`` 0: the deferred
+GEMMs read the inputs and output gradients the full backward would, kept until ``W``), unlike
+the CPU shares of ``dynmb.costmodel.split``. Checked against the paper's profiled times (its Table 9,
+A100, Megatron-LM, GPT-3-like 1.5B-28.3B): with ``A100_SXM_MEGATRON`` a middle stage's F is within 0-3% of its ``T_F``, I within 2-9% of its ``T_B``
+(the paper's B is dynmb's I) and W within 5-11% of its ``T_W`` for the four models (``studies/zero_bubble``).
+
 Sources of the constants (``H100_SXM``; H200 has the same Hopper compute, more HBM):
+- HBM bandwidth 3.35 TB/s (H100 SXM5 datasheet); A100 SXM 80GB 2.039 TB/s and 312 TFLOP/s dense BF16
+  (A100 datasheet);
+- ``A100_SXM_MEGATRON`` (the zero-bubble paper's setting, Megatron-LM without FlashAttention):
+  ``score_bytes_fwd = 36``, ``score_bytes_bwd = 27``: the paper's profiled ``T_F`` and ``T_B`` (its
+  Table 9) less this model's GEMM and attention-matmul times, per score, at 2.039 TB/s; 34-40
+  (forward) and 22-31 (backward) bytes over its four models, the middle taken;
 - peak 989 TFLOP/s dense BF16: NVIDIA H100 Tensor Core GPU datasheet (SXM5), and H200 datasheet;
 - GEMM efficiency: large BF16 GEMMs on H100 sustain about 75-80% of peak (cuBLAS; NVIDIA's
   "Matrix Multiplication Background" user guide explains the small-M loss by tile and wave
@@ -50,7 +71,7 @@ from dynmb.core.config import ModelConfig
 
 from dynmb.costmodel.base import CommModel, CostModel
 
-__all__ = ["GPUCostModel", "GPUSpec", "H100_SXM", "LINKS"]
+__all__ = ["GPUCostModel", "GPUSpec", "H100_SXM", "A100_SXM_MEGATRON", "LINKS"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,15 +96,26 @@ class GPUSpec:
     """Fixed seconds per op (launch of the stage's first kernel, P2P posting)."""
     overhead_per_layer_s: float = 40e-6
     """Seconds per layer per op of kernel launches."""
+    hbm_bytes_per_s: float = 3.35e12
+    """Memory bandwidth, bytes/s (the memory-bound unfused attention below)."""
+    score_bytes_fwd: float = 0.0
+    """Bytes moved through HBM per attention score in the forward (0: fused attention keeps scores on chip)."""
+    score_bytes_bwd: float = 0.0
+    """Bytes moved per attention score in the input-gradient backward (0: fused attention)."""
+    split_overhead: float = 0.0
+    """(I + W) / B - 1 of a split backward: 0 on a GPU (the deferred weight GEMMs redo nothing)."""
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not np.isfinite(value) or value < 0 or (value == 0 and name in ("peak_flops", "gemm_eff_max",
-                                                                                "attn_eff_max", "attn_bwd_eff")):
+                                                                                "attn_eff_max", "attn_bwd_eff",
+                                                                                "hbm_bytes_per_s")):
                 raise ValueError(f"GPUSpec.{name} must be finite and positive, got {value}")
 
 
 H100_SXM = GPUSpec()
+A100_SXM_MEGATRON = GPUSpec(peak_flops=312e12, hbm_bytes_per_s=2.039e12, score_bytes_fwd=36.0, score_bytes_bwd=27.0)
+"""A100 SXM 80GB running Megatron-LM's unfused attention: the zero-bubble paper's setting (module doc)."""
 LINKS: dict[str, CommModel] = {
     "nvlink": CommModel(alpha_s=10e-6, bytes_per_s=370e9),
     "ib": CommModel(alpha_s=20e-6, bytes_per_s=45e9),
@@ -106,11 +138,18 @@ class GPUCostModel(CostModel):
         self._attn_unit = [self._attn_flops_per_unit(p) for p in range(num_stages)]
         self._layers = [len(pieces) / 2 for pieces in model_cfg.stage_pieces(num_stages)]
         """Layers' worth of kernel launches per stage: each half-block it holds counts 0.5, whole or chunks."""
+        self._score_heads = [u / (4.0 * model_cfg.d_model / model_cfg.n_heads) for u in self._attn_unit]
+        """Attention scores per unit of attention work on each stage (its heads x layers): the attention
+        FLOPs are 4 x head_dim per score (QK^T and PV, a multiply and an add each)."""
 
     def _attn_flops_per_unit(self, stage: int) -> float:
         """The s^2 coefficient of ``stage_flops`` at one row (its attention FLOPs per unit of work)."""
         f1, f2 = (float(self.model_cfg.stage_flops(stage, self.num_stages, 1, s)) for s in (1, 2))
         return (f2 - 2.0 * f1) / 2.0
+
+    def own_split(self, stage: int, op: str) -> bool:
+        """``I`` and ``W`` come from this model itself (module doc), not from the CPU shares."""
+        return True
 
     def _predict(self, stage, op, b, s, a):
         g = self.spec
@@ -124,10 +163,16 @@ class GPUCostModel(CostModel):
         attn_eff = g.attn_eff_max * seg / (seg + g.attn_s_half)
         linear_s = np.where(tokens > 0, linear / (g.peak_flops * np.maximum(gemm_eff, 1e-12)), 0.0)
         attn_s = np.where(a > 0, attn / (g.peak_flops * np.maximum(attn_eff, 1e-12)), 0.0)
+        scores_s = self._score_heads[stage] * a / g.hbm_bytes_per_s
         overhead = g.overhead_s + g.overhead_per_layer_s * self._layers[stage]
         if op == "F":
-            return overhead + linear_s + attn_s
-        return overhead + 2.0 * linear_s + g.attn_bwd_ratio * attn_s / g.attn_bwd_eff
+            return overhead + linear_s + attn_s + g.score_bytes_fwd * scores_s
+        full = overhead + 2.0 * linear_s + g.attn_bwd_ratio * attn_s / g.attn_bwd_eff + g.score_bytes_bwd * scores_s
+        if op == "W":
+            return linear_s
+        if op == "I":
+            return (1.0 + g.split_overhead) * full - linear_s
+        return full
 
     def ideal_stage_costs(self, lengths: Any) -> dict[str, np.ndarray]:
         """``{"F", "B"}: [P, n]`` seconds of each sequence's own work, no overhead: what ``dynmb.timing.bounds``
@@ -146,8 +191,9 @@ class GPUCostModel(CostModel):
             linear = np.asarray(self.model_cfg.stage_flops(p, self.num_stages, 1, L), dtype=np.float64) - unit * L * L
             linear_s = linear / (g.peak_flops * g.gemm_eff_max)
             attn_s = unit * (L * L + g.attn_s_half * L) / (g.peak_flops * g.attn_eff_max)
-            out["F"][p] = linear_s + attn_s
-            out["B"][p] = 2.0 * linear_s + g.attn_bwd_ratio * attn_s / g.attn_bwd_eff
+            scores_s = self._score_heads[p] * L * L / g.hbm_bytes_per_s
+            out["F"][p] = linear_s + attn_s + g.score_bytes_fwd * scores_s
+            out["B"][p] = 2.0 * linear_s + g.attn_bwd_ratio * attn_s / g.attn_bwd_eff + g.score_bytes_bwd * scores_s
         return out
 
     def _params(self):

@@ -30,9 +30,10 @@ def rank_state(state_bytes: Any, schedule_kind: str = "1f1b", virtual: int = 1) 
     (interleaved) and ``virtual`` > 1, stage i sits on rank i % (P / virtual) with the rank's
     other chunks, whose states add up."""
     state = np.asarray(state_bytes, dtype=np.float64).reshape(-1)
-    if not get_kind(schedule_kind).virtual_stages or virtual <= 1:
+    kind = get_kind(schedule_kind)
+    if not kind.virtual_stages or virtual <= 1:
         return state.copy()
-    rank = np.arange(len(state)) % (len(state) // virtual)
+    rank = np.array([kind.rank_of(s, len(state), virtual) for s in range(len(state))])   # its placement
     return np.bincount(rank, weights=state)[rank]
 
 
@@ -48,7 +49,7 @@ def peak_from_matrix(act: np.ndarray, tr: np.ndarray, schedule_kind: str = "1f1b
     kind = get_kind(schedule_kind)
     p, m = act.shape
     if kind.virtual_stages and virtual > 1:
-        return _chunk_bound(act, tr, virtual, kind.chunk_window)
+        return _chunk_bound(act, tr, virtual, kind)
     cs = np.concatenate([np.zeros((p, 1)), np.cumsum(act, axis=1)], axis=1)
     j = np.arange(m)
     out = np.empty(p)
@@ -62,15 +63,16 @@ def peak_from_matrix(act: np.ndarray, tr: np.ndarray, schedule_kind: str = "1f1b
     return out
 
 
-def _chunk_bound(act: np.ndarray, tr: np.ndarray, virtual: int, chunk_window: Any) -> np.ndarray:
-    """Per GPU of a kind with virtual stages: its ``chunk_window`` largest chunk activations plus
-    its largest buffer (a conservative bound)."""
+def _chunk_bound(act: np.ndarray, tr: np.ndarray, virtual: int, kind: Any) -> np.ndarray:
+    """Per GPU of a kind with virtual stages (its placement's): its ``chunk_window`` largest chunk
+    activations plus its largest buffer (a conservative bound)."""
     p, m = act.shape
     ranks = p // virtual
+    rank_of = np.array([kind.rank_of(s, p, virtual) for s in range(p)])
     out = np.empty(p)
     for r in range(ranks):
-        stages = np.arange(r, p, ranks)
-        warm = min(m * virtual, int(chunk_window(r, ranks, virtual, m)))
+        stages = np.flatnonzero(rank_of == r)
+        warm = min(m * virtual, int(kind.chunk_window(r, ranks, virtual, m)))
         top = np.sort(act[stages].ravel())[::-1][:warm].sum()
         out[stages] = top + tr[stages].max()
     return out

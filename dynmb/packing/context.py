@@ -58,7 +58,7 @@ class PackContext:
             if p % virtual:
                 raise PackingError(f"{p} stages are not a multiple of virtual {virtual}")
             R = p // virtual
-            rank = np.arange(p) % R
+            rank = np.array([rec.rank_of(s, p, virtual) for s in range(p)])      # the kind's placement
             state = np.bincount(rank, weights=state, minlength=R)[rank]
             self.k = rec.chunk_window(rank, R, virtual)
         else:
@@ -93,7 +93,7 @@ class PackContext:
         if not (rec.virtual_stages and self.virtual > 1 and rec.chunk_window is not None):
             return self
         R = self.p // self.virtual
-        rank = np.arange(self.p) % R
+        rank = np.array([rec.rank_of(s, self.p, self.virtual) for s in range(self.p)])
         other = copy.copy(self)
         for m in {int(c) for c in counts if int(c) > 0}:
             other.k = np.maximum(other.k, rec.chunk_window(rank, R, self.virtual, m))

@@ -8,7 +8,8 @@ numbers and the fixed option sets; this adds what needs a registry (no batch, no
 1. the method (registered in ``dynmb.packing.methods``), the schedule kind (``dynmb.schedule.kinds``, or
    ``auto``) and the reorder (``auto`` or ``dynmb.planning.REORDER_METHODS``) are known;
 2. ``virtual`` > 1 needs a kind whose record takes virtual stages (``ScheduleKind.virtual_stages``;
-   ``auto``: one of ``auto_kinds(virtual)``);
+   ``auto``: one of ``auto_kinds(virtual)``); a kind of a fixed chunk count (``ScheduleKind.chunks``:
+   ``zb-v``, 2) needs exactly that ``virtual``;
 3. ``oversize='split'`` needs a kind that runs slices of long sequences (``ScheduleKind.slices``;
    ``auto``: one of ``auto_kinds(virtual, slices=True)``), with any ``dp`` (each chain of slices
    runs whole on one replica); the kinds are read off the registry, so a kind that learns to run
@@ -76,6 +77,10 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
         if not (auto_kinds(spec.virtual) if kind == AUTO else get_kind(kind).virtual_stages):
             raise ValueError(f"--virtual {spec.virtual}: the {kind} schedule runs one stage per rank; model chunks "
                              f"per rank run on {' or '.join(_kinds_taking_virtual()) or 'no registered kind'}")
+    chunks = None if kind == AUTO else get_kind(kind).chunks
+    if chunks is not None and spec.virtual != chunks:
+        raise ValueError(f"--schedule {kind} runs exactly {chunks} model chunks per rank: give --virtual {chunks} "
+                         f"(got {spec.virtual})")
     if spec.oversize == "split":
         if not (auto_kinds(spec.virtual, slices=True) if kind == AUTO else get_kind(kind).slices):
             among = f" (auto with --virtual {spec.virtual}: none of the kinds it weighs)" if kind == AUTO else ""

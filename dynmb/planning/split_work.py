@@ -34,6 +34,7 @@ constants, summed in the lengths' order: every rank computes the same split.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,8 @@ import numpy as np
 from dynmb.timing.bounds import sequence_costs
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel.base import CostModel
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["workload_cost", "workload_lengths", "layout_cost_model", "fitted_split", "ATTN_BWD_FLOPS"]
 
@@ -51,14 +54,22 @@ against the forward's two (FlashAttention-2, Dao 2023; ``GPUSpec.attn_bwd_ratio`
 
 def workload_lengths(workload: Any, cfg: ModelConfig) -> np.ndarray:
     """The sequence lengths of ``workload`` (an array of lengths, a trace name or a length-trace CSV) as
-    float64, capped at ``max_seq_len`` for a family with learned positions; ValueError when empty."""
+    float64, capped at ``max_seq_len`` for a family with learned positions. Zero lengths (empty
+    documents: real traces have empty files) are skipped with a note; ValueError when a length is
+    negative or not finite, or none is left."""
     if isinstance(workload, (str, bytes)) or hasattr(workload, "__fspath__"):
         from dynmb.data import load_trace
 
         workload = load_trace(workload)
     lengths = np.asarray(workload, dtype=np.float64).reshape(-1)
-    if lengths.size == 0 or not np.all(np.isfinite(lengths)) or lengths.min() < 1:
-        raise ValueError("a stage-split workload needs at least one sequence, every length >= 1")
+    if not np.all(np.isfinite(lengths)) or (lengths.size and lengths.min() < 0):
+        raise ValueError("a stage-split workload needs finite, non-negative lengths")
+    empty = int(np.count_nonzero(lengths == 0))
+    if empty:
+        logger.warning("stage-split workload: skipped %d zero-length sequence(s) of %d", empty, lengths.size)
+        lengths = lengths[lengths > 0]
+    if lengths.size == 0:
+        raise ValueError("a stage-split workload needs at least one sequence of length >= 1")
     return np.minimum(lengths, cfg.max_seq_len) if cfg.learned_positions else lengths
 
 

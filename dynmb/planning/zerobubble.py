@@ -62,6 +62,7 @@ def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryMode
             return float(max(end, default=0.0)), np.zeros(S)
         peak, _, _ = peaks(flat, S, schedule.num_ranks, inp.act, inp.tr, state, inp.w)
         return float(max(end, default=0.0)), peak
+    evaluate.judge = ("makespan", state.tobytes())  # type: ignore[attr-defined]  # the builders may cache by it
     return evaluate
 
 

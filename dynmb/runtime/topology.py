@@ -2,7 +2,8 @@
 
 Global rank = ``dp_index * R + pp_index`` with ``R = num_stages / virtual`` pipeline ranks
 per replica; stage ``s`` lives on pipeline rank ``s % R`` (``virtual`` > 1: the interleaved
-placement, several stages per rank). Process groups, created collectively by every rank in
+placement, several stages per rank), or where the schedule kind's ``placement`` puts it (``zb-v``:
+chunk 0 of rank ``r`` is stage ``r``, chunk 1 stage ``S - 1 - r``; ``dynmb.schedule.vshape``). Process groups, created collectively by every rank in
 the same order and passed to whoever needs them (no global singletons):
 
 - pair groups: one two-rank group per ordered pair of neighbouring pipeline ranks, for the
@@ -22,6 +23,8 @@ import torch.distributed as dist
 
 from dynmb.core.config import RunConfig
 from dynmb.runtime.comm import make_pair_groups
+from dynmb.schedule.kinds import AUTO, get_kind
+from dynmb.schedule.vshape import placement_rank
 
 __all__ = ["Topology", "ProcessGroups", "make_process_groups"]
 
@@ -38,6 +41,8 @@ class Topology:
     """Data-parallel replicas."""
     rank: int
     """This process's global rank."""
+    placement: str = "loop"
+    """Stage -> pipeline rank rule (``dynmb.schedule.vshape.placement_rank``): loop or v."""
 
     def __post_init__(self) -> None:
         if self.num_stages % self.pipeline_size:
@@ -52,7 +57,9 @@ class Topology:
         if world_size != pipeline.num_ranks * run.dp:
             raise ValueError(f"world size {world_size} != pipeline ranks {pipeline.num_ranks} (stages "
                              f"{pipeline.num_stages} / virtual {pipeline.virtual}) x dp {run.dp}")
-        return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.dp, rank=rank)
+        placement = "loop" if pipeline.schedule == AUTO else get_kind(pipeline.schedule).placement
+        return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.dp, rank=rank,
+                   placement=placement)
 
     @property
     def world_size(self) -> int:
@@ -71,7 +78,9 @@ class Topology:
     @property
     def local_stages(self) -> tuple[int, ...]:
         """The stages this rank holds."""
-        return tuple(s for s in range(self.num_stages) if s % self.pipeline_size == self.pp_index)
+        virtual = self.num_stages // self.pipeline_size
+        return tuple(s for s in range(self.num_stages)
+                     if placement_rank(s, self.num_stages, virtual, self.placement) == self.pp_index)
 
     def pipeline_ranks(self, dp_index: int | None = None) -> list[int]:
         """Global ranks of replica ``dp_index`` (default: this rank's), by pipeline index."""

@@ -39,6 +39,10 @@ A kind's traits (``ScheduleKind``):
   (``dynmb.timing.makespan_interleaved``).
 
 - ``auto``: ``--schedule auto`` weighs this kind (``auto_kinds``).
+- ``placement``: which rank holds each stage (``dynmb.schedule.vshape.placement_rank``; ``loop``: stage
+  ``s`` on rank ``s % R``; ``v``: ZB-V's, ``zb-v``); the memory peak rule, the packers' per-GPU sums
+  and the runtime's topology read it; ``auto`` weighs ``loop`` kinds only (a run's placement is fixed).
+- ``chunks``: the model chunks per rank a kind runs with exactly (``zb-v``: 2), refused otherwise.
 
 Adding a kind is one new module with its builder and its record, plus one
 ``register_kind(record)`` call. ``SCHEDULE_KINDS`` is a live view of the registered names.
@@ -60,6 +64,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 import dynmb.schedule.builders as builders
+from dynmb.schedule.vshape import PLACEMENTS, placement_rank, v_inflight, zb_v
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.core.types import Schedule
 
@@ -134,6 +139,11 @@ class ScheduleKind:
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
     auto: bool = False
     """``--schedule auto`` weighs this kind (``auto_kinds``)."""
+    chunks: int | None = None
+    """The model chunks per rank the kind runs with exactly (``zb-v``: 2); None: any ``virtual``."""
+    placement: str = "loop"
+    """Which rank holds each stage (``dynmb.schedule.vshape.placement_rank``): ``loop`` (stage ``s`` on rank
+    ``s % R``, interleaved) or ``v`` (chunk 0 of rank ``r`` is stage ``r``, chunk 1 stage ``S - 1 - r``)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -143,6 +153,8 @@ class ScheduleKind:
         if self.estimate_as not in ("gpipe", "1f1b", "zb-h1", "zb", "interleaved"):
             raise ValueError(f"kind {self.name!r}: estimate_as must be gpipe, 1f1b, zb-h1, zb or interleaved, "
                              f"got {self.estimate_as!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"kind {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.virtual_stages and self.chunk_window is None:
             raise ValueError(f"kind {self.name!r} takes virtual stages: give its chunk_window")
 
@@ -151,6 +163,10 @@ class ScheduleKind:
         """What the packers, the memory model and the fast estimate read of this kind: kinds with the
         same key get the same packing of a batch (``auto`` packs once for them)."""
         return (self.window, self.chunk_window, self.virtual_stages, self.estimate_as)
+
+    def rank_of(self, stage: int, num_stages: int, virtual: int) -> int:
+        """The rank that holds ``stage`` under this kind's placement (one stage per rank: the stage)."""
+        return placement_rank(stage, num_stages, virtual if self.virtual_stages else 1, self.placement)
 
     def inflight(self, stage: int, num_stages: int, m: int) -> int:
         """Microbatches ``stage`` holds at once with ``m`` in the step (one stage per rank)."""
@@ -169,6 +185,9 @@ class ScheduleKind:
                              f"{self.name!r} does not order their backwards in reverse")
         if not self.virtual_stages and inp.virtual != 1:
             raise ValueError(f"{self.name} runs one stage per rank; got virtual={inp.virtual}")
+        if self.chunks is not None and (inp.virtual != self.chunks or inp.num_stages % self.chunks):
+            raise ValueError(f"{self.name} runs exactly {self.chunks} model chunks per rank; got virtual={inp.virtual} "
+                             f"with {inp.num_stages} stages")
         if self.memory == "required" and (inp.act_bytes is None or inp.limit_bytes is None):
             raise ValueError(f"the {self.name} schedule needs act_bytes [stages, m] and limit_bytes")
 
@@ -219,7 +238,7 @@ def auto_kinds(virtual: int = 1, slices: bool = False) -> tuple[str, ...]:
     model chunks, which only kinds with ``virtual_stages`` run; with 1, those kinds are their
     one-chunk equal and are left out) and, for a plan with slices of long sequences, run them."""
     return tuple(k for k, v in _REGISTRY.items() if v.auto and v.virtual_stages == (virtual > 1)
-                 and (v.slices or not slices))
+                 and (v.slices or not slices) and v.placement == "loop")
 
 
 def is_schedule_name(name: str) -> bool:
@@ -339,7 +358,7 @@ def _memory_aware_key(inp: BuildInputs) -> bytes:
 
 def _zb_h1(inp: BuildInputs) -> Schedule:
     sched = zb_h1(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate,
-                  backward_order=inp.backward_order)
+                  backward_order=inp.backward_order, state_bytes=inp.state_bytes)
     return Schedule(sched.ranks, inp.num_stages, inp.num_microbatches, kind="zb-h1")
 
 
@@ -348,7 +367,7 @@ def _zb(inp: BuildInputs) -> Schedule:
     if inp.zb_inputs is not None and inp.evaluate is not None and inp.limit_bytes is not None:
         state = np.zeros(P) if inp.state_bytes is None else np.asarray(inp.state_bytes, dtype=np.float64)
         return zb_limit_aware(P, m, inp.zb_inputs, (float(inp.limit_bytes) - state).tolist(), float(inp.limit_bytes),
-                              inp.evaluate, backward_order=inp.backward_order)
+                              inp.evaluate, backward_order=inp.backward_order, state_bytes=state)
     sched = zb_h1(P, m, inp.zb_inputs, evaluate=inp.evaluate, backward_order=inp.backward_order)
     return Schedule(sched.ranks, P, m, kind="zb")
 
@@ -366,5 +385,15 @@ register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one
 # rank plans for them as they run (zb by its largest extra warm-up, the memory limit not weighed)
 register_kind(ScheduleKind(name="zb-h1", build=_zb_h1, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb-h1", auto=True))
+def _zb_v(inp: BuildInputs) -> Schedule:
+    return zb_v(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate)
+
+
 register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb", auto=True))
+# ZB-V: two chunks per rank placed V-wise (dynmb.schedule.vshape); the packers count its chunk window per GPU and
+# estimate it as interleaved (the same chunk count per GPU). ``auto`` leaves it out: a run's placement is fixed
+# while auto's kinds change step by step.
+register_kind(ScheduleKind(name="zb-v", build=_zb_v, window=_one_f_one_b_window, chunk_window=v_inflight,
+                           virtual_stages=True, split_backward=True, memory="optional", costs=True,
+                           estimate_as="interleaved", chunks=2, placement="v"))

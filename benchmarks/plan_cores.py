@@ -1,0 +1,65 @@
+"""Plan time of one pipeline replica with ``schedule="auto"`` and the planner cores ``--plan-ahead`` needs.
+
+For each P: ``dynmb.Planner`` (Llama-2-7B by default, ``GPUCostModel`` with H100 constants, 80 GiB,
+``schedule="auto"``, method ``dynamic``) plans a warm-up batch, then ``--batches`` batches of about
+``--tokens`` tokens sampled from ``--trace`` (documents capped at ``--max-len``); each plan's CPU time
+(``time.process_time``: this process only, so a loaded box inflates it little) and the plan's simulated
+step. With ``--plan-ahead N`` the job's W = P ranks (one replica) share the planning (rank k mod W plans
+step k), so no step waits while ``plan_s <= N W step_s``: the planner cores a rank needs are
+``plan_s / (P step_s)`` (``cores_per_rank``); planning in line, or without sharing, ``plan_s / step_s``.
+
+    python benchmarks/plan_cores.py --stages 4,8,16              # ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import dynmb
+from dynmb import data
+from dynmb.costmodel.gpu import GPUCostModel
+
+
+def batch(lengths: np.ndarray, tokens: int, max_len: int, seed: int) -> np.ndarray:
+    """Documents drawn with replacement until ``tokens``, each capped at ``max_len``."""
+    rng, out, total = np.random.default_rng(seed), [], 0
+    while total < tokens:
+        x = min(int(lengths[rng.integers(len(lengths))]), max_len)
+        out.append(x)
+        total += x
+    return np.array(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", default="4,8,16", help="comma-separated P (default 4,8,16)")
+    ap.add_argument("--model", default="llama2-7b", help="model preset (default llama2-7b)")
+    ap.add_argument("--trace", default="sharegpt", help="length trace (default sharegpt)")
+    ap.add_argument("--tokens", type=int, default=500_000, help="tokens per replica's batch (default 500000)")
+    ap.add_argument("--max-len", type=int, default=4096, help="document length cap (default 4096)")
+    ap.add_argument("--batches", type=int, default=2, help="timed batches per P (default 2)")
+    args = ap.parse_args()
+    cfg, lengths = dynmb.model_config(args.model), data.load_trace(args.trace)
+    print("P  plan_cpu_s (each batch)  kind  microbatches  step_s  cores_per_rank  cores_unshared")
+    for P in (int(p) for p in args.stages.split(",")):
+        planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(cfg, P),
+                                schedule="auto")
+        planner.plan(batch(lengths, args.tokens, args.max_len, 0), method="dynamic")       # warm caches
+        times, step = [], None
+        for k in range(1, args.batches + 1):
+            b = batch(lengths, args.tokens, args.max_len, k)
+            t0 = time.process_time()
+            step = planner.plan(b, method="dynamic")
+            times.append(time.process_time() - t0)
+        assert step is not None
+        step_s = step.sim.makespan_s
+        print(f"{P:<3d}{' '.join(f'{t:.2f}' for t in times):>24s}  {step.plan.schedule_kind:5s} "
+              f"{step.plan.num_microbatches:12d}  {step_s:6.3f}  {max(times) / (P * step_s):14.3f}  "
+              f"{max(times) / step_s:14.2f}")
+
+
+if __name__ == "__main__":
+    main()
