@@ -1,7 +1,7 @@
 """``GPUCostModel``: an analytic cost model of a datacenter GPU, for the simulated scaling studies.
 
 Nothing here is measured by dynmb; every constant is a published figure or an estimate derived from
-one, named below, and ``experiments/scaling.py`` prints them beside its tables. A forward op of a
+one, named below, and ``studies/scaling/scaling.py`` prints them beside its tables. A forward op of a
 stage on a microbatch of ``b`` rows x ``s`` padded tokens with attention work ``a`` (sum of segment
 lengths squared) takes
 

@@ -50,7 +50,7 @@ the even split is the best whole-layer one and the head's 1.4x stays (split ceil
 stage work ``split_ceiling``, 0.78); half-blocks move an attention half off the head's stage and lift
 it to 0.865 (docs/results.md); at Llama-3's 128k vocabulary the head is about 2.4 layers and the
 planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py). Chunks lift the
-ceiling to 0.98 at P 16 on both (``benchmarks/split_ceilings.py``).
+ceiling to 0.98 at P 16 on both (``studies/stage_split/ceilings.py``).
 
 Min-max cannot see where an uneven stage sits, which moves the fill and drain of 1F1B and the
 zero-bubble kinds by a few percent: given the run's planning settings (``search``, a
