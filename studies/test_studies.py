@@ -34,6 +34,16 @@ def _path(name: str) -> Path:
     return STUDIES / (MODULES[name].replace(".", "/") + ".py")
 
 
+ALL_MODULES = sorted(".".join(p.relative_to(STUDIES.parent).with_suffix("").parts) for p in STUDIES.rglob("*.py")
+                     if not p.name.startswith(("test_", "__")))
+
+
+@pytest.mark.parametrize("module", ALL_MODULES)
+def test_every_study_module_imports(module):
+    """Every script of every study imports from the repo root (``python -m studies.<study>.<script>``)."""
+    assert importlib.import_module(module).__doc__
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as e:

@@ -103,7 +103,7 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
                 sub = plan.replica(int(np.argmax(est_r))) if dp > 1 else plan
                 cost = cm.plan_costs(sub)
                 est = estimates(cost["F"], cost["B"], comm_times(cm, sub), sub.num_microbatches, v)
-                res = dynmb.timing.simulate(make_schedule(sub, "interleaved", virtual=v, memory_model=mm, cost_model=cm),
+                res = dynmb.simulate(make_schedule(sub, "interleaved", virtual=v, memory_model=mm, cost_model=cm),
                                      sub, cm, mm)
                 out.append({"trace": t, "P": P, "plan": name, "m": sub.num_microbatches, "est": est,
                             "sim": res.makespan_s, "peak": float(np.max(res.peak_bytes)) / (80 << 30)})

@@ -34,7 +34,7 @@ from dynmb.costmodel import get_cost_model
 from dynmb.costmodel.p2pfit import action_gaps, receive_waits
 from dynmb.io.results import load_results
 
-from calibration_study import model_from_runs
+from studies.prediction.calibration_study import model_from_runs
 
 
 def _steps(steps: pd.DataFrame) -> pd.DataFrame:

@@ -105,7 +105,7 @@ def run_kind(plan, replicas: list[int], kind: str, how: str, cm, mm, virtual: in
         t3 = time.process_time()
         run.reorder_s.append(t2 - t1)
         run.sched_s.append(t3 - t2)
-        run.sims.append(dynmb.timing.simulate(sched, sub, cm, mm))
+        run.sims.append(dynmb.simulate(sched, sub, cm, mm))
         run.subs.append(sub)
         run.schedules.append(sched)
     return run

@@ -97,7 +97,7 @@ def trace_cases(traces, stages, tokens, dp, divisors) -> list[dict]:
                     cost = cm.plan_costs(sub)
                     est = float(makespans(cost["F"], cost["B"], comm_times(cm, sub), [sub.num_microbatches], kind,
                                           shares=shares)[0])
-                    sim = dynmb.timing.simulate(make_schedule(sub, kind, memory_model=mm, cost_model=cm), sub, cm, mm).makespan_s
+                    sim = dynmb.simulate(make_schedule(sub, kind, memory_model=mm, cost_model=cm), sub, cm, mm).makespan_s
                     out.append({"trace": t, "P": P, "kind": kind, "div": d, "m": sub.num_microbatches, "est": est, "sim": sim})
                     print(f"{t} P{P} {kind} balanced/{d}: m {sub.num_microbatches} est {est:.4f} sim {sim:.4f} "
                           f"({est / sim - 1:+.2%})", flush=True)
