@@ -1,6 +1,6 @@
 """``studies/scaling/scaling.py`` with one more ``--schedule`` setting, ``interleaved-as-1f1b``: the interleaved kind
 registered again with the estimate it had before ``dynmb.timing.makespan_interleaved`` (1F1B over the chunks), so the
-dynamic packer plans with it while the rows run interleaved. The A/B of docs/results.md "Interleaved stages
+dynamic packer plans with it while the rows run interleaved. The A/B of studies/interleaved/notes.md "Interleaved stages
 at realistic load":
 
     PYTHONPATH=$PWD nice -n 19 python3 -m studies.interleaved.as_1f1b --traces sharegpt,wikitext2,longtail \

@@ -1,5 +1,5 @@
 """``slice_fitting`` never vs auto on one replica's share of the realistic study's batch (the setting of
-the probe of docs/results.md "Probe: slicing sequences that fit": a seeded 1/8 of 4M tokens, DP 1, ``--schedule auto``, the
+the probe of studies/slicing/notes.md "Probe: slicing sequences that fit": a seeded 1/8 of 4M tokens, DP 1, ``--schedule auto``, the
 ``--stage-split auto`` split of that share, the GPU cost model, 80 GiB, ``--oversize truncate``).
 
 Prints, for each setting, the predicted step, ``ideal_s`` and the gap to it, the tokens kept, microbatches,

@@ -13,7 +13,7 @@ For each (model, trace, P) cell of ``studies/scaling/scaling.py`` (H100 ``GPUCos
 and whether ``new`` is the study's split (``scaling.ideal_cost``). Each distinct split's dynamic step is
 then simulated by the study's own row code (``scaling.plan_once``: pack for DP replicas, the
 ``--sim-replicas`` predicted slowest reordered, scheduled under ``--schedule`` and simulated), so the
-steps are comparable with docs/results.md "Half-block stage splits". Prints a markdown table; ``--out``
+steps are comparable with studies/stage_split/notes.md "Half-block stage splits". Prints a markdown table; ``--out``
 writes the rows as JSON.
 
 ``--choice``: min-max against the choice by simulated step (``dynmb.planning.split_search``). Per cell the

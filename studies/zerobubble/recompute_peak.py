@@ -3,7 +3,7 @@
 The memory model charges a recomputed microbatch (``--recompute``) its recompute transient (one
 block's activations, ``memory_coef.recompute_transient_coef``) while its forward AND its backward
 run. The backward re-creates one block's activations for sure; the forward runs each block without
-saving, so what it holds at once is the open question (docs/results.md, slicing section). The CPU
+saving, so what it holds at once is the open question (studies/slicing/notes.md). The CPU
 meter samples only at forward ends and cannot answer it; a CUDA allocator's peak can.
 
 For each stage of ``--model`` over 2 stages and each length: the device peak during one recomputed
