@@ -200,8 +200,21 @@ class Plan:
         """
         if not self.microbatches:
             raise PlanError("plan has no microbatch")
-        ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
         groups = self.slice_groups()
+        self._check_each_once(groups)
+        total = self._check_chains(groups)
+        if lengths is not None:
+            self._check_lengths(np.asarray(lengths, dtype=np.int64), total)
+        if self.dp > 1:
+            per = np.bincount(np.asarray(self.replica_ids), minlength=self.dp)
+            if len(per) != self.dp or np.any(per == 0):
+                raise PlanError(f"each of the {self.dp} replicas must run at least one microbatch, got {per.tolist()}")
+            if not groups and np.any(per != per[0]):
+                raise PlanError(f"data-parallel replicas must run the same number of microbatches, got {per.tolist()}")
+
+    def _check_each_once(self, groups: dict[int, tuple[int, ...]]) -> None:
+        """Every sequence of the batch exactly once: whole, as one chain of slices, or dropped."""
+        ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
         sliced = np.fromiter(groups, dtype=np.int64, count=len(groups))
         whole = ids[~np.concatenate([mb.slice_mask for mb in self.microbatches])]
         dropped = np.asarray(self.meta.get("dropped", []), dtype=np.int64)
@@ -216,6 +229,10 @@ class Plan:
                 f"every sequence must appear exactly once: missing {missing[:10].tolist()}"
                 f"{'...' if len(missing) > 10 else ''} ({len(missing)}), repeated {repeated[:10].tolist()} ({len(repeated)})"
             )
+
+    def _check_chains(self, groups: dict[int, tuple[int, ...]]) -> dict[int, int]:
+        """Each chain's slices in order, back to back, all but the last ``continued``, on one replica;
+        returns each sliced sequence's length (its slices' sum)."""
         total: dict[int, int] = {}
         for sid, where in groups.items():
             expect = 0
@@ -233,23 +250,20 @@ class Plan:
             if len({self.replica_ids[i] for i in where}) > 1:
                 raise PlanError(f"sequence {sid}: its slices run on different data-parallel replicas")
             total[sid] = expect
-        if lengths is not None:
-            lengths = np.asarray(lengths, dtype=np.int64)
-            got = np.concatenate([mb.lengths for mb in self.microbatches])
-            keep = ~np.concatenate([mb.slice_mask for mb in self.microbatches])
-            wid, got = ids[keep], got[keep]
-            want = lengths[wid]
-            truncated = set(int(i) for i in self.meta.get("truncated", []))
-            bad = [int(i) for i, g, w in zip(wid, got, want) if g != w and not (int(i) in truncated and g < w)]
-            bad += [sid for sid, n in total.items() if n != lengths[sid] and not (sid in truncated and n < lengths[sid])]
-            if bad:
-                raise PlanError(f"sequences {bad[:10]} have lengths that differ from the global batch")
-        if self.dp > 1:
-            per = np.bincount(np.asarray(self.replica_ids), minlength=self.dp)
-            if len(per) != self.dp or np.any(per == 0):
-                raise PlanError(f"each of the {self.dp} replicas must run at least one microbatch, got {per.tolist()}")
-            if not groups and np.any(per != per[0]):
-                raise PlanError(f"data-parallel replicas must run the same number of microbatches, got {per.tolist()}")
+        return total
+
+    def _check_lengths(self, lengths: np.ndarray, total: dict[int, int]) -> None:
+        """Every whole sequence's length, and every chain's sum, is the batch's (shorter only if truncated)."""
+        ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
+        got = np.concatenate([mb.lengths for mb in self.microbatches])
+        keep = ~np.concatenate([mb.slice_mask for mb in self.microbatches])
+        wid, got = ids[keep], got[keep]
+        want = lengths[wid]
+        truncated = set(int(i) for i in self.meta.get("truncated", []))
+        bad = [int(i) for i, g, w in zip(wid, got, want) if g != w and not (int(i) in truncated and g < w)]
+        bad += [sid for sid, n in total.items() if n != lengths[sid] and not (sid in truncated and n < lengths[sid])]
+        if bad:
+            raise PlanError(f"sequences {bad[:10]} have lengths that differ from the global batch")
 
     # --- I/O ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
