@@ -3,7 +3,7 @@
 The loop: length traces (``dynmb.data``) -> packers (``dynmb.packing``) under a
 per-GPU memory limit (``dynmb.memory.model``) and a fitted cost model
 (``dynmb.costmodel``) -> schedules (``dynmb.schedule``) checked by a simulator
-(``dynmb.timing.simulate``) -> real torch.distributed runs (``dynmb.runtime``) -> tidy
+(``dynmb.timing``) -> real torch.distributed runs (``dynmb.runtime``) -> tidy
 pandas tables (``dynmb.io.results``) and plots (``dynmb.report.plots``).
 
 The public API (what scripts and notebooks use; see the README and docs/design.md):

@@ -246,7 +246,7 @@ def test_planner_plans_a_shipped_trace_with_auto_reorder():
     assert step.plan.meta["reorder"] == "search"
     assert sorted(np.concatenate([mb.seq_ids for mb in step.plan.microbatches]).tolist()) == list(range(32))
     assert step.sim.makespan_s == pytest.approx(step.plan.predictions["pred_step_s"])
-    again = dynmb.timing.simulate(step.schedule, step.plan, planner.cost_model, planner.memory_model)
+    again = dynmb.simulate(step.schedule, step.plan, planner.cost_model, planner.memory_model)
     assert again.makespan_s == pytest.approx(step.sim.makespan_s)
 
 

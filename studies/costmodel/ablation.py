@@ -31,8 +31,7 @@ from studies.common import (Resume, SIM_SETTINGS, add_model_flags, measured, par
                      simulate_rows, split_list)
 
 from dynmb import data
-from dynmb import ModelConfig
-from dynmb.timing.simulate import simulate
+from dynmb import ModelConfig, simulate
 from dynmb.core.config import parse_bytes
 from dynmb.costmodel import CostModel, get_cost_model
 from dynmb.memory.model import get_memory_model

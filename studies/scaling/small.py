@@ -38,8 +38,7 @@ import numpy as np
 from studies.common import Resume, parse_batches, progress, split_list
 
 from dynmb import data
-from dynmb import ModelConfig
-from dynmb.timing.simulate import simulate
+from dynmb import ModelConfig, simulate
 from dynmb.core.config import parse_bytes
 from dynmb.costmodel import AnalyticCostModel, CommModel
 from dynmb.memory.model import get_memory_model
