@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import contextmanager
+import types
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -62,8 +62,8 @@ def _cases(alternatives: bool) -> list[Case]:
     return out
 
 
-def _per_document(attn: Attention, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
-    """The alternative: one SDPA call per document, pieces concatenated in row order."""
+def _per_document(attn: Attention, x: torch.Tensor, inputs: MicrobatchInputs, pos: object = None) -> torch.Tensor:
+    """The alternative: one SDPA call per document, pieces concatenated in row order (GPT-2: no rotary ``pos``)."""
     b, s, d = x.shape
     doc = inputs.doc_ids.numpy()
     pieces = []
@@ -73,21 +73,16 @@ def _per_document(attn: Attention, x: torch.Tensor, inputs: MicrobatchInputs) ->
             if doc[r, a] < 0:
                 pieces.append(x.new_zeros(e - a, d))
             else:
-                pieces.append(attn.proj(attn._attend(x[r:r + 1, a:e], None, None).reshape(e - a, d)))
+                pieces.append(attn.output(attn._attend(x[r:r + 1, a:e], None, None).reshape(e - a, -1)))
     return torch.cat(pieces).view(b, s, d)
 
 
-@contextmanager
-def _attention_impl(impl: str) -> Iterator[None]:
+def _use_impl(impl: str, *modules: torch.nn.Module) -> None:
+    """``per-document``: these modules' attention layers (these instances only) run ``_per_document``."""
     if impl == "bucketed":
-        yield
         return
-    original = Attention.forward
-    Attention.forward = _per_document  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Attention.forward = original  # type: ignore[method-assign]
+    for m in (a for mod in modules for a in mod.modules() if isinstance(a, Attention)):
+        m.forward = types.MethodType(_per_document, m)  # type: ignore[method-assign]
 
 
 def _steps(case: Case, base: ModelConfig, num_stages: int) -> dict[str, Callable[[], None]]:
@@ -95,15 +90,14 @@ def _steps(case: Case, base: ModelConfig, num_stages: int) -> dict[str, Callable
     cfg = replace(base, attention=case.attention)
     inputs = make_inputs(case.mb, synthetic_tokens(case.mb.lengths, cfg.vocab_size), cfg=cfg)
     stage, model = build_stage(cfg, 0, num_stages), GPT(cfg)
+    _use_impl(case.impl, stage, model)
     grad = torch.randn(case.mb.batch, case.mb.padded_len, cfg.d_model) * 1e-3
 
     def stage_step() -> None:
-        with _attention_impl(case.impl):
-            stage(None, inputs).backward(grad)
+        stage(None, inputs).backward(grad)
 
     def model_step() -> None:
-        with _attention_impl(case.impl):
-            model(inputs).backward()
+        model(inputs).backward()
 
     return {"stage0": stage_step, "model": model_step}
 

@@ -9,7 +9,7 @@
 #   4. dynmb compare on one GPU: 2 stages interleaved on one rank (--virtual 2), with the fitted models
 #   5. planning ahead on a GPU host (dynmb/runtime/planahead.py): the same run in line and with
 #      --plan-ahead 1 (steps.plan_wait_s; on a GPU the host cores idle while the planner works)
-#   6. benchmarks/recompute_peak.py: the allocator's peak during a recomputed forward against the
+#   6. studies/zerobubble/recompute_peak.py: the allocator's peak during a recomputed forward against the
 #      memory model's two transients (which one the forward really holds)
 #   7. the LM head split by vocabulary (ModelConfig.head_split, dynmb/models/head.py): its two shards
 #      on one GPU as 2 chunks (interleaved), --verify (gradients = the single-process reference on CUDA)
@@ -55,7 +55,7 @@ timeout 240 $D run --nproc 1 --model "$MODEL" --stages 2 --virtual 2 --device "$
 python3 -c "import dynmb,sys; t=dynmb.load_results(sys.argv[1])['steps']; print(t[['step','step_s','plan_s','plan_wait_s']].to_string())" "$R/plan-ahead-$N"
 done
 step recomputed forward peak
-timeout 120 python3 benchmarks/recompute_peak.py --device "$DEV" --model "$MODEL" --lengths 1024,4096
+timeout 120 python3 -m studies.zerobubble.recompute_peak --device "$DEV" --model "$MODEL" --lengths 1024,4096
 step head shards on one GPU
 python3 -c "import json,sys; from dynmb.core.config import ModelConfig as M; c=M.preset(sys.argv[1]).to_dict(); v=c['vocab_size']; \
 c.update(name=sys.argv[1]+'-heads', layer_split=[c['n_layers'], 0], head_split=[v // 3, v - v // 3]); json.dump(c, open(sys.argv[2], 'w'))" \

@@ -30,6 +30,32 @@ SLOW: tuple[str, ...] = (
     "tests/test_stop.py::",                                                  # signals to torchrun and workers
     "tests/test_hostmem.py::test_retain_reuses_freed_pages",                 # host allocator in subprocesses
     "tests/test_hostmem.py::test_system_mode_turns_it_off",
+    # measured at issue 36 (CPU seconds of the test and its waited-for children, the loaded box's proxy for
+    # an idle one; each keeps a faster sibling in the quick run):
+    "tests/test_own_model.py::test_own_model_profile_fit_plan_run_verify_on_two_gloo_ranks",   # 34 s: profile+fit+run
+    "tests/test_own_model.py::test_hf_llama_runs_verified_on_two_gloo_ranks_with_packed_rows",  # 24 s
+    "tests/test_torch_pipelining.py::test_gradients_equal_the_single_process_reference[4-",      # 21 s; 2 ranks stay
+    "tests/test_head_split.py::test_the_search_s_other_arrangements_are_sharded_and_weighed_too",  # 17 s
+    "tests/test_head_split.py::test_a_split_search_keeps_the_layout_that_simulates_fastest",     # 13 s
+    "tests/test_virtual_cli.py::test_plan_virtual_auto_chooses_as_the_planner[auto]",            # 16 s; [even] stays
+    "tests/test_balanced.py::test_compare_reports_both_budgets_and_the_gaps",                    # 13 s: a real compare
+    "tests/test_corpus_runs.py::test_cli_run_on_a_corpus_end_to_end",                           # 12 s: torchrun
+    "tests/test_train_loop.py::test_data_parallel_replicas_sum_to_the_global_batch_gradient",    # 11 s
+    "tests/test_slices.py::test_sliced_document_gradients_equal_whole_document[splits2-",         # 8 s; splits0/1/4 stay
+    "tests/test_slices.py::test_sliced_document_gradients_equal_whole_document[splits3-",         # 10 s
+    "tests/test_slices.py::test_sliced_document_gradients_equal_whole_document[splits5-",         # 7 s
+    "tests/test_slices.py::test_split_backward_of_slices_equals_whole_document[dtype0-splits2-",  # 6 s
+    "tests/test_slices.py::test_split_backward_of_slices_equals_whole_document[dtype0-splits3-",  # 7 s
+    "tests/test_slice_fitting.py::test_run_with_fitting_slices_verifies_on_gloo",                # 27 s: torchrun
+    "tests/test_virtual_search.py::test_each_v_plans_its_own_split_search",                      # 12 s
+    "tests/test_virtual_search.py::test_the_choice_is_deterministic",                            # 5 s
+    "tests/test_split_search.py::test_the_choice_is_deterministic",                              # 10 s
+    "tests/test_split_search.py::test_compare_chooses_as_the_planner",                           # 5 s
+    "tests/test_split_work.py::test_the_command_line_and_the_sampler_balance_their_trace",       # 9 s
+    "tests/test_split_work.py::test_the_split_is_deterministic",                                 # 4 s
+    "tests/test_compare.py::test_compare_on_one_rank_with_virtual_stages",                       # 9 s; side by side stays
+    "tests/test_planahead.py::test_planner_error_reaches_the_step_that_needs_the_plan",          # 6 s
+    "tests/test_zerobubble.py::test_split_backward_equals_full_backward[4]",                     # 5 s; [2] stays
 )
 """Node ids (a prefix matches: a module, a test, or one parametrization) of the slow tests."""
 

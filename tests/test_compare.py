@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -15,14 +12,6 @@ from dynmb.planning import reorder_for
 from dynmb.runtime.worker import round_order
 
 pytestmark = pytest.mark.dist
-
-
-def _calibration_study():
-    """``experiments/calibration_study.py`` as a module."""
-    exp = str(Path(__file__).resolve().parents[1] / "experiments")
-    if exp not in sys.path:
-        sys.path.insert(0, exp)
-    return importlib.import_module("calibration_study")
 
 
 def test_reorder_auto_gives_each_method_its_own_order():
@@ -81,15 +70,7 @@ def test_compare_runs_methods_side_by_side(tmp_path, capsys):
     assert set(steps.loc[steps["method"] == "dynamic", "reorder"]) == {"search"}
     for png in ("throughput.png", "gantt_fixed_measured.png", "gantt_dynamic_predicted.png"):
         assert (out / png).stat().st_size > 1000
-    # the recorded tables hold everything a step's prediction came from: replaying every step's
-    # schedule with job_calibration on the job's earlier actions gives back the pred_step_s the
-    # run printed, and with the measured action times the replay_step_s it recorded
-    study = _calibration_study().study(out, recent=2)
-    assert len(study) == len(steps)
-    assert study["job"].to_numpy() == pytest.approx(study["recorded"].to_numpy(), rel=1e-6)
-    replay = steps.set_index(["label", "step"])["replay_step_s"]
-    assert study["measured_actions"].to_numpy() == pytest.approx(
-        replay.loc[list(zip(study["label"], study["step"]))].to_numpy(), rel=1e-6)
+    # the replay of every step's prediction from these tables: studies/test_studies.py (the calibration study)
 
 
 def test_compare_on_one_rank_with_virtual_stages(tmp_path, capsys):

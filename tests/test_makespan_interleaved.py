@@ -45,7 +45,7 @@ def _random(rng, R, v, m):
 
 def test_random_pipelines_match_the_simulator():
     """The estimate sweeps the builder's own order with the simulator's recurrence: the measured error
-    on random pipelines (benchmarks/bench_interleaved_estimate.py, 200 of them) is 0 up to rounding,
+    on random pipelines (studies/interleaved/estimate.py, 200 of them) is 0 up to rounding,
     uneven last rounds (m not a multiple of R) and one microbatch included."""
     rng = np.random.default_rng(3)
     for _ in range(60):

@@ -205,7 +205,7 @@ def test_cli_refuses_a_bad_factory_in_one_line_before_torchrun(tmp_path):
 
 # --------------------------------------------------------------------------- the judged chain
 def test_own_model_uses_only_the_public_api_and_none_of_dynmbs_model_classes():
-    from tests.test_experiments import _dynmb_names
+    from tests.test_scripts import dynmb_names as _dynmb_names
 
     names, submodules = _dynmb_names(EXP / "own_model.py")
     assert submodules == [] and names and names <= set(dynmb.__all__), names - set(dynmb.__all__)

@@ -1,6 +1,6 @@
 """The planner at scale (issue 14, part 0): the exact makespan estimate batched over pipelines,
 replica assignment, and ``dynamic`` never slower than another method of the same configuration
-on deep models with many stages (simulated, GPU-like analytic costs as ``experiments/scaling.py``)."""
+on deep models with many stages (simulated, GPU-like analytic costs as ``studies/scaling/scaling.py``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ DEEP = ModelConfig.preset("gpt2-deep-13b")
 
 
 def _gpu_costs(cfg: ModelConfig, p: int) -> AnalyticCostModel:
-    """experiments/scaling.py's defaults: 989 TFLOP/s at 50%, 20 us per op, 50 GB/s + 10 us links."""
+    """studies/scaling/scaling.py's defaults: 989 TFLOP/s at 50%, 20 us per op, 50 GB/s + 10 us links."""
     return AnalyticCostModel(cfg, p, flops_per_s=989e12 * 0.5, overhead_s=20e-6, bwd_ratio=2.0,
                              comm=CommModel(alpha_s=10e-6, bytes_per_s=50e9))
 

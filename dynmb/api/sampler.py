@@ -262,7 +262,7 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
 
     def records(self, k: int, plan: Plan, batch: np.ndarray) -> list[SampledMicrobatch]:
         """This rank's records of global batch ``k`` (planned as ``plan`` from the indices ``batch``)."""
-        mine = [j for j, r in enumerate(plan.replica_ids) if r == self.rank]
+        mine = [j for j, r in enumerate(plan.replica_of) if r == self.rank]
         tokens = int(sum(mb.real_tokens for mb in plan.microbatches))
         docs = int(sum(mb.num_seqs for mb in plan.microbatches))
         return [SampledMicrobatch(indices=batch[mb.seq_ids], lengths=mb.lengths, row_ids=mb.row_ids, rows=mb.batch,
@@ -279,4 +279,4 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
     def __len__(self) -> int:
         """Microbatches (records) this rank yields in the current epoch, over all its global batches."""
         plans, _ = self._epoch()
-        return sum(sum(1 for r in plan.replica_ids if r == self.rank) for plan in plans)
+        return sum(sum(1 for r in plan.replica_of if r == self.rank) for plan in plans)

@@ -83,15 +83,19 @@ class Plan:
             object.__setattr__(self, "dataset_ids", tuple(int(i) for i in self.dataset_ids))
             if len(self.dataset_ids) != self.num_sequences:
                 raise PlanError(f"dataset_ids has {len(self.dataset_ids)} entries for {self.num_sequences} sequences")
-        if self.replica_ids is None:
-            object.__setattr__(self, "replica_ids", (0,) * len(self.microbatches))
-        object.__setattr__(self, "replica_ids", tuple(int(r) for r in self.replica_ids))
-        if len(self.replica_ids) != len(self.microbatches):
+        rids = (0,) * len(self.microbatches) if self.replica_ids is None else tuple(int(r) for r in self.replica_ids)
+        object.__setattr__(self, "replica_ids", rids)
+        if len(rids) != len(self.microbatches):
             raise PlanError("replica_ids and microbatches differ in length")
         if self.num_stages < 1 or self.dp < 1:
             raise PlanError(f"num_stages and dp must be >= 1, got {self.num_stages}, {self.dp}")
 
     # --- derived quantities -------------------------------------------------
+    @property
+    def replica_of(self) -> tuple[int, ...]:
+        """Each microbatch's data-parallel replica: ``replica_ids`` as construction completed it (never None)."""
+        return self.replica_ids if self.replica_ids is not None else (0,) * len(self.microbatches)
+
     @property
     def num_microbatches(self) -> int:
         return len(self.microbatches)
@@ -129,7 +133,7 @@ class Plan:
 
     def replica(self, r: int) -> "Plan":
         """The sub-plan data-parallel pipeline ``r`` runs (microbatches renumbered from 0)."""
-        mbs = tuple(mb for mb, rid in zip(self.microbatches, self.replica_ids) if rid == r)
+        mbs = tuple(mb for mb, rid in zip(self.microbatches, self.replica_of) if rid == r)
         return replace(self, microbatches=mbs, dp=1, replica_ids=None, predictions=self.predictions,
                        meta={**self.meta, "replica": r, "dp": self.dp})
 
@@ -139,7 +143,7 @@ class Plan:
         if sorted(order) != list(range(self.num_microbatches)):
             raise PlanError(f"order is not a permutation of 0..{self.num_microbatches - 1}: {order}")
         return replace(self, microbatches=tuple(self.microbatches[i] for i in order),
-                       replica_ids=tuple(self.replica_ids[i] for i in order), predictions=self.predictions,
+                       replica_ids=tuple(self.replica_of[i] for i in order), predictions=self.predictions,
                        meta={**self.meta, **meta})
 
     def slice_groups(self) -> dict[int, tuple[int, ...]]:
@@ -200,8 +204,21 @@ class Plan:
         """
         if not self.microbatches:
             raise PlanError("plan has no microbatch")
-        ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
         groups = self.slice_groups()
+        self._check_each_once(groups)
+        total = self._check_chains(groups)
+        if lengths is not None:
+            self._check_lengths(np.asarray(lengths, dtype=np.int64), total)
+        if self.dp > 1:
+            per = np.bincount(np.asarray(self.replica_ids), minlength=self.dp)
+            if len(per) != self.dp or np.any(per == 0):
+                raise PlanError(f"each of the {self.dp} replicas must run at least one microbatch, got {per.tolist()}")
+            if not groups and np.any(per != per[0]):
+                raise PlanError(f"data-parallel replicas must run the same number of microbatches, got {per.tolist()}")
+
+    def _check_each_once(self, groups: dict[int, tuple[int, ...]]) -> None:
+        """Every sequence of the batch exactly once: whole, as one chain of slices, or dropped."""
+        ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
         sliced = np.fromiter(groups, dtype=np.int64, count=len(groups))
         whole = ids[~np.concatenate([mb.slice_mask for mb in self.microbatches])]
         dropped = np.asarray(self.meta.get("dropped", []), dtype=np.int64)
@@ -216,6 +233,10 @@ class Plan:
                 f"every sequence must appear exactly once: missing {missing[:10].tolist()}"
                 f"{'...' if len(missing) > 10 else ''} ({len(missing)}), repeated {repeated[:10].tolist()} ({len(repeated)})"
             )
+
+    def _check_chains(self, groups: dict[int, tuple[int, ...]]) -> dict[int, int]:
+        """Each chain's slices in order, back to back, all but the last ``continued``, on one replica;
+        returns each sliced sequence's length (its slices' sum)."""
         total: dict[int, int] = {}
         for sid, where in groups.items():
             expect = 0
@@ -230,26 +251,23 @@ class Plan:
                     raise PlanError(f"sequence {sid}: slice {j} (microbatch {i}) has continued={cont}, but it is "
                                     f"slice {j} of {len(where)}")
                 expect += n
-            if len({self.replica_ids[i] for i in where}) > 1:
+            if len({self.replica_of[i] for i in where}) > 1:
                 raise PlanError(f"sequence {sid}: its slices run on different data-parallel replicas")
             total[sid] = expect
-        if lengths is not None:
-            lengths = np.asarray(lengths, dtype=np.int64)
-            got = np.concatenate([mb.lengths for mb in self.microbatches])
-            keep = ~np.concatenate([mb.slice_mask for mb in self.microbatches])
-            wid, got = ids[keep], got[keep]
-            want = lengths[wid]
-            truncated = set(int(i) for i in self.meta.get("truncated", []))
-            bad = [int(i) for i, g, w in zip(wid, got, want) if g != w and not (int(i) in truncated and g < w)]
-            bad += [sid for sid, n in total.items() if n != lengths[sid] and not (sid in truncated and n < lengths[sid])]
-            if bad:
-                raise PlanError(f"sequences {bad[:10]} have lengths that differ from the global batch")
-        if self.dp > 1:
-            per = np.bincount(np.asarray(self.replica_ids), minlength=self.dp)
-            if len(per) != self.dp or np.any(per == 0):
-                raise PlanError(f"each of the {self.dp} replicas must run at least one microbatch, got {per.tolist()}")
-            if not groups and np.any(per != per[0]):
-                raise PlanError(f"data-parallel replicas must run the same number of microbatches, got {per.tolist()}")
+        return total
+
+    def _check_lengths(self, lengths: np.ndarray, total: dict[int, int]) -> None:
+        """Every whole sequence's length, and every chain's sum, is the batch's (shorter only if truncated)."""
+        ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
+        got = np.concatenate([mb.lengths for mb in self.microbatches])
+        keep = ~np.concatenate([mb.slice_mask for mb in self.microbatches])
+        wid, got = ids[keep], got[keep]
+        want = lengths[wid]
+        truncated = set(int(i) for i in self.meta.get("truncated", []))
+        bad = [int(i) for i, g, w in zip(wid, got, want) if g != w and not (int(i) in truncated and g < w)]
+        bad += [sid for sid, n in total.items() if n != lengths[sid] and not (sid in truncated and n < lengths[sid])]
+        if bad:
+            raise PlanError(f"sequences {bad[:10]} have lengths that differ from the global batch")
 
     # --- I/O ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -264,7 +282,7 @@ class Plan:
             "num_sequences": int(self.num_sequences),
             "schedule_kind": self.schedule_kind,
             "dp": self.dp,
-            "replica_ids": list(self.replica_ids),
+            "replica_ids": list(self.replica_of),
             "predictions": _jsonable(self.predictions.to_dict()),
             "meta": _jsonable(self.meta),
             "spec": None if self.spec is None else self.spec.to_dict(),
@@ -333,7 +351,7 @@ class Plan:
     def digest(self) -> str:
         """sha256 of what the runtime executes (shapes, sequences, order, replicas)."""
         h = hashlib.sha256()
-        for mb, r in zip(self.microbatches, self.replica_ids):
+        for mb, r in zip(self.microbatches, self.replica_of):
             h.update(np.array([r, mb.batch, mb.padded_len], dtype=np.int64).tobytes())
             h.update(mb.seq_ids.tobytes())
             h.update(mb.lengths.tobytes())

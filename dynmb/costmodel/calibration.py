@@ -39,7 +39,7 @@ Why both terms: the profile is off by a factor that depends on the shapes a meth
 development box the padded rows of ``fixed`` ran 1.15-1.3x their prediction while ``packed``
 rows ran 1.0x), which only the run's own actions show; and the machine's speed drifts by up to
 30% within a minute, which only the latest actions show, whoever ran them. Replayed on seven
-recorded default compares (``experiments/calibration_study.py``; 63 case-runs), the median
+recorded default compares (``studies/prediction/calibration_study.py``; 63 case-runs), the median
 step-time error per case is 11.1% calibrating once on the warm-up step, 9.4% on the run's own
 steps, 6.3% with this rule (dynamic's 5.8%), the worst 26%, 19% and 20%. Measuring the bias
 against the job's speed at the time of each own step, not against the job's average, is what

@@ -1,7 +1,7 @@
 """``GPUCostModel``: an analytic cost model of a datacenter GPU, for the simulated scaling studies.
 
 Nothing here is measured by dynmb; every constant is a published figure or an estimate derived from
-one, named below, and ``experiments/scaling.py`` prints them beside its tables. A forward op of a
+one, named below, and ``studies/scaling/scaling.py`` prints them beside its tables. A forward op of a
 stage on a microbatch of ``b`` rows x ``s`` padded tokens with attention work ``a`` (sum of segment
 lengths squared) takes
 
@@ -36,7 +36,7 @@ all of attention's backward, the launches). The split does no extra work on a GP
 GEMMs read the inputs and output gradients the full backward would, kept until ``W``), unlike
 the CPU shares of ``dynmb.costmodel.split``. Checked against the paper's profiled times (its Table 9,
 A100, Megatron-LM, GPT-3-like 1.5B-28.3B): with ``A100_SXM_MEGATRON`` a middle stage's F is within 0-3% of its ``T_F``, I within 2-9% of its ``T_B``
-(the paper's B is dynmb's I) and W within 5-11% of its ``T_W`` for the four models (``studies/zero_bubble``).
+(the paper's B is dynmb's I) and W within 5-11% of its ``T_W`` for the four models (``studies/zerobubble``).
 
 Sources of the constants (``H100_SXM``; H200 has the same Hopper compute, more HBM):
 - HBM bandwidth 3.35 TB/s (H100 SXM5 datasheet); A100 SXM 80GB 2.039 TB/s and 312 TFLOP/s dense BF16

@@ -42,7 +42,7 @@ Why on the receiving action and not on the message's P2P time: the wait starts w
 receiver asks (rendezvous), not when the sender finished, so a message sent long before still
 costs its receiver the wait; a latency on the P2P time would delay only the receivers the
 simulator has waiting anyway. Replayed on ``compare_small_r3`` with every action's measured
-time (``experiments/calibration_study.py``, column ``measured_actions+p2p``: the latency and gaps
+time (``studies/prediction/calibration_study.py``, column ``measured_actions+p2p``: the latency and gaps
 fitted on the steps before each one), the simulator's error on dynamic's steps went from 4.1% to
 1.6%, on balanced div=16's from 1.3% to 0.8%, the median over the 16 cases from 2.4% to 1.3%.
 """

@@ -31,7 +31,7 @@ neighbouring microbatches are alike. On a machine whose cores share a last-level
 bandwidth (the development box: 2 vCPUs, 32 MiB L3), large microbatches (>~5k tokens; stage 1's
 logits alone are rows x len x vocab x 4 bytes) are 5-20% slower under this concurrency than alone,
 small ones are not; a profile measured alone under-predicts the large ones (see
-``benchmarks/pred_error.py``). Rows get ``concurrent = num_stages`` (1 otherwise).
+``studies/prediction/pred_error.py``). Rows get ``concurrent = num_stages`` (1 otherwise).
 
 Settings travel as one ``ProfileSettings``. Command line:
 ``dynmb profile --model small --stages 2 [--quick] [--concurrent] -o samples.csv``.

@@ -87,13 +87,14 @@ def _karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     """Indices of ``weights`` in ``k`` sets of balanced sums (largest differencing, module doc).
     Sets are returned largest sum first; a set is empty only when there are fewer than k items.
     A partition's sets are recorded as nodes of a merge forest (a new node per pair of non-empty
-    sets joined); the items of every final set are read off the forest at the end by pointer
+    sets joined, ``_Forest``); the items of every final set are read off the forest at the end by pointer
     jumping (no per-set Python work per merge). One item into a partition (most merges) is an
-    O(k) list edit in place (``bisect``: the set with the smallest sum takes it and moves to its
+    O(k) list edit in place (``_add_item``: the set with the smallest sum takes it and moves to its
     sorted place); two partitions of several items merge in numpy, O(k): the sums of one added to
     the other's reversed and re-sorted (stable), or, with positive weights and no two non-empty
-    sets meeting, by sorting their non-empty sets only (what that stable sort gives). A partition is a list or an array, whichever its
-    last merge made. Node storage grows with the nodes made (not the worst case n + (n - 1) k)."""
+    sets meeting, by sorting their non-empty sets only (``_side_by_side``: what that stable sort gives).
+    A partition is a list or an array, whichever its last merge made. Node storage grows with the
+    nodes made (not the worst case n + (n - 1) k)."""
     w = np.asarray(weights, dtype=np.float64).reshape(-1)
     n = len(w)
     if k < 1:
@@ -101,111 +102,145 @@ def _karmarkar_karp(weights: Any, k: int) -> list[list[int]]:
     if n == 0:
         return [[] for _ in range(k)]
     wl = w.tolist()
-    # nodes 0..n-1 are the items; node n + i joins left[i] and right[i]; -1 is an empty set
-    left: list[int] = []
-    right: list[int] = []
-    # a partition: (negated sums ascending, its sets' nodes aligned with them, how many are non-empty);
-    # popped by -spread, then id (an item's own id; a partition's, n and up, in order of making)
-    parts: dict[int, tuple[Any, Any, int]] = {}
-    heap: list[tuple[float, int]] = []        # partitions of several items; the items alone, in heap order:
-    alone = np.lexsort((np.arange(n), -w)).tolist()
-    neg_alone = [-wl[i] for i in alone]
-    nxt_alone = 0
-
-    def pop() -> int:
-        """The id with the largest spread (the smallest (-spread, id)) of the items alone and the heap."""
-        nonlocal nxt_alone
-        if nxt_alone < n and (not heap or (neg_alone[nxt_alone], alone[nxt_alone]) < heap[0]):
-            nxt_alone += 1
-            return alone[nxt_alone - 1]
-        return heapq.heappop(heap)[1]
-    slots = np.arange(k)
-    zeros, empties = [0.0] * (k - 1), [-1] * (k - 1)
+    pending, forest = _Pending(w, k), _Forest(n, k)
     positive = bool(np.all(w > 0))            # then a set is non-empty iff its sum is: the first `count` hold items
-
-    def take(pid: int) -> tuple[Any, Any, int]:
-        if pid < n:                                   # one item alone: built when first merged
-            return [-wl[pid], *zeros], [pid, *empties], 1
-        return parts.pop(pid)
-
-    tie = n
-    while len(heap) + n - nxt_alone > 1:
-        na, ta, ca = take(pop())
+    pop, take, push = pending.pop, pending.take, pending.push           # bound once: the loop runs n - 1 times
+    for _ in range(n - 1):                    # every merge makes one partition of two
+        a = take(pop())
         pb = pop()
-        if pb < n:                            # one item into the smallest set of the other (the common
-            if not isinstance(na, list):      # case): that set moves up, the rest keep their order
-                na, ta = na.tolist(), ta.tolist()
-            v = na.pop() - wl[pb]
-            at = bisect.bisect_right(na, v)   # np.searchsorted(side="right"): argsort's stable place for it
-            t = ta.pop()
-            if t >= 0:
-                left.append(t)
-                right.append(pb)
-                t = n + len(left) - 1
-            else:
-                t = pb
-            na.insert(at, v)
-            ta.insert(at, t)
-            parts[tie] = (na, ta, min(k, ca + 1))
-            heapq.heappush(heap, (na[0] - na[-1], tie))
-            tie += 1
+        if pb < n:                            # one item into the smallest set of the other (the common case)
+            push(_add_item(a, pb, wl[pb], forest))
             continue
-        nb, tb, cb = take(pb)
-        if positive and ca + cb <= k:         # no non-empty set meets a non-empty one: they stand side by side,
-            items = sorted([*zip(_head(na, ca), _head(ta, ca)),                 # in the stable sort's order
-                            *zip(_head(nb, cb)[::-1], _head(tb, cb)[::-1])], key=_first)
-            c = ca + cb
-            neg = [v for v, _ in items] + zeros[:k - c]
-            parts[tie] = (neg, [t for _, t in items] + empties[:k - c], c)
-            heapq.heappush(heap, (neg[0] - neg[-1], tie))
-            tie += 1
-            continue
-        neg_a = np.asarray(na, dtype=np.float64) + np.asarray(nb, dtype=np.float64)[::-1]   # the largest set of
-        order = neg_a.argsort(kind="stable")                                # one with the smallest of the other
+        b = take(pb)
+        push(_side_by_side(a, b, k, pending) if positive and a[2] + b[2] <= k else forest.merge(a, b))
+    _, final, _ = pending.take(pending.pop())
+    return forest.sets(np.asarray(final, dtype=np.int64), w)
+
+
+class _Pending:
+    """The partitions still to merge, popped by -spread then id: the items alone (an item's own id, in
+    weight order) and a heap of partitions of several items (ids n and up, in order of making). A partition
+    is (negated sums ascending, its sets' nodes aligned with them, how many are non-empty)."""
+
+    def __init__(self, w: np.ndarray, k: int) -> None:
+        self.n = n = len(w)
+        self.wl = w.tolist()
+        self.alone = np.lexsort((np.arange(n), -w)).tolist()
+        self.neg_alone = [-self.wl[i] for i in self.alone]
+        self.nxt_alone = 0
+        self.heap: list[tuple[float, int]] = []
+        self.parts: dict[int, tuple[Any, Any, int]] = {}
+        self.tie = n
+        self.zeros, self.empties = [0.0] * (k - 1), [-1] * (k - 1)
+
+    def __len__(self) -> int:
+        return len(self.heap) + self.n - self.nxt_alone
+
+    def pop(self) -> int:
+        """The id with the largest spread (the smallest (-spread, id)) of the items alone and the heap."""
+        i = self.nxt_alone
+        if i < self.n and (not self.heap or (self.neg_alone[i], self.alone[i]) < self.heap[0]):
+            self.nxt_alone = i + 1
+            return self.alone[i]
+        return heapq.heappop(self.heap)[1]
+
+    def take(self, pid: int) -> tuple[Any, Any, int]:
+        if pid < self.n:                                   # one item alone: built when first merged
+            return [-self.wl[pid], *self.zeros], [pid, *self.empties], 1
+        return self.parts.pop(pid)
+
+    def push(self, part: tuple[Any, Any, int]) -> None:
+        neg = part[0]
+        self.parts[self.tie] = part
+        heapq.heappush(self.heap, (float(neg[0] - neg[-1]), self.tie))
+        self.tie += 1
+
+
+class _Forest:
+    """The merge forest: nodes 0..n-1 are the items; node n + i joins ``left[i]`` and ``right[i]``; -1 is an
+    empty set."""
+
+    def __init__(self, n: int, k: int) -> None:
+        self.n, self.k = n, k
+        self.left: list[int] = []
+        self.right: list[int] = []
+        self.slots = np.arange(k)
+
+    def merge(self, a: tuple[Any, Any, int], b: tuple[Any, Any, int]) -> tuple[Any, Any, int]:
+        """Two partitions of several items: the largest set of one with the smallest of the other (numpy)."""
+        (na, ta, ca), (nb, tb, cb) = a, b
+        neg_a = np.asarray(na, dtype=np.float64) + np.asarray(nb, dtype=np.float64)[::-1]
+        order = neg_a.argsort(kind="stable")
         x, y = np.asarray(ta, dtype=np.int64)[order], np.asarray(tb, dtype=np.int64)[::-1][order]
-        nxt = n + len(left)
-        if ca == k and cb == k:               # every set of both non-empty: every pair is a new node
-            left.extend(x.tolist())
-            right.extend(y.tolist())
-            nodes = slots + nxt
+        nxt = self.n + len(self.left)
+        if ca == self.k and cb == self.k:     # every set of both non-empty: every pair is a new node
+            self.left.extend(x.tolist())
+            self.right.extend(y.tolist())
+            nodes = self.slots + nxt
         else:
             nodes = np.where(x < 0, y, x)
             both = np.flatnonzero((x >= 0) & (y >= 0))
-            left.extend(x[both].tolist())
-            right.extend(y[both].tolist())
+            self.left.extend(x[both].tolist())
+            self.right.extend(y[both].tolist())
             nodes[both] = np.arange(nxt, nxt + len(both))
-        neg_a = neg_a[order]
-        parts[tie] = (neg_a, nodes, min(k, ca + cb))
-        heapq.heappush(heap, (float(neg_a[0] - neg_a[-1]), tie))
-        tie += 1
-    _, final, _ = take(pop())
-    final = np.asarray(final, dtype=np.int64)
-    nxt = n + len(left)
-    parent = np.arange(nxt)
-    inner = np.arange(n, nxt)
-    parent[np.asarray(left, dtype=np.int64)] = inner
-    parent[np.asarray(right, dtype=np.int64)] = inner
-    root = parent[:n].copy()
-    while True:                               # pointer jumping: every item's root node
-        up = parent[root]
-        if np.array_equal(up, root):
-            break
-        root = up
-        parent = parent[parent]
-    slot = np.full(nxt, -1, dtype=np.int64)
-    slot[final[final >= 0]] = np.flatnonzero(final >= 0)
-    label = slot[root]
-    by = np.argsort(label, kind="stable")
-    cuts = np.searchsorted(label[by], np.arange(k + 1))
-    sets = [by[a:e].tolist() for a, e in zip(cuts[:-1], cuts[1:])]
-    for empty in [j for j, s in enumerate(sets) if not s] if n >= k else []:
-        # ties among zero sums can leave an empty set beside a zero-sum one: it takes the lightest item
-        # of the set holding the most (a zero-weight one, so no sum changes)
-        donor = max(range(k), key=lambda j: len(sets[j]))
-        item = min(sets[donor], key=lambda i: w[i])
-        sets[donor].remove(item)
-        sets[empty].append(item)
-    return sets
+        return neg_a[order], nodes, min(self.k, ca + cb)
+
+    def sets(self, final: np.ndarray, w: np.ndarray) -> list[list[int]]:
+        """The items of each final set (``final``: its nodes), read off the forest by pointer jumping."""
+        n, k = self.n, self.k
+        nxt = n + len(self.left)
+        parent = np.arange(nxt)
+        inner = np.arange(n, nxt)
+        parent[np.asarray(self.left, dtype=np.int64)] = inner
+        parent[np.asarray(self.right, dtype=np.int64)] = inner
+        root = parent[:n].copy()
+        while True:                           # pointer jumping: every item's root node
+            up = parent[root]
+            if np.array_equal(up, root):
+                break
+            root = up
+            parent = parent[parent]
+        slot = np.full(nxt, -1, dtype=np.int64)
+        slot[final[final >= 0]] = np.flatnonzero(final >= 0)
+        label = slot[root]
+        by = np.argsort(label, kind="stable")
+        cuts = np.searchsorted(label[by], np.arange(k + 1))
+        sets = [by[a:e].tolist() for a, e in zip(cuts[:-1], cuts[1:])]
+        for empty in [j for j, s in enumerate(sets) if not s] if n >= k else []:
+            # ties among zero sums can leave an empty set beside a zero-sum one: it takes the lightest item
+            # of the set holding the most (a zero-weight one, so no sum changes)
+            donor = max(range(k), key=lambda j: len(sets[j]))
+            item = min(sets[donor], key=lambda i: w[i])
+            sets[donor].remove(item)
+            sets[empty].append(item)
+        return sets
+
+
+def _add_item(a: tuple[Any, Any, int], item: int, weight: float, forest: _Forest) -> tuple[Any, Any, int]:
+    """One item into the smallest set of partition ``a``: that set moves up, the rest keep their order."""
+    na, ta, ca = a
+    if not isinstance(na, list):
+        na, ta = na.tolist(), ta.tolist()
+    v = na.pop() - weight
+    at = bisect.bisect_right(na, v)           # np.searchsorted(side="right"): argsort's stable place for it
+    t = ta.pop()
+    if t >= 0:
+        forest.left.append(t)
+        forest.right.append(item)
+        t = forest.n + len(forest.left) - 1
+    else:
+        t = item
+    na.insert(at, v)
+    ta.insert(at, t)
+    return na, ta, min(forest.k, ca + 1)
+
+
+def _side_by_side(a: tuple[Any, Any, int], b: tuple[Any, Any, int], k: int, pending: _Pending) -> tuple[Any, Any, int]:
+    """No non-empty set of ``a`` meets a non-empty one of ``b``: they stand side by side, in the stable sort's order."""
+    (na, ta, ca), (nb, tb, cb) = a, b
+    items = sorted([*zip(_head(na, ca), _head(ta, ca)), *zip(_head(nb, cb)[::-1], _head(tb, cb)[::-1])], key=_first)
+    c = ca + cb
+    return [v for v, _ in items] + pending.zeros[:k - c], [t for _, t in items] + pending.empties[:k - c], c
 
 
 def _head(x: Any, c: int) -> list:

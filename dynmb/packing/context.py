@@ -50,7 +50,7 @@ class PackContext:
 
     def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True, virtual: int = 1) -> None:
         self.mm, self.limit, self.p, self.kind, self.tight, self.virtual = mm, int(limit), p, kind, tight, virtual
-        state = np.asarray(mm.state_bytes, dtype=np.float64)
+        state: np.ndarray = np.asarray(mm.state_bytes, dtype=np.float64)
         rec = get_kind(kind)
         if rec.virtual_stages and virtual > 1 and rec.chunk_window is not None:
             # one GPU holds stages r, r + R, ...: their states add up, and at most `warm` chunk-

@@ -153,21 +153,37 @@ def _keys(w: np.ndarray, g: np.ndarray, phase: int, held: np.ndarray) -> np.ndar
     return np.stack([w.max(axis=1), act.max(axis=1), act.sum(axis=1), np.sum(w ** 2, axis=1)], axis=1)
 
 
-def _descend(bounds: np.ndarray, prefix: np.ndarray, first: float, last: float, virtual: int, phase: int,
-             caps: tuple[float, float], chunk_cap: np.ndarray, max_steps: int) -> np.ndarray:
+@dataclass(frozen=True)
+class _Row:
+    """The row of work units a partition cuts: its prefix sums, the first and last chunks' extra work (embedding,
+    head), the chunks per GPU, every chunk's most work and the descent's step limit."""
+
+    prefix: np.ndarray
+    first: float
+    last: float
+    virtual: int
+    chunk_cap: np.ndarray
+    max_steps: int
+
+    def loads(self, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return _loads(bounds, self.prefix, self.first, self.last, self.virtual)
+
+
+def _descend(bounds: np.ndarray, row: _Row, phase: int, caps: tuple[float, float]) -> np.ndarray:
     """Steepest descent from ``bounds`` (phase 1 or 2 of the module docstring; ``caps``: phase 2's bounds on
-    the busiest GPU's work and the sum of squared GPU work; ``chunk_cap``: every chunk's most work)."""
+    the busiest GPU's work and the sum of squared GPU work; ``row.chunk_cap``: every chunk's most work)."""
+    virtual, chunk_cap = row.virtual, row.chunk_cap
     s = bounds.size - 1
     idx = np.arange(s + 1)
     ii, jj = np.triu_indices(s - 1)
     masks = ((idx[None, :] >= ii[:, None] + 1) & (idx[None, :] <= jj[:, None] + 1)).astype(np.int64)
     moves = np.concatenate([d * masks for d in (1, -1, 2, -2)])
     held = in_flight(s // virtual, virtual)
-    cur = _keys(*_loads(bounds[None, :], prefix, first, last, virtual), phase, held)[0]
-    for _ in range(max_steps):
+    cur = _keys(*row.loads(bounds[None, :]), phase, held)[0]
+    for _ in range(row.max_steps):
         cand = bounds[None, :] + moves
         cand = cand[np.all(np.diff(cand, axis=1) >= 1, axis=1)]
-        w, g = _loads(cand, prefix, first, last, virtual)
+        w, g = row.loads(cand)
         ok = np.all(w <= chunk_cap[None, :] * (1 + _TOL), axis=1)
         if phase == 2:
             ok &= (g.max(axis=1) <= caps[0] * (1 + _TOL)) & (np.sum(g ** 2, axis=1) <= caps[1] * (1 + _TOL))
@@ -280,10 +296,12 @@ def gpu_balanced_partition(units: np.ndarray, num_chunks: int, virtual: int, fir
         return counts, chunk_loads(counts, units, first, last, v)
     chunk_cap = np.full(s, np.inf) if bound_by is None else chunk_caps(starts[bound_by], units, first, last, v)
 
+    row = _Row(prefix, first, last, v, chunk_cap, max_steps)
+
     def polish(b: np.ndarray) -> tuple[list[int], ChunkLoads]:
-        b = _descend(b, prefix, first, last, v, 1, (np.inf, np.inf), chunk_cap, max_steps)
-        g = _loads(b[None, :], prefix, first, last, v)[1]
-        b = _descend(b, prefix, first, last, v, 2, (float(g.max()), float(np.sum(g ** 2))), chunk_cap, max_steps)
+        b = _descend(b, row, 1, (np.inf, np.inf))
+        g = row.loads(b[None, :])[1]
+        b = _descend(b, row, 2, (float(g.max()), float(np.sum(g ** 2))))
         counts = [int(c) for c in np.diff(b)]
         return counts, chunk_loads(counts, units, first, last, v)
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -183,6 +183,166 @@ def _replicas(chains: list[list[Microbatch]], shorts: list[Microbatch], placemen
     return order, rids
 
 
+@dataclass
+class _SplitJob:
+    """One ``plan_split`` call: the batch, its settings and models, the sequences to slice, and the
+    packings of short sequences already made (the fill candidates share leftovers)."""
+
+    lengths: np.ndarray
+    spec: PlanSpec
+    memory_model: MemoryModelLike
+    cost_model: CostModelLike
+    make_schedule: Callable[..., Schedule]
+    row_cap: int
+    cut: int
+    threshold: int | None
+    packed: dict[tuple[int, ...], list[Microbatch]] = field(default_factory=dict)
+
+    @property
+    def long_ids(self) -> np.ndarray:
+        return np.flatnonzero(self.lengths > self.cut)
+
+    @property
+    def short_ids(self) -> np.ndarray:
+        return np.flatnonzero(self.lengths <= self.cut)
+
+    def pack_short(self, ids: np.ndarray) -> list[Microbatch]:
+        """The method's packing of short sequences ``ids`` for ``dp`` replicas, else for one
+        (cached); ``_replicas`` deals them again."""
+        key = tuple(ids.tolist())
+        if key not in self.packed:
+            sub = None
+            for d in dict.fromkeys((self.spec.dp, 1)) if ids.size else ():
+                try:
+                    sub = pack(self.lengths[ids], self.spec.with_(oversize="error", dp=d),
+                               memory_model=self.memory_model, cost_model=self.cost_model)
+                    break
+                except PackingError:
+                    if d == 1:
+                        raise
+            self.packed[key] = [] if sub is None else [replace(mb, seq_ids=ids[mb.seq_ids]) for mb in sub.microbatches]
+        return self.packed[key]
+
+    def plan_of(self, mbs: list[Microbatch], rids: list[int] | None = None, meta: dict | None = None) -> Plan:
+        s = self.spec
+        return Plan(tuple(mbs), s.method, s.num_stages, int(s.memory_limit_bytes), len(self.lengths),
+                    schedule_kind=s.schedule_kind, spec=s, dp=s.dp if rids is not None else 1,
+                    replica_ids=None if rids is None else tuple(rids), meta=meta or {})
+
+    def slice_candidates(self) -> list[int]:
+        """The slice lengths tried: ``packed``'s row, else the longest row / 1, 2, 4, 8 up to ``cut``."""
+        if self.spec.method == "packed":
+            return [self.row_cap]
+        rt = self.spec.round_to
+        out = sorted({max(MIN_SLICE, round_down(self.row_cap // f, rt) or rt) for f in (1, 2, 4, 8)}, reverse=True)
+        return [s for s in out if s <= self.cut] or [max(MIN_SLICE, round_down(self.cut, rt) or rt)]
+
+    def chains(self, slice_len: int, use_rc: bool) -> list[list[Microbatch]]:
+        """Every long sequence as a chain of slices of ``slice_len`` (``packed``: rows, the last shorter)."""
+        out = []
+        for sid in self.long_ids:
+            n = int(self.lengths[sid])
+            pieces = ([slice_len] * (n // slice_len) + ([n % slice_len] if n % slice_len else [])
+                      if self.spec.method == "packed" else slice_lengths(n, slice_len))
+            out.append(_chain(int(sid), pieces, self.spec.round_to, use_rc))
+        return out
+
+    def variants(self, chains: list[list[Microbatch]]) -> list[tuple[bool, list[list[Microbatch]], list[Microbatch]]]:
+        """(filled, chains, short microbatches): the chains as cut, and with their rows filled where room is."""
+        short_ids = self.short_ids
+        out = [(False, chains, self.pack_short(short_ids))]
+        filled, left = _fill([mb for c in chains for mb in c], short_ids, self.lengths, self.row_cap,
+                             self.spec.round_to)
+        if left.size < short_ids.size:
+            it = iter(filled)
+            out.append((True, [[next(it) for _ in c] for c in chains], self.pack_short(left)))
+        return out
+
+    def meta(self, slice_len: int, placement: str, use_rc: bool, fill: bool) -> dict:
+        s, lengths = self.spec, self.lengths
+        return {"oversize": "split", "round_to": s.round_to, "longest_fitting_length": self.row_cap,
+                "sliced": {int(i): int(math.ceil(lengths[i] / slice_len)) for i in self.long_ids},
+                "slice_len": int(slice_len), "slice_placement": placement, "slice_recompute": use_rc,
+                "slice_fill": fill, "slice_threshold": None if self.threshold is None else int(self.cut),
+                "truncated": [], "dropped": [],
+                "pack_len": int(self.row_cap) if s.method == "packed" else None, "virtual": int(s.virtual)}
+
+    def simulate(self, plan: Plan) -> tuple[float, float, list[Plan], list[Schedule]]:
+        """(slowest replica's makespan, highest GPU peak, the replicas, their schedules)."""
+        replicas = replicas_of(plan)
+        scheds, slowest, peak = [], 0.0, 0.0
+        for p in replicas:
+            sched = self.make_schedule(p, self.spec.schedule_kind, virtual=self.spec.virtual,
+                                       memory_model=self.memory_model, cost_model=self.cost_model)
+            sim = simulate(sched, p, self.cost_model, self.memory_model)
+            gpu = sim.peak_bytes_rank if sim.peak_bytes_rank is not None else sim.peak_bytes
+            peak = max(peak, float(np.max(gpu)) if gpu is not None else 0.0)
+            slowest = max(slowest, sim.makespan_s)
+            scheds.append(sched)
+        return slowest, peak, replicas, scheds
+
+
+@dataclass
+class _Search:
+    """The best fitting candidate so far, the lowest peak seen (for the error) and the last dealing that
+    had fewer units than replicas."""
+
+    best: tuple[float, Plan, list[Plan], list[Schedule]] | None = None
+    lowest: tuple[float, int] | None = None
+    too_few: tuple[int, int] = (0, 0)
+
+
+def _try_slice_len(job: _SplitJob, slice_len: int, use_rc: bool, found: _Search) -> None:
+    """Every fill and placement of slices of ``slice_len``: scheduled, simulated, the fastest fitting kept."""
+    for (fill, rows, shorts), placement in itertools.product(job.variants(job.chains(slice_len, use_rc)),
+                                                             ("first", "last")):
+        if fill and not shorts and placement == "last":
+            continue                         # nothing left to place around the chains
+        dealt = _replicas(rows, shorts, placement, job.spec.dp, job.cost_model, job.plan_of)
+        if dealt is None:
+            found.too_few = (len(rows), len(shorts))
+            continue
+        plan = job.plan_of(*dealt, job.meta(slice_len, placement, use_rc, fill))
+        slowest, peak, replicas, scheds = job.simulate(plan)
+        if found.lowest is None or peak < found.lowest[0]:
+            found.lowest = (peak, int(slice_len))
+        if peak <= job.spec.memory_limit_bytes and (found.best is None or slowest < found.best[0]):
+            found.best = (slowest, plan, replicas, scheds)
+
+
+def _no_fit(job: _SplitJob, found: _Search) -> PackingError:
+    """The one-line refusal when no candidate fits."""
+    if found.lowest is None:
+        return PackingError(f"oversize='split' with dp={job.spec.dp}: {found.too_few[0]} chain(s) of slices and "
+                            f"{found.too_few[1]} short microbatch(es) cannot give every replica a microbatch (a chain "
+                            f"runs whole on one replica)")
+    long_ids, lengths = job.long_ids, job.lengths
+    return PackingError(
+        f"oversize='split': sequence {int(long_ids[np.argmax(lengths[long_ids])])} of "
+        f"{int(lengths[long_ids].max())} tokens does not fit sliced: the lowest predicted peak "
+        f"{int(found.lowest[0])} B (slices of {found.lowest[1]}) exceeds the limit {int(job.spec.memory_limit_bytes)} B"
+        f"{'; --recompute auto keeps only block inputs and keys/values' if job.spec.recompute == 'never' else ''}")
+
+
+def _split_job(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: tuple[MemoryModelLike, CostModelLike],
+               make_schedule: Callable[..., Schedule], threshold: int | None) -> _SplitJob:
+    """The checks of ``plan_split`` (one line each) and its job."""
+    kind, virtual = spec.schedule_kind, spec.virtual
+    rec = get_kind(kind)
+    if not rec.slices or (virtual != 1 and not rec.virtual_stages):
+        raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {kind!r}"
+                         f"{f' with virtual={virtual}' if virtual != 1 else ''}")
+    if model_cfg.learned_positions and lengths.size and int(lengths.max()) > model_cfg.max_seq_len:
+        raise PackingError(f"a sequence of {int(lengths.max())} tokens is longer than the model's max_seq_len "
+                           f"{model_cfg.max_seq_len} (learned positions): size them from the trace, e.g. "
+                           f"--model {model_cfg.name}:max_seq_len={int(lengths.max())}")
+    row_cap = longest_row(spec, model_cfg, models[0])
+    if row_cap < 1:
+        raise PackingError(f"no row fits under {spec.memory_limit_bytes} B at {spec.num_stages} stages ({kind})")
+    cut = row_cap if threshold is None else min(int(threshold), row_cap)
+    return _SplitJob(lengths, spec, models[0], models[1], make_schedule, row_cap, cut, threshold)
+
+
 def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, memory_model: MemoryModelLike,
                cost_model: CostModelLike, make_schedule: Callable[..., Schedule],
                threshold: int | None = None) -> tuple[Plan, Schedule, SimResult]:
@@ -191,122 +351,24 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     plan (every replica, its predictions the slowest replica's time and every stage's highest peak)
     and replica 0's schedule and simulation."""
     t0 = time.perf_counter()
-    method, num_stages, memory_limit_bytes = spec.method, spec.num_stages, spec.memory_limit_bytes
-    schedule_kind, round_to, virtual, recompute, dp = spec.schedule_kind, spec.round_to, spec.virtual, spec.recompute, \
-        spec.dp
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    rec = get_kind(schedule_kind)
-    if not rec.slices or (virtual != 1 and not rec.virtual_stages):
-        raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {schedule_kind!r}"
-                         f"{f' with virtual={virtual}' if virtual != 1 else ''}")
-    if model_cfg.learned_positions and lengths.size and int(lengths.max()) > model_cfg.max_seq_len:
-        raise PackingError(f"a sequence of {int(lengths.max())} tokens is longer than the model's max_seq_len "
-                           f"{model_cfg.max_seq_len} (learned positions): size them from the trace, e.g. "
-                           f"--model {model_cfg.name}:max_seq_len={int(lengths.max())}")
-    row_cap = longest_row(spec, model_cfg, memory_model)
-    if row_cap < 1:
-        raise PackingError(f"no row fits under {memory_limit_bytes} B at {num_stages} stages ({schedule_kind})")
-    cut = row_cap if threshold is None else min(int(threshold), row_cap)
-    long_ids = np.flatnonzero(lengths > cut)
-    short_ids = np.flatnonzero(lengths <= cut)
-    packed: dict[tuple[int, ...], list[Microbatch]] = {}
-
-    def pack_short(ids: np.ndarray) -> list[Microbatch]:
-        """The method's packing of short sequences ``ids`` for ``dp`` replicas, else for one
-        (cached: the fill candidates share leftovers); ``_replicas`` deals them again."""
-        key = tuple(ids.tolist())
-        if key not in packed:
-            sub = None
-            for d in dict.fromkeys((dp, 1)) if ids.size else ():
-                try:
-                    sub = pack(lengths[ids], spec.with_(oversize="error", dp=d), memory_model=memory_model,
-                               cost_model=cost_model)
-                    break
-                except PackingError:
-                    if d == 1:
-                        raise
-            packed[key] = [] if sub is None else [replace(mb, seq_ids=ids[mb.seq_ids]) for mb in sub.microbatches]
-        return packed[key]
-
-    def plan_of(mbs: list[Microbatch], rids: list[int] | None = None, meta: dict | None = None) -> Plan:
-        return Plan(tuple(mbs), method, num_stages, int(memory_limit_bytes), len(lengths), schedule_kind=schedule_kind,
-                    spec=spec, dp=dp if rids is not None else 1, replica_ids=None if rids is None else tuple(rids),
-                    meta=meta or {})
-
-    short_mbs = pack_short(short_ids)
-    if not long_ids.size:
+    job = _split_job(lengths, spec, model_cfg, (memory_model, cost_model), make_schedule, threshold)
+    job.pack_short(job.short_ids)                    # the method's own refusal comes first
+    if not job.long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")
-    if method == "packed":
-        candidates = [row_cap]
-    else:
-        candidates = sorted({max(MIN_SLICE, round_down(row_cap // f, round_to) or round_to) for f in (1, 2, 4, 8)},
-                            reverse=True)
-        candidates = [s for s in candidates if s <= cut] or [max(MIN_SLICE, round_down(cut, round_to) or round_to)]
-    rc_options = {"never": [False], "always": [True], "auto": [False, True]}[recompute]
-    best: tuple[float, Plan, list[Plan], list[Schedule]] | None = None
-    lowest: tuple[float, int] | None = None
-    too_few = (0, 0)
-    for use_rc in rc_options:
-        for slice_len in candidates:
-            chains: list[list[Microbatch]] = []
-            for sid in long_ids:
-                n = int(lengths[sid])
-                pieces = ([slice_len] * (n // slice_len) + ([n % slice_len] if n % slice_len else [])
-                          if method == "packed" else slice_lengths(n, slice_len))
-                chains.append(_chain(int(sid), pieces, round_to, use_rc))
-            variants = [(False, chains, short_mbs)]
-            filled, left = _fill([mb for c in chains for mb in c], short_ids, lengths, row_cap, round_to)
-            if left.size < short_ids.size:
-                it = iter(filled)
-                variants.append((True, [[next(it) for _ in c] for c in chains], pack_short(left)))
-            for (fill, rows, shorts), placement in itertools.product(variants, ("first", "last")):
-                if fill and not shorts and placement == "last":
-                    continue                         # nothing left to place around the chains
-                dealt = _replicas(rows, shorts, placement, dp, cost_model, plan_of)
-                if dealt is None:
-                    too_few = (len(rows), len(shorts))
-                    continue
-                order, rids = dealt
-                plan = plan_of(order, rids, {
-                    "oversize": "split", "round_to": round_to, "longest_fitting_length": row_cap,
-                    "sliced": {int(s): int(math.ceil(lengths[s] / slice_len)) for s in long_ids},
-                    "slice_len": int(slice_len), "slice_placement": placement, "slice_recompute": use_rc,
-                    "slice_fill": fill, "slice_threshold": None if threshold is None else int(cut),
-                    "truncated": [], "dropped": [],
-                    "pack_len": int(row_cap) if method == "packed" else None, "virtual": int(virtual)})
-                replicas = replicas_of(plan)
-                scheds, slowest, peak = [], 0.0, 0.0
-                for p in replicas:
-                    sched = make_schedule(p, schedule_kind, virtual=virtual, memory_model=memory_model,
-                                          cost_model=cost_model)
-                    sim = simulate(sched, p, cost_model, memory_model)
-                    gpu = sim.peak_bytes_rank if sim.peak_bytes_rank is not None else sim.peak_bytes
-                    peak = max(peak, float(np.max(gpu)) if gpu is not None else 0.0)
-                    slowest = max(slowest, sim.makespan_s)
-                    scheds.append(sched)
-                if lowest is None or peak < lowest[0]:
-                    lowest = (peak, int(slice_len))
-                if peak <= memory_limit_bytes and (best is None or slowest < best[0]):
-                    best = (slowest, plan, replicas, scheds)
-        if best is not None:
+    found = _Search()
+    for use_rc in {"never": [False], "always": [True], "auto": [False, True]}[spec.recompute]:
+        for slice_len in job.slice_candidates():
+            _try_slice_len(job, slice_len, use_rc, found)
+        if found.best is not None:
             break
-    if best is None and lowest is None:
-        raise PackingError(f"oversize='split' with dp={dp}: {too_few[0]} chain(s) of slices and {too_few[1]} short "
-                           f"microbatch(es) cannot give every replica a microbatch (a chain runs whole on one "
-                           f"replica)")
-    if best is None:
-        assert lowest is not None
-        raise PackingError(
-            f"oversize='split': sequence {int(long_ids[np.argmax(lengths[long_ids])])} of "
-            f"{int(lengths[long_ids].max())} tokens does not fit sliced: the lowest predicted peak "
-            f"{int(lowest[0])} B (slices of {lowest[1]}) exceeds the limit {int(memory_limit_bytes)} B"
-            f"{'; --recompute auto keeps only block inputs and keys/values' if recompute == 'never' else ''}")
-    _, plan, replicas, scheds = best
+    if found.best is None:
+        raise _no_fit(job, found)
+    _, plan, replicas, scheds = found.best
     predicted = predict_replicas(replicas, scheds, cost_model, memory_model, Predictions())
-    sim = predicted.sims[0]
     plan = replace(plan, predictions=predicted.predictions.updated(
         pred_peak_bytes=tuple(int(x) for x in np.ceil(np.max([np.asarray(s.peak_bytes) for s in predicted.sims],
                                                              axis=0))),
         est_makespan_s=predicted.predictions.pred_step_s, plan_s=time.perf_counter() - t0))
     plan.validate(lengths)
-    return plan, scheds[0], sim
+    return plan, scheds[0], predicted.sims[0]

@@ -12,7 +12,7 @@ its own length (one sequence per row, attention's s^2 term included), summed ove
   model has it (``GPUCostModel``: every FLOP at its best efficiency, attention at its own, its backward
   at ``attn_bwd_ratio`` x its FLOPs; a sequence priced alone at its own GEMM size would count short
   sequences dearer than they run packed), else the one cost lookup at one row minus its value at
-  length 0 (no per-op overhead). ``experiments/scaling.py``'s ``ideal_cost`` is this with the study's
+  length 0 (no per-op overhead). ``studies/scaling/scaling.py``'s ``ideal_cost`` is this with the study's
   batch and GPU model.
 - **Else from FLOPs** (a fitted model measured one split only, or no cost model was given): the forward
   FLOPs of ``ModelConfig.stage_flops`` at each length, plus the backward's: 2x the GEMMs' (input and

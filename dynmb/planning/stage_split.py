@@ -50,7 +50,7 @@ the even split is the best whole-layer one and the head's 1.4x stays (split ceil
 stage work ``split_ceiling``, 0.78); half-blocks move an attention half off the head's stage and lift
 it to 0.865 (docs/results.md); at Llama-3's 128k vocabulary the head is about 2.4 layers and the
 planned split removes most of the imbalance at P <= 8 (tests/test_stage_split.py). Chunks lift the
-ceiling to 0.98 at P 16 on both (``benchmarks/split_ceilings.py``).
+ceiling to 0.98 at P 16 on both (``studies/stage_split/ceilings.py``).
 
 Min-max cannot see where an uneven stage sits, which moves the fill and drain of 1F1B and the
 zero-bubble kinds by a few percent: given the run's planning settings (``search``, a
@@ -76,7 +76,7 @@ None), so a model fitted on the even split still fits. A model of the user's own
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -90,7 +90,7 @@ from dynmb.planning.split_units import CHUNK, HALF, LAYER, StageCost, UnitRow, f
 from dynmb.planning.split_work import fitted_split, workload_cost
 
 __all__ = ["balanced_split", "planned_layout", "min_max_split", "with_split", "stage_work", "unit_work", "split_ceiling",
-           "resolve_stage_split", "flops_cost", "StageCost", "STAGE_SPLITS"]
+           "resolve_stage_split", "flops_cost", "StageCost", "STAGE_SPLITS", "SplitInputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -219,25 +219,47 @@ def with_split(cfg: ModelConfig, num_stages: int, split: tuple[float, ...]) -> M
     return replace(cfg, layer_split=tuple(split), head_split=None)
 
 
-def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], stage_cost: StageCost, *,
-                   virtual: int = 1, half_blocks: bool = True, search: Any = None, workload: Any = None,
-                   cost_model: Any = None, arrangements: tuple = ()) -> ModelConfig:
+@dataclass(frozen=True, kw_only=True)
+class SplitInputs:
+    """What ``resolve_stage_split`` and ``planned_layout`` take beside the model and the stage count (their
+    keyword arguments, checked here: an unknown one is a ``TypeError`` naming it)."""
+
+    half_blocks: bool = True
+    """Split between a block's attention and MLP halves (dynmb's own families); False: whole layers only."""
+    stage_cost: StageCost | None = None
+    """The work ``auto`` balances; None: the workload's, else forward FLOPs of one ``tokens_hint`` row."""
+    workload: Any = None
+    """The lengths the pipeline will train (an array, a trace name or a length-trace CSV)."""
+    cost_model: Any = None
+    """Prices the workload where it prices any layout (an object or a JSON path); a fitted one pins its split."""
+    search: Any = None
+    """A ``split_search.SplitSearch``: choose among near-optimal splits by simulated step."""
+    virtual: int | None = None
+    """Model chunks per GPU (interleaved; the stage count counts chunks); None: ``search``'s, else 1."""
+    arrangements: tuple = ()
+    """``planned_layout``: the search's other candidate splits, whose prefix-keeping head shards are weighed too."""
+
+
+def planned_layout(cfg: ModelConfig, num_stages: int, split: tuple[float, ...], stage_cost: StageCost,
+                   **inputs: Any) -> ModelConfig:
     """``cfg`` with the layer split ``split`` an ``auto`` choice arrived at (``with_split``), its LM head then
     sharded over the last stages where that lightens the busiest stage (``head_split.shard_head``; one chunk
     a GPU, dynmb's own families) and, given a ``search`` that can simulate (``SplitSearch.scores`` of the
     ``workload`` priced by ``cost_model``), where the simulated step per real token is strictly smaller too,
-    the prefix-keeping shards of the search's other candidate splits (``arrangements``) weighed beside."""
+    the prefix-keeping shards of the search's other candidate splits (``arrangements``) weighed beside.
+    ``inputs``: the fields of ``SplitInputs`` (``virtual`` None counts as 1)."""
+    opts = SplitInputs(**inputs)
     out = with_split(cfg, num_stages, split)
-    if int(virtual) != 1 or not half_blocks or num_stages < 2:
+    if int(opts.virtual or 1) != 1 or not opts.half_blocks or num_stages < 2:
         return out
     sharded = _shards(out, num_stages, stage_cost)
     if not sharded:
         return out
-    for other in (arrangements if search is not None else ()):
+    for other in (opts.arrangements if opts.search is not None else ()):
         sharded += [x for x in _shards(with_split(cfg, num_stages, tuple(other)), num_stages, stage_cost, whole=False)
                     if x not in sharded]
-    scores = None if search is None else search.scores([out, *sharded], num_stages, workload=workload,
-                                                       cost_model=cost_model)
+    scores = None if opts.search is None else opts.search.scores([out, *sharded], num_stages, workload=opts.workload,
+                                                                 cost_model=opts.cost_model)
     if scores is None:
         return sharded[0]                              # the min-max layout
     best = min(range(len(scores)), key=lambda i: (scores[i] if i == 0 else scores[i] / (1 - 1e-9), i))
@@ -270,13 +292,13 @@ def _shards(layout: ModelConfig, num_stages: int, stage_cost: StageCost, *, whol
     return out
 
 
-def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024, *,
-                        half_blocks: bool = True, stage_cost: StageCost | None = None, workload: Any = None,
-                        cost_model: Any = None, search: Any = None, virtual: int | None = None) -> ModelConfig:
+def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_hint: int = 1024,
+                        **inputs: Any) -> ModelConfig:
     """``cfg`` with the layer split ``setting`` names: ``even`` (None), ``auto`` (``balanced_split``, in
     half-blocks when ``half_blocks``), or an explicit comma-separated list of layers per stage, whole
-    (``9,8,8,7``) or with halves (``2.5,2,2,1.5``). ``half_blocks=False`` (a model of the user's own,
-    whose stages split whole layers): ``auto`` in whole layers, and a list with halves is refused.
+    (``9,8,8,7``) or with halves (``2.5,2,2,1.5``). ``inputs``: the fields of ``SplitInputs``.
+    ``half_blocks=False`` (a model of the user's own, whose stages split whole layers): ``auto`` in whole
+    layers, and a list with halves is refused.
     The work ``auto`` balances: ``stage_cost`` when given; else the ``workload``'s (lengths, a trace
     name or a length-trace CSV) forward + backward at every sequence's own length, priced by
     ``cost_model`` (an object or JSON path) where it prices any layout, else in FLOPs
@@ -288,46 +310,67 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
     fastest, where the cost model prices any layout; else (and without ``search``) the min-max split.
     ``virtual`` (model chunks per GPU, interleaved; ``num_stages`` counts chunks; None: ``search``'s, else
     1): with more than one ``auto`` balances each GPU's total work (``balanced_split``)."""
+    opts = SplitInputs(**inputs)
     setting = str(setting).strip()
-    if virtual is None:
-        virtual = int(getattr(getattr(search, "spec", None), "virtual", 1))
+    if opts.virtual is None:
+        opts = replace(opts, virtual=int(getattr(getattr(opts.search, "spec", None), "virtual", 1)))
     if setting == "even":
         return replace(cfg, layer_split=None, head_split=None)
     if setting == "auto":
-        pinned = fitted_split(cost_model, cfg, num_stages) if stage_cost is None else None
-        if pinned is not None:
-            logger.info("stage split auto: %s, the split the fitted cost model was measured on",
-                        list(pinned.stage_layer_counts(num_stages)))
-            return pinned
-        if stage_cost is None and workload is not None:
-            stage_cost = workload_cost(workload, cfg, cost_model)
-        elif stage_cost is None and not _fallback_said():
-            logger.warning("--stage-split auto: no workload given, so the split balances forward FLOPs of one "
-                           "%s-token row, not the work of the sequences you train; give the lengths (dynmb plan / "
-                           "run / compare: --dataset or --lengths; Planner(workload=lengths or a trace name))",
-                           f"{int(tokens_hint):,}")
-        if search is not None:
-            choice = search.choose(cfg, num_stages, stage_cost or flops_cost(max(1, int(tokens_hint))),
-                                   half_blocks=half_blocks, workload=workload, cost_model=cost_model,
-                                   virtual=virtual)
-            split = choice.split
-            _say_choice(choice)
-        else:
-            split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=half_blocks, stage_cost=stage_cost,
-                                   virtual=virtual)
-        out = planned_layout(cfg, num_stages, split, stage_cost or flops_cost(max(1, int(tokens_hint))),
-                             virtual=virtual, half_blocks=half_blocks, search=search, workload=workload,
-                             cost_model=cost_model, arrangements=getattr(choice, "candidates", ()) if search else ())
-        even = None if num_stages > cfg.n_layers else replace(cfg, layer_split=None, head_split=None).stage_layer_counts(num_stages)
-        def ceiling(s: tuple[float, ...], layout: ModelConfig = cfg) -> float:
-            return split_ceiling(layout, s, tokens_hint, stage_cost=stage_cost, virtual=virtual)
+        return _auto_layout(cfg, num_stages, tokens_hint, opts)
+    return _explicit_split(cfg, num_stages, setting, opts.half_blocks)
 
-        logger.info("stage split auto: %s%s (split ceiling %.3f%s; even split: %s)", list(out.stage_layer_counts(num_stages)),
-                    "" if out.head_split is None else f", LM-head rows {list(out.head_split)}",
-                    ceiling(tuple(out.stage_layer_counts(num_stages)), out),
-                    f", {virtual} chunks a GPU" if virtual > 1 else "",
-                    "none" if even is None else f"{ceiling(tuple(even)):.3f}")
-        return out
+
+def _auto_layout(cfg: ModelConfig, num_stages: int, tokens_hint: int, opts: SplitInputs) -> ModelConfig:
+    """``--stage-split auto`` (``resolve_stage_split``; ``opts.virtual`` resolved)."""
+    stage_cost, virtual = opts.stage_cost, int(opts.virtual or 1)
+    pinned = fitted_split(opts.cost_model, cfg, num_stages) if stage_cost is None else None
+    if pinned is not None:
+        logger.info("stage split auto: %s, the split the fitted cost model was measured on",
+                    list(pinned.stage_layer_counts(num_stages)))
+        return pinned
+    if stage_cost is None and opts.workload is not None:
+        stage_cost = workload_cost(opts.workload, cfg, opts.cost_model)
+    elif stage_cost is None and not _fallback_said():
+        logger.warning("--stage-split auto: no workload given, so the split balances forward FLOPs of one "
+                       "%s-token row, not the work of the sequences you train; give the lengths (dynmb plan / "
+                       "run / compare: --dataset or --lengths; Planner(workload=lengths or a trace name))",
+                       f"{int(tokens_hint):,}")
+    arrangements: tuple = ()
+    if opts.search is not None:
+        choice = opts.search.choose(cfg, num_stages, stage_cost or flops_cost(max(1, int(tokens_hint))),
+                                    half_blocks=opts.half_blocks, workload=opts.workload, cost_model=opts.cost_model,
+                                    virtual=virtual)
+        split, arrangements = choice.split, getattr(choice, "candidates", ())
+        _say_choice(choice)
+    else:
+        split = balanced_split(cfg, num_stages, tokens_hint, half_blocks=opts.half_blocks, stage_cost=stage_cost,
+                               virtual=virtual)
+    out = planned_layout(cfg, num_stages, split, stage_cost or flops_cost(max(1, int(tokens_hint))),
+                         virtual=virtual, half_blocks=opts.half_blocks, search=opts.search, workload=opts.workload,
+                         cost_model=opts.cost_model, arrangements=arrangements)
+    _say_auto(cfg, num_stages, out, tokens_hint, stage_cost, virtual)
+    return out
+
+
+def _say_auto(cfg: ModelConfig, num_stages: int, out: ModelConfig, tokens_hint: int, stage_cost: StageCost | None,
+              virtual: int) -> None:
+    """Log the layout ``auto`` planned, its split ceiling and the even split's."""
+    even = None if num_stages > cfg.n_layers else \
+        replace(cfg, layer_split=None, head_split=None).stage_layer_counts(num_stages)
+
+    def ceiling(s: tuple[float, ...], layout: ModelConfig = cfg) -> float:
+        return split_ceiling(layout, s, tokens_hint, stage_cost=stage_cost, virtual=virtual)
+
+    logger.info("stage split auto: %s%s (split ceiling %.3f%s; even split: %s)", list(out.stage_layer_counts(num_stages)),
+                "" if out.head_split is None else f", LM-head rows {list(out.head_split)}",
+                ceiling(tuple(out.stage_layer_counts(num_stages)), out),
+                f", {virtual} chunks a GPU" if virtual > 1 else "",
+                "none" if even is None else f"{ceiling(tuple(even)):.3f}")
+
+
+def _explicit_split(cfg: ModelConfig, num_stages: int, setting: str, half_blocks: bool) -> ModelConfig:
+    """An explicit ``--stage-split`` list of layers per stage, checked (one line each)."""
     try:
         split = tuple(float(x) for x in setting.split(","))
     except ValueError:

@@ -6,7 +6,7 @@ same way. A CPU pipeline stage allocates activations of tens of MiB per microbat
 forward and backward touches fresh pages: the kernel faults and zeroes each 4 KiB page. On
 the development machine that was up to 137k minor faults and +1.2 s on a 0.9 s forward of
 22 x 575 tokens, so big microbatches ran up to 3x the cost model's prediction and the
-simulator's step time was 20-30% short (``benchmarks/pred_error.py`` measures it per action).
+simulator's step time was 20-30% short (``studies/prediction/pred_error.py`` measures it per action).
 
 ``retain_freed_memory()`` sets, through ``mallopt``: no ``mmap`` for allocations
 (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD`` at its maximum), so freed blocks

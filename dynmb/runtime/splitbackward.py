@@ -184,6 +184,8 @@ def backward_weight(tape: WeightGradTape) -> None:
     for c in tape.calls:
         w = c.module.weight
         x2 = c.input.reshape(-1, c.input.shape[-1])
-        g2 = c.grad_output.reshape(-1, c.grad_output.shape[-1]).to(x2.dtype)
+        go = c.grad_output
+        assert go is not None, "W before the call's I"
+        g2 = go.reshape(-1, go.shape[-1]).to(x2.dtype)
         _accumulate(w, torch.mm(x2.t(), g2).t())
     tape.clear()

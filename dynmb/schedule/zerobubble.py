@@ -48,7 +48,7 @@ Kinds:
   schedule with full backwards wherever its ``W`` ran right after its ``I``, once everywhere and once
   keeping the splits of each stage's last ``P - s`` microbatches: the fastest is returned, so ZB-H1 is
   never predicted slower than 1F1B. Fed the paper's profiled times (its Table 9) it gives its Table 5
-  ZB-H1 bubble rates to four digits (``studies/zero_bubble``).
+  ZB-H1 bubble rates to four digits (``studies/zerobubble``).
 - ``zb`` (``zb_limit_aware``), the memory-spending kind (ZB-2p-like): the caps are the memory limit
   (minus states), every ``W`` may be deferred as far as they let, and the in-flight count grows toward
   ZB-H2's ``2 (P - s) - 1`` extra warm-up forwards: candidates ``k_s = P - s + round(alpha (P - s - 1))``

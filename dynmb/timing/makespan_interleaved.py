@@ -7,7 +7,7 @@ estimated as 1F1B over ``S`` stages, each its own GPU: a GPU's v chunks then ran
 term about ``1 / v`` of the real one) and the fill and drain crossed ``S - 1`` stages at a chunk's cost
 (about ``v^2`` times the interleaved schedule's ``(R - 1) / v`` GPU-microbatches), so the packers
 weighed the fill far above the work and ranked plans of fewer, larger microbatches too high
-(``benchmarks/bench_interleaved_estimate.py``, docs/results.md "Interleaved stages at realistic load").
+(``studies/interleaved/estimate.py``, docs/results.md "Interleaved stages at realistic load").
 
 The estimate is the makespan of the op order the builder emits for ``(S, m, v)`` (an order-only
 kind: it depends on no cost), swept with the simulator's recurrence ``end = max(GPU free, input +

@@ -30,7 +30,7 @@ sweep (``_scalar``) for pipelines of few ops. Left out: the memory limit (``zb``
 warm-up only where it fits: its estimate is optimistic where the limit binds), the list scheduler's candidates
 (unsplit backwards, 1F1B: never slower than the one modelled) and its exact tie rules.
 Measured against ``dynmb.timing.simulate`` of the schedules the builders make:
-``benchmarks/bench_zb_estimate.py`` (docs/results.md); the tests hold ``TOLERANCE``.
+``studies/zerobubble/estimate.py`` (docs/results.md); the tests hold ``TOLERANCE``.
 
 The simulation layer, beside ``dynmb.timing.makespan``; the packers, one layer down, import it.
 """

@@ -62,7 +62,7 @@ from dynmb.timing.makespan import makespan
 from dynmb.schedule.validate import ScheduleError, check_slice_order, execution_order
 from dynmb.core.types import Plan, Schedule
 
-__all__ = ["SimResult", "simulate", "simulate_costs", "estimate_makespan", "action_times", "cross_mask", "memory_inputs", "w_inputs", "plan_op_costs",
+__all__ = ["SimResult", "MemoryInputs", "simulate", "simulate_costs", "estimate_makespan", "action_times", "cross_mask", "memory_inputs", "w_inputs", "plan_op_costs",
            "SliceGrads", "slice_grad_inputs",
            "comm_times", "peaks", "op_memory", "ScheduleError"]
 
@@ -172,17 +172,31 @@ def cross_mask(flat: Any) -> np.ndarray:
     return xi[flat.rank[flat.dep[xi]] != flat.rank[xi]]
 
 
+@dataclass(frozen=True)
+class MemoryInputs:
+    """The memory side of ``simulate_costs`` (all optional): ``act_bytes[stage, mb]``, ``state_bytes[stage]``,
+    the limit, ``transient_bytes[stage, mb]``, ``w_bytes[stage, mb]`` (held from I to W) and ``slice_grads`` (the
+    gradients of slices' keys and values, ``slice_grad_inputs``)."""
+
+    act_bytes: np.ndarray | None = None
+    state_bytes: np.ndarray | None = None
+    limit_bytes: int | None = None
+    transient_bytes: np.ndarray | None = None
+    w_bytes: np.ndarray | None = None
+    slice_grads: SliceGrads | None = None
+
+
 def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0,
                    act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
-                   limit_bytes: int | None = None, transient_bytes: np.ndarray | None = None,
-                   w_bytes: np.ndarray | None = None, slice_grads: SliceGrads | None = None) -> SimResult:
+                   **memory: Any) -> SimResult:
     """Simulate ``schedule`` with ``costs[op][stage, mb]`` seconds and ``comm_s`` (scalar or per mb) per P2P message.
 
-    ``act_bytes[stage, mb]``, ``state_bytes[stage]``, ``transient_bytes[stage, mb]`` and
-    ``w_bytes[stage, mb]`` (held from I to W) and ``slice_grads`` (the gradients of slices' keys
-    and values, ``slice_grad_inputs``) (all optional) give the memory prediction. Costs
-    must hold every op the schedule uses. Raises ``ScheduleError`` if the schedule is invalid or deadlocks.
+    ``act_bytes[stage, mb]``, ``state_bytes[stage]`` and ``memory``, the other fields of ``MemoryInputs``
+    (``limit_bytes``, ``transient_bytes``, ``w_bytes``, ``slice_grads``; all optional) give the memory
+    prediction. Costs must hold every op the schedule uses. Raises ``ScheduleError`` if the schedule is
+    invalid or deadlocks.
     """
+    mem = MemoryInputs(act_bytes, state_bytes, **memory)
     S, m = schedule.num_stages, schedule.num_microbatches
     flat = execution_order(schedule)
     cube = _cost_cube(costs, S, m, used="".join(_OPS[np.unique(flat.op)]))
@@ -203,29 +217,28 @@ def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: flo
     timeline = pd.DataFrame({"rank": rank, "stage": stage, "op": _OPS[op], "mb": mb,
                              "start_s": start_a, "end_s": end_a})
     res = SimResult(timeline=timeline, makespan_s=makespan, busy_s=busy, bubble_fraction=bubble,
-                    limit_bytes=None if limit_bytes is None else int(limit_bytes), kind=schedule.kind)
-    if act_bytes is not None:
-        _memory(res, flat, schedule, np.asarray(act_bytes, dtype=np.float64), state_bytes, transient_bytes, end_a,
-                w_bytes, slice_grads)
+                    limit_bytes=None if mem.limit_bytes is None else int(mem.limit_bytes), kind=schedule.kind)
+    if mem.act_bytes is not None:
+        _memory(res, flat, schedule, mem, end_a)
     return res
 
 
-def _memory(res: SimResult, flat: Any, schedule: Schedule, act: np.ndarray, state_bytes: Any,
-            transient: Any, end: np.ndarray, w_bytes: Any = None, slice_grads: SliceGrads | None = None) -> None:
+def _memory(res: SimResult, flat: Any, schedule: Schedule, mem: MemoryInputs, end: np.ndarray) -> None:
     S, m = schedule.num_stages, schedule.num_microbatches
+    act = np.asarray(mem.act_bytes, dtype=np.float64)
     if act.shape != (S, m):
         raise ValueError(f"act_bytes must be [num_stages={S}, m={m}], got {act.shape}")
-    state = np.zeros(S) if state_bytes is None else np.asarray(state_bytes, dtype=np.float64).reshape(-1)
+    state = np.zeros(S) if mem.state_bytes is None else np.asarray(mem.state_bytes, dtype=np.float64).reshape(-1)
     if state.shape != (S,):
         raise ValueError(f"state_bytes must have one entry per stage ({S}), got {state.shape}")
-    tr = None if transient is None else np.asarray(transient, dtype=np.float64)
+    tr = None if mem.transient_bytes is None else np.asarray(mem.transient_bytes, dtype=np.float64)
     if tr is not None and tr.shape != (S, m):
         raise ValueError(f"transient_bytes must be [num_stages={S}, m={m}], got {tr.shape}")
-    w = None if w_bytes is None else np.asarray(w_bytes, dtype=np.float64)
+    w = None if mem.w_bytes is None else np.asarray(mem.w_bytes, dtype=np.float64)
     if w is not None and w.shape != (S, m):
         raise ValueError(f"w_bytes must be [num_stages={S}, m={m}], got {w.shape}")
     res.peak_bytes, res.peak_bytes_rank, (o, st, held) = peaks(flat, S, schedule.num_ranks, act, tr, state, w,
-                                                               slice_grads)
+                                                               mem.slice_grads)
     res.memory_timeline = pd.DataFrame({"stage": st, "t_s": end[o], "bytes": held + state[st]})
 
 

@@ -285,7 +285,8 @@ class Ranker:
         if self.dp == 1:                               # every order weighed, the search's starts too
             jobs = [(c, (c.F, c.B, c.comm), cols) for c in self.costed(finals, affine=False)
                     for cols in ([] if c.baseline else list(_orders(*self._members(c, True), c.opened).values()))
-                    + [np.array([o]) for o in start_orders((c.F + c.B).sum(axis=0), c.baseline in CLUSTERED)]]
+                    + [np.array([o]) for o in start_orders((c.F + c.B).sum(axis=0),  # type: ignore[operator]
+                                                           c.baseline in CLUSTERED)]]
             for (c, _, cols), v in zip(jobs, self._estimate([job[1:] for job in jobs])):
                 results.append((v, len(c.rows), c, cols[0]))
         else:

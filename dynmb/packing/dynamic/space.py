@@ -133,7 +133,8 @@ class Space:
             st = self.setups[key]
             bal = _balance_cuts(cuts, st.bottleneck, self.dp) if balance else cuts
             if bal is None:
-                c = Candidate(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None, source=(key, cuts, tau),
+                c = Candidate(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), lambda o: None,  # type: ignore[arg-type,return-value]
+                              source=(key, cuts, tau),
                               key=("own",) + memo)
             else:
                 rows, padded, attn = st.shapes(bal)
