@@ -26,7 +26,7 @@ KNOWN_LONG = {
 
 KNOWN_WIDE = {
     "dynmb/runtime/interpreter.py:run_actions", "dynmb/runtime/api.py:run", "dynmb/runtime/records.py:step_row",
-    "dynmb/packing/dynamic_space.py:space_for", "dynmb/packing/dynamic.py:dynamic_groups",
+    "dynmb/packing/dynamic/space.py:space_for", "dynmb/packing/dynamic/pack.py:dynamic_groups",
     "dynmb/measure/profiler.py:_concurrent_worker", "dynmb/measure/pingpong.py:_worker",
     "dynmb/measure/memory.py:measure_stage_memory", "dynmb/data/corpus.py:build_trace",
 }
