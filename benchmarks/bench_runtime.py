@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> None:
     from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens
     from dynmb.runtime.comm import P2P, make_pair_groups
     from dynmb.runtime.device import device_ops
-    from dynmb.runtime.interpreter import run_actions
+    from dynmb.runtime.interpreter import ActionContext, run_actions
     from dynmb.schedule import build_schedule
     from dynmb.timing.simulate import simulate_costs
     from dynmb.core.types import Microbatch, Plan
@@ -74,8 +74,9 @@ def _run(args: argparse.Namespace) -> None:
                   dtype=torch.float32, device=dev)
         dist.barrier()
         t0 = time.perf_counter()
-        timings, _ = run_actions(sched.ranks[rank], stages={rank: ours}, plan=plan, inputs=lambda k: inputs[k],
-                                 p2p=p2p, loss_scale=scale, clock=device_ops(dev))
+        timings, _ = run_actions(sched.ranks[rank], ActionContext(
+            stages={rank: ours}, plan=plan, inputs=lambda k: inputs[k], p2p=p2p, loss_scale=scale,
+            clock=device_ops(dev)))
         p2p.finish()
         dist.barrier()
         dt = time.perf_counter() - t0

@@ -47,7 +47,7 @@ forward's and backward's saved tensors (``saving``) and is sampled after every a
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
@@ -58,7 +58,7 @@ from dynmb.runtime.device import Clock
 from dynmb.runtime.splitbackward import WeightGradTape, backward_input, backward_weight, full_backward, record_linears
 from dynmb.core.types import Action, Plan
 
-__all__ = ["ActionTiming", "run_actions"]
+__all__ = ["ActionContext", "ActionTiming", "run_actions"]
 
 
 @dataclass
@@ -75,116 +75,162 @@ def _layers(mod: torch.nn.Module) -> list[float]:
     return cast("list[float]", mod.layers)
 
 
-def run_actions(
-    actions: Sequence[Action],
-    *,
-    stages: Mapping[int, torch.nn.Module],
-    plan: Plan,
-    inputs: Callable[[int], Any],
-    p2p: P2P,
-    loss_scale: float,
-    clock: Clock,
-    meter: Any = None,
-    on_action: Callable[[int, Action], None] | None = None,
-    prefix: PrefixStore | None = None,
-) -> tuple[list[ActionTiming], float]:
-    """Run ``actions`` (this rank's list) and return their timings and the summed scaled loss.
+@dataclass(frozen=True)
+class ActionContext:
+    """What one rank's actions run against (``run_actions``).
 
-    ``stages``: stage index -> module held by this rank; ``plan``: this DP
-    replica's plan (``plan.microbatches[m]`` is microbatch m of the schedule);
-    ``inputs(m)``: the ``MicrobatchInputs`` of microbatch m on this device;
-    ``meter``: optional memory meter (``saving(stage)`` context for forwards,
-    ``sample(stage)`` after each action); ``on_action(i, action)``: called
-    before each action (fault injection in tests); ``prefix``: the step's store of slices'
-    keys and values (the one ``inputs`` hands the model), None when the plan has no slices.
+    ``stages``: stage index -> module held by this rank; ``plan``: this DP replica's plan
+    (``plan.microbatches[m]`` is microbatch m of the schedule); ``inputs(m)``: the
+    ``MicrobatchInputs`` of microbatch m on this device; ``p2p``: the step's point-to-point
+    channels; ``loss_scale``: the last stage's loss factor; ``clock``: the device's clock;
+    ``meter``: optional memory meter (``saving(stage)`` context for forwards, ``sample(stage)``
+    after each action); ``on_action(i, action)``: called before each action (fault injection in
+    tests); ``prefix``: the step's store of slices' keys and values (the one ``inputs`` hands the
+    model), None when the plan has no slices.
     """
-    last = plan.num_stages - 1
-    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    split = {(a.stage, a.mb) for a in actions if a.op == "I"}
-    tapes: dict[tuple[int, int], WeightGradTape | None] = {}
-    recompute = [bool(mb.recompute) for mb in plan.microbatches]
-    sliced = [mb.has_slices for mb in plan.microbatches]
+
+    stages: Mapping[int, torch.nn.Module]
+    plan: Plan
+    inputs: Callable[[int], Any]
+    p2p: P2P
+    loss_scale: float
+    clock: Clock
+    meter: Any = None
+    on_action: Callable[[int, Action], None] | None = None
+    prefix: PrefixStore | None = None
+
+
+@dataclass
+class _RankState:
+    """The tensors one rank's actions hand each other within the step."""
+
+    split: set[tuple[int, int]]          # (stage, mb) whose backward is split into I and W
+    recompute: list[bool]                # per microbatch: recompute its blocks in the backward
+    sliced: list[bool]                   # per microbatch: a slice of a long sequence
+    saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    tapes: dict[tuple[int, int], WeightGradTape | None] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+Marks = tuple[Any, Any, "float | None"]
+"""(before the receive, compute start, thread CPU seconds at compute start) of one action."""
+
+
+def _saving(ctx: ActionContext, stage: int) -> Any:
+    """The meter's saved-tensor context for ``stage``, or a no-op one without a meter."""
+    return ctx.meter.saving(stage) if ctx.meter is not None else nullcontext()
+
+
+def _forward(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
+    """``sFm``: receive (or embed), run the stage, keep (input, output), send the output on."""
+    s, m = a.stage, a.mb
+    mod, last = ctx.stages[s], ctx.plan.num_stages - 1
+    # a forward's inputs (token ids, the attention mask) are built before the receive: the
+    # work is neither wait nor the stage's compute, and it runs while the peer may still be busy
+    inp = ctx.inputs(m)
+    t_recv = ctx.clock.mark()
+    x = None
+    if s > 0:
+        x, _ = ctx.p2p.recv("act", s, m)
+        x.requires_grad_(True)
+    t_start, cpu_start = ctx.clock.mark(), ctx.clock.cpu()
+    saving = _saving(ctx, s)
+    record = record_linears(mod) if (s, m) in st.split and not st.recompute[m] else nullcontext()
+    with saving, record as tape:
+        out = mod(x, inp, recompute=True) if st.recompute[m] else mod(x, inp)
+        if s == last:
+            out = out * ctx.loss_scale
+    st.saved[(s, m)] = (x, out)
+    if ctx.meter is not None and x is not None:
+        ctx.meter.hold([x], s)           # held to its backward: not always saved (a piece's bucketed h)
+    st.tapes[(s, m)] = tape
+    if st.sliced[m] and ctx.prefix is not None and ctx.meter is not None:
+        ctx.meter.hold(ctx.prefix.held_tensors(_layers(mod)), s)
+    del inp
+    if s == last:
+        st.losses.append(out.detach())
+    else:
+        ctx.p2p.send("act", s + 1, m, out)
+    return t_recv, t_start, cpu_start
+
+
+def _input_gradient(ctx: ActionContext, a: Action, sliced: bool, saved: tuple[torch.Tensor | None, torch.Tensor],
+                    grad: torch.Tensor | None, tape: WeightGradTape | None) -> torch.Tensor | None:
+    """The backward (``B``) or backward-input (``I``) of ``a`` from its ``saved`` (input, output) and
+    the output's ``grad``: the input's gradient; a slice (``sliced``) adds its prefix store's roots."""
+    x, out = saved
+    mod, prefix = ctx.stages[a.stage], ctx.prefix
+    if not (sliced and prefix is not None):
+        return backward_input(mod, out, grad, x, tape) if a.op == "I" and tape is not None else \
+            full_backward(out, grad, x)
+    roots = prefix.backward_roots(_layers(mod), a.mb)
+    if a.op == "I" and tape is not None:
+        dx = backward_input(mod, out, grad, x, tape, roots, prefix.read_leaves(_layers(mod), a.mb))
+    else:
+        dx = full_backward(out, grad, x, roots)
+    del roots
+    prefix.release(_layers(mod), a.mb)
+    if ctx.meter is not None:
+        ctx.meter.hold(prefix.held_tensors(_layers(mod)), a.stage)
+    return dx
+
+
+def _backward(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
+    """``sBm`` / ``sIm``: receive the output's gradient, back-propagate, send the input's gradient back."""
+    s, m = a.stage, a.mb
+    t_recv = ctx.clock.mark()
+    x, out = st.saved.pop((s, m))
+    tape = st.tapes.pop((s, m), None)
+    grad = None
+    if s < ctx.plan.num_stages - 1:
+        grad, _ = ctx.p2p.recv("grad", s, m)
+    t_start, cpu_start = ctx.clock.mark(), ctx.clock.cpu()
+    with _saving(ctx, s):
+        dx = _input_gradient(ctx, a, st.sliced[m], (x, out), grad, tape)
+    if s > 0:
+        assert dx is not None
+        ctx.p2p.send("grad", s - 1, m, dx)
+    del x, out, grad, dx
+    if a.op == "I":
+        st.tapes[(s, m)] = tape
+        if tape is not None and ctx.meter is not None:
+            ctx.meter.hold(tape.hold_tensors(), s)
+    return t_recv, t_start, cpu_start
+
+
+def _weight(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
+    """``sWm``: the deferred Linear weight gradients of its ``sIm``; no communication."""
+    t_recv = ctx.clock.mark()
+    tape = st.tapes.pop((a.stage, a.mb), None)
+    t_start, cpu_start = ctx.clock.mark(), ctx.clock.cpu()
+    if tape is not None:
+        backward_weight(tape)
+    del tape
+    return t_recv, t_start, cpu_start
+
+
+_RUNNERS: dict[str, Callable[[ActionContext, _RankState, Action], Marks]] = {
+    "F": _forward, "B": _backward, "I": _backward, "W": _weight}
+"""The action kinds (``Action.op``) and what runs each."""
+
+
+def run_actions(actions: Sequence[Action], ctx: ActionContext) -> tuple[list[ActionTiming], float]:
+    """Run ``actions`` (this rank's list) against ``ctx`` and return their timings and the summed scaled loss."""
+    st = _RankState(split={(a.stage, a.mb) for a in actions if a.op == "I"},
+                    recompute=[bool(mb.recompute) for mb in ctx.plan.microbatches],
+                    sliced=[mb.has_slices for mb in ctx.plan.microbatches])
     timings: list[ActionTiming] = []
-    loss = 0.0
-    losses: list[torch.Tensor] = []
     for i, a in enumerate(actions):
-        if on_action is not None:
-            on_action(i, a)
-        s, m = a.stage, a.mb
-        mod = stages[s]
-        # a forward's inputs (token ids, the attention mask) are built before the receive: the
-        # work is neither wait nor the stage's compute, and it runs while the peer may still be busy
-        inp = inputs(m) if a.op == "F" else None
-        t_recv = clock.mark()
-        if a.op == "F":
-            x = None
-            if s > 0:
-                x, _ = p2p.recv("act", s, m)
-                x.requires_grad_(True)
-            t_start, cpu_start = clock.mark(), clock.cpu()
-            ctx = meter.saving(s) if meter is not None else nullcontext()
-            record = record_linears(mod) if (s, m) in split and not recompute[m] else nullcontext()
-            with ctx, record as tape:
-                out = mod(x, inp, recompute=True) if recompute[m] else mod(x, inp)
-                if s == last:
-                    out = out * loss_scale
-            saved[(s, m)] = (x, out)
-            if meter is not None and x is not None:
-                meter.hold([x], s)           # held to its backward: not always saved (a piece's bucketed h)
-            tapes[(s, m)] = tape
-            if sliced[m] and prefix is not None and meter is not None:
-                meter.hold(prefix.held_tensors(_layers(mod)), s)
-            del inp
-            if s == last:
-                losses.append(out.detach())
-            else:
-                p2p.send("act", s + 1, m, out)
-        elif a.op in ("B", "I"):
-            x, out = saved.pop((s, m))
-            tape = tapes.pop((s, m), None)
-            grad = None
-            if s < last:
-                grad, _ = p2p.recv("grad", s, m)
-            t_start, cpu_start = clock.mark(), clock.cpu()
-            ctx = meter.saving(s) if meter is not None else nullcontext()
-            with ctx:
-                if sliced[m] and prefix is not None:
-                    roots = prefix.backward_roots(_layers(mod), m)
-                    if a.op == "I" and tape is not None:
-                        dx = backward_input(mod, out, grad, x, tape, roots, prefix.read_leaves(_layers(mod), m))
-                    else:
-                        dx = full_backward(out, grad, x, roots)
-                    del roots
-                    prefix.release(_layers(mod), m)
-                    if meter is not None:
-                        meter.hold(prefix.held_tensors(_layers(mod)), s)
-                elif a.op == "I" and tape is not None:
-                    dx = backward_input(mod, out, grad, x, tape)
-                else:
-                    dx = full_backward(out, grad, x)
-            if s > 0:
-                assert dx is not None
-                p2p.send("grad", s - 1, m, dx)
-            del x, out, grad, dx
-            if a.op == "I":
-                tapes[(s, m)] = tape
-                if tape is not None and meter is not None:
-                    meter.hold(tape.hold_tensors(), s)
-        else:  # "W": the deferred Linear weight gradients
-            tape = tapes.pop((s, m), None)
-            t_start, cpu_start = clock.mark(), clock.cpu()
-            if tape is not None:
-                backward_weight(tape)
-            del tape
-        t_end, cpu_end = clock.mark(), clock.cpu()
-        if meter is not None:
-            meter.sample(s)
+        if ctx.on_action is not None:
+            ctx.on_action(i, a)
+        t_recv, t_start, cpu_start = _RUNNERS[a.op](ctx, st, a)
+        t_end, cpu_end = ctx.clock.mark(), ctx.clock.cpu()
+        if ctx.meter is not None:
+            ctx.meter.sample(a.stage)
         timings.append(ActionTiming(a, t_recv, t_start, t_end,
                                     None if cpu_start is None or cpu_end is None else cpu_end - cpu_start))
-    if saved:
-        raise RuntimeError(f"actions left activations without a backward: {sorted(saved)[:6]}")
-    if any(t is not None and t.calls for t in tapes.values()):
-        raise RuntimeError(f"actions left weight gradients without a W: {sorted(tapes)[:6]}")
-    if losses:
-        loss = float(torch.stack(losses).sum())
-    return timings, loss
+    if st.saved:
+        raise RuntimeError(f"actions left activations without a backward: {sorted(st.saved)[:6]}")
+    if any(t is not None and t.calls for t in st.tapes.values()):
+        raise RuntimeError(f"actions left weight gradients without a W: {sorted(st.tapes)[:6]}")
+    return timings, float(torch.stack(st.losses).sum()) if st.losses else 0.0

@@ -45,7 +45,7 @@ from dynmb.runtime.checks import (
 )
 from dynmb.runtime.comm import P2P
 from dynmb.runtime.fsdp import begin_step, finish_step, full_tensors
-from dynmb.runtime.interpreter import ActionTiming, run_actions
+from dynmb.runtime.interpreter import ActionContext, ActionTiming, run_actions
 from dynmb.runtime.records import ActionRow, MemoryRow, StepReport
 from dynmb.runtime.state import RunState
 from dynmb.core.types import Action, Plan, Schedule
@@ -172,11 +172,11 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     if state.sharded:
         begin_step(state.stages.values())      # weights gathered once, gradient sync off
     prefix = PrefixStore() if replica.has_slices else None
-    timings, loss = run_actions(
-        actions, stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix),
+    timings, loss = run_actions(actions, ActionContext(
+        stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix),
         p2p=p2p, prefix=prefix,
         loss_scale=1.0 / plan.real_tokens, clock=state.clock, meter=state.meter,
-        on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions))
+        on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions)))
     p2p.finish()
     if state.sharded:
         finish_step(state.stages.values())     # reduce-scatter: the replicas' gradients summed

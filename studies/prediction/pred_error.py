@@ -60,7 +60,7 @@ def _worker(rank: int, args, port: int, out: list) -> None:
     from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens
     from dynmb.planning import plan_step
     from dynmb.runtime.comm import P2P, make_pair_groups
-    from dynmb.runtime.interpreter import run_actions
+    from dynmb.runtime.interpreter import ActionContext, run_actions
     from dynmb.runtime.meter import MemoryMeter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -94,8 +94,9 @@ def _worker(rank: int, args, port: int, out: list) -> None:
                       dtype=torch.float32, device=torch.device("cpu"))
             dist.barrier()
             m0 = clock.mark()
-            timings, _ = run_actions(sched.ranks[rank], stages={rank: stage}, plan=plan, inputs=inputs, p2p=p2p,
-                                     loss_scale=1.0 / plan.real_tokens, clock=clock, meter=meter)
+            timings, _ = run_actions(sched.ranks[rank], ActionContext(
+                stages={rank: stage}, plan=plan, inputs=inputs, p2p=p2p,
+                loss_scale=1.0 / plan.real_tokens, clock=clock, meter=meter))
             p2p.finish()
             opt.step()
             opt.zero_grad(set_to_none=True)
