@@ -358,6 +358,32 @@ def _start_identical(stages: Sequence[nn.Module], replica_group: dist.ProcessGro
         _SYNCED.update(fresh)
 
 
+def _torch_runtime(stage_list: Sequence[nn.Module], plan: Plan, sched: Schedule, settings: TorchPipeliningSettings,
+                   loss_tokens: int, group: dist.ProcessGroup | None,
+                   ) -> tuple[list[PlanShapedStage], schedules._PipelineScheduleRuntime]:
+    """This rank's stages wrapped as ``PlanShapedStage`` (in stage order, each told the hidden shapes it
+    receives and sends per microbatch of ``plan``) and torch's runtime loaded with ``sched``."""
+    device = torch.device(settings.device)
+    dtype = _hidden_dtype(stage_list, settings)
+
+    def shapes(sender: int) -> list[tuple[int, int, int]]:        # what stage ``sender`` sends, per microbatch
+        return [hidden_shape(mb, settings.model, max(sender, 0), sched.num_stages) for mb in plan.microbatches]
+
+    indices = sorted(int(cast(StageModule, st).stage) for st in stage_list)
+    by_index = {int(cast(StageModule, st).stage): st for st in stage_list}
+    torch_stages = [PlanShapedStage(by_index[s], s, sched.num_stages, device, shapes=shapes(s - 1),
+                                    out_shapes=shapes(s), dtype=dtype,
+                                    loss_dtype=torch.promote_types(dtype, torch.float32), group=group)
+                    for s in indices]
+    runtime = schedules._PipelineScheduleRuntime(stages=torch_stages, n_microbatches=plan.num_microbatches,
+                                                 loss_fn=_TokenWeightedLoss(loss_tokens), scale_grads=False)
+    with tempfile.TemporaryDirectory(prefix="dynmb-torch-pp-") as tmp:
+        path = Path(tmp) / "schedule.csv"
+        to_csv(sched, path)
+        runtime._load_csv(str(path), format="compute_only")
+    return torch_stages, runtime
+
+
 def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Plan, schedule: Schedule | str | Path,
                               tokens: Sequence[torch.Tensor], settings: TorchPipeliningSettings,
                               group: dist.ProcessGroup | None = None, *,
@@ -382,23 +408,7 @@ def run_with_torch_pipelining(stages: nn.Module | Sequence[nn.Module], plan: Pla
     device = torch.device(settings.device)
     digest = _agree(plan, sched, loss_tokens, group, device, settings.check_digest)
 
-    dtype = _hidden_dtype(stage_list, settings)
-    def shapes(sender: int) -> list[tuple[int, int, int]]:        # what stage ``sender`` sends, per microbatch
-        return [hidden_shape(mb, settings.model, max(sender, 0), sched.num_stages) for mb in plan.microbatches]
-
-    indices = sorted(int(cast(StageModule, st).stage) for st in stage_list)
-    by_index = {int(cast(StageModule, st).stage): st for st in stage_list}
-    torch_stages = [PlanShapedStage(by_index[s], s, sched.num_stages, device, shapes=shapes(s - 1),
-                                    out_shapes=shapes(s), dtype=dtype,
-                                    loss_dtype=torch.promote_types(dtype, torch.float32), group=group)
-                    for s in indices]
-    runtime = schedules._PipelineScheduleRuntime(stages=torch_stages, n_microbatches=plan.num_microbatches,
-                                                 loss_fn=_TokenWeightedLoss(loss_tokens), scale_grads=False)
-    with tempfile.TemporaryDirectory(prefix="dynmb-torch-pp-") as tmp:
-        path = Path(tmp) / "schedule.csv"
-        to_csv(sched, path)
-        runtime._load_csv(str(path), format="compute_only")
-
+    torch_stages, runtime = _torch_runtime(stage_list, plan, sched, settings, loss_tokens, group)
     inputs = [make_inputs(mb, tokens, cfg=settings.model, device=device) for mb in plan.microbatches]
     arg_mbs = [(inp.input_ids,) for inp in inputs]
     kwarg_mbs = [{"inputs": inp, "recompute": bool(mb.recompute)} for inp, mb in zip(inputs, plan.microbatches)]
