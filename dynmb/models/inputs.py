@@ -279,6 +279,51 @@ def _document_buckets(lens: np.ndarray, doc_start: np.ndarray, seg: np.ndarray, 
     return DocumentBuckets(torch.from_numpy(gather), torch.from_numpy(scatter), shapes, tuple(slices))
 
 
+def _check_lengths(mb: Microbatch, cfg: ModelConfig | None) -> np.ndarray:
+    """The last position + 1 of each of ``mb``'s entries in its sequence, after checking them against
+    ``cfg.max_seq_len`` (learned positions) and each row's tokens against ``mb.padded_len``."""
+    ends_all = mb.offsets + mb.lengths
+    if cfg is not None and cfg.learned_positions and ends_all.max() > cfg.max_seq_len:
+        bad = mb.seq_ids[ends_all > cfg.max_seq_len]
+        raise InputError(f"sequences {bad[:10].tolist()} are longer than max_seq_len {cfg.max_seq_len} (they reach "
+                         f"position {int(ends_all.max())}; learned positions: size them from the trace, e.g. "
+                         f"--model {cfg.name.split(':')[0]}:max_seq_len={int(ends_all.max())})")
+    row_len = np.bincount(mb.row_ids, weights=mb.lengths, minlength=mb.batch).astype(np.int64)
+    if row_len.max() > mb.padded_len:
+        r = int(row_len.argmax())
+        raise InputError(f"row {r} holds {int(row_len[r])} tokens (sequences "
+                         f"{mb.seq_ids[mb.row_ids == r].tolist()}) > padded_len {mb.padded_len}")
+    return ends_all
+
+
+def _token_stream(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], order: np.ndarray,
+                  cfg: ModelConfig | None) -> torch.Tensor:
+    """Each of ``mb``'s entries' ``length + 1`` ids (from its offset) back to back, in ``order``; the ids
+    checked against ``cfg``'s vocabulary."""
+    chunks = []
+    for k in order:
+        sid, n, off = int(mb.seq_ids[k]), int(mb.lengths[k]), int(mb.offsets[k])
+        if sid >= len(tokens):
+            raise InputError(f"sequence {sid} has no tokens ({len(tokens)} given)")
+        t = torch.as_tensor(tokens[sid], dtype=torch.int64).reshape(-1)
+        if t.numel() < off + n + 1:
+            raise InputError(f"sequence {sid} has {t.numel()} tokens, needs length + 1 = {off + n + 1} (offset {off})")
+        chunks.append(t[off: off + n + 1])
+    stream = torch.cat(chunks)
+    if cfg is not None and (stream.min() < 0 or stream.max() >= cfg.vocab_size):
+        raise InputError(f"token ids must lie in [0, {cfg.vocab_size}), got [{int(stream.min())}, {int(stream.max())}]")
+    return stream
+
+
+def _attention_path(mb: Microbatch, cfg: ModelConfig | None) -> str:
+    """The attention path of ``mb``: ``dense`` (the mask ablation), ``document`` (packed rows or slices
+    under ``auto``) or ``causal``."""
+    mode = "auto" if cfg is None else cfg.attention
+    if mb.has_slices and mode == "dense":
+        raise InputError("slices of long sequences need --attention auto (the dense mask ablation has no prefix)")
+    return "dense" if mode == "dense" else "document" if (mb.is_packed or mb.has_slices) else "causal"
+
+
 def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, cfg: ModelConfig | None = None,
                 device: torch.device | str | None = None) -> MicrobatchInputs:
     """Lay out ``mb``'s sequences in ``mb.batch`` rows of ``mb.padded_len`` tokens.
@@ -292,32 +337,10 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
     Vectorised: one Python step per sequence, none per token.
     """
     b, s = mb.batch, mb.padded_len
-    lens_all = mb.lengths
-    ends_all = mb.offsets + lens_all                      # last position + 1 of each entry in its sequence
-    if cfg is not None and cfg.learned_positions and ends_all.max() > cfg.max_seq_len:
-        bad = mb.seq_ids[ends_all > cfg.max_seq_len]
-        raise InputError(f"sequences {bad[:10].tolist()} are longer than max_seq_len {cfg.max_seq_len} (they reach "
-                         f"position {int(ends_all.max())}; learned positions: size them from the trace, e.g. "
-                         f"--model {cfg.name.split(':')[0]}:max_seq_len={int(ends_all.max())})")
-    row_len = np.bincount(mb.row_ids, weights=lens_all, minlength=b).astype(np.int64)
-    if row_len.max() > s:
-        r = int(row_len.argmax())
-        raise InputError(f"row {r} holds {int(row_len[r])} tokens (sequences "
-                         f"{mb.seq_ids[mb.row_ids == r].tolist()}) > padded_len {s}")
+    ends_all = _check_lengths(mb, cfg)
     order = np.argsort(mb.row_ids, kind="stable")        # sequences grouped by row, in order
-    rows, lens = mb.row_ids[order], lens_all[order]
-    chunks = []
-    for k in order:
-        sid, n, off = int(mb.seq_ids[k]), int(lens_all[k]), int(mb.offsets[k])
-        if sid >= len(tokens):
-            raise InputError(f"sequence {sid} has no tokens ({len(tokens)} given)")
-        t = torch.as_tensor(tokens[sid], dtype=torch.int64).reshape(-1)
-        if t.numel() < off + n + 1:
-            raise InputError(f"sequence {sid} has {t.numel()} tokens, needs length + 1 = {off + n + 1} (offset {off})")
-        chunks.append(t[off: off + n + 1])
-    stream = torch.cat(chunks)                            # each sequence's n + 1 ids back to back
-    if cfg is not None and (stream.min() < 0 or stream.max() >= cfg.vocab_size):
-        raise InputError(f"token ids must lie in [0, {cfg.vocab_size}), got [{int(stream.min())}, {int(stream.max())}]")
+    rows, lens = mb.row_ids[order], mb.lengths[order]
+    stream = _token_stream(mb, tokens, order, cfg)
 
     start = np.cumsum(lens) - lens                        # start of each sequence among real tokens
     first_in_row = np.searchsorted(rows, rows, side="left")
@@ -336,10 +359,7 @@ def make_inputs(mb: Microbatch, tokens: Sequence[torch.Tensor | np.ndarray], *, 
     named = dict(input_ids=fill(0, stream[src]), labels=fill(IGNORE_INDEX, stream[src + 1]),
                  position_ids=fill(0, torch.from_numpy(offs[seg] + pos)),
                  doc_ids=fill(-1, torch.from_numpy(order[seg])))
-    mode = "auto" if cfg is None else cfg.attention
-    if mb.has_slices and mode == "dense":
-        raise InputError("slices of long sequences need --attention auto (the dense mask ablation has no prefix)")
-    path = "dense" if mode == "dense" else "document" if (mb.is_packed or mb.has_slices) else "causal"
+    path = _attention_path(mb, cfg)
     buckets = None
     if path == "document":
         sliced = mb.slice_mask[order]
