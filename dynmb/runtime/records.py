@@ -39,7 +39,7 @@ from dynmb.schedule.io import sidecar_path
 from dynmb.timing.simulate import comm_times, simulate_costs
 from dynmb.core.types import Plan, Schedule
 
-__all__ = ["ActionRow", "MemoryRow", "StepReport", "step_row", "replay_step_s", "run_row", "actions_frame",
+__all__ = ["ActionRow", "MemoryRow", "ShapeCounts", "StepReport", "step_row", "replay_step_s", "run_row", "actions_frame",
            "Recorder"]
 
 
@@ -144,11 +144,18 @@ def replay_step_s(schedule: Schedule, plan: Plan, actions: Sequence[ActionRow],
     return simulate_costs(schedule, costs, comm_times(cost_model, plan)).makespan_s
 
 
+@dataclass(frozen=True)
+class ShapeCounts:
+    """A step's microbatch shapes ``(batch, padded_len)``: how many ``distinct``, how many ``new`` to the run."""
+
+    distinct: int
+    new: int
+
+
 def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport], *, world_size: int,
-             distinct_shapes: int, new_shapes: int, cost_model: CostModelLike,
-             schedule: Schedule | None = None) -> dict[str, Any]:
+             shapes: ShapeCounts, cost_model: CostModelLike, schedule: Schedule | None = None) -> dict[str, Any]:
     """The ``steps`` row of ``step``: ``plan`` is the global batch's plan, ``reports`` every rank's,
-    ``cost_model`` the model the step was planned and predicted with (its per-action runtime
+    ``shapes`` its shape counts (``RunState.note_shapes``), ``cost_model`` the model the step was planned and predicted with (its per-action runtime
     overhead, ``F`` / ``B``, its calibration scale, mean over stages, and the wait per received
     message it adds to receiving actions, ``recv_latency_s``), ``schedule``
     the schedule replica 0 ran (for ``replay_step_s``; None leaves it empty)."""
@@ -177,7 +184,7 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         scale_B=sum(cost_model.scale_of(p, "B") for p in range(num_stages)) / num_stages,
         recv_latency_s=float(getattr(getattr(cost_model, "comm", None), "recv_latency_s", 0.0)),
         attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
-        distinct_shapes=distinct_shapes, new_shapes=new_shapes, prewarm=cfg.prewarm, seed=cfg.seed,
+        distinct_shapes=shapes.distinct, new_shapes=shapes.new, prewarm=cfg.prewarm, seed=cfg.seed,
         replay_step_s=None if schedule is None else replay_step_s(
             schedule, plan, [a for r in reports for a in r.actions], cost_model),
         **step_bound_fields(plan, schedule, cost_model, [a for r in reports for a in r.actions], step_s),

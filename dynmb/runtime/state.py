@@ -49,7 +49,7 @@ from dynmb.runtime.fsdp import shard_stage
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.planshare import PlanShare, job_store
-from dynmb.runtime.records import ActionRow, actions_frame
+from dynmb.runtime.records import ActionRow, ShapeCounts, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_head_split
 from dynmb.runtime.replicas import sync_replicas
 from dynmb.runtime.topology import Topology, make_process_groups
@@ -198,12 +198,12 @@ class RunState:
         plan = replace(plan, predictions=predicted.predictions.updated(plan_s=0.0))
         return PlannedBatch(plan_lengths(plan), plan, scheds[0], predicted.sims[0])
 
-    def note_shapes(self, plan: Plan) -> tuple[int, int]:
-        """``(distinct, new)`` microbatch shapes of ``plan``; remembers them as seen."""
+    def note_shapes(self, plan: Plan) -> ShapeCounts:
+        """The counts of ``plan``'s microbatch shapes, distinct and new; remembers them as seen."""
         shapes = {(mb.batch, mb.padded_len) for mb in plan.microbatches}
         new = len(shapes - self.seen_shapes)
         self.seen_shapes |= shapes
-        return len(shapes), new
+        return ShapeCounts(distinct=len(shapes), new=new)
 
     def record(self, actions: list[ActionRow]) -> None:
         """Append one step's actions (every rank's, the same list on every rank) to the job's

@@ -132,15 +132,14 @@ def _step(state: RunState, step: int, recorder: Recorder, position: int = 0) -> 
     reports: list[StepReport | None] = [None] * state.topology.world_size
     dist.all_gather_object(reports, report)
     gathered = [r for r in reports if r is not None]
-    distinct_shapes, new_shapes = state.note_shapes(plan)
+    shapes = state.note_shapes(plan)
     run = state.run
     problems = [p for r in gathered for p in r.problems]
     if state.rank == 0:
         # the step's actions and memory rows first, its steps row last (after its checks): a
         # reader never sees a step without its measurements, and `verified` means the check passed
         recorder.measurements(state.spec, gathered)
-        row = step_row(state.spec, step, plan, gathered, world_size=state.topology.world_size,
-                       distinct_shapes=distinct_shapes, new_shapes=new_shapes,
+        row = step_row(state.spec, step, plan, gathered, world_size=state.topology.world_size, shapes=shapes,
                        cost_model=state.cost_model, schedule=schedule)
         row["verified"] = bool(state.spec.verify) and not problems
         row["round_position"] = position
