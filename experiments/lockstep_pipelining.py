@@ -136,7 +136,7 @@ def batch_data(args: argparse.Namespace) -> tuple[np.ndarray, list[torch.Tensor]
     """A long-tail global batch stream: lengths in [1, T] and their token ids."""
     rng = np.random.default_rng(args.seed)
     lens = np.minimum(rng.pareto(1.0, args.docs * args.steps) * 6 + 1, args.pack_len).astype(np.int64)
-    return lens, [t[:-1] for t in synthetic_tokens(lens, VOCAB, seed=args.seed)]
+    return lens, synthetic_tokens(lens, VOCAB, seed=args.seed)       # length + 1 ids: tokens, then end-of-text
 
 
 def sampler_for(args: argparse.Namespace, lens: np.ndarray, dp: int, replica: int) -> dynmb.DynamicBatchSampler:

@@ -146,11 +146,14 @@ def _job(out: Path, cfg: RunConfig, nproc: int) -> Path:
 
 
 @pytest.mark.slow
-def test_pp2_dp2_checkpoint_resumes_at_pp1_and_pp4(tmp_path):
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "fsdp2"])
+def test_pp2_dp2_checkpoint_resumes_at_pp1_and_pp4(tmp_path, shard):
     ck = tmp_path / "ck"
-    base = _job(tmp_path / "pp2dp2", _cfg(2, ranks=2, dp=2, steps=4, checkpoint=str(ck), checkpoint_every=3), 4)
+    base = _job(tmp_path / "pp2dp2", _cfg(2, ranks=2, dp=2, steps=4, checkpoint=str(ck), checkpoint_every=3,
+                                          shard=shard), 4)
     uninterrupted = _losses(base)[3]
-    pp1 = _losses(_job(tmp_path / "pp1dp2", _cfg(1, ranks=1, dp=2, steps=4, resume=str(ck / "step-00000003")), 2))
+    pp1 = _losses(_job(tmp_path / "pp1dp2", _cfg(1, ranks=1, dp=2, steps=4, resume=str(ck / "step-00000003"),
+                                                 shard=shard), 2))
     pp4 = _losses(_job(tmp_path / "pp4dp1", _cfg(4, ranks=4, dp=1, steps=4, resume=str(ck / "step-00000003")), 4))
     print(f"dynmb runtime, step 3 loss: uninterrupted pp2xdp2 {uninterrupted!r}, resumed pp1xdp2 {pp1[3]!r}, "
           f"pp4xdp1 {pp4[3]!r}")

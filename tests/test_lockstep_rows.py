@@ -26,8 +26,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "experiments" / "lockstep_pipeli
 
 
 def _reference_rows(rec, tokens, T: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
-    """Rows built directly: documents of a row in entry order, positions 0..s-1, labels = ids but the
-    first token of each document ignored; pads 0 / 0 / ignored; the segment lengths of every row."""
+    """Rows built directly: documents of a row in entry order, positions 0..s-1, labels = the next id of
+    the document (its end-of-text last); pads 0 / 0 / ignored; the segment lengths of every row."""
     ids, pos, lab = np.zeros((b, T), np.int64), np.zeros((b, T), np.int64), np.full((b, T), IGNORE_INDEX, np.int64)
     segs: list[list[int]] = [[] for _ in range(b)]
     fill = [0] * b
@@ -36,7 +36,7 @@ def _reference_rows(rec, tokens, T: int, b: int) -> tuple[np.ndarray, np.ndarray
         a = fill[r]
         ids[r, a:a + s] = np.asarray(tokens[rec.indices[k]][:s])
         pos[r, a:a + s] = np.arange(s)
-        lab[r, a + 1:a + s] = ids[r, a + 1:a + s]
+        lab[r, a:a + s] = np.asarray(tokens[rec.indices[k]][1:s + 1])
         fill[r] += s
         segs[r].append(s)
     for r in range(b):
@@ -51,8 +51,8 @@ def test_rows_equal_a_reference_collate(T, mbs, dp, seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(8 * dp * mbs, 60 * dp))
     lens = np.minimum(rng.pareto(1.0, n) * 5 + 1, T).astype(np.int64)
-    tokens = [torch.as_tensor(rng.integers(1, 500, int(s))) for s in lens]
-    total_valid = int(lens.sum() - len(lens))
+    tokens = [torch.as_tensor(rng.integers(1, 500, int(s) + 1)) for s in lens]      # length + 1 ids
+    total_valid = int(lens.sum())
     seen = []
     for rank in range(dp):
         sampler = dynmb.DynamicBatchSampler(lens, n, model="llama-tiny", num_stages=2, memory_limit="2GiB",
@@ -78,7 +78,7 @@ def test_rows_equal_a_reference_collate(T, mbs, dp, seed):
 
 def test_short_steps_are_completed_with_pad_microbatches_and_long_ones_refused():
     lens = np.full(12, 20)
-    tokens = [torch.arange(20) + 1 for _ in lens]
+    tokens = [torch.arange(21) + 1 for _ in lens]
     sampler = dynmb.DynamicBatchSampler(lens, 12, model="llama-tiny", num_stages=2, memory_limit="2GiB",
                                         method="lockstep", num_replicas=1, shuffle=False, pack_len=64)
     m = len(list(sampler))

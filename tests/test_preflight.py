@@ -13,7 +13,7 @@ from dynmb.api.collate import CollateError, collate
 from dynmb.api.sampler import DynamicBatchSampler
 from dynmb.cli import main
 from dynmb.cli.flags import virtual_enable
-from dynmb.cli.run import run_summary
+from dynmb.cli.outcome import run_summary
 from dynmb.core.config import PipelineConfig, RunConfig, model_config
 from dynmb.io.results import write_table
 from dynmb.runtime.preflight import check_stages

@@ -9,7 +9,7 @@ import sys
 
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
                              add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int, positive_int)
-from dynmb.cli.run import stop_line
+from dynmb.cli.outcome import stop_line
 from dynmb.jobs.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
 
 __all__ = ["add_parser", "run", "settings_from_args"]

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dynmb.cli.outcome import run_summary, stop_line
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
                              model_from_args, names_factory, nonnegative_int, positive_int, virtual_arg,
                              warn_own_model_stand_ins, with_virtual_choice)
@@ -36,13 +36,13 @@ from dynmb.io.outdir import check_fresh
 from dynmb.planning.virtual_search import describe
 from dynmb.runtime.api import run_job
 from dynmb.runtime.checkpoint import check_resume
-from dynmb.runtime.launch import LaunchResult, default_backend_device
+from dynmb.runtime.launch import default_backend_device
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 from dynmb.schedule import SCHEDULE_KINDS
 from dynmb.schedule.kinds import AUTO, is_schedule_name
 from dynmb.core.types import Plan
 
-__all__ = ["add_parser", "run", "run_summary", "run_config", "stop_line", "DEFAULTS"]
+__all__ = ["add_parser", "run", "run_config", "DEFAULTS"]
 
 DEFAULTS: dict[str, Any] = dict(stages=2, memory_limit="1GiB", method="dynamic", dp=1, schedule="1f1b",
                                 global_batch=64, seed=0, round_to=1, oversize="error", recompute="never",
@@ -249,43 +249,6 @@ def _token_file(args: argparse.Namespace) -> TokenFile | None:
     check_writable(args.out)
     model = _spec(args, "gloo", "cpu").run.model
     return prepare_tokens(source, args.out, vocab_size=model.vocab_size, model_name=model.name)
-
-
-def _steps_text(steps: tuple[int, ...]) -> str:
-    if not steps:
-        return "no complete step"
-    if list(steps) == list(range(steps[0], steps[-1] + 1)):
-        return f"steps {steps[0]}-{steps[-1]} complete" if len(steps) > 1 else f"step {steps[0]} complete"
-    return f"steps {', '.join(map(str, steps))} complete"
-
-
-def stop_line(verb: str, launched: LaunchResult) -> str:
-    """The one line of an interrupted job: what was stopped and which steps the tables hold."""
-    done = launched.complete_steps
-    held = "; ".join(f"{rid}: {_steps_text(steps)}" for rid, steps in done.items()) if len(done) > 1 \
-        else _steps_text(next(iter(done.values()), ()))
-    name = signal.Signals(launched.signal).name if launched.signal is not None else "a signal"
-    return (f"dynmb {verb}: interrupted ({name}), stopped torchrun and {launched.stopped_workers} workers; "
-            f"tables hold {held}")
-
-
-def run_summary(out: Path, run_id: str | None = None) -> str:
-    """One line on the measured steps of ``run_id`` (default: every run) in ``out``: median
-    step, predicted, tokens/s, bubble."""
-    import pandas as pd
-
-    steps = pd.read_csv(out / "steps.csv")
-    if run_id is not None:
-        steps = steps[steps["run_id"].astype(str) == run_id]
-    steps = steps[~steps["warmup"].astype(bool)] if "warmup" in steps else steps
-    tag = f"run {run_id}, " if run_id is not None else ""
-    checked = ""
-    if "verified" in steps.columns and steps["verified"].astype(bool).any():
-        checked = (f"; gradients checked against a single-process reference: {int(steps['verified'].astype(bool).sum())}"
-                   f" of {len(steps)} measured steps equal")
-    return (f"dynmb run: ok, {tag}{len(steps)} measured steps, median step {steps['step_s'].median():.3f} s "
-            f"(predicted {steps['pred_step_s'].median():.3f} s), {steps['tokens_per_s'].median():.0f} tokens/s, "
-            f"mean bubble {steps['mean_bubble'].median():.2f}{checked}; tables in {out}")
 
 
 def run(args: argparse.Namespace) -> int:

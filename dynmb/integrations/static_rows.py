@@ -8,14 +8,14 @@ tokens. ``static_rows(records, tokens, settings)`` is that iterator for one data
 of every replica runs together, balanced by ``dynmb.packing.lockstep``):
 
 1. each sampled microbatch is collated by ``dynmb.api.collate.collate_padded`` (documents of a row
-   back to back in the plan's order, ``positions`` restarting at 0 in every document, ``labels``
-   aligned with ``input_ids`` -- a model shifts them -- and ``IGNORE_INDEX`` at every document's
-   first token and at pads), then padded to exactly ``rows_per_mb x pack_len`` (a row the plan left
+   back to back in the plan's order, ``positions`` restarting at 0 in every document, ``labels`` the
+   id each position predicts -- the next id of its document, its end-of-text at its last token (the
+   length convention of docs/design.md) -- and ``IGNORE_INDEX`` at pads), then padded to exactly ``rows_per_mb x pack_len`` (a row the plan left
    empty is all pad);
 2. a step with fewer than ``settings.microbatches`` microbatches (the count the schedule was built
    for) is completed with all-pad microbatches (no loss tokens); a step with more is refused, naming it;
 3. every ``StaticRowBatch`` (``input_ids``, ``positions``, ``labels``, ``doc_ids``) carries the step's global valid-token count (loss tokens of every replica:
-   real tokens minus documents, known from the plan with no communication), and ``thd()`` gives the
+   its real tokens, known from the plan with no communication), and ``thd()`` gives the
    same rows in the THD layout: Megatron's ``PackedSeqParams`` fields as plain tensors over the
    flattened ``[b * T]`` rows -- every document one segment, every row's pad tail one more, so
    ``cu_seqlens_q[-1] == b * T`` -- with no Megatron import.
