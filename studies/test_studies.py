@@ -423,7 +423,7 @@ def test_planners_needed_is_plan_over_step_rounded_up():
 
 def test_scaling_slice_fitting_keeps_the_tokens_and_records_the_threshold(tmp_path, capsys):
     """``--slice-fitting auto`` (``_scaling_slicefit``): the dynamic row on longtail at P 8 keeps the tokens of
-    ``never``, slices some of the sequences that fit (predicted faster here) and records its threshold and check time."""
+    ``never``, slices sequences that fit only where predicted faster, and records its threshold and check time."""
     scaling = _script("scaling")
     argv = ["--traces", "longtail", "--tokens", "200k", "--stages", "8", "--dp", "1", "--sim-replicas", "1",
             "--schedule", "auto", "--methods", "dynamic", "--stage-split", "even", "--no-progress"]
@@ -433,7 +433,10 @@ def test_scaling_slice_fitting_keeps_the_tokens_and_records_the_threshold(tmp_pa
     assert auto["slice_fitting"] == "auto" and auto["real_tokens"] == never["real_tokens"]
     assert auto["pred_step_s"] <= never["pred_step_s"] and auto["slice_fitting_s"] > 0
     assert auto["pred_step_s"] >= auto["ideal_s"]
-    assert auto["slice_threshold"] > 0 and auto["sliced"] > 0 and auto["pred_step_s"] < never["pred_step_s"]
+    if auto["sliced"] > 0:        # slices only where predicted faster (since zb defers W as published, this
+        assert auto["slice_threshold"] > 0 and auto["pred_step_s"] < never["pred_step_s"]   # cell keeps none)
+    else:
+        assert auto["pred_step_s"] == never["pred_step_s"]
 
 
 @pytest.mark.dist
