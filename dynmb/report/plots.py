@@ -175,7 +175,7 @@ def _throughput_panel(ax, df: pd.DataFrame, steps: str) -> None:
         ax.text(v, yi, f" {v:,.0f}", va="center", fontsize=8)
     ax.set_yticks(list(y), df["case"])
     ax.invert_yaxis()
-    ax.set_xlabel(f"real tokens / s, total over {steps} (longer bar = faster)")
+    ax.set_xlabel(f"real tokens / s, total over {steps}\n(longer bar = faster)")
     ax.margins(x=0.18)
 
 
@@ -200,7 +200,7 @@ def _ratio_panel(ax, df: pd.DataFrame) -> None:
     ax.xaxis.set_minor_formatter(plain)
     ax.tick_params(axis="x", which="minor", labelsize=7)
     ax.set_ylim(len(df) - 0.5, -0.5)
-    ax.set_xlabel("dynamic tokens/s / case tokens/s (paired per step, 95% interval)")
+    ax.set_xlabel("dynamic tokens/s / case tokens/s\n(paired per step, 95% interval)")
     ax.margins(x=0.35)
     ax.text(0.99, 1.01, "dynamic faster \u2192", transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
     ax.text(0.01, 1.01, "\u2190 case faster", transform=ax.transAxes, ha="left", va="bottom", fontsize=8)
