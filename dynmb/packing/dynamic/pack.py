@@ -118,7 +118,7 @@ class DynamicSearch:
 
 
 def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelLike, call: PackCall = PackCall(),
-                   /, search: DynamicSearch = DynamicSearch(), **settings: Any) -> tuple[Flat, float]:
+                   search: DynamicSearch = DynamicSearch(), **settings: Any) -> tuple[Flat, float]:
     """Microbatches (in execution order) of the global batch ``lengths`` and their estimated makespan
     (the slowest of ``dp`` replicas, as ``dynmb.packing`` assigns them). The settings below come as
     keywords (``round_to=1, max_len=None, attention="auto", dp=1, baselines=None``), as a ``PackCall``
