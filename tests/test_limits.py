@@ -19,16 +19,12 @@ CONSTRUCTORS = {"__init__", "create"}
 """Public constructors: their keywords are the record they build (``Planner(**spec fields)``)."""
 
 KNOWN_LONG = {
-    "dynmb/runtime/interpreter.py:run_actions", "dynmb/schedule/zerobubble.py:list_schedule",
-    "dynmb/models/inputs.py:make_inputs", "dynmb/report/analysis.py:summarise", "dynmb/schedule/validate.py:_check_static",
+    "dynmb/runtime/interpreter.py:run_actions", "dynmb/models/inputs.py:make_inputs",
 }
 """Functions over 60 lines at the time of writing (issue 36), in modules other branches were editing."""
 
 KNOWN_WIDE = {
     "dynmb/runtime/interpreter.py:run_actions", "dynmb/runtime/api.py:run", "dynmb/runtime/records.py:step_row",
-    "dynmb/packing/dynamic/space.py:space_for", "dynmb/packing/dynamic/pack.py:dynamic_groups",
-    "dynmb/measure/profiler.py:_concurrent_worker", "dynmb/measure/pingpong.py:_worker",
-    "dynmb/measure/memory.py:measure_stage_memory", "dynmb/data/corpus.py:build_trace",
 }
 """Non-constructor functions over 8 parameters at the time of writing (issue 36), likewise."""
 
