@@ -33,13 +33,14 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["CorpusError", "TokenizerError", "Tokenizer", "read_records", "get_tokenizer", "corpus_texts", "build_trace",
+__all__ = ["CorpusError", "TokenizerError", "Tokenizer", "read_records", "get_tokenizer", "corpus_texts", "TraceSettings", "build_trace",
            "GPT2_HELLO_WORLD", "EOS_TOKENS"]
 
 GPT2_HELLO_WORLD = [15496, 995]
@@ -276,17 +277,32 @@ def corpus_texts(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields
     return texts, starts, paths
 
 
+@dataclass(frozen=True, kw_only=True)
+class TraceSettings:
+    """``build_trace``'s settings (its keywords): how records are read, and what an empty one does."""
+
+    join: str = "\n"
+    txt_split: str = "line"
+    normalize: str = "none"
+    skip_empty: bool = False
+    progress: bool = True
+    report: Callable[[str], None] | None = None
+
+
 def build_trace(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields: Sequence[str] | None = None,
-                tokenizer: str | Tokenizer = "gpt2", *, join: str = "\n", txt_split: str = "line",
-                normalize: str = "none", skip_empty: bool = False, progress: bool = True,
-                report: Callable[[str], None] | None = None) -> np.ndarray:
+                tokenizer: str | Tokenizer = "gpt2", settings: TraceSettings = TraceSettings(),
+                **keywords: Any) -> np.ndarray:
     """Token count of every record of ``corpus`` (one path or several, read in order).
 
+    The settings come as ``TraceSettings`` fields, as keywords (``join="\\n", txt_split="line",
+    normalize="none", skip_empty=False, progress=True, report=None``) or both (the keywords win).
     Records are numbered from 0 across all files. A zero-token record raises
     CorpusError unless ``skip_empty``, which drops it and reports it via ``report``
     (default: stderr).
     """
-    texts, starts, paths = corpus_texts(corpus, fields, join=join, txt_split=txt_split, normalize=normalize)
+    ts = replace(settings, **keywords)
+    skip_empty, progress, report = ts.skip_empty, ts.progress, ts.report
+    texts, starts, paths = corpus_texts(corpus, fields, join=ts.join, txt_split=ts.txt_split, normalize=ts.normalize)
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     from tqdm import tqdm
     out = np.empty(len(texts), dtype=np.int64)

@@ -22,6 +22,7 @@ accounts storages (see ``dynmb.runtime.meter``). ``measure_grid`` runs every sta
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, replace
 from typing import Any, Sequence, cast
 
 import torch
@@ -31,18 +32,30 @@ from dynmb.models.contract import planning_config, resolve_model
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.meter import MemoryMeter, tensor_bytes
 
-__all__ = ["measure_stage_memory", "measure_grid"]
+__all__ = ["measure_stage_memory", "MemoryProbe", "measure_grid"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryProbe:
+    """``measure_stage_memory``'s settings (its keywords)."""
+
+    packed: bool = False
+    device: Any = "cpu"
+    seed: int = 0
+    docs_per_row: int | None = None
 
 
 def measure_stage_memory(model_cfg: Any, num_stages: int, stage: int, rows: int, padded_len: int,
-                         packed: bool = False, device: Any = "cpu", seed: int = 0,
-                         docs_per_row: int | None = None) -> dict[str, int]:
+                         probe: MemoryProbe = MemoryProbe(), **keywords: Any) -> dict[str, int]:
     """One microbatch (rows x padded_len) through one stage, forward then backward, with
     Adam states; attention as ``model_cfg.attention`` says. Rows are full: one document
     each, ``docs_per_row`` documents splitting the row as evenly as possible
     (``full_microbatch``), or two with ``packed``. Returns ``state_bytes`` (params + grads
-    + optimizer), ``act_bytes`` (held after the forward) and ``peak_bytes``."""
-    dev = torch.device(device)
+    + optimizer), ``act_bytes`` (held after the forward) and ``peak_bytes``. Settings: ``MemoryProbe``
+    fields and/or keywords (``packed=False, device="cpu", seed=0, docs_per_row=None``; keywords win)."""
+    probe = replace(probe, **keywords)
+    packed, seed, docs_per_row = probe.packed, probe.seed, probe.docs_per_row
+    dev = torch.device(probe.device)
     b, s = int(rows), int(padded_len)
     docs = docs_per_row if docs_per_row is not None else 2 if packed and s >= 2 else 1
     mb = full_microbatch(b, s, docs)

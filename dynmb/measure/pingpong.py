@@ -21,6 +21,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -41,14 +42,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, sizes: list[int], repeats: int, warmup: int, backend: str,
-            timeout_s: float, threads: int, out_path: str) -> None:
-    torch.set_num_threads(threads)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+@dataclass(frozen=True)
+class _PingSettings:
+    """``ping_pong``'s settings, as its two processes receive them."""
+
+    sizes: list[int]
+    repeats: int
+    warmup: int
+    backend: str
+    timeout_s: float
+    threads: int
+
+
+def _worker(rank: int, port: int, ps: _PingSettings, out_path: str) -> None:
+    repeats, warmup = ps.repeats, ps.warmup
+    torch.set_num_threads(ps.threads)
+    dist.init_process_group(ps.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=ps.timeout_s))
     rows = []
     try:
-        for nbytes in sizes:
+        for nbytes in ps.sizes:
             buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
             reps = repeats if nbytes <= 2**22 else max(3, repeats // 4)
             for i in range(warmup + reps):
@@ -73,8 +86,8 @@ def ping_pong(sizes: tuple[int, ...] = DEFAULT_SIZES, *, repeats: int = 20, warm
     """One-way P2P times between two local processes: DataFrame nbytes, repeat, time_s."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "pingpong.json")
-        ctx = mp.start_processes(_worker, args=(free_port(), list(sizes), repeats, warmup, backend, timeout_s,
-                                                threads, out), nprocs=2, join=False, start_method="spawn")
+        ps = _PingSettings(list(sizes), repeats, warmup, backend, timeout_s, threads)
+        ctx = mp.start_processes(_worker, args=(free_port(), ps, out), nprocs=2, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s + 30
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

@@ -273,11 +273,24 @@ def _profile_alone(factory: Any, num_stages: int, todo: list[Run], old: pd.DataF
 
 
 # --- concurrent (one process per stage) ----------------------------------------
-def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, points: list,
-                       settings: ProfileSettings, base: dict, out_dir: str, log_level: int = logging.WARNING) -> None:
+@dataclass(frozen=True)
+class _ConcurrentJob:
+    """What each process of ``_profile_concurrent`` measures: the model, the points and where rows go."""
+
+    cfg_dict: dict
+    num_stages: int
+    points: list
+    settings: ProfileSettings
+    base: dict
+    out_dir: str
+    log_level: int = logging.WARNING
+
+
+def _concurrent_worker(rank: int, port: int, job: _ConcurrentJob) -> None:
+    num_stages, points, settings, base, log_level = job.num_stages, job.points, job.settings, job.base, job.log_level
     torch.set_num_threads(int(settings.threads))
     retain_freed_memory()
-    cfg = ModelConfig.from_dict(cfg_dict)
+    cfg = ModelConfig.from_dict(job.cfg_dict)
     seed, warmup = settings.seed, settings.warmup
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_stages)
     try:
@@ -315,7 +328,7 @@ def _concurrent_worker(rank: int, port: int, cfg_dict: dict, num_stages: int, po
             rows += sample_rows(rank, mb, cfg, d, times, r, base, extra)
         if bar is not None:
             bar.close()
-        with atomic_path(os.path.join(out_dir, f"rank{rank}.json")) as tmp, open(tmp, "w") as f:
+        with atomic_path(os.path.join(job.out_dir, f"rank{rank}.json")) as tmp, open(tmp, "w") as f:
             json.dump(rows, f, default=lambda o: o.item() if hasattr(o, "item") else str(o))
         dist.barrier()
     finally:
@@ -347,9 +360,8 @@ def _profile_concurrent(cfg: ModelConfig, num_stages: int, todo: list[Run], sett
     est = sum(_run_estimates(cfg, num_stages, _concurrent_items(plist, num_stages), settings))
     logger.info("profile: %d points x %d stages at once, first estimate %s", len(plist), num_stages, minutes(est))
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_concurrent_worker, args=(free_port(), cfg.to_dict(), num_stages, plist, settings, base,
-                                                     folder, logger.getEffectiveLevel()),
-                           nprocs=num_stages, start_method="spawn")
+        job = _ConcurrentJob(cfg.to_dict(), num_stages, plist, settings, base, folder, logger.getEffectiveLevel())
+        mp.start_processes(_concurrent_worker, args=(free_port(), job), nprocs=num_stages, start_method="spawn")
         rows: list[dict] = []
         for rank in range(num_stages):
             with open(os.path.join(folder, f"rank{rank}.json")) as f:

@@ -230,6 +230,24 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
         "num_microbatches": g["num_microbatches"].mean(),
     })
     out = out.join(_prediction_ratios(steps, tables.get("actions"), keys))
+    out = _optional_columns(out, steps, keys, ctx, tables.get("memory"))
+    for name, col, pick_largest_mbs in ((reference, f"x_{reference}", False), (baseline, "speedup_vs_fixed", True)):
+        pr = _against(steps, keys, pair, name, pick_largest_mbs)
+        if pr is None:
+            continue
+        if name == reference:
+            out[col], out[f"{col}_lo"], out[f"{col}_hi"] = pr["median"], pr["lo"], pr["hi"]
+            out[f"{col}_ci_lo"], out[f"{col}_ci_hi"], out["pairs"] = pr["ci_lo"], pr["ci_hi"], pr["pairs"]
+        else:
+            out[col] = 1.0 / pr["median"]
+    return Summary(out)
+
+
+def _optional_columns(out: pd.DataFrame, steps: pd.DataFrame, keys: list[str], ctx: list[str],
+                      mem: pd.DataFrame | None) -> pd.DataFrame:
+    """``out`` with the columns of the steps (and memory) table's optional fields; adds their per-step errors to
+    ``steps``."""
+    g = steps.groupby(keys, dropna=False)
     if "replay_step_s" in steps.columns and steps["replay_step_s"].notna().any():
         replay = pd.to_numeric(steps["replay_step_s"], errors="coerce")
         steps["replay_err"] = (replay - steps["step_s"]).abs() / steps["step_s"]
@@ -245,23 +263,13 @@ def summarise(tables: dict[str, pd.DataFrame], by: Sequence[str] | None = None, 
             out[col] = g[col].agg(how)
     if "mbs" in steps.columns:
         out["mbs"] = g["mbs"].agg(_span)
-    mem = tables.get("memory")
     if mem is not None and not mem.empty:
         mem = mem.copy()
         mem["ratio"] = mem["peak_bytes"] / mem["limit_bytes"]
         step_keys = steps.drop_duplicates(["run_id", "step"]).set_index(["run_id", "step"])[keys]
         mem = mem.join(step_keys, on=["run_id", "step"], how="inner")   # measured steps only
         out = out.join(mem.groupby(keys, dropna=False)["ratio"].max().rename("peak_over_limit"))
-    for name, col, pick_largest_mbs in ((reference, f"x_{reference}", False), (baseline, "speedup_vs_fixed", True)):
-        pr = _against(steps, keys, pair, name, pick_largest_mbs)
-        if pr is None:
-            continue
-        if name == reference:
-            out[col], out[f"{col}_lo"], out[f"{col}_hi"] = pr["median"], pr["lo"], pr["hi"]
-            out[f"{col}_ci_lo"], out[f"{col}_ci_hi"], out["pairs"] = pr["ci_lo"], pr["ci_hi"], pr["pairs"]
-        else:
-            out[col] = 1.0 / pr["median"]
-    return Summary(out)
+    return out
 
 
 class Summary(pd.DataFrame):

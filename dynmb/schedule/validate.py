@@ -129,6 +129,13 @@ def _loc(flat: FlatSchedule, i: int) -> tuple[int, int]:
 
 def _check_static(schedule: Schedule, flat: FlatSchedule) -> np.ndarray:
     """Checks 1-3; returns ``pos[key]`` (flat index of each (op, stage, mb) key, -1 if absent)."""
+    placed = _check_placement(schedule, flat)
+    key = _check_counts(schedule, flat, placed)
+    return _check_op_order(schedule, flat, key)
+
+
+def _check_placement(schedule: Schedule, flat: FlatSchedule) -> tuple[np.ndarray, np.ndarray]:
+    """Sizes, ranges and one rank per stage; returns (stages, their ranks) of the actions sorted by stage."""
     S, m = schedule.num_stages, schedule.num_microbatches
     if S < 1 or m < 1 or schedule.num_ranks < 1:
         raise ScheduleError(f"schedule needs >= 1 stage, microbatch and rank; got {S}, {m}, {schedule.num_ranks}")
@@ -145,6 +152,12 @@ def _check_static(schedule: Schedule, flat: FlatSchedule) -> np.ndarray:
         i, j = int(order[clash[0]]), int(order[clash[0] + 1])
         raise _fail(schedule, f"stage {int(flat.stage[i])} has actions on rank {int(flat.rank[i])} and rank "
                     f"{int(flat.rank[j])}; a stage lives on one rank", [_loc(flat, j), _loc(flat, i)])
+    return st, rk
+
+
+def _check_counts(schedule: Schedule, flat: FlatSchedule, placed: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Each action once, no full and split backward of one microbatch, none missing; returns each action's key."""
+    S, m = schedule.num_stages, schedule.num_microbatches
     key = (flat.op * S + flat.stage) * m + flat.mb
     counts = np.bincount(key, minlength=4 * S * m)
     dup = np.flatnonzero(counts > 1)
@@ -166,12 +179,18 @@ def _check_static(schedule: Schedule, flat: FlatSchedule) -> np.ndarray:
         k = int(missing[0])
         a = Action(k // m % S, _OPS[k // (S * m)], k % m)
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        stage_rank = {s: r for s, r in zip(st.tolist(), rk.tolist())}
+        stage_rank = {s: r for s, r in zip(*(x.tolist() for x in placed))}
         r = stage_rank.get(a.stage)
         where = [(r, len(schedule.ranks[r]) - 1)] if r is not None and schedule.ranks[r] else []
         raise ScheduleError(f"action {a} is missing{more}; every (stage, microbatch) needs one F and either one B "
                             f"or one I and one W{f' (stage {a.stage} is on rank {r})' if r is not None else ''}\n"
                             + format_grid(schedule, {}, where[0] if where else None))
+    return key
+
+
+def _check_op_order(schedule: Schedule, flat: FlatSchedule, key: np.ndarray) -> np.ndarray:
+    """Each backward after its forward and each W after its I on the stage; returns ``pos[key]``."""
+    S, m = schedule.num_stages, schedule.num_microbatches
     pos = np.full(4 * S * m, -1, dtype=np.int64)
     pos[key] = np.arange(len(key))
     f_pos, b_pos, i_pos, w_pos = (pos[k * S * m: (k + 1) * S * m] for k in range(4))

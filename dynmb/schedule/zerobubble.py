@@ -153,103 +153,124 @@ def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None
     return out
 
 
+class _ListRun:
+    """One run of the list scheduler: each stage's clock, held bytes, in-flight count, queued Ws and emitted order."""
+
+    STEP = {"F": 1, "B": -1, "I": 0, "W": -1}   # in-flight count change per op
+
+    def __init__(self, inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None,
+                 backward_order: Sequence[int] | None, w_defer: Sequence[int] | None) -> None:
+        P, m = inp.shape
+        self.P = P
+        order = check_order(m, backward_order)
+        self.k = [max(1, min(m, int(x))) for x in inflight]
+        self.defer = [0] * P if w_defer is None else [max(0, int(x)) for x in w_defer]
+        mem = caps is not None and inp.act is not None
+        self.cap = [float(c) + 1e-6 for c in caps] if mem and caps is not None else [np.inf] * P
+        zero = np.zeros((P, m))
+        # plain Python lists: the loop reads one scalar at a time
+        self.act, self.wb, self.tr = ((zero if a is None else a).tolist() for a in (inp.act, inp.w, inp.tr))
+        self.F, self.B, self.I, self.W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()
+        self.comm, self.split = inp.comm.tolist(), inp.split.tolist()
+        self.est_bwd = np.where(inp.split, inp.I, inp.B).tolist()
+        self.fend = [[-1.0] * m for _ in range(P)]
+        self.bend = [[-1.0] * m for _ in range(P)]
+        self.clock = [0.0] * P
+        # 1F1B's greedy order per stage for its window (X: the backward, I or B)
+        self.todo = [deque(windowed_order(m, self.k[s], order, "X")) for s in range(P)]
+        self.pend: list[deque] = [deque() for _ in range(P)]
+        self.held, self.live = [0.0] * P, [0] * P
+        self.ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
+        self.makespan = 0.0
+
+    def ready(self, s: int, op: str, j: int) -> tuple[float, bool]:
+        """(time op j's input is there, known?) -- else a lower bound from the producer's clock."""
+        comm = self.comm
+        if op == "F":
+            if s == 0:
+                return 0.0, True
+            if self.fend[s - 1][j] >= 0:
+                return self.fend[s - 1][j] + comm[j], True
+            return self.clock[s - 1] + self.F[s - 1][j] + comm[j], False
+        if s == self.P - 1:
+            return self.fend[s][j], self.fend[s][j] >= 0
+        if self.bend[s + 1][j] >= 0:
+            return self.bend[s + 1][j] + comm[j], True
+        return self.clock[s + 1] + self.est_bwd[s + 1][j] + comm[j], False
+
+    def run(self, s: int, op: str, j: int, dur: float) -> None:
+        self.held[s] += op_bytes(op, self.act[s][j], self.wb[s][j], self.tr[s][j])[0]
+        self.live[s] += self.STEP[op]
+        self.ranks[s].append((op, j))
+        self.clock[s] += dur
+        if self.clock[s] > self.makespan:
+            self.makespan = self.clock[s]
+        if op == "F":
+            self.fend[s][j] = self.clock[s]
+        elif op != "W":
+            self.bend[s][j] = self.clock[s]
+            if op == "I":
+                self.pend[s].append(j)
+
+    def run_w(self, s: int) -> None:
+        j = self.pend[s].popleft()
+        self.run(s, "W", j, self.W[s][j])
+
+    def window_full(self, s: int) -> bool:
+        return self.live[s] - len(self.pend[s]) >= self.k[s] or self.live[s] >= self.k[s] + self.defer[s]
+
+    def next_op(self, s: int, j: int) -> tuple[str, bool]:
+        """(the op stage ``s`` runs next for microbatch ``j``'s template slot, blocked by its window or cap?)."""
+        act, wb, tr, cap, held = self.act[s][j], self.wb[s][j], self.tr[s][j], self.cap[s], self.held[s]
+        if self.todo[s][0][0] == "F":
+            return "F", self.window_full(s) or held + act + tr > cap
+        op = "I" if self.split[s][j] else "B"
+        extra = op_bytes(op, act, wb, tr)[1]
+        if op == "I" and held + extra > cap and not self.pend[s]:
+            op = "B"                                          # I would hold w > a past the cap: no split
+            extra = op_bytes(op, act, wb, tr)[1]
+        return op, held + extra > cap
+
+    def advance(self, s: int, t: float) -> None:
+        """One decision on stage ``s`` at time ``t``: run an op, a queued W, or wait for an input."""
+        if not self.todo[s]:
+            while self.pend[s]:                               # the template is done: the last W
+                self.run_w(s)
+            return
+        j = self.todo[s][0][1]
+        op, blocked = self.next_op(s, j)
+        r, known = self.ready(s, op, j)
+        pend = self.pend[s]
+        if blocked and pend:
+            self.run_w(s)                                     # frees an in-flight slot and bytes
+        elif known and r <= t + 1e-12:
+            self.todo[s].popleft()
+            self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
+        elif pend and t + self.W[s][pend[0]] <= r + 1e-12:
+            self.run_w(s)                                     # fills the gap before the input arrives
+        elif r > t:
+            self.clock[s] = r
+        else:                                                 # known is False and r <= t: cannot happen
+            raise RuntimeError(f"zero-bubble list scheduler stuck on stage {s} at t={t}")
+
+
 def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None = None,
                   kind: str = "zb", backward_order: Sequence[int] | None = None,
                   w_defer: Sequence[int] | None = None) -> tuple[Schedule, float]:
     """The order the list scheduler (module doc) emits and its makespan under ``inp``'s times;
     each stage's backwards in ``backward_order`` (slices of a sequence in reverse)."""
     P, m = inp.shape
-    order = check_order(m, backward_order)
-    k = [max(1, min(m, int(x))) for x in inflight]
-    defer = [0] * P if w_defer is None else [max(0, int(x)) for x in w_defer]
-    mem = caps is not None and inp.act is not None
-    cap = [float(c) + 1e-6 for c in caps] if mem and caps is not None else [np.inf] * P
-    zero = np.zeros((P, m))
-    # plain Python lists: the loop below reads one scalar at a time
-    act, wb, tr = ((zero if a is None else a).tolist() for a in (inp.act, inp.w, inp.tr))
-    F, B, I, W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()  # noqa: E741
-    comm, split = inp.comm.tolist(), inp.split.tolist()
-    est_bwd = np.where(inp.split, inp.I, inp.B).tolist()
-    fend = [[-1.0] * m for _ in range(P)]
-    bend = [[-1.0] * m for _ in range(P)]
-    clock = [0.0] * P
-    # 1F1B's greedy order per stage for its window (X: the backward, I or B)
-    todo = [deque(windowed_order(m, k[s], order, "X")) for s in range(P)]
-    pend: list[deque] = [deque() for _ in range(P)]
-    held, live = [0.0] * P, [0] * P
-    ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
+    st = _ListRun(inp, inflight, caps, backward_order, w_defer)
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
-    makespan = 0.0
-    step = {"F": 1, "B": -1, "I": 0, "W": -1}
-
-    def ready(s: int, op: str, j: int) -> tuple[float, bool]:
-        """(time op j's input is there, known?) -- else a lower bound from the producer's clock."""
-        if op == "F":
-            if s == 0:
-                return 0.0, True
-            if fend[s - 1][j] >= 0:
-                return fend[s - 1][j] + comm[j], True
-            return clock[s - 1] + F[s - 1][j] + comm[j], False
-        if s == P - 1:
-            return fend[s][j], fend[s][j] >= 0
-        if bend[s + 1][j] >= 0:
-            return bend[s + 1][j] + comm[j], True
-        return clock[s + 1] + est_bwd[s + 1][j] + comm[j], False
-
-    def run(s: int, op: str, j: int, dur: float) -> None:
-        nonlocal makespan
-        held[s] += op_bytes(op, act[s][j], wb[s][j], tr[s][j])[0]
-        live[s] += step[op]
-        ranks[s].append((op, j))
-        clock[s] += dur
-        if clock[s] > makespan:
-            makespan = clock[s]
-        if op == "F":
-            fend[s][j] = clock[s]
-        elif op != "W":
-            bend[s][j] = clock[s]
-            if op == "I":
-                pend[s].append(j)
-
-    def run_w(s: int) -> None:
-        j = pend[s].popleft()
-        run(s, "W", j, W[s][j])
-
-    def window_full(s: int) -> bool:
-        return live[s] - len(pend[s]) >= k[s] or live[s] >= k[s] + defer[s]
-
     while heap:
         t, neg = heapq.heappop(heap)
         s = -neg
-        if not todo[s]:
-            while pend[s]:                                    # the template is done: the last W
-                run_w(s)
-            continue
-        kind_op, j = todo[s][0]
-        if kind_op == "F":
-            blocked = window_full(s) or held[s] + act[s][j] + tr[s][j] > cap[s]
-            op = "F"
-        else:
-            op = "I" if split[s][j] else "B"
-            extra = op_bytes(op, act[s][j], wb[s][j], tr[s][j])[1]
-            if op == "I" and held[s] + extra > cap[s] and not pend[s]:
-                op = "B"                                      # I would hold w > a past the cap: no split
-                extra = op_bytes(op, act[s][j], wb[s][j], tr[s][j])[1]
-            blocked = held[s] + extra > cap[s]
-        r, known = ready(s, op, j)
-        if blocked and pend[s]:
-            run_w(s)                                          # frees an in-flight slot and bytes
-        elif known and r <= t + 1e-12:
-            todo[s].popleft()
-            run(s, op, j, F[s][j] if op == "F" else I[s][j] if op == "I" else B[s][j])
-        elif pend[s] and t + W[s][pend[s][0]] <= r + 1e-12:
-            run_w(s)                                          # fills the gap before the input arrives
-        elif r > t:
-            clock[s] = r
-        else:                                                 # known is False and r <= t: cannot happen
-            raise RuntimeError(f"zero-bubble list scheduler stuck on stage {s} at t={t}")
-        heapq.heappush(heap, (clock[s], -s))
-    return Schedule([[_action(s, op, j) for op, j in acts] for s, acts in enumerate(ranks)], P, m, kind=kind), makespan
+        done = not st.todo[s]
+        st.advance(s, t)
+        if not done:
+            heapq.heappush(heap, (st.clock[s], -s))
+    return Schedule([[_action(s, op, j) for op, j in acts] for s, acts in enumerate(st.ranks)], P, m, kind=kind), \
+        st.makespan
 
 
 _ACTIONS: dict[tuple[int, str, int], Action] = {}

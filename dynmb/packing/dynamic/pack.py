@@ -80,8 +80,8 @@ the next-fit rows, a per-sequence Python loop for the best-fit rows, the baselin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +90,7 @@ from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
 from dynmb.packing.dynamic.rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
 from dynmb.packing.dynamic.setup import SplitSetup
-from dynmb.packing.dynamic.space import BFD_MAX, SEED_DP_MAX, Space, space_for
+from dynmb.packing.dynamic.space import BFD_MAX, SEED_DP_MAX, PackCall, Space, space_for
 from dynmb.packing.rows import Flat, polish_cuts, round_up
 BALANCED_BUDGETS = 3
 """``balanced`` (verl's dynamic batching) is weighed at this many token budgets memory maximum / 2^j,
@@ -101,7 +101,7 @@ BASELINES = ("fixed", "sorted", "token-budget", "packed", "dynapipe", "balanced"
 """Methods whose plans (``baselines``) are candidates too, always weighed in the final choice
 (``balanced`` at the budgets ``BALANCED_BUDGETS`` says, as ``balanced/d``: budget divisor ``mbs = d``)."""
 
-__all__ = ["dynamic_groups", "DynamicSearch", "BASELINES", "BALANCED_BUDGETS", "RANK_EXACT", "BFD_MAX",
+__all__ = ["dynamic_groups", "DynamicSearch", "PackCall", "BASELINES", "BALANCED_BUDGETS", "RANK_EXACT", "BFD_MAX",
            "SEED_DP_MAX"]
 
 
@@ -117,12 +117,12 @@ class DynamicSearch:
     """Among plans within this relative margin of the best estimate, the fewest microbatches win."""
 
 
-def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelLike, *, round_to: int = 1,
-                   max_len: int | None = None, attention: str = "auto", dp: int = 1,
-                   baselines: Callable[[str], Flat] | None = None,
-                   search: DynamicSearch = DynamicSearch()) -> tuple[Flat, float]:
+def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelLike, call: PackCall = PackCall(),
+                   search: DynamicSearch = DynamicSearch(), **settings: Any) -> tuple[Flat, float]:
     """Microbatches (in execution order) of the global batch ``lengths`` and their estimated makespan
-    (the slowest of ``dp`` replicas, as ``dynmb.packing`` assigns them).
+    (the slowest of ``dp`` replicas, as ``dynmb.packing`` assigns them). The settings below come as
+    keywords (``round_to=1, max_len=None, attention="auto", dp=1, baselines=None``), as a ``PackCall``
+    record, or as both (the keywords replace the record's fields).
 
     ``ctx``: the packing call's memory budget (``ctx.bmax(padded_lens)``: the most rows admissible
     per padded length), stage count and schedule kind; the P2P time of a microbatch is
@@ -134,12 +134,13 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     ``BASELINES``. Among plans whose estimate is within ``search.tol`` (relative) of the best, the one
     with the fewest microbatches is kept (less per-microbatch runtime overhead the cost model may miss).
     """
+    call = replace(call, **settings)
+    round_to, max_len, dp, baselines = call.round_to, call.max_len, call.dp, call.baselines
     comm = getattr(cost_model, "comm_s", None)
     num_tau, keep, tol = search.num_tau, search.keep, search.tol
     n = len(lengths)
     top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)
-    space = space_for(lengths, ctx, cost_model, round_to=round_to, top=top, attention=attention, dp=dp,
-                      num_tau=num_tau if n > 1024 else num_tau + 3, baselines=baselines)
+    space = space_for(lengths, ctx, cost_model, call, top=top, num_tau=num_tau if n > 1024 else num_tau + 3)
     setups = space.setups
     rk = Ranker(cost_model, ctx.p, ctx.kind, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo,
                 virtual=ctx.virtual)

@@ -29,6 +29,7 @@ import copy
 import functools
 import hashlib
 import heapq
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -40,7 +41,7 @@ from dynmb.packing.dynamic.setup import RowSet, SplitSetup, affine_costs, row_ca
 from dynmb.packing.dynapipe import dynapipe_split
 from dynmb.packing.rows import Flat, Group, flat_to_groups, groups_to_flat, merge_groups, split_group
 
-__all__ = ["Space", "space_for", "clear", "MEMO", "BFD_MAX", "SEED_DP_MAX"]
+__all__ = ["Space", "PackCall", "space_for", "clear", "MEMO", "BFD_MAX", "SEED_DP_MAX"]
 
 MEMO = 2
 """Spaces remembered (the last used); row sets likewise."""
@@ -174,12 +175,24 @@ class Space:
         return None if c is None else copy.copy(c)
 
 
-def space_for(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelLike, *, round_to: int, top: int,
-              attention: str, dp: int, num_tau: int, baselines: Callable | None) -> Space:
-    """The space of a packing call (module doc): remembered, or new. ``baselines``: the call's callback of
-    the other methods' plans; one with a ``memo_key`` attribute (``dynmb.packing.methods``' own: its plans
-    are functions of the rest of the key) shares a space with every call of the same ``memo_key``, any
-    other only with calls given the same callback object."""
+@dataclass(frozen=True, kw_only=True)
+class PackCall:
+    """A dynamic packing call's settings (``dynamic_groups``' keywords, documented there)."""
+
+    round_to: int = 1
+    max_len: int | None = None
+    attention: str = "auto"
+    dp: int = 1
+    baselines: Callable | None = None
+
+
+def space_for(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelLike, call: PackCall, *, top: int,
+              num_tau: int) -> Space:
+    """The space of a packing call (module doc): remembered, or new; ``top``: its longest row. ``call.baselines``:
+    the call's callback of the other methods' plans; one with a ``memo_key`` attribute (``dynmb.packing.methods``'
+    own: its plans are functions of the rest of the key) shares a space with every call of the same ``memo_key``,
+    any other only with calls given the same callback object."""
+    round_to, attention, dp, baselines = call.round_to, call.attention, call.dp, call.baselines
     shared = baselines is None or hasattr(baselines, "memo_key")
     who = getattr(baselines, "memo_key", None) if shared else ("callback", id(baselines))
     sets = row_sets(lengths, round_to, top)
