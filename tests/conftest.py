@@ -20,6 +20,9 @@ from dynmb.runtime.spec import JobSpec
 from tests.gloo_jobs import PROVIDERS, GlooJob
 
 SLOW: tuple[str, ...] = (
+    "tests/test_torch_pipelining.py::test_data_parallel_pipelines_on_subgroups_equal_the_reference",  # dp: test_fsdp's
+    "tests/test_data.py::test_unloadable_tokenizers",                        # a fresh import per tokenizer
+    "tests/test_head_split.py::test_auto_shards_a_head_heavier_than_a_stage_and_only_then",
     "tests/test_costmodel.py::test_tiny_concurrent_profile",                 # a real 2-process profile
     "tests/test_run_api.py::test_run_returns_the_tables_of_this_run_only",   # real runs through torchrun
     "tests/test_run_api.py::test_a_failed_run_is_marked_failed_with_its_error",

@@ -45,7 +45,7 @@ def _reference_rows(rec, tokens, T: int, b: int) -> tuple[np.ndarray, np.ndarray
     return ids, pos, lab, segs
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([32, 64]), st.integers(1, 2), st.integers(1, 3), st.integers(0, 2**31))
 def test_rows_equal_a_reference_collate(T, mbs, dp, seed):
     rng = np.random.default_rng(seed)
