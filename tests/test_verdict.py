@@ -173,3 +173,13 @@ def test_a_cut_parquet_copy_is_refused_naming_it(tmp_path) -> None:
     parquet.write_bytes(parquet.read_bytes()[:200])          # cut (and newer than the CSV)
     with pytest.raises(ResultsError, match="steps.parquet: not a whole Parquet table"):
         load_results(tmp_path)
+
+
+def test_the_jobs_own_ranks_do_not_make_the_box_loaded() -> None:
+    """Two gloo ranks on two cores put the load average near 2 by themselves: only load beyond them is others'."""
+    own = BoxState(load_peak=2.9, load_mean=2.3, cores=2, repeat_noise=float("nan"), repeats=1, order_seed=3,
+                   job_ranks=2)
+    busy = BoxState(load_peak=6.0, load_mean=4.1, cores=2, repeat_noise=float("nan"), repeats=1, order_seed=3,
+                    job_ranks=2)
+    assert not own.loaded and busy.loaded
+    assert busy.others_load == pytest.approx(2.1)

@@ -440,7 +440,8 @@ def run_compare_job(job: CompareJob, *, quiet: bool = True, progress: bool = Tru
                                      launch=launched)
             ids.update({c.run_id: repeat for c in spec.cases})
             tag_runs(out, {rid: {"repeat": r} for rid, r in ids.items() if r == repeat})
-    box = BoxState(load.peak, load.mean, usable_cores(), float("nan"), job.settings.repeats, job.settings.order_seed)
+    box = BoxState(load.peak, load.mean, usable_cores(), float("nan"), job.settings.repeats, job.settings.order_seed,
+                   job_ranks=job.nproc)
     try:
         return _summarise_job(job, launched, time.perf_counter() - t0, ids, box)
     except OSError as e:        # ENOSPC writing summary.csv or a plot: the runs are not left saying ok

@@ -85,6 +85,18 @@ class BoxState:
     repeats: int
     order_seed: int | None
     """The seed of the rounds' random case order (repeat r uses ``order_seed + r``)."""
+    job_ranks: int = 0
+    """The job's own rank processes: they count in the load average, so only load beyond them is others'."""
+
+    @property
+    def others_load(self) -> float:
+        """Mean load beyond the job's own ranks (what other work on the machine added; NaN: not sampled)."""
+        return self.load_mean - self.job_ranks
+
+    @property
+    def loaded(self) -> bool:
+        """Other work averaged more than half a core while the job ran."""
+        return self.others_load > 0.5
 
 
 @dataclass(frozen=True)
@@ -116,11 +128,11 @@ class Verdict:
         box = self.box
         noise = (f"repeat noise {box.repeat_noise:.1%} over {box.repeats} repeats" if not math.isnan(box.repeat_noise)
                  else "repeat noise not measured (--repeats 2 or more)")
-        load = (f"load average {box.load_mean:.1f} (peak {box.load_peak:.1f}) on {box.cores} cores"
-                if not math.isnan(box.load_peak) else "load average unknown")
+        load = (f"load average {box.load_mean:.1f} (peak {box.load_peak:.1f}) on {box.cores} cores, "
+                f"{box.job_ranks} of it the job's own ranks" if not math.isnan(box.load_peak) else "load average unknown")
         return (f"{self.reference} is {self.ratio:.2f}x the closest other case ({self.best_other}), 95% interval "
                 f"{self.ci_lo:.2f}-{self.ci_hi:.2f} (paired bootstrap over {self.pairs} steps): {self.reading}; "
-                f"{noise}; {load}{'; a loaded box' if box.load_peak > box.cores else ''}")
+                f"{noise}; {load}{'; a loaded box: other work ran beside the job' if box.loaded else ''}")
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "within_noise": self.within_noise, "line": self.line()}
