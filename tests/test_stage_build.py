@@ -84,7 +84,7 @@ def test_a_meta_stage_stays_on_meta_until_materialised():
 
 
 def test_a_stage_reads_only_its_tensors_from_safetensors(tmp_path, monkeypatch):
-    from safetensors.torch import save_file
+    save_file = pytest.importorskip("safetensors.torch").save_file
 
     from dynmb.models import weights as weights_mod
 
@@ -152,7 +152,7 @@ def test_transformers_stages_are_built_alone_with_transformers_names(tmp_path):
 
 
 def test_dynmb_llama_state_dict_loads_into_transformers_strictly():
-    from transformers import LlamaForCausalLM
+    LlamaForCausalLM = pytest.importorskip("transformers").LlamaForCausalLM
 
     from dynmb.models.hf import hf_llama_config, llama_state_dict_to_hf
 

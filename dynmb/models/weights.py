@@ -58,8 +58,6 @@ class TensorSource:
             self._open(Path(weights))
 
     def _open(self, path: Path) -> None:
-        from safetensors import safe_open
-
         if path.is_dir():
             index = path / "model.safetensors.index.json"
             files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) \
@@ -70,6 +68,11 @@ class TensorSource:
             raise ValueError(f"weights {path}: no such file or folder")
         if not files:
             raise ValueError(f"weights {path}: the folder holds no .safetensors file")
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise ValueError(f"weights {path}: reading .safetensors needs the safetensors package "
+                             "(pip install safetensors, or the [hf] extra)") from None
         for file in files:
             handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             self._files.update({name: handle for name in handle.keys()})
