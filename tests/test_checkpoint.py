@@ -21,6 +21,7 @@ from dynmb.runtime import worker
 from dynmb.runtime.checkpoint import INFO_FILE, CheckpointInfo, find_checkpoint, rank_module
 from dynmb.runtime.launch import launch_job
 from dynmb.runtime.spec import JobSpec, RunSpec
+from tests.spawn_ranks import spawn_ranks
 
 REL = 1e-6
 
@@ -230,15 +231,8 @@ def _fsdp_rank(rank: int, world: int, tmp: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_sharded_parameters_save_and_load_at_another_layout(tmp_path):
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_fsdp_rank, args=(r, 2, str(tmp_path)), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    codes = spawn_ranks(_fsdp_rank, 2, lambda r: (r, 2, str(tmp_path)), 300)
+    assert codes == [0, 0], codes
     for r in range(2):
         res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert "error" not in res, res.get("error")

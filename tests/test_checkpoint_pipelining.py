@@ -9,7 +9,6 @@ over the replicas where ``torch_pipelining.shard_stages`` exists (branch fsdp)."
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from dynmb.integrations.torch_pipelining import (TorchPipeliningSettings, load_p
                                                  run_with_torch_pipelining, save_pipeline_checkpoint)
 from dynmb.models import build_stage, synthetic_tokens
 from dynmb.schedule import build_schedule
+from tests.spawn_ranks import spawn_ranks
 
 CFG = ModelConfig.preset("tiny", max_seq_len=256)
 SEED, LR, REL = 5, 1e-2, 1e-6
@@ -140,17 +140,7 @@ def test_pp2_dp2_checkpoint_resumes_at_pp1_and_pp4(tmp_path, shard):
     branch fsdp: skipped where it is absent) at every layout with dp > 1."""
     if shard and not hasattr(torch_pipelining, "shard_stages"):
         pytest.skip("torch_pipelining.shard_stages (FSDP2) is not in this tree")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, 4, str(tmp_path / "store"), str(tmp_path), shard), daemon=True)
-             for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOB_TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-    assert not hung, f"ranks {hung} ran past {JOB_TIMEOUT_S} s"
+    spawn_ranks(_worker, 4, lambda r: (r, 4, str(tmp_path / "store"), str(tmp_path), shard), JOB_TIMEOUT_S)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     errors = [f"rank {r}: {x['traceback']}" for r, x in enumerate(res) if "error" in x]
     assert not errors, "\n".join(errors)

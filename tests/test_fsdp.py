@@ -13,7 +13,6 @@ average every gradient would be half the reference: the torch-runtime job also r
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from dynmb.runtime.fsdp import fsdp_units
 from dynmb.runtime.spec import RunSpec
 from dynmb.schedule import build_schedule
 from dynmb.core.types import Plan
+from tests.spawn_ranks import spawn_ranks
 from tests.gloo_jobs import register
 from tests.test_torch_pipelining import CFG, SEED, _dp_plan
 
@@ -144,18 +144,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
 
 def _torch_job(world: int, tmp: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp / "store"), str(tmp)), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOB_TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    assert not hung, f"ranks {hung} ran past {JOB_TIMEOUT_S} s"
+    spawn_ranks(_worker, world, lambda r: (r, world, str(tmp / "store"), str(tmp)), JOB_TIMEOUT_S)
     return [{avg: torch.load(tmp / f"avg{avg}.rank{r}.pt", weights_only=False) for avg in (0, 1)}
             for r in range(world)]
 

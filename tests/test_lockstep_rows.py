@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import multiprocessing as mp
 import sys
 import traceback
 from pathlib import Path
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 import dynmb
 from dynmb.api.collate import IGNORE_INDEX
 from dynmb.integrations.static_rows import StaticRowsSettings, static_rows, static_steps, thd_fields
+from tests.spawn_ranks import spawn_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "experiments" / "lockstep_pipelining.py"
 
@@ -119,14 +119,7 @@ def _worker(rank: int, world: int, store: str, out: str, argv: list[str]) -> Non
 @pytest.mark.slow
 def test_the_2x2_example_equals_the_one_process_reference(tmp_path):
     argv = ["--pp", "2", "--steps", "2", "--out", str(tmp_path)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, 4, str(tmp_path / "store"), str(tmp_path), argv)) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        if p.is_alive():
-            p.kill()
+    spawn_ranks(_worker, 4, lambda r: (r, 4, str(tmp_path / "store"), str(tmp_path), argv), 300)
     errors = sorted(tmp_path.glob("*.err"))
     assert not errors, errors[0].read_text()
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]

@@ -14,7 +14,6 @@ runs past ``JOB_TIMEOUT_S``.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import re
 import textwrap
 import traceback
@@ -34,6 +33,7 @@ from dynmb.integrations.torch_pipelining import (TORCH_VERSION_WRITTEN_FOR, Torc
 from dynmb.models import build_stage, reference_grads, synthetic_tokens
 from dynmb.schedule import build_schedule
 from dynmb.core.types import Microbatch, Plan
+from tests.spawn_ranks import spawn_ranks
 
 CFG = ModelConfig.preset("tiny", max_seq_len=256)
 VOCAB_SPLIT = replace(CFG, layer_split=(4, 0), head_split=(200, 312))
@@ -178,19 +178,9 @@ def _worker(rank: int, world: int, store: str, out: str, cases: list[Case]) -> N
 
 
 def _job(world: int, tmp: Path) -> Path:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp / "store"), str(tmp), CASES[world]), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOB_TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
-    assert not hung, f"ranks {hung} of the {world}-rank torch-pipelining job ran past {JOB_TIMEOUT_S} s"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    codes = spawn_ranks(_worker, world, lambda r: (r, world, str(tmp / "store"), str(tmp), CASES[world]),
+                        JOB_TIMEOUT_S)
+    assert codes == [0] * world, codes
     return tmp
 
 
