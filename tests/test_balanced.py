@@ -16,6 +16,7 @@ from dynmb.packing import PackingError, pack
 from dynmb.packing.balanced import (VERL_LINEAR_COEF, ends_order, greedy_partition, karmarkar_karp,
                                     sequence_workload)
 from dynmb.packing.rows import round_up
+from dynmb.core.planspec import PlanSpec
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("small")
@@ -101,8 +102,8 @@ def test_balanced_plans_every_sequence_once_in_packed_rows_under_the_limit(lengt
     lengths = np.array(lengths)
     mm, cm, limit = _setup(p, scale)
     try:
-        plan = pack(lengths, "balanced", num_stages=p, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    mbs=divisor, dp=dp, round_to=round_to, schedule_kind=kind)
+        plan = pack(lengths, PlanSpec(method="balanced", num_stages=p, memory_limit_bytes=limit, mbs=divisor, dp=dp,
+                                      round_to=round_to, schedule_kind=kind), memory_model=mm, cost_model=cm)
     except PackingError as e:
         assert "cannot fit even alone" in str(e) or (kind == "gpipe" and "exceeds the limit" in str(e)) \
             or "data-parallel" in str(e), str(e)
@@ -127,8 +128,8 @@ def test_ceil_tokens_over_budget_microbatches_when_nothing_is_split(lengths, div
     workloads rise then fall along the order (small microbatches at both ends)."""
     lengths = np.array(lengths)
     mm, cm, limit = _setup(2, 400.0)
-    plan = pack(lengths, "balanced", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                mbs=divisor)
+    plan = pack(lengths, PlanSpec(method="balanced", num_stages=2, memory_limit_bytes=limit, mbs=divisor),
+                memory_model=mm, cost_model=cm)
     budget = plan.meta["max_tokens"]
     assert max(1, min(len(lengths), math.ceil(lengths.sum() / budget))) == plan.num_microbatches
     work = np.array([sequence_workload(mb.lengths, cm).sum() for mb in plan.microbatches])
@@ -142,8 +143,8 @@ def test_ceil_tokens_over_budget_microbatches_when_nothing_is_split(lengths, div
 def test_data_parallel_count_is_a_multiple_of_dp_without_splitting_rows(lengths, divisor, dp):
     lengths = np.array(lengths)
     mm, cm, limit = _setup(2, 400.0)
-    plan = pack(lengths, "balanced", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                mbs=divisor, dp=dp)
+    plan = pack(lengths, PlanSpec(method="balanced", num_stages=2, memory_limit_bytes=limit, mbs=divisor, dp=dp),
+                memory_model=mm, cost_model=cm)
     plan.validate(lengths)
     k = math.ceil(lengths.sum() / plan.meta["max_tokens"])
     if len(lengths) >= dp * math.ceil(k / dp):               # enough sequences: KK made the multiple itself
@@ -158,7 +159,8 @@ def test_a_microbatch_over_the_limit_is_split():
     mm, cm, limit = _setup(2, 3.0)
     lengths = np.full(60, 200)
     lengths[0] = 600
-    plan = pack(lengths, "balanced", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    plan = pack(lengths, PlanSpec(method="balanced", num_stages=2, memory_limit_bytes=limit), memory_model=mm,
+                cost_model=cm)
     budget = plan.meta["max_tokens"]
     assert plan.num_microbatches > math.ceil(lengths.sum() / budget)
     assert max(mb.padded_len for mb in plan.microbatches) <= plan.meta["longest_fitting_length"]

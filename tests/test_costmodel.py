@@ -269,15 +269,14 @@ OLD_POLY = {  # a cost-model file as written before the attention work was a fea
 }
 
 
-def test_old_cost_model_files_still_load(tmp_path):
+def test_old_cost_model_files_load_or_are_refused_in_one_line(tmp_path):
+    """A poly file from before the attention-work feature (``c2_tok_len``) is refused, naming the
+    missing coefficient and the fix; an old grid file (no coefficient names) still loads."""
     path = tmp_path / "old.json"
     path.write_text(json.dumps(OLD_POLY))
-    m = get_cost_model(path, CFG, 2)
-    assert isinstance(m, FittedCostModel) and m.params[(0, "F")][0] == "quad"
-    assert m.predict(0, "F", 2, 100) == pytest.approx(1.5e-3 + 5e-5 * 200 + 4e-8 * 2 * 100**2)
-    assert m.predict(0, "B", 2, 100) == pytest.approx(3e-3 + 1e-4 * 200 + 1e-7 * 2 * 100**2 + 1e-4 * 2)
-    assert m.predict(0, "F", 1, 100, 2500) == pytest.approx(1.5e-3 + 5e-5 * 100 + 4e-8 * 2500)
-    assert "c2_attn" in m.coefficients().columns
+    with pytest.raises(ValueError, match=r"old\.json.*lacks the coefficients \['c2_attn'\].*refit") as e:
+        get_cost_model(path, CFG, 2)
+    assert "\n" not in str(e.value)
     old_grid = {**OLD_POLY, "kind": "grid", "params": {"tables": [
         {"stage": p, "op": op, "rows": [1, 4], "padded_len": [64, 256], "time_s": [[0.01, 0.04], [0.04, 0.16]]}
         for p in range(2) for op in ("F", "B")]}}

@@ -21,6 +21,7 @@ from dynmb.packing import PackingError
 from dynmb.planning import make_schedule, plan_step
 from dynmb.timing.simulate import simulate
 from dynmb.core.types import Microbatch, Plan
+from dynmb.core.planspec import PlanSpec
 
 SMALL = ModelConfig.preset("small")
 NO_COMM = CommModel(0.0, 1e30)
@@ -74,10 +75,11 @@ def test_terms_add_up_to_step_minus_ideal(lengths, P, dp, method, kind, which, o
     ideal_model = _sat(cm) if which == 3 else cm
     mm = MemoryModel.analytic(SMALL, S)
     try:
-        plan, _, _ = plan_step(np.array(lengths), method=method, model_cfg=SMALL, num_stages=S, virtual=virtual,
-                               memory_limit_bytes=int(mm.state_bytes.max() * 3), schedule_kind=kind, dp=dp,
-                               cost_model=cm, memory_model=mm, oversize="truncate",
-                               recompute=recompute)
+        plan, _, _ = plan_step(np.array(lengths), PlanSpec(method=method, num_stages=S, virtual=virtual,
+                                                           memory_limit_bytes=int(mm.state_bytes.max() * 3),
+                                                           schedule_kind=kind, dp=dp, oversize="truncate",
+                                                           recompute=recompute), model_cfg=SMALL, cost_model=cm,
+                               memory_model=mm)
     except (PackingError, ValueError):
         event("not planned")
         return

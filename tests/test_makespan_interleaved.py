@@ -12,6 +12,7 @@ from dynmb.core.config import ModelConfig
 from dynmb.timing.makespan import has_bound_regime, makespan, makespans
 from dynmb.schedule.kinds import build_schedule, get_kind
 from dynmb.timing.simulate import simulate_costs
+from dynmb.core.planspec import PlanSpec
 
 SMALL = ModelConfig.preset("small")
 
@@ -93,8 +94,8 @@ def test_the_packers_estimate_an_interleaved_plan_as_it_runs(method, mbs):
     S, v = 4, 2
     lengths = sample_batch(load_trace("sharegpt"), 96, 1)
     mm, cm = get_memory_model(None, SMALL, S), get_cost_model(None, SMALL, S)
-    plan = pack(lengths, method, num_stages=S, virtual=v, memory_limit_bytes=4 << 30, memory_model=mm,
-                cost_model=cm, schedule_kind="interleaved", mbs=mbs)
+    plan = pack(lengths, PlanSpec(method=method, num_stages=S, virtual=v, memory_limit_bytes=4 << 30,
+                                  schedule_kind="interleaved", mbs=mbs), memory_model=mm, cost_model=cm)
     sim = simulate(make_schedule(plan, "interleaved", virtual=v, memory_model=mm, cost_model=cm), plan, cm, mm)
     assert plan.num_microbatches > 4
     assert plan.predictions["est_makespan_s"] == pytest.approx(sim.makespan_s, rel=1e-6)

@@ -12,6 +12,7 @@ from dynmb.memory.model import MemoryModel
 from dynmb.packing import METHODS, PackingError, auto_mbs, max_fitting_length, pack
 from dynmb.timing.makespan import makespan
 from dynmb.packing.rows import bfd_rows, next_fit_rows
+from dynmb.core.planspec import PlanSpec
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("small")
@@ -74,8 +75,8 @@ def test_every_method_keeps_the_invariants(lengths, p, scale, method, kind, roun
     lengths = np.array(lengths)
     mm, cm, limit = _setup(TINY, p, scale)
     try:
-        plan = pack(lengths, method, num_stages=p, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    schedule_kind=kind, round_to=round_to)
+        plan = pack(lengths, PlanSpec(method=method, num_stages=p, memory_limit_bytes=limit, schedule_kind=kind,
+                                      round_to=round_to), memory_model=mm, cost_model=cm)
     except PackingError as e:
         # only for a reason it names: a sequence too long, or (gpipe) the whole batch
         too_long = "cannot fit even alone" in str(e) or "longer than pack_len" in str(e) or "no row fits" in str(e)
@@ -93,8 +94,8 @@ def test_every_method_keeps_the_invariants(lengths, p, scale, method, kind, roun
 def test_data_parallel_replicas_are_equal_and_balanced(lengths, dp, method, round_to):
     lengths = np.array(lengths)
     mm, cm, limit = _setup(TINY, 2, 6.0)
-    plan = pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm, dp=dp,
-                round_to=round_to)
+    plan = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit, dp=dp, round_to=round_to),
+                memory_model=mm, cost_model=cm)
     _check_plan(plan, lengths, mm, limit, round_to)
     per = np.bincount(plan.replica_ids, minlength=dp)
     assert len(per) == dp and np.all(per == per[0])
@@ -104,20 +105,21 @@ def test_data_parallel_replicas_are_equal_and_balanced(lengths, dp, method, roun
 
 def test_errors_name_the_offending_things():
     mm, cm, limit = _setup(TINY, 2, 1.5)
-    kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    spec = PlanSpec(num_stages=2, memory_limit_bytes=limit)
+    models = dict(memory_model=mm, cost_model=cm)
     with pytest.raises(PackingError, match="empty"):
-        pack(np.array([], dtype=np.int64), "dynamic", **kw)
+        pack(np.array([], dtype=np.int64), spec.with_(method="dynamic"), **models)
     with pytest.raises(PackingError, match=r"sequences \[1, 3\]"):
-        pack(np.array([5, 0, 7, -2]), "dynamic", **kw)
+        pack(np.array([5, 0, 7, -2]), spec.with_(method="dynamic"), **models)
     with pytest.raises(PackingError, match=str(int(mm.state_bytes[0]))):
-        pack(np.array([5, 6]), "fixed", **{**kw, "memory_limit_bytes": int(mm.state_bytes[0]) - 1})
+        pack(np.array([5, 6]), spec.with_(method="fixed", memory_limit_bytes=int(mm.state_bytes[0]) - 1), **models)
     fit = max_fitting_length(mm, limit, 2)
     with pytest.raises(PackingError, match=rf"ids \[2\] with lengths \[{fit + 10}\].*longest length that fits is {fit}"):
-        pack(np.array([10, 20, fit + 10]), "dynamic", **kw)
+        pack(np.array([10, 20, fit + 10]), spec.with_(method="dynamic"), **models)
     with pytest.raises(ValueError, match="unknown packing method"):
-        pack(np.array([5]), "magic", **kw)
+        pack(np.array([5]), spec.with_(method="magic"), **models)
     with pytest.raises(PackingError, match="exceeds the limit.*largest mbs"):
-        pack(np.full(64, fit), "fixed", mbs=64, **kw)
+        pack(np.full(64, fit), spec.with_(method="fixed", mbs=64), **models)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -125,13 +127,14 @@ def test_oversize_policies_are_reported(method):
     mm, cm, limit = _setup(TINY, 2, 1.5)
     fit = max_fitting_length(mm, limit, 2)
     lengths = np.array([10, fit + 50, 30, fit + 1, 7])
-    kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
-    plan = pack(lengths, method, oversize="truncate", **kw)
+    spec = PlanSpec(num_stages=2, memory_limit_bytes=limit)
+    models = dict(memory_model=mm, cost_model=cm)
+    plan = pack(lengths, spec.with_(method=method, oversize="truncate"), **models)
     assert plan.meta["truncated"] == [1, 3] and plan.meta["dropped"] == []
     _check_plan(plan, lengths, mm, limit)
     got = {int(i): int(n) for mb in plan.microbatches for i, n in zip(mb.seq_ids, mb.lengths)}
     assert got[1] == fit and got[3] == fit and got[0] == 10
-    plan = pack(lengths, method, oversize="drop", **kw)
+    plan = pack(lengths, spec.with_(method=method, oversize="drop"), **models)
     assert plan.meta["dropped"] == [1, 3]
     assert sorted(int(i) for mb in plan.microbatches for i in mb.seq_ids) == [0, 2, 4]
     plan.validate(lengths)
@@ -142,7 +145,8 @@ def test_fixed_auto_mbs_is_the_largest_worst_case_fit():
     lengths = np.array([100, 900, 40, 700, 300] * 20)
     b = auto_mbs(mm, limit, 2, 900)
     assert b >= 1
-    plan = pack(lengths, "fixed", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    plan = pack(lengths, PlanSpec(method="fixed", num_stages=2, memory_limit_bytes=limit), memory_model=mm,
+                cost_model=cm)
     assert plan.meta["mbs"] == b
     worst = mm.peak_bytes([b + 1] * 3, [900] * 3, "1f1b")
     assert np.any(worst > limit)
@@ -153,7 +157,8 @@ def test_packed_defaults_megatron_rows_one_per_microbatch():
     """Default pack_len: the longest one-row microbatch (capped at max_seq_len); default mbs 1."""
     mm, cm, limit = _setup(TINY, 2, 8.0)
     lengths = np.array([300, 20, 30, 500, 12, 100, 60, 250] * 30)
-    plan = pack(lengths, "packed", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    plan = pack(lengths, PlanSpec(method="packed", num_stages=2, memory_limit_bytes=limit), memory_model=mm,
+                cost_model=cm)
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
     assert plan.meta["pack_len"] == fit and plan.meta["mbs"] == 1
     assert all(mb.padded_len == fit and mb.batch == 1 for mb in plan.microbatches)
@@ -161,7 +166,7 @@ def test_packed_defaults_megatron_rows_one_per_microbatch():
     assert any(mb.is_packed for mb in plan.microbatches)
     _check_plan(plan, lengths, mm, limit)
     roomy = _setup(TINY, 2, 1e4)[2]              # the cap is the model's max_seq_len
-    assert pack(lengths, "packed", num_stages=2, memory_limit_bytes=roomy, memory_model=mm,
+    assert pack(lengths, PlanSpec(method="packed", num_stages=2, memory_limit_bytes=roomy), memory_model=mm,
                 cost_model=cm).meta["pack_len"] == TINY.max_seq_len
 
 
@@ -172,8 +177,8 @@ def test_packed_rows_hold_at_most_pack_len(lengths, pack_len, mbs, round_to, dp)
     assume(len(lengths) >= dp)
     lengths = np.array(lengths)
     mm, cm, limit = _setup(TINY, 2, 40.0)
-    plan = pack(lengths, "packed", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                pack_len=pack_len, mbs=mbs, round_to=round_to, dp=dp)
+    plan = pack(lengths, PlanSpec(method="packed", num_stages=2, memory_limit_bytes=limit, pack_len=pack_len, mbs=mbs,
+                                  round_to=round_to, dp=dp), memory_model=mm, cost_model=cm)
     _check_plan(plan, lengths, mm, limit, round_to)
     row_len = -(-pack_len // round_to) * round_to
     assert plan.meta["pack_len"] == row_len and plan.meta["mbs"] == (mbs or 1)
@@ -233,32 +238,34 @@ def test_row_packers():
 
 def test_pack_len_and_round_to_errors_name_the_value_and_what_fits():
     mm, cm, limit = _setup(TINY, 2, 4.0)
-    kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    spec = PlanSpec(num_stages=2, memory_limit_bytes=limit)
+    models = dict(memory_model=mm, cost_model=cm)
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
     for bad in (0, -3, fit + 1):
         with pytest.raises(PackingError, match=rf"^pack_len {bad} is out of range: rows must hold 1 to {fit} tokens"):
-            pack(np.array([10, 20]), "packed", pack_len=bad, **kw)
+            pack(np.array([10, 20]), spec.with_(method="packed", pack_len=bad), **models)
     with pytest.raises(PackingError, match=rf"pack_len {fit} .*1 to {fit // 64 * 64} tokens.*round_to 64"):
-        pack(np.array([10, 20]), "packed", pack_len=fit, round_to=64, **kw)   # rounds up past what fits
+        pack(np.array([10, 20]), spec.with_(method="packed", pack_len=fit, round_to=64), **models)   # rounds up past what fits
     for method in METHODS:
         for bad in (0, -1, 2.5):
             with pytest.raises(ValueError, match=rf"^round_to must be a whole number >= 1, got {bad}$"):
-                pack(np.array([10, 20]), method, round_to=bad, **kw)
+                pack(np.array([10, 20]), spec.with_(method=method, round_to=bad), **models)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_round_to_rounds_the_longest_fitting_length_down(method):
     mm, cm, limit = _setup(TINY, 2, 4.0)
-    kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    spec = PlanSpec(num_stages=2, memory_limit_bytes=limit)
+    models = dict(memory_model=mm, cost_model=cm)
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
     rounded = fit // 100 * 100
     assert fit % 100 and max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len, round_to=100) == rounded
     lengths = np.array([30, rounded, rounded + 1, 5])          # id 2 fits alone only unrounded
-    plan = pack(lengths, method, **kw)
+    plan = pack(lengths, spec.with_(method=method), **models)
     assert plan.meta["round_to"] == 1 and plan.meta["truncated"] == []
     with pytest.raises(PackingError, match=rf"ids \[2\].*fits is {rounded} \(a multiple of round_to 100\) under"):
-        pack(lengths, method, round_to=100, **kw)
-    plan = pack(lengths, method, round_to=100, oversize="truncate", **kw)
+        pack(lengths, spec.with_(method=method, round_to=100), **models)
+    plan = pack(lengths, spec.with_(method=method, round_to=100, oversize="truncate"), **models)
     assert plan.meta["truncated"] == [2] and plan.meta["longest_fitting_length"] == rounded
     _check_plan(plan, lengths, mm, limit, 100)
 
@@ -267,15 +274,16 @@ def test_round_to_rounds_the_longest_fitting_length_down(method):
 def test_packed_documents_longer_than_pack_len_follow_the_policy(oversize):
     mm, cm, limit = _setup(TINY, 2, 8.0)
     lengths = np.array([90, 150, 30, 101, 100, 7])
-    kw = dict(num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm, oversize=oversize)
+    spec = PlanSpec(num_stages=2, memory_limit_bytes=limit, oversize=oversize)
+    models = dict(memory_model=mm, cost_model=cm)
     if oversize == "error":
         one_line = (r"^2 document\(s\) longer than pack_len 100: ids \[1, 3\] with lengths \[150, 101\]; the "
                     r"longest row that fits is \d+ under \d+ B at 2 stages \(1f1b\); oversize='truncate' or 'drop' "
                     r"keeps going$")
         with pytest.raises(PackingError, match=one_line):
-            pack(lengths, "packed", pack_len=100, **kw)
+            pack(lengths, spec.with_(method="packed", pack_len=100), **models)
         return
-    plan = pack(lengths, "packed", pack_len=100, **kw)
+    plan = pack(lengths, spec.with_(method="packed", pack_len=100), **models)
     _check_plan(plan, lengths, mm, limit)
     got = {int(i): int(n) for mb in plan.microbatches for i, n in zip(mb.seq_ids, mb.lengths)}
     if oversize == "truncate":
@@ -288,8 +296,8 @@ def test_packed_mbs_above_what_fits_names_the_largest():
     mm, cm, limit = _setup(TINY, 2, 4.0)
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
     with pytest.raises(PackingError, match=rf"exceeds the limit.*rows of pack_len {fit}\) that fits is 1"):
-        pack(np.full(40, fit), "packed", mbs=8, num_stages=2, memory_limit_bytes=limit, memory_model=mm,
-             cost_model=cm)
+        pack(np.full(40, fit), PlanSpec(method="packed", mbs=8, num_stages=2, memory_limit_bytes=limit),
+             memory_model=mm, cost_model=cm)
 
 
 @pytest.mark.parametrize("shipped", [False, True], ids=["affine", "AnalyticCostModel"])
@@ -307,8 +315,8 @@ def test_packed_microbatch_costs_use_the_sum_of_squared_document_lengths(shipped
         mm = MemoryModel.analytic(cfg, 1)
         cm = AnalyticCostModel(cfg, 1, overhead_s=0.0) if shipped else AffineCost(cfg, 1, overhead=0.0)
         for name, lengths in (("packed", np.full(64, 64)), ("one", np.array([4096]))):
-            plan = pack(lengths, "packed", num_stages=1, memory_limit_bytes=1 << 40, memory_model=mm,
-                        cost_model=cm, pack_len=4096)
+            plan = pack(lengths, PlanSpec(method="packed", num_stages=1, memory_limit_bytes=1 << 40, pack_len=4096),
+                        memory_model=mm, cost_model=cm)
             (mb,) = plan.microbatches
             assert (mb.batch, mb.padded_len, mb.is_packed) == (1, 4096, name == "packed")
             work = mb.attention_work(attention)
@@ -337,8 +345,8 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
     lengths = np.array(short + long_)
     mm = MemoryModel.analytic(cfg, 2)
     cm, limit = AffineCost(cfg, 2), int(mm.state_bytes.max() * 8)
-    plan = pack(lengths, "dynamic", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                round_to=round_to)
+    plan = pack(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=limit, round_to=round_to),
+                memory_model=mm, cost_model=cm)
     _check_plan(plan, lengths, mm, limit, round_to, cm)
     assume(plan.meta["budget"] == "tight" and plan.num_microbatches * 2 <= RANK_EXACT)
     from dynmb.packing.methods import MethodJob, method_flat
@@ -368,8 +376,8 @@ def test_dynamic_beats_every_method_on_the_shipped_traces(trace, round_to):
     limit = int(np.max(mm.state_bytes + np.array([2, 1]) * (act[:, 0] + tr[:, 0]))) + 1
     est = {}
     for method in METHODS:
-        plan = pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    round_to=round_to)
+        plan = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit, round_to=round_to),
+                    memory_model=mm, cost_model=cm)
         _check_plan(plan, lengths, mm, limit, round_to)
         est[method] = plan.predictions["est_makespan_s"]
         sh = plan.shapes()                   # the one lookup, with each microbatch's attention work
@@ -394,7 +402,8 @@ def test_dynamic_weighs_the_tuned_token_budgets(trace):
     mm, cm = MemoryModel.analytic(SMALL, 2), AnalyticCostModel(SMALL, 2)
     lengths = np.minimum(sample_batch(load_trace(trace), 256, 0), SMALL.max_seq_len)
     limit = 1 << 30
-    plan = pack(lengths, "dynamic", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm)
+    plan = pack(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=limit), memory_model=mm,
+                cost_model=cm)
     ctx, cap = PackContext(mm, limit, 2, "1f1b"), plan.meta["longest_fitting_length"]
     asked: list[str] = []
 
@@ -408,8 +417,8 @@ def test_dynamic_weighs_the_tuned_token_budgets(trace):
     tuned = [f"token-budget/{d}" for d in divisors if d > 1]
     assert tuned and set(tuned) <= set(asked)
     for d in divisors:
-        other = pack(lengths, "token-budget", num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                     mbs=d)
+        other = pack(lengths, PlanSpec(method="token-budget", num_stages=2, memory_limit_bytes=limit, mbs=d),
+                     memory_model=mm, cost_model=cm)
         assert plan.predictions["est_makespan_s"] <= other.predictions["est_makespan_s"] * (1 + 1e-9), d
 
 
@@ -424,14 +433,15 @@ def test_interleaved_on_fewer_gpus_fits_the_gpu_not_the_stage(method):
 
     lengths = sample_batch(load_trace("sharegpt"), 32, 0)
     limit = 1 << 30
-    _, _, sim = plan_step(lengths, method=method, model_cfg=SMALL, num_stages=2, memory_limit_bytes=limit,
-                          schedule_kind="interleaved", virtual=2)
+    _, _, sim = plan_step(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit,
+                                            schedule_kind="interleaved", virtual=2), model_cfg=SMALL)
     assert sim.peak_bytes_rank is not None and len(sim.peak_bytes_rank) == 1
     assert sim.peak_bytes_rank[0] <= limit
     if method == "fixed":   # a per-stage budget alone lets the one GPU overflow
         mm = get_memory_model(None, SMALL, 2)
-        naive = pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=mm,
-                     cost_model=get_cost_model(None, SMALL, 2), schedule_kind="interleaved")
+        naive = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit,
+                                       schedule_kind="interleaved"), memory_model=mm,
+                     cost_model=get_cost_model(None, SMALL, 2))
         sh = naive.shapes()
         assert mm.peak_bytes(sh[:, 0], sh[:, 1], "interleaved", virtual=2).max() > limit
 
@@ -454,8 +464,8 @@ def test_interleaved_plans_fit_with_rounds_the_ranks_do_not_split(method, n, len
     tiny = ModelConfig.preset("tiny")
     lengths = np.full(n, length) if method != "dynamic" else np.random.default_rng(n).integers(length // 2, length, n)
     limit = limit_mib << 20
-    plan, _, sim = plan_step(lengths, method=method, model_cfg=tiny, num_stages=4, virtual=2,
-                             schedule_kind="interleaved", memory_limit_bytes=limit)
+    plan, _, sim = plan_step(lengths, PlanSpec(method=method, num_stages=4, virtual=2, schedule_kind="interleaved",
+                                               memory_limit_bytes=limit), model_cfg=tiny)
     assert sim.peak_bytes_rank.max() <= limit
 
 
@@ -474,8 +484,9 @@ def test_a_registered_method_packs_through_the_dispatcher():
     try:
         mm = MemoryModel.analytic(TINY, 2)
         lengths = np.array([5, 90, 30, 200, 7, 64])
-        plan = pack(lengths, "one-each", num_stages=2, memory_limit_bytes=int(mm.state_bytes.max() * 4),
-                    memory_model=mm, cost_model=AffineCost(TINY, 2), dp=2)
+        plan = pack(lengths, PlanSpec(method="one-each", num_stages=2,
+                                      memory_limit_bytes=int(mm.state_bytes.max() * 4), dp=2), memory_model=mm,
+                    cost_model=AffineCost(TINY, 2))
         assert plan.num_microbatches == len(lengths) and plan.dp == 2 and plan.method == "one-each"
         plan.validate(lengths)
         check_plan_spec(PlanSpec(method="one-each", num_stages=2, memory_limit_bytes=1 << 30))

@@ -87,27 +87,29 @@ def test_cli_builds_the_spec_from_its_flags():
 
 @pytest.mark.parametrize("method,dp,reorder", [("dynamic", 1, "auto"), ("fixed", 2, "none"), ("packed", 1, "search"),
                                                ("token-budget", 2, "ends")])
-def test_plan_records_its_spec_and_keyword_form_plans_the_same(method, dp, reorder):
+def test_plan_records_its_spec_and_refuses_keyword_settings(method, dp, reorder):
     cm, mm = _models()
     spec = PlanSpec(method=method, memory_limit_bytes=LIMIT, dp=dp, reorder=reorder)
     plan, sched, sim = plan_step(_lengths(), spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
     assert plan.spec == spec
     again = Plan.from_json(plan.to_json())
     assert again.spec == spec and again.predictions == plan.predictions
-    old, _, _ = plan_step(_lengths(), method=method, model_cfg=TINY, num_stages=2, memory_limit_bytes=LIMIT, dp=dp,
-                          reorder=reorder, cost_model=cm, memory_model=mm)
-    assert old.digest() == plan.digest() and old.spec == spec
-    with pytest.raises(TypeError, match="not as keywords too"):
+    with pytest.raises(TypeError, match="dp"):               # the earlier keyword form is gone
         plan_step(_lengths(), spec, model_cfg=TINY, dp=2)
+    with pytest.raises(TypeError, match="one PlanSpec"):
+        plan_step(_lengths(), method, model_cfg=TINY)
 
 
-def test_pack_takes_the_spec_and_the_earlier_keywords():
+def test_pack_takes_the_spec_only():
     cm, mm = _models()
     spec = PlanSpec(method="sorted", memory_limit_bytes=LIMIT, mbs=2)
     a = pack(_lengths(), spec, memory_model=mm, cost_model=cm)
-    b = pack(_lengths(), "sorted", num_stages=2, memory_limit_bytes=LIMIT, mbs=2, memory_model=mm, cost_model=cm)
+    b = pack(_lengths(), PlanSpec(method="sorted", num_stages=2, memory_limit_bytes=LIMIT, mbs=2), memory_model=mm,
+             cost_model=cm)
     assert a.digest() == b.digest() and a.spec == b.spec == spec
     assert a.predictions.est_makespan_s > 0 and len(a.predictions.pred_peak_bytes) == 2
+    with pytest.raises(TypeError, match="one PlanSpec"):
+        pack(_lengths(), "sorted", memory_model=mm, cost_model=cm)
 
 
 def test_planner_holds_one_spec():

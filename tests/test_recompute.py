@@ -22,6 +22,7 @@ from dynmb.packing.recompute import fits, needs_recompute
 from dynmb.costmodel.split import RECOMPUTE_F_SHARE, stage_role
 from dynmb.runtime.spec import RunSpec
 from dynmb.core.types import Microbatch, Plan
+from dynmb.core.planspec import PlanSpec
 from tests.gloo_jobs import register
 
 SMALL = ModelConfig.preset("small")
@@ -108,8 +109,9 @@ def _batch(seed: int = 0) -> np.ndarray:
 
 
 def _pack(lengths, recompute: str, oversize: str = "error", limit: int = TIGHT, method: str = "dynamic") -> Plan:
-    return pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=get_memory_model(None, TINY, 2),
-                cost_model=get_cost_model(None, TINY, 2), oversize=oversize, recompute=recompute)
+    return pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit, oversize=oversize,
+                                  recompute=recompute), memory_model=get_memory_model(None, TINY, 2),
+                cost_model=get_cost_model(None, TINY, 2))
 
 
 def test_auto_places_what_never_must_truncate():
@@ -146,12 +148,12 @@ def test_auto_is_never_when_nothing_needs_it_and_always_flags_all():
 
 def test_plan_step_predicts_recompute_under_the_limit():
     lengths = _batch()
-    plan, sched, sim = plan_step(lengths, method="dynamic", model_cfg=TINY, num_stages=2, memory_limit_bytes=TIGHT,
-                                 schedule_kind="1f1b", recompute="auto")
+    plan, sched, sim = plan_step(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=TIGHT,
+                                                   schedule_kind="1f1b", recompute="auto"), model_cfg=TINY)
     assert plan.recompute_mask().any() and sim.fits
     for kind in ("zb-h1", "zb"):
-        plan, sched, sim = plan_step(lengths, method="dynamic", model_cfg=TINY, num_stages=2,
-                                     memory_limit_bytes=TIGHT, schedule_kind=kind, recompute="auto")
+        plan, sched, sim = plan_step(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=TIGHT,
+                                                       schedule_kind=kind, recompute="auto"), model_cfg=TINY)
         assert sim.fits, kind
 
 
@@ -204,8 +206,8 @@ def test_auto_truncates_every_method_at_max_seq_len(limit):
     assert rc_cap == top and not fits(mm, limit, 1, lengths[0])      # the case: recomputation would fit it whole
     kept = {}
     for method in METHODS:
-        plan = pack(lengths, method, num_stages=2, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    oversize="truncate", recompute="auto")
+        plan = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit, oversize="truncate",
+                                      recompute="auto"), memory_model=mm, cost_model=cm)
         assert max(mb.padded_len for mb in plan.microbatches) <= top, (method, plan.meta.get("recompute_choice"))
         assert plan.meta["truncated"] == [0] and plan.meta["longest_fitting_length"] == rc_cap, method
         kept[method] = sum(int(mb.lengths.sum()) for mb in plan.microbatches)

@@ -20,6 +20,7 @@ from dynmb.memory.model import MemoryModel, get_memory_model
 from dynmb.packing import METHODS, PackingError, pack
 from dynmb.planning.planner import make_schedule
 from dynmb.timing.simulate import simulate, simulate_costs
+from dynmb.core.planspec import PlanSpec
 
 DEEP = ModelConfig.preset("gpt2-deep-13b")
 
@@ -32,8 +33,8 @@ def _gpu_costs(cfg: ModelConfig, p: int) -> AnalyticCostModel:
 
 def _all_methods(lengths, p, dp, cfg=DEEP, limit="80GiB"):
     cm, mm = _gpu_costs(cfg, p), get_memory_model(None, cfg, p)
-    return {m: pack(lengths, m, num_stages=p, memory_limit_bytes=parse_bytes(limit), memory_model=mm, cost_model=cm,
-                    dp=dp, oversize="truncate") for m in METHODS}, cm
+    return {m: pack(lengths, PlanSpec(method=m, num_stages=p, memory_limit_bytes=parse_bytes(limit), dp=dp,
+                                      oversize="truncate"), memory_model=mm, cost_model=cm) for m in METHODS}, cm
 
 
 # --- the exact estimate, batched --------------------------------------------------------------
@@ -142,8 +143,9 @@ def test_dynamic_is_not_behind_on_a_long_tail_past_the_exact_regime():
     cm, mm = GPUCostModel(cfg, p), get_memory_model(None, cfg, p)
     step = {}
     for m in ("dynamic", "packed", "sorted"):
-        plan = pack(lengths, m, num_stages=p, memory_limit_bytes=parse_bytes("80GiB"), memory_model=mm, cost_model=cm,
-                    mbs=1 if m == "sorted" else None, oversize="truncate")
+        plan = pack(lengths, PlanSpec(method=m, num_stages=p, memory_limit_bytes=parse_bytes("80GiB"),
+                                      mbs=1 if m == "sorted" else None, oversize="truncate"), memory_model=mm,
+                    cost_model=cm)
         step[m] = simulate(make_schedule(plan, "1f1b"), plan, cm).makespan_s
         assert plan.predictions["est_makespan_s"] <= step[m] * (1 + 1e-9)
     assert step["dynamic"] <= min(step.values()), step
@@ -179,8 +181,9 @@ def test_dynamic_is_not_behind_dynapipe_after_the_reorder_on_a_large_interleaved
     lengths = sample_batch(load_trace("sharegpt"), 8000, 0)
     step = {}
     for method, how in (("dynamic", "search"), ("dynapipe", "dynapipe")):
-        plan = pack(lengths, method, num_stages=P * V, virtual=V, memory_limit_bytes=parse_bytes("80GiB"),
-                    memory_model=mm, cost_model=cm, dp=dp, schedule_kind="interleaved", oversize="truncate")
+        plan = pack(lengths, PlanSpec(method=method, num_stages=P * V, virtual=V,
+                                      memory_limit_bytes=parse_bytes("80GiB"), dp=dp, schedule_kind="interleaved",
+                                      oversize="truncate"), memory_model=mm, cost_model=cm)
         step[method] = _step_after_reorder(plan, how, cm, mm, "interleaved", V)
     assert step["dynamic"] <= step["dynapipe"] * (1 + 1e-12), step
 
@@ -284,8 +287,8 @@ def test_dynamic_weighs_every_other_plan(lengths, p, dp, scale, kind, round_to):
     est, budget = {}, {}
     for m in METHODS:
         try:
-            plan = pack(lengths, m, num_stages=p, memory_limit_bytes=limit, memory_model=mm, cost_model=cm, dp=dp,
-                        schedule_kind=kind, round_to=round_to, oversize="truncate")
+            plan = pack(lengths, PlanSpec(method=m, num_stages=p, memory_limit_bytes=limit, dp=dp, schedule_kind=kind,
+                                          round_to=round_to, oversize="truncate"), memory_model=mm, cost_model=cm)
         except PackingError:
             continue
         est[m], budget[m] = plan.predictions["est_makespan_s"], plan.meta["budget"]

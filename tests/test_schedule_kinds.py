@@ -29,6 +29,7 @@ from dynmb.schedule import (SCHEDULE_KINDS, BuildInputs, ScheduleKind, build_sch
                             validate)
 from dynmb.timing.simulate import simulate, simulate_costs
 from dynmb.core.types import Action, Schedule
+from dynmb.core.planspec import PlanSpec
 from tests.gloo_jobs import register
 from tests.runtime_faults import REPO
 
@@ -76,8 +77,9 @@ def test_plan_step_packs_and_simulates_for_the_new_kind():
     cm, mm = get_cost_model(None, cfg, 2), MemoryModel.analytic(cfg, 2)
     lengths = np.random.default_rng(0).integers(16, 200, size=12)
     limit = 64 * 2**20
-    plan, sched, sim = plan_step(lengths, method="dynamic", model_cfg=cfg, num_stages=2, memory_limit_bytes=limit,
-                                 schedule_kind="lifo-test", cost_model=cm, memory_model=mm)
+    plan, sched, sim = plan_step(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=limit,
+                                                   schedule_kind="lifo-test"), model_cfg=cfg, cost_model=cm,
+                                 memory_model=mm)
     assert plan.schedule_kind == "lifo-test" and sched.kind == "lifo-test"
     validate(sched, plan)
     again = simulate(sched, plan, cm, mm)

@@ -31,6 +31,7 @@ from dynmb.schedule.kinds import slice_kinds
 from dynmb.schedule.validate import check_slice_order
 from dynmb.timing.simulate import simulate
 from dynmb.core.types import Action, Microbatch, Plan, PlanError, Schedule
+from dynmb.core.planspec import PlanSpec
 from tests.gloo_jobs import register
 
 TINY = ModelConfig.preset("tiny")
@@ -352,8 +353,8 @@ TEN_X_BATCH = np.array([40, 100, 4000, 70, 300, 25, 90, 150], dtype=np.int64)   
 
 def test_split_plans_a_sequence_ten_times_the_longest_row():
     limit_bytes = parse_bytes("12MiB")
-    plan, sched, _ = plan_step(TEN_X_BATCH, method="dynamic", model_cfg=TINY, num_stages=4,
-                               memory_limit_bytes=limit_bytes, oversize="split", recompute="auto")
+    plan, sched, _ = plan_step(TEN_X_BATCH, PlanSpec(method="dynamic", num_stages=4, memory_limit_bytes=limit_bytes,
+                                                     oversize="split", recompute="auto"), model_cfg=TINY)
     assert TEN_X_BATCH.max() >= 10 * plan.meta["longest_fitting_length"]
     assert plan.real_tokens == TEN_X_BATCH.sum() and max(plan.predictions["pred_peak_bytes"]) <= limit_bytes
     validate(sched, plan)
@@ -363,8 +364,8 @@ def test_split_plans_a_sequence_ten_times_the_longest_row():
                                                  ("dynamic", 4, "12MiB"), ("packed", 4, "16MiB")])
 def test_split_plans_every_token_under_the_limit(method, stages, limit):
     limit_bytes = parse_bytes(limit)
-    plan, sched, sim = plan_step(LONG_BATCH, method=method, model_cfg=TINY, num_stages=stages,
-                                 memory_limit_bytes=limit_bytes, oversize="split", recompute="auto")
+    plan, sched, sim = plan_step(LONG_BATCH, PlanSpec(method=method, num_stages=stages, memory_limit_bytes=limit_bytes,
+                                                      oversize="split", recompute="auto"), model_cfg=TINY)
     plan.validate(LONG_BATCH)
     assert plan.real_tokens == LONG_BATCH.sum()                 # every token planned
     assert 2 in plan.slice_groups() and len(plan.slice_groups()[2]) >= 2
@@ -383,9 +384,10 @@ def test_split_fills_slice_rows_with_short_sequences_when_predicted_faster(monke
     ``_fill``: no row then holds a slice beside another sequence)."""
     import dynmb.planning.slicing as slicing
 
-    def plan(**kw):
-        return plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2, schedule_kind=kind,
-                         memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto", **kw)
+    def plan():
+        return plan_step(LONG_BATCH, PlanSpec(method="dynamic", num_stages=2, schedule_kind=kind,
+                                              memory_limit_bytes=parse_bytes("16MiB"), oversize="split",
+                                              recompute="auto"), model_cfg=TINY)
 
     filled, sched, sim = plan()
     filled.validate(LONG_BATCH)
@@ -403,22 +405,25 @@ def test_split_fills_slice_rows_with_short_sequences_when_predicted_faster(monke
 def test_a_packed_split_plan_records_its_row_length():
     """Issue 25: the ``steps``/``runs`` ``pack_len`` of a packed plan with slices is its row length
     (was None: ``plan_split`` did not record it); other methods record none."""
-    packed, _, _ = plan_step(LONG_BATCH, method="packed", model_cfg=TINY, num_stages=2,
-                             memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+    packed, _, _ = plan_step(LONG_BATCH, PlanSpec(method="packed", num_stages=2,
+                                                  memory_limit_bytes=parse_bytes("16MiB"), oversize="split",
+                                                  recompute="auto"), model_cfg=TINY)
     assert packed.meta["sliced"] and packed.meta["pack_len"] == packed.meta["longest_fitting_length"] > 0
     assert max(mb.padded_len for mb in packed.microbatches) <= packed.meta["pack_len"]
-    dynamic, _, _ = plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2,
-                              memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+    dynamic, _, _ = plan_step(LONG_BATCH, PlanSpec(method="dynamic", num_stages=2,
+                                                   memory_limit_bytes=parse_bytes("16MiB"), oversize="split",
+                                                   recompute="auto"), model_cfg=TINY)
     assert dynamic.meta["pack_len"] is None
 
 
 def test_split_that_cannot_fit_names_the_sequence():
     with pytest.raises(PackingError, match=r"sequence 2 of 2400 tokens does not fit sliced.*--recompute auto"):
-        plan_step(LONG_BATCH, method="dynamic", model_cfg=TINY, num_stages=2, memory_limit_bytes=parse_bytes("16MiB"),
-                  oversize="split", recompute="never")
+        plan_step(LONG_BATCH, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=parse_bytes("16MiB"),
+                                       oversize="split", recompute="never"), model_cfg=TINY)
     with pytest.raises(PackingError, match="max_seq_len"):
-        plan_step(np.array([5000, 10]), method="dynamic", model_cfg=TINY, num_stages=2,
-                  memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+        plan_step(np.array([5000, 10]), PlanSpec(method="dynamic", num_stages=2,
+                                                 memory_limit_bytes=parse_bytes("16MiB"), oversize="split",
+                                                 recompute="auto"), model_cfg=TINY)
 
 
 # --------------------------------------------------------------------------

@@ -39,8 +39,9 @@ def _chain_replicas(plan: Plan) -> dict[int, set[int]]:
 @pytest.mark.parametrize("kind", ["1f1b", "zb"])
 def test_split_with_dp_keeps_each_chain_on_one_replica_under_the_limit(method, stages, kind):
     limit = parse_bytes(CASES[stages])
-    plan, sched, sim = plan_step(TWO_LONG, method=method, model_cfg=TINY, num_stages=stages, dp=2,
-                                 schedule_kind=kind, memory_limit_bytes=limit, oversize="split", recompute="auto")
+    plan, sched, sim = plan_step(TWO_LONG, PlanSpec(method=method, num_stages=stages, dp=2, schedule_kind=kind,
+                                                    memory_limit_bytes=limit, oversize="split", recompute="auto"),
+                                 model_cfg=TINY)
     plan.validate(TWO_LONG)
     assert plan.dp == 2 and plan.real_tokens == TWO_LONG.sum()           # every token planned
     groups = plan.slice_groups()
@@ -69,8 +70,9 @@ def test_split_with_dp_keeps_each_chain_on_one_replica_under_the_limit(method, s
 def test_split_with_dp_that_cannot_fill_every_replica_says_why():
     """One long sequence and nothing else cannot give two replicas a microbatch each."""
     with pytest.raises(ValueError, match=r"dp=2: 1 chain\(s\) .* every replica"):
-        plan_step(np.array([2400]), method="dynamic", model_cfg=TINY, num_stages=2, dp=2,
-                  memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+        plan_step(np.array([2400]), PlanSpec(method="dynamic", num_stages=2, dp=2,
+                                             memory_limit_bytes=parse_bytes("16MiB"), oversize="split",
+                                             recompute="auto"), model_cfg=TINY)
 
 
 def test_spec_check_admits_split_with_dp_and_still_refuses_kinds_without_slices():

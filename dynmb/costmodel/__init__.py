@@ -37,7 +37,7 @@ from dynmb.costmodel.base import CommModel, CostModelLike, CostModel
 from dynmb.costmodel.grid import GridCostModel
 from dynmb.costmodel.gpu import GPUCostModel, GPUSpec, H100_SXM, LINKS
 from dynmb.costmodel.nnls import nnls_rel
-from dynmb.costmodel.poly import COEFS, FORMS, LEGACY_COEF_NAMES, FittedCostModel
+from dynmb.costmodel.poly import COEFS, FORMS, FittedCostModel
 from dynmb.costmodel.registry import COST_MODEL_KINDS, FIT_KINDS, fit_cost_model, get_cost_model, kfold_error
 from dynmb.costmodel.calibration import (OVERHEAD_MIN_ACTIONS, OVERHEAD_SMALL_S, RECENT_STEPS, SCALE_MIN_PRED_S, CalibrationStep,
                           RuntimeCalibration, job_calibration, runtime_calibration)
@@ -48,7 +48,7 @@ from dynmb.costmodel.loader import PredictionModels, load_models, models_record
 __all__ = [
     "CostModelLike", "CommModel", "CostModel", "AnalyticCostModel", "FittedCostModel", "GridCostModel",
     "GPUCostModel", "GPUSpec", "H100_SXM", "LINKS",
-    "FORMS", "COEFS", "LEGACY_COEF_NAMES", "COST_MODEL_KINDS", "FIT_KINDS",
+    "FORMS", "COEFS", "COST_MODEL_KINDS", "FIT_KINDS",
     "get_cost_model", "fit_cost_model", "kfold_error",
     "noise_floor", "point_medians", "samples_from_actions", "with_attention_work", "RuntimeCalibration",
     "runtime_calibration", "job_calibration", "CalibrationStep", "SCALE_MIN_PRED_S", "OVERHEAD_SMALL_S",

@@ -11,8 +11,7 @@ terms (``features`` builds their columns). Coefficients are non-negative and min
 medians of the samples (``samples.point_medians``). The form is chosen per (stage, op) by
 k-fold held-out MAPE over points; a larger form must beat a smaller one by more than 2%
 (relative) to be chosen, so the model stays explainable. Files written before the attention
-work was a feature name the quadratic coefficient ``c2_tok_len``; they load as ``c2_attn``
-(``LEGACY_COEF_NAMES``; for them a = b*s^2 was the only case).
+work was a feature (quadratic coefficient ``c2_tok_len``) are refused with one line: refit them.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from dynmb.costmodel.base import CommModel, CostModel
 from dynmb.costmodel.nnls import nnls_rel
 from dynmb.costmodel.samples import point_medians, sample_meta
 
-__all__ = ["FORMS", "COEFS", "LEGACY_COEF_NAMES", "FittedCostModel", "features", "fold_ids"]
+__all__ = ["FORMS", "COEFS", "FittedCostModel", "features", "fold_ids"]
 
 FORMS: dict[str, tuple[str, ...]] = {
     "lin": ("c0", "c1_tok"),
@@ -46,7 +45,6 @@ length buckets and scatter back, which one-document rows do not run]."""
 COEFS = ("c0", "c1_tok", "c2_attn", "c3_row", "c4_packed_tok")
 """Every poly coefficient, in the order tables list them."""
 
-LEGACY_COEF_NAMES = {"c2_tok_len": "c2_attn"}
 """Coefficient names of older cost-model files -> their current name."""
 
 
@@ -108,7 +106,12 @@ class FittedCostModel(CostModel):
     def _from_parts(cls, cfg, p, comm, meta, params):
         fits = {}
         for d in params["fits"]:
-            coef = {LEGACY_COEF_NAMES.get(n, n): v for n, v in d["coef"].items()}
+            coef = d["coef"]
+            missing = [n for n in FORMS[d["form"]] if n not in coef]
+            if missing:
+                raise ValueError(f"stage {d['stage']} {d['op']}: form {d['form']!r} lacks the coefficients {missing} "
+                                 f"(has {sorted(coef)}; a file from before the attention-work feature: refit it "
+                                 f"with dynmb fit)")
             fits[(d["stage"], d["op"])] = (d["form"], [coef[n] for n in FORMS[d["form"]]])
         return cls(cfg, p, fits, comm, meta)
 

@@ -55,7 +55,7 @@ from dynmb.packing.recompute import pack_with_recompute
 from dynmb.packing.rows import (Flat, Group, assign_replicas, flat_to_groups, groups_to_flat, merge_groups, round_down, round_up,
                    split_group)
 
-__all__ = ["METHODS", "pack", "spec_of"]
+__all__ = ["METHODS", "pack"]
 
 METHODS = method_names()
 """The registered packing methods (``packing.methods``)."""
@@ -246,19 +246,18 @@ def _estimate(microbatches: list[Microbatch], features: CostFeatures, cost_model
     return microbatches, replica_ids, peak, estimates
 
 
-def pack(lengths: Any, spec: PlanSpec | str, *, memory_model: MemoryModelLike, cost_model: CostModelLike,
-         **legacy: Any) -> Plan:
+def pack(lengths: Any, spec: PlanSpec, *, memory_model: MemoryModelLike, cost_model: CostModelLike) -> Plan:
     """Pack the global batch ``lengths`` under the settings ``spec``; see the module docstring.
 
     ``spec.mbs``: rows per microbatch of ``fixed`` / ``sorted`` / ``packed`` (``packed`` default 1);
     ``spec.pack_len``: the row length of ``packed`` (the other methods ignore it); ``spec.round_to``:
     every ``padded_len`` is a multiple of it; ``spec.recompute``: never, always or auto
     (``dynmb.packing.recompute``). ``spec.reorder`` is the planner's (packing ignores it).
-    The earlier form ``pack(lengths, method, num_stages=..., ...)`` (the ``PlanSpec`` fields as
-    keywords) still works. The cyclic garbage collector is paused during the call (packing
+    The cyclic garbage collector is paused during the call (packing
     allocates many small objects and creates no cycles); its previous state is restored.
     """
-    spec = spec_of(spec, legacy)
+    if not isinstance(spec, PlanSpec):
+        raise TypeError(f"pack takes the settings as one PlanSpec, got {type(spec).__name__}")
     if spec.recompute != "never":
         return pack_with_recompute(pack, lengths, spec, memory_model=memory_model, cost_model=cost_model)
     gc_was = gc.isenabled()
@@ -268,18 +267,6 @@ def pack(lengths: Any, spec: PlanSpec | str, *, memory_model: MemoryModelLike, c
     finally:
         if gc_was:
             gc.enable()
-
-
-def spec_of(spec: PlanSpec | str, legacy: dict[str, Any]) -> PlanSpec:
-    """``spec``, or (the earlier keyword form) a ``PlanSpec`` of method ``spec`` and the fields in ``legacy``."""
-    if isinstance(spec, PlanSpec):
-        if legacy:
-            raise TypeError(f"pass the settings in the PlanSpec, not as keywords too: {sorted(legacy)}")
-        return spec
-    try:
-        return PlanSpec(method=spec, **legacy)
-    except TypeError as e:
-        raise TypeError(f"pack: {e}") from None
 
 
 class _OverLimit(PackingError):

@@ -64,23 +64,20 @@ __all__ = ["plan_step", "plan_auto", "make_schedule"]
 log = logging.getLogger(__name__)
 
 
-def plan_step(lengths: np.ndarray, spec: PlanSpec | None = None, *, model_cfg: ModelConfig,
+def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
               cost_model: CostModelLike | None = None, memory_model: MemoryModelLike | None = None,
-              meta: dict[str, Any] | None = None, **legacy: Any) -> tuple[Plan, Schedule, SimResult]:
+              meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """Pack, reorder, schedule and simulate one global batch under the settings ``spec``.
 
     Returns ``(plan, schedule, sim)``; for ``dp > 1`` the schedule and simulation
     are replica 0's and the plan's predictions hold the slowest replica's time.
     ``cost_model``/``memory_model`` default to the analytic stand-ins; ``meta`` is added to the
-    plan's. The plan records ``spec`` (``Plan.spec``). The earlier keyword form (the ``PlanSpec``
-    fields as keywords, ``plan_step(lengths, method=..., num_stages=..., ...)``) still works.
+    plan's. The plan records ``spec`` (``Plan.spec``).
     ``spec.schedule_kind == "auto"``: the step is planned for each kind of
     ``dynmb.schedule.kinds.auto_kinds`` and the fastest that fits is returned (``plan_auto``).
     """
-    if spec is None:
-        spec = PlanSpec(**legacy)
-    elif legacy:
-        raise TypeError(f"pass the settings in the PlanSpec, not as keywords too: {sorted(legacy)}")
+    if not isinstance(spec, PlanSpec):
+        raise TypeError(f"plan_step takes the settings as one PlanSpec, got {type(spec).__name__}")
     if (refusal := lockstep_refusal(spec)) is not None:
         raise ValueError(refusal)
     cost_model = cost_model or get_cost_model(None, model_cfg, spec.num_stages)

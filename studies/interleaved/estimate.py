@@ -31,6 +31,7 @@ import sys
 
 import numpy as np
 
+from dynmb.core.planspec import PlanSpec
 from dynmb.timing.makespan import makespans
 from dynmb.schedule.kinds import build_schedule
 from dynmb.timing.simulate import simulate_costs
@@ -84,11 +85,13 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
             chunks = P * v
             batch = S.token_batch(trace, S.parse_tokens(tokens), dp, 0)
             cm, mm = gpu.GPUCostModel(cfg, chunks, link="ib"), get_memory_model(None, cfg, chunks)
-            common = dict(num_stages=chunks, virtual=v, memory_limit_bytes=80 << 30, memory_model=mm, cost_model=cm,
-                          dp=dp, oversize="truncate", schedule_kind="interleaved")
-            plans = {f"balanced/{d}": (lambda d=d: pack(batch, "balanced", mbs=d, **common)) for d in divisors}
-            plans["dynamic"] = lambda: pack(batch, "dynamic", **common)
-            plans["dynamic (as 1f1b)"] = lambda: pack(batch, "dynamic", **{**common, "schedule_kind": AS_1F1B})
+            spec = PlanSpec(num_stages=chunks, virtual=v, memory_limit_bytes=80 << 30, dp=dp, oversize="truncate",
+                            schedule_kind="interleaved")
+            models = dict(memory_model=mm, cost_model=cm)
+            plans = {f"balanced/{d}": (lambda d=d: pack(batch, spec.with_(method="balanced", mbs=d), **models))
+                     for d in divisors}
+            plans["dynamic"] = lambda: pack(batch, spec.with_(method="dynamic"), **models)
+            plans["dynamic (as 1f1b)"] = lambda: pack(batch, spec.with_(method="dynamic", schedule_kind=AS_1F1B), **models)
             seen = set()
             for name, make in plans.items():
                 try:

@@ -58,6 +58,7 @@ def _worker(rank: int, args, port: int, out: list) -> None:
     from dynmb.costmodel import get_cost_model
     from dynmb.data import load_trace, sample_batch
     from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens
+    from dynmb.core.planspec import PlanSpec
     from dynmb.planning import plan_step
     from dynmb.runtime.comm import P2P, make_pair_groups
     from dynmb.runtime.interpreter import ActionContext, run_actions
@@ -79,9 +80,9 @@ def _worker(rank: int, args, port: int, out: list) -> None:
     for rep in range(args.repeats):
         for k in args.steps:
             lengths = sample_batch(trace, args.global_batch, 0, step=k)
-            plan, sched, sim = plan_step(lengths, method=args.method, model_cfg=cfg, num_stages=2,
-                                         memory_limit_bytes=parse_bytes(args.memory_limit), cost_model=cm,
-                                         reorder=args.reorder)
+            plan, sched, sim = plan_step(lengths, PlanSpec(method=args.method, num_stages=2,
+                                                           memory_limit_bytes=parse_bytes(args.memory_limit),
+                                                           reorder=args.reorder), model_cfg=cfg, cost_model=cm)
             tokens = synthetic_tokens(lengths, cfg.vocab_size, k)
             cache = {}
 

@@ -113,6 +113,7 @@ from dynmb.packing import PackingError, pack
 from dynmb.planning import reorder_for
 from dynmb.planning.split_work import workload_cost
 from dynmb.planning.stage_split import resolve_stage_split
+from dynmb.core.planspec import PlanSpec
 
 KEYS = ("dataset", "model", "tokens", "num_stages", "dp", "method", "stage_split", "link", "memory_limit_bytes",
         "seed", "oversize", "sim_replicas", "schedule_key", "virtual", "slice_fitting")
@@ -228,9 +229,9 @@ def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
         c = resolve_stage_split(cfg, int(P), str(split), stage_cost=ideal_cost(lens, str(g["link"].iloc[0])))
         cm = gpu.GPUCostModel(c, int(P), link=str(g["link"].iloc[0]))
         limit = int(g["memory_limit_bytes"].iloc[0])
-        fits = pack(lens[[int(np.argmax(lens))]], "fixed", num_stages=int(P), memory_limit_bytes=limit,
-                    memory_model=get_memory_model(None, c, int(P)), cost_model=cm,
-                    oversize="truncate").meta["longest_fitting_length"]      # truncation, as the packers cut
+        fits = pack(lens[[int(np.argmax(lens))]],           # truncation, as the packers cut
+                    PlanSpec(method="fixed", num_stages=int(P), memory_limit_bytes=limit, oversize="truncate"),
+                    memory_model=get_memory_model(None, c, int(P)), cost_model=cm).meta["longest_fitting_length"]
         df.loc[g.index, "ideal_whole_s"] = [whole_ideal(saturated(cm), np.minimum(lens, fits), x) for x in g["ideal_s"]]
     return df
 
@@ -274,8 +275,9 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
     how = reorder_for(base, "auto")
     for group in packing_groups(kinds_for(c["schedule_key"], V)):
         t0 = time.process_time()
-        plan = pack(cell.batch, base, num_stages=P * V, virtual=V, memory_limit_bytes=limit, memory_model=mm,
-                    cost_model=cm, mbs=mbs, dp=c["dp"], oversize=c["oversize"], schedule_kind=group[0])
+        plan = pack(cell.batch, PlanSpec(method=base, num_stages=P * V, virtual=V, memory_limit_bytes=limit, mbs=mbs,
+                                         dp=c["dp"], oversize=c["oversize"], schedule_kind=group[0]), memory_model=mm,
+                    cost_model=cm)
         pack_s += time.process_time() - t0
         runs += [run_kind(plan, slowest(plan, c["sim_replicas"]), k, how, cm, mm, V) for k in group]
     chosen, cols = choose(runs), kind_columns(runs)

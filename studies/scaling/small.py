@@ -45,6 +45,7 @@ from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError, pack
 from dynmb.planning import make_schedule
 from dynmb.io.results import TableWriter
+from dynmb.core.planspec import PlanSpec
 
 KEYS = ("dataset", "model", "num_stages", "dp", "per_replica", "global_batch", "memory_limit_bytes", "method",
         "peak_tflops", "mfu", "overhead_us", "link_GBps", "alpha_us", "sim_replicas", "replica_pick", "seed",
@@ -119,8 +120,8 @@ def one_row(c: dict, trace: np.ndarray, cfg: ModelConfig) -> dict:
     batch = data.sample_batch(trace, c["global_batch"], c["seed"])
     t0 = time.perf_counter()
     try:
-        plan = pack(batch, c["method"], num_stages=P, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    dp=c["dp"], oversize=c["oversize"])
+        plan = pack(batch, PlanSpec(method=c["method"], num_stages=P, memory_limit_bytes=limit, dp=c["dp"],
+                                    oversize=c["oversize"]), memory_model=mm, cost_model=cm)
     except PackingError as e:
         return {**c, "status": "infeasible", "error": str(e)[:300]}
     pack_s = time.perf_counter() - t0

@@ -32,6 +32,7 @@ from dynmb.timing.makespan_zb import backward_shares
 from dynmb.schedule.validate import execution_order
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1, zb_limit_aware
 from dynmb.timing.simulate import action_times, cross_mask
+from dynmb.core.planspec import PlanSpec
 
 
 def _evaluator(F, B, I, W, comm):  # noqa: E741
@@ -87,8 +88,10 @@ def trace_cases(traces, stages, tokens, dp, divisors) -> list[dict]:
             seen = set()
             for kind in ("zb-h1", "zb"):
                 for d in divisors:
-                    plan = pack(cell.batch, "balanced", num_stages=P, memory_limit_bytes=c["memory_limit_bytes"],
-                                memory_model=mm, cost_model=cm, mbs=d, dp=dp, oversize=c["oversize"], schedule_kind=kind)
+                    plan = pack(cell.batch, PlanSpec(method="balanced", num_stages=P,
+                                                     memory_limit_bytes=c["memory_limit_bytes"], mbs=d, dp=dp,
+                                                     oversize=c["oversize"], schedule_kind=kind), memory_model=mm,
+                                cost_model=cm)
                     if (kind, plan.num_microbatches) in seen:
                         continue
                     seen.add((kind, plan.num_microbatches))

@@ -37,6 +37,7 @@ from dynmb.packing import PackingError, pack
 from dynmb.planning import make_schedule
 from dynmb.io.results import TableWriter
 from dynmb.timing.simulate import simulate
+from dynmb.core.planspec import PlanSpec
 
 KINDS = ("1f1b", "zb-h1", "zb")
 
@@ -75,8 +76,8 @@ def rows_for(trace: str, lengths_of: np.ndarray, P: int, k: int, args: argparse.
     base = dict(dataset=trace, model=cfg.name, num_stages=P, batch=k, global_batch=args.global_batch,
                 memory_limit_bytes=limit)
     try:
-        plan = pack(batch, "dynamic", num_stages=P, memory_limit_bytes=limit, memory_model=mm, cost_model=cm,
-                    oversize="truncate")
+        plan = pack(batch, PlanSpec(method="dynamic", num_stages=P, memory_limit_bytes=limit, oversize="truncate"),
+                    memory_model=mm, cost_model=cm)
     except PackingError as e:
         return [{**base, "schedule": kind, "status": "infeasible", "error": str(e)[:200]} for kind in KINDS]
     out, ref = [], None
