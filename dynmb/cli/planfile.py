@@ -39,7 +39,7 @@ def plan_pack_len(plan: Plan) -> int | None:
     the pack length rounded), that; None for the other methods."""
     if plan.method != "packed":
         return None
-    value = plan.meta.get("pack_len") or plan.meta.get("longest_fitting_length") or (
+    value = plan.meta.pack_len or plan.meta.longest_fitting_length or (
         plan.spec.pack_len if plan.spec is not None else None)
     return None if value is None else int(value)
 
@@ -66,7 +66,7 @@ def plan_meta(model: ModelConfig, cost_model: str | None, memory_model: str | No
 def plan_model(plan: Plan, args: argparse.Namespace, plan_path: str) -> ModelConfig:
     """The plan's model config (its recorded fields, or a recorded preset name from an older plan);
     ``--model`` / ``--attention`` must agree with it (one-line ``ValueError`` otherwise)."""
-    recorded = plan.meta.get("model")
+    recorded = plan.meta.model
     if isinstance(recorded, dict):
         model = ModelConfig.from_dict(recorded)
     elif recorded:
@@ -76,7 +76,7 @@ def plan_model(plan: Plan, args: argparse.Namespace, plan_path: str) -> ModelCon
     if plan.spec is not None and plan.spec.attention is not None and model.attention != plan.spec.attention:
         model = replace(model, attention=plan.spec.attention)
     flag_model = getattr(args, "model", None)
-    factory = plan.meta.get("model_factory")
+    factory = plan.meta.model_factory
     if flag_model is not None and (factory or names_factory(flag_model)):
         if flag_model != factory:
             raise ValueError(f"--model {flag_model} conflicts with the plan {plan_path}, which was planned for model "
@@ -116,17 +116,17 @@ def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str
                 ) -> tuple[ModelConfig, CostModelLike, MemoryModelLike]:
     """The model config, cost model and memory model a plan was made with (module docstring), through the
     one loader (``dynmb.costmodel.loader``); a plan that names the stand-in gets the stand-in, and the models
-    loaded must have the digests the plan recorded (``Plan.meta["models"]``) unless it was planned with a
+    loaded must have the digests the plan recorded (``Plan.meta.models``) unless it was planned with a
     calibrated model (a run's): then its predictions are made again with the uncalibrated one."""
     model = plan_model(plan, args, plan_path)
-    recorded = plan.meta.get("cost_model")
+    recorded = plan.meta.cost_model
     cost_file = recorded_model_file("cost-model", getattr(args, "cost_model", None), recorded, plan_path)
-    memory_file = recorded_model_file("memory-model", getattr(args, "memory_model", None), plan.meta.get("memory_model"),
+    memory_file = recorded_model_file("memory-model", getattr(args, "memory_model", None), plan.meta.memory_model,
                               plan_path)
     cost = STAND_IN if cost_file is None and not isinstance(recorded, dict) else cost_file   # an older plan
     with suppress_stand_in_warnings():                    # the plan's models: said when it was planned
         models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
-    check_plan_models(plan.meta.get("models"), models.cost, models.memory, plan_path)
+    check_plan_models(plan.meta.models, models.cost, models.memory, plan_path)
     return model, models.cost, models.memory
 
 

@@ -13,9 +13,10 @@ sequence is identified by its index in that array.
 - ``Plan``: microbatches in execution order plus the method, memory limit and the
   planner's predictions. Invariant (``Plan.validate``): every sequence of the
   global batch appears exactly once, or as one chain of slices (or is listed in
-  ``meta['dropped']`` / ``meta['truncated']`` by an explicit policy).
-  ``Plan.spec`` is the ``PlanSpec`` it was planned with (its JSON's ``"spec"``), and
-  ``Plan.predictions`` a ``Predictions`` record.
+  ``meta.dropped`` / ``meta.truncated`` by an explicit policy).
+  ``Plan.spec`` is the ``PlanSpec`` it was planned with (its JSON's ``"spec"``),
+  ``Plan.predictions`` a ``Predictions`` record and ``Plan.meta`` a ``PlanMeta`` record
+  (``dynmb.core.planmeta``: what the packer and planner chose, and the run context).
 - ``Action``: ``(stage, op, mb)`` printed ``2F7`` like torch.distributed.pipelining's
   ``_Action`` (``F`` forward, ``B`` full backward; a split backward is ``I``, the input
   gradient, then ``W``, the weight gradients: torch's BACKWARD_INPUT / BACKWARD_WEIGHT).
@@ -40,11 +41,12 @@ import numpy as np
 from dynmb.core.actions import OPS, Action, Schedule
 from dynmb.io.atomic import write_text_atomic
 from dynmb.core.microbatch import Microbatch, PlanError
+from dynmb.core.planmeta import PlanMeta
 from dynmb.core.planspec import ATTENTION_KINDS, PlanSpec
 from dynmb.core.predictions import Predictions
 
 __all__ = ["Microbatch", "Plan", "Action", "Schedule", "OPS", "ATTENTION_KINDS", "PlanError", "Predictions",
-           "PlanSpec"]
+           "PlanSpec", "PlanMeta"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +58,8 @@ class Plan:
     predicted (``Predictions``: ``pred_step_s``, ``pred_peak_bytes`` per stage, ``plan_s``, ...;
     a mapping given here is converted); ``spec`` the settings it was planned with (None for a
     plan made by hand or read from an older file); ``meta`` holds what the packer chose and
-    run context (``mbs``, ``dataset``, ``seed``, ``dropped``, ``truncated``, ...).
+    run context (``PlanMeta``: ``mbs``, ``dataset``, ``seed``, ``dropped``, ``truncated``, ...; a
+    mapping given here is converted).
     ``dataset_ids[i]``, when known, is the row of the trace (or corpus) that sequence ``i`` of
     the global batch was drawn from; the JSON form lists them per microbatch (``dataset_ids``,
     one per ``seq_ids`` entry) and for the whole batch, and the digest covers them.
@@ -71,7 +74,7 @@ class Plan:
     dp: int = 1
     replica_ids: tuple[int, ...] | None = None
     predictions: Predictions = field(default_factory=Predictions)
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: PlanMeta = field(default_factory=PlanMeta)
     spec: PlanSpec | None = None
     dataset_ids: tuple[int, ...] | None = None
 
@@ -79,6 +82,8 @@ class Plan:
         object.__setattr__(self, "microbatches", tuple(self.microbatches))
         if not isinstance(self.predictions, Predictions):
             object.__setattr__(self, "predictions", Predictions.from_dict(self.predictions))
+        if not isinstance(self.meta, PlanMeta):
+            object.__setattr__(self, "meta", PlanMeta.from_dict(self.meta))
         if self.dataset_ids is not None:
             object.__setattr__(self, "dataset_ids", tuple(int(i) for i in self.dataset_ids))
             if len(self.dataset_ids) != self.num_sequences:
@@ -135,7 +140,7 @@ class Plan:
         """The sub-plan data-parallel pipeline ``r`` runs (microbatches renumbered from 0)."""
         mbs = tuple(mb for mb, rid in zip(self.microbatches, self.replica_of) if rid == r)
         return replace(self, microbatches=mbs, dp=1, replica_ids=None, predictions=self.predictions,
-                       meta={**self.meta, "replica": r, "dp": self.dp})
+                       meta=self.meta.with_(replica=r, dp=self.dp))
 
     def with_order(self, order: Sequence[int], **meta: Any) -> "Plan":
         """The same plan with microbatches permuted: new position i runs old ``order[i]``."""
@@ -144,7 +149,7 @@ class Plan:
             raise PlanError(f"order is not a permutation of 0..{self.num_microbatches - 1}: {order}")
         return replace(self, microbatches=tuple(self.microbatches[i] for i in order),
                        replica_ids=tuple(self.replica_of[i] for i in order), predictions=self.predictions,
-                       meta={**self.meta, **meta})
+                       meta=self.meta.merged(meta))
 
     def slice_groups(self) -> dict[int, tuple[int, ...]]:
         """Sliced sequences: ``{seq_id: (microbatch index of slice 0, of slice 1, ...)}``, the
@@ -221,7 +226,7 @@ class Plan:
         ids = np.concatenate([mb.seq_ids for mb in self.microbatches])
         sliced = np.fromiter(groups, dtype=np.int64, count=len(groups))
         whole = ids[~np.concatenate([mb.slice_mask for mb in self.microbatches])]
-        dropped = np.asarray(self.meta.get("dropped", []), dtype=np.int64)
+        dropped = np.asarray(self.meta.dropped or [], dtype=np.int64)
         counts = np.bincount(np.concatenate([whole, sliced, dropped]), minlength=self.num_sequences)
         if len(counts) > self.num_sequences:
             bad = np.flatnonzero(np.arange(len(counts)) >= self.num_sequences)
@@ -263,7 +268,7 @@ class Plan:
         keep = ~np.concatenate([mb.slice_mask for mb in self.microbatches])
         wid, got = ids[keep], got[keep]
         want = lengths[wid]
-        truncated = set(int(i) for i in self.meta.get("truncated", []))
+        truncated = set(int(i) for i in self.meta.truncated or [])
         bad = [int(i) for i, g, w in zip(wid, got, want) if g != w and not (int(i) in truncated and g < w)]
         bad += [sid for sid, n in total.items() if n != lengths[sid] and not (sid in truncated and n < lengths[sid])]
         if bad:
@@ -284,7 +289,7 @@ class Plan:
             "dp": self.dp,
             "replica_ids": list(self.replica_of),
             "predictions": _jsonable(self.predictions.to_dict()),
-            "meta": _jsonable(self.meta),
+            "meta": _jsonable(self.meta.to_dict()),
             "spec": None if self.spec is None else self.spec.to_dict(),
             "microbatches": mbs,
             **({} if self.dataset_ids is None else {"dataset_ids": list(self.dataset_ids)}),
@@ -304,7 +309,8 @@ class Plan:
             microbatches=mbs, method=d["method"], num_stages=int(d["num_stages"]),
             memory_limit_bytes=int(d["memory_limit_bytes"]), num_sequences=int(n),
             schedule_kind=d.get("schedule_kind", "1f1b"), dp=int(d.get("dp", 1)),
-            replica_ids=d.get("replica_ids"), predictions=d.get("predictions", {}), meta=d.get("meta", {}),
+            replica_ids=d.get("replica_ids"), predictions=d.get("predictions", {}),
+            meta=PlanMeta.from_dict(d.get("meta")),
             spec=None if d.get("spec") is None else PlanSpec.from_dict(d["spec"]),
             dataset_ids=_dataset_ids(d, int(n)),
         )

@@ -9,7 +9,7 @@
    model's ``max_seq_len`` (for ``packed``: its row length, ``packed.packed_row_len``); no row
    is longer (``balanced``'s rows of several documents: a longer row is inadmissible).
    Longer sequences follow ``oversize``: ``error`` raises ``PackingError`` naming them and
-   the length that fits, ``truncate`` / ``drop`` list them in ``plan.meta``.
+   the length that fits, ``truncate`` / ``drop`` list them in ``plan.meta`` (``PlanMeta``).
 3. The method's microbatches in flat form (``rows.Flat``), from the method registry
    (``methods.method_flat``: ``fixed``, ``sorted``, ``packed``, ``token-budget``, ``balanced``,
    ``dynapipe``, ``dynamic``); under the tight budget first.
@@ -20,7 +20,7 @@
    ``cost_model.stage_costs(rows, padded_len, attention work)`` on its ``CostFeatures``, the exact peak
    ``MemoryModel.peak_bytes`` per replica and the slowest replica's makespan from the one
    fast estimate ``dynmb.timing.makespan.makespan``. If the peak of a mix exceeds the limit, step 3 is rerun
-   under the safe budget (``meta["budget"]`` says which was used); with an explicit ``mbs``
+   under the safe budget (``meta.budget`` says which was used); with an explicit ``mbs``
    of a fixed-size method, or under the safe budget, it raises ``PackingError``.
 6. A ``Plan`` with ``predictions`` (``pred_peak_bytes``, ``est_makespan_s``, ``plan_s``) and
    ``meta`` (the method's settings, ``longest_fitting_length``, ``oversize``, ``round_to``,
@@ -46,6 +46,7 @@ from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares
 from dynmb.schedule.kinds import get_kind
 from dynmb.core.planspec import PlanSpec
+from dynmb.core.planmeta import PlanMeta
 from dynmb.core.predictions import Predictions
 from dynmb.core.types import Microbatch, Plan
 from dynmb.packing.context import PackContext, PackingError
@@ -337,8 +338,8 @@ def _pack_under(base: PackContext, orig: np.ndarray, spec: PlanSpec, memory_mode
                 predictions=Predictions(pred_peak_bytes=tuple(int(x) for x in np.ceil(peak)), est_makespan_s=max(est),
                                         est_replica_makespan_s=tuple(est) if dp > 1 else None,
                                         plan_s=time.perf_counter() - t0),
-                meta={**meta, "longest_fitting_length": longest_row, "oversize": spec.oversize, "round_to": round_to,
-                      "pack_len": len_cap if packed else None})
+                meta=PlanMeta.from_dict(meta).with_(longest_fitting_length=longest_row, oversize=spec.oversize,
+                                                    round_to=round_to, pack_len=len_cap if packed else None))
     plan.validate(orig)
     return plan
 

@@ -23,12 +23,12 @@ A microbatch with ``recompute`` runs every stage with full activation recomputat
 
   Every candidate cuts the batch as (b) does: at the cap ``min(max_seq_len, longest row
   admissible with recomputation)`` under ``oversize`` (truncate / drop; ``error`` raises), so
-  every method truncates alike and ``meta["longest_fitting_length"]``, ``truncated`` and
+  every method truncates alike and ``meta.longest_fitting_length``, ``truncated`` and
   ``dropped`` are (b)'s; (a) only when it cut the batch the same way.
 
   The one with the smallest estimated makespan (``dynmb.timing.makespan.makespan`` on the one cost
-  lookup, each microbatch's recompute cost included) wins; ``meta["recompute"]`` records the
-  mode and ``meta["recomputed"]`` how many microbatches recompute.
+  lookup, each microbatch's recompute cost included) wins; ``meta.recompute`` records the
+  mode and ``meta.recomputed`` how many microbatches recompute.
 
 Admissibility of one microbatch (``fits``) is the packers' per-microbatch rule
 (``MemoryModel.max_rows`` with the stage caps and in-flight counts of ``dynmb.packing``).
@@ -87,7 +87,7 @@ def mark_recompute(plan: Plan, flags: Any, **meta: Any) -> Plan:
     flags = np.broadcast_to(np.asarray(flags, dtype=bool), (plan.num_microbatches,))
     mbs = tuple(mb if bool(getattr(mb, "recompute", False)) == bool(f) else _with_flag(mb, bool(f))
                 for mb, f in zip(plan.microbatches, flags))
-    return replace(plan, microbatches=mbs, meta={**plan.meta, "recomputed": int(flags.sum()), **meta})
+    return replace(plan, microbatches=mbs, meta=plan.meta.with_(recomputed=int(flags.sum()), **meta))
 
 
 def _with_flag(mb: Microbatch, flag: bool) -> Microbatch:
@@ -159,7 +159,7 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSp
         same = _after_oversize(lengths, plain_plan)
         if np.array_equal(same[0][keep], cut[keep]) and np.array_equal(same[1], keep):
             add("plain", plain_plan)        # (it cut the batch as rc_plan did: otherwise not a candidate)
-    flags = needs_recompute(memory_model, rc_plan, tight=rc_plan.meta.get("budget", "tight") == "tight")
+    flags = needs_recompute(memory_model, rc_plan, tight=(rc_plan.meta.budget or "tight") == "tight")
     mixed = mark_recompute(rc_plan, flags, recompute="auto")
     if _with_predictions(mixed, cost_model, memory_model)[2]:
         add("mixed", mixed)
@@ -172,7 +172,7 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSp
     if not cands:
         raise ValueError(f"recompute auto: no plan of {method} fits under {memory_limit_bytes} B")
     est, name, plan = min(cands, key=lambda c: c[0])
-    return replace(plan, meta={**plan.meta, **_cap_meta(rc_plan), "recompute": "auto", "recompute_choice": name})
+    return replace(plan, meta=plan.meta.merged(_cap_meta(rc_plan)).with_(recompute="auto", recompute_choice=name))
 
 
 _CAP_KEYS = ("longest_fitting_length", "truncated", "dropped")
@@ -181,7 +181,7 @@ _CAP_KEYS = ("longest_fitting_length", "truncated", "dropped")
 def _cap_meta(rc_plan: Plan) -> dict[str, Any]:
     """The length cap of every candidate: the plan packed with recomputation's admissibility
     (``min(max_seq_len, longest admissible row)``) and its truncated / dropped sequences."""
-    return {k: rc_plan.meta[k] for k in _CAP_KEYS if k in rc_plan.meta}
+    return {k: getattr(rc_plan.meta, k) for k in _CAP_KEYS if k in rc_plan.meta.given}
 
 
 def _after_oversize(lengths: np.ndarray, rc_plan: Plan) -> tuple[np.ndarray, np.ndarray]:
@@ -190,7 +190,7 @@ def _after_oversize(lengths: np.ndarray, rc_plan: Plan) -> tuple[np.ndarray, np.
     for mb in rc_plan.microbatches:
         cut[mb.seq_ids] = mb.lengths
     keep = np.ones(len(lengths), dtype=bool)
-    keep[np.asarray(rc_plan.meta.get("dropped", []), dtype=np.int64)] = False
+    keep[np.asarray(rc_plan.meta.dropped or [], dtype=np.int64)] = False
     return cut, keep
 
 
@@ -202,13 +202,13 @@ def _plain_plus_singletons(run: Callable[[Any, MemoryModelLike], Plan], lengths:
     cut, keep = _after_oversize(lengths, rc_plan)
     ids = np.flatnonzero(plain_ok)
     base = run(cut[ids], memory_model)
-    round_to = int(rc_plan.meta.get("round_to", 1))
+    round_to = int(rc_plan.meta.round_to or 1)
     extra = [Microbatch([i], [int(cut[i])], -(-int(cut[i]) // round_to) * round_to, 1, recompute=True)
              for i in np.flatnonzero(keep & ~plain_ok)]
     mbs = tuple(_remap(base, ids) + extra)
     plan = Plan(microbatches=mbs, method=base.method, num_stages=base.num_stages,
                 memory_limit_bytes=base.memory_limit_bytes, num_sequences=len(cut),
                 schedule_kind=base.schedule_kind, predictions=base.predictions, spec=base.spec,
-                meta={**base.meta, **_cap_meta(rc_plan), "recomputed": len(extra), "recompute": "auto"})
+                meta=base.meta.merged(_cap_meta(rc_plan)).with_(recomputed=len(extra), recompute="auto"))
     plan.validate(lengths)
     return plan

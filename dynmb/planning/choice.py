@@ -103,4 +103,4 @@ def choose_robust(own: Any, alternatives: dict[str, Any], cost_model: Any) -> tu
 
 def plan_choice_fields(plan: Any) -> dict[str, Any]:
     """The ``steps`` columns of a plan's choice (None where the method does not choose)."""
-    return {k: plan.meta.get(k) for k in CHOICE_FIELDS}
+    return {k: getattr(plan.meta, k) for k in CHOICE_FIELDS}

@@ -19,7 +19,7 @@ Used by ``plan_step`` (``dynmb.planning.planner``), ``dynmb.runtime.state`` (a p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -105,16 +105,15 @@ def predict_replicas(replicas: Sequence[Plan], schedules: Sequence[Schedule], co
                                                 pred_peak_bytes=peaks))
 
 
-def stitch(plan: Plan, replicas: Sequence[Plan], meta: dict[str, Any] | None = None) -> Plan:
+def stitch(plan: Plan, replicas: Sequence[Plan], meta: Mapping[str, Any] | None = None) -> Plan:
     """``plan`` with the microbatches of ``replicas`` (each possibly reordered), replica-major, and
     ``meta`` added to its meta (one replica: that replica itself)."""
-    meta = meta or {}
     if len(replicas) == 1 and plan.dp == 1:
-        return replace(replicas[0], meta={**replicas[0].meta, **meta})
+        return replace(replicas[0], meta=replicas[0].meta.merged(meta))
     mbs_all: list[Microbatch] = []
     rids: list[int] = []
     for r, p in enumerate(replicas):
         mbs_all.extend(p.microbatches)
         rids.extend([r] * p.num_microbatches)
     return replace(plan, microbatches=tuple(mbs_all), dp=len(replicas), replica_ids=tuple(rids),
-                   meta={**plan.meta, **meta})
+                   meta=plan.meta.merged(meta))

@@ -72,7 +72,7 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.core.predictions import Predictions
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, slice_kinds
 from dynmb.timing.simulate import SimResult, simulate
-from dynmb.core.types import Microbatch, Plan, Schedule
+from dynmb.core.types import Microbatch, Plan, PlanMeta, Schedule
 from dynmb.planning.replicas import predict_replicas, replicas_of
 
 __all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE"]
@@ -227,7 +227,7 @@ class _SplitJob:
         s = self.spec
         return Plan(tuple(mbs), s.method, s.num_stages, int(s.memory_limit_bytes), len(self.lengths),
                     schedule_kind=s.schedule_kind, spec=s, dp=s.dp if rids is not None else 1,
-                    replica_ids=None if rids is None else tuple(rids), meta=meta or {})
+                    replica_ids=None if rids is None else tuple(rids), meta=PlanMeta.from_dict(meta))
 
     def slice_candidates(self) -> list[int]:
         """The slice lengths tried: ``packed``'s row, else the longest row / 1, 2, 4, 8 up to ``cut``."""
