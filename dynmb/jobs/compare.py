@@ -319,7 +319,7 @@ def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
     trace = _trace_lengths(settings)
     kwargs = _plan_kwargs(settings, "fixed")
     kwargs["spec"] = kwargs["spec"].with_(mbs=None, reorder="none")
-    auto = [int(plan_step(sample_batch(trace, settings.global_batch, settings.seed, step=k), **kwargs)[0].meta.mbs)
+    auto = [int(plan_step(sample_batch(trace, settings.global_batch, settings.seed, step=k), **kwargs)[0].meta["mbs"])
             for k in range(settings.warmup + settings.steps)]
     return auto, [1 << i for i in range(12) if (1 << i) < min(auto)]
 
