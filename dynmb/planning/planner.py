@@ -9,14 +9,16 @@ It takes the settings as one ``PlanSpec`` (``dynmb.core.planspec``), which the p
 With ``schedule_kind="auto"`` (``plan_auto``) the step is planned for every kind that
 ``dynmb.schedule.kinds.auto_kinds`` admits, each packed, ordered and scheduled for its own kind,
 and the fastest simulated step that fits the memory limit is kept; the plan records the chosen
-kind, the spec ``auto``.
+kind, the spec ``auto``. ``dynamic`` weighs its own plan against the baselines at their best budgets and
+every other method's plan under the same settings (``final_candidates``). Both are the one candidate
+search of ``dynmb.planning.search`` (candidates, each planned and simulated, one choice rule).
 Each data-parallel replica is reordered, scheduled and simulated by the helpers of
 ``dynmb.planning.replicas``, which stitch the replicas back into one plan.
 
 With ``slice_fitting="auto"`` each kind's plan is weighed against plans that slice sequences which fit
 (``dynmb.planning.slice_fitting``) and the fastest that fits is that kind's plan.
 
-The plan records the models it was made with (``meta["models"]``: each one's digest, whether the cost
+The plan records the models it was made with (``meta.models``: each one's digest, whether the cost
 model was calibrated and its online-refit version; ``dynmb.costmodel.loader.models_record``).
 
 The plan's ``predictions`` are filled from the simulator (``pred_step_s``,
@@ -29,11 +31,11 @@ the slowest replica's.
 
 from __future__ import annotations
 
+import functools
 import itertools
-
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import numpy as np
@@ -44,14 +46,14 @@ from dynmb.core.config import ModelConfig
 from dynmb.costmodel import get_cost_model
 from dynmb.costmodel.loader import models_record
 from dynmb.memory.model import get_memory_model
-from dynmb.packing import pack
+from dynmb.packing import METHODS, pack
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
-from dynmb.planning.choice import choose_robust
+from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
@@ -88,7 +90,7 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
     else:
         plan, sched, sim = _plan_checked(lengths, spec, model_cfg, cost_model, memory_model, meta)
     # which models made it: every consumer of the plan checks (or, calibrated, re-predicts) against these
-    return replace(plan, meta={**plan.meta, "models": models_record(cost_model, memory_model)}), sched, sim
+    return replace(plan, meta=plan.meta.with_(models=models_record(cost_model, memory_model))), sched, sim
 
 
 def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> bool:
@@ -110,7 +112,7 @@ def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost
                                       cost_model=cost_model, make_schedule=make_schedule)
         preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)     # the slowest replica's step
         return replace(plan, predictions=preds, spec=spec,
-                       meta={**plan.meta, **(meta or {}), "reorder": "none"}), sched, sim
+                       meta=plan.meta.merged(meta).with_(reorder="none")), sched, sim
     key = get_kind(spec.schedule_kind).packing_key
     shared = packs.get(key) if packs is not None else None
     if shared is None:
@@ -156,86 +158,82 @@ def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, c
     if spec.slice_fitting == "never":
         return best
     plan, sched, sim = plan_fitting(lengths, spec, best, model_cfg=model_cfg, cost_model=cost_model,
-                                    memory_model=memory_model, fits=_fits)
-    if plan.meta.get("slice_threshold") is not None:            # a plan with fitting slices: in its planned order
-        plan = replace(plan, spec=spec, meta={**plan.meta, **(meta or {}), "reorder": "none"})
+                                    memory_model=memory_model, fits=fits)
+    if plan.meta.slice_threshold is not None:            # a plan with fitting slices: in its planned order
+        plan = replace(plan, spec=spec, meta=plan.meta.merged(meta).with_(reorder="none"))
     return replace(plan, predictions=plan.predictions.updated(plan_s=time.perf_counter() - t0)), sched, sim
 
 
 def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
                 memory_model: MemoryModelLike, meta: dict[str, Any] | None,
                 packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
-    """``_plan_kind``, and for ``dynamic`` the robust choice (``dynmb.planning.choice``): each of
-    ``FINAL_METHODS`` at ``FINAL_CHECK`` budgets is planned whole (packed, in its own order, scheduled,
-    simulated); the best-predicted that fits is the robust candidate, and the packer's own plan is kept only
-    when it is predicted faster than that by more than the model's residuals on both plans' shapes can
-    resolve. The plan stays ``dynamic``'s (its method and spec); ``meta`` records the choice (``candidate``,
-    ``pred_margin_s``, ``error_bound_s``, ``robust_candidate``; ``grouping`` names a baseline chosen);
+    """``_plan_kind``, and for ``dynamic`` the robust choice (``dynmb.planning.search.robust``) among its own
+    plan and the candidates of ``final_candidates``, each planned whole (packed, in its own order,
+    scheduled, simulated): the packer's own plan is kept only when it is predicted faster than the best
+    alternative that fits by more than the model's residuals on both plans' shapes can resolve. The plan
+    stays ``dynamic``'s (its method and spec); ``meta`` records the choice (``candidate``,
+    ``pred_margin_s``, ``error_bound_s``, ``robust_candidate``; ``grouping`` names an alternative chosen);
     ``plan_s`` counts the whole choice."""
     t0 = time.perf_counter()
     own = _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
     if spec.method != "dynamic" or own[0].slice_groups():
         return own
-    try:
-        divisors = budget_divisors(lengths, PackContext.from_spec(spec, memory_model), cost_model,
-                                   round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK)
-    except ValueError:
-        divisors = []
-    alternatives = {}
-    for method, d in itertools.product(FINAL_METHODS, divisors):
-        try:
-            alt = _plan_kind(lengths, spec.with_(method=method, mbs=d), model_cfg, cost_model, memory_model, meta)
-        except ValueError:                              # PackingError: this budget cannot take the batch
-            continue
-        if _fits(*alt):
-            alternatives[f"{method}/{d}"] = alt
-    (plan, sched, sim), choice = choose_robust(own if _fits(*own) or not alternatives else None, alternatives,
-                                               cost_model)
+    job = _Job(lengths, spec, model_cfg, cost_model, memory_model, meta)
+    (plan, sched, sim), choice = robust(own, evaluate(final_candidates(job)), cost_model)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
     grouping = {} if choice.candidate == "dynamic" else {"grouping": choice.candidate}
     return replace(plan, method="dynamic", spec=spec, predictions=preds,
-                   meta={**plan.meta, **grouping, **choice.meta()}), sched, sim
+                   meta=plan.meta.merged(grouping).merged(choice.meta())), sched, sim
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One step's batch, settings and models: what every candidate of its searches is planned from."""
+
+    lengths: np.ndarray
+    spec: PlanSpec
+    model_cfg: ModelConfig
+    cost_model: CostModelLike
+    memory_model: MemoryModelLike
+    meta: dict[str, Any] | None
+
+
+def final_candidates(job: _Job) -> list[Candidate]:
+    """``dynamic``'s alternatives: each of ``FINAL_METHODS`` at the ``FINAL_CHECK`` budgets the fast estimate
+    ranks best, then every other registered method under the step's own settings (its default sizes), so that
+    ``dynamic`` is never predicted slower than a method that fits (issue 39)."""
+    spec = job.spec
+    try:
+        divisors = budget_divisors(job.lengths, PackContext.from_spec(spec, job.memory_model), job.cost_model,
+                                   round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK)
+    except ValueError:
+        divisors = []
+    settings = [(f"{m}/{d}", spec.with_(method=m, mbs=d)) for m, d in itertools.product(FINAL_METHODS, divisors)]
+    settings += [(m, spec.with_(method=m, mbs=None)) for m in METHODS if m != spec.method]
+    return [Candidate(name, functools.partial(_plan_kind, job.lengths, s, job.model_cfg, job.cost_model,
+                                              job.memory_model, job.meta)) for name, s in settings]
 
 
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
               memory_model: MemoryModelLike, meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``--schedule auto``: the step planned for each kind of ``auto_kinds`` (packed for that kind;
     kinds of equal ``packing_key`` share the packing), each simulated; the fastest whose simulated
-    peak fits the limit is kept (none fits: the fastest, as a fixed kind would return it). Ties go to
-    the kind registered first. The plan's ``schedule_kind`` is the chosen kind, its spec keeps
-    ``auto``; ``meta["schedule_auto"]`` holds every kind's predicted step (None: it could not plan the
-    step), ``plan_s`` the whole choice. A kind that cannot take the step (``ValueError``) drops out;
-    if all do, the first one's error is raised."""
+    peak fits the limit is kept (none fits: the fastest, as a fixed kind would return it), by the one
+    search (``dynmb.planning.search``, rule ``fastest``). Ties go to the kind registered first. The plan's
+    ``schedule_kind`` is the chosen kind, its spec keeps ``auto``; ``meta.schedule_auto`` holds every
+    kind's predicted step (None: it could not plan the step), ``plan_s`` the whole choice. A kind that
+    cannot take the step (``ValueError``) drops out; if all do, the first one's error is raised."""
     t0 = time.perf_counter()
-    kinds = auto_kinds(spec.virtual, slices=_sliced(lengths, spec, model_cfg, memory_model))
+    sliced = _sliced(lengths, spec, model_cfg, memory_model)
+    kinds = auto_kinds(spec.virtual, slices=sliced)
     if not kinds:
         raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
-                         f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, memory_model) else ''}")
+                         f"{' and slices of long sequences' if sliced else ''}")
     packs: dict[tuple, tuple[Plan, float]] = {}
-    results: list[tuple[Plan, Schedule, SimResult]] = []
-    scores: dict[str, float | None] = {}
-    errors: list[ValueError] = []
-    for kind in kinds:
-        try:
-            res = _plan_checked(lengths, spec.with_(schedule_kind=kind), model_cfg, cost_model, memory_model, meta,
-                                packs)
-        except ValueError as e:         # PackingError is one; a kind that cannot take this step drops out
-            errors.append(e)
-            scores[kind] = None
-            continue
-        results.append(res)
-        scores[kind] = float(cast(float, res[0].predictions.get("pred_step_s")))     # set by _plan_checked
-    if not results:
-        raise errors[0]
-    fitting = [r for r in results if _fits(*r)] or results
-    plan, sched, sim = min(fitting, key=lambda r: cast(float, r[0].predictions.get("pred_step_s")))   # first of equals
-    if len(fitting) < len(results):
-        log.info("schedule auto: %d of %d kinds over the memory limit", len(results) - len(fitting), len(results))
+    outcomes = evaluate([Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind),
+                                                           model_cfg, cost_model, memory_model, meta, packs))
+                         for kind in kinds])
+    plan, sched, sim = cast(Planned, fastest(outcomes).planned)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
-    return replace(plan, spec=spec, predictions=preds, meta={**plan.meta, "schedule_auto": scores}), sched, sim
-
-
-def _fits(plan: Plan, sched: Schedule, sim: SimResult) -> bool:
-    """The simulated peak is under the limit: replica 0's per GPU, every replica's per stage."""
-    peak = plan.predictions.get("pred_peak_bytes")
-    return bool(sim.fits) and (peak is None or bool(np.all(np.asarray(peak) <= plan.memory_limit_bytes)))
+    scores = {o.name: o.step_s for o in outcomes}
+    return replace(plan, spec=spec, predictions=preds, meta=plan.meta.with_(schedule_auto=scores)), sched, sim
