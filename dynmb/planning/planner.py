@@ -49,6 +49,7 @@ from dynmb.memory.model import get_memory_model
 from dynmb.packing import METHODS, pack
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
+from dynmb.packing.methods import get_method
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
 from dynmb.timing.simulate import SimResult
@@ -208,10 +209,13 @@ def final_candidates(job: _Job) -> list[Candidate]:
                                    round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK)
     except ValueError:
         divisors = []
-    settings = [(f"{m}/{d}", spec.with_(method=m, mbs=d)) for m, d in itertools.product(FINAL_METHODS, divisors)]
-    settings += [(m, spec.with_(method=m, mbs=None)) for m in METHODS if m != spec.method]
+    settings = {f"{m}/{d}": spec.with_(method=m, mbs=d) for m, d in itertools.product(FINAL_METHODS, divisors)}
+    for m in METHODS:                     # a budget method's own settings: divisor 1 (named so, as the budgets)
+        name = f"{m}/1" if get_method(m).mbs == "budget divisor" else m
+        if m != spec.method and name not in settings:
+            settings[name] = spec.with_(method=m, mbs=None)
     return [Candidate(name, functools.partial(_plan_kind, job.lengths, s, job.model_cfg, job.cost_model,
-                                              job.memory_model, job.meta)) for name, s in settings]
+                                              job.memory_model, job.meta)) for name, s in settings.items()]
 
 
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
