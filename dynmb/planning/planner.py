@@ -174,13 +174,21 @@ def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cos
     alternative that fits by more than the model's residuals on both plans' shapes can resolve. The plan
     stays ``dynamic``'s (its method and spec); ``meta`` records the choice (``candidate``,
     ``pred_margin_s``, ``error_bound_s``, ``robust_candidate``; ``grouping`` names an alternative chosen);
-    ``plan_s`` counts the whole choice."""
+    ``plan_s`` counts the whole choice. Where the packer cannot take the batch (``ValueError``), the best
+    alternative that fits is the plan; none fits: the packer's error is raised."""
     t0 = time.perf_counter()
-    own = _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
-    if spec.method != "dynamic" or own[0].slice_groups():
+    if spec.method != "dynamic":
+        return _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
+    try:
+        own: Planned | None = _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
+    except ValueError as e:             # the packer cannot take the batch: an alternative that fits may
+        own, refusal = None, e
+    if own is not None and own[0].slice_groups():
         return own
-    job = _Job(lengths, spec, model_cfg, cost_model, memory_model, meta)
-    (plan, sched, sim), choice = robust(own, evaluate(final_candidates(job)), cost_model)
+    outcomes = evaluate(final_candidates(_Job(lengths, spec, model_cfg, cost_model, memory_model, meta)))
+    if own is None and not any(o.fits for o in outcomes):
+        raise refusal
+    (plan, sched, sim), choice = robust(own, outcomes, cost_model)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
     grouping = {} if choice.candidate == "dynamic" else {"grouping": choice.candidate}
     return replace(plan, method="dynamic", spec=spec, predictions=preds,

@@ -94,8 +94,10 @@ def fastest(outcomes: Sequence[Outcome]) -> Outcome:
     return min(fitting, key=lambda o: float(o.step_s or 0.0))
 
 
-def robust(own: Planned, outcomes: Sequence[Outcome], cost_model: Any) -> tuple[Planned, Choice]:
-    """``dynamic``'s choice between its own plan and the alternatives that fit (module doc, rule 2)."""
+def robust(own: Planned | None, outcomes: Sequence[Outcome], cost_model: Any) -> tuple[Planned, Choice]:
+    """``dynamic``'s choice between its own plan (None: the packer could not make one; then an alternative
+    must fit) and the alternatives that fit (module doc, rule 2)."""
     alternatives = {o.name: o.planned for o in outcomes if o.fits and o.planned is not None}
-    planned, choice = choose_robust(own if fits(*own) or not alternatives else None, alternatives, cost_model)
+    mine = own if own is not None and (fits(*own) or not alternatives) else None
+    planned, choice = choose_robust(mine, alternatives, cost_model)
     return planned, choice
