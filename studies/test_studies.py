@@ -169,8 +169,8 @@ def test_scaling_dynamic_rows_get_the_planners_final_check_against_balanced(tmp_
     scaling = _script("scaling")
     real = scaling.pack
 
-    def poor_dynamic(batch, method, **kw):
-        return real(batch, "fixed", **{**kw, "mbs": 1}) if method == "dynamic" else real(batch, method, **kw)
+    def poor_dynamic(batch, spec, **kw):
+        return real(batch, spec.with_(method="fixed", mbs=1) if spec.method == "dynamic" else spec, **kw)
 
     monkeypatch.setattr(scaling, "pack", poor_dynamic)
     argv = ["--traces", "gsm8k", "--tokens", "20k", "--stages", "2", "--dp", "2", "--methods", "dynamic,balanced-best",

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -46,7 +46,7 @@ from dynmb.packing.rows import round_down
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import get_kind
 from dynmb.timing.simulate import SimResult
-from dynmb.core.types import Plan, PlanMeta, Schedule
+from dynmb.core.types import Plan, Schedule
 from dynmb.planning.replicas import make_schedule
 from dynmb.planning.slicing import MIN_SLICE, longest_row, plan_split
 
@@ -84,7 +84,7 @@ def applies(spec: PlanSpec) -> bool:
             and (spec.virtual == 1 or rec.virtual_stages) and spec.reorder in ("none", "auto"))
 
 
-def plan_threshold(lengths: np.ndarray, cut: np.ndarray, base_meta: PlanMeta, spec: PlanSpec, threshold: int, *,
+def plan_threshold(lengths: np.ndarray, cut: np.ndarray, base_meta: Mapping[str, Any], spec: PlanSpec, threshold: int, *,
                    model_cfg: ModelConfig, cost_model: CostModelLike, memory_model: MemoryModelLike) -> Planned:
     """The kept tokens ``cut`` (``kept_lengths`` of the plan without fitting slices, whose ``base_meta`` gives
     ``truncated``, ``dropped`` and ``longest_fitting_length``) of the batch ``lengths`` planned with every
@@ -98,7 +98,7 @@ def plan_threshold(lengths: np.ndarray, cut: np.ndarray, base_meta: PlanMeta, sp
         plan = replace(plan, num_sequences=int(cut.size),
                        microbatches=tuple(replace(mb, seq_ids=kept[mb.seq_ids]) for mb in plan.microbatches))
     meta = plan.meta.with_(oversize=spec.oversize, sliced={int(kept[s]): n for s, n in (plan.meta.sliced or {}).items()},
-                           truncated=list(base_meta.truncated or []), dropped=list(base_meta.dropped or []),
+                           truncated=list(base_meta.get("truncated", [])), dropped=list(base_meta.get("dropped", [])),
                            longest_fitting_length=base_meta.get("longest_fitting_length",
                                                                 plan.meta.longest_fitting_length))
     plan = replace(plan, meta=meta)
