@@ -163,9 +163,9 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
         ("schedule", None if AUTO in (args.schedule, args.schedule_kind) else    # auto: the plan made its choice
          args.schedule if args.schedule in SCHEDULE_KINDS else args.schedule_kind, kind),
         ("virtual", args.virtual, sidecar.get("virtual") or _planned_virtual(plan)),
-        ("dataset", args.dataset or args.lengths, meta.dataset), ("seed", args.seed, meta.seed),
-        ("mbs", args.mbs, meta.mbs), ("pack-len", args.pack_len, plan_pack_len(plan)),
-        ("round-to", args.round_to, meta.round_to),
+        ("dataset", args.dataset or args.lengths, meta.get("dataset")), ("seed", args.seed, meta.get("seed")),
+        ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, plan_pack_len(plan)),
+        ("round-to", args.round_to, meta.get("round_to")),
     ]
     for flag, given, in_plan in recorded:
         if given is not None and in_plan is not None and given != in_plan:
@@ -199,21 +199,21 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
     kind = str(sidecar.get("kind") or plan.schedule_kind)
     model = plan_model(plan, args, args.plan)
     _refuse_conflicts(args, plan, model, kind, sidecar)
-    cost_file = recorded_model_file("cost-model", args.cost_model, plan.meta.cost_model, args.plan)
-    memory_file = recorded_model_file("memory-model", args.memory_model, plan.meta.memory_model, args.plan)
+    cost_file = recorded_model_file("cost-model", args.cost_model, plan.meta.get("cost_model"), args.plan)
+    memory_file = recorded_model_file("memory-model", args.memory_model, plan.meta.get("memory_model"), args.plan)
     meta, spec = plan.meta, plan.spec
     virtual = int(sidecar.get("virtual") or _planned_virtual(plan) or args.virtual or 1)
     cfg = RunConfig(
         model=model,
         pipeline=PipelineConfig(num_stages=plan.num_stages, virtual=virtual, schedule=kind,
-                                reorder=str(sidecar.get("reorder") or meta.reorder or "none"),
+                                reorder=str(sidecar.get("reorder") or meta.get("reorder") or "none"),
                                 memory_limit_bytes=int(plan.memory_limit_bytes)),
-        dataset=str(meta.dataset or Path(args.plan).resolve()), global_batch=plan.num_sequences,
-        method=plan.method, mbs=meta.mbs, dp=plan.dp, shard=args.shard, seed=int(meta.seed or 0),
+        dataset=str(meta.get("dataset") or Path(args.plan).resolve()), global_batch=plan.num_sequences,
+        method=plan.method, mbs=meta.get("mbs"), dp=plan.dp, shard=args.shard, seed=int(meta.get("seed") or 0),
         steps=args.steps,
         warmup=args.warmup, backend=backend, device=device, cost_model=cost_file, timeout_s=args.timeout,
         pack_len=plan_pack_len(plan),
-        round_to=int(meta.round_to or (spec.round_to if spec else 1)), prewarm=args.prewarm,
+        round_to=int(meta.get("round_to") or (spec.round_to if spec else 1)), prewarm=args.prewarm,
         oversize=spec.oversize if spec else "error", recompute=spec.recompute if spec else "never",
         slice_fitting=spec.slice_fitting if spec else "never",
         expandable_segments=not args.no_expandable_segments)
@@ -232,7 +232,7 @@ def _spec(args: argparse.Namespace, backend: str, device: str, corpus: TokenFile
     if cfg.resume:
         check_resume(cfg)
     warn_own_model_stand_ins(args, cfg.model, cfg.cost_model, args.memory_model, cfg.pipeline.num_stages, "dynmb run")
-    named = args.model or (args.plan and Plan.load(args.plan, allow_over_limit=True).meta.model_factory)
+    named = args.model or (args.plan and Plan.load(args.plan, allow_over_limit=True).meta.get("model_factory"))
     factory = str(named) if isinstance(named, str) and names_factory(named) else None
     choice = getattr(args, "virtual_choice", None)
     return RunSpec.create(cfg, args.out, verify=args.verify, allow_over_limit=args.allow_over_limit,
