@@ -119,5 +119,5 @@ def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], 
     first = specs[0].run
     if output not in RUN_OUTPUT:
         raise ValueError(f"dynmb.run: output must be one of {RUN_OUTPUT}, got {output!r}")
-    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=output != "stream",
+    return run_job(job, nproc or first.spec.num_ranks * first.spec.dp, quiet=output != "stream",
                    progress=output == "progress")

@@ -72,7 +72,7 @@ def reference_gradients(run: RunConfig, plan: Plan, tokens: Sequence[torch.Tenso
     from the pre-step ``weights``, with the pipeline's loss scale (1 / real tokens); a sliced
     sequence runs whole, in one pass (``dynmb.models.whole_documents``). The stages come from
     ``factory`` (a fresh one: ``RunSpec.factory()``; None: ``run.model``'s family)."""
-    _, stages = reference_stages(factory if factory is not None else run.model, run.pipeline.num_stages, run.seed)
+    _, stages = reference_stages(factory if factory is not None else run.model, run.spec.num_stages, run.seed)
     with torch.no_grad():
         for stage in stages:
             for name, param in stage.named_parameters():

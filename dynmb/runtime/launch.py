@@ -117,7 +117,7 @@ def write_spec(run_cfg: RunConfig, out_dir: str | Path, *, verify: bool = False,
     """The JSON form of one run's spec (``RunSpec.create(...).to_dict()``); ``oversize``
     overrides ``run_cfg.oversize``."""
     if oversize is not None:
-        run_cfg = replace(run_cfg, oversize=oversize)
+        run_cfg = replace(run_cfg, spec=run_cfg.spec.with_(oversize=oversize))
     return RunSpec.create(run_cfg, out_dir, run_id=run_id, label=label, verify=verify,
                           allow_over_limit=allow_over_limit, memory_model=memory_model).to_dict()
 

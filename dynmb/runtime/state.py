@@ -105,7 +105,7 @@ class RunState:
         self.run = run = spec.run
         self.topology = Topology.for_run(run, dist.get_rank(), dist.get_world_size())
         self.groups = make_process_groups(self.topology, timedelta(seconds=run.timeout_s), device)
-        num_stages = run.pipeline.num_stages
+        num_stages = run.spec.num_stages
         self.factory = spec.factory()
         _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
         if not getattr(self.factory, "dynmb_family", False):
@@ -218,7 +218,7 @@ class RunState:
         """Set the cost model the next step is planned and predicted with (``planning_model`` of the job's
         history; every rank holds the same history, so all compute the same model)."""
         self.cost_model = planning_model(self.profile_model, self.history, self.spec.run_id,
-                                         self.run.pipeline.num_stages)
+                                         self.run.spec.num_stages)
 
     def close(self) -> None:
         self.meter.close()
@@ -266,7 +266,7 @@ def prewarm(state: RunState) -> int:
         inputs = make_inputs(microbatch, tokens, cfg=run.model, device=state.device)
         for s, stage in state.stages.items():
             x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model, s - 1,
-                                                                     run.pipeline.num_stages),
+                                                                     run.spec.num_stages),
                                                         dtype=torch_dtype(run.model), device=state.device,
                                                         requires_grad=True)
             y = stage(x, inputs)

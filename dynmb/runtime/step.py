@@ -144,14 +144,14 @@ def run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
 
 
 def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
-    run, pipeline, device, topology = state.run, state.run.pipeline, state.device, state.topology
+    run, pipeline, device, topology = state.run, state.run.spec, state.device, state.topology
     batch = state.plan_batch(step)
     plan = state.hooks.plan(state.rank, step, batch.plan)
     check_plan_digest(plan, step, device)
     replica = replica_of(plan, topology.dp_index)
     schedule = batch.schedule
     if topology.dp_index > 0:
-        schedule = make_schedule(replica, pipeline.schedule, virtual=pipeline.virtual,
+        schedule = make_schedule(replica, pipeline.schedule_kind, virtual=pipeline.virtual,
                                  memory_model=state.memory_model, cost_model=state.cost_model)
     if schedule.num_microbatches != replica.num_microbatches or schedule.num_ranks != topology.pipeline_size:
         raise RuntimeError(f"schedule for {schedule.num_microbatches} microbatches on {schedule.num_ranks} ranks "

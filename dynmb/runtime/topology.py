@@ -53,12 +53,12 @@ class Topology:
     @classmethod
     def for_run(cls, run: RunConfig, rank: int, world_size: int) -> Topology:
         """This rank's topology for ``run``; the world must be pipeline ranks x dp."""
-        pipeline = run.pipeline
-        if world_size != pipeline.num_ranks * run.dp:
+        pipeline = run.spec
+        if world_size != pipeline.num_ranks * run.spec.dp:
             raise ValueError(f"world size {world_size} != pipeline ranks {pipeline.num_ranks} (stages "
-                             f"{pipeline.num_stages} / virtual {pipeline.virtual}) x dp {run.dp}")
-        placement = "loop" if pipeline.schedule == AUTO else get_kind(pipeline.schedule).placement
-        return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.dp, rank=rank,
+                             f"{pipeline.num_stages} / virtual {pipeline.virtual}) x dp {run.spec.dp}")
+        placement = "loop" if pipeline.schedule_kind == AUTO else get_kind(pipeline.schedule_kind).placement
+        return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.spec.dp, rank=rank,
                    placement=placement)
 
     @property
