@@ -59,8 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("schedule", help=help_text)
     parser.add_argument("--plan", required=True, help="plan JSON from `dynmb plan`")
     add_schedule_flag(parser, help="schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (the "
-                                   "fastest predicted of the kinds auto weighs that fits) (default 1f1b; --kind is "
-                                   "its older name)")
+                                   "fastest predicted of the kinds auto weighs that fits) (default 1f1b)")
     parser.add_argument("--virtual", type=positive_int, default=1,
                         help="model chunks per rank for interleaved (default 1: ranks = stages)")
     parser.add_argument("--reorder", default="none",
