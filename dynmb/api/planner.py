@@ -37,7 +37,7 @@ from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
 
-__all__ = ["Planner", "PlannedStep"]
+__all__ = ["Planner", "PlannedStep", "PlannerInputs"]
 
 
 @dataclass(frozen=True)
@@ -130,17 +130,13 @@ class Planner:
                                                auto_virtual=auto_v))
 
     @classmethod
-    def from_spec(cls, model: Any, spec: PlanSpec, *, cost_model: CostModelLike | str | Path | None = None,
-                  memory_model: MemoryModelLike | str | Path | None = None, device: str = "cpu",
-                  stage_split: str = "even", workload: Any = None, global_batch: int | None = None,
-                  auto_virtual: bool = False) -> "Planner":
+    def from_spec(cls, model: Any, spec: PlanSpec, **inputs: Any) -> "Planner":
         """A planner for ``spec`` (the settings record ``RunConfig.spec`` and ``dynmb plan`` use): ``plan()``
-        starts from its method, reorder and mbs. ``auto_virtual``: ``spec.num_stages`` counts the GPUs and V is
-        chosen as ``virtual="auto"`` does. The other keywords are ``Planner``'s (class docstring)."""
+        starts from its method, reorder and mbs. ``inputs``: the fields of ``PlannerInputs`` (``cost_model``,
+        ``memory_model``, ``device``, ``stage_split``, ``workload``, ``global_batch``, ``auto_virtual``: then
+        ``spec.num_stages`` counts the GPUs and V is chosen as ``virtual="auto"`` does)."""
         planner = cls.__new__(cls)
-        planner._setup(model, spec, PlannerInputs(cost_model=cost_model, memory_model=memory_model, device=device,
-                                                  stage_split=stage_split, workload=workload,
-                                                  global_batch=global_batch, auto_virtual=auto_virtual))
+        planner._setup(model, spec, PlannerInputs(**inputs))
         return planner
 
     def _setup(self, model: Any, spec: PlanSpec, inputs: "PlannerInputs") -> None:

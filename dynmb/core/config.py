@@ -1,5 +1,8 @@
 """Configuration: ``ModelConfig``, ``PipelineConfig``, ``RunConfig`` (and ``PlanSpec``, re-exported
-from ``dynmb.core.planspec``: ``RunConfig.plan_spec`` is the settings a run plans every step with).
+from ``dynmb.core.planspec``). The planning settings are declared once, in ``PlanSpec``: ``RunConfig`` holds
+one (``RunConfig.spec``; ``plan_spec`` is it with the model's attention, what a run plans every step with);
+``PipelineConfig`` is the older form of its pipeline part, still taken as ``RunConfig(pipeline=...)`` and
+read as ``RunConfig.pipeline``; ``with_aliases`` is how a record keeps its older keywords.
 
 kw_only dataclasses with a docstring per field and checks in ``__post_init__``.
 Model presets (``ModelConfig.preset(name)``, ``model_config(spec)``), named for their
@@ -26,7 +29,7 @@ from dynmb.core.model_sizes import UNITS_PER_LAYER, ModelSizes, normalise_head_s
 from dynmb.core.units import format_bytes, parse_bytes
 
 __all__ = ["MODEL_FAMILIES", "ModelConfig", "PipelineConfig", "RunConfig", "PlanSpec", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
-           "model_config"]
+           "model_config", "with_aliases", "PIPELINE_FIELDS", "RUN_SPEC_KEYWORDS"]
 
 MODEL_FAMILIES = ("gpt2", "llama")
 """``ModelConfig.family``: the architectures dynmb builds (``dynmb.models.families``)."""
