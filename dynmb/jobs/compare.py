@@ -80,8 +80,8 @@ from dynmb.runtime.launch import LaunchResult, default_backend_device, launch_jo
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 
 __all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "prepare_compare", "run_compare_job",
-           "fixed_candidates", "budget_candidates", "base_model_config", "DEFAULT_LIMIT", "display_summary", "format_summary", "COLUMNS",
-           "FIXED_SIZE_METHODS", "BUDGET_METHODS"]
+           "fixed_candidates", "budget_candidates", "base_model_config", "DEFAULT_LIMIT", "display_summary",
+           "format_summary", "COLUMNS", "FIXED_SIZE_METHODS", "BUDGET_METHODS"]
 
 COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
            "pred_step_s", "step_s", "pred_err", "step_ratio", "action_ratio", "replay_err", "gap_to_bound", "gap_to_ideal", "plan_s",
