@@ -160,11 +160,11 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
     message it adds to receiving actions, ``recv_latency_s``), ``schedule``
     the schedule replica 0 ran (for ``replay_step_s``; None leaves it empty)."""
     overhead_s = cost_model.runtime_overhead_s
-    num_stages = spec.run.spec.num_stages
-    cfg, pipeline = spec.run, spec.run.spec
+    num_stages = spec.run.pipeline.num_stages
+    cfg, pipeline = spec.run, spec.run.pipeline
     step_s = max(r.step_s for r in reports)
     return dict(
-        run_id=spec.run_id, method=cfg.spec.method, dataset=cfg.dataset, step=step, warmup=step < cfg.warmup,
+        run_id=spec.run_id, method=cfg.method, dataset=cfg.dataset, step=step, warmup=step < cfg.warmup,
         step_s=step_s, pred_step_s=plan.predictions.get("pred_step_s"), real_tokens=plan.real_tokens,
         computed_tokens=plan.computed_tokens, tokens_per_s=plan.real_tokens / step_s,
         num_microbatches=plan.num_microbatches, padding_fraction=plan.padding_fraction,
@@ -173,17 +173,17 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         plan_wait_s=max(r.plan_wait_s for r in reports), plan_ahead=cfg.plan_ahead,
         loss=sum(r.loss for r in reports), schedule=schedule_label(spec), schedule_kind=plan.schedule_kind,
         reorder=pipeline.reorder,
-        num_stages=pipeline.num_stages, virtual=pipeline.virtual, dp=cfg.spec.dp, world_size=world_size,
+        num_stages=pipeline.num_stages, virtual=pipeline.virtual, dp=cfg.dp, world_size=world_size,
         verified=spec.verify, memory_limit_bytes=int(plan.memory_limit_bytes), mbs=plan.meta.get("mbs"),
         model=cfg.model.name, global_batch=cfg.global_batch, truncated=len(plan.meta.get("truncated", [])),
         dropped=len(plan.meta.get("dropped", [])), recomputed=int(plan.recompute_mask().sum()),
         sliced=len(plan.slice_groups()), slices=sum(len(w) for w in plan.slice_groups().values()),
-        oversize=cfg.spec.oversize, slice_fitting=cfg.spec.slice_fitting, slice_threshold=plan.meta.get("slice_threshold"),
-        recompute=cfg.spec.recompute, overhead_F_s=overhead_s["F"], overhead_B_s=overhead_s["B"],
+        oversize=cfg.oversize, slice_fitting=cfg.slice_fitting, slice_threshold=plan.meta.get("slice_threshold"),
+        recompute=cfg.recompute, overhead_F_s=overhead_s["F"], overhead_B_s=overhead_s["B"],
         scale_F=sum(cost_model.scale_of(p, "F") for p in range(num_stages)) / num_stages,
         scale_B=sum(cost_model.scale_of(p, "B") for p in range(num_stages)) / num_stages,
         recv_latency_s=float(getattr(getattr(cost_model, "comm", None), "recv_latency_s", 0.0)),
-        attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.spec.round_to,
+        attention=cfg.model.attention, pack_len=plan.meta.get("pack_len"), round_to=cfg.round_to,
         distinct_shapes=shapes.distinct, new_shapes=shapes.new, prewarm=cfg.prewarm, seed=cfg.seed,
         replay_step_s=None if schedule is None else replay_step_s(
             schedule, plan, [a for r in reports for a in r.actions], cost_model),
@@ -196,7 +196,7 @@ def schedule_label(spec: RunSpec) -> str:
     ``dynmb schedule`` writes (a hand-written or torch schedule: its kind is not known)."""
     if spec.schedule and not sidecar_path(spec.schedule).exists():
         return "file"
-    return spec.run.spec.schedule_kind
+    return spec.run.pipeline.schedule
 
 
 def run_row(spec: RunSpec, *, backend: str, device: str, world_size: int) -> dict[str, Any]:
