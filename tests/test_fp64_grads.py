@@ -20,6 +20,7 @@ ranks (a job of its own) and 4 ranks (the shared 4-rank job).
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,14 +32,20 @@ import torch
 from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, model_config
 from dynmb.memory.model import MemoryModel
 from dynmb.runtime.checks import VERIFY_RTOL_FP64, gradient_problems, relative_error
+from dynmb.runtime.hooks import NoHooks
 from dynmb.runtime.launch import launch_job
-from dynmb.runtime.spec import JobSpec, RunSpec
+from dynmb.runtime.spec import HookRef, JobSpec, RunSpec
 from dynmb.schedule import SCHEDULE_KINDS, get_kind
 from tests.gloo_jobs import register
+from tests.runtime_faults import REPO
 
 KINDS = ("gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb", "zb-v")
 """The schedule kinds dynmb registers (``dynmb.schedule.kinds``); ``test_every_registered_kind_has_a_case``."""
 FAMILIES = ("tiny", "llama-tiny")
+SPLIT_KINDS = tuple(k for k in KINDS if get_kind(k).slices and get_kind(k).window is not None)
+"""The kinds a document too long for a row runs on sliced: they take slices and hold a bounded window
+(``gpipe`` holds every microbatch, so such a document never fits sliced under it either: the planner
+refuses it; its slice order is checked in one process, ``tests/test_slices.py``)."""
 SLICE_BATCH = np.array([1200, 500, 40, 60, 30, 50, 70, 20], dtype=np.int64)
 """The trace of the slice cases: at 40 MiB a float64 ``tiny``/``llama-tiny`` row holds 600-850 tokens."""
 SLICE_LIMIT = 40 * 2**20
@@ -77,7 +84,7 @@ def _slow(nproc: int) -> list[Case]:
     everything on 4 ranks."""
     fast = _fast()
     cases = fast + [replace(c, family=_other(c.family)) for c in fast]
-    cases += [Case(k, "split", f, 2) for k in KINDS if get_kind(k).slices and k != "zb-h1" for f in FAMILIES]
+    cases += [Case(k, "split", f, 2) for k in SPLIT_KINDS if k != "zb-h1" for f in FAMILIES]
     if nproc == 2:
         return [c for c in cases if c not in fast]
     return [replace(c, nproc=4) for c in cases]
@@ -94,8 +101,8 @@ def run_config(case: Case, trace: Path) -> RunConfig:
     model = model_config(f"{case.family}:dtype=float64,n_layers={max(4, stages)}")
     pipeline = PipelineConfig(num_stages=stages, virtual=case.virtual, schedule=case.kind,
                               memory_limit_bytes=SLICE_LIMIT if case.path != "kind" else 256 * 2**20)
-    common = dict(model=model, pipeline=pipeline, seed=zlib.crc32(case.name.encode()) % 1000, steps=1, warmup=0, backend="gloo",
-                  device="cpu", timeout_s=120.0)
+    common = dict(model=model, pipeline=pipeline, seed=zlib.crc32(case.name.encode()) % 1000, steps=1, warmup=0,
+                  backend="gloo", device="cpu", timeout_s=120.0)
     if case.path == "kind":
         return RunConfig(**common, dataset="gsm8k", global_batch=8, method="fixed", mbs=1)
     slicing = dict(oversize="split", recompute="never") if case.path == "split" else \
@@ -204,3 +211,31 @@ def test_four_ranks_fp64_every_case(gloo_job, case):
     job = gloo_job(4)
     assert job.returncode == 0, job.errors
     _check(job.out, case)
+
+
+class Nudge(NoHooks):
+    """Rank 0 scales its first parameter's gradient by 1 + 1e-8 before the check: inside fp32's tolerance,
+    far outside float64's."""
+
+    def gradients(self, rank, step, params) -> None:
+        if rank == 0:
+            next(iter(params.values())).grad.mul_(1 + 1e-8)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_nudge_fp32_passes_fails_the_fp64_check(tmp_path, monkeypatch):
+    """The fp64 check can fail: a gradient off by 1e-8 relative passes fp32's ``--verify`` and stops fp64's,
+    naming the parameter."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    nudge = HookRef(target="tests.test_fp64_grads:Nudge")
+    case = Case("1f1b", "kind", "tiny", 2)
+    fp64 = run_config(case, tmp_path / "unused.csv")
+    fp32 = replace(fp64, model=replace(fp64.model, dtype="float32"))
+    specs = [RunSpec.create(cfg, tmp_path / name, verify=True, run_id=name, hooks=nudge)
+             for name, cfg in (("fp32", fp32), ("fp64", fp64))]
+    result = launch_job(JobSpec(out_dir=str(tmp_path.resolve()), cases=tuple(specs)), 2, quiet=True)
+    from dynmb.io.results import load_results
+
+    assert not result.ok and "1e-10 x max|ref|" in "\n".join(result.failures), result.failures
+    assert load_results(tmp_path / "fp32")["steps"]["verified"].all()
