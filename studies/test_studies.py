@@ -456,3 +456,12 @@ def test_calibration_study_replays_every_step_of_a_tiny_compare(tmp_path):
     replay = steps.set_index(["label", "step"])["replay_step_s"]
     assert study["measured_actions"].to_numpy() == pytest.approx(
         replay.loc[list(zip(study["label"], study["step"]))].to_numpy(), rel=1e-6)
+
+
+def test_compare_headroom_prints_every_budget(capsys):
+    """The headroom script: dynamic's predicted total, and each baseline's at every budget it is swept over."""
+    headroom = importlib.import_module("studies.compare.headroom")
+    assert headroom.main(["--model", "small", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "dynamic" in out and out.count("tuned /") == 2
+    assert all(f"/{d} " in out for budgets in headroom.SWEEPS.values() for d in budgets)

@@ -72,7 +72,8 @@ class ModelConfig(ModelSizes):
     """LM head shares the token embedding (llama; one stage only at run time, since tying across
     stages needs an embedding-gradient all-reduce the runtime does not run)."""
     dtype: str = "float32"
-    """Parameter and activation dtype: float32, bfloat16 or float16."""
+    """Parameter and activation dtype: float32, bfloat16, float16, or float64 (exact-gradient checks:
+    ``--verify`` then compares to 1e-10 relative; ``dynmb.runtime.checks``)."""
     attention: str = "auto"
     """``auto``: causal attention with no mask tensor for one document per row and
     document-causal attention costing sum(s_i^2) for packed rows (as trainers run it);
@@ -111,8 +112,8 @@ class ModelConfig(ModelSizes):
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected float32, bfloat16, float16 or float64")
         if self.attention not in ("auto", "dense"):
             raise ValueError(f"unknown attention {self.attention!r}; expected auto or dense")
 
