@@ -31,12 +31,11 @@ A kind's traits (``ScheduleKind``):
 - ``cache_key(BuildInputs)``: for a builder that reads the bytes (so its schedule follows the
   microbatch order), a key equal for inputs that build the same schedule (memory-aware: its
   windows), so a reorder search builds each schedule once.
-- ``estimate_as``: the op order (``"gpipe"`` or ``"1f1b"``) the fast makespan estimate
-  (``dynmb.timing.makespan``) sweeps for this kind, or ``"zb-h1"`` / ``"zb"``: the zero-bubble
-  estimate (``dynmb.timing.makespan_zb``: the input gradient sent before the ``W``, the cool-down's ``W``
-  filling the waits; ZB-H1's in-flight count ``P - s`` or ``zb``'s largest extra warm-up), or
-  ``"interleaved"``: the interleaved builder's order of ``virtual`` chunks per GPU
-  (``dynmb.timing.makespan_interleaved``).
+- ``estimate_as``: the key of this kind's fast makespan estimator in the estimator registry
+  (``dynmb.timing.estimators``: ``gpipe``, ``1f1b``, ``zb-h1``, ``zb``, ``interleaved``, ``zb-v`` or any
+  registered later); the registry holds the callable and its traits (the timing layer, below this one, so the
+  record names the entry), and ``dynmb.timing.makespan.makespans`` calls it. Every entry is tested against the
+  simulator on random pipelines (``tests/test_estimators.py``).
 
 - ``auto``: ``--schedule auto`` weighs this kind (``auto_kinds``).
 - ``placement``: which rank holds each stage (``dynmb.schedule.vshape.placement_rank``; ``loop``: stage
@@ -131,9 +130,9 @@ class ScheduleKind:
     fits_by_construction: bool = False
     """The builder keeps the peak under the limit by itself (whenever it can build)."""
     estimate_as: str = "1f1b"
-    """The fast makespan estimate of this kind: gpipe or 1f1b (the op order swept), zb-h1 / zb
-    (the zero-bubble estimate, ``dynmb.timing.makespan_zb``, with ZB-H1's or zb's largest in-flight count), or
-    interleaved (``dynmb.timing.makespan_interleaved``: the interleaved order of ``virtual`` chunks per GPU)."""
+    """The fast makespan estimator of this kind: the key of its entry in ``dynmb.timing.estimators`` (gpipe or
+    1f1b: the op order swept; zb-h1 / zb: ``dynmb.timing.makespan_zb``; interleaved:
+    ``dynmb.timing.makespan_interleaved``; zb-v: ``dynmb.timing.makespan_zbv``; or one registered later)."""
     cache_key: Callable[[BuildInputs], bytes] | None = None
     """For builders that read the microbatches' bytes: a key equal for inputs that build the same
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
@@ -150,8 +149,8 @@ class ScheduleKind:
             raise ValueError(f"a schedule kind needs a name, got {self.name!r}")
         if self.memory not in ("none", "optional", "required"):
             raise ValueError(f"kind {self.name!r}: memory must be none, optional or required, got {self.memory!r}")
-        if self.estimate_as not in ("gpipe", "1f1b", "zb-h1", "zb", "interleaved"):
-            raise ValueError(f"kind {self.name!r}: estimate_as must be gpipe, 1f1b, zb-h1, zb or interleaved, "
+        if not self.estimate_as or not isinstance(self.estimate_as, str):
+            raise ValueError(f"kind {self.name!r}: estimate_as must name an estimator (dynmb.timing.estimators), "
                              f"got {self.estimate_as!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"kind {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}")
@@ -391,9 +390,8 @@ def _zb_v(inp: BuildInputs) -> Schedule:
 
 register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb", auto=True))
-# ZB-V: two chunks per rank placed V-wise (dynmb.schedule.vshape); the packers count its chunk window per GPU and
-# estimate it as interleaved (the same chunk count per GPU). ``auto`` leaves it out: a run's placement is fixed
-# while auto's kinds change step by step.
+# ZB-V: two chunks per rank placed V-wise (dynmb.schedule.vshape); the packers count its chunk window per GPU,
+# rank candidates with the interleaved estimate (dynmb.timing.makespan_zb.RANK_AS) and choose with its own.
 register_kind(ScheduleKind(name="zb-v", build=_zb_v, window=_one_f_one_b_window, chunk_window=v_inflight,
                            virtual_stages=True, split_backward=True, memory="optional", costs=True,
-                           estimate_as="interleaved", chunks=2, placement="v"))
+                           estimate_as="zb-v", chunks=2, placement="v"))

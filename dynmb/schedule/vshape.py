@@ -38,7 +38,7 @@ import numpy as np
 from dynmb.core.types import Action, Schedule
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs
 
-__all__ = ["placement_rank", "v_rank", "zb_v", "v_inflight", "PLACEMENTS"]
+__all__ = ["placement_rank", "v_rank", "zb_v", "v_inflight", "admission_caps", "list_makespan", "PLACEMENTS"]
 
 PLACEMENTS = ("loop", "v")
 """Stage -> rank rules: ``loop`` (stage ``s`` on rank ``s % R``), ``v`` (``v_rank``)."""
@@ -74,8 +74,23 @@ def zb_v(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eval
     R = num_stages // 2
     if evaluate is None:
         return _list_v(inp, 2 * R)
-    cands = [_list_v(inp, cap) for cap in sorted({R + 1, (3 * R + 1) // 2, 2 * R})]
+    cands = [_list_v(inp, cap) for cap in admission_caps(R)]
     return min(cands, key=lambda c: evaluate(c)[0])
+
+
+def admission_caps(ranks: int) -> tuple[int, ...]:
+    """The admission caps ``zb_v`` tries with an evaluator: ``R + 1``, ``(3R + 1) // 2``, ``2R`` (distinct)."""
+    R = int(ranks)
+    return tuple(sorted({R + 1, (3 * R + 1) // 2, 2 * R}))
+
+
+def list_makespan(inp: ZBInputs, cap: int) -> float:
+    """The end of the greedy V list schedule with admission ``cap``, by the list scheduler's own clocks (each
+    op starts at its rank's clock, which waits only for inputs it knows of: never before the simulator's start
+    of the same op, so an upper bound of that schedule's simulated makespan; ``dynmb.timing.makespan_zbv``)."""
+    v = _VList(inp, cap)
+    v.schedule()
+    return max(v.clock)
 
 
 def _list_v(inp: ZBInputs, cap: int) -> Schedule:
