@@ -29,7 +29,12 @@ def test_the_v_placement_puts_both_ends_on_rank_zero() -> None:
     assert get_kind("zb-v").rank_of(5, 8, 2) == 2 and get_kind("interleaved").rank_of(5, 8, 2) == 1
     run = RunConfig(model=ModelConfig.preset("tiny"), pipeline=PipelineConfig(num_stages=4, virtual=2, schedule="zb-v"))
     assert [Topology.for_run(run, r, 2).local_stages for r in range(2)] == [(0, 3), (1, 2)]
-    assert "zb-v" not in auto_kinds(virtual=2)        # a run's placement is fixed; auto changes kinds per step
+    assert auto_kinds(virtual=2) == ("zb-v",)          # auto weighs one placement per run: V at virtual 2 ...
+    assert auto_kinds(virtual=2, slices=True) == ("interleaved",) and "zb-v" not in auto_kinds(virtual=4)
+    auto = replace(run, pipeline=replace(run.pipeline, schedule="auto"))   # ... and the run places its stages so
+    assert [Topology.for_run(auto, r, 2).local_stages for r in range(2)] == [(0, 3), (1, 2)]
+    sliced = replace(auto, oversize="split")                           # slices may run: the loop placement
+    assert [Topology.for_run(sliced, r, 2).local_stages for r in range(2)] == [(0, 2), (1, 3)]
 
 
 def _live(schedule) -> list[int]:

@@ -40,14 +40,14 @@ A kind's traits (``ScheduleKind``):
 - ``auto``: ``--schedule auto`` weighs this kind (``auto_kinds``).
 - ``placement``: which rank holds each stage (``dynmb.schedule.vshape.placement_rank``; ``loop``: stage
   ``s`` on rank ``s % R``; ``v``: ZB-V's, ``zb-v``); the memory peak rule, the packers' per-GPU sums
-  and the runtime's topology read it; ``auto`` weighs ``loop`` kinds only (a run's placement is fixed).
+  and the runtime's topology read it; ``auto`` weighs the kinds of one placement per run (``auto_kinds``).
 - ``chunks``: the model chunks per rank a kind runs with exactly (``zb-v``: 2), refused otherwise.
 
 Adding a kind is one new module with its builder and its record, plus one
 ``register_kind(record)`` call. ``SCHEDULE_KINDS`` is a live view of the registered names.
 
 ``AUTO`` (``"auto"``) is not a kind but a choice among kinds, made per step by the planner
-(``dynmb.planning.planner``): it plans the step for each kind of ``auto_kinds(virtual, slices)``
+(``dynmb.planning.planner``): it plans the step for each kind of ``auto_kinds_for(spec)``
 (the dynamic packer packs for the kind it will run; kinds of equal ``packing_key`` share one
 packing, since the packers read nothing else of a kind), simulates each under the memory limit
 and keeps the fastest that fits. The plan records the chosen kind (``Plan.schedule_kind``) and
@@ -68,7 +68,8 @@ from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.core.types import Schedule
 
 __all__ = ["BuildInputs", "ScheduleKind", "register_kind", "unregister_kind", "get_kind", "kind_names",
-           "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight", "AUTO", "auto_kinds", "is_schedule_name",
+           "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight", "AUTO", "AUTO_PLACEMENTS", "auto_kinds",
+           "auto_kinds_for", "auto_placement", "is_schedule_name",
            "resolve_kind"]
 
 
@@ -231,13 +232,37 @@ AUTO = "auto"
 """The schedule choice made per step: the fastest kind of ``auto_kinds`` that fits (module doc)."""
 
 
+AUTO_PLACEMENTS = ("v", "loop")
+"""The placements ``auto`` prefers, first first: ZB-V's wherever a V kind runs the run's steps (at ``virtual`` 2 it
+was 4-15% faster than interleaved in 12 of 12 simulated cells, docs/design.md), else the loop placement."""
+
+
 def auto_kinds(virtual: int = 1, slices: bool = False) -> tuple[str, ...]:
     """The kinds ``auto`` weighs, in registration order (ties go to the first): the registered kinds
     with ``auto`` that take ``virtual`` chunks per rank (with ``virtual`` > 1 a rank holds several
-    model chunks, which only kinds with ``virtual_stages`` run; with 1, those kinds are their
-    one-chunk equal and are left out) and, for a plan with slices of long sequences, run them."""
-    return tuple(k for k, v in _REGISTRY.items() if v.auto and v.virtual_stages == (virtual > 1)
-                 and (v.slices or not slices) and v.placement == "loop")
+    model chunks, which only kinds with ``virtual_stages`` run, a kind of fixed ``chunks`` only that many;
+    with 1, those kinds are their one-chunk equal and are left out) and, where the run's steps may hold
+    slices of long sequences (``slices``; ``auto_kinds_for`` reads it from the settings), run them; of those,
+    the kinds of ONE placement, the first of ``AUTO_PLACEMENTS`` any of them has: a run places its stages
+    once (``dynmb.runtime.topology``), so ``auto`` never changes placement from step to step. At ``virtual``
+    2 without slices that is ``zb-v`` (V placement), else the loop kinds (1f1b, zb-h1, zb; interleaved)."""
+    kinds = [(k, v) for k, v in _REGISTRY.items() if v.auto and v.virtual_stages == (virtual > 1)
+             and (v.chunks is None or v.chunks == virtual) and (v.slices or not slices)]
+    placements = [p for p in AUTO_PLACEMENTS if any(v.placement == p for _, v in kinds)]
+    return tuple(k for k, v in kinds if placements and v.placement == placements[0])
+
+
+def auto_kinds_for(spec: Any) -> tuple[str, ...]:
+    """``auto_kinds`` of the settings ``spec`` (a ``PlanSpec``): its ``virtual``, and slices wherever its steps
+    may hold them (``oversize="split"`` or ``slice_fitting="auto"``), the same kinds for every step of a run."""
+    may_slice = spec.oversize == "split" or getattr(spec, "slice_fitting", "never") != "never"
+    return auto_kinds(spec.virtual, slices=may_slice)
+
+
+def auto_placement(spec: Any) -> str:
+    """The placement of the kinds ``auto`` weighs under the settings ``spec`` (``auto_kinds_for``; ``loop`` if none)."""
+    kinds = auto_kinds_for(spec)
+    return _REGISTRY[kinds[0]].placement if kinds else "loop"
 
 
 def is_schedule_name(name: str) -> bool:
@@ -391,7 +416,8 @@ def _zb_v(inp: BuildInputs) -> Schedule:
 register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb", auto=True))
 # ZB-V: two chunks per rank placed V-wise (dynmb.schedule.vshape); the packers count its chunk window per GPU,
-# rank candidates with the interleaved estimate (dynmb.timing.makespan_zb.RANK_AS) and choose with its own.
+# rank candidates with the interleaved estimate (dynmb.timing.makespan_zb.RANK_AS) and choose with its own. ``auto``
+# weighs it at virtual 2 where no slices may run (``auto_kinds``: one placement per run).
 register_kind(ScheduleKind(name="zb-v", build=_zb_v, window=_one_f_one_b_window, chunk_window=v_inflight,
                            virtual_stages=True, split_backward=True, memory="optional", costs=True,
-                           estimate_as="zb-v", chunks=2, placement="v"))
+                           estimate_as="zb-v", chunks=2, placement="v", auto=True))
