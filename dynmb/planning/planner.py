@@ -48,7 +48,7 @@ from dynmb.packing import pack
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
 from dynmb.core.planspec import PlanSpec
-from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
+from dynmb.schedule.kinds import AUTO, auto_kinds_for, get_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.choice import choose_robust
@@ -210,7 +210,7 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_
     step), ``plan_s`` the whole choice. A kind that cannot take the step (``ValueError``) drops out;
     if all do, the first one's error is raised."""
     t0 = time.perf_counter()
-    kinds = auto_kinds(spec.virtual, slices=_sliced(lengths, spec, model_cfg, memory_model))
+    kinds = auto_kinds_for(spec)        # one placement for every step of a run (zb-v at virtual 2 without slices)
     if not kinds:
         raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
                          f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, memory_model) else ''}")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dynmb.core.config import RunConfig
 from dynmb.runtime.comm import make_pair_groups
-from dynmb.schedule.kinds import AUTO, get_kind
+from dynmb.schedule.kinds import AUTO, auto_placement, get_kind
 from dynmb.schedule.vshape import placement_rank
 
 __all__ = ["Topology", "ProcessGroups", "make_process_groups"]
@@ -57,7 +57,7 @@ class Topology:
         if world_size != pipeline.num_ranks * run.spec.dp:
             raise ValueError(f"world size {world_size} != pipeline ranks {pipeline.num_ranks} (stages "
                              f"{pipeline.num_stages} / virtual {pipeline.virtual}) x dp {run.spec.dp}")
-        placement = "loop" if pipeline.schedule_kind == AUTO else get_kind(pipeline.schedule_kind).placement
+        placement = auto_placement(run.plan_spec) if pipeline.schedule_kind == AUTO else get_kind(pipeline.schedule_kind).placement
         return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.spec.dp, rank=rank,
                    placement=placement)
 
