@@ -1,0 +1,143 @@
+"""Issue 40's remaining silent and unclear cases, each checked where it happens (fast) and, where that is
+what it takes, in a real subprocess run (slow).
+
+- planning ahead: a planner process killed or stopped does not fail the run: one warning naming the rank
+  and the process, then in-line planning with each step's submitted cost model (the same plans); no
+  multiprocessing semaphores (no resource tracker to kill, no leaked-semaphore warnings); a shared plan that
+  never comes names the owner rank, not a store key;
+- a signal sent to torchrun itself ends the job as one sent to the launcher (``launch._Pump``).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig
+from dynmb.costmodel import get_cost_model
+from dynmb.memory.model import get_memory_model
+from dynmb.planning import plan_step
+from dynmb.runtime.planahead import PlanAhead
+from dynmb.runtime.planshare import PlanShare
+
+
+def _cfg() -> RunConfig:
+    return RunConfig(model=ModelConfig.preset("tiny"),
+                     pipeline=PipelineConfig(num_stages=2, schedule="1f1b", memory_limit_bytes=24 * 2**20),
+                     dataset="gsm8k", global_batch=8, method="dynamic", seed=5, steps=3, warmup=0,
+                     backend="gloo", device="cpu", timeout_s=60.0, plan_ahead=1)
+
+
+def _shapes(plan) -> list[tuple]:
+    return [(mb.batch, mb.padded_len, tuple(mb.seq_ids.tolist())) for mb in plan.microbatches]
+
+
+@pytest.mark.parametrize("sig, says", [(signal.SIGKILL, "died (killed by SIGKILL)"), (signal.SIGSTOP, "stopped")])
+def test_a_planner_process_killed_or_stopped_plans_in_line_with_one_warning(sig, says, caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    cfg = _cfg()
+    cm, mm = get_cost_model(None, cfg.model, 2), get_memory_model(None, cfg.model, 2)
+    batches = [np.random.default_rng(k).integers(8, 200, size=8) for k in range(3)]
+    ahead = PlanAhead(1, batches.__getitem__, 2, spec=cfg.plan_spec, model_cfg=cfg.model, memory_model=mm)
+    pids = ahead._pool.pids
+    try:
+        for pid in pids:
+            os.kill(pid, sig)
+        with caplog.at_level(logging.WARNING, logger="dynmb.runtime.planahead"):
+            got = [ahead.get(k, cm)[0][0] for k in range(3)]
+    finally:
+        ahead.close()
+    for k, plan in enumerate(got):
+        inline, _, _ = plan_step(batches[k], cfg.plan_spec, model_cfg=cfg.model, cost_model=cm, memory_model=mm)
+        assert _shapes(plan) == _shapes(inline)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith(f"rank 3: planner process {pids[0]} {says}"), warned
+    assert "planning in line" in warned[0]
+    for pid in pids:                       # reaped: no process left behind
+        assert not os.path.exists(f"/proc/{pid}") or "Z" not in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
+
+
+def test_planning_ahead_uses_no_multiprocessing_semaphores():
+    """No resource tracker (killing it left KeyError tracebacks) and nothing on stderr at exit."""
+    code = ("import sys, numpy as np\n"
+            "from tests.test_fault_cases import _cfg\n"
+            "from dynmb.costmodel import get_cost_model\nfrom dynmb.memory.model import get_memory_model\n"
+            "from dynmb.runtime.planahead import PlanAhead\n"
+            "cfg = _cfg(); cm = get_cost_model(None, cfg.model, 2); mm = get_memory_model(None, cfg.model, 2)\n"
+            "a = PlanAhead(1, lambda k: np.arange(8, 16), 1, spec=cfg.plan_spec, model_cfg=cfg.model, memory_model=mm)\n"
+            "a.get(0, cm); a.get(1, cm); a.close()\n"
+            "assert 'multiprocessing.resource_tracker' not in sys.modules, 'a resource tracker'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "leaked" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+class _SilentStore:
+    """A store whose owner never publishes: ``get`` times out as ``torch.distributed``'s does."""
+
+    def get(self, key: str) -> bytes:
+        raise RuntimeError(f"wait timeout after 60000ms, keys: /{key}")
+
+    def set(self, key, value): ...
+    def add(self, key, amount): return 0
+    def delete_key(self, key): return True
+
+
+def test_a_plan_that_never_comes_names_the_owner_rank_not_a_store_key():
+    share = PlanShare(_SilentStore(), rank=0, world=2, run_id="r")
+    with pytest.raises(RuntimeError, match=r"^plan ahead: rank 0 got no plan of step 3 from rank 1, which plans it"):
+        share.fetch(3)
+
+
+class _FakeTorchrun:
+    def __init__(self, lines: list[str]) -> None:
+        self.stdout = io.StringIO("".join(lines))
+
+
+def test_torchrun_s_own_death_signal_is_read_and_its_traceback_not_streamed(capsys):
+    from dynmb.runtime.launch import _Pump
+    from dynmb.runtime.processes import StopSignals
+
+    lines = ["[dynmb step] r step 0: 0.03 s\n",
+             "W1206 21:17:17.734000 15398 agent/server/api.py:753] Received 1 death signal, shutting down workers\n",
+             "W1206 21:17:17.734000 15398 api.py:1028] Sending process 15403 closing signal SIGHUP\n",
+             "W1206 21:17:17.735000 15398 api.py:1028] Sending process 15404 closing signal SIGHUP\n",
+             "Traceback (most recent call last):\n", "  File \"run.py\", line 1\n",
+             "torch.distributed.elastic.multiprocessing.api.SignalException: Process 15398 got signal: 1\n"]
+    pump = _Pump(_FakeTorchrun(lines), None, False, StopSignals())
+    pump.run()
+    assert (pump.torchrun_signal, pump.closed_workers) == (signal.SIGHUP, 2)
+    assert capsys.readouterr().out == lines[0]
+    named = _Pump(_FakeTorchrun(["I... Received Signals.SIGTERM death signal, shutting down workers\n"]), None, True,
+                  StopSignals())
+    named.run()
+    assert named.torchrun_signal == signal.SIGTERM
+
+
+def test_the_planner_processes_die_with_their_rank():
+    """A planner process is a plain child with the parent-death signal: killing the rank takes it along."""
+    code = ("import os, time, numpy as np\nfrom tests.test_fault_cases import _cfg\n"
+            "from dynmb.memory.model import get_memory_model\nfrom dynmb.runtime.planahead import PlanAhead\n"
+            "cfg = _cfg(); mm = get_memory_model(None, cfg.model, 2)\n"
+            "a = PlanAhead(1, lambda k: np.arange(8, 16), 1, spec=cfg.plan_spec, model_cfg=cfg.model, memory_model=mm)\n"
+            "print(*a._pool.pids, flush=True); time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pids and not any(os.path.exists(f"/proc/{p}") for p in pids)
