@@ -141,3 +141,31 @@ def test_the_planner_processes_die_with_their_rank():
     while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pids and not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def test_a_late_rank_is_named_with_what_it_was_doing():
+    import torch.distributed as dist
+
+    from dynmb.runtime.ready import RanksLateError, wait_for_ranks
+
+    store = dist.HashStore()
+    store.set("dynmb/ready/r/stages/2", b"1")                  # rank 2 is there; rank 1 never comes
+    with pytest.raises(RanksLateError, match=r"^rank 0 waited 0 s \(--timeout\) for rank\(s\) 1, still building"):
+        wait_for_ranks(store, "r/stages", 0, 3, 0.2, "building its stages")
+    store.set("dynmb/ready/r/stages/1", b"1")
+    wait_for_ranks(store, "r/stages", 0, 3, 0.2, "building its stages")      # all there: no wait
+
+
+@pytest.mark.slow
+def test_a_slow_factory_on_rank_1_gets_rank_1_named(tmp_path):
+    """A real 2-rank run whose factory takes 40 s on rank 1, with a 5 s timeout: the one error line names
+    rank 1 and its stage build, not rank 0's timed-out receive."""
+    done = subprocess.run([sys.executable, "-m", "dynmb.cli", "run", "--model", "tests.bad_factories:slow_on_rank1",
+                           "--global-batch", "4", "--memory-limit", "256MiB", "--steps", "2", "--warmup", "0",
+                           "--device", "cpu", "--timeout", "5", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode != 0
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("dynmb run: rank")]
+    assert errors and "rank(s) 1, still building its stages" in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
