@@ -169,3 +169,49 @@ def test_a_slow_factory_on_rank_1_gets_rank_1_named(tmp_path):
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("dynmb run: rank")]
     assert errors and "rank(s) 1, still building its stages" in errors[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+def _sampler_rank(rank: int, seed: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from dynmb.api.sampler import DynamicBatchSampler
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        sampler = DynamicBatchSampler(np.arange(10, 42), 8, model="tiny", num_stages=1, memory_limit="64MiB",
+                                      num_replicas=2, rank=rank, seed=seed)
+        try:
+            list(sampler)
+            said = "ok"
+        except ValueError as e:
+            said = str(e)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(said)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("seeds", [(0, 0), (0, 1)])
+def test_replicas_given_different_seeds_are_refused_on_every_rank(seeds, tmp_path):
+    from tests.spawn_ranks import spawn_ranks
+
+    init = f"file://{tmp_path / 'rdzv'}"
+    codes = spawn_ranks(_sampler_rank, 2, lambda r: (r, seeds[r], init, str(tmp_path / "said")), 120)
+    assert codes == [0, 0]
+    said = [(tmp_path / f"said.{r}").read_text() for r in (0, 1)]
+    if seeds[0] == seeds[1]:
+        assert said == ["ok", "ok"]
+    else:
+        for line in said:
+            assert line.startswith("DynamicBatchSampler: rank(s) 1 sample with other settings than rank 0 "
+                                   "(rank 1: seed 1 (rank 0: 0))"), line
+
+
+def test_the_sampler_refuses_a_rank_outside_its_replicas():
+    from dynmb.api.sampler import DynamicBatchSampler
+
+    for kwargs, says in (({"num_replicas": 2.5}, "num_replicas must be a whole number"),
+                         ({"num_replicas": 2, "rank": 2}, "rank 2 out of range for 2 replicas"),
+                         ({"num_replicas": 0}, "num_replicas must be >= 1")):
+        with pytest.raises(ValueError, match=says):
+            DynamicBatchSampler(np.full(16, 10), 8, model="tiny", num_stages=1, memory_limit="64MiB", **kwargs)
