@@ -215,3 +215,81 @@ def test_the_sampler_refuses_a_rank_outside_its_replicas():
                          ({"num_replicas": 0}, "num_replicas must be >= 1")):
         with pytest.raises(ValueError, match=says):
             DynamicBatchSampler(np.full(16, 10), 8, model="tiny", num_stages=1, memory_limit="64MiB", **kwargs)
+
+
+# ----------------------------------------------------------------------------- corpora
+def test_a_corpus_with_a_bom_and_crlf_reads_as_the_plain_one(tmp_path):
+    from dynmb.data.corpus import corpus_texts
+
+    plain, odd = tmp_path / "plain.jsonl", tmp_path / "odd.jsonl"
+    lines = ['{"text": "hello world"}', '{"text": "a second record"}']
+    plain.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    odd.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    assert corpus_texts(odd, ["text"])[0] == corpus_texts(plain, ["text"])[0] == ["hello world", "a second record"]
+    txt = tmp_path / "odd.txt"
+    txt.write_bytes(b"\xef\xbb\xbffirst paragraph\r\nstill first\r\n\r\nsecond\r\n")
+    assert corpus_texts(txt, txt_split="blank")[0][0] == "first paragraph\nstill first"
+    assert corpus_texts(txt, txt_split="line")[0] == ["first paragraph", "still first", "second"]
+
+
+def test_a_field_holding_only_numbers_is_refused_naming_file_and_record(tmp_path):
+    from dynmb.data.corpus import CorpusError, corpus_texts
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "hello", "id": 3}\n{"text": 42, "id": 4}\n')
+    with pytest.raises(CorpusError, match=rf"^{path}: record 1 \(0-based\): field\(s\) 'text' is 42: a number, not text"):
+        corpus_texts(path, ["text"])
+    joined = tmp_path / "j.jsonl"
+    joined.write_text('{"text": "hello", "id": 3}\n')
+    assert corpus_texts(joined, ["text", "id"], join=" ")[0] == ["hello 3"]      # a number beside text: its digits
+
+
+def _long_corpus(tmp_path):
+    from tests.test_corpus_runs import write_corpus
+
+    pytest.importorskip("tokenizers")
+    first, tok = write_corpus(tmp_path / "data")
+    second = tmp_path / "data" / "d.jsonl"
+    words = first.read_text().split('"text": "')[1].split('"')[0]
+    second.write_text("".join('{"text": "%s"}\n' % (words if i != 3 else " ".join([words] * 40)) for i in range(6)))
+    return first, second, tok
+
+
+def test_a_record_longer_than_any_row_stops_tokenizing_at_it_naming_file_and_record(tmp_path, monkeypatch):
+    import dynmb.data.tokens as tokens_mod
+    from dynmb.data.corpus import CorpusError
+    from dynmb.data.tokens import CorpusSource, tokenize
+
+    first, second, tok = _long_corpus(tmp_path)
+    monkeypatch.setattr(tokens_mod, "_BATCH", 2)
+    real = tokens_mod.get_tokenizer
+    batches: list[int] = []
+
+    def counting(*a, **k):
+        t = real(*a, **k)
+        encode = t.encode_batch
+        t.encode_batch = lambda texts: (batches.append(len(texts)), encode(texts))[1]
+        return t
+
+    monkeypatch.setattr(tokens_mod, "get_tokenizer", counting)
+    source = CorpusSource.create([first, second], "text", str(tok))
+    n_first = len(first.read_text().splitlines())
+    with pytest.raises(CorpusError, match=rf"^{second}: record 3 \(0-based\) has \d+ tokens, longer than any row "
+                                          r"\(the model's max_seq_len 64\)"):
+        tokenize(source, max_len=64)
+    assert sum(batches) <= n_first + 4 < n_first + 6     # stopped at the batch holding it, not the whole corpus
+    assert tokenize(source).num_documents == n_first + 6                                  # no limit: read whole
+
+
+def test_run_refuses_a_record_no_row_holds_before_torchrun(tmp_path, capsys, monkeypatch):
+    from dynmb.cli.main import main
+
+    first, second, tok = _long_corpus(tmp_path)
+    monkeypatch.setattr("dynmb.cli.run.run_job", lambda *a, **k: pytest.fail("torchrun started"))
+    code = main(["run", "--corpus", str(second), "--field", "text", "--tokenizer", str(tok), "--model",
+                 "tiny:max_seq_len=64", "--global-batch", "4", "--memory-limit", "256MiB", "--steps", "1",
+                 "--device", "cpu", "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert not list((tmp_path / "out").rglob("*.npz"))           # no token file of a corpus it refuses
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "record" in ln]
+    assert len(err) == 1 and f"{second}: record 3 (0-based)" in err[0] and "max_seq_len 64" in err[0], err
