@@ -293,3 +293,18 @@ def test_run_refuses_a_record_no_row_holds_before_torchrun(tmp_path, capsys, mon
     assert not list((tmp_path / "out").rglob("*.npz"))           # no token file of a corpus it refuses
     err = [ln for ln in capsys.readouterr().err.splitlines() if "record" in ln]
     assert len(err) == 1 and f"{second}: record 3 (0-based)" in err[0] and "max_seq_len 64" in err[0], err
+
+
+# ----------------------------------------------------------------------------- settings refused early
+@pytest.mark.parametrize("verb", [["plan", "-o", "p.json"], ["run", "--device", "cpu", "--out", "o"]])
+def test_a_global_batch_smaller_than_dp_names_that_not_the_limit(verb, tmp_path, capsys, monkeypatch):
+    from dynmb.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("dynmb.cli.run.run_job", lambda *a, **k: pytest.fail("torchrun started"))
+    code = main([*verb, "--model", "tiny", "--global-batch", "1", "--dp", "2", "--memory-limit", "256MiB"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].endswith("error: --global-batch 1 is smaller than --dp 2: every data-parallel replica needs at least "
+                           "one sequence of the global batch"), err
+    assert not list(tmp_path.iterdir())
