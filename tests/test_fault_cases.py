@@ -308,3 +308,46 @@ def test_a_global_batch_smaller_than_dp_names_that_not_the_limit(verb, tmp_path,
     assert err[0].endswith("error: --global-batch 1 is smaller than --dp 2: every data-parallel replica needs at least "
                            "one sequence of the global batch"), err
     assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- transformers under --recompute
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_transformers_stages_recompute_with_exact_gradients(num_stages):
+    """A tiny HF Llama built from its config (no hub): loss and every gradient under full recomputation
+    equal those without it, and a recomputed stage keeps only its layers' inputs for backward."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from dynmb.core.microbatch import Microbatch
+    from dynmb.models.hf import HFStageFactory
+    from dynmb.models.inputs import make_inputs
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    factory = HFStageFactory.from_config(cfg, seed=1, dtype=torch.float64)
+    stages = [factory.build_stage(s, num_stages) for s in range(num_stages)]
+    rng = np.random.default_rng(0)
+    lengths = [9, 17, 5]
+    tokens = [torch.as_tensor(rng.integers(0, 128, n + 1)) for n in lengths]
+    inputs = make_inputs(Microbatch(np.arange(3), lengths, 20, 3), tokens)
+
+    def run(recompute: bool):
+        saved: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            x = None
+            for st in stages:
+                x = st(x, inputs, recompute=recompute)
+        x.backward()
+        grads = {n: p.grad.clone() for st in stages for n, p in st.named_parameters()}
+        for st in stages:
+            st.zero_grad(set_to_none=True)
+        return float(x.detach()), grads, sum(saved)
+
+    loss, grads, held = run(False)
+    loss_rc, grads_rc, held_rc = run(True)
+    assert loss_rc == pytest.approx(loss, rel=1e-12)
+    assert grads.keys() == grads_rc.keys()
+    for n in grads:
+        assert torch.allclose(grads_rc[n], grads[n], rtol=1e-10, atol=1e-12), n
+    assert held_rc < held / 4
