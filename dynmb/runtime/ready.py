@@ -12,7 +12,8 @@ whose key is missing and what they were doing ("rank 1 has not finished building
 from __future__ import annotations
 
 import time
-from typing import Protocol
+
+from dynmb.runtime.planshare import KeyValueStore
 
 __all__ = ["RanksLateError", "wait_for_ranks"]
 
@@ -21,12 +22,7 @@ class RanksLateError(RuntimeError):
     """Ranks did not reach a set-up point within the job's timeout."""
 
 
-class _Store(Protocol):
-    def set(self, key: str, value: bytes) -> None: ...
-    def check(self, keys: list[str]) -> bool: ...
-
-
-def wait_for_ranks(store: _Store, point: str, rank: int, world: int, timeout_s: float, doing: str,
+def wait_for_ranks(store: KeyValueStore, point: str, rank: int, world: int, timeout_s: float, doing: str,
                    poll_s: float = 0.05) -> None:
     """Mark ``rank`` at ``point`` and wait until all ``world`` ranks are; past ``timeout_s`` raise
     ``RanksLateError`` naming the ranks still ``doing`` it."""
