@@ -150,10 +150,10 @@ def test_a_late_rank_is_named_with_what_it_was_doing():
 
     store = dist.HashStore()
     store.set("dynmb/ready/r/stages/2", b"1")                  # rank 2 is there; rank 1 never comes
+    store.add("dynmb/ready/r/stages/count", 1)
     with pytest.raises(RanksLateError, match=r"^rank 0 waited 0 s \(--timeout\) for rank\(s\) 1, still building"):
         wait_for_ranks(store, "r/stages", 0, 3, 0.2, "building its stages")
-    store.set("dynmb/ready/r/stages/1", b"1")
-    wait_for_ranks(store, "r/stages", 0, 3, 0.2, "building its stages")      # all there: no wait
+    wait_for_ranks(store, "r/stages", 1, 3, 0.2, "building its stages")      # the last to come: no wait
 
 
 @pytest.mark.slow
