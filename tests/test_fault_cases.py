@@ -351,3 +351,14 @@ def test_transformers_stages_recompute_with_exact_gradients(num_stages):
     for n in grads:
         assert torch.allclose(grads_rc[n], grads[n], rtol=1e-10, atol=1e-12), n
     assert held_rc < held / 4
+
+
+def test_a_job_that_does_not_pickle_is_its_own_error_not_a_hang():
+    from dynmb.runtime.planahead_procs import PlannerPool
+
+    pool = PlannerPool(1)
+    try:
+        assert pool.submit(lambda: 1).exception(timeout=60) is not None       # a lambda does not pickle
+        assert pool.submit(sorted, [3, 1, 2]).result(timeout=120) == [1, 2, 3]  # the process still serves
+    finally:
+        pool.close()

@@ -57,7 +57,8 @@ class PlannerPool:
     """``n`` planner processes; ``submit(fn, *args)`` returns a ``Future`` of ``fn(*args)``."""
 
     def __init__(self, n: int) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}   # the rank's cores are for training
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",    # the rank's cores are for training
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the rank's imports (as spawn passes them)
         self._procs = [subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env, preexec_fn=die_with_parent)
                        for _ in range(n)]
@@ -83,9 +84,14 @@ class PlannerPool:
             future, fn, args = job
             if not future.set_running_or_notify_cancel():
                 continue
+            try:
+                job_bytes = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # noqa: BLE001 - a job that does not pickle is its step's error
+                future.set_exception(e)
+                continue
             self.busy[proc.pid] = True
             try:
-                pickle.dump((fn, args), proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                proc.stdin.write(job_bytes)
                 proc.stdin.flush()
                 ok, value = pickle.load(proc.stdout)
             except (OSError, EOFError, pickle.UnpicklingError, ValueError):
