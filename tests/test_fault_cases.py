@@ -362,3 +362,19 @@ def test_a_job_that_does_not_pickle_is_its_own_error_not_a_hang():
         assert pool.submit(sorted, [3, 1, 2]).result(timeout=120) == [1, 2, 3]  # the process still serves
     finally:
         pool.close()
+
+
+def test_preflight_names_a_corpus_document_by_its_file_and_record(tmp_path):
+    from dynmb.data.tokens import CorpusSource, CorpusTokens, tokenize
+    from dynmb.runtime.preflight import _with_rows
+
+    first, second, tok = _long_corpus(tmp_path)
+    tokens = tokenize(CorpusSource.create([first, second], "text", str(tok)))
+    n_first = len(first.read_text().splitlines())
+    assert tokens.starts == (0, n_first)
+    again = CorpusTokens.load(tokens.save(tmp_path / "t.npz"))
+    assert again.record_name(n_first + 3) == "d.jsonl record 3" and again.record_name(1) == "c.jsonl record 1"
+    rows = np.array([5, n_first + 3, 2])           # the batch's positions 0..2 hold these documents
+    said = _with_rows("1 sequence(s) cannot fit even alone: ids [1] with lengths [120]", rows, again)
+    assert said == "1 sequence(s) cannot fit even alone: corpus records [d.jsonl record 3] (0-based) with lengths [120]"
+    assert _with_rows("ids [0, 2] too long", rows) == "trace rows [5, 2] too long"

@@ -98,6 +98,15 @@ class CorpusTokens:
     vocab_size: int
     """The tokenizer's: every id it can emit."""
     eos_id: int
+    starts: tuple[int, ...] = ()
+    """The first document of each of ``source.files`` (empty in token files written before it was kept)."""
+
+    def record_name(self, row: int) -> str:
+        """Document ``row`` as its file and record number there (``c.jsonl record 3``, 0-based)."""
+        if len(self.starts) != len(self.source.files) or not self.starts:
+            return f"record {row}"
+        k = int(np.searchsorted(self.starts, row, side="right") - 1)
+        return f"{Path(self.source.files[k]).name} record {row - self.starts[k]}"
 
     @property
     def num_documents(self) -> int:
@@ -118,7 +127,8 @@ class CorpusTokens:
         """Write ``path`` (the ``.npz``) and its ``.ids.npy``, ids first, each atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = json.dumps({"source": self.source.to_dict(), "vocab_size": self.vocab_size, "eos_id": self.eos_id})
+        meta = json.dumps({"source": self.source.to_dict(), "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                           "starts": list(self.starts)})
         _write_atomic(_ids_path(path), lambda f: np.save(f, np.ascontiguousarray(self.ids)))
         _write_atomic(path, lambda f: np.savez(f, offsets=self.offsets, meta=np.array(meta)))
         return path
@@ -137,7 +147,8 @@ class CorpusTokens:
         if ids.ndim != 1 or offsets[-1] != ids.size:
             raise ValueError(f"token file {path}: its offsets end at {int(offsets[-1])}, its ids hold {ids.size}")
         return cls(ids=ids, offsets=offsets, source=CorpusSource.from_dict(meta["source"]),
-                   vocab_size=int(meta["vocab_size"]), eos_id=int(meta["eos_id"]))
+                   vocab_size=int(meta["vocab_size"]), eos_id=int(meta["eos_id"]),
+                   starts=tuple(int(k) for k in meta.get("starts", ())))
 
 
 def _ids_path(path: Path) -> Path:
@@ -204,7 +215,7 @@ def tokenize(source: CorpusSource, max_len: int | None = None) -> CorpusTokens:
     ids = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
     offsets = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)
     return CorpusTokens(ids=ids, offsets=offsets, source=source, vocab_size=tok.vocab_size,
-                        eos_id=int(tok.eos_id))
+                        eos_id=int(tok.eos_id), starts=tuple(int(k) for k in starts))
 
 
 def _with_eos(docs: list[list[int]], size: int, eos_id: int, dtype: Any) -> np.ndarray:
