@@ -191,7 +191,7 @@ def _sampler_rank(rank: int, seed: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("seeds", [(0, 0), (0, 1)])
+@pytest.mark.parametrize("seeds", [pytest.param((0, 0), marks=pytest.mark.slow), (0, 1)])   # ~15 s each, loaded box
 def test_replicas_given_different_seeds_are_refused_on_every_rank(seeds, tmp_path):
     from tests.spawn_ranks import spawn_ranks
 
