@@ -93,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     spec = plan_spec(args, model)
     check_plan_spec(spec)                  # what run and compare refuse too, before any batch is read
     rows, batch = load_rows(args, args.step)
+    if len(batch) < spec.dp:               # the real cause, not the memory limit the packer would blame
+        raise ValueError(f"--global-batch {len(batch)} is smaller than --dp {spec.dp}: every data-parallel replica "
+                         "needs at least one sequence of the global batch")
     own = names_factory(args.model)
     warn_own_model_stand_ins(args, model, args.cost_model, args.memory_model, args.stages, "dynmb plan")
     models = load_models(model, args.stages, cost=args.cost_model, memory=args.memory_model, virtual=spec.virtual,

@@ -231,8 +231,10 @@ def _token_file(args: argparse.Namespace) -> TokenFile | None:
     if source is None:
         return None
     check_writable(args.out)
-    model = _spec(args, "gloo", "cpu").run.model
-    return prepare_tokens(source, args.out, vocab_size=model.vocab_size, model_name=model.name)
+    run = _spec(args, "gloo", "cpu").run
+    model = run.model
+    return prepare_tokens(source, args.out, vocab_size=model.vocab_size, model_name=model.name,
+                          max_len=model.max_seq_len if run.oversize == "error" else None)   # a record no row holds
 
 
 def run(args: argparse.Namespace) -> int:

@@ -101,8 +101,10 @@ def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], 
     if corpus is not None:
         models = [c.model for c in items if isinstance(c, RunConfig)]
         smallest = min(models, key=lambda m: m.vocab_size) if models else None
+        shortest = min((c.model.max_seq_len for c in items if isinstance(c, RunConfig) and c.oversize == "error"),
+                       default=None)           # a record no row of such a run holds: refused as it is read
         tokens = prepare_tokens(corpus, out, vocab_size=smallest.vocab_size if smallest else None,
-                                model_name=smallest.name if smallest else "model")
+                                model_name=smallest.name if smallest else "model", max_len=shortest)
     specs = []
     for i, item in enumerate(items):
         if isinstance(item, RunSpec):

@@ -48,6 +48,7 @@ from dynmb.runtime.device import device_ops
 from dynmb.runtime.fsdp import shard_stage
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.planahead import PlanAhead
+from dynmb.runtime.ready import wait_for_ranks
 from dynmb.runtime.planshare import PlanShare, job_store
 from dynmb.runtime.records import ActionRow, ShapeCounts, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_head_split
@@ -127,6 +128,9 @@ class RunState:
             self.ahead.submit_through(self.ahead.window, self.cost_model)
         self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
                        for s in self.topology.local_stages}
+        if dist.get_world_size() > 1:    # a slow or stuck factory names its rank, not the one waiting for it
+            wait_for_ranks(job_store(), f"{spec.run_id}/stages", self.rank, dist.get_world_size(), run.timeout_s,
+                           "building its stages (the model factory's build_stage)")
         sync_replicas(self.stages.values(), self.groups.data_parallel)   # replicas start identical
         self.sharded = run.shard      # FSDP2 over the replicas (dynmb.runtime.fsdp); before the optimizer
         for stage in self.stages.values() if self.sharded else ():
