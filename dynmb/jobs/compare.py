@@ -351,7 +351,7 @@ def _token_file(settings: CompareSettings) -> TokenFile | None:
         return None
     model = settings.model_config()
     return prepare_tokens(settings.corpus, settings.out, vocab_size=model.vocab_size, model_name=model.name,
-                          max_len=model.max_seq_len if settings.oversize == "error" else None)   # a record no row holds
+                          max_len=model.max_seq_len if settings.template.spec.oversize == "error" else None)   # a record no row holds
 
 
 def _trace_lengths(settings: CompareSettings) -> np.ndarray:
