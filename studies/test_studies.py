@@ -188,8 +188,8 @@ def test_scaling_dynamic_rows_get_the_planners_final_check_against_balanced(tmp_
 
 
 def test_scaling_virtual_stages_run_interleaved_rows_beside_one_chunk_rows(tmp_path, capsys):
-    """``--virtual 1,2``: the V = 2 rows pack P V chunks (the layer split lists them), run the interleaved kind
-    (``auto_kinds(virtual=2)``) on P GPUs, under the memory limit, at or above their GPU-level ideal; the row
+    """``--virtual 1,2``: the V = 2 rows pack P V chunks (the layer split lists them), run the kind auto weighs at
+    two chunks per GPU without slices (``auto_kinds(virtual=2)``: zb-v, the V placement) on P GPUs, under the memory limit, at or above their GPU-level ideal; the row
     key keeps them beside the V = 1 rows (resuming adds nothing), the summary labels them; a setting whose
     chunks the layers do not cover, or a one-chunk kind with V > 1, is refused in one line."""
     from dynmb.schedule.kinds import auto_kinds
@@ -200,7 +200,7 @@ def test_scaling_virtual_stages_run_interleaved_rows_beside_one_chunk_rows(tmp_p
     df = pd.read_csv(tmp_path / "scaling.csv")
     assert len(df) == 4 and set(df["status"]) == {"ok"} and sorted(df["virtual"]) == [1, 1, 2, 2]
     v2 = df[df["virtual"] == 2]
-    assert set(v2["schedule"]) == set(auto_kinds(virtual=2)) == {"interleaved"}
+    assert set(v2["schedule"]) == set(auto_kinds(virtual=2)) == {"zb-v"}
     assert (v2["layer_split"].str.split().map(len) == 4).all()
     assert (df["pred_peak_over_limit"] <= 1).all() and (df["pred_step_s"] >= df["ideal_s"]).all()
     assert ((df["attainable"] > 0) & (df["attainable"] <= 1)).all()
@@ -456,3 +456,12 @@ def test_calibration_study_replays_every_step_of_a_tiny_compare(tmp_path):
     replay = steps.set_index(["label", "step"])["replay_step_s"]
     assert study["measured_actions"].to_numpy() == pytest.approx(
         replay.loc[list(zip(study["label"], study["step"]))].to_numpy(), rel=1e-6)
+
+
+def test_compare_headroom_prints_every_budget(capsys):
+    """The headroom script: dynamic's predicted total, and each baseline's at every budget it is swept over."""
+    headroom = importlib.import_module("studies.compare.headroom")
+    assert headroom.main(["--model", "small", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "dynamic" in out and out.count("tuned /") == 2
+    assert all(f"/{d} " in out for budgets in headroom.SWEEPS.values() for d in budgets)

@@ -32,3 +32,14 @@ def not_stages() -> Any:
 def tiny() -> Any:
     """dynmb's own tiny GPT, through the factory door."""
     return family_factory(model_config("tiny"))
+
+
+def slow_on_rank1() -> Any:
+    """dynmb's tiny GPT whose stages take 40 s to build on rank 1 (``RANK`` 1 of a torchrun job)."""
+    import os
+    import time
+
+    factory = family_factory(model_config("tiny"))
+    if os.environ.get("RANK") == "1":
+        time.sleep(40)
+    return factory

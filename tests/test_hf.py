@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dynmb.models.inputs import InputError, make_inputs  # noqa: E402
+from dynmb.models.inputs import make_inputs  # noqa: E402
 from dynmb.models.hf import HFStageFactory, model_config_from_hf  # noqa: E402
 from dynmb.core.types import Microbatch  # noqa: E402
 
@@ -126,9 +126,8 @@ def test_refusals_and_config() -> None:
     with pytest.raises(ValueError, match="tied"):
         factory.build_stage(0, 2)
     stage = HFStageFactory.from_config(_config(), seed=0).build_stage(0, 1)
-    mb = Microbatch([0], [5], 5, 1)
-    with pytest.raises(InputError, match="recomputation"):
-        stage(None, make_inputs(mb, [torch.arange(6)]), recompute=True)
+    mb = Microbatch([0], [5], 5, 1)                       # full recomputation runs (it was refused)
+    assert torch.isfinite(stage(None, make_inputs(mb, [torch.arange(6)]), recompute=True))
     with pytest.raises(TypeError, match="Llama decoder layout"):
         HFStageFactory(torch.nn.Linear(2, 2))
     cfg = model_config_from_hf(_config())

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dynmb.timing.makespan import makespan, makespans
-from dynmb.timing.makespan_zb import (TOLERANCE, _level_table, _merged, _same, _scalar, backward_shares, ranking_kind,
-                               split_backward, windows)
+from dynmb.timing.makespan_zb import (TOLERANCE, _level_table, _merged, _scalar, backward_shares, ranking_kind,
+                                      split_backward, windows)
 from dynmb.schedule.kinds import get_kind
 from dynmb.schedule.validate import execution_order
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1, zb_limit_aware
@@ -82,14 +82,14 @@ def test_levels_and_scalar_sweep_agree(estimate_as):
             sorted((s, j, b) for s in range(P) for j in range(m) for b in (False, True))
         per = [_scalar(F[:, k * m:(k + 1) * m], I[:, k * m:(k + 1) * m], W[:, k * m:(k + 1) * m],
                        comm[k * m:(k + 1) * m], win) for k in range(K)]
-        np.testing.assert_allclose(_same(F, I, W, comm, K, m, win), per, rtol=1e-12)
+        np.testing.assert_allclose(_merged(F, I, W, comm, np.full(K, m), win), per, rtol=1e-12)
         np.testing.assert_allclose(makespans(F, B, comm, [m] * K, estimate_as), per, rtol=1e-12)
 
 
 @pytest.mark.parametrize("estimate_as", ["zb-h1", "zb"])
 def test_pipelines_of_several_sizes_in_one_level_loop(estimate_as):
     """``_merged`` (one level loop for pipelines of several sizes) gives exactly the values of one loop
-    per size (``_same``), so ranking many candidates of different microbatch counts at once changes nothing."""
+    per pipeline, so ranking many candidates of different microbatch counts at once changes nothing."""
     rng = np.random.default_rng(2)
     for P in (1, 3, 8):
         sizes = rng.integers(1, 40, 9)
@@ -100,15 +100,16 @@ def test_pipelines_of_several_sizes_in_one_level_loop(estimate_as):
         I, W = split_backward(B)  # noqa: E741
         win = windows(P, estimate_as)
         offs = np.concatenate([[0], np.cumsum(sizes)])
-        per = [_same(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], 1, e - a, win)[0] for a, e in zip(offs[:-1], offs[1:])]
+        per = [_merged(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], np.array([e - a]), win)[0]
+               for a, e in zip(offs[:-1], offs[1:])]
         assert _merged(F, I, W, comm, sizes, win).tolist() == per
         np.testing.assert_allclose(makespans(F, B, comm, sizes, estimate_as), per, rtol=1e-12)
 
 
 def test_zb_ranks_with_zb_h1s_estimate():
     """The packers rank zb's candidates with zb-h1's estimate (closed-form level tables); the others their own."""
-    assert [ranking_kind(k) for k in ("1f1b", "gpipe", "zb-h1", "zb", "memory-aware")] == \
-        ["1f1b", "gpipe", "zb-h1", "zb-h1", "memory-aware"]
+    assert [ranking_kind(k) for k in ("1f1b", "gpipe", "zb-h1", "zb", "memory-aware", "zb-v")] == \
+        ["1f1b", "gpipe", "zb-h1", "zb-h1", "memory-aware", "interleaved"]
 
 
 @pytest.mark.parametrize("kind", ["zb-h1", "zb"])

@@ -38,7 +38,8 @@ def _models(P: int):
 
 def test_auto_kinds_follow_the_registry():
     assert auto_kinds(1) == tuple(k for k in ("1f1b", "zb-h1", "zb") if get_kind(k).auto)
-    assert auto_kinds(2) == ("interleaved",)
+    assert auto_kinds(2) == ("zb-v",) and auto_kinds(2, slices=True) == ("interleaved",)   # one placement each
+    assert auto_kinds(4) == ("interleaved",)                    # zb-v runs exactly 2 chunks per rank
     assert auto_kinds(1, slices=True) == auto_kinds(1)          # slices run on every auto kind
     assert auto_kinds(2, slices=True) == ("interleaved",)
     assert is_schedule_name(AUTO) and is_schedule_name("zb") and not is_schedule_name("lifo")
@@ -90,13 +91,17 @@ def test_auto_is_never_slower_than_a_fixed_kind(seed, n, P, method, dp):
     assert again.kind == plan.schedule_kind
 
 
-def test_auto_with_virtual_stages_is_interleaved():
+def test_auto_with_two_chunks_per_rank_is_zb_v_unless_slices_may_run():
+    """At virtual 2 auto weighs one placement for every step of a run: ZB-V's V where no slices may run, the
+    loop placement (interleaved) where they may (``oversize="split"``), even on a step that holds none."""
     mm, cm, limit = _models(4)
     lengths = np.random.default_rng(1).integers(8, 600, 24)
     spec = PlanSpec(method="dynamic", num_stages=4, virtual=2, memory_limit_bytes=limit, reorder="auto",
                     schedule_kind=AUTO)
     plan, sched, _ = plan_step(lengths, spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
-    assert plan.schedule_kind == "interleaved" and sched.num_ranks == 2
+    assert plan.schedule_kind == "zb-v" and sched.num_ranks == 2
+    plan, sched, _ = plan_step(lengths, spec.with_(oversize="split"), model_cfg=TINY, cost_model=cm, memory_model=mm)
+    assert not plan.has_slices and plan.schedule_kind == "interleaved" and sched.num_ranks == 2
 
 
 def test_auto_weighs_the_zero_bubble_kinds_for_a_plan_with_slices():

@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 
 from dynmb.runtime.launch import PROGRESS
+from dynmb.runtime.processes import _descendants
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find leftover processes")
 
@@ -43,10 +44,10 @@ def _processes_of(out: Path) -> list[int]:
     return pids
 
 
-RUN = ["run", "--model", "tiny", "--global-batch", "4", "--memory-limit", "256MiB", "--steps", "5000", "--warmup", "0",
+RUN = ["run", "--model", "tiny", "--global-batch", "4", "--memory-limit", "256MiB", "--steps", "800", "--warmup", "0",
        "--device", "cpu"]
 COMPARE = ["compare", "--model", "tiny", "--methods", "fixed,dynamic", "--no-fixed-best", "--global-batch", "4",
-           "--memory-limit", "256MiB", "--steps", "2000", "--device", "cpu"]
+           "--memory-limit", "256MiB", "--steps", "800", "--device", "cpu"]
 
 
 class _Run:
@@ -111,12 +112,15 @@ def _assert_complete_steps(out: Path) -> list[int]:
     return sorted(steps["step"])
 
 
-def _stop(run: _Run, out: Path, sig: int, to_group: bool) -> int:
-    """Send ``sig`` (to the process group, as a terminal's Ctrl-C, or to the process) and check that
-    everything stopped within ``STOP_S``; returns the exit code."""
+def _stop(run: _Run, out: Path, sig: int, to_group: bool, to_torchrun: bool = False) -> int:
+    """Send ``sig`` (to the process group, as a terminal's Ctrl-C, or to the process; ``to_torchrun``: to
+    the launcher's torchrun) and check that everything stopped within ``STOP_S``; returns the exit code."""
     try:
         assert len(_processes_of(out)) >= 3          # torchrun and two workers
-        (os.killpg if to_group else os.kill)(run.proc.pid, sig)
+        if to_torchrun:
+            os.kill(_descendants(run.proc.pid)[0], sig)      # torchrun: the launcher's only child
+        else:
+            (os.killpg if to_group else os.kill)(run.proc.pid, sig)
         took = run.wait(STOP_S + 20)
         assert took < STOP_S, f"took {took:.1f} s to stop"
         _assert_gone(out, 1.0)
@@ -135,12 +139,16 @@ def _stop_line(run: _Run, verb: str, sig: int) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("sig, code, to_group", [(signal.SIGINT, 130, True), (signal.SIGTERM, 143, False)])
-def test_a_signal_stops_torchrun_and_every_worker(tmp_path, sig, code, to_group):
+@pytest.mark.parametrize("sig, code, to_group, to_torchrun", [
+    (signal.SIGINT, 130, True, False), (signal.SIGTERM, 143, False, False),
+    (signal.SIGHUP, 129, False, False),        # a closed terminal
+    (signal.SIGHUP, 129, False, True),         # torchrun itself signalled: its SignalException traceback unshown
+    (signal.SIGTERM, 143, False, True)])
+def test_a_signal_stops_torchrun_and_every_worker(tmp_path, sig, code, to_group, to_torchrun):
     out = tmp_path / "out"
     run = _Run(RUN, out)
     run.wait_for(re.escape(PROGRESS))
-    assert _stop(run, out, sig, to_group) == code
+    assert _stop(run, out, sig, to_group, to_torchrun) == code
     line = _stop_line(run, "run", sig)
     assert "Traceback" not in "".join(run.out) + run.stderr       # torchrun's SignalException unshown
     steps = _assert_complete_steps(out)

@@ -37,7 +37,7 @@ from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
 
-__all__ = ["Planner", "PlannedStep"]
+__all__ = ["Planner", "PlannedStep", "PlannerInputs"]
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,26 @@ def _model(model: Any) -> tuple[ModelConfig, bool]:
     return planning_config(factory), not is_family_factory(factory)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlannerInputs:
+    """What a ``Planner`` resolves besides its ``PlanSpec``: the cost and memory models, the device their
+    shipped fits are for, the stage split, the workload and global batch its layout searches sample."""
+
+    cost_model: CostModelLike | str | Path | None = None
+    memory_model: MemoryModelLike | str | Path | None = None
+    device: str = "cpu"
+    stage_split: str = "even"
+    workload: Any = None
+    global_batch: int | None = None
+    auto_virtual: bool = False
+    """``virtual="auto"``: the spec's ``num_stages`` counts the GPUs; V is chosen once."""
+
+
 class Planner:
     """Plans global batches for one pipeline configuration; see the module docstring.
+
+    Built from one ``PlanSpec``: ``Planner.from_spec(model, spec, ...)``, or from the keywords below, which
+    build that spec in one place (``Planner(...).spec``).
 
     ``model``: a ``ModelConfig``, a ``--model`` spec (``"small"``, ``"small:d_model=512"``,
     ``"model.json"``, ``"package.module:factory"``) or a ``StageFactory`` (or a callable returning
@@ -102,37 +120,59 @@ class Planner:
                  dp: int = 1, virtual: int | str = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even",
                  workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never") -> None:
-        self.model_cfg, own = _model(model)
         auto_v = str(virtual).strip() == AUTO_VIRTUAL
-        self.spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
-                             schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
-                             dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
-                             attention=self.model_cfg.attention, slice_fitting=slice_fitting)
-        """The settings every ``plan`` call starts from (``plan`` sets the method, reorder and mbs)."""
+        spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
+                        schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
+                        dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
+                        slice_fitting=slice_fitting)            # the keywords' one spec (``from_spec`` takes one)
+        self._setup(model, spec, PlannerInputs(cost_model=cost_model, memory_model=memory_model, device=device,
+                                               stage_split=stage_split, workload=workload, global_batch=global_batch,
+                                               auto_virtual=auto_v))
+
+    @classmethod
+    def from_spec(cls, model: Any, spec: PlanSpec, **inputs: Any) -> "Planner":
+        """A planner for ``spec`` (the settings record ``RunConfig.spec`` and ``dynmb plan`` use): ``plan()``
+        starts from its method, reorder and mbs. ``inputs``: the fields of ``PlannerInputs`` (``cost_model``,
+        ``memory_model``, ``device``, ``stage_split``, ``workload``, ``global_batch``, ``auto_virtual``: then
+        ``spec.num_stages`` counts the GPUs and V is chosen as ``virtual="auto"`` does)."""
+        planner = cls.__new__(cls)
+        planner._setup(model, spec, PlannerInputs(**inputs))
+        return planner
+
+    def _setup(self, model: Any, spec: PlanSpec, inputs: "PlannerInputs") -> None:
+        """Resolve the model, the layout (``virtual="auto"``, the stage split) and the cost and memory models."""
+        self.model_cfg, own = _model(model)
+        if spec.attention is not None and spec.attention != self.model_cfg.attention:
+            raise ValueError(f"PlanSpec.attention {spec.attention!r} differs from the model's attention "
+                             f"{self.model_cfg.attention!r}; leave it None (the model's)")
+        self.spec = spec.with_(attention=self.model_cfg.attention)
+        """The settings every ``plan`` call starts from (``plan`` may set the method, reorder and mbs)."""
         self.virtual_choice: VirtualChoice | None = None
         """With ``virtual="auto"``: how V was chosen (``dynmb.planning.virtual_search``)."""
-        pricing = cost_model if cost_model is not None or (stage_split == "even" and not auto_v) else \
-            shipped_cost_model_path(self.model_cfg.name, int(num_stages), device)     # the model it will plan with
-        search = None if global_batch is None else SplitSearch(spec=self.spec, global_batch=int(global_batch),
-                                                               memory_model=memory_model)
-        if auto_v:                                 # num_stages: the GPUs; the chosen V's P V chunks from here on
-            self.virtual_choice = choose_virtual(self.model_cfg, int(num_stages), str(stage_split), search=search,
-                                                 workload=workload, cost_model=pricing, half_blocks=not own)
+        cost_model, stage_split, num_stages = inputs.cost_model, inputs.stage_split, spec.num_stages
+        pricing = cost_model if cost_model is not None or (stage_split == "even" and not inputs.auto_virtual) else \
+            shipped_cost_model_path(self.model_cfg.name, num_stages, inputs.device)    # the model it will plan with
+        search = None if inputs.global_batch is None else SplitSearch(
+            spec=self.spec, global_batch=int(inputs.global_batch), memory_model=inputs.memory_model)
+        if inputs.auto_virtual:                    # num_stages: the GPUs; the chosen V's P V chunks from here on
+            self.virtual_choice = choose_virtual(self.model_cfg, num_stages, str(stage_split), search=search,
+                                                 workload=inputs.workload, cost_model=pricing, half_blocks=not own)
             v = self.virtual_choice.virtual
-            self.spec = self.spec.with_(num_stages=int(num_stages) * v, virtual=v)
-            gpus, num_stages, virtual = int(num_stages), self.spec.num_stages, v
+            self.spec = self.spec.with_(num_stages=num_stages * v, virtual=v)
+            gpus, num_stages = num_stages, self.spec.num_stages
             if self.virtual_choice.layout is not None:          # resolved by the choice: not again
                 stage_split, self.model_cfg = "even", self.virtual_choice.layout
-                cost_model = rebuilt_for_layout(cost_model, self.model_cfg, int(num_stages), gpus)
+                cost_model = rebuilt_for_layout(cost_model, self.model_cfg, num_stages, gpus)
         if stage_split != "even":                  # "even" keeps a split the model config already carries
-            self.model_cfg = resolve_stage_split(self.model_cfg, int(num_stages), stage_split, half_blocks=not own,
-                                                 workload=workload, cost_model=pricing, search=search,
-                                                 virtual=int(virtual))
-            cost_model = rebuilt_for_layout(cost_model, self.model_cfg, int(num_stages))
+            self.model_cfg = resolve_stage_split(self.model_cfg, num_stages, stage_split, half_blocks=not own,
+                                                 workload=inputs.workload, cost_model=pricing, search=search,
+                                                 virtual=self.spec.virtual)
+            cost_model = rebuilt_for_layout(cost_model, self.model_cfg, num_stages)
         # the one loader: file, shipped fit or stand-in (said once; the analytic memory model is one only
         # for a model of the user's own)
         self.models: PredictionModels = load_models(self.model_cfg, self.num_stages, cost=cost_model,
-                                                    memory=memory_model, device=device, own_model=own, who="Planner")
+                                                    memory=inputs.memory_model, device=inputs.device, own_model=own,
+                                                    who="Planner")
         """The cost and memory models every ``plan`` uses, with where they came from."""
         self.cost_model, self.memory_model = self.models.cost, self.models.memory
 
@@ -148,11 +188,13 @@ class Planner:
     recompute = property(lambda self: self.spec.recompute)
     slice_fitting = property(lambda self: self.spec.slice_fitting)
 
-    def plan(self, lengths: Any, method: str = "dynamic", reorder: str = "auto", *, mbs: int | None = None,
+    def plan(self, lengths: Any, method: str | None = None, reorder: str | None = None, *, mbs: int | None = None,
              meta: dict[str, Any] | None = None) -> PlannedStep:
-        """Plan one global batch ``lengths`` (sequence i has ``lengths[i]`` tokens) with ``method``;
-        ``reorder="auto"`` runs each method in its own system's order."""
-        spec = self.spec.with_(method=method, reorder=reorder, mbs=mbs)
+        """Plan one global batch ``lengths`` (sequence i has ``lengths[i]`` tokens) with ``method`` (None: the
+        spec's, ``dynamic`` for a keyword-built planner); ``reorder`` (None: the spec's, ``auto``: each method in
+        its own system's order); ``mbs`` (None: the spec's)."""
+        spec = self.spec.with_(method=method or self.spec.method, reorder=reorder or self.spec.reorder,
+                               mbs=self.spec.mbs if mbs is None else mbs)
         plan, schedule, sim = plan_step(np.asarray(lengths, dtype=np.int64), spec, model_cfg=self.model_cfg,
                                         cost_model=self.cost_model, memory_model=self.memory_model, meta=meta)
         return PlannedStep(plan=plan, schedule=schedule, sim=sim)

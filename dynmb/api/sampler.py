@@ -24,7 +24,12 @@ list, and ``dynmb.api.collate`` reads ``lengths[i] + 1`` ids). Each epoch:
    which the token-weighted loss is normalised (``dynmb.api.collate``).
 
 Planning is deterministic, so every rank computes the same plans for the same seed and
-epoch without communicating. Plans of an epoch are computed once, on first use (``len``,
+epoch without communicating. Replicas given different settings (another ``seed``, a missed
+``set_epoch``, other lengths) would sample overlapping global batches without a word, so when
+``torch.distributed`` is initialized (world size > 1) the first planning of each epoch all-gathers
+the sampler's settings (seed, epoch, shuffle, drop_last, global_batch, num_replicas, method, a digest
+of ``lengths``) over the default group and raises on every rank, naming the ranks and the settings that
+differ from rank 0's (``check_replicas=False``: every rank of the group must iterate the sampler). Plans of an epoch are computed once, on first use (``len``,
 ``iter``, ``plans``), and kept until ``set_epoch`` changes the epoch. ``len(sampler)`` is the
 number of microbatches (records) this rank yields in the current epoch, over all its global
 batches; ``num_global_batches()`` the number of optimizer steps of the epoch.
@@ -50,6 +55,7 @@ works as before (the collate function then gets the items, not the layout).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Iterator
@@ -179,7 +185,7 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
                  memory_limit: int | str, cost_model: CostModelLike | str | None = None,
                  memory_model: MemoryModelLike | str | None = None, method: str = "dynamic", num_replicas: int = 1,
                  rank: int = 0, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 **planner_kwargs: Any) -> None:
+                 check_replicas: bool = True, **planner_kwargs: Any) -> None:
         self.lengths = _lengths(lengths)
         n = len(self.lengths)
         for name, value in (("num_replicas", num_replicas), ("rank", rank), ("global_batch", global_batch)):
@@ -200,6 +206,7 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
         self.mbs = planner_kwargs.pop("mbs", None)        # rows per microbatch (fixed, sorted, packed, lockstep)
         self.num_replicas, self.rank = int(num_replicas), int(rank)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.check_replicas = bool(check_replicas)
         if n < self.num_replicas:
             raise ValueError(f"DynamicBatchSampler: the dataset has {n} samples, fewer than the {self.num_replicas} "
                              f"replicas (each needs at least one per global batch)")
@@ -247,8 +254,33 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
             raise PackingError(f"DynamicBatchSampler (epoch {self.epoch}, global batch {k}): "
                                f"{_name_dataset_indices(str(e), batch)}") from None
 
+    def settings(self) -> dict[str, Any]:
+        """What every replica must share for the epoch's global batches not to overlap."""
+        return {"seed": self.seed, "epoch": self.epoch, "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "global_batch": self.global_batch, "num_replicas": self.num_replicas, "method": self.method,
+                "lengths": hashlib.sha256(self.lengths.tobytes()).hexdigest()[:12]}
+
+    def _check_replicas_agree(self) -> None:
+        """Raise on every rank when the group's samplers differ in ``settings()`` (module docstring)."""
+        import torch.distributed as dist
+
+        if not self.check_replicas or not dist.is_available() or not dist.is_initialized() \
+                or dist.get_world_size() < 2:
+            return
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, self.settings())
+        differ = {r: [k for k, v in s.items() if v != every[0][k]] for r, s in enumerate(every) if s != every[0]}
+        if differ:
+            r, keys = next(iter(differ.items()))
+            said = ", ".join(f"{k} {every[r][k]!r} (rank 0: {every[0][k]!r})" for k in keys)
+            raise ValueError(f"DynamicBatchSampler: rank(s) {', '.join(map(str, differ))} sample with other settings "
+                             f"than rank 0 (rank {r}: {said}); data-parallel replicas given different settings "
+                             "sample overlapping global batches: give every rank the same seed, lengths and "
+                             "settings, and call set_epoch(epoch) on each")
+
     def _epoch(self) -> tuple[list[Plan], list[np.ndarray]]:
         if self._cache is None or self._cache[0] != self.epoch:
+            self._check_replicas_agree()
             batches = self.global_batches()
             plans = [self._plan(k, b) for k, b in enumerate(batches)]
             self._cache = (self.epoch, plans, batches)

@@ -8,9 +8,13 @@ import argparse
 import sys
 
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
-                             add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int, positive_int)
+                             add_schedule_flag, add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int,
+                             positive_int, spec_from_flags)
 from dynmb.cli.outcome import stop_line
-from dynmb.jobs.compare import CompareJob, CompareSettings, format_summary, prepare_compare, run_compare_job
+from dynmb.core.config import RunConfig
+from dynmb.jobs.compare import (DEFAULT_LIMIT, CompareJob, CompareSettings, base_model_config, format_summary,
+                                prepare_compare, run_compare_job)
+from dynmb.runtime.launch import default_backend_device
 
 __all__ = ["add_parser", "run", "settings_from_args"]
 
@@ -31,9 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_slice_fitting_flag(parser)
     add_shape_flags(parser)
     add_run_shape_flags(parser)
-    parser.add_argument("--schedule", default="1f1b",
-                        help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb, or auto (per step, the fastest predicted "
-                             "kind that fits) (default 1f1b)")
+    add_schedule_flag(parser, help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb, or auto (per step, the "
+                                   "fastest predicted kind that fits) (default 1f1b)")
     parser.add_argument("--virtual", type=positive_int, default=1,
                         help="model chunks per rank (default 1: one rank per stage; >1 runs the interleaved "
                              "schedule on stages/virtual ranks)")
@@ -74,28 +77,31 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> CompareSettings:
+    """The ``CompareSettings`` of the flags: a ``RunConfig`` template (its spec from ``spec_from_flags``), the
+    methods and the comparison's own options."""
+    corpus = corpus_source(args)
+    device = args.device or default_backend_device()[1]
+    template = RunConfig(
+        model=base_model_config(args.model, args.attention),
+        spec=spec_from_flags(args, memory_limit=args.memory_limit or DEFAULT_LIMIT, virtual=int(args.virtual or 1)),
+        dataset=corpus.name if corpus is not None else args.lengths or args.dataset or "sharegpt",
+        global_batch=args.global_batch, seed=args.seed, steps=args.steps, warmup=args.warmup, device=device,
+        backend="nccl" if device == "cuda" else "gloo", cost_model=args.cost_model, prewarm=args.prewarm,
+        plan_ahead=args.plan_ahead, expandable_segments=not args.no_expandable_segments)
     return CompareSettings(
-        dataset=args.dataset, lengths=args.lengths, corpus=corpus_source(args), global_batch=args.global_batch,
-        seed=args.seed,
-        stages=args.stages, memory_limit=args.memory_limit,
-        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), microbatch_size=args.mbs,
-        oversize=args.oversize, slice_fitting=args.slice_fitting, pack_len=args.pack_len, round_to=args.round_to, recompute=args.recompute,
-        prewarm=args.prewarm, plan_ahead=args.plan_ahead,
-        expandable_segments=not args.no_expandable_segments, schedule=args.schedule,
-        virtual=int(args.virtual or 1), device=args.device, memory_model=args.memory_model,
-        allow_over_limit=args.allow_over_limit, reorder=args.reorder, steps=args.steps, warmup=args.warmup,
-        fixed_best=not args.no_fixed_best, sequential=args.sequential, cost_model=args.cost_model,
-        model=args.model, attention=args.attention, stage_split=args.stage_split, out=args.out,
-        repeats=args.repeats, order_seed=args.order_seed, append=args.append)
+        template=template, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), model=args.model,
+        stage_split=args.stage_split, corpus=corpus, memory_model=args.memory_model,
+        allow_over_limit=args.allow_over_limit, fixed_best=not args.no_fixed_best, sequential=args.sequential,
+        out=args.out, repeats=args.repeats, order_seed=args.order_seed, append=args.append)
 
 
 def _header(job: CompareJob) -> str:
-    s = job.settings
-    return (f"dynmb compare: {len(job.cases)} cases ({', '.join(c.label for c in job.cases)}) x ({s.warmup} warm-up "
-            f"+ {s.steps} steps) on {job.nproc} {job.backend} rank(s) ({s.stages} stages, {s.schedule}, {s.device}), "
-            f"{s.trace}, global batch {s.global_batch}, limit {s.memory_limit}, reorder {s.reorder}, "
-            f"cost model {s.cost_model or 'analytic'}, {s.repeats} repeat(s), round order seed {s.order_seed} "
-            f"-> {job.out_dir}")
+    s, run = job.settings, job.settings.template
+    return (f"dynmb compare: {len(job.cases)} cases ({', '.join(c.label for c in job.cases)}) x ({run.warmup} warm-up "
+            f"+ {run.steps} steps) on {job.nproc} {job.backend} rank(s) ({run.spec.num_stages} stages, "
+            f"{run.spec.schedule_kind}, {run.device}), {s.trace}, global batch {run.global_batch}, limit "
+            f"{s.memory_limit}, reorder {run.spec.reorder}, cost model {run.cost_model or 'analytic'}, {s.repeats} "
+            f"repeat(s), round order seed {s.order_seed} -> {job.out_dir}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,8 +3,11 @@
 - ``add_data_flags``: ``--dataset``/``--lengths``, ``--global-batch``, ``--seed``; with ``corpus``
   (run, compare) also ``--corpus FILE --field F [--tokenizer T] [--eos-token E]`` (real tokens, ``corpus_source``);
 - ``add_packing_flags``: ``--stages``, ``--memory-limit``, ``--method``, ``--mbs``, ``--dp``,
-  ``--schedule-kind``, ``--cost-model``, ``--memory-model``, ``--oversize``, ``--slice-fitting``, ``--recompute``
+  ``--schedule``, ``--cost-model``, ``--memory-model``, ``--oversize``, ``--slice-fitting``, ``--recompute``
   and the shape flags;
+- ``add_schedule_flag``: ``--schedule`` (the schedule kind) in every verb, with the older spellings
+  ``--schedule-kind`` (plan) and ``--kind`` (schedule) as hidden aliases;
+- ``spec_from_flags``: the ONE place a verb's flags become a ``PlanSpec`` (plan, run, compare, the split search);
 - ``add_slice_fitting_flag``: ``--slice-fitting``;
 - ``add_recompute_flag``: ``--recompute``;
 - ``add_shape_flags``: ``--pack-len``, ``--round-to``;
@@ -28,13 +31,15 @@ from typing import Any
 import numpy as np
 
 from dynmb.core.config import ModelConfig, model_config, parse_bytes
+from dynmb.core.planspec import PlanSpec
 from dynmb.core.contract import names_factory
 from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
            "global_batch_int", "MAX_GLOBAL_BATCH", "virtual_arg", "with_virtual_choice", "model_from_args", "split_search_of", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
-           "OVERSIZE_CHOICES", "SLICE_FITTING", "add_slice_fitting_flag"]
+           "OVERSIZE_CHOICES", "SLICE_FITTING", "add_slice_fitting_flag", "add_schedule_flag", "spec_from_flags",
+           "SPEC_FLAG_DEFAULTS", "SCHEDULE_ALIASES"]
 
 OVERSIZE_CHOICES = ("error", "truncate", "drop", "split")
 SLICE_FITTING = ("never", "auto")
@@ -249,24 +254,58 @@ def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> 
     from dynmb.planning.split_search import SplitSearch
     from dynmb.schedule.kinds import is_schedule_name
 
-    def flag(name: str, default: Any) -> Any:
-        value = getattr(args, name, None)
-        return default if value is None else value
-
-    kind = flag("schedule", None) or flag("schedule_kind", "1f1b")
-    if not is_schedule_name(kind):
+    if not is_schedule_name(str(getattr(args, "schedule", None) or SPEC_FLAG_DEFAULTS["schedule"])):
         return None                                 # a schedule file: the run replays a plan
     try:
-        limit = parse_bytes(flag("memory_limit", "1GiB"))
+        spec = spec_from_flags(args, cfg, stages=int(stages), mbs=None, pack_len=None)   # dynamic's search
     except ValueError:
         return None                                 # refused later, in one line
-    fields = dict(num_stages=int(stages), virtual=int(flag("virtual", 1)), schedule_kind=kind,
-                  reorder=flag("reorder", "none"), memory_limit_bytes=limit, dp=int(flag("dp", 1)),
-                  round_to=int(flag("round_to", 1)), oversize=flag("oversize", "error"),
-                  recompute=flag("recompute", "never"), slice_fitting=flag("slice_fitting", "never"),
-                  attention=cfg.attention)
-    return SplitSearch.of(fields, int(flag("global_batch", 64)), seed=int(flag("seed", 0)),
-                          memory_model=getattr(args, "memory_model", None))
+    return SplitSearch.of(spec.to_dict(), int(getattr(args, "global_batch", None) or 64),
+                          seed=int(getattr(args, "seed", None) or 0), memory_model=getattr(args, "memory_model", None))
+
+
+SPEC_FLAG_DEFAULTS: dict[str, Any] = dict(method="dynamic", stages=2, virtual=1, schedule="1f1b", reorder="none",
+                                          memory_limit="1GiB", dp=1, mbs=None, pack_len=None, round_to=1,
+                                          oversize="error", recompute="never", slice_fitting="never")
+"""The default of each flag ``spec_from_flags`` reads, where a verb does not take the flag or leaves it None."""
+
+
+def spec_from_flags(args: argparse.Namespace, model: ModelConfig | None = None, **given: Any) -> PlanSpec:
+    """The ``PlanSpec`` of a verb's flags: the one place flags become planning settings (``dynmb plan``,
+    ``run``, ``compare``, the stage-split search). Each field comes from ``given`` (what the verb fixed itself,
+    by flag name: ``method=``, ``stages=``, ``schedule=``, ...), else the flag (``--stages`` -> ``num_stages``,
+    ``--schedule`` -> ``schedule_kind``, ``--memory-limit`` parsed to bytes), else ``SPEC_FLAG_DEFAULTS``;
+    ``model``'s attention is the spec's. Bad values raise ``ValueError`` (one line naming the field)."""
+    unknown = sorted(set(given) - set(SPEC_FLAG_DEFAULTS))
+    if unknown:
+        raise TypeError(f"spec_from_flags: unknown flag name(s) {unknown}")
+
+    def flag(name: str) -> Any:
+        value = given[name] if name in given else getattr(args, name, None)
+        if value is None and name == "schedule":          # a namespace of the older dest (``--schedule-kind``)
+            value = getattr(args, "schedule_kind", None)
+        return SPEC_FLAG_DEFAULTS[name] if value is None else value
+
+    return PlanSpec(method=flag("method"), num_stages=int(flag("stages")), virtual=int(flag("virtual")),
+                    schedule_kind=flag("schedule"), reorder=flag("reorder"),
+                    memory_limit_bytes=parse_bytes(flag("memory_limit")), dp=int(flag("dp")), mbs=flag("mbs"),
+                    pack_len=flag("pack_len"), round_to=int(flag("round_to")), oversize=flag("oversize"),
+                    recompute=flag("recompute"), slice_fitting=flag("slice_fitting"),
+                    attention=None if model is None else model.attention)
+
+
+SCHEDULE_ALIASES = ("--schedule-kind", "--kind")
+"""The older spellings of ``--schedule`` (``plan --schedule-kind``, ``schedule --kind``), taken by every verb
+that takes ``--schedule`` as a kind, and hidden from its help."""
+
+
+def add_schedule_flag(parser: argparse.ArgumentParser, *, default: str | None = "1f1b",
+                      help: str | None = None) -> None:
+    """``--schedule KIND`` (dest ``schedule``) and its hidden aliases ``SCHEDULE_ALIASES`` (same dest)."""
+    text = help or ("schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (the fastest "
+                    f"predicted kind that fits, chosen per step) (default {default})")
+    parser.add_argument("--schedule", default=default, help=text)
+    parser.add_argument(*SCHEDULE_ALIASES, dest="schedule", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def workload_of(args: argparse.Namespace) -> str | None:
@@ -319,7 +358,9 @@ def add_data_flags(parser: argparse.ArgumentParser, *, global_batch: int = 64, c
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed for sampling the global batch (default 0)")
 
 
-def add_packing_flags(parser: argparse.ArgumentParser) -> None:
+def add_packing_flags(parser: argparse.ArgumentParser, *, schedule_default: str | None = "1f1b",
+                      schedule_help: str | None = None) -> None:
+    """The packing flags (module doc); ``--schedule`` with ``schedule_default`` and ``schedule_help``."""
     parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--memory-limit", default="1GiB",
                         help="per-GPU memory limit, e.g. 2GiB, 512MiB (default 1GiB)")
@@ -330,9 +371,7 @@ def add_packing_flags(parser: argparse.ArgumentParser) -> None:
                         help="microbatch size for fixed-size methods (default: the largest that fits)")
     parser.add_argument("--dp", type=positive_int, default=1,
                         help="data-parallel pipelines the global batch is split over (default 1)")
-    parser.add_argument("--schedule-kind", default="1f1b",
-                        help="schedule the plan is made for: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto "
-                             "(the fastest predicted kind that fits, chosen per step) (default 1f1b)")
+    add_schedule_flag(parser, default=schedule_default, help=schedule_help)
     parser.add_argument("--cost-model", default=None,
                         help="fitted cost-model JSON (`dynmb fit`); default: analytic stand-in")
     parser.add_argument("--memory-model", default=None,

@@ -9,10 +9,10 @@ from dataclasses import replace
 from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args,
-                             names_factory, nonnegative_int, virtual_arg, warn_own_model_stand_ins,
+                             names_factory, nonnegative_int, spec_from_flags, virtual_arg, warn_own_model_stand_ins,
                              with_virtual_choice)
 from dynmb.cli.planfile import plan_meta, plan_pack_len
-from dynmb.core.config import ModelConfig, PlanSpec, format_bytes, parse_bytes
+from dynmb.core.config import ModelConfig, PlanSpec, format_bytes
 from dynmb.costmodel.loader import load_models
 from dynmb.planning import plan_step
 from dynmb.planning.spec_check import check_plan_spec
@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="model chunks per GPU for interleaved (default 1; --stages counts chunks), or auto: "
                              "--stages counts the GPUs of one pipeline and V (1, 2 or 4) is chosen once by simulated "
                              "step on sample batches of --dataset/--lengths, as Planner(virtual='auto') does (needs "
-                             "--global-batch, a layout-free --cost-model and --schedule-kind auto or interleaved; "
+                             "--global-batch, a layout-free --cost-model and --schedule auto or interleaved; "
                              "else V 1, said once)")
     parser.add_argument("--reorder", default="auto",
                         help="microbatch order pass before the plan is written (default auto: each method's own "
@@ -45,13 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def plan_spec(args: argparse.Namespace, model: ModelConfig) -> PlanSpec:
-    """The ``PlanSpec`` of ``dynmb plan``'s flags (one place; its errors name the flag's field)."""
-    return PlanSpec(method=args.method, num_stages=args.stages, virtual=int(getattr(args, "virtual", 1) or 1),
-                    schedule_kind=args.schedule_kind, reorder=getattr(args, "reorder", None) or "none",
-                    memory_limit_bytes=parse_bytes(args.memory_limit), mbs=args.mbs, dp=args.dp,
-                    oversize=args.oversize, pack_len=args.pack_len, round_to=args.round_to,
-                    recompute=args.recompute, attention=model.attention,
-                    slice_fitting=getattr(args, "slice_fitting", None) or "never")
+    """The ``PlanSpec`` of ``dynmb plan``'s flags (``cli.flags.spec_from_flags``; its errors name the field)."""
+    return spec_from_flags(args, model)
 
 
 def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, Any]:
@@ -98,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     spec = plan_spec(args, model)
     check_plan_spec(spec)                  # what run and compare refuse too, before any batch is read
     rows, batch = load_rows(args, args.step)
+    if len(batch) < spec.dp:               # the real cause, not the memory limit the packer would blame
+        raise ValueError(f"--global-batch {len(batch)} is smaller than --dp {spec.dp}: every data-parallel replica "
+                         "needs at least one sequence of the global batch")
     own = names_factory(args.model)
     warn_own_model_stand_ins(args, model, args.cost_model, args.memory_model, args.stages, "dynmb plan")
     models = load_models(model, args.stages, cost=args.cost_model, memory=args.memory_model, virtual=spec.virtual,

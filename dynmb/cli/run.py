@@ -26,11 +26,11 @@ from typing import Any
 
 from dynmb.cli.outcome import run_summary, stop_line
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
-                             model_from_args, names_factory, nonnegative_int, positive_int, virtual_arg,
-                             warn_own_model_stand_ins, with_virtual_choice)
+                             model_from_args, names_factory, nonnegative_int, positive_int, spec_from_flags,
+                             virtual_arg, warn_own_model_stand_ins, with_virtual_choice)
 from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file, refuse_split_conflict
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
-from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, parse_bytes
+from dynmb.core.config import ModelConfig, RunConfig, parse_bytes
 from dynmb.data import TokenFile, prepare_tokens
 from dynmb.io.outdir import check_fresh
 from dynmb.planning.virtual_search import describe
@@ -39,7 +39,7 @@ from dynmb.runtime.checkpoint import check_resume
 from dynmb.runtime.launch import default_backend_device
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 from dynmb.schedule import SCHEDULE_KINDS
-from dynmb.schedule.kinds import AUTO, is_schedule_name
+from dynmb.schedule.kinds import is_schedule_name
 from dynmb.core.types import Plan
 
 __all__ = ["add_parser", "run", "run_config", "DEFAULTS"]
@@ -54,16 +54,15 @@ run can tell a flag that conflicts with the plan from one left alone)."""
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("run", help=help_text)
     add_data_flags(parser, corpus=True)
-    add_packing_flags(parser)
+    add_packing_flags(parser, schedule_default=None, schedule_help=(
+        "schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (per step, the fastest predicted "
+        "of 1f1b / zb-h1 / zb, interleaved with --virtual > 1) (default 1f1b); with --plan also a schedule CSV built "
+        "for that plan (`dynmb schedule`)"))
     add_model_flags(parser)
     parser.add_argument("--plan", default=None,
                         help="run exactly this plan JSON (`dynmb plan` / `dynmb schedule`) every step, without "
                              "re-planning; model, stages, limit, method, dp and global batch come from the plan")
     parser.add_argument("--nproc", type=positive_int, default=None, help="processes (ranks); default stages x dp / virtual (--virtual auto: stages x dp)")
-    parser.add_argument("--schedule", default=None,
-                        help="schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (per step, the fastest "
-                             "predicted of 1f1b / zb-h1 / zb, interleaved with --virtual > 1) (default 1f1b); with "
-                             "--plan also a schedule CSV built for that plan (`dynmb schedule`)")
     parser.add_argument("--virtual", type=virtual_arg, default=None,
                         help="model chunks per rank for interleaved (default 1; --stages counts chunks), or auto: "
                              "--stages counts the ranks of one pipeline and V (1, 2 or 4) is chosen once, before "
@@ -102,19 +101,12 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="add this run's rows (a new run_id) to a results folder that already holds tables")
     # None = not given (see DEFAULTS); the help texts above state the defaults
     parser.set_defaults(func=run, **{k: None for k in DEFAULTS if k not in ("schedule", "virtual", "reorder")},
-                        schedule_kind=None, stage_split=None)
+                        stage_split=None)
 
 
 def _arg(args: argparse.Namespace, name: str) -> Any:
     value = getattr(args, name, None)
     return DEFAULTS[name] if value is None else value
-
-
-def _schedule_kind(args: argparse.Namespace) -> str:
-    """``--schedule`` (a kind), else ``--schedule-kind``, else 1f1b."""
-    if args.schedule is not None:
-        return args.schedule
-    return args.schedule_kind or DEFAULTS["schedule"]
 
 
 def _flag_backend_device(args: argparse.Namespace) -> tuple[str, str] | None:
@@ -132,17 +124,12 @@ def run_config(args: argparse.Namespace, backend: str = "gloo", device: str = "c
             args.schedule.endswith(".csv") or Path(args.schedule).exists()):
         raise ValueError(f"--schedule {args.schedule} is a schedule file: it runs only with the plan it was built "
                          "for (--plan)")
+    model = model_from_args(args, model=_arg(args, "model"), stages=_arg(args, "stages"))
     return RunConfig(
-        model=model_from_args(args, model=_arg(args, "model"), stages=_arg(args, "stages")),
-        pipeline=PipelineConfig(num_stages=_arg(args, "stages"), virtual=_arg(args, "virtual"),
-                                schedule=_schedule_kind(args), reorder=_arg(args, "reorder"),
-                                memory_limit_bytes=parse_bytes(_arg(args, "memory_limit"))),
-        dataset=args.lengths or args.dataset or "sharegpt", global_batch=_arg(args, "global_batch"),
-        method=_arg(args, "method"), mbs=args.mbs, dp=_arg(args, "dp"), seed=_arg(args, "seed"), steps=args.steps,
+        model=model, spec=spec_from_flags(args), dataset=args.lengths or args.dataset or "sharegpt",
+        global_batch=_arg(args, "global_batch"), seed=_arg(args, "seed"), steps=args.steps,
         warmup=args.warmup, backend=backend, device=device, cost_model=args.cost_model, timeout_s=args.timeout,
-        oversize=_arg(args, "oversize"), pack_len=args.pack_len, round_to=_arg(args, "round_to"),
-        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments,
-        recompute=_arg(args, "recompute"), slice_fitting=_arg(args, "slice_fitting"), plan_ahead=args.plan_ahead,
+        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments, plan_ahead=args.plan_ahead,
         shard=args.shard)
 
 
@@ -160,8 +147,7 @@ def _refuse_conflicts(args: argparse.Namespace, plan: Plan, model: ModelConfig, 
         ("memory-limit", args.memory_limit and parse_bytes(args.memory_limit), int(plan.memory_limit_bytes)),
         ("method", args.method, plan.method), ("dp", args.dp, plan.dp),
         ("global-batch", args.global_batch, plan.num_sequences),
-        ("schedule", None if AUTO in (args.schedule, args.schedule_kind) else    # auto: the plan made its choice
-         args.schedule if args.schedule in SCHEDULE_KINDS else args.schedule_kind, kind),
+        ("schedule", args.schedule if args.schedule in SCHEDULE_KINDS else None, kind),   # auto: the plan chose
         ("virtual", args.virtual, sidecar.get("virtual") or _planned_virtual(plan)),
         ("dataset", args.dataset or args.lengths, meta.get("dataset")), ("seed", args.seed, meta.get("seed")),
         ("mbs", args.mbs, meta.get("mbs")), ("pack-len", args.pack_len, plan_pack_len(plan)),
@@ -203,20 +189,18 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
     memory_file = recorded_model_file("memory-model", args.memory_model, plan.meta.get("memory_model"), args.plan)
     meta, spec = plan.meta, plan.spec
     virtual = int(sidecar.get("virtual") or _planned_virtual(plan) or args.virtual or 1)
+    recorded: dict[str, Any] = {} if spec is None else {          # older plans: the defaults
+        "oversize": spec.oversize, "recompute": spec.recompute, "slice_fitting": spec.slice_fitting}
+    run_spec = spec_from_flags(argparse.Namespace(), method=plan.method, stages=plan.num_stages, virtual=virtual,
+                               schedule=kind, reorder=str(sidecar.get("reorder") or meta.get("reorder") or "none"),
+                               memory_limit=int(plan.memory_limit_bytes), dp=plan.dp, mbs=meta.get("mbs"),
+                               pack_len=plan_pack_len(plan),
+                               round_to=int(meta.get("round_to") or (spec.round_to if spec else 1)), **recorded)
     cfg = RunConfig(
-        model=model,
-        pipeline=PipelineConfig(num_stages=plan.num_stages, virtual=virtual, schedule=kind,
-                                reorder=str(sidecar.get("reorder") or meta.get("reorder") or "none"),
-                                memory_limit_bytes=int(plan.memory_limit_bytes)),
-        dataset=str(meta.get("dataset") or Path(args.plan).resolve()), global_batch=plan.num_sequences,
-        method=plan.method, mbs=meta.get("mbs"), dp=plan.dp, shard=args.shard, seed=int(meta.get("seed") or 0),
-        steps=args.steps,
+        model=model, spec=run_spec, dataset=str(meta.get("dataset") or Path(args.plan).resolve()),
+        global_batch=plan.num_sequences, shard=args.shard, seed=int(meta.get("seed") or 0), steps=args.steps,
         warmup=args.warmup, backend=backend, device=device, cost_model=cost_file, timeout_s=args.timeout,
-        pack_len=plan_pack_len(plan),
-        round_to=int(meta.get("round_to") or (spec.round_to if spec else 1)), prewarm=args.prewarm,
-        oversize=spec.oversize if spec else "error", recompute=spec.recompute if spec else "never",
-        slice_fitting=spec.slice_fitting if spec else "never",
-        expandable_segments=not args.no_expandable_segments)
+        prewarm=args.prewarm, expandable_segments=not args.no_expandable_segments)
     return cfg, schedule_file, memory_file
 
 
@@ -231,7 +215,7 @@ def _spec(args: argparse.Namespace, backend: str, device: str, corpus: TokenFile
     cfg = replace(cfg, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume)
     if cfg.resume:
         check_resume(cfg)
-    warn_own_model_stand_ins(args, cfg.model, cfg.cost_model, args.memory_model, cfg.pipeline.num_stages, "dynmb run")
+    warn_own_model_stand_ins(args, cfg.model, cfg.cost_model, args.memory_model, cfg.spec.num_stages, "dynmb run")
     named = args.model or (args.plan and Plan.load(args.plan, allow_over_limit=True).meta.get("model_factory"))
     factory = str(named) if isinstance(named, str) and names_factory(named) else None
     choice = getattr(args, "virtual_choice", None)
@@ -247,8 +231,10 @@ def _token_file(args: argparse.Namespace) -> TokenFile | None:
     if source is None:
         return None
     check_writable(args.out)
-    model = _spec(args, "gloo", "cpu").run.model
-    return prepare_tokens(source, args.out, vocab_size=model.vocab_size, model_name=model.name)
+    run = _spec(args, "gloo", "cpu").run
+    model = run.model
+    return prepare_tokens(source, args.out, vocab_size=model.vocab_size, model_name=model.name,
+                          max_len=model.max_seq_len if run.oversize == "error" else None)   # a record no row holds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if spec.virtual_choice:
         print(f"dynmb run: --virtual auto: {spec.virtual_choice}", file=sys.stderr, flush=True)
-    nproc = args.nproc or spec.run.pipeline.num_ranks * spec.run.dp
+    nproc = args.nproc or spec.run.spec.num_ranks * spec.run.spec.dp
     result = run_job(JobSpec.single(spec), nproc)
     if result.launch.interrupted:
         print(stop_line("run", result.launch), file=sys.stderr, flush=True)

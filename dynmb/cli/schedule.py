@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dynmb.io.atomic import write_text_atomic
-from dynmb.cli.flags import add_model_file_flags, add_model_flags, positive_int
+from dynmb.cli.flags import add_model_file_flags, add_model_flags, add_schedule_flag, positive_int
 from dynmb.cli.planfile import plan_models
 from dynmb.core.config import format_bytes
 from dynmb.planning import make_schedule
@@ -58,9 +58,8 @@ def check_schedule_plan(plan: Plan, plan_path: str | Path, schedule_path: str | 
 def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("schedule", help=help_text)
     parser.add_argument("--plan", required=True, help="plan JSON from `dynmb plan`")
-    parser.add_argument("--kind", default="1f1b",
-                        help="gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (the fastest predicted of "
-                             "the kinds auto weighs that fits) (default 1f1b)")
+    add_schedule_flag(parser, help="schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb, or auto (the "
+                                   "fastest predicted of the kinds auto weighs that fits) (default 1f1b)")
     parser.add_argument("--virtual", type=positive_int, default=1,
                         help="model chunks per rank for interleaved (default 1: ranks = stages)")
     parser.add_argument("--reorder", default="none",
@@ -77,42 +76,42 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.kind != AUTO:
-        get_kind(args.kind)             # an unknown kind: its one line, before any note on the plan
+    if args.schedule != AUTO:
+        get_kind(args.schedule)             # an unknown kind: its one line, before any note on the plan
     plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
     source_digest = plan.digest()
     if plan.dp > 1:
         raise ValueError(f"{args.plan} holds {plan.dp} data-parallel pipelines; `dynmb schedule` takes a "
                          f"one-pipeline plan (plan with --dp 1, or use `dynmb run`, which schedules each replica)")
-    if plan.schedule_kind != args.kind and args.kind != AUTO:
+    if plan.schedule_kind != args.schedule and args.schedule != AUTO:
         print(f"dynmb schedule: note: the plan was packed for {plan.schedule_kind!r}, scheduling it as "
-              f"{args.kind!r}; its memory guarantee is for the former", file=sys.stderr)
+              f"{args.schedule!r}; its memory guarantee is for the former", file=sys.stderr)
     _, cost_model, memory_model = plan_models(plan, args, args.plan)
-    # --kind auto: every kind auto weighs, the fastest that fits kept
+    # --schedule auto: every kind auto weighs, the fastest that fits kept
     tried: list[tuple[bool, float, int, str, Plan, Schedule]] = []
-    for kind in (auto_kinds(args.virtual, plan.has_slices) if args.kind == AUTO else (args.kind,)):
+    for kind in (auto_kinds(args.virtual, plan.has_slices) if args.schedule == AUTO else (args.schedule,)):
         ordered = reorder(plan, args.reorder, cost_model=cost_model, memory_model=memory_model, schedule_kind=kind,
                           virtual=args.virtual)
         sched = make_schedule(ordered, kind, virtual=args.virtual, memory_model=memory_model,
                               cost_model=cost_model)          # validated, slice order included
         sim = simulate(sched, ordered, cost_model, memory_model)
         tried.append((not sim.fits, sim.makespan_s, len(tried), kind, ordered, sched))
-    *_, args.kind, plan, schedule = min(tried)
+    *_, args.schedule, plan, schedule = min(tried)
     if len(tried) > 1:
-        plan = replace(plan, schedule_kind=args.kind)
+        plan = replace(plan, schedule_kind=args.schedule)
         print("dynmb schedule: auto: " + ", ".join(f"{t[3]} {t[1]:.4g} s{' (over the limit)' if t[0] else ''}"
-                                                  for t in sorted(tried, key=lambda t: t[2])) + f"; chose {args.kind}")
+                                                  for t in sorted(tried, key=lambda t: t[2])) + f"; chose {args.schedule}")
     to_csv(schedule, args.output)
     out = Path(args.output)
     plan_out = Path(args.plan_output) if args.plan_output else out.with_name(out.stem + ".plan.json")
     plan.save(plan_out)
     meta_out = sidecar_path(out)
     meta = {"plan_digest": plan.digest(), "plan": str(plan_out), "source_plan": str(args.plan),
-            "source_plan_digest": source_digest, "kind": args.kind, "reorder": args.reorder, "virtual": args.virtual}
+            "source_plan_digest": source_digest, "kind": args.schedule, "reorder": args.reorder, "virtual": args.virtual}
     write_text_atomic(meta_out, json.dumps({**meta, "digest": sidecar_digest(meta, out)}, indent=1))
     sim = simulate(schedule, plan, cost_model, memory_model)
     peak = max(sim.peak_bytes_rank) if sim.peak_bytes_rank is not None else float("nan")
-    print(f"{args.kind} schedule: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+    print(f"{args.schedule} schedule: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
           f"{schedule.num_microbatches} microbatches, reorder {args.reorder}; predicted makespan "
           f"{sim.makespan_s:.4g} s, mean bubble {sim.mean_bubble:.3f}, peak {format_bytes(peak)} / limit "
           f"{format_bytes(plan.memory_limit_bytes)}{'' if sim.fits else ' (OVER THE LIMIT)'}")

@@ -1,5 +1,8 @@
 """Configuration: ``ModelConfig``, ``PipelineConfig``, ``RunConfig`` (and ``PlanSpec``, re-exported
-from ``dynmb.core.planspec``: ``RunConfig.plan_spec`` is the settings a run plans every step with).
+from ``dynmb.core.planspec``). The planning settings are declared once, in ``PlanSpec``: ``RunConfig`` holds
+one (``RunConfig.spec``; ``plan_spec`` is it with the model's attention, what a run plans every step with);
+``PipelineConfig`` is the older form of its pipeline part, still taken as ``RunConfig(pipeline=...)`` and
+read as ``RunConfig.pipeline``; ``with_aliases`` is how a record keeps its older keywords.
 
 kw_only dataclasses with a docstring per field and checks in ``__post_init__``.
 Model presets (``ModelConfig.preset(name)``, ``model_config(spec)``), named for their
@@ -16,8 +19,9 @@ that the memory model, cost model and packers can use them without importing tor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from dynmb.core.planspec import PlanSpec
 
@@ -25,7 +29,7 @@ from dynmb.core.model_sizes import UNITS_PER_LAYER, ModelSizes, normalise_head_s
 from dynmb.core.units import format_bytes, parse_bytes
 
 __all__ = ["MODEL_FAMILIES", "ModelConfig", "PipelineConfig", "RunConfig", "PlanSpec", "parse_bytes", "format_bytes", "MODEL_PRESETS", "split_layers",
-           "model_config"]
+           "model_config", "with_aliases", "PIPELINE_FIELDS", "RUN_SPEC_KEYWORDS"]
 
 MODEL_FAMILIES = ("gpt2", "llama")
 """``ModelConfig.family``: the architectures dynmb builds (``dynmb.models.families``)."""
@@ -68,7 +72,8 @@ class ModelConfig(ModelSizes):
     """LM head shares the token embedding (llama; one stage only at run time, since tying across
     stages needs an embedding-gradient all-reduce the runtime does not run)."""
     dtype: str = "float32"
-    """Parameter and activation dtype: float32, bfloat16 or float16."""
+    """Parameter and activation dtype: float32, bfloat16, float16, or float64 (exact-gradient checks:
+    ``--verify`` then compares to 1e-10 relative; ``dynmb.runtime.checks``)."""
     attention: str = "auto"
     """``auto``: causal attention with no mask tensor for one document per row and
     document-causal attention costing sum(s_i^2) for packed rows (as trainers run it);
@@ -107,8 +112,8 @@ class ModelConfig(ModelSizes):
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected float32, bfloat16, float16 or float64")
         if self.attention not in ("auto", "dense"):
             raise ValueError(f"unknown attention {self.attention!r}; expected auto or dense")
 
@@ -195,16 +200,48 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 }
 
 
+_T = TypeVar("_T")
+
+
+def with_aliases(fold: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[type[_T]], type[_T]]:
+    """Class decorator (above ``@dataclass``): the generated ``__init__`` also takes the keywords ``fold``
+    turns into fields (the older spellings of a record kept as constructor aliases). ``dataclasses.replace``
+    and ``from_dict`` go through it too."""
+    def wrap(cls: type[_T]) -> type[_T]:
+        generated = cls.__init__
+
+        @functools.wraps(generated)
+        def __init__(self: Any, **settings: Any) -> None:
+            generated(self, **fold(dict(settings)))
+
+        setattr(cls, "__init__", __init__)   # noqa: B010 - replaces the generated one (mypy keeps its signature)
+        return cls
+    return wrap
+
+
+def _fold_pipeline(settings: dict[str, Any]) -> dict[str, Any]:
+    """``PipelineConfig(schedule=...)``: the older name of ``schedule_kind``."""
+    if "schedule" in settings:
+        if "schedule_kind" in settings:
+            raise TypeError("PipelineConfig: give schedule_kind or its older name schedule, not both")
+        settings["schedule_kind"] = settings.pop("schedule")
+    return settings
+
+
+@with_aliases(_fold_pipeline)
 @dataclass(kw_only=True, frozen=True)
 class PipelineConfig:
-    """How the model is pipelined."""
+    """How the model is pipelined: the pipeline's part of a ``PlanSpec`` and the optimizer. ``RunConfig``
+    holds no ``PipelineConfig`` (its ``spec`` holds these settings); one is still taken by
+    ``RunConfig(pipeline=...)`` and returned by ``RunConfig.pipeline`` (the ``runs`` table's
+    ``pipeline.*`` columns). ``schedule`` is the older name of ``schedule_kind`` (keyword and property)."""
 
     num_stages: int = 2
     """Pipeline stages (model chunks); with ``virtual`` > 1, ranks = num_stages / virtual."""
     virtual: int = 1
     """Model chunks per rank (interleaved 1F1B); 1 otherwise."""
-    schedule: str = "1f1b"
-    """Schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (zero bubble)."""
+    schedule_kind: str = "1f1b"
+    """Schedule kind: gpipe, 1f1b, interleaved, memory-aware, zb-h1, zb (zero bubble), auto."""
     reorder: str = "none"
     """Microbatch reordering pass applied before building the schedule."""
     memory_limit_bytes: int = 2 * 2**30
@@ -217,32 +254,71 @@ class PipelineConfig:
             raise ValueError(f"num_stages ({self.num_stages}) must be a positive multiple of virtual ({self.virtual})")
         if self.memory_limit_bytes <= 0:
             raise ValueError(f"memory_limit_bytes must be positive, got {self.memory_limit_bytes}")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; expected adam or sgd")
+        _check_optimizer(self.optimizer)
+
+    @property
+    def schedule(self) -> str:
+        """The older name of ``schedule_kind``."""
+        return self.schedule_kind
 
     @property
     def num_ranks(self) -> int:
         return self.num_stages // self.virtual
 
 
+def _check_optimizer(name: str) -> None:
+    if name not in ("adam", "sgd"):
+        raise ValueError(f"unknown optimizer {name!r}; expected adam or sgd")
+
+
+PIPELINE_FIELDS = ("num_stages", "virtual", "schedule_kind", "reorder", "memory_limit_bytes")
+"""The ``PlanSpec`` fields a ``PipelineConfig`` carries."""
+RUN_SPEC_KEYWORDS = ("method", "mbs", "dp", "pack_len", "round_to", "oversize", "recompute", "slice_fitting")
+"""The ``PlanSpec`` fields ``RunConfig`` once held itself: still taken as keywords and read as properties."""
+
+
+def _fold_run(settings: dict[str, Any]) -> dict[str, Any]:
+    """``RunConfig``'s older keywords (``pipeline=PipelineConfig(...)``, ``method=``, ``mbs=``, ...) and any other
+    ``PlanSpec`` field (``num_stages=``, ``schedule=`` / ``schedule_kind=``, ``reorder=``, ...) folded into its
+    ``spec`` (and ``optimizer``); they override the ``spec`` given with them (``pipeline``'s fields last)."""
+    if "schedule" in settings:
+        settings["schedule_kind"] = settings.pop("schedule")
+    changes = {k: settings.pop(k) for k in _SPEC_FIELDS if k in settings}
+    pipeline = settings.pop("pipeline", None)
+    if isinstance(pipeline, dict):                    # the older spec.json shape
+        pipeline = PipelineConfig(**pipeline)
+    if pipeline is not None:
+        changes.update({k: getattr(pipeline, k) for k in PIPELINE_FIELDS})
+        settings["optimizer"] = pipeline.optimizer
+    if changes:
+        settings["spec"] = replace(settings.get("spec") or PlanSpec(), **changes)
+    return settings
+
+
+@with_aliases(_fold_run)
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
-    """One experiment: data, packing, model, pipeline and how many steps to run."""
+    """One experiment: model, planning settings (one ``PlanSpec``), data, and how many steps to run.
+
+    The planning settings live once, in ``spec``. A keyword convenience: the constructor (and ``with_``,
+    ``dataclasses.replace``) also takes any ``PlanSpec`` field by name (``method=``, ``num_stages=``,
+    ``schedule=``, ...) and, for the callers written before ``spec``, ``pipeline=PipelineConfig(...)``; they
+    are folded into ``spec``. The fields ``RunConfig`` once held (``cfg.method``, ``cfg.mbs``, ``cfg.dp``, ...
+    ``RUN_SPEC_KEYWORDS``, and ``cfg.pipeline``) are read-only properties over ``spec``; new code reads
+    ``cfg.spec``."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("small"))
-    """The model."""
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    """The pipeline."""
+    """The model (its ``attention`` is the one the plans count: ``plan_spec``)."""
+    spec: PlanSpec = field(default_factory=PlanSpec)
+    """How every step is planned: method, pipeline (stages, virtual, schedule kind, reorder, memory limit),
+    dp, mbs, pack_len, round_to, oversize, recompute, slice_fitting. Its ``attention`` stays None: the
+    model's."""
+    optimizer: str = "adam"
+    """Optimizer whose states count in memory: adam (2 fp32 states) or sgd (none)."""
     dataset: str = "sharegpt"
     """Shipped trace name or a path to a length-trace CSV."""
     global_batch: int = 64
     """Sequences per global batch (per optimizer step, over all data-parallel replicas)."""
-    method: str = "dynamic"
-    """Packing method: fixed, sorted, packed, token-budget, dynapipe, dynamic."""
-    mbs: int | None = None
-    """Microbatch size for fixed-size methods; None picks the largest that fits."""
-    dp: int = 1
-    """Data-parallel pipelines."""
     shard: bool = False
     """FSDP2 over the data-parallel replicas (``--shard``; ``dynmb.runtime.fsdp``): each rank keeps
     1/dp of its stages' weights, gradients and optimizer states between steps; gradients are summed."""
@@ -262,17 +338,6 @@ class RunConfig:
     """Path to a fitted cost model JSON; None uses the analytic stand-in."""
     timeout_s: float = 120.0
     """Process-group and P2P timeout: a stuck run fails instead of hanging."""
-    pack_len: int | None = None
-    """Row length of the ``packed`` method (None: the longest row that fits under the limit)."""
-    round_to: int = 1
-    """Every microbatch's padded_len (and packed row length) is a multiple of this."""
-    oversize: str = "error"
-    """A sequence that cannot fit alone: error, truncate or drop (truncated/dropped are counted)."""
-    recompute: str = "never"
-    """Per-microbatch full activation recomputation: never, always, or auto (the packer recomputes
-    the microbatches for which it pays; ``dynmb.packing.recompute``)."""
-    slice_fitting: str = "never"
-    """Slices of sequences that fit: never, or auto (where predicted faster; ``dynmb.planning.slice_fitting``)."""
     expandable_segments: bool = True
     """CUDA: run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (less fragmentation
     when microbatch shapes vary), unless the variable is already set."""
@@ -292,27 +357,24 @@ class RunConfig:
     goes on from the checkpoint's step to ``warmup + steps``."""
 
     def __post_init__(self) -> None:
+        if self.spec.attention is not None:
+            if self.spec.attention != self.model.attention:
+                raise ValueError(f"spec.attention {self.spec.attention!r} differs from the model's attention "
+                                 f"{self.model.attention!r}; a run's attention is its model's (leave spec.attention None)")
+            object.__setattr__(self, "spec", self.spec.with_(attention=None))     # declared once: the model's
         if self.global_batch < 1:
             raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(f"steps must be >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
-        if self.dp < 1:
-            raise ValueError(f"dp must be >= 1, got {self.dp}")
         if self.shard and self.dp < 2:
             raise ValueError(f"--shard needs --dp 2 or more (replicas to shard over), got dp {self.dp}")
         if not 0 <= self.plan_ahead <= 64:
             raise ValueError(f"plan_ahead must be 0-64 steps, got {self.plan_ahead}")
-        if self.mbs is not None and self.mbs < 1:
-            raise ValueError(f"mbs must be >= 1, got {self.mbs}")
+        _check_optimizer(self.optimizer)
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown backend {self.backend!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}")
-        if self.round_to < 1:
-            raise ValueError(f"round_to must be >= 1, got {self.round_to}")
-        if self.pack_len is not None and self.pack_len < 1:
-            raise ValueError(f"pack_len must be >= 1, got {self.pack_len}")
-        PlanSpec(oversize=self.oversize, recompute=self.recompute, slice_fitting=self.slice_fitting)   # their checks
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint):
@@ -320,33 +382,64 @@ class RunConfig:
 
     @property
     def plan_spec(self) -> PlanSpec:
-        """The settings every step of this run is planned with (``dynmb.planning.plan_step``)."""
-        p = self.pipeline
-        return PlanSpec(method=self.method, num_stages=p.num_stages, virtual=p.virtual, schedule_kind=p.schedule,
-                        reorder=p.reorder, memory_limit_bytes=p.memory_limit_bytes, dp=self.dp, mbs=self.mbs,
-                        pack_len=self.pack_len, round_to=self.round_to, oversize=self.oversize,
-                        recompute=self.recompute, attention=self.model.attention, slice_fitting=self.slice_fitting)
+        """The settings every step of this run is planned with (``dynmb.planning.plan_step``): ``spec`` with
+        the model's attention."""
+        return self.spec.with_(attention=self.model.attention)
+
+    @property
+    def pipeline(self) -> PipelineConfig:
+        """The pipeline's settings (from ``spec``) and the optimizer, as the older ``PipelineConfig``."""
+        return PipelineConfig(**{k: getattr(self.spec, k) for k in PIPELINE_FIELDS}, optimizer=self.optimizer)
+
+    # the PlanSpec fields RunConfig once held itself, read from its spec
+    method = property(lambda self: self.spec.method)
+    mbs = property(lambda self: self.spec.mbs)
+    dp = property(lambda self: self.spec.dp)
+    pack_len = property(lambda self: self.spec.pack_len)
+    round_to = property(lambda self: self.spec.round_to)
+    oversize = property(lambda self: self.spec.oversize)
+    recompute = property(lambda self: self.spec.recompute)
+    slice_fitting = property(lambda self: self.spec.slice_fitting)
+
+    def with_(self, **changes: Any) -> "RunConfig":
+        """A copy with ``changes``: fields of the run, of its ``spec`` (``method=``, ``num_stages=``,
+        ``schedule_kind=`` or its older name ``schedule=``, ...) or ``pipeline=`` (checked again)."""
+        return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        """``to_dict``'s form, or the flat one of earlier versions (``pipeline`` and ``method``, ``mbs``, ...
+        beside the model: their ``spec.json`` files)."""
         d = dict(d)
         d["model"] = ModelConfig.from_dict(d.get("model", {}))
-        d["pipeline"] = PipelineConfig(**d.get("pipeline", {}))
+        if isinstance(d.get("spec"), dict):
+            d["spec"] = PlanSpec.from_dict(d["spec"])
         return cls(**d)
 
     def flat(self) -> dict[str, Any]:
-        """Flattened ``{'model.d_model': 256, ...}`` for the ``runs`` table; tuples (the layer and head splits)
-        as their text ``"(4, 0)"``, as the CSV keeps them (a column of tuples does not always convert to parquet)."""
-        out: dict[str, Any] = {}
-        for k, v in self.to_dict().items():
-            if isinstance(v, dict):
-                out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-            else:
-                out[k] = v
+        """Flattened ``{'model.d_model': 256, 'pipeline.num_stages': 2, 'method': 'dynamic', ...}`` for the ``runs``
+        table: the columns of earlier versions (``pipeline.*`` and the spec's other fields by their own names);
+        tuples (the layer and head splits) as their text ``"(4, 0)"``, as the CSV keeps them (a column of tuples
+        does not always convert to parquet)."""
+        pipeline = asdict(self.pipeline)
+        pipeline["schedule"] = pipeline.pop("schedule_kind")     # the documented column pipeline.schedule
+        out: dict[str, Any] = {f"model.{k}": v for k, v in self.model.to_dict().items()}
+        out.update({f"pipeline.{k}": pipeline[k] for k in ("num_stages", "virtual", "schedule", "reorder",
+                                                            "memory_limit_bytes", "optimizer")})
+        for f in fields(self):
+            if f.name not in ("model", "spec", "optimizer"):
+                out[f.name] = getattr(self, f.name)
+            out.update({k: getattr(self.spec, k) for k in _FLAT_AFTER.get(f.name, ())})
         return {k: str(tuple(v)) if isinstance(v, (list, tuple)) else v for k, v in out.items()}
+
+
+_SPEC_FIELDS = frozenset(f.name for f in fields(PlanSpec))
+_FLAT_AFTER = {"global_batch": ("method", "mbs", "dp"),
+               "timeout_s": ("pack_len", "round_to", "oversize", "recompute", "slice_fitting")}
+"""Where the ``runs`` table's spec columns stood among the run's own (their order of earlier versions)."""
 
 
 def _field_value(name: str, text: str) -> Any:

@@ -80,7 +80,8 @@ class ModelSizes:
 
     @property
     def dtype_bytes(self) -> int:
-        return 4 if self.dtype == "float32" else 2
+        """Bytes per element of ``dtype`` (float64 8, float32 4, the 16-bit types 2)."""
+        return {"float64": 8, "float32": 4}.get(self.dtype, 2)
 
     @property
     def head_dim(self) -> int:
@@ -210,7 +211,7 @@ class ModelSizes:
             return 2 * self.d_model
         if not len(self.stage_vocab(num_stages)[stage]):
             return self.d_model
-        return self.d_model + HEAD_STATS * (1 if self.dtype_bytes == 4 else 2)
+        return self.d_model + HEAD_STATS * (1 if self.dtype_bytes >= 4 else 2)
 
     # --- sizes ----------------------------------------------------------------------
     def half_params(self) -> tuple[int, int]:

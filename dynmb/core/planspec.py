@@ -2,8 +2,10 @@
 
 Every planning entry point takes it: ``dynmb.planning.plan_step``, ``dynmb.packing.pack``,
 ``dynmb.planning.slicing.plan_split``, and the packers' ``PackContext`` is built from it once.
-Who builds one: ``RunConfig.plan_spec`` (a run, on every rank), ``Planner`` (the Python API),
-``dynmb.jobs.compare`` (through each case's ``RunConfig``) and ``dynmb plan`` (``cli/plan.py``).
+The settings are declared here only: ``RunConfig`` holds one (``RunConfig.spec``; ``plan_spec`` adds the
+model's attention), ``CompareSettings`` a ``RunConfig`` template. Who builds one: the command line in one
+function (``dynmb.cli.flags.spec_from_flags``: plan, run, compare), ``Planner`` (its keywords, in one place,
+or ``Planner.from_spec``), and a run's ``RunConfig`` (the rank plans every step with ``plan_spec``).
 A plan records the spec it was planned with (``Plan.spec``; its JSON carries it under
 ``"spec"``), so later work can take the settings from the plan.
 

@@ -65,9 +65,9 @@ class TokenizerError(ValueError):
 def _open_text(path: Path) -> str:
     try:
         if path.suffix == ".gz":
-            with gzip.open(path, "rt", encoding="utf-8") as f:
+            with gzip.open(path, "rt", encoding="utf-8-sig") as f:     # a BOM dropped; CRLF read as LF
                 return f.read()
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise FileNotFoundError(f"corpus {str(path)!r} not found") from None
     except (OSError, UnicodeDecodeError, EOFError) as e:
@@ -130,7 +130,20 @@ def _get_field(rec: Any, path: str, where: str) -> str:
             raise CorpusError(f"{where}: field {path!r} missing ({part!r} not found in {type(cur).__name__})")
     if not isinstance(cur, (str, int, float)) or isinstance(cur, bool):
         raise CorpusError(f"{where}: field {path!r} is a {type(cur).__name__}, not text")
-    return str(cur)
+    return str(cur) if isinstance(cur, str) else _Number(cur)
+
+
+class _Number(str):
+    """A field's number as text (joined with text fields it is read as its digits)."""
+
+
+def _record_text(rec: Any, fields: Sequence[str], join: str, where: str) -> str:
+    """The record's ``fields`` joined; a record whose fields are all numbers is refused (``--field id``)."""
+    values = [_get_field(rec, f, where) for f in fields]
+    if all(isinstance(v, _Number) for v in values):
+        said = ", ".join(f"{f!r} is {v}" for f, v in zip(fields, values))
+        raise CorpusError(f"{where}: field(s) {said}: a number, not text; --field names the record's text")
+    return join.join(str.__str__(v) for v in values)
 
 
 def _normalize(text: str, how: str) -> str:
@@ -269,8 +282,7 @@ def corpus_texts(corpus: str | os.PathLike | Sequence[str | os.PathLike], fields
         if _kind(p) != "txt":
             if not fields:
                 raise CorpusError(f"{p}: a {_kind(p)} corpus needs --field (e.g. --field text)")
-            records = [join.join(_get_field(r, f, f"{p}: record {i} (0-based)") for f in fields)
-                       for i, r in enumerate(records)]
+            records = [_record_text(r, fields, join, f"{p}: record {i} (0-based)") for i, r in enumerate(records)]
         texts.extend(_normalize(t, normalize) for t in records)
     if not texts:
         raise CorpusError(f"empty corpus: no records in {', '.join(map(str, paths))}")

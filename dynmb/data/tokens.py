@@ -98,6 +98,15 @@ class CorpusTokens:
     vocab_size: int
     """The tokenizer's: every id it can emit."""
     eos_id: int
+    starts: tuple[int, ...] = ()
+    """The first document of each of ``source.files`` (empty in token files written before it was kept)."""
+
+    def record_name(self, row: int) -> str:
+        """Document ``row`` as its file and record number there (``c.jsonl record 3``, 0-based)."""
+        if len(self.starts) != len(self.source.files) or not self.starts:
+            return f"record {row}"
+        k = int(np.searchsorted(self.starts, row, side="right") - 1)
+        return f"{Path(self.source.files[k]).name} record {row - self.starts[k]}"
 
     @property
     def num_documents(self) -> int:
@@ -118,7 +127,8 @@ class CorpusTokens:
         """Write ``path`` (the ``.npz``) and its ``.ids.npy``, ids first, each atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = json.dumps({"source": self.source.to_dict(), "vocab_size": self.vocab_size, "eos_id": self.eos_id})
+        meta = json.dumps({"source": self.source.to_dict(), "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                           "starts": list(self.starts)})
         _write_atomic(_ids_path(path), lambda f: np.save(f, np.ascontiguousarray(self.ids)))
         _write_atomic(path, lambda f: np.savez(f, offsets=self.offsets, meta=np.array(meta)))
         return path
@@ -137,7 +147,8 @@ class CorpusTokens:
         if ids.ndim != 1 or offsets[-1] != ids.size:
             raise ValueError(f"token file {path}: its offsets end at {int(offsets[-1])}, its ids hold {ids.size}")
         return cls(ids=ids, offsets=offsets, source=CorpusSource.from_dict(meta["source"]),
-                   vocab_size=int(meta["vocab_size"]), eos_id=int(meta["eos_id"]))
+                   vocab_size=int(meta["vocab_size"]), eos_id=int(meta["eos_id"]),
+                   starts=tuple(int(k) for k in meta.get("starts", ())))
 
 
 def _ids_path(path: Path) -> Path:
@@ -179,30 +190,63 @@ class TokenFile:
         return CorpusTokens.load(self.path)
 
 
-def tokenize(source: CorpusSource) -> CorpusTokens:
-    """Every record of ``source`` tokenized as ``dynmb lengths`` does, plus the end-of-text id."""
+def tokenize(source: CorpusSource, max_len: int | None = None) -> CorpusTokens:
+    """Every record of ``source`` tokenized as ``dynmb lengths`` does, plus the end-of-text id.
+
+    Records are encoded ``_BATCH`` at a time and each batch is kept as one int32/int64 array at once
+    (never the whole corpus as Python lists); a record of more than ``max_len`` tokens (a run's
+    ``max_seq_len`` under ``--oversize error``: no row can hold it) stops the reading there, naming
+    its file and record."""
     tok = get_tokenizer(source.tokenizer, source.eos_token)
     if tok.eos_id is None:
         raise TokenizerError(f"tokenizer {source.tokenizer!r} has no end-of-text token of its own (looked for "
                              f"tokenizer_config.json's eos_token, {', '.join(EOS_TOKENS)}); a run appends it to every "
                              "document: name it with --eos-token TOKEN")
     texts, starts, paths = corpus_texts(list(source.files), list(source.fields) or None)
-    docs: list[np.ndarray] = []
+    dtype = np.int32 if tok.vocab_size < 2**31 else np.int64
+    parts: list[np.ndarray] = []
+    counts = np.empty(len(texts), dtype=np.int64)
     for s in range(0, len(texts), _BATCH):
-        docs.extend(np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts[s:s + _BATCH]))
-    counts = np.fromiter((d.size for d in docs), dtype=np.int64, count=len(docs))
+        docs = tok.encode_batch(texts[s:s + _BATCH])
+        counts[s:s + len(docs)] = [len(d) for d in docs]
+        _refuse_records(counts[s:s + len(docs)], s, starts, paths, max_len)
+        parts.append(_with_eos(docs, int(counts[s:s + len(docs)].sum()) + len(docs), tok.eos_id, dtype))
+        del docs
+    ids = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+    offsets = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)
+    return CorpusTokens(ids=ids, offsets=offsets, source=source, vocab_size=tok.vocab_size,
+                        eos_id=int(tok.eos_id), starts=tuple(int(k) for k in starts))
+
+
+def _with_eos(docs: list[list[int]], size: int, eos_id: int, dtype: Any) -> np.ndarray:
+    """One array of every document's ids, each followed by ``eos_id``."""
+    out = np.empty(size, dtype=dtype)
+    at = 0
+    for d in docs:
+        out[at:at + len(d)] = d
+        out[at + len(d)] = eos_id
+        at += len(d) + 1
+    return out
+
+
+def _record(index: int, starts: Sequence[int], paths: Sequence[Path]) -> str:
+    k = int(np.searchsorted(starts, index, side="right") - 1)
+    return f"{paths[k]}: record {index - starts[k]} (0-based)"
+
+
+def _refuse_records(counts: np.ndarray, first: int, starts: Sequence[int], paths: Sequence[Path],
+                    max_len: int | None) -> None:
+    """Refuse the first record of a batch (records ``first ..``) with 0 tokens or more than ``max_len``."""
     empty = np.flatnonzero(counts == 0)
     if empty.size:
-        k = int(np.searchsorted(starts, empty[0], side="right") - 1)
-        raise CorpusError(f"{paths[k]}: record {int(empty[0]) - starts[k]} (0-based) has 0 tokens"
-                          f"{f' (and {empty.size - 1} more)' if empty.size > 1 else ''}; a run needs text in every "
+        raise CorpusError(f"{_record(first + int(empty[0]), starts, paths)} has 0 tokens; a run needs text in every "
                           "record (`dynmb lengths --skip-empty` shows them)")
-    eos = np.array([tok.eos_id], dtype=np.int64)
-    ids = np.concatenate([part for d in docs for part in (d, eos)])
-    offsets = np.concatenate([[0], np.cumsum(counts + 1)]).astype(np.int64)
-    dtype = np.int32 if tok.vocab_size < 2**31 else np.int64
-    return CorpusTokens(ids=ids.astype(dtype), offsets=offsets, source=source, vocab_size=tok.vocab_size,
-                        eos_id=int(tok.eos_id))
+    long = np.flatnonzero(counts > max_len) if max_len is not None else np.empty(0, dtype=np.int64)
+    if long.size:
+        i = int(long[0])
+        raise CorpusError(f"{_record(first + i, starts, paths)} has {int(counts[i])} tokens, longer than any row "
+                          f"(the model's max_seq_len {max_len}); --oversize truncate, drop or split takes it, or a "
+                          "model with a longer max_seq_len")
 
 
 def _key(source: CorpusSource) -> str:
@@ -217,10 +261,12 @@ def _key(source: CorpusSource) -> str:
 
 
 def prepare_tokens(source: CorpusSource, folder: str | Path, *, vocab_size: int | None = None,
-                   model_name: str = "model") -> TokenFile:
+                   model_name: str = "model", max_len: int | None = None) -> TokenFile:
     """The token file of ``source`` in ``folder/tokens/`` (written unless a file of the same
     source, file sizes and modification times is there). With ``vocab_size`` (the model's) the
-    tokenizer is checked first (``check_vocab``), before any record is read."""
+    tokenizer is checked first (``check_vocab``), before any record is read; with ``max_len`` a
+    record longer is refused as soon as it is read (``tokenize``), and a token file already there is
+    checked against it too."""
     if vocab_size is not None:
         tok = get_tokenizer(source.tokenizer, source.eos_token)       # also refuses an --eos-token it lacks
         _refuse(source, tok.vocab_size, vocab_size, model_name)
@@ -230,8 +276,10 @@ def prepare_tokens(source: CorpusSource, folder: str | Path, *, vocab_size: int 
     except (ValueError, FileNotFoundError):       # a partial or foreign file: write it again
         tokens = None
     if tokens is None or tokens.source != source:
-        tokens = tokenize(source)
+        tokens = tokenize(source, max_len)
         tokens.save(path)
+    elif max_len is not None and tokens.num_documents and int(tokens.lengths.max()) > max_len:
+        tokenize(source, max_len)            # raises naming the file and record of the first one too long
     return TokenFile(path=str(path), source=source, vocab_size=tokens.vocab_size,
                      num_documents=tokens.num_documents)
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import operator
 import secrets
 import shutil
 import time
@@ -65,7 +66,7 @@ from dynmb.io.outdir import check_fresh
 from dynmb.report.analysis import repeat_noise, summarise
 from dynmb.report.compare_table import (BUDGET_METHODS, FIXED_SIZE_METHODS, BoxState, display_summary, format_summary,
                                         verdict)
-from dynmb.core.config import ModelConfig, PipelineConfig, RunConfig, model_config, parse_bytes
+from dynmb.core.config import ModelConfig, PlanSpec, RunConfig, format_bytes, model_config, parse_bytes, with_aliases
 from dynmb.costmodel.loader import load_models
 from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, sample_batch
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
@@ -79,8 +80,8 @@ from dynmb.runtime.launch import LaunchResult, default_backend_device, launch_jo
 from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 
 __all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "prepare_compare", "run_compare_job",
-           "fixed_candidates", "budget_candidates", "display_summary", "format_summary", "COLUMNS",
-           "FIXED_SIZE_METHODS", "BUDGET_METHODS"]
+           "fixed_candidates", "budget_candidates", "base_model_config", "DEFAULT_LIMIT", "display_summary",
+           "format_summary", "COLUMNS", "FIXED_SIZE_METHODS", "BUDGET_METHODS"]
 
 COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
            "pred_step_s", "step_s", "pred_err", "step_ratio", "action_ratio", "replay_err", "gap_to_bound", "gap_to_ideal", "plan_s",
@@ -90,58 +91,104 @@ BUDGET_CANDIDATES = 3
 ALL_METHODS = ("fixed", "sorted", "packed", "token-budget", "balanced", "lockstep", "dynapipe", "dynamic")
 
 
+DEFAULT_LIMIT = "1GiB"
+"""The compare job's memory limit when none is given (it binds for the small model)."""
+
+_TEMPLATE_FIELDS: dict[str, str] = {
+    "stages": "spec.num_stages", "virtual": "spec.virtual", "schedule": "spec.schedule_kind",
+    "reorder": "spec.reorder", "microbatch_size": "spec.mbs", "oversize": "spec.oversize",
+    "slice_fitting": "spec.slice_fitting", "pack_len": "spec.pack_len", "round_to": "spec.round_to",
+    "recompute": "spec.recompute", "global_batch": "global_batch", "seed": "seed", "steps": "steps",
+    "warmup": "warmup", "device": "device", "cost_model": "cost_model", "prewarm": "prewarm",
+    "plan_ahead": "plan_ahead", "expandable_segments": "expandable_segments", "dataset": "dataset",
+}
+"""The flat keywords ``CompareSettings`` took before it held a template (``dynmb compare``'s flags), and where
+each lives in the template; still taken by the constructor and read as properties."""
+
+
+def _limit_text(limit_bytes: int) -> str:
+    """A memory limit as users write it: ``1GiB``, ``24MiB`` (whole units), else ``format_bytes``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if limit_bytes % size == 0:
+            return f"{limit_bytes // size}{unit}"
+    return format_bytes(limit_bytes)
+
+
+def base_model_config(model: str, attention: str | None = None) -> ModelConfig:
+    """``--model``'s config before its stage split: a preset, a JSON file, or a factory's ``planning_config``."""
+    from dynmb.core.contract import names_factory
+    if names_factory(model):
+        from dynmb.models.contract import planning_config, resolve_model
+        return planning_config(resolve_model(model))
+    return model_config(model, attention=attention)
+
+
+def _fold_compare(settings: dict[str, Any]) -> dict[str, Any]:
+    """The flat keywords (``_TEMPLATE_FIELDS``, ``memory_limit``, ``lengths``, ``attention``) into the template:
+    on top of ``template`` when given, else of the compare defaults (global batch 32, ``DEFAULT_LIMIT``, each
+    method's own order, the device: cuda when available). Without a ``template`` (or with ``attention``) the
+    template's model is ``model``'s config; a corpus is the template's dataset."""
+    flat = {k: settings.pop(k) for k in [*_TEMPLATE_FIELDS, "memory_limit", "lengths", "attention"] if k in settings}
+    if "template" in settings and not flat and "model" not in settings:
+        return settings
+    template = settings.get("template") or RunConfig(global_batch=32, device="cpu", spec=PlanSpec(
+        memory_limit_bytes=parse_bytes(DEFAULT_LIMIT), reorder="auto"))
+    if "template" not in settings and flat.get("device") is None:
+        flat["device"] = default_backend_device()[1]
+    corpus = settings.get("corpus")
+    flat["dataset"] = (corpus.name if corpus is not None else flat.pop("lengths", None) or flat.get("dataset")
+                       or (None if "template" in settings else "sharegpt"))
+    flat.pop("lengths", None)
+    if "template" not in settings or flat.get("attention") is not None:
+        template = template.with_(model=base_model_config(settings.get("model") or "small", flat.get("attention")))
+    flat.pop("attention", None)
+    if flat.get("memory_limit") is not None:
+        flat["memory_limit_bytes"] = parse_bytes(flat["memory_limit"])
+    flat.pop("memory_limit", None)
+    stages, virtual = flat.get("stages", template.spec.num_stages), flat.get("virtual", template.spec.virtual)
+    if virtual < 1 or stages % virtual:
+        raise ValueError(f"--stages {stages} is not a multiple of --virtual {virtual}")
+    changes = {_TEMPLATE_FIELDS.get(k, k).removeprefix("spec."): v for k, v in flat.items() if v is not None
+               or k in ("microbatch_size", "pack_len", "cost_model")}
+    if "device" in changes:
+        changes["backend"] = "nccl" if changes["device"] == "cuda" else "gloo"
+    settings["template"] = template.with_(**changes)
+    return settings
+
+
+@with_aliases(_fold_compare)
 @dataclass(frozen=True, kw_only=True)
 class CompareSettings:
-    """What a comparison runs (the flags of ``dynmb compare``); ``resolved()`` fills the defaults."""
+    """What a comparison runs (the flags of ``dynmb compare``): a ``RunConfig`` template that every case's
+    ``RunConfig`` is made from (``template.with_(method=...)``, with the method's own microbatch order, mbs and
+    pack length), the methods, and the options of the comparison itself. ``resolved()`` fills the defaults.
 
-    dataset: str | None = None
-    """Shipped trace name (default sharegpt when ``lengths`` is not given either)."""
-    lengths: str | None = None
-    """A length-trace CSV instead of a shipped trace."""
+    The flat keywords of earlier versions (``stages=``, ``memory_limit="1GiB"``, ``schedule=``, ``dataset=`` /
+    ``lengths=``, ``attention=``, ...: ``_TEMPLATE_FIELDS``) are still taken (into the template) and read back as
+    properties (``settings.stages``, ``settings.memory_limit``)."""
+
+    template: RunConfig = field(default_factory=lambda: _fold_compare({})["template"])
+    """Every case's settings but its method: the model before its stage split (``model_config()`` resolves
+    it), the plan spec (stages, virtual, schedule kind, memory limit, the fixed-size methods' ``mbs``, the
+    ``packed`` cases' ``pack_len``, round_to, oversize, recompute, slice_fitting; ``reorder`` ``auto``: each
+    method's own order, ``planning.reorder_for``), the trace (``dataset``), global batch, seed, steps, warm-up,
+    device and backend, cost model, prewarm, plan-ahead, expandable segments."""
+    methods: tuple[str, ...] = ALL_METHODS
+    """The methods compared (one case each, and the hindsight cases of ``fixed_best``)."""
+    model: str = "small"
+    """``--model`` as given (a preset, a JSON file, ``package.module:factory``): the shipped cost model is looked
+    up by it, and a factory is what every rank builds its stages with."""
+    stage_split: str = "even"
+    """Layers per stage: even, auto or a list (``dynmb.planning.stage_split``)."""
     corpus: CorpusSource | None = None
     """Real text: the corpus the global batches are drawn from (its token counts are the trace)."""
-    global_batch: int = 32
-    seed: int = 0
-    stages: int = 2
-    memory_limit: str | None = None
-    """Per-GPU memory limit, e.g. ``1GiB`` (the default)."""
-    methods: tuple[str, ...] = ALL_METHODS
-    microbatch_size: int | None = None
-    """Rows per microbatch of the fixed-size methods; None: the largest that fits."""
-    oversize: str = "error"
-    slice_fitting: str = "never"
-    """Slice sequences that fit too: never or auto (``dynmb.planning.slice_fitting``)."""
-    pack_len: int | None = None
-    """Row length of the ``packed`` cases (the methods that build rows of it,
-    ``planning.spec_check.uses_pack_len``); the other cases never get it."""
-    round_to: int = 1
-    recompute: str = "never"
-    """Per-microbatch activation recomputation: never, always or auto (``dynmb.packing.recompute``)."""
-    prewarm: bool = False
-    plan_ahead: int = 0
-    """Planner processes per rank planning ahead of training (``dynmb.runtime.planahead``)."""
-    expandable_segments: bool = True
-    schedule: str = "1f1b"
-    virtual: int = 1
-    """Model chunks per rank; > 1 runs the interleaved schedule on stages / virtual ranks."""
-    device: str | None = None
-    """cpu or cuda; None: cuda when available."""
     memory_model: str | None = None
     allow_over_limit: bool = False
-    reorder: str = "auto"
-    steps: int = 3
-    warmup: int = 1
     fixed_best: bool = True
     """Add the fixed cases that find the best fixed microbatch size in hindsight, and the
     token budgets that find the best budget of each ``BUDGET_METHODS`` method."""
     sequential: bool = False
     """Run the cases one after another even on CPU."""
-    cost_model: str | None = None
-    """Fitted cost-model JSON; None: the shipped one for this model, stages and device, if any."""
-    model: str = "small"
-    attention: str | None = None
-    stage_split: str = "even"
-    """Layers per stage: even, auto or a list (``dynmb.planning.stage_split``)."""
     out: str = "results/compare"
     repeats: int = 1
     """Times the whole job runs on the same batches (each a torchrun job, its own random round order)."""
@@ -153,30 +200,30 @@ class CompareSettings:
     @property
     def trace(self) -> str:
         """The trace the global batches are sampled from (a corpus: its name)."""
-        return self.corpus.name if self.corpus is not None else self.lengths or self.dataset or "sharegpt"
+        return self.corpus.name if self.corpus is not None else self.template.dataset
+
+    @property
+    def memory_limit(self) -> str:
+        """The memory limit as users write it (``1GiB``)."""
+        return _limit_text(self.template.spec.memory_limit_bytes)
 
     def model_config(self) -> ModelConfig:
-        """The model of every case: ``model`` with ``attention`` and the ``stage_split`` over ``stages``
-        (``package.module:factory``: its factory's ``planning_config``, every rank builds it)."""
+        """The model of every case: the template's with the ``stage_split`` over the stages (a model of the
+        user's own, ``package.module:factory``: its factory's ``planning_config``, every rank builds it)."""
         if self.model_factory is not None:
-            from dynmb.models.contract import planning_config, resolve_model
-            return planning_config(resolve_model(self.model_factory))
-        return _split_model(self.model, self.attention, self.stages, self.stage_split,
-                            None if self.corpus is not None else self.trace, self.cost_model,
-                            self._split_search() if self.stage_split == "auto" else None, int(self.virtual))
+            return self.template.model
+        spec = self.template.spec
+        return _split_model(self.template.model, spec.num_stages, self.stage_split,
+                            None if self.corpus is not None else self.trace, self.template.cost_model,
+                            self._split_search() if self.stage_split == "auto" else None, int(spec.virtual))
 
     def _split_search(self) -> SplitSearch | None:
         """What ``--stage-split auto`` chooses by: dynamic's settings here; None where no plan can be made."""
-        try:
-            limit, cfg = parse_bytes(self.memory_limit or "1GiB"), model_config(self.model, attention=self.attention)
-        except ValueError:
-            return None
-        kind = "interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule
-        fields = dict(num_stages=self.stages, virtual=self.virtual, schedule_kind=kind, reorder=self.reorder,
-                      round_to=self.round_to, memory_limit_bytes=limit, oversize=self.oversize,
-                      slice_fitting=self.slice_fitting,
-                      recompute=self.recompute, attention=cfg.attention)
-        return SplitSearch.of(fields, self.global_batch, seed=self.seed, memory_model=self.memory_model)
+        spec = self.template.plan_spec
+        kind = "interleaved" if spec.virtual > 1 and spec.schedule_kind == "1f1b" else spec.schedule_kind
+        fields = {k: v for k, v in spec.with_(schedule_kind=kind).to_dict().items() if k not in ("mbs", "pack_len")}
+        return SplitSearch.of(fields, self.template.global_batch, seed=self.template.seed,
+                              memory_model=self.memory_model)
 
     @property
     def model_factory(self) -> str | None:
@@ -184,20 +231,33 @@ class CompareSettings:
         from dynmb.core.contract import names_factory
         return self.model if names_factory(self.model) else None
 
+    def case_config(self, method: str, microbatch_size: int | None = None) -> RunConfig:
+        """The ``RunConfig`` of one case: the template with ``method``, its order (``reorder_for``), its mbs
+        (``microbatch_size``, else the template's for the fixed-size methods) and its pack length (the methods
+        that build rows of it, ``planning.spec_check.uses_pack_len``; the other cases never get it)."""
+        spec = self.template.spec
+        if microbatch_size is None and method in FIXED_SIZE_METHODS:
+            microbatch_size = spec.mbs
+        return self.template.with_(model=self.model_config(), method=method, mbs=microbatch_size,
+                                   reorder=reorder_for(method, spec.reorder),
+                                   pack_len=spec.pack_len if uses_pack_len(method) else None)
+
     def resolved(self) -> CompareSettings:
-        """Defaults filled: trace, limit, device, the interleaved schedule for ``virtual`` > 1,
-        the shipped cost model. Raises ``ValueError`` when stages do not spread over ranks."""
-        device = self.device or default_backend_device()[1]
-        schedule = "interleaved" if self.virtual > 1 and self.schedule == "1f1b" else self.schedule
-        if self.stages % self.virtual:
-            raise ValueError(f"--stages {self.stages} is not a multiple of --virtual {self.virtual}")
-        dataset = "sharegpt" if self.dataset is None and self.lengths is None and self.corpus is None else self.dataset
-        cost_model = self.cost_model or default_cost_model_path(self.model, self.stages, device)
+        """Defaults filled: the interleaved schedule for ``virtual`` > 1, the shipped cost model, the order
+        seed. Raises ``ValueError`` on a bad ``repeats``."""
+        spec, template = self.template.spec, self.template
+        if spec.virtual > 1 and spec.schedule_kind == "1f1b":
+            template = template.with_(schedule_kind="interleaved")
+        cost_model = template.cost_model or default_cost_model_path(self.model, spec.num_stages, template.device)
         if self.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         order_seed = secrets.randbits(31) if self.order_seed is None else int(self.order_seed)
-        return replace(self, dataset=dataset, memory_limit=self.memory_limit or "1GiB", device=device,
-                       schedule=schedule, cost_model=cost_model, order_seed=order_seed)
+        return replace(self, template=template.with_(cost_model=cost_model), order_seed=order_seed)
+
+
+for _name, _path in _TEMPLATE_FIELDS.items():       # the flat names of earlier versions, read from the template
+    setattr(CompareSettings, _name, property(operator.attrgetter(f"template.{_path}"),
+                                             doc=f"``template.{_path}`` (the older flat name)."))
 
 
 @dataclass(frozen=True)
@@ -223,7 +283,7 @@ class CompareJob:
 
     @property
     def interleave(self) -> bool:
-        return self.settings.device == "cpu" and not self.settings.sequential
+        return self.settings.template.device == "cpu" and not self.settings.sequential
 
     @property
     def out_dir(self) -> Path:
@@ -264,37 +324,24 @@ class CompareResult:
 
 
 @functools.lru_cache(maxsize=8)
-def _split_model(model: str, attention: str | None, stages: int, split: str, workload: str | None,
+def _split_model(model: ModelConfig, stages: int, split: str, workload: str | None,
                  cost_model: str | None, search: SplitSearch | None, virtual: int = 1) -> ModelConfig:
     """``resolve_stage_split`` once per settings (every case reads it; the split search plans batches)."""
-    return resolve_stage_split(model_config(model, attention=attention), stages, split, workload=workload,
-                               cost_model=cost_model, search=search, virtual=virtual)
+    return resolve_stage_split(model, stages, split, workload=workload, cost_model=cost_model, search=search,
+                               virtual=virtual)
 
 
 def _case_config(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> RunConfig:
-    """The ``RunConfig`` of one case (the worker plans each step with its ``plan_spec``)."""
-    if microbatch_size is None and method in FIXED_SIZE_METHODS:
-        microbatch_size = settings.microbatch_size
-    device = settings.device or "cpu"
-    return RunConfig(model=settings.model_config(),
-                     pipeline=PipelineConfig(num_stages=settings.stages, virtual=settings.virtual,
-                                             schedule=settings.schedule,
-                                             memory_limit_bytes=parse_bytes(settings.memory_limit or "1GiB"),
-                                             reorder=reorder_for(method, settings.reorder)),
-                     dataset=settings.trace, global_batch=settings.global_batch, method=method, mbs=microbatch_size,
-                     seed=settings.seed, steps=settings.steps, warmup=settings.warmup,
-                     backend="nccl" if device == "cuda" else "gloo", device=device, cost_model=settings.cost_model,
-                     oversize=settings.oversize, slice_fitting=settings.slice_fitting,
-                     pack_len=settings.pack_len if uses_pack_len(method) else None, round_to=settings.round_to,
-                     prewarm=settings.prewarm, recompute=settings.recompute, plan_ahead=settings.plan_ahead,
-                     expandable_segments=settings.expandable_segments)
+    """The ``RunConfig`` of one case (``CompareSettings.case_config``; the worker plans each step with its
+    ``plan_spec``)."""
+    return settings.case_config(method, microbatch_size)
 
 
 def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> dict[str, Any]:
     """``plan_step`` arguments of one case, the spec from its ``RunConfig``: what the worker plans with."""
     run = _case_config(settings, method, microbatch_size)
-    models = load_models(run.model, settings.stages, cost=settings.cost_model, memory=settings.memory_model,
-                         device=run.device, virtual=settings.virtual)         # the one loader, as the ranks'
+    models = load_models(run.model, run.spec.num_stages, cost=run.cost_model, memory=settings.memory_model,
+                         device=run.device, virtual=run.spec.virtual)         # the one loader, as the ranks'
     return dict(spec=run.plan_spec, model_cfg=run.model, cost_model=models.cost, memory_model=models.memory)
 
 
@@ -303,7 +350,8 @@ def _token_file(settings: CompareSettings) -> TokenFile | None:
     if settings.corpus is None:
         return None
     model = settings.model_config()
-    return prepare_tokens(settings.corpus, settings.out, vocab_size=model.vocab_size, model_name=model.name)
+    return prepare_tokens(settings.corpus, settings.out, vocab_size=model.vocab_size, model_name=model.name,
+                          max_len=model.max_seq_len if settings.template.spec.oversize == "error" else None)   # a record no row holds
 
 
 def _trace_lengths(settings: CompareSettings) -> np.ndarray:
@@ -319,8 +367,9 @@ def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
     trace = _trace_lengths(settings)
     kwargs = _plan_kwargs(settings, "fixed")
     kwargs["spec"] = kwargs["spec"].with_(mbs=None, reorder="none")
-    auto = [int(plan_step(sample_batch(trace, settings.global_batch, settings.seed, step=k), **kwargs)[0].meta["mbs"])
-            for k in range(settings.warmup + settings.steps)]
+    run = settings.template
+    auto = [int(plan_step(sample_batch(trace, run.global_batch, run.seed, step=k), **kwargs)[0].meta["mbs"])
+            for k in range(run.warmup + run.steps)]
     return auto, [1 << i for i in range(12) if (1 << i) < min(auto)]
 
 
@@ -331,8 +380,8 @@ def budget_candidates(settings: CompareSettings, method: str) -> list[int]:
     run's steps) are shortest, in increasing d. Measured like ``fixed-best``: the fastest case wins."""
     trace = _trace_lengths(settings)
     kwargs = _plan_kwargs(settings, method)
-    batches = [sample_batch(trace, settings.global_batch, settings.seed, step=k)
-               for k in range(settings.warmup + settings.steps)]
+    run = settings.template
+    batches = [sample_batch(trace, run.global_batch, run.seed, step=k) for k in range(run.warmup + run.steps)]
     scored, last = [], None
     for j in range(1, 12):
         plans = [plan_step(b, **{**kwargs, "spec": kwargs["spec"].with_(mbs=1 << j)})[0] for b in batches]
@@ -359,8 +408,7 @@ def prepare_compare(settings: CompareSettings) -> CompareJob:
         RunSpec.create(_case_config(settings, method), settings.out).check_settings()
     if settings.corpus is None:
         load_trace(settings.trace)        # a bad trace is one line naming it, before the folder is made
-    device = settings.device or "cpu"
-    backend = "nccl" if device == "cuda" else "gloo"
+    backend = settings.template.backend
     out = Path(settings.out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
@@ -384,8 +432,8 @@ def _plan_cases(settings: CompareSettings, out: Path, backend: str, created: boo
     tag = uuid.uuid4().hex[:6]
     tokens = _token_file(settings)
     runs: list[tuple[str, str, int | None]] = [
-        (m, m, settings.microbatch_size if m in FIXED_SIZE_METHODS else None) for m in settings.methods]
-    if "fixed" in settings.methods and settings.microbatch_size is None and settings.fixed_best:
+        (m, m, settings.template.spec.mbs if m in FIXED_SIZE_METHODS else None) for m in settings.methods]
+    if "fixed" in settings.methods and settings.template.spec.mbs is None and settings.fixed_best:
         _, candidates = fixed_candidates(settings)
         runs += [(f"fixed mbs={size}", "fixed", size) for size in candidates]
     for method in (m for m in BUDGET_METHODS if m in settings.methods and settings.fixed_best):
@@ -397,7 +445,7 @@ def _plan_cases(settings: CompareSettings, out: Path, backend: str, created: boo
                               memory_model=settings.memory_model, allow_over_limit=settings.allow_over_limit,
                               corpus=tokens, model_factory=settings.model_factory)
         cases.append(CompareCase(label, method, size, spec))
-    return CompareJob(settings, tuple(cases), nproc=settings.stages // settings.virtual, backend=backend,
+    return CompareJob(settings, tuple(cases), nproc=settings.template.spec.num_ranks, backend=backend,
                       created_out=created)
 
 
@@ -470,7 +518,8 @@ def _summarise_job(job: CompareJob, launched: LaunchResult, wall_s: float, ids: 
     found = verdict(summary, box)
     write_text_atomic(out / "verdict.json", json.dumps(found.to_dict() if found else {"box": box.__dict__},
                                                        indent=1, default=str))
-    title = f"{settings.trace}, {settings.model}, {settings.stages} stages, limit {settings.memory_limit}"
+    title = (f"{settings.trace}, {settings.model}, {settings.template.spec.num_stages} stages, "
+             f"limit {settings.memory_limit}")
     files = [Path(p).name for p in compare_throughput(summary, str(out / "throughput.png"), title=title)]
     for method in ("fixed", "dynamic"):
         if method in settings.methods:

@@ -6,7 +6,8 @@ numpy only. One definition (DESIGN.md "Memory"): the peak on a stage is
 
 - ``state_bytes[i]``: parameters + gradients (both at the model dtype, ``e`` bytes) +
   optimizer states (Adam: two fp32 states per parameter, 8 bytes; SGD: none), so
-  ``n_params * (2e + 8)`` with Adam.
+  ``n_params * (2e + 8)`` with Adam. A float64 model (exact-gradient checks) counts twice the
+  float32 model's bytes, every term (``MemoryModel._doubled``).
 - ``act_i(b, s) = a0 + a1*b*s + a2*b*s^2`` (bytes held for backward by one microbatch).
 - ``transient_i(b, s) = t0 + t1*b*s + t2*b*s^2`` (buffers of the op being run that are
   not held: at a backward's start the incoming gradient and the input gradient, and on
@@ -45,6 +46,7 @@ these from the analytic count: ``rc_act_coef = act_coef - recompute_saved_coef``
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -130,6 +132,8 @@ class MemoryModel:
         """Coefficients counted from the tensors ``dynmb.models`` saves for backward."""
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"unknown optimizer {optimizer!r}; expected adam or sgd")
+        if model_cfg.dtype_bytes > 4:
+            return cls._doubled(model_cfg, cls.analytic(replace(model_cfg, dtype="float32"), num_stages, optimizer))
         c = model_cfg
         e = c.dtype_bytes
         act = np.zeros((num_stages, 3))
@@ -153,6 +157,17 @@ class MemoryModel:
                 tr[i, 1] += c.message_channels(i - 1, num_stages) * e    # input gradient produced
         return cls(model_cfg, num_stages, cls.analytic_state_bytes(model_cfg, num_stages, optimizer), act, tr,
                    optimizer=optimizer, source="analytic")
+
+    @classmethod
+    def _doubled(cls, model_cfg: ModelConfig, fp32: "MemoryModel") -> "MemoryModel":
+        """A float64 model's count: twice the float32 model's (``fp32``), since every tensor it stores in
+        float32 (parameters, gradients, Adam states, activations, statistics, logits) is float64 there; the
+        int64 ids and labels, counted twice too, make it a slight over-count."""
+        model = cls(model_cfg, fp32.num_stages, 2 * fp32.state_bytes, 2 * fp32.act_coef, 2 * fp32.transient_coef,
+                    optimizer=fp32.optimizer, source="analytic")
+        model.w_coef, model.rc_act_coef = 2 * fp32.w_coef, 2 * fp32.rc_act_coef
+        model.rc_transient_coef = 2 * fp32.rc_transient_coef
+        return model
 
     def fit(self, samples: Any, *, holdout: Any = None, holdout_frac: float = 0.25, seed: int = 0) -> "MemoryModel":
         """A new model fitted to ``samples`` (``dynmb.memory.fit.fit_memory_model``: columns stage, rows,

@@ -20,11 +20,11 @@ received: ``lse = logaddexp(lse_prev, lse_s)``, ``tgt = tgt_prev + tgt_s``. A no
 ``[z | statistics]`` on (``cfg.message_channels(stage, P)`` channels); the last returns the
 cross-entropy ``lse - tgt`` at real tokens, summed (``reduction="sum"``) or per token (``"none"``,
 zeros at pads). Autograd through it is exact: the backward message carries d/dz and d/d(statistics).
-The ``HEAD_STATS`` statistics are fp32: in a model of 4-byte dtype they are the message's last
-``HEAD_STATS`` channels; in a 16-bit model each travels as a high part ``hi = x.to(dtype)`` and a low
-part ``lo = (x - hi.float()).to(dtype)`` (``encode_stats``; layout ``[z | hi | lo]``), recombined as
-``hi.float() + lo.float()`` (``decode_stats``): two bfloat16 parts keep 16 significant bits
-(relative error <= 2^-16), two float16 parts 22; gradients flow through both parts.
+The ``HEAD_STATS`` statistics are fp32 (fp64 in a float64 model): in a model of 4- or 8-byte dtype
+they are the message's last ``HEAD_STATS`` channels; in a 16-bit model each travels as a high part
+``hi = x.to(dtype)`` and a low part ``lo = (x - hi.float()).to(dtype)`` (``encode_stats``; layout
+``[z | hi | lo]``), recombined as ``hi.float() + lo.float()`` (``decode_stats``): two bfloat16 parts keep
+16 significant bits (relative error <= 2^-16), two float16 parts 22; gradients flow through both parts.
 
 Saved for backward per token by a shard stage (besides the message it sends, held until its
 backward): the shard's fp32 logits (``4 * rows`` bytes: ``logsumexp`` saves its input), the gather
@@ -70,8 +70,8 @@ def seed_head_rows_(weight: torch.Tensor, seed: int, rows: range, vocab_size: in
 
 
 def stat_parts(cfg: ModelConfig) -> int:
-    """Parts each fp32 statistic travels as: 1 in a model of 4-byte dtype, 2 (high, low) in a 16-bit one."""
-    return 1 if cfg.dtype_bytes == 4 else 2
+    """Parts each fp32 statistic travels as: 1 in a model of 4- or 8-byte dtype, 2 (high, low) in a 16-bit one."""
+    return 1 if cfg.dtype_bytes >= 4 else 2
 
 
 def encode_stats(stats: torch.Tensor, dtype: torch.dtype, parts: int) -> torch.Tensor:

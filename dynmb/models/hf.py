@@ -22,10 +22,12 @@ the last. ``forward(x, inputs)`` keeps the contract:
   dynmb's document-causal ``sum s_i**2``;
 - the last stage returns the summed cross-entropy over real tokens (labels are the next token of the
   same document, ``IGNORE_INDEX`` at pads), which equals transformers' own per-document loss times
-  the document's predicted tokens.
+  the document's predicted tokens;
+- ``--recompute``: each decoder layer and the head under dynmb's full recomputation
+  (``dynmb.models.recompute``: only a layer's input is kept for backward), gradients exact.
 
 Not supported (refused with a one-line error): slices of long sequences (no prefix store in
-transformers' attention), full recomputation, the LM head split by vocabulary (``head_split``), a
+transformers' attention), the LM head split by vocabulary (``head_split``), a
 stage boundary inside a block (half-blocks or pieces of one, ``layer_split`` such as ``2.5`` or ``2.75``), and
 tied input/output embeddings across more than one stage (the two copies would need their gradients summed between the first and last rank).
 A stage is built alone: ``from_config`` / ``from_pretrained`` build the model on the meta device (no memory)
@@ -63,6 +65,7 @@ from dynmb.core.config import ModelConfig, split_layers
 from dynmb.models.inputs import IGNORE_INDEX, InputError, MicrobatchInputs, attention_mask
 
 from dynmb.models.pieces import full_weights
+from dynmb.models.recompute import RecomputedBlock, RecomputedHead
 from dynmb.models.seeding import param_seed
 from dynmb.models.weights import load_stage_weights
 
@@ -117,11 +120,13 @@ class HFDecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor | None, inputs: MicrobatchInputs, *, reduction: str = "sum",
                 recompute: bool = False) -> torch.Tensor:
-        if recompute:
-            raise InputError("recomputation is not supported for transformers stages (use --recompute never)")
+        """The stage's layers (and, last, the head's loss); ``recompute``: each layer and the head under
+        full recomputation (``dynmb.models.recompute``: only their inputs are kept for backward)."""
         if inputs.has_slices:
             raise InputError("slices of long sequences are not supported for transformers stages "
                              "(use --oversize error/truncate/drop)")
+        if reduction not in ("sum", "none"):
+            raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
         model: Any = self.model                          # the cut trunk (transformers is untyped here)
         if self.is_first:
             x = model.embed_tokens(inputs.input_ids)
@@ -130,18 +135,35 @@ class HFDecoderStage(nn.Module):
         rotary = model.rotary_emb(x, inputs.position_ids)
         mask = self._mask(inputs, x.dtype)
         for layer in model.layers.values():
-            x = layer(x, attention_mask=mask, position_ids=inputs.position_ids, position_embeddings=rotary)
+            call = _LayerCall(layer, mask, rotary)
+            x = cast(torch.Tensor, RecomputedBlock.apply(x, call, inputs)) if recompute else call(x, inputs)
         if not self.is_last:
             return x
+        if recompute:
+            return cast(torch.Tensor, RecomputedHead.apply(x, self, inputs, reduction))
+        return self.head(x, inputs, reduction)
+
+    def head(self, x: torch.Tensor, inputs: MicrobatchInputs, reduction: str = "sum") -> torch.Tensor:
+        """Final norm, LM head and cross-entropy (fp32 logits at least), summed or per token."""
+        model: Any = self.model
         logits = self.lm_head(model.norm(x))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         ce = F.cross_entropy(logits.flatten(0, 1), inputs.labels.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum" if reduction == "sum" else "none")
-        if reduction == "sum":
-            return ce
-        if reduction == "none":
-            return ce.view(inputs.labels.shape)
-        raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
+        return ce if reduction == "sum" else ce.view(inputs.labels.shape)
+
+
+class _LayerCall:
+    """One transformers decoder layer called as a dynmb block: ``call(x, inputs)`` (what
+    ``RecomputedBlock`` runs again in backward), with the stage's mask and rotary tables."""
+
+    def __init__(self, layer: nn.Module, mask: torch.Tensor | None, rotary: Any) -> None:
+        self.layer, self.mask, self.rotary = layer, mask, rotary
+
+    def __call__(self, x: torch.Tensor, inputs: MicrobatchInputs) -> torch.Tensor:
+        out = self.layer(x, attention_mask=self.mask, position_ids=inputs.position_ids,
+                         position_embeddings=self.rotary)
+        return out[0] if isinstance(out, tuple) else out
 
 
 def model_config_from_hf(hf_config: Any, name: str = "hf") -> ModelConfig:

@@ -40,7 +40,7 @@ __all__ = [
 
 """Label of pad positions (``F.cross_entropy``'s ignore_index)."""
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 class InputError(ValueError):

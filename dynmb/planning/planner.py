@@ -51,7 +51,7 @@ from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
 from dynmb.packing.methods import get_method
 from dynmb.core.planspec import PlanSpec
-from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
+from dynmb.schedule.kinds import AUTO, auto_kinds_for, get_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust
@@ -236,11 +236,10 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_
     kind's predicted step (None: it could not plan the step), ``plan_s`` the whole choice. A kind that
     cannot take the step (``ValueError``) drops out; if all do, the first one's error is raised."""
     t0 = time.perf_counter()
-    sliced = _sliced(lengths, spec, model_cfg, memory_model)
-    kinds = auto_kinds(spec.virtual, slices=sliced)
+    kinds = auto_kinds_for(spec)        # one placement for every step of a run (zb-v at virtual 2 without slices)
     if not kinds:
         raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
-                         f"{' and slices of long sequences' if sliced else ''}")
+                         f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, memory_model) else ''}")
     packs: dict[tuple, tuple[Plan, float]] = {}
     outcomes = evaluate([Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind),
                                                            model_cfg, cost_model, memory_model, meta, packs))

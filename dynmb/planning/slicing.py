@@ -70,7 +70,7 @@ from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.predictions import Predictions
-from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, slice_kinds
+from dynmb.schedule.kinds import AUTO, auto_kinds_for, get_kind, slice_kinds
 from dynmb.timing.simulate import SimResult, simulate
 from dynmb.core.types import Microbatch, Plan, PlanMeta, Schedule
 from dynmb.planning.replicas import predict_replicas, replicas_of
@@ -86,7 +86,7 @@ def longest_row(spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryMode
     one-row microbatch (beyond it, ``oversize='split'`` slices a sequence). ``--schedule auto``:
     the shortest over the kinds auto weighs (a longer sequence is sliced under one of them at least)."""
     if spec.schedule_kind == AUTO:
-        return min(longest_row(spec.with_(schedule_kind=k), model_cfg, memory_model) for k in auto_kinds(spec.virtual))
+        return min(longest_row(spec.with_(schedule_kind=k), model_cfg, memory_model) for k in auto_kinds_for(spec))
     ctx = PackContext.from_spec(spec, memory_model)
     if spec.method == "packed":
         return packed_row_len(ctx, model_cfg.max_seq_len, spec.pack_len, spec.round_to)[0]

@@ -101,8 +101,10 @@ def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], 
     if corpus is not None:
         models = [c.model for c in items if isinstance(c, RunConfig)]
         smallest = min(models, key=lambda m: m.vocab_size) if models else None
+        shortest = min((c.model.max_seq_len for c in items if isinstance(c, RunConfig) and c.oversize == "error"),
+                       default=None)           # a record no row of such a run holds: refused as it is read
         tokens = prepare_tokens(corpus, out, vocab_size=smallest.vocab_size if smallest else None,
-                                model_name=smallest.name if smallest else "model")
+                                model_name=smallest.name if smallest else "model", max_len=shortest)
     specs = []
     for i, item in enumerate(items):
         if isinstance(item, RunSpec):
@@ -119,5 +121,5 @@ def run(config_or_configs: RunConfig | RunSpec | Sequence[RunConfig | RunSpec], 
     first = specs[0].run
     if output not in RUN_OUTPUT:
         raise ValueError(f"dynmb.run: output must be one of {RUN_OUTPUT}, got {output!r}")
-    return run_job(job, nproc or first.pipeline.num_ranks * first.dp, quiet=output != "stream",
+    return run_job(job, nproc or first.spec.num_ranks * first.spec.dp, quiet=output != "stream",
                    progress=output == "progress")

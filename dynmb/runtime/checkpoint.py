@@ -201,7 +201,7 @@ def save_due(state: "RunState", step: int) -> Path | None:
     if not run.checkpoint or not (done == run.warmup + run.steps or
                                   (run.checkpoint_every and done % run.checkpoint_every == 0)):
         return None
-    info = CheckpointInfo(step=done, model=run.model.name, num_stages=run.pipeline.num_stages, dp=run.dp)
+    info = CheckpointInfo(step=done, model=run.model.name, num_stages=run.spec.num_stages, dp=run.spec.dp)
     return save_checkpoint(checkpoint_dir(run.checkpoint, done), list(state.stages.values()), state.optimizer, info)
 
 

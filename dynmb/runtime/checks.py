@@ -9,8 +9,10 @@
 3. Gradients (``--verify``): before the step, the ranks of a replica all-gather their
    weights (``gather_weights``); after it, every rank recomputes the global batch's
    gradients in one process from those pre-step weights (``reference_gradients``) and
-   compares its own parameters: max abs error <= ``VERIFY_RTOL`` x max |reference|
-   (+1e-9), fp32 (``gradient_problems``).
+   compares its own parameters: max abs error <= rtol x max |reference| (+1e-9), rtol
+   ``VERIFY_RTOL`` (1e-5) for fp32, ``VERIFY_RTOL_FP64`` (1e-10, no absolute floor) for a float64
+   model (``ModelConfig.dtype``; ``gradient_problems``); the largest relative error goes to the
+   ``steps`` table's ``grad_rel_err`` (``relative_error``).
 
 Failures of 2 and 3 are messages naming rank, stage or parameter and step; the worker
 raises them on every rank as ``StepCheckError`` once the step's rows are written, in one line
@@ -29,10 +31,14 @@ from dynmb.models import make_inputs, reference_stages, whole_documents
 from dynmb.runtime.records import MemoryRow
 from dynmb.core.types import Plan
 
-__all__ = ["VERIFY_RTOL", "PlanDivergenceError", "StepCheckError", "check_plan_digest", "gather_weights",
+__all__ = ["VERIFY_RTOL", "VERIFY_RTOL_FP64", "verify_tolerance", "relative_error", "PlanDivergenceError", "StepCheckError", "check_plan_digest", "gather_weights",
            "reference_gradients", "gradient_problems", "memory_problems", "problem_line"]
 
 VERIFY_RTOL = 1e-5
+"""Relative tolerance of ``--verify`` for fp32 (and 16-bit) models, plus an absolute 1e-9."""
+VERIFY_RTOL_FP64 = 1e-10
+"""Relative tolerance of ``--verify`` for float64 models (no absolute floor): the pipeline's sums
+differ from the reference's only in their order."""
 _MAX_GRADIENT_PROBLEMS = 5
 
 
@@ -72,7 +78,7 @@ def reference_gradients(run: RunConfig, plan: Plan, tokens: Sequence[torch.Tenso
     from the pre-step ``weights``, with the pipeline's loss scale (1 / real tokens); a sliced
     sequence runs whole, in one pass (``dynmb.models.whole_documents``). The stages come from
     ``factory`` (a fresh one: ``RunSpec.factory()``; None: ``run.model``'s family)."""
-    _, stages = reference_stages(factory if factory is not None else run.model, run.pipeline.num_stages, run.seed)
+    _, stages = reference_stages(factory if factory is not None else run.model, run.spec.num_stages, run.seed)
     with torch.no_grad():
         for stage in stages:
             for name, param in stage.named_parameters():
@@ -89,16 +95,36 @@ def reference_gradients(run: RunConfig, plan: Plan, tokens: Sequence[torch.Tenso
             for stage in stages for n, p in stage.named_parameters()}
 
 
+def verify_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """``(relative, absolute)`` tolerance of ``--verify`` for gradients of ``dtype``."""
+    return (VERIFY_RTOL_FP64, 0.0) if dtype == torch.float64 else (VERIFY_RTOL, 1e-9)
+
+
+def _errors(grads: Mapping[str, torch.Tensor],
+            reference: Mapping[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+    """``{name: (max abs error, max |reference|)}`` of every parameter of ``grads``."""
+    out = {}
+    for name, mine in grads.items():
+        ref = reference[name].to(mine.device, mine.dtype)
+        out[name] = float((mine - ref).abs().max()), float(ref.abs().max())
+    return out
+
+
+def relative_error(grads: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> float:
+    """The largest max abs error / max |reference| over the parameters of ``grads`` (0 for none;
+    a parameter whose reference is all zeros counts its absolute error)."""
+    return max((err / scale if scale > 0 else err for err, scale in _errors(grads, reference).values()), default=0.0)
+
+
 def gradient_problems(rank: int, step: int, grads: Mapping[str, torch.Tensor],
                       reference: Mapping[str, torch.Tensor]) -> list[str]:
     """One message per parameter of ``grads`` off the reference (the first five)."""
     problems = []
-    for name, mine in grads.items():
-        ref = reference[name].to(mine.device, mine.dtype)
-        err, scale = float((mine - ref).abs().max()), float(ref.abs().max())
-        if err > VERIFY_RTOL * scale + 1e-9:
+    for name, (err, scale) in _errors(grads, reference).items():
+        rtol, atol = verify_tolerance(grads[name].dtype)
+        if err > rtol * scale + atol:
             problems.append(f"rank {rank} step {step} param {name}: max abs error {err:.3g} > "
-                            f"{VERIFY_RTOL:g} x max|ref| {scale:.3g}")
+                            f"{rtol:g} x max|ref| {scale:.3g}")
     return problems[:_MAX_GRADIENT_PROBLEMS]
 
 

@@ -117,7 +117,7 @@ def write_spec(run_cfg: RunConfig, out_dir: str | Path, *, verify: bool = False,
     """The JSON form of one run's spec (``RunSpec.create(...).to_dict()``); ``oversize``
     overrides ``run_cfg.oversize``."""
     if oversize is not None:
-        run_cfg = replace(run_cfg, oversize=oversize)
+        run_cfg = replace(run_cfg, spec=run_cfg.spec.with_(oversize=oversize))
     return RunSpec.create(run_cfg, out_dir, run_id=run_id, label=label, verify=verify,
                           allow_over_limit=allow_over_limit, memory_model=memory_model).to_dict()
 
@@ -160,7 +160,6 @@ def _launch_locked(job: JobSpec, nproc: int, out: Path, guard_s: float | None, *
     shared = cores_warning(nproc) if any(c.run.device == "cpu" for c in job.cases) else None
     if shared:
         logger.warning("%s", shared)
-    lines: list[str] = []
     bar = tqdm(total=job.total_steps, unit="step", desc="steps", file=sys.stderr, mininterval=0.5) \
         if progress else None
     with StopSignals() as stop:
@@ -169,24 +168,53 @@ def _launch_locked(job: JobSpec, nproc: int, out: Path, guard_s: float | None, *
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, preexec_fn=die_with_parent)
 
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                if bar is not None and line.startswith(PROGRESS):
-                    bar.set_postfix_str(line[len(PROGRESS):].strip(), refresh=False)
-                    bar.update(1)
-                elif not quiet and stop.received is None:     # once stopping: torchrun's own traceback unshown
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
-
-        reader = threading.Thread(target=pump, daemon=True)
+        pump = _Pump(proc, bar, quiet, stop)
+        reader = threading.Thread(target=pump.run, daemon=True)
         reader.start()
         ended = wait_or_stop(proc, guard_s, stop)
     reader.join(5)
     if bar is not None:
         bar.close()
-    return _finish(job, proc, ended, "".join(lines), guard_s)
+    if ended.how == "exited" and pump.torchrun_signal is not None:    # a signal sent to torchrun itself
+        ended = Ended("signal", pump.torchrun_signal, pump.closed_workers)
+    return _finish(job, proc, ended, "".join(pump.lines), guard_s)
+
+
+_DEATH = re.compile(r"Received (?:Signals\.)?(\w+) death signal")
+_CLOSING = re.compile(r"Sending process \d+ closing signal")
+
+
+class _Pump:
+    """Streams torchrun's output (unless ``quiet``; ticks the progress bar) and keeps it in ``lines``.
+    From a stop signal to the launcher, or torchrun's own "Received N death signal" (a signal sent to
+    torchrun itself: SIGHUP, SIGTERM, SIGINT), nothing more is streamed (torchrun's ``SignalException``
+    traceback); ``torchrun_signal`` is then that signal and ``closed_workers`` the workers it stopped."""
+
+    def __init__(self, proc: subprocess.Popen, bar: Any, quiet: bool, stop: StopSignals) -> None:
+        self.proc, self.bar, self.quiet, self.stop = proc, bar, quiet, stop
+        self.lines: list[str] = []
+        self.torchrun_signal: int | None = None
+        self.closed_workers = 0
+
+    def _death(self, line: str) -> None:
+        m = _DEATH.search(line)
+        if m is not None and self.torchrun_signal is None:
+            name = m.group(1)
+            self.torchrun_signal = int(name) if name.isdigit() else int(getattr(signal, name, signal.SIGTERM))
+        elif self.torchrun_signal is not None and _CLOSING.search(line):
+            self.closed_workers += 1
+
+    def run(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._death(line)
+            if self.bar is not None and line.startswith(PROGRESS):
+                self.bar.set_postfix_str(line[len(PROGRESS):].strip(), refresh=False)
+                self.bar.update(1)
+            elif not self.quiet and self.stop.received is None and self.torchrun_signal is None:
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
 
 def _finish(job: JobSpec, proc: subprocess.Popen, ended: Ended, log: str, guard_s: float) -> LaunchResult:

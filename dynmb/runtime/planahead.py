@@ -27,34 +27,31 @@ Steady state: the plan of step k is submitted when step k - n starts and ``n`` p
 (``plan_s``) and how long the step's start waited for it (``plan_wait_s``: the whole ``plan_s``
 in line, zero when planning kept ahead). A planner's error (an unplannable batch) is raised by
 the step that needed the plan, as in line; a planner process that dies fails the run naming it.
+
+A planner process that dies or is stopped (``planahead_procs.PlannerPool``: plain child processes,
+no multiprocessing semaphores or resource tracker) does not fail the run: the rank logs one warning
+naming itself, the process and how it ended, stops the others, and from then on plans in line, each
+step with the cost model it was submitted with, so every rank still gets the same plans.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import logging
+import os
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 import numpy as np
 
 from dynmb.planning import plan_step
 from dynmb.runtime.planshare import PlanShare
-from dynmb.runtime.processes import set_parent_death_signal
+from dynmb.runtime.planahead_procs import PlannerDied, PlannerPool
 
 __all__ = ["PlanAhead"]
 
-
-def _init_planner() -> None:
-    """A planner process: dies with its rank; one thread (the rank's cores are for training)."""
-    set_parent_death_signal()
-    try:
-        import torch
-        torch.set_num_threads(1)
-    except ImportError:      # pragma: no cover - torch is a dependency of the runtime
-        pass
-
+logger = logging.getLogger(__name__)
 
 def _plan(lengths: np.ndarray, cost_model: Any, spec: Any, model_cfg: Any, memory_model: Any) -> Any:
     """In a planner process: ``planning.plan_step`` of one global batch."""
@@ -73,9 +70,9 @@ class PlanAhead:
         self.n, self.last, self.share = n, last, share
         self.window = n * (share.world if share is not None else 1)
         self._lengths_of, self._args = lengths_of, (spec, model_cfg, memory_model)
-        self._pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_init_planner)
+        self._pool: PlannerPool | None = PlannerPool(n)
         self._futures: dict[int, Future] = {}        # owned step -> its plan
+        self._models: dict[int, Any] = {}            # owned step -> the cost model it was submitted with
         self._lengths: dict[int, np.ndarray] = {}    # submitted step -> its batch's lengths
         self._published: set[int] = set()
         self._next = 0
@@ -97,17 +94,38 @@ class PlanAhead:
             if not ok:
                 raise planned
             return planned, lengths, wait_s
-        future = self._futures.pop(step)
+        future, model = self._futures.pop(step, None), self._models.pop(step)
         t0 = time.perf_counter()
         try:
-            planned = future.result()
-        except BrokenProcessPool as e:
-            raise RuntimeError(f"plan ahead: a planner process died while planning step {step} ({e})") from None
+            planned = self._wait(step, future) if future is not None else None
+            if planned is None:                     # no planner process left: in line, with the step's model
+                planned = _plan(lengths, model, *self._args)
         except Exception as e:
             self._publish(step, (False, e))
             raise
         self._publish(step, (True, planned))
         return planned, lengths, time.perf_counter() - t0
+
+    def _wait(self, step: int, future: Future) -> Any:
+        """The plan ``future`` holds, or None when a planner process died or stopped (then every
+        planner process is stopped, with one warning, and the rest of the run plans in line)."""
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except PlannerDied as e:
+                self._give_up(step, str(e))
+                return None
+            except FutureTimeout:
+                stopped = self._pool.stopped() if self._pool is not None else None
+                if stopped is not None:
+                    self._give_up(step, stopped)
+                    return None
+
+    def _give_up(self, step: int, what: str) -> None:
+        rank = self.share.rank if self.share is not None else os.environ.get("RANK", "0")
+        logger.warning("rank %s: %s while planning step %d ahead; planning in line from here on "
+                       "(each step with the cost model it was submitted with)", rank, what, step)
+        self.close()
 
     def _publish(self, step: int, result: tuple[bool, Any]) -> None:
         if self.share is not None and step not in self._published:
@@ -119,7 +137,7 @@ class PlanAhead:
         for step, future in self._futures.items():
             if self.share is not None and step not in self._published and future.done():
                 error = future.exception()
-                if not isinstance(error, BrokenProcessPool):
+                if not isinstance(error, PlannerDied):
                     self._publish(step, (False, error) if error is not None else (True, future.result()))
 
     def submit_through(self, step: int, cost_model: Any) -> None:
@@ -130,9 +148,14 @@ class PlanAhead:
         for k in range(self._next, min(step, self.last) + 1):
             self._lengths[k] = lengths = self._lengths_of(k)
             if self._owns(k):
-                self._futures[k] = self._pool.submit(_plan, lengths, cost_model, *self._args)
+                self._models[k] = cost_model
+                if self._pool is not None:
+                    self._futures[k] = self._pool.submit(_plan, lengths, cost_model, *self._args)
             self._next = k + 1
 
     def close(self) -> None:
-        """Stop the planner processes; plans not yet asked for are dropped."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the planner processes; plans not yet asked for are planned in line when asked."""
+        pool, self._pool = self._pool, None
+        self._futures = {k: f for k, f in self._futures.items() if f.done() and f.exception() is None}
+        if pool is not None:
+            pool.close()

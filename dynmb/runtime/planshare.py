@@ -28,12 +28,13 @@ __all__ = ["PlanShare", "KeyValueStore", "job_store"]
 
 
 class KeyValueStore(Protocol):
-    """What ``torch.distributed.Store`` offers and ``PlanShare`` uses."""
+    """What ``torch.distributed.Store`` offers and ``PlanShare`` (and ``ready.wait_for_ranks``) use."""
 
     def set(self, key: str, value: bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
     def add(self, key: str, amount: int) -> int: ...
     def delete_key(self, key: str) -> bool: ...
+    def check(self, keys: list[str]) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,14 @@ class PlanShare:
         """``(planned, wait_s)``: the owner's plan of ``step``, blocking until it is published."""
         key = self._key(step)
         t0 = time.perf_counter()
-        planned = pickle.loads(self.store.get(key))
+        try:
+            data = self.store.get(key)
+        except Exception as e:  # noqa: BLE001 - the store's timeout (DistStoreError) names only its key
+            cause = " ".join(str(e).split())[:200]
+            raise RuntimeError(f"plan ahead: rank {self.rank} got no plan of step {step} from rank "
+                               f"{self.owner(step)}, which plans it (its planner processes, or the rank itself, "
+                               f"stopped or died: {type(e).__name__}: {cause})") from None
+        planned = pickle.loads(data)
         wait_s = time.perf_counter() - t0
         if self.store.add(key + "/read", 1) >= self.world - 1:      # the last reader cleans up
             self.store.delete_key(key)

@@ -14,7 +14,7 @@
    (``slice_fitting`` off: slicing sequences that fit only adds options, and costs minutes at scale).
    What ``dynmb plan`` refuses for them (a limit below the model states, a sequence longer than any row,
    a position limit shorter than the data, data parallelism over too few sequences) is one line naming
-   the step and the sequence's trace row (corpus record), not its position in the batch.
+   the step and the sequence's trace row (a corpus's file and record there), not its position in the batch.
 
 A plan-file run (``--plan``) was checked against its plan by ``load_plan_files``; step 2 is skipped.
 """
@@ -76,7 +76,8 @@ def check_first_batches(spec: RunSpec) -> None:
     from dynmb.planning import plan_step
 
     run = spec.run
-    trace = spec.corpus.load().lengths if spec.corpus is not None else load_trace(run.dataset)
+    corpus = spec.corpus.load() if spec.corpus is not None else None
+    trace = corpus.lengths if corpus is not None else load_trace(run.dataset)
     steps = run.warmup + run.steps
     rows = [sample_indices(len(trace), run.global_batch, run.seed, step=k, note=False) for k in range(steps)]
     longest = int(np.argmax([trace[r].max() for r in rows]))
@@ -88,18 +89,20 @@ def check_first_batches(spec: RunSpec) -> None:
         try:
             plan_step(trace[rows[k]], spec_of, model_cfg=run.model, cost_model=cost, memory_model=memory)
         except ValueError as e:
-            source = "corpus record" if spec.corpus is not None else "trace row"
-            raise ValueError(f"step {k}: {_with_rows(_first_line(e), rows[k], source)}") from None
+            raise ValueError(f"step {k}: {_with_rows(_first_line(e), rows[k], corpus)}") from None
 
 
 _IDS = re.compile(r"\bids \[([\d, ]+)\]")
 
 
-def _with_rows(message: str, rows: np.ndarray, source: str) -> str:
-    """``message`` with the batch positions it names (``ids [1, 2]``) as the trace rows they hold."""
+def _with_rows(message: str, rows: np.ndarray, corpus: Any = None) -> str:
+    """``message`` with the batch positions it names (``ids [1, 2]``) as the trace rows they hold, or for
+    a corpus (``CorpusTokens``) as each record's file and number there (0-based)."""
     def rows_of(m: re.Match[str]) -> str:
-        positions = [int(p) for p in m.group(1).split(",") if p.strip()]
-        return f"{source}s {[int(rows[p]) for p in positions if p < len(rows)]}"
+        held = [int(rows[int(p)]) for p in m.group(1).split(",") if p.strip() and int(p) < len(rows)]
+        if corpus is None:
+            return f"trace rows {held}"
+        return f"corpus records [{', '.join(corpus.record_name(r) for r in held)}] (0-based)"
     return _IDS.sub(rows_of, message, count=1)
 
 

@@ -111,6 +111,8 @@ class StepReport:
     """Failed checks (memory limit, gradients), one message each."""
     plan_wait_s: float = 0.0
     """How long this rank's step start waited for the step's plan (``runtime.planahead``)."""
+    grad_rel_err: float | None = None
+    """``--verify``: the largest relative gradient error of this rank's parameters (``checks.relative_error``)."""
 
 
 def actions_frame(rows: Sequence[ActionRow]) -> pd.DataFrame:
@@ -174,7 +176,7 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
         loss=sum(r.loss for r in reports), schedule=schedule_label(spec), schedule_kind=plan.schedule_kind,
         reorder=pipeline.reorder,
         num_stages=pipeline.num_stages, virtual=pipeline.virtual, dp=cfg.dp, world_size=world_size,
-        verified=spec.verify, memory_limit_bytes=int(plan.memory_limit_bytes), mbs=plan.meta.get("mbs"),
+        verified=spec.verify, grad_rel_err=_grad_rel_err(reports), memory_limit_bytes=int(plan.memory_limit_bytes), mbs=plan.meta.get("mbs"),
         model=cfg.model.name, global_batch=cfg.global_batch, truncated=len(plan.meta.get("truncated", [])),
         dropped=len(plan.meta.get("dropped", [])), recomputed=int(plan.recompute_mask().sum()),
         sliced=len(plan.slice_groups()), slices=sum(len(w) for w in plan.slice_groups().values()),
@@ -189,6 +191,12 @@ def step_row(spec: RunSpec, step: int, plan: Plan, reports: Sequence[StepReport]
             schedule, plan, [a for r in reports for a in r.actions], cost_model),
         **step_bound_fields(plan, schedule, cost_model, [a for r in reports for a in r.actions], step_s),
         model_version=refit_version(cost_model), **plan_choice_fields(plan), label=spec.display_label)
+
+
+def _grad_rel_err(reports: Sequence[StepReport]) -> float | None:
+    """The ``grad_rel_err`` column: the largest of the ranks' (None: not verified)."""
+    errs = [r.grad_rel_err for r in reports if r.grad_rel_err is not None]
+    return max(errs) if errs else None
 
 
 def schedule_label(spec: RunSpec) -> str:

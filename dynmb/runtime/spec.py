@@ -158,7 +158,7 @@ class RunSpec:
                model_factory: str | None = None, virtual_choice: str = "") -> RunSpec:
         """A spec for ``run`` writing to ``out_dir`` (made absolute, as are ``plan`` and
         ``schedule``); ``run_id`` defaults to ``<method>-<schedule>-<8 hex digits>``, new every call."""
-        rid = run_id or f"{run.method}-{run.pipeline.schedule}-{uuid.uuid4().hex[:8]}"
+        rid = run_id or f"{run.spec.method}-{run.spec.schedule_kind}-{uuid.uuid4().hex[:8]}"
         return cls(run=run, out_dir=str(Path(out_dir).resolve()), run_id=rid, label=label, verify=verify,
                    allow_over_limit=allow_over_limit, memory_model=memory_model, calibrate=calibrate, hooks=hooks,
                    plan=str(Path(plan).resolve()) if plan else None,
@@ -168,7 +168,7 @@ class RunSpec:
     @property
     def display_label(self) -> str:
         """The ``label`` column: the label, else the method."""
-        return self.label or self.run.method
+        return self.label or self.run.spec.method
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run.to_dict(), "out_dir": self.out_dir, "run_id": self.run_id, "label": self.label,
@@ -200,12 +200,12 @@ class RunSpec:
         run = self.run
         spec = run.plan_spec
         check_plan_spec(spec if self.plan is None else spec.with_(mbs=None, pack_len=None))
-        if self.plan is None and run.pack_len is not None:        # longer than any row that fits
+        if self.plan is None and run.spec.pack_len is not None:        # longer than any row that fits
             check_plan_spec(spec, run.model, get_memory_model(self.memory_model, run.model, spec.num_stages))
         if not run.timeout_s > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {run.timeout_s}")
-        if self.plan is None and run.global_batch < run.dp:
-            raise ValueError(f"--global-batch {run.global_batch} is smaller than --dp {run.dp}: every data-parallel "
+        if self.plan is None and run.global_batch < run.spec.dp:
+            raise ValueError(f"--global-batch {run.global_batch} is smaller than --dp {run.spec.dp}: every data-parallel "
                              "replica needs at least one sequence of the global batch")
         check_device(run.backend, run.device)
 
@@ -213,8 +213,8 @@ class RunSpec:
         """The run's cost and memory models, through the one loader (``dynmb.costmodel.loader.load_models``:
         the run's files, else the fit shipped for its model, stages and device, else the stand-ins)."""
         run = self.run
-        return load_models(run.model, run.pipeline.num_stages, cost=run.cost_model, memory=self.memory_model,
-                           device=run.device, virtual=run.pipeline.virtual, own_model=self.model_factory is not None,
+        return load_models(run.model, run.spec.num_stages, cost=run.cost_model, memory=self.memory_model,
+                           device=run.device, virtual=run.spec.virtual, own_model=self.model_factory is not None,
                            who=who)
 
     def check(self) -> None:
@@ -324,11 +324,11 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     checked against the run: stages, limit, method, data parallelism, sequences, ranks."""
     if spec.plan is None:
         raise ValueError("this run plans its batches; it has no plan file")
-    run, pipeline = spec.run, spec.run.pipeline
+    run, pipeline = spec.run, spec.run.spec
     plan = Plan.load(spec.plan, allow_over_limit=spec.allow_over_limit)
     want = {"stages": (plan.num_stages, pipeline.num_stages),
             "memory limit bytes": (int(plan.memory_limit_bytes), int(pipeline.memory_limit_bytes)),
-            "method": (plan.method, run.method), "dp": (plan.dp, run.dp),
+            "method": (plan.method, run.spec.method), "dp": (plan.dp, run.spec.dp),
             "sequences (global batch)": (plan.num_sequences, run.global_batch)}
     for what, (in_plan, in_run) in want.items():
         if in_plan != in_run:
@@ -343,7 +343,7 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     if spec.schedule is None:
         return plan, None
     replica = plan.replica(0) if plan.dp > 1 else plan
-    schedule = from_csv(spec.schedule, num_microbatches=replica.num_microbatches, kind=pipeline.schedule)
+    schedule = from_csv(spec.schedule, num_microbatches=replica.num_microbatches, kind=pipeline.schedule_kind)
     ranks = pipeline.num_stages // pipeline.virtual
     if schedule.num_stages != plan.num_stages or schedule.num_ranks != ranks:
         raise ValueError(f"schedule {spec.schedule} has {schedule.num_stages} stages on {schedule.num_ranks} ranks; "

@@ -48,6 +48,7 @@ from dynmb.runtime.device import device_ops
 from dynmb.runtime.fsdp import shard_stage
 from dynmb.runtime.meter import MemoryMeter
 from dynmb.runtime.planahead import PlanAhead
+from dynmb.runtime.ready import wait_for_ranks
 from dynmb.runtime.planshare import PlanShare, job_store
 from dynmb.runtime.records import ActionRow, ShapeCounts, actions_frame
 from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_head_split
@@ -105,7 +106,7 @@ class RunState:
         self.run = run = spec.run
         self.topology = Topology.for_run(run, dist.get_rank(), dist.get_world_size())
         self.groups = make_process_groups(self.topology, timedelta(seconds=run.timeout_s), device)
-        num_stages = run.pipeline.num_stages
+        num_stages = run.spec.num_stages
         self.factory = spec.factory()
         _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
         if not getattr(self.factory, "dynmb_family", False):
@@ -127,6 +128,9 @@ class RunState:
             self.ahead.submit_through(self.ahead.window, self.cost_model)
         self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
                        for s in self.topology.local_stages}
+        if dist.get_world_size() > 1:    # a slow or stuck factory names its rank, not the one waiting for it
+            wait_for_ranks(job_store(), f"{spec.run_id}/stages", self.rank, dist.get_world_size(), run.timeout_s,
+                           "building its stages (the model factory's build_stage)")
         sync_replicas(self.stages.values(), self.groups.data_parallel)   # replicas start identical
         self.sharded = run.shard      # FSDP2 over the replicas (dynmb.runtime.fsdp); before the optimizer
         for stage in self.stages.values() if self.sharded else ():
@@ -218,7 +222,7 @@ class RunState:
         """Set the cost model the next step is planned and predicted with (``planning_model`` of the job's
         history; every rank holds the same history, so all compute the same model)."""
         self.cost_model = planning_model(self.profile_model, self.history, self.spec.run_id,
-                                         self.run.pipeline.num_stages)
+                                         self.run.spec.num_stages)
 
     def close(self) -> None:
         self.meter.close()
@@ -266,7 +270,7 @@ def prewarm(state: RunState) -> int:
         inputs = make_inputs(microbatch, tokens, cfg=run.model, device=state.device)
         for s, stage in state.stages.items():
             x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model, s - 1,
-                                                                     run.pipeline.num_stages),
+                                                                     run.spec.num_stages),
                                                         dtype=torch_dtype(run.model), device=state.device,
                                                         requires_grad=True)
             y = stage(x, inputs)

@@ -42,6 +42,7 @@ from dynmb.runtime.checks import (
     gradient_problems,
     memory_problems,
     reference_gradients,
+    relative_error,
 )
 from dynmb.runtime.comm import P2P
 from dynmb.runtime.fsdp import begin_step, finish_step, full_tensors
@@ -144,14 +145,14 @@ def run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
 
 
 def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
-    run, pipeline, device, topology = state.run, state.run.pipeline, state.device, state.topology
+    run, pipeline, device, topology = state.run, state.run.spec, state.device, state.topology
     batch = state.plan_batch(step)
     plan = state.hooks.plan(state.rank, step, batch.plan)
     check_plan_digest(plan, step, device)
     replica = replica_of(plan, topology.dp_index)
     schedule = batch.schedule
     if topology.dp_index > 0:
-        schedule = make_schedule(replica, pipeline.schedule, virtual=pipeline.virtual,
+        schedule = make_schedule(replica, pipeline.schedule_kind, virtual=pipeline.virtual,
                                  memory_model=state.memory_model, cost_model=state.cost_model)
     if schedule.num_microbatches != replica.num_microbatches or schedule.num_ranks != topology.pipeline_size:
         raise RuntimeError(f"schedule for {schedule.num_microbatches} microbatches on {schedule.num_ranks} ranks "
@@ -193,9 +194,11 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     action_rows, busy_s = _action_rows(state, step, replica, timings, start_mark)
     memory_rows = _memory_rows(state, step, plan)
     problems = memory_problems(memory_rows, allow_over_limit=state.spec.allow_over_limit)
+    grad_rel_err = None
     if weights is not None and verified_grads is not None:
         reference = reference_gradients(run, plan, tokens, weights, factory=state.spec.factory())
         problems += gradient_problems(state.rank, step, verified_grads, reference)
+        grad_rel_err = relative_error(verified_grads, reference)
     report = StepReport(rank=state.rank, step_s=step_s, busy_s=busy_s, loss=loss, actions=action_rows,
-                        memory=memory_rows, problems=problems, plan_wait_s=batch.wait_s)
+                        memory=memory_rows, problems=problems, plan_wait_s=batch.wait_s, grad_rel_err=grad_rel_err)
     return report, plan, batch.schedule

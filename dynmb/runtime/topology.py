@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dynmb.core.config import RunConfig
 from dynmb.runtime.comm import make_pair_groups
-from dynmb.schedule.kinds import AUTO, get_kind
+from dynmb.schedule.kinds import AUTO, auto_placement, get_kind
 from dynmb.schedule.vshape import placement_rank
 
 __all__ = ["Topology", "ProcessGroups", "make_process_groups"]
@@ -53,12 +53,12 @@ class Topology:
     @classmethod
     def for_run(cls, run: RunConfig, rank: int, world_size: int) -> Topology:
         """This rank's topology for ``run``; the world must be pipeline ranks x dp."""
-        pipeline = run.pipeline
-        if world_size != pipeline.num_ranks * run.dp:
+        pipeline = run.spec
+        if world_size != pipeline.num_ranks * run.spec.dp:
             raise ValueError(f"world size {world_size} != pipeline ranks {pipeline.num_ranks} (stages "
-                             f"{pipeline.num_stages} / virtual {pipeline.virtual}) x dp {run.dp}")
-        placement = "loop" if pipeline.schedule == AUTO else get_kind(pipeline.schedule).placement
-        return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.dp, rank=rank,
+                             f"{pipeline.num_stages} / virtual {pipeline.virtual}) x dp {run.spec.dp}")
+        placement = auto_placement(run.plan_spec) if pipeline.schedule_kind == AUTO else get_kind(pipeline.schedule_kind).placement
+        return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.spec.dp, rank=rank,
                    placement=placement)
 
     @property

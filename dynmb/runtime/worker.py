@@ -105,7 +105,7 @@ def _open_run(spec: RunSpec, device: torch.device, recorder: Recorder, hooks: St
     """Set up one run on this rank; rank 0 records its ``runs`` row. Interleaved runs on the same
     model, stage count and cost model share one calibration history (``histories``)."""
     run = spec.run
-    history = histories.setdefault((run.model, run.pipeline.num_stages, run.cost_model), [])
+    history = histories.setdefault((run.model, run.spec.num_stages, run.cost_model), [])
     state = RunState(spec, device, hooks if hooks is not None else load_hooks(spec.hooks), history)
     state.first_step = resume_run(state)
     if state.rank == 0:
@@ -205,7 +205,7 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
         # fault the heap in once, before any case: not inside the first steps' actions, and not once
         # per case (each case's set-up then carves into the freed block and the next prefault grows
         # the heap by another 2x limit: 9 interleaved cases at 1 GiB took 17 GB and were OOM-killed)
-        prefault(max(spec.run.pipeline.memory_limit_bytes for spec in specs),
+        prefault(max(spec.run.spec.memory_limit_bytes for spec in specs),
                  local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     for group in ([list(specs)] if interleave else [[s] for s in specs]):
         recorder = Recorder()

@@ -31,24 +31,23 @@ A kind's traits (``ScheduleKind``):
 - ``cache_key(BuildInputs)``: for a builder that reads the bytes (so its schedule follows the
   microbatch order), a key equal for inputs that build the same schedule (memory-aware: its
   windows), so a reorder search builds each schedule once.
-- ``estimate_as``: the op order (``"gpipe"`` or ``"1f1b"``) the fast makespan estimate
-  (``dynmb.timing.makespan``) sweeps for this kind, or ``"zb-h1"`` / ``"zb"``: the zero-bubble
-  estimate (``dynmb.timing.makespan_zb``: the input gradient sent before the ``W``, the cool-down's ``W``
-  filling the waits; ZB-H1's in-flight count ``P - s`` or ``zb``'s largest extra warm-up), or
-  ``"interleaved"``: the interleaved builder's order of ``virtual`` chunks per GPU
-  (``dynmb.timing.makespan_interleaved``).
+- ``estimate_as``: the key of this kind's fast makespan estimator in the estimator registry
+  (``dynmb.timing.estimators``: ``gpipe``, ``1f1b``, ``zb-h1``, ``zb``, ``interleaved``, ``zb-v`` or any
+  registered later); the registry holds the callable and its traits (the timing layer, below this one, so the
+  record names the entry), and ``dynmb.timing.makespan.makespans`` calls it. Every entry is tested against the
+  simulator on random pipelines (``tests/test_estimators.py``).
 
 - ``auto``: ``--schedule auto`` weighs this kind (``auto_kinds``).
 - ``placement``: which rank holds each stage (``dynmb.schedule.vshape.placement_rank``; ``loop``: stage
   ``s`` on rank ``s % R``; ``v``: ZB-V's, ``zb-v``); the memory peak rule, the packers' per-GPU sums
-  and the runtime's topology read it; ``auto`` weighs ``loop`` kinds only (a run's placement is fixed).
+  and the runtime's topology read it; ``auto`` weighs the kinds of one placement per run (``auto_kinds``).
 - ``chunks``: the model chunks per rank a kind runs with exactly (``zb-v``: 2), refused otherwise.
 
 Adding a kind is one new module with its builder and its record, plus one
 ``register_kind(record)`` call. ``SCHEDULE_KINDS`` is a live view of the registered names.
 
 ``AUTO`` (``"auto"``) is not a kind but a choice among kinds, made per step by the planner
-(``dynmb.planning.planner``): it plans the step for each kind of ``auto_kinds(virtual, slices)``
+(``dynmb.planning.planner``): it plans the step for each kind of ``auto_kinds_for(spec)``
 (the dynamic packer packs for the kind it will run; kinds of equal ``packing_key`` share one
 packing, since the packers read nothing else of a kind), simulates each under the memory limit
 and keeps the fastest that fits. The plan records the chosen kind (``Plan.schedule_kind``) and
@@ -69,7 +68,8 @@ from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.core.types import Schedule
 
 __all__ = ["BuildInputs", "ScheduleKind", "register_kind", "unregister_kind", "get_kind", "kind_names",
-           "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight", "AUTO", "auto_kinds", "is_schedule_name",
+           "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight", "AUTO", "AUTO_PLACEMENTS", "auto_kinds",
+           "auto_kinds_for", "auto_placement", "is_schedule_name",
            "resolve_kind"]
 
 
@@ -131,9 +131,9 @@ class ScheduleKind:
     fits_by_construction: bool = False
     """The builder keeps the peak under the limit by itself (whenever it can build)."""
     estimate_as: str = "1f1b"
-    """The fast makespan estimate of this kind: gpipe or 1f1b (the op order swept), zb-h1 / zb
-    (the zero-bubble estimate, ``dynmb.timing.makespan_zb``, with ZB-H1's or zb's largest in-flight count), or
-    interleaved (``dynmb.timing.makespan_interleaved``: the interleaved order of ``virtual`` chunks per GPU)."""
+    """The fast makespan estimator of this kind: the key of its entry in ``dynmb.timing.estimators`` (gpipe or
+    1f1b: the op order swept; zb-h1 / zb: ``dynmb.timing.makespan_zb``; interleaved:
+    ``dynmb.timing.makespan_interleaved``; zb-v: ``dynmb.timing.makespan_zbv``; or one registered later)."""
     cache_key: Callable[[BuildInputs], bytes] | None = None
     """For builders that read the microbatches' bytes: a key equal for inputs that build the same
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
@@ -150,8 +150,8 @@ class ScheduleKind:
             raise ValueError(f"a schedule kind needs a name, got {self.name!r}")
         if self.memory not in ("none", "optional", "required"):
             raise ValueError(f"kind {self.name!r}: memory must be none, optional or required, got {self.memory!r}")
-        if self.estimate_as not in ("gpipe", "1f1b", "zb-h1", "zb", "interleaved"):
-            raise ValueError(f"kind {self.name!r}: estimate_as must be gpipe, 1f1b, zb-h1, zb or interleaved, "
+        if not self.estimate_as or not isinstance(self.estimate_as, str):
+            raise ValueError(f"kind {self.name!r}: estimate_as must name an estimator (dynmb.timing.estimators), "
                              f"got {self.estimate_as!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"kind {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}")
@@ -232,13 +232,37 @@ AUTO = "auto"
 """The schedule choice made per step: the fastest kind of ``auto_kinds`` that fits (module doc)."""
 
 
+AUTO_PLACEMENTS = ("v", "loop")
+"""The placements ``auto`` prefers, first first: ZB-V's wherever a V kind runs the run's steps (at ``virtual`` 2 it
+was 4-15% faster than interleaved in 12 of 12 simulated cells, docs/design.md), else the loop placement."""
+
+
 def auto_kinds(virtual: int = 1, slices: bool = False) -> tuple[str, ...]:
     """The kinds ``auto`` weighs, in registration order (ties go to the first): the registered kinds
     with ``auto`` that take ``virtual`` chunks per rank (with ``virtual`` > 1 a rank holds several
-    model chunks, which only kinds with ``virtual_stages`` run; with 1, those kinds are their
-    one-chunk equal and are left out) and, for a plan with slices of long sequences, run them."""
-    return tuple(k for k, v in _REGISTRY.items() if v.auto and v.virtual_stages == (virtual > 1)
-                 and (v.slices or not slices) and v.placement == "loop")
+    model chunks, which only kinds with ``virtual_stages`` run, a kind of fixed ``chunks`` only that many;
+    with 1, those kinds are their one-chunk equal and are left out) and, where the run's steps may hold
+    slices of long sequences (``slices``; ``auto_kinds_for`` reads it from the settings), run them; of those,
+    the kinds of ONE placement, the first of ``AUTO_PLACEMENTS`` any of them has: a run places its stages
+    once (``dynmb.runtime.topology``), so ``auto`` never changes placement from step to step. At ``virtual``
+    2 without slices that is ``zb-v`` (V placement), else the loop kinds (1f1b, zb-h1, zb; interleaved)."""
+    kinds = [(k, v) for k, v in _REGISTRY.items() if v.auto and v.virtual_stages == (virtual > 1)
+             and (v.chunks is None or v.chunks == virtual) and (v.slices or not slices)]
+    placements = [p for p in AUTO_PLACEMENTS if any(v.placement == p for _, v in kinds)]
+    return tuple(k for k, v in kinds if placements and v.placement == placements[0])
+
+
+def auto_kinds_for(spec: Any) -> tuple[str, ...]:
+    """``auto_kinds`` of the settings ``spec`` (a ``PlanSpec``): its ``virtual``, and slices wherever its steps
+    may hold them (``oversize="split"`` or ``slice_fitting="auto"``), the same kinds for every step of a run."""
+    may_slice = spec.oversize == "split" or getattr(spec, "slice_fitting", "never") != "never"
+    return auto_kinds(spec.virtual, slices=may_slice)
+
+
+def auto_placement(spec: Any) -> str:
+    """The placement of the kinds ``auto`` weighs under the settings ``spec`` (``auto_kinds_for``; ``loop`` if none)."""
+    kinds = auto_kinds_for(spec)
+    return _REGISTRY[kinds[0]].placement if kinds else "loop"
 
 
 def is_schedule_name(name: str) -> bool:
@@ -391,9 +415,9 @@ def _zb_v(inp: BuildInputs) -> Schedule:
 
 register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
                            slices=True, memory="optional", costs=True, estimate_as="zb", auto=True))
-# ZB-V: two chunks per rank placed V-wise (dynmb.schedule.vshape); the packers count its chunk window per GPU and
-# estimate it as interleaved (the same chunk count per GPU). ``auto`` leaves it out: a run's placement is fixed
-# while auto's kinds change step by step.
+# ZB-V: two chunks per rank placed V-wise (dynmb.schedule.vshape); the packers count its chunk window per GPU,
+# rank candidates with the interleaved estimate (dynmb.timing.makespan_zb.RANK_AS) and choose with its own. ``auto``
+# weighs it at virtual 2 where no slices may run (``auto_kinds``: one placement per run).
 register_kind(ScheduleKind(name="zb-v", build=_zb_v, window=_one_f_one_b_window, chunk_window=v_inflight,
                            virtual_stages=True, split_backward=True, memory="optional", costs=True,
-                           estimate_as="interleaved", chunks=2, placement="v"))
+                           estimate_as="zb-v", chunks=2, placement="v", auto=True))

@@ -38,7 +38,7 @@ import numpy as np
 from dynmb.core.types import Action, Schedule
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs
 
-__all__ = ["placement_rank", "v_rank", "zb_v", "v_inflight", "PLACEMENTS"]
+__all__ = ["placement_rank", "v_rank", "zb_v", "v_inflight", "admission_caps", "list_makespan", "PLACEMENTS"]
 
 PLACEMENTS = ("loop", "v")
 """Stage -> rank rules: ``loop`` (stage ``s`` on rank ``s % R``), ``v`` (``v_rank``)."""
@@ -74,8 +74,23 @@ def zb_v(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eval
     R = num_stages // 2
     if evaluate is None:
         return _list_v(inp, 2 * R)
-    cands = [_list_v(inp, cap) for cap in sorted({R + 1, (3 * R + 1) // 2, 2 * R})]
+    cands = [_list_v(inp, cap) for cap in admission_caps(R)]
     return min(cands, key=lambda c: evaluate(c)[0])
+
+
+def admission_caps(ranks: int) -> tuple[int, ...]:
+    """The admission caps ``zb_v`` tries with an evaluator: ``R + 1``, ``(3R + 1) // 2``, ``2R`` (distinct)."""
+    R = int(ranks)
+    return tuple(sorted({R + 1, (3 * R + 1) // 2, 2 * R}))
+
+
+def list_makespan(inp: ZBInputs, cap: int) -> float:
+    """The end of the greedy V list schedule with admission ``cap``, by the list scheduler's own clocks (each
+    op starts at its rank's clock, which waits only for inputs it knows of: never before the simulator's start
+    of the same op, so an upper bound of that schedule's simulated makespan; ``dynmb.timing.makespan_zbv``)."""
+    v = _VList(inp, cap)
+    v.schedule()
+    return max(v.clock)
 
 
 def _list_v(inp: ZBInputs, cap: int) -> Schedule:
@@ -102,23 +117,26 @@ class _VList:
 
     def arrival(self, s: int, op: str, j: int) -> float:
         """When op j's input is on stage s (-1: not yet known); P2P time where it crosses ranks."""
-        def hop(a: int) -> float:
-            return self.comm[j] if self.rank_of[a] != self.rank_of[s] else 0.0
         if op == "F":
             if s == 0:
                 return 0.0
-            return self.fend[s - 1][j] + hop(s - 1) if self.fend[s - 1][j] >= 0 else -1.0
-        if self.fend[s][j] < 0:
+            end, a = self.fend[s - 1][j], s - 1
+        else:
+            if self.fend[s][j] < 0:
+                return -1.0
+            if s == self.S - 1:
+                return self.fend[s][j]
+            end, a = self.bend[s + 1][j], s + 1
+        if end < 0:
             return -1.0
-        if s == self.S - 1:
-            return self.fend[s][j]
-        return self.bend[s + 1][j] + hop(s + 1) if self.bend[s + 1][j] >= 0 else -1.0
+        return end + self.comm[j] if self.rank_of[a] != self.rank_of[s] else end
 
     def run(self, r: int, s: int, op: str, j: int) -> None:
         """Rank r runs ``op`` of microbatch j on stage s (X: its backward, I or a full B)."""
         if op == "X":
             op = "I" if self.split[s][j] else "B"
-        self.clock[r] += {"F": self.F, "I": self.I, "B": self.B, "W": self.W}[op][s][j]
+        cost = self.F if op == "F" else self.I if op == "I" else self.W if op == "W" else self.B
+        self.clock[r] += cost[s][j]
         self.acts[r].append(Action(s, op, j))
         if op == "F":
             self.fend[s][j], self.nf[s], self.live[r] = self.clock[r], self.nf[s] + 1, self.live[r] + 1
@@ -131,25 +149,31 @@ class _VList:
             else:
                 self.live[r] -= 1
 
-    def step(self, r: int, t: float, later: list[float]) -> bool:
-        """One decision of rank r at its clock t (module doc, 1-4); ``later``: other ranks' clocks.
-        False when it could only wait with no known time to wait for."""
-        chunks = (self.S - 1 - r, r)                  # chunk 1 first
-        cands = []                                    # (priority, input arrival, stage, op, mb)
-        for pri, s in enumerate(chunks):
-            if self.nb[s] < self.m:
-                cands.append((pri, self.arrival(s, "X", self.nb[s]), s, "X", self.nb[s]))
-            if self.nf[s] < self.m:
-                cands.append((2 + pri, self.arrival(s, "F", self.nf[s]), s, "F", self.nf[s]))
+    def _candidates(self, r: int) -> list[tuple[int, str, int]]:
+        """Rank r's next ops in priority order (module doc): chunk 1's backward, chunk 0's, chunk 1's forward,
+        chunk 0's, as (stage, op, microbatch); X is a backward."""
+        c1, m = self.S - 1 - r, self.m
+        out = [(s, "X", self.nb[s]) for s in (c1, r) if self.nb[s] < m]
+        return out + [(s, "F", self.nf[s]) for s in (c1, r) if self.nf[s] < m]
+
+    def step(self, r: int, t: float, heap: list[tuple[float, int, int]]) -> bool:
+        """One decision of rank r at its clock t (module doc, 1-4); ``heap``: the other ranks' (clock, turn,
+        rank). False when it could only wait with no known time to wait for."""
+        cands = self._candidates(r)
         full = self.live[r] >= self.cap
-        ready = [c for c in cands if 0 <= c[1] <= t + 1e-12 and not (c[3] == "F" and c[2] == r and full)]
-        if ready and not (full and self.pend[r] and min(ready)[3] == "F"):
-            _, _, s, op, j = min(ready)
-            self.run(r, s, op, j)
+        chosen = None
+        for s, op, j in cands:                        # the first ready in priority order
+            a = self.arrival(s, op, j)
+            if 0 <= a <= t + 1e-12 and not (op == "F" and s == r and full):
+                chosen = (s, op, j)
+                break
+        if chosen is not None and not (full and self.pend[r] and chosen[1] == "F"):
+            self.run(r, *chosen)
         elif self.pend[r]:
             self.run_w(r)
         else:
-            known = [c[1] for c in cands if c[1] > t] + [c for c in later if c > t]
+            known = [a for a in (self.arrival(s, op, j) for s, op, j in cands) if a > t]
+            known += [c for c, _, _ in heap if c > t]
             if not known:
                 return False
             self.clock[r] = min(known)                # wait for the first input (or the next rank to move)
@@ -170,7 +194,7 @@ class _VList:
                 while self.pend[r]:
                     self.run_w(r)
                 continue
-            if self.step(r, t, [c for c, _, _ in heap]):
+            if self.step(r, t, heap):
                 stuck = 0
             else:                                     # every rank at t and none can run: cannot happen
                 stuck += 1

@@ -2,13 +2,12 @@
 
 ``makespan(F, B, comm_s, kind)`` for per-stage, per-microbatch costs ``F[P, m]``, ``B[P, m]``
 and a per-microbatch send time between neighbouring stages; ``makespans`` gives it for many
-pipelines at once. ``kind`` is a schedule kind; its record's ``estimate_as``
-(``dynmb.schedule.kinds``) says which op order is swept (``gpipe`` or ``1f1b``). Two regimes:
-
-A kind estimated as ``zb-h1`` or ``zb`` (the zero-bubble kinds) has an estimate of its own,
-``dynmb.timing.makespan_zb`` (a recurrence for every m, ``exact`` is ignored), and so has ``interleaved``
-(``dynmb.timing.makespan_interleaved``: the builder's order for ``virtual`` chunks per GPU swept with the
-simulator's recurrence, every m; ``F`` / ``B`` then have one row per model chunk).
+pipelines at once. ``kind`` is a schedule kind; its record's ``estimate_as`` names its entry in the
+estimator registry (``dynmb.timing.estimators``), whose callable ``makespans`` calls: this module's
+``gpipe`` and ``1f1b`` (the op order swept; below), the zero-bubble kinds' (``dynmb.timing.makespan_zb``),
+the interleaved one (``dynmb.timing.makespan_interleaved``: ``virtual`` chunks per GPU, ``F`` / ``B``
+one row per model chunk) and ZB-V's (``dynmb.timing.makespan_zbv``). The GPipe / 1F1B estimate has two
+regimes:
 
 * exact (equal to ``dynmb.timing.simulate``'s): the makespan of a GPipe or 1F1B schedule where every op
   starts when its stage is free and its input has arrived, over the op order the builders emit
@@ -37,22 +36,22 @@ the packers, one layer down, import it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
 import numpy as np
 
-from dynmb.timing.makespan_interleaved import ESTIMATE as INTERLEAVED
-from dynmb.timing.makespan_interleaved import interleaved_makespans
+import dynmb.timing.makespan_interleaved  # noqa: F401  (registers the interleaved estimator)
+import dynmb.timing.makespan_zb  # noqa: F401  (registers zb-h1, zb)
+import dynmb.timing.makespan_zbv  # noqa: F401  (registers zb-v)
+from dynmb.timing.estimators import Estimator, estimator_of, register_estimator
 from dynmb.timing.makespan_levels import level_order as _level_order
 from dynmb.timing.makespan_levels import levels as _levels
 from dynmb.timing.makespan_levels import sweep_levels
-from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
-from dynmb.timing.makespan_zb import zb_makespans
-from dynmb.schedule.kinds import get_kind
 from dynmb.schedule.order import stage_order
 
-__all__ = ["makespan", "makespans", "exact_regime", "round_trip_bound", "has_bound_regime", "EXACT_OPS",
+__all__ = ["makespan", "makespans", "order_makespans", "exact_regime", "round_trip_bound", "has_bound_regime", "EXACT_OPS",
            "EXACT_PER_STAGE"]
 
 EXACT_OPS = 6000
@@ -64,11 +63,10 @@ on stage 0), up to 4x low at P = 64 with heavy-tailed lengths."""
 
 
 def _exact_makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b") -> float:
-    """Makespan of the schedule ``kind`` (gpipe or 1f1b; others use 1f1b) for costs ``F``, ``B``."""
+    """Makespan of the op order ``kind`` (gpipe or 1f1b) for costs ``F``, ``B``."""
     p, m = F.shape
     if m == 0:
         return 0.0
-    kind = get_kind(kind).estimate_as
     c = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (m,)).tolist()
     Fl, Bl = F.tolist(), B.tolist()
     seqs = [stage_order(i, p, m, kind) for i in range(p)]
@@ -157,10 +155,9 @@ def round_trip_bound(F0: np.ndarray, B0: np.ndarray, up: np.ndarray, warmup: int
 
 
 def has_bound_regime(kind: str) -> bool:
-    """Whether ``kind``'s estimate has the bound regime (GPipe / 1F1B orders; the zero-bubble and the
-    interleaved estimates are one recurrence for every m)."""
-    est = get_kind(kind).estimate_as
-    return est not in ZB_ESTIMATES and est != INTERLEAVED
+    """Whether ``kind``'s estimator has the bound regime (``Estimator.bound_regime``: GPipe / 1F1B orders;
+    the others are one recurrence for every m)."""
+    return estimator_of(kind).bound_regime
 
 
 def exact_regime(num_stages: int, m: Any) -> Any:
@@ -240,25 +237,30 @@ def _exact_batch(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarr
 def makespans(F: np.ndarray, B: np.ndarray, comm_s: Any, sizes: Any, kind: str = "1f1b",
               exact: bool | None = None, shares: np.ndarray | None = None, virtual: int = 1) -> np.ndarray:
     """``makespan`` of several pipelines at once: pipeline k runs the next ``sizes[k]`` columns
-    of ``F``/``B`` (and of ``comm_s``, scalar or per column) in their order. With ``exact=None``
-    each is exact iff ``exact_regime``, else the bound (module doc). A zero-bubble estimate (``zb-h1``, ``zb``):
-    ``dynmb.timing.makespan_zb`` (``shares``: its ``I / B``, ``W / B`` per stage, ``backward_shares``); the
-    interleaved one: ``dynmb.timing.makespan_interleaved`` (``virtual`` chunks per GPU, the rows of ``F`` chunks)."""
-    P, M = F.shape
+    of ``F``/``B`` (and of ``comm_s``, scalar or per column) in their order, estimated by the entry of
+    ``dynmb.timing.estimators`` that ``kind``'s record names. GPipe / 1F1B: with ``exact=None`` each is exact
+    iff ``exact_regime``, else the bound (module doc). ``shares``: ``I / B``, ``W / B`` per stage for the
+    estimators with ``split_backward`` (``dynmb.timing.makespan_zb.backward_shares``); ``virtual``: chunks per
+    GPU for the estimators of virtual stages (the rows of ``F`` chunks)."""
+    M = F.shape[1]
     sizes = np.asarray(sizes, dtype=np.int64)
     comm = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), (M,))
-    kind = get_kind(kind).estimate_as
+    return estimator_of(kind).makespans(F, B, comm, sizes, exact=exact, shares=shares, virtual=virtual)
+
+
+def order_makespans(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarray, *, order: str,
+                    exact: bool | None = None, shares: np.ndarray | None = None, virtual: int = 1) -> np.ndarray:
+    """The GPipe / 1F1B estimate (``order``; module doc) of pipelines of ``sizes`` columns each: exact where
+    ``exact`` (or ``exact_regime`` with ``exact=None``), else the pipeline and round-trip bounds.
+    ``shares`` and ``virtual`` are not read (one stage per GPU, whole backwards)."""
+    P = F.shape[0]
     ex = exact_regime(P, sizes) if exact is None else np.full(len(sizes), bool(exact))
     ex &= sizes > 0
     out = np.zeros(len(sizes))
-    if kind in ZB_ESTIMATES:                          # the zero-bubble kinds: dynmb.timing.makespan_zb (one regime)
-        return zb_makespans(F, B, comm, sizes, shares, kind)
-    if kind == INTERLEAVED:                           # dynmb.timing.makespan_interleaved (one regime)
-        return interleaved_makespans(F, B, comm, sizes, virtual)
     offs = np.concatenate([[0], np.cumsum(sizes)])
     if np.any(ex):
         cols = np.concatenate([np.arange(a, e) for a, e in zip(offs[:-1][ex], offs[1:][ex])])
-        out[ex] = _exact_batch(F[:, cols], B[:, cols], comm[cols], sizes[ex], kind)
+        out[ex] = _exact_batch(F[:, cols], B[:, cols], comm[cols], sizes[ex], order)
     rest = np.flatnonzero(~ex & (sizes > 0))
     if len(rest):
         a, e = offs[rest], offs[rest + 1]
@@ -266,7 +268,7 @@ def makespans(F: np.ndarray, B: np.ndarray, comm_s: Any, sizes: Any, kind: str =
         zero = np.zeros((1, len(rest)))
         fill = np.concatenate([zero, np.cumsum(F[:-1, a] + comm[a], axis=0)])
         drain = np.concatenate([zero, np.cumsum(B[:-1, e - 1] + comm[e - 1], axis=0)])
-        out[rest] = np.maximum((work + fill + drain).max(axis=0), _round_trips(F, B, comm, offs, rest, kind))
+        out[rest] = np.maximum((work + fill + drain).max(axis=0), _round_trips(F, B, comm, offs, rest, order))
     return out
 
 
@@ -289,3 +291,8 @@ def makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b"
     ``exact=None``, when ``exact_regime(P, m)``; else the pipeline bound over the columns
     in their order and the round trips (``virtual``: chunks per GPU of the interleaved estimate)."""
     return float(makespans(F, B, comm_s, [F.shape[1]], kind, exact, shares, virtual)[0])
+
+
+for _order in ("gpipe", "1f1b"):        # exact below the regime's limit (up to float rounding), a lower bound above
+    register_estimator(Estimator(name=_order, makespans=functools.partial(order_makespans, order=_order),
+                                 guarantee="exact", tolerance=1e-9, bound_regime=True))

@@ -398,9 +398,9 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
 
 def estimate_makespan(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0, kind: str = "1f1b",
                       virtual: int = 1) -> float:
-    """The fast path: predicted makespan of the ``kind`` schedule (as its ``estimate_as`` says: ``gpipe``,
-    ``1f1b``, the zero-bubble estimate of ``dynmb.timing.makespan_zb`` with its default I / W shares, or the
-    interleaved one of ``dynmb.timing.makespan_interleaved`` with ``virtual`` chunks per GPU) of
+    """The fast path: predicted makespan of the ``kind`` schedule (by the estimator its ``estimate_as`` names in
+    ``dynmb.timing.estimators``: ``gpipe``, ``1f1b``, the zero-bubble ones with their default I / W shares, the
+    interleaved or ZB-V one with ``virtual`` chunks per GPU) of
     ``costs["F"]``, ``costs["B"]`` (``[num_stages, m]`` seconds) with ``comm_s`` per message, without a
     timeline: ``dynmb.timing.makespan.makespan`` (module doc)."""
     return makespan(np.asarray(costs["F"], dtype=np.float64), np.asarray(costs["B"], dtype=np.float64), comm_s, kind,

@@ -1,4 +1,4 @@
-"""The zero-bubble makespan estimate (``dynmb.timing.makespan_zb``) against the simulator.
+"""The zero-bubble makespan estimates (``dynmb.timing.makespan_zb``, ``dynmb.timing.makespan_zbv``) against the simulator.
 
     python -m studies.zerobubble.estimate [--random 200] [--traces sharegpt,wikitext2,longtail]
         [--stages 2,4,8,16] [--tokens 1M] [--dp 8] [--divisors 1,2,4,8,16]
@@ -6,8 +6,8 @@
 1. Random pipelines (``--random`` of them; P in 2-16, m from P / 2 to 16 P, microbatch sizes equal,
    lognormal or heavy-tailed, per-stage speeds, P2P time up to 30% of a forward, I / W shares of B
    drawn per stage): the estimate ``makespans(..., kind, shares=the true I / B, W / B)`` against
-   ``simulate`` of the schedule ``zb_h1`` / ``zb_limit_aware`` (no memory limit) builds with the
-   simulator as judge: the recurrence's own error.
+   ``simulate`` of the schedule ``zb_h1`` / ``zb_limit_aware`` (no memory limit) / ``zb_v`` (the P stages as
+   P / 2 ranks of two chunks) builds with the simulator as judge: the estimate's own error.
 2. The shipped traces: Llama-2-7B on the scaling study's H100 cost model (``studies/scaling/scaling.py``'s
    models, even split), ``--tokens`` per step over ``--dp`` replicas, the plans ``balanced`` makes at
    budgets memory maximum / d (``--divisors``: few to many microbatches); the slowest replica by the
@@ -30,6 +30,7 @@ import numpy as np
 from dynmb.timing.makespan import makespans
 from dynmb.timing.makespan_zb import backward_shares
 from dynmb.schedule.validate import execution_order
+from dynmb.schedule.vshape import zb_v
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1, zb_limit_aware
 from dynmb.timing.simulate import action_times, cross_mask
 from dynmb.core.planspec import PlanSpec
@@ -62,9 +63,9 @@ def random_case(rng: np.random.Generator) -> dict:
     ev = _evaluator(F, B, I, W, comm)
     inp = ZBInputs(F, B, I, W, comm, np.ones((P, m), dtype=bool))
     sims = {"zb-h1": ev(zb_h1(P, m, inp, evaluate=ev))[0],
-            "zb": ev(zb_limit_aware(P, m, inp, [np.inf] * P, np.inf, ev))[0]}
+            "zb": ev(zb_limit_aware(P, m, inp, [np.inf] * P, np.inf, ev))[0], "zb-v": ev(zb_v(P, m, inp, evaluate=ev))[0]}
     shares = np.stack([1.04 - wshare[:, 0], wshare[:, 0]])
-    est = {k: float(makespans(F, B, comm, [m], k, shares=shares)[0]) for k in sims}
+    est = {k: float(makespans(F, B, comm, [m], k, shares=shares, virtual=2 if k == "zb-v" else 1)[0]) for k in sims}
     return {"P": P, "m": m, "dist": dist, "sim": sims, "est": est}
 
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     rng = np.random.default_rng(a.seed)
     rand = [random_case(rng) for _ in range(a.random)]
-    for kind in ("zb-h1", "zb"):
+    for kind in ("zb-h1", "zb", "zb-v"):
         err = np.array([r["est"][kind] / r["sim"][kind] - 1 for r in rand])
         if len(err):
             print(f"random, {kind}: {_dist(err)}")
