@@ -220,10 +220,9 @@ def with_aliases(fold: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[
 
 
 def _fold_pipeline(settings: dict[str, Any]) -> dict[str, Any]:
-    """``PipelineConfig(schedule=...)``: the older name of ``schedule_kind``."""
+    """``PipelineConfig(schedule=...)``: the older name of ``schedule_kind``. Given both, the older name wins:
+    ``dataclasses.replace(p, schedule=...)`` passes every field and the change, so there the change is it."""
     if "schedule" in settings:
-        if "schedule_kind" in settings:
-            raise TypeError("PipelineConfig: give schedule_kind or its older name schedule, not both")
         settings["schedule_kind"] = settings.pop("schedule")
     return settings
 
