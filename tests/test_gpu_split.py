@@ -164,4 +164,4 @@ def test_the_command_line_and_compare_pass_virtual() -> None:
     args = argparse.Namespace(model="gpt2", stages=s, virtual=V, stage_split="auto", attention=None)
     assert model_from_args(args).layer_split == per_gpu
     assert model_from_args(argparse.Namespace(**{**vars(args), "virtual": None})).layer_split != per_gpu
-    assert _split_model("gpt2", None, s, "auto", None, None, None, V).layer_split == per_gpu
+    assert _split_model(cfg, s, "auto", None, None, None, V).layer_split == per_gpu
