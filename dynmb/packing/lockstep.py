@@ -47,6 +47,7 @@ of one replica's pipeline call; G: the same position in every group) from ``pack
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -126,22 +127,57 @@ def doc_weights(lens: np.ndarray, pack_len: int, cost_model: CostModelLike) -> n
 
 def balanced_fill(lens: np.ndarray, weights: np.ndarray, num_rows: int, pack_len: int) -> np.ndarray | None:
     """Row of every document, the rows' weights balanced under ``pack_len`` tokens each (step 3 (i)), then
-    ``pair_lone_documents``; None when a document finds no row with room. One vectorised scan of the
-    rows per document, O(n K)."""
-    order = np.lexsort((np.arange(len(lens)), -np.asarray(weights), -np.asarray(lens)))
-    room = np.full(num_rows, int(pack_len), dtype=np.int64)
-    load = np.zeros(num_rows)
-    row = np.empty(len(lens), dtype=np.int64)
-    w = np.asarray(weights, dtype=np.float64)
+    ``pair_lone_documents``; None when a document finds no row with room (``_least_loaded``)."""
+    row = _least_loaded(lens, weights, np.zeros(num_rows, dtype=np.int64), pack_len)
+    return None if row is None else pair_lone_documents(row, np.asarray(lens, dtype=np.int64), num_rows, pack_len)
+
+
+def _least_loaded(lens: np.ndarray, weights: np.ndarray, tier: np.ndarray, pack_len: int) -> np.ndarray | None:
+    """Row (an index into ``tier``) of every document: documents longest first (ties: heavier, then lower index),
+    each into the row of least weight with room among the rows of the lowest ``tier`` that has one (ties: the
+    lowest row); None when no row has room. A heap of (tier, weight, row) answers while one of its first
+    ``HEAP_POPS`` rows has room (O(log K)); else one scan of every row (O(K))."""
     sizes = np.asarray(lens, dtype=np.int64)
-    for i in order.tolist():
-        r = int(np.argmin(np.where(room >= sizes[i], load, np.inf)))
-        if room[r] < sizes[i]:
-            return None
-        row[i] = r
-        room[r] -= sizes[i]
+    w = np.asarray(weights, dtype=np.float64).tolist()
+    tiers = np.asarray(tier, dtype=np.int64)
+    heap = [(t, 0.0, r) for r, t in enumerate(tiers.tolist())]
+    heapq.heapify(heap)
+    room, load = np.full(len(tiers), int(pack_len), dtype=np.int64), [0.0] * len(tiers)
+    load_np = np.zeros(len(tiers))
+    row = np.empty(len(sizes), dtype=np.int64)
+    for i in np.lexsort((np.arange(len(sizes)), -np.asarray(weights), -sizes)).tolist():
+        size, r = int(sizes[i]), _heap_row(heap, room, load, int(sizes[i]))
+        if r is None:
+            fits = room >= size
+            if not fits.any():
+                return None
+            r = int(np.argmin(np.where(fits & (tiers == tiers[fits].min()), load_np, np.inf)))
+        row[i], room[r] = r, room[r] - size
         load[r] += w[i]
-    return pair_lone_documents(row, sizes, num_rows, pack_len)
+        load_np[r] = load[r]
+        heapq.heappush(heap, (int(tiers[r]), load[r], r))
+    return row
+
+
+HEAP_POPS = 32
+"""Rows without room ``_least_loaded``'s heap looks past before it scans every row."""
+
+
+def _heap_row(heap: list[tuple[int, float, int]], room: np.ndarray, load: list[float], size: int) -> int | None:
+    """The first row of ``heap`` (its entries whose weight is the row's current one) with ``size`` tokens of room,
+    popped; None when none is among the first ``HEAP_POPS`` (the rows looked past are pushed back)."""
+    passed, found = [], None
+    while heap and len(passed) < HEAP_POPS:
+        entry = heapq.heappop(heap)
+        if entry[1] != load[entry[2]]:
+            continue                                            # stale: the row took a document since
+        if room[entry[2]] >= size:
+            found = entry[2]
+            break
+        passed.append(entry)
+    for entry in passed:
+        heapq.heappush(heap, entry)
+    return found
 
 
 def pair_lone_documents(rows: np.ndarray, lens: np.ndarray, num_rows: int, pack_len: int) -> np.ndarray:
@@ -364,22 +400,13 @@ def _light_ends(lens: np.ndarray, weights: np.ndarray, shape: LockstepShape, M: 
 
 def _fill_in_tiers(lens: np.ndarray, weights: np.ndarray, tiers: list[np.ndarray], pack_len: int) -> np.ndarray | None:
     """Global row of every document: documents longest first, each into the row of least weight with room among
-    the first tier of rows that has one; None when none has."""
+    the first tier of rows (global row ids) that has one, then ``pair_lone_documents``; None when none has."""
     rows_all = np.concatenate(tiers)
-    room = np.full(len(rows_all), int(pack_len), dtype=np.int64)
-    load = np.zeros(len(rows_all))
-    tier = np.concatenate([np.full(len(t), k) for k, t in enumerate(tiers)])
-    sizes = np.asarray(lens, dtype=np.int64)
-    row = np.empty(len(sizes), dtype=np.int64)
-    for i in np.lexsort((np.arange(len(sizes)), -np.asarray(weights), -sizes)).tolist():
-        fits = room >= sizes[i]
-        if not fits.any():
-            return None
-        r = int(np.argmin(np.where(fits & (tier == tier[fits].min()), load, np.inf)))
-        row[i] = rows_all[r]
-        room[r] -= sizes[i]
-        load[r] += weights[i]
-    return pair_lone_documents(row, sizes, int(rows_all.max()) + 1, pack_len)
+    tier = np.concatenate([np.full(len(t), k, dtype=np.int64) for k, t in enumerate(tiers)])
+    local = _least_loaded(lens, weights, tier, pack_len)
+    if local is None:
+        return None
+    return pair_lone_documents(rows_all[local], np.asarray(lens, dtype=np.int64), int(rows_all.max()) + 1, pack_len)
 
 
 def _dealt_by_work(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, M: int,
