@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         mine = pd.concat([df for name, df in runs.items() if method[name] == m])
         rows.append({"method": m, "runs": sum(1 for x in method.values() if x == m), "pairs": len(measured),
                      "median step_s": mine.step_s.median(),
-                     "step_s / packed": pd.concat(measured).median(),
-                     "pred_step_s / packed": pd.concat(predicted).median()})
+                     "step_s / packed": pd.concat(measured).median() if measured else float("nan"),
+                     "pred_step_s / packed": pd.concat(predicted).median() if predicted else float("nan")})
     print(pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     return 0
 
