@@ -38,6 +38,11 @@ most ``T`` tokens: the oversize policy ran before):
    dimension at a time (``POLISH``: M, D, G) are re-filled by the balanced fill (``rebalance``), each
    kept where it shortens the predicted step.
 
+Documents longer than ``T``: ``--oversize truncate`` (cut at ``T``; the documented path) or ``drop``. ``split``
+is refused (``planning.spec_check.lockstep_refusal``): a slice chain (``planning.slicing``) attends to its
+earlier slices' keys and values across microbatches and runs its backwards in reverse slice order; a static-
+shape engine's rows attend within themselves and torch's schedules run backwards in forward order.
+
 Balance (``LockstepLayout.report``): per slot, the spread of its ``D`` microbatches' predicted
 bottleneck-stage F + B (``max - min``, seconds and relative to the max), the worst over slots; per
 group, the spread of the slot maxima over its ``M`` microbatches. The study's ablations
