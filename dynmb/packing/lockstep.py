@@ -374,7 +374,8 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
         polished = rebalance(best, lens, dims, shape, cost_model)
         full = not every_microbatch or len(np.unique(polished.row_of // shape.rows_per_mb)) == K // shape.rows_per_mb
         if full and polished.step_s < best.step_s:
-            best = replace(polished, report={**polished.report, "candidate": f"{best.report['candidate']}, {dims}"})
+            best = replace(polished, report={**polished.report, "candidate": f"{best.report['candidate']}, {dims}",
+                                             "order": best.report["order"]})
     return best
 
 
