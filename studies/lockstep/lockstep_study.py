@@ -24,7 +24,7 @@ most any row planner could gain; ``uniform_s``: every microbatch at the mean of 
 D, M and G at once, no skew); ``attn_share``: the part of (a)'s summed predicted F + B seconds that is
 attention (the rest, the linear work of T tokens a row, is the same for every row).
 ``e_per_group_s``: lockstep planned one group at a time (the batch cut in G parts in sample order, each
-planned with G = 1 and the same M; nan where a part needs more rows): ``e / e_per_group`` is what planning
+planned with G = 1 and the same M; nan where a part needs more rows, and above ``--per-group-max-dp``): ``e / e_per_group`` is what planning
 the G groups jointly buys (item: is G worth a planner option).
 ``ideal_s``: ``dynmb.timing.bounds.ideal_bound`` of the batch (real tokens only, GEMMs saturated, D replicas);
 ``gap_x = x / ideal - 1``; ``share_D`` etc. = ``(a - b) / (a - e)``: the part of lockstep's gain one dimension buys
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--groups", type=int, default=2, help="G: accumulation groups per step")
     ap.add_argument("--fill", type=float, default=0.9, help="batch tokens / the rows' tokens")
     ap.add_argument("--dynamic-max-tokens", type=float, default=3e6, help="run (f) dynamic up to this many tokens")
+    ap.add_argument("--per-group-max-dp", type=int, default=8, help="plan lockstep group by group up to this D")
     ap.add_argument("--seed", type=int, default=0, help="batch seed")
     ap.add_argument("--out", type=Path, required=True, help="folder for lockstep.csv")
     return ap
@@ -130,7 +131,8 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
     e = plan_lockstep(lens, replace(shape, microbatches=M_a), cm)
     row.update(e_lockstep_s=e.step_s, e_candidate=e.report["candidate"], e_order=e.report["order"],
                e_replica_spread=e.report["replica_spread"], a_replica_spread=a.report["replica_spread"],
-               e_per_group_s=per_group(lens, replace(shape, microbatches=M_a), cm), **headroom(a, cm, T))
+               e_per_group_s=per_group(lens, replace(shape, microbatches=M_a), cm) if D <= args.per_group_max_dp
+               else np.nan, **headroom(a, cm, T))
     row["f_dynamic_s"] = np.nan
     if lens.sum() <= args.dynamic_max_tokens:
         try:
