@@ -13,7 +13,7 @@ checked for (a)-(e) (a static engine picks T to fit). Variants:
 (a0) ``stream``: no planning -- next-fit rows in sample order dealt round-robin to the replicas (a
     distributed sampler over a packed stream; ``layout_dealt``), for reference;
 (a) ``packed``: today's ``packed`` plan for D replicas (``dynmb.packing.pack``), each replica's rows in order,
-    M per group (``layout_of_plan``); (b) / (c) / (d): (a) with the rows of one slot across D / of one pipeline
+    M per group (``layout_of_plan``); (b) / (c) / (d): (a0) with the rows of one slot across D / of one pipeline
     call across M / of one position across G re-filled by the balanced fill (``rebalance``); (e) ``lockstep``
     (``plan_lockstep``, the same M); (f) ``dynamic``: dynmb's variable-shape plan at an 80 GiB limit, replicas
     independent, one group (its packer's estimate), only up to ``--dynamic-max-tokens``.
@@ -27,13 +27,15 @@ attention (the rest, the linear work of T tokens a row, is the same for every ro
 planned with G = 1 and the same M; nan where a part needs more rows, and above ``--per-group-max-dp``): ``e / e_per_group`` is what planning
 the G groups jointly buys (item: is G worth a planner option).
 ``ideal_s``: ``dynmb.timing.bounds.ideal_bound`` of the batch (real tokens only, GEMMs saturated, D replicas);
-``gap_x = x / ideal - 1``; ``share_D`` etc. = ``(a - b) / (a - e)``: the part of lockstep's gain one dimension buys
-(meaningless where ``a - e`` is tiny); ``share0_*``: the same from (a0), each dimension re-filled from the stream layout.
+``gap_x = x / ideal - 1``; ``share_D`` etc. = ``(a0 - b) / (a0 - e)``: the part of lockstep's gain over the
+unplanned stream that re-filling one dimension alone buys. Cells of more than ``--max-tokens`` are skipped (the
+box's CPU time); ``lockstep.csv`` is rewritten after every cell.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fill", type=float, default=0.9, help="batch tokens / the rows' tokens")
     ap.add_argument("--dynamic-max-tokens", type=float, default=3e6, help="run (f) dynamic up to this many tokens")
     ap.add_argument("--per-group-max-dp", type=int, default=8, help="plan lockstep group by group up to this D")
+    ap.add_argument("--max-tokens", type=float, default=float("inf"), help="skip cells of more batch tokens")
     ap.add_argument("--seed", type=int, default=0, help="batch seed")
     ap.add_argument("--out", type=Path, required=True, help="folder for lockstep.csv")
     return ap
@@ -126,8 +129,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
     row = {"trace": trace_name, "model": model, "P": P, "D": D, "T": T, "G": G, "M": M_a, "docs": len(lens),
            "tokens": int(lens.sum()), "a_packed_s": a.step_s, "a0_stream_s": a0.step_s}
     for dims, key in (("D", "b_D_s"), ("M", "c_M_s"), ("G", "d_G_s")):
-        row[key] = rebalance(a, lens, dims, shape, cm).step_s
-        row[f"{key[:-2]}_from_stream_s"] = rebalance(a0, lens, dims, shape, cm).step_s
+        row[key] = rebalance(a0, lens, dims, shape, cm).step_s
     e = plan_lockstep(lens, replace(shape, microbatches=M_a), cm)
     row.update(e_lockstep_s=e.step_s, e_candidate=e.report["candidate"], e_order=e.report["order"],
                e_replica_spread=e.report["replica_spread"], a_replica_spread=a.report["replica_spread"],
@@ -142,13 +144,11 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
         except PackingError as err:
             row["f_error"] = str(err)[:80]
     row["ideal_s"] = ideal_bound(lens, saturated(cm), dp=D)
-    gain = row["a_packed_s"] - row["e_lockstep_s"]
     for x in ("a0_stream", "a_packed", "b_D", "c_M", "d_G", "e_lockstep", "f_dynamic"):
         row[f"gap_{x}"] = row[f"{x}_s"] / row["ideal_s"] - 1
     gain0 = row["a0_stream_s"] - row["e_lockstep_s"]
     for x, key in (("D", "b_D"), ("M", "c_M"), ("G", "d_G")):
-        row[f"share_{x}"] = (row["a_packed_s"] - row[f"{key}_s"]) / gain if gain > 0 else np.nan
-        row[f"share0_{x}"] = (row["a0_stream_s"] - row[f"{key}_from_stream_s"]) / gain0 if gain0 > 0 else np.nan
+        row[f"share_{x}"] = (row["a0_stream_s"] - row[f"{key}_s"]) / gain0 if gain0 > 0 else np.nan
     row["e_vs_a"] = row["e_lockstep_s"] / row["a_packed_s"]
     row["floor_vs_a"] = row["floor_s"] / row["a_packed_s"]
     row["uniform_vs_a"] = row["uniform_s"] / row["a_packed_s"]
@@ -173,7 +173,7 @@ def summary(df: pd.DataFrame) -> str:
     return (f"\ncells {len(df)}; e never slower than a: {bool((df.e_vs_a <= 1 + 1e-12).all())}; median e/a "
             f"{df.e_vs_a.median():.4f} (best {df.e_vs_a.min():.4f}); median floor/a {df.floor_vs_a.median():.4f}; "
             f"cells with e/a <= 0.95: {(df.e_vs_a <= 0.95).sum()}\n"
-            f"median shares from a0: D {df.share0_D.median():.2f} M {df.share0_M.median():.2f} G {df.share0_G.median():.2f}; "
+            f"median shares (from a0): D {df.share_D.median():.2f} M {df.share_M.median():.2f} G {df.share_G.median():.2f}; "
             f"median e/a0 {df.e_vs_a0.median():.3f}; median e/e_per_group {df.e_vs_per_group.median():.4f}; "
             f"median f/a {df.f_vs_a.median():.3f}\n" + per_trace.to_string(float_format=lambda v: f"{v:.4f}"))
 
@@ -184,19 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     traces = {args.lengths.stem: data.load_trace(args.lengths)} if args.lengths else \
         {n: data.load_trace(n) for n in args.traces.split(",")}
     rows = []
-    for name, trace in traces.items():
-        for model in args.models.split(","):
-            for P in ints(args.P):
-                for D in ints(args.D):
-                    for T in ints(args.T):
-                        rows.append(cell(name, np.asarray(trace, dtype=np.int64), model, P, D, T, args))
-                        print(f"{name} {model} P{P} D{D} T{T}: e/a {rows[-1]['e_vs_a']:.3f} "
-                              f"({rows[-1]['cpu_s']:.1f} CPU s)", flush=True)
-    df = pd.DataFrame(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out / "lockstep.csv", index=False)
+    grid = itertools.product(traces.items(), args.models.split(","), ints(args.P), ints(args.D), ints(args.T))
+    for (name, trace), model, P, D, T in grid:
+        if D * args.groups * P * T * args.fill > args.max_tokens:
+            continue
+        rows.append(cell(name, np.asarray(trace, dtype=np.int64), model, P, D, T, args))
+        pd.DataFrame(rows).to_csv(args.out / "lockstep.csv", index=False)
+        print(f"{name} {model} P{P} D{D} T{T}: e/a {rows[-1]['e_vs_a']:.3f} ({rows[-1]['cpu_s']:.1f} CPU s)", flush=True)
+    df = pd.DataFrame(rows)
     cols = ["trace", "model", "P", "D", "T", "M", "gap_a_packed", "gap_e_lockstep", "e_vs_a", "floor_vs_a", "uniform_vs_a",
-            "attn_share", "e_vs_a0", "share0_D", "share0_M", "share0_G", "share_D", "share_M", "share_G", "e_vs_per_group",
+            "attn_share", "e_vs_a0", "share_D", "share_M", "share_G", "e_vs_per_group",
             "f_vs_a", "e_candidate"]
     print(markdown(df[cols]))
     print(summary(df))
