@@ -1,16 +1,17 @@
 """Paired ratios of real 2x2 gloo runs (pp 2 x dp 2) of packed, lockstep and dynamic on the same global batches.
 
-    for m in packed lockstep dynamic lockstep:2 packed:2; do
+    OUT=studies/lockstep/results/real
+    for m in packed lockstep dynamic packed:2 lockstep:2 dynamic:2 packed:3 lockstep:3 dynamic:3 packed:4; do
       meth=${m%%:*}
       dynmb run --nproc 4 --dp 2 --stages 2 --method $meth --dataset longtail --global-batch 64 \\
         $([ $meth = dynamic ] || echo --pack-len 1024) --oversize truncate --model llama-tiny:max_seq_len=1024 \\
-        --memory-limit 2GiB --steps 6 --out results/lockstep_real/${m/:/_}
+        --memory-limit 2GiB --steps 8 --out $OUT/${m/:/_}
     done
-    python studies/lockstep/real_runs.py results/lockstep_real
+    python studies/lockstep/real_runs.py $OUT
 
 Every run draws the same global batches (same trace, seed and global batch; every method truncates documents at
 1024 tokens, dynamic through the model's ``max_seq_len``). The runs go one after another in the order above
-(A B C B A), so drift of the shared box's load falls on both sides. Per measured step (step 0 warms up), each
+(A B C A B C ...), so drift of the shared box's load falls on both sides. Per measured step (step 0 warms up), each
 run's ``step_s`` over each ``packed`` run's, and the same for the runtime's predictions ``pred_step_s`` (its cost
 model is refit online from the run's own measurements, so it carries the load of the box as well); the medians
 over every step of every pairing of a method's runs with the ``packed`` runs (a run never with itself), and over
