@@ -171,7 +171,8 @@ HEAP_POPS = 32
 def _heap_row(heap: list[tuple[int, float, int]], room: np.ndarray, load: list[float], size: int) -> int | None:
     """The first row of ``heap`` (its entries whose weight is the row's current one) with ``size`` tokens of room,
     popped; None when none is among the first ``HEAP_POPS`` (the rows looked past are pushed back)."""
-    passed, found = [], None
+    passed: list[tuple[int, float, int]] = []
+    found: int | None = None
     while heap and len(passed) < HEAP_POPS:
         entry = heapq.heappop(heap)
         if entry[1] != load[entry[2]]:
