@@ -21,5 +21,5 @@ def test_one_cell(tmp_path):
     row = df.iloc[0]
     assert row.e_lockstep_s <= row.a_packed_s * (1 + 1e-12) and row.e_lockstep_s <= row.a0_stream_s * (1 + 1e-12)
     assert row.ideal_s < min(row.e_lockstep_s, row.f_dynamic_s)
-    for col in ("gap_a_packed", "gap_b_D", "gap_c_M", "gap_d_G", "gap_e_lockstep", "gap_f_dynamic", "share0_M"):
+    for col in ("gap_a_packed", "gap_b_D", "gap_c_M", "gap_d_G", "gap_e_lockstep", "gap_f_dynamic", "share_M", "floor_vs_a", "e_vs_per_group"):
         assert col in df

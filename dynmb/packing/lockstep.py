@@ -21,8 +21,13 @@ most ``T`` tokens: the oversize policy ran before):
    weight among those with room (ties: the lowest row) -- and (ii) ``packed``'s best-fit-decreasing
    rows, every row left empty given the later half of the row of most documents (as ``pack`` splits
    ``packed``'s rows) or not; with one row per microbatch, each also dealt as ``pack`` deals
-   ``packed``'s plan (largest first to the replica of least work, ``rows.assign_replicas``).
-4. Slots: rows sorted by predicted cost; consecutive runs of ``D x b`` rows form a lockstep slot, so
+   ``packed``'s plan (largest first to the replica of least work, ``rows.assign_replicas``); and (iii)
+   ``light ends``: the balanced fill over the rows of every group's middle slots first, the shortest
+   documents left over balanced over the rows of its end slots (``END_SLOTS``: first and last, last only,
+   first and last two), so the pipeline's fill and drain (1F1B: about ``(P - 1) (F_first + B_last)``) run
+   the lightest rows while the middle carries the attention work.
+4. Slots: rows sorted by predicted cost; consecutive runs of ``D x b`` rows form a lockstep slot (filled
+   heaviest first in slot order; (iii): the middle slots, then the end slots), so
    the rows run together differ least, dealt heaviest first to the replicas of least work so far (snake-
    wise over a slot's ``b`` rounds), so every replica's total stays even too; the slots,
    heaviest first, fill the ``G`` groups ``M`` at a time (similar slots share a pipeline call); each
@@ -33,6 +38,11 @@ most ``T`` tokens: the oversize policy ran before):
    dimension at a time (``POLISH``: M, D, G) are re-filled by the balanced fill (``rebalance``), each
    kept where it shortens the predicted step.
 
+Documents longer than ``T``: ``--oversize truncate`` (cut at ``T``; the documented path) or ``drop``. ``split``
+is refused (``planning.spec_check.lockstep_refusal``): a slice chain (``planning.slicing``) attends to its
+earlier slices' keys and values across microbatches and runs its backwards in reverse slice order; a static-
+shape engine's rows attend within themselves and torch's schedules run backwards in forward order.
+
 Balance (``LockstepLayout.report``): per slot, the spread of its ``D`` microbatches' predicted
 bottleneck-stage F + B (``max - min``, seconds and relative to the max), the worst over slots; per
 group, the spread of the slot maxima over its ``M`` microbatches. The study's ablations
@@ -42,6 +52,7 @@ of one replica's pipeline call; G: the same position in every group) from ``pack
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -121,22 +132,58 @@ def doc_weights(lens: np.ndarray, pack_len: int, cost_model: CostModelLike) -> n
 
 def balanced_fill(lens: np.ndarray, weights: np.ndarray, num_rows: int, pack_len: int) -> np.ndarray | None:
     """Row of every document, the rows' weights balanced under ``pack_len`` tokens each (step 3 (i)), then
-    ``pair_lone_documents``; None when a document finds no row with room. One vectorised scan of the
-    rows per document, O(n K)."""
-    order = np.lexsort((np.arange(len(lens)), -np.asarray(weights), -np.asarray(lens)))
-    room = np.full(num_rows, int(pack_len), dtype=np.int64)
-    load = np.zeros(num_rows)
-    row = np.empty(len(lens), dtype=np.int64)
-    w = np.asarray(weights, dtype=np.float64)
+    ``pair_lone_documents``; None when a document finds no row with room (``_least_loaded``)."""
+    row = _least_loaded(lens, weights, np.zeros(num_rows, dtype=np.int64), pack_len)
+    return None if row is None else pair_lone_documents(row, np.asarray(lens, dtype=np.int64), num_rows, pack_len)
+
+
+def _least_loaded(lens: np.ndarray, weights: np.ndarray, tier: np.ndarray, pack_len: int) -> np.ndarray | None:
+    """Row (an index into ``tier``) of every document: documents longest first (ties: heavier, then lower index),
+    each into the row of least weight with room among the rows of the lowest ``tier`` that has one (ties: the
+    lowest row); None when no row has room. A heap of (tier, weight, row) answers while one of its first
+    ``HEAP_POPS`` rows has room (O(log K)); else one scan of every row (O(K))."""
     sizes = np.asarray(lens, dtype=np.int64)
-    for i in order.tolist():
-        r = int(np.argmin(np.where(room >= sizes[i], load, np.inf)))
-        if room[r] < sizes[i]:
-            return None
-        row[i] = r
-        room[r] -= sizes[i]
+    w = np.asarray(weights, dtype=np.float64).tolist()
+    tiers = np.asarray(tier, dtype=np.int64)
+    heap = [(t, 0.0, r) for r, t in enumerate(tiers.tolist())]
+    heapq.heapify(heap)
+    room, load = np.full(len(tiers), int(pack_len), dtype=np.int64), [0.0] * len(tiers)
+    load_np = np.zeros(len(tiers))
+    row = np.empty(len(sizes), dtype=np.int64)
+    for i in np.lexsort((np.arange(len(sizes)), -np.asarray(weights), -sizes)).tolist():
+        size, r = int(sizes[i]), _heap_row(heap, room, load, int(sizes[i]))
+        if r is None:
+            fits = room >= size
+            if not fits.any():
+                return None
+            r = int(np.argmin(np.where(fits & (tiers == tiers[fits].min()), load_np, np.inf)))
+        row[i], room[r] = r, room[r] - size
         load[r] += w[i]
-    return pair_lone_documents(row, sizes, num_rows, pack_len)
+        load_np[r] = load[r]
+        heapq.heappush(heap, (int(tiers[r]), load[r], r))
+    return row
+
+
+HEAP_POPS = 32
+"""Rows without room ``_least_loaded``'s heap looks past before it scans every row."""
+
+
+def _heap_row(heap: list[tuple[int, float, int]], room: np.ndarray, load: list[float], size: int) -> int | None:
+    """The first row of ``heap`` (its entries whose weight is the row's current one) with ``size`` tokens of room,
+    popped; None when none is among the first ``HEAP_POPS`` (the rows looked past are pushed back)."""
+    passed: list[tuple[int, float, int]] = []
+    found: int | None = None
+    while heap and len(passed) < HEAP_POPS:
+        entry = heapq.heappop(heap)
+        if entry[1] != load[entry[2]]:
+            continue                                            # stale: the row took a document since
+        if room[entry[2]] >= size:
+            found = entry[2]
+            break
+        passed.append(entry)
+    for entry in passed:
+        heapq.heappush(heap, entry)
+    return found
 
 
 def pair_lone_documents(rows: np.ndarray, lens: np.ndarray, num_rows: int, pack_len: int) -> np.ndarray:
@@ -237,9 +284,10 @@ def _balance(F: np.ndarray, B: np.ndarray) -> dict[str, float]:
 
 
 def layout_of_rows(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, M: int, cost_model: CostModelLike,
-                   name: str = "lockstep") -> LockstepLayout:
-    """Step 4: put the rows of ``rows`` (row per document, ``< G M D b`` rows) into slots and order
-    every group by the best of ``ORDERS``."""
+                   name: str = "lockstep", slot_order: np.ndarray | None = None) -> LockstepLayout:
+    """Step 4: put the rows of ``rows`` (row per document, ``< G M D b`` rows) into slots -- the heaviest
+    into the first slots of ``slot_order`` (slot ``g M + j``; default: group by group) -- and order every
+    group by the best of ``ORDERS``."""
     G, D, b = shape.groups, shape.dp, shape.rows_per_mb
     grid = (G, M, D, b)
     K = G * M * D * b
@@ -252,8 +300,8 @@ def layout_of_rows(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, M: 
     sets = by_cost.reshape(G * M, D * b)
     place = np.empty(K, dtype=np.int64)                       # place[row] = global row in the grid
     load = np.zeros(D)                                        # each replica's work so far
-    for k, members in enumerate(sets):
-        g, j = divmod(k, M)
+    for k, members in zip(np.arange(G * M) if slot_order is None else slot_order, sets):
+        g, j = divmod(int(k), M)
         for q, r in enumerate(members.tolist()):              # members heaviest first
             if q % D == 0:                                    # a round: the least-loaded replicas first,
                 turn = np.argsort(load, kind="stable")        # snake-wise over the rounds
@@ -306,10 +354,12 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
                            f"replica(s) x {shape.rows_per_mb} row(s)")
     row_sets = {"packed rows": pair_lone_documents(bfd, lens, K, shape.pack_len),
                 "packed rows split": pair_lone_documents(_fill_empty_rows(bfd, K), lens, K, shape.pack_len)}
-    filled = balanced_fill(lens, doc_weights(lens, shape.pack_len, cost_model), K, shape.pack_len)
+    weights = doc_weights(lens, shape.pack_len, cost_model)
+    filled = balanced_fill(lens, weights, K, shape.pack_len)
     if filled is not None:
         row_sets["balanced fill"] = filled
     candidates = [layout_of_rows(rows, lens, shape, M, cost_model, name) for name, rows in row_sets.items()]
+    candidates += _light_ends(lens, weights, shape, M, cost_model)
     if shape.rows_per_mb == 1:
         candidates += [_dealt_by_work(rows, lens, shape, M, cost_model, f"{name} dealt by work")
                        for name, rows in row_sets.items()]
@@ -325,8 +375,45 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
         polished = rebalance(best, lens, dims, shape, cost_model)
         full = not every_microbatch or len(np.unique(polished.row_of // shape.rows_per_mb)) == K // shape.rows_per_mb
         if full and polished.step_s < best.step_s:
-            best = replace(polished, report={**polished.report, "candidate": f"{best.report['candidate']}, {dims}"})
+            best = replace(polished, report={**polished.report, "candidate": f"{best.report['candidate']}, {dims}",
+                                             "order": best.report["order"]})
     return best
+
+
+END_SLOTS = ((0, -1), (-1,), (0, -2, -1))
+"""The slots of every group kept light by the ``light ends`` candidates (step 3 (iii)): first and last, last only,
+first and the last two."""
+
+
+def _light_ends(lens: np.ndarray, weights: np.ndarray, shape: LockstepShape, M: int,
+                cost_model: CostModelLike) -> list[LockstepLayout]:
+    """Step 3 (iii): the balanced fill over the rows of every group's middle slots first (documents longest first,
+    each into the middle row of least weight with room), the documents left over (the shortest) balanced over the
+    rows of the end slots (``END_SLOTS``); step 4 then places the heaviest rows in the middle slots and the
+    lightest in the end slots, so the pipeline's fill and drain run the lightest rows."""
+    G, D, b = shape.groups, shape.dp, shape.rows_per_mb
+    out = []
+    for ends in END_SLOTS if M > len(END_SLOTS[-1]) else ():
+        light = np.zeros((G, M), dtype=bool)
+        light[:, list(ends)] = True
+        rows_light = np.repeat(light.ravel(), D * b)                              # per global row
+        rows = _fill_in_tiers(lens, weights, [np.flatnonzero(~rows_light), np.flatnonzero(rows_light)],
+                              shape.pack_len)
+        if rows is not None:
+            slot_order = np.concatenate([np.flatnonzero(~light.ravel()), np.flatnonzero(light.ravel())])
+            out.append(layout_of_rows(rows, lens, shape, M, cost_model, f"light ends {ends}", slot_order))
+    return out
+
+
+def _fill_in_tiers(lens: np.ndarray, weights: np.ndarray, tiers: list[np.ndarray], pack_len: int) -> np.ndarray | None:
+    """Global row of every document: documents longest first, each into the row of least weight with room among
+    the first tier of rows (global row ids) that has one, then ``pair_lone_documents``; None when none has."""
+    rows_all = np.concatenate(tiers)
+    tier = np.concatenate([np.full(len(t), k, dtype=np.int64) for k, t in enumerate(tiers)])
+    local = _least_loaded(lens, weights, tier, pack_len)
+    if local is None:
+        return None
+    return pair_lone_documents(rows_all[local], np.asarray(lens, dtype=np.int64), int(rows_all.max()) + 1, pack_len)
 
 
 def _dealt_by_work(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, M: int,
