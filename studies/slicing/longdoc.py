@@ -17,12 +17,13 @@ same plan simulated with the slices' dependency dropped (each slice an independe
 ``schedule``: fill / drain and the order around the chains); ``passes`` holds recomputation.
 
     PYTHONPATH=$PWD nice -n 19 python3 -m studies.slicing.longdoc --traces wikitext2,longtail,pycode \\
-        --models llama2-7b,llama3.1-8b --stages 4,8,16 --out results/longdoc.csv
+        --models llama2-7b,llama3.1-8b --stages 4,8,16 --out results/longdoc.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import sysconfig
 import time
@@ -155,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="4,8,16", help="pipeline depths P")
     ap.add_argument("--others", default=",".join(OTHERS), help="other methods (name or name/mbs); '' for none")
     ap.add_argument("--cache", type=Path, default=Path("results/traces"), help="where the pycode trace is cached")
-    ap.add_argument("--out", type=Path, default=None, help="CSV of the rows (appended per cell)")
-    ap.add_argument("--table", type=Path, default=None, help="print the markdown table of this CSV and exit")
+    ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
+    ap.add_argument("--table", type=Path, default=None, help="print the markdown table of these JSON lines and exit")
     args = ap.parse_args(argv)
     if args.table is not None:
-        print(markdown(pd.read_csv(args.table)))
+        print(markdown(pd.read_json(args.table, lines=True)))
         return 0
     others = [m for m in args.others.split(",") if m]
     for name in args.traces.split(","):
@@ -167,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models.split(","):
             for P in map(int, args.stages.split(",")):
                 row = cell(name, trace, model, P, others)
-                df = pd.DataFrame([row])
                 if args.out is not None:
                     args.out.parent.mkdir(parents=True, exist_ok=True)
-                    df.to_csv(args.out, mode="a", header=not args.out.is_file(), index=False)
-                print(markdown(df).splitlines()[-1], flush=True)
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(row, default=float) + "\n")
+                print(markdown(pd.DataFrame([row])).splitlines()[-1], flush=True)
     return 0
 
 
