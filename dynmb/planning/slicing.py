@@ -323,7 +323,7 @@ class _SplitJob:
         return out
 
     def meta(self, slice_len: int, placement: str, use_rc: bool, fill: bool, cuts: str = "even") -> dict:
-        s, lengths = self.spec, self.lengths
+        s = self.spec
         return {"oversize": "split", "round_to": s.round_to, "longest_fitting_length": self.row_cap,
                 "sliced": {int(i): len(c) for i, c in zip(self.long_ids, self.chains(slice_len, use_rc, cuts))},
                 "slice_len": int(slice_len), "slice_cuts": cuts, "slice_placement": placement, "slice_recompute": use_rc,
