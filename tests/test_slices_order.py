@@ -59,6 +59,7 @@ def _mb(i: int, n: int) -> Microbatch:
     return Microbatch([i], [n], n, 1)
 
 
+@settings(deadline=None)
 @given(chains=hst.lists(hst.integers(1, 5), max_size=4), shorts=hst.integers(0, 12))
 def test_spread_keeps_every_microbatch_and_each_chain_whole(chains, shorts):
     units = [[_mb(100 * c + k, 5) for k in range(n)] for c, n in enumerate(chains)]
@@ -154,3 +155,15 @@ def test_spread_equal_cost_slices_verify_on_gloo(gloo_job, ranks):
         steps = load_results(job.out / f"spread-{kind}-{ranks}")["steps"]
         assert steps["verified"].all(), kind
         assert (steps["real_tokens"] == spread_plan()[1].sum()).all(), kind
+
+
+def test_dynamic_sliced_plan_is_not_slower_than_the_plain_methods_sliced_plans():
+    """``dynamic`` weighs the short sequences packed as ``fixed`` and ``sorted`` pack them at its best slices
+    (``SHORT_PACKERS``), so around the same chains it is never behind those plain methods' sliced plans."""
+    def step(method, mbs=None):
+        plan, _, sim = plan_step(LONG, method=method, mbs=mbs, model_cfg=TINY, num_stages=2, schedule_kind="1f1b",
+                                 memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+        return plan, sim.makespan_s
+    plan, dynamic = step("dynamic")
+    assert plan.meta["slice_shorts"] in (None, "fixed/None", "sorted/1")
+    assert dynamic <= step("fixed")[1] * (1 + 1e-12) and dynamic <= step("sorted", 1)[1] * (1 + 1e-12)

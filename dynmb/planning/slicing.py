@@ -240,7 +240,7 @@ class _SplitJob:
     row_cap: int
     cut: int
     threshold: int | None
-    packed: dict[tuple[int, ...], list[Microbatch]] = field(default_factory=dict)
+    packed: dict[tuple, list[Microbatch]] = field(default_factory=dict)
     coefs: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
@@ -251,15 +251,16 @@ class _SplitJob:
     def short_ids(self) -> np.ndarray:
         return np.flatnonzero(self.lengths <= self.cut)
 
-    def pack_short(self, ids: np.ndarray) -> list[Microbatch]:
-        """The method's packing of short sequences ``ids`` for ``dp`` replicas, else for one
-        (cached); ``_replicas`` deals them again."""
-        key = tuple(ids.tolist())
+    def pack_short(self, ids: np.ndarray, packer: tuple[str, int | None] | None = None) -> list[Microbatch]:
+        """The method's (``packer``: that method's at that mbs) packing of short sequences ``ids`` for ``dp``
+        replicas, else for one (cached); ``_replicas`` deals them again."""
+        key = (packer, *ids.tolist())
         if key not in self.packed:
             sub = None
+            spec = self.spec if packer is None else self.spec.with_(method=packer[0], mbs=packer[1])
             for d in dict.fromkeys((self.spec.dp, 1)) if ids.size else ():
                 try:
-                    sub = pack(self.lengths[ids], self.spec.with_(oversize="error", dp=d),
+                    sub = pack(self.lengths[ids], spec.with_(oversize="error", dp=d),
                                memory_model=self.memory_model, cost_model=self.cost_model)
                     break
                 except PackingError:
@@ -311,15 +312,17 @@ class _SplitJob:
         self.coefs[slice_len] = ((base - cost(0.0, 0.0)) / n, (cost(n, n * n) - base) / (n * n))
         return self.coefs[slice_len]
 
-    def variants(self, chains: list[list[Microbatch]]) -> list[tuple[bool, list[list[Microbatch]], list[Microbatch]]]:
-        """(filled, chains, short microbatches): the chains as cut, and with their rows filled where room is."""
+    def variants(self, chains: list[list[Microbatch]], packer: tuple[str, int | None] | None = None
+                 ) -> list[tuple[bool, list[list[Microbatch]], list[Microbatch]]]:
+        """(filled, chains, short microbatches): the chains as cut, and with their rows filled where room is;
+        the short sequences packed by ``packer`` (``pack_short``)."""
         short_ids = self.short_ids
-        out = [(False, chains, self.pack_short(short_ids))]
+        out = [(False, chains, self.pack_short(short_ids, packer))]
         filled, left = _fill([mb for c in chains for mb in c], short_ids, self.lengths, self.row_cap,
                              self.spec.round_to)
         if left.size < short_ids.size:
             it = iter(filled)
-            out.append((True, [[next(it) for _ in c] for c in chains], self.pack_short(left)))
+            out.append((True, [[next(it) for _ in c] for c in chains], self.pack_short(left, packer)))
         return out
 
     def meta(self, slice_len: int, placement: str, use_rc: bool, fill: bool, cuts: str = "even") -> dict:
@@ -366,19 +369,21 @@ class _Try:
     cuts: str = "even"
     placements: tuple[str, ...] = ("first", "last")
     fills: tuple[bool, ...] | None = None
+    packer: tuple[str, int | None] | None = None
 
 
 def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
     """Every fill and placement of ``t``: scheduled, simulated, the fastest fitting kept."""
-    for (fill, rows, shorts), placement in itertools.product(job.variants(job.chains(t.slice_len, t.use_rc, t.cuts)),
-                                                             t.placements):
+    chains = job.chains(t.slice_len, t.use_rc, t.cuts)
+    for (fill, rows, shorts), placement in itertools.product(job.variants(chains, t.packer), t.placements):
         if (fill and not shorts and placement != "first") or (t.fills is not None and fill not in t.fills):
             continue                         # nothing left to place around the chains, or not asked for
         dealt = _replicas(rows, shorts, placement, job.spec.dp, job.cost_model, job.plan_of)
         if dealt is None:
             found.too_few = (len(rows), len(shorts))
             continue
-        plan = job.plan_of(*dealt, job.meta(t.slice_len, placement, t.use_rc, fill, t.cuts))
+        plan = job.plan_of(*dealt, {**job.meta(t.slice_len, placement, t.use_rc, fill, t.cuts),
+                                    "slice_shorts": None if t.packer is None else "/".join(map(str, t.packer))})
         slowest, peak, replicas, scheds = job.simulate(plan)
         if found.lowest is None or peak < found.lowest[0]:
             found.lowest = (peak, int(t.slice_len))
@@ -388,14 +393,30 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
 
 def _refine(job: _SplitJob, found: _Search) -> None:
     """Around the best candidate of the first round (its slice length, recomputation and fill): its chains
-    placed ``last`` and the even cuts (``slice_lengths``) in every placement; a few more simulations, not
-    another product of choices."""
+    placed ``last`` and the even cuts (``slice_lengths``) in every placement; for ``dynamic`` then the short
+    sequences packed by ``SHORT_PACKERS`` around the best so far. A few more simulations, not another
+    product of choices."""
     if found.best is None or job.spec.method == "packed":
         return
     meta = found.best[1].meta
     slice_len, use_rc, fill = int(meta["slice_len"]), bool(meta["slice_recompute"]), bool(meta["slice_fill"])
     _try_slice_len(job, _Try(slice_len, use_rc, "equal-cost", ("last",), (fill,)), found)
     _try_slice_len(job, _Try(slice_len, use_rc, "even", PLACEMENTS, (fill,)), found)
+    if job.spec.method != "dynamic":
+        return
+    meta = found.best[1].meta
+    for packer in SHORT_PACKERS:
+        try:
+            _try_slice_len(job, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]), meta["slice_cuts"],
+                                     (meta["slice_placement"],), (bool(meta["slice_fill"]),), packer), found)
+        except PackingError:                  # that packer cannot take these short sequences: not a candidate
+            continue
+
+
+SHORT_PACKERS: tuple[tuple[str, int | None], ...] = (("fixed", None), ("sorted", 1))
+"""``dynamic``'s sliced plan also weighs, at its best slices, the short sequences packed as these plain methods
+pack them (method, mbs): around long chains many small microbatches can fill the pipeline better than
+``dynamic``'s own grouping of the short ones, and the plain methods' sliced plans differ from it only there."""
 
 
 def _first_round(job: _SplitJob, slice_len: int, use_rc: bool) -> _Try:
