@@ -149,6 +149,28 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
+    """One row per cell of ``after``: dynamic's step and gap to the ideal before -> after, the best other method
+    (after) and dynamic / it, the slices kept and the gap's terms after (% of the ideal)."""
+    key = ["trace", "model", "P"]
+    df = after.drop_duplicates(key, keep="last").merge(before.drop_duplicates(key, keep="last")[
+        [*key, "step_s", "gap", "plan_cpu_s", *[f"gap_{t}" for t in ("chain", "order")]]], on=key,
+        suffixes=("", "_before"))
+    terms = ["chain", "order", *[t for t in TERMS if t != "schedule"]]
+    head = ("| trace | model | P | step s before -> after | gap before -> after | best other (s) | dynamic / best | "
+            "kind, slices | " + " | ".join(terms) + " | plan CPU s before -> after |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in df.sort_values(["P", "trace", "model"]).itertuples():
+        pct = " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in terms)
+        other = f"{r.best_other} ({r.best_other_s:.4f}) | {r.step_s / r.best_other_s:.3f}" if isinstance(
+            r.best_other, str) and r.best_other else "- | -"
+        cuts = f"{r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts}" if r.sliced else "none"
+        lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.step_s_before:.4f} -> {r.step_s:.4f} | "
+                     f"{100 * r.gap_before:+.1f}% -> {100 * r.gap:+.1f}% | {other} | {r.kind}, {cuts} | {pct} | "
+                     f"{r.plan_cpu_s_before:.1f} -> {r.plan_cpu_s:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default="wikitext2,longtail,pycode", help="trace names (pycode: module doc)")
@@ -157,10 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--others", default=",".join(OTHERS), help="other methods (name or name/mbs); '' for none")
     ap.add_argument("--cache", type=Path, default=Path("results/traces"), help="where the pycode trace is cached")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
-    ap.add_argument("--table", type=Path, default=None, help="print the markdown table of these JSON lines and exit")
+    ap.add_argument("--table", type=Path, nargs="+", default=None,
+                    help="print the markdown table of these JSON lines (later files win per cell) and exit")
+    ap.add_argument("--before", type=Path, nargs="+", default=None,
+                    help="with --table: the rows of the code before, a before -> after table")
     args = ap.parse_args(argv)
     if args.table is not None:
-        print(markdown(pd.read_json(args.table, lines=True)))
+        after = pd.concat([pd.read_json(p, lines=True) for p in args.table if p.is_file()])
+        print(markdown(after) if args.before is None else
+              before_after(pd.concat([pd.read_json(p, lines=True) for p in args.before]), after))
         return 0
     others = [m for m in args.others.split(",") if m]
     for name in args.traces.split(","):
