@@ -104,9 +104,9 @@ def test_the_split_planner_weighs_equal_cost_cuts_and_spread_chains(kind):
 
 def spread_plan() -> tuple[Plan, np.ndarray]:
     """Two documents in chains of decreasing (equal-cost-like) slices, each between short microbatches:
-    short, A0 A1 A2, short + short, B0 B1, short."""
+    short, A0 A1 A2, short + short, B0 B1, short; only chain A recomputed (``RC_SHARES``)."""
     lengths = np.array([210, 150, 23, 31, 17, 40, 12], dtype=np.int64)
-    chain_a = [Microbatch([0], [n], n, 1, offsets=[o], continued=[k < 2]) for k, (n, o) in
+    chain_a = [Microbatch([0], [n], n, 1, offsets=[o], continued=[k < 2], recompute=True) for k, (n, o) in
                enumerate(zip((100, 64, 46), (0, 100, 164)))]
     chain_b = [Microbatch([1], [n], n, 1, offsets=[o], continued=[k < 1]) for k, (n, o) in enumerate(zip((90, 60), (0, 90)))]
     shorts = [Microbatch([2], [23], 23, 1), Microbatch([3, 4], [31, 17], 31, 2), Microbatch([5, 6], [40, 12], 40, 2)]
@@ -147,8 +147,9 @@ register(4)(lambda out: [_spread_case(out, 4, k) for k in SPREAD_KINDS])
 @pytest.mark.dist
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_spread_equal_cost_slices_verify_on_gloo(gloo_job, ranks):
-    """Gradients of two documents cut into decreasing slices, each chain between short microbatches, equal
-    to every document run whole in one process (the runtime's --verify), on 1F1B and ZB-H1."""
+    """Gradients of two documents cut into decreasing slices, each chain between short microbatches, one chain
+    recomputed and the other not, equal to every document run whole in one process (the runtime's --verify),
+    on 1F1B and ZB-H1."""
     job = gloo_job(ranks)
     assert job.returncode == 0, job.errors
     for kind in SPREAD_KINDS:
@@ -167,3 +168,26 @@ def test_dynamic_sliced_plan_is_not_slower_than_the_plain_methods_sliced_plans()
     plan, dynamic = step("dynamic")
     assert plan.meta["slice_shorts"] in (None, "fixed/None", "sorted/1")
     assert dynamic <= step("fixed")[1] * (1 + 1e-12) and dynamic <= step("sorted", 1)[1] * (1 + 1e-12)
+
+
+def test_recompute_auto_weighs_recomputing_only_the_longest_chains(monkeypatch):
+    """Where slices fit only recomputed, the longest half / quarter / eighth of the chains recomputed are
+    candidates too: the chains recomputed are the longest, whole chains at a time."""
+    import dynmb.planning.slicing as slicing
+    tried = []
+    real = slicing._try_slice_len
+
+    def spy(job, t, found):
+        tried.append(t)
+        return real(job, t, found)
+    monkeypatch.setattr(slicing, "_try_slice_len", spy)
+    batch = np.array([4000, 3400, 2900, 2400, *([60, 90, 120, 30] * 4)], dtype=np.int64)
+    plan, sched, _ = plan_step(batch, method="dynamic", model_cfg=TINY, num_stages=2, schedule_kind="1f1b",
+                               memory_limit_bytes=parse_bytes("18MiB"), oversize="split", recompute="auto")
+    plan.validate(batch)
+    validate(sched, plan)
+    assert plan.meta["slice_recompute"]                        # these slices fit only recomputed
+    assert {t.rc_share for t in tried if t.use_rc} >= set(slicing.RC_SHARES)
+    share = plan.meta["slice_recompute_share"]
+    recomputed = {int(mb.seq_ids[0]) for mb in plan.microbatches if mb.recompute and mb.has_slices}
+    assert len(recomputed) == int(np.ceil(share * 4)) and recomputed == set(range(len(recomputed)))

@@ -283,10 +283,13 @@ class _SplitJob:
         out = sorted({max(MIN_SLICE, round_down(self.row_cap // f, rt) or rt) for f in (1, 2, 4, 8)}, reverse=True)
         return [s for s in out if s <= self.cut] or [max(MIN_SLICE, round_down(self.cut, rt) or rt)]
 
-    def chains(self, slice_len: int, use_rc: bool, cuts: str = "even") -> list[list[Microbatch]]:
+    def chains(self, slice_len: int, use_rc: bool, cuts: str = "even", rc_share: float = 1.0) -> list[list[Microbatch]]:
         """Every long sequence as a chain of slices of ``slice_len`` (``packed``: rows, the last shorter;
-        ``cuts="equal-cost"``: ``equal_cost_lengths`` with the cost model's ``cost_coef``)."""
+        ``cuts="equal-cost"``: ``equal_cost_lengths`` with the cost model's ``cost_coef``); with ``use_rc`` the
+        slices of the longest ``ceil(rc_share * chains)`` sequences are recomputed (ties: the lower id)."""
         out = []
+        by_length = sorted(self.long_ids.tolist(), key=lambda i: (-int(self.lengths[i]), i))
+        recomputed = set(by_length[:math.ceil(rc_share * len(by_length))]) if use_rc else set()
         for sid in self.long_ids:
             n = int(self.lengths[sid])
             if self.spec.method == "packed":
@@ -295,7 +298,7 @@ class _SplitJob:
                 pieces = equal_cost_lengths(n, slice_len, self.cost_coef(slice_len))
             else:
                 pieces = slice_lengths(n, slice_len)
-            out.append(_chain(int(sid), pieces, self.spec.round_to, use_rc))
+            out.append(_chain(int(sid), pieces, self.spec.round_to, int(sid) in recomputed))
         return out
 
     def cost_coef(self, slice_len: int) -> tuple[float, float]:
@@ -370,11 +373,12 @@ class _Try:
     placements: tuple[str, ...] = ("first", "last")
     fills: tuple[bool, ...] | None = None
     packer: tuple[str, int | None] | None = None
+    rc_share: float = 1.0
 
 
 def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
     """Every fill and placement of ``t``: scheduled, simulated, the fastest fitting kept."""
-    chains = job.chains(t.slice_len, t.use_rc, t.cuts)
+    chains = job.chains(t.slice_len, t.use_rc, t.cuts, t.rc_share)
     for (fill, rows, shorts), placement in itertools.product(job.variants(chains, t.packer), t.placements):
         if (fill and not shorts and placement != "first") or (t.fills is not None and fill not in t.fills):
             continue                         # nothing left to place around the chains, or not asked for
@@ -383,7 +387,8 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
             found.too_few = (len(rows), len(shorts))
             continue
         plan = job.plan_of(*dealt, {**job.meta(t.slice_len, placement, t.use_rc, fill, t.cuts),
-                                    "slice_shorts": None if t.packer is None else "/".join(map(str, t.packer))})
+                                    "slice_shorts": None if t.packer is None else "/".join(map(str, t.packer)),
+                                    "slice_recompute_share": t.rc_share if t.use_rc else 0.0})
         slowest, peak, replicas, scheds = job.simulate(plan)
         if found.lowest is None or peak < found.lowest[0]:
             found.lowest = (peak, int(t.slice_len))
@@ -393,8 +398,9 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
 
 def _refine(job: _SplitJob, found: _Search) -> None:
     """Around the best candidate of the first round (its slice length, recomputation and fill): its chains
-    placed ``last`` and the even cuts (``slice_lengths``) in every placement; for ``dynamic`` then the short
-    sequences packed by ``SHORT_PACKERS`` around the best so far. A few more simulations, not another
+    placed ``last`` and the even cuts (``slice_lengths``) in every placement; where it recomputes under
+    ``recompute="auto"``, only the longest ``RC_SHARES`` of the chains recomputed; for ``dynamic`` then the
+    short sequences packed by ``SHORT_PACKERS`` around the best so far. A few more simulations, not another
     product of choices."""
     if found.best is None or job.spec.method == "packed":
         return
@@ -402,16 +408,26 @@ def _refine(job: _SplitJob, found: _Search) -> None:
     slice_len, use_rc, fill = int(meta["slice_len"]), bool(meta["slice_recompute"]), bool(meta["slice_fill"])
     _try_slice_len(job, _Try(slice_len, use_rc, "equal-cost", ("last",), (fill,)), found)
     _try_slice_len(job, _Try(slice_len, use_rc, "even", PLACEMENTS, (fill,)), found)
+    meta = found.best[1].meta
+    best = _Try(int(meta["slice_len"]), use_rc, meta["slice_cuts"], (meta["slice_placement"],), (fill,))
+    for share in RC_SHARES if use_rc and job.spec.recompute == "auto" else ():
+        _try_slice_len(job, replace(best, rc_share=share), found)
     if job.spec.method != "dynamic":
         return
     meta = found.best[1].meta
+    best = replace(best, slice_len=int(meta["slice_len"]), cuts=meta["slice_cuts"], placements=(meta["slice_placement"],),
+                   rc_share=float(meta["slice_recompute_share"]) or 1.0)
     for packer in SHORT_PACKERS:
         try:
-            _try_slice_len(job, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]), meta["slice_cuts"],
-                                     (meta["slice_placement"],), (bool(meta["slice_fill"]),), packer), found)
+            _try_slice_len(job, replace(best, packer=packer), found)
         except PackingError:                  # that packer cannot take these short sequences: not a candidate
             continue
 
+
+RC_SHARES = (0.5, 0.25, 0.125)
+"""``recompute="auto"``, where slices fit only recomputed: around the best such candidate, only the longest half,
+quarter, eighth of the chains recomputed (the longest chains hold the most in flight; the others then run at
+full speed)."""
 
 SHORT_PACKERS: tuple[tuple[str, int | None], ...] = (("fixed", None), ("sorted", 1))
 """``dynamic``'s sliced plan also weighs, at its best slices, the short sequences packed as these plain methods
