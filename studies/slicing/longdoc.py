@@ -153,7 +153,14 @@ def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
     """One row per cell of ``after``: dynamic's step and gap to the ideal before -> after, the best other method
     (after) and dynamic / it, the slices kept and the gap's terms after (% of the ideal)."""
     key = ["trace", "model", "P"]
-    df = after.drop_duplicates(key, keep="last").merge(before.drop_duplicates(key, keep="last")[
+    others = [c for c in after.columns if c.startswith("step_") and c != "step_s"]
+    best = after.groupby(key)[others].min()                   # the other methods: from any file that ran them
+    after = after.drop_duplicates(key, keep="last").drop(columns=others + ["best_other", "best_other_s"])
+    after = after.merge(best.reset_index(), on=key)
+    after["best_other"] = [min((v, c) for c, v in row.items() if pd.notna(v))[1].removeprefix("step_")
+                           if row.notna().any() else "" for _, row in after[others].iterrows()]
+    after["best_other_s"] = after[others].min(axis=1)
+    df = after.merge(before.drop_duplicates(key, keep="last")[
         [*key, "step_s", "gap", "plan_cpu_s", *[f"gap_{t}" for t in ("chain", "order")]]], on=key,
         suffixes=("", "_before"))
     terms = ["chain", "order", *[t for t in TERMS if t != "schedule"]]
