@@ -7,14 +7,18 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    are packed by the method as usual (``dynmb.packing.pack`` with the spec's ``dp``, any
    ``recompute`` policy; with ``dp > 1`` a batch the packer cannot give every replica the same
    number of microbatches is packed as for one replica).
-2. Every longer sequence is cut into ``k = ceil(L / S)`` consecutive slices of near-equal
-   length (``packed``: rows of its pack length, the last one shorter, as a packed trainer
-   cuts a document at row boundaries), each slice one single-row microbatch
-   (``Microbatch.offsets`` / ``continued``). The slice length ``S`` is chosen jointly with
+2. Every longer sequence is cut into consecutive slices of at most ``S`` tokens: of equal cost
+   (``equal_cost_lengths``, Seq1F1B: later slices, attending to a longer prefix, shorter) or
+   ``k = ceil(L / S)`` of near-equal length (``packed``: rows of its pack length, the last one
+   shorter, as a packed trainer cuts a document at row boundaries), each slice one single-row
+   microbatch (``Microbatch.offsets`` / ``continued``). The slice length ``S`` is chosen jointly with
    the rest of the plan: for ``S`` in ``row_cap / {1, 2, 4, 8}`` (multiples of ``round_to``,
-   at least 128 tokens), the chains placed before or after the short sequences'
-   microbatches, and the slices recomputed or not (``recompute``: ``never`` - not;
-   ``always`` - always; ``auto`` - only when the plan does not fit otherwise), the whole
+   at least 128 tokens), the chains placed before, after or spread among the short sequences'
+   microbatches (``PLACEMENTS``), and the slices recomputed or not (``recompute``: ``never`` - not;
+   ``always`` - always; ``auto`` - only when the plan does not fit otherwise, then also only the
+   longest ``RC_SHARES`` of the chains); a first round tries the equal-cost cuts of every ``S``
+   first or spread, ``_refine`` the rest around the best (and, for ``dynamic``, its short sequences
+   packed as ``SHORT_PACKERS`` pack them); for each candidate the whole
    plan is scheduled (``make_schedule`` with the plan's kind, any kind with ``slices`` in the
    registry: GPipe, 1F1B, interleaved with its virtual stages, ZB-H1 and ``zb``, every one
    running a chain's backwards -- ``B``, or ``I`` of a split backward -- in reverse slice
@@ -41,7 +45,8 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    candidate is not tried. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
-   ``slice_placement``, ``slice_recompute``, ``slice_fill``, ``longest_fitting_length``,
+   ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
+   ``slice_fill``, ``longest_fitting_length``,
    ``slice_threshold``; every token of the batch is planned.
 
 ``threshold`` (``dynmb.planning.slice_fitting``): every sequence longer than ``threshold`` (below the
