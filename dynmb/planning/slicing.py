@@ -7,14 +7,18 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    are packed by the method as usual (``dynmb.packing.pack`` with the spec's ``dp``, any
    ``recompute`` policy; with ``dp > 1`` a batch the packer cannot give every replica the same
    number of microbatches is packed as for one replica).
-2. Every longer sequence is cut into ``k = ceil(L / S)`` consecutive slices of near-equal
-   length (``packed``: rows of its pack length, the last one shorter, as a packed trainer
-   cuts a document at row boundaries), each slice one single-row microbatch
-   (``Microbatch.offsets`` / ``continued``). The slice length ``S`` is chosen jointly with
+2. Every longer sequence is cut into consecutive slices of at most ``S`` tokens: of equal cost
+   (``equal_cost_lengths``, Seq1F1B: later slices, attending to a longer prefix, shorter) or
+   ``k = ceil(L / S)`` of near-equal length (``packed``: rows of its pack length, the last one
+   shorter, as a packed trainer cuts a document at row boundaries), each slice one single-row
+   microbatch (``Microbatch.offsets`` / ``continued``). The slice length ``S`` is chosen jointly with
    the rest of the plan: for ``S`` in ``row_cap / {1, 2, 4, 8}`` (multiples of ``round_to``,
-   at least 128 tokens), the chains placed before or after the short sequences'
-   microbatches, and the slices recomputed or not (``recompute``: ``never`` - not;
-   ``always`` - always; ``auto`` - only when the plan does not fit otherwise), the whole
+   at least 128 tokens), the chains placed before, after or spread among the short sequences'
+   microbatches (``PLACEMENTS``), and the slices recomputed or not (``recompute``: ``never`` - not;
+   ``always`` - always; ``auto`` - only when the plan does not fit otherwise, then also only the
+   longest ``RC_SHARES`` of the chains); a first round tries the equal-cost cuts of every ``S``
+   first or spread, ``_refine`` the rest around the best (and, for ``dynamic``, its short sequences
+   packed as ``SHORT_PACKERS`` pack them); for each candidate the whole
    plan is scheduled (``make_schedule`` with the plan's kind, any kind with ``slices`` in the
    registry: GPipe, 1F1B, interleaved with its virtual stages, ZB-H1 and ``zb``, every one
    running a chain's backwards -- ``B``, or ``I`` of a split backward -- in reverse slice
@@ -41,7 +45,8 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    candidate is not tried. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
-   ``slice_placement``, ``slice_recompute``, ``slice_fill``, ``longest_fitting_length``,
+   ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
+   ``slice_fill``, ``longest_fitting_length``,
    ``slice_threshold``; every token of the batch is planned.
 
 ``threshold`` (``dynmb.planning.slice_fitting``): every sequence longer than ``threshold`` (below the
@@ -100,6 +105,30 @@ def slice_lengths(length: int, slice_len: int) -> list[int]:
     return [base + 1] * extra + [base] * (k - extra)
 
 
+def equal_cost_lengths(length: int, slice_len: int, coef: tuple[float, float]) -> list[int]:
+    """``length`` cut into slices of near-equal cost (Seq1F1B): a slice of ``n`` tokens after ``p`` costs
+    ``a n + b n (2 p + n)`` for ``coef = (a, b)`` (linear work, attention over its prefix and itself), so the
+    first ``x`` tokens cost ``a x + b x^2`` and the cuts are where that reaches ``j / k`` of the whole; ``k``
+    is the fewest slices whose first (the longest) is at most ``slice_len`` (the later ones, attending to a
+    longer prefix, are shorter), at most ``length / MIN_SLICE`` (then, or where no such cut keeps the first
+    within ``slice_len``, the even cuts of ``slice_lengths``)."""
+    a, b = (max(float(c), 0.0) for c in coef)
+    if b <= 0.0 or length <= slice_len:
+        return slice_lengths(length, slice_len)
+    total = a * length + b * length * length
+    fewest = math.ceil(length / slice_len)
+    k = max(fewest, math.ceil(total / (a * slice_len + b * slice_len * slice_len) - 1e-9))
+    k = min(k, max(fewest, length // MIN_SLICE))
+    cuts = [0]
+    for j in range(1, k):
+        c = total * j / k                        # a x + b x^2 = c, solved without cancellation
+        x = 2.0 * c / (a + math.sqrt(a * a + 4.0 * b * c))
+        cuts.append(min(max(int(round(x)), cuts[-1] + 1), length - (k - j)))
+    cuts.append(length)
+    pieces = sorted((e - s for s, e in zip(cuts[:-1], cuts[1:])), reverse=True)     # integer cuts: keep them decreasing
+    return pieces if max(pieces) <= slice_len else slice_lengths(length, slice_len)
+
+
 def _chain(seq_id: int, pieces: list[int], round_to: int, recompute: bool) -> list[Microbatch]:
     out, offset = [], 0
     for j, n in enumerate(pieces):
@@ -155,7 +184,7 @@ def _replicas(chains: list[list[Microbatch]], shorts: list[Microbatch], placemen
               cost_model: CostModelLike, plan_of: Callable[..., Plan]) -> tuple[list[Microbatch], list[int]] | None:
     """The microbatches replica-major and their replica ids: chains and short microbatches dealt
     to ``dp`` replicas (``_deal`` on each unit's bottleneck-stage F + B), each replica in the
-    units' order, its chains before (``first``) or after (``last``) its short microbatches.
+    units' order, its chains placed among its short microbatches (``_place``).
     None when there are fewer units than replicas (a chain runs whole on one replica)."""
     units: list[list[Microbatch]] = [*chains, *([mb] for mb in shorts)]
     if len(units) < dp:
@@ -175,12 +204,32 @@ def _replicas(chains: list[list[Microbatch]], shorts: list[Microbatch], placemen
     rids: list[int] = []
     for r in range(dp):
         own = [u for u in range(len(units)) if where[u] == r]
-        mine_chains = [mb for u in own if u < len(chains) for mb in units[u]]
-        mine_shorts = [mb for u in own if u >= len(chains) for mb in units[u]]
-        mbs = mine_chains + mine_shorts if placement == "first" else mine_shorts + mine_chains
+        mbs = _place([units[u] for u in own if u < len(chains)], [mb for u in own if u >= len(chains) for mb in units[u]],
+                     placement)
         order += mbs
         rids += [r] * len(mbs)
     return order, rids
+
+
+PLACEMENTS = ("first", "last", "spread")
+"""Where a replica's chains run among its short microbatches: all before them, all after them, or
+``spread``: chain ``i`` of ``c`` after ``round((i + 1) n / (c + 1))`` of the ``n`` short microbatches (each
+chain whole; the fill and drain are short microbatches and the chains' long ops sit in the steady
+state, one chain at a time)."""
+
+
+def _place(chains: list[list[Microbatch]], shorts: list[Microbatch], placement: str) -> list[Microbatch]:
+    """One replica's microbatches: its ``chains`` placed among its ``shorts`` (``PLACEMENTS``)."""
+    if placement == "first":
+        return [mb for c in chains for mb in c] + shorts
+    if placement == "last":
+        return shorts + [mb for c in chains for mb in c]
+    out, done = [], 0
+    for i, chain in enumerate(chains):
+        at = round((i + 1) * len(shorts) / (len(chains) + 1))
+        out += shorts[done:at] + chain
+        done = at
+    return out + shorts[done:]
 
 
 @dataclass
@@ -196,7 +245,8 @@ class _SplitJob:
     row_cap: int
     cut: int
     threshold: int | None
-    packed: dict[tuple[int, ...], list[Microbatch]] = field(default_factory=dict)
+    packed: dict[tuple, list[Microbatch]] = field(default_factory=dict)
+    coefs: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def long_ids(self) -> np.ndarray:
@@ -206,15 +256,16 @@ class _SplitJob:
     def short_ids(self) -> np.ndarray:
         return np.flatnonzero(self.lengths <= self.cut)
 
-    def pack_short(self, ids: np.ndarray) -> list[Microbatch]:
-        """The method's packing of short sequences ``ids`` for ``dp`` replicas, else for one
-        (cached); ``_replicas`` deals them again."""
-        key = tuple(ids.tolist())
+    def pack_short(self, ids: np.ndarray, packer: tuple[str, int | None] | None = None) -> list[Microbatch]:
+        """The method's (``packer``: that method's at that mbs) packing of short sequences ``ids`` for ``dp``
+        replicas, else for one (cached); ``_replicas`` deals them again."""
+        key = (packer, *ids.tolist())
         if key not in self.packed:
             sub = None
+            spec = self.spec if packer is None else self.spec.with_(method=packer[0], mbs=packer[1])
             for d in dict.fromkeys((self.spec.dp, 1)) if ids.size else ():
                 try:
-                    sub = pack(self.lengths[ids], self.spec.with_(oversize="error", dp=d),
+                    sub = pack(self.lengths[ids], spec.with_(oversize="error", dp=d),
                                memory_model=self.memory_model, cost_model=self.cost_model)
                     break
                 except PackingError:
@@ -237,32 +288,56 @@ class _SplitJob:
         out = sorted({max(MIN_SLICE, round_down(self.row_cap // f, rt) or rt) for f in (1, 2, 4, 8)}, reverse=True)
         return [s for s in out if s <= self.cut] or [max(MIN_SLICE, round_down(self.cut, rt) or rt)]
 
-    def chains(self, slice_len: int, use_rc: bool) -> list[list[Microbatch]]:
-        """Every long sequence as a chain of slices of ``slice_len`` (``packed``: rows, the last shorter)."""
+    def chains(self, slice_len: int, use_rc: bool, cuts: str = "even", rc_share: float = 1.0) -> list[list[Microbatch]]:
+        """Every long sequence as a chain of slices of ``slice_len`` (``packed``: rows, the last shorter;
+        ``cuts="equal-cost"``: ``equal_cost_lengths`` with the cost model's ``cost_coef``); with ``use_rc`` the
+        slices of the longest ``ceil(rc_share * chains)`` sequences are recomputed (ties: the lower id)."""
         out = []
+        by_length = sorted(self.long_ids.tolist(), key=lambda i: (-int(self.lengths[i]), i))
+        recomputed = set(by_length[:math.ceil(rc_share * len(by_length))]) if use_rc else set()
         for sid in self.long_ids:
             n = int(self.lengths[sid])
-            pieces = ([slice_len] * (n // slice_len) + ([n % slice_len] if n % slice_len else [])
-                      if self.spec.method == "packed" else slice_lengths(n, slice_len))
-            out.append(_chain(int(sid), pieces, self.spec.round_to, use_rc))
+            if self.spec.method == "packed":
+                pieces = [slice_len] * (n // slice_len) + ([n % slice_len] if n % slice_len else [])
+            elif cuts == "equal-cost":
+                pieces = equal_cost_lengths(n, slice_len, self.cost_coef(slice_len))
+            else:
+                pieces = slice_lengths(n, slice_len)
+            out.append(_chain(int(sid), pieces, self.spec.round_to, int(sid) in recomputed))
         return out
 
-    def variants(self, chains: list[list[Microbatch]]) -> list[tuple[bool, list[list[Microbatch]], list[Microbatch]]]:
-        """(filled, chains, short microbatches): the chains as cut, and with their rows filled where room is."""
+    def cost_coef(self, slice_len: int) -> tuple[float, float]:
+        """``(a, b)`` of ``equal_cost_lengths``: F + B seconds over every stage per token (its linear work)
+        and per unit of attention work (``n (2 p + n)``), read off the cost model at one row of ``slice_len``."""
+        if slice_len in self.coefs:
+            return self.coefs[slice_len]
+        n = float(slice_len)
+
+        def cost(tokens: float, attn: float) -> float:
+            c = self.cost_model.stage_costs(np.ones(1), np.array([tokens]), np.array([attn]), ops=("F", "B"))
+            return float(np.sum(c["F"]) + np.sum(c["B"]))
+        base = cost(n, 0.0)
+        self.coefs[slice_len] = ((base - cost(0.0, 0.0)) / n, (cost(n, n * n) - base) / (n * n))
+        return self.coefs[slice_len]
+
+    def variants(self, chains: list[list[Microbatch]], packer: tuple[str, int | None] | None = None
+                 ) -> list[tuple[bool, list[list[Microbatch]], list[Microbatch]]]:
+        """(filled, chains, short microbatches): the chains as cut, and with their rows filled where room is;
+        the short sequences packed by ``packer`` (``pack_short``)."""
         short_ids = self.short_ids
-        out = [(False, chains, self.pack_short(short_ids))]
+        out = [(False, chains, self.pack_short(short_ids, packer))]
         filled, left = _fill([mb for c in chains for mb in c], short_ids, self.lengths, self.row_cap,
                              self.spec.round_to)
         if left.size < short_ids.size:
             it = iter(filled)
-            out.append((True, [[next(it) for _ in c] for c in chains], self.pack_short(left)))
+            out.append((True, [[next(it) for _ in c] for c in chains], self.pack_short(left, packer)))
         return out
 
-    def meta(self, slice_len: int, placement: str, use_rc: bool, fill: bool) -> dict:
-        s, lengths = self.spec, self.lengths
+    def meta(self, slice_len: int, placement: str, use_rc: bool, fill: bool, cuts: str = "even") -> dict:
+        s = self.spec
         return {"oversize": "split", "round_to": s.round_to, "longest_fitting_length": self.row_cap,
-                "sliced": {int(i): int(math.ceil(lengths[i] / slice_len)) for i in self.long_ids},
-                "slice_len": int(slice_len), "slice_placement": placement, "slice_recompute": use_rc,
+                "sliced": {int(i): len(c) for i, c in zip(self.long_ids, self.chains(slice_len, use_rc, cuts))},
+                "slice_len": int(slice_len), "slice_cuts": cuts, "slice_placement": placement, "slice_recompute": use_rc,
                 "slice_fill": fill, "slice_threshold": None if self.threshold is None else int(self.cut),
                 "truncated": [], "dropped": [],
                 "pack_len": int(self.row_cap) if s.method == "packed" else None, "virtual": int(s.virtual)}
@@ -292,22 +367,85 @@ class _Search:
     too_few: tuple[int, int] = (0, 0)
 
 
-def _try_slice_len(job: _SplitJob, slice_len: int, use_rc: bool, found: _Search) -> None:
-    """Every fill and placement of slices of ``slice_len``: scheduled, simulated, the fastest fitting kept."""
-    for (fill, rows, shorts), placement in itertools.product(job.variants(job.chains(slice_len, use_rc)),
-                                                             ("first", "last")):
-        if fill and not shorts and placement == "last":
-            continue                         # nothing left to place around the chains
+@dataclass(frozen=True)
+class _Try:
+    """One family of candidates: slices of ``slice_len`` cut ``cuts``, recomputed or not, with the fills and
+    placements to try (``fills`` None: with and without filled rows)."""
+
+    slice_len: int
+    use_rc: bool
+    cuts: str = "even"
+    placements: tuple[str, ...] = ("first", "last")
+    fills: tuple[bool, ...] | None = None
+    packer: tuple[str, int | None] | None = None
+    rc_share: float = 1.0
+
+
+def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
+    """Every fill and placement of ``t``: scheduled, simulated, the fastest fitting kept."""
+    chains = job.chains(t.slice_len, t.use_rc, t.cuts, t.rc_share)
+    for (fill, rows, shorts), placement in itertools.product(job.variants(chains, t.packer), t.placements):
+        if (fill and not shorts and placement != "first") or (t.fills is not None and fill not in t.fills):
+            continue                         # nothing left to place around the chains, or not asked for
         dealt = _replicas(rows, shorts, placement, job.spec.dp, job.cost_model, job.plan_of)
         if dealt is None:
             found.too_few = (len(rows), len(shorts))
             continue
-        plan = job.plan_of(*dealt, job.meta(slice_len, placement, use_rc, fill))
+        plan = job.plan_of(*dealt, {**job.meta(t.slice_len, placement, t.use_rc, fill, t.cuts),
+                                    "slice_shorts": None if t.packer is None else "/".join(map(str, t.packer)),
+                                    "slice_recompute_share": t.rc_share if t.use_rc else 0.0})
         slowest, peak, replicas, scheds = job.simulate(plan)
         if found.lowest is None or peak < found.lowest[0]:
-            found.lowest = (peak, int(slice_len))
+            found.lowest = (peak, int(t.slice_len))
         if peak <= job.spec.memory_limit_bytes and (found.best is None or slowest < found.best[0]):
             found.best = (slowest, plan, replicas, scheds)
+
+
+def _refine(job: _SplitJob, found: _Search) -> None:
+    """Around the best candidate of the first round (its slice length, recomputation and fill): its chains
+    placed ``last`` and the even cuts (``slice_lengths``) in every placement; where it recomputes under
+    ``recompute="auto"``, only the longest ``RC_SHARES`` of the chains recomputed; for ``dynamic`` then the
+    short sequences packed by ``SHORT_PACKERS`` around the best so far. A few more simulations, not another
+    product of choices."""
+    if found.best is None or job.spec.method == "packed":
+        return
+    meta = found.best[1].meta
+    slice_len, use_rc, fill = int(meta["slice_len"]), bool(meta["slice_recompute"]), bool(meta["slice_fill"])
+    _try_slice_len(job, _Try(slice_len, use_rc, "equal-cost", ("last",), (fill,)), found)
+    _try_slice_len(job, _Try(slice_len, use_rc, "even", PLACEMENTS, (fill,)), found)
+    meta = found.best[1].meta
+    best = _Try(int(meta["slice_len"]), use_rc, meta["slice_cuts"], (meta["slice_placement"],), (fill,))
+    for share in RC_SHARES if use_rc and job.spec.recompute == "auto" else ():
+        _try_slice_len(job, replace(best, rc_share=share), found)
+    if job.spec.method != "dynamic":
+        return
+    meta = found.best[1].meta
+    best = replace(best, slice_len=int(meta["slice_len"]), cuts=meta["slice_cuts"], placements=(meta["slice_placement"],),
+                   rc_share=float(meta["slice_recompute_share"]) or 1.0)
+    for packer in SHORT_PACKERS:
+        try:
+            _try_slice_len(job, replace(best, packer=packer), found)
+        except PackingError:                  # that packer cannot take these short sequences: not a candidate
+            continue
+
+
+RC_SHARES = (0.5, 0.25, 0.125)
+"""``recompute="auto"``, where slices fit only recomputed: around the best such candidate, only the longest half,
+quarter, eighth of the chains recomputed (the longest chains hold the most in flight; the others then run at
+full speed)."""
+
+SHORT_PACKERS: tuple[tuple[str, int | None], ...] = (("fixed", None), ("sorted", 1))
+"""``dynamic``'s sliced plan also weighs, at its best slices, the short sequences packed as these plain methods
+pack them (method, mbs): around long chains many small microbatches can fill the pipeline better than
+``dynamic``'s own grouping of the short ones, and the plain methods' sliced plans differ from it only there."""
+
+
+def _first_round(job: _SplitJob, slice_len: int, use_rc: bool) -> _Try:
+    """The first round's candidates of one slice length: ``packed``'s rows first or last; the other methods'
+    equal-cost cuts first or spread (``_refine`` adds the rest around the best)."""
+    if job.spec.method == "packed":
+        return _Try(slice_len, use_rc)
+    return _Try(slice_len, use_rc, "equal-cost", ("first", "spread"))
 
 
 def _no_fit(job: _SplitJob, found: _Search) -> PackingError:
@@ -359,9 +497,10 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     found = _Search()
     for use_rc in {"never": [False], "always": [True], "auto": [False, True]}[spec.recompute]:
         for slice_len in job.slice_candidates():
-            _try_slice_len(job, slice_len, use_rc, found)
+            _try_slice_len(job, _first_round(job, slice_len, use_rc), found)
         if found.best is not None:
             break
+    _refine(job, found)
     if found.best is None:
         raise _no_fit(job, found)
     _, plan, replicas, scheds = found.best

@@ -1,0 +1,44 @@
+"""Smoke test of ``studies/slicing/longdoc.py`` (``python -m pytest -q studies``): the chain counterfactual on a tiny
+sliced plan, and the tables from JSON lines."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import dynmb
+from dynmb.core.config import parse_bytes
+from studies.slicing import longdoc
+
+
+def test_chain_stall_is_zero_without_slices_and_finite_with_them():
+    planner = dynmb.Planner(model="tiny", num_stages=2, memory_limit="16MiB", cost_model="analytic",
+                            oversize="split", recompute="auto")
+    sliced = planner.plan(np.array([2400, 1800, *([60, 90, 120, 30] * 4)]))
+    plain = planner.plan(np.array([60, 90, 120, 30] * 4))
+    assert sliced.plan.slice_groups() and sliced.plan.memory_limit_bytes == parse_bytes("16MiB")
+    assert longdoc.chain_stall(plain, planner.cost_model, planner.memory_model) == 0.0
+    assert np.isfinite(longdoc.chain_stall(sliced, planner.cost_model, planner.memory_model))
+    assert not longdoc.unchained(sliced.plan).slice_groups()
+
+
+def test_tables_from_json_lines(tmp_path, capsys):
+    terms = {f"gap_{t}": 0.01 for t in ("chain", "order", *longdoc.TERMS)}
+    row = {"trace": "t", "model": "m", "P": 8, "longest": 10, "step_s": 2.0, "ideal_s": 1.5, "gap": 1 / 3,
+           "kind": "zb", "microbatches": 4, "sliced": 1, "slice_len": 5, "slice_cuts": "equal-cost",
+           "placement": "spread", "plan_cpu_s": 1.0, "best_other": "", "best_other_s": float("nan"), **terms}
+    before, after = tmp_path / "before.jsonl", tmp_path / "after.jsonl"
+    before.write_text(json.dumps({**row, "step_s": 3.0, "gap": 1.0}) + "\n")
+    after.write_text(json.dumps({**row, "step_fixed": 2.5, "best_other": "fixed", "best_other_s": 2.5}) + "\n")
+    assert longdoc.main(["--table", str(after), "--before", str(before)]) == 0
+    out = capsys.readouterr().out
+    assert "3.0000 -> 2.0000" in out and "fixed (2.5000) | 0.800" in out
+    assert longdoc.main(["--table", str(after)]) == 0
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        longdoc.main(["--help"])
+    assert e.value.code == 0 and "--out" in capsys.readouterr().out
