@@ -17,6 +17,7 @@ from dynmb.core.types import Microbatch, Plan
 from dynmb.io.results import load_results
 from dynmb.memory.model import MemoryModel
 from dynmb.planning import make_schedule
+from dynmb.core.planspec import PlanSpec
 from dynmb.planning.planner import plan_step
 from dynmb.planning.slicing import MIN_SLICE, PLACEMENTS, _place, equal_cost_lengths, slice_lengths
 from dynmb.runtime.spec import RunSpec
@@ -87,8 +88,8 @@ def test_the_split_planner_weighs_equal_cost_cuts_and_spread_chains(kind):
     import dynmb.planning.slicing as slicing
 
     def plan():
-        return plan_step(LONG, method="dynamic", model_cfg=TINY, num_stages=2, schedule_kind=kind,
-                         memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+        return plan_step(LONG, PlanSpec(method="dynamic", num_stages=2, schedule_kind=kind,
+                         memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto"), model_cfg=TINY)
     best, sched, sim = plan()
     best.validate(LONG)
     validate(sched, best)
@@ -162,8 +163,9 @@ def test_dynamic_sliced_plan_is_not_slower_than_the_plain_methods_sliced_plans()
     """``dynamic`` weighs the short sequences packed as ``fixed`` and ``sorted`` pack them at its best slices
     (``SHORT_PACKERS``), so around the same chains it is never behind those plain methods' sliced plans."""
     def step(method, mbs=None):
-        plan, _, sim = plan_step(LONG, method=method, mbs=mbs, model_cfg=TINY, num_stages=2, schedule_kind="1f1b",
-                                 memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto")
+        plan, _, sim = plan_step(LONG, PlanSpec(method=method, mbs=mbs, num_stages=2, schedule_kind="1f1b",
+                                 memory_limit_bytes=parse_bytes("16MiB"), oversize="split", recompute="auto"),
+                                 model_cfg=TINY)
         return plan, sim.makespan_s
     plan, dynamic = step("dynamic")
     assert plan.meta["slice_shorts"] in (None, "fixed/None", "sorted/1")
@@ -182,8 +184,9 @@ def test_recompute_auto_weighs_recomputing_only_the_longest_chains(monkeypatch):
         return real(job, t, found)
     monkeypatch.setattr(slicing, "_try_slice_len", spy)
     batch = np.array([4000, 3400, 2900, 2400, *([60, 90, 120, 30] * 4)], dtype=np.int64)
-    plan, sched, _ = plan_step(batch, method="dynamic", model_cfg=TINY, num_stages=2, schedule_kind="1f1b",
-                               memory_limit_bytes=parse_bytes("18MiB"), oversize="split", recompute="auto")
+    plan, sched, _ = plan_step(batch, PlanSpec(method="dynamic", num_stages=2, schedule_kind="1f1b",
+                               memory_limit_bytes=parse_bytes("18MiB"), oversize="split", recompute="auto"),
+                               model_cfg=TINY)
     plan.validate(batch)
     validate(sched, plan)
     assert plan.meta["slice_recompute"]                        # these slices fit only recomputed
