@@ -12,7 +12,7 @@ Cases (``path``): ``kind`` runs the kind on eight padded single-row microbatches
 mbs 1; the interleaved and V-shape kinds with two chunks per rank); ``split`` cuts a 1,200-token document
 longer than any row that fits (``oversize="split"``) into a chain of slices, run on a kind that takes
 slices; ``fitting`` slices documents that fit, where predicted faster (``slice_fitting="auto"``, with
-``oversize="truncate"``, so every slice is of a document that fits, and ``recompute="auto"``). The quick run (``FAST``) checks one case per kind and slice path on
+``oversize="truncate"``, so every slice is of a document that fits, and ``recompute="auto"``). The quick run (``FAST``) checks the zero-bubble kinds and each slice path on
 2 ranks in the shared 2-rank job (``tests/gloo_jobs.py``), the two families alternating; the slow run
 (``--runslow``) adds the other family of each and the split path on every kind that takes slices, on 2
 ranks (a job of its own) and 4 ranks (the shared 4-rank job).
@@ -76,20 +76,29 @@ def _other(family: str) -> str:
     return FAMILIES[1 - FAMILIES.index(family)]
 
 
-def _fast() -> list[Case]:
+def _each() -> list[Case]:
     """One case per kind and slice path on 2 ranks, the families alternating."""
     kinds = [Case(k, "kind", FAMILIES[i % 2], 2) for i, k in enumerate(KINDS)]
     return kinds + [Case("zb-h1", "split", "llama-tiny", 2), Case("1f1b", "fitting", "tiny", 2)]
 
 
+QUICK_PATHS = {("zb", "kind"), ("zb-v", "kind"), ("zb-h1", "split"), ("1f1b", "fitting")}
+"""What the default run checks: the zero-bubble kinds and the slice paths (the older kinds have fp32 checks
+in the default run and every case here with ``--runslow``)."""
+
+
+def _fast() -> list[Case]:
+    return [c for c in _each() if (c.kind, c.path) in QUICK_PATHS]
+
+
 def _slow(nproc: int) -> list[Case]:
-    """The rest on 2 ranks (the other family of each fast case, split on every kind that takes slices);
+    """The rest on 2 ranks (every kind, the other family of each, split on every kind that takes slices);
     everything on 4 ranks."""
-    fast = _fast()
+    fast = _each()
     cases = fast + [replace(c, family=_other(c.family)) for c in fast]
     cases += [Case(k, "split", f, 2) for k in SPLIT_KINDS if k != "zb-h1" for f in FAMILIES]
     if nproc == 2:
-        return [c for c in cases if c not in fast]
+        return [c for c in cases if c not in _fast()]
     return [replace(c, nproc=4) for c in cases]
 
 
@@ -154,7 +163,7 @@ def _check(out: Path, case: Case) -> float:
 # ------------------------------------------------------------------ quick, in one process
 def test_every_registered_kind_has_a_case():
     assert {"gpipe", "1f1b", "interleaved", "memory-aware", "zb-h1", "zb", "zb-v"} <= set(KINDS)
-    assert {c.kind for c in FAST} == set(KINDS) and {c.path for c in FAST} == {"kind", "split", "fitting"}
+    assert {c.kind for c in FAST + SLOW2} == set(KINDS) and {c.path for c in FAST} == {"kind", "split", "fitting"}
     assert {c.family for c in FAST} == set(FAMILIES)
     assert {(c.kind, c.path, c.family) for c in SLOW4} == {(c.kind, c.path, c.family) for c in FAST + SLOW2}
 

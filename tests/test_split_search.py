@@ -59,6 +59,7 @@ def test_candidates_are_near_optimal_arrangements_min_max_first() -> None:
     assert near_optimal_splits(LLAMA2, P, cost, tolerance=0.02, max_candidates=1)[0] == [cands[0]]
 
 
+@pytest.mark.slow
 def test_auto_keeps_the_min_max_split_against_a_win_within_the_noise() -> None:
     """Here the rival of the smallest mean step per token on the two sample batches (what the strictly-smaller
     rule took) is faster on one batch and slower on the other: the Planner given a global batch size keeps

@@ -29,7 +29,7 @@ CASES = {   # model spec, GPUs, split, global batch: V 2 whole layouts even; V 4
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "even" else c for c in sorted(CASES)])
 def test_plan_virtual_auto_chooses_as_the_planner(tmp_path: Path, capsys: pytest.CaptureFixture, case: str) -> None:
     spec, gpus, split, batch = CASES[case]
     cfg = dynmb.model_config(spec)

@@ -29,6 +29,7 @@ def _planner(trace: str, **kw) -> dynmb.Planner:
     return dynmb.Planner(**{**args, **kw})
 
 
+@pytest.mark.slow
 def test_long_documents_choose_two_chunks_per_gpu() -> None:
     """longtail at P 8, long documents sliced (``oversize="split"``: every V trains every token): V 2 trains
     more tokens per simulated second than V 1 and V 4; the Planner then plans 16 chunks of 2 per GPU, its
