@@ -57,7 +57,7 @@ def _sat(cm: GPUCostModel) -> GPUCostModel:
 
 # --- the terms add up --------------------------------------------------------------------------------
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 1500), min_size=2, max_size=40), P=st.sampled_from([1, 2, 3, 4]),
        dp=st.sampled_from([1, 1, 2]), method=st.sampled_from(["fixed", "packed", "token-budget", "dynamic"]),
        kind=st.sampled_from(["1f1b", "gpipe", "zb-h1", "zb", "interleaved"]), which=st.integers(0, 3),

@@ -97,6 +97,7 @@ def test_a_lengths_trace_gives_the_sampler_and_plan_the_same_token_counts(tmp_pa
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_a_custom_end_of_text_tokenizer_trains_through_corpus(tmp_path, capsys):
     import pandas as pd
 

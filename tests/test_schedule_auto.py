@@ -63,7 +63,7 @@ def test_kinds_of_one_packing_key_pack_alike():
             [(mb.seq_ids.tolist(), mb.row_ids.tolist(), mb.padded_len) for mb in plans[0].microbatches]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), n=st.integers(2, 40), P=st.sampled_from([2, 4]),
        method=st.sampled_from(["dynamic", "sorted", "balanced"]), dp=st.sampled_from([1, 2]))
 def test_auto_is_never_slower_than_a_fixed_kind(seed, n, P, method, dp):

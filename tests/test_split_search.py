@@ -119,6 +119,7 @@ def test_without_what_a_plan_needs_auto_keeps_the_min_max_split(caplog: pytest.L
                          cost_model=GPUCostModel(LLAMA2, P)).how == "min-max"
 
 
+@pytest.mark.slow
 def test_the_command_line_chooses_as_the_planner(tmp_path) -> None:
     path = tmp_path / "gpu.json"
     GPUCostModel(LLAMA2, P).save(path)
