@@ -10,23 +10,14 @@ from dynmb.timing.makespan import makespan, makespans
 from dynmb.timing.makespan_zb import (TOLERANCE, _level_table, _merged, _scalar, backward_shares, ranking_kind,
                                       split_backward, windows)
 from dynmb.schedule.kinds import get_kind
-from dynmb.schedule.validate import execution_order
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1, zb_limit_aware
-from dynmb.timing.simulate import action_times, cross_mask
+from dynmb.timing.simulate import simulate_costs
 
 
 def _evaluator(F, B, I, W, comm):  # noqa: E741
-    cube = np.stack([F, B, I, W])
-
-    def evaluate(s):
-        fl = execution_order(s)
-        dur = cube[fl.op, fl.stage, fl.mb]
-        cross = np.zeros(len(dur))
-        xi = cross_mask(fl)
-        cross[xi] = comm[fl.mb[xi]]
-        _, end = action_times(fl, dur, cross, s.num_ranks)
-        return float(max(end)), np.zeros(F.shape[0])
-    return evaluate
+    """The simulated step of a built schedule at these per-op costs (the judge ``best_*`` search takes)."""
+    costs = {"F": F, "B": B, "I": I, "W": W}
+    return lambda s: (simulate_costs(s, costs, comm).makespan_s, np.zeros(F.shape[0]))
 
 
 def _simulated(F, B, I, W, comm, kind):  # noqa: E741
