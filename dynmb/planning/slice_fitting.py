@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
 from dynmb.packing import PackingError
@@ -85,15 +85,15 @@ def applies(spec: PlanSpec) -> bool:
 
 
 def plan_threshold(lengths: np.ndarray, cut: np.ndarray, base_meta: Mapping[str, Any], spec: PlanSpec, threshold: int, *,
-                   model_cfg: ModelConfig, cost_model: CostModelLike, memory_model: MemoryModelLike) -> Planned:
+                   model_cfg: ModelConfig, models: Models[MemoryModelLike]) -> Planned:
     """The kept tokens ``cut`` (``kept_lengths`` of the plan without fitting slices, whose ``base_meta`` gives
     ``truncated``, ``dropped`` and ``longest_fitting_length``) of the batch ``lengths`` planned with every
     sequence longer than ``threshold`` sliced (step 3), validated against ``lengths``; ``PackingError`` where
     no candidate fits."""
     cut = np.asarray(cut, dtype=np.int64)
     kept = np.flatnonzero(cut > 0)
-    plan, sched, sim = plan_split(cut[kept], spec, model_cfg=model_cfg, memory_model=memory_model,
-                                  cost_model=cost_model, make_schedule=make_schedule, threshold=threshold)
+    plan, sched, sim = plan_split(cut[kept], spec, model_cfg=model_cfg, models=models,
+                                  make_schedule=make_schedule, threshold=threshold)
     if kept.size < cut.size:                       # dropped sequences: back to the batch's ids
         plan = replace(plan, num_sequences=int(cut.size),
                        microbatches=tuple(replace(mb, seq_ids=kept[mb.seq_ids]) for mb in plan.microbatches))
@@ -111,21 +111,19 @@ def _step(planned: Planned) -> float:
 
 
 def plan_fitting(lengths: np.ndarray, spec: PlanSpec, base: Planned, *, model_cfg: ModelConfig,
-                 cost_model: CostModelLike, memory_model: MemoryModelLike,
-                 fits: Callable[[Plan, Schedule, SimResult], bool]) -> Planned:
+                 models: Models[MemoryModelLike], fits: Callable[[Plan, Schedule, SimResult], bool]) -> Planned:
     """``base`` or the fastest plan with fitting slices that ``fits`` (module doc); the plan kept records
     ``slice_threshold`` and ``slice_fitting``."""
     if not applies(spec):
         return base
     lengths = np.asarray(lengths, dtype=np.int64)
-    row_cap = longest_row(spec, model_cfg, memory_model)
+    row_cap = longest_row(spec, model_cfg, models.memory)
     cut = kept_lengths(base[0])
     steps: dict[str, float | None] = {"none": _step(base)}
     best = base
     for t in thresholds(row_cap, int(cut.max()), spec.round_to):
         try:
-            alt = plan_threshold(lengths, cut, base[0].meta, spec, t, model_cfg=model_cfg, cost_model=cost_model,
-                                 memory_model=memory_model)
+            alt = plan_threshold(lengths, cut, base[0].meta, spec, t, model_cfg=model_cfg, models=models)
         except PackingError as e:
             log.debug("slice_fitting: threshold %d: %s", t, e)
             steps[str(t)] = None

@@ -33,6 +33,7 @@ from dynmb.planning.zerobubble import zb_inputs
 from dynmb.schedule.kinds import build_schedule
 from dynmb.schedule.validate import execution_order
 from dynmb.timing.simulate import action_times, cross_mask
+from dynmb.costmodel.loader import Models
 
 MODELS = {"1.5B": (22, 24, 2304, 8, 6), "6.2B": (30, 32, 4096, 8, 3), "14.6B": (46, 40, 5120, 16, 1),
           "28.3B": (62, 48, 6144, 32, 1)}
@@ -82,7 +83,7 @@ def cell(name: str, m: int) -> dict:
     layers, heads, hidden, P, rows = MODELS[name]
     cfg, plan = model_of(name), plan_of(P, rows, m)
     cm = GPUCostModel(cfg, P, spec=A100_SXM_MEGATRON, link="ib")
-    inp = zb_inputs(plan, cm)
+    inp = zb_inputs(plan, Models(cm, None))
     m_b, m_w = SEQ * rows * (34 * hidden + 5 * heads * SEQ), 32 * SEQ * rows * hidden
     inp.act, inp.w, inp.tr = np.full((P, m), float(m_b)), np.full((P, m), float(m_w)), np.zeros((P, m))
     def paper_cost(schedule) -> tuple[float, np.ndarray]:          # the judge: the paper's cost, no bytes
