@@ -20,7 +20,7 @@ import numpy as np
 
 from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
-from dynmb.schedule.kinds import build_schedule, get_kind, kind_names
+from dynmb.schedule.kinds import build_schedule, get_kind, kinds_with
 from dynmb.schedule.validate import execution_order
 from dynmb.schedule.zerobubble import ZBInputs
 from dynmb.timing.simulate import action_times, cross_mask, comm_times, memory_inputs, peaks, w_inputs
@@ -73,8 +73,7 @@ def build_zb(plan: Plan, kind: str, *, models: Models[MemoryModelLike | None]) -
     a memory limit)."""
     memory_model = models.memory
     if not get_kind(kind).costs:
-        raise ValueError(f"not a cost-driven (zero-bubble) kind: {kind!r}; expected one of "
-                         f"{tuple(k for k in kind_names() if get_kind(k).costs)}")
+        raise ValueError(f"not a cost-driven (zero-bubble) kind: {kind!r}; expected one of {kinds_with('costs')}")
     if models.cost is None:
         raise ValueError(f"the {kind} schedule needs a cost model (it places W by predicted times)")
     inp = zb_inputs(plan, models)
