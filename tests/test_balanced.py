@@ -325,6 +325,7 @@ def test_equal_microbatches_extend_the_zero_bubble_recurrence_linearly(kind):
     from dynmb.timing.makespan import makespans
     from dynmb.timing.makespan_zb import backward_shares
     from dynmb.packing.balanced import _equal_zb
+    from dynmb.schedule.kinds import get_kind
 
     for P in (2, 4):
         cm = AnalyticCostModel(TINY, P)
@@ -335,7 +336,7 @@ def test_equal_microbatches_extend_the_zero_bubble_recurrence_linearly(kind):
         per = np.array([1, 3, 40, 400])
         for j in range(2):
             got = _equal_zb(np.repeat(c["F"][:, j:j + 1], 4, 1), np.repeat(c["B"][:, j:j + 1], 4, 1),
-                            np.repeat(comm[j], 4), per, kind, shares)
+                            np.repeat(comm[j], 4), per, get_kind(kind), shares)
             cols = np.repeat(np.arange(4), per)
             full = makespans(np.repeat(c["F"][:, j:j + 1], 4, 1)[:, cols], np.repeat(c["B"][:, j:j + 1], 4, 1)[:, cols],
                              np.repeat(comm[j], per.sum()), per, kind, shares=shares)

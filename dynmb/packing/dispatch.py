@@ -44,7 +44,7 @@ from dynmb.core.features import CostFeatures
 from dynmb.timing.makespan import makespans
 from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares
-from dynmb.schedule.kinds import get_kind
+from dynmb.schedule.kinds import ScheduleKind, get_kind
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.planmeta import PlanMeta
 from dynmb.core.predictions import Predictions
@@ -63,17 +63,19 @@ METHODS = method_names()
 _OVERSIZE = ("error", "truncate", "drop")
 
 
-def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> None:
+def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> ScheduleKind:
     """What ``PlanSpec`` cannot check itself: the method and kind names, and the memory model's stages
-    (numbers and option sets are checked when the spec is made)."""
+    (numbers and option sets are checked when the spec is made). Returns the kind's record, resolved here once
+    for the whole call."""
     get_method(spec.method)                   # unknown methods: ValueError naming the registered ones
-    get_kind(spec.schedule_kind)              # unknown kinds: ValueError naming the registered ones
+    kind = get_kind(spec.schedule_kind)       # unknown kinds: ValueError naming the registered ones
     if spec.oversize not in _OVERSIZE:
         raise ValueError(f"oversize must be error, truncate or drop, got {spec.oversize!r}")
     if memory_model.num_stages != spec.num_stages:
         raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {spec.num_stages}")
     if (refusal := mbs_refusal(spec)) is not None:
         raise ValueError(refusal)
+    return kind
 
 
 MBS_METHODS = tuple(m for m in METHODS if get_method(m).mbs)
@@ -216,7 +218,7 @@ def flat_features(flat: Flat, L: np.ndarray, attention: str) -> CostFeatures:
 
 
 def _estimate(microbatches: list[Microbatch], features: CostFeatures, models: Models[MemoryModelLike],
-              spec: PlanSpec) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
+              spec: PlanSpec, rec: ScheduleKind) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
     """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
     makespan of each replica), from the one cost lookup with each microbatch's attention work (``features``)."""
     cost_model, memory_model = models.cost, models.memory
@@ -238,7 +240,7 @@ def _estimate(microbatches: list[Microbatch], features: CostFeatures, models: Mo
         replicas = [np.flatnonzero(np.asarray(replica_ids) == r) for r in range(dp)]
     peak = np.zeros(memory_model.num_stages)
     shares = (backward_shares(cost_model, np.concatenate([mb.lengths for mb in microbatches]), memory_model.num_stages)
-              if get_kind(kind).estimate_as in ZB_ESTIMATES and microbatches else None)
+              if rec.estimate_as in ZB_ESTIMATES and microbatches else None)
     for sel in replicas:
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
     cols = np.concatenate(replicas)                 # every replica's estimate in one call (one level loop)
@@ -286,9 +288,9 @@ def _pack(lengths: Any, spec: PlanSpec, models: Models[MemoryModelLike]) -> Plan
     not split warm up more), the batch is packed again with the in-flight counts of every m near the
     plan's, until it fits or the counts stop growing."""
     t0 = time.perf_counter()
-    _check_args(spec, models.memory)
+    rec = _check_args(spec, models.memory)
     orig = _check_lengths(lengths)
-    base = PackContext.from_spec(spec, models.memory)
+    base = PackContext.from_spec(spec, models.memory, rec)
     while True:
         try:
             return _pack_under(base, orig, spec, models, t0)
@@ -324,7 +326,7 @@ def _pack_under(base: PackContext, orig: np.ndarray, spec: PlanSpec, models: Mod
         if dp > 1:
             flat = _balance_replicas(flat, ctx, dp)
         microbatches, replica_ids, peak, est = _estimate(_microbatches(flat, ids, L), flat_features(flat, L, attention),
-                                                         models, spec)
+                                                         models, spec, ctx.rec)
         if not np.any(peak > spec.memory_limit_bytes):
             meta.update(chosen, budget="tight" if tight else "safe")
             break
