@@ -48,7 +48,7 @@ from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
 from dynmb.packing.methods import get_method
 from dynmb.core.planspec import PlanSpec
-from dynmb.schedule.kinds import AUTO, auto_kinds_for, get_kind
+from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust
@@ -95,21 +95,23 @@ def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_
         lengths.max() > longest_row(spec, model_cfg, memory_model)
 
 
-def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],
-               meta: dict[str, Any] | None,
+def _plan_kind(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_cfg: ModelConfig,
+               models: Models[MemoryModelLike], meta: dict[str, Any] | None,
                packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
-    """``plan_step`` for one schedule kind; ``packs``: packings already made in this step, by the kind's
-    ``packing_key`` (with the seconds they took), shared by kinds the packers cannot tell apart."""
+    """``plan_step`` for one schedule kind (``kind``: the record of ``spec.schedule_kind``); ``packs``: packings
+    already made in this step, by the kind's ``packing_key`` (with the seconds they took), shared by kinds the
+    packers cannot tell apart."""
     t0 = time.perf_counter()
     if _sliced(lengths, spec, model_cfg, models.memory):
         if spec.reorder not in ("none", "auto"):
             raise ValueError(f"reorder {spec.reorder!r}: a plan with slices of long sequences runs in its planned "
                              f"order (reorder 'none' or 'auto')")
-        plan, sched, sim = plan_split(lengths, spec, model_cfg=model_cfg, models=models, make_schedule=make_schedule)
+        plan, sched, sim = plan_split(lengths, spec, kind, model_cfg=model_cfg, models=models,
+                                      make_schedule=make_schedule)
         preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)     # the slowest replica's step
         return replace(plan, predictions=preds, spec=spec,
                        meta=plan.meta.merged(meta).with_(reorder="none")), sched, sim
-    key = get_kind(spec.schedule_kind).packing_key
+    key = kind.packing_key
     shared = packs.get(key) if packs is not None else None
     if shared is None:
         plan = pack(lengths, spec.with_(oversize="error") if spec.oversize == "split" else spec,
@@ -123,7 +125,7 @@ def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, mode
     replicas = replicas_of(plan)
     reorder = reorder_for(spec.method, spec.reorder)          # "auto": the method's own order
     if reorder != "none":
-        replicas = [reorder_plan(p, reorder, models=models, schedule_kind=spec.schedule_kind, virtual=spec.virtual)
+        replicas = [reorder_plan(p, reorder, models=models, schedule_kind=kind, virtual=spec.virtual)
                     for p in replicas]
     scheds = replica_schedules(replicas, spec, models=models)
     plan_s = pack_s + time.perf_counter() - t1
@@ -148,19 +150,21 @@ def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, m
                   packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``_plan_final``; with ``spec.slice_fitting == "auto"`` the plans that slice sequences which fit are
     weighed against it and the fastest that fits is kept (``dynmb.planning.slice_fitting``); ``plan_s``
-    counts both."""
+    counts both. The step's entry for one kind: ``spec.schedule_kind`` (never ``auto`` here) is resolved here,
+    once, and its record handed down (the packers, the reorder search, slicing)."""
     t0 = time.perf_counter()
-    best = _plan_final(lengths, spec, model_cfg, models, meta, packs)
+    kind = get_kind(spec.schedule_kind)
+    best = _plan_final(lengths, spec, kind, model_cfg, models, meta, packs)
     if spec.slice_fitting == "never":
         return best
-    plan, sched, sim = plan_fitting(lengths, spec, best, model_cfg=model_cfg, models=models, fits=fits)
+    plan, sched, sim = plan_fitting(lengths, spec, best, kind=kind, model_cfg=model_cfg, models=models, fits=fits)
     if plan.meta.slice_threshold is not None:            # a plan with fitting slices: in its planned order
         plan = replace(plan, spec=spec, meta=plan.meta.merged(meta).with_(reorder="none"))
     return replace(plan, predictions=plan.predictions.updated(plan_s=time.perf_counter() - t0)), sched, sim
 
 
-def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],
-                meta: dict[str, Any] | None,
+def _plan_final(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_cfg: ModelConfig,
+                models: Models[MemoryModelLike], meta: dict[str, Any] | None,
                 packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``_plan_kind``, and for ``dynamic`` the robust choice (``dynmb.planning.search.robust``) among its own
     plan and the candidates of ``final_candidates``, each planned whole (packed, in its own order,
@@ -172,14 +176,14 @@ def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, mod
     alternative that fits is the plan; none fits: the packer's error is raised."""
     t0 = time.perf_counter()
     if spec.method != "dynamic":
-        return _plan_kind(lengths, spec, model_cfg, models, meta, packs)
+        return _plan_kind(lengths, spec, kind, model_cfg, models, meta, packs)
     try:
-        own: Planned | None = _plan_kind(lengths, spec, model_cfg, models, meta, packs)
+        own: Planned | None = _plan_kind(lengths, spec, kind, model_cfg, models, meta, packs)
     except ValueError as e:             # the packer cannot take the batch: an alternative that fits may
         own, refusal = None, e
     if own is not None and own[0].slice_groups():
         return own
-    outcomes = evaluate(final_candidates(_Job(lengths, spec, model_cfg, models, meta)))
+    outcomes = evaluate(final_candidates(_Job(lengths, spec, kind, model_cfg, models, meta)))
     if own is None and not any(o.fits for o in outcomes):
         raise refusal
     (plan, sched, sim), choice = robust(own, outcomes, models.cost)
@@ -191,10 +195,12 @@ def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, mod
 
 @dataclass(frozen=True)
 class _Job:
-    """One step's batch, settings and models: what every candidate of its searches is planned from."""
+    """One step's batch, settings (with the record of their kind) and models: what every candidate of its
+    searches is planned from."""
 
     lengths: np.ndarray
     spec: PlanSpec
+    kind: ScheduleKind
     model_cfg: ModelConfig
     models: Models[MemoryModelLike]
     meta: dict[str, Any] | None
@@ -206,7 +212,8 @@ def final_candidates(job: _Job) -> list[Candidate]:
     ``dynamic`` is never predicted slower than a method that fits (issue 39)."""
     spec = job.spec
     try:
-        divisors = budget_divisors(job.lengths, PackContext.from_spec(spec, job.models.memory), job.models.cost,
+        ctx = PackContext.from_spec(spec, job.models.memory, job.kind)
+        divisors = budget_divisors(job.lengths, ctx, job.models.cost,
                                    round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK)
     except ValueError:
         divisors = []
@@ -215,8 +222,8 @@ def final_candidates(job: _Job) -> list[Candidate]:
         name = f"{m}/1" if get_method(m).mbs == "budget divisor" else m
         if m != spec.method and name not in settings:
             settings[name] = spec.with_(method=m, mbs=None)
-    return [Candidate(name, functools.partial(_plan_kind, job.lengths, s, job.model_cfg, job.models, job.meta))
-            for name, s in settings.items()]
+    return [Candidate(name, functools.partial(_plan_kind, job.lengths, s, job.kind, job.model_cfg, job.models,
+                                              job.meta)) for name, s in settings.items()]
 
 
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],

@@ -76,7 +76,7 @@ from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.predictions import Predictions
-from dynmb.schedule.kinds import AUTO, auto_kinds_for, get_kind, slice_kinds
+from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, slice_kinds
 from dynmb.timing.simulate import SimResult, simulate
 from dynmb.core.types import Microbatch, Plan, PlanMeta, Schedule
 from dynmb.planning.replicas import predict_replicas, replicas_of
@@ -462,11 +462,11 @@ def _no_fit(job: _SplitJob, found: _Search) -> PackingError:
         f"{'; --recompute auto keeps only block inputs and keys/values' if job.spec.recompute == 'never' else ''}")
 
 
-def _split_job(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],
-               make_schedule: Callable[..., Schedule], threshold: int | None) -> _SplitJob:
-    """The checks of ``plan_split`` (one line each) and its job."""
+def _split_job(lengths: np.ndarray, spec: PlanSpec, rec: ScheduleKind, model_cfg: ModelConfig,
+               models: Models[MemoryModelLike], make_schedule: Callable[..., Schedule],
+               threshold: int | None) -> _SplitJob:
+    """The checks of ``plan_split`` (one line each) and its job (``rec``: the record of ``spec.schedule_kind``)."""
     kind, virtual = spec.schedule_kind, spec.virtual
-    rec = get_kind(kind)
     if not rec.slices or (virtual != 1 and not rec.virtual_stages):
         raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {kind!r}"
                          f"{f' with virtual={virtual}' if virtual != 1 else ''}")
@@ -481,16 +481,17 @@ def _split_job(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, mode
     return _SplitJob(lengths, spec, models, make_schedule, row_cap, cut, threshold)
 
 
-def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, models: Models[MemoryModelLike],
-               make_schedule: Callable[..., Schedule],
+def plan_split(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, *, model_cfg: ModelConfig,
+               models: Models[MemoryModelLike], make_schedule: Callable[..., Schedule],
                threshold: int | None = None) -> tuple[Plan, Schedule, SimResult]:
     """Plan ``lengths`` with every sequence longer than the longest row (``threshold``: longer than
-    it) cut into slices, each chain whole on one of the ``spec.dp`` replicas (module doc). Returns the
+    it) cut into slices, each chain whole on one of the ``spec.dp`` replicas (module doc); ``kind``: the record
+    of ``spec.schedule_kind``, resolved by the caller. Returns the
     plan (every replica, its predictions the slowest replica's time and every stage's highest peak)
     and replica 0's schedule and simulation."""
     t0 = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    job = _split_job(lengths, spec, model_cfg, models, make_schedule, threshold)
+    job = _split_job(lengths, spec, kind, model_cfg, models, make_schedule, threshold)
     job.pack_short(job.short_ids)                    # the method's own refusal comes first
     if not job.long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")

@@ -71,7 +71,8 @@ def slice_check(cell, c: dict, row: dict) -> dict:
         cut, meta = got
         for t in thresholds(cap, int(cut.max()), spec.round_to):
             try:
-                plan, _, sim = plan_threshold(cell.batch, cut, meta, spec, t, model_cfg=cfg, models=Models(cm, mm))
+                plan, _, sim = plan_threshold(cell.batch, cut, meta, spec, t, kind=get_kind(spec.schedule_kind),
+                                              model_cfg=cfg, models=Models(cm, mm))
             except PackingError:
                 continue
             step = float(plan.predictions["pred_step_s"])
