@@ -284,6 +284,7 @@ def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch,
     import dynmb
     import dynmb.planning.planner as planner_mod
     from dynmb.data import load_trace, sample_batch
+    from dynmb.schedule.kinds import get_kind
 
     real = planner_mod._plan_kind
 
@@ -296,8 +297,8 @@ def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch,
     planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
     batch = sample_batch(load_trace("sharegpt"), 32, seed=3)
     got = planner.plan(batch, method="dynamic")
-    slow = real(batch, got.plan.spec.with_(method="fixed", mbs=1, reorder="none"), planner.model_cfg,
-                planner.cost_model, planner.memory_model, None)
+    fixed = got.plan.spec.with_(method="fixed", mbs=1, reorder="none")
+    slow = real(batch, fixed, get_kind(fixed.schedule_kind), planner.model_cfg, planner.models, None)
     method, d = got.plan.meta["grouping"].split("/")
     assert method == winner and got.sim.makespan_s < slow[0].predictions["pred_step_s"]
     assert got.sim.makespan_s == pytest.approx(planner.plan(batch, method=winner, mbs=int(d)).sim.makespan_s)
