@@ -100,7 +100,7 @@ def run_kind(plan, replicas: list[int], kind: str, how: str, cm, mm, virtual: in
         sub = plan.replica(r) if plan.dp > 1 else plan
         t1 = time.process_time()
         if how != "none":
-            sub = reorder_plan(sub, how, cost_model=cm, memory_model=mm, schedule_kind=kind, virtual=virtual)
+            sub = reorder_plan(sub, how, models=Models(cm, mm), schedule_kind=kind, virtual=virtual)
         t2 = time.process_time()
         sched = make_schedule(sub, kind, virtual=virtual, models=Models(cm, mm))
         t3 = time.process_time()
