@@ -15,7 +15,14 @@ bypassed, its Section 4); ``makespan`` is the whole step (steps do not overlap: 
 rate = 1 - m (T_F + T_B + T_W) / cost with a middle stage's times (the paper's profiled T; its first and
 last stages hold a layer fewer so that they are not slower). Gains = 1F1B's cost / the kind's cost - 1; published:
 from Table 5's bubble rates (the same computation, the paper's profiled times) and Table 4's measured
-throughputs (ZB-1p for ZB-H1: Table 5 gives them equal bubbles).
+throughputs (ZB-1p for ZB-H1: Table 5 gives them equal bubbles). The builders' judge is the paper's cost
+(``objective`` "span", ``dynmb.schedule.zerobubble.objective_of``).
+
+Table 5's construction (``*_uniform`` columns): the paper computes Table 5 from one profiled T_F, T_B,
+T_W (its Table 9) for every stage; the same schedules built and timed with every stage given the cost
+model's middle stage's times (``uniform``). The per-stage columns keep each stage's own times: at 1.5B
+the last stage (2 layers and the 50257 x 2304 head, whose weight-gradient GEMM is 1.8 layers' worth of W)
+is 3.5% slower than a middle stage, a floor of 0.034 under every schedule's bubble.
 
     python -m studies.zerobubble.reproduce --out results/zero_bubble.csv     # about a minute
 """
