@@ -30,6 +30,7 @@ is 3.5% slower than a middle stage, a floor of 0.034 under every schedule's bubb
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -138,6 +139,7 @@ def main() -> None:
     args = ap.parse_args()
     df = pd.DataFrame([cell(name, m) for (name, m) in TABLE5])
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         df.to_csv(args.out, index=False)
     show = ["model", "P", "m", "bubble_1f1b", "pub_bubble_1f1b", "bubble_zb-h1", "pub_bubble_zb-h1",
             "gain_zb-h1", "pub5_gain_zb-h1", "pub4_gain_zb-h1", "bubble_zb-2p", "pub_bubble_zb-2p",
