@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynmb.schedule import build_schedule
 from dynmb.schedule.zerobubble import ZBInputs, list_schedule
@@ -77,3 +79,32 @@ def test_without_the_short_wait_rule_zb2p_keeps_a_bubble() -> None:
               for fill in (None, "span")}
     assert bubble[None] > published[2] + 0.04
     assert bubble["span"] == pytest.approx(published[2], abs=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 24), st.sampled_from([None, "span", "makespan"]), st.integers(0, 2**31 - 1))
+def test_the_short_wait_rule_keeps_the_simulators_times_and_the_caps(P, m, fill, seed) -> None:
+    """With any ``fill`` on variable microbatches, the list scheduler's clock is the simulator's makespan of the
+    order it emits and every stage stays under its cap (the rule only reorders W, which free bytes)."""
+    rng = np.random.default_rng(seed)
+    tok = rng.lognormal(0, 0.8, m)
+    F = rng.uniform(0.8, 1.3, P)[:, None] * tok
+    W = rng.uniform(0.3, 0.55, P)[:, None] * 2 * F
+    act = np.broadcast_to(tok, (P, m)).copy()
+    inp = ZBInputs(F, 2 * F, 2 * F - W, W, rng.uniform(0, 0.3) * tok, np.ones((P, m), dtype=bool),
+                   act=act, w=0.4 * act, tr=0 * act)
+    caps = np.full(P, 3.0 * act.max() * P)
+    window = [2 * (P - s) - 1 for s in range(P)]
+    sched, t = list_schedule(inp, window, caps, w_defer=[m] * P, fill=fill)
+    sim = simulate_costs(sched, {"F": inp.F, "B": inp.B, "I": inp.I, "W": inp.W}, inp.comm)
+    assert t == pytest.approx(sim.makespan_s, rel=1e-12)
+    for s, acts in enumerate(sched.ranks):
+        held = np.cumsum([act[s, a.mb] if a.op == "F" else -0.6 * act[s, a.mb] if a.op == "I" else
+                          -0.4 * act[s, a.mb] if a.op == "W" else -act[s, a.mb] for a in acts])
+        assert held.max() <= caps[s] + 1e-9 and held[-1] == pytest.approx(0, abs=1e-9)
+
+
+def test_an_unknown_objective_is_refused() -> None:
+    inp = ZBInputs.unit(2, 3)
+    with pytest.raises(ValueError, match="fill must be None or one of"):
+        list_schedule(inp, [2, 1], fill="steps")

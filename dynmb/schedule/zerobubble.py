@@ -25,7 +25,9 @@ clock ``t`` a stage looks at the next op of its order:
    would have if it waited no more; ``fill="span"``) or end (that span from its first op's start;
    ``"makespan"``) the largest of all stages' -- the ``W`` runs although it ends after the input
    arrives (Qi et al., Section 3.1: "insert a W if the current bubble makes the largest cumulative
-   bubble size among all stages larger"; with equal stages the two are the same test);
+   bubble size among all stages larger"; with equal stages the two are the same test), decided when
+   the stage falls idle (its clock at its last op's end, the wait ``r - t`` then exact or a lower
+   bound), so that the ``W`` starts where the simulator starts it;
 5. else the clock moves to that arrival time (or bound).
 
 When the order is done, the queued ``W`` run. The times are the simulator's recurrence for the
@@ -195,6 +197,7 @@ class _ListRun:
         # the span each stage would have if it waited no more: its work, plus its waits once started
         self.span = (inp.F + np.where(inp.split, inp.I + inp.W, inp.B)).sum(axis=1).tolist()
         self.first = [0.0] * P                      # start of each stage's first op
+        self.free = [0.0] * P                       # end of each stage's last op
         order = check_order(m, backward_order)
         self.k = [max(1, min(m, int(x))) for x in inflight]
         self.defer = [0] * P if w_defer is None else [max(0, int(x)) for x in w_defer]
@@ -237,13 +240,15 @@ class _ListRun:
         if not self.ranks[s]:
             self.first[s] = self.clock[s]
         self.ranks[s].append((op, j))
-        self.clock[s] += dur
-        if self.clock[s] > self.makespan:
-            self.makespan = self.clock[s]
+        # a W needs no input: it starts where the stage's last op ended (the simulator's recurrence), even
+        # where the clock had moved on to a later bound on an input; every other op runs at the clock
+        end = (self.free[s] if op == "W" else self.clock[s]) + dur
+        self.free[s], self.clock[s] = end, max(self.clock[s], end)
+        self.makespan = max(self.makespan, end)
         if op == "F":
-            self.fend[s][j] = self.clock[s]
+            self.fend[s][j] = end
         elif op != "W":
-            self.bend[s][j] = self.clock[s]
+            self.bend[s][j] = end
             if op == "I":
                 self.pend[s].append(j)
 
@@ -291,7 +296,7 @@ class _ListRun:
             self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
         elif pend and t + self.W[s][pend[0]] <= r + 1e-12:
             self.run_w(s)                                     # fills the gap before the input arrives
-        elif pend and self.fill is not None and self.ranks[s] and self.wait_is_critical(s, r - t):
+        elif pend and self.fill is not None and self.ranks[s] and t == self.free[s] and self.wait_is_critical(s, r - t):
             self.run_w(s)                                     # a W past the arrival: this stage is critical
         elif r > t:
             if self.ranks[s]:
