@@ -66,7 +66,7 @@ Kinds:
   the limit wins. Fed the paper's profiled times (Table 9) under its ZB-2p limit ``2 p M_B``, judged by
   its cost (the longest stage span), it gives its Table 5 ZB-2p bubble rates to four digits at P 8 and
   16 (``tests/test_zb_paper.py``); without rule 4 it left a wait shorter than a ``W`` empty on every
-  cool-down step of stage 0 (0.0877 for 0.0433 at 1.5B, m 24).
+  cool-down step of stage 0 (at 1.5B, m 24: 0.0906 for 0.0433; 0.0877 at ZB-H2's window).
 
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
 takes its backwards (``I`` or ``B``) in that order, so a chain's input gradients run in reverse
