@@ -62,8 +62,8 @@ Kinds:
   ZB-H2's ``2 (P - s) - 1`` extra warm-up forwards: candidates ``k_s = P - s + round(alpha (P - s - 1))``
   for ``alpha`` = 0 then ``ZB_ALPHAS`` in increasing order, stopping at the first that is no faster than
   the one before, without rule 4, then with it for ``evaluate``'s objective (``objective_of``) from
-  the fastest window of the first sweep up; plus ZB-H1 and 1F1B; the fastest by ``evaluate`` whose simulated peak stays under
-  the limit wins. Fed the paper's profiled times (Table 9) under its ZB-2p limit ``2 p M_B``, judged by
+  the fastest window of the first sweep up; plus ZB-H1 and 1F1B; the fastest by ``evaluate`` whose
+  simulated peak stays under the limit wins. Fed the paper's profiled times (Table 9) under its ZB-2p limit ``2 p M_B``, judged by
   its cost (the longest stage span), it gives its Table 5 ZB-2p bubble rates to four digits at P 8 and
   16 (``tests/test_zb_paper.py``); without rule 4 it left a wait shorter than a ``W`` empty on every
   cool-down step of stage 0 (at 1.5B, m 24: 0.0906 for 0.0433; 0.0877 at ZB-H2's window).
