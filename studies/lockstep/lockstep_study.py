@@ -54,6 +54,7 @@ from dynmb.packing.lockstep import (LockstepLayout, LockstepShape, layout_dealt,
 from dynmb.timing.makespan import makespans
 from dynmb.packing.rows import next_fit_rows
 from dynmb.timing.bounds import ideal_bound
+from dynmb.costmodel.loader import Models
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +124,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
     t0 = time.process_time()
     spec = PlanSpec(method="packed", num_stages=P, dp=D, pack_len=T, memory_limit_bytes=2**50)
     shape = LockstepShape(pack_len=T, dp=D, groups=G)
-    a = layout_of_plan(pack(lens, spec, memory_model=mm, cost_model=cm), shape, cm)
+    a = layout_of_plan(pack(lens, spec, models=Models(cm, mm)), shape, cm)
     M_a = a.grid[1]
     a0 = layout_dealt(next_fit_rows(lens, T), lens, shape, cm)
     row = {"trace": trace_name, "model": model, "P": P, "D": D, "T": T, "G": G, "M": M_a, "docs": len(lens),
@@ -139,7 +140,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
     if lens.sum() <= args.dynamic_max_tokens:
         try:
             dyn = pack(lens, PlanSpec(method="dynamic", num_stages=P, dp=D, memory_limit_bytes=80 * 2**30,
-                                      oversize="truncate"), memory_model=mm, cost_model=cm)
+                                      oversize="truncate"), models=Models(cm, mm))
             row["f_dynamic_s"] = dyn.predictions.est_makespan_s
         except PackingError as err:
             row["f_error"] = str(err)[:80]

@@ -38,6 +38,7 @@ import pandas as pd
 
 from dynmb import Microbatch, ModelConfig, Plan
 from dynmb.costmodel.gpu import A100_SXM_MEGATRON, GPUCostModel
+from dynmb.costmodel.loader import Models
 from dynmb.planning.zerobubble import zb_inputs
 from dynmb.schedule.kinds import build_schedule
 from dynmb.schedule.zerobubble import ZBInputs
@@ -120,7 +121,7 @@ def cell_inputs(name: str, m: int) -> tuple[ZBInputs, float]:
     """The cost model's times and Table 1's bytes of one cell, and its M_B."""
     layers, heads, hidden, P, rows = MODELS[name]
     cm = GPUCostModel(model_of(name), P, spec=A100_SXM_MEGATRON, link="ib")
-    inp = zb_inputs(plan_of(P, rows, m), cm)
+    inp = zb_inputs(plan_of(P, rows, m), Models(cm, None))
     m_b, m_w = SEQ * rows * (34 * hidden + 5 * heads * SEQ), 32 * SEQ * rows * hidden
     inp.act, inp.w, inp.tr = np.full((P, m), float(m_b)), np.full((P, m), float(m_w)), np.zeros((P, m))
     return inp, float(m_b)
