@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--per-group-max-dp", type=int, default=8, help="plan lockstep group by group up to this D")
     ap.add_argument("--max-tokens", type=float, default=float("inf"), help="skip cells of more batch tokens")
     ap.add_argument("--seed", type=int, default=0, help="batch seed")
-    ap.add_argument("--out", type=Path, required=True, help="folder for lockstep.csv")
+    ap.add_argument("--out", type=Path, help="folder for lockstep.csv")
+    ap.add_argument("--tables", help="only print the tables of these lockstep.csv files (comma-separated), merged")
     return ap
 
 
@@ -182,8 +183,42 @@ def summary(df: pd.DataFrame) -> str:
             f"median f/a {df.f_vs_a.median():.3f}\n" + per_trace.to_string(float_format=lambda v: f"{v:.4f}"))
 
 
+CELL_COLUMNS = {"trace": "trace", "model": "model", "P": "P", "D": "D", "T": "T", "M": "M", "M_in_order": "M in-order",
+                "gap_a0_in_order": "gap in-order", "gap_a_packed": "gap packed", "gap_e_lockstep": "gap (e)",
+                "e_vs_a0": "e/in-order", "e_vs_a": "e/packed", "floor_vs_a": "floor/packed", "attn_share": "attn share",
+                "share_D": "D share", "share_M": "M share", "share_G": "G share", "f_vs_a": "f/packed",
+                "e_candidate": "kept"}
+"""The per-cell table's columns (README) and their headings."""
+
+
+def per_trace(df: pd.DataFrame) -> pd.DataFrame:
+    """Per trace: cells, e against both baselines (median, best, never slower), the median shares of D, M, G."""
+    out = df.groupby("trace", sort=False).agg(
+        cells=("e_vs_a0", "size"), e_in_order=("e_vs_a0", "median"), best_in_order=("e_vs_a0", "min"),
+        never_slower_in_order=("e_vs_a0", lambda x: int((x <= 1 + 1e-12).sum())), e_packed=("e_vs_a", "median"),
+        best_packed=("e_vs_a", "min"), never_slower_packed=("e_vs_a", lambda x: int((x <= 1 + 1e-12).sum())),
+        D=("share_D", "median"), M=("share_M", "median"), G=("share_G", "median"))
+    out.loc["all"] = [len(df), df.e_vs_a0.median(), df.e_vs_a0.min(), int((df.e_vs_a0 <= 1 + 1e-12).sum()),
+                      df.e_vs_a.median(), df.e_vs_a.min(), int((df.e_vs_a <= 1 + 1e-12).sum()),
+                      df.share_D.median(), df.share_M.median(), df.share_G.median()]
+    return out.reset_index()
+
+
+def print_tables(df: pd.DataFrame) -> None:
+    """The per-cell table, the per-trace table and the summary (stdout)."""
+    print(markdown(df[list(CELL_COLUMNS)].rename(columns=CELL_COLUMNS)))
+    print()
+    print(markdown(per_trace(df)))
+    print(summary(df))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.tables:
+        print_tables(pd.concat([pd.read_csv(f) for f in args.tables.split(",")], ignore_index=True))
+        return 0
+    if args.out is None:
+        raise SystemExit("lockstep_study: --out is required (or --tables)")
     ints = lambda s: [int(x) for x in s.split(",")]     # noqa: E731
     traces = {args.lengths.stem: data.load_trace(args.lengths)} if args.lengths else \
         {n: data.load_trace(n) for n in args.traces.split(",")}
@@ -196,12 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(cell(name, np.asarray(trace, dtype=np.int64), model, P, D, T, args))
         pd.DataFrame(rows).to_csv(args.out / "lockstep.csv", index=False)
         print(f"{name} {model} P{P} D{D} T{T}: e/a0 {rows[-1]['e_vs_a0']:.3f} e/a {rows[-1]['e_vs_a']:.3f} ({rows[-1]['cpu_s']:.1f} CPU s)", flush=True)
-    df = pd.DataFrame(rows)
-    cols = ["trace", "model", "P", "D", "T", "M", "M_in_order", "gap_a0_in_order", "gap_a_packed", "gap_e_lockstep", "e_vs_a", "floor_vs_a", "uniform_vs_a",
-            "attn_share", "e_vs_a0", "share_D", "share_M", "share_G", "e_vs_per_group",
-            "f_vs_a", "e_candidate"]
-    print(markdown(df[cols]))
-    print(summary(df))
+    print_tables(pd.DataFrame(rows))
     return 0
 
 
