@@ -105,3 +105,12 @@ def test_planner_sampler_and_study_layout_use_it():
     assert len(list(sampler)) == len(mine)
     lay = layout_of_plan(step.plan, LockstepShape(pack_len=256, dp=2), CM)       # the study's (a0)
     assert lay.grid[1] == len(mine) and len(lay.row_of) == len(lens)
+
+
+def test_compare_runs_it_as_a_row_method(tmp_path):
+    """``dynmb compare --methods in-order,...`` plans a case for it with the pack length (as ``packed``'s)."""
+    from dynmb.jobs.compare import CompareSettings, prepare_compare
+
+    job = prepare_compare(CompareSettings(methods=("in-order", "packed", "dynamic"), pack_len=512, device="cpu",
+                                          out=str(tmp_path / "c")))
+    assert {c.method: c.spec.run.pack_len for c in job.cases} == {"in-order": 512, "packed": 512, "dynamic": None}
