@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import dynmb
 from dynmb.core.planspec import PlanSpec
 from dynmb.costmodel import get_cost_model
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError, pack
 from dynmb.packing.in_order import in_order_flat, in_order_rows
@@ -69,7 +70,7 @@ def test_plan_keeps_the_deal_and_refuses_split():
     lens = np.array([40, 30, 50, 64, 10, 10, 10, 90, 5, 33, 20, 60])
     spec = PlanSpec(method="in-order", num_stages=P, dp=3, pack_len=64, oversize="truncate",
                     memory_limit_bytes=2**31)
-    plan = pack(lens, spec, memory_model=MM, cost_model=CM)
+    plan = pack(lens, spec, models=Models(CM, MM))
     rows = in_order_rows(np.minimum(lens, 64), 64, 3)
     rid = np.asarray(plan.replica_ids)
     for d in range(3):

@@ -128,7 +128,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
     shape = LockstepShape(pack_len=T, dp=D, groups=G)
     a = layout_of_plan(pack(lens, spec, models=Models(cm, mm)), shape, cm)
     M_a = a.grid[1]
-    a0 = layout_of_plan(pack(lens, replace(spec, method="in-order"), memory_model=mm, cost_model=cm), shape, cm)
+    a0 = layout_of_plan(pack(lens, replace(spec, method="in-order"), models=Models(cm, mm)), shape, cm)
     row = {"trace": trace_name, "model": model, "P": P, "D": D, "T": T, "G": G, "M": M_a, "M_in_order": a0.grid[1],
            "docs": len(lens), "tokens": int(lens.sum()), "a_packed_s": a.step_s, "a0_in_order_s": a0.step_s}
     for dims, key in (("D", "b_D_s"), ("M", "c_M_s"), ("G", "d_G_s")):
