@@ -7,8 +7,12 @@ For each P: ``dynmb.Planner`` (Llama-2-7B by default, ``GPUCostModel`` with H100
 step. With ``--plan-ahead N`` the job's W = P ranks (one replica) share the planning (rank k mod W plans
 step k), so no step waits while ``plan_s <= N W step_s``: the planner cores a rank needs are
 ``plan_s / (P step_s)`` (``cores_per_rank``); planning in line, or without sharing, ``plan_s / step_s``.
+``--full-check``: ``dynamic``'s final check schedules and simulates every candidate
+(``dynmb.planning.planner.FINAL_PRUNE`` off), as before it pruned by ``step_floor``: run both for a paired
+before / after on the same box.
 
     python benchmarks/plan_cores.py --stages 4,8,16              # ~2 min
+    python benchmarks/plan_cores.py --stages 16 --full-check     # without the final check's pruning
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import dynmb
 from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.planning import planner as planning
 
 
 def batch(lengths: np.ndarray, tokens: int, max_len: int, seed: int) -> np.ndarray:
@@ -41,7 +46,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=500_000, help="tokens per replica's batch (default 500000)")
     ap.add_argument("--max-len", type=int, default=4096, help="document length cap (default 4096)")
     ap.add_argument("--batches", type=int, default=2, help="timed batches per P (default 2)")
+    ap.add_argument("--full-check", action="store_true",
+                    help="simulate every candidate of dynamic's final check (no pruning by step_floor)")
     args = ap.parse_args()
+    planning.FINAL_PRUNE = not args.full_check
     cfg, lengths = dynmb.model_config(args.model), data.load_trace(args.trace)
     print("P  plan_cpu_s (each batch)  kind  microbatches  step_s  cores_per_rank  cores_unshared")
     for P in (int(p) for p in args.stages.split(",")):

@@ -241,8 +241,8 @@ def best_order(ev: OrderEvaluator, orders: Sequence[list[int]], names: Sequence[
     ``OrderEvaluator.verdict``, rule ``fastest``: the first of equals), simulated in one batch first."""
     ev.prefetch(orders, len(orders))
     names = names or [str(i) for i in range(len(orders))]
-    outcomes = evaluate([Candidate(n, functools.partial(list, o)) for n, o in zip(names, orders)], ev.verdict)
-    return cast(list, fastest(outcomes).made)
+    cands: list[Candidate[list[int]]] = [Candidate(n, functools.partial(list, o)) for n, o in zip(names, orders)]
+    return cast(list, fastest(evaluate(cands, ev.verdict)).made)
 
 
 def _dynapipe(ev: OrderEvaluator, k: int = 4) -> list[int]:
