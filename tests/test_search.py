@@ -1,6 +1,8 @@
 """The one candidate search (``dynmb.timing.search``, ``dynmb.planning.search``): its rules, pruning by
 floors, ``step_floor`` under the simulated step, and ``dynamic`` never predicted behind."""
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -110,14 +112,14 @@ def test_step_floor_is_at_most_the_simulated_step(lengths, P, method):
 
 
 @pytest.mark.parametrize("setting", SETTINGS[:1] + SETTINGS[2:])
-def test_the_final_checks_pruning_keeps_the_plan(setting, monkeypatch):
+def test_the_final_checks_pruning_keeps_the_plan(setting):
     """``dynamic`` with and without pruning the final check's candidates: the same plan and choice."""
     lengths = np.array([40, 300, 120, 90, 700, 33, 210, 64, 500, 18, 260, 75])
     spec = PlanSpec(method="dynamic", **setting)
     got = {}
     for prune in (True, False):
-        monkeypatch.setattr(planner_mod, "FINAL_PRUNE", prune)
-        plan, _, _ = plan_step(lengths, spec, model_cfg=TINY)
+        with contextlib.nullcontext() if prune else planner_mod.unpruned_final_check():
+            plan, _, _ = plan_step(lengths, spec, model_cfg=TINY)
         got[prune] = (plan.predictions["pred_step_s"], plan.meta.candidate, plan.meta.robust_candidate,
                       [(mb.seq_ids.tolist(), mb.padded_len, mb.batch) for mb in plan.microbatches])
     assert got[True] == got[False]

@@ -33,12 +33,13 @@ the slowest replica's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 import numpy as np
 
@@ -64,7 +65,7 @@ from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.slicing import longest_row, plan_split
 from dynmb.planning.spec_check import lockstep_refusal
 
-__all__ = ["plan_step", "plan_auto", "make_schedule"]
+__all__ = ["plan_step", "plan_auto", "make_schedule", "unpruned_final_check"]
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,18 @@ at the ``FINAL_CHECK`` budgets (as ``dynmb compare``'s ``-best`` rows tune them 
 FINAL_PRUNE = True
 """The final check schedules and simulates only the candidates whose ``step_floor`` is not above the best
 alternative's step that fits found so far (``dynmb.planning.search``: the choice is the same); False: every one."""
+
+
+@contextlib.contextmanager
+def unpruned_final_check() -> Iterator[None]:
+    """Within it ``dynamic``'s final check schedules and simulates every candidate (``FINAL_PRUNE`` off): the
+    same plans, the plan time as before pruning (``benchmarks/plan_cores.py --full-check``, the tests)."""
+    global FINAL_PRUNE
+    was, FINAL_PRUNE = FINAL_PRUNE, False
+    try:
+        yield
+    finally:
+        FINAL_PRUNE = was
 
 
 def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
