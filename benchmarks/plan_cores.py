@@ -7,13 +7,18 @@ For each P: ``dynmb.Planner`` (Llama-2-7B by default, ``GPUCostModel`` with H100
 step. With ``--plan-ahead N`` the job's W = P ranks (one replica) share the planning (rank k mod W plans
 step k), so no step waits while ``plan_s <= N W step_s``: the planner cores a rank needs are
 ``plan_s / (P step_s)`` (``cores_per_rank``); planning in line, or without sharing, ``plan_s / step_s``.
+``--full-check``: ``dynamic``'s final check schedules and simulates every candidate
+(``dynmb.planning.planner.unpruned_final_check``), as before it pruned by ``step_floor``: run both for a
+paired before / after on the same box.
 
     python benchmarks/plan_cores.py --stages 4,8,16              # ~2 min
+    python benchmarks/plan_cores.py --stages 16 --full-check     # without the final check's pruning
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import numpy as np
@@ -21,6 +26,7 @@ import numpy as np
 import dynmb
 from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.planning import planner as planning
 
 
 def batch(lengths: np.ndarray, tokens: int, max_len: int, seed: int) -> np.ndarray:
@@ -41,8 +47,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=500_000, help="tokens per replica's batch (default 500000)")
     ap.add_argument("--max-len", type=int, default=4096, help="document length cap (default 4096)")
     ap.add_argument("--batches", type=int, default=2, help="timed batches per P (default 2)")
+    ap.add_argument("--full-check", action="store_true",
+                    help="simulate every candidate of dynamic's final check (no pruning by step_floor)")
     args = ap.parse_args()
     cfg, lengths = dynmb.model_config(args.model), data.load_trace(args.trace)
+    with planning.unpruned_final_check() if args.full_check else contextlib.nullcontext():
+        run(args, cfg, lengths)
+
+
+def run(args: argparse.Namespace, cfg: dynmb.ModelConfig, lengths: np.ndarray) -> None:
+    """The table: one row per P (module doc)."""
     print("P  plan_cpu_s (each batch)  kind  microbatches  step_s  cores_per_rank  cores_unshared")
     for P in (int(p) for p in args.stages.split(",")):
         planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(cfg, P),

@@ -288,12 +288,15 @@ def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch,
 
     real = planner_mod._plan_kind
 
-    def poor(lengths, spec, *rest, **kw):
-        if spec.method in poor_methods:
-            spec = spec.with_(method="fixed", mbs=1, reorder="none")
-        return real(lengths, spec, *rest, **kw)
+    def made_poor(planned):          # the step planned for one kind, or packed for the final check's floor
+        def poor(lengths, spec, *rest, **kw):
+            if spec.method in poor_methods:
+                spec = spec.with_(method="fixed", mbs=1, reorder="none")
+            return planned(lengths, spec, *rest, **kw)
+        return poor
 
-    monkeypatch.setattr(planner_mod, "_plan_kind", poor)
+    monkeypatch.setattr(planner_mod, "_plan_kind", made_poor(real))
+    monkeypatch.setattr(planner_mod, "_pack_kind", made_poor(planner_mod._pack_kind))
     planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
     batch = sample_batch(load_trace("sharegpt"), 32, seed=3)
     got = planner.plan(batch, method="dynamic")

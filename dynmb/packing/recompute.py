@@ -27,8 +27,9 @@ A microbatch with ``recompute`` runs every stage with full activation recomputat
   ``dropped`` are (b)'s; (a) only when it cut the batch the same way.
 
   The one with the smallest estimated makespan (``dynmb.timing.makespan.makespan`` on the one cost
-  lookup, each microbatch's recompute cost included) wins; ``meta.recompute`` records the
-  mode and ``meta.recomputed`` how many microbatches recompute.
+  lookup, each microbatch's recompute cost included) among those under the limit wins, the first of
+  equals (the candidate search ``dynmb.timing.search``, rule ``fastest``); ``meta.recompute`` records
+  the mode, ``meta.recompute_choice`` the candidate and ``meta.recomputed`` how many microbatches recompute.
 
 Admissibility of one microbatch (``fits``) is the packers' per-microbatch rule
 (``MemoryModel.max_rows`` with the stage caps and in-flight counts of ``dynmb.packing``).
@@ -37,9 +38,10 @@ Numpy only, like the packers.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
@@ -47,6 +49,7 @@ from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.features import CostFeatures
 from dynmb.timing.makespan import makespan
+from dynmb.timing.search import Candidate, Verdict, evaluate, fastest
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import get_kind
 from dynmb.core.types import Microbatch, Plan
@@ -124,6 +127,10 @@ def _remap(plan: Plan, ids: np.ndarray) -> list[Microbatch]:
             for mb in plan.microbatches]
 
 
+Judged = tuple[Plan, float, bool]
+"""A candidate of ``recompute="auto"``: the plan with its predictions, its estimated makespan, whether it fits."""
+
+
 def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSpec, *,
                         models: Models[MemoryModelLike]) -> Plan:
     """``pack_fn`` (``dynmb.packing.pack``) under the recompute mode ``spec.recompute`` (module doc)."""
@@ -144,15 +151,11 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSp
         return _with_predictions(mark_recompute(plan, True, recompute="always"), models)[0]
     lengths = np.asarray(lengths, dtype=np.int64)
     kind = spec.schedule_kind
-    cands: list[tuple[float, str, Plan]] = []
 
-    def add(name: str, plan: Plan) -> None:
-        plan, est, ok = _with_predictions(plan, models)
-        logger.debug("recompute auto: candidate %s: %d microbatches, %d recomputed, est %.4g s, fits %s", name,
-                     plan.num_microbatches, int(plan.recompute_mask().sum()), est, ok)
-        if ok:
-            cands.append((est, name, plan))
+    def candidate(name: str, plan: Plan) -> Candidate[Judged]:     # the search's candidates (module doc)
+        return Candidate(name, functools.partial(_with_predictions, plan, models))
 
+    cands: list[Candidate[Judged]] = []
     rc_plan = run(lengths, rc_model)           # cut at the cap with recomputation (PackingError under oversize error)
     cut, keep = _after_oversize(lengths, rc_plan)
     plain_ok = fits(memory_model, memory_limit_bytes, np.ones(len(cut)), cut, kind=kind)
@@ -160,21 +163,29 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSp
         plain_plan = run(lengths, memory_model)
         same = _after_oversize(lengths, plain_plan)
         if np.array_equal(same[0][keep], cut[keep]) and np.array_equal(same[1], keep):
-            add("plain", plain_plan)        # (it cut the batch as rc_plan did: otherwise not a candidate)
+            cands.append(candidate("plain", plain_plan))    # (it cut the batch as rc_plan did: else not one)
     flags = needs_recompute(memory_model, rc_plan, tight=(rc_plan.meta.budget or "tight") == "tight")
     mixed = mark_recompute(rc_plan, flags, recompute="auto")
-    if _with_predictions(mixed, models)[2]:
-        add("mixed", mixed)
-    else:
-        add("all", mark_recompute(rc_plan, True, recompute="auto"))
+    cands.append(candidate("mixed", mixed) if _with_predictions(mixed, models)[2] else
+                 candidate("all", mark_recompute(rc_plan, True, recompute="auto")))
     rc_ok = fits(memory_model, memory_limit_bytes, np.ones(len(cut)), cut, kind=kind, recompute=True)
     plain_ok &= keep
     if plain_ok.any() and not plain_ok[keep].all() and rc_ok[keep].all() and spec.dp == 1:
-        add("split", _plain_plus_singletons(run, lengths, plain_ok, memory_model, rc_plan))
-    if not cands:
+        cands.append(candidate("split", _plain_plus_singletons(run, lengths, plain_ok, memory_model, rc_plan)))
+    outcomes = evaluate(cands, _judge, drop=())           # an error of the estimate is raised
+    if not any(o.fits for o in outcomes):
         raise ValueError(f"recompute auto: no plan of {method} fits under {memory_limit_bytes} B")
-    est, name, plan = min(cands, key=lambda c: c[0])
-    return replace(plan, meta=plan.meta.merged(_cap_meta(rc_plan)).with_(recompute="auto", recompute_choice=name))
+    best = fastest(outcomes)
+    plan = cast(Judged, best.made)[0]
+    return replace(plan, meta=plan.meta.merged(_cap_meta(rc_plan)).with_(recompute="auto", recompute_choice=best.name))
+
+
+def _judge(judged: Judged) -> Verdict:
+    """The search's verdict of a candidate (``_with_predictions``: estimate and fit), logged."""
+    plan, est, ok = judged
+    logger.debug("recompute auto: candidate: %d microbatches, %d recomputed, est %.4g s, fits %s",
+                 plan.num_microbatches, int(plan.recompute_mask().sum()), est, ok)
+    return Verdict(est, ok)
 
 
 _CAP_KEYS = ("longest_fitting_length", "truncated", "dropped")

@@ -10,8 +10,10 @@ With ``schedule_kind="auto"`` (``plan_auto``) the step is planned for every kind
 ``dynmb.schedule.kinds.auto_kinds`` admits, each packed, ordered and scheduled for its own kind,
 and the fastest simulated step that fits the memory limit is kept; the plan records the chosen
 kind, the spec ``auto``. ``dynamic`` weighs its own plan against the baselines at their best budgets and
-every other method's plan under the same settings (``final_candidates``). Both are the one candidate
-search of ``dynmb.planning.search`` (candidates, each planned and simulated, one choice rule).
+every other method's plan under the same settings (``final_candidates``; each packed and ordered first, and
+scheduled and simulated only when its lower bound, ``step_floor``, could still beat the best alternative made).
+Both are the one candidate search of ``dynmb.planning.search`` (candidates, each planned and simulated, one
+choice rule).
 Each data-parallel replica is reordered, scheduled and simulated by the helpers of
 ``dynmb.planning.replicas``, which stitch the replicas back into one plan.
 
@@ -31,12 +33,13 @@ the slowest replica's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 import numpy as np
 
@@ -51,7 +54,7 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
-from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust
+from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust, step_floor
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
@@ -59,7 +62,7 @@ from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.slicing import longest_row, plan_split
 from dynmb.planning.spec_check import lockstep_refusal
 
-__all__ = ["plan_step", "plan_auto", "make_schedule"]
+__all__ = ["plan_step", "plan_auto", "make_schedule", "unpruned_final_check"]
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +101,27 @@ def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_
 def _plan_kind(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_cfg: ModelConfig,
                models: Models[MemoryModelLike], meta: dict[str, Any] | None,
                packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
-    """``plan_step`` for one schedule kind (``kind``: the record of ``spec.schedule_kind``); ``packs``: packings
-    already made in this step, by the kind's ``packing_key`` (with the seconds they took), shared by kinds the
-    packers cannot tell apart."""
+    """``plan_step`` for one schedule kind (``kind``: the record of ``spec.schedule_kind``); ``packs``: packings already made in this step, by the kind's
+    ``packing_key`` (with the seconds they took), shared by kinds the packers cannot tell apart."""
+    packed = _pack_kind(lengths, spec, kind, model_cfg, models, meta, packs)
+    return packed if isinstance(packed, tuple) else _schedule_kind(packed, spec, models, meta)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """One kind's plan packed and each replica in its order, before any schedule (what ``step_floor`` reads)."""
+
+    plan: Plan
+    replicas: list[Plan]
+    reorder: str
+    plan_s: float
+    """Seconds packing and ordering took."""
+
+
+def _pack_kind(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_cfg: ModelConfig,
+               models: Models[MemoryModelLike], meta: dict[str, Any] | None,
+               packs: dict[tuple, tuple[Plan, float]] | None = None) -> _Packed | Planned:
+    """``_plan_kind``'s packing and order (a plan with slices of long sequences: planned whole)."""
     t0 = time.perf_counter()
     if _sliced(lengths, spec, model_cfg, models.memory):
         if spec.reorder not in ("none", "auto"):
@@ -127,10 +148,18 @@ def _plan_kind(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_cf
     if reorder != "none":
         replicas = [reorder_plan(p, reorder, models=models, schedule_kind=kind, virtual=spec.virtual)
                     for p in replicas]
+    return _Packed(plan, replicas, reorder, pack_s + time.perf_counter() - t1)
+
+
+def _schedule_kind(packed: _Packed, spec: PlanSpec, models: Models[MemoryModelLike],
+                   meta: dict[str, Any] | None) -> Planned:
+    """``_plan_kind``'s schedules of a packed plan, simulated, stitched into one plan."""
+    t1 = time.perf_counter()
+    replicas = packed.replicas
     scheds = replica_schedules(replicas, spec, models=models)
-    plan_s = pack_s + time.perf_counter() - t1
-    predicted = predict_replicas(replicas, scheds, models, plan.predictions)
-    plan = stitch(plan, replicas, {"reorder": reorder, "virtual": spec.virtual, **(meta or {})})
+    plan_s = packed.plan_s + time.perf_counter() - t1
+    predicted = predict_replicas(replicas, scheds, models, packed.plan.predictions)
+    plan = stitch(packed.plan, replicas, {"reorder": packed.reorder, "virtual": spec.virtual, **(meta or {})})
     plan = replace(plan, schedule_kind=spec.schedule_kind, spec=spec,
                    predictions=predicted.predictions.updated(plan_s=plan_s))
     return plan, scheds[0], predicted.sims[0]
@@ -143,6 +172,22 @@ estimate ranks best for ``balanced`` (``packing.balanced.budget_divisors``)."""
 FINAL_METHODS = ("balanced", "token-budget")
 """The token-budget groupings of the final check: verl's dynamic batching and the plain token budget, each
 at the ``FINAL_CHECK`` budgets (as ``dynmb compare``'s ``-best`` rows tune them in hindsight)."""
+
+FINAL_PRUNE = True
+"""The final check schedules and simulates only the candidates whose ``step_floor`` is not above the best
+alternative's step that fits found so far (``dynmb.planning.search``: the choice is the same); False: every one."""
+
+
+@contextlib.contextmanager
+def unpruned_final_check() -> Iterator[None]:
+    """Within it ``dynamic``'s final check schedules and simulates every candidate (``FINAL_PRUNE`` off): the
+    same plans, the plan time as before pruning (``benchmarks/plan_cores.py --full-check``, the tests)."""
+    global FINAL_PRUNE
+    was, FINAL_PRUNE = FINAL_PRUNE, False
+    try:
+        yield
+    finally:
+        FINAL_PRUNE = was
 
 
 def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],
@@ -168,7 +213,8 @@ def _plan_final(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_c
                 packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``_plan_kind``, and for ``dynamic`` the robust choice (``dynmb.planning.search.robust``) among its own
     plan and the candidates of ``final_candidates``, each planned whole (packed, in its own order,
-    scheduled, simulated): the packer's own plan is kept only when it is predicted faster than the best
+    scheduled, simulated; one whose ``step_floor`` is above the best alternative that fits is not scheduled,
+    ``FINAL_PRUNE``): the packer's own plan is kept only when it is predicted faster than the best
     alternative that fits by more than the model's residuals on both plans' shapes can resolve. The plan
     stays ``dynamic``'s (its method and spec); ``meta`` records the choice (``candidate``,
     ``pred_margin_s``, ``error_bound_s``, ``robust_candidate``; ``grouping`` names an alternative chosen);
@@ -183,7 +229,7 @@ def _plan_final(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_c
         own, refusal = None, e
     if own is not None and own[0].slice_groups():
         return own
-    outcomes = evaluate(final_candidates(_Job(lengths, spec, kind, model_cfg, models, meta)))
+    outcomes = evaluate(final_candidates(_Job(lengths, spec, kind, model_cfg, models, meta)), prune=FINAL_PRUNE)
     if own is None and not any(o.fits for o in outcomes):
         raise refusal
     (plan, sched, sim), choice = robust(own, outcomes, models.cost)
@@ -222,8 +268,24 @@ def final_candidates(job: _Job) -> list[Candidate]:
         name = f"{m}/1" if get_method(m).mbs == "budget divisor" else m
         if m != spec.method and name not in settings:
             settings[name] = spec.with_(method=m, mbs=None)
-    return [Candidate(name, functools.partial(_plan_kind, job.lengths, s, job.kind, job.model_cfg, job.models,
-                                              job.meta)) for name, s in settings.items()]
+    return [_staged(name, job, s) for name, s in settings.items()]
+
+
+def _staged(name: str, job: _Job, spec: PlanSpec) -> Candidate[Planned]:
+    """The candidate ``name`` of ``job`` under ``spec``: packed and ordered once, for its ``floor``
+    (``dynmb.planning.search.step_floor``) and for ``make``, which schedules and simulates it."""
+    packed = functools.cache(functools.partial(_pack_kind, job.lengths, spec, job.kind,
+                                               job.model_cfg, job.models, job.meta))
+
+    def make() -> Planned:
+        done = packed()
+        return done if isinstance(done, tuple) else _schedule_kind(done, spec, job.models, job.meta)
+
+    def floor() -> float:
+        done = packed()
+        return float(done[0].predictions["pred_step_s"]) if isinstance(done, tuple) else \
+            step_floor(done.replicas, job.models.cost, spec.schedule_kind, spec.virtual)
+    return Candidate(name, make, floor)
 
 
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],
@@ -244,7 +306,7 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, model
     outcomes = evaluate([Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind),
                                                            model_cfg, models, meta, packs))
                          for kind in kinds])
-    plan, sched, sim = cast(Planned, fastest(outcomes).planned)
+    plan, sched, sim = cast(Planned, fastest(outcomes).made)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
-    scores = {o.name: o.step_s for o in outcomes}
+    scores = {o.name: o.score for o in outcomes}
     return replace(plan, spec=spec, predictions=preds, meta=plan.meta.with_(schedule_auto=scores)), sched, sim

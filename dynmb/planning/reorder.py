@@ -29,6 +29,11 @@ ones drain it, so what sits at the ends shows up as bubbles. Methods
   simulator evaluations, ``max_evals``, not of wall time, so every rank plans
   the same order).
 
+Choosing among orders is the candidate search of ``dynmb.timing.search``: each order judged by
+``OrderEvaluator.verdict`` (makespan; fits; peak), ``best_order`` keeps the first best (``dynapipe``'s
+permutations, ``search``'s start), and the descent's test of a neighbour is its ``better`` (by more
+than ``NOISE``).
+
 Each candidate is scored by the discrete-event simulator on a schedule
 flattened once (``dynmb.timing.simulate``), so one evaluation is a single
 O(actions) pass.
@@ -36,8 +41,9 @@ O(actions) pass.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 
@@ -45,6 +51,7 @@ from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.schedule import build_schedule, execution_order
 from dynmb.schedule.kinds import BuildInputs, ScheduleKind, get_kind
+from dynmb.timing.search import Candidate, Verdict, better, evaluate, fastest
 from dynmb.timing.simulate import action_times, cross_mask, comm_times, memory_inputs, peaks
 from dynmb.core.types import Plan, Schedule
 from dynmb.packing.orders import cluster_orders, ends_order
@@ -219,24 +226,31 @@ class OrderEvaluator:
         top = np.argsort(-gaps, kind="stable")[:k]
         return [int(flat.mb[a + i]) for i in top if gaps[i] > 0]
 
-    def score(self, order: Sequence[int]) -> tuple[int, float, float]:
-        """Sort key: memory-feasible first, by makespan; infeasible ones by peak (closest to fitting)."""
+    def verdict(self, order: Sequence[int]) -> Verdict:
+        """The candidate search's verdict of an order (``dynmb.timing.search``): its makespan, whether it fits
+        and, if not, its peak (the closest to fitting is the best of those)."""
         mk, pk, ok = self(order)
-        return (0, mk, pk) if ok else (1, pk, mk)
+        return Verdict(mk, ok, pk)
+
+    def score(self, order: Sequence[int]) -> tuple[int, float, float]:
+        """Sort key: memory-feasible first, by makespan; infeasible ones by peak (``verdict(order).key()``)."""
+        return self.verdict(order).key()
+
+
+def best_order(ev: OrderEvaluator, orders: Sequence[list[int]], names: Sequence[str] | None = None) -> list[int]:
+    """The best of ``orders`` by the candidate search (``dynmb.timing.search``: each judged by
+    ``OrderEvaluator.verdict``, rule ``fastest``: the first of equals), simulated in one batch first."""
+    ev.prefetch(orders, len(orders))
+    names = names or [str(i) for i in range(len(orders))]
+    cands: list[Candidate[list[int]]] = [Candidate(n, functools.partial(list, o)) for n, o in zip(names, orders)]
+    return cast(list, fastest(evaluate(cands, ev.verdict)).made)
 
 
 def _dynapipe(ev: OrderEvaluator, k: int = 4) -> list[int]:
-    """DynaPipe's search: the best (``OrderEvaluator.score``) of its cluster permutations
+    """DynaPipe's search: the best (``best_order``) of its cluster permutations
     (``dynmb.packing.orders.cluster_orders``)."""
     perms = cluster_orders(ev.work, k)
-    if len(perms) == 1:
-        return perms[0]
-    ev.prefetch(perms, len(perms))
-    best = perms[0]
-    for order in perms[1:]:
-        if ev.score(order) < ev.score(best):
-            best = order
-    return best
+    return perms[0] if len(perms) == 1 else best_order(ev, perms)
 
 
 def _neighbours(cur: list[int], P: int, hot: Sequence[int] = ()):
@@ -278,18 +292,15 @@ def _neighbours(cur: list[int], P: int, hot: Sequence[int] = ()):
                 yield move(i, t)
 
 
-def _better(a: tuple[int, float, float], b: tuple[int, float, float]) -> bool:
-    """``a`` beats ``b`` by more than float noise (lexicographic on ``OrderEvaluator.score``)."""
-    if a[0] != b[0]:
-        return a[0] < b[0]
-    return a[1] < b[1] * (1 - 1e-12)
+NOISE = 1e-12
+"""A neighbour replaces the current order only when better by more than this relative margin (float noise)."""
 
 
 def _local_search(ev: OrderEvaluator, start: list[int], max_evals: int) -> list[int]:
     """First-improvement descent over ``_neighbours`` within ``max_evals`` evaluations: on makespan
     among memory-feasible orders (from an infeasible start, first on peak until it fits)."""
     cur = list(start)
-    best = ev.score(cur)
+    best = ev.verdict(cur)
     budget_end = ev.evals + max_evals
     improved = True
     while improved and ev.evals < budget_end:
@@ -305,8 +316,8 @@ def _local_search(ev: OrderEvaluator, start: list[int], max_evals: int) -> list[
             for cand in cands:
                 if ev.evals >= budget_end:
                     break
-                sc = ev.score(cand)
-                if _better(sc, best):
+                sc = ev.verdict(cand)
+                if better(sc, best, NOISE):      # the candidate search's rule (dynmb.timing.search)
                     cur, best, improved = cand, sc, True
                     break
             chunk = min(2 * chunk, 64)
@@ -336,10 +347,9 @@ def reorder_order(plan: Plan, method: str, *, models: Models[MemoryModelLike | N
         return ends_order(ev.work)
     if method == "dynapipe":
         return _dynapipe(ev)
-    cands = [reorder_order(plan, k, models=models, schedule_kind=schedule_kind, virtual=virtual,
-                           evaluator=ev) for k in REORDER_METHODS if k != "search"]
-    ev.prefetch(cands, len(cands))
-    start = min(cands, key=ev.score)
+    names = [k for k in REORDER_METHODS if k != "search"]
+    start = best_order(ev, [reorder_order(plan, k, models=models, schedule_kind=schedule_kind,
+                                          virtual=virtual, evaluator=ev) for k in names], names)
     if max_evals is None:
         max_evals = default_max_evals(2 * ev.P * m)
     return _local_search(ev, start, max_evals)

@@ -18,7 +18,8 @@ the plan without fitting slices, ``base``, already made and checked):
    plan, every replica, as ``oversize="split"`` does), the rest is packed by the method. A threshold for
    which no candidate fits the limit (``PackingError``) drops out.
 4. Kept: the fastest predicted step among ``base`` and the threshold plans, among those that ``fits``
-   (within the limit; none fits: ``base``); ties keep ``base``. A threshold plan takes ``base``'s
+   (within the limit; none fits: ``base``); ties (within a relative ``TIE``) keep the earlier, ``base``
+   first (the candidate search ``dynmb.timing.search``, rule ``fastest``). A threshold plan takes ``base``'s
    ``oversize``, ``truncated``, ``dropped`` and ``longest_fitting_length``: every kept token is trained
    exactly once, the token count is ``base``'s. ``meta["slice_threshold"]``: the threshold of the plan
    kept (None: no fitting slices); ``meta["slice_fitting"]``: each option's predicted step (``"none"``
@@ -32,9 +33,10 @@ several whole-plan simulations (every replica).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import numpy as np
 
@@ -45,6 +47,7 @@ from dynmb.packing import PackingError
 from dynmb.packing.rows import round_down
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import ScheduleKind
+from dynmb.timing.search import Candidate, Verdict, evaluate, fastest
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.replicas import make_schedule
@@ -109,28 +112,30 @@ def _step(planned: Planned) -> float:
     return float(planned[0].predictions["pred_step_s"])
 
 
+TIE = 1e-9
+"""A threshold plan is kept only when predicted faster than the best so far by more than this relative margin."""
+
+
 def plan_fitting(lengths: np.ndarray, spec: PlanSpec, base: Planned, *, kind: ScheduleKind, model_cfg: ModelConfig,
                  models: Models[MemoryModelLike], fits: Callable[[Plan, Schedule, SimResult], bool]) -> Planned:
     """``base`` or the fastest plan with fitting slices that ``fits`` (module doc); the plan kept records
-    ``slice_threshold`` and ``slice_fitting``."""
+    ``slice_threshold`` and ``slice_fitting``. The candidate search (``dynmb.timing.search``): ``base`` and a
+    candidate per threshold (one that cannot be packed, ``PackingError``, drops out), rule ``fastest`` over
+    ``base`` and the threshold plans that fit, with the margin ``TIE`` (a near tie keeps the earlier)."""
     if not applies(spec, kind):
         return base
     lengths = np.asarray(lengths, dtype=np.int64)
     row_cap = longest_row(spec, model_cfg, models.memory)
     cut = kept_lengths(base[0])
-    steps: dict[str, float | None] = {"none": _step(base)}
-    best = base
-    for t in thresholds(row_cap, int(cut.max()), spec.round_to):
-        try:
-            alt = plan_threshold(lengths, cut, base[0].meta, spec, t, kind=kind, model_cfg=model_cfg, models=models)
-        except PackingError as e:
-            log.debug("slice_fitting: threshold %d: %s", t, e)
-            steps[str(t)] = None
-            continue
-        ok = fits(*alt)
-        steps[str(t)] = _step(alt) if ok else None
-        if ok and (not fits(*best) or _step(alt) < _step(best) * (1 - 1e-9)):
-            best = alt
-    plan, sched, sim = best
+    cands = [Candidate[Planned]("none", lambda: base)] + [
+        Candidate(str(t), functools.partial(plan_threshold, lengths, cut, base[0].meta, spec, t, kind=kind,
+                                            model_cfg=model_cfg, models=models))
+        for t in thresholds(row_cap, int(cut.max()), spec.round_to)]
+    outcomes = evaluate(cands, lambda planned: Verdict(_step(planned), fits(*planned)), drop=(PackingError,))
+    for o in outcomes:
+        if o.error is not None:
+            log.debug("slice_fitting: threshold %s: %s", o.name, o.error)
+    steps: dict[str, float | None] = {o.name: o.score if o.fits or o.name == "none" else None for o in outcomes}
+    plan, sched, sim = cast(Planned, fastest([o for o in outcomes if o.fits or o.name == "none"], rel_tie=TIE).made)
     meta = plan.meta.with_(slice_threshold=plan.meta.slice_threshold, slice_fitting=steps)
     return replace(plan, meta=meta), sched, sim
