@@ -58,15 +58,17 @@ Not supported (refused with one line): kinds without ``slices`` (``memory-aware`
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
+from dynmb.costmodel.loader import model_digest
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
 from dynmb.packing import PackingError, pack
@@ -80,7 +82,7 @@ from dynmb.timing.simulate import SimResult, simulate
 from dynmb.core.types import Microbatch, Plan, PlanMeta, Schedule
 from dynmb.planning.replicas import predict_replicas, replicas_of
 
-__all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE"]
+__all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE", "reuse_searches", "slice_alternatives"]
 
 MIN_SLICE = 128
 """Shortest slice length the planner tries (tokens)."""
@@ -505,9 +507,48 @@ def _split_job(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, mode
     return _SplitJob(lengths, spec, models[0], models[1], make_schedule, row_cap, cut, threshold)
 
 
+def _search_key(job: _SplitJob) -> tuple:
+    """Everything ``_search`` reads: the batch, the settings, the models (by identity and digest: a model
+    refit in place is another), the schedule builder and the cut."""
+    return (job.lengths.tobytes(), repr(job.spec), id(job.memory_model), id(job.cost_model),
+            model_digest(job.memory_model), model_digest(job.cost_model), job.make_schedule, job.row_cap, job.cut,
+            job.threshold)
+
+
+_SEARCHES: dict[tuple, _Search] | None = None
+"""Searches kept for reuse (``reuse_searches``; None: none kept, the default)."""
+_SEARCHES_MAX = 64
+
+
+@contextlib.contextmanager
+def reuse_searches() -> Iterator[None]:
+    """Within it, a method's sliced search (``_search_key``: the same batch, settings, models and builder) is
+    made once: ``dynamic`` searches every plain method's plan of the batch (``_weigh_alternatives``), and a
+    job that plans those methods next on the same batch (a comparison, ``studies/slicing/longdoc.py``) finds
+    them made. The same plans as without it; the searches are dropped on leaving."""
+    global _SEARCHES
+    outer, _SEARCHES = _SEARCHES, {} if _SEARCHES is None else _SEARCHES
+    try:
+        yield
+    finally:
+        _SEARCHES = outer
+
+
 def _search(job: _SplitJob) -> _Search:
     """The search of one method (module doc, step 2): the first round, unrecomputed before recomputed
-    (``recompute``), then ``_refine`` around the best."""
+    (``recompute``), then ``_refine`` around the best; within ``reuse_searches`` one made before is reused."""
+    if _SEARCHES is None:
+        return _search_anew(job)
+    key = _search_key(job)
+    if key not in _SEARCHES:
+        if len(_SEARCHES) >= _SEARCHES_MAX:
+            _SEARCHES.pop(next(iter(_SEARCHES)))
+        _SEARCHES[key] = _search_anew(job)
+    return _SEARCHES[key]
+
+
+def _search_anew(job: _SplitJob) -> _Search:
+    """``_search`` without the reuse."""
     found = _Search()
     for use_rc in {"never": [False], "always": [True], "auto": [False, True]}[job.spec.recompute]:
         for slice_len in job.slice_candidates():
@@ -569,7 +610,7 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
     job.pack_short(job.short_ids)                    # the method's own refusal comes first
     if not job.long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")
-    found = _search(job)
+    found = replace(_search(job))                    # a copy: the search kept for reuse stays that method's
     if spec.method == "dynamic" and threshold is None:
         _weigh_alternatives(job, found, model_cfg)
     if found.best is None:
