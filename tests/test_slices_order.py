@@ -343,6 +343,7 @@ def test_chain_lookahead_fp64_gradients_equal_the_reference_on_gloo(gloo_job, ra
     under 1F1B and ZB-H1 equal every document run whole in one process; the run's schedule holds the
     lookahead's extra forward."""
     from dynmb.runtime.checks import VERIFY_RTOL_FP64
+    from dynmb.schedule.order import ChainOrder, stage_order
 
     job = gloo_job(ranks)
     assert job.returncode == 0, job.errors
@@ -353,7 +354,10 @@ def test_chain_lookahead_fp64_gradients_equal_the_reference_on_gloo(gloo_job, ra
         assert (steps["grad_rel_err"] <= VERIFY_RTOL_FP64).all(), (kind, steps["grad_rel_err"].max())
         assert (steps["real_tokens"] == spread_plan()[1].sum()).all(), kind
         acts = t["actions"]
-        first = acts[acts["stage"] == 0].sort_values("start_s") if "start_s" in acts else acts[acts["stage"] == 0]
-        ops = list(zip(first["op"], first["mb"]))
-        back = next(i for i, (op, mb) in enumerate(ops) if op in ("B", "I") and mb == 3)
-        assert sum(op == "F" for op, _ in ops[:back]) >= 5, (kind, ops)     # F4 ran before chain A's backwards
+        order = spread_plan()[0].backward_order()
+        for stage in range(ranks):                 # each stage ran the lookahead's order (W aside, I as B)
+            ran = acts[acts["stage"] == stage].sort_values("start_s")
+            ops = [("B" if op == "I" else op, int(mb)) for op, mb in zip(ran["op"], ran["mb"]) if op != "W"]
+            assert ops == stage_order(stage, ranks, len(order), "1f1b", ChainOrder(order, ranks - 1)), (kind, stage)
+        assert stage_order(0, ranks, len(order), "1f1b", ChainOrder(order, ranks - 1)) != \
+            stage_order(0, ranks, len(order), "1f1b", order)

@@ -46,7 +46,7 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Memo
     slices, with its ``slice_lookahead``, its bytes and limit, its times and the simulator as judge)."""
     kind = resolve_kind(kind, plan)            # "auto": the kind the plan was planned for
     rec = get_kind(kind)
-    order = plan.backward_order() if plan.has_slices else None
+    order: Sequence[int] | None = plan.backward_order() if plan.has_slices else None
     if order is not None and plan.meta.get("slice_lookahead"):     # the planner's chain lookahead (slicing)
         order = ChainOrder(order, int(plan.meta["slice_lookahead"]))
     if order is not None and not rec.slices:
