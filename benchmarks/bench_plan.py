@@ -23,6 +23,7 @@ from dynmb.data import load_trace, sample_batch
 from dynmb.memory.model import get_memory_model
 from dynmb.packing import auto_mbs, pack
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 
 def _time(lengths, method, p, limit, mm, cm, repeats, budget_s):
@@ -30,8 +31,7 @@ def _time(lengths, method, p, limit, mm, cm, repeats, budget_s):
     t_start = time.perf_counter()
     for _ in range(repeats):
         t0 = time.perf_counter()
-        plan = pack(lengths, PlanSpec(method=method, num_stages=p, memory_limit_bytes=limit), memory_model=mm,
-                    cost_model=cm)
+        plan = pack(lengths, PlanSpec(method=method, num_stages=p, memory_limit_bytes=limit), models=Models(cm, mm))
         times.append(time.perf_counter() - t0)
         if time.perf_counter() - t_start > budget_s:
             break
@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         cm = get_cost_model(args.cost_model, cfg, p)
         for n in [int(x) for x in args.sizes.split(",")]:
             lengths = np.minimum(sample_batch(trace, n, args.seed), cfg.max_seq_len)
-            pack(lengths[:256], PlanSpec(method="dynamic", num_stages=p, memory_limit_bytes=limit), memory_model=mm,
-                 cost_model=cm)
+            pack(lengths[:256], PlanSpec(method="dynamic", num_stages=p, memory_limit_bytes=limit), models=Models(cm, mm))
             dyn = _time(lengths, "dynamic", p, limit, mm, cm, args.repeats, args.budget)
             dp = _time(lengths, "dynapipe", p, limit, mm, cm, args.repeats if n <= 4096 else max(1, args.repeats // 3),
                        args.budget)

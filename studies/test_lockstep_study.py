@@ -1,4 +1,5 @@
-"""Smoke test of ``studies/lockstep/lockstep_study.py``: one small cell, its columns, (e) never slower than (a)."""
+"""Smoke tests of ``studies/lockstep``: the study's one small cell (its columns, (e) never slower than (a0)
+in-order or (a) packed) and the real runs' paired ratios on made-up run folders."""
 
 from __future__ import annotations
 
@@ -7,19 +8,46 @@ from pathlib import Path
 
 import pandas as pd
 
-STUDY = Path(__file__).resolve().parent / "lockstep" / "lockstep_study.py"
+HERE = Path(__file__).resolve().parent / "lockstep"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_one_cell(tmp_path):
-    spec = importlib.util.spec_from_file_location("lockstep_study", STUDY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load("lockstep_study")
     assert mod.main(["--traces", "wikitext2", "--models", "llama2-7b", "--P", "2", "--D", "2", "--T", "4096",
                      "--dynamic-max-tokens", "1e5", "--out", str(tmp_path)]) == 0
     df = pd.read_csv(tmp_path / "lockstep.csv")
     assert len(df) == 1
     row = df.iloc[0]
-    assert row.e_lockstep_s <= row.a_packed_s * (1 + 1e-12) and row.e_lockstep_s <= row.a0_stream_s * (1 + 1e-12)
+    assert row.e_lockstep_s <= row.a_packed_s * (1 + 1e-12) and row.e_lockstep_s <= row.a0_in_order_s * (1 + 1e-12)
     assert row.ideal_s < min(row.e_lockstep_s, row.f_dynamic_s)
-    for col in ("gap_a_packed", "gap_b_D", "gap_c_M", "gap_d_G", "gap_e_lockstep", "gap_f_dynamic", "share_M", "floor_vs_a", "e_vs_per_group"):
+    for col in ("gap_a_packed", "gap_a0_in_order", "gap_b_D", "gap_c_M", "gap_d_G", "gap_e_lockstep", "gap_f_dynamic",
+                "share_M", "floor_vs_a", "e_vs_per_group", "e_vs_a0"):
         assert col in df
+
+
+def test_real_runs_pair_each_run_with_its_baselines(tmp_path):
+    """Runs A B C D A B C D whose step times are known: the all-pairs and neighbour ratios come out exact."""
+    mod = _load("real_runs")
+    scale = {"in-order": 2.0, "packed": 1.5, "lockstep": 1.2, "dynamic": 1.0}
+    for r in (1, 2):
+        for k, m in enumerate(mod.METHODS):
+            d = tmp_path / f"{m}_{r}"
+            d.mkdir()
+            pd.DataFrame({"step": [0, 1, 2], "step_s": [9.0, scale[m], scale[m] * 2],
+                          "pred_step_s": [1.0, scale[m], scale[m]]}).to_csv(d / "steps.csv", index=False)
+            pd.DataFrame({"date": [f"2026-01-01T00:{r}{k}"]}).to_csv(d / "runs.csv", index=False)
+    runs, order = mod.load_runs(tmp_path)
+    assert order[:4] == [f"{m}_1" for m in mod.METHODS]
+    row = mod.paired(runs, order, "lockstep", "in-order")
+    assert row["pairs"] == 4 and abs(row["step_s / baseline"] - 0.6) < 1e-12
+    assert row["neighbour pairs"] == 3 and abs(row["step_s / baseline (neighbours)"] - 0.6) < 1e-12
+    args = mod.build_parser().parse_args([str(tmp_path)])
+    assert "--pack-len" not in mod.run_command("dynamic", tmp_path, args)
+    assert "--pack-len" in mod.run_command("in-order", tmp_path, args)

@@ -17,6 +17,7 @@ from dynmb.packing.balanced import (VERL_LINEAR_COEF, ends_order, greedy_partiti
                                     sequence_workload)
 from dynmb.packing.rows import round_up
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("small")
@@ -103,7 +104,7 @@ def test_balanced_plans_every_sequence_once_in_packed_rows_under_the_limit(lengt
     mm, cm, limit = _setup(p, scale)
     try:
         plan = pack(lengths, PlanSpec(method="balanced", num_stages=p, memory_limit_bytes=limit, mbs=divisor, dp=dp,
-                                      round_to=round_to, schedule_kind=kind), memory_model=mm, cost_model=cm)
+                                      round_to=round_to, schedule_kind=kind), models=Models(cm, mm))
     except PackingError as e:
         assert "cannot fit even alone" in str(e) or (kind == "gpipe" and "exceeds the limit" in str(e)) \
             or "data-parallel" in str(e), str(e)
@@ -129,7 +130,7 @@ def test_ceil_tokens_over_budget_microbatches_when_nothing_is_split(lengths, div
     lengths = np.array(lengths)
     mm, cm, limit = _setup(2, 400.0)
     plan = pack(lengths, PlanSpec(method="balanced", num_stages=2, memory_limit_bytes=limit, mbs=divisor),
-                memory_model=mm, cost_model=cm)
+                models=Models(cm, mm))
     budget = plan.meta["max_tokens"]
     assert max(1, min(len(lengths), math.ceil(lengths.sum() / budget))) == plan.num_microbatches
     work = np.array([sequence_workload(mb.lengths, cm).sum() for mb in plan.microbatches])
@@ -144,7 +145,7 @@ def test_data_parallel_count_is_a_multiple_of_dp_without_splitting_rows(lengths,
     lengths = np.array(lengths)
     mm, cm, limit = _setup(2, 400.0)
     plan = pack(lengths, PlanSpec(method="balanced", num_stages=2, memory_limit_bytes=limit, mbs=divisor, dp=dp),
-                memory_model=mm, cost_model=cm)
+                models=Models(cm, mm))
     plan.validate(lengths)
     k = math.ceil(lengths.sum() / plan.meta["max_tokens"])
     if len(lengths) >= dp * math.ceil(k / dp):               # enough sequences: KK made the multiple itself
@@ -159,8 +160,7 @@ def test_a_microbatch_over_the_limit_is_split():
     mm, cm, limit = _setup(2, 3.0)
     lengths = np.full(60, 200)
     lengths[0] = 600
-    plan = pack(lengths, PlanSpec(method="balanced", num_stages=2, memory_limit_bytes=limit), memory_model=mm,
-                cost_model=cm)
+    plan = pack(lengths, PlanSpec(method="balanced", num_stages=2, memory_limit_bytes=limit), models=Models(cm, mm))
     budget = plan.meta["max_tokens"]
     assert plan.num_microbatches > math.ceil(lengths.sum() / budget)
     assert max(mb.padded_len for mb in plan.microbatches) <= plan.meta["longest_fitting_length"]
@@ -235,13 +235,12 @@ def test_dynamic_never_behind_balanced_at_its_budgets(trace):
     lengths = np.minimum(sample_batch(load_trace(trace), 256, 0), 4096)
     spec = PlanSpec(method="dynamic", num_stages=4, memory_limit_bytes=int(mm.state_bytes.max() * 4), reorder="auto",
                     oversize="truncate")
-    dyn, _, _ = plan_step(lengths, spec, model_cfg=SMALL, cost_model=cm, memory_model=mm)
+    dyn, _, _ = plan_step(lengths, spec, model_cfg=SMALL, models=Models(cm, mm))
     ctx = PackContext.from_spec(spec, mm)
     divs = budget_divisors(np.minimum(lengths, ctx.length_cap(SMALL.max_seq_len)), ctx, cm, keep=3)
     best = np.inf
     for j in range(8):
-        bal, _, _ = plan_step(lengths, spec.with_(method="balanced", mbs=1 << j), model_cfg=SMALL, cost_model=cm,
-                              memory_model=mm)
+        bal, _, _ = plan_step(lengths, spec.with_(method="balanced", mbs=1 << j), model_cfg=SMALL, models=Models(cm, mm))
         if (1 << j) in divs:
             assert dyn.predictions["est_makespan_s"] <= bal.predictions["est_makespan_s"] * (1 + 1e-12)
         best = min(best, bal.predictions["pred_step_s"])
@@ -285,6 +284,7 @@ def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch,
     import dynmb
     import dynmb.planning.planner as planner_mod
     from dynmb.data import load_trace, sample_batch
+    from dynmb.schedule.kinds import get_kind
 
     real = planner_mod._plan_kind
 
@@ -297,8 +297,8 @@ def test_the_final_check_replaces_a_plan_the_simulator_finds_slower(monkeypatch,
     planner = dynmb.Planner(model="small", num_stages=2, memory_limit="1GiB")
     batch = sample_batch(load_trace("sharegpt"), 32, seed=3)
     got = planner.plan(batch, method="dynamic")
-    slow = real(batch, got.plan.spec.with_(method="fixed", mbs=1, reorder="none"), planner.model_cfg,
-                planner.cost_model, planner.memory_model, None)
+    fixed = got.plan.spec.with_(method="fixed", mbs=1, reorder="none")
+    slow = real(batch, fixed, get_kind(fixed.schedule_kind), planner.model_cfg, planner.models, None)
     method, d = got.plan.meta["grouping"].split("/")
     assert method == winner and got.sim.makespan_s < slow[0].predictions["pred_step_s"]
     assert got.sim.makespan_s == pytest.approx(planner.plan(batch, method=winner, mbs=int(d)).sim.makespan_s)
@@ -326,6 +326,7 @@ def test_equal_microbatches_extend_the_zero_bubble_recurrence_linearly(kind):
     from dynmb.timing.makespan import makespans
     from dynmb.timing.makespan_zb import backward_shares
     from dynmb.packing.balanced import _equal_zb
+    from dynmb.schedule.kinds import get_kind
 
     for P in (2, 4):
         cm = AnalyticCostModel(TINY, P)
@@ -336,7 +337,7 @@ def test_equal_microbatches_extend_the_zero_bubble_recurrence_linearly(kind):
         per = np.array([1, 3, 40, 400])
         for j in range(2):
             got = _equal_zb(np.repeat(c["F"][:, j:j + 1], 4, 1), np.repeat(c["B"][:, j:j + 1], 4, 1),
-                            np.repeat(comm[j], 4), per, kind, shares)
+                            np.repeat(comm[j], 4), per, get_kind(kind), shares)
             cols = np.repeat(np.arange(4), per)
             full = makespans(np.repeat(c["F"][:, j:j + 1], 4, 1)[:, cols], np.repeat(c["B"][:, j:j + 1], 4, 1)[:, cols],
                              np.repeat(comm[j], per.sum()), per, kind, shares=shares)

@@ -23,6 +23,7 @@ from dynmb.schedule.zerobubble import ZBInputs, zb_h1
 from dynmb.timing.simulate import simulate, simulate_costs
 from dynmb.core.types import Microbatch, Plan
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("small")
@@ -209,8 +210,7 @@ def test_simulated_plans_keep_ideal_below_bound_below_makespan(lengths, P, metho
     try:
         plan, sched, sim = plan_step(np.array(lengths), PlanSpec(method=method, num_stages=P, memory_limit_bytes=limit,
                                                                  schedule_kind=kind, virtual=virtual,
-                                                                 oversize="truncate"), model_cfg=SMALL, cost_model=cm,
-                                     memory_model=mm)
+                                                                 oversize="truncate"), model_cfg=SMALL, models=Models(cm, mm))
     except (PackingError, ValueError):
         return
     assert sim.ideal_s <= sim.bound_s * (1 + EPS), (sim.ideal_s, sim.bound_s)
@@ -226,10 +226,11 @@ def test_data_parallel_bound_is_the_slowest_replica(lengths, dp, method):
     mm = MemoryModel.analytic(SMALL, 2)
     plan, _, _ = plan_step(np.array(lengths), PlanSpec(method=method, num_stages=2,
                                                        memory_limit_bytes=int(mm.state_bytes.max() * 4), dp=dp),
-                           model_cfg=SMALL, cost_model=cm, memory_model=mm)
+                           model_cfg=SMALL, models=Models(cm, mm))
     per = [plan_bound(plan.replica(r), cm) for r in range(dp)]
     assert plan_bound(plan, cm) == pytest.approx(max(per))
-    sims = [simulate(make_schedule(plan.replica(r), "1f1b", cost_model=cm), plan.replica(r), cm) for r in range(dp)]
+    sims = [simulate(make_schedule(plan.replica(r), "1f1b", models=Models(cm, None)), plan.replica(r), cm)
+            for r in range(dp)]
     assert max(per) <= max(s.makespan_s for s in sims) * (1 + EPS)
     assert plan_ideal(plan, cm) <= max(per) * (1 + EPS)
 
@@ -240,7 +241,8 @@ def test_sliced_plans_keep_ideal_below_bound(method, stages, limit):
     cm = AnalyticCostModel(TINY, stages, comm=CommModel(1e-4, 1e9))
     lengths = np.array([40, 100, 4000, 70, 300, 25, 90, 150])
     plan, sched, sim = plan_step(lengths, PlanSpec(method=method, num_stages=stages, memory_limit_bytes=limit << 20,
-                                                   oversize="split", recompute="auto"), model_cfg=TINY, cost_model=cm)
+                                                   oversize="split", recompute="auto"), model_cfg=TINY,
+                                 models=Models(cm, MemoryModel.analytic(TINY, stages)))
     assert plan.has_slices
     assert 0 < sim.ideal_s <= sim.bound_s * (1 + EPS) <= sim.makespan_s * (1 + 2 * EPS)
     assert plan_ideal(plan, cm, sched) == pytest.approx(ideal_bound(lengths, cm, shortest_piece=min(
@@ -312,8 +314,7 @@ def test_ideal_is_the_same_for_every_method():
     lengths = np.random.default_rng(3).integers(5, 900, 40)
     ideals = set()
     for method in METHODS:
-        plan = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=1 << 30), memory_model=mm,
-                    cost_model=cm)
+        plan = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=1 << 30), models=Models(cm, mm))
         ideals.add(round(plan_ideal(plan, cm), 12))
         assert plan_ideal(plan, cm) <= plan_bound(plan, cm) * (1 + EPS)
     assert len(ideals) == 1
@@ -326,7 +327,7 @@ def test_step_bound_fields_from_measured_actions():
     mm = MemoryModel.analytic(SMALL, 2)
     lengths = np.random.default_rng(0).integers(10, 500, 24)
     plan, sched, sim = plan_step(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=1 << 30),
-                                 model_cfg=SMALL, cost_model=cm, memory_model=mm)
+                                 model_cfg=SMALL, models=Models(cm, mm))
     tl = sim.timeline
     actions = [SimpleNamespace(dp_rank=0, stage=int(r.stage), op=r.op, mb=int(r.mb), start_s=float(r.start_s),
                                end_s=float(r.end_s)) for r in tl.itertuples()]
@@ -351,7 +352,7 @@ def test_cli_simulate_json_prints_the_bounds(tmp_path, capsys):
     cm = AnalyticCostModel(TINY, 2)
     plan, sched, _ = plan_step(np.array([30, 200, 90, 400, 12]), PlanSpec(method="dynamic", num_stages=2,
                                                                           memory_limit_bytes=1 << 30), model_cfg=TINY,
-                               cost_model=cm, memory_model=mm)
+                               models=Models(cm, mm))
     plan.save(tmp_path / "p.json")
     to_csv(sched, tmp_path / "s.csv")
     capsys.readouterr()

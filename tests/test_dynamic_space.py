@@ -17,6 +17,7 @@ from dynmb.packing import methods, pack
 from dynmb.packing.dynamic import rank as dynamic_rank
 from dynmb.packing.dynamic import space as dynamic_space
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 KINDS = ("1f1b", "zb-h1", "zb")
@@ -31,7 +32,7 @@ def _case(seed: int, P: int = 4, dp: int = 2, n: int = 160):
 
 def _pack(lengths, mm, cm, limit, kind, P=4, dp=2):
     return pack(lengths, PlanSpec(method="dynamic", num_stages=P, schedule_kind=kind, memory_limit_bytes=limit, dp=dp),
-                memory_model=mm, cost_model=cm)
+                models=Models(cm, mm))
 
 
 def _shape(plan):

@@ -27,6 +27,7 @@ from dynmb.memory.model import get_memory_model
 from dynmb.planning import plan_step
 from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.planshare import PlanShare
+from dynmb.costmodel.loader import Models
 
 
 def _cfg() -> RunConfig:
@@ -56,7 +57,7 @@ def test_a_planner_process_killed_or_stopped_plans_in_line_with_one_warning(sig,
     finally:
         ahead.close()
     for k, plan in enumerate(got):
-        inline, _, _ = plan_step(batches[k], cfg.plan_spec, model_cfg=cfg.model, cost_model=cm, memory_model=mm)
+        inline, _, _ = plan_step(batches[k], cfg.plan_spec, model_cfg=cfg.model, models=Models(cm, mm))
         assert _shapes(plan) == _shapes(inline)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and warned[0].startswith(f"rank 3: planner process {pids[0]} {says}"), warned

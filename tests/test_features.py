@@ -20,6 +20,7 @@ from dynmb.packing.dynamic.setup import AFFINE_TOL, AffineCostError, affine_cost
 from dynmb.packing.rows import Flat, Group, flat_to_groups, groups_to_flat, merge_groups, split_group
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.types import Microbatch
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 
@@ -111,7 +112,7 @@ def test_a_cost_model_that_is_not_affine_is_named(caplog):
     # the packer keeps working on such a model: its chosen plan is re-costed with the model itself
     mm = MemoryModel.analytic(TINY, 2)
     lengths = np.random.default_rng(1).integers(16, 200, size=20)
-    plan = pack(lengths, PlanSpec(method="dynamic", memory_limit_bytes=64 * 2**20), memory_model=mm, cost_model=bent)
+    plan = pack(lengths, PlanSpec(method="dynamic", memory_limit_bytes=64 * 2**20), models=Models(bent, mm))
     plan.validate(lengths)
 
 

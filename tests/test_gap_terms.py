@@ -22,6 +22,7 @@ from dynmb.planning import make_schedule, plan_step
 from dynmb.timing.simulate import simulate
 from dynmb.core.types import Microbatch, Plan
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 SMALL = ModelConfig.preset("small")
 NO_COMM = CommModel(0.0, 1e30)
@@ -39,7 +40,7 @@ def _run(plan, cm, kind="1f1b", virtual=1):
     runs = []
     for r in range(plan.dp):
         sub = plan.replica(r) if plan.dp > 1 else plan
-        sched = make_schedule(sub, kind, virtual=virtual, cost_model=cm)
+        sched = make_schedule(sub, kind, virtual=virtual, models=Models(cm, None))
         runs.append((sub, sched, simulate(sched, sub, cm)))
     return max(runs, key=lambda x: x[2].makespan_s)
 
@@ -78,8 +79,7 @@ def test_terms_add_up_to_step_minus_ideal(lengths, P, dp, method, kind, which, o
         plan, _, _ = plan_step(np.array(lengths), PlanSpec(method=method, num_stages=S, virtual=virtual,
                                                            memory_limit_bytes=int(mm.state_bytes.max() * 3),
                                                            schedule_kind=kind, dp=dp, oversize="truncate",
-                                                           recompute=recompute), model_cfg=SMALL, cost_model=cm,
-                               memory_model=mm)
+                                                           recompute=recompute), model_cfg=SMALL, models=Models(cm, mm))
     except (PackingError, ValueError):
         event("not planned")
         return

@@ -14,7 +14,7 @@ import dynmb
 from dynmb.cli import main
 from dynmb.core.config import model_config
 from dynmb.costmodel.analytic import AnalyticCostModel
-from dynmb.costmodel.loader import PredictionModels, load_models, model_digest, models_record, shipped_cost_model_path
+from dynmb.costmodel.loader import Models, PredictionModels, load_models, model_digest, models_record, shipped_cost_model_path
 from dynmb.costmodel.standin import StandInModelWarning, reset_stand_in_warnings
 from dynmb.core.types import Plan
 from dynmb.data import load_trace, sample_batch
@@ -40,10 +40,10 @@ def test_shipped_fit_file_and_stand_in_are_resolved_in_that_order(tmp_path):
 
 def test_digest_changes_with_calibration():
     models = load_models(model_config("small"), 2)
-    rec = models_record(models.cost, models.memory)
+    rec = models_record(models)
     assert not rec["cost"]["calibrated"] and rec["cost"]["version"] == 0
     scaled = models.cost.with_scale({"F": [1.2, 1.0]})
-    assert model_digest(scaled) != rec["cost"]["digest"] and models_record(scaled, models.memory)["cost"]["calibrated"]
+    assert model_digest(scaled) != rec["cost"]["digest"] and models_record(Models(scaled, models.memory))["cost"]["calibrated"]
 
 
 @pytest.mark.parametrize("method", ["dynamic", "balanced"])

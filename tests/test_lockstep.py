@@ -16,6 +16,7 @@ from dynmb.packing.lockstep import (LockstepShape, balanced_fill, doc_weights, l
                                     plan_lockstep, rebalance)
 from dynmb.packing.rows import bfd_rows
 from dynmb.planning.spec_check import check_plan_spec
+from dynmb.costmodel.loader import Models
 
 CFG = dynmb.model_config("llama-tiny")
 P = 2
@@ -25,7 +26,7 @@ MM = get_memory_model(None, CFG, P)
 
 def _plan(lens: np.ndarray, T: int, dp: int, mbs: int) -> dynmb.Plan:
     spec = PlanSpec(method="lockstep", num_stages=P, dp=dp, mbs=mbs, pack_len=T, memory_limit_bytes=2**31)
-    return pack(lens, spec, memory_model=MM, cost_model=CM)
+    return pack(lens, spec, models=Models(CM, MM))
 
 
 def _busy(plan: dynmb.Plan, T: int, mbs: int) -> np.ndarray:
@@ -71,7 +72,7 @@ def test_faster_than_packed_in_lockstep_on_a_long_tail_batch():
     lens = np.minimum(rng.pareto(0.8, 700) * 10 + 1, 1024).astype(np.int64)
     shape = LockstepShape(pack_len=1024, dp=4)
     packed = pack(lens, PlanSpec(method="packed", num_stages=P, dp=4, pack_len=1024, memory_limit_bytes=2**31),
-                  memory_model=MM, cost_model=CM)
+                  models=Models(CM, MM))
     base = layout_of_plan(packed, shape, CM)
     best = plan_lockstep(lens, shape, CM)
     assert best.step_s < base.step_s

@@ -13,6 +13,7 @@ from dynmb.timing.makespan import has_bound_regime, makespan, makespans
 from dynmb.schedule.kinds import build_schedule, get_kind
 from dynmb.timing.simulate import simulate_costs
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 SMALL = ModelConfig.preset("small")
 
@@ -95,8 +96,8 @@ def test_the_packers_estimate_an_interleaved_plan_as_it_runs(method, mbs):
     lengths = sample_batch(load_trace("sharegpt"), 96, 1)
     mm, cm = get_memory_model(None, SMALL, S), get_cost_model(None, SMALL, S)
     plan = pack(lengths, PlanSpec(method=method, num_stages=S, virtual=v, memory_limit_bytes=4 << 30,
-                                  schedule_kind="interleaved", mbs=mbs), memory_model=mm, cost_model=cm)
-    sim = simulate(make_schedule(plan, "interleaved", virtual=v, memory_model=mm, cost_model=cm), plan, cm, mm)
+                                  schedule_kind="interleaved", mbs=mbs), models=Models(cm, mm))
+    sim = simulate(make_schedule(plan, "interleaved", virtual=v, models=Models(cm, mm)), plan, cm, mm)
     assert plan.num_microbatches > 4
     assert plan.predictions["est_makespan_s"] == pytest.approx(sim.makespan_s, rel=1e-6)
     cost = cm.plan_costs(plan)

@@ -13,6 +13,7 @@ from dynmb.packing import METHODS, PackingError, auto_mbs, max_fitting_length, p
 from dynmb.timing.makespan import makespan
 from dynmb.packing.rows import bfd_rows, next_fit_rows
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("small")
@@ -76,7 +77,7 @@ def test_every_method_keeps_the_invariants(lengths, p, scale, method, kind, roun
     mm, cm, limit = _setup(TINY, p, scale)
     try:
         plan = pack(lengths, PlanSpec(method=method, num_stages=p, memory_limit_bytes=limit, schedule_kind=kind,
-                                      round_to=round_to), memory_model=mm, cost_model=cm)
+                                      round_to=round_to), models=Models(cm, mm))
     except PackingError as e:
         # only for a reason it names: a sequence too long, or (gpipe) the whole batch
         too_long = "cannot fit even alone" in str(e) or "longer than pack_len" in str(e) or "no row fits" in str(e)
@@ -95,7 +96,7 @@ def test_data_parallel_replicas_are_equal_and_balanced(lengths, dp, method, roun
     lengths = np.array(lengths)
     mm, cm, limit = _setup(TINY, 2, 6.0)
     plan = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit, dp=dp, round_to=round_to),
-                memory_model=mm, cost_model=cm)
+                models=Models(cm, mm))
     _check_plan(plan, lengths, mm, limit, round_to)
     per = np.bincount(plan.replica_ids, minlength=dp)
     assert len(per) == dp and np.all(per == per[0])
@@ -106,7 +107,7 @@ def test_data_parallel_replicas_are_equal_and_balanced(lengths, dp, method, roun
 def test_errors_name_the_offending_things():
     mm, cm, limit = _setup(TINY, 2, 1.5)
     spec = PlanSpec(num_stages=2, memory_limit_bytes=limit)
-    models = dict(memory_model=mm, cost_model=cm)
+    models = dict(models=Models(cm, mm))
     with pytest.raises(PackingError, match="empty"):
         pack(np.array([], dtype=np.int64), spec.with_(method="dynamic"), **models)
     with pytest.raises(PackingError, match=r"sequences \[1, 3\]"):
@@ -128,7 +129,7 @@ def test_oversize_policies_are_reported(method):
     fit = max_fitting_length(mm, limit, 2)
     lengths = np.array([10, fit + 50, 30, fit + 1, 7])
     spec = PlanSpec(num_stages=2, memory_limit_bytes=limit)
-    models = dict(memory_model=mm, cost_model=cm)
+    models = dict(models=Models(cm, mm))
     plan = pack(lengths, spec.with_(method=method, oversize="truncate"), **models)
     assert plan.meta["truncated"] == [1, 3] and plan.meta["dropped"] == []
     _check_plan(plan, lengths, mm, limit)
@@ -145,8 +146,7 @@ def test_fixed_auto_mbs_is_the_largest_worst_case_fit():
     lengths = np.array([100, 900, 40, 700, 300] * 20)
     b = auto_mbs(mm, limit, 2, 900)
     assert b >= 1
-    plan = pack(lengths, PlanSpec(method="fixed", num_stages=2, memory_limit_bytes=limit), memory_model=mm,
-                cost_model=cm)
+    plan = pack(lengths, PlanSpec(method="fixed", num_stages=2, memory_limit_bytes=limit), models=Models(cm, mm))
     assert plan.meta["mbs"] == b
     worst = mm.peak_bytes([b + 1] * 3, [900] * 3, "1f1b")
     assert np.any(worst > limit)
@@ -157,8 +157,7 @@ def test_packed_defaults_megatron_rows_one_per_microbatch():
     """Default pack_len: the longest one-row microbatch (capped at max_seq_len); default mbs 1."""
     mm, cm, limit = _setup(TINY, 2, 8.0)
     lengths = np.array([300, 20, 30, 500, 12, 100, 60, 250] * 30)
-    plan = pack(lengths, PlanSpec(method="packed", num_stages=2, memory_limit_bytes=limit), memory_model=mm,
-                cost_model=cm)
+    plan = pack(lengths, PlanSpec(method="packed", num_stages=2, memory_limit_bytes=limit), models=Models(cm, mm))
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
     assert plan.meta["pack_len"] == fit and plan.meta["mbs"] == 1
     assert all(mb.padded_len == fit and mb.batch == 1 for mb in plan.microbatches)
@@ -166,8 +165,7 @@ def test_packed_defaults_megatron_rows_one_per_microbatch():
     assert any(mb.is_packed for mb in plan.microbatches)
     _check_plan(plan, lengths, mm, limit)
     roomy = _setup(TINY, 2, 1e4)[2]              # the cap is the model's max_seq_len
-    assert pack(lengths, PlanSpec(method="packed", num_stages=2, memory_limit_bytes=roomy), memory_model=mm,
-                cost_model=cm).meta["pack_len"] == TINY.max_seq_len
+    assert pack(lengths, PlanSpec(method="packed", num_stages=2, memory_limit_bytes=roomy), models=Models(cm, mm)).meta["pack_len"] == TINY.max_seq_len
 
 
 @settings(max_examples=40, deadline=None)
@@ -178,7 +176,7 @@ def test_packed_rows_hold_at_most_pack_len(lengths, pack_len, mbs, round_to, dp)
     lengths = np.array(lengths)
     mm, cm, limit = _setup(TINY, 2, 40.0)
     plan = pack(lengths, PlanSpec(method="packed", num_stages=2, memory_limit_bytes=limit, pack_len=pack_len, mbs=mbs,
-                                  round_to=round_to, dp=dp), memory_model=mm, cost_model=cm)
+                                  round_to=round_to, dp=dp), models=Models(cm, mm))
     _check_plan(plan, lengths, mm, limit, round_to)
     row_len = -(-pack_len // round_to) * round_to
     assert plan.meta["pack_len"] == row_len and plan.meta["mbs"] == (mbs or 1)
@@ -239,7 +237,7 @@ def test_row_packers():
 def test_pack_len_and_round_to_errors_name_the_value_and_what_fits():
     mm, cm, limit = _setup(TINY, 2, 4.0)
     spec = PlanSpec(num_stages=2, memory_limit_bytes=limit)
-    models = dict(memory_model=mm, cost_model=cm)
+    models = dict(models=Models(cm, mm))
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
     for bad in (0, -3, fit + 1):
         with pytest.raises(PackingError, match=rf"^pack_len {bad} is out of range: rows must hold 1 to {fit} tokens"):
@@ -256,7 +254,7 @@ def test_pack_len_and_round_to_errors_name_the_value_and_what_fits():
 def test_round_to_rounds_the_longest_fitting_length_down(method):
     mm, cm, limit = _setup(TINY, 2, 4.0)
     spec = PlanSpec(num_stages=2, memory_limit_bytes=limit)
-    models = dict(memory_model=mm, cost_model=cm)
+    models = dict(models=Models(cm, mm))
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
     rounded = fit // 100 * 100
     assert fit % 100 and max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len, round_to=100) == rounded
@@ -275,7 +273,7 @@ def test_packed_documents_longer_than_pack_len_follow_the_policy(oversize):
     mm, cm, limit = _setup(TINY, 2, 8.0)
     lengths = np.array([90, 150, 30, 101, 100, 7])
     spec = PlanSpec(num_stages=2, memory_limit_bytes=limit, oversize=oversize)
-    models = dict(memory_model=mm, cost_model=cm)
+    models = dict(models=Models(cm, mm))
     if oversize == "error":
         one_line = (r"^2 document\(s\) longer than pack_len 100: ids \[1, 3\] with lengths \[150, 101\]; the "
                     r"longest row that fits is \d+ under \d+ B at 2 stages \(1f1b\); oversize='truncate' or 'drop' "
@@ -297,7 +295,7 @@ def test_packed_mbs_above_what_fits_names_the_largest():
     fit = max_fitting_length(mm, limit, 2, upto=TINY.max_seq_len)
     with pytest.raises(PackingError, match=rf"exceeds the limit.*rows of pack_len {fit}\) that fits is 1"):
         pack(np.full(40, fit), PlanSpec(method="packed", mbs=8, num_stages=2, memory_limit_bytes=limit),
-             memory_model=mm, cost_model=cm)
+             models=Models(cm, mm))
 
 
 @pytest.mark.parametrize("shipped", [False, True], ids=["affine", "AnalyticCostModel"])
@@ -316,7 +314,7 @@ def test_packed_microbatch_costs_use_the_sum_of_squared_document_lengths(shipped
         cm = AnalyticCostModel(cfg, 1, overhead_s=0.0) if shipped else AffineCost(cfg, 1, overhead=0.0)
         for name, lengths in (("packed", np.full(64, 64)), ("one", np.array([4096]))):
             plan = pack(lengths, PlanSpec(method="packed", num_stages=1, memory_limit_bytes=1 << 40, pack_len=4096),
-                        memory_model=mm, cost_model=cm)
+                        models=Models(cm, mm))
             (mb,) = plan.microbatches
             assert (mb.batch, mb.padded_len, mb.is_packed) == (1, 4096, name == "packed")
             work = mb.attention_work(attention)
@@ -346,7 +344,7 @@ def test_dynamic_scores_packed_rows_as_the_microbatches_will_cost(short, long_, 
     mm = MemoryModel.analytic(cfg, 2)
     cm, limit = AffineCost(cfg, 2), int(mm.state_bytes.max() * 8)
     plan = pack(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=limit, round_to=round_to),
-                memory_model=mm, cost_model=cm)
+                models=Models(cm, mm))
     _check_plan(plan, lengths, mm, limit, round_to, cm)
     assume(plan.meta["budget"] == "tight" and plan.num_microbatches * 2 <= RANK_EXACT)
     from dynmb.packing.methods import MethodJob, method_flat
@@ -377,7 +375,7 @@ def test_dynamic_beats_every_method_on_the_shipped_traces(trace, round_to):
     est = {}
     for method in METHODS:
         plan = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit, round_to=round_to),
-                    memory_model=mm, cost_model=cm)
+                    models=Models(cm, mm))
         _check_plan(plan, lengths, mm, limit, round_to)
         est[method] = plan.predictions["est_makespan_s"]
         sh = plan.shapes()                   # the one lookup, with each microbatch's attention work
@@ -402,8 +400,7 @@ def test_dynamic_weighs_the_tuned_token_budgets(trace):
     mm, cm = MemoryModel.analytic(SMALL, 2), AnalyticCostModel(SMALL, 2)
     lengths = np.minimum(sample_batch(load_trace(trace), 256, 0), SMALL.max_seq_len)
     limit = 1 << 30
-    plan = pack(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=limit), memory_model=mm,
-                cost_model=cm)
+    plan = pack(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=limit), models=Models(cm, mm))
     ctx, cap = PackContext(mm, limit, 2, "1f1b"), plan.meta["longest_fitting_length"]
     asked: list[str] = []
 
@@ -418,7 +415,7 @@ def test_dynamic_weighs_the_tuned_token_budgets(trace):
     assert tuned and set(tuned) <= set(asked)
     for d in divisors:
         other = pack(lengths, PlanSpec(method="token-budget", num_stages=2, memory_limit_bytes=limit, mbs=d),
-                     memory_model=mm, cost_model=cm)
+                     models=Models(cm, mm))
         assert plan.predictions["est_makespan_s"] <= other.predictions["est_makespan_s"] * (1 + 1e-9), d
 
 
@@ -440,8 +437,7 @@ def test_interleaved_on_fewer_gpus_fits_the_gpu_not_the_stage(method):
     if method == "fixed":   # a per-stage budget alone lets the one GPU overflow
         mm = get_memory_model(None, SMALL, 2)
         naive = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit,
-                                       schedule_kind="interleaved"), memory_model=mm,
-                     cost_model=get_cost_model(None, SMALL, 2))
+                                       schedule_kind="interleaved"), models=Models(get_cost_model(None, SMALL, 2), mm))
         sh = naive.shapes()
         assert mm.peak_bytes(sh[:, 0], sh[:, 1], "interleaved", virtual=2).max() > limit
 
@@ -485,8 +481,7 @@ def test_a_registered_method_packs_through_the_dispatcher():
         mm = MemoryModel.analytic(TINY, 2)
         lengths = np.array([5, 90, 30, 200, 7, 64])
         plan = pack(lengths, PlanSpec(method="one-each", num_stages=2,
-                                      memory_limit_bytes=int(mm.state_bytes.max() * 4), dp=2), memory_model=mm,
-                    cost_model=AffineCost(TINY, 2))
+                                      memory_limit_bytes=int(mm.state_bytes.max() * 4), dp=2), models=Models(AffineCost(TINY, 2), mm))
         assert plan.num_microbatches == len(lengths) and plan.dp == 2 and plan.method == "one-each"
         plan.validate(lengths)
         check_plan_spec(PlanSpec(method="one-each", num_stages=2, memory_limit_bytes=1 << 30))

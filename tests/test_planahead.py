@@ -19,6 +19,7 @@ from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.planshare import PlanShare
 from dynmb.runtime.spec import RunSpec
 from tests.gloo_jobs import register
+from dynmb.costmodel.loader import Models
 
 LIMIT = 24 * 2**20
 
@@ -50,7 +51,7 @@ def test_planner_processes_give_the_in_line_plans():
     try:
         for k in range(4):
             (plan, schedule, _), lengths, wait_s = ahead.get(k, cm)
-            inline, _, _ = plan_step(batches[k], cfg.plan_spec, model_cfg=cfg.model, cost_model=cm, memory_model=mm)
+            inline, _, _ = plan_step(batches[k], cfg.plan_spec, model_cfg=cfg.model, models=Models(cm, mm))
             assert _shapes(plan) == _shapes(inline) and np.array_equal(lengths, batches[k])
             assert schedule.num_microbatches == plan.num_microbatches and wait_s >= 0
             assert asked == list(range(min(k + 2, 3) + 1))     # k + n submitted, never past the last step
@@ -90,7 +91,7 @@ def test_shared_planning_each_rank_plans_its_own_steps():
             owner, reader = ranks[k % 2], ranks[1 - k % 2]
             (plan, _, _), _, _ = owner.get(k, cm)
             (read, _, _), lengths, wait_s = reader.get(k, cm)
-            inline, _, _ = plan_step(batches[k], cfg.plan_spec, model_cfg=cfg.model, cost_model=cm, memory_model=mm)
+            inline, _, _ = plan_step(batches[k], cfg.plan_spec, model_cfg=cfg.model, models=Models(cm, mm))
             assert _shapes(read) == _shapes(plan) == _shapes(inline) and np.array_equal(lengths, batches[k])
             assert wait_s >= 0 and all(j % 2 == r for r, a in enumerate(ranks) for j in a._futures)
         assert store.num_keys() <= 1           # read plans are deleted; step 4's error may be published already

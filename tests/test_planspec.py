@@ -22,6 +22,7 @@ from dynmb.packing import pack
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of, stitch
 from dynmb.core.predictions import Predictions
 from dynmb.core.types import Plan
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 LIMIT = 64 * 2**20
@@ -90,7 +91,7 @@ def test_cli_builds_the_spec_from_its_flags():
 def test_plan_records_its_spec_and_refuses_keyword_settings(method, dp, reorder):
     cm, mm = _models()
     spec = PlanSpec(method=method, memory_limit_bytes=LIMIT, dp=dp, reorder=reorder)
-    plan, sched, sim = plan_step(_lengths(), spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
+    plan, sched, sim = plan_step(_lengths(), spec, model_cfg=TINY, models=Models(cm, mm))
     assert plan.spec == spec
     again = Plan.from_json(plan.to_json())
     assert again.spec == spec and again.predictions == plan.predictions
@@ -103,13 +104,12 @@ def test_plan_records_its_spec_and_refuses_keyword_settings(method, dp, reorder)
 def test_pack_takes_the_spec_only():
     cm, mm = _models()
     spec = PlanSpec(method="sorted", memory_limit_bytes=LIMIT, mbs=2)
-    a = pack(_lengths(), spec, memory_model=mm, cost_model=cm)
-    b = pack(_lengths(), PlanSpec(method="sorted", num_stages=2, memory_limit_bytes=LIMIT, mbs=2), memory_model=mm,
-             cost_model=cm)
+    a = pack(_lengths(), spec, models=Models(cm, mm))
+    b = pack(_lengths(), PlanSpec(method="sorted", num_stages=2, memory_limit_bytes=LIMIT, mbs=2), models=Models(cm, mm))
     assert a.digest() == b.digest() and a.spec == b.spec == spec
     assert a.predictions.est_makespan_s > 0 and len(a.predictions.pred_peak_bytes) == 2
     with pytest.raises(TypeError, match="one PlanSpec"):
-        pack(_lengths(), "sorted", memory_model=mm, cost_model=cm)
+        pack(_lengths(), "sorted", models=Models(cm, mm))
 
 
 def test_planner_holds_one_spec():
@@ -137,12 +137,12 @@ def test_predictions_are_typed_and_read_as_a_mapping():
 def test_replica_helpers_split_schedule_predict_and_stitch():
     cm, mm = _models()
     spec = PlanSpec(method="dynamic", memory_limit_bytes=LIMIT, dp=2)
-    plan, sched0, _ = plan_step(_lengths(24, seed=3), spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
+    plan, sched0, _ = plan_step(_lengths(24, seed=3), spec, model_cfg=TINY, models=Models(cm, mm))
     replicas = replicas_of(plan)
     assert [r.num_microbatches for r in replicas] == [plan.num_microbatches // 2] * 2
-    scheds = replica_schedules(replicas, spec, memory_model=mm, cost_model=cm)
+    scheds = replica_schedules(replicas, spec, models=Models(cm, mm))
     assert scheds[0] == sched0
-    predicted = predict_replicas(replicas, scheds, cm, mm, plan.predictions)
+    predicted = predict_replicas(replicas, scheds, Models(cm, mm), plan.predictions)
     assert predicted.predictions.pred_step_s == pytest.approx(max(s.makespan_s for s in predicted.sims))
     assert predicted.predictions.pred_step_s == pytest.approx(plan.predictions.pred_step_s)
     peaks = np.max([s.peak_bytes for s in predicted.sims], axis=0)

@@ -24,6 +24,7 @@ from dynmb.runtime.spec import RunSpec
 from dynmb.core.types import Microbatch, Plan
 from dynmb.core.planspec import PlanSpec
 from tests.gloo_jobs import register
+from dynmb.costmodel.loader import Models
 
 SMALL = ModelConfig.preset("small")
 TINY = ModelConfig.preset("tiny")
@@ -110,8 +111,7 @@ def _batch(seed: int = 0) -> np.ndarray:
 
 def _pack(lengths, recompute: str, oversize: str = "error", limit: int = TIGHT, method: str = "dynamic") -> Plan:
     return pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit, oversize=oversize,
-                                  recompute=recompute), memory_model=get_memory_model(None, TINY, 2),
-                cost_model=get_cost_model(None, TINY, 2))
+                                  recompute=recompute), models=Models(get_cost_model(None, TINY, 2), get_memory_model(None, TINY, 2)))
 
 
 def test_auto_places_what_never_must_truncate():
@@ -207,7 +207,7 @@ def test_auto_truncates_every_method_at_max_seq_len(limit):
     kept = {}
     for method in METHODS:
         plan = pack(lengths, PlanSpec(method=method, num_stages=2, memory_limit_bytes=limit, oversize="truncate",
-                                      recompute="auto"), memory_model=mm, cost_model=cm)
+                                      recompute="auto"), models=Models(cm, mm))
         assert max(mb.padded_len for mb in plan.microbatches) <= top, (method, plan.meta.get("recompute_choice"))
         assert plan.meta["truncated"] == [0] and plan.meta["longest_fitting_length"] == rc_cap, method
         kept[method] = sum(int(mb.lengths.sum()) for mb in plan.microbatches)

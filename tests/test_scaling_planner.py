@@ -21,6 +21,7 @@ from dynmb.packing import METHODS, PackingError, pack
 from dynmb.planning.planner import make_schedule
 from dynmb.timing.simulate import simulate, simulate_costs
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 DEEP = ModelConfig.preset("gpt2-deep-13b")
 
@@ -34,7 +35,7 @@ def _gpu_costs(cfg: ModelConfig, p: int) -> AnalyticCostModel:
 def _all_methods(lengths, p, dp, cfg=DEEP, limit="80GiB"):
     cm, mm = _gpu_costs(cfg, p), get_memory_model(None, cfg, p)
     return {m: pack(lengths, PlanSpec(method=m, num_stages=p, memory_limit_bytes=parse_bytes(limit), dp=dp,
-                                      oversize="truncate"), memory_model=mm, cost_model=cm) for m in METHODS}, cm
+                                      oversize="truncate"), models=Models(cm, mm)) for m in METHODS}, cm
 
 
 # --- the exact estimate, batched --------------------------------------------------------------
@@ -144,8 +145,7 @@ def test_dynamic_is_not_behind_on_a_long_tail_past_the_exact_regime():
     step = {}
     for m in ("dynamic", "packed", "sorted"):
         plan = pack(lengths, PlanSpec(method=m, num_stages=p, memory_limit_bytes=parse_bytes("80GiB"),
-                                      mbs=1 if m == "sorted" else None, oversize="truncate"), memory_model=mm,
-                    cost_model=cm)
+                                      mbs=1 if m == "sorted" else None, oversize="truncate"), models=Models(cm, mm))
         step[m] = simulate(make_schedule(plan, "1f1b"), plan, cm).makespan_s
         assert plan.predictions["est_makespan_s"] <= step[m] * (1 + 1e-9)
     assert step["dynamic"] <= min(step.values()), step
@@ -158,9 +158,9 @@ def _step_after_reorder(plan, how, cm, mm, kind, virtual):
 
     steps = []
     for r in range(plan.dp):
-        sub = reorder(plan.replica(r) if plan.dp > 1 else plan, how, cost_model=cm, memory_model=mm,
+        sub = reorder(plan.replica(r) if plan.dp > 1 else plan, how, models=Models(cm, mm),
                       schedule_kind=kind, virtual=virtual)
-        sched = make_schedule(sub, kind, virtual=virtual, memory_model=mm, cost_model=cm)
+        sched = make_schedule(sub, kind, virtual=virtual, models=Models(cm, mm))
         steps.append(simulate(sched, sub, cm, mm).makespan_s)
     return max(steps)
 
@@ -183,7 +183,7 @@ def test_dynamic_is_not_behind_dynapipe_after_the_reorder_on_a_large_interleaved
     for method, how in (("dynamic", "search"), ("dynapipe", "dynapipe")):
         plan = pack(lengths, PlanSpec(method=method, num_stages=P * V, virtual=V,
                                       memory_limit_bytes=parse_bytes("80GiB"), dp=dp, schedule_kind="interleaved",
-                                      oversize="truncate"), memory_model=mm, cost_model=cm)
+                                      oversize="truncate"), models=Models(cm, mm))
         step[method] = _step_after_reorder(plan, how, cm, mm, "interleaved", V)
     assert step["dynamic"] <= step["dynapipe"] * (1 + 1e-12), step
 
@@ -288,7 +288,7 @@ def test_dynamic_weighs_every_other_plan(lengths, p, dp, scale, kind, round_to):
     for m in METHODS:
         try:
             plan = pack(lengths, PlanSpec(method=m, num_stages=p, memory_limit_bytes=limit, dp=dp, schedule_kind=kind,
-                                          round_to=round_to, oversize="truncate"), memory_model=mm, cost_model=cm)
+                                          round_to=round_to, oversize="truncate"), models=Models(cm, mm))
         except PackingError:
             continue
         est[m], budget[m] = plan.predictions["est_makespan_s"], plan.meta["budget"]

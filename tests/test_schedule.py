@@ -15,6 +15,7 @@ from dynmb.schedule import (ScheduleError, build_schedule, format_grid, from_csv
 from dynmb.schedule.builders import memory_windows
 from dynmb.timing.simulate import simulate_costs
 from dynmb.core.types import Action, Schedule
+from dynmb.costmodel.loader import Models
 
 torch_sched = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -396,7 +397,7 @@ def test_reorder_heuristics_and_search_beats_them():
     P = 4
     plan = _plan_of(lengths, P)
     cm, mm = _ArrCost([1, 1, 1, 1.6], comm=1e-4), _ArrMem(P)
-    orders = {k: reorder_order(plan, k, cost_model=cm, memory_model=mm) for k in REORDER_METHODS}
+    orders = {k: reorder_order(plan, k, models=Models(cm, mm)) for k in REORDER_METHODS}
     for o in orders.values():
         assert sorted(o) == list(range(len(lengths)))
     L = np.array(lengths)
@@ -405,14 +406,14 @@ def test_reorder_heuristics_and_search_beats_them():
     assert L[orders["ascending"]].tolist() == sorted(lengths)
     e = L[orders["ends"]]
     assert e.argmax() in (4, 5) and {e[0], e[-1]} == {5, 7}   # small at both ends, large in the middle
-    ev = OrderEvaluator(plan, cm, mm)
+    ev = OrderEvaluator(plan, Models(cm, mm))
     mk = {k: ev(o)[0] for k, o in orders.items()}
     assert all(mk["search"] <= v + 1e-12 for v in mk.values()), mk
     assert mk["search"] < mk["none"]
-    out = reorder(plan, "search", cost_model=cm, memory_model=mm)
+    out = reorder(plan, "search", models=Models(cm, mm))
     assert out.meta["reorder"] == "search" and [mb.padded_len for mb in out.microbatches] == L[orders["search"]].tolist()
     with pytest.raises(ValueError, match="unknown reorder method"):
-        reorder(plan, "random", cost_model=cm, memory_model=mm)
+        reorder(plan, "random", models=Models(cm, mm))
 
 
 def test_search_keeps_memory_feasibility():
@@ -423,13 +424,13 @@ def test_search_keeps_memory_feasibility():
     P = 2
     plan = _plan_of(lengths, P, limit=150)
     cm, mm = _ArrCost([1, 1]), _ArrMem(P)
-    ev = OrderEvaluator(plan, cm, mm)
-    assert not ev(reorder_order(plan, "descending", cost_model=cm, memory_model=mm))[2]
-    o = reorder_order(plan, "search", cost_model=cm, memory_model=mm)
+    ev = OrderEvaluator(plan, Models(cm, mm))
+    assert not ev(reorder_order(plan, "descending", models=Models(cm, mm)))[2]
+    o = reorder_order(plan, "search", models=Models(cm, mm))
     mk, peak, fits = ev(o)
     assert fits and peak <= 150
     for k in ("none", "ascending", "ends", "dynapipe"):
-        mk_k, _, fits_k = ev(reorder_order(plan, k, cost_model=cm, memory_model=mm))
+        mk_k, _, fits_k = ev(reorder_order(plan, k, models=Models(cm, mm)))
         if fits_k:
             assert mk <= mk_k + 1e-12
 
@@ -441,8 +442,8 @@ def test_search_other_schedules(kind, virtual):
     P = 4
     plan = _plan_of(lengths, P, limit=400)
     cm, mm = _ArrCost([1, 1, 1, 1.6]), _ArrMem(P)
-    ev = OrderEvaluator(plan, cm, mm, kind, virtual)
-    res = {k: ev(reorder_order(plan, k, cost_model=cm, memory_model=mm, schedule_kind=kind, virtual=virtual))
+    ev = OrderEvaluator(plan, Models(cm, mm), kind, virtual)
+    res = {k: ev(reorder_order(plan, k, models=Models(cm, mm), schedule_kind=kind, virtual=virtual))
            for k in REORDER_METHODS}
     feasible = [v[0] for v in res.values() if v[2]]
     assert res["search"][2] and res["search"][0] <= min(feasible) + 1e-12

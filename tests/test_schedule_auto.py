@@ -27,6 +27,7 @@ from dynmb.io.results import load_results
 from dynmb.runtime.spec import RunSpec
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, is_schedule_name, kind_names, resolve_kind
 from tests.gloo_jobs import register
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 
@@ -57,7 +58,7 @@ def test_kinds_of_one_packing_key_pack_alike():
     alike = [k for k in kind_names() if get_kind(k).packing_key == get_kind("1f1b").packing_key]
     assert "memory-aware" in alike                    # 1F1B's window and estimate
     plans = [pack(lengths, PlanSpec(method="dynamic", num_stages=4, schedule_kind=k, memory_limit_bytes=limit),
-                  memory_model=mm, cost_model=cm) for k in ("1f1b", "memory-aware")]
+                  models=Models(cm, mm)) for k in ("1f1b", "memory-aware")]
     for p in plans[1:]:
         assert [(mb.seq_ids.tolist(), mb.row_ids.tolist(), mb.padded_len) for mb in p.microbatches] == \
             [(mb.seq_ids.tolist(), mb.row_ids.tolist(), mb.padded_len) for mb in plans[0].microbatches]
@@ -72,22 +73,21 @@ def test_auto_is_never_slower_than_a_fixed_kind(seed, n, P, method, dp):
     lengths = np.minimum(rng.lognormal(5.0, 1.0, max(n, dp)).astype(np.int64) + 1, 1500)
     spec = PlanSpec(method=method, num_stages=P, memory_limit_bytes=limit, reorder="auto", dp=dp,
                     schedule_kind=AUTO)
-    plan, sched, sim = plan_step(lengths, spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
+    plan, sched, sim = plan_step(lengths, spec, model_cfg=TINY, models=Models(cm, mm))
     assert plan.spec.schedule_kind == AUTO and plan.schedule_kind in auto_kinds(1)
     assert sched.kind == plan.schedule_kind
     chosen = plan.predictions["pred_step_s"]
     scores = plan.meta["schedule_auto"]
     assert set(scores) == set(auto_kinds(1))
     for kind in auto_kinds(1):
-        fixed, _, fsim = plan_step(lengths, spec.with_(schedule_kind=kind), model_cfg=TINY, cost_model=cm,
-                                   memory_model=mm)
+        fixed, _, fsim = plan_step(lengths, spec.with_(schedule_kind=kind), model_cfg=TINY, models=Models(cm, mm))
         assert scores[kind] == pytest.approx(fixed.predictions["pred_step_s"], rel=1e-12)
         if fsim.fits and np.all(np.asarray(fixed.predictions["pred_peak_bytes"]) <= limit):
             assert chosen <= fixed.predictions["pred_step_s"] * (1 + 1e-12), (kind, scores)
     assert chosen == pytest.approx(scores[plan.schedule_kind], rel=1e-12)
     # every replica's schedule is built for the chosen kind from the spec's "auto"
     replica = plan.replica(dp - 1) if dp > 1 else plan
-    again = make_schedule(replica, AUTO, memory_model=mm, cost_model=cm)
+    again = make_schedule(replica, AUTO, models=Models(cm, mm))
     assert again.kind == plan.schedule_kind
 
 
@@ -98,9 +98,9 @@ def test_auto_with_two_chunks_per_rank_is_zb_v_unless_slices_may_run():
     lengths = np.random.default_rng(1).integers(8, 600, 24)
     spec = PlanSpec(method="dynamic", num_stages=4, virtual=2, memory_limit_bytes=limit, reorder="auto",
                     schedule_kind=AUTO)
-    plan, sched, _ = plan_step(lengths, spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
+    plan, sched, _ = plan_step(lengths, spec, model_cfg=TINY, models=Models(cm, mm))
     assert plan.schedule_kind == "zb-v" and sched.num_ranks == 2
-    plan, sched, _ = plan_step(lengths, spec.with_(oversize="split"), model_cfg=TINY, cost_model=cm, memory_model=mm)
+    plan, sched, _ = plan_step(lengths, spec.with_(oversize="split"), model_cfg=TINY, models=Models(cm, mm))
     assert not plan.has_slices and plan.schedule_kind == "interleaved" and sched.num_ranks == 2
 
 
@@ -115,15 +115,14 @@ def test_auto_weighs_the_zero_bubble_kinds_for_a_plan_with_slices():
     mm, cm = MemoryModel.analytic(TINY, 2), AnalyticCostModel(TINY, 2)
     spec = PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=16 * 2**20, schedule_kind=AUTO,
                     oversize="split", recompute="auto")
-    plan, sched, _ = plan_step(lengths, spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
+    plan, sched, _ = plan_step(lengths, spec, model_cfg=TINY, models=Models(cm, mm))
     scores = plan.meta["schedule_auto"]
     assert set(scores) == {"1f1b", "zb-h1", "zb"} and all(v is not None for v in scores.values()), scores
     assert plan.slice_groups() and plan.schedule_kind in scores
     assert scores[plan.schedule_kind] == min(scores.values())
     validate(sched, plan)
     for kind in ("zb-h1", "zb"):           # each as plan_step gives it alone
-        alone, _, _ = plan_step(lengths, spec.with_(schedule_kind=kind), model_cfg=TINY, cost_model=cm,
-                                memory_model=mm)
+        alone, _, _ = plan_step(lengths, spec.with_(schedule_kind=kind), model_cfg=TINY, models=Models(cm, mm))
         assert alone.predictions["pred_step_s"] == pytest.approx(scores[kind], rel=1e-12)
         assert alone.slice_groups()
 
@@ -133,7 +132,7 @@ def test_auto_raises_what_no_kind_can_take():
     spec = PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=int(mm.state_bytes.max() * 1.01),
                     schedule_kind=AUTO)
     with pytest.raises(ValueError, match="cannot fit|longest"):
-        plan_step(np.array([4000, 3000]), spec, model_cfg=TINY, cost_model=cm, memory_model=mm)
+        plan_step(np.array([4000, 3000]), spec, model_cfg=TINY, models=Models(cm, mm))
 
 
 def test_cli_plan_and_schedule_auto(tmp_path, capsys):
@@ -197,13 +196,13 @@ def test_batched_order_evaluation_is_the_simulator(kind, virtual):
     lengths = np.random.default_rng(7).integers(8, 700, 40)
     spec = PlanSpec(method="dynamic", num_stages=4, virtual=virtual, schedule_kind=kind,
                     memory_limit_bytes=limit * 8)
-    plan = pack(lengths, spec, memory_model=mm, cost_model=cm)
-    ev = ro.OrderEvaluator(plan, cm, None, kind, virtual)       # no memory model: every order is batched
+    plan = pack(lengths, spec, models=Models(cm, mm))
+    ev = ro.OrderEvaluator(plan, Models(cm, None), kind, virtual)       # no memory model: every order is batched
     perms = np.array([np.random.default_rng(s).permutation(plan.num_microbatches) for s in range(9)])
     batched = batch_makespans(ev._flat, ev.cube, ev.comm, perms)
     assert batched.tolist() == [ev(p.tolist())[0] for p in perms]
-    fresh = ro.OrderEvaluator(plan, cm, None, kind, virtual)
+    fresh = ro.OrderEvaluator(plan, Models(cm, None), kind, virtual)
     fresh.prefetch = lambda orders, limit: None                 # one at a time
-    assert ro.reorder_order(plan, "search", cost_model=cm, schedule_kind=kind, virtual=virtual, max_evals=60) == \
-        ro.reorder_order(plan, "search", cost_model=cm, schedule_kind=kind, virtual=virtual, max_evals=60,
+    assert ro.reorder_order(plan, "search", models=Models(cm, None), schedule_kind=kind, virtual=virtual, max_evals=60) == \
+        ro.reorder_order(plan, "search", models=Models(cm, None), schedule_kind=kind, virtual=virtual, max_evals=60,
                          evaluator=fresh)

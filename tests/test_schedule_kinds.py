@@ -32,6 +32,7 @@ from dynmb.core.types import Action, Schedule
 from dynmb.core.planspec import PlanSpec
 from tests.gloo_jobs import register
 from tests.runtime_faults import REPO
+from dynmb.costmodel.loader import Models
 
 
 # --- the new kind: one file's worth of code ---------------------------------------------------------
@@ -78,8 +79,7 @@ def test_plan_step_packs_and_simulates_for_the_new_kind():
     lengths = np.random.default_rng(0).integers(16, 200, size=12)
     limit = 64 * 2**20
     plan, sched, sim = plan_step(lengths, PlanSpec(method="dynamic", num_stages=2, memory_limit_bytes=limit,
-                                                   schedule_kind="lifo-test"), model_cfg=cfg, cost_model=cm,
-                                 memory_model=mm)
+                                                   schedule_kind="lifo-test"), model_cfg=cfg, models=Models(cm, mm))
     assert plan.schedule_kind == "lifo-test" and sched.kind == "lifo-test"
     validate(sched, plan)
     again = simulate(sched, plan, cm, mm)

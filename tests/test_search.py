@@ -12,6 +12,7 @@ from dynmb.memory.model import get_memory_model
 from dynmb.packing import METHODS
 from dynmb.planning import plan_step
 from dynmb.planning.search import Candidate, Outcome, evaluate, fastest
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 SETTINGS = [dict(num_stages=2, memory_limit_bytes=24 * 2**20),
@@ -47,15 +48,14 @@ def _check_dynamic_not_behind(lengths, setting):
     cm = get_cost_model(None, TINY, base.num_stages)
     mm = get_memory_model(None, TINY, base.num_stages)
     try:
-        dyn, _, _ = plan_step(lengths, base.with_(method="dynamic"), model_cfg=TINY, cost_model=cm, memory_model=mm)
+        dyn, _, _ = plan_step(lengths, base.with_(method="dynamic"), model_cfg=TINY, models=Models(cm, mm))
     except ValueError:                      # then no other method's plan fits either
         dyn = None
     for method in METHODS:
         if method == "dynamic":
             continue
         try:
-            plan, _, sim = plan_step(lengths, base.with_(method=method), model_cfg=TINY, cost_model=cm,
-                                     memory_model=mm)
+            plan, _, sim = plan_step(lengths, base.with_(method=method), model_cfg=TINY, models=Models(cm, mm))
         except ValueError:                  # the method cannot take this batch under these settings
             continue
         if not sim.fits or max(plan.predictions["pred_peak_bytes"]) > plan.memory_limit_bytes:

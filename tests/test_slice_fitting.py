@@ -19,8 +19,9 @@ from dynmb.planning.slicing import longest_row
 from dynmb.core.planspec import PlanSpec
 from dynmb.memory.model import MemoryModel
 from dynmb.runtime.spec import RunSpec
-from dynmb.schedule import validate
+from dynmb.schedule import get_kind, validate
 from tests.gloo_jobs import register
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 TINY8 = replace(TINY, name="tiny-8", n_layers=8)
@@ -50,8 +51,8 @@ def test_every_kept_token_is_planned_once(lengths, kind):
                     slice_fitting="auto")
     mm = MemoryModel.analytic(TINY, 2)
     for t in thresholds(longest_row(spec, TINY, mm), int(want.max()), 1):
-        plan, _, _ = plan_threshold(lengths, want, never.meta, spec, t, model_cfg=TINY,
-                                    cost_model=AnalyticCostModel(TINY, 2), memory_model=mm)
+        plan, _, _ = plan_threshold(lengths, want, never.meta, spec, t, kind=get_kind(kind), model_cfg=TINY,
+                                    models=Models(AnalyticCostModel(TINY, 2), mm))
         assert (kept_lengths(plan) == want).all()              # every kept token once, no more
         assert set(plan.slice_groups()) == set(np.flatnonzero(want > t).tolist())
         assert sorted(plan.meta["truncated"]) == sorted(never.meta["truncated"])

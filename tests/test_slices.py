@@ -33,6 +33,7 @@ from dynmb.timing.simulate import simulate
 from dynmb.core.types import Action, Microbatch, Plan, PlanError, Schedule
 from dynmb.core.planspec import PlanSpec
 from tests.gloo_jobs import register
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 
@@ -157,7 +158,8 @@ def test_schedules_run_slices_in_order_and_violations_are_refused(kind, stages):
         validate(make_schedule(replace(plan, microbatches=tuple(Microbatch([i], [5], 5, 1) for i in range(m)),
                                        num_sequences=m), kind), plan)
     with pytest.raises(ValueError, match="'memory-aware' .*does not run their backwards in reverse"):
-        make_schedule(plan, "memory-aware", memory_model=MemoryModel.analytic(TINY, stages))
+        make_schedule(plan, "memory-aware", models=Models(AnalyticCostModel(TINY, stages),
+                                                          MemoryModel.analytic(TINY, stages)))
 
 
 DEEP = replace(TINY, name="tiny-12", n_layers=12)       # up to 12 stages: interleaved with 2 chunks on 6 ranks
@@ -211,7 +213,7 @@ def test_every_slice_kind_schedules_random_chains_above_the_bound(plan):
         virtual = 2 if get_kind(kind).virtual_stages else 1
         p = replace(plan, num_stages=plan.num_stages * virtual, schedule_kind=kind)
         cm, mm = AnalyticCostModel(DEEP, p.num_stages), MemoryModel.analytic(DEEP, p.num_stages)
-        sched = make_schedule(p, kind, virtual=virtual, memory_model=mm, cost_model=cm)
+        sched = make_schedule(p, kind, virtual=virtual, models=Models(cm, mm))
         validate(sched, p)
         sim = simulate(sched, p, cm, mm)
         assert sim.makespan_s >= sim.bound_s * (1 - 1e-12), kind

@@ -23,6 +23,7 @@ from dynmb.schedule import validate
 from dynmb.timing.simulate import simulate
 from dynmb.core.types import Microbatch, Plan, PlanError
 from tests.gloo_jobs import register
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 TWO_LONG = np.array([40, 100, 2400, 70, 300, 25, 90, 150, 1800, 60, 33, 500], dtype=np.int64)
@@ -56,7 +57,7 @@ def test_split_with_dp_keeps_each_chain_on_one_replica_under_the_limit(method, s
             assert offsets == sorted(offsets) and offsets[0] == 0, (sid, offsets)
     cm, mm = get_cost_model(None, TINY, stages), get_memory_model(None, TINY, stages)
     for p in replicas:                  # every replica scheduled and simulated: every GPU within the limit
-        s = make_schedule(p, kind, memory_model=mm, cost_model=cm)
+        s = make_schedule(p, kind, models=Models(cm, mm))
         validate(s, p)
         r_sim = simulate(s, p, cm, mm)
         assert float(np.max(r_sim.peak_bytes_rank)) <= limit

@@ -23,6 +23,7 @@ from dynmb.planning.slicing import MIN_SLICE, PLACEMENTS, _place, equal_cost_len
 from dynmb.runtime.spec import RunSpec
 from dynmb.schedule import validate
 from tests.gloo_jobs import register
+from dynmb.costmodel.loader import Models
 
 TINY = ModelConfig.preset("tiny")
 
@@ -125,7 +126,7 @@ def test_spread_plan_schedules_each_chain_backward_in_reverse():
     assert [int(mb.seq_ids[0]) for mb in plan.microbatches] == [2, 0, 0, 0, 3, 1, 1, 5]
     cm, mm = AnalyticCostModel(TINY, 2), MemoryModel.analytic(TINY, 2)
     for kind in ("1f1b", "zb-h1"):
-        sched = make_schedule(replace(plan, schedule_kind=kind), kind, cost_model=cm, memory_model=mm)
+        sched = make_schedule(replace(plan, schedule_kind=kind), kind, models=Models(cm, mm))
         validate(sched, plan)
         for rank in sched.ranks:                               # each chain's backwards (B, or I) in reverse
             back = [a.mb for a in rank if a.op in ("B", "I") and a.mb in (1, 2, 3, 5, 6)]
@@ -286,8 +287,8 @@ def test_a_chain_lookahead_runs_on_the_kinds_that_take_it_and_is_refused_elsewhe
     cm, mm = AnalyticCostModel(TINY, 2), MemoryModel.analytic(TINY, 2)
     for kind in ("1f1b", "zb-h1"):
         ahead = replace(plan, schedule_kind=kind, meta=plan.meta.with_(slice_lookahead=1))
-        plain = make_schedule(replace(plan, schedule_kind=kind), kind, cost_model=cm, memory_model=mm)
-        sched = make_schedule(ahead, kind, cost_model=cm, memory_model=mm)
+        plain = make_schedule(replace(plan, schedule_kind=kind), kind, models=Models(cm, mm))
+        sched = make_schedule(ahead, kind, models=Models(cm, mm))
         validate(sched, ahead)
         first_back = [next(i for i, a in enumerate(s.ranks[0]) if a.op in ("B", "I") and a.mb == 3)
                       for s in (plain, sched)]

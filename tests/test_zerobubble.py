@@ -26,6 +26,7 @@ from dynmb.timing.simulate import simulate, simulate_costs
 from dynmb.core.types import Microbatch, Plan
 from dynmb.planning.zerobubble import build_zb, zb_evaluator, zb_inputs
 from tests.gloo_jobs import register
+from dynmb.costmodel.loader import Models
 
 torch_sched = pytest.importorskip("torch.distributed.pipelining.schedules")
 CFG = ModelConfig.preset("small")
@@ -139,7 +140,7 @@ def test_zero_bubble_csv_passes_torch_checks(tmp_path, kind, P):
     shapes = [(int(rng.integers(1, 5)), int(rng.choice([64, 128, 512, 1024]))) for _ in range(9)]
     plan = _plan(shapes, P)
     cm, mm = _models(P)
-    sched = build_zb(plan, kind, cost_model=cm, memory_model=mm)
+    sched = build_zb(plan, kind, models=Models(cm, mm))
     validate(sched)
     assert any(a.op == "I" for acts in sched.ranks for a in acts)
     path = tmp_path / "zb.csv"
@@ -182,7 +183,7 @@ def test_zb_h1_never_slower_nor_higher_than_1f1b(plan):
     P, m = plan.num_stages, plan.num_microbatches
     cm, mm = _models(P)
     one = simulate(build_schedule("1f1b", P, m), plan, cm, mm)
-    zb = build_zb(plan, "zb-h1", cost_model=cm, memory_model=mm)
+    zb = build_zb(plan, "zb-h1", models=Models(cm, mm))
     validate(zb)
     got = simulate(zb, plan, cm, mm)
     assert got.makespan_s <= one.makespan_s * (1 + 1e-12)
@@ -198,7 +199,7 @@ def test_zb_stays_under_the_limit_and_beats_1f1b(plan, slack):
     one = simulate(build_schedule("1f1b", P, m), plan, cm, mm)
     limit = int(max(one.peak_bytes) * slack)
     plan = Plan(plan.microbatches, "test", P, limit, plan.num_sequences)
-    got = simulate(build_zb(plan, "zb", cost_model=cm, memory_model=mm), plan, cm, mm)
+    got = simulate(build_zb(plan, "zb", models=Models(cm, mm)), plan, cm, mm)
     assert np.all(got.peak_bytes <= limit + 1e-6)
     assert got.makespan_s <= one.makespan_s * (1 + 1e-12)
 
@@ -209,10 +210,10 @@ def test_list_scheduler_times_and_bytes_are_the_simulators(plan):
     """The builder's own clock and byte count agree with the simulator on the order it emits."""
     P, m = plan.num_stages, plan.num_microbatches
     cm, mm = _models(P)
-    inp = zb_inputs(plan, cm, mm)
+    inp = zb_inputs(plan, Models(cm, mm))
     for k in ([P - s for s in range(P)], [2 * (P - s) - 1 for s in range(P)]):
         sched, t = list_schedule(inp, k, one_f_one_b_peaks(inp))
-        t_sim, peak = zb_evaluator(plan, cm, mm, inp)(sched)
+        t_sim, peak = zb_evaluator(plan, Models(cm, mm), inp)(sched)
         assert t == pytest.approx(t_sim, rel=1e-12)
     assert np.all(one_f_one_b_peaks(inp) + mm.state_bytes
                   == pytest.approx(simulate(build_schedule("1f1b", P, m), plan, cm, mm).peak_bytes, rel=1e-12))
@@ -229,9 +230,9 @@ def test_recomputed_microbatches_keep_full_backward():
     plan = Plan(tuple(Microbatch(mb.seq_ids, mb.lengths, mb.padded_len, mb.batch, recompute=(j == 1))
                       for j, mb in enumerate(plan.microbatches)), "test", 2, 2**30, plan.num_sequences)
     cm, mm = _models(2)
-    inp = zb_inputs(plan, cm, mm)
+    inp = zb_inputs(plan, Models(cm, mm))
     assert not inp.split[:, 1].any() and inp.split[:, [0, 2]].all()
-    sched = build_zb(plan, "zb-h1", cost_model=cm, memory_model=mm)
+    sched = build_zb(plan, "zb-h1", models=Models(cm, mm))
     assert {a.op for acts in sched.ranks for a in acts if a.mb == 1} == {"F", "B"}
 
 

@@ -196,7 +196,7 @@ class Planner:
         spec = self.spec.with_(method=method or self.spec.method, reorder=reorder or self.spec.reorder,
                                mbs=self.spec.mbs if mbs is None else mbs)
         plan, schedule, sim = plan_step(np.asarray(lengths, dtype=np.int64), spec, model_cfg=self.model_cfg,
-                                        cost_model=self.cost_model, memory_model=self.memory_model, meta=meta)
+                                        models=self.models, meta=meta)
         return PlannedStep(plan=plan, schedule=schedule, sim=sim)
 
     def __repr__(self) -> str:

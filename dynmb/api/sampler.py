@@ -222,7 +222,7 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
                                    **{"workload": self.lengths, "global_batch": self.global_batch,
                                       **planner_kwargs})   # stage_split="auto": the dataset
         warn_stand_ins(self.planner.model_cfg, self.planner.num_stages,
-                       stand_ins_of(self.planner.cost_model, self.planner.memory_model), who="DynamicBatchSampler")
+                       stand_ins_of(self.planner.models), who="DynamicBatchSampler")
         self.epoch = 0
         self._cache: tuple[int, list[Plan], list[np.ndarray]] | None = None
 

@@ -317,8 +317,8 @@ def workload_of(args: argparse.Namespace) -> str | None:
     return args.lengths or args.dataset or "sharegpt"
 
 
-def warn_own_model_stand_ins(args: argparse.Namespace, model: ModelConfig, cost_model: str | None,
-                             memory_model: str | None, stages: int, who: str) -> None:
+def warn_own_model_stand_ins(args: argparse.Namespace, model: ModelConfig, cost_file: str | None,
+                             memory_file: str | None, stages: int, who: str) -> None:
     """For ``--model package.module:factory``: warn once (``dynmb.planning.defaults.warn_stand_ins``)
     when planning uses the analytic cost model (no ``--cost-model``) or the analytic memory model of
     dynmb's own GPT (no ``--memory-model``) instead of ones fitted to that model."""
@@ -328,7 +328,7 @@ def warn_own_model_stand_ins(args: argparse.Namespace, model: ModelConfig, cost_
 
     from dynmb.planning.defaults import StandInModelWarning, warn_stand_ins
 
-    kinds = (("cost",) if cost_model is None else ()) + (("memory",) if memory_model is None else ())
+    kinds = (("cost",) if cost_file is None else ()) + (("memory",) if memory_file is None else ())
     with warnings.catch_warnings():                     # the command line shows the log line only
         warnings.simplefilter("ignore", StandInModelWarning)
         warn_stand_ins(model, stages, kinds, who=who)

@@ -101,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
     models = load_models(model, args.stages, cost=args.cost_model, memory=args.memory_model, virtual=spec.virtual,
                          device=args.device, own_model=own, who="dynmb plan")    # the one loader, as Planner's
     plan, _, _ = plan_step(
-        batch, spec, model_cfg=model, cost_model=models.cost, memory_model=models.memory,
+        batch, spec, model_cfg=model, models=models,
         meta={"dataset": args.dataset or args.lengths, "seed": args.seed, "step": args.step,
-              **plan_meta(model, models.cost_path, models.memory_path, factory=args.model if own else None)},
+              **plan_meta(model, models, factory=args.model if own else None)},
     )
     plan = replace(plan, dataset_ids=tuple(rows.tolist()))   # the trace rows of its sequences
     if args.output:

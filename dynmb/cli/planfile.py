@@ -23,10 +23,8 @@ from typing import Any
 
 from dynmb.cli.flags import names_factory
 from dynmb.core.config import ModelConfig, model_config
-from dynmb.costmodel.base import CostModelLike
-from dynmb.costmodel.loader import STAND_IN, check_plan_models, load_models
+from dynmb.costmodel.loader import STAND_IN, PredictionModels, check_plan_models, load_models
 from dynmb.costmodel.standin import suppress_stand_in_warnings
-from dynmb.memory.model import MemoryModelLike
 from dynmb.core.types import Plan
 
 __all__ = ["model_identity", "plan_meta", "plan_model", "plan_models", "recorded_model_file", "plan_pack_len",
@@ -55,12 +53,12 @@ def model_identity(path: str | None) -> dict[str, Any]:
     return {"path": str(Path(path).resolve()), "sha256": digest}
 
 
-def plan_meta(model: ModelConfig, cost_model: str | None, memory_model: str | None,
-              factory: str | None = None) -> dict[str, Any]:
-    """The ``Plan.meta`` entries ``dynmb plan`` records (module docstring); ``factory``: the
-    ``package.module:factory`` of a model of the user's own, which a run of the plan builds."""
-    return {"model": model.to_dict(), "cost_model": model_identity(cost_model),
-            "memory_model": model_identity(memory_model), **({"model_factory": factory} if factory else {})}
+def plan_meta(model: ModelConfig, models: PredictionModels, factory: str | None = None) -> dict[str, Any]:
+    """The ``Plan.meta`` entries ``dynmb plan`` records (module docstring): the model and the files of its
+    ``models`` (``model_identity``); ``factory``: the ``package.module:factory`` of a model of the user's own,
+    which a run of the plan builds."""
+    return {"model": model.to_dict(), "cost_model": model_identity(models.cost_path),
+            "memory_model": model_identity(models.memory_path), **({"model_factory": factory} if factory else {})}
 
 
 def plan_model(plan: Plan, args: argparse.Namespace, plan_path: str) -> ModelConfig:
@@ -112,9 +110,8 @@ def recorded_model_file(kind: str, flag: str | None, recorded: Any, plan_path: s
     return path
 
 
-def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str
-                ) -> tuple[ModelConfig, CostModelLike, MemoryModelLike]:
-    """The model config, cost model and memory model a plan was made with (module docstring), through the
+def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str) -> tuple[ModelConfig, PredictionModels]:
+    """The model config and the cost and memory models a plan was made with (module docstring), through the
     one loader (``dynmb.costmodel.loader``); a plan that names the stand-in gets the stand-in, and the models
     loaded must have the digests the plan recorded (``Plan.meta.models``) unless it was planned with a
     calibrated model (a run's): then its predictions are made again with the uncalibrated one."""
@@ -126,8 +123,8 @@ def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str
     cost = STAND_IN if cost_file is None and not isinstance(recorded, dict) else cost_file   # an older plan
     with suppress_stand_in_warnings():                    # the plan's models: said when it was planned
         models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
-    check_plan_models(plan.meta.models, models.cost, models.memory, plan_path)
-    return model, models.cost, models.memory
+    check_plan_models(plan.meta.models, models, plan_path)
+    return model, models
 
 
 def refuse_split_conflict(args: argparse.Namespace, plan: Plan, model: ModelConfig) -> None:

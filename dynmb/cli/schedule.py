@@ -86,15 +86,13 @@ def run(args: argparse.Namespace) -> int:
     if plan.schedule_kind != args.schedule and args.schedule != AUTO:
         print(f"dynmb schedule: note: the plan was packed for {plan.schedule_kind!r}, scheduling it as "
               f"{args.schedule!r}; its memory guarantee is for the former", file=sys.stderr)
-    _, cost_model, memory_model = plan_models(plan, args, args.plan)
+    _, models = plan_models(plan, args, args.plan)
     # --schedule auto: every kind auto weighs, the fastest that fits kept
     tried: list[tuple[bool, float, int, str, Plan, Schedule]] = []
     for kind in (auto_kinds(args.virtual, plan.has_slices) if args.schedule == AUTO else (args.schedule,)):
-        ordered = reorder(plan, args.reorder, cost_model=cost_model, memory_model=memory_model, schedule_kind=kind,
-                          virtual=args.virtual)
-        sched = make_schedule(ordered, kind, virtual=args.virtual, memory_model=memory_model,
-                              cost_model=cost_model)          # validated, slice order included
-        sim = simulate(sched, ordered, cost_model, memory_model)
+        ordered = reorder(plan, args.reorder, models=models, schedule_kind=kind, virtual=args.virtual)
+        sched = make_schedule(ordered, kind, virtual=args.virtual, models=models)   # validated, slice order included
+        sim = simulate(sched, ordered, models.cost, models.memory)
         tried.append((not sim.fits, sim.makespan_s, len(tried), kind, ordered, sched))
     *_, args.schedule, plan, schedule = min(tried)
     if len(tried) > 1:
@@ -109,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"plan_digest": plan.digest(), "plan": str(plan_out), "source_plan": str(args.plan),
             "source_plan_digest": source_digest, "kind": args.schedule, "reorder": args.reorder, "virtual": args.virtual}
     write_text_atomic(meta_out, json.dumps({**meta, "digest": sidecar_digest(meta, out)}, indent=1))
-    sim = simulate(schedule, plan, cost_model, memory_model)
+    sim = simulate(schedule, plan, models.cost, models.memory)
     peak = max(sim.peak_bytes_rank) if sim.peak_bytes_rank is not None else float("nan")
     print(f"{args.schedule} schedule: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
           f"{schedule.num_microbatches} microbatches, reorder {args.reorder}; predicted makespan "

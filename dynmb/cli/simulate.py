@@ -36,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
     check_schedule_plan(plan, args.plan, args.schedule)
     schedule = from_csv(args.schedule, num_microbatches=plan.num_microbatches)
-    _, cost_model, memory_model = plan_models(plan, args, args.plan)
-    sim = simulate(schedule, plan, cost_model, memory_model)
+    _, models = plan_models(plan, args, args.plan)
+    sim = simulate(schedule, plan, models.cost, models.memory)
     peak_bytes, peak_bytes_rank = sim.peak_bytes, sim.peak_bytes_rank
     assert peak_bytes is not None and peak_bytes_rank is not None   # a memory model is always given
     if args.timeline:

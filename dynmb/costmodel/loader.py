@@ -11,10 +11,12 @@
 - memory model: an object or a JSON path (checked), else the analytic model (a stand-in for a model
   of the user's own: said once when ``own_model``).
 
-It returns ``PredictionModels`` (frozen): both models with where each came from. Every planner of
+It returns ``PredictionModels`` (frozen): both models with where each came from. ``Models(cost, memory)`` is
+the bundle itself, which every planning, packing and timing function takes as one argument (``models=``);
+``PredictionModels`` is one, with the sources. Every planner of
 dynmb (``dynmb plan`` / ``schedule`` / ``simulate`` / ``run`` / ``compare``, ``Planner``, the sampler,
 the plots) resolves through it, so one batch and one set of settings give one plan.
-``models_record(cost, memory)`` is what a plan records about the models it was made with: each
+``models_record(models)`` is what a plan records about the models it was made with: each
 model's digest (sha256 of its canonical JSON form, calibration and online refit included), whether
 the cost model was calibrated, and its refit version (``dynmb.costmodel.refit``).
 """
@@ -26,16 +28,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from dynmb.core.config import ModelConfig
 from dynmb.data.lengths import shipped_dir
 from dynmb.costmodel.analytic import AnalyticCostModel
-from dynmb.costmodel.base import CostModel
+from dynmb.costmodel.base import CostModel, CostModelLike
 from dynmb.costmodel.standin import warn_stand_ins
-from dynmb.memory.model import MemoryModel, get_memory_model
+from dynmb.memory.model import MemoryModel, MemoryModelLike, get_memory_model
 
-__all__ = ["PredictionModels", "load_models", "shipped_cost_model_path", "model_digest", "models_record",
+__all__ = ["Models", "PredictionModels", "load_models", "shipped_cost_model_path", "model_digest", "models_record",
            "refit_version", "is_calibrated", "check_plan_models", "STAND_IN"]
 
 log = logging.getLogger(__name__)
@@ -74,20 +76,44 @@ def is_calibrated(cost_model: Any) -> bool:
                 or getattr(comm, "recv_latency_s", 0.0) or refit_version(cost_model))
 
 
-def models_record(cost_model: Any, memory_model: Any) -> dict[str, Any]:
+Memory = TypeVar("Memory", bound="MemoryModelLike | None", covariant=True)
+"""The bundle's memory model type: ``MemoryModelLike`` where one is needed (packing, planning), or None too
+where a function works without one (schedules without memory inputs, simulations without peaks)."""
+
+
+@dataclass(frozen=True)
+class Models(Generic[Memory]):
+    """The cost and memory models a planning step prices with, as one argument (``models=``): seconds of a
+    microbatch on a stage (``cost``) and its bytes (``memory``). The packers and the planner take
+    ``Models[MemoryModelLike]``; the schedule builders, the reorder search and the zero-bubble inputs take
+    ``Models[MemoryModelLike | None]`` (``memory`` None: times only). ``PredictionModels`` (what
+    ``load_models`` returns) is one."""
+
+    cost: CostModelLike
+    memory: Memory
+
+    @staticmethod
+    def analytic(model_cfg: ModelConfig, num_stages: int) -> "Models[MemoryModel]":
+        """The analytic stand-ins of ``model_cfg`` over ``num_stages`` stages (what ``plan_step`` uses without
+        models), said nowhere (``load_models`` warns)."""
+        return Models(AnalyticCostModel(model_cfg, num_stages), MemoryModel.analytic(model_cfg, num_stages))
+
+
+def models_record(models: Models[Any]) -> dict[str, Any]:
     """What a plan records about the models it was made with (``Plan.meta["models"]``)."""
+    cost_model, memory_model = models.cost, models.memory
     return {"cost": {"digest": model_digest(cost_model), "kind": getattr(cost_model, "kind", type(cost_model).__name__),
                      "calibrated": is_calibrated(cost_model), "version": refit_version(cost_model)},
             "memory": {"digest": model_digest(memory_model), "source": str(getattr(memory_model, "source", ""))}}
 
 
-def check_plan_models(recorded: Any, cost_model: Any, memory_model: Any, where: str) -> None:
+def check_plan_models(recorded: Any, models: Models[Any], where: str) -> None:
     """ValueError (one line naming ``where``, the plan) when the models differ from the digests a plan
     recorded (``recorded``: its ``meta["models"]``); nothing for a plan without a record, nor for the cost
     model of a plan made with a calibrated one (a run's: its predictions are made again)."""
     if not isinstance(recorded, dict):
         return
-    now = models_record(cost_model, memory_model)
+    now = models_record(models)
     for kind in ("cost", "memory"):
         theirs = recorded.get(kind) or {}
         if kind == "cost" and theirs.get("calibrated"):
@@ -99,9 +125,9 @@ def check_plan_models(recorded: Any, cost_model: Any, memory_model: Any, where: 
 
 
 @dataclass(frozen=True)
-class PredictionModels:
-    """The cost and memory models one planner uses, and where each came from (``SOURCES``; ``*_path``:
-    the file, or None)."""
+class PredictionModels(Models[MemoryModel]):
+    """The cost and memory models one planner uses (a ``Models``), and where each came from (``SOURCES``;
+    ``*_path``: the file, or None)."""
 
     cost: CostModel
     memory: MemoryModel
@@ -117,7 +143,7 @@ class PredictionModels:
 
     def record(self) -> dict[str, Any]:
         """``models_record`` plus each model's source and file."""
-        rec = models_record(self.cost, self.memory)
+        rec = models_record(self)
         rec["cost"].update(source=self.cost_source, path=self.cost_path)
         rec["memory"].update(source=self.memory_source, path=self.memory_path)
         return rec

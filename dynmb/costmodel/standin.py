@@ -31,10 +31,11 @@ _WHAT = {"cost": "the analytic cost model (FLOPs at an assumed throughput, not y
          "memory": "the analytic memory model (the bytes dynmb's own GPT stages keep on CPU, not your model's)"}
 
 
-def stand_ins_of(cost_model: Any, memory_model: Any) -> tuple[str, ...]:
-    """Which of the two models are stand-ins: ``"cost"`` (kind ``analytic``), ``"memory"`` (source ``analytic``)."""
-    out = ("cost",) if getattr(cost_model, "kind", None) == "analytic" else ()
-    return out + (("memory",) if str(getattr(memory_model, "source", "")).startswith("analytic") else ())
+def stand_ins_of(models: Any) -> tuple[str, ...]:
+    """Which of the two models of ``models`` (a ``loader.Models``) are stand-ins: ``"cost"`` (kind ``analytic``),
+    ``"memory"`` (source ``analytic``)."""
+    out = ("cost",) if getattr(models.cost, "kind", None) == "analytic" else ()
+    return out + (("memory",) if str(getattr(models.memory, "source", "")).startswith("analytic") else ())
 
 
 @contextlib.contextmanager

@@ -342,7 +342,7 @@ def _plan_kwargs(settings: CompareSettings, method: str, microbatch_size: int | 
     run = _case_config(settings, method, microbatch_size)
     models = load_models(run.model, run.spec.num_stages, cost=run.cost_model, memory=settings.memory_model,
                          device=run.device, virtual=run.spec.virtual)         # the one loader, as the ranks'
-    return dict(spec=run.plan_spec, model_cfg=run.model, cost_model=models.cost, memory_model=models.memory)
+    return dict(spec=run.plan_spec, model_cfg=run.model, models=models)
 
 
 def _token_file(settings: CompareSettings) -> TokenFile | None:
@@ -461,7 +461,7 @@ def _gantts(job: CompareJob, steps: pd.DataFrame, actions: pd.DataFrame, method:
     run_id, k = row["run_id"], int(row["step"])
     timeline = actions[(actions["run_id"] == run_id) & (actions["step"] == k)]
     shapes = timeline.drop_duplicates("mb").sort_values("mb")
-    comm = _plan_kwargs(settings, method)["cost_model"].comm_s(shapes["batch"].to_numpy(), shapes["padded_len"].to_numpy())
+    comm = _plan_kwargs(settings, method)["models"].cost.comm_s(shapes["batch"].to_numpy(), shapes["padded_len"].to_numpy())
     predicted = predicted_timeline(timeline, comm)
     span = max(float(timeline["end_s"].max() - timeline["start_s"].min()), float(predicted["end_s"].max()))
     n = int(row["num_microbatches"])

@@ -47,7 +47,7 @@ import numpy as np
 from dynmb.timing.makespan import makespans
 from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares, ranking_kind, windows
-from dynmb.schedule.kinds import get_kind
+from dynmb.schedule.kinds import ScheduleKind, get_kind
 from dynmb.packing.context import PackContext
 from dynmb.packing.rows import Flat, Group, groups_to_flat, round_up
 from dynmb.packing.token_budget import max_tokens
@@ -332,7 +332,7 @@ def row_budget(ctx: PackContext, lens: np.ndarray, round_to: int) -> int:
     return cap if ctx.row_cap is None else min(cap, int(ctx.row_cap))
 
 
-def _equal_zb(F: np.ndarray, B: np.ndarray, comm: np.ndarray, per: np.ndarray, kind: str,
+def _equal_zb(F: np.ndarray, B: np.ndarray, comm: np.ndarray, per: np.ndarray, kind: ScheduleKind,
               shares: np.ndarray | None) -> np.ndarray:
     """The zero-bubble estimate of pipelines of ``per[j]`` equal microbatches (stage costs ``F[:, j]``, ``B[:, j]``,
     send ``comm[j]``): the recurrence of up to ``c`` = twice the largest window + 2 of them, then one period per
@@ -340,12 +340,12 @@ def _equal_zb(F: np.ndarray, B: np.ndarray, comm: np.ndarray, per: np.ndarray, k
     every stage is in its steady state (affine in m from two microbatches on, to 1e-9, on the shipped models;
     ``tests/test_balanced.py``), and an O(m) recurrence of thousands of microbatches would cost more than the
     whole packing it ranks budgets for."""
-    cap = 2 * max(windows(F.shape[0], get_kind(kind).estimate_as)) + 2
+    cap = 2 * max(windows(F.shape[0], kind.estimate_as)) + 2
     head = np.minimum(per, cap)
     prev = np.maximum(head - 1, 1)
     sizes = np.concatenate([head, prev])
     cols = np.repeat(np.concatenate([np.arange(len(per))] * 2), sizes)
-    est = makespans(F[:, cols], B[:, cols], comm[cols], sizes, kind, shares=shares)
+    est = makespans(F[:, cols], B[:, cols], comm[cols], sizes, kind.name, shares=shares)
     a, b = est[:len(per)], est[len(per):]
     period = np.where(head > prev, (a - b) / np.maximum(head - prev, 1), 0.0)
     return a + (per - head) * period
@@ -378,12 +378,12 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     comm = cost_model.comm_s(np.ones(len(k_a)), padded) if hasattr(cost_model, "comm_s") else np.zeros(len(k_a))
     per = np.maximum(np.array(ks) // dp, 1)
     comm = np.broadcast_to(np.asarray(comm, dtype=np.float64), (len(k_a),))
-    kind = ranking_kind(ctx.kind)                  # the estimate the dynamic packer ranks with
-    if get_kind(kind).estimate_as in ZB_ESTIMATES:
-        est = _equal_zb(cost["F"], cost["B"], comm, per, kind, backward_shares(cost_model, lens, ctx.p))
+    rank = get_kind(ranking_kind(ctx.kind))        # the estimate the dynamic packer ranks with
+    if rank.estimate_as in ZB_ESTIMATES:
+        est = _equal_zb(cost["F"], cost["B"], comm, per, rank, backward_shares(cost_model, lens, ctx.p))
     else:
         cols = np.repeat(np.arange(len(k_a)), per)
-        est = makespans(cost["F"][:, cols], cost["B"][:, cols], comm[cols], per, kind, virtual=ctx.virtual)
+        est = makespans(cost["F"][:, cols], cost["B"][:, cols], comm[cols], per, rank.name, virtual=ctx.virtual)
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
     near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]

@@ -48,10 +48,13 @@ class PackContext:
     """The longest one packed row may be (``balanced``'s rows hold several documents: the model's
     ``max_seq_len`` at most); None: memory alone decides."""
 
-    def __init__(self, mm: Any, limit: int, p: int, kind: str, tight: bool = True, virtual: int = 1) -> None:
-        self.mm, self.limit, self.p, self.kind, self.tight, self.virtual = mm, int(limit), p, kind, tight, virtual
+    def __init__(self, mm: Any, limit: int, p: int, kind: str | ScheduleKind, tight: bool = True,
+                 virtual: int = 1) -> None:
+        rec = get_kind(kind)                 # a name resolved here once (a record as given): every packer reads rec
+        self.mm, self.limit, self.p, self.kind, self.tight, self.virtual = mm, int(limit), p, rec.name, tight, virtual
+        self.rec = rec
+        """The schedule kind's record (``dynmb.schedule.kinds``): its window, placement and estimate."""
         state: np.ndarray = np.asarray(mm.state_bytes, dtype=np.float64)
-        rec = get_kind(kind)
         if rec.virtual_stages and virtual > 1 and rec.chunk_window is not None:
             # one GPU holds stages r, r + R, ...: their states add up, and at most `warm` chunk-
             # microbatches are in flight on it (the bound of memory.peak_from_matrix)
@@ -73,9 +76,10 @@ class PackContext:
                 f"{[int(x) for x in mm.state_bytes]}")
 
     @classmethod
-    def from_spec(cls, spec: PlanSpec, mm: Any) -> "PackContext":
-        """The context of a planning step's settings (tight budget; ``with_budget`` for the safe one)."""
-        return cls(mm, spec.memory_limit_bytes, spec.num_stages, spec.schedule_kind, virtual=spec.virtual)
+    def from_spec(cls, spec: PlanSpec, mm: Any, kind: ScheduleKind | None = None) -> "PackContext":
+        """The context of a planning step's settings (tight budget; ``with_budget`` for the safe one); ``kind``:
+        the record of ``spec.schedule_kind`` where the caller resolved it."""
+        return cls(mm, spec.memory_limit_bytes, spec.num_stages, kind or spec.schedule_kind, virtual=spec.virtual)
 
     def with_budget(self, tight: bool) -> "PackContext":
         """This context under the tight or the safe budget (caps and in-flight counts shared)."""
@@ -89,7 +93,7 @@ class PackContext:
         """This context with every GPU's in-flight count at least what its kind holds with each of
         ``counts`` microbatches in a step (``chunk_window``'s ``m``: interleaved rounds that ``R`` does
         not split warm up more than packing assumed); itself for a kind without a chunk window."""
-        rec = get_kind(self.kind)
+        rec = self.rec
         if not (rec.virtual_stages and self.virtual > 1 and rec.chunk_window is not None):
             return self
         R = self.p // self.virtual

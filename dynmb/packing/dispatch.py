@@ -38,13 +38,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.features import CostFeatures
 from dynmb.timing.makespan import makespans
 from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares
-from dynmb.schedule.kinds import get_kind
+from dynmb.schedule.kinds import ScheduleKind, get_kind
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.planmeta import PlanMeta
 from dynmb.core.predictions import Predictions
@@ -63,17 +63,19 @@ METHODS = method_names()
 _OVERSIZE = ("error", "truncate", "drop")
 
 
-def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> None:
+def _check_args(spec: PlanSpec, memory_model: MemoryModelLike) -> ScheduleKind:
     """What ``PlanSpec`` cannot check itself: the method and kind names, and the memory model's stages
-    (numbers and option sets are checked when the spec is made)."""
+    (numbers and option sets are checked when the spec is made). Returns the kind's record, resolved here once
+    for the whole call."""
     get_method(spec.method)                   # unknown methods: ValueError naming the registered ones
-    get_kind(spec.schedule_kind)              # unknown kinds: ValueError naming the registered ones
+    kind = get_kind(spec.schedule_kind)       # unknown kinds: ValueError naming the registered ones
     if spec.oversize not in _OVERSIZE:
         raise ValueError(f"oversize must be error, truncate or drop, got {spec.oversize!r}")
     if memory_model.num_stages != spec.num_stages:
         raise ValueError(f"memory model is for {memory_model.num_stages} stages, not {spec.num_stages}")
     if (refusal := mbs_refusal(spec)) is not None:
         raise ValueError(refusal)
+    return kind
 
 
 MBS_METHODS = tuple(m for m in METHODS if get_method(m).mbs)
@@ -215,11 +217,11 @@ def flat_features(flat: Flat, L: np.ndarray, attention: str) -> CostFeatures:
     return CostFeatures(rows, padded, attn, np.zeros(len(rows)), np.zeros(len(rows), dtype=bool))
 
 
-def _estimate(microbatches: list[Microbatch], features: CostFeatures, cost_model: CostModelLike,
-              memory_model: MemoryModelLike, spec: PlanSpec) -> tuple[list[Microbatch], list[int] | None, np.ndarray,
-                                                                       list[float]]:
+def _estimate(microbatches: list[Microbatch], features: CostFeatures, models: Models[MemoryModelLike],
+              spec: PlanSpec, rec: ScheduleKind) -> tuple[list[Microbatch], list[int] | None, np.ndarray, list[float]]:
     """(microbatches replica by replica, replica ids, predicted peak bytes per stage, estimated
     makespan of each replica), from the one cost lookup with each microbatch's attention work (``features``)."""
+    cost_model, memory_model = models.cost, models.memory
     shapes = np.stack([features.rows, features.padded_len], axis=1)
     cost = features.costs(cost_model)
     comm_s = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]) if hasattr(cost_model, "comm_s")
@@ -238,7 +240,7 @@ def _estimate(microbatches: list[Microbatch], features: CostFeatures, cost_model
         replicas = [np.flatnonzero(np.asarray(replica_ids) == r) for r in range(dp)]
     peak = np.zeros(memory_model.num_stages)
     shares = (backward_shares(cost_model, np.concatenate([mb.lengths for mb in microbatches]), memory_model.num_stages)
-              if get_kind(kind).estimate_as in ZB_ESTIMATES and microbatches else None)
+              if rec.estimate_as in ZB_ESTIMATES and microbatches else None)
     for sel in replicas:
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
     cols = np.concatenate(replicas)                 # every replica's estimate in one call (one level loop)
@@ -247,8 +249,9 @@ def _estimate(microbatches: list[Microbatch], features: CostFeatures, cost_model
     return microbatches, replica_ids, peak, estimates
 
 
-def pack(lengths: Any, spec: PlanSpec, *, memory_model: MemoryModelLike, cost_model: CostModelLike) -> Plan:
-    """Pack the global batch ``lengths`` under the settings ``spec``; see the module docstring.
+def pack(lengths: Any, spec: PlanSpec, *, models: Models[MemoryModelLike]) -> Plan:
+    """Pack the global batch ``lengths`` under the settings ``spec``, priced by ``models`` (the cost and memory
+    models, ``dynmb.costmodel.loader.Models``); see the module docstring.
 
     ``spec.mbs``: rows per microbatch of ``fixed`` / ``sorted`` / ``packed`` (``packed`` default 1);
     ``spec.pack_len``: the row length of ``packed`` (the other methods ignore it); ``spec.round_to``:
@@ -260,11 +263,11 @@ def pack(lengths: Any, spec: PlanSpec, *, memory_model: MemoryModelLike, cost_mo
     if not isinstance(spec, PlanSpec):
         raise TypeError(f"pack takes the settings as one PlanSpec, got {type(spec).__name__}")
     if spec.recompute != "never":
-        return pack_with_recompute(pack, lengths, spec, memory_model=memory_model, cost_model=cost_model)
+        return pack_with_recompute(pack, lengths, spec, models=models)
     gc_was = gc.isenabled()
     gc.disable()
     try:
-        return _pack(lengths, spec, memory_model, cost_model)
+        return _pack(lengths, spec, models)
     finally:
         if gc_was:
             gc.enable()
@@ -279,18 +282,18 @@ class _OverLimit(PackingError):
         self.counts = counts
 
 
-def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_model: CostModelLike) -> Plan:
+def _pack(lengths: Any, spec: PlanSpec, models: Models[MemoryModelLike]) -> Plan:
     """``pack`` under ``PackContext.from_spec``. With virtual stages the exact peak counts the chunks in
     flight with the plan's own m; where that is more than packing assumed (interleaved rounds that R does
     not split warm up more), the batch is packed again with the in-flight counts of every m near the
     plan's, until it fits or the counts stop growing."""
     t0 = time.perf_counter()
-    _check_args(spec, memory_model)
+    rec = _check_args(spec, models.memory)
     orig = _check_lengths(lengths)
-    base = PackContext.from_spec(spec, memory_model)
+    base = PackContext.from_spec(spec, models.memory, rec)
     while True:
         try:
-            return _pack_under(base, orig, spec, memory_model, cost_model, t0)
+            return _pack_under(base, orig, spec, models, t0)
         except _OverLimit as e:
             lo, hi = max(1, int(min(e.counts)) // 2), 2 * int(max(e.counts)) + 2 * spec.num_stages
             wider = base.for_microbatch_counts(range(lo, hi))
@@ -299,10 +302,10 @@ def _pack(lengths: Any, spec: PlanSpec, memory_model: MemoryModelLike, cost_mode
             base = wider
 
 
-def _pack_under(base: PackContext, orig: np.ndarray, spec: PlanSpec, memory_model: MemoryModelLike,
-                cost_model: CostModelLike, t0: float) -> Plan:
+def _pack_under(base: PackContext, orig: np.ndarray, spec: PlanSpec, models: Models[MemoryModelLike],
+                t0: float) -> Plan:
     method, round_to, dp = spec.method, int(spec.round_to), spec.dp
-    cfg = memory_model.model_cfg
+    cfg = models.memory.model_cfg
     attention = spec.attention or cfg.attention
     packed = get_method(method).pack_len_rows
     if packed:
@@ -319,11 +322,11 @@ def _pack_under(base: PackContext, orig: np.ndarray, spec: PlanSpec, memory_mode
     for tight in (True, False):
         # tight budget (k * act + tr) first; if the exact peak of a mix exceeds the limit, the safe one
         ctx = base.with_budget(tight)
-        flat, chosen = method_flat(method, MethodJob(L, ctx, cost_model, spec.mbs, round_to, len_cap, attention, dp))
+        flat, chosen = method_flat(method, MethodJob(L, ctx, models.cost, spec.mbs, round_to, len_cap, attention, dp))
         if dp > 1:
             flat = _balance_replicas(flat, ctx, dp)
         microbatches, replica_ids, peak, est = _estimate(_microbatches(flat, ids, L), flat_features(flat, L, attention),
-                                                         cost_model, memory_model, spec)
+                                                         models, spec, ctx.rec)
         if not np.any(peak > spec.memory_limit_bytes):
             meta.update(chosen, budget="tight" if tight else "safe")
             break

@@ -47,7 +47,8 @@ Balance (``LockstepLayout.report``): per slot, the spread of its ``D`` microbatc
 bottleneck-stage F + B (``max - min``, seconds and relative to the max), the worst over slots; per
 group, the spread of the slot maxima over its ``M`` microbatches. The study's ablations
 (``rebalance``) re-fill the rows of one dimension only (D: the rows of one slot; M: the microbatches
-of one replica's pipeline call; G: the same position in every group) from ``packed``'s layout.
+of one replica's pipeline call; G: the same position in every group) of a layout (the study's: ``in-order``'s,
+``layout_of_plan``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from dynmb.timing.makespan import makespans
 from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares
 
-__all__ = ["LockstepShape", "LockstepLayout", "plan_lockstep", "layout_of_rows", "layout_of_plan", "layout_dealt", "doc_weights", "balanced_fill",
+__all__ = ["LockstepShape", "LockstepLayout", "plan_lockstep", "layout_of_rows", "layout_of_plan", "doc_weights", "balanced_fill",
            "rebalance", "pair_lone_documents", "lockstep_flat", "derived_microbatches", "ORDERS"]
 
 ORDERS = ("packed", "descending", "ascending", "ends")
@@ -484,21 +485,8 @@ def _pool_rows(coord: np.ndarray, keep: list[int], dims: tuple[int, int, int], b
     return (slots[:, None] * b + np.arange(b)[None, :]).ravel()
 
 
-def layout_dealt(rows: np.ndarray, lens: np.ndarray, shape: LockstepShape, cost_model: CostModelLike) -> LockstepLayout:
-    """Rows (row per document) in their order, dealt round-robin to the replicas as a distributed sampler
-    deals them (row k to replica ``k % D``), each replica's in order over ``M`` (the fewest that hold them)
-    per group: what a static-shape data loader does with no planning."""
-    G, D, b = shape.groups, shape.dp, shape.rows_per_mb
-    num_rows = int(rows.max()) + 1
-    M = max(1, -(-num_rows // (D * G * b)))
-    mb, r_in = divmod(rows, b)
-    d, k = mb % D, mb // D
-    g, j = divmod(k, M)
-    return _priced(((g * M + j) * D + d) * b + r_in, lens, (G, M, D, b), shape, cost_model, {"candidate": "dealt"})
-
-
 def layout_of_plan(plan: Any, shape: LockstepShape, cost_model: CostModelLike) -> LockstepLayout:
-    """Another method's plan of rows of ``T`` tokens (``packed``) run in lockstep as it stands: replica
+    """Another method's plan of rows of ``T`` tokens (``packed``, ``in-order``) run in lockstep as it stands: replica
     ``d``'s microbatches in their order, ``M`` (the most any replica has, over ``G``, rounded up) per group,
     microbatch ``j`` of every replica together; a replica with fewer runs empty rows. Its documents are
     the plan's sequences (``seq_ids``), at their planned lengths."""

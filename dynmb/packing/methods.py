@@ -16,7 +16,7 @@ A record (``MethodRecord``) holds:
 - ``takes_dp``: it balances its own microbatches over the data-parallel replicas (``balanced``,
   ``dynamic``); the others get ``dp = 1`` and ``pack`` balances their plan afterwards;
 - ``lockstep``: its microbatches come replica-major, every replica the same number, microbatch i of
-  every replica run together (``lockstep``): ``pack`` keeps that order and assignment, and the planner
+  every replica run together (``lockstep``, ``in-order``): ``pack`` keeps that order and assignment, and the planner
   runs it in that order (no reorder pass, no slices).
 
 A new method is one ``register_method`` call (``docs/design.md``, "A packing method").
@@ -36,6 +36,7 @@ from dynmb.packing.context import PackContext
 from dynmb.packing.dynamic.pack import dynamic_groups
 from dynmb.packing.dynapipe import dynapipe_groups
 from dynmb.packing.fixed import fixed_flat
+from dynmb.packing.in_order import in_order_flat
 from dynmb.packing.lockstep import LockstepShape, lockstep_flat
 from dynmb.packing.packed import packed_rows_flat
 from dynmb.packing.rows import Flat, groups_to_flat
@@ -141,6 +142,10 @@ def _dynamic(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
     return out, {}
 
 
+def _in_order(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
+    return in_order_flat(job.lens, job.len_cap, job.dp, job.mbs or 1)
+
+
 def _lockstep(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
     shape = LockstepShape(pack_len=job.len_cap, dp=job.dp, rows_per_mb=job.mbs or 1, kind=job.ctx.kind,
                           virtual=job.ctx.virtual)
@@ -154,5 +159,6 @@ for _record in (MethodRecord("fixed", _fixed("fixed"), mbs="rows"),
                 MethodRecord("dynapipe", _dynapipe),
                 MethodRecord("dynamic", _dynamic, takes_dp=True),
                 MethodRecord("balanced", _balanced, mbs="budget divisor", takes_dp=True),
-                MethodRecord("lockstep", _lockstep, mbs="rows", pack_len_rows=True, takes_dp=True, lockstep=True)):
+                MethodRecord("lockstep", _lockstep, mbs="rows", pack_len_rows=True, takes_dp=True, lockstep=True),
+                MethodRecord("in-order", _in_order, mbs="rows", pack_len_rows=True, takes_dp=True, lockstep=True)):
     register_method(_record)

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.features import CostFeatures
 from dynmb.timing.makespan import makespan
@@ -94,8 +94,9 @@ def _with_flag(mb: Microbatch, flag: bool) -> Microbatch:
     return Microbatch(mb.seq_ids, mb.lengths, mb.padded_len, mb.batch, mb.row_ids, recompute=flag)
 
 
-def _estimate(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike) -> tuple[float, np.ndarray]:
+def _estimate(plan: Plan, models: Models[MemoryModelLike]) -> tuple[float, np.ndarray]:
     """(estimated makespan of the slowest replica, predicted peak per stage) with the plan's flags."""
+    cost_model, memory_model = models.cost, models.memory
     replicas = range(plan.dp) if plan.dp > 1 else [None]
     worst, peak = 0.0, np.zeros(plan.num_stages)
     virtual = plan.spec.virtual if plan.spec is not None else 1
@@ -111,8 +112,8 @@ def _estimate(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLi
     return worst, peak
 
 
-def _with_predictions(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike) -> tuple[Plan, float, bool]:
-    est, peak = _estimate(plan, cost_model, memory_model)
+def _with_predictions(plan: Plan, models: Models[MemoryModelLike]) -> tuple[Plan, float, bool]:
+    est, peak = _estimate(plan, models)
     preds = plan.predictions.updated(pred_peak_bytes=np.ceil(peak), est_makespan_s=est)
     return replace(plan, predictions=preds), est, bool(np.all(peak <= plan.memory_limit_bytes))
 
@@ -124,28 +125,29 @@ def _remap(plan: Plan, ids: np.ndarray) -> list[Microbatch]:
 
 
 def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSpec, *,
-                        memory_model: MemoryModelLike, cost_model: CostModelLike) -> Plan:
+                        models: Models[MemoryModelLike]) -> Plan:
     """``pack_fn`` (``dynmb.packing.pack``) under the recompute mode ``spec.recompute`` (module doc)."""
+    memory_model = models.memory
     if spec.recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {spec.recompute!r}")
     method, memory_limit_bytes = spec.method, spec.memory_limit_bytes
     plain = spec.with_(recompute="never")
 
     def run(lens: Any, model: MemoryModelLike) -> Plan:
-        return replace(pack_fn(lens, plain, memory_model=model, cost_model=cost_model), spec=spec)
+        return replace(pack_fn(lens, plain, models=replace(models, memory=model)), spec=spec)
 
     if spec.recompute == "never":
         return run(lengths, memory_model)
     rc_model = memory_model.recomputing()
     if spec.recompute == "always":
         plan = run(lengths, rc_model)
-        return _with_predictions(mark_recompute(plan, True, recompute="always"), cost_model, memory_model)[0]
+        return _with_predictions(mark_recompute(plan, True, recompute="always"), models)[0]
     lengths = np.asarray(lengths, dtype=np.int64)
     kind = spec.schedule_kind
     cands: list[tuple[float, str, Plan]] = []
 
     def add(name: str, plan: Plan) -> None:
-        plan, est, ok = _with_predictions(plan, cost_model, memory_model)
+        plan, est, ok = _with_predictions(plan, models)
         logger.debug("recompute auto: candidate %s: %d microbatches, %d recomputed, est %.4g s, fits %s", name,
                      plan.num_microbatches, int(plan.recompute_mask().sum()), est, ok)
         if ok:
@@ -161,7 +163,7 @@ def pack_with_recompute(pack_fn: Callable[..., Plan], lengths: Any, spec: PlanSp
             add("plain", plain_plan)        # (it cut the batch as rc_plan did: otherwise not a candidate)
     flags = needs_recompute(memory_model, rc_plan, tight=(rc_plan.meta.budget or "tight") == "tight")
     mixed = mark_recompute(rc_plan, flags, recompute="auto")
-    if _with_predictions(mixed, cost_model, memory_model)[2]:
+    if _with_predictions(mixed, models)[2]:
         add("mixed", mixed)
     else:
         add("all", mark_recompute(rc_plan, True, recompute="auto"))

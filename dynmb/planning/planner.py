@@ -40,18 +40,15 @@ from typing import Any, cast
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
-from dynmb.costmodel import get_cost_model
-from dynmb.costmodel.loader import models_record
-from dynmb.memory.model import get_memory_model
+from dynmb.costmodel.loader import Models, models_record
 from dynmb.packing import METHODS, pack
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
 from dynmb.packing.methods import get_method
 from dynmb.core.planspec import PlanSpec
-from dynmb.schedule.kinds import AUTO, auto_kinds_for, get_kind
+from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust
@@ -68,14 +65,14 @@ log = logging.getLogger(__name__)
 
 
 def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
-              cost_model: CostModelLike | None = None, memory_model: MemoryModelLike | None = None,
+              models: Models[MemoryModelLike] | None = None,
               meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """Pack, reorder, schedule and simulate one global batch under the settings ``spec``.
 
     Returns ``(plan, schedule, sim)``; for ``dp > 1`` the schedule and simulation
     are replica 0's and the plan's predictions hold the slowest replica's time.
-    ``cost_model``/``memory_model`` default to the analytic stand-ins; ``meta`` is added to the
-    plan's. The plan records ``spec`` (``Plan.spec``).
+    ``models``: the cost and memory models (``dynmb.costmodel.loader.Models``; None: the analytic stand-ins,
+    ``Models.analytic``); ``meta`` is added to the plan's. The plan records ``spec`` (``Plan.spec``).
     ``spec.schedule_kind == "auto"``: the step is planned for each kind of
     ``dynmb.schedule.kinds.auto_kinds`` and the fastest that fits is returned (``plan_auto``).
     """
@@ -83,15 +80,14 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
         raise TypeError(f"plan_step takes the settings as one PlanSpec, got {type(spec).__name__}")
     if (refusal := lockstep_refusal(spec)) is not None:
         raise ValueError(refusal)
-    cost_model = cost_model or get_cost_model(None, model_cfg, spec.num_stages)
-    memory_model = memory_model or get_memory_model(None, model_cfg, spec.num_stages)
+    models = models or Models.analytic(model_cfg, spec.num_stages)
     lengths = np.asarray(lengths, dtype=np.int64)
     if spec.schedule_kind == AUTO:
-        plan, sched, sim = plan_auto(lengths, spec, model_cfg, cost_model, memory_model, meta)
+        plan, sched, sim = plan_auto(lengths, spec, model_cfg, models, meta)
     else:
-        plan, sched, sim = _plan_checked(lengths, spec, model_cfg, cost_model, memory_model, meta)
+        plan, sched, sim = _plan_checked(lengths, spec, model_cfg, models, meta)
     # which models made it: every consumer of the plan checks (or, calibrated, re-predicts) against these
-    return replace(plan, meta=plan.meta.with_(models=models_record(cost_model, memory_model))), sched, sim
+    return replace(plan, meta=plan.meta.with_(models=models_record(models))), sched, sim
 
 
 def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_model: MemoryModelLike) -> bool:
@@ -99,26 +95,27 @@ def _sliced(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, memory_
         lengths.max() > longest_row(spec, model_cfg, memory_model)
 
 
-def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
-               memory_model: MemoryModelLike, meta: dict[str, Any] | None,
+def _plan_kind(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_cfg: ModelConfig,
+               models: Models[MemoryModelLike], meta: dict[str, Any] | None,
                packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
-    """``plan_step`` for one schedule kind; ``packs``: packings already made in this step, by the kind's
-    ``packing_key`` (with the seconds they took), shared by kinds the packers cannot tell apart."""
+    """``plan_step`` for one schedule kind (``kind``: the record of ``spec.schedule_kind``); ``packs``: packings
+    already made in this step, by the kind's ``packing_key`` (with the seconds they took), shared by kinds the
+    packers cannot tell apart."""
     t0 = time.perf_counter()
-    if _sliced(lengths, spec, model_cfg, memory_model):
+    if _sliced(lengths, spec, model_cfg, models.memory):
         if spec.reorder not in ("none", "auto"):
             raise ValueError(f"reorder {spec.reorder!r}: a plan with slices of long sequences runs in its planned "
                              f"order (reorder 'none' or 'auto')")
-        plan, sched, sim = plan_split(lengths, spec, model_cfg=model_cfg, memory_model=memory_model,
-                                      cost_model=cost_model, make_schedule=make_schedule)
+        plan, sched, sim = plan_split(lengths, spec, kind, model_cfg=model_cfg, models=models,
+                                      make_schedule=make_schedule)
         preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)     # the slowest replica's step
         return replace(plan, predictions=preds, spec=spec,
                        meta=plan.meta.merged(meta).with_(reorder="none")), sched, sim
-    key = get_kind(spec.schedule_kind).packing_key
+    key = kind.packing_key
     shared = packs.get(key) if packs is not None else None
     if shared is None:
         plan = pack(lengths, spec.with_(oversize="error") if spec.oversize == "split" else spec,
-                    memory_model=memory_model, cost_model=cost_model)
+                    models=models)
         pack_s = time.perf_counter() - t0
         if packs is not None:
             packs[key] = (plan, pack_s)
@@ -128,11 +125,11 @@ def _plan_kind(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost
     replicas = replicas_of(plan)
     reorder = reorder_for(spec.method, spec.reorder)          # "auto": the method's own order
     if reorder != "none":
-        replicas = [reorder_plan(p, reorder, cost_model=cost_model, memory_model=memory_model,
-                                 schedule_kind=spec.schedule_kind, virtual=spec.virtual) for p in replicas]
-    scheds = replica_schedules(replicas, spec, memory_model=memory_model, cost_model=cost_model)
+        replicas = [reorder_plan(p, reorder, models=models, schedule_kind=kind, virtual=spec.virtual)
+                    for p in replicas]
+    scheds = replica_schedules(replicas, spec, models=models)
     plan_s = pack_s + time.perf_counter() - t1
-    predicted = predict_replicas(replicas, scheds, cost_model, memory_model, plan.predictions)
+    predicted = predict_replicas(replicas, scheds, models, plan.predictions)
     plan = stitch(plan, replicas, {"reorder": reorder, "virtual": spec.virtual, **(meta or {})})
     plan = replace(plan, schedule_kind=spec.schedule_kind, spec=spec,
                    predictions=predicted.predictions.updated(plan_s=plan_s))
@@ -148,25 +145,26 @@ FINAL_METHODS = ("balanced", "token-budget")
 at the ``FINAL_CHECK`` budgets (as ``dynmb compare``'s ``-best`` rows tune them in hindsight)."""
 
 
-def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
-                  memory_model: MemoryModelLike, meta: dict[str, Any] | None,
+def _plan_checked(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],
+                  meta: dict[str, Any] | None,
                   packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``_plan_final``; with ``spec.slice_fitting == "auto"`` the plans that slice sequences which fit are
     weighed against it and the fastest that fits is kept (``dynmb.planning.slice_fitting``); ``plan_s``
-    counts both."""
+    counts both. The step's entry for one kind: ``spec.schedule_kind`` (never ``auto`` here) is resolved here,
+    once, and its record handed down (the packers, the reorder search, slicing)."""
     t0 = time.perf_counter()
-    best = _plan_final(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
+    kind = get_kind(spec.schedule_kind)
+    best = _plan_final(lengths, spec, kind, model_cfg, models, meta, packs)
     if spec.slice_fitting == "never":
         return best
-    plan, sched, sim = plan_fitting(lengths, spec, best, model_cfg=model_cfg, cost_model=cost_model,
-                                    memory_model=memory_model, fits=fits)
+    plan, sched, sim = plan_fitting(lengths, spec, best, kind=kind, model_cfg=model_cfg, models=models, fits=fits)
     if plan.meta.slice_threshold is not None:            # a plan with fitting slices: in its planned order
         plan = replace(plan, spec=spec, meta=plan.meta.merged(meta).with_(reorder="none"))
     return replace(plan, predictions=plan.predictions.updated(plan_s=time.perf_counter() - t0)), sched, sim
 
 
-def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
-                memory_model: MemoryModelLike, meta: dict[str, Any] | None,
+def _plan_final(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, model_cfg: ModelConfig,
+                models: Models[MemoryModelLike], meta: dict[str, Any] | None,
                 packs: dict[tuple, tuple[Plan, float]] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``_plan_kind``, and for ``dynamic`` the robust choice (``dynmb.planning.search.robust``) among its own
     plan and the candidates of ``final_candidates``, each planned whole (packed, in its own order,
@@ -178,17 +176,17 @@ def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cos
     alternative that fits is the plan; none fits: the packer's error is raised."""
     t0 = time.perf_counter()
     if spec.method != "dynamic":
-        return _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
+        return _plan_kind(lengths, spec, kind, model_cfg, models, meta, packs)
     try:
-        own: Planned | None = _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, packs)
+        own: Planned | None = _plan_kind(lengths, spec, kind, model_cfg, models, meta, packs)
     except ValueError as e:             # the packer cannot take the batch: an alternative that fits may
         own, refusal = None, e
     if own is not None and own[0].slice_groups():
         return own
-    outcomes = evaluate(final_candidates(_Job(lengths, spec, model_cfg, cost_model, memory_model, meta)))
+    outcomes = evaluate(final_candidates(_Job(lengths, spec, kind, model_cfg, models, meta)))
     if own is None and not any(o.fits for o in outcomes):
         raise refusal
-    (plan, sched, sim), choice = robust(own, outcomes, cost_model)
+    (plan, sched, sim), choice = robust(own, outcomes, models.cost)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
     grouping = {} if choice.candidate == "dynamic" else {"grouping": choice.candidate}
     return replace(plan, method="dynamic", spec=spec, predictions=preds,
@@ -197,13 +195,14 @@ def _plan_final(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cos
 
 @dataclass(frozen=True)
 class _Job:
-    """One step's batch, settings and models: what every candidate of its searches is planned from."""
+    """One step's batch, settings (with the record of their kind) and models: what every candidate of its
+    searches is planned from."""
 
     lengths: np.ndarray
     spec: PlanSpec
+    kind: ScheduleKind
     model_cfg: ModelConfig
-    cost_model: CostModelLike
-    memory_model: MemoryModelLike
+    models: Models[MemoryModelLike]
     meta: dict[str, Any] | None
 
 
@@ -213,7 +212,8 @@ def final_candidates(job: _Job) -> list[Candidate]:
     ``dynamic`` is never predicted slower than a method that fits (issue 39)."""
     spec = job.spec
     try:
-        divisors = budget_divisors(job.lengths, PackContext.from_spec(spec, job.memory_model), job.cost_model,
+        ctx = PackContext.from_spec(spec, job.models.memory, job.kind)
+        divisors = budget_divisors(job.lengths, ctx, job.models.cost,
                                    round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK)
     except ValueError:
         divisors = []
@@ -222,12 +222,12 @@ def final_candidates(job: _Job) -> list[Candidate]:
         name = f"{m}/1" if get_method(m).mbs == "budget divisor" else m
         if m != spec.method and name not in settings:
             settings[name] = spec.with_(method=m, mbs=None)
-    return [Candidate(name, functools.partial(_plan_kind, job.lengths, s, job.model_cfg, job.cost_model,
-                                              job.memory_model, job.meta)) for name, s in settings.items()]
+    return [Candidate(name, functools.partial(_plan_kind, job.lengths, s, job.kind, job.model_cfg, job.models,
+                                              job.meta)) for name, s in settings.items()]
 
 
-def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
-              memory_model: MemoryModelLike, meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
+def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],
+              meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``--schedule auto``: the step planned for each kind of ``auto_kinds`` (packed for that kind;
     kinds of equal ``packing_key`` share the packing), each simulated; the fastest whose simulated
     peak fits the limit is kept (none fits: the fastest, as a fixed kind would return it), by the one
@@ -239,10 +239,10 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_
     kinds = auto_kinds_for(spec)        # one placement for every step of a run (zb-v at virtual 2 without slices)
     if not kinds:
         raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
-                         f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, memory_model) else ''}")
+                         f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, models.memory) else ''}")
     packs: dict[tuple, tuple[Plan, float]] = {}
     outcomes = evaluate([Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind),
-                                                           model_cfg, cost_model, memory_model, meta, packs))
+                                                           model_cfg, models, meta, packs))
                          for kind in kinds])
     plan, sched, sim = cast(Planned, fastest(outcomes).planned)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)

@@ -41,10 +41,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.schedule import build_schedule, execution_order
-from dynmb.schedule.kinds import BuildInputs, get_kind
+from dynmb.schedule.kinds import BuildInputs, ScheduleKind, get_kind
 from dynmb.timing.simulate import action_times, cross_mask, comm_times, memory_inputs, peaks
 from dynmb.core.types import Plan, Schedule
 from dynmb.packing.orders import cluster_orders, ends_order
@@ -61,10 +61,11 @@ class OrderEvaluator:
     The peak is only computed when some order could exceed the limit (else it is reported as 0;
     ``peak(order)`` always computes it)."""
 
-    def __init__(self, plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None, schedule_kind: str = "1f1b",
+    def __init__(self, plan: Plan, models: Models[MemoryModelLike | None], schedule_kind: str | ScheduleKind = "1f1b",
                  virtual: int = 1) -> None:
-        self.P, self.m, self.kind, self.virtual = plan.num_stages, plan.num_microbatches, schedule_kind, virtual
-        self.rec = get_kind(schedule_kind)
+        cost_model, memory_model = models.cost, models.memory
+        self.rec = get_kind(schedule_kind)        # a record as given (the planner resolved the step's kind once)
+        self.P, self.m, self.kind, self.virtual = plan.num_stages, plan.num_microbatches, self.rec.name, virtual
         costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W")) if self.rec.split_backward \
             else cost_model.plan_costs(plan)
         self.cube = np.zeros((4, self.P, self.m))          # F, B, I, W: the simulator's op codes
@@ -76,7 +77,7 @@ class OrderEvaluator:
         self.act, self.tr, self.state = memory_inputs(memory_model, plan)
         self.by_order = self.rec.memory == "required"        # the schedule follows the order's bytes
         if self.by_order and self.act is None:
-            raise ValueError(f"reordering for the {schedule_kind} schedule needs a memory model")
+            raise ValueError(f"reordering for the {self.kind} schedule needs a memory model")
         self.limit = float(plan.memory_limit_bytes)
         self.evals = 0
         self._cache: dict[tuple[int, ...], tuple[float, float, bool]] = {}
@@ -317,8 +318,8 @@ def default_max_evals(num_actions: int) -> int:
     return int(np.clip(600_000 // max(1, num_actions), 64, 4000))
 
 
-def reorder_order(plan: Plan, method: str, *, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None,
-                  schedule_kind: str = "1f1b", virtual: int = 1, max_evals: int | None = None,
+def reorder_order(plan: Plan, method: str, *, models: Models[MemoryModelLike | None],
+                  schedule_kind: str | ScheduleKind = "1f1b", virtual: int = 1, max_evals: int | None = None,
                   evaluator: OrderEvaluator | None = None) -> list[int]:
     """The order (``order[i]`` = old index run at position ``i``) that ``method`` chooses."""
     if method not in REORDER_METHODS:
@@ -326,7 +327,7 @@ def reorder_order(plan: Plan, method: str, *, cost_model: CostModelLike, memory_
     m = plan.num_microbatches
     if method == "none" or m <= 1:
         return list(range(m))
-    ev = evaluator or OrderEvaluator(plan, cost_model, memory_model, schedule_kind, virtual)
+    ev = evaluator or OrderEvaluator(plan, models, schedule_kind, virtual)
     if method == "descending":
         return np.argsort(-ev.work, kind="stable").tolist()
     if method == "ascending":
@@ -335,7 +336,7 @@ def reorder_order(plan: Plan, method: str, *, cost_model: CostModelLike, memory_
         return ends_order(ev.work)
     if method == "dynapipe":
         return _dynapipe(ev)
-    cands = [reorder_order(plan, k, cost_model=cost_model, schedule_kind=schedule_kind, virtual=virtual,
+    cands = [reorder_order(plan, k, models=models, schedule_kind=schedule_kind, virtual=virtual,
                            evaluator=ev) for k in REORDER_METHODS if k != "search"]
     ev.prefetch(cands, len(cands))
     start = min(cands, key=ev.score)
@@ -344,8 +345,8 @@ def reorder_order(plan: Plan, method: str, *, cost_model: CostModelLike, memory_
     return _local_search(ev, start, max_evals)
 
 
-def reorder(plan: Plan, method: str, *, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None, schedule_kind: str = "1f1b",
-            virtual: int = 1, max_evals: int | None = None) -> Plan:
+def reorder(plan: Plan, method: str, *, models: Models[MemoryModelLike | None],
+            schedule_kind: str | ScheduleKind = "1f1b", virtual: int = 1, max_evals: int | None = None) -> Plan:
     """``plan`` with its microbatches in the order ``method`` picks (``plan.meta['reorder'] = method``).
 
     ``max_evals`` bounds the simulator evaluations of ``search`` (default ``default_max_evals``:
@@ -355,6 +356,5 @@ def reorder(plan: Plan, method: str, *, cost_model: CostModelLike, memory_model:
     if plan.has_slices and method != "none":
         raise ValueError(f"reorder {method!r}: this plan holds slices of long sequences, which run in their "
                          f"planned order (reorder 'none')")
-    order = reorder_order(plan, method, cost_model=cost_model, memory_model=memory_model,
-                          schedule_kind=schedule_kind, virtual=virtual, max_evals=max_evals)
+    order = reorder_order(plan, method, models=models, schedule_kind=schedule_kind, virtual=virtual, max_evals=max_evals)
     return plan.with_order(order, reorder=method)

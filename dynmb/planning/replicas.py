@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.predictions import Predictions
@@ -38,12 +38,14 @@ __all__ = ["make_schedule", "replica_of", "replicas_of", "replica_schedules", "p
            "ReplicaPrediction"]
 
 
-def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: MemoryModelLike | None = None,
-                  cost_model: CostModelLike | None = None) -> Schedule:
+def make_schedule(plan: Plan, kind: str, *, virtual: int = 1,
+                  models: Models[MemoryModelLike | None] | None = None) -> Schedule:
     """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``; ``kind``
     ``"auto"``: the kind the plan records, ``resolve_kind``): the kind's record
     (``dynmb.schedule.kinds``) says which inputs its builder takes (the plan's backward order for
-    slices, with its ``slice_lookahead``, its bytes and limit, its times and the simulator as judge)."""
+    slices, with its ``slice_lookahead``, its bytes and limit from ``models.memory``, its times from ``models.cost``
+    and the simulator as judge)."""
+    memory_model = models.memory if models is not None else None
     kind = resolve_kind(kind, plan)            # "auto": the kind the plan was planned for
     rec = get_kind(kind)
     order: Sequence[int] | None = plan.backward_order() if plan.has_slices else None
@@ -59,10 +61,10 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1, memory_model: Memo
     elif rec.memory == "required":
         raise ValueError(f"the {kind} schedule needs a memory model")
     if rec.costs:                        # cost-driven builders (dynmb.planning.zerobubble)
-        if cost_model is None:
+        if models is None:
             raise ValueError(f"the {kind} schedule needs a cost model (it places its ops by predicted times)")
-        inputs["zb_inputs"] = zb_inputs(plan, cost_model, memory_model)
-        inputs["evaluate"] = zb_evaluator(plan, cost_model, memory_model, inputs["zb_inputs"])
+        inputs["zb_inputs"] = zb_inputs(plan, models)
+        inputs["evaluate"] = zb_evaluator(plan, models, inputs["zb_inputs"])
     sched = build_schedule(kind, plan.num_stages, plan.num_microbatches, **inputs)
     validate(sched, plan)
     return sched
@@ -78,12 +80,11 @@ def replicas_of(plan: Plan) -> list[Plan]:
     return [replica_of(plan, r) for r in range(plan.dp)]
 
 
-def replica_schedules(replicas: Sequence[Plan], spec: PlanSpec, *, memory_model: MemoryModelLike | None,
-                      cost_model: CostModelLike | None, first: Schedule | None = None) -> list[Schedule]:
+def replica_schedules(replicas: Sequence[Plan], spec: PlanSpec, *, models: Models[MemoryModelLike | None] | None,
+                      first: Schedule | None = None) -> list[Schedule]:
     """Each replica's validated schedule of kind ``spec.schedule_kind`` (``first``: replica 0's, given)."""
     return [first if r == 0 and first is not None else
-            make_schedule(p, spec.schedule_kind, virtual=spec.virtual, memory_model=memory_model,
-                          cost_model=cost_model) for r, p in enumerate(replicas)]
+            make_schedule(p, spec.schedule_kind, virtual=spec.virtual, models=models) for r, p in enumerate(replicas)]
 
 
 @dataclass(frozen=True)
@@ -96,11 +97,11 @@ class ReplicaPrediction:
     """The slowest replica's ``pred_step_s`` and ``mean_bubble``, every stage's highest ``pred_peak_bytes``."""
 
 
-def predict_replicas(replicas: Sequence[Plan], schedules: Sequence[Schedule], cost_model: CostModelLike,
-                     memory_model: MemoryModelLike | None, base: Predictions) -> ReplicaPrediction:
+def predict_replicas(replicas: Sequence[Plan], schedules: Sequence[Schedule], models: Models[MemoryModelLike | None],
+                     base: Predictions) -> ReplicaPrediction:
     """Simulate every replica under its schedule; ``base``'s fields are kept where the simulator
     gives none (the packer's peaks without a memory model)."""
-    sims = [simulate(s, p, cost_model, memory_model) for s, p in zip(schedules, replicas)]
+    sims = [simulate(s, p, models.cost, models.memory) for s, p in zip(schedules, replicas)]
     worst = max(sims, key=lambda sim: sim.makespan_s)
     peaks = tuple(int(x) for x in np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0)) \
         if sims[0].peak_bytes is not None else base.pred_peak_bytes

@@ -38,13 +38,13 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
 from dynmb.packing import PackingError
 from dynmb.packing.rows import round_down
 from dynmb.core.planspec import PlanSpec
-from dynmb.schedule.kinds import get_kind
+from dynmb.schedule.kinds import ScheduleKind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.replicas import make_schedule
@@ -77,23 +77,22 @@ def thresholds(row_cap: int, longest: int, round_to: int) -> list[int]:
     return out
 
 
-def applies(spec: PlanSpec) -> bool:
-    """Whether fitting slices are tried for ``spec`` (module doc: what is not tried)."""
-    rec = get_kind(spec.schedule_kind)
+def applies(spec: PlanSpec, rec: ScheduleKind) -> bool:
+    """Whether fitting slices are tried for ``spec`` of kind ``rec`` (module doc: what is not tried)."""
     return (spec.slice_fitting == "auto" and spec.method != "packed" and rec.slices
             and (spec.virtual == 1 or rec.virtual_stages) and spec.reorder in ("none", "auto"))
 
 
 def plan_threshold(lengths: np.ndarray, cut: np.ndarray, base_meta: Mapping[str, Any], spec: PlanSpec, threshold: int, *,
-                   model_cfg: ModelConfig, cost_model: CostModelLike, memory_model: MemoryModelLike) -> Planned:
+                   kind: ScheduleKind, model_cfg: ModelConfig, models: Models[MemoryModelLike]) -> Planned:
     """The kept tokens ``cut`` (``kept_lengths`` of the plan without fitting slices, whose ``base_meta`` gives
     ``truncated``, ``dropped`` and ``longest_fitting_length``) of the batch ``lengths`` planned with every
     sequence longer than ``threshold`` sliced (step 3), validated against ``lengths``; ``PackingError`` where
     no candidate fits."""
     cut = np.asarray(cut, dtype=np.int64)
     kept = np.flatnonzero(cut > 0)
-    plan, sched, sim = plan_split(cut[kept], spec, model_cfg=model_cfg, memory_model=memory_model,
-                                  cost_model=cost_model, make_schedule=make_schedule, threshold=threshold)
+    plan, sched, sim = plan_split(cut[kept], spec, kind, model_cfg=model_cfg, models=models,
+                                  make_schedule=make_schedule, threshold=threshold)
     if kept.size < cut.size:                       # dropped sequences: back to the batch's ids
         plan = replace(plan, num_sequences=int(cut.size),
                        microbatches=tuple(replace(mb, seq_ids=kept[mb.seq_ids]) for mb in plan.microbatches))
@@ -110,22 +109,20 @@ def _step(planned: Planned) -> float:
     return float(planned[0].predictions["pred_step_s"])
 
 
-def plan_fitting(lengths: np.ndarray, spec: PlanSpec, base: Planned, *, model_cfg: ModelConfig,
-                 cost_model: CostModelLike, memory_model: MemoryModelLike,
-                 fits: Callable[[Plan, Schedule, SimResult], bool]) -> Planned:
+def plan_fitting(lengths: np.ndarray, spec: PlanSpec, base: Planned, *, kind: ScheduleKind, model_cfg: ModelConfig,
+                 models: Models[MemoryModelLike], fits: Callable[[Plan, Schedule, SimResult], bool]) -> Planned:
     """``base`` or the fastest plan with fitting slices that ``fits`` (module doc); the plan kept records
     ``slice_threshold`` and ``slice_fitting``."""
-    if not applies(spec):
+    if not applies(spec, kind):
         return base
     lengths = np.asarray(lengths, dtype=np.int64)
-    row_cap = longest_row(spec, model_cfg, memory_model)
+    row_cap = longest_row(spec, model_cfg, models.memory)
     cut = kept_lengths(base[0])
     steps: dict[str, float | None] = {"none": _step(base)}
     best = base
     for t in thresholds(row_cap, int(cut.max()), spec.round_to):
         try:
-            alt = plan_threshold(lengths, cut, base[0].meta, spec, t, model_cfg=model_cfg, cost_model=cost_model,
-                                 memory_model=memory_model)
+            alt = plan_threshold(lengths, cut, base[0].meta, spec, t, kind=kind, model_cfg=model_cfg, models=models)
         except PackingError as e:
             log.debug("slice_fitting: threshold %d: %s", t, e)
             steps[str(t)] = None

@@ -68,7 +68,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.costmodel.loader import model_digest
+from dynmb.costmodel.loader import Models, model_digest
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
 from dynmb.packing import PackingError, pack
@@ -77,7 +77,7 @@ from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.predictions import Predictions
-from dynmb.schedule.kinds import AUTO, auto_kinds_for, get_kind, slice_kinds
+from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind, slice_kinds
 from dynmb.timing.simulate import SimResult, simulate
 from dynmb.core.types import Microbatch, Plan, PlanMeta, Schedule
 from dynmb.planning.replicas import predict_replicas, replicas_of
@@ -241,8 +241,7 @@ class _SplitJob:
 
     lengths: np.ndarray
     spec: PlanSpec
-    memory_model: MemoryModelLike
-    cost_model: CostModelLike
+    models: Models[MemoryModelLike]
     make_schedule: Callable[..., Schedule]
     row_cap: int
     cut: int
@@ -268,7 +267,7 @@ class _SplitJob:
             for d in dict.fromkeys((self.spec.dp, 1)) if ids.size else ():
                 try:
                     sub = pack(self.lengths[ids], spec.with_(oversize="error", dp=d),
-                               memory_model=self.memory_model, cost_model=self.cost_model)
+                               models=self.models)
                     break
                 except PackingError:
                     if d == 1:
@@ -316,7 +315,7 @@ class _SplitJob:
         n = float(slice_len)
 
         def cost(tokens: float, attn: float) -> float:
-            c = self.cost_model.stage_costs(np.ones(1), np.array([tokens]), np.array([attn]), ops=("F", "B"))
+            c = self.models.cost.stage_costs(np.ones(1), np.array([tokens]), np.array([attn]), ops=("F", "B"))
             return float(np.sum(c["F"]) + np.sum(c["B"]))
         base = cost(n, 0.0)
         self.coefs[slice_len] = ((base - cost(0.0, 0.0)) / n, (cost(n, n * n) - base) / (n * n))
@@ -350,8 +349,8 @@ class _SplitJob:
         scheds, slowest, peak = [], 0.0, 0.0
         for p in replicas:
             sched = self.make_schedule(p, self.spec.schedule_kind, virtual=self.spec.virtual,
-                                       memory_model=self.memory_model, cost_model=self.cost_model)
-            sim = simulate(sched, p, self.cost_model, self.memory_model)
+                                       models=self.models)
+            sim = simulate(sched, p, self.models.cost, self.models.memory)
             gpu = sim.peak_bytes_rank if sim.peak_bytes_rank is not None else sim.peak_bytes
             peak = max(peak, float(np.max(gpu)) if gpu is not None else 0.0)
             slowest = max(slowest, sim.makespan_s)
@@ -390,7 +389,7 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
     for (fill, rows, shorts), placement in itertools.product(job.variants(chains, t.packer), t.placements):
         if (fill and not shorts and placement != "first") or (t.fills is not None and fill not in t.fills):
             continue                         # nothing left to place around the chains, or not asked for
-        dealt = _replicas(rows, shorts, placement, job.spec.dp, job.cost_model, job.plan_of)
+        dealt = _replicas(rows, shorts, placement, job.spec.dp, job.models.cost, job.plan_of)
         if dealt is None:
             found.too_few = (len(rows), len(shorts))
             continue
@@ -488,11 +487,11 @@ def _no_fit(job: _SplitJob, found: _Search) -> PackingError:
         f"{'; --recompute auto keeps only block inputs and keys/values' if job.spec.recompute == 'never' else ''}")
 
 
-def _split_job(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: tuple[MemoryModelLike, CostModelLike],
-               make_schedule: Callable[..., Schedule], threshold: int | None) -> _SplitJob:
-    """The checks of ``plan_split`` (one line each) and its job."""
+def _split_job(lengths: np.ndarray, spec: PlanSpec, rec: ScheduleKind, model_cfg: ModelConfig,
+               models: Models[MemoryModelLike], make_schedule: Callable[..., Schedule],
+               threshold: int | None) -> _SplitJob:
+    """The checks of ``plan_split`` (one line each) and its job (``rec``: the record of ``spec.schedule_kind``)."""
     kind, virtual = spec.schedule_kind, spec.virtual
-    rec = get_kind(kind)
     if not rec.slices or (virtual != 1 and not rec.virtual_stages):
         raise ValueError(f"oversize='split' runs on the {' or '.join(slice_kinds())} schedule, not {kind!r}"
                          f"{f' with virtual={virtual}' if virtual != 1 else ''}")
@@ -500,18 +499,18 @@ def _split_job(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, mode
         raise PackingError(f"a sequence of {int(lengths.max())} tokens is longer than the model's max_seq_len "
                            f"{model_cfg.max_seq_len} (learned positions): size them from the trace, e.g. "
                            f"--model {model_cfg.name}:max_seq_len={int(lengths.max())}")
-    row_cap = longest_row(spec, model_cfg, models[0])
+    row_cap = longest_row(spec, model_cfg, models.memory)
     if row_cap < 1:
         raise PackingError(f"no row fits under {spec.memory_limit_bytes} B at {spec.num_stages} stages ({kind})")
     cut = row_cap if threshold is None else min(int(threshold), row_cap)
-    return _SplitJob(lengths, spec, models[0], models[1], make_schedule, row_cap, cut, threshold)
+    return _SplitJob(lengths, spec, models, make_schedule, row_cap, cut, threshold)
 
 
 def _search_key(job: _SplitJob) -> tuple:
     """Everything ``_search`` reads: the batch, the settings, the models (by identity and digest: a model
     refit in place is another), the schedule builder and the cut."""
-    return (job.lengths.tobytes(), repr(job.spec), id(job.memory_model), id(job.cost_model),
-            model_digest(job.memory_model), model_digest(job.cost_model), job.make_schedule, job.row_cap, job.cut,
+    return (job.lengths.tobytes(), repr(job.spec), id(job.models.memory), id(job.models.cost),
+            model_digest(job.models.memory), model_digest(job.models.cost), job.make_schedule, job.row_cap, job.cut,
             job.threshold)
 
 
@@ -583,8 +582,9 @@ def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) 
     batch (``ValueError``, ``PackingError``) is no candidate."""
     for method, mbs in slice_alternatives():
         try:
-            alt = _split_job(job.lengths, job.spec.with_(method=method, mbs=mbs), model_cfg,
-                             (job.memory_model, job.cost_model), job.make_schedule, job.threshold)
+            spec = job.spec.with_(method=method, mbs=mbs)
+            alt = _split_job(job.lengths, spec, get_kind(spec.schedule_kind), model_cfg, job.models,
+                             job.make_schedule, job.threshold)
             alt.pack_short(alt.short_ids)         # the method's own refusal, as plan_split's
             if not alt.long_ids.size:
                 continue
@@ -597,16 +597,17 @@ def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) 
             found.best = (t, replace(plan, meta=plan.meta.with_(slice_shorts=name)), replicas, scheds)
 
 
-def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, memory_model: MemoryModelLike,
-               cost_model: CostModelLike, make_schedule: Callable[..., Schedule],
+def plan_split(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, *, model_cfg: ModelConfig,
+               models: Models[MemoryModelLike], make_schedule: Callable[..., Schedule],
                threshold: int | None = None) -> tuple[Plan, Schedule, SimResult]:
     """Plan ``lengths`` with every sequence longer than the longest row (``threshold``: longer than
-    it) cut into slices, each chain whole on one of the ``spec.dp`` replicas (module doc). Returns the
+    it) cut into slices, each chain whole on one of the ``spec.dp`` replicas (module doc); ``kind``: the record
+    of ``spec.schedule_kind``, resolved by the caller. Returns the
     plan (every replica, its predictions the slowest replica's time and every stage's highest peak)
     and replica 0's schedule and simulation."""
     t0 = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    job = _split_job(lengths, spec, model_cfg, (memory_model, cost_model), make_schedule, threshold)
+    job = _split_job(lengths, spec, kind, model_cfg, models, make_schedule, threshold)
     job.pack_short(job.short_ids)                    # the method's own refusal comes first
     if not job.long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")
@@ -617,7 +618,7 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig, m
         raise _no_fit(job, found)
     _, plan, replicas, scheds = found.best
     plan = replace(plan, method=spec.method, spec=spec)       # an alternative's plan: dynamic's (meta names it)
-    predicted = predict_replicas(replicas, scheds, cost_model, memory_model, Predictions())
+    predicted = predict_replicas(replicas, scheds, models, Predictions())
     plan = replace(plan, predictions=predicted.predictions.updated(
         pred_peak_bytes=tuple(int(x) for x in np.ceil(np.max([np.asarray(s.peak_bytes) for s in predicted.sims],
                                                              axis=0))),

@@ -35,7 +35,7 @@ from dynmb.core.config import ModelConfig
 from dynmb.packing.dispatch import MBS_METHODS, mbs_refusal
 from dynmb.packing.methods import get_method, method_names
 from dynmb.core.planspec import PlanSpec
-from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, kind_names, is_schedule_name, slice_kinds
+from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind, kind_names, kinds_with, is_schedule_name, slice_kinds
 from dynmb.planning.reorder import REORDER_METHODS
 
 __all__ = ["check_plan_spec", "lockstep_refusal", "MBS_METHODS", "PACK_LEN_METHODS", "uses_pack_len"]
@@ -47,10 +47,6 @@ PACK_LEN_METHODS = tuple(m for m in method_names() if get_method(m).pack_len_row
 def uses_pack_len(method: str) -> bool:
     """Whether ``method`` reads ``pack_len``."""
     return method in method_names() and get_method(method).pack_len_rows
-
-
-def _kinds_taking_virtual() -> list[str]:
-    return [k for k in kind_names() if get_kind(k).virtual_stages]
 
 
 def lockstep_refusal(spec: PlanSpec) -> str | None:
@@ -71,18 +67,19 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
     kind = spec.schedule_kind
     if not is_schedule_name(kind):
         raise ValueError(f"unknown schedule {kind!r}; expected auto or one of {', '.join(kind_names())}")
+    rec = None if kind == AUTO else get_kind(kind)         # resolved once: its traits below
     if spec.reorder != "auto" and spec.reorder not in REORDER_METHODS:
         raise ValueError(f"unknown reorder {spec.reorder!r}; expected auto or one of {', '.join(REORDER_METHODS)}")
     if spec.virtual > 1:
-        if not (auto_kinds(spec.virtual) if kind == AUTO else get_kind(kind).virtual_stages):
+        if not (auto_kinds(spec.virtual) if rec is None else rec.virtual_stages):
             raise ValueError(f"--virtual {spec.virtual}: the {kind} schedule runs one stage per rank; model chunks "
-                             f"per rank run on {' or '.join(_kinds_taking_virtual()) or 'no registered kind'}")
-    chunks = None if kind == AUTO else get_kind(kind).chunks
+                             f"per rank run on {' or '.join(kinds_with('virtual_stages')) or 'no registered kind'}")
+    chunks = None if rec is None else rec.chunks
     if chunks is not None and spec.virtual != chunks:
         raise ValueError(f"--schedule {kind} runs exactly {chunks} model chunks per rank: give --virtual {chunks} "
                          f"(got {spec.virtual})")
     if spec.oversize == "split":
-        if not (auto_kinds(spec.virtual, slices=True) if kind == AUTO else get_kind(kind).slices):
+        if not (auto_kinds(spec.virtual, slices=True) if rec is None else rec.slices):
             among = f" (auto with --virtual {spec.virtual}: none of the kinds it weighs)" if kind == AUTO else ""
             raise ValueError(f"--oversize split: the {kind} schedule{among} cannot run slices of long sequences; "
                              f"slices run on {' or '.join(slice_kinds()) or 'no registered kind'}")

@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from dynmb.core.config import ModelConfig
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import get_memory_model
 from dynmb.core.model_sizes import UNITS_PER_LAYER
 from dynmb.core.planspec import PlanSpec
@@ -337,7 +338,7 @@ class SplitSearch:
         steps, tokens = [], []
         for batch in batches:
             try:
-                plan, _, _ = plan_step(batch, spec, model_cfg=layout, cost_model=priced, memory_model=mm)
+                plan, _, _ = plan_step(batch, spec, model_cfg=layout, models=Models(priced, mm))
             except ValueError:                          # PackingError: this split cannot take the batch
                 return (float("inf"),) * len(batches), (0.0,) * len(batches)
             steps.append(float(plan.predictions["pred_step_s"]))

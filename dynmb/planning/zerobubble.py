@@ -1,7 +1,7 @@
 """Zero-bubble schedules for a plan: the list scheduler fed by the one cost lookup and memory model,
 checked by the simulator.
 
-``build_zb(plan, kind, cost_model=, memory_model=)`` gathers, for every (stage, microbatch) of
+``build_zb(plan, kind, models=)`` gathers, for every (stage, microbatch) of
 the plan, the predicted seconds of F, B, I and W (``cost_model.plan_costs(plan, ops=...)``, each
 microbatch's attention work and recompute flag included), its P2P time and, with a memory model,
 its activation, I-to-W and transient bytes (``dynmb.timing.simulate.memory_inputs`` / ``w_inputs``),
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from dynmb.costmodel.base import CostModelLike
+from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
-from dynmb.schedule.kinds import build_schedule, get_kind, kind_names
+from dynmb.schedule.kinds import build_schedule, get_kind, kinds_with
 from dynmb.schedule.validate import execution_order
 from dynmb.schedule.zerobubble import ZBInputs
 from dynmb.timing.simulate import action_times, cross_mask, comm_times, memory_inputs, peaks, w_inputs
@@ -29,8 +29,9 @@ from dynmb.core.types import Plan, Schedule
 __all__ = ["zb_inputs", "zb_evaluator", "build_zb"]
 
 
-def zb_inputs(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None) -> ZBInputs:
-    """Per (stage, microbatch) times, P2P times and (with ``memory_model``) bytes of ``plan``."""
+def zb_inputs(plan: Plan, models: Models[MemoryModelLike | None]) -> ZBInputs:
+    """Per (stage, microbatch) times, P2P times and (with ``models.memory``) bytes of ``plan``."""
+    cost_model, memory_model = models.cost, models.memory
     costs = cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
     m = plan.num_microbatches
     comm = np.broadcast_to(np.asarray(comm_times(cost_model, plan), dtype=np.float64), (m,)).copy()
@@ -44,9 +45,10 @@ def zb_inputs(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLi
     return ZBInputs(costs["F"], costs["B"], costs["I"], costs["W"], comm, split, act, w, tr)
 
 
-def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryModelLike | None, inp: ZBInputs):
+def zb_evaluator(plan: Plan, models: Models[MemoryModelLike | None], inp: ZBInputs):
     """``schedule -> (makespan, peak bytes per stage)``: the simulator's recurrence and memory rule
     (``dynmb.timing.simulate``, without building its timeline tables) on ``inp``'s numbers."""
+    memory_model = models.memory
     S = plan.num_stages
     state = np.zeros(S) if memory_model is None else np.asarray(memory_model.state_bytes, dtype=np.float64)
     cube = np.stack([inp.F, inp.B, inp.I, inp.W])             # the simulator's op codes F, B, I, W
@@ -66,15 +68,16 @@ def zb_evaluator(plan: Plan, cost_model: CostModelLike, memory_model: MemoryMode
     return evaluate
 
 
-def build_zb(plan: Plan, kind: str, *, cost_model: CostModelLike, memory_model: MemoryModelLike | None = None) -> Schedule:
-    """The ``kind`` (``zb-h1`` or ``zb``) schedule of one pipeline replica's plan."""
+def build_zb(plan: Plan, kind: str, *, models: Models[MemoryModelLike | None]) -> Schedule:
+    """The ``kind`` (``zb-h1`` or ``zb``) schedule of one pipeline replica's plan (``models.memory`` None: without
+    a memory limit)."""
+    memory_model = models.memory
     if not get_kind(kind).costs:
-        raise ValueError(f"not a cost-driven (zero-bubble) kind: {kind!r}; expected one of "
-                         f"{tuple(k for k in kind_names() if get_kind(k).costs)}")
-    if cost_model is None:
+        raise ValueError(f"not a cost-driven (zero-bubble) kind: {kind!r}; expected one of {kinds_with('costs')}")
+    if models.cost is None:
         raise ValueError(f"the {kind} schedule needs a cost model (it places W by predicted times)")
-    inp = zb_inputs(plan, cost_model, memory_model)
-    evaluate = zb_evaluator(plan, cost_model, memory_model, inp)
+    inp = zb_inputs(plan, models)
+    evaluate = zb_evaluator(plan, models, inp)
     kw: dict[str, Any] = {}
     if memory_model is not None:
         kw = dict(limit_bytes=plan.memory_limit_bytes, state_bytes=memory_model.state_bytes)

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dynmb.costmodel.loader import Models
 from dynmb.planning import plan_step
 from dynmb.runtime.planshare import PlanShare
 from dynmb.runtime.planahead_procs import PlannerDied, PlannerPool
@@ -53,14 +54,14 @@ __all__ = ["PlanAhead"]
 
 logger = logging.getLogger(__name__)
 
-def _plan(lengths: np.ndarray, cost_model: Any, spec: Any, model_cfg: Any, memory_model: Any) -> Any:
+def _plan(lengths: np.ndarray, models: Models[Any], spec: Any, model_cfg: Any) -> Any:
     """In a planner process: ``planning.plan_step`` of one global batch."""
-    return plan_step(lengths, spec, model_cfg=model_cfg, cost_model=cost_model, memory_model=memory_model)
+    return plan_step(lengths, spec, model_cfg=model_cfg, models=models)
 
 
 class PlanAhead:
     """``n`` planner processes planning up to ``n`` steps (shared: ``n x W``) ahead of the step being
-    trained: ``plan_step(lengths_of(k), spec, model_cfg=, cost_model=, memory_model=)`` for every step k
+    trained: ``plan_step(lengths_of(k), spec, model_cfg=, models=)`` for every step k
     up to ``last``, the run's last step (shared: the steps this rank owns)."""
 
     def __init__(self, n: int, lengths_of: Callable[[int], np.ndarray], last: int, *, spec: Any, model_cfg: Any,
@@ -69,10 +70,10 @@ class PlanAhead:
             raise ValueError(f"plan_ahead must be >= 1 to plan ahead, got {n}")
         self.n, self.last, self.share = n, last, share
         self.window = n * (share.world if share is not None else 1)
-        self._lengths_of, self._args = lengths_of, (spec, model_cfg, memory_model)
+        self._lengths_of, self._args, self._memory_model = lengths_of, (spec, model_cfg), memory_model
         self._pool: PlannerPool | None = PlannerPool(n)
         self._futures: dict[int, Future] = {}        # owned step -> its plan
-        self._models: dict[int, Any] = {}            # owned step -> the cost model it was submitted with
+        self._models: dict[int, Models[Any]] = {}    # owned step -> the models it was submitted with
         self._lengths: dict[int, np.ndarray] = {}    # submitted step -> its batch's lengths
         self._published: set[int] = set()
         self._next = 0
@@ -94,12 +95,12 @@ class PlanAhead:
             if not ok:
                 raise planned
             return planned, lengths, wait_s
-        future, model = self._futures.pop(step, None), self._models.pop(step)
+        future, models = self._futures.pop(step, None), self._models.pop(step)
         t0 = time.perf_counter()
         try:
             planned = self._wait(step, future) if future is not None else None
             if planned is None:                     # no planner process left: in line, with the step's model
-                planned = _plan(lengths, model, *self._args)
+                planned = _plan(lengths, models, *self._args)
         except Exception as e:
             self._publish(step, (False, e))
             raise
@@ -148,9 +149,9 @@ class PlanAhead:
         for k in range(self._next, min(step, self.last) + 1):
             self._lengths[k] = lengths = self._lengths_of(k)
             if self._owns(k):
-                self._models[k] = cost_model
+                self._models[k] = models = Models(cost_model, self._memory_model)
                 if self._pool is not None:
-                    self._futures[k] = self._pool.submit(_plan, lengths, cost_model, *self._args)
+                    self._futures[k] = self._pool.submit(_plan, lengths, models, *self._args)
             self._next = k + 1
 
     def close(self) -> None:

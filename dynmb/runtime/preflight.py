@@ -83,11 +83,10 @@ def check_first_batches(spec: RunSpec) -> None:
     longest = int(np.argmax([trace[r].max() for r in rows]))
     with suppress_stand_in_warnings():                   # said once, where the run resolves its models
         models = spec.models()
-    cost, memory = models.cost, models.memory
     spec_of = run.plan_spec.with_(slice_fitting="never")      # slicing what fits only adds options, at a cost
     for k in dict.fromkeys((0, longest)):
         try:
-            plan_step(trace[rows[k]], spec_of, model_cfg=run.model, cost_model=cost, memory_model=memory)
+            plan_step(trace[rows[k]], spec_of, model_cfg=run.model, models=models)
         except ValueError as e:
             raise ValueError(f"step {k}: {_with_rows(_first_line(e), rows[k], corpus)}") from None
 

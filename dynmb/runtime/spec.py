@@ -228,8 +228,7 @@ class RunSpec:
             refuse_foreign_head_split(run.model, f"--model {self.model_factory}")
         models = self.models(who="dynmb run")   # the one loader: a stand-in is said here, once, not by every rank
         if self.plan is not None:                # a plan runs with the models it was made with
-            check_plan_models(Plan.load(self.plan, allow_over_limit=True).meta.models, models.cost,
-                              models.memory, str(self.plan))
+            check_plan_models(Plan.load(self.plan, allow_over_limit=True).meta.models, models, str(self.plan))
         if self.corpus is not None:
             if not Path(self.corpus.path).is_file():
                 raise FileNotFoundError(f"token file {self.corpus.path!r} of corpus {self.corpus.source.name} not found")

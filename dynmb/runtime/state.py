@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 from dynmb.costmodel import CalibrationStep, CostModel, job_calibration
-from dynmb.costmodel.loader import refit_version
+from dynmb.costmodel.loader import Models, refit_version
 from dynmb.costmodel.refit import job_refit
 from dynmb.data import load_trace, sample_indices
 from dynmb.costmodel.standin import suppress_stand_in_warnings
+from dynmb.memory.model import MemoryModel
 from dynmb.models.inputs import corpus_tokens
 from dynmb.models import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
@@ -167,6 +168,11 @@ class RunState:
         assert self.trace is not None
         return self.trace[self.batch_rows(step)]
 
+    @property
+    def planning_models(self) -> Models[MemoryModel]:
+        """The models the next step plans with: the cost model as calibrated so far, the memory model."""
+        return Models(self.cost_model, self.memory_model)
+
     def plan_batch(self, step: int, *, ahead: bool = True) -> PlannedBatch:
         """Global batch ``step`` and its plan: deterministic, the same on every rank. With
         ``plan_ahead`` (and ``ahead``) from the planner processes, else planned here and now."""
@@ -178,8 +184,7 @@ class RunState:
             (plan, schedule, sim), lengths, wait_s = self.ahead.get(step, self.cost_model)
         else:
             lengths = self.batch_lengths(step)
-            plan, schedule, sim = plan_step(lengths, run.plan_spec, model_cfg=run.model, cost_model=self.cost_model,
-                                            memory_model=self.memory_model)
+            plan, schedule, sim = plan_step(lengths, run.plan_spec, model_cfg=run.model, models=self.planning_models)
             wait_s = float(plan.predictions.get("plan_s") or 0.0)
         return PlannedBatch(lengths, replace(plan, dataset_ids=tuple(rows.tolist())), schedule, sim, wait_s)
 
@@ -196,9 +201,8 @@ class RunState:
         assert self.fixed is not None
         plan, schedule = self.fixed
         replicas = replicas_of(plan)
-        scheds = replica_schedules(replicas, self.run.plan_spec, memory_model=self.memory_model,
-                                   cost_model=self.cost_model, first=schedule)
-        predicted = predict_replicas(replicas, scheds, self.cost_model, self.memory_model, plan.predictions)
+        scheds = replica_schedules(replicas, self.run.plan_spec, models=self.planning_models, first=schedule)
+        predicted = predict_replicas(replicas, scheds, self.planning_models, plan.predictions)
         plan = replace(plan, predictions=predicted.predictions.updated(plan_s=0.0))
         return PlannedBatch(plan_lengths(plan), plan, scheds[0], predicted.sims[0])
 

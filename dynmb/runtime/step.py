@@ -153,7 +153,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     schedule = batch.schedule
     if topology.dp_index > 0:
         schedule = make_schedule(replica, pipeline.schedule_kind, virtual=pipeline.virtual,
-                                 memory_model=state.memory_model, cost_model=state.cost_model)
+                                 models=state.planning_models)
     if schedule.num_microbatches != replica.num_microbatches or schedule.num_ranks != topology.pipeline_size:
         raise RuntimeError(f"schedule for {schedule.num_microbatches} microbatches on {schedule.num_ranks} ranks "
                            f"does not fit replica {topology.dp_index}'s {replica.num_microbatches} microbatches "

@@ -70,7 +70,7 @@ from dynmb.schedule.order import lookahead_of
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.core.types import Schedule
 
-__all__ = ["BuildInputs", "ScheduleKind", "register_kind", "unregister_kind", "get_kind", "kind_names",
+__all__ = ["BuildInputs", "ScheduleKind", "register_kind", "unregister_kind", "get_kind", "kind_names", "kinds_with",
            "SCHEDULE_KINDS", "build_schedule", "interleaved_inflight", "AUTO", "AUTO_PLACEMENTS", "auto_kinds",
            "auto_kinds_for", "auto_placement", "is_schedule_name",
            "resolve_kind"]
@@ -218,8 +218,11 @@ def unregister_kind(name: str) -> None:
     _BUILT.clear()
 
 
-def get_kind(name: str) -> ScheduleKind:
-    """The record of kind ``name``; ``ValueError`` naming the known kinds otherwise."""
+def get_kind(name: "str | ScheduleKind") -> ScheduleKind:
+    """The record of kind ``name``; ``ValueError`` naming the known kinds otherwise. A record is returned as
+    given: a planning step resolves its kind once, at its entry, and hands the record down (issue 36)."""
+    if isinstance(name, ScheduleKind):
+        return name
     kind = _REGISTRY.get(name)
     if kind is None:
         raise ValueError(f"unknown schedule kind {name!r}; known: {', '.join(_REGISTRY)}")
@@ -233,7 +236,13 @@ def kind_names() -> tuple[str, ...]:
 
 def slice_kinds() -> tuple[str, ...]:
     """The kinds that run slices of long sequences."""
-    return tuple(k for k, v in _REGISTRY.items() if v.slices)
+    return kinds_with("slices")
+
+
+def kinds_with(trait: str) -> tuple[str, ...]:
+    """The registered kinds whose record's ``trait`` (a field of ``ScheduleKind``: ``slices``, ``virtual_stages``,
+    ``costs``, ...) is set, in registration order."""
+    return tuple(k for k, v in _REGISTRY.items() if getattr(v, trait))
 
 
 AUTO = "auto"

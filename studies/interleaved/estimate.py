@@ -36,6 +36,7 @@ from dynmb.timing.makespan import makespans
 from dynmb.schedule.kinds import build_schedule
 from dynmb.timing.simulate import simulate_costs
 from studies.zerobubble.estimate import _dist  # (the same error summary as the zero-bubble estimate's)
+from dynmb.costmodel.loader import Models
 
 ESTIMATES = ("as 1f1b", "interleaved")
 AS_1F1B = "interleaved-as-1f1b"
@@ -87,7 +88,7 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
             cm, mm = gpu.GPUCostModel(cfg, chunks, link="ib"), get_memory_model(None, cfg, chunks)
             spec = PlanSpec(num_stages=chunks, virtual=v, memory_limit_bytes=80 << 30, dp=dp, oversize="truncate",
                             schedule_kind="interleaved")
-            models = dict(memory_model=mm, cost_model=cm)
+            models = dict(models=Models(cm, mm))
             plans = {f"balanced/{d}": (lambda d=d: pack(batch, spec.with_(method="balanced", mbs=d), **models))
                      for d in divisors}
             plans["dynamic"] = lambda: pack(batch, spec.with_(method="dynamic"), **models)
@@ -106,7 +107,7 @@ def trace_cases(traces, stages, v, tokens, dp, divisors) -> list[dict]:
                 sub = plan.replica(int(np.argmax(est_r))) if dp > 1 else plan
                 cost = cm.plan_costs(sub)
                 est = estimates(cost["F"], cost["B"], comm_times(cm, sub), sub.num_microbatches, v)
-                res = dynmb.simulate(make_schedule(sub, "interleaved", virtual=v, memory_model=mm, cost_model=cm),
+                res = dynmb.simulate(make_schedule(sub, "interleaved", virtual=v, models=Models(cm, mm)),
                                      sub, cm, mm)
                 out.append({"trace": t, "P": P, "plan": name, "m": sub.num_microbatches, "est": est,
                             "sim": res.makespan_s, "peak": float(np.max(res.peak_bytes)) / (80 << 30)})

@@ -56,6 +56,8 @@ def _worker(rank: int, args, port: int, out: list) -> None:
     retain_freed_memory()     # as the runtime worker does; --env DYNMB_HOST_MALLOC=system turns it off
     from dynmb.core.config import ModelConfig, parse_bytes
     from dynmb.costmodel import get_cost_model
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import get_memory_model
     from dynmb.data import load_trace, sample_batch
     from dynmb.models import build_stage, hidden_shape, make_inputs, synthetic_tokens
     from dynmb.core.planspec import PlanSpec
@@ -82,7 +84,8 @@ def _worker(rank: int, args, port: int, out: list) -> None:
             lengths = sample_batch(trace, args.global_batch, 0, step=k)
             plan, sched, sim = plan_step(lengths, PlanSpec(method=args.method, num_stages=2,
                                                            memory_limit_bytes=parse_bytes(args.memory_limit),
-                                                           reorder=args.reorder), model_cfg=cfg, cost_model=cm)
+                                                           reorder=args.reorder), model_cfg=cfg,
+                                         models=Models(cm, get_memory_model(None, cfg, 2)))
             tokens = synthetic_tokens(lengths, cfg.vocab_size, k)
             cache = {}
 

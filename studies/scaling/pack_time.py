@@ -29,6 +29,7 @@ from dynmb.memory.model import get_memory_model
 from dynmb.packing import balanced, pack
 from dynmb.schedule.kinds import auto_kinds, get_kind
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 KINDS = ("1f1b", "zb-h1", "zb")
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             def one(kind: str) -> tuple[float, object]:
                 t0 = time.process_time()
                 plan = pack(lens, PlanSpec(method=args.method, num_stages=P, memory_limit_bytes=limit, dp=args.dp,
-                                           oversize="truncate", schedule_kind=kind), memory_model=mm, cost_model=cm)
+                                           oversize="truncate", schedule_kind=kind), models=Models(cm, mm))
                 return time.process_time() - t0, plan
             alone, per, plans = [], {k: [] for k in auto}, {}
             for _ in range(args.repeats):

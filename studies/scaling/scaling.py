@@ -114,6 +114,7 @@ from dynmb.planning import reorder_for
 from dynmb.planning.split_work import workload_cost
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 KEYS = ("dataset", "model", "tokens", "num_stages", "dp", "method", "stage_split", "link", "memory_limit_bytes",
         "seed", "oversize", "sim_replicas", "schedule_key", "virtual", "slice_fitting")
@@ -231,7 +232,7 @@ def complete(df: pd.DataFrame, spec: str) -> pd.DataFrame:
         limit = int(g["memory_limit_bytes"].iloc[0])
         fits = pack(lens[[int(np.argmax(lens))]],           # truncation, as the packers cut
                     PlanSpec(method="fixed", num_stages=int(P), memory_limit_bytes=limit, oversize="truncate"),
-                    memory_model=get_memory_model(None, c, int(P)), cost_model=cm).meta["longest_fitting_length"]
+                    models=Models(cm, get_memory_model(None, c, int(P)))).meta["longest_fitting_length"]
         df.loc[g.index, "ideal_whole_s"] = [whole_ideal(saturated(cm), np.minimum(lens, fits), x) for x in g["ideal_s"]]
     return df
 
@@ -276,8 +277,7 @@ def plan_once(cell: Cell, c: dict, base: str, mbs: int | None) -> dict:
     for group in packing_groups(kinds_for(c["schedule_key"], V)):
         t0 = time.process_time()
         plan = pack(cell.batch, PlanSpec(method=base, num_stages=P * V, virtual=V, memory_limit_bytes=limit, mbs=mbs,
-                                         dp=c["dp"], oversize=c["oversize"], schedule_kind=group[0]), memory_model=mm,
-                    cost_model=cm)
+                                         dp=c["dp"], oversize=c["oversize"], schedule_kind=group[0]), models=Models(cm, mm))
         pack_s += time.process_time() - t0
         runs += [run_kind(plan, slowest(plan, c["sim_replicas"]), k, how, cm, mm, V) for k in group]
     chosen, cols = choose(runs), kind_columns(runs)

@@ -40,6 +40,7 @@ import dynmb
 from dynmb.planning import make_schedule
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.schedule.kinds import AUTO, auto_kinds, get_kind
+from dynmb.costmodel.loader import Models
 
 __all__ = ["SCHEDULES", "KindRun", "kinds_for", "packing_groups", "run_kind", "choose", "kind_columns"]
 
@@ -99,9 +100,9 @@ def run_kind(plan, replicas: list[int], kind: str, how: str, cm, mm, virtual: in
         sub = plan.replica(r) if plan.dp > 1 else plan
         t1 = time.process_time()
         if how != "none":
-            sub = reorder_plan(sub, how, cost_model=cm, memory_model=mm, schedule_kind=kind, virtual=virtual)
+            sub = reorder_plan(sub, how, models=Models(cm, mm), schedule_kind=kind, virtual=virtual)
         t2 = time.process_time()
-        sched = make_schedule(sub, kind, virtual=virtual, memory_model=mm, cost_model=cm)
+        sched = make_schedule(sub, kind, virtual=virtual, models=Models(cm, mm))
         t3 = time.process_time()
         run.reorder_s.append(t2 - t1)
         run.sched_s.append(t3 - t2)

@@ -33,6 +33,7 @@ from dynmb.planning.slice_fitting import plan_threshold, thresholds
 from dynmb.planning.slicing import longest_row
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import get_kind
+from dynmb.costmodel.loader import Models
 
 __all__ = ["slice_check"]
 
@@ -70,8 +71,8 @@ def slice_check(cell, c: dict, row: dict) -> dict:
         cut, meta = got
         for t in thresholds(cap, int(cut.max()), spec.round_to):
             try:
-                plan, _, sim = plan_threshold(cell.batch, cut, meta, spec, t, model_cfg=cfg, cost_model=cm,
-                                              memory_model=mm)
+                plan, _, sim = plan_threshold(cell.batch, cut, meta, spec, t, kind=get_kind(spec.schedule_kind),
+                                              model_cfg=cfg, models=Models(cm, mm))
             except PackingError:
                 continue
             step = float(plan.predictions["pred_step_s"])

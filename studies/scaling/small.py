@@ -46,6 +46,7 @@ from dynmb.packing import PackingError, pack
 from dynmb.planning import make_schedule
 from dynmb.io.results import TableWriter
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 KEYS = ("dataset", "model", "num_stages", "dp", "per_replica", "global_batch", "memory_limit_bytes", "method",
         "peak_tflops", "mfu", "overhead_us", "link_GBps", "alpha_us", "sim_replicas", "replica_pick", "seed",
@@ -121,7 +122,7 @@ def one_row(c: dict, trace: np.ndarray, cfg: ModelConfig) -> dict:
     t0 = time.perf_counter()
     try:
         plan = pack(batch, PlanSpec(method=c["method"], num_stages=P, memory_limit_bytes=limit, dp=c["dp"],
-                                    oversize=c["oversize"]), memory_model=mm, cost_model=cm)
+                                    oversize=c["oversize"]), models=Models(cm, mm))
     except PackingError as e:
         return {**c, "status": "infeasible", "error": str(e)[:300]}
     pack_s = time.perf_counter() - t0
@@ -129,7 +130,7 @@ def one_row(c: dict, trace: np.ndarray, cfg: ModelConfig) -> dict:
     for r in slowest_replicas(plan, c["sim_replicas"]):
         sub = plan.replica(r) if plan.dp > 1 else plan
         t1 = time.perf_counter()
-        sched = make_schedule(sub, "1f1b", memory_model=mm)
+        sched = make_schedule(sub, "1f1b", models=Models(cm, mm))
         sched_s.append(time.perf_counter() - t1)
         sims.append(simulate(sched, sub, cm, mm))
     worst = max(sims, key=lambda s: s.makespan_s)

@@ -42,6 +42,7 @@ from dynmb.planning.replicas import make_schedule
 from dynmb.planning.slicing import reuse_searches
 from dynmb.timing.gap_terms import TERMS, gap_terms
 from dynmb.timing.simulate import simulate
+from dynmb.costmodel.loader import Models
 
 OTHERS = ("fixed", "fixed/1", "sorted", "packed", "token-budget", "token-budget/2", "token-budget/4", "balanced",
           "balanced/2", "balanced/4", "dynapipe")
@@ -81,7 +82,7 @@ def chain_stall(step: dynmb.PlannedStep, cm: GPUCostModel, mm: object) -> float:
     if not plan.slice_groups():
         return 0.0
     free, priced = unchained(plan), _Priced(cm, plan)
-    sched = make_schedule(free, plan.schedule_kind, memory_model=mm, cost_model=priced)
+    sched = make_schedule(free, plan.schedule_kind, models=Models(priced, mm))
     return step.sim.makespan_s - simulate(sched, free, priced).makespan_s
 
 

@@ -33,6 +33,7 @@ from dynmb.schedule.vshape import zb_v
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1, zb_limit_aware
 from dynmb.timing.simulate import simulate_costs
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 
 def _evaluator(F, B, I, W, comm):  # noqa: E741
@@ -82,8 +83,7 @@ def trace_cases(traces, stages, tokens, dp, divisors) -> list[dict]:
                 for d in divisors:
                     plan = pack(cell.batch, PlanSpec(method="balanced", num_stages=P,
                                                      memory_limit_bytes=c["memory_limit_bytes"], mbs=d, dp=dp,
-                                                     oversize=c["oversize"], schedule_kind=kind), memory_model=mm,
-                                cost_model=cm)
+                                                     oversize=c["oversize"], schedule_kind=kind), models=Models(cm, mm))
                     if (kind, plan.num_microbatches) in seen:
                         continue
                     seen.add((kind, plan.num_microbatches))
@@ -92,7 +92,7 @@ def trace_cases(traces, stages, tokens, dp, divisors) -> list[dict]:
                     cost = cm.plan_costs(sub)
                     est = float(makespans(cost["F"], cost["B"], comm_times(cm, sub), [sub.num_microbatches], kind,
                                           shares=shares)[0])
-                    sim = dynmb.simulate(make_schedule(sub, kind, memory_model=mm, cost_model=cm), sub, cm, mm).makespan_s
+                    sim = dynmb.simulate(make_schedule(sub, kind, models=Models(cm, mm)), sub, cm, mm).makespan_s
                     out.append({"trace": t, "P": P, "kind": kind, "div": d, "m": sub.num_microbatches, "est": est, "sim": sim})
                     print(f"{t} P{P} {kind} balanced/{d}: m {sub.num_microbatches} est {est:.4f} sim {sim:.4f} "
                           f"({est / sim - 1:+.2%})", flush=True)

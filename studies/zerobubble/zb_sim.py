@@ -38,6 +38,7 @@ from dynmb.planning import make_schedule
 from dynmb.io.results import TableWriter
 from dynmb.timing.simulate import simulate
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 
 KINDS = ("1f1b", "zb-h1", "zb")
 
@@ -77,13 +78,13 @@ def rows_for(trace: str, lengths_of: np.ndarray, P: int, k: int, args: argparse.
                 memory_limit_bytes=limit)
     try:
         plan = pack(batch, PlanSpec(method="dynamic", num_stages=P, memory_limit_bytes=limit, oversize="truncate"),
-                    memory_model=mm, cost_model=cm)
+                    models=Models(cm, mm))
     except PackingError as e:
         return [{**base, "schedule": kind, "status": "infeasible", "error": str(e)[:200]} for kind in KINDS]
     out, ref = [], None
     for kind in KINDS:
         t0 = time.perf_counter()
-        sched = make_schedule(plan, kind, memory_model=mm, cost_model=cm)
+        sched = make_schedule(plan, kind, models=Models(cm, mm))
         sched_s = time.perf_counter() - t0
         sim = simulate(sched, plan, cm, mm)
         ref = sim.makespan_s if kind == "1f1b" else ref

@@ -142,7 +142,7 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)
     space = space_for(lengths, ctx, cost_model, call, top=top, num_tau=num_tau if n > 1024 else num_tau + 3)
     setups = space.setups
-    rk = Ranker(cost_model, ctx.p, ctx.kind, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo,
+    rk = Ranker(cost_model, ctx.p, ctx.rec, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo,
                 virtual=ctx.virtual)
     if rk.rank_kind != ctx.kind:                      # ranked by another kind's estimate: more finals to choose from
         keep = max(keep, ZB_KEEP)

@@ -30,7 +30,7 @@ from dynmb.timing.makespan import exact_regime, has_bound_regime, makespans, rou
 from dynmb.timing.makespan_interleaved import fold_chunks
 from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares, ranking_kind
-from dynmb.schedule.kinds import get_kind
+from dynmb.schedule.kinds import ScheduleKind, get_kind
 from dynmb.packing.dynamic.setup import SplitSetup
 from dynmb.packing.orders import best_start_orders, blocked_order, start_orders
 from dynmb.packing.rows import Flat, assign_replicas
@@ -88,17 +88,18 @@ class Candidate:
 class Ranker:
     """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
 
-    def __init__(self, cost_model: CostModelLike, num_stages: int, kind: str, comm: Any, dp: int,
+    def __init__(self, cost_model: CostModelLike, num_stages: int, kind: ScheduleKind, comm: Any, dp: int,
                  setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable,
                  memo: RankMemo | None = None, virtual: int = 1) -> None:
-        self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind, comm, dp
+        self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind.name, comm, dp
         self.virtual = virtual                               # chunks per GPU (the interleaved estimate reads it)
         self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
         self.memo = RankMemo() if memo is None else memo
         self.looked_up = self.memo.looked_up                 # stage_costs (F, B, sends) by candidate key
-        self.rank_kind = ranking_kind(kind)                  # the estimate rank() uses; choose() uses the kind's
+        self.rank_rec = get_kind(ranking_kind(kind.name))    # resolved once: _round_trips reads its estimate
+        self.rank_kind = self.rank_rec.name                  # the estimate rank() uses; choose() uses the kind's
         self.one_regime = not has_bound_regime(self.rank_kind)    # zero-bubble, interleaved: no bound regime
-        if get_kind(kind).estimate_as in ZB_ESTIMATES and "shares" not in self.memo.shares:
+        if kind.estimate_as in ZB_ESTIMATES and "shares" not in self.memo.shares:
             self.memo.shares["shares"] = backward_shares(cost_model, lengths, num_stages)
         self.shares = self.memo.shares.get("shares")
 
@@ -209,7 +210,7 @@ class Ranker:
                 a, e = cols[:, 0], cols[:, -1]
                 v = float(_bound(work, sub[0][:, a], sub[1][:, e], sub[2][a], sub[2][e]).max())
                 trips.append((c, name, v, sub[0][0][cols], sub[1][0][cols], up[cols]))
-        for (c, name, v, *_), t in zip(trips, _round_trips(trips, self.P, self.rank_kind)):
+        for (c, name, v, *_), t in zip(trips, _round_trips(trips, self.P, self.rank_rec)):
             v = max(v, t)
             if v < c.value:
                 c.value, c.order = v, name
@@ -347,14 +348,14 @@ def _orders(members: np.ndarray, t: np.ndarray, opened: np.ndarray | None) -> di
     return dict(unique.values())
 
 
-def _round_trips(trips: list[tuple], P: int, kind: str) -> list[float]:
+def _round_trips(trips: list[tuple], P: int, kind: ScheduleKind) -> list[float]:
     """``round_trip_bound`` of each entry's probe replicas (the slowest of them), all entries at once
     (padded with zero-cost microbatches to the longest)."""
     if not trips:
         return []
     k = max(t[3].shape[1] for t in trips)
     F0, B0, up = [np.concatenate([np.pad(t[i], ((0, 0), (0, k - t[i].shape[1]))) for t in trips]) for i in (3, 4, 5)]
-    per = round_trip_bound(F0, B0, up, k if get_kind(kind).estimate_as == "gpipe" else P - 1)
+    per = round_trip_bound(F0, B0, up, k if kind.estimate_as == "gpipe" else P - 1)
     bounds = np.cumsum([0] + [len(t[3]) for t in trips])
     return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
