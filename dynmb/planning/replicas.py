@@ -29,6 +29,7 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.core.predictions import Predictions
 from dynmb.schedule import build_schedule, validate
 from dynmb.schedule.kinds import get_kind, resolve_kind, slice_kinds
+from dynmb.schedule.order import ChainOrder
 from dynmb.timing.simulate import SimResult, memory_inputs, simulate
 from dynmb.core.types import Microbatch, Plan, Schedule
 from dynmb.planning.zerobubble import zb_evaluator, zb_inputs
@@ -42,12 +43,14 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1,
     """Build and validate the schedule of one pipeline replica's plan (``plan.dp == 1``; ``kind``
     ``"auto"``: the kind the plan records, ``resolve_kind``): the kind's record
     (``dynmb.schedule.kinds``) says which inputs its builder takes (the plan's backward order for
-    slices, its bytes and limit from ``models.memory``, its times from ``models.cost`` and the simulator as
-    judge)."""
+    slices, with its ``slice_lookahead``, its bytes and limit from ``models.memory``, its times from ``models.cost``
+    and the simulator as judge)."""
     memory_model = models.memory if models is not None else None
     kind = resolve_kind(kind, plan)            # "auto": the kind the plan was planned for
     rec = get_kind(kind)
-    order = plan.backward_order() if plan.has_slices else None
+    order: Sequence[int] | None = plan.backward_order() if plan.has_slices else None
+    if order is not None and plan.meta.get("slice_lookahead"):     # the planner's chain lookahead (slicing)
+        order = ChainOrder(order, int(plan.meta["slice_lookahead"]))
     if order is not None and not rec.slices:
         raise ValueError(f"slices of long sequences run on the {' or '.join(slice_kinds())} schedule, not {kind!r} "
                          f"(its builder does not run their backwards in reverse)")

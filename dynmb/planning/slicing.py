@@ -58,16 +58,17 @@ Not supported (refused with one line): kinds without ``slices`` (``memory-aware`
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.costmodel.loader import Models
+from dynmb.costmodel.loader import Models, model_digest
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
 from dynmb.packing import PackingError, pack
@@ -76,12 +77,12 @@ from dynmb.packing.packed import packed_row_len
 from dynmb.packing.rows import round_down, round_up
 from dynmb.core.planspec import PlanSpec
 from dynmb.core.predictions import Predictions
-from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, slice_kinds
+from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind, slice_kinds
 from dynmb.timing.simulate import SimResult, simulate
 from dynmb.core.types import Microbatch, Plan, PlanMeta, Schedule
 from dynmb.planning.replicas import predict_replicas, replicas_of
 
-__all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE"]
+__all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE", "reuse_searches", "slice_alternatives"]
 
 MIN_SLICE = 128
 """Shortest slice length the planner tries (tokens)."""
@@ -379,6 +380,7 @@ class _Try:
     fills: tuple[bool, ...] | None = None
     packer: tuple[str, int | None] | None = None
     rc_share: float = 1.0
+    lookahead: int = 0
 
 
 def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
@@ -393,7 +395,8 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
             continue
         plan = job.plan_of(*dealt, {**job.meta(t.slice_len, placement, t.use_rc, fill, t.cuts),
                                     "slice_shorts": None if t.packer is None else "/".join(map(str, t.packer)),
-                                    "slice_recompute_share": t.rc_share if t.use_rc else 0.0})
+                                    "slice_recompute_share": t.rc_share if t.use_rc else 0.0,
+                                    "slice_lookahead": t.lookahead})
         slowest, peak, replicas, scheds = job.simulate(plan)
         if found.lowest is None or peak < found.lowest[0]:
             found.lowest = (peak, int(t.slice_len))
@@ -404,29 +407,51 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
 def _refine(job: _SplitJob, found: _Search) -> None:
     """Around the best candidate of the first round (its slice length, recomputation and fill): its chains
     placed ``last`` and the even cuts (``slice_lengths``) in every placement; where it recomputes under
-    ``recompute="auto"``, only the longest ``RC_SHARES`` of the chains recomputed; for ``dynamic`` then the
-    short sequences packed by ``SHORT_PACKERS`` around the best so far. A few more simulations, not another
+    ``recompute="auto"``, only the longest ``RC_SHARES`` of the chains recomputed (``packed``: none of these,
+    its rows are its cuts); the ``chain_lookaheads`` of the best so far; for ``dynamic`` then the short
+    sequences packed by ``SHORT_PACKERS`` around the best so far. A few more simulations, not another
     product of choices."""
-    if found.best is None or job.spec.method == "packed":
+    if found.best is None:
         return
     meta = found.best[1].meta
     slice_len, use_rc, fill = int(meta["slice_len"]), bool(meta["slice_recompute"]), bool(meta["slice_fill"])
-    _try_slice_len(job, _Try(slice_len, use_rc, "equal-cost", ("last",), (fill,)), found)
-    _try_slice_len(job, _Try(slice_len, use_rc, "even", PLACEMENTS, (fill,)), found)
-    meta = found.best[1].meta
-    best = _Try(int(meta["slice_len"]), use_rc, meta["slice_cuts"], (meta["slice_placement"],), (fill,))
-    for share in RC_SHARES if use_rc and job.spec.recompute == "auto" else ():
-        _try_slice_len(job, replace(best, rc_share=share), found)
+    best = _best_try(found, _Try(slice_len, use_rc, fills=(fill,)))
+    if job.spec.method != "packed":
+        _try_slice_len(job, _Try(slice_len, use_rc, "equal-cost", ("last",), (fill,)), found)
+        _try_slice_len(job, _Try(slice_len, use_rc, "even", PLACEMENTS, (fill,)), found)
+        meta = found.best[1].meta
+        best = _Try(int(meta["slice_len"]), use_rc, meta["slice_cuts"], (meta["slice_placement"],), (fill,))
+        for share in RC_SHARES if use_rc and job.spec.recompute == "auto" else ():
+            _try_slice_len(job, replace(best, rc_share=share), found)
+        best = _best_try(found, best)
+    for lookahead in chain_lookaheads(job.spec):
+        _try_slice_len(job, replace(best, lookahead=lookahead), found)
     if job.spec.method != "dynamic":
         return
-    meta = found.best[1].meta
-    best = replace(best, slice_len=int(meta["slice_len"]), cuts=meta["slice_cuts"], placements=(meta["slice_placement"],),
-                   rc_share=float(meta["slice_recompute_share"]) or 1.0)
+    best = _best_try(found, best)
     for packer in SHORT_PACKERS:
         try:
             _try_slice_len(job, replace(best, packer=packer), found)
         except PackingError:                  # that packer cannot take these short sequences: not a candidate
             continue
+
+
+def _best_try(found: _Search, t: _Try) -> _Try:
+    """``t`` at the slices, cuts, placement, recomputed share and lookahead of the best candidate so far."""
+    assert found.best is not None
+    meta = found.best[1].meta
+    return replace(t, slice_len=int(meta["slice_len"]), cuts=meta["slice_cuts"], placements=(meta["slice_placement"],),
+                   rc_share=float(meta["slice_recompute_share"]) or 1.0, lookahead=int(meta["slice_lookahead"]))
+
+
+def chain_lookaheads(spec: PlanSpec) -> tuple[int, ...]:
+    """The chain lookaheads ``_refine`` weighs (``dynmb.schedule.order.ChainOrder``): half and all of stage 0's
+    1F1B window past a chain's backward (``ceil((P - 1) / 2)`` and ``P - 1``; each stage takes at most its own
+    window less one), where the kind runs a lookahead (``chain_lookahead``) on one stage per rank; none else."""
+    rec = get_kind(spec.schedule_kind)
+    if not rec.chain_lookahead or spec.virtual != 1 or spec.num_stages < 2:
+        return ()
+    return tuple(sorted({math.ceil((spec.num_stages - 1) / 2), spec.num_stages - 1}))
 
 
 RC_SHARES = (0.5, 0.25, 0.125)
@@ -481,6 +506,97 @@ def _split_job(lengths: np.ndarray, spec: PlanSpec, rec: ScheduleKind, model_cfg
     return _SplitJob(lengths, spec, models, make_schedule, row_cap, cut, threshold)
 
 
+def _search_key(job: _SplitJob) -> tuple:
+    """Everything ``_search`` reads: the batch, the settings, the models (by identity and digest: a model
+    refit in place is another), the schedule builder and the cut."""
+    return (job.lengths.tobytes(), repr(job.spec), id(job.models.memory), id(job.models.cost),
+            model_digest(job.models.memory), model_digest(job.models.cost), job.make_schedule, job.row_cap, job.cut,
+            job.threshold)
+
+
+_SEARCHES: dict[tuple, _Search] | None = None
+"""Searches kept for reuse (``reuse_searches``; None: none kept, the default)."""
+_SEARCHES_MAX = 64
+
+
+@contextlib.contextmanager
+def reuse_searches() -> Iterator[None]:
+    """Within it, a method's sliced search (``_search_key``: the same batch, settings, models and builder) is
+    made once: ``dynamic`` searches every plain method's plan of the batch (``_weigh_alternatives``), and a
+    job that plans those methods next on the same batch (a comparison, ``studies/slicing/longdoc.py``) finds
+    them made. The same plans as without it; the searches are dropped on leaving."""
+    global _SEARCHES
+    outer, _SEARCHES = _SEARCHES, {} if _SEARCHES is None else _SEARCHES
+    try:
+        yield
+    finally:
+        _SEARCHES = outer
+
+
+def _search(job: _SplitJob) -> _Search:
+    """The search of one method (module doc, step 2): the first round, unrecomputed before recomputed
+    (``recompute``), then ``_refine`` around the best; within ``reuse_searches`` one made before is reused."""
+    if _SEARCHES is None:
+        return _search_anew(job)
+    key = _search_key(job)
+    if key not in _SEARCHES:
+        if len(_SEARCHES) >= _SEARCHES_MAX:
+            _SEARCHES.pop(next(iter(_SEARCHES)))
+        _SEARCHES[key] = _search_anew(job)
+    return _SEARCHES[key]
+
+
+def _search_anew(job: _SplitJob) -> _Search:
+    """``_search`` without the reuse."""
+    found = _Search()
+    for use_rc in {"never": [False], "always": [True], "auto": [False, True]}[job.spec.recompute]:
+        for slice_len in job.slice_candidates():
+            _try_slice_len(job, _first_round(job, slice_len, use_rc), found)
+        if found.best is not None:
+            break
+    _refine(job, found)
+    return found
+
+
+SLICE_BUDGETS = (2, 4)
+"""Budget divisors at which ``dynamic`` also weighs the budget methods' sliced plans (besides their own
+setting, divisor 1): the budgets a user tunes them to (``studies/slicing/longdoc.py`` tunes them so)."""
+
+
+def slice_alternatives() -> list[tuple[str, int | None]]:
+    """The plain methods' sliced plans ``dynamic`` weighs (method, mbs): every registered method but
+    ``dynamic`` at its own settings, ``fixed`` at mbs 1, the budget methods at ``SLICE_BUDGETS``."""
+    from dynmb.packing import METHODS
+    from dynmb.packing.methods import get_method
+
+    out: list[tuple[str, int | None]] = [(m, None) for m in METHODS if m != "dynamic"] + [("fixed", 1)]
+    out += [(m, d) for m in METHODS if get_method(m).mbs == "budget divisor" for d in SLICE_BUDGETS]
+    return out
+
+
+def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) -> None:
+    """``dynamic``: each plain method's whole sliced search (``slice_alternatives``; its own ``_SplitJob``, so
+    its own row, cuts and short packing, exactly the plan that method makes of the batch under the same
+    settings), its best kept where faster than ``found``'s (``meta.slice_shorts`` names it). So ``dynamic``'s
+    sliced plan is never predicted slower than those methods' (issue 39). A method that cannot plan the
+    batch (``ValueError``, ``PackingError``) is no candidate."""
+    for method, mbs in slice_alternatives():
+        try:
+            spec = job.spec.with_(method=method, mbs=mbs)
+            alt = _split_job(job.lengths, spec, get_kind(spec.schedule_kind), model_cfg, job.models,
+                             job.make_schedule, job.threshold)
+            alt.pack_short(alt.short_ids)         # the method's own refusal, as plan_split's
+            if not alt.long_ids.size:
+                continue
+            res = _search(alt)
+        except ValueError:                        # PackingError is one: that method cannot plan the batch
+            continue
+        if res.best is not None and (found.best is None or res.best[0] < found.best[0]):
+            t, plan, replicas, scheds = res.best
+            name = method if mbs is None else f"{method}/{mbs}"
+            found.best = (t, replace(plan, meta=plan.meta.with_(slice_shorts=name)), replicas, scheds)
+
+
 def plan_split(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, *, model_cfg: ModelConfig,
                models: Models[MemoryModelLike], make_schedule: Callable[..., Schedule],
                threshold: int | None = None) -> tuple[Plan, Schedule, SimResult]:
@@ -495,16 +611,13 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, *, model
     job.pack_short(job.short_ids)                    # the method's own refusal comes first
     if not job.long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")
-    found = _Search()
-    for use_rc in {"never": [False], "always": [True], "auto": [False, True]}[spec.recompute]:
-        for slice_len in job.slice_candidates():
-            _try_slice_len(job, _first_round(job, slice_len, use_rc), found)
-        if found.best is not None:
-            break
-    _refine(job, found)
+    found = replace(_search(job))                    # a copy: the search kept for reuse stays that method's
+    if spec.method == "dynamic" and threshold is None:
+        _weigh_alternatives(job, found, model_cfg)
     if found.best is None:
         raise _no_fit(job, found)
     _, plan, replicas, scheds = found.best
+    plan = replace(plan, method=spec.method, spec=spec)       # an alternative's plan: dynamic's (meta names it)
     predicted = predict_replicas(replicas, scheds, models, Predictions())
     plan = replace(plan, predictions=predicted.predictions.updated(
         pred_peak_bytes=tuple(int(x) for x in np.ceil(np.max([np.asarray(s.peak_bytes) for s in predicted.sims],

@@ -22,6 +22,8 @@ A kind's traits (``ScheduleKind``):
   every stage a sequence's slices go forward in slice order and backward (``B``, or ``I`` of
   a split backward; ``W`` anywhere after its ``I``) in reverse, which ``validate(schedule,
   plan)`` checks for every kind. Today all but ``memory-aware``.
+- ``chain_lookahead``: the builder runs a ``ChainOrder``'s lookahead (``dynmb.schedule.order``): 1F1B and
+  the zero-bubble kinds (their orders are ``windowed_order``'s).
 - ``memory``: ``"none"``, ``"optional"`` or ``"required"``: whether the builder takes the
   per-(stage, microbatch) bytes and the limit (``memory-aware`` needs them).
 - ``costs``: the builder takes per-(stage, microbatch) times and the simulator as judge
@@ -64,6 +66,7 @@ import numpy as np
 
 import dynmb.schedule.builders as builders
 from dynmb.schedule.vshape import PLACEMENTS, placement_rank, v_inflight, zb_v
+from dynmb.schedule.order import lookahead_of
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs, zb_h1, zb_limit_aware
 from dynmb.core.types import Schedule
 
@@ -137,6 +140,8 @@ class ScheduleKind:
     cache_key: Callable[[BuildInputs], bytes] | None = None
     """For builders that read the microbatches' bytes: a key equal for inputs that build the same
     schedule (a reorder search builds one schedule per key, not per order); None: no cache."""
+    chain_lookahead: bool = False
+    """Runs a ``ChainOrder``'s lookahead (``dynmb.schedule.order``: a stage forwards past a chain's backward)."""
     auto: bool = False
     """``--schedule auto`` weighs this kind (``auto_kinds``)."""
     chunks: int | None = None
@@ -183,6 +188,9 @@ class ScheduleKind:
         if not self.slices and not _slices_free(inp.backward_order, inp.num_microbatches):
             raise ValueError(f"slices of long sequences run on the {' or '.join(slice_kinds())} schedule; "
                              f"{self.name!r} does not order their backwards in reverse")
+        if lookahead_of(inp.backward_order) and not self.chain_lookahead:
+            raise ValueError(f"{self.name} does not take a chain lookahead (slice_lookahead); "
+                             f"{', '.join(k for k, v in _REGISTRY.items() if v.chain_lookahead)} do")
         if not self.virtual_stages and inp.virtual != 1:
             raise ValueError(f"{self.name} runs one stage per rank; got virtual={inp.virtual}")
         if self.chunks is not None and (inp.virtual != self.chunks or inp.num_stages % self.chunks):
@@ -330,7 +338,7 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int, **inputs: 
     if rec.memory != "none" or rec.costs:              # the schedule follows the bytes or the times
         return rec.build(inp)
     order = None if inp.backward_order is None else tuple(int(i) for i in inp.backward_order)
-    key = (kind, num_stages, num_microbatches, inp.virtual, order)
+    key = (kind, num_stages, num_microbatches, inp.virtual, order, lookahead_of(inp.backward_order))
     sched = _BUILT.get(key)
     if sched is None:                 # a Schedule is immutable: a planning step builds the same one twice
         sched = rec.build(inp)        # (the reorder search's and the plan's), a run its shapes every step
@@ -408,7 +416,7 @@ def _zb(inp: BuildInputs) -> Schedule:
 register_kind(ScheduleKind(name="gpipe", build=_gpipe, window=None, slices=True, window_exact=True,
                            estimate_as="gpipe"))
 register_kind(ScheduleKind(name="1f1b", build=_1f1b, window=_one_f_one_b_window, slices=True, window_exact=True,
-                           auto=True))
+                           auto=True, chain_lookahead=True))
 register_kind(ScheduleKind(name="interleaved", build=_interleaved, window=_one_f_one_b_window, slices=True,
                            chunk_window=interleaved_inflight, virtual_stages=True, estimate_as="interleaved",
                            auto=True))
@@ -417,13 +425,15 @@ register_kind(ScheduleKind(name="memory-aware", build=_memory_aware, window=_one
 # the zero-bubble kinds keep 1F1B's window (dynmb.memory.model) but have estimates of their own: the packers
 # rank plans for them as they run (zb by its largest extra warm-up, the memory limit not weighed)
 register_kind(ScheduleKind(name="zb-h1", build=_zb_h1, window=_one_f_one_b_window, split_backward=True,
-                           slices=True, memory="optional", costs=True, estimate_as="zb-h1", auto=True))
+                           slices=True, memory="optional", costs=True, estimate_as="zb-h1", auto=True,
+                           chain_lookahead=True))
 def _zb_v(inp: BuildInputs) -> Schedule:
     return zb_v(inp.num_stages, inp.num_microbatches, inp.zb_inputs, evaluate=inp.evaluate)
 
 
 register_kind(ScheduleKind(name="zb", build=_zb, window=_one_f_one_b_window, split_backward=True,
-                           slices=True, memory="optional", costs=True, estimate_as="zb", auto=True))
+                           slices=True, memory="optional", costs=True, estimate_as="zb", auto=True,
+                           chain_lookahead=True))
 # ZB-V: two chunks per rank placed V-wise (dynmb.schedule.vshape); the packers count its chunk window per GPU,
 # rank candidates with the interleaved estimate (dynmb.timing.makespan_zb.RANK_AS) and choose with its own. ``auto``
 # weighs it at virtual 2 where no slices may run (``auto_kinds``: one placement per run).

@@ -72,8 +72,8 @@ Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every s
 takes its backwards (``I`` or ``B``) in that order, so a chain's input gradients run in reverse
 slice order as its ``B`` would (its ``W`` anywhere after its ``I``: they read only the stage's
 own Linear inputs and output gradients), and forwards on until a backward's own microbatch
-went forward (``dynmb.schedule.order.windowed_order``); 1F1B's candidate and the caps it gives
-use the same order.
+went forward (``dynmb.schedule.order.windowed_order``, with the ``ChainOrder``'s lookahead past
+it); 1F1B's candidate and the caps it gives use the same order.
 
 Without costs (``build_schedule("zb-h1", P, m)``): unit times F = I = W = 1, B = 2, no P2P
 time, no memory caps -- the paper's setting; ``zb`` without costs is ZB-H1's order.
@@ -89,7 +89,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dynmb.schedule.order import check_order, stage_order, windowed_order
+from dynmb.schedule.order import check_order, lookahead_of, stage_order, windowed_order
 from dynmb.core.types import Action, Schedule
 
 __all__ = ["ZBInputs", "list_schedule", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS",
@@ -198,7 +198,7 @@ class _ListRun:
         self.span = (inp.F + np.where(inp.split, inp.I + inp.W, inp.B)).sum(axis=1).tolist()
         self.first = [0.0] * P                      # start of each stage's first op
         self.free = [0.0] * P                       # end of each stage's last op
-        order = check_order(m, backward_order)
+        check_order(m, backward_order)              # refused here, before any stage
         self.k = [max(1, min(m, int(x))) for x in inflight]
         self.defer = [0] * P if w_defer is None else [max(0, int(x)) for x in w_defer]
         mem = caps is not None and inp.act is not None
@@ -213,7 +213,7 @@ class _ListRun:
         self.bend = [[-1.0] * m for _ in range(P)]
         self.clock = [0.0] * P
         # 1F1B's greedy order per stage for its window (X: the backward, I or B)
-        self.todo = [deque(windowed_order(m, self.k[s], order, "X")) for s in range(P)]
+        self.todo = [deque(windowed_order(m, self.k[s], backward_order, "X")) for s in range(P)]  # its lookahead
         self.pend: list[deque] = [deque() for _ in range(P)]
         self.held, self.live = [0.0] * P, [0] * P
         self.ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
@@ -425,7 +425,8 @@ def _h1_key(inp: ZBInputs, caps: np.ndarray | None, order: Sequence[int] | None,
     judge = getattr(evaluate, "judge", None)
     if judge is None:
         return None
-    h = hashlib.blake2b(repr((judge, inp.shape, None if order is None else tuple(order))).encode(), digest_size=16)
+    h = hashlib.blake2b(repr((judge, inp.shape, None if order is None else (tuple(order), lookahead_of(order)))).encode(),
+                        digest_size=16)
     for a in (inp.F, inp.B, inp.I, inp.W, inp.comm, inp.split, inp.act, inp.w, inp.tr, caps):
         h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
     return h.digest()

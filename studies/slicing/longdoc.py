@@ -39,6 +39,7 @@ from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.core.types import Plan
 from dynmb.planning.replicas import make_schedule
+from dynmb.planning.slicing import reuse_searches
 from dynmb.timing.gap_terms import TERMS, gap_terms
 from dynmb.timing.simulate import simulate
 from dynmb.costmodel.loader import Models
@@ -112,13 +113,14 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, others: list[st
     cm = GPUCostModel(cfg, P)
     planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=cm, schedule="auto",
                             oversize="split", recompute="auto")
-    dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
-    steps = {}
-    for name in others:
-        try:
-            steps[name] = plan_method(planner, batch, name)[0].sim.makespan_s
-        except ValueError as e:
-            print(f"  {trace_name} {model} P{P} {name}: {e}", file=sys.stderr)
+    with reuse_searches():              # the others' sliced searches, made once (dynamic weighs them first)
+        dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
+        steps = {}
+        for name in others:
+            try:
+                steps[name] = plan_method(planner, batch, name)[0].sim.makespan_s
+            except ValueError as e:
+                print(f"  {trace_name} {model} P{P} {name}: {e}", file=sys.stderr)
     plan, sim = dyn.plan, dyn.sim
     terms = gap_terms(plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(cm), ideal_split=False)
     best = min(steps, key=steps.__getitem__) if steps else ""
@@ -127,6 +129,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, others: list[st
            "kind": plan.schedule_kind, "microbatches": plan.num_microbatches, "sliced": len(plan.slice_groups()),
            "slice_len": plan.meta.get("slice_len"), "slice_cuts": plan.meta.get("slice_cuts", "even"), "placement": plan.meta.get("slice_placement"),
            "slice_recompute": plan.meta.get("slice_recompute"), "slice_fill": plan.meta.get("slice_fill"),
+           "slice_lookahead": plan.meta.get("slice_lookahead"), "slice_shorts": plan.meta.get("slice_shorts"),
            "plan_cpu_s": dyn_cpu, "best_other": best, "best_other_s": steps.get(best, float("nan")),
            "chain_s": chain_stall(dyn, cm, planner.memory_model), **{f"step_{k}": v for k, v in steps.items()}}
     row.update(terms.fractions())
@@ -145,9 +148,17 @@ def markdown(df: pd.DataFrame) -> str:
         pct = " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in terms)
         lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.longest} | {r.step_s:.4f} | {r.ideal_s:.4f} | "
                      f"{100 * r.gap:+.1f}% | {r.best_other} ({r.best_other_s:.4f}) | {r.step_s / r.best_other_s:.3f} | "
-                     f"{r.kind} | {r.microbatches} | {r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts} | {pct} | "
+                     f"{r.kind} | {r.microbatches} | {r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts}{_extras(r)} | "
+                     f"{pct} | "
                      f"{r.plan_cpu_s:.1f} |")
     return "\n".join(lines)
+
+
+def _extras(r: object) -> str:
+    """The lookahead and the short packing of a row's sliced plan, where the row has them."""
+    look, shorts = getattr(r, "slice_lookahead", None), getattr(r, "slice_shorts", None)
+    return (f", lookahead {int(look)}" if isinstance(look, (int, float)) and look == look and look else "") + \
+        (f", shorts {shorts}" if isinstance(shorts, str) and shorts else "")
 
 
 def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
@@ -172,7 +183,7 @@ def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
         pct = " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in terms)
         other = f"{r.best_other} ({r.best_other_s:.4f}) | {r.step_s / r.best_other_s:.3f}" if isinstance(
             r.best_other, str) and r.best_other else "- | -"
-        cuts = f"{r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts}" if r.sliced else "none"
+        cuts = f"{r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts}{_extras(r)}" if r.sliced else "none"
         lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.step_s_before:.4f} -> {r.step_s:.4f} | "
                      f"{100 * r.gap_before:+.1f}% -> {100 * r.gap:+.1f}% | {other} | {r.kind}, {cuts} | {pct} | "
                      f"{r.plan_cpu_s_before:.1f} -> {r.plan_cpu_s:.1f} |")

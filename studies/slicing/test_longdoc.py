@@ -42,3 +42,11 @@ def test_help(capsys):
     with pytest.raises(SystemExit) as e:
         longdoc.main(["--help"])
     assert e.value.code == 0 and "--out" in capsys.readouterr().out
+
+
+def test_lookahead_help(capsys):
+    from studies.slicing import lookahead
+
+    with pytest.raises(SystemExit) as e:
+        lookahead.main(["--help"])
+    assert e.value.code == 0 and "--kinds" in capsys.readouterr().out
