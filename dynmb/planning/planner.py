@@ -52,6 +52,7 @@ from dynmb.packing.context import PackContext
 from dynmb.packing.methods import get_method
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import AUTO, auto_kinds_for, get_kind
+from dynmb.timing.makespan_zb import ranking_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust
@@ -226,6 +227,17 @@ def final_candidates(job: _Job) -> list[Candidate]:
                                               job.memory_model, job.meta)) for name, s in settings.items()]
 
 
+def _plan_on(lengths: np.ndarray, spec: PlanSpec, packing_kind: str, model_cfg: ModelConfig,
+             cost_model: CostModelLike, memory_model: MemoryModelLike, meta: dict[str, Any] | None,
+             packs: dict[tuple, tuple[Plan, float]]) -> tuple[Plan, Schedule, SimResult]:
+    """``_plan_kind`` of ``spec``'s kind on the packing made for ``packing_kind`` in this step (``packs``)."""
+    made = packs.get(get_kind(packing_kind).packing_key)
+    if made is None:
+        raise ValueError(f"no {packing_kind} packing of this step to run {spec.schedule_kind} on")
+    view = {**packs, get_kind(spec.schedule_kind).packing_key: made}
+    return _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, view)
+
+
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
               memory_model: MemoryModelLike, meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``--schedule auto``: the step planned for each kind of ``auto_kinds`` (packed for that kind;
@@ -234,16 +246,23 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_
     search (``dynmb.planning.search``, rule ``fastest``). Ties go to the kind registered first. The plan's
     ``schedule_kind`` is the chosen kind, its spec keeps ``auto``; ``meta.schedule_auto`` holds every
     kind's predicted step (None: it could not plan the step), ``plan_s`` the whole choice. A kind that
-    cannot take the step (``ValueError``) drops out; if all do, the first one's error is raised."""
+    cannot take the step (``ValueError``) drops out; if all do, the first one's error is raised. ``dynamic``
+    without slices: a kind whose packing is ranked by another kind's estimate (``makespan_zb.ranking_kind``: ``zb``
+    by ``zb-h1``'s, which misses what ``zb``'s extra warm-up makes of a ramped fill) is also run on that kind's
+    packing (``"zb@zb-h1"`` in ``schedule_auto``; ``_plan_kind`` only, no second final check), issue 39."""
     t0 = time.perf_counter()
     kinds = auto_kinds_for(spec)        # one placement for every step of a run (zb-v at virtual 2 without slices)
     if not kinds:
         raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
                          f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, memory_model) else ''}")
     packs: dict[tuple, tuple[Plan, float]] = {}
-    outcomes = evaluate([Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind),
-                                                           model_cfg, cost_model, memory_model, meta, packs))
-                         for kind in kinds])
+    cands = [Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind), model_cfg,
+                                               cost_model, memory_model, meta, packs)) for kind in kinds]
+    if spec.method == "dynamic" and not _sliced(lengths, spec, model_cfg, memory_model):
+        cands += [Candidate(f"{kind}@{ranking_kind(kind)}", functools.partial(
+            _plan_on, lengths, spec.with_(schedule_kind=kind), ranking_kind(kind), model_cfg, cost_model, memory_model,
+            meta, packs)) for kind in kinds if ranking_kind(kind) != kind and ranking_kind(kind) in kinds]
+    outcomes = evaluate(cands)
     plan, sched, sim = cast(Planned, fastest(outcomes).planned)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
     scores = {o.name: o.step_s for o in outcomes}
