@@ -59,6 +59,7 @@ from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, r
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
+from dynmb.planning.ramped import ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.slicing import longest_row, plan_split
 from dynmb.planning.spec_check import lockstep_refusal
@@ -227,15 +228,33 @@ def final_candidates(job: _Job) -> list[Candidate]:
                                               job.memory_model, job.meta)) for name, s in settings.items()]
 
 
-def _plan_on(lengths: np.ndarray, spec: PlanSpec, packing_kind: str, model_cfg: ModelConfig,
-             cost_model: CostModelLike, memory_model: MemoryModelLike, meta: dict[str, Any] | None,
+def _plan_on(job: _Job, packing_kind: str, ramp: bool,
              packs: dict[tuple, tuple[Plan, float]]) -> tuple[Plan, Schedule, SimResult]:
-    """``_plan_kind`` of ``spec``'s kind on the packing made for ``packing_kind`` in this step (``packs``)."""
+    """``_plan_kind`` of ``job.spec``'s kind on the packing made for ``packing_kind`` in this step (``packs``), its
+    fill ramped where ``ramp`` (``dynmb.planning.ramped``)."""
+    spec = job.spec
     made = packs.get(get_kind(packing_kind).packing_key)
-    if made is None:
-        raise ValueError(f"no {packing_kind} packing of this step to run {spec.schedule_kind} on")
-    view = {**packs, get_kind(spec.schedule_kind).packing_key: made}
-    return _plan_kind(lengths, spec, model_cfg, cost_model, memory_model, meta, view)
+    plan = None if made is None else ramped_plan(made[0], spec, job.memory_model) if ramp else made[0]
+    if made is None or plan is None:
+        raise ValueError(f"no {'ramped ' if ramp else ''}{packing_kind} packing of this step for {spec.schedule_kind}")
+    view = {**packs, get_kind(spec.schedule_kind).packing_key: (plan, made[1])}
+    return _plan_kind(job.lengths, spec, job.model_cfg, job.cost_model, job.memory_model, job.meta, view)
+
+
+def _ranked_elsewhere(job: _Job, kinds: tuple[str, ...], packs: dict[tuple, tuple[Plan, float]]) -> list[Candidate]:
+    """``plan_auto``'s extra candidates for ``dynamic`` without slices: each kind whose packing is ranked by another
+    kind's estimate (``makespan_zb.ranking_kind``) on that kind's packing (``"zb@zb-h1"``) and on its own packing
+    with the fill ramped (``"zb+ramp"``)."""
+    if job.spec.method != "dynamic" or _sliced(job.lengths, job.spec, job.model_cfg, job.memory_model):
+        return []
+    out = []
+    for kind in kinds:
+        other = ranking_kind(kind)
+        if other != kind and other in kinds:
+            job_k = replace(job, spec=job.spec.with_(schedule_kind=kind))
+            out += [Candidate(name, functools.partial(_plan_on, job_k, packing, ramp, packs))
+                    for name, packing, ramp in ((f"{kind}@{other}", other, False), (f"{kind}+ramp", kind, True))]
+    return out
 
 
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_model: CostModelLike,
@@ -258,10 +277,7 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, cost_
     packs: dict[tuple, tuple[Plan, float]] = {}
     cands = [Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind), model_cfg,
                                                cost_model, memory_model, meta, packs)) for kind in kinds]
-    if spec.method == "dynamic" and not _sliced(lengths, spec, model_cfg, memory_model):
-        cands += [Candidate(f"{kind}@{ranking_kind(kind)}", functools.partial(
-            _plan_on, lengths, spec.with_(schedule_kind=kind), ranking_kind(kind), model_cfg, cost_model, memory_model,
-            meta, packs)) for kind in kinds if ranking_kind(kind) != kind and ranking_kind(kind) in kinds]
+    cands += _ranked_elsewhere(_Job(lengths, spec, model_cfg, cost_model, memory_model, meta), kinds, packs)
     outcomes = evaluate(cands)
     plan, sched, sim = cast(Planned, fastest(outcomes).planned)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)

@@ -12,9 +12,9 @@ fill to the ramp's first microbatch's, for a few more microbatches on the ramp's
 body microbatches' worth), and lets the body's microbatches grow where the fill bounded them.
 
 Algorithm (``ramped``; one replica, documents that may share a row, i.e. a document-causal mask). The body is a
-candidate's plan; its microbatches with the fewest tokens are emptied, fewest first, until their documents cover
-the ramp's tokens (targets ``s_k = s_0 g^k`` below the body's median tokens ``s``, ``s_0 = s / RAMP_SPAN``);
-those documents, longest first, fill the ramp's microbatches in turn (one packed row each, a target reached or
+candidate's plan; its microbatches with the fewest tokens are emptied, fewest first, until their documents fill
+the ramp and one more microbatch (targets ``s_k = s_0 g^k`` below the body's median tokens ``s``, ``s_0 = s / RAMP_SPAN``);
+those documents, shortest first, fill the ramp's microbatches in turn (one packed row each, a target reached or
 the next document over the longest admissible row closes one; a microbatch holds at least one document), and
 what is left fills microbatches of at most ``s`` tokens the same way. The ramp runs first, growing; then the
 body's other microbatches and the leftovers in the body's order. The candidate is ranked and chosen like every
@@ -23,6 +23,7 @@ other (``Ranker``: in its orders, by the kind's estimate): it is kept only where
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from dynmb.packing.dynamic.rank import Candidate
 from dynmb.packing.rows import Flat, Group, flat_to_groups, groups_to_flat, round_up
 
-__all__ = ["RAMP_SPAN", "growth", "ramp_targets", "ramped"]
+__all__ = ["RAMP_SPAN", "Ramp", "growth", "ramp_targets", "ramp_of", "ramped"]
 
 RAMP_SPAN = 16.0
 """The ramp's first microbatch holds about ``1 / RAMP_SPAN`` of the body's median tokens."""
@@ -81,28 +82,52 @@ def _attention(g: Group, lengths: np.ndarray) -> float:
     return float(g.batch) * float(g.padded_len) ** 2
 
 
-def ramped(body: Candidate, lengths: np.ndarray, num_stages: int, row_cap: int, round_to: int,
-           admissible: Callable[[np.ndarray], np.ndarray]) -> Candidate | None:
-    """The ramped candidate of ``body`` (module doc), or None where there is nothing to ramp (a body of fewer
-    microbatches than the ramp, or a ramp row no microbatch may hold: ``admissible(padded_lens)``, the most rows
-    at each padded length)."""
-    groups = flat_to_groups(body.emit(np.arange(len(body.rows))))
-    tokens = np.array([int(lengths[g.items].sum()) for g in groups], dtype=np.int64)
+@dataclass(frozen=True)
+class Ramp:
+    """A ramped fill of a body (module doc): the ramp's document runs (one packed row each, in order), the body's
+    microbatches kept (their indices, in order) and the runs of the emptied microbatches' other documents."""
+
+    ramp: list[np.ndarray]
+    kept: np.ndarray
+    rest: list[np.ndarray]
+
+
+def ramp_of(body: list[np.ndarray], lengths: np.ndarray, num_stages: int, row_cap: int) -> Ramp | None:
+    """The ramped fill of the body whose microbatch ``i`` holds the documents ``body[i]`` (item positions into
+    ``lengths``; module doc), or None where there is nothing to ramp (a body of fewer microbatches than twice the
+    ramp, or a ramp no shorter than two of the shortest documents)."""
+    tokens = np.array([int(lengths[g].sum()) for g in body], dtype=np.int64)
     targets = ramp_targets(float(np.median(tokens)), num_stages)
-    if len(groups) < 2 * len(targets) or float(targets[-1]) < 2 * float(lengths.min()):
+    if len(body) < 2 * len(targets) or float(targets[-1]) < 2 * float(lengths.min()):
         return None
     emptied = np.argsort(tokens, kind="stable")
-    n_emptied = int(np.searchsorted(np.cumsum(tokens[emptied]), targets.sum())) + 1
-    gone = np.sort(emptied[:n_emptied])
-    docs = np.concatenate([groups[i].items for i in gone])
-    docs = docs[np.argsort(lengths[docs], kind="stable")]
-    runs = _fill(docs, lengths, [*targets.tolist(), float(np.median(tokens))], row_cap)
-    new = [_row(r, lengths, round_to) for r in runs]
+    n_emptied = int(np.searchsorted(np.cumsum(tokens[emptied]), targets.sum()))
+    runs: list[np.ndarray] = []
+    gone = np.zeros(0, dtype=np.int64)
+    while len(runs) <= len(targets) and n_emptied < len(body):      # every ramp run closed by its target
+        n_emptied += 1
+        gone = np.sort(emptied[:n_emptied])
+        docs = np.concatenate([body[i] for i in gone])
+        docs = docs[np.argsort(lengths[docs], kind="stable")]
+        runs = _fill(docs, lengths, [*targets.tolist(), float(np.median(tokens))], row_cap)
+    if len(runs) <= len(targets):
+        return None
+    kept = np.setdiff1d(np.arange(len(body)), gone)
+    return Ramp(runs[:len(targets)], kept, runs[len(targets):])
+
+
+def ramped(body: Candidate, lengths: np.ndarray, num_stages: int, row_cap: int, round_to: int,
+           admissible: Callable[[np.ndarray], np.ndarray]) -> Candidate | None:
+    """The ramped candidate of the candidate ``body`` (``ramp_of``), or None (no ramp, or a ramp row no microbatch
+    may hold: ``admissible(padded_lens)``, the most rows at each padded length)."""
+    groups = flat_to_groups(body.emit(np.arange(len(body.rows))))
+    r = ramp_of([g.items for g in groups], lengths, num_stages, row_cap)
+    if r is None:
+        return None
+    new = [_row(d, lengths, round_to) for d in r.ramp + r.rest]
     if np.any(admissible(np.array([g.padded_len for g in new])) < 1):
         return None
-    kept = [groups[i] for i in range(len(groups)) if i not in set(gone.tolist())]
-    ramp, rest = new[:len(targets)], new[len(targets):]
-    out = ramp + kept + rest
+    out = new[:len(r.ramp)] + [groups[i] for i in r.kept] + new[len(r.ramp):]
 
     def emit(order: np.ndarray) -> Flat:
         return groups_to_flat([out[i] for i in order])
