@@ -157,20 +157,26 @@ def markdown(df: pd.DataFrame) -> str:
 KEY = ["trace", "model", "P", "limit"]
 
 
-def merged(after: pd.DataFrame) -> pd.DataFrame:
-    """``after``'s last row per cell, the other methods' steps taken from any row of the cell that has them."""
-    others = [c for c in after.columns if c.startswith("step_") and c != "step_s"]
-    best = after.groupby(KEY)[others].min().reset_index()
-    df = after.drop_duplicates(KEY, keep="last").drop(columns=[*others, "best_other", "best_other_s"]).merge(best, on=KEY)
+def merged(rows: pd.DataFrame, others_from: pd.DataFrame | None = None) -> pd.DataFrame:
+    """``rows``' last row per cell, the other methods' steps the smallest of any row of the cell in ``others_from``
+    (default ``rows``) that has them (a run of dynamic alone takes them from a run with every method)."""
+    src = rows if others_from is None else pd.concat([others_from, rows], ignore_index=True)
+    others = [c for c in src.columns if c.startswith("step_") and c != "step_s"]
+    df = rows.drop_duplicates(KEY, keep="last").drop(columns=[c for c in rows.columns if c in others
+                                                               or c in ("best_other", "best_other_s")])
+    if not others:
+        return df.assign(best_other="", best_other_s=float("nan"))
+    df = df.merge(src.groupby(KEY)[others].min().reset_index(), on=KEY, how="left")
     df["best_other_s"] = df[others].min(axis=1)
-    df["best_other"] = df[others].idxmin(axis=1, skipna=True).str.removeprefix("step_")
+    df["best_other"] = [min((v, c) for c, v in r.items() if pd.notna(v))[1].removeprefix("step_")
+                        if r.notna().any() else "" for _, r in df[others].iterrows()]
     return df
 
 
 def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
     """One row per cell: dynamic's step and gap before -> after, dynamic / the best other (after), the kind and
     microbatches before -> after, the terms after."""
-    df = merged(after[after.status == "ok"]).merge(
+    df = merged(after[after.status == "ok"], before[before.status == "ok"]).merge(
         before[before.status == "ok"].drop_duplicates(KEY, keep="last")[
             [*KEY, "step_s", "gap", "kind", "microbatches", "plan_cpu_s"]], on=KEY, suffixes=("", "_before"))
     head = ("| trace | model | P | limit | step s before -> after | gap before -> after | best other (s) | dyn / best | "
