@@ -59,7 +59,7 @@ from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, r
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
-from dynmb.planning.ramped import ramped_plan
+from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.slicing import longest_row, plan_split
 from dynmb.planning.spec_check import lockstep_refusal
@@ -228,13 +228,13 @@ def final_candidates(job: _Job) -> list[Candidate]:
                                               job.memory_model, job.meta)) for name, s in settings.items()]
 
 
-def _plan_on(job: _Job, packing_kind: str, ramp: bool,
+def _plan_on(job: _Job, packing_kind: str, ramp: float | None,
              packs: dict[tuple, tuple[Plan, float]]) -> tuple[Plan, Schedule, SimResult]:
     """``_plan_kind`` of ``job.spec``'s kind on the packing made for ``packing_kind`` in this step (``packs``), its
-    fill ramped where ``ramp`` (``dynmb.planning.ramped``)."""
+    fill ramped where ``ramp`` is a body scale (``dynmb.planning.ramped``)."""
     spec = job.spec
     made = packs.get(get_kind(packing_kind).packing_key)
-    plan = None if made is None else ramped_plan(made[0], spec, job.memory_model) if ramp else made[0]
+    plan = None if made is None else made[0] if ramp is None else ramped_plan(made[0], spec, job.memory_model, ramp)
     if made is None or plan is None:
         raise ValueError(f"no {'ramped ' if ramp else ''}{packing_kind} packing of this step for {spec.schedule_kind}")
     view = {**packs, get_kind(spec.schedule_kind).packing_key: (plan, made[1])}
@@ -244,7 +244,9 @@ def _plan_on(job: _Job, packing_kind: str, ramp: bool,
 def _ranked_elsewhere(job: _Job, kinds: tuple[str, ...], packs: dict[tuple, tuple[Plan, float]]) -> list[Candidate]:
     """``plan_auto``'s extra candidates for ``dynamic`` without slices: each kind whose packing is ranked by another
     kind's estimate (``makespan_zb.ranking_kind``) on that kind's packing (``"zb@zb-h1"``) and on its own packing
-    with the fill ramped (``"zb+ramp"``)."""
+    with the fill ramped, its body as packed and re-packed larger (``"zb+ramp"``, ``"zb+ramp x1.5"``:
+    ``ramped.BODY_SCALES``), run in the ramp's order (``reorder="none"``: the reorder search's estimate, ``zb``'s,
+    does not see the ramp either and spreads it over both ends)."""
     if job.spec.method != "dynamic" or _sliced(job.lengths, job.spec, job.model_cfg, job.memory_model):
         return []
     out = []
@@ -252,8 +254,10 @@ def _ranked_elsewhere(job: _Job, kinds: tuple[str, ...], packs: dict[tuple, tupl
         other = ranking_kind(kind)
         if other != kind and other in kinds:
             job_k = replace(job, spec=job.spec.with_(schedule_kind=kind))
-            out += [Candidate(name, functools.partial(_plan_on, job_k, packing, ramp, packs))
-                    for name, packing, ramp in ((f"{kind}@{other}", other, False), (f"{kind}+ramp", kind, True))]
+            out.append(Candidate(f"{kind}@{other}", functools.partial(_plan_on, job_k, other, None, packs)))
+            as_built = replace(job, spec=job.spec.with_(schedule_kind=kind, reorder="none"))   # the ramp's order
+            out += [Candidate(f"{kind}+ramp" + ("" if x == 1.0 else f" x{x:g}"),
+                              functools.partial(_plan_on, as_built, kind, x, packs)) for x in BODY_SCALES]
     return out
 
 
