@@ -12,6 +12,7 @@ import dynmb
 from dynmb.packing.dynamic.ramp import RAMP_SPAN, growth, ramp_targets, ramped
 from dynmb.packing.dynamic.rank import Candidate
 from dynmb.packing.rows import Group, groups_to_flat
+from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 
 
 def _body(lengths: np.ndarray, per: int) -> Candidate:
@@ -52,13 +53,32 @@ def test_no_ramp_where_no_row_fits_or_the_body_is_short():
     assert ramped(_body(lengths[:60], 20), lengths[:60], 8, 100_000, 1, admissible=lambda s: np.ones(len(s))) is None
 
 
-def test_auto_runs_zb_on_zb_h1_packing_and_keeps_the_fastest():
+def _planner(schedule: str) -> dynmb.Planner:
+    return dynmb.Planner(model="tiny", num_stages=4, memory_limit="64MiB", cost_model="analytic", schedule=schedule)
+
+
+def _lengths() -> np.ndarray:
     rng = np.random.default_rng(0)
-    lengths = np.minimum(rng.lognormal(5.0, 0.8, 600).astype(np.int64) + 8, 1500)
-    planner = dynmb.Planner(model="tiny", num_stages=8, memory_limit="64MiB", cost_model="analytic", schedule="auto")
+    return np.minimum(rng.lognormal(5.0, 0.8, 600).astype(np.int64) + 8, 1500)
+
+
+def test_ramped_plan_keeps_every_sequence_and_starts_small():
+    planner = _planner("zb")
+    plan = planner.plan(_lengths()).plan
+    for scale in BODY_SCALES:
+        out = ramped_plan(plan, plan.spec, planner.memory_model, scale)   # a Plan: every sequence exactly once
+        assert out is not None and out.num_sequences == plan.num_sequences
+        tokens = [mb.real_tokens for mb in out.microbatches]
+        assert tokens[0] < np.median(tokens) / 4 and sum(tokens) == plan.real_tokens
+    assert ramped_plan(plan, plan.spec.with_(attention="dense"), planner.memory_model) is None
+
+
+def test_auto_weighs_zb_on_other_packings_and_keeps_the_fastest():
+    planner, lengths = _planner("auto"), _lengths()
     step = planner.plan(lengths)
     scores = step.plan.meta.schedule_auto
-    assert "zb@zb-h1" in scores
-    assert step.sim.makespan_s <= min(v for v in scores.values() if v is not None) + 1e-12
+    assert {"zb@zb-h1", "zb+ramp"} <= set(scores)
+    fits = float(np.max(step.sim.peak_bytes)) <= planner.memory_limit_bytes
+    assert not fits or step.sim.makespan_s <= min(v for v in scores.values() if v is not None) + 1e-12
     assert step.plan.schedule_kind in ("1f1b", "zb-h1", "zb")
     assert "zb@zb-h1" not in planner.plan(lengths, method="balanced").plan.meta.schedule_auto

@@ -26,7 +26,7 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.core.types import Microbatch, Plan
 from dynmb.memory.model import MemoryModelLike
 from dynmb.packing.context import PackContext
-from dynmb.packing.dynamic.ramp import ramp_of
+from dynmb.packing.dynamic.ramp import fill_runs, ramp_of
 from dynmb.packing.rows import round_up
 
 __all__ = ["ramped_plan"]
@@ -45,14 +45,13 @@ lets the body grow where the fill bounded it; the packer's estimate does not see
 
 def _body(plan: Plan, lengths: np.ndarray, scale: float, row_cap: int) -> list[np.ndarray]:
     """The plan's microbatches' documents (``scale`` 1), or every document, longest first, in packed rows of at
-    most ``scale`` times the microbatches' median tokens (and ``row_cap``), next-fit."""
+    most ``row_cap`` tokens, each closed at ``scale`` times the microbatches' median tokens (``fill_runs``)."""
     if scale == 1.0:
         return [mb.seq_ids for mb in plan.microbatches]
     target = min(scale * float(np.median([mb.real_tokens for mb in plan.microbatches])), float(row_cap))
     docs = np.concatenate([mb.seq_ids for mb in plan.microbatches])
     docs = docs[np.argsort(-lengths[docs], kind="stable")]
-    ends = np.flatnonzero(np.diff(np.floor(np.cumsum(lengths[docs]) / target), prepend=0) > 0)
-    return [d for d in np.split(docs, ends) if len(d)]
+    return fill_runs(docs, lengths, [target], row_cap)
 
 
 def ramped_plan(plan: Plan, spec: PlanSpec, memory_model: MemoryModelLike, scale: float = 1.0) -> Plan | None:

@@ -31,7 +31,7 @@ import numpy as np
 from dynmb.packing.dynamic.rank import Candidate
 from dynmb.packing.rows import Flat, Group, flat_to_groups, groups_to_flat, round_up
 
-__all__ = ["RAMP_SPAN", "Ramp", "growth", "ramp_targets", "ramp_of", "ramped"]
+__all__ = ["RAMP_SPAN", "Ramp", "growth", "ramp_targets", "ramp_of", "ramped", "fill_runs"]
 
 RAMP_SPAN = 16.0
 """The ramp's first microbatch holds about ``1 / RAMP_SPAN`` of the body's median tokens."""
@@ -49,7 +49,7 @@ def ramp_targets(body_tokens: float, num_stages: int) -> np.ndarray:
     return body_tokens / RAMP_SPAN * g ** np.arange(k)
 
 
-def _fill(docs: np.ndarray, lengths: np.ndarray, targets: list[float], row_cap: int) -> list[np.ndarray]:
+def fill_runs(docs: np.ndarray, lengths: np.ndarray, targets: list[float], row_cap: int) -> list[np.ndarray]:
     """``docs`` (item positions, in order) cut into runs of about ``targets[k]`` tokens each (the last target
     repeated), a run closed when it reaches its target or the next document would pass ``row_cap``."""
     runs, cur, tok, k = [], [], 0, 0
@@ -109,7 +109,7 @@ def ramp_of(body: list[np.ndarray], lengths: np.ndarray, num_stages: int, row_ca
         gone = np.sort(emptied[:n_emptied])
         docs = np.concatenate([body[i] for i in gone])
         docs = docs[np.argsort(lengths[docs], kind="stable")]
-        runs = _fill(docs, lengths, [*targets.tolist(), float(np.median(tokens))], row_cap)
+        runs = fill_runs(docs, lengths, [*targets.tolist(), float(np.median(tokens))], row_cap)
     if len(runs) <= len(targets):
         return None
     kept = np.setdiff1d(np.arange(len(body)), gone)
