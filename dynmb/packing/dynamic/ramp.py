@@ -14,8 +14,8 @@ body microbatches' worth), and lets the body's microbatches grow where the fill 
 Algorithm (``ramped``; one replica, documents that may share a row, i.e. a document-causal mask). The body is a
 candidate's plan; its microbatches with the fewest tokens are emptied, fewest first, until their documents fill
 the ramp and one more microbatch (targets ``s_k = s_0 g^k`` below the body's median tokens ``s``, ``s_0 = s / RAMP_SPAN``);
-those documents, shortest first, fill the ramp's microbatches in turn (one packed row each, a target reached or
-the next document over the longest admissible row closes one; a microbatch holds at least one document), and
+those documents, shortest first, fill the ramp's microbatches in turn (one packed row each, closed nearest its
+target or before the longest admissible row; a microbatch holds at least one document; ``fill_runs``), and
 what is left fills microbatches of at most ``s`` tokens the same way. The ramp runs first, growing; then the
 body's other microbatches and the leftovers in the body's order. The candidate is ranked and chosen like every
 other (``Ranker``: in its orders, by the kind's estimate): it is kept only where the estimate says it is faster.
@@ -51,18 +51,18 @@ def ramp_targets(body_tokens: float, num_stages: int) -> np.ndarray:
 
 def fill_runs(docs: np.ndarray, lengths: np.ndarray, targets: list[float], row_cap: int) -> list[np.ndarray]:
     """``docs`` (item positions, in order) cut into runs of about ``targets[k]`` tokens each (the last target
-    repeated), a run closed when it reaches its target or the next document would pass ``row_cap``."""
-    runs, cur, tok, k = [], [], 0, 0
+    repeated): a run closes before a document that would take it past its target by more than half that document
+    (the runs' tokens land on their targets on average), or past ``row_cap``."""
+    runs: list[np.ndarray] = []
+    cur: list[int] = []
+    tok, k = 0, 0
     for d in docs.tolist():
         length = int(lengths[d])
-        if cur and tok + length > row_cap:
+        if cur and (tok + length > row_cap or tok + length / 2 > targets[min(k, len(targets) - 1)]):
             runs.append(np.array(cur, dtype=np.int64))
             cur, tok, k = [], 0, k + 1
         cur.append(d)
         tok += length
-        if tok >= targets[min(k, len(targets) - 1)]:
-            runs.append(np.array(cur, dtype=np.int64))
-            cur, tok, k = [], 0, k + 1
     if cur:
         runs.append(np.array(cur, dtype=np.int64))
     return runs
