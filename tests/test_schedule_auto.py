@@ -78,13 +78,17 @@ def test_auto_is_never_slower_than_a_fixed_kind(seed, n, P, method, dp):
     assert sched.kind == plan.schedule_kind
     chosen = plan.predictions["pred_step_s"]
     scores = plan.meta["schedule_auto"]
-    assert set(scores) == set(auto_kinds(1))
+    # every kind, and for dynamic zb on zb-h1's packing and ramped (issue 39: "zb@zb-h1", "zb+ramp ...")
+    assert set(auto_kinds(1)) <= set(scores) and all(k.partition("@")[0].partition("+")[0] in auto_kinds(1)
+                                                     for k in scores)
+    assert method == "dynamic" or set(scores) == set(auto_kinds(1))
     for kind in auto_kinds(1):
         fixed, _, fsim = plan_step(lengths, spec.with_(schedule_kind=kind), model_cfg=TINY, models=Models(cm, mm))
         assert scores[kind] == pytest.approx(fixed.predictions["pred_step_s"], rel=1e-12)
         if fsim.fits and np.all(np.asarray(fixed.predictions["pred_peak_bytes"]) <= limit):
             assert chosen <= fixed.predictions["pred_step_s"] * (1 + 1e-12), (kind, scores)
-    assert chosen == pytest.approx(scores[plan.schedule_kind], rel=1e-12)
+    assert any(chosen == pytest.approx(v, rel=1e-12) for k, v in scores.items()
+               if k.partition("@")[0].partition("+")[0] == plan.schedule_kind)
     # every replica's schedule is built for the chosen kind from the spec's "auto"
     replica = plan.replica(dp - 1) if dp > 1 else plan
     again = make_schedule(replica, AUTO, models=Models(cm, mm))

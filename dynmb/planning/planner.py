@@ -52,12 +52,14 @@ from dynmb.packing.context import PackContext
 from dynmb.packing.methods import get_method
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind
+from dynmb.timing.makespan_zb import ranking_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust, step_floor
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
+from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.slicing import longest_row, plan_split
 from dynmb.planning.spec_check import lockstep_refusal
@@ -288,6 +290,39 @@ def _staged(name: str, job: _Job, spec: PlanSpec) -> Candidate[Planned]:
     return Candidate(name, make, floor)
 
 
+def _plan_on(job: _Job, packing_kind: str, ramp: float | None,
+             packs: dict[tuple, tuple[Plan, float]]) -> tuple[Plan, Schedule, SimResult]:
+    """``_plan_kind`` of ``job.spec``'s kind on the packing made for ``packing_kind`` in this step (``packs``), its
+    fill ramped where ``ramp`` is a body scale (``dynmb.planning.ramped``)."""
+    spec = job.spec
+    made = packs.get(get_kind(packing_kind).packing_key)
+    plan = None if made is None else made[0] if ramp is None else ramped_plan(made[0], spec, job.models.memory, ramp)
+    if made is None or plan is None:
+        raise ValueError(f"no {'ramped ' if ramp else ''}{packing_kind} packing of this step for {spec.schedule_kind}")
+    view = {**packs, get_kind(spec.schedule_kind).packing_key: (plan, made[1])}
+    return _plan_kind(job.lengths, spec, job.kind, job.model_cfg, job.models, job.meta, view)
+
+
+def _ranked_elsewhere(job: _Job, kinds: tuple[str, ...], packs: dict[tuple, tuple[Plan, float]]) -> list[Candidate]:
+    """``plan_auto``'s extra candidates for ``dynamic`` without slices: each kind whose packing is ranked by another
+    kind's estimate (``makespan_zb.ranking_kind``) on that kind's packing (``"zb@zb-h1"``) and on its own packing
+    with the fill ramped, its body as packed and re-packed larger (``"zb+ramp"``, ``"zb+ramp x1.5"``:
+    ``ramped.BODY_SCALES``), run in the ramp's order (``reorder="none"``: the reorder search's estimate, ``zb``'s,
+    does not see the ramp either and spreads it over both ends)."""
+    if job.spec.method != "dynamic" or _sliced(job.lengths, job.spec, job.model_cfg, job.models.memory):
+        return []
+    out = []
+    for kind in kinds:
+        other = ranking_kind(kind)
+        if other != kind and other in kinds:
+            job_k = replace(job, spec=job.spec.with_(schedule_kind=kind), kind=get_kind(kind))
+            out.append(Candidate(f"{kind}@{other}", functools.partial(_plan_on, job_k, other, None, packs)))
+            as_built = replace(job, spec=job.spec.with_(schedule_kind=kind, reorder="none"), kind=get_kind(kind))   # the ramp's order
+            out += [Candidate(f"{kind}+ramp" + ("" if x == 1.0 else f" x{x:g}"),
+                              functools.partial(_plan_on, as_built, kind, x, packs)) for x in BODY_SCALES]
+    return out
+
+
 def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, models: Models[MemoryModelLike],
               meta: dict[str, Any] | None = None) -> tuple[Plan, Schedule, SimResult]:
     """``--schedule auto``: the step planned for each kind of ``auto_kinds`` (packed for that kind;
@@ -296,16 +331,21 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, model
     search (``dynmb.planning.search``, rule ``fastest``). Ties go to the kind registered first. The plan's
     ``schedule_kind`` is the chosen kind, its spec keeps ``auto``; ``meta.schedule_auto`` holds every
     kind's predicted step (None: it could not plan the step), ``plan_s`` the whole choice. A kind that
-    cannot take the step (``ValueError``) drops out; if all do, the first one's error is raised."""
+    cannot take the step (``ValueError``) drops out; if all do, the first one's error is raised. ``dynamic``
+    without slices: a kind whose packing is ranked by another kind's estimate (``makespan_zb.ranking_kind``: ``zb``
+    by ``zb-h1``'s, which misses what ``zb``'s extra warm-up makes of a ramped fill) is also run on that kind's
+    packing (``"zb@zb-h1"`` in ``schedule_auto``; ``_plan_kind`` only, no second final check), issue 39."""
     t0 = time.perf_counter()
     kinds = auto_kinds_for(spec)        # one placement for every step of a run (zb-v at virtual 2 without slices)
     if not kinds:
         raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
                          f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, models.memory) else ''}")
     packs: dict[tuple, tuple[Plan, float]] = {}
-    outcomes = evaluate([Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind),
-                                                           model_cfg, models, meta, packs))
-                         for kind in kinds])
+    cands = [Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind), model_cfg,
+                                               models, meta, packs)) for kind in kinds]
+    cands += _ranked_elsewhere(_Job(lengths, spec, get_kind(kinds[0]), model_cfg, models, meta),   # kind: per candidate
+                               kinds, packs)
+    outcomes = evaluate(cands)
     plan, sched, sim = cast(Planned, fastest(outcomes).made)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
     scores = {o.name: o.score for o in outcomes}

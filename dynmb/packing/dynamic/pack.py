@@ -88,6 +88,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
+from dynmb.packing.dynamic.ramp import ramped
 from dynmb.packing.dynamic.rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
 from dynmb.packing.dynamic.setup import SplitSetup
 from dynmb.packing.dynamic.space import BFD_MAX, SEED_DP_MAX, PackCall, Space, space_for
@@ -162,13 +163,36 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     own = rk.rank([space.own(*x) for x in {(x[0], x[1].tobytes()): x for x in first}.values()])
     base = rk.rank(base, as_given=True)
     own += rk.rank(_refined(own, setups, space.grids, num_tau, space))
+    ramps = rk.rank(_ramps(own, space, lengths, ctx, min(top, ctx.max_len(top)), round_to)) \
+        if dp == 1 and ctx.virtual == 1 and space.doc_causal else []       # ramped fills (``ramp``): one replica
     best = sorted((c for c in own if np.isfinite(c.value)), key=lambda c: c.value)
     finals = best[:keep] + sorted((c for c in best if c.value <= best[0].value * (1 + tol)),
                                   key=lambda c: len(c.rows))[:keep] if best else []
+    finals += sorted((c for c in ramps if np.isfinite(c.value)), key=lambda c: c.value)[:RAMP_KEEP]
     if not finals and not base:                      # nothing balances over dp: leave it to dynmb.packing
         c = space.own(*first[0], balance=False)
         return c.emit(np.arange(len(c.rows))), np.inf
     return rk.choose(list({id(c): c for c in finals + base}.values()), tol)
+
+
+RAMP_KEEP = 2
+"""The best ramped candidates by the ranking estimate go to the final choice whatever their rank (``zb`` ranks with
+``zb-h1``'s estimate, which does not see the fill a ramp saves under ``zb``'s)."""
+RAMP_BODIES = (1.0, 1.5, 2.0, 3.0)
+"""The best own split's time target times these: the bodies ``_ramps`` ramps (a ramp lets the body grow)."""
+
+
+def _ramps(own: list[Candidate], space: Space, lengths: np.ndarray, ctx: PackContext, row_cap: int,
+           round_to: int) -> list[Candidate]:
+    """Ramped fills (``dynmb.packing.dynamic.ramp``) of the best ranked own split, of its row set's greedy splits
+    at ``RAMP_BODIES`` times its time target, and of the second best."""
+    ranked = sorted((c for c in own if np.isfinite(c.value) and c.source is not None), key=lambda c: c.value)
+    if not ranked:
+        return []
+    key, _, tau = ranked[0].source  # type: ignore[misc]
+    bodies = ranked[1:2] + [space.own(key, space.setups[key].greedy_cuts(tau * f), tau * f) for f in RAMP_BODIES]
+    out = [ramped(b, lengths, ctx.p, row_cap, round_to, ctx.bmax) for b in bodies if len(b.rows)]
+    return list({c.key: c for c in out if c is not None}.values())
 
 
 def _sorted_cuts(flat: Flat, padded: np.ndarray, reverse: bool) -> np.ndarray | None:

@@ -1,0 +1,230 @@
+"""Short documents near the limit (issue 39, judged criterion): dynamic's gap to the batch's ideal step and to every
+other method on the chat / instruction traces, per cell, with the gap's terms.
+
+One cell = (trace, model, P, memory limit): one 0.5M-token pipeline (``studies.scaling.scaling.token_batch``, seed 0,
+DP 1) of a short-document trace (every shipped trace whose longest record is at most ``SHORT_LONGEST`` tokens), the
+public ``dynmb.Planner`` with ``GPUCostModel`` (H100, ib), ``schedule="auto"``, ``stage_split="auto"`` on the trace
+(``workload``), the model preset's ``max_seq_len`` raised as the scaling study raises it (``scaling.model_for``).
+Every method plans the same batch with the same planner; the tuned baselines are swept as the scaling study sweeps
+them (``token-budget`` and ``balanced`` at budgets cap / 2^j until the microbatch count stops changing, the step has
+grown on two budgets in a row past the best, or the next would make more than ``MAX_MICROBATCHES``; ``fixed`` at its
+largest fitting mbs and its halvings under the same rules), ``sorted`` at mbs 1, ``packed``, ``dynapipe``.
+
+Per cell it prints one markdown row: dynamic's step, ``ideal_s`` (``dynmb.timing.gap_terms`` against the whole
+batch priced with GEMMs saturated, no split-backward drain dropped: the scaling study's ideal, the same for every
+method), the gap, the best other method and dynamic's step over it, the kind ``auto`` chose, the microbatch count,
+the final check's ``grouping`` (an alternative grouping chosen over the packer's), and the gap's terms in % of the
+ideal (``schedule`` = step - bound, ``ends`` fill / drain, ``overhead`` per-op fixed cost, ``padding``,
+``passes`` split backward / recomputation, ``shape`` GEMM and attention efficiency at the microbatch's size).
+
+    PYTHONPATH=$PWD nice -n 19 python3 -m studies.shortdoc.shortdoc --out results/shortdoc.jsonl
+    python3 -m studies.shortdoc.shortdoc --table results/shortdoc.jsonl [--before results/shortdoc_before.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+from studies.scaling import scaling
+
+import dynmb
+from dynmb import data
+from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.timing.gap_terms import gap_terms
+
+SHORT_LONGEST = 8192
+"""A trace is a short-document trace when its longest record is at most this many tokens (sharegpt's is 4,206; the
+long-document traces reach 20,980)."""
+MAX_MICROBATCHES = 4096
+"""The sweeps stop before a setting that would make more microbatches than this (one pipeline)."""
+PLAIN = ("sorted/1", "packed", "dynapipe")
+"""The other methods planned once (name or name/mbs)."""
+SWEPT = ("token-budget", "balanced", "fixed")
+"""The other methods swept (module doc)."""
+
+
+def short_traces() -> list[str]:
+    """The shipped traces whose longest record is at most ``SHORT_LONGEST`` tokens."""
+    return [n for n in data.list_traces() if int(data.load_trace(n).max()) <= SHORT_LONGEST]
+
+
+def plan_method(planner: dynmb.Planner, batch: np.ndarray, name: str) -> tuple[dynmb.PlannedStep, float]:
+    """``name`` (``method`` or ``method/mbs``) planned, with the CPU seconds it took."""
+    method, _, mbs = name.partition("/")
+    t0 = time.process_time()
+    step = planner.plan(batch, method=method, mbs=int(mbs) if mbs else None)
+    return step, time.process_time() - t0
+
+
+def sweep(plan: Callable[[int | None], dynmb.PlannedStep], start: list[int | None]) -> tuple[float, int | None]:
+    """The scaling study's stop rules over the settings ``start`` (in order): the best step and its setting."""
+    best, best_at, last, worse = float("inf"), None, None, 0
+    for setting in start:
+        if last is not None and 2 * last > MAX_MICROBATCHES:
+            break
+        try:
+            step = plan(setting)
+        except ValueError:
+            break
+        s, m = step.sim.makespan_s, step.plan.num_microbatches
+        if s < best:
+            best, best_at, worse = s, setting, 0
+        else:
+            worse += 1
+        if m == last or worse >= 2:
+            break
+        last = m
+    return best, best_at
+
+
+def others(planner: dynmb.Planner, batch: np.ndarray, names: list[str]) -> dict[str, float]:
+    """Every other method's step (``step_<name>``; a swept one at its best setting, ``<name>_at``)."""
+    out: dict[str, float] = {}
+    for name in names:
+        try:
+            if name not in SWEPT:
+                out[f"step_{name}"] = plan_method(planner, batch, name)[0].sim.makespan_s
+                continue
+            if name == "fixed":
+                first = planner.plan(batch, method="fixed")
+                mbs = int(first.plan.meta.get("mbs") or 1)
+                settings: list[int | None] = [mbs >> k for k in range(mbs.bit_length())]
+            else:
+                settings = [1 << j for j in range(12)]
+            best, at = sweep(lambda s: planner.plan(batch, method=name, mbs=s), settings)  # noqa: B023
+            out[f"step_{name}"], out[f"{name}_at"] = best, at
+        except ValueError as e:
+            print(f"  {name}: {e}", file=sys.stderr)
+    return out
+
+
+def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, names: list[str]) -> dict:
+    """One cell's row (module doc)."""
+    cfg = scaling.model_for(model, [trace])
+    batch = scaling.token_batch(trace, 500_000, 1, 0)
+    planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit=limit, cost_model=GPUCostModel(cfg, P),
+                            schedule="auto", stage_split="auto", workload=trace)
+    cm = planner.cost_model
+    key = {"trace": trace_name, "model": model, "P": P, "limit": limit, "sequences": int(batch.size)}
+    try:
+        dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
+    except ValueError as e:
+        return {**key, "status": str(e)[:200]}
+    plan, sim = dyn.plan, dyn.sim
+    terms = gap_terms(plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(cm),
+                      ideal_split=False).check()
+    steps = others(planner, batch, names)
+    plain = {k: v for k, v in steps.items() if k.startswith("step_")}
+    best = min(plain, key=plain.__getitem__) if plain else ""
+    auto = plan.meta.get("schedule_auto") or {}
+    row = {**key, "status": "ok", "step_s": sim.makespan_s, "bound_s": terms.bound, "ideal_s": terms.ideal,
+           "gap": sim.makespan_s / terms.ideal - 1, "kind": plan.schedule_kind, "microbatches": plan.num_microbatches,
+           "grouping": plan.meta.get("grouping") or "dynamic", "plan_cpu_s": dyn_cpu,
+           "best_other": best.removeprefix("step_"), "best_other_s": plain.get(best, float("nan")),
+           **{f"auto_{k}": v for k, v in auto.items()}, **steps, **terms.fractions()}
+    return row
+
+
+TABLE_TERMS = ("schedule", "ends", "overhead", "shape", "padding", "passes", "split")
+
+
+def _pct(r: object) -> str:
+    return " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in TABLE_TERMS)
+
+
+def markdown(df: pd.DataFrame) -> str:
+    """One row per cell (module doc), the terms in % of the ideal."""
+    head = ("| trace | model | P | limit | step s | ideal s | gap | best other (s) | dyn / best | kind | mb | grouping | "
+            + " | ".join(TABLE_TERMS) + " | plan CPU s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in df.itertuples():
+        if r.status != "ok":
+            lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.status} |")
+            continue
+        lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.step_s:.4f} | {r.ideal_s:.4f} | "
+                     f"{100 * r.gap:+.1f}% | {r.best_other} ({r.best_other_s:.4f}) | {r.step_s / r.best_other_s:.3f} | "
+                     f"{r.kind} | {r.microbatches} | {r.grouping} | {_pct(r)} | {r.plan_cpu_s:.1f} |")
+    return "\n".join(lines)
+
+
+KEY = ["trace", "model", "P", "limit"]
+
+
+def merged(rows: pd.DataFrame, others_from: pd.DataFrame | None = None) -> pd.DataFrame:
+    """``rows``' last row per cell, the other methods' steps the smallest of any row of the cell in ``others_from``
+    (default ``rows``) that has them (a run of dynamic alone takes them from a run with every method)."""
+    src = rows if others_from is None else pd.concat([others_from, rows], ignore_index=True)
+    others = [c for c in src.columns if c.startswith("step_") and c != "step_s"]
+    df = rows.drop_duplicates(KEY, keep="last").drop(columns=[c for c in rows.columns if c in others
+                                                               or c in ("best_other", "best_other_s")])
+    if not others:
+        return df.assign(best_other="", best_other_s=float("nan"))
+    df = df.merge(src.groupby(KEY)[others].min().reset_index(), on=KEY, how="left")
+    df["best_other_s"] = df[others].min(axis=1)
+    df["best_other"] = [min((v, c) for c, v in r.items() if pd.notna(v))[1].removeprefix("step_")
+                        if r.notna().any() else "" for _, r in df[others].iterrows()]
+    return df
+
+
+def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
+    """One row per cell: dynamic's step and gap before -> after, dynamic / the best other (after), the kind and
+    microbatches before -> after, the terms after."""
+    df = merged(after[after.status == "ok"], before[before.status == "ok"]).merge(
+        before[before.status == "ok"].drop_duplicates(KEY, keep="last")[
+            [*KEY, "step_s", "gap", "kind", "microbatches", "plan_cpu_s"]], on=KEY, suffixes=("", "_before"))
+    head = ("| trace | model | P | limit | step s before -> after | gap before -> after | best other (s) | dyn / best | "
+            "kind, mb before -> after | " + " | ".join(TABLE_TERMS) + " | plan CPU s before -> after |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in df.sort_values(["limit", "P", "trace", "model"]).itertuples():
+        lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.step_s_before:.4f} -> {r.step_s:.4f} | "
+                     f"{100 * r.gap_before:+.1f}% -> {100 * r.gap:+.1f}% | {r.best_other} ({r.best_other_s:.4f}) | "
+                     f"{r.step_s / r.best_other_s:.3f} | {r.kind_before} {r.microbatches_before} -> {r.kind} "
+                     f"{r.microbatches} | {_pct(r)} | {r.plan_cpu_s_before:.1f} -> {r.plan_cpu_s:.1f} |")
+    return "\n".join(lines)
+
+
+def read(paths: list[Path]) -> pd.DataFrame:
+    return pd.concat([pd.read_json(p, lines=True) for p in paths if p.is_file()], ignore_index=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", default=None, help="trace names (default: every shipped short-document trace)")
+    ap.add_argument("--models", default="llama2-7b,llama3.1-8b", help="model presets")
+    ap.add_argument("--stages", default="4,8,16", help="pipeline depths P")
+    ap.add_argument("--limits", default="80GiB,24GiB", help="memory limits per GPU")
+    ap.add_argument("--others", default=",".join((*SWEPT, *PLAIN)), help="other methods (name or name/mbs); '' none")
+    ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
+    ap.add_argument("--table", type=Path, nargs="+", default=None,
+                    help="print the markdown table of these JSON lines (later rows win per cell) and exit")
+    ap.add_argument("--before", type=Path, nargs="+", default=None, help="with --table: a before -> after table")
+    args = ap.parse_args(argv)
+    if args.table is not None:
+        after = read(args.table)
+        print(markdown(merged(after[after.status == "ok"])) if args.before is None
+              else before_after(read(args.before), after))
+        return 0
+    names = [m for m in args.others.split(",") if m]
+    for name in args.traces.split(",") if args.traces else short_traces():
+        trace = data.load_trace(name)
+        for limit in args.limits.split(","):
+            for model in args.models.split(","):
+                for P in map(int, args.stages.split(",")):
+                    row = cell(name, trace, model, P, limit, names)
+                    if args.out is not None:
+                        args.out.parent.mkdir(parents=True, exist_ok=True)
+                        with args.out.open("a") as f:
+                            f.write(json.dumps(row, default=float) + "\n")
+                    print(markdown(pd.DataFrame([row])).splitlines()[-1], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

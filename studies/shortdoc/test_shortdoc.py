@@ -1,0 +1,52 @@
+"""Smoke test of ``studies/shortdoc/shortdoc.py`` (``python -m pytest -q studies``): the short-trace list, the sweep's
+stop rules and the tables from JSON lines."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from studies.shortdoc import shortdoc
+
+from dynmb import data
+
+
+def test_short_traces_are_the_shipped_ones_without_long_documents():
+    names = shortdoc.short_traces()
+    assert {"sharegpt", "alpaca_eval", "gsm8k", "humaneval"} <= set(names)
+    assert all(int(data.load_trace(n).max()) <= shortdoc.SHORT_LONGEST for n in names)
+    assert "wikitext2" not in names and "longtail" not in names
+
+
+def test_sweep_stops_two_worse_in_a_row_and_keeps_the_best():
+    steps = {1: 3.0, 2: 2.0, 4: 2.5, 8: 2.6, 16: 1.0}
+    seen = []
+
+    def plan(s):
+        seen.append(s)
+        return SimpleNamespace(sim=SimpleNamespace(makespan_s=steps[s]), plan=SimpleNamespace(num_microbatches=10 * s))
+
+    assert shortdoc.sweep(plan, [1, 2, 4, 8, 16]) == (2.0, 2)
+    assert seen == [1, 2, 4, 8]
+
+
+def test_tables_from_json_lines(tmp_path, capsys):
+    terms = {f"gap_{t}": 0.01 for t in shortdoc.TABLE_TERMS}
+    row = {"trace": "t", "model": "m", "P": 16, "limit": "80GiB", "status": "ok", "step_s": 2.0, "ideal_s": 1.8,
+           "gap": 2.0 / 1.8 - 1, "kind": "zb", "microbatches": 100, "grouping": "dynamic", "plan_cpu_s": 1.0,
+           "best_other": "", "best_other_s": float("nan"), **terms}
+    before, after = tmp_path / "before.jsonl", tmp_path / "after.jsonl"
+    before.write_text(json.dumps({**row, "step_s": 2.2, "gap": 0.2, "step_balanced": 2.1}) + "\n")
+    after.write_text(json.dumps(row) + "\n")
+    assert shortdoc.main(["--table", str(after), "--before", str(before)]) == 0
+    out = capsys.readouterr().out
+    assert "2.2000 -> 2.0000" in out and "balanced (2.1000) | 0.952" in out
+    assert shortdoc.main(["--table", str(before)]) == 0
+    assert "| +20.0% |" in capsys.readouterr().out
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        shortdoc.main(["--help"])
+    assert e.value.code == 0 and "--limits" in capsys.readouterr().out
