@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Callable
 
@@ -70,6 +71,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _run_slow(config: pytest.Config) -> bool:
     return bool(config.getoption("--runslow")) or os.environ.get("DYNMB_SLOW", "") not in ("", "0")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection left alive (torch, pandas, scipy, hypothesis and every test module: ~0.5 M
+    objects) out of the cyclic collector's reach: its full collections during the run then scan only what
+    the tests allocate (``gc.freeze``; about a third of collection's CPU was the collector)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

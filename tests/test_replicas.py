@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from dynmb.integrations.torch_pipelining import _start_identical
 from dynmb.runtime.replicas import replica_digest, sync_replicas
+from tests.spawn_ranks import spawn_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -46,7 +46,7 @@ def _rank(rank: int, init: str, out: str) -> None:
 
 def test_replicas_take_the_first_replicas_weights(tmp_path) -> None:
     init = f"file://{tmp_path / 'store'}"
-    mp.start_processes(_rank, args=(init, str(tmp_path)), nprocs=2, start_method="spawn")
+    assert spawn_ranks(_rank, 2, lambda r: (r, init, str(tmp_path)), 300) == [0, 0]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert not torch.equal(r0["before"], r1["before"])                # the factory built different weights
     assert torch.equal(r0["after"][0], r0["after"][1])                 # ... and both ranks now hold the same

@@ -11,7 +11,8 @@ with ``--no-deps``, offline. Then, from an empty folder: ``dynmb datasets`` list
 traces (and ``DYNMB_DATA_DIR`` still overrides them), ``dynmb plan --dataset sharegpt`` packs a
 batch with the shipped cost model, and the public API (``dynmb.Planner(...).plan(...)``) runs --
 every import resolving to the venv's copy, not the checkout, so the traces and cost models must be
-package data of the wheel. About 20 s; it runs with the rest of ``python -m pytest -q tests``.
+package data of the wheel. About 20 s; it runs with the rest of ``python -m pytest -q tests``. The venv is made
+without pip (``ensurepip`` cost ~3 s of CPU); the host's pip installs the wheel into it (``pip --python``).
 """
 
 from __future__ import annotations
@@ -63,13 +64,14 @@ def venv(tmp_path_factory) -> dict[str, Path]:
          root, env, timeout=120)
     (wheel,) = dist.glob("dynmb-*.whl")
     venv = root / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], root, env)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], root, env)   # ensurepip: ~3 s of CPU
     py = str(venv / "bin" / "python")
     purelib = _run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root, env).stdout.strip()
     # path lines of a .pth are appended after the venv's own site-packages (the wheel's dynmb wins);
     # .pth files inside those folders are not run, so an editable install of the checkout stays out
     (Path(purelib) / "_dynmb_test_host.pth").write_text("".join(f"{d}\n" for d in _site_dirs()))
-    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], root, env, timeout=120)
+    # the host's pip installs into the venv's interpreter (``--python``, pip >= 22.3), as the venv's own pip would
+    _run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", str(wheel)], root, env, timeout=120)
     work = root / "elsewhere"
     work.mkdir()
     return {"wheel": wheel, "venv": venv, "work": work, "env": env}   # type: ignore[dict-item]
