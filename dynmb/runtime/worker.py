@@ -179,8 +179,8 @@ def _close(states: list[RunState], recorder: Recorder, ops: DeviceOps) -> None:
     for state in states:
         state.close()
     states.clear()
-    gc.unfreeze()
     gc.collect()
+    gc.freeze()         # what outlives a case (imports it made, caches) is the process's: scanned no more
     ops.empty_cache()
 
 
@@ -197,8 +197,9 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
     Python's cyclic collector, left on, runs a full collection now and then inside a step:
     ~0.1 s of one core over the ~220k objects torch, pandas and scipy leave, and the rank's
     peers wait for it (stalls of 0.2 s were measured mid-step). As Megatron-LM's --manual-gc
-    does: freeze what set-up allocated, keep the collector off while a step runs
-    (``step.run_step``), collect between steps. ``hooks`` (tests) replaces every spec's own."""
+    does: freeze what the process holds before the cases (imports) and what outlives each case, keep the
+    collector off while a step runs (``step.run_step``), collect between steps (a case's own objects stay
+    unfrozen, so closing it frees them). ``hooks`` (tests) replaces every spec's own."""
     if interleave and device.type != "cpu":
         raise ValueError("interleaved cases are for CPU runs (the CUDA peak would count every case's states)")
     if device.type == "cpu":
@@ -207,6 +208,8 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
         # the heap by another 2x limit: 9 interleaved cases at 1 GiB took 17 GB and were OOM-killed)
         prefault(max(spec.run.spec.memory_limit_bytes for spec in specs),
                  local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    gc.collect()
+    gc.freeze()
     for group in ([list(specs)] if interleave else [[s] for s in specs]):
         recorder = Recorder()
         histories: dict[tuple, list] = {}    # interleaved runs share their calibration history
@@ -217,7 +220,6 @@ def run_cases(specs: Sequence[RunSpec], device: torch.device, *, interleave: boo
                 if spec.run.prewarm:
                     prewarm(states[-1])
             gc.collect()
-            gc.freeze()
             for step in range(max(s.run.warmup + s.run.steps for s in states)):
                 for position, i in enumerate(round_order(len(states), step, order_seed)):
                     state = states[i]
