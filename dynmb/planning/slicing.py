@@ -82,7 +82,8 @@ from dynmb.timing.simulate import SimResult, simulate
 from dynmb.core.types import Microbatch, Plan, PlanMeta, Schedule
 from dynmb.planning.replicas import predict_replicas, replicas_of
 
-__all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE", "reuse_searches", "slice_alternatives"]
+__all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE", "reuse_searches", "slice_alternatives",
+           "weighing_alternatives"]
 
 MIN_SLICE = 128
 """Shortest slice length the planner tries (tokens)."""
@@ -519,6 +520,24 @@ _SEARCHES: dict[tuple, _Search] | None = None
 _SEARCHES_MAX = 64
 
 
+WEIGH_ALTERNATIVES = False
+"""``dynamic``'s sliced plan weighs every plain method's sliced search (``_weigh_alternatives``) only within
+``weighing_alternatives()``: off by default since a kept alternative broke the memory limit on real ranks (the
+even-cut, all-recomputed plan of ``tests/test_slices_dp.py``'s batch: predicted 25,165,073 B, measured
+25,647,040 B against 24 MiB) and it costs 10-13x the plan time (``studies/slicing/notes.md``)."""
+
+
+@contextlib.contextmanager
+def weighing_alternatives() -> Iterator[None]:
+    """Within it ``dynamic`` weighs the plain methods' sliced searches (``WEIGH_ALTERNATIVES``)."""
+    global WEIGH_ALTERNATIVES
+    was, WEIGH_ALTERNATIVES = WEIGH_ALTERNATIVES, True
+    try:
+        yield
+    finally:
+        WEIGH_ALTERNATIVES = was
+
+
 @contextlib.contextmanager
 def reuse_searches() -> Iterator[None]:
     """Within it, a method's sliced search (``_search_key``: the same batch, settings, models and builder) is
@@ -612,7 +631,7 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, *, model
     if not job.long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")
     found = replace(_search(job))                    # a copy: the search kept for reuse stays that method's
-    if spec.method == "dynamic" and threshold is None:
+    if spec.method == "dynamic" and threshold is None and WEIGH_ALTERNATIVES:
         _weigh_alternatives(job, found, model_cfg)
     if found.best is None:
         raise _no_fit(job, found)
