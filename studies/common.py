@@ -22,6 +22,7 @@ Public names (``import dynmb``) wherever one exists; beyond them only ``dynmb.da
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -167,6 +168,14 @@ def simulate_rows(settings: dict[str, Any], trace: np.ndarray, *, model_cfg: Any
             "dropped": len(plan.meta.get("dropped", [])), "_plan": plan, "_sched": sched, "_sim": sim,
         })
     return rows
+
+
+def append_row(row: dict[str, Any], out: Path | None) -> None:
+    """One cell's row appended to the JSON-lines file ``out`` (None: nothing written)."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
 
 
 def strip_private(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

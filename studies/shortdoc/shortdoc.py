@@ -24,7 +24,6 @@ ideal (``schedule`` = step - bound, ``ends`` fill / drain, ``overhead`` per-op f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import pandas as pd
 from studies.scaling import scaling
 
 import dynmb
+from studies.common import append_row
 from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.timing.gap_terms import gap_terms
@@ -218,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             for model in args.models.split(","):
                 for P in map(int, args.stages.split(",")):
                     row = cell(name, trace, model, P, limit, names)
-                    if args.out is not None:
-                        args.out.parent.mkdir(parents=True, exist_ok=True)
-                        with args.out.open("a") as f:
-                            f.write(json.dumps(row, default=float) + "\n")
+                    append_row(row, args.out)
                     print(markdown(pd.DataFrame([row])).splitlines()[-1], flush=True)
     return 0
 
