@@ -299,7 +299,7 @@ def _plan_on(job: _Job, packing_kind: str, ramp: float | None,
     plan = None if made is None else made[0] if ramp is None else ramped_plan(made[0], spec, job.models.memory, ramp)
     if made is None or plan is None:
         raise ValueError(f"no {'ramped ' if ramp else ''}{packing_kind} packing of this step for {spec.schedule_kind}")
-    view = {**packs, get_kind(spec.schedule_kind).packing_key: (plan, made[1])}
+    view = {**packs, job.kind.packing_key: (plan, made[1])}
     return _plan_kind(job.lengths, spec, job.kind, job.model_cfg, job.models, job.meta, view)
 
 
@@ -317,7 +317,7 @@ def _ranked_elsewhere(job: _Job, kinds: tuple[str, ...], packs: dict[tuple, tupl
         if other != kind and other in kinds:
             job_k = replace(job, spec=job.spec.with_(schedule_kind=kind), kind=get_kind(kind))
             out.append(Candidate(f"{kind}@{other}", functools.partial(_plan_on, job_k, other, None, packs)))
-            as_built = replace(job, spec=job.spec.with_(schedule_kind=kind, reorder="none"), kind=get_kind(kind))   # the ramp's order
+            as_built = replace(job_k, spec=job_k.spec.with_(reorder="none"))          # the ramp's order
             out += [Candidate(f"{kind}+ramp" + ("" if x == 1.0 else f" x{x:g}"),
                               functools.partial(_plan_on, as_built, kind, x, packs)) for x in BODY_SCALES]
     return out
