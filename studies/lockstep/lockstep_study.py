@@ -26,6 +26,17 @@ the documents into the grid can be faster (the makespan only grows with op costs
 most any row planner could gain; ``uniform_s``: every microbatch at the mean of (a)'s (perfect balance across
 D, M and G at once, no skew); ``attn_share``: the part of (a)'s summed predicted F + B seconds that is
 attention (the rest, the linear work of T tokens a row, is the same for every row).
+``lb_s`` (``dynmb.packing.lockstep.step_lower_bound``): a lower bound of the predicted step of ANY row planner on
+the cell's shape (G groups, D replicas, b = 1 rows of T tokens), not only on (a)'s grid. Derivation: whole documents
+of at most T tokens need ``K >= K_min`` rows (Martello-Toth L2 >= ceil(tokens / T)), so a group runs ``M >= M_min =
+ceil(K_min / (G D b))`` microbatches (``lb_M``); at the static shape an op costs ``c0 + k a`` (affine in the
+attention work a; checked), and a microbatch's ``a >= sum s^2`` of its documents (a lone row's ``T^2`` is more), so
+stage s's ops over the step cost at least ``G M_min c0_s + k_s sum_i s_i^2 / D`` (a slot runs at its slowest
+replica, at least the replicas' mean; ``sum s_i^2`` is fixed by the truncated documents); each group's stage s
+starts after one forward through stages ``< s`` and ends after one backward back through them (the cheapest
+microbatch's F and B, plus P2P), and groups run in turn: ``lb = max_s G (fill_s + drain_s) + work_s``. ``lb/in-order``
+and ``lb/packed`` above 0.95: no row planner at all is 5% faster than that baseline in the cell.
+``--bound-only``: only (a0), (a), ``lb_s``, ``floor_s`` and the ideal (``bound.csv``, about a second a cell).
 ``e_per_group_s``: lockstep planned one group at a time (the batch cut in G parts in sample order, each
 planned with G = 1 and the same M; nan where a part needs more rows, and above ``--per-group-max-dp``): ``e / e_per_group`` is what planning
 the G groups jointly buys (item: is G worth a planner option).
@@ -41,8 +52,9 @@ import argparse
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -123,13 +135,12 @@ def saturated(cm: gpu.GPUCostModel) -> gpu.GPUCostModel:
     return gpu.GPUCostModel(cm.model_cfg, cm.num_stages, spec=replace(cm.spec, gemm_m_half=1e-9), comm=cm.comm)
 
 
-@dataclass(frozen=True)
-class Context:
-    """What ``baselines`` built that the rest of a cell reuses."""
+class Context(NamedTuple):
+    """What ``baselines`` built that the rest of a cell reuses (a NamedTuple: the smoke tests load this file
+    without registering it as a module, which a dataclass needs)."""
 
     lens: np.ndarray
-    cm: gpu.GPUCostModel
-    mm: object
+    models: Models
     shape: LockstepShape
     a: LockstepLayout
     a0: LockstepLayout
@@ -153,13 +164,13 @@ def baselines(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T:
            "a0_in_order_s": a0.step_s, "lb_s": lb.lb_s, "lb_rows": lb.rows, "lb_M": lb.microbatches,
            "lb_attention_s": lb.attention_s, "ideal_s": ideal_bound(lens, saturated(cm), dp=D), **headroom(a, cm, T)}
     row.update(lb_vs_a0=lb.lb_s / a0.step_s, lb_vs_a=lb.lb_s / a.step_s, floor_vs_a=row["floor_s"] / a.step_s)
-    return row, Context(lens, cm, mm, shape, a, a0)
+    return row, Context(lens, Models(cm, mm), shape, a, a0)
 
 
 def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int, args: argparse.Namespace) -> dict:
     t0 = time.process_time()
     row, ctx = baselines(trace_name, trace, model, P, D, T, args)
-    lens, cm, shape, a, a0 = ctx.lens, ctx.cm, ctx.shape, ctx.a, ctx.a0
+    lens, cm, shape, a, a0 = ctx.lens, ctx.models.cost, ctx.shape, ctx.a, ctx.a0
     M_a = a.grid[1]
     for dims, key in (("D", "b_D_s"), ("M", "c_M_s"), ("G", "d_G_s")):
         row[key] = rebalance(a0, lens, dims, shape, cm).step_s
@@ -172,7 +183,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
     if lens.sum() <= args.dynamic_max_tokens:
         try:
             dyn = pack(lens, PlanSpec(method="dynamic", num_stages=P, dp=D, memory_limit_bytes=80 * 2**30,
-                                      oversize="truncate"), models=Models(cm, ctx.mm))
+                                      oversize="truncate"), models=ctx.models)
             row["f_dynamic_s"] = dyn.predictions.est_makespan_s
         except PackingError as err:
             row["f_error"] = str(err)[:80]
