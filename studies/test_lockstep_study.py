@@ -68,6 +68,8 @@ def test_real_actions_reprices_made_up_runs(tmp_path):
     r = mod.ratios(t)
     assert np.isclose(r.loc[("packed", "lockstep"), "step_s"], 0.5)
     assert set(mod.per_op(a).row_class) == {"lone", "multi"}
+    rounds = mod.per_round(t)
+    assert rounds.run.tolist() == ["lockstep_1"] and np.isclose(rounds.step_s.iloc[0], 0.5)
 
 
 def test_real_runs_pair_each_run_with_its_baselines(tmp_path):

@@ -226,8 +226,8 @@ def summary(df: pd.DataFrame) -> str:
 
 CELL_COLUMNS = {"trace": "trace", "model": "model", "P": "P", "D": "D", "T": "T", "M": "M", "M_in_order": "M in-order",
                 "gap_a0_in_order": "gap in-order", "gap_a_packed": "gap packed", "gap_e_lockstep": "gap (e)",
-                "e_vs_a0": "e/in-order", "e_vs_a": "e/packed", "floor_vs_a": "floor/packed", "attn_share": "attn share",
-                "share_D": "D share", "share_M": "M share", "share_G": "G share", "f_vs_a": "f/packed",
+                "e_vs_a0": "e/in-order", "e_vs_a": "e/packed", "lb_vs_a0": "lb/in-order", "lb_vs_a": "lb/packed",
+                "floor_vs_a": "floor/packed", "attn_share": "attn share", "share_D": "D share", "share_M": "M share", "share_G": "G share", "f_vs_a": "f/packed",
                 "e_candidate": "kept"}
 """The per-cell table's columns (README) and their headings."""
 
@@ -260,11 +260,12 @@ def bound_summary(df: pd.DataFrame) -> str:
                                               over_packed=("lb_vs_a", lambda x: int((x > 0.95).sum())))
     per.loc["all"] = [len(df), df.lb_vs_a0.median(), int((df.lb_vs_a0 > 0.95).sum()), df.lb_vs_a.median(),
                       int((df.lb_vs_a > 0.95).sum())]
-    extra = ""
+    extra, cols = "", dict(BOUND_COLUMNS)
     if "e_vs_a0" in df:
+        cols.update(e_vs_a0="e/in-order", e_vs_lb="e/lb")
         extra = (f"\nmedian e/lb {df.e_vs_lb.median():.4f}; e/in-order <= 0.95 in {(df.e_vs_a0 <= 0.95).sum()} cells, "
                  f"lb/in-order <= 0.95 in {(df.lb_vs_a0 <= 0.95).sum()}")
-    return (markdown(df[list(BOUND_COLUMNS)].rename(columns=BOUND_COLUMNS)) + "\n\n" + markdown(per.reset_index())
+    return (markdown(df[list(cols)].rename(columns=cols)) + "\n\n" + markdown(per.reset_index())
             + f"\n\ncells {len(df)}: lb/in-order > 0.95 in {int((df.lb_vs_a0 > 0.95).sum())}, median "
             f"{df.lb_vs_a0.median():.4f}; lb/packed > 0.95 in {int((df.lb_vs_a > 0.95).sum())}, median "
             f"{df.lb_vs_a.median():.4f}" + extra)
@@ -278,7 +279,8 @@ def print_tables(df: pd.DataFrame) -> None:
         print()
     if "e_vs_a0" not in df:
         return
-    print(markdown(df[list(CELL_COLUMNS)].rename(columns=CELL_COLUMNS)))
+    cells = {k: v for k, v in CELL_COLUMNS.items() if k in df}
+    print(markdown(df[list(cells)].rename(columns=cells)))
     print()
     print(markdown(per_trace(df)))
     print(summary(df))

@@ -13,7 +13,8 @@ out) and prints, per method:
 3. each method's step, summed over its measured steps, over ``packed``'s and in-order's, measured and re-predicted
    from the runs' own rows: the 1F1B makespan of every replica's ops (the slowest replica; the P2P of the fit's
    ``comm``) priced by the shipped fit, by the refit, by the op's own measured CPU and wall seconds, and the
-   shared-core work ``sum / cores`` of the fit's and the measured CPU seconds.
+   shared-core work ``sum / cores`` of the fit's and the measured CPU seconds;
+4. each run's summed step and CPU work over the baseline run of its own round.
 """
 
 from __future__ import annotations
@@ -104,6 +105,19 @@ def ratios(t: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(rows).reset_index().set_index(["over", "method"])
 
 
+def per_round(t: pd.DataFrame) -> pd.DataFrame:
+    """Each run's summed measured step and CPU work over the baseline run of the same round (``<method>_<round>``)."""
+    s = t.groupby("run")[["step_s", "shared_cpu_s"]].sum()
+    method, rnd = s.index.str.rsplit("_", n=1).str[0], s.index.str.rsplit("_", n=1).str[1]
+    rows = []
+    for base in ("packed", "in-order"):
+        ref = s[method == base].set_axis(rnd[method == base])
+        for run, m, r in zip(s.index, method, rnd):
+            if r in ref.index and m != base:
+                rows.append({"over": base, "run": run, **(s.loc[run] / ref.loc[r]).to_dict()})
+    return pd.DataFrame(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder", type=Path, help="the runs' folder (real_runs.py's output)")
@@ -121,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{t.step_over_shared_cpu.max():.3f} over {len(t)} steps")
     print()
     print(ratios(t).to_string(float_format=lambda v: f"{v:.3f}"))
+    print()
+    print(per_round(t).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     return 0
 
 
