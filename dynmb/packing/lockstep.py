@@ -38,6 +38,18 @@ most ``T`` tokens: the oversize policy ran before):
    dimension at a time (``POLISH``: M, D, G) are re-filled by the balanced fill (``rebalance``), each
    kept where it shortens the predicted step.
 
+Lower bound (``step_lower_bound``, any row planner of the shape, 1F1B / GPipe, one stage per rank): a plan
+puts whole documents (at most ``T`` tokens) into ``K >= K_min`` rows (``fewest_rows``: Martello and Toth's L2 bin-packing
+bound, at least ``ceil(tokens / T)``), so every group runs ``M >= M_min = ceil(K_min / (G D b))`` microbatches. At a
+fixed shape ``(b, T)`` a stage op's cost is affine in the microbatch's attention work, ``c(a) = c0 + k a`` (checked;
+``GPUCostModel`` and ``AnalyticCostModel`` are), and a microbatch's work is ``a >= sum s^2`` of its documents (``T^2``
+per lone row, ``>= s^2``), 1 for an empty one. A slot costs the slowest of its D microbatches, at least their mean, so
+stage s's ops over a step take at least ``W_s = G M_min (c0F + c0B) + (kF + kB) sum_i s_i^2 / D`` (the batch's
+attention, fixed by the documents, spread at best evenly over the replicas). Each group's stage s cannot start
+before one forward passed stages ``< s`` (``H_s = sum_{q<s} (c_F,q(1) + p2p)``, the cheapest microbatch) and cannot
+end before one backward passed them back (``R_s``, likewise); groups run one after another, so
+``step >= max_s G (H_s + R_s) + W_s`` (``StepBound.lb_s``), for every placement, slot order and deal.
+
 Documents longer than ``T``: ``--oversize truncate`` (cut at ``T``; the documented path) or ``drop``. ``split``
 is refused (``planning.spec_check.lockstep_refusal``): a slice chain (``planning.slicing``) attends to its
 earlier slices' keys and values across microbatches and runs its backwards in reverse slice order; a static-
@@ -68,7 +80,8 @@ from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares
 
 __all__ = ["LockstepShape", "LockstepLayout", "plan_lockstep", "layout_of_rows", "layout_of_plan", "doc_weights", "balanced_fill",
-           "rebalance", "pair_lone_documents", "lockstep_flat", "derived_microbatches", "ORDERS"]
+           "rebalance", "pair_lone_documents", "lockstep_flat", "derived_microbatches", "ORDERS", "StepBound",
+           "step_lower_bound", "fewest_rows"]
 
 ORDERS = ("packed", "descending", "ascending", "ends")
 """The slot orders each group is tried in (step 4)."""
@@ -529,3 +542,79 @@ def lockstep_flat(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
     nseq = np.bincount(mb, minlength=nmb)
     meta = {"mbs": b, "microbatches": M, "groups": G, "step_pred_s": lay.step_s, **lay.report}
     return Flat(items, local_row, nseq, np.full(nmb, shape.pack_len, np.int64), present.sum(axis=1)), meta
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """``step_lower_bound``'s answer (module doc, lower bound)."""
+
+    lb_s: float
+    """No plan of the batch on the shape runs a shorter predicted step."""
+    rows: int
+    """K_min: the fewest rows of ``T`` tokens any placement of the whole documents needs."""
+    microbatches: int
+    """M_min per group (or the shape's M where it gives more)."""
+    stage: int
+    """The stage whose bound is the largest."""
+    attention_s: float
+    """That stage's attention seconds of the batch (F + B, every document, divided by D)."""
+
+
+def fewest_rows(lens: np.ndarray, pack_len: int) -> int:
+    """Martello and Toth's L2 bound on the rows of ``pack_len`` tokens that whole documents (each ``<= pack_len``)
+    need. For every ``alpha <= T / 2``: documents longer than ``T - alpha`` (J1) and in ``(T / 2, T - alpha]`` (J2)
+    need a row each (no two of them share one); no document of at least ``alpha`` tokens (J3, up to ``T / 2``) fits
+    beside a J1 one, so J3's tokens beyond the J2 rows' room need rows of their own. ``alpha = 0``:
+    ``ceil(tokens / T)``."""
+    s = np.sort(np.asarray(lens, dtype=np.int64))
+    if not len(s):
+        return 0
+    T = int(pack_len)
+    csum = np.concatenate([[0], np.cumsum(s)])
+    alphas = np.unique(np.concatenate([[0], s[2 * s <= T]]))
+    hi = np.searchsorted(s, T // 2, side="right")                    # s[:hi] <= T / 2 < s[hi:]
+    lo = np.searchsorted(s, alphas, side="left")                     # s[lo:hi]: J3 (alpha <= s <= T / 2)
+    j1 = np.searchsorted(s, T - alphas, side="right")                # s[j1:]: J1 (> T - alpha)
+    n1, n2 = len(s) - j1, j1 - hi
+    room2 = n2 * T - (csum[j1] - csum[hi])
+    rest = csum[hi] - csum[lo] - room2
+    return int((n1 + n2 + np.maximum(0, -(-rest // T))).max())
+
+
+def _affine_in_attention(cost_model: CostModelLike, b: int, T: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per op, ``(c0, k)`` over stages with ``c(a) = c0 + k a`` at ``b`` rows of ``T`` tokens; ValueError unless the
+    cost model is affine in the attention work there (three points)."""
+    a = np.array([1.0, 0.5 * b * float(T) ** 2 + 1.0, float(b) * float(T) ** 2 + 1.0])
+    c = cost_model.stage_costs(np.full(3, b), np.full(3, T), a)
+    out = {}
+    for op in ("F", "B"):
+        k = (c[op][:, 2] - c[op][:, 0]) / (a[2] - a[0])
+        mid = c[op][:, 0] + k * (a[1] - a[0])
+        if not np.allclose(mid, c[op][:, 1], rtol=1e-9, atol=1e-15):
+            raise ValueError(f"step_lower_bound: {type(cost_model).__name__}'s {op} cost is not affine in the "
+                             "attention work at a fixed shape; the bound assumes it")
+        out[op] = (c[op][:, 0] - k * a[0], k)
+    return out
+
+
+def step_lower_bound(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelLike) -> StepBound:
+    """The module doc's lower bound of the predicted step of ANY plan of ``lens`` (every length ``<= T``) on
+    ``shape`` (G groups, D replicas, b rows of T tokens; M the fewest that hold the batch, or ``shape.microbatches``
+    where larger), as ``plan_lockstep`` and ``layout_of_plan`` price a step (1F1B / GPipe, one stage per rank)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    T, G, D, b = shape.pack_len, shape.groups, shape.dp, shape.rows_per_mb
+    if len(lens) and int(lens.max()) > T:
+        raise PackingError(f"step_lower_bound: a document of {int(lens.max())} tokens is longer than the row ({T})")
+    if shape.virtual != 1 or get_kind(shape.kind).estimate_as not in ("1f1b", "gpipe"):
+        raise ValueError(f"step_lower_bound: only 1f1b / gpipe with one stage per rank, got {shape.kind!r} "
+                         f"x {shape.virtual}")
+    rows = fewest_rows(lens, T)
+    M = max(1, -(-rows // (G * D * b)), int(shape.microbatches or 0))
+    line = _affine_in_attention(cost_model, b, T)
+    comm, _ = _prices(lens, replace(shape, kind="1f1b"), cost_model)
+    cheapest = {op: line[op][0] + line[op][1] for op in ("F", "B")}          # a microbatch's cost at a = 1
+    fill = np.concatenate([[0.0], np.cumsum(cheapest["F"] + cheapest["B"] + 2 * comm)[:-1]])   # H_s + R_s
+    attention = (line["F"][1] + line["B"][1]) * float(np.sum(lens.astype(np.float64) ** 2)) / D
+    per_stage = G * fill + G * M * (line["F"][0] + line["B"][0]) + attention
+    s = int(np.argmax(per_stage))
+    return StepBound(float(per_stage[s]), rows, M, s, float(attention[s]))

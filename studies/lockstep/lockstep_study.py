@@ -26,6 +26,17 @@ the documents into the grid can be faster (the makespan only grows with op costs
 most any row planner could gain; ``uniform_s``: every microbatch at the mean of (a)'s (perfect balance across
 D, M and G at once, no skew); ``attn_share``: the part of (a)'s summed predicted F + B seconds that is
 attention (the rest, the linear work of T tokens a row, is the same for every row).
+``lb_s`` (``dynmb.packing.lockstep.step_lower_bound``): a lower bound of the predicted step of ANY row planner on
+the cell's shape (G groups, D replicas, b = 1 rows of T tokens), not only on (a)'s grid. Derivation: whole documents
+of at most T tokens need ``K >= K_min`` rows (Martello-Toth L2 >= ceil(tokens / T)), so a group runs ``M >= M_min =
+ceil(K_min / (G D b))`` microbatches (``lb_M``); at the static shape an op costs ``c0 + k a`` (affine in the
+attention work a; checked), and a microbatch's ``a >= sum s^2`` of its documents (a lone row's ``T^2`` is more), so
+stage s's ops over the step cost at least ``G M_min c0_s + k_s sum_i s_i^2 / D`` (a slot runs at its slowest
+replica, at least the replicas' mean; ``sum s_i^2`` is fixed by the truncated documents); each group's stage s
+starts after one forward through stages ``< s`` and ends after one backward back through them (the cheapest
+microbatch's F and B, plus P2P), and groups run in turn: ``lb = max_s G (fill_s + drain_s) + work_s``. ``lb/in-order``
+and ``lb/packed`` above 0.95: no row planner at all is 5% faster than that baseline in the cell.
+``--bound-only``: only (a0), (a), ``lb_s``, ``floor_s`` and the ideal (``bound.csv``, about a second a cell).
 ``e_per_group_s``: lockstep planned one group at a time (the batch cut in G parts in sample order, each
 planned with G = 1 and the same M; nan where a part needs more rows, and above ``--per-group-max-dp``): ``e / e_per_group`` is what planning
 the G groups jointly buys (item: is G worth a planner option).
@@ -39,9 +50,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -52,10 +65,13 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.costmodel import gpu
 from dynmb.memory.model import get_memory_model
 from dynmb.packing import PackingError, pack
-from dynmb.packing.lockstep import LockstepLayout, LockstepShape, layout_of_plan, plan_lockstep, rebalance
+from dynmb.packing.lockstep import (LockstepLayout, LockstepShape, layout_of_plan, plan_lockstep, rebalance,
+                                    step_lower_bound)
 from dynmb.timing.makespan import makespans
 from dynmb.timing.bounds import ideal_bound
 from dynmb.costmodel.loader import Models
+
+log = logging.getLogger("lockstep_study")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="batch seed")
     ap.add_argument("--out", type=Path, help="folder for lockstep.csv")
     ap.add_argument("--tables", help="only print the tables of these lockstep.csv files (comma-separated), merged")
+    ap.add_argument("--bound-only", action="store_true",
+                    help="only the baselines, the lower bound and the ideal of every cell (bound.csv; seconds a cell)")
     return ap
 
 
@@ -117,47 +135,69 @@ def saturated(cm: gpu.GPUCostModel) -> gpu.GPUCostModel:
     return gpu.GPUCostModel(cm.model_cfg, cm.num_stages, spec=replace(cm.spec, gemm_m_half=1e-9), comm=cm.comm)
 
 
-def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int, args: argparse.Namespace) -> dict:
+class Context(NamedTuple):
+    """What ``baselines`` built that the rest of a cell reuses (a NamedTuple: the smoke tests load this file
+    without registering it as a module, which a dataclass needs)."""
+
+    lens: np.ndarray
+    models: Models
+    shape: LockstepShape
+    a: LockstepLayout
+    a0: LockstepLayout
+
+
+def baselines(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int,
+              args: argparse.Namespace) -> tuple[dict, Context]:
+    """The cell's batch, its two baselines' steps (in-order (a0), ``packed`` (a)), the lower bound ``lb_s`` of any
+    row planner and the ideal: the cheap part of a cell (``--bound-only`` stops here)."""
     cfg = dynmb.model_config(model)
     cfg = replace(cfg, max_seq_len=max(cfg.max_seq_len, T))
     cm, mm = gpu.GPUCostModel(cfg, P, link="ib"), get_memory_model(None, cfg, P)
-    G, M = args.groups, P
-    lens = batch(trace, int(D * G * M * T * args.fill), T, args.seed)
-    t0 = time.process_time()
+    lens = batch(trace, int(D * args.groups * P * T * args.fill), T, args.seed)
     spec = PlanSpec(method="packed", num_stages=P, dp=D, pack_len=T, memory_limit_bytes=2**50)
-    shape = LockstepShape(pack_len=T, dp=D, groups=G)
+    shape = LockstepShape(pack_len=T, dp=D, groups=args.groups)
     a = layout_of_plan(pack(lens, spec, models=Models(cm, mm)), shape, cm)
-    M_a = a.grid[1]
     a0 = layout_of_plan(pack(lens, replace(spec, method="in-order"), models=Models(cm, mm)), shape, cm)
-    row = {"trace": trace_name, "model": model, "P": P, "D": D, "T": T, "G": G, "M": M_a, "M_in_order": a0.grid[1],
-           "docs": len(lens), "tokens": int(lens.sum()), "a_packed_s": a.step_s, "a0_in_order_s": a0.step_s}
+    lb = step_lower_bound(lens, shape, cm)
+    row = {"trace": trace_name, "model": model, "P": P, "D": D, "T": T, "G": args.groups, "M": a.grid[1],
+           "M_in_order": a0.grid[1], "docs": len(lens), "tokens": int(lens.sum()), "a_packed_s": a.step_s,
+           "a0_in_order_s": a0.step_s, "lb_s": lb.lb_s, "lb_rows": lb.rows, "lb_M": lb.microbatches,
+           "lb_attention_s": lb.attention_s, "ideal_s": ideal_bound(lens, saturated(cm), dp=D), **headroom(a, cm, T)}
+    row.update(lb_vs_a0=lb.lb_s / a0.step_s, lb_vs_a=lb.lb_s / a.step_s, floor_vs_a=row["floor_s"] / a.step_s)
+    return row, Context(lens, Models(cm, mm), shape, a, a0)
+
+
+def cell(trace_name: str, trace: np.ndarray, model: str, P: int, D: int, T: int, args: argparse.Namespace) -> dict:
+    t0 = time.process_time()
+    row, ctx = baselines(trace_name, trace, model, P, D, T, args)
+    lens, cm, shape, a, a0 = ctx.lens, ctx.models.cost, ctx.shape, ctx.a, ctx.a0
+    M_a = a.grid[1]
     for dims, key in (("D", "b_D_s"), ("M", "c_M_s"), ("G", "d_G_s")):
         row[key] = rebalance(a0, lens, dims, shape, cm).step_s
     e = plan_lockstep(lens, replace(shape, microbatches=M_a), cm)
     row.update(e_lockstep_s=e.step_s, e_candidate=e.report["candidate"], e_order=e.report["order"],
                e_replica_spread=e.report["replica_spread"], a_replica_spread=a.report["replica_spread"],
                e_per_group_s=per_group(lens, replace(shape, microbatches=M_a), cm) if D <= args.per_group_max_dp
-               else np.nan, **headroom(a, cm, T))
+               else np.nan)
     row["f_dynamic_s"] = np.nan
     if lens.sum() <= args.dynamic_max_tokens:
         try:
             dyn = pack(lens, PlanSpec(method="dynamic", num_stages=P, dp=D, memory_limit_bytes=80 * 2**30,
-                                      oversize="truncate"), models=Models(cm, mm))
+                                      oversize="truncate"), models=ctx.models)
             row["f_dynamic_s"] = dyn.predictions.est_makespan_s
         except PackingError as err:
             row["f_error"] = str(err)[:80]
-    row["ideal_s"] = ideal_bound(lens, saturated(cm), dp=D)
     for x in ("a0_in_order", "a_packed", "b_D", "c_M", "d_G", "e_lockstep", "f_dynamic"):
         row[f"gap_{x}"] = row[f"{x}_s"] / row["ideal_s"] - 1
     gain0 = row["a0_in_order_s"] - row["e_lockstep_s"]
     for x, key in (("D", "b_D"), ("M", "c_M"), ("G", "d_G")):
         row[f"share_{x}"] = (row["a0_in_order_s"] - row[f"{key}_s"]) / gain0 if gain0 > 0 else np.nan
     row["e_vs_a"] = row["e_lockstep_s"] / row["a_packed_s"]
-    row["floor_vs_a"] = row["floor_s"] / row["a_packed_s"]
     row["uniform_vs_a"] = row["uniform_s"] / row["a_packed_s"]
     row["e_vs_per_group"] = row["e_lockstep_s"] / row["e_per_group_s"]
     row["e_vs_a0"] = row["e_lockstep_s"] / row["a0_in_order_s"]
     row["f_vs_a"] = row["f_dynamic_s"] / row["a_packed_s"]
+    row["e_vs_lb"] = row["e_lockstep_s"] / row["lb_s"]
     row["cpu_s"] = time.process_time() - t0
     return row
 
@@ -186,8 +226,8 @@ def summary(df: pd.DataFrame) -> str:
 
 CELL_COLUMNS = {"trace": "trace", "model": "model", "P": "P", "D": "D", "T": "T", "M": "M", "M_in_order": "M in-order",
                 "gap_a0_in_order": "gap in-order", "gap_a_packed": "gap packed", "gap_e_lockstep": "gap (e)",
-                "e_vs_a0": "e/in-order", "e_vs_a": "e/packed", "floor_vs_a": "floor/packed", "attn_share": "attn share",
-                "share_D": "D share", "share_M": "M share", "share_G": "G share", "f_vs_a": "f/packed",
+                "e_vs_a0": "e/in-order", "e_vs_a": "e/packed", "lb_vs_a0": "lb/in-order", "lb_vs_a": "lb/packed",
+                "floor_vs_a": "floor/packed", "attn_share": "attn share", "share_D": "D share", "share_M": "M share", "share_G": "G share", "f_vs_a": "f/packed",
                 "e_candidate": "kept"}
 """The per-cell table's columns (README) and their headings."""
 
@@ -205,9 +245,42 @@ def per_trace(df: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
+BOUND_COLUMNS = {"trace": "trace", "model": "model", "P": "P", "D": "D", "T": "T", "lb_M": "M min", "M": "M",
+                 "M_in_order": "M in-order", "gap_a0_in_order": "gap in-order", "gap_a_packed": "gap packed",
+                 "lb_vs_a0": "lb/in-order", "lb_vs_a": "lb/packed", "floor_vs_a": "floor/packed"}
+"""The bound table's columns (README) and their headings."""
+
+
+def bound_summary(df: pd.DataFrame) -> str:
+    """The bar's question: in how many cells can no row planner be 5% faster than each baseline."""
+    df = df.assign(gap_a0_in_order=df.a0_in_order_s / df.ideal_s - 1, gap_a_packed=df.a_packed_s / df.ideal_s - 1)
+    per = df.groupby("trace", sort=False).agg(cells=("lb_vs_a0", "size"), lb_in_order=("lb_vs_a0", "median"),
+                                              over_in_order=("lb_vs_a0", lambda x: int((x > 0.95).sum())),
+                                              lb_packed=("lb_vs_a", "median"),
+                                              over_packed=("lb_vs_a", lambda x: int((x > 0.95).sum())))
+    per.loc["all"] = [len(df), df.lb_vs_a0.median(), int((df.lb_vs_a0 > 0.95).sum()), df.lb_vs_a.median(),
+                      int((df.lb_vs_a > 0.95).sum())]
+    extra, cols = "", dict(BOUND_COLUMNS)
+    if "e_vs_a0" in df:
+        cols.update(e_vs_a0="e/in-order", e_vs_lb="e/lb")
+        extra = (f"\nmedian e/lb {df.e_vs_lb.median():.4f}; e/in-order <= 0.95 in {(df.e_vs_a0 <= 0.95).sum()} cells, "
+                 f"lb/in-order <= 0.95 in {(df.lb_vs_a0 <= 0.95).sum()}")
+    return (markdown(df[list(cols)].rename(columns=cols)) + "\n\n" + markdown(per.reset_index())
+            + f"\n\ncells {len(df)}: lb/in-order > 0.95 in {int((df.lb_vs_a0 > 0.95).sum())}, median "
+            f"{df.lb_vs_a0.median():.4f}; lb/packed > 0.95 in {int((df.lb_vs_a > 0.95).sum())}, median "
+            f"{df.lb_vs_a.median():.4f}" + extra)
+
+
 def print_tables(df: pd.DataFrame) -> None:
-    """The per-cell table, the per-trace table and the summary (stdout)."""
-    print(markdown(df[list(CELL_COLUMNS)].rename(columns=CELL_COLUMNS)))
+    """The per-cell table, the per-trace table and the summary (stdout); the bound's tables alone for a
+    ``--bound-only`` file."""
+    if "lb_vs_a0" in df:
+        print(bound_summary(df))
+        print()
+    if "e_vs_a0" not in df:
+        return
+    cells = {k: v for k, v in CELL_COLUMNS.items() if k in df}
+    print(markdown(df[list(cells)].rename(columns=cells)))
     print()
     print(markdown(per_trace(df)))
     print(summary(df))
@@ -215,6 +288,7 @@ def print_tables(df: pd.DataFrame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.tables:
         print_tables(pd.concat([pd.read_csv(f) for f in args.tables.split(",")], ignore_index=True))
         return 0
@@ -225,13 +299,17 @@ def main(argv: list[str] | None = None) -> int:
         {n: data.load_trace(n) for n in args.traces.split(",")}
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / ("bound.csv" if args.bound_only else "lockstep.csv")
     grid = itertools.product(traces.items(), args.models.split(","), ints(args.P), ints(args.D), ints(args.T))
     for (name, trace), model, P, D, T in grid:
         if D * args.groups * P * T * args.fill > args.max_tokens:
             continue
-        rows.append(cell(name, np.asarray(trace, dtype=np.int64), model, P, D, T, args))
-        pd.DataFrame(rows).to_csv(args.out / "lockstep.csv", index=False)
-        print(f"{name} {model} P{P} D{D} T{T}: e/a0 {rows[-1]['e_vs_a0']:.3f} e/a {rows[-1]['e_vs_a']:.3f} ({rows[-1]['cpu_s']:.1f} CPU s)", flush=True)
+        lens = np.asarray(trace, dtype=np.int64)
+        rows.append(baselines(name, lens, model, P, D, T, args)[0] if args.bound_only else
+                    cell(name, lens, model, P, D, T, args))
+        pd.DataFrame(rows).to_csv(out, index=False)
+        log.info("%s %s P%d D%d T%d: lb/a0 %.3f lb/a %.3f", name, model, P, D, T, rows[-1]["lb_vs_a0"],
+                 rows[-1]["lb_vs_a"])
     print_tables(pd.DataFrame(rows))
     return 0
 
