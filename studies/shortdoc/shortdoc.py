@@ -38,6 +38,7 @@ from studies.common import append_row
 from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.timing.gap_terms import gap_terms
+from dynmb.planning.stage_split import with_split
 
 SHORT_LONGEST = 8192
 """A trace is a short-document trace when its longest record is at most this many tokens (sharegpt's is 4,206; the
@@ -120,6 +121,11 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     plan, sim = dyn.plan, dyn.sim
     terms = gap_terms(plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(cm),
                       ideal_split=False).check()
+    relief = planner.split_relief
+    balanced_ideal = terms.ideal if relief is None or not relief.relieved else gap_terms(
+        plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(
+            cm.for_layout(with_split(planner.model_cfg, P, relief.balanced), P)),
+        ideal_split=False).ideal
     steps = others(planner, batch, names)
     plain = {k: v for k, v in steps.items() if k.startswith("step_")}
     best = min(plain, key=plain.__getitem__) if plain else ""
@@ -127,6 +133,8 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     row = {**key, "status": "ok", "step_s": sim.makespan_s, "bound_s": terms.bound, "ideal_s": terms.ideal,
            "gap": sim.makespan_s / terms.ideal - 1, "kind": plan.schedule_kind, "microbatches": plan.num_microbatches,
            "grouping": plan.meta.get("grouping") or "dynamic", "plan_cpu_s": dyn_cpu,
+           "split": list(planner.model_cfg.stage_layer_counts(P)), "relieved": bool(relief and relief.relieved),
+           "ideal_balanced_s": balanced_ideal, "gap_balanced": sim.makespan_s / balanced_ideal - 1,
            "best_other": best.removeprefix("step_"), "best_other_s": plain.get(best, float("nan")),
            **{f"auto_{k}": v for k, v in auto.items()}, **steps, **terms.fractions()}
     return row
