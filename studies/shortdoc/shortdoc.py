@@ -38,7 +38,7 @@ from studies.common import append_row
 from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.timing.gap_terms import gap_terms
-from dynmb.planning.stage_split import with_split
+from dynmb.planning.memory_split import layout_of
 
 SHORT_LONGEST = 8192
 """A trace is a short-document trace when its longest record is at most this many tokens (sharegpt's is 4,206; the
@@ -124,7 +124,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     relief = planner.split_relief
     balanced_ideal = terms.ideal if relief is None or not relief.relieved else gap_terms(
         plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(
-            cm.for_layout(with_split(planner.model_cfg, P, relief.balanced), P)),
+            cm.for_layout(layout_of(planner.model_cfg, P, relief.balanced), P)),
         ideal_split=False).ideal
     steps = others(planner, batch, names)
     plain = {k: v for k, v in steps.items() if k.startswith("step_")}
