@@ -33,6 +33,7 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
 from dynmb.planning.planner import plan_step
+from dynmb.planning.memory_split import Relief, ReliefInputs, relieved_layout
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
@@ -149,6 +150,8 @@ class Planner:
         """The settings every ``plan`` call starts from (``plan`` may set the method, reorder and mbs)."""
         self.virtual_choice: VirtualChoice | None = None
         """With ``virtual="auto"``: how V was chosen (``dynmb.planning.virtual_search``)."""
+        self.split_relief: Relief | None = None
+        """With ``stage_split="auto"``: the memory relief weighed (``dynmb.planning.memory_split``), else None."""
         cost_model, stage_split, num_stages = inputs.cost_model, inputs.stage_split, spec.num_stages
         pricing = cost_model if cost_model is not None or (stage_split == "even" and not inputs.auto_virtual) else \
             shipped_cost_model_path(self.model_cfg.name, num_stages, inputs.device)    # the model it will plan with
@@ -167,6 +170,11 @@ class Planner:
             self.model_cfg = resolve_stage_split(self.model_cfg, num_stages, stage_split, half_blocks=not own,
                                                  workload=inputs.workload, cost_model=pricing, search=search,
                                                  virtual=self.spec.virtual)
+            if stage_split == "auto":              # memory in the split (dynmb.planning.memory_split)
+                self.model_cfg, self.split_relief = relieved_layout(self.model_cfg, num_stages, ReliefInputs(
+                    memory_limit_bytes=spec.memory_limit_bytes, schedule_kind=spec.schedule_kind,
+                    workload=inputs.workload, cost_model=pricing, half_blocks=not own),
+                    virtual=self.spec.virtual, memory_model=inputs.memory_model)
             cost_model = rebuilt_for_layout(cost_model, self.model_cfg, num_stages)
         # the one loader: file, shipped fit or stand-in (said once; the analytic memory model is one only
         # for a model of the user's own)

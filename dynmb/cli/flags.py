@@ -238,10 +238,20 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
     stages = stages or getattr(args, "stages", None)
     if not stages:
         raise ValueError("--stage-split needs --stages (the number of pipeline stages, model chunks with --virtual)")
+    from dynmb.planning.memory_split import ReliefInputs, relieved_layout
+    from dynmb.schedule.kinds import is_schedule_name
     from dynmb.planning.stage_split import resolve_stage_split
-    return resolve_stage_split(cfg, int(stages), split, workload=workload_of(args),
-                               cost_model=getattr(args, "cost_model", None), search=split_search_of(args, cfg, int(stages)),
-                               virtual=int(getattr(args, "virtual", None) or 1))
+    virtual = int(getattr(args, "virtual", None) or 1)
+    out = resolve_stage_split(cfg, int(stages), split, workload=workload_of(args),
+                              cost_model=getattr(args, "cost_model", None), search=split_search_of(args, cfg, int(stages)),
+                              virtual=virtual)
+    if split != "auto" or getattr(args, "memory_limit", None) is None:
+        return out
+    relief = ReliefInputs(memory_limit_bytes=parse_bytes(args.memory_limit), workload=workload_of(args),
+                          schedule_kind=kind if is_schedule_name(kind := str(getattr(args, "schedule", None)
+                                                                              or "1f1b")) else "1f1b",
+                          cost_model=getattr(args, "cost_model", None))          # memory in the split, as Planner
+    return relieved_layout(out, int(stages), relief, virtual=virtual, memory_model=getattr(args, "memory_model", None))[0]
 
 
 def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> Any:

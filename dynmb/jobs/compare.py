@@ -70,6 +70,7 @@ from dynmb.core.config import ModelConfig, PlanSpec, RunConfig, format_bytes, mo
 from dynmb.costmodel.loader import load_models
 from dynmb.data import CorpusSource, TokenFile, load_trace, prepare_tokens, sample_batch
 from dynmb.planning import default_cost_model_path, plan_step, reorder_for
+from dynmb.planning.memory_split import ReliefInputs, relieved_layout
 from dynmb.planning.spec_check import uses_pack_len
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
@@ -213,9 +214,14 @@ class CompareSettings:
         if self.model_factory is not None:
             return self.template.model
         spec = self.template.spec
-        return _split_model(self.template.model, spec.num_stages, self.stage_split,
-                            None if self.corpus is not None else self.trace, self.template.cost_model,
-                            self._split_search() if self.stage_split == "auto" else None, int(spec.virtual))
+        workload = None if self.corpus is not None else self.trace
+        cfg = _split_model(self.template.model, spec.num_stages, self.stage_split, workload, self.template.cost_model,
+                           self._split_search() if self.stage_split == "auto" else None, int(spec.virtual))
+        if self.stage_split != "auto":
+            return cfg
+        relief = ReliefInputs(memory_limit_bytes=spec.memory_limit_bytes, schedule_kind=spec.schedule_kind,
+                              workload=workload, cost_model=self.template.cost_model)   # memory in the split
+        return _relieved(cfg, spec.num_stages, relief, int(spec.virtual), self.memory_model)
 
     def _split_search(self) -> SplitSearch | None:
         """What ``--stage-split auto`` chooses by: dynamic's settings here; None where no plan can be made."""
@@ -329,6 +335,12 @@ def _split_model(model: ModelConfig, stages: int, split: str, workload: str | No
     """``resolve_stage_split`` once per settings (every case reads it; the split search plans batches)."""
     return resolve_stage_split(model, stages, split, workload=workload, cost_model=cost_model, search=search,
                                virtual=virtual)
+
+
+@functools.lru_cache(maxsize=8)
+def _relieved(cfg: ModelConfig, stages: int, relief: ReliefInputs, virtual: int, memory_model: str | None) -> ModelConfig:
+    """``memory_split.relieved_layout`` once per settings (as ``Planner`` resolves ``stage_split="auto"``)."""
+    return relieved_layout(cfg, stages, relief, virtual=virtual, memory_model=memory_model)[0]
 
 
 def _case_config(settings: CompareSettings, method: str, microbatch_size: int | None = None) -> RunConfig:

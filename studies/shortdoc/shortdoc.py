@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +39,7 @@ from studies.common import append_row
 from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.timing.gap_terms import gap_terms
+from dynmb.planning.memory_split import layout_of
 
 SHORT_LONGEST = 8192
 """A trace is a short-document trace when its longest record is at most this many tokens (sharegpt's is 4,206; the
@@ -105,14 +107,28 @@ def others(planner: dynmb.Planner, batch: np.ndarray, names: list[str]) -> dict[
     return out
 
 
-def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, names: list[str]) -> dict:
-    """One cell's row (module doc)."""
+@dataclass(frozen=True)
+class Variant:
+    """Settings outside the judged one, to weigh alternatives (``--recompute``, ``--virtual``)."""
+
+    recompute: str = "never"
+    """``Planner(recompute=...)``: never (the judged setting), always or auto."""
+    virtual: int = 1
+    """Model chunks per GPU: 2 runs ``P`` GPUs as ``2 P`` chunks (``auto`` then weighs ``zb-v``)."""
+
+
+def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, names: list[str],
+         variant: Variant = Variant()) -> dict:
+    """One cell's row (module doc); ``P`` counts GPUs."""
     cfg = scaling.model_for(model, [trace])
     batch = scaling.token_batch(trace, 500_000, 1, 0)
-    planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit=limit, cost_model=GPUCostModel(cfg, P),
-                            schedule="auto", stage_split="auto", workload=trace)
+    S = P * variant.virtual
+    planner = dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=GPUCostModel(cfg, S),
+                            schedule="auto", stage_split="auto", workload=trace, recompute=variant.recompute,
+                            virtual=variant.virtual)
     cm = planner.cost_model
-    key = {"trace": trace_name, "model": model, "P": P, "limit": limit, "sequences": int(batch.size)}
+    key = {"trace": trace_name, "model": model, "P": P, "limit": limit, "sequences": int(batch.size),
+           "recompute": variant.recompute, "virtual": variant.virtual}
     try:
         dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
     except ValueError as e:
@@ -120,6 +136,11 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     plan, sim = dyn.plan, dyn.sim
     terms = gap_terms(plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(cm),
                       ideal_split=False).check()
+    relief = planner.split_relief
+    balanced_ideal = terms.ideal if relief is None or not relief.relieved else gap_terms(
+        plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(
+            cm.for_layout(layout_of(planner.model_cfg, S, relief.balanced), S)),
+        ideal_split=False).ideal
     steps = others(planner, batch, names)
     plain = {k: v for k, v in steps.items() if k.startswith("step_")}
     best = min(plain, key=plain.__getitem__) if plain else ""
@@ -127,6 +148,8 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     row = {**key, "status": "ok", "step_s": sim.makespan_s, "bound_s": terms.bound, "ideal_s": terms.ideal,
            "gap": sim.makespan_s / terms.ideal - 1, "kind": plan.schedule_kind, "microbatches": plan.num_microbatches,
            "grouping": plan.meta.get("grouping") or "dynamic", "plan_cpu_s": dyn_cpu,
+           "split": list(planner.model_cfg.stage_layer_counts(S)), "relieved": bool(relief and relief.relieved),
+           "ideal_balanced_s": balanced_ideal, "gap_balanced": sim.makespan_s / balanced_ideal - 1,
            "best_other": best.removeprefix("step_"), "best_other_s": plain.get(best, float("nan")),
            **{f"auto_{k}": v for k, v in auto.items()}, **steps, **terms.fractions()}
     return row
@@ -201,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="4,8,16", help="pipeline depths P")
     ap.add_argument("--limits", default="80GiB,24GiB", help="memory limits per GPU")
     ap.add_argument("--others", default=",".join((*SWEPT, *PLAIN)), help="other methods (name or name/mbs); '' none")
+    ap.add_argument("--recompute", default="never", help="Planner(recompute=...): never (judged), always, auto")
+    ap.add_argument("--virtual", type=int, default=1, help="model chunks per GPU (2: P GPUs as 2P chunks, zb-v)")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
     ap.add_argument("--table", type=Path, nargs="+", default=None,
                     help="print the markdown table of these JSON lines (later rows win per cell) and exit")
@@ -217,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         for limit in args.limits.split(","):
             for model in args.models.split(","):
                 for P in map(int, args.stages.split(",")):
-                    row = cell(name, trace, model, P, limit, names)
+                    row = cell(name, trace, model, P, limit, names, Variant(args.recompute, args.virtual))
                     append_row(row, args.out)
                     print(markdown(pd.DataFrame([row])).splitlines()[-1], flush=True)
     return 0
