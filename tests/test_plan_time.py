@@ -1,8 +1,9 @@
-"""Plan time (issue 39, deliverable 3): what ``plan_lockstep`` remembers changes no layout and no plan.
+"""Plan time (issue 39, deliverable 3): what the planner and ``plan_lockstep`` remember changes no layout, no plan.
 
 ``dynmb.packing.lockstep`` remembers its fills across calls (keyed by their inputs; ``schedule="auto"`` packs
-``lockstep`` once per kind) and its cost lookups within one call; ``forgetful()`` runs the old path. Every layout
-and every chosen plan must be bit-equal both ways.
+``lockstep`` once per kind) and its cost lookups within one call (``forgetful()``: the old path);
+``dynmb.planning.planner.plan_auto`` schedules and simulates equal packed plans once per step
+(``unremembered()``: the old path, both). Every layout and every chosen plan must be bit-equal both ways.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dynmb.costmodel.loader import Models
 from dynmb.memory.model import get_memory_model
 from dynmb.packing import lockstep
 from dynmb.packing.lockstep import LockstepShape, forgetful, plan_lockstep
-from dynmb.planning.planner import plan_step
+from dynmb.planning.planner import plan_step, unremembered
 
 CFG = dynmb.model_config("llama-tiny")
 
@@ -88,18 +89,19 @@ def test_remembered_costs_are_the_models_and_read_only():
 @pytest.mark.parametrize("schedule", ["auto", "1f1b", "zb"])
 def test_dynamic_plan_same_remembered_or_not(schedule):
     """``dynamic`` (its final check packs ``lockstep`` for every kind ``auto`` weighs), several batches: method,
-    microbatches, kind, predicted step and the microbatches' contents bit-equal with and without remembering."""
+    microbatches, kind, predicted step, every kind's score (``schedule_auto``) and the microbatches' contents
+    bit-equal with and without remembering."""
     P = 4
     models = Models(gpu.GPUCostModel(CFG, P), get_memory_model(None, CFG, P))
     spec = PlanSpec(method="dynamic", num_stages=P, memory_limit_bytes=2 * 2**30, schedule_kind=schedule)
 
     def key(plan):
         return (plan.method, plan.num_microbatches, plan.schedule_kind, float(plan.predictions["pred_step_s"]),
-                plan.meta.candidate, [(mb.seq_ids.tolist(), mb.padded_len, mb.batch) for mb in plan.microbatches])
+                plan.meta.candidate, plan.meta.schedule_auto, [(mb.seq_ids.tolist(), mb.padded_len, mb.batch) for mb in plan.microbatches])
     for seed in range(2):
         lens = _lens(120, 1024, seed + 7)
         lockstep._fills.clear()
         new = key(plan_step(lens, spec, model_cfg=CFG, models=models)[0])
-        with forgetful():
+        with unremembered():
             old = key(plan_step(lens, spec, model_cfg=CFG, models=models)[0])
         assert new == old
