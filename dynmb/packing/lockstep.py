@@ -190,10 +190,11 @@ def _least_loaded(lens: np.ndarray, weights: np.ndarray, tier: np.ndarray, pack_
         digest.update(part.tobytes())
     key = digest.digest()
     with _fills_lock:
-        known = _fills.get(key, False)
-        if known is not False:
+        seen = key in _fills
+        known = _fills.get(key)
+        if seen:
             _fills.move_to_end(key)
-    if known is False:
+    if not seen:
         known = _least_fill(sizes, w, tiers, pack_len)
         with _fills_lock:
             _fills[key] = known
