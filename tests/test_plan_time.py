@@ -105,3 +105,29 @@ def test_dynamic_plan_same_remembered_or_not(schedule):
         with unremembered():
             old = key(plan_step(lens, spec, model_cfg=CFG, models=models)[0])
         assert new == old
+
+
+def test_remembered_fills_tell_their_inputs_apart():
+    """The same lengths under other weights, tiers or row length: each fill as computed afresh (a memo keyed by less
+    than every input would hand back another's rows)."""
+    lens = _lens(80, 512, 3)
+    inputs = [(lens.astype(np.float64) ** 2, np.zeros(30, dtype=np.int64), 512),
+              (1.0 / lens.astype(np.float64), np.zeros(30, dtype=np.int64), 512),
+              (lens.astype(np.float64) ** 2, np.repeat([0, 1], 15), 512),
+              (lens.astype(np.float64) ** 2, np.zeros(30, dtype=np.int64), 640)]
+    got = [lockstep._least_loaded(lens, *x) for x in inputs]
+    with forgetful():
+        fresh = [lockstep._least_loaded(lens, *x) for x in inputs]
+    assert [None if g is None else g.tolist() for g in got] == [None if f is None else f.tolist() for f in fresh]
+    assert len({None if f is None else tuple(f.tolist()) for f in fresh}) > 1     # the inputs do differ
+
+
+def test_lockstep_layouts_same_under_two_cost_models():
+    """One batch, one shape, two cost models (other weights): each layout as computed afresh."""
+    lens = _lens(90, 512, 5)
+    for P in (2, 4):
+        cm = gpu.GPUCostModel(CFG, P)
+        new = _layout_key(plan_lockstep(lens, LockstepShape(pack_len=512, dp=2), cm))
+        with forgetful():
+            old = _layout_key(plan_lockstep(lens, LockstepShape(pack_len=512, dp=2), cm))
+        assert new == old
