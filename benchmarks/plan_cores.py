@@ -9,10 +9,13 @@ step k), so no step waits while ``plan_s <= N W step_s``: the planner cores a ra
 ``plan_s / (P step_s)`` (``cores_per_rank``); planning in line, or without sharing, ``plan_s / step_s``.
 ``--full-check``: ``dynamic``'s final check schedules and simulates every candidate
 (``dynmb.planning.planner.unpruned_final_check``), as before it pruned by ``step_floor``: run both for a
-paired before / after on the same box.
+paired before / after on the same box. ``--unremembered``: the planner and ``lockstep`` remember nothing
+(``dynmb.planning.planner.unremembered``: no fills, cost lookups, schedules or simulations reused), the plan time
+before they did, the same plans.
 
     python benchmarks/plan_cores.py --stages 4,8,16              # ~2 min
     python benchmarks/plan_cores.py --stages 16 --full-check     # without the final check's pruning
+    python benchmarks/plan_cores.py --stages 16 --unremembered   # without remembering (the same plans)
 """
 
 from __future__ import annotations
@@ -49,9 +52,15 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=2, help="timed batches per P (default 2)")
     ap.add_argument("--full-check", action="store_true",
                     help="simulate every candidate of dynamic's final check (no pruning by step_floor)")
+    ap.add_argument("--unremembered", action="store_true",
+                    help="remember no fills, cost lookups, schedules or simulations (the same plans, as before)")
     args = ap.parse_args()
     cfg, lengths = dynmb.model_config(args.model), data.load_trace(args.trace)
-    with planning.unpruned_final_check() if args.full_check else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if args.full_check:
+            stack.enter_context(planning.unpruned_final_check())
+        if args.unremembered:
+            stack.enter_context(planning.unremembered())
         run(args, cfg, lengths)
 
 

@@ -65,9 +65,13 @@ of one replica's pipeline call; G: the same position in every group) of a layout
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import heapq
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterator, cast
 
 import numpy as np
 
@@ -81,7 +85,7 @@ from dynmb.timing.makespan_zb import backward_shares
 
 __all__ = ["LockstepShape", "LockstepLayout", "plan_lockstep", "layout_of_rows", "layout_of_plan", "doc_weights", "balanced_fill",
            "rebalance", "pair_lone_documents", "lockstep_flat", "derived_microbatches", "ORDERS", "StepBound",
-           "step_lower_bound", "fewest_rows"]
+           "step_lower_bound", "fewest_rows", "forgetful"]
 
 ORDERS = ("packed", "descending", "ascending", "ends")
 """The slot orders each group is tried in (step 4)."""
@@ -151,20 +155,66 @@ def balanced_fill(lens: np.ndarray, weights: np.ndarray, num_rows: int, pack_len
     return None if row is None else pair_lone_documents(row, np.asarray(lens, dtype=np.int64), num_rows, pack_len)
 
 
+FILL_MEMO = 512
+"""Fills ``_least_loaded`` remembers (keyed by a digest of its inputs; 0: none). The fills are pure functions of
+the lengths, weights, tiers and row length, not of the schedule kind, and ``schedule="auto"`` packs ``lockstep``
+once per kind it weighs (``dynamic``'s final check): the second and third kind reuse the first's fills."""
+_fills: OrderedDict[bytes, np.ndarray | None] = OrderedDict()
+_fills_lock = threading.Lock()
+
+REMEMBER = True
+"""``plan_lockstep`` remembers its fills (``FILL_MEMO``) and its cost lookups (``_RememberedCosts``); False: it
+computes every one (``forgetful``: the same plans, the plan time as before)."""
+
+
+@contextlib.contextmanager
+def forgetful() -> Iterator[None]:
+    """Within it ``plan_lockstep`` remembers nothing (``REMEMBER`` off): the same layouts, computed afresh."""
+    global REMEMBER
+    was, REMEMBER = REMEMBER, False
+    try:
+        yield
+    finally:
+        REMEMBER = was
+
+
 def _least_loaded(lens: np.ndarray, weights: np.ndarray, tier: np.ndarray, pack_len: int) -> np.ndarray | None:
-    """Row (an index into ``tier``) of every document: documents longest first (ties: heavier, then lower index),
+    """``_least_fill``, remembered (``FILL_MEMO``); a copy of the remembered rows."""
+    sizes = np.ascontiguousarray(lens, dtype=np.int64)
+    w = np.ascontiguousarray(weights, dtype=np.float64)
+    tiers = np.ascontiguousarray(tier, dtype=np.int64)
+    if FILL_MEMO <= 0 or not REMEMBER:
+        return _least_fill(sizes, w, tiers, pack_len)
+    digest = hashlib.blake2b(digest_size=20)
+    for part in (sizes, w, tiers, np.array([len(sizes), len(tiers), int(pack_len)], dtype=np.int64)):
+        digest.update(part.tobytes())
+    key = digest.digest()
+    with _fills_lock:
+        seen = key in _fills
+        known = _fills.get(key)
+        if seen:
+            _fills.move_to_end(key)
+    if not seen:
+        known = _least_fill(sizes, w, tiers, pack_len)
+        with _fills_lock:
+            _fills[key] = known
+            while len(_fills) > FILL_MEMO:
+                _fills.popitem(last=False)
+    return None if known is None else known.copy()
+
+
+def _least_fill(sizes: np.ndarray, weights: np.ndarray, tiers: np.ndarray, pack_len: int) -> np.ndarray | None:
+    """Row (an index into ``tiers``) of every document: documents longest first (ties: heavier, then lower index),
     each into the row of least weight with room among the rows of the lowest ``tier`` that has one (ties: the
     lowest row); None when no row has room. A heap of (tier, weight, row) answers while one of its first
     ``HEAP_POPS`` rows has room (O(log K)); else one scan of every row (O(K))."""
-    sizes = np.asarray(lens, dtype=np.int64)
-    w = np.asarray(weights, dtype=np.float64).tolist()
-    tiers = np.asarray(tier, dtype=np.int64)
+    w = weights.tolist()
     heap = [(t, 0.0, r) for r, t in enumerate(tiers.tolist())]
     heapq.heapify(heap)
     room, load = np.full(len(tiers), int(pack_len), dtype=np.int64), [0.0] * len(tiers)
     load_np = np.zeros(len(tiers))
     row = np.empty(len(sizes), dtype=np.int64)
-    for i in np.lexsort((np.arange(len(sizes)), -np.asarray(weights), -sizes)).tolist():
+    for i in np.lexsort((np.arange(len(sizes)), -weights, -sizes)).tolist():
         size, r = int(sizes[i]), _heap_row(heap, room, load, int(sizes[i]))
         if r is None:
             fits = room >= size
@@ -351,11 +401,40 @@ def _ordered(row_of: np.ndarray, lens: np.ndarray, grid: tuple[int, int, int, in
     return _priced(moved, lens, grid, shape, cost_model, {"candidate": name, "order": best[1]})
 
 
+class _RememberedCosts:
+    """``cost_model`` whose ``stage_costs`` answers (without ``recompute``) are remembered by their inputs' bytes for
+    one ``plan_lockstep`` call, read-only: its document weights, zero-bubble shares and slot costs are asked for
+    again and again with the same inputs. Everything else is the model's own."""
+
+    def __init__(self, cost_model: CostModelLike) -> None:
+        self._model = cost_model
+        self._answers: dict[tuple, dict[str, np.ndarray]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None, ops: tuple[str, ...] = ("F", "B"),
+                    recompute: Any = None) -> dict[str, np.ndarray]:
+        if recompute is not None:
+            return self._model.stage_costs(rows, padded_len, attn, ops=ops, recompute=recompute)
+        key: tuple = (tuple(ops),)
+        for x in (rows, padded_len, attn):
+            arr = None if x is None else np.ascontiguousarray(x)
+            key += (None,) if arr is None else (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._answers:
+            answer = self._model.stage_costs(rows, padded_len, attn, ops=ops)
+            for v in answer.values():
+                v.flags.writeable = False
+            self._answers[key] = answer
+        return dict(self._answers[key])
+
+
 def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelLike, *,
                   every_microbatch: bool = False) -> LockstepLayout:
     """Steps 1-5 for one global batch (every length ``<= shape.pack_len``); ``every_microbatch``: only
     candidates whose every microbatch holds a document (a plan's microbatches are never empty)."""
     lens = np.asarray(lens, dtype=np.int64)
+    cost_model = cast(CostModelLike, _RememberedCosts(cost_model)) if REMEMBER else cost_model
     if len(lens) and int(lens.max()) > shape.pack_len:
         raise PackingError(f"lockstep: a document of {int(lens.max())} tokens is longer than the row "
                            f"({shape.pack_len}); the oversize policy runs first")
@@ -386,7 +465,7 @@ def plan_lockstep(lens: np.ndarray, shape: LockstepShape, cost_model: CostModelL
                                f"({shape.dp} replica(s) x {M}) one; use fewer replicas or a larger batch")
     best = min(candidates, key=lambda lay: lay.step_s)
     for dims in POLISH:                                  # re-fill one dimension's pools of the best, if faster
-        polished = rebalance(best, lens, dims, shape, cost_model)
+        polished = rebalance(best, lens, dims, shape, cost_model, weights=weights)
         full = not every_microbatch or len(np.unique(polished.row_of // shape.rows_per_mb)) == K // shape.rows_per_mb
         if full and polished.step_s < best.step_s:
             best = replace(polished, report={**polished.report, "candidate": f"{best.report['candidate']}, {dims}",
@@ -467,13 +546,13 @@ def _fill_empty_rows(rows: np.ndarray, K: int) -> np.ndarray:
 
 
 def rebalance(layout: LockstepLayout, lens: np.ndarray, dims: str, shape: LockstepShape,
-              cost_model: CostModelLike) -> LockstepLayout:
+              cost_model: CostModelLike, *, weights: np.ndarray | None = None) -> LockstepLayout:
     """``layout`` with the documents of the rows that share every coordinate but ``dims`` (a subset of
     "DMG") re-filled by ``balanced_fill`` (a pool whose fill fails keeps its rows); the slots keep
-    their places and order (the study's ablations)."""
+    their places and order (the study's ablations). ``weights``: ``doc_weights`` of ``lens``, where known."""
     G, M, D, b = layout.grid
     lens = np.asarray(lens, dtype=np.int64)
-    weights = doc_weights(lens, shape.pack_len, cost_model)
+    weights = doc_weights(lens, shape.pack_len, cost_model) if weights is None else weights
     coords = np.stack(np.unravel_index(layout.row_of // b, (G, M, D)), axis=1)      # [n, 3] (g, j, d)
     keep = [a for a, name in enumerate("GMD") if name not in dims]
     pool_key = np.ravel_multi_index(tuple(coords[:, a] for a in keep), tuple((G, M, D)[a] for a in keep)) \

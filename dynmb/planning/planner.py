@@ -34,9 +34,12 @@ the slowest replica's.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import hashlib
 import itertools
 import logging
+import pickle
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, cast
@@ -58,13 +61,15 @@ from dynmb.core.types import Plan, Schedule
 from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust, step_floor
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
-from dynmb.planning.replicas import make_schedule, predict_replicas, replica_schedules, replicas_of, stitch
+from dynmb.packing.lockstep import forgetful
+from dynmb.planning.replicas import (ReplicaPrediction, make_schedule, predict_replicas, replica_schedules,
+                                     replicas_of, stitch)
 from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.slicing import longest_row, plan_split
 from dynmb.planning.spec_check import lockstep_refusal
 
-__all__ = ["plan_step", "plan_auto", "make_schedule", "unpruned_final_check"]
+__all__ = ["plan_step", "plan_auto", "make_schedule", "unpruned_final_check", "unremembered"]
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +163,56 @@ def _schedule_kind(packed: _Packed, spec: PlanSpec, models: Models[MemoryModelLi
     """``_plan_kind``'s schedules of a packed plan, simulated, stitched into one plan."""
     t1 = time.perf_counter()
     replicas = packed.replicas
-    scheds = replica_schedules(replicas, spec, models=models)
+    scheds, predicted = _simulated(packed, spec, models)
     plan_s = packed.plan_s + time.perf_counter() - t1
-    predicted = predict_replicas(replicas, scheds, models, packed.plan.predictions)
     plan = stitch(packed.plan, replicas, {"reorder": packed.reorder, "virtual": spec.virtual, **(meta or {})})
     plan = replace(plan, schedule_kind=spec.schedule_kind, spec=spec,
                    predictions=predicted.predictions.updated(plan_s=plan_s))
     return plan, scheds[0], predicted.sims[0]
+
+
+REMEMBER = True
+"""``plan_auto`` schedules and simulates a packed plan once: a candidate whose replicas (every field), base
+predictions and settings equal an earlier one's of the same step (``zb``'s ramped fills at two body scales often
+come out the same plan) reuses its schedules and simulations (``_simulated``). False: every one afresh."""
+
+_MADE: contextvars.ContextVar[dict[bytes, tuple[list[Schedule], ReplicaPrediction]] | None] = \
+    contextvars.ContextVar("dynmb_planner_made", default=None)
+
+
+def _simulated(packed: _Packed, spec: PlanSpec,
+               models: Models[MemoryModelLike]) -> tuple[list[Schedule], ReplicaPrediction]:
+    """Each replica's schedule and the replicas' simulations (``REMEMBER``: once per step for equal inputs, keyed
+    by a digest of their pickled form)."""
+    memo = _MADE.get() if REMEMBER else None
+    key = None
+    if memo is not None:
+        try:
+            key = hashlib.sha256(pickle.dumps((packed.replicas, packed.plan.predictions, spec))).digest()
+        except (pickle.PicklingError, TypeError, AttributeError):      # not picklable: made afresh
+            key = None
+        if key is not None and key in memo:
+            log.debug("plan: %s on %s as packed before: its schedules and simulations reused", spec.method,
+                      spec.schedule_kind)
+            return memo[key]
+    scheds = replica_schedules(packed.replicas, spec, models=models)
+    predicted = predict_replicas(packed.replicas, scheds, models, packed.plan.predictions)
+    if memo is not None and key is not None:
+        memo[key] = (scheds, predicted)
+    return scheds, predicted
+
+
+@contextlib.contextmanager
+def unremembered() -> Iterator[None]:
+    """Within it the planner and ``lockstep`` remember nothing (``REMEMBER`` off, ``lockstep.forgetful``): the
+    same plans, every schedule, simulation, fill and cost lookup made afresh (the plan time as before)."""
+    global REMEMBER
+    was, REMEMBER = REMEMBER, False
+    try:
+        with forgetful():
+            yield
+    finally:
+        REMEMBER = was
 
 
 FINAL_CHECK = 3
@@ -341,6 +389,17 @@ def plan_auto(lengths: np.ndarray, spec: PlanSpec, model_cfg: ModelConfig, model
         raise ValueError(f"schedule 'auto': no registered kind takes virtual={spec.virtual}"
                          f"{' and slices of long sequences' if _sliced(lengths, spec, model_cfg, models.memory) else ''}")
     packs: dict[tuple, tuple[Plan, float]] = {}
+    made = _MADE.set({})                # this step's schedules and simulations (``REMEMBER``)
+    try:
+        return _plan_auto_on(lengths, spec, kinds, model_cfg, models, meta, packs, t0)
+    finally:
+        _MADE.reset(made)
+
+
+def _plan_auto_on(lengths: np.ndarray, spec: PlanSpec, kinds: tuple[str, ...], model_cfg: ModelConfig,
+                  models: Models[MemoryModelLike], meta: dict[str, Any] | None,
+                  packs: dict[tuple, tuple[Plan, float]], t0: float) -> tuple[Plan, Schedule, SimResult]:
+    """``plan_auto``'s search, its candidates sharing ``packs``; ``t0``: when the step began."""
     cands = [Candidate(kind, functools.partial(_plan_checked, lengths, spec.with_(schedule_kind=kind), model_cfg,
                                                models, meta, packs)) for kind in kinds]
     cands += _ranked_elsewhere(_Job(lengths, spec, get_kind(kinds[0]), model_cfg, models, meta),   # kind: per candidate
