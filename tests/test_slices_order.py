@@ -170,7 +170,7 @@ def test_dynamic_weighs_a_plain_methods_whole_sliced_search(monkeypatch):
 
     monkeypatch.setattr(slicing, "slice_alternatives", lambda: [("fixed", 1)])
     monkeypatch.setattr(slicing, "SHORT_PACKERS", ())
-    monkeypatch.setattr(slicing, "WEIGH_ALTERNATIVES", True)      # off by default (its docstring says why)
+    monkeypatch.setattr(slicing, "WEIGH_ALTERNATIVES", True)      # the default (weighing_alternatives(False): off)
     spec = PlanSpec(method="dynamic", num_stages=2, schedule_kind="1f1b", memory_limit_bytes=parse_bytes("16MiB"),
                     oversize="split", recompute="auto")
     plan, _, sim = plan_step(LONG, spec, model_cfg=TINY)

@@ -18,7 +18,8 @@ from dynmb.core.config import ModelConfig
 from dynmb.core.model_sizes import HEAD_STATS, SUB_CHUNKS, HalfPiece
 
 __all__ = ["BUCKET_PADDING", "block_act_coef", "half_act_coef", "piece_act_coef", "stage_blocks_act",
-           "stage_act_per_token", "head_act_per_token", "w_coef", "recompute_saved_coef", "recompute_transient_coef"]
+           "stage_act_per_token", "head_act_per_token", "w_coef", "recompute_saved_coef", "recompute_transient_coef",
+           "recompute_kv_kept_coef", "slice_recompute_coef"]
 
 BUCKET_PADDING = 1 / 16
 """Bound on the pad tokens of bucketed document attention (``dynmb.models.bucket_documents``),
@@ -198,6 +199,15 @@ def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     return out
 
 
+def _largest_block_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 2]``: ``(a1, a2)`` of each stage's largest block (whole, half or pieces of one layer)."""
+    out = np.zeros((num_stages, 2))
+    for i, pieces in enumerate(cfg.stage_pieces(num_stages)):
+        for layer in {pc.layer for pc in pieces}:
+            out[i] = np.maximum(out[i], sum(piece_act_coef(cfg, pc) for pc in pieces if pc.layer == layer))
+    return out
+
+
 def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     """``[P, 3]``: what a recomputed backward re-creates at a time, on top of the stage's
     transient bytes: one block's activation bytes (its largest block, whole or half); on a stage holding
@@ -205,11 +215,40 @@ def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     re-created activations while that gradient lives, or one block's after it is gone (the head's backward
     runs first), whichever is larger: ``max(block - 4 rows, head)``."""
     out = np.zeros((num_stages, 3))
-    for i, pieces in enumerate(cfg.stage_pieces(num_stages)):
-        for layer in {pc.layer for pc in pieces}:
-            block = sum(piece_act_coef(cfg, pc) for pc in pieces if pc.layer == layer)
-            out[i, 1:] = np.maximum(out[i, 1:], block)
+    out[:, 1:] = _largest_block_coef(cfg, num_stages)
     for i, rows in enumerate(cfg.stage_vocab(num_stages)):
         if len(rows):
             out[i, 1] = max(out[i, 1] - 4 * len(rows), head_act_per_token(cfg, i, num_stages))
     return out
+
+
+def recompute_kv_kept_coef(cfg: ModelConfig) -> float:
+    """Bytes per token and attention layer that a continued slice's recomputed backward keeps once that layer's
+    block is done (``dynmb.models.prefix.PrefixStore.keep``: the recomputed keys and values replace the kept ones
+    as the backward's roots and stay referenced until the slice's entries are released after its whole backward):
+    the storages of ``k`` and ``v``. ``v`` is a view of the fused q/k/v projection's output (``d + 2 k`` at ``e``
+    bytes, ``k = n_kv_heads * head_dim``: ``3 d`` without grouped K/V); ``k`` is a view of it too with learned
+    positions (gpt2), and a rotated copy (``k`` more) with rotary positions (llama). The CPU meter: 768 B per token
+    and layer on ``tiny``, 640 on ``llama-tiny`` (``tests/test_slices_memory.py``)."""
+    e, k = cfg.dtype_bytes, cfg.kv_heads * cfg.head_dim
+    return float(e * (cfg.d_model + 2 * k + (0 if cfg.learned_positions else k)))
+
+
+def slice_recompute_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P]``: bytes per continued token (``Microbatch.continued_tokens``) that a recomputed slice's backward
+    holds on top of its transient bytes (``recompute_transient_coef``). Its blocks are recomputed and
+    back-propagated last to first; after each, ``recompute_kv_kept_coef`` stays held, so while its stage's first
+    block is recomputed, ``n - 1`` layers' keys and values are kept (``n`` attention layers on the stage) beside
+    that block's activations: ``(n - 1) R + block - 4 rows - (recompute transient)`` over the stage's transient,
+    that is ``(n - 1) R`` on a stage without LM-head rows and ``max(0, (n - 1) R + min(0, block - 4 rows -
+    head))`` on one with ``rows`` of them (where the head's phase, with the logits gradient, was the larger).
+    Charged per continued token: a row filled with short sequences is over-counted (their share of the
+    negative term), never under."""
+    layers = np.array([na for na, _ in cfg.stage_parts(num_stages)], dtype=np.float64)
+    kept = np.maximum(np.ceil(layers) - 1.0, 0.0) * recompute_kv_kept_coef(cfg)
+    block = _largest_block_coef(cfg, num_stages)[:, 0]
+    slack = np.zeros(num_stages)
+    for i, rows in enumerate(cfg.stage_vocab(num_stages)):
+        if len(rows):
+            slack[i] = min(0.0, block[i] - 4 * len(rows) - head_act_per_token(cfg, i, num_stages))
+    return np.maximum(kept + slack, 0.0)

@@ -41,6 +41,16 @@ with ``recompute`` holds only its blocks' inputs from F to B (``act_matrix(..., 
 ``rc_act_coef``) and one block's activations on top of its backward's transient bytes
 (``rc_transient_coef``); it runs its whole backward in ``I`` (``w`` = 0). Fitted models derive
 these from the analytic count: ``rc_act_coef = act_coef - recompute_saved_coef`` (>= 0).
+
+Slices of long sequences (``dynmb.models.prefix``): a continued slice holds its keys and values for later
+slices (``slice_coef``: on top of its activations when recomputed) and their gradients from its chain's first
+backward to its own (``slice_grad_coef``). A recomputed continued slice's backward also keeps each finished
+block's recomputed keys and values until its whole backward ends, ``R = e (d + 2k [+ k rotated])`` per token
+and layer, so while its stage's first block is recomputed ``(n - 1) R`` more than ``rc_transient_coef`` counts
+sit beside that block's activations (``slice_recompute_coef``: the stage's ``n`` attention layers; on the
+LM-head stage less the head phase's margin over the block phase). Measured with the CPU meter: the even-cut,
+all-recomputed ``tiny`` plan of ``tests/test_slices_dp.py``'s batch held 25,647,040 B where the model without
+the term predicted 25,165,073 B (its replica 0: 24,664,827 B).
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel.validate import check_memory_model, check_numbers, read_model_file
 from dynmb.memory.coef import (BUCKET_PADDING, block_act_coef, half_act_coef, head_act_per_token, recompute_saved_coef,
-                          recompute_transient_coef, stage_act_per_token, stage_blocks_act, w_coef)
+                          recompute_transient_coef, slice_recompute_coef, stage_act_per_token, stage_blocks_act, w_coef)
 from dynmb.memory.fit import fit_memory_model
 from dynmb.memory.peak import inflight_limit, peak_from_matrix, rank_state
 from dynmb.schedule.kinds import SCHEDULE_KINDS, interleaved_inflight
@@ -230,6 +240,12 @@ class MemoryModel:
         c = self.model_cfg
         layers = np.array([na for na, _ in c.stage_parts(self.num_stages)], dtype=np.float64)   # attention halves
         return layers * c.kv_heads * c.head_dim * c.dtype_bytes * 2.0
+
+    def slice_recompute_coef(self) -> np.ndarray:
+        """``[P]`` bytes per token of a recomputed continued slice held during its backward on top of its
+        transient bytes: the recomputed keys and values each finished block keeps until the slice's entries are
+        released (``dynmb.memory.coef.slice_recompute_coef``; ``dynmb.timing.simulate.SliceGrads.recomputed``)."""
+        return slice_recompute_coef(self.model_cfg, self.num_stages)
 
     def slice_matrix(self, continued_tokens: Any, recompute: Any = None) -> np.ndarray:
         """``[P, m]``: the bytes ``slice_coef`` adds to each microbatch (``continued_tokens[m]``)."""

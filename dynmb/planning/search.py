@@ -84,21 +84,23 @@ def robust(own: Planned | None, outcomes: Sequence[Outcome[Planned]], cost_model
     return planned, choice
 
 
-def _replica_floor(replica: Plan, cost_model: CostModelLike, kind: str, virtual: int) -> float:
+def _replica_floor(replica: Plan, cost_model: CostModelLike, kind: str, virtual: int, order_free: bool) -> float:
     """``step_floor`` of one replica's plan (module doc)."""
     est, rec = estimator_of(kind), get_kind(kind)
     split = est.split_backward or rec.split_backward
     costs = cost_model.plan_costs(replica, ops=("F", "B", "I", "W") if split else ("F", "B"))
     F, B = (np.asarray(costs[op], dtype=np.float64) for op in ("F", "B"))
     comm = comm_times(cost_model, replica)
-    shares = None
-    if est.split_backward:
-        shares = np.stack([np.asarray(costs[op], dtype=np.float64).sum(axis=1) for op in ("I", "W")]) / B.sum(axis=1)
-    fast = float(makespans(F, B, comm, [replica.num_microbatches], kind, shares=shares, virtual=virtual)[0])
     grad = np.minimum(B, np.asarray(costs["I"]) + np.asarray(costs["W"])) if split else B
     rank = [rec.rank_of(s, replica.num_stages, virtual) for s in range(replica.num_stages)]
     terms = dependency_terms({"F": F, "B": grad}, comm, rank).values()
     bound = max(t.head + t.work + (0.0 if rec.split_backward else t.tail) for t in terms)
+    if order_free:
+        return bound
+    shares = None
+    if est.split_backward:
+        shares = np.stack([np.asarray(costs[op], dtype=np.float64).sum(axis=1) for op in ("I", "W")]) / B.sum(axis=1)
+    fast = float(makespans(F, B, comm, [replica.num_microbatches], kind, shares=shares, virtual=virtual)[0])
     return max(fast / (1.0 + est.tolerance), bound)
 
 
@@ -107,8 +109,12 @@ ROUNDING = 1e-9
 orders (where the bound is tight, GPipe, it may come out a rounding error above the simulated step)."""
 
 
-def step_floor(replicas: Sequence[Plan], cost_model: CostModelLike, kind: str, virtual: int = 1) -> float:
+def step_floor(replicas: Sequence[Plan], cost_model: CostModelLike, kind: str, virtual: int = 1,
+               order_free: bool = False) -> float:
     """A lower bound of the simulated step of the plan of ``replicas`` (each in its order) on a ``kind``
-    schedule, before the schedule is built (module doc): the slowest replica's, less ``ROUNDING``."""
-    floors = [_replica_floor(p, cost_model, kind, virtual) for p in replicas if p.num_microbatches]
+    schedule, before the schedule is built (module doc): the slowest replica's, less ``ROUNDING``.
+    ``order_free``: the dependency bound alone, which holds for any order of the microbatches (plans with
+    slices, whose schedules run a chain's backwards in reverse, where the fast estimate of the plan's order
+    need not bound the step)."""
+    floors = [_replica_floor(p, cost_model, kind, virtual, order_free) for p in replicas if p.num_microbatches]
     return max([0.0, *floors]) * (1.0 - ROUNDING)

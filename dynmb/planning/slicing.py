@@ -81,6 +81,7 @@ from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind, s
 from dynmb.timing.simulate import SimResult, simulate
 from dynmb.core.types import Microbatch, Plan, PlanMeta, Schedule
 from dynmb.planning.replicas import predict_replicas, replicas_of
+from dynmb.planning.search import step_floor
 
 __all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE", "reuse_searches", "slice_alternatives",
            "weighing_alternatives"]
@@ -249,6 +250,7 @@ class _SplitJob:
     threshold: int | None
     packed: dict[tuple, list[Microbatch]] = field(default_factory=dict)
     coefs: dict[int, tuple[float, float]] = field(default_factory=dict)
+    sims: dict[tuple, tuple[float, float, list[Plan], list[Schedule]]] = field(default_factory=dict)
 
     @property
     def long_ids(self) -> np.ndarray:
@@ -344,8 +346,23 @@ class _SplitJob:
                 "truncated": [], "dropped": [],
                 "pack_len": int(self.row_cap) if s.method == "packed" else None, "virtual": int(s.virtual)}
 
+    def floor(self, plan: Plan) -> float:
+        """A lower bound of ``plan``'s simulated step (its slowest replica's) on the spec's kind, before any
+        schedule is built: ``step_floor``'s order-free dependency bound (head + work, + tail where the kind
+        never splits a backward), which holds for any order, so for every schedule the builder may make."""
+        return step_floor(replicas_of(plan), self.models.cost, self.spec.schedule_kind, self.spec.virtual,
+                          order_free=True)
+
     def simulate(self, plan: Plan) -> tuple[float, float, list[Plan], list[Schedule]]:
-        """(slowest replica's makespan, highest GPU peak, the replicas, their schedules)."""
+        """(slowest replica's makespan, highest GPU peak, the replicas, their schedules); a plan of the same
+        microbatches, replicas and lookahead simulated before under the same kind (``sims``, shared by the jobs
+        of one ``plan_split``: the plain methods' searches often make the same candidate) is not again."""
+        key = _plan_key(plan, self.spec)
+        if key not in self.sims:
+            self.sims[key] = self._simulate(plan)
+        return self.sims[key]
+
+    def _simulate(self, plan: Plan) -> tuple[float, float, list[Plan], list[Schedule]]:
         replicas = replicas_of(plan)
         scheds, slowest, peak = [], 0.0, 0.0
         for p in replicas:
@@ -359,6 +376,15 @@ class _SplitJob:
         return slowest, peak, replicas, scheds
 
 
+def _plan_key(plan: Plan, spec: PlanSpec) -> tuple:
+    """What a candidate's schedule and simulation read: its microbatches (rows, lengths, recomputation,
+    slices), replicas and chain lookahead, and the kind (the settings besides method and mbs are one job's)."""
+    mbs = tuple((mb.seq_ids.tobytes(), mb.lengths.tobytes(), mb.padded_len, mb.batch, mb.recompute,
+                 None if mb.offsets is None else mb.offsets.tobytes(),
+                 None if mb.continued is None else mb.continued.tobytes()) for mb in plan.microbatches)
+    return (spec.schedule_kind, spec.virtual, plan.replica_ids, plan.meta.get("slice_lookahead"), mbs)
+
+
 @dataclass
 class _Search:
     """The best fitting candidate so far, the lowest peak seen (for the error) and the last dealing that
@@ -367,6 +393,8 @@ class _Search:
     best: tuple[float, Plan, list[Plan], list[Schedule]] | None = None
     lowest: tuple[float, int] | None = None
     too_few: tuple[int, int] = (0, 0)
+    simulated: int = 0
+    pruned: int = 0
 
 
 @dataclass(frozen=True)
@@ -398,7 +426,11 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
                                     "slice_shorts": None if t.packer is None else "/".join(map(str, t.packer)),
                                     "slice_recompute_share": t.rc_share if t.use_rc else 0.0,
                                     "slice_lookahead": t.lookahead})
+        if found.best is not None and job.floor(plan) >= found.best[0]:
+            found.pruned += 1                # cannot beat the best so far: not scheduled nor simulated
+            continue
         slowest, peak, replicas, scheds = job.simulate(plan)
+        found.simulated += 1
         if found.lowest is None or peak < found.lowest[0]:
             found.lowest = (peak, int(t.slice_len))
         if peak <= job.spec.memory_limit_bytes and (found.best is None or slowest < found.best[0]):
@@ -520,18 +552,20 @@ _SEARCHES: dict[tuple, _Search] | None = None
 _SEARCHES_MAX = 64
 
 
-WEIGH_ALTERNATIVES = False
-"""``dynamic``'s sliced plan weighs every plain method's sliced search (``_weigh_alternatives``) only within
-``weighing_alternatives()``: off by default since a kept alternative broke the memory limit on real ranks (the
-even-cut, all-recomputed plan of ``tests/test_slices_dp.py``'s batch: predicted 25,165,073 B, measured
-25,647,040 B against 24 MiB) and it costs 10-13x the plan time (``studies/slicing/notes.md``)."""
+WEIGH_ALTERNATIVES = True
+"""``dynamic``'s sliced plan weighs every plain method's sliced search (``_weigh_alternatives``); on by default
+since the memory model prices a recomputed continued slice's backward (``MemoryModel.slice_recompute_coef``: a
+kept alternative, the even-cut all-recomputed plan of ``tests/test_slices_dp.py``'s batch, had measured
+25,647,040 B where 25,165,073 B was predicted); ``weighing_alternatives(False)`` turns it off (its plan time:
+``studies/slicing/notes.md``)."""
 
 
 @contextlib.contextmanager
-def weighing_alternatives() -> Iterator[None]:
-    """Within it ``dynamic`` weighs the plain methods' sliced searches (``WEIGH_ALTERNATIVES``)."""
+def weighing_alternatives(on: bool = True) -> Iterator[None]:
+    """Within it ``dynamic`` weighs the plain methods' sliced searches or not (``WEIGH_ALTERNATIVES``; on by
+    default, so ``weighing_alternatives()`` changes nothing and ``weighing_alternatives(False)`` opts out)."""
     global WEIGH_ALTERNATIVES
-    was, WEIGH_ALTERNATIVES = WEIGH_ALTERNATIVES, True
+    was, WEIGH_ALTERNATIVES = WEIGH_ALTERNATIVES, on
     try:
         yield
     finally:
@@ -604,6 +638,7 @@ def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) 
             spec = job.spec.with_(method=method, mbs=mbs)
             alt = _split_job(job.lengths, spec, get_kind(spec.schedule_kind), model_cfg, job.models,
                              job.make_schedule, job.threshold)
+            alt.sims = job.sims                   # a candidate another method made is not simulated again
             alt.pack_short(alt.short_ids)         # the method's own refusal, as plan_split's
             if not alt.long_ids.size:
                 continue

@@ -245,10 +245,13 @@ def _memory(res: SimResult, flat: Any, schedule: Schedule, mem: MemoryInputs, en
 class SliceGrads(NamedTuple):
     """Gradients of slices' keys and values (``dynmb.models.prefix``), ``[P, m]`` bytes each: ``alloc``
     appear during a microbatch's backward (the first backward of a chain, its last slice's,
-    creates the gradients of every earlier slice), ``free`` go with its backward (its own)."""
+    creates the gradients of every earlier slice), ``free`` go with its backward (its own);
+    ``recomputed``: held during a recomputed continued slice's backward only (its recomputed keys and
+    values, ``MemoryModel.slice_recompute_coef``)."""
 
     alloc: np.ndarray
     free: np.ndarray
+    recomputed: np.ndarray | None = None
 
 
 def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None, w: np.ndarray | None = None,
@@ -270,6 +273,8 @@ def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None, w: np.ndarray |
         alloc, free = slice_grads.alloc[flat.stage, flat.mb], slice_grads.free[flat.stage, flat.mb]
         delta = delta + np.where(bwd, alloc - free, 0.0)
         during = np.where(bwd, np.maximum(during + free - alloc, 0.0), during)
+        if slice_grads.recomputed is not None:
+            during = during + np.where(bwd, slice_grads.recomputed[flat.stage, flat.mb], 0.0)
     return delta, during
 
 
@@ -338,7 +343,12 @@ def slice_grad_inputs(memory_model: MemoryModelLike | None, plan: Plan) -> Slice
             g = coef * float(mb.lengths[mb.seq_ids == sid][0])
             free[:, i] += g
             alloc[:, where[-1]] += g
-    return SliceGrads(alloc, free)
+    rc = plan.recompute_mask()
+    held = None
+    if rc.any() and hasattr(memory_model, "slice_recompute_coef"):
+        n = np.array([mb.continued_tokens for mb in plan.microbatches], dtype=np.float64) * rc
+        held = np.asarray(memory_model.slice_recompute_coef(), dtype=np.float64)[:, None] * n[None, :]
+    return SliceGrads(alloc, free, held)
 
 
 def w_inputs(memory_model: MemoryModelLike | None, plan: Plan) -> np.ndarray | None:

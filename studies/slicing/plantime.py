@@ -1,0 +1,65 @@
+"""Plan time of ``dynamic``'s sliced plan with and without weighing the plain methods' sliced searches, paired
+(issue 39): one ``longdoc`` cell (``studies.slicing.longdoc.cell``'s batch, layout, models and planner), dynamic
+planned once per mode in one process, CPU seconds (``time.process_time``) and the predicted step of each.
+
+    PYTHONPATH=$PWD nice -n 19 python3 -m studies.slicing.plantime --traces wikitext2 --models llama2-7b --stages 8
+
+Modes: ``off`` (``WEIGH_ALTERNATIVES = False``: dynamic's own search only), ``on`` (the default: weighed, with
+the floor pruning and shared simulations of this checkout). Run with another checkout on ``PYTHONPATH`` for its
+numbers; compare CPU seconds only within one run (the box's load varies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import dynmb
+from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.planning import slicing
+from studies.scaling import scaling
+from studies.slicing import longdoc
+
+
+def plan_times(trace_name: str, model: str, P: int, modes: list[str], cache: Path) -> list[dict]:
+    """One row per mode: CPU seconds of dynamic's plan and its predicted step."""
+    trace = longdoc.load(trace_name, cache)
+    cfg = scaling.model_for(model, [trace])
+    batch = scaling.token_batch(trace, 500_000, 1, 0)
+    cfg = scaling.resolve_stage_split(cfg, P, "auto", stage_cost=scaling.ideal_cost(batch, "ib"))
+    rows, was = [], slicing.WEIGH_ALTERNATIVES
+    try:
+        for mode in modes:
+            planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(cfg, P),
+                                    schedule="auto", oversize="split", recompute="auto")
+            slicing.WEIGH_ALTERNATIVES = mode == "on"
+            t0 = time.process_time()
+            step = planner.plan(batch, method="dynamic")
+            rows.append({"trace": trace_name, "model": model, "P": P, "mode": mode,
+                         "plan_cpu_s": time.process_time() - t0, "step_s": step.sim.makespan_s,
+                         "slice_shorts": step.plan.meta.get("slice_shorts")})
+    finally:
+        slicing.WEIGH_ALTERNATIVES = was
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", default="wikitext2,longtail,pycode", help="trace names (longdoc's)")
+    ap.add_argument("--models", default="llama2-7b,llama3.1-8b", help="model presets")
+    ap.add_argument("--stages", default="8", help="pipeline depths P")
+    ap.add_argument("--modes", default="off,on", help="off, on (module doc)")
+    ap.add_argument("--cache", type=Path, default=Path("results/traces"), help="where the pycode trace is cached")
+    args = ap.parse_args(argv)
+    for name in args.traces.split(","):
+        for model in args.models.split(","):
+            for P in map(int, args.stages.split(",")):
+                for r in plan_times(name, model, P, args.modes.split(","), args.cache):
+                    print(f"{r['trace']} {r['model']} P{r['P']} {r['mode']}: {r['plan_cpu_s']:.1f} CPU s, "
+                          f"step {r['step_s']:.4f} s, shorts {r['slice_shorts']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
