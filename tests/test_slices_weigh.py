@@ -20,13 +20,13 @@ SPEC = PlanSpec(method="dynamic", num_stages=2, schedule_kind="1f1b", memory_lim
                 oversize="split", recompute="auto")
 
 
-def test_weighing_is_on_by_default_and_can_be_turned_off(monkeypatch):
-    assert slicing.WEIGH_ALTERNATIVES
+def test_weighing_is_opt_in_and_can_be_turned_on_and_off(monkeypatch):
+    assert not slicing.WEIGH_ALTERNATIVES       # off by default (its docstring says why)
     seen = []
     monkeypatch.setattr(slicing, "_weigh_alternatives", lambda job, found, cfg: seen.append(job.spec.method))
     with slicing.weighing_alternatives(False):
         plan_step(BATCH, SPEC, model_cfg=TINY)
-    assert seen == [] and slicing.WEIGH_ALTERNATIVES
+    assert seen == [] and not slicing.WEIGH_ALTERNATIVES
     with slicing.weighing_alternatives():
         plan_step(BATCH, SPEC, model_cfg=TINY)
     assert seen == ["dynamic"]

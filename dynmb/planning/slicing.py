@@ -552,18 +552,20 @@ _SEARCHES: dict[tuple, _Search] | None = None
 _SEARCHES_MAX = 64
 
 
-WEIGH_ALTERNATIVES = True
-"""``dynamic``'s sliced plan weighs every plain method's sliced search (``_weigh_alternatives``); on by default
-since the memory model prices a recomputed continued slice's backward (``MemoryModel.slice_recompute_coef``: a
-kept alternative, the even-cut all-recomputed plan of ``tests/test_slices_dp.py``'s batch, had measured
-25,647,040 B where 25,165,073 B was predicted); ``weighing_alternatives(False)`` turns it off (its plan time:
-``studies/slicing/notes.md``)."""
+WEIGH_ALTERNATIVES = False
+"""``dynamic``'s sliced plan weighs every plain method's sliced search (``_weigh_alternatives``) only within
+``weighing_alternatives()``. The memory model now prices a recomputed continued slice's backward
+(``MemoryModel.slice_recompute_coef``; the even-cut all-recomputed plan of ``tests/test_slices_dp.py``'s batch had
+measured 25,647,040 B where 25,165,073 B was predicted), but it stays off by default: with it on, the slow fp64
+2-rank job (``tests/test_fp64_grads.py``, 2 stages, 40 MiB) kept a plan whose last stage measured 42,266,064 B over
+the limit (the CPU meter's first-in-first-out charge of a chain's reversed backwards, or a term still missing: not
+yet told apart), and it costs 7-15x dynamic's own plan time (``studies/slicing/notes.md``)."""
 
 
 @contextlib.contextmanager
 def weighing_alternatives(on: bool = True) -> Iterator[None]:
-    """Within it ``dynamic`` weighs the plain methods' sliced searches or not (``WEIGH_ALTERNATIVES``; on by
-    default, so ``weighing_alternatives()`` changes nothing and ``weighing_alternatives(False)`` opts out)."""
+    """Within it ``dynamic`` weighs the plain methods' sliced searches (``on``) or not (``WEIGH_ALTERNATIVES``;
+    off by default)."""
     global WEIGH_ALTERNATIVES
     was, WEIGH_ALTERNATIVES = WEIGH_ALTERNATIVES, on
     try:

@@ -39,7 +39,7 @@ from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.core.types import Plan
 from dynmb.planning.replicas import make_schedule
-from dynmb.planning.slicing import reuse_searches
+from dynmb.planning.slicing import reuse_searches, weighing_alternatives
 from dynmb.timing.gap_terms import TERMS, gap_terms
 from dynmb.timing.simulate import simulate
 from dynmb.costmodel.loader import Models
@@ -113,7 +113,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, others: list[st
     cm = GPUCostModel(cfg, P)
     planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=cm, schedule="auto",
                             oversize="split", recompute="auto")
-    with reuse_searches():   # the others' searches, made once (dynamic weighs them, by default)
+    with reuse_searches(), weighing_alternatives():   # dynamic weighs the others' searches (opt-in), made once
         dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
         steps = {}
         for name in others:

@@ -4,7 +4,7 @@ planned once per mode in one process, CPU seconds (``time.process_time``) and th
 
     PYTHONPATH=$PWD nice -n 19 python3 -m studies.slicing.plantime --traces wikitext2 --models llama2-7b --stages 8
 
-Modes: ``off`` (``WEIGH_ALTERNATIVES = False``: dynamic's own search only), ``on`` (the default: weighed, with
+Modes: ``off`` (``WEIGH_ALTERNATIVES = False``: dynamic's own search only), ``on`` (``weighing_alternatives()``, opt-in: weighed, with
 the floor pruning and shared simulations of this checkout). Run with another checkout on ``PYTHONPATH`` for its
 numbers; compare CPU seconds only within one run (the box's load varies).
 """
