@@ -1,6 +1,6 @@
 """Why the real 2x2 runs put lockstep level with ``packed`` where the planner predicted 0.93 (issue 38, part B).
 
-    python studies/lockstep/real_actions.py /work/real19 --cores 2
+    python studies/lockstep/real_actions.py studies/lockstep/results/real_idle --cores 2
 
 Reads the runs ``real_runs.py`` wrote (``<method>_<round>/actions.csv`` and ``steps.csv``; the warm-up step left
 out) and prints, per method:
