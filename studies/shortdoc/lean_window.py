@@ -77,9 +77,11 @@ def row(model: str, P: int, limit: str, fraction: float) -> str:
                             schedule=kind, stage_split="auto", workload=trace)
     step = planner.plan(batch, method="dynamic")
     window = [LeanWindow(min(fraction, 1.0))(s, P) for s in range(P)]
+    peak = step.sim.peak_bytes
+    peak_gib = "n/a" if peak is None else f"{max(peak) / 2**30:.2f}"
     return (f"| {model} | {P} | {limit} | {fraction:g} | {window} | {step.plan.schedule_kind} | "
             f"{step.plan.meta.get('grouping') or 'dynamic'} | {step.plan.num_microbatches} | {step.sim.makespan_s:.4f} | "
-            f"{max(step.sim.peak_bytes) / 2**30:.2f} |")
+            f"{peak_gib} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,18 +212,29 @@ def _pct(r: object) -> str:
     return " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in TABLE_TERMS)
 
 
+def _balanced(r: object) -> str:
+    """The gap against the work-balanced split's ideal and the first stages' admitted tokens (where recorded)."""
+    gap = getattr(r, "gap_balanced", float("nan"))
+    admitted = getattr(r, "admission", None)
+    tokens = ", ".join(map(str, admitted[:3])) if isinstance(admitted, list) else ""
+    return f"{'' if pd.isna(gap) else f'{100 * gap:+.1f}%'} | {tokens}"
+
+
 def markdown(df: pd.DataFrame) -> str:
-    """One row per cell (module doc), the terms in % of the ideal."""
-    head = ("| trace | model | P | limit | step s | ideal s | gap | best other (s) | dyn / best | kind | mb | grouping | "
-            + " | ".join(TABLE_TERMS) + " | plan CPU s |")
+    """One row per cell (module doc), the terms in % of the ideal; the gap against the work-balanced split's ideal
+    and the tokens the first three stages admit (``stage_admission``)."""
+    head = ("| trace | model | P | limit | step s | ideal s | gap | gap (balanced split's ideal) | tokens admitted, "
+            "stages 0-2 | best other (s) | dyn / best | kind | mb | grouping | " + " | ".join(TABLE_TERMS)
+            + " | plan CPU s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in df.itertuples():
         if r.status != "ok":
             lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.status} |")
             continue
         lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.step_s:.4f} | {r.ideal_s:.4f} | "
-                     f"{100 * r.gap:+.1f}% | {r.best_other} ({r.best_other_s:.4f}) | {r.step_s / r.best_other_s:.3f} | "
-                     f"{r.kind} | {r.microbatches} | {r.grouping} | {_pct(r)} | {r.plan_cpu_s:.1f} |")
+                     f"{100 * r.gap:+.1f}% | {_balanced(r)} | {r.best_other} ({r.best_other_s:.4f}) | "
+                     f"{r.step_s / r.best_other_s:.3f} | {r.kind} | {r.microbatches} | {r.grouping} | {_pct(r)} | "
+                     f"{r.plan_cpu_s:.1f} |")
     return "\n".join(lines)
 
 
