@@ -37,7 +37,11 @@ from studies.scaling import scaling
 import dynmb
 from studies.common import append_row
 from dynmb import data
+from dynmb.core.config import ModelConfig
 from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.memory.model import MemoryModel, MemoryModelLike
+from dynmb.packing.context import stage_windows
+from dynmb.schedule.kinds import get_kind
 from dynmb.timing.gap_terms import gap_terms
 from dynmb.planning.memory_split import layout_of
 
@@ -115,6 +119,52 @@ class Variant:
     """``Planner(recompute=...)``: never (the judged setting), always or auto."""
     virtual: int = 1
     """Model chunks per GPU: 2 runs ``P`` GPUs as ``2 P`` chunks (``auto`` then weighs ``zb-v``)."""
+    embedding: str = "first"
+    """Which stage holds the token embedding's states in the memory model: ``first`` (as dynmb runs it) or
+    ``last``, a memory-only what-if (``embedding_on_last``): no runtime places it there."""
+
+
+def embedding_on_last(layout: ModelConfig, num_stages: int) -> MemoryModel:
+    """The analytic memory model of ``layout`` with the token embedding's states (parameters, gradients, Adam
+    moments) moved from the first stage to the last, activations as they are: what the first stage's
+    microbatch budget would be if the embedding lookup ran on the last stage, which holds one microbatch in
+    flight (issue 39's candidate (b); its P2P and compute are not priced)."""
+    mm = MemoryModel.analytic(layout, num_stages)
+    state = mm.state_bytes.copy()
+    moved = layout.vocab_size * layout.d_model * (2 * layout.dtype_bytes + 8)
+    state[0] -= moved
+    state[-1] += moved
+    return MemoryModel(layout, num_stages, state, mm.act_coef, mm.transient_coef, source="analytic, embedding last")
+
+
+def stage_admission(mm: MemoryModelLike, limit_bytes: int) -> list[int]:
+    """Tokens one microbatch may hold on each stage alone (one-token rows, tight budget) under 1F1B's window
+    (``P - s`` in flight, which ``zb-h1`` and ``zb`` keep) and the memory model ``mm``: the first stage's is the
+    microbatch cap, the next ones' what recomputing on the stages before them could raise it to."""
+    num_stages = mm.num_stages
+    caps = float(limit_bytes) - mm.state_bytes
+    windows = stage_windows(get_kind("1f1b"), num_stages)
+    out = []
+    for s in range(num_stages):
+        alone = np.full(num_stages, np.inf)
+        alone[s] = caps[s]
+        out.append(int(mm.max_rows(alone, 1, windows, tight=True)[0]))
+    return out
+
+
+def planner_for(cfg: ModelConfig, trace: np.ndarray, S: int, limit: str, variant: Variant) -> dynmb.Planner:
+    """The cell's planner (module doc); ``variant.embedding == "last"``: on the work-balanced split of
+    ``stage_split="auto"``, its memory model ``embedding_on_last``."""
+    planner = dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=GPUCostModel(cfg, S),
+                            schedule="auto", stage_split="auto", workload=trace, recompute=variant.recompute,
+                            virtual=variant.virtual)
+    if variant.embedding == "first":
+        return planner
+    relief = planner.split_relief
+    layout = planner.model_cfg if relief is None else layout_of(planner.model_cfg, S, relief.balanced)
+    return dynmb.Planner(model=layout, num_stages=S, memory_limit=limit, cost_model=GPUCostModel(layout, S),
+                         schedule="auto", stage_split="even", workload=trace, recompute=variant.recompute,
+                         virtual=variant.virtual, memory_model=embedding_on_last(layout, S))
 
 
 def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, names: list[str],
@@ -123,12 +173,10 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     cfg = scaling.model_for(model, [trace])
     batch = scaling.token_batch(trace, 500_000, 1, 0)
     S = P * variant.virtual
-    planner = dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=GPUCostModel(cfg, S),
-                            schedule="auto", stage_split="auto", workload=trace, recompute=variant.recompute,
-                            virtual=variant.virtual)
+    planner = planner_for(cfg, trace, S, limit, variant)
     cm = planner.cost_model
     key = {"trace": trace_name, "model": model, "P": P, "limit": limit, "sequences": int(batch.size),
-           "recompute": variant.recompute, "virtual": variant.virtual}
+           "recompute": variant.recompute, "virtual": variant.virtual, "embedding": variant.embedding}
     try:
         dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
     except ValueError as e:
@@ -149,6 +197,8 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
            "gap": sim.makespan_s / terms.ideal - 1, "kind": plan.schedule_kind, "microbatches": plan.num_microbatches,
            "grouping": plan.meta.get("grouping") or "dynamic", "plan_cpu_s": dyn_cpu,
            "split": list(planner.model_cfg.stage_layer_counts(S)), "relieved": bool(relief and relief.relieved),
+           "admission": stage_admission(planner.memory_model, planner.memory_limit_bytes) if variant.virtual == 1
+           else None,
            "ideal_balanced_s": balanced_ideal, "gap_balanced": sim.makespan_s / balanced_ideal - 1,
            "best_other": best.removeprefix("step_"), "best_other_s": plain.get(best, float("nan")),
            **{f"auto_{k}": v for k, v in auto.items()}, **steps, **terms.fractions()}
@@ -162,18 +212,29 @@ def _pct(r: object) -> str:
     return " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in TABLE_TERMS)
 
 
+def _balanced(r: object) -> str:
+    """The gap against the work-balanced split's ideal and the first stages' admitted tokens (where recorded)."""
+    gap = getattr(r, "gap_balanced", float("nan"))
+    admitted = getattr(r, "admission", None)
+    tokens = ", ".join(map(str, admitted[:3])) if isinstance(admitted, list) else ""
+    return f"{'' if pd.isna(gap) else f'{100 * gap:+.1f}%'} | {tokens}"
+
+
 def markdown(df: pd.DataFrame) -> str:
-    """One row per cell (module doc), the terms in % of the ideal."""
-    head = ("| trace | model | P | limit | step s | ideal s | gap | best other (s) | dyn / best | kind | mb | grouping | "
-            + " | ".join(TABLE_TERMS) + " | plan CPU s |")
+    """One row per cell (module doc), the terms in % of the ideal; the gap against the work-balanced split's ideal
+    and the tokens the first three stages admit (``stage_admission``)."""
+    head = ("| trace | model | P | limit | step s | ideal s | gap | gap (balanced split's ideal) | tokens admitted, "
+            "stages 0-2 | best other (s) | dyn / best | kind | mb | grouping | " + " | ".join(TABLE_TERMS)
+            + " | plan CPU s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in df.itertuples():
         if r.status != "ok":
             lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.status} |")
             continue
         lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.step_s:.4f} | {r.ideal_s:.4f} | "
-                     f"{100 * r.gap:+.1f}% | {r.best_other} ({r.best_other_s:.4f}) | {r.step_s / r.best_other_s:.3f} | "
-                     f"{r.kind} | {r.microbatches} | {r.grouping} | {_pct(r)} | {r.plan_cpu_s:.1f} |")
+                     f"{100 * r.gap:+.1f}% | {_balanced(r)} | {r.best_other} ({r.best_other_s:.4f}) | "
+                     f"{r.step_s / r.best_other_s:.3f} | {r.kind} | {r.microbatches} | {r.grouping} | {_pct(r)} | "
+                     f"{r.plan_cpu_s:.1f} |")
     return "\n".join(lines)
 
 
@@ -226,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--others", default=",".join((*SWEPT, *PLAIN)), help="other methods (name or name/mbs); '' none")
     ap.add_argument("--recompute", default="never", help="Planner(recompute=...): never (judged), always, auto")
     ap.add_argument("--virtual", type=int, default=1, help="model chunks per GPU (2: P GPUs as 2P chunks, zb-v)")
+    ap.add_argument("--embedding", choices=("first", "last"), default="first",
+                    help="the token embedding's states in the memory model: first (as run) or last (a what-if)")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
     ap.add_argument("--table", type=Path, nargs="+", default=None,
                     help="print the markdown table of these JSON lines (later rows win per cell) and exit")
@@ -242,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         for limit in args.limits.split(","):
             for model in args.models.split(","):
                 for P in map(int, args.stages.split(",")):
-                    row = cell(name, trace, model, P, limit, names, Variant(args.recompute, args.virtual))
+                    row = cell(name, trace, model, P, limit, names, Variant(args.recompute, args.virtual, args.embedding))
                     append_row(row, args.out)
                     print(markdown(pd.DataFrame([row])).splitlines()[-1], flush=True)
     return 0

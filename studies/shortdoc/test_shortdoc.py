@@ -50,3 +50,34 @@ def test_help(capsys):
     with pytest.raises(SystemExit) as e:
         shortdoc.main(["--help"])
     assert e.value.code == 0 and "--limits" in capsys.readouterr().out
+
+
+def test_embedding_on_last_moves_the_embedding_states_only():
+    import numpy as np
+    from dynmb.memory.model import MemoryModel
+
+    cfg = dynmb_model("llama-tiny")
+    base = MemoryModel.analytic(cfg, 2)
+    moved = shortdoc.embedding_on_last(cfg, 2)
+    emb = cfg.vocab_size * cfg.d_model * (2 * cfg.dtype_bytes + 8)
+    assert np.isclose(base.state_bytes[0] - moved.state_bytes[0], emb)
+    assert np.isclose(moved.state_bytes[1] - base.state_bytes[1], emb)
+    assert np.array_equal(base.act_coef, moved.act_coef) and np.array_equal(base.transient_coef, moved.transient_coef)
+
+
+def dynmb_model(name):
+    import dynmb
+    return dynmb.model_config(name)
+
+
+def test_stage_admission_grows_down_the_pipeline_and_caps_the_packer():
+    from dynmb.memory.model import MemoryModel
+    from dynmb.packing.context import PackContext
+
+    cfg = dynmb_model("llama-tiny")
+    mm = MemoryModel.analytic(cfg, 4)
+    limit = int(mm.state_bytes.max() + 4 * mm.act_coef[:, 1].max() * 512)
+    tokens = shortdoc.stage_admission(mm, limit)
+    assert tokens[0] == min(tokens) and tokens == sorted(tokens)
+    ctx = PackContext(mm, limit, 4, "1f1b")
+    assert ctx.bmax([1])[0] == min(tokens)          # the packer's cap is the tightest stage's
