@@ -166,7 +166,7 @@ class GPUCostModel(CostModel):
             seen = super().stage_costs(rows, padded_len, attn, ops, recompute)
             for v in seen.values():
                 v.flags.writeable = False
-            if len(self._costs_seen) >= self.COSTS_REMEMBERED:
+            while len(self._costs_seen) >= self.COSTS_REMEMBERED:
                 self._costs_seen.pop(next(iter(self._costs_seen)))
             self._costs_seen[key] = seen
         return dict(seen)

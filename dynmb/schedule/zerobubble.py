@@ -235,16 +235,30 @@ class _ListRun:
         return self.clock[s + 1] + self.est_bwd[s + 1][j] + comm[j], False
 
     def run(self, s: int, op: str, j: int, dur: float) -> None:
-        self.held[s] += op_bytes(op, self.act[s][j], self.wb[s][j], self.tr[s][j])[0]
-        self.live[s] += self.STEP[op]
-        if not self.ranks[s]:
+        # held bytes change by op_bytes(op, ...)[0], written out: this runs for every op of every candidate
+        if op == "F":
+            self.held[s] += self.act[s][j]
+            self.live[s] += 1
+        elif op == "B":
+            self.held[s] += -self.act[s][j]
+            self.live[s] -= 1
+        elif op == "I":
+            self.held[s] += self.wb[s][j] - self.act[s][j]
+        else:
+            self.held[s] += -self.wb[s][j]
+            self.live[s] -= 1
+        ranks = self.ranks[s]
+        if not ranks:
             self.first[s] = self.clock[s]
-        self.ranks[s].append((op, j))
+        ranks.append((op, j))
         # a W needs no input: it starts where the stage's last op ended (the simulator's recurrence), even
         # where the clock had moved on to a later bound on an input; every other op runs at the clock
-        end = (self.free[s] if op == "W" else self.clock[s]) + dur
-        self.free[s], self.clock[s] = end, max(self.clock[s], end)
-        self.makespan = max(self.makespan, end)
+        clock = self.clock[s]
+        end = (self.free[s] if op == "W" else clock) + dur
+        self.free[s] = end
+        self.clock[s] = end if end > clock else clock
+        if end > self.makespan:
+            self.makespan = end
         if op == "F":
             self.fend[s][j] = end
         elif op != "W":
@@ -269,15 +283,17 @@ class _ListRun:
 
     def next_op(self, s: int, j: int) -> tuple[str, bool]:
         """(the op stage ``s`` runs next for microbatch ``j``'s template slot, blocked by its window or cap?)."""
-        act, wb, tr, cap, held = self.act[s][j], self.wb[s][j], self.tr[s][j], self.cap[s], self.held[s]
+        cap, held = self.cap[s], self.held[s]
         if self.todo[s][0][0] == "F":
-            return "F", self.window_full(s) or held + act + tr > cap
-        op = "I" if self.split[s][j] else "B"
-        extra = op_bytes(op, act, wb, tr)[1]
-        if op == "I" and held + extra > cap and not self.pend[s]:
-            op = "B"                                          # I would hold w > a past the cap: no split
-            extra = op_bytes(op, act, wb, tr)[1]
-        return op, held + extra > cap
+            return "F", self.window_full(s) or held + self.act[s][j] + self.tr[s][j] > cap
+        tr = self.tr[s][j]
+        if self.split[s][j]:                                  # op_bytes("I", ...)[1], written out
+            w_a = self.wb[s][j] - self.act[s][j]
+            if held + ((w_a if w_a > 0.0 else 0.0) + tr) <= cap:
+                return "I", False
+            if self.pend[s]:
+                return "I", True
+        return "B", held + tr > cap                           # I would hold w > a past the cap: no split
 
     def advance(self, s: int, t: float) -> None:
         """One decision on stage ``s`` at time ``t``: run an op, a queued W, or wait for an input."""
@@ -287,11 +303,12 @@ class _ListRun:
             return
         j = self.todo[s][0][1]
         op, blocked = self.next_op(s, j)
-        r, known = self.ready(s, op, j)
         pend = self.pend[s]
         if blocked and pend:
             self.run_w(s)                                     # frees an in-flight slot and bytes
-        elif known and r <= t + 1e-12:
+            return
+        r, known = self.ready(s, op, j)
+        if known and r <= t + 1e-12:
             self.todo[s].popleft()
             self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
         elif pend and t + self.W[s][pend[0]] <= r + 1e-12:
@@ -315,13 +332,14 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     P, m = inp.shape
     st = _ListRun(inp, inflight, caps, backward_order, w_defer, fill)
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
+    todo, clock, advance, pop, push = st.todo, st.clock, st.advance, heapq.heappop, heapq.heappush
     while heap:
-        t, neg = heapq.heappop(heap)
+        t, neg = pop(heap)
         s = -neg
-        done = not st.todo[s]
-        st.advance(s, t)
+        done = not todo[s]
+        advance(s, t)
         if not done:
-            heapq.heappush(heap, (st.clock[s], -s))
+            push(heap, (clock[s], neg))
     return Schedule([[_action(s, op, j) for op, j in acts] for s, acts in enumerate(st.ranks)], P, m, kind=kind), \
         st.makespan
 
