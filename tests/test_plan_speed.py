@@ -6,7 +6,9 @@ timing) with every old path switched back in."""
 from __future__ import annotations
 
 import heapq
+import signal
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Sequence
 
@@ -190,27 +192,68 @@ def _random_inputs(seed: int, P: int, m: int, unit: bool, memory: bool) -> ZBInp
     return inp
 
 
-@pytest.mark.skip(reason="hangs in the hypothesis run (unbounded random inputs; not yet diagnosed whether the old "
-                  "scheduler loops too): to be bounded before it is enabled")
+@contextmanager
+def _time_limit(seconds: float):
+    """Fail (not hang) where a scheduler would loop: SIGALRM after ``seconds`` raises in the test's thread."""
+    def expire(signum, frame):
+        raise TimeoutError(f"list scheduler still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _grows_downstream(m: int, windows: Sequence[int]) -> bool:
+    k = [max(1, min(m, w)) for w in windows]
+    return any(a < b for a, b in zip(k, k[1:]))
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 6), st.integers(1, 14), st.booleans(), st.booleans(),
-       st.sampled_from([None, "span", "makespan"]), st.sampled_from(["none", "all", "stage"]), st.booleans())
-def test_list_schedule_is_the_old_one(seed, P, m, unit, memory, fill, defer, permuted):
+       st.sampled_from([None, "span", "makespan"]), st.sampled_from(["none", "all", "stage"]), st.booleans(),
+       st.booleans())
+def test_list_schedule_is_the_old_one(seed, P, m, unit, memory, fill, defer, permuted, planner_windows):
     """Every op's order on every stage and the makespan, bit for bit, over windows, caps, deferral, fills
-    and backward orders."""
+    and backward orders. ``planner_windows``: windows that never grow downstream (``_inflight``'s, all the
+    planner gives); else any: under some of those both schedulers looked forever for forwards that their
+    upstream stage sends only after the wait (found with ``_time_limit``), which the new one now refuses."""
     rng = np.random.default_rng(seed + 1)
     inp = _random_inputs(seed, P, m, unit, memory)
     inflight = [P - s + int(rng.integers(0, P + 1)) for s in range(P)]
+    if planner_windows:
+        inflight.sort(reverse=True)
     caps = None
     if memory and not unit:
         caps = zerobubble.one_f_one_b_peaks(inp) * rng.uniform(1.0, 2.5)
     w_defer = {"none": None, "all": [m] * P, "stage": list(range(P))}[defer]
     order = rng.permutation(m).tolist() if permuted else None
-    new, t_new = list_schedule(inp, inflight, caps, backward_order=order, w_defer=w_defer, fill=fill)
-    old, t_old = old_list_schedule(inp, inflight, caps, backward_order=order, w_defer=w_defer, fill=fill)
+    try:
+        with _time_limit(10.0):
+            new, t_new = list_schedule(inp, inflight, caps, backward_order=order, w_defer=w_defer, fill=fill)
+    except ValueError as e:
+        assert "deadlock" in str(e) and _grows_downstream(m, inflight)
+        return
+    with _time_limit(10.0):
+        old, t_old = old_list_schedule(inp, inflight, caps, backward_order=order, w_defer=w_defer, fill=fill)
     assert [[(a.stage, a.op, a.mb) for a in r] for r in new.ranks] == \
         [[(a.stage, a.op, a.mb) for a in r] for r in old.ranks]
     assert t_new == t_old
+
+
+def test_list_schedule_refuses_windows_that_deadlock():
+    """The input the random comparison hung on (both schedulers): stage 1's window 2, stage 2's 4 -- stage 2
+    waits for forward 2 before its first backward, stage 1 sends it only after its own first backward."""
+    rng = np.random.default_rng(752401869)
+    inp = _random_inputs(752401868, 3, 10, True, False)
+    assert [3 - s + int(rng.integers(0, 4)) for s in range(3)] == [6, 2, 4]
+    with _time_limit(10.0), pytest.raises(ValueError, match=r"windows \[6, 2, 4\] deadlock: stage 2 runs 4 forwards"):
+        list_schedule(inp, [6, 2, 4], fill="span")
+    with _time_limit(10.0):                    # growing downstream is fine where the order needs no wait
+        sched, _ = list_schedule(inp, [3, 3, 4], backward_order=list(range(9, -1, -1)))
+    assert len(sched.ranks[2]) == 3 * 10
 
 
 # --------------------------------------------------------------------------- the GPU model's remembered lookups

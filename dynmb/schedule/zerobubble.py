@@ -10,7 +10,9 @@ List scheduler (``list_schedule``), one stage per rank. Each stage keeps 1F1B's 
 forwards and backwards for an in-flight window ``inflight[s]`` (forward while fewer are in
 flight, else the oldest backward; ``P - s`` is 1F1B), with each backward an ``I`` (a full ``B``
 where ``split`` is False); a ``W`` joins a FIFO queue when its ``I`` ends and counts as in
-flight until it ran. Stages are advanced in time order (a heap on their clocks); at its
+flight until it ran (windows under which a stage would wait for forwards its upstream
+stage sends only after that wait, e.g. one that grows downstream, are refused: ``_check_windows``).
+Stages are advanced in time order (a heap on their clocks); at its
 clock ``t`` a stage looks at the next op of its order:
 
 1. if it is a forward that the in-flight window or the memory cap stops, or a backward whose
@@ -183,6 +185,27 @@ def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None
     return out
 
 
+def _check_windows(windows: Sequence[int], orders: Sequence[Sequence[tuple[str, int]]]) -> None:
+    """Refuse in-flight windows whose stage orders wait on each other (the list scheduler would chase
+    lower bounds forever): stage ``s``'s b-th backward needs stage ``s + 1``'s b-th, which needs as many
+    of stage ``s``'s forwards as stage ``s + 1`` runs before it -- never more than stage ``s`` ran before
+    its own b-th. Windows that never grow downstream (1F1B's ``P - s``, every ``_inflight``) always pass."""
+    before = []
+    for order in orders:
+        f, row = 0, []
+        for op, _ in order:
+            if op == "F":
+                f += 1
+            else:
+                row.append(f)
+        before.append(row)
+    for s in range(len(before) - 1):
+        for b, (need, sent) in enumerate(zip(before[s + 1], before[s])):
+            if need > sent:
+                raise ValueError(f"zero-bubble list scheduler: in-flight windows {list(windows)} deadlock: stage "
+                                 f"{s + 1} runs {need} forwards before its backward #{b}, stage {s} only {sent}")
+
+
 class _ListRun:
     """One run of the list scheduler: each stage's clock, held bytes, in-flight count, queued Ws and emitted order."""
 
@@ -214,6 +237,8 @@ class _ListRun:
         self.clock = [0.0] * P
         # 1F1B's greedy order per stage for its window (X: the backward, I or B)
         self.todo = [deque(windowed_order(m, self.k[s], backward_order, "X")) for s in range(P)]  # its lookahead
+        if any(a < b for a, b in zip(self.k, self.k[1:])):
+            _check_windows(self.k, self.todo)           # a window that grows downstream may deadlock
         self.pend: list[deque] = [deque() for _ in range(P)]
         self.held, self.live = [0.0] * P, [0] * P
         self.ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
