@@ -1,7 +1,8 @@
 """Plan time's speed-ups change no plan: the list scheduler against a stored copy of the one before it was
 sped up, ``GPUCostModel.stage_costs`` remembered against computed afresh, ``ModelSizes.stage_pieces`` /
-``stage_parts`` against the plain loops, and whole planned steps (plans, every op's order and simulated
-timing) with every old path switched back in."""
+``stage_parts`` against the plain loops, the reorder search's batched makespans under a memory limit against
+one order at a time, and whole planned steps (plans, every op's order and simulated timing) with every old
+path switched back in."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dynmb.core.config import ModelConfig
 from dynmb.core.model_sizes import PARTS, SUB_CHUNKS, UNITS_PER_LAYER, HalfPiece, _count
 from dynmb.core.types import Action, Schedule
 from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.planning import reorder
 from dynmb.schedule import zerobubble
 from dynmb.schedule.order import check_order, windowed_order
 from dynmb.schedule.zerobubble import ZBInputs, _check_fill, list_schedule, op_bytes
@@ -345,6 +347,16 @@ def _bits(value: object) -> object:
     return repr(value)        # repr of a float round-trips exactly
 
 
+_batched_prefetch = reorder.OrderEvaluator.prefetch
+
+
+def _old_prefetch(self: reorder.OrderEvaluator, orders, limit: int) -> None:
+    """The reorder search before: no batched makespans where the peak of an order is needed."""
+    if self.act is not None and not self._always_fits:
+        return
+    _batched_prefetch(self, orders, limit)
+
+
 def _steps(cases, old: bool, monkeypatch) -> list:
     with monkeypatch.context() as mp:
         mp.setattr(zerobubble, "_H1", {})
@@ -353,6 +365,7 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(GPUCostModel, "COSTS_REMEMBERED", 0)
             mp.setattr(model_sizes.ModelSizes, "stage_pieces", _old_stage_pieces)
             mp.setattr(model_sizes.ModelSizes, "stage_parts", _old_stage_parts)
+            mp.setattr(reorder.OrderEvaluator, "prefetch", _old_prefetch)
         cfg, lengths = dynmb.model_config("llama2-7b"), data.load_trace("sharegpt")
         out = []
         for P, schedule, limit, tokens, seed in cases:
@@ -379,3 +392,38 @@ def test_planned_steps_are_the_old_ones_at_depth(monkeypatch):
     cases = [(8, "auto", "80GiB", 150_000, 2), (8, "zb", "40GiB", 100_000, 3), (16, "auto", "80GiB", 200_000, 4),
              (4, "1f1b", "80GiB", 60_000, 5)]
     assert _steps(cases, False, monkeypatch) == _steps(cases, True, monkeypatch)
+
+
+# --------------------------------------------------------------------------- the reorder search's batched orders
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "zb"])
+def test_batched_orders_with_a_memory_limit_are_the_simulator(kind):
+    """With a memory model whose limit some orders pass, neighbour orders' makespans are simulated in batches
+    (their peaks per order): every verdict (makespan, peak, fits) equals the one-at-a-time evaluator's
+    exactly, and the search returns the same order."""
+    from dynmb.costmodel import AnalyticCostModel
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import MemoryModel
+    from dynmb.packing import pack
+    from dynmb.core.planspec import PlanSpec
+    ro = reorder
+
+    tiny = ModelConfig.preset("tiny")
+    mm, cm = MemoryModel.analytic(tiny, 4), AnalyticCostModel(tiny, 4)
+    lengths = np.random.default_rng(11).integers(8, 700, 48)
+    spec = PlanSpec(method="dynamic", num_stages=4, schedule_kind=kind, memory_limit_bytes=int(mm.state_bytes.max() * 6))
+    plan = pack(lengths, spec, models=Models(cm, mm))
+    perms = [np.random.default_rng(s).permutation(plan.num_microbatches).tolist() for s in range(12)]
+    peaks = [ro.OrderEvaluator(plan, Models(cm, mm), kind).peak(p).max() for p in perms]
+    limit = float(np.median(peaks))                                  # half the orders fit, half do not
+    plan = replace(plan, memory_limit_bytes=int(limit))
+    batched, single = (ro.OrderEvaluator(plan, Models(cm, mm), kind) for _ in range(2))
+    single.prefetch = lambda orders, limit: None                     # one at a time
+    assert not batched._always_fits
+    batched.prefetch(perms, len(perms))
+    assert len(batched._pre) == len(perms)
+    got = [batched(p) for p in perms]
+    assert got == [single(p) for p in perms] and {ok for _, _, ok in got} == {True, False}
+    fresh = ro.OrderEvaluator(plan, Models(cm, mm), kind)
+    fresh.prefetch = lambda orders, limit: None
+    assert ro.reorder_order(plan, "search", models=Models(cm, mm), schedule_kind=kind, max_evals=80) == \
+        ro.reorder_order(plan, "search", models=Models(cm, mm), schedule_kind=kind, max_evals=80, evaluator=fresh)
