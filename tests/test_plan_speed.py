@@ -1,6 +1,7 @@
 """Plan time's speed-ups change no plan: the list scheduler against a stored copy of the one before it was
 sped up, ``GPUCostModel.stage_costs`` remembered against computed afresh, ``ModelSizes.stage_pieces`` /
-``stage_parts`` against the plain loops, the reorder search's batched makespans under a memory limit against
+``stage_parts`` against the plain loops, ``zb`` / ``zb-h1`` schedules remembered against built afresh, the
+reorder search's batched makespans under a memory limit against
 one order at a time, and whole planned steps (plans, every op's order and simulated timing) with every old
 path switched back in."""
 
@@ -360,7 +361,9 @@ def _old_prefetch(self: reorder.OrderEvaluator, orders, limit: int) -> None:
 def _steps(cases, old: bool, monkeypatch) -> list:
     with monkeypatch.context() as mp:
         mp.setattr(zerobubble, "_H1", {})
+        mp.setattr(zerobubble, "_ZB", {})
         if old:
+            mp.setattr(zerobubble, "REMEMBERED", 0)
             mp.setattr(zerobubble, "list_schedule", old_list_schedule)
             mp.setattr(GPUCostModel, "COSTS_REMEMBERED", 0)
             mp.setattr(model_sizes.ModelSizes, "stage_pieces", _old_stage_pieces)
@@ -427,3 +430,34 @@ def test_batched_orders_with_a_memory_limit_are_the_simulator(kind):
     fresh.prefetch = lambda orders, limit: None
     assert ro.reorder_order(plan, "search", models=Models(cm, mm), schedule_kind=kind, max_evals=80) == \
         ro.reorder_order(plan, "search", models=Models(cm, mm), schedule_kind=kind, max_evals=80, evaluator=fresh)
+
+
+# --------------------------------------------------------------------------- zb's schedules, remembered
+def test_zb_remembered_is_built_afresh(monkeypatch):
+    """The same inputs give the remembered schedule; another limit, state or judge is another one; the
+    memory is bounded; with ``REMEMBERED`` 0 nothing is kept."""
+    P, m = 4, 10
+    inp = _random_inputs(5, P, m, False, True)
+    calls = []
+
+    def evaluate(sched: Schedule) -> tuple[float, np.ndarray]:
+        calls.append(1)
+        return float(len(sched.ranks[0])), np.zeros(P)
+    evaluate.judge = ("test", 0)                                     # type: ignore[attr-defined]
+    monkeypatch.setattr(zerobubble, "_ZB", {})
+    monkeypatch.setattr(zerobubble, "_H1", {})
+    caps = [50.0] * P
+    first = zerobubble.zb_limit_aware(P, m, inp, caps, 60.0, evaluate, state_bytes=np.full(P, 10.0))
+    n = len(calls)
+    assert zerobubble.zb_limit_aware(P, m, inp, list(caps), 60.0, evaluate, state_bytes=np.full(P, 10.0)) is first
+    assert len(calls) == n                                           # nothing built or judged again
+    zerobubble.zb_limit_aware(P, m, inp, caps, 61.0, evaluate, state_bytes=np.full(P, 10.0))
+    zerobubble.zb_limit_aware(P, m, inp, caps, 60.0, evaluate, state_bytes=np.full(P, 9.0))
+    assert len(zerobubble._ZB) == 3 and len(calls) > n
+    monkeypatch.setattr(zerobubble, "REMEMBERED", 0)
+    n = len(calls)
+    again = zerobubble.zb_limit_aware(P, m, inp, caps, 60.0, evaluate, state_bytes=np.full(P, 10.0))
+    assert again is not first and again.ranks == first.ranks and len(calls) > n
+    monkeypatch.setattr(zerobubble, "REMEMBERED", 2)
+    zerobubble._remember(zerobubble._ZB, b"x", first)
+    assert len(zerobubble._ZB) == 2

@@ -443,35 +443,48 @@ def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eva
     k, defer = _inflight(num_stages, m), list(range(num_stages))
     if evaluate is None:
         return list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0]
-    key = _h1_key(inp, caps, order, evaluate)
+    key = _inputs_key(inp, caps, order, evaluate)
     if key is not None and key in _H1:
         return _H1[key]
     cands = _variants(inp, k, caps, "zb-h1", order, defer) + \
         [list_schedule(inp, k, caps, kind="zb-h1", backward_order=order)[0], _one_f_one_b(num_stages, m, order)]
     best = min(cands, key=lambda c: evaluate(c)[0])          # first of equals: the split schedule
-    out = Schedule(best.ranks, num_stages, m, kind="zb-h1")
-    if key is not None:
-        if len(_H1) >= 16:
-            _H1.pop(next(iter(_H1)))
-        _H1[key] = out
-    return out
+    return _remember(_H1, key, Schedule(best.ranks, num_stages, m, kind="zb-h1"))
 
 
 _H1: dict[bytes, Schedule] = {}
-"""ZB-H1 schedules by their inputs (``_h1_key``): ``auto`` builds ``zb-h1`` and ``zb`` (which weighs
+"""ZB-H1 schedules by their inputs (``_inputs_key``): ``auto`` builds ``zb-h1`` and ``zb`` (which weighs
 ZB-H1 too) of the same plan."""
 
+_ZB: dict[bytes, Schedule] = {}
+"""``zb`` schedules by their inputs (``_inputs_key`` with the limit and states): ``auto`` builds ``zb`` of the
+same plan for more than one candidate (its own packing and another kind's, when the two are equal)."""
 
-def _h1_key(inp: ZBInputs, caps: np.ndarray | None, order: Sequence[int] | None, evaluate: Evaluate) -> bytes | None:
-    """A digest of everything ZB-H1's choice reads, for a judge that declares itself (``evaluate.judge``:
-    the simulator's makespan on these inputs); None: not cached."""
+REMEMBERED = 16
+"""Schedules each of ``_H1`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
+
+
+def _remember(store: dict[bytes, Schedule], key: bytes | None, sched: Schedule) -> Schedule:
+    """``sched``, kept in ``store`` under ``key`` (None: not kept) within ``REMEMBERED``."""
+    if key is not None and REMEMBERED > 0:
+        while len(store) >= REMEMBERED:
+            store.pop(next(iter(store)))
+        store[key] = sched
+    return sched
+
+
+def _inputs_key(inp: ZBInputs, caps: Sequence[float] | np.ndarray | None, order: Sequence[int] | None,
+                evaluate: Evaluate, *more: np.ndarray | float | None) -> bytes | None:
+    """A digest of everything ZB-H1's (with ``more``: the limit and states, ``zb``'s) choice reads, for a judge
+    that declares itself (``evaluate.judge``: the simulator's makespan on these inputs); None: not cached (nor
+    looked up: also with ``REMEMBERED`` 0)."""
     judge = getattr(evaluate, "judge", None)
-    if judge is None:
+    if judge is None or REMEMBERED <= 0:
         return None
     h = hashlib.blake2b(repr((judge, inp.shape, None if order is None else (tuple(order), lookahead_of(order)))).encode(),
                         digest_size=16)
-    for a in (inp.F, inp.B, inp.I, inp.W, inp.comm, inp.split, inp.act, inp.w, inp.tr, caps):
-        h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+    for a in (inp.F, inp.B, inp.I, inp.W, inp.comm, inp.split, inp.act, inp.w, inp.tr, caps, *more):
+        h.update(b"-" if a is None else np.ascontiguousarray(np.asarray(a, dtype=np.float64)).tobytes())
     return h.digest()
 
 
@@ -502,6 +515,9 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     (``ZB_ALPHAS``, tried in increasing order until one is no faster than the one before) under
     the per-stage ``caps`` (limit minus states) whose simulated peak stays within
     ``limit_bytes`` (module doc); every candidate runs its backwards in ``backward_order``."""
+    key = _inputs_key(inp, caps, backward_order, evaluate, limit_bytes, state_bytes)
+    if key is not None and key in _ZB:
+        return _ZB[key]
     best, best_t = None, np.inf
 
     def consider(cands: list[Schedule]) -> float:
@@ -526,4 +542,4 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     start = _sweep_windows(num_stages, m, windows(None), alphas)        # W only in the waits they fit
     _sweep_windows(num_stages, m, windows(objective_of(evaluate)),     # then also where critical, from the
                    tuple(a for a in alphas if a >= start))              # fastest window up
-    return Schedule((best or h1).ranks, num_stages, m, kind="zb")
+    return _remember(_ZB, key, Schedule((best or h1).ranks, num_stages, m, kind="zb"))
