@@ -362,6 +362,7 @@ def _steps(cases, old: bool, monkeypatch) -> list:
     with monkeypatch.context() as mp:
         mp.setattr(zerobubble, "_H1", {})
         mp.setattr(zerobubble, "_ZB", {})
+        mp.setattr(zerobubble, "_H1_UNIT", {})
         if old:
             mp.setattr(zerobubble, "REMEMBERED", 0)
             mp.setattr(zerobubble, "list_schedule", old_list_schedule)
@@ -461,3 +462,17 @@ def test_zb_remembered_is_built_afresh(monkeypatch):
     monkeypatch.setattr(zerobubble, "REMEMBERED", 2)
     zerobubble._remember(zerobubble._ZB, b"x", first)
     assert len(zerobubble._ZB) == 2
+
+
+def test_unit_zb_h1_remembered_is_built_afresh(monkeypatch):
+    """ZB-H1 on unit times (the reorder search's shape) is kept per (P, m) only: costed inputs, a backward order or
+    a judge build afresh; the kept one equals one built with ``REMEMBERED`` 0."""
+    monkeypatch.setattr(zerobubble, "_H1_UNIT", {})
+    first = zerobubble.zb_h1(4, 9)
+    assert zerobubble.zb_h1(4, 9) is first and zerobubble.zb_h1(4, 8) is not first
+    assert zerobubble.zb_h1(4, 9, backward_order=list(range(8, -1, -1))) is not zerobubble.zb_h1(
+        4, 9, backward_order=list(range(8, -1, -1)))
+    assert len(zerobubble._H1_UNIT) == 2
+    monkeypatch.setattr(zerobubble, "REMEMBERED", 0)
+    fresh = zerobubble.zb_h1(4, 9)
+    assert fresh is not first and fresh.ranks == first.ranks and fresh.kind == first.kind == "zb-h1"

@@ -437,12 +437,16 @@ def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eva
     the fastest of the list schedule, its variant without the splits that filled no gap
     (``_unsplit_adjacent``), the list schedule without deferred W and 1F1B. ``backward_order``:
     slices of a sequence backward in reverse; ``state_bytes``: per-stage states (the caps' GPU totals)."""
+    unit = f"unit {num_stages} {m}".encode() if inp is None and backward_order is None and evaluate is None \
+        and REMEMBERED > 0 else None                      # the schedule's shape alone (the reorder search's)
+    if unit is not None and unit in _H1_UNIT:
+        return _H1_UNIT[unit]
     inp = inp if inp is not None else ZBInputs.unit(num_stages, m)
     order = backward_order
     caps = h1_caps(inp, state_bytes, order) if inp.act is not None else None
     k, defer = _inflight(num_stages, m), list(range(num_stages))
     if evaluate is None:
-        return list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0]
+        return _remember(_H1_UNIT, unit, list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0])
     key = _inputs_key(inp, caps, order, evaluate)
     if key is not None and key in _H1:
         return _H1[key]
@@ -456,12 +460,15 @@ _H1: dict[bytes, Schedule] = {}
 """ZB-H1 schedules by their inputs (``_inputs_key``): ``auto`` builds ``zb-h1`` and ``zb`` (which weighs
 ZB-H1 too) of the same plan."""
 
+_H1_UNIT: dict[bytes, Schedule] = {}
+"""ZB-H1 schedules on unit times by their shape (P, m): the reorder search builds them for every plan."""
+
 _ZB: dict[bytes, Schedule] = {}
 """``zb`` schedules by their inputs (``_inputs_key`` with the limit and states): ``auto`` builds ``zb`` of the
 same plan for more than one candidate (its own packing and another kind's, when the two are equal)."""
 
 REMEMBERED = 16
-"""Schedules each of ``_H1`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
+"""Schedules each of ``_H1``, ``_H1_UNIT`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
 
 
 def _remember(store: dict[bytes, Schedule], key: bytes | None, sched: Schedule) -> Schedule:
