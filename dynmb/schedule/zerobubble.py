@@ -481,7 +481,7 @@ def _remember(store: dict[bytes, Schedule], key: bytes | None, sched: Schedule) 
 
 
 def _inputs_key(inp: ZBInputs, caps: Sequence[float] | np.ndarray | None, order: Sequence[int] | None,
-                evaluate: Evaluate, *more: np.ndarray | float | None) -> bytes | None:
+                evaluate: Evaluate, *more: Sequence[float] | np.ndarray | float | None) -> bytes | None:
     """A digest of everything ZB-H1's (with ``more``: the limit and states, ``zb``'s) choice reads, for a judge
     that declares itself (``evaluate.judge``: the simulator's makespan on these inputs); None: not cached (nor
     looked up: also with ``REMEMBERED`` 0)."""
