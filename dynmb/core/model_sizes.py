@@ -29,6 +29,7 @@ on one stage, and a copy on the last of several (as Megatron keeps it).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, NamedTuple
 
@@ -145,28 +146,11 @@ class ModelSizes:
 
     def stage_pieces(self, num_stages: int) -> list[list[HalfPiece]]:
         """Each stage's half-blocks in order, whole or the chunks it holds of one."""
-        out = []
-        for r in self.stage_units(num_stages):
-            pieces: list[HalfPiece] = []
-            u = r.start
-            while u < r.stop:
-                half_end = (u // SUB_CHUNKS + 1) * SUB_CHUNKS
-                end = min(half_end, r.stop)
-                pieces.append(HalfPiece(u // UNITS_PER_LAYER, PARTS[(u // SUB_CHUNKS) % 2],
-                                        range(u % SUB_CHUNKS, u % SUB_CHUNKS + end - u)))
-                u = end
-            out.append(pieces)
-        return out
+        return [list(pieces) for pieces in _pieces_of(tuple(self.stage_units(num_stages)))]
 
     def stage_parts(self, num_stages: int) -> list[tuple[float, float]]:
         """``(attention halves, MLP halves)`` of each stage (a chunk counts 1/8)."""
-        out = []
-        for pieces in self.stage_pieces(num_stages):
-            n = {p: 0 for p in PARTS}
-            for piece in pieces:
-                n[piece.part] += len(piece.chunks)
-            out.append((_count(n["attn"]), _count(n["mlp"])))
-        return out
+        return list(_parts_of(tuple(self.stage_units(num_stages))))
 
     def stage_blocks(self, num_stages: int) -> list[list[tuple[int, tuple[str, ...]]]]:
         """Each stage's blocks as ``(layer, parts)``: whole blocks ``("attn", "mlp")``, and at a
@@ -369,3 +353,33 @@ def split_layers(n_layers: int, num_stages: int) -> list[range]:
         out.append(range(start, start + n))
         start += n
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _pieces_of(units: tuple[range, ...]) -> tuple[tuple[HalfPiece, ...], ...]:
+    """``ModelSizes.stage_pieces`` of the stages' units (``stage_units``), remembered: the cost models ask
+    for it on every lookup."""
+    out = []
+    for r in units:
+        pieces: list[HalfPiece] = []
+        u = r.start
+        while u < r.stop:
+            half_end = (u // SUB_CHUNKS + 1) * SUB_CHUNKS
+            end = min(half_end, r.stop)
+            pieces.append(HalfPiece(u // UNITS_PER_LAYER, PARTS[(u // SUB_CHUNKS) % 2],
+                                    range(u % SUB_CHUNKS, u % SUB_CHUNKS + end - u)))
+            u = end
+        out.append(tuple(pieces))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _parts_of(units: tuple[range, ...]) -> tuple[tuple[float, float], ...]:
+    """``ModelSizes.stage_parts`` of the stages' units, remembered (``_pieces_of``)."""
+    out = []
+    for pieces in _pieces_of(units):
+        n = {p: 0 for p in PARTS}
+        for piece in pieces:
+            n[piece.part] += len(piece.chunks)
+        out.append((_count(n["attn"]), _count(n["mlp"])))
+    return tuple(out)

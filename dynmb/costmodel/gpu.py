@@ -62,6 +62,7 @@ Sources of the constants (``H100_SXM``; H200 has the same Hopper compute, more H
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -141,11 +142,49 @@ class GPUCostModel(CostModel):
         self._score_heads = [u / (4.0 * model_cfg.d_model / model_cfg.n_heads) for u in self._attn_unit]
         """Attention scores per unit of attention work on each stage (its heads x layers): the attention
         FLOPs are 4 x head_dim per score (QK^T and PV, a multiply and an add each)."""
+        self._costs_seen: dict[bytes, dict[str, np.ndarray]] = {}
+        """``stage_costs`` answers by a digest of their inputs and this model's calibration (``_costs_key``;
+        read-only arrays, at most ``COSTS_REMEMBERED``): a plan's search asks for the same microbatches often."""
 
     def _attn_flops_per_unit(self, stage: int) -> float:
         """The s^2 coefficient of ``stage_flops`` at one row (its attention FLOPs per unit of work)."""
         f1, f2 = (float(self.model_cfg.stage_flops(stage, self.num_stages, 1, s)) for s in (1, 2))
         return (f2 - 2.0 * f1) / 2.0
+
+    COSTS_REMEMBERED = 512
+    """How many ``stage_costs`` answers a model remembers (the oldest is forgotten first); 0: none, every lookup
+    computed afresh (the old path, for the tests' before / after)."""
+
+    def stage_costs(self, rows: Any, padded_len: Any, attn: Any = None, ops: tuple[str, ...] = ("F", "B"),
+                    recompute: Any = None) -> dict[str, np.ndarray]:
+        """``CostModel.stage_costs``, remembered by its inputs' bytes (the arrays returned are read-only)."""
+        if not self.COSTS_REMEMBERED:
+            return super().stage_costs(rows, padded_len, attn, ops, recompute)
+        key = self._costs_key(rows, padded_len, attn, ops, recompute)
+        seen = self._costs_seen.get(key)
+        if seen is None:
+            seen = super().stage_costs(rows, padded_len, attn, ops, recompute)
+            for v in seen.values():
+                v.flags.writeable = False
+            while len(self._costs_seen) >= self.COSTS_REMEMBERED:
+                self._costs_seen.pop(next(iter(self._costs_seen)))
+            self._costs_seen[key] = seen
+        return dict(seen)
+
+    def _costs_key(self, rows: Any, padded_len: Any, attn: Any, ops: tuple[str, ...], recompute: Any) -> bytes:
+        """A digest of ``stage_costs``'s inputs (values, dtypes and shapes) and of what a copy of this model may
+        change (``with_overhead``, ``with_scale``, ``with_recv_latency``; the copies share the remembered answers)."""
+        h = hashlib.blake2b(repr((tuple(ops), self.num_stages, self.spec, self.runtime_overhead_s,
+                                  sorted(self.runtime_scale.items()), self.comm.recv_latency_s)).encode(),
+                            digest_size=20)
+        for x in (rows, padded_len, attn, recompute):
+            if x is None:
+                h.update(b"none;")
+                continue
+            arr = np.ascontiguousarray(x)
+            h.update(f"{arr.dtype.str}{arr.shape};".encode())
+            h.update(arr.tobytes())
+        return h.digest()
 
     def own_split(self, stage: int, op: str) -> bool:
         """``I`` and ``W`` come from this model itself (module doc), not from the CPU shares."""

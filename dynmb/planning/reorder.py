@@ -89,7 +89,7 @@ class OrderEvaluator:
         self.evals = 0
         self._cache: dict[tuple[int, ...], tuple[float, float, bool]] = {}
         self._by_key: dict[bytes, Any] = {}
-        self._pre: dict[tuple[int, ...], tuple[float, float, bool]] = {}
+        self._pre: dict[tuple[int, ...], float] = {}        # makespans simulated ahead (prefetch)
         self._flat = None if self.by_order else self._flatten(None)
         self._always_fits = self._order_free_fit()
 
@@ -133,10 +133,11 @@ class OrderEvaluator:
         return flat
 
     def prefetch(self, orders: Sequence[Sequence[int]], limit: int) -> None:
-        """Simulate up to ``limit`` of ``orders`` not seen yet in one vectorised pass (``dynmb.planning.batchsim``),
-        held until ``__call__`` asks for them (which counts each as one evaluation then, as unbatched).
-        Only where the order changes neither the schedule nor a needed peak: else a no-op."""
-        if self._flat is None or (self.act is not None and not self._always_fits) or limit <= 0:
+        """Simulate the makespans of up to ``limit`` of ``orders`` not seen yet in one vectorised pass
+        (``dynmb.planning.batchsim``), held until ``__call__`` asks for them (which counts each as one
+        evaluation then, as unbatched, and adds its peak where needed: the peak reads the order, not the
+        times). Only where the order does not change the schedule: else a no-op."""
+        if self._flat is None or limit <= 0:
             return
         todo: dict[tuple[int, ...], None] = {}
         for o in orders:
@@ -149,7 +150,7 @@ class OrderEvaluator:
             return
         keys = list(todo)
         for key, mk in zip(keys, batch_makespans(self._flat, self.cube, self.comm, np.array(keys, dtype=np.int64))):
-            self._pre[key] = (float(mk), 0.0, True)
+            self._pre[key] = float(mk)
 
     def __call__(self, order: Sequence[int]) -> tuple[float, float, bool]:
         key = tuple(int(i) for i in order)
@@ -157,30 +158,28 @@ class OrderEvaluator:
         if hit is not None:
             return hit
         self.evals += 1
-        pre = self._pre.pop(key, None)
-        if pre is not None:
-            self._cache[key] = pre
-            return pre
         perm = np.asarray(key, dtype=np.int64)
+        makespan = self._pre.pop(key, None)
         try:
             flat = self._flat if self._flat is not None else self._flatten(perm)
         except ValueError:  # a builder reading the bytes (memory-aware): some microbatch cannot fit even alone
             out = (float("inf"), float("inf"), False)
             self._cache[key] = out
             return out
-        j = perm[flat.mb]
-        dur = self.cube[flat.op, flat.stage, j]
-        cross = np.zeros(len(dur))
-        cross[flat.xi] = self.comm[j[flat.xi]]
-        _, end = action_times(flat, dur, cross, flat.num_ranks)
-        makespan = max(end) if end else 0.0
+        if makespan is None:
+            j = perm[flat.mb]
+            dur = self.cube[flat.op, flat.stage, j]
+            cross = np.zeros(len(dur))
+            cross[flat.xi] = self.comm[j[flat.xi]]
+            _, end = action_times(flat, dur, cross, flat.num_ranks)
+            makespan = float(max(end)) if end else 0.0
         peak, fits = 0.0, True
         if self.act is not None and not self._always_fits:
             tr = None if self.tr is None else self.tr[:, perm]
             _, peak_rank, _ = peaks(flat, self.P, flat.num_ranks, self.act[:, perm], tr, self.state)
             peak = float(peak_rank.max())
             fits = peak <= self.limit
-        out = (float(makespan), peak, bool(fits))
+        out = (makespan, peak, bool(fits))
         self._cache[key] = out
         return out
 

@@ -10,7 +10,9 @@ List scheduler (``list_schedule``), one stage per rank. Each stage keeps 1F1B's 
 forwards and backwards for an in-flight window ``inflight[s]`` (forward while fewer are in
 flight, else the oldest backward; ``P - s`` is 1F1B), with each backward an ``I`` (a full ``B``
 where ``split`` is False); a ``W`` joins a FIFO queue when its ``I`` ends and counts as in
-flight until it ran. Stages are advanced in time order (a heap on their clocks); at its
+flight until it ran (windows under which a stage would wait for forwards its upstream
+stage sends only after that wait, e.g. one that grows downstream, are refused: ``_check_windows``).
+Stages are advanced in time order (a heap on their clocks); at its
 clock ``t`` a stage looks at the next op of its order:
 
 1. if it is a forward that the in-flight window or the memory cap stops, or a backward whose
@@ -183,6 +185,27 @@ def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None
     return out
 
 
+def _check_windows(windows: Sequence[int], orders: Sequence[Sequence[tuple[str, int]]]) -> None:
+    """Refuse in-flight windows whose stage orders wait on each other (the list scheduler would chase
+    lower bounds forever): stage ``s``'s b-th backward needs stage ``s + 1``'s b-th, which needs as many
+    of stage ``s``'s forwards as stage ``s + 1`` runs before it -- never more than stage ``s`` ran before
+    its own b-th. Windows that never grow downstream (1F1B's ``P - s``, every ``_inflight``) always pass."""
+    before = []
+    for order in orders:
+        f, row = 0, []
+        for op, _ in order:
+            if op == "F":
+                f += 1
+            else:
+                row.append(f)
+        before.append(row)
+    for s in range(len(before) - 1):
+        for b, (need, sent) in enumerate(zip(before[s + 1], before[s])):
+            if need > sent:
+                raise ValueError(f"zero-bubble list scheduler: in-flight windows {list(windows)} deadlock: stage "
+                                 f"{s + 1} runs {need} forwards before its backward #{b}, stage {s} only {sent}")
+
+
 class _ListRun:
     """One run of the list scheduler: each stage's clock, held bytes, in-flight count, queued Ws and emitted order."""
 
@@ -214,6 +237,8 @@ class _ListRun:
         self.clock = [0.0] * P
         # 1F1B's greedy order per stage for its window (X: the backward, I or B)
         self.todo = [deque(windowed_order(m, self.k[s], backward_order, "X")) for s in range(P)]  # its lookahead
+        if any(a < b for a, b in zip(self.k, self.k[1:])):
+            _check_windows(self.k, self.todo)           # a window that grows downstream may deadlock
         self.pend: list[deque] = [deque() for _ in range(P)]
         self.held, self.live = [0.0] * P, [0] * P
         self.ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
@@ -235,16 +260,30 @@ class _ListRun:
         return self.clock[s + 1] + self.est_bwd[s + 1][j] + comm[j], False
 
     def run(self, s: int, op: str, j: int, dur: float) -> None:
-        self.held[s] += op_bytes(op, self.act[s][j], self.wb[s][j], self.tr[s][j])[0]
-        self.live[s] += self.STEP[op]
-        if not self.ranks[s]:
+        # held bytes change by op_bytes(op, ...)[0], written out: this runs for every op of every candidate
+        if op == "F":
+            self.held[s] += self.act[s][j]
+            self.live[s] += 1
+        elif op == "B":
+            self.held[s] += -self.act[s][j]
+            self.live[s] -= 1
+        elif op == "I":
+            self.held[s] += self.wb[s][j] - self.act[s][j]
+        else:
+            self.held[s] += -self.wb[s][j]
+            self.live[s] -= 1
+        ranks = self.ranks[s]
+        if not ranks:
             self.first[s] = self.clock[s]
-        self.ranks[s].append((op, j))
+        ranks.append((op, j))
         # a W needs no input: it starts where the stage's last op ended (the simulator's recurrence), even
         # where the clock had moved on to a later bound on an input; every other op runs at the clock
-        end = (self.free[s] if op == "W" else self.clock[s]) + dur
-        self.free[s], self.clock[s] = end, max(self.clock[s], end)
-        self.makespan = max(self.makespan, end)
+        clock = self.clock[s]
+        end = (self.free[s] if op == "W" else clock) + dur
+        self.free[s] = end
+        self.clock[s] = end if end > clock else clock
+        if end > self.makespan:
+            self.makespan = end
         if op == "F":
             self.fend[s][j] = end
         elif op != "W":
@@ -269,15 +308,17 @@ class _ListRun:
 
     def next_op(self, s: int, j: int) -> tuple[str, bool]:
         """(the op stage ``s`` runs next for microbatch ``j``'s template slot, blocked by its window or cap?)."""
-        act, wb, tr, cap, held = self.act[s][j], self.wb[s][j], self.tr[s][j], self.cap[s], self.held[s]
+        cap, held = self.cap[s], self.held[s]
         if self.todo[s][0][0] == "F":
-            return "F", self.window_full(s) or held + act + tr > cap
-        op = "I" if self.split[s][j] else "B"
-        extra = op_bytes(op, act, wb, tr)[1]
-        if op == "I" and held + extra > cap and not self.pend[s]:
-            op = "B"                                          # I would hold w > a past the cap: no split
-            extra = op_bytes(op, act, wb, tr)[1]
-        return op, held + extra > cap
+            return "F", self.window_full(s) or held + self.act[s][j] + self.tr[s][j] > cap
+        tr = self.tr[s][j]
+        if self.split[s][j]:                                  # op_bytes("I", ...)[1], written out
+            w_a = self.wb[s][j] - self.act[s][j]
+            if held + ((w_a if w_a > 0.0 else 0.0) + tr) <= cap:
+                return "I", False
+            if self.pend[s]:
+                return "I", True
+        return "B", held + tr > cap                           # I would hold w > a past the cap: no split
 
     def advance(self, s: int, t: float) -> None:
         """One decision on stage ``s`` at time ``t``: run an op, a queued W, or wait for an input."""
@@ -287,11 +328,12 @@ class _ListRun:
             return
         j = self.todo[s][0][1]
         op, blocked = self.next_op(s, j)
-        r, known = self.ready(s, op, j)
         pend = self.pend[s]
         if blocked and pend:
             self.run_w(s)                                     # frees an in-flight slot and bytes
-        elif known and r <= t + 1e-12:
+            return
+        r, known = self.ready(s, op, j)
+        if known and r <= t + 1e-12:
             self.todo[s].popleft()
             self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
         elif pend and t + self.W[s][pend[0]] <= r + 1e-12:
@@ -315,13 +357,14 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     P, m = inp.shape
     st = _ListRun(inp, inflight, caps, backward_order, w_defer, fill)
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
+    todo, clock, advance, pop, push = st.todo, st.clock, st.advance, heapq.heappop, heapq.heappush
     while heap:
-        t, neg = heapq.heappop(heap)
+        t, neg = pop(heap)
         s = -neg
-        done = not st.todo[s]
-        st.advance(s, t)
+        done = not todo[s]
+        advance(s, t)
         if not done:
-            heapq.heappush(heap, (st.clock[s], -s))
+            push(heap, (clock[s], neg))
     return Schedule([[_action(s, op, j) for op, j in acts] for s, acts in enumerate(st.ranks)], P, m, kind=kind), \
         st.makespan
 
@@ -394,41 +437,61 @@ def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eva
     the fastest of the list schedule, its variant without the splits that filled no gap
     (``_unsplit_adjacent``), the list schedule without deferred W and 1F1B. ``backward_order``:
     slices of a sequence backward in reverse; ``state_bytes``: per-stage states (the caps' GPU totals)."""
+    unit = f"unit {num_stages} {m}".encode() if inp is None and backward_order is None and evaluate is None \
+        and REMEMBERED > 0 else None                      # the schedule's shape alone (the reorder search's)
+    if unit is not None and unit in _H1_UNIT:
+        return _H1_UNIT[unit]
     inp = inp if inp is not None else ZBInputs.unit(num_stages, m)
     order = backward_order
     caps = h1_caps(inp, state_bytes, order) if inp.act is not None else None
     k, defer = _inflight(num_stages, m), list(range(num_stages))
     if evaluate is None:
-        return list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0]
-    key = _h1_key(inp, caps, order, evaluate)
+        return _remember(_H1_UNIT, unit, list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0])
+    key = _inputs_key(inp, caps, order, evaluate)
     if key is not None and key in _H1:
         return _H1[key]
     cands = _variants(inp, k, caps, "zb-h1", order, defer) + \
         [list_schedule(inp, k, caps, kind="zb-h1", backward_order=order)[0], _one_f_one_b(num_stages, m, order)]
     best = min(cands, key=lambda c: evaluate(c)[0])          # first of equals: the split schedule
-    out = Schedule(best.ranks, num_stages, m, kind="zb-h1")
-    if key is not None:
-        if len(_H1) >= 16:
-            _H1.pop(next(iter(_H1)))
-        _H1[key] = out
-    return out
+    return _remember(_H1, key, Schedule(best.ranks, num_stages, m, kind="zb-h1"))
 
 
 _H1: dict[bytes, Schedule] = {}
-"""ZB-H1 schedules by their inputs (``_h1_key``): ``auto`` builds ``zb-h1`` and ``zb`` (which weighs
+"""ZB-H1 schedules by their inputs (``_inputs_key``): ``auto`` builds ``zb-h1`` and ``zb`` (which weighs
 ZB-H1 too) of the same plan."""
 
+_H1_UNIT: dict[bytes, Schedule] = {}
+"""ZB-H1 schedules on unit times by their shape (P, m): the reorder search builds them for every plan."""
 
-def _h1_key(inp: ZBInputs, caps: np.ndarray | None, order: Sequence[int] | None, evaluate: Evaluate) -> bytes | None:
-    """A digest of everything ZB-H1's choice reads, for a judge that declares itself (``evaluate.judge``:
-    the simulator's makespan on these inputs); None: not cached."""
+_ZB: dict[bytes, Schedule] = {}
+"""``zb`` schedules by their inputs (``_inputs_key`` with the limit and states): ``auto`` builds ``zb`` of the
+same plan for more than one candidate (its own packing and another kind's, when the two are equal)."""
+
+REMEMBERED = 16
+"""Schedules each of ``_H1``, ``_H1_UNIT`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
+
+
+def _remember(store: dict[bytes, Schedule], key: bytes | None, sched: Schedule) -> Schedule:
+    """``sched``, kept in ``store`` under ``key`` (None: not kept) within ``REMEMBERED``."""
+    if key is not None and REMEMBERED > 0:
+        while len(store) >= REMEMBERED:
+            store.pop(next(iter(store)))
+        store[key] = sched
+    return sched
+
+
+def _inputs_key(inp: ZBInputs, caps: Sequence[float] | np.ndarray | None, order: Sequence[int] | None,
+                evaluate: Evaluate, *more: Sequence[float] | np.ndarray | float | None) -> bytes | None:
+    """A digest of everything ZB-H1's (with ``more``: the limit and states, ``zb``'s) choice reads, for a judge
+    that declares itself (``evaluate.judge``: the simulator's makespan on these inputs); None: not cached (nor
+    looked up: also with ``REMEMBERED`` 0)."""
     judge = getattr(evaluate, "judge", None)
-    if judge is None:
+    if judge is None or REMEMBERED <= 0:
         return None
     h = hashlib.blake2b(repr((judge, inp.shape, None if order is None else (tuple(order), lookahead_of(order)))).encode(),
                         digest_size=16)
-    for a in (inp.F, inp.B, inp.I, inp.W, inp.comm, inp.split, inp.act, inp.w, inp.tr, caps):
-        h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
+    for a in (inp.F, inp.B, inp.I, inp.W, inp.comm, inp.split, inp.act, inp.w, inp.tr, caps, *more):
+        h.update(b"-" if a is None else np.ascontiguousarray(np.asarray(a, dtype=np.float64)).tobytes())
     return h.digest()
 
 
@@ -459,6 +522,9 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     (``ZB_ALPHAS``, tried in increasing order until one is no faster than the one before) under
     the per-stage ``caps`` (limit minus states) whose simulated peak stays within
     ``limit_bytes`` (module doc); every candidate runs its backwards in ``backward_order``."""
+    key = _inputs_key(inp, caps, backward_order, evaluate, limit_bytes, state_bytes)
+    if key is not None and key in _ZB:
+        return _ZB[key]
     best, best_t = None, np.inf
 
     def consider(cands: list[Schedule]) -> float:
@@ -483,4 +549,4 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     start = _sweep_windows(num_stages, m, windows(None), alphas)        # W only in the waits they fit
     _sweep_windows(num_stages, m, windows(objective_of(evaluate)),     # then also where critical, from the
                    tuple(a for a in alphas if a >= start))              # fastest window up
-    return Schedule((best or h1).ranks, num_stages, m, kind="zb")
+    return _remember(_ZB, key, Schedule((best or h1).ranks, num_stages, m, kind="zb"))
