@@ -8,7 +8,7 @@ Otherwise (CPU), by accounting (what would be allocated on a device without a ca
 
     states  = parameter storages + gradients (same size, counted from the start) +
               optimizer states (the optimizer's actual state tensors once it has stepped,
-              else Adam's two fp32 states per parameter)
+              else Adam's two states per parameter at its dtype, at least fp32)
     held    = storages saved for backward (``torch.autograd.graph.saved_tensors_hooks``;
               each storage once, keyed by ``untyped_storage().data_ptr()``; parameters
               excluded) + the stage outputs kept until their backward (forward hooks)
@@ -17,12 +17,14 @@ Otherwise (CPU), by accounting (what would be allocated on a device without a ca
 Liveness: each saved tensor / stage output gets a ``weakref.finalize``; a storage stops
 counting when the last tracked tensor on it is freed (autograd releases saved tensors
 during backward, the runtime drops the stage output after it). Transient (the buffers of
-the op being run that are not held): at the start of a stage's backward (module
-backward pre-hook) the incoming gradient and the input gradient being produced, plus on
-the stage with the LM head its logits gradient (rows x len x vocab, fp32; a head shard's
-rows only, ``head_linear()``). Samples are
-taken at the end of each forward, at the start of each backward and whenever the
-runtime calls ``sample``.
+the op being run that are not held): at the start of a stage's backward the incoming gradient
+and the input gradient being produced, plus on the stage with the LM head its logits gradient
+(rows x len x vocab at the logits' dtype, at least fp32; a head shard's rows only,
+``head_linear()``), each of the microbatch whose backward it is: the forward hook hangs them
+on a gradient hook of that forward's own output, which fires when its backward starts (a
+chain of slices runs its backwards in reverse order, so no first-in-first-out guess). Samples
+are taken at the end of each forward, at the start of each backward and whenever the runtime
+calls ``sample``.
 
 Runtime interface: ``MemoryMeter(device, modules, optimizer)``; ``saving(stage)`` context
 around a forward or backward; ``hold(tensors, stage)`` for what a split backward keeps;
@@ -33,9 +35,7 @@ around a forward or backward; ``hold(tensors, stage)`` for what a split backward
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from collections import deque
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence, cast
 
@@ -45,10 +45,6 @@ from dynmb.core.contract import StageModule
 from dynmb.runtime.device import device_ops
 
 __all__ = ["MemoryMeter", "tensor_bytes"]
-
-# the first stage's inputs need no gradient; its backward pre-hook still fires (on outputs)
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (an FSDP2 ``DTensor``: its shard); others as they are."""
@@ -76,14 +72,12 @@ class MemoryMeter:
         self._held = 0
         self._peak = 0
         self._stage_peak: dict[int, int] = {}
-        self._logits: dict[int, deque] = {}            # per stage, FIFO over microbatches
+        self._logits: dict[int, int] = {}              # per stage: logits bytes of the forward running there
         self._in_backward = False                      # a recomputing backward reruns the head: not a forward
-        self._inputs: dict[int, deque] = {}
         self._hooks = []
         for m in self.modules if self.accounting else ():
             st = int(cast(StageModule, m).stage)
             self._hooks.append(m.register_forward_hook(self._fwd_hook(st)))
-            self._hooks.append(m.register_full_backward_pre_hook(self._bwd_pre_hook(st)))
             for blk in getattr(m, "blocks", {}).values():   # also inside a recomputing backward
                 self._hooks.append(blk.register_forward_hook(self._block_hook(st)))
             find = getattr(m, "head_linear", None)
@@ -101,7 +95,7 @@ class MemoryMeter:
             opt = sum(tensor_bytes(v) for s in self.optimizer.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0)
         elif self.optimizer_kind == "adam":
-            opt = sum(8 * _local(p).numel() for p in params)
+            opt = sum(2 * max(4, p.element_size()) * _local(p).numel() for p in params)
         return 2 * n + opt
 
     def _track(self, t: torch.Tensor) -> None:
@@ -140,10 +134,11 @@ class MemoryMeter:
     def _fwd_hook(self, stage: int):
         def hook(mod, args, out):
             x = args[0] if args else None
-            self._inputs.setdefault(stage, deque()).append(
-                tensor_bytes(x) if isinstance(x, torch.Tensor) and x.requires_grad else 0)
+            charge = self._logits.pop(stage, 0)    # this forward's logits: their gradient, and its input's
+            charge += tensor_bytes(x) if isinstance(x, torch.Tensor) and x.requires_grad else 0
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 self._track(out)
+                out.register_hook(self._bwd_start_hook(stage, charge))
             self._note(stage)
         return hook
 
@@ -156,17 +151,16 @@ class MemoryMeter:
         def hook(mod, args, out):
             if isinstance(out, torch.Tensor):
                 if not self._in_backward:
-                    self._logits.setdefault(stage, deque()).append(out.numel() * 4)
+                    self._logits[stage] = self._logits.get(stage, 0) + out.numel() * max(4, out.element_size())
                 self._note(stage, tensor_bytes(out))
         return hook
 
-    def _bwd_pre_hook(self, stage: int):
-        def hook(mod, grad_output):
+    def _bwd_start_hook(self, stage: int, charge: int):
+        """The gradient hook of one forward's output: its backward starts; ``charge``: that forward's input and
+        logits bytes (their gradients are made in this backward)."""
+        def hook(grad):
             self._in_backward = True
-            extra = sum(tensor_bytes(g) for g in grad_output)
-            for q in (self._logits.get(stage), self._inputs.get(stage)):
-                extra += q.popleft() if q else 0
-            self._note(stage, extra)
+            self._note(stage, charge + tensor_bytes(grad))
             return None
         return hook
 
