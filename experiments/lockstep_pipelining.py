@@ -154,8 +154,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict:
     pp_groups = [dist.new_group([r * pp + s for s in range(pp)]) for r in range(dp)]
     dp_groups = [dist.new_group([r * pp + s for r in range(dp)]) for s in range(pp)]
     lens, tokens = batch_data(args)
-    samplers = [sampler_for(args, lens, dp, r) for r in range(dp)]
-    M = max(sum(1 for x in p.replica_ids if x == r) for r in range(dp) for p in samplers[0].plans())
+    sampler = sampler_for(args, lens, dp, replica)     # one per rank: its first planning all-gathers the
+    plans = sampler.plans()                            # replicas' settings, a collective every rank joins here
+    M = max(sum(1 for x in p.replica_ids if x == r) for r in range(dp) for p in plans)   # plans hold every replica
     settings = StaticRowsSettings(pack_len=args.pack_len, microbatches=M)
     torch.manual_seed(args.seed)
     model = Model(args.pack_len)
@@ -164,7 +165,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict:
     loss = StepLoss()
     schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=loss, scale_grads=False)
     losses_out = []
-    for step in static_steps(samplers[replica], tokens, settings):
+    for step in static_steps(sampler, tokens, settings):
         stage_mod.zero_grad(set_to_none=True)
         loss.valid_tokens = step.step_valid_tokens
         losses: list[torch.Tensor] = []

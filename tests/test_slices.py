@@ -526,25 +526,78 @@ def test_hand_made_sliced_plans_verify_on_gloo(gloo_job, ranks):
         assert load_results(job.out / f"slices-{name}")["steps"]["verified"].all(), name
 
 
+def _zero_bubble_cases(out: Path, ranks: int):
+    """The hand-made zero-bubble plans of ``KIND_PLANS[ranks]``: (name, plan, the schedule ``run --plan``
+    builds for it with the run's models, the builder's inputs and judge)."""
+    from dynmb.planning.zerobubble import zb_evaluator, zb_inputs
+
+    for name, splits, neighbours, rc, kind, virtual in KIND_PLANS[ranks]:
+        if kind == "interleaved":
+            continue
+        spec = _plan_case(out, f"slices-{name}", _sliced_plan(splits, neighbours, rc)[0], ranks, kind, virtual)
+        plan, models = Plan.load(spec.plan), spec.models()
+        inp = zb_inputs(plan, models)
+        yield name, plan, make_schedule(plan, kind, virtual=virtual, models=models), inp, zb_evaluator(plan, models, inp)
+
+
+def _check_zero_bubble_backwards(name: str, n: int, ops: dict[int, list[tuple[str, int]]]) -> None:
+    """Every stage runs each of the ``n`` slices' backwards once, in reverse slice order, as a full ``B``
+    or as an ``I`` whose ``W`` follows; at least one of them split (the split backward is exercised)."""
+    for stage, seq in ops.items():
+        backwards = [mb for op, mb in seq if op in ("I", "B")]
+        assert backwards == list(reversed(range(n))), (name, stage, seq)
+        i_mbs = [mb for op, mb in seq if op == "I"]
+        assert i_mbs, (name, stage, seq)
+        for j in i_mbs:
+            assert seq.index(("W", j)) > seq.index(("I", j)), (name, stage, j)
+        assert sorted(mb for op, mb in seq if op == "W") == sorted(i_mbs), (name, stage, seq)
+
+
+@pytest.mark.filterwarnings("ignore::dynmb.planning.defaults.StandInModelWarning")
+def test_zero_bubble_runs_a_slice_backward_whole_only_where_splitting_it_is_no_faster(tmp_path):
+    """The schedules the gloo test runs: a slice's backward runs whole (``B``) only where its split
+    costs more (I + W > B: the CPU cost model's split shares) and the same schedule with that ``B``
+    split back (its ``I`` then at once its ``W``) is predicted no faster -- zb's ``_unsplit_adjacent``
+    candidate, which its short-wait rule (Qi et al. 3.1) makes the fastest for zb-packed4 on 4 ranks
+    (stage 0's last slice: its ``W`` would run right after its ``I``, and stage 0 sends no input gradient)."""
+    for ranks in (2, 4):
+        for name, plan, sched, inp, evaluate in _zero_bubble_cases(tmp_path, ranks):
+            ops = {acts[0].stage: [(a.op, a.mb) for a in acts] for acts in sched.ranks}
+            _check_zero_bubble_backwards(name, plan.num_microbatches, ops)
+            t = evaluate(sched)[0]
+            for r, acts in enumerate(sched.ranks):
+                for k, a in enumerate(acts):
+                    if a.op != "B":
+                        continue
+                    assert inp.I[a.stage, a.mb] + inp.W[a.stage, a.mb] > inp.B[a.stage, a.mb], (name, a)
+                    split = acts[:k] + (Action(a.stage, "I", a.mb), Action(a.stage, "W", a.mb)) + acts[k + 1:]
+                    resplit = replace(sched, ranks=sched.ranks[:r] + (split,) + sched.ranks[r + 1:])
+                    validate(resplit, plan)
+                    assert evaluate(resplit)[0] >= t - 1e-12, (name, a)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_slices_on_interleaved_and_zero_bubble_verify_on_gloo(gloo_job, ranks):
+@pytest.mark.filterwarnings("ignore::dynmb.planning.defaults.StandInModelWarning")
+def test_slices_on_interleaved_and_zero_bubble_verify_on_gloo(gloo_job, ranks, tmp_path):
     """Gradients equal to running each document whole (fp32, the runtime's --verify: 1e-5
     relative) for sliced documents on interleaved, ZB-H1 and zb; on the zero-bubble kinds every
-    slice's backward is split (I, then W) on every stage, the I in reverse slice order."""
+    stage runs exactly the schedule the builder makes for the plan: each slice's backward once, in
+    reverse slice order, split (I, then later its W) except where the builder runs it whole because
+    the split is predicted no faster (test_zero_bubble_runs_a_slice_backward_whole_only_where_...)."""
     job = gloo_job(ranks)
     assert job.returncode == 0, job.errors
-    for name, splits, _, _, kind, virtual in KIND_PLANS[ranks]:
+    for name, _, _, _, kind, virtual in KIND_PLANS[ranks]:
         t = load_results(job.out / f"slices-{name}")
         assert t["steps"]["verified"].all(), name
-        acts = t["actions"]
-        assert acts["stage"].nunique() == ranks * virtual, name
-        if kind != "interleaved":
-            for stage, rows in acts.groupby("stage"):
-                order = rows.sort_values("start_s")
-                i_mbs = order.loc[order["op"] == "I", "mb"].tolist()
-                assert i_mbs == list(reversed(range(len(splits)))), (name, stage, i_mbs)
-                assert set(order.loc[order["op"] == "W", "mb"]) == set(range(len(splits))), (name, stage)
+        assert t["actions"]["stage"].nunique() == ranks * virtual, name
+    for name, plan, sched, _, _ in _zero_bubble_cases(tmp_path, ranks):
+        ran = {}
+        for stage, rows in load_results(job.out / f"slices-{name}")["actions"].groupby("stage"):
+            order = rows.sort_values("start_s")
+            ran[int(stage)] = list(zip(order["op"], order["mb"].astype(int)))
+        assert ran == {acts[0].stage: [(a.op, a.mb) for a in acts] for acts in sched.ranks}, name
+        _check_zero_bubble_backwards(name, plan.num_microbatches, ran)
     for kind, _ in SPLIT_KINDS[ranks]:
         t = load_results(job.out / f"slices-split-{kind}")
         assert t["steps"]["verified"].all(), kind
