@@ -31,6 +31,7 @@ from dynmb.planning import reorder
 from dynmb.schedule import zerobubble
 from dynmb.schedule.order import check_order, windowed_order
 from dynmb.schedule.zerobubble import ZBInputs, _check_fill, list_schedule, op_bytes
+from dynmb.timing import makespan_zb
 
 
 # --------------------------------------------------------------------------- the list scheduler before (a copy)
@@ -370,6 +371,7 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(model_sizes.ModelSizes, "stage_pieces", _old_stage_pieces)
             mp.setattr(model_sizes.ModelSizes, "stage_parts", _old_stage_parts)
             mp.setattr(reorder.OrderEvaluator, "prefetch", _old_prefetch)
+            mp.setattr(makespan_zb, "SINGLE_SWEEP", False)
         cfg, lengths = dynmb.model_config("llama2-7b"), data.load_trace("sharegpt")
         out = []
         for P, schedule, limit, tokens, seed in cases:
@@ -476,3 +478,41 @@ def test_unit_zb_h1_remembered_is_built_afresh(monkeypatch):
     monkeypatch.setattr(zerobubble, "REMEMBERED", 0)
     fresh = zerobubble.zb_h1(4, 9)
     assert fresh is not first and fresh.ranks == first.ranks and fresh.kind == first.kind == "zb-h1"
+
+
+# --------------------------------------------------------------------------- the zb estimate of one pipeline
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 16), m=st.integers(1, 90), unit=st.booleans(),
+       shared=st.booleans(), estimate_as=st.sampled_from(["zb-h1", "zb"]))
+def test_single_sweep_is_the_level_loop(seed, P, m, unit, shared, estimate_as):
+    """``makespan_zb._single`` (one pipeline, op by op) gives the bits of ``_merged``'s level loop: random and equal
+    (tied) costs, sends or none, the cost model's shares or the default split, both windows."""
+    rng = np.random.default_rng(seed)
+    F = np.ones((P, m)) if unit else rng.lognormal(0, 1, (P, m))
+    B = 2 * F if unit else 2 * F * rng.uniform(0.5, 1.5, (P, m))
+    comm = np.zeros(m) if unit else rng.uniform(0, 0.1, m)
+    shares = rng.uniform(0.2, 0.9, (2, P)) if shared else None
+    I, W = makespan_zb.split_backward(B, shares)  # noqa: E741
+    win = makespan_zb.windows(P, estimate_as)
+    want = makespan_zb._merged(F, I, W, comm, np.array([m]), win)
+    assert [makespan_zb._single(F, I, W, comm, win)] == want.tolist()
+
+
+def test_zb_estimate_same_either_sweep(monkeypatch):
+    """Through ``makespans``: lone pipelines past ``SCALAR_OPS`` (the ones ``_single`` takes) and several at once,
+    the same values with ``SINGLE_SWEEP`` on and off."""
+    from dynmb.timing.makespan import makespans
+    rng = np.random.default_rng(11)
+    P = 16
+    got: dict[bool, list] = {}
+    for single in (True, False):
+        monkeypatch.setattr(makespan_zb, "SINGLE_SWEEP", single)
+        got[single] = []
+        for sizes in ([136], [70], [40, 40], [5]):
+            F = rng.lognormal(0, 1, (P, sum(sizes)))
+            B = 2 * F * rng.uniform(0.8, 1.2, F.shape)
+            comm = rng.uniform(0, 0.05, sum(sizes))
+            for kind in ("zb-h1", "zb"):
+                got[single].append(makespans(F, B, comm, sizes, kind).tolist())
+        rng = np.random.default_rng(11)
+    assert got[True] == got[False]
