@@ -8,8 +8,12 @@
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dynmb
 from dynmb.core.planspec import PlanSpec
@@ -131,3 +135,73 @@ def test_lockstep_layouts_same_under_two_cost_models():
         with forgetful():
             old = _layout_key(plan_lockstep(lens, LockstepShape(pack_len=512, dp=2), cm))
         assert new == old
+
+
+# --------------------------------------------------------------------------- the balanced fill before (a copy)
+def _old_heap_row(heap, room, load, size):
+    passed, found = [], None
+    while heap and len(passed) < lockstep.HEAP_POPS:
+        entry = heapq.heappop(heap)
+        if entry[1] != load[entry[2]]:
+            continue
+        if room[entry[2]] >= size:
+            found = entry[2]
+            break
+        passed.append(entry)
+    for entry in passed:
+        heapq.heappush(heap, entry)
+    return found
+
+
+def _old_least_fill(sizes, weights, tiers, pack_len):
+    """``lockstep._least_fill`` before its loop read plain lists (numpy scalars)."""
+    w = weights.tolist()
+    heap = [(t, 0.0, r) for r, t in enumerate(tiers.tolist())]
+    heapq.heapify(heap)
+    room, load = np.full(len(tiers), int(pack_len), dtype=np.int64), [0.0] * len(tiers)
+    load_np = np.zeros(len(tiers))
+    row = np.empty(len(sizes), dtype=np.int64)
+    for i in np.lexsort((np.arange(len(sizes)), -weights, -sizes)).tolist():
+        size, r = int(sizes[i]), _old_heap_row(heap, room, load, int(sizes[i]))
+        if r is None:
+            fits = room >= size
+            if not fits.any():
+                return None
+            r = int(np.argmin(np.where(fits & (tiers == tiers[fits].min()), load_np, np.inf)))
+        row[i], room[r] = r, room[r] - size
+        load[r] += w[i]
+        load_np[r] = load[r]
+        heapq.heappush(heap, (int(tiers[r]), load[r], r))
+    return row
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 400), rows=st.integers(1, 120), tiers=st.integers(1, 3),
+       pack_len=st.sampled_from([64, 256, 1024]), ties=st.booleans())
+def test_least_fill_is_the_old_one(seed, n, rows, tiers, pack_len, ties):
+    """The fill on plain lists gives the old fill's rows (or its None): random and tied lengths and weights, tiers,
+    rows too few (a scan, a refusal) or plenty."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, pack_len + 1, n) if not ties else np.full(n, max(1, pack_len // 3))
+    lens = lens.astype(np.int64)
+    w = np.ones(n) if ties else lens.astype(np.float64) ** 2 * rng.uniform(0.5, 1.5, n)
+    tier = np.sort(rng.integers(0, tiers, rows)).astype(np.int64)
+    new = lockstep._least_fill(lens, w, tier, pack_len)
+    old = _old_least_fill(lens, w, tier, pack_len)
+    assert (new is None) == (old is None)
+    assert new is None or (new.dtype == old.dtype and new.tolist() == old.tolist())
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_lockstep_layouts_same_with_the_old_fill(shape, monkeypatch):
+    """Whole layouts (every kind, forgetful so each fill runs) with the fill on lists and the old one."""
+    cm = gpu.GPUCostModel(CFG, 4)
+    got = {}
+    for old in (False, True):
+        with monkeypatch.context() as mp, forgetful():
+            if old:
+                mp.setattr(lockstep, "_least_fill", _old_least_fill)
+            got[old] = [_layout_key(plan_lockstep(_lens(80 + 30 * seed, shape["pack_len"], seed),
+                                                  LockstepShape(**shape, kind=kind), cm, every_microbatch=True))
+                        for seed in range(2) for kind in ("1f1b", "zb")]
+    assert got[False] == got[True]
