@@ -27,7 +27,8 @@ at its last op + ``q``. Evaluated level by level (``_level_table``: ops that can
 other, ``dynmb.timing.makespan_levels``' closed form for 1F1B's window, else each op's start under unit costs),
 one vectorised step per level over every pipeline (all sizes in one loop, ``_merged``; O(m + P) numpy steps); the scalar
 sweep (``_scalar``) for pipelines of few ops;
-a lone larger pipeline op by op in its level order (``_single``, the same bits as the level loop). Left out: the memory limit (``zb`` runs its extra
+a lone larger pipeline op by op in its level order (``_single``, the same bits as the level loop); level-swept
+pipelines already estimated are read back (``REMEMBERED``, bounded, keyed by every input). Left out: the memory limit (``zb`` runs its extra
 warm-up only where it fits: its estimate is optimistic where the limit binds), the list scheduler's candidates
 (unsplit backwards, 1F1B: never slower than the one modelled) and its exact tie rules.
 Measured against ``dynmb.timing.simulate`` of the schedules the builders make:
@@ -39,6 +40,9 @@ The simulation layer, beside ``dynmb.timing.makespan``; the packers, one layer d
 from __future__ import annotations
 
 import functools
+import hashlib
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -341,14 +345,58 @@ def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndar
                 out[k] = _scalar(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win)
         else:
             rest.append(ks)
-    if rest and SINGLE_SWEEP and sum(len(k) for k in rest) == 1:
-        k = int(rest[0][0])
-        a, e = offs[k], offs[k + 1]
-        out[k] = _single(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win)
-    elif rest:
+    if rest:
         ks = np.sort(np.concatenate(rest))
-        cols = np.concatenate([np.arange(offs[k], offs[k + 1]) for k in ks.tolist()])
-        out[ks] = _merged(F[:, cols], I[:, cols], W[:, cols], comm[cols], sizes[ks], win)
+        out[ks] = _level_swept(F, I, W, comm, offs, ks, win)
+    return out
+
+
+REMEMBERED = 4096
+"""Level-swept pipelines whose makespans ``_level_swept`` remembers (keyed by a digest of the pipeline's ``F``,
+``I``, ``W``, sends and windows; 0: none, the old path). The packers estimate the same pipeline again and again
+within one plan (``dynamic``'s ranking and final choice, ``lockstep``'s candidates per kind); a pipeline's value
+does not depend on the others swept with it (``_merged`` of several gives each one's bits)."""
+_swept: OrderedDict[bytes, float] = OrderedDict()
+_swept_lock = threading.Lock()
+
+
+def _level_swept(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, offs: np.ndarray,  # noqa: E741
+                 ks: np.ndarray, win: tuple[int, ...]) -> np.ndarray:
+    """``_merged``'s makespan of pipelines ``ks`` (columns ``offs[k]:offs[k + 1]``), the ones remembered
+    (``REMEMBERED``) read back; a lone pipeline left swept by ``_single`` (``SINGLE_SWEEP``)."""
+    out, keys = np.empty(len(ks)), []
+    todo = []
+    for x, k in enumerate(ks.tolist()):
+        a, e = int(offs[k]), int(offs[k + 1])
+        key = b""
+        if REMEMBERED > 0:
+            digest = hashlib.blake2b(repr((F.shape[0], e - a, win)).encode(), digest_size=20)
+            for part in (F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e]):
+                digest.update(np.ascontiguousarray(part, dtype=np.float64).tobytes())
+            key = digest.digest()
+            with _swept_lock:
+                known = _swept.get(key)
+                if known is not None:
+                    _swept.move_to_end(key)
+            if known is not None:
+                out[x] = known
+                continue
+        todo.append(x)
+        keys.append(key)
+    if len(todo) == 1 and SINGLE_SWEEP:
+        k = int(ks[todo[0]])
+        a, e = offs[k], offs[k + 1]
+        out[todo[0]] = _single(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win)
+    elif todo:
+        cols = np.concatenate([np.arange(offs[k], offs[k + 1]) for k in ks[todo].tolist()])
+        out[todo] = _merged(F[:, cols], I[:, cols], W[:, cols], comm[cols], np.diff(offs)[ks[todo]], win)
+    if REMEMBERED > 0:
+        with _swept_lock:
+            for x, key in zip(todo, keys):
+                _swept[key] = float(out[x])
+                _swept.move_to_end(key)
+            while len(_swept) > REMEMBERED:
+                _swept.popitem(last=False)
     return out
 
 
