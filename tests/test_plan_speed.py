@@ -27,6 +27,7 @@ from dynmb.core.config import ModelConfig
 from dynmb.core.model_sizes import PARTS, SUB_CHUNKS, UNITS_PER_LAYER, HalfPiece, _count
 from dynmb.core.types import Action, Schedule
 from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.packing import dynapipe
 from dynmb.planning import reorder
 from dynmb.schedule import zerobubble
 from dynmb.schedule.order import check_order, windowed_order
@@ -365,6 +366,7 @@ def _steps(cases, old: bool, monkeypatch) -> list:
         mp.setattr(zerobubble, "_ZB", {})
         mp.setattr(zerobubble, "_H1_UNIT", {})
         mp.setattr(makespan_zb, "_swept", makespan_zb.OrderedDict())
+        mp.setattr(dynapipe, "_splits", dynapipe.OrderedDict())
         if old:
             mp.setattr(zerobubble, "REMEMBERED", 0)
             mp.setattr(zerobubble, "list_schedule", old_list_schedule)
@@ -374,6 +376,7 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(reorder.OrderEvaluator, "prefetch", _old_prefetch)
             mp.setattr(makespan_zb, "SINGLE_SWEEP", False)
             mp.setattr(makespan_zb, "REMEMBERED", 0)
+            mp.setattr(dynapipe, "REMEMBERED", 0)
         cfg, lengths = dynmb.model_config("llama2-7b"), data.load_trace("sharegpt")
         out = []
         for P, schedule, limit, tokens, seed in cases:

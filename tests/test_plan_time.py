@@ -20,9 +20,10 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.costmodel import gpu
 from dynmb.costmodel.loader import Models
 from dynmb.memory.model import get_memory_model
-from dynmb.packing import lockstep
+from dynmb.packing import dynapipe, lockstep
 from dynmb.packing.lockstep import LockstepShape, forgetful, plan_lockstep
 from dynmb.planning.planner import plan_step, unremembered
+from dynmb.timing import makespan_zb
 
 CFG = dynmb.model_config("llama-tiny")
 
@@ -204,4 +205,57 @@ def test_lockstep_layouts_same_with_the_old_fill(shape, monkeypatch):
             got[old] = [_layout_key(plan_lockstep(_lens(80 + 30 * seed, shape["pack_len"], seed),
                                                   LockstepShape(**shape, kind=kind), cm, every_microbatch=True))
                         for seed in range(2) for kind in ("1f1b", "zb")]
+    assert got[False] == got[True]
+
+
+def test_dynapipe_split_remembered_is_computed_afresh(monkeypatch):
+    """The remembered DP split equals the one computed afresh for other lengths, row caps, cost models (other P and
+    model) and P in the estimate; a copy each time; at most ``REMEMBERED`` kept."""
+    monkeypatch.setattr(dynapipe, "_splits", dynapipe.OrderedDict())
+    lens = np.sort(_lens(300, 2048, 4)).astype(np.float64)
+    caps = np.maximum(8192 // lens.astype(np.int64), 1)
+    cases = [(lens, caps, gpu.GPUCostModel(CFG, 4), 4), (lens, np.minimum(caps, 3), gpu.GPUCostModel(CFG, 4), 4),
+             (lens, caps, gpu.GPUCostModel(CFG, 2), 4), (lens, caps, gpu.GPUCostModel(CFG, 4), 12),
+             (np.sort(_lens(300, 2048, 5)).astype(np.float64), caps, gpu.GPUCostModel(CFG, 4), 4),
+             (lens, caps, gpu.GPUCostModel(dynmb.model_config("llama2-7b"), 4), 4)]
+
+    def run(remembered: int) -> list[list[int]]:
+        monkeypatch.setattr(dynapipe, "REMEMBERED", remembered)
+        return [dynapipe.dynapipe_split(s, b, cm, P).tolist() for s, b, cm, P in cases]
+    fresh = run(0)
+    assert len({tuple(f) for f in fresh}) >= 3                      # the inputs do change the split
+    assert run(64) == fresh and run(64) == fresh and len(dynapipe._splits) == len(cases)
+    first = dynapipe.dynapipe_split(*cases[0][:3], 4)
+    first[:] = -1
+    assert dynapipe.dynapipe_split(*cases[0][:3], 4).tolist() == fresh[0]
+    dynapipe._splits.clear()
+    assert run(2) == fresh and len(dynapipe._splits) == 2
+
+
+@pytest.mark.parametrize("schedule", ["auto", "zb"])
+def test_dynamic_plan_same_with_every_old_path(schedule, monkeypatch):
+    """``dynamic`` with the fill on lists, the single sweep and the remembered zb estimates and DP splits, and with
+    every one switched back to the old path: the same plan (as ``test_dynamic_plan_same_remembered_or_not`` keys
+    it), twice in a row (the second reads what the first remembered)."""
+    P = 4
+    models = Models(gpu.GPUCostModel(CFG, P), get_memory_model(None, CFG, P))
+    spec = PlanSpec(method="dynamic", num_stages=P, memory_limit_bytes=2 * 2**30, schedule_kind=schedule)
+
+    def key(plan):
+        return (plan.method, plan.num_microbatches, plan.schedule_kind, float(plan.predictions["pred_step_s"]),
+                plan.meta.candidate, plan.meta.schedule_auto,
+                [(mb.seq_ids.tolist(), mb.padded_len, mb.batch) for mb in plan.microbatches])
+    got = {}
+    for old in (False, True):
+        with monkeypatch.context() as mp:
+            mp.setattr(makespan_zb, "_swept", makespan_zb.OrderedDict())
+            mp.setattr(dynapipe, "_splits", dynapipe.OrderedDict())
+            lockstep._fills.clear()
+            if old:
+                mp.setattr(lockstep, "_least_fill", _old_least_fill)
+                mp.setattr(makespan_zb, "SINGLE_SWEEP", False)
+                mp.setattr(makespan_zb, "REMEMBERED", 0)
+                mp.setattr(dynapipe, "REMEMBERED", 0)
+            got[old] = [key(plan_step(_lens(400, 2048, seed), spec, model_cfg=CFG, models=models)[0])
+                        for seed in (8, 8, 9)]
     assert got[False] == got[True]
