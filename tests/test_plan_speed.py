@@ -27,10 +27,12 @@ from dynmb.core.config import ModelConfig
 from dynmb.core.model_sizes import PARTS, SUB_CHUNKS, UNITS_PER_LAYER, HalfPiece, _count
 from dynmb.core.types import Action, Schedule
 from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.packing import dynapipe
 from dynmb.planning import reorder
 from dynmb.schedule import zerobubble
 from dynmb.schedule.order import check_order, windowed_order
 from dynmb.schedule.zerobubble import ZBInputs, _check_fill, list_schedule, op_bytes
+from dynmb.timing import makespan_zb
 
 
 # --------------------------------------------------------------------------- the list scheduler before (a copy)
@@ -363,6 +365,8 @@ def _steps(cases, old: bool, monkeypatch) -> list:
         mp.setattr(zerobubble, "_H1", {})
         mp.setattr(zerobubble, "_ZB", {})
         mp.setattr(zerobubble, "_H1_UNIT", {})
+        mp.setattr(makespan_zb, "_swept", makespan_zb.OrderedDict())
+        mp.setattr(dynapipe, "_splits", dynapipe.OrderedDict())
         if old:
             mp.setattr(zerobubble, "REMEMBERED", 0)
             mp.setattr(zerobubble, "list_schedule", old_list_schedule)
@@ -370,6 +374,9 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(model_sizes.ModelSizes, "stage_pieces", _old_stage_pieces)
             mp.setattr(model_sizes.ModelSizes, "stage_parts", _old_stage_parts)
             mp.setattr(reorder.OrderEvaluator, "prefetch", _old_prefetch)
+            mp.setattr(makespan_zb, "SINGLE_SWEEP", False)
+            mp.setattr(makespan_zb, "REMEMBERED", 0)
+            mp.setattr(dynapipe, "REMEMBERED", 0)
         cfg, lengths = dynmb.model_config("llama2-7b"), data.load_trace("sharegpt")
         out = []
         for P, schedule, limit, tokens, seed in cases:
@@ -476,3 +483,72 @@ def test_unit_zb_h1_remembered_is_built_afresh(monkeypatch):
     monkeypatch.setattr(zerobubble, "REMEMBERED", 0)
     fresh = zerobubble.zb_h1(4, 9)
     assert fresh is not first and fresh.ranks == first.ranks and fresh.kind == first.kind == "zb-h1"
+
+
+# --------------------------------------------------------------------------- the zb estimate of one pipeline
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 16), m=st.integers(1, 90), unit=st.booleans(),
+       shared=st.booleans(), estimate_as=st.sampled_from(["zb-h1", "zb"]))
+def test_single_sweep_is_the_level_loop(seed, P, m, unit, shared, estimate_as):
+    """``makespan_zb._single`` (one pipeline, op by op) gives the bits of ``_merged``'s level loop: random and equal
+    (tied) costs, sends or none, the cost model's shares or the default split, both windows."""
+    rng = np.random.default_rng(seed)
+    F = np.ones((P, m)) if unit else rng.lognormal(0, 1, (P, m))
+    B = 2 * F if unit else 2 * F * rng.uniform(0.5, 1.5, (P, m))
+    comm = np.zeros(m) if unit else rng.uniform(0, 0.1, m)
+    shares = rng.uniform(0.2, 0.9, (2, P)) if shared else None
+    I, W = makespan_zb.split_backward(B, shares)  # noqa: E741
+    win = makespan_zb.windows(P, estimate_as)
+    want = makespan_zb._merged(F, I, W, comm, np.array([m]), win)
+    assert [makespan_zb._single(F, I, W, comm, win)] == want.tolist()
+
+
+def test_zb_estimate_same_either_sweep(monkeypatch):
+    """Through ``makespans``: lone pipelines past ``SCALAR_OPS`` (the ones ``_single`` takes), several at once, the
+    same pipeline twice in one call and again in later calls (remembered), the same values with ``SINGLE_SWEEP``
+    and ``REMEMBERED`` on and with both off."""
+    from dynmb.timing.makespan import makespans
+    monkeypatch.setattr(makespan_zb, "_swept", makespan_zb.OrderedDict())
+    P = 16
+    got: dict[bool, list] = {}
+    for new in (True, False, True):
+        monkeypatch.setattr(makespan_zb, "SINGLE_SWEEP", new)
+        monkeypatch.setattr(makespan_zb, "REMEMBERED", 4096 if new else 0)
+        rng = np.random.default_rng(11)
+        got[new] = []
+        for sizes in ([136], [70], [40, 40], [5], [70, 136, 40], [136, 136]):
+            F = rng.lognormal(0, 1, (P, sum(sizes)))
+            B = 2 * F * rng.uniform(0.8, 1.2, F.shape)
+            comm = rng.uniform(0, 0.05, sum(sizes))
+            if sizes == [136, 136]:
+                F[:, 136:], B[:, 136:], comm[136:] = F[:, :136], B[:, :136], comm[:136]
+            for kind in ("zb-h1", "zb"):
+                got[new].append(makespans(F, B, comm, sizes, kind).tolist())
+    assert got[True] == got[False]
+    assert 0 < len(makespan_zb._swept) <= 4096
+
+
+def test_zb_remembered_bounded_and_keyed_by_every_input(monkeypatch):
+    """Another F, backward, send, window or share is another value (each as computed afresh); at most
+    ``REMEMBERED`` kept, the oldest dropped."""
+    monkeypatch.setattr(makespan_zb, "_swept", makespan_zb.OrderedDict())
+    rng = np.random.default_rng(3)
+    P, m = 8, 140                                                    # past SCALAR_OPS: level-swept
+    F = rng.lognormal(0, 1, (P, m))
+    B, comm = 2 * F, rng.uniform(0, 0.05, m)
+    shares = rng.uniform(0.2, 0.9, (2, P))
+    F2, B2, comm2 = F.copy(), B.copy(), comm.copy()
+    F2[:, 5:9] *= 3.0
+    B2[:, 0] *= 3.0
+    comm2 += 0.1
+    cases = [(F, B, comm, None, "zb-h1"), (F2, B, comm, None, "zb-h1"), (F, B2, comm, None, "zb-h1"),
+             (F, B, comm2, None, "zb-h1"), (F, B, comm, None, "zb"), (F, B, comm, shares, "zb-h1")]
+
+    def run(remembered: int) -> list[float]:
+        monkeypatch.setattr(makespan_zb, "REMEMBERED", remembered)
+        return [float(makespan_zb.zb_recurrence(f, b, c, np.array([m]), s, e)[0]) for f, b, c, s, e in cases]
+    fresh = run(0)
+    assert len(set(fresh)) == len(fresh)                                     # every input does change it
+    assert run(4096) == fresh and run(4096) == fresh                         # computed, then read back
+    assert len(makespan_zb._swept) == len(cases)
+    assert run(2) == fresh and len(makespan_zb._swept) == 2

@@ -8,17 +8,22 @@
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dynmb
 from dynmb.core.planspec import PlanSpec
 from dynmb.costmodel import gpu
 from dynmb.costmodel.loader import Models
 from dynmb.memory.model import get_memory_model
-from dynmb.packing import lockstep
+from dynmb.packing import dynapipe, lockstep
 from dynmb.packing.lockstep import LockstepShape, forgetful, plan_lockstep
 from dynmb.planning.planner import plan_step, unremembered
+from dynmb.timing import makespan_zb
 
 CFG = dynmb.model_config("llama-tiny")
 
@@ -131,3 +136,126 @@ def test_lockstep_layouts_same_under_two_cost_models():
         with forgetful():
             old = _layout_key(plan_lockstep(lens, LockstepShape(pack_len=512, dp=2), cm))
         assert new == old
+
+
+# --------------------------------------------------------------------------- the balanced fill before (a copy)
+def _old_heap_row(heap, room, load, size):
+    passed, found = [], None
+    while heap and len(passed) < lockstep.HEAP_POPS:
+        entry = heapq.heappop(heap)
+        if entry[1] != load[entry[2]]:
+            continue
+        if room[entry[2]] >= size:
+            found = entry[2]
+            break
+        passed.append(entry)
+    for entry in passed:
+        heapq.heappush(heap, entry)
+    return found
+
+
+def _old_least_fill(sizes, weights, tiers, pack_len):
+    """``lockstep._least_fill`` before its loop read plain lists (numpy scalars)."""
+    w = weights.tolist()
+    heap = [(t, 0.0, r) for r, t in enumerate(tiers.tolist())]
+    heapq.heapify(heap)
+    room, load = np.full(len(tiers), int(pack_len), dtype=np.int64), [0.0] * len(tiers)
+    load_np = np.zeros(len(tiers))
+    row = np.empty(len(sizes), dtype=np.int64)
+    for i in np.lexsort((np.arange(len(sizes)), -weights, -sizes)).tolist():
+        size, r = int(sizes[i]), _old_heap_row(heap, room, load, int(sizes[i]))
+        if r is None:
+            fits = room >= size
+            if not fits.any():
+                return None
+            r = int(np.argmin(np.where(fits & (tiers == tiers[fits].min()), load_np, np.inf)))
+        row[i], room[r] = r, room[r] - size
+        load[r] += w[i]
+        load_np[r] = load[r]
+        heapq.heappush(heap, (int(tiers[r]), load[r], r))
+    return row
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 400), rows=st.integers(1, 120), tiers=st.integers(1, 3),
+       pack_len=st.sampled_from([64, 256, 1024]), ties=st.booleans())
+def test_least_fill_is_the_old_one(seed, n, rows, tiers, pack_len, ties):
+    """The fill on plain lists gives the old fill's rows (or its None): random and tied lengths and weights, tiers,
+    rows too few (a scan, a refusal) or plenty."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, pack_len + 1, n) if not ties else np.full(n, max(1, pack_len // 3))
+    lens = lens.astype(np.int64)
+    w = np.ones(n) if ties else lens.astype(np.float64) ** 2 * rng.uniform(0.5, 1.5, n)
+    tier = np.sort(rng.integers(0, tiers, rows)).astype(np.int64)
+    new = lockstep._least_fill(lens, w, tier, pack_len)
+    old = _old_least_fill(lens, w, tier, pack_len)
+    assert (new is None) == (old is None)
+    assert new is None or (new.dtype == old.dtype and new.tolist() == old.tolist())
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_lockstep_layouts_same_with_the_old_fill(shape, monkeypatch):
+    """Whole layouts (every kind, forgetful so each fill runs) with the fill on lists and the old one."""
+    cm = gpu.GPUCostModel(CFG, 4)
+    got = {}
+    for old in (False, True):
+        with monkeypatch.context() as mp, forgetful():
+            if old:
+                mp.setattr(lockstep, "_least_fill", _old_least_fill)
+            got[old] = [_layout_key(plan_lockstep(_lens(80 + 30 * seed, shape["pack_len"], seed),
+                                                  LockstepShape(**shape, kind=kind), cm, every_microbatch=True))
+                        for seed in range(2) for kind in ("1f1b", "zb")]
+    assert got[False] == got[True]
+
+
+def test_dynapipe_split_remembered_is_computed_afresh(monkeypatch):
+    """The remembered DP split equals the one computed afresh for other lengths, row caps, cost models (other P and
+    model) and P in the estimate; a copy each time; at most ``REMEMBERED`` kept."""
+    monkeypatch.setattr(dynapipe, "_splits", dynapipe.OrderedDict())
+    lens = np.sort(_lens(300, 2048, 4)).astype(np.float64)
+    caps = np.maximum(8192 // lens.astype(np.int64), 1)
+    cases = [(lens, caps, gpu.GPUCostModel(CFG, 4), 4), (lens, np.minimum(caps, 3), gpu.GPUCostModel(CFG, 4), 4),
+             (lens, caps, gpu.GPUCostModel(CFG, 2), 4), (lens, caps, gpu.GPUCostModel(CFG, 4), 12),
+             (np.sort(_lens(300, 2048, 5)).astype(np.float64), caps, gpu.GPUCostModel(CFG, 4), 4),
+             (lens, caps, gpu.GPUCostModel(dynmb.model_config("llama2-7b"), 4), 4)]
+
+    def run(remembered: int) -> list[list[int]]:
+        monkeypatch.setattr(dynapipe, "REMEMBERED", remembered)
+        return [dynapipe.dynapipe_split(s, b, cm, P).tolist() for s, b, cm, P in cases]
+    fresh = run(0)
+    assert len({tuple(f) for f in fresh}) >= 3                      # the inputs do change the split
+    assert run(64) == fresh and run(64) == fresh and len(dynapipe._splits) == len(cases)
+    first = dynapipe.dynapipe_split(*cases[0][:3], 4)
+    first[:] = -1
+    assert dynapipe.dynapipe_split(*cases[0][:3], 4).tolist() == fresh[0]
+    dynapipe._splits.clear()
+    assert run(2) == fresh and len(dynapipe._splits) == 2
+
+
+@pytest.mark.parametrize("schedule", ["auto", "zb"])
+def test_dynamic_plan_same_with_every_old_path(schedule, monkeypatch):
+    """``dynamic`` with the fill on lists, the single sweep and the remembered zb estimates and DP splits, and with
+    every one switched back to the old path: the same plan (as ``test_dynamic_plan_same_remembered_or_not`` keys
+    it), twice in a row (the second reads what the first remembered)."""
+    P = 4
+    models = Models(gpu.GPUCostModel(CFG, P), get_memory_model(None, CFG, P))
+    spec = PlanSpec(method="dynamic", num_stages=P, memory_limit_bytes=2 * 2**30, schedule_kind=schedule)
+
+    def key(plan):
+        return (plan.method, plan.num_microbatches, plan.schedule_kind, float(plan.predictions["pred_step_s"]),
+                plan.meta.candidate, plan.meta.schedule_auto,
+                [(mb.seq_ids.tolist(), mb.padded_len, mb.batch) for mb in plan.microbatches])
+    got = {}
+    for old in (False, True):
+        with monkeypatch.context() as mp:
+            mp.setattr(makespan_zb, "_swept", makespan_zb.OrderedDict())
+            mp.setattr(dynapipe, "_splits", dynapipe.OrderedDict())
+            lockstep._fills.clear()
+            if old:
+                mp.setattr(lockstep, "_least_fill", _old_least_fill)
+                mp.setattr(makespan_zb, "SINGLE_SWEEP", False)
+                mp.setattr(makespan_zb, "REMEMBERED", 0)
+                mp.setattr(dynapipe, "REMEMBERED", 0)
+            got[old] = [key(plan_step(_lens(400, 2048, seed), spec, model_cfg=CFG, models=models)[0])
+                        for seed in (8, 8, 9)]
+    assert got[False] == got[True]

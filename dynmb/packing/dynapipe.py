@@ -18,10 +18,15 @@ is taken affine in ``b`` from the lookup at b = 1 and 2 per stage (exact for the
 analytic and polynomial cost models); the chosen split is then re-costed exactly.
 O(n * w * K) work for n samples, w the largest feasible microbatch, K candidates; each padded length's
 microbatch times and cap masks are computed once for its run of sorted samples.
+Splits are remembered by a digest of what the DP reads (``REMEMBERED``; one plan asks for the same one
+several times).
 """
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from typing import Callable
 
 import numpy as np
@@ -48,8 +53,40 @@ def dynapipe_split(lengths_sorted: np.ndarray, bmax: np.ndarray, cost_model: Cos
     padded lengths). ``bmax[j]`` is the most rows a microbatch padded to ``lengths_sorted[j]`` may hold.
     """
     s = np.asarray(lengths_sorted, dtype=np.float64)
-    n = len(s)
     alpha, beta = _affine_costs(cost_model, s)
+    bmax = np.asarray(bmax)
+    if REMEMBERED <= 0:
+        return _split(s, bmax, alpha, beta, num_stages, num_candidates)
+    digest = hashlib.blake2b(repr((num_stages, num_candidates, len(s), alpha.shape, bmax.dtype.str)).encode(),
+                             digest_size=20)
+    for part in (s, bmax, alpha, beta):
+        digest.update(np.ascontiguousarray(part).tobytes())
+    key = digest.digest()
+    with _splits_lock:
+        known = _splits.get(key)
+        if known is not None:
+            _splits.move_to_end(key)
+    if known is None:
+        known = _split(s, bmax, alpha, beta, num_stages, num_candidates)
+        with _splits_lock:
+            _splits[key] = known
+            while len(_splits) > REMEMBERED:
+                _splits.popitem(last=False)
+    return known.copy()
+
+
+REMEMBERED = 64
+"""Splits ``dynapipe_split`` remembers, keyed by a digest of everything the DP reads (sorted lengths, row caps, the
+affine costs, P, candidates); 0: none (the old path). One plan asks for the same split several times (the
+``dynapipe`` baseline of the planner's final check and of ``dynamic``'s candidate space)."""
+_splits: OrderedDict[bytes, np.ndarray] = OrderedDict()
+_splits_lock = threading.Lock()
+
+
+def _split(s: np.ndarray, bmax: np.ndarray, alpha: np.ndarray, beta: np.ndarray, num_stages: int,
+           num_candidates: int) -> np.ndarray:
+    """The DP of ``dynapipe_split`` (module doc) on the affine costs ``alpha + beta b`` of every sample."""
+    n = len(s)
     wmax = np.minimum(bmax, np.arange(1, n + 1)).astype(np.int64)   # rows of a mb ending at j
     # per-sample single-row time and the largest feasible microbatch time bound the candidates
     t_one = (alpha + beta).max(axis=0)

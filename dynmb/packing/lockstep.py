@@ -207,42 +207,49 @@ def _least_fill(sizes: np.ndarray, weights: np.ndarray, tiers: np.ndarray, pack_
     """Row (an index into ``tiers``) of every document: documents longest first (ties: heavier, then lower index),
     each into the row of least weight with room among the rows of the lowest ``tier`` that has one (ties: the
     lowest row); None when no row has room. A heap of (tier, weight, row) answers while one of its first
-    ``HEAP_POPS`` rows has room (O(log K)); else one scan of every row (O(K))."""
-    w = weights.tolist()
-    heap = [(t, 0.0, r) for r, t in enumerate(tiers.tolist())]
+    ``HEAP_POPS`` rows has room (O(log K)); else one scan of every row (O(K)). The loop reads plain Python lists
+    (``room`` mirrored in numpy for the scan)."""
+    w, size_of, tier_of = weights.tolist(), sizes.tolist(), tiers.tolist()
+    heap = [(t, 0.0, r) for r, t in enumerate(tier_of)]
     heapq.heapify(heap)
-    room, load = np.full(len(tiers), int(pack_len), dtype=np.int64), [0.0] * len(tiers)
+    room = [int(pack_len)] * len(tier_of)
+    room_np, load = np.full(len(tiers), int(pack_len), dtype=np.int64), [0.0] * len(tiers)
     load_np = np.zeros(len(tiers))
-    row = np.empty(len(sizes), dtype=np.int64)
+    row = [0] * len(size_of)
     for i in np.lexsort((np.arange(len(sizes)), -weights, -sizes)).tolist():
-        size, r = int(sizes[i]), _heap_row(heap, room, load, int(sizes[i]))
+        size = size_of[i]
+        r = _heap_row(heap, room, load, size)
         if r is None:
-            fits = room >= size
+            fits = room_np >= size
             if not fits.any():
                 return None
             r = int(np.argmin(np.where(fits & (tiers == tiers[fits].min()), load_np, np.inf)))
-        row[i], room[r] = r, room[r] - size
+        row[i] = r
+        room[r] -= size
+        room_np[r] = room[r]
         load[r] += w[i]
         load_np[r] = load[r]
-        heapq.heappush(heap, (int(tiers[r]), load[r], r))
-    return row
+        heapq.heappush(heap, (tier_of[r], load[r], r))
+    return np.array(row, dtype=np.int64)
 
 
 HEAP_POPS = 32
 """Rows without room ``_least_loaded``'s heap looks past before it scans every row."""
 
 
-def _heap_row(heap: list[tuple[int, float, int]], room: np.ndarray, load: list[float], size: int) -> int | None:
+def _heap_row(heap: list[tuple[int, float, int]], room: list[int], load: list[float], size: int) -> int | None:
     """The first row of ``heap`` (its entries whose weight is the row's current one) with ``size`` tokens of room,
     popped; None when none is among the first ``HEAP_POPS`` (the rows looked past are pushed back)."""
     passed: list[tuple[int, float, int]] = []
     found: int | None = None
+    pop = heapq.heappop
     while heap and len(passed) < HEAP_POPS:
-        entry = heapq.heappop(heap)
-        if entry[1] != load[entry[2]]:
+        entry = pop(heap)
+        r = entry[2]
+        if entry[1] != load[r]:
             continue                                            # stale: the row took a document since
-        if room[entry[2]] >= size:
-            found = entry[2]
+        if room[r] >= size:
+            found = r
             break
         passed.append(entry)
     for entry in passed:

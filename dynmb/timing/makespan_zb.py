@@ -26,7 +26,9 @@ cool-down ``I`` runs ``min(q, g)`` of the queue (fluid: a ``W`` may be cut), and
 at its last op + ``q``. Evaluated level by level (``_level_table``: ops that cannot depend on each
 other, ``dynmb.timing.makespan_levels``' closed form for 1F1B's window, else each op's start under unit costs),
 one vectorised step per level over every pipeline (all sizes in one loop, ``_merged``; O(m + P) numpy steps); the scalar
-sweep (``_scalar``) for pipelines of few ops. Left out: the memory limit (``zb`` runs its extra
+sweep (``_scalar``) for pipelines of few ops;
+a lone larger pipeline op by op in its level order (``_single``, the same bits as the level loop); level-swept
+pipelines already estimated are read back (``REMEMBERED``, bounded, keyed by every input). Left out: the memory limit (``zb`` runs its extra
 warm-up only where it fits: its estimate is optimistic where the limit binds), the list scheduler's candidates
 (unsplit backwards, 1F1B: never slower than the one modelled) and its exact tie rules.
 Measured against ``dynmb.timing.simulate`` of the schedules the builders make:
@@ -38,6 +40,9 @@ The simulation layer, beside ``dynmb.timing.makespan``; the packers, one layer d
 from __future__ import annotations
 
 import functools
+import hashlib
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -275,6 +280,53 @@ def _last_ops(P: int, m: int, win: tuple[int, ...]) -> np.ndarray:
     return last
 
 
+SINGLE_SWEEP = True
+"""``zb_recurrence`` sweeps a lone pipeline too large for ``_scalar`` op by op in its level order (``_single``: the
+same arithmetic as ``_merged``, bit-equal, without a numpy call per level); False: ``_merged`` (the old path)."""
+
+
+@functools.lru_cache(maxsize=128)
+def _single_table(P: int, m: int, win: tuple[int, ...]) -> tuple[list, ...]:
+    """``_level_table``'s ops of one pipeline as plain lists for ``_single``: stage, is backward, microbatch,
+    previous op and dependency (``n``: none), is a queued-W backward (``_merged``'s ``cool``), and each stage's
+    last op."""
+    st, ib, mb, pv, dp_, _ = _level_table(P, m, win)
+    cool = ib & ((mb >= np.maximum(m - np.asarray(win)[st], 0)) | (mb < st))
+    return (st.tolist(), ib.tolist(), mb.tolist(), pv.tolist(), dp_.tolist(), cool.tolist(),
+            _last_ops(P, m, win).tolist())
+
+
+def _single(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray,  # noqa: E741
+            win: tuple[int, ...]) -> float:
+    """``_merged`` of one pipeline, op by op in its level order (each op's inputs are ops of earlier levels): the
+    same operations on the same values in the same order per stage, so the same bits; no numpy call per level."""
+    P, m = F.shape
+    st, ib, mb, pv, dp_, cool, last = _single_table(P, m, win)
+    n = len(st)
+    Fl, Il, Wl, cl = F.tolist(), I.tolist(), W.tolist(), comm.tolist()
+    seen, fin, q = [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * P
+    for x in range(n):
+        s, j, d = st[x], mb[x], dp_[x]
+        ready = seen[d] + cl[j] if d < n else 0.0
+        free = fin[pv[x]]
+        end = ready if ready >= free else free              # np.maximum: either when equal
+        if ib[x]:
+            if cool[x]:
+                q[s] -= min(q[s], max(ready - free, 0.0))
+                q[s] += Wl[s][j]
+                end += Il[s][j]
+                seen[x] = fin[x] = end + 0.0
+                continue
+            end += Il[s][j]
+            seen[x] = end
+            fin[x] = end + Wl[s][j]
+        else:
+            end += Fl[s][j]
+            seen[x] = end
+            fin[x] = end + 0.0
+    return float(max(max(fin[:n]), max(fin[last[s]] + q[s] for s in range(P))))
+
+
 def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndarray,
                   shares: np.ndarray | None = None, estimate_as: str = "zb-h1") -> np.ndarray:
     """The recurrence (module doc) of pipelines k (the next ``sizes[k] >= 1`` columns each): the
@@ -295,8 +347,56 @@ def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndar
             rest.append(ks)
     if rest:
         ks = np.sort(np.concatenate(rest))
-        cols = np.concatenate([np.arange(offs[k], offs[k + 1]) for k in ks.tolist()])
-        out[ks] = _merged(F[:, cols], I[:, cols], W[:, cols], comm[cols], sizes[ks], win)
+        out[ks] = _level_swept(F, I, W, comm, offs, ks, win)
+    return out
+
+
+REMEMBERED = 4096
+"""Level-swept pipelines whose makespans ``_level_swept`` remembers (keyed by a digest of the pipeline's ``F``,
+``I``, ``W``, sends and windows; 0: none, the old path). The packers estimate the same pipeline again and again
+within one plan (``dynamic``'s ranking and final choice, ``lockstep``'s candidates per kind); a pipeline's value
+does not depend on the others swept with it (``_merged`` of several gives each one's bits)."""
+_swept: OrderedDict[bytes, float] = OrderedDict()
+_swept_lock = threading.Lock()
+
+
+def _level_swept(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, offs: np.ndarray,  # noqa: E741
+                 ks: np.ndarray, win: tuple[int, ...]) -> np.ndarray:
+    """``_merged``'s makespan of pipelines ``ks`` (columns ``offs[k]:offs[k + 1]``), the ones remembered
+    (``REMEMBERED``) read back; a lone pipeline left swept by ``_single`` (``SINGLE_SWEEP``)."""
+    out, keys = np.empty(len(ks)), []
+    todo = []
+    for x, k in enumerate(ks.tolist()):
+        a, e = int(offs[k]), int(offs[k + 1])
+        key = b""
+        if REMEMBERED > 0:
+            digest = hashlib.blake2b(repr((F.shape[0], e - a, win)).encode(), digest_size=20)
+            for part in (F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e]):
+                digest.update(np.ascontiguousarray(part, dtype=np.float64).tobytes())
+            key = digest.digest()
+            with _swept_lock:
+                known = _swept.get(key)
+                if known is not None:
+                    _swept.move_to_end(key)
+            if known is not None:
+                out[x] = known
+                continue
+        todo.append(x)
+        keys.append(key)
+    if len(todo) == 1 and SINGLE_SWEEP:
+        k = int(ks[todo[0]])
+        a, e = offs[k], offs[k + 1]
+        out[todo[0]] = _single(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win)
+    elif todo:
+        cols = np.concatenate([np.arange(offs[k], offs[k + 1]) for k in ks[todo].tolist()])
+        out[todo] = _merged(F[:, cols], I[:, cols], W[:, cols], comm[cols], np.diff(offs)[ks[todo]], win)
+    if REMEMBERED > 0:
+        with _swept_lock:
+            for x, key in zip(todo, keys):
+                _swept[key] = float(out[x])
+                _swept.move_to_end(key)
+            while len(_swept) > REMEMBERED:
+                _swept.popitem(last=False)
     return out
 
 
