@@ -44,6 +44,9 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    simulator decides, as for the other choices; without room for any short sequence the
    candidate is not tried. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
+   ``dynamic`` then weighs the plain methods' sliced plans (``_weigh_alternatives``; on by default): each
+   method's short packing tried at its best candidate (``_screen``), then the whole search of the
+   ``WEIGH_FINALISTS`` fastest and of every method whose slices it cannot cut (``packed``), the fastest kept.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
    ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
    ``slice_fill``, ``longest_fitting_length``,

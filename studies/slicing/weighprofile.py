@@ -1,10 +1,12 @@
 """Where ``dynamic``'s weighing of the plain methods' sliced searches spends its time (issue 39, plan time):
 one ``longdoc`` cell (``plantime``'s batch, layout, models and planner), ``dynamic`` planned once with the weighing
-on under ``cProfile``; per search (``slicing._search_anew``: dynamic's own and each alternative's, per kind) its CPU
+on under ``cProfile`` (``--finalists none``: the full weighing, every method's whole search; ``--finalists K``: the
+screened weighing with K whole searches); per search (``slicing._search_anew``: dynamic's own and each alternative's, per kind) its CPU
 seconds, simulations and floor-pruned candidates; per part of the planner (packing, cutting, dealing, the floor,
 schedule build, simulation) its cumulative CPU seconds.
 
-    PYTHONPATH=$PWD nice -n 19 python3 -m studies.slicing.weighprofile --trace wikitext2 --model llama2-7b --stages 8
+    PYTHONPATH=$PWD nice -n 19 python3 -m studies.slicing.weighprofile --trace wikitext2 --model llama2-7b --stages 8 \
+        --finalists none
 
 CPU seconds are ``time.process_time`` (cProfile's overhead included; loaded box: compare only within one run).
 """
@@ -49,7 +51,8 @@ def _searches(rows: list[dict]):
     return real, logged
 
 
-def profile_cell(trace_name: str, model: str, P: int, cache: Path) -> tuple[list[dict], pstats.Stats, float, float]:
+def profile_cell(trace_name: str, model: str, P: int, cache: Path,
+                 finalists: int | None) -> tuple[list[dict], pstats.Stats, float, float]:
     """(per-search rows, the profile, total CPU s, dynamic's predicted step) of one weighed plan."""
     trace = longdoc.load(trace_name, cache)
     cfg = scaling.model_for(model, [trace])
@@ -62,7 +65,7 @@ def profile_cell(trace_name: str, model: str, P: int, cache: Path) -> tuple[list
     prof = cProfile.Profile()
     slicing._search_anew = logged
     try:
-        with slicing.weighing_alternatives():
+        with slicing.weighing_alternatives(True, finalists):
             t0 = time.process_time()
             prof.enable()
             step = planner.plan(batch, method="dynamic")
@@ -91,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama2-7b", help="model preset")
     ap.add_argument("--stages", type=int, default=8, help="pipeline depth P")
     ap.add_argument("--cache", type=Path, default=Path("results/traces"), help="where the pycode trace is cached")
+    ap.add_argument("--finalists", default="none", help="none (the full weighing) or K (screened)")
     ap.add_argument("--top", type=int, default=25, help="functions of the profile listed by cumulative time")
     args = ap.parse_args(argv)
-    rows, stats, total, step = profile_cell(args.trace, args.model, args.stages, args.cache)
-    print(f"{args.trace} {args.model} P{args.stages}: {total:.1f} CPU s (profiled), step {step:.4f} s")
+    finalists = None if args.finalists == "none" else int(args.finalists)
+    rows, stats, total, step = profile_cell(args.trace, args.model, args.stages, args.cache, finalists)
+    print(f"{args.trace} {args.model} P{args.stages} finalists {args.finalists}: {total:.1f} CPU s (profiled), step {step:.4f} s")
     print("| kind | search | CPU s | simulated | pruned | best s |\n|---|---|---|---|---|---|")
     by_search: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0])
     for r in rows:
