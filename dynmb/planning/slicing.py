@@ -669,12 +669,15 @@ def _keep(found: _Search, best: tuple[float, Plan, list[Plan], list[Schedule]] |
 def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -> list[tuple[str, _SplitJob]]:
     """The alternatives whose whole search ``_weigh_alternatives`` runs: every one whose slices ``job`` cannot
     cut (``packed``'s rows, another longest row), and the ``WEIGH_FINALISTS`` fastest of the rest when each
-    one's short packing is tried at ``found``'s best candidate (its slices, cuts, placement, recomputed share
-    and lookahead; rows filled and not): a few simulations each, every one a candidate of ``found`` too."""
+    one's short packing is tried at ``found``'s best candidate (its slices, cuts, recomputed share, lookahead
+    and filled rows or not) with the chains first (where the plain methods' searches mostly keep them) and as
+    that candidate places them: one or two simulations each, every one a candidate of ``found`` too."""
     if found.best is None:
         return alts
     meta = found.best[1].meta
-    centre = _best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"])))
+    centre = replace(_best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]))),
+                     fills=(bool(meta["slice_fill"]),))
+    centre = replace(centre, placements=tuple(dict.fromkeys(("first", *centre.placements))))
     whole, scored = [], []
     for i, (name, alt) in enumerate(alts):
         if alt.spec.method == "packed" or (alt.row_cap, alt.cut) != (job.row_cap, job.cut):

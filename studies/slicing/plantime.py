@@ -7,7 +7,7 @@ planned once per mode in one process, CPU seconds (``time.process_time``) and th
 Modes: ``off`` (``weighing_alternatives(False)``: dynamic's own search only), ``full`` (``on`` the same:
 ``weighing_alternatives(finalists=None)``, every plain method's whole sliced search weighed), ``screened`` (the default
 since the weighcost branch: every plain method's short packing tried at dynamic's best candidate, the fastest one's
-whole search; ``--finalists K``: the K fastest); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
+whole search; ``--finalists K`` or mode ``screenedK``: the K fastest); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
 numbers; compare CPU seconds only within one run (the box's load varies).
 """
 
@@ -38,8 +38,10 @@ def plan_times(trace_name: str, model: str, P: int, modes: list[str], cache: Pat
     for mode in modes:
         planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(cfg, P),
                                 schedule="auto", oversize="split", recompute="auto")
-        on, top = MODES[mode]
-        with slicing.weighing_alternatives(on, finalists if mode == "screened" else top):
+        on, top = MODES[mode.rstrip("0123456789")]
+        if mode.startswith("screened"):
+            top = int(mode[len("screened"):] or finalists)
+        with slicing.weighing_alternatives(on, top):
             t0 = time.process_time()
             step = planner.plan(batch, method="dynamic")
             rows.append({"trace": trace_name, "model": model, "P": P, "mode": mode,
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models.split(","):
             for P in map(int, args.stages.split(",")):
                 for r in plan_times(name, model, P, args.modes.split(","), args.cache, args.finalists):
-                    print(f"{r['trace']} {r['model']} P{r['P']} {r['mode']}{'' if r['mode'] != 'screened' else args.finalists}: {r['plan_cpu_s']:.1f} CPU s, "
+                    print(f"{r['trace']} {r['model']} P{r['P']} {r['mode']}: {r['plan_cpu_s']:.1f} CPU s, "
                           f"step {r['step_s']:.4f} s, shorts {r['slice_shorts']}", flush=True)
     return 0
 
