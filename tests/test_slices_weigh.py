@@ -25,7 +25,7 @@ SPEC = PlanSpec(method="dynamic", num_stages=2, schedule_kind="1f1b", memory_lim
 
 
 def test_weighing_is_on_by_default_and_can_be_turned_on_and_off(monkeypatch):
-    assert slicing.WEIGH_ALTERNATIVES and slicing.WEIGH_FINALISTS == 1      # on, screened, by default
+    assert slicing.WEIGH_ALTERNATIVES and slicing.WEIGH_FINALISTS == 2      # on, screened, by default
     seen = []
     monkeypatch.setattr(slicing, "_weigh_alternatives", lambda job, found, cfg: seen.append(job.spec.method))
     with slicing.weighing_alternatives(False):
@@ -36,7 +36,7 @@ def test_weighing_is_on_by_default_and_can_be_turned_on_and_off(monkeypatch):
     assert seen == ["dynamic"]
     with slicing.weighing_alternatives(finalists=None):
         assert slicing.WEIGH_ALTERNATIVES and slicing.WEIGH_FINALISTS is None
-    assert slicing.WEIGH_FINALISTS == 1
+    assert slicing.WEIGH_FINALISTS == 2
     with pytest.raises(ValueError, match="finalists must be None or an int >= 0"):
         with slicing.weighing_alternatives(finalists=-1):
             pass

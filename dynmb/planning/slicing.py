@@ -561,7 +561,7 @@ WEIGH_ALTERNATIVES = True
 40 MiB) measured a kept plan's last stage at 42,266,064 B over its limit with it on: the memory model's miss,
 fixed on its own branch (memfix), not here."""
 
-WEIGH_FINALISTS: int | None = 1
+WEIGH_FINALISTS: int | None = 2
 """How many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``); None: every
 alternative's (the full weighing, ~7-15x dynamic's own plan time at P 8; ``studies/slicing/notes.md``)."""
 

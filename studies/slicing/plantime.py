@@ -6,8 +6,8 @@ planned once per mode in one process, CPU seconds (``time.process_time``) and th
 
 Modes: ``off`` (``weighing_alternatives(False)``: dynamic's own search only), ``full`` (``on`` the same:
 ``weighing_alternatives(finalists=None)``, every plain method's whole sliced search weighed), ``screened`` (the default
-since the weighcost branch: every plain method's short packing tried at dynamic's best candidate, the fastest one's
-whole search; ``--finalists K`` or mode ``screenedK``: the K fastest); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
+since the weighcost branch: every plain method's short packing tried at dynamic's best candidate, then the
+whole searches of the two fastest; ``--finalists K`` or mode ``screenedK``: the K fastest); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
 numbers; compare CPU seconds only within one run (the box's load varies).
 """
 
@@ -24,11 +24,11 @@ from studies.scaling import scaling
 from studies.slicing import longdoc
 
 
-MODES = {"off": (False, None), "full": (True, None), "on": (True, None), "screened": (True, 1)}
+MODES = {"off": (False, None), "full": (True, None), "on": (True, None), "screened": (True, 2)}
 """mode -> (``WEIGH_ALTERNATIVES``, ``WEIGH_FINALISTS``); ``screened``'s finalists: ``--finalists``."""
 
 
-def plan_times(trace_name: str, model: str, P: int, modes: list[str], cache: Path, finalists: int = 1) -> list[dict]:
+def plan_times(trace_name: str, model: str, P: int, modes: list[str], cache: Path, finalists: int = 2) -> list[dict]:
     """One row per mode: CPU seconds of dynamic's plan and its predicted step."""
     trace = longdoc.load(trace_name, cache)
     cfg = scaling.model_for(model, [trace])
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="llama2-7b,llama3.1-8b", help="model presets")
     ap.add_argument("--stages", default="8", help="pipeline depths P")
     ap.add_argument("--modes", default="off,screened,full", help="off, screened, full (on: full; module doc)")
-    ap.add_argument("--finalists", type=int, default=1, help="screened: whole searches of the K fastest")
+    ap.add_argument("--finalists", type=int, default=2, help="screened: whole searches of the K fastest")
     ap.add_argument("--cache", type=Path, default=Path("results/traces"), help="where the pycode trace is cached")
     args = ap.parse_args(argv)
     for name in args.traces.split(","):
