@@ -171,6 +171,7 @@ def test_dynamic_weighs_a_plain_methods_whole_sliced_search(monkeypatch):
     monkeypatch.setattr(slicing, "slice_alternatives", lambda: [("fixed", 1)])
     monkeypatch.setattr(slicing, "SHORT_PACKERS", ())
     monkeypatch.setattr(slicing, "WEIGH_ALTERNATIVES", True)      # the default (weighing_alternatives(False): off)
+    monkeypatch.setattr(slicing, "WEIGH_FINALISTS", None)         # the one alternative's whole search
     spec = PlanSpec(method="dynamic", num_stages=2, schedule_kind="1f1b", memory_limit_bytes=parse_bytes("16MiB"),
                     oversize="split", recompute="auto")
     plan, _, sim = plan_step(LONG, spec, model_cfg=TINY)
@@ -193,7 +194,7 @@ def test_dynamic_sliced_plan_is_not_slower_than_the_plain_methods_sliced_plans()
                                  model_cfg=TINY)
         return plan, sim.makespan_s
     from dynmb.planning.slicing import weighing_alternatives
-    with weighing_alternatives():
+    with weighing_alternatives(finalists=None):          # the full weighing: every method's whole search
         plan, dynamic = step("dynamic")
     alternatives = slice_alternatives()
     assert {("fixed", None), ("fixed", 1), ("sorted", None), ("packed", None), ("balanced", 4),

@@ -1,6 +1,8 @@
 """``dynamic``'s weighing of the plain methods' sliced searches (on by default) and what keeps its plan time
-down without changing a plan: candidates whose order-free dependency floor cannot beat the search's best so far
-are not simulated, and the jobs of one ``plan_split`` share their simulations."""
+down: the screened weighing (every method's short packing tried at dynamic's best candidate, the fastest one's
+whole search: never slower than the searches it runs, fewer simulations than the full weighing); and, changing
+no plan, candidates whose order-free dependency floor cannot beat the search's best so far are not simulated and
+the jobs of one ``plan_split`` share their simulations."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 import dynmb.planning.slicing as slicing
 from dynmb.core.config import ModelConfig, parse_bytes
@@ -20,16 +24,82 @@ SPEC = PlanSpec(method="dynamic", num_stages=2, schedule_kind="1f1b", memory_lim
                 oversize="split", recompute="auto")
 
 
-def test_weighing_is_opt_in_and_can_be_turned_on_and_off(monkeypatch):
-    assert not slicing.WEIGH_ALTERNATIVES       # off by default (its docstring says why)
+def test_weighing_is_on_by_default_and_can_be_turned_on_and_off(monkeypatch):
+    assert slicing.WEIGH_ALTERNATIVES and slicing.WEIGH_FINALISTS == 2      # on, screened, by default
     seen = []
     monkeypatch.setattr(slicing, "_weigh_alternatives", lambda job, found, cfg: seen.append(job.spec.method))
     with slicing.weighing_alternatives(False):
         plan_step(BATCH, SPEC, model_cfg=TINY)
-    assert seen == [] and not slicing.WEIGH_ALTERNATIVES
+    assert seen == [] and slicing.WEIGH_ALTERNATIVES            # back on after the block
     with slicing.weighing_alternatives():
         plan_step(BATCH, SPEC, model_cfg=TINY)
     assert seen == ["dynamic"]
+    with slicing.weighing_alternatives(finalists=None):
+        assert slicing.WEIGH_ALTERNATIVES and slicing.WEIGH_FINALISTS is None
+    assert slicing.WEIGH_FINALISTS == 2
+    with pytest.raises(ValueError, match="finalists must be None or an int >= 0"):
+        with slicing.weighing_alternatives(finalists=-1):
+            pass
+
+
+def _counted(monkeypatch) -> list[int]:
+    """Simulations made (``_SplitJob._simulate`` calls) appended to the list returned."""
+    calls: list[int] = []
+    real = slicing._SplitJob._simulate
+
+    def counted(job, plan):
+        calls.append(1)
+        return real(job, plan)
+    monkeypatch.setattr(slicing._SplitJob, "_simulate", counted)
+    return calls
+
+
+def test_screened_weighing_costs_fewer_simulations_than_the_full_weighing(monkeypatch):
+    """Screened (the default): no slower than dynamic's own search, its simulations fewer than half the full
+    weighing's; with every alternative a finalist it is never slower than the full weighing (the same whole
+    searches, and the screened candidates besides)."""
+    spec = SPEC.with_(schedule_kind="zb-h1")
+    calls = _counted(monkeypatch)
+    steps, sims = {}, {}
+    for mode, on, finalists in (("off", False, 1), ("screened", True, 1), ("full", True, None),
+                                ("all", True, len(slicing.slice_alternatives()))):
+        calls.clear()
+        with slicing.weighing_alternatives(on, finalists):
+            steps[mode] = plan_step(BATCH, spec, model_cfg=TINY)[2].makespan_s
+        sims[mode] = len(calls)
+    assert steps["screened"] <= steps["off"] and steps["all"] <= steps["full"] <= steps["screened"]
+    assert sims["off"] < sims["screened"] < sims["full"] / 2
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None)
+@given(longs=hst.lists(hst.integers(1200, 3200), min_size=1, max_size=2),
+       shorts=hst.lists(hst.integers(20, 700), min_size=4, max_size=10),
+       kind=hst.sampled_from(["1f1b", "zb-h1"]))
+def test_screened_weighing_is_never_slower_than_the_searches_it_runs(longs, shorts, kind):
+    """By construction: the screened plan is no slower than each method whose whole search it ran (``_screen``'s
+    pick, ``packed`` always), planned on its own, nor than dynamic's own sliced plan."""
+    batch = np.asarray([*longs, *shorts], dtype=np.int64)
+    spec = SPEC.with_(schedule_kind=kind)
+    picked: list[str] = []
+    real = slicing._screen
+
+    def screen(job, found, alts):
+        out = real(job, found, alts)
+        picked.extend(name for name, _ in out)
+        return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(slicing, "_screen", screen)
+        step = plan_step(batch, spec, model_cfg=TINY)[2].makespan_s
+    with slicing.weighing_alternatives(False):
+        assert step <= plan_step(batch, spec, model_cfg=TINY)[2].makespan_s * (1 + 1e-12)
+    for name in picked:
+        method, _, mbs = name.partition("/")
+        try:
+            other = plan_step(batch, spec.with_(method=method, mbs=int(mbs) if mbs else None), model_cfg=TINY)
+        except ValueError:                # that method cannot plan the batch (nor was it weighed)
+            continue
+        assert step <= other[2].makespan_s * (1 + 1e-12), name
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb"])

@@ -44,6 +44,9 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    simulator decides, as for the other choices; without room for any short sequence the
    candidate is not tried. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
+   ``dynamic`` then weighs the plain methods' sliced plans (``_weigh_alternatives``; on by default): each
+   method's short packing tried at its best candidate (``_screen``), then the whole search of the
+   ``WEIGH_FINALISTS`` fastest and of every method whose slices it cannot cut (``packed``), the fastest kept.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
    ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
    ``slice_fill``, ``longest_fitting_length``,
@@ -552,26 +555,34 @@ _SEARCHES: dict[tuple, _Search] | None = None
 _SEARCHES_MAX = 64
 
 
-WEIGH_ALTERNATIVES = False
-"""``dynamic``'s sliced plan weighs every plain method's sliced search (``_weigh_alternatives``) only within
-``weighing_alternatives()``. The memory model now prices a recomputed continued slice's backward
-(``MemoryModel.slice_recompute_coef``; the even-cut all-recomputed plan of ``tests/test_slices_dp.py``'s batch had
-measured 25,647,040 B where 25,165,073 B was predicted), but it stays off by default: with it on, the slow fp64
-2-rank job (``tests/test_fp64_grads.py``, 2 stages, 40 MiB) kept a plan whose last stage measured 42,266,064 B over
-the limit (the CPU meter's first-in-first-out charge of a chain's reversed backwards, or a term still missing: not
-yet told apart), and it costs 7-15x dynamic's own plan time (``studies/slicing/notes.md``)."""
+WEIGH_ALTERNATIVES = True
+"""``dynamic``'s sliced plan weighs the plain methods' sliced searches (``_weigh_alternatives``; on by default,
+``weighing_alternatives(False)`` turns it off). The slow fp64 2-rank job (``tests/test_fp64_grads.py``, 2 stages,
+40 MiB) measured a kept plan's last stage at 42,266,064 B over its limit with it on: a memory-model miss that
+another branch (memfix) fixes; that job is re-run at the merge."""
+
+WEIGH_FINALISTS: int | None = 2
+"""How many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``); None: every
+alternative's (the full weighing, ~7-15x dynamic's own plan time at P 8; ``studies/slicing/notes.md``)."""
+
+_KEEP = object()
 
 
 @contextlib.contextmanager
-def weighing_alternatives(on: bool = True) -> Iterator[None]:
+def weighing_alternatives(on: bool = True, finalists: object = _KEEP) -> Iterator[None]:
     """Within it ``dynamic`` weighs the plain methods' sliced searches (``on``) or not (``WEIGH_ALTERNATIVES``;
-    off by default)."""
-    global WEIGH_ALTERNATIVES
-    was, WEIGH_ALTERNATIVES = WEIGH_ALTERNATIVES, on
+    on by default); ``finalists`` (an int, or None: every alternative's whole search) sets ``WEIGH_FINALISTS``."""
+    global WEIGH_ALTERNATIVES, WEIGH_FINALISTS
+    was = WEIGH_ALTERNATIVES, WEIGH_FINALISTS
+    WEIGH_ALTERNATIVES = on
+    if finalists is not _KEEP:
+        if finalists is not None and (not isinstance(finalists, int) or finalists < 0):
+            raise ValueError(f"weighing_alternatives: finalists must be None or an int >= 0, not {finalists!r}")
+        WEIGH_FINALISTS = finalists
     try:
         yield
     finally:
-        WEIGH_ALTERNATIVES = was
+        WEIGH_ALTERNATIVES, WEIGH_FINALISTS = was
 
 
 @contextlib.contextmanager
@@ -629,12 +640,11 @@ def slice_alternatives() -> list[tuple[str, int | None]]:
     return out
 
 
-def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) -> None:
-    """``dynamic``: each plain method's whole sliced search (``slice_alternatives``; its own ``_SplitJob``, so
-    its own row, cuts and short packing, exactly the plan that method makes of the batch under the same
-    settings), its best kept where faster than ``found``'s (``meta.slice_shorts`` names it). So ``dynamic``'s
-    sliced plan is never predicted slower than those methods' (issue 39). A method that cannot plan the
-    batch (``ValueError``, ``PackingError``) is no candidate."""
+def _alternative_jobs(job: _SplitJob, model_cfg: ModelConfig) -> list[tuple[str, _SplitJob]]:
+    """(name, job) of each plain method of ``slice_alternatives`` that can plan the batch (its own ``_SplitJob``:
+    its own row, cuts and short packing; a method that refuses it, ``ValueError`` or ``PackingError``, is none),
+    sharing ``job``'s simulations."""
+    out = []
     for method, mbs in slice_alternatives():
         try:
             spec = job.spec.with_(method=method, mbs=mbs)
@@ -642,15 +652,62 @@ def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) 
                              job.make_schedule, job.threshold)
             alt.sims = job.sims                   # a candidate another method made is not simulated again
             alt.pack_short(alt.short_ids)         # the method's own refusal, as plan_split's
-            if not alt.long_ids.size:
-                continue
+        except ValueError:                        # PackingError is one: that method cannot plan the batch
+            continue
+        if alt.long_ids.size:
+            out.append((method if mbs is None else f"{method}/{mbs}", alt))
+    return out
+
+
+def _keep(found: _Search, best: tuple[float, Plan, list[Plan], list[Schedule]] | None, name: str) -> None:
+    """``best`` (an alternative's candidate) kept in ``found`` where strictly faster, ``slice_shorts`` naming it."""
+    if best is not None and (found.best is None or best[0] < found.best[0]):
+        t, plan, replicas, scheds = best
+        found.best = (t, replace(plan, meta=plan.meta.with_(slice_shorts=name)), replicas, scheds)
+
+
+def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -> list[tuple[str, _SplitJob]]:
+    """The alternatives whose whole search ``_weigh_alternatives`` runs: every one whose slices ``job`` cannot
+    cut (``packed``'s rows, another longest row), and the ``WEIGH_FINALISTS`` fastest of the rest when each
+    one's short packing is tried at ``found``'s best candidate (its slices, cuts, recomputed share, lookahead
+    and filled rows or not) with the chains first (where the plain methods' searches mostly keep them) and as
+    that candidate places them: one or two simulations each, every one a candidate of ``found`` too."""
+    if found.best is None:
+        return alts
+    meta = found.best[1].meta
+    centre = replace(_best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]))),
+                     fills=(bool(meta["slice_fill"]),))
+    centre = replace(centre, placements=tuple(dict.fromkeys(("first", *centre.placements))))
+    whole, scored = [], []
+    for i, (name, alt) in enumerate(alts):
+        if alt.spec.method == "packed" or (alt.row_cap, alt.cut) != (job.row_cap, job.cut):
+            whole.append((name, alt))
+            continue
+        tried = _Search()
+        try:
+            _try_slice_len(job, replace(centre, packer=(alt.spec.method, alt.spec.mbs)), tried)
+        except PackingError:                  # that packer cannot take the leftovers: ranked last
+            pass
+        _keep(found, tried.best, name)
+        scored.append((math.inf if tried.best is None else tried.best[0], i, name, alt))
+    scored.sort(key=lambda s: s[:2])
+    return whole + [(name, alt) for _, _, name, alt in scored[:WEIGH_FINALISTS]]
+
+
+def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) -> None:
+    """``dynamic``: plain methods' whole sliced searches (``_alternative_jobs``: exactly the plan each method
+    makes of the batch under the same settings), each one's best kept where faster than ``found``'s
+    (``meta.slice_shorts`` names it). ``WEIGH_FINALISTS`` None: every method's (never predicted slower than
+    any of them, by construction); else those ``_screen`` picks (never slower than those, by construction,
+    and than the others' short packings at ``found``'s best candidate; ``studies/slicing/notes.md`` measures
+    the rest)."""
+    alts = _alternative_jobs(job, model_cfg)
+    for name, alt in alts if WEIGH_FINALISTS is None else _screen(job, found, alts):
+        try:
             res = _search(alt)
         except ValueError:                        # PackingError is one: that method cannot plan the batch
             continue
-        if res.best is not None and (found.best is None or res.best[0] < found.best[0]):
-            t, plan, replicas, scheds = res.best
-            name = method if mbs is None else f"{method}/{mbs}"
-            found.best = (t, replace(plan, meta=plan.meta.with_(slice_shorts=name)), replicas, scheds)
+        _keep(found, res.best, name)
 
 
 def plan_split(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, *, model_cfg: ModelConfig,

@@ -4,8 +4,10 @@ planned once per mode in one process, CPU seconds (``time.process_time``) and th
 
     PYTHONPATH=$PWD nice -n 19 python3 -m studies.slicing.plantime --traces wikitext2 --models llama2-7b --stages 8
 
-Modes: ``off`` (``WEIGH_ALTERNATIVES = False``: dynamic's own search only), ``on`` (``weighing_alternatives()``, opt-in: weighed, with
-the floor pruning and shared simulations of this checkout). Run with another checkout on ``PYTHONPATH`` for its
+Modes: ``off`` (``weighing_alternatives(False)``: dynamic's own search only), ``full`` (``on`` the same:
+``weighing_alternatives(finalists=None)``, every plain method's whole sliced search weighed), ``screened`` (the default
+since the weighcost branch: every plain method's short packing tried at dynamic's best candidate, then the
+whole searches of the two fastest; ``--finalists K`` or mode ``screenedK``: the K fastest); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
 numbers; compare CPU seconds only within one run (the box's load varies).
 """
 
@@ -22,25 +24,29 @@ from studies.scaling import scaling
 from studies.slicing import longdoc
 
 
-def plan_times(trace_name: str, model: str, P: int, modes: list[str], cache: Path) -> list[dict]:
+MODES = {"off": (False, None), "full": (True, None), "on": (True, None), "screened": (True, 2)}
+"""mode -> (``WEIGH_ALTERNATIVES``, ``WEIGH_FINALISTS``); ``screened``'s finalists: ``--finalists``."""
+
+
+def plan_times(trace_name: str, model: str, P: int, modes: list[str], cache: Path, finalists: int = 2) -> list[dict]:
     """One row per mode: CPU seconds of dynamic's plan and its predicted step."""
     trace = longdoc.load(trace_name, cache)
     cfg = scaling.model_for(model, [trace])
     batch = scaling.token_batch(trace, 500_000, 1, 0)
     cfg = scaling.resolve_stage_split(cfg, P, "auto", stage_cost=scaling.ideal_cost(batch, "ib"))
-    rows, was = [], slicing.WEIGH_ALTERNATIVES
-    try:
-        for mode in modes:
-            planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(cfg, P),
-                                    schedule="auto", oversize="split", recompute="auto")
-            slicing.WEIGH_ALTERNATIVES = mode == "on"
+    rows = []
+    for mode in modes:
+        planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(cfg, P),
+                                schedule="auto", oversize="split", recompute="auto")
+        on, top = MODES[mode.rstrip("0123456789")]
+        if mode.startswith("screened"):
+            top = int(mode[len("screened"):] or finalists)
+        with slicing.weighing_alternatives(on, top):
             t0 = time.process_time()
             step = planner.plan(batch, method="dynamic")
             rows.append({"trace": trace_name, "model": model, "P": P, "mode": mode,
                          "plan_cpu_s": time.process_time() - t0, "step_s": step.sim.makespan_s,
                          "slice_shorts": step.plan.meta.get("slice_shorts")})
-    finally:
-        slicing.WEIGH_ALTERNATIVES = was
     return rows
 
 
@@ -49,13 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", default="wikitext2,longtail,pycode", help="trace names (longdoc's)")
     ap.add_argument("--models", default="llama2-7b,llama3.1-8b", help="model presets")
     ap.add_argument("--stages", default="8", help="pipeline depths P")
-    ap.add_argument("--modes", default="off,on", help="off, on (module doc)")
+    ap.add_argument("--modes", default="off,screened,full", help="off, screened, full (on: full; module doc)")
+    ap.add_argument("--finalists", type=int, default=2, help="screened: whole searches of the K fastest")
     ap.add_argument("--cache", type=Path, default=Path("results/traces"), help="where the pycode trace is cached")
     args = ap.parse_args(argv)
     for name in args.traces.split(","):
         for model in args.models.split(","):
             for P in map(int, args.stages.split(",")):
-                for r in plan_times(name, model, P, args.modes.split(","), args.cache):
+                for r in plan_times(name, model, P, args.modes.split(","), args.cache, args.finalists):
                     print(f"{r['trace']} {r['model']} P{r['P']} {r['mode']}: {r['plan_cpu_s']:.1f} CPU s, "
                           f"step {r['step_s']:.4f} s, shorts {r['slice_shorts']}", flush=True)
     return 0

@@ -50,3 +50,30 @@ def test_lookahead_help(capsys):
     with pytest.raises(SystemExit) as e:
         lookahead.main(["--help"])
     assert e.value.code == 0 and "--kinds" in capsys.readouterr().out
+
+
+def test_weighprofile_and_plantime_help(capsys):
+    from studies.slicing import plantime, weighprofile
+
+    for main, flag in ((weighprofile.main, "--finalists"), (plantime.main, "--modes")):
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0 and flag in capsys.readouterr().out
+    assert set(plantime.MODES) >= {"off", "screened", "full"}
+
+
+def test_weighprofile_parts_of_a_tiny_profile():
+    import cProfile
+    import pstats
+    import time
+
+    from studies.slicing import weighprofile
+
+    planner = dynmb.Planner(model="tiny", num_stages=2, memory_limit="16MiB", cost_model="analytic",
+                            oversize="split", recompute="auto")
+    prof = cProfile.Profile(time.process_time)
+    prof.enable()
+    planner.plan(np.array([2400, 1800, *([60, 90, 120, 30] * 4)]))
+    prof.disable()
+    parts = weighprofile.part_seconds(pstats.Stats(prof))
+    assert parts["simulate"][1] > 0 and parts["schedule build"][1] > 0 and parts["search total"][1] > 0
