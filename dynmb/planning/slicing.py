@@ -557,9 +557,9 @@ _SEARCHES_MAX = 64
 
 WEIGH_ALTERNATIVES = True
 """``dynamic``'s sliced plan weighs the plain methods' sliced searches (``_weigh_alternatives``; on by default,
-``weighing_alternatives(False)`` turns it off). The slow fp64 2-rank job (``tests/test_fp64_grads.py``, 2 stages,
-40 MiB) measured a kept plan's last stage at 42,266,064 B over its limit with it on: a memory-model miss that
-another branch (memfix) fixes; that job is re-run at the merge."""
+``weighing_alternatives(False)`` turns it off). It was opt-in while the slow fp64 2-rank job
+(``tests/test_fp64_grads.py``) measured a kept plan over its limit; the cause was the split backward's W tape keeping
+the forward's graph alive (``dynmb.runtime.splitbackward``), not this search."""
 
 WEIGH_FINALISTS: int | None = 2
 """How many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``); None: every
