@@ -62,6 +62,10 @@ from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, r
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.packing.lockstep import forgetful
+from dynmb.packing import dynapipe
+from dynmb.schedule import zerobubble
+from dynmb.timing import makespan_zb
+from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.planning.replicas import (ReplicaPrediction, make_schedule, predict_replicas, replica_schedules,
                                      replicas_of, stitch)
 from dynmb.planning.ramped import BODY_SCALES, ramped_plan
@@ -204,15 +208,24 @@ def _simulated(packed: _Packed, spec: PlanSpec,
 
 @contextlib.contextmanager
 def unremembered() -> Iterator[None]:
-    """Within it the planner and ``lockstep`` remember nothing (``REMEMBER`` off, ``lockstep.forgetful``): the
-    same plans, every schedule, simulation, fill and cost lookup made afresh (the plan time as before)."""
+    """Within it nothing a plan computes is remembered: the planner's ``REMEMBER``, ``lockstep.forgetful``, the
+    ``zb`` schedules (``zerobubble.REMEMBERED``), the zb estimate's pipelines (``makespan_zb.REMEMBERED``),
+    ``dynapipe``'s splits and ``GPUCostModel``'s cost lookups all off: the same plans, every schedule, simulation,
+    fill, split and cost lookup made afresh (the plan time as before)."""
     global REMEMBER
-    was, REMEMBER = REMEMBER, False
+    memos = [(zerobubble, "REMEMBERED"), (makespan_zb, "REMEMBERED"), (dynapipe, "REMEMBERED"),
+             (GPUCostModel, "COSTS_REMEMBERED")]
+    was = [REMEMBER, *(getattr(owner, name) for owner, name in memos)]
+    REMEMBER = False
+    for owner, name in memos:
+        setattr(owner, name, 0)
     try:
         with forgetful():
             yield
     finally:
-        REMEMBER = was
+        REMEMBER = was[0]
+        for (owner, name), value in zip(memos, was[1:]):
+            setattr(owner, name, value)
 
 
 FINAL_CHECK = 3
