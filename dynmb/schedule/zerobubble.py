@@ -72,9 +72,9 @@ Kinds:
   simulated peak stays under the limit wins. Fed the paper's profiled times (Table 9) under its ZB-2p limit ``2 p M_B``, judged by
   its cost (the longest stage span), it gives its Table 5 ZB-2p bubble rates to four digits at P 8 and
   16 (``tests/test_zb_paper.py``); without rule 4 it left a wait shorter than a ``W`` empty on every
-  cool-down step of stage 0 (at 1.5B, m 24: 0.0906 for 0.0433; 0.0877 at ZB-H2's window). Two more
-  candidates run 1F1B's windows with rule 5 (``pump``), one with ZB-H1's deferral and one with every ``W``
-  deferrable, under the limit's caps (``studies/shortdoc/schedule_gap.py``: at 24 GiB the busiest stage waits
+  cool-down step of stage 0 (at 1.5B, m 24: 0.0906 for 0.0433; 0.0877 at ZB-H2's window). Three more
+  candidates: two run 1F1B's windows with rule 5 (``pump``), one with ZB-H1's deferral and one with every ``W``
+  deferrable, and the fastest window of the second sweep with rule 4 and rule 5, under the limit's caps (``studies/shortdoc/schedule_gap.py``: at 24 GiB the busiest stage waits
   for forwards held back by stage 0's window while P2P latency stretches the gradients' return).
 
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
@@ -497,7 +497,7 @@ _ZB: dict[bytes, Schedule] = {}
 same plan for more than one candidate (its own packing and another kind's, when the two are equal)."""
 
 PUMPED = True
-"""``zb`` also weighs the two list schedules with rule 5 (``pump``; module doc); False: not (the candidates before)."""
+"""``zb`` also weighs the three list schedules with rule 5 (``pump``; module doc); False: not (the candidates before)."""
 
 REMEMBERED = 16
 """Schedules each of ``_H1``, ``_H1_UNIT`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
@@ -579,9 +579,11 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
         return lambda k: consider(_variants(inp, k, caps, "zb", order, unbounded, fill=fill))
     alphas = (0.0, *ZB_ALPHAS)
     start = _sweep_windows(num_stages, m, windows(None), alphas)        # W only in the waits they fit
-    _sweep_windows(num_stages, m, windows(objective_of(evaluate)),     # then also where critical, from the
-                   tuple(a for a in alphas if a >= start))              # fastest window up
+    fill = objective_of(evaluate)
+    critical = _sweep_windows(num_stages, m, windows(fill),             # then also where critical, from the
+                              tuple(a for a in alphas if a >= start))   # fastest window up
     if PUMPED:                                                          # forwards fill the gradients' waits
-        consider([list_schedule(inp, _inflight(num_stages, m), caps, kind="zb", backward_order=order, w_defer=defer,
-                                pump=True)[0] for defer in (list(range(num_stages)), unbounded)])
+        pumped = [(0.0, None, list(range(num_stages))), (0.0, None, unbounded), (critical, fill, unbounded)]
+        consider([list_schedule(inp, _inflight(num_stages, m, alpha), caps, kind="zb", backward_order=order,
+                                w_defer=defer, fill=how, pump=True)[0] for alpha, how, defer in pumped])
     return _remember(_ZB, key, Schedule((best or h1).ranks, num_stages, m, kind="zb"))
