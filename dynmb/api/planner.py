@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,15 @@ class PlannerInputs:
     """``virtual="auto"``: the spec's ``num_stages`` counts the GPUs; V is chosen once."""
 
 
+def embedding_last_models(models: PredictionModels, model_cfg: ModelConfig) -> PredictionModels:
+    """``models`` with the memory model's embedding states on the last rank (``MemoryModel.embedding_last``);
+    refuses a tied embedding in one line (its table is the head's, on the last stage already: nothing to move)."""
+    if model_cfg.tie_embeddings:
+        raise ValueError(f"embedding='last': model {model_cfg.name!r} ties its embedding to the LM head, which is on "
+                         f"the last stage already; use embedding='first'")
+    return replace(models, memory=models.memory.embedding_last())
+
+
 class Planner:
     """Plans global batches for one pipeline configuration; see the module docstring.
 
@@ -120,12 +129,13 @@ class Planner:
                  memory_model: MemoryModelLike | str | Path | None = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int | str = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even",
-                 workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never") -> None:
+                 workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never",
+                 embedding: str = "first") -> None:
         auto_v = str(virtual).strip() == AUTO_VIRTUAL
         spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
                         schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
                         dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
-                        slice_fitting=slice_fitting)            # the keywords' one spec (``from_spec`` takes one)
+                        slice_fitting=slice_fitting, embedding=embedding)   # the keywords' one spec (``from_spec`` takes one)
         self._setup(model, spec, PlannerInputs(cost_model=cost_model, memory_model=memory_model, device=device,
                                                stage_split=stage_split, workload=workload, global_batch=global_batch,
                                                auto_virtual=auto_v))
@@ -182,6 +192,8 @@ class Planner:
                                                     memory=inputs.memory_model, device=inputs.device, own_model=own,
                                                     who="Planner")
         """The cost and memory models every ``plan`` uses, with where they came from."""
+        if self.spec.embedding == "last":          # its states on the last rank (dynmb.schedule.embedlast)
+            self.models = embedding_last_models(self.models, self.model_cfg)
         self.cost_model, self.memory_model = self.models.cost, self.models.memory
 
     # the settings, read from the spec
