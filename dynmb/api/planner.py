@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig, model_config, parse_bytes
-from dynmb.costmodel.loader import PredictionModels, load_models, rebuilt_for_layout, shipped_cost_model_path
+from dynmb.costmodel.loader import PredictionModels, embedding_models, load_models, rebuilt_for_layout, shipped_cost_model_path
 from dynmb.core.contract import as_factory, is_factory_spec, is_family_factory, load_factory, planning_config
 from dynmb.core.planspec import PlanSpec
 from dynmb.timing.simulate import SimResult
@@ -77,15 +77,6 @@ class PlannerInputs:
     global_batch: int | None = None
     auto_virtual: bool = False
     """``virtual="auto"``: the spec's ``num_stages`` counts the GPUs; V is chosen once."""
-
-
-def embedding_last_models(models: PredictionModels, model_cfg: ModelConfig) -> PredictionModels:
-    """``models`` with the memory model's embedding states on the last rank (``MemoryModel.embedding_last``);
-    refuses a tied embedding in one line (its table is the head's, on the last stage already: nothing to move)."""
-    if model_cfg.tie_embeddings:
-        raise ValueError(f"embedding='last': model {model_cfg.name!r} ties its embedding to the LM head, which is on "
-                         f"the last stage already; use embedding='first'")
-    return replace(models, memory=models.memory.embedding_last())
 
 
 class Planner:
@@ -193,7 +184,7 @@ class Planner:
                                                     who="Planner")
         """The cost and memory models every ``plan`` uses, with where they came from."""
         if self.spec.embedding == "last":          # its states on the last rank (dynmb.schedule.embedlast)
-            self.models = embedding_last_models(self.models, self.model_cfg)
+            self.models = embedding_models(self.models, self.model_cfg, "last")
         self.cost_model, self.memory_model = self.models.cost, self.models.memory
 
     # the settings, read from the spec
