@@ -9,9 +9,9 @@ cross-stage dependencies, the P2P message where a dependency crosses ranks) hold
 
 Where the embeds go (``embed_last``), for any kind's schedule: the embed and embedding-backward ops are merged into
 the last rank's list by time, on a timeline of the schedule without them (``action_times``, the simulator's
-recurrence with the plan's costs, or unit times without costs). ``0Fm`` goes before the first op of that rank
-which ends after ``start(F of stage 0, m) - lead``: the embed is done, and sent, by the time stage 0 would start
-it, if the rank is where that timeline says; ``0Bm`` before the first op that starts at or after
+recurrence with the plan's costs, or unit times without costs). ``0Fm`` is keyed ``start(F of stage 0, m) -
+lead`` and goes before the op of that rank that runs across its key (at the key where the rank idles then): the
+embed is done, and sent, by the time stage 0 would start it, if the rank is where that timeline says; ``0Bm`` before the first op that starts at or after
 ``end(B or I of stage 0, m) + lag``, when the gradient is there. Deadlock-free for every valid schedule and any
 non-negative times: every op before ``0Fm`` on the rank started before stage 0's ``F`` of m, so none waits for it
 (the merged lists follow one topological order: the old one with each embed at its key time), and ``0Bm`` comes
@@ -89,8 +89,9 @@ def dropped(schedule: Schedule) -> Schedule:
 
 
 def _forward_slot(spans: Sequence[tuple[float, float]], key: float) -> float:
-    """The start of the first op that ends after ``key`` (the embed goes before it), or ``key`` past the last."""
+    """The start of the op that runs across ``key`` (the embed goes before it), else ``key`` itself (never later:
+    the rank may idle at ``key``, and every op after the slot must be free to wait for stage 0's forward)."""
     ends = np.array([e for _, e in spans])
     after = np.flatnonzero(ends > key)
-    return spans[int(after[0])][0] if len(after) else key
+    return min(spans[int(after[0])][0], key) if len(after) else key
 

@@ -1,0 +1,168 @@
+"""The token embedding on the last pipeline rank (``PlanSpec.embedding = "last"``, ``dynmb.schedule.embedlast``).
+
+Quick: the post-pass on every loop-placed kind (valid, deadlock-free, the plan's stages untouched, each embed
+before stage 0's forward can need it on its own rank's list), the memory model's states moved, the simulator
+charging the two messages, the refusals, and the default path unchanged. Slow, real gloo ranks: float64
+gradients against the single-process reference with ``dynamic``'s plans under 1f1b and zb (split backward) on 2
+and 4 ranks, each rank's measured peak within the predicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dynmb
+from dynmb.core.config import RunConfig, model_config
+from dynmb.core.planspec import PlanSpec
+from dynmb.core.types import Schedule
+from dynmb.memory.model import MemoryModel
+from dynmb.schedule import build_schedule, validate
+from dynmb.schedule.embedlast import dropped, embed_last, embed_rank
+from dynmb.timing.embedding import embed_times
+from dynmb.timing.simulate import simulate_costs
+
+LOOP_KINDS = ("gpipe", "1f1b", "zb-h1", "interleaved")
+
+
+def _lifted(kind: str, P: int, m: int, costs: dict[str, np.ndarray] | None = None) -> tuple[Schedule, Schedule]:
+    virtual = 2 if kind == "interleaved" else 1
+    base = build_schedule(kind, P * virtual, m, virtual=virtual)
+    return base, embed_last(base, embed_times(base, costs))
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(LOOP_KINDS), P=st.integers(2, 6), m=st.integers(1, 14), seed=st.integers(0, 99))
+def test_the_post_pass_keeps_every_kind_valid_and_the_plans_stages_as_built(kind, P, m, seed):
+    if kind == "interleaved" and m % P:
+        m = P * max(1, m // P)
+    base = build_schedule(kind, P * (2 if kind == "interleaved" else 1), m, virtual=2 if kind == "interleaved" else 1)
+    rng = np.random.default_rng(seed)
+    costs = {op: rng.uniform(0.1, 3.0, (base.num_stages, m)) for op in ("F", "B", "I", "W")}
+    for timed in (None, costs):
+        lifted = embed_last(base, embed_times(base, timed))
+        validate(lifted)                                            # complete, ordered, deadlock-free
+        assert lifted.num_stages == base.num_stages + 1
+        assert [list(r) for r in dropped(lifted).ranks] == [list(r) for r in base.ranks]
+        last = embed_rank(base)
+        own = lifted.ranks[last]
+        assert {str(a) for a in own if a.stage == 0} == {f"0{op}{j}" for op in "FB" for j in range(m)}
+        assert all(a.stage != 0 for r, acts in enumerate(lifted.ranks) if r != last for a in acts)
+        pos = {str(a): k for k, a in enumerate(own)}
+        assert all(pos[f"0F{j}"] < pos[f"{lifted.num_stages - 1}F{j}"] for j in range(m))
+
+
+def test_v_placement_is_refused_in_one_line():
+    base = build_schedule("zb-v", 4, 4, virtual=2)
+    with pytest.raises(ValueError, match="on the last rank already"):
+        embed_last(base, embed_times(base, None))
+
+
+def test_the_simulator_charges_the_embed_and_its_two_messages():
+    """Unit 1F1B on 2 ranks with P2P time c: the lifted step is at least c (the first embed's message) longer,
+    and each microbatch crosses the ring twice more."""
+    base, lifted = _lifted("1f1b", 2, 4)
+    ones = {op: np.ones((2, 4)) for op in "FB"}
+    c = 0.5
+    before = simulate_costs(base, ones, c).makespan_s
+    embed = {op: np.vstack([np.full((1, 4), 0.01), ones[op]]) for op in "FB"}
+    after = simulate_costs(lifted, embed, c)
+    assert after.makespan_s >= before + c
+    tl = after.timeline
+    first_f = tl[(tl.stage == 1) & (tl.op == "F") & (tl.mb == 0)].start_s.item()
+    assert first_f >= 0.01 + c                              # stage 0 waits for the embed and its message
+
+
+def test_the_memory_model_moves_the_embedding_states_to_the_last_stage():
+    cfg = model_config("llama-small")
+    base = MemoryModel.analytic(cfg, 4)
+    moved = base.embedding_last()
+    table = cfg.vocab_size * cfg.d_model * (2 * cfg.dtype_bytes + 8)
+    assert moved.embed_state_bytes == pytest.approx(table)
+    assert moved.state_bytes[0] == pytest.approx(base.state_bytes[0] - table)
+    assert moved.state_bytes[-1] == pytest.approx(base.state_bytes[-1] + table)
+    assert np.array_equal(moved.state_bytes[1:-1], base.state_bytes[1:-1])
+    assert moved.transient_coef[0, 1] > base.transient_coef[0, 1]     # the input gradient it sends back
+
+
+def test_a_tied_embedding_and_bad_names_are_refused():
+    tied = replace(model_config("llama-small"), tie_embeddings=True)
+    with pytest.raises(ValueError, match="ties its embedding"):
+        dynmb.Planner(model=tied, num_stages=2, memory_limit="1GiB", embedding="last")
+    with pytest.raises(ValueError, match="embedding must be first or last"):
+        PlanSpec(embedding="middle")
+
+
+def _planners(emb: str) -> dynmb.Planner:
+    cfg = replace(model_config("llama-small"), n_layers=8)
+    return dynmb.Planner(model=cfg, num_stages=4, memory_limit="160MiB", schedule="1f1b", embedding=emb)
+
+
+def test_the_default_path_is_unchanged_and_last_raises_the_first_stages_cap():
+    """``first`` plans what a planner without the setting plans (same JSON, no ``embedding`` key: the digests of
+    earlier plans hold), ``last`` plans with the embedding stage and larger microbatches at a tight limit."""
+    lengths = np.random.default_rng(1).integers(40, 300, 120)
+    cfg = replace(model_config("llama-small"), n_layers=8)
+    plain = dynmb.Planner(model=cfg, num_stages=4, memory_limit="160MiB", schedule="1f1b").plan(lengths)
+    first = _planners("first").plan(lengths)
+    assert first.plan.microbatches == plain.plan.microbatches and first.plan.spec == plain.plan.spec
+    assert '"embedding"' not in first.plan.to_json()
+    assert first.schedule.ranks == plain.schedule.ranks and first.schedule.num_stages == 4
+    assert first.sim.makespan_s == plain.sim.makespan_s
+    last = _planners("last").plan(lengths)
+    assert last.schedule.num_stages == 5 and last.plan.spec.embedding == "last"
+    assert last.plan.num_microbatches < first.plan.num_microbatches
+    assert last.sim.fits and len(last.sim.peak_bytes) == 5
+
+
+def test_run_config_json_keeps_its_form():
+    assert "embedding" not in RunConfig().to_dict()["spec"]
+    assert RunConfig(spec=PlanSpec(embedding="last")).to_dict()["spec"]["embedding"] == "last"
+
+
+# ------------------------------------------------------------------ real gloo ranks
+def _runs(out: Path, nproc: int) -> list:
+    from dynmb.runtime.spec import RunSpec
+
+    specs = []
+    for kind, fam in (("1f1b", "tiny"), ("zb", "llama-tiny"), ("1f1b", "llama-tiny"), ("zb", "tiny")):
+        model = model_config(f"{fam}:dtype=float64,n_layers={max(4, nproc)}")
+        spec = PlanSpec(method="dynamic", num_stages=nproc, schedule_kind=kind, memory_limit_bytes=256 * 2**20,
+                        embedding="last")
+        run = RunConfig(model=model, spec=spec, seed=3, steps=1, warmup=0, backend="gloo", device="cpu",
+                        timeout_s=120.0, dataset="gsm8k", global_batch=12)
+        name = f"embedlast-{kind}-{fam}-{nproc}"
+        specs.append(RunSpec.create(run, out / name, verify=True, run_id=name))
+    return specs
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fp64_gradients_and_memory_with_the_embedding_on_the_last_rank(tmp_path, nproc):
+    """Every parameter's gradient (the embedding's on the last rank) equals the one-process reference to 1e-10
+    relative; single-stage ranks within their predicted peak, the last rank (embedding + last stage) within the
+    sum of its two stages' predicted peaks; zb splits backwards."""
+    from dynmb.io.results import load_results
+    from dynmb.runtime.checks import VERIFY_RTOL_FP64
+    from dynmb.runtime.launch import launch_job
+    from dynmb.runtime.spec import JobSpec
+
+    specs = _runs(tmp_path, nproc)
+    job = launch_job(JobSpec(out_dir=str(tmp_path.resolve()), cases=tuple(specs)), nproc, quiet=True)
+    assert job.returncode == 0, job.failures
+    for spec in specs:
+        t = load_results(tmp_path / spec.run_id)
+        steps, mem, acts = t["steps"], t["memory"], t["actions"]
+        assert steps["verified"].all() and (steps["grad_rel_err"] <= VERIFY_RTOL_FP64).all(), spec.run_id
+        assert set(acts[acts.stage == 0]["rank"]) == {nproc - 1}, spec.run_id       # the embeds on the last rank
+        if "-zb-" in spec.run_id:
+            assert {"I", "W"} <= set(acts["op"]), spec.run_id
+        for rank, rows in mem.groupby("rank"):
+            assert rows["peak_bytes"].max() <= rows["pred_peak_bytes"].sum(), (spec.run_id, rank)
+            assert (rows["pred_peak_bytes"] <= rows["limit_bytes"]).all()
