@@ -110,7 +110,8 @@ def test_the_default_path_is_unchanged_and_last_raises_the_first_stages_cap():
     cfg = replace(model_config("llama-small"), n_layers=8)
     plain = dynmb.Planner(model=cfg, num_stages=4, memory_limit="160MiB", schedule="1f1b").plan(lengths)
     first = _planners("first").plan(lengths)
-    assert first.plan.microbatches == plain.plan.microbatches and first.plan.spec == plain.plan.spec
+    assert [mb.to_dict() for mb in first.plan.microbatches] == [mb.to_dict() for mb in plain.plan.microbatches]
+    assert first.plan.spec == plain.plan.spec
     assert '"embedding"' not in first.plan.to_json()
     assert first.schedule.ranks == plain.schedule.ranks and first.schedule.num_stages == 4
     assert first.sim.makespan_s == plain.sim.makespan_s
