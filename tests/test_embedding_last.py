@@ -103,9 +103,9 @@ def _planners(emb: str) -> dynmb.Planner:
     return dynmb.Planner(model=cfg, num_stages=4, memory_limit="160MiB", schedule="1f1b", embedding=emb)
 
 
-def test_the_default_path_is_unchanged_and_last_raises_the_first_stages_cap():
+def test_the_default_path_is_unchanged_and_last_plans_with_the_embedding_stage():
     """``first`` plans what a planner without the setting plans (same JSON, no ``embedding`` key: the digests of
-    earlier plans hold), ``last`` plans with the embedding stage and larger microbatches at a tight limit."""
+    earlier plans hold), ``last`` plans with the embedding stage, the first stage's states without the table."""
     lengths = np.random.default_rng(1).integers(40, 300, 120)
     cfg = replace(model_config("llama-small"), n_layers=8)
     plain = dynmb.Planner(model=cfg, num_stages=4, memory_limit="160MiB", schedule="1f1b").plan(lengths)
@@ -115,9 +115,10 @@ def test_the_default_path_is_unchanged_and_last_raises_the_first_stages_cap():
     assert '"embedding"' not in first.plan.to_json()
     assert first.schedule.ranks == plain.schedule.ranks and first.schedule.num_stages == 4
     assert first.sim.makespan_s == plain.sim.makespan_s
-    last = _planners("last").plan(lengths)
+    planner = _planners("last")
+    last = planner.plan(lengths)
     assert last.schedule.num_stages == 5 and last.plan.spec.embedding == "last"
-    assert last.plan.num_microbatches < first.plan.num_microbatches
+    assert planner.memory_model.state_bytes[0] < _planners("first").memory_model.state_bytes[0]
     assert last.sim.fits and len(last.sim.peak_bytes) == 5
 
 
