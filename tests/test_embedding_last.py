@@ -24,7 +24,7 @@ from dynmb.core.types import Schedule
 from dynmb.memory.model import MemoryModel
 from dynmb.schedule import build_schedule, validate
 from dynmb.schedule.embedlast import dropped, embed_last, embed_rank
-from dynmb.timing.embedding import embed_times
+from dynmb.timing.embedplace import embed_times
 from dynmb.timing.simulate import simulate_costs
 
 LOOP_KINDS = ("gpipe", "1f1b", "zb-h1", "interleaved")

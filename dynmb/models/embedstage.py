@@ -38,7 +38,7 @@ def schedule_stage(factory: Any, index: int, num_stages: int, embedding: str, *,
     if index == 0:                                  # the embedding alone
         stage.blocks = nn.ModuleDict()
         stage.layers, stage.units, stage.pieces = [], [], []
-        stage.embed_only = True
+        setattr(stage, "embed_only", True)
     elif index == 1:                                # the plan's stage 0 without its embedding
         for name in ("embed", "pos"):
             if hasattr(stage, name):

@@ -11,10 +11,8 @@
   are ``MemoryModel.embed_state_bytes`` (moved from the last stage's count to it: the rank's total is the same).
   The P2P messages it sends and gets back are priced like every other (``comm_times``: the simulator's
   cross-rank rule), so each microbatch pays two more messages.
-- ``embed_times``: the keys ``embed_last`` merges the embeds by: the schedule's own timeline (the simulator's
-  recurrence, ``action_times``, with the plan's costs and P2P times, or unit times without a cost model); an
-  embed keyed its own time plus one message before stage 0's forward, an embedding-backward one message after
-  stage 0's backward.
+
+Where the embeds go on the last rank's list: ``dynmb.timing.embedplace``.
 """
 
 from __future__ import annotations
@@ -24,12 +22,9 @@ from typing import Any
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
-from dynmb.core.types import Plan, Schedule
-from dynmb.schedule.embedlast import EmbedTimes, embed_rank
-from dynmb.schedule.validate import execution_order
+from dynmb.core.types import Plan
 
-__all__ = ["embed_costs", "lifted_costs", "lifted_memory", "embed_times", "HOST_BYTES_PER_S", "ID_BYTES",
-           "EMBED_OVERHEAD_S"]
+__all__ = ["embed_costs", "lifted_costs", "lifted_memory", "HOST_BYTES_PER_S", "ID_BYTES", "EMBED_OVERHEAD_S"]
 
 HOST_BYTES_PER_S = 10e9
 """Memory bandwidth of a host (CPU) cost model's embed: a few streams of DRAM copy."""
@@ -75,35 +70,3 @@ def lifted_memory(memory_model: Any, plan: Plan, arrays: tuple[Any, Any, Any, An
     state[-1] -= moved
     w = None if w is None else np.vstack([np.zeros((1, w.shape[1])), w])
     return act, tr, state, w
-
-
-def embed_times(schedule: Schedule, costs: dict[str, np.ndarray] | None, comm: Any = 0.0,
-                embed: tuple[np.ndarray, np.ndarray] | None = None) -> EmbedTimes:
-    """The keys of ``embed_last`` (module doc) from ``schedule``'s timeline: with ``costs`` (``[S, m]`` per op) and
-    ``comm`` (per microbatch) and the embeds' own ``embed`` seconds, else unit times (F = I = W = 1, B = 2)."""
-    from dynmb.timing.simulate import action_times, cross_mask      # the one recurrence (simulate imports us)
-    S, m = schedule.num_stages, schedule.num_microbatches
-    flat = execution_order(schedule)
-    if costs is None:
-        dur = np.array([1.0, 2.0, 1.0, 1.0])[flat.op]
-        comm_mb, lead = np.zeros(m), np.zeros(m)
-    else:
-        cube = np.zeros((4, S, m))
-        for k, op in enumerate("FBIW"):
-            if op in costs:
-                cube[k] = costs[op]
-        dur = cube[flat.op, flat.stage, flat.mb]
-        comm_mb = np.broadcast_to(np.asarray(comm, dtype=np.float64), (m,))
-        lead = comm_mb + (embed[0] if embed is not None else 0.0)
-    cross = np.zeros(len(dur))
-    xi = cross_mask(flat)
-    cross[xi] = comm_mb[flat.mb[xi]]
-    start, end = (np.asarray(t) for t in action_times(flat, dur, cross, schedule.num_ranks))
-    first_f = np.flatnonzero((flat.stage == 0) & (flat.op == 0))
-    first_b = np.flatnonzero((flat.stage == 0) & ((flat.op == 1) | (flat.op == 2)))
-    fkey, bkey = np.zeros(m), np.zeros(m)
-    fkey[flat.mb[first_f]] = start[first_f] - lead[flat.mb[first_f]]
-    bkey[flat.mb[first_b]] = end[first_b] + comm_mb[flat.mb[first_b]]
-    r = embed_rank(schedule)
-    own = np.arange(flat.start[r], flat.start[r + 1])
-    return EmbedTimes(fkey, bkey, list(zip(start[own].tolist(), end[own].tolist())))

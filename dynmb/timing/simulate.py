@@ -256,6 +256,13 @@ class SliceGrads(NamedTuple):
     recomputed: np.ndarray | None = None
 
 
+def _lifted_grads(grads: SliceGrads) -> SliceGrads:
+    """``grads`` with the embedding stage's row first (``dynmb.schedule.embedlast``): it holds no keys or values."""
+    def up(g: np.ndarray) -> np.ndarray:
+        return np.vstack([np.zeros((1, g.shape[1])), g])
+    return SliceGrads(up(grads.alloc), up(grads.free), None if grads.recomputed is None else up(grads.recomputed))
+
+
 def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None, w: np.ndarray | None = None,
               slice_grads: SliceGrads | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(delta, during)`` per action: the change of held bytes when it ends, and what it holds
@@ -403,8 +410,7 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
     if lift:
         costs = lifted_costs(costs, embed_costs(cost_model, plan))
         act, tr, state, w = lifted_memory(memory_model, plan, (act, tr, state, w))
-        grads = None if grads is None else SliceGrads(*(None if g is None else np.vstack([np.zeros((1, g.shape[1])), g])
-                                                        for g in grads))
+        grads = None if grads is None else _lifted_grads(grads)
     res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr,
                          w_bytes=w, slice_grads=grads)
     res.bound_s = dependency_bound(costs, comm, stage_ranks(schedule.num_stages, schedule), split_mask(schedule))
