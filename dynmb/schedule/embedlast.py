@@ -35,8 +35,12 @@ def embed_rank(schedule: Schedule) -> int:
 
 
 def is_lifted(schedule: Schedule, num_stages: int) -> bool:
-    """True when ``schedule`` carries the embedding stage for a plan of ``num_stages`` stages (module doc)."""
-    return schedule.num_stages == num_stages + 1
+    """True when ``schedule`` carries the embedding stage for a plan of ``num_stages`` stages (module doc): one
+    stage more than the plan, its stage 0 on the last stage's rank and not on stage 1's."""
+    if schedule.num_stages != num_stages + 1 or num_stages < 1:
+        return False
+    rank = schedule.stage_to_rank()
+    return rank.get(0) == rank.get(num_stages) != rank.get(1)
 
 
 def lifted(stage: int) -> int:
