@@ -63,6 +63,19 @@ def test_v_placement_is_refused_in_one_line():
         embed_last(base, embed_times(base, None))
 
 
+def test_auto_weighs_the_loop_kinds_only_and_the_check_refuses_v():
+    from dynmb.planning.spec_check import check_plan_spec
+    from dynmb.schedule.kinds import auto_kinds_for, get_kind
+
+    two = PlanSpec(num_stages=4, virtual=2, schedule_kind="auto")
+    assert any(get_kind(k).placement == "v" for k in auto_kinds_for(two))
+    kinds = auto_kinds_for(two.with_(embedding="last"))
+    assert kinds and all(get_kind(k).placement == "loop" for k in kinds)
+    with pytest.raises(ValueError, match="embedding last: the zb-v schedule"):
+        check_plan_spec(two.with_(schedule_kind="zb-v", embedding="last"))
+    check_plan_spec(two.with_(schedule_kind="interleaved", embedding="last"))
+
+
 def test_the_simulator_charges_the_embed_and_its_two_messages():
     """Unit 1F1B on 2 ranks with P2P time c: the lifted step is at least c (the first embed's message) longer,
     and each microbatch crosses the ring twice more."""
