@@ -11,11 +11,12 @@ Where the embeds go (``embed_last``), for any kind's schedule: the embed and emb
 the last rank's list by time, on a timeline of the schedule without them (``action_times``, the simulator's
 recurrence with the plan's costs, or unit times without costs). ``0Fm`` is keyed ``start(F of stage 0, m) -
 lead`` and goes before the op of that rank that runs across its key (at the key where the rank idles then): the
-embed is done, and sent, by the time stage 0 would start it, if the rank is where that timeline says; ``0Bm`` before the first op that starts at or after
-``end(B or I of stage 0, m) + lag``, when the gradient is there. Deadlock-free for every valid schedule and any
-non-negative times: every op before ``0Fm`` on the rank started before stage 0's ``F`` of m, so none waits for it
-(the merged lists follow one topological order: the old one with each embed at its key time), and ``0Bm`` comes
-after its dependency's end. Slices keep their order (stage 0's forwards in slice order, backwards reversed).
+embed is done, and sent, by the time stage 0 would start it, if the rank is where that timeline says; ``0Bm`` after
+every op that starts by ``end(B or I of stage 0, m) + lag``, when the gradient is there. Deadlock-free for every
+valid schedule and positive times: every op before ``0Fm`` on the rank started before stage 0's ``F`` of m, so none
+waits for it (the merged lists follow one topological order: the old one with each embed at its key time), and
+``0Bm`` comes after its dependency's end. One ``lead`` and one ``lag`` for every microbatch keep the keys in stage
+0's order, so slices keep theirs (forwards in slice order, backwards reversed).
 """
 
 from __future__ import annotations
