@@ -147,6 +147,15 @@ def test_the_default_path_is_unchanged_and_last_plans_with_the_embedding_stage()
     assert last.sim.fits and len(last.sim.peak_bytes) == 5
 
 
+def test_a_schedule_file_of_an_embedding_last_plan_is_refused(tmp_path, capsys):
+    from dynmb.cli.main import main
+
+    plan = _planners("last").plan(np.full(40, 100)).plan
+    plan.save(tmp_path / "plan.json")
+    assert main(["schedule", "--plan", str(tmp_path / "plan.json"), "-o", str(tmp_path / "s.csv")]) == 2
+    assert "embedding on the last rank" in capsys.readouterr().err
+
+
 def test_run_config_json_keeps_its_form():
     assert "embedding" not in RunConfig().to_dict()["spec"]
     assert RunConfig(spec=PlanSpec(embedding="last")).to_dict()["spec"]["embedding"] == "last"
