@@ -113,6 +113,10 @@ class Planner:
     seconds logged); else the min-max split. ``slice_fitting``: ``"never"`` (default) or ``"auto"``: sequences
     longer than the longest row / 2 or / 4 may be planned as chains of slices too, where the simulator predicts a
     shorter step within the limit (``dynmb.planning.slice_fitting``; with ``oversize="truncate"`` after the cut).
+    ``embedding``: ``"first"`` (default: the token embedding with stage 0, plans as ever) or ``"last"``: on the last
+    pipeline rank (``PlanSpec.embedding``, ``dynmb.schedule.embedlast``): stage 0's memory holds no table, every
+    schedule gets the embedding stage, the simulator prices its ops and messages; no ``"auto"`` (a run places its
+    embedding once: plan both and keep the faster where it matters).
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
