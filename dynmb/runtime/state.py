@@ -217,8 +217,11 @@ class RunState:
     def record(self, actions: list[ActionRow]) -> None:
         """Append one step's actions (every rank's, the same list on every rank) to the job's
         history, priced by the uncalibrated model (``raw_pred_s``, and ``comm_s``: its P2P time
-        of the action's microbatch, what the receive waits are measured against)."""
+        of the action's microbatch, what the receive waits are measured against); with the embedding on the last
+        rank the plan's stages' actions, numbered as the plan does (``dynmb.schedule.embedlast``)."""
         frame = actions_frame(actions)
+        if self.run.spec.embedding == "last":     # the plan's stages only: the embeds are priced, not calibrated
+            frame = frame[frame["stage"] > 0].assign(stage=lambda f: f["stage"] - 1)
         if not frame.empty:
             comm = self.profile_model.comm_s(frame["batch"].to_numpy(), frame["padded_len"].to_numpy())
             self.history.append(CalibrationStep(self.spec.run_id, frame.assign(pred_s=frame["raw_pred_s"], comm_s=comm)))
