@@ -27,7 +27,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig, model_config, parse_bytes
-from dynmb.costmodel.loader import PredictionModels, load_models, rebuilt_for_layout, shipped_cost_model_path
+from dynmb.costmodel.loader import PredictionModels, embedding_models, load_models, rebuilt_for_layout, shipped_cost_model_path
 from dynmb.core.contract import as_factory, is_factory_spec, is_family_factory, load_factory, planning_config
 from dynmb.core.planspec import PlanSpec
 from dynmb.timing.simulate import SimResult
@@ -113,6 +113,10 @@ class Planner:
     seconds logged); else the min-max split. ``slice_fitting``: ``"never"`` (default) or ``"auto"``: sequences
     longer than the longest row / 2 or / 4 may be planned as chains of slices too, where the simulator predicts a
     shorter step within the limit (``dynmb.planning.slice_fitting``; with ``oversize="truncate"`` after the cut).
+    ``embedding``: ``"first"`` (default: the token embedding with stage 0, plans as ever) or ``"last"``: on the last
+    pipeline rank (``PlanSpec.embedding``, ``dynmb.schedule.embedlast``): stage 0's memory holds no table, every
+    schedule gets the embedding stage, the simulator prices its ops and messages; no ``"auto"`` (a run places its
+    embedding once: plan both and keep the faster where it matters).
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
@@ -120,12 +124,13 @@ class Planner:
                  memory_model: MemoryModelLike | str | Path | None = None, schedule: str = "1f1b", round_to: int = 1,
                  dp: int = 1, virtual: int | str = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even",
-                 workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never") -> None:
+                 workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never",
+                 embedding: str = "first") -> None:
         auto_v = str(virtual).strip() == AUTO_VIRTUAL
         spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
                         schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
                         dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
-                        slice_fitting=slice_fitting)            # the keywords' one spec (``from_spec`` takes one)
+                        slice_fitting=slice_fitting, embedding=embedding)   # the keywords' one spec (``from_spec`` takes one)
         self._setup(model, spec, PlannerInputs(cost_model=cost_model, memory_model=memory_model, device=device,
                                                stage_split=stage_split, workload=workload, global_batch=global_batch,
                                                auto_virtual=auto_v))
@@ -182,6 +187,8 @@ class Planner:
                                                     memory=inputs.memory_model, device=inputs.device, own_model=own,
                                                     who="Planner")
         """The cost and memory models every ``plan`` uses, with where they came from."""
+        if self.spec.embedding == "last":          # its states on the last rank (dynmb.schedule.embedlast)
+            self.models = embedding_models(self.models, self.model_cfg, "last")
         self.cost_model, self.memory_model = self.models.cost, self.models.memory
 
     # the settings, read from the spec

@@ -190,7 +190,8 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
     meta, spec = plan.meta, plan.spec
     virtual = int(sidecar.get("virtual") or _planned_virtual(plan) or args.virtual or 1)
     recorded: dict[str, Any] = {} if spec is None else {          # older plans: the defaults
-        "oversize": spec.oversize, "recompute": spec.recompute, "slice_fitting": spec.slice_fitting}
+        "oversize": spec.oversize, "recompute": spec.recompute, "slice_fitting": spec.slice_fitting,
+        "embedding": spec.embedding}
     run_spec = spec_from_flags(argparse.Namespace(), method=plan.method, stages=plan.num_stages, virtual=virtual,
                                schedule=kind, reorder=str(sidecar.get("reorder") or meta.get("reorder") or "none"),
                                memory_limit=int(plan.memory_limit_bytes), dp=plan.dp, mbs=meta.get("mbs"),

@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         get_kind(args.schedule)             # an unknown kind: its one line, before any note on the plan
     plan = Plan.load(args.plan, allow_over_limit=args.allow_over_limit)
     source_digest = plan.digest()
+    if plan.spec is not None and plan.spec.embedding == "last":
+        raise ValueError(f"{args.plan} puts the embedding on the last rank (--embedding last): its schedule runs on "
+                         f"`dynmb run` only (torch.distributed.pipelining embeds in stage 0); `dynmb run --plan` it")
     if plan.dp > 1:
         raise ValueError(f"{args.plan} holds {plan.dp} data-parallel pipelines; `dynmb schedule` takes a "
                          f"one-pipeline plan (plan with --dp 1, or use `dynmb run`, which schedules each replica)")

@@ -406,7 +406,8 @@ class RunConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict, the spec's as ``PlanSpec.to_dict`` writes them."""
+        return {**asdict(self), "spec": self.spec.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["PlanSpec", "ATTENTION_KINDS", "OVERSIZE_POLICIES", "RECOMPUTE_MODES", "SLICE_FITTING"]
+__all__ = ["PlanSpec", "ATTENTION_KINDS", "EMBEDDING_PLACES", "OVERSIZE_POLICIES", "RECOMPUTE_MODES", "SLICE_FITTING"]
 
 ATTENTION_KINDS = ("auto", "dense")
 """``ModelConfig.attention`` values: causal/document-causal without a mask tensor, or the dense mask."""
@@ -29,6 +29,8 @@ RECOMPUTE_MODES = ("never", "always", "auto")
 """Per-microbatch activation recomputation."""
 SLICE_FITTING = ("never", "auto")
 """Whether sequences that fit may be sliced too (``dynmb.planning.slice_fitting``)."""
+EMBEDDING_PLACES = ("first", "last")
+"""Which pipeline rank holds the token embedding (``dynmb.schedule.embedlast``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +69,12 @@ class PlanSpec:
     """Slices of sequences that fit: never (only ``oversize="split"`` slices, what does not fit), or auto (the
     planner also tries slicing every sequence longer than the longest row / 2 or / 4 and keeps the fastest
     predicted plan within the limit: ``dynmb.planning.slice_fitting``)."""
+    embedding: str = "first"
+    """Where the token embedding (lookup, weight, gradient, optimizer states) lives: ``first`` (with stage 0, as
+    always: the default, plans and gradients unchanged) or ``last``: on the last pipeline rank, which embeds each
+    microbatch, sends the hidden state to stage 0 and takes stage 0's input gradient back for the embedding's
+    weight gradient (``dynmb.schedule.embedlast``); stage 0 then holds blocks only, so its states shrink by the
+    table's. Not with a tied embedding nor the V placement (there the last stage is on rank 0 already)."""
 
     def __post_init__(self) -> None:
         for name in ("method", "schedule_kind", "reorder"):
@@ -88,6 +96,10 @@ class PlanSpec:
             raise ValueError(f"recompute must be never, always or auto, got {self.recompute!r}")
         if self.slice_fitting not in SLICE_FITTING:
             raise ValueError(f"slice_fitting must be never or auto, got {self.slice_fitting!r}")
+        if self.embedding not in EMBEDDING_PLACES:
+            raise ValueError(f"embedding must be first or last, got {self.embedding!r}")
+        if self.embedding == "last" and self.num_stages // self.virtual < 2:
+            raise ValueError("embedding='last' needs at least 2 pipeline ranks")
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {self.attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
 
@@ -101,7 +113,11 @@ class PlanSpec:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict; ``embedding`` only where it is not ``first`` (plans keep their JSON and digest)."""
+        out = asdict(self)
+        if out["embedding"] == "first":
+            del out["embedding"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PlanSpec":

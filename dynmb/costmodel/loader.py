@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -37,7 +37,7 @@ from dynmb.costmodel.base import CostModel, CostModelLike
 from dynmb.costmodel.standin import warn_stand_ins
 from dynmb.memory.model import MemoryModel, MemoryModelLike, get_memory_model
 
-__all__ = ["Models", "PredictionModels", "load_models", "shipped_cost_model_path", "model_digest", "models_record",
+__all__ = ["Models", "PredictionModels", "load_models", "embedding_models", "shipped_cost_model_path", "model_digest", "models_record",
            "refit_version", "is_calibrated", "check_plan_models", "STAND_IN"]
 
 log = logging.getLogger(__name__)
@@ -211,3 +211,16 @@ def load_models(model_cfg: ModelConfig, num_stages: int, *, cost: Any = None, me
     if models.stand_ins:
         warn_stand_ins(model_cfg, int(num_stages), models.stand_ins, who=who, stacklevel=4)  # at who's caller
     return models
+
+
+def embedding_models(models: PredictionModels, model_cfg: ModelConfig, embedding: str) -> PredictionModels:
+    """``models`` as planned with the token embedding at ``embedding`` (``PlanSpec.embedding``): ``last`` moves the
+    memory model's embedding states to the last rank (``MemoryModel.embedding_last``) and refuses a tied embedding in
+    one line (its table is the head's, on the last stage already); ``first``: ``models`` themselves."""
+    if embedding != "last":
+        return models
+    if model_cfg.tie_embeddings:
+        raise ValueError(f"embedding='last': model {model_cfg.name!r} ties its embedding to the LM head, which is on "
+                         f"the last stage already; use embedding='first'")
+    return replace(models, memory=models.memory.embedding_last())
+

@@ -55,6 +55,7 @@ the term predicted 25,165,073 B (its replica 0: 24,664,827 B).
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -193,6 +194,31 @@ class MemoryModel:
                            self.rc_transient_coef, optimizer=self.optimizer, source=f"{self.source}+recompute",
                            report=self.report)
         view.rc_act_coef, view.rc_transient_coef, view.w_coef = self.rc_act_coef, self.rc_transient_coef, 0 * self.w_coef
+        return view
+
+    embed_state_bytes: float = 0.0
+    """The token embedding's states (``embedding_last``: counted in the last stage's ``state_bytes``), else 0."""
+
+    def embedding_last(self) -> "MemoryModel":
+        """This model with the token embedding on the last rank (``PlanSpec.embedding = "last"``,
+        ``dynmb.schedule.embedlast``): its states (the first stage's, in proportion of its parameters: exact for the
+        analytic count) move to the last stage, whose rank holds them (``embed_state_bytes``), and the first stage
+        adds the input gradient it now sends back to its transient bytes. The embeds keep nothing from their
+        forward to their backward (the runtime redoes the lookup there): their bytes are the simulator's
+        (``dynmb.timing.embedding``)."""
+        if self.embed_state_bytes:
+            return self
+        cfg, P, e = self.model_cfg, self.num_stages, self.model_cfg.dtype_bytes
+        table = cfg.vocab_size * cfg.d_model + (cfg.max_seq_len * cfg.d_model if cfg.learned_positions else 0)
+        moved = float(self.state_bytes[0]) * table / cfg.stage_params(0, P)
+        state, tr = self.state_bytes.copy(), self.transient_coef.copy()
+        state[0] -= moved
+        state[-1] += moved
+        tr[0, 1] += cfg.d_model * e                    # the input gradient sent back to the embedding
+        view = copy.copy(self)
+        view.state_bytes, view.transient_coef = state, tr
+        view.rc_transient_coef = self.rc_transient_coef + (tr - self.transient_coef)
+        view.embed_state_bytes, view.source = moved, f"{self.source}, embedding last"
         return view
 
     # --- queries ------------------------------------------------------------

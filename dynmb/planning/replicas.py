@@ -30,7 +30,10 @@ from dynmb.core.predictions import Predictions
 from dynmb.schedule import build_schedule, validate
 from dynmb.schedule.kinds import get_kind, resolve_kind, slice_kinds
 from dynmb.schedule.order import ChainOrder
-from dynmb.timing.simulate import SimResult, memory_inputs, simulate
+from dynmb.schedule.embedlast import embed_last
+from dynmb.timing.embedding import embed_costs
+from dynmb.timing.embedplace import embed_times
+from dynmb.timing.simulate import SimResult, comm_times, memory_inputs, plan_op_costs, simulate
 from dynmb.core.types import Microbatch, Plan, Schedule
 from dynmb.planning.zerobubble import zb_evaluator, zb_inputs
 
@@ -67,7 +70,20 @@ def make_schedule(plan: Plan, kind: str, *, virtual: int = 1,
         inputs["evaluate"] = zb_evaluator(plan, models, inputs["zb_inputs"])
     sched = build_schedule(kind, plan.num_stages, plan.num_microbatches, **inputs)
     validate(sched, plan)
+    if plan.spec is not None and plan.spec.embedding == "last":
+        sched = embedding_on_last_rank(sched, plan, models)
+        validate(sched, plan)
     return sched
+
+
+def embedding_on_last_rank(schedule: Schedule, plan: Plan, models: Models[MemoryModelLike | None] | None) -> Schedule:
+    """``schedule`` with the embedding stage on the last rank (``dynmb.schedule.embedlast``), its ops merged by
+    the schedule's timeline with ``models'`` costs (unit times without them, ``dynmb.timing.embedplace``)."""
+    if models is None:
+        return embed_last(schedule, embed_times(schedule, None))
+    costs = plan_op_costs(models.cost, plan, schedule)
+    return embed_last(schedule, embed_times(schedule, costs, comm_times(models.cost, plan),
+                                            embed_costs(models.cost, plan)))
 
 
 def replica_of(plan: Plan, r: int) -> Plan:

@@ -83,6 +83,9 @@ def check_plan_spec(spec: PlanSpec, model_cfg: ModelConfig | None = None,
             among = f" (auto with --virtual {spec.virtual}: none of the kinds it weighs)" if kind == AUTO else ""
             raise ValueError(f"--oversize split: the {kind} schedule{among} cannot run slices of long sequences; "
                              f"slices run on {' or '.join(slice_kinds()) or 'no registered kind'}")
+    if spec.embedding == "last" and rec is not None and rec.placement != "loop":
+        raise ValueError(f"--embedding last: the {kind} schedule's {rec.placement} placement holds the last stage on "
+                         f"rank 0 with the first; the embedding is there already (use --embedding first)")
     if (refusal := mbs_refusal(spec)) is not None:
         raise ValueError(refusal)
     if (refusal := lockstep_refusal(spec)) is not None:

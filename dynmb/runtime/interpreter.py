@@ -14,6 +14,10 @@ For each action in the rank's list, in order:
   (``dynmb.runtime.splitbackward.record_linears``). The last stage's output is the summed cross-entropy of
   the microbatch, scaled by ``loss_scale`` = 1 / real tokens of the whole global
   batch over all DP replicas, so gradients equal the single-process mean loss.
+- With the embedding on the last rank (``ActionContext.num_stages`` one more than the plan's) the schedule's stage
+  0 is the embedding alone (``dynmb.models.embedstage``): its ``F`` embeds without a graph (it keeps nothing) and
+  sends the hidden state on; its ``B`` receives the gradient, redoes the lookup and back-propagates it into the
+  table's gradient.
 - ``sBm`` (backward): the last stage back-propagates its scaled loss; others
   receive ``("grad", s, m)`` and call ``torch.autograd.backward(output, grad)``.
   The input's gradient goes back to stage ``s - 1`` and both tensors are freed.
@@ -52,6 +56,7 @@ from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 
+from dynmb.models.embedstage import is_embed_only
 from dynmb.models.prefix import PrefixStore
 from dynmb.runtime.comm import P2P
 from dynmb.runtime.device import Clock
@@ -98,6 +103,14 @@ class ActionContext:
     meter: Any = None
     on_action: Callable[[int, Action], None] | None = None
     prefix: PrefixStore | None = None
+    num_stages: int | None = None
+    """The schedule's stages (None: the plan's); one more with the embedding on the last rank, whose stage 0 is
+    the embedding alone (``dynmb.models.embedstage``)."""
+
+    @property
+    def last_stage(self) -> int:
+        """The schedule's last stage, the one that returns the loss."""
+        return (self.plan.num_stages if self.num_stages is None else self.num_stages) - 1
 
 
 @dataclass
@@ -124,7 +137,7 @@ def _saving(ctx: ActionContext, stage: int) -> Any:
 def _forward(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
     """``sFm``: receive (or embed), run the stage, keep (input, output), send the output on."""
     s, m = a.stage, a.mb
-    mod, last = ctx.stages[s], ctx.plan.num_stages - 1
+    mod, last = ctx.stages[s], ctx.last_stage
     # a forward's inputs (token ids, the attention mask) are built before the receive: the
     # work is neither wait nor the stage's compute, and it runs while the peer may still be busy
     inp = ctx.inputs(m)
@@ -136,11 +149,12 @@ def _forward(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
     t_start, cpu_start = ctx.clock.mark(), ctx.clock.cpu()
     saving = _saving(ctx, s)
     record = record_linears(mod) if (s, m) in st.split and not st.recompute[m] else nullcontext()
-    with saving, record as tape:
-        out = mod(x, inp, recompute=True) if st.recompute[m] else mod(x, inp)
+    embed_only = is_embed_only(mod)           # the embedding stage keeps nothing: its backward redoes the lookup
+    with saving, record as tape, torch.no_grad() if embed_only else nullcontext():
+        out = mod(x, inp, recompute=True) if st.recompute[m] and not embed_only else mod(x, inp)
         if s == last:
             out = out * ctx.loss_scale
-    st.saved[(s, m)] = (x, out)
+    st.saved[(s, m)] = (x, out if not embed_only else out.new_empty(0))
     if ctx.meter is not None and x is not None:
         ctx.meter.hold([x], s)           # held to its backward: not always saved (a piece's bucketed h)
     st.tapes[(s, m)] = tape
@@ -182,10 +196,12 @@ def _backward(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
     x, out = st.saved.pop((s, m))
     tape = st.tapes.pop((s, m), None)
     grad = None
-    if s < ctx.plan.num_stages - 1:
+    if s < ctx.last_stage:
         grad, _ = ctx.p2p.recv("grad", s, m)
     t_start, cpu_start = ctx.clock.mark(), ctx.clock.cpu()
     with _saving(ctx, s):
+        if is_embed_only(ctx.stages[s]):
+            out = ctx.stages[s](None, ctx.inputs(m))      # the lookup again (its forward kept nothing)
         dx = _input_gradient(ctx, a, st.sliced[m], (x, out), grad, tape)
     if s > 0:
         assert dx is not None

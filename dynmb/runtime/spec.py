@@ -64,7 +64,7 @@ from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import RunConfig
 from dynmb.data import TokenFile, check_vocab, load_trace, sample_indices
 from dynmb.memory.model import get_memory_model
-from dynmb.costmodel.loader import PredictionModels, check_plan_models, load_models
+from dynmb.costmodel.loader import PredictionModels, check_plan_models, embedding_models, load_models
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.io.results import run_ids_in
 from dynmb.schedule import ScheduleError, from_csv, validate
@@ -213,9 +213,10 @@ class RunSpec:
         """The run's cost and memory models, through the one loader (``dynmb.costmodel.loader.load_models``:
         the run's files, else the fit shipped for its model, stages and device, else the stand-ins)."""
         run = self.run
-        return load_models(run.model, run.spec.num_stages, cost=run.cost_model, memory=self.memory_model,
-                           device=run.device, virtual=run.spec.virtual, own_model=self.model_factory is not None,
-                           who=who)
+        models = load_models(run.model, run.spec.num_stages, cost=run.cost_model, memory=self.memory_model,
+                             device=run.device, virtual=run.spec.virtual, own_model=self.model_factory is not None,
+                             who=who)
+        return embedding_models(models, run.model, run.spec.embedding)
 
     def check(self) -> None:
         """Check what can be checked before torchrun starts (see the module docstring)."""

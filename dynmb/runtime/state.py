@@ -41,6 +41,7 @@ from dynmb.costmodel.refit import job_refit
 from dynmb.data import load_trace, sample_indices
 from dynmb.costmodel.standin import suppress_stand_in_warnings
 from dynmb.memory.model import MemoryModel
+from dynmb.models.embedstage import schedule_stage
 from dynmb.models.inputs import corpus_tokens
 from dynmb.models import hidden_shape, make_inputs, synthetic_tokens, torch_dtype
 from dynmb.planning import plan_step, predict_replicas, replica_schedules, replicas_of
@@ -127,7 +128,7 @@ class RunState:
             if run.plan_ahead and self.fixed is None else None
         if self.ahead is not None:       # the planner processes start while the stages are built
             self.ahead.submit_through(self.ahead.window, self.cost_model)
-        self.stages = {s: self.factory.build_stage(s, num_stages, seed=run.seed, device=device)
+        self.stages = {s: schedule_stage(self.factory, s, num_stages, run.spec.embedding, seed=run.seed, device=device)
                        for s in self.topology.local_stages}
         if dist.get_world_size() > 1:    # a slow or stuck factory names its rank, not the one waiting for it
             wait_for_ranks(job_store(), f"{spec.run_id}/stages", self.rank, dist.get_world_size(), run.timeout_s,
@@ -216,8 +217,11 @@ class RunState:
     def record(self, actions: list[ActionRow]) -> None:
         """Append one step's actions (every rank's, the same list on every rank) to the job's
         history, priced by the uncalibrated model (``raw_pred_s``, and ``comm_s``: its P2P time
-        of the action's microbatch, what the receive waits are measured against)."""
+        of the action's microbatch, what the receive waits are measured against); with the embedding on the last
+        rank the plan's stages' actions, numbered as the plan does (``dynmb.schedule.embedlast``)."""
         frame = actions_frame(actions)
+        if self.run.spec.embedding == "last":     # the plan's stages only: the embeds are priced, not calibrated
+            frame = frame[frame["stage"] > 0].assign(stage=lambda f: f["stage"] - 1)
         if not frame.empty:
             comm = self.profile_model.comm_s(frame["batch"].to_numpy(), frame["padded_len"].to_numpy())
             self.history.append(CalibrationStep(self.spec.run_id, frame.assign(pred_s=frame["raw_pred_s"], comm_s=comm)))
@@ -273,8 +277,9 @@ def prewarm(state: RunState) -> int:
             microbatch = replace(microbatch, offsets=None, continued=None)  # type: ignore[arg-type]
         inputs = make_inputs(microbatch, tokens, cfg=run.model, device=state.device)
         for s, stage in state.stages.items():
-            x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model, s - 1,
-                                                                     run.spec.num_stages),
+            sender = s - 1 - (run.spec.embedding == "last")         # the plan's stage that sends to it
+            x = None if stage.is_first else torch.randn(hidden_shape(microbatch, run.model, sender if sender >= 0
+                                                                     else None, run.spec.num_stages),
                                                         dtype=torch_dtype(run.model), device=state.device,
                                                         requires_grad=True)
             y = stage(x, inputs)

@@ -50,6 +50,8 @@ from dynmb.runtime.interpreter import ActionContext, ActionTiming, run_actions
 from dynmb.runtime.records import ActionRow, MemoryRow, StepReport
 from dynmb.runtime.state import RunState
 from dynmb.core.types import Action, Plan, Schedule
+from dynmb.schedule.embedlast import is_lifted
+from dynmb.timing.embedding import embed_costs, lifted_costs
 
 __all__ = ["run_step"]
 
@@ -60,9 +62,10 @@ class _InputCache:
     assumes, instead of every microbatch's inputs for the whole step."""
 
     def __init__(self, plan: Plan, actions: Sequence[Action], tokens: list[torch.Tensor], state: RunState,
-                 prefix: PrefixStore | None) -> None:
+                 prefix: PrefixStore | None, embeds: bool = False) -> None:
         self.plan, self.tokens, self.state, self.prefix = plan, tokens, state, prefix
-        self.uses = Counter(a.mb for a in actions if a.op == "F")
+        # ``embeds``: the schedule's stage 0 is the embedding, whose backward redoes its lookup from the inputs
+        self.uses = Counter(a.mb for a in actions if a.op == "F" or (embeds and a.stage == 0))
         self.cache: dict[int, MicrobatchInputs] = {}
 
     def __call__(self, mb: int) -> MicrobatchInputs:
@@ -97,10 +100,14 @@ def _sum_gradients(state: RunState) -> dict[str, torch.Tensor]:
 
 
 def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTiming],
-                 start_mark: object) -> tuple[list[ActionRow], float]:
-    """One row per timed action and this rank's busy seconds."""
+                 start_mark: object, lift: bool = False) -> tuple[list[ActionRow], float]:
+    """One row per timed action and this rank's busy seconds (``lift``: the schedule's stage 0 is the embedding's,
+    priced by ``dynmb.timing.embedding``)."""
     costs = state.cost_model.plan_costs(plan, ops=("F", "B", "I", "W"))
     raw = state.profile_model.plan_costs(plan, ops=("F", "B", "I", "W"))
+    if lift:
+        costs = lifted_costs(costs, embed_costs(state.cost_model, plan))
+        raw = lifted_costs(raw, embed_costs(state.profile_model, plan))
     rows, busy_s = [], 0.0
     for timing in timings:
         action, mb = timing.action, plan.microbatches[timing.action.mb]
@@ -162,8 +169,10 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     weights = gather_weights(full_tensors(state.params), state.groups.pipeline, topology.pipeline_size) \
         if state.spec.verify else None
     actions = schedule.ranks[topology.pp_index]
+    lift = int(is_lifted(schedule, replica.num_stages))     # the embedding stage first (dynmb.schedule.embedlast)
     p2p = P2P(schedule, topology.pp_index, topology.pipeline_ranks(), state.groups.pairs,
-              lambda mb, sender: hidden_shape(replica.microbatches[mb], run.model, sender, pipeline.num_stages),
+              lambda mb, sender: hidden_shape(replica.microbatches[mb], run.model, sender - lift if sender >= lift
+                                              else None, pipeline.num_stages),
               dtype=torch_dtype(run.model),
               device=device)
     state.meter.reset_step()     # also the allocator's peak counters
@@ -174,9 +183,9 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
         begin_step(state.stages.values())      # weights gathered once, gradient sync off
     prefix = PrefixStore() if replica.has_slices else None
     timings, loss = run_actions(actions, ActionContext(
-        stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix),
+        stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix, bool(lift)),
         p2p=p2p, prefix=prefix,
-        loss_scale=1.0 / plan.real_tokens, clock=state.clock, meter=state.meter,
+        loss_scale=1.0 / plan.real_tokens, clock=state.clock, meter=state.meter, num_stages=schedule.num_stages,
         on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions)))
     p2p.finish()
     if state.sharded:
@@ -191,7 +200,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     dist.barrier()
     step_s = time.perf_counter() - t0
 
-    action_rows, busy_s = _action_rows(state, step, replica, timings, start_mark)
+    action_rows, busy_s = _action_rows(state, step, replica, timings, start_mark, bool(lift))
     memory_rows = _memory_rows(state, step, plan)
     problems = memory_problems(memory_rows, allow_over_limit=state.spec.allow_over_limit)
     grad_rel_err = None

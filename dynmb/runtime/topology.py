@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dynmb.core.config import RunConfig
 from dynmb.runtime.comm import make_pair_groups
 from dynmb.schedule.kinds import AUTO, auto_placement, get_kind
+from dynmb.schedule.embedlast import lifted
 from dynmb.schedule.vshape import placement_rank
 
 __all__ = ["Topology", "ProcessGroups", "make_process_groups"]
@@ -43,6 +44,9 @@ class Topology:
     """This process's global rank."""
     placement: str = "loop"
     """Stage -> pipeline rank rule (``dynmb.schedule.vshape.placement_rank``): loop or v."""
+    embedding: str = "first"
+    """``PlanSpec.embedding``: ``last`` adds the embedding stage on the last stage's rank and numbers the stages as
+    the schedule does (``dynmb.schedule.embedlast``: the plan's stage ``s`` is ``s + 1``)."""
 
     def __post_init__(self) -> None:
         if self.num_stages % self.pipeline_size:
@@ -59,7 +63,7 @@ class Topology:
                              f"{pipeline.num_stages} / virtual {pipeline.virtual}) x dp {run.spec.dp}")
         placement = auto_placement(run.plan_spec) if pipeline.schedule_kind == AUTO else get_kind(pipeline.schedule_kind).placement
         return cls(num_stages=pipeline.num_stages, pipeline_size=pipeline.num_ranks, dp_size=run.spec.dp, rank=rank,
-                   placement=placement)
+                   placement=placement, embedding=run.spec.embedding)
 
     @property
     def world_size(self) -> int:
@@ -77,10 +81,15 @@ class Topology:
 
     @property
     def local_stages(self) -> tuple[int, ...]:
-        """The stages this rank holds."""
+        """The stages this rank holds, numbered as its schedule does (with the embedding last: its stage 0 on the
+        last stage's rank, every plan stage one up)."""
         virtual = self.num_stages // self.pipeline_size
-        return tuple(s for s in range(self.num_stages)
-                     if placement_rank(s, self.num_stages, virtual, self.placement) == self.pp_index)
+        plain = [s for s in range(self.num_stages)
+                 if placement_rank(s, self.num_stages, virtual, self.placement) == self.pp_index]
+        if self.embedding != "last":
+            return tuple(plain)
+        embeds = placement_rank(self.num_stages - 1, self.num_stages, virtual, self.placement) == self.pp_index
+        return tuple([0] * embeds + [lifted(s) for s in plain])
 
     def pipeline_ranks(self, dp_index: int | None = None) -> list[int]:
         """Global ranks of replica ``dp_index`` (default: this rank's), by pipeline index."""

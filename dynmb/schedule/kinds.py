@@ -254,7 +254,7 @@ AUTO_PLACEMENTS = ("v", "loop")
 was 4-15% faster than interleaved in 12 of 12 simulated cells, docs/design.md), else the loop placement."""
 
 
-def auto_kinds(virtual: int = 1, slices: bool = False) -> tuple[str, ...]:
+def auto_kinds(virtual: int = 1, slices: bool = False, placements: tuple[str, ...] = AUTO_PLACEMENTS) -> tuple[str, ...]:
     """The kinds ``auto`` weighs, in registration order (ties go to the first): the registered kinds
     with ``auto`` that take ``virtual`` chunks per rank (with ``virtual`` > 1 a rank holds several
     model chunks, which only kinds with ``virtual_stages`` run, a kind of fixed ``chunks`` only that many;
@@ -262,18 +262,21 @@ def auto_kinds(virtual: int = 1, slices: bool = False) -> tuple[str, ...]:
     slices of long sequences (``slices``; ``auto_kinds_for`` reads it from the settings), run them; of those,
     the kinds of ONE placement, the first of ``AUTO_PLACEMENTS`` any of them has: a run places its stages
     once (``dynmb.runtime.topology``), so ``auto`` never changes placement from step to step. At ``virtual``
-    2 without slices that is ``zb-v`` (V placement), else the loop kinds (1f1b, zb-h1, zb; interleaved)."""
+    2 without slices that is ``zb-v`` (V placement), else the loop kinds (1f1b, zb-h1, zb; interleaved).
+    ``placements``: those allowed, first first (the embedding on the last rank: the loop placement only)."""
     kinds = [(k, v) for k, v in _REGISTRY.items() if v.auto and v.virtual_stages == (virtual > 1)
              and (v.chunks is None or v.chunks == virtual) and (v.slices or not slices)]
-    placements = [p for p in AUTO_PLACEMENTS if any(v.placement == p for _, v in kinds)]
-    return tuple(k for k, v in kinds if placements and v.placement == placements[0])
+    held = [p for p in placements if any(v.placement == p for _, v in kinds)]
+    return tuple(k for k, v in kinds if held and v.placement == held[0])
 
 
 def auto_kinds_for(spec: Any) -> tuple[str, ...]:
     """``auto_kinds`` of the settings ``spec`` (a ``PlanSpec``): its ``virtual``, and slices wherever its steps
-    may hold them (``oversize="split"`` or ``slice_fitting="auto"``), the same kinds for every step of a run."""
+    may hold them (``oversize="split"`` or ``slice_fitting="auto"``), the same kinds for every step of a run; with
+    the embedding on the last rank (``embedding="last"``) the loop placement's only (V puts the last stage on rank 0)."""
     may_slice = spec.oversize == "split" or getattr(spec, "slice_fitting", "never") != "never"
-    return auto_kinds(spec.virtual, slices=may_slice)
+    loop_only = getattr(spec, "embedding", "first") == "last"
+    return auto_kinds(spec.virtual, slices=may_slice, placements=("loop",) if loop_only else AUTO_PLACEMENTS)
 
 
 def auto_placement(spec: Any) -> str:

@@ -81,12 +81,13 @@ model, ``ideal_s`` from the cost model, and ``gap_to_bound = step_s / bound_s - 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.core.types import Plan, Schedule
+from dynmb.schedule.embedlast import dropped, is_lifted
 
 __all__ = ["RankTerms", "dependency_terms", "ideal_terms", "replica_bound_terms", "dependency_bound", "ideal_bound",
            "plan_bound", "plan_ideal", "plan_bounds", "stage_ranks", "split_mask", "plan_lengths_pieces",
@@ -354,8 +355,27 @@ def step_bound_fields(plan: Plan, schedule: Schedule | None, cost_model: CostMod
     """A step's ``steps`` columns (``BOUND_COLUMNS``; module doc): ``bound_s`` on the measured
     action times of every replica (None when some were not measured), ``pred_bound_s`` and
     ``ideal_s`` from ``cost_model``, ``gap_to_bound = step_s / bound_s - 1``. ``schedule`` is
-    replica 0's (its stage-to-rank map and backward split stand for every replica)."""
+    replica 0's (its stage-to-rank map and backward split stand for every replica); with the embedding on the
+    last rank (``dynmb.schedule.embedlast``) the bounds are the plan's stages' (the embeds left out)."""
+    if schedule is not None and is_lifted(schedule, plan.num_stages):
+        schedule = dropped(schedule)
+        actions = [_shifted(a) for a in actions if a.stage > 0]
     pred_bound, ideal = plan_bounds(plan, cost_model, schedule)
     bound = None if schedule is None else _measured_bound(plan, schedule, cost_model, actions)
     gap = None if bound is None or not bound or step_s is None else float(step_s) / bound - 1.0
     return {"bound_s": bound, "ideal_s": ideal, "pred_bound_s": pred_bound, "gap_to_bound": gap}
+
+
+def _shifted(action: Any) -> Any:
+    """A measured action of the schedule's stage ``s`` as the plan's stage ``s - 1`` (its embedding stage first)."""
+    return _Shifted(action.dp_rank, action.op, action.stage - 1, action.mb, action.start_s, action.end_s)
+
+
+class _Shifted(NamedTuple):
+    dp_rank: int
+    op: str
+    stage: int
+    mb: int
+    start_s: float
+    end_s: float
+

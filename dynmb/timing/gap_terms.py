@@ -48,7 +48,9 @@ the order's own excess over the bound at zero latency.
 The sum telescopes: ``schedule + ends + split + replicas`` is ``step - ideal`` minus ``work - own``, and
 the last four add up to ``work - own``. ``GapTerms.check`` verifies it (floating-point rounding only);
 ``GapTerms.fractions`` gives each term over ``ideal`` (the study's ``gap_<term>`` columns, summing to
-``gap_to_ideal = step / ideal - 1``).
+``gap_to_ideal = step / ideal - 1``). With the embedding on the last rank (``dynmb.schedule.embedlast``) the
+bound and the ideal are the plan's stages' (the schedule without its embedding stage): the embeds' work and
+their two messages per microbatch are in ``schedule``.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from dynmb.timing.bounds import (RankTerms, dependency_terms, ideal_terms, plan_
 from dynmb.timing.simulate import comm_times, plan_op_costs, simulate_costs
 from dynmb.costmodel.base import CostModelLike
 from dynmb.core.types import Plan, Schedule
+from dynmb.schedule.embedlast import dropped, is_lifted
 
 __all__ = ["GapTerms", "gap_terms", "TERMS", "schedule_wire"]
 
@@ -145,6 +148,8 @@ def gap_terms(plan: Plan, schedule: Schedule, cost_model: CostModelLike, step_s:
         if plan.dp != 1:
             raise ValueError(f"gap_terms: a plan of dp {plan.dp} needs the replica its schedule runs")
         replica = plan
+    if is_lifted(schedule, replica.num_stages):     # the embedding on the last rank: its ops count in ``schedule``
+        schedule = dropped(schedule)
     if (schedule.num_stages, schedule.num_microbatches) != (replica.num_stages, replica.num_microbatches):
         raise ValueError(f"gap_terms: the schedule ({schedule.num_stages} stages, {schedule.num_microbatches} "
                          f"microbatches) is not the replica's ({replica.num_stages}, {replica.num_microbatches})")

@@ -59,7 +59,9 @@ from dynmb.timing.bounds import dependency_bound, plan_ideal, split_mask, stage_
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
 from dynmb.timing.makespan import makespan
+from dynmb.schedule.embedlast import dropped, is_lifted
 from dynmb.schedule.validate import ScheduleError, check_slice_order, execution_order
+from dynmb.timing.embedding import embed_costs, lifted_costs, lifted_memory
 from dynmb.core.types import Plan, Schedule
 
 __all__ = ["SimResult", "MemoryInputs", "simulate", "simulate_costs", "estimate_makespan", "action_times", "cross_mask", "memory_inputs", "w_inputs", "plan_op_costs",
@@ -254,6 +256,13 @@ class SliceGrads(NamedTuple):
     recomputed: np.ndarray | None = None
 
 
+def _lifted_grads(grads: SliceGrads) -> SliceGrads:
+    """``grads`` with the embedding stage's row first (``dynmb.schedule.embedlast``): it holds no keys or values."""
+    def up(g: np.ndarray) -> np.ndarray:
+        return np.vstack([np.zeros((1, g.shape[1])), g])
+    return SliceGrads(up(grads.alloc), up(grads.free), None if grads.recomputed is None else up(grads.recomputed))
+
+
 def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None, w: np.ndarray | None = None,
               slice_grads: SliceGrads | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(delta, during)`` per action: the change of held bytes when it ends, and what it holds
@@ -384,7 +393,8 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
     Costs from ``cost_model.plan_costs(plan)`` (rows, padded_len and attention work); P2P time from
     ``cost_model.comm.time(message bytes)``; memory from ``memory_model`` when given.
     """
-    if schedule.num_stages != plan.num_stages:
+    lift = is_lifted(schedule, plan.num_stages)          # the embedding on the last rank (dynmb.schedule.embedlast)
+    if schedule.num_stages != plan.num_stages and not lift:
         raise ValueError(f"schedule has {schedule.num_stages} stages but the plan was made for {plan.num_stages}")
     if schedule.num_microbatches != plan.num_microbatches:
         raise ValueError(f"schedule has {schedule.num_microbatches} microbatches but the plan {plan.num_microbatches}")
@@ -395,11 +405,17 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
     costs = plan_op_costs(cost_model, plan, schedule)
     comm = comm_times(cost_model, plan)
     act, tr, state = memory_inputs(memory_model, plan)
+    w = w_inputs(memory_model, plan) if act is not None else None
+    grads = slice_grad_inputs(memory_model, plan)
+    if lift:
+        costs = lifted_costs(costs, embed_costs(cost_model, plan))
+        act, tr, state, w = lifted_memory(memory_model, plan, (act, tr, state, w))
+        grads = None if grads is None else _lifted_grads(grads)
     res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr,
-                         w_bytes=w_inputs(memory_model, plan) if act is not None else None,
-                         slice_grads=slice_grad_inputs(memory_model, plan))
-    res.bound_s = dependency_bound(costs, comm, stage_ranks(plan.num_stages, schedule), split_mask(schedule))
-    res.ideal_s = plan_ideal(plan, cost_model, schedule) if hasattr(cost_model, "predict") else None
+                         w_bytes=w, slice_grads=grads)
+    res.bound_s = dependency_bound(costs, comm, stage_ranks(schedule.num_stages, schedule), split_mask(schedule))
+    res.ideal_s = plan_ideal(plan, cost_model, dropped(schedule) if lift else schedule) \
+        if hasattr(cost_model, "predict") else None
     tl = res.timeline
     tl["batch"] = rows[tl["mb"].to_numpy()]
     tl["padded_len"] = plen[tl["mb"].to_numpy()]

@@ -39,7 +39,7 @@ from studies.common import append_row
 from dynmb import data
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel.gpu import GPUCostModel
-from dynmb.memory.model import MemoryModel, MemoryModelLike
+from dynmb.memory.model import MemoryModelLike
 from dynmb.packing.context import stage_windows
 from dynmb.schedule.kinds import get_kind
 from dynmb.timing.gap_terms import gap_terms
@@ -120,21 +120,8 @@ class Variant:
     virtual: int = 1
     """Model chunks per GPU: 2 runs ``P`` GPUs as ``2 P`` chunks (``auto`` then weighs ``zb-v``)."""
     embedding: str = "first"
-    """Which stage holds the token embedding's states in the memory model: ``first`` (as dynmb runs it) or
-    ``last``, a memory-only what-if (``embedding_on_last``): no runtime places it there."""
-
-
-def embedding_on_last(layout: ModelConfig, num_stages: int) -> MemoryModel:
-    """The analytic memory model of ``layout`` with the token embedding's states (parameters, gradients, Adam
-    moments) moved from the first stage to the last, activations as they are: what the first stage's
-    microbatch budget would be if the embedding lookup ran on the last stage, which holds one microbatch in
-    flight (issue 39's candidate (b); its P2P and compute are not priced)."""
-    mm = MemoryModel.analytic(layout, num_stages)
-    state = mm.state_bytes.copy()
-    moved = layout.vocab_size * layout.d_model * (2 * layout.dtype_bytes + 8)
-    state[0] -= moved
-    state[-1] += moved
-    return MemoryModel(layout, num_stages, state, mm.act_coef, mm.transient_coef, source="analytic, embedding last")
+    """``Planner(embedding=...)``: ``first`` (the default) or ``last``, the token embedding on the last pipeline
+    rank (``dynmb.schedule.embedlast``: its states there, its embeds and their P2P priced on the last rank)."""
 
 
 def stage_admission(mm: MemoryModelLike, limit_bytes: int) -> list[int]:
@@ -153,8 +140,8 @@ def stage_admission(mm: MemoryModelLike, limit_bytes: int) -> list[int]:
 
 
 def planner_for(cfg: ModelConfig, trace: np.ndarray, S: int, limit: str, variant: Variant) -> dynmb.Planner:
-    """The cell's planner (module doc); ``variant.embedding == "last"``: on the work-balanced split of
-    ``stage_split="auto"``, its memory model ``embedding_on_last``."""
+    """The cell's planner (module doc); ``variant.embedding == "last"``: ``Planner(embedding="last")`` on the
+    work-balanced split of ``stage_split="auto"`` (the memory relief of that split is for stage 0's embedding)."""
     planner = dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=GPUCostModel(cfg, S),
                             schedule="auto", stage_split="auto", workload=trace, recompute=variant.recompute,
                             virtual=variant.virtual)
@@ -164,7 +151,7 @@ def planner_for(cfg: ModelConfig, trace: np.ndarray, S: int, limit: str, variant
     layout = planner.model_cfg if relief is None else layout_of(planner.model_cfg, S, relief.balanced)
     return dynmb.Planner(model=layout, num_stages=S, memory_limit=limit, cost_model=GPUCostModel(layout, S),
                          schedule="auto", stage_split="even", workload=trace, recompute=variant.recompute,
-                         virtual=variant.virtual, memory_model=embedding_on_last(layout, S))
+                         virtual=variant.virtual, embedding="last")
 
 
 def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, names: list[str],
@@ -288,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute", default="never", help="Planner(recompute=...): never (judged), always, auto")
     ap.add_argument("--virtual", type=int, default=1, help="model chunks per GPU (2: P GPUs as 2P chunks, zb-v)")
     ap.add_argument("--embedding", choices=("first", "last"), default="first",
-                    help="the token embedding's states in the memory model: first (as run) or last (a what-if)")
+                    help="Planner(embedding=...): first (default) or last (the token embedding on the last rank)")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
     ap.add_argument("--table", type=Path, nargs="+", default=None,
                     help="print the markdown table of these JSON lines (later rows win per cell) and exit")

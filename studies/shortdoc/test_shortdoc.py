@@ -52,17 +52,18 @@ def test_help(capsys):
     assert e.value.code == 0 and "--limits" in capsys.readouterr().out
 
 
-def test_embedding_on_last_moves_the_embedding_states_only():
+def test_embedding_last_plans_with_the_option():
+    """``--embedding last``: the cell's planner runs ``Planner(embedding="last")`` on the work-balanced split (the
+    embedding's states on the last stage's count, its plans with the embedding stage)."""
     import numpy as np
-    from dynmb.memory.model import MemoryModel
 
     cfg = dynmb_model("llama-tiny")
-    base = MemoryModel.analytic(cfg, 2)
-    moved = shortdoc.embedding_on_last(cfg, 2)
+    trace = np.full(64, 100)
+    planner = shortdoc.planner_for(cfg, trace, 2, "1GiB", shortdoc.Variant(embedding="last"))
+    assert planner.spec.embedding == "last"
     emb = cfg.vocab_size * cfg.d_model * (2 * cfg.dtype_bytes + 8)
-    assert np.isclose(base.state_bytes[0] - moved.state_bytes[0], emb)
-    assert np.isclose(moved.state_bytes[1] - base.state_bytes[1], emb)
-    assert np.array_equal(base.act_coef, moved.act_coef) and np.array_equal(base.transient_coef, moved.transient_coef)
+    assert np.isclose(planner.memory_model.embed_state_bytes, emb)
+    assert planner.plan(trace[:16]).schedule.num_stages == 3
 
 
 def dynmb_model(name):
