@@ -413,7 +413,7 @@ def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndar
 
 REMEMBERED = 4096
 """Level-swept pipelines whose makespans ``_level_swept`` remembers (keyed by a digest of the pipeline's ``F``,
-``I``, ``W``, sends and windows; 0: none, the old path). The packers estimate the same pipeline again and again
+``I``, ``W``, sends (its columns) and windows; 0: none, the old path). The packers estimate the same pipeline again and again
 within one plan (``dynamic``'s ranking and final choice, ``lockstep``'s candidates per kind); a pipeline's value
 does not depend on the others swept with it (``_merged`` of several gives each one's bits)."""
 _swept: OrderedDict[bytes, float] = OrderedDict()
@@ -426,13 +426,14 @@ def _level_swept(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, 
     (``REMEMBERED``) read back; a lone pipeline left swept by ``_single`` (``SINGLE_SWEEP``)."""
     out, keys = np.empty(len(ks)), []
     todo = []
+    cols = np.ascontiguousarray(np.concatenate([F, I, W, comm[None, :]]).T, dtype=np.float64) \
+        if REMEMBERED > 0 else None                               # a pipeline's inputs: one contiguous block
     for x, k in enumerate(ks.tolist()):
         a, e = int(offs[k]), int(offs[k + 1])
         key = b""
-        if REMEMBERED > 0:
+        if cols is not None:
             digest = hashlib.blake2b(repr((F.shape[0], e - a, win)).encode(), digest_size=20)
-            for part in (F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e]):
-                digest.update(np.ascontiguousarray(part, dtype=np.float64).tobytes())
+            digest.update(cols[a:e].data)
             key = digest.digest()
             with _swept_lock:
                 known = _swept.get(key)
