@@ -346,14 +346,18 @@ same arithmetic as ``_merged``, bit-equal, without a numpy call per level); Fals
 
 
 @functools.lru_cache(maxsize=128)
-def _single_table(P: int, m: int, win: tuple[int, ...]) -> tuple[list, ...]:
-    """``_level_table``'s ops of one pipeline as plain lists for ``_single``: stage, is backward, microbatch,
-    previous op and dependency (``n``: none), is a queued-W backward (``_merged``'s ``cool``), and each stage's
-    last op."""
+def _single_table(P: int, m: int, win: tuple[int, ...]) -> tuple[list, list]:
+    """``_level_table``'s ops of one pipeline as plain lists for ``_single``, per op in level order: its dependency
+    and previous op (``n``: none), its duration's place in F then I (flat ``[P, m]`` each), its W's right after it
+    (a steady-state backward; else ``P m``, a zero), its send (``m``, a zero, without a dependency), and for a
+    queued-W backward (``_merged``'s) its stage and its W's place (else -1, 0); and each stage's last op."""
     st, ib, mb, pv, dp_, _ = _level_table(P, m, win)
+    n = len(st)
     cool = ib & ((mb >= np.maximum(m - np.asarray(win)[st], 0)) | (mb < st))
-    return (st.tolist(), ib.tolist(), mb.tolist(), pv.tolist(), dp_.tolist(), cool.tolist(),
-            _last_ops(P, m, win).tolist())
+    cell = st * m + mb
+    ops = zip(dp_.tolist(), pv.tolist(), (cell + ib * (P * m)).tolist(), np.where(ib & ~cool, cell, P * m).tolist(),
+              np.where(dp_ < n, mb, m).tolist(), np.where(cool, st, -1).tolist(), np.where(cool, cell, 0).tolist())
+    return list(ops), _last_ops(P, m, win).tolist()
 
 
 def _single(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray,  # noqa: E741
@@ -361,29 +365,22 @@ def _single(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray,  # no
     """``_merged`` of one pipeline, op by op in its level order (each op's inputs are ops of earlier levels): the
     same operations on the same values in the same order per stage, so the same bits; no numpy call per level."""
     P, m = F.shape
-    st, ib, mb, pv, dp_, cool, last = _single_table(P, m, win)
-    n = len(st)
-    Fl, Il, Wl, cl = F.tolist(), I.tolist(), W.tolist(), comm.tolist()
+    ops, last = _single_table(P, m, win)
+    n = len(ops)
+    dur = np.concatenate([F.ravel(), I.ravel()]).tolist()
+    w = W.ravel().tolist()
+    tail, send = w + [0.0], comm.tolist() + [0.0]
     seen, fin, q = [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * P
-    for x in range(n):
-        s, j, d = st[x], mb[x], dp_[x]
-        ready = seen[d] + cl[j] if d < n else 0.0
-        free = fin[pv[x]]
+    for x, (d, p, di, wi, sj, qs, wq) in enumerate(ops):
+        ready = seen[d] + send[sj]
+        free = fin[p]
         end = ready if ready >= free else free              # np.maximum: either when equal
-        if ib[x]:
-            if cool[x]:
-                q[s] -= min(q[s], max(ready - free, 0.0))
-                q[s] += Wl[s][j]
-                end += Il[s][j]
-                seen[x] = fin[x] = end + 0.0
-                continue
-            end += Il[s][j]
-            seen[x] = end
-            fin[x] = end + Wl[s][j]
-        else:
-            end += Fl[s][j]
-            seen[x] = end
-            fin[x] = end + 0.0
+        if qs >= 0:                                         # its W queued: it fills the wait before it
+            q[qs] -= min(q[qs], max(ready - free, 0.0))
+            q[qs] += w[wq]
+        end += dur[di]
+        seen[x] = end
+        fin[x] = end + tail[wi]
     return float(max(max(fin[:n]), max(fin[last[s]] + q[s] for s in range(P))))
 
 

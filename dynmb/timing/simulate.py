@@ -264,8 +264,9 @@ def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None, w: np.ndarray |
     a = act[flat.stage, flat.mb]
     wb = np.zeros_like(a) if w is None else w[flat.stage, flat.mb]
     op = flat.op
-    delta = np.choose(op, (a, -a, wb - a, -wb))                 # op codes F, B, I, W
-    during = np.choose(op, (np.zeros_like(a), a, np.maximum(a - wb, 0.0), wb))
+    pick = op * len(a) + np.arange(len(a))                      # op codes F, B, I, W: one of four per action
+    delta = np.take(np.concatenate((a, -a, wb - a, -wb)), pick)
+    during = np.take(np.concatenate((np.zeros_like(a), a, np.maximum(a - wb, 0.0), wb)), pick)
     if tr is not None:
         during = during + np.where(op == 3, 0.0, tr[flat.stage, flat.mb])
     if slice_grads is not None:
