@@ -365,7 +365,7 @@ def _old_prefetch(self: reorder.OrderEvaluator, orders, limit: int) -> None:
 
 
 
-# --------------------------------------------------------------------------- the zb estimate, peaks, batched orders before
+# ----------------------------------------------------------------- the zb estimate, peaks, batched orders before
 def _old_level_table(P: int, m: int, win: tuple[int, ...]) -> tuple:
     """``makespan_zb._level_table`` before: each op's level found level by level over all stages at once."""
     if win == tuple(P - s for s in range(P)):

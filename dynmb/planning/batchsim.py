@@ -1,11 +1,11 @@
 """Simulating many microbatch orders of one flattened schedule at once (the reorder search's batches).
 
 ``batch_makespans(flat, cube, comm, perms)`` is ``dynmb.timing.simulate.action_times``' makespan for every
-order (row of ``perms``) together: the actions are grouped once per schedule into levels
+order (row of ``perms``) together: the actions are laid out once per schedule level by level
 (``levels``: an action's dependency and the previous action on its rank lie in earlier levels), then
 the recurrence ``end = max(previous action on the rank ends, dependency ends + P2P) + duration`` runs
-level by level, every order a column. The same sums in the same order: the same floats as one order
-at a time, for O(levels) numpy steps instead of O(actions) Python steps per order.
+level by level (a level a block of rows), every order a column. The same sums in the same order: the
+same floats as one order at a time, for O(levels) numpy steps instead of O(actions) Python steps per order.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def levels(flat: Any) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np
     place = np.empty(n + 1, dtype=np.int64)
     place[by], place[n] = np.arange(n), n
     cuts = np.searchsorted(lv[by], np.arange(int(lv.max()) + 2 if n else 1)).tolist()
-    out = (cuts, by, place[:n], place[np.asarray(prev, dtype=np.int64)[by]], place[np.where(flat.dep >= 0, flat.dep, n)[by]])
+    out = (cuts, by, place[:n], place[np.asarray(prev, dtype=np.int64)[by]],
+           place[np.where(flat.dep >= 0, flat.dep, n)[by]])
     flat.levels = out
     return out
 

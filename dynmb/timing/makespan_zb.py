@@ -24,9 +24,11 @@ then ``W`` (its dependants read the end of ``I``) and a cool-down backward (micr
 ``j >= m - k_s``) only ``I``, its ``W`` joining the stage's queue ``q``: a wait of ``g`` before a
 cool-down ``I`` runs ``min(q, g)`` of the queue (fluid: a ``W`` may be cut), and the stage ends
 at its last op + ``q``. Evaluated level by level (``_level_table``: ops that cannot depend on each
-other, ``dynmb.timing.makespan_levels``' closed form for 1F1B's window, else each op's start under unit costs),
-one vectorised step per level over every pipeline (all sizes in one loop, ``_merged``; O(m + P) numpy steps); the scalar
-sweep (``_scalar``) for pipelines of few ops;
+other, ``dynmb.timing.makespan_levels``' closed form for 1F1B's window, else each op's start under unit costs, the
+longest chain before it, swept on plain lists), one vectorised step per level over every pipeline (all sizes in one
+loop, ``_merged``; O(m + P) numpy steps: the ops laid out level by level, a size's table beside itself for each of
+its pipelines, ``_layout``; the queue never moves an op's end, so the queues run after the sweep on the waits it
+left, ``_queues``); the scalar sweep (``_scalar``) for pipelines of few ops;
 a lone larger pipeline op by op in its level order (``_single``, the same bits as the level loop); level-swept
 pipelines already estimated are read back (``REMEMBERED``, bounded, keyed by every input). Left out: the memory limit (``zb`` runs its extra
 warm-up only where it fits: its estimate is optimistic where the limit binds), the list scheduler's candidates
@@ -181,7 +183,9 @@ def _unit_levels(P: int, m: int, win: tuple[int, ...]) -> tuple[np.ndarray, np.n
         before = done
         for i in range(P):
             order, k, lv = seq[i], pos[i], last[i]
-            up, down, own_f, own_b = lvl_f[i - 1] if i else None, lvl_b[i + 1] if i < P - 1 else None, lvl_f[i], lvl_b[i]
+            up = lvl_f[i - 1] if i else None                  # forwards come from the stage below
+            down = lvl_b[i + 1] if i < P - 1 else None        # backwards from the stage above
+            own_f, own_b = lvl_f[i], lvl_b[i]
             while k < 2 * m:
                 op, j = order[k]
                 d = (-1 if up is None else up[j]) if op == "F" else (-1 if down is None else down[j])
@@ -199,7 +203,8 @@ def _unit_levels(P: int, m: int, win: tuple[int, ...]) -> tuple[np.ndarray, np.n
             raise RuntimeError("zero-bubble estimate deadlocked (bad schedule order)")
     is_b = np.array([[op != "F" for op, _ in s] for s in seq])
     mb = np.array([[j for _, j in s] for s in seq])
-    level = np.where(is_b, np.take_along_axis(np.array(lvl_b), mb, axis=1), np.take_along_axis(np.array(lvl_f), mb, axis=1))
+    level = np.where(is_b, np.take_along_axis(np.array(lvl_b), mb, axis=1),
+                     np.take_along_axis(np.array(lvl_f), mb, axis=1))
     return is_b, mb, level
 
 
@@ -229,7 +234,8 @@ def _level_table(P: int, m: int, win: tuple[int, ...]) -> tuple:
     return (*out, np.searchsorted(lv[order], np.arange(int(lv.max()) + 2)).tolist())
 
 
-def _layout(P: int, sizes: np.ndarray, win: tuple[int, ...], idx: type) -> tuple[list[tuple], np.ndarray]:
+def _layout(P: int, sizes: np.ndarray, win: tuple[int, ...],
+            idx: type) -> tuple[list[tuple[np.ndarray, tuple, np.ndarray]], np.ndarray]:
     """Where ``_merged`` puts each op of pipelines ``sizes``: level by level, within a level one size's ops after
     the other's, each op of its table beside itself for every pipeline of that size. Per size ``(pipelines,
     table, places [n + 1, pipelines])`` (the last row ``N``: none) and the level starts (``N`` last)."""
@@ -244,7 +250,7 @@ def _layout(P: int, sizes: np.ndarray, win: tuple[int, ...], idx: type) -> tuple
         bounds = np.asarray(table[5])
         lvl = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
         row = np.append(start[g, lvl] + (np.arange(len(lvl)) - bounds[lvl]) * len(ks), N)    # first pipeline's
-        pos = row.astype(idx)[:, None] + np.arange(len(ks), dtype=idx)[None, :]
+        pos: np.ndarray = row.astype(idx)[:, None] + np.arange(len(ks), dtype=idx)[None, :]
         pos[-1] = N
         out.append((ks, table, pos))
     return out, np.concatenate([start[0], [N]])
@@ -410,7 +416,8 @@ def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndar
 
 REMEMBERED = 4096
 """Level-swept pipelines whose makespans ``_level_swept`` remembers (keyed by a digest of the pipeline's ``F``,
-``I``, ``W``, sends (its columns) and windows; 0: none, the old path). The packers estimate the same pipeline again and again
+``I``, ``W``, sends (its columns) and windows; 0: none, the old path). The packers estimate the same pipeline
+again and again
 within one plan (``dynamic``'s ranking and final choice, ``lockstep``'s candidates per kind); a pipeline's value
 does not depend on the others swept with it (``_merged`` of several gives each one's bits)."""
 _swept: OrderedDict[bytes, float] = OrderedDict()
