@@ -286,7 +286,8 @@ def _merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes
         np.add(end, dur[a:e], out=seen[a:e])
         np.add(seen[a:e], tail[a:e], out=fin[a:e])
     place, qid, cell = (np.concatenate(x) for x in zip(*cools))
-    q = _queues(K * P, place, qid, np.take(W, cell), seen, fin, dep, prev, cross)
+    wait = np.maximum(np.take(seen, dep[place]) + cross[place] - np.take(fin, prev[place]), 0.0)   # as the loop saw
+    q = _queues(K * P, place, qid, np.take(W, cell), wait)
     out = np.empty(K)
     for ks, table, pos in groups:
         lasts = pos[_last_ops(P, len(table[0]) // (2 * P), win)]             # [P, pipelines]
@@ -317,13 +318,12 @@ def _columns(P: int, width: int, win: tuple[int, ...], ks: np.ndarray, table: tu
             (cell[rows][:, None] + offs[None, :]).ravel())
 
 
-def _queues(n_queues: int, at: np.ndarray, qid: np.ndarray, w_q: np.ndarray, seen: np.ndarray, fin: np.ndarray,
-            dep: np.ndarray, prev: np.ndarray, cross: np.ndarray) -> np.ndarray:
+def _queues(n_queues: int, at: np.ndarray, qid: np.ndarray, w_q: np.ndarray, wait: np.ndarray) -> np.ndarray:
     """Each (pipeline, stage)'s W queue at its end, of ``_merged``'s swept ops: the queued-W backwards at places
-    ``at`` (queue ``qid``, W seconds ``w_q``) in each queue's order, all queues a step at a time; the waits they fill
-    read back from the sweep (the queue never moves an op's end)."""
-    wait = np.maximum(np.take(seen, dep[at]) + cross[at] - np.take(fin, prev[at]), 0.0)
-    o = np.argsort(qid.astype(np.int64) * (len(seen) + 1) + at, kind="stable")     # per queue, in its stage's order
+    ``at`` (queue ``qid``, W seconds ``w_q``, the wait before it ``wait``) in each queue's order, all queues a step
+    at a time: a wait runs what it can of the queue, then the backward's W joins it (the queue never moves an op's
+    end: the waits are the sweep's)."""
+    o = np.argsort(qid.astype(np.int64) * (int(at.max(initial=0)) + 1) + at, kind="stable")   # per queue, in order
     qid, wait, w_q = qid[o], wait[o], w_q[o]
     first = np.flatnonzero(np.r_[True, qid[1:] != qid[:-1]])
     count = np.diff(np.r_[first, len(qid)])
