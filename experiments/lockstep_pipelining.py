@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -145,10 +147,26 @@ def sampler_for(args: argparse.Namespace, lens: np.ndarray, dp: int, replica: in
                                      pack_len=args.pack_len)
 
 
+@contextmanager
+def float64_default() -> Iterator[None]:
+    """Tensors made without a dtype are float64 inside, as they were before after it (a test process calls
+    ``check``; the spawned test ranks are reused by the next test)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def train(rank: int, world: int, args: argparse.Namespace) -> dict:
     """One rank of the loop (module doc); returns its stage's gradients of the last step and its losses."""
     torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
+    with float64_default():
+        return _train(rank, world, args)
+
+
+def _train(rank: int, world: int, args: argparse.Namespace) -> dict:
     pp = args.pp
     dp, replica, k = world // pp, rank // pp, rank % pp
     pp_groups = [dist.new_group([r * pp + s for s in range(pp)]) for r in range(dp)]
@@ -184,7 +202,11 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 def reference_grads(args: argparse.Namespace, dp: int) -> dict[str, torch.Tensor]:
     """One process: every row of every replica in the last step, the same loss, one backward."""
-    torch.set_default_dtype(torch.float64)
+    with float64_default():
+        return _reference_grads(args, dp)
+
+
+def _reference_grads(args: argparse.Namespace, dp: int) -> dict[str, torch.Tensor]:
     lens, tokens = batch_data(args)
     torch.manual_seed(args.seed)
     model = Model(args.pack_len)
@@ -202,7 +224,7 @@ def check(args: argparse.Namespace, results: list[dict]) -> float:
     for res in results:
         for n, g in res["grads"].items():
             r = ref[_global_name(n, res["stage"], args.pp)]
-            worst = max(worst, float((torch.tensor(g) - r).abs().max() / r.abs().max().clamp_min(1e-300)))
+            worst = max(worst, float((torch.tensor(g, dtype=torch.float64) - r).abs().max() / r.abs().max().clamp_min(1e-300)))
     return worst
 
 

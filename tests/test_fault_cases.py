@@ -208,6 +208,45 @@ def test_replicas_given_different_seeds_are_refused_on_every_rank(seeds, tmp_pat
                                    "(rank 1: seed 1 (rank 0: 0))"), line
 
 
+def _lone_sampler_rank(rank: int, init: str, out: str) -> None:
+    """Rank 0 builds and iterates a sampler, rank 1 never does (it idles past rank 0's check timeout)."""
+    import time
+
+    import torch.distributed as dist
+
+    from dynmb.api import sampler as sampler_module
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            time.sleep(8)
+            return
+        sampler_module.REPLICA_CHECK_TIMEOUT_S = 2.0
+        sampler = sampler_module.DynamicBatchSampler(np.arange(10, 42), 8, model="tiny", num_stages=1,
+                                                     memory_limit="64MiB", num_replicas=2, rank=0)
+        try:
+            list(sampler)
+            said = "ok"
+        except RuntimeError as e:
+            said = str(e)
+        with open(out, "w") as f:
+            f.write(said)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sampler_built_on_rank_0_only_names_rank_1_instead_of_hanging(tmp_path):
+    """The replica check once waited in a collective until the group's timeout when a rank never built its
+    sampler; now the waiting rank raises after ``REPLICA_CHECK_TIMEOUT_S``, naming the rank that did not check."""
+    from tests.spawn_ranks import spawn_ranks
+
+    init = f"file://{tmp_path / 'rdzv'}"
+    codes = spawn_ranks(_lone_sampler_rank, 2, lambda r: (r, init, str(tmp_path / "said")), 120)
+    assert codes == [0, 0]
+    said = (tmp_path / "said").read_text()
+    assert said.startswith("DynamicBatchSampler: rank(s) 1 did not check their sampler's settings within 2 s"), said
+
+
 def test_the_sampler_refuses_a_rank_outside_its_replicas():
     from dynmb.api.sampler import DynamicBatchSampler
 

@@ -127,3 +127,4 @@ def test_the_2x2_example_equals_the_one_process_reference(tmp_path):
     ex = _load_example()
     args: argparse.Namespace = ex.build_args().parse_args(argv)
     assert ex.check(args, results) <= 1e-5
+    assert torch.get_default_dtype() == torch.float32      # the reference's float64 stays inside it (it leaked once)

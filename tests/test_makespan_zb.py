@@ -10,6 +10,7 @@ from dynmb.timing.makespan import makespan, makespans
 from dynmb.timing.makespan_zb import (TOLERANCE, _level_table, _merged, _scalar, backward_shares, ranking_kind,
                                       split_backward, windows)
 from dynmb.schedule.kinds import get_kind
+from dynmb.schedule import zerobubble
 from dynmb.schedule.zerobubble import ZBInputs, zb_h1, zb_limit_aware
 from dynmb.timing.simulate import simulate_costs
 
@@ -104,11 +105,14 @@ def test_zb_ranks_with_zb_h1s_estimate():
 
 
 @pytest.mark.parametrize("kind", ["zb-h1", "zb"])
-def test_the_estimate_tracks_the_simulated_schedule(kind):
+def test_the_estimate_tracks_the_simulated_schedule(kind, monkeypatch):
     """Random pipelines (P 2-8, m P / 2 .. 8 P, equal / lognormal / heavy-tailed microbatches, per-stage
     speeds and I / W shares, P2P time): with the true I and W the estimate is within TOLERANCE of the
     simulated step of the schedule the builder makes, not optimistic on average, and orders pairs of
-    pipelines of one shape as the simulator does in the great majority of cases."""
+    pipelines of one shape as the simulator does in the great majority of cases. ``zb``'s pumped candidates
+    (``zerobubble.PUMPED``) are left out, as the module doc leaves out the list scheduler's other candidates:
+    they are only ever faster than the schedule the estimate models."""
+    monkeypatch.setattr(zerobubble, "PUMPED", False)
     rng = np.random.default_rng(2)
     err, pairs = [], []
     for case in range(24):

@@ -26,10 +26,12 @@ list, and ``dynmb.api.collate`` reads ``lengths[i] + 1`` ids). Each epoch:
 Planning is deterministic, so every rank computes the same plans for the same seed and
 epoch without communicating. Replicas given different settings (another ``seed``, a missed
 ``set_epoch``, other lengths) would sample overlapping global batches without a word, so when
-``torch.distributed`` is initialized (world size > 1) the first planning of each epoch all-gathers
+``torch.distributed`` is initialized (world size > 1) the first planning of each epoch shares
 the sampler's settings (seed, epoch, shuffle, drop_last, global_batch, num_replicas, method, a digest
-of ``lengths``) over the default group and raises on every rank, naming the ranks and the settings that
-differ from rank 0's (``check_replicas=False``: every rank of the group must iterate the sampler). Plans of an epoch are computed once, on first use (``len``,
+of ``lengths``) through the default group's key-value store and raises on every rank, naming the ranks and
+the settings that differ from rank 0's; a rank that never checks within ``REPLICA_CHECK_TIMEOUT_S`` (a
+sampler built on some ranks only) is named in a ``RuntimeError`` on the others (``check_replicas=False``:
+no check). Plans of an epoch are computed once, on first use (``len``,
 ``iter``, ``plans``), and kept until ``set_epoch`` changes the epoch. ``len(sampler)`` is the
 number of microbatches (records) this rank yields in the current epoch, over all its global
 batches; ``num_global_batches()`` the number of optimizer steps of the epoch.
@@ -56,6 +58,7 @@ works as before (the collate function then gets the items, not the layout).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -146,6 +149,32 @@ class SampledMicrobatch:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+REPLICA_CHECK_TIMEOUT_S = 300.0
+"""How long a rank waits for every other rank's sampler settings (their first planning of the epoch)."""
+
+def _gather_settings(mine: dict[str, Any], rank: int, world: int) -> list[dict[str, Any]]:
+    """Every rank's ``settings()`` through the default group's key-value store, not a collective: a rank whose
+    sampler never checks (a sampler built on some ranks only) makes the others raise after
+    ``REPLICA_CHECK_TIMEOUT_S`` naming it, instead of waiting in a collective until the group's timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    made = store.add(f"dynmb/sampler-checks/{rank}", 1)   # this rank's checks in this group, kept by the store
+    prefix = f"dynmb/sampler-check/{made}/"
+    store.set(prefix + str(rank), json.dumps(mine))
+    keys = [prefix + str(r) for r in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=REPLICA_CHECK_TIMEOUT_S))
+    except RuntimeError:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(f"DynamicBatchSampler: rank(s) {', '.join(map(str, missing))} did not check their sampler's "
+                           f"settings within {REPLICA_CHECK_TIMEOUT_S:g} s: every rank of the group must build and "
+                           "iterate the sampler (or pass check_replicas=False)") from None
+    return [json.loads(store.get(key)) for key in keys]
 
 
 _POSITIONS = re.compile(r"\b(ids|sequences) \[([0-9, ]*)\]")
@@ -261,14 +290,14 @@ class DynamicBatchSampler(Sampler[SampledMicrobatch]):
                 "lengths": hashlib.sha256(self.lengths.tobytes()).hexdigest()[:12]}
 
     def _check_replicas_agree(self) -> None:
-        """Raise on every rank when the group's samplers differ in ``settings()`` (module docstring)."""
+        """Raise on every rank when the group's samplers differ in ``settings()``, or name the ranks that
+        never checked theirs within ``REPLICA_CHECK_TIMEOUT_S`` (module docstring)."""
         import torch.distributed as dist
 
         if not self.check_replicas or not dist.is_available() or not dist.is_initialized() \
                 or dist.get_world_size() < 2:
             return
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, self.settings())
+        every = _gather_settings(self.settings(), dist.get_rank(), dist.get_world_size())
         differ = {r: [k for k, v in s.items() if v != every[0][k]] for r, s in enumerate(every) if s != every[0]}
         if differ:
             r, keys = next(iter(differ.items()))

@@ -30,7 +30,11 @@ clock ``t`` a stage looks at the next op of its order:
    bubble size among all stages larger"; with equal stages the two are the same test), decided when
    the stage falls idle (its clock at its last op's end, the wait ``r - t`` then exact or a lower
    bound), so that the ``W`` starts where the simulator starts it;
-5. else the clock moves to that arrival time (or bound).
+5. else, with ``pump``, if the op is a backward and the stage's next forward (in microbatch order; possibly
+   past its window) has arrived and fits under the cap, that forward runs now (it may end after the
+   gradient arrives; its template slot is skipped later): a memory-bound stage whose window is full keeps
+   feeding the stages after it while a gradient is on its way (P2P latency on the loop of 1F1B's window);
+6. else the clock moves to that arrival time (or bound).
 
 When the order is done, the queued ``W`` run. The times are the simulator's recurrence for the
 order emitted, and the forwards and backwards keep 1F1B's (window's) order, so a ``W`` only
@@ -68,7 +72,10 @@ Kinds:
   simulated peak stays under the limit wins. Fed the paper's profiled times (Table 9) under its ZB-2p limit ``2 p M_B``, judged by
   its cost (the longest stage span), it gives its Table 5 ZB-2p bubble rates to four digits at P 8 and
   16 (``tests/test_zb_paper.py``); without rule 4 it left a wait shorter than a ``W`` empty on every
-  cool-down step of stage 0 (at 1.5B, m 24: 0.0906 for 0.0433; 0.0877 at ZB-H2's window).
+  cool-down step of stage 0 (at 1.5B, m 24: 0.0906 for 0.0433; 0.0877 at ZB-H2's window). Three more
+  candidates: two run 1F1B's windows with rule 5 (``pump``), one with ZB-H1's deferral and one with every ``W``
+  deferrable, and the fastest window of the second sweep with rule 4 and rule 5, under the limit's caps (``studies/shortdoc/schedule_gap.py``: at 24 GiB the busiest stage waits
+  for forwards held back by stage 0's window while P2P latency stretches the gradients' return).
 
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
 takes its backwards (``I`` or ``B``) in that order, so a chain's input gradients run in reverse
@@ -95,7 +102,7 @@ from dynmb.schedule.order import check_order, lookahead_of, stage_order, windowe
 from dynmb.core.types import Action, Schedule
 
 __all__ = ["ZBInputs", "list_schedule", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS",
-           "FILL_OBJECTIVES", "objective_of"]
+           "FILL_OBJECTIVES", "objective_of", "PUMPED"]
 
 ZB_ALPHAS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 """Extra warm-up forwards tried by ``zb``, as multiples of ZB-H2's ``P - s - 1``."""
@@ -213,10 +220,12 @@ class _ListRun:
 
     def __init__(self, inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None,
                  backward_order: Sequence[int] | None, w_defer: Sequence[int] | None,
-                 fill: str | None = None) -> None:
+                 fill: str | None = None, pump: bool = False) -> None:
         P, m = inp.shape
         self.P = P
         self.fill = _check_fill(fill)
+        self.pump = bool(pump)
+        self.nextf = [0] * P                        # forwards run on each stage (they run in microbatch order)
         # the span each stage would have if it waited no more: its work, plus its waits once started
         self.span = (inp.F + np.where(inp.split, inp.I + inp.W, inp.B)).sum(axis=1).tolist()
         self.first = [0.0] * P                      # start of each stage's first op
@@ -259,11 +268,12 @@ class _ListRun:
             return self.bend[s + 1][j] + comm[j], True
         return self.clock[s + 1] + self.est_bwd[s + 1][j] + comm[j], False
 
-    def run(self, s: int, op: str, j: int, dur: float) -> None:
+    def run(self, s: int, op: str, j: int, dur: float, at: float | None = None) -> None:
         # held bytes change by op_bytes(op, ...)[0], written out: this runs for every op of every candidate
         if op == "F":
             self.held[s] += self.act[s][j]
             self.live[s] += 1
+            self.nextf[s] += 1
         elif op == "B":
             self.held[s] += -self.act[s][j]
             self.live[s] -= 1
@@ -277,9 +287,10 @@ class _ListRun:
             self.first[s] = self.clock[s]
         ranks.append((op, j))
         # a W needs no input: it starts where the stage's last op ended (the simulator's recurrence), even
-        # where the clock had moved on to a later bound on an input; every other op runs at the clock
+        # where the clock had moved on to a later bound on an input; a pumped forward where its input arrived;
+        # every other op runs at the clock
         clock = self.clock[s]
-        end = (self.free[s] if op == "W" else clock) + dur
+        end = (self.free[s] if op == "W" else clock if at is None else at) + dur
         self.free[s] = end
         self.clock[s] = end if end > clock else clock
         if end > self.makespan:
@@ -320,8 +331,22 @@ class _ListRun:
                 return "I", True
         return "B", held + tr > cap                           # I would hold w > a past the cap: no split
 
+    def pump_forward(self, s: int, t: float) -> bool:
+        """Rule 5 (module doc): run stage ``s``'s next forward now if it has arrived and fits under the cap."""
+        j = self.nextf[s]
+        if j >= len(self.fend[s]) or self.held[s] + self.act[s][j] + self.tr[s][j] > self.cap[s]:
+            return False
+        r, known = self.ready(s, "F", j)
+        if not known or r > t + 1e-12:
+            return False
+        self.run(s, "F", j, self.F[s][j], max(self.free[s], r))     # where the simulator starts it
+        return True
+
     def advance(self, s: int, t: float) -> None:
         """One decision on stage ``s`` at time ``t``: run an op, a queued W, or wait for an input."""
+        todo = self.todo[s]
+        while todo and todo[0][0] == "F" and todo[0][1] < self.nextf[s]:
+            todo.popleft()                                    # a forward rule 5 ran ahead of its slot
         if not self.todo[s]:
             while self.pend[s]:                               # the template is done: the last W
                 self.run_w(s)
@@ -336,6 +361,8 @@ class _ListRun:
         if known and r <= t + 1e-12:
             self.todo[s].popleft()
             self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
+        elif self.pump and op != "F" and self.pump_forward(s, t):
+            pass                                              # a forward fills the gradient's wait
         elif pend and t + self.W[s][pend[0]] <= r + 1e-12:
             self.run_w(s)                                     # fills the gap before the input arrives
         elif pend and self.fill is not None and self.ranks[s] and t == self.free[s] and self.wait_is_critical(s, r - t):
@@ -350,12 +377,14 @@ class _ListRun:
 
 def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None = None,
                   kind: str = "zb", backward_order: Sequence[int] | None = None,
-                  w_defer: Sequence[int] | None = None, fill: str | None = None) -> tuple[Schedule, float]:
+                  w_defer: Sequence[int] | None = None, fill: str | None = None,
+                  pump: bool = False) -> tuple[Schedule, float]:
     """The order the list scheduler (module doc) emits and its makespan under ``inp``'s times;
     each stage's backwards in ``backward_order`` (slices of a sequence in reverse); ``fill``: None, or the
-    objective (``FILL_OBJECTIVES``) by which a ``W`` may also fill a wait shorter than it (module doc, rule 4)."""
+    objective (``FILL_OBJECTIVES``) by which a ``W`` may also fill a wait shorter than it (module doc, rule 4);
+    ``pump``: a forward may fill a gradient's wait past the window, memory permitting (rule 5)."""
     P, m = inp.shape
-    st = _ListRun(inp, inflight, caps, backward_order, w_defer, fill)
+    st = _ListRun(inp, inflight, caps, backward_order, w_defer, fill, pump)
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
     todo, clock, advance, pop, push = st.todo, st.clock, st.advance, heapq.heappop, heapq.heappush
     while heap:
@@ -467,6 +496,9 @@ _ZB: dict[bytes, Schedule] = {}
 """``zb`` schedules by their inputs (``_inputs_key`` with the limit and states): ``auto`` builds ``zb`` of the
 same plan for more than one candidate (its own packing and another kind's, when the two are equal)."""
 
+PUMPED = True
+"""``zb`` also weighs the three list schedules with rule 5 (``pump``; module doc); False: not (the candidates before)."""
+
 REMEMBERED = 16
 """Schedules each of ``_H1``, ``_H1_UNIT`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
 
@@ -522,7 +554,7 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     (``ZB_ALPHAS``, tried in increasing order until one is no faster than the one before) under
     the per-stage ``caps`` (limit minus states) whose simulated peak stays within
     ``limit_bytes`` (module doc); every candidate runs its backwards in ``backward_order``."""
-    key = _inputs_key(inp, caps, backward_order, evaluate, limit_bytes, state_bytes)
+    key = _inputs_key(inp, caps, backward_order, evaluate, limit_bytes, state_bytes, float(PUMPED))
     if key is not None and key in _ZB:
         return _ZB[key]
     best, best_t = None, np.inf
@@ -547,6 +579,11 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
         return lambda k: consider(_variants(inp, k, caps, "zb", order, unbounded, fill=fill))
     alphas = (0.0, *ZB_ALPHAS)
     start = _sweep_windows(num_stages, m, windows(None), alphas)        # W only in the waits they fit
-    _sweep_windows(num_stages, m, windows(objective_of(evaluate)),     # then also where critical, from the
-                   tuple(a for a in alphas if a >= start))              # fastest window up
+    fill = objective_of(evaluate)
+    critical = _sweep_windows(num_stages, m, windows(fill),             # then also where critical, from the
+                              tuple(a for a in alphas if a >= start))   # fastest window up
+    if PUMPED:                                                          # forwards fill the gradients' waits
+        pumped = [(0.0, None, list(range(num_stages))), (0.0, None, unbounded), (critical, fill, unbounded)]
+        consider([list_schedule(inp, _inflight(num_stages, m, alpha), caps, kind="zb", backward_order=order,
+                                w_defer=defer, fill=how, pump=True)[0] for alpha, how, defer in pumped])
     return _remember(_ZB, key, Schedule((best or h1).ranks, num_stages, m, kind="zb"))

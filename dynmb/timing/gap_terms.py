@@ -39,6 +39,12 @@ rank that decides the bound (its largest total; the first on ties), and the idea
     ``ideal_model`` is ``cm`` and the model is additive over sequences above its intercept, as the
     analytic one with one sequence per microbatch) and any non-additivity over sequences.
 
+``schedule_wire`` splits ``schedule`` further (a diagnostic, not one of ``TERMS``): ``wire = (step - step0) -
+(bound - bound0)``, where ``step0`` / ``bound0`` are the same schedule's makespan and bound with every P2P time 0
+(``dynmb.timing.simulate.simulate_costs``, ``bounds.dependency_terms``): what the messages' latency costs the
+schedule beyond what the bound charges for it (the bound charges P2P in the head only); ``schedule - wire`` is
+the order's own excess over the bound at zero latency.
+
 The sum telescopes: ``schedule + ends + split + replicas`` is ``step - ideal`` minus ``work - own``, and
 the last four add up to ``work - own``. ``GapTerms.check`` verifies it (floating-point rounding only);
 ``GapTerms.fractions`` gives each term over ``ideal`` (the study's ``gap_<term>`` columns, summing to
@@ -52,12 +58,13 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from dynmb.timing.bounds import (RankTerms, ideal_terms, plan_lengths_pieces, replica_bound_terms, split_mask,
-                          stage_ranks)
+from dynmb.timing.bounds import (RankTerms, dependency_terms, ideal_terms, plan_lengths_pieces, replica_bound_terms,
+                                 split_mask, stage_ranks)
+from dynmb.timing.simulate import comm_times, plan_op_costs, simulate_costs
 from dynmb.costmodel.base import CostModelLike
 from dynmb.core.types import Plan, Schedule
 
-__all__ = ["GapTerms", "gap_terms", "TERMS"]
+__all__ = ["GapTerms", "gap_terms", "TERMS", "schedule_wire"]
 
 TERMS = ("schedule", "ends", "split", "replicas", "overhead", "padding", "passes", "shape")
 """The terms of ``step - ideal``, in the order of the module doc."""
@@ -174,3 +181,19 @@ def gap_terms(plan: Plan, schedule: Schedule, cost_model: CostModelLike, step_s:
                     ends=(b.head + b.tail) - (i.head + i.tail), split=i.total - ideal, replicas=own - i.work,
                     overhead=overhead, padding=b.work - real_ops, passes=real_ops - real_fb,
                     shape=real_fb - overhead - own)
+
+
+def schedule_wire(replica: Plan, schedule: Schedule, cost_model: CostModelLike) -> float:
+    """Seconds of the ``schedule`` term that P2P latency makes (module doc): ``(step - step0) - (bound - bound0)``
+    for ``replica`` (one pipeline) under ``schedule`` priced by ``cost_model``, ``0`` marking every P2P time 0."""
+    if (schedule.num_stages, schedule.num_microbatches) != (replica.num_stages, replica.num_microbatches):
+        raise ValueError(f"schedule_wire: the schedule ({schedule.num_stages} stages, {schedule.num_microbatches} "
+                         f"microbatches) is not the replica's ({replica.num_stages}, {replica.num_microbatches})")
+    costs = plan_op_costs(cost_model, replica, schedule)
+    comm = comm_times(cost_model, replica)
+    ranks, split = stage_ranks(replica.num_stages, schedule), split_mask(schedule)
+
+    def excess(p2p: float | np.ndarray) -> float:
+        bound = max(t.total for t in dependency_terms(costs, p2p, ranks, split).values())
+        return simulate_costs(schedule, costs, p2p).makespan_s - bound
+    return excess(comm) - excess(0.0)
