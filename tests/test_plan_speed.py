@@ -2,8 +2,10 @@
 sped up, ``GPUCostModel.stage_costs`` remembered against computed afresh, ``ModelSizes.stage_pieces`` /
 ``stage_parts`` against the plain loops, ``zb`` / ``zb-h1`` schedules remembered against built afresh, the
 reorder search's batched makespans under a memory limit against
-one order at a time, and whole planned steps (plans, every op's order and simulated timing) with every old
-path switched back in."""
+one order at a time, the zb estimate's level tables and level loop (``makespan_zb._level_table`` / ``_merged``),
+the simulator's peaks (``simulate.peaks``) and the batched orders' sweep (``batchsim.batch_makespans``) against
+stored copies of the ones before, and whole planned steps (plans, every op's order and simulated timing) with every
+old path switched back in."""
 
 from __future__ import annotations
 
@@ -28,11 +30,13 @@ from dynmb.core.model_sizes import PARTS, SUB_CHUNKS, UNITS_PER_LAYER, HalfPiece
 from dynmb.core.types import Action, Schedule
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.packing import dynapipe
-from dynmb.planning import reorder
+from dynmb.planning import batchsim, reorder
+from dynmb.planning import zerobubble as planning_zb
 from dynmb.schedule import zerobubble
 from dynmb.schedule.order import check_order, windowed_order
 from dynmb.schedule.zerobubble import ZBInputs, _check_fill, list_schedule, op_bytes
-from dynmb.timing import makespan_zb
+from dynmb.timing import makespan_zb, simulate
+from dynmb.timing.makespan_levels import level_order
 
 
 # --------------------------------------------------------------------------- the list scheduler before (a copy)
@@ -360,6 +364,245 @@ def _old_prefetch(self: reorder.OrderEvaluator, orders, limit: int) -> None:
     _batched_prefetch(self, orders, limit)
 
 
+
+# ----------------------------------------------------------------- the zb estimate, peaks, batched orders before
+def _old_level_table(P: int, m: int, win: tuple[int, ...]) -> tuple:
+    """``makespan_zb._level_table`` before: each op's level found level by level over all stages at once."""
+    if win == tuple(P - s for s in range(P)):
+        return level_order(P, m, "1f1b")
+    seq = [windowed_order(m, k) for k in win]
+    is_b = np.array([[op != "F" for op, _ in s] for s in seq])
+    mb = np.array([[j for _, j in s] for s in seq])
+    lvl = np.full((2, P, m), np.iinfo(np.int64).max)
+    ptr, rows, level = np.zeros(P, dtype=np.int64), np.arange(P), 0
+    up, down = np.arange(P) - 1, np.arange(P) + 1
+    while (live := ptr < 2 * m).any():
+        at = np.minimum(ptr, 2 * m - 1)
+        b, j = is_b[rows, at], mb[rows, at]
+        dep = np.where(b, np.where(down < P, lvl[1, np.minimum(down, P - 1), j], -1),
+                       np.where(up >= 0, lvl[0, np.maximum(up, 0), j], -1))
+        go = live & (dep < level)
+        lvl[b[go].astype(np.int64), rows[go], j[go]] = level
+        ptr += go
+        level += 1
+    n = 2 * P * m
+    st = np.repeat(np.arange(P), 2 * m)
+    ib, jj = is_b.ravel(), mb.ravel()
+    lv = lvl[ib.astype(np.int64), st, jj]
+    slot = np.empty((2, P, m), dtype=np.int64)
+    slot[ib.astype(np.int64), st, jj] = np.arange(n)
+    dep = np.where(ib, np.where(st < P - 1, slot[1, np.minimum(st + 1, P - 1), jj], -1),
+                   np.where(st > 0, slot[0, np.maximum(st - 1, 0), jj], -1))
+    order = np.argsort(lv, kind="stable")
+    inv = np.empty(n + 1, dtype=np.int64)
+    inv[order], inv[n] = np.arange(n), n
+    prev = np.arange(-1, n - 1)
+    prev[np.arange(P) * 2 * m] = n
+    out = (st[order], ib[order], jj[order], inv[prev[order]], inv[np.where(dep >= 0, dep, n)[order]])
+    return (*out, np.searchsorted(lv[order], np.arange(int(lv.max()) + 2)).tolist())
+
+
+def _old_last_ops(P: int, m: int, win: tuple[int, ...]) -> np.ndarray:
+    stage = _old_level_table(P, m, win)[0]
+    last = np.zeros(P, dtype=np.int64)
+    np.maximum.at(last, stage, np.arange(len(stage)))
+    return last
+
+
+def _old_merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes: np.ndarray,  # noqa: E741
+                win: tuple[int, ...]) -> np.ndarray:
+    """``makespan_zb._merged`` before: the level tables side by side, one global sort by level, the W queues in the
+    level loop."""
+    P, K = F.shape[0], len(sizes)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    op_off = np.concatenate([[0], np.cumsum(2 * P * sizes)])
+    N = int(op_off[-1])
+    idx = np.int32 if N < 2**31 - 1 and F.size < 2**31 - 1 else np.int64
+    level, stage, col, prev, dep, pipe = (np.empty(N, idx) for _ in range(6))
+    is_b = np.empty(N, bool)
+    last = np.empty(K * P, dtype=np.int64)
+    for m in np.unique(sizes).tolist():
+        st, ib, mb, pv, dp_, bounds = _old_level_table(P, m, win)
+        n, ks = len(st), np.flatnonzero(sizes == m)
+        last[(ks[:, None] * P + np.arange(P)).ravel()] = (op_off[ks][:, None] + _old_last_ops(P, m, win)).ravel()
+        at = (op_off[ks][:, None] + np.arange(n)).ravel()
+        base = np.repeat(op_off[ks], n)
+        level[at] = np.tile(np.repeat(np.arange(len(bounds) - 1), np.diff(bounds)), len(ks))
+        stage[at], is_b[at], pipe[at] = np.tile(st, len(ks)), np.tile(ib, len(ks)), np.repeat(ks, n)
+        col[at] = (offs[ks][:, None] + mb).ravel()
+        prev[at] = np.where(np.tile(pv, len(ks)) < n, base + np.tile(pv, len(ks)), N)
+        dep[at] = np.where(np.tile(dp_, len(ks)) < n, base + np.tile(dp_, len(ks)), N)
+    order = np.argsort(level.astype(np.int16) if level.max() < 2**15 else level, kind="stable")
+    pos = np.empty(N + 1, dtype=idx)
+    pos[order], pos[N] = np.arange(N), N
+    stage, is_b, col, pipe = stage[order], is_b[order], col[order], pipe[order]
+    prev, dep = pos[prev[order]], pos[dep[order]]
+    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2))
+    cell = stage * F.shape[1] + col
+    dur = np.where(is_b, np.take(I, cell), np.take(F, cell))
+    cool = is_b & ((col - offs[pipe] >= np.maximum(sizes[pipe] - np.asarray(win)[stage], 0))
+                   | (col - offs[pipe] < stage))
+    w_op = np.where(is_b, np.take(W, cell), 0.0)
+    tail = np.where(cool, 0.0, w_op)
+    cross = np.where(dep < N, np.take(comm, col), 0.0)
+    qid = pipe * P + stage
+    seen, fin, q = np.zeros(N + 1), np.zeros(N + 1), np.zeros(K * P)
+    cum = np.concatenate([[0], np.cumsum(cool)])
+    cools = (cum[bounds[1:]] > cum[bounds[:-1]]).tolist()
+    for a, e, has_cool in zip(bounds[:-1].tolist(), bounds[1:].tolist(), cools):
+        if e <= a:
+            continue
+        ready = seen[dep[a:e]]
+        ready += cross[a:e]
+        free = fin[prev[a:e]]
+        end = np.maximum(ready, free)
+        if has_cool:
+            c = np.flatnonzero(cool[a:e])
+            qi = qid[a + c]
+            q[qi] -= np.minimum(q[qi], np.maximum(ready[c] - free[c], 0.0))
+            q[qi] += w_op[a + c]
+        end += dur[a:e]
+        seen[a:e] = end
+        end += tail[a:e]
+        fin[a:e] = end
+    out = np.maximum.reduceat(fin[pos[:N]], op_off[:-1])
+    return np.maximum(out, (fin[pos[last]] + q).reshape(K, P).max(axis=1))
+
+
+def _old_op_memory(flat, act, tr, w=None, slice_grads=None):
+    """``simulate.op_memory`` before (``np.select``)."""
+    a = act[flat.stage, flat.mb]
+    wb = np.zeros_like(a) if w is None else w[flat.stage, flat.mb]
+    op = flat.op
+    delta = np.select([op == 0, op == 1, op == 2], [a, -a, wb - a], -wb)
+    during = np.select([op == 1, op == 2, op == 3], [a, np.maximum(a - wb, 0.0), wb], 0.0)
+    if tr is not None:
+        during = during + np.where(op == 3, 0.0, tr[flat.stage, flat.mb])
+    if slice_grads is not None:
+        bwd = (op == 1) | (op == 2)
+        alloc, free = slice_grads.alloc[flat.stage, flat.mb], slice_grads.free[flat.stage, flat.mb]
+        delta = delta + np.where(bwd, alloc - free, 0.0)
+        during = np.where(bwd, np.maximum(during + free - alloc, 0.0), during)
+        if slice_grads.recomputed is not None:
+            during = during + np.where(bwd, slice_grads.recomputed[flat.stage, flat.mb], 0.0)
+    return delta, during
+
+
+def _old_peaks(flat, S, R, act, tr, state, w=None, slice_grads=None):
+    """``simulate.peaks`` before: every schedule sorted by stage, the ranks' sequences apart."""
+    delta, during = _old_op_memory(flat, act, tr, w, slice_grads)
+    o = np.lexsort((flat.step, flat.stage))
+    st = flat.stage[o]
+    cs = np.cumsum(delta[o])
+    first = np.r_[0, np.flatnonzero(st[1:] != st[:-1]) + 1]
+    held = cs - np.repeat(cs[first] - delta[o][first], np.diff(np.r_[first, len(st)]))
+    peak_held = np.zeros(S)
+    if len(st):
+        peak_held[st[first]] = np.maximum(np.maximum.reduceat(held + during[o], first), 0.0)
+    rank_of = np.zeros(S, dtype=np.int64)
+    rank_of[flat.stage] = flat.rank
+    peak_r = np.zeros(R)
+    nonempty = np.flatnonzero(np.diff(flat.start) > 0)
+    if len(nonempty):
+        starts = flat.start[nonempty]
+        csr = np.cumsum(delta)
+        held_r = csr - np.repeat(csr[starts] - delta[starts], np.diff(np.r_[starts, len(delta)]))
+        peak_r[nonempty] = np.maximum(np.maximum.reduceat(held_r + during, starts), 0.0)
+    return state + peak_held, np.bincount(rank_of, weights=state, minlength=R) + peak_r, (o, st, held)
+
+
+def _old_batch_makespans(flat, cube: np.ndarray, comm: np.ndarray, perms: np.ndarray) -> np.ndarray:
+    """``batchsim.batch_makespans`` before: each level's actions gathered by index."""
+    n, K = len(flat.rank), len(perms)
+    rank, dep_l = flat.rank.tolist(), flat.dep.tolist()
+    prev, lev, last = [n] * n, [0] * n, [-1] * flat.num_ranks
+    for i in flat.order.tolist():
+        r, d, p = rank[i], dep_l[i], last[rank[i]]
+        v = lev[p] + 1 if p >= 0 else 0
+        if d >= 0 and lev[d] + 1 > v:
+            v = lev[d] + 1
+        lev[i], last[r] = v, i
+        if p >= 0:
+            prev[i] = p
+    lv = np.asarray(lev)
+    by = np.argsort(lv, kind="stable")
+    cuts = np.searchsorted(lv[by], np.arange(int(lv.max()) + 2 if n else 1))
+    groups = [by[a:e] for a, e in zip(cuts[:-1].tolist(), cuts[1:].tolist()) if e > a]
+    prev_a, dep = np.asarray(prev, dtype=np.int64), np.where(flat.dep >= 0, flat.dep, n)
+    j = perms[:, flat.mb].T
+    dur = cube[flat.op[:, None], flat.stage[:, None], j]
+    cross = np.zeros((n, K))
+    cross[flat.xi] = comm[j[flat.xi]]
+    end = np.zeros((n + 1, K))
+    for ids in groups:
+        t = end[dep[ids]] + cross[ids]
+        np.maximum(t, end[prev_a[ids]], out=t)
+        t += dur[ids]
+        end[ids] = t
+    return end[:n].max(axis=0) if n else np.zeros(K)
+
+
+# the zb estimate: level tables, and pipelines of mixed sizes in one level loop
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 12), sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+       same=st.booleans(), costs=st.sampled_from(["random", "unit", "ties"]), sends=st.booleans(),
+       estimate_as=st.sampled_from(["zb-h1", "zb"]))
+def test_zb_level_loop_is_the_old_one(seed, P, sizes, same, costs, sends, estimate_as):
+    """``_level_table`` (levels swept on lists) and ``_merged`` (ops laid out level by level per size, the W
+    queues after the sweep) give the old ones' bits: random, unit and tied costs, sends or none, several pipelines
+    of one size, of mixed sizes, or one; zero W (nothing queued) included."""
+    rng = np.random.default_rng(seed)
+    sizes_a = np.array([sizes[0]] * len(sizes) if same else sizes)
+    n = int(sizes_a.sum())
+    F = np.ones((P, n)) if costs == "unit" else rng.choice([1.0, 2.0], (P, n)) if costs == "ties" \
+        else rng.lognormal(0, 1, (P, n))
+    I = F * (1.0 if costs != "random" else rng.uniform(0.5, 2.0, (P, n)))  # noqa: E741
+    W = np.where(rng.random((P, n)) < 0.2, 0.0, F * rng.uniform(0.0, 1.5, (P, n)))
+    comm = rng.uniform(0, 0.2, n) if sends else np.zeros(n)
+    win = makespan_zb.windows(P, estimate_as)
+    for m in set(sizes_a.tolist()):
+        new, old = makespan_zb._level_table.__wrapped__(P, m, win), _old_level_table(P, m, win)
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(new[:5], old[:5])) and new[5] == old[5]
+    got = makespan_zb._merged(F, I, W, comm, sizes_a, win)
+    assert _bits(got) == _bits(_old_merged(F, I, W, comm, sizes_a, win))
+    assert got.tolist() == [makespan_zb._single(F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e], win)     # each alone too
+                            for a, e in zip(np.r_[0, np.cumsum(sizes_a)[:-1]], np.cumsum(sizes_a))]
+
+
+# the simulator's peaks and the batched orders' sweep
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["1f1b", "gpipe", "zb-h1", "interleaved", "zb-v"]),
+       P=st.integers(1, 6), m=st.integers(1, 14), memory=st.sampled_from(["act", "transient", "w", "slices"]))
+def test_peaks_and_batched_orders_are_the_old_ones(seed, kind, P, m, memory):
+    """``simulate.peaks`` (a stage per rank in rank order: flat's order, no sort) and ``batchsim.batch_makespans``
+    (levels as blocks of rows) give the old ones' bits: one stage per rank and several (interleaved, V-shape)."""
+    from dynmb.schedule.kinds import build_schedule
+    from dynmb.schedule.validate import execution_order
+    rng = np.random.default_rng(seed)
+    virtual = 2 if kind in ("interleaved", "zb-v") else 1
+    sched = build_schedule(kind, P * virtual, m, **({"virtual": virtual} if virtual > 1 else {}))
+    S, R = sched.num_stages, sched.num_ranks
+    act, state = rng.uniform(0, 5, (S, m)), rng.uniform(0, 9, S)
+    tr = None if memory == "act" else rng.uniform(0, 1, (S, m))
+    w = rng.uniform(0, 3, (S, m)) if memory in ("w", "slices") else None
+    grads = simulate.SliceGrads(*rng.uniform(0, 1, (3, S, m))) if memory == "slices" else None
+    flat = execution_order(sched)
+    new, old = simulate.peaks(flat, S, R, act, tr, state, w, grads), _old_peaks(flat, S, R, act, tr, state, w, grads)
+    assert _bits([new[0], new[1], *new[2]]) == _bits([old[0], old[1], *old[2]])
+    flat.num_ranks, flat.xi = R, simulate.cross_mask(flat)
+    cube, comm = rng.lognormal(0, 1, (4, S, m)), rng.uniform(0, 0.1, m)
+    perms = np.array([rng.permutation(m) for _ in range(int(rng.integers(1, 6)))])
+    assert _bits(batchsim.batch_makespans(flat, cube, comm, perms)) == \
+        _bits(_old_batch_makespans(flat, cube, comm, perms))
+
+
+def _old_prefetch_sweep(self: reorder.OrderEvaluator, orders, limit: int) -> None:
+    """The reorder search's batches before: ``_old_batch_makespans`` (with ``_old_prefetch``'s rule)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reorder, "batch_makespans", _old_batch_makespans)
+        _old_prefetch(self, orders, limit)
+
+
 def _steps(cases, old: bool, monkeypatch) -> list:
     with monkeypatch.context() as mp:
         mp.setattr(zerobubble, "_H1", {})
@@ -374,7 +617,11 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(GPUCostModel, "COSTS_REMEMBERED", 0)
             mp.setattr(model_sizes.ModelSizes, "stage_pieces", _old_stage_pieces)
             mp.setattr(model_sizes.ModelSizes, "stage_parts", _old_stage_parts)
-            mp.setattr(reorder.OrderEvaluator, "prefetch", _old_prefetch)
+            mp.setattr(reorder.OrderEvaluator, "prefetch", _old_prefetch_sweep)
+            mp.setattr(makespan_zb, "_merged", _old_merged)
+            mp.setattr(makespan_zb, "_level_table", _old_level_table)
+            for module in (simulate, reorder, planning_zb):
+                mp.setattr(module, "peaks", _old_peaks)
             mp.setattr(makespan_zb, "SINGLE_SWEEP", False)
             mp.setattr(makespan_zb, "REMEMBERED", 0)
             mp.setattr(dynapipe, "REMEMBERED", 0)

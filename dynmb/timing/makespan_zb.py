@@ -24,9 +24,11 @@ then ``W`` (its dependants read the end of ``I``) and a cool-down backward (micr
 ``j >= m - k_s``) only ``I``, its ``W`` joining the stage's queue ``q``: a wait of ``g`` before a
 cool-down ``I`` runs ``min(q, g)`` of the queue (fluid: a ``W`` may be cut), and the stage ends
 at its last op + ``q``. Evaluated level by level (``_level_table``: ops that cannot depend on each
-other, ``dynmb.timing.makespan_levels``' closed form for 1F1B's window, else each op's start under unit costs),
-one vectorised step per level over every pipeline (all sizes in one loop, ``_merged``; O(m + P) numpy steps); the scalar
-sweep (``_scalar``) for pipelines of few ops;
+other, ``dynmb.timing.makespan_levels``' closed form for 1F1B's window, else each op's start under unit costs, the
+longest chain before it, swept on plain lists), one vectorised step per level over every pipeline (all sizes in one
+loop, ``_merged``; O(m + P) numpy steps: the ops laid out level by level, a size's table beside itself for each of
+its pipelines, ``_layout``; the queue never moves an op's end, so the queues run after the sweep on the waits it
+left, ``_queues``); the scalar sweep (``_scalar``) for pipelines of few ops;
 a lone larger pipeline op by op in its level order (``_single``, the same bits as the level loop); level-swept
 pipelines already estimated are read back (``REMEMBERED``, bounded, keyed by every input). Left out: the memory limit (``zb`` runs its extra
 warm-up only where it fits: its estimate is optimistic where the limit binds), the list scheduler's candidates
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -168,32 +171,54 @@ def _scalar(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, win: 
     return float(max(f + x for f, x in zip(free, q)))
 
 
+def _unit_levels(P: int, m: int, win: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(is backward, microbatch, level)`` ``[P, 2m]`` of each stage's windowed order: each op's start under unit
+    costs and free sends, the longest chain before it, ``level = max(level of the stage's previous op, level of
+    its dependency) + 1`` (a forward's on the stage below, a backward's on the stage above), swept stage by stage
+    on plain lists as far as each stage's dependencies are known."""
+    seq = [windowed_order(m, k) for k in win]
+    lvl_f, lvl_b = [[-1] * m for _ in range(P)], [[-1] * m for _ in range(P)]
+    pos, last, done = [0] * P, [-1] * P, 0
+    while done < 2 * P * m:
+        before = done
+        for i in range(P):
+            order, k, lv = seq[i], pos[i], last[i]
+            up = lvl_f[i - 1] if i else None                  # forwards come from the stage below
+            down = lvl_b[i + 1] if i < P - 1 else None        # backwards from the stage above
+            own_f, own_b = lvl_f[i], lvl_b[i]
+            while k < 2 * m:
+                op, j = order[k]
+                d = (-1 if up is None else up[j]) if op == "F" else (-1 if down is None else down[j])
+                if d < 0 and (up if op == "F" else down) is not None:
+                    break                                   # its dependency has no level yet
+                lv = (lv if lv > d else d) + 1
+                if op == "F":
+                    own_f[j] = lv
+                else:
+                    own_b[j] = lv
+                k += 1
+            done += k - pos[i]
+            pos[i], last[i] = k, lv
+        if done == before:
+            raise RuntimeError("zero-bubble estimate deadlocked (bad schedule order)")
+    is_b = np.array([[op != "F" for op, _ in s] for s in seq])
+    mb = np.array([[j for _, j in s] for s in seq])
+    level = np.where(is_b, np.take_along_axis(np.array(lvl_b), mb, axis=1),
+                     np.take_along_axis(np.array(lvl_f), mb, axis=1))
+    return is_b, mb, level
+
+
 @functools.lru_cache(maxsize=128)
 def _level_table(P: int, m: int, win: tuple[int, ...]) -> tuple:
     """``dynmb.timing.makespan_levels.level_order``'s table (stage, is backward, microbatch, previous op, dependency,
     level starts) of the windowed order (``windowed_order``): 1F1B's closed form for ``P - s``, else
-    each op's start under unit costs and free sends, found level by level over all stages at once."""
+    each op's start under unit costs and free sends (``_unit_levels``)."""
     if win == tuple(P - s for s in range(P)):
         return level_order(P, m, "1f1b")
-    seq = [windowed_order(m, k) for k in win]
-    is_b = np.array([[op != "F" for op, _ in s] for s in seq])            # [P, 2m] in stage order
-    mb = np.array([[j for _, j in s] for s in seq])
-    lvl = np.full((2, P, m), np.iinfo(np.int64).max)                       # level of F / B per (stage, mb)
-    ptr, rows, level = np.zeros(P, dtype=np.int64), np.arange(P), 0
-    up, down = np.arange(P) - 1, np.arange(P) + 1
-    while (live := ptr < 2 * m).any():
-        at = np.minimum(ptr, 2 * m - 1)
-        b, j = is_b[rows, at], mb[rows, at]
-        dep = np.where(b, np.where(down < P, lvl[1, np.minimum(down, P - 1), j], -1),
-                       np.where(up >= 0, lvl[0, np.maximum(up, 0), j], -1))
-        go = live & (dep < level)
-        lvl[b[go].astype(np.int64), rows[go], j[go]] = level
-        ptr += go
-        level += 1
+    is_b, mb, lv2 = _unit_levels(P, m, win)                                 # [P, 2m] in stage order
     n = 2 * P * m
     st = np.repeat(np.arange(P), 2 * m)
-    ib, jj = is_b.ravel(), mb.ravel()
-    lv = lvl[ib.astype(np.int64), st, jj]
+    ib, jj, lv = is_b.ravel(), mb.ravel(), lv2.ravel()
     slot = np.empty((2, P, m), dtype=np.int64)                             # natural id of each (op, stage, mb)
     slot[ib.astype(np.int64), st, jj] = np.arange(n)
     dep = np.where(ib, np.where(st < P - 1, slot[1, np.minimum(st + 1, P - 1), jj], -1),
@@ -209,65 +234,106 @@ def _level_table(P: int, m: int, win: tuple[int, ...]) -> tuple:
     return (*out, np.searchsorted(lv[order], np.arange(int(lv.max()) + 2)).tolist())
 
 
+def _layout(P: int, sizes: np.ndarray, win: tuple[int, ...],
+            idx: type) -> tuple[list[tuple[np.ndarray, tuple, np.ndarray]], np.ndarray]:
+    """Where ``_merged`` puts each op of pipelines ``sizes``: level by level, within a level one size's ops after
+    the other's, each op of its table beside itself for every pipeline of that size. Per size ``(pipelines,
+    table, places [n + 1, pipelines])`` (the last row ``N``: none) and the level starts (``N`` last)."""
+    groups = [(np.flatnonzero(sizes == m), _level_table(P, m, win)) for m in np.unique(sizes).tolist()]
+    counts = np.zeros((len(groups), max(len(t[5]) for _, t in groups) - 1), dtype=np.int64)   # ops per level
+    for g, (ks, table) in enumerate(groups):
+        counts[g, :len(table[5]) - 1] = np.diff(table[5]) * len(ks)
+    flat = counts.T.ravel()                                           # level-major, sizes in order
+    start = (np.concatenate([[0], np.cumsum(flat)])[:-1]).reshape(counts.shape[1], len(groups)).T
+    N, out = int(flat.sum()), []
+    for g, (ks, table) in enumerate(groups):
+        bounds = np.asarray(table[5])
+        lvl = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+        row = np.append(start[g, lvl] + (np.arange(len(lvl)) - bounds[lvl]) * len(ks), N)    # first pipeline's
+        pos: np.ndarray = row.astype(idx)[:, None] + np.arange(len(ks), dtype=idx)[None, :]
+        pos[-1] = N
+        out.append((ks, table, pos))
+    return out, np.concatenate([start[0], [N]])
+
+
 def _merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes: np.ndarray,  # noqa: E741
             win: tuple[int, ...]) -> np.ndarray:
-    """The recurrence (module doc) of pipelines of any sizes (one or several) in ONE level loop: their level
-    tables side by side, sorted by level, each level one vectorised step over the ops of every pipeline;
-    the queue per (pipeline, stage). The one vectorised implementation (``_scalar``: the op-by-op sweep)."""
-    P, K = F.shape[0], len(sizes)
-    offs = np.concatenate([[0], np.cumsum(sizes)])
-    op_off = np.concatenate([[0], np.cumsum(2 * P * sizes)])
-    N = int(op_off[-1])
-    idx = np.int32 if N < 2**31 - 1 and F.size < 2**31 - 1 else np.int64     # halves the memory traffic
-    level, stage, col, prev, dep, pipe = (np.empty(N, idx) for _ in range(6))
-    is_b = np.empty(N, bool)
-    last = np.empty(K * P, dtype=np.int64)                   # each (pipeline, stage)'s last op, unsorted
-    for m in np.unique(sizes).tolist():
-        st, ib, mb, pv, dp_, bounds = _level_table(P, m, win)
-        n, ks = len(st), np.flatnonzero(sizes == m)
-        last[(ks[:, None] * P + np.arange(P)).ravel()] = (op_off[ks][:, None] + _last_ops(P, m, win)).ravel()
-        at = (op_off[ks][:, None] + np.arange(n)).ravel()
-        base = np.repeat(op_off[ks], n)
-        level[at] = np.tile(np.repeat(np.arange(len(bounds) - 1), np.diff(bounds)), len(ks))
-        stage[at], is_b[at], pipe[at] = np.tile(st, len(ks)), np.tile(ib, len(ks)), np.repeat(ks, n)
-        col[at] = (offs[ks][:, None] + mb).ravel()
-        prev[at] = np.where(np.tile(pv, len(ks)) < n, base + np.tile(pv, len(ks)), N)
-        dep[at] = np.where(np.tile(dp_, len(ks)) < n, base + np.tile(dp_, len(ks)), N)
-    order = np.argsort(level.astype(np.int16) if level.max() < 2**15 else level, kind="stable")   # radix sort
-    pos = np.empty(N + 1, dtype=idx)
-    pos[order], pos[N] = np.arange(N), N
-    stage, is_b, col, pipe = stage[order], is_b[order], col[order], pipe[order]
-    prev, dep = pos[prev[order]], pos[dep[order]]
-    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2))
-    cell = stage * F.shape[1] + col                           # flat (stage, column) of each op
-    dur = np.where(is_b, np.take(I, cell), np.take(F, cell))
-    cool = is_b & ((col - offs[pipe] >= np.maximum(sizes[pipe] - np.asarray(win)[stage], 0))
-                   | (col - offs[pipe] < stage))                 # or one of the W ZB-H1 defers
-    w_op = np.where(is_b, np.take(W, cell), 0.0)
-    tail = np.where(cool, 0.0, w_op)
-    cross = np.where(dep < N, np.take(comm, col), 0.0)
-    qid = pipe * P + stage
-    seen, fin, q = np.zeros(N + 1), np.zeros(N + 1), np.zeros(K * P)
-    cum = np.concatenate([[0], np.cumsum(cool)])
-    cools = (cum[bounds[1:]] > cum[bounds[:-1]]).tolist()    # levels with cool-down backwards
-    for a, e, has_cool in zip(bounds[:-1].tolist(), bounds[1:].tolist(), cools):
-        if e <= a:
-            continue
-        ready = seen[dep[a:e]]
-        ready += cross[a:e]
-        free = fin[prev[a:e]]
-        end = np.maximum(ready, free)
-        if has_cool:
-            c = np.flatnonzero(cool[a:e])
-            qi = qid[a + c]
-            q[qi] -= np.minimum(q[qi], np.maximum(ready[c] - free[c], 0.0))
-            q[qi] += w_op[a + c]
-        end += dur[a:e]
-        seen[a:e] = end
-        end += tail[a:e]
-        fin[a:e] = end
-    out = np.maximum.reduceat(fin[pos[:N]], op_off[:-1])       # each pipeline's ops lie together unsorted
-    return np.maximum(out, (fin[pos[last]] + q).reshape(K, P).max(axis=1))
+    """The recurrence (module doc) of pipelines of any sizes (one or several) in ONE level loop: their ops laid out
+    level by level (``_layout``), each level one vectorised step over the ops of every pipeline; the W queue per
+    (pipeline, stage) after it (``_queues``). The one vectorised implementation (``_scalar``: the op-by-op sweep)."""
+    P, K, width = F.shape[0], len(sizes), F.shape[1]
+    idx = np.int32 if 2 * F.size + 1 < 2**31 - 1 else np.int64               # halves the memory traffic
+    groups, bounds = _layout(P, sizes, win, idx)
+    N = int(bounds[-1])
+    nat = np.empty((5, N), idx)          # per op as laid out by size: previous op, dependency, F / I, W, send
+    perm, cools, at = np.empty(N, idx), [], 0
+    offs = np.concatenate([[0], np.cumsum(sizes)]).astype(idx)
+    for ks, table, pos in groups:
+        n = len(table[0])
+        block = nat[:, at:at + n * len(ks)].reshape(5, n, len(ks))
+        perm[pos[:-1].ravel()] = np.arange(at, at + n * len(ks), dtype=idx)
+        cools.append(_columns(P, width, win, ks, table, pos, offs[ks], block))
+        at += n * len(ks)
+    prev, dep, fi, w_at, send = np.take(nat, perm, axis=1)
+    dur = np.take(np.concatenate([F.ravel(), I.ravel()]), fi)
+    tail = np.take(np.append(W.ravel(), 0.0), w_at)
+    cross = np.take(np.append(comm, 0.0), send)
+    seen, fin = np.zeros(N + 1), np.zeros(N + 1)
+    for a, e in itertools.pairwise(bounds.tolist()):
+        end = np.take(seen, dep[a:e])
+        end += cross[a:e]
+        np.maximum(end, np.take(fin, prev[a:e]), out=end)
+        np.add(end, dur[a:e], out=seen[a:e])
+        np.add(seen[a:e], tail[a:e], out=fin[a:e])
+    place, qid, cell = (np.concatenate(x) for x in zip(*cools))
+    wait = np.maximum(np.take(seen, dep[place]) + cross[place] - np.take(fin, prev[place]), 0.0)   # as the loop saw
+    q = _queues(K * P, place, qid, np.take(W, cell), wait)
+    out = np.empty(K)
+    for ks, table, pos in groups:
+        lasts = pos[_last_ops(P, len(table[0]) // (2 * P), win)]             # [P, pipelines]
+        out[ks] = np.maximum(fin[pos[:-1]].max(axis=0), (fin[lasts] + q.reshape(K, P)[ks].T).max(axis=0))
+    return out
+
+
+def _columns(P: int, width: int, win: tuple[int, ...], ks: np.ndarray, table: tuple, pos: np.ndarray,
+             offs: np.ndarray, block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_merged``'s inputs of the pipelines ``ks`` of one size (first columns ``offs``; its level ``table``, places
+    ``pos``) into ``block`` ``[5, n, pipelines]``: previous op and dependency (places; ``N`` none), F / I (flat
+    index into F then I), the W right after (a steady-state backward; else past W's end: none) and the send (past
+    the sends: none). Returns its queued-W backwards (a cool-down one, or one ZB-H1 defers): places, queue
+    (pipeline, stage), flat (stage, column)."""
+    st, ib, mb, pv, dp_, _ = table
+    m = len(st) // (2 * P)
+    cool = ib & ((mb >= np.maximum(m - np.asarray(win)[st], 0)) | (mb < st))
+    cell = (st * width + mb).astype(block.dtype)
+    np.take(pos, pv, axis=0, out=block[0])
+    np.take(pos, dp_, axis=0, out=block[1])
+    np.add((cell + ib * (P * width))[:, None], offs[None, :], out=block[2])
+    np.add(cell[:, None], offs[None, :], out=block[3])
+    block[3][~(ib & ~cool)] = P * width
+    np.add(mb.astype(block.dtype)[:, None], offs[None, :], out=block[4])
+    block[4][dp_ == len(st)] = width
+    rows = np.flatnonzero(cool)
+    return (pos[rows].ravel(), (ks[None, :] * P + st[rows][:, None]).ravel(),
+            (cell[rows][:, None] + offs[None, :]).ravel())
+
+
+def _queues(n_queues: int, at: np.ndarray, qid: np.ndarray, w_q: np.ndarray, wait: np.ndarray) -> np.ndarray:
+    """Each (pipeline, stage)'s W queue at its end, of ``_merged``'s swept ops: the queued-W backwards at places
+    ``at`` (queue ``qid``, W seconds ``w_q``, the wait before it ``wait``) in each queue's order, all queues a step
+    at a time: a wait runs what it can of the queue, then the backward's W joins it (the queue never moves an op's
+    end: the waits are the sweep's)."""
+    o = np.argsort(qid.astype(np.int64) * (int(at.max(initial=0)) + 1) + at, kind="stable")   # per queue, in order
+    qid, wait, w_q = qid[o], wait[o], w_q[o]
+    first = np.flatnonzero(np.r_[True, qid[1:] != qid[:-1]])
+    count = np.diff(np.r_[first, len(qid)])
+    q = np.zeros(n_queues)
+    for t in range(int(count.max(initial=0))):
+        i = first[count > t] + t
+        qi = qid[i]
+        q[qi] -= np.minimum(q[qi], wait[i])
+        q[qi] += w_q[i]
+    return q
 
 
 @functools.lru_cache(maxsize=128)
@@ -286,14 +352,18 @@ same arithmetic as ``_merged``, bit-equal, without a numpy call per level); Fals
 
 
 @functools.lru_cache(maxsize=128)
-def _single_table(P: int, m: int, win: tuple[int, ...]) -> tuple[list, ...]:
-    """``_level_table``'s ops of one pipeline as plain lists for ``_single``: stage, is backward, microbatch,
-    previous op and dependency (``n``: none), is a queued-W backward (``_merged``'s ``cool``), and each stage's
-    last op."""
+def _single_table(P: int, m: int, win: tuple[int, ...]) -> tuple[list, list]:
+    """``_level_table``'s ops of one pipeline as plain lists for ``_single``, per op in level order: its dependency
+    and previous op (``n``: none), its duration's place in F then I (flat ``[P, m]`` each), its W's right after it
+    (a steady-state backward; else ``P m``, a zero), its send (``m``, a zero, without a dependency), and for a
+    queued-W backward (``_merged``'s) its stage and its W's place (else -1, 0); and each stage's last op."""
     st, ib, mb, pv, dp_, _ = _level_table(P, m, win)
+    n = len(st)
     cool = ib & ((mb >= np.maximum(m - np.asarray(win)[st], 0)) | (mb < st))
-    return (st.tolist(), ib.tolist(), mb.tolist(), pv.tolist(), dp_.tolist(), cool.tolist(),
-            _last_ops(P, m, win).tolist())
+    cell = st * m + mb
+    ops = zip(dp_.tolist(), pv.tolist(), (cell + ib * (P * m)).tolist(), np.where(ib & ~cool, cell, P * m).tolist(),
+              np.where(dp_ < n, mb, m).tolist(), np.where(cool, st, -1).tolist(), np.where(cool, cell, 0).tolist())
+    return list(ops), _last_ops(P, m, win).tolist()
 
 
 def _single(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray,  # noqa: E741
@@ -301,29 +371,22 @@ def _single(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray,  # no
     """``_merged`` of one pipeline, op by op in its level order (each op's inputs are ops of earlier levels): the
     same operations on the same values in the same order per stage, so the same bits; no numpy call per level."""
     P, m = F.shape
-    st, ib, mb, pv, dp_, cool, last = _single_table(P, m, win)
-    n = len(st)
-    Fl, Il, Wl, cl = F.tolist(), I.tolist(), W.tolist(), comm.tolist()
+    ops, last = _single_table(P, m, win)
+    n = len(ops)
+    dur = np.concatenate([F.ravel(), I.ravel()]).tolist()
+    w = W.ravel().tolist()
+    tail, send = w + [0.0], comm.tolist() + [0.0]
     seen, fin, q = [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * P
-    for x in range(n):
-        s, j, d = st[x], mb[x], dp_[x]
-        ready = seen[d] + cl[j] if d < n else 0.0
-        free = fin[pv[x]]
+    for x, (d, p, di, wi, sj, qs, wq) in enumerate(ops):
+        ready = seen[d] + send[sj]
+        free = fin[p]
         end = ready if ready >= free else free              # np.maximum: either when equal
-        if ib[x]:
-            if cool[x]:
-                q[s] -= min(q[s], max(ready - free, 0.0))
-                q[s] += Wl[s][j]
-                end += Il[s][j]
-                seen[x] = fin[x] = end + 0.0
-                continue
-            end += Il[s][j]
-            seen[x] = end
-            fin[x] = end + Wl[s][j]
-        else:
-            end += Fl[s][j]
-            seen[x] = end
-            fin[x] = end + 0.0
+        if qs >= 0:                                         # its W queued: it fills the wait before it
+            q[qs] -= min(q[qs], max(ready - free, 0.0))
+            q[qs] += w[wq]
+        end += dur[di]
+        seen[x] = end
+        fin[x] = end + tail[wi]
     return float(max(max(fin[:n]), max(fin[last[s]] + q[s] for s in range(P))))
 
 
@@ -353,7 +416,8 @@ def zb_recurrence(F: np.ndarray, B: np.ndarray, comm: np.ndarray, sizes: np.ndar
 
 REMEMBERED = 4096
 """Level-swept pipelines whose makespans ``_level_swept`` remembers (keyed by a digest of the pipeline's ``F``,
-``I``, ``W``, sends and windows; 0: none, the old path). The packers estimate the same pipeline again and again
+``I``, ``W``, sends (its columns) and windows; 0: none, the old path). The packers estimate the same pipeline
+again and again
 within one plan (``dynamic``'s ranking and final choice, ``lockstep``'s candidates per kind); a pipeline's value
 does not depend on the others swept with it (``_merged`` of several gives each one's bits)."""
 _swept: OrderedDict[bytes, float] = OrderedDict()
@@ -366,13 +430,14 @@ def _level_swept(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, 
     (``REMEMBERED``) read back; a lone pipeline left swept by ``_single`` (``SINGLE_SWEEP``)."""
     out, keys = np.empty(len(ks)), []
     todo = []
+    cols = np.ascontiguousarray(np.concatenate([F, I, W, comm[None, :]]).T, dtype=np.float64) \
+        if REMEMBERED > 0 else None                               # a pipeline's inputs: one contiguous block
     for x, k in enumerate(ks.tolist()):
         a, e = int(offs[k]), int(offs[k + 1])
         key = b""
-        if REMEMBERED > 0:
+        if cols is not None:
             digest = hashlib.blake2b(repr((F.shape[0], e - a, win)).encode(), digest_size=20)
-            for part in (F[:, a:e], I[:, a:e], W[:, a:e], comm[a:e]):
-                digest.update(np.ascontiguousarray(part, dtype=np.float64).tobytes())
+            digest.update(cols[a:e].data)
             key = digest.digest()
             with _swept_lock:
                 known = _swept.get(key)

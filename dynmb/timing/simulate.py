@@ -273,8 +273,9 @@ def op_memory(flat: Any, act: np.ndarray, tr: np.ndarray | None, w: np.ndarray |
     a = act[flat.stage, flat.mb]
     wb = np.zeros_like(a) if w is None else w[flat.stage, flat.mb]
     op = flat.op
-    delta = np.select([op == 0, op == 1, op == 2], [a, -a, wb - a], -wb)
-    during = np.select([op == 1, op == 2, op == 3], [a, np.maximum(a - wb, 0.0), wb], 0.0)
+    pick = op * len(a) + np.arange(len(a))                      # op codes F, B, I, W: one of four per action
+    delta = np.take(np.concatenate((a, -a, wb - a, -wb)), pick)
+    during = np.take(np.concatenate((np.zeros_like(a), a, np.maximum(a - wb, 0.0), wb)), pick)
     if tr is not None:
         during = during + np.where(op == 3, 0.0, tr[flat.stage, flat.mb])
     if slice_grads is not None:
@@ -293,21 +294,23 @@ def peaks(flat: Any, S: int, R: int, act: np.ndarray, tr: np.ndarray | None,
     """Peak bytes per stage and per rank of a flattened schedule (see module doc), plus the
     per-stage sequence ``(order, stage, held bytes after each op)`` for the memory timeline."""
     delta, during = op_memory(flat, act, tr, w, slice_grads)
-    # per stage: its actions in rank order (a stage lives on one rank)
-    o = np.lexsort((flat.step, flat.stage))
-    st = flat.stage[o]
-    cs = np.cumsum(delta[o])
+    # per stage: its actions in rank order (a stage lives on one rank); stage s alone on rank s: flat's order
+    one_each = R == S and np.array_equal(flat.stage, flat.rank)
+    o = np.arange(len(delta)) if one_each else np.lexsort((flat.step, flat.stage))
+    st = flat.stage if one_each else flat.stage[o]
+    d_o = delta if one_each else delta[o]
+    cs = np.cumsum(d_o)
     first = np.r_[0, np.flatnonzero(st[1:] != st[:-1]) + 1]
-    held = cs - np.repeat(cs[first] - delta[o][first], np.diff(np.r_[first, len(st)]))
+    held = cs - np.repeat(cs[first] - d_o[first], np.diff(np.r_[first, len(st)]))
     peak_held = np.zeros(S)
     if len(st):
-        peak_held[st[first]] = np.maximum(np.maximum.reduceat(held + during[o], first), 0.0)
-    # per rank: its whole sequence (flat is rank-major, in step order)
+        peak_held[st[first]] = np.maximum(np.maximum.reduceat(held + (during if one_each else during[o]), first), 0.0)
+    # per rank: its whole sequence (flat is rank-major, in step order); one stage each: the stage's
     rank_of = np.zeros(S, dtype=np.int64)
     rank_of[flat.stage] = flat.rank
-    peak_r = np.zeros(R)
+    peak_r = peak_held.copy() if one_each else np.zeros(R)
     nonempty = np.flatnonzero(np.diff(flat.start) > 0)
-    if len(nonempty):
+    if len(nonempty) and not one_each:
         starts = flat.start[nonempty]
         csr = np.cumsum(delta)
         held_r = csr - np.repeat(csr[starts] - delta[starts], np.diff(np.r_[starts, len(delta)]))
