@@ -833,8 +833,10 @@ def test_execution_order_remembered_is_the_fresh_one_bounded(monkeypatch):
     assert validate.execution_order(scheds[0]).order.flags.writeable
 
 
-def test_zb_reuses_zb_h1_verdicts_not_simulating_them_again(monkeypatch):
-    """``zb`` judges ZB-H1's pick and 1F1B once (``zb_h1`` did): the same schedule as simulating both again."""
+@pytest.mark.parametrize("fits_only", [None, "1f1b", "zb-h1"])
+def test_zb_reuses_zb_h1_verdicts_not_simulating_them_again(monkeypatch, fits_only):
+    """``zb`` judges ZB-H1's pick and 1F1B once (``zb_h1`` did): the same schedule as simulating both again,
+    also where only 1F1B's or only ZB-H1's peak fits (each verdict goes with its own schedule)."""
     rng = np.random.default_rng(5)
     P, m = 4, 9
     F = rng.uniform(1, 3, (P, m))
@@ -847,12 +849,14 @@ def test_zb_reuses_zb_h1_verdicts_not_simulating_them_again(monkeypatch):
         flat = validate.execution_order(sched)
         dur = np.stack([inp.F, inp.B, inp.I, inp.W])[flat.op, flat.stage, flat.mb]
         _, end = simulate.action_times(flat, dur, np.zeros(len(dur)), sched.num_ranks)
-        return float(max(end)), np.zeros(P)
+        return float(max(end)), np.zeros(P) if fits_only in (None, sched.kind) else np.full(P, 1e30)
     picks, counts = [], []
     for reuse in (True, False):
         monkeypatch.setattr(zerobubble, "REUSE_H1_VERDICTS", reuse)
         monkeypatch.setattr(zerobubble, "REMEMBERED", 0)
         seen.clear()
-        picks.append(zerobubble.zb_limit_aware(P, m, inp, [np.inf] * P, np.inf, evaluate).ranks)
+        picks.append(zerobubble.zb_limit_aware(P, m, inp, [np.inf] * P, 1.0, evaluate).ranks)
         counts.append(len(seen))
     assert picks[0] == picks[1] and counts[0] == counts[1] - 2
+    if fits_only == "1f1b":
+        assert picks[0] == zerobubble._one_f_one_b(P, m).ranks
