@@ -10,6 +10,7 @@ old path switched back in."""
 from __future__ import annotations
 
 import heapq
+import importlib
 import signal
 from collections import deque
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from dynmb import data
 from dynmb.core import model_sizes
 from dynmb.core.config import ModelConfig
 from dynmb.core.model_sizes import PARTS, SUB_CHUNKS, UNITS_PER_LAYER, HalfPiece, _count
+from dynmb.core.microbatch import Microbatch
 from dynmb.core.types import Action, Schedule
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.packing import dynapipe
@@ -37,6 +39,8 @@ from dynmb.schedule.order import check_order, windowed_order
 from dynmb.schedule.zerobubble import ZBInputs, _check_fill, list_schedule, op_bytes
 from dynmb.timing import makespan_zb, simulate
 from dynmb.timing.makespan_levels import level_order
+
+validate = importlib.import_module("dynmb.schedule.validate")   # dynmb.schedule's ``validate`` is the function
 
 
 # --------------------------------------------------------------------------- the list scheduler before (a copy)
@@ -625,6 +629,11 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(makespan_zb, "SINGLE_SWEEP", False)
             mp.setattr(makespan_zb, "REMEMBERED", 0)
             mp.setattr(dynapipe, "REMEMBERED", 0)
+            mp.setattr(zerobubble, "REUSE_H1_VERDICTS", False)
+            mp.setattr(validate, "REMEMBERED", 0)
+            mp.setattr(Microbatch, "slice_mask", property(lambda mb: (mb.offsets > 0) | mb.continued))
+            mp.setattr(Microbatch, "has_slices", property(lambda mb: bool(mb.slice_mask.any())))
+        mp.setattr(validate, "_FLAT", {})
         cfg, lengths = dynmb.model_config("llama2-7b"), data.load_trace("sharegpt")
         out = []
         for P, schedule, limit, tokens, seed in cases:
@@ -800,3 +809,54 @@ def test_zb_remembered_bounded_and_keyed_by_every_input(monkeypatch):
     assert run(4096) == fresh and run(4096) == fresh                         # computed, then read back
     assert len(makespan_zb._swept) == len(cases)
     assert run(2) == fresh and len(makespan_zb._swept) == 2
+
+
+# --------------------------------------------------------------------------- flattened schedules remembered
+def test_execution_order_remembered_is_the_fresh_one_bounded(monkeypatch):
+    """A remembered flattening equals a fresh one field by field, is a copy (attributes set on it stay off the
+    store), read-only, held for ``REMEMBERED`` schedules only, keyed by the ranks and the shape; off at 0."""
+    monkeypatch.setattr(validate, "_FLAT", {})
+    monkeypatch.setattr(validate, "REMEMBERED", 2)
+    fields = ("rank", "stage", "op", "mb", "step", "start", "dep", "order")
+    scheds = [zerobubble._one_f_one_b(P, m) for P, m in ((4, 6), (4, 7), (3, 9))]
+    for sched in scheds:
+        first = validate.execution_order(sched)
+        first.extra = 1
+        again = validate.execution_order(Schedule(sched.ranks, sched.num_stages, sched.num_microbatches, "x"))
+        fresh = validate._execution_order(sched)
+        assert all(np.array_equal(getattr(again, f), getattr(fresh, f)) for f in fields)
+        assert not hasattr(again, "extra") and not again.order.flags.writeable
+    assert len(validate._FLAT) == 2
+    with pytest.raises(validate.ScheduleError):      # the same ranks read with fewer microbatches: checked afresh
+        validate.execution_order(Schedule(scheds[-1].ranks, 3, 8))
+    monkeypatch.setattr(validate, "REMEMBERED", 0)
+    assert validate.execution_order(scheds[0]).order.flags.writeable
+
+
+@pytest.mark.parametrize("fits_only", [None, "1f1b", "zb-h1"])
+def test_zb_reuses_zb_h1_verdicts_not_simulating_them_again(monkeypatch, fits_only):
+    """``zb`` judges ZB-H1's pick and 1F1B once (``zb_h1`` did): the same schedule as simulating both again,
+    also where only 1F1B's or only ZB-H1's peak fits (each verdict goes with its own schedule)."""
+    rng = np.random.default_rng(5)
+    P, m = 4, 9
+    F = rng.uniform(1, 3, (P, m))
+    inp = ZBInputs(F, 2 * F, 1.1 * F, 1.0 * F, np.full(m, 0.1), np.ones((P, m), bool), F * 1e9, F * 1e9,
+                   np.zeros((P, m)))
+    seen: list[int] = []
+
+    def evaluate(sched):
+        seen.append(id(sched))
+        flat = validate.execution_order(sched)
+        dur = np.stack([inp.F, inp.B, inp.I, inp.W])[flat.op, flat.stage, flat.mb]
+        _, end = simulate.action_times(flat, dur, np.zeros(len(dur)), sched.num_ranks)
+        return float(max(end)), np.zeros(P) if fits_only in (None, sched.kind) else np.full(P, 1e30)
+    picks, counts = [], []
+    for reuse in (True, False):
+        monkeypatch.setattr(zerobubble, "REUSE_H1_VERDICTS", reuse)
+        monkeypatch.setattr(zerobubble, "REMEMBERED", 0)
+        seen.clear()
+        picks.append(zerobubble.zb_limit_aware(P, m, inp, [np.inf] * P, 1.0, evaluate).ranks)
+        counts.append(len(seen))
+    assert picks[0] == picks[1] and counts[0] == counts[1] - 2
+    if fits_only == "1f1b":
+        assert picks[0] == zerobubble._one_f_one_b(P, m).ranks

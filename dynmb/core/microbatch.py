@@ -12,6 +12,7 @@ that the slices of one sequence cover ``[0, length)`` back to back in execution 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
@@ -116,13 +117,17 @@ class Microbatch:
         """True when some row holds more than one sequence."""
         return len(np.unique(self.row_ids)) < self.num_seqs
 
-    @property
+    @cached_property
     def slice_mask(self) -> np.ndarray:
-        """``(num_seqs,)`` bool: which entries are slice segments (offset > 0 or continued)."""
-        return (self.offsets > 0) | self.continued
+        """``(num_seqs,)`` bool, read-only: which entries are slice segments (offset > 0 or continued);
+        computed once (the fields are frozen; not a field: equality, hash, JSON unchanged)."""
+        mask = (self.offsets > 0) | self.continued
+        mask.setflags(write=False)
+        return mask
 
-    @property
+    @cached_property
     def has_slices(self) -> bool:
+        """Whether some entry is a slice segment (computed once, as ``slice_mask``)."""
         return bool(self.slice_mask.any())
 
     @property

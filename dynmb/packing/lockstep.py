@@ -206,55 +206,50 @@ def _least_loaded(lens: np.ndarray, weights: np.ndarray, tier: np.ndarray, pack_
 def _least_fill(sizes: np.ndarray, weights: np.ndarray, tiers: np.ndarray, pack_len: int) -> np.ndarray | None:
     """Row (an index into ``tiers``) of every document: documents longest first (ties: heavier, then lower index),
     each into the row of least weight with room among the rows of the lowest ``tier`` that has one (ties: the
-    lowest row); None when no row has room. A heap of (tier, weight, row) answers while one of its first
-    ``HEAP_POPS`` rows has room (O(log K)); else one scan of every row (O(K)). The loop reads plain Python lists
-    (``room`` mirrored in numpy for the scan)."""
+    lowest row); None when no row has room. A heap of (tier, weight, row) over the rows with room for the
+    current document answers in O(log K): a row popped without room is parked (a heap by room, most first) and
+    comes back once the documents, ever shorter, fit it again, so each row is looked past once per document it
+    takes. The loop reads plain Python lists."""
     w, size_of, tier_of = weights.tolist(), sizes.tolist(), tiers.tolist()
     heap = [(t, 0.0, r) for r, t in enumerate(tier_of)]
     heapq.heapify(heap)
-    room = [int(pack_len)] * len(tier_of)
-    room_np, load = np.full(len(tiers), int(pack_len), dtype=np.int64), [0.0] * len(tiers)
-    load_np = np.zeros(len(tiers))
+    parked: list[tuple[int, int]] = []                  # (-room, row) of the rows looked past
+    room, load = [int(pack_len)] * len(tier_of), [0.0] * len(tier_of)
     row = [0] * len(size_of)
+    push, pop = heapq.heappush, heapq.heappop
     for i in np.lexsort((np.arange(len(sizes)), -weights, -sizes)).tolist():
         size = size_of[i]
-        r = _heap_row(heap, room, load, size)
-        if r is None:
-            fits = room_np >= size
-            if not fits.any():
-                return None
-            r = int(np.argmin(np.where(fits & (tiers == tiers[fits].min()), load_np, np.inf)))
-        row[i] = r
-        room[r] -= size
-        room_np[r] = room[r]
-        load[r] += w[i]
-        load_np[r] = load[r]
-        heapq.heappush(heap, (tier_of[r], load[r], r))
+        while parked and -parked[0][0] >= size:
+            r = pop(parked)[1]
+            push(heap, (tier_of[r], load[r], r))
+        found = _heap_row(heap, parked, room, load, size)
+        if found is None:
+            return None
+        row[i] = found
+        room[found] -= size
+        load[found] += w[i]
+        push(heap, (tier_of[found], load[found], found))
     return np.array(row, dtype=np.int64)
 
 
 HEAP_POPS = 32
-"""Rows without room ``_least_loaded``'s heap looks past before it scans every row."""
+"""Rows without room the fill's heap looked past before it scanned every row (the fill before rows were parked;
+``tests/test_plan_time.py``'s copy of that fill reads it)."""
 
 
-def _heap_row(heap: list[tuple[int, float, int]], room: list[int], load: list[float], size: int) -> int | None:
+def _heap_row(heap: list[tuple[int, float, int]], parked: list[tuple[int, int]], room: list[int],
+              load: list[float], size: int) -> int | None:
     """The first row of ``heap`` (its entries whose weight is the row's current one) with ``size`` tokens of room,
-    popped; None when none is among the first ``HEAP_POPS`` (the rows looked past are pushed back)."""
-    passed: list[tuple[int, float, int]] = []
-    found: int | None = None
+    popped; the rows popped without room go to ``parked``; None when no row has room."""
     pop = heapq.heappop
-    while heap and len(passed) < HEAP_POPS:
-        entry = pop(heap)
-        r = entry[2]
-        if entry[1] != load[r]:
+    while heap:
+        _, weight, r = pop(heap)
+        if weight != load[r]:
             continue                                            # stale: the row took a document since
         if room[r] >= size:
-            found = r
-            break
-        passed.append(entry)
-    for entry in passed:
-        heapq.heappush(heap, entry)
-    return found
+            return r
+        heapq.heappush(parked, (-room[r], r))
+    return None
 
 
 def pair_lone_documents(rows: np.ndarray, lens: np.ndarray, num_rows: int, pack_len: int) -> np.ndarray:

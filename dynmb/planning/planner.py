@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import functools
 import hashlib
 import itertools
@@ -72,6 +73,8 @@ from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.slicing import longest_row, plan_split
 from dynmb.planning.spec_check import lockstep_refusal
+
+schedule_validate = importlib.import_module("dynmb.schedule.validate")  # dynmb.schedule.validate: the function
 
 __all__ = ["plan_step", "plan_auto", "make_schedule", "unpruned_final_check", "unremembered"]
 
@@ -209,12 +212,12 @@ def _simulated(packed: _Packed, spec: PlanSpec,
 @contextlib.contextmanager
 def unremembered() -> Iterator[None]:
     """Within it nothing a plan computes is remembered: the planner's ``REMEMBER``, ``lockstep.forgetful``, the
-    ``zb`` schedules (``zerobubble.REMEMBERED``), the zb estimate's pipelines (``makespan_zb.REMEMBERED``),
-    ``dynapipe``'s splits and ``GPUCostModel``'s cost lookups all off: the same plans, every schedule, simulation,
+    ``zb`` schedules (``zerobubble.REMEMBERED``), the flattened schedules (``validate.REMEMBERED``), the zb
+    estimate's pipelines (``makespan_zb.REMEMBERED``), ``dynapipe``'s splits and ``GPUCostModel``'s cost lookups all off: the same plans, every schedule, simulation,
     fill, split and cost lookup made afresh (the plan time as before)."""
     global REMEMBER
-    memos = [(zerobubble, "REMEMBERED"), (makespan_zb, "REMEMBERED"), (dynapipe, "REMEMBERED"),
-             (GPUCostModel, "COSTS_REMEMBERED")]
+    memos = [(zerobubble, "REMEMBERED"), (schedule_validate, "REMEMBERED"), (makespan_zb, "REMEMBERED"),
+             (dynapipe, "REMEMBERED"), (GPUCostModel, "COSTS_REMEMBERED")]
     was = [REMEMBER, *(getattr(owner, name) for owner, name in memos)]
     REMEMBER = False
     for owner, name in memos:

@@ -24,11 +24,15 @@ faulty action as ``[2F7]`` on a row flagged ``>>``:
    (``B`` or ``I``) in reverse (``check_slice_order``).
 
 ``execution_order(schedule)`` returns the flattened action arrays and one
-topological order of them (used by the simulator). Pure Python + numpy, O(actions).
+topological order of them (used by the simulator). Pure Python + numpy, O(actions). It remembers the last
+``REMEMBERED`` schedules it flattened by the identity of their ranks' action tuples (immutable, held while
+remembered), so the zero-bubble judge and the simulator flatten a chosen schedule once; a hit returns a shallow
+copy whose arrays are read-only.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,8 +214,32 @@ def _check_op_order(schedule: Schedule, flat: FlatSchedule, key: np.ndarray) -> 
     return pos
 
 
+REMEMBERED = 8
+"""Flattened schedules ``execution_order`` keeps (the oldest goes first); 0: none (each flattened afresh)."""
+
+_FLAT: dict[tuple[int, ...], tuple[tuple[tuple[Action, ...], ...], FlatSchedule]] = {}
+"""``(num_stages, num_microbatches, id of each rank's tuple) -> (the ranks, held so the ids stay theirs, flat)``."""
+
+
 def execution_order(schedule: Schedule) -> FlatSchedule:
-    """Validate ``schedule`` and return its flat arrays with a topological order; ``ScheduleError`` if invalid."""
+    """Validate ``schedule`` and return its flat arrays with a topological order; ``ScheduleError`` if invalid
+    (remembered: module doc)."""
+    if REMEMBERED <= 0:
+        return _execution_order(schedule)
+    key = (schedule.num_stages, schedule.num_microbatches, *map(id, schedule.ranks))
+    hit = _FLAT.get(key)
+    if hit is None:
+        flat = _execution_order(schedule)
+        for a in (flat.rank, flat.stage, flat.op, flat.mb, flat.step, flat.start, flat.dep, flat.order):
+            a.setflags(write=False)
+        while len(_FLAT) >= REMEMBERED:
+            _FLAT.pop(next(iter(_FLAT)))
+        hit = _FLAT[key] = (schedule.ranks, flat)
+    return copy.copy(hit[1])
+
+
+def _execution_order(schedule: Schedule) -> FlatSchedule:
+    """``execution_order`` made afresh."""
     flat = _flatten(schedule)
     pos = _check_static(schedule, flat)
     S, m = schedule.num_stages, schedule.num_microbatches

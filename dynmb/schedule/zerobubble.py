@@ -476,18 +476,42 @@ def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eva
     k, defer = _inflight(num_stages, m), list(range(num_stages))
     if evaluate is None:
         return _remember(_H1_UNIT, unit, list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0])
+    return _h1_judged(inp, k, caps, evaluate, order).schedule
+
+
+@dataclass(frozen=True)
+class H1Judged:
+    """ZB-H1's pick and 1F1B, each with ``evaluate``'s verdict on it (``zb`` weighs both again: ``zb_limit_aware``)."""
+
+    schedule: Schedule
+    verdict: tuple[float, np.ndarray]
+    one_f_one_b: Schedule
+    one_f_one_b_verdict: tuple[float, np.ndarray]
+
+
+def _h1_judged(inp: ZBInputs, inflight: Sequence[int], caps: np.ndarray | None, evaluate: Evaluate,
+               order: Sequence[int] | None) -> H1Judged:
+    """ZB-H1 with a judge (``zb_h1``): the fastest candidate, first of equals (the split schedule), and the
+    verdicts on it and on 1F1B; remembered in ``_H1`` by the inputs."""
+    P, m = inp.shape
     key = _inputs_key(inp, caps, order, evaluate)
     if key is not None and key in _H1:
         return _H1[key]
-    cands = _variants(inp, k, caps, "zb-h1", order, defer) + \
-        [list_schedule(inp, k, caps, kind="zb-h1", backward_order=order)[0], _one_f_one_b(num_stages, m, order)]
-    best = min(cands, key=lambda c: evaluate(c)[0])          # first of equals: the split schedule
-    return _remember(_H1, key, Schedule(best.ranks, num_stages, m, kind="zb-h1"))
+    cands = _variants(inp, inflight, caps, "zb-h1", order, list(range(P))) + \
+        [list_schedule(inp, inflight, caps, kind="zb-h1", backward_order=order)[0], _one_f_one_b(P, m, order)]
+    verdicts = [evaluate(c) for c in cands]
+    b = min(range(len(cands)), key=lambda i: verdicts[i][0])
+    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[-1])
+    if key is not None and REMEMBERED > 0:
+        while len(_H1) >= REMEMBERED:
+            _H1.pop(next(iter(_H1)))
+        _H1[key] = judged
+    return judged
 
 
-_H1: dict[bytes, Schedule] = {}
-"""ZB-H1 schedules by their inputs (``_inputs_key``): ``auto`` builds ``zb-h1`` and ``zb`` (which weighs
-ZB-H1 too) of the same plan."""
+_H1: dict[bytes, H1Judged] = {}
+"""ZB-H1 schedules, with the verdicts on them and on 1F1B, by their inputs (``_inputs_key``): ``auto`` builds
+``zb-h1`` and ``zb`` (which weighs ZB-H1 and 1F1B too) of the same plan."""
 
 _H1_UNIT: dict[bytes, Schedule] = {}
 """ZB-H1 schedules on unit times by their shape (P, m): the reorder search builds them for every plan."""
@@ -498,6 +522,10 @@ same plan for more than one candidate (its own packing and another kind's, when 
 
 PUMPED = True
 """``zb`` also weighs the three list schedules with rule 5 (``pump``; module doc); False: not (the candidates before)."""
+
+REUSE_H1_VERDICTS = True
+"""``zb`` takes ZB-H1's verdicts on its pick and on 1F1B from ``zb_h1`` instead of simulating both again (the same
+numbers); False: simulated again (as before)."""
 
 REMEMBERED = 16
 """Schedules each of ``_H1``, ``_H1_UNIT`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
@@ -559,11 +587,11 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
         return _ZB[key]
     best, best_t = None, np.inf
 
-    def consider(cands: list[Schedule]) -> float:
+    def consider(cands: list[Schedule], known: Sequence[tuple[float, np.ndarray]] = ()) -> float:
         nonlocal best, best_t
         fastest = np.inf
-        for c in cands:
-            t, peak = evaluate(c)
+        for n, c in enumerate(cands):
+            t, peak = known[n] if n < len(known) else evaluate(c)
             if np.all(np.asarray(peak) <= limit_bytes + 1e-6):
                 fastest = min(fastest, t)
                 if t < best_t - 1e-12:
@@ -571,8 +599,13 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
         return fastest
 
     order = backward_order
-    h1 = zb_h1(num_stages, m, inp, evaluate=evaluate, backward_order=order, state_bytes=state_bytes)
-    consider([h1, _one_f_one_b(num_stages, m, order)])
+    h1_caps_ = h1_caps(inp, state_bytes, order) if inp.act is not None else None
+    judged = _h1_judged(inp, _inflight(num_stages, m), h1_caps_, evaluate, order)
+    h1 = judged.schedule
+    if REUSE_H1_VERDICTS:                   # zb_h1 judged both on these inputs
+        consider([h1, judged.one_f_one_b], [judged.verdict, judged.one_f_one_b_verdict])
+    else:
+        consider([h1, _one_f_one_b(num_stages, m, order)])
     unbounded = [m] * num_stages                    # W deferred as far as the caps let (ZB-2p)
 
     def windows(fill: str | None) -> Callable[[tuple[int, ...]], float]:
