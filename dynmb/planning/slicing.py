@@ -666,32 +666,77 @@ def _keep(found: _Search, best: tuple[float, Plan, list[Plan], list[Schedule]] |
         found.best = (t, replace(plan, meta=plan.meta.with_(slice_shorts=name)), replicas, scheds)
 
 
+SCREEN_ERROR = 0.01
+"""``_screen``'s measured error: an alternative's whole search came out at most this much faster than its screened
+step where its whole search was within this of the best (``studies/slicing/notes.md``, the weighfix session); an
+alternative whose screened step is within it of the best so far is a finalist."""
+
+SCREEN_WIDE = 0.10
+"""``_screen`` tries an alternative's packing around dynamic's best candidate (``_centres``' others) only where its
+step at that candidate is within this of the best so far (the winners measured were within 8.9%)."""
+
+
+def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
+    """Where ``_screen`` tries each alternative's short packing: ``found``'s best candidate (its slices, cuts,
+    recomputed share, lookahead and filled rows or not) with the chains first and as it places them, then around
+    it, where another grouping fits otherwise than dynamic's: the next shorter slices as it places them, the next
+    longer ones first, and (recomputed) the smaller ``RC_SHARES`` with the longest chain lookahead."""
+    assert found.best is not None
+    meta = found.best[1].meta
+    best = _best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]), fills=(bool(meta["slice_fill"]),)))
+    out = [replace(best, placements=tuple(dict.fromkeys(("first", *best.placements))))]
+    lens = job.slice_candidates()
+    at = lens.index(best.slice_len) if best.slice_len in lens else -1
+    if 0 <= at < len(lens) - 1:
+        out.append(replace(best, slice_len=lens[at + 1]))
+    if at > 0:
+        out.append(replace(best, slice_len=lens[at - 1], placements=("first",)))
+    if best.use_rc and job.spec.recompute == "auto":
+        look = max((best.lookahead, *chain_lookaheads(job.spec)))
+        out += [replace(best, rc_share=share, lookahead=look) for share in sorted(RC_SHARES) if share < best.rc_share]
+    return out
+
+
+def _screened(job: _SplitJob, found: _Search, centres: list[_Try], packer: tuple[str, int | None]) -> _Search:
+    """One alternative's short packing (``packer``) tried at ``centres`` (``_centres``): the first as it is, the
+    others only where that first fits within ``SCREEN_WIDE`` of ``found``'s best; of the smaller recomputed
+    shares (the last centres, smallest first) only the first that fits. Every one a candidate of ``found`` too."""
+    assert found.best is not None
+    tried = _Search()
+    for k, centre in enumerate(centres):
+        if k == 1 and (tried.best is None or tried.best[0] > found.best[0] * (1 + SCREEN_WIDE)):
+            break
+        share = _Search()
+        try:
+            _try_slice_len(job, replace(centre, packer=packer), share)
+        except PackingError:              # that packer cannot take the leftovers here: not a candidate
+            continue
+        if share.best is not None and (tried.best is None or share.best[0] < tried.best[0]):
+            tried.best = share.best
+        if share.best is not None and centre.rc_share < centres[0].rc_share:
+            break                         # the smallest share that fits: the larger ones recompute more
+    return tried
+
+
 def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -> list[tuple[str, _SplitJob]]:
     """The alternatives whose whole search ``_weigh_alternatives`` runs: every one whose slices ``job`` cannot
-    cut (``packed``'s rows, another longest row), and the ``WEIGH_FINALISTS`` fastest of the rest when each
-    one's short packing is tried at ``found``'s best candidate (its slices, cuts, recomputed share, lookahead
-    and filled rows or not) with the chains first (where the plain methods' searches mostly keep them) and as
-    that candidate places them: one or two simulations each, every one a candidate of ``found`` too."""
+    cut (``packed``'s rows, another longest row), and of the rest, each one's short packing tried at ``_centres``
+    (``_screened``: a few simulations each, every one a candidate of ``found`` too), those whose screened step is
+    within ``SCREEN_ERROR`` of ``found``'s best after screening, the ``WEIGH_FINALISTS`` fastest of them."""
     if found.best is None:
         return alts
-    meta = found.best[1].meta
-    centre = replace(_best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]))),
-                     fills=(bool(meta["slice_fill"]),))
-    centre = replace(centre, placements=tuple(dict.fromkeys(("first", *centre.placements))))
+    centres = _centres(job, found)
     whole, scored = [], []
     for i, (name, alt) in enumerate(alts):
         if alt.spec.method == "packed" or (alt.row_cap, alt.cut) != (job.row_cap, job.cut):
             whole.append((name, alt))
             continue
-        tried = _Search()
-        try:
-            _try_slice_len(job, replace(centre, packer=(alt.spec.method, alt.spec.mbs)), tried)
-        except PackingError:                  # that packer cannot take the leftovers: ranked last
-            pass
+        tried = _screened(job, found, centres, (alt.spec.method, alt.spec.mbs))
         _keep(found, tried.best, name)
         scored.append((math.inf if tried.best is None else tried.best[0], i, name, alt))
     scored.sort(key=lambda s: s[:2])
-    return whole + [(name, alt) for _, _, name, alt in scored[:WEIGH_FINALISTS]]
+    bar = found.best[0] * (1 + SCREEN_ERROR)
+    return whole + [(name, alt) for t, _, name, alt in scored[:WEIGH_FINALISTS] if t <= bar]
 
 
 def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) -> None:
