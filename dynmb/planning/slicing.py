@@ -45,8 +45,9 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    candidate is not tried. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
    ``dynamic`` then weighs the plain methods' sliced plans (``_weigh_alternatives``; on by default): each
-   method's short packing tried at its best candidate (``_screen``), then the whole search of the
-   ``WEIGH_FINALISTS`` fastest and of every method whose slices it cannot cut (``packed``), the fastest kept.
+   method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
+   slices, smaller recomputed shares), then the whole search of those within ``SCREEN_ERROR`` of the best (at most
+   ``WEIGH_FINALISTS``) and of every method whose slices it cannot cut (``packed``), the fastest kept.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
    ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
    ``slice_fill``, ``longest_fitting_length``,
@@ -562,8 +563,9 @@ WEIGH_ALTERNATIVES = True
 the forward's graph alive (``dynmb.runtime.splitbackward``), not this search."""
 
 WEIGH_FINALISTS: int | None = 2
-"""How many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``); None: every
-alternative's (the full weighing, ~7-15x dynamic's own plan time at P 8; ``studies/slicing/notes.md``)."""
+"""At most how many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``: the fastest of
+those within ``SCREEN_ERROR`` of the best); None: every alternative's (the full weighing, ~7-15x dynamic's own plan
+time at P 8; ``studies/slicing/notes.md``)."""
 
 _KEEP = object()
 
@@ -744,8 +746,7 @@ def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) 
     makes of the batch under the same settings), each one's best kept where faster than ``found``'s
     (``meta.slice_shorts`` names it). ``WEIGH_FINALISTS`` None: every method's (never predicted slower than
     any of them, by construction); else those ``_screen`` picks (never slower than those, by construction,
-    and than the others' short packings at ``found``'s best candidate; ``studies/slicing/notes.md`` measures
-    the rest)."""
+    and than the others' short packings at ``_centres``; ``studies/slicing/notes.md`` measures the rest)."""
     alts = _alternative_jobs(job, model_cfg)
     for name, alt in alts if WEIGH_FINALISTS is None else _screen(job, found, alts):
         try:
