@@ -46,8 +46,8 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    sequence and the smallest predicted peak.
    ``dynamic`` then weighs the plain methods' sliced plans (``_weigh_alternatives``; on by default): each
    method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
-   slices, smaller recomputed shares), then the whole search of those within ``SCREEN_ERROR`` of the best (at most
-   ``WEIGH_FINALISTS``) and of every method whose slices it cannot cut (``packed``), the fastest kept.
+   slices, smaller recomputed shares), then the whole search of the ``WEIGH_FINALISTS`` fastest, of any other within
+   ``SCREEN_ERROR`` of the best, and of every method whose slices it cannot cut (``packed``), the fastest kept.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
    ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
    ``slice_fill``, ``longest_fitting_length``,
@@ -563,8 +563,8 @@ WEIGH_ALTERNATIVES = True
 the forward's graph alive (``dynmb.runtime.splitbackward``), not this search."""
 
 WEIGH_FINALISTS: int | None = 2
-"""At most how many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``: the fastest of
-those within ``SCREEN_ERROR`` of the best); None: every alternative's (the full weighing, ~7-15x dynamic's own plan
+"""How many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``: the fastest, and any
+other within ``SCREEN_ERROR`` of the best); None: every alternative's (the full weighing, ~7-15x dynamic's own plan
 time at P 8; ``studies/slicing/notes.md``)."""
 
 _KEEP = object()
@@ -669,9 +669,9 @@ def _keep(found: _Search, best: tuple[float, Plan, list[Plan], list[Schedule]] |
 
 
 SCREEN_ERROR = 0.01
-"""``_screen``'s measured error: an alternative's whole search came out at most this much faster than its screened
-step where its whole search was within this of the best (``studies/slicing/notes.md``, the weighfix session); an
-alternative whose screened step is within it of the best so far is a finalist."""
+"""An alternative whose screened step is within this of the best after screening is a finalist besides the
+``WEIGH_FINALISTS`` fastest (near ties: the screen's error on the winners measured was 0-0.84% at P 4 and P 16, more
+on source code at P 8: ``studies/slicing/notes.md``, the weighfix session)."""
 
 SCREEN_WIDE = 0.10
 """``_screen`` tries an alternative's packing around dynamic's best candidate (``_centres``' others) only where its
@@ -723,8 +723,8 @@ def _screened(job: _SplitJob, found: _Search, centres: list[_Try], packer: tuple
 def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -> list[tuple[str, _SplitJob]]:
     """The alternatives whose whole search ``_weigh_alternatives`` runs: every one whose slices ``job`` cannot
     cut (``packed``'s rows, another longest row), and of the rest, each one's short packing tried at ``_centres``
-    (``_screened``: a few simulations each, every one a candidate of ``found`` too), those whose screened step is
-    within ``SCREEN_ERROR`` of ``found``'s best after screening, the ``WEIGH_FINALISTS`` fastest of them."""
+    (``_screened``: a few simulations each, every one a candidate of ``found`` too), the ``WEIGH_FINALISTS`` fastest
+    and every other whose screened step is within ``SCREEN_ERROR`` of ``found``'s best after screening."""
     if found.best is None:
         return alts
     centres = _centres(job, found)
@@ -738,7 +738,8 @@ def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -
         scored.append((math.inf if tried.best is None else tried.best[0], i, name, alt))
     scored.sort(key=lambda s: s[:2])
     bar = found.best[0] * (1 + SCREEN_ERROR)
-    return whole + [(name, alt) for t, _, name, alt in scored[:WEIGH_FINALISTS] if t <= bar]
+    return whole + [(name, alt) for k, (t, _, name, alt) in enumerate(scored)
+                    if t < math.inf and (k < (WEIGH_FINALISTS or 0) or t <= bar)]
 
 
 def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) -> None:
