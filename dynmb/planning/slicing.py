@@ -681,18 +681,18 @@ step at that candidate is within this of the best so far (the winners measured w
 def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
     """Where ``_screen`` tries each alternative's short packing: ``found``'s best candidate (its slices, cuts,
     recomputed share, lookahead and filled rows or not) with the chains first and as it places them, then around
-    it, where another grouping fits otherwise than dynamic's: the next shorter slices as it places them, the next
-    longer ones first, and (recomputed) the smaller ``RC_SHARES`` with the longest chain lookahead."""
+    it, where another grouping fits otherwise than dynamic's: the next shorter slices as it places them, every
+    longer slice length with the chains first, and (recomputed) the smaller ``RC_SHARES`` with the longest chain
+    lookahead."""
     assert found.best is not None
     meta = found.best[1].meta
     best = _best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]), fills=(bool(meta["slice_fill"]),)))
     out = [replace(best, placements=tuple(dict.fromkeys(("first", *best.placements))))]
-    lens = job.slice_candidates()
+    lens = job.slice_candidates()                 # longest first
     at = lens.index(best.slice_len) if best.slice_len in lens else -1
     if 0 <= at < len(lens) - 1:
         out.append(replace(best, slice_len=lens[at + 1]))
-    if at > 0:
-        out.append(replace(best, slice_len=lens[at - 1], placements=("first",)))
+    out += [replace(best, slice_len=n, placements=("first",)) for n in reversed(lens[:max(at, 0)])]
     if best.use_rc and job.spec.recompute == "auto":
         look = max((best.lookahead, *chain_lookaheads(job.spec)))
         out += [replace(best, rc_share=share, lookahead=look) for share in sorted(RC_SHARES) if share < best.rc_share]
@@ -724,7 +724,8 @@ def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -
     """The alternatives whose whole search ``_weigh_alternatives`` runs: every one whose slices ``job`` cannot
     cut (``packed``'s rows, another longest row), and of the rest, each one's short packing tried at ``_centres``
     (``_screened``: a few simulations each, every one a candidate of ``found`` too), the ``WEIGH_FINALISTS`` fastest
-    and every other whose screened step is within ``SCREEN_ERROR`` of ``found``'s best after screening."""
+    distinct groupings (``_grouping``; an alternative grouping as a finalist does is one too) and every other whose
+    screened step is within ``SCREEN_ERROR`` of ``found``'s best after screening."""
     if found.best is None:
         return alts
     centres = _centres(job, found)
@@ -737,9 +738,19 @@ def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -
         _keep(found, tried.best, name)
         scored.append((math.inf if tried.best is None else tried.best[0], i, name, alt))
     scored.sort(key=lambda s: s[:2])
-    bar = found.best[0] * (1 + SCREEN_ERROR)
-    return whole + [(name, alt) for k, (t, _, name, alt) in enumerate(scored)
-                    if t < math.inf and (k < (WEIGH_FINALISTS or 0) or t <= bar)]
+    bar, picked = found.best[0] * (1 + SCREEN_ERROR), []
+    for t, _, name, alt in (s for s in scored if s[0] < math.inf):    # the fastest distinct groupings, near ties
+        grouping = _grouping(job, alt)
+        if grouping in picked or len(set(picked)) < (WEIGH_FINALISTS or 0) or t <= bar:
+            whole.append((name, alt))
+            picked.append(grouping)
+    return whole
+
+
+def _grouping(job: _SplitJob, alt: _SplitJob) -> tuple:
+    """What tells ``alt``'s short packing apart from another alternative's (``fixed`` and ``fixed/1`` may be one)."""
+    return tuple((mb.seq_ids.tobytes(), mb.lengths.tobytes(), mb.padded_len, mb.batch)
+                 for mb in job.pack_short(job.short_ids, (alt.spec.method, alt.spec.mbs)))
 
 
 def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) -> None:
