@@ -738,7 +738,8 @@ def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -
         _keep(found, tried.best, name)
         scored.append((math.inf if tried.best is None else tried.best[0], i, name, alt))
     scored.sort(key=lambda s: s[:2])
-    bar, picked = found.best[0] * (1 + SCREEN_ERROR), []
+    bar = found.best[0] * (1 + SCREEN_ERROR)
+    picked: list[tuple] = []
     for t, _, name, alt in (s for s in scored if s[0] < math.inf):    # the fastest distinct groupings, near ties
         grouping = _grouping(job, alt)
         if grouping in picked or len(set(picked)) < (WEIGH_FINALISTS or 0) or t <= bar:
