@@ -16,7 +16,10 @@ from hypothesis import strategies as hst
 import dynmb.planning.slicing as slicing
 from dynmb.core.config import ModelConfig, parse_bytes
 from dynmb.core.planspec import PlanSpec
+from dynmb.costmodel.loader import Models
 from dynmb.planning.planner import plan_step
+from dynmb.planning.replicas import make_schedule
+from dynmb.schedule.kinds import get_kind
 
 TINY = ModelConfig.preset("tiny")
 BATCH = np.array([3000, 2200, 60, 90, 120, 30, 500, 250, 40, 700, 80, 100], dtype=np.int64)
@@ -55,9 +58,10 @@ def _counted(monkeypatch) -> list[int]:
 
 
 def test_screened_weighing_costs_fewer_simulations_than_the_full_weighing(monkeypatch):
-    """Screened (the default): no slower than dynamic's own search, its simulations fewer than half the full
-    weighing's; with every alternative a finalist it is never slower than the full weighing (the same whole
-    searches, and the screened candidates besides)."""
+    """Screened (the default): no slower than dynamic's own search, its simulations fewer than the full weighing's
+    (on this small batch ~0.7 of them: four slice lengths, every one a centre of the screen; on the long-document
+    cells the plan time is measured, ``studies/slicing/README.md``); with every alternative a finalist it is never
+    slower than the full weighing (the same whole searches, and the screened candidates besides)."""
     spec = SPEC.with_(schedule_kind="zb-h1")
     calls = _counted(monkeypatch)
     steps, sims = {}, {}
@@ -68,7 +72,7 @@ def test_screened_weighing_costs_fewer_simulations_than_the_full_weighing(monkey
             steps[mode] = plan_step(BATCH, spec, model_cfg=TINY)[2].makespan_s
         sims[mode] = len(calls)
     assert steps["screened"] <= steps["off"] and steps["all"] <= steps["full"] <= steps["screened"]
-    assert sims["off"] < sims["screened"] < sims["full"] / 2
+    assert sims["off"] < sims["screened"] < sims["full"]
 
 
 @pytest.mark.slow
@@ -127,3 +131,55 @@ def test_pruning_and_shared_simulations_change_no_plan(monkeypatch, kind):
     assert [repr(mb) for mb in fast.microbatches] == [repr(mb) for mb in slow.microbatches] and fast.meta == slow.meta
     assert fast_sim.makespan_s == slow_sim.makespan_s
     assert n_fast < len(calls)
+
+
+
+def _weighed(spec: PlanSpec, finalists: object) -> tuple[float, str | None]:
+    """``dynamic``'s own sliced search of ``BATCH`` then its weighing with ``finalists``: (best step, the
+    alternative kept or None)."""
+    job = slicing._split_job(BATCH, spec, get_kind(spec.schedule_kind), TINY, Models.analytic(TINY, spec.num_stages),
+                             make_schedule, None)
+    found = slicing._search_anew(job)
+    with slicing.weighing_alternatives(True, finalists):
+        slicing._weigh_alternatives(job, found, TINY)
+    assert found.best is not None
+    return found.best[0], found.best[1].meta.get("slice_shorts")
+
+
+def _own_best(spec: PlanSpec) -> tuple[int, list[int], float]:
+    """(dynamic's own best slice length, the slice lengths its search tries, its own best step)."""
+    job = slicing._split_job(BATCH, spec, get_kind(spec.schedule_kind), TINY, Models.analytic(TINY, spec.num_stages),
+                             make_schedule, None)
+    found = slicing._search_anew(job)
+    assert found.best is not None
+    return int(found.best[1].meta["slice_len"]), job.slice_candidates(), found.best[0]
+
+
+def _is(plan, name: str) -> bool:
+    """Whether ``plan`` groups its short sequences as ``name`` (method/mbs) does: a screened candidate of that
+    packing, or a candidate of that method's own search."""
+    method, _, mbs = name.partition("/")
+    return plan.meta.get("slice_shorts") == name or (plan.method, plan.spec.mbs) == (method, int(mbs))
+
+
+def test_the_screen_keeps_a_method_that_wins_only_at_other_slices(monkeypatch):
+    """A constructed case where a method's grouping is slower than the others at dynamic's best slices but the
+    fastest of all at the next shorter slices (as ``balanced/4`` at P 16 on wikitext2 Llama-3.1-8B): the screen
+    finds it, the step equals the full weighing's. Fails on main's screen, which tries each grouping at dynamic's
+    best candidate only and ranks it out."""
+    spec = SPEC.with_(schedule_kind="zb-h1")
+    own_len, lens, own_step = _own_best(spec)
+    assert own_len in lens[:-1]                            # a shorter slice length exists
+    shorter = lens[lens.index(own_len) + 1]
+    real = slicing._SplitJob._simulate
+
+    def tilted(job, plan):
+        t, peak, replicas, scheds = real(job, plan)
+        if _is(plan, "token-budget/4"):
+            t *= 0.5 if int(plan.meta["slice_len"]) == shorter else 1.05
+        return t, peak, replicas, scheds
+    monkeypatch.setattr(slicing._SplitJob, "_simulate", tilted)
+    full, full_kept = _weighed(spec, None)
+    assert full_kept == "token-budget/4" and full < own_step * 0.6          # the case as constructed
+    screened, kept = _weighed(spec, 2)
+    assert kept == "token-budget/4" and screened <= full * (1 + 1e-12)

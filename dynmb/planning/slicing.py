@@ -45,8 +45,9 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    candidate is not tried. None fitting raises ``PackingError`` naming the longest
    sequence and the smallest predicted peak.
    ``dynamic`` then weighs the plain methods' sliced plans (``_weigh_alternatives``; on by default): each
-   method's short packing tried at its best candidate (``_screen``), then the whole search of the
-   ``WEIGH_FINALISTS`` fastest and of every method whose slices it cannot cut (``packed``), the fastest kept.
+   method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
+   slices, smaller recomputed shares), then the whole search of the ``WEIGH_FINALISTS`` fastest, of any other within
+   ``SCREEN_ERROR`` of the best, and of every method whose slices it cannot cut (``packed``), the fastest kept.
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
    ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
    ``slice_fill``, ``longest_fitting_length``,
@@ -562,8 +563,9 @@ WEIGH_ALTERNATIVES = True
 the forward's graph alive (``dynmb.runtime.splitbackward``), not this search."""
 
 WEIGH_FINALISTS: int | None = 2
-"""How many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``); None: every
-alternative's (the full weighing, ~7-15x dynamic's own plan time at P 8; ``studies/slicing/notes.md``)."""
+"""How many screened alternatives' whole searches ``_weigh_alternatives`` runs (``_screen``: the fastest, and any
+other within ``SCREEN_ERROR`` of the best); None: every alternative's (the full weighing, ~7-15x dynamic's own plan
+time at P 8; ``studies/slicing/notes.md``)."""
 
 _KEEP = object()
 
@@ -666,32 +668,90 @@ def _keep(found: _Search, best: tuple[float, Plan, list[Plan], list[Schedule]] |
         found.best = (t, replace(plan, meta=plan.meta.with_(slice_shorts=name)), replicas, scheds)
 
 
+SCREEN_ERROR = 0.01
+"""An alternative whose screened step is within this of the best after screening is a finalist besides the
+``WEIGH_FINALISTS`` fastest (near ties: the screen's error on the winners measured was 0-0.84% at P 4 and P 16, more
+on source code at P 8: ``studies/slicing/notes.md``, the weighfix session)."""
+
+SCREEN_WIDE = 0.10
+"""``_screen`` tries an alternative's packing around dynamic's best candidate (``_centres``' others) only where its
+step at that candidate is within this of the best so far (the winners measured were within 8.9%)."""
+
+
+def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
+    """Where ``_screen`` tries each alternative's short packing: ``found``'s best candidate (its slices, cuts,
+    recomputed share, lookahead and filled rows or not) with the chains first and as it places them, then around
+    it, where another grouping fits otherwise than dynamic's: the next shorter slices as it places them, every
+    longer slice length with the chains first, and (recomputed) the smaller ``RC_SHARES`` with the longest chain
+    lookahead."""
+    assert found.best is not None
+    meta = found.best[1].meta
+    best = _best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]), fills=(bool(meta["slice_fill"]),)))
+    out = [replace(best, placements=tuple(dict.fromkeys(("first", *best.placements))))]
+    lens = job.slice_candidates()                 # longest first
+    at = lens.index(best.slice_len) if best.slice_len in lens else -1
+    if 0 <= at < len(lens) - 1:
+        out.append(replace(best, slice_len=lens[at + 1]))
+    out += [replace(best, slice_len=n, placements=("first",)) for n in reversed(lens[:max(at, 0)])]
+    if best.use_rc and job.spec.recompute == "auto":
+        look = max((best.lookahead, *chain_lookaheads(job.spec)))
+        out += [replace(best, rc_share=share, lookahead=look) for share in sorted(RC_SHARES) if share < best.rc_share]
+    return out
+
+
+def _screened(job: _SplitJob, found: _Search, centres: list[_Try], packer: tuple[str, int | None]) -> _Search:
+    """One alternative's short packing (``packer``) tried at ``centres`` (``_centres``): the first as it is, the
+    others only where that first fits within ``SCREEN_WIDE`` of ``found``'s best; of the smaller recomputed
+    shares (the last centres, smallest first) only the first that fits. Every one a candidate of ``found`` too."""
+    assert found.best is not None
+    tried = _Search()
+    for k, centre in enumerate(centres):
+        if k == 1 and (tried.best is None or tried.best[0] > found.best[0] * (1 + SCREEN_WIDE)):
+            break
+        share = _Search()
+        try:
+            _try_slice_len(job, replace(centre, packer=packer), share)
+        except PackingError:              # that packer cannot take the leftovers here: not a candidate
+            continue
+        if share.best is not None and (tried.best is None or share.best[0] < tried.best[0]):
+            tried.best = share.best
+        if share.best is not None and centre.rc_share < centres[0].rc_share:
+            break                         # the smallest share that fits: the larger ones recompute more
+    return tried
+
+
 def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -> list[tuple[str, _SplitJob]]:
     """The alternatives whose whole search ``_weigh_alternatives`` runs: every one whose slices ``job`` cannot
-    cut (``packed``'s rows, another longest row), and the ``WEIGH_FINALISTS`` fastest of the rest when each
-    one's short packing is tried at ``found``'s best candidate (its slices, cuts, recomputed share, lookahead
-    and filled rows or not) with the chains first (where the plain methods' searches mostly keep them) and as
-    that candidate places them: one or two simulations each, every one a candidate of ``found`` too."""
+    cut (``packed``'s rows, another longest row), and of the rest, each one's short packing tried at ``_centres``
+    (``_screened``: a few simulations each, every one a candidate of ``found`` too), the ``WEIGH_FINALISTS`` fastest
+    distinct groupings (``_grouping``; an alternative grouping as a finalist does is one too) and every other whose
+    screened step is within ``SCREEN_ERROR`` of ``found``'s best after screening."""
     if found.best is None:
         return alts
-    meta = found.best[1].meta
-    centre = replace(_best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]))),
-                     fills=(bool(meta["slice_fill"]),))
-    centre = replace(centre, placements=tuple(dict.fromkeys(("first", *centre.placements))))
+    centres = _centres(job, found)
     whole, scored = [], []
     for i, (name, alt) in enumerate(alts):
         if alt.spec.method == "packed" or (alt.row_cap, alt.cut) != (job.row_cap, job.cut):
             whole.append((name, alt))
             continue
-        tried = _Search()
-        try:
-            _try_slice_len(job, replace(centre, packer=(alt.spec.method, alt.spec.mbs)), tried)
-        except PackingError:                  # that packer cannot take the leftovers: ranked last
-            pass
+        tried = _screened(job, found, centres, (alt.spec.method, alt.spec.mbs))
         _keep(found, tried.best, name)
         scored.append((math.inf if tried.best is None else tried.best[0], i, name, alt))
     scored.sort(key=lambda s: s[:2])
-    return whole + [(name, alt) for _, _, name, alt in scored[:WEIGH_FINALISTS]]
+    bar = found.best[0] * (1 + SCREEN_ERROR)
+    picked: list[tuple] = []
+    for t, _, name, alt in (s for s in scored if s[0] < math.inf):    # the fastest distinct groupings, near ties
+        grouping = _grouping(job, alt)
+        if grouping in picked or len(set(picked)) < (WEIGH_FINALISTS or 0) or t <= bar:
+            whole.append((name, alt))
+            picked.append(grouping)
+    return whole
+
+
+def _grouping(job: _SplitJob, alt: _SplitJob) -> tuple:
+    """What tells ``alt``'s short packing apart from another alternative's (``fixed`` and ``fixed/1`` may be one)."""
+    return tuple((mb.seq_ids.tobytes(), mb.lengths.tobytes(), mb.padded_len, mb.batch)
+                 for mb in job.pack_short(job.short_ids, (alt.spec.method, alt.spec.mbs)))
 
 
 def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) -> None:
@@ -699,8 +759,7 @@ def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) 
     makes of the batch under the same settings), each one's best kept where faster than ``found``'s
     (``meta.slice_shorts`` names it). ``WEIGH_FINALISTS`` None: every method's (never predicted slower than
     any of them, by construction); else those ``_screen`` picks (never slower than those, by construction,
-    and than the others' short packings at ``found``'s best candidate; ``studies/slicing/notes.md`` measures
-    the rest)."""
+    and than the others' short packings at ``_centres``; ``studies/slicing/notes.md`` measures the rest)."""
     alts = _alternative_jobs(job, model_cfg)
     for name, alt in alts if WEIGH_FINALISTS is None else _screen(job, found, alts):
         try:

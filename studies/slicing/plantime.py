@@ -6,8 +6,9 @@ planned once per mode in one process, CPU seconds (``time.process_time``) and th
 
 Modes: ``off`` (``weighing_alternatives(False)``: dynamic's own search only), ``full`` (``on`` the same:
 ``weighing_alternatives(finalists=None)``, every plain method's whole sliced search weighed), ``screened`` (the default
-since the weighcost branch: every plain method's short packing tried at dynamic's best candidate, then the
-whole searches of the two fastest; ``--finalists K`` or mode ``screenedK``: the K fastest); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
+since the weighcost branch: every plain method's short packing tried at dynamic's best candidate and around it,
+``slicing._centres``, then the whole searches of those within ``slicing.SCREEN_ERROR`` of the best, at most two;
+``--finalists K`` or mode ``screenedK``: at most K); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
 numbers; compare CPU seconds only within one run (the box's load varies).
 """
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="llama2-7b,llama3.1-8b", help="model presets")
     ap.add_argument("--stages", default="8", help="pipeline depths P")
     ap.add_argument("--modes", default="off,screened,full", help="off, screened, full (on: full; module doc)")
-    ap.add_argument("--finalists", type=int, default=2, help="screened: whole searches of the K fastest")
+    ap.add_argument("--finalists", type=int, default=2, help="screened: at most K whole searches")
     ap.add_argument("--cache", type=Path, default=Path("results/traces"), help="where the pycode trace is cached")
     args = ap.parse_args(argv)
     for name in args.traces.split(","):
