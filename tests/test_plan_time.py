@@ -139,9 +139,13 @@ def test_lockstep_layouts_same_under_two_cost_models():
 
 
 # --------------------------------------------------------------------------- the balanced fill before (a copy)
+OLD_HEAP_POPS = 32
+"""Rows without room the old fill's heap looked past before it scanned every row."""
+
+
 def _old_heap_row(heap, room, load, size):
     passed, found = [], None
-    while heap and len(passed) < lockstep.HEAP_POPS:
+    while heap and len(passed) < OLD_HEAP_POPS:
         entry = heapq.heappop(heap)
         if entry[1] != load[entry[2]]:
             continue

@@ -232,11 +232,6 @@ def _least_fill(sizes: np.ndarray, weights: np.ndarray, tiers: np.ndarray, pack_
     return np.array(row, dtype=np.int64)
 
 
-HEAP_POPS = 32
-"""Rows without room the fill's heap looked past before it scanned every row (the fill before rows were parked;
-``tests/test_plan_time.py``'s copy of that fill reads it)."""
-
-
 def _heap_row(heap: list[tuple[int, float, int]], parked: list[tuple[int, int]], room: list[int],
               load: list[float], size: int) -> int | None:
     """The first row of ``heap`` (its entries whose weight is the row's current one) with ``size`` tokens of room,
