@@ -54,6 +54,9 @@ class PlanMeta(Mapping[str, Any]):
     """How many microbatches run with full recomputation."""
     recompute_choice: str | None = None
     """``recompute="auto"``: the candidate kept (``dynmb.packing.recompute``)."""
+    offload_blocks: Sequence[int] | None = None
+    """``offload="auto"``: per stage (model chunk), how many of its leading blocks keep their saved activations in
+    host memory between each microbatch's forward and backward (absent or all 0: none offloaded)."""
     # --- lockstep (dynmb.packing.lockstep) --------------------------------------------------------
     microbatches: int | None = None
     """lockstep: microbatches per replica and group."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["PlanSpec", "ATTENTION_KINDS", "EMBEDDING_PLACES", "OVERSIZE_POLICIES", "RECOMPUTE_MODES", "SLICE_FITTING"]
+__all__ = ["PlanSpec", "ATTENTION_KINDS", "EMBEDDING_PLACES", "OVERSIZE_POLICIES", "OFFLOAD_MODES", "RECOMPUTE_MODES", "SLICE_FITTING"]
 
 ATTENTION_KINDS = ("auto", "dense")
 """``ModelConfig.attention`` values: causal/document-causal without a mask tensor, or the dense mask."""
@@ -31,6 +31,8 @@ SLICE_FITTING = ("never", "auto")
 """Whether sequences that fit may be sliced too (``dynmb.planning.slice_fitting``)."""
 EMBEDDING_PLACES = ("first", "last")
 """Which pipeline rank holds the token embedding (``dynmb.schedule.embedlast``)."""
+OFFLOAD_MODES = ("never", "auto")
+"""Activation offload to host memory between a microbatch's forward and backward (``PlanMeta.offload_blocks``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,11 @@ class PlanSpec:
     microbatch, sends the hidden state to stage 0 and takes stage 0's input gradient back for the embedding's
     weight gradient (``dynmb.schedule.embedlast``); stage 0 then holds blocks only, so its states shrink by the
     table's. Not with a tied embedding nor the V placement (there the last stage is on rank 0 already)."""
+    offload: str = "never"
+    """Activation offload to host memory: ``never`` (the default: plans unchanged) or ``auto``: the planner may
+    move the saved activations of each stage's leading blocks to host memory between a microbatch's forward and
+    its backward, where the copies hide behind compute, so a stage admits more tokens in flight; the choice is
+    recorded per stage as ``PlanMeta.offload_blocks``."""
 
     def __post_init__(self) -> None:
         for name in ("method", "schedule_kind", "reorder"):
@@ -100,6 +107,8 @@ class PlanSpec:
             raise ValueError(f"embedding must be first or last, got {self.embedding!r}")
         if self.embedding == "last" and self.num_stages // self.virtual < 2:
             raise ValueError("embedding='last' needs at least 2 pipeline ranks")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be never or auto, got {self.offload!r}")
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {self.attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
 
@@ -113,10 +122,13 @@ class PlanSpec:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict; ``embedding`` only where it is not ``first`` (plans keep their JSON and digest)."""
+        """The fields as a dict; ``embedding`` / ``offload`` only where not the default (plans keep their JSON and
+        digest)."""
         out = asdict(self)
         if out["embedding"] == "first":
             del out["embedding"]
+        if out["offload"] == "never":
+            del out["offload"]
         return out
 
     @classmethod
