@@ -1,0 +1,256 @@
+"""Activation offload to host memory, the runtime side (``dynmb.runtime.offload``; issue 39).
+
+One process (the interpreter's ``run_actions`` on a one-stage float64 ``llama-tiny`` plan, offload set by hand in
+``plan.meta.offload_blocks``): gradients bit-equal to the plain run (GPipe, 1F1B, a split backward, recomputed
+microbatches); each forward's events in order (pack, D2H, reload, backward) with every reload issued when the
+action before its backward starts and none late; each saved storage copied once, no parameter; the CPU meter's
+accounting (the held bytes after the forwards lower by exactly the bytes offloaded, each reload adding its
+forward's back, nothing left after the step). Three named mutations are caught: the prefetch skipped (the order
+check fails), the reload skipped (late reloads), a host buffer given back to the pool at its D2H, before its
+reload read it (gradients differ).
+
+Real gloo ranks (``--verify`` in float64: every rank's gradients against the single-process reference, 1e-10):
+the offload set through the ``plan`` step hook (``OffloadPlan``) on 1F1B, zb (split backward), recomputed
+microbatches and a chain of slices (2 ranks, the shared job); the embedding on the last rank, interleaved
+virtual stages and two FSDP2 replicas (2 ranks, slow, a job of its own); all of them on 4 ranks (slow, the shared
+4-rank job). Offload all zeros, and offload on, give the plain run's loss and gradient error bit for bit; the
+memory table's ``offloaded_bytes`` is positive exactly on the stages that offload, and the offloading stage's
+measured peak is lower than the plain run's by no more than what it offloaded.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator, cast
+
+import numpy as np
+import pytest
+import torch
+
+from dynmb.core.config import PipelineConfig, RunConfig, model_config
+from dynmb.core.types import Action, Microbatch, Plan
+from dynmb.models import build_stages, make_inputs, synthetic_tokens
+from dynmb.planning import make_schedule
+from dynmb.runtime import interpreter, offload
+from dynmb.runtime.checks import VERIFY_RTOL_FP64
+from dynmb.runtime.comm import P2P
+from dynmb.runtime.device import device_ops
+from dynmb.runtime.hooks import NoHooks
+from dynmb.runtime.interpreter import ActionContext, run_actions
+from dynmb.runtime.launch import launch_job
+from dynmb.runtime.meter import MemoryMeter
+from dynmb.runtime.offload import OffloadSession, OffloadStats, prefetch_points
+from dynmb.runtime.spec import HookRef, JobSpec, RunSpec
+from tests.gloo_jobs import register
+
+CFG = model_config("llama-tiny:dtype=float64,n_layers=3")
+LENGTHS = np.array([14, 11, 16, 9], dtype=np.int64)
+
+
+# ------------------------------------------------------------------ one process
+def _plan(blocks: int, recompute: tuple[bool, ...] = ()) -> Plan:
+    mbs = [Microbatch([i], LENGTHS[[i]], 16, 1, recompute=i in recompute) for i in range(LENGTHS.size)]
+    plan = Plan(microbatches=tuple(mbs), method="test", num_stages=1, memory_limit_bytes=1 << 30,
+                num_sequences=LENGTHS.size)
+    return replace(plan, meta=plan.meta.with_(offload_blocks=[blocks])) if blocks >= 0 else plan
+
+
+def _split_actions(m: int) -> list[Action]:
+    """Every forward, then I of each microbatch with the W of the one before it (a split backward)."""
+    out = [Action(0, "F", i) for i in range(m)]
+    for i in range(m):
+        out += [Action(0, "I", i)] + ([Action(0, "W", i - 1)] if i else [])
+    return out + [Action(0, "W", m - 1)]
+
+
+@dataclass
+class _Run:
+    grads: dict[str, torch.Tensor]
+    stats: OffloadStats | None
+    held_after_forwards: int
+    held_after_reload: list[int]
+    """What each reload added to the meter's held bytes."""
+    left_bytes: int
+    records: list[Any]
+    params: set[int]
+
+
+def _run(blocks: int, actions: str = "gpipe", recompute: tuple[bool, ...] = ()) -> _Run:
+    """One step of the one-stage plan (``blocks`` < 0: no offload_blocks at all)."""
+    plan = _plan(blocks, recompute)
+    acts = _split_actions(plan.num_microbatches) if actions == "split" else list(make_schedule(plan, actions).ranks[0])
+    torch.manual_seed(0)
+    stage = build_stages(CFG, 1, seed=3, dtype=torch.float64)[0]
+    tokens = synthetic_tokens(LENGTHS, CFG.vocab_size, seed=1)
+    meter = MemoryMeter("cpu", [stage])
+    session = OffloadSession.for_plan(plan, {0: stage}, 0, "cpu", meter)
+    first_back = next(i for i, a in enumerate(acts) if a.op in ("B", "I"))
+    seen: dict[str, Any] = {"held": [], "records": []}
+
+    def on_action(i: int, a: Action) -> None:
+        if session is not None:
+            session.stats.events.append(("action", (i, i)))
+            seen["records"] += [(r.ptr, r.offloaded) for fw in session._forwards.values() for r in fw.records]
+        if i == first_back:
+            seen["after_forwards"] = meter.current_bytes
+    if session is not None:
+        reload = session.reload
+
+        def counted(key: tuple[int, int]) -> None:
+            before = meter.current_bytes
+            reload(key)
+            seen["held"].append(meter.current_bytes - before)
+        session.reload = counted              # type: ignore[method-assign]
+    run_actions(acts, ActionContext(stages={0: stage}, plan=plan, inputs=lambda m: make_inputs(
+        plan.microbatches[m], tokens, cfg=CFG), p2p=cast(P2P, None), loss_scale=1.0 / plan.real_tokens,
+        clock=device_ops(torch.device("cpu")), meter=meter, on_action=on_action, offload=session))
+    stats = session.finish() if session is not None else None
+    grads = {n: p.grad.detach().clone() for n, p in stage.named_parameters() if p.grad is not None}
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    for p in stage.parameters():
+        p.grad = None
+    return _Run(grads, stats, int(seen["after_forwards"]), seen["held"], meter.current_bytes - meter.state_bytes,
+                seen["records"], params)
+
+
+def _order_problems(stats: OffloadStats, actions: list[Action]) -> list[str]:
+    """Each offloaded (stage, mb): pack < d2h < reload < backward, the reload issued at its prefetch point."""
+    points = {key: at for at, keys in prefetch_points(actions, lambda s: True).items() for key in keys}
+    action_at = {i: n for n, (what, (i, _)) in enumerate(stats.events) if what == "action"}
+    problems = []
+    for key, at in points.items():
+        seq = [n for n, (what, k) in enumerate(stats.events) if k == key and what != "action"]
+        kinds = [stats.events[n][0] for n in seq]
+        if kinds[:1] != ["pack"] or "d2h" not in kinds or kinds[-2:] != ["reload", "backward"]:
+            problems.append(f"{key}: {kinds}")
+            continue
+        reload_at = seq[kinds.index("reload")]
+        if not action_at[at] < reload_at < action_at.get(at + 1, len(stats.events)):
+            problems.append(f"{key}: reloaded at event {reload_at}, its prefetch action {at} is event {action_at[at]}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, _Run]:
+    return {kind: _run(-1, kind) for kind in ("gpipe", "1f1b", "split")}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_prefetch_points_are_the_action_before_each_backward():
+    acts = [Action(0, "F", 0), Action(0, "F", 1), Action(1, "F", 0), Action(0, "B", 0), Action(1, "B", 0),
+            Action(0, "I", 1), Action(0, "W", 1)]
+    assert prefetch_points(acts, lambda s: True) == {2: [(0, 0)], 3: [(1, 0)], 4: [(0, 1)]}
+    assert prefetch_points(acts, lambda s: s == 1) == {3: [(1, 0)]}
+    one = [Action(0, "F", 0), Action(0, "B", 0)]           # the forward right before: at the backward itself
+    assert prefetch_points(one, lambda s: True) == {1: [(0, 0)]}
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "split"])
+@pytest.mark.parametrize("blocks", [0, 2])
+def test_offload_gradients_equal_the_plain_run_bit_for_bit(plain, kind, blocks):
+    run = _run(blocks, kind)
+    assert _equal(run.grads, plain[kind].grads)
+    if blocks == 0:
+        assert run.stats is None                  # all zeros: no session, the plain path
+        return
+    assert run.stats is not None and run.stats.late == 0 and run.stats.reloads == LENGTHS.size
+    acts = _split_actions(LENGTHS.size) if kind == "split" else list(make_schedule(_plan(0), kind).ranks[0])
+    assert _order_problems(run.stats, acts) == []
+    assert run.stats.bytes_by_stage[0] > 0 and run.left_bytes == plain[kind].left_bytes == 0
+
+
+def test_recomputed_microbatches_offload_the_block_inputs_exactly():
+    base = _run(-1, "gpipe", recompute=(1, 3))
+    for blocks in (1, 3):
+        run = _run(blocks, "gpipe", recompute=(1, 3))
+        assert _equal(run.grads, base.grads) and run.stats is not None and run.stats.late == 0
+    # a recomputed microbatch saves only its block inputs (and the rotary tables): far less to move
+    full = _run(3, "gpipe").stats
+    assert full is not None and run.stats is not None
+    assert run.stats.bytes_by_stage[0] < full.bytes_by_stage[0]
+
+
+def test_each_storage_once_and_no_parameter():
+    """The session's records equal the distinct storages a plain forward saves (a hook keeping them alive, so
+    no data pointer is reused), parameters and leaves left out."""
+    run = _run(3, "gpipe")
+    assert run.stats is not None and run.records
+    assert not {ptr for ptr, moved in run.records if moved} & run.params
+    stage = build_stages(CFG, 1, seed=3, dtype=torch.float64)[0]
+    kept: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_leaf and t.requires_grad) and t.untyped_storage().data_ptr() not in params:
+            kept.append(t)
+        return t
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    inputs = make_inputs(_plan(0).microbatches[0], synthetic_tokens(LENGTHS, CFG.vocab_size, seed=1), cfg=CFG)
+    x, extra = stage.embed_inputs(inputs), stage.block_args(inputs)      # outside the blocks: not offloaded
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for blk in stage.blocks.values():
+            x = blk(x, inputs, *extra)
+    distinct = len({t.untyped_storage().data_ptr() for t in kept})
+    assert run.stats.storages == distinct * LENGTHS.size
+
+
+def test_the_meter_counts_offloaded_storages_only_on_the_device(plain):
+    """At the first backward (every forward done, microbatch 0 reloaded at the action before) the held bytes are
+    the plain run's minus exactly the bytes still offloaded; each reload adds exactly its forward's bytes back (the
+    microbatches have one shape); nothing is left after the step."""
+    run = _run(3, "gpipe")
+    assert run.stats is not None
+    moved, m = run.stats.bytes_by_stage[0], LENGTHS.size
+    assert moved % m == 0 and moved > 0
+    assert plain["gpipe"].held_after_forwards - run.held_after_forwards == moved - moved // m
+    assert run.held_after_reload == [moved // m] * m
+    assert run.left_bytes == 0 and plain["gpipe"].left_bytes == 0
+
+
+# ------------------------------------------------------------------ mutations the checks catch
+def test_a_skipped_prefetch_fails_the_order_check(monkeypatch):
+    """Mutation: the interpreter issues no prefetch (``prefetch_points`` empty): each reload then happens at the
+    backward's start, after its prefetch action, and the order check names every forward."""
+    monkeypatch.setattr(interpreter, "prefetch_points", lambda actions, offloaded: {})
+    run = _run(3, "gpipe")
+    assert run.stats is not None
+    assert len(_order_problems(run.stats, list(make_schedule(_plan(0), "gpipe").ranks[0]))) == LENGTHS.size
+
+
+def test_a_skipped_reload_fails_the_step(monkeypatch):
+    """Mutation: no prefetch and ``before_backward`` neither reloads nor waits: autograd unpacks the offloaded
+    storages itself (late) and the step refuses the forwards left unreloaded."""
+    monkeypatch.setattr(interpreter, "prefetch_points", lambda actions, offloaded: {})
+    monkeypatch.setattr(OffloadSession, "before_backward", lambda self, key: None)
+    with pytest.raises(RuntimeError, match="never reloaded"):
+        _run(3, "gpipe")
+
+
+def test_a_host_buffer_given_back_before_its_reload_breaks_the_gradients(plain, monkeypatch):
+    """Mutation: each host buffer returns to the pool right after its D2H (not after its reload read it): a
+    later forward's pack takes it and overwrites it, and the exact-gradient comparison fails."""
+    d2h = OffloadSession._d2h
+
+    def early(self: OffloadSession, fw: Any) -> None:
+        d2h(self, fw)
+        for rec in fw.records:
+            if rec.host is not None and not getattr(rec, "given", False):
+                self.pool.give(rec.host)
+                rec.given = True
+    monkeypatch.setattr(OffloadSession, "_d2h", early)
+    run = _run(3, "gpipe")
+    assert not _equal(run.grads, plain["gpipe"].grads)
+
+
+def test_bad_offload_blocks_are_refused_in_one_line():
+    stage = build_stages(CFG, 1, seed=3, dtype=torch.float64)[0]
+    with pytest.raises(ValueError, match=r"offload_blocks\[0\] = 4, but stage 0 holds 3"):
+        OffloadSession.for_plan(_plan(4), {0: stage}, 0, "cpu")
+    bad = replace(_plan(0), meta=_plan(0).meta.with_(offload_blocks=[1, 1]))
+    with pytest.raises(ValueError, match="one count >= 0 per stage"):
+        OffloadSession.for_plan(bad, {0: stage}, 0, "cpu")
+    assert offload.offload_blocks_of(_plan(-1)) == [0]
