@@ -12,9 +12,10 @@ then the plain one, bit for bit):
    parameters, tensor subclasses, other devices. Any other saved tensor becomes a handle (its storage's record
    and its dtype, size, stride and offset); each storage once per forward: the views of a storage share one
    record (``StorageWeakRef``: found again while the storage lives).
-2. D2H right after the block: each new record not kept on the device (the storages of the stage input and of
-   the slices' carried keys and values in the prefix store stay there: later slices read them) is copied into
-   a host buffer (pinned on CUDA, on the rank's copy stream after an event of the compute stream). The device
+2. D2H right after the block: each new record is copied into a host buffer, unless something else still holds
+   its storage (then a copy would free nothing: it stays on the device, as do the stage input and the slices'
+   carried keys and values in the prefix store, which later slices read; the weight tape's references do not
+   count, step 4) (pinned on CUDA, on the rank's copy stream after an event of the compute stream). The device
    storage is referenced until that copy's event is done, then dropped (the memory frees); the host buffer until
    the reload's event is done, then it returns to the pool later packs take buffers from.
 3. Reload, prefetched: ``prefetch_points`` maps each backward (``B`` / ``I``) of an offloaded (stage, mb) to the
@@ -35,6 +36,7 @@ from its reload on (its liveness), not in between.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
@@ -192,7 +194,10 @@ class OffloadStats:
     storages: int = 0
     """Storages copied to host memory."""
     kept_bytes: int = 0
-    """Bytes of saved storages the runtime keeps on the device anyway (stage inputs, carried keys and values)."""
+    """Bytes of saved storages left on the device: held elsewhere too at the block's end (the stage input, a
+    slice's carried keys and values, tables every block reads, ...), where a copy would free nothing."""
+    kept_storages: int = 0
+    """How many storages were so left."""
     reloads: int = 0
     """Forwards whose storages were reloaded at their planned point."""
     late: int = 0
@@ -204,6 +209,11 @@ class OffloadStats:
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over all of ``t``'s storage (it keeps the storage alive)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _users(flat: torch.Tensor) -> int:
+    """How many tensors use ``flat``'s storage (``flat`` included; not the storage object asked through)."""
+    return int(torch._C._storage_Use_Count(flat.untyped_storage()._cdata)) - 1
 
 
 def _ptrs(tensors: Sequence[torch.Tensor]) -> set[int]:
@@ -343,13 +353,16 @@ class OffloadSession:
     def _d2h(self, fw: _Forward) -> None:
         """Right after a block: copy its new storages to host buffers; swap the tape's references."""
         keep = _ptrs(list(fw.keep()))
+        calls = fw.tape.calls[fw.linked:] if fw.tape is not None else []
+        on_tape = Counter(call.input.untyped_storage().data_ptr() for call in calls)
         moved = 0
         for rec in fw.new:
-            if rec.ptr in keep:
-                rec.kept = True
-                self.stats.kept_bytes += rec.nbytes
-                continue
             assert rec.flat is not None
+            if rec.ptr in keep or _users(rec.flat) - on_tape[rec.ptr] > 1:
+                rec.kept = True                   # held elsewhere too: a copy would free nothing
+                self.stats.kept_bytes += rec.nbytes
+                self.stats.kept_storages += 1
+                continue
             rec.host = self.pool.take(rec.nbytes)
             event = self.copies.to_host(rec.flat, rec.host)
             self._retiring.append((event, [rec.flat], []))
