@@ -41,7 +41,7 @@ from dynmb.runtime.comm import P2P
 from dynmb.runtime.device import device_ops
 from dynmb.runtime.interpreter import ActionContext, run_actions
 from dynmb.runtime.meter import MemoryMeter
-from dynmb.runtime.offload import OffloadSession, copies_for
+from dynmb.runtime.offload import OffloadSession
 
 
 @dataclass
@@ -96,7 +96,7 @@ def _step(cfg: ModelConfig, plan: Plan, device: torch.device, tokens: list) -> t
 
 def _bandwidth(device: torch.device, mib: int) -> tuple[float, float]:
     """Median GB/s of the copy engine's D2H and H2D copies of ``mib`` MiB."""
-    copies = copies_for(device)
+    copies = device_ops(device).copies()
     src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device).fill_(1)
     host = copies.host_buffer(src.numel())
     d2h, h2d = [], []

@@ -45,9 +45,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dynmb.core.types import Action, Plan
+from dynmb.runtime.device import CopyEngine, device_ops
 
-__all__ = ["OffloadSession", "OffloadStats", "HostCopies", "CudaCopies", "copies_for", "prefetch_points",
-           "offload_blocks_of"]
+__all__ = ["OffloadSession", "OffloadStats", "prefetch_points", "offload_blocks_of"]
 
 log = logging.getLogger(__name__)
 
@@ -59,90 +59,6 @@ class SavedObserver(Protocol):
     """Who accounts saved storages (the CPU memory meter, ``MemoryMeter.track``)."""
 
     def track(self, t: torch.Tensor) -> None: ...
-
-
-# ------------------------------------------------------------------ copy engines
-class HostCopies:
-    """CPU: host == device; copies are synchronous, events are None."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
-        dst.copy_(src)
-        return None
-
-    def to_device(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return torch.empty(src.numel(), dtype=torch.uint8, device=self.device).copy_(src), None
-
-    def wait(self, event: Any) -> None:
-        return None
-
-    def done(self, event: Any) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-
-class CudaCopies:
-    """CUDA: pinned host buffers and one copy stream per rank; events order the streams (module doc, 2-3)."""
-
-    _streams: dict[int, Any] = {}
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        index = torch.device(device).index or 0
-        if index not in CudaCopies._streams:
-            CudaCopies._streams[index] = torch.cuda.Stream(device=device)
-        self.stream = CudaCopies._streams[index]
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def _after_compute(self) -> None:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(ready)
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
-        self._after_compute()
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
-
-    def to_device(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)   # on the compute stream's pool
-        self._after_compute()
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return dst, done
-
-    def wait(self, event: Any) -> None:
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-    def done(self, event: Any) -> bool:
-        return event is None or bool(event.query())
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
-
-
-Copies = HostCopies | CudaCopies
-
-
-def copies_for(device: torch.device | str) -> Copies:
-    """The copy engine of ``device`` (CUDA: streams and pinned buffers; anything else: synchronous)."""
-    dev = torch.device(device)
-    return CudaCopies(dev) if dev.type == "cuda" else HostCopies(dev)
 
 
 # ------------------------------------------------------------------ records
@@ -168,6 +84,12 @@ class _Saved:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+    @classmethod
+    def of(cls, storage: _Storage, t: torch.Tensor) -> "_Saved":
+        """How ``t`` views ``storage``."""
+        return cls(storage, t.dtype, tuple(int(n) for n in t.size()), tuple(int(n) for n in t.stride()),
+                   int(t.storage_offset()))
 
 
 @dataclass(eq=False)
@@ -251,7 +173,7 @@ class _HostPool:
     """Host buffers by size: a buffer given back is handed to a later pack of the same size (as a caching
     allocator does), so one given back too early is overwritten (the mutation the tests name)."""
 
-    def __init__(self, copies: Copies) -> None:
+    def __init__(self, copies: CopyEngine) -> None:
         self.copies = copies
         self.free: dict[int, list[torch.Tensor]] = {}
 
@@ -266,7 +188,7 @@ class _HostPool:
 class OffloadSession:
     """One rank's offload in one step (module docstring); ``blocks``: schedule stage -> leading blocks."""
 
-    def __init__(self, blocks: Mapping[int, int], copies: Copies, observer: SavedObserver | None = None) -> None:
+    def __init__(self, blocks: Mapping[int, int], copies: CopyEngine, observer: SavedObserver | None = None) -> None:
         self.blocks = {s: k for s, k in blocks.items() if k > 0}
         self.copies, self.observer = copies, observer
         self.pool = _HostPool(copies)
@@ -290,7 +212,7 @@ class OffloadSession:
                                  f"{type(mod).__name__} has no block_scope (dynmb's own families only)")
             if k > held:
                 raise ValueError(f"offload_blocks[{s - lift}] = {k}, but stage {s - lift} holds {held} block(s)")
-        return cls(blocks, copies_for(device), observer) if blocks else None
+        return cls(blocks, device_ops(device).copies(), observer) if blocks else None
 
     def offloads(self, stage: int) -> bool:
         return stage in self.blocks
@@ -307,7 +229,7 @@ class OffloadSession:
             return
         fw = _Forward(key, keep, tape)
         self._forwards[key] = fw
-        blocks = list(module.blocks.values())        # type: ignore[union-attr]   # checked in for_plan
+        blocks = list(getattr(module, "blocks").values())        # checked in for_plan
 
         def scope(i: int) -> Any:
             return self._block(fw, blocks[i]) if i < k else nullcontext()
@@ -326,7 +248,7 @@ class OffloadSession:
 
     def _movable(self, fw: _Forward, t: torch.Tensor) -> bool:
         """Whether saved tensor ``t`` may move to host memory (module docstring, 1)."""
-        return (type(t) is torch.Tensor and t.layout == torch.strided and t.device == self.copies.device
+        return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == self.copies.device.type
                 and not (t.is_leaf and t.requires_grad) and not t.is_conj() and not t.is_neg()
                 and t.untyped_storage().nbytes() > 0 and t.untyped_storage().data_ptr() not in fw.params)
 
@@ -339,16 +261,17 @@ class OffloadSession:
         ptr = storage.data_ptr()
         seen = fw.seen.get(ptr)
         if seen is None or seen[0].expired():
-            rec = _Storage(key=fw.key, nbytes=storage.nbytes(), ptr=ptr, flat=_bytes_of(t))
+            flat = _bytes_of(t)
+            rec = _Storage(key=fw.key, nbytes=storage.nbytes(), ptr=ptr, flat=flat)
             fw.seen[ptr] = (StorageWeakRef(storage), rec)
             fw.records.append(rec)
             fw.new.append(rec)
             if self.observer is not None:
-                self.observer.track(rec.flat)            # type: ignore[arg-type]
+                self.observer.track(flat)
             self.stats.events.append(("pack", fw.key))
         else:
             rec = seen[1]
-        return _Saved(rec, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return _Saved.of(rec, t)
 
     def _d2h(self, fw: _Forward) -> None:
         """Right after a block: copy its new storages to host buffers; swap the tape's references."""
@@ -386,8 +309,7 @@ class OffloadSession:
             seen = fw.seen.get(t.untyped_storage().data_ptr())
             rec = seen[1] if seen is not None and not seen[0].expired() and seen[1].offloaded else None
             if rec is not None:
-                fw.tape_links.append((call, _Saved(rec, t.dtype, tuple(t.size()), tuple(t.stride()),
-                                                   t.storage_offset())))
+                fw.tape_links.append((call, _Saved.of(rec, t)))
                 call.input = t.new_empty(0)
         fw.linked = len(calls)
 
