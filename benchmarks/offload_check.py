@@ -87,7 +87,7 @@ def _step(cfg: ModelConfig, plan: Plan, device: torch.device, tokens: list) -> t
     run_actions(actions, ActionContext(
         stages={0: stage}, plan=plan, inputs=lambda m: make_inputs(plan.microbatches[m], tokens, cfg=cfg, device=device),
         p2p=cast(P2P, _Loopback()), loss_scale=1.0, clock=ops, meter=meter, offload=session))
-    stats = session.finish() if session is not None else None
+    stats = session.stats if session is not None else None        # run_actions finished it
     ops.synchronize()
     peak = meter.peak_bytes
     grads = {n: p.grad.detach().clone() for n, p in stage.named_parameters() if p.grad is not None}

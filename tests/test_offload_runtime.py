@@ -106,7 +106,7 @@ def _run(blocks: int, actions: str = "gpipe", recompute: tuple[bool, ...] = ()) 
     run_actions(acts, ActionContext(stages={0: stage}, plan=plan, inputs=lambda m: make_inputs(
         plan.microbatches[m], tokens, cfg=CFG), p2p=cast(P2P, None), loss_scale=1.0 / plan.real_tokens,
         clock=device_ops(torch.device("cpu")), meter=meter, on_action=on_action, offload=session))
-    stats = session.finish() if session is not None else None
+    stats = session.stats if session is not None else None        # run_actions finished it
     grads = {n: p.grad.detach().clone() for n, p in stage.named_parameters() if p.grad is not None}
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     for p in stage.parameters():

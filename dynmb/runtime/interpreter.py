@@ -273,4 +273,6 @@ def run_actions(actions: Sequence[Action], ctx: ActionContext) -> tuple[list[Act
         raise RuntimeError(f"actions left activations without a backward: {sorted(st.saved)[:6]}")
     if any(t is not None and t.calls for t in st.tapes.values()):
         raise RuntimeError(f"actions left weight gradients without a W: {sorted(st.tapes)[:6]}")
+    if ctx.offload is not None:
+        ctx.offload.finish()              # every copy done, every offloaded forward reloaded
     return timings, float(torch.stack(st.losses).sum()) if st.losses else 0.0

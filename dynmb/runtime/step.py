@@ -175,8 +175,8 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     p2p = P2P(schedule, topology.pp_index, topology.pipeline_ranks(), state.groups.pairs,
               lambda mb, sender: hidden_shape(replica.microbatches[mb], run.model, sender - lift if sender >= lift
                                               else None, pipeline.num_stages),
-              dtype=torch_dtype(run.model),
-              device=device)
+              dtype=torch_dtype(run.model), device=device)
+    offload = OffloadSession.for_plan(replica, state.stages, lift, device, state.meter)   # None: nothing offloaded
     state.meter.reset_step()     # also the allocator's peak counters
     gc.disable()   # no collector pauses inside the measured step; run_step turns it back on
     dist.barrier()
@@ -184,13 +184,11 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     if state.sharded:
         begin_step(state.stages.values())      # weights gathered once, gradient sync off
     prefix = PrefixStore() if replica.has_slices else None
-    offload = OffloadSession.for_plan(replica, state.stages, lift, device, state.meter)
     timings, loss = run_actions(actions, ActionContext(
         stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix, bool(lift)),
         p2p=p2p, prefix=prefix,
         loss_scale=1.0 / plan.real_tokens, clock=state.clock, meter=state.meter, num_stages=schedule.num_stages,
         offload=offload, on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions)))
-    offloaded = offload.finish().bytes_by_stage if offload is not None else {}
     p2p.finish()
     if state.sharded:
         finish_step(state.stages.values())     # reduce-scatter: the replicas' gradients summed
@@ -205,7 +203,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     step_s = time.perf_counter() - t0
 
     action_rows, busy_s = _action_rows(state, step, replica, timings, start_mark, bool(lift))
-    memory_rows = _memory_rows(state, step, plan, offloaded)
+    memory_rows = _memory_rows(state, step, plan, offload.stats.bytes_by_stage if offload is not None else {})
     problems = memory_problems(memory_rows, allow_over_limit=state.spec.allow_over_limit)
     grad_rel_err = None
     if weights is not None and verified_grads is not None:
