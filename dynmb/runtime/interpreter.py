@@ -40,6 +40,13 @@ For each action in the rank's list, in order:
 Backwards (``B``, ``I``) run inside the meter's saved-tensor context, so the activations a
 recomputing backward re-creates are accounted as they are.
 
+Activation offload (``ActionContext.offload``, the plan's ``offload_blocks``; ``dynmb.runtime.offload``): a
+forward of an offloading stage runs its leading blocks under the session's saved-tensor hooks (the stage input
+and a slice's carried keys and values stay on the device; the weight tape's Linear inputs go with their
+storages); when the rank starts the action before a backward of such a stage (``prefetch_points``) the
+session issues that microbatch's reload, and the backward waits for it (``before_backward``). After the last
+action the session checks every copy done and every offloaded forward reloaded (``finish``).
+
 Timing: three clock marks per action: before the receive, after it (compute
 start), after the compute, on the device's clock (``dynmb.runtime.device``: ``perf_counter``
 on CPU, CUDA events read after the step's final synchronisation on CUDA).
