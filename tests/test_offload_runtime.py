@@ -116,17 +116,21 @@ def _run(blocks: int, actions: str = "gpipe", recompute: tuple[bool, ...] = ()) 
 
 
 def _order_problems(stats: OffloadStats, actions: list[Action]) -> list[str]:
-    """Each offloaded (stage, mb): pack < d2h < reload < backward, the reload issued at its prefetch point."""
+    """Each offloaded (stage, mb): pack < d2h < reload < backward, the reload issued at its prefetch point, every
+    unpack after the reload."""
     points = {key: at for at, keys in prefetch_points(actions, lambda s: True).items() for key in keys}
     action_at = {i: n for n, (what, (i, _)) in enumerate(stats.events) if what == "action"}
     problems = []
     for key, at in points.items():
-        seq = [n for n, (what, k) in enumerate(stats.events) if k == key and what != "action"]
+        seq = [n for n, (what, k) in enumerate(stats.events) if k == key and what not in ("action", "unpack")]
         kinds = [stats.events[n][0] for n in seq]
         if kinds[:1] != ["pack"] or "d2h" not in kinds or kinds[-2:] != ["reload", "backward"]:
             problems.append(f"{key}: {kinds}")
             continue
         reload_at = seq[kinds.index("reload")]
+        unpacks = [n for n, (what, k) in enumerate(stats.events) if k == key and what == "unpack"]
+        if not unpacks or min(unpacks) < reload_at:
+            problems.append(f"{key}: unpacked at events {unpacks[:3]}, reloaded at {reload_at}")
         if not action_at[at] < reload_at < action_at.get(at + 1, len(stats.events)):
             problems.append(f"{key}: reloaded at event {reload_at}, its prefetch action {at} is event {action_at[at]}")
     return problems

@@ -125,7 +125,8 @@ class OffloadStats:
     late: int = 0
     """Storages reloaded only when autograd unpacked them (a reload not issued in time)."""
     events: list[tuple[str, Key]] = field(default_factory=list)
-    """The order of ``pack``, ``d2h``, ``reload``, ``backward`` and ``late`` per (stage, mb) (tests read it)."""
+    """The order of ``pack``, ``d2h``, ``reload``, ``backward``, ``unpack`` and ``late`` per (stage, mb) (tests read
+    it)."""
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -343,6 +344,7 @@ class OffloadSession:
             self.stats.late += 1
             self.stats.events.append(("late", rec.key))
         assert rec.flat is not None
+        self.stats.events.append(("unpack", rec.key))
         view = torch.empty(0, dtype=saved.dtype, device=rec.flat.device).set_(
             rec.flat.untyped_storage(), saved.offset, saved.size, saved.stride)
         if self.observer is not None:
