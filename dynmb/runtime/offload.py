@@ -388,5 +388,8 @@ class OffloadSession:
             raise RuntimeError(f"offload: forwards never reloaded for their backward (stage, mb): {left[:6]}")
         if self.stats.late:
             log.warning("offload: %d storage(s) reloaded late (unpacked before their prefetch)", self.stats.late)
+        log.debug("offload: %d bytes in %d storages to host memory (by stage %s), %d bytes left on the device",
+                  sum(self.stats.bytes_by_stage.values()), self.stats.storages, self.stats.bytes_by_stage,
+                  self.stats.kept_bytes)
         self.pool.free.clear()
         return self.stats
