@@ -4,7 +4,9 @@ The first stage of a two-stage ``--model`` runs ``--microbatches`` equal microba
 forward, then every backward: the most in flight) through the runtime's interpreter (``run_actions``), once plain
 and once with ``offload_blocks`` = every block of the stage (``dynmb.runtime.offload``), and reports:
 
-- ``exact``: every parameter gradient equal bit for bit (``torch.equal``) between the two runs;
+- ``exact``: every parameter gradient equal bit for bit between the two runs (``max_diff`` 0); ``plain_max_diff``:
+  a second plain run's difference from the first (a GPU's attention backward may not repeat bitwise: then the
+  offload run passes within 10x that);
 - ``peak_plain`` / ``peak_offload``: the step's peak (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the memory
   meter's accounting), ``offloaded_bytes`` (``OffloadStats``), and the bytes off the device where the plain run
   peaks, between ``(m - 2) / m`` of the offloaded (at the first backward microbatch 1 is being reloaded) and
@@ -12,7 +14,8 @@ and once with ``offload_blocks`` = every block of the stage (``dynmb.runtime.off
 - ``d2h_gbps`` / ``h2d_gbps``: the copy engine's own copies (pinned buffers, the copy stream) of ``--copy-mib`` MiB,
   median of 5 (the cost model's host-link bandwidth is an assumption this measures; CPU: a memory copy).
 
-Writes one JSON to ``--out`` and prints it; exits 1 when the gradients differ, a reload came late or, on CUDA,
+Writes one JSON to ``--out`` and prints it; exits 1 when the gradients differ (beyond a plain rerun's difference
+where that is not 0), a reload came late or, on CUDA,
 when the peak saved is outside ``[0.9 saving_low, 1.1 saving_high]``.
 
     python3 benchmarks/offload_check.py --device cuda --model gpt2 --out results/offload.json
@@ -22,6 +25,7 @@ when the peak saved is outside ``[0.9 saving_low, 1.1 saving_high]``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -52,6 +56,8 @@ class Report:
     length: int
     blocks: int
     exact: bool
+    max_diff: float
+    plain_max_diff: float
     peak_plain: int
     peak_offload: int
     offloaded_bytes: int
@@ -77,6 +83,7 @@ class _Loopback:
 
 def _step(cfg: ModelConfig, plan: Plan, device: torch.device, tokens: list) -> tuple[dict, int, int, int]:
     """(gradients, peak bytes, offloaded bytes, late reloads) of one step of ``plan``'s first stage."""
+    gc.collect()                                  # the run before it freed (its modules and meter hold cycles)
     stage = build_stages(cfg, 2, seed=0, device=device)[0]
     meter = MemoryMeter(device, [stage])
     session = OffloadSession.for_plan(plan, {0: stage}, 0, device, meter)
@@ -90,7 +97,7 @@ def _step(cfg: ModelConfig, plan: Plan, device: torch.device, tokens: list) -> t
     stats = session.stats if session is not None else None        # run_actions finished it
     ops.synchronize()
     peak = meter.peak_bytes
-    grads = {n: p.grad.detach().clone() for n, p in stage.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().cpu() for n, p in stage.named_parameters() if p.grad is not None}   # off the device
     return grads, int(peak), sum(stats.bytes_by_stage.values()) if stats else 0, stats.late if stats else 0
 
 
@@ -115,6 +122,13 @@ def _bandwidth(device: torch.device, mib: int) -> tuple[float, float]:
     return statistics.median(d2h[1:]), statistics.median(h2d[1:])
 
 
+def _max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference of two runs' gradients (inf when they hold other parameters)."""
+    if a.keys() != b.keys():
+        return float("inf")
+    return max((float((a[k].double() - b[k].double()).abs().max()) for k in a), default=0.0)
+
+
 def check(args: argparse.Namespace) -> Report:
     device = torch.device(args.device)
     cfg = model_config(args.model)
@@ -124,12 +138,13 @@ def check(args: argparse.Namespace) -> Report:
     mbs = tuple(Microbatch([i], lengths[[i]], args.length, args.batch) for i in range(n))
     plan = Plan(microbatches=mbs, method="check", num_stages=2, memory_limit_bytes=1 << 40, num_sequences=n)
     blocks = len(cfg.stage_blocks(2)[0])
-    plain = _step(cfg, plan, device, tokens)
+    plain, again = _step(cfg, plan, device, tokens), _step(cfg, plan, device, tokens)
     off = _step(cfg, replace(plan, meta=plan.meta.with_(offload_blocks=[blocks, 0])), device, tokens)
-    exact = plain[0].keys() == off[0].keys() and all(torch.equal(plain[0][k], off[0][k]) for k in plain[0])
     d2h, h2d = _bandwidth(device, args.copy_mib)
     return Report(device=str(device), model=args.model, microbatches=n, length=args.length, blocks=blocks,
-                  exact=exact, peak_plain=plain[1], peak_offload=off[1], offloaded_bytes=off[2],
+                  exact=_max_diff(plain[0], off[0]) == 0.0, max_diff=_max_diff(plain[0], off[0]),
+                  plain_max_diff=_max_diff(plain[0], again[0]),
+                  peak_plain=plain[1], peak_offload=off[1], offloaded_bytes=off[2],
                   saving_low=off[2] * (n - 2) // n, saving_high=off[2] * (n - 1) // n, late_reloads=off[3],
                   d2h_gbps=d2h, h2d_gbps=h2d)
 
@@ -149,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(asdict(report), indent=1) + "\n")
     print(json.dumps(asdict(report)))
     saved = report.peak_plain - report.peak_offload
-    ok = report.exact and report.late_reloads == 0
+    # bitwise where the device's kernels repeat a run bitwise, else within the run-to-run difference
+    exact = report.exact or (report.plain_max_diff > 0 and report.max_diff <= 10 * report.plain_max_diff)
+    ok = exact and report.late_reloads == 0
     if report.device.startswith("cuda"):
         ok = ok and 0.9 * report.saving_low <= saved <= 1.1 * report.saving_high
     return 0 if ok else 1

@@ -459,3 +459,24 @@ def test_offload_on_stages_without_the_block_hook_is_refused_before_the_run():
     stage = _WrappingFactory(model_config("tiny")).build_stage(0, 1)
     with pytest.raises(ValueError, match="has no block_scope"):
         OffloadSession.for_plan(replace(_plan(0), meta=_plan(0).meta.with_(offload_blocks=[1])), {0: stage}, 0, "cpu")
+
+
+def test_the_gpu_check_step_runs_on_the_cpu(tmp_path):
+    """``benchmarks/offload_check.py`` (step 9 of ``benchmarks/gpu_check.sh``) in its CPU dry mode: exact, the
+    meter's peak lower by what is off the device at the plain run's peak, bandwidths measured."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "offload.json"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "offload_check.py"), "--device", "cpu",
+                           "--model", "tiny", "--microbatches", "4", "--length", "32", "--copy-mib", "4",
+                           "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})       # this tree's dynmb
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["exact"] and r["plain_max_diff"] == 0.0 and r["late_reloads"] == 0 and r["offloaded_bytes"] > 0
+    assert r["saving_low"] <= r["peak_plain"] - r["peak_offload"] <= r["saving_high"]
+    assert r["d2h_gbps"] > 0 and r["h2d_gbps"] > 0
