@@ -461,6 +461,7 @@ def test_offload_on_stages_without_the_block_hook_is_refused_before_the_run():
         OffloadSession.for_plan(replace(_plan(0), meta=_plan(0).meta.with_(offload_blocks=[1])), {0: stage}, 0, "cpu")
 
 
+@pytest.mark.slow
 def test_the_gpu_check_step_runs_on_the_cpu(tmp_path):
     """``benchmarks/offload_check.py`` (step 9 of ``benchmarks/gpu_check.sh``) in its CPU dry mode: exact, the
     meter's peak lower by what is off the device at the plain run's peak, bandwidths measured."""
