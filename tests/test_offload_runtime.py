@@ -12,8 +12,9 @@ reload read it (gradients differ).
 Real gloo ranks (``--verify`` in float64: every rank's gradients against the single-process reference, 1e-10):
 the offload set through the ``plan`` step hook (``OffloadPlan``) on 1F1B, zb (split backward), recomputed
 microbatches and a chain of slices (2 ranks, the shared job); the embedding on the last rank, interleaved
-virtual stages and two FSDP2 replicas (2 ranks, slow, a job of its own); all of them on 4 ranks (slow, the shared
-4-rank job). Offload all zeros, and offload on, give the plain run's loss and gradient error bit for bit; the
+virtual stages, two FSDP2 replicas and a chain of recomputed slices (2 ranks, slow, a job of its own); all of them
+on 4 ranks (slow, the shared 4-rank job). Slow too: ``benchmarks/offload_check.py`` (the GPU check's step 9) in its
+CPU dry mode. Offload all zeros, and offload on, give the plain run's loss and gradient error bit for bit; the
 memory table's ``offloaded_bytes`` is positive exactly on the stages that offload, every stage's measured peak
 is not higher than the plain run's and lower by no more than its rank offloaded, and where the first stage holds
 several microbatches in flight its peak is lower.
@@ -300,7 +301,7 @@ def _cases(nproc: int, paths: tuple[str, ...]) -> list[GlooCase]:
     out = []
     for path in paths:
         stages = _stages(path, nproc)
-        if path == "recompute":           # two blocks a stage: the first one's input is the stage input (kept)
+        if path in ("recompute", "slicesrc"):   # two blocks a stage: the first one's input is the stage input
             blocks = (2,) * stages
         else:
             blocks = (0,) * stages if path == "zeros" else tuple(2 if s == 0 and stages == 2 and path != "fsdp" else 1
@@ -313,7 +314,7 @@ LOWER = ("1f1b", "zb", "recompute", "embedlast", "interleaved")
 """Where the first stage's measured peak must be lower with offload (a chain of slices peaks where its
 microbatches are back on the device; there and elsewhere it is never higher)."""
 FAST_PATHS = ("1f1b", "zeros", "zb", "recompute", "slices")
-SLOW_PATHS = ("embedlast", "interleaved", "fsdp")
+SLOW_PATHS = ("embedlast", "interleaved", "fsdp", "slicesrc")
 FAST = _cases(2, FAST_PATHS)
 SLOW2 = _cases(2, SLOW_PATHS)
 SLOW4 = _cases(4, FAST_PATHS + SLOW_PATHS)
@@ -322,17 +323,17 @@ SLOW4 = _cases(4, FAST_PATHS + SLOW_PATHS)
 def _run_config(case: GlooCase, trace: Path) -> RunConfig:
     stages = _stages(case.path, case.nproc)
     virtual = 2 if case.path == "interleaved" else 1
-    kind = {"zb": "zb", "slices": "zb-h1", "interleaved": "interleaved"}.get(case.path, "1f1b")
-    family = "llama-tiny" if case.path in ("zb", "slices", "embedlast") else "tiny"
-    layers = 2 * stages if case.path == "recompute" else max(4, stages)
+    kind = {"zb": "zb", "slices": "zb-h1", "slicesrc": "zb-h1", "interleaved": "interleaved"}.get(case.path, "1f1b")
+    family = "llama-tiny" if case.path in ("zb", "slices", "slicesrc", "embedlast") else "tiny"
+    layers = 2 * stages if case.path in ("recompute", "slicesrc") else max(4, stages)
     model = model_config(f"{family}:dtype=float64,n_layers={layers}")
-    limit = 40 * 2**20 if case.path == "slices" else 256 * 2**20
+    limit = 40 * 2**20 if case.path.startswith("slices") else 256 * 2**20
     pipeline = PipelineConfig(num_stages=stages, virtual=virtual, schedule=kind, memory_limit_bytes=limit)
     common: dict[str, Any] = dict(model=model, pipeline=pipeline, seed=7, steps=1, warmup=0, backend="gloo",
                                   device="cpu", timeout_s=120.0)
-    if case.path == "slices":
+    if case.path.startswith("slices"):         # slicesrc: every slice recomputed (I runs its whole backward)
         return RunConfig(**common, dataset=str(trace), global_batch=SLICE_BATCH.size, method="dynamic",
-                         oversize="split", recompute="never")
+                         oversize="split", recompute="always" if case.path == "slicesrc" else "never")
     extra: dict[str, Any] = {"recompute": "always"} if case.path == "recompute" else \
         {"embedding": "last"} if case.path == "embedlast" else {"dp": 2, "shard": True} if case.path == "fsdp" else {}
     return RunConfig(**common, dataset="gsm8k", global_batch=8, method="fixed", mbs=1, **extra)
@@ -368,7 +369,7 @@ def _check_pair(out: Path, case: GlooCase) -> None:
     assert steps["verified"].all() and 0 <= float(steps["grad_rel_err"].max()) <= VERIFY_RTOL_FP64, case.name
     for col in ("loss", "grad_rel_err"):
         assert steps[col].tolist() == base["steps"][col].tolist(), (case.name, col)
-    if case.path == "slices":
+    if case.path.startswith("slices"):
         assert (steps["sliced"] > 0).all(), case.name
     assert case.blocks is not None
     mem, plain_mem = off["memory"], base["memory"].set_index(["dp_rank", "stage"])

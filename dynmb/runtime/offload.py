@@ -12,12 +12,13 @@ then the plain one, bit for bit):
    parameters, tensor subclasses, other devices. Any other saved tensor becomes a handle (its storage's record
    and its dtype, size, stride and offset); each storage once per forward: the views of a storage share one
    record (``StorageWeakRef``: found again while the storage lives).
-2. D2H right after the block: each new record is copied into a host buffer, unless something else still holds
-   its storage (then a copy would free nothing: it stays on the device, as do the stage input and the slices'
-   carried keys and values in the prefix store, which later slices read; the weight tape's references do not
-   count, step 4) (pinned on CUDA, on the rank's copy stream after an event of the compute stream). The device
-   storage is referenced until that copy's event is done, then dropped (the memory frees); the host buffer until
-   the reload's event is done, then it returns to the pool later packs take buffers from.
+2. D2H right after the block: each new record is copied into a host buffer (``DeviceOps.copies``: pinned on
+   CUDA, on the rank's copy stream after an event of the compute stream), unless something else still holds its
+   storage at that moment: a copy would then free nothing, so it stays on the device, as the stage input and the
+   slices' carried keys and values in the prefix store (later slices read them) always do; the weight tape's
+   references do not count (step 4). The device storage is referenced until its copy's event is done, then
+   dropped (the memory frees); the host buffer until the reload's event is done, then it returns to the pool
+   later packs take buffers from.
 3. Reload, prefetched: ``prefetch_points`` maps each backward (``B`` / ``I``) of an offloaded (stage, mb) to the
    action before it in the rank's list (the backward itself where that is its own forward); when the rank starts
    that action it issues the pair's H2D copies into new device buffers (``reload``). The backward first makes
