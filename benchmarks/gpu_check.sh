@@ -16,9 +16,12 @@
 #   8. stage boundaries inside half-blocks (the 1/16-layer grid, dynmb/models/pieces.py): 4 chunks on one
 #      GPU (interleaved), ending inside layer 1's attention (K/V heads) and twice inside an MLP (columns:
 #      one chunk holds 2/8 of it, sending and receiving [y | h]), --verify
+#   9. activation offload (dynmb/runtime/offload.py, benchmarks/offload_check.py): a stage's gradients with and
+#      without its blocks offloaded (bitwise), the allocator's peak lower by about the bytes offloaded, and the
+#      pinned D2H / H2D bandwidth of the copy stream, written to $R/offload.json
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
-# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-8 on the CPU (a check
-# of the script and the commands, not of CUDA).
+# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-9 on the CPU (a check
+# of the script and the commands, not of CUDA); ONLY=9 runs step 9 alone (either device).
 set -uo pipefail
 R=${1:-results/gpu_check}
 mkdir -p "$R"
@@ -28,10 +31,16 @@ MODEL=${MODEL:-gpt2}
 LIMIT=${LIMIT:-6GiB}
 DEV=${DEV:-cuda}
 step() { echo; echo "=== $* ($(date +%T))"; }
+offload_check() {     # step 9 (also alone: ONLY=9)
+step activation offload
+timeout 240 python3 benchmarks/offload_check.py --device "$DEV" --model "$MODEL" --out "$R/offload.json" 2>&1 | tail -3
+return "${PIPESTATUS[0]}"
+}
 step env
 nvidia-smi -L || true
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
 # SKIP_TESTS=1 skips step 1; COST=<json> uses that cost model and skips steps 3-4
+if [ "${ONLY:-}" = 9 ]; then offload_check; exit $?; fi
 step pytest cuda
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_runtime_cuda.py
 step memory model on CUDA
@@ -70,4 +79,5 @@ d=c.to_dict(); d.update(name=sys.argv[1] + '-chunks', layer_split=[x / 16 for x 
 timeout 240 $D run --nproc 1 --model "$R/chunk-split.json" --stages 4 --virtual 4 --device "$DEV" --memory-limit "$LIMIT" \
     --global-batch 8 --steps 1 --allow-over-limit --oversize truncate --method dynamic --schedule interleaved --verify --out "$R/chunk-split" 2>&1 | tail -3
 python3 -c "import dynmb,sys; t=dynmb.load_results(sys.argv[1]); print('verified', bool(t['steps']['verified'].all()), 'layer_split', t['runs']['model.layer_split'].iloc[0])" "$R/chunk-split"
+offload_check
 step done

@@ -293,6 +293,7 @@ def test_zero_bubble_schedule_uses_torchs_split_backward():
     (lambda p, s: (replace(p, dp=2, replica_ids=(0, 1) * 3), s), "dp=2"),
     (lambda p, s: (p, build_schedule("1f1b", 2, 5)), "5 microbatches"),
     (lambda p, s: (p, build_schedule("1f1b", 4, 6)), "4 ranks"),
+    (lambda p, s: (replace(p, meta=p.meta.with_(offload_blocks=[1, 0])), s), r"offloads activations .*\[1, 0\]"),
 ])
 def test_bad_input_is_refused_before_any_process_talks(monkeypatch, change, match):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)

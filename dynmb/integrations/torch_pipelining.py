@@ -7,7 +7,8 @@ microbatches have different shapes (rows x padded length), which torch's stage d
 
 1. **Checks, before any process talks.** The plan is one pipeline's (``dp == 1``; under data
    parallelism run ``plan.replica(r)`` and pass the global token count as
-   ``TorchPipeliningSettings.loss_tokens``), holds no slices of long sequences, and matches the
+   ``TorchPipeliningSettings.loss_tokens``), holds no slices of long sequences, offloads no activations
+   (``PlanMeta.offload_blocks``: dynmb's own runtime does, ``dynmb.runtime.offload``), and matches the
    schedule (microbatches, stages, ranks, this rank's stages); the last stage runs its forwards
    in microbatch order (torch keeps the losses in a list in forward order and reads them back by
    microbatch index). Each failure is one ``TorchPipeliningError`` line.
@@ -283,6 +284,9 @@ def _check_step(stages: Sequence[nn.Module], plan: Plan, schedule: Schedule, ran
     if plan.has_slices:
         raise TorchPipeliningError("the plan slices long sequences (prefix attention across microbatches); "
                                    "torch's runtime cannot carry the prefix store: plan with --oversize error/truncate")
+    if any(plan.meta.get("offload_blocks") or ()):
+        raise TorchPipeliningError(f"the plan offloads activations to host memory (offload_blocks "
+                                   f"{list(plan.meta['offload_blocks'])}); torch's runtime cannot: plan with offload='never'")
     if loss_tokens < 1:
         raise TorchPipeliningError(f"loss_tokens must be >= 1, got {loss_tokens}")
     if schedule.num_microbatches != plan.num_microbatches:

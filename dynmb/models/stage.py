@@ -33,7 +33,8 @@ seeded by ``(seed, global name)``, ``dynmb.models.seeding``; the head's rows by 
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,10 @@ class DecoderStage(nn.Module):
     """One pipeline stage of a pre-norm decoder (module docstring)."""
 
     blocks: nn.ModuleDict          # set by the family's ``_build``
+    block_scope: Callable[[int], AbstractContextManager[Any]] | None = None
+    """Set by the runtime around one forward (``dynmb.runtime.offload``): a context entered around the call of
+    block ``i`` (its position in ``blocks``), a recomputed block's ``RecomputedBlock.apply`` included, so the
+    saved-tensor hooks it installs see what that block saves for backward; None: no context."""
 
     def __init__(self, cfg: ModelConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -170,8 +175,10 @@ class DecoderStage(nn.Module):
                              f"(config.message_channels; [y | h] inside a half-block), got {x.shape[-1]}")
         recomputing = recompute and torch.is_grad_enabled()
         extra = self.block_args(inputs) if self.layers else ()     # tables for the attention halves
-        for blk in self.blocks.values():
-            x = RecomputedBlock.apply(x, blk, inputs, *extra) if recomputing else blk(x, inputs, *extra)
+        scope = self.block_scope
+        for i, blk in enumerate(self.blocks.values()):
+            with scope(i) if scope is not None else nullcontext():
+                x = RecomputedBlock.apply(x, blk, inputs, *extra) if recomputing else blk(x, inputs, *extra)
         if not len(self.vocab):
             return x
         if recomputing and (reduction == "sum" or not self.is_last):

@@ -10,6 +10,9 @@
   ``max_memory_allocated``, ``max_memory_reserved``, ``reset_peak_memory_stats``) of that
   device.
 
+``DeviceOps.copies()`` is the copy engine of activation offload (``dynmb.runtime.offload``): ``HostCopies``
+(synchronous copies into separate host tensors) or ``CudaCopies`` (pinned host buffers, one copy stream, events).
+
 A clock (``Clock``: ``mark``, ``seconds``, ``cpu``) is what the action interpreter times with;
 every ``DeviceOps`` is one. ``timer(clock)`` times one call for the profiler: ``(out, seconds by
 the clock, wall seconds)``, where the clock is ``"event"`` (CUDA events), ``"thread"`` (the
@@ -28,7 +31,8 @@ from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 
-__all__ = ["Clock", "DeviceOps", "CpuOps", "CudaOps", "device_ops", "bind_device", "cuda_available"]
+__all__ = ["Clock", "DeviceOps", "CpuOps", "CudaOps", "HostCopies", "CudaCopies", "CopyEngine", "device_ops",
+           "bind_device", "cuda_available"]
 
 T = TypeVar("T")
 
@@ -53,6 +57,10 @@ class DeviceOps:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def copies(self) -> "CopyEngine":
+        """The copy engine of activation offload (``dynmb.runtime.offload``): synchronous copies by default."""
+        return HostCopies(self.device)
 
     # --- clock ------------------------------------------------------------
     def mark(self) -> Any:
@@ -118,12 +126,95 @@ class DeviceOps:
         return torch.device("cpu")
 
 
+class HostCopies:
+    """CPU: host == device; copies are synchronous into separate tensors, events are None."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        dst.copy_(src)
+        return None
+
+    def to_device(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return torch.empty(src.numel(), dtype=torch.uint8, device=self.device).copy_(src), None
+
+    def wait(self, event: Any) -> None:
+        return None
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CudaCopies:
+    """CUDA: pinned host buffers and one copy stream per device and process; events order the copies after the
+    compute stream's work (``to_host`` / ``to_device``) and the compute stream after a copy (``wait``)."""
+
+    _streams: dict[int, Any] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        if index not in CudaCopies._streams:
+            CudaCopies._streams[index] = torch.cuda.Stream(device=device)
+        self.stream = CudaCopies._streams[index]
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _after_compute(self) -> None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(ready)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        self._after_compute()
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def to_device(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)   # on the compute stream's pool
+        self._after_compute()
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return dst, done
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def done(self, event: Any) -> bool:
+        return event is None or bool(event.query())
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+CopyEngine = HostCopies | CudaCopies
+"""A device's copies to host memory and back (``DeviceOps.copies``; ``dynmb.runtime.offload``)."""
+
+
 class CpuOps(DeviceOps):
     """The host CPU: wall and thread clocks, no allocator statistics."""
 
 
 class CudaOps(DeviceOps):
     """A CUDA device: event clock, the caching allocator's statistics."""
+
+    def copies(self) -> CopyEngine:
+        return CudaCopies(self.device)
 
     allocator_stats = True
     default_clock = "event"

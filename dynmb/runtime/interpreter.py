@@ -40,6 +40,13 @@ For each action in the rank's list, in order:
 Backwards (``B``, ``I``) run inside the meter's saved-tensor context, so the activations a
 recomputing backward re-creates are accounted as they are.
 
+Activation offload (``ActionContext.offload``, the plan's ``offload_blocks``; ``dynmb.runtime.offload``): a
+forward of an offloading stage runs its leading blocks under the session's saved-tensor hooks (the stage input
+and a slice's carried keys and values stay on the device; the weight tape's Linear inputs go with their
+storages); when the rank starts the action before a backward of such a stage (``prefetch_points``) the
+session issues that microbatch's reload, and the backward waits for it (``before_backward``). After the last
+action the session checks every copy done and every offloaded forward reloaded (``finish``).
+
 Timing: three clock marks per action: before the receive, after it (compute
 start), after the compute, on the device's clock (``dynmb.runtime.device``: ``perf_counter``
 on CPU, CUDA events read after the step's final synchronisation on CUDA).
@@ -60,6 +67,7 @@ from dynmb.models.embedstage import is_embed_only
 from dynmb.models.prefix import PrefixStore
 from dynmb.runtime.comm import P2P
 from dynmb.runtime.device import Clock
+from dynmb.runtime.offload import OffloadSession, prefetch_points
 from dynmb.runtime.splitbackward import WeightGradTape, backward_input, backward_weight, full_backward, record_linears
 from dynmb.core.types import Action, Plan
 
@@ -106,6 +114,9 @@ class ActionContext:
     num_stages: int | None = None
     """The schedule's stages (None: the plan's); one more with the embedding on the last rank, whose stage 0 is
     the embedding alone (``dynmb.models.embedstage``)."""
+    offload: OffloadSession | None = None
+    """Activation offload to host memory of the plan's ``offload_blocks`` (``dynmb.runtime.offload``); None:
+    none."""
 
     @property
     def last_stage(self) -> int:
@@ -134,6 +145,19 @@ def _saving(ctx: ActionContext, stage: int) -> Any:
     return ctx.meter.saving(stage) if ctx.meter is not None else nullcontext()
 
 
+def _offloading(ctx: ActionContext, a: Action, x: torch.Tensor | None, tape: WeightGradTape | None) -> Any:
+    """The offload context of forward ``a`` (``OffloadSession.forward``): the stage input and a slice's carried
+    keys and values stay on the device; a no-op one without offload."""
+    if ctx.offload is None or not ctx.offload.offloads(a.stage):
+        return nullcontext()
+    mod, prefix = ctx.stages[a.stage], ctx.prefix
+
+    def keep() -> list[torch.Tensor]:
+        carried = prefix.held_tensors(_layers(mod)) if prefix is not None else []
+        return ([x] if x is not None else []) + list(carried)
+    return ctx.offload.forward((a.stage, a.mb), mod, keep, tape)
+
+
 def _forward(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
     """``sFm``: receive (or embed), run the stage, keep (input, output), send the output on."""
     s, m = a.stage, a.mb
@@ -150,7 +174,7 @@ def _forward(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
     saving = _saving(ctx, s)
     record = record_linears(mod) if (s, m) in st.split and not st.recompute[m] else nullcontext()
     embed_only = is_embed_only(mod)           # the embedding stage keeps nothing: its backward redoes the lookup
-    with saving, record as tape, torch.no_grad() if embed_only else nullcontext():
+    with saving, record as tape, torch.no_grad() if embed_only else nullcontext(), _offloading(ctx, a, x, tape):
         out = mod(x, inp, recompute=True) if st.recompute[m] and not embed_only else mod(x, inp)
         if s == last:
             out = out * ctx.loss_scale
@@ -199,6 +223,8 @@ def _backward(ctx: ActionContext, st: _RankState, a: Action) -> Marks:
     if s < ctx.last_stage:
         grad, _ = ctx.p2p.recv("grad", s, m)
     t_start, cpu_start = ctx.clock.mark(), ctx.clock.cpu()
+    if ctx.offload is not None:
+        ctx.offload.before_backward((s, m))         # its reload was issued at the action before (prefetch)
     with _saving(ctx, s):
         if is_embed_only(ctx.stages[s]):
             out = ctx.stages[s](None, ctx.inputs(m))      # the lookup again (its forward kept nothing)
@@ -236,9 +262,14 @@ def run_actions(actions: Sequence[Action], ctx: ActionContext) -> tuple[list[Act
                     recompute=[bool(mb.recompute) for mb in ctx.plan.microbatches],
                     sliced=[mb.has_slices for mb in ctx.plan.microbatches])
     timings: list[ActionTiming] = []
+    reloads = prefetch_points(actions, ctx.offload.offloads) if ctx.offload is not None else {}
     for i, a in enumerate(actions):
         if ctx.on_action is not None:
             ctx.on_action(i, a)
+        if ctx.offload is not None:
+            ctx.offload.poll()
+            for key in reloads.get(i, ()):
+                ctx.offload.reload(key)          # prefetch: the backward after this action reads them
         t_recv, t_start, cpu_start = _RUNNERS[a.op](ctx, st, a)
         t_end, cpu_end = ctx.clock.mark(), ctx.clock.cpu()
         if ctx.meter is not None:
@@ -249,4 +280,6 @@ def run_actions(actions: Sequence[Action], ctx: ActionContext) -> tuple[list[Act
         raise RuntimeError(f"actions left activations without a backward: {sorted(st.saved)[:6]}")
     if any(t is not None and t.calls for t in st.tapes.values()):
         raise RuntimeError(f"actions left weight gradients without a W: {sorted(st.tapes)[:6]}")
+    if ctx.offload is not None:
+        ctx.offload.finish()              # every copy done, every offloaded forward reloaded
     return timings, float(torch.stack(st.losses).sum()) if st.losses else 0.0

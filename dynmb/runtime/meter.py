@@ -28,7 +28,9 @@ calls ``sample``.
 
 Runtime interface: ``MemoryMeter(device, modules, optimizer)``; ``saving(stage)`` context
 around a forward or backward; ``hold(tensors, stage)`` for what a split backward keeps;
-``sample(stage)`` after actions; ``sample_states()`` after the optimizer step; ``peaks()`` ->
+``sample(stage)`` after actions; ``track(t)`` for what activation offload packs and reloads under its own
+hooks (``dynmb.runtime.offload``; an offloaded storage counts while it is on the device: from its pack until
+its copy to host memory is done, and from its reload on); ``sample_states()`` after the optimizer step; ``peaks()`` ->
 {stage: bytes}; ``current_bytes``, ``peak_bytes``, ``reset_peak()``, ``reset_step()``.
 ``dynmb.measure.memory`` measures one microbatch through one stage with it.
 """
@@ -192,6 +194,13 @@ class MemoryMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield self
         self._note(stage)
+
+    def track(self, t: torch.Tensor) -> None:
+        """Account saved tensor ``t``'s storage as held while ``t`` lives (each storage once): what activation
+        offload (``dynmb.runtime.offload``) packs under its own saved-tensor hooks and what it reloads. An
+        offloaded storage so counts until its copy to host memory is done and again from its reload on."""
+        if self.accounting:
+            self._track(t)
 
     def hold(self, tensors: Sequence[torch.Tensor], stage: int = 0) -> None:
         """Account ``tensors`` as held until they are freed (each storage once), then sample:

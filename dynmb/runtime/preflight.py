@@ -16,7 +16,11 @@
    a position limit shorter than the data, data parallelism over too few sequences) is one line naming
    the step and the sequence's trace row (a corpus's file and record there), not its position in the batch.
 
-A plan-file run (``--plan``) was checked against its plan by ``load_plan_files``; step 2 is skipped.
+   With ``offload="auto"`` every stage must take the offload's block hook (``DecoderStage.block_scope``,
+   ``dynmb.runtime.offload``): a transformers model or a user's own stage module is refused here, in one line.
+
+A plan-file run (``--plan``) was checked against its plan by ``load_plan_files``; step 2 is skipped (a plan whose
+``offload_blocks`` a stage cannot take fails its first step in one line, ``OffloadSession.for_plan``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,9 @@ def check_stages(spec: RunSpec) -> None:
         if int(module.stage) != k or int(module.num_stages) != stages:
             raise ValueError(f"{what}: rank {k % ranks}: build_stage({k}, {stages}) returned stage {module.stage} "
                              f"of {module.num_stages}")
+        if run.plan_spec.offload != "never" and not hasattr(module, "block_scope"):
+            raise ValueError(f"{what}: offload={run.plan_spec.offload!r} needs stages with a block_scope (dynmb's own "
+                             f"families, dynmb.runtime.offload); stage {k} is a {type(module).__name__}")
 
 
 def check_first_batches(spec: RunSpec) -> None:

@@ -12,7 +12,8 @@ through ``results.TableWriter``, so a crash keeps every finished step):
 - ``actions``: one row per action of every rank; ``start_s``/``end_s`` bound the compute
   from the step start on the rank's clock, ``wait_s`` is the receive wait before it;
 - ``memory``: one row per stage: measured peak, the limit it was checked against, the
-  planned peak, and on CUDA the allocator's ``allocated_bytes``/``reserved_bytes``;
+  planned peak, on CUDA the allocator's ``allocated_bytes``/``reserved_bytes``, and the bytes of
+  saved activations offloaded to host memory (``offloaded_bytes``);
 - ``runs``: one row per run when it starts (``run_row``: flattened config and provenance,
   ``status`` ``running``), finished when the run ends (``Recorder.run_finished``: ``ok``, or
   ``failed`` with its ``error``; the launcher finishes the rows rank 0 could not).
@@ -85,6 +86,9 @@ class MemoryRow:
     """CUDA: ``max_memory_allocated`` of the rank in the step (no column on CPU)."""
     reserved_bytes: int | None = None
     """CUDA: ``max_memory_reserved`` of the rank in the step (no column on CPU)."""
+    offloaded_bytes: int = 0
+    """Bytes of the stage's saved activations copied to host memory in the step (``PlanMeta.offload_blocks``,
+    ``dynmb.runtime.offload``: each storage once per forward; 0 without offload)."""
 
     def as_row(self) -> dict[str, Any]:
         row = asdict(self)

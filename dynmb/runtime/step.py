@@ -8,7 +8,8 @@
    gathers its pre-step weights.
 2. run: barrier; the interpreter runs this rank's actions of its replica's schedule
    (``interpreter.run_actions``; a microbatch's inputs are built at its first forward on
-   this rank and dropped after its last); sends are drained; missing gradients are zeros;
+   this rank and dropped after its last; with the plan's ``offload_blocks`` an ``OffloadSession``,
+   ``dynmb.runtime.offload``, moves saved activations to host memory and back); sends are drained; missing gradients are zeros;
    gradients are summed over the data-parallel group in one flat all-reduce; Adam steps;
    barrier. ``step_s`` is barrier to barrier. Python's cyclic collector is off from before
    the first barrier to the end of the step (Megatron-LM's --manual-gc: a collection inside
@@ -28,7 +29,7 @@ import gc
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ from dynmb.runtime.checks import (
 from dynmb.runtime.comm import P2P
 from dynmb.runtime.fsdp import begin_step, finish_step, full_tensors
 from dynmb.runtime.interpreter import ActionContext, ActionTiming, run_actions
+from dynmb.runtime.offload import OffloadSession
 from dynmb.runtime.records import ActionRow, MemoryRow, StepReport
 from dynmb.runtime.state import RunState
 from dynmb.core.types import Action, Plan, Schedule
@@ -125,8 +127,8 @@ def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTim
     return rows, busy_s
 
 
-def _memory_rows(state: RunState, step: int, plan: Plan) -> list[MemoryRow]:
-    """One row per stage of this rank: measured peak and the limit it is checked against."""
+def _memory_rows(state: RunState, step: int, plan: Plan, offloaded: Mapping[int, int]) -> list[MemoryRow]:
+    """One row per stage of this rank: measured peak, the limit it is checked against, the bytes it offloaded."""
     planned = list(plan.predictions.get("pred_peak_bytes", []))
     peaks = state.meter.peaks()
     allocated, reserved = state.ops.peak_allocated_bytes(), state.ops.peak_reserved_bytes()
@@ -138,7 +140,7 @@ def _memory_rows(state: RunState, step: int, plan: Plan) -> list[MemoryRow]:
             run_id=state.spec.run_id, step=step, stage=stage, rank=state.rank, dp_rank=state.topology.dp_index,
             peak_bytes=peak, limit_bytes=int(limit),
             pred_peak_bytes=int(planned[stage]) if stage < len(planned) else None,
-            allocated_bytes=allocated, reserved_bytes=reserved))
+            allocated_bytes=allocated, reserved_bytes=reserved, offloaded_bytes=int(offloaded.get(stage, 0))))
     return rows
 
 
@@ -173,8 +175,8 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     p2p = P2P(schedule, topology.pp_index, topology.pipeline_ranks(), state.groups.pairs,
               lambda mb, sender: hidden_shape(replica.microbatches[mb], run.model, sender - lift if sender >= lift
                                               else None, pipeline.num_stages),
-              dtype=torch_dtype(run.model),
-              device=device)
+              dtype=torch_dtype(run.model), device=device)
+    offload = OffloadSession.for_plan(replica, state.stages, lift, device, state.meter)   # None: nothing offloaded
     state.meter.reset_step()     # also the allocator's peak counters
     gc.disable()   # no collector pauses inside the measured step; run_step turns it back on
     dist.barrier()
@@ -186,7 +188,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
         stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix, bool(lift)),
         p2p=p2p, prefix=prefix,
         loss_scale=1.0 / plan.real_tokens, clock=state.clock, meter=state.meter, num_stages=schedule.num_stages,
-        on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions)))
+        offload=offload, on_action=lambda index, _action: state.hooks.before_action(state.rank, step, index, actions)))
     p2p.finish()
     if state.sharded:
         finish_step(state.stages.values())     # reduce-scatter: the replicas' gradients summed
@@ -201,7 +203,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     step_s = time.perf_counter() - t0
 
     action_rows, busy_s = _action_rows(state, step, replica, timings, start_mark, bool(lift))
-    memory_rows = _memory_rows(state, step, plan)
+    memory_rows = _memory_rows(state, step, plan, offload.stats.bytes_by_stage if offload is not None else {})
     problems = memory_problems(memory_rows, allow_over_limit=state.spec.allow_over_limit)
     grad_rel_err = None
     if weights is not None and verified_grads is not None:
