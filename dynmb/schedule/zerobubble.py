@@ -245,12 +245,13 @@ class _ListRun:
         self.bend = [[-1.0] * m for _ in range(P)]
         self.clock = [0.0] * P
         # 1F1B's greedy order per stage for its window (X: the backward, I or B)
-        self.todo = [deque(windowed_order(m, self.k[s], backward_order, "X")) for s in range(P)]  # its lookahead
+        self.todo = [deque(_windowed(m, self.k[s], backward_order)) for s in range(P)]  # its lookahead
         if any(a < b for a, b in zip(self.k, self.k[1:])):
             _check_windows(self.k, self.todo)           # a window that grows downstream may deadlock
         self.pend: list[deque] = [deque() for _ in range(P)]
         self.held, self.live = [0.0] * P, [0] * P
-        self.ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
+        self.ranks: list[list[Action]] = [[] for _ in range(P)]
+        self.acts = [_stage_actions(s, m) for s in range(P)]      # Action(s, op, j) is acts[s][op][j]
         self.makespan = 0.0
 
     def ready(self, s: int, op: str, j: int) -> tuple[float, bool]:
@@ -285,7 +286,7 @@ class _ListRun:
         ranks = self.ranks[s]
         if not ranks:
             self.first[s] = self.clock[s]
-        ranks.append((op, j))
+        ranks.append(self.acts[s][op][j])
         # a W needs no input: it starts where the stage's last op ended (the simulator's recurrence), even
         # where the clock had moved on to a later bound on an input; a pumped forward where its input arrived;
         # every other op runs at the clock
@@ -343,25 +344,93 @@ class _ListRun:
         return True
 
     def advance(self, s: int, t: float) -> None:
-        """One decision on stage ``s`` at time ``t``: run an op, a queued W, or wait for an input."""
-        todo = self.todo[s]
-        while todo and todo[0][0] == "F" and todo[0][1] < self.nextf[s]:
+        """One decision on stage ``s`` at time ``t`` (its clock): run an op, a queued W, or wait for an input.
+        ``next_op`` and ``ready`` written out (they run for most decisions of every candidate)."""
+        todo, pend, nextf = self.todo[s], self.pend[s], self.nextf[s]
+        while todo and todo[0][0] == "F" and todo[0][1] < nextf:
             todo.popleft()                                    # a forward rule 5 ran ahead of its slot
-        if not self.todo[s]:
-            while self.pend[s]:                               # the template is done: the last W
+        if not todo:
+            while pend:                                       # the template is done: the last W
                 self.run_w(s)
             return
-        j = self.todo[s][0][1]
-        op, blocked = self.next_op(s, j)
-        pend = self.pend[s]
-        if blocked and pend:
-            self.run_w(s)                                     # frees an in-flight slot and bytes
-            return
-        r, known = self.ready(s, op, j)
+        op, j = todo[0]
+        if op == "F":
+            live, k = self.live[s], self.k[s]
+            if pend and (live - len(pend) >= k or live >= k + self.defer[s]
+                         or self.held[s] + self.act[s][j] + self.tr[s][j] > self.cap[s]):
+                self.run_w(s)                                 # frees an in-flight slot and bytes
+                return
+            if s == 0:
+                r, known = 0.0, True
+            elif self.fend[s - 1][j] >= 0:
+                r, known = self.fend[s - 1][j] + self.comm[j], True
+            else:
+                r, known = self.clock[s - 1] + self.F[s - 1][j] + self.comm[j], False
+        else:
+            held, cap, tr = self.held[s], self.cap[s], self.tr[s][j]
+            op = "B"
+            if self.split[s][j]:
+                w_a = self.wb[s][j] - self.act[s][j]
+                if held + ((w_a if w_a > 0.0 else 0.0) + tr) <= cap:
+                    op = "I"
+                elif pend:
+                    self.run_w(s)                             # I would pass the cap: a W frees bytes first
+                    return
+            if op == "B" and pend and held + tr > cap:
+                self.run_w(s)
+                return
+            if s == self.P - 1:
+                r = self.fend[s][j]
+                known = r >= 0
+            elif self.bend[s + 1][j] >= 0:
+                r, known = self.bend[s + 1][j] + self.comm[j], True
+            else:
+                r, known = self.clock[s + 1] + self.est_bwd[s + 1][j] + self.comm[j], False
         if known and r <= t + 1e-12:
-            self.todo[s].popleft()
-            self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
-        elif self.pump and op != "F" and self.pump_forward(s, t):
+            todo.popleft()
+            self.run_now(s, op, j)
+        elif not pend and (op == "F" or not self.pump) and r > t:
+            if self.ranks[s]:                                 # rule 6, written out
+                self.span[s] += r - t
+            self.clock[s] = r
+        else:
+            self.wait(s, t, op, r)
+
+    def run_now(self, s: int, op: str, j: int) -> None:
+        """``run`` of a forward or backward at the stage's clock, written out."""
+        held = self.held
+        if op == "F":
+            dur = self.F[s][j]
+            held[s] += self.act[s][j]
+            self.live[s] += 1
+            self.nextf[s] += 1
+        elif op == "I":
+            dur = self.I[s][j]
+            held[s] += self.wb[s][j] - self.act[s][j]
+        else:
+            dur = self.B[s][j]
+            held[s] += -self.act[s][j]
+            self.live[s] -= 1
+        ranks, clock = self.ranks[s], self.clock[s]
+        if not ranks:
+            self.first[s] = clock
+        ranks.append(self.acts[s][op][j])
+        end = clock + dur
+        self.free[s] = end
+        self.clock[s] = end if end > clock else clock
+        if end > self.makespan:
+            self.makespan = end
+        if op == "F":
+            self.fend[s][j] = end
+        else:
+            self.bend[s][j] = end
+            if op == "I":
+                self.pend[s].append(j)
+
+    def wait(self, s: int, t: float, op: str, r: float) -> None:
+        """Stage ``s``'s next op has not arrived by ``t`` (``r``: when it does, or a bound): rules 5, 3, 4, 6."""
+        pend = self.pend[s]
+        if self.pump and op != "F" and self.pump_forward(s, t):
             pass                                              # a forward fills the gradient's wait
         elif pend and t + self.W[s][pend[0]] <= r + 1e-12:
             self.run_w(s)                                     # fills the gap before the input arrives
@@ -386,27 +455,46 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     P, m = inp.shape
     st = _ListRun(inp, inflight, caps, backward_order, w_defer, fill, pump)
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
-    todo, clock, advance, pop, push = st.todo, st.clock, st.advance, heapq.heappop, heapq.heappush
+    todo, clock, advance, pop, replace = st.todo, st.clock, st.advance, heapq.heappop, heapq.heapreplace
     while heap:
-        t, neg = pop(heap)
+        t, neg = heap[0]                            # the stage whose clock is earliest (keys are unique)
         s = -neg
-        done = not todo[s]
-        advance(s, t)
-        if not done:
-            push(heap, (clock[s], neg))
-    return Schedule([[_action(s, op, j) for op, j in acts] for s, acts in enumerate(st.ranks)], P, m, kind=kind), \
-        st.makespan
+        if not todo[s]:
+            advance(s, t)                           # its last Ws
+            pop(heap)
+        else:
+            advance(s, t)
+            replace(heap, (clock[s], neg))          # = pop, then push it back at its clock
+    return Schedule(st.ranks, P, m, kind=kind), st.makespan
 
 
-_ACTIONS: dict[tuple[int, str, int], Action] = {}
+_ACTIONS: dict[int, dict[str, list[Action]]] = {}
 
 
-def _action(stage: int, op: str, mb: int) -> Action:
-    """``Action(stage, op, mb)``, shared between calls (the list scheduler emits many)."""
-    a = _ACTIONS.get((stage, op, mb))
-    if a is None:
-        a = _ACTIONS[(stage, op, mb)] = Action(stage, op, mb)
-    return a
+def _stage_actions(stage: int, m: int) -> dict[str, list[Action]]:
+    """``Action(stage, op, j)`` for every op and ``j < m``, by op then ``j``: shared between calls (the list
+    scheduler emits many)."""
+    acts = _ACTIONS.setdefault(stage, {op: [] for op in "FBIW"})
+    for op, row in acts.items():
+        row.extend(Action(stage, op, j) for j in range(len(row), m))
+    return acts
+
+
+_WINDOWED: dict[tuple, list[tuple[str, int]]] = {}
+
+
+def _windowed(m: int, window: int, backward_order: Sequence[int] | None) -> list[tuple[str, int]]:
+    """``windowed_order(m, window, backward_order, "X")``, remembered (the last ``4 REMEMBERED``; the list
+    scheduler asks for each stage's window of each candidate)."""
+    key = (m, window, None if backward_order is None else (tuple(backward_order), lookahead_of(backward_order)))
+    seq = _WINDOWED.get(key) if REMEMBERED > 0 else None
+    if seq is None:
+        seq = windowed_order(m, window, backward_order, "X")
+        if REMEMBERED > 0:
+            while len(_WINDOWED) >= 4 * REMEMBERED:
+                _WINDOWED.pop(next(iter(_WINDOWED)))
+            _WINDOWED[key] = seq
+    return seq
 
 
 def _inflight(P: int, m: int, alpha: float = 0.0) -> list[int]:
