@@ -522,20 +522,29 @@ def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool,
 
 def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None, kind: str,
               order: Sequence[int] | None = None, w_defer: Sequence[int] | None = None,
-              fill: str | None = None) -> list[Schedule]:
+              fill: str | None = None) -> list[tuple[Schedule, float]]:
     """The list schedule, and, where a split backward costs more than a full one, the list schedule again
     with full backwards where the first ran W right after I (``_unsplit_adjacent``; everywhere, and
-    everywhere but the cool-down)."""
-    first, _ = list_schedule(inp, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer, fill=fill)
+    everywhere but the cool-down); each with its makespan under its inputs."""
+    first = list_schedule(inp, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer, fill=fill)
     out = [first]
     if not np.any(inp.I + inp.W > inp.B * (1 + 1e-9)):
         return out                  # the split costs nothing (a GPU's): a full B is never faster than I then W
     for keep in (False, True):
-        fewer = _unsplit_adjacent(first, inp, keep, order)
+        fewer = _unsplit_adjacent(first[0], inp, keep, order)
         if fewer is not None:
             out.append(list_schedule(fewer, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer,
-                                     fill=fill)[0])
+                                     fill=fill))
     return out
+
+
+def _exact_judge(evaluate: Evaluate) -> bool:
+    """Does ``evaluate`` declare itself the simulator's makespan on the scheduler's own inputs (``evaluate.judge``
+    ``("makespan", ...)``, as ``dynmb.planning.zerobubble.zb_evaluator``)? Then its time of a list schedule is the
+    list scheduler's own (the simulator's recurrence on the order emitted; ``tests/test_zb_judge.py``), and a
+    candidate whose own time already loses needs no verdict (``JUDGE_CONTENDERS_ONLY``)."""
+    judge = getattr(evaluate, "judge", None)
+    return JUDGE_CONTENDERS_ONLY and isinstance(judge, tuple) and bool(judge) and judge[0] == "makespan"
 
 
 def h1_caps(inp: ZBInputs, state_bytes: Sequence[float] | np.ndarray | None = None,
@@ -585,11 +594,17 @@ def _h1_judged(inp: ZBInputs, inflight: Sequence[int], caps: np.ndarray | None, 
     key = _inputs_key(inp, caps, order, evaluate)
     if key is not None and key in _H1:
         return _H1[key]
-    cands = _variants(inp, inflight, caps, "zb-h1", order, list(range(P))) + \
-        [list_schedule(inp, inflight, caps, kind="zb-h1", backward_order=order)[0], _one_f_one_b(P, m, order)]
-    verdicts = [evaluate(c) for c in cands]
-    b = min(range(len(cands)), key=lambda i: verdicts[i][0])
-    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[-1])
+    listed = _variants(inp, inflight, caps, "zb-h1", order, list(range(P))) + \
+        [list_schedule(inp, inflight, caps, kind="zb-h1", backward_order=order)]
+    exact = _exact_judge(evaluate)
+    verdicts: dict[int, tuple[float, np.ndarray]] = {}
+    for n, (c, t) in enumerate(listed):                  # the first of equals wins: a later one as slow loses
+        if not (exact and n > 0 and t >= min(v[0] for v in verdicts.values())):
+            verdicts[n] = evaluate(c)
+    cands = [c for c, _ in listed] + [_one_f_one_b(P, m, order)]
+    verdicts[len(listed)] = evaluate(cands[-1])
+    b = min(verdicts, key=lambda i: verdicts[i][0])     # in insertion (candidate) order: first of equals
+    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[len(listed)])
     if key is not None and REMEMBERED > 0:
         while len(_H1) >= REMEMBERED:
             _H1.pop(next(iter(_H1)))
@@ -614,6 +629,12 @@ PUMPED = True
 REUSE_H1_VERDICTS = True
 """``zb`` takes ZB-H1's verdicts on its pick and on 1F1B from ``zb_h1`` instead of simulating both again (the same
 numbers); False: simulated again (as before)."""
+
+JUDGE_CONTENDERS_ONLY = True
+"""With a judge that is the simulator's makespan on the scheduler's inputs (``_exact_judge``), ``zb_h1`` and ``zb``
+judge only the list schedules whose own makespan could still win (``zb_h1``: below the fastest judged before it;
+``zb``: below the fastest that fits, and in a sweep of windows below the sweep's fastest, which decides where it
+stops): the same choice. False: every candidate judged (as before)."""
 
 REMEMBERED = 16
 """Schedules each of ``_H1``, ``_H1_UNIT`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
@@ -643,10 +664,11 @@ def _inputs_key(inp: ZBInputs, caps: Sequence[float] | np.ndarray | None, order:
     return h.digest()
 
 
-def _sweep_windows(num_stages: int, m: int, consider: Callable[[tuple[int, ...]], float],
+def _sweep_windows(num_stages: int, m: int, consider: Callable[[tuple[int, ...], float], float],
                    alphas: Sequence[float] = (0.0, *ZB_ALPHAS)) -> float:
-    """``consider`` (the fastest candidate that fits, seconds) the in-flight windows of ``alphas`` in
-    increasing order, until one is no faster than the ones before or cannot fit at all; the fastest alpha."""
+    """``consider`` (the fastest candidate that fits, seconds; told the time below which a candidate still
+    decides the sweep: none for the first) the in-flight windows of ``alphas`` in increasing order, until one is
+    no faster than the ones before or cannot fit at all; the fastest alpha."""
     seen, previous, best = set(), np.inf, alphas[0]
     for n, alpha in enumerate(alphas):
         k = tuple(_inflight(num_stages, m, alpha))
@@ -654,7 +676,7 @@ def _sweep_windows(num_stages: int, m: int, consider: Callable[[tuple[int, ...]]
             continue
         seen.add(k)
         try:
-            t = consider(k)
+            t = consider(k, previous if n > 0 else np.inf)
         except ValueError:          # a microbatch cannot fit under the cap alone: no larger window will
             break
         if n > 0 and t >= previous - 1e-12:
@@ -673,12 +695,18 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     key = _inputs_key(inp, caps, backward_order, evaluate, limit_bytes, state_bytes, float(PUMPED))
     if key is not None and key in _ZB:
         return _ZB[key]
-    best, best_t = None, np.inf
+    best, best_t, exact = None, np.inf, _exact_judge(evaluate)
 
-    def consider(cands: list[Schedule], known: Sequence[tuple[float, np.ndarray]] = ()) -> float:
+    def consider(cands: list[tuple[Schedule, float]], known: Sequence[tuple[float, np.ndarray]] = (),
+                 deciding: float | None = None) -> float:
+        """The fastest of ``cands`` (with their list makespans) that fits, the best kept; with an exact judge one
+        whose own makespan is neither below the best so far nor below ``deciding`` (a sweep's fastest) is not
+        judged: it can change neither."""
         nonlocal best, best_t
         fastest = np.inf
-        for n, c in enumerate(cands):
+        for n, (c, own) in enumerate(cands):
+            if n >= len(known) and exact and own >= max(best_t, -np.inf if deciding is None else deciding) - 1e-12:
+                continue
             t, peak = known[n] if n < len(known) else evaluate(c)
             if np.all(np.asarray(peak) <= limit_bytes + 1e-6):
                 fastest = min(fastest, t)
@@ -691,13 +719,13 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     judged = _h1_judged(inp, _inflight(num_stages, m), h1_caps_, evaluate, order)
     h1 = judged.schedule
     if REUSE_H1_VERDICTS:                   # zb_h1 judged both on these inputs
-        consider([h1, judged.one_f_one_b], [judged.verdict, judged.one_f_one_b_verdict])
-    else:
-        consider([h1, _one_f_one_b(num_stages, m, order)])
+        consider([(h1, np.inf), (judged.one_f_one_b, np.inf)], [judged.verdict, judged.one_f_one_b_verdict])
+    else:                                           # (no list makespan: always judged)
+        consider([(h1, -np.inf), (_one_f_one_b(num_stages, m, order), -np.inf)])
     unbounded = [m] * num_stages                    # W deferred as far as the caps let (ZB-2p)
 
-    def windows(fill: str | None) -> Callable[[tuple[int, ...]], float]:
-        return lambda k: consider(_variants(inp, k, caps, "zb", order, unbounded, fill=fill))
+    def windows(fill: str | None) -> Callable[[tuple[int, ...], float], float]:
+        return lambda k, deciding: consider(_variants(inp, k, caps, "zb", order, unbounded, fill=fill), (), deciding)
     alphas = (0.0, *ZB_ALPHAS)
     start = _sweep_windows(num_stages, m, windows(None), alphas)        # W only in the waits they fit
     fill = objective_of(evaluate)
@@ -706,5 +734,5 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     if PUMPED:                                                          # forwards fill the gradients' waits
         pumped = [(0.0, None, list(range(num_stages))), (0.0, None, unbounded), (critical, fill, unbounded)]
         consider([list_schedule(inp, _inflight(num_stages, m, alpha), caps, kind="zb", backward_order=order,
-                                w_defer=defer, fill=how, pump=True)[0] for alpha, how, defer in pumped])
+                                w_defer=defer, fill=how, pump=True) for alpha, how, defer in pumped])
     return _remember(_ZB, key, Schedule((best or h1).ranks, num_stages, m, kind="zb"))
