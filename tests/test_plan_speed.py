@@ -674,6 +674,7 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(makespan_zb, "REMEMBERED", 0)
             mp.setattr(dynapipe, "REMEMBERED", 0)
             mp.setattr(zerobubble, "REUSE_H1_VERDICTS", False)
+            mp.setattr(zerobubble, "JUDGE_CONTENDERS_ONLY", False)
             mp.setattr(validate, "REMEMBERED", 0)
             mp.setattr(Microbatch, "slice_mask", property(lambda mb: (mb.offsets > 0) | mb.continued))
             mp.setattr(Microbatch, "has_slices", property(lambda mb: bool(mb.slice_mask.any())))
