@@ -36,7 +36,7 @@ from dynmb.planning import batchsim, reorder
 from dynmb.planning import zerobubble as planning_zb
 from dynmb.schedule import zerobubble
 from dynmb.schedule.order import check_order, windowed_order
-from dynmb.schedule.zerobubble import ZBInputs, _check_fill, _check_windows, list_schedule
+from dynmb.schedule.zerobubble import ZBInputs, _check_fill, _check_windows, list_schedule, op_bytes
 from dynmb.timing import makespan_zb, simulate
 from dynmb.timing.makespan_levels import level_order
 
@@ -231,6 +231,21 @@ def old_list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[flo
         st.makespan
 
 
+def _old_one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None) -> np.ndarray:
+    """``zerobubble.one_f_one_b_peaks`` before (main at 2a9d7ea): op by op over 1F1B's Actions."""
+    P, m = inp.shape
+    out = np.zeros(P)
+    act = np.zeros((P, m)) if inp.act is None else inp.act
+    tr = np.zeros((P, m)) if inp.tr is None else inp.tr
+    for s, acts in enumerate(zerobubble._one_f_one_b(P, m, backward_order).ranks):
+        held = 0.0
+        for a in acts:
+            d, extra = op_bytes(a.op, act[s, a.mb], 0.0, tr[s, a.mb])
+            out[s] = max(out[s], held + extra)
+            held += d
+    return out
+
+
 def _random_inputs(seed: int, P: int, m: int, unit: bool, memory: bool) -> ZBInputs:
     """Random (or the paper's unit, tie-heavy) times, a random split mask and optionally bytes."""
     if unit:
@@ -299,6 +314,21 @@ def test_list_schedule_is_the_old_one(seed, P, m, unit, memory, fill, defer, per
     assert [[(a.stage, a.op, a.mb) for a in r] for r in new.ranks] == \
         [[(a.stage, a.op, a.mb) for a in r] for r in old.ranks]
     assert t_new == t_old
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 8), st.integers(0, 20), st.booleans(), st.booleans())
+def test_one_f_one_b_peaks_are_the_old_ones(seed, P, m, memory, permuted):
+    """1F1B's per-stage peaks (ZB-H1's caps) as running sums, bit for bit the op-by-op loop's; and 1F1B's schedule
+    from the shared Actions equal to one built afresh."""
+    inp = _random_inputs(seed, P, max(m, 1), False, memory)
+    if m == 0:
+        inp = ZBInputs(*(np.zeros((P, 0)) for _ in range(4)), np.zeros(0), np.ones((P, 0), dtype=bool),
+                       *((np.zeros((P, 0)),) * 3 if memory else ()))
+    order = np.random.default_rng(seed).permutation(m).tolist() if permuted else None
+    assert _bits(zerobubble.one_f_one_b_peaks(inp, order)) == _bits(_old_one_f_one_b_peaks(inp, order))
+    fresh = [[Action(s, op, j) for op, j in zerobubble.stage_order(s, P, m, "1f1b", order)] for s in range(P)]
+    assert zerobubble._one_f_one_b(P, m, order).ranks == Schedule(fresh, P, m, kind="1f1b").ranks
 
 
 def test_list_schedule_refuses_windows_that_deadlock():

@@ -172,23 +172,29 @@ def op_bytes(op: str, a: float, w: float, tr: float) -> tuple[float, float]:
 def _one_f_one_b(num_stages: int, m: int, order: Sequence[int] | None = None) -> Schedule:
     """1F1B's schedule (``dynmb.schedule.builders.one_f_one_b``: the same ``stage_order``), built here
     so that the builders can import this module."""
-    return Schedule([[Action(s, op, j) for op, j in stage_order(s, num_stages, m, "1f1b", order)]
+    return Schedule([[_stage_actions(s, m)[op][j] for op, j in stage_order(s, num_stages, m, "1f1b", order)]
                      for s in range(num_stages)], num_stages, m, kind="1f1b")
 
 
 def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None) -> np.ndarray:
     """Peak held + running bytes (no states) of every stage under 1F1B with full backwards
-    (backwards in ``backward_order``)."""
+    (backwards in ``backward_order``): per stage, the held bytes before each op (a running sum in the op order,
+    ``op_bytes``' changes) plus what the op holds while it runs, at most."""
     P, m = inp.shape
     out = np.zeros(P)
     act = np.zeros((P, m)) if inp.act is None else inp.act
     tr = np.zeros((P, m)) if inp.tr is None else inp.tr        # a memory model without transients
-    for s, acts in enumerate(_one_f_one_b(P, m, backward_order).ranks):
-        held = 0.0
-        for a in acts:
-            d, extra = op_bytes(a.op, act[s, a.mb], 0.0, tr[s, a.mb])
-            out[s] = max(out[s], held + extra)
-            held += d
+    for s in range(P):
+        seq = stage_order(s, P, m, "1f1b", backward_order)
+        if not seq:
+            continue
+        fwd = np.array([op == "F" for op, _ in seq])
+        mb = np.array([j for _, j in seq])
+        a, t = act[s, mb], tr[s, mb]
+        held = np.cumsum(np.where(fwd, a, -a))              # in order, as one running sum adds them
+        extra = np.where(fwd, a + t, t)                     # op_bytes("F" / "B", a, 0, tr)[1]
+        extra[1:] += held[:-1]
+        out[s] = max(0.0, float(extra.max()))
     return out
 
 
