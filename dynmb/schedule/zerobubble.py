@@ -318,8 +318,19 @@ class _ListRun:
         return ends[s] + wait > max(ends) + 1e-12
 
     def run_w(self, s: int) -> None:
+        """``run`` of the oldest queued ``W``, written out: it starts where the stage's last op ended."""
         j = self.pend[s].popleft()
-        self.run(s, "W", j, self.W[s][j])
+        self.held[s] += -self.wb[s][j]
+        self.live[s] -= 1
+        ranks, clock = self.ranks[s], self.clock[s]
+        if not ranks:
+            self.first[s] = clock
+        ranks.append(self.acts[s]["W"][j])
+        end = self.free[s] + self.W[s][j]
+        self.free[s] = end
+        self.clock[s] = end if end > clock else clock
+        if end > self.makespan:
+            self.makespan = end
 
     def window_full(self, s: int) -> bool:
         return self.live[s] - len(self.pend[s]) >= self.k[s] or self.live[s] >= self.k[s] + self.defer[s]
