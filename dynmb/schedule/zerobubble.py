@@ -77,6 +77,12 @@ Kinds:
   deferrable, and the fastest window of the second sweep with rule 4 and rule 5, under the limit's caps (``studies/shortdoc/schedule_gap.py``: at 24 GiB the busiest stage waits
   for forwards held back by stage 0's window while P2P latency stretches the gradients' return).
 
+Judging: where ``evaluate`` declares itself the simulator's makespan on these inputs (``evaluate.judge``, as the
+planner's), the list scheduler's own makespan of a candidate is the judge's, bit for bit (the same recurrence on
+the same numbers; ``tests/test_zb_judge.py``), so a candidate whose own makespan already loses (``zb_h1``: not
+below the fastest judged before it; ``zb``: neither below the best that fits nor below its sweep's fastest) is
+built but not judged (``JUDGE_CONTENDERS_ONLY``): the same choice.
+
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
 takes its backwards (``I`` or ``B``) in that order, so a chain's input gradients run in reverse
 slice order as its ``B`` would (its ``W`` anywhere after its ``I``: they read only the stage's
