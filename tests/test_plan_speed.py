@@ -935,3 +935,25 @@ def test_zb_reuses_zb_h1_verdicts_not_simulating_them_again(monkeypatch, fits_on
     assert picks[0] == picks[1] and counts[0] == counts[1] - 2
     if fits_only == "1f1b":
         assert picks[0] == zerobubble._one_f_one_b(P, m).ranks
+
+
+def test_shared_actions_are_right_when_grown_from_threads(monkeypatch):
+    """The list scheduler's shared ``Action`` table (``zerobubble._stage_actions``) grown by planner threads at
+    once: every row's j-th entry is ``Action(stage, op, j)`` (a table grown in place could hand one out twice)."""
+    import threading
+    monkeypatch.setattr(zerobubble, "_ACTIONS", {})
+    sizes = list(range(1, 400, 7))
+
+    def grow(offset: int) -> None:
+        for m in sizes[offset::3]:
+            for stage in range(4):
+                zerobubble._stage_actions(stage, m)
+    threads = [threading.Thread(target=grow, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for stage in range(4):
+        acts = zerobubble._stage_actions(stage, max(sizes))
+        assert all(row == [Action(stage, op, j) for j in range(len(row))] and len(row) >= max(sizes)
+                   for op, row in acts.items())

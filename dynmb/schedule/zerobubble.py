@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -492,14 +493,19 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
 
 
 _ACTIONS: dict[int, dict[str, list[Action]]] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def _stage_actions(stage: int, m: int) -> dict[str, list[Action]]:
     """``Action(stage, op, j)`` for every op and ``j < m``, by op then ``j``: shared between calls (the list
-    scheduler emits many)."""
-    acts = _ACTIONS.setdefault(stage, {op: [] for op in "FBIW"})
-    for op, row in acts.items():
-        row.extend(Action(stage, op, j) for j in range(len(row), m))
+    scheduler emits many); grown by a new table, never in place (a planner thread may be reading the old one)."""
+    acts = _ACTIONS.get(stage)
+    if acts is None or len(acts["F"]) < m:
+        with _SHARED_LOCK:
+            acts = _ACTIONS.get(stage) or {op: [] for op in "FBIW"}
+            if len(acts["F"]) < m:
+                acts = {op: row + [Action(stage, op, j) for j in range(len(row), m)] for op, row in acts.items()}
+                _ACTIONS[stage] = acts
     return acts
 
 
@@ -514,9 +520,10 @@ def _windowed(m: int, window: int, backward_order: Sequence[int] | None) -> list
     if seq is None:
         seq = windowed_order(m, window, backward_order, "X")
         if REMEMBERED > 0:
-            while len(_WINDOWED) >= 4 * REMEMBERED:
-                _WINDOWED.pop(next(iter(_WINDOWED)))
-            _WINDOWED[key] = seq
+            with _SHARED_LOCK:
+                while len(_WINDOWED) >= 4 * REMEMBERED:
+                    _WINDOWED.pop(next(iter(_WINDOWED)))
+                _WINDOWED[key] = seq
     return seq
 
 
