@@ -36,7 +36,7 @@ from dynmb.planning import batchsim, reorder
 from dynmb.planning import zerobubble as planning_zb
 from dynmb.schedule import zerobubble
 from dynmb.schedule.order import check_order, windowed_order
-from dynmb.schedule.zerobubble import ZBInputs, _check_fill, list_schedule, op_bytes
+from dynmb.schedule.zerobubble import ZBInputs, _check_fill, _check_windows, list_schedule, op_bytes
 from dynmb.timing import makespan_zb, simulate
 from dynmb.timing.makespan_levels import level_order
 
@@ -44,6 +44,8 @@ validate = importlib.import_module("dynmb.schedule.validate")   # dynmb.schedule
 
 
 # --------------------------------------------------------------------------- the list scheduler before (a copy)
+# (main at 2a9d7ea, with rule 5 ``pump``: before its loop was written out in one method; the copy before that,
+# equal to it without ``pump`` by this test at 2a9d7ea, is in git history)
 class _OldListRun:
     """One run of the list scheduler: each stage's clock, held bytes, in-flight count, queued Ws and emitted order."""
 
@@ -51,10 +53,12 @@ class _OldListRun:
 
     def __init__(self, inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None,
                  backward_order: Sequence[int] | None, w_defer: Sequence[int] | None,
-                 fill: str | None = None) -> None:
+                 fill: str | None = None, pump: bool = False) -> None:
         P, m = inp.shape
         self.P = P
         self.fill = _check_fill(fill)
+        self.pump = bool(pump)
+        self.nextf = [0] * P                        # forwards run on each stage (they run in microbatch order)
         # the span each stage would have if it waited no more: its work, plus its waits once started
         self.span = (inp.F + np.where(inp.split, inp.I + inp.W, inp.B)).sum(axis=1).tolist()
         self.first = [0.0] * P                      # start of each stage's first op
@@ -75,6 +79,8 @@ class _OldListRun:
         self.clock = [0.0] * P
         # 1F1B's greedy order per stage for its window (X: the backward, I or B)
         self.todo = [deque(windowed_order(m, self.k[s], backward_order, "X")) for s in range(P)]  # its lookahead
+        if any(a < b for a, b in zip(self.k, self.k[1:])):
+            _check_windows(self.k, self.todo)           # a window that grows downstream may deadlock
         self.pend: list[deque] = [deque() for _ in range(P)]
         self.held, self.live = [0.0] * P, [0] * P
         self.ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
@@ -95,17 +101,33 @@ class _OldListRun:
             return self.bend[s + 1][j] + comm[j], True
         return self.clock[s + 1] + self.est_bwd[s + 1][j] + comm[j], False
 
-    def run(self, s: int, op: str, j: int, dur: float) -> None:
-        self.held[s] += op_bytes(op, self.act[s][j], self.wb[s][j], self.tr[s][j])[0]
-        self.live[s] += self.STEP[op]
-        if not self.ranks[s]:
+    def run(self, s: int, op: str, j: int, dur: float, at: float | None = None) -> None:
+        # held bytes change by op_bytes(op, ...)[0], written out: this runs for every op of every candidate
+        if op == "F":
+            self.held[s] += self.act[s][j]
+            self.live[s] += 1
+            self.nextf[s] += 1
+        elif op == "B":
+            self.held[s] += -self.act[s][j]
+            self.live[s] -= 1
+        elif op == "I":
+            self.held[s] += self.wb[s][j] - self.act[s][j]
+        else:
+            self.held[s] += -self.wb[s][j]
+            self.live[s] -= 1
+        ranks = self.ranks[s]
+        if not ranks:
             self.first[s] = self.clock[s]
-        self.ranks[s].append((op, j))
+        ranks.append((op, j))
         # a W needs no input: it starts where the stage's last op ended (the simulator's recurrence), even
-        # where the clock had moved on to a later bound on an input; every other op runs at the clock
-        end = (self.free[s] if op == "W" else self.clock[s]) + dur
-        self.free[s], self.clock[s] = end, max(self.clock[s], end)
-        self.makespan = max(self.makespan, end)
+        # where the clock had moved on to a later bound on an input; a pumped forward where its input arrived;
+        # every other op runs at the clock
+        clock = self.clock[s]
+        end = (self.free[s] if op == "W" else clock if at is None else at) + dur
+        self.free[s] = end
+        self.clock[s] = end if end > clock else clock
+        if end > self.makespan:
+            self.makespan = end
         if op == "F":
             self.fend[s][j] = end
         elif op != "W":
@@ -130,31 +152,50 @@ class _OldListRun:
 
     def next_op(self, s: int, j: int) -> tuple[str, bool]:
         """(the op stage ``s`` runs next for microbatch ``j``'s template slot, blocked by its window or cap?)."""
-        act, wb, tr, cap, held = self.act[s][j], self.wb[s][j], self.tr[s][j], self.cap[s], self.held[s]
+        cap, held = self.cap[s], self.held[s]
         if self.todo[s][0][0] == "F":
-            return "F", self.window_full(s) or held + act + tr > cap
-        op = "I" if self.split[s][j] else "B"
-        extra = op_bytes(op, act, wb, tr)[1]
-        if op == "I" and held + extra > cap and not self.pend[s]:
-            op = "B"                                          # I would hold w > a past the cap: no split
-            extra = op_bytes(op, act, wb, tr)[1]
-        return op, held + extra > cap
+            return "F", self.window_full(s) or held + self.act[s][j] + self.tr[s][j] > cap
+        tr = self.tr[s][j]
+        if self.split[s][j]:                                  # op_bytes("I", ...)[1], written out
+            w_a = self.wb[s][j] - self.act[s][j]
+            if held + ((w_a if w_a > 0.0 else 0.0) + tr) <= cap:
+                return "I", False
+            if self.pend[s]:
+                return "I", True
+        return "B", held + tr > cap                           # I would hold w > a past the cap: no split
+
+    def pump_forward(self, s: int, t: float) -> bool:
+        """Rule 5 (module doc): run stage ``s``'s next forward now if it has arrived and fits under the cap."""
+        j = self.nextf[s]
+        if j >= len(self.fend[s]) or self.held[s] + self.act[s][j] + self.tr[s][j] > self.cap[s]:
+            return False
+        r, known = self.ready(s, "F", j)
+        if not known or r > t + 1e-12:
+            return False
+        self.run(s, "F", j, self.F[s][j], max(self.free[s], r))     # where the simulator starts it
+        return True
 
     def advance(self, s: int, t: float) -> None:
         """One decision on stage ``s`` at time ``t``: run an op, a queued W, or wait for an input."""
+        todo = self.todo[s]
+        while todo and todo[0][0] == "F" and todo[0][1] < self.nextf[s]:
+            todo.popleft()                                    # a forward rule 5 ran ahead of its slot
         if not self.todo[s]:
             while self.pend[s]:                               # the template is done: the last W
                 self.run_w(s)
             return
         j = self.todo[s][0][1]
         op, blocked = self.next_op(s, j)
-        r, known = self.ready(s, op, j)
         pend = self.pend[s]
         if blocked and pend:
             self.run_w(s)                                     # frees an in-flight slot and bytes
-        elif known and r <= t + 1e-12:
+            return
+        r, known = self.ready(s, op, j)
+        if known and r <= t + 1e-12:
             self.todo[s].popleft()
             self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
+        elif self.pump and op != "F" and self.pump_forward(s, t):
+            pass                                              # a forward fills the gradient's wait
         elif pend and t + self.W[s][pend[0]] <= r + 1e-12:
             self.run_w(s)                                     # fills the gap before the input arrives
         elif pend and self.fill is not None and self.ranks[s] and t == self.free[s] and self.wait_is_critical(s, r - t):
@@ -168,25 +209,41 @@ class _OldListRun:
 
 
 def old_list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None = None,
-                  kind: str = "zb", backward_order: Sequence[int] | None = None,
-                  w_defer: Sequence[int] | None = None, fill: str | None = None) -> tuple[Schedule, float]:
+                      kind: str = "zb", backward_order: Sequence[int] | None = None,
+                  w_defer: Sequence[int] | None = None, fill: str | None = None,
+                      pump: bool = False) -> tuple[Schedule, float]:
     """The order the list scheduler (module doc) emits and its makespan under ``inp``'s times;
     each stage's backwards in ``backward_order`` (slices of a sequence in reverse); ``fill``: None, or the
-    objective (``FILL_OBJECTIVES``) by which a ``W`` may also fill a wait shorter than it (module doc, rule 4)."""
+    objective (``FILL_OBJECTIVES``) by which a ``W`` may also fill a wait shorter than it (module doc, rule 4);
+    ``pump``: a forward may fill a gradient's wait past the window, memory permitting (rule 5)."""
     P, m = inp.shape
-    st = _OldListRun(inp, inflight, caps, backward_order, w_defer, fill)
+    st = _OldListRun(inp, inflight, caps, backward_order, w_defer, fill, pump)
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
+    todo, clock, advance, pop, push = st.todo, st.clock, st.advance, heapq.heappop, heapq.heappush
     while heap:
-        t, neg = heapq.heappop(heap)
+        t, neg = pop(heap)
         s = -neg
-        done = not st.todo[s]
-        st.advance(s, t)
+        done = not todo[s]
+        advance(s, t)
         if not done:
-            heapq.heappush(heap, (st.clock[s], -s))
+            push(heap, (clock[s], neg))
     return Schedule([[Action(s, op, j) for op, j in acts] for s, acts in enumerate(st.ranks)], P, m, kind=kind), \
         st.makespan
 
 
+def _old_one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None) -> np.ndarray:
+    """``zerobubble.one_f_one_b_peaks`` before (main at 2a9d7ea): op by op over 1F1B's Actions."""
+    P, m = inp.shape
+    out = np.zeros(P)
+    act = np.zeros((P, m)) if inp.act is None else inp.act
+    tr = np.zeros((P, m)) if inp.tr is None else inp.tr
+    for s, acts in enumerate(zerobubble._one_f_one_b(P, m, backward_order).ranks):
+        held = 0.0
+        for a in acts:
+            d, extra = op_bytes(a.op, act[s, a.mb], 0.0, tr[s, a.mb])
+            out[s] = max(out[s], held + extra)
+            held += d
+    return out
 
 
 def _random_inputs(seed: int, P: int, m: int, unit: bool, memory: bool) -> ZBInputs:
@@ -228,10 +285,10 @@ def _grows_downstream(m: int, windows: Sequence[int]) -> bool:
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 6), st.integers(1, 14), st.booleans(), st.booleans(),
        st.sampled_from([None, "span", "makespan"]), st.sampled_from(["none", "all", "stage"]), st.booleans(),
-       st.booleans())
-def test_list_schedule_is_the_old_one(seed, P, m, unit, memory, fill, defer, permuted, planner_windows):
-    """Every op's order on every stage and the makespan, bit for bit, over windows, caps, deferral, fills
-    and backward orders. ``planner_windows``: windows that never grow downstream (``_inflight``'s, all the
+       st.booleans(), st.booleans())
+def test_list_schedule_is_the_old_one(seed, P, m, unit, memory, fill, defer, permuted, planner_windows, pump):
+    """Every op's order on every stage and the makespan, bit for bit, over windows, caps, deferral, fills,
+    rule 5 (``pump``) and backward orders. ``planner_windows``: windows that never grow downstream (``_inflight``'s, all the
     planner gives); else any: under some of those both schedulers looked forever for forwards that their
     upstream stage sends only after the wait (found with ``_time_limit``), which the new one now refuses."""
     rng = np.random.default_rng(seed + 1)
@@ -246,15 +303,32 @@ def test_list_schedule_is_the_old_one(seed, P, m, unit, memory, fill, defer, per
     order = rng.permutation(m).tolist() if permuted else None
     try:
         with _time_limit(10.0):
-            new, t_new = list_schedule(inp, inflight, caps, backward_order=order, w_defer=w_defer, fill=fill)
+            new, t_new = list_schedule(inp, inflight, caps, backward_order=order, w_defer=w_defer, fill=fill,
+                                       pump=pump)
     except ValueError as e:
         assert "deadlock" in str(e) and _grows_downstream(m, inflight)
         return
     with _time_limit(10.0):
-        old, t_old = old_list_schedule(inp, inflight, caps, backward_order=order, w_defer=w_defer, fill=fill)
+        old, t_old = old_list_schedule(inp, inflight, caps, backward_order=order, w_defer=w_defer, fill=fill,
+                                       pump=pump)
     assert [[(a.stage, a.op, a.mb) for a in r] for r in new.ranks] == \
         [[(a.stage, a.op, a.mb) for a in r] for r in old.ranks]
     assert t_new == t_old
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 8), st.integers(0, 20), st.booleans(), st.booleans())
+def test_one_f_one_b_peaks_are_the_old_ones(seed, P, m, memory, permuted):
+    """1F1B's per-stage peaks (ZB-H1's caps) as running sums, bit for bit the op-by-op loop's; and 1F1B's schedule
+    from the shared Actions equal to one built afresh."""
+    inp = _random_inputs(seed, P, max(m, 1), False, memory)
+    if m == 0:
+        inp = ZBInputs(*(np.zeros((P, 0)) for _ in range(4)), np.zeros(0), np.ones((P, 0), dtype=bool),
+                       *((np.zeros((P, 0)),) * 3 if memory else ()))
+    order = np.random.default_rng(seed).permutation(m).tolist() if permuted else None
+    assert _bits(zerobubble.one_f_one_b_peaks(inp, order)) == _bits(_old_one_f_one_b_peaks(inp, order))
+    fresh = [[Action(s, op, j) for op, j in zerobubble.stage_order(s, P, m, "1f1b", order)] for s in range(P)]
+    assert zerobubble._one_f_one_b(P, m, order).ranks == Schedule(fresh, P, m, kind="1f1b").ranks
 
 
 def test_list_schedule_refuses_windows_that_deadlock():
@@ -630,6 +704,7 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(makespan_zb, "REMEMBERED", 0)
             mp.setattr(dynapipe, "REMEMBERED", 0)
             mp.setattr(zerobubble, "REUSE_H1_VERDICTS", False)
+            mp.setattr(zerobubble, "JUDGE_CONTENDERS_ONLY", False)
             mp.setattr(validate, "REMEMBERED", 0)
             mp.setattr(Microbatch, "slice_mask", property(lambda mb: (mb.offsets > 0) | mb.continued))
             mp.setattr(Microbatch, "has_slices", property(lambda mb: bool(mb.slice_mask.any())))
@@ -860,3 +935,25 @@ def test_zb_reuses_zb_h1_verdicts_not_simulating_them_again(monkeypatch, fits_on
     assert picks[0] == picks[1] and counts[0] == counts[1] - 2
     if fits_only == "1f1b":
         assert picks[0] == zerobubble._one_f_one_b(P, m).ranks
+
+
+def test_shared_actions_are_right_when_grown_from_threads(monkeypatch):
+    """The list scheduler's shared ``Action`` table (``zerobubble._stage_actions``) grown by planner threads at
+    once: every row's j-th entry is ``Action(stage, op, j)`` (a table grown in place could hand one out twice)."""
+    import threading
+    monkeypatch.setattr(zerobubble, "_ACTIONS", {})
+    sizes = list(range(1, 400, 7))
+
+    def grow(offset: int) -> None:
+        for m in sizes[offset::3]:
+            for stage in range(4):
+                zerobubble._stage_actions(stage, m)
+    threads = [threading.Thread(target=grow, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for stage in range(4):
+        acts = zerobubble._stage_actions(stage, max(sizes))
+        assert all(row == [Action(stage, op, j) for j in range(len(row))] and len(row) >= max(sizes)
+                   for op, row in acts.items())

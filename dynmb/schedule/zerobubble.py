@@ -77,6 +77,12 @@ Kinds:
   deferrable, and the fastest window of the second sweep with rule 4 and rule 5, under the limit's caps (``studies/shortdoc/schedule_gap.py``: at 24 GiB the busiest stage waits
   for forwards held back by stage 0's window while P2P latency stretches the gradients' return).
 
+Judging: where ``evaluate`` declares itself the simulator's makespan on these inputs (``evaluate.judge``, as the
+planner's), the list scheduler's own makespan of a candidate is the judge's, bit for bit (the same recurrence on
+the same numbers; ``tests/test_zb_judge.py``), so a candidate whose own makespan already loses (``zb_h1``: not
+below the fastest judged before it; ``zb``: neither below the best that fits nor below its sweep's fastest) is
+built but not judged (``JUDGE_CONTENDERS_ONLY``): the same choice.
+
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
 takes its backwards (``I`` or ``B``) in that order, so a chain's input gradients run in reverse
 slice order as its ``B`` would (its ``W`` anywhere after its ``I``: they read only the stage's
@@ -92,6 +98,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -172,23 +179,29 @@ def op_bytes(op: str, a: float, w: float, tr: float) -> tuple[float, float]:
 def _one_f_one_b(num_stages: int, m: int, order: Sequence[int] | None = None) -> Schedule:
     """1F1B's schedule (``dynmb.schedule.builders.one_f_one_b``: the same ``stage_order``), built here
     so that the builders can import this module."""
-    return Schedule([[Action(s, op, j) for op, j in stage_order(s, num_stages, m, "1f1b", order)]
+    return Schedule([[_stage_actions(s, m)[op][j] for op, j in stage_order(s, num_stages, m, "1f1b", order)]
                      for s in range(num_stages)], num_stages, m, kind="1f1b")
 
 
 def one_f_one_b_peaks(inp: ZBInputs, backward_order: Sequence[int] | None = None) -> np.ndarray:
     """Peak held + running bytes (no states) of every stage under 1F1B with full backwards
-    (backwards in ``backward_order``)."""
+    (backwards in ``backward_order``): per stage, the held bytes before each op (a running sum in the op order,
+    ``op_bytes``' changes) plus what the op holds while it runs, at most."""
     P, m = inp.shape
     out = np.zeros(P)
     act = np.zeros((P, m)) if inp.act is None else inp.act
     tr = np.zeros((P, m)) if inp.tr is None else inp.tr        # a memory model without transients
-    for s, acts in enumerate(_one_f_one_b(P, m, backward_order).ranks):
-        held = 0.0
-        for a in acts:
-            d, extra = op_bytes(a.op, act[s, a.mb], 0.0, tr[s, a.mb])
-            out[s] = max(out[s], held + extra)
-            held += d
+    for s in range(P):
+        seq = stage_order(s, P, m, "1f1b", backward_order)
+        if not seq:
+            continue
+        fwd = np.array([op == "F" for op, _ in seq])
+        mb = np.array([j for _, j in seq])
+        a, t = act[s, mb], tr[s, mb]
+        held = np.cumsum(np.where(fwd, a, -a))              # in order, as one running sum adds them
+        extra = np.where(fwd, a + t, t)                     # op_bytes("F" / "B", a, 0, tr)[1]
+        extra[1:] += held[:-1]
+        out[s] = max(0.0, float(extra.max()))
     return out
 
 
@@ -245,12 +258,13 @@ class _ListRun:
         self.bend = [[-1.0] * m for _ in range(P)]
         self.clock = [0.0] * P
         # 1F1B's greedy order per stage for its window (X: the backward, I or B)
-        self.todo = [deque(windowed_order(m, self.k[s], backward_order, "X")) for s in range(P)]  # its lookahead
+        self.todo = [deque(_windowed(m, self.k[s], backward_order)) for s in range(P)]  # its lookahead
         if any(a < b for a, b in zip(self.k, self.k[1:])):
             _check_windows(self.k, self.todo)           # a window that grows downstream may deadlock
         self.pend: list[deque] = [deque() for _ in range(P)]
         self.held, self.live = [0.0] * P, [0] * P
-        self.ranks: list[list[tuple[str, int]]] = [[] for _ in range(P)]
+        self.ranks: list[list[Action]] = [[] for _ in range(P)]
+        self.acts = [_stage_actions(s, m) for s in range(P)]      # Action(s, op, j) is acts[s][op][j]
         self.makespan = 0.0
 
     def ready(self, s: int, op: str, j: int) -> tuple[float, bool]:
@@ -285,7 +299,7 @@ class _ListRun:
         ranks = self.ranks[s]
         if not ranks:
             self.first[s] = self.clock[s]
-        ranks.append((op, j))
+        ranks.append(self.acts[s][op][j])
         # a W needs no input: it starts where the stage's last op ended (the simulator's recurrence), even
         # where the clock had moved on to a later bound on an input; a pumped forward where its input arrived;
         # every other op runs at the clock
@@ -311,8 +325,19 @@ class _ListRun:
         return ends[s] + wait > max(ends) + 1e-12
 
     def run_w(self, s: int) -> None:
+        """``run`` of the oldest queued ``W``, written out: it starts where the stage's last op ended."""
         j = self.pend[s].popleft()
-        self.run(s, "W", j, self.W[s][j])
+        self.held[s] += -self.wb[s][j]
+        self.live[s] -= 1
+        ranks, clock = self.ranks[s], self.clock[s]
+        if not ranks:
+            self.first[s] = clock
+        ranks.append(self.acts[s]["W"][j])
+        end = self.free[s] + self.W[s][j]
+        self.free[s] = end
+        self.clock[s] = end if end > clock else clock
+        if end > self.makespan:
+            self.makespan = end
 
     def window_full(self, s: int) -> bool:
         return self.live[s] - len(self.pend[s]) >= self.k[s] or self.live[s] >= self.k[s] + self.defer[s]
@@ -343,25 +368,93 @@ class _ListRun:
         return True
 
     def advance(self, s: int, t: float) -> None:
-        """One decision on stage ``s`` at time ``t``: run an op, a queued W, or wait for an input."""
-        todo = self.todo[s]
-        while todo and todo[0][0] == "F" and todo[0][1] < self.nextf[s]:
+        """One decision on stage ``s`` at time ``t`` (its clock): run an op, a queued W, or wait for an input.
+        ``next_op`` and ``ready`` written out (they run for most decisions of every candidate)."""
+        todo, pend, nextf = self.todo[s], self.pend[s], self.nextf[s]
+        while todo and todo[0][0] == "F" and todo[0][1] < nextf:
             todo.popleft()                                    # a forward rule 5 ran ahead of its slot
-        if not self.todo[s]:
-            while self.pend[s]:                               # the template is done: the last W
+        if not todo:
+            while pend:                                       # the template is done: the last W
                 self.run_w(s)
             return
-        j = self.todo[s][0][1]
-        op, blocked = self.next_op(s, j)
-        pend = self.pend[s]
-        if blocked and pend:
-            self.run_w(s)                                     # frees an in-flight slot and bytes
-            return
-        r, known = self.ready(s, op, j)
+        op, j = todo[0]
+        if op == "F":
+            live, k = self.live[s], self.k[s]
+            if pend and (live - len(pend) >= k or live >= k + self.defer[s]
+                         or self.held[s] + self.act[s][j] + self.tr[s][j] > self.cap[s]):
+                self.run_w(s)                                 # frees an in-flight slot and bytes
+                return
+            if s == 0:
+                r, known = 0.0, True
+            elif self.fend[s - 1][j] >= 0:
+                r, known = self.fend[s - 1][j] + self.comm[j], True
+            else:
+                r, known = self.clock[s - 1] + self.F[s - 1][j] + self.comm[j], False
+        else:
+            held, cap, tr = self.held[s], self.cap[s], self.tr[s][j]
+            op = "B"
+            if self.split[s][j]:
+                w_a = self.wb[s][j] - self.act[s][j]
+                if held + ((w_a if w_a > 0.0 else 0.0) + tr) <= cap:
+                    op = "I"
+                elif pend:
+                    self.run_w(s)                             # I would pass the cap: a W frees bytes first
+                    return
+            if op == "B" and pend and held + tr > cap:
+                self.run_w(s)
+                return
+            if s == self.P - 1:
+                r = self.fend[s][j]
+                known = r >= 0
+            elif self.bend[s + 1][j] >= 0:
+                r, known = self.bend[s + 1][j] + self.comm[j], True
+            else:
+                r, known = self.clock[s + 1] + self.est_bwd[s + 1][j] + self.comm[j], False
         if known and r <= t + 1e-12:
-            self.todo[s].popleft()
-            self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
-        elif self.pump and op != "F" and self.pump_forward(s, t):
+            todo.popleft()
+            self.run_now(s, op, j)
+        elif not pend and (op == "F" or not self.pump) and r > t:
+            if self.ranks[s]:                                 # rule 6, written out
+                self.span[s] += r - t
+            self.clock[s] = r
+        else:
+            self.wait(s, t, op, r)
+
+    def run_now(self, s: int, op: str, j: int) -> None:
+        """``run`` of a forward or backward at the stage's clock, written out."""
+        held = self.held
+        if op == "F":
+            dur = self.F[s][j]
+            held[s] += self.act[s][j]
+            self.live[s] += 1
+            self.nextf[s] += 1
+        elif op == "I":
+            dur = self.I[s][j]
+            held[s] += self.wb[s][j] - self.act[s][j]
+        else:
+            dur = self.B[s][j]
+            held[s] += -self.act[s][j]
+            self.live[s] -= 1
+        ranks, clock = self.ranks[s], self.clock[s]
+        if not ranks:
+            self.first[s] = clock
+        ranks.append(self.acts[s][op][j])
+        end = clock + dur
+        self.free[s] = end
+        self.clock[s] = end if end > clock else clock
+        if end > self.makespan:
+            self.makespan = end
+        if op == "F":
+            self.fend[s][j] = end
+        else:
+            self.bend[s][j] = end
+            if op == "I":
+                self.pend[s].append(j)
+
+    def wait(self, s: int, t: float, op: str, r: float) -> None:
+        """Stage ``s``'s next op has not arrived by ``t`` (``r``: when it does, or a bound): rules 5, 3, 4, 6."""
+        pend = self.pend[s]
+        if self.pump and op != "F" and self.pump_forward(s, t):
             pass                                              # a forward fills the gradient's wait
         elif pend and t + self.W[s][pend[0]] <= r + 1e-12:
             self.run_w(s)                                     # fills the gap before the input arrives
@@ -386,27 +479,52 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     P, m = inp.shape
     st = _ListRun(inp, inflight, caps, backward_order, w_defer, fill, pump)
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
-    todo, clock, advance, pop, push = st.todo, st.clock, st.advance, heapq.heappop, heapq.heappush
+    todo, clock, advance, pop, replace = st.todo, st.clock, st.advance, heapq.heappop, heapq.heapreplace
     while heap:
-        t, neg = pop(heap)
+        t, neg = heap[0]                            # the stage whose clock is earliest (keys are unique)
         s = -neg
-        done = not todo[s]
-        advance(s, t)
-        if not done:
-            push(heap, (clock[s], neg))
-    return Schedule([[_action(s, op, j) for op, j in acts] for s, acts in enumerate(st.ranks)], P, m, kind=kind), \
-        st.makespan
+        if not todo[s]:
+            advance(s, t)                           # its last Ws
+            pop(heap)
+        else:
+            advance(s, t)
+            replace(heap, (clock[s], neg))          # = pop, then push it back at its clock
+    return Schedule(st.ranks, P, m, kind=kind), st.makespan
 
 
-_ACTIONS: dict[tuple[int, str, int], Action] = {}
+_ACTIONS: dict[int, dict[str, list[Action]]] = {}
+_SHARED_LOCK = threading.Lock()
 
 
-def _action(stage: int, op: str, mb: int) -> Action:
-    """``Action(stage, op, mb)``, shared between calls (the list scheduler emits many)."""
-    a = _ACTIONS.get((stage, op, mb))
-    if a is None:
-        a = _ACTIONS[(stage, op, mb)] = Action(stage, op, mb)
-    return a
+def _stage_actions(stage: int, m: int) -> dict[str, list[Action]]:
+    """``Action(stage, op, j)`` for every op and ``j < m``, by op then ``j``: shared between calls (the list
+    scheduler emits many); grown by a new table, never in place (a planner thread may be reading the old one)."""
+    acts = _ACTIONS.get(stage)
+    if acts is None or len(acts["F"]) < m:
+        with _SHARED_LOCK:
+            acts = _ACTIONS.get(stage) or {op: [] for op in "FBIW"}
+            if len(acts["F"]) < m:
+                acts = {op: row + [Action(stage, op, j) for j in range(len(row), m)] for op, row in acts.items()}
+                _ACTIONS[stage] = acts
+    return acts
+
+
+_WINDOWED: dict[tuple, list[tuple[str, int]]] = {}
+
+
+def _windowed(m: int, window: int, backward_order: Sequence[int] | None) -> list[tuple[str, int]]:
+    """``windowed_order(m, window, backward_order, "X")``, remembered (the last ``4 REMEMBERED``; the list
+    scheduler asks for each stage's window of each candidate)."""
+    key = (m, window, None if backward_order is None else (tuple(backward_order), lookahead_of(backward_order)))
+    seq = _WINDOWED.get(key) if REMEMBERED > 0 else None
+    if seq is None:
+        seq = windowed_order(m, window, backward_order, "X")
+        if REMEMBERED > 0:
+            with _SHARED_LOCK:
+                while len(_WINDOWED) >= 4 * REMEMBERED:
+                    _WINDOWED.pop(next(iter(_WINDOWED)))
+                _WINDOWED[key] = seq
+    return seq
 
 
 def _inflight(P: int, m: int, alpha: float = 0.0) -> list[int]:
@@ -434,20 +552,29 @@ def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool,
 
 def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None, kind: str,
               order: Sequence[int] | None = None, w_defer: Sequence[int] | None = None,
-              fill: str | None = None) -> list[Schedule]:
+              fill: str | None = None) -> list[tuple[Schedule, float]]:
     """The list schedule, and, where a split backward costs more than a full one, the list schedule again
     with full backwards where the first ran W right after I (``_unsplit_adjacent``; everywhere, and
-    everywhere but the cool-down)."""
-    first, _ = list_schedule(inp, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer, fill=fill)
+    everywhere but the cool-down); each with its makespan under its inputs."""
+    first = list_schedule(inp, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer, fill=fill)
     out = [first]
     if not np.any(inp.I + inp.W > inp.B * (1 + 1e-9)):
         return out                  # the split costs nothing (a GPU's): a full B is never faster than I then W
     for keep in (False, True):
-        fewer = _unsplit_adjacent(first, inp, keep, order)
+        fewer = _unsplit_adjacent(first[0], inp, keep, order)
         if fewer is not None:
             out.append(list_schedule(fewer, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer,
-                                     fill=fill)[0])
+                                     fill=fill))
     return out
+
+
+def _exact_judge(evaluate: Evaluate) -> bool:
+    """Does ``evaluate`` declare itself the simulator's makespan on the scheduler's own inputs (``evaluate.judge``
+    ``("makespan", ...)``, as ``dynmb.planning.zerobubble.zb_evaluator``)? Then its time of a list schedule is the
+    list scheduler's own (the simulator's recurrence on the order emitted; ``tests/test_zb_judge.py``), and a
+    candidate whose own time already loses needs no verdict (``JUDGE_CONTENDERS_ONLY``)."""
+    judge = getattr(evaluate, "judge", None)
+    return JUDGE_CONTENDERS_ONLY and isinstance(judge, tuple) and bool(judge) and judge[0] == "makespan"
 
 
 def h1_caps(inp: ZBInputs, state_bytes: Sequence[float] | np.ndarray | None = None,
@@ -497,11 +624,17 @@ def _h1_judged(inp: ZBInputs, inflight: Sequence[int], caps: np.ndarray | None, 
     key = _inputs_key(inp, caps, order, evaluate)
     if key is not None and key in _H1:
         return _H1[key]
-    cands = _variants(inp, inflight, caps, "zb-h1", order, list(range(P))) + \
-        [list_schedule(inp, inflight, caps, kind="zb-h1", backward_order=order)[0], _one_f_one_b(P, m, order)]
-    verdicts = [evaluate(c) for c in cands]
-    b = min(range(len(cands)), key=lambda i: verdicts[i][0])
-    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[-1])
+    listed = _variants(inp, inflight, caps, "zb-h1", order, list(range(P))) + \
+        [list_schedule(inp, inflight, caps, kind="zb-h1", backward_order=order)]
+    exact = _exact_judge(evaluate)
+    verdicts: dict[int, tuple[float, np.ndarray]] = {}
+    for n, (c, t) in enumerate(listed):                  # the first of equals wins: a later one as slow loses
+        if not (exact and n > 0 and t >= min(v[0] for v in verdicts.values())):
+            verdicts[n] = evaluate(c)
+    cands = [c for c, _ in listed] + [_one_f_one_b(P, m, order)]
+    verdicts[len(listed)] = evaluate(cands[-1])
+    b = min(verdicts, key=lambda i: verdicts[i][0])     # in insertion (candidate) order: first of equals
+    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[len(listed)])
     if key is not None and REMEMBERED > 0:
         while len(_H1) >= REMEMBERED:
             _H1.pop(next(iter(_H1)))
@@ -526,6 +659,12 @@ PUMPED = True
 REUSE_H1_VERDICTS = True
 """``zb`` takes ZB-H1's verdicts on its pick and on 1F1B from ``zb_h1`` instead of simulating both again (the same
 numbers); False: simulated again (as before)."""
+
+JUDGE_CONTENDERS_ONLY = True
+"""With a judge that is the simulator's makespan on the scheduler's inputs (``_exact_judge``), ``zb_h1`` and ``zb``
+judge only the list schedules whose own makespan could still win (``zb_h1``: below the fastest judged before it;
+``zb``: below the fastest that fits, and in a sweep of windows below the sweep's fastest, which decides where it
+stops): the same choice. False: every candidate judged (as before)."""
 
 REMEMBERED = 16
 """Schedules each of ``_H1``, ``_H1_UNIT`` and ``_ZB`` holds (the oldest goes first); 0: none (every one built afresh)."""
@@ -555,10 +694,11 @@ def _inputs_key(inp: ZBInputs, caps: Sequence[float] | np.ndarray | None, order:
     return h.digest()
 
 
-def _sweep_windows(num_stages: int, m: int, consider: Callable[[tuple[int, ...]], float],
+def _sweep_windows(num_stages: int, m: int, consider: Callable[[tuple[int, ...], float], float],
                    alphas: Sequence[float] = (0.0, *ZB_ALPHAS)) -> float:
-    """``consider`` (the fastest candidate that fits, seconds) the in-flight windows of ``alphas`` in
-    increasing order, until one is no faster than the ones before or cannot fit at all; the fastest alpha."""
+    """``consider`` (the fastest candidate that fits, seconds; told the time below which a candidate still
+    decides the sweep: none for the first) the in-flight windows of ``alphas`` in increasing order, until one is
+    no faster than the ones before or cannot fit at all; the fastest alpha."""
     seen, previous, best = set(), np.inf, alphas[0]
     for n, alpha in enumerate(alphas):
         k = tuple(_inflight(num_stages, m, alpha))
@@ -566,7 +706,7 @@ def _sweep_windows(num_stages: int, m: int, consider: Callable[[tuple[int, ...]]
             continue
         seen.add(k)
         try:
-            t = consider(k)
+            t = consider(k, previous if n > 0 else np.inf)
         except ValueError:          # a microbatch cannot fit under the cap alone: no larger window will
             break
         if n > 0 and t >= previous - 1e-12:
@@ -585,12 +725,18 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     key = _inputs_key(inp, caps, backward_order, evaluate, limit_bytes, state_bytes, float(PUMPED))
     if key is not None and key in _ZB:
         return _ZB[key]
-    best, best_t = None, np.inf
+    best, best_t, exact = None, np.inf, _exact_judge(evaluate)
 
-    def consider(cands: list[Schedule], known: Sequence[tuple[float, np.ndarray]] = ()) -> float:
+    def consider(cands: list[tuple[Schedule, float]], known: Sequence[tuple[float, np.ndarray]] = (),
+                 deciding: float | None = None) -> float:
+        """The fastest of ``cands`` (with their list makespans) that fits, the best kept; with an exact judge one
+        whose own makespan is neither below the best so far nor below ``deciding`` (a sweep's fastest) is not
+        judged: it can change neither."""
         nonlocal best, best_t
         fastest = np.inf
-        for n, c in enumerate(cands):
+        for n, (c, own) in enumerate(cands):
+            if n >= len(known) and exact and own >= max(best_t, -np.inf if deciding is None else deciding) - 1e-12:
+                continue
             t, peak = known[n] if n < len(known) else evaluate(c)
             if np.all(np.asarray(peak) <= limit_bytes + 1e-6):
                 fastest = min(fastest, t)
@@ -603,13 +749,13 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     judged = _h1_judged(inp, _inflight(num_stages, m), h1_caps_, evaluate, order)
     h1 = judged.schedule
     if REUSE_H1_VERDICTS:                   # zb_h1 judged both on these inputs
-        consider([h1, judged.one_f_one_b], [judged.verdict, judged.one_f_one_b_verdict])
-    else:
-        consider([h1, _one_f_one_b(num_stages, m, order)])
+        consider([(h1, np.inf), (judged.one_f_one_b, np.inf)], [judged.verdict, judged.one_f_one_b_verdict])
+    else:                                           # (no list makespan: always judged)
+        consider([(h1, -np.inf), (_one_f_one_b(num_stages, m, order), -np.inf)])
     unbounded = [m] * num_stages                    # W deferred as far as the caps let (ZB-2p)
 
-    def windows(fill: str | None) -> Callable[[tuple[int, ...]], float]:
-        return lambda k: consider(_variants(inp, k, caps, "zb", order, unbounded, fill=fill))
+    def windows(fill: str | None) -> Callable[[tuple[int, ...], float], float]:
+        return lambda k, deciding: consider(_variants(inp, k, caps, "zb", order, unbounded, fill=fill), (), deciding)
     alphas = (0.0, *ZB_ALPHAS)
     start = _sweep_windows(num_stages, m, windows(None), alphas)        # W only in the waits they fit
     fill = objective_of(evaluate)
@@ -618,5 +764,5 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     if PUMPED:                                                          # forwards fill the gradients' waits
         pumped = [(0.0, None, list(range(num_stages))), (0.0, None, unbounded), (critical, fill, unbounded)]
         consider([list_schedule(inp, _inflight(num_stages, m, alpha), caps, kind="zb", backward_order=order,
-                                w_defer=defer, fill=how, pump=True)[0] for alpha, how, defer in pumped])
+                                w_defer=defer, fill=how, pump=True) for alpha, how, defer in pumped])
     return _remember(_ZB, key, Schedule((best or h1).ranks, num_stages, m, kind="zb"))

@@ -280,12 +280,13 @@ def _merged(F: np.ndarray, I: np.ndarray, W: np.ndarray, comm: np.ndarray, sizes
     tail = np.take(np.append(W.ravel(), 0.0), w_at)
     cross = np.take(np.append(comm, 0.0), send)
     seen, fin = np.zeros(N + 1), np.zeros(N + 1)
+    take_seen, take_fin, maximum, add = seen.take, fin.take, np.maximum, np.add     # no wrapper per level
     for a, e in itertools.pairwise(bounds.tolist()):
-        end = np.take(seen, dep[a:e])
+        end = take_seen(dep[a:e])
         end += cross[a:e]
-        np.maximum(end, np.take(fin, prev[a:e]), out=end)
-        np.add(end, dur[a:e], out=seen[a:e])
-        np.add(seen[a:e], tail[a:e], out=fin[a:e])
+        maximum(end, take_fin(prev[a:e]), out=end)
+        add(end, dur[a:e], out=seen[a:e])
+        add(seen[a:e], tail[a:e], out=fin[a:e])
     place, qid, cell = (np.concatenate(x) for x in zip(*cools))
     wait = np.maximum(np.take(seen, dep[place]) + cross[place] - np.take(fin, prev[place]), 0.0)   # as the loop saw
     q = _queues(K * P, place, qid, np.take(W, cell), wait)
