@@ -59,7 +59,7 @@ from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind
 from dynmb.timing.makespan_zb import ranking_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
-from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust, step_floor
+from dynmb.planning.search import Candidate, Outcome, Planned, evaluate, fastest, fits, robust, step_floor
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.packing.lockstep import forgetful
@@ -71,7 +71,8 @@ from dynmb.planning.replicas import (ReplicaPrediction, make_schedule, predict_r
                                      replicas_of, stitch)
 from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
-from dynmb.planning.slicing import longest_row, plan_split
+from dynmb.planning.slicing import (kinds_to_weigh, longest_row, plan_split, reuse_searches, weighing_alternatives,
+                                    weighs)
 from dynmb.planning.spec_check import lockstep_refusal
 
 schedule_validate = importlib.import_module("dynmb.schedule.validate")  # dynmb.schedule.validate: the function
@@ -420,8 +421,20 @@ def _plan_auto_on(lengths: np.ndarray, spec: PlanSpec, kinds: tuple[str, ...], m
                                                models, meta, packs)) for kind in kinds]
     cands += _ranked_elsewhere(_Job(lengths, spec, get_kind(kinds[0]), model_cfg, models, meta),   # kind: per candidate
                                kinds, packs)
-    outcomes = evaluate(cands)
+    outcomes = _weighed(cands) if weighs(spec) and _sliced(lengths, spec, model_cfg, models.memory) else evaluate(cands)
     plan, sched, sim = cast(Planned, fastest(outcomes).made)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
     scores = {o.name: o.score for o in outcomes}
     return replace(plan, spec=spec, predictions=preds, meta=plan.meta.with_(schedule_auto=scores)), sched, sim
+
+
+def _weighed(cands: list[Candidate]) -> list[Outcome[Planned]]:
+    """``plan_auto``'s kinds with ``dynamic``'s sliced plans: each kind's own sliced search first (the weighing of the
+    plain methods' sliced plans off), then the kinds ``slicing.kinds_to_weigh`` keeps planned again with it on (their own
+    searches reused, ``reuse_searches``); the others keep their own plans."""
+    with reuse_searches():
+        with weighing_alternatives(False):
+            own = evaluate(cands)
+        weigh = kinds_to_weigh({o.name: None if o.verdict is None else (o.verdict.score, o.fits) for o in own})
+        again = {o.name: o for o in evaluate([c for c in cands if c.name in weigh])}
+    return [again.get(o.name, o) for o in own]
