@@ -9,8 +9,9 @@ It takes the settings as one ``PlanSpec`` (``dynmb.core.planspec``), which the p
 With ``schedule_kind="auto"`` (``plan_auto``) the step is planned for every kind that
 ``dynmb.schedule.kinds.auto_kinds`` admits, each packed, ordered and scheduled for its own kind,
 and the fastest simulated step that fits the memory limit is kept; the plan records the chosen
-kind, the spec ``auto``. ``dynamic`` weighs its own plan against the baselines at their best budgets and
-every other method's plan under the same settings (``final_candidates``; each packed and ordered first, and
+kind, the spec ``auto`` (``dynamic`` with slices of long sequences: each kind's own sliced search first, then
+the weighing of the plain methods' sliced plans on the kinds near the fastest, ``slicing.kinds_to_weigh``).
+``dynamic`` weighs its own plan against the baselines at their best budgets and every other method's plan under the same settings (``final_candidates``; each packed and ordered first, and
 scheduled and simulated only when its lower bound, ``step_floor``, could still beat the best alternative made).
 Both are the one candidate search of ``dynmb.planning.search`` (candidates, each planned and simulated, one
 choice rule).
@@ -40,6 +41,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import math
 import pickle
 import time
 from dataclasses import dataclass, replace
@@ -430,11 +432,17 @@ def _plan_auto_on(lengths: np.ndarray, spec: PlanSpec, kinds: tuple[str, ...], m
 
 def _weighed(cands: list[Candidate]) -> list[Outcome[Planned]]:
     """``plan_auto``'s kinds with ``dynamic``'s sliced plans: each kind's own sliced search first (the weighing of the
-    plain methods' sliced plans off), then the kinds ``slicing.kinds_to_weigh`` keeps planned again with it on (their own
-    searches reused, ``reuse_searches``); the others keep their own plans."""
+    plain methods' sliced plans off), then, fastest own step first, each kind ``slicing.kinds_to_weigh`` keeps (against
+    the own steps and the fastest weighed so far) planned again with it on (its own search reused,
+    ``reuse_searches``); the others keep their own plans."""
     with reuse_searches():
         with weighing_alternatives(False):
             own = evaluate(cands)
-        weigh = kinds_to_weigh({o.name: None if o.verdict is None else (o.verdict.score, o.fits) for o in own})
-        again = {o.name: o for o in evaluate([c for c in cands if c.name in weigh])}
+        steps = {o.name: None if o.verdict is None else (o.verdict.score, o.fits) for o in own}
+        again: dict[str, Outcome[Planned]] = {}
+        fastest_first = {name: v[0] if v is not None and v[1] else math.inf for name, v in steps.items()}
+        for cand in sorted(cands, key=lambda c: fastest_first[c.name]):
+            weighed = [o.verdict.score for o in again.values() if o.verdict is not None and o.fits]
+            if cand.name in kinds_to_weigh(steps, min(weighed, default=math.inf)):
+                again[cand.name] = evaluate([cand])[0]
     return [again.get(o.name, o) for o in own]

@@ -48,6 +48,11 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
    slices, smaller recomputed shares), then the whole search of the ``WEIGH_FINALISTS`` fastest, of any other within
    ``SCREEN_ERROR`` of the best, and of every method whose slices it cannot cut (``packed``), the fastest kept.
+   Each such whole search defers the candidates whose order-free floor is at or above the best step so far
+   (``DEFER``; simulated only where the search reads its best and one could be it, ``_settle``: the same plan).
+   The jobs of one ``plan_split`` share their simulations and their packings of short sequences. Under
+   ``--schedule auto`` the weighing runs only on the kinds whose own sliced step is near the fastest kind's
+   (``KIND_SCREEN``, ``kinds_to_weigh``; ``dynmb.planning.planner.plan_auto``).
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
    ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
    ``slice_fill``, ``longest_fitting_length``,
@@ -603,10 +608,11 @@ time at P 8; ``studies/slicing/notes.md``)."""
 KIND_SCREEN: float | None = 0.05
 """``--schedule auto`` (``plan_auto``): ``dynamic``'s sliced plan is searched on every kind first, its weighing
 (``_weigh_alternatives``) then runs only on the kinds whose own sliced step is within this of the fastest kind's that
-fits, and on every kind whose own search found no plan that fits (``kinds_to_weigh``); None: on every kind. The
-weighing's gain over dynamic's own search measured at most 0.8% (``studies/slicing/README.md``), the kinds it skips
-20-30% (1F1B) and 5-12% (ZB-H1) behind ``zb`` on the long-document cells (the sixth session): a measured screen,
-not a bound (the order-free floor does not separate the kinds, ``studies/slicing/notes.md``)."""
+fits or than the fastest weighed step so far (the kinds weighed fastest own step first), and on every kind whose own
+search found no plan that fits (``kinds_to_weigh``); None: on every kind. A measured screen, not a bound: it
+assumes the weighing gains less than this over a kind's own search (measured: up to 3.9% on the long-document
+cells, ``studies/slicing/README.md``, the sixth session; the kinds it skipped there were 7-37% behind). The
+order-free floor cannot separate the kinds (0.35-0.97 of the simulated step, ``studies/slicing/notes.md``)."""
 
 _KEEP = object()
 
@@ -616,13 +622,13 @@ def weighs(spec: PlanSpec) -> bool:
     return spec.method == "dynamic" and WEIGH_ALTERNATIVES
 
 
-def kinds_to_weigh(own: dict[str, tuple[float, bool] | None]) -> set[str]:
+def kinds_to_weigh(own: dict[str, tuple[float, bool] | None], weighed: float = math.inf) -> set[str]:
     """The kinds whose sliced plan the weighing runs on (``KIND_SCREEN``), of ``own``: each kind's own sliced step
-    and whether it fits (None: it planned none)."""
+    and whether it fits (None: it planned none); ``weighed``: the fastest weighed step that fits so far."""
     fitting = [step for step, fits in (v for v in own.values() if v is not None) if fits]
     if KIND_SCREEN is None or not fitting:
         return set(own)
-    bar = min(fitting) * (1 + KIND_SCREEN)
+    bar = min(*fitting, weighed) * (1 + KIND_SCREEN)
     return {kind for kind, v in own.items() if v is None or not v[1] or v[0] <= bar}
 
 
