@@ -73,8 +73,7 @@ from dynmb.planning.replicas import (ReplicaPrediction, make_schedule, predict_r
                                      replicas_of, stitch)
 from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
-from dynmb.planning.slicing import (kinds_to_weigh, longest_row, plan_split, reuse_searches, weighing_alternatives,
-                                    weighs)
+from dynmb.planning.slicing import kinds_to_weigh, longest_row, own_searches_only, plan_split, reuse_searches, weighs
 from dynmb.planning.spec_check import lockstep_refusal
 
 schedule_validate = importlib.import_module("dynmb.schedule.validate")  # dynmb.schedule.validate: the function
@@ -436,7 +435,7 @@ def _weighed(cands: list[Candidate]) -> list[Outcome[Planned]]:
     the own steps and the fastest weighed so far) planned again with it on (its own search reused,
     ``reuse_searches``); the others keep their own plans."""
     with reuse_searches():
-        with weighing_alternatives(False):
+        with own_searches_only():
             own = evaluate(cands)
         steps = {o.name: None if o.verdict is None else (o.verdict.score, o.fits) for o in own}
         again: dict[str, Outcome[Planned]] = {}

@@ -68,6 +68,7 @@ Not supported (refused with one line): kinds without ``slices`` (``memory-aware`
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import math
 import time
@@ -93,7 +94,7 @@ from dynmb.planning.replicas import predict_replicas, replicas_of
 from dynmb.planning.search import step_floor
 
 __all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE", "reuse_searches", "slice_alternatives",
-           "weighing_alternatives", "kinds_to_weigh", "kinds_screened", "weighs"]
+           "weighing_alternatives", "kinds_to_weigh", "kinds_screened", "weighs", "own_searches_only"]
 
 MIN_SLICE = 128
 """Shortest slice length the planner tries (tokens)."""
@@ -617,9 +618,23 @@ order-free floor cannot separate the kinds (0.35-0.97 of the simulated step, ``s
 _KEEP = object()
 
 
+_OWN_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("dynmb_slicing_own_only", default=False)
+
+
 def weighs(spec: PlanSpec) -> bool:
-    """Whether ``spec``'s sliced plan weighs the plain methods' (``dynamic``, ``WEIGH_ALTERNATIVES`` on)."""
-    return spec.method == "dynamic" and WEIGH_ALTERNATIVES
+    """Whether ``spec``'s sliced plan weighs the plain methods' (``dynamic``, ``WEIGH_ALTERNATIVES`` on, not within
+    ``own_searches_only``)."""
+    return spec.method == "dynamic" and WEIGH_ALTERNATIVES and not _OWN_ONLY.get()
+
+
+@contextlib.contextmanager
+def own_searches_only() -> Iterator[None]:
+    """Within it (this thread or task only) ``dynamic``'s sliced plans skip the weighing: ``plan_auto``'s first pass."""
+    token = _OWN_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _OWN_ONLY.reset(token)
 
 
 def kinds_to_weigh(own: dict[str, tuple[float, bool] | None], weighed: float = math.inf) -> set[str]:
