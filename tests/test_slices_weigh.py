@@ -183,3 +183,106 @@ def test_the_screen_keeps_a_method_that_wins_only_at_other_slices(monkeypatch):
     assert full_kept == "token-budget/4" and full < own_step * 0.6          # the case as constructed
     screened, kept = _weighed(spec, 2)
     assert kept == "token-budget/4" and screened <= full * (1 + 1e-12)
+
+
+def test_kinds_to_weigh_keeps_the_kinds_near_the_fastest_and_those_without_a_plan():
+    own = {"a": (1.0, True), "b": (1.0 + slicing.KIND_SCREEN / 2, True), "c": (1.0 + 2 * slicing.KIND_SCREEN, True),
+           "d": None, "e": (0.5, False)}
+    assert slicing.kinds_to_weigh(own) == {"a", "b", "d", "e"}       # e: faster, but over the limit
+    with slicing.kinds_screened(None):
+        assert slicing.kinds_to_weigh(own) == set(own)
+    assert slicing.kinds_to_weigh({"a": None, "b": (2.0, False)}) == {"a", "b"}     # none fits: every kind
+    assert slicing.kinds_to_weigh(own, weighed=0.9) == {"d", "e"}      # a weighed step lowers the bar
+    with pytest.raises(ValueError, match="margin must be None or >= 0"):
+        with slicing.kinds_screened(-0.1):
+            pass
+
+
+def test_auto_weighs_only_the_kinds_the_screen_keeps_and_plans_as_every_kind_weighed(monkeypatch):
+    """``--schedule auto``: the weighing runs on the kinds whose own sliced step is near the fastest's
+    (``kinds_to_weigh``), the plan the same as with the weighing on every kind (here, where the winner is weighed).
+    Fails on the code before the sixth session, which weighed every kind (four stages: ZB-H1 8.7% behind ``zb``)."""
+    spec = SPEC.with_(schedule_kind="auto", num_stages=4)
+    with slicing.weighing_alternatives(False):
+        own = plan_step(BATCH, spec, model_cfg=TINY)[0].meta.get("schedule_auto")
+    expected = slicing.kinds_to_weigh({k: (v, True) for k, v in own.items()})
+    assert expected < set(own)                               # the case: a kind left unweighed
+    weighed: list[str] = []
+    real = slicing._weigh_alternatives
+
+    def seen(job, found, cfg):
+        weighed.append(job.spec.schedule_kind)
+        return real(job, found, cfg)
+    monkeypatch.setattr(slicing, "_weigh_alternatives", seen)
+    plan, _, sim = plan_step(BATCH, spec, model_cfg=TINY)
+    assert len(weighed) == len(set(weighed)) and min(own, key=own.get) in weighed and set(weighed) <= expected
+    with slicing.kinds_screened(None):
+        every, _, every_sim = plan_step(BATCH, spec, model_cfg=TINY)
+    assert set(weighed) == set(own)
+    assert plan.schedule_kind == every.schedule_kind and sim.makespan_s == every_sim.makespan_s
+    assert [repr(mb) for mb in plan.microbatches] == [repr(mb) for mb in every.microbatches]
+
+
+def test_the_jobs_of_one_split_plan_pack_each_grouping_once(monkeypatch):
+    """The weighing's jobs share their packings of short sequences (``_SplitJob.packed``): every (method, mbs,
+    sequences) packed once, refusals included. Fails where each alternative's job packs its own (before the sixth
+    session: the screen packed every alternative's grouping a second time)."""
+    packed: list[tuple] = []
+    real = slicing.pack
+
+    def counted(lengths, spec, **kw):
+        packed.append((spec.method, spec.mbs, spec.dp, np.asarray(lengths).tobytes()))
+        return real(lengths, spec, **kw)
+    monkeypatch.setattr(slicing, "pack", counted)
+    plan_step(BATCH, SPEC.with_(schedule_kind="zb-h1"), model_cfg=TINY)
+    assert packed and len(packed) == len(set(packed))
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb"])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_deferring_on_the_floor_changes_no_plan(monkeypatch, kind, oracle):
+    """The alternatives' whole searches defer the candidates whose floor is at or above the weighing's best
+    (``DEFER``): the same plan (microbatches, meta, step) as every candidate simulated as it comes. ``oracle``: the
+    tightest lower bound there is (each candidate's own simulated step, less 1e-9; on this small batch the
+    order-free floor, 0.8-0.9 of the step, defers none), so that most candidates are deferred: fewer simulations,
+    the same plan. Fails where the deferred candidates are dropped instead of settled when a search reads its best
+    (``_settle`` a no-op)."""
+    spec = SPEC.with_(schedule_kind=kind)
+    real_sim = slicing._SplitJob._simulate
+    calls = _counted(monkeypatch)
+    if oracle:
+        monkeypatch.setattr(slicing._SplitJob, "floor", lambda job, plan: real_sim(job, plan)[0] * (1 - 1e-9))
+    made = {}
+    for defer in (False, True):
+        monkeypatch.setattr(slicing, "DEFER", defer)
+        calls.clear()
+        plan, _, sim = plan_step(BATCH, spec, model_cfg=TINY)
+        made[defer] = (plan, sim.makespan_s, len(calls))
+    (a, ta, na), (b, tb, nb) = made[False], made[True]
+    assert [repr(mb) for mb in a.microbatches] == [repr(mb) for mb in b.microbatches] and a.meta == b.meta
+    assert ta == tb and nb <= na and (nb < na or not oracle)
+
+
+@settings(max_examples=6, deadline=None)
+@given(longs=hst.lists(hst.integers(1200, 3200), min_size=1, max_size=2),
+       shorts=hst.lists(hst.integers(1, 700), min_size=2, max_size=8),
+       kind=hst.sampled_from(["1f1b", "zb-h1", "zb"]), stages=hst.sampled_from([2, 3, 4]))
+def test_the_floor_deferred_on_is_a_lower_bound_of_every_candidate(longs, shorts, kind, stages):
+    """What ``DEFER`` and the search's pruning rest on: every candidate's order-free floor (``_SplitJob.floor``)
+    is at most its simulated step, on random batches, kinds and depths (dynamic's own search's candidates)."""
+    batch = np.asarray([*longs, *shorts], dtype=np.int64)
+    spec = SPEC.with_(schedule_kind=kind, num_stages=stages)
+    pairs: list[tuple[float, float]] = []
+    real = slicing._SplitJob._simulate
+
+    def paired(job, plan):
+        out = real(job, plan)
+        pairs.append((job.floor(plan), out[0]))
+        return out
+    with pytest.MonkeyPatch.context() as mp, slicing.weighing_alternatives(False):
+        mp.setattr(slicing._SplitJob, "_simulate", paired)
+        try:
+            plan_step(batch, spec, model_cfg=TINY)
+        except ValueError:               # no plan fits: the floors of what was simulated still count
+            pass
+    assert pairs and all(f <= t * (1 + 1e-12) for f, t in pairs)

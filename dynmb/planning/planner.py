@@ -9,8 +9,9 @@ It takes the settings as one ``PlanSpec`` (``dynmb.core.planspec``), which the p
 With ``schedule_kind="auto"`` (``plan_auto``) the step is planned for every kind that
 ``dynmb.schedule.kinds.auto_kinds`` admits, each packed, ordered and scheduled for its own kind,
 and the fastest simulated step that fits the memory limit is kept; the plan records the chosen
-kind, the spec ``auto``. ``dynamic`` weighs its own plan against the baselines at their best budgets and
-every other method's plan under the same settings (``final_candidates``; each packed and ordered first, and
+kind, the spec ``auto`` (``dynamic`` with slices of long sequences: each kind's own sliced search first, then
+the weighing of the plain methods' sliced plans on the kinds near the fastest, ``slicing.kinds_to_weigh``).
+``dynamic`` weighs its own plan against the baselines at their best budgets and every other method's plan under the same settings (``final_candidates``; each packed and ordered first, and
 scheduled and simulated only when its lower bound, ``step_floor``, could still beat the best alternative made).
 Both are the one candidate search of ``dynmb.planning.search`` (candidates, each planned and simulated, one
 choice rule).
@@ -40,6 +41,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import math
 import pickle
 import time
 from dataclasses import dataclass, replace
@@ -59,7 +61,7 @@ from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind
 from dynmb.timing.makespan_zb import ranking_kind
 from dynmb.timing.simulate import SimResult
 from dynmb.core.types import Plan, Schedule
-from dynmb.planning.search import Candidate, Planned, evaluate, fastest, fits, robust, step_floor
+from dynmb.planning.search import Candidate, Outcome, Planned, evaluate, fastest, fits, robust, step_floor
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
 from dynmb.packing.lockstep import forgetful
@@ -71,7 +73,7 @@ from dynmb.planning.replicas import (ReplicaPrediction, make_schedule, predict_r
                                      replicas_of, stitch)
 from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
-from dynmb.planning.slicing import longest_row, plan_split
+from dynmb.planning.slicing import kinds_to_weigh, longest_row, own_searches_only, plan_split, reuse_searches, weighs
 from dynmb.planning.spec_check import lockstep_refusal
 
 schedule_validate = importlib.import_module("dynmb.schedule.validate")  # dynmb.schedule.validate: the function
@@ -420,8 +422,26 @@ def _plan_auto_on(lengths: np.ndarray, spec: PlanSpec, kinds: tuple[str, ...], m
                                                models, meta, packs)) for kind in kinds]
     cands += _ranked_elsewhere(_Job(lengths, spec, get_kind(kinds[0]), model_cfg, models, meta),   # kind: per candidate
                                kinds, packs)
-    outcomes = evaluate(cands)
+    outcomes = _weighed(cands) if weighs(spec) and _sliced(lengths, spec, model_cfg, models.memory) else evaluate(cands)
     plan, sched, sim = cast(Planned, fastest(outcomes).made)
     preds = plan.predictions.updated(plan_s=time.perf_counter() - t0)
     scores = {o.name: o.score for o in outcomes}
     return replace(plan, spec=spec, predictions=preds, meta=plan.meta.with_(schedule_auto=scores)), sched, sim
+
+
+def _weighed(cands: list[Candidate]) -> list[Outcome[Planned]]:
+    """``plan_auto``'s kinds with ``dynamic``'s sliced plans: each kind's own sliced search first (the weighing of the
+    plain methods' sliced plans off), then, fastest own step first, each kind ``slicing.kinds_to_weigh`` keeps (against
+    the own steps and the fastest weighed so far) planned again with it on (its own search reused,
+    ``reuse_searches``); the others keep their own plans."""
+    with reuse_searches():
+        with own_searches_only():
+            own = evaluate(cands)
+        steps = {o.name: None if o.verdict is None else (o.verdict.score, o.fits) for o in own}
+        again: dict[str, Outcome[Planned]] = {}
+        fastest_first = {name: v[0] if v is not None and v[1] else math.inf for name, v in steps.items()}
+        for cand in sorted(cands, key=lambda c: fastest_first[c.name]):
+            weighed = [o.verdict.score for o in again.values() if o.verdict is not None and o.fits]
+            if cand.name in kinds_to_weigh(steps, min(weighed, default=math.inf)):
+                again[cand.name] = evaluate([cand])[0]
+    return [again.get(o.name, o) for o in own]

@@ -48,6 +48,11 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
    slices, smaller recomputed shares), then the whole search of the ``WEIGH_FINALISTS`` fastest, of any other within
    ``SCREEN_ERROR`` of the best, and of every method whose slices it cannot cut (``packed``), the fastest kept.
+   Each such whole search defers the candidates whose order-free floor is at or above the best step so far
+   (``DEFER``; simulated only where the search reads its best and one could be it, ``_settle``: the same plan).
+   The jobs of one ``plan_split`` share their simulations and their packings of short sequences. Under
+   ``--schedule auto`` the weighing runs only on the kinds whose own sliced step is near the fastest kind's
+   (``KIND_SCREEN``, ``kinds_to_weigh``; ``dynmb.planning.planner.plan_auto``).
 3. ``meta``: ``oversize="split"``, ``sliced`` (``{seq_id: slices}``), ``slice_len``,
    ``slice_cuts``, ``slice_placement``, ``slice_recompute`` (``slice_recompute_share``), ``slice_shorts``,
    ``slice_fill``, ``longest_fitting_length``,
@@ -63,6 +68,7 @@ Not supported (refused with one line): kinds without ``slices`` (``memory-aware`
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import math
 import time
@@ -88,7 +94,7 @@ from dynmb.planning.replicas import predict_replicas, replicas_of
 from dynmb.planning.search import step_floor
 
 __all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE", "reuse_searches", "slice_alternatives",
-           "weighing_alternatives"]
+           "weighing_alternatives", "kinds_to_weigh", "kinds_screened", "weighs", "own_searches_only"]
 
 MIN_SLICE = 128
 """Shortest slice length the planner tries (tokens)."""
@@ -252,7 +258,7 @@ class _SplitJob:
     row_cap: int
     cut: int
     threshold: int | None
-    packed: dict[tuple, list[Microbatch]] = field(default_factory=dict)
+    packed: dict[tuple, list[Microbatch] | PackingError] = field(default_factory=dict)
     coefs: dict[int, tuple[float, float]] = field(default_factory=dict)
     sims: dict[tuple, tuple[float, float, list[Plan], list[Schedule]]] = field(default_factory=dict)
 
@@ -267,20 +273,24 @@ class _SplitJob:
     def pack_short(self, ids: np.ndarray, packer: tuple[str, int | None] | None = None) -> list[Microbatch]:
         """The method's (``packer``: that method's at that mbs) packing of short sequences ``ids`` for ``dp``
         replicas, else for one (cached); ``_replicas`` deals them again."""
-        key = (packer, *ids.tolist())
+        spec = self.spec if packer is None else self.spec.with_(method=packer[0], mbs=packer[1])
+        key = (spec.method, spec.mbs, ids.tobytes())        # the jobs of one plan_split share these (``packed``)
         if key not in self.packed:
-            sub = None
-            spec = self.spec if packer is None else self.spec.with_(method=packer[0], mbs=packer[1])
+            sub: Plan | PackingError | None = None
             for d in dict.fromkeys((self.spec.dp, 1)) if ids.size else ():
                 try:
                     sub = pack(self.lengths[ids], spec.with_(oversize="error", dp=d),
                                models=self.models)
                     break
-                except PackingError:
+                except PackingError as e:
                     if d == 1:
-                        raise
-            self.packed[key] = [] if sub is None else [replace(mb, seq_ids=ids[mb.seq_ids]) for mb in sub.microbatches]
-        return self.packed[key]
+                        sub = e                   # refused: refused again without packing
+            self.packed[key] = sub if isinstance(sub, PackingError) else [] if sub is None else \
+                [replace(mb, seq_ids=ids[mb.seq_ids]) for mb in sub.microbatches]
+        made = self.packed[key]
+        if isinstance(made, PackingError):
+            raise made
+        return made
 
     def plan_of(self, mbs: list[Microbatch], rids: list[int] | None = None, meta: dict | None = None) -> Plan:
         s = self.spec
@@ -391,14 +401,20 @@ def _plan_key(plan: Plan, spec: PlanSpec) -> tuple:
 
 @dataclass
 class _Search:
-    """The best fitting candidate so far, the lowest peak seen (for the error) and the last dealing that
-    had fewer units than replicas."""
+    """The best fitting candidate so far (``best_at``: its place in the order tried), the lowest peak seen (for the
+    error) and the last dealing that had fewer units than replicas; with a ``bar`` (the weighing's best step, which
+    only falls), the candidates whose order-free floor is at or above it wait in ``deferred`` (floor, place, plan,
+    slice length), simulated only where one could be the best so far when the search reads its best (``_settle``)."""
 
     best: tuple[float, Plan, list[Plan], list[Schedule]] | None = None
     lowest: tuple[float, int] | None = None
     too_few: tuple[int, int] = (0, 0)
     simulated: int = 0
     pruned: int = 0
+    bar: float = math.inf
+    tried: int = 0
+    best_at: int = -1
+    deferred: list[tuple[float, int, Plan, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -430,15 +446,35 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
                                     "slice_shorts": None if t.packer is None else "/".join(map(str, t.packer)),
                                     "slice_recompute_share": t.rc_share if t.use_rc else 0.0,
                                     "slice_lookahead": t.lookahead})
-        if found.best is not None and job.floor(plan) >= found.best[0]:
+        at, found.tried = found.tried, found.tried + 1
+        floor = job.floor(plan) if found.best is not None or found.bar < math.inf else -math.inf
+        if found.best is not None and floor >= found.best[0]:
             found.pruned += 1                # cannot beat the best so far: not scheduled nor simulated
-            continue
-        slowest, peak, replicas, scheds = job.simulate(plan)
-        found.simulated += 1
-        if found.lowest is None or peak < found.lowest[0]:
-            found.lowest = (peak, int(t.slice_len))
-        if peak <= job.spec.memory_limit_bytes and (found.best is None or slowest < found.best[0]):
-            found.best = (slowest, plan, replicas, scheds)
+        elif floor >= found.bar:             # cannot beat the weighing's best: simulated only if the search needs it
+            found.deferred.append((floor, at, plan, int(t.slice_len)))
+        else:
+            _judge(job, found, plan, at, int(t.slice_len))
+
+
+def _judge(job: _SplitJob, found: _Search, plan: Plan, at: int, slice_len: int) -> None:
+    """``plan`` (the ``at``-th candidate of ``found``'s search) simulated; kept where it fits and is faster than the
+    best so far (equal: the earlier)."""
+    slowest, peak, replicas, scheds = job.simulate(plan)
+    found.simulated += 1
+    if found.lowest is None or peak < found.lowest[0]:
+        found.lowest = (peak, slice_len)
+    if peak <= job.spec.memory_limit_bytes and (found.best is None or (slowest, at) < (found.best[0], found.best_at)):
+        found.best, found.best_at = (slowest, plan, replicas, scheds), at
+
+
+def _settle(job: _SplitJob, found: _Search) -> None:
+    """Before the search reads its best: the deferred candidates simulated, lowest floor first, while one's floor is
+    below the best so far (none fits yet: until one does), so that the best is the one the search without a bar would
+    have at this point (a floor is a lower bound: one at or above the best cannot beat it)."""
+    found.deferred.sort(key=lambda d: d[:2])
+    while found.deferred and (found.best is None or found.deferred[0][0] < found.best[0]):
+        _, at, plan, slice_len = found.deferred.pop(0)
+        _judge(job, found, plan, at, slice_len)
 
 
 def _refine(job: _SplitJob, found: _Search) -> None:
@@ -456,15 +492,18 @@ def _refine(job: _SplitJob, found: _Search) -> None:
     if job.spec.method != "packed":
         _try_slice_len(job, _Try(slice_len, use_rc, "equal-cost", ("last",), (fill,)), found)
         _try_slice_len(job, _Try(slice_len, use_rc, "even", PLACEMENTS, (fill,)), found)
+        _settle(job, found)
         meta = found.best[1].meta
         best = _Try(int(meta["slice_len"]), use_rc, meta["slice_cuts"], (meta["slice_placement"],), (fill,))
         for share in RC_SHARES if use_rc and job.spec.recompute == "auto" else ():
             _try_slice_len(job, replace(best, rc_share=share), found)
+        _settle(job, found)
         best = _best_try(found, best)
     for lookahead in chain_lookaheads(job.spec):
         _try_slice_len(job, replace(best, lookahead=lookahead), found)
     if job.spec.method != "dynamic":
         return
+    _settle(job, found)
     best = _best_try(found, best)
     for packer in SHORT_PACKERS:
         try:
@@ -551,8 +590,8 @@ def _search_key(job: _SplitJob) -> tuple:
             job.threshold)
 
 
-_SEARCHES: dict[tuple, _Search] | None = None
-"""Searches kept for reuse (``reuse_searches``; None: none kept, the default)."""
+_SEARCHES: dict[tuple, tuple[_Search, dict[tuple, tuple[float, float, list[Plan], list[Schedule]]]]] | None = None
+"""Searches kept for reuse with the simulations their job made (``reuse_searches``; None: none kept, the default)."""
 _SEARCHES_MAX = 64
 
 
@@ -567,7 +606,58 @@ WEIGH_FINALISTS: int | None = 2
 other within ``SCREEN_ERROR`` of the best); None: every alternative's (the full weighing, ~7-15x dynamic's own plan
 time at P 8; ``studies/slicing/notes.md``)."""
 
+KIND_SCREEN: float | None = 0.05
+"""``--schedule auto`` (``plan_auto``): ``dynamic``'s sliced plan is searched on every kind first, its weighing
+(``_weigh_alternatives``) then runs only on the kinds whose own sliced step is within this of the fastest kind's that
+fits or than the fastest weighed step so far (the kinds weighed fastest own step first), and on every kind whose own
+search found no plan that fits (``kinds_to_weigh``); None: on every kind. A measured screen, not a bound: it
+assumes the weighing gains less than this over a kind's own search (measured: up to 3.9% on the long-document
+cells, ``studies/slicing/README.md``, the sixth session; the kinds it skipped there were 7-37% behind). The
+order-free floor cannot separate the kinds (0.35-0.97 of the simulated step, ``studies/slicing/notes.md``)."""
+
 _KEEP = object()
+
+
+_OWN_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("dynmb_slicing_own_only", default=False)
+
+
+def weighs(spec: PlanSpec) -> bool:
+    """Whether ``spec``'s sliced plan weighs the plain methods' (``dynamic``, ``WEIGH_ALTERNATIVES`` on, not within
+    ``own_searches_only``)."""
+    return spec.method == "dynamic" and WEIGH_ALTERNATIVES and not _OWN_ONLY.get()
+
+
+@contextlib.contextmanager
+def own_searches_only() -> Iterator[None]:
+    """Within it (this thread or task only) ``dynamic``'s sliced plans skip the weighing: ``plan_auto``'s first pass."""
+    token = _OWN_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _OWN_ONLY.reset(token)
+
+
+def kinds_to_weigh(own: dict[str, tuple[float, bool] | None], weighed: float = math.inf) -> set[str]:
+    """The kinds whose sliced plan the weighing runs on (``KIND_SCREEN``), of ``own``: each kind's own sliced step
+    and whether it fits (None: it planned none); ``weighed``: the fastest weighed step that fits so far."""
+    fitting = [step for step, fits in (v for v in own.values() if v is not None) if fits]
+    if KIND_SCREEN is None or not fitting:
+        return set(own)
+    bar = min(*fitting, weighed) * (1 + KIND_SCREEN)
+    return {kind for kind, v in own.items() if v is None or not v[1] or v[0] <= bar}
+
+
+@contextlib.contextmanager
+def kinds_screened(margin: float | None) -> Iterator[None]:
+    """Within it ``KIND_SCREEN`` is ``margin`` (None: the weighing on every kind, as before the sixth session)."""
+    global KIND_SCREEN
+    if margin is not None and not margin >= 0:
+        raise ValueError(f"kinds_screened: margin must be None or >= 0, not {margin!r}")
+    was, KIND_SCREEN = KIND_SCREEN, margin
+    try:
+        yield
+    finally:
+        KIND_SCREEN = was
 
 
 @contextlib.contextmanager
@@ -601,25 +691,36 @@ def reuse_searches() -> Iterator[None]:
         _SEARCHES = outer
 
 
-def _search(job: _SplitJob) -> _Search:
+def _search(job: _SplitJob, bar: float = math.inf) -> _Search:
     """The search of one method (module doc, step 2): the first round, unrecomputed before recomputed
-    (``recompute``), then ``_refine`` around the best; within ``reuse_searches`` one made before is reused."""
-    if _SEARCHES is None:
-        return _search_anew(job)
+    (``recompute``), then ``_refine`` around the best; within ``reuse_searches`` one made before is reused. With a
+    ``bar`` (``_weigh_alternatives``: the best step so far) its best is that of the search without it where below
+    ``bar``, else a candidate as fast or slower, or none (``_search_anew``); such a search is not kept for reuse."""
+    kept = _SEARCHES
+    if kept is None:
+        return _search_anew(job, bar)
     key = _search_key(job)
-    if key not in _SEARCHES:
-        if len(_SEARCHES) >= _SEARCHES_MAX:
-            _SEARCHES.pop(next(iter(_SEARCHES)))
-        _SEARCHES[key] = _search_anew(job)
-    return _SEARCHES[key]
+    if key not in kept:
+        found = _search_anew(job, bar)
+        if found.deferred:
+            return found
+        if len(kept) >= _SEARCHES_MAX:
+            kept.pop(next(iter(kept)))
+        kept[key] = (found, job.sims)
+    found, sims = kept[key]
+    if sims is not job.sims:              # its candidates, simulated then, are not again (``plan_auto``'s weighing)
+        job.sims.update(sims)
+    return found
 
 
-def _search_anew(job: _SplitJob) -> _Search:
-    """``_search`` without the reuse."""
-    found = _Search()
+def _search_anew(job: _SplitJob, bar: float = math.inf) -> _Search:
+    """``_search`` without the reuse; with a ``bar``, the candidates whose floor is at or above it deferred
+    (``_Search``, ``_settle``): the same decisions and best, where the best is below ``bar``."""
+    found = _Search(bar=bar)
     for use_rc in {"never": [False], "always": [True], "auto": [False, True]}[job.spec.recompute]:
         for slice_len in job.slice_candidates():
             _try_slice_len(job, _first_round(job, slice_len, use_rc), found)
+        _settle(job, found)
         if found.best is not None:
             break
     _refine(job, found)
@@ -653,6 +754,7 @@ def _alternative_jobs(job: _SplitJob, model_cfg: ModelConfig) -> list[tuple[str,
             alt = _split_job(job.lengths, spec, get_kind(spec.schedule_kind), model_cfg, job.models,
                              job.make_schedule, job.threshold)
             alt.sims = job.sims                   # a candidate another method made is not simulated again
+            alt.packed = job.packed               # nor a packing of short sequences made again (the same spec)
             alt.pack_short(alt.short_ids)         # the method's own refusal, as plan_split's
         except ValueError:                        # PackingError is one: that method cannot plan the batch
             continue
@@ -667,6 +769,11 @@ def _keep(found: _Search, best: tuple[float, Plan, list[Plan], list[Schedule]] |
         t, plan, replicas, scheds = best
         found.best = (t, replace(plan, meta=plan.meta.with_(slice_shorts=name)), replicas, scheds)
 
+
+DEFER = True
+"""``_weigh_alternatives``: each alternative's whole search defers the candidates whose order-free floor
+(``_SplitJob.floor``, a lower bound of the simulated step) is at or above the best step so far (``_search``'s bar):
+the same plan as without, fewer simulations. False: every candidate simulated as it comes."""
 
 SCREEN_ERROR = 0.01
 """An alternative whose screened step is within this of the best after screening is a finalist besides the
@@ -763,7 +870,7 @@ def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) 
     alts = _alternative_jobs(job, model_cfg)
     for name, alt in alts if WEIGH_FINALISTS is None else _screen(job, found, alts):
         try:
-            res = _search(alt)
+            res = _search(alt, math.inf if found.best is None or not DEFER else found.best[0])
         except ValueError:                        # PackingError is one: that method cannot plan the batch
             continue
         _keep(found, res.best, name)
@@ -784,7 +891,7 @@ def plan_split(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind, *, model
     if not job.long_ids.size:
         raise ValueError("internal: plan_split called without a sequence longer than the longest row")
     found = replace(_search(job))                    # a copy: the search kept for reuse stays that method's
-    if spec.method == "dynamic" and threshold is None and WEIGH_ALTERNATIVES:
+    if weighs(spec) and threshold is None:
         _weigh_alternatives(job, found, model_cfg)
     if found.best is None:
         raise _no_fit(job, found)

@@ -8,7 +8,8 @@ Modes: ``off`` (``weighing_alternatives(False)``: dynamic's own search only), ``
 ``weighing_alternatives(finalists=None)``, every plain method's whole sliced search weighed), ``screened`` (the default
 since the weighcost branch: every plain method's short packing tried at dynamic's best candidate and around it,
 ``slicing._centres``, then the whole searches of those within ``slicing.SCREEN_ERROR`` of the best, at most two;
-``--finalists K`` or mode ``screenedK``: at most K); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
+``--finalists K`` or mode ``screenedK``: at most K; on the kinds ``slicing.KIND_SCREEN`` keeps, ``screened-allkinds``: on
+every kind, as before the sixth session); the floor pruning and shared simulations of this checkout. Run with another checkout on ``PYTHONPATH`` for its
 numbers; compare CPU seconds only within one run (the box's load varies).
 """
 
@@ -39,15 +40,18 @@ def plan_times(trace_name: str, model: str, P: int, modes: list[str], cache: Pat
     for mode in modes:
         planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(cfg, P),
                                 schedule="auto", oversize="split", recompute="auto")
-        on, top = MODES[mode.rstrip("0123456789")]
-        if mode.startswith("screened"):
-            top = int(mode[len("screened"):] or finalists)
-        with slicing.weighing_alternatives(on, top):
+        base = mode.removesuffix("-allkinds")
+        on, top = MODES[base.rstrip("0123456789")]
+        if base.startswith("screened"):
+            top = int(base[len("screened"):] or finalists)
+        with slicing.weighing_alternatives(on, top), slicing.kinds_screened(None if "allkinds" in mode else
+                                                                          slicing.KIND_SCREEN):
             t0 = time.process_time()
             step = planner.plan(batch, method="dynamic")
             rows.append({"trace": trace_name, "model": model, "P": P, "mode": mode,
                          "plan_cpu_s": time.process_time() - t0, "step_s": step.sim.makespan_s,
-                         "slice_shorts": step.plan.meta.get("slice_shorts")})
+                         "slice_shorts": step.plan.meta.get("slice_shorts"), "kind": step.plan.schedule_kind,
+                         "kinds": step.plan.meta.get("schedule_auto") or {}})
     return rows
 
 
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             for P in map(int, args.stages.split(",")):
                 for r in plan_times(name, model, P, args.modes.split(","), args.cache, args.finalists):
                     print(f"{r['trace']} {r['model']} P{r['P']} {r['mode']}: {r['plan_cpu_s']:.1f} CPU s, "
-                          f"step {r['step_s']:.4f} s, shorts {r['slice_shorts']}", flush=True)
+                          f"step {r['step_s']:.4f} s, shorts {r['slice_shorts']}, kind {r['kind']} (" +
+                          ", ".join(f"{k} {v:.4f}" for k, v in r["kinds"].items() if v is not None) + ")", flush=True)
     return 0
 
 

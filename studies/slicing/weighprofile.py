@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import math
 import pstats
 import time
 from collections import defaultdict
@@ -40,13 +41,13 @@ def _searches(rows: list[dict]):
     """``slicing._search_anew`` wrapped to log each search's kind, method, CPU s, simulations and pruned."""
     real = slicing._search_anew
 
-    def logged(job):
+    def logged(job, bar=math.inf):
         t0 = time.process_time()
-        found = real(job)
+        found = real(job, bar)
         s = job.spec
         rows.append({"kind": s.schedule_kind, "search": s.method if s.mbs is None else f"{s.method}/{s.mbs}",
                      "cpu_s": time.process_time() - t0, "simulated": found.simulated, "pruned": found.pruned,
-                     "best_s": None if found.best is None else found.best[0]})
+                     "best_s": None if found.best is None else found.best[0], "deferred": len(found.deferred)})
         return found
     return real, logged
 
