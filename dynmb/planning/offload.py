@@ -1,0 +1,162 @@
+"""``offload="auto"``: which leading blocks of each stage keep their saved activations in host memory.
+
+Activation offload (PipeOffload, Wan et al. 2025, arXiv:2503.01328, for the idea): a microbatch's activations on
+stage ``s`` wait about ``(P - s)`` forward-backward pairs between its forward and its backward, so a copy to host
+memory after the forward and back before the backward can run beside compute, and the stage holds fewer device
+bytes per microbatch in flight (``MemoryModel.offloading``); where its admission binds, it then packs larger
+microbatches. The search (``plan_offload``), one step, every method alike (a memory setting, as recompute):
+
+1. plan without offload (the plan it must beat); a cost model without a host link (``timing.offload.host_link``:
+   the CPU models), a plan with slices of long sequences (their carried keys and values stay on the device) or
+   a plan that recomputes every microbatch ends here;
+2. per stage, the most leading blocks whose copies hide behind that plan's own ops (``hiding_blocks``): each
+   microbatch's reload within the op before its backward (the prefetch: its forward in 1F1B's steady state) and
+   its copy out within its backward, summed over the plan's microbatches; a second, wider option lets the copies
+   use the whole forward + backward of the stage (the simulator prices the reloads that come late);
+3. from none, one more block on the stage whose admission binds (the fewest tokens one microbatch may hold there,
+   in one-token rows under the tight budget, ``MemoryModel.max_rows`` per stage), while that stage may hide one
+   more and the block raises its admission (``binding_blocks``);
+4. plan again with each option's view of the memory model and keep the fastest simulated step that fits, the
+   plan without offload included: never slower by construction. The plan records ``meta.offload_blocks`` (absent
+   when none is kept).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Callable
+
+import numpy as np
+
+from dynmb.core.planspec import PlanSpec
+from dynmb.core.types import Plan
+from dynmb.costmodel.loader import Models
+from dynmb.memory.coef import stage_block_count
+from dynmb.packing.context import PackContext, PackingError
+from dynmb.planning.search import Candidate, Planned, evaluate, fastest
+from dynmb.timing.offload import HostLink, host_link
+
+__all__ = ["plan_offload", "hiding_blocks", "binding_blocks", "HIDE_WINDOWS"]
+
+log = logging.getLogger(__name__)
+
+PlanFn = Callable[[PlanSpec, Models[Any]], Planned]
+
+HIDE_WINDOWS = ("op", "cycle")
+"""The options step 2 weighs: copies within one op (``op``: the reload within the forward before the backward,
+the copy out within the backward) or within the stage's forward + backward (``cycle``)."""
+
+_said_no_link: set[str] = set()
+
+
+def plan_offload(spec: PlanSpec, models: Models[Any], plan_fn: PlanFn) -> Planned:
+    """``plan_fn(spec, models)`` (the planner's step) under ``spec.offload`` (module doc); the plan keeps ``spec``."""
+    plain_spec = spec.with_(offload="never")
+    plain = plan_fn(plain_spec, models)
+    if spec.offload != "auto":
+        return plain
+    plan = plain[0]
+    link = host_link(models.cost)
+    why = _no_offload(plan, models, link)
+    if why:
+        if why not in _said_no_link:
+            _said_no_link.add(why)
+            log.info("offload auto: nothing offloaded: %s", why)
+        return _with_spec(plain, spec)
+    assert link is not None
+    options: dict[tuple[int, ...], str] = {}
+    for window in HIDE_WINDOWS:
+        blocks = binding_blocks(plan, models.memory, hiding_blocks(plan, models, link, window))
+        if blocks.any():
+            options.setdefault(tuple(int(b) for b in blocks), window)
+    cands = [Candidate("none", lambda: plain)]
+    for blocks_t, window in options.items():
+        cands.append(Candidate(f"offload {window} {list(blocks_t)}",
+                               lambda b=blocks_t: _offloaded(plain_spec, models, plan_fn, b)))
+    best = fastest(evaluate(cands))
+    log.debug("offload auto: %s", ", ".join(f"{c.name}" for c in cands))
+    return _with_spec(best.made, spec)
+
+
+def _no_offload(plan: Plan, models: Models[Any], link: HostLink | None) -> str:
+    """Why ``plan`` is not weighed with offload ('' where it is)."""
+    if link is None:
+        return f"the cost model ({type(models.cost).__name__}) has no host link (a CPU's host is its device)"
+    if not hasattr(models.memory, "offloading"):
+        return f"the memory model ({type(models.memory).__name__}) cannot offload"
+    if plan.slice_groups():
+        return "a plan with slices of long sequences keeps their carried keys and values on the device"
+    if plan.recompute_mask().all():
+        return "every microbatch recomputes: it keeps only its blocks' inputs"
+    return ""
+
+
+def _offloaded(spec: PlanSpec, models: Models[Any], plan_fn: PlanFn, blocks: tuple[int, ...]) -> Planned:
+    """The step planned with ``blocks`` offloaded (the memory model's view), its meta recording them."""
+    plan, sched, sim = plan_fn(spec, replace(models, memory=models.memory.offloading(blocks)))
+    return replace(plan, meta=plan.meta.with_(offload_blocks=list(blocks))), sched, sim
+
+
+def _with_spec(planned: Planned, spec: PlanSpec) -> Planned:
+    plan, sched, sim = planned
+    return replace(plan, spec=spec), sched, sim
+
+
+def hiding_blocks(plan: Plan, models: Models[Any], link: HostLink, window: str = "op") -> np.ndarray:
+    """``[P]``: per stage, the most leading blocks whose copies of ``plan``'s microbatches hide behind its ops,
+    summed over them: reloads within the forwards (``window="op"``, the op before a backward in 1F1B's steady state)
+    or the forwards and backwards (``"cycle"``), copies out within the backwards (or both); 0 on the last stage,
+    whose backward follows its forward at once."""
+    mm, P = models.memory, plan.num_stages
+    costs = models.cost.plan_costs(plan)
+    fwd, bwd = np.asarray(costs["F"]).sum(axis=1), np.asarray(costs["B"]).sum(axis=1)
+    reload_room = fwd if window == "op" else fwd + bwd
+    out_room = bwd if window == "op" else fwd + bwd
+    shapes = plan.shapes()
+    most = stage_block_count(mm.model_cfg, P)
+    out = np.zeros(P, dtype=np.int64)
+    for n in range(1, int(most.max()) + 1):
+        moved = mm.offloading(np.minimum(n, most)).offload_matrix(shapes[:, 0], shapes[:, 1],
+                                                                   plan.recompute_mask()).sum(axis=1)
+        hides = (moved / link.h2d_bytes_per_s <= reload_room) & (moved / link.d2h_bytes_per_s <= out_room)
+        out = np.where(hides & (n <= most), n, out)
+    out[-1] = 0
+    return out
+
+
+def binding_blocks(plan: Plan, memory_model: Any, most: np.ndarray) -> np.ndarray:
+    """``[P]``: from none, one more block on the stage admitting the fewest tokens (``_stage_tokens``), while that
+    stage may offload one more (``most``) and the block raises the tokens it admits (module doc, step 3)."""
+    blocks = np.zeros(plan.num_stages, dtype=np.int64)
+    rows = _stage_tokens(plan, memory_model, blocks)
+    while rows is not None:
+        stage = int(np.argmin(rows))
+        if blocks[stage] >= most[stage]:
+            break
+        trial = blocks.copy()
+        trial[stage] += 1
+        more = _stage_tokens(plan, memory_model, trial)
+        if more is None or more[stage] <= rows[stage]:
+            break
+        blocks, rows = trial, more
+    return blocks
+
+
+def _stage_tokens(plan: Plan, memory_model: Any, blocks: np.ndarray) -> np.ndarray | None:
+    """Tokens one microbatch may hold on each stage alone with ``blocks`` offloaded: one-token rows under the tight
+    budget (the row length's ``s^2`` term of dense attention left out); None where the limit is under a stage's
+    states."""
+    view = memory_model.offloading(blocks)
+    try:
+        ctx = PackContext(view, plan.memory_limit_bytes, plan.num_stages, plan.schedule_kind,
+                          virtual=int(plan.meta.virtual or 1))
+    except PackingError:
+        return None
+    P = plan.num_stages
+    out = np.empty(P)
+    for i in range(P):
+        caps = np.full(P, np.inf)
+        caps[i] = ctx.caps[i]
+        out[i] = float(view.max_rows(caps, [1], ctx.k, tight=True)[0])
+    return out
