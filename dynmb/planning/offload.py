@@ -9,10 +9,11 @@ microbatches. The search (``plan_offload``), one step, every method alike (a mem
 1. plan without offload (the plan it must beat); a cost model without a host link (``timing.offload.host_link``:
    the CPU models), a plan with slices of long sequences (their carried keys and values stay on the device) or
    a plan that recomputes every microbatch ends here;
-2. per stage, the most leading blocks whose copies hide behind that plan's own ops (``hiding_blocks``): each
-   microbatch's reload within the op before its backward (the prefetch: its forward in 1F1B's steady state) and
-   its copy out within its backward, summed over the plan's microbatches; a second, wider option lets the copies
-   use the whole forward + backward of the stage (the simulator prices the reloads that come late);
+2. per stage, the most leading blocks whose copies hide behind that plan's own ops (``hiding_blocks``): the
+   reloads within ``share`` of the forwards (the op before a backward in 1F1B's steady state, where the runtime
+   issues the reload) and the copies out within ``share`` of the backwards (the op before the next forward, which
+   waits for it), summed over the plan's microbatches; ``HIDE_SHARES`` gives one option per share (a margin for the
+   other kinds' op orders and the larger microbatches that follow; the simulator prices what still comes late);
 3. from none, one more block on the stage whose admission binds (the fewest tokens one microbatch may hold there,
    in one-token rows under the tight budget, ``MemoryModel.max_rows`` per stage), while that stage may hide one
    more and the block raises its admission (``binding_blocks``);
@@ -23,9 +24,10 @@ microbatches. The search (``plan_offload``), one step, every method alike (a mem
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
@@ -35,17 +37,17 @@ from dynmb.costmodel.loader import Models
 from dynmb.memory.coef import stage_block_count
 from dynmb.packing.context import PackContext, PackingError
 from dynmb.planning.search import Candidate, Planned, evaluate, fastest
+from dynmb.timing import offload as timing_offload
 from dynmb.timing.offload import HostLink, host_link
 
-__all__ = ["plan_offload", "hiding_blocks", "binding_blocks", "HIDE_WINDOWS"]
+__all__ = ["plan_offload", "hiding_blocks", "binding_blocks", "HIDE_SHARES"]
 
 log = logging.getLogger(__name__)
 
 PlanFn = Callable[[PlanSpec, Models[Any]], Planned]
 
-HIDE_WINDOWS = ("op", "cycle")
-"""The options step 2 weighs: copies within one op (``op``: the reload within the forward before the backward,
-the copy out within the backward) or within the stage's forward + backward (``cycle``)."""
+HIDE_SHARES = (1.0, 0.5)
+"""The options step 2 weighs: the share of the op beside it that each copy may take (``hiding_blocks``)."""
 
 _said_no_link: set[str] = set()
 
@@ -65,18 +67,19 @@ def plan_offload(spec: PlanSpec, models: Models[Any], plan_fn: PlanFn) -> Planne
             log.info("offload auto: nothing offloaded: %s", why)
         return _with_spec(plain, spec)
     assert link is not None
-    options: dict[tuple[int, ...], str] = {}
-    for window in HIDE_WINDOWS:
-        blocks = binding_blocks(plan, models.memory, hiding_blocks(plan, models, link, window))
+    options: dict[tuple[int, ...], str] = {}        # blocks per stage -> the share that chose them
+    for share in HIDE_SHARES:
+        blocks = binding_blocks(plan, models.memory, hiding_blocks(plan, models, link, share))
         if blocks.any():
-            options.setdefault(tuple(int(b) for b in blocks), window)
-    cands = [Candidate("none", lambda: plain)]
-    for blocks_t, window in options.items():
-        cands.append(Candidate(f"offload {window} {list(blocks_t)}",
-                               lambda b=blocks_t: _offloaded(plain_spec, models, plan_fn, b)))
-    best = fastest(evaluate(cands))
-    log.debug("offload auto: %s", ", ".join(f"{c.name}" for c in cands))
-    return _with_spec(best.made, spec)
+            options.setdefault(tuple(int(b) for b in blocks), f"{share:g}")
+    cands: list[Candidate[Planned]] = [Candidate("none", functools.partial(lambda made: made, plain))]
+    cands += [Candidate(f"offload within {share_name} of an op {list(blocks_t)}",
+                        functools.partial(_offloaded, plain_spec, models, plan_fn, blocks_t))
+              for blocks_t, share_name in options.items()]
+    outcomes = evaluate(cands)
+    best = fastest(outcomes)
+    log.debug("offload auto: %s", ", ".join(f"{o.name}: {o.score}" for o in outcomes))
+    return _with_spec(cast(Planned, best.made), spec)
 
 
 def _no_offload(plan: Plan, models: Models[Any], link: HostLink | None) -> str:
@@ -94,7 +97,8 @@ def _no_offload(plan: Plan, models: Models[Any], link: HostLink | None) -> str:
 
 def _offloaded(spec: PlanSpec, models: Models[Any], plan_fn: PlanFn, blocks: tuple[int, ...]) -> Planned:
     """The step planned with ``blocks`` offloaded (the memory model's view), its meta recording them."""
-    plan, sched, sim = plan_fn(spec, replace(models, memory=models.memory.offloading(blocks)))
+    view = models.memory.offloading(blocks, lead=timing_offload.PREFETCH_LEAD)
+    plan, sched, sim = plan_fn(spec, replace(models, memory=view))
     return replace(plan, meta=plan.meta.with_(offload_blocks=list(blocks))), sched, sim
 
 
@@ -103,16 +107,14 @@ def _with_spec(planned: Planned, spec: PlanSpec) -> Planned:
     return replace(plan, spec=spec), sched, sim
 
 
-def hiding_blocks(plan: Plan, models: Models[Any], link: HostLink, window: str = "op") -> np.ndarray:
+def hiding_blocks(plan: Plan, models: Models[Any], link: HostLink, share: float = 1.0) -> np.ndarray:
     """``[P]``: per stage, the most leading blocks whose copies of ``plan``'s microbatches hide behind its ops,
-    summed over them: reloads within the forwards (``window="op"``, the op before a backward in 1F1B's steady state)
-    or the forwards and backwards (``"cycle"``), copies out within the backwards (or both); 0 on the last stage,
-    whose backward follows its forward at once."""
+    summed over them: reloads within ``share`` of the forwards, copies out within ``share`` of the backwards
+    (module doc, step 2); 0 on the last stage, whose backward follows its forward at once."""
     mm, P = models.memory, plan.num_stages
     costs = models.cost.plan_costs(plan)
     fwd, bwd = np.asarray(costs["F"]).sum(axis=1), np.asarray(costs["B"]).sum(axis=1)
-    reload_room = fwd if window == "op" else fwd + bwd
-    out_room = bwd if window == "op" else fwd + bwd
+    reload_room, out_room = share * fwd, share * bwd
     shapes = plan.shapes()
     most = stage_block_count(mm.model_cfg, P)
     out = np.zeros(P, dtype=np.int64)

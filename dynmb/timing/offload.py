@@ -52,6 +52,12 @@ class OffloadCopies:
     h2d: np.ndarray
     lead: int = PREFETCH_LEAD
 
+    def lifted(self) -> "OffloadCopies":
+        """These copies with the embedding stage's row first (``dynmb.schedule.embedlast``: it offloads nothing)."""
+        def up(c: np.ndarray) -> np.ndarray:
+            return np.vstack([np.zeros((1, c.shape[1])), c])
+        return OffloadCopies(up(self.d2h), up(self.h2d), self.lead)
+
 
 def host_link(cost_model: Any) -> HostLink | None:
     """The host link of ``cost_model`` (a ``GPUCostModel``'s spec), None where it has none (CPU models)."""
@@ -67,7 +73,7 @@ def offload_view(memory_model: Any, plan: Plan) -> Any:
     blocks = plan.meta.offload_blocks
     if memory_model is None or not blocks or not any(blocks) or not hasattr(memory_model, "offloading"):
         return memory_model
-    return memory_model.offloading(blocks)
+    return memory_model.offloading(blocks, lead=PREFETCH_LEAD)
 
 
 def plan_copies(memory_model: Any, plan: Plan, cost_model: Any) -> OffloadCopies | None:

@@ -425,8 +425,7 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
         costs = lifted_costs(costs, embed_costs(cost_model, plan))
         act, tr, state, w = lifted_memory(memory_model, plan, (act, tr, state, w))
         grads = None if grads is None else _lifted_grads(grads)
-        copies = None if copies is None else OffloadCopies(*(np.vstack([np.zeros((1, c.shape[1])), c])
-                                                             for c in (copies.d2h, copies.h2d)), copies.lead)
+        copies = None if copies is None else copies.lifted()
     res = simulate_costs(schedule, costs, comm, act, state, offload=copies, limit_bytes=plan.memory_limit_bytes,
                          transient_bytes=tr, w_bytes=w, slice_grads=grads)
     res.bound_s = dependency_bound(costs, comm, stage_ranks(schedule.num_stages, schedule), split_mask(schedule))
