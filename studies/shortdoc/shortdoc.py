@@ -42,6 +42,7 @@ from dynmb.costmodel.gpu import H100_SXM, GPUCostModel
 from dynmb.memory.model import MemoryModelLike
 from dynmb.packing.context import stage_windows
 from dynmb.schedule.kinds import get_kind
+from dynmb.timing import offload as timing_offload
 from dynmb.timing.gap_terms import gap_terms
 from dynmb.planning.memory_split import layout_of
 
@@ -179,7 +180,8 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     cm = planner.cost_model
     key = {"trace": trace_name, "model": model, "P": P, "limit": limit, "sequences": int(batch.size),
            "recompute": variant.recompute, "virtual": variant.virtual, "embedding": variant.embedding,
-           "offload": variant.offload, "host_bytes_per_s": variant.host_bytes_per_s}
+           "offload": variant.offload, "host_bytes_per_s": variant.host_bytes_per_s,
+           "prefetch_lead": timing_offload.PREFETCH_LEAD}
     try:
         dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
     except ValueError as e:
@@ -297,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="PlanSpec.offload for every method: never (default) or auto (activation offload to host)")
     ap.add_argument("--host-gbps", type=float, default=None,
                     help="what-if host link, GB/s each way (default: GPUSpec's PCIe Gen5 figure)")
+    ap.add_argument("--prefetch-lead", type=int, default=None,
+                    help="what-if: ops before a backward its reload is issued (default: the runtime's, "
+                         "dynmb.timing.offload.PREFETCH_LEAD)")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
     ap.add_argument("--table", type=Path, nargs="+", default=None,
                     help="print the markdown table of these JSON lines (later rows win per cell) and exit")
@@ -308,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
               else before_after(read(args.before), after))
         return 0
     names = [m for m in args.others.split(",") if m]
+    if args.prefetch_lead is not None:             # a what-if of the runtime's prefetch depth
+        timing_offload.PREFETCH_LEAD = int(args.prefetch_lead)
     for name in args.traces.split(",") if args.traces else short_traces():
         trace = data.load_trace(name)
         for limit in args.limits.split(","):
