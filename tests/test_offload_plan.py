@@ -38,10 +38,11 @@ def _tiny_block_bytes() -> float:
     ``dynmb.memory.coef.half_act_coef``'s formula: attention half = its LayerNorm's input and statistics
     (``e d + 8``) + the sublayer's input (``e d``) + q/k/v, the SDPA output and the logsumexp (``4 e d + 4 h``),
     the sublayer's two terms times ``1 + BUCKET_PADDING``; MLP half = LayerNorm (``e d + 8``) + fc input (``e d``)
-    + GELU input and proj input (``2 e f``)."""
+    + GELU input and proj input (``2 e f``); less the stage's input (the first LayerNorm's, ``e d``), which the
+    stage keeps for its backward."""
     e, d, f, h = 4, 64, 256, 4
     g = 1 + BUCKET_PADDING
-    return (e * d + 8) + g * e * d + g * (4 * e * d + 4 * h) + (e * d + 8) + e * d + 2 * e * f
+    return (e * d + 8) + g * e * d + g * (4 * e * d + 4 * h) + (e * d + 8) + e * d + 2 * e * f - e * d
 
 
 def test_offloading_moves_the_leading_blocks_bytes_by_hand() -> None:
@@ -60,10 +61,11 @@ def test_offloading_moves_the_leading_blocks_bytes_by_hand() -> None:
     assert act[0] == pytest.approx(base_act[0] - block * rows * plen)
     assert tr[0] == pytest.approx(base_tr[0] + block * rows * plen + 2 * block * 600)
     assert view.offload_matrix(rows, plen)[0] == pytest.approx(block * rows * plen)
-    # a recomputed microbatch moves its block's input only (e d per token)
-    assert view.offload_matrix([1], [100], [True])[0, 0] == pytest.approx(4 * 64 * 100)
+    # a recomputed microbatch moves its blocks' inputs only (e d per token each), the stage's input not
+    assert view.offload_matrix([1], [100], [True])[0, 0] == 0.0
+    assert mm.offloading([2, 0]).offload_matrix([1], [100], [True])[0, 0] == pytest.approx(4 * 64 * 100)
     assert view.offloading(None) is mm and view.offloading([1, 0]) is view
-    assert view.recomputing().transit_coef[0, 1] == pytest.approx(4 * 64)
+    assert mm.offloading([2, 0]).recomputing().transit_coef[0, 1] == pytest.approx(4 * 64)
     assert mm.embedding_last().offloading([1, 0]).transit_coef[0, 1] == pytest.approx(block)
 
 
