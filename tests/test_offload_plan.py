@@ -25,7 +25,7 @@ from dynmb.packing.context import PackContext
 from dynmb.planning import offload as planning_offload
 from dynmb.planning.planner import plan_step
 from dynmb.schedule import build_schedule
-from dynmb.timing.offload import OffloadCopies, host_link, plan_copies
+from dynmb.timing.offload import OffloadCopies, host_link, in_transit, plan_copies
 from dynmb.timing.simulate import simulate, simulate_costs
 
 FAST = replace(H100_SXM, host_d2h_bytes_per_s=1e15, host_h2d_bytes_per_s=1e15)
@@ -53,13 +53,13 @@ def test_offloading_moves_the_leading_blocks_bytes_by_hand() -> None:
     block = _tiny_block_bytes()
     assert view.act_coef[0] == pytest.approx(mm.act_coef[0] - [0, block, 0])
     assert view.transient_coef[0] == pytest.approx(mm.transient_coef[0] + [0, block, 0])
-    assert np.array_equal(view.act_coef[1], mm.act_coef[1]) and view.in_transit == 2
-    # act_matrix: each op's own offloaded bytes plus two others in transit, at the batch's largest
+    assert np.array_equal(view.act_coef[1], mm.act_coef[1]) and view.in_transit == in_transit() == 3
+    # act_matrix: each op's own offloaded bytes plus three others in transit, at the batch's largest
     rows, plen = np.array([1, 2]), np.array([100, 300])
     act, tr = view.act_matrix(rows, plen)
     base_act, base_tr = mm.act_matrix(rows, plen)
     assert act[0] == pytest.approx(base_act[0] - block * rows * plen)
-    assert tr[0] == pytest.approx(base_tr[0] + block * rows * plen + 2 * block * 600)
+    assert tr[0] == pytest.approx(base_tr[0] + block * rows * plen + 3 * block * 600)
     assert view.offload_matrix(rows, plen)[0] == pytest.approx(block * rows * plen)
     # a recomputed microbatch moves its blocks' inputs only (e d per token each), the stage's input not
     assert view.offload_matrix([1], [100], [True])[0, 0] == 0.0
@@ -69,14 +69,19 @@ def test_offloading_moves_the_leading_blocks_bytes_by_hand() -> None:
     assert mm.embedding_last().offloading([1, 0]).transit_coef[0, 1] == pytest.approx(block)
 
 
+DEEP = replace(ModelConfig.preset("llama-small"), name="llama-small-8", n_layers=8)
+"""``llama-small`` with 8 layers: one block per stage at P 8, eight microbatches in flight on stage 0."""
+
+
 def test_the_packer_admits_more_with_offload() -> None:
-    cfg = ModelConfig.preset("llama-small")
-    mm = MemoryModel.analytic(cfg, 4)
-    plain = PackContext(mm, 80 * MiB, 4, "1f1b")
-    offloaded = PackContext(mm.offloading([1, 0, 0, 0]), 80 * MiB, 4, "1f1b")
-    assert offloaded.max_len(4096) > 1.25 * plain.max_len(4096)
+    mm = MemoryModel.analytic(DEEP, 8)
+    plain = PackContext(mm, 160 * MiB, 8, "1f1b")
+    lengths = [PackContext(mm.offloading([1] * n + [0] * (8 - n)), 160 * MiB, 8, "1f1b").max_len(4096)
+               for n in range(5)]
+    assert plain.max_len(4096) == lengths[0] and all(a < b for a, b in zip(lengths, lengths[1:]))
+    assert lengths[3] > 1.5 * lengths[0]
     # offloading where only one microbatch is in flight costs room: the ones in transit sit beside it
-    last = PackContext(mm.offloading([0, 0, 0, 1]), 80 * MiB, 4, "1f1b")
+    last = PackContext(mm.offloading([0] * 7 + [1]), 160 * MiB, 8, "1f1b")
     assert last.bmax([64])[0] <= plain.bmax([64])[0]
 
 
@@ -92,15 +97,25 @@ def test_a_reload_that_cannot_hide_is_charged_exactly() -> None:
     assert slow.makespan_s == pytest.approx(9.0) and slow.extra["offload_stall_s"] == pytest.approx(3.0)
 
 
-def test_a_forward_waits_for_the_previous_copy_out() -> None:
-    """2 stages, 2 microbatches: stage 0's second forward starts when the first copy out (3 s) is done (stall 3 s),
-    which delays the pipeline by 1 s (step 10 s against 9 s)."""
+def test_a_forward_waits_for_the_copy_out_depth_forwards_back() -> None:
+    """One copy out in flight (``out_depth=1``), 2 stages, 2 microbatches: stage 0's second forward starts when the
+    first copy out (3 s) is done (stall 3 s), which delays the pipeline by 1 s (step 10 s against 9 s). Two in flight
+    (the default), 3 stages: stage 0's first two forwards run at once, the third waits for the first copy out (done
+    at 1 + 3 = 4 s; ready at 2 s: stall 2 s)."""
     sched = build_schedule("1f1b", 2, 2)
     costs = {"F": np.ones((2, 2)), "B": 2 * np.ones((2, 2))}
-    copies = OffloadCopies(np.array([[3.0, 3.0], [0.0, 0.0]]), np.zeros((2, 2)))
+    copies = OffloadCopies(np.array([[3.0, 3.0], [0.0, 0.0]]), np.zeros((2, 2)), out_depth=1)
     assert simulate_costs(sched, costs).makespan_s == pytest.approx(9.0)
     res = simulate_costs(sched, costs, offload=copies)
     assert res.makespan_s == pytest.approx(10.0) and res.extra["offload_stall_s"] == pytest.approx(3.0)
+    sched3 = build_schedule("1f1b", 3, 3)
+    costs3 = {"F": np.ones((3, 3)), "B": 2 * np.ones((3, 3))}
+    d2h = np.zeros((3, 3))
+    d2h[0] = 3.0
+    res3 = simulate_costs(sched3, costs3, offload=OffloadCopies(d2h, np.zeros((3, 3))))
+    tl = res3.timeline
+    starts = tl[(tl.stage == 0) & (tl.op == "F")].sort_values("mb").start_s.tolist()
+    assert starts == pytest.approx([0.0, 1.0, 4.0]) and res3.extra["offload_stall_s"] == pytest.approx(2.0)
 
 
 def test_copies_that_hide_cost_nothing() -> None:
@@ -118,13 +133,13 @@ def _models(cfg: ModelConfig, P: int, spec=FAST) -> Models:
 
 
 def test_auto_offloads_where_admission_binds_and_is_faster() -> None:
-    cfg = ModelConfig.preset("llama-small")
-    models = _models(cfg, 4)
+    cfg = DEEP
+    models = _models(cfg, 8)
     lengths = np.random.default_rng(0).integers(16, 512, 64)
-    spec = PlanSpec(num_stages=4, memory_limit_bytes=120 * MiB, schedule_kind="1f1b")
+    spec = PlanSpec(num_stages=8, memory_limit_bytes=160 * MiB, schedule_kind="1f1b")
     never = plan_step(lengths, spec, model_cfg=cfg, models=models)
     auto = plan_step(lengths, spec.with_(offload="auto"), model_cfg=cfg, models=models)
-    assert auto[0].meta.offload_blocks == [1, 0, 0, 0] and auto[0].spec.offload == "auto"
+    assert auto[0].meta.offload_blocks and auto[0].meta.offload_blocks[0] == 1 and auto[0].spec.offload == "auto"
     assert auto[2].makespan_s < 0.95 * never[2].makespan_s
     assert never[0].meta.offload_blocks is None and "offload_blocks" not in never[0].to_dict()["meta"]
     # the plan alone (its meta) tells the simulator what it offloads: the same step, bytes and copies
@@ -188,11 +203,11 @@ def test_auto_is_never_slower_and_fits_with_the_bytes_in_transit(kind: str, seed
     blocks = plan.meta.offload_blocks
     if blocks:
         assert len(blocks) == P and all(0 <= b <= n for b, n in zip(blocks, stage_block_count(cfg, P)))
-        view = models.memory.offloading(blocks)
+        view = models.memory.offloading(blocks, in_transit())
         act, tr = view.act_matrix(plan.shapes()[:, 0], plan.shapes()[:, 1], plan.recompute_mask())
         moved = view.offload_matrix(plan.shapes()[:, 0], plan.shapes()[:, 1], plan.recompute_mask())
         base_tr = models.memory.act_matrix(plan.shapes()[:, 0], plan.shapes()[:, 1], plan.recompute_mask())[1]
-        assert np.allclose(tr, base_tr + moved + 2 * moved.max(axis=1, keepdims=True))
+        assert np.allclose(tr, base_tr + moved + in_transit() * moved.max(axis=1, keepdims=True))
         assert np.all(sim.peak_bytes <= plan.memory_limit_bytes)
 
 

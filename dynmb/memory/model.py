@@ -211,17 +211,17 @@ class MemoryModel:
     """``offloading``'s blocks per stage (None: nothing offloaded)."""
     in_transit: int = 0
     """``offloading``: how many microbatches besides the running op's may hold their offloaded bytes on the device
-    at once on a stage (one being copied out, ``lead`` being brought back)."""
+    at once on a stage (copies out and reloads in flight)."""
     _before_offload: "MemoryModel | None" = None
 
-    def offloading(self, blocks: Any, lead: int = 1) -> "MemoryModel":
+    def offloading(self, blocks: Any, in_transit: int = 3) -> "MemoryModel":
         """This model with each stage's first ``blocks[i]`` blocks offloaded to host memory between a microbatch's
         forward and its backward (``PlanMeta.offload_blocks``; ``dynmb.timing.offload`` times the copies): what they
         save (``dynmb.memory.coef.offload_coef``, at most what the stage holds) leaves ``act_coef`` /
         ``rc_act_coef`` and comes back as transient bytes of the microbatch's own ops (its forward produces them, its
-        backward reads them back), and ``in_transit = 1 + lead`` other microbatches' offloaded bytes may be on the
-        device beside any op (one copy out after its forward, ``lead`` reloads issued ``lead`` ops before their
-        backward): ``act_matrix`` adds ``in_transit`` times the batch's largest, ``max_rows`` and
+        backward reads them back), and ``in_transit`` other microbatches' offloaded bytes may be on the device
+        beside any op (copies out and reloads in flight: ``dynmb.timing.offload.in_transit``, 3 by its rules):
+        ``act_matrix`` adds ``in_transit`` times the batch's largest, ``max_rows`` and
         ``transient_bytes`` that many of the microbatch's own (equal microbatches). All zeros or None: the model
         before any offload. Applied to a view already offloading, it starts from the model before."""
         base = self._before_offload or self
@@ -231,7 +231,7 @@ class MemoryModel:
             raise ValueError(f"offload_blocks must hold one count >= 0 per stage ({self.num_stages}), got {blocks!r}")
         if not want.any():
             return base
-        if self.offload_blocks == tuple(int(x) for x in want) and self.in_transit == 1 + lead:
+        if self.offload_blocks == tuple(int(x) for x in want) and self.in_transit == in_transit:
             return self
         cfg = base.model_cfg
         plain, rc = offload_coef(replace(cfg, dtype="float32") if cfg.dtype_bytes > 4 else cfg, self.num_stages,
@@ -242,7 +242,7 @@ class MemoryModel:
         view = copy.copy(base)
         view.act_coef, view.transient_coef = base.act_coef - plain, base.transient_coef + plain
         view.rc_act_coef, view.rc_transient_coef = base.rc_act_coef - rc, base.rc_transient_coef + rc
-        view.transit_coef, view.rc_transit_coef, view.in_transit = plain, rc, 1 + int(lead)
+        view.transit_coef, view.rc_transit_coef, view.in_transit = plain, rc, int(in_transit)
         view.offload_blocks, view._before_offload = tuple(int(x) for x in want), base
         view.source = f"{base.source}, offload {list(view.offload_blocks)}"
         return view

@@ -97,7 +97,7 @@ def _no_offload(plan: Plan, models: Models[Any], link: HostLink | None) -> str:
 
 def _offloaded(spec: PlanSpec, models: Models[Any], plan_fn: PlanFn, blocks: tuple[int, ...]) -> Planned:
     """The step planned with ``blocks`` offloaded (the memory model's view), its meta recording them."""
-    view = models.memory.offloading(blocks, lead=timing_offload.PREFETCH_LEAD)
+    view = models.memory.offloading(blocks, timing_offload.in_transit())
     plan, sched, sim = plan_fn(spec, replace(models, memory=view))
     return replace(plan, meta=plan.meta.with_(offload_blocks=list(blocks))), sched, sim
 
@@ -119,7 +119,7 @@ def hiding_blocks(plan: Plan, models: Models[Any], link: HostLink, share: float 
     most = stage_block_count(mm.model_cfg, P)
     out = np.zeros(P, dtype=np.int64)
     for n in range(1, int(most.max()) + 1):
-        moved = mm.offloading(np.minimum(n, most)).offload_matrix(shapes[:, 0], shapes[:, 1],
+        moved = mm.offloading(np.minimum(n, most), timing_offload.in_transit()).offload_matrix(shapes[:, 0], shapes[:, 1],
                                                                    plan.recompute_mask()).sum(axis=1)
         hides = (moved / link.h2d_bytes_per_s <= reload_room) & (moved / link.d2h_bytes_per_s <= out_room)
         out = np.where(hides & (n <= most), n, out)
@@ -149,7 +149,7 @@ def _stage_tokens(plan: Plan, memory_model: Any, blocks: np.ndarray) -> np.ndarr
     """Tokens one microbatch may hold on each stage alone with ``blocks`` offloaded: one-token rows under the tight
     budget (the row length's ``s^2`` term of dense attention left out); None where the limit is under a stage's
     states."""
-    view = memory_model.offloading(blocks)
+    view = memory_model.offloading(blocks, timing_offload.in_transit())
     try:
         ctx = PackContext(view, plan.memory_limit_bytes, plan.num_stages, plan.schedule_kind,
                           virtual=int(plan.meta.virtual or 1))
