@@ -11,9 +11,10 @@ microbatches. The search (``plan_offload``), one step, every method alike (a mem
    a plan that recomputes every microbatch ends here;
 2. per stage, the most leading blocks whose copies hide behind that plan's own ops (``hiding_blocks``): the
    reloads within ``share`` of the forwards (the op before a backward in 1F1B's steady state, where the runtime
-   issues the reload) and the copies out within ``share`` of the backwards (the op before the next forward, which
-   waits for it), summed over the plan's microbatches; ``HIDE_SHARES`` gives one option per share (a margin for the
-   other kinds' op orders and the larger microbatches that follow; the simulator prices what still comes late);
+   issues the reload) and the copies out within ``share`` of the backwards (the op after a forward there), summed over the plan's microbatches; ``HIDE_SHARES`` gives one option per share (a margin for the
+   other kinds' op orders and the larger microbatches that follow; the simulator prices what still comes late),
+   and each again with at most one block per stage (copies that hide only at the plan's own sizes often stall
+   at the larger microbatches offload admits);
 3. from none, one more block on the stage whose admission binds (the fewest tokens one microbatch may hold there,
    in one-token rows under the tight budget, ``MemoryModel.max_rows`` per stage), while that stage may hide one
    more and the block raises its admission (``binding_blocks``);
@@ -67,15 +68,17 @@ def plan_offload(spec: PlanSpec, models: Models[Any], plan_fn: PlanFn) -> Planne
             log.info("offload auto: nothing offloaded: %s", why)
         return _with_spec(plain, spec)
     assert link is not None
-    options: dict[tuple[int, ...], str] = {}        # blocks per stage -> the share that chose them
+    options: dict[tuple[int, ...], str] = {}        # blocks per stage -> the option that chose them
     for share in HIDE_SHARES:
-        blocks = binding_blocks(plan, models.memory, hiding_blocks(plan, models, link, share))
-        if blocks.any():
-            options.setdefault(tuple(int(b) for b in blocks), f"{share:g}")
+        hiding = hiding_blocks(plan, models, link, share)
+        for cap, name in ((None, f"within {share:g} of an op"), (1, f"one block, within {share:g} of an op")):
+            blocks = binding_blocks(plan, models.memory, hiding if cap is None else np.minimum(hiding, cap))
+            if blocks.any():
+                options.setdefault(tuple(int(b) for b in blocks), name)
     cands: list[Candidate[Planned]] = [Candidate("none", functools.partial(lambda made: made, plain))]
-    cands += [Candidate(f"offload within {share_name} of an op {list(blocks_t)}",
+    cands += [Candidate(f"offload {name} {list(blocks_t)}",
                         functools.partial(_offloaded, plain_spec, models, plan_fn, blocks_t))
-              for blocks_t, share_name in options.items()]
+              for blocks_t, name in options.items()]
     outcomes = evaluate(cands)
     best = fastest(outcomes)
     log.debug("offload auto: %s", ", ".join(f"{o.name}: {o.score}" for o in outcomes))
