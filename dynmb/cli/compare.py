@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
-                             add_schedule_flag, add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int,
+                             add_offload_flag, add_schedule_flag, add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int,
                              positive_int, spec_from_flags)
 from dynmb.cli.outcome import stop_line
 from dynmb.core.config import RunConfig
@@ -33,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="a sequence that cannot fit alone: error (default), truncate or drop (both reported)")
     add_recompute_flag(parser)
     add_slice_fitting_flag(parser)
+    add_offload_flag(parser)
     add_shape_flags(parser)
     add_run_shape_flags(parser)
     add_schedule_flag(parser, help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb, or auto (per step, the "

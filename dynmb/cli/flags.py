@@ -8,7 +8,8 @@
 - ``add_schedule_flag``: ``--schedule`` (the schedule kind) in every verb, with the older spellings
   ``--schedule-kind`` (plan) and ``--kind`` (schedule) as hidden aliases;
 - ``spec_from_flags``: the ONE place a verb's flags become a ``PlanSpec`` (plan, run, compare, the split search);
-- ``add_slice_fitting_flag``: ``--slice-fitting``; ``add_embedding_flag``: ``--embedding``;
+- ``add_slice_fitting_flag``: ``--slice-fitting``; ``add_embedding_flag``: ``--embedding``; ``add_offload_flag``:
+  ``--offload`` (plan, run, compare);
 - ``add_recompute_flag``: ``--recompute``;
 - ``add_shape_flags``: ``--pack-len``, ``--round-to``;
 - ``add_run_shape_flags``: ``--prewarm``, ``--no-expandable-segments``;
@@ -31,14 +32,15 @@ from typing import Any
 import numpy as np
 
 from dynmb.core.config import ModelConfig, model_config, parse_bytes
-from dynmb.core.planspec import EMBEDDING_PLACES, PlanSpec
+from dynmb.core.planspec import EMBEDDING_PLACES, OFFLOAD_MODES, PlanSpec
 from dynmb.core.contract import names_factory
 from dynmb.data import CorpusSource, load_trace, sample_indices
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
            "global_batch_int", "MAX_GLOBAL_BATCH", "virtual_arg", "with_virtual_choice", "model_from_args", "split_search_of", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
-           "OVERSIZE_CHOICES", "SLICE_FITTING", "add_slice_fitting_flag", "add_embedding_flag", "add_schedule_flag",
+           "OVERSIZE_CHOICES", "SLICE_FITTING", "add_slice_fitting_flag", "add_embedding_flag", "add_offload_flag",
+           "add_schedule_flag",
            "spec_from_flags",
            "SPEC_FLAG_DEFAULTS", "SCHEDULE_ALIASES"]
 
@@ -278,7 +280,7 @@ def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> 
 SPEC_FLAG_DEFAULTS: dict[str, Any] = dict(method="dynamic", stages=2, virtual=1, schedule="1f1b", reorder="none",
                                           memory_limit="1GiB", dp=1, mbs=None, pack_len=None, round_to=1,
                                           oversize="error", recompute="never", slice_fitting="never",
-                                          embedding="first")
+                                          embedding="first", offload="never")
 """The default of each flag ``spec_from_flags`` reads, where a verb does not take the flag or leaves it None."""
 
 
@@ -303,7 +305,7 @@ def spec_from_flags(args: argparse.Namespace, model: ModelConfig | None = None, 
                     memory_limit_bytes=parse_bytes(flag("memory_limit")), dp=int(flag("dp")), mbs=flag("mbs"),
                     pack_len=flag("pack_len"), round_to=int(flag("round_to")), oversize=flag("oversize"),
                     recompute=flag("recompute"), slice_fitting=flag("slice_fitting"), embedding=flag("embedding"),
-                    attention=None if model is None else model.attention)
+                    offload=flag("offload"), attention=None if model is None else model.attention)
 
 
 SCHEDULE_ALIASES = ("--schedule-kind", "--kind")
@@ -393,6 +395,7 @@ def add_packing_flags(parser: argparse.ArgumentParser, *, schedule_default: str 
                              "(both reported)")
     add_slice_fitting_flag(parser)
     add_embedding_flag(parser)
+    add_offload_flag(parser)
     add_recompute_flag(parser)
     add_shape_flags(parser)
 
@@ -402,6 +405,14 @@ def add_embedding_flag(parser: argparse.ArgumentParser) -> None:
                         help="where the token embedding lives: first (default, with stage 0) or last (on the last "
                              "pipeline rank, which embeds each microbatch and sends it to stage 0: stage 0's memory "
                              "holds no embedding table; dynmb.schedule.embedlast)")
+
+
+def add_offload_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--offload", default="never", choices=OFFLOAD_MODES,
+                        help="activation offload to host memory: never (default) or auto (the planner moves the saved "
+                             "activations of each stage's leading blocks to host memory between a microbatch's forward "
+                             "and backward where the copies hide behind compute and the plan is predicted faster; "
+                             "dynmb.planning.offload)")
 
 
 def add_slice_fitting_flag(parser: argparse.ArgumentParser) -> None:

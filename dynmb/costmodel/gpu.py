@@ -57,7 +57,16 @@ Sources of the constants (``H100_SXM``; H200 has the same Hopper compute, more H
 - links: NVLink 4 is 900 GB/s per GPU in both directions together (450 GB/s one way; ``nvlink``
   uses 370 GB/s achieved and 10 us per message: NCCL's send/recv latency); InfiniBand NDR is
   400 Gb/s = 50 GB/s per GPU-NIC (ConnectX-7; ``ib`` uses 45 GB/s achieved and 20 us per message).
-  Pipeline stages of a multi-node job cross nodes, so the scaling study defaults to ``ib``.
+  Pipeline stages of a multi-node job cross nodes, so the scaling study defaults to ``ib``;
+- host link (activation offload, ``dynmb.timing.offload``): an H100 SXM5 reaches its host through PCIe Gen5 x16
+  (H100 datasheet: "PCIe Gen5 128 GB/s", both directions together): 32 GT/s x 16 lanes with 128b/130b encoding is
+  63 GB/s each way. Pinned ``cudaMemcpyAsync`` reaches about 80% of that on Gen5 hosts (packet and DMA overhead;
+  nvbandwidth-style host-to-device and device-to-host tests report 50-55 GB/s): **assumed, not measured here**,
+  ``host_d2h_bytes_per_s = host_h2d_bytes_per_s = 50e9``, both at once (separate copy engines, a full-duplex
+  link). A100: PCIe Gen4 x16, 32 GB/s each way, 25e9 assumed. Not modelled: the GPU's x16 link to its PCIe switch is
+  shared with the NIC's GPUDirect traffic (the pipeline's P2P messages, ``2 d`` bytes per token against ``~46 d``
+  per token of an offloaded Llama block: a few percent of the link), host memory capacity and NUMA placement, the
+  CPU time of the copy hooks; the copies themselves take no SM time (copy engines).
 """
 
 from __future__ import annotations
@@ -105,6 +114,10 @@ class GPUSpec:
     """Bytes moved per attention score in the input-gradient backward (0: fused attention)."""
     split_overhead: float = 0.0
     """(I + W) / B - 1 of a split backward: 0 on a GPU (the deferred weight GEMMs redo nothing)."""
+    host_d2h_bytes_per_s: float = 50e9
+    """Device-to-host copy rate of pinned memory, bytes/s (activation offload; 0: no host link)."""
+    host_h2d_bytes_per_s: float = 50e9
+    """Host-to-device copy rate of pinned memory, bytes/s (0: no host link)."""
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -115,7 +128,8 @@ class GPUSpec:
 
 
 H100_SXM = GPUSpec()
-A100_SXM_MEGATRON = GPUSpec(peak_flops=312e12, hbm_bytes_per_s=2.039e12, score_bytes_fwd=36.0, score_bytes_bwd=27.0)
+A100_SXM_MEGATRON = GPUSpec(peak_flops=312e12, hbm_bytes_per_s=2.039e12, score_bytes_fwd=36.0, score_bytes_bwd=27.0,
+                             host_d2h_bytes_per_s=25e9, host_h2d_bytes_per_s=25e9)
 """A100 SXM 80GB running Megatron-LM's unfused attention: the zero-bubble paper's setting (module doc)."""
 LINKS: dict[str, CommModel] = {
     "nvlink": CommModel(alpha_s=10e-6, bytes_per_s=370e9),

@@ -252,3 +252,37 @@ def slice_recompute_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
         if len(rows):
             slack[i] = min(0.0, block[i] - 4 * len(rows) - head_act_per_token(cfg, i, num_stages))
     return np.maximum(kept + slack, 0.0)
+
+
+# --- activation offload to host memory ------------------------------------------------------------
+# ``PlanMeta.offload_blocks[i] = n``: stage i's first ``n`` blocks (layers, whole, halves or pieces of one,
+# in the order the stage runs them) keep what they save for backward in host memory between a microbatch's
+# forward and its backward. What moves per token and row * s^2 is those blocks' share of ``stage_blocks_act``
+# (``piece_act_coef`` of their pieces); a recomputed microbatch saves only its blocks' inputs
+# (``_block_inputs``), so it moves those. The stage's input (``d`` per token, ``[y | h]`` for a first block that
+# starts inside a half: what the stage received, kept for its backward, so the copy would free nothing), its own
+# per-token tensors (ids, rotary tables), the head's and the output kept for the backward stay on the device (the
+# runtime, ``dynmb.runtime.offload``, leaves a storage still held elsewhere where it is); on stage 0 with the
+# embedding first the input is not kept: counting it on the device there is an over-count, the safe side.
+
+
+def stage_block_count(c: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P]``: how many blocks (distinct layers, whole or in part) each stage runs: the most it can offload."""
+    return np.array([len({pc.layer for pc in pieces}) for pieces in c.stage_pieces(num_stages)], dtype=np.int64)
+
+
+def offload_coef(c: ModelConfig, num_stages: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``([P, 3], [P, 3])``: bytes a microbatch moves to host memory on each stage when its first ``blocks[i]``
+    blocks offload (module comment above): without recomputation their saved activations, with it their
+    inputs (``d`` per token and block; ``2 d`` for a first block that starts inside a half), the stage's input
+    left out of both."""
+    plain, rc = np.zeros((num_stages, 3)), np.zeros((num_stages, 3))
+    for i, pieces in enumerate(c.stage_pieces(num_stages)):
+        layers = list(dict.fromkeys(pc.layer for pc in pieces))[:int(blocks[i])]
+        if not layers:
+            continue
+        kept = c.dtype_bytes * c.d_model * (2 if pieces[0].chunks.start else 1)      # the stage's input
+        plain[i, 1:] = sum((piece_act_coef(c, pc) for pc in pieces if pc.layer in layers), np.zeros(2))
+        plain[i, 1] -= kept
+        rc[i, 1] = c.dtype_bytes * c.d_model * (len(layers) + (1 if pieces[0].chunks.start else 0)) - kept
+    return plain, rc

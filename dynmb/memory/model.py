@@ -42,6 +42,10 @@ with ``recompute`` holds only its blocks' inputs from F to B (``act_matrix(..., 
 (``rc_transient_coef``); it runs its whole backward in ``I`` (``w`` = 0). Fitted models derive
 these from the analytic count: ``rc_act_coef = act_coef - recompute_saved_coef`` (>= 0).
 
+Activation offload (``offloading``, ``PlanMeta.offload_blocks``): a view whose offloaded blocks' saved bytes leave
+the held activations and count as transient bytes of the microbatch's own ops plus ``in_transit`` other
+microbatches' (copies out and reloads in flight); every consumer reads them through the same queries.
+
 Slices of long sequences (``dynmb.models.prefix``): a continued slice holds its keys and values for later
 slices (``slice_coef``: on top of its activations when recomputed) and their gradients from its chain's first
 backward to its own (``slice_grad_coef``). A recomputed continued slice's backward also keeps each finished
@@ -67,7 +71,8 @@ from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel.validate import check_memory_model, check_numbers, read_model_file
 from dynmb.memory.coef import (BUCKET_PADDING, block_act_coef, half_act_coef, head_act_per_token, recompute_saved_coef,
-                          recompute_transient_coef, slice_recompute_coef, stage_act_per_token, stage_blocks_act, w_coef)
+                          offload_coef, recompute_transient_coef, slice_recompute_coef, stage_act_per_token,
+                          stage_block_count, stage_blocks_act, w_coef)
 from dynmb.memory.fit import fit_memory_model
 from dynmb.memory.peak import inflight_limit, peak_from_matrix, rank_state
 from dynmb.schedule.kinds import SCHEDULE_KINDS, interleaved_inflight
@@ -130,6 +135,10 @@ class MemoryModel:
         self.w_coef = w_coef(model_cfg, self.num_stages)
         self.rc_act_coef = np.maximum(self.act_coef - recompute_saved_coef(model_cfg, self.num_stages), 0.0)
         self.rc_transient_coef = self.transient_coef + recompute_transient_coef(model_cfg, self.num_stages)
+        self.transit_coef = np.zeros((self.num_stages, 3))
+        """``offloading``: bytes per microbatch its offloaded blocks move to host memory (``rc_transit_coef``: a
+        recomputed one's); 0 without offload."""
+        self.rc_transit_coef = np.zeros((self.num_stages, 3))
 
     # --- construction -------------------------------------------------------
     @staticmethod
@@ -194,7 +203,58 @@ class MemoryModel:
                            self.rc_transient_coef, optimizer=self.optimizer, source=f"{self.source}+recompute",
                            report=self.report)
         view.rc_act_coef, view.rc_transient_coef, view.w_coef = self.rc_act_coef, self.rc_transient_coef, 0 * self.w_coef
+        view.transit_coef = view.rc_transit_coef = self.rc_transit_coef
+        view.in_transit, view.offload_blocks = self.in_transit, self.offload_blocks
         return view
+
+    offload_blocks: tuple[int, ...] | None = None
+    """``offloading``'s blocks per stage (None: nothing offloaded)."""
+    in_transit: int = 0
+    """``offloading``: how many microbatches besides the running op's may hold their offloaded bytes on the device
+    at once on a stage (copies out and reloads in flight)."""
+    _before_offload: "MemoryModel | None" = None
+
+    def offloading(self, blocks: Any, in_transit: int = 3) -> "MemoryModel":
+        """This model with each stage's first ``blocks[i]`` blocks offloaded to host memory between a microbatch's
+        forward and its backward (``PlanMeta.offload_blocks``; ``dynmb.timing.offload`` times the copies): what they
+        save (``dynmb.memory.coef.offload_coef``, at most what the stage holds) leaves ``act_coef`` /
+        ``rc_act_coef`` and comes back as transient bytes of the microbatch's own ops (its forward produces them, its
+        backward reads them back), and ``in_transit`` other microbatches' offloaded bytes may be on the device
+        beside any op (copies out and reloads in flight: ``dynmb.timing.offload.in_transit``, 3 by its rules):
+        ``act_matrix`` adds ``in_transit`` times the batch's largest, ``max_rows`` and
+        ``transient_bytes`` that many of the microbatch's own (equal microbatches). All zeros or None: the model
+        before any offload. Applied to a view already offloading, it starts from the model before."""
+        base = self._before_offload or self
+        want = np.zeros(self.num_stages, dtype=np.int64) if blocks is None else \
+            np.asarray(blocks, dtype=np.int64).reshape(-1)
+        if want.shape != (self.num_stages,) or np.any(want < 0):
+            raise ValueError(f"offload_blocks must hold one count >= 0 per stage ({self.num_stages}), got {blocks!r}")
+        if not want.any():
+            return base
+        if self.offload_blocks == tuple(int(x) for x in want) and self.in_transit == in_transit:
+            return self
+        cfg = base.model_cfg
+        plain, rc = offload_coef(replace(cfg, dtype="float32") if cfg.dtype_bytes > 4 else cfg, self.num_stages,
+                                 np.minimum(want, stage_block_count(cfg, self.num_stages)))
+        if cfg.dtype_bytes > 4:                       # the float64 count is twice the float32 one (``_doubled``)
+            plain, rc = 2 * plain, 2 * rc
+        plain, rc = np.minimum(plain, base.act_coef), np.minimum(rc, base.rc_act_coef)
+        view = copy.copy(base)
+        view.act_coef, view.transient_coef = base.act_coef - plain, base.transient_coef + plain
+        view.rc_act_coef, view.rc_transient_coef = base.rc_act_coef - rc, base.rc_transient_coef + rc
+        view.transit_coef, view.rc_transit_coef, view.in_transit = plain, rc, int(in_transit)
+        view.offload_blocks, view._before_offload = tuple(int(x) for x in want), base
+        view.source = f"{base.source}, offload {list(view.offload_blocks)}"
+        return view
+
+    def offload_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> np.ndarray:
+        """``[P, m]``: bytes each microbatch moves to host memory and back on each stage (0 without offload)."""
+        b, s = _bs(rows, padded_len)
+        out = _eval(self.transit_coef, b, s)
+        rc = _mask(recompute, out.shape[1])
+        if rc.any():
+            out[:, rc] = _eval(self.rc_transit_coef, b[rc], s[rc])
+        return out
 
     embed_state_bytes: float = 0.0
     """The token embedding's states (``embedding_last``: counted in the last stage's ``state_bytes``), else 0."""
@@ -229,8 +289,11 @@ class MemoryModel:
         return a[0] + a[1] * b * s + a[2] * b * s * s
 
     def transient_bytes(self, stage: int, rows: Any, padded_len: Any, recompute: bool = False) -> np.ndarray:
+        """Bytes of a microbatch's op on ``stage`` beyond what it holds (with ``offloading``, ``in_transit`` equal
+        microbatches' offloaded bytes too)."""
         b, s = _bs(rows, padded_len)
-        t = (self.rc_transient_coef if recompute else self.transient_coef)[int(stage)]
+        t = (self.rc_transient_coef if recompute else self.transient_coef)[int(stage)] + \
+            self.in_transit * (self.rc_transit_coef if recompute else self.transit_coef)[int(stage)]
         return t[0] + t[1] * b * s + t[2] * b * s * s
 
     def act_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -242,6 +305,8 @@ class MemoryModel:
         if rc.any():
             act[:, rc] = _eval(self.rc_act_coef, b[rc], s[rc])
             tr[:, rc] = _eval(self.rc_transient_coef, b[rc], s[rc])
+        if self.in_transit and act.shape[1]:          # ``offloading``: the others' bytes in transit
+            tr += self.in_transit * self.offload_matrix(b, s, rc).max(axis=1, keepdims=True)
         return act, tr
 
     def w_matrix(self, rows: Any, padded_len: Any, recompute: Any = None) -> np.ndarray:
@@ -303,13 +368,15 @@ class MemoryModel:
         This per-microbatch budget makes any order of such microbatches fit under a
         schedule holding at most ``inflight[i]`` on stage i: a window of k sums to at
         most k * max(act + tr). ``tight``: ``k * act + tr <= cap`` instead (exact for equal
-        microbatches; a mix must then be checked with ``peak_bytes``). ``recompute``: the
+        microbatches; a mix must then be checked with ``peak_bytes``); with ``offloading`` both add the
+        ``in_transit`` microbatches' offloaded bytes. ``recompute``: the
         rows of microbatches that run with full recomputation.
         """
         s = np.asarray(padded_len, dtype=np.float64).reshape(1, -1)
         k = np.asarray(inflight, dtype=np.float64).reshape(-1, 1)
         act, tr = (self.rc_act_coef, self.rc_transient_coef) if recompute else (self.act_coef, self.transient_coef)
-        w = k * act + (1.0 if tight else k) * tr
+        w = k * act + (1.0 if tight else k) * tr + self.in_transit * (self.rc_transit_coef if recompute
+                                                                         else self.transit_coef)
         room = np.asarray(stage_caps, dtype=np.float64).reshape(-1, 1) - w[:, :1]
         per_row = w[:, 1:2] * s + w[:, 2:3] * s * s
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -11,7 +11,9 @@ tight budget ``k_i * act_i(b, s) + transient_i(b, s) <= cap_i`` (exact for equal
 microbatches) or the safe one ``k_i * (act_i + transient_i) <= cap_i`` (any mix, any order);
 ``PackContext.bmax(s)`` is the most rows admissible at each length s
 (``MemoryModel.max_rows``, non-increasing in s), and ``max_len`` finds the longest
-admissible one-row length by bisection on it.
+admissible one-row length by bisection on it. With activation offload the memory model is an ``offloading`` view
+(``dynmb.planning.offload``): its ``max_rows`` charges the held bytes less the offloaded blocks' and the bytes in
+transit beside the op, so the same budget admits more where a stage holds many microbatches in flight.
 """
 
 from __future__ import annotations

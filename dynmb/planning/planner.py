@@ -73,6 +73,7 @@ from dynmb.planning.replicas import (ReplicaPrediction, make_schedule, predict_r
                                      replicas_of, stitch)
 from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
+from dynmb.planning.offload import plan_offload
 from dynmb.planning.slicing import kinds_to_weigh, longest_row, own_searches_only, plan_split, reuse_searches, weighs
 from dynmb.planning.spec_check import lockstep_refusal
 
@@ -94,6 +95,7 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
     ``Models.analytic``); ``meta`` is added to the plan's. The plan records ``spec`` (``Plan.spec``).
     ``spec.schedule_kind == "auto"``: the step is planned for each kind of
     ``dynmb.schedule.kinds.auto_kinds`` and the fastest that fits is returned (``plan_auto``).
+    ``spec.offload == "auto"``: also planned with activation offload and the faster kept (``plan_offload``).
     """
     if not isinstance(spec, PlanSpec):
         raise TypeError(f"plan_step takes the settings as one PlanSpec, got {type(spec).__name__}")
@@ -101,10 +103,11 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
         raise ValueError(refusal)
     models = models or Models.analytic(model_cfg, spec.num_stages)
     lengths = np.asarray(lengths, dtype=np.int64)
-    if spec.schedule_kind == AUTO:
-        plan, sched, sim = plan_auto(lengths, spec, model_cfg, models, meta)
-    else:
-        plan, sched, sim = _plan_checked(lengths, spec, model_cfg, models, meta)
+
+    def step(s: PlanSpec, m: Models[MemoryModelLike]) -> Planned:
+        return plan_auto(lengths, s, model_cfg, m, meta) if s.schedule_kind == AUTO else \
+            _plan_checked(lengths, s, model_cfg, m, meta)
+    plan, sched, sim = plan_offload(spec, models, step)      # offload "auto": dynmb.planning.offload
     # which models made it: every consumer of the plan checks (or, calibrated, re-predicts) against these
     return replace(plan, meta=plan.meta.with_(models=models_record(models))), sched, sim
 

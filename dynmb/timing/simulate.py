@@ -62,6 +62,7 @@ from dynmb.timing.makespan import makespan
 from dynmb.schedule.embedlast import dropped, is_lifted
 from dynmb.schedule.validate import ScheduleError, check_slice_order, execution_order
 from dynmb.timing.embedding import embed_costs, lifted_costs, lifted_memory
+from dynmb.timing.offload import OffloadCopies, offload_times, offload_view, plan_copies
 from dynmb.core.types import Plan, Schedule
 
 __all__ = ["SimResult", "MemoryInputs", "simulate", "simulate_costs", "estimate_makespan", "action_times", "cross_mask", "memory_inputs", "w_inputs", "plan_op_costs",
@@ -190,13 +191,14 @@ class MemoryInputs:
 
 def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0,
                    act_bytes: np.ndarray | None = None, state_bytes: np.ndarray | None = None,
-                   **memory: Any) -> SimResult:
+                   offload: OffloadCopies | None = None, **memory: Any) -> SimResult:
     """Simulate ``schedule`` with ``costs[op][stage, mb]`` seconds and ``comm_s`` (scalar or per mb) per P2P message.
 
     ``act_bytes[stage, mb]``, ``state_bytes[stage]`` and ``memory``, the other fields of ``MemoryInputs``
     (``limit_bytes``, ``transient_bytes``, ``w_bytes``, ``slice_grads``; all optional) give the memory
-    prediction. Costs must hold every op the schedule uses. Raises ``ScheduleError`` if the schedule is
-    invalid or deadlocks.
+    prediction. Costs must hold every op the schedule uses. ``offload``: the seconds of activation offload's
+    copies (``dynmb.timing.offload``), whose late reloads the step waits for (``extra["offload_stall_s"]``).
+    Raises ``ScheduleError`` if the schedule is invalid or deadlocks.
     """
     mem = MemoryInputs(act_bytes, state_bytes, **memory)
     S, m = schedule.num_stages, schedule.num_microbatches
@@ -211,7 +213,10 @@ def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: flo
     cross = np.zeros(n, dtype=np.float64)
     xi = cross_mask(flat)
     cross[xi] = comm[mb[xi]]
-    start, end = action_times(flat, dur, cross, schedule.num_ranks)
+    if offload is None:
+        start, end = action_times(flat, dur, cross, schedule.num_ranks)
+    else:
+        start, end, stall = offload_times(flat, dur, cross, schedule.num_ranks, offload)
     start_a, end_a = np.asarray(start), np.asarray(end)
     makespan = float(end_a.max()) if n else 0.0
     busy = np.bincount(rank, weights=dur, minlength=schedule.num_ranks)
@@ -220,6 +225,8 @@ def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: flo
                              "start_s": start_a, "end_s": end_a})
     res = SimResult(timeline=timeline, makespan_s=makespan, busy_s=busy, bubble_fraction=bubble,
                     limit_bytes=None if mem.limit_bytes is None else int(mem.limit_bytes), kind=schedule.kind)
+    if offload is not None:
+        res.extra["offload_stall_s"] = stall
     if mem.act_bytes is not None:
         _memory(res, flat, schedule, mem, end_a)
     return res
@@ -394,7 +401,9 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
     """Simulate ``plan`` (microbatch ``j`` = ``plan.microbatches[j]``) under ``schedule``.
 
     Costs from ``cost_model.plan_costs(plan)`` (rows, padded_len and attention work); P2P time from
-    ``cost_model.comm.time(message bytes)``; memory from ``memory_model`` when given.
+    ``cost_model.comm.time(message bytes)``; memory from ``memory_model`` when given. A plan that offloads
+    (``meta.offload_blocks``, or ``memory_model`` an ``offloading`` view) is simulated with its bytes and copies
+    (``dynmb.timing.offload``).
     """
     lift = is_lifted(schedule, plan.num_stages)          # the embedding on the last rank (dynmb.schedule.embedlast)
     if schedule.num_stages != plan.num_stages and not lift:
@@ -407,6 +416,8 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
     rows, plen = shapes[:, 0], shapes[:, 1]
     costs = plan_op_costs(cost_model, plan, schedule)
     comm = comm_times(cost_model, plan)
+    memory_model = offload_view(memory_model, plan)      # the plan's offload_blocks (dynmb.timing.offload)
+    copies = plan_copies(memory_model, plan, cost_model)
     act, tr, state = memory_inputs(memory_model, plan)
     w = w_inputs(memory_model, plan) if act is not None else None
     grads = slice_grad_inputs(memory_model, plan)
@@ -414,8 +425,9 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
         costs = lifted_costs(costs, embed_costs(cost_model, plan))
         act, tr, state, w = lifted_memory(memory_model, plan, (act, tr, state, w))
         grads = None if grads is None else _lifted_grads(grads)
-    res = simulate_costs(schedule, costs, comm, act, state, limit_bytes=plan.memory_limit_bytes, transient_bytes=tr,
-                         w_bytes=w, slice_grads=grads)
+        copies = None if copies is None else copies.lifted()
+    res = simulate_costs(schedule, costs, comm, act, state, offload=copies, limit_bytes=plan.memory_limit_bytes,
+                         transient_bytes=tr, w_bytes=w, slice_grads=grads)
     res.bound_s = dependency_bound(costs, comm, stage_ranks(schedule.num_stages, schedule), split_mask(schedule))
     res.ideal_s = plan_ideal(plan, cost_model, dropped(schedule) if lift else schedule) \
         if hasattr(cost_model, "predict") else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -38,10 +38,11 @@ import dynmb
 from studies.common import append_row
 from dynmb import data
 from dynmb.core.config import ModelConfig
-from dynmb.costmodel.gpu import GPUCostModel
+from dynmb.costmodel.gpu import H100_SXM, GPUCostModel
 from dynmb.memory.model import MemoryModelLike
 from dynmb.packing.context import stage_windows
 from dynmb.schedule.kinds import get_kind
+from dynmb.timing import offload as timing_offload
 from dynmb.timing.gap_terms import gap_terms
 from dynmb.planning.memory_split import layout_of
 
@@ -122,6 +123,18 @@ class Variant:
     embedding: str = "first"
     """``Planner(embedding=...)``: ``first`` (the default) or ``last``, the token embedding on the last pipeline
     rank (``dynmb.schedule.embedlast``: its states there, its embeds and their P2P priced on the last rank)."""
+    offload: str = "never"
+    """``PlanSpec.offload``: never (the default) or auto, activation offload to host memory
+    (``dynmb.planning.offload``), for every method of the cell alike."""
+    host_bytes_per_s: float | None = None
+    """A what-if host link (bytes/s each way) in place of ``GPUSpec``'s PCIe figure (None: the H100's)."""
+
+    def gpu(self, cfg: ModelConfig, S: int) -> GPUCostModel:
+        """The cell's cost model: H100 constants, the host link of ``host_bytes_per_s`` where given."""
+        if self.host_bytes_per_s is None:
+            return GPUCostModel(cfg, S)
+        rate = float(self.host_bytes_per_s)
+        return GPUCostModel(cfg, S, spec=replace(H100_SXM, host_d2h_bytes_per_s=rate, host_h2d_bytes_per_s=rate))
 
 
 def stage_admission(mm: MemoryModelLike, limit_bytes: int) -> list[int]:
@@ -142,16 +155,19 @@ def stage_admission(mm: MemoryModelLike, limit_bytes: int) -> list[int]:
 def planner_for(cfg: ModelConfig, trace: np.ndarray, S: int, limit: str, variant: Variant) -> dynmb.Planner:
     """The cell's planner (module doc); ``variant.embedding == "last"``: ``Planner(embedding="last")`` on the
     work-balanced split of ``stage_split="auto"`` (the memory relief of that split is for stage 0's embedding)."""
-    planner = dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=GPUCostModel(cfg, S),
+    planner = dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=variant.gpu(cfg, S),
                             schedule="auto", stage_split="auto", workload=trace, recompute=variant.recompute,
                             virtual=variant.virtual)
     if variant.embedding == "first":
+        planner.spec = planner.spec.with_(offload=variant.offload)
         return planner
     relief = planner.split_relief
     layout = planner.model_cfg if relief is None else layout_of(planner.model_cfg, S, relief.balanced)
-    return dynmb.Planner(model=layout, num_stages=S, memory_limit=limit, cost_model=GPUCostModel(layout, S),
+    planner = dynmb.Planner(model=layout, num_stages=S, memory_limit=limit, cost_model=variant.gpu(layout, S),
                          schedule="auto", stage_split="even", workload=trace, recompute=variant.recompute,
                          virtual=variant.virtual, embedding="last")
+    planner.spec = planner.spec.with_(offload=variant.offload)
+    return planner
 
 
 def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, names: list[str],
@@ -163,7 +179,9 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     planner = planner_for(cfg, trace, S, limit, variant)
     cm = planner.cost_model
     key = {"trace": trace_name, "model": model, "P": P, "limit": limit, "sequences": int(batch.size),
-           "recompute": variant.recompute, "virtual": variant.virtual, "embedding": variant.embedding}
+           "recompute": variant.recompute, "virtual": variant.virtual, "embedding": variant.embedding,
+           "offload": variant.offload, "host_bytes_per_s": variant.host_bytes_per_s,
+           "prefetch_lead": timing_offload.PREFETCH_LEAD}
     try:
         dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
     except ValueError as e:
@@ -183,6 +201,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     row = {**key, "status": "ok", "step_s": sim.makespan_s, "bound_s": terms.bound, "ideal_s": terms.ideal,
            "gap": sim.makespan_s / terms.ideal - 1, "kind": plan.schedule_kind, "microbatches": plan.num_microbatches,
            "grouping": plan.meta.get("grouping") or "dynamic", "plan_cpu_s": dyn_cpu,
+           "offload_blocks": list(plan.meta.offload_blocks or []), "offload_stall_s": sim.extra.get("offload_stall_s"),
            "split": list(planner.model_cfg.stage_layer_counts(S)), "relieved": bool(relief and relief.relieved),
            "admission": stage_admission(planner.memory_model, planner.memory_limit_bytes) if variant.virtual == 1
            else None,
@@ -276,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--virtual", type=int, default=1, help="model chunks per GPU (2: P GPUs as 2P chunks, zb-v)")
     ap.add_argument("--embedding", choices=("first", "last"), default="first",
                     help="Planner(embedding=...): first (default) or last (the token embedding on the last rank)")
+    ap.add_argument("--offload", choices=("never", "auto"), default="never",
+                    help="PlanSpec.offload for every method: never (default) or auto (activation offload to host)")
+    ap.add_argument("--host-gbps", type=float, default=None,
+                    help="what-if host link, GB/s each way (default: GPUSpec's PCIe Gen5 figure)")
+    ap.add_argument("--prefetch-lead", type=int, default=None,
+                    help="what-if: ops before a backward its reload is issued (default: the runtime's, "
+                         "dynmb.timing.offload.PREFETCH_LEAD)")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
     ap.add_argument("--table", type=Path, nargs="+", default=None,
                     help="print the markdown table of these JSON lines (later rows win per cell) and exit")
@@ -287,12 +313,16 @@ def main(argv: list[str] | None = None) -> int:
               else before_after(read(args.before), after))
         return 0
     names = [m for m in args.others.split(",") if m]
+    if args.prefetch_lead is not None:             # a what-if of the runtime's prefetch depth
+        timing_offload.PREFETCH_LEAD = int(args.prefetch_lead)
     for name in args.traces.split(",") if args.traces else short_traces():
         trace = data.load_trace(name)
         for limit in args.limits.split(","):
             for model in args.models.split(","):
                 for P in map(int, args.stages.split(",")):
-                    row = cell(name, trace, model, P, limit, names, Variant(args.recompute, args.virtual, args.embedding))
+                    row = cell(name, trace, model, P, limit, names, Variant(
+                        args.recompute, args.virtual, args.embedding, args.offload,
+                        None if args.host_gbps is None else args.host_gbps * 1e9))
                     append_row(row, args.out)
                     print(markdown(pd.DataFrame([row])).splitlines()[-1], flush=True)
     return 0

@@ -82,3 +82,18 @@ def test_stage_admission_grows_down_the_pipeline_and_caps_the_packer():
     assert tokens[0] == min(tokens) and tokens == sorted(tokens)
     ctx = PackContext(mm, limit, 4, "1f1b")
     assert ctx.bmax([1])[0] == min(tokens)          # the packer's cap is the tightest stage's
+
+
+def test_offload_variant_sets_the_spec_and_the_what_if_link():
+    """``--offload auto`` reaches the cell's planner's spec; ``--host-gbps`` swaps only the host link."""
+    from dynmb.core.config import ModelConfig
+    from dynmb.costmodel.gpu import H100_SXM
+
+    cfg = ModelConfig.preset("llama-tiny")
+    trace = data.load_trace("gsm8k")
+    variant = shortdoc.Variant(offload="auto", host_bytes_per_s=4e11)
+    planner = shortdoc.planner_for(cfg, trace, 2, "1GiB", variant)
+    assert planner.spec.offload == "auto"
+    spec = variant.gpu(cfg, 2).spec
+    assert spec.host_h2d_bytes_per_s == spec.host_d2h_bytes_per_s == 4e11
+    assert spec.peak_flops == H100_SXM.peak_flops and shortdoc.Variant().gpu(cfg, 2).spec == H100_SXM
