@@ -225,3 +225,18 @@ def test_settings_errors() -> None:
     assert spec_from_flags(parser.parse_args([])).offload == "never"
     with pytest.raises(SystemExit):
         parser.parse_args(["--offload", "sometimes"])
+
+
+def test_the_planner_takes_offload_and_plans_as_plan_step() -> None:
+    """``Planner(offload="auto")`` is ``PlanSpec.offload``: the same offloading plan and step as ``plan_step``; fails
+    where the keyword is dropped (no offload_blocks) or refused."""
+    from dynmb import Planner
+    models = _models(DEEP, 8)
+    lengths = np.random.default_rng(0).integers(16, 512, 64)
+    planner = Planner(model=DEEP, num_stages=8, memory_limit=160 * MiB, cost_model=models.cost,
+                      memory_model=models.memory, schedule="1f1b", offload="auto")
+    step = planner.plan(lengths)
+    direct = plan_step(lengths, planner.spec, model_cfg=DEEP, models=models)
+    assert planner.spec.offload == "auto" and step.plan.meta.offload_blocks == direct[0].meta.offload_blocks
+    assert step.plan.meta.offload_blocks and step.plan.meta.offload_blocks[0] >= 1
+    assert step.sim.makespan_s == pytest.approx(direct[2].makespan_s)

@@ -37,7 +37,7 @@ from dynmb.planning import make_schedule
 from dynmb.runtime import interpreter, offload
 from dynmb.runtime.checks import VERIFY_RTOL_FP64
 from dynmb.runtime.comm import P2P
-from dynmb.runtime.device import device_ops
+from dynmb.runtime.device import HostCopies, device_ops
 from dynmb.runtime.hooks import NoHooks
 from dynmb.runtime.interpreter import ActionContext, run_actions
 from dynmb.runtime.launch import launch_job
@@ -250,6 +250,57 @@ def test_a_host_buffer_given_back_before_its_reload_breaks_the_gradients(plain, 
     monkeypatch.setattr(OffloadSession, "_d2h", early)
     run = _run(3, "gpipe")
     assert not _equal(run.grads, plain["gpipe"].grads)
+
+
+class _RecordedCopies(HostCopies):
+    """CPU copies whose events are tokens, so the order of copies out and waits can be read back."""
+
+    def __init__(self, device: torch.device, log: list[tuple[str, int]]) -> None:
+        super().__init__(device)
+        self.log, self.made = log, 0
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        super().to_host(src, dst)
+        self.made += 1
+        self.log.append(("d2h", self.made))
+        return ("event", self.made)
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            self.log.append(("wait", event[1]))
+
+
+def test_an_offloading_forward_waits_for_the_copies_out_two_forwards_back(monkeypatch):
+    """GPipe's four forwards back to back: before forward ``i >= COPY_OUT_DEPTH`` the compute stream waits for
+    exactly the copies out of forward ``i - 2`` (the planner's ``COPY_OUT_DEPTH``), never the previous one's; fails
+    with ``_cap_copies_out`` a no-op (no waits) or waiting on the last forward's copies."""
+    log: list[tuple[str, int]] = []
+
+    class Ops:
+        def copies(self) -> _RecordedCopies:
+            return _RecordedCopies(torch.device("cpu"), log)
+    monkeypatch.setattr(offload, "device_ops", lambda device: Ops())
+    capped = OffloadSession._cap_copies_out
+
+    def marked(self: OffloadSession) -> None:
+        log.append(("forward", 0))
+        capped(self)
+    monkeypatch.setattr(OffloadSession, "_cap_copies_out", marked)
+    _run(2, "gpipe")
+    forwards: list[list[int]] = []            # each forward's copy-out tokens, in order
+    waits_before: list[list[int]] = []        # the tokens waited on as each forward starts
+    for kind, token in log:
+        if kind == "forward":
+            forwards.append([])
+            waits_before.append([])
+        elif kind == "wait":
+            waits_before[-1].append(token)
+        else:
+            forwards[-1].append(token)
+    assert offload.COPY_OUT_DEPTH == 2 and len(forwards) == LENGTHS.size and all(forwards)
+    for i in range(LENGTHS.size):
+        expected = sorted(forwards[i - 2]) if i >= 2 else []
+        assert sorted(waits_before[i]) == expected, (i, waits_before, forwards)
 
 
 def test_bad_offload_blocks_are_refused_in_one_line():

@@ -116,7 +116,10 @@ class Planner:
     ``embedding``: ``"first"`` (default: the token embedding with stage 0, plans as ever) or ``"last"``: on the last
     pipeline rank (``PlanSpec.embedding``, ``dynmb.schedule.embedlast``): stage 0's memory holds no table, every
     schedule gets the embedding stage, the simulator prices its ops and messages; no ``"auto"`` (a run places its
-    embedding once: plan both and keep the faster where it matters).
+    embedding once: plan both and keep the faster where it matters). ``offload``: ``"never"`` (default) or
+    ``"auto"``: the saved activations of stages' leading blocks may wait in host memory between forward and
+    backward where the cost model's host link hides the copies (``PlanSpec.offload``, ``dynmb.planning.offload``;
+    the choice per stage in ``plan.meta.offload_blocks``; CPU cost models have no host link and offload nothing).
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
@@ -125,12 +128,12 @@ class Planner:
                  dp: int = 1, virtual: int | str = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even",
                  workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never",
-                 embedding: str = "first") -> None:
+                 embedding: str = "first", offload: str = "never") -> None:
         auto_v = str(virtual).strip() == AUTO_VIRTUAL
         spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
                         schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
                         dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
-                        slice_fitting=slice_fitting, embedding=embedding)   # the keywords' one spec (``from_spec`` takes one)
+                        slice_fitting=slice_fitting, embedding=embedding, offload=offload)   # the keywords' one spec (``from_spec`` takes one)
         self._setup(model, spec, PlannerInputs(cost_model=cost_model, memory_model=memory_model, device=device,
                                                stage_split=stage_split, workload=workload, global_batch=global_batch,
                                                auto_virtual=auto_v))

@@ -28,6 +28,12 @@ then the plain one, bit for bit):
    storages; at D2H the tape's references are swapped for the records (else they would pin the device memory)
    and back to views of the reloaded storages in ``before_backward`` (``W`` reads them).
 
+5. At most ``COPY_OUT_DEPTH`` (2) forwards' copies out in flight per rank, as the planner's memory view and the
+   simulator count them (``dynmb.timing.offload``): an offloading forward first makes the compute stream wait for
+   the copies out of the offloading forward ``COPY_OUT_DEPTH`` before it on this rank and drops their device
+   storages (later kernels are ordered after the copies), so copies that fall behind stall compute instead of
+   holding more than the plan counted.
+
 CPU (host == device): the same path with synchronous copies into separate tensors (no events), so the
 ordering, prefetch and freeing run in the gloo tests. The CPU memory meter (``MemoryMeter.track``) sees each
 packed storage and each reloaded one: an offloaded storage counts from its pack until its D2H is done and again
@@ -47,6 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from dynmb.core.types import Action, Plan
 from dynmb.runtime.device import CopyEngine, device_ops
+from dynmb.timing.offload import COPY_OUT_DEPTH
 
 __all__ = ["OffloadSession", "OffloadStats", "prefetch_points", "offload_blocks_of"]
 
@@ -106,6 +113,7 @@ class _Forward:
     tape_links: list[tuple[Any, _Saved]] = field(default_factory=list)
     linked: int = 0                                                # tape calls looked at so far
     params: frozenset[int] = frozenset()
+    out_events: list[Any] = field(default_factory=list)            # its copies out (D2H), block by block
 
 
 @dataclass
@@ -198,6 +206,7 @@ class OffloadSession:
         self._forwards: dict[Key, _Forward] = {}
         self._reloaded: dict[Key, tuple[list[Any], _Forward]] = {}
         self._retiring: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
+        self._outs: list[list[Any]] = []          # each offloading forward's copies out, in the rank's order
 
     @classmethod
     def for_plan(cls, plan: Plan, stages: Mapping[int, torch.nn.Module], lift: int, device: torch.device | str,
@@ -229,8 +238,10 @@ class OffloadSession:
         if k == 0:
             yield
             return
+        self._cap_copies_out()
         fw = _Forward(key, keep, tape)
         self._forwards[key] = fw
+        self._outs.append(fw.out_events)
         blocks = list(getattr(module, "blocks").values())        # checked in for_plan
 
         def scope(i: int) -> Any:
@@ -291,6 +302,7 @@ class OffloadSession:
             rec.host = self.pool.take(rec.nbytes)
             event = self.copies.to_host(rec.flat, rec.host)
             self._retiring.append((event, [rec.flat], []))
+            fw.out_events.append(event)
             rec.flat, rec.offloaded = None, True
             moved += 1
             stage = fw.key[0]
@@ -369,6 +381,18 @@ class OffloadSession:
         self.stats.events.append(("backward", key))
 
     # --- bookkeeping -------------------------------------------------------------
+    def _cap_copies_out(self) -> None:
+        """Before an offloading forward: the compute stream waits for the copies out of the offloading forward
+        ``COPY_OUT_DEPTH`` back, whose device storages are then dropped (module docstring, 5)."""
+        if len(self._outs) < COPY_OUT_DEPTH:
+            return
+        events = self._outs[-COPY_OUT_DEPTH]
+        for event in events:
+            self.copies.wait(event)
+        waited = {id(e) for e in events if e is not None}
+        self._retiring = [r for r in self._retiring if id(r[0]) not in waited or r[2]]
+        del self._outs[:-COPY_OUT_DEPTH]
+
     def poll(self) -> None:
         """Drop the device storages whose D2H is done; give back the host buffers whose H2D is done."""
         keep = []
