@@ -421,36 +421,8 @@ class _ListRun:
             self.wait(s, t, op, r)
 
     def run_now(self, s: int, op: str, j: int) -> None:
-        """``run`` of a forward or backward at the stage's clock, written out."""
-        held = self.held
-        if op == "F":
-            dur = self.F[s][j]
-            held[s] += self.act[s][j]
-            self.live[s] += 1
-            self.nextf[s] += 1
-        elif op == "I":
-            dur = self.I[s][j]
-            held[s] += self.wb[s][j] - self.act[s][j]
-        else:
-            dur = self.B[s][j]
-            held[s] += -self.act[s][j]
-            self.live[s] -= 1
-        ranks, clock = self.ranks[s], self.clock[s]
-        if not ranks:
-            self.first[s] = clock
-        ranks.append(self.acts[s][op][j])
-        end = clock + dur
-        self.free[s] = end
-        self.clock[s] = end if end > clock else clock
-        if end > self.makespan:
-            self.makespan = end
-        if op == "F":
-            self.fend[s][j] = end
-        else:
-            self.bend[s][j] = end
-            if op == "I":
-                self.pend[s].append(j)
-
+        """``run`` of a forward or backward at the stage's clock."""
+        self.run(s, op, j, self.F[s][j] if op == "F" else self.I[s][j] if op == "I" else self.B[s][j])
     def wait(self, s: int, t: float, op: str, r: float) -> None:
         """Stage ``s``'s next op has not arrived by ``t`` (``r``: when it does, or a bound): rules 5, 3, 4, 6."""
         pend = self.pend[s]
