@@ -175,21 +175,20 @@ class CudaCopies:
         self.stream.wait_event(ready)
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        return self._copy(src, dst)
+
+    def to_device(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)   # on the compute stream's pool
+        return dst, self._copy(src, dst)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        """``dst <- src`` on the copy stream after the compute stream's work so far; the copy's done event."""
         self._after_compute()
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
-
-    def to_device(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)   # on the compute stream's pool
-        self._after_compute()
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return dst, done
 
     def wait(self, event: Any) -> None:
         if event is not None:
