@@ -27,7 +27,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig, model_config, parse_bytes
-from dynmb.costmodel.loader import PredictionModels, embedding_models, load_models, rebuilt_for_layout, shipped_cost_model_path
+from dynmb.costmodel.loader import PredictionModels, load_models, spec_models, rebuilt_for_layout, shipped_cost_model_path
 from dynmb.core.contract import as_factory, is_factory_spec, is_family_factory, load_factory, planning_config
 from dynmb.core.planspec import PlanSpec
 from dynmb.timing.simulate import SimResult
@@ -120,6 +120,9 @@ class Planner:
     ``"auto"``: the saved activations of stages' leading blocks may wait in host memory between forward and
     backward where the cost model's host link hides the copies (``PlanSpec.offload``, ``dynmb.planning.offload``;
     the choice per stage in ``plan.meta.offload_blocks``; CPU cost models have no host link and offload nothing).
+    ``state_shards``: how many data-parallel ranks share each stage's model states (FSDP2 over the replicas, ``dynmb
+    run --dp N --shard``: N); 1 (default): held whole. The memory model counts the sharded run's states
+    (``MemoryModel.sharded``), so microbatches may hold more tokens (``PlanSpec.state_shards``).
     """
 
     def __init__(self, *, model: Any = "small", num_stages: int = 2, memory_limit: int | str = "1GiB",
@@ -128,12 +131,13 @@ class Planner:
                  dp: int = 1, virtual: int | str = 1, oversize: str = "error", pack_len: int | None = None,
                  recompute: str = "never", device: str = "cpu", stage_split: str = "even",
                  workload: Any = None, global_batch: int | None = None, slice_fitting: str = "never",
-                 embedding: str = "first", offload: str = "never") -> None:
+                 embedding: str = "first", offload: str = "never", state_shards: int = 1) -> None:
         auto_v = str(virtual).strip() == AUTO_VIRTUAL
         spec = PlanSpec(method="dynamic", num_stages=int(num_stages), virtual=1 if auto_v else int(virtual),
                         schedule_kind=schedule, reorder="auto", memory_limit_bytes=parse_bytes(memory_limit),
                         dp=int(dp), pack_len=pack_len, round_to=round_to, oversize=oversize, recompute=recompute,
-                        slice_fitting=slice_fitting, embedding=embedding, offload=offload)   # the keywords' one spec (``from_spec`` takes one)
+                        slice_fitting=slice_fitting, embedding=embedding, offload=offload,
+                        state_shards=state_shards)   # the keywords' one spec (``from_spec`` takes one)
         self._setup(model, spec, PlannerInputs(cost_model=cost_model, memory_model=memory_model, device=device,
                                                stage_split=stage_split, workload=workload, global_batch=global_batch,
                                                auto_virtual=auto_v))
@@ -181,7 +185,7 @@ class Planner:
             if stage_split == "auto":              # memory in the split (dynmb.planning.memory_split)
                 self.model_cfg, self.split_relief = relieved_layout(self.model_cfg, num_stages, ReliefInputs(
                     memory_limit_bytes=spec.memory_limit_bytes, schedule_kind=spec.schedule_kind,
-                    workload=inputs.workload, cost_model=pricing, half_blocks=not own),
+                    workload=inputs.workload, cost_model=pricing, half_blocks=not own, state_shards=spec.state_shards),
                     virtual=self.spec.virtual, memory_model=inputs.memory_model)
             cost_model = rebuilt_for_layout(cost_model, self.model_cfg, num_stages)
         # the one loader: file, shipped fit or stand-in (said once; the analytic memory model is one only
@@ -190,8 +194,8 @@ class Planner:
                                                     memory=inputs.memory_model, device=inputs.device, own_model=own,
                                                     who="Planner")
         """The cost and memory models every ``plan`` uses, with where they came from."""
-        if self.spec.embedding == "last":          # its states on the last rank (dynmb.schedule.embedlast)
-            self.models = embedding_models(self.models, self.model_cfg, "last")
+        # the embedding's place and the states' shards (dynmb.schedule.embedlast, MemoryModel.sharded)
+        self.models = spec_models(self.models, self.model_cfg, self.spec)
         self.cost_model, self.memory_model = self.models.cost, self.models.memory
 
     # the settings, read from the spec

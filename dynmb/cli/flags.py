@@ -9,7 +9,8 @@
   ``--schedule-kind`` (plan) and ``--kind`` (schedule) as hidden aliases;
 - ``spec_from_flags``: the ONE place a verb's flags become a ``PlanSpec`` (plan, run, compare, the split search);
 - ``add_slice_fitting_flag``: ``--slice-fitting``; ``add_embedding_flag``: ``--embedding``; ``add_offload_flag``:
-  ``--offload`` (plan, run, compare);
+  ``--offload`` (plan, run, compare); ``add_state_shards_flag``: ``--state-shards`` (plan, compare; ``run --shard``
+  plans with its ``--dp``);
 - ``add_recompute_flag``: ``--recompute``;
 - ``add_shape_flags``: ``--pack-len``, ``--round-to``;
 - ``add_run_shape_flags``: ``--prewarm``, ``--no-expandable-segments``;
@@ -40,6 +41,7 @@ __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
            "global_batch_int", "MAX_GLOBAL_BATCH", "virtual_arg", "with_virtual_choice", "model_from_args", "split_search_of", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
            "OVERSIZE_CHOICES", "SLICE_FITTING", "add_slice_fitting_flag", "add_embedding_flag", "add_offload_flag",
+           "add_state_shards_flag", "state_shards_of",
            "add_schedule_flag",
            "spec_from_flags",
            "SPEC_FLAG_DEFAULTS", "SCHEDULE_ALIASES"]
@@ -253,7 +255,8 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
     relief = ReliefInputs(memory_limit_bytes=parse_bytes(args.memory_limit), workload=workload_of(args),
                           schedule_kind=kind if is_schedule_name(kind := str(getattr(args, "schedule", None)
                                                                               or "1f1b")) else "1f1b",
-                          cost_model=getattr(args, "cost_model", None))          # memory in the split, as Planner
+                          cost_model=getattr(args, "cost_model", None),          # memory in the split, as Planner
+                          state_shards=state_shards_of(args))
     return relieved_layout(out, int(stages), relief, virtual=virtual, memory_model=getattr(args, "memory_model", None))[0]
 
 
@@ -280,7 +283,7 @@ def split_search_of(args: argparse.Namespace, cfg: ModelConfig, stages: int) -> 
 SPEC_FLAG_DEFAULTS: dict[str, Any] = dict(method="dynamic", stages=2, virtual=1, schedule="1f1b", reorder="none",
                                           memory_limit="1GiB", dp=1, mbs=None, pack_len=None, round_to=1,
                                           oversize="error", recompute="never", slice_fitting="never",
-                                          embedding="first", offload="never")
+                                          embedding="first", offload="never", state_shards=1)
 """The default of each flag ``spec_from_flags`` reads, where a verb does not take the flag or leaves it None."""
 
 
@@ -289,7 +292,9 @@ def spec_from_flags(args: argparse.Namespace, model: ModelConfig | None = None, 
     ``run``, ``compare``, the stage-split search). Each field comes from ``given`` (what the verb fixed itself,
     by flag name: ``method=``, ``stages=``, ``schedule=``, ...), else the flag (``--stages`` -> ``num_stages``,
     ``--schedule`` -> ``schedule_kind``, ``--memory-limit`` parsed to bytes), else ``SPEC_FLAG_DEFAULTS``;
-    ``model``'s attention is the spec's. Bad values raise ``ValueError`` (one line naming the field)."""
+    ``model``'s attention is the spec's. ``run --shard`` (``args.shard``) plans with its ``--dp`` as
+    ``state_shards`` (FSDP2 shares each stage's states over the replicas) unless ``given`` says otherwise. Bad values
+    raise ``ValueError`` (one line naming the field)."""
     unknown = sorted(set(given) - set(SPEC_FLAG_DEFAULTS))
     if unknown:
         raise TypeError(f"spec_from_flags: unknown flag name(s) {unknown}")
@@ -305,7 +310,17 @@ def spec_from_flags(args: argparse.Namespace, model: ModelConfig | None = None, 
                     memory_limit_bytes=parse_bytes(flag("memory_limit")), dp=int(flag("dp")), mbs=flag("mbs"),
                     pack_len=flag("pack_len"), round_to=int(flag("round_to")), oversize=flag("oversize"),
                     recompute=flag("recompute"), slice_fitting=flag("slice_fitting"), embedding=flag("embedding"),
-                    offload=flag("offload"), attention=None if model is None else model.attention)
+                    offload=flag("offload"), state_shards=given["state_shards"] if "state_shards" in given
+                    else state_shards_of(args, flag("dp")),
+                    attention=None if model is None else model.attention)
+
+
+def state_shards_of(args: argparse.Namespace, dp: Any = None) -> int:
+    """The ``state_shards`` a verb's flags plan with: ``--state-shards``, else ``--dp`` (``dp``: the verb's own)
+    with ``run --shard``, else 1."""
+    if getattr(args, "state_shards", None) is not None:
+        return int(args.state_shards)
+    return int(dp or getattr(args, "dp", None) or 1) if getattr(args, "shard", False) else 1
 
 
 SCHEDULE_ALIASES = ("--schedule-kind", "--kind")
@@ -405,6 +420,13 @@ def add_embedding_flag(parser: argparse.ArgumentParser) -> None:
                         help="where the token embedding lives: first (default, with stage 0) or last (on the last "
                              "pipeline rank, which embeds each microbatch and sends it to stage 0: stage 0's memory "
                              "holds no embedding table; dynmb.schedule.embedlast)")
+
+
+def add_state_shards_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-shards", type=positive_int, default=None, metavar="N",
+                        help="how many data-parallel ranks share each stage's model states (FSDP2 over the replicas, "
+                             "`dynmb run --dp N --shard`); default 1: every rank holds them whole. The memory model "
+                             "counts what the sharded run holds (dynmb.memory.model, MemoryModel.sharded)")
 
 
 def add_offload_flag(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, load_rows, model_from_args,
+from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_state_shards_flag, load_rows, model_from_args,
                              names_factory, nonnegative_int, spec_from_flags, virtual_arg, warn_own_model_stand_ins,
                              with_virtual_choice)
 from dynmb.cli.planfile import plan_meta, plan_pack_len
@@ -26,6 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser = subparsers.add_parser("plan", help=help_text)
     add_data_flags(parser)
     add_packing_flags(parser)
+    add_state_shards_flag(parser)
     add_model_flags(parser)
     parser.add_argument("--virtual", type=virtual_arg, default=1,
                         help="model chunks per GPU for interleaved (default 1; --stages counts chunks), or auto: "

@@ -23,7 +23,7 @@ from typing import Any
 
 from dynmb.cli.flags import names_factory
 from dynmb.core.config import ModelConfig, model_config
-from dynmb.costmodel.loader import STAND_IN, PredictionModels, check_plan_models, load_models
+from dynmb.costmodel.loader import STAND_IN, PredictionModels, check_plan_models, load_models, spec_models
 from dynmb.costmodel.standin import suppress_stand_in_warnings
 from dynmb.core.types import Plan
 
@@ -123,6 +123,8 @@ def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str) -> tuple[M
     cost = STAND_IN if cost_file is None and not isinstance(recorded, dict) else cost_file   # an older plan
     with suppress_stand_in_warnings():                    # the plan's models: said when it was planned
         models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
+    if plan.spec is not None:                             # the embedding's place and the states' shards it planned with
+        models = spec_models(models, model, plan.spec)
     check_plan_models(plan.meta.models, models, plan_path)
     return model, models
 

@@ -189,9 +189,13 @@ def plan_run_config(args: argparse.Namespace, backend: str = "gloo", device: str
     memory_file = recorded_model_file("memory-model", args.memory_model, plan.meta.get("memory_model"), args.plan)
     meta, spec = plan.meta, plan.spec
     virtual = int(sidecar.get("virtual") or _planned_virtual(plan) or args.virtual or 1)
+    shards = 1 if spec is None else spec.state_shards
+    if shards > (plan.dp if args.shard else 1):     # smaller than the run's shards is safe, larger is not
+        raise ValueError(f"the plan {args.plan} counts model states sharded over {shards} replicas (--state-shards "
+                         f"{shards}); it runs only with --shard over {shards} or more (its dp is {plan.dp})")
     recorded: dict[str, Any] = {} if spec is None else {          # older plans: the defaults
         "oversize": spec.oversize, "recompute": spec.recompute, "slice_fitting": spec.slice_fitting,
-        "embedding": spec.embedding}
+        "embedding": spec.embedding, "state_shards": shards}
     run_spec = spec_from_flags(argparse.Namespace(), method=plan.method, stages=plan.num_stages, virtual=virtual,
                                schedule=kind, reorder=str(sidecar.get("reorder") or meta.get("reorder") or "none"),
                                memory_limit=int(plan.memory_limit_bytes), dp=plan.dp, mbs=meta.get("mbs"),

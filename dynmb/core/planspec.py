@@ -16,6 +16,7 @@ schedule kind and reorder names are checked by their registries where they are u
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -82,6 +83,11 @@ class PlanSpec:
     move the saved activations of each stage's leading blocks to host memory between a microbatch's forward and
     its backward, where the copies hide behind compute, so a stage admits more tokens in flight; the choice is
     recorded per stage as ``PlanMeta.offload_blocks``."""
+    state_shards: int = 1
+    """How many data-parallel ranks share each stage's model states (FSDP2 over the replicas, ``dynmb run --shard``:
+    its ``--dp``); 1 (the default: plans unchanged): every rank holds them whole. The memory model counts what the
+    sharded runtime holds (``MemoryModel.sharded``); a run may shard over more ranks than its plans count, never
+    fewer."""
 
     def __post_init__(self) -> None:
         for name in ("method", "schedule_kind", "reorder"):
@@ -109,6 +115,9 @@ class PlanSpec:
             raise ValueError("embedding='last' needs at least 2 pipeline ranks")
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"offload must be never or auto, got {self.offload!r}")
+        if not isinstance(self.state_shards, numbers.Integral) or isinstance(self.state_shards, bool) \
+                or self.state_shards < 1:
+            raise ValueError(f"state_shards must be a whole number >= 1, got {self.state_shards!r}")
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {self.attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
 
@@ -122,9 +131,11 @@ class PlanSpec:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict; ``embedding`` / ``offload`` only where not the default (plans keep their JSON and
-        digest)."""
+        """The fields as a dict; ``embedding`` / ``offload`` / ``state_shards`` only where not the default (plans keep
+        their JSON and digest)."""
         out = asdict(self)
+        if out["state_shards"] == 1:
+            del out["state_shards"]
         if out["embedding"] == "first":
             del out["embedding"]
         if out["offload"] == "never":

@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from dynmb.core.config import ModelConfig
+from dynmb.core.planspec import PlanSpec
 from dynmb.data.lengths import shipped_dir
 from dynmb.costmodel.analytic import AnalyticCostModel
 from dynmb.costmodel.base import CostModel, CostModelLike
 from dynmb.costmodel.standin import warn_stand_ins
 from dynmb.memory.model import MemoryModel, MemoryModelLike, get_memory_model
 
-__all__ = ["Models", "PredictionModels", "load_models", "embedding_models", "shipped_cost_model_path", "model_digest", "models_record",
+__all__ = ["Models", "PredictionModels", "load_models", "spec_models", "shipped_cost_model_path", "model_digest", "models_record",
            "refit_version", "is_calibrated", "check_plan_models", "STAND_IN"]
 
 log = logging.getLogger(__name__)
@@ -213,14 +214,26 @@ def load_models(model_cfg: ModelConfig, num_stages: int, *, cost: Any = None, me
     return models
 
 
-def embedding_models(models: PredictionModels, model_cfg: ModelConfig, embedding: str) -> PredictionModels:
-    """``models`` as planned with the token embedding at ``embedding`` (``PlanSpec.embedding``): ``last`` moves the
-    memory model's embedding states to the last rank (``MemoryModel.embedding_last``) and refuses a tied embedding in
-    one line (its table is the head's, on the last stage already); ``first``: ``models`` themselves."""
-    if embedding != "last":
-        return models
-    if model_cfg.tie_embeddings:
-        raise ValueError(f"embedding='last': model {model_cfg.name!r} ties its embedding to the LM head, which is on "
-                         f"the last stage already; use embedding='first'")
-    return replace(models, memory=models.memory.embedding_last())
+ModelsT = TypeVar("ModelsT", bound=Models[Any])
+
+
+def spec_models(models: ModelsT, model_cfg: ModelConfig, spec: PlanSpec) -> ModelsT:
+    """``models`` as planned under ``spec``'s settings (``plan_step`` applies it; so do ``Planner`` and a run, whose
+    plans record the digests of these): the token embedding on the last rank (``spec.embedding == "last"``: the
+    memory model's embedding states move there, ``MemoryModel.embedding_last``; a tied embedding is refused in one
+    line: its table is the head's, on the last stage already) and the model states sharded over
+    ``spec.state_shards`` data-parallel ranks (``MemoryModel.sharded``). Idempotent: ``models`` themselves where
+    their memory model already is the view."""
+    memory = models.memory
+    if spec.embedding == "last":
+        if model_cfg.tie_embeddings:
+            raise ValueError(f"embedding='last': model {model_cfg.name!r} ties its embedding to the LM head, which is "
+                             f"on the last stage already; use embedding='first'")
+        memory = memory.embedding_last()
+    if spec.state_shards != int(getattr(memory, "state_shards", 1)):
+        if not callable(getattr(memory, "sharded", None)):
+            raise ValueError(f"state_shards {spec.state_shards}: the memory model {type(memory).__name__} has no "
+                             "sharded() view; plan with state_shards 1 or pass a dynmb MemoryModel")
+        memory = memory.sharded(spec.state_shards)
+    return models if memory is models.memory else replace(models, memory=memory)
 

@@ -46,6 +46,21 @@ Activation offload (``offloading``, ``PlanMeta.offload_blocks``): a view whose o
 the held activations and count as transient bytes of the microbatch's own ops plus ``in_transit`` other
 microbatches' (copies out and reloads in flight); every consumer reads them through the same queries.
 
+Sharded states (``sharded``, ``PlanSpec.state_shards`` = k; ``dynmb run --dp k --shard``: FSDP2 with
+``reshard_after_forward=False``, ``dynmb.runtime.fsdp``): between steps a rank holds its 1/k shard of the parameters
+and of the optimizer's states. ``begin_step`` all-gathers every unit once, before the first forward, and the weights
+stay whole until ``finish_step``; the backwards accumulate whole gradients, which ``finish_step`` reduce-scatters
+into 1/k shards (each unit's whole weights are freed before its reduce-scatter input is made; the gradient shards
+live from there to the optimizer step's ``zero_grad``). While any activation is held a stage so holds whole
+weights ``n e`` + whole gradients ``n e`` (counted from the step's start, as whole states count theirs) + the
+weight shards ``n e / k`` + the optimizer's shards ``n o / k``: ``n (2e + (e + o) / k)`` where whole states are
+``n (2e + o)`` (``sharded_state_ratio``; Adam ``o = 2 max(4, e)``: 8 at bf16 / fp32, so bf16 at k = 8 holds
+5.25 n bytes for 12 n; with SGD sharding holds more than whole). FSDP2's all-gather output at ``begin_step``
+(one unit, before any gradient) stays under that count. Measured (2 gloo ranks, ``tiny`` stage 0, fp32, glibc's
+allocated bytes around a step, n = 394,880): +4.03 n after ``begin_step``, +8.08 n after the backwards,
++2.11 n after ``finish_step`` (the gradient shards), +0.07 n after ``zero_grad``; the CPU meter counts the same
+(``dynmb.runtime.meter``).
+
 Slices of long sequences (``dynmb.models.prefix``): a continued slice holds its keys and values for later
 slices (``slice_coef``: on top of its activations when recomputed) and their gradients from its chain's first
 backward to its own (``slice_grad_coef``). A recomputed continued slice's backward also keeps each finished
@@ -80,7 +95,7 @@ from dynmb.schedule.kinds import SCHEDULE_KINDS, interleaved_inflight
 __all__ = ["MemoryModelLike", "MemoryModel", "get_memory_model", "SCHEDULE_KINDS", "BUCKET_PADDING", "inflight_limit",
            "peak_from_matrix",
            "interleaved_inflight", "w_coef", "recompute_saved_coef", "recompute_transient_coef", "block_act_coef",
-           "half_act_coef"]
+           "half_act_coef", "sharded_state_ratio"]
 
 
 
@@ -205,6 +220,7 @@ class MemoryModel:
         view.rc_act_coef, view.rc_transient_coef, view.w_coef = self.rc_act_coef, self.rc_transient_coef, 0 * self.w_coef
         view.transit_coef = view.rc_transit_coef = self.rc_transit_coef
         view.in_transit, view.offload_blocks = self.in_transit, self.offload_blocks
+        view.state_shards, view.embed_state_bytes = self.state_shards, self.embed_state_bytes
         return view
 
     offload_blocks: tuple[int, ...] | None = None
@@ -279,6 +295,28 @@ class MemoryModel:
         view.state_bytes, view.transient_coef = state, tr
         view.rc_transient_coef = self.rc_transient_coef + (tr - self.transient_coef)
         view.embed_state_bytes, view.source = moved, f"{self.source}, embedding last"
+        return view
+
+    state_shards: int = 1
+    """``sharded``: the data-parallel ranks the states are sharded over (1: held whole)."""
+
+    def sharded(self, shards: int) -> "MemoryModel":
+        """This model with each stage's states sharded over ``shards`` data-parallel ranks by FSDP2 as dynmb's runtime
+        runs it (``PlanSpec.state_shards``; module docstring, "Sharded states"): ``state_bytes`` (and
+        ``embed_state_bytes``) times ``sharded_state_ratio``; the activations are unchanged. 1: the model with whole
+        states. Applied to a sharded view, it starts from the whole count."""
+        k = int(shards)
+        if k < 1:
+            raise ValueError(f"state_shards must be >= 1, got {shards!r}")
+        if k == self.state_shards:
+            return self
+        e = self.model_cfg.dtype_bytes
+        scale = sharded_state_ratio(e, self.optimizer, k) / sharded_state_ratio(e, self.optimizer, self.state_shards)
+        view = copy.copy(self)
+        view.state_bytes, view.embed_state_bytes = self.state_bytes * scale, self.embed_state_bytes * scale
+        view.state_shards = k
+        base = self.source.split(", states sharded")[0]
+        view.source = base if k == 1 else f"{base}, states sharded over {k}"
         return view
 
     # --- queries ------------------------------------------------------------
@@ -394,15 +432,18 @@ class MemoryModel:
         return {"kind": "memory", "source": self.source, "model": self.model_cfg.to_dict(),
                 "num_stages": self.num_stages, "optimizer": self.optimizer,
                 "state_bytes": self.state_bytes.tolist(), "act_coef": self.act_coef.tolist(),
-                "transient_coef": self.transient_coef.tolist(), "report": self.report}
+                "transient_coef": self.transient_coef.tolist(), "report": self.report,
+                **({"state_shards": self.state_shards} if self.state_shards > 1 else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "MemoryModel":
         if d.get("kind") != "memory":
             raise ValueError("not a memory-model JSON (field kind != 'memory')")
-        return cls(ModelConfig.from_dict(d["model"]), d["num_stages"], d["state_bytes"], d["act_coef"],
-                   d["transient_coef"], optimizer=d.get("optimizer", "adam"), source=d.get("source", "fitted"),
-                   report=d.get("report"))
+        model = cls(ModelConfig.from_dict(d["model"]), d["num_stages"], d["state_bytes"], d["act_coef"],
+                    d["transient_coef"], optimizer=d.get("optimizer", "adam"), source=d.get("source", "fitted"),
+                    report=d.get("report"))
+        model.state_shards = int(d.get("state_shards", 1))      # its state_bytes are sharded ones already
+        return model
 
     def save(self, path: str | Path) -> None:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
@@ -418,6 +459,15 @@ class MemoryModel:
 
     def __repr__(self) -> str:
         return f"MemoryModel({self.model_cfg.name!r}, P={self.num_stages}, {self.source})"
+
+
+def sharded_state_ratio(dtype_bytes: int, optimizer: str, shards: int) -> float:
+    """Bytes of a parameter's states at a sharded step's peak over ``2e + o`` (its whole count), ``shards`` ranks
+    sharing them (module docstring, "Sharded states"): ``(2e + (e + o) / k) / (2e + o)``, ``o`` the optimizer's
+    bytes per parameter (Adam: two states at ``max(4, e)``; SGD: 0); 1 at ``k`` 1."""
+    e, k = float(dtype_bytes), int(shards)
+    o = 2.0 * max(4.0, e) if optimizer == "adam" else 0.0
+    return 1.0 if k == 1 else (2 * e + (e + o) / k) / (2 * e + o)
 
 
 def _eval(coef: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:

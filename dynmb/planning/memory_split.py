@@ -61,6 +61,8 @@ class ReliefInputs:
     """A cost model that prices any layout (``CostModel.layout_free``): the analytic and GPU models."""
     half_blocks: bool = True
     """Splits may fall inside a block (dynmb's own families); False: whole layers."""
+    state_shards: int = 1
+    """The data-parallel ranks sharing each stage's model states (``PlanSpec.state_shards``, ``MemoryModel.sharded``)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def step_proxy(layout: ModelConfig, num_stages: int, inputs: ReliefInputs, mean_
     holding as many tokens as ``layout``'s analytic memory model admits on every stage under the kind's window
     (module doc; the rows' token count as one-token rows, continuous: the s^2 term of short rows left out);
     ``inf`` where not one ``mean_len`` row fits."""
-    mm = MemoryModel.analytic(layout, num_stages)
+    mm = MemoryModel.analytic(layout, num_stages).sharded(inputs.state_shards)
     caps = float(inputs.memory_limit_bytes) - np.asarray(mm.state_bytes, dtype=np.float64)
     tokens = int(mm.max_rows(caps, 1, _windows(inputs.schedule_kind, num_stages), tight=True)[0])
     if tokens < mean_len:

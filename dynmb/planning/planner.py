@@ -51,7 +51,7 @@ import numpy as np
 
 from dynmb.memory.model import MemoryModelLike
 from dynmb.core.config import ModelConfig
-from dynmb.costmodel.loader import Models, models_record
+from dynmb.costmodel.loader import Models, models_record, spec_models
 from dynmb.packing import METHODS, pack
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
@@ -101,7 +101,7 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
         raise TypeError(f"plan_step takes the settings as one PlanSpec, got {type(spec).__name__}")
     if (refusal := lockstep_refusal(spec)) is not None:
         raise ValueError(refusal)
-    models = models or Models.analytic(model_cfg, spec.num_stages)
+    models = spec_models(models or Models.analytic(model_cfg, spec.num_stages), model_cfg, spec)  # embedding, shards
     lengths = np.asarray(lengths, dtype=np.int64)
 
     def step(s: PlanSpec, m: Models[MemoryModelLike]) -> Planned:

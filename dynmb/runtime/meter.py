@@ -9,6 +9,10 @@ Otherwise (CPU), by accounting (what would be allocated on a device without a ca
     states  = parameter storages + gradients (same size, counted from the start) +
               optimizer states (the optimizer's actual state tensors once it has stepped,
               else Adam's two states per parameter at its dtype, at least fp32)
+              (FSDP2, ``--shard``: a DTensor counts its local shard; between ``begin_step`` and
+              ``finish_step``, when ``sample_states`` recounts, the modules' parameters are the gathered
+              whole weights: they and their whole gradients count, and the shards beside them; what
+              ``MemoryModel.sharded`` predicts)
     held    = storages saved for backward (``torch.autograd.graph.saved_tensors_hooks``;
               each storage once, keyed by ``untyped_storage().data_ptr()``; parameters
               excluded) + the stage outputs kept until their backward (forward hooks)
@@ -69,7 +73,8 @@ class MemoryMeter:
         self.accounting = not self.ops.allocator_stats    # count storages here (no allocator statistics)
         self.modules = list(modules)
         self.optimizer, self.optimizer_kind = optimizer, optimizer_kind
-        self._params = {_local(p).untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+        self._home = [p for m in self.modules for p in m.parameters()]   # as the optimizer holds them (FSDP2: shards)
+        self._params: set[int] = set()                 # parameter storages: never held activations
         self._live: dict[int, list[int]] = {}          # data_ptr -> [nbytes, tracked tensors]
         self._held = 0
         self._peak = 0
@@ -90,15 +95,20 @@ class MemoryMeter:
 
     # --- accounting -----------------------------------------------------------
     def _state_bytes(self) -> int:
+        """The states now (module docstring); FSDP2 inside a step (``dynmb.runtime.fsdp.begin_step``): the modules'
+        parameters are the gathered whole weights, their gradients whole too, the shards held beside them."""
         params = [p for m in self.modules for p in m.parameters()]
+        self._params = {_local(p).untyped_storage().data_ptr() for p in params + self._home}
         n = sum(tensor_bytes(p) for p in params)
+        now = {id(p) for p in params}
+        beside = sum(tensor_bytes(p) for p in self._home if id(p) not in now)   # FSDP2's shards while gathered
         opt = 0
         if self.optimizer is not None and self.optimizer.state:
             opt = sum(tensor_bytes(v) for s in self.optimizer.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0)
         elif self.optimizer_kind == "adam":
-            opt = sum(2 * max(4, p.element_size()) * _local(p).numel() for p in params)
-        return 2 * n + opt
+            opt = sum(2 * max(4, p.element_size()) * _local(p).numel() for p in self._home)
+        return 2 * n + beside + opt
 
     def _track(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type != self.device.type:
@@ -220,7 +230,8 @@ class MemoryMeter:
             self._note(stage)
 
     def sample_states(self) -> None:
-        """Recount the states after an optimizer step (its real state tensors now exist)."""
+        """Recount the states: after an optimizer step (its real state tensors now exist), and under FSDP2 after
+        ``begin_step`` (the gathered weights and their whole gradients, the shards beside them)."""
         if self.accounting:
             self.state_bytes = self._state_bytes()
         for stage in self._stages():

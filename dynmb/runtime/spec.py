@@ -64,7 +64,7 @@ from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import RunConfig
 from dynmb.data import TokenFile, check_vocab, load_trace, sample_indices
 from dynmb.memory.model import get_memory_model
-from dynmb.costmodel.loader import PredictionModels, check_plan_models, embedding_models, load_models
+from dynmb.costmodel.loader import PredictionModels, check_plan_models, load_models, spec_models
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.io.results import run_ids_in
 from dynmb.schedule import ScheduleError, from_csv, validate
@@ -216,7 +216,7 @@ class RunSpec:
         models = load_models(run.model, run.spec.num_stages, cost=run.cost_model, memory=self.memory_model,
                              device=run.device, virtual=run.spec.virtual, own_model=self.model_factory is not None,
                              who=who)
-        return embedding_models(models, run.model, run.spec.embedding)
+        return spec_models(models, run.model, run.spec)
 
     def check(self) -> None:
         """Check what can be checked before torchrun starts (see the module docstring)."""

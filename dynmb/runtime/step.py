@@ -183,6 +183,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     t0, start_mark = time.perf_counter(), state.clock.mark()
     if state.sharded:
         begin_step(state.stages.values())      # weights gathered once, gradient sync off
+        state.meter.sample_states()            # the gathered weights, their whole gradients, the shards beside
     prefix = PrefixStore() if replica.has_slices else None
     timings, loss = run_actions(actions, ActionContext(
         stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix, bool(lift)),

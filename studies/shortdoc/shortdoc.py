@@ -128,6 +128,9 @@ class Variant:
     (``dynmb.planning.offload``), for every method of the cell alike."""
     host_bytes_per_s: float | None = None
     """A what-if host link (bytes/s each way) in place of ``GPUSpec``'s PCIe figure (None: the H100's)."""
+    state_shards: int = 1
+    """``Planner(state_shards=...)``: the data-parallel ranks sharing each stage's model states (FSDP2 over the
+    replicas, ``dynmb run --dp N --shard``), for every method of the cell alike; 1 (the default): held whole."""
 
     def gpu(self, cfg: ModelConfig, S: int) -> GPUCostModel:
         """The cell's cost model: H100 constants, the host link of ``host_bytes_per_s`` where given."""
@@ -157,7 +160,7 @@ def planner_for(cfg: ModelConfig, trace: np.ndarray, S: int, limit: str, variant
     work-balanced split of ``stage_split="auto"`` (the memory relief of that split is for stage 0's embedding)."""
     planner = dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=variant.gpu(cfg, S),
                             schedule="auto", stage_split="auto", workload=trace, recompute=variant.recompute,
-                            virtual=variant.virtual)
+                            virtual=variant.virtual, state_shards=variant.state_shards)
     if variant.embedding == "first":
         planner.spec = planner.spec.with_(offload=variant.offload)
         return planner
@@ -165,7 +168,7 @@ def planner_for(cfg: ModelConfig, trace: np.ndarray, S: int, limit: str, variant
     layout = planner.model_cfg if relief is None else layout_of(planner.model_cfg, S, relief.balanced)
     planner = dynmb.Planner(model=layout, num_stages=S, memory_limit=limit, cost_model=variant.gpu(layout, S),
                          schedule="auto", stage_split="even", workload=trace, recompute=variant.recompute,
-                         virtual=variant.virtual, embedding="last")
+                         virtual=variant.virtual, embedding="last", state_shards=variant.state_shards)
     planner.spec = planner.spec.with_(offload=variant.offload)
     return planner
 
@@ -181,7 +184,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
     key = {"trace": trace_name, "model": model, "P": P, "limit": limit, "sequences": int(batch.size),
            "recompute": variant.recompute, "virtual": variant.virtual, "embedding": variant.embedding,
            "offload": variant.offload, "host_bytes_per_s": variant.host_bytes_per_s,
-           "prefetch_lead": timing_offload.PREFETCH_LEAD}
+           "prefetch_lead": timing_offload.PREFETCH_LEAD, "state_shards": variant.state_shards}
     try:
         dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
     except ValueError as e:
@@ -302,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch-lead", type=int, default=None,
                     help="what-if: ops before a backward its reload is issued (default: the runtime's, "
                          "dynmb.timing.offload.PREFETCH_LEAD)")
+    ap.add_argument("--state-shards", type=int, default=1,
+                    help="Planner(state_shards=...) for every method: the data-parallel ranks sharing each stage's "
+                         "model states (FSDP2, `dynmb run --dp N --shard`; 8: one replica of an 8-replica job); "
+                         "default 1: held whole")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
     ap.add_argument("--table", type=Path, nargs="+", default=None,
                     help="print the markdown table of these JSON lines (later rows win per cell) and exit")
@@ -322,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 for P in map(int, args.stages.split(",")):
                     row = cell(name, trace, model, P, limit, names, Variant(
                         args.recompute, args.virtual, args.embedding, args.offload,
-                        None if args.host_gbps is None else args.host_gbps * 1e9))
+                        None if args.host_gbps is None else args.host_gbps * 1e9, args.state_shards))
                     append_row(row, args.out)
                     print(markdown(pd.DataFrame([row])).splitlines()[-1], flush=True)
     return 0
