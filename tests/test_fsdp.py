@@ -92,9 +92,12 @@ def _check_verified(job, names) -> None:
 
 
 def _check_peaks(job, cases: dict) -> None:
-    """Each (step, stage): the replicas' highest metered peak within the sharded prediction, by ``PEAK_SLACK``."""
+    """Each (step, stage): the replicas' highest metered peak within the sharded prediction, by ``PEAK_SLACK``. Not
+    with virtual stages: a plan's ``pred_peak_bytes`` is then per chunk, the meter's the rank's (its two chunks; also
+    unsharded, on main: stage 2 metered 27.7 MB against 9.4 MB predicted; the simulator's ``peak_bytes_rank`` is the
+    rank's)."""
     for name, cfg in cases.items():
-        if cfg is None:
+        if cfg is None or cfg.spec.virtual > 1:
             continue
         mem = load_results(job.out / name)["memory"]
         top = mem.groupby(["step", "stage"]).agg(peak=("peak_bytes", "max"), pred=("pred_peak_bytes", "max"))

@@ -144,6 +144,14 @@ def _memory_rows(state: RunState, step: int, plan: Plan, offloaded: Mapping[int,
     return rows
 
 
+def _gather(state: RunState) -> None:
+    """FSDP2 (``--shard``): every unit's weights gathered once, gradient sync off (``fsdp.begin_step``); the meter
+    recounts the states (the gathered weights, their whole gradients, the shards beside them)."""
+    if state.sharded:
+        begin_step(state.stages.values())
+        state.meter.sample_states()
+
+
 def run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     """Run step ``step`` on this rank (see the module docstring); returns this rank's report,
     the step's plan (the global batch's, every replica) and replica 0's schedule."""
@@ -181,9 +189,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     gc.disable()   # no collector pauses inside the measured step; run_step turns it back on
     dist.barrier()
     t0, start_mark = time.perf_counter(), state.clock.mark()
-    if state.sharded:
-        begin_step(state.stages.values())      # weights gathered once, gradient sync off
-        state.meter.sample_states()            # the gathered weights, their whole gradients, the shards beside
+    _gather(state)
     prefix = PrefixStore() if replica.has_slices else None
     timings, loss = run_actions(actions, ActionContext(
         stages=state.stages, plan=replica, inputs=_InputCache(replica, actions, tokens, state, prefix, bool(lift)),
