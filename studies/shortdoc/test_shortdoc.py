@@ -97,3 +97,16 @@ def test_offload_variant_sets_the_spec_and_the_what_if_link():
     spec = variant.gpu(cfg, 2).spec
     assert spec.host_h2d_bytes_per_s == spec.host_d2h_bytes_per_s == 4e11
     assert spec.peak_flops == H100_SXM.peak_flops and shortdoc.Variant().gpu(cfg, 2).spec == H100_SXM
+
+
+@pytest.mark.parametrize("embedding", ["first", "last"])
+def test_state_shards_reach_the_cell_planner(embedding):
+    """``--state-shards 8``: the cell's planner (either embedding place) plans with the sharded memory view."""
+    import numpy as np
+
+    cfg = dynmb_model("llama-tiny")
+    trace = np.full(64, 100)
+    whole = shortdoc.planner_for(cfg, trace, 2, "1GiB", shortdoc.Variant(embedding=embedding))
+    planner = shortdoc.planner_for(cfg, trace, 2, "1GiB", shortdoc.Variant(embedding=embedding, state_shards=8))
+    assert planner.spec.state_shards == 8 and planner.memory_model.state_shards == 8
+    assert planner.memory_model.state_bytes.sum() < whole.memory_model.state_bytes.sum()
