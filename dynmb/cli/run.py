@@ -82,7 +82,9 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
                         help="check each step's gradients against a single-process reference")
     parser.add_argument("--shard", action="store_true",
                         help="FSDP2 over the --dp replicas: each rank keeps 1/dp of its stages' weights, gradients "
-                             "and Adam states between steps (gathered once per step); gradients are summed")
+                             "and Adam states between steps (gathered once per step); gradients are summed; the steps "
+                             "are planned with the states sharded over --dp (PlanSpec.state_shards); a --plan made "
+                             "with --state-shards N runs only with --shard over N or more")
     parser.add_argument("--allow-over-limit", action="store_true",
                         help="report a measured peak over the limit instead of failing")
     add_run_shape_flags(parser)
