@@ -177,11 +177,8 @@ def test_the_command_line_plans_and_runs_with_the_shards(tmp_path, capsys):
     assert run_config(args).spec.state_shards == 1
 
 
-def test_compare_and_a_run_without_enough_shards_refuse(tmp_path, capsys):
-    from dynmb.cli.main import main
-
-    assert main(["compare", "--model", "tiny", "--state-shards", "2", "--out", str(tmp_path / "c")]) == 2
-    assert "dynmb compare runs one pipeline replica" in capsys.readouterr().err
+def test_a_run_without_enough_shards_is_refused():
+    """``RunConfig``: its plans' shards at most its own (``--dp`` with ``--shard``, else 1)."""
     with pytest.raises(ValueError, match="state_shards 4: the plans count model states sharded over 4 replicas"):
         RunConfig(dp=2, shard=True, state_shards=4)
     with pytest.raises(ValueError, match="holds them whole"):

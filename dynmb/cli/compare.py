@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
-                             add_offload_flag, add_schedule_flag, add_state_shards_flag, add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int,
+                             add_offload_flag, add_schedule_flag, add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int,
                              positive_int, spec_from_flags)
 from dynmb.cli.outcome import stop_line
 from dynmb.core.config import RunConfig
@@ -34,7 +34,6 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_recompute_flag(parser)
     add_slice_fitting_flag(parser)
     add_offload_flag(parser)
-    add_state_shards_flag(parser)
     add_shape_flags(parser)
     add_run_shape_flags(parser)
     add_schedule_flag(parser, help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb, or auto (per step, the "
@@ -82,10 +81,6 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     """The ``CompareSettings`` of the flags: a ``RunConfig`` template (its spec from ``spec_from_flags``), the
     methods and the comparison's own options."""
     corpus = corpus_source(args)
-    if (args.state_shards or 1) > 1:           # its cases run one replica: nothing to shard the states over
-        raise ValueError(f"--state-shards {args.state_shards}: dynmb compare runs one pipeline replica, which holds "
-                         f"its model states whole; plan with `dynmb plan --state-shards {args.state_shards}` or run "
-                         f"`dynmb run --dp {args.state_shards} --shard`")
     device = args.device or default_backend_device()[1]
     template = RunConfig(
         model=base_model_config(args.model, args.attention),

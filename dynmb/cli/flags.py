@@ -9,8 +9,8 @@
   ``--schedule-kind`` (plan) and ``--kind`` (schedule) as hidden aliases;
 - ``spec_from_flags``: the ONE place a verb's flags become a ``PlanSpec`` (plan, run, compare, the split search);
 - ``add_slice_fitting_flag``: ``--slice-fitting``; ``add_embedding_flag``: ``--embedding``; ``add_offload_flag``:
-  ``--offload`` (plan, run, compare); ``add_state_shards_flag``: ``--state-shards`` (plan, compare; ``run --shard``
-  plans with its ``--dp``);
+  ``--offload`` (plan, run, compare); ``add_state_shards_flag``: ``--state-shards`` (plan; ``run --shard`` plans
+  with its ``--dp``; compare runs one replica);
 - ``add_recompute_flag``: ``--recompute``;
 - ``add_shape_flags``: ``--pack-len``, ``--round-to``;
 - ``add_run_shape_flags``: ``--prewarm``, ``--no-expandable-segments``;
