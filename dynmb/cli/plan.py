@@ -8,9 +8,9 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_state_shards_flag, load_rows, model_from_args,
-                             names_factory, nonnegative_int, spec_from_flags, virtual_arg, warn_own_model_stand_ins,
-                             with_virtual_choice)
+from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_state_shards_flag, load_rows,
+                             model_from_args, names_factory, nonnegative_int, spec_from_flags, virtual_arg,
+                             warn_own_model_stand_ins, with_virtual_choice)
 from dynmb.cli.planfile import plan_meta, plan_pack_len
 from dynmb.core.config import ModelConfig, PlanSpec, format_bytes
 from dynmb.costmodel.loader import load_models

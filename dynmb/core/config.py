@@ -368,9 +368,10 @@ class RunConfig:
         if self.shard and self.dp < 2:
             raise ValueError(f"--shard needs --dp 2 or more (replicas to shard over), got dp {self.dp}")
         if self.spec.state_shards > (self.dp if self.shard else 1):
+            held = f"shards them over {self.dp}" if self.shard else "holds them whole"
             raise ValueError(f"state_shards {self.spec.state_shards}: the plans count model states sharded over "
-                             f"{self.spec.state_shards} replicas, but this run {'shards over ' + str(self.dp) if self.shard else 'holds them whole'}"
-                             f"; run with --shard and --dp {self.spec.state_shards} or more")
+                             f"{self.spec.state_shards} replicas, but this run {held}; run with --shard and --dp "
+                             f"{self.spec.state_shards} or more")
         if not 0 <= self.plan_ahead <= 64:
             raise ValueError(f"plan_ahead must be 0-64 steps, got {self.plan_ahead}")
         _check_optimizer(self.optimizer)

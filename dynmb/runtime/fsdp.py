@@ -26,7 +26,9 @@ A step of dynmb's runtime (``begin_step`` / ``finish_step`` around the rank's ac
 4. ``begin_step``: every unit is unsharded (all-gathered) once, in module order, and gradient
    sync is turned off: the microbatches' backwards accumulate unsharded gradients and issue no
    collective, so no collective depends on the order of the schedule's actions (replicas whose
-   schedules differ, as under ``memory-aware`` or with slices, cannot deadlock);
+   schedules differ, as under ``memory-aware`` or with slices, cannot deadlock); the runtime's CPU meter then
+   recounts the states (the gathered weights and their whole gradients beside the shards: what
+   ``MemoryModel.sharded`` predicts for ``PlanSpec.state_shards``);
 5. ``finish_step``: gradient sync on, every parameter group's ``post_backward`` (the
    reduce-scatter of its accumulated gradient, summed), then the root's final callback
    (waits, reshards): what torch's ``PipelineStage.perform_reduce_grad`` does. The optimizer then
