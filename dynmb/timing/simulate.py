@@ -58,7 +58,7 @@ import pandas as pd
 from dynmb.timing.bounds import dependency_bound, plan_ideal, split_mask, stage_ranks
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
-from dynmb.timing.makespan import makespan
+from dynmb.timing.makespan import embed_terms, makespan
 from dynmb.schedule.embedlast import dropped, is_lifted
 from dynmb.schedule.validate import ScheduleError, check_slice_order, execution_order
 from dynmb.timing.embedding import embed_costs, lifted_costs, lifted_memory
@@ -452,11 +452,14 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
 
 
 def estimate_makespan(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0, kind: str = "1f1b",
-                      virtual: int = 1) -> float:
+                      virtual: int = 1, embed: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """The fast path: predicted makespan of the ``kind`` schedule (by the estimator its ``estimate_as`` names in
     ``dynmb.timing.estimators``: ``gpipe``, ``1f1b``, the zero-bubble ones with their default I / W shares, the
     interleaved or ZB-V one with ``virtual`` chunks per GPU) of
     ``costs["F"]``, ``costs["B"]`` (``[num_stages, m]`` seconds) with ``comm_s`` per message, without a
-    timeline: ``dynmb.timing.makespan.makespan`` (module doc)."""
-    return makespan(np.asarray(costs["F"], dtype=np.float64), np.asarray(costs["B"], dtype=np.float64), comm_s, kind,
-                    virtual=virtual)
+    timeline: ``dynmb.timing.makespan.makespan`` (module doc). ``embed``: ``(F[m], B[m])`` seconds of the embeds
+    with the embedding on the last rank (``dynmb.timing.embedding.embed_seconds``), priced by
+    ``dynmb.timing.makespan.embed_terms``."""
+    F = np.asarray(costs["F"], dtype=np.float64)
+    est = makespan(F, np.asarray(costs["B"], dtype=np.float64), comm_s, kind, virtual=virtual)
+    return est if embed is None else est + float(embed_terms(embed, comm_s, [F.shape[1]])[0])
