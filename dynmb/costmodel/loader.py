@@ -213,7 +213,11 @@ def load_models(model_cfg: ModelConfig, num_stages: int, *, cost: Any = None, me
     return models
 
 
-def embedding_models(models: PredictionModels, model_cfg: ModelConfig, embedding: str) -> PredictionModels:
+Bundle = TypeVar("Bundle", bound="Models[MemoryModel]")
+"""``Models`` with a memory model that moves its embedding states (``PredictionModels`` too)."""
+
+
+def embedding_models(models: Bundle, model_cfg: ModelConfig, embedding: str) -> Bundle:
     """``models`` as planned with the token embedding at ``embedding`` (``PlanSpec.embedding``): ``last`` moves the
     memory model's embedding states to the last rank (``MemoryModel.embedding_last``) and refuses a tied embedding in
     one line (its table is the head's, on the last stage already); ``first``: ``models`` themselves."""

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from dynmb.core.config import ModelConfig
-from dynmb.costmodel.loader import Models
+from dynmb.costmodel.loader import Models, embedding_models
 from dynmb.memory.model import get_memory_model
 from dynmb.core.model_sizes import UNITS_PER_LAYER
 from dynmb.core.planspec import PlanSpec
@@ -333,12 +333,12 @@ class SplitSearch:
                     batches: list[np.ndarray]) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """``runs_of`` for a whole layout (its ``layer_split`` and ``head_split``)."""
         priced = cm.for_layout(cm.model_cfg.with_layout_of(layout), num_stages)
-        mm = get_memory_model(None, layout, num_stages)
-        spec = self.spec.with_(method="dynamic", dp=1, mbs=None)
+        spec = self.spec.with_(method="dynamic", dp=1, mbs=None)     # the embedding's states where it runs
+        models = embedding_models(Models(priced, get_memory_model(None, layout, num_stages)), layout, spec.embedding)
         steps, tokens = [], []
         for batch in batches:
             try:
-                plan, _, _ = plan_step(batch, spec, model_cfg=layout, models=Models(priced, mm))
+                plan, _, _ = plan_step(batch, spec, model_cfg=layout, models=models)
             except ValueError:                          # PackingError: this split cannot take the batch
                 return (float("inf"),) * len(batches), (0.0,) * len(batches)
             steps.append(float(plan.predictions["pred_step_s"]))
