@@ -79,7 +79,7 @@ def estimate_and_simulate_embedding_last(kind: str, ranks: int, m: int, seed: in
     v = _virtual(kind, rng)
     S = ranks * v
     costs, comm, shares = _pipeline(rng, S, m)
-    fe = rng.uniform(0.0, 0.05) * costs["F"][0] + rng.uniform(0.0, 0.01)
+    fe = rng.uniform(0.0, 0.05) * costs["F"][0]
     embed = (fe, rng.uniform(1.0, 2.0) * fe)
 
     def evaluate(schedule):
