@@ -103,6 +103,28 @@ def test_the_simulator_charges_the_embed_and_its_two_messages():
     assert first_f >= 0.01 + c                              # stage 0 waits for the embed and its message
 
 
+@pytest.mark.parametrize("kind, docs, longest", [("gpipe", 16, 600), ("1f1b", 60, 3000)])
+def test_the_fast_estimate_prices_the_embeds_of_a_gpu_plan(kind, docs, longest):
+    """A Llama-2-7B plan on H100s with the embedding last: the fast estimate plus the embeds' terms
+    (``estimate_makespan(..., embed=)``) is at or above the simulated step and at most the terms above it; without
+    them it is below (the first embed's message and the last embedding-backward's, at least)."""
+    from dynmb.costmodel.gpu import GPUCostModel
+    from dynmb.timing.embedding import embed_costs
+    from dynmb.timing.makespan import embed_terms
+    from dynmb.timing.simulate import comm_times, estimate_makespan
+
+    cfg = model_config("llama2-7b")
+    cm = GPUCostModel(cfg, 4)
+    step = dynmb.Planner(model=cfg, num_stages=4, memory_limit="80GiB", cost_model=cm, schedule=kind,
+                         embedding="last").plan(np.random.default_rng(3).integers(100, longest, docs))
+    plan, sim = step.plan, step.sim.makespan_s
+    costs, comm, embed = cm.plan_costs(plan), comm_times(cm, plan), embed_costs(cm, plan)
+    est = estimate_makespan(costs, comm, kind, embed=embed)
+    terms = float(embed_terms(embed, comm, [plan.num_microbatches])[0])
+    assert sim * (1 - 1e-9) <= est <= sim + terms
+    assert estimate_makespan(costs, comm, kind) < sim
+
+
 def test_the_memory_model_moves_the_embedding_states_to_the_last_stage():
     cfg = model_config("llama-small")
     base = MemoryModel.analytic(cfg, 4)

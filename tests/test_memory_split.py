@@ -117,3 +117,21 @@ def test_the_command_line_resolves_the_planners_layout(tmp_path) -> None:
                             stage_split="auto", workload="gsm8k")
     assert planner.split_relief is not None and planner.split_relief.relieved
     assert model_from_args(args).layer_split == planner.model_cfg.layer_split
+
+
+def test_the_embedding_on_the_last_rank_is_sized_where_it_runs() -> None:
+    """Llama-3.1-8B, P 8, 24 GiB: with the embedding first its 128k-row table on stage 0 sets the microbatch and the
+    relief takes layers off stage 0; with it last (``embedding="last"``) stage 0 holds no table, so the
+    balanced split admits more tokens, as the memory model that plans the run says, and is kept (the old code
+    weighed the table on stage 0 either way and relieved both)."""
+    cfg, stages, limit = dynmb.model_config("llama3.1-8b"), 8, 24 << 30
+    kw = dict(model=cfg, num_stages=stages, memory_limit=limit, cost_model=GPUCostModel(cfg, stages), workload="gsm8k",
+              stage_split="auto", schedule="1f1b")
+    first, last = (dynmb.Planner(**kw, embedding=e) for e in ("first", "last"))
+    assert first.split_relief is not None and last.split_relief is not None
+    assert first.split_relief.relieved and not last.split_relief.relieved
+    assert last.split_relief.balanced_tokens > first.split_relief.balanced_tokens
+    mm = MemoryModel.analytic(last.model_cfg, stages).embedding_last()      # the balanced layout, as it plans
+    admitted = mm.max_rows(limit - np.asarray(mm.state_bytes, dtype=np.float64), 1,
+                           ms._windows("1f1b", stages), tight=True)[0]
+    assert last.split_relief.balanced_tokens == int(admitted)

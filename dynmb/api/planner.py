@@ -184,7 +184,7 @@ class Planner:
                                                  virtual=self.spec.virtual)
             if stage_split == "auto":              # memory in the split (dynmb.planning.memory_split)
                 self.model_cfg, self.split_relief = relieved_layout(self.model_cfg, num_stages, ReliefInputs(
-                    memory_limit_bytes=spec.memory_limit_bytes, schedule_kind=spec.schedule_kind,
+                    memory_limit_bytes=spec.memory_limit_bytes, schedule_kind=spec.schedule_kind, embedding=spec.embedding,
                     workload=inputs.workload, cost_model=pricing, half_blocks=not own, state_shards=spec.state_shards),
                     virtual=self.spec.virtual, memory_model=inputs.memory_model)
             cost_model = rebuilt_for_layout(cost_model, self.model_cfg, num_stages)

@@ -256,7 +256,8 @@ def model_from_args(args: argparse.Namespace, *, model: str | None = None, stage
                           schedule_kind=kind if is_schedule_name(kind := str(getattr(args, "schedule", None)
                                                                               or "1f1b")) else "1f1b",
                           cost_model=getattr(args, "cost_model", None),          # memory in the split, as Planner
-                          state_shards=state_shards_of(args))
+                          state_shards=state_shards_of(args),
+                          embedding=str(getattr(args, "embedding", None) or "first"))
     return relieved_layout(out, int(stages), relief, virtual=virtual, memory_model=getattr(args, "memory_model", None))[0]
 
 

@@ -1,8 +1,9 @@
 """Memory in the stage split: fewer layers on the first stage where its in-flight window sets the microbatch size.
 
 Under 1F1B and the zero-bubble kinds that keep its window, stage ``s`` holds ``P - s`` microbatches in flight,
-so at a tight memory limit the first stage (``P`` in flight, and the embedding's states) alone sets how many
-tokens a microbatch may hold; the other stages have room to spare. Small microbatches pay the per-op fixed
+so at a tight memory limit the first stage (``P`` in flight, and the embedding's states unless it runs on the
+last rank, ``ReliefInputs.embedding``) alone sets how many tokens a microbatch may hold; the other stages have room
+to spare. Small microbatches pay the per-op fixed
 cost and narrow GEMMs on every stage (``dynmb.timing.gap_terms``: ``overhead``, ``shape``). A split that moves
 work off the first stage lets every microbatch grow, at the price of a busier pipeline elsewhere.
 
@@ -63,6 +64,9 @@ class ReliefInputs:
     """Splits may fall inside a block (dynmb's own families); False: whole layers."""
     state_shards: int = 1
     """The data-parallel ranks sharing each stage's model states (``PlanSpec.state_shards``, ``MemoryModel.sharded``)."""
+    embedding: str = "first"
+    """Where the token embedding runs (``PlanSpec.embedding``): ``last`` moves its states to the last stage
+    (``MemoryModel.embedding_last``), so the first stage holds no table."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ def step_proxy(layout: ModelConfig, num_stages: int, inputs: ReliefInputs, mean_
     (module doc; the rows' token count as one-token rows, continuous: the s^2 term of short rows left out);
     ``inf`` where not one ``mean_len`` row fits."""
     mm = MemoryModel.analytic(layout, num_stages).sharded(inputs.state_shards)
+    mm = mm.embedding_last() if inputs.embedding == "last" else mm
     caps = float(inputs.memory_limit_bytes) - np.asarray(mm.state_bytes, dtype=np.float64)
     tokens = int(mm.max_rows(caps, 1, _windows(inputs.schedule_kind, num_stages), tight=True)[0])
     if tokens < mean_len:

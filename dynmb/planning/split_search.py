@@ -333,12 +333,12 @@ class SplitSearch:
                     batches: list[np.ndarray]) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """``runs_of`` for a whole layout (its ``layer_split`` and ``head_split``)."""
         priced = cm.for_layout(cm.model_cfg.with_layout_of(layout), num_stages)
-        mm = get_memory_model(None, layout, num_stages)
         spec = self.spec.with_(method="dynamic", dp=1, mbs=None)
+        models = Models(priced, get_memory_model(None, layout, num_stages))   # plan_step applies spec's views
         steps, tokens = [], []
         for batch in batches:
             try:
-                plan, _, _ = plan_step(batch, spec, model_cfg=layout, models=Models(priced, mm))
+                plan, _, _ = plan_step(batch, spec, model_cfg=layout, models=models)
             except ValueError:                          # PackingError: this split cannot take the batch
                 return (float("inf"),) * len(batches), (0.0,) * len(batches)
             steps.append(float(plan.predictions["pred_step_s"]))

@@ -20,7 +20,8 @@ Algorithm (``VirtualSearch.choose``), deterministic (every rank computes the sam
 3. **Choice**: the sample batches of ``SplitSearch.sample_batches`` (one replica's share of the global
    batch, drawn from the workload), each planned with ``dynamic`` at ``dp = 1`` under the run's settings
    with ``num_stages = P V, virtual = V`` (``SplitSearch.layout_step``: pack, reorder, schedule, simulate; the
-   layout-free cost model rebuilt for the layout, the analytic memory model). The V of the smallest mean
+   layout-free cost model rebuilt for the layout, the analytic memory model with the embedding's states where
+   the spec's ``embedding`` runs it, as the Planner plans). The V of the smallest mean
    simulated step per real token wins (``score``: mean step scaled to V 1's mean real tokens, as
    ``split_search`` scores: with ``oversize="truncate"`` a layout that truncates more trains fewer tokens in
    a shorter step), V 1 unless another is strictly better. A V that cannot plan a batch drops out, and so

@@ -24,7 +24,7 @@ import numpy as np
 from dynmb.costmodel.base import CostModelLike
 from dynmb.core.types import Plan
 
-__all__ = ["embed_costs", "lifted_costs", "lifted_memory", "HOST_BYTES_PER_S", "ID_BYTES", "EMBED_OVERHEAD_S"]
+__all__ = ["embed_costs", "embed_seconds", "lifted_costs", "lifted_memory", "HOST_BYTES_PER_S", "ID_BYTES", "EMBED_OVERHEAD_S"]
 
 HOST_BYTES_PER_S = 10e9
 """Memory bandwidth of a host (CPU) cost model's embed: a few streams of DRAM copy."""
@@ -39,14 +39,22 @@ def _tokens(plan: Plan) -> np.ndarray:
     return (shapes[:, 0] * shapes[:, 1]).astype(np.float64)
 
 
-def embed_costs(cost_model: CostModelLike, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """``(F[m], B[m])`` seconds of the embeds and embedding-backwards of ``plan`` (module doc)."""
+def embed_seconds(cost_model: CostModelLike, rows: Any, padded_len: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(F, B)`` seconds of the embed and embedding-backward of microbatches of ``rows`` x ``padded_len`` tokens
+    (module doc; what a packer adds to its fast estimate, ``dynmb.timing.makespan.embed_terms``)."""
     cfg = cost_model.model_cfg
     spec = getattr(cost_model, "spec", None)
     bandwidth = float(getattr(spec, "hbm_bytes_per_s", HOST_BYTES_PER_S))
     overhead = float(getattr(spec, "overhead_s", EMBED_OVERHEAD_S))
-    hidden = _tokens(plan) * cfg.d_model * cfg.dtype_bytes
+    tokens = np.asarray(rows, dtype=np.float64) * np.asarray(padded_len, dtype=np.float64)
+    hidden = tokens * cfg.d_model * cfg.dtype_bytes
     return overhead + 2 * hidden / bandwidth, overhead + 3 * hidden / bandwidth
+
+
+def embed_costs(cost_model: CostModelLike, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """``(F[m], B[m])`` seconds of the embeds and embedding-backwards of ``plan`` (module doc)."""
+    shapes = plan.shapes()
+    return embed_seconds(cost_model, shapes[:, 0], shapes[:, 1])
 
 
 def lifted_costs(costs: dict[str, np.ndarray], embed: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:

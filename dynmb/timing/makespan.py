@@ -51,7 +51,7 @@ from dynmb.timing.makespan_levels import levels as _levels
 from dynmb.timing.makespan_levels import sweep_levels
 from dynmb.schedule.order import stage_order
 
-__all__ = ["makespan", "makespans", "order_makespans", "exact_regime", "round_trip_bound", "has_bound_regime", "EXACT_OPS",
+__all__ = ["makespan", "makespans", "embed_terms", "order_makespans", "exact_regime", "round_trip_bound", "has_bound_regime", "EXACT_OPS",
            "EXACT_PER_STAGE"]
 
 EXACT_OPS = 6000
@@ -283,6 +283,27 @@ def _round_trips(F: np.ndarray, B: np.ndarray, comm: np.ndarray, offs: np.ndarra
     for r, (a, k) in enumerate(zip(offs[which].tolist(), sizes.tolist())):
         F0[r, :k], B0[r, :k], U[r, :k] = F[0, a:a + k], B[0, a:a + k], up[a:a + k]
     return round_trip_bound(F0, B0, U, m if kind == "gpipe" else P - 1)
+
+
+def embed_terms(embed: tuple[np.ndarray, np.ndarray], comm_s: Any, sizes: Any) -> np.ndarray:
+    """What the embedding on the last rank (``PlanSpec.embedding = "last"``, ``dynmb.schedule.embedlast``) adds to
+    the ``makespans`` of the same pipelines: per pipeline (the next ``sizes[k]`` columns) the work of its embeds and
+    embedding-backwards, ``embed = (F[M], B[M])`` seconds (``dynmb.timing.embedding.embed_seconds``), plus two of
+    its longest messages. Why that bounds the step (``dynmb.timing.estimators``, "embedding last"): the embeds are
+    merged into the last rank's list where that rank's timeline without them has them done, and sent, by the time
+    stage 0 needs them, and the backwards' after their input gradient is there; so a path of the lifted schedule
+    runs at most each embed's own seconds longer than the timeline without them, and at its ends at most the first
+    embed's message and the last embedding-backward's."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    fe, be = (np.asarray(x, dtype=np.float64).reshape(-1) for x in embed)
+    out = np.zeros(len(sizes))
+    some = np.flatnonzero(sizes > 0)
+    if not len(some):
+        return out
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])[some]
+    comm = np.broadcast_to(np.asarray(comm_s, dtype=np.float64), fe.shape)
+    out[some] = np.add.reduceat(fe + be, starts) + 2 * np.maximum.reduceat(comm, starts)
+    return out
 
 
 def makespan(F: np.ndarray, B: np.ndarray, comm_s: Any = 0.0, kind: str = "1f1b",

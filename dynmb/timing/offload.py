@@ -15,9 +15,9 @@ copies out earlier, block by block, which this model does not credit):
 
 Beside any op, then, at most ``in_transit() = COPY_OUT_DEPTH + PREFETCH_LEAD`` other microbatches' offloaded bytes
 are on the device (the memory view's ``in_transit``: ``MemoryModel.offloading``).
-So per action ``start = max(rank free, dependency + P2P, previous copy out done [F], reload done [B/I])``, the
-simulator's recurrence (``dynmb.timing.simulate.action_times``) with two more terms; ``stall`` is what they add.
-Without copies (``OffloadCopies`` None) the simulator runs its own recurrence unchanged. A cost model without a host
+So per action ``start = max(rank free, dependency + P2P, previous copy out done [F], reload done [B/I])``: the
+simulator's recurrence (``dynmb.timing.simulate.action_times``) with two more terms, which ``CopyWaits`` adds as its
+optional ``waits`` (one loop; without copies it runs as it did); ``stall`` is what they add. A cost model without a host
 link (the CPU models: a CPU's host is its device) prices no copies: ``host_link`` is None and the planner offloads
 nothing (``dynmb.planning.offload``).
 """
@@ -32,7 +32,7 @@ import numpy as np
 from dynmb.costmodel.gpu import GPUSpec
 from dynmb.core.types import Plan
 
-__all__ = ["HostLink", "OffloadCopies", "host_link", "offload_view", "plan_copies", "offload_times", "in_transit",
+__all__ = ["HostLink", "OffloadCopies", "host_link", "offload_view", "plan_copies", "CopyWaits", "in_transit",
            "PREFETCH_LEAD", "COPY_OUT_DEPTH"]
 
 PREFETCH_LEAD = 1
@@ -104,41 +104,44 @@ def plan_copies(memory_model: Any, plan: Plan, cost_model: Any) -> OffloadCopies
     return OffloadCopies(moved / link.d2h_bytes_per_s, moved / link.h2d_bytes_per_s)
 
 
-def offload_times(flat: Any, dur: np.ndarray, cross: np.ndarray, num_ranks: int,
-                  copies: OffloadCopies) -> tuple[list[float], list[float], float]:
-    """``(start, end, stall)``: ``dynmb.timing.simulate.action_times`` with the copies' two waits (module doc);
-    ``stall``: the seconds they add over all actions."""
-    n = len(dur)
-    durl, depl, crossl = dur.tolist(), flat.dep.tolist(), cross.tolist()
-    rankl, stagel, opl, mbl = flat.rank.tolist(), flat.stage.tolist(), flat.op.tolist(), flat.mb.tolist()
-    d2h, h2d, lead, depth = copies.d2h.tolist(), copies.h2d.tolist(), max(int(copies.lead), 0), \
-        max(int(copies.out_depth), 1)
-    first = flat.start.tolist()
-    end, start = [0.0] * n, [0.0] * n
-    free, in_free = [0.0] * num_ranks, [0.0] * num_ranks
-    outs: list[list[float]] = [[0.0] * depth for _ in range(num_ranks)]     # each rank's last copies out, done at
-    out_done: dict[tuple[int, int], float] = {}
-    stall = 0.0
-    for i in flat.order.tolist():
-        r, s, op, j = rankl[i], stagel[i], opl[i], mbl[i]
-        t = free[r]
-        d = depl[i]
-        if d >= 0 and end[d] + crossl[i] > t:
-            t = end[d] + crossl[i]
-        ready = t
-        if op == 0 and d2h[s][j] > 0 and outs[r][-depth] > t:      # at most ``depth`` copies out in flight
-            t = outs[r][-depth]
-        elif op in (1, 2) and h2d[s][j] > 0:
-            issued = ready if lead == 0 else start[i - lead] if i - lead >= first[r] else 0.0
-            back = max(issued, in_free[r], out_done.get((s, j), 0.0)) + h2d[s][j]
-            in_free[r] = back
+class CopyWaits:
+    """The copies' two waits as ``dynmb.timing.simulate.action_times``' optional terms (module doc). ``deps``: the
+    schedule's dependencies with each waiting action's (an offloading ``F``, a reloading ``B`` / ``I``) stored as
+    ``-3 - dependency`` (``<= -2``), the mark ``action_times`` tests only where it found no dependency, so its plain
+    path pays nothing; ``start(i, free, start, end)``: such an action's start; ``stall``: the seconds the waits
+    added over all actions."""
+
+    def __init__(self, flat: Any, dur: np.ndarray, cross: np.ndarray, copies: OffloadCopies) -> None:
+        op, d2h_a, h2d_a = flat.op, copies.d2h[flat.stage, flat.mb], copies.h2d[flat.stage, flat.mb]
+        waits = ((op == 0) & (d2h_a > 0)) | (((op == 1) | (op == 2)) & (h2d_a > 0))
+        self.deps: list[int] = np.where(waits, -3 - flat.dep, flat.dep).tolist()
+        self.dep, self.dur, self.cross = flat.dep.tolist(), dur.tolist(), cross.tolist()
+        self.rank, self.stage, self.op, self.mb = flat.rank.tolist(), flat.stage.tolist(), op.tolist(), flat.mb.tolist()
+        self.d2h, self.h2d = copies.d2h.tolist(), copies.h2d.tolist()
+        self.lead, self.depth = max(int(copies.lead), 0), max(int(copies.out_depth), 1)
+        self.first = flat.start.tolist()
+        ranks = len(self.first) - 1
+        self.in_free = [0.0] * ranks                  # each rank's reload engine free at
+        self.outs = [[0.0] * self.depth for _ in range(ranks)]   # each rank's last copies out, done at
+        self.out_done: dict[tuple[int, int], float] = {}
+        self.stall = 0.0
+
+    def start(self, i: int, free: float, start: list[float], end: list[float]) -> float:
+        """Action ``i``'s start: its rank ``free`` at, its dependency's message, then the copies' wait."""
+        r, s, op, j, d = self.rank[i], self.stage[i], self.op[i], self.mb[i], self.dep[i]
+        ready = free if d < 0 or end[d] + self.cross[i] <= free else end[d] + self.cross[i]
+        t = ready
+        outs = self.outs[r]
+        if op == 0:
+            t = max(t, outs[-self.depth])                           # at most ``depth`` copies out in flight
+            done = max(t + self.dur[i], outs[-1]) + self.d2h[s][j]  # its own copy out, at the forward's end
+            self.outs[r] = outs[1:] + [done]
+            self.out_done[(s, j)] = done
+        else:
+            lead = self.lead
+            issued = ready if lead == 0 else start[i - lead] if i - lead >= self.first[r] else 0.0
+            back = max(issued, self.in_free[r], self.out_done.get((s, j), 0.0)) + self.h2d[s][j]
+            self.in_free[r] = back
             t = max(t, back)
-        stall += t - ready
-        start[i] = t
-        end[i] = e = t + durl[i]
-        free[r] = e
-        if op == 0 and d2h[s][j] > 0:
-            done = max(e, outs[r][-1]) + d2h[s][j]
-            outs[r] = outs[r][1:] + [done]
-            out_done[(s, j)] = done
-    return start, end, stall
+        self.stall += t - ready
+        return t

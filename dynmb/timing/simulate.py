@@ -50,7 +50,7 @@ ops), in this layer beside the simulator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pandas as pd
@@ -58,14 +58,14 @@ import pandas as pd
 from dynmb.timing.bounds import dependency_bound, plan_ideal, split_mask, stage_ranks
 from dynmb.costmodel.base import CostModelLike
 from dynmb.memory.model import MemoryModelLike
-from dynmb.timing.makespan import makespan
+from dynmb.timing.makespan import embed_terms, makespan
 from dynmb.schedule.embedlast import dropped, is_lifted
 from dynmb.schedule.validate import ScheduleError, check_slice_order, execution_order
 from dynmb.timing.embedding import embed_costs, lifted_costs, lifted_memory
-from dynmb.timing.offload import OffloadCopies, offload_times, offload_view, plan_copies
+from dynmb.timing.offload import CopyWaits, OffloadCopies, offload_view, plan_copies
 from dynmb.core.types import Plan, Schedule
 
-__all__ = ["SimResult", "MemoryInputs", "simulate", "simulate_costs", "estimate_makespan", "action_times", "cross_mask", "memory_inputs", "w_inputs", "plan_op_costs",
+__all__ = ["SimResult", "MemoryInputs", "simulate", "simulate_costs", "estimate_makespan", "action_times", "ActionWaits", "cross_mask", "memory_inputs", "w_inputs", "plan_op_costs",
            "SliceGrads", "slice_grad_inputs",
            "comm_times", "peaks", "op_memory", "ScheduleError"]
 
@@ -145,12 +145,26 @@ def _cost_cube(costs: dict[str, np.ndarray], S: int, m: int, used: Any = "FB") -
     return cube
 
 
-def action_times(flat: Any, dur: np.ndarray, cross: np.ndarray, num_ranks: int) -> tuple[list[float], list[float]]:
+class ActionWaits(Protocol):
+    """Optional terms of ``action_times``' recurrence (activation offload's copies, ``dynmb.timing.offload.CopyWaits``):
+    ``deps``, the schedule's dependencies with each action that waits on more stored as ``-3 - dependency``, and
+    ``start(i, free, start, end)``, such an action's start from its rank's free time and the times so far."""
+
+    deps: list[int]
+
+    def start(self, i: int, free: float, start: list[float], end: list[float]) -> float: ...
+
+
+def action_times(flat: Any, dur: np.ndarray, cross: np.ndarray, num_ranks: int,
+                 waits: ActionWaits | None = None) -> tuple[list[float], list[float]]:
     """``(start, end)`` of every action of a flattened schedule (``execution_order``) with durations
     ``dur`` and P2P times ``cross`` (0 where the dependency ran on the same rank, ``cross_mask``):
-    the recurrence start = max(rank free, dep end + comm), in topological order, on Python lists."""
+    the recurrence start = max(rank free, dep end + comm), in topological order, on Python lists.
+    ``waits``: more terms for some actions (``ActionWaits``); they are told apart by their dependency's mark, which
+    only an action without a dependency tests, so the path without them runs no extra step for the others."""
     n = len(dur)
-    durl, depl, crossl, rankl = dur.tolist(), flat.dep.tolist(), cross.tolist(), flat.rank.tolist()
+    durl, crossl, rankl = dur.tolist(), cross.tolist(), flat.rank.tolist()
+    depl = flat.dep.tolist() if waits is None else waits.deps
     end = [0.0] * n
     start = [0.0] * n
     free = [0.0] * num_ranks
@@ -162,6 +176,8 @@ def action_times(flat: Any, dur: np.ndarray, cross: np.ndarray, num_ranks: int) 
             td = end[d] + crossl[i]
             if td > t:
                 t = td
+        elif d < -1 and waits is not None:      # -3 - dependency: the waits' own action
+            t = waits.start(i, t, start, end)
         start[i] = t
         e = t + durl[i]
         end[i] = e
@@ -213,10 +229,8 @@ def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: flo
     cross = np.zeros(n, dtype=np.float64)
     xi = cross_mask(flat)
     cross[xi] = comm[mb[xi]]
-    if offload is None:
-        start, end = action_times(flat, dur, cross, schedule.num_ranks)
-    else:
-        start, end, stall = offload_times(flat, dur, cross, schedule.num_ranks, offload)
+    waits = None if offload is None else CopyWaits(flat, dur, cross, offload)
+    start, end = action_times(flat, dur, cross, schedule.num_ranks, waits)
     start_a, end_a = np.asarray(start), np.asarray(end)
     makespan = float(end_a.max()) if n else 0.0
     busy = np.bincount(rank, weights=dur, minlength=schedule.num_ranks)
@@ -225,8 +239,8 @@ def simulate_costs(schedule: Schedule, costs: dict[str, np.ndarray], comm_s: flo
                              "start_s": start_a, "end_s": end_a})
     res = SimResult(timeline=timeline, makespan_s=makespan, busy_s=busy, bubble_fraction=bubble,
                     limit_bytes=None if mem.limit_bytes is None else int(mem.limit_bytes), kind=schedule.kind)
-    if offload is not None:
-        res.extra["offload_stall_s"] = stall
+    if waits is not None:
+        res.extra["offload_stall_s"] = waits.stall
     if mem.act_bytes is not None:
         _memory(res, flat, schedule, mem, end_a)
     return res
@@ -438,11 +452,14 @@ def simulate(schedule: Schedule, plan: Plan, cost_model: CostModelLike, memory_m
 
 
 def estimate_makespan(costs: dict[str, np.ndarray], comm_s: float | np.ndarray = 0.0, kind: str = "1f1b",
-                      virtual: int = 1) -> float:
+                      virtual: int = 1, embed: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """The fast path: predicted makespan of the ``kind`` schedule (by the estimator its ``estimate_as`` names in
     ``dynmb.timing.estimators``: ``gpipe``, ``1f1b``, the zero-bubble ones with their default I / W shares, the
     interleaved or ZB-V one with ``virtual`` chunks per GPU) of
     ``costs["F"]``, ``costs["B"]`` (``[num_stages, m]`` seconds) with ``comm_s`` per message, without a
-    timeline: ``dynmb.timing.makespan.makespan`` (module doc)."""
-    return makespan(np.asarray(costs["F"], dtype=np.float64), np.asarray(costs["B"], dtype=np.float64), comm_s, kind,
-                    virtual=virtual)
+    timeline: ``dynmb.timing.makespan.makespan`` (module doc). ``embed``: ``(F[m], B[m])`` seconds of the embeds
+    with the embedding on the last rank (``dynmb.timing.embedding.embed_seconds``), priced by
+    ``dynmb.timing.makespan.embed_terms``."""
+    F = np.asarray(costs["F"], dtype=np.float64)
+    est = makespan(F, np.asarray(costs["B"], dtype=np.float64), comm_s, kind, virtual=virtual)
+    return est if embed is None else est + float(embed_terms(embed, comm_s, [F.shape[1]])[0])
