@@ -65,6 +65,7 @@ from dynmb.core.types import Plan, Schedule
 from dynmb.planning.search import Candidate, Outcome, Planned, evaluate, fastest, fits, robust, step_floor
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
+from dynmb.planning import reorder as reorder_module
 from dynmb.packing.lockstep import forgetful
 from dynmb.packing import dynapipe
 from dynmb.schedule import zerobubble
@@ -220,12 +221,14 @@ def _simulated(packed: _Packed, spec: PlanSpec,
 def unremembered() -> Iterator[None]:
     """Within it nothing a plan computes is remembered: the planner's ``REMEMBER``, ``lockstep.forgetful``, the
     ``zb`` schedules (``zerobubble.REMEMBERED``), the flattened schedules (``validate.REMEMBERED``), the zb
-    estimate's pipelines (``makespan_zb.REMEMBERED``), ``dynapipe``'s splits, ``GPUCostModel``'s cost lookups and the
-    plans a step's kinds share (``packing.methods.SHARE_PLANS``) all off: the same plans, every schedule, simulation,
-    fill, split, cost lookup and packing made afresh (the plan time as before)."""
+    estimate's pipelines (``makespan_zb.REMEMBERED``), ``dynapipe``'s splits, ``GPUCostModel``'s cost lookups, the
+    plans a step's kinds share (``packing.methods.SHARE_PLANS``) and the reorder search's orders
+    (``reorder.REMEMBERED``) all off: the same plans, every schedule, simulation, fill, split, cost lookup, packing
+    and order made afresh (the plan time as before)."""
     global REMEMBER
     memos = [(zerobubble, "REMEMBERED"), (schedule_validate, "REMEMBERED"), (makespan_zb, "REMEMBERED"),
-             (dynapipe, "REMEMBERED"), (GPUCostModel, "COSTS_REMEMBERED"), (packing_methods, "SHARE_PLANS")]
+             (dynapipe, "REMEMBERED"), (GPUCostModel, "COSTS_REMEMBERED"), (packing_methods, "SHARE_PLANS"),
+             (reorder_module, "REMEMBERED")]
     was = [REMEMBER, *(getattr(owner, name) for owner, name in memos)]
     REMEMBER = False
     for owner, name in memos:
