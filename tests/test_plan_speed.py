@@ -1126,3 +1126,71 @@ def test_reorder_remembered_is_searched_afresh_keyed_by_every_input(monkeypatch)
     monkeypatch.setattr(reorder, "REMEMBERED", 0)
     reorder.reorder(plan, "search", models=models, schedule_kind="zb-h1", max_evals=40)
     assert len(searched) == 7
+
+
+# --------------------------------------------------------------------------- dynamic's finals bounded by their work
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["1f1b", "zb-h1", "zb"]),
+       n=st.integers(20, 160), stages=st.sampled_from([2, 4]))
+def test_dynamic_finals_bounded_by_work_choose_the_same(seed, kind, n, stages):
+    """``Ranker.choose`` (dp 1) leaving out the finals whose busiest stage's work already loses gives the plan that
+    estimating every order of every final gives (random batches, the one-chunk kinds of ``--schedule auto``): every
+    estimate is at least its pipeline's work, every one left out loses, every one made is the full estimate."""
+    from dynmb.core.planspec import PlanSpec
+    from dynmb.costmodel import AnalyticCostModel
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import MemoryModel
+    from dynmb.packing import pack
+    from dynmb.packing.dynamic import rank, space
+    tiny = ModelConfig.preset("tiny")
+    models = Models(AnalyticCostModel(tiny, stages), MemoryModel.analytic(tiny, stages))
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.lognormal(4.5, 1.0, n).astype(np.int64) + 1, 900)
+    spec = PlanSpec(method="dynamic", num_stages=stages, schedule_kind=kind,
+                    memory_limit_bytes=int(models.memory.state_bytes.max() * 10))
+    real = rank.Ranker._bounded
+
+    def checked(self, jobs, tol):              # every job: its estimate is at least its work; left out: it loses
+        got, full = real(self, jobs, tol), self._estimate([job[1:] for job in jobs])
+        for (c, costs, _), v, w in zip(jobs, got, full):
+            assert w >= self._work(costs) * (1 - 1e-9)
+            assert v == w if v is not None else w > min(full) * (1 + tol)
+        return got
+    plans = []
+    for bounded in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rank, "BOUND_FINALS", bounded)
+            mp.setattr(rank.Ranker, "_bounded", checked)
+            space.clear()
+            plans.append(pack(lengths, spec, models=models))
+    assert plans[0].digest() == plans[1].digest()
+    assert plans[0].predictions["est_makespan_s"] == plans[1].predictions["est_makespan_s"]
+
+
+def test_dynamic_finals_bounded_leave_some_out(monkeypatch):
+    """On a P 16 batch of the sharegpt trace under ``zb`` some finals' orders are not estimated, and the plan is the
+    one estimating them all gives (the test above is not vacuous)."""
+    from dynmb.packing.dynamic import rank, space
+    estimated: list[int] = []
+    real = rank.Ranker._estimate
+
+    def counted(self, jobs, kind=None):
+        estimated.append(sum(len(cols) for _, cols in jobs))
+        return real(self, jobs, kind)
+    monkeypatch.setattr(rank.Ranker, "_estimate", counted)
+    cfg = dynmb.model_config("llama2-7b")
+    lengths = np.minimum(data.load_trace("sharegpt")[np.random.default_rng(1).integers(0, 2977, 900)], 4096)
+    from dynmb.core.planspec import PlanSpec
+    spec = PlanSpec(method="dynamic", num_stages=16, schedule_kind="zb", memory_limit_bytes=80 << 30)
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import MemoryModel
+    from dynmb.packing import pack
+    models = Models(GPUCostModel(cfg, 16), MemoryModel.analytic(cfg, 16))
+    counts, plans = [], []
+    for bounded in (True, False):
+        monkeypatch.setattr(rank, "BOUND_FINALS", bounded)
+        space.clear()
+        estimated.clear()
+        plans.append(pack(lengths, spec, models=models))
+        counts.append(sum(estimated))
+    assert plans[0].digest() == plans[1].digest() and counts[0] < counts[1]
