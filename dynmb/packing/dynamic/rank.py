@@ -11,7 +11,8 @@ no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B`
 interleaved one, ``dynmb.timing.makespan_interleaved``, given the ``virtual`` chunks per GPU, whose proxy
 sums each GPU's chunks) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
-``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``).
+``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``; a final whose
+busiest stage's work alone already loses is not estimated: every estimate runs a stage's ops one after another).
 ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``: ``zb-h1``'s), ``choose`` the kind's own.
 ``RankMemo`` holds what the packings of one batch share.
 """
