@@ -261,14 +261,15 @@ class Ranker:
         if self.virtual > 1 or not jobs or not BOUND_FINALS:
             return list(self._estimate([job[1:] for job in jobs]))
         out: list[float | None] = [None] * len(jobs)
-        first = min((job[0] for job in jobs), key=lambda c: c.value)
-        for rows in ([i for i, job in enumerate(jobs) if job[0] is first], None):
-            if rows is None:                    # the rest, where their work does not already lose
-                best = min(v for v in out if v is not None) * (1.0 + tol) * (1.0 + BOUND_MARGIN)
-                work = {id(c): self._work(costs) for c, costs, _ in jobs}
-                rows = [i for i, job in enumerate(jobs) if out[i] is None and work[id(job[0])] <= best]
+
+        def estimate(rows: list[int]) -> None:
             for i, v in zip(rows, self._estimate([jobs[i][1:] for i in rows])):
                 out[i] = v
+        first = min((job[0] for job in jobs), key=lambda c: c.value)          # the best ranked, estimated first
+        estimate([i for i, job in enumerate(jobs) if job[0] is first])
+        best = min(v for v in out if v is not None) * (1.0 + tol) * (1.0 + BOUND_MARGIN)
+        work = {id(c): self._work(costs) for c, costs, _ in jobs}
+        estimate([i for i, job in enumerate(jobs) if out[i] is None and work[id(job[0])] <= best])
         return out
 
     def _work(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:
