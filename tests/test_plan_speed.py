@@ -4,11 +4,14 @@ sped up, ``GPUCostModel.stage_costs`` remembered against computed afresh, ``Mode
 reorder search's batched makespans under a memory limit against
 one order at a time, the zb estimate's level tables and level loop (``makespan_zb._level_table`` / ``_merged``),
 the simulator's peaks (``simulate.peaks``) and the batched orders' sweep (``batchsim.batch_makespans``) against
-stored copies of the ones before, and whole planned steps (plans, every op's order and simulated timing) with every
-old path switched back in."""
+stored copies of the ones before, the plans a step's kinds share (``packing.methods.shared_plans``) against made
+afresh, a microbatch's derived fields (attention work, packedness; set by the packer's fast constructor) against
+computed by its own constructor, the reorder search's remembered orders against searched afresh, and whole planned
+steps (plans, every op's order and simulated timing) with every old path switched back in."""
 
 from __future__ import annotations
 
+import functools
 import heapq
 import importlib
 import signal
@@ -32,6 +35,7 @@ from dynmb.core.microbatch import Microbatch
 from dynmb.core.types import Action, Schedule
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.packing import dynapipe
+from dynmb.packing import methods as packing_methods
 from dynmb.planning import batchsim, reorder
 from dynmb.planning import zerobubble as planning_zb
 from dynmb.schedule import zerobubble
@@ -681,6 +685,14 @@ def _old_prefetch_sweep(self: reorder.OrderEvaluator, orders, limit: int) -> Non
         _old_prefetch(self, orders, limit)
 
 
+def _old_attention_work(mb: Microbatch, attention: str = "auto") -> int:
+    """``Microbatch.attention_work`` before it kept its value (computed on every call)."""
+    if attention == "auto" and (len(np.unique(mb.row_ids)) < mb.num_seqs or mb.has_slices):
+        whole = mb.lengths[~mb.slice_mask].astype(np.int64)
+        return int(np.sum(whole ** 2)) + mb.prefix_work()
+    return mb.batch * mb.padded_len ** 2
+
+
 def _steps(cases, old: bool, monkeypatch) -> list:
     with monkeypatch.context() as mp:
         mp.setattr(zerobubble, "_H1", {})
@@ -708,10 +720,16 @@ def _steps(cases, old: bool, monkeypatch) -> list:
             mp.setattr(validate, "REMEMBERED", 0)
             mp.setattr(Microbatch, "slice_mask", property(lambda mb: (mb.offsets > 0) | mb.continued))
             mp.setattr(Microbatch, "has_slices", property(lambda mb: bool(mb.slice_mask.any())))
+            mp.setattr(Microbatch, "is_packed", property(lambda mb: len(np.unique(mb.row_ids)) < mb.num_seqs))
+            mp.setattr(Microbatch, "attention_work", _old_attention_work)
+            mp.setattr(packing_methods, "SHARE_PLANS", 0)
+            mp.setattr(reorder, "REMEMBERED", 0)
         mp.setattr(validate, "_FLAT", {})
-        cfg, lengths = dynmb.model_config("llama2-7b"), data.load_trace("sharegpt")
+        mp.setattr(reorder, "_ORDERS", {})
+        cfg = dynmb.model_config("llama2-7b")
         out = []
-        for P, schedule, limit, tokens, seed in cases:
+        for P, schedule, limit, tokens, seed, *trace in cases:
+            lengths = data.load_trace(trace[0] if trace else "sharegpt")
             planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit=limit, cost_model=GPUCostModel(cfg, P),
                                     schedule=schedule)
             rng = np.random.default_rng(seed)
@@ -734,6 +752,15 @@ def test_planned_steps_are_the_old_ones(monkeypatch):
 def test_planned_steps_are_the_old_ones_at_depth(monkeypatch):
     cases = [(8, "auto", "80GiB", 150_000, 2), (8, "zb", "40GiB", 100_000, 3), (16, "auto", "80GiB", 200_000, 4),
              (4, "1f1b", "80GiB", 60_000, 5)]
+    assert _steps(cases, False, monkeypatch) == _steps(cases, True, monkeypatch)
+
+
+@pytest.mark.slow
+def test_planned_steps_are_the_old_ones_on_the_readme_cells(monkeypatch):
+    """The README's plan-time cells at P 16 (0.5M tokens, ``schedule="auto"``): sharegpt and gsm8k at 80 GiB, gsm8k
+    at 24 GiB, every old path switched back in."""
+    cases = [(16, "auto", "80GiB", 500_000, 7, "sharegpt"), (16, "auto", "80GiB", 500_000, 8, "gsm8k"),
+             (16, "auto", "24GiB", 500_000, 9, "gsm8k")]
     assert _steps(cases, False, monkeypatch) == _steps(cases, True, monkeypatch)
 
 
@@ -957,3 +984,213 @@ def test_shared_actions_are_right_when_grown_from_threads(monkeypatch):
         acts = zerobubble._stage_actions(stage, max(sizes))
         assert all(row == [Action(stage, op, j) for j in range(len(row))] and len(row) >= max(sizes)
                    for op, row in acts.items())
+
+
+# --------------------------------------------------------------------------- plans a step's kinds share
+@functools.cache
+def _tiny_models():
+    from dynmb.costmodel import AnalyticCostModel
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import MemoryModel
+    tiny = ModelConfig.preset("tiny")
+    return Models(AnalyticCostModel(tiny, 4), MemoryModel.analytic(tiny, 4))
+
+
+def _method_job(kind: str = "1f1b", tight: bool = True, mbs: int | None = None, seed: int = 4, cost=None):
+    from dynmb.packing.context import PackContext
+    mm = _tiny_models().memory
+    ctx = PackContext(mm, int(mm.state_bytes.max() * 6), 4, kind).with_budget(tight)
+    lens = np.random.default_rng(seed).integers(8, 300, 60)
+    return packing_methods.MethodJob(lens, ctx, cost or _tiny_models().cost, mbs, 8, 512, "auto")
+
+
+@pytest.mark.parametrize("method", ["fixed", "sorted", "packed", "token-budget", "balanced", "dynapipe", "in-order"])
+def test_shared_plans_are_made_once_per_input_and_equal_made_afresh(monkeypatch, method):
+    """Within ``shared_plans`` an estimate-free method's plan is made once for the kinds of one window (1f1b, zb-h1,
+    zb), read-only and equal to one made afresh; another budget (safe), mbs or batch is made again; outside the scope,
+    or with ``SHARE_PLANS`` 0, every call makes it."""
+    record = packing_methods.get_method(method)
+    made: list[int] = []
+
+    def counted(job):
+        made.append(1)
+        return record.flat(job)
+    monkeypatch.setitem(packing_methods._REGISTRY, method, replace(record, flat=counted))
+    mbs = 2 if record.mbs else None
+    fresh = record.flat(_method_job(mbs=mbs) if record.takes_dp else replace(_method_job(mbs=mbs), dp=1))
+    with packing_methods.shared_plans():
+        got = [packing_methods.method_flat(method, _method_job(kind, mbs=mbs)) for kind in ("1f1b", "zb-h1", "zb")]
+        assert len(made) == 1
+        for flat, chosen in got:
+            assert all(np.array_equal(a, b) and not a.flags.writeable for a, b in zip(flat, fresh[0]))
+            assert chosen == fresh[1]
+        packing_methods.method_flat(method, _method_job(tight=False, mbs=mbs))
+        packing_methods.method_flat(method, _method_job(mbs=mbs, seed=5))
+        packing_methods.method_flat(method, _method_job(mbs=mbs, cost=type(_tiny_models().cost)(
+            ModelConfig.preset("tiny"), 4)))
+        if record.mbs:
+            packing_methods.method_flat(method, _method_job(mbs=1))
+        assert len(made) == (5 if record.mbs else 4)
+    packing_methods.method_flat(method, _method_job(mbs=mbs))
+    monkeypatch.setattr(packing_methods, "SHARE_PLANS", 0)
+    with packing_methods.shared_plans():
+        packing_methods.method_flat(method, _method_job(mbs=mbs))
+        packing_methods.method_flat(method, _method_job(mbs=mbs))
+    assert len(made) == (5 if record.mbs else 4) + 3
+
+
+def test_methods_that_read_the_estimate_are_not_shared(monkeypatch):
+    """``dynamic`` and ``lockstep`` rank by the kind's estimate: made for each kind within ``shared_plans``."""
+    for method in ("dynamic", "lockstep"):
+        record = packing_methods.get_method(method)
+        assert not record.estimate_free
+        made: list[int] = []
+        monkeypatch.setitem(packing_methods._REGISTRY, method,
+                            replace(record, flat=lambda job, r=record: made.append(1) or r.flat(job)))
+        with packing_methods.shared_plans():
+            for kind in ("1f1b", "zb-h1"):
+                packing_methods.method_flat(method, _method_job(kind))
+        assert len(made) == 2
+
+
+# --------------------------------------------------------------------------- a microbatch's derived fields
+def test_packers_derived_fields_are_the_constructors():
+    """The fields the packer's fast constructor sets beside a microbatch's own (packed or not, no slices) equal what
+    ``Microbatch`` computes from its fields; kept values are not pickled (equal pickles before and after)."""
+    import pickle
+    from dynmb.core.planspec import PlanSpec
+    from dynmb.costmodel import AnalyticCostModel
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import MemoryModel
+    from dynmb.packing import pack
+    tiny = ModelConfig.preset("tiny")
+    models = Models(AnalyticCostModel(tiny, 4), MemoryModel.analytic(tiny, 4))
+    lengths = np.random.default_rng(2).integers(4, 200, 80)
+    packed_seen = set()
+    for method in ("balanced", "packed", "fixed", "dynamic"):
+        spec = PlanSpec(method=method, num_stages=4, memory_limit_bytes=int(models.memory.state_bytes.max() * 6))
+        for mb in pack(lengths, spec, models=models).microbatches:
+            before = pickle.dumps(mb)
+            own = Microbatch(mb.seq_ids, mb.lengths, mb.padded_len, mb.batch, mb.row_ids, mb.recompute, mb.offsets,
+                             mb.continued)
+            own_before = pickle.dumps(own)
+            assert (mb.is_packed, mb.has_slices, mb.slice_mask.tolist()) == \
+                (own.is_packed, own.has_slices, own.slice_mask.tolist())
+            for attention in ("auto", "dense", "auto"):
+                assert mb.attention_work(attention) == own.attention_work(attention) == \
+                    _old_attention_work(own, attention)
+            assert pickle.dumps(mb) == before and pickle.dumps(own) == own_before
+            packed_seen.add(mb.is_packed)
+    assert packed_seen == {True, False}
+    with pytest.raises(ValueError, match="unknown attention"):
+        own.attention_work("sparse")
+
+
+# --------------------------------------------------------------------------- the reorder search's orders remembered
+def test_reorder_remembered_is_searched_afresh_keyed_by_every_input(monkeypatch):
+    """An equal plan (another object) under the same kind is reordered once, to the order searched afresh; another
+    kind, method or ``max_evals`` searches again; at most ``REMEMBERED`` kept; 0: every one searched."""
+    from dynmb.core.planspec import PlanSpec
+    from dynmb.costmodel import AnalyticCostModel
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import MemoryModel
+    from dynmb.packing import pack
+    tiny = ModelConfig.preset("tiny")
+    models = Models(AnalyticCostModel(tiny, 4), MemoryModel.analytic(tiny, 4))
+    spec = PlanSpec(method="balanced", mbs=4, num_stages=4, memory_limit_bytes=int(models.memory.state_bytes.max() * 6))
+    lengths = np.random.default_rng(3).integers(8, 300, 70)
+    plan, twin = pack(lengths, spec, models=models), pack(lengths, spec, models=models)
+    searched: list[int] = []                                         # one evaluator per search
+    real, evaluator = reorder.reorder_order, reorder.OrderEvaluator
+
+    def counted(*args, **kwargs):
+        searched.append(1)
+        return evaluator(*args, **kwargs)
+    monkeypatch.setattr(reorder, "OrderEvaluator", counted)
+    monkeypatch.setattr(reorder, "_ORDERS", {})
+    first = reorder.reorder(plan, "search", models=models, schedule_kind="zb-h1", max_evals=40)
+    again = reorder.reorder(twin, "search", models=models, schedule_kind="zb-h1", max_evals=40)
+    assert len(searched) == 1 and again.digest() == first.digest()
+    assert first.digest() == plan.with_order(real(plan, "search", models=models, schedule_kind="zb-h1",
+                                                  max_evals=40)).digest()
+    searched.pop()
+    reorder.reorder(plan, "search", models=models, schedule_kind="1f1b", max_evals=40)
+    reorder.reorder(plan, "dynapipe", models=models, schedule_kind="zb-h1", max_evals=40)
+    reorder.reorder(plan, "search", models=models, schedule_kind="zb-h1", max_evals=41)
+    reorder.reorder(plan, "search", models=Models(AnalyticCostModel(tiny, 4), models.memory),
+                    schedule_kind="zb-h1", max_evals=40)
+    assert len(searched) == 5
+    monkeypatch.setattr(reorder, "REMEMBERED", 2)
+    reorder.reorder(plan, "ends", models=models, schedule_kind="zb-h1")
+    assert len(reorder._ORDERS) == 2
+    monkeypatch.setattr(reorder, "REMEMBERED", 0)
+    reorder.reorder(plan, "search", models=models, schedule_kind="zb-h1", max_evals=40)
+    assert len(searched) == 7
+
+
+# --------------------------------------------------------------------------- dynamic's finals bounded by their work
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["1f1b", "zb-h1", "zb"]),
+       n=st.integers(20, 160), stages=st.sampled_from([2, 4]))
+def test_dynamic_finals_bounded_by_work_choose_the_same(seed, kind, n, stages):
+    """``Ranker.choose`` (dp 1) leaving out the finals whose busiest stage's work already loses gives the plan that
+    estimating every order of every final gives (random batches, the one-chunk kinds of ``--schedule auto``): every
+    estimate is at least its pipeline's work, every one left out loses, every one made is the full estimate."""
+    from dynmb.core.planspec import PlanSpec
+    from dynmb.costmodel import AnalyticCostModel
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import MemoryModel
+    from dynmb.packing import pack
+    from dynmb.packing.dynamic import rank, space
+    tiny = ModelConfig.preset("tiny")
+    models = Models(AnalyticCostModel(tiny, stages), MemoryModel.analytic(tiny, stages))
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.lognormal(4.5, 1.0, n).astype(np.int64) + 1, 900)
+    spec = PlanSpec(method="dynamic", num_stages=stages, schedule_kind=kind,
+                    memory_limit_bytes=int(models.memory.state_bytes.max() * 10))
+    real = rank.Ranker._bounded
+
+    def checked(self, jobs, tol):              # every job: its estimate is at least its work; left out: it loses
+        got, full = real(self, jobs, tol), self._estimate([job[1:] for job in jobs])
+        for (c, costs, _), v, w in zip(jobs, got, full):
+            assert w >= self._work(costs) * (1 - 1e-9)
+            assert v == w if v is not None else w > min(full) * (1 + tol)
+        return got
+    plans = []
+    for bounded in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rank, "BOUND_FINALS", bounded)
+            mp.setattr(rank.Ranker, "_bounded", checked)
+            space.clear()
+            plans.append(pack(lengths, spec, models=models))
+    assert plans[0].digest() == plans[1].digest()
+    assert plans[0].predictions["est_makespan_s"] == plans[1].predictions["est_makespan_s"]
+
+
+def test_dynamic_finals_bounded_leave_some_out(monkeypatch):
+    """On a P 16 batch of the sharegpt trace under ``zb`` some finals' orders are not estimated, and the plan is the
+    one estimating them all gives (the test above is not vacuous)."""
+    from dynmb.packing.dynamic import rank, space
+    estimated: list[int] = []
+    real = rank.Ranker._estimate
+
+    def counted(self, jobs, kind=None):
+        estimated.append(sum(len(cols) for _, cols in jobs))
+        return real(self, jobs, kind)
+    monkeypatch.setattr(rank.Ranker, "_estimate", counted)
+    cfg = dynmb.model_config("llama2-7b")
+    lengths = np.minimum(data.load_trace("sharegpt")[np.random.default_rng(1).integers(0, 2977, 900)], 4096)
+    from dynmb.core.planspec import PlanSpec
+    spec = PlanSpec(method="dynamic", num_stages=16, schedule_kind="zb", memory_limit_bytes=80 << 30)
+    from dynmb.costmodel.loader import Models
+    from dynmb.memory.model import MemoryModel
+    from dynmb.packing import pack
+    models = Models(GPUCostModel(cfg, 16), MemoryModel.analytic(cfg, 16))
+    counts, plans = [], []
+    for bounded in (True, False):
+        monkeypatch.setattr(rank, "BOUND_FINALS", bounded)
+        space.clear()
+        estimated.clear()
+        plans.append(pack(lengths, spec, models=models))
+        counts.append(sum(estimated))
+    assert plans[0].digest() == plans[1].digest() and counts[0] < counts[1]

@@ -112,9 +112,9 @@ class Microbatch:
     def padding_fraction(self) -> float:
         return 1.0 - self.real_tokens / self.computed_tokens
 
-    @property
+    @cached_property
     def is_packed(self) -> bool:
-        """True when some row holds more than one sequence."""
+        """True when some row holds more than one sequence (computed once, as ``slice_mask``)."""
         return len(np.unique(self.row_ids)) < self.num_seqs
 
     @cached_property
@@ -144,13 +144,27 @@ class Microbatch:
         a microbatch with packed rows or slices runs document-causal attention,
         ``sum(s_i**2)`` over its documents that are not slice segments, plus the slices'
         ``prefix_work``. ``dense`` (the (s, s) mask ablation): ``batch * padded_len**2``.
+        Computed once per setting (the fields are frozen; the planner asks for it of every candidate plan).
         """
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"unknown attention {attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
-        if attention == "auto" and (self.is_packed or self.has_slices):
-            whole = self.lengths[~self.slice_mask].astype(np.int64)
-            return int(np.sum(whole ** 2)) + self.prefix_work()
-        return self.batch * self.padded_len ** 2
+        works = self.__dict__.setdefault("_attention_works", {})   # computed once per setting (fields frozen)
+        work = works.get(attention)
+        if work is None:
+            if attention not in ATTENTION_KINDS:
+                raise ValueError(f"unknown attention {attention!r}; expected one of {', '.join(ATTENTION_KINDS)}")
+            if attention == "auto" and (self.is_packed or self.has_slices):
+                whole = self.lengths[~self.slice_mask].astype(np.int64)
+                work = int(np.sum(whole ** 2)) + self.prefix_work()
+            else:
+                work = self.batch * self.padded_len ** 2
+            works[attention] = work
+        return work
+
+    _DERIVED = ("slice_mask", "has_slices", "is_packed", "_attention_works")
+    """What a microbatch computes once from its fields and keeps beside them: not part of its pickled state, so
+    that two pickles of equal microbatches are equal whatever either was asked before."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._DERIVED}
 
     def prefix_work(self) -> int:
         """Attention work of the slice segments: a slice of n tokens at offset p attends to

@@ -145,7 +145,9 @@ def _apply_oversize(lengths: np.ndarray, len_cap: int, oversize: str,
 
 def _microbatches(flat: Flat, ids: np.ndarray, L: np.ndarray) -> list[Microbatch]:
     """Microbatches of the flat groups; their invariants (non-empty, rows in range, no row
-    empty or over padded_len) are checked for all at once, then built without per-object checks."""
+    empty or over padded_len) are checked for all at once, then built without per-object checks, with what
+    ``Microbatch`` derives from its fields known here (no slices; packed where it holds more sequences than rows,
+    every row holding one at least)."""
     items, rows, nseq, plen, batch = flat
     mb = np.repeat(np.arange(len(nseq)), nseq)
     first_row = np.concatenate([[0], np.cumsum(batch)[:-1]])
@@ -162,10 +164,11 @@ def _microbatches(flat: Flat, ids: np.ndarray, L: np.ndarray) -> list[Microbatch
         arr.setflags(write=False)
     out = []
     new = object.__new__
-    for a, e, pl, b in zip([0] + ends[:-1], ends, plen.tolist(), batch.tolist()):
+    for a, e, pl, b, packed in zip([0] + ends[:-1], ends, plen.tolist(), batch.tolist(), (nseq > batch).tolist()):
         m = new(Microbatch)
         m.__dict__.update(seq_ids=a_ids[a:e], lengths=a_len[a:e], row_ids=a_row[a:e], padded_len=pl, batch=b,
-                          offsets=a_off[a:e], continued=a_cont[a:e])
+                          offsets=a_off[a:e], continued=a_cont[a:e], slice_mask=a_cont[a:e], has_slices=False,
+                          is_packed=packed)
         out.append(m)
     return out
 

@@ -17,15 +17,27 @@ A record (``MethodRecord``) holds:
   ``dynamic``); the others get ``dp = 1`` and ``pack`` balances their plan afterwards;
 - ``lockstep``: its microbatches come replica-major, every replica the same number, microbatch i of
   every replica run together (``lockstep``, ``in-order``): ``pack`` keeps that order and assignment, and the planner
-  runs it in that order (no reorder pass, no slices).
+  runs it in that order (no reorder pass, no slices);
+- ``estimate_free``: its plan reads of the schedule kind only the memory budget the kind's window sets
+  (``PackContext``), no makespan estimate (every method but ``dynamic`` and ``lockstep``; False, the default, for
+  a method that may).
+
+Within ``shared_plans`` (one planning step) ``method_flat`` makes the plan of an ``estimate_free`` method once
+per input: ``--schedule auto``'s kinds (1f1b, zb-h1, zb: one window) and ``dynamic``'s baselines and final check
+ask for the same plans. The key holds every input the packer reads (the lengths, the budget's caps, in-flight
+counts, tightness and row cap, the models by identity, mbs, round_to, the row cap, attention, dp); the plan's arrays
+are handed out read-only.
 
 A new method is one ``register_method`` call (``docs/design.md``, "A packing method").
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import hashlib
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -42,7 +54,8 @@ from dynmb.packing.packed import packed_rows_flat
 from dynmb.packing.rows import Flat, groups_to_flat
 from dynmb.packing.token_budget import token_budget_flat
 
-__all__ = ["MethodJob", "MethodRecord", "register_method", "get_method", "method_names", "method_flat"]
+__all__ = ["MethodJob", "MethodRecord", "register_method", "get_method", "method_names", "method_flat",
+           "shared_plans"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,7 @@ class MethodRecord:
     pack_len_rows: bool = False
     takes_dp: bool = False
     lockstep: bool = False
+    estimate_free: bool = False
 
 
 _REGISTRY: dict[str, MethodRecord] = {}
@@ -98,9 +112,55 @@ def method_names() -> tuple[str, ...]:
 
 def method_flat(name: str, job: MethodJob) -> tuple[Flat, dict[str, Any]]:
     """``name``'s microbatches of ``job`` in flat form and the settings it chose; a method that
-    does not balance replicas itself is packed with ``dp = 1``."""
+    does not balance replicas itself is packed with ``dp = 1``. Within ``shared_plans``, made once per input
+    for an ``estimate_free`` method (module doc)."""
     record = get_method(name)
-    return record.flat(job if record.takes_dp else replace(job, dp=1))
+    job = job if record.takes_dp else replace(job, dp=1)
+    memo = _SHARED.get()
+    if memo is None or not record.estimate_free:
+        return record.flat(job)
+    key = _job_key(name, job)
+    made = memo.get(key)
+    if made is None:
+        flat, chosen = record.flat(job)
+        for a in flat:
+            a.setflags(write=False)
+        made = memo[key] = (flat, chosen, (job.ctx.mm, job.cost_model))   # the models held: their ids are keys
+    return made[0], dict(made[1])
+
+
+_SHARED: contextvars.ContextVar[dict[tuple, tuple] | None] = contextvars.ContextVar("dynmb_shared_plans",
+                                                                                    default=None)
+
+
+SHARE_PLANS = 1
+"""``shared_plans`` shares the plans of a step; 0: not (every plan made afresh, as before; ``unremembered``)."""
+
+
+@contextlib.contextmanager
+def shared_plans() -> Iterator[None]:
+    """Within it ``method_flat`` makes each plan of an ``estimate_free`` method once per input (module doc);
+    nested: the outer one's plans. Forgotten on leaving."""
+    if _SHARED.get() is not None or not SHARE_PLANS:
+        yield
+        return
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _job_key(name: str, job: MethodJob) -> tuple:
+    """Everything of ``job`` a packer reads (module doc): the arrays by digest, the models by identity."""
+    ctx = job.ctx
+    h = hashlib.blake2b(digest_size=20)
+    for a in (job.lens, ctx.k, ctx.caps):
+        arr = np.ascontiguousarray(a)
+        h.update(f"{arr.dtype.str}{arr.shape};".encode())
+        h.update(arr.tobytes())
+    return (name, h.digest(), id(ctx.mm), ctx.limit, ctx.p, ctx.tight, ctx.virtual, ctx.row_cap, id(job.cost_model),
+            job.mbs, job.round_to, job.len_cap, job.attention, job.dp)
 
 
 def _fixed(method: str) -> Callable[[MethodJob], tuple[Flat, dict[str, Any]]]:
@@ -152,13 +212,14 @@ def _lockstep(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
     return lockstep_flat(job.lens, shape, job.cost_model)
 
 
-for _record in (MethodRecord("fixed", _fixed("fixed"), mbs="rows"),
-                MethodRecord("sorted", _fixed("sorted"), mbs="rows"),
-                MethodRecord("packed", _packed, mbs="rows", pack_len_rows=True),
-                MethodRecord("token-budget", _token_budget, mbs="budget divisor"),
-                MethodRecord("dynapipe", _dynapipe),
+for _record in (MethodRecord("fixed", _fixed("fixed"), mbs="rows", estimate_free=True),
+                MethodRecord("sorted", _fixed("sorted"), mbs="rows", estimate_free=True),
+                MethodRecord("packed", _packed, mbs="rows", pack_len_rows=True, estimate_free=True),
+                MethodRecord("token-budget", _token_budget, mbs="budget divisor", estimate_free=True),
+                MethodRecord("dynapipe", _dynapipe, estimate_free=True),
                 MethodRecord("dynamic", _dynamic, takes_dp=True),
-                MethodRecord("balanced", _balanced, mbs="budget divisor", takes_dp=True),
+                MethodRecord("balanced", _balanced, mbs="budget divisor", takes_dp=True, estimate_free=True),
                 MethodRecord("lockstep", _lockstep, mbs="rows", pack_len_rows=True, takes_dp=True, lockstep=True),
-                MethodRecord("in-order", _in_order, mbs="rows", pack_len_rows=True, takes_dp=True, lockstep=True)):
+                MethodRecord("in-order", _in_order, mbs="rows", pack_len_rows=True, takes_dp=True, lockstep=True,
+                             estimate_free=True)):
     register_method(_record)

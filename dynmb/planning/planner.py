@@ -55,7 +55,8 @@ from dynmb.costmodel.loader import Models, models_record, spec_models
 from dynmb.packing import METHODS, pack
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
-from dynmb.packing.methods import get_method
+from dynmb.packing.methods import get_method, shared_plans
+from dynmb.packing import methods as packing_methods
 from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import AUTO, ScheduleKind, auto_kinds_for, get_kind
 from dynmb.timing.makespan_zb import ranking_kind
@@ -64,6 +65,7 @@ from dynmb.core.types import Plan, Schedule
 from dynmb.planning.search import Candidate, Outcome, Planned, evaluate, fastest, fits, robust, step_floor
 from dynmb.planning.defaults import reorder_for
 from dynmb.planning.reorder import reorder as reorder_plan
+from dynmb.planning import reorder as reorder_module
 from dynmb.packing.lockstep import forgetful
 from dynmb.packing import dynapipe
 from dynmb.schedule import zerobubble
@@ -107,7 +109,8 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
     def step(s: PlanSpec, m: Models[MemoryModelLike]) -> Planned:
         return plan_auto(lengths, s, model_cfg, m, meta) if s.schedule_kind == AUTO else \
             _plan_checked(lengths, s, model_cfg, m, meta)
-    plan, sched, sim = plan_offload(spec, models, step)      # offload "auto": dynmb.planning.offload
+    with shared_plans():                                      # the step's kinds and candidates share plans
+        plan, sched, sim = plan_offload(spec, models, step)  # offload "auto": dynmb.planning.offload
     # which models made it: every consumer of the plan checks (or, calibrated, re-predicts) against these
     return replace(plan, meta=plan.meta.with_(models=models_record(models))), sched, sim
 
@@ -218,11 +221,14 @@ def _simulated(packed: _Packed, spec: PlanSpec,
 def unremembered() -> Iterator[None]:
     """Within it nothing a plan computes is remembered: the planner's ``REMEMBER``, ``lockstep.forgetful``, the
     ``zb`` schedules (``zerobubble.REMEMBERED``), the flattened schedules (``validate.REMEMBERED``), the zb
-    estimate's pipelines (``makespan_zb.REMEMBERED``), ``dynapipe``'s splits and ``GPUCostModel``'s cost lookups all off: the same plans, every schedule, simulation,
-    fill, split and cost lookup made afresh (the plan time as before)."""
+    estimate's pipelines (``makespan_zb.REMEMBERED``), ``dynapipe``'s splits, ``GPUCostModel``'s cost lookups, the
+    plans a step's kinds share (``packing.methods.SHARE_PLANS``) and the reorder search's orders
+    (``reorder.REMEMBERED``) all off: the same plans, every schedule, simulation, fill, split, cost lookup, packing
+    and order made afresh (the plan time as before)."""
     global REMEMBER
     memos = [(zerobubble, "REMEMBERED"), (schedule_validate, "REMEMBERED"), (makespan_zb, "REMEMBERED"),
-             (dynapipe, "REMEMBERED"), (GPUCostModel, "COSTS_REMEMBERED")]
+             (dynapipe, "REMEMBERED"), (GPUCostModel, "COSTS_REMEMBERED"), (packing_methods, "SHARE_PLANS"),
+             (reorder_module, "REMEMBERED")]
     was = [REMEMBER, *(getattr(owner, name) for owner, name in memos)]
     REMEMBER = False
     for owner, name in memos:

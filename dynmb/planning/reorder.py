@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from typing import Any, Sequence, cast
 
 import numpy as np
@@ -365,5 +366,29 @@ def reorder(plan: Plan, method: str, *, models: Models[MemoryModelLike | None],
     if plan.has_slices and method != "none":
         raise ValueError(f"reorder {method!r}: this plan holds slices of long sequences, which run in their "
                          f"planned order (reorder 'none')")
-    order = reorder_order(plan, method, models=models, schedule_kind=schedule_kind, virtual=virtual, max_evals=max_evals)
+    kind = get_kind(schedule_kind).name
+    key = (plan.digest(), plan.num_stages, plan.memory_limit_bytes, method, kind, virtual, max_evals,
+           id(models.cost), id(models.memory)) if REMEMBERED > 0 and method != "none" else None
+    with _ORDERS_LOCK:
+        known = _ORDERS.get(key) if key is not None else None
+    if known is None:
+        order = reorder_order(plan, method, models=models, schedule_kind=schedule_kind, virtual=virtual,
+                              max_evals=max_evals)
+        if key is not None:
+            with _ORDERS_LOCK:
+                while len(_ORDERS) >= REMEMBERED:
+                    _ORDERS.pop(next(iter(_ORDERS)))
+                _ORDERS[key] = (order, (models.cost, models.memory))   # the models held: their ids are keys
+    else:
+        order = known[0]
     return plan.with_order(order, reorder=method)
+
+
+REMEMBERED = 8
+"""Orders ``reorder`` remembers (the last ones), by every input the search reads: the plan's microbatches in their
+order (``Plan.digest``), its stages and limit, the method, kind, ``virtual``, ``max_evals`` and the models (held,
+by identity). ``--schedule auto`` reorders one packing twice where a kind runs on another kind's packing and the
+two packings are equal (``zb@zb-h1``). 0: none (every order searched afresh)."""
+
+_ORDERS: dict[tuple, tuple[list[int], tuple]] = {}
+_ORDERS_LOCK = threading.Lock()

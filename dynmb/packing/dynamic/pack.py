@@ -52,7 +52,8 @@ Algorithm:
    as the reorder search (``dynmb.planning.reorder``) will start them: in the search's start orders
    (``dynmb.packing.orders``: as packed, by work, ends, and for ``dynapipe``'s plan its cluster
    permutations, the reorder that method runs). D = 1: a baseline as it stands and in those orders,
-   an own split in each order of step 6 and those; the best order is returned. D > 1: an own split in
+   an own split in each order of step 6 and those; the best order is returned (a final whose busiest stage's work
+   alone is past the best-ranked final's best estimate is not estimated: no estimate is below that work). D > 1: an own split in
    its best order run globally (so that every replica keeps it, whichever of identical microbatches
    ``assign_replicas`` deals it), a baseline as it stands, replicas assigned by ``assign_replicas``
    on that order; then each replica, the likeliest slowest first, in its best start order

@@ -11,7 +11,8 @@ no bound regime: always the latter, with the kind's ``I`` / ``W`` shares of ``B`
 interleaved one, ``dynmb.timing.makespan_interleaved``, given the ``virtual`` chunks per GPU, whose proxy
 sums each GPU's chunks) and
 ``choose`` (the finals re-costed in one lookup and estimated on every replica as
-``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``).
+``dynmb.packing`` runs them, each in its best start order of the reorder search, ``orders``; a final whose
+busiest stage's work alone already loses is not estimated: every estimate runs a stage's ops one after another).
 ``rank`` uses the estimate of ``makespan_zb.ranking_kind`` (``zb``: ``zb-h1``'s), ``choose`` the kind's own.
 ``RankMemo`` holds what the packings of one batch share.
 """
@@ -47,6 +48,12 @@ LOOKUP_CELLS = 1 << 22
 ZB_KEEP = 4
 """A kind that ranks with another kind's estimate (``makespan_zb.ranking_kind``: ``zb`` ranks with ``zb-h1``'s)
 carries at least this many own splits to ``choose``, which estimates them with its own."""
+BOUND_FINALS = True
+"""``choose`` (dp 1) estimates a final's orders only where its busiest stage's work alone does not lose already
+(``Ranker._bounded``: the same choice); False: every order of every final estimated (as before)."""
+BOUND_MARGIN = 1e-9
+"""``Ranker._bounded`` leaves a final out only when its work is past the best estimate by this relative margin (the
+estimate and the work add the same seconds in other orders)."""
 CLUSTERED = ("dynapipe",)
 """Baselines whose method runs its plan after DynaPipe's cluster search (``planning.defaults.AUTO_REORDER``):
 ``choose`` weighs them in those orders too (every candidate in the search's other start orders)."""
@@ -245,6 +252,33 @@ class Ranker:
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
         return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
+    def _bounded(self, jobs: list[tuple], tol: float) -> list[float | None]:
+        """``_estimate`` of each ``(candidate, costs, [1, m] columns)`` job of one pipeline (``choose``, dp 1), or None
+        for those whose candidate's busiest stage's work alone (``_work``) is past the best-ranked candidate's best
+        estimate times ``1 + tol`` (``BOUND_MARGIN`` above it): their estimate is no lower (every estimate runs each
+        stage's ops one after another), so they can be neither the fastest nor within ``tol`` of it. With
+        ``virtual`` > 1 every job is estimated (a GPU's chunks follow the kind's placement)."""
+        if self.virtual > 1 or not jobs or not BOUND_FINALS:
+            return list(self._estimate([job[1:] for job in jobs]))
+        out: list[float | None] = [None] * len(jobs)
+
+        def estimate(rows: list[int]) -> None:
+            for i, v in zip(rows, self._estimate([jobs[i][1:] for i in rows])):
+                out[i] = v
+        first = min((job[0] for job in jobs), key=lambda c: c.value)          # the best ranked, estimated first
+        estimate([i for i, job in enumerate(jobs) if job[0] is first])
+        best = min(v for v in out if v is not None) * (1.0 + tol) * (1.0 + BOUND_MARGIN)
+        work = {id(c): self._work(costs) for c, costs, _ in jobs}
+        estimate([i for i, job in enumerate(jobs) if out[i] is None and work[id(job[0])] <= best])
+        return out
+
+    def _work(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:
+        """The busiest stage's work of a pipeline of all the columns of ``costs``: ``F + B`` (a zero-bubble
+        estimate's ``I + W`` from its shares of ``B``, where they add up to less than ``B``)."""
+        F, B = costs[0], costs[1]
+        grad = B if self.shares is None else B * np.minimum(1.0, self.shares.sum(axis=0))[:, None]
+        return float((F + grad).sum(axis=1).max())
+
     def _slowest(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray], cols: np.ndarray, limit: float,
                  inclusive: bool) -> float:
         """The slowest replica's estimate (replicas: rows of ``cols``), the likeliest by proxy
@@ -288,8 +322,9 @@ class Ranker:
                     for cols in ([] if c.baseline else list(_orders(*self._members(c, True), c.opened).values()))
                     + [np.array([o]) for o in start_orders((c.F + c.B).sum(axis=0),  # type: ignore[operator]
                                                            c.baseline in CLUSTERED)]]
-            for (c, _, cols), v in zip(jobs, self._estimate([job[1:] for job in jobs])):
-                results.append((v, len(c.rows), c, cols[0]))
+            for (c, _, cols), v in zip(jobs, self._bounded(jobs, tol)):
+                if v is not None:
+                    results.append((v, len(c.rows), c, cols[0]))
         else:
             best, best_m, seen = np.inf, np.inf, set()
             for c in self.costed(sorted(finals, key=lambda c: c.value), affine=False):
