@@ -125,6 +125,88 @@ def test_the_fast_estimate_prices_the_embeds_of_a_gpu_plan(kind, docs, longest):
     assert estimate_makespan(costs, comm, kind) < sim
 
 
+@pytest.mark.parametrize("kind, docs, hi", [("gpipe", 16, 600), ("1f1b", 24, 900)])
+def test_the_packers_estimate_prices_the_embeds(kind, docs, hi):
+    """The packer's own estimate of a plan with the embedding last (``est_makespan_s``: ``dynmb.packing``'s, with
+    ``dynmb.packing.embedprice``'s terms; in the packer's order, which the reorder search only speeds up) is at or
+    above the simulated step. Before the packers priced the embeds (main at feeb7df) it was below it on both."""
+    from dynmb.costmodel.gpu import GPUCostModel
+
+    cfg = model_config("llama2-7b")
+    step = dynmb.Planner(model=cfg, num_stages=4, memory_limit="80GiB", cost_model=GPUCostModel(cfg, 4),
+                         schedule=kind, embedding="last").plan(np.random.default_rng(3).integers(100, hi, docs))
+    assert step.plan.predictions.get("est_makespan_s") >= step.sim.makespan_s * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("method, recompute", [("sorted", "never"), ("balanced", "never"), ("lockstep", "never"),
+                                               ("dynamic", "never"), ("packed", "always")])
+def test_every_packers_estimate_is_the_fast_estimate_with_the_embeds(method, recompute):
+    """``dynmb.packing.pack``'s ``est_makespan_s`` with the embedding last is ``estimate_makespan(..., embed=)`` of the
+    plan as packed, to the last bit (main at feeb7df: without the embeds' terms, below it)."""
+    from dynmb.costmodel.gpu import GPUCostModel
+    from dynmb.costmodel.loader import Models, spec_models
+    from dynmb.packing import pack
+    from dynmb.timing.embedding import embed_costs
+    from dynmb.timing.simulate import comm_times, estimate_makespan
+
+    cfg = model_config("llama2-7b")
+    spec = PlanSpec(method=method, num_stages=4, memory_limit_bytes=40 * 2**30, schedule_kind="1f1b",
+                    embedding="last", recompute=recompute)
+    cm = GPUCostModel(cfg, 4)
+    plan = pack(np.random.default_rng(0).integers(50, 900, 60), spec,
+                models=spec_models(Models(cm, MemoryModel.analytic(cfg, 4)), cfg, spec))
+    costs, comm = cm.plan_costs(plan), comm_times(cm, plan)
+    want = estimate_makespan(costs, comm, "1f1b", embed=embed_costs(cm, plan))
+    assert plan.predictions.get("est_makespan_s") == want > estimate_makespan(costs, comm, "1f1b")
+
+
+def test_dynamics_own_value_prices_the_embeds():
+    """``dynamic``'s ranker weighs its finals with the embeds (``Ranker.embeds``): the value it returns is the packed
+    plan's estimate with them (fails with the ranker's pricing off, and on main at feeb7df)."""
+    from dynmb.costmodel.gpu import GPUCostModel
+    from dynmb.costmodel.loader import Models, spec_models
+    from dynmb.packing import pack
+    from dynmb.packing.context import PackContext
+    from dynmb.packing.dynamic.pack import dynamic_groups
+    from dynmb.packing.methods import MethodJob, method_flat
+
+    cfg = model_config("llama2-7b")
+    spec = PlanSpec(method="dynamic", num_stages=4, memory_limit_bytes=40 * 2**30, schedule_kind="1f1b",
+                    embedding="last")
+    cm = GPUCostModel(cfg, 4)
+    models = spec_models(Models(cm, MemoryModel.analytic(cfg, 4)), cfg, spec)
+    lengths = np.random.default_rng(0).integers(50, 900, 60)
+    plan = pack(lengths, spec, models=models)
+    ctx, cap = PackContext.from_spec(spec, models.memory), plan.meta["longest_fitting_length"]
+    assert plan.meta["budget"] == "tight" and ctx.embedding == "last"
+
+    def baseline(method: str):     # the candidates pack gives dynamic
+        name, _, rows = method.partition("/")
+        return method_flat(name, MethodJob(lengths, ctx, cm, int(rows) if rows else None, 1, cap, cfg.attention))[0]
+
+    _, value = dynamic_groups(lengths, ctx, cm, round_to=1, max_len=cap, attention=cfg.attention, baselines=baseline)
+    assert value == pytest.approx(plan.predictions["est_makespan_s"], rel=1e-12)
+
+
+def test_the_embeds_terms_are_added_with_the_embedding_last_only():
+    """``EmbedPricing``: None with the embedding first (the estimates untouched); last: per pipeline its embeds'
+    F + B and two of its longest messages (``embed_terms``)."""
+    from dynmb.costmodel.gpu import GPUCostModel
+    from dynmb.packing.embedprice import EmbedPricing
+    from dynmb.timing.embedding import embed_seconds
+
+    cm = GPUCostModel(model_config("llama2-7b"), 4)
+    assert EmbedPricing.of("first", cm) is None
+    pricing = EmbedPricing.of("last", cm)
+    assert pricing is not None
+    rows, padded = np.array([1, 2, 1, 4, 1]), np.array([512, 256, 1024, 128, 64])
+    comm = np.array([1e-4, 3e-4, 2e-4, 5e-4, 1e-5])
+    fwd, bwd = embed_seconds(cm, rows, padded)
+    got = pricing.added(np.array([1.0, 2.0]), pricing.seconds(rows, padded), comm, [3, 2])
+    want = [1.0 + (fwd + bwd)[:3].sum() + 2 * 3e-4, 2.0 + (fwd + bwd)[3:].sum() + 2 * 5e-4]
+    assert np.allclose(got, want, rtol=1e-12, atol=0)
+
+
 def test_the_memory_model_moves_the_embedding_states_to_the_last_stage():
     cfg = model_config("llama-small")
     base = MemoryModel.analytic(cfg, 4)

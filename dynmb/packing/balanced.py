@@ -49,6 +49,7 @@ from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares, ranking_kind, windows
 from dynmb.schedule.kinds import ScheduleKind, get_kind
 from dynmb.packing.context import PackContext
+from dynmb.packing.embedprice import EmbedPricing
 from dynmb.packing.rows import Flat, Group, groups_to_flat, round_up
 from dynmb.packing.token_budget import max_tokens
 
@@ -379,11 +380,14 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     per = np.maximum(np.array(ks) // dp, 1)
     comm = np.broadcast_to(np.asarray(comm, dtype=np.float64), (len(k_a),))
     rank = get_kind(ranking_kind(ctx.kind))        # the estimate the dynamic packer ranks with
+    cols = np.repeat(np.arange(len(k_a)), per)
     if rank.estimate_as in ZB_ESTIMATES:
         est = _equal_zb(cost["F"], cost["B"], comm, per, rank, backward_shares(cost_model, lens, ctx.p))
     else:
-        cols = np.repeat(np.arange(len(k_a)), per)
         est = makespans(cost["F"][:, cols], cost["B"][:, cols], comm[cols], per, rank.name, virtual=ctx.virtual)
+    embeds = EmbedPricing.of(ctx.embedding, cost_model)
+    if embeds is not None:                 # each budget's k equal rows of ``padded`` tokens
+        est = embeds.added(est, embeds.seconds(np.ones(len(cols)), padded[cols]), comm[cols], per)
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
     near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]

@@ -51,9 +51,12 @@ class PackContext:
     ``max_seq_len`` at most); None: memory alone decides."""
 
     def __init__(self, mm: Any, limit: int, p: int, kind: str | ScheduleKind, tight: bool = True,
-                 virtual: int = 1) -> None:
+                 virtual: int = 1, embedding: str = "first") -> None:
         rec = get_kind(kind)                 # a name resolved here once (a record as given): every packer reads rec
         self.mm, self.limit, self.p, self.kind, self.tight, self.virtual = mm, int(limit), p, rec.name, tight, virtual
+        self.embedding = embedding
+        """Where the token embedding runs (``PlanSpec.embedding``): ``last`` adds its work to the packers'
+        estimates (``dynmb.packing.embedprice``)."""
         self.rec = rec
         """The schedule kind's record (``dynmb.schedule.kinds``): its window, placement and estimate."""
         state: np.ndarray = np.asarray(mm.state_bytes, dtype=np.float64)
@@ -81,7 +84,8 @@ class PackContext:
     def from_spec(cls, spec: PlanSpec, mm: Any, kind: ScheduleKind | None = None) -> "PackContext":
         """The context of a planning step's settings (tight budget; ``with_budget`` for the safe one); ``kind``:
         the record of ``spec.schedule_kind`` where the caller resolved it."""
-        return cls(mm, spec.memory_limit_bytes, spec.num_stages, kind or spec.schedule_kind, virtual=spec.virtual)
+        return cls(mm, spec.memory_limit_bytes, spec.num_stages, kind or spec.schedule_kind, virtual=spec.virtual,
+                   embedding=spec.embedding)
 
     def with_budget(self, tight: bool) -> "PackContext":
         """This context under the tight or the safe budget (caps and in-flight counts shared)."""

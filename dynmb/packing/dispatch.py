@@ -50,6 +50,7 @@ from dynmb.core.planmeta import PlanMeta
 from dynmb.core.predictions import Predictions
 from dynmb.core.types import Microbatch, Plan
 from dynmb.packing.context import PackContext, PackingError
+from dynmb.packing.embedprice import EmbedPricing
 from dynmb.packing.methods import MethodJob, get_method, method_flat, method_names
 from dynmb.packing.packed import packed_row_len
 from dynmb.packing.recompute import pack_with_recompute
@@ -247,9 +248,13 @@ def _estimate(microbatches: list[Microbatch], features: CostFeatures, models: Mo
     for sel in replicas:
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[sel, 0], shapes[sel, 1], kind, virtual=virtual))
     cols = np.concatenate(replicas)                 # every replica's estimate in one call (one level loop)
-    estimates = makespans(cost["F"][:, cols], cost["B"][:, cols], comm_s[cols], [len(sel) for sel in replicas], kind,
-                          shares=shares, virtual=virtual).tolist()
-    return microbatches, replica_ids, peak, estimates
+    sizes = [len(sel) for sel in replicas]
+    estimates = makespans(cost["F"][:, cols], cost["B"][:, cols], comm_s[cols], sizes, kind, shares=shares,
+                          virtual=virtual)
+    embeds = EmbedPricing.of(spec.embedding, cost_model)
+    if embeds is not None:
+        estimates = embeds.added(estimates, embeds.seconds(shapes[cols, 0], shapes[cols, 1]), comm_s[cols], sizes)
+    return microbatches, replica_ids, peak, estimates.tolist()
 
 
 def pack(lengths: Any, spec: PlanSpec, *, models: Models[MemoryModelLike]) -> Plan:

@@ -77,6 +77,7 @@ import numpy as np
 
 from dynmb.costmodel.base import CostModelLike
 from dynmb.packing.context import PackingError
+from dynmb.packing.embedprice import EmbedPricing
 from dynmb.packing.rows import Flat, assign_replicas, bfd_rows
 from dynmb.schedule.kinds import get_kind
 from dynmb.timing.makespan import makespans
@@ -111,6 +112,8 @@ class LockstepShape:
     """The schedule kind whose makespan estimate prices a group."""
     virtual: int = 1
     """Model chunks per rank (interleaved)."""
+    embedding: str = "first"
+    """Where the token embedding runs (``PlanSpec.embedding``): ``last`` adds its embeds to each group's estimate."""
 
     def __post_init__(self) -> None:
         for name in ("pack_len", "dp", "groups", "rows_per_mb", "virtual"):
@@ -292,12 +295,19 @@ def _attention(row_of: np.ndarray, lens: np.ndarray, b: int, slots: int, pack_le
     return np.maximum(np.where(docs > rows, packed, rows * float(pack_len) ** 2), 1.0)
 
 
-def _group_makespans(F: np.ndarray, B: np.ndarray, comm: float, shape: LockstepShape, shares: Any) -> np.ndarray:
-    """Makespan of every group of slot maxima ([P, G, M] each), in the given order."""
+def _group_makespans(F: np.ndarray, B: np.ndarray, comm: float, shape: LockstepShape, shares: Any,
+                     cost_model: CostModelLike) -> np.ndarray:
+    """Makespan of every group of slot maxima ([P, G, M] each), in the given order (with the embedding last, its
+    embeds of every slot's ``b`` rows x ``T`` tokens added: ``dynmb.packing.embedprice``)."""
     P, G, M = F.shape
     kind = shape.kind if shape.virtual == 1 or get_kind(shape.kind).virtual_stages else "1f1b"
-    return makespans(F.reshape(P, G * M), B.reshape(P, G * M), comm, [M] * G, kind, shares=shares,
-                     virtual=shape.virtual)
+    est = makespans(F.reshape(P, G * M), B.reshape(P, G * M), comm, [M] * G, kind, shares=shares,
+                    virtual=shape.virtual)
+    embeds = EmbedPricing.of(shape.embedding, cost_model)
+    if embeds is None:
+        return est
+    slots = np.ones(G * M)
+    return embeds.added(est, embeds.seconds(slots * shape.rows_per_mb, slots * shape.pack_len), comm, [M] * G)
 
 
 def _order(name: str, cost: np.ndarray) -> np.ndarray:
@@ -328,7 +338,7 @@ def _priced(row_of: np.ndarray, lens: np.ndarray, grid: tuple[int, int, int, int
     c = _slot_costs(row_of, lens, grid, shape.pack_len, cost_model)
     comm, shares = _prices(lens, shape, cost_model)
     F, B = c["F"], c["B"]
-    step = float(_group_makespans(F.max(axis=3), B.max(axis=3), comm, shape, shares).sum())
+    step = float(_group_makespans(F.max(axis=3), B.max(axis=3), comm, shape, shares, cost_model).sum())
     return LockstepLayout(row_of, grid, F, B, step, {**extra, **_balance(F, B)})
 
 
@@ -385,7 +395,7 @@ def _ordered(row_of: np.ndarray, lens: np.ndarray, grid: tuple[int, int, int, in
         perms = [_order(order_name, slot_cost[g]) for g in range(G)]
         Fo = np.stack([c["F"].max(axis=3)[:, g, p] for g, p in enumerate(perms)], axis=1)
         Bo = np.stack([c["B"].max(axis=3)[:, g, p] for g, p in enumerate(perms)], axis=1)
-        step = float(_group_makespans(Fo, Bo, comm, shape, shares).sum())
+        step = float(_group_makespans(Fo, Bo, comm, shape, shares, cost_model).sum())
         if best is None or step < best[0] - 1e-15:
             best = (step, order_name, perms)
     assert best is not None

@@ -208,7 +208,7 @@ def _in_order(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
 
 def _lockstep(job: MethodJob) -> tuple[Flat, dict[str, Any]]:
     shape = LockstepShape(pack_len=job.len_cap, dp=job.dp, rows_per_mb=job.mbs or 1, kind=job.ctx.kind,
-                          virtual=job.ctx.virtual)
+                          virtual=job.ctx.virtual, embedding=job.ctx.embedding)
     return lockstep_flat(job.lens, shape, job.cost_model)
 
 

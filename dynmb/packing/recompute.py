@@ -54,6 +54,7 @@ from dynmb.core.planspec import PlanSpec
 from dynmb.schedule.kinds import get_kind
 from dynmb.core.types import Microbatch, Plan
 from dynmb.packing.context import stage_windows
+from dynmb.packing.embedprice import EmbedPricing
 
 __all__ = ["RECOMPUTE_MODES", "fits", "needs_recompute", "mark_recompute", "pack_with_recompute"]
 
@@ -103,13 +104,17 @@ def _estimate(plan: Plan, models: Models[MemoryModelLike]) -> tuple[float, np.nd
     replicas = range(plan.dp) if plan.dp > 1 else [None]
     worst, peak = 0.0, np.zeros(plan.num_stages)
     virtual = plan.spec.virtual if plan.spec is not None else 1
+    embeds = EmbedPricing.of(plan.spec.embedding if plan.spec is not None else "first", cost_model)
     for r in replicas:
         sub = plan if r is None else plan.replica(r)
         shapes, flags = sub.shapes(), sub.recompute_mask()
         cost = CostFeatures.of(sub.microbatches, memory_model.model_cfg.attention).costs(cost_model)
         comm = np.broadcast_to(np.asarray(cost_model.comm_s(shapes[:, 0], shapes[:, 1]), dtype=np.float64),
                                (sub.num_microbatches,)) if hasattr(cost_model, "comm_s") else 0.0
-        worst = max(worst, makespan(cost["F"], cost["B"], comm, plan.schedule_kind, virtual=virtual))
+        est = makespan(cost["F"], cost["B"], comm, plan.schedule_kind, virtual=virtual)
+        if embeds is not None:
+            est = float(embeds.added([est], embeds.seconds(shapes[:, 0], shapes[:, 1]), comm, [len(shapes)])[0])
+        worst = max(worst, est)
         peak = np.maximum(peak, memory_model.peak_bytes(shapes[:, 0], shapes[:, 1], plan.schedule_kind,
                                                         virtual=virtual, recompute=flags))
     return worst, peak

@@ -90,6 +90,7 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
 from dynmb.packing.dynamic.ramp import ramped
+from dynmb.packing.embedprice import EmbedPricing
 from dynmb.packing.dynamic.rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
 from dynmb.packing.dynamic.setup import SplitSetup
 from dynmb.packing.dynamic.space import BFD_MAX, SEED_DP_MAX, PackCall, Space, space_for
@@ -146,6 +147,7 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     setups = space.setups
     rk = Ranker(cost_model, ctx.p, ctx.rec, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo,
                 virtual=ctx.virtual)
+    rk.embeds = EmbedPricing.of(ctx.embedding, cost_model)
     if rk.rank_kind != ctx.kind:                      # ranked by another kind's estimate: more finals to choose from
         keep = max(keep, ZB_KEEP)
     first = list(space.first)

@@ -33,10 +33,15 @@ from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares, ranking_kind
 from dynmb.schedule.kinds import ScheduleKind, get_kind
 from dynmb.packing.dynamic.setup import SplitSetup
+from dynmb.packing.embedprice import EmbedPricing
 from dynmb.packing.orders import best_start_orders, blocked_order, start_orders
 from dynmb.packing.rows import Flat, assign_replicas
 
 __all__ = ["Candidate", "Ranker", "RankMemo", "RANK_EXACT", "RANK_OPS", "LOOKUP_CELLS", "ZB_KEEP", "CLUSTERED"]
+
+Costs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
+"""A candidate's looked-up ``(F, B, sends, embed)``: ``embed`` each microbatch's embed seconds with the embedding
+last, else None."""
 
 RANK_EXACT = 400
 """Candidates with at most this many (stage, microbatch) cells are always ranked by ``makespan``'s value."""
@@ -87,6 +92,7 @@ class Candidate:
     F: np.ndarray | None = None             # costs, while it is being estimated
     B: np.ndarray | None = None
     comm: np.ndarray | None = None
+    embed: np.ndarray | None = None         # with the embedding last: each microbatch's embed seconds (F + B)
     value: float = np.inf                   # best estimate found (ranking: on the probe replicas)
     order: str = ""                         # the order that gave it
     key: tuple | None = None                # its key in ``space`` (equal keys: the same plan)
@@ -94,6 +100,9 @@ class Candidate:
 
 class Ranker:
     """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
+
+    embeds: EmbedPricing | None = None
+    """With the embedding last (``dynmb.packing.embedprice``): what every estimate adds; None: nothing."""
 
     def __init__(self, cost_model: CostModelLike, num_stages: int, kind: ScheduleKind, comm: Any, dp: int,
                  setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable,
@@ -143,8 +152,9 @@ class Ranker:
                     if x.key is not None:
                         self.looked_up[x.key] = (x.F, x.B, x.comm)
             for x in chunk:
+                x.embed = None if self.embeds is None else self.embeds.seconds(x.rows, x.padded)
                 yield x
-                x.F = x.B = x.comm = None
+                x.F = x.B = x.comm = x.embed = None
             i += len(chunk)
 
     def _members(self, c: Candidate, exact_assignment: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -203,7 +213,7 @@ class Ranker:
             assert c.F is not None and c.B is not None and c.comm is not None    # costed
             used, local = (np.unique(self._probes(c, members), return_inverse=True) if self.dp > 1
                            else (np.arange(members.shape[1]), members))
-            sub, local = (c.F[:, used], c.B[:, used], c.comm[used]), local.reshape(-1, members.shape[1])
+            sub, local = (c.F[:, used], c.B[:, used], c.comm[used], _taken(c.embed, used)), local.reshape(-1, members.shape[1])
             opened = c.opened[used] if c.opened is not None else None
             orders = {"as formed": local} if as_given else _orders(local, busy[used], opened)
             if self.one_regime or exact_regime(self.P, members.shape[1]):
@@ -215,13 +225,14 @@ class Ranker:
             up = (sub[0][1:] + sub[1][1:]).sum(axis=0) + 2 * (self.P - 1) * sub[2]
             for name, cols in orders.items():
                 a, e = cols[:, 0], cols[:, -1]
-                v = float(_bound(work, sub[0][:, a], sub[1][:, e], sub[2][a], sub[2][e]).max())
-                trips.append((c, name, v, sub[0][0][cols], sub[1][0][cols], up[cols]))
-        for (c, name, v, *_), t in zip(trips, _round_trips(trips, self.P, self.rank_rec)):
-            v = max(v, t)
+                embed = self._embed_terms(sub, cols)        # the round trips' pipeline: the least at least
+                v = float((_bound(work, sub[0][:, a], sub[1][:, e], sub[2][a], sub[2][e]) + embed).max())
+                trips.append((c, name, v, sub[0][0][cols], sub[1][0][cols], up[cols], float(embed.min())))
+        for (c, name, v, *_, least), t in zip(trips, _round_trips(trips, self.P, self.rank_rec)):
+            v = max(v, t + least)
             if v < c.value:
                 c.value, c.order = v, name
-        proxy = np.array([self._proxy(*sub, cols).max() for _, _, sub, cols in jobs])
+        proxy = np.array([(self._proxy(*sub[:3], cols) + self._embed_terms(sub, cols)).max() for _, _, sub, cols in jobs])
         chosen, spent, budget = [], 0, RANK_OPS * min(1.0, self.P / 16)
         for j in np.argsort(proxy, kind="stable").tolist():
             c, _, _, cols = jobs[j]
@@ -234,6 +245,20 @@ class Ranker:
             c, name = jobs[j][:2]
             if v < c.value:
                 c.value, c.order = v, name
+
+    def _embed_terms(self, costs: Costs, cols: np.ndarray) -> np.ndarray:
+        """What the embedding last adds to each pipeline of ``cols`` ([n, k] columns of ``costs``); 0 without it."""
+        idx = cols.ravel()
+        return self._with_embeds(np.zeros(len(cols)), _taken(costs[3], idx), costs[2][idx],
+                                 np.full(len(cols), cols.shape[1]))
+
+    def _with_embeds(self, per: np.ndarray, embed: np.ndarray | None, sends: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """``per`` (pipelines of ``sizes`` microbatches) with the embeds' terms added; as it is with the embedding
+        first."""
+        if self.embeds is None:
+            return per
+        assert embed is not None                       # costed with the embedding last
+        return self.embeds.added(per, embed, sends, sizes)
 
     def _proxy(self, F: np.ndarray, B: np.ndarray, comm: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """``_proxy``; with ``virtual`` chunks per GPU on the GPUs' costs (each GPU's chunks summed)."""
@@ -249,6 +274,8 @@ class Ranker:
         sends = np.concatenate([s[2][cols.ravel()] for s, cols in jobs])
         sizes = np.concatenate([np.full(len(cols), cols.shape[1]) for _, cols in jobs])
         per = makespans(F, B, sends, sizes, kind or self.kind, shares=self.shares, virtual=self.virtual)
+        if self.embeds is not None:
+            per = self._with_embeds(per, np.concatenate([s[3][cols.ravel()] for s, cols in jobs]), sends, sizes)
         bounds = np.cumsum([0] + [len(cols) for _, cols in jobs])
         return [float(per[a:e].max()) for a, e in itertools.pairwise(bounds)]
 
@@ -272,19 +299,19 @@ class Ranker:
         estimate([i for i, job in enumerate(jobs) if out[i] is None and work[id(job[0])] <= best])
         return out
 
-    def _work(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:
+    def _work(self, costs: Costs) -> float:
         """The busiest stage's work of a pipeline of all the columns of ``costs``: ``F + B`` (a zero-bubble
         estimate's ``I + W`` from its shares of ``B``, where they add up to less than ``B``)."""
         F, B = costs[0], costs[1]
         grad = B if self.shares is None else B * np.minimum(1.0, self.shares.sum(axis=0))[:, None]
         return float((F + grad).sum(axis=1).max())
 
-    def _slowest(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray], cols: np.ndarray, limit: float,
+    def _slowest(self, costs: Costs, cols: np.ndarray, limit: float,
                  inclusive: bool) -> float:
         """The slowest replica's estimate (replicas: rows of ``cols``), the likeliest by proxy
         first: past ``limit`` (or at it, unless ``inclusive``) already, the others are left out
         (the value is then a lower bound)."""
-        likely = np.argsort(-self._proxy(*costs, cols), kind="stable")
+        likely = np.argsort(-self._proxy(*costs[:3], cols), kind="stable")
         head = self._estimate([(costs, cols[likely[:max(2, len(cols) // 8)]])])[0]
         if head > limit or (head == limit and not inclusive) or len(likely) <= 2:
             return head
@@ -298,19 +325,20 @@ class Ranker:
         that ``assign_replicas`` deals in those orders where ``orders.blocked_order`` finds one (then the value
         is its estimate), else ``out``; inf where the value is not below ``limit``."""
         assert c.F is not None and c.B is not None and c.comm is not None      # costed candidates
-        costs = (c.F, c.B, c.comm)
+        costs = (c.F, c.B, c.comm, c.embed)
         starts, u, ran = best_start_orders(cols, (c.F + c.B).sum(axis=0), lambda p: self._each(costs, p), limit,
-                                           c.baseline in CLUSTERED, int(np.argmax(self._proxy(*costs, cols))))
+                                           c.baseline in CLUSTERED, int(np.argmax(self._proxy(*costs[:3], cols))))
         g = blocked_order(starts, cols, out, busy) if u < ran else None
         if g is not None and self._slowest(costs, g[self._assigned(c, busy, g)].reshape(self.dp, -1), u, True) <= u:
             return u, g
         return u, out
 
-    def _each(self, costs: tuple[np.ndarray, np.ndarray, np.ndarray], cols: np.ndarray) -> np.ndarray:
+    def _each(self, costs: Costs, cols: np.ndarray) -> np.ndarray:
         """``makespans`` (the kind's own) of each pipeline of ``cols`` ([n, k] columns in order)."""
-        idx = cols.ravel()
-        return makespans(costs[0][:, idx], costs[1][:, idx], costs[2][idx], np.full(len(cols), cols.shape[1]),
-                         self.kind, shares=self.shares, virtual=self.virtual)
+        idx, sizes = cols.ravel(), np.full(len(cols), cols.shape[1])
+        per = makespans(costs[0][:, idx], costs[1][:, idx], costs[2][idx], sizes, self.kind, shares=self.shares,
+                        virtual=self.virtual)
+        return self._with_embeds(per, _taken(costs[3], idx), costs[2][idx], sizes)
 
     def choose(self, finals: list[Candidate], tol: float) -> tuple[Flat, float]:
         """The plan and estimate of the fastest of ``finals``, re-costed in one lookup and estimated on
@@ -318,7 +346,7 @@ class Ranker:
         ``_started``, the estimate the search starts from)."""
         results = []                                   # (value, microbatches, candidate, order returned)
         if self.dp == 1:                               # every order weighed, the search's starts too
-            jobs = [(c, (c.F, c.B, c.comm), cols) for c in self.costed(finals, affine=False)
+            jobs = [(c, (c.F, c.B, c.comm, c.embed), cols) for c in self.costed(finals, affine=False)
                     for cols in ([] if c.baseline else list(_orders(*self._members(c, True), c.opened).values()))
                     + [np.array([o]) for o in start_orders((c.F + c.B).sum(axis=0),  # type: ignore[operator]
                                                            c.baseline in CLUSTERED)]]
@@ -351,6 +379,11 @@ class Ranker:
         best_t = min(r[0] for r in results)
         v, _, c, out = min((r for r in results if r[0] <= best_t * (1 + tol)), key=lambda r: (r[1], r[0]))
         return c.emit(out), float(v)
+
+
+def _taken(embed: np.ndarray | None, cols: np.ndarray) -> np.ndarray | None:
+    """``embed[cols]`` (None without the embedding last)."""
+    return None if embed is None else embed[cols]
 
 
 def _deal(busy: np.ndarray, dp: int) -> np.ndarray:

@@ -201,6 +201,7 @@ def space_for(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelLike, 
     bmax_u = np.maximum(ctx.bmax(uniq), 1)
     key = (len(lengths), _digest(lengths), int(round_to), int(top), attention, int(dp), int(num_tau),
            baselines is None, who, id(cost_model), id(ctx.mm), ctx.limit, ctx.p, ctx.tight, ctx.virtual, ctx.row_cap,
+           ctx.embedding,
            _digest(np.asarray(ctx.k), np.asarray(ctx.caps), bmax_u, *(a for op in ("F", "B") for a in costs[op])))
     held = (cost_model, ctx.mm, None if shared else baselines)
     space = _SPACES.get(key)
