@@ -147,9 +147,10 @@ def markdown(df: pd.DataFrame) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in df.itertuples():
         pct = " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in terms)
+        cuts = f"{r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts}{_extras(r)}" if r.sliced else "none"
         lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.longest} | {r.step_s:.4f} | {r.ideal_s:.4f} | "
                      f"{100 * r.gap:+.1f}% | {r.best_other} ({r.best_other_s:.4f}) | {r.step_s / r.best_other_s:.3f} | "
-                     f"{r.kind} | {r.microbatches} | {r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts}{_extras(r)} | "
+                     f"{r.kind} | {r.microbatches} | {cuts} | "
                      f"{pct} | "
                      f"{r.plan_cpu_s:.1f} |")
     return "\n".join(lines)
@@ -173,7 +174,7 @@ def merged(rows: pd.DataFrame) -> pd.DataFrame:
     out["best_other"] = [min((v, c) for c, v in row.items() if pd.notna(v))[1].removeprefix("step_")
                          if row.notna().any() else "" for _, row in out[others].iterrows()]
     out["best_other_s"] = out[others].min(axis=1)
-    return out
+    return out.astype({"slice_len": "Int64"}) if "slice_len" in out else out     # None beside lengths: not floats
 
 
 def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
