@@ -238,37 +238,12 @@ def test_the_jobs_of_one_split_plan_pack_each_grouping_once(monkeypatch):
     assert packed and len(packed) == len(set(packed))
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "zb"])
-@pytest.mark.parametrize("oracle", [False, True])
-def test_deferring_on_the_floor_changes_no_plan(monkeypatch, kind, oracle):
-    """The alternatives' whole searches defer the candidates whose floor is at or above the weighing's best
-    (``DEFER``): the same plan (microbatches, meta, step) as every candidate simulated as it comes. ``oracle``: the
-    tightest lower bound there is (each candidate's own simulated step, less 1e-9; on this small batch the
-    order-free floor, 0.8-0.9 of the step, defers none), so that most candidates are deferred: fewer simulations,
-    the same plan. Fails where the deferred candidates are dropped instead of settled when a search reads its best
-    (``_settle`` a no-op)."""
-    spec = SPEC.with_(schedule_kind=kind)
-    real_sim = slicing._SplitJob._simulate
-    calls = _counted(monkeypatch)
-    if oracle:
-        monkeypatch.setattr(slicing._SplitJob, "floor", lambda job, plan: real_sim(job, plan)[0] * (1 - 1e-9))
-    made = {}
-    for defer in (False, True):
-        monkeypatch.setattr(slicing, "DEFER", defer)
-        calls.clear()
-        plan, _, sim = plan_step(BATCH, spec, model_cfg=TINY)
-        made[defer] = (plan, sim.makespan_s, len(calls))
-    (a, ta, na), (b, tb, nb) = made[False], made[True]
-    assert [repr(mb) for mb in a.microbatches] == [repr(mb) for mb in b.microbatches] and a.meta == b.meta
-    assert ta == tb and nb <= na and (nb < na or not oracle)
-
-
 @settings(max_examples=6, deadline=None)
 @given(longs=hst.lists(hst.integers(1200, 3200), min_size=1, max_size=2),
        shorts=hst.lists(hst.integers(1, 700), min_size=2, max_size=8),
        kind=hst.sampled_from(["1f1b", "zb-h1", "zb"]), stages=hst.sampled_from([2, 3, 4]))
 def test_the_floor_deferred_on_is_a_lower_bound_of_every_candidate(longs, shorts, kind, stages):
-    """What ``DEFER`` and the search's pruning rest on: every candidate's order-free floor (``_SplitJob.floor``)
+    """What the search's pruning rests on: every candidate's order-free floor (``_SplitJob.floor``)
     is at most its simulated step, on random batches, kinds and depths (dynamic's own search's candidates)."""
     batch = np.asarray([*longs, *shorts], dtype=np.int64)
     spec = SPEC.with_(schedule_kind=kind, num_stages=stages)

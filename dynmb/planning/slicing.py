@@ -48,8 +48,6 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
    slices, smaller recomputed shares), then the whole search of the ``WEIGH_FINALISTS`` fastest, of any other within
    ``SCREEN_ERROR`` of the best, and of every method whose slices it cannot cut (``packed``), the fastest kept.
-   Each such whole search defers the candidates whose order-free floor is at or above the best step so far
-   (``DEFER``; simulated only where the search reads its best and one could be it, ``_settle``: the same plan).
    The jobs of one ``plan_split`` share their simulations and their packings of short sequences. Under
    ``--schedule auto`` the weighing runs only on the kinds whose own sliced step is near the fastest kind's
    (``KIND_SCREEN``, ``kinds_to_weigh``; ``dynmb.planning.planner.plan_auto``).
@@ -402,19 +400,15 @@ def _plan_key(plan: Plan, spec: PlanSpec) -> tuple:
 @dataclass
 class _Search:
     """The best fitting candidate so far (``best_at``: its place in the order tried), the lowest peak seen (for the
-    error) and the last dealing that had fewer units than replicas; with a ``bar`` (the weighing's best step, which
-    only falls), the candidates whose order-free floor is at or above it wait in ``deferred`` (floor, place, plan,
-    slice length), simulated only where one could be the best so far when the search reads its best (``_settle``)."""
+    error) and the last dealing that had fewer units than replicas."""
 
     best: tuple[float, Plan, list[Plan], list[Schedule]] | None = None
     lowest: tuple[float, int] | None = None
     too_few: tuple[int, int] = (0, 0)
     simulated: int = 0
     pruned: int = 0
-    bar: float = math.inf
     tried: int = 0
     best_at: int = -1
-    deferred: list[tuple[float, int, Plan, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -447,11 +441,8 @@ def _try_slice_len(job: _SplitJob, t: _Try, found: _Search) -> None:
                                     "slice_recompute_share": t.rc_share if t.use_rc else 0.0,
                                     "slice_lookahead": t.lookahead})
         at, found.tried = found.tried, found.tried + 1
-        floor = job.floor(plan) if found.best is not None or found.bar < math.inf else -math.inf
-        if found.best is not None and floor >= found.best[0]:
+        if found.best is not None and job.floor(plan) >= found.best[0]:
             found.pruned += 1                # cannot beat the best so far: not scheduled nor simulated
-        elif floor >= found.bar:             # cannot beat the weighing's best: simulated only if the search needs it
-            found.deferred.append((floor, at, plan, int(t.slice_len)))
         else:
             _judge(job, found, plan, at, int(t.slice_len))
 
@@ -465,16 +456,6 @@ def _judge(job: _SplitJob, found: _Search, plan: Plan, at: int, slice_len: int) 
         found.lowest = (peak, slice_len)
     if peak <= job.spec.memory_limit_bytes and (found.best is None or (slowest, at) < (found.best[0], found.best_at)):
         found.best, found.best_at = (slowest, plan, replicas, scheds), at
-
-
-def _settle(job: _SplitJob, found: _Search) -> None:
-    """Before the search reads its best: the deferred candidates simulated, lowest floor first, while one's floor is
-    below the best so far (none fits yet: until one does), so that the best is the one the search without a bar would
-    have at this point (a floor is a lower bound: one at or above the best cannot beat it)."""
-    found.deferred.sort(key=lambda d: d[:2])
-    while found.deferred and (found.best is None or found.deferred[0][0] < found.best[0]):
-        _, at, plan, slice_len = found.deferred.pop(0)
-        _judge(job, found, plan, at, slice_len)
 
 
 def _refine(job: _SplitJob, found: _Search) -> None:
@@ -492,18 +473,15 @@ def _refine(job: _SplitJob, found: _Search) -> None:
     if job.spec.method != "packed":
         _try_slice_len(job, _Try(slice_len, use_rc, "equal-cost", ("last",), (fill,)), found)
         _try_slice_len(job, _Try(slice_len, use_rc, "even", PLACEMENTS, (fill,)), found)
-        _settle(job, found)
         meta = found.best[1].meta
         best = _Try(int(meta["slice_len"]), use_rc, meta["slice_cuts"], (meta["slice_placement"],), (fill,))
         for share in RC_SHARES if use_rc and job.spec.recompute == "auto" else ():
             _try_slice_len(job, replace(best, rc_share=share), found)
-        _settle(job, found)
         best = _best_try(found, best)
     for lookahead in chain_lookaheads(job.spec):
         _try_slice_len(job, replace(best, lookahead=lookahead), found)
     if job.spec.method != "dynamic":
         return
-    _settle(job, found)
     best = _best_try(found, best)
     for packer in SHORT_PACKERS:
         try:
@@ -691,19 +669,15 @@ def reuse_searches() -> Iterator[None]:
         _SEARCHES = outer
 
 
-def _search(job: _SplitJob, bar: float = math.inf) -> _Search:
+def _search(job: _SplitJob) -> _Search:
     """The search of one method (module doc, step 2): the first round, unrecomputed before recomputed
-    (``recompute``), then ``_refine`` around the best; within ``reuse_searches`` one made before is reused. With a
-    ``bar`` (``_weigh_alternatives``: the best step so far) its best is that of the search without it where below
-    ``bar``, else a candidate as fast or slower, or none (``_search_anew``); such a search is not kept for reuse."""
+    (``recompute``), then ``_refine`` around the best; within ``reuse_searches`` one made before is reused."""
     kept = _SEARCHES
     if kept is None:
-        return _search_anew(job, bar)
+        return _search_anew(job)
     key = _search_key(job)
     if key not in kept:
-        found = _search_anew(job, bar)
-        if found.deferred:
-            return found
+        found = _search_anew(job)
         if len(kept) >= _SEARCHES_MAX:
             kept.pop(next(iter(kept)))
         kept[key] = (found, job.sims)
@@ -713,14 +687,12 @@ def _search(job: _SplitJob, bar: float = math.inf) -> _Search:
     return found
 
 
-def _search_anew(job: _SplitJob, bar: float = math.inf) -> _Search:
-    """``_search`` without the reuse; with a ``bar``, the candidates whose floor is at or above it deferred
-    (``_Search``, ``_settle``): the same decisions and best, where the best is below ``bar``."""
-    found = _Search(bar=bar)
+def _search_anew(job: _SplitJob) -> _Search:
+    """``_search`` without the reuse."""
+    found = _Search()
     for use_rc in {"never": [False], "always": [True], "auto": [False, True]}[job.spec.recompute]:
         for slice_len in job.slice_candidates():
             _try_slice_len(job, _first_round(job, slice_len, use_rc), found)
-        _settle(job, found)
         if found.best is not None:
             break
     _refine(job, found)
@@ -769,11 +741,6 @@ def _keep(found: _Search, best: tuple[float, Plan, list[Plan], list[Schedule]] |
         t, plan, replicas, scheds = best
         found.best = (t, replace(plan, meta=plan.meta.with_(slice_shorts=name)), replicas, scheds)
 
-
-DEFER = True
-"""``_weigh_alternatives``: each alternative's whole search defers the candidates whose order-free floor
-(``_SplitJob.floor``, a lower bound of the simulated step) is at or above the best step so far (``_search``'s bar):
-the same plan as without, fewer simulations. False: every candidate simulated as it comes."""
 
 SCREEN_ERROR = 0.01
 """An alternative whose screened step is within this of the best after screening is a finalist besides the
@@ -870,7 +837,7 @@ def _weigh_alternatives(job: _SplitJob, found: _Search, model_cfg: ModelConfig) 
     alts = _alternative_jobs(job, model_cfg)
     for name, alt in alts if WEIGH_FINALISTS is None else _screen(job, found, alts):
         try:
-            res = _search(alt, math.inf if found.best is None or not DEFER else found.best[0])
+            res = _search(alt)
         except ValueError:                        # PackingError is one: that method cannot plan the batch
             continue
         _keep(found, res.best, name)

@@ -45,8 +45,9 @@ from dynmb.timing.simulate import simulate
 from dynmb.costmodel.loader import Models
 
 OTHERS = ("fixed", "fixed/1", "sorted", "packed", "token-budget", "token-budget/2", "token-budget/4", "balanced",
-          "balanced/2", "balanced/4", "dynapipe")
-"""The other methods: name or name/mbs (``fixed/1``: mbs 1; ``token-budget/2``: half the memory-maximum budget)."""
+          "balanced/2", "balanced/4", "dynapipe", "lockstep", "in-order")
+"""The other methods: name or name/mbs (``fixed/1``: mbs 1; ``token-budget/2``: half the memory-maximum budget);
+every registered method but ``dynamic`` and every setting ``dynamic`` weighs (``slicing.slice_alternatives``)."""
 
 
 def pycode_trace(cache: Path) -> np.ndarray:
@@ -146,9 +147,10 @@ def markdown(df: pd.DataFrame) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in df.itertuples():
         pct = " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in terms)
+        cuts = f"{r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts}{_extras(r)}" if r.sliced else "none"
         lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.longest} | {r.step_s:.4f} | {r.ideal_s:.4f} | "
                      f"{100 * r.gap:+.1f}% | {r.best_other} ({r.best_other_s:.4f}) | {r.step_s / r.best_other_s:.3f} | "
-                     f"{r.kind} | {r.microbatches} | {r.sliced} x {r.slice_len} {r.placement} {r.slice_cuts}{_extras(r)} | "
+                     f"{r.kind} | {r.microbatches} | {cuts} | "
                      f"{pct} | "
                      f"{r.plan_cpu_s:.1f} |")
     return "\n".join(lines)
@@ -161,17 +163,25 @@ def _extras(r: object) -> str:
         (f", shorts {shorts}" if isinstance(shorts, str) and shorts else "")
 
 
+def merged(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell (trace, model, P): dynamic's columns from the last row of the cell, each other method's step
+    the lowest of any row that ran it (files that ran different ``--others``), the best other recomputed."""
+    key = ["trace", "model", "P"]
+    others = [c for c in rows.columns if c.startswith("step_") and c != "step_s"]
+    best = rows.groupby(key, sort=False)[others].min()        # the other methods: from any file that ran them
+    out = rows.drop_duplicates(key, keep="last").drop(columns=others + ["best_other", "best_other_s"])
+    out = out.merge(best.reset_index(), on=key)
+    out["best_other"] = [min((v, c) for c, v in row.items() if pd.notna(v))[1].removeprefix("step_")
+                         if row.notna().any() else "" for _, row in out[others].iterrows()]
+    out["best_other_s"] = out[others].min(axis=1)
+    return out.astype({"slice_len": "Int64"}) if "slice_len" in out else out     # None beside lengths: not floats
+
+
 def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
     """One row per cell of ``after``: dynamic's step and gap to the ideal before -> after, the best other method
     (after) and dynamic / it, the slices kept and the gap's terms after (% of the ideal)."""
     key = ["trace", "model", "P"]
-    others = [c for c in after.columns if c.startswith("step_") and c != "step_s"]
-    best = after.groupby(key)[others].min()                   # the other methods: from any file that ran them
-    after = after.drop_duplicates(key, keep="last").drop(columns=others + ["best_other", "best_other_s"])
-    after = after.merge(best.reset_index(), on=key)
-    after["best_other"] = [min((v, c) for c, v in row.items() if pd.notna(v))[1].removeprefix("step_")
-                           if row.notna().any() else "" for _, row in after[others].iterrows()]
-    after["best_other_s"] = after[others].min(axis=1)
+    after = merged(after)
     df = after.merge(before.drop_duplicates(key, keep="last")[
         [*key, "step_s", "gap", "plan_cpu_s", *[f"gap_{t}" for t in ("chain", "order")]]], on=key,
         suffixes=("", "_before"))
@@ -199,13 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=Path("results/traces"), help="where the pycode trace is cached")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
     ap.add_argument("--table", type=Path, nargs="+", default=None,
-                    help="print the markdown table of these JSON lines (later files win per cell) and exit")
+                    help="print the markdown table of these JSON lines (one row per cell: dynamic from the last "
+                         "row, each other method's lowest step of any row) and exit")
     ap.add_argument("--before", type=Path, nargs="+", default=None,
                     help="with --table: the rows of the code before, a before -> after table")
     args = ap.parse_args(argv)
     if args.table is not None:
         after = pd.concat([pd.read_json(p, lines=True) for p in args.table if p.is_file()])
-        print(markdown(after) if args.before is None else
+        print(markdown(merged(after)) if args.before is None else
               before_after(pd.concat([pd.read_json(p, lines=True) for p in args.before]), after))
         return 0
     others = [m for m in args.others.split(",") if m]

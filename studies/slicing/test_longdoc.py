@@ -38,6 +38,27 @@ def test_tables_from_json_lines(tmp_path, capsys):
     assert longdoc.main(["--table", str(after)]) == 0
 
 
+def test_table_merges_the_other_methods_of_every_file_per_cell(tmp_path, capsys):
+    """Files that ran different ``--others`` on one cell: one row, dynamic from the last file, each other method's
+    lowest step of any file (the best other may come from the earlier file)."""
+    terms = {f"gap_{t}": 0.0 for t in ("chain", "order", *longdoc.TERMS)}
+    row = {"trace": "t", "model": "m", "P": 8, "longest": 10, "step_s": 2.0, "ideal_s": 1.5, "gap": 1 / 3,
+           "kind": "zb", "microbatches": 4, "sliced": 1, "slice_len": 5, "slice_cuts": "even", "placement": "first",
+           "plan_cpu_s": 1.0, **terms}
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps({**row, "step_fixed": 2.5, "best_other": "fixed", "best_other_s": 2.5}) + "\n")
+    second.write_text(json.dumps({**row, "step_lockstep": 4.0, "best_other": "lockstep", "best_other_s": 4.0}) + "\n")
+    assert longdoc.main(["--table", str(first), str(second)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| t |")]
+    assert len(lines) == 1 and "fixed (2.5000) | 0.800" in lines[0]
+
+
+def test_the_other_methods_are_every_alternative_dynamic_weighs():
+    from dynmb.planning.slicing import slice_alternatives
+
+    assert {m if b is None else f"{m}/{b}" for m, b in slice_alternatives()} == set(longdoc.OTHERS)
+
+
 def test_help(capsys):
     with pytest.raises(SystemExit) as e:
         longdoc.main(["--help"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import math
 import pstats
 import time
 from collections import defaultdict
@@ -41,13 +40,13 @@ def _searches(rows: list[dict]):
     """``slicing._search_anew`` wrapped to log each search's kind, method, CPU s, simulations and pruned."""
     real = slicing._search_anew
 
-    def logged(job, bar=math.inf):
+    def logged(job):
         t0 = time.process_time()
-        found = real(job, bar)
+        found = real(job)
         s = job.spec
         rows.append({"kind": s.schedule_kind, "search": s.method if s.mbs is None else f"{s.method}/{s.mbs}",
                      "cpu_s": time.process_time() - t0, "simulated": found.simulated, "pruned": found.pruned,
-                     "best_s": None if found.best is None else found.best[0], "deferred": len(found.deferred)})
+                     "best_s": None if found.best is None else found.best[0]})
         return found
     return real, logged
 
