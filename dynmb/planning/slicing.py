@@ -47,7 +47,8 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    ``dynamic`` then weighs the plain methods' sliced plans (``_weigh_alternatives``; on by default): each
    method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
    slices, smaller recomputed shares), then the whole search of the ``WEIGH_FINALISTS`` fastest, of any other within
-   ``SCREEN_ERROR`` of the best, and of every method whose slices it cannot cut (``packed``), the fastest kept.
+   ``SCREEN_ERROR`` of the best, of every one the screen cannot rank and of every method whose slices it cannot cut
+   (``packed``), the fastest kept.
    The jobs of one ``plan_split`` share their simulations and their packings of short sequences. Under
    ``--schedule auto`` the weighing runs only on the kinds whose own sliced step is near the fastest kind's
    (``KIND_SCREEN``, ``kinds_to_weigh``; ``dynmb.planning.planner.plan_auto``).
@@ -798,8 +799,10 @@ def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -
     """The alternatives whose whole search ``_weigh_alternatives`` runs: every one whose slices ``job`` cannot
     cut (``packed``'s rows, another longest row), and of the rest, each one's short packing tried at ``_centres``
     (``_screened``: a few simulations each, every one a candidate of ``found`` too), the ``WEIGH_FINALISTS`` fastest
-    distinct groupings (``_grouping``; an alternative grouping as a finalist does is one too) and every other whose
-    screened step is within ``SCREEN_ERROR`` of ``found``'s best after screening."""
+    distinct groupings (``_grouping``; an alternative grouping as a finalist does is one too), every other whose
+    screened step is within ``SCREEN_ERROR`` of ``found``'s best after screening, and every one the screen cannot
+    rank (no candidate fits at any centre: its whole search may still find a plan elsewhere, as a kind without a
+    fitting plan is weighed, ``kinds_to_weigh``)."""
     if found.best is None:
         return alts
     centres = _centres(job, found)
@@ -814,7 +817,10 @@ def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -
     scored.sort(key=lambda s: s[:2])
     bar = found.best[0] * (1 + SCREEN_ERROR)
     picked: list[tuple] = []
-    for t, _, name, alt in (s for s in scored if s[0] < math.inf):    # the fastest distinct groupings, near ties
+    for t, _, name, alt in scored:      # the fastest distinct groupings, near ties, and every one the screen missed
+        if t == math.inf:
+            whole.append((name, alt))
+            continue
         grouping = _grouping(job, alt)
         if grouping in picked or len(set(picked)) < (WEIGH_FINALISTS or 0) or t <= bar:
             whole.append((name, alt))
