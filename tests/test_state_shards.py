@@ -66,6 +66,54 @@ def test_the_view_is_idempotent_and_composes_with_the_others(k, j, last, rc):
     assert base.sharded(k).sharded(1).state_bytes == pytest.approx(base.state_bytes)
 
 
+@settings(max_examples=30, deadline=None)
+@given(k=st.integers(1, 64), last=st.booleans(), rc=st.booleans())
+def test_as_planned_is_the_one_place_of_both_views(k, last, rc):
+    """``as_planned(embedding, k)`` is ``embedding_last()`` then ``sharded(k)`` byte for byte, idempotent, and what
+    ``spec_models`` gives a plan's spec (the same object: one implementation)."""
+    cfg = model_config("llama-small")
+    base = MemoryModel.analytic(cfg, 4)
+    base = base.recomputing() if rc else base
+    view = base.as_planned("last" if last else "first", k)
+    by_hand = (base.embedding_last() if last else base).sharded(k)
+    for name in ("state_bytes", "act_coef", "transient_coef", "rc_transient_coef"):
+        assert np.array_equal(getattr(view, name), getattr(by_hand, name)), name
+    assert view.embed_state_bytes == by_hand.embed_state_bytes and view.state_shards == k
+    assert view.as_planned("last" if last else "first", k) is view
+    spec = PlanSpec(num_stages=4, state_shards=k, embedding="last" if last else "first")
+    assert np.array_equal(spec_models(Models(None, base), cfg, spec).memory.state_bytes, view.state_bytes)
+
+
+def test_as_planned_refuses_what_no_view_holds():
+    """One line each: a tied embedding on the last rank (also in the stage split's memory proxy, which counted it as
+    an untied table moved), ``first`` on a view with the embedding last, an unknown place, and a memory model
+    without the view asked for more than the defaults."""
+    from dynmb.costmodel.gpu import GPUCostModel
+    from dynmb.planning.memory_split import ReliefInputs, step_proxy
+
+    tied = replace(model_config("llama-small"), tie_embeddings=True)
+    with pytest.raises(ValueError, match="ties its embedding"):
+        MemoryModel.analytic(tied, 1).as_planned("last", 2)
+    inputs = ReliefInputs(memory_limit_bytes=8 << 30, schedule_kind="1f1b", workload=np.array([100, 200]),
+                          cost_model=GPUCostModel(tied, 1), embedding="last")
+    with pytest.raises(ValueError, match="ties its embedding"):
+        step_proxy(tied, 1, inputs, 100)
+    last = MemoryModel.analytic(model_config("llama-small"), 4).embedding_last()
+    with pytest.raises(ValueError, match="has the embedding on the last stage"):
+        last.as_planned("first", 2)
+    with pytest.raises(ValueError, match="embedding must be 'first' or 'last'"):
+        last.as_planned("middle", 1)
+
+    class Foreign:
+        state_bytes = np.zeros(4)
+
+    spec = PlanSpec(num_stages=4, state_shards=2)
+    with pytest.raises(ValueError, match="has no as_planned"):
+        spec_models(Models(None, Foreign()), model_config("llama-small"), spec)
+    plain = Models(None, Foreign())
+    assert spec_models(plain, model_config("llama-small"), PlanSpec(num_stages=4)) is plain
+
+
 def test_a_saved_sharded_model_loads_as_it_was(tmp_path):
     view = MemoryModel.analytic(model_config("tiny"), 2).sharded(4)
     view.save(tmp_path / "m.json")

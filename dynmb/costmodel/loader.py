@@ -219,21 +219,20 @@ ModelsT = TypeVar("ModelsT", bound=Models[Any])
 
 def spec_models(models: ModelsT, model_cfg: ModelConfig, spec: PlanSpec) -> ModelsT:
     """``models`` as planned under ``spec``'s settings (``plan_step`` applies it; so do ``Planner`` and a run, whose
-    plans record the digests of these): the token embedding on the last rank (``spec.embedding == "last"``: the
-    memory model's embedding states move there, ``MemoryModel.embedding_last``; a tied embedding is refused in one
-    line: its table is the head's, on the last stage already) and the model states sharded over
-    ``spec.state_shards`` data-parallel ranks (``MemoryModel.sharded``). Idempotent: ``models`` themselves where
-    their memory model already is the view."""
+    plans record the digests of these): the memory model's ``MemoryModel.as_planned(spec.embedding,
+    spec.state_shards)``, the one place the token embedding on the last rank (its states move there,
+    ``MemoryModel.embedding_last``; a tied embedding is refused in one line there: its table is the head's, on the
+    last stage already) and the states sharded over ``spec.state_shards`` data-parallel ranks
+    (``MemoryModel.sharded``) are applied. ``model_cfg``: the model planned, which the memory model was made for
+    (``MemoryModelLike.check``). A memory model without that view plans only the defaults. Idempotent: ``models``
+    themselves where their memory model already is the view."""
     memory = models.memory
-    if spec.embedding == "last":
-        if model_cfg.tie_embeddings:
-            raise ValueError(f"embedding='last': model {model_cfg.name!r} ties its embedding to the LM head, which is "
-                             f"on the last stage already; use embedding='first'")
-        memory = memory.embedding_last()
-    if spec.state_shards != int(getattr(memory, "state_shards", 1)):
-        if not callable(getattr(memory, "sharded", None)):
-            raise ValueError(f"state_shards {spec.state_shards}: the memory model {type(memory).__name__} has no "
-                             "sharded() view; plan with state_shards 1 or pass a dynmb MemoryModel")
-        memory = memory.sharded(spec.state_shards)
+    as_planned = getattr(memory, "as_planned", None)
+    if callable(as_planned):
+        memory = as_planned(spec.embedding, spec.state_shards)
+    elif spec.embedding != "first" or spec.state_shards != 1:
+        raise ValueError(f"embedding {spec.embedding!r}, state_shards {spec.state_shards}: the memory model "
+                         f"{type(memory).__name__} has no as_planned() view; plan with embedding 'first' and "
+                         "state_shards 1 or pass a dynmb MemoryModel")
     return models if memory is models.memory else replace(models, memory=memory)
 

@@ -300,6 +300,26 @@ class MemoryModel:
     state_shards: int = 1
     """``sharded``: the data-parallel ranks the states are sharded over (1: held whole)."""
 
+    def as_planned(self, embedding: str = "first", state_shards: int = 1) -> "MemoryModel":
+        """This model as a plan with these settings counts it (``PlanSpec.embedding``, ``PlanSpec.state_shards``):
+        ``embedding_last`` where ``embedding`` is ``last`` (refused in one line for a model that ties its embedding
+        to the LM head: the table is on the last stage already), then ``sharded(state_shards)``. The one place both
+        views are applied (``costmodel.loader.spec_models``, ``planning.memory_split.step_proxy``). Idempotent:
+        itself where it is that view already; ``first`` on a view with the embedding last is refused (no view
+        moves it back)."""
+        if embedding not in ("first", "last"):
+            raise ValueError(f"embedding must be 'first' or 'last', got {embedding!r}")
+        view = self
+        if embedding == "last":
+            if self.model_cfg.tie_embeddings:
+                raise ValueError(f"embedding='last': model {self.model_cfg.name!r} ties its embedding to the LM head, "
+                                 f"which is on the last stage already; use embedding='first'")
+            view = view.embedding_last()
+        elif self.embed_state_bytes:
+            raise ValueError(f"embedding='first': this memory model ({self.source}) has the embedding on the last "
+                             "stage; pass the model before its embedding_last() view")
+        return view.sharded(state_shards)
+
     def sharded(self, shards: int) -> "MemoryModel":
         """This model with each stage's states sharded over ``shards`` data-parallel ranks by FSDP2 as dynmb's runtime
         runs it (``PlanSpec.state_shards``; module docstring, "Sharded states"): ``state_bytes`` (and

@@ -94,8 +94,7 @@ def step_proxy(layout: ModelConfig, num_stages: int, inputs: ReliefInputs, mean_
     holding as many tokens as ``layout``'s analytic memory model admits on every stage under the kind's window
     (module doc; the rows' token count as one-token rows, continuous: the s^2 term of short rows left out);
     ``inf`` where not one ``mean_len`` row fits."""
-    mm = MemoryModel.analytic(layout, num_stages).sharded(inputs.state_shards)
-    mm = mm.embedding_last() if inputs.embedding == "last" else mm
+    mm = MemoryModel.analytic(layout, num_stages).as_planned(inputs.embedding, inputs.state_shards)
     caps = float(inputs.memory_limit_bytes) - np.asarray(mm.state_bytes, dtype=np.float64)
     tokens = int(mm.max_rows(caps, 1, _windows(inputs.schedule_kind, num_stages), tight=True)[0])
     if tokens < mean_len:
