@@ -90,7 +90,6 @@ from dynmb.costmodel.base import CostModelLike
 from dynmb.packing.balanced import budget_divisors
 from dynmb.packing.context import PackContext
 from dynmb.packing.dynamic.ramp import ramped
-from dynmb.packing.embedprice import EmbedPricing
 from dynmb.packing.dynamic.rank import RANK_EXACT, ZB_KEEP, Candidate, Ranker
 from dynmb.packing.dynamic.setup import SplitSetup
 from dynmb.packing.dynamic.space import BFD_MAX, SEED_DP_MAX, PackCall, Space, space_for
@@ -139,15 +138,12 @@ def dynamic_groups(lengths: np.ndarray, ctx: PackContext, cost_model: CostModelL
     """
     call = replace(call, **settings)
     round_to, max_len, dp, baselines = call.round_to, call.max_len, call.dp, call.baselines
-    comm = getattr(cost_model, "comm_s", None)
     num_tau, keep, tol = search.num_tau, search.keep, search.tol
     n = len(lengths)
     top = round_up(int(lengths.max()), round_to) if max_len is None else int(max_len)
     space = space_for(lengths, ctx, cost_model, call, top=top, num_tau=num_tau if n > 1024 else num_tau + 3)
     setups = space.setups
-    rk = Ranker(cost_model, ctx.p, ctx.rec, comm, dp, setups, lengths, space.doc_causal, ctx.bmax, space.memo,
-                virtual=ctx.virtual)
-    rk.embeds = EmbedPricing.of(ctx.embedding, cost_model)
+    rk = Ranker(cost_model, ctx, dp, setups, lengths, space.memo)
     if rk.rank_kind != ctx.kind:                      # ranked by another kind's estimate: more finals to choose from
         keep = max(keep, ZB_KEEP)
     first = list(space.first)

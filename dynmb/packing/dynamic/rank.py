@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from dynmb.timing.makespan_zb import ESTIMATES as ZB_ESTIMATES
 from dynmb.timing.makespan_zb import backward_shares, ranking_kind
 from dynmb.schedule.kinds import ScheduleKind, get_kind
 from dynmb.packing.dynamic.setup import SplitSetup
+from dynmb.packing.context import PackContext
 from dynmb.packing.embedprice import EmbedPricing
 from dynmb.packing.orders import best_start_orders, blocked_order, start_orders
 from dynmb.packing.rows import Flat, assign_replicas
@@ -101,22 +102,25 @@ class Candidate:
 class Ranker:
     """Costs, orders and estimates candidates for ``num_stages`` stages and ``dp`` replicas."""
 
-    embeds: EmbedPricing | None = None
-    """With the embedding last (``dynmb.packing.embedprice``): what every estimate adds; None: nothing."""
-
-    def __init__(self, cost_model: CostModelLike, num_stages: int, kind: ScheduleKind, comm: Any, dp: int,
-                 setups: dict[str, SplitSetup], lengths: np.ndarray, doc_causal: bool, bmax_fn: Callable,
-                 memo: RankMemo | None = None, virtual: int = 1) -> None:
-        self.cm, self.P, self.kind, self.comm_fn, self.dp = cost_model, num_stages, kind.name, comm, dp
-        self.virtual = virtual                               # chunks per GPU (the interleaved estimate reads it)
-        self.setups, self.lengths, self.doc_causal, self.bmax_fn = setups, lengths, doc_causal, bmax_fn
+    def __init__(self, cost_model: CostModelLike, ctx: PackContext, dp: int, setups: dict[str, SplitSetup],
+                 lengths: np.ndarray, memo: RankMemo | None = None) -> None:
+        """``ctx``: the packing call's settings (its stage count, schedule kind, chunks per GPU and the embedding's
+        place); ``setups``: the row sets' affine costs; ``lengths``: the batch (the zero-bubble shares);
+        ``memo``: what the packings of one batch share."""
+        kind = ctx.rec
+        self.cm, self.P, self.kind, self.dp = cost_model, ctx.p, kind.name, dp
+        self.comm_fn = getattr(cost_model, "comm_s", None)   # P2P seconds of a microbatch, where the model has them
+        self.virtual = ctx.virtual                           # chunks per GPU (the interleaved estimate reads it)
+        self.embeds = EmbedPricing.of(ctx.embedding, cost_model)
+        """With the embedding last (``dynmb.packing.embedprice``): what every estimate adds; None: nothing."""
+        self.setups = setups
         self.memo = RankMemo() if memo is None else memo
         self.looked_up = self.memo.looked_up                 # stage_costs (F, B, sends) by candidate key
         self.rank_rec = get_kind(ranking_kind(kind.name))    # resolved once: _round_trips reads its estimate
         self.rank_kind = self.rank_rec.name                  # the estimate rank() uses; choose() uses the kind's
         self.one_regime = not has_bound_regime(self.rank_kind)    # zero-bubble, interleaved: no bound regime
         if kind.estimate_as in ZB_ESTIMATES and "shares" not in self.memo.shares:
-            self.memo.shares["shares"] = backward_shares(cost_model, lengths, num_stages)
+            self.memo.shares["shares"] = backward_shares(cost_model, lengths, ctx.p)
         self.shares = self.memo.shares.get("shares")
 
     def _send(self, rows: np.ndarray, padded: np.ndarray) -> np.ndarray:
