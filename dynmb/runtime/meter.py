@@ -3,6 +3,10 @@
 On a device whose allocator keeps statistics (CUDA, ``DeviceOps.allocator_stats``): its peak
 allocated bytes between resets (``DeviceOps.peak_allocated_bytes`` / ``reset_peak``; the runtime
 samples it after every action; per-stage numbers are the rank's number). No hooks are installed.
+Either way a number is the rank's bytes (a rank holding several stages, interleaved chunks or the embedding
+stage beside the last, counts all their states and everything held; on CPU a stage's number is the highest
+at that stage's samples, so the highest of a rank's is its peak): the runtime sets the GPU's prediction beside it
+(``MemoryRow.pred_rank_peak_bytes``; a plan's ``pred_peak_bytes`` is per stage).
 
 Otherwise (CPU), by accounting (what would be allocated on a device without a caching allocator):
 

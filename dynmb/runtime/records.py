@@ -82,6 +82,13 @@ class MemoryRow:
     peak_bytes: int
     limit_bytes: int
     pred_peak_bytes: int | None
+    """The plan's predicted peak of the stage (``Predictions.pred_peak_bytes``: the stage's own states and
+    activations, the highest over the replicas)."""
+    pred_rank_peak_bytes: int | None = None
+    """The predicted peak of this rank's GPU, what ``peak_bytes`` measures (with allocator statistics the rank's
+    peak; the CPU meter samples the rank's bytes): the stage's ``pred_peak_bytes`` where the rank holds one stage,
+    else (interleaved chunks, the embedding stage beside the last) the simulator's peak of the rank over its
+    replica's schedule (``SimResult.peak_bytes_rank``: its stages' states and activations at once)."""
     allocated_bytes: int | None = None
     """CUDA: ``max_memory_allocated`` of the rank in the step (no column on CPU)."""
     reserved_bytes: int | None = None

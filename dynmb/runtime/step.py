@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -54,6 +55,7 @@ from dynmb.runtime.state import RunState
 from dynmb.core.types import Action, Plan, Schedule
 from dynmb.schedule.embedlast import is_lifted
 from dynmb.timing.embedding import embed_costs, lifted_costs
+from dynmb.timing.simulate import simulate
 
 __all__ = ["run_step"]
 
@@ -127,8 +129,10 @@ def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTim
     return rows, busy_s
 
 
-def _memory_rows(state: RunState, step: int, plan: Plan, offloaded: Mapping[int, int]) -> list[MemoryRow]:
-    """One row per stage of this rank: measured peak, the limit it is checked against, the bytes it offloaded."""
+def _memory_rows(state: RunState, step: int, plan: Plan, offloaded: Mapping[int, int],
+                 rank_peak: int | None) -> list[MemoryRow]:
+    """One row per stage of this rank: measured peak, the limit it is checked against, the bytes it offloaded, the
+    stage's and the GPU's predicted peaks (``rank_peak``: ``_rank_peak``; None: the stage's)."""
     planned = list(plan.predictions.get("pred_peak_bytes", []))
     peaks = state.meter.peaks()
     allocated, reserved = state.ops.peak_allocated_bytes(), state.ops.peak_reserved_bytes()
@@ -136,12 +140,25 @@ def _memory_rows(state: RunState, step: int, plan: Plan, offloaded: Mapping[int,
     for stage in sorted(state.stages):
         peak = int(peaks[stage])
         limit = state.hooks.memory_limit(state.rank, step, stage, int(plan.memory_limit_bytes), peak)
+        pred = int(planned[stage]) if stage < len(planned) else None
         rows.append(MemoryRow(
             run_id=state.spec.run_id, step=step, stage=stage, rank=state.rank, dp_rank=state.topology.dp_index,
-            peak_bytes=peak, limit_bytes=int(limit),
-            pred_peak_bytes=int(planned[stage]) if stage < len(planned) else None,
+            peak_bytes=peak, limit_bytes=int(limit), pred_peak_bytes=pred,
+            pred_rank_peak_bytes=pred if rank_peak is None else rank_peak,
             allocated_bytes=allocated, reserved_bytes=reserved, offloaded_bytes=int(offloaded.get(stage, 0))))
     return rows
+
+
+def _rank_peak(state: RunState, replica: Plan, schedule: Schedule) -> int | None:
+    """The predicted peak of this rank's GPU where it holds several stages (interleaved chunks; the embedding stage
+    beside the last, ``dynmb.schedule.embedlast``): the simulator's ``peak_bytes_rank`` of its replica's schedule
+    (what the planner holds under the limit; a plan's ``pred_peak_bytes`` is per stage, the meter's peak the
+    rank's). None where it holds one stage, or without a memory prediction."""
+    if len(state.stages) < 2:
+        return None
+    sim = simulate(schedule, replica, state.cost_model, state.memory_model)
+    peaks = sim.peak_bytes_rank
+    return None if peaks is None else int(np.ceil(peaks[state.topology.pp_index]))
 
 
 def _gather(state: RunState) -> None:
@@ -210,7 +227,8 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     step_s = time.perf_counter() - t0
 
     action_rows, busy_s = _action_rows(state, step, replica, timings, start_mark, bool(lift))
-    memory_rows = _memory_rows(state, step, plan, offload.stats.bytes_by_stage if offload is not None else {})
+    memory_rows = _memory_rows(state, step, plan, offload.stats.bytes_by_stage if offload is not None else {},
+                               _rank_peak(state, replica, schedule))
     problems = memory_problems(memory_rows, allow_over_limit=state.spec.allow_over_limit)
     grad_rel_err = None
     if weights is not None and verified_grads is not None:
