@@ -342,6 +342,8 @@ def test_fp64_gradients_and_memory_with_the_embedding_on_the_last_rank(tmp_path,
             continue
         measured = mem.groupby("rank")["peak_bytes"].max()
         assert (measured <= rank_peaks[measured.index]).all(), (spec.run_id, measured.tolist(), rank_peaks)
+        gpu = mem.groupby("rank")["pred_rank_peak_bytes"].max()     # the run's own: the last rank holds two stages
+        assert (gpu == np.ceil(rank_peaks[gpu.index])).all(), (spec.run_id, gpu.tolist(), rank_peaks)
         assert (rank_peaks <= spec.run.spec.memory_limit_bytes).all()
         if "-split-" in spec.run_id:
             assert (steps["sliced"] > 0).all(), spec.run_id
