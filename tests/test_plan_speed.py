@@ -693,6 +693,12 @@ def _old_attention_work(mb: Microbatch, attention: str = "auto") -> int:
     return mb.batch * mb.padded_len ** 2
 
 
+def _old_listed(inp: ZBInputs, how: zerobubble.Listing, give_up: float = np.inf) -> tuple:
+    """``zerobubble.listed`` before: ``old_list_schedule``, built to its end."""
+    return old_list_schedule(inp, how.inflight, how.caps, how.kind, how.backward_order, how.w_defer, how.fill,
+                             how.pump)
+
+
 def _steps(cases, old: bool, monkeypatch) -> list:
     with monkeypatch.context() as mp:
         mp.setattr(zerobubble, "_H1", {})
@@ -703,7 +709,8 @@ def _steps(cases, old: bool, monkeypatch) -> list:
         mp.setattr(zerobubble, "PUMPED", False)          # zb's pumped candidates came later (tests/test_zb_pump.py)
         if old:
             mp.setattr(zerobubble, "REMEMBERED", 0)
-            mp.setattr(zerobubble, "list_schedule", old_list_schedule)
+            mp.setattr(zerobubble, "listed", _old_listed)
+            mp.setattr(zerobubble, "GIVE_UP", False)
             mp.setattr(GPUCostModel, "COSTS_REMEMBERED", 0)
             mp.setattr(model_sizes.ModelSizes, "stage_pieces", _old_stage_pieces)
             mp.setattr(model_sizes.ModelSizes, "stage_parts", _old_stage_parts)

@@ -100,7 +100,7 @@ import hashlib
 import heapq
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -226,18 +226,34 @@ def _check_windows(windows: Sequence[int], orders: Sequence[Sequence[tuple[str, 
                                  f"{s + 1} runs {need} forwards before its backward #{b}, stage {s} only {sent}")
 
 
+@dataclass(frozen=True)
+class Listing:
+    """The settings of one list schedule (``list_schedule``'s arguments after ``inp``)."""
+
+    inflight: Sequence[int]
+    caps: Sequence[float] | np.ndarray | None = None
+    kind: str = "zb"
+    backward_order: Sequence[int] | None = None
+    w_defer: Sequence[int] | None = None
+    fill: str | None = None
+    pump: bool = False
+
+
+class _GaveUp(Exception):
+    """A list schedule's makespan is certain to pass its ``give_up`` (``listed``)."""
+
+
 class _ListRun:
     """One run of the list scheduler: each stage's clock, held bytes, in-flight count, queued Ws and emitted order."""
 
     STEP = {"F": 1, "B": -1, "I": 0, "W": -1}   # in-flight count change per op
 
-    def __init__(self, inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None,
-                 backward_order: Sequence[int] | None, w_defer: Sequence[int] | None,
-                 fill: str | None = None, pump: bool = False) -> None:
+    def __init__(self, inp: ZBInputs, how: Listing, give_up: float = np.inf) -> None:
         P, m = inp.shape
         self.P = P
-        self.fill = _check_fill(fill)
-        self.pump = bool(pump)
+        self.fill = _check_fill(how.fill)
+        self.pump = bool(how.pump)
+        inflight, caps, backward_order, w_defer = how.inflight, how.caps, how.backward_order, how.w_defer
         self.nextf = [0] * P                        # forwards run on each stage (they run in microbatch order)
         # the span each stage would have if it waited no more: its work, plus its waits once started
         self.span = (inp.F + np.where(inp.split, inp.I + inp.W, inp.B)).sum(axis=1).tolist()
@@ -266,6 +282,10 @@ class _ListRun:
         self.ranks: list[list[Action]] = [[] for _ in range(P)]
         self.acts = [_stage_actions(s, m) for s in range(P)]      # Action(s, op, j) is acts[s][op][j]
         self.makespan = 0.0
+        # a lower bound of each stage's work still to run (a split backward at min(B, I + W)): every op left
+        # starts after the stage's last op ended, so its end + this bounds the makespan (``listed``'s give_up)
+        self.left = (inp.F + np.where(inp.split, np.minimum(inp.I + inp.W, inp.B), inp.B)).sum(axis=1).tolist()
+        self.give_up = float(give_up)
 
     def ready(self, s: int, op: str, j: int) -> tuple[float, bool]:
         """(time op j's input is there, known?) -- else a lower bound from the producer's clock."""
@@ -306,6 +326,10 @@ class _ListRun:
         clock = self.clock[s]
         end = (self.free[s] if op == "W" else clock if at is None else at) + dur
         self.free[s] = end
+        left = self.left[s] - dur
+        self.left[s] = left
+        if end + left > self.give_up:
+            raise _GaveUp
         self.clock[s] = end if end > clock else clock
         if end > self.makespan:
             self.makespan = end
@@ -335,6 +359,10 @@ class _ListRun:
         ranks.append(self.acts[s]["W"][j])
         end = self.free[s] + self.W[s][j]
         self.free[s] = end
+        left = self.left[s] - self.W[s][j]
+        self.left[s] = left
+        if end + left > self.give_up:
+            raise _GaveUp
         self.clock[s] = end if end > clock else clock
         if end > self.makespan:
             self.makespan = end
@@ -448,10 +476,32 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     each stage's backwards in ``backward_order`` (slices of a sequence in reverse); ``fill``: None, or the
     objective (``FILL_OBJECTIVES``) by which a ``W`` may also fill a wait shorter than it (module doc, rule 4);
     ``pump``: a forward may fill a gradient's wait past the window, memory permitting (rule 5)."""
+    return listed(inp, Listing(inflight, caps, kind, backward_order, w_defer, fill, pump))
+
+
+GIVE_UP = True
+"""With a judge that is the simulator's makespan on the scheduler's inputs (``_exact_judge``), ``zb_h1`` and ``zb``
+stop building a list schedule once its makespan is certain to reach the time below which alone it would be judged
+(``JUDGE_CONTENDERS_ONLY``; ``listed``'s ``give_up``): the same choice. False: every one built to its end."""
+
+
+def listed(inp: ZBInputs, how: Listing, give_up: float = np.inf) -> tuple[Schedule, float]:
+    """``list_schedule`` with its settings as one ``Listing``; ``give_up``: stop once some stage's end plus a lower
+    bound of its work still to run (each split backward at ``min(B, I + W)``) passes it -- the makespan will --
+    and return an empty schedule with makespan ``inf`` (a candidate that cannot be judged)."""
     P, m = inp.shape
-    st = _ListRun(inp, inflight, caps, backward_order, w_defer, fill, pump)
+    st = _ListRun(inp, how, give_up)
+    try:
+        _run_list(st, P)
+    except _GaveUp:
+        return Schedule([[] for _ in range(P)], P, m, kind=how.kind), np.inf
+    return Schedule(st.ranks, P, m, kind=how.kind), st.makespan
+
+
+def _run_list(st: _ListRun, P: int) -> None:
+    """The list scheduler's loop: the stage whose clock is earliest decides next."""
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
-    todo, clock, advance, pop, replace = st.todo, st.clock, st.advance, heapq.heappop, heapq.heapreplace
+    todo, clock, advance, pop, requeue = st.todo, st.clock, st.advance, heapq.heappop, heapq.heapreplace
     while heap:
         t, neg = heap[0]                            # the stage whose clock is earliest (keys are unique)
         s = -neg
@@ -460,8 +510,7 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
             pop(heap)
         else:
             advance(s, t)
-            replace(heap, (clock[s], neg))          # = pop, then push it back at its clock
-    return Schedule(st.ranks, P, m, kind=kind), st.makespan
+            requeue(heap, (clock[s], neg))          # = pop, then push it back at its clock
 
 
 _ACTIONS: dict[int, dict[str, list[Action]]] = {}
@@ -522,22 +571,26 @@ def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool,
     return ZBInputs(inp.F, inp.B, inp.I, inp.W, inp.comm, split, inp.act, inp.w, inp.tr)
 
 
-def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None, kind: str,
-              order: Sequence[int] | None = None, w_defer: Sequence[int] | None = None,
-              fill: str | None = None) -> list[tuple[Schedule, float]]:
+def _variants(inp: ZBInputs, how: Listing, give_up: float = np.inf) -> list[tuple[Schedule, float]]:
     """The list schedule, and, where a split backward costs more than a full one, the list schedule again
     with full backwards where the first ran W right after I (``_unsplit_adjacent``; everywhere, and
-    everywhere but the cool-down); each with its makespan under its inputs."""
-    first = list_schedule(inp, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer, fill=fill)
-    out = [first]
+    everywhere but the cool-down); each with its makespan under its inputs. ``give_up`` (``listed``) only where
+    the list schedule is the one variant (the others are read off it)."""
     if not np.any(inp.I + inp.W > inp.B * (1 + 1e-9)):
-        return out                  # the split costs nothing (a GPU's): a full B is never faster than I then W
+        return [listed(inp, how, give_up)]  # the split costs nothing (a GPU's): a full B is never faster than I, W
+    first = listed(inp, how)
+    out = [first]
     for keep in (False, True):
-        fewer = _unsplit_adjacent(first[0], inp, keep, order)
+        fewer = _unsplit_adjacent(first[0], inp, keep, how.backward_order)
         if fewer is not None:
-            out.append(list_schedule(fewer, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer,
-                                     fill=fill))
+            out.append(listed(fewer, how))
     return out
+
+
+def _give_up_at(exact: bool, below: float) -> float:
+    """The ``give_up`` (``listed``) of a candidate that is judged only where its own makespan is below ``below``:
+    that plus a margin over the rounding of the bound's sums (``GIVE_UP``; without an exact judge: none)."""
+    return below + 1e-9 if exact and GIVE_UP else np.inf
 
 
 def _exact_judge(evaluate: Evaluate) -> bool:
@@ -574,7 +627,7 @@ def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eva
     caps = h1_caps(inp, state_bytes, order) if inp.act is not None else None
     k, defer = _inflight(num_stages, m), list(range(num_stages))
     if evaluate is None:
-        return _remember(_H1_UNIT, unit, list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0])
+        return _remember(_H1_UNIT, unit, listed(inp, Listing(k, caps, "zb-h1", order, defer))[0])
     return _h1_judged(inp, k, caps, evaluate, order).schedule
 
 
@@ -596,17 +649,21 @@ def _h1_judged(inp: ZBInputs, inflight: Sequence[int], caps: np.ndarray | None, 
     key = _inputs_key(inp, caps, order, evaluate)
     if key is not None and key in _H1:
         return _H1[key]
-    listed = _variants(inp, inflight, caps, "zb-h1", order, list(range(P))) + \
-        [list_schedule(inp, inflight, caps, kind="zb-h1", backward_order=order)]
-    exact = _exact_judge(evaluate)
+    exact, how = _exact_judge(evaluate), Listing(inflight, caps, "zb-h1", order)
     verdicts: dict[int, tuple[float, np.ndarray]] = {}
-    for n, (c, t) in enumerate(listed):                  # the first of equals wins: a later one as slow loses
-        if not (exact and n > 0 and t >= min(v[0] for v in verdicts.values())):
-            verdicts[n] = evaluate(c)
-    cands = [c for c, _ in listed] + [_one_f_one_b(P, m, order)]
-    verdicts[len(listed)] = evaluate(cands[-1])
+    cands: list[Schedule] = []
+
+    def judge(made: list[tuple[Schedule, float]]) -> None:
+        for c, t in made:                               # the first of equals wins: a later one as slow loses
+            if not (exact and cands and t >= min(v[0] for v in verdicts.values())):
+                verdicts[len(cands)] = evaluate(c)
+            cands.append(c)
+    judge(_variants(inp, replace(how, w_defer=list(range(P)))))
+    judge([listed(inp, how, _give_up_at(exact, min(v[0] for v in verdicts.values())))])
+    cands.append(_one_f_one_b(P, m, order))
+    verdicts[len(cands) - 1] = evaluate(cands[-1])
     b = min(verdicts, key=lambda i: verdicts[i][0])     # in insertion (candidate) order: first of equals
-    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[len(listed)])
+    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[len(cands) - 1])
     if key is not None and REMEMBERED > 0:
         while len(_H1) >= REMEMBERED:
             _H1.pop(next(iter(_H1)))
@@ -727,7 +784,8 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     unbounded = [m] * num_stages                    # W deferred as far as the caps let (ZB-2p)
 
     def windows(fill: str | None) -> Callable[[tuple[int, ...], float], float]:
-        return lambda k, deciding: consider(_variants(inp, k, caps, "zb", order, unbounded, fill=fill), (), deciding)
+        return lambda k, deciding: consider(_variants(inp, Listing(k, caps, "zb", order, unbounded, fill),
+                                                      _give_up_at(exact, max(best_t, deciding))), (), deciding)
     alphas = (0.0, *ZB_ALPHAS)
     start = _sweep_windows(num_stages, m, windows(None), alphas)        # W only in the waits they fit
     fill = objective_of(evaluate)
@@ -735,6 +793,7 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
                               tuple(a for a in alphas if a >= start))   # fastest window up
     if PUMPED:                                                          # forwards fill the gradients' waits
         pumped = [(0.0, None, list(range(num_stages))), (0.0, None, unbounded), (critical, fill, unbounded)]
-        consider([list_schedule(inp, _inflight(num_stages, m, alpha), caps, kind="zb", backward_order=order,
-                                w_defer=defer, fill=how, pump=True) for alpha, how, defer in pumped])
+        for alpha, how, defer in pumped:        # each judged only below the best so far
+            consider([listed(inp, Listing(_inflight(num_stages, m, alpha), caps, "zb", order, defer, how, True),
+                             _give_up_at(exact, best_t))])
     return _remember(_ZB, key, Schedule((best or h1).ranks, num_stages, m, kind="zb"))
