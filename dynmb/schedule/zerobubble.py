@@ -239,10 +239,6 @@ class Listing:
     pump: bool = False
 
 
-class _GaveUp(Exception):
-    """A list schedule's makespan is certain to pass its ``give_up`` (``listed``)."""
-
-
 class _ListRun:
     """One run of the list scheduler: each stage's clock, held bytes, in-flight count, queued Ws and emitted order."""
 
@@ -282,10 +278,10 @@ class _ListRun:
         self.ranks: list[list[Action]] = [[] for _ in range(P)]
         self.acts = [_stage_actions(s, m) for s in range(P)]      # Action(s, op, j) is acts[s][op][j]
         self.makespan = 0.0
-        # a lower bound of each stage's work still to run (a split backward at min(B, I + W)): every op left
-        # starts after the stage's last op ended, so its end + this bounds the makespan (``listed``'s give_up)
-        self.left = (inp.F + np.where(inp.split, np.minimum(inp.I + inp.W, inp.B), inp.B)).sum(axis=1).tolist()
         self.give_up = float(give_up)
+        if self.give_up < np.inf:           # each stage's work from its f-th forward / b-th backward on (``passes``)
+            bwd = np.where(inp.split, np.minimum(inp.I + inp.W, inp.B), inp.B)[:, check_order(m, backward_order)]
+            self.f_left, self.b_left = ([row[::-1].cumsum()[::-1].tolist() + [0.0] for row in a] for a in (inp.F, bwd))
 
     def ready(self, s: int, op: str, j: int) -> tuple[float, bool]:
         """(time op j's input is there, known?) -- else a lower bound from the producer's clock."""
@@ -326,10 +322,6 @@ class _ListRun:
         clock = self.clock[s]
         end = (self.free[s] if op == "W" else clock if at is None else at) + dur
         self.free[s] = end
-        left = self.left[s] - dur
-        self.left[s] = left
-        if end + left > self.give_up:
-            raise _GaveUp
         self.clock[s] = end if end > clock else clock
         if end > self.makespan:
             self.makespan = end
@@ -340,13 +332,30 @@ class _ListRun:
             if op == "I":
                 self.pend[s].append(j)
 
+    def passes(self) -> bool:
+        """Is the makespan certain to pass ``give_up``: does some stage's last end plus a lower bound of its work
+        still to run (its forwards from ``nextf`` on, its backwards from the ones run on in the backward order,
+        each at ``min(B, I + W)``, and its queued ``W``) pass it? Every op left starts after that end. The ops run,
+        by kind, from the counts kept: ``live = F - B - W``, ``len(pend) = I - W``, ``len(ranks) = F + B + I + W``."""
+        for s in range(self.P):
+            f, pend = self.nextf[s], self.pend[s]
+            w = len(self.ranks[s]) - 2 * f + self.live[s] - len(pend)          # W run: I run less those queued
+            left = self.f_left[s][f] + self.b_left[s][len(self.ranks[s]) - f - w] + sum(self.W[s][j] for j in pend)
+            if self.free[s] + left > self.give_up:
+                return True
+        return False
+
     def wait_is_critical(self, s: int, wait: float) -> bool:
         """Would waiting ``wait`` make stage ``s`` the one with the largest projected span (``fill`` "span")
         or end (``"makespan"``: its first op's start + span; a stage not started yet from its clock)?"""
         if self.fill == "span":
             return self.span[s] + wait > max(self.span) + 1e-12
-        ends = [(self.first[k] if self.ranks[k] else self.clock[k]) + self.span[k] for k in range(self.P)]
-        return ends[s] + wait > max(ends) + 1e-12
+        first, ranks, clock, span = self.first, self.ranks, self.clock, self.span
+        mine = (first[s] if ranks[s] else clock[s]) + span[s] + wait
+        for k in range(self.P):             # mine > max(ends) + 1e-12, stopping at the first end it does not pass
+            if not mine > (first[k] if ranks[k] else clock[k]) + span[k] + 1e-12:
+                return False
+        return True
 
     def run_w(self, s: int) -> None:
         """``run`` of the oldest queued ``W``, written out: it starts where the stage's last op ended."""
@@ -359,10 +368,6 @@ class _ListRun:
         ranks.append(self.acts[s]["W"][j])
         end = self.free[s] + self.W[s][j]
         self.free[s] = end
-        left = self.left[s] - self.W[s][j]
-        self.left[s] = left
-        if end + left > self.give_up:
-            raise _GaveUp
         self.clock[s] = end if end > clock else clock
         if end > self.makespan:
             self.makespan = end
@@ -486,31 +491,42 @@ stop building a list schedule once its makespan is certain to reach the time bel
 
 
 def listed(inp: ZBInputs, how: Listing, give_up: float = np.inf) -> tuple[Schedule, float]:
-    """``list_schedule`` with its settings as one ``Listing``; ``give_up``: stop once some stage's end plus a lower
-    bound of its work still to run (each split backward at ``min(B, I + W)``) passes it -- the makespan will --
-    and return an empty schedule with makespan ``inf`` (a candidate that cannot be judged)."""
+    """``list_schedule`` with its settings as one ``Listing``. ``give_up``: where the makespan passes it, an empty
+    schedule with makespan ``inf`` (a candidate that cannot be judged), found as soon as some stage's last end plus
+    a lower bound of its work still to run passes it (``_ListRun.passes``, looked at every ``CHECK_EVERY``
+    decisions), else at the end."""
     P, m = inp.shape
     st = _ListRun(inp, how, give_up)
-    try:
-        _run_list(st, P)
-    except _GaveUp:
+    if not _run_list(st, P) or st.makespan > give_up:
         return Schedule([[] for _ in range(P)], P, m, kind=how.kind), np.inf
     return Schedule(st.ranks, P, m, kind=how.kind), st.makespan
 
 
-def _run_list(st: _ListRun, P: int) -> None:
-    """The list scheduler's loop: the stage whose clock is earliest decides next."""
+CHECK_EVERY = 256
+"""Decisions of the list scheduler between two looks at whether its makespan will pass ``give_up`` (``listed``)."""
+
+
+def _run_list(st: _ListRun, P: int) -> bool:
+    """The list scheduler's loop: the stage whose clock is earliest decides next; with a ``give_up``, every
+    ``CHECK_EVERY`` decisions a look whether the makespan will pass it (``_ListRun.passes``: then False, not done)."""
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
     todo, clock, advance, pop, requeue = st.todo, st.clock, st.advance, heapq.heappop, heapq.heapreplace
+    chunk = CHECK_EVERY if st.give_up < np.inf else 1 << 62
     while heap:
-        t, neg = heap[0]                            # the stage whose clock is earliest (keys are unique)
-        s = -neg
-        if not todo[s]:
-            advance(s, t)                           # its last Ws
-            pop(heap)
-        else:
-            advance(s, t)
-            requeue(heap, (clock[s], neg))          # = pop, then push it back at its clock
+        for _ in range(chunk):
+            if not heap:
+                return True
+            t, neg = heap[0]                        # the stage whose clock is earliest (keys are unique)
+            s = -neg
+            if not todo[s]:
+                advance(s, t)                       # its last Ws
+                pop(heap)
+            else:
+                advance(s, t)
+                requeue(heap, (clock[s], neg))      # = pop, then push it back at its clock
+        if st.passes():
+            return False
+    return True
 
 
 _ACTIONS: dict[int, dict[str, list[Action]]] = {}
