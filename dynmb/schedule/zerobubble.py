@@ -281,7 +281,9 @@ class _ListRun:
         self.give_up = float(give_up)
         if self.give_up < np.inf:           # each stage's work from its f-th forward / b-th backward on (``passes``)
             bwd = np.where(inp.split, np.minimum(inp.I + inp.W, inp.B), inp.B)[:, check_order(m, backward_order)]
-            self.f_left, self.b_left = ([row[::-1].cumsum()[::-1].tolist() + [0.0] for row in a] for a in (inp.F, bwd))
+            left = np.zeros((2, P, m + 1))
+            left[:, :, :m] = np.cumsum(np.stack([inp.F, bwd])[:, :, ::-1], axis=2)[:, :, ::-1]
+            self.f_left, self.b_left = left.tolist()
 
     def ready(self, s: int, op: str, j: int) -> tuple[float, bool]:
         """(time op j's input is there, known?) -- else a lower bound from the producer's clock."""
@@ -337,11 +339,12 @@ class _ListRun:
         still to run (its forwards from ``nextf`` on, its backwards from the ones run on in the backward order,
         each at ``min(B, I + W)``, and its queued ``W``) pass it? Every op left starts after that end. The ops run,
         by kind, from the counts kept: ``live = F - B - W``, ``len(pend) = I - W``, ``len(ranks) = F + B + I + W``."""
+        give_up, free, nextf, live, ranks = self.give_up, self.free, self.nextf, self.live, self.ranks
         for s in range(self.P):
-            f, pend = self.nextf[s], self.pend[s]
-            w = len(self.ranks[s]) - 2 * f + self.live[s] - len(pend)          # W run: I run less those queued
-            left = self.f_left[s][f] + self.b_left[s][len(self.ranks[s]) - f - w] + sum(self.W[s][j] for j in pend)
-            if self.free[s] + left > self.give_up:
+            f, pend, done = nextf[s], self.pend[s], len(ranks[s])
+            w = done - 2 * f + live[s] - len(pend)                          # W run: I run less those queued
+            bound = free[s] + self.f_left[s][f] + self.b_left[s][done - f - w]
+            if bound > give_up or (pend and bound + sum(map(self.W[s].__getitem__, pend)) > give_up):
                 return True
         return False
 
