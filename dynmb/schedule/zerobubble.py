@@ -81,7 +81,10 @@ Judging: where ``evaluate`` declares itself the simulator's makespan on these in
 planner's), the list scheduler's own makespan of a candidate is the judge's, bit for bit (the same recurrence on
 the same numbers; ``tests/test_zb_judge.py``), so a candidate whose own makespan already loses (``zb_h1``: not
 below the fastest judged before it; ``zb``: neither below the best that fits nor below its sweep's fastest) is
-built but not judged (``JUDGE_CONTENDERS_ONLY``): the same choice.
+built but not judged (``JUDGE_CONTENDERS_ONLY``): the same choice. Such a candidate is not even built to its end
+(``GIVE_UP``): every ``CHECK_EVERY`` decisions the scheduler looks whether some stage's last end plus a lower bound of
+its work still to run (forwards and backwards left, each backward at ``min(B, I + W)``, and its queued ``W``) passes
+the time below which alone it would be judged, and stops there (``listed``'s ``give_up``).
 
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
 takes its backwards (``I`` or ``B``) in that order, so a chain's input gradients run in reverse
@@ -108,7 +111,7 @@ import numpy as np
 from dynmb.schedule.order import check_order, lookahead_of, stage_order, windowed_order
 from dynmb.core.types import Action, Schedule
 
-__all__ = ["ZBInputs", "list_schedule", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS",
+__all__ = ["ZBInputs", "Listing", "list_schedule", "listed", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS",
            "FILL_OBJECTIVES", "objective_of", "PUMPED"]
 
 ZB_ALPHAS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
