@@ -335,6 +335,66 @@ def test_one_f_one_b_peaks_are_the_old_ones(seed, P, m, memory, permuted):
     assert zerobubble._one_f_one_b(P, m, order).ranks == Schedule(fresh, P, m, kind="1f1b").ranks
 
 
+def _ops(sched: Schedule) -> list:
+    return [[(a.stage, a.op, a.mb) for a in r] for r in sched.ranks]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6), st.integers(1, 14), st.booleans(), st.booleans(),
+       st.sampled_from([None, "span", "makespan"]), st.sampled_from(["none", "all", "stage"]), st.booleans(),
+       st.booleans(), st.sampled_from([-0.5, -1e-9, 1e-9, 0.5]), st.sampled_from([1, 7]))
+def test_list_schedule_gives_up_only_where_it_would_pass(seed, P, m, unit, memory, fill, defer, permuted, pump,
+                                                        offset, every):
+    """``listed`` with a ``give_up`` that its makespan passes (``offset`` < 0) is an empty schedule and ``inf``; with
+    one it does not pass, the schedule built to its end, every op and the makespan bit for bit -- the bound of the
+    work left looked at every ``every`` decisions. Fails on a bound that overstates it (a split backward's
+    ``I + W`` plus a fifth of its ``F``; the queued ``W`` counted twice)."""
+    rng = np.random.default_rng(seed + 2)
+    inp = _random_inputs(seed, P, m, unit, memory)
+    inflight = sorted((P - s + int(rng.integers(0, P + 1)) for s in range(P)), reverse=True)
+    caps = zerobubble.one_f_one_b_peaks(inp) * rng.uniform(1.0, 2.5) if memory and not unit else None
+    w_defer = {"none": None, "all": [m] * P, "stage": list(range(P))}[defer]
+    how = zerobubble.Listing(inflight, caps, "zb", rng.permutation(m).tolist() if permuted else None, w_defer, fill,
+                             pump)
+    whole, t = zerobubble.listed(inp, how)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(zerobubble, "CHECK_EVERY", every)
+        cut, t_cut = zerobubble.listed(inp, how, t + offset)
+    if offset < 0:
+        assert t_cut == np.inf and cut.ranks == tuple(() for _ in range(P))
+    else:
+        assert _ops(cut) == _ops(whole) and t_cut == t
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb"])
+def test_candidates_given_up_are_the_same_choice(monkeypatch, kind):
+    """``zb_h1`` / ``zb`` of P 8 plans choose the same schedule, every op, with ``GIVE_UP`` as without, and some
+    candidates stop before their end (a look every 16 decisions; fails where none does)."""
+    stopped = [0]
+    real = zerobubble._ListRun.passes
+
+    def counted(self) -> bool:
+        out = real(self)
+        stopped[0] += out
+        return out
+    cfg = dynmb.model_config("llama2-7b")
+    planner = dynmb.Planner(model=cfg, num_stages=8, memory_limit="40GiB", cost_model=GPUCostModel(cfg, 8),
+                            schedule=kind)
+    lengths = data.load_trace("gsm8k")
+    plans = [planner.plan(np.minimum(lengths[np.random.default_rng(seed).integers(len(lengths), size=600)], 4096),
+                          method="token-budget").plan for seed in range(3)]
+    built = {}
+    for give_up in (True, False):
+        with monkeypatch.context() as mp:
+            mp.setattr(zerobubble, "REMEMBERED", 0)
+            mp.setattr(zerobubble, "GIVE_UP", give_up)
+            mp.setattr(zerobubble._ListRun, "passes", counted)
+            mp.setattr(zerobubble, "CHECK_EVERY", 16)
+            built[give_up] = [_ops(planning_zb.build_zb(p, kind, models=planner.models)) for p in plans]
+    assert built[True] == built[False]
+    assert stopped[0] > 0
+
+
 def test_list_schedule_refuses_windows_that_deadlock():
     """The input the random comparison hung on (both schedulers): stage 1's window 2, stage 2's 4 -- stage 2
     waits for forward 2 before its first backward, stage 1 sends it only after its own first backward."""
@@ -693,6 +753,12 @@ def _old_attention_work(mb: Microbatch, attention: str = "auto") -> int:
     return mb.batch * mb.padded_len ** 2
 
 
+def _old_listed(inp: ZBInputs, how: zerobubble.Listing, give_up: float = np.inf) -> tuple:
+    """``zerobubble.listed`` before: ``old_list_schedule``, built to its end."""
+    return old_list_schedule(inp, how.inflight, how.caps, how.kind, how.backward_order, how.w_defer, how.fill,
+                             how.pump)
+
+
 def _steps(cases, old: bool, monkeypatch) -> list:
     with monkeypatch.context() as mp:
         mp.setattr(zerobubble, "_H1", {})
@@ -703,7 +769,8 @@ def _steps(cases, old: bool, monkeypatch) -> list:
         mp.setattr(zerobubble, "PUMPED", False)          # zb's pumped candidates came later (tests/test_zb_pump.py)
         if old:
             mp.setattr(zerobubble, "REMEMBERED", 0)
-            mp.setattr(zerobubble, "list_schedule", old_list_schedule)
+            mp.setattr(zerobubble, "listed", _old_listed)
+            mp.setattr(zerobubble, "GIVE_UP", False)
             mp.setattr(GPUCostModel, "COSTS_REMEMBERED", 0)
             mp.setattr(model_sizes.ModelSizes, "stage_pieces", _old_stage_pieces)
             mp.setattr(model_sizes.ModelSizes, "stage_parts", _old_stage_parts)

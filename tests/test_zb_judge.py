@@ -55,11 +55,11 @@ def _built(plan: Plan, kind: str, contenders_only: bool, monkeypatch) -> tuple[l
     def listed(*args, **kw):
         built[0] += 1
         return real(*args, **kw)
-    real = zerobubble.list_schedule
+    real = zerobubble.listed
     with monkeypatch.context() as mp:
         mp.setattr(zerobubble, "REMEMBERED", 0)
         mp.setattr(zerobubble, "JUDGE_CONTENDERS_ONLY", contenders_only)
-        mp.setattr(zerobubble, "list_schedule", listed)
+        mp.setattr(zerobubble, "listed", listed)
         kw = {"limit_bytes": plan.memory_limit_bytes, "state_bytes": models.memory.state_bytes} if kind == "zb" else {}
         sched = build_schedule(kind, P, m, zb_inputs=inp, evaluate=counted, **kw)
     return [[(a.op, a.mb) for a in r] for r in sched.ranks], judged[0], built[0]

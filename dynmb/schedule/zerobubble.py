@@ -81,7 +81,10 @@ Judging: where ``evaluate`` declares itself the simulator's makespan on these in
 planner's), the list scheduler's own makespan of a candidate is the judge's, bit for bit (the same recurrence on
 the same numbers; ``tests/test_zb_judge.py``), so a candidate whose own makespan already loses (``zb_h1``: not
 below the fastest judged before it; ``zb``: neither below the best that fits nor below its sweep's fastest) is
-built but not judged (``JUDGE_CONTENDERS_ONLY``): the same choice.
+built but not judged (``JUDGE_CONTENDERS_ONLY``): the same choice. Such a candidate is not even built to its end
+(``GIVE_UP``): every ``CHECK_EVERY`` decisions the scheduler looks whether some stage's last end plus a lower bound of
+its work still to run (forwards and backwards left, each backward at ``min(B, I + W)``, and its queued ``W``) passes
+the time below which alone it would be judged, and stops there (``listed``'s ``give_up``).
 
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
 takes its backwards (``I`` or ``B``) in that order, so a chain's input gradients run in reverse
@@ -100,7 +103,7 @@ import hashlib
 import heapq
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -108,7 +111,7 @@ import numpy as np
 from dynmb.schedule.order import check_order, lookahead_of, stage_order, windowed_order
 from dynmb.core.types import Action, Schedule
 
-__all__ = ["ZBInputs", "list_schedule", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS",
+__all__ = ["ZBInputs", "Listing", "list_schedule", "listed", "zb_h1", "zb_limit_aware", "one_f_one_b_peaks", "op_bytes", "ZB_ALPHAS",
            "FILL_OBJECTIVES", "objective_of", "PUMPED"]
 
 ZB_ALPHAS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
@@ -226,18 +229,30 @@ def _check_windows(windows: Sequence[int], orders: Sequence[Sequence[tuple[str, 
                                  f"{s + 1} runs {need} forwards before its backward #{b}, stage {s} only {sent}")
 
 
+@dataclass(frozen=True)
+class Listing:
+    """The settings of one list schedule (``list_schedule``'s arguments after ``inp``)."""
+
+    inflight: Sequence[int]
+    caps: Sequence[float] | np.ndarray | None = None
+    kind: str = "zb"
+    backward_order: Sequence[int] | None = None
+    w_defer: Sequence[int] | None = None
+    fill: str | None = None
+    pump: bool = False
+
+
 class _ListRun:
     """One run of the list scheduler: each stage's clock, held bytes, in-flight count, queued Ws and emitted order."""
 
     STEP = {"F": 1, "B": -1, "I": 0, "W": -1}   # in-flight count change per op
 
-    def __init__(self, inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None,
-                 backward_order: Sequence[int] | None, w_defer: Sequence[int] | None,
-                 fill: str | None = None, pump: bool = False) -> None:
+    def __init__(self, inp: ZBInputs, how: Listing, give_up: float = np.inf) -> None:
         P, m = inp.shape
         self.P = P
-        self.fill = _check_fill(fill)
-        self.pump = bool(pump)
+        self.fill = _check_fill(how.fill)
+        self.pump = bool(how.pump)
+        inflight, caps, backward_order, w_defer = how.inflight, how.caps, how.backward_order, how.w_defer
         self.nextf = [0] * P                        # forwards run on each stage (they run in microbatch order)
         # the span each stage would have if it waited no more: its work, plus its waits once started
         self.span = (inp.F + np.where(inp.split, inp.I + inp.W, inp.B)).sum(axis=1).tolist()
@@ -266,6 +281,12 @@ class _ListRun:
         self.ranks: list[list[Action]] = [[] for _ in range(P)]
         self.acts = [_stage_actions(s, m) for s in range(P)]      # Action(s, op, j) is acts[s][op][j]
         self.makespan = 0.0
+        self.give_up = float(give_up)
+        if self.give_up < np.inf:           # each stage's work from its f-th forward / b-th backward on (``passes``)
+            bwd = np.where(inp.split, np.minimum(inp.I + inp.W, inp.B), inp.B)[:, check_order(m, backward_order)]
+            left = np.zeros((2, P, m + 1))
+            left[:, :, :m] = np.cumsum(np.stack([inp.F, bwd])[:, :, ::-1], axis=2)[:, :, ::-1]
+            self.f_left, self.b_left = left.tolist()
 
     def ready(self, s: int, op: str, j: int) -> tuple[float, bool]:
         """(time op j's input is there, known?) -- else a lower bound from the producer's clock."""
@@ -316,13 +337,31 @@ class _ListRun:
             if op == "I":
                 self.pend[s].append(j)
 
+    def passes(self) -> bool:
+        """Is the makespan certain to pass ``give_up``: does some stage's last end plus a lower bound of its work
+        still to run (its forwards from ``nextf`` on, its backwards from the ones run on in the backward order,
+        each at ``min(B, I + W)``, and its queued ``W``) pass it? Every op left starts after that end. The ops run,
+        by kind, from the counts kept: ``live = F - B - W``, ``len(pend) = I - W``, ``len(ranks) = F + B + I + W``."""
+        give_up, free, nextf, live, ranks = self.give_up, self.free, self.nextf, self.live, self.ranks
+        for s in range(self.P):
+            f, pend, done = nextf[s], self.pend[s], len(ranks[s])
+            w = done - 2 * f + live[s] - len(pend)                          # W run: I run less those queued
+            bound = free[s] + self.f_left[s][f] + self.b_left[s][done - f - w]
+            if bound > give_up or (pend and bound + sum(map(self.W[s].__getitem__, pend)) > give_up):
+                return True
+        return False
+
     def wait_is_critical(self, s: int, wait: float) -> bool:
         """Would waiting ``wait`` make stage ``s`` the one with the largest projected span (``fill`` "span")
         or end (``"makespan"``: its first op's start + span; a stage not started yet from its clock)?"""
         if self.fill == "span":
             return self.span[s] + wait > max(self.span) + 1e-12
-        ends = [(self.first[k] if self.ranks[k] else self.clock[k]) + self.span[k] for k in range(self.P)]
-        return ends[s] + wait > max(ends) + 1e-12
+        first, ranks, clock, span = self.first, self.ranks, self.clock, self.span
+        mine = (first[s] if ranks[s] else clock[s]) + span[s] + wait
+        for k in range(self.P):             # mine > max(ends) + 1e-12, stopping at the first end it does not pass
+            if not mine > (first[k] if ranks[k] else clock[k]) + span[k] + 1e-12:
+                return False
+        return True
 
     def run_w(self, s: int) -> None:
         """``run`` of the oldest queued ``W``, written out: it starts where the stage's last op ended."""
@@ -448,20 +487,52 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     each stage's backwards in ``backward_order`` (slices of a sequence in reverse); ``fill``: None, or the
     objective (``FILL_OBJECTIVES``) by which a ``W`` may also fill a wait shorter than it (module doc, rule 4);
     ``pump``: a forward may fill a gradient's wait past the window, memory permitting (rule 5)."""
+    return listed(inp, Listing(inflight, caps, kind, backward_order, w_defer, fill, pump))
+
+
+GIVE_UP = True
+"""With a judge that is the simulator's makespan on the scheduler's inputs (``_exact_judge``), ``zb_h1`` and ``zb``
+stop building a list schedule once its makespan is certain to reach the time below which alone it would be judged
+(``JUDGE_CONTENDERS_ONLY``; ``listed``'s ``give_up``): the same choice. False: every one built to its end."""
+
+
+def listed(inp: ZBInputs, how: Listing, give_up: float = np.inf) -> tuple[Schedule, float]:
+    """``list_schedule`` with its settings as one ``Listing``. ``give_up``: where the makespan passes it, an empty
+    schedule with makespan ``inf`` (a candidate that cannot be judged), found as soon as some stage's last end plus
+    a lower bound of its work still to run passes it (``_ListRun.passes``, looked at every ``CHECK_EVERY``
+    decisions), else at the end."""
     P, m = inp.shape
-    st = _ListRun(inp, inflight, caps, backward_order, w_defer, fill, pump)
+    st = _ListRun(inp, how, give_up)
+    if not _run_list(st, P) or st.makespan > give_up:
+        return Schedule([[] for _ in range(P)], P, m, kind=how.kind), np.inf
+    return Schedule(st.ranks, P, m, kind=how.kind), st.makespan
+
+
+CHECK_EVERY = 256
+"""Decisions of the list scheduler between two looks at whether its makespan will pass ``give_up`` (``listed``)."""
+
+
+def _run_list(st: _ListRun, P: int) -> bool:
+    """The list scheduler's loop: the stage whose clock is earliest decides next; with a ``give_up``, every
+    ``CHECK_EVERY`` decisions a look whether the makespan will pass it (``_ListRun.passes``: then False, not done)."""
     heap = [(0.0, -s) for s in range(P)]           # ties: the later stage first (backwards flow up)
-    todo, clock, advance, pop, replace = st.todo, st.clock, st.advance, heapq.heappop, heapq.heapreplace
+    todo, clock, advance, pop, requeue = st.todo, st.clock, st.advance, heapq.heappop, heapq.heapreplace
+    chunk = CHECK_EVERY if st.give_up < np.inf else 1 << 62
     while heap:
-        t, neg = heap[0]                            # the stage whose clock is earliest (keys are unique)
-        s = -neg
-        if not todo[s]:
-            advance(s, t)                           # its last Ws
-            pop(heap)
-        else:
-            advance(s, t)
-            replace(heap, (clock[s], neg))          # = pop, then push it back at its clock
-    return Schedule(st.ranks, P, m, kind=kind), st.makespan
+        for _ in range(chunk):
+            if not heap:
+                return True
+            t, neg = heap[0]                        # the stage whose clock is earliest (keys are unique)
+            s = -neg
+            if not todo[s]:
+                advance(s, t)                       # its last Ws
+                pop(heap)
+            else:
+                advance(s, t)
+                requeue(heap, (clock[s], neg))      # = pop, then push it back at its clock
+        if st.passes():
+            return False
+    return True
 
 
 _ACTIONS: dict[int, dict[str, list[Action]]] = {}
@@ -522,22 +593,26 @@ def _unsplit_adjacent(sched: Schedule, inp: ZBInputs, keep_cooldown: bool,
     return ZBInputs(inp.F, inp.B, inp.I, inp.W, inp.comm, split, inp.act, inp.w, inp.tr)
 
 
-def _variants(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] | np.ndarray | None, kind: str,
-              order: Sequence[int] | None = None, w_defer: Sequence[int] | None = None,
-              fill: str | None = None) -> list[tuple[Schedule, float]]:
+def _variants(inp: ZBInputs, how: Listing, give_up: float = np.inf) -> list[tuple[Schedule, float]]:
     """The list schedule, and, where a split backward costs more than a full one, the list schedule again
     with full backwards where the first ran W right after I (``_unsplit_adjacent``; everywhere, and
-    everywhere but the cool-down); each with its makespan under its inputs."""
-    first = list_schedule(inp, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer, fill=fill)
-    out = [first]
+    everywhere but the cool-down); each with its makespan under its inputs. ``give_up`` (``listed``) only where
+    the list schedule is the one variant (the others are read off it)."""
     if not np.any(inp.I + inp.W > inp.B * (1 + 1e-9)):
-        return out                  # the split costs nothing (a GPU's): a full B is never faster than I then W
+        return [listed(inp, how, give_up)]  # the split costs nothing (a GPU's): a full B is never faster than I, W
+    first = listed(inp, how)
+    out = [first]
     for keep in (False, True):
-        fewer = _unsplit_adjacent(first[0], inp, keep, order)
+        fewer = _unsplit_adjacent(first[0], inp, keep, how.backward_order)
         if fewer is not None:
-            out.append(list_schedule(fewer, inflight, caps, kind=kind, backward_order=order, w_defer=w_defer,
-                                     fill=fill))
+            out.append(listed(fewer, how))
     return out
+
+
+def _give_up_at(exact: bool, below: float) -> float:
+    """The ``give_up`` (``listed``) of a candidate that is judged only where its own makespan is below ``below``:
+    that plus a margin over the rounding of the bound's sums (``GIVE_UP``; without an exact judge: none)."""
+    return below + 1e-9 if exact and GIVE_UP else np.inf
 
 
 def _exact_judge(evaluate: Evaluate) -> bool:
@@ -574,7 +649,7 @@ def zb_h1(num_stages: int, m: int, inp: ZBInputs | None = None, *, evaluate: Eva
     caps = h1_caps(inp, state_bytes, order) if inp.act is not None else None
     k, defer = _inflight(num_stages, m), list(range(num_stages))
     if evaluate is None:
-        return _remember(_H1_UNIT, unit, list_schedule(inp, k, caps, kind="zb-h1", backward_order=order, w_defer=defer)[0])
+        return _remember(_H1_UNIT, unit, listed(inp, Listing(k, caps, "zb-h1", order, defer))[0])
     return _h1_judged(inp, k, caps, evaluate, order).schedule
 
 
@@ -596,17 +671,21 @@ def _h1_judged(inp: ZBInputs, inflight: Sequence[int], caps: np.ndarray | None, 
     key = _inputs_key(inp, caps, order, evaluate)
     if key is not None and key in _H1:
         return _H1[key]
-    listed = _variants(inp, inflight, caps, "zb-h1", order, list(range(P))) + \
-        [list_schedule(inp, inflight, caps, kind="zb-h1", backward_order=order)]
-    exact = _exact_judge(evaluate)
+    exact, how = _exact_judge(evaluate), Listing(inflight, caps, "zb-h1", order)
     verdicts: dict[int, tuple[float, np.ndarray]] = {}
-    for n, (c, t) in enumerate(listed):                  # the first of equals wins: a later one as slow loses
-        if not (exact and n > 0 and t >= min(v[0] for v in verdicts.values())):
-            verdicts[n] = evaluate(c)
-    cands = [c for c, _ in listed] + [_one_f_one_b(P, m, order)]
-    verdicts[len(listed)] = evaluate(cands[-1])
+    cands: list[Schedule] = []
+
+    def judge(made: list[tuple[Schedule, float]]) -> None:
+        for c, t in made:                               # the first of equals wins: a later one as slow loses
+            if not (exact and cands and t >= min(v[0] for v in verdicts.values())):
+                verdicts[len(cands)] = evaluate(c)
+            cands.append(c)
+    judge(_variants(inp, replace(how, w_defer=list(range(P)))))
+    judge([listed(inp, how, _give_up_at(exact, min(v[0] for v in verdicts.values())))])
+    cands.append(_one_f_one_b(P, m, order))
+    verdicts[len(cands) - 1] = evaluate(cands[-1])
     b = min(verdicts, key=lambda i: verdicts[i][0])     # in insertion (candidate) order: first of equals
-    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[len(listed)])
+    judged = H1Judged(Schedule(cands[b].ranks, P, m, kind="zb-h1"), verdicts[b], cands[-1], verdicts[len(cands) - 1])
     if key is not None and REMEMBERED > 0:
         while len(_H1) >= REMEMBERED:
             _H1.pop(next(iter(_H1)))
@@ -727,7 +806,8 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
     unbounded = [m] * num_stages                    # W deferred as far as the caps let (ZB-2p)
 
     def windows(fill: str | None) -> Callable[[tuple[int, ...], float], float]:
-        return lambda k, deciding: consider(_variants(inp, k, caps, "zb", order, unbounded, fill=fill), (), deciding)
+        return lambda k, deciding: consider(_variants(inp, Listing(k, caps, "zb", order, unbounded, fill),
+                                                      _give_up_at(exact, max(best_t, deciding))), (), deciding)
     alphas = (0.0, *ZB_ALPHAS)
     start = _sweep_windows(num_stages, m, windows(None), alphas)        # W only in the waits they fit
     fill = objective_of(evaluate)
@@ -735,6 +815,7 @@ def zb_limit_aware(num_stages: int, m: int, inp: ZBInputs, caps: Sequence[float]
                               tuple(a for a in alphas if a >= start))   # fastest window up
     if PUMPED:                                                          # forwards fill the gradients' waits
         pumped = [(0.0, None, list(range(num_stages))), (0.0, None, unbounded), (critical, fill, unbounded)]
-        consider([list_schedule(inp, _inflight(num_stages, m, alpha), caps, kind="zb", backward_order=order,
-                                w_defer=defer, fill=how, pump=True) for alpha, how, defer in pumped])
+        for alpha, how, defer in pumped:        # each judged only below the best so far
+            consider([listed(inp, Listing(_inflight(num_stages, m, alpha), caps, "zb", order, defer, how, True),
+                             _give_up_at(exact, best_t))])
     return _remember(_ZB, key, Schedule((best or h1).ranks, num_stages, m, kind="zb"))
