@@ -40,6 +40,10 @@ from dynmb.schedule.zerobubble import Evaluate, ZBInputs
 
 __all__ = ["placement_rank", "v_rank", "zb_v", "v_inflight", "admission_caps", "list_makespan", "PLACEMENTS"]
 
+EXACT = True
+"""Rule 2 holds every forward to the cap (``v_inflight`` = the cap); False: chunk-1 forwards run past it (up to
+``R`` more)."""
+
 PLACEMENTS = ("loop", "v")
 """Stage -> rank rules: ``loop`` (stage ``s`` on rank ``s % R``), ``v`` (``v_rank``)."""
 
@@ -59,9 +63,9 @@ def placement_rank(stage: int, num_stages: int, virtual: int, placement: str = "
 
 
 def v_inflight(rank: Any, ranks: int, virtual: int, num_microbatches: int | None = None) -> Any:
-    """Chunk-microbatches a rank (an array of ranks) of ``zb-v`` holds at most: the admission cap ``2R``
-    plus the chunk-1 forwards it lets through beyond it (at most ``R``), never more than its ``2 m``."""
-    bound = np.full(np.shape(rank), 3 * int(ranks))
+    """Chunk-microbatches a rank (an array of ranks) of ``zb-v`` holds at most: the admission cap ``2R`` (where
+    ``EXACT``; else plus the chunk-1 forwards it lets through beyond it, at most ``R``), never more than ``2 m``."""
+    bound = np.full(np.shape(rank), (2 if EXACT else 3) * int(ranks))
     out = bound if num_microbatches is None else np.minimum(bound, 2 * int(num_microbatches))
     return out if np.ndim(rank) else int(out)
 
@@ -102,9 +106,10 @@ class _VList:
     """The state of one greedy V list schedule (module doc): per stage the end of every forward and
     backward and the next microbatch of each, per rank its clock, held chunk-microbatches and queued W."""
 
-    def __init__(self, inp: ZBInputs, cap: int) -> None:
+    def __init__(self, inp: ZBInputs, cap: int, exact: bool | None = None) -> None:
         S, m = inp.shape
         self.S, self.m, self.R, self.cap = S, m, S // 2, cap
+        self.exact = EXACT if exact is None else exact
         self.rank_of = [v_rank(s, S) for s in range(S)]
         self.F, self.B, self.I, self.W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()
         self.comm, self.split = inp.comm.tolist(), inp.split.tolist()
@@ -160,11 +165,11 @@ class _VList:
         """One decision of rank r at its clock t (module doc, 1-4); ``heap``: the other ranks' (clock, turn,
         rank). False when it could only wait with no known time to wait for."""
         cands = self._candidates(r)
-        full = self.live[r] >= self.cap
+        full = self.live[r] >= self.cap - int(self.exact)
         chosen = None
         for s, op, j in cands:                        # the first ready in priority order
             a = self.arrival(s, op, j)
-            if 0 <= a <= t + 1e-12 and not (op == "F" and s == r and full):
+            if 0 <= a <= t + 1e-12 and not (op == "F" and self.held(r, s)):
                 chosen = (s, op, j)
                 break
         if chosen is not None and not (full and self.pend[r] and chosen[1] == "F"):
@@ -178,6 +183,14 @@ class _VList:
                 return False
             self.clock[r] = min(known)                # wait for the first input (or the next rank to move)
         return True
+
+    def held(self, r: int, s: int) -> bool:
+        """True when rank r may not start a forward of stage s now (rule 2): chunk 0 while it holds ``cap``
+        chunk-microbatches (``cap - 1`` where ``exact``: one slot kept for a chunk-1 forward), chunk 1 only
+        where ``exact`` and it holds ``cap``."""
+        if s == r:
+            return self.live[r] >= self.cap - int(self.exact)
+        return self.exact and self.live[r] >= self.cap
 
     def run_w(self, r: int) -> None:
         """Rank r runs its oldest queued ``W``."""
