@@ -110,6 +110,9 @@ class _VList:
         S, m = inp.shape
         self.S, self.m, self.R, self.cap = S, m, S // 2, cap
         self.exact = EXACT if exact is None else exact
+        if cap < 1 + int(self.exact):
+            raise ValueError(f"zb-v admission cap {cap}: a rank must hold at least {1 + int(self.exact)} "
+                             f"chunk-microbatches")
         self.rank_of = [v_rank(s, S) for s in range(S)]
         self.F, self.B, self.I, self.W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()
         self.comm, self.split = inp.comm.tolist(), inp.split.tolist()
