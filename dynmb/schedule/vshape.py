@@ -11,10 +11,13 @@ and its backwards (``I``, or a full ``B`` where ``split`` is False) in microbatc
 joins its rank's queue when its ``I`` ends. At its clock ``t`` a rank takes, in this order:
 
 1. an input gradient whose gradient is there (chunk 1's first: it is earlier in the backward pass);
-2. a forward whose input is there (chunk 1's first: it leads to a backward), chunk 0's only while
-   the rank holds fewer than ``cap`` chunk-microbatches (forwarded, not yet through ``W``): the
-   admission that bounds its memory; when the rank is full and a ``W`` is queued the ``W`` runs
-   first (it frees a slot);
+2. a forward whose input is there (chunk 1's first: it leads to a backward), held to the admission that
+   bounds the rank's memory (``held``): with ``EXACT`` chunk 0's only while the rank holds fewer than
+   ``cap - 1`` chunk-microbatches (forwarded, not yet through ``W``) and chunk 1's fewer than ``cap``, so a
+   rank never holds more than ``cap`` (the slot chunk 0 leaves free is a chunk-1 forward's: the oldest
+   microbatch always gets through, rank 0's chunk 1 drains by itself, so no rank waits forever); without
+   it chunk 0's fewer than ``cap`` and chunk 1's always (up to ``R`` past the cap); when the rank is full
+   and a ``W`` is queued the ``W`` runs first (it frees a slot);
 3. a queued ``W`` (it fills the wait);
 4. else its clock moves to the first input known to arrive (or to the next rank's clock).
 
@@ -23,8 +26,8 @@ handoff). With ``cap = 2R`` chunk-microbatches (the paper's ``p M_B``: each chun
 stage's layers) a rank warms up with about ``2R - 1`` forwards, the paper's ZB-V warm-up. Given an
 ``evaluate`` (the simulator) the builder tries ``cap`` = ``R + 1``, ``(3R + 1) // 2`` and ``2R`` and keeps
 the fastest; without costs it runs unit times F = I = W = 1 at ``2R``. A rank never held more than
-``cap + R`` chunk-microbatches on 800 random pipelines (``v_inflight``'s bound, which
-tests/test_zbv.py checks); slices of long sequences are not taken (``slices`` False).
+``cap`` chunk-microbatches with ``EXACT`` (``cap + R`` without, on 800 random pipelines; ``v_inflight``,
+tests/test_zbv_cap.py); slices of long sequences are not taken (``slices`` False).
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ class _VList:
         """One decision of rank r at its clock t (module doc, 1-4); ``heap``: the other ranks' (clock, turn,
         rank). False when it could only wait with no known time to wait for."""
         cands = self._candidates(r)
-        full = self.live[r] >= self.cap - int(self.exact)
+        full = self.live[r] >= self.cap
         chosen = None
         for s, op, j in cands:                        # the first ready in priority order
             a = self.arrival(s, op, j)
