@@ -11,10 +11,13 @@ and its backwards (``I``, or a full ``B`` where ``split`` is False) in microbatc
 joins its rank's queue when its ``I`` ends. At its clock ``t`` a rank takes, in this order:
 
 1. an input gradient whose gradient is there (chunk 1's first: it is earlier in the backward pass);
-2. a forward whose input is there (chunk 1's first: it leads to a backward), chunk 0's only while
-   the rank holds fewer than ``cap`` chunk-microbatches (forwarded, not yet through ``W``): the
-   admission that bounds its memory; when the rank is full and a ``W`` is queued the ``W`` runs
-   first (it frees a slot);
+2. a forward whose input is there (chunk 1's first: it leads to a backward), held to the admission that
+   bounds the rank's memory (``held``): with ``EXACT`` chunk 0's only while the rank holds fewer than
+   ``cap - 1`` chunk-microbatches (forwarded, not yet through ``W``) and chunk 1's fewer than ``cap``, so a
+   rank never holds more than ``cap`` (the slot chunk 0 leaves free is a chunk-1 forward's: the oldest
+   microbatch always gets through, rank 0's chunk 1 drains by itself, so no rank waits forever); without
+   it chunk 0's fewer than ``cap`` and chunk 1's always (up to ``R`` past the cap); when the rank is full
+   and a ``W`` is queued the ``W`` runs first (it frees a slot);
 3. a queued ``W`` (it fills the wait);
 4. else its clock moves to the first input known to arrive (or to the next rank's clock).
 
@@ -23,8 +26,8 @@ handoff). With ``cap = 2R`` chunk-microbatches (the paper's ``p M_B``: each chun
 stage's layers) a rank warms up with about ``2R - 1`` forwards, the paper's ZB-V warm-up. Given an
 ``evaluate`` (the simulator) the builder tries ``cap`` = ``R + 1``, ``(3R + 1) // 2`` and ``2R`` and keeps
 the fastest; without costs it runs unit times F = I = W = 1 at ``2R``. A rank never held more than
-``cap + R`` chunk-microbatches on 800 random pipelines (``v_inflight``'s bound, which
-tests/test_zbv.py checks); slices of long sequences are not taken (``slices`` False).
+``cap`` chunk-microbatches with ``EXACT`` (``cap + R`` without, on 800 random pipelines; ``v_inflight``,
+tests/test_zbv_cap.py); slices of long sequences are not taken (``slices`` False).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from dynmb.core.types import Action, Schedule
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs
 
 __all__ = ["placement_rank", "v_rank", "zb_v", "v_inflight", "admission_caps", "list_makespan", "PLACEMENTS"]
+
+EXACT = True
+"""Rule 2 holds every forward to the cap (``v_inflight`` = the cap); False: chunk-1 forwards run past it (up to
+``R`` more)."""
 
 PLACEMENTS = ("loop", "v")
 """Stage -> rank rules: ``loop`` (stage ``s`` on rank ``s % R``), ``v`` (``v_rank``)."""
@@ -59,9 +66,9 @@ def placement_rank(stage: int, num_stages: int, virtual: int, placement: str = "
 
 
 def v_inflight(rank: Any, ranks: int, virtual: int, num_microbatches: int | None = None) -> Any:
-    """Chunk-microbatches a rank (an array of ranks) of ``zb-v`` holds at most: the admission cap ``2R``
-    plus the chunk-1 forwards it lets through beyond it (at most ``R``), never more than its ``2 m``."""
-    bound = np.full(np.shape(rank), 3 * int(ranks))
+    """Chunk-microbatches a rank (an array of ranks) of ``zb-v`` holds at most: the admission cap ``2R`` (where
+    ``EXACT``; else plus the chunk-1 forwards it lets through beyond it, at most ``R``), never more than ``2 m``."""
+    bound = np.full(np.shape(rank), (2 if EXACT else 3) * int(ranks))
     out = bound if num_microbatches is None else np.minimum(bound, 2 * int(num_microbatches))
     return out if np.ndim(rank) else int(out)
 
@@ -102,9 +109,13 @@ class _VList:
     """The state of one greedy V list schedule (module doc): per stage the end of every forward and
     backward and the next microbatch of each, per rank its clock, held chunk-microbatches and queued W."""
 
-    def __init__(self, inp: ZBInputs, cap: int) -> None:
+    def __init__(self, inp: ZBInputs, cap: int, exact: bool | None = None) -> None:
         S, m = inp.shape
         self.S, self.m, self.R, self.cap = S, m, S // 2, cap
+        self.exact = EXACT if exact is None else exact
+        if cap < 1 + int(self.exact):
+            raise ValueError(f"zb-v admission cap {cap}: a rank must hold at least {1 + int(self.exact)} "
+                             f"chunk-microbatches")
         self.rank_of = [v_rank(s, S) for s in range(S)]
         self.F, self.B, self.I, self.W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()
         self.comm, self.split = inp.comm.tolist(), inp.split.tolist()
@@ -164,7 +175,7 @@ class _VList:
         chosen = None
         for s, op, j in cands:                        # the first ready in priority order
             a = self.arrival(s, op, j)
-            if 0 <= a <= t + 1e-12 and not (op == "F" and s == r and full):
+            if 0 <= a <= t + 1e-12 and not (op == "F" and self.held(r, s)):
                 chosen = (s, op, j)
                 break
         if chosen is not None and not (full and self.pend[r] and chosen[1] == "F"):
@@ -178,6 +189,14 @@ class _VList:
                 return False
             self.clock[r] = min(known)                # wait for the first input (or the next rank to move)
         return True
+
+    def held(self, r: int, s: int) -> bool:
+        """True when rank r may not start a forward of stage s now (rule 2): chunk 0 while it holds ``cap``
+        chunk-microbatches (``cap - 1`` where ``exact``: one slot kept for a chunk-1 forward), chunk 1 only
+        where ``exact`` and it holds ``cap``."""
+        if s == r:
+            return self.live[r] >= self.cap - int(self.exact)
+        return self.exact and self.live[r] >= self.cap
 
     def run_w(self, r: int) -> None:
         """Rank r runs its oldest queued ``W``."""
