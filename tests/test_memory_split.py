@@ -72,11 +72,12 @@ def test_a_generous_limit_keeps_the_balanced_split() -> None:
     assert not relief.relieved and out == cfg
 
 
-def test_llama3_first_stage_is_relieved_at_24gib() -> None:
-    """Llama-3.1-8B at P 8, 24 GiB: the embedding's states and 8 microbatches in flight bind the first stage; the
-    relieved split takes layers off it and admits more tokens a microbatch."""
+def test_llama3_first_stage_is_relieved_at_20gib() -> None:
+    """Llama-3.1-8B at P 8, 20 GiB: the embedding's states and 8 microbatches in flight bind the first stage; the
+    relieved split takes layers off it and admits more tokens a microbatch (at 24 GiB the lean blocks,
+    ``dynmb.models.llama``, leave the balanced split admitting as many)."""
     cfg = _balanced("llama3.1-8b", 8)
-    out, relief = ms.relieve(cfg, 8, _inputs(cfg, 8, 24 << 30))
+    out, relief = ms.relieve(cfg, 8, _inputs(cfg, 8, 20 << 30))
     assert relief.relieved and relief.split[0] < relief.balanced[0] and relief.tokens > relief.balanced_tokens
 
 
