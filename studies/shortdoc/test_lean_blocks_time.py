@@ -36,7 +36,7 @@ def test_the_unfused_baseline_is_the_same_block_saving_more():
         old_y, old_g, old_bytes = _run(block, cfg)
     assert RMSNorm.forward is not lbt._unfused_norm                      # undone on leaving
     torch.testing.assert_close(lean_y, old_y, rtol=0, atol=0)
-    torch.testing.assert_close(lean_g, old_g, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(lean_g, old_g, rtol=1e-4, atol=1e-6)                  # fp32: the norm's backward to rounding
     assert old_bytes > 1.2 * lean_bytes
 
 
