@@ -504,3 +504,75 @@ def test_analytic_costs_and_memory_follow_the_family():
     assert abs(ratio - llama.block_params() / (gpt.block_params() - 9 * gpt.d_model - gpt.d_ff)) < 0.01
     acts = {c.name: float(get_memory_model(None, c, 8).activation_bytes(3, 1, 2048)[0]) for c in (gpt, llama, gqa)}
     assert acts["gpt2-7b"] < acts["llama2-7b"] and acts["llama2-7b-gqa"] < acts["llama2-7b"]
+
+
+# --------------------------------------------------------------------------- the lean blocks
+def _block_saved_bytes(cfg: ModelConfig, rows: int, s: int) -> int:
+    """Bytes of the distinct storages one ``LlamaBlock`` saves for backward (dense attention, one document per
+    row), parameters and the stage's shared rotary tables left out (counted per stage)."""
+    from dynmb.models.llama import LlamaBlock, position_tables
+
+    block = LlamaBlock(cfg, 0).to(torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32)
+    mb = Microbatch(seq_ids=np.arange(rows), lengths=[s] * rows, padded_len=s, batch=rows)
+    inp = make_inputs(mb, synthetic_tokens(mb.lengths, cfg.vocab_size), cfg=cfg)
+    dtype = next(block.parameters()).dtype
+    pos = position_tables(inp, cfg, dtype)
+    skip = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *pos.tensors()]}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randn(rows, s, cfg.d_model, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x, inp, pos)
+    del y
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv", [2, None])
+def test_a_block_saves_exactly_what_the_coefficients_count(dtype, kv):
+    """One block's saved storages equal ``block_act_coef`` to the byte: each RMSNorm its input and fp32 rstd,
+    SwiGLU the gate/up storage (no SiLU output), attention no view of the fused q/k/v output. Fails on the
+    unfused blocks (``F.rms_norm``'s saved normalised input, the SiLU output, the q/k/v storage held by ``v``:
+    1.42x these bytes on ``llama-tiny`` fp32) and on the old coefficients."""
+    from dynmb.memory.coef import block_act_coef
+
+    cfg = replace(ModelConfig.preset("llama-tiny", dtype=dtype), attention="dense", n_kv_heads=kv)
+    for rows, s in [(1, 64), (3, 40)]:
+        a1, a2 = block_act_coef(cfg)
+        assert _block_saved_bytes(cfg, rows, s) == a1 * rows * s + a2 * rows * s * s, (dtype, kv, rows, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+def test_lean_norm_and_swiglu_equal_torchs_unfused_forms(dtype):
+    """``LeanRMSNorm`` equals ``F.rms_norm`` bit for bit forward, its gradients to rounding; ``SwiGLUProduct``
+    equals autograd through ``F.silu(gate) * up`` bit for bit, forward and backward."""
+    from dynmb.models.llama import NORM_EPS, LeanRMSNorm, SwiGLUProduct
+
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(3, 5, 64, generator=gen)).to(dtype)
+    w = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    grad = torch.randn(3, 5, 64, generator=gen).to(dtype)
+    xs, ws = [x.clone().requires_grad_() for _ in range(2)], [w.clone().requires_grad_() for _ in range(2)]
+    ref, lean = F.rms_norm(xs[0], (64,), ws[0], NORM_EPS), LeanRMSNorm.apply(xs[1], ws[1], NORM_EPS)
+    assert torch.equal(ref, lean)
+    ref.backward(grad), lean.backward(grad)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, F64: 1e-14}[dtype]
+    for a, b in ((xs[0].grad, xs[1].grad), (ws[0].grad, ws[1].grad)):
+        assert float((a.double() - b.double()).abs().max()) <= tol * float(a.double().abs().max())
+    gu = torch.randn(3, 5, 128, generator=gen).to(dtype)
+    gus = [gu.clone().requires_grad_() for _ in range(2)]
+    gate, up = gus[0].chunk(2, dim=-1)
+    ref, lean = F.silu(gate) * up, SwiGLUProduct.apply(gus[1])
+    assert torch.equal(ref, lean)
+    g = torch.randn(ref.shape, generator=gen).to(dtype)
+    ref.backward(g), lean.backward(g)
+    assert torch.equal(gus[0].grad, gus[1].grad)
+    if dtype == F64:
+        assert torch.autograd.gradcheck(lambda a, b: LeanRMSNorm.apply(a, b, NORM_EPS), (x[:1, :2, :8].clone().requires_grad_(), w[:8].clone().requires_grad_()))
+        assert torch.autograd.gradcheck(SwiGLUProduct.apply, (gu[:1, :2, :16].clone().requires_grad_(),))

@@ -34,13 +34,14 @@ def block_act_coef(c: ModelConfig) -> np.ndarray:
     attention sublayer saves its input (d: qkv's input), the shared q/k/v storage (3d), the SDPA
     output (d: also proj's input) and the per-head fp32 logsumexp.
 
-    llama (``k = n_kv_heads * head_dim``). Outside attention: each RMSNorm's input and its
-    normalised input before the gain (``F.rms_norm``'s decomposition saves both: 4d), the SwiGLU
-    input (d), the gate/up storage (2f, saved whole through the gate and up views), the SiLU
-    output and the down projection's input (2f), and 2 fp32 RMSNorm statistics. The attention
-    sublayer saves its input (d), the q/k/v storage (d + 2k: the value view keeps it), the
-    rotated q and k (d + k), the SDPA output (d: also the output projection's input) and the
+    llama (``k = n_kv_heads * head_dim``; the lean blocks of ``dynmb.models.llama``, "What the blocks
+    save"). Outside attention: each RMSNorm's input (2d: ``LeanRMSNorm`` recomputes the normalised
+    input in its backward) and its fp32 rstd (2 x 4 bytes), the SwiGLU input (d), the gate/up storage
+    (2f: ``SwiGLUProduct`` recomputes the SiLU) and the down projection's input (f). The attention
+    sublayer saves its input (d), the rotated q and k (d + k), the value (k: its own copy, so the
+    fused q/k/v output is freed), the SDPA output (d: also the output projection's input) and the
     per-head fp32 logsumexp. The rotary cos/sin tables are per stage (``stage_act_per_token``).
+    (Before the lean blocks: ``2 e d + 4`` per norm, ``4 f`` in the MLP and ``3 d + 3 k`` in attention.)
 
     ``dense`` adds the additive (s, s) mask; ``auto`` saves no mask, and its packed path runs the
     sublayer on the documents gathered into buckets, at most ``1 + BUCKET_PADDING`` times the real
@@ -56,9 +57,9 @@ def half_act_coef(c: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 
     gpt2: attention half ``e d + 8`` (LayerNorm input, fp32 mean and rstd) plus the sublayer;
     MLP half ``e (2d + 2f) + 8`` (LayerNorm input, fc input, GELU input, proj input, statistics).
-    llama: attention half ``2 e d + 4`` (RMSNorm input and normalised input, rstd) plus the
-    sublayer; MLP half ``e (3d + 4f) + 4`` (the same for its RMSNorm, the SwiGLU input, gate/up,
-    SiLU output and down input)."""
+    llama: attention half ``e d + 4`` (RMSNorm input, fp32 rstd) plus the sublayer (``e (d + 2d +
+    2k) + 4 h``: input, rotated q and k, own v, SDPA output, logsumexp); MLP half ``e (2d + 3f) + 4``
+    (the same for its RMSNorm, the SwiGLU input, gate/up and down input)."""
     attn, mlp = (piece_act_coef(c, HalfPiece(0, part, range(SUB_CHUNKS))) for part in ("attn", "mlp"))
     return attn, mlp
 
@@ -70,11 +71,11 @@ def _half_terms(c: ModelConfig, part: str) -> tuple[float, float, float, float]:
     under ``auto``."""
     e, d, f, h = c.dtype_bytes, c.d_model, c.d_ff, c.n_heads
     g = 1.0 if c.attention == "dense" else 1.0 + BUCKET_PADDING
-    norm = 2 * e * d + 4 if c.family == "llama" else e * d + 8
+    norm = e * d + 4 if c.family == "llama" else e * d + 8
     if part == "mlp":
-        return norm, e * d, e * (4 if c.family == "llama" else 2) * f, 0.0
+        return norm, e * d, e * (3 if c.family == "llama" else 2) * f, 0.0
     k = c.kv_heads * c.head_dim
-    scaled = e * (3 * d + 3 * k) + 4 * h if c.family == "llama" else 4 * d * e + 4 * h
+    scaled = e * (2 * d + 2 * k) + 4 * h if c.family == "llama" else 4 * d * e + 4 * h
     return norm, g * e * d, g * scaled, e if c.attention == "dense" else 0.0
 
 
@@ -171,8 +172,8 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
 
 def head_act_per_token(cfg: ModelConfig, stage: int | None = None, num_stages: int = 1) -> float:
     """Bytes per token the head saves for backward on ``stage`` (None: the whole head on one stage):
-    on the head's first stage norm_f input and output (RMSNorm also its normalised input before the
-    gain, and in a 16-bit model an fp32 copy of it, as the CPU meter shows) and its fp32 statistics (LayerNorm: mean and rstd; RMSNorm: rstd); on a stage holding
+    on the head's first stage norm_f input and output (the LM head's input) and its fp32 statistics
+    (LayerNorm: mean and rstd; RMSNorm: rstd, ``LeanRMSNorm``); on a stage holding
     ``rows`` of the LM head the fp32 log-softmax (a shard: its logits) of its rows and the int64
     labels, and on a shard stage after the first its input, the normalised hidden state, plus the
     running fp32 statistics (``dynmb.core.model_sizes.HEAD_STATS``); 0 on a stage without head rows."""
@@ -180,7 +181,7 @@ def head_act_per_token(cfg: ModelConfig, stage: int | None = None, num_stages: i
     rows = cfg.vocab_size if stage is None else len(cfg.stage_vocab(num_stages)[stage])
     if not rows:
         return 0.0
-    norm = 3 * d * e + d * (4 - e) + 4 if cfg.family == "llama" else 2 * d * e + 8   # a 16-bit RMSNorm keeps an fp32 copy too
+    norm = 2 * d * e + 4 if cfg.family == "llama" else 2 * d * e + 8
     if stage is None or stage == cfg.head_stage(num_stages):
         return norm + 4 * rows + 8
     return d * e + 4 * HEAD_STATS + 4 * rows + 8
@@ -226,11 +227,13 @@ def recompute_kv_kept_coef(cfg: ModelConfig) -> float:
     """Bytes per token and attention layer that a continued slice's recomputed backward keeps once that layer's
     block is done (``dynmb.models.prefix.PrefixStore.keep``: the recomputed keys and values replace the kept ones
     as the backward's roots and stay referenced until the slice's entries are released after its whole backward):
-    the storages of ``k`` and ``v``. ``v`` is a view of the fused q/k/v projection's output (``d + 2 k`` at ``e``
-    bytes, ``k = n_kv_heads * head_dim``: ``3 d`` without grouped K/V); ``k`` is a view of it too with learned
-    positions (gpt2), and a rotated copy (``k`` more) with rotary positions (llama). The CPU meter: 768 B per token
-    and layer on ``tiny``, 640 on ``llama-tiny`` (``tests/test_slices_memory.py``)."""
+    the storages of ``k`` and ``v``. gpt2: both are views of the fused q/k/v projection's output (``3 d`` at ``e``
+    bytes); llama (``k = n_kv_heads * head_dim``): the rotated keys and the value's own copy (``2 k``; the fused
+    output is freed, ``dynmb.models.llama``). The CPU meter: 768 B per token and layer on ``tiny``, 256 on
+    ``llama-tiny`` (``tests/test_slices_memory.py``)."""
     e, k = cfg.dtype_bytes, cfg.kv_heads * cfg.head_dim
+    if cfg.family == "llama":
+        return float(e * 2 * k)
     return float(e * (cfg.d_model + 2 * k + (0 if cfg.learned_positions else k)))
 
 

@@ -79,7 +79,7 @@ def test_stage_admission_grows_down_the_pipeline_and_caps_the_packer():
     mm = MemoryModel.analytic(cfg, 4)
     limit = int(mm.state_bytes.max() + 4 * mm.act_coef[:, 1].max() * 512)
     tokens = shortdoc.stage_admission(mm, limit)
-    assert tokens[0] == min(tokens) and tokens == sorted(tokens)
+    assert tokens[0] == min(tokens) and tokens[:-1] == sorted(tokens[:-1])     # the last stage also holds the head
     ctx = PackContext(mm, limit, 4, "1f1b")
     assert ctx.bmax([1])[0] == min(tokens)          # the packer's cap is the tightest stage's
 
