@@ -774,20 +774,39 @@ def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
     return out
 
 
+def _wider(job: _SplitJob, centres: list[_Try]) -> list[_Try]:
+    """Where ``_screened`` goes on for an alternative that fits at none of ``centres``: the centres with the rows
+    filled the other way (a packer may refuse the leftovers of filled rows, or fit only without them), then every
+    shorter slice length the centres lack, chains first, filled either way."""
+    best = centres[0]
+    flip = tuple(not f for f in best.fills or (False,))
+    out = [replace(c, fills=flip) for c in centres]
+    lens = job.slice_candidates()
+    known = {c.slice_len for c in centres}
+    shorter = [n for n in lens if n < best.slice_len and n not in known]
+    out += [replace(best, slice_len=n, placements=("first",), fills=f) for n in shorter for f in ((False,), (True,))]
+    return out
+
+
 def _screened(job: _SplitJob, found: _Search, centres: list[_Try], packer: tuple[str, int | None]) -> _Search:
-    """One alternative's short packing (``packer``) tried at ``centres`` (``_centres``): the first as it is, the
-    others only where that first fits within ``SCREEN_WIDE`` of ``found``'s best; of the smaller recomputed
-    shares (the last centres, smallest first) only the first that fits. Every one a candidate of ``found`` too."""
+    """One alternative's short packing (``packer``) tried at ``centres`` (``_centres``): the first that fits as it is,
+    the ones after it only where it fits within ``SCREEN_WIDE`` of ``found``'s best; of the smaller recomputed shares
+    (the last centres, smallest first) only the first that fits. Where none fits, on at ``_wider``'s until one fits.
+    Every one a candidate of ``found`` too."""
     assert found.best is not None
     tried = _Search()
-    for k, centre in enumerate(centres):
-        if k == 1 and (tried.best is None or tried.best[0] > found.best[0] * (1 + SCREEN_WIDE)):
+    plain = len(centres)
+    fitted = -1
+    for k, centre in enumerate([*centres, *_wider(job, centres)]):
+        if tried.best is not None and (k >= plain or (k == fitted + 1 and tried.best[0] > found.best[0] * (1 + SCREEN_WIDE))):
             break
         share = _Search()
         try:
             _try_slice_len(job, replace(centre, packer=packer), share)
         except PackingError:              # that packer cannot take the leftovers here: not a candidate
             continue
+        if share.best is not None and tried.best is None:
+            fitted = k
         if share.best is not None and (tried.best is None or share.best[0] < tried.best[0]):
             tried.best = share.best
         if share.best is not None and centre.rc_share < centres[0].rc_share:
