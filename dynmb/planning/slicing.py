@@ -775,17 +775,16 @@ def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
 
 
 def _wider(job: _SplitJob, centres: list[_Try]) -> list[_Try]:
-    """Where ``_screened`` goes on for an alternative that fits at none of ``centres``: the centres with the rows
-    filled the other way (a packer may refuse the leftovers of filled rows, or fit only without them), then every
-    shorter slice length the centres lack, chains first, filled either way."""
+    """Where ``_screened`` goes on for an alternative that fits at none of ``centres``, until one fits: the first centre
+    without a chain lookahead (a lookahead holds more in flight) in every placement (``PLACEMENTS``: chains last
+    hold less beside them), then with its rows filled the other way (a packer may refuse the leftovers of filled
+    rows), then every other slice length, shorter first, chains first, rows unfilled, without a lookahead: where the
+    alternative's own search starts (``_first_round``)."""
     best = centres[0]
-    flip = tuple(not f for f in best.fills or (False,))
-    out = [replace(c, fills=flip) for c in centres]
-    lens = job.slice_candidates()
-    known = {c.slice_len for c in centres}
-    shorter = [n for n in lens if n < best.slice_len and n not in known]
-    out += [replace(best, slice_len=n, placements=("first",), fills=f) for n in shorter for f in ((False,), (True,))]
-    return out
+    fill = (best.fills or (False,))[0]
+    out = [replace(best, lookahead=0, placements=PLACEMENTS), replace(best, lookahead=0, fills=(not fill,))]
+    lens = sorted((n for n in job.slice_candidates() if n != best.slice_len), key=lambda n: (n > best.slice_len, -n))
+    return out + [replace(best, slice_len=n, placements=("first",), fills=(False,), lookahead=0) for n in lens]
 
 
 def _screened(job: _SplitJob, found: _Search, centres: list[_Try], packer: tuple[str, int | None]) -> _Search:
