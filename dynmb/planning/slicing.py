@@ -46,9 +46,10 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    sequence and the smallest predicted peak.
    ``dynamic`` then weighs the plain methods' sliced plans (``_weigh_alternatives``; on by default): each
    method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
-   slices, smaller recomputed shares), then the whole search of the ``WEIGH_FINALISTS`` fastest, of any other within
-   ``SCREEN_ERROR`` of the best, of every one the screen cannot rank and of every method whose slices it cannot cut
-   (``packed``), the fastest kept.
+   slices, smaller recomputed shares; one that fits at none of them further out until one fits, ``_wider``: no
+   lookahead, every placement, the other fill, the other slice lengths), then the whole search of the
+   ``WEIGH_FINALISTS`` fastest, of any other within ``SCREEN_ERROR`` of the best, of every one the screen still
+   cannot rank and of every method whose slices it cannot cut (``packed``), the fastest kept.
    The jobs of one ``plan_split`` share their simulations and their packings of short sequences. Under
    ``--schedule auto`` the weighing runs only on the kinds whose own sliced step is near the fastest kind's
    (``KIND_SCREEN``, ``kinds_to_weigh``; ``dynmb.planning.planner.plan_auto``).
@@ -819,8 +820,9 @@ def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -
     (``_screened``: a few simulations each, every one a candidate of ``found`` too), the ``WEIGH_FINALISTS`` fastest
     distinct groupings (``_grouping``; an alternative grouping as a finalist does is one too), every other whose
     screened step is within ``SCREEN_ERROR`` of ``found``'s best after screening, and every one the screen cannot
-    rank (no candidate fits at any centre: its whole search may still find a plan elsewhere, as a kind without a
-    fitting plan is weighed, ``kinds_to_weigh``)."""
+    rank (no candidate fits at any centre nor at ``_wider``'s: its whole search may still find a plan elsewhere, as a
+    kind without a fitting plan is weighed, ``kinds_to_weigh``). One ranked only at ``_wider``'s competes as the
+    others (P 16 pycode Llama-3.1-8B: ``sorted`` fits there without the lookahead, a finalist)."""
     if found.best is None:
         return alts
     centres = _centres(job, found)
