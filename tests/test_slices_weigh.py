@@ -130,6 +130,61 @@ def test_an_alternative_the_screen_cannot_rank_gets_its_whole_search(monkeypatch
     assert missed and any(name.partition("/")[0] == "sorted" for name in picked)
 
 
+def _tilted(monkeypatch, scale: float) -> list[str]:
+    """``token-budget``'s plans over the limit at dynamic's own best slice length and the next shorter (every centre
+    of the screen here: as ``sorted`` at P 16 pycode Llama-3.1-8B fitted at none of them), their step scaled by
+    ``scale`` at the shorter slices; each candidate simulated for each method (the shared simulations change no
+    plan, tested above); returns the methods whose whole search ran (appended as they run)."""
+    spec = SPEC.with_(schedule_kind="zb-h1")
+    own_len, lens, _ = _own_best(spec)
+    fits_below = lens[lens.index(own_len) + 1]
+    real_sim, real_search, real_key = slicing._SplitJob._simulate, slicing._search, slicing._plan_key
+    searched: list[str] = []
+
+    def tilted(job, plan):
+        t, peak, replicas, scheds = real_sim(job, plan)
+        if plan.meta.get("slice_shorts") == "token-budget/None" or (plan.method, plan.spec.mbs) == ("token-budget", None):
+            if int(plan.meta["slice_len"]) >= fits_below:
+                peak = job.spec.memory_limit_bytes + 1
+            t *= scale
+        return t, peak, replicas, scheds
+
+    def search(job):
+        searched.append(job.spec.method)
+        return real_search(job)
+    monkeypatch.setattr(slicing._SplitJob, "_simulate", tilted)
+    monkeypatch.setattr(slicing, "_search", search)
+    monkeypatch.setattr(slicing, "_plan_key", lambda plan, spec: (real_key(plan, spec), plan.method, plan.spec.mbs,
+                                                                  plan.meta.get("slice_shorts")))
+    return searched
+
+
+def test_a_grouping_that_fits_only_at_shorter_slices_is_ranked_and_kept(monkeypatch):
+    """``token-budget`` fits at none of the screen's centres and wins at shorter slices: the wider screen (``_wider``)
+    ranks it there, its whole search runs and dynamic keeps its plan, as the full weighing does. Fails on the screen
+    before ffacbc6 (it dropped an alternative it could not rank)."""
+    spec = SPEC.with_(schedule_kind="zb-h1")
+    searched = _tilted(monkeypatch, 0.5)
+    full, full_kept = _weighed(spec, None)
+    assert full_kept == "token-budget"                                        # the case as constructed
+    searched.clear()
+    screened, kept = _weighed(spec, 2)
+    assert kept == "token-budget" and screened <= full * (1 + 1e-12) and "token-budget" in searched
+
+
+def test_a_grouping_the_wider_screen_ranks_slow_is_not_searched_whole(monkeypatch):
+    """``token-budget`` fits at none of the screen's centres and is slow at the shorter slices: the wider screen ranks it
+    out, no whole search of it runs (ffacbc6 ran one for every alternative it could not rank: fails there), and
+    the plan is the full weighing's."""
+    spec = SPEC.with_(schedule_kind="zb-h1")
+    searched = _tilted(monkeypatch, 2.0)
+    full, full_kept = _weighed(spec, None)
+    assert "token-budget" in searched and full_kept != "token-budget"         # the case as constructed
+    searched.clear()
+    screened, _ = _weighed(spec, 2)
+    assert "token-budget" not in searched and screened <= full * (1 + 1e-12)
+
+
 @pytest.mark.parametrize("kind", ["1f1b", "zb"])
 def test_pruning_and_shared_simulations_change_no_plan(monkeypatch, kind):
     """The same plan (microbatches, meta, predicted step) with every candidate simulated anew, and fewer

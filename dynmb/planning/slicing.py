@@ -46,9 +46,10 @@ Algorithm (one global batch, ``dp`` pipeline replicas):
    sequence and the smallest predicted peak.
    ``dynamic`` then weighs the plain methods' sliced plans (``_weigh_alternatives``; on by default): each
    method's short packing tried at its best candidate and around it (``_screen``, ``_centres``: shorter and longer
-   slices, smaller recomputed shares), then the whole search of the ``WEIGH_FINALISTS`` fastest, of any other within
-   ``SCREEN_ERROR`` of the best, of every one the screen cannot rank and of every method whose slices it cannot cut
-   (``packed``), the fastest kept.
+   slices, smaller recomputed shares; one that fits at none of them further out until one fits, ``_wider``: no
+   lookahead, every placement, the other fill, the other slice lengths), then the whole search of the
+   ``WEIGH_FINALISTS`` fastest, of any other within ``SCREEN_ERROR`` of the best, of every one the screen still
+   cannot rank and of every method whose slices it cannot cut (``packed``), the fastest kept.
    The jobs of one ``plan_split`` share their simulations and their packings of short sequences. Under
    ``--schedule auto`` the weighing runs only on the kinds whose own sliced step is near the fastest kind's
    (``KIND_SCREEN``, ``kinds_to_weigh``; ``dynmb.planning.planner.plan_auto``).
@@ -774,20 +775,38 @@ def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
     return out
 
 
+def _wider(job: _SplitJob, centres: list[_Try]) -> list[_Try]:
+    """Where ``_screened`` goes on for an alternative that fits at none of ``centres``, until one fits: the first centre
+    without a chain lookahead (a lookahead holds more in flight) in every placement (``PLACEMENTS``: chains last
+    hold less beside them), then with its rows filled the other way (a packer may refuse the leftovers of filled
+    rows), then every other slice length, shorter first, chains first, rows unfilled, without a lookahead: where the
+    alternative's own search starts (``_first_round``)."""
+    best = centres[0]
+    fill = (best.fills or (False,))[0]
+    out = [replace(best, lookahead=0, placements=PLACEMENTS), replace(best, lookahead=0, fills=(not fill,))]
+    lens = sorted((n for n in job.slice_candidates() if n != best.slice_len), key=lambda n: (n > best.slice_len, -n))
+    return out + [replace(best, slice_len=n, placements=("first",), fills=(False,), lookahead=0) for n in lens]
+
+
 def _screened(job: _SplitJob, found: _Search, centres: list[_Try], packer: tuple[str, int | None]) -> _Search:
-    """One alternative's short packing (``packer``) tried at ``centres`` (``_centres``): the first as it is, the
-    others only where that first fits within ``SCREEN_WIDE`` of ``found``'s best; of the smaller recomputed
-    shares (the last centres, smallest first) only the first that fits. Every one a candidate of ``found`` too."""
+    """One alternative's short packing (``packer``) tried at ``centres`` (``_centres``): the first that fits as it is,
+    the ones after it only where it fits within ``SCREEN_WIDE`` of ``found``'s best; of the smaller recomputed shares
+    (the last centres, smallest first) only the first that fits. Where none fits, on at ``_wider``'s until one fits.
+    Every one a candidate of ``found`` too."""
     assert found.best is not None
     tried = _Search()
-    for k, centre in enumerate(centres):
-        if k == 1 and (tried.best is None or tried.best[0] > found.best[0] * (1 + SCREEN_WIDE)):
+    plain = len(centres)
+    fitted = -1
+    for k, centre in enumerate([*centres, *_wider(job, centres)]):
+        if tried.best is not None and (k >= plain or (k == fitted + 1 and tried.best[0] > found.best[0] * (1 + SCREEN_WIDE))):
             break
         share = _Search()
         try:
             _try_slice_len(job, replace(centre, packer=packer), share)
         except PackingError:              # that packer cannot take the leftovers here: not a candidate
             continue
+        if share.best is not None and tried.best is None:
+            fitted = k
         if share.best is not None and (tried.best is None or share.best[0] < tried.best[0]):
             tried.best = share.best
         if share.best is not None and centre.rc_share < centres[0].rc_share:
@@ -801,8 +820,9 @@ def _screen(job: _SplitJob, found: _Search, alts: list[tuple[str, _SplitJob]]) -
     (``_screened``: a few simulations each, every one a candidate of ``found`` too), the ``WEIGH_FINALISTS`` fastest
     distinct groupings (``_grouping``; an alternative grouping as a finalist does is one too), every other whose
     screened step is within ``SCREEN_ERROR`` of ``found``'s best after screening, and every one the screen cannot
-    rank (no candidate fits at any centre: its whole search may still find a plan elsewhere, as a kind without a
-    fitting plan is weighed, ``kinds_to_weigh``)."""
+    rank (no candidate fits at any centre nor at ``_wider``'s: its whole search may still find a plan elsewhere, as a
+    kind without a fitting plan is weighed, ``kinds_to_weigh``). One ranked only at ``_wider``'s competes as the
+    others (P 16 pycode Llama-3.1-8B: ``sorted`` fits there without the lookahead, a finalist)."""
     if found.best is None:
         return alts
     centres = _centres(job, found)
