@@ -14,18 +14,8 @@ from dynmb.schedule import validate
 from dynmb.schedule.vshape import admission_caps, list_makespan, v_inflight, zb_v
 from dynmb.schedule.zerobubble import ZBInputs
 from dynmb.timing.simulate import simulate_costs
+from tests.test_zbv import _live as _held          # most chunk-microbatches each rank held
 
-
-def _held(schedule) -> list[int]:
-    """Most chunk-microbatches each rank held (forwarded, not yet through W / B)."""
-    out = []
-    for acts in schedule.ranks:
-        live = peak = 0
-        for a in acts:
-            live += {"F": 1, "I": 0, "W": -1, "B": -1}[a.op]
-            peak = max(peak, live)
-        out.append(peak)
-    return out
 
 
 def _pipeline(R: int, m: int, seed: int) -> ZBInputs:
