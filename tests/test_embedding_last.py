@@ -154,7 +154,7 @@ def test_every_packers_estimate_is_the_fast_estimate_with_the_embeds(method, rec
                     embedding="last", recompute=recompute)
     cm = GPUCostModel(cfg, 4)
     plan = pack(np.random.default_rng(0).integers(50, 900, 60), spec,
-                models=spec_models(Models(cm, MemoryModel.analytic(cfg, 4)), cfg, spec))
+                models=spec_models(Models(cm, MemoryModel.analytic(cfg, 4)), spec))
     costs, comm = cm.plan_costs(plan), comm_times(cm, plan)
     want = estimate_makespan(costs, comm, "1f1b", embed=embed_costs(cm, plan))
     assert plan.predictions.get("est_makespan_s") == want > estimate_makespan(costs, comm, "1f1b")
@@ -174,7 +174,7 @@ def test_dynamics_own_value_prices_the_embeds():
     spec = PlanSpec(method="dynamic", num_stages=4, memory_limit_bytes=40 * 2**30, schedule_kind="1f1b",
                     embedding="last")
     cm = GPUCostModel(cfg, 4)
-    models = spec_models(Models(cm, MemoryModel.analytic(cfg, 4)), cfg, spec)
+    models = spec_models(Models(cm, MemoryModel.analytic(cfg, 4)), spec)
     lengths = np.random.default_rng(0).integers(50, 900, 60)
     plan = pack(lengths, spec, models=models)
     ctx, cap = PackContext.from_spec(spec, models.memory), plan.meta["longest_fitting_length"]

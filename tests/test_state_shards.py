@@ -81,7 +81,7 @@ def test_as_planned_is_the_one_place_of_both_views(k, last, rc):
     assert view.embed_state_bytes == by_hand.embed_state_bytes and view.state_shards == k
     assert view.as_planned("last" if last else "first", k) is view
     spec = PlanSpec(num_stages=4, state_shards=k, embedding="last" if last else "first")
-    assert np.array_equal(spec_models(Models(None, base), cfg, spec).memory.state_bytes, view.state_bytes)
+    assert np.array_equal(spec_models(Models(None, base), spec).memory.state_bytes, view.state_bytes)
 
 
 def test_as_planned_refuses_what_no_view_holds():
@@ -109,9 +109,9 @@ def test_as_planned_refuses_what_no_view_holds():
 
     spec = PlanSpec(num_stages=4, state_shards=2)
     with pytest.raises(ValueError, match="has no as_planned"):
-        spec_models(Models(None, Foreign()), model_config("llama-small"), spec)
+        spec_models(Models(None, Foreign()), spec)
     plain = Models(None, Foreign())
-    assert spec_models(plain, model_config("llama-small"), PlanSpec(num_stages=4)) is plain
+    assert spec_models(plain, PlanSpec(num_stages=4)) is plain
 
 
 def test_a_saved_sharded_model_loads_as_it_was(tmp_path):
@@ -166,10 +166,10 @@ def test_plan_step_applies_the_spec_views_once():
     models = Models.analytic(cfg, 4)
     lengths = np.random.default_rng(4).integers(40, 300, 100)
     a, _, _ = plan_step(lengths, spec, model_cfg=cfg, models=models)
-    viewed = spec_models(models, cfg, spec)
+    viewed = spec_models(models, spec)
     b, _, _ = plan_step(lengths, spec, model_cfg=cfg, models=viewed)
     assert a.digest() == b.digest()
-    assert spec_models(viewed, cfg, spec) is viewed
+    assert spec_models(viewed, spec) is viewed
     assert viewed.memory.state_shards == 4 and viewed.memory.embed_state_bytes > 0
     assert a.meta.models["memory"]["digest"] == b.meta.models["memory"]["digest"]
 

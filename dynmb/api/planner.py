@@ -195,7 +195,7 @@ class Planner:
                                                     who="Planner")
         """The cost and memory models every ``plan`` uses, with where they came from."""
         # the embedding's place and the states' shards (dynmb.schedule.embedlast, MemoryModel.sharded)
-        self.models = spec_models(self.models, self.model_cfg, self.spec)
+        self.models = spec_models(self.models, self.spec)
         self.cost_model, self.memory_model = self.models.cost, self.models.memory
 
     # the settings, read from the spec

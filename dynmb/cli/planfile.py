@@ -124,7 +124,7 @@ def plan_models(plan: Plan, args: argparse.Namespace, plan_path: str) -> tuple[M
     with suppress_stand_in_warnings():                    # the plan's models: said when it was planned
         models = load_models(model, plan.num_stages, cost=cost, memory=memory_file)
     if plan.spec is not None:                             # the embedding's place and the states' shards it planned with
-        models = spec_models(models, model, plan.spec)
+        models = spec_models(models, plan.spec)
     check_plan_models(plan.meta.models, models, plan_path)
     return model, models
 

@@ -217,14 +217,13 @@ def load_models(model_cfg: ModelConfig, num_stages: int, *, cost: Any = None, me
 ModelsT = TypeVar("ModelsT", bound=Models[Any])
 
 
-def spec_models(models: ModelsT, model_cfg: ModelConfig, spec: PlanSpec) -> ModelsT:
+def spec_models(models: ModelsT, spec: PlanSpec) -> ModelsT:
     """``models`` as planned under ``spec``'s settings (``plan_step`` applies it; so do ``Planner`` and a run, whose
     plans record the digests of these): the memory model's ``MemoryModel.as_planned(spec.embedding,
     spec.state_shards)``, the one place the token embedding on the last rank (its states move there,
     ``MemoryModel.embedding_last``; a tied embedding is refused in one line there: its table is the head's, on the
     last stage already) and the states sharded over ``spec.state_shards`` data-parallel ranks
-    (``MemoryModel.sharded``) are applied. ``model_cfg``: the model planned, which the memory model was made for
-    (``MemoryModelLike.check``). A memory model without that view plans only the defaults. Idempotent: ``models``
+    (``MemoryModel.sharded``) are applied. A memory model without that view plans only the defaults. Idempotent: ``models``
     themselves where their memory model already is the view."""
     memory = models.memory
     as_planned = getattr(memory, "as_planned", None)

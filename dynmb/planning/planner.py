@@ -103,7 +103,7 @@ def plan_step(lengths: np.ndarray, spec: PlanSpec, *, model_cfg: ModelConfig,
         raise TypeError(f"plan_step takes the settings as one PlanSpec, got {type(spec).__name__}")
     if (refusal := lockstep_refusal(spec)) is not None:
         raise ValueError(refusal)
-    models = spec_models(models or Models.analytic(model_cfg, spec.num_stages), model_cfg, spec)  # embedding, shards
+    models = spec_models(models or Models.analytic(model_cfg, spec.num_stages), spec)  # embedding, shards
     lengths = np.asarray(lengths, dtype=np.int64)
 
     def step(s: PlanSpec, m: Models[MemoryModelLike]) -> Planned:

@@ -216,7 +216,7 @@ class RunSpec:
         models = load_models(run.model, run.spec.num_stages, cost=run.cost_model, memory=self.memory_model,
                              device=run.device, virtual=run.spec.virtual, own_model=self.model_factory is not None,
                              who=who)
-        return spec_models(models, run.model, run.spec)
+        return spec_models(models, run.spec)
 
     def check(self) -> None:
         """Check what can be checked before torchrun starts (see the module docstring)."""
