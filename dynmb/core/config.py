@@ -89,6 +89,13 @@ class ModelConfig(ModelSizes):
     (``layer_split`` ``(16, 16, 0, 0)``); each shard passes the running log-sum-exp and target logit
     on with the normalised hidden state (``dynmb.models.head``). None: the whole head on the last
     stage. Set by ``--stage-split auto`` (``dynmb.planning.head_split``) or a JSON model file."""
+    recompute_blocks: tuple[int, ...] | None = None
+    """Per pipeline stage (model chunk), how many of its leading blocks recompute their activations in every
+    microbatch's backward (per-stage recomputation, as AdaPipe, arXiv:2401.03146, chooses it with the split), e.g.
+    ``(1, 0, 0, 0)``: the blocks are the stage's ``stage_blocks`` entries (a half-block or pieces of one at a
+    boundary count one); a recomputed block keeps only its input from forward to backward. Needs ``layer_split``
+    (the same stages); None (or all 0): none. A microbatch flagged ``recompute`` recomputes every block anyway.
+    Set by ``--stage-split auto`` (``dynmb.planning.memory_split``) or a JSON model file."""
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -108,6 +115,7 @@ class ModelConfig(ModelSizes):
             raise ValueError("the gpt2 family has one K/V head per query head and an untied LM head "
                              "(n_kv_heads and tie_embeddings are llama fields)")
         self.check_chunk_bounds()
+        object.__setattr__(self, "recompute_blocks", self._checked_recompute_blocks())
         if self.family == "llama" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if not self.rope_theta > 0:
@@ -134,8 +142,37 @@ class ModelConfig(ModelSizes):
         return [range(r.start // UNITS_PER_LAYER, r.stop // UNITS_PER_LAYER) for r in units]
 
     def with_layout_of(self, other: "ModelConfig") -> "ModelConfig":
-        """This config with ``other``'s split over the stages (``layer_split`` and ``head_split``)."""
-        return replace(self, layer_split=other.layer_split, head_split=other.head_split)
+        """This config with ``other``'s split over the stages (``layer_split``, ``head_split`` and
+        ``recompute_blocks``)."""
+        return replace(self, layer_split=other.layer_split, head_split=other.head_split,
+                       recompute_blocks=other.recompute_blocks)
+
+    def stage_recompute_blocks(self, num_stages: int) -> list[int]:
+        """``recompute_blocks`` for ``num_stages`` stages (all 0 where None)."""
+        if self.recompute_blocks is None:
+            return [0] * int(num_stages)
+        if len(self.recompute_blocks) != num_stages:
+            raise ValueError(f"model {self.name!r} recomputes blocks on {len(self.recompute_blocks)} stages "
+                             f"{list(self.recompute_blocks)}, not {num_stages}")
+        return list(self.recompute_blocks)
+
+    def _checked_recompute_blocks(self) -> tuple[int, ...] | None:
+        """``recompute_blocks`` checked against the split (ValueError naming it), None where it recomputes none."""
+        given = self.recompute_blocks
+        if given is None:
+            return None
+        blocks = tuple(int(k) for k in given)
+        if any(float(k) != int(k) for k in given) or min(blocks, default=0) < 0:
+            raise ValueError(f"ModelConfig.recompute_blocks {list(given)}: not whole numbers of blocks >= 0")
+        if not any(blocks):
+            return None
+        if self.layer_split is None or len(self.layer_split) != len(blocks):
+            raise ValueError(f"ModelConfig.recompute_blocks {list(blocks)} needs a layer_split of the same "
+                             f"{len(blocks)} stages, got {None if self.layer_split is None else list(self.layer_split)}")
+        held = [len(b) for b in self.stage_blocks(len(blocks))]
+        if any(k > n for k, n in zip(blocks, held)):
+            raise ValueError(f"ModelConfig.recompute_blocks {list(blocks)}: more than the stages' blocks {held}")
+        return blocks
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
