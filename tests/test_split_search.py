@@ -62,9 +62,10 @@ def test_candidates_are_near_optimal_arrangements_min_max_first() -> None:
 @pytest.mark.slow
 def test_auto_keeps_the_min_max_split_against_a_win_within_the_noise() -> None:
     """Here the rival of the smallest mean step per token on the two sample batches (what the strictly-smaller
-    rule took) is faster on one batch and slower on the other: the Planner given a global batch size keeps
-    the min-max split; the scores are those of plans of each split made independently (an explicit
-    --stage-split)."""
+    rule took) wins only within the noise: the Planner given a global batch size keeps the min-max split, by the
+    rule the scores call for (faster on one batch and slower on the other: "not on every"; faster on both by less
+    than the margin: "not over the margin", which this case gives since the lean Llama blocks changed the
+    plans' memory); the scores are those of plans of each split made independently (an explicit --stage-split)."""
     planner = _planner(global_batch=GLOBAL)
     s0 = _min_max()
     assert tuple(planner.model_cfg.stage_layer_counts(P)) == s0
@@ -72,11 +73,14 @@ def test_auto_keeps_the_min_max_split_against_a_win_within_the_noise() -> None:
     search = _search()
     choice = search.choose(LLAMA2, P, workload_cost(TRACE, LLAMA2, GPUCostModel(LLAMA2, P)), workload=TRACE,
                            cost_model=GPUCostModel(LLAMA2, P))
-    assert choice.how == "simulated" and choice.split == s0 == choice.candidates[0] and "not on every" in choice.rule
+    assert choice.how == "simulated" and choice.split == s0 == choice.candidates[0]
     best = int(np.argmin(choice.scores_s))
     assert best != 0 and choice.scores_s[best] < choice.scores_s[0] == pytest.approx(choice.steps_s[0])
     gains = [1 - a / b for a, b in zip(choice.batch_scores[best], choice.batch_scores[0])]
-    assert min(gains) < 0 < max(gains)
+    if "not on every" in choice.rule:
+        assert min(gains) < 0 < max(gains)
+    else:
+        assert "not over the margin" in choice.rule and 0 < float(np.mean(gains)) < MIN_GAIN
     batches = search.sample_batches(np.asarray(dynmb.data.load_trace(TRACE)))
     for i in (0, best):
         step, tokens = _mean_step(choice.candidates[i], batches)
