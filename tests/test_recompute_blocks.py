@@ -317,7 +317,7 @@ must hold more), 1F1B with a stage whose first block starts inside an MLP half."
 SLOW2 = [Case("zb", "tiny", (2.75, 1.25), (3, 1), 2), Case("1f1b", "llama-tiny", (2, 2), (1, 0), 2),
          Case("interleaved", "tiny", (1.5, 1, 1, 0.5), (1, 0, 1, 0), 2),
          Case("zb", "llama-tiny", (2.5, 1.5), (1, 1), 2, "embedlast"),
-         Case("zb-h1", "llama-tiny", (2.5, 1.5), (2, 1), 2, "slices")]
+         Case("zb", "llama-tiny", (2.5, 1.5), (2, 1), 2, "slices")]
 SLOW4 = [Case("1f1b", "tiny", (1.5, 1, 1, 0.5), (1, 0, 1, 0), 4), Case("zb", "llama-tiny", (1.5, 1, 1, 0.5), (1, 0, 1, 0), 4),
          Case("zb", "tiny", (1.25, 0.75, 1, 1), (1, 1, 0, 1), 4), Case("1f1b", "llama-tiny", (1, 1, 1, 1), (1, 0, 1, 0), 4)]
 SLICE_BATCH = np.array([1200, 500, 40, 60, 30, 50, 70, 20], dtype=np.int64)
