@@ -138,7 +138,8 @@ def refuse_split_conflict(args: argparse.Namespace, plan: Plan, model: ModelConf
 
     theirs = ",".join(f"{v:g}" for v in model.layer_split) if model.layer_split else "even"
     if given != "auto":
-        asked = resolve_stage_split(replace(model, layer_split=None, head_split=None), plan.num_stages, given)
+        asked = resolve_stage_split(replace(model, layer_split=None, head_split=None, recompute_blocks=None),
+                                    plan.num_stages, given)
         if asked.layer_split == model.layer_split:
             return
     raise ValueError(f"--stage-split {given} conflicts with the plan {args.plan}, which has stage split {theirs}; "

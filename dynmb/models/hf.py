@@ -27,7 +27,8 @@ the last. ``forward(x, inputs)`` keeps the contract:
   (``dynmb.models.recompute``: only a layer's input is kept for backward), gradients exact.
 
 Not supported (refused with a one-line error): slices of long sequences (no prefix store in
-transformers' attention), the LM head split by vocabulary (``head_split``), a
+transformers' attention), the LM head split by vocabulary (``head_split``), leading blocks recomputed per stage
+(``recompute_blocks``), a
 stage boundary inside a block (half-blocks or pieces of one, ``layer_split`` such as ``2.5`` or ``2.75``), and
 tied input/output embeddings across more than one stage (the two copies would need their gradients summed between the first and last rank).
 A stage is built alone: ``from_config`` / ``from_pretrained`` build the model on the meta device (no memory)
@@ -263,6 +264,10 @@ class HFStageFactory:
         if self.config.head_split is not None:
             raise ValueError(f"the LM head split by vocabulary (head_split {list(self.config.head_split)}) runs on "
                              f"dynmb's own model families only; a transformers model keeps its head on the last stage")
+        if self.config.recompute_blocks is not None:
+            raise ValueError(f"model {self.config.name!r}: recomputing leading blocks per stage (recompute_blocks "
+                             f"{list(self.config.recompute_blocks)}) runs on dynmb's own model families only; a "
+                             f"transformers model recomputes whole microbatches or none")
         if num_stages > 1 and self.config_tied:
             raise ValueError("tied input/output embeddings across pipeline stages are not supported; "
                              "set tie_word_embeddings=False in the transformers config")

@@ -24,7 +24,11 @@ non-last head shard its message), the last the summed
 cross-entropy over real tokens (0-dim, float32 or wider), or per-token CE ``(batch,
 padded_len)`` with zeros at pads when ``reduction="none"``. Each block is called
 ``block(x, inputs, *self.block_args(inputs))`` (a family passes per-microbatch tables, such as
-the Llama family's rotary cos/sin, computed once per stage forward).
+the Llama family's rotary cos/sin, computed once per stage forward). With grad enabled the stage's first
+``recomputed_blocks`` blocks (``ModelConfig.recompute_blocks``, per stage: AdaPipe-style recomputation of only
+some blocks; every block when the microbatch is flagged ``recompute``) run under ``RecomputedBlock``: each keeps
+only its input for the backward, which recomputes it and back-propagates through it at once (its weight
+gradients included, so a split backward's ``W`` has only the other blocks' Linear calls to do).
 
 A family subclasses it and defines ``_build`` (the modules; ``build_head`` adds the final norm and the
 head's rows), ``embed_inputs``, ``logits`` (the whole head) and ``reset_parameters`` (each parameter
@@ -86,6 +90,9 @@ class DecoderStage(nn.Module):
         """Whether this stage runs the final norm (the first stage holding head rows)."""
         self.is_shard = len(self.vocab) not in (0, cfg.vocab_size)
         """Whether this stage holds a shard of a head split by vocabulary (``dynmb.models.head``)."""
+        self.recomputed_blocks = _recomputed_blocks(cfg, stage, num_stages)
+        """How many of its leading blocks recompute in every microbatch's backward (``ModelConfig.recompute_blocks``:
+        each entry of ``units`` counts one); a microbatch's ``recompute`` recomputes them all."""
         with torch.device("meta"):
             self._build()
         self.to(dtype=dtype or torch_dtype(cfg))
@@ -165,7 +172,8 @@ class DecoderStage(nn.Module):
     def forward(self, x: torch.Tensor | None, inputs: MicrobatchInputs, *, reduction: str = "sum",
                 recompute: bool = False) -> torch.Tensor:
         """``recompute``: full activation recomputation per block (``RecomputedBlock``) and of the
-        head or head shard (``RecomputedHead``; on the last stage for ``reduction="sum"``)."""
+        head or head shard (``RecomputedHead``; on the last stage for ``reduction="sum"``); without it the
+        stage's ``recomputed_blocks`` leading blocks recompute (the head does not). Only with grad enabled."""
         if self.is_first:
             x = self.embed_inputs(inputs)
         elif x is None:
@@ -174,11 +182,12 @@ class DecoderStage(nn.Module):
             raise ValueError(f"stage {self.stage} of {self.num_stages} receives messages of {self.in_channels} channels "
                              f"(config.message_channels; [y | h] inside a half-block), got {x.shape[-1]}")
         recomputing = recompute and torch.is_grad_enabled()
+        leading = (len(self.blocks) if recompute else self.recomputed_blocks) if torch.is_grad_enabled() else 0
         extra = self.block_args(inputs) if self.layers else ()     # tables for the attention halves
         scope = self.block_scope
         for i, blk in enumerate(self.blocks.values()):
             with scope(i) if scope is not None else nullcontext():
-                x = RecomputedBlock.apply(x, blk, inputs, *extra) if recomputing else blk(x, inputs, *extra)
+                x = RecomputedBlock.apply(x, blk, inputs, *extra) if i < leading else blk(x, inputs, *extra)
         if not len(self.vocab):
             return x
         if recomputing and (reduction == "sum" or not self.is_last):
@@ -197,3 +206,11 @@ class DecoderStage(nn.Module):
         ce = F.cross_entropy(logits.flatten(0, 1), inputs.labels.flatten(), ignore_index=IGNORE_INDEX,
                              reduction=reduction)
         return ce if reduction == "sum" else ce.view(inputs.labels.shape)
+
+
+def _recomputed_blocks(cfg: ModelConfig, stage: int, num_stages: int) -> int:
+    """Stage ``stage``'s entry of ``cfg.recompute_blocks`` (0 where None); none for the whole model in one stage
+    of a config split over several (its layout, as ``layer_split``'s, is of the split)."""
+    if cfg.recompute_blocks is None or (num_stages == 1 and len(cfg.recompute_blocks) != 1):
+        return 0
+    return cfg.stage_recompute_blocks(num_stages)[stage]

@@ -26,7 +26,10 @@ For each action in the rank's list, in order:
   gradient back, but computes only it (and the cheap non-Linear parameter gradients),
   keeping each Linear call's input and output gradient for ``W``; the memory meter holds
   them (``MemoryMeter.hold``) until ``W`` frees them. A recomputed microbatch runs its
-  whole backward here (its ``W`` is then empty).
+  whole backward here (its ``W`` is then empty). A stage's leading blocks that recompute in every
+  microbatch (``ModelConfig.recompute_blocks``, ``DecoderStage.recomputed_blocks``) run their whole backward,
+  weight gradients included, inside ``I`` too (``RecomputedBlock``'s nested backward): their forward runs
+  without a graph, so the tape records only the other blocks' and the head's Linear calls, and ``W`` does those.
 - ``sWm`` (backward weight): the deferred Linear weight gradients of ``sIm``
   (``splitbackward.backward_weight``); no communication.
 - Slices of long sequences (``dynmb.models.prefix``): a microbatch's backward (``B``, or ``I``) adds its

@@ -33,6 +33,9 @@ then the plain one, bit for bit):
    the copies out of the offloading forward ``COPY_OUT_DEPTH`` before it on this rank and drops their device
    storages (later kernels are ordered after the copies), so copies that fall behind stall compute instead of
    holding more than the plan counted.
+6. A stage that recomputes leading blocks (``ModelConfig.recompute_blocks``) offloads none: a plan asking for
+   both on one stage is refused in one line (``refuse_offload_with_recompute``: by ``load_plan_files`` and the
+   launcher's preflight before any rank starts, again here), since the memory model counts one or the other.
 
 CPU (host == device): the same path with synchronous copies into separate tensors (no events), so the
 ordering, prefetch and freeing run in the gloo tests. The CPU memory meter (``MemoryMeter.track``) sees each
@@ -53,6 +56,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from dynmb.core.types import Action, Plan
 from dynmb.runtime.device import CopyEngine, device_ops
+from dynmb.runtime.spec import refuse_offload_with_recompute
 from dynmb.timing.offload import COPY_OUT_DEPTH
 
 __all__ = ["OffloadSession", "OffloadStats", "prefetch_points", "offload_blocks_of"]
@@ -215,6 +219,10 @@ class OffloadSession:
         embedding stage first); None when none of them offloads a block."""
         per_plan = offload_blocks_of(plan)
         blocks = {s: per_plan[s - lift] for s in stages if s >= lift and per_plan[s - lift] > 0}
+        redone = [0] * plan.num_stages
+        for s in blocks:
+            redone[s - lift] = int(getattr(stages[s], "recomputed_blocks", 0))
+        refuse_offload_with_recompute(per_plan, redone, "the plan")
         for s, k in blocks.items():
             mod = stages[s]
             held = len(getattr(mod, "blocks", ()))

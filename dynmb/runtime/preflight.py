@@ -16,7 +16,9 @@
    a position limit shorter than the data, data parallelism over too few sequences) is one line naming
    the step and the sequence's trace row (a corpus's file and record there), not its position in the batch.
 
-   With ``offload="auto"`` every stage must take the offload's block hook (``DecoderStage.block_scope``,
+   A plan of them that offloads blocks of a stage that recomputes blocks (``ModelConfig.recompute_blocks``) is
+   refused in one line (``refuse_offload_with_recompute``). With ``offload="auto"`` every stage must take the
+   offload's block hook (``DecoderStage.block_scope``,
    ``dynmb.runtime.offload``): a transformers model or a user's own stage module is refused here, in one line.
 
 A plan-file run (``--plan``) was checked against its plan by ``load_plan_files``; step 2 is skipped (a plan whose
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from dynmb.data import load_trace, sample_indices
-from dynmb.runtime.spec import RunSpec
+from dynmb.runtime.spec import RunSpec, refuse_offload_with_recompute
 
 __all__ = ["preflight", "check_stages", "check_first_batches"]
 
@@ -93,9 +95,11 @@ def check_first_batches(spec: RunSpec) -> None:
     spec_of = run.plan_spec.with_(slice_fitting="never")      # slicing what fits only adds options, at a cost
     for k in dict.fromkeys((0, longest)):
         try:
-            plan_step(trace[rows[k]], spec_of, model_cfg=run.model, models=models)
+            plan, _, _ = plan_step(trace[rows[k]], spec_of, model_cfg=run.model, models=models)
         except ValueError as e:
             raise ValueError(f"step {k}: {_with_rows(_first_line(e), rows[k], corpus)}") from None
+        refuse_offload_with_recompute(plan.meta.get("offload_blocks"), run.model.stage_recompute_blocks(plan.num_stages),
+                                      f"step {k}'s plan")
 
 
 _IDS = re.compile(r"\bids \[([\d, ]+)\]")

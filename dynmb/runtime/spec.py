@@ -19,8 +19,9 @@ rank resolves it and builds its stages with ``factory.build_stage``, and ``--ver
 resolves it again (a fresh factory, so a factory whose stages share one model's modules never
 shares them with the reference). ``RunSpec.factory()`` gives the run's factory (dynmb's family of
 ``run.model`` without one). ``check()`` makes sure a fresh interpreter started like a torchrun worker
-finds the module, and refuses an LM head split by vocabulary (``ModelConfig.head_split``) for it
-(``refuse_foreign_head_split``; the ranks check it again): only dynmb's families build head shards.
+finds the module, and refuses an LM head split by vocabulary (``ModelConfig.head_split``) and leading blocks
+recomputed per stage (``ModelConfig.recompute_blocks``) for it (``refuse_foreign_layout``; the ranks check it
+again): only dynmb's families build head shards and read ``recompute_blocks``.
 
 A run of a given plan (``dynmb run --plan P.json [--schedule S.csv]``) names the plan file
 (``plan``) and optionally a schedule CSV (``schedule``): every step runs that plan, with that
@@ -58,7 +59,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import RunConfig
@@ -70,7 +71,8 @@ from dynmb.io.results import run_ids_in
 from dynmb.schedule import ScheduleError, from_csv, validate
 from dynmb.core.types import Plan, Schedule
 
-__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable", "check_device", "refuse_foreign_head_split"]
+__all__ = ["HookRef", "RunSpec", "JobSpec", "load_plan_files", "check_writable", "check_device", "refuse_foreign_layout",
+           "refuse_foreign_head_split", "refuse_offload_with_recompute"]
 
 _RUN_KEYS = ("run", "out_dir", "run_id", "label", "verify", "allow_over_limit", "memory_model", "calibrate", "hooks",
              "plan", "schedule", "corpus", "model_factory", "virtual_choice")
@@ -226,7 +228,7 @@ class RunSpec:
             from dynmb.models.contract import check_importable
 
             check_importable(self.model_factory)
-            refuse_foreign_head_split(run.model, f"--model {self.model_factory}")
+            refuse_foreign_layout(run.model, f"--model {self.model_factory}")
         models = self.models(who="dynmb run")   # the one loader: a stand-in is said here, once, not by every rank
         if self.plan is not None:                # a plan runs with the models it was made with
             check_plan_models(Plan.load(self.plan, allow_over_limit=True).meta.models, models, str(self.plan))
@@ -333,6 +335,8 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     for what, (in_plan, in_run) in want.items():
         if in_plan != in_run:
             raise ValueError(f"plan {spec.plan} has {what} {in_plan}, the run {in_run}")
+    refuse_offload_with_recompute(plan.meta.get("offload_blocks"), run.model.stage_recompute_blocks(plan.num_stages),
+                                  f"plan {spec.plan}")
     if spec.corpus is not None:
         if plan.dataset_ids is None:
             raise ValueError(f"plan {spec.plan} has no dataset_ids: it cannot say which documents of corpus "
@@ -355,12 +359,34 @@ def load_plan_files(spec: RunSpec) -> tuple[Plan, Schedule | None]:
     return plan, schedule
 
 
-def refuse_foreign_head_split(cfg: Any, what: str) -> None:
-    """One ``ValueError`` when ``cfg`` splits the LM head by vocabulary (``ModelConfig.head_split``) for a
-    model that is not one of dynmb's families (``what`` names it): its stages keep the head whole."""
+def refuse_foreign_layout(cfg: Any, what: str) -> None:
+    """One ``ValueError`` when ``cfg`` has a stage layout only dynmb's families build, for a model that is not one
+    of them (``what`` names it): the LM head split by vocabulary (``ModelConfig.head_split``; its stages keep the
+    head whole) or leading blocks recomputed per stage (``ModelConfig.recompute_blocks``; its stages read none)."""
     if getattr(cfg, "head_split", None) is not None:
         raise ValueError(f"{what}: the LM head split by vocabulary (head_split {list(cfg.head_split)}) runs on "
                          f"dynmb's own model families only; a model of your own keeps its head on the last stage")
+    if getattr(cfg, "recompute_blocks", None) is not None:
+        raise ValueError(f"{what}: recomputing leading blocks per stage (recompute_blocks {list(cfg.recompute_blocks)}) "
+                         f"runs on dynmb's own model families only; a model of your own recomputes whole microbatches "
+                         f"(--recompute) or none")
+
+
+refuse_foreign_head_split = refuse_foreign_layout
+"""The older name of ``refuse_foreign_layout``."""
+
+
+def refuse_offload_with_recompute(offload_blocks: Sequence[int] | None, recompute_blocks: Sequence[int],
+                                  what: str) -> None:
+    """One ``ValueError`` (``what`` names the plan) when a stage both offloads blocks (``offload_blocks``) and
+    recomputes blocks (``ModelConfig.recompute_blocks``, per plan stage): the memory model counts either on a
+    stage, not both (a block's saved bytes would be taken off twice)."""
+    for stage, (moved, redone) in enumerate(zip(offload_blocks or (), recompute_blocks)):
+        if int(moved) and int(redone):
+            raise ValueError(f"{what}: stage {stage} both offloads {int(moved)} block(s) to host memory (offload_blocks "
+                             f"{[int(b) for b in offload_blocks or ()]}) and recomputes {int(redone)} (recompute_blocks "
+                             f"{[int(b) for b in recompute_blocks]}); a stage does one or the other: plan with "
+                             "offload='never' or without recompute_blocks there")
 
 
 def check_device(backend: str, device: str) -> None:

@@ -12,7 +12,10 @@ schedule splits): a forward hook on every ``nn.Linear`` appends one ``LinearCall
 (a layer called several times, as the bucketed attention does, gets one per call) holding
 the layer's input and a tensor hook on its output that will store the output's gradient.
 The input is a tensor autograd saves for that layer anyway, so recording costs no memory
-until ``I``. On the first stage a forward pre-hook on the first block keeps that block's
+until ``I``. A block under ``dynmb.models.RecomputedBlock`` (a microbatch's full recomputation, or a stage's
+leading ``ModelConfig.recompute_blocks``) runs its forward without a graph, so its Linear outputs need no
+gradient and are not recorded; ``I`` recomputes it after the hooks are gone and its nested backward
+accumulates its weight gradients at once: ``W`` never sees them (no gradient counted twice or missed). On the first stage a forward pre-hook on the first block keeps that block's
 input (token + position embedding): the ``boundary`` whose gradient ``I`` computes there.
 
 ``I`` (``backward_input``): one ``torch.autograd.grad(out, [boundary] + eager, grad)`` with

@@ -53,7 +53,7 @@ from dynmb.runtime.planahead import PlanAhead
 from dynmb.runtime.ready import wait_for_ranks
 from dynmb.runtime.planshare import PlanShare, job_store
 from dynmb.runtime.records import ActionRow, ShapeCounts, actions_frame
-from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_head_split
+from dynmb.runtime.spec import RunSpec, load_plan_files, refuse_foreign_layout
 from dynmb.runtime.replicas import sync_replicas
 from dynmb.runtime.topology import Topology, make_process_groups
 from dynmb.timing.simulate import SimResult
@@ -112,7 +112,7 @@ class RunState:
         self.factory = spec.factory()
         _check_factory_sizes(self.factory.config, run.model, spec.model_factory)
         if not getattr(self.factory, "dynmb_family", False):
-            refuse_foreign_head_split(run.model, f"--model {spec.model_factory or type(self.factory).__name__}")
+            refuse_foreign_layout(run.model, f"--model {spec.model_factory or type(self.factory).__name__}")
         with suppress_stand_in_warnings():           # said once by the launcher (RunSpec.check)
             self.models = spec.models()
         self.profile_model = self.models.cost                # uncalibrated: the prior of the online refit
