@@ -45,7 +45,7 @@ def flops_cost(tokens_hint: int = 1024) -> StageCost:
 def half_parts(cfg: ModelConfig, cost: StageCost) -> tuple[float, float, float, float]:
     """(attention half, MLP half, first-stage extra, last-stage extra) work, read off ``cost`` of small
     layouts (module docstring)."""
-    base = replace(cfg, layer_split=None, head_split=None)
+    base = replace(cfg, layer_split=None, head_split=None, recompute_blocks=None)
     one, two = replace(base, n_layers=1), replace(base, n_layers=2)
     layer = cost(two, 0, 1) - cost(one, 0, 1)
     first = max(cost(two, 0, 2) - layer, 0.0)

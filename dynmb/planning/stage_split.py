@@ -214,9 +214,9 @@ def _say_choice(choice: Any) -> None:
 def with_split(cfg: ModelConfig, num_stages: int, split: tuple[float, ...]) -> ModelConfig:
     """``cfg`` with layers per stage ``split``; the even split as the even split (``layer_split`` None), so
     a model fitted on the even split still fits (with more stages than layers there is none)."""
-    if num_stages <= cfg.n_layers and tuple(split) == tuple(replace(cfg, layer_split=None, head_split=None).stage_layer_counts(num_stages)):
-        return replace(cfg, layer_split=None, head_split=None)
-    return replace(cfg, layer_split=tuple(split), head_split=None)
+    if num_stages <= cfg.n_layers and tuple(split) == tuple(replace(cfg, layer_split=None, head_split=None, recompute_blocks=None).stage_layer_counts(num_stages)):
+        return replace(cfg, layer_split=None, head_split=None, recompute_blocks=None)
+    return replace(cfg, layer_split=tuple(split), head_split=None, recompute_blocks=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,7 +315,7 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
     if opts.virtual is None:
         opts = replace(opts, virtual=int(getattr(getattr(opts.search, "spec", None), "virtual", 1)))
     if setting == "even":
-        return replace(cfg, layer_split=None, head_split=None)
+        return replace(cfg, layer_split=None, head_split=None, recompute_blocks=None)
     if setting == "auto":
         return _auto_layout(cfg, num_stages, tokens_hint, opts)
     return _explicit_split(cfg, num_stages, setting, opts.half_blocks)
@@ -357,7 +357,7 @@ def _say_auto(cfg: ModelConfig, num_stages: int, out: ModelConfig, tokens_hint: 
               virtual: int) -> None:
     """Log the layout ``auto`` planned, its split ceiling and the even split's."""
     even = None if num_stages > cfg.n_layers else \
-        replace(cfg, layer_split=None, head_split=None).stage_layer_counts(num_stages)
+        replace(cfg, layer_split=None, head_split=None, recompute_blocks=None).stage_layer_counts(num_stages)
 
     def ceiling(s: tuple[float, ...], layout: ModelConfig = cfg) -> float:
         return split_ceiling(layout, s, tokens_hint, stage_cost=stage_cost, virtual=virtual)
