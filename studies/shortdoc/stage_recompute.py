@@ -75,10 +75,10 @@ def table(main_rows: pd.DataFrame, branch_rows: pd.DataFrame) -> str:
     key = ["model", "P", "limit"]
     m = main_rows.set_index(key)
     lines = ["| model | P | limit | step s main -> branch | ratio | gap (balanced ideal) | kind | mb | branch split "
-             "| recompute | schedule / overhead / shape / passes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| recompute | schedule / overhead / shape (branch) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in branch_rows.iterrows():
         o = m.loc[(r["model"], r["P"], r["limit"])]
-        terms = " / ".join(f"{100 * r.get(t, np.nan):.1f}" for t in ("schedule", "overhead", "shape", "passes"))
+        terms = " / ".join(f"{100 * r.get(f'gap_{t}', np.nan):.1f}" for t in ("schedule", "overhead", "shape"))
         lines.append(f"| {r['model']} | {r['P']} | {r['limit']} | {o['step_s']:.4f} -> {r['step_s']:.4f} | "
                      f"{r['step_s'] / o['step_s']:.4f} | {100 * o['gap_balanced']:+.1f}% -> "
                      f"{100 * r['gap_balanced']:+.1f}% | {o['kind']} -> {r['kind']} | {o['microbatches']} -> "
