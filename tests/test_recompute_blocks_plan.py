@@ -197,6 +197,8 @@ def test_a_fitted_model_of_another_recompute_layout_is_refused_by_name() -> None
     with pytest.raises(ValueError, match=r"recomputing blocks \[1, 0\] per stage, not None"):
         GPUCostModel(rc, 2).check(cfg, 2)
     GPUCostModel(rc, 2).check(rc, 2)
+    with pytest.raises(ValueError, match=r"recomputing blocks None per stage, not \[1, 0\]"):
+        MemoryModel.analytic(cfg, 2).check(rc, 2)
 
 
 # --- the choice --------------------------------------------------------------------------------------------------

@@ -456,6 +456,11 @@ class MemoryModel:
 
     # --- identity and I/O ---------------------------------------------------
     def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        mine, theirs = self.model_cfg.recompute_blocks, model_cfg.recompute_blocks
+        if mine != theirs:
+            raise ValueError(f"memory model was made for a layout recomputing blocks {None if mine is None else list(mine)}"
+                             f" per stage, not {None if theirs is None else list(theirs)} (ModelConfig.recompute_blocks);"
+                             f" measure one for that layout (`dynmb memory`) or use the analytic one")
         self.model_cfg.check_made_for(self.num_stages, model_cfg, num_stages, what="memory model",
                                       remedy=f"measure one with `dynmb memory --model ... --stages {num_stages} "
                                              "-o mem.json`")
