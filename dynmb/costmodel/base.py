@@ -39,7 +39,7 @@ from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import ModelConfig
 
 from dynmb.costmodel.nnls import nnls_rel
-from dynmb.costmodel.split import apply_recompute, derived_split
+from dynmb.costmodel.split import apply_block_recompute, apply_recompute, derived_split
 from dynmb.costmodel.validate import check_cost_model, check_numbers, read_model_file
 
 __all__ = ["CostModelLike", "CommModel", "CostModel"]
@@ -236,7 +236,8 @@ class CostModel:
                     recompute: Any = None) -> dict[str, np.ndarray]:
         """``{"F": ndarray[P, m], "B": ndarray[P, m]}`` seconds per stage and microbatch
         (``attn`` as in ``predict``; ``ops``: which ops; ``recompute[m]``: microbatches run with
-        full recomputation, ``dynmb.costmodel.split.apply_recompute``)."""
+        full recomputation, ``dynmb.costmodel.split.apply_recompute``); a layout recomputing some stages' leading
+        blocks (``ModelConfig.recompute_blocks``) adds their price on the others (``split.apply_block_recompute``)."""
         b = np.atleast_1d(np.asarray(rows, dtype=np.float64))
         s = np.atleast_1d(np.asarray(padded_len, dtype=np.float64))
         b, s = np.broadcast_arrays(b, s)
@@ -245,8 +246,9 @@ class CostModel:
         out = {op: np.stack([self.predict(p, op, b, s, a) for p in range(self.num_stages)]).reshape(self.num_stages, -1)
                for op in need}
         if recompute is not None:
-            out = {op: v for op, v in apply_recompute(self, out, recompute).items() if op in ops}
-        return out
+            out = apply_recompute(self, out, recompute)
+        out = apply_block_recompute(self, out, (b.reshape(-1), s.reshape(-1), a.reshape(-1)), recompute)
+        return {op: v for op, v in out.items() if op in ops}
 
     def plan_costs(self, plan: Any, ops: tuple[str, ...] = ("F", "B")) -> dict[str, np.ndarray]:
         """``stage_costs`` of every microbatch of ``plan`` with its attention work under
@@ -273,7 +275,14 @@ class CostModel:
                                                         np.asarray(padded_len, dtype=np.float64), self.num_stages))
 
     def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
-        """Raise ValueError unless this model was made for ``model_cfg`` split over ``num_stages``."""
+        """Raise ValueError unless this model was made for ``model_cfg`` split over ``num_stages`` (the recomputed
+        blocks, ``recompute_blocks``, named first: a fitted model's samples hold its layout's recomputation)."""
+        mine, theirs = self.model_cfg.recompute_blocks, model_cfg.recompute_blocks
+        if mine != theirs:
+            raise ValueError(f"{self.kind} cost model was made for a layout recomputing blocks "
+                             f"{None if mine is None else list(mine)} per stage, not "
+                             f"{None if theirs is None else list(theirs)} (ModelConfig.recompute_blocks); profile and "
+                             f"fit one for that layout (`dynmb profile` + `dynmb fit`) or use a layout-free model")
         self.model_cfg.check_made_for(self.num_stages, model_cfg, num_stages, what=f"{self.kind} cost model",
                                       remedy="profile and fit one for this config (`dynmb profile` + `dynmb fit`)",
                                       ignore=("max_seq_len",))

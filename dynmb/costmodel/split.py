@@ -32,15 +32,35 @@ first      0.54      0.045           1.01
 middle     0.44      0.033           1.01
 last       0.53      0.051           0.70 (head not recomputed then; 1.01 used now)
 =========  ========  ==============  =================
+
+Recomputed leading blocks (``ModelConfig.recompute_blocks``, per stage; AdaPipe, arXiv:2401.03146): stage ``i``'s
+first ``k_i`` blocks rerun their forward inside every microbatch's backward and compute their weight gradients
+there (nested backward), so on such a stage, for a microbatch not flagged ``recompute`` (those rerun every block
+anyway, above):
+
+    B += F_blk,    I += F_blk + W_blk,    W -= W_blk
+
+``F_blk`` / ``W_blk``: the blocks' own F / W, priced by the model itself as the stage's F / W less the same
+stage's with those blocks moved off it (onto the stage before; stage 0's whole leading layers onto stage 1: a
+layout-free model prices a stage by what it holds), so the per-op fixed cost is not charged twice; where the
+stage keeps nothing else (or has no neighbour to take them), less its F / W at no tokens. Applied by
+``CostModel.stage_costs`` to the models that price any layout (``layout_free``: analytic, GPU); a fitted model
+measured on a layout with the field has it in its samples already.
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-__all__ = ["W_SHARE", "SPLIT_OVERHEAD", "RECOMPUTE_F_SHARE", "stage_role", "derived_split", "apply_recompute"]
+from dynmb.core.config import ModelConfig
+from dynmb.core.model_sizes import UNITS_PER_LAYER
+
+__all__ = ["W_SHARE", "SPLIT_OVERHEAD", "RECOMPUTE_F_SHARE", "stage_role", "derived_split", "apply_recompute",
+           "apply_block_recompute", "rest_layout"]
 
 W_SHARE = {"first": 0.54, "middle": 0.44, "last": 0.53}
 """W / B(b, s, attention work 0), per stage role."""
@@ -91,4 +111,62 @@ def apply_recompute(model: Any, costs: dict[str, np.ndarray], recompute: Any) ->
         out["I"][:, rc] = full + extra
     if "W" in out:
         out["W"][:, rc] = 0.0
+    return out
+
+
+def rest_layout(cfg: ModelConfig, num_stages: int, stage: int) -> ModelConfig | None:
+    """``cfg`` with ``stage``'s recomputed blocks (``recompute_blocks``) moved off it (module doc) and no blocks
+    recomputed: the stage then holds what it keeps of its own. None where it would keep nothing, or where stage 0's
+    blocks are not whole layers or there is no stage 1 to take them."""
+    k = cfg.stage_recompute_blocks(num_stages)[stage]
+    pieces = cfg.stage_pieces(num_stages)[stage]
+    layers = set(list(dict.fromkeys(pc.layer for pc in pieces))[:k])
+    moved = sum(len(pc.chunks) for pc in pieces if pc.layer in layers)
+    units = [len(r) for r in cfg.stage_units(num_stages)]
+    if not moved or moved >= units[stage] or (stage == 0 and (num_stages < 2 or moved % UNITS_PER_LAYER)):
+        return None
+    units[stage] -= moved
+    units[stage - 1 if stage else 1] += moved
+    try:
+        return replace(cfg, layer_split=tuple(u / UNITS_PER_LAYER for u in units), recompute_blocks=None)
+    except ValueError:                              # a head shard that may hold no layers
+        return None
+
+
+def _block_costs(model: Any, stage: int, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(F_blk, W_blk)`` seconds of ``stage``'s recomputed blocks (module doc), with the model's calibration."""
+    rests = model.__dict__.setdefault("_rest_models", {})
+    if stage not in rests:
+        layout = rest_layout(model.model_cfg, model.num_stages, stage)
+        rests[stage] = None if layout is None else model.for_layout(layout, model.num_stages)
+    rest = rests[stage]
+    if rest is None:                                # the stage less its F / W at no tokens
+        rest, b0, a0 = model, np.zeros_like(b), np.zeros_like(a)
+    else:
+        rest = copy.copy(rest)
+        rest.runtime_scale, rest.runtime_overhead_s = model.runtime_scale, model.runtime_overhead_s
+        rest.comm, b0, a0 = model.comm, b, a
+    out = tuple(np.maximum(model.predict(stage, op, b, s, a) - rest.predict(stage, op, b0, s, a0), 0.0)
+                for op in ("F", "W"))
+    return out[0], out[1]
+
+
+def apply_block_recompute(model: Any, costs: dict[str, np.ndarray], shapes: tuple[np.ndarray, np.ndarray, np.ndarray],
+                          recompute: Any = None) -> dict[str, np.ndarray]:
+    """``costs`` (``{op: [P, m]}`` of microbatches ``shapes`` = (rows, padded_len, attention work)) with the
+    recomputed leading blocks of ``model``'s layout priced (module doc) on the microbatches not flagged in
+    ``recompute[m]``. Unchanged (the same dict) without such blocks or for a model fitted on one layout."""
+    blocks = model.model_cfg.stage_recompute_blocks(model.num_stages)
+    if not any(blocks) or not getattr(model, "layout_free", False):
+        return costs
+    b, s, a = shapes
+    plain = ~(np.zeros(b.size, dtype=bool) if recompute is None else np.asarray(recompute, dtype=bool).reshape(-1))
+    out = {op: np.array(v, dtype=np.float64, copy=True) for op, v in costs.items()}
+    for i, k in enumerate(blocks):
+        if not k:
+            continue
+        f_blk, w_blk = _block_costs(model, i, b[plain], s[plain], a[plain])
+        for op, extra in (("B", f_blk), ("I", f_blk + w_blk), ("W", -w_blk)):
+            if op in out:
+                out[op][i, plain] = np.maximum(out[op][i, plain] + extra, 0.0)
     return out

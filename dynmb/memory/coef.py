@@ -19,7 +19,8 @@ from dynmb.core.model_sizes import HEAD_STATS, SUB_CHUNKS, HalfPiece
 
 __all__ = ["BUCKET_PADDING", "block_act_coef", "half_act_coef", "piece_act_coef", "stage_blocks_act",
            "stage_act_per_token", "head_act_per_token", "w_coef", "recompute_saved_coef", "recompute_transient_coef",
-           "recompute_kv_kept_coef", "slice_recompute_coef"]
+           "recompute_kv_kept_coef", "slice_recompute_coef",
+           "block_recompute_saved_coef", "block_recompute_transient_coef"]
 
 BUCKET_PADDING = 1 / 16
 """Bound on the pad tokens of bucketed document attention (``dynmb.models.bucket_documents``),
@@ -152,7 +153,8 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     of a half (``dynmb.models.pieces``) holds its first Linear's whole input (``d``; ``2 d``, the message
     ``[y | h]`` it is a view of, on a piece after chunk 0) and its last Linear's whole output gradient
     (``d``; ``2 d``, a view of the gradient of the ``[y | h]`` it sent, on a piece ending before chunk 8),
-    and its share of the rest."""
+    and its share of the rest. The blocks a stage recomputes (``ModelConfig.recompute_blocks``) hold none: their nested
+    backward, in ``I``, computes their weight gradients too."""
     e, d, f = cfg.dtype_bytes, cfg.d_model, cfg.d_ff
     g = 1.0 if cfg.attention == "dense" else 1.0 + BUCKET_PADDING
     k = cfg.kv_heads * cfg.head_dim
@@ -160,7 +162,10 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
               "mlp": 3 * f if cfg.family == "llama" else 2 * f}
     out = np.zeros((num_stages, 3))
     for i, pieces in enumerate(cfg.stage_pieces(num_stages)):
+        recomputed = _recomputed_layers(pieces, cfg.stage_recompute_blocks(num_stages)[i])
         for pc in pieces:
+            if pc.layer in recomputed:                          # its weight gradients are computed in I
+                continue
             one = g if pc.part == "attn" else 1.0              # a view of [y | h] or its gradient: 2 d, not g d
             whole = d * ((2 if pc.chunks.start else one) + (2 if pc.chunks.stop < SUB_CHUNKS else one))
             out[i, 1] += e * (whole + len(pc.chunks) / SUB_CHUNKS * scaled[pc.part])
@@ -190,10 +195,13 @@ def head_act_per_token(cfg: ModelConfig, stage: int | None = None, num_stages: i
 def recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     """``[P, 3]``: activation bytes a recomputed microbatch does not hold: all its blocks' (whole, halves or
     pieces) but their inputs (``[y | h]`` for a first block that starts inside a half), and on the stages holding LM-head rows the head's but its input
-    (``dynmb.models.RecomputedHead``)."""
+    (``dynmb.models.RecomputedHead``); less what the layout's recomputed blocks drop already
+    (``block_recompute_saved_coef``: the layout's activations do not hold it), so ``act - saved`` is the same
+    full-recompute count on every layout."""
     out = np.zeros((num_stages, 3))
     out[:, 1:] = stage_blocks_act(cfg, num_stages)
     out[:, 1] -= _block_inputs(cfg, num_stages)
+    out -= block_recompute_saved_coef(cfg, num_stages)
     for i in range(num_stages):
         if len(cfg.stage_vocab(num_stages)[i]):
             out[i, 1] += head_act_per_token(cfg, i, num_stages) - cfg.dtype_bytes * cfg.d_model
@@ -214,12 +222,58 @@ def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     transient bytes: one block's activation bytes (its largest block, whole or half); on a stage holding
     LM-head rows, whose transient is the fp32 logits gradient of its rows (4 per token and row), the head's
     re-created activations while that gradient lives, or one block's after it is gone (the head's backward
-    runs first), whichever is larger: ``max(block - 4 rows, head)``."""
+    runs first), whichever is larger: ``max(block - 4 rows, head)``; less what the layout's recomputed blocks add
+    to the stage's transient already (``block_recompute_transient_coef``, never more than this)."""
     out = np.zeros((num_stages, 3))
     out[:, 1:] = _largest_block_coef(cfg, num_stages)
     for i, rows in enumerate(cfg.stage_vocab(num_stages)):
         if len(rows):
             out[i, 1] = max(out[i, 1] - 4 * len(rows), head_act_per_token(cfg, i, num_stages))
+    return out - block_recompute_transient_coef(cfg, num_stages)
+
+
+# --- recomputation of a stage's leading blocks (``ModelConfig.recompute_blocks``) ---------------------------
+# Stage i's first ``k_i`` blocks (``stage_blocks`` entries: the pieces of one layer) run under checkpointing in
+# every microbatch: their forward keeps only each block's input (``e d`` per token; ``2 e d``, the message
+# ``[y | h]``, for a block that starts inside a half), and the backward re-creates one block at a time before
+# back-propagating it, weight gradients included (so nothing of theirs is held from I to W, ``w_coef``). The
+# layout's ``MemoryModel.analytic`` takes ``block_recompute_saved_coef`` off the activations and adds
+# ``block_recompute_transient_coef`` to the transient bytes; a microbatch that recomputes every block
+# (``rc_act_coef``, ``rc_transient_coef``) counts what it did before (``recompute_saved_coef`` and
+# ``recompute_transient_coef`` are the rest).
+
+
+def _recomputed_layers(pieces: list[HalfPiece], k: int) -> set[int]:
+    """The layers of a stage's first ``k`` blocks (its pieces in order, one block a layer)."""
+    return set(list(dict.fromkeys(pc.layer for pc in pieces))[:int(k)])
+
+
+def block_recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: bytes the recomputed blocks of each stage (``ModelConfig.recompute_blocks``) do not hold from a
+    microbatch's F to its B: their pieces' ``piece_act_coef`` less their inputs (``e d`` a block, ``2 e d`` for one
+    that starts inside a half); 0 where none is recomputed."""
+    out = np.zeros((num_stages, 3))
+    for i, (pieces, k) in enumerate(zip(cfg.stage_pieces(num_stages), cfg.stage_recompute_blocks(num_stages))):
+        layers = _recomputed_layers(pieces, k)
+        for pc in pieces:
+            if pc.layer in layers:
+                out[i, 1:] += piece_act_coef(cfg, pc)
+        starts_inside = bool(pieces) and pieces[0].layer in layers and pieces[0].chunks.start > 0
+        out[i, 1] -= cfg.dtype_bytes * cfg.d_model * (len(layers) + (1 if starts_inside else 0))
+    return out
+
+
+def block_recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
+    """``[P, 3]``: what re-creating the largest of a stage's recomputed blocks adds to its backward's transient
+    bytes: that block's ``piece_act_coef``; on a stage holding LM-head rows less their fp32 logits gradient (the
+    head's backward, not recomputed, runs first and frees it), never below 0."""
+    out = np.zeros((num_stages, 3))
+    for i, (pieces, k) in enumerate(zip(cfg.stage_pieces(num_stages), cfg.stage_recompute_blocks(num_stages))):
+        for layer in _recomputed_layers(pieces, k):
+            out[i, 1:] = np.maximum(out[i, 1:], sum(piece_act_coef(cfg, pc) for pc in pieces if pc.layer == layer))
+        rows = len(cfg.stage_vocab(num_stages)[i])
+        if rows and out[i, 1]:
+            out[i, 1] = max(out[i, 1] - 4 * rows, 0.0)
     return out
 
 

@@ -42,6 +42,12 @@ with ``recompute`` holds only its blocks' inputs from F to B (``act_matrix(..., 
 (``rc_transient_coef``); it runs its whole backward in ``I`` (``w`` = 0). Fitted models derive
 these from the analytic count: ``rc_act_coef = act_coef - recompute_saved_coef`` (>= 0).
 
+Recomputed leading blocks (``ModelConfig.recompute_blocks``, per stage; ``dynmb.memory.coef``'s section on them):
+``analytic`` counts such a block as its input only (``block_recompute_saved_coef`` off the activations), adds the
+largest one's re-created bytes to the transient (``block_recompute_transient_coef``) and holds nothing of it from I to
+W (``w_coef``); ``rc_act_coef`` / ``rc_transient_coef`` stay the full-recompute counts of the layout without them.
+The views compose (``as_planned``, ``embedding_last``, ``sharded``); ``offloading`` refuses such a layout.
+
 Activation offload (``offloading``, ``PlanMeta.offload_blocks``): a view whose offloaded blocks' saved bytes leave
 the held activations and count as transient bytes of the microbatch's own ops plus ``in_transit`` other
 microbatches' (copies out and reloads in flight); every consumer reads them through the same queries.
@@ -85,7 +91,8 @@ import numpy as np
 from dynmb.io.atomic import write_text_atomic
 from dynmb.core.config import ModelConfig
 from dynmb.costmodel.validate import check_memory_model, check_numbers, read_model_file
-from dynmb.memory.coef import (BUCKET_PADDING, block_act_coef, half_act_coef, head_act_per_token, recompute_saved_coef,
+from dynmb.memory.coef import (BUCKET_PADDING, block_act_coef, block_recompute_saved_coef, block_recompute_transient_coef,
+                          half_act_coef, head_act_per_token, recompute_saved_coef,
                           offload_coef, recompute_transient_coef, slice_recompute_coef, stage_act_per_token,
                           stage_block_count, stage_blocks_act, w_coef)
 from dynmb.memory.fit import fit_memory_model
@@ -190,6 +197,8 @@ class MemoryModel:
                 tr[i, 1] += out_bytes                       # incoming gradient (beside a shard's logits gradient)
             if not first:
                 tr[i, 1] += c.message_channels(i - 1, num_stages) * e    # input gradient produced
+        act -= block_recompute_saved_coef(c, num_stages)     # the leading blocks a stage recomputes keep their inputs
+        tr += block_recompute_transient_coef(c, num_stages)  # ... and re-create one at a time in the backward
         return cls(model_cfg, num_stages, cls.analytic_state_bytes(model_cfg, num_stages, optimizer), act, tr,
                    optimizer=optimizer, source="analytic")
 
@@ -241,6 +250,9 @@ class MemoryModel:
         ``transient_bytes`` that many of the microbatch's own (equal microbatches). All zeros or None: the model
         before any offload. Applied to a view already offloading, it starts from the model before."""
         base = self._before_offload or self
+        if blocks is not None and np.any(blocks) and base.model_cfg.recompute_blocks is not None:
+            raise ValueError(f"offload_blocks {list(np.asarray(blocks).reshape(-1))}: model {base.model_cfg.name!r} "
+                             f"recomputes blocks {list(base.model_cfg.recompute_blocks)}; offload counts plain blocks only")
         want = np.zeros(self.num_stages, dtype=np.int64) if blocks is None else \
             np.asarray(blocks, dtype=np.int64).reshape(-1)
         if want.shape != (self.num_stages,) or np.any(want < 0):
@@ -444,6 +456,11 @@ class MemoryModel:
 
     # --- identity and I/O ---------------------------------------------------
     def check(self, model_cfg: ModelConfig, num_stages: int) -> None:
+        mine, theirs = self.model_cfg.recompute_blocks, model_cfg.recompute_blocks
+        if mine != theirs:
+            raise ValueError(f"memory model was made for a layout recomputing blocks {None if mine is None else list(mine)}"
+                             f" per stage, not {None if theirs is None else list(theirs)} (ModelConfig.recompute_blocks);"
+                             f" measure one for that layout (`dynmb memory`) or use the analytic one")
         self.model_cfg.check_made_for(self.num_stages, model_cfg, num_stages, what="memory model",
                                       remedy=f"measure one with `dynmb memory --model ... --stages {num_stages} "
                                              "-o mem.json`")

@@ -7,7 +7,8 @@ bytes per microbatch in flight (``MemoryModel.offloading``); where its admission
 microbatches. The search (``plan_offload``), one step, every method alike (a memory setting, as recompute):
 
 1. plan without offload (the plan it must beat); a cost model without a host link (``timing.offload.host_link``:
-   the CPU models), a plan with slices of long sequences (their carried keys and values stay on the device) or
+   the CPU models), a layout that recomputes some stages' leading blocks (``ModelConfig.recompute_blocks``; the two
+   are not combined), a plan with slices of long sequences (their carried keys and values stay on the device) or
    a plan that recomputes every microbatch ends here;
 2. per stage, the most leading blocks whose copies hide behind that plan's own ops (``hiding_blocks``): the
    reloads within ``share`` of the forwards (the op before a backward in 1F1B's steady state, where the runtime
@@ -91,6 +92,10 @@ def _no_offload(plan: Plan, models: Models[Any], link: HostLink | None) -> str:
         return f"the cost model ({type(models.cost).__name__}) has no host link (a CPU's host is its device)"
     if not hasattr(models.memory, "offloading"):
         return f"the memory model ({type(models.memory).__name__}) cannot offload"
+    blocks = getattr(models.memory.model_cfg, "recompute_blocks", None)
+    if blocks is not None:
+        return (f"the layout recomputes leading blocks {list(blocks)} per stage (they keep only their inputs); "
+                "offload counts blocks that save their activations")
     if plan.slice_groups():
         return "a plan with slices of long sequences keeps their carried keys and values on the device"
     if plan.recompute_mask().all():
