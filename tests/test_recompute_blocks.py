@@ -29,6 +29,7 @@ from torch import nn
 
 from dynmb.core.config import ModelConfig, PlanSpec, RunConfig, model_config
 from dynmb.core.types import Microbatch
+from dynmb.memory.model import MemoryModel
 from dynmb.memory.coef import piece_act_coef
 from dynmb.models import build_stages, make_inputs, reference_grads, synthetic_tokens
 from dynmb.runtime.checks import VERIFY_RTOL_FP64
@@ -101,6 +102,8 @@ def test_a_stage_saves_exactly_its_recomputed_blocks_less_and_its_output_is_bit_
         assert st1.recomputed_blocks == k and st.recomputed_blocks == 0
         assert torch.equal(y0, y1), (family, split, stage)
         assert held0 - held1 == _recomputed_saved_bytes(plain, st, k, rows * s, rows * s * s), (family, split, stage)
+        planned = [float(np.sum(MemoryModel.analytic(c, len(rc)).activation_bytes(stage, [rows], [s]))) for c in (plain, redone)]
+        assert held0 - held1 == pytest.approx(planned[0] - planned[1], rel=1e-12), (family, split, stage)  # the planner's
 
 
 def _pipeline_grads(cfg: ModelConfig, split_backward: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
