@@ -317,6 +317,10 @@ def resolve_stage_split(cfg: ModelConfig, num_stages: int, setting: str, tokens_
     if setting == "even":
         return replace(cfg, layer_split=None, head_split=None, recompute_blocks=None)
     if setting == "auto":
+        if cfg.recompute_blocks is not None:    # per the model's own split: auto chooses its own, said
+            logger.warning("stage split auto: model %r's recompute_blocks %s were for its own split %s and are not "
+                           "carried over (auto chooses its own; an explicit --stage-split keeps them)", cfg.name,
+                           list(cfg.recompute_blocks), list(cfg.layer_split or ()))
         return _auto_layout(cfg, num_stages, tokens_hint, opts)
     return _explicit_split(cfg, num_stages, setting, opts.half_blocks)
 
