@@ -244,3 +244,29 @@ def test_the_planner_plans_the_recomputing_layout_within_the_limit() -> None:
     assert planner.memory_model.model_cfg.recompute_blocks == relief.recompute_blocks
     step = planner.plan(np.random.default_rng(0).choice(workload[workload <= 320], 32))
     assert np.all(np.asarray(step.plan.predictions["pred_peak_bytes"]) <= planner.memory_limit_bytes)
+
+
+# --- gap terms -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_the_gap_terms_count_recomputed_blocks_in_passes(kind: str) -> None:
+    """``dynmb.timing.gap_terms``: the same plan priced on a layout recomputing each stage's first block has the same
+    ``shape`` and ``overhead`` as without it and a larger ``passes`` (the recomputed forward), the terms still
+    adding up to the step's gap; before ``without_block_recompute`` the extra forward landed in ``shape``."""
+    from dynmb.timing.gap_terms import gap_terms
+    from dynmb.timing.simulate import simulate
+
+    plain = _layout("llama-tiny", (2.5, 1.5))
+    redone = replace(plain, recompute_blocks=(1, 1))          # the terms are read on the bound's rank: both
+    planner = dynmb.Planner(model=plain, num_stages=2, memory_limit="1GiB", cost_model=GPUCostModel(plain, 2),
+                            schedule=kind)
+    step = planner.plan(np.random.default_rng(0).integers(8, 200, size=48))
+    terms = []
+    for cfg in (plain, redone):
+        cm = GPUCostModel(cfg, 2)
+        step_s = simulate(step.schedule, step.plan, cm).makespan_s
+        terms.append(gap_terms(step.plan, step.schedule, cm, step_s).check())
+    assert terms[1].shape == pytest.approx(terms[0].shape, rel=1e-12)
+    assert terms[1].overhead == pytest.approx(terms[0].overhead, rel=1e-12)
+    assert terms[1].passes > terms[0].passes + 1e-9

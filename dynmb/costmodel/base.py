@@ -29,6 +29,7 @@ kinds: ``analytic``, ``poly``, ``grid``; ``dynmb.costmodel.registry``).
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import json
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Protocol, Sequence
@@ -208,6 +209,16 @@ class CostModel:
         the steps a job ran so far (``calibration.job_calibration``; ``CommModel``)."""
         c = copy.copy(self)
         c.comm = self.comm.with_recv_latency(recv_latency_s)
+        return c
+
+    def without_block_recompute(self) -> "CostModel":
+        """A copy (calibration kept) pricing the same layout with no leading blocks recomputed
+        (``ModelConfig.recompute_blocks`` None): what the recomputation adds is its prices against these
+        (``dynmb.timing.gap_terms``: ``passes``). This model itself where it recomputes none."""
+        if self.model_cfg.recompute_blocks is None:
+            return self
+        c = copy.copy(self)
+        c.model_cfg = replace(self.model_cfg, recompute_blocks=None)
         return c
 
     def for_layout(self, model_cfg: ModelConfig, num_stages: int) -> "CostModel":

@@ -187,8 +187,10 @@ class GPUCostModel(CostModel):
 
     def _costs_key(self, rows: Any, padded_len: Any, attn: Any, ops: tuple[str, ...], recompute: Any) -> bytes:
         """A digest of ``stage_costs``'s inputs (values, dtypes and shapes) and of what a copy of this model may
-        change (``with_overhead``, ``with_scale``, ``with_recv_latency``; the copies share the remembered answers)."""
-        h = hashlib.blake2b(repr((tuple(ops), self.num_stages, self.spec, self.runtime_overhead_s,
+        change (``with_overhead``, ``with_scale``, ``with_recv_latency``, ``without_block_recompute``; the copies
+        share the remembered answers)."""
+        h = hashlib.blake2b(repr((tuple(ops), self.num_stages, self.model_cfg.recompute_blocks, self.spec,
+                                  self.runtime_overhead_s,
                                   sorted(self.runtime_scale.items()), self.comm.recv_latency_s)).encode(),
                             digest_size=20)
         for x in (rows, padded_len, attn, recompute):

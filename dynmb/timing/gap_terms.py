@@ -31,7 +31,8 @@ rank that decides the bound (its largest total; the first on ties), and the idea
     (padded rows, and causal attention over the pads of one-document rows);
   - ``passes = sum cm_ops(R_j) - sum cm_FB(R_j)``: what a split backward (``I + W`` against one ``B``,
     ``costmodel.split.SPLIT_OVERHEAD`` where derived) and recomputation add (0 under a full backward
-    without recomputation);
+    without recomputation); ``cm_FB`` and ``overhead`` price the layout saving every block (a layout's
+    recomputed leading blocks, ``ModelConfig.recompute_blocks``, count here);
   - ``overhead = sum cm_FB(Z)``: the per-op fixed cost (intercept, launch overhead, runtime overhead
     and receive latency when calibrated), once per F and per B of every microbatch on r*;
   - ``shape = sum cm_FB(R_j) - overhead - own``: the rest, GEMM and attention efficiency at the
@@ -126,6 +127,13 @@ def _priced(cm: CostModelLike, tokens: np.ndarray, attn: np.ndarray, cross: np.n
                                recompute=recompute)[op] for op in ops}
 
 
+def _saving_every_block(cm: CostModelLike) -> CostModelLike:
+    """``cm`` pricing the layout without its recomputed leading blocks (``CostModel.without_block_recompute``),
+    so their extra forward counts in ``passes``, not in ``shape`` or ``overhead``; ``cm`` where it has no such view."""
+    view = getattr(cm, "without_block_recompute", None)
+    return cm if view is None else view()
+
+
 def _rank_sum(costs: dict[str, np.ndarray], on: np.ndarray, split: np.ndarray | None) -> float:
     """Seconds of every op on the stages ``on``: ``F + B``, or ``F + I + W`` where ``split``."""
     back = costs["B"] if split is None else np.where(split, costs["I"] + costs["W"], costs["B"])
@@ -178,9 +186,10 @@ def gap_terms(plan: Plan, schedule: Schedule, cost_model: CostModelLike, step_s:
     rc = mask if mask.any() else None
     ops = ("F", "B", "I", "W") if split.any() else ("F", "B")
     real_ops = _rank_sum(_priced(cost_model, tokens, attn, cross, ops, rc), on, split if split.any() else None)
-    real_fb = _rank_sum(_priced(cost_model, tokens, attn, cross, ("F", "B"), None), on, None)
+    saving = _saving_every_block(cost_model)
+    real_fb = _rank_sum(_priced(saving, tokens, attn, cross, ("F", "B"), None), on, None)
     zero = np.zeros_like(tokens)
-    overhead = _rank_sum(cost_model.stage_costs(np.ones_like(tokens), zero, zero, ops=("F", "B")), on, None)
+    overhead = _rank_sum(saving.stage_costs(np.ones_like(tokens), zero, zero, ops=("F", "B")), on, None)
     step_s = float(step_s)
     return GapTerms(step=step_s, bound=b.total, ideal=ideal, rank=r, schedule=step_s - b.total,
                     ends=(b.head + b.tail) - (i.head + i.tail), split=i.total - ideal, replicas=own - i.work,
