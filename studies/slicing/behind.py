@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 import dynmb
+from dynmb.planning import planner as planner_module
 from dynmb.planning import slicing
 from dynmb.planning.slicing import kinds_screened, own_searches_only, reuse_searches, weighing_alternatives
 from studies.slicing import longdoc
@@ -33,7 +34,8 @@ def describe(label: str, step: dynmb.PlannedStep, cpu_s: float) -> str:
     sliced = ", ".join(f"{k.removeprefix('slice_')} {meta.get(k)}" for k in keys)
     kinds = meta.get("schedule_auto") or {}
     per_kind = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in kinds.items())
-    return (f"{label}: {step.sim.makespan_s:.4f} s, {step.plan.schedule_kind}, {step.plan.num_microbatches} mb, "
+    chose = f", grouping {meta.get('grouping')}" if meta.get("grouping") else ""
+    return (f"{label}: {step.sim.makespan_s:.5f} s{chose}, {step.plan.schedule_kind}, {step.plan.num_microbatches} mb, "
             f"{len(step.plan.slice_groups())} sliced ({sliced}); kinds: {per_kind}; {cpu_s:.1f} CPU s")
 
 
@@ -73,9 +75,37 @@ def screen_logged() -> Iterator[None]:
         slicing._screen, slicing._screened = screen, screened
 
 
+@contextlib.contextmanager
+def final_logged() -> Iterator[None]:
+    """Within it ``dynamic``'s final check (plans without slices: ``planner._plan_final``) prints, per kind, each
+    alternative's step (``pruned``: its floor was above the best so far, not simulated; ``over``: over the limit)
+    and the choice (``search.robust``)."""
+    robust = planner_module.robust
+
+    def logged(own, outcomes, cost_model):  # type: ignore[no-untyped-def]
+        chosen, choice = robust(own, outcomes, cost_model)
+        steps = ", ".join(f"{o.name} " + ("pruned" if o.verdict is None else f"{o.verdict.score:.5f}"
+                                           + ("" if o.fits else " over")) for o in outcomes)
+        own_s = "none" if own is None else f"{own[2].makespan_s:.5f}"
+        print(f"  final check of {chosen[0].schedule_kind}: own {own_s}; {steps}; chosen {choice.candidate}")
+        return chosen, choice
+
+    planner_module.robust = logged
+    try:
+        yield
+    finally:
+        planner_module.robust = robust
+
+
 def _auto(planner: dynmb.Planner, batch: object) -> None:
     """``dynamic`` under ``--schedule auto``: as shipped, its own searches only, every kind weighed."""
-    print(describe("dynamic", *longdoc.plan_method(planner, batch, "dynamic")), flush=True)
+    with final_logged():
+        shipped = longdoc.plan_method(planner, batch, "dynamic")
+    print(describe("dynamic", *shipped), flush=True)
+    if not shipped[0].plan.slice_groups():
+        with planner_module.unpruned_final_check():
+            print(describe("dynamic, final check unpruned", *longdoc.plan_method(planner, batch, "dynamic")))
+        return
     with own_searches_only():
         own = longdoc.plan_method(planner, batch, "dynamic")
     print(describe("dynamic, own searches (weighing off)", *own), flush=True)
