@@ -107,13 +107,20 @@ def plan_method(planner: dynmb.Planner, batch: np.ndarray, name: str) -> tuple[d
     return step, time.process_time() - t0
 
 
-def cell(trace_name: str, trace: np.ndarray, model: str, P: int, others: list[str]) -> dict:
+def cell_planner(trace_name: str, trace: np.ndarray, model: str, P: int,
+                 schedule: str = "auto") -> tuple[dynmb.Planner, np.ndarray, GPUCostModel]:
+    """One cell's planner (module doc; ``schedule``: ``auto`` or one kind), its 0.5M-token batch and cost model."""
     cfg = scaling.model_for(model, [trace])
     batch = scaling.token_batch(trace, 500_000, 1, 0)
     cfg = scaling.resolve_stage_split(cfg, P, "auto", stage_cost=scaling.ideal_cost(batch, "ib"))
     cm = GPUCostModel(cfg, P)
-    planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=cm, schedule="auto",
+    planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=cm, schedule=schedule,
                             oversize="split", recompute="auto")
+    return planner, batch, cm
+
+
+def cell(trace_name: str, trace: np.ndarray, model: str, P: int, others: list[str]) -> dict:
+    planner, batch, cm = cell_planner(trace_name, trace, model, P)
     with reuse_searches(), weighing_alternatives():   # dynamic weighs the others' searches (opt-in), made once
         dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
         steps = {}

@@ -98,3 +98,22 @@ def test_weighprofile_parts_of_a_tiny_profile():
     prof.disable()
     parts = weighprofile.part_seconds(pstats.Stats(prof))
     assert parts["simulate"][1] > 0 and parts["schedule build"][1] > 0 and parts["search total"][1] > 0
+
+
+def test_behind_logs_the_screen_and_the_final_check_and_restores_them(capsys):
+    from dynmb.planning import planner as planner_module
+    from dynmb.planning import slicing
+    from studies.slicing import behind
+
+    planner = dynmb.Planner(model="tiny", num_stages=2, memory_limit="16MiB", cost_model="analytic",
+                            oversize="split", recompute="auto")
+    screen, robust = slicing._screen, planner_module.robust
+    with behind.screen_logged():
+        sliced = planner.plan(np.array([2400, 1800, *([60, 90, 120, 30] * 4)]))
+    with behind.final_logged():
+        plain = planner.plan(np.array([60, 90, 120, 30] * 4))
+    out = capsys.readouterr().out
+    assert sliced.plan.slice_groups() and "whole searches:" in out and "screen of" in out
+    assert not plain.plan.slice_groups() and "final check of" in out and "chosen" in out
+    assert slicing._screen is screen and planner_module.robust is robust
+    assert behind.describe("x", sliced, 1.0).startswith(f"x: {sliced.sim.makespan_s:.5f} s")
