@@ -6,7 +6,7 @@ microbatches, at the price of the embeds' ops and messages on the last rank. Whi
 the limit and the workload, and a proxy that leaves out the fill (``memory_split.step_proxy``) prefers ``last`` where
 ``first`` is faster, so the choice is by the simulated step:
 
-1. **Setting** (``embedding_setting``): ``None`` is ``auto`` where the stage split is ``auto`` (the layout is
+1. **Setting** (``core.planspec.embedding_setting``): ``None`` is ``auto`` where the stage split is ``auto`` (the layout is
    searched), else ``first`` (plans, plan files and digests as before).
 2. **Where ``last`` may run** (``last_refusal``): at least 2 pipeline ranks, an untied embedding (a tied one is the
    head's table, on the last stage already), dynmb's own families, a loop-placed kind or ``auto`` (the V placement
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dynmb.core.config import ModelConfig
-from dynmb.core.planspec import EMBEDDING_PLACES, PlanSpec
+from dynmb.core.planspec import EMBEDDING_PLACES, EMBEDDING_SETTINGS, PlanSpec, embedding_setting
 from dynmb.core.types import Plan, Schedule
 from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
@@ -41,20 +41,8 @@ __all__ = ["AUTO_EMBEDDING", "EMBEDDING_SETTINGS", "EmbeddingChoice", "Placement
 
 logger = logging.getLogger(__name__)
 
-AUTO_EMBEDDING = "auto"
-EMBEDDING_SETTINGS = (*EMBEDDING_PLACES, AUTO_EMBEDDING)
-"""What ``Planner(embedding=...)`` and ``--embedding`` take (``None``: ``embedding_setting``'s default)."""
+AUTO_EMBEDDING = EMBEDDING_SETTINGS[-1]
 _SAID: set[str] = set()
-
-
-def embedding_setting(embedding: str | None, stage_split: Any) -> str:
-    """The embedding setting in effect: ``embedding`` as given, else (None) ``auto`` where ``stage_split`` is
-    ``"auto"``, else ``first`` (the one place the default is resolved)."""
-    if embedding is None:
-        return AUTO_EMBEDDING if str(stage_split).strip() == "auto" else "first"
-    if embedding not in EMBEDDING_SETTINGS:
-        raise ValueError(f"embedding must be first, last or auto, got {embedding!r}")
-    return str(embedding)
 
 
 @dataclass(frozen=True)
