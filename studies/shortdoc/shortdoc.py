@@ -4,7 +4,10 @@ other method on the chat / instruction traces, per cell, with the gap's terms.
 One cell = (trace, model, P, memory limit): one 0.5M-token pipeline (``studies.scaling.scaling.token_batch``, seed 0,
 DP 1) of a short-document trace (every shipped trace whose longest record is at most ``SHORT_LONGEST`` tokens), the
 public ``dynmb.Planner`` with ``GPUCostModel`` (H100, ib), ``schedule="auto"``, ``stage_split="auto"`` on the trace
-(``workload``), the model preset's ``max_seq_len`` raised as the scaling study raises it (``scaling.model_for``).
+(``workload``) and so the token embedding's place chosen by the batch's simulated step (``embedding="auto"``, the
+planner's default there), the model preset's ``max_seq_len`` raised as the scaling study raises it
+(``scaling.model_for``). The other methods are planned under both embedding places and keep their faster
+(``baseline_planners``; ``--others-embedding same``: on dynamic's planner only).
 Every method plans the same batch with the same planner; the tuned baselines are swept as the scaling study sweeps
 them (``token-budget`` and ``balanced`` at budgets cap / 2^j until the microbatch count stops changing, the step has
 grown on two budgets in a row past the best, or the next would make more than ``MAX_MICROBATCHES``; ``fixed`` at its

@@ -1,0 +1,60 @@
+"""What ``embedding="auto"`` costs in plan time: the first plan plans the batch under both places.
+
+One cell as ``studies.shortdoc.shortdoc`` plans it (``planner_for``: the public ``Planner``, ``GPUCostModel`` H100,
+``schedule="auto"``, ``stage_split="auto"``), in one process, paired and interleaved: each round builds a planner with
+``embedding="auto"`` and one with the place auto chose, each in turn first, and times (CPU seconds) the construction
+(auto resolves both places' layouts) and the first ``plan`` of the cell's batch (auto plans it twice). Prints the
+median of each and the ratios auto / fixed.
+
+    PYTHONPATH=$PWD nice -n 10 python3 -m studies.shortdoc.embedding_auto_time --model llama2-7b --stages 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from studies.scaling import scaling
+from studies.shortdoc import shortdoc
+
+from dynmb import data
+
+
+def timed(cfg: object, trace: np.ndarray, P: int, limit: str, embedding: str | None,
+          batch: np.ndarray) -> tuple[float, float, str]:
+    """(construction CPU s, first plan CPU s, the plan's embedding place) of one planner."""
+    t0 = time.process_time()
+    planner = shortdoc.planner_for(cfg, trace, P, limit, shortdoc.Variant(embedding=embedding))  # type: ignore[arg-type]
+    t1 = time.process_time()
+    step = planner.plan(batch)
+    return t1 - t0, time.process_time() - t1, step.plan.spec.embedding
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default="gsm8k")
+    ap.add_argument("--model", default="llama2-7b")
+    ap.add_argument("--stages", type=int, default=16)
+    ap.add_argument("--limit", default="24GiB")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    trace = data.load_trace(args.trace)
+    cfg = scaling.model_for(args.model, [trace])
+    batch = scaling.token_batch(trace, 500_000, 1, 0)
+    place = timed(cfg, trace, args.stages, args.limit, "auto", batch)[2]
+    rows: dict[str, list[tuple[float, float]]] = {"auto": [], place: []}
+    for r in range(args.rounds):
+        for emb in (("auto", place) if r % 2 else (place, "auto")):
+            build, plan, _ = timed(cfg, trace, args.stages, args.limit, emb, batch)
+            rows[emb].append((build, plan))
+            print(f"round {r} {emb}: construction {build:.2f} CPU s, first plan {plan:.2f} CPU s", flush=True)
+    med = {k: np.median(np.asarray(v), axis=0) for k, v in rows.items()}
+    print(f"median auto: construction {med['auto'][0]:.2f}, first plan {med['auto'][1]:.2f} CPU s; {place}: "
+          f"{med[place][0]:.2f}, {med[place][1]:.2f}; auto / {place}: construction "
+          f"{med['auto'][0] / med[place][0]:.2f}, first plan {med['auto'][1] / med[place][1]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
