@@ -213,7 +213,8 @@ class Planner:
         """A planner for ``spec`` (the settings record ``RunConfig.spec`` and ``dynmb plan`` use): ``plan()``
         starts from its method, reorder and mbs. ``inputs``: the fields of ``PlannerInputs`` (``cost_model``,
         ``memory_model``, ``device``, ``stage_split``, ``workload``, ``global_batch``, ``auto_virtual``: then
-        ``spec.num_stages`` counts the GPUs and V is chosen as ``virtual="auto"`` does)."""
+        ``spec.num_stages`` counts the GPUs and V is chosen as ``virtual="auto"`` does; ``embedding_auto``: the spec's
+        embedding place weighed against the other at the first ``plan``, as ``embedding="auto"`` does)."""
         planner = cls.__new__(cls)
         planner._setup(model, spec, PlannerInputs(**inputs))
         return planner
