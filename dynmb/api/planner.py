@@ -292,7 +292,8 @@ class Planner:
              meta: dict[str, Any] | None = None) -> PlannedStep:
         """Plan one global batch ``lengths`` (sequence i has ``lengths[i]`` tokens) with ``method`` (None: the
         spec's, ``dynamic`` for a keyword-built planner); ``reorder`` (None: the spec's, ``auto``: each method in
-        its own system's order); ``mbs`` (None: the spec's)."""
+        its own system's order); ``mbs`` (None: the spec's). With ``embedding="auto"`` the first call plans ``lengths``
+        under both places with these settings and fixes the faster (``embedding_choice``)."""
         spec = self.spec.with_(method=method or self.spec.method, reorder=reorder or self.spec.reorder,
                                mbs=self.spec.mbs if mbs is None else mbs)
         batch = np.asarray(lengths, dtype=np.int64)

@@ -2,9 +2,10 @@
 
 One cell as ``studies.shortdoc.shortdoc`` plans it (``planner_for``: the public ``Planner``, ``GPUCostModel`` H100,
 ``schedule="auto"``, ``stage_split="auto"``), in one process, paired and interleaved: each round builds a planner with
-``embedding="auto"`` and one with the place auto chose, each in turn first, and times (CPU seconds) the construction
-(auto resolves both places' layouts) and the first ``plan`` of the cell's batch (auto plans it twice). Prints the
-median of each and the ratios auto / fixed.
+``embedding="auto"`` and one with each fixed place, and times (CPU seconds) the construction
+(auto resolves both places' layouts) and the first ``plan`` of the cell's batch (auto plans it twice), for
+``auto``, ``first`` (the default before) and ``last``, each round in a rotated order. Prints the median of each and
+the ratios of auto to each.
 
     PYTHONPATH=$PWD nice -n 10 python3 -m studies.shortdoc.embedding_auto_time --model llama2-7b --stages 16
 """
@@ -43,17 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     trace = data.load_trace(args.trace)
     cfg = scaling.model_for(args.model, [trace])
     batch = scaling.token_batch(trace, 500_000, 1, 0)
-    place = timed(cfg, trace, args.stages, args.limit, "auto", batch)[2]
-    rows: dict[str, list[tuple[float, float]]] = {"auto": [], place: []}
+    order = ["auto", "first", "last"]
+    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in order}
     for r in range(args.rounds):
-        for emb in (("auto", place) if r % 2 else (place, "auto")):
-            build, plan, _ = timed(cfg, trace, args.stages, args.limit, emb, batch)
+        for emb in order[r % 3:] + order[:r % 3]:            # each first in turn
+            build, plan, place = timed(cfg, trace, args.stages, args.limit, emb, batch)
             rows[emb].append((build, plan))
-            print(f"round {r} {emb}: construction {build:.2f} CPU s, first plan {plan:.2f} CPU s", flush=True)
+            print(f"round {r} {emb} ({place}): construction {build:.2f} CPU s, first plan {plan:.2f} CPU s", flush=True)
     med = {k: np.median(np.asarray(v), axis=0) for k, v in rows.items()}
-    print(f"median auto: construction {med['auto'][0]:.2f}, first plan {med['auto'][1]:.2f} CPU s; {place}: "
-          f"{med[place][0]:.2f}, {med[place][1]:.2f}; auto / {place}: construction "
-          f"{med['auto'][0] / med[place][0]:.2f}, first plan {med['auto'][1] / med[place][1]:.2f}")
+    for k in order:
+        print(f"median {k}: construction {med[k][0]:.2f}, first plan {med[k][1]:.2f} CPU s; auto / {k}: construction "
+              f"{med['auto'][0] / med[k][0]:.2f}, first plan {med['auto'][1] / med[k][1]:.2f}")
     return 0
 
 
