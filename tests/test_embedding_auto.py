@@ -137,7 +137,11 @@ def test_choose_embedding_chooses_without_a_plan_and_the_cli_takes_auto(tmp_path
     out = capsys.readouterr().out
     assert '"embedding": "last"' in out and "embedding auto: last" in out
     assert main([*args, "--embedding", "first"]) == 0
-    assert '"embedding": "first"' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert '"embedding": "first"' in out and "embedding_choice" not in out
+    tied = [a if a != "llama-tiny" else "llama-tiny:tie_embeddings=true" for a in args]   # first, said why
+    assert main(tied) == 0
+    assert "last not weighed: a tied embedding" in capsys.readouterr().out
 
 
 @pytest.mark.slow

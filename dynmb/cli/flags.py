@@ -469,14 +469,16 @@ def with_embedding_choice(args: argparse.Namespace, batch: np.ndarray, *, model:
         return args
     from dynmb.planning.embedding_choice import choose_embedding, fallback, last_refusal
 
-    first = _placement(args, "first", model, stages, device)
-    why = last_refusal(first.spec, first.model_cfg, own_model=names_factory(model or args.model),
+    plain = argparse.Namespace(**{**vars(args), "stage_split": "even"})   # the architecture and settings only
+    cfg = model_from_args(plain, model=model, stages=stages)
+    why = last_refusal(spec_from_flags(plain, cfg, **({} if stages is None else {"stages": stages})), cfg,
+                       own_model=names_factory(model or args.model),
                        memory_model_given=getattr(args, "memory_model", None) is not None)
     if why is not None:
-        choice = fallback(why)
-        won = first
-    else:
-        choice, won, _ = choose_embedding(batch, [first, _placement(args, "last", model, stages, device)])
+        return argparse.Namespace(**{**vars(args), "embedding": "first", "embedding_auto": False,
+                                     "embedding_choice": fallback(why)})
+    places = [_placement(args, place, model, stages, device) for place in ("first", "last")]
+    choice, won, _ = choose_embedding(batch, places)
     return argparse.Namespace(**{**vars(args), "embedding": choice.place, "embedding_auto": False,
                                  "embedding_choice": choice, "virtual_layout": won.model_cfg, "stage_split": "even"})
 
