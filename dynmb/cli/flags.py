@@ -8,7 +8,9 @@
 - ``add_schedule_flag``: ``--schedule`` (the schedule kind) in every verb, with the older spellings
   ``--schedule-kind`` (plan) and ``--kind`` (schedule) as hidden aliases;
 - ``spec_from_flags``: the ONE place a verb's flags become a ``PlanSpec`` (plan, run, compare, the split search);
-- ``add_slice_fitting_flag``: ``--slice-fitting``; ``add_embedding_flag``: ``--embedding``; ``add_offload_flag``:
+- ``add_slice_fitting_flag``: ``--slice-fitting``; ``add_embedding_flag``: ``--embedding`` (``embedding_pending``
+  resolves its default, ``with_embedding_choice`` chooses ``auto``'s place once, before anything runs, by
+  ``dynmb.planning.embedding_choice``, as ``Planner(embedding="auto")`` does); ``add_offload_flag``:
   ``--offload`` (plan, run, compare); ``add_state_shards_flag``: ``--state-shards`` (plan; ``run --shard`` plans
   with its ``--dp``; compare runs one replica);
 - ``add_recompute_flag``: ``--recompute``;
@@ -28,19 +30,23 @@ from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dynmb.core.config import ModelConfig, model_config, parse_bytes
-from dynmb.core.planspec import EMBEDDING_PLACES, OFFLOAD_MODES, PlanSpec
+from dynmb.core.planspec import EMBEDDING_SETTINGS, OFFLOAD_MODES, PlanSpec, embedding_setting
 from dynmb.core.contract import names_factory
 from dynmb.data import CorpusSource, load_trace, sample_indices
+
+if TYPE_CHECKING:
+    from dynmb.planning.embedding_choice import Placement
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
            "global_batch_int", "MAX_GLOBAL_BATCH", "virtual_arg", "with_virtual_choice", "model_from_args", "split_search_of", "workload_of", "factory_from_args", "names_factory", "warn_own_model_stand_ins", "load_batch", "load_rows", "corpus_source",
            "OVERSIZE_CHOICES", "SLICE_FITTING", "add_slice_fitting_flag", "add_embedding_flag", "add_offload_flag",
+           "embedding_pending", "with_embedding_choice",
            "add_state_shards_flag", "state_shards_of",
            "add_schedule_flag",
            "spec_from_flags",
@@ -417,10 +423,64 @@ def add_packing_flags(parser: argparse.ArgumentParser, *, schedule_default: str 
 
 
 def add_embedding_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--embedding", default="first", choices=EMBEDDING_PLACES,
-                        help="where the token embedding lives: first (default, with stage 0) or last (on the last "
-                             "pipeline rank, which embeds each microbatch and sends it to stage 0: stage 0's memory "
-                             "holds no embedding table; dynmb.schedule.embedlast)")
+    parser.add_argument("--embedding", default=None, choices=EMBEDDING_SETTINGS,
+                        help="where the token embedding lives: first (with stage 0), last (on the last pipeline rank, "
+                             "which embeds each microbatch and sends it to stage 0: stage 0's memory holds no "
+                             "embedding table; dynmb.schedule.embedlast) or auto (the first global batch planned "
+                             "both ways, each with its own layout, and the faster simulated step's place kept for "
+                             "the run; first where last cannot run, said once; dynmb.planning.embedding_choice); "
+                             "default auto with --stage-split auto, else first")
+
+
+def embedding_pending(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of ``args`` with ``--embedding`` resolved (``embedding_setting``: auto by default under ``--stage-split
+    auto``); ``auto`` stands as ``first`` with ``embedding_auto`` set until ``with_embedding_choice`` chooses."""
+    setting = embedding_setting(getattr(args, "embedding", None), getattr(args, "stage_split", None) or "even")
+    auto = setting == "auto" and not getattr(args, "plan", None)        # a plan file runs its own place
+    return argparse.Namespace(**{**vars(args), "embedding": "first" if auto else setting, "embedding_auto": auto})
+
+
+def _placement(args: argparse.Namespace, place: str, model: str | None, stages: int | None,
+               device: str) -> "Placement":
+    """One place's layout (``model_from_args``), settings (``spec_from_flags``) and models (the one loader, as the
+    run's ranks load them)."""
+    from dynmb.costmodel.loader import load_models, spec_models
+    from dynmb.planning.embedding_choice import Placement
+
+    from dynmb.planning.spec_check import check_plan_spec
+
+    placed = argparse.Namespace(**{**vars(args), "embedding": place})
+    cfg = model_from_args(placed, model=model, stages=stages)
+    spec = spec_from_flags(placed, cfg, **({} if stages is None else {"stages": stages}))
+    check_plan_spec(spec)                       # what the verb refuses, in its one line, before any planning
+    models = load_models(cfg, spec.num_stages, cost=getattr(args, "cost_model", None),
+                         memory=getattr(args, "memory_model", None), virtual=spec.virtual, device=device,
+                         own_model=names_factory(model or args.model), who="--embedding auto")
+    return Placement(spec=spec, model_cfg=cfg, models=spec_models(models, spec))
+
+
+def with_embedding_choice(args: argparse.Namespace, batch: np.ndarray, *, model: str | None = None,
+                          stages: int | None = None, device: str = "cpu") -> argparse.Namespace:
+    """``--embedding auto`` (after ``embedding_pending``): a copy of ``args`` with the place chosen once, before
+    anything runs, by ``dynmb.planning.embedding_choice`` (the ``Planner``'s choice) from ``batch``, the first
+    step's global batch: ``embedding`` the place, ``embedding_choice`` the record, ``virtual_layout`` the winner's
+    layout (``model_from_args`` returns it). Where ``last`` cannot run: ``first``, said once. Else ``args``."""
+    if not getattr(args, "embedding_auto", False):
+        return args
+    from dynmb.planning.embedding_choice import choose_embedding, fallback, last_refusal
+
+    plain = argparse.Namespace(**{**vars(args), "stage_split": "even"})   # the architecture and settings only
+    cfg = model_from_args(plain, model=model, stages=stages)
+    why = last_refusal(spec_from_flags(plain, cfg, **({} if stages is None else {"stages": stages})), cfg,
+                       own_model=names_factory(model or args.model),
+                       memory_model_given=getattr(args, "memory_model", None) is not None)
+    if why is not None:
+        return argparse.Namespace(**{**vars(args), "embedding": "first", "embedding_auto": False,
+                                     "embedding_choice": fallback(why)})
+    places = [_placement(args, place, model, stages, device) for place in ("first", "last")]
+    choice, won, _ = choose_embedding(batch, places)
+    return argparse.Namespace(**{**vars(args), "embedding": choice.place, "embedding_auto": False,
+                                 "embedding_choice": choice, "virtual_layout": won.model_cfg, "stage_split": "even"})
 
 
 def add_state_shards_flag(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
 """``dynmb plan``: pack one global batch into microbatches under a memory limit; print a summary (with
-``--virtual auto`` the chunks per GPU chosen once first, ``cli.flags.with_virtual_choice``)."""
+``--virtual auto`` the chunks per GPU chosen once first, ``cli.flags.with_virtual_choice``; with ``--embedding auto``,
+the default under ``--stage-split auto``, the embedding's place chosen on the batch, ``cli.flags.with_embedding_choice``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_state_shards_flag, load_rows,
                              model_from_args, names_factory, nonnegative_int, spec_from_flags, virtual_arg,
-                             warn_own_model_stand_ins, with_virtual_choice)
+                             warn_own_model_stand_ins, with_virtual_choice, embedding_pending, with_embedding_choice)
 from dynmb.cli.planfile import plan_meta, plan_pack_len
 from dynmb.core.config import ModelConfig, PlanSpec, format_bytes
 from dynmb.costmodel.loader import load_models
@@ -52,10 +53,13 @@ def plan_spec(args: argparse.Namespace, model: ModelConfig) -> PlanSpec:
 
 def _summary(plan: Plan, args: argparse.Namespace, attention: str) -> dict[str, Any]:
     choice = getattr(args, "virtual_choice", None)
+    placed = getattr(args, "embedding_choice", None)
     return {
         "method": plan.method, "schedule_kind": plan.schedule_kind, "num_stages": plan.num_stages,
         "virtual": int(getattr(args, "virtual", 1) or 1),
-        **({"virtual_choice": describe(choice)} if choice is not None else {}), "num_sequences": plan.num_sequences,
+        **({"virtual_choice": describe(choice)} if choice is not None else {}),
+        "embedding": plan.spec.embedding if plan.spec is not None else "first",
+        **({"embedding_choice": placed.describe()} if placed is not None else {}), "num_sequences": plan.num_sequences,
         "num_microbatches": plan.num_microbatches,
         "real_tokens": plan.real_tokens, "computed_tokens": plan.computed_tokens,
         "padding_fraction": round(plan.padding_fraction, 6),
@@ -89,7 +93,10 @@ def _show(key: str, value: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    args = with_virtual_choice(args)       # --virtual auto: V chosen once; --stages then P V
+    args = with_virtual_choice(embedding_pending(args))      # --virtual auto: V chosen once; --stages then P V
+    if args.embedding_auto:                # --embedding auto: the place chosen on this batch, each with its layout
+        rows, batch = load_rows(args, args.step)
+        args = with_embedding_choice(args, batch, device=args.device)
     model = model_from_args(args)
     spec = plan_spec(args, model)
     check_plan_spec(spec)                  # what run and compare refuse too, before any batch is read

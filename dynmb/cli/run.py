@@ -24,14 +24,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dynmb.cli.outcome import run_summary, stop_line
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
                              model_from_args, names_factory, nonnegative_int, positive_int, spec_from_flags,
-                             virtual_arg, warn_own_model_stand_ins, with_virtual_choice)
+                             virtual_arg, warn_own_model_stand_ins, with_virtual_choice, embedding_pending,
+                             with_embedding_choice)
 from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file, refuse_split_conflict
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.core.config import ModelConfig, RunConfig, parse_bytes
-from dynmb.data import TokenFile, prepare_tokens
+from dynmb.data import TokenFile, load_trace, prepare_tokens, sample_indices
 from dynmb.io.outdir import check_fresh
 from dynmb.planning.virtual_search import describe
 from dynmb.runtime.api import run_job
@@ -244,16 +247,27 @@ def _token_file(args: argparse.Namespace) -> TokenFile | None:
                           max_len=model.max_seq_len if run.oversize == "error" else None)   # a record no row holds
 
 
+def _first_batch(args: argparse.Namespace, tokens: TokenFile | None) -> np.ndarray:
+    """The lengths of the run's first global batch, as its ranks draw it (``runtime.state``: the trace's or the
+    corpus's rows of ``sample_indices`` at step 0)."""
+    trace = tokens.load().lengths if tokens is not None else load_trace(args.lengths or args.dataset or "sharegpt")
+    return trace[sample_indices(len(trace), _arg(args, "global_batch"), _arg(args, "seed"), step=0, note=False)]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         # every check that needs no torch first (JobSpec.check; gloo/cpu stand in for the default
         # device, which torch (~4 s to import) decides): a typo costs no torch import
         given = _flag_backend_device(args)
-        args = with_virtual_choice(args, model=_arg(args, "model"), stages=_arg(args, "stages"))   # auto: V once
+        args = with_virtual_choice(embedding_pending(args), model=_arg(args, "model"),
+                                   stages=_arg(args, "stages"))   # auto: V once
         # the settings alone first (what `dynmb plan` refuses, the device): nothing read or written yet
         _spec(args, *(given or ("gloo", "cpu"))).check_settings()
         check_fresh(args.out, args.append)          # one job per folder, before anything is written
         tokens = _token_file(args)
+        if args.embedding_auto:                     # the embedding's place, once, from the first step's batch
+            args = with_embedding_choice(args, _first_batch(args, tokens), model=_arg(args, "model"),
+                                         stages=_arg(args, "stages"), device=(given or default_backend_device())[1])
         JobSpec.single(_spec(args, *(given or ("gloo", "cpu")), corpus=tokens)).check()
         spec = _spec(args, *(given or default_backend_device()), corpus=tokens)
     except KeyboardInterrupt:
@@ -261,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if spec.virtual_choice:
         print(f"dynmb run: --virtual auto: {spec.virtual_choice}", file=sys.stderr, flush=True)
+    if getattr(args, "embedding_choice", None) is not None:
+        print(f"dynmb run: --{args.embedding_choice.describe()}", file=sys.stderr, flush=True)
     nproc = args.nproc or spec.run.spec.num_ranks * spec.run.spec.dp
     result = run_job(JobSpec.single(spec), nproc)
     if result.launch.interrupted:

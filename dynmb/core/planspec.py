@@ -20,7 +20,7 @@ import numbers
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["PlanSpec", "ATTENTION_KINDS", "EMBEDDING_PLACES", "OVERSIZE_POLICIES", "OFFLOAD_MODES", "RECOMPUTE_MODES", "SLICE_FITTING"]
+__all__ = ["PlanSpec", "ATTENTION_KINDS", "EMBEDDING_PLACES", "EMBEDDING_SETTINGS", "embedding_setting", "OVERSIZE_POLICIES", "OFFLOAD_MODES", "RECOMPUTE_MODES", "SLICE_FITTING"]
 
 ATTENTION_KINDS = ("auto", "dense")
 """``ModelConfig.attention`` values: causal/document-causal without a mask tensor, or the dense mask."""
@@ -32,6 +32,19 @@ SLICE_FITTING = ("never", "auto")
 """Whether sequences that fit may be sliced too (``dynmb.planning.slice_fitting``)."""
 EMBEDDING_PLACES = ("first", "last")
 """Which pipeline rank holds the token embedding (``dynmb.schedule.embedlast``)."""
+EMBEDDING_SETTINGS = (*EMBEDDING_PLACES, "auto")
+"""What ``Planner(embedding=...)`` and ``--embedding`` take: a place, or ``auto`` (chosen once per run by simulated
+step, ``dynmb.planning.embedding_choice``); a plan's spec holds the place."""
+
+
+def embedding_setting(embedding: str | None, stage_split: Any) -> str:
+    """The embedding setting in effect (the one place its default is resolved): ``embedding`` as given, else (None)
+    ``auto`` where the stage split is ``"auto"`` (the layout is searched), else ``first`` (plans as before)."""
+    if embedding is None:
+        return "auto" if str(stage_split).strip() == "auto" else "first"
+    if embedding not in EMBEDDING_SETTINGS:
+        raise ValueError(f"embedding must be first, last or auto, got {embedding!r}")
+    return str(embedding)
 OFFLOAD_MODES = ("never", "auto")
 """Activation offload to host memory between a microbatch's forward and backward (``PlanMeta.offload_blocks``)."""
 

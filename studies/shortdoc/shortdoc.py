@@ -4,7 +4,10 @@ other method on the chat / instruction traces, per cell, with the gap's terms.
 One cell = (trace, model, P, memory limit): one 0.5M-token pipeline (``studies.scaling.scaling.token_batch``, seed 0,
 DP 1) of a short-document trace (every shipped trace whose longest record is at most ``SHORT_LONGEST`` tokens), the
 public ``dynmb.Planner`` with ``GPUCostModel`` (H100, ib), ``schedule="auto"``, ``stage_split="auto"`` on the trace
-(``workload``), the model preset's ``max_seq_len`` raised as the scaling study raises it (``scaling.model_for``).
+(``workload``) and so the token embedding's place chosen by the batch's simulated step (``embedding="auto"``, the
+planner's default there), the model preset's ``max_seq_len`` raised as the scaling study raises it
+(``scaling.model_for``). The other methods are planned under both embedding places and keep their faster
+(``baseline_planners``; ``--others-embedding same``: on dynamic's planner only).
 Every method plans the same batch with the same planner; the tuned baselines are swept as the scaling study sweeps
 them (``token-budget`` and ``balanced`` at budgets cap / 2^j until the microbatch count stops changing, the step has
 grown on two budgets in a row past the best, or the next would make more than ``MAX_MICROBATCHES``; ``fixed`` at its
@@ -28,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -91,9 +94,25 @@ def sweep(plan: Callable[[int | None], dynmb.PlannedStep], start: list[int | Non
     return best, best_at
 
 
-def others(planner: dynmb.Planner, batch: np.ndarray, names: list[str]) -> dict[str, float]:
-    """Every other method's step (``step_<name>``; a swept one at its best setting, ``<name>_at``)."""
-    out: dict[str, float] = {}
+def others(planners: dynmb.Planner | list[dynmb.Planner], batch: np.ndarray, names: list[str]) -> dict[str, Any]:
+    """Every other method's step (``step_<name>``; a swept one at its best setting, ``<name>_at``), the fastest over
+    ``planners`` (a list: one per embedding place, ``<name>_embedding`` the place kept)."""
+    if not isinstance(planners, list):
+        return method_steps(planners, batch, names)
+    per = [method_steps(p, batch, names) for p in planners]
+    out: dict[str, Any] = {}
+    for name in names:
+        got = [(o[f"step_{name}"], p.spec.embedding, o) for o, p in zip(per, planners) if f"step_{name}" in o]
+        if got:
+            _, place, best = min(got, key=lambda t: t[0])
+            out.update({k: v for k, v in best.items() if k in (f"step_{name}", f"{name}_at")})
+            out[f"{name}_embedding"] = place
+    return out
+
+
+def method_steps(planner: dynmb.Planner, batch: np.ndarray, names: list[str]) -> dict[str, Any]:
+    """Every other method's step on ``planner`` (``step_<name>``; a swept one at its best setting, ``<name>_at``)."""
+    out: dict[str, Any] = {}
     for name in names:
         try:
             if name not in SWEPT:
@@ -120,9 +139,11 @@ class Variant:
     """``Planner(recompute=...)``: never (the judged setting), always or auto."""
     virtual: int = 1
     """Model chunks per GPU: 2 runs ``P`` GPUs as ``2 P`` chunks (``auto`` then weighs ``zb-v``)."""
-    embedding: str = "first"
-    """``Planner(embedding=...)``: ``first`` (the default) or ``last``, the token embedding on the last pipeline
-    rank (``dynmb.schedule.embedlast``: its states there, its embeds and their P2P priced on the last rank)."""
+    embedding: str | None = None
+    """``Planner(embedding=...)``: None (the planner's default: ``auto`` under ``stage_split="auto"``, the faster
+    place of the first batch, ``dynmb.planning.embedding_choice``), ``first`` or ``last``, the token embedding on the
+    last pipeline rank (``dynmb.schedule.embedlast``: its states there, its embeds and their P2P priced on the last
+    rank); each place with its own memory relief of the split."""
     offload: str = "never"
     """``PlanSpec.offload``: never (the default) or auto, activation offload to host memory
     (``dynmb.planning.offload``), for every method of the cell alike."""
@@ -156,31 +177,38 @@ def stage_admission(mm: MemoryModelLike, limit_bytes: int) -> list[int]:
 
 
 def planner_for(cfg: ModelConfig, trace: np.ndarray, S: int, limit: str, variant: Variant) -> dynmb.Planner:
-    """The cell's planner (module doc); ``variant.embedding == "last"``: ``Planner(embedding="last")`` on the
-    work-balanced split of ``stage_split="auto"`` (the memory relief of that split is for stage 0's embedding)."""
-    planner = dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=variant.gpu(cfg, S),
-                            schedule="auto", stage_split="auto", workload=trace, recompute=variant.recompute,
-                            virtual=variant.virtual, state_shards=variant.state_shards)
-    if variant.embedding == "first":
-        planner.spec = planner.spec.with_(offload=variant.offload)
-        return planner
-    relief = planner.split_relief
-    layout = planner.model_cfg if relief is None else layout_of(planner.model_cfg, S, relief.balanced)
-    planner = dynmb.Planner(model=layout, num_stages=S, memory_limit=limit, cost_model=variant.gpu(layout, S),
-                         schedule="auto", stage_split="even", workload=trace, recompute=variant.recompute,
-                         virtual=variant.virtual, embedding="last", state_shards=variant.state_shards)
-    planner.spec = planner.spec.with_(offload=variant.offload)
-    return planner
+    """The cell's planner (module doc), the embedding placed as ``variant.embedding`` says (each place with the
+    memory relief of ``stage_split="auto"`` weighed for it: ``ReliefInputs.embedding``)."""
+    return dynmb.Planner(model=cfg, num_stages=S, memory_limit=limit, cost_model=variant.gpu(cfg, S),
+                         schedule="auto", stage_split="auto", workload=trace, recompute=variant.recompute,
+                         virtual=variant.virtual, embedding=variant.embedding, offload=variant.offload,
+                         state_shards=variant.state_shards)
+
+
+PLACES = ("first", "last")
+"""The embedding's places a baseline is planned under (``--others-embedding both``)."""
+
+
+def baseline_planners(cfg: ModelConfig, trace: np.ndarray, S: int, limit: str, variant: Variant,
+                      planner: dynmb.Planner, both: bool) -> list[dynmb.Planner]:
+    """The planners the other methods plan with: ``planner`` (dynamic's), or with ``both`` and dynamic's place
+    chosen (``embedding`` auto, ``Planner.embedding_choice``) one planner per place, each with its own layout, so a
+    baseline keeps its faster place (tuned in hindsight) rather than dynamic's."""
+    if not both or planner.embedding_choice is None or planner.embedding_choice.first_s is None:
+        return [planner]
+    return [planner if place == planner.spec.embedding else planner_for(cfg, trace, S, limit,
+                                                                        replace(variant, embedding=place))
+            for place in PLACES]
 
 
 def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, names: list[str],
-         variant: Variant = Variant()) -> dict:
-    """One cell's row (module doc); ``P`` counts GPUs."""
+         variant: Variant = Variant(), both_places: bool = True) -> dict:
+    """One cell's row (module doc); ``P`` counts GPUs; ``both_places``: the other methods under both embedding places
+    where dynamic's was chosen (``baseline_planners``)."""
     cfg = scaling.model_for(model, [trace])
     batch = scaling.token_batch(trace, 500_000, 1, 0)
     S = P * variant.virtual
     planner = planner_for(cfg, trace, S, limit, variant)
-    cm = planner.cost_model
     key = {"trace": trace_name, "model": model, "P": P, "limit": limit, "sequences": int(batch.size),
            "recompute": variant.recompute, "virtual": variant.virtual, "embedding": variant.embedding,
            "offload": variant.offload, "host_bytes_per_s": variant.host_bytes_per_s,
@@ -189,6 +217,9 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
         dyn, dyn_cpu = plan_method(planner, batch, "dynamic")
     except ValueError as e:
         return {**key, "status": str(e)[:200]}
+    cm, choice = planner.cost_model, planner.embedding_choice
+    key.update(embedding_place=planner.spec.embedding, embedding_first_s=choice and choice.first_s,
+               embedding_last_s=choice and choice.last_s)
     plan, sim = dyn.plan, dyn.sim
     terms = gap_terms(plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(cm),
                       ideal_split=False).check()
@@ -197,7 +228,7 @@ def cell(trace_name: str, trace: np.ndarray, model: str, P: int, limit: str, nam
         plan, dyn.schedule, cm, sim.makespan_s, ideal_model=scaling.saturated(
             cm.for_layout(layout_of(planner.model_cfg, S, relief.balanced), S)),
         ideal_split=False).ideal
-    steps = others(planner, batch, names)
+    steps = others(baseline_planners(cfg, trace, S, limit, variant, planner, both_places), batch, names)
     plain = {k: v for k, v in steps.items() if k.startswith("step_")}
     best = min(plain, key=plain.__getitem__) if plain else ""
     auto = plan.meta.get("schedule_auto") or {}
@@ -221,6 +252,12 @@ def _pct(r: object) -> str:
     return " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in TABLE_TERMS)
 
 
+def _place(r: object) -> str:
+    """`` (embedding last)`` where the cell's plan puts the embedding on the last rank (recorded rows only)."""
+    place = getattr(r, "embedding_place", None)
+    return " (embedding last)" if place == "last" else ""
+
+
 def _balanced(r: object) -> str:
     """The gap against the work-balanced split's ideal and the first stages' admitted tokens (where recorded)."""
     gap = getattr(r, "gap_balanced", float("nan"))
@@ -242,7 +279,7 @@ def markdown(df: pd.DataFrame) -> str:
             continue
         lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.step_s:.4f} | {r.ideal_s:.4f} | "
                      f"{100 * r.gap:+.1f}% | {_balanced(r)} | {r.best_other} ({r.best_other_s:.4f}) | "
-                     f"{r.step_s / r.best_other_s:.3f} | {r.kind} | {r.microbatches} | {r.grouping} | {_pct(r)} | "
+                     f"{r.step_s / r.best_other_s:.3f} | {r.kind}{_place(r)} | {r.microbatches} | {r.grouping} | {_pct(r)} | "
                      f"{r.plan_cpu_s:.1f} |")
     return "\n".join(lines)
 
@@ -279,7 +316,7 @@ def before_after(before: pd.DataFrame, after: pd.DataFrame) -> str:
         lines.append(f"| {r.trace} | {r.model} | {r.P} | {r.limit} | {r.step_s_before:.4f} -> {r.step_s:.4f} | "
                      f"{100 * r.gap_before:+.1f}% -> {100 * r.gap:+.1f}% | {r.best_other} ({r.best_other_s:.4f}) | "
                      f"{r.step_s / r.best_other_s:.3f} | {r.kind_before} {r.microbatches_before} -> {r.kind} "
-                     f"{r.microbatches} | {_pct(r)} | {r.plan_cpu_s_before:.1f} -> {r.plan_cpu_s:.1f} |")
+                     f"{r.microbatches}{_place(r)} | {_pct(r)} | {r.plan_cpu_s_before:.1f} -> {r.plan_cpu_s:.1f} |")
     return "\n".join(lines)
 
 
@@ -296,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--others", default=",".join((*SWEPT, *PLAIN)), help="other methods (name or name/mbs); '' none")
     ap.add_argument("--recompute", default="never", help="Planner(recompute=...): never (judged), always, auto")
     ap.add_argument("--virtual", type=int, default=1, help="model chunks per GPU (2: P GPUs as 2P chunks, zb-v)")
-    ap.add_argument("--embedding", choices=("first", "last"), default="first",
-                    help="Planner(embedding=...): first (default) or last (the token embedding on the last rank)")
+    ap.add_argument("--embedding", choices=("first", "last", "auto"), default=None,
+                    help="Planner(embedding=...): default the planner's (auto under stage_split='auto': the faster "
+                         "place of the first batch), first, or last (the token embedding on the last rank)")
+    ap.add_argument("--others-embedding", choices=("both", "same"), default="both",
+                    help="both (default): where dynamic's embedding place was chosen, every other method planned "
+                         "under both places and its faster kept; same: on dynamic's planner")
     ap.add_argument("--offload", choices=("never", "auto"), default="never",
                     help="PlanSpec.offload for every method: never (default) or auto (activation offload to host)")
     ap.add_argument("--host-gbps", type=float, default=None,
@@ -329,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 for P in map(int, args.stages.split(",")):
                     row = cell(name, trace, model, P, limit, names, Variant(
                         args.recompute, args.virtual, args.embedding, args.offload,
-                        None if args.host_gbps is None else args.host_gbps * 1e9, args.state_shards))
+                        None if args.host_gbps is None else args.host_gbps * 1e9, args.state_shards),
+                        both_places=args.others_embedding == "both")
                     append_row(row, args.out)
                     print(markdown(pd.DataFrame([row])).splitlines()[-1], flush=True)
     return 0

@@ -53,8 +53,8 @@ def test_help(capsys):
 
 
 def test_embedding_last_plans_with_the_option():
-    """``--embedding last``: the cell's planner runs ``Planner(embedding="last")`` on the work-balanced split (the
-    embedding's states on the last stage's count, its plans with the embedding stage)."""
+    """``--embedding last``: the cell's planner runs ``Planner(embedding="last")`` (its split's relief weighed for the
+    embedding last; the embedding's states on the last stage's count, its plans with the embedding stage)."""
     import numpy as np
 
     cfg = dynmb_model("llama-tiny")
@@ -110,3 +110,23 @@ def test_state_shards_reach_the_cell_planner(embedding):
     planner = shortdoc.planner_for(cfg, trace, 2, "1GiB", shortdoc.Variant(embedding=embedding, state_shards=8))
     assert planner.spec.state_shards == 8 and planner.memory_model.state_shards == 8
     assert planner.memory_model.state_bytes.sum() < whole.memory_model.state_bytes.sum()
+
+
+def test_baselines_keep_their_faster_embedding_place():
+    """With dynamic's place chosen (the default ``auto``), every other method is planned under both places and its
+    faster kept, the place recorded; ``--others-embedding same`` plans them on dynamic's planner only."""
+    import numpy as np
+
+    cfg = dynmb_model("llama-tiny")
+    trace = np.random.default_rng(0).integers(40, 400, 64)
+    variant = shortdoc.Variant(embedding="auto")
+    planner = shortdoc.planner_for(cfg, trace, 4, "24MiB", variant)
+    planner.plan(trace)
+    planners = shortdoc.baseline_planners(cfg, trace, 4, "24MiB", variant, planner, True)
+    assert [p.spec.embedding for p in planners] == ["first", "last"] and planner in planners
+    both = shortdoc.others(planners, trace, ["packed", "dynapipe"])
+    for name in ("packed", "dynapipe"):
+        each = [shortdoc.plan_method(p, trace, name)[0].sim.makespan_s for p in planners]
+        assert both[f"step_{name}"] == min(each)
+        assert both[f"{name}_embedding"] == ("first", "last")[int(np.argmin(each))]
+    assert shortdoc.baseline_planners(cfg, trace, 4, "24MiB", variant, planner, False) == [planner]
