@@ -17,7 +17,7 @@ from typing import Callable
 
 from dynmb.runtime.spec import RunSpec
 
-__all__ = ["register", "PROVIDERS", "GlooJob"]
+__all__ = ["register", "PROVIDERS", "GlooJob", "own_job"]
 
 Provider = Callable[[Path], list[RunSpec]]
 PROVIDERS: dict[int, list[Provider]] = {2: [], 4: []}
@@ -38,3 +38,15 @@ class GlooJob:
     returncode: int
     errors: str
     out: Path
+
+
+def own_job(out: Path, specs: list[RunSpec], nproc: int) -> Path:
+    """A job of its own (a module's slow cases): ``specs`` on ``nproc`` gloo ranks in ``out``, which it returns;
+    fails the test with the workers' error files unless every rank exits 0."""
+    from dynmb.runtime.launch import launch_job
+    from dynmb.runtime.spec import JobSpec
+
+    rc = launch_job(JobSpec(out_dir=str(out.resolve()), cases=tuple(specs)), nproc, quiet=True).returncode
+    errs = sorted((out / "errors").glob("*.txt")) if (out / "errors").exists() else []
+    assert rc == 0, "\n".join(e.read_text() for e in errs)
+    return out

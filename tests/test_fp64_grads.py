@@ -36,7 +36,7 @@ from dynmb.runtime.hooks import NoHooks
 from dynmb.runtime.launch import launch_job
 from dynmb.runtime.spec import HookRef, JobSpec, RunSpec
 from dynmb.schedule import SCHEDULE_KINDS, get_kind
-from tests.gloo_jobs import register
+from tests.gloo_jobs import own_job, register
 from tests.runtime_faults import REPO
 
 KINDS = tuple(k for k in SCHEDULE_KINDS if get_kind(k).build.__module__.startswith("dynmb."))
@@ -201,10 +201,7 @@ def test_two_ranks_fp64_gradients_equal_the_reference(gloo_job, case):
 @pytest.fixture(scope="module")
 def slow_two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp64-2")
-    rc = launch_job(JobSpec(out_dir=str(out.resolve()), cases=tuple(_specs(SLOW2, out))), 2, quiet=True).returncode
-    errs = sorted((out / "errors").glob("*.txt")) if (out / "errors").exists() else []
-    assert rc == 0, "\n".join(e.read_text() for e in errs)
-    return out
+    return own_job(out, _specs(SLOW2, out), 2)
 
 
 @pytest.mark.slow
