@@ -19,6 +19,9 @@
 #   9. activation offload (dynmb/runtime/offload.py, benchmarks/offload_check.py): a stage's gradients with and
 #      without its blocks offloaded (bitwise), the allocator's peak lower by about the bytes offloaded, and the
 #      pinned D2H / H2D bandwidth of the copy stream, written to $R/offload.json
+#  10. per-stage recomputation of leading blocks (ModelConfig.recompute_blocks, dynmb/models/stage.py): 2 chunks
+#      on one GPU (interleaved), the first chunk recomputing
+#      its first block, --verify, and the allocator's peak against the prediction (the GPU's: pred_rank_peak_bytes)
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
 # Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-9 on the CPU (a check
 # of the script and the commands, not of CUDA); ONLY=9 runs step 9 alone (either device).
@@ -79,5 +82,13 @@ d=c.to_dict(); d.update(name=sys.argv[1] + '-chunks', layer_split=[x / 16 for x 
 timeout 240 $D run --nproc 1 --model "$R/chunk-split.json" --stages 4 --virtual 4 --device "$DEV" --memory-limit "$LIMIT" \
     --global-batch 8 --steps 1 --allow-over-limit --oversize truncate --method dynamic --schedule interleaved --verify --out "$R/chunk-split" 2>&1 | tail -3
 python3 -c "import dynmb,sys; t=dynmb.load_results(sys.argv[1]); print('verified', bool(t['steps']['verified'].all()), 'layer_split', t['runs']['model.layer_split'].iloc[0])" "$R/chunk-split"
+step recomputed leading blocks on one GPU
+python3 -c "import json,sys; from dynmb.core.config import ModelConfig as M; c=M.preset(sys.argv[1]); n=c.n_layers; \
+d=c.to_dict(); d.update(name=sys.argv[1] + '-rcblocks', layer_split=[n - n // 2, n // 2], recompute_blocks=[1, 0]); \
+M.from_dict(d); json.dump(d, open(sys.argv[2], 'w'))" "$MODEL" "$R/rc-blocks.json"
+timeout 240 $D run --nproc 1 --model "$R/rc-blocks.json" --stages 2 --virtual 2 --device "$DEV" --memory-limit "$LIMIT" \
+    --global-batch 8 --steps 1 --allow-over-limit --oversize truncate --method dynamic --schedule interleaved --verify --out "$R/rc-blocks" 2>&1 | tail -3
+python3 -c "import dynmb,sys; t=dynmb.load_results(sys.argv[1]); m=t['memory']; print('verified', bool(t['steps']['verified'].all()), \
+'recompute_blocks', t['runs']['model.recompute_blocks'].iloc[0]); print(m.groupby('stage')[['peak_bytes','pred_peak_bytes','pred_rank_peak_bytes']].max().to_string())" "$R/rc-blocks"
 offload_check
 step done
