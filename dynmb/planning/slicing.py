@@ -586,14 +586,15 @@ WEIGH_FINALISTS: int | None = 2
 other within ``SCREEN_ERROR`` of the best); None: every alternative's (the full weighing, ~7-15x dynamic's own plan
 time at P 8; ``studies/slicing/notes.md``)."""
 
-KIND_SCREEN: float | None = 0.05
+KIND_SCREEN: float | None = 0.20
 """``--schedule auto`` (``plan_auto``): ``dynamic``'s sliced plan is searched on every kind first, its weighing
 (``_weigh_alternatives``) then runs only on the kinds whose own sliced step is within this of the fastest kind's that
 fits or than the fastest weighed step so far (the kinds weighed fastest own step first), and on every kind whose own
 search found no plan that fits (``kinds_to_weigh``); None: on every kind. A measured screen, not a bound: it
 assumes the weighing gains less than this over a kind's own search (measured: up to 3.9% on the long-document
-cells, ``studies/slicing/README.md``, the sixth session; the kinds it skipped there were 7-37% behind). The
-order-free floor cannot separate the kinds (0.35-0.97 of the simulated step, ``studies/slicing/notes.md``)."""
+cells in the sixth session, but 7.5% and 15.9% out held the winners in the ninth, P 16 pycode Llama-2-7B and P 8
+pycode Llama-3.1-8B: 5% then, 20% since, ``studies/slicing/README.md``). The order-free floor cannot separate the
+kinds (0.35-0.97 of the simulated step, ``studies/slicing/notes.md``)."""
 
 _KEEP = object()
 
