@@ -759,8 +759,8 @@ def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
     """Where ``_screen`` tries each alternative's short packing: ``found``'s best candidate (its slices, cuts,
     recomputed share, lookahead and filled rows or not) with the chains first and as it places them, then around
     it, where another grouping fits otherwise than dynamic's: the next shorter slices as it places them, every
-    longer slice length with the chains first, and (recomputed) the smaller ``RC_SHARES`` with the longest chain
-    lookahead."""
+    longer slice length in every placement (``PLACEMENTS``: ``fixed`` won at longer slices spread on P 8 pycode
+    Llama-3.1-8B), and (recomputed) the smaller ``RC_SHARES`` with the longest chain lookahead."""
     assert found.best is not None
     meta = found.best[1].meta
     best = _best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]), fills=(bool(meta["slice_fill"]),)))
@@ -769,7 +769,7 @@ def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
     at = lens.index(best.slice_len) if best.slice_len in lens else -1
     if 0 <= at < len(lens) - 1:
         out.append(replace(best, slice_len=lens[at + 1]))
-    out += [replace(best, slice_len=n, placements=("first",)) for n in reversed(lens[:max(at, 0)])]
+    out += [replace(best, slice_len=n, placements=PLACEMENTS) for n in reversed(lens[:max(at, 0)])]
     if best.use_rc and job.spec.recompute == "auto":
         look = max((best.lookahead, *chain_lookaheads(job.spec)))
         out += [replace(best, rc_share=share, lookahead=look) for share in sorted(RC_SHARES) if share < best.rc_share]
