@@ -5,7 +5,6 @@ screen at the longer slice lengths (``slicing._centres``: every placement)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +19,6 @@ from dynmb.planning.replicas import make_schedule
 from dynmb.schedule.kinds import get_kind
 
 from tests.test_slices_weigh import BATCH, SPEC, TINY
-
-SLOW = pytest.mark.skipif(not os.environ.get("DYNMB_SLOW"), reason="DYNMB_SLOW=1: a long-document cell")
-
 
 def _ctx_models(lengths: np.ndarray, stages: int):
     spec = SPEC.with_(method="balanced", num_stages=stages, oversize="error")
@@ -93,7 +89,7 @@ def test_the_screen_tries_the_longer_slice_lengths_in_every_placement():
     assert all(set(c.placements) == set(slicing.PLACEMENTS) for c in longer)
 
 
-@SLOW
+@pytest.mark.slow
 @pytest.mark.parametrize("trace, model, stages, method", [
     ("longtail", "llama3.1-8b", 16, "balanced/2"),      # the final check's budgets (0.03% behind before)
     ("pycode", "llama3.1-8b", 8, "fixed"),              # the kind screen and the longer slices spread (7.3%)
