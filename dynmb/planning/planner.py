@@ -76,8 +76,7 @@ from dynmb.planning.replicas import (ReplicaPrediction, make_schedule, predict_r
 from dynmb.planning.ramped import BODY_SCALES, ramped_plan
 from dynmb.planning.slice_fitting import plan_fitting
 from dynmb.planning.offload import plan_offload
-from dynmb.planning.slicing import (KIND_SCREEN_NEAR, kinds_to_weigh, longest_row, own_searches_only, plan_split,
-                                    reuse_searches, weighing_alternatives, weighs)
+from dynmb.planning.slicing import kinds_to_weigh, longest_row, own_searches_only, plan_split, reuse_searches, weighs
 from dynmb.planning.spec_check import lockstep_refusal
 
 schedule_validate = importlib.import_module("dynmb.schedule.validate")  # dynmb.schedule.validate: the function
@@ -454,9 +453,6 @@ def _weighed(cands: list[Candidate]) -> list[Outcome[Planned]]:
         fastest_first = {name: v[0] if v is not None and v[1] else math.inf for name, v in steps.items()}
         for cand in sorted(cands, key=lambda c: fastest_first[c.name]):
             weighed = [o.verdict.score for o in again.values() if o.verdict is not None and o.fits]
-            bar = min(weighed, default=math.inf)
-            if cand.name in kinds_to_weigh(steps, bar):
-                near = cand.name in kinds_to_weigh(steps, bar, KIND_SCREEN_NEAR)
-                with contextlib.nullcontext() if near else weighing_alternatives(finalists=0):
-                    again[cand.name] = evaluate([cand])[0]
+            if cand.name in kinds_to_weigh(steps, min(weighed, default=math.inf)):
+                again[cand.name] = evaluate([cand])[0]
     return [again.get(o.name, o) for o in own]

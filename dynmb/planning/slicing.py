@@ -94,7 +94,7 @@ from dynmb.planning.replicas import predict_replicas, replicas_of
 from dynmb.planning.search import step_floor
 
 __all__ = ["plan_split", "longest_row", "slice_lengths", "MIN_SLICE", "reuse_searches", "slice_alternatives",
-           "weighing_alternatives", "kinds_to_weigh", "kinds_screened", "weighs", "own_searches_only", "KIND_SCREEN_NEAR"]
+           "weighing_alternatives", "kinds_to_weigh", "kinds_screened", "weighs", "own_searches_only"]
 
 MIN_SLICE = 128
 """Shortest slice length the planner tries (tokens)."""
@@ -586,14 +586,6 @@ WEIGH_FINALISTS: int | None = 2
 other within ``SCREEN_ERROR`` of the best); None: every alternative's (the full weighing, ~7-15x dynamic's own plan
 time at P 8; ``studies/slicing/notes.md``)."""
 
-_KEEP = object()
-
-KIND_SCREEN_NEAR = 0.05
-"""Of the kinds ``KIND_SCREEN`` keeps, those within this (the 5% screen before the tenth session) are weighed in
-full (``WEIGH_FINALISTS`` whole searches); the others by the screen alone (``_screen``'s candidates, whole searches
-only of near ties and of alternatives it cannot rank: ``WEIGH_FINALISTS`` 0). The two pycode cells whose winners
-sat 7.5% and 15.9% out were won by screened candidates; the full weighing there tripled the plan CPU."""
-
 KIND_SCREEN: float | None = 0.20
 """``--schedule auto`` (``plan_auto``): ``dynamic``'s sliced plan is searched on every kind first, its weighing
 (``_weigh_alternatives``) then runs only on the kinds whose own sliced step is within this of the fastest kind's that
@@ -604,6 +596,7 @@ cells in the sixth session, but 7.5% and 15.9% out held the winners in the ninth
 pycode Llama-3.1-8B: 5% then, 20% since, ``studies/slicing/README.md``). The order-free floor cannot separate the
 kinds (0.35-0.97 of the simulated step, ``studies/slicing/notes.md``)."""
 
+_KEEP = object()
 
 
 _OWN_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("dynmb_slicing_own_only", default=False)
@@ -625,17 +618,13 @@ def own_searches_only() -> Iterator[None]:
         _OWN_ONLY.reset(token)
 
 
-def kinds_to_weigh(own: dict[str, tuple[float, bool] | None], weighed: float = math.inf,
-                   margin: float | None | object = _KEEP) -> set[str]:
-    """The kinds whose sliced plan the weighing runs on (``KIND_SCREEN``; ``margin``: another), of ``own``: each
-    kind's own sliced step and whether it fits (None: it planned none); ``weighed``: the fastest weighed step that
-    fits so far."""
-    screen = KIND_SCREEN if margin is _KEEP else margin
+def kinds_to_weigh(own: dict[str, tuple[float, bool] | None], weighed: float = math.inf) -> set[str]:
+    """The kinds whose sliced plan the weighing runs on (``KIND_SCREEN``), of ``own``: each kind's own sliced step
+    and whether it fits (None: it planned none); ``weighed``: the fastest weighed step that fits so far."""
     fitting = [step for step, fits in (v for v in own.values() if v is not None) if fits]
-    if screen is None or not fitting:
+    if KIND_SCREEN is None or not fitting:
         return set(own)
-    assert isinstance(screen, float)
-    bar = min(*fitting, weighed) * (1 + screen)
+    bar = min(*fitting, weighed) * (1 + KIND_SCREEN)
     return {kind for kind, v in own.items() if v is None or not v[1] or v[0] <= bar}
 
 
