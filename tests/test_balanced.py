@@ -249,7 +249,8 @@ def test_dynamic_never_behind_balanced_at_its_budgets(trace):
 
 def test_dynamic_is_never_predicted_behind_balanced_at_its_checked_budgets():
     """The final check: dynamic's step is planned against ``balanced`` and ``token-budget`` at the budgets
-    the fast estimate ranks best, each planned whole and simulated, and keeps the fastest that fits."""
+    the fast estimate ranks best and their neighbours, each planned whole and simulated, and keeps the fastest
+    that fits."""
     import itertools
 
     import dynmb
@@ -265,7 +266,7 @@ def test_dynamic_is_never_predicted_behind_balanced_at_its_checked_budgets():
         got = planner.plan(batch, method="dynamic")
         ctx = PackContext.from_spec(got.plan.spec, planner.memory_model)
         for method, d in itertools.product(FINAL_METHODS, budget_divisors(batch, ctx, planner.cost_model,
-                                                                          keep=FINAL_CHECK)):
+                                                                          keep=FINAL_CHECK, neighbours=True)):
             other = planner.plan(batch, method=method, mbs=d).sim.makespan_s
             assert got.sim.makespan_s <= other * (1 + 1e-9)
         assert got.plan.method == "dynamic" and got.plan.spec.method == "dynamic"

@@ -271,7 +271,8 @@ def test_kinds_to_weigh_keeps_the_kinds_near_the_fastest_and_those_without_a_pla
     with slicing.kinds_screened(None):
         assert slicing.kinds_to_weigh(own) == set(own)
     assert slicing.kinds_to_weigh({"a": None, "b": (2.0, False)}) == {"a", "b"}     # none fits: every kind
-    assert slicing.kinds_to_weigh(own, weighed=0.9) == {"d", "e"}      # a weighed step lowers the bar
+    lower = 0.9 / (1 + slicing.KIND_SCREEN)                         # a weighed step whose bar is below a's
+    assert slicing.kinds_to_weigh(own, weighed=lower) == {"d", "e"}    # a weighed step lowers the bar
     with pytest.raises(ValueError, match="margin must be None or >= 0"):
         with slicing.kinds_screened(-0.1):
             pass
@@ -280,7 +281,13 @@ def test_kinds_to_weigh_keeps_the_kinds_near_the_fastest_and_those_without_a_pla
 def test_auto_weighs_only_the_kinds_the_screen_keeps_and_plans_as_every_kind_weighed(monkeypatch):
     """``--schedule auto``: the weighing runs on the kinds whose own sliced step is near the fastest's
     (``kinds_to_weigh``), the plan the same as with the weighing on every kind (here, where the winner is weighed).
-    Fails on the code before the sixth session, which weighed every kind (four stages: ZB-H1 8.7% behind ``zb``)."""
+    Fails on the code before the sixth session, which weighed every kind (four stages: ZB-H1 8.7% behind ``zb``).
+    At the 5% screen of then: ``KIND_SCREEN`` is 20% since the tenth session, which weighs every kind here."""
+    with slicing.kinds_screened(0.05):
+        _auto_weighs_only_the_kinds_the_screen_keeps(monkeypatch)
+
+
+def _auto_weighs_only_the_kinds_the_screen_keeps(monkeypatch) -> None:
     spec = SPEC.with_(schedule_kind="auto", num_stages=4)
     with slicing.weighing_alternatives(False):
         own = plan_step(BATCH, spec, model_cfg=TINY)[0].meta.get("schedule_auto")

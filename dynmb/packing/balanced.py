@@ -353,11 +353,23 @@ def _equal_zb(F: np.ndarray, B: np.ndarray, comm: np.ndarray, per: np.ndarray, k
 
 
 def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, round_to: int = 1, dp: int = 1,
-                    keep: int = 3, max_j: int = 12) -> list[int]:
+                    keep: int = 3, max_j: int = 12, neighbours: bool = False) -> list[int]:
     """The divisors d = 2^j (j = 0, 1, ... until every sequence is its own microbatch) of the memory-maximum
     budget whose ``balanced`` plans the fast estimate ranks best: each budget as k equal microbatches
     (one packed row of ``tokens / k`` tokens and ``1 / k`` of the attention work; per replica k / dp of
-    them), estimated by ``dynmb.timing.makespan.makespans``; the best and its neighbours in j, ``keep`` in all."""
+    them), estimated by ``dynmb.timing.makespan.makespans``; the best and its neighbours in j, ``keep`` in all.
+    ``neighbours``: also each kept divisor's neighbours in j (the estimate's near misses: ``dynamic``'s final
+    check weighs them, issue 39)."""
+    divs, kept = _ranked_divisors(lens, ctx, cost_model, round_to, dp, keep, max_j)
+    if neighbours:
+        at = {divs.index(d) for d in kept}
+        kept = [divs[i] for i in sorted({j for i in at for j in (i - 1, i, i + 1) if 0 <= j < len(divs)})]
+    return kept
+
+
+def _ranked_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, round_to: int, dp: int, keep: int,
+                     max_j: int) -> tuple[list[int], list[int]]:
+    """``budget_divisors``' every distinct divisor and those it keeps (without the neighbours)."""
     lens = np.asarray(lens, dtype=np.int64)
     n, total = len(lens), int(lens.sum())
     cap = row_budget(ctx, lens, round_to)
@@ -372,7 +384,7 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
         if k >= n:
             break
     if len(divs) <= keep or not hasattr(cost_model, "stage_costs"):
-        return divs[:keep] if len(divs) > keep else divs
+        return divs, divs[:keep]
     k_a = np.array(ks, dtype=np.float64)
     padded = np.ceil(total / k_a / round_to) * round_to
     cost = cost_model.stage_costs(np.ones(len(k_a)), padded, float(np.sum(lens.astype(np.float64) ** 2)) / k_a)
@@ -391,4 +403,4 @@ def budget_divisors(lens: np.ndarray, ctx: PackContext, cost_model: Any, *, roun
     best = int(np.argmin(est))
     lo = min(max(0, best - (keep - 1) // 2), len(divs) - keep)
     near = [divs[i] for i in range(lo, lo + keep) if est[i] <= est[best] * (1 + NEAR_BEST)]
-    return sorted({divs[0], *near})       # the budget users set always (the fewest microbatches)
+    return divs, sorted({divs[0], *near})       # the budget users set always (the fewest microbatches)

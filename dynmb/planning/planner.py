@@ -244,7 +244,8 @@ def unremembered() -> Iterator[None]:
 
 FINAL_CHECK = 3
 """``dynamic``'s plan is weighed against ``FINAL_METHODS`` at this many token budgets, those the fast
-estimate ranks best for ``balanced`` (``packing.balanced.budget_divisors``)."""
+estimate ranks best for ``balanced`` (``packing.balanced.budget_divisors``), and at each one's neighbours
+(budget x 2 and / 2: the estimate misses by a few per cent, e.g. ``balanced/2`` on P 16 longtail)."""
 
 FINAL_METHODS = ("balanced", "token-budget")
 """The token-budget groupings of the final check: verl's dynamic batching and the plain token budget, each
@@ -337,7 +338,8 @@ def final_candidates(job: _Job) -> list[Candidate]:
     try:
         ctx = PackContext.from_spec(spec, job.models.memory, job.kind)
         divisors = budget_divisors(job.lengths, ctx, job.models.cost,
-                                   round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK)
+                                   round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK,
+                                   neighbours=True)
     except ValueError:
         divisors = []
     settings = {f"{m}/{d}": spec.with_(method=m, mbs=d) for m, d in itertools.product(FINAL_METHODS, divisors)}

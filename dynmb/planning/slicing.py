@@ -586,14 +586,15 @@ WEIGH_FINALISTS: int | None = 2
 other within ``SCREEN_ERROR`` of the best); None: every alternative's (the full weighing, ~7-15x dynamic's own plan
 time at P 8; ``studies/slicing/notes.md``)."""
 
-KIND_SCREEN: float | None = 0.05
+KIND_SCREEN: float | None = 0.20
 """``--schedule auto`` (``plan_auto``): ``dynamic``'s sliced plan is searched on every kind first, its weighing
 (``_weigh_alternatives``) then runs only on the kinds whose own sliced step is within this of the fastest kind's that
 fits or than the fastest weighed step so far (the kinds weighed fastest own step first), and on every kind whose own
 search found no plan that fits (``kinds_to_weigh``); None: on every kind. A measured screen, not a bound: it
 assumes the weighing gains less than this over a kind's own search (measured: up to 3.9% on the long-document
-cells, ``studies/slicing/README.md``, the sixth session; the kinds it skipped there were 7-37% behind). The
-order-free floor cannot separate the kinds (0.35-0.97 of the simulated step, ``studies/slicing/notes.md``)."""
+cells in the sixth session, but 7.5% and 15.9% out held the winners in the ninth, P 16 pycode Llama-2-7B and P 8
+pycode Llama-3.1-8B: 5% then, 20% since, ``studies/slicing/README.md``). The order-free floor cannot separate the
+kinds (0.35-0.97 of the simulated step, ``studies/slicing/notes.md``)."""
 
 _KEEP = object()
 
@@ -758,8 +759,8 @@ def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
     """Where ``_screen`` tries each alternative's short packing: ``found``'s best candidate (its slices, cuts,
     recomputed share, lookahead and filled rows or not) with the chains first and as it places them, then around
     it, where another grouping fits otherwise than dynamic's: the next shorter slices as it places them, every
-    longer slice length with the chains first, and (recomputed) the smaller ``RC_SHARES`` with the longest chain
-    lookahead."""
+    longer slice length in every placement (``PLACEMENTS``: ``fixed`` won at longer slices spread on P 8 pycode
+    Llama-3.1-8B), and (recomputed) the smaller ``RC_SHARES`` with the longest chain lookahead."""
     assert found.best is not None
     meta = found.best[1].meta
     best = _best_try(found, _Try(int(meta["slice_len"]), bool(meta["slice_recompute"]), fills=(bool(meta["slice_fill"]),)))
@@ -768,7 +769,7 @@ def _centres(job: _SplitJob, found: _Search) -> list[_Try]:
     at = lens.index(best.slice_len) if best.slice_len in lens else -1
     if 0 <= at < len(lens) - 1:
         out.append(replace(best, slice_len=lens[at + 1]))
-    out += [replace(best, slice_len=n, placements=("first",)) for n in reversed(lens[:max(at, 0)])]
+    out += [replace(best, slice_len=n, placements=PLACEMENTS) for n in reversed(lens[:max(at, 0)])]
     if best.use_rc and job.spec.recompute == "auto":
         look = max((best.lookahead, *chain_lookaheads(job.spec)))
         out += [replace(best, rc_share=share, lookahead=look) for share in sorted(RC_SHARES) if share < best.rc_share]
