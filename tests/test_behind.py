@@ -1,11 +1,11 @@
 """``dynamic`` never behind a plain method (issue 39): the three screens that left it behind on the long-document
 cells (``studies/slicing/README.md``, the ninth and tenth sessions) each with a case that fails on the code before:
 the final check's budgets (``budget_divisors``' neighbours), the kind screen (``KIND_SCREEN``) and the alternatives'
-screen at the longer slice lengths (``slicing._centres``: every placement)."""
+screen at the longer slice lengths (``slicing._centres``: every placement). The three cells themselves are checked by
+``studies/slicing/test_behind_cells.py`` (slow; the package's suite imports no study)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,20 +87,3 @@ def test_the_screen_tries_the_longer_slice_lengths_in_every_placement():
     longer = [c for c in slicing._centres(job, found) if c.slice_len > own_len]
     assert longer                                                            # the case: a longer slice length
     assert all(set(c.placements) == set(slicing.PLACEMENTS) for c in longer)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("trace, model, stages, method", [
-    ("longtail", "llama3.1-8b", 16, "balanced/2"),      # the final check's budgets (0.03% behind before)
-    ("pycode", "llama3.1-8b", 8, "fixed"),              # the kind screen and the longer slices spread (7.3%)
-    ("pycode", "llama2-7b", 16, "token-budget/2"),      # the kind screen (23.1%)
-])
-def test_dynamic_is_not_behind_on_the_long_document_cells(trace, model, stages, method):
-    """The three ``longdoc`` cells where dynamic was behind a plain method (``studies/slicing/README.md``, ninth
-    session): dynamic's step <= that method's. Each fails on a7d79fd."""
-    from studies.slicing import longdoc
-    planner, batch, _ = longdoc.cell_planner(trace, longdoc.load(trace, Path("results/traces")), model, stages)
-    with slicing.reuse_searches():
-        dyn = longdoc.plan_method(planner, batch, "dynamic")[0].sim.makespan_s
-        other = longdoc.plan_method(planner, batch, method)[0].sim.makespan_s
-    assert dyn <= other * (1 + 1e-9)
