@@ -11,7 +11,7 @@ method on the cell's layout with its recomputed blocks dropped (the tuned-baseli
 the two is kept).
 
     PYTHONPATH=$PWD nice -n 10 python3 -m studies.shortdoc.stage_recompute --out results/rc_branch.jsonl
-    PYTHONPATH=/work/main nice -n 10 python3 studies/shortdoc/stage_recompute.py --out results/rc_main.jsonl
+    PYTHONPATH=<a checkout of bc7c598> nice -n 10 python3 studies/shortdoc/stage_recompute.py --out results/rc_main.jsonl
     python3 -m studies.shortdoc.stage_recompute --table results/rc_main.jsonl results/rc_branch.jsonl
 """
 
