@@ -33,7 +33,7 @@ import functools
 import itertools
 from typing import Any, NamedTuple
 
-__all__ = ["ModelSizes", "split_layers", "normalise_layer_split", "normalise_head_split", "PARTS", "HEAD_STATS",
+__all__ = ["leading_layers", "ModelSizes", "split_layers", "normalise_layer_split", "normalise_head_split", "PARTS", "HEAD_STATS",
            "SUB_CHUNKS", "UNITS_PER_LAYER", "HalfPiece"]
 
 PARTS = ("attn", "mlp")
@@ -383,3 +383,9 @@ def _parts_of(units: tuple[range, ...]) -> tuple[tuple[float, float], ...]:
             n[piece.part] += len(piece.chunks)
         out.append((_count(n["attn"]), _count(n["mlp"])))
     return tuple(out)
+
+
+def leading_layers(pieces: list[HalfPiece] | tuple[HalfPiece, ...], k: int) -> list[int]:
+    """The layers of a stage's first ``k`` blocks, in order (its pieces in order, one block a layer: a half or the
+    pieces of one at a boundary count one): what ``recompute_blocks`` recomputes and offload moves."""
+    return list(dict.fromkeys(pc.layer for pc in pieces))[:int(k)]

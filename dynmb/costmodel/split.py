@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from dynmb.core.config import ModelConfig
-from dynmb.core.model_sizes import UNITS_PER_LAYER
+from dynmb.core.model_sizes import UNITS_PER_LAYER, leading_layers
 
 __all__ = ["W_SHARE", "SPLIT_OVERHEAD", "RECOMPUTE_F_SHARE", "stage_role", "derived_split", "apply_recompute",
            "apply_block_recompute", "rest_layout"]
@@ -120,7 +120,7 @@ def rest_layout(cfg: ModelConfig, num_stages: int, stage: int) -> ModelConfig | 
     blocks are not whole layers or there is no stage 1 to take them."""
     k = cfg.stage_recompute_blocks(num_stages)[stage]
     pieces = cfg.stage_pieces(num_stages)[stage]
-    layers = set(list(dict.fromkeys(pc.layer for pc in pieces))[:k])
+    layers = set(leading_layers(pieces, k))
     moved = sum(len(pc.chunks) for pc in pieces if pc.layer in layers)
     units = [len(r) for r in cfg.stage_units(num_stages)]
     if not moved or moved >= units[stage] or (stage == 0 and (num_stages < 2 or moved % UNITS_PER_LAYER)):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from dynmb.core.config import ModelConfig
-from dynmb.core.model_sizes import HEAD_STATS, SUB_CHUNKS, HalfPiece
+from dynmb.core.model_sizes import HEAD_STATS, SUB_CHUNKS, HalfPiece, leading_layers
 
 __all__ = ["BUCKET_PADDING", "block_act_coef", "half_act_coef", "piece_act_coef", "stage_blocks_act",
            "stage_act_per_token", "head_act_per_token", "w_coef", "recompute_saved_coef", "recompute_transient_coef",
@@ -162,7 +162,7 @@ def w_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
               "mlp": 3 * f if cfg.family == "llama" else 2 * f}
     out = np.zeros((num_stages, 3))
     for i, pieces in enumerate(cfg.stage_pieces(num_stages)):
-        recomputed = _recomputed_layers(pieces, cfg.stage_recompute_blocks(num_stages)[i])
+        recomputed = set(leading_layers(pieces, cfg.stage_recompute_blocks(num_stages)[i]))
         for pc in pieces:
             if pc.layer in recomputed:                          # its weight gradients are computed in I
                 continue
@@ -243,18 +243,13 @@ def recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
 # ``recompute_transient_coef`` are the rest).
 
 
-def _recomputed_layers(pieces: list[HalfPiece], k: int) -> set[int]:
-    """The layers of a stage's first ``k`` blocks (its pieces in order, one block a layer)."""
-    return set(list(dict.fromkeys(pc.layer for pc in pieces))[:int(k)])
-
-
 def block_recompute_saved_coef(cfg: ModelConfig, num_stages: int) -> np.ndarray:
     """``[P, 3]``: bytes the recomputed blocks of each stage (``ModelConfig.recompute_blocks``) do not hold from a
     microbatch's F to its B: their pieces' ``piece_act_coef`` less their inputs (``e d`` a block, ``2 e d`` for one
     that starts inside a half); 0 where none is recomputed."""
     out = np.zeros((num_stages, 3))
     for i, (pieces, k) in enumerate(zip(cfg.stage_pieces(num_stages), cfg.stage_recompute_blocks(num_stages))):
-        layers = _recomputed_layers(pieces, k)
+        layers = set(leading_layers(pieces, k))
         for pc in pieces:
             if pc.layer in layers:
                 out[i, 1:] += piece_act_coef(cfg, pc)
@@ -269,7 +264,7 @@ def block_recompute_transient_coef(cfg: ModelConfig, num_stages: int) -> np.ndar
     head's backward, not recomputed, runs first and frees it), never below 0."""
     out = np.zeros((num_stages, 3))
     for i, (pieces, k) in enumerate(zip(cfg.stage_pieces(num_stages), cfg.stage_recompute_blocks(num_stages))):
-        for layer in _recomputed_layers(pieces, k):
+        for layer in leading_layers(pieces, k):
             out[i, 1:] = np.maximum(out[i, 1:], sum(piece_act_coef(cfg, pc) for pc in pieces if pc.layer == layer))
         rows = len(cfg.stage_vocab(num_stages)[i])
         if rows and out[i, 1]:
@@ -335,7 +330,7 @@ def offload_coef(c: ModelConfig, num_stages: int, blocks: np.ndarray) -> tuple[n
     left out of both."""
     plain, rc = np.zeros((num_stages, 3)), np.zeros((num_stages, 3))
     for i, pieces in enumerate(c.stage_pieces(num_stages)):
-        layers = list(dict.fromkeys(pc.layer for pc in pieces))[:int(blocks[i])]
+        layers = leading_layers(pieces, int(blocks[i]))
         if not layers:
             continue
         kept = c.dtype_bytes * c.d_model * (2 if pieces[0].chunks.start else 1)      # the stage's input
