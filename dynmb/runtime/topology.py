@@ -11,6 +11,11 @@ the same order and passed to whoever needs them (no global singletons):
 - data-parallel groups: the ranks holding the same stages in every replica (gradient
   all-reduce);
 - pipeline groups: the ranks of one replica (the weight gather of ``--verify``).
+
+The cases of one job (``worker.run_cases``) run in one default group, one step at a time, each step
+draining its messages: they share the groups of a layout (``make_process_groups`` remembers them per
+default group, grid and timeout). A gloo group keeps a transport thread that wakes now and then;
+a job of 77 cases that made new ones per case held over 1,000 threads a rank and kept cores busy.
 """
 
 from __future__ import annotations
@@ -114,7 +119,26 @@ class ProcessGroups:
     """This rank's replica."""
 
 
+_MADE: dict[tuple, ProcessGroups] = {}
+"""This process's groups per (grid, timeout, device), for the default group in ``_MADE_FOR``."""
+_MADE_FOR: list[object] = []
+
+
 def make_process_groups(topology: Topology, timeout: timedelta, device: torch.device) -> ProcessGroups:
+    """This rank's groups of ``topology``'s grid: made once per default group, grid, timeout and device
+    (every rank runs the same cases in the same order, so every rank asks for the same ones: the
+    collective ``new_group`` calls stay matched)."""
+    world = dist.group.WORLD
+    if not _MADE_FOR or _MADE_FOR[0] is not world:     # a new default group: the old groups died with it
+        _MADE.clear()
+        _MADE_FOR[:] = [world]
+    key = (topology.world_size, topology.pipeline_size, timeout, str(device))
+    if key not in _MADE:
+        _MADE[key] = _new_process_groups(topology, timeout, device)
+    return _MADE[key]
+
+
+def _new_process_groups(topology: Topology, timeout: timedelta, device: torch.device) -> ProcessGroups:
     """Create every group on every rank (``new_group`` is collective) and keep this rank's."""
     pairs = make_pair_groups(topology.world_size, topology.pipeline_size, timeout, device)
     data_parallel = pipeline = None
