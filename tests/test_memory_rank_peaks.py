@@ -69,7 +69,8 @@ def _run(stages: int, kind: str, *, dp: int = 1, virtual: int = 1, embedding: st
     model = replace(model_config(f"llama-tiny:dtype=float64,n_layers={layers}"), layer_split=split,
                     recompute_blocks=rc)
     spec = PlanSpec(method=method, num_stages=stages, virtual=virtual, schedule_kind=kind, dp=dp,
-                    embedding=embedding, memory_limit_bytes=256 * 2**20, **({"mbs": 1} if method == "fixed" else {}))
+                    embedding=embedding, memory_limit_bytes=256 * 2**20)
+    spec = spec.with_(mbs=1) if method == "fixed" else spec
     return RunConfig(model=model, spec=spec, seed=3, steps=2, warmup=0, backend="gloo", device="cpu",
                      timeout_s=120.0, dataset="gsm8k", global_batch=8)
 
@@ -138,8 +139,8 @@ def _old_rank_peaks(spec: RunSpec, step: int) -> tuple[list[float], list[list[fl
     replicas = replicas_of(plan)
     scheds = replica_schedules(replicas, run.plan_spec, models=models, first=first)
     sims = [simulate(s, p, models.cost, models.memory) for s, p in zip(scheds, replicas)]
-    stage_peaks = np.max([sim.peak_bytes for sim in sims], axis=0)
-    return [int(x) for x in stage_peaks], [list(np.ceil(sim.peak_bytes_rank)) for sim in sims]
+    stage_peaks = np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0)
+    return [int(x) for x in stage_peaks], [list(np.ceil(np.asarray(sim.peak_bytes_rank))) for sim in sims]
 
 
 def _case(out: Path, name: str) -> RunSpec:

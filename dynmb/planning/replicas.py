@@ -123,8 +123,8 @@ def predict_replicas(replicas: Sequence[Plan], schedules: Sequence[Schedule], mo
     worst = max(sims, key=lambda sim: sim.makespan_s)
     peaks = tuple(int(x) for x in np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0)) \
         if sims[0].peak_bytes is not None else base.pred_peak_bytes
-    gpus = tuple(tuple(np.ceil(sim.peak_bytes_rank)) for sim in sims) \
-        if all(sim.peak_bytes_rank is not None for sim in sims) else base.pred_rank_peak_bytes
+    ranks = [sim.peak_bytes_rank for sim in sims if sim.peak_bytes_rank is not None]
+    gpus = tuple(tuple(np.ceil(r)) for r in ranks) if len(ranks) == len(sims) else base.pred_rank_peak_bytes
     return ReplicaPrediction(sims, base.updated(pred_step_s=worst.makespan_s, mean_bubble=worst.mean_bubble,
                                                 pred_peak_bytes=peaks, pred_rank_peak_bytes=gpus))
 
