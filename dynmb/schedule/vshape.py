@@ -26,7 +26,8 @@ stage's layers) a rank warms up with about ``2R - 1`` forwards, the paper's ZB-V
 ``evaluate`` (the simulator) the builder tries ``cap`` = ``R + 1``, ``(3R + 1) // 2`` and ``2R`` and keeps
 the fastest; without costs it runs unit times F = I = W = 1 at ``2R``. A rank never held more than
 ``cap`` chunk-microbatches (800 random pipelines; ``v_inflight``, tests/test_zbv_cap.py; the admission of
-before, chunk 1's forwards let past the cap, held ``cap + R``); slices of long sequences are not taken (``slices`` False).
+before, chunk 1's forwards let past the cap, held ``cap + R``); slices of long sequences are not taken
+(``slices`` False).
 """
 
 from __future__ import annotations

@@ -82,8 +82,8 @@ planner's), the list scheduler's own makespan of a candidate is the judge's, bit
 the same numbers; ``tests/test_zb_judge.py``), so a candidate whose own makespan already loses (``zb_h1``: not
 below the fastest judged before it; ``zb``: neither below the best that fits nor below its sweep's fastest) is
 built but not judged (``JUDGE_CONTENDERS_ONLY``): the same choice. Such a candidate is not even built to its end
-(``_give_up_at``): every ``CHECK_EVERY`` decisions the scheduler looks whether some stage's last end plus a lower bound of
-its work still to run (forwards and backwards left, each backward at ``min(B, I + W)``, and its queued ``W``) passes
+(``_give_up_at``): every ``CHECK_EVERY`` decisions the scheduler looks whether some stage's last end plus a lower
+bound of its work still to run (forwards and backwards left, each backward at ``min(B, I + W)``, and its queued ``W``) passes
 the time below which alone it would be judged, and stops there (``listed``'s ``give_up``).
 
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order

@@ -11,9 +11,9 @@ stands for it: the order of unit costs swept with real ones is up to 40% above t
 pipelines (lognormal microbatches, P 2-8). The estimate is therefore the builder's own greedy pass at the
 largest admission cap it tries (``2R``, ``vshape.admission_caps``; with the exact admission, rule 2 of
 ``vshape``, the fastest of the three in 200 of 200 random pipelines, the estimate at most 1.5% above the simulated
-step there; in about 60% with the admission of before), timed by the list scheduler's clocks (``vshape.list_makespan``). A list clock is never
-before the simulator's start of the same op (it waits only for inputs already known), so it is an upper bound
-of that order's simulated step, and the builder keeps the fastest of its caps by the simulator: the estimate
+step there; in about 60% with the admission of before), timed by the list scheduler's clocks
+(``vshape.list_makespan``). A list clock is never before the simulator's start of the same op (it waits only for
+inputs already known), so it is an upper bound of that order's simulated step, and the builder keeps the fastest of its caps by the simulator: the estimate
 is an upper bound of ``simulate`` of the built schedule (``guarantee="upper"``), above it by at most
 ``TOLERANCE`` on random pipelines (tests/test_estimators.py; the gap: a smaller cap was faster, or a rank
 waited past an input sent by a rank at the same clock). All three caps would bring it within 1.1% (200
