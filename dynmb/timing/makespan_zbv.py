@@ -13,8 +13,8 @@ largest admission cap it tries (``2R``, ``vshape.admission_caps``; with the exac
 ``vshape``, the fastest of the three in 200 of 200 random pipelines, the estimate at most 1.5% above the simulated
 step there; in about 60% with the admission of before), timed by the list scheduler's clocks
 (``vshape.list_makespan``). A list clock is never before the simulator's start of the same op (it waits only for
-inputs already known), so it is an upper bound of that order's simulated step, and the builder keeps the fastest of its caps by the simulator: the estimate
-is an upper bound of ``simulate`` of the built schedule (``guarantee="upper"``), above it by at most
+inputs already known), so it is an upper bound of that order's simulated step, and the builder keeps the fastest
+of its caps by the simulator: the estimate is an upper bound of ``simulate`` of the built schedule (``guarantee="upper"``), above it by at most
 ``TOLERANCE`` on random pipelines (tests/test_estimators.py; the gap: a smaller cap was faster, or a rank
 waited past an input sent by a rank at the same clock). All three caps would bring it within 1.1% (200
 random pipelines) at three times the cost, which the packers pay on each of their finals (a zb-v plan of a
