@@ -23,7 +23,7 @@
 #      on one GPU (interleaved), the first chunk recomputing
 #      its first block, --verify, and the allocator's peak against the prediction (the GPU's: pred_rank_peak_bytes)
 # Usage: bash benchmarks/gpu_check.sh [results-dir]   (runs from the repo root; no install needed)
-# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-9 on the CPU (a check
+# Without a GPU, DEV=cpu MODEL=tiny QUICK=--quick SKIP_TESTS=1 GB=8 STEPS=1 LIMIT=64MiB runs steps 2-10 on the CPU (a check
 # of the script and the commands, not of CUDA); ONLY=9 runs step 9 alone (either device).
 set -uo pipefail
 R=${1:-results/gpu_check}

@@ -366,10 +366,16 @@ def test_list_schedule_gives_up_only_where_it_would_pass(seed, P, m, unit, memor
         assert _ops(cut) == _ops(whole) and t_cut == t
 
 
+def _never_give_up(exact: bool, below: float) -> float:
+    """``zerobubble._give_up_at`` of before: every candidate built to its end."""
+    return np.inf
+
+
 @pytest.mark.parametrize("kind", ["zb-h1", "zb"])
 def test_candidates_given_up_are_the_same_choice(monkeypatch, kind):
-    """``zb_h1`` / ``zb`` of P 8 plans choose the same schedule, every op, with ``GIVE_UP`` as without, and some
-    candidates stop before their end (a look every 16 decisions; fails where none does)."""
+    """``zb_h1`` / ``zb`` of P 8 plans choose the same schedule, every op, giving up on candidates that lose
+    (``_give_up_at``) as building each to its end, and some candidates stop before their end (a look every 16
+    decisions; fails where none does)."""
     stopped = [0]
     real = zerobubble._ListRun.passes
 
@@ -387,7 +393,8 @@ def test_candidates_given_up_are_the_same_choice(monkeypatch, kind):
     for give_up in (True, False):
         with monkeypatch.context() as mp:
             mp.setattr(zerobubble, "REMEMBERED", 0)
-            mp.setattr(zerobubble, "GIVE_UP", give_up)
+            if not give_up:
+                mp.setattr(zerobubble, "_give_up_at", _never_give_up)
             mp.setattr(zerobubble._ListRun, "passes", counted)
             mp.setattr(zerobubble, "CHECK_EVERY", 16)
             built[give_up] = [_ops(planning_zb.build_zb(p, kind, models=planner.models)) for p in plans]
@@ -770,7 +777,7 @@ def _steps(cases, old: bool, monkeypatch) -> list:
         if old:
             mp.setattr(zerobubble, "REMEMBERED", 0)
             mp.setattr(zerobubble, "listed", _old_listed)
-            mp.setattr(zerobubble, "GIVE_UP", False)
+            mp.setattr(zerobubble, "_give_up_at", _never_give_up)
             mp.setattr(GPUCostModel, "COSTS_REMEMBERED", 0)
             mp.setattr(model_sizes.ModelSizes, "stage_pieces", _old_stage_pieces)
             mp.setattr(model_sizes.ModelSizes, "stage_parts", _old_stage_parts)

@@ -4,7 +4,8 @@ Fields are filled in two passes: the packer's (``pred_peak_bytes`` per stage fro
 model's peak rule, ``est_makespan_s`` from the fast estimate ``dynmb.timing.makespan``, per replica in
 ``est_replica_makespan_s`` with data parallelism, ``plan_s``), then the planner's
 (``pred_step_s`` and ``mean_bubble`` from the simulator, ``pred_peak_bytes`` replaced by the
-simulated peaks, ``plan_s`` the whole step's planning time). A field not predicted is None.
+simulated peaks, ``pred_rank_peak_bytes`` the simulated peak of each replica's GPUs, ``plan_s`` the whole
+step's planning time). A field not predicted is None (a plan file written before a field existed lacks it).
 
 It is also a read-only ``Mapping`` of its set fields (``plan.predictions["pred_step_s"]``,
 ``.get(...)``, ``{**plan.predictions}``), which is the JSON form (``to_dict`` / ``from_dict``).
@@ -27,6 +28,10 @@ class Predictions(Mapping):
     """Simulated step time: the slowest replica's makespan (seconds)."""
     pred_peak_bytes: tuple[int, ...] | None = None
     """Predicted peak bytes per stage (the highest over the replicas)."""
+    pred_rank_peak_bytes: tuple[tuple[int, ...], ...] | None = None
+    """Predicted peak bytes of each GPU, ``[replica][pipeline rank]``: the simulator's ``peak_bytes_rank`` of the
+    replica's schedule, rounded up (the stages the rank holds at once: interleaved chunks, the embedding stage
+    beside the last)."""
     mean_bubble: float | None = None
     """Mean bubble fraction over the ranks of the slowest replica."""
     plan_s: float | None = None
@@ -43,6 +48,9 @@ class Predictions(Mapping):
                 object.__setattr__(self, name, float(v))
         if self.pred_peak_bytes is not None:
             object.__setattr__(self, "pred_peak_bytes", tuple(int(x) for x in self.pred_peak_bytes))
+        if self.pred_rank_peak_bytes is not None:
+            object.__setattr__(self, "pred_rank_peak_bytes",
+                               tuple(tuple(int(x) for x in ranks) for ranks in self.pred_rank_peak_bytes))
         if self.est_replica_makespan_s is not None:
             object.__setattr__(self, "est_replica_makespan_s", tuple(float(x) for x in self.est_replica_makespan_s))
 

@@ -9,7 +9,8 @@ reordered replicas back into one plan.
 - ``replica_schedules(replicas, spec, ...)``: every replica's schedule (replica 0's may be given:
   a schedule file).
 - ``predict_replicas(...)``: every replica simulated; the step's predictions are the slowest
-  replica's time and bubbles and every stage's highest peak.
+  replica's time and bubbles, every stage's highest peak and each replica's peak per GPU (what the runtime's
+  memory rows set beside the measured peak).
 - ``stitch(plan, replicas)``: (reordered) replicas back into one plan, replica-major.
 
 Used by ``plan_step`` (``dynmb.planning.planner``), ``dynmb.runtime.state`` (a plan file) and
@@ -110,7 +111,8 @@ class ReplicaPrediction:
     sims: list[SimResult]
     """One per replica, in replica order."""
     predictions: Predictions
-    """The slowest replica's ``pred_step_s`` and ``mean_bubble``, every stage's highest ``pred_peak_bytes``."""
+    """The slowest replica's ``pred_step_s`` and ``mean_bubble``, every stage's highest ``pred_peak_bytes``, each
+    replica's ``pred_rank_peak_bytes``."""
 
 
 def predict_replicas(replicas: Sequence[Plan], schedules: Sequence[Schedule], models: Models[MemoryModelLike | None],
@@ -121,8 +123,10 @@ def predict_replicas(replicas: Sequence[Plan], schedules: Sequence[Schedule], mo
     worst = max(sims, key=lambda sim: sim.makespan_s)
     peaks = tuple(int(x) for x in np.max([np.asarray(sim.peak_bytes) for sim in sims], axis=0)) \
         if sims[0].peak_bytes is not None else base.pred_peak_bytes
+    ranks = [sim.peak_bytes_rank for sim in sims if sim.peak_bytes_rank is not None]
+    gpus = tuple(tuple(np.ceil(r)) for r in ranks) if len(ranks) == len(sims) else base.pred_rank_peak_bytes
     return ReplicaPrediction(sims, base.updated(pred_step_s=worst.makespan_s, mean_bubble=worst.mean_bubble,
-                                                pred_peak_bytes=peaks))
+                                                pred_peak_bytes=peaks, pred_rank_peak_bytes=gpus))
 
 
 def stitch(plan: Plan, replicas: Sequence[Plan], meta: Mapping[str, Any] | None = None) -> Plan:

@@ -88,7 +88,8 @@ class MemoryRow:
     """The predicted peak of this rank's GPU, what ``peak_bytes`` measures (with allocator statistics the rank's
     peak; the CPU meter samples the rank's bytes): the stage's ``pred_peak_bytes`` where the rank holds one stage,
     else (interleaved chunks, the embedding stage beside the last) the simulator's peak of the rank over its
-    replica's schedule (``SimResult.peak_bytes_rank``: its stages' states and activations at once)."""
+    replica's schedule (the plan's ``Predictions.pred_rank_peak_bytes``, ``SimResult.peak_bytes_rank`` made where
+    the plan was predicted: its stages' states and activations at once)."""
     allocated_bytes: int | None = None
     """CUDA: ``max_memory_allocated`` of the rank in the step (no column on CPU)."""
     reserved_bytes: int | None = None

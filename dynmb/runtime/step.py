@@ -16,7 +16,8 @@
    a step stalls every peer waiting on this rank).
 3. measure: one ``ActionRow`` per action (compute interval from the step start, receive
    wait, the cost model's prediction), one ``MemoryRow`` per stage (the meter's peak; the
-   CUDA allocator's peaks); then the memory-limit and ``--verify`` checks
+   CUDA allocator's peaks; the stage's and the GPU's predicted peaks, read from the plan's
+   predictions: the step simulates nothing); then the memory-limit and ``--verify`` checks
    (``dynmb.runtime.checks``). The ``StepReport`` carries rows and failed checks to the
    worker.
 
@@ -31,7 +32,6 @@ from collections import Counter
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -55,7 +55,6 @@ from dynmb.runtime.state import RunState
 from dynmb.core.types import Action, Plan, Schedule
 from dynmb.schedule.embedlast import is_lifted
 from dynmb.timing.embedding import embed_costs, lifted_costs
-from dynmb.timing.simulate import simulate
 
 __all__ = ["run_step"]
 
@@ -129,11 +128,11 @@ def _action_rows(state: RunState, step: int, plan: Plan, timings: list[ActionTim
     return rows, busy_s
 
 
-def _memory_rows(state: RunState, step: int, plan: Plan, offloaded: Mapping[int, int],
-                 rank_peak: int | None) -> list[MemoryRow]:
+def _memory_rows(state: RunState, step: int, plan: Plan, offloaded: Mapping[int, int]) -> list[MemoryRow]:
     """One row per stage of this rank: measured peak, the limit it is checked against, the bytes it offloaded, the
-    stage's and the GPU's predicted peaks (``rank_peak``: ``_rank_peak``; None: the stage's)."""
+    stage's and the GPU's predicted peaks (``_rank_peak``; None: the stage's)."""
     planned = list(plan.predictions.get("pred_peak_bytes", []))
+    rank_peak = _rank_peak(state, plan)
     peaks = state.meter.peaks()
     allocated, reserved = state.ops.peak_allocated_bytes(), state.ops.peak_reserved_bytes()
     rows = []
@@ -149,16 +148,16 @@ def _memory_rows(state: RunState, step: int, plan: Plan, offloaded: Mapping[int,
     return rows
 
 
-def _rank_peak(state: RunState, replica: Plan, schedule: Schedule) -> int | None:
+def _rank_peak(state: RunState, plan: Plan) -> int | None:
     """The predicted peak of this rank's GPU where it holds several stages (interleaved chunks; the embedding stage
-    beside the last, ``dynmb.schedule.embedlast``): the simulator's ``peak_bytes_rank`` of its replica's schedule
-    (what the planner holds under the limit; a plan's ``pred_peak_bytes`` is per stage, the meter's peak the
-    rank's). None where it holds one stage, or without a memory prediction."""
-    if len(state.stages) < 2:
+    beside the last, ``dynmb.schedule.embedlast``): the plan's ``pred_rank_peak_bytes`` of this rank in its replica
+    (the simulator's peak of the rank over the replica's schedule, made where the plan was predicted: what the
+    planner holds under the limit; a plan's ``pred_peak_bytes`` is per stage, the meter's peak the rank's). None
+    where it holds one stage, or without a memory prediction."""
+    gpus = plan.predictions.pred_rank_peak_bytes
+    if len(state.stages) < 2 or gpus is None:
         return None
-    sim = simulate(schedule, replica, state.cost_model, state.memory_model)
-    peaks = sim.peak_bytes_rank
-    return None if peaks is None else int(np.ceil(peaks[state.topology.pp_index]))
+    return gpus[state.topology.dp_index][state.topology.pp_index]
 
 
 def _gather(state: RunState) -> None:
@@ -227,8 +226,7 @@ def _run_step(state: RunState, step: int) -> tuple[StepReport, Plan, Schedule]:
     step_s = time.perf_counter() - t0
 
     action_rows, busy_s = _action_rows(state, step, replica, timings, start_mark, bool(lift))
-    memory_rows = _memory_rows(state, step, plan, offload.stats.bytes_by_stage if offload is not None else {},
-                               _rank_peak(state, replica, schedule))
+    memory_rows = _memory_rows(state, step, plan, offload.stats.bytes_by_stage if offload is not None else {})
     problems = memory_problems(memory_rows, allow_over_limit=state.spec.allow_over_limit)
     grad_rel_err = None
     if weights is not None and verified_grads is not None:

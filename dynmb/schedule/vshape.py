@@ -12,11 +12,10 @@ joins its rank's queue when its ``I`` ends. At its clock ``t`` a rank takes, in 
 
 1. an input gradient whose gradient is there (chunk 1's first: it is earlier in the backward pass);
 2. a forward whose input is there (chunk 1's first: it leads to a backward), held to the admission that
-   bounds the rank's memory (``held``): with ``EXACT`` chunk 0's only while the rank holds fewer than
-   ``cap - 1`` chunk-microbatches (forwarded, not yet through ``W``) and chunk 1's fewer than ``cap``, so a
-   rank never holds more than ``cap`` (the slot chunk 0 leaves free is a chunk-1 forward's: the oldest
-   microbatch always gets through, rank 0's chunk 1 drains by itself, so no rank waits forever); without
-   it chunk 0's fewer than ``cap`` and chunk 1's always (up to ``R`` past the cap); when the rank is full
+   bounds the rank's memory (``held``): chunk 0's only while the rank holds fewer than ``cap - 1``
+   chunk-microbatches (forwarded, not yet through ``W``) and chunk 1's fewer than ``cap``, so a rank never
+   holds more than ``cap`` (the slot chunk 0 leaves free is a chunk-1 forward's: the oldest microbatch
+   always gets through, rank 0's chunk 1 drains by itself, so no rank waits forever); when the rank is full
    and a ``W`` is queued the ``W`` runs first (it frees a slot);
 3. a queued ``W`` (it fills the wait);
 4. else its clock moves to the first input known to arrive (or to the next rank's clock).
@@ -26,8 +25,9 @@ handoff). With ``cap = 2R`` chunk-microbatches (the paper's ``p M_B``: each chun
 stage's layers) a rank warms up with about ``2R - 1`` forwards, the paper's ZB-V warm-up. Given an
 ``evaluate`` (the simulator) the builder tries ``cap`` = ``R + 1``, ``(3R + 1) // 2`` and ``2R`` and keeps
 the fastest; without costs it runs unit times F = I = W = 1 at ``2R``. A rank never held more than
-``cap`` chunk-microbatches with ``EXACT`` (``cap + R`` without, on 800 random pipelines; ``v_inflight``,
-tests/test_zbv_cap.py); slices of long sequences are not taken (``slices`` False).
+``cap`` chunk-microbatches (800 random pipelines; ``v_inflight``, tests/test_zbv_cap.py; the admission of
+before, chunk 1's forwards let past the cap, held ``cap + R``); slices of long sequences are not taken
+(``slices`` False).
 """
 
 from __future__ import annotations
@@ -42,10 +42,6 @@ from dynmb.core.types import Action, Schedule
 from dynmb.schedule.zerobubble import Evaluate, ZBInputs
 
 __all__ = ["placement_rank", "v_rank", "zb_v", "v_inflight", "admission_caps", "list_makespan", "PLACEMENTS"]
-
-EXACT = True
-"""Rule 2 holds every forward to the cap (``v_inflight`` = the cap); False: chunk-1 forwards run past it (up to
-``R`` more)."""
 
 PLACEMENTS = ("loop", "v")
 """Stage -> rank rules: ``loop`` (stage ``s`` on rank ``s % R``), ``v`` (``v_rank``)."""
@@ -66,9 +62,9 @@ def placement_rank(stage: int, num_stages: int, virtual: int, placement: str = "
 
 
 def v_inflight(rank: Any, ranks: int, virtual: int, num_microbatches: int | None = None) -> Any:
-    """Chunk-microbatches a rank (an array of ranks) of ``zb-v`` holds at most: the admission cap ``2R`` (where
-    ``EXACT``; else plus the chunk-1 forwards it lets through beyond it, at most ``R``), never more than ``2 m``."""
-    bound = np.full(np.shape(rank), (2 if EXACT else 3) * int(ranks))
+    """Chunk-microbatches a rank (an array of ranks) of ``zb-v`` holds at most: the admission cap ``2R``, never
+    more than ``2 m``."""
+    bound = np.full(np.shape(rank), 2 * int(ranks))
     out = bound if num_microbatches is None else np.minimum(bound, 2 * int(num_microbatches))
     return out if np.ndim(rank) else int(out)
 
@@ -109,13 +105,11 @@ class _VList:
     """The state of one greedy V list schedule (module doc): per stage the end of every forward and
     backward and the next microbatch of each, per rank its clock, held chunk-microbatches and queued W."""
 
-    def __init__(self, inp: ZBInputs, cap: int, exact: bool | None = None) -> None:
+    def __init__(self, inp: ZBInputs, cap: int) -> None:
         S, m = inp.shape
         self.S, self.m, self.R, self.cap = S, m, S // 2, cap
-        self.exact = EXACT if exact is None else exact
-        if cap < 1 + int(self.exact):
-            raise ValueError(f"zb-v admission cap {cap}: a rank must hold at least {1 + int(self.exact)} "
-                             f"chunk-microbatches")
+        if cap < 2:
+            raise ValueError(f"zb-v admission cap {cap}: a rank must hold at least 2 chunk-microbatches")
         self.rank_of = [v_rank(s, S) for s in range(S)]
         self.F, self.B, self.I, self.W = inp.F.tolist(), inp.B.tolist(), inp.I.tolist(), inp.W.tolist()
         self.comm, self.split = inp.comm.tolist(), inp.split.tolist()
@@ -191,12 +185,9 @@ class _VList:
         return True
 
     def held(self, r: int, s: int) -> bool:
-        """True when rank r may not start a forward of stage s now (rule 2): chunk 0 while it holds ``cap``
-        chunk-microbatches (``cap - 1`` where ``exact``: one slot kept for a chunk-1 forward), chunk 1 only
-        where ``exact`` and it holds ``cap``."""
-        if s == r:
-            return self.live[r] >= self.cap - int(self.exact)
-        return self.exact and self.live[r] >= self.cap
+        """True when rank r may not start a forward of stage s now (rule 2): chunk 0 while it holds ``cap - 1``
+        chunk-microbatches (one slot kept for a chunk-1 forward), chunk 1 while it holds ``cap``."""
+        return self.live[r] >= self.cap - int(s == r)
 
     def run_w(self, r: int) -> None:
         """Rank r runs its oldest queued ``W``."""

@@ -82,8 +82,8 @@ planner's), the list scheduler's own makespan of a candidate is the judge's, bit
 the same numbers; ``tests/test_zb_judge.py``), so a candidate whose own makespan already loses (``zb_h1``: not
 below the fastest judged before it; ``zb``: neither below the best that fits nor below its sweep's fastest) is
 built but not judged (``JUDGE_CONTENDERS_ONLY``): the same choice. Such a candidate is not even built to its end
-(``GIVE_UP``): every ``CHECK_EVERY`` decisions the scheduler looks whether some stage's last end plus a lower bound of
-its work still to run (forwards and backwards left, each backward at ``min(B, I + W)``, and its queued ``W``) passes
+(``_give_up_at``): every ``CHECK_EVERY`` decisions the scheduler looks whether some stage's last end plus a lower
+bound of its work still to run (forwards and backwards left, each backward at ``min(B, I + W)``, and its queued ``W``) passes
 the time below which alone it would be judged, and stops there (``listed``'s ``give_up``).
 
 Slices of a long sequence (``backward_order``, ``Plan.backward_order``): every stage's order
@@ -490,12 +490,6 @@ def list_schedule(inp: ZBInputs, inflight: Sequence[int], caps: Sequence[float] 
     return listed(inp, Listing(inflight, caps, kind, backward_order, w_defer, fill, pump))
 
 
-GIVE_UP = True
-"""With a judge that is the simulator's makespan on the scheduler's inputs (``_exact_judge``), ``zb_h1`` and ``zb``
-stop building a list schedule once its makespan is certain to reach the time below which alone it would be judged
-(``JUDGE_CONTENDERS_ONLY``; ``listed``'s ``give_up``): the same choice. False: every one built to its end."""
-
-
 def listed(inp: ZBInputs, how: Listing, give_up: float = np.inf) -> tuple[Schedule, float]:
     """``list_schedule`` with its settings as one ``Listing``. ``give_up``: where the makespan passes it, an empty
     schedule with makespan ``inf`` (a candidate that cannot be judged), found as soon as some stage's last end plus
@@ -611,8 +605,9 @@ def _variants(inp: ZBInputs, how: Listing, give_up: float = np.inf) -> list[tupl
 
 def _give_up_at(exact: bool, below: float) -> float:
     """The ``give_up`` (``listed``) of a candidate that is judged only where its own makespan is below ``below``:
-    that plus a margin over the rounding of the bound's sums (``GIVE_UP``; without an exact judge: none)."""
-    return below + 1e-9 if exact and GIVE_UP else np.inf
+    that plus a margin over the rounding of the bound's sums; without an exact judge (``_exact_judge``: the
+    simulator's makespan on the scheduler's inputs), none: every candidate built to its end."""
+    return below + 1e-9 if exact else np.inf
 
 
 def _exact_judge(evaluate: Evaluate) -> bool:

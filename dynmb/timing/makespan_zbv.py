@@ -5,23 +5,22 @@
 ``v_rank(s)``); the split backward is ``split_backward(B, shares)`` (``dynmb.timing.makespan_zb``: the cost
 model's ``I / B``, ``W / B`` per stage when the caller passes them, else ``dynmb.costmodel.split``'s).
 
-ZB-V's op order is chosen by a greedy list scheduler that reads the costs (which input gradient, forward or
-queued ``W`` a rank runs next depends on when each input arrives), so no fixed order swept with the costs
-stands for it: the order of unit costs swept with real ones is up to 40% above the simulated step on random
-pipelines (lognormal microbatches, P 2-8). The estimate is therefore the builder's own greedy pass at the
-largest admission cap it tries (``2R``, ``vshape.admission_caps``; with the exact admission, ``vshape.EXACT``, the
-fastest of the three in 200 of 200 random pipelines, the estimate at most 1.5% above the simulated step there; in
-about 60% with the old one), timed by the list scheduler's clocks (``vshape.list_makespan``). A list clock is never
-before the simulator's start of the same op (it waits only for inputs already known), so it is an upper bound
-of that order's simulated step, and the builder keeps the fastest of its caps by the simulator: the estimate
-is an upper bound of ``simulate`` of the built schedule (``guarantee="upper"``), above it by at most
-``TOLERANCE`` on random pipelines (tests/test_estimators.py; the gap: a smaller cap was faster, or a rank
-waited past an input sent by a rank at the same clock). All three caps would bring it within 1.1% (200
-random pipelines) at three times the cost, which the packers pay on each of their finals (a zb-v plan of a
-256-sequence batch at P 16: 3 CPU s with one cap, 8 with three, 1.2 with the interleaved estimate of before).
-Cost: one greedy pass without the simulator, O(ops) Python steps per pipeline; the packers rank candidates
-with the interleaved estimate on the same chunks (``dynmb.timing.makespan_zb.RANK_AS``) and use this one for
-the finals.
+ZB-V's op order is chosen by a greedy list scheduler that reads the costs (which input gradient, forward or queued
+``W`` a rank runs next depends on when each input arrives), so no fixed order swept with the costs stands for it:
+the order of unit costs swept with real ones is up to 40% above the simulated step on random pipelines (lognormal
+microbatches, P 2-8). The estimate is therefore the builder's own greedy pass at the largest admission cap it tries
+(``2R``, ``vshape.admission_caps``; with the exact admission, rule 2 of ``vshape``, the fastest of the three in 200
+of 200 random pipelines, the estimate at most 1.5% above the simulated step there; in about 60% with the admission
+of before), timed by the list scheduler's clocks (``vshape.list_makespan``). A list clock is never before the
+simulator's start of the same op (it waits only for inputs already known), so it is an upper bound of that order's
+simulated step, and the builder keeps the fastest of its caps by the simulator: the estimate is an upper bound of
+``simulate`` of the built schedule (``guarantee="upper"``), above it by at most ``TOLERANCE`` on random pipelines
+(tests/test_estimators.py; the gap: a smaller cap was faster, or a rank waited past an input sent by a rank at the
+same clock). All three caps would bring it within 1.1% (200 random pipelines) at three times the cost, which the
+packers pay on each of their finals (a zb-v plan of a 256-sequence batch at P 16: 3 CPU s with one cap, 8 with
+three, 1.2 with the interleaved estimate of before). Cost: one greedy pass without the simulator, O(ops) Python
+steps per pipeline; the packers rank candidates with the interleaved estimate on the same chunks
+(``dynmb.timing.makespan_zb.RANK_AS``) and use this one for the finals.
 """
 
 from __future__ import annotations

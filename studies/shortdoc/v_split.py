@@ -12,10 +12,11 @@ split balanced per V GPU instead:
   extra included); GPU ``R - 1`` takes what is left, cut in the middle into its two chunks. ``B`` is feasible when
   that last GPU's work is at most ``B``. The grain is ``split_units``' (``chunk``: 1/16 layer where the model allows
   a cut, ``half``: half-blocks), the work the workload's (``split_work.workload_cost``) under the cell's cost model.
-- ``--exact 0`` runs the ZB-V list scheduler without the exact admission (``vshape.EXACT = False``: chunk-1 forwards
-  past the cap, the packers counting ``3R``), for the before / after pair on the same split.
+- the ZB-V list scheduler runs with its exact admission (``dynmb.schedule.vshape``'s rule 2). The README's rows of
+  the admission of before (``--exact 0``: chunk-1 forwards past the cap, the packers counting ``3R``) need a
+  checkout of c7a7e84 or earlier, which had that switch.
 
-    PYTHONPATH=$PWD nice -n 10 python3 -m studies.shortdoc.v_split --models llama2-7b --stages 16 --exact 1 \
+    PYTHONPATH=$PWD nice -n 10 python3 -m studies.shortdoc.v_split --models llama2-7b --stages 16 \
         --out results/v_split.jsonl
 """
 
@@ -27,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 import dynmb
-import dynmb.schedule.vshape as vshape
 from dynmb import data
 from dynmb.core.config import ModelConfig
 from dynmb.planning.memory_split import layout_of
@@ -102,7 +102,7 @@ def run_cell(model: str, P: int, grain: str, out: Path | None) -> dict:
 
     shortdoc.planner_for = planner_for
     row = shortdoc.cell("gsm8k", trace, model, P, "24GiB", [], variant)
-    row.update(v_split=list(split), v_ceiling=ceiling, exact=vshape.EXACT, grain=grain)
+    row.update(v_split=list(split), v_ceiling=ceiling, grain=grain)
     append_row(row, out)
     return row
 
@@ -112,10 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="llama2-7b")
     ap.add_argument("--stages", default="16")
     ap.add_argument("--grain", choices=tuple(GRAINS), default="chunk")
-    ap.add_argument("--exact", type=int, choices=(0, 1), default=1, help="vshape.EXACT (0: the old admission)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    vshape.EXACT = bool(args.exact)
     for model in args.models.split(","):
         for P in map(int, args.stages.split(",")):
             row = run_cell(model, P, args.grain, args.out)
