@@ -220,7 +220,8 @@ class CompareSettings:
         if self.stage_split != "auto":
             return cfg
         relief = ReliefInputs(memory_limit_bytes=spec.memory_limit_bytes, schedule_kind=spec.schedule_kind,
-                              workload=workload, cost_model=self.template.cost_model)   # memory in the split
+                              workload=workload, cost_model=self.template.cost_model,   # memory in the split,
+                              embedding=spec.embedding)                                  # weighed for its place
         return _relieved(cfg, spec.num_stages, relief, int(spec.virtual), self.memory_model)
 
     def _split_search(self) -> SplitSearch | None:
