@@ -166,7 +166,7 @@ def test_a_bad_embedding_value_is_one_line_naming_the_flag(verb, capsys):
         main([verb, "--embedding", "middle"])
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--embedding" in err[0] and "middle" in err[0]
+    assert len(err) == 1 and "--embedding" in err[0] and "invalid choice: 'middle'" in err[0]
 
 
 def test_compare_refuses_the_embedding_last_on_one_rank_before_any_worker(tmp_path, capsys):
