@@ -16,9 +16,8 @@ from dynmb.cli.outcome import stop_line
 from dynmb.core.config import RunConfig
 from dynmb.io.outdir import check_fresh
 from dynmb.jobs.compare import (DEFAULT_LIMIT, CompareJob, CompareSettings, base_model_config, format_summary,
-                                prepare_compare, run_compare_job)
-from dynmb.jobs.compare import _plan_kwargs, _trace_lengths
-from dynmb.planning.embedding_choice import EmbeddingChoice, Placement, Workload, choose_on_samples, fallback, last_refusal
+                                case_placement, prepare_compare, run_compare_job, trace_lengths)
+from dynmb.planning.embedding_choice import EmbeddingChoice, Workload, choose_on_samples, fallback, last_refusal
 from dynmb.runtime.launch import default_backend_device
 
 __all__ = ["add_parser", "run", "settings_from_args"]
@@ -125,10 +124,10 @@ def with_embedding_choice(settings: CompareSettings) -> tuple[CompareSettings, E
     if why is not None:
         return settings, fallback(why)
     placed = [replace(settings, template=run.with_(embedding=place)) for place in EMBEDDING_PLACES]
-    placements = [Placement(**_plan_kwargs(s, "dynamic")) for s in placed]
+    placements = [case_placement(s, "dynamic") for s in placed]
     if settings.corpus is not None:                  # its token counts: the token file, once the folder may be used
         check_fresh(settings.out, settings.append)
-    workload = Workload(_trace_lengths(settings), run.global_batch, run.seed)
+    workload = Workload(trace_lengths(settings), run.global_batch, run.seed)
     choice, won = choose_on_samples(workload, placements)
     return placed[EMBEDDING_PLACES.index(won.spec.embedding)], choice
 
