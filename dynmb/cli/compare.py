@@ -8,10 +8,10 @@ import argparse
 import sys
 from dataclasses import replace
 
-from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
+from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_embedding_flag, add_model_flags, add_recompute_flag, add_run_shape_flags,
                              add_offload_flag, add_schedule_flag, add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int,
                              positive_int, spec_from_flags)
-from dynmb.core.planspec import EMBEDDING_PLACES, EMBEDDING_SETTINGS
+from dynmb.core.planspec import EMBEDDING_PLACES
 from dynmb.cli.outcome import stop_line
 from dynmb.core.config import RunConfig
 from dynmb.io.outdir import check_fresh
@@ -38,12 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_recompute_flag(parser)
     add_slice_fitting_flag(parser)
     add_offload_flag(parser)
-    parser.add_argument("--embedding", default="first", choices=EMBEDDING_SETTINGS,
-                        help="where the token embedding lives in every case: first (default, with stage 0), last (on "
-                             "the last pipeline rank; dynmb.schedule.embedlast) or auto (chosen once, before any "
-                             "worker starts, by dynamic's mean simulated step per real token on sample batches of "
-                             "the trace, each place with its own layout, as dynmb plan / run choose it; first where "
-                             "last cannot run, said once)")
+    add_embedding_flag(parser, default="first")            # every case's place (auto: with dynamic's settings)
     add_shape_flags(parser)
     add_run_shape_flags(parser)
     add_schedule_flag(parser, help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb, or auto (per step, the "

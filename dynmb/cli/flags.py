@@ -422,14 +422,17 @@ def add_packing_flags(parser: argparse.ArgumentParser, *, schedule_default: str 
     add_shape_flags(parser)
 
 
-def add_embedding_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--embedding", default=None, choices=EMBEDDING_SETTINGS,
+def add_embedding_flag(parser: argparse.ArgumentParser, *, default: str | None = None) -> None:
+    """``--embedding``; ``default`` None: ``auto`` under ``--stage-split auto``, else ``first`` (``embedding_pending``);
+    ``compare`` passes ``first``."""
+    parser.add_argument("--embedding", default=default, choices=EMBEDDING_SETTINGS,
                         help="where the token embedding lives: first (with stage 0), last (on the last pipeline rank, "
                              "which embeds each microbatch and sends it to stage 0: stage 0's memory holds no "
-                             "embedding table; dynmb.schedule.embedlast) or auto (the first global batch planned "
-                             "both ways, each with its own layout, and the faster simulated step's place kept for "
-                             "the run; first where last cannot run, said once; dynmb.planning.embedding_choice); "
-                             "default auto with --stage-split auto, else first")
+                             "embedding table; dynmb.schedule.embedlast) or auto (chosen once, before anything runs: "
+                             "the workload's sample batches planned both ways, each place with its own layout, and "
+                             "the smaller mean simulated step per real token kept for the run; first where last "
+                             "cannot run, said once; dynmb.planning.embedding_choice); default "
+                             + ("auto with --stage-split auto, else first" if default is None else default))
 
 
 def embedding_pending(args: argparse.Namespace) -> argparse.Namespace:
