@@ -151,7 +151,7 @@ def _planned(lengths: np.ndarray, placement: Placement, meta: dict[str, Any] | N
 def choose_embedding(lengths: Any, placements: Sequence[Placement],
                      meta: dict[str, Any] | None = None) -> tuple[EmbeddingChoice, Placement, Planned]:
     """``lengths`` planned under each of ``placements`` (``first`` then ``last``); the faster simulated step wins
-    (module doc, step 3): the choice (said), the winning placement and its plan of ``lengths``."""
+    (module doc, step 4): the choice (said), the winning placement and its plan of ``lengths``."""
     places = _check_places(placements)
     batch = np.asarray(lengths, dtype=np.int64)
     outcomes = [_planned(batch, p, meta) for p in placements]
