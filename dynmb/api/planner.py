@@ -37,8 +37,8 @@ from dynmb.planning.memory_split import Relief, ReliefInputs, relieved_layout
 from dynmb.planning.split_search import SplitSearch
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.planning.virtual_search import AUTO_VIRTUAL, VirtualChoice, choose_virtual
-from dynmb.planning.embedding_choice import (AUTO_EMBEDDING, EmbeddingChoice, Placement, choose_embedding,
-                                             embedding_setting, fallback, last_refusal)
+from dynmb.planning.embedding_choice import (AUTO_EMBEDDING, EmbeddingChoice, Placement, Workload, choose_embedding,
+                                             choose_on_samples, embedding_setting, fallback, last_refusal)
 
 __all__ = ["Planner", "PlannedStep", "PlannerInputs"]
 
@@ -174,13 +174,15 @@ class Planner:
     shorter step within the limit (``dynmb.planning.slice_fitting``; with ``oversize="truncate"`` after the cut).
     ``embedding``: ``"first"`` (the token embedding with stage 0, plans as ever), ``"last"``: on the last pipeline rank
     (``PlanSpec.embedding``, ``dynmb.schedule.embedlast``): stage 0's memory holds no table, every schedule gets the
-    embedding stage, the simulator prices its ops and messages; or ``"auto"``: the first batch ``plan`` is given is
-    planned under both places, each with its own resolved layout (the stage split's memory relief weighed per place),
-    and the faster simulated step's place is kept from then on (``dynmb.planning.embedding_choice``; ``first`` with
-    the reason said once where ``last`` cannot run: one rank, a tied embedding, a model of your own, a V-placed kind,
-    a fitted memory model); ``embedding_choice`` records the place, both steps and why; until that first plan the
-    planner's attributes (``spec``, ``model_cfg``, ``models``) read the ``first`` placement's (``choose_embedding``
-    chooses without planning). None (default): ``"auto"`` where ``stage_split="auto"``, else ``"first"``. ``offload``: ``"never"`` (default) or
+    embedding stage, the simulator prices its ops and messages; or ``"auto"``: each place gets its own resolved layout
+    (the stage split's memory relief weighed per place) and the faster place is kept for the run
+    (``dynmb.planning.embedding_choice``): with ``workload`` and ``global_batch``, chosen here, at construction, by
+    the mean simulated step per real token of the workload's sample batches (those the layout searches plan), so
+    every first batch sees the same place and the first plan costs a fixed place's; without them, the first batch
+    ``plan`` is given is planned under both places and the faster kept (until then the planner's attributes,
+    ``spec``, ``model_cfg``, ``models``, read the ``first`` placement's; ``choose_embedding`` chooses without
+    planning); ``first`` with the reason said once where ``last`` cannot run: one rank, a tied embedding, a model of
+    your own, a V-placed kind, a fitted memory model; ``embedding_choice`` records the place, the steps and why. None (default): ``"auto"`` where ``stage_split="auto"``, else ``"first"``. ``offload``: ``"never"`` (default) or
     ``"auto"``: the saved activations of stages' leading blocks may wait in host memory between forward and
     backward where the cost model's host link hides the copies (``PlanSpec.offload``, ``dynmb.planning.offload``;
     the choice per stage in ``plan.meta.offload_blocks``; CPU cost models have no host link and offload nothing).
@@ -240,7 +242,12 @@ class Planner:
             else:
                 self.embedding_choice = fallback(why)
             spec = spec.with_(embedding="first")
-        self._adopt(self._weighed[0] if self._weighed else _layout(model_cfg, own, spec, inputs))
+        if self._weighed and inputs.workload is not None and inputs.global_batch is not None:
+            self.embedding_choice, won = choose_on_samples(Workload(inputs.workload, int(inputs.global_batch)),
+                                                           self._placements(None))     # now, on sample batches
+            self._fix(won)
+        else:
+            self._adopt(self._weighed[0] if self._weighed else _layout(model_cfg, own, spec, inputs))
 
     def _adopt(self, layout: "_Layout") -> None:
         """Plan from here on with ``layout``'s settings, model and models."""
@@ -268,13 +275,20 @@ class Planner:
         method, reorder and mbs; None once chosen (or where the place was given)."""
         if not self._weighed:
             return None
+        self.embedding_choice, won, planned = choose_embedding(lengths, self._placements(spec), meta)
+        self._fix(won)
+        return planned
+
+    def _placements(self, spec: PlanSpec | None) -> list[Placement]:
+        """Each weighed place's settings (with ``spec``'s method, reorder and mbs; None: its own), layout, models."""
         keep = ("method", "reorder", "mbs")
-        placed = [Placement(spec=w.spec.with_(**{k: getattr(spec, k) for k in keep}), model_cfg=w.model_cfg,
-                            models=w.models) for w in self._weighed]
-        self.embedding_choice, won, planned = choose_embedding(lengths, placed, meta)
+        return [Placement(spec=w.spec if spec is None else w.spec.with_(**{k: getattr(spec, k) for k in keep}),
+                          model_cfg=w.model_cfg, models=w.models) for w in self._weighed]
+
+    def _fix(self, won: Placement) -> None:
+        """Plan with the winning place's layout from here on; nothing left to weigh."""
         self._adopt(self._weighed[EMBEDDING_PLACES.index(won.spec.embedding)])
         self._weighed = ()
-        return planned
 
     # the settings, read from the spec
     num_stages = property(lambda self: self.spec.num_stages)

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
-from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_model_flags, add_recompute_flag, add_run_shape_flags,
+from dynmb.cli.flags import (OVERSIZE_CHOICES, add_data_flags, add_embedding_flag, add_model_flags, add_recompute_flag, add_run_shape_flags,
                              add_offload_flag, add_schedule_flag, add_shape_flags, add_slice_fitting_flag, corpus_source, nonnegative_int,
                              positive_int, spec_from_flags)
+from dynmb.core.planspec import EMBEDDING_PLACES
 from dynmb.cli.outcome import stop_line
 from dynmb.core.config import RunConfig
+from dynmb.io.outdir import check_fresh
 from dynmb.jobs.compare import (DEFAULT_LIMIT, CompareJob, CompareSettings, base_model_config, format_summary,
-                                prepare_compare, run_compare_job)
+                                case_placement, prepare_compare, run_compare_job, trace_lengths)
+from dynmb.planning.embedding_choice import EmbeddingChoice, Workload, choose_on_samples, fallback, last_refusal
 from dynmb.runtime.launch import default_backend_device
 
 __all__ = ["add_parser", "run", "settings_from_args"]
@@ -34,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     add_recompute_flag(parser)
     add_slice_fitting_flag(parser)
     add_offload_flag(parser)
+    add_embedding_flag(parser, default="first")            # every case's place (auto: with dynamic's settings)
     add_shape_flags(parser)
     add_run_shape_flags(parser)
     add_schedule_flag(parser, help="schedule kind: gpipe, 1f1b, memory-aware, zb-h1, zb, or auto (per step, the "
@@ -77,6 +82,12 @@ def add_parser(subparsers: argparse._SubParsersAction, help_text: str) -> None:
     parser.set_defaults(func=run)
 
 
+def _place_given(args: argparse.Namespace) -> str:
+    """``--embedding`` as a place (``auto``: ``first`` until ``with_embedding_choice`` chooses; default ``first``)."""
+    given = getattr(args, "embedding", None) or "first"
+    return "first" if given == "auto" else str(given)
+
+
 def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     """The ``CompareSettings`` of the flags: a ``RunConfig`` template (its spec from ``spec_from_flags``), the
     methods and the comparison's own options."""
@@ -84,7 +95,8 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     device = args.device or default_backend_device()[1]
     template = RunConfig(
         model=base_model_config(args.model, args.attention),
-        spec=spec_from_flags(args, memory_limit=args.memory_limit or DEFAULT_LIMIT, virtual=int(args.virtual or 1)),
+        spec=spec_from_flags(args, memory_limit=args.memory_limit or DEFAULT_LIMIT, virtual=int(args.virtual or 1),
+                             embedding=_place_given(args)),
         dataset=corpus.name if corpus is not None else args.lengths or args.dataset or "sharegpt",
         global_batch=args.global_batch, seed=args.seed, steps=args.steps, warmup=args.warmup, device=device,
         backend="nccl" if device == "cuda" else "gloo", cost_model=args.cost_model, prewarm=args.prewarm,
@@ -94,6 +106,25 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         stage_split=args.stage_split, corpus=corpus, memory_model=args.memory_model,
         allow_over_limit=args.allow_over_limit, fixed_best=not args.no_fixed_best, sequential=args.sequential,
         out=args.out, repeats=args.repeats, order_seed=args.order_seed, append=args.append)
+
+
+def with_embedding_choice(settings: CompareSettings) -> tuple[CompareSettings, EmbeddingChoice]:
+    """``--embedding auto``: ``settings`` (their embedding ``first``) with the place every case runs in chosen once by
+    ``embedding_choice.choose_on_samples`` under dynamic's settings, each place with its own layout (the stage
+    split's relief weighed for it) and models, as the cases plan; ``first`` where ``last`` cannot run (said once)."""
+    settings = settings.resolved()
+    run = settings.template
+    why = last_refusal(run.spec, run.model, own_model=settings.model_factory is not None,
+                       memory_model_given=settings.memory_model is not None)
+    if why is not None:
+        return settings, fallback(why)
+    placed = [replace(settings, template=run.with_(embedding=place)) for place in EMBEDDING_PLACES]
+    placements = [case_placement(s, "dynamic") for s in placed]
+    if settings.corpus is not None:                  # its token counts: the token file, once the folder may be used
+        check_fresh(settings.out, settings.append)
+    workload = Workload(trace_lengths(settings), run.global_batch, run.seed)
+    choice, won = choose_on_samples(workload, placements)
+    return placed[EMBEDDING_PLACES.index(won.spec.embedding)], choice
 
 
 def _header(job: CompareJob) -> str:
@@ -107,7 +138,11 @@ def _header(job: CompareJob) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        job = prepare_compare(settings_from_args(args))
+        settings = settings_from_args(args)
+        if getattr(args, "embedding", None) == "auto":     # the place of every case, once, before any worker starts
+            settings, choice = with_embedding_choice(settings)
+            print(f"dynmb compare: --{choice.describe()}", file=sys.stderr, flush=True)
+        job = prepare_compare(settings)
     except KeyboardInterrupt:
         print("dynmb compare: interrupted before torchrun started", file=sys.stderr)
         return 130

@@ -40,7 +40,7 @@ from dynmb.core.contract import names_factory
 from dynmb.data import CorpusSource, load_trace, sample_indices
 
 if TYPE_CHECKING:
-    from dynmb.planning.embedding_choice import Placement
+    from dynmb.planning.embedding_choice import Placement, Workload
 
 __all__ = ["add_model_flags", "add_data_flags", "add_packing_flags", "add_shape_flags", "add_run_shape_flags",
            "add_recompute_flag", "add_model_file_flags", "positive_int", "nonnegative_int", "int_at_least",
@@ -422,14 +422,17 @@ def add_packing_flags(parser: argparse.ArgumentParser, *, schedule_default: str 
     add_shape_flags(parser)
 
 
-def add_embedding_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--embedding", default=None, choices=EMBEDDING_SETTINGS,
+def add_embedding_flag(parser: argparse.ArgumentParser, *, default: str | None = None) -> None:
+    """``--embedding``; ``default`` None: ``auto`` under ``--stage-split auto``, else ``first`` (``embedding_pending``);
+    ``compare`` passes ``first``."""
+    parser.add_argument("--embedding", default=default, choices=EMBEDDING_SETTINGS,
                         help="where the token embedding lives: first (with stage 0), last (on the last pipeline rank, "
                              "which embeds each microbatch and sends it to stage 0: stage 0's memory holds no "
-                             "embedding table; dynmb.schedule.embedlast) or auto (the first global batch planned "
-                             "both ways, each with its own layout, and the faster simulated step's place kept for "
-                             "the run; first where last cannot run, said once; dynmb.planning.embedding_choice); "
-                             "default auto with --stage-split auto, else first")
+                             "embedding table; dynmb.schedule.embedlast) or auto (chosen once, before anything runs: "
+                             "the workload's sample batches planned both ways, each place with its own layout, and "
+                             "the smaller mean simulated step per real token kept for the run; first where last "
+                             "cannot run, said once; dynmb.planning.embedding_choice); default "
+                             + ("auto with --stage-split auto, else first" if default is None else default))
 
 
 def embedding_pending(args: argparse.Namespace) -> argparse.Namespace:
@@ -459,15 +462,17 @@ def _placement(args: argparse.Namespace, place: str, model: str | None, stages: 
     return Placement(spec=spec, model_cfg=cfg, models=spec_models(models, spec))
 
 
-def with_embedding_choice(args: argparse.Namespace, batch: np.ndarray, *, model: str | None = None,
+def with_embedding_choice(args: argparse.Namespace, workload: "Workload", *, model: str | None = None,
                           stages: int | None = None, device: str = "cpu") -> argparse.Namespace:
     """``--embedding auto`` (after ``embedding_pending``): a copy of ``args`` with the place chosen once, before
-    anything runs, by ``dynmb.planning.embedding_choice`` (the ``Planner``'s choice) from ``batch``, the first
-    step's global batch: ``embedding`` the place, ``embedding_choice`` the record, ``virtual_layout`` the winner's
-    layout (``model_from_args`` returns it). Where ``last`` cannot run: ``first``, said once. Else ``args``."""
+    anything runs, by ``dynmb.planning.embedding_choice.choose_on_samples`` (the ``Planner``'s choice given a
+    workload and a global batch size) on the sample batches of ``workload`` (the verb's trace or corpus, its global
+    batch and seed: whatever step a verb plans first, the same place): ``embedding`` the place, ``embedding_choice``
+    the record, ``virtual_layout`` the winner's layout (``model_from_args`` returns it). Where ``last`` cannot run:
+    ``first``, said once. Else ``args``."""
     if not getattr(args, "embedding_auto", False):
         return args
-    from dynmb.planning.embedding_choice import choose_embedding, fallback, last_refusal
+    from dynmb.planning.embedding_choice import choose_on_samples, fallback, last_refusal
 
     plain = argparse.Namespace(**{**vars(args), "stage_split": "even"})   # the architecture and settings only
     cfg = model_from_args(plain, model=model, stages=stages)
@@ -478,7 +483,7 @@ def with_embedding_choice(args: argparse.Namespace, batch: np.ndarray, *, model:
         return argparse.Namespace(**{**vars(args), "embedding": "first", "embedding_auto": False,
                                      "embedding_choice": fallback(why)})
     places = [_placement(args, place, model, stages, device) for place in ("first", "last")]
-    choice, won, _ = choose_embedding(batch, places)
+    choice, won = choose_on_samples(workload, places)
     return argparse.Namespace(**{**vars(args), "embedding": choice.place, "embedding_auto": False,
                                  "embedding_choice": choice, "virtual_layout": won.model_cfg, "stage_split": "even"})
 

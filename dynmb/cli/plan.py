@@ -1,6 +1,7 @@
 """``dynmb plan``: pack one global batch into microbatches under a memory limit; print a summary (with
 ``--virtual auto`` the chunks per GPU chosen once first, ``cli.flags.with_virtual_choice``; with ``--embedding auto``,
-the default under ``--stage-split auto``, the embedding's place chosen on the batch, ``cli.flags.with_embedding_choice``)."""
+the default under ``--stage-split auto``, the embedding's place chosen on the workload's sample batches, whatever
+``--step`` is, as ``dynmb run`` chooses it: ``cli.flags.with_embedding_choice``)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from typing import Any
 
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_state_shards_flag, load_rows,
                              model_from_args, names_factory, nonnegative_int, spec_from_flags, virtual_arg,
-                             warn_own_model_stand_ins, with_virtual_choice, embedding_pending, with_embedding_choice)
+                             warn_own_model_stand_ins, with_virtual_choice, embedding_pending, with_embedding_choice,
+                             workload_of)
 from dynmb.cli.planfile import plan_meta, plan_pack_len
 from dynmb.core.config import ModelConfig, PlanSpec, format_bytes
 from dynmb.costmodel.loader import load_models
+from dynmb.planning.embedding_choice import Workload
 from dynmb.planning import plan_step
 from dynmb.planning.spec_check import check_plan_spec
 from dynmb.planning.virtual_search import describe
@@ -94,9 +97,9 @@ def _show(key: str, value: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     args = with_virtual_choice(embedding_pending(args))      # --virtual auto: V chosen once; --stages then P V
-    if args.embedding_auto:                # --embedding auto: the place chosen on this batch, each with its layout
-        rows, batch = load_rows(args, args.step)
-        args = with_embedding_choice(args, batch, device=args.device)
+    if args.embedding_auto:                # --embedding auto: the place chosen on the workload's sample batches
+        args = with_embedding_choice(args, Workload(workload_of(args), args.global_batch, args.seed),
+                                     device=args.device)
     model = model_from_args(args)
     spec = plan_spec(args, model)
     check_plan_spec(spec)                  # what run and compare refuse too, before any batch is read

@@ -24,18 +24,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from dynmb.cli.outcome import run_summary, stop_line
 from dynmb.cli.flags import (add_data_flags, add_model_flags, add_packing_flags, add_run_shape_flags, corpus_source,
                              model_from_args, names_factory, nonnegative_int, positive_int, spec_from_flags,
                              virtual_arg, warn_own_model_stand_ins, with_virtual_choice, embedding_pending,
-                             with_embedding_choice)
+                             with_embedding_choice, workload_of)
 from dynmb.cli.planfile import plan_model, plan_pack_len, recorded_model_file, refuse_split_conflict
 from dynmb.cli.schedule import check_schedule_plan, sidecar_path
 from dynmb.core.config import ModelConfig, RunConfig, parse_bytes
-from dynmb.data import TokenFile, load_trace, prepare_tokens, sample_indices
+from dynmb.data import TokenFile, prepare_tokens
 from dynmb.io.outdir import check_fresh
+from dynmb.planning.embedding_choice import Workload
 from dynmb.planning.virtual_search import describe
 from dynmb.runtime.api import run_job
 from dynmb.runtime.checkpoint import check_resume
@@ -247,11 +247,11 @@ def _token_file(args: argparse.Namespace) -> TokenFile | None:
                           max_len=model.max_seq_len if run.oversize == "error" else None)   # a record no row holds
 
 
-def _first_batch(args: argparse.Namespace, tokens: TokenFile | None) -> np.ndarray:
-    """The lengths of the run's first global batch, as its ranks draw it (``runtime.state``: the trace's or the
-    corpus's rows of ``sample_indices`` at step 0)."""
-    trace = tokens.load().lengths if tokens is not None else load_trace(args.lengths or args.dataset or "sharegpt")
-    return trace[sample_indices(len(trace), _arg(args, "global_batch"), _arg(args, "seed"), step=0, note=False)]
+def _workload(args: argparse.Namespace, tokens: TokenFile | None) -> Workload:
+    """What the run's global batches are drawn from (the corpus's token counts, else the trace), its global batch
+    size and seed: ``--embedding auto`` chooses on its sample batches (``embedding_choice.choose_on_samples``)."""
+    lengths = tokens.load().lengths if tokens is not None else workload_of(args)
+    return Workload(lengths, _arg(args, "global_batch"), _arg(args, "seed"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
         _spec(args, *(given or ("gloo", "cpu"))).check_settings()
         check_fresh(args.out, args.append)          # one job per folder, before anything is written
         tokens = _token_file(args)
-        if args.embedding_auto:                     # the embedding's place, once, from the first step's batch
-            args = with_embedding_choice(args, _first_batch(args, tokens), model=_arg(args, "model"),
+        if args.embedding_auto:                     # the embedding's place, once, on the workload's sample batches
+            args = with_embedding_choice(args, _workload(args, tokens), model=_arg(args, "model"),
                                          stages=_arg(args, "stages"), device=(given or default_backend_device())[1])
         JobSpec.single(_spec(args, *(given or ("gloo", "cpu")), corpus=tokens)).check()
         spec = _spec(args, *(given or default_backend_device()), corpus=tokens)

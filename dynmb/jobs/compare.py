@@ -73,6 +73,7 @@ from dynmb.planning import default_cost_model_path, plan_step, reorder_for
 from dynmb.planning.memory_split import ReliefInputs, relieved_layout
 from dynmb.planning.spec_check import uses_pack_len
 from dynmb.planning.split_search import SplitSearch
+from dynmb.planning.embedding_choice import Placement
 from dynmb.planning.stage_split import resolve_stage_split
 from dynmb.report.plots import compare_throughput, gantt, predicted_timeline
 from dynmb.io.results import TABLES, load_results, set_run_status, tag_runs, write_table
@@ -82,7 +83,7 @@ from dynmb.runtime.spec import JobSpec, RunSpec, check_writable
 
 __all__ = ["CompareSettings", "CompareCase", "CompareJob", "CompareResult", "prepare_compare", "run_compare_job",
            "fixed_candidates", "budget_candidates", "base_model_config", "DEFAULT_LIMIT", "display_summary",
-           "format_summary", "COLUMNS", "FIXED_SIZE_METHODS", "BUDGET_METHODS"]
+           "format_summary", "case_placement", "trace_lengths", "COLUMNS", "FIXED_SIZE_METHODS", "BUDGET_METHODS"]
 
 COLUMNS = ["tokens_per_s", "x_dynamic", "speedup_vs_fixed", "padding_fraction", "mean_bubble", "peak_over_limit",
            "pred_step_s", "step_s", "pred_err", "step_ratio", "action_ratio", "replay_err", "gap_to_bound", "gap_to_ideal", "plan_s",
@@ -220,7 +221,8 @@ class CompareSettings:
         if self.stage_split != "auto":
             return cfg
         relief = ReliefInputs(memory_limit_bytes=spec.memory_limit_bytes, schedule_kind=spec.schedule_kind,
-                              workload=workload, cost_model=self.template.cost_model)   # memory in the split
+                              workload=workload, cost_model=self.template.cost_model,   # memory in the split,
+                              embedding=spec.embedding)                                  # weighed for its place
         return _relieved(cfg, spec.num_stages, relief, int(spec.virtual), self.memory_model)
 
     def _split_search(self) -> SplitSearch | None:
@@ -366,7 +368,12 @@ def _token_file(settings: CompareSettings) -> TokenFile | None:
                           max_len=model.max_seq_len if settings.template.spec.oversize == "error" else None)   # a record no row holds
 
 
-def _trace_lengths(settings: CompareSettings) -> np.ndarray:
+def case_placement(settings: CompareSettings, method: str) -> Placement:
+    """One case's settings, layout (its embedding's place) and models: what ``compare --embedding auto`` weighs."""
+    return Placement(**_plan_kwargs(settings, method))
+
+
+def trace_lengths(settings: CompareSettings) -> np.ndarray:
     """The lengths the global batches are drawn from: the trace, or the corpus's token counts."""
     tokens = _token_file(settings)
     return load_trace(settings.trace) if tokens is None else tokens.load().lengths
@@ -376,7 +383,7 @@ def fixed_candidates(settings: CompareSettings) -> tuple[list[int], list[int]]:
     """``(automatic microbatch size of each step, candidates)`` for the best fixed size in
     hindsight: 1, 2, 4, ... below the smallest automatic size (the largest that fits) of the
     run's steps, so that every candidate fits every step."""
-    trace = _trace_lengths(settings)
+    trace = trace_lengths(settings)
     kwargs = _plan_kwargs(settings, "fixed")
     kwargs["spec"] = kwargs["spec"].with_(mbs=None, reorder="none")
     run = settings.template
@@ -390,7 +397,7 @@ def budget_candidates(settings: CompareSettings, method: str) -> list[int]:
     for the best budget in hindsight: every d until the plans of the run's steps stop changing
     their microbatch count, then the ``BUDGET_CANDIDATES`` whose predicted steps (summed over the
     run's steps) are shortest, in increasing d. Measured like ``fixed-best``: the fastest case wins."""
-    trace = _trace_lengths(settings)
+    trace = trace_lengths(settings)
     kwargs = _plan_kwargs(settings, method)
     run = settings.template
     batches = [sample_batch(trace, run.global_batch, run.seed, step=k) for k in range(run.warmup + run.steps)]

@@ -12,17 +12,28 @@ the limit and the workload, and a proxy that leaves out the fill (``memory_split
    head's table, on the last stage already), dynmb's own families, a loop-placed kind or ``auto`` (the V placement
    holds the last stage on rank 0), the analytic memory model (a fitted one prices its own placement only); else
    ``first``, the reason said once (``say``).
-3. **Choice** (``choose_embedding``): the first global batch is planned under each placement, each with its own
-   resolved layout (the caller's: ``Planner`` and the command line resolve the stage split and its memory relief per
-   placement), and the smaller simulated step wins, ``first`` on a tie; a placement that cannot plan the batch
-   (``ValueError``) loses; where both cannot, the ``first`` error is raised. The winner's plan is returned too, so
-   the batch is not planned a third time. The choice is fixed for the run (its states live in one place).
+3. **Choice on sample batches** (``choose_on_samples``), where a workload and a global batch size are given (the
+   ``Planner``'s ``workload`` and ``global_batch``; ``dynmb plan`` / ``run`` / ``compare`` always): the sample batches
+   the layout searches plan (``SplitSearch.sample_batches``: one replica's share of the global batch, drawn from the
+   workload, stream ``seed``, steps 0, 1, ...), each planned at ``dp = 1`` under each placement's settings, resolved
+   layout and models (the caller's: ``Planner`` and the command line resolve the stage split and its memory relief
+   per placement). The smaller mean simulated step per real token wins (``split_search.batch_scores``: each batch's
+   step scaled to ``first``'s real tokens on it, as the split and V searches score; ``first`` on a tie); a placement
+   that cannot plan a sample batch loses; where neither can, ``first`` (the plan then says why). The choice is made
+   once, before the first step (the ``Planner`` at construction), so every step and every verb sees the same place
+   whatever its first batch; the first plan costs what a fixed place's costs.
+4. **Choice on the first batch** (``choose_embedding``), without a workload or a global batch size: the first
+   global batch is planned under each placement and the smaller simulated step wins, ``first`` on a tie; a
+   placement that cannot plan the batch (``ValueError``) loses; where both cannot, the ``first`` error is raised.
+   The winner's plan is returned too, so the batch is not planned a third time.
+
+The choice is fixed for the run (its states live in one place).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -33,11 +44,13 @@ from dynmb.core.types import Plan, Schedule
 from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.planning.planner import plan_step
+from dynmb.planning.split_search import SplitSearch, batch_scores
+from dynmb.planning.split_work import workload_lengths
 from dynmb.schedule.kinds import AUTO, get_kind, is_schedule_name
 from dynmb.timing.simulate import SimResult
 
-__all__ = ["AUTO_EMBEDDING", "EMBEDDING_SETTINGS", "EmbeddingChoice", "Placement", "embedding_setting",
-           "last_refusal", "choose_embedding", "fallback", "say"]
+__all__ = ["AUTO_EMBEDDING", "EMBEDDING_SETTINGS", "EmbeddingChoice", "Placement", "Workload", "embedding_setting",
+           "last_refusal", "choose_embedding", "choose_on_samples", "fallback", "say"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +60,15 @@ _SAID: set[str] = set()
 
 @dataclass(frozen=True)
 class EmbeddingChoice:
-    """Where ``embedding="auto"`` put the token embedding, each placement's simulated step of the first batch
-    (None: not planned, or it could not plan it) and why."""
+    """Where ``embedding="auto"`` put the token embedding, each placement's simulated step of the first batch, or
+    its mean over the sample batches (None: not planned, or it could not plan them), and why."""
 
     place: str
     first_s: float | None
     last_s: float | None
     why: str
+    batches: int = 1
+    """How many batches were weighed: the first batch (1) or the workload's sample batches."""
 
     def describe(self) -> str:
         """One line: the place and why."""
@@ -104,6 +119,28 @@ def say(choice: EmbeddingChoice) -> None:
 Planned = tuple[Plan, Schedule, SimResult]
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What the choice on sample batches draws them from (module doc, step 3): the workload (lengths, a trace name
+    or a length-trace CSV: ``split_work.workload_lengths``), the global batch size and the sample stream's seed."""
+
+    lengths: Any
+    global_batch: int
+    seed: int = 0
+
+    def sample_batches(self, spec: PlanSpec, model_cfg: ModelConfig) -> list[np.ndarray]:
+        """The layout searches' sample batches (``SplitSearch.sample_batches``) of ``spec``'s dp."""
+        search = SplitSearch(spec=spec, global_batch=int(self.global_batch), seed=int(self.seed))
+        return search.sample_batches(workload_lengths(self.lengths, model_cfg))
+
+
+def _check_places(placements: Sequence[Placement]) -> list[str]:
+    places = [p.spec.embedding for p in placements]
+    if places != list(EMBEDDING_PLACES):
+        raise ValueError(f"the embedding's choice weighs the placements {list(EMBEDDING_PLACES)}, got {places}")
+    return places
+
+
 def _planned(lengths: np.ndarray, placement: Placement, meta: dict[str, Any] | None) -> Planned | ValueError:
     try:
         return plan_step(lengths, placement.spec, model_cfg=placement.model_cfg, models=placement.models, meta=meta)
@@ -114,10 +151,8 @@ def _planned(lengths: np.ndarray, placement: Placement, meta: dict[str, Any] | N
 def choose_embedding(lengths: Any, placements: Sequence[Placement],
                      meta: dict[str, Any] | None = None) -> tuple[EmbeddingChoice, Placement, Planned]:
     """``lengths`` planned under each of ``placements`` (``first`` then ``last``); the faster simulated step wins
-    (module doc, step 3): the choice (said), the winning placement and its plan of ``lengths``."""
-    places = [p.spec.embedding for p in placements]
-    if places != list(EMBEDDING_PLACES):
-        raise ValueError(f"choose_embedding weighs the placements {list(EMBEDDING_PLACES)}, got {places}")
+    (module doc, step 4): the choice (said), the winning placement and its plan of ``lengths``."""
+    places = _check_places(placements)
     batch = np.asarray(lengths, dtype=np.int64)
     outcomes = [_planned(batch, p, meta) for p in placements]
     steps = [None if isinstance(o, ValueError) else float(o[2].makespan_s) for o in outcomes]
@@ -132,3 +167,35 @@ def choose_embedding(lengths: Any, placements: Sequence[Placement],
     won = outcomes[best]
     assert not isinstance(won, ValueError)
     return choice, placements[best], won
+
+
+def _runs(batches: Sequence[np.ndarray], placement: Placement) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(simulated steps, real tokens), one each per sample batch, planned at ``dp = 1`` under ``placement``; inf
+    steps and 0 tokens when it cannot plan one (as ``SplitSearch.layout_runs``)."""
+    spec = placement.spec.with_(dp=1)
+    steps, tokens = [], []
+    for batch in batches:
+        outcome = _planned(batch, replace(placement, spec=spec), None)
+        if isinstance(outcome, ValueError):
+            return (float("inf"),) * len(batches), (0.0,) * len(batches)
+        steps.append(float(outcome[2].makespan_s))
+        tokens.append(float(outcome[0].real_tokens))
+    return tuple(steps), tuple(tokens)
+
+
+def choose_on_samples(workload: Workload, placements: Sequence[Placement]) -> tuple[EmbeddingChoice, Placement]:
+    """The workload's sample batches planned under each of ``placements`` (``first`` then ``last``); the smaller
+    mean simulated step per real token wins (module doc, step 3): the choice (said) and the winning placement."""
+    places = _check_places(placements)
+    batches = workload.sample_batches(placements[0].spec, placements[0].model_cfg)
+    runs = [_runs(batches, p) for p in placements]
+    scores = [float(np.mean(row)) for row in batch_scores(runs)]
+    best = 1 if scores[1] < scores[0] else 0
+    steps = [float(np.mean(r[0])) if np.isfinite(s) else None for r, s in zip(runs, scores)]
+    shown = ", ".join(f"{place} {'cannot plan them' if s is None else f'{s:.4f} s'}" for place, s in zip(places, steps))
+    why = f"mean simulated step per real token of {len(batches)} sample batches of the workload: {shown}"
+    if steps[0] is None and steps[1] is None:
+        why = f"neither place plans the {len(batches)} sample batches of the workload: first"
+    choice = EmbeddingChoice(place=places[best], first_s=steps[0], last_s=steps[1], why=why, batches=len(batches))
+    say(choice)
+    return choice, placements[best]
