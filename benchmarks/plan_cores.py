@@ -16,13 +16,22 @@ before they did, the same plans.
     python benchmarks/plan_cores.py --stages 4,8,16              # ~2 min
     python benchmarks/plan_cores.py --stages 16 --full-check     # without the final check's pruning
     python benchmarks/plan_cores.py --stages 16 --unremembered   # without remembering (the same plans)
+    python benchmarks/plan_cores.py --stages 16 --breakdown      # where a P 16 plan's CPU goes
+
+``--breakdown``: the timed plans sampled every 5 ms of this process's CPU (``signal.ITIMER_PROF``); a sample counts
+toward every part of ``PARTS`` on its stack (the parts overlap: the final check's floors run the zb estimate, the
+packers run it and the simulator), printed as shares of the samples.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import signal
 import time
+from types import FrameType
+from typing import Iterator
 
 import numpy as np
 
@@ -30,6 +39,53 @@ import dynmb
 from dynmb import data
 from dynmb.costmodel.gpu import GPUCostModel
 from dynmb.planning import planner as planning
+
+
+PARTS = {
+    "zb list scheduler": ("schedule/zerobubble.py", "_run_list"),
+    "zb estimate": ("timing/makespan_zb.py", "zb_makespans"),
+    "final check's floors": ("planning/search.py", "step_floor"),
+    "packing (every method)": ("packing/dispatch.py", "pack"),
+    "  dynamic's packer": ("packing/dynamic/pack.py", "dynamic_groups"),
+    "  lockstep": ("packing/lockstep.py", "plan_lockstep"),
+    "reorder search": ("planning/reorder.py", "reorder"),
+    "simulation": ("timing/simulate.py", "simulate"),
+    "cost lookups": ("costmodel/base.py", "plan_costs"),
+}
+"""Part of a plan -> (file, function) whose frames on the stack mark it (``--breakdown``)."""
+
+
+class Breakdown:
+    """CPU samples of this process (``signal.ITIMER_PROF``), counted per part of ``PARTS`` on the sampled stack."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s, self.samples, self.parts = interval_s, 0, collections.Counter[str]()
+        self.marks = {(f, fn): part for part, (f, fn) in PARTS.items()}
+
+    def _sample(self, signum: int, frame: FrameType | None) -> None:
+        self.samples += 1
+        seen = set()
+        while frame is not None:
+            code = frame.f_code
+            part = self.marks.get(("/".join(code.co_filename.split("/")[-2:]), code.co_name)) or \
+                self.marks.get(("/".join(code.co_filename.split("/")[-3:]), code.co_name))
+            if part is not None and part not in seen:
+                seen.add(part)
+                self.parts[part] += 1
+            frame = frame.f_back
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        signal.signal(signal.SIGPROF, self._sample)
+        signal.setitimer(signal.ITIMER_PROF, self.interval_s, self.interval_s)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0, 0)
+
+    def report(self) -> str:
+        return f"  {self.samples} samples: " + ", ".join(
+            f"{part.strip()} {100 * self.parts[part] / max(1, self.samples):.0f}%" for part in PARTS)
 
 
 def batch(lengths: np.ndarray, tokens: int, max_len: int, seed: int) -> np.ndarray:
@@ -54,6 +110,7 @@ def main() -> None:
                     help="simulate every candidate of dynamic's final check (no pruning by step_floor)")
     ap.add_argument("--unremembered", action="store_true",
                     help="remember no fills, cost lookups, schedules or simulations (the same plans, as before)")
+    ap.add_argument("--breakdown", action="store_true", help="where the timed plans' CPU goes (PARTS, sampled)")
     args = ap.parse_args()
     cfg, lengths = dynmb.model_config(args.model), data.load_trace(args.trace)
     with contextlib.ExitStack() as stack:
@@ -71,17 +128,20 @@ def run(args: argparse.Namespace, cfg: dynmb.ModelConfig, lengths: np.ndarray) -
         planner = dynmb.Planner(model=cfg, num_stages=P, memory_limit="80GiB", cost_model=GPUCostModel(cfg, P),
                                 schedule="auto")
         planner.plan(batch(lengths, args.tokens, args.max_len, 0), method="dynamic")       # warm caches
-        times, step = [], None
+        times, step, sampled = [], None, Breakdown()
         for k in range(1, args.batches + 1):
             b = batch(lengths, args.tokens, args.max_len, k)
-            t0 = time.process_time()
-            step = planner.plan(b, method="dynamic")
-            times.append(time.process_time() - t0)
+            with sampled.sampling() if args.breakdown else contextlib.nullcontext():
+                t0 = time.process_time()
+                step = planner.plan(b, method="dynamic")
+                times.append(time.process_time() - t0)
         assert step is not None
         step_s = step.sim.makespan_s
         print(f"{P:<3d}{' '.join(f'{t:.2f}' for t in times):>24s}  {step.plan.schedule_kind:5s} "
               f"{step.plan.num_microbatches:12d}  {step_s:6.3f}  {max(times) / (P * step_s):14.3f}  "
               f"{max(times) / step_s:14.2f}")
+        if args.breakdown:
+            print(sampled.report())
 
 
 if __name__ == "__main__":

@@ -1203,6 +1203,11 @@ def test_reorder_remembered_is_searched_afresh_keyed_by_every_input(monkeypatch)
 
 
 # --------------------------------------------------------------------------- dynamic's finals bounded by their work
+def _every_final_estimated(self, jobs, tol):
+    """The old path of ``Ranker._bounded``: every order of every final estimated (nothing left out by its work)."""
+    return list(self._estimate([job[1:] for job in jobs]))
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["1f1b", "zb-h1", "zb"]),
        n=st.integers(20, 160), stages=st.sampled_from([2, 4]))
@@ -1231,10 +1236,9 @@ def test_dynamic_finals_bounded_by_work_choose_the_same(seed, kind, n, stages):
             assert v == w if v is not None else w > min(full) * (1 + tol)
         return got
     plans = []
-    for bounded in (True, False):
+    for bounded in (checked, _every_final_estimated):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(rank, "BOUND_FINALS", bounded)
-            mp.setattr(rank.Ranker, "_bounded", checked)
+            mp.setattr(rank.Ranker, "_bounded", bounded)
             space.clear()
             plans.append(pack(lengths, spec, models=models))
     assert plans[0].digest() == plans[1].digest()
@@ -1261,8 +1265,8 @@ def test_dynamic_finals_bounded_leave_some_out(monkeypatch):
     from dynmb.packing import pack
     models = Models(GPUCostModel(cfg, 16), MemoryModel.analytic(cfg, 16))
     counts, plans = [], []
-    for bounded in (True, False):
-        monkeypatch.setattr(rank, "BOUND_FINALS", bounded)
+    for bounded in (rank.Ranker._bounded, _every_final_estimated):
+        monkeypatch.setattr(rank.Ranker, "_bounded", bounded)
         space.clear()
         estimated.clear()
         plans.append(pack(lengths, spec, models=models))

@@ -54,9 +54,6 @@ LOOKUP_CELLS = 1 << 22
 ZB_KEEP = 4
 """A kind that ranks with another kind's estimate (``makespan_zb.ranking_kind``: ``zb`` ranks with ``zb-h1``'s)
 carries at least this many own splits to ``choose``, which estimates them with its own."""
-BOUND_FINALS = True
-"""``choose`` (dp 1) estimates a final's orders only where its busiest stage's work alone does not lose already
-(``Ranker._bounded``: the same choice); False: every order of every final estimated (as before)."""
 BOUND_MARGIN = 1e-9
 """``Ranker._bounded`` leaves a final out only when its work is past the best estimate by this relative margin (the
 estimate and the work add the same seconds in other orders)."""
@@ -289,7 +286,7 @@ class Ranker:
         estimate times ``1 + tol`` (``BOUND_MARGIN`` above it): their estimate is no lower (every estimate runs each
         stage's ops one after another), so they can be neither the fastest nor within ``tol`` of it. With
         ``virtual`` > 1 every job is estimated (a GPU's chunks follow the kind's placement)."""
-        if self.virtual > 1 or not jobs or not BOUND_FINALS:
+        if self.virtual > 1 or not jobs:
             return list(self._estimate([job[1:] for job in jobs]))
         out: list[float | None] = [None] * len(jobs)
 
