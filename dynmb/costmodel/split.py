@@ -51,6 +51,7 @@ measured on a layout with the field has it in its samples already.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -133,13 +134,25 @@ def rest_layout(cfg: ModelConfig, num_stages: int, stage: int) -> ModelConfig | 
         return None
 
 
+REST_MODELS_REMEMBERED = 256
+"""How many rest-layout cost models ``_rest_model`` remembers (one per (kind, layout, stage, constants))."""
+
+
+@functools.lru_cache(maxsize=REST_MODELS_REMEMBERED)
+def _rest_model(kind: type, cfg: ModelConfig, num_stages: int, stage: int,
+                params: tuple[tuple[str, Any], ...]) -> Any:
+    """The uncalibrated cost model of kind ``kind`` (its constants ``params``, ``CostModel._params``) for
+    ``rest_layout(cfg, num_stages, stage)``; None where there is no rest layout. Remembered by these hashable
+    inputs, which fix it: a calibrated copy of a model (``with_scale``, ``with_overhead``) shares the answer, a
+    model of another layout or constants gets its own."""
+    layout = rest_layout(cfg, num_stages, stage)
+    return None if layout is None else kind._from_parts(layout, num_stages, None, {}, dict(params))
+
+
 def _block_costs(model: Any, stage: int, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(F_blk, W_blk)`` seconds of ``stage``'s recomputed blocks (module doc), with the model's calibration."""
-    rests = model.__dict__.setdefault("_rest_models", {})
-    if stage not in rests:
-        layout = rest_layout(model.model_cfg, model.num_stages, stage)
-        rests[stage] = None if layout is None else model.for_layout(layout, model.num_stages)
-    rest = rests[stage]
+    """``(F_blk, W_blk)`` seconds of ``stage``'s recomputed blocks (module doc), with the model's calibration and
+    links (set on a copy of the remembered rest model, ``_rest_model``)."""
+    rest = _rest_model(type(model), model.model_cfg, model.num_stages, stage, tuple(sorted(model._params().items())))
     if rest is None:                                # the stage less its F / W at no tokens
         rest, b0, a0 = model, np.zeros_like(b), np.zeros_like(a)
     else:

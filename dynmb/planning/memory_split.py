@@ -214,16 +214,14 @@ def _work(cfg: ModelConfig, inputs: ReliefInputs) -> _Work:
 
 
 def _rebalanced(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[int, ...]) -> tuple[float, ...] | None:
-    """The split of the stages up to the tail re-balanced over the unit work with stage 0's recomputed blocks'
-    forward (whole layers there) added to its extra (module doc); None where other stages recompute blocks (their
-    extra is not in the partition) or not every stage gets a unit."""
-    if any(blocks[1:]):
-        return None
+    """The split of the stages up to the tail re-balanced over the unit work with every stage's recomputed blocks'
+    forward (``k`` whole layers' units each) added to its own work (``min_max_partition``'s ``extras``; module
+    doc), the tail kept as it is; None where not every stage gets a unit."""
     tail = _tail(cfg, num_stages)
     row = work.row
     body_end = row.index(int(round(UNITS_PER_LAYER * sum(cfg.stage_layer_counts(num_stages)[:tail]))))
-    extra = float(work.fwd[:UNITS_PER_LAYER * blocks[0]].sum())
-    parts, _, _ = min_max_partition(row.work[:body_end], tail, row.first + extra, 0.0)
+    extras = [float(work.fwd[:UNITS_PER_LAYER * k].sum()) for k in blocks[:tail]]
+    parts, _, _ = min_max_partition(row.work[:body_end], tail, row.first, 0.0, extras)
     if min(parts) < 1:
         return None
     return (*row.layers(parts), *cfg.stage_layer_counts(num_stages)[tail:])
