@@ -22,8 +22,8 @@ stage jointly with the partition): a recomputed block keeps only its input from 
 forward again in the backward (``dynmb.memory.coef``, ``dynmb.costmodel.split``). From each candidate split
 (``recompute_steps``), one more block on the stage whose admission binds (the fewest tokens one microbatch may hold
 there alone, as ``planning.offload.binding_blocks`` grows offload), two ways: on the same split, and on the split
-re-balanced with the recomputation's extra forward counted (``min_max_partition`` over the unit work, the stages'
-forward work of their recomputed blocks added to stage 0's extra); the better by ``step_proxy`` is kept while it
+re-balanced with the recomputation's extra forward counted (``min_max_partition`` over the unit work, each stage's
+recomputed blocks' forward added to that stage's own work, its ``extras``); the better by ``step_proxy`` is kept while it
 improves on the last. Every pair (split, recomputed blocks) so found is a candidate, taken where its proxy is
 ``RELIEF_GAIN`` below the best split without recomputation as well (a second lever pays the same margin: the proxy
 leaves out what larger microbatches add to the fill and to the schedule's idle time, which at P 16 and 24 GiB ate a
@@ -49,7 +49,7 @@ from dynmb.schedule.kinds import AUTO, get_kind
 from dynmb.timing.bounds import sequence_costs
 
 __all__ = ["ReliefInputs", "Relief", "layout_of", "step_proxy", "stage_tokens", "relief_candidates", "relieve",
-           "relieved_layout", "recompute_steps", "with_recompute", "RELIEF_GAIN", "RELIEF_STEP"]
+           "relieved_layout", "recompute_steps", "rebalanced_layout", "with_recompute", "RELIEF_GAIN", "RELIEF_STEP"]
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +225,14 @@ def _rebalanced(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[in
     if min(parts) < 1:
         return None
     return (*row.layers(parts), *cfg.stage_layer_counts(num_stages)[tail:])
+
+
+def rebalanced_layout(cfg: ModelConfig, num_stages: int, inputs: ReliefInputs, blocks: tuple[int, ...]) -> ModelConfig:
+    """``cfg`` recomputing ``blocks`` leading blocks per stage on its split re-balanced with every stage's extra
+    forward (``_rebalanced``; the split of ``cfg`` where no re-balance gives each stage a unit): the layout
+    ``recompute_steps`` weighs for those blocks. ValueError where a stage holds fewer blocks than it recomputes."""
+    split = _rebalanced(cfg, num_stages, _work(cfg, inputs), tuple(blocks))
+    return with_recompute(cfg, num_stages, split or tuple(cfg.stage_layer_counts(num_stages)), tuple(blocks))
 
 
 def recompute_steps(cfg: ModelConfig, num_stages: int, inputs: ReliefInputs, start: _Scored, mean_len: int,
