@@ -139,7 +139,7 @@ REST_MODELS_REMEMBERED = 256
 
 
 @functools.lru_cache(maxsize=REST_MODELS_REMEMBERED)
-def _rest_model(kind: type, cfg: ModelConfig, num_stages: int, stage: int,
+def _rest_model(kind: Any, cfg: ModelConfig, num_stages: int, stage: int,
                 params: tuple[tuple[str, Any], ...]) -> Any:
     """The uncalibrated cost model of kind ``kind`` (its constants ``params``, ``CostModel._params``) for
     ``rest_layout(cfg, num_stages, stage)``; None where there is no rest layout. Remembered by these hashable
@@ -152,7 +152,8 @@ def _rest_model(kind: type, cfg: ModelConfig, num_stages: int, stage: int,
 def _block_costs(model: Any, stage: int, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(F_blk, W_blk)`` seconds of ``stage``'s recomputed blocks (module doc), with the model's calibration and
     links (set on a copy of the remembered rest model, ``_rest_model``)."""
-    rest = _rest_model(type(model), model.model_cfg, model.num_stages, stage, tuple(sorted(model._params().items())))
+    kind: Any = type(model)
+    rest = _rest_model(kind, model.model_cfg, model.num_stages, stage, tuple(sorted(model._params().items())))
     if rest is None:                                # the stage less its F / W at no tokens
         rest, b0, a0 = model, np.zeros_like(b), np.zeros_like(a)
     else:

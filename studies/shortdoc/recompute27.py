@@ -91,7 +91,7 @@ def table(paths: list[Path]) -> str:
         terms = " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in ("schedule", "ends", "overhead", "shape",
                                                                             "passes"))
         out.append(f"| {r.trace} | {r.model} | {r.P} | {r.layout} | {blocks} | {r.step_s:.4f} | {100 * r.gap:+.1f}% "
-                   f"| {r.kind} {r.microbatches} | {', '.join(map(str, r.admission))} | {terms} |")
+                   f"| {r.kind} {int(r.microbatches)} | {', '.join(map(str, r.admission))} | {terms} |")
     return "\n".join(out)
 
 
