@@ -80,18 +80,23 @@ def cell_rows(trace_name: str, model: str, P: int, limit: str, firsts: list[int]
 
 
 def table(paths: list[Path]) -> str:
-    """Markdown of the rows: step, gap and terms in % of the ideal."""
+    """Markdown of the rows: step, its ratio to the cell's default layout's, gap to the default's ideal (the
+    layout without recomputation of ``planner_for``) and the terms in % of the row's own ideal."""
     df = pd.concat([pd.read_json(p, lines=True) for p in paths], ignore_index=True)
-    out = ["| trace | model | P | layout | blocks | step s | gap | kind, mb | admitted 0-3 | schedule | ends | "
-           "overhead | shape | passes |", "|" + "---|" * 14]
+    if "step_s" not in df:
+        return ""
+    df = df[df["step_s"].notna()]
+    default = df[df["layout"] == "default"].set_index(["trace", "model", "P"])
+    out = ["| trace | model | P | layout | blocks | step s | / default | gap | kind, mb | admitted 0-3 | schedule | ends | "
+           "overhead | shape | passes |", "|" + "---|" * 15]
     for r in df.itertuples():
-        if not isinstance(getattr(r, "step_s", None), float) or np.isnan(r.step_s):
-            continue
-        blocks = "none" if r.blocks is None or not isinstance(r.blocks, list) else ",".join(map(str, r.blocks))
+        base = default.loc[(r.trace, r.model, r.P)]
+        blocks = ",".join(map(str, r.blocks)) if isinstance(r.blocks, list) else "none"
         terms = " | ".join(f"{100 * getattr(r, 'gap_' + t):+.1f}" for t in ("schedule", "ends", "overhead", "shape",
                                                                             "passes"))
-        out.append(f"| {r.trace} | {r.model} | {r.P} | {r.layout} | {blocks} | {r.step_s:.4f} | {100 * r.gap:+.1f}% "
-                   f"| {r.kind} {int(r.microbatches)} | {', '.join(map(str, r.admission))} | {terms} |")
+        out.append(f"| {r.trace} | {r.model} | {r.P} | {r.layout} | {blocks} | {r.step_s:.4f} | "
+                   f"{r.step_s / base.step_s:.4f} | {100 * (r.step_s / base.ideal_s - 1):+.1f}% | {r.kind} "
+                   f"{int(r.microbatches)} | {', '.join(map(str, r.admission))} | {terms} |")
     return "\n".join(out)
 
 
