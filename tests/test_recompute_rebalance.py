@@ -104,7 +104,8 @@ def test_every_recomputing_stage_sheds_work_in_the_rebalance(gsm8k_l2_p8, blocks
         if k:
             assert split[i] < balanced[i]
     assert _busiest(cfg, split, work, blocks) <= _busiest(cfg, balanced, work, blocks) * (1 + 1e-9)
-    ms.with_recompute(cfg, 8, split, blocks)             # a layout that runs: each stage holds its blocks
+    layout = ms.with_recompute(cfg, 8, split, blocks)    # a layout that runs: each stage holds its blocks
+    assert layout == ms.rebalanced_layout(cfg, 8, gsm8k_l2_p8[1], blocks)
 
 
 def test_stage_0_alone_rebalances_as_before(gsm8k_l2_p8) -> None:

@@ -43,7 +43,8 @@ anyway, above):
 ``F_blk`` / ``W_blk``: the blocks' own F / W, priced by the model itself as the stage's F / W less the same
 stage's with those blocks moved off it (onto the stage before; stage 0's whole leading layers onto stage 1: a
 layout-free model prices a stage by what it holds), so the per-op fixed cost is not charged twice; where the
-stage keeps nothing else (or has no neighbour to take them), less its F / W at no tokens. Applied by
+stage keeps nothing else (or has no neighbour to take them), less its F / W at no tokens (the rest layouts' models
+remembered by ``_rest_model``, keyed by the kind, layout, stage and constants). Applied by
 ``CostModel.stage_costs`` to the models that price any layout (``layout_free``: analytic, GPU); a fitted model
 measured on a layout with the field has it in its samples already.
 """
