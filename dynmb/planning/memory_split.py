@@ -23,7 +23,8 @@ forward again in the backward (``dynmb.memory.coef``, ``dynmb.costmodel.split``)
 (``recompute_steps``), one more block on the stage whose admission binds (the fewest tokens one microbatch may hold
 there alone, as ``planning.offload.binding_blocks`` grows offload), two ways: on the same split, and on the split
 re-balanced with the recomputation's extra forward counted (``min_max_partition`` over the unit work, each stage's
-recomputed blocks' forward added to that stage's own work, its ``extras``); the better by ``step_proxy`` is kept while it
+recomputed blocks' forward added to that stage's own work, its ``extras``, re-counted on the split it gives:
+a stage starting inside a layer recomputes that layer's remainder first); the better by ``step_proxy`` is kept while it
 improves on the last. Every pair (split, recomputed blocks) so found is a candidate, taken where its proxy is
 ``RELIEF_GAIN`` below the best split without recomputation as well (a second lever pays the same margin: the proxy
 leaves out what larger microbatches add to the fill and to the schedule's idle time, which at P 16 and 24 GiB ate a
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from dynmb.core.config import ModelConfig
+from dynmb.core.model_sizes import leading_layers
 from dynmb.memory.model import MemoryModel
 from dynmb.packing.context import stage_windows
 from dynmb.planning.partition import min_max_partition
@@ -213,18 +215,52 @@ def _work(cfg: ModelConfig, inputs: ReliefInputs) -> _Work:
                  fine * (fwd / (fwd + bwd) if fwd + bwd > 0 else 0.0))
 
 
+REBALANCE_ROUNDS = 3
+"""Partitions ``_rebalanced`` tries at most: each re-counts the recomputed blocks' forward on the split it gave."""
+
+
+def _recomputed_fwd(cfg: ModelConfig, num_stages: int, work: _Work, split: tuple[float, ...],
+                    blocks: tuple[int, ...], stages: int) -> list[float] | None:
+    """The forward of each of the first ``stages`` stages' recomputed blocks on ``split``: the units of its first
+    ``k`` blocks (a layer's remainder at the stage's start counts one, ``leading_layers``); None where a stage holds
+    fewer blocks than it recomputes."""
+    try:
+        layout = with_recompute(cfg, num_stages, split, blocks)
+    except ValueError:
+        return None
+    out, start = [], 0
+    for i, pieces in enumerate(layout.stage_pieces(num_stages)[:stages]):
+        layers = set(leading_layers(pieces, blocks[i]))
+        moved = sum(len(pc.chunks) for pc in pieces if pc.layer in layers)
+        out.append(float(work.fwd[start:start + moved].sum()))
+        start += sum(len(pc.chunks) for pc in pieces)
+    return out
+
+
 def _rebalanced(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[int, ...]) -> tuple[float, ...] | None:
     """The split of the stages up to the tail re-balanced over the unit work with every stage's recomputed blocks'
-    forward (``k`` whole layers' units each) added to its own work (``min_max_partition``'s ``extras``; module
-    doc), the tail kept as it is; None where not every stage gets a unit."""
+    forward added to its own work (``min_max_partition``'s ``extras``; module doc), the tail kept as it is: first
+    ``k`` whole layers' forward each, then, up to ``REBALANCE_ROUNDS`` partitions, what the blocks hold on the split
+    the last one gave (a stage starting inside a layer recomputes that layer's remainder first); None where not every
+    stage gets a unit."""
     tail = _tail(cfg, num_stages)
     row = work.row
+    kept = tuple(cfg.stage_layer_counts(num_stages)[tail:])
     body_end = row.index(int(round(UNITS_PER_LAYER * sum(cfg.stage_layer_counts(num_stages)[:tail]))))
-    extras = [float(work.fwd[:UNITS_PER_LAYER * k].sum()) for k in blocks[:tail]]
-    parts, _, _ = min_max_partition(row.work[:body_end], tail, row.first, 0.0, extras)
-    if min(parts) < 1:
-        return None
-    return (*row.layers(parts), *cfg.stage_layer_counts(num_stages)[tail:])
+    extras: list[float] | None = [float(work.fwd[:UNITS_PER_LAYER * k].sum()) for k in blocks[:tail]]
+    split = None
+    for _ in range(REBALANCE_ROUNDS):
+        parts, _, _ = min_max_partition(row.work[:body_end], tail, row.first, 0.0, extras)
+        if min(parts) < 1:
+            return split
+        got = (*row.layers(parts), *kept)
+        if got == split:
+            break
+        split = got
+        extras = _recomputed_fwd(cfg, num_stages, work, split, blocks, tail)
+        if extras is None:
+            break
+    return split
 
 
 def rebalanced_layout(cfg: ModelConfig, num_stages: int, inputs: ReliefInputs, blocks: tuple[int, ...]) -> ModelConfig:
