@@ -59,6 +59,41 @@ def test_extras_per_segment_give_the_best_contiguous_partition(case: tuple) -> N
     assert top == pytest.approx(_brute_min_max(units, p, first, last, extras), rel=1e-12)
 
 
+def _loop_partition(units: np.ndarray, p: int, first: float, last: float, extras: list[float]) -> tuple:
+    """The DP one segment end at a time (the code before it was vectorised over the ends), the reference."""
+    n = units.size
+    prefix = np.concatenate([[0.0], np.cumsum(units)])
+    best_max, best_sq = np.full((p, n + 1), np.inf), np.full((p, n + 1), np.inf)
+    arg = np.zeros((p, n + 1), dtype=np.int64)
+    seg0 = prefix + first + extras[0] + np.where(np.arange(n + 1) == n, last, 0.0)
+    best_max[0, 1:], best_sq[0, 1:] = seg0[1:], seg0[1:] ** 2
+    for k in range(1, p):
+        for end in range(k + 1, n + 1):
+            starts = np.arange(k, end)
+            seg = prefix[end] - prefix[starts] + extras[k] + (last if end == n else 0.0)
+            mx, sq = np.maximum(best_max[k - 1, starts], seg), best_sq[k - 1, starts] + seg ** 2
+            ties = np.flatnonzero(mx <= mx.min() * (1 + 1e-12))
+            pick = ties[np.argmin(sq[ties])]
+            best_max[k, end], best_sq[k, end], arg[k, end] = mx[pick], sq[pick], starts[pick]
+    split, end = [], n
+    for k in range(p - 1, 0, -1):
+        split.append(end - int(arg[k, end]))
+        end = int(arg[k, end])
+    return list(reversed([*split, end])), float(best_max[p - 1, n]), float(best_sq[p - 1, n])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_vectorised_partition_is_the_loops_bit_for_bit(seed: int) -> None:
+    """Same counts, max and sum of squares as the DP one end at a time, ties included (units on a quarter grid)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        n = int(rng.integers(1, 70))
+        p = int(rng.integers(1, min(n, 16) + 1))
+        units = rng.uniform(0.1, 3.0, n) if seed % 2 else np.round(rng.uniform(0.25, 4.0, n) * 4) / 4
+        first, last, extras = float(rng.uniform(0, 3)), float(rng.uniform(0, 3)), list(rng.uniform(0, 2, p))
+        assert min_max_partition(units, p, first, last, extras) == _loop_partition(units, p, first, last, extras)
+
+
 def test_no_extras_is_all_zero_extras_and_a_wrong_count_is_refused() -> None:
     units = np.random.default_rng(3).uniform(0.5, 2.0, size=24)
     assert min_max_partition(units, 5, 0.7, 1.1) == min_max_partition(units, 5, 0.7, 1.1, [0.0] * 5)

@@ -34,7 +34,7 @@ leaves out what larger microbatches add to the fill and to the schedule's idle t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -199,6 +199,8 @@ class _Work:
 
     row: UnitRow
     fwd: np.ndarray
+    rebalanced: dict[tuple[int, ...], tuple[float, ...] | None] = field(default_factory=dict)
+    """``_rebalanced``'s answers by recomputed blocks (they do not depend on the split a search started from)."""
 
 
 def _work(cfg: ModelConfig, inputs: ReliefInputs) -> _Work:
@@ -243,6 +245,13 @@ def _rebalanced(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[in
     ``k`` whole layers' forward each, then, up to ``REBALANCE_ROUNDS`` partitions, what the blocks hold on the split
     the last one gave (a stage starting inside a layer recomputes that layer's remainder first); None where not every
     stage gets a unit."""
+    if blocks not in work.rebalanced:
+        work.rebalanced[blocks] = _partitioned(cfg, num_stages, work, blocks)
+    return work.rebalanced[blocks]
+
+
+def _partitioned(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[int, ...]) -> tuple[float, ...] | None:
+    """``_rebalanced`` computed: the partitions with the extras re-counted until they hold on the split given."""
     tail = _tail(cfg, num_stages)
     row = work.row
     kept = tuple(cfg.stage_layer_counts(num_stages)[tail:])
@@ -253,13 +262,11 @@ def _rebalanced(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[in
         parts, _, _ = min_max_partition(row.work[:body_end], tail, row.first, 0.0, extras)
         if min(parts) < 1:
             return split
-        got = (*row.layers(parts), *kept)
-        if got == split:
+        split = (*row.layers(parts), *kept)
+        counted = _recomputed_fwd(cfg, num_stages, work, split, blocks, tail)
+        if counted is None or counted == extras:        # the blocks hold what the partition charged them
             break
-        split = got
-        extras = _recomputed_fwd(cfg, num_stages, work, split, blocks, tail)
-        if extras is None:
-            break
+        extras = counted
     return split
 
 

@@ -6,7 +6,7 @@ to segment ``k`` (a stage's own fixed work, e.g. the forward its recomputed bloc
 segment's work: ``best[k][j] = min over i of max(best[k-1][i], cost(i, j))`` over (segments used,
 units covered), ties (the optimum is rarely unique) broken by the smallest sum of squared segment work, so
 spare work spreads evenly instead of leaving a near-empty segment. ``O(p N^2)`` with the inner minimum
-vectorised (numpy). Used by the layer split (``stage_split``) and the head's vocabulary shards
+vectorised (numpy) over every (start, end) pair of a segment count at once. Used by the layer split (``stage_split``) and the head's vocabulary shards
 (``head_split``).
 """
 
@@ -35,16 +35,20 @@ def min_max_partition(units: np.ndarray, p: int, first: float, last: float,
     j = np.arange(n + 1)
     seg0 = prefix + first + add[0] + np.where(j == n, last, 0.0)
     best_max[0, 1:], best_sq[0, 1:] = seg0[1:], seg0[1:] ** 2
+    starts = np.arange(n)[:, None]                                   # a segment [start, end): rows start, cols end
+    at_end = np.where(j == n, last, 0.0)
     for k in range(1, p):
-        for end in range(k + 1, n + 1):
-            starts = np.arange(k, end)                                    # the last segment is [start, end)
-            seg = prefix[end] - prefix[starts] + add[k] + (last if end == n else 0.0)
-            mx = np.maximum(best_max[k - 1, starts], seg)
-            sq = best_sq[k - 1, starts] + seg ** 2
-            lo = mx.min()
-            ties = np.flatnonzero(mx <= lo * (1 + 1e-12))
-            pick = ties[np.argmin(sq[ties])]
-            best_max[k, end], best_sq[k, end], arg[k, end] = mx[pick], sq[pick], starts[pick]
+        seg = prefix[None, :] - prefix[:n, None] + add[k] + at_end[None, :]
+        valid = (starts >= k) & (starts < j[None, :])
+        mx = np.where(valid, np.maximum(best_max[k - 1, :n, None], seg), np.inf)
+        sq = best_sq[k - 1, :n, None] + seg ** 2
+        lo = mx.min(axis=0)
+        ties = valid & (mx <= lo * (1 + 1e-12))
+        pick = np.argmin(np.where(ties, sq, np.inf), axis=0)
+        ends = np.arange(k + 1, n + 1)
+        best_max[k, ends] = mx[pick[ends], ends]
+        best_sq[k, ends] = sq[pick[ends], ends]
+        arg[k, ends] = pick[ends]
     split, end = [], n
     for k in range(p - 1, 0, -1):
         start = int(arg[k, end])
