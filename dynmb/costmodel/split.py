@@ -43,7 +43,8 @@ anyway, above):
 ``F_blk`` / ``W_blk``: the blocks' own F / W, priced by the model itself as the stage's F / W less the same
 stage's with those blocks moved off it (onto the stage before; stage 0's whole leading layers onto stage 1: a
 layout-free model prices a stage by what it holds), so the per-op fixed cost is not charged twice; where the
-stage keeps nothing else (or has no neighbour to take them), less its F / W at no tokens. Applied by
+stage keeps nothing else (or has no neighbour to take them), less its F / W at no tokens (the rest layouts' models
+remembered by ``_rest_model``, keyed by the kind, layout, stage and constants). Applied by
 ``CostModel.stage_costs`` to the models that price any layout (``layout_free``: analytic, GPU); a fitted model
 measured on a layout with the field has it in its samples already.
 """
@@ -51,6 +52,7 @@ measured on a layout with the field has it in its samples already.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -133,13 +135,26 @@ def rest_layout(cfg: ModelConfig, num_stages: int, stage: int) -> ModelConfig | 
         return None
 
 
+REST_MODELS_REMEMBERED = 256
+"""How many rest-layout cost models ``_rest_model`` remembers (one per (kind, layout, stage, constants))."""
+
+
+@functools.lru_cache(maxsize=REST_MODELS_REMEMBERED)
+def _rest_model(kind: Any, cfg: ModelConfig, num_stages: int, stage: int,
+                params: tuple[tuple[str, Any], ...]) -> Any:
+    """The uncalibrated cost model of kind ``kind`` (its constants ``params``, ``CostModel._params``) for
+    ``rest_layout(cfg, num_stages, stage)``; None where there is no rest layout. Remembered by these hashable
+    inputs, which fix it: a calibrated copy of a model (``with_scale``, ``with_overhead``) shares the answer, a
+    model of another layout or constants gets its own."""
+    layout = rest_layout(cfg, num_stages, stage)
+    return None if layout is None else kind._from_parts(layout, num_stages, None, {}, dict(params))
+
+
 def _block_costs(model: Any, stage: int, b: np.ndarray, s: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(F_blk, W_blk)`` seconds of ``stage``'s recomputed blocks (module doc), with the model's calibration."""
-    rests = model.__dict__.setdefault("_rest_models", {})
-    if stage not in rests:
-        layout = rest_layout(model.model_cfg, model.num_stages, stage)
-        rests[stage] = None if layout is None else model.for_layout(layout, model.num_stages)
-    rest = rests[stage]
+    """``(F_blk, W_blk)`` seconds of ``stage``'s recomputed blocks (module doc), with the model's calibration and
+    links (set on a copy of the remembered rest model, ``_rest_model``)."""
+    kind: Any = type(model)
+    rest = _rest_model(kind, model.model_cfg, model.num_stages, stage, tuple(sorted(model._params().items())))
     if rest is None:                                # the stage less its F / W at no tokens
         rest, b0, a0 = model, np.zeros_like(b), np.zeros_like(a)
     else:

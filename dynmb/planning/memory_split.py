@@ -22,8 +22,9 @@ stage jointly with the partition): a recomputed block keeps only its input from 
 forward again in the backward (``dynmb.memory.coef``, ``dynmb.costmodel.split``). From each candidate split
 (``recompute_steps``), one more block on the stage whose admission binds (the fewest tokens one microbatch may hold
 there alone, as ``planning.offload.binding_blocks`` grows offload), two ways: on the same split, and on the split
-re-balanced with the recomputation's extra forward counted (``min_max_partition`` over the unit work, the stages'
-forward work of their recomputed blocks added to stage 0's extra); the better by ``step_proxy`` is kept while it
+re-balanced with the recomputation's extra forward counted (``min_max_partition`` over the unit work, each stage's
+recomputed blocks' forward added to that stage's own work, its ``extras``, re-counted on the split it gives:
+a stage starting inside a layer recomputes that layer's remainder first); the better by ``step_proxy`` is kept while it
 improves on the last. Every pair (split, recomputed blocks) so found is a candidate, taken where its proxy is
 ``RELIEF_GAIN`` below the best split without recomputation as well (a second lever pays the same margin: the proxy
 leaves out what larger microbatches add to the fill and to the schedule's idle time, which at P 16 and 24 GiB ate a
@@ -33,12 +34,13 @@ leaves out what larger microbatches add to the fill and to the schedule's idle t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from dynmb.core.config import ModelConfig
+from dynmb.core.model_sizes import leading_layers
 from dynmb.memory.model import MemoryModel
 from dynmb.packing.context import stage_windows
 from dynmb.planning.partition import min_max_partition
@@ -49,7 +51,7 @@ from dynmb.schedule.kinds import AUTO, get_kind
 from dynmb.timing.bounds import sequence_costs
 
 __all__ = ["ReliefInputs", "Relief", "layout_of", "step_proxy", "stage_tokens", "relief_candidates", "relieve",
-           "relieved_layout", "recompute_steps", "with_recompute", "RELIEF_GAIN", "RELIEF_STEP"]
+           "relieved_layout", "recompute_steps", "rebalanced_layout", "with_recompute", "RELIEF_GAIN", "RELIEF_STEP"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +199,8 @@ class _Work:
 
     row: UnitRow
     fwd: np.ndarray
+    rebalanced: dict[tuple[int, ...], tuple[float, ...] | None] = field(default_factory=dict)
+    """``_rebalanced``'s answers by recomputed blocks (they do not depend on the split a search started from)."""
 
 
 def _work(cfg: ModelConfig, inputs: ReliefInputs) -> _Work:
@@ -213,20 +217,65 @@ def _work(cfg: ModelConfig, inputs: ReliefInputs) -> _Work:
                  fine * (fwd / (fwd + bwd) if fwd + bwd > 0 else 0.0))
 
 
-def _rebalanced(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[int, ...]) -> tuple[float, ...] | None:
-    """The split of the stages up to the tail re-balanced over the unit work with stage 0's recomputed blocks'
-    forward (whole layers there) added to its extra (module doc); None where other stages recompute blocks (their
-    extra is not in the partition) or not every stage gets a unit."""
-    if any(blocks[1:]):
+REBALANCE_ROUNDS = 3
+"""Partitions ``_rebalanced`` tries at most: each re-counts the recomputed blocks' forward on the split it gave."""
+
+
+def _recomputed_fwd(cfg: ModelConfig, num_stages: int, work: _Work, split: tuple[float, ...],
+                    blocks: tuple[int, ...], stages: int) -> list[float] | None:
+    """The forward of each of the first ``stages`` stages' recomputed blocks on ``split``: the units of its first
+    ``k`` blocks (a layer's remainder at the stage's start counts one, ``leading_layers``); None where a stage holds
+    fewer blocks than it recomputes."""
+    try:
+        layout = with_recompute(cfg, num_stages, split, blocks)
+    except ValueError:
         return None
+    out, start = [], 0
+    for i, pieces in enumerate(layout.stage_pieces(num_stages)[:stages]):
+        layers = set(leading_layers(pieces, blocks[i]))
+        moved = sum(len(pc.chunks) for pc in pieces if pc.layer in layers)
+        out.append(float(work.fwd[start:start + moved].sum()))
+        start += sum(len(pc.chunks) for pc in pieces)
+    return out
+
+
+def _rebalanced(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[int, ...]) -> tuple[float, ...] | None:
+    """The split of the stages up to the tail re-balanced over the unit work with every stage's recomputed blocks'
+    forward added to its own work (``min_max_partition``'s ``extras``; module doc), the tail kept as it is: first
+    ``k`` whole layers' forward each, then, up to ``REBALANCE_ROUNDS`` partitions, what the blocks hold on the split
+    the last one gave (a stage starting inside a layer recomputes that layer's remainder first); None where not every
+    stage gets a unit."""
+    if blocks not in work.rebalanced:
+        work.rebalanced[blocks] = _partitioned(cfg, num_stages, work, blocks)
+    return work.rebalanced[blocks]
+
+
+def _partitioned(cfg: ModelConfig, num_stages: int, work: _Work, blocks: tuple[int, ...]) -> tuple[float, ...] | None:
+    """``_rebalanced`` computed: the partitions with the extras re-counted until they hold on the split given."""
     tail = _tail(cfg, num_stages)
     row = work.row
+    kept = tuple(cfg.stage_layer_counts(num_stages)[tail:])
     body_end = row.index(int(round(UNITS_PER_LAYER * sum(cfg.stage_layer_counts(num_stages)[:tail]))))
-    extra = float(work.fwd[:UNITS_PER_LAYER * blocks[0]].sum())
-    parts, _, _ = min_max_partition(row.work[:body_end], tail, row.first + extra, 0.0)
-    if min(parts) < 1:
-        return None
-    return (*row.layers(parts), *cfg.stage_layer_counts(num_stages)[tail:])
+    extras: list[float] | None = [float(work.fwd[:UNITS_PER_LAYER * k].sum()) for k in blocks[:tail]]
+    split = None
+    for _ in range(REBALANCE_ROUNDS):
+        parts, _, _ = min_max_partition(row.work[:body_end], tail, row.first, 0.0, extras)
+        if min(parts) < 1:
+            return split
+        split = (*row.layers(parts), *kept)
+        counted = _recomputed_fwd(cfg, num_stages, work, split, blocks, tail)
+        if counted is None or counted == extras:        # the blocks hold what the partition charged them
+            break
+        extras = counted
+    return split
+
+
+def rebalanced_layout(cfg: ModelConfig, num_stages: int, inputs: ReliefInputs, blocks: tuple[int, ...]) -> ModelConfig:
+    """``cfg`` recomputing ``blocks`` leading blocks per stage on its split re-balanced with every stage's extra
+    forward (``_rebalanced``; the split of ``cfg`` where no re-balance gives each stage a unit): the layout
+    ``recompute_steps`` weighs for those blocks. ValueError where a stage holds fewer blocks than it recomputes."""
+    split = _rebalanced(cfg, num_stages, _work(cfg, inputs), tuple(blocks))
+    return with_recompute(cfg, num_stages, split or tuple(cfg.stage_layer_counts(num_stages)), tuple(blocks))
 
 
 def recompute_steps(cfg: ModelConfig, num_stages: int, inputs: ReliefInputs, start: _Scored, mean_len: int,
