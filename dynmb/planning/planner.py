@@ -81,7 +81,7 @@ from dynmb.planning.spec_check import lockstep_refusal
 
 schedule_validate = importlib.import_module("dynmb.schedule.validate")  # dynmb.schedule.validate: the function
 
-__all__ = ["plan_step", "plan_auto", "make_schedule", "unpruned_final_check", "unremembered"]
+__all__ = ["plan_step", "plan_auto", "make_schedule", "final_settings", "unpruned_final_check", "unremembered"]
 
 log = logging.getLogger(__name__)
 
@@ -330,24 +330,31 @@ class _Job:
     meta: dict[str, Any] | None
 
 
-def final_candidates(job: _Job) -> list[Candidate]:
-    """``dynamic``'s alternatives: each of ``FINAL_METHODS`` at the ``FINAL_CHECK`` budgets the fast estimate
-    ranks best, then every other registered method under the step's own settings (its default sizes), so that
-    ``dynamic`` is never predicted slower than a method that fits (issue 39)."""
-    spec = job.spec
+def final_settings(lengths: np.ndarray, spec: PlanSpec, kind: ScheduleKind,
+                   models: Models[MemoryModelLike]) -> dict[str, PlanSpec]:
+    """The settings of ``dynamic``'s alternatives for the step ``lengths`` under ``spec`` (``kind``: its kind's record),
+    by name: each of ``FINAL_METHODS`` at the ``FINAL_CHECK`` budgets the fast estimate ranks best and their
+    neighbours (``balanced/2``), then every other registered method under the step's own settings (its default
+    sizes; a budget method's is divisor 1, named so), so that ``dynamic`` is never predicted slower than a method
+    that fits (issue 39). ``studies/scaling/final.py`` plans the same list on the study's path."""
     try:
-        ctx = PackContext.from_spec(spec, job.models.memory, job.kind)
-        divisors = budget_divisors(job.lengths, ctx, job.models.cost,
-                                   round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK,
+        ctx = PackContext.from_spec(spec, models.memory, kind)
+        divisors = budget_divisors(lengths, ctx, models.cost, round_to=spec.round_to, dp=spec.dp, keep=FINAL_CHECK,
                                    neighbours=True)
     except ValueError:
         divisors = []
     settings = {f"{m}/{d}": spec.with_(method=m, mbs=d) for m, d in itertools.product(FINAL_METHODS, divisors)}
-    for m in METHODS:                     # a budget method's own settings: divisor 1 (named so, as the budgets)
+    for m in METHODS:
         name = f"{m}/1" if get_method(m).mbs == "budget divisor" else m
         if m != spec.method and name not in settings:
             settings[name] = spec.with_(method=m, mbs=None)
-    return [_staged(name, job, s) for name, s in settings.items()]
+    return settings
+
+
+def final_candidates(job: _Job) -> list[Candidate]:
+    """``dynamic``'s alternatives (``final_settings``), each packed, ordered, scheduled and simulated whole."""
+    return [_staged(name, job, s)
+            for name, s in final_settings(job.lengths, job.spec, job.kind, job.models).items()]
 
 
 def _staged(name: str, job: _Job, spec: PlanSpec) -> Candidate[Planned]:
