@@ -174,21 +174,33 @@ def _microbatches(flat: Flat, ids: np.ndarray, L: np.ndarray) -> list[Microbatch
     return out
 
 
+MERGE_BLOCK = 256
+"""Rows of the pair table ``_merge_cheapest`` builds at once (its memory: this many times the microbatches)."""
+
+
 def _merge_cheapest(groups: list[Group], ctx: PackContext, dp: int) -> list[Group]:
     """Merge the admissible pair of microbatches with the fewest padded tokens (used when no
-    microbatch can be split further and their number does not divide by ``dp``)."""
-    plen = np.array([g.padded_len for g in groups])
-    rows = np.array([g.batch for g in groups])
-    bm = ctx.bmax(plen)
-    i, j = np.triu_indices(len(groups), 1)
-    ok = rows[i] + rows[j] <= np.minimum(bm[i], bm[j])
-    if not np.any(ok) or len(groups) <= dp:
+    microbatch can be split further and their number does not divide by ``dp``). Ties: the first pair
+    (i, j), i < j, in row-major order. The pair table is built ``MERGE_BLOCK`` rows at a time (thousands of
+    single-document microbatches made the whole table gigabytes)."""
+    plen = np.array([g.padded_len for g in groups], dtype=np.float64)
+    rows = np.array([g.batch for g in groups], dtype=np.int64)
+    bm = ctx.bmax(plen.astype(np.int64))
+    n, best, pair = len(groups), np.inf, (-1, -1)
+    col = np.arange(n)
+    for r0 in range(0, n if n > dp else 0, MERGE_BLOCK):
+        i = np.arange(r0, min(r0 + MERGE_BLOCK, n))[:, None]
+        together = rows[i] + rows[None, :]
+        ok = (col[None, :] > i) & (together <= np.minimum(bm[i], bm[None, :]))
+        cost = np.where(ok, np.maximum(plen[i], plen[None, :]) * together, np.inf)
+        k = int(np.argmin(cost))
+        if cost.flat[k] < best:
+            best, pair = float(cost.flat[k]), (int(r0 + k // n), int(k % n))
+    if not np.isfinite(best):
         raise PackingError(f"cannot give {dp} data-parallel replicas the same number of microbatches: "
-                           f"{len(groups)} microbatches of single sequences that cannot be merged under the limit")
-    cost = np.where(ok, np.maximum(plen[i], plen[j]) * (rows[i] + rows[j]), np.inf)
-    k = int(np.argmin(cost))
-    merged = merge_groups(groups[i[k]], groups[j[k]])
-    return [g for q, g in enumerate(groups) if q not in (i[k], j[k])] + [merged]
+                           f"{n} microbatches of single sequences that cannot be merged under the limit")
+    merged = merge_groups(groups[pair[0]], groups[pair[1]])
+    return [g for q, g in enumerate(groups) if q not in pair] + [merged]
 
 
 def _balance_replicas(flat: Flat, ctx: PackContext, dp: int) -> Flat:
