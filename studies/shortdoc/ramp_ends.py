@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 from studies.scaling import scaling
@@ -186,21 +185,13 @@ HEADER = ("| trace | model | P | limit | embedding | variant | mb | step s | gap
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--traces", default="sharegpt", help="trace names")
-    ap.add_argument("--models", default="llama2-7b", help="model presets")
-    ap.add_argument("--stages", default="16", help="pipeline depths P")
-    ap.add_argument("--limits", default="24GiB", help="memory limits per GPU")
-    ap.add_argument("--embedding", choices=("first", "last"), default="first", help="shortdoc's --embedding")
-    ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per variant)")
+    shortdoc.add_cell_flags(ap, "sharegpt", "llama2-7b", "first", "JSON lines of the rows (appended per variant)")
     args = ap.parse_args(argv)
     print(HEADER, flush=True)
-    for trace in args.traces.split(","):
-        for limit in args.limits.split(","):
-            for model in args.models.split(","):
-                for P in map(int, args.stages.split(",")):
-                    for row in cell(trace, model, P, limit, args.embedding):
-                        append_row(asdict(row), args.out)
-                        print(markdown(row), flush=True)
+    for trace, model, P, limit in shortdoc.cell_grid(args):
+        for row in cell(trace, model, P, limit, args.embedding):
+            append_row(asdict(row), args.out)
+            print(markdown(row), flush=True)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 from studies.scaling import scaling
@@ -111,21 +110,13 @@ HEADER = ("| trace | model | P | limit | embedding | kind, mb | step s | gap | s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default="gsm8k", help="trace names")
-    ap.add_argument("--models", default="llama2-7b,llama3.1-8b", help="model presets")
-    ap.add_argument("--stages", default="16", help="pipeline depths P")
-    ap.add_argument("--limits", default="24GiB", help="memory limits per GPU")
-    ap.add_argument("--embedding", choices=("first", "last"), default="last", help="shortdoc's --embedding")
-    ap.add_argument("--out", type=Path, default=None, help="JSON lines of the rows (appended per cell)")
+    shortdoc.add_cell_flags(ap, "gsm8k", "llama2-7b,llama3.1-8b", "last", "JSON lines of the rows (appended per cell)")
     args = ap.parse_args(argv)
     print(HEADER, flush=True)
-    for trace in args.traces.split(","):
-        for limit in args.limits.split(","):
-            for model in args.models.split(","):
-                for P in map(int, args.stages.split(",")):
-                    row = cell(trace, model, P, limit, args.embedding)
-                    append_row(asdict(row), args.out)
-                    print(markdown(row), flush=True)
+    for trace, model, P, limit in shortdoc.cell_grid(args):
+        row = cell(trace, model, P, limit, args.embedding)
+        append_row(asdict(row), args.out)
+        print(markdown(row), flush=True)
     return 0
 
 

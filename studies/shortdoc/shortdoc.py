@@ -60,6 +60,22 @@ SWEPT = ("token-budget", "balanced", "fixed")
 """The other methods swept (module doc)."""
 
 
+def add_cell_flags(ap: argparse.ArgumentParser, traces: str, models: str, embedding: str, out_help: str) -> None:
+    """The grid flags of the one-cell scripts beside this one (``schedule_gap``, ``ramp_ends``)."""
+    ap.add_argument("--traces", default=traces, help="trace names")
+    ap.add_argument("--models", default=models, help="model presets")
+    ap.add_argument("--stages", default="16", help="pipeline depths P")
+    ap.add_argument("--limits", default="24GiB", help="memory limits per GPU")
+    ap.add_argument("--embedding", choices=("first", "last"), default=embedding, help="shortdoc's --embedding")
+    ap.add_argument("--out", type=Path, default=None, help=out_help)
+
+
+def cell_grid(args: argparse.Namespace) -> list[tuple[str, str, int, str]]:
+    """(trace, model, P, limit) of ``add_cell_flags``' flags, traces outermost, then limits, models, P."""
+    return [(trace, model, P, limit) for trace in args.traces.split(",") for limit in args.limits.split(",")
+            for model in args.models.split(",") for P in map(int, args.stages.split(","))]
+
+
 def short_traces() -> list[str]:
     """The shipped traces whose longest record is at most ``SHORT_LONGEST`` tokens."""
     return [n for n in data.list_traces() if int(data.load_trace(n).max()) <= SHORT_LONGEST]
