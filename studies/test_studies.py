@@ -180,8 +180,8 @@ def test_scaling_dynamic_rows_get_the_planners_final_check_against_balanced(tmp_
     dyn, bal = df.loc["dynamic"], df.loc["balanced-best"]
     assert dyn["pred_step_s"] <= bal["pred_step_s"] * (1 + 1e-12) < dyn["own_step_s"]
     assert str(dyn["grouping"]).startswith("balanced/") and dyn["base_method"] == "dynamic"
-    d = int(str(dyn["grouping"]).split("/")[1])
-    assert str(d) in str(dyn["final_divisors"]).split()                # one of the budgets the estimate ranks best
+    weighed = dict(a.split(":") for a in str(dyn["final_alternatives"]).split())   # every alternative the check planned
+    assert float(weighed[dyn["grouping"]].removesuffix("(over)")) == pytest.approx(dyn["pred_step_s"], rel=1e-5)
     assert dyn["final_check_s"] > 0
     assert dyn["plan_s"] == pytest.approx(dyn["pack_s"] + dyn["reorder_s"] + dyn["sched_s"] + dyn["final_check_s"])
     assert dyn["pred_peak_over_limit"] <= 1
