@@ -33,7 +33,7 @@ The choice is fixed for the run (its states live in one place).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,7 +44,7 @@ from dynmb.core.types import Plan, Schedule
 from dynmb.costmodel.loader import Models
 from dynmb.memory.model import MemoryModelLike
 from dynmb.planning.planner import plan_step
-from dynmb.planning.split_search import SplitSearch, batch_scores
+from dynmb.planning.split_search import SplitSearch, batch_scores, sample_runs
 from dynmb.planning.split_work import workload_lengths
 from dynmb.schedule.kinds import AUTO, get_kind, is_schedule_name
 from dynmb.timing.simulate import SimResult
@@ -169,26 +169,12 @@ def choose_embedding(lengths: Any, placements: Sequence[Placement],
     return choice, placements[best], won
 
 
-def _runs(batches: Sequence[np.ndarray], placement: Placement) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(simulated steps, real tokens), one each per sample batch, planned at ``dp = 1`` under ``placement``; inf
-    steps and 0 tokens when it cannot plan one (as ``SplitSearch.layout_runs``)."""
-    spec = placement.spec.with_(dp=1)
-    steps, tokens = [], []
-    for batch in batches:
-        outcome = _planned(batch, replace(placement, spec=spec), None)
-        if isinstance(outcome, ValueError):
-            return (float("inf"),) * len(batches), (0.0,) * len(batches)
-        steps.append(float(outcome[2].makespan_s))
-        tokens.append(float(outcome[0].real_tokens))
-    return tuple(steps), tuple(tokens)
-
-
 def choose_on_samples(workload: Workload, placements: Sequence[Placement]) -> tuple[EmbeddingChoice, Placement]:
     """The workload's sample batches planned under each of ``placements`` (``first`` then ``last``); the smaller
     mean simulated step per real token wins (module doc, step 3): the choice (said) and the winning placement."""
     places = _check_places(placements)
     batches = workload.sample_batches(placements[0].spec, placements[0].model_cfg)
-    runs = [_runs(batches, p) for p in placements]
+    runs = [sample_runs(batches, p.spec.with_(dp=1), p.model_cfg, p.models) for p in placements]
     scores = [float(np.mean(row)) for row in batch_scores(runs)]
     best = 1 if scores[1] < scores[0] else 0
     steps = [float(np.mean(r[0])) if np.isfinite(s) else None for r, s in zip(runs, scores)]

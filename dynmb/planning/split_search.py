@@ -72,7 +72,7 @@ from dynmb.planning.split_units import CHUNK, HALF, LAYER, as_layers, fine_grid
 from dynmb.planning.split_work import layout_cost_model, workload_lengths
 from dynmb.planning.stage_split import StageCost, balanced_split, min_max_split, with_split
 
-__all__ = ["SplitSearch", "SplitChoice", "Pick", "pick_layout", "batch_scores", "near_optimal_splits",
+__all__ = ["SplitSearch", "SplitChoice", "Pick", "pick_layout", "batch_scores", "sample_runs", "near_optimal_splits",
            "ENUMERATE_LIMIT", "MIN_GAIN", "NOISE_SE"]
 
 logger = logging.getLogger(__name__)
@@ -335,15 +335,7 @@ class SplitSearch:
         priced = cm.for_layout(cm.model_cfg.with_layout_of(layout), num_stages)
         spec = self.spec.with_(method="dynamic", dp=1, mbs=None)
         models = Models(priced, get_memory_model(None, layout, num_stages))   # plan_step applies spec's views
-        steps, tokens = [], []
-        for batch in batches:
-            try:
-                plan, _, _ = plan_step(batch, spec, model_cfg=layout, models=models)
-            except ValueError:                          # PackingError: this split cannot take the batch
-                return (float("inf"),) * len(batches), (0.0,) * len(batches)
-            steps.append(float(plan.predictions["pred_step_s"]))
-            tokens.append(float(plan.real_tokens))
-        return tuple(steps), tuple(tokens)
+        return sample_runs(batches, spec, layout, models)
 
     def scores(self, layouts: list[ModelConfig], num_stages: int, *, workload: Any, cost_model: Any) -> list[float] | None:
         """Mean simulated step per real token of each layout on the sample batches (scaled to the first's
@@ -378,6 +370,21 @@ class SplitSearch:
                            steps_s=tuple(m[0] for m in means), tokens=tuple(m[1] for m in means),
                            scores_s=tuple(float(np.mean(row)) for row in per_batch), near_optimal=near,
                            cpu_s=time.process_time() - t0, batch_scores=tuple(map(tuple, per_batch)), rule=pick.rule)
+
+
+def sample_runs(batches: list[np.ndarray], spec: PlanSpec, layout: ModelConfig,
+                models: Models) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(simulated steps, real tokens), one each per batch, planned under ``spec`` (``dp`` 1: one replica's share),
+    ``layout`` and ``models``; inf steps and 0 tokens when a batch cannot be planned (the layout searches' runs)."""
+    steps, tokens = [], []
+    for batch in batches:
+        try:
+            plan, _, _ = plan_step(batch, spec, model_cfg=layout, models=models)
+        except ValueError:                          # PackingError: this layout cannot take the batch
+            return (float("inf"),) * len(batches), (0.0,) * len(batches)
+        steps.append(float(plan.predictions["pred_step_s"]))
+        tokens.append(float(plan.real_tokens))
+    return tuple(steps), tuple(tokens)
 
 
 def _means(run: tuple[tuple[float, ...], tuple[float, ...]]) -> tuple[float, float]:
